@@ -1,0 +1,512 @@
+/*
+** kiln — tensors, autograd and device-agnostic ops, in C.
+**
+** A complete small program (README.md shows it too, and a test builds it):
+**
+**   #include <kiln.h>
+**   #include <stdio.h>
+**
+**   int main(void) {
+**     kiln_device dev = kiln_device_best();          // cuda:0 when a GPU works, else cpu
+**     kiln_scope_begin();                            // owns every tensor made below
+**     kiln_tensor *w = kiln_randn(KILN_SHAPE(3, 2), KILN_F32, dev, NULL);
+**     kiln_requires_grad_(w, true);
+**     kiln_tensor *x = kiln_ones(KILN_SHAPE(4, 3), KILN_F32, dev);
+**     kiln_tensor *loss = kiln_mean_all(kiln_relu(kiln_matmul(x, w)));
+**     if (kiln_backward(loss, NULL) != KILN_OK) {    // NULL anywhere above lands here
+**       fprintf(stderr, "%s\n", kiln_last_error_message());
+**       return 1;
+**     }
+**     printf("loss %.4f\n", kiln_item(loss));
+**     kiln_print(kiln_grad(w));
+**     kiln_scope_end();                              // frees x, w, loss and the graph
+**     return 0;
+**   }
+**
+** Rules (DESIGN.md):
+** - Errors are values. A function that makes a tensor returns NULL on failure and sets
+**   the thread-local last error (kiln_last_error(), kiln_last_error_message()). Any op
+**   given a NULL input returns NULL without touching the last error, so a whole step can
+**   be checked once at its end. Functions returning kiln_status return KILN_OK or a code.
+** - Lifetime. Every tensor returned to you is a new reference. If a scope is open on this
+**   thread, the innermost scope owns that reference and releases it at kiln_scope_end();
+**   kiln_keep() takes it out of the scope so that you own it (release with
+**   kiln_tensor_free()). With no scope open, you own it. Freeing NULL is a no-op.
+** - Synchronization is explicit: ops queue work; only kiln_item(), kiln_to_host(),
+**   kiln_print() and kiln_device_synchronize() wait for the device.
+*/
+#ifndef KILN_H
+#define KILN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KILN_VERSION "0.1.0"
+#define KILN_VERSION_NUMBER 1000 /* major*1000000 + minor*1000 + patch */
+
+#if defined(_WIN32) && defined(KILN_SHARED_BUILD)
+#define KILN_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define KILN_API __attribute__((visibility("default")))
+#else
+#define KILN_API
+#endif
+
+#define KILN_MAX_DIMS 8
+
+/* --------------------------------------------------------------------------------------
+** Errors. One table makes the enum, kiln_error_name() and kiln_error_string().
+*/
+#define KILN_ERRNO_MAP(X)                                                                 \
+  X(OK, "success")                                                                        \
+  X(INVALID_ARGUMENT, "invalid argument")                                                 \
+  X(SHAPE, "shape mismatch or invalid shape")                                             \
+  X(DTYPE, "unsupported or mismatched dtype")                                             \
+  X(DEVICE, "tensors on different devices, or no such device")                            \
+  X(OOM, "out of memory")                                                                 \
+  X(IO, "input/output error")                                                             \
+  X(FORMAT, "corrupt or unsupported file format")                                         \
+  X(INDEX, "index out of range")                                                          \
+  X(UNSUPPORTED, "operation not supported on this device (fallback policy is error)")     \
+  X(UNAVAILABLE, "backend not built or not available")                                    \
+  X(STATE, "API misuse: call not valid in this state")                                    \
+  X(AUTOGRAD, "autograd error")                                                           \
+  X(INTERNAL, "internal error")
+
+typedef enum kiln_status {
+#define KILN__ERR_ENUM(name, msg) KILN_ERR_##name,
+  KILN_ERRNO_MAP(KILN__ERR_ENUM)
+#undef KILN__ERR_ENUM
+  KILN_ERR__COUNT
+} kiln_status;
+#define KILN_OK KILN_ERR_OK
+
+/* "KILN_ERR_SHAPE" for a code; "unknown" outside the table. Static strings. */
+KILN_API const char *kiln_error_name(kiln_status code);
+/* A one-line description of the code ("shape mismatch or invalid shape"). Static. */
+KILN_API const char *kiln_error_string(kiln_status code);
+/* This thread's last error code (KILN_OK after kiln_clear_error()). */
+KILN_API kiln_status kiln_last_error(void);
+/* This thread's last error message, naming the op and the shapes; "" when none.
+** Valid until the next failing kiln call on this thread. */
+KILN_API const char *kiln_last_error_message(void);
+KILN_API void kiln_clear_error(void);
+/* Sets the last error (for layers built on kiln: nn, data, user code). Returns code. */
+KILN_API kiln_status kiln_set_error(kiln_status code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Broken internal invariants (bugs) call this hook; default prints and aborts.
+** Replace it to log or longjmp in an embedding program. */
+typedef void (*kiln_abort_hook)(const char *file, int line, const char *msg);
+KILN_API kiln_abort_hook kiln_set_abort_hook(kiln_abort_hook hook);
+
+/* Library version at run time; equals KILN_VERSION of the header it was built with. */
+KILN_API const char *kiln_version(void);
+/* A short description of the build options ("cuda=on blas=openblas openmp=on ..."). */
+KILN_API const char *kiln_build_info(void);
+
+/* --------------------------------------------------------------------------------------
+** Dtypes.
+*/
+typedef enum kiln_dtype {
+  KILN_F32 = 0,
+  KILN_F64,
+  KILN_F16,
+  KILN_BF16,
+  KILN_I64,
+  KILN_I32,
+  KILN_U8,
+  KILN_BOOL,
+  KILN_DTYPE__COUNT
+} kiln_dtype;
+
+KILN_API const char *kiln_dtype_name(kiln_dtype dt); /* "float32", ...; "?" if invalid */
+KILN_API size_t kiln_dtype_size(kiln_dtype dt);      /* bytes per element; 0 if invalid */
+KILN_API bool kiln_dtype_is_float(kiln_dtype dt);    /* f32 f64 f16 bf16 */
+/* The dtype of a binary op's result, PyTorch's promotion rules (no 0-dim special case). */
+KILN_API kiln_dtype kiln_dtype_promote(kiln_dtype a, kiln_dtype b);
+/* Scalar conversions for the 16-bit floats (round to nearest even). */
+KILN_API uint16_t kiln_f32_to_f16(float f);
+KILN_API float kiln_f16_to_f32(uint16_t h);
+KILN_API uint16_t kiln_f32_to_bf16(float f);
+KILN_API float kiln_bf16_to_f32(uint16_t b);
+
+/* --------------------------------------------------------------------------------------
+** Devices.
+*/
+typedef enum kiln_device_type { KILN_DEVICE_CPU = 0, KILN_DEVICE_CUDA = 1 } kiln_device_type;
+typedef struct kiln_device {
+  kiln_device_type type;
+  int index;
+} kiln_device;
+
+KILN_API kiln_device kiln_device_cpu(void);
+KILN_API kiln_device kiln_device_cuda(int index);
+/* KILN_DEVICE from the environment if set and valid, else cuda:0 when CUDA is built and
+** a device works, else cpu. */
+KILN_API kiln_device kiln_device_best(void);
+/* Parses "cpu", "cuda", "cuda:N". KILN_ERR_DEVICE (with a message) on anything else or a
+** device that does not exist. */
+KILN_API kiln_status kiln_device_parse(const char *s, kiln_device *out);
+/* "cpu" or "cuda:N" into buf (at least 16 bytes); returns buf. */
+KILN_API const char *kiln_device_str(kiln_device dev, char *buf, size_t n);
+KILN_API bool kiln_device_equal(kiln_device a, kiln_device b);
+/* Number of devices of a type that work now (cpu: 1; cuda: 0 when unavailable). */
+KILN_API int kiln_device_count(kiln_device_type type);
+/* Waits for all queued work on dev. */
+KILN_API kiln_status kiln_device_synchronize(kiln_device dev);
+/* Whether the backend was compiled in, and whether it works now; when not, *why (static
+** or thread-local string) says why. */
+KILN_API bool kiln_backend_built(kiln_device_type type);
+KILN_API bool kiln_backend_available(kiln_device_type type, const char **why);
+
+/* Threads of the CPU backend (KILN_NUM_THREADS, else the number of cores). */
+KILN_API int kiln_num_threads(void);
+KILN_API void kiln_set_num_threads(int n);
+
+/* --------------------------------------------------------------------------------------
+** Tensors: an opaque, refcounted view (storage + offset + shape + strides + dtype).
+*/
+typedef struct kiln_tensor kiln_tensor;
+
+/* KILN_SHAPE(2, 3) expands to the two arguments `2, (const int64_t[]){2, 3}`. */
+#define KILN__NARGS(...) ((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+#define KILN_SHAPE(...) KILN__NARGS(__VA_ARGS__), ((const int64_t[]){__VA_ARGS__})
+#define KILN_SHAPE0 0, ((const int64_t *)0) /* a 0-dim (scalar) tensor */
+/* KILN_DIMS(0, 2) expands to `2, (const int[]){0, 2}` for reductions and permute. */
+#define KILN_DIMS(...)                                                                    \
+  ((int)(sizeof((int[]){__VA_ARGS__}) / sizeof(int))), ((const int[]){__VA_ARGS__})
+
+/* Lifetime. */
+KILN_API kiln_tensor *kiln_tensor_ref(kiln_tensor *t); /* +1 reference, returns t */
+KILN_API void kiln_tensor_free(kiln_tensor *t);        /* -1 reference; NULL is a no-op */
+/* Takes t out of the scope that owns it: the caller then owns that reference. Returns t.
+** A tensor that no scope owns is returned unchanged. */
+KILN_API kiln_tensor *kiln_keep(kiln_tensor *t);
+
+/* Scopes (thread-local stack). kiln_scope_end() releases every reference the innermost
+** scope holds; it returns KILN_ERR_STATE if no scope is open. */
+KILN_API void kiln_scope_begin(void);
+KILN_API kiln_status kiln_scope_end(void);
+KILN_API int kiln_scope_depth(void);
+/* Live tensor handles in this process (for leak tests). */
+KILN_API int64_t kiln_live_tensors(void);
+
+/* Accessors (t must not be NULL, except where noted). */
+KILN_API int kiln_ndim(const kiln_tensor *t);
+KILN_API int64_t kiln_size(const kiln_tensor *t, int dim); /* negative dim counts back */
+KILN_API const int64_t *kiln_shape(const kiln_tensor *t);
+KILN_API const int64_t *kiln_strides(const kiln_tensor *t); /* in elements */
+KILN_API int64_t kiln_numel(const kiln_tensor *t);
+KILN_API kiln_dtype kiln_dtype_of(const kiln_tensor *t);
+KILN_API kiln_device kiln_device_of(const kiln_tensor *t);
+KILN_API bool kiln_is_contiguous(const kiln_tensor *t);
+KILN_API size_t kiln_nbytes(const kiln_tensor *t); /* numel * element size */
+/* "[2, 3]" into buf; returns buf. NULL t gives "(null)". */
+KILN_API const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n);
+
+/* Creation. shape may be NULL when ndim is 0. gen may be NULL: the global generator. */
+typedef struct kiln_generator kiln_generator;
+KILN_API kiln_tensor *kiln_empty(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev);
+KILN_API kiln_tensor *kiln_zeros(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev);
+KILN_API kiln_tensor *kiln_ones(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev);
+KILN_API kiln_tensor *kiln_full(int ndim, const int64_t *shape, double value, kiln_dtype dt,
+                                kiln_device dev);
+KILN_API kiln_tensor *kiln_scalar(double value, kiln_dtype dt, kiln_device dev); /* 0-dim */
+KILN_API kiln_tensor *kiln_zeros_like(const kiln_tensor *t);
+KILN_API kiln_tensor *kiln_ones_like(const kiln_tensor *t);
+KILN_API kiln_tensor *kiln_full_like(const kiln_tensor *t, double value);
+/* [start, end) by step (1-d). Errors on step 0 or a count over 2^40. */
+KILN_API kiln_tensor *kiln_arange(double start, double end, double step, kiln_dtype dt,
+                                  kiln_device dev);
+KILN_API kiln_tensor *kiln_linspace(double start, double end, int64_t steps, kiln_dtype dt,
+                                    kiln_device dev);
+KILN_API kiln_tensor *kiln_eye(int64_t n, int64_t m, kiln_dtype dt, kiln_device dev);
+/* Uniform [0, 1), standard normal, integers in [low, high). Counter-based: the same
+** generator state gives the same values for any thread count and device. */
+KILN_API kiln_tensor *kiln_rand(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev,
+                                kiln_generator *gen);
+KILN_API kiln_tensor *kiln_randn(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev,
+                                 kiln_generator *gen);
+KILN_API kiln_tensor *kiln_randint(int64_t low, int64_t high, int ndim, const int64_t *shape,
+                                   kiln_dtype dt, kiln_device dev, kiln_generator *gen);
+/* uniform in [low, high) / normal(mean, std) into an existing tensor (no autograd). */
+KILN_API kiln_status kiln_uniform_(kiln_tensor *t, double low, double high, kiln_generator *gen);
+KILN_API kiln_status kiln_normal_(kiln_tensor *t, double mean, double std, kiln_generator *gen);
+/* A random permutation of 0..n-1 (i64, on the CPU), from the generator. */
+KILN_API kiln_tensor *kiln_randperm(int64_t n, kiln_generator *gen);
+/* Copies numel elements of dtype dt from host memory (C order). */
+KILN_API kiln_tensor *kiln_from_data(const void *data, int ndim, const int64_t *shape,
+                                     kiln_dtype dt, kiln_device dev);
+
+/* Reading values (these wait for the device). */
+/* Copies t (any strides) to host memory in C order, as t's dtype. nbytes must be at
+** least kiln_nbytes(t). */
+KILN_API kiln_status kiln_to_host(const kiln_tensor *t, void *dst, size_t nbytes);
+/* The value of a one-element tensor as double; NAN and KILN_ERR_SHAPE otherwise. */
+KILN_API double kiln_item(const kiln_tensor *t);
+/* Element at a multi-index, as double (slow; for tests and printing). */
+KILN_API double kiln_get(const kiln_tensor *t, const int64_t *index);
+/* The bytes of a contiguous CPU tensor (NULL otherwise, with KILN_ERR_DEVICE). */
+KILN_API void *kiln_data_ptr(kiln_tensor *t);
+
+/* Printing, PyTorch-like: tensor([[1.0000, 2.0000]], dtype=..., device=...). */
+KILN_API kiln_status kiln_print(const kiln_tensor *t);
+KILN_API kiln_status kiln_fprint(FILE *f, const kiln_tensor *t);
+/* The same text into buf; returns the length it needs (snprintf-like), -1 on error. */
+KILN_API int kiln_snprint(char *buf, size_t n, const kiln_tensor *t);
+
+/* Conversion and movement (new tensors; the same tensor, +1 ref, when nothing changes). */
+KILN_API kiln_tensor *kiln_to_dtype(kiln_tensor *t, kiln_dtype dt);
+KILN_API kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev);
+KILN_API kiln_tensor *kiln_contiguous(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_clone(kiln_tensor *t);
+
+/* --------------------------------------------------------------------------------------
+** Views: no copy; they share storage. Negative dims count from the end.
+*/
+/* reshape that never copies: KILN_ERR_SHAPE when strides do not allow it. One -1 infers. */
+KILN_API kiln_tensor *kiln_view(kiln_tensor *t, int ndim, const int64_t *shape);
+/* view when possible, else a contiguous copy. */
+KILN_API kiln_tensor *kiln_reshape(kiln_tensor *t, int ndim, const int64_t *shape);
+KILN_API kiln_tensor *kiln_flatten(kiln_tensor *t, int start_dim, int end_dim);
+KILN_API kiln_tensor *kiln_permute(kiln_tensor *t, int ndim, const int *dims);
+KILN_API kiln_tensor *kiln_transpose(kiln_tensor *t, int dim0, int dim1);
+/* Elements [start, start+length) of dim. */
+KILN_API kiln_tensor *kiln_narrow(kiln_tensor *t, int dim, int64_t start, int64_t length);
+/* Python-style t[start:end:step] on one dim (negative start/end count back; clamps). */
+KILN_API kiln_tensor *kiln_slice(kiln_tensor *t, int dim, int64_t start, int64_t end,
+                                 int64_t step);
+/* t[index] on dim: removes that dim. */
+KILN_API kiln_tensor *kiln_select(kiln_tensor *t, int dim, int64_t index);
+/* Broadcasts size-1 dims (and new leading dims) to shape; -1 keeps a size. */
+KILN_API kiln_tensor *kiln_expand(kiln_tensor *t, int ndim, const int64_t *shape);
+KILN_API kiln_tensor *kiln_squeeze(kiln_tensor *t, int dim); /* dim must have size 1 */
+KILN_API kiln_tensor *kiln_squeeze_all(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_unsqueeze(kiln_tensor *t, int dim);
+/* Splits t along dim into pieces of split_size (the last may be smaller). Writes up to
+** max_out views into out; returns their number, or -1 on error. */
+KILN_API int kiln_split(kiln_tensor *t, int64_t split_size, int dim, kiln_tensor **out,
+                        int max_out);
+
+/* --------------------------------------------------------------------------------------
+** Ops. Each returns a new tensor (owned by the current scope) and records autograd when
+** an input requires grad and grad mode is on. Binary ops broadcast and promote dtypes.
+** Floating ops take f32, f64, f16, bf16 (16-bit floats computed in f32); arithmetic and
+** comparisons also take the integer dtypes.
+*/
+KILN_API kiln_tensor *kiln_add(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_sub(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_mul(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_div(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_pow(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_maximum(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_minimum(kiln_tensor *a, kiln_tensor *b);
+/* With a scalar (result keeps a's dtype). */
+KILN_API kiln_tensor *kiln_add_scalar(kiln_tensor *a, double s);
+KILN_API kiln_tensor *kiln_mul_scalar(kiln_tensor *a, double s);
+KILN_API kiln_tensor *kiln_pow_scalar(kiln_tensor *a, double exponent);
+/* a + alpha * b */
+KILN_API kiln_tensor *kiln_axpy(kiln_tensor *a, double alpha, kiln_tensor *b);
+
+KILN_API kiln_tensor *kiln_neg(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_exp(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_log(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_sqrt(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_rsqrt(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_abs(kiln_tensor *t);
+/* Clamp to [lo, hi]; pass -INFINITY / INFINITY for no bound. */
+KILN_API kiln_tensor *kiln_clamp(kiln_tensor *t, double lo, double hi);
+
+/* Activations. */
+KILN_API kiln_tensor *kiln_relu(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_leaky_relu(kiln_tensor *t, double negative_slope);
+KILN_API kiln_tensor *kiln_gelu(kiln_tensor *t);      /* exact, with erf */
+KILN_API kiln_tensor *kiln_gelu_tanh(kiln_tensor *t); /* tanh approximation */
+KILN_API kiln_tensor *kiln_silu(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_sigmoid(kiln_tensor *t);
+KILN_API kiln_tensor *kiln_tanh(kiln_tensor *t);
+/* log(1 + exp(beta x)) / beta, linear above threshold (PyTorch: beta 1, threshold 20). */
+KILN_API kiln_tensor *kiln_softplus(kiln_tensor *t, double beta, double threshold);
+
+/* Comparisons (bool results, no gradient) and selection. */
+KILN_API kiln_tensor *kiln_eq(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_ne(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_lt(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_le(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_gt(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_ge(kiln_tensor *a, kiln_tensor *b);
+KILN_API kiln_tensor *kiln_gt_scalar(kiln_tensor *a, double s);
+KILN_API kiln_tensor *kiln_lt_scalar(kiln_tensor *a, double s);
+KILN_API kiln_tensor *kiln_eq_scalar(kiln_tensor *a, double s);
+/* cond ? a : b, broadcasting all three; cond is bool (or any dtype: nonzero is true). */
+KILN_API kiln_tensor *kiln_where(kiln_tensor *cond, kiln_tensor *a, kiln_tensor *b);
+
+/* Reductions over a set of dims (ndims 0 with dims NULL: all dims). */
+KILN_API kiln_tensor *kiln_sum(kiln_tensor *t, int ndims, const int *dims, bool keepdim);
+KILN_API kiln_tensor *kiln_mean(kiln_tensor *t, int ndims, const int *dims, bool keepdim);
+KILN_API kiln_tensor *kiln_amax(kiln_tensor *t, int ndims, const int *dims, bool keepdim);
+KILN_API kiln_tensor *kiln_amin(kiln_tensor *t, int ndims, const int *dims, bool keepdim);
+/* correction 1 is the unbiased estimate (PyTorch's default), 0 the population one. */
+KILN_API kiln_tensor *kiln_var(kiln_tensor *t, int ndims, const int *dims, int correction,
+                               bool keepdim);
+KILN_API kiln_tensor *kiln_std(kiln_tensor *t, int ndims, const int *dims, int correction,
+                               bool keepdim);
+KILN_API kiln_tensor *kiln_sum_all(kiln_tensor *t);  /* 0-dim */
+KILN_API kiln_tensor *kiln_mean_all(kiln_tensor *t); /* 0-dim */
+/* max/min along one dim; *indices (may be NULL) gets the i64 positions (first on ties). */
+KILN_API kiln_tensor *kiln_max_dim(kiln_tensor *t, int dim, bool keepdim, kiln_tensor **indices);
+KILN_API kiln_tensor *kiln_min_dim(kiln_tensor *t, int dim, bool keepdim, kiln_tensor **indices);
+KILN_API kiln_tensor *kiln_argmax(kiln_tensor *t, int dim, bool keepdim); /* i64 */
+KILN_API kiln_tensor *kiln_argmin(kiln_tensor *t, int dim, bool keepdim); /* i64 */
+
+KILN_API kiln_tensor *kiln_softmax(kiln_tensor *t, int dim);
+KILN_API kiln_tensor *kiln_log_softmax(kiln_tensor *t, int dim);
+
+/* Matrix products. matmul follows torch.matmul: 1-d operands are promoted and the
+** result squeezed; batch dims broadcast. Exact f32 by default (see kiln_set_matmul_tf32). */
+KILN_API kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b);
+/* x (..., in) @ weight(out, in)^T + bias(out); bias may be NULL. Bias is fused. */
+KILN_API kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias);
+/* Allows TF32 tensor cores for f32 matmul on devices that have them (default off). */
+KILN_API void kiln_set_matmul_tf32(bool allow);
+KILN_API bool kiln_matmul_tf32(void);
+
+/* Joining and indexing. */
+KILN_API kiln_tensor *kiln_cat(int n, kiln_tensor *const *ts, int dim);
+KILN_API kiln_tensor *kiln_stack(int n, kiln_tensor *const *ts, int dim);
+/* index is 1-d i64 or i32; KILN_ERR_INDEX on an out-of-range entry. */
+KILN_API kiln_tensor *kiln_index_select(kiln_tensor *t, int dim, kiln_tensor *index);
+/* out[i][j] = t[i][index[i][j]] (dim 1), index i64/i32 with t's ndim. */
+KILN_API kiln_tensor *kiln_gather(kiln_tensor *t, int dim, kiln_tensor *index);
+/* A copy of t with src added at index along dim: out[i][index[i][j]] += src[i][j]. */
+KILN_API kiln_tensor *kiln_scatter_add(kiln_tensor *t, int dim, kiln_tensor *index,
+                                       kiln_tensor *src);
+/* weight (num, dim) rows picked by integer ids (any shape): (..., dim). */
+KILN_API kiln_tensor *kiln_embedding(kiln_tensor *weight, kiln_tensor *ids);
+
+/* Dropout with probability p (scaled by 1/(1-p)); identity when !train or p == 0. */
+KILN_API kiln_tensor *kiln_dropout(kiln_tensor *t, double p, bool train, kiln_generator *gen);
+
+/* Losses. */
+typedef enum kiln_reduction {
+  KILN_REDUCTION_MEAN = 0,
+  KILN_REDUCTION_SUM,
+  KILN_REDUCTION_NONE
+} kiln_reduction;
+/* logits (N, C) or (N, C, d...) and class indices (N) / (N, d...) in [0, C) (i64/i32).
+** Mean is over targets that are not ignore_index (PyTorch's rule). label_smoothing in
+** [0, 1]. Use ignore_index -100 for PyTorch's default. */
+KILN_API kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target,
+                                         kiln_reduction red, int64_t ignore_index,
+                                         double label_smoothing);
+KILN_API kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kiln_reduction red);
+
+/* In-place updates, for optimizers and initialisers: never recorded by autograd and
+** refused (KILN_ERR_AUTOGRAD) on a tensor that requires grad while grad mode is on. */
+KILN_API kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src); /* broadcasts, casts */
+KILN_API kiln_status kiln_fill_(kiln_tensor *t, double value);
+KILN_API kiln_status kiln_zero_(kiln_tensor *t);
+KILN_API kiln_status kiln_mul_scalar_(kiln_tensor *t, double s);
+KILN_API kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x); /* t += a*x */
+
+/* --------------------------------------------------------------------------------------
+** Autograd.
+*/
+KILN_API kiln_status kiln_requires_grad_(kiln_tensor *t, bool on); /* leaves only */
+KILN_API bool kiln_requires_grad(const kiln_tensor *t);
+KILN_API bool kiln_is_leaf(const kiln_tensor *t);
+/* The accumulated gradient of t, or NULL. Borrowed: t owns it (do not free). */
+KILN_API kiln_tensor *kiln_grad(const kiln_tensor *t);
+/* Sets (or with NULL clears) t's gradient; t takes its own reference to g. */
+KILN_API kiln_status kiln_set_grad(kiln_tensor *t, kiln_tensor *g);
+/* Keep the gradient of a non-leaf tensor during backward (torch's retain_grad). */
+KILN_API kiln_status kiln_retain_grad(kiln_tensor *t);
+/* Backpropagates from root. grad may be NULL only when root has one element. Adds into
+** the .grad of every leaf that requires grad (and of retained non-leaves). The graph is
+** kept: backward may be called again (gradients add up). */
+KILN_API kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad);
+/* d(outputs)/d(inputs) without touching any .grad: writes n_inputs new tensors into
+** grads_out (NULL where an input does not reach the outputs). grad_outputs may be NULL
+** for one-element outputs. */
+KILN_API kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
+                                        kiln_tensor *const *grad_outputs, int n_inputs,
+                                        kiln_tensor *const *inputs, kiln_tensor **grads_out);
+/* A tensor sharing t's data, cut from the graph. */
+KILN_API kiln_tensor *kiln_detach(kiln_tensor *t);
+/* Grad mode (thread-local, default on). Returns the previous value. */
+KILN_API bool kiln_set_grad_enabled(bool on);
+KILN_API bool kiln_grad_enabled(void);
+/* The name of the op that made t ("mul", "matmul", ...), or NULL for a leaf. */
+KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
+
+/* --------------------------------------------------------------------------------------
+** RNG: Philox 4x32-10, counter-based. A generator is a (seed, offset) pair; each op
+** that draws n values advances the offset by a fixed amount derived from n.
+*/
+KILN_API kiln_generator *kiln_generator_new(uint64_t seed);
+KILN_API void kiln_generator_free(kiln_generator *g);
+KILN_API void kiln_generator_seed(kiln_generator *g, uint64_t seed); /* resets offset */
+KILN_API kiln_generator *kiln_generator_global(void);
+KILN_API void kiln_manual_seed(uint64_t seed); /* the global generator */
+/* State for checkpoints: the seed and the offset, restored exactly. */
+KILN_API void kiln_generator_get_state(const kiln_generator *g, uint64_t *seed, uint64_t *offset);
+KILN_API void kiln_generator_set_state(kiln_generator *g, uint64_t seed, uint64_t offset);
+/* One uniform double in [0,1) / one integer in [0, n) from the generator (host only). */
+KILN_API double kiln_generator_uniform(kiln_generator *g);
+KILN_API uint64_t kiln_generator_below(kiln_generator *g, uint64_t n);
+/* The raw Philox4x32-10 block for (key, counter), for tests and other backends. */
+KILN_API void kiln_philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_lo,
+                              uint32_t out[4]);
+
+/* --------------------------------------------------------------------------------------
+** CPU fallback and device memory.
+*/
+typedef enum kiln_fallback_policy {
+  KILN_FALLBACK_WARN = 0, /* run on the CPU, warn once per op kind (default) */
+  KILN_FALLBACK_ERROR,    /* KILN_ERR_UNSUPPORTED naming the op and device */
+  KILN_FALLBACK_SILENT    /* run on the CPU, say nothing */
+} kiln_fallback_policy;
+/* The policy starts from KILN_FALLBACK=warn|error|silent. */
+KILN_API void kiln_set_fallback_policy(kiln_fallback_policy p);
+KILN_API kiln_fallback_policy kiln_fallback_policy_get(void);
+/* Per op kind that fell back: name, count, seconds. Returns the number of kinds; writes
+** at most max entries. */
+typedef struct kiln_fallback_entry {
+  const char *op;
+  const char *device;
+  int64_t count;
+  double seconds;
+} kiln_fallback_entry;
+KILN_API int kiln_fallback_stats(kiln_fallback_entry *out, int max);
+/* Prints the table (nothing when no op fell back). */
+KILN_API void kiln_fallback_report(FILE *f);
+KILN_API void kiln_fallback_reset(void);
+
+typedef struct kiln_memory_stats {
+  int64_t allocated;       /* bytes in live tensors' storage */
+  int64_t reserved;        /* bytes held from the device (allocated + cached) */
+  int64_t peak_allocated;  /* high-water mark of allocated */
+  int64_t num_allocs;      /* allocations served */
+  int64_t num_device_allocs; /* calls into the device allocator (cudaMalloc) */
+  int64_t num_ooms;
+  int64_t limit;           /* 0: none */
+} kiln_memory_stats;
+KILN_API kiln_status kiln_memory_stats_get(kiln_device dev, kiln_memory_stats *out);
+KILN_API kiln_status kiln_memory_empty_cache(kiln_device dev);
+/* Caps reserved bytes on dev (0 removes the cap); allocations past it fail with OOM. */
+KILN_API kiln_status kiln_memory_set_limit(kiln_device dev, int64_t bytes);
+KILN_API void kiln_memory_reset_peak(kiln_device dev);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_H */

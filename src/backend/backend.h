@@ -1,0 +1,206 @@
+/*
+** The backend seam: what the op layer asks of a device, in plain data.
+**
+** A backend is a vtable: memory (alloc, free, copies, memset, synchronize) and a kernel
+** table indexed by kiln__kop. Every kernel has the one signature
+**     kiln_status kernel(const kiln__kargs *a);
+** and receives views (pointer to the first element, dtype, shape, strides in elements) and
+** scalars — never tensors, autograd nodes or scopes — so a backend can be read and tested
+** alone, and the CPU fallback can run any kernel of any backend the same way.
+**
+** Conventions for every kernel:
+** - Inputs are in a->in[0..n_in), outputs in a->out[0..n_out). Unless the op says
+**   otherwise, inputs have already been broadcast to the output's shape (stride 0 on the
+**   broadcast dims) by the op layer, so in[i].ndim == out[0].ndim and shapes agree.
+** - Views may be non-contiguous and may have stride 0; outputs never overlap inputs
+**   except where an op says "accumulates into out".
+** - 16-bit floats are computed in f32 inside the kernel; f64 in f64.
+** - A kernel returns KILN_OK, or sets the last error (kiln_set_error) and returns a code.
+**   It never aborts on bad data (an out-of-range index is KILN_ERR_INDEX).
+** - Kernels queue work on the backend's current stream; they do not synchronize.
+*/
+#ifndef KILN_BACKEND_H
+#define KILN_BACKEND_H
+
+#include "kiln.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln__view {
+  void *data; /* address of element [0, 0, ...] of the view */
+  kiln_dtype dtype;
+  int ndim;
+  int64_t shape[KILN_MAX_DIMS];
+  int64_t strides[KILN_MAX_DIMS]; /* elements, may be 0 */
+} kiln__view;
+
+/* The kernel ops. Ordered by family; new ones go at the end of their family's block only
+** before a release — after that, at the end (KILN__K_COUNT moves). Each line: inputs ->
+** outputs, and the scalars used. */
+#define KILN__KOP_MAP(X)                                                                  \
+  /* memory-ish */                                                                        \
+  X(COPY, "copy")                 /* in0 -> out0, any dtypes (casts) */                   \
+  X(FILL, "fill")                 /* -> out0 = s0 */                                      \
+  X(ARANGE, "arange")             /* -> out0 (1-d) = s0 + k*s1 */                         \
+  X(EYE, "eye")                   /* -> out0 (2-d) = (i==j) */                            \
+  /* random, Philox4x32-10 keyed by a->seed; element k (C order of out0) uses block */    \
+  /* counter a->offset + k/4, lane k%4 (see src/core/rng.c for the exact mapping) */      \
+  X(RAND_UNIFORM, "rand")         /* -> out0 = s0 + (s1-s0)*u */                          \
+  X(RAND_NORMAL, "randn")         /* -> out0 = s0 + s1*n */                               \
+  X(RAND_INT, "randint")          /* -> out0 = i0 + floor(u*(i1-i0)) */                   \
+  X(RAND_BERNOULLI, "bernoulli")  /* -> out0 = (u < s0) ? s1 : 0  (dropout mask) */       \
+  /* unary: in0 -> out0 (same dtype unless noted) */                                      \
+  X(NEG, "neg")                                                                           \
+  X(EXP, "exp")                                                                           \
+  X(LOG, "log")                                                                           \
+  X(SQRT, "sqrt")                                                                         \
+  X(RSQRT, "rsqrt")                                                                       \
+  X(ABS, "abs")                                                                           \
+  X(SIGN, "sign")                                                                         \
+  X(RELU, "relu")                                                                         \
+  X(LEAKY_RELU, "leaky_relu")     /* s0 = negative slope */                               \
+  X(GELU, "gelu")                                                                         \
+  X(GELU_TANH, "gelu_tanh")                                                               \
+  X(SILU, "silu")                                                                         \
+  X(SIGMOID, "sigmoid")                                                                   \
+  X(TANH, "tanh")                                                                         \
+  X(SOFTPLUS, "softplus")         /* s0 = beta, s1 = threshold */                         \
+  X(CLAMP, "clamp")               /* s0 = lo, s1 = hi (+-inf for none) */                 \
+  X(POW_SCALAR, "pow_scalar")     /* s0 = exponent */                                     \
+  X(AFFINE, "affine")             /* out0 = in0*s0 + s1 */                                \
+  /* unary backward: in0 = forward input x (or output y where noted), in1 = grad out */   \
+  X(RELU_BACKWARD, "relu_backward")           /* x */                                     \
+  X(LEAKY_RELU_BACKWARD, "leaky_relu_backward") /* x, s0 slope */                         \
+  X(GELU_BACKWARD, "gelu_backward")           /* x */                                     \
+  X(GELU_TANH_BACKWARD, "gelu_tanh_backward") /* x */                                     \
+  X(SILU_BACKWARD, "silu_backward")           /* x */                                     \
+  X(SIGMOID_BACKWARD, "sigmoid_backward")     /* y */                                     \
+  X(TANH_BACKWARD, "tanh_backward")           /* y */                                     \
+  X(SOFTPLUS_BACKWARD, "softplus_backward")   /* x, s0 beta, s1 threshold */              \
+  X(CLAMP_BACKWARD, "clamp_backward")         /* x, s0 lo, s1 hi: g where lo<=x<=hi */    \
+  /* binary: in0, in1 -> out0 (out dtype is the promoted one; comparisons give bool) */   \
+  X(ADD, "add")                   /* out0 = in0 + s0*in1  (s0 = alpha, 1 for add) */      \
+  X(SUB, "sub")                                                                           \
+  X(MUL, "mul")                                                                           \
+  X(DIV, "div")                   /* integer dtypes: truncating */                        \
+  X(POW, "pow")                                                                           \
+  X(MAXIMUM, "maximum")           /* NaN propagates */                                    \
+  X(MINIMUM, "minimum")                                                                   \
+  X(EQ, "eq")                                                                             \
+  X(NE, "ne")                                                                             \
+  X(LT, "lt")                                                                             \
+  X(LE, "le")                                                                             \
+  X(GT, "gt")                                                                             \
+  X(GE, "ge")                                                                             \
+  X(WHERE, "where")               /* in0 cond (any dtype, nonzero = true), in1, in2 */    \
+  /* reductions: in0 (full shape) -> out0 with the same ndim, reduced dims of size 1. */  \
+  /* The reduced dims are exactly those where out0.shape is 1 and in0.shape is not, */    \
+  /* plus any listed in the bit mask i0 (so size-1 dims may be named too). */             \
+  X(SUM, "sum")                   /* accumulates in f64 for f64, else f32 (i64 ints) */   \
+  X(PROD, "prod")                                                                         \
+  X(AMAX, "amax")                                                                         \
+  X(AMIN, "amin")                                                                         \
+  X(MAX_DIM, "max_dim")           /* one dim i1; out0 values, out1 i64 indices */         \
+  X(MIN_DIM, "min_dim")                                                                   \
+  /* along one dim i0, in0 -> out0 same shape */                                          \
+  X(SOFTMAX, "softmax")                                                                   \
+  X(LOG_SOFTMAX, "log_softmax")                                                           \
+  X(SOFTMAX_BACKWARD, "softmax_backward")         /* in0 y, in1 grad: y*(g - sum(g*y)) */ \
+  X(LOG_SOFTMAX_BACKWARD, "log_softmax_backward") /* in0 y, in1 grad: g - exp(y)*sum(g)*/ \
+  /* matrix product, not broadcast by the op layer beyond the batch dims: */              \
+  /* in0 A (B..., M, K), in1 B (B..., K, N), out0 (B..., M, N); all three have the same */ \
+  /* ndim >= 2 with batch dims already expanded (stride 0 allowed). Optional in2 bias */  \
+  /* (N) when n_in == 3. out0 = s0 * A@B + s1 * out0 + bias (s1 == 0: out0 not read). */ \
+  /* i0 = 1 allows TF32 (or another reduced-precision f32 path). */                       \
+  X(MATMUL, "matmul")                                                                     \
+  /* indexing; index views are i64 or i32; i0 = dim */                                    \
+  X(INDEX_SELECT, "index_select") /* in0 src, in1 index (1-d) -> out0 */                  \
+  X(INDEX_ADD, "index_add")       /* in0 src, in1 index (1-d); accumulates into out0: */  \
+                                  /* out0.select(dim, index[k]) += src.select(dim, k) */  \
+  X(GATHER, "gather")             /* in0 src, in1 index (out shape) -> out0 */            \
+  X(SCATTER_ADD, "scatter_add")   /* in0 src, in1 index (src shape); accumulates into */  \
+                                  /* out0[..index..] += src */                            \
+  /* fused loss: in0 logits (N, C), in1 target (N) -> out0 loss (N) f32/f64, out1 lse */  \
+  /* (N) (logsumexp, saved for backward); i0 ignore_index; s0 label smoothing. Rows */    \
+  /* whose target is ignore_index give 0. Out-of-range targets: KILN_ERR_INDEX. */        \
+  X(CROSS_ENTROPY, "cross_entropy")                                                       \
+  /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
+  X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")
+
+typedef enum kiln__kop {
+#define KILN__KOP_ENUM(name, str) KILN__K_##name,
+  KILN__KOP_MAP(KILN__KOP_ENUM)
+#undef KILN__KOP_ENUM
+  KILN__K_COUNT
+} kiln__kop;
+
+const char *kiln__kop_name(kiln__kop op);
+
+#define KILN__MAX_KIN 4
+#define KILN__MAX_KOUT 2
+
+typedef struct kiln__kargs {
+  kiln__kop op;
+  int device; /* device index within the backend */
+  int n_in, n_out;
+  kiln__view in[KILN__MAX_KIN];
+  kiln__view out[KILN__MAX_KOUT];
+  double s[4];  /* scalar parameters, per op */
+  int64_t i[4]; /* integer parameters, per op */
+  uint64_t seed, offset; /* RNG ops */
+} kiln__kargs;
+
+typedef kiln_status (*kiln__kernel_fn)(const kiln__kargs *a);
+
+typedef struct kiln__backend {
+  const char *name;           /* "cpu", "cuda" */
+  kiln_device_type type;
+  bool host_visible;          /* device memory is addressable by the CPU */
+
+  /* Availability. probe() is called once; it returns KILN_OK when the backend works and
+  ** otherwise sets *why to a static or heap string that says why not. */
+  kiln_status (*probe)(const char **why);
+  int (*device_count)(void);
+
+  /* Memory. alloc returns NULL and sets KILN_ERR_OOM (with the numbers) on failure. */
+  void *(*alloc)(int device, size_t nbytes);
+  void (*free)(int device, void *ptr, size_t nbytes);
+  kiln_status (*copy_to_host)(int device, void *dst, const void *src, size_t nbytes);
+  kiln_status (*copy_from_host)(int device, void *dst, const void *src, size_t nbytes);
+  kiln_status (*copy_device)(int device, void *dst, const void *src, size_t nbytes);
+  kiln_status (*memset_zero)(int device, void *ptr, size_t nbytes);
+  kiln_status (*synchronize)(int device);
+  kiln_status (*memory_stats)(int device, kiln_memory_stats *out);
+  kiln_status (*empty_cache)(int device);
+  kiln_status (*set_memory_limit)(int device, int64_t bytes);
+  void (*reset_peak)(int device);
+
+  /* Kernels: NULL means "not implemented here" (the op layer falls back to the CPU). */
+  kiln__kernel_fn kernels[KILN__K_COUNT];
+  /* Optional finer check: whether kernels[op] handles these arguments (e.g. dtypes).
+  ** NULL means every dtype the op layer allows. */
+  bool (*supports)(const kiln__kargs *a);
+} kiln__backend;
+
+/* The registered backends (NULL when not built). */
+const kiln__backend *kiln__backend_get(kiln_device_type type);
+extern const kiln__backend kiln__cpu_backend;
+#ifdef KILN_HAVE_CUDA
+extern const kiln__backend kiln__cuda_backend;
+#endif
+
+/* Helpers every backend may use (src/backend/view.c). */
+int64_t kiln__view_numel(const kiln__view *v);
+bool kiln__view_is_contiguous(const kiln__view *v);
+/* Merges adjacent dims that are contiguous with each other in every view given, and
+** drops size-1 dims, so that iteration has the fewest dims. All views must have the same
+** shape. Modifies the views in place; returns the new ndim (>= 1 unless numel is 0... it
+** returns 1 with shape [0] in that case). */
+int kiln__views_coalesce(kiln__view *views, int n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_BACKEND_H */

@@ -1,0 +1,161 @@
+/*
+** Internals shared by the core, ops and autograd layers. Not API: nothing here is
+** exported; names are kiln__ (STYLE.md rule 1).
+*/
+#ifndef KILN_INT_H
+#define KILN_INT_H
+
+#include "kiln.h"
+#include "../backend/backend.h"
+
+#include <stdatomic.h>
+
+#define KILN__UNUSED(x) ((void)(x))
+
+/* Broken invariant: a bug in kiln, never bad input. Goes through the abort hook. */
+void kiln__abort(const char *file, int line, const char *msg);
+#define KILN__ASSERT(cond)                                                                \
+  do {                                                                                    \
+    if (!(cond)) kiln__abort(__FILE__, __LINE__, "assertion failed: " #cond);             \
+  } while (0)
+
+/* Error helper that returns NULL, for tensor-returning functions. */
+#define KILN__FAIL_NULL(code, ...)                                                        \
+  do {                                                                                    \
+    kiln_set_error((code), __VA_ARGS__);                                                  \
+    return NULL;                                                                          \
+  } while (0)
+
+/* ---- storage: a refcounted block of memory on one device ---- */
+typedef struct kiln__storage {
+  atomic_int refcount;
+  kiln_device device;
+  const kiln__backend *backend;
+  void *data;
+  size_t nbytes;
+  bool borrowed; /* memory not ours (kiln_from_blob-style); never freed */
+} kiln__storage;
+
+kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes); /* NULL + error on OOM */
+void kiln__storage_retain(kiln__storage *s);
+void kiln__storage_release(kiln__storage *s);
+
+/* ---- autograd node ---- */
+struct kiln__node;
+/* Computes the gradients of the node's inputs from the gradient of its output.
+** grad_in[i] must be set to a new reference or NULL (no gradient / input does not need
+** it); the engine owns what it receives. Returns KILN_OK or an error code. */
+typedef kiln_status (*kiln__backward_fn)(struct kiln__node *n, kiln_tensor *grad_out,
+                                         kiln_tensor **grad_in);
+
+#define KILN__NODE_MAX_IN 4
+#define KILN__NODE_MAX_SAVED 4
+
+typedef struct kiln__edge {
+  struct kiln__node *node; /* the input's grad_fn (ref held), or NULL */
+  kiln_tensor *leaf;       /* the input itself when it is a leaf needing grad (ref held) */
+} kiln__edge;
+
+typedef struct kiln__node {
+  atomic_int refcount;
+  const char *name;
+  kiln__backward_fn backward;
+  int n_in;
+  kiln__edge next[KILN__NODE_MAX_IN];
+  bool needs[KILN__NODE_MAX_IN]; /* which inputs need a gradient */
+  /* input metadata the rules often need (shape for un-broadcasting, dtype, device) */
+  int in_ndim[KILN__NODE_MAX_IN];
+  int64_t in_shape[KILN__NODE_MAX_IN][KILN_MAX_DIMS];
+  kiln_dtype in_dtype[KILN__NODE_MAX_IN];
+  /* output metadata */
+  int out_ndim;
+  int64_t out_shape[KILN_MAX_DIMS];
+  kiln_dtype out_dtype;
+  kiln_device out_device;
+  kiln_tensor *saved[KILN__NODE_MAX_SAVED]; /* refs held; released with the node */
+  double s[4];
+  int64_t i[KILN_MAX_DIMS + 4];
+  /* the output tensor when it retains its grad (weak: cleared when that tensor dies) */
+  kiln_tensor *retain_out;
+  /* engine scratch */
+  int deps;
+  kiln_tensor *grad_acc;
+  int visit_mark;
+} kiln__node;
+
+void kiln__node_release(kiln__node *n);
+
+/* ---- tensor ---- */
+struct kiln_tensor {
+  atomic_int refcount;
+  kiln__storage *storage;
+  int64_t offset; /* elements */
+  int ndim;
+  int64_t shape[KILN_MAX_DIMS];
+  int64_t strides[KILN_MAX_DIMS];
+  kiln_dtype dtype;
+  bool requires_grad;
+  bool retains_grad;
+  kiln_tensor *grad; /* ref held */
+  kiln__node *grad_fn; /* ref held */
+  int scope_refs; /* how many references scopes hold on this handle */
+};
+
+/* Makes a handle over s (takes a new reference on s). ndim/shape/strides copied;
+** strides NULL means contiguous. Registers with the current scope. */
+kiln_tensor *kiln__tensor_make(kiln__storage *s, int64_t offset, int ndim, const int64_t *shape,
+                               const int64_t *strides, kiln_dtype dt);
+/* A fresh contiguous tensor on dev (registered with the scope). */
+kiln_tensor *kiln__tensor_new(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev);
+/* Registers a new reference with the innermost scope, if any. Returns t. */
+kiln_tensor *kiln__scope_track(kiln_tensor *t);
+void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+int64_t kiln__shape_numel(int ndim, const int64_t *shape);
+/* Bounds-checked shape validation: each dim >= 0, ndim <= 8, numel*elsize fits. */
+kiln_status kiln__check_shape(const char *op, int ndim, const int64_t *shape, kiln_dtype dt);
+/* Normalises a possibly-negative dim; sets KILN_ERR_INVALID_ARGUMENT and returns -1 when
+** out of range. */
+int kiln__wrap_dim(const char *op, int dim, int ndim);
+/* The kernel view of a tensor. */
+kiln__view kiln__view_of(const kiln_tensor *t);
+/* t's view broadcast to (ndim, shape) with stride 0 on broadcast dims (caller checked). */
+kiln__view kiln__view_broadcast(const kiln_tensor *t, int ndim, const int64_t *shape);
+/* Shape text for messages: "[2, 3]". Uses one of 8 rotating thread-local buffers. */
+const char *kiln__shape_cstr(int ndim, const int64_t *shape);
+const char *kiln__tshape(const kiln_tensor *t);
+const char *kiln__device_cstr(kiln_device dev);
+
+/* ---- dispatch (src/ops/dispatch.c) ---- */
+/* Runs kernel a->op on the device dev, falling back to the CPU under the policy when the
+** backend lacks it. The views in a must point into memory of dev. */
+kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
+/* Checks that all non-NULL tensors are on one device; sets KILN_ERR_DEVICE naming op. */
+kiln_status kiln__same_device(const char *op, int n, kiln_tensor *const *ts);
+
+/* ---- rng (src/core/rng.c) ---- */
+/* Reserves the counters n values need and returns the (seed, offset) to hand a kernel. */
+void kiln__generator_reserve(kiln_generator *g, int64_t n, uint64_t *seed, uint64_t *offset);
+/* The exact per-element mapping every backend implements. */
+float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k);  /* [0,1) */
+double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k);
+float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k);
+double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
+
+/* ---- autograd (src/autograd/) ---- */
+/* True when grad mode is on and any of the tensors requires grad. */
+bool kiln__needs_grad(int n, kiln_tensor *const *ts);
+/* Makes a node for out with inputs ins (NULL entries allowed), sets out->grad_fn and
+** out->requires_grad. Saved tensors / scalars are filled by the caller after. Returns the
+** node (owned by out) or NULL on OOM. */
+kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward_fn fn, int n_in,
+                              kiln_tensor *const *ins);
+/* Saves t in slot k of n (takes a reference; t may be NULL). */
+void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
+/* Reduces a broadcast gradient g back to the input shape (sum over broadcast dims). */
+kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape);
+
+/* ---- misc ---- */
+double kiln__now(void); /* monotonic seconds */
+const char *kiln__getenv(const char *name); /* NULL when unset or empty */
+
+#endif /* KILN_INT_H */

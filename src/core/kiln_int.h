@@ -75,8 +75,9 @@ typedef struct kiln__node {
   kiln_tensor *saved[KILN__NODE_MAX_SAVED]; /* refs held; released with the node */
   double s[4];
   int64_t i[KILN_MAX_DIMS + 4];
-  /* the output tensor when it retains its grad (weak: cleared when that tensor dies) */
-  kiln_tensor *retain_out;
+  /* the output tensor (weak: cleared when that handle dies); used for retain_grad and
+  ** kiln__node_save_output */
+  kiln_tensor *out_weak;
   /* engine scratch */
   int deps;
   kiln_tensor *grad_acc;
@@ -107,6 +108,9 @@ kiln_tensor *kiln__tensor_make(kiln__storage *s, int64_t offset, int ndim, const
                                const int64_t *strides, kiln_dtype dt);
 /* A fresh contiguous tensor on dev (registered with the scope). */
 kiln_tensor *kiln__tensor_new(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev);
+/* Releases t now whether or not a scope owns it (error paths after creating an output:
+** kiln_tensor_free(kiln_keep(t))). NULL is a no-op. */
+void kiln__discard(kiln_tensor *t);
 /* Registers a new reference with the innermost scope, if any. Returns t. */
 kiln_tensor *kiln__scope_track(kiln_tensor *t);
 void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
@@ -151,6 +155,9 @@ kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward
                               kiln_tensor *const *ins);
 /* Saves t in slot k of n (takes a reference; t may be NULL). */
 void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
+/* Saves the node's own output in slot k without a reference cycle: stores a detached
+** alias sharing the output's storage. Call right after kiln__node_attach. */
+void kiln__node_save_output(kiln__node *n, int k);
 /* Reduces a broadcast gradient g back to the input shape (sum over broadcast dims). */
 kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape);
 

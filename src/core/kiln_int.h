@@ -111,6 +111,9 @@ kiln_tensor *kiln__tensor_new(int ndim, const int64_t *shape, kiln_dtype dt, kil
 /* Releases t now whether or not a scope owns it (error paths after creating an output:
 ** kiln_tensor_free(kiln_keep(t))). NULL is a no-op. */
 void kiln__discard(kiln_tensor *t);
+/* A new handle on t's storage with t's shape and strides, no autograd history; tracked by
+** the current scope when track is true. */
+kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track);
 /* Registers a new reference with the innermost scope, if any. Returns t. */
 kiln_tensor *kiln__scope_track(kiln_tensor *t);
 void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
@@ -133,6 +136,13 @@ const char *kiln__device_cstr(kiln_device dev);
 /* Runs kernel a->op on the device dev, falling back to the CPU under the policy when the
 ** backend lacks it. The views in a must point into memory of dev. */
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
+/* Test hook: make dispatch treat kernel op of backend type as missing (fallback tests). */
+void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
+/* Copies t into a new contiguous tensor of dtype dt on dev, recording autograd as `name`
+** (clone, to_dtype, to_device). */
+kiln_tensor *kiln__copy_as(kiln_tensor *t, kiln_dtype dt, kiln_device dev, const char *name);
+/* One element at p as double. */
+double kiln__load_double(const void *p, kiln_dtype dt);
 /* Checks that all non-NULL tensors are on one device; sets KILN_ERR_DEVICE naming op. */
 kiln_status kiln__same_device(const char *op, int n, kiln_tensor *const *ts);
 
@@ -160,6 +170,10 @@ void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
 void kiln__node_save_output(kiln__node *n, int k);
 /* Reduces a broadcast gradient g back to the input shape (sum over broadcast dims). */
 kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape);
+
+/* ---- devices (src/core/device.c) ---- */
+/* KILN_OK when dev exists and its backend works; else sets an error naming `what`. */
+kiln_status kiln__check_device(kiln_device dev, const char *what);
 
 /* ---- misc ---- */
 double kiln__now(void); /* monotonic seconds */

@@ -1,0 +1,398 @@
+/*
+** Autograd: define-by-run. An op whose inputs need grad attaches a node to its output;
+** backward walks the nodes reachable from the root in topological order (Kahn), calling
+** each node's rule with the gradient of its output and routing the results to the nodes
+** of its inputs or, for leaves, into their .grad.
+**
+** Saved tensors are detached aliases (same storage, no grad_fn), so a node never owns a
+** graph through what it saved: no reference cycles, and freeing a long chain needs no
+** recursion through saved tensors.
+*/
+#include "core/kiln_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static _Thread_local bool grad_disabled; /* default: grad mode on */
+
+bool kiln_set_grad_enabled(bool on) {
+  bool prev = !grad_disabled;
+  grad_disabled = !on;
+  return prev;
+}
+
+bool kiln_grad_enabled(void) { return !grad_disabled; }
+
+bool kiln__needs_grad(int n, kiln_tensor *const *ts) {
+  if (grad_disabled) return false;
+  for (int i = 0; i < n; i++)
+    if (ts[i] && ts[i]->requires_grad) return true;
+  return false;
+}
+
+/* ---- nodes ---- */
+kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward_fn fn, int n_in,
+                              kiln_tensor *const *ins) {
+  KILN__ASSERT(n_in >= 0 && n_in <= KILN__NODE_MAX_IN);
+  kiln__node *n = calloc(1, sizeof *n);
+  if (!n) {
+    kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory for an autograd node (%s)", name);
+    return NULL;
+  }
+  atomic_init(&n->refcount, 1);
+  n->name = name;
+  n->backward = fn;
+  n->n_in = n_in;
+  for (int i = 0; i < n_in; i++) {
+    kiln_tensor *t = ins[i];
+    if (!t) continue;
+    n->in_ndim[i] = t->ndim;
+    memcpy(n->in_shape[i], t->shape, sizeof n->in_shape[i]);
+    n->in_dtype[i] = t->dtype;
+    n->needs[i] = t->requires_grad;
+    if (!t->requires_grad) continue;
+    if (t->grad_fn) {
+      atomic_fetch_add_explicit(&t->grad_fn->refcount, 1, memory_order_relaxed);
+      n->next[i].node = t->grad_fn;
+    } else {
+      n->next[i].leaf = kiln_tensor_ref(t);
+    }
+  }
+  n->out_ndim = out->ndim;
+  memcpy(n->out_shape, out->shape, sizeof n->out_shape);
+  n->out_dtype = out->dtype;
+  n->out_device = kiln_device_of(out);
+  n->out_weak = out;
+  if (out->grad_fn) kiln__node_release(out->grad_fn);
+  out->grad_fn = n;
+  out->requires_grad = true;
+  return n;
+}
+
+void kiln__node_save(kiln__node *n, int k, kiln_tensor *t) {
+  KILN__ASSERT(k >= 0 && k < KILN__NODE_MAX_SAVED);
+  kiln_tensor_free(n->saved[k]);
+  n->saved[k] = t ? kiln__tensor_alias(t, false) : NULL;
+}
+
+void kiln__node_save_output(kiln__node *n, int k) {
+  KILN__ASSERT(n->out_weak != NULL);
+  kiln__node_save(n, k, n->out_weak);
+}
+
+void kiln__node_release(kiln__node *root) {
+  /* Iterative: a chain of a million nodes must not overflow the C stack. */
+  kiln__node *local[64];
+  kiln__node **stack = local;
+  int top = 0, cap = 64;
+  stack[top++] = root;
+  while (top > 0) {
+    kiln__node *n = stack[--top];
+    if (!n) continue;
+    if (atomic_fetch_sub_explicit(&n->refcount, 1, memory_order_acq_rel) != 1) continue;
+    for (int i = 0; i < n->n_in; i++) {
+      kiln_tensor_free(n->next[i].leaf);
+      if (!n->next[i].node) continue;
+      if (top == cap) {
+        int ncap = cap * 2;
+        kiln__node **ns = malloc((size_t)ncap * sizeof *ns);
+        if (!ns) kiln__abort(__FILE__, __LINE__, "out of host memory while freeing a graph");
+        memcpy(ns, stack, (size_t)top * sizeof *ns);
+        if (stack != local) free(stack);
+        stack = ns;
+        cap = ncap;
+      }
+      stack[top++] = n->next[i].node;
+    }
+    for (int k = 0; k < KILN__NODE_MAX_SAVED; k++) kiln_tensor_free(n->saved[k]);
+    kiln_tensor_free(n->grad_acc);
+    if (n->out_weak && n->out_weak->grad_fn == n) n->out_weak->grad_fn = NULL;
+    free(n);
+  }
+  if (stack != local) free(stack);
+}
+
+/* ---- tensor-level autograd API ---- */
+kiln_status kiln_requires_grad_(kiln_tensor *t, bool on) {
+  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_requires_grad_: NULL tensor");
+  if (t->grad_fn)
+    return kiln_set_error(KILN_ERR_AUTOGRAD,
+                          "kiln_requires_grad_: only leaf tensors can be set; this one was made by "
+                          "'%s' (use kiln_detach first)",
+                          t->grad_fn->name);
+  if (on && !kiln_dtype_is_float(t->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE,
+                          "kiln_requires_grad_: only floating tensors can require grad, got %s",
+                          kiln_dtype_name(t->dtype));
+  t->requires_grad = on;
+  return KILN_OK;
+}
+
+bool kiln_requires_grad(const kiln_tensor *t) { return t && t->requires_grad; }
+bool kiln_is_leaf(const kiln_tensor *t) { return t && t->grad_fn == NULL; }
+kiln_tensor *kiln_grad(const kiln_tensor *t) { return t ? t->grad : NULL; }
+const char *kiln_grad_fn_name(const kiln_tensor *t) {
+  return t && t->grad_fn ? t->grad_fn->name : NULL;
+}
+
+kiln_status kiln_set_grad(kiln_tensor *t, kiln_tensor *g) {
+  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_set_grad: NULL tensor");
+  if (g && (g->ndim != t->ndim || memcmp(g->shape, t->shape, (size_t)t->ndim * sizeof(int64_t)) != 0))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_set_grad: gradient of shape %s for a tensor of shape %s",
+                          kiln__tshape(g), kiln__tshape(t));
+  if (g && !kiln_device_equal(kiln_device_of(g), kiln_device_of(t)))
+    return kiln_set_error(KILN_ERR_DEVICE, "kiln_set_grad: gradient on %s for a tensor on %s",
+                          kiln__device_cstr(kiln_device_of(g)), kiln__device_cstr(kiln_device_of(t)));
+  kiln_tensor *old = t->grad;
+  t->grad = kiln_tensor_ref(g);
+  kiln_tensor_free(old);
+  return KILN_OK;
+}
+
+kiln_status kiln_retain_grad(kiln_tensor *t) {
+  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_retain_grad: NULL tensor");
+  if (!t->requires_grad)
+    return kiln_set_error(KILN_ERR_AUTOGRAD, "kiln_retain_grad: tensor does not require grad");
+  if (t->grad_fn) t->retains_grad = true; /* leaves keep their grad anyway */
+  return KILN_OK;
+}
+
+kiln_tensor *kiln_detach(kiln_tensor *t) {
+  if (!t) return NULL;
+  return kiln__tensor_alias(t, true);
+}
+
+/* ---- unbroadcast ---- */
+kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape) {
+  if (!g) return NULL;
+  int lead = g->ndim - ndim;
+  KILN__ASSERT(lead >= 0);
+  int dims[KILN_MAX_DIMS], nd = 0;
+  for (int i = 0; i < g->ndim; i++) {
+    int j = i - lead;
+    if (j < 0 || (shape[j] == 1 && g->shape[i] != 1)) dims[nd++] = i;
+  }
+  if (nd == 0) return kiln_tensor_ref(g) ? kiln__scope_track(g) : NULL;
+  kiln_tensor *s = kiln_sum(g, nd, dims, true);
+  if (!s) return NULL;
+  return kiln_view(s, ndim, shape);
+}
+
+/* ---- the engine ---- */
+typedef struct nodelist {
+  kiln__node **v;
+  int n, cap;
+} nodelist;
+
+static bool push(nodelist *l, kiln__node *n) {
+  if (l->n == l->cap) {
+    int ncap = l->cap ? l->cap * 2 : 64;
+    kiln__node **nv = realloc(l->v, (size_t)ncap * sizeof *nv);
+    if (!nv) return false;
+    l->v = nv;
+    l->cap = ncap;
+  }
+  l->v[l->n++] = n;
+  return true;
+}
+
+/* Adds g into *slot (which holds its own reference). When the slot is empty it takes g
+** itself if nobody else holds g, else a copy, so that later accumulation never writes
+** into a tensor someone else sees. */
+static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g) {
+  if (!*slot) {
+    if (atomic_load(&g->refcount) == 1) {
+      *slot = kiln_tensor_ref(g);
+    } else {
+      kiln_tensor *c = kiln_clone(g);
+      if (!c) return kiln_last_error();
+      *slot = kiln_tensor_ref(c);
+    }
+    return KILN_OK;
+  }
+  kiln_tensor *s = kiln_add(*slot, g);
+  if (!s) return kiln_last_error();
+  kiln_tensor_free(*slot);
+  *slot = kiln_tensor_ref(s);
+  return KILN_OK;
+}
+
+static int mark_epoch;
+
+typedef struct capture {
+  int n;
+  kiln_tensor *const *inputs;
+  kiln_tensor **grads; /* NULL: normal backward into .grad */
+} capture;
+
+static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
+  for (int i = 0; i < c->n; i++)
+    if (c->inputs[i] == leaf) return i;
+  return -1;
+}
+
+static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *const *grads,
+                          capture *cap) {
+  kiln_status st = KILN_OK;
+  bool prev_mode = kiln_set_grad_enabled(false);
+  kiln_scope_begin();
+  nodelist all = {0}, ready = {0};
+  int epoch = ++mark_epoch;
+  /* Root gradients. */
+  for (int r = 0; r < n_roots && st == KILN_OK; r++) {
+    kiln_tensor *root = roots[r];
+    kiln_tensor *g = grads ? grads[r] : NULL;
+    if (!root->requires_grad) {
+      st = kiln_set_error(KILN_ERR_AUTOGRAD,
+                          "kiln_backward: output %d does not require grad (no input requires grad, "
+                          "or it was computed in no-grad mode)", r);
+      break;
+    }
+    if (!g) {
+      if (kiln_numel(root) != 1) {
+        st = kiln_set_error(KILN_ERR_AUTOGRAD,
+                            "kiln_backward: a gradient can be created implicitly only for "
+                            "one-element outputs; output %d has shape %s",
+                            r, kiln__tshape(root));
+        break;
+      }
+      g = kiln_ones_like(root);
+      if (!g) { st = kiln_last_error(); break; }
+    } else if (g->ndim != root->ndim ||
+               memcmp(g->shape, root->shape, (size_t)root->ndim * sizeof(int64_t)) != 0) {
+      st = kiln_set_error(KILN_ERR_SHAPE, "kiln_backward: gradient of shape %s for output of shape %s",
+                          kiln__tshape(g), kiln__tshape(root));
+      break;
+    } else if (!kiln_device_equal(kiln_device_of(g), kiln_device_of(root))) {
+      st = kiln_set_error(KILN_ERR_DEVICE, "kiln_backward: gradient on %s for output on %s",
+                          kiln__device_cstr(kiln_device_of(g)), kiln__device_cstr(kiln_device_of(root)));
+      break;
+    }
+    if (!root->grad_fn) { /* the root is a leaf */
+      if (cap->grads) {
+        int ci = capture_index_leaf(cap, root);
+        if (ci >= 0) st = accumulate(&cap->grads[ci], g);
+      } else {
+        st = accumulate(&root->grad, g);
+      }
+      continue;
+    }
+    kiln__node *n = root->grad_fn;
+    st = accumulate(&n->grad_acc, g);
+    if (st == KILN_OK && n->visit_mark != epoch) {
+      n->visit_mark = epoch;
+      n->deps = 0;
+      if (!push(&all, n)) st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
+    }
+  }
+  /* Discover the graph and count dependencies. all grows while we scan it. */
+  for (int i = 0; i < all.n && st == KILN_OK; i++) {
+    kiln__node *n = all.v[i];
+    for (int k = 0; k < n->n_in; k++) {
+      kiln__node *m = n->next[k].node;
+      if (!m) continue;
+      if (m->visit_mark != epoch) {
+        m->visit_mark = epoch;
+        m->deps = 0;
+        if (!push(&all, m)) { st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory"); break; }
+      }
+      m->deps++;
+    }
+  }
+  for (int i = 0; i < all.n && st == KILN_OK; i++)
+    if (all.v[i]->deps == 0 && !push(&ready, all.v[i]))
+      st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
+  /* Run. */
+  while (ready.n > 0 && st == KILN_OK) {
+    kiln__node *n = ready.v[--ready.n];
+    kiln_tensor *g = n->grad_acc; /* NULL: reached, but no gradient flowed into it */
+    n->grad_acc = NULL;
+    kiln_scope_begin();
+    if (!g) {
+      /* nothing to compute; the edges below still release their dependencies */
+    } else if (cap->grads) {
+      for (int c = 0; c < cap->n; c++)
+        if (cap->inputs[c]->grad_fn == n && st == KILN_OK) st = accumulate(&cap->grads[c], g);
+    } else if (n->out_weak && n->out_weak->retains_grad) {
+      st = accumulate(&n->out_weak->grad, g);
+    }
+    kiln_tensor *gi[KILN__NODE_MAX_IN] = {0};
+    if (st == KILN_OK && g) {
+      st = n->backward(n, g, gi);
+      if (st != KILN_OK && kiln_last_error() == KILN_OK)
+        kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
+    }
+    for (int k = 0; k < n->n_in; k++) {
+      if (st == KILN_OK && gi[k] && n->needs[k]) {
+        if (n->next[k].leaf) {
+          kiln_tensor *leaf = n->next[k].leaf;
+          if (cap->grads) {
+            int ci = capture_index_leaf(cap, leaf);
+            if (ci >= 0) st = accumulate(&cap->grads[ci], gi[k]);
+          } else {
+            st = accumulate(&leaf->grad, gi[k]);
+          }
+        } else if (n->next[k].node) {
+          st = accumulate(&n->next[k].node->grad_acc, gi[k]);
+        }
+      }
+      kiln_tensor_free(gi[k]);
+      kiln__node *m = n->next[k].node;
+      if (m && --m->deps == 0 && !push(&ready, m))
+        st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
+    }
+    kiln_tensor_free(g);
+    kiln_scope_end();
+  }
+  /* On error, drop partial accumulations so a later backward starts clean. */
+  for (int i = 0; i < all.n; i++) {
+    kiln_tensor_free(all.v[i]->grad_acc);
+    all.v[i]->grad_acc = NULL;
+  }
+  free(all.v);
+  free(ready.v);
+  kiln_scope_end();
+  kiln_set_grad_enabled(prev_mode);
+  return st;
+}
+
+kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) {
+  if (!root) {
+    if (kiln_last_error() == KILN_OK)
+      kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_backward: NULL tensor");
+    return kiln_last_error();
+  }
+  capture cap = {0, NULL, NULL};
+  kiln_tensor *gs[1] = {grad};
+  return engine(1, &root, grad ? gs : NULL, &cap);
+}
+
+kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
+                               kiln_tensor *const *grad_outputs, int n_inputs,
+                               kiln_tensor *const *inputs, kiln_tensor **grads_out) {
+  if (n_outputs <= 0 || !outputs || n_inputs <= 0 || !inputs || !grads_out)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_autograd_grad: empty or NULL arguments");
+  for (int i = 0; i < n_outputs; i++)
+    if (!outputs[i]) {
+      if (kiln_last_error() == KILN_OK)
+        kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_autograd_grad: output %d is NULL", i);
+      return kiln_last_error();
+    }
+  for (int i = 0; i < n_inputs; i++) {
+    if (!inputs[i]) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_autograd_grad: input %d is NULL", i);
+    if (!inputs[i]->requires_grad)
+      return kiln_set_error(KILN_ERR_AUTOGRAD, "kiln_autograd_grad: input %d does not require grad", i);
+    grads_out[i] = NULL;
+  }
+  capture cap = {n_inputs, inputs, grads_out};
+  kiln_status st = engine(n_outputs, outputs, grad_outputs, &cap);
+  for (int i = 0; i < n_inputs; i++) {
+    if (st != KILN_OK) {
+      kiln_tensor_free(grads_out[i]);
+      grads_out[i] = NULL;
+    } else if (grads_out[i]) {
+      kiln__scope_track(grads_out[i]); /* the caller's scope owns the results */
+    }
+  }
+  return st;
+}

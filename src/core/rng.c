@@ -1,0 +1,163 @@
+/*
+** RNG: Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC11).
+** A generator is (seed, offset). An op drawing n values reserves ceil(n/2) counter blocks
+** starting at offset; element k of its output (C order) is a pure function of
+** (seed, offset, k), so every thread count and every backend gives the same numbers.
+**
+** The mapping every backend implements (src/backend/cuda/philox.cuh matches it):
+**   block(c)     = philox4x32_10(counter = {lo32(c), hi32(c), 0, 0}, key = {lo32(seed), hi32(seed)})
+**   f32 uniform  k: w = block(offset + k/4)[k%4];               u = (w >> 8) * 2^-24
+**   f64 uniform  k: (a, b) = block(offset + k/2)[2(k%2), 2(k%2)+1]; u = ((a>>6)*2^26 + (b>>5)) * 2^-53
+**   f32 normal   k: B = block(offset + k/4), p = (k%4)/2;
+**                   u1 = ((B[2p]>>8) + 1) * 2^-24, u2 = (B[2p+1]>>8) * 2^-24,
+**                   r = sqrt(-2 ln u1); k even: r cos(2 pi u2), k odd: r sin(2 pi u2)
+**   f64 normal   k: B = block(offset + k/2); u1 = ((B0>>6)*2^26 + (B1>>5) + 1) * 2^-53,
+**                   u2 = ((B2>>6)*2^26 + (B3>>5)) * 2^-53; even cos, odd sin.
+*/
+#include "kiln_int.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+struct kiln_generator {
+  _Atomic uint64_t seed;
+  _Atomic uint64_t offset;
+};
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+static inline void philox_block(uint32_t k0, uint32_t k1, uint32_t c[4]) {
+  for (int r = 0; r < 10; r++) {
+    uint64_t p0 = (uint64_t)PHILOX_M0 * c[0];
+    uint64_t p1 = (uint64_t)PHILOX_M1 * c[2];
+    uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+    uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+    uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
+    k0 += PHILOX_W0;
+    k1 += PHILOX_W1;
+  }
+}
+
+void kiln_philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_lo, uint32_t out[4]) {
+  out[0] = (uint32_t)counter_lo;
+  out[1] = (uint32_t)(counter_lo >> 32);
+  out[2] = (uint32_t)counter_hi;
+  out[3] = (uint32_t)(counter_hi >> 32);
+  philox_block((uint32_t)key, (uint32_t)(key >> 32), out);
+}
+
+static inline void block_at(uint64_t seed, uint64_t c, uint32_t out[4]) {
+  out[0] = (uint32_t)c;
+  out[1] = (uint32_t)(c >> 32);
+  out[2] = 0;
+  out[3] = 0;
+  philox_block((uint32_t)seed, (uint32_t)(seed >> 32), out);
+}
+
+#define TWO_M24 (1.0f / 16777216.0f)
+#define TWO_M53 (1.0 / 9007199254740992.0)
+#define TWO_PI 6.283185307179586476925286766559
+
+float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k) {
+  uint32_t b[4];
+  block_at(seed, offset + k / 4, b);
+  return (float)(b[k % 4] >> 8) * TWO_M24;
+}
+
+double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k) {
+  uint32_t b[4];
+  block_at(seed, offset + k / 2, b);
+  uint32_t a = b[2 * (k % 2)], c = b[2 * (k % 2) + 1];
+  return ((double)(a >> 6) * 67108864.0 + (double)(c >> 5)) * TWO_M53;
+}
+
+float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k) {
+  uint32_t b[4];
+  block_at(seed, offset + k / 4, b);
+  unsigned p = (unsigned)((k % 4) / 2);
+  float u1 = (float)((b[2 * p] >> 8) + 1) * TWO_M24;
+  float u2 = (float)(b[2 * p + 1] >> 8) * TWO_M24;
+  float r = sqrtf(-2.0f * logf(u1));
+  float th = (float)TWO_PI * u2;
+  return (k % 2 == 0) ? r * cosf(th) : r * sinf(th);
+}
+
+double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k) {
+  uint32_t b[4];
+  block_at(seed, offset + k / 2, b);
+  double u1 = ((double)(b[0] >> 6) * 67108864.0 + (double)(b[1] >> 5) + 1.0) * TWO_M53;
+  double u2 = ((double)(b[2] >> 6) * 67108864.0 + (double)(b[3] >> 5)) * TWO_M53;
+  double r = sqrt(-2.0 * log(u1));
+  return (k % 2 == 0) ? r * cos(TWO_PI * u2) : r * sin(TWO_PI * u2);
+}
+
+/* ---- generators ---- */
+static kiln_generator global_gen; /* seed 0, offset 0 */
+
+kiln_generator *kiln_generator_global(void) { return &global_gen; }
+
+kiln_generator *kiln_generator_new(uint64_t seed) {
+  kiln_generator *g = calloc(1, sizeof *g);
+  if (!g) {
+    kiln_set_error(KILN_ERR_OOM, "kiln_generator_new: out of host memory");
+    return NULL;
+  }
+  atomic_init(&g->seed, seed);
+  atomic_init(&g->offset, 0);
+  return g;
+}
+
+void kiln_generator_free(kiln_generator *g) {
+  if (g && g != &global_gen) free(g);
+}
+
+void kiln_generator_seed(kiln_generator *g, uint64_t seed) {
+  if (!g) g = &global_gen;
+  atomic_store(&g->seed, seed);
+  atomic_store(&g->offset, 0);
+}
+
+void kiln_manual_seed(uint64_t seed) { kiln_generator_seed(&global_gen, seed); }
+
+void kiln_generator_get_state(const kiln_generator *g, uint64_t *seed, uint64_t *offset) {
+  if (!g) g = &global_gen;
+  if (seed) *seed = atomic_load(&((kiln_generator *)g)->seed);
+  if (offset) *offset = atomic_load(&((kiln_generator *)g)->offset);
+}
+
+void kiln_generator_set_state(kiln_generator *g, uint64_t seed, uint64_t offset) {
+  if (!g) g = &global_gen;
+  atomic_store(&g->seed, seed);
+  atomic_store(&g->offset, offset);
+}
+
+void kiln__generator_reserve(kiln_generator *g, int64_t n, uint64_t *seed, uint64_t *offset) {
+  if (!g) g = &global_gen;
+  uint64_t blocks = n > 0 ? ((uint64_t)n + 1) / 2 : 0;
+  *seed = atomic_load(&g->seed);
+  *offset = atomic_fetch_add(&g->offset, blocks);
+}
+
+double kiln_generator_uniform(kiln_generator *g) {
+  uint64_t seed, off;
+  kiln__generator_reserve(g, 1, &seed, &off);
+  return kiln__philox_uniform_f64(seed, off, 0);
+}
+
+uint64_t kiln_generator_below(kiln_generator *g, uint64_t n) {
+  if (n <= 1) return 0;
+  uint64_t seed, off;
+  kiln__generator_reserve(g, 2, &seed, &off);
+  uint32_t b[4];
+  block_at(seed, off, b);
+  uint64_t x = ((uint64_t)b[0] << 32) | b[1];
+  /* Multiply-shift (Lemire): bias below 2^-64 * n, negligible for any n we shuffle. */
+  return (uint64_t)(((unsigned __int128)x * n) >> 64);
+}

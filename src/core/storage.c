@@ -1,0 +1,38 @@
+/* Storage: a refcounted block of device memory, served by the device's backend. */
+#include "kiln_int.h"
+
+#include <stdlib.h>
+
+kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes) {
+  if (kiln__check_device(dev, "kiln: allocate") != KILN_OK) return NULL;
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  kiln__storage *s = calloc(1, sizeof *s);
+  if (!s) {
+    kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory for a storage handle");
+    return NULL;
+  }
+  s->data = b->alloc(dev.index, nbytes);
+  if (!s->data) {
+    free(s);
+    if (kiln_last_error() != KILN_ERR_OOM)
+      kiln_set_error(KILN_ERR_OOM, "kiln: out of memory on %s: tried to allocate %zu bytes",
+                     kiln__device_cstr(dev), nbytes);
+    return NULL;
+  }
+  atomic_init(&s->refcount, 1);
+  s->device = dev;
+  s->backend = b;
+  s->nbytes = nbytes;
+  return s;
+}
+
+void kiln__storage_retain(kiln__storage *s) {
+  if (s) atomic_fetch_add_explicit(&s->refcount, 1, memory_order_relaxed);
+}
+
+void kiln__storage_release(kiln__storage *s) {
+  if (!s) return;
+  if (atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1) return;
+  if (!s->borrowed && s->data) s->backend->free(s->device.index, s->data, s->nbytes);
+  free(s);
+}

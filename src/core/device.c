@@ -1,3 +1,4 @@
+#define _POSIX_C_SOURCE 200809L
 /* Devices: naming, parsing, picking the best one, and the backends' availability. */
 #include "kiln_int.h"
 

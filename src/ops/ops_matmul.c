@@ -1,0 +1,307 @@
+/*
+** Matrix products: kiln_matmul (torch.matmul's rules) and kiln_linear (x @ W^T + bias).
+**
+** The MATMUL kernel takes in0 A (B..., M, K), in1 B (B..., K, N), out0 (B..., M, N), all
+** with one ndim >= 2 and the batch dims already broadcast (stride 0), optional in2 bias
+** (N). Everything else — promotion of 1-d operands, broadcasting of batch dims, W^T —
+** is done here with views (strides), never with copies.
+*/
+#include "../core/kiln_int.h"
+
+#include <stdatomic.h>
+
+static atomic_bool tf32_allowed; /* process-global; default off (exact f32) */
+
+void kiln_set_matmul_tf32(bool allow) { atomic_store(&tf32_allowed, allow); }
+bool kiln_matmul_tf32(void) { return atomic_load(&tf32_allowed); }
+
+static kiln_status give(kiln_tensor **slot, kiln_tensor *r) {
+  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
+  *slot = kiln_tensor_ref(r);
+  return KILN_OK;
+}
+
+static kiln_status check_float_pair(const char *op, const kiln_tensor *a, const kiln_tensor *b) {
+  if (!kiln_dtype_is_float(a->dtype) || a->dtype != b->dtype)
+    return kiln_set_error(KILN_ERR_DTYPE,
+                          "%s: expected two floating tensors of the same dtype, got %s %s and %s "
+                          "%s",
+                          op, kiln_dtype_name(a->dtype), kiln__tshape(a),
+                          kiln_dtype_name(b->dtype), kiln__tshape(b));
+  return KILN_OK;
+}
+
+/* A view over the memory of t with the given shape and strides. */
+static kiln__view view_as(const kiln_tensor *t, int ndim, const int64_t *shape,
+                          const int64_t *strides) {
+  kiln__view v = kiln__view_of(t);
+  v.ndim = ndim;
+  for (int d = 0; d < ndim; d++) {
+    v.shape[d] = shape[d];
+    v.strides[d] = strides[d];
+  }
+  return v;
+}
+
+/* out (the whole result) = 0, or bias broadcast over rows, when the inner dim K is 0. */
+static kiln_status fill_empty_product(kiln_device dev, kiln__view out, const kiln_tensor *bias) {
+  kiln__kargs a = {0};
+  a.n_out = 1;
+  a.out[0] = out;
+  if (bias) {
+    a.op = KILN__K_COPY;
+    a.n_in = 1;
+    kiln__view bv = kiln__view_of(bias);
+    kiln__view in = out;
+    in.data = bv.data;
+    for (int d = 0; d < in.ndim; d++) in.strides[d] = 0;
+    in.strides[in.ndim - 1] = bv.strides[0];
+    in.dtype = bv.dtype;
+    a.in[0] = in;
+  } else {
+    a.op = KILN__K_FILL;
+    a.s[0] = 0.0;
+  }
+  return kiln__dispatch(dev, &a);
+}
+
+static kiln_status run_matmul(kiln_device dev, kiln__view A, kiln__view B, kiln__view C,
+                              const kiln_tensor *bias) {
+  int64_t K = A.shape[A.ndim - 1];
+  if (kiln__view_numel(&C) == 0) return KILN_OK;
+  if (K == 0) return fill_empty_product(dev, C, bias);
+  kiln__kargs a = {0};
+  a.op = KILN__K_MATMUL;
+  a.n_in = bias ? 3 : 2;
+  a.n_out = 1;
+  a.in[0] = A;
+  a.in[1] = B;
+  if (bias) a.in[2] = kiln__view_of(bias);
+  a.out[0] = C;
+  a.s[0] = 1.0;
+  a.s[1] = 0.0;
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  return kiln__dispatch(dev, &a);
+}
+
+/* ---- matmul ------------------------------------------------------------------------- */
+
+/* dA = g @ B^T and dB = A^T @ g on the promoted (>= 2-d) operands, then summed over the
+** batch dims that were broadcast, then squeezed back where an operand was 1-d. */
+static kiln_status matmul_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *A = n->saved[0], *B = n->saved[1];
+  bool a1 = A->ndim == 1, b1 = B->ndim == 1;
+  kiln_tensor *Ap = a1 ? kiln_unsqueeze(A, 0) : A;
+  kiln_tensor *Bp = b1 ? kiln_unsqueeze(B, 1) : B;
+  kiln_tensor *gp = g;
+  if (a1 && b1)
+    gp = kiln_reshape(g, KILN_SHAPE(1, 1));
+  else if (a1)
+    gp = kiln_unsqueeze(g, g->ndim - 1); /* (..., N) -> (..., 1, N) */
+  else if (b1)
+    gp = kiln_unsqueeze(g, g->ndim); /* (..., M) -> (..., M, 1) */
+  if (!Ap || !Bp || !gp) return kiln_last_error();
+  if (n->needs[0]) {
+    kiln_tensor *d = kiln_matmul(gp, kiln_transpose(Bp, Bp->ndim - 1, Bp->ndim - 2));
+    if (d) d = kiln__unbroadcast(d, Ap->ndim, Ap->shape);
+    if (d && a1) d = kiln_reshape(d, 1, A->shape);
+    kiln_status st = give(&gi[0], d);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    kiln_tensor *d = kiln_matmul(kiln_transpose(Ap, Ap->ndim - 1, Ap->ndim - 2), gp);
+    if (d) d = kiln__unbroadcast(d, Bp->ndim, Bp->shape);
+    if (d && b1) d = kiln_reshape(d, 1, B->shape);
+    kiln_status st = give(&gi[1], d);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
+  if (!a || !b) return NULL;
+  kiln_tensor *ts[2] = {a, b};
+  if (kiln__same_device("kiln_matmul", 2, ts) != KILN_OK) return NULL;
+  if (check_float_pair("kiln_matmul", a, b) != KILN_OK) return NULL;
+  if (a->ndim == 0 || b->ndim == 0)
+    KILN__FAIL_NULL(KILN_ERR_SHAPE,
+                    "kiln_matmul: both operands need at least 1 dim, got shapes %s and %s",
+                    kiln__tshape(a), kiln__tshape(b));
+  /* Promote 1-d operands: a (K) -> (1, K), b (K) -> (K, 1). */
+  int64_t ash[KILN_MAX_DIMS], ast[KILN_MAX_DIMS], bsh[KILN_MAX_DIMS], bst[KILN_MAX_DIMS];
+  int and_ = a->ndim, bnd = b->ndim;
+  if (and_ == 1) {
+    and_ = 2;
+    ash[0] = 1, ast[0] = 0, ash[1] = a->shape[0], ast[1] = a->strides[0];
+  } else {
+    for (int d = 0; d < and_; d++) ash[d] = a->shape[d], ast[d] = a->strides[d];
+  }
+  if (bnd == 1) {
+    bnd = 2;
+    bsh[0] = b->shape[0], bst[0] = b->strides[0], bsh[1] = 1, bst[1] = 0;
+  } else {
+    for (int d = 0; d < bnd; d++) bsh[d] = b->shape[d], bst[d] = b->strides[d];
+  }
+  int64_t M = ash[and_ - 2], K = ash[and_ - 1], N = bsh[bnd - 1];
+  if (K != bsh[bnd - 2])
+    KILN__FAIL_NULL(KILN_ERR_SHAPE, "kiln_matmul: shapes %s and %s cannot be multiplied (%lld != %lld)",
+                    kiln__tshape(a), kiln__tshape(b), (long long)K, (long long)bsh[bnd - 2]);
+  /* Broadcast the batch dims (aligned from the right). */
+  int na = and_ - 2, nb = bnd - 2, nbat = na > nb ? na : nb, nd = nbat + 2;
+  int64_t csh[KILN_MAX_DIMS], Ash[KILN_MAX_DIMS], Ast[KILN_MAX_DIMS], Bsh[KILN_MAX_DIMS],
+      Bst[KILN_MAX_DIMS];
+  for (int i = 0; i < nbat; i++) {
+    int ia = i - (nbat - na), ib = i - (nbat - nb);
+    int64_t sa = ia >= 0 ? ash[ia] : 1, sb = ib >= 0 ? bsh[ib] : 1;
+    if (sa != sb && sa != 1 && sb != 1)
+      KILN__FAIL_NULL(KILN_ERR_SHAPE,
+                      "kiln_matmul: batch dims of shapes %s and %s do not broadcast (%lld vs %lld)",
+                      kiln__tshape(a), kiln__tshape(b), (long long)sa, (long long)sb);
+    csh[i] = sa == 1 ? sb : sa;
+    Ash[i] = Bsh[i] = csh[i];
+    Ast[i] = (ia >= 0 && sa != 1) ? ast[ia] : 0;
+    Bst[i] = (ib >= 0 && sb != 1) ? bst[ib] : 0;
+  }
+  Ash[nbat] = M, Ash[nbat + 1] = K, Ast[nbat] = ast[and_ - 2], Ast[nbat + 1] = ast[and_ - 1];
+  Bsh[nbat] = K, Bsh[nbat + 1] = N, Bst[nbat] = bst[bnd - 2], Bst[nbat + 1] = bst[bnd - 1];
+  csh[nbat] = M, csh[nbat + 1] = N;
+  /* The result drops the promoted dims again. */
+  int ond = 0;
+  int64_t osh[KILN_MAX_DIMS];
+  for (int i = 0; i < nbat; i++) osh[ond++] = csh[i];
+  if (a->ndim > 1) osh[ond++] = M;
+  if (b->ndim > 1) osh[ond++] = N;
+  kiln_device dev = kiln_device_of(a);
+  kiln_tensor *out = kiln__tensor_new(ond, osh, a->dtype, dev);
+  if (!out) return NULL;
+  /* Removing size-1 dims from a contiguous layout keeps the other strides, so the
+  ** contiguous strides of (batch..., M, N) describe out exactly. */
+  int64_t cst[KILN_MAX_DIMS];
+  kiln__contiguous_strides(nd, csh, cst);
+  kiln__view C = view_as(out, nd, csh, cst);
+  if (run_matmul(dev, view_as(a, nd, Ash, Ast), view_as(b, nd, Bsh, Bst), C, NULL) != KILN_OK) {
+    kiln__discard(out);
+    return NULL;
+  }
+  if (kiln__needs_grad(2, ts)) {
+    kiln__node *n = kiln__node_attach(out, "matmul", matmul_backward, 2, ts);
+    if (!n) {
+      kiln__discard(out);
+      return NULL;
+    }
+    kiln__node_save(n, 0, a);
+    kiln__node_save(n, 1, b);
+  }
+  return out;
+}
+
+/* ---- linear ------------------------------------------------------------------------- */
+
+static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *x = n->saved[0], *W = n->saved[1];
+  int64_t N = W->shape[0], K = W->shape[1];
+  int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
+  for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
+  if (n->needs[0]) {
+    kiln_tensor *d = kiln_matmul(g, W); /* (..., N) @ (N, K) -> (..., K) */
+    kiln_status st = give(&gi[0], d);
+    if (st != KILN_OK) return st;
+  }
+  kiln_tensor *g2 = (n->needs[1] || n->needs[2]) ? kiln_reshape(g, KILN_SHAPE(M, N)) : NULL;
+  if (n->needs[1]) {
+    kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
+    kiln_tensor *d = g2 && x2 ? kiln_matmul(kiln_transpose(g2, 0, 1), x2) : NULL; /* (N, K) */
+    kiln_status st = give(&gi[1], d);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[2]) {
+    kiln_tensor *d = g2 ? kiln_sum(g2, KILN_DIMS(0), false) : NULL; /* (N) */
+    kiln_status st = give(&gi[2], d);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+/* Whether the leading dims (all but the last) of x merge into one dim; *stride gets the
+** stride of that merged dim. */
+static bool leading_mergeable(const kiln_tensor *x, int64_t *stride) {
+  int64_t expect = -1;
+  *stride = x->shape[x->ndim - 1] ? x->shape[x->ndim - 1] : 1;
+  for (int d = x->ndim - 2; d >= 0; d--) {
+    if (x->shape[d] == 1) continue;
+    if (expect < 0) {
+      *stride = x->strides[d];
+    } else if (x->strides[d] != expect) {
+      return false;
+    }
+    expect = x->strides[d] * x->shape[d];
+  }
+  return true;
+}
+
+kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+  if (!x || !weight) return NULL;
+  kiln_tensor *ts[3] = {x, weight, bias};
+  if (kiln__same_device("kiln_linear", 3, ts) != KILN_OK) return NULL;
+  if (check_float_pair("kiln_linear", x, weight) != KILN_OK) return NULL;
+  if (bias && bias->dtype != x->dtype)
+    KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_linear: bias is %s but input and weight are %s",
+                    kiln_dtype_name(bias->dtype), kiln_dtype_name(x->dtype));
+  if (weight->ndim != 2 || x->ndim == 0)
+    KILN__FAIL_NULL(KILN_ERR_SHAPE,
+                    "kiln_linear: expected input (..., in) and weight (out, in), got %s and %s",
+                    kiln__tshape(x), kiln__tshape(weight));
+  int64_t N = weight->shape[0], K = weight->shape[1];
+  if (x->shape[x->ndim - 1] != K)
+    KILN__FAIL_NULL(KILN_ERR_SHAPE,
+                    "kiln_linear: input %s and weight %s cannot be multiplied (%lld != %lld)",
+                    kiln__tshape(x), kiln__tshape(weight), (long long)x->shape[x->ndim - 1],
+                    (long long)K);
+  if (bias && (bias->ndim != 1 || bias->shape[0] != N))
+    KILN__FAIL_NULL(KILN_ERR_SHAPE, "kiln_linear: bias %s does not match weight %s (expected [%lld])",
+                    kiln__tshape(bias), kiln__tshape(weight), (long long)N);
+  int64_t osh[KILN_MAX_DIMS];
+  for (int d = 0; d < x->ndim - 1; d++) osh[d] = x->shape[d];
+  osh[x->ndim - 1] = N;
+  kiln_device dev = kiln_device_of(x);
+  kiln_tensor *out = kiln__tensor_new(x->ndim, osh, x->dtype, dev);
+  if (!out) return NULL;
+  int64_t M = 1;
+  for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
+  kiln__view A, B, C;
+  int64_t mst;
+  /* W^T is W with its strides swapped. */
+  int64_t wsh[2] = {K, N}, wst[2] = {weight->strides[1], weight->strides[0]};
+  if (x->ndim == 1 || leading_mergeable(x, &mst)) {
+    /* One plain 2-D GEMM: M = prod(leading dims). */
+    if (x->ndim == 1) mst = 0;
+    int64_t xsh[2] = {M, K}, xst[2] = {mst, x->strides[x->ndim - 1]};
+    int64_t csh[2] = {M, N}, cst[2] = {N, 1};
+    A = view_as(x, 2, xsh, xst);
+    B = view_as(weight, 2, wsh, wst);
+    C = view_as(out, 2, csh, cst);
+  } else {
+    /* Leading dims that do not merge: a batched product with W^T broadcast (stride 0). */
+    int nd = x->ndim;
+    int64_t bsh[KILN_MAX_DIMS], bst[KILN_MAX_DIMS];
+    for (int d = 0; d < nd - 2; d++) bsh[d] = x->shape[d], bst[d] = 0;
+    bsh[nd - 2] = K, bst[nd - 2] = wst[0], bsh[nd - 1] = N, bst[nd - 1] = wst[1];
+    A = kiln__view_of(x);
+    B = view_as(weight, nd, bsh, bst);
+    C = kiln__view_of(out);
+  }
+  if (run_matmul(dev, A, B, C, bias) != KILN_OK) {
+    kiln__discard(out);
+    return NULL;
+  }
+  if (kiln__needs_grad(3, ts)) {
+    kiln__node *n = kiln__node_attach(out, "linear", linear_backward, 3, ts);
+    if (!n) {
+      kiln__discard(out);
+      return NULL;
+    }
+    kiln__node_save(n, 0, x);
+    kiln__node_save(n, 1, weight);
+  }
+  return out;
+}

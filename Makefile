@@ -1,0 +1,88 @@
+# The commands a newcomer needs (README.md). CMake does the real work; this file runs
+# the dependency check, configures build/ and drives cmake, ctest and valgrind.
+#   make            deps + configure + build (Release, -j2)
+#   make run        build, then `kiln doctor` and the seed-mlp example
+#   make test       build, then the whole ctest suite
+#   make install    PREFIX=/usr/local
+#   make asan       build-asan/ with ASan+UBSan, and its tests
+#   make valgrind   the tests labelled `valgrind` under memcheck
+#   make clean
+# Variables: BUILD_TYPE, KILN_CUDA (AUTO|ON|OFF), KILN_CUDA_ARCHS, JOBS, PREFIX, CMAKE_ARGS.
+
+CMAKE      ?= cmake
+CTEST      ?= ctest
+BUILD_DIR  ?= build
+ASAN_DIR   ?= build-asan
+BUILD_TYPE ?= Release
+KILN_CUDA  ?= AUTO
+JOBS       ?= 2
+PREFIX     ?= /usr/local
+CMAKE_ARGS ?=
+VALGRIND   ?= valgrind
+
+# Only passed when given, so a value chosen at configure time is kept otherwise.
+ifneq ($(strip $(KILN_CUDA_ARCHS)),)
+CUDA_ARCH_ARG := "-DKILN_CUDA_ARCHS=$(KILN_CUDA_ARCHS)"
+endif
+
+.PHONY: all deps configure build run test install asan valgrind clean
+
+all: build
+
+deps:
+	@./scripts/deps.sh
+
+# Re-running cmake on an existing tree is cheap (cached checks) and picks up changed
+# variables (make KILN_CUDA=OFF after a CUDA build reconfigures it).
+# Its full output is in $(BUILD_DIR)/configure.log; the kiln lines and warnings show here.
+configure: deps
+	@mkdir -p $(BUILD_DIR)
+	@$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DKILN_CUDA=$(KILN_CUDA) \
+	  $(CUDA_ARCH_ARG) -DKILN_SANITIZE= $(CMAKE_ARGS) >$(BUILD_DIR)/configure.log 2>&1 || \
+	  { cat $(BUILD_DIR)/configure.log; exit 1; }
+	@grep -E -A4 '^-- kiln|^CMake (Warning|Deprecation)' $(BUILD_DIR)/configure.log | grep -v '^--$$' || true
+
+build: configure
+	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
+
+run: build
+	$(BUILD_DIR)/bin/kiln doctor
+	$(BUILD_DIR)/bin/seed-mlp
+
+test: build
+	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS)
+
+install: build
+	$(CMAKE) --install $(BUILD_DIR) --prefix $(PREFIX)
+
+asan: deps
+	$(CMAKE) -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DKILN_CUDA=OFF \
+	  -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
+	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(CTEST) --test-dir $(ASAN_DIR) --output-on-failure -j$(JOBS)
+
+# The list of tests is tests/CMakeLists.txt's KILN_VALGRIND_TESTS (ctest label
+# `valgrind`). One thread each: thread pools only add noise to memcheck's report.
+# Exit 77 is a skip, as in ctest.
+valgrind: build
+	@command -v $(VALGRIND) >/dev/null || { echo "valgrind is not installed (scripts/deps.sh)"; exit 1; }
+	@tests=$$($(CTEST) --test-dir $(BUILD_DIR) -N -L valgrind | sed -n 's/^ *Test *#[0-9]*: *//p'); \
+	if [ -z "$$tests" ]; then echo "valgrind: no tests labelled valgrind exist yet"; exit 0; fi; \
+	fail=0; \
+	for t in $$tests; do \
+	  echo "== valgrind $$t"; \
+	  KILN_SOURCE_DIR=$(CURDIR) KILN_TEST_DATA=$(CURDIR)/tests/data KILN_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
+	  KILN_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+	  $(VALGRIND) --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+	    --suppressions=$(CURDIR)/tests/valgrind.supp --quiet $(BUILD_DIR)/bin/$$t; \
+	  rc=$$?; \
+	  if [ $$rc -eq 77 ]; then echo "   skipped"; \
+	  elif [ $$rc -ne 0 ]; then echo "   FAILED (exit $$rc)"; fail=1; \
+	  else echo "   ok"; fi; \
+	done; \
+	exit $$fail
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_DIR)

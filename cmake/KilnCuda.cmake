@@ -1,0 +1,68 @@
+# Decides whether the CUDA backend is built (KILN_CUDA=AUTO|ON|OFF) and, when it is,
+# enables the CUDA language and finds the toolkit. Sets KILN_HAVE_CUDA and KILN_HAVE_NCCL
+# (0/1) and KILN_CUDA_LIBS (what libkiln links for CUDA).
+#
+# AUTO builds the backend whenever nvcc is found: the backend only *works* when a driver
+# and a device are present at run time, and kiln_backend_available() says why not, so a
+# build machine without a GPU still produces a library that uses one where there is one.
+
+set(KILN_HAVE_CUDA 0)
+set(KILN_HAVE_NCCL 0)
+set(KILN_CUDA_LIBS "")
+
+string(TOUPPER "${KILN_CUDA}" _kiln_cuda_mode)
+if(NOT _kiln_cuda_mode MATCHES "^(AUTO|ON|OFF|TRUE|FALSE|YES|NO|1|0)$")
+  message(FATAL_ERROR "kiln: KILN_CUDA must be AUTO, ON or OFF (got '${KILN_CUDA}')")
+endif()
+if(_kiln_cuda_mode MATCHES "^(TRUE|YES|1)$")
+  set(_kiln_cuda_mode ON)
+elseif(_kiln_cuda_mode MATCHES "^(FALSE|NO|0)$")
+  set(_kiln_cuda_mode OFF)
+endif()
+
+# "80,90" and "80;90" both work.
+string(REPLACE "," ";" KILN_CUDA_ARCHS_LIST "${KILN_CUDA_ARCHS}")
+
+if(NOT _kiln_cuda_mode STREQUAL "OFF")
+  # Set before the language is enabled: CMake would otherwise probe a default that a
+  # toolkit newer than this CMake may not accept.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "${KILN_CUDA_ARCHS_LIST}")
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    find_package(CUDAToolkit)
+  endif()
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+    set(KILN_HAVE_CUDA 1)
+    # KILN_CUDA_ARCHS wins when it changes between configures.
+    set(CMAKE_CUDA_ARCHITECTURES "${KILN_CUDA_ARCHS_LIST}")
+    set(KILN_CUDA_LIBS CUDA::cudart CUDA::cublas CUDA::cublasLt)
+    message(STATUS "kiln: CUDA backend on (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, archs ${KILN_CUDA_ARCHS})")
+  elseif(_kiln_cuda_mode STREQUAL "ON")
+    message(FATAL_ERROR "kiln: KILN_CUDA=ON but no working CUDA compiler/toolkit was found "
+                        "(put nvcc on PATH or set CMAKE_CUDA_COMPILER, or use KILN_CUDA=OFF)")
+  else()
+    message(STATUS "kiln: CUDA backend off (no nvcc found; KILN_CUDA=AUTO)")
+  endif()
+else()
+  message(STATUS "kiln: CUDA backend off (KILN_CUDA=OFF)")
+endif()
+
+if(KILN_HAVE_CUDA)
+  # NCCL ships with some toolkits (lib/ beside cudart) or on its own (/usr/local, distro).
+  find_path(KILN_NCCL_INCLUDE_DIR nccl.h
+            HINTS ${CUDAToolkit_INCLUDE_DIRS} "${CUDAToolkit_LIBRARY_ROOT}/include")
+  find_library(KILN_NCCL_LIBRARY nccl
+               HINTS "${CUDAToolkit_LIBRARY_DIR}" "${CUDAToolkit_LIBRARY_ROOT}/lib"
+                     "${CUDAToolkit_LIBRARY_ROOT}/lib64")
+  if(KILN_NCCL_INCLUDE_DIR AND KILN_NCCL_LIBRARY)
+    set(KILN_HAVE_NCCL 1)
+    list(APPEND KILN_CUDA_LIBS "${KILN_NCCL_LIBRARY}")
+    message(STATUS "kiln: NCCL found: ${KILN_NCCL_LIBRARY}")
+  else()
+    message(STATUS "kiln: NCCL not found (multi-GPU collectives off)")
+  endif()
+endif()

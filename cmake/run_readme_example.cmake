@@ -1,0 +1,28 @@
+# The body of ctest's test_readme_example: builds the README's example program (target
+# readme-example, excluded from `all`) with this build's flags, runs it, and expects exit
+# 0 and a line that starts with "loss ".
+foreach(_v BUILD_DIR EXE)
+  if(NOT ${_v})
+    message(FATAL_ERROR "run_readme_example.cmake: ${_v} not set")
+  endif()
+endforeach()
+set(_config_args "")
+if(CONFIG)
+  set(_config_args --config "${CONFIG}")
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND}" --build "${BUILD_DIR}" --target readme-example ${_config_args}
+  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _out)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "the README example does not build (exit ${_rc}):\n${_out}")
+endif()
+execute_process(COMMAND "${EXE}" RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+message("${_out}")
+if(_err)
+  message("stderr:\n${_err}")
+endif()
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "the README example exited with ${_rc} (expected 0)")
+endif()
+if(NOT _out MATCHES "(^|\n)loss ")
+  message(FATAL_ERROR "the README example printed no line starting with 'loss '")
+endif()

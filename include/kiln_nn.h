@@ -1,0 +1,188 @@
+/*
+** kiln_nn — modules with named parameters, PyTorch-like, built only on kiln.h and
+** kiln_io.h.
+**
+**   kiln_module *net = kiln_sequential_new();
+**   kiln_sequential_append(net, kiln_linear_new(784, 128, true, KILN_F32, dev, NULL));
+**   kiln_sequential_append(net, kiln_relu_new());
+**   kiln_sequential_append(net, kiln_linear_new(128, 10, true, KILN_F32, dev, NULL));
+**   kiln_module_summary(stdout, net);            // layers, shapes, parameter bytes
+**   kiln_optim_config cfg = kiln_adamw_config(1e-3);                 // kiln_optim.h
+**   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, net);
+**   for (...) {
+**     kiln_scope_begin();                        // one scope per step
+**     kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(net, x), y, ...);
+**     kiln_optimizer_zero_grad(opt);
+**     kiln_backward(loss, NULL);
+**     kiln_optimizer_step(opt);
+**     kiln_scope_end();
+**   }
+**   kiln_optimizer_free(opt);
+**   kiln_module_free(net);                       // children and parameters too
+**
+** Ownership.
+** - A module owns its parameters and buffers (one plain reference each, no scope) and its
+**   children (freed with it by kiln_module_free).
+** - Parameters are leaves. kiln_module_to() and kiln_module_to_dtype() replace the
+**   parameter tensors by new ones on the new device / dtype (the old handles are released,
+**   so pointers fetched before are stale). The rule for optimizers: build the optimizer
+**   after moving the model, or build it with kiln_optimizer_new_module(), which reads the
+**   parameters through the module at every step and moves its own state along with them.
+**   Implementations of forward therefore look their tensors up at each call
+**   (kiln_module_param(m, "weight")) instead of caching pointers.
+** - Tensors returned by forward follow the usual rule (owned by the open scope).
+** - Borrowed pointers (parameters, names, children) stay valid until the module changes
+**   (a new parameter, child, or a move); kiln_module_free ends them.
+**
+** Errors: functions returning kiln_module* give NULL with the last error set; status
+** functions return the code. A NULL module gives KILN_ERR_INVALID_ARGUMENT (forward with a
+** NULL input returns NULL without touching the last error, like the ops).
+*/
+#ifndef KILN_NN_H
+#define KILN_NN_H
+
+#include "kiln.h"
+#include "kiln_io.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln_module kiln_module;
+
+/* --------------------------------------------------------------------------------------
+** User-defined modules: a vtable and an implementation pointer the module owns.
+*/
+typedef struct kiln_module_vtable {
+  const char *type_name; /* "Linear", "MyBlock": shown by the summary; must not be NULL */
+  /* One input, one output (new tensor, owned by the open scope). May be NULL if
+  ** forward_n is set. */
+  kiln_tensor *(*forward)(kiln_module *m, kiln_tensor *x);
+  /* Several inputs (optional). */
+  kiln_tensor *(*forward_n)(kiln_module *m, int n, kiln_tensor *const *xs);
+  /* Frees impl (optional; the module's parameters/children are freed by kiln). */
+  void (*free_impl)(void *impl);
+  /* Short description of the configuration, "in=3, out=2" (optional); snprintf-like. */
+  int (*extra_repr)(const kiln_module *m, char *buf, size_t n);
+} kiln_module_vtable;
+
+/* A new module with no parameters. vt must outlive the module (usually static).
+** The module owns impl from now on (free_impl, if set, frees it, also on failure here). */
+KILN_API kiln_module *kiln_module_new(const kiln_module_vtable *vt, void *impl);
+/* Frees m, its children (recursively), its parameter and buffer references and impl.
+** NULL is a no-op. Do not free a module that is a child of another (free the root). */
+KILN_API void kiln_module_free(kiln_module *m);
+KILN_API void *kiln_module_impl(const kiln_module *m);
+KILN_API const char *kiln_module_type_name(const kiln_module *m);
+
+/* Registers t as parameter `name` (no dots). The module takes over the caller's
+** reference: t is kiln_keep()-ed out of its scope if a scope owns it; the caller must not
+** free it afterwards. t must be a floating leaf; requires_grad is turned on (pass
+** requires_grad false to freeze it). On failure the reference is released.
+** KILN_ERR_INVALID_ARGUMENT (NULL, a bad or duplicate name), KILN_ERR_AUTOGRAD (not a
+** leaf), KILN_ERR_DTYPE (not floating). A NULL t returns the pending error code. */
+KILN_API kiln_status kiln_module_register_parameter(kiln_module *m, const char *name,
+                                                     kiln_tensor *t, bool requires_grad);
+/* Registers a buffer (state that is not trained: running stats, masks), the same
+** ownership rule. persistent buffers go into the state dict. Any dtype. */
+KILN_API kiln_status kiln_module_register_buffer(kiln_module *m, const char *name,
+                                                  kiln_tensor *t, bool persistent);
+/* Adds child under name (no dots). The parent owns child from now on, also on failure
+** (then child is freed). A NULL child returns the pending error code. Returns KILN_OK. */
+KILN_API kiln_status kiln_module_add_child(kiln_module *m, const char *name, kiln_module *child);
+
+/* Lookup by name; dotted names reach into children ("fc1.weight", "0"). Borrowed; NULL if
+** absent (no error set). */
+KILN_API kiln_tensor *kiln_module_param(const kiln_module *m, const char *name);
+KILN_API kiln_tensor *kiln_module_buffer(const kiln_module *m, const char *name);
+KILN_API kiln_module *kiln_module_child(const kiln_module *m, const char *name);
+/* Replaces the tensor of an existing buffer (e.g. a running statistic updated in
+** forward): same ownership rule as register. KILN_ERR_INVALID_ARGUMENT when absent. */
+KILN_API kiln_status kiln_module_set_buffer(kiln_module *m, const char *name, kiln_tensor *t);
+/* Direct children, in insertion order. */
+KILN_API int kiln_module_num_children(const kiln_module *m);
+KILN_API kiln_module *kiln_module_child_at(const kiln_module *m, int i);
+KILN_API const char *kiln_module_child_name(const kiln_module *m, int i);
+
+/* Forward. NULL x (or any NULL input) returns NULL without touching the last error. */
+KILN_API kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x);
+KILN_API kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs);
+
+/* Train / eval mode, recursive (new modules are in train mode). */
+KILN_API void kiln_module_train(kiln_module *m, bool on);
+KILN_API void kiln_module_eval(kiln_module *m);
+KILN_API bool kiln_module_is_training(const kiln_module *m);
+
+/* Moves all parameters, buffers and gradients to dev (recursively). Parameter handles
+** are replaced (see Ownership above). All or nothing: on failure (OOM) nothing changes. */
+KILN_API kiln_status kiln_module_to(kiln_module *m, kiln_device dev);
+/* Casts floating parameters and floating buffers to dt (a floating dtype). */
+KILN_API kiln_status kiln_module_to_dtype(kiln_module *m, kiln_dtype dt);
+
+/* Parameters in a stable order: a module's own (registration order), then its children's
+** (insertion order, depth first); a tensor registered twice appears once. Writes at most
+** max borrowed pointers into out (out may be NULL with max 0) and returns the total
+** number, -1 on error. names (may be NULL) gets the dotted names, borrowed. */
+KILN_API int kiln_module_parameters(kiln_module *m, kiln_tensor **out, int max);
+KILN_API int kiln_module_named_parameters(kiln_module *m, const char **names,
+                                          kiln_tensor **out, int max);
+KILN_API int kiln_module_named_buffers(kiln_module *m, const char **names, kiln_tensor **out,
+                                       int max);
+/* Elements in all parameters (each shared tensor once); only those requiring grad. */
+KILN_API int64_t kiln_module_num_params(kiln_module *m);
+KILN_API int64_t kiln_module_num_trainable_params(kiln_module *m);
+/* Bytes of the parameters, of their current gradients, of the buffers. */
+KILN_API int64_t kiln_module_param_bytes(kiln_module *m);
+KILN_API int64_t kiln_module_grad_bytes(kiln_module *m);
+KILN_API int64_t kiln_module_buffer_bytes(kiln_module *m);
+
+/* State dict: a new dict (caller frees) holding references to the parameters and
+** persistent buffers under their dotted names (shared, not copied, like PyTorch). */
+KILN_API kiln_dict *kiln_module_state_dict(kiln_module *m);
+/* Copies the entries of d into the module's tensors (values, not handles). Checks
+** everything first and changes nothing when a check fails; the error lists every
+** problem: missing keys and unexpected keys (only when strict), shape and dtype
+** mismatches (always). Tensors may be on any device. KILN_ERR_INVALID_ARGUMENT (missing /
+** unexpected), KILN_ERR_SHAPE, KILN_ERR_DTYPE (the first kind found decides the code). */
+KILN_API kiln_status kiln_module_load_state_dict(kiln_module *m, const kiln_dict *d, bool strict);
+
+/* Prints a table: each module (dotted name, type, configuration), its own parameters
+** with shapes, counts and bytes, then totals: parameters (trainable), bytes of weights,
+** gradients and buffers. */
+KILN_API kiln_status kiln_module_summary(FILE *f, kiln_module *m);
+/* Human-readable byte count "1.50 MiB" into buf; returns buf. */
+KILN_API const char *kiln_format_bytes(int64_t bytes, char *buf, size_t n);
+
+/* --------------------------------------------------------------------------------------
+** Built-in modules. Constructors return NULL with the last error set on bad arguments.
+*/
+/* y = x W^T + b with W (out, in), b (out). PyTorch's default init: kaiming_uniform with
+** a = sqrt(5), i.e. W ~ U(-1/sqrt(in), 1/sqrt(in)), and b ~ U(-1/sqrt(in), 1/sqrt(in)),
+** drawn weight first from gen (NULL: the global generator). dt must be floating. */
+KILN_API kiln_module *kiln_linear_new(int64_t in_features, int64_t out_features, bool bias,
+                                      kiln_dtype dt, kiln_device dev, kiln_generator *gen);
+/* Children run in order; appended children are named "0", "1", ... */
+KILN_API kiln_module *kiln_sequential_new(void);
+/* Takes ownership of child (also on failure). A NULL child returns the pending error. */
+KILN_API kiln_status kiln_sequential_append(kiln_module *seq, kiln_module *child);
+/* A Sequential of n modules (ownership of all taken; NULL entries make it fail). */
+KILN_API kiln_module *kiln_sequential_of(int n, kiln_module *const *children);
+
+KILN_API kiln_module *kiln_relu_new(void);
+KILN_API kiln_module *kiln_leaky_relu_new(double negative_slope); /* PyTorch: 0.01 */
+typedef enum kiln_gelu_approx { KILN_GELU_EXACT = 0, KILN_GELU_TANH } kiln_gelu_approx;
+KILN_API kiln_module *kiln_gelu_new(kiln_gelu_approx approx);
+KILN_API kiln_module *kiln_silu_new(void);
+KILN_API kiln_module *kiln_sigmoid_new(void);
+KILN_API kiln_module *kiln_tanh_new(void);
+KILN_API kiln_module *kiln_softplus_new(double beta, double threshold); /* PyTorch: 1, 20 */
+/* Zeroes elements with probability p in train mode (scaled by 1/(1-p)); identity in eval.
+** gen NULL: the global generator (not owned). 0 <= p <= 1. */
+KILN_API kiln_module *kiln_dropout_new(double p, kiln_generator *gen);
+KILN_API kiln_module *kiln_flatten_new(int start_dim, int end_dim); /* PyTorch: 1, -1 */
+KILN_API kiln_module *kiln_identity_new(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_NN_H */

@@ -269,7 +269,7 @@ kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias)
   int64_t M = 1;
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
   kiln__view A, B, C;
-  int64_t mst;
+  int64_t mst = 0;
   /* W^T is W with its strides swapped. */
   int64_t wsh[2] = {K, N}, wst[2] = {weight->strides[1], weight->strides[0]};
   if (x->ndim == 1 || leading_mergeable(x, &mst)) {

@@ -25,6 +25,8 @@ ifneq ($(strip $(KILN_CUDA_ARCHS)),)
 CUDA_ARCH_ARG := "-DKILN_CUDA_ARCHS=$(KILN_CUDA_ARCHS)"
 endif
 
+MAKEFLAGS += --no-print-directory
+
 .PHONY: all deps configure build run test install asan valgrind clean
 
 all: build
@@ -40,7 +42,8 @@ configure: deps
 	@$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DKILN_CUDA=$(KILN_CUDA) \
 	  $(CUDA_ARCH_ARG) -DKILN_SANITIZE= $(CMAKE_ARGS) >$(BUILD_DIR)/configure.log 2>&1 || \
 	  { cat $(BUILD_DIR)/configure.log; exit 1; }
-	@grep -E -A4 '^-- kiln|^CMake (Warning|Deprecation)' $(BUILD_DIR)/configure.log | grep -v '^--$$' || true
+	@grep -E '^-- kiln' $(BUILD_DIR)/configure.log || true
+	@grep -E -A6 '^CMake (Warning|Deprecation)' $(BUILD_DIR)/configure.log || true
 
 build: configure
 	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)

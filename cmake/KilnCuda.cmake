@@ -52,6 +52,9 @@ else()
 endif()
 
 if(KILN_HAVE_CUDA)
+  # libcudart.so for every target, never cudart_static: libkiln.so links CUDA::cudart
+  # (shared), and two runtimes in one process would each hold their own device state.
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
   # NCCL ships with some toolkits (lib/ beside cudart) or on its own (/usr/local, distro).
   find_path(KILN_NCCL_INCLUDE_DIR nccl.h
             HINTS ${CUDAToolkit_INCLUDE_DIRS} "${CUDAToolkit_LIBRARY_ROOT}/include")

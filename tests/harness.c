@@ -764,3 +764,54 @@ int h_finish(void) {
   printf("%s: %d passed, %d failed\n", H.name, H.passed, H.failed);
   return H.failed ? 1 : 0;
 }
+
+/* ---------------------------------------------------------------- reference blocks */
+
+int h_ref_map1(const h_arr *a, h_arr *out, double (*f)(double)) {
+  out->ndim = a->ndim;
+  memcpy(out->shape, a->shape, sizeof out->shape);
+  if (out->data) {
+    int64_t n = h_numel(a->ndim, a->shape);
+    for (int64_t k = 0; k < n; k++) out->data[k] = f(a->data[k]);
+  }
+  return 0;
+}
+
+int h_ref_map2(const h_arr *a, const h_arr *b, h_arr *out, double (*f)(double, double)) {
+  if (!h_broadcast_shape(a->ndim, a->shape, b->ndim, b->shape, &out->ndim, out->shape)) return 1;
+  if (out->data) {
+    int64_t idx[KILN_MAX_DIMS] = {0}, n = h_numel(out->ndim, out->shape);
+    for (int64_t k = 0; k < n; k++) {
+      out->data[k] = f(a->data[h_bcast_offset(a->ndim, a->shape, out->ndim, idx)],
+                       b->data[h_bcast_offset(b->ndim, b->shape, out->ndim, idx)]);
+      h_next_index(out->ndim, out->shape, idx);
+    }
+  }
+  return 0;
+}
+
+int h_ref_map3(const h_arr *a, const h_arr *b, const h_arr *c, h_arr *out,
+               double (*f)(double, double, double)) {
+  int n1;
+  int64_t s1[KILN_MAX_DIMS];
+  if (!h_broadcast_shape(a->ndim, a->shape, b->ndim, b->shape, &n1, s1)) return 1;
+  if (!h_broadcast_shape(n1, s1, c->ndim, c->shape, &out->ndim, out->shape)) return 1;
+  if (out->data) {
+    int64_t idx[KILN_MAX_DIMS] = {0}, n = h_numel(out->ndim, out->shape);
+    for (int64_t k = 0; k < n; k++) {
+      out->data[k] = f(a->data[h_bcast_offset(a->ndim, a->shape, out->ndim, idx)],
+                       b->data[h_bcast_offset(b->ndim, b->shape, out->ndim, idx)],
+                       c->data[h_bcast_offset(c->ndim, c->shape, out->ndim, idx)]);
+      h_next_index(out->ndim, out->shape, idx);
+    }
+  }
+  return 0;
+}
+
+kiln_tensor *h_lit_(int ndim, const int64_t *shape, kiln_dtype dt, int n, const double *v) {
+  if (h_numel(ndim, shape) != n) {
+    printf("h_lit: %d values for %lld elements\n", n, (long long)h_numel(ndim, shape));
+    return NULL;
+  }
+  return h_tensor(v, ndim, shape, dt);
+}

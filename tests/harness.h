@@ -158,4 +158,18 @@ int64_t h_bcast_offset(int n, const int64_t *s, int nout, const int64_t *idx);
 bool h_next_index(int ndim, const int64_t *shape, int64_t *idx);
 const char *h_shape_text(int ndim, const int64_t *shape, char *buf, size_t n);
 
+/* Reference building blocks: element-wise maps with broadcasting. Return 1 (kiln must
+** fail) when shapes do not broadcast. */
+int h_ref_map1(const h_arr *a, h_arr *out, double (*f)(double));
+int h_ref_map2(const h_arr *a, const h_arr *b, h_arr *out, double (*f)(double, double));
+int h_ref_map3(const h_arr *a, const h_arr *b, const h_arr *c, h_arr *out,
+               double (*f)(double, double, double));
+
+/* An f64 CPU tensor from literal values: H_T(KILN_SHAPE(2, 2), 1, 2, 3, 4). */
+#define H_T(...) h_lit(__VA_ARGS__)
+kiln_tensor *h_lit_(int ndim, const int64_t *shape, kiln_dtype dt, int n, const double *v);
+#define h_lit(ndim, shape, dt, ...)                                                      \
+  h_lit_((ndim), (shape), (dt), (int)(sizeof((double[]){__VA_ARGS__}) / sizeof(double)),     \
+         (const double[]){__VA_ARGS__})
+
 #endif /* KILN_TEST_HARNESS_H */

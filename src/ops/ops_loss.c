@@ -1,0 +1,203 @@
+/*
+** Losses: cross_entropy (one fused kernel each way) and mse_loss (composed).
+**
+** cross_entropy moves the class dim last and flattens logits to (M, C), targets to (M).
+** The CROSS_ENTROPY kernel gives per-row losses and the row logsumexp in f32 (f64 for f64
+** logits), whatever the logits' dtype, so 16-bit logits lose nothing inside; the result
+** is cast back to the logits' dtype as PyTorch returns it. The reduction runs on the
+** device — mean divides by the number of targets that are not ignore_index, counted on
+** the device too, so no op here waits for the device (all ignored gives 0/0 = NaN, as
+** in PyTorch).
+*/
+#include "../core/kiln_int.h"
+
+#include <math.h>
+
+static kiln_tensor *local_end(kiln_tensor *r) {
+  if (r) kiln_tensor_ref(r);
+  kiln_scope_end();
+  return kiln__scope_track(r);
+}
+
+static kiln_status give(kiln_tensor **slot, kiln_tensor *r) {
+  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
+  *slot = kiln_tensor_ref(r);
+  return KILN_OK;
+}
+
+static bool valid_reduction(kiln_reduction r) {
+  return r == KILN_REDUCTION_MEAN || r == KILN_REDUCTION_SUM || r == KILN_REDUCTION_NONE;
+}
+
+/* ---- cross_entropy ------------------------------------------------------------------ */
+
+/* saved: 0 logits (M, C), 1 target (M), 2 lse (M), 3 count of kept targets (mean only).
+** i: 0 reduction, 1 ignore_index. s: 0 label smoothing. */
+static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *L2 = n->saved[0], *T1 = n->saved[1], *lse = n->saved[2], *cnt = n->saved[3];
+  int64_t M = L2->shape[0], C = L2->shape[1];
+  kiln_reduction red = (kiln_reduction)n->i[0];
+  kiln_tensor *gl = g->dtype == lse->dtype ? g : kiln_to_dtype(g, lse->dtype);
+  kiln_tensor *gr = NULL; /* (M): d loss / d row loss */
+  if (gl && red == KILN_REDUCTION_NONE) {
+    gr = kiln_reshape(gl, KILN_SHAPE(M));
+  } else if (gl) {
+    if (red == KILN_REDUCTION_MEAN) gl = kiln_div(gl, cnt);
+    gr = gl ? kiln_expand(kiln_reshape(gl, KILN_SHAPE(1)), KILN_SHAPE(M)) : NULL;
+  }
+  if (!gr) return kiln_last_error();
+  kiln_tensor *dl = kiln__tensor_new(2, L2->shape, L2->dtype, kiln_device_of(L2));
+  if (!dl) return kiln_last_error();
+  if (M > 0 && C > 0) {
+    kiln__kargs a = {0};
+    a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
+    a.n_in = 4;
+    a.n_out = 1;
+    a.in[0] = kiln__view_of(L2);
+    a.in[1] = kiln__view_of(T1);
+    a.in[2] = kiln__view_of(lse);
+    a.in[3] = kiln__view_of(gr);
+    a.out[0] = kiln__view_of(dl);
+    a.i[0] = n->i[1];
+    a.s[0] = n->s[0];
+    kiln_status st = kiln__dispatch(kiln_device_of(L2), &a);
+    if (st != KILN_OK) return st;
+  }
+  /* Back to the logits' layout: (M, C) -> (N, d..., C) -> (N, C, d...). */
+  int nd = n->in_ndim[0];
+  const int64_t *ls = n->in_shape[0];
+  kiln_tensor *r = dl;
+  if (nd == 1) {
+    r = kiln_reshape(dl, 1, ls);
+  } else if (nd > 2) {
+    int64_t sh[KILN_MAX_DIMS];
+    int perm[KILN_MAX_DIMS];
+    sh[0] = ls[0];
+    for (int k = 2; k < nd; k++) sh[k - 1] = ls[k];
+    sh[nd - 1] = ls[1];
+    perm[0] = 0;
+    perm[1] = nd - 1;
+    for (int k = 2; k < nd; k++) perm[k] = k - 1;
+    r = kiln_contiguous(kiln_permute(kiln_reshape(dl, nd, sh), nd, perm));
+  }
+  return give(&gi[0], r);
+}
+
+kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_reduction red,
+                                int64_t ignore_index, double label_smoothing) {
+  if (!logits || !target) return NULL;
+  kiln_tensor *ts[2] = {logits, target};
+  if (kiln__same_device("kiln_cross_entropy", 2, ts) != KILN_OK) return NULL;
+  if (!kiln_dtype_is_float(logits->dtype))
+    KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_cross_entropy: logits must be floating, got %s (shape %s)",
+                    kiln_dtype_name(logits->dtype), kiln__tshape(logits));
+  if (target->dtype != KILN_I64 && target->dtype != KILN_I32)
+    KILN__FAIL_NULL(KILN_ERR_DTYPE,
+                    "kiln_cross_entropy: target must hold class indices (int64 or int32), got %s "
+                    "(shape %s)",
+                    kiln_dtype_name(target->dtype), kiln__tshape(target));
+  if (!valid_reduction(red))
+    KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "kiln_cross_entropy: invalid reduction %d", (int)red);
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT,
+                    "kiln_cross_entropy: label_smoothing must be in [0, 1], got %g", label_smoothing);
+  int nd = logits->ndim;
+  bool shape_ok = nd >= 1 && target->ndim == nd - 1;
+  if (shape_ok && nd >= 2) {
+    shape_ok = target->shape[0] == logits->shape[0];
+    for (int k = 2; k < nd && shape_ok; k++) shape_ok = target->shape[k - 1] == logits->shape[k];
+  }
+  if (!shape_ok)
+    KILN__FAIL_NULL(KILN_ERR_SHAPE,
+                    "kiln_cross_entropy: logits %s and target %s do not match (expected logits "
+                    "(N, C, d...) with target (N, d...), or logits (C) with a 0-dim target)",
+                    kiln__tshape(logits), kiln__tshape(target));
+  int64_t C = nd == 1 ? logits->shape[0] : logits->shape[1];
+  int64_t M = kiln_numel(target);
+  kiln_dtype ld = logits->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
+  kiln_device dev = kiln_device_of(logits);
+
+  bool ng = kiln__needs_grad(1, &logits);
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_scope_begin();
+  kiln_tensor *L2 = NULL, *T1 = NULL, *rows = NULL, *lse = NULL, *cnt = NULL, *r = NULL;
+  if (nd <= 2) {
+    L2 = kiln_reshape(logits, KILN_SHAPE(M, C));
+  } else { /* (N, C, d...) -> (N, d..., C) -> (M, C) */
+    int perm[KILN_MAX_DIMS];
+    perm[0] = 0;
+    for (int k = 1; k < nd - 1; k++) perm[k] = k + 1;
+    perm[nd - 1] = 1;
+    L2 = kiln_reshape(kiln_permute(logits, nd, perm), KILN_SHAPE(M, C));
+  }
+  T1 = kiln_reshape(target, KILN_SHAPE(M));
+  if (L2 && T1) rows = kiln__tensor_new(1, &M, ld, dev);
+  if (rows) lse = kiln__tensor_new(1, &M, ld, dev);
+  kiln_status st = lse ? KILN_OK : KILN_ERR_OOM;
+  if (lse && M > 0) {
+    kiln__kargs a = {0};
+    a.op = KILN__K_CROSS_ENTROPY;
+    a.n_in = 2;
+    a.n_out = 2;
+    a.in[0] = kiln__view_of(L2);
+    a.in[1] = kiln__view_of(T1);
+    a.out[0] = kiln__view_of(rows);
+    a.out[1] = kiln__view_of(lse);
+    a.i[0] = ignore_index;
+    a.s[0] = label_smoothing;
+    st = kiln__dispatch(dev, &a);
+  }
+  if (st == KILN_OK) {
+    if (red == KILN_REDUCTION_NONE) {
+      r = kiln_reshape(rows, target->ndim, target->shape);
+    } else if (red == KILN_REDUCTION_SUM) {
+      r = kiln_sum_all(rows);
+    } else {
+      kiln_tensor *ign = kiln_scalar((double)ignore_index, KILN_I64, dev);
+      cnt = kiln_to_dtype(kiln_sum_all(kiln_ne(T1, ign)), ld);
+      r = kiln_div(kiln_sum_all(rows), cnt);
+    }
+    if (r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
+  }
+  kiln_set_grad_enabled(prev);
+  if (r && ng) {
+    kiln__node *n = kiln__node_attach(r, "cross_entropy", ce_backward, 1, &logits);
+    if (!n) {
+      r = NULL;
+    } else {
+      kiln__node_save(n, 0, L2);
+      kiln__node_save(n, 1, T1);
+      kiln__node_save(n, 2, lse);
+      kiln__node_save(n, 3, cnt);
+      n->i[0] = red;
+      n->i[1] = ignore_index;
+      n->s[0] = label_smoothing;
+    }
+  }
+  return local_end(r);
+}
+
+/* ---- mse_loss ----------------------------------------------------------------------- */
+
+kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kiln_reduction red) {
+  if (!input || !target) return NULL;
+  if (!kiln_dtype_is_float(input->dtype) || !kiln_dtype_is_float(target->dtype))
+    KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_mse_loss: expected floating tensors, got %s and %s",
+                    kiln_dtype_name(input->dtype), kiln_dtype_name(target->dtype));
+  if (!valid_reduction(red))
+    KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "kiln_mse_loss: invalid reduction %d", (int)red);
+  /* Unlike PyTorch (a warning, then broadcasting), different shapes are an error: they
+  ** are nearly always a bug ((N, 1) against (N)). */
+  bool same = input->ndim == target->ndim;
+  for (int k = 0; same && k < input->ndim; k++) same = input->shape[k] == target->shape[k];
+  if (!same)
+    KILN__FAIL_NULL(KILN_ERR_SHAPE, "kiln_mse_loss: input %s and target %s must have the same shape",
+                    kiln__tshape(input), kiln__tshape(target));
+  kiln_scope_begin();
+  kiln_tensor *d = kiln_sub(input, target);
+  kiln_tensor *sq = kiln_mul(d, d);
+  kiln_tensor *r = red == KILN_REDUCTION_MEAN ? kiln_mean_all(sq)
+                   : red == KILN_REDUCTION_SUM ? kiln_sum_all(sq)
+                                               : sq;
+  return local_end(r);
+}

@@ -12,9 +12,12 @@
 
 #include <stdlib.h>
 
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r) {
+static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
   if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  *slot = kiln_tensor_ref(r);
+  /* A result made here is taken out of the engine's scope, so the engine holds the only
+  ** reference and can keep it without a copy. The incoming gradient itself (passed
+  ** through) may belong to someone else: it gets a reference of its own. */
+  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
   return KILN_OK;
 }
 
@@ -30,7 +33,7 @@ static kiln_status cat_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
   int d = (int)n->i[0];
   for (int k = 0; k < n->n_in; k++) {
     if (!n->needs[k]) continue;
-    kiln_status st = give(&gi[k], kiln_narrow(g, d, n->i[1 + k], n->i[5 + k]));
+    kiln_status st = give(&gi[k], kiln_narrow(g, d, n->i[1 + k], n->i[5 + k]), g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

@@ -19,9 +19,12 @@ static kiln_tensor *local_end(kiln_tensor *r) {
   return kiln__scope_track(r);
 }
 
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r) {
+static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
   if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  *slot = kiln_tensor_ref(r);
+  /* A result made here is taken out of the engine's scope, so the engine holds the only
+  ** reference and can keep it without a copy. The incoming gradient itself (passed
+  ** through) may belong to someone else: it gets a reference of its own. */
+  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
   return KILN_OK;
 }
 
@@ -80,7 +83,7 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
     for (int k = 2; k < nd; k++) perm[k] = k - 1;
     r = kiln_contiguous(kiln_permute(kiln_reshape(dl, nd, sh), nd, perm));
   }
-  return give(&gi[0], r);
+  return give(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_reduction red,

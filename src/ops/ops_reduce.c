@@ -22,10 +22,12 @@ static kiln_tensor *local_end(kiln_tensor *r) {
   return kiln__scope_track(r);
 }
 
-/* Backward results must be new references the engine owns (not the scope's). */
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r) {
+static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
   if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  *slot = kiln_tensor_ref(r);
+  /* A result made here is taken out of the engine's scope, so the engine holds the only
+  ** reference and can keep it without a copy. The incoming gradient itself (passed
+  ** through) may belong to someone else: it gets a reference of its own. */
+  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
   return KILN_OK;
 }
 
@@ -175,7 +177,7 @@ static bool is_half(kiln_dtype dt) { return dt == KILN_F16 || dt == KILN_BF16; }
 
 static kiln_status sum_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *r = expand_back(g, n->in_ndim[0], n->in_shape[0], (uint32_t)n->i[0], n->i[1] != 0);
-  return give(&gi[0], r);
+  return give(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_sum(kiln_tensor *t, int ndims, const int *dims, bool keepdim) {
@@ -211,7 +213,7 @@ kiln_tensor *kiln_sum_all(kiln_tensor *t) { return kiln_sum(t, 0, NULL, false); 
 static kiln_status mean_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *r = expand_back(g, n->in_ndim[0], n->in_shape[0], (uint32_t)n->i[0], n->i[1] != 0);
   if (r) r = kiln_mul_scalar(r, n->s[0]);
-  return give(&gi[0], r);
+  return give(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_mean(kiln_tensor *t, int ndims, const int *dims, bool keepdim) {
@@ -268,7 +270,7 @@ static kiln_status aext_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi
   kiln_tensor *cnt = k ? kiln_sum(hit, k, dims, true) : hit;
   kiln_tensor *r = kiln_mul(hit, kiln_div(gk, cnt));
   if (r && r->dtype != n->in_dtype[0]) r = kiln_to_dtype(r, n->in_dtype[0]);
-  return give(&gi[0], r);
+  return give(&gi[0], r, g);
 }
 
 static kiln_tensor *aext(const char *op, const char *name, kiln__kop kop, kiln_tensor *t, int ndims,
@@ -344,13 +346,13 @@ kiln_tensor *kiln_std(kiln_tensor *t, int ndims, const int *dims, int correction
 /* The gradient goes to the position the index names (first on ties, like PyTorch). */
 static kiln_status extdim_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   int nd = n->in_ndim[0];
-  if (nd == 0) return give(&gi[0], kiln_contiguous(g));
+  if (nd == 0) return give(&gi[0], kiln_contiguous(g), g);
   int d = (int)n->i[0];
   bool keepdim = n->i[1] != 0;
   kiln_tensor *idx = unsqueeze_back(n->saved[0], nd, 1u << d, keepdim);
   kiln_tensor *gk = unsqueeze_back(g, nd, 1u << d, keepdim);
   kiln_tensor *z = kiln_zeros(nd, n->in_shape[0], g->dtype, kiln_device_of(g));
-  return give(&gi[0], kiln_scatter_add(z, d, idx, gk));
+  return give(&gi[0], kiln_scatter_add(z, d, idx, gk), g);
 }
 
 /* Values and i64 indices of the max (min) along dim; both owned by the caller's scope. */

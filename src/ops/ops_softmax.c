@@ -36,7 +36,7 @@ static kiln_status softmax_bw_common(kiln__node *n, kiln_tensor *g, kiln_tensor 
     kiln_status st = kiln__dispatch(kiln_device_of(y), &a);
     if (st != KILN_OK) return st;
   }
-  gi[0] = kiln_tensor_ref(dx);
+  gi[0] = kiln_keep(dx); /* the engine's reference; no copy */
   return KILN_OK;
 }
 

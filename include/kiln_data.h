@@ -1,0 +1,202 @@
+/*
+** kiln_data — datasets, the batch loader, and dataset file readers (IDX, CSV).
+** Built only on the public API (kiln.h); .npy and safetensors live in kiln_io.h.
+**
+**   kiln_tensor *x, *y, *tx, *ty;                   // (60000, 28, 28) f32, (60000) i64
+**   if (kiln_fashion_mnist_load(NULL, &x, &y, &tx, &ty) != KILN_OK) ...
+**   kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+**   kiln_loader_opts o = kiln_loader_opts_default();
+**   o.batch_size = 64; o.shuffle = true; o.seed = 1; o.num_workers = 2;
+**   o.device = kiln_device_best();
+**   kiln_loader *l = kiln_loader_new(ds, &o);
+**   for (int epoch = 0; epoch < 10; epoch++) {
+**     kiln_loader_epoch(l, epoch);
+**     kiln_tensor *b[2];
+**     for (;;) {
+**       kiln_scope_begin();                         // one scope per step
+**       int r = kiln_loader_next(l, b);             // 1 batch, 0 end of epoch, -1 error
+**       if (r == 1) { ... a step on b[0] (64, 28, 28) and b[1] (64) ... }
+**       kiln_scope_end();                           // frees the batch with the step
+**       if (r < 0) fprintf(stderr, "%s\n", kiln_last_error_message());
+**       if (r != 1) break;
+**     }
+**   }
+**   kiln_loader_free(l);
+**   kiln_dataset_free(ds);
+*/
+#ifndef KILN_DATA_H
+#define KILN_DATA_H
+
+#include "kiln.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --------------------------------------------------------------------------------------
+** Datasets: a length and, for each index, a sample made of n_fields tensors (like a
+** PyTorch Dataset returning a tuple). Every sample's field f has the same dtype and shape
+** (the field's spec), so the loader can stack samples into (B, ...) batches.
+*/
+typedef struct kiln_dataset kiln_dataset;
+
+typedef struct kiln_field_spec {
+  kiln_dtype dtype;
+  int ndim;                      /* dims of one sample's field (0: a scalar per sample) */
+  int64_t shape[KILN_MAX_DIMS];
+} kiln_field_spec;
+
+/* A user dataset. get is called from loader worker threads concurrently (with different
+** indices): it must be thread-safe. It writes sample `index` (0 <= index < len) into
+** field_bufs[f], host memory for one contiguous C-order element of field f's spec (in
+** the spec's dtype), and returns KILN_OK or an error code (setting kiln_set_error with a
+** message; the loader reports it from kiln_loader_next). destroy (may be NULL) is called
+** with self by kiln_dataset_free. */
+typedef struct kiln_dataset_vtable {
+  int64_t (*len)(void *self);
+  kiln_status (*get)(void *self, int64_t index, void *const *field_bufs);
+  void (*destroy)(void *self);
+} kiln_dataset_vtable;
+
+/* A dataset over a user's vtable. vt and fields are copied; self is passed to every call.
+** NULL + KILN_ERR_INVALID_ARGUMENT (NULL vt/len/get, n_fields < 1 or over 64, a bad spec),
+** KILN_ERR_OOM. */
+KILN_API kiln_dataset *kiln_dataset_new(const kiln_dataset_vtable *vt, void *self, int n_fields,
+                                        const kiln_field_spec *fields);
+/* A dataset whose sample i is (fields[0][i], ..., fields[n-1][i]). Every field has at
+** least one dim and the same size of dim 0. The dataset takes its own reference to each
+** tensor (released by kiln_dataset_free), so scoped tensors may be passed. The loader
+** gathers a batch with one kiln_index_select per field on the field's device.
+** NULL + KILN_ERR_INVALID_ARGUMENT (NULL, n_fields < 1 or over 64), KILN_ERR_SHAPE. */
+KILN_API kiln_dataset *kiln_tensor_dataset_new(int n_fields, kiln_tensor *const *fields);
+/* Number of samples (-1 with KILN_ERR_INVALID_ARGUMENT for NULL). */
+KILN_API int64_t kiln_dataset_len(const kiln_dataset *ds);
+/* Number of fields per sample (0 for NULL) and field i's spec (NULL when out of range). */
+KILN_API int kiln_dataset_num_fields(const kiln_dataset *ds);
+KILN_API const kiln_field_spec *kiln_dataset_field(const kiln_dataset *ds, int i);
+/* Sample index as n_fields new CPU tensors written to out (owned by the current scope,
+** else by the caller). KILN_ERR_INDEX for an index out of range, the dataset's error. */
+KILN_API kiln_status kiln_dataset_get(kiln_dataset *ds, int64_t index, kiln_tensor **out);
+/* Frees the dataset (calls destroy, releases tensor fields). It must outlive every loader
+** made from it. NULL is a no-op. */
+KILN_API void kiln_dataset_free(kiln_dataset *ds);
+
+/* --------------------------------------------------------------------------------------
+** Loader: batches of a dataset, in a per-epoch order, prefetched by worker threads.
+*/
+typedef struct kiln_loader kiln_loader;
+
+/* A custom collate: makes n_out batch tensors from n_samples samples. samples[s * n_fields
+** + f] is sample s's field f (a CPU tensor of the field's spec, or for a tensor dataset a
+** view of the field's row on its device), borrowed. It writes n_out new tensors to out and
+** returns KILN_OK, or an error code. It runs inside a scope that the loader opens (in a
+** worker thread, or in the caller's thread when num_workers is 0): results of ops are
+** fine as they are, the scope frees intermediates, and the loader keeps the outputs. To
+** pass a sample through, return kiln_tensor_ref(sample). Must be thread-safe. */
+typedef kiln_status (*kiln_collate_fn)(void *user, int n_samples, int n_fields,
+                                       kiln_tensor *const *samples, kiln_tensor **out);
+
+typedef struct kiln_loader_opts {
+  int64_t batch_size;   /* samples per batch, >= 1 */
+  bool shuffle;         /* a new permutation each epoch from seed + epoch */
+  uint64_t seed;
+  bool drop_last;       /* drop the last, smaller batch */
+  int num_workers;      /* 0: batches are made in the caller's thread by kiln_loader_next */
+  int prefetch_factor;  /* batches in flight per worker (queue: prefetch_factor *
+                           num_workers); 0 means 2 */
+  kiln_device device;   /* where batches are delivered (kiln_to_device after collate) */
+  kiln_collate_fn collate; /* NULL: stack each field into (B, ...) */
+  void *collate_user;
+  int collate_n_out;    /* tensors a custom collate makes; 0 means n_fields */
+} kiln_loader_opts;
+
+/* batch_size 1, no shuffle, seed 0, keep the last batch, no workers, prefetch 2, cpu. */
+KILN_API kiln_loader_opts kiln_loader_opts_default(void);
+
+/* A loader over ds (borrowed: ds must outlive the loader). opts is copied; NULL means
+** kiln_loader_opts_default(). NULL + KILN_ERR_INVALID_ARGUMENT (NULL ds, batch_size < 1,
+** num_workers < 0 or over 256, prefetch_factor < 0, collate_n_out < 0 or over 64),
+** KILN_ERR_OOM. No thread starts before the first epoch. */
+KILN_API kiln_loader *kiln_loader_new(kiln_dataset *ds, const kiln_loader_opts *opts);
+/* Starts epoch `epoch`: stops the workers of an unfinished epoch (dropping its batches),
+** fixes the order (shuffle: kiln_randperm with a generator seeded seed + epoch, so the
+** order is the same for any num_workers; else 0..n-1) and starts the workers. The
+** dataset's length is read again here. KILN_ERR_INVALID_ARGUMENT, KILN_ERR_OOM,
+** KILN_ERR_INTERNAL (a thread could not start). */
+KILN_API kiln_status kiln_loader_epoch(kiln_loader *l, uint64_t epoch);
+/* The next batch of the epoch, in order, written to fields[0 .. kiln_loader_num_fields-1].
+** Returns
+**    1  a batch: fields hold new tensors on opts.device, (B, ...) for the default collate
+**       (B = batch_size except for a smaller last batch when !drop_last), owned by the
+**       current scope like any op result, or by the caller when no scope is open;
+**    0  the end of the epoch (fields untouched); further calls return 0 until the next
+**       kiln_loader_epoch. With no epoch started, the first call starts epoch 0;
+**   -1  an error (fields untouched): kiln_last_error() tells which (the dataset's or
+**       collate's error, KILN_ERR_OOM, KILN_ERR_DEVICE, KILN_ERR_INVALID_ARGUMENT). The
+**       failed batch is skipped: the next call goes on with the one after it. */
+KILN_API int kiln_loader_next(kiln_loader *l, kiln_tensor **fields);
+/* Batches per epoch for the dataset's current length: ceil(n / B), or floor(n / B) with
+** drop_last, which is 0 when the dataset is shorter than one batch (every epoch is then
+** empty: kiln_loader_next returns 0 at once). -1 for NULL. */
+KILN_API int64_t kiln_loader_len(const kiln_loader *l);
+/* Tensors per batch (collate_n_out, or the dataset's n_fields). 0 for NULL. */
+KILN_API int kiln_loader_num_fields(const kiln_loader *l);
+/* Stops and joins the workers, even mid-epoch, and frees undelivered batches. Batches
+** already delivered stay valid. NULL is a no-op. */
+KILN_API void kiln_loader_free(kiln_loader *l);
+
+/* --------------------------------------------------------------------------------------
+** IDX files (MNIST, Fashion-MNIST). Layout: see src/data/idx.c.
+*/
+/* Loads an IDX file, gzip-compressed (when built with zlib) or raw, as a new CPU tensor of
+** the file's dims: u8 for type 0x08; 0x09 (i8) and 0x0B (i16) widen to i32; 0x0C i32,
+** 0x0D f32, 0x0E f64. Owned by the current scope, else by the caller. NULL +
+** KILN_ERR_IO (open/read, a broken gzip stream), KILN_ERR_FORMAT (bad magic, type, dims,
+** truncated or trailing data; the message gives the byte offset, counted in the
+** uncompressed stream for .gz), KILN_ERR_UNSUPPORTED (a .gz file in a build without
+** zlib), KILN_ERR_OOM. */
+KILN_API kiln_tensor *kiln_idx_load(const char *path);
+/* Fashion-MNIST (or MNIST: the same file names) from dir: train-images-idx3-ubyte,
+** train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each raw or
+** with .gz. dir NULL: $KILN_DATA_DIR (the directory itself, or its fashion-mnist/ child)
+** when set, else /usr/share/datasets/fashion-mnist. Images become f32 (N, 28, 28) scaled
+** to [0, 1], labels i64 (N). Any output pointer may be NULL to skip that file. On success
+** the outputs are new tensors (owned by the current scope, else by the caller); on error
+** none is set (all NULL) and nothing leaks. KILN_ERR_IO naming the missing file and the
+** directories tried, KILN_ERR_FORMAT (wrong dims, image and label counts disagree). */
+KILN_API kiln_status kiln_fashion_mnist_load(const char *dir, kiln_tensor **train_x,
+                                             kiln_tensor **train_y, kiln_tensor **test_x,
+                                             kiln_tensor **test_y);
+
+/* --------------------------------------------------------------------------------------
+** CSV with numeric columns (src/data/csv.c).
+*/
+typedef enum kiln_csv_header {
+  KILN_CSV_HEADER_AUTO = 0, /* a first line with a non-numeric field is a header */
+  KILN_CSV_HEADER_YES,
+  KILN_CSV_HEADER_NO
+} kiln_csv_header;
+
+typedef struct kiln_csv_opts {
+  char delimiter;          /* 0 means ',' */
+  kiln_csv_header header;
+  const char *label_name;  /* the label column by header name; NULL: use label_col */
+  int label_col;           /* the label column by index (negative counts from the end) */
+  bool no_label;           /* every column is a feature; *labels is set to NULL */
+} kiln_csv_opts;
+
+/* Reads a CSV file of numbers (fields may be quoted and padded with spaces; blank lines
+** are skipped; \n or \r\n). A zero-filled opts (or NULL) means: ',' delimiter, header
+** detected, the label in column 0. Features become f32 (N, F) with every column but the
+** label's, labels i64 (N) (each label must be an integer). Both are new CPU tensors owned
+** by the current scope, else by the caller; on error neither is set. labels may be NULL
+** when no_label is set. KILN_ERR_IO, KILN_ERR_FORMAT naming the line and column (a
+** non-number, a wrong number of fields, a non-integer label, no data rows),
+** KILN_ERR_INVALID_ARGUMENT (no such label column), KILN_ERR_OOM. */
+KILN_API kiln_status kiln_csv_load(const char *path, const kiln_csv_opts *opts,
+                                   kiln_tensor **features, kiln_tensor **labels);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_DATA_H */

@@ -1,0 +1,103 @@
+/*
+** kiln_io — named-tensor dictionaries and file formats (safetensors, .npy).
+**
+** Built only on the public API (kiln.h). Every function follows kiln's rules: errors are
+** values (NULL or a status code, with the thread-local last error naming the file, the
+** tensor and the byte offset), freeing NULL is a no-op.
+**
+**   kiln_dict *d = kiln_dict_new();
+**   kiln_dict_set(d, "fc1.weight", w);               // the dict takes its own reference
+**   kiln_dict_set_meta(d, "format", "pt");
+**   if (kiln_safetensors_save("model.safetensors", d) != KILN_OK) ...
+**   kiln_dict_free(d);
+**   kiln_dict *back = kiln_safetensors_load("model.safetensors", kiln_device_cpu());
+**   kiln_tensor *w2 = kiln_dict_get(back, "fc1.weight");   // borrowed from the dict
+*/
+#ifndef KILN_IO_H
+#define KILN_IO_H
+
+#include "kiln.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --------------------------------------------------------------------------------------
+** kiln_dict: an ordered name -> tensor map plus an ordered string -> string metadata map.
+** Used for state dicts and safetensors files. Tensors in a dict hold no scope reference:
+** the dict holds a plain reference (kiln_tensor_ref) and releases it in kiln_dict_free.
+** Names and metadata are copied. A dict is not thread-safe for concurrent writes.
+*/
+typedef struct kiln_dict kiln_dict;
+
+/* A new, empty dict. NULL + KILN_ERR_OOM on failure. Free with kiln_dict_free. */
+KILN_API kiln_dict *kiln_dict_new(void);
+/* Releases the dict's tensor references, names and metadata. NULL is a no-op. */
+KILN_API void kiln_dict_free(kiln_dict *d);
+/* Stores t under name, taking its own reference (the caller keeps its own). An existing
+** entry of that name is replaced in place (its position is kept, the old tensor released).
+** KILN_ERR_INVALID_ARGUMENT for a NULL d, name or t, or an empty name; KILN_ERR_OOM. */
+KILN_API kiln_status kiln_dict_set(kiln_dict *d, const char *name, kiln_tensor *t);
+/* The tensor stored under name, borrowed (valid while the entry lives); NULL if absent
+** or d/name is NULL. Sets no error. */
+KILN_API kiln_tensor *kiln_dict_get(const kiln_dict *d, const char *name);
+/* Number of tensor entries (0 for NULL). */
+KILN_API int kiln_dict_size(const kiln_dict *d);
+/* The name / tensor (borrowed) of entry i in insertion order; NULL when i is out of
+** range. */
+KILN_API const char *kiln_dict_key(const kiln_dict *d, int i);
+KILN_API kiln_tensor *kiln_dict_value(const kiln_dict *d, int i);
+/* Sets metadata key -> value (both copied; an existing key is replaced in place).
+** KILN_ERR_INVALID_ARGUMENT for NULL arguments; KILN_ERR_OOM. */
+KILN_API kiln_status kiln_dict_set_meta(kiln_dict *d, const char *key, const char *value);
+/* The metadata value for key (borrowed), NULL if absent. Sets no error. */
+KILN_API const char *kiln_dict_get_meta(const kiln_dict *d, const char *key);
+KILN_API int kiln_dict_meta_size(const kiln_dict *d);
+/* Metadata entry i in insertion order (borrowed); NULL when out of range. */
+KILN_API const char *kiln_dict_meta_key(const kiln_dict *d, int i);
+KILN_API const char *kiln_dict_meta_value(const kiln_dict *d, int i);
+
+/* --------------------------------------------------------------------------------------
+** safetensors (https://github.com/huggingface/safetensors). Layout: see src/io/safetensors.c.
+** Dtypes: F32 F64 F16 BF16 I64 I32 U8 BOOL (others: KILN_ERR_DTYPE).
+*/
+/* Writes d to path atomically (path.tmp.<pid>, fsync, rename, fsync of the directory).
+** Tensors on any device and with any strides are copied to the host in C order. Keys are
+** written sorted by dtype size (largest first) then name, as the reference does; the
+** metadata becomes "__metadata__". KILN_ERR_INVALID_ARGUMENT (NULL, a name
+** "__metadata__"), KILN_ERR_IO (naming the path and errno), KILN_ERR_OOM. */
+KILN_API kiln_status kiln_safetensors_save(const char *path, const kiln_dict *d);
+/* Reads a safetensors file; tensors are created on dev (read on the CPU, then moved).
+** Returns a new dict the caller frees; its tensors are owned by the dict only (no scope).
+** The whole file is validated first: header length against the file size, JSON syntax,
+** dtype, shape, data_offsets in range, shape * dtype size equal to the byte length, the
+** tensors covering the data area exactly (contiguous, no overlap, no gap), no duplicate
+** names, "__metadata__" a string map. NULL + KILN_ERR_IO (open/read) or KILN_ERR_FORMAT
+** (a message naming the file, the tensor and the file byte offset), KILN_ERR_DTYPE for a
+** valid but unsupported dtype (I8, U16, F8_E4M3, ...), KILN_ERR_OOM. */
+KILN_API kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev);
+/* Atomic whole-file write used by checkpoints: writes n bytes to path.tmp.<pid>, fsyncs,
+** renames over path, fsyncs the directory. On failure path is untouched and the temporary
+** file removed. KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO (naming the path and errno). */
+KILN_API kiln_status kiln_file_write_atomic(const char *path, const void *data, size_t n);
+
+/* --------------------------------------------------------------------------------------
+** NumPy .npy (format versions 1.0, 2.0, 3.0). Layout: see src/io/npy.c.
+** Dtypes: <f4 <f8 <f2 <i8 <i4 |u1 |b1 (also written with '=' or '|' where numpy allows).
+*/
+/* Loads an array as a new tensor on dev, contiguous in C order. A fortran_order file is
+** read and transposed so the tensor has the array's logical shape and values. The result
+** follows the usual rule (owned by the current scope, else by the caller).
+** NULL + KILN_ERR_IO (open/read), KILN_ERR_FORMAT (bad magic, header, a big-endian dtype,
+** truncated data; the message gives the byte offset), KILN_ERR_DTYPE (a dtype kiln lacks),
+** KILN_ERR_OOM. */
+KILN_API kiln_tensor *kiln_npy_load(const char *path, kiln_device dev);
+/* Writes t (any device, any strides) as a C-order .npy (version 1.0, or 2.0 for a header
+** over 64 KiB), atomically like kiln_file_write_atomic. BF16 has no numpy dtype:
+** KILN_ERR_DTYPE (convert to f32 first). KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO. */
+KILN_API kiln_status kiln_npy_save(const char *path, const kiln_tensor *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_IO_H */

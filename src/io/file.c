@@ -1,0 +1,148 @@
+/*
+** Atomic file writes: write a temporary file beside the target, fsync it, rename it over
+** the target, fsync the directory. A crash leaves either the old file or the new one,
+** never a torn one (checkpoints depend on this).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "io_int.h"
+#include "kiln_io.h"
+
+static char *dup_str(const char *s) {
+  size_t n = strlen(s) + 1;
+  char *p = malloc(n);
+  if (p) memcpy(p, s, n);
+  return p;
+}
+
+kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char *path) {
+  memset(af, 0, sizeof *af);
+  af->who = who;
+  if (!path || !*path) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: empty path", who);
+  af->path = dup_str(path);
+  size_t n = strlen(path) + 48;
+  af->tmp = malloc(n);
+  if (!af->path || !af->tmp) {
+    free(af->path);
+    free(af->tmp);
+    af->path = af->tmp = NULL;
+    return kiln_set_error(KILN_ERR_OOM, "%s: out of memory", who);
+  }
+  snprintf(af->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+  af->f = fopen(af->tmp, "wb");
+  if (!af->f) {
+    int e = errno;
+    kiln_set_error(KILN_ERR_IO, "%s: cannot create %s: %s", who, af->tmp, strerror(e));
+    free(af->path);
+    free(af->tmp);
+    af->path = af->tmp = NULL;
+    return KILN_ERR_IO;
+  }
+  return KILN_OK;
+}
+
+kiln_status kiln__atomic_write(kiln__atomic_file *af, const void *data, size_t n) {
+  if (!af->f || af->failed) return KILN_ERR_IO;
+  if (n && fwrite(data, 1, n, af->f) != n) {
+    int e = errno;
+    af->failed = 1;
+    return kiln_set_error(KILN_ERR_IO, "%s: write to %s failed: %s", af->who, af->tmp,
+                          strerror(e));
+  }
+  return KILN_OK;
+}
+
+void kiln__atomic_abort(kiln__atomic_file *af) {
+  if (af->f) fclose(af->f);
+  if (af->tmp) remove(af->tmp);
+  free(af->tmp);
+  free(af->path);
+  memset(af, 0, sizeof *af);
+}
+
+/* fsync of the directory makes the rename itself durable (ext4/xfs need it). */
+static void sync_dir_of(const char *path) {
+  char *dir = dup_str(path);
+  if (!dir) return;
+  char *slash = strrchr(dir, '/');
+  const char *d = ".";
+  if (slash == dir) d = "/";
+  else if (slash) {
+    *slash = 0;
+    d = dir;
+  }
+  int fd = open(d, O_RDONLY);
+  if (fd >= 0) {
+    (void)fsync(fd); /* best effort: some file systems refuse fsync on a directory */
+    close(fd);
+  }
+  free(dir);
+}
+
+kiln_status kiln__atomic_commit(kiln__atomic_file *af) {
+  if (!af->f) return KILN_ERR_IO;
+  if (af->failed) {
+    kiln__atomic_abort(af);
+    return KILN_ERR_IO;
+  }
+  int e = 0;
+  if (fflush(af->f) != 0 || fsync(fileno(af->f)) != 0) e = errno;
+  if (fclose(af->f) != 0 && !e) e = errno;
+  af->f = NULL;
+  if (e) {
+    kiln_set_error(KILN_ERR_IO, "%s: cannot flush %s: %s", af->who, af->tmp, strerror(e));
+    kiln__atomic_abort(af);
+    return KILN_ERR_IO;
+  }
+  if (rename(af->tmp, af->path) != 0) {
+    e = errno;
+    kiln_set_error(KILN_ERR_IO, "%s: cannot rename %s to %s: %s", af->who, af->tmp,
+                   af->path, strerror(e));
+    kiln__atomic_abort(af);
+    return KILN_ERR_IO;
+  }
+  sync_dir_of(af->path);
+  free(af->tmp);
+  free(af->path);
+  memset(af, 0, sizeof *af);
+  return KILN_OK;
+}
+
+kiln_status kiln_file_write_atomic(const char *path, const void *data, size_t n) {
+  if (!path || (!data && n))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "kiln_file_write_atomic: NULL %s", path ? "data" : "path");
+  kiln__atomic_file af;
+  kiln_status st = kiln__atomic_open(&af, "kiln_file_write_atomic", path);
+  if (st != KILN_OK) return st;
+  if (kiln__atomic_write(&af, data, n) != KILN_OK) {
+    kiln__atomic_abort(&af);
+    return KILN_ERR_IO;
+  }
+  return kiln__atomic_commit(&af);
+}
+
+int kiln__host_is_le(void) {
+  const uint16_t one = 1;
+  unsigned char b;
+  memcpy(&b, &one, 1);
+  return b == 1;
+}
+
+void kiln__swap_bytes(void *data, size_t n, size_t esize) {
+  if (esize <= 1) return;
+  unsigned char *p = data;
+  for (size_t i = 0; i < n; i++, p += esize)
+    for (size_t a = 0, b = esize - 1; a < b; a++, b--) {
+      unsigned char t = p[a];
+      p[a] = p[b];
+      p[b] = t;
+    }
+}
+
+kiln_tensor *kiln__own(kiln_tensor *t) { return t ? kiln_keep(t) : NULL; }

@@ -1,0 +1,39 @@
+/*
+** Internals shared by the io and data layers (not API). Built only on kiln.h.
+*/
+#ifndef KILN_IO_INT_H
+#define KILN_IO_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kiln.h"
+
+/* A file being written atomically: bytes go to path.tmp.<pid>; commit fsyncs it, renames
+** it over path and fsyncs the directory; abort removes it. Every failure sets
+** KILN_ERR_IO naming `who`, the path and errno, and leaves path untouched. */
+typedef struct kiln__atomic_file {
+  FILE *f;
+  char *path;
+  char *tmp;
+  const char *who;
+  int failed;
+} kiln__atomic_file;
+
+kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char *path);
+kiln_status kiln__atomic_write(kiln__atomic_file *af, const void *data, size_t n);
+kiln_status kiln__atomic_commit(kiln__atomic_file *af);
+void kiln__atomic_abort(kiln__atomic_file *af);
+
+/* 1 on a little-endian host. File formats here are little-endian; on a big-endian host
+** element bytes are swapped after reading and before writing. */
+int kiln__host_is_le(void);
+/* Reverses the bytes of each of n elements of size esize (1: nothing). */
+void kiln__swap_bytes(void *data, size_t n, size_t esize);
+
+/* A tensor made here and owned by the calling code, whether or not a scope is open:
+** kiln_keep() after creation (a no-op without a scope). */
+kiln_tensor *kiln__own(kiln_tensor *t);
+
+#endif /* KILN_IO_INT_H */

@@ -13,7 +13,10 @@
 **   otherwise, inputs have already been broadcast to the output's shape (stride 0 on the
 **   broadcast dims) by the op layer, so in[i].ndim == out[0].ndim and shapes agree.
 ** - Views may be non-contiguous and may have stride 0; outputs never overlap inputs
-**   except where an op says "accumulates into out".
+**   except where an op says "accumulates into out", and except that unary and binary
+**   elementwise ops (and COPY) may be given out0 identical to in0 (the same data, shape
+**   and strides): in-place updates (kiln_mul_scalar_, kiln_axpy_). Each element is read
+**   before it is written, so this is safe for elementwise loops.
 ** - 16-bit floats are computed in f32 inside the kernel; f64 in f64.
 ** - A kernel returns KILN_OK, or sets the last error (kiln_set_error) and returns a code.
 **   It never aborts on bad data (an out-of-range index is KILN_ERR_INDEX).

@@ -1,0 +1,45 @@
+/*
+** The CPU backend's internal declarations: one entry point per kernel family (each
+** switches on a->op), the memory functions of the vtable, and the fault-injection hook.
+*/
+#ifndef KILN_CPU_H
+#define KILN_CPU_H
+
+#include "../backend.h"
+
+/* ---- memory (cpu_memory.c) ---- */
+void *kiln__cpu_alloc(int device, size_t nbytes);
+void kiln__cpu_free(int device, void *ptr, size_t nbytes);
+kiln_status kiln__cpu_memcpy(int device, void *dst, const void *src, size_t nbytes);
+kiln_status kiln__cpu_memset_zero(int device, void *ptr, size_t nbytes);
+kiln_status kiln__cpu_synchronize(int device);
+kiln_status kiln__cpu_memory_stats(int device, kiln_memory_stats *out);
+kiln_status kiln__cpu_empty_cache(int device);
+kiln_status kiln__cpu_set_memory_limit(int device, int64_t bytes);
+void kiln__cpu_reset_peak(int device);
+/* Fault injection for tests (SQLite/Lua style): after n more successful allocations,
+** every allocation fails with KILN_ERR_OOM until this is called again; n < 0 turns it
+** off. The env var KILN_CPU_FAIL_ALLOC_AFTER=N does the same from the first allocation. */
+void kiln__cpu_fail_alloc_after(int64_t n);
+
+/* ---- kernels ---- */
+kiln_status kiln__cpu_copy(const kiln__kargs *a);
+kiln_status kiln__cpu_fill(const kiln__kargs *a);
+kiln_status kiln__cpu_arange(const kiln__kargs *a);
+kiln_status kiln__cpu_eye(const kiln__kargs *a);
+kiln_status kiln__cpu_unary(const kiln__kargs *a);    /* unary ops and their backward */
+kiln_status kiln__cpu_binary(const kiln__kargs *a);   /* arithmetic and comparisons */
+kiln_status kiln__cpu_where(const kiln__kargs *a);
+kiln_status kiln__cpu_random(const kiln__kargs *a);
+kiln_status kiln__cpu_reduce(const kiln__kargs *a);   /* SUM PROD AMAX AMIN */
+kiln_status kiln__cpu_minmax_dim(const kiln__kargs *a);
+kiln_status kiln__cpu_softmax(const kiln__kargs *a);  /* and LOG_SOFTMAX, backward ones */
+kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a);
+kiln_status kiln__cpu_cross_entropy_backward(const kiln__kargs *a);
+kiln_status kiln__cpu_matmul(const kiln__kargs *a);
+kiln_status kiln__cpu_index_select(const kiln__kargs *a);
+kiln_status kiln__cpu_index_add(const kiln__kargs *a);
+kiln_status kiln__cpu_gather(const kiln__kargs *a);
+kiln_status kiln__cpu_scatter_add(const kiln__kargs *a);
+
+#endif /* KILN_CPU_H */

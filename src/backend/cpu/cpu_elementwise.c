@@ -1,0 +1,475 @@
+/*
+** Elementwise kernels: copy/cast, fill, arange, eye, unary ops and their backward rules,
+** binary arithmetic and comparisons, where. Each op is a loop over contiguous arrays of
+** its compute type (f32 for f32/f16/bf16, f64, or i64 for integers and bool), written
+** once per type by macro; kiln__cpu_map feeds it strided/broadcast/16-bit views chunk by
+** chunk, and hands it the tensors' own memory when they already are of that type and
+** contiguous, so the common case is one vectorizable loop.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+
+#include <stdint.h>
+#include <string.h>
+#include <tgmath.h>
+
+/* Saturating double -> int64 for integer scalars (inf bounds of clamp, etc.). */
+static int64_t kiln__sat(double v) {
+  if (v != v) return 0;
+  if (v >= 9223372036854775807.0) return INT64_MAX;
+  if (v <= -9223372036854775808.0) return INT64_MIN;
+  return (int64_t)v;
+}
+
+#define KILN__VEC_HEAD(NAME)                                                              \
+  static void NAME(void *o_, const void *const *in, int64_t n, int64_t k0,                \
+                   const kiln__kargs *a)
+
+/* unary: v = input, r = result; s0 s1 scalars */
+#define KILN__U(NAME, T, BODY)                                                            \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    T *y = (T *)o_;                                                                       \
+    const T *x = (const T *)in[0];                                                        \
+    const T s0 = (T)a->s[0], s1 = (T)a->s[1];                                             \
+    (void)k0;                                                                             \
+    (void)s0;                                                                             \
+    (void)s1;                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const T v = x[i];                                                                   \
+      T r;                                                                                \
+      BODY;                                                                               \
+      y[i] = r;                                                                           \
+    }                                                                                     \
+  }
+#define KILN__UI(NAME, BODY)                                                              \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    int64_t *y = (int64_t *)o_;                                                           \
+    const int64_t *x = (const int64_t *)in[0];                                            \
+    const int64_t s0 = kiln__sat(a->s[0]), s1 = kiln__sat(a->s[1]);                       \
+    (void)k0;                                                                             \
+    (void)s0;                                                                             \
+    (void)s1;                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const int64_t v = x[i];                                                             \
+      int64_t r;                                                                          \
+      BODY;                                                                               \
+      y[i] = r;                                                                           \
+    }                                                                                     \
+  }
+/* two inputs: x, y (binary) or v = forward input/output, g = grad (backward) */
+#define KILN__B(NAME, T, BODY)                                                            \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    T *z = (T *)o_;                                                                       \
+    const T *x = (const T *)in[0];                                                        \
+    const T *y = (const T *)in[1];                                                        \
+    const T s0 = (T)a->s[0], s1 = (T)a->s[1];                                             \
+    (void)k0;                                                                             \
+    (void)s0;                                                                             \
+    (void)s1;                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const T v = x[i], g = y[i];                                                         \
+      T r;                                                                                \
+      BODY;                                                                               \
+      z[i] = r;                                                                           \
+    }                                                                                     \
+  }
+#define KILN__BI(NAME, BODY)                                                              \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    int64_t *z = (int64_t *)o_;                                                           \
+    const int64_t *x = (const int64_t *)in[0];                                            \
+    const int64_t *y = (const int64_t *)in[1];                                            \
+    const int64_t s0 = kiln__sat(a->s[0]);                                                \
+    (void)k0;                                                                             \
+    (void)s0;                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const int64_t v = x[i], g = y[i];                                                   \
+      int64_t r;                                                                          \
+      BODY;                                                                               \
+      z[i] = r;                                                                           \
+    }                                                                                     \
+  }
+/* comparisons: bool (uint8 0/1) out */
+#define KILN__C(NAME, T, EXPR)                                                            \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    uint8_t *z = (uint8_t *)o_;                                                           \
+    const T *x = (const T *)in[0];                                                        \
+    const T *y = (const T *)in[1];                                                        \
+    (void)k0;                                                                             \
+    (void)a;                                                                              \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const T v = x[i], g = y[i];                                                         \
+      z[i] = (uint8_t)(EXPR);                                                             \
+    }                                                                                     \
+  }
+
+#define KILN__UF(NAME, BODY)                                                              \
+  KILN__U(NAME##_f32, float, BODY)                                                        \
+  KILN__U(NAME##_f64, double, BODY)
+#define KILN__BF(NAME, BODY)                                                              \
+  KILN__B(NAME##_f32, float, BODY)                                                        \
+  KILN__B(NAME##_f64, double, BODY)
+#define KILN__CF(NAME, EXPR)                                                              \
+  KILN__C(NAME##_f64, double, EXPR)                                                       \
+  KILN__C(NAME##_i64, int64_t, EXPR)
+
+/* 1/sqrt(2), sqrt(2/pi), 1/sqrt(2*pi) */
+#define KILN__RSQRT2 0.70710678118654752440
+#define KILN__SQRT_2_PI 0.79788456080286535588
+#define KILN__RSQRT_2PI 0.39894228040143267794
+
+/* ---- unary ---- */
+KILN__UF(neg, r = -v)
+KILN__UI(neg_i64, r = (int64_t)(0u - (uint64_t)v))
+KILN__UF(abs, r = fabs(v))
+KILN__UI(abs_i64, r = v < 0 ? (int64_t)(0u - (uint64_t)v) : v)
+KILN__UF(sign, r = v > 0 ? 1 : (v < 0 ? -1 : v)) /* keeps +-0 and NaN */
+KILN__UI(sign_i64, r = (v > 0) - (v < 0))
+KILN__UF(exp, r = exp(v))
+KILN__UF(log, r = log(v))
+KILN__UF(sqrt, r = sqrt(v))
+KILN__UF(rsqrt, r = 1 / sqrt(v))
+KILN__UF(relu, r = v < 0 ? 0 : v) /* NaN passes through, as in PyTorch */
+KILN__UI(relu_i64, r = v < 0 ? 0 : v)
+KILN__UF(leaky_relu, r = v > 0 ? v : v * s0)
+KILN__U(gelu_f32, float, r = 0.5f * v * (1.0f + erf(v * (float)KILN__RSQRT2)))
+KILN__U(gelu_f64, double, r = 0.5 * v * (1.0 + erf(v * KILN__RSQRT2)))
+KILN__U(gelu_tanh_f32, float,
+        r = 0.5f * v * (1.0f + tanh((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v))))
+KILN__U(gelu_tanh_f64, double,
+        r = 0.5 * v * (1.0 + tanh(KILN__SQRT_2_PI * (v + 0.044715 * v * v * v))))
+KILN__UF(silu, r = v / (1 + exp(-v)))
+KILN__UF(sigmoid, r = 1 / (1 + exp(-v)))
+KILN__UF(tanh, r = tanh(v))
+/* softplus(x) = log(1 + exp(beta x)) / beta, linear above the threshold (PyTorch's) */
+KILN__UF(softplus, r = v * s0 > s1 ? v : log1p(exp(v * s0)) / s0)
+KILN__UF(clamp, r = v < s0 ? s0 : v; r = r > s1 ? s1 : r)
+KILN__UI(clamp_i64, r = v < s0 ? s0 : v; r = r > s1 ? s1 : r)
+/* squares and square roots are the common exponents; pow() is slow and not vectorized */
+KILN__UF(pow_scalar, r = s0 == 2 ? v * v : (s0 == 1 ? v : (s0 == 0.5 ? sqrt(v) : pow(v, s0))))
+KILN__UF(affine, r = v * s0 + s1)
+KILN__VEC_HEAD(affine_i64) {
+  int64_t *y = (int64_t *)o_;
+  const int64_t *x = (const int64_t *)in[0];
+  (void)k0;
+  for (int64_t i = 0; i < n; i++) y[i] = kiln__sat((double)x[i] * a->s[0] + a->s[1]);
+}
+
+/* ---- unary backward: v = x (or y), g = grad ---- */
+KILN__BF(relu_bw, r = v > 0 ? g : 0)
+KILN__BF(leaky_relu_bw, r = v > 0 ? g : g * s0)
+KILN__B(gelu_bw_f32, float,
+        r = g * (0.5f * (1.0f + erf(v * (float)KILN__RSQRT2)) +
+                 v * (float)KILN__RSQRT_2PI * exp(-0.5f * v * v)))
+KILN__B(gelu_bw_f64, double,
+        r = g * (0.5 * (1.0 + erf(v * KILN__RSQRT2)) + v * KILN__RSQRT_2PI * exp(-0.5 * v * v)))
+KILN__B(gelu_tanh_bw_f32, float, {
+  float t = tanh((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v));
+  r = g * (0.5f * (1.0f + t) +
+           0.5f * v * (1.0f - t * t) * (float)KILN__SQRT_2_PI * (1.0f + 3.0f * 0.044715f * v * v));
+})
+KILN__B(gelu_tanh_bw_f64, double, {
+  double t = tanh(KILN__SQRT_2_PI * (v + 0.044715 * v * v * v));
+  r = g * (0.5 * (1.0 + t) +
+           0.5 * v * (1.0 - t * t) * KILN__SQRT_2_PI * (1.0 + 3.0 * 0.044715 * v * v));
+})
+/* sigmoid written twice: the compiler folds it, and the macro stays type-generic */
+KILN__BF(silu_bw, r = g * (1 / (1 + exp(-v))) * (1 + v * (1 - 1 / (1 + exp(-v)))))
+KILN__BF(sigmoid_bw, r = g * v * (1 - v))
+KILN__BF(tanh_bw, r = g * (1 - v * v))
+KILN__BF(softplus_bw, r = v * s0 > s1 ? g : g / (1 + exp(-v * s0)))
+KILN__BF(clamp_bw, r = (v >= s0 && v <= s1) ? g : 0)
+
+/* ---- binary: v = in0, g = in1 ---- */
+KILN__VEC_HEAD(add_f32) {
+  float *z = (float *)o_;
+  const float *x = (const float *)in[0], *y = (const float *)in[1];
+  float al = (float)a->s[0];
+  (void)k0;
+  if (al == 1.0f) {
+    for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
+  } else {
+    for (int64_t i = 0; i < n; i++) z[i] = x[i] + al * y[i];
+  }
+}
+KILN__B(add_f64, double, r = s0 == 1 ? v + g : v + s0 * g)
+KILN__BI(add_i64, r = (int64_t)((uint64_t)v + (uint64_t)s0 * (uint64_t)g))
+KILN__BF(sub, r = v - g)
+KILN__BI(sub_i64, r = (int64_t)((uint64_t)v - (uint64_t)g))
+KILN__BF(mul, r = v * g)
+KILN__BI(mul_i64, r = (int64_t)((uint64_t)v * (uint64_t)g))
+KILN__BF(div, r = v / g)
+/* C's truncating division; x/0 gives 0 instead of a crash (PyTorch raises; a kernel must
+** not abort), and INT64_MIN/-1 wraps. */
+KILN__BI(div_i64, r = g == 0 ? 0 : (g == -1 ? (int64_t)(0u - (uint64_t)v) : v / g))
+KILN__BF(pow, r = pow(v, g))
+KILN__VEC_HEAD(pow_i64) {
+  int64_t *z = (int64_t *)o_;
+  const int64_t *x = (const int64_t *)in[0], *y = (const int64_t *)in[1];
+  (void)k0;
+  (void)a;
+  for (int64_t i = 0; i < n; i++) {
+    int64_t b = x[i], e = y[i];
+    uint64_t r = 1, ub = (uint64_t)b;
+    if (e < 0) {
+      z[i] = b == 1 ? 1 : (b == -1 ? ((e & 1) ? -1 : 1) : 0);
+      continue;
+    }
+    while (e) { /* square-and-multiply, wrapping like int64 arithmetic */
+      if (e & 1) r *= ub;
+      ub *= ub;
+      e >>= 1;
+    }
+    z[i] = (int64_t)r;
+  }
+}
+KILN__BF(maximum, r = (v != v || v > g) ? v : g) /* NaN in either wins */
+KILN__BI(maximum_i64, r = v > g ? v : g)
+KILN__BF(minimum, r = (v != v || v < g) ? v : g)
+KILN__BI(minimum_i64, r = v < g ? v : g)
+KILN__CF(eq, v == g)
+KILN__CF(ne, v != g)
+KILN__CF(lt, v < g)
+KILN__CF(le, v <= g)
+KILN__CF(gt, v > g)
+KILN__CF(ge, v >= g)
+
+typedef struct kiln__ew_entry {
+  int nin;
+  kiln__cpu_vec_fn f32, f64, i64;
+} kiln__ew_entry;
+
+#define KILN__E1(OP, NAME) [KILN__K_##OP] = {1, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E1I(OP, NAME) [KILN__K_##OP] = {1, NAME##_f32, NAME##_f64, NAME##_i64}
+#define KILN__E2(OP, NAME) [KILN__K_##OP] = {2, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E2I(OP, NAME) [KILN__K_##OP] = {2, NAME##_f32, NAME##_f64, NAME##_i64}
+#define KILN__EC(OP, NAME) [KILN__K_##OP] = {2, NULL, NAME##_f64, NAME##_i64}
+
+static const kiln__ew_entry kiln__ew_table[KILN__K_COUNT] = {
+    KILN__E1I(NEG, neg),
+    KILN__E1(EXP, exp),
+    KILN__E1(LOG, log),
+    KILN__E1(SQRT, sqrt),
+    KILN__E1(RSQRT, rsqrt),
+    KILN__E1I(ABS, abs),
+    KILN__E1I(SIGN, sign),
+    KILN__E1I(RELU, relu),
+    KILN__E1(LEAKY_RELU, leaky_relu),
+    KILN__E1(GELU, gelu),
+    KILN__E1(GELU_TANH, gelu_tanh),
+    KILN__E1(SILU, silu),
+    KILN__E1(SIGMOID, sigmoid),
+    KILN__E1(TANH, tanh),
+    KILN__E1(SOFTPLUS, softplus),
+    KILN__E1I(CLAMP, clamp),
+    KILN__E1(POW_SCALAR, pow_scalar),
+    KILN__E1I(AFFINE, affine),
+    KILN__E2(RELU_BACKWARD, relu_bw),
+    KILN__E2(LEAKY_RELU_BACKWARD, leaky_relu_bw),
+    KILN__E2(GELU_BACKWARD, gelu_bw),
+    KILN__E2(GELU_TANH_BACKWARD, gelu_tanh_bw),
+    KILN__E2(SILU_BACKWARD, silu_bw),
+    KILN__E2(SIGMOID_BACKWARD, sigmoid_bw),
+    KILN__E2(TANH_BACKWARD, tanh_bw),
+    KILN__E2(SOFTPLUS_BACKWARD, softplus_bw),
+    KILN__E2(CLAMP_BACKWARD, clamp_bw),
+    KILN__E2I(ADD, add),
+    KILN__E2I(SUB, sub),
+    KILN__E2I(MUL, mul),
+    KILN__E2I(DIV, div),
+    KILN__E2I(POW, pow),
+    KILN__E2I(MAXIMUM, maximum),
+    KILN__E2I(MINIMUM, minimum),
+    KILN__EC(EQ, eq),
+    KILN__EC(NE, ne),
+    KILN__EC(LT, lt),
+    KILN__EC(LE, le),
+    KILN__EC(GT, gt),
+    KILN__EC(GE, ge),
+};
+
+static kiln_status kiln__ew_run(const kiln__kargs *a, bool cmp) {
+  const kiln__ew_entry *e = (unsigned)a->op < KILN__K_COUNT ? &kiln__ew_table[a->op] : NULL;
+  if (!e || e->nin == 0)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_%s: not an elementwise op", kiln__kop_name(a->op));
+  kiln_dtype cts[3];
+  kiln__cpu_vec_fn fn;
+  if (cmp) {
+    kiln_dtype d0 = a->in[0].dtype, d1 = a->in[1].dtype;
+    bool fl = kiln__cpu_is_float(d0) || kiln__cpu_is_float(d1);
+    /* doubles hold every f32/f16/bf16 value exactly; two integers compare as i64 */
+    cts[1] = cts[2] = fl ? KILN_F64 : KILN_I64;
+    cts[0] = KILN_BOOL;
+    fn = fl ? e->f64 : e->i64;
+  } else {
+    kiln_dtype ct = kiln__cpu_ct(a->out[0].dtype);
+    fn = ct == KILN_F32 ? e->f32 : (ct == KILN_F64 ? e->f64 : e->i64);
+    if (!fn) return kiln__cpu_dtype_error(a, a->out[0].dtype);
+    if (!e->i64) { /* float-only: the inputs must be floats too */
+      for (int i = 0; i < e->nin; i++)
+        if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+    }
+    cts[0] = cts[1] = cts[2] = ct;
+  }
+  return kiln__cpu_map(a, &a->out[0], e->nin, a->in, cts, fn);
+}
+
+kiln_status kiln__cpu_unary(const kiln__kargs *a) { return kiln__ew_run(a, false); }
+
+kiln_status kiln__cpu_binary(const kiln__kargs *a) {
+  bool cmp = a->op >= KILN__K_EQ && a->op <= KILN__K_GE;
+  return kiln__ew_run(a, cmp);
+}
+
+/* ---- where ---- */
+#define KILN__WHERE(NAME, T)                                                              \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    T *z = (T *)o_;                                                                       \
+    const uint8_t *c = (const uint8_t *)in[0];                                            \
+    const T *x = (const T *)in[1], *y = (const T *)in[2];                                 \
+    (void)k0;                                                                             \
+    (void)a;                                                                              \
+    for (int64_t i = 0; i < n; i++) z[i] = c[i] ? x[i] : y[i];                            \
+  }
+KILN__WHERE(where_f32, float)
+KILN__WHERE(where_f64, double)
+KILN__WHERE(where_i64, int64_t)
+
+kiln_status kiln__cpu_where(const kiln__kargs *a) {
+  kiln_dtype ct = kiln__cpu_ct(a->out[0].dtype);
+  kiln_dtype cts[4] = {ct, KILN_BOOL, ct, ct};
+  kiln__cpu_vec_fn fn = ct == KILN_F32 ? where_f32 : (ct == KILN_F64 ? where_f64 : where_i64);
+  return kiln__cpu_map(a, &a->out[0], 3, a->in, cts, fn);
+}
+
+/* ---- copy ---- */
+typedef struct kiln__raw_ctx {
+  size_t es;
+} kiln__raw_ctx;
+
+/* Same dtype: bits are moved as they are (NaN payloads, -0.0, bool bytes intact). */
+static void kiln__raw_run(void *vctx, char *const *p, const int64_t *bst, int64_t n, int64_t k0) {
+  size_t es = ((kiln__raw_ctx *)vctx)->es;
+  (void)k0;
+  if (bst[0] == (int64_t)es && bst[1] == (int64_t)es) {
+    memcpy(p[0], p[1], (size_t)n * es);
+    return;
+  }
+  char *d = p[0];
+  const char *s = p[1];
+  switch (es) {
+  case 8:
+    for (int64_t i = 0; i < n; i++) *(uint64_t *)(d + i * bst[0]) = *(const uint64_t *)(s + i * bst[1]);
+    break;
+  case 4:
+    for (int64_t i = 0; i < n; i++) *(uint32_t *)(d + i * bst[0]) = *(const uint32_t *)(s + i * bst[1]);
+    break;
+  case 2:
+    for (int64_t i = 0; i < n; i++) *(uint16_t *)(d + i * bst[0]) = *(const uint16_t *)(s + i * bst[1]);
+    break;
+  default:
+    for (int64_t i = 0; i < n; i++) d[i * bst[0]] = s[i * bst[1]];
+    break;
+  }
+}
+
+typedef struct kiln__raw_par {
+  kiln__view v[2];
+  kiln__raw_ctx rc;
+} kiln__raw_par;
+
+static void kiln__raw_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__raw_par *c = (kiln__raw_par *)vctx;
+  kiln__cpu_walk(c->v, 2, lo, hi, kiln__raw_run, &c->rc);
+}
+
+#define KILN__IDENT(NAME, T)                                                              \
+  KILN__VEC_HEAD(NAME) {                                                                  \
+    (void)k0;                                                                             \
+    (void)a;                                                                              \
+    memcpy(o_, in[0], (size_t)n * sizeof(T));                                             \
+  }
+KILN__IDENT(ident_f32, float)
+KILN__IDENT(ident_f64, double)
+KILN__IDENT(ident_i64, int64_t)
+
+kiln_status kiln__cpu_copy(const kiln__kargs *a) {
+  kiln_dtype od = a->out[0].dtype, id = a->in[0].dtype;
+  int64_t numel = kiln__view_numel(&a->out[0]);
+  if (numel == 0) return KILN_OK;
+  if (od == id) {
+    kiln__raw_par c;
+    c.v[0] = a->out[0];
+    c.v[1] = a->in[0];
+    c.rc.es = kiln__cpu_esize(od);
+    kiln__views_coalesce(c.v, 2);
+    kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN * 4, kiln__raw_range, &c);
+    return KILN_OK;
+  }
+  kiln_dtype ct;
+  if (od == KILN_F64 || id == KILN_F64)
+    ct = KILN_F64;
+  else if (kiln__cpu_is_float(od) || kiln__cpu_is_float(id))
+    ct = KILN_F32; /* f32 <-> 16-bit floats <-> ints: exact enough, and fast */
+  else
+    ct = KILN_I64;
+  kiln_dtype cts[2] = {ct, ct};
+  kiln__cpu_vec_fn fn = ct == KILN_F32 ? ident_f32 : (ct == KILN_F64 ? ident_f64 : ident_i64);
+  return kiln__cpu_map(a, &a->out[0], 1, a->in, cts, fn);
+}
+
+/* ---- fill, arange, eye ---- */
+KILN__VEC_HEAD(fill_f32) {
+  float *y = (float *)o_, v = (float)a->s[0];
+  (void)in;
+  (void)k0;
+  for (int64_t i = 0; i < n; i++) y[i] = v;
+}
+KILN__VEC_HEAD(fill_f64) {
+  double *y = (double *)o_, v = a->s[0];
+  (void)in;
+  (void)k0;
+  for (int64_t i = 0; i < n; i++) y[i] = v;
+}
+KILN__VEC_HEAD(fill_i64) {
+  int64_t *y = (int64_t *)o_, v = kiln__sat(a->s[0]);
+  (void)in;
+  (void)k0;
+  /* bool: any nonzero (NaN included) is true */
+  if (a->out[0].dtype == KILN_BOOL) v = a->s[0] != 0;
+  for (int64_t i = 0; i < n; i++) y[i] = v;
+}
+
+kiln_status kiln__cpu_fill(const kiln__kargs *a) {
+  kiln_dtype ct = kiln__cpu_ct(a->out[0].dtype);
+  kiln_dtype cts[1] = {ct};
+  kiln__cpu_vec_fn fn = ct == KILN_F32 ? fill_f32 : (ct == KILN_F64 ? fill_f64 : fill_i64);
+  return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, fn);
+}
+
+KILN__VEC_HEAD(arange_f64) {
+  double *y = (double *)o_;
+  (void)in;
+  for (int64_t i = 0; i < n; i++) y[i] = a->s[0] + (double)(k0 + i) * a->s[1];
+}
+
+kiln_status kiln__cpu_arange(const kiln__kargs *a) {
+  kiln_dtype cts[1] = {KILN_F64};
+  return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, arange_f64);
+}
+
+KILN__VEC_HEAD(eye_i64) {
+  int64_t *y = (int64_t *)o_;
+  int64_t m = a->out[0].shape[1];
+  (void)in;
+  for (int64_t i = 0; i < n; i++) {
+    int64_t k = k0 + i;
+    y[i] = (k / m) == (k % m);
+  }
+}
+
+kiln_status kiln__cpu_eye(const kiln__kargs *a) {
+  if (a->out[0].ndim != 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_eye: out must be 2-d, got %d dims", a->out[0].ndim);
+  kiln_dtype cts[1] = {KILN_I64};
+  return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, eye_i64);
+}

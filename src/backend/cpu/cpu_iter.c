@@ -1,0 +1,426 @@
+/*
+** The CPU iteration engine (see cpu_iter.h).
+*/
+#include "cpu_iter.h"
+
+#include "../../core/half.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
+
+kiln_dtype kiln__cpu_ct(kiln_dtype dt) {
+  switch (dt) {
+  case KILN_F64:
+    return KILN_F64;
+  case KILN_F32:
+  case KILN_F16:
+  case KILN_BF16:
+    return KILN_F32;
+  default:
+    return KILN_I64;
+  }
+}
+
+bool kiln__cpu_is_float(kiln_dtype dt) {
+  return dt == KILN_F32 || dt == KILN_F64 || dt == KILN_F16 || dt == KILN_BF16;
+}
+
+size_t kiln__cpu_esize(kiln_dtype dt) {
+  switch (dt) {
+  case KILN_F64:
+  case KILN_I64:
+    return 8;
+  case KILN_F32:
+  case KILN_I32:
+    return 4;
+  case KILN_F16:
+  case KILN_BF16:
+    return 2;
+  default:
+    return 1;
+  }
+}
+
+kiln_status kiln__cpu_dtype_error(const kiln__kargs *a, kiln_dtype dt) {
+  return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype %s is not supported on cpu",
+                        kiln__kop_name(a->op), kiln_dtype_name(dt));
+}
+
+/* Float to integer the way C truncates, but defined for NaN and out-of-range values
+** (NaN -> 0, saturating), so that sanitizers stay quiet and results do not depend on the
+** compiler. */
+static inline int64_t kiln__f2i(double v) {
+  if (v != v) return 0;
+  if (v >= 9223372036854775807.0) return INT64_MAX;
+  if (v <= -9223372036854775808.0) return INT64_MIN;
+  return (int64_t)v;
+}
+
+/* ---- load: dtype dt (strided) -> compute type (contiguous) ---- */
+#define KILN__LOAD_LOOP(T, EXPR)                                                          \
+  do {                                                                                    \
+    T *d_ = (T *)dst;                                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      const char *q = src + i * bst;                                                      \
+      d_[i] = (T)(EXPR);                                                                  \
+    }                                                                                     \
+  } while (0)
+
+#define KILN__LOAD_ALL(T, F16CONV)                                                        \
+  switch (dt) {                                                                           \
+  case KILN_F32:                                                                          \
+    KILN__LOAD_LOOP(T, *(const float *)q);                                                \
+    break;                                                                                \
+  case KILN_F64:                                                                          \
+    KILN__LOAD_LOOP(T, *(const double *)q);                                               \
+    break;                                                                                \
+  case KILN_F16:                                                                          \
+    KILN__LOAD_LOOP(T, F16CONV(kiln__f16_to_f32(*(const uint16_t *)q)));                  \
+    break;                                                                                \
+  case KILN_BF16:                                                                         \
+    KILN__LOAD_LOOP(T, F16CONV(kiln__bf16_to_f32(*(const uint16_t *)q)));                 \
+    break;                                                                                \
+  case KILN_I64:                                                                          \
+    KILN__LOAD_LOOP(T, *(const int64_t *)q);                                              \
+    break;                                                                                \
+  case KILN_I32:                                                                          \
+    KILN__LOAD_LOOP(T, *(const int32_t *)q);                                              \
+    break;                                                                                \
+  case KILN_U8:                                                                           \
+    KILN__LOAD_LOOP(T, *(const uint8_t *)q);                                              \
+    break;                                                                                \
+  default:                                                                                \
+    KILN__LOAD_LOOP(T, *(const uint8_t *)q != 0);                                         \
+    break;                                                                                \
+  }
+
+#define KILN__ID(x) (x)
+#define KILN__F2I(x) kiln__f2i(x)
+#define KILN__NZ(x) ((x) != 0)
+
+void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
+                    int64_t n) {
+  if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
+    memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {
+    memcpy(dst, src, (size_t)n * 8);
+    return;
+  }
+  switch (ct) {
+  case KILN_F32:
+    KILN__LOAD_ALL(float, KILN__ID);
+    break;
+  case KILN_F64:
+    KILN__LOAD_ALL(double, KILN__ID);
+    break;
+  case KILN_I64:
+    switch (dt) {
+    case KILN_F32:
+      KILN__LOAD_LOOP(int64_t, kiln__f2i(*(const float *)q));
+      break;
+    case KILN_F64:
+      KILN__LOAD_LOOP(int64_t, kiln__f2i(*(const double *)q));
+      break;
+    case KILN_F16:
+      KILN__LOAD_LOOP(int64_t, kiln__f2i(kiln__f16_to_f32(*(const uint16_t *)q)));
+      break;
+    case KILN_BF16:
+      KILN__LOAD_LOOP(int64_t, kiln__f2i(kiln__bf16_to_f32(*(const uint16_t *)q)));
+      break;
+    case KILN_I64:
+      KILN__LOAD_LOOP(int64_t, *(const int64_t *)q);
+      break;
+    case KILN_I32:
+      KILN__LOAD_LOOP(int64_t, *(const int32_t *)q);
+      break;
+    case KILN_U8:
+      KILN__LOAD_LOOP(int64_t, *(const uint8_t *)q);
+      break;
+    default:
+      KILN__LOAD_LOOP(int64_t, *(const uint8_t *)q != 0);
+      break;
+    }
+    break;
+  default: /* BOOL */
+    switch (dt) {
+    case KILN_F32:
+      KILN__LOAD_LOOP(uint8_t, *(const float *)q != 0);
+      break;
+    case KILN_F64:
+      KILN__LOAD_LOOP(uint8_t, *(const double *)q != 0);
+      break;
+    case KILN_F16:
+    case KILN_BF16:
+      /* any bit set other than the sign means nonzero (NaN included) */
+      KILN__LOAD_LOOP(uint8_t, (*(const uint16_t *)q & 0x7fffu) != 0);
+      break;
+    case KILN_I64:
+      KILN__LOAD_LOOP(uint8_t, *(const int64_t *)q != 0);
+      break;
+    case KILN_I32:
+      KILN__LOAD_LOOP(uint8_t, *(const int32_t *)q != 0);
+      break;
+    default:
+      KILN__LOAD_LOOP(uint8_t, *(const uint8_t *)q != 0);
+      break;
+    }
+    break;
+  }
+}
+
+/* ---- store: compute type (contiguous) -> dtype dt (strided) ---- */
+#define KILN__STORE_LOOP(ST, T, EXPR)                                                     \
+  do {                                                                                    \
+    const T *s_ = (const T *)src;                                                         \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      T v = s_[i];                                                                        \
+      *(ST *)(dst + i * bst) = (ST)(EXPR);                                                \
+    }                                                                                     \
+  } while (0)
+
+#define KILN__STORE_FLOAT(T)                                                              \
+  switch (dt) {                                                                           \
+  case KILN_F32:                                                                          \
+    KILN__STORE_LOOP(float, T, v);                                                        \
+    break;                                                                                \
+  case KILN_F64:                                                                          \
+    KILN__STORE_LOOP(double, T, v);                                                       \
+    break;                                                                                \
+  case KILN_F16:                                                                          \
+    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_f16((float)v));                            \
+    break;                                                                                \
+  case KILN_BF16:                                                                         \
+    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_bf16((float)v));                           \
+    break;                                                                                \
+  case KILN_I64:                                                                          \
+    KILN__STORE_LOOP(int64_t, T, kiln__f2i(v));                                           \
+    break;                                                                                \
+  case KILN_I32:                                                                          \
+    KILN__STORE_LOOP(int32_t, T, (int32_t)kiln__f2i(v));                                  \
+    break;                                                                                \
+  case KILN_U8:                                                                           \
+    KILN__STORE_LOOP(uint8_t, T, (uint8_t)kiln__f2i(v));                                  \
+    break;                                                                                \
+  default:                                                                                \
+    KILN__STORE_LOOP(uint8_t, T, v != 0);                                                 \
+    break;                                                                                \
+  }
+
+#define KILN__STORE_INT(T)                                                                \
+  switch (dt) {                                                                           \
+  case KILN_F32:                                                                          \
+    KILN__STORE_LOOP(float, T, v);                                                        \
+    break;                                                                                \
+  case KILN_F64:                                                                          \
+    KILN__STORE_LOOP(double, T, v);                                                       \
+    break;                                                                                \
+  case KILN_F16:                                                                          \
+    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_f16((float)v));                            \
+    break;                                                                                \
+  case KILN_BF16:                                                                         \
+    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_bf16((float)v));                           \
+    break;                                                                                \
+  case KILN_I64:                                                                          \
+    KILN__STORE_LOOP(int64_t, T, v);                                                      \
+    break;                                                                                \
+  case KILN_I32:                                                                          \
+    KILN__STORE_LOOP(int32_t, T, (int32_t)(uint32_t)(uint64_t)v);                         \
+    break;                                                                                \
+  case KILN_U8:                                                                           \
+    KILN__STORE_LOOP(uint8_t, T, (uint8_t)(uint64_t)v);                                   \
+    break;                                                                                \
+  default:                                                                                \
+    KILN__STORE_LOOP(uint8_t, T, v != 0);                                                 \
+    break;                                                                                \
+  }
+
+void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kiln_dtype ct,
+                     int64_t n) {
+  if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
+    memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {
+    memcpy(dst, src, (size_t)n * 8);
+    return;
+  }
+  switch (ct) {
+  case KILN_F32:
+    KILN__STORE_FLOAT(float);
+    break;
+  case KILN_F64:
+    KILN__STORE_FLOAT(double);
+    break;
+  case KILN_I64:
+    KILN__STORE_INT(int64_t);
+    break;
+  default:
+    KILN__STORE_INT(uint8_t);
+    break;
+  }
+}
+
+double kiln__cpu_get_f64(const char *p, kiln_dtype dt) {
+  double v;
+  kiln__cpu_load(&v, KILN_F64, p, 0, dt, 1);
+  return v;
+}
+int64_t kiln__cpu_get_i64(const char *p, kiln_dtype dt) {
+  int64_t v;
+  kiln__cpu_load(&v, KILN_I64, p, 0, dt, 1);
+  return v;
+}
+void kiln__cpu_set_f64(char *p, kiln_dtype dt, double v) { kiln__cpu_store(p, 0, dt, &v, KILN_F64, 1); }
+void kiln__cpu_set_i64(char *p, kiln_dtype dt, int64_t v) { kiln__cpu_store(p, 0, dt, &v, KILN_I64, 1); }
+
+/* ---- walker ---- */
+void kiln__cpu_walk(const kiln__view *v, int nv, int64_t lo, int64_t hi, kiln__cpu_run_fn fn,
+                    void *ctx) {
+  if (lo >= hi) return;
+  int nd = v[0].ndim;
+  if (nd == 0) { /* 0-d view: one element */
+    char *p[KILN__CPU_MAXV];
+    int64_t bst[KILN__CPU_MAXV];
+    for (int i = 0; i < nv; i++) {
+      p[i] = (char *)v[i].data;
+      bst[i] = 0;
+    }
+    fn(ctx, p, bst, 1, 0);
+    return;
+  }
+  int64_t idx[KILN_MAX_DIMS];
+  int64_t rem = lo;
+  for (int d = nd - 1; d >= 0; d--) {
+    int64_t s = v[0].shape[d];
+    idx[d] = rem % s;
+    rem /= s;
+  }
+  int64_t bst[KILN__CPU_MAXV], es[KILN__CPU_MAXV];
+  for (int i = 0; i < nv; i++) {
+    es[i] = (int64_t)kiln__cpu_esize(v[i].dtype);
+    bst[i] = v[i].strides[nd - 1] * es[i];
+  }
+  int64_t inner = v[0].shape[nd - 1];
+  int64_t k = lo;
+  while (k < hi) {
+    char *p[KILN__CPU_MAXV];
+    for (int i = 0; i < nv; i++) {
+      int64_t off = 0;
+      for (int d = 0; d < nd; d++) off += idx[d] * v[i].strides[d];
+      p[i] = (char *)v[i].data + off * es[i];
+    }
+    int64_t len = inner - idx[nd - 1];
+    if (len > hi - k) len = hi - k;
+    fn(ctx, p, bst, len, k);
+    k += len;
+    idx[nd - 1] += len;
+    for (int d = nd - 1; d > 0 && idx[d] >= v[0].shape[d]; d--) {
+      idx[d] = 0;
+      idx[d - 1]++;
+    }
+  }
+}
+
+/* ---- parallel for ---- */
+int kiln__cpu_threads_for(int64_t n, int64_t min_par) {
+#ifdef KILN_HAVE_OPENMP
+  if (n < min_par || omp_in_parallel()) return 1;
+  int nt = kiln_num_threads();
+  if (nt <= 1) return 1;
+  int64_t most = n / (min_par / 4 > 0 ? min_par / 4 : 1); /* keep each share worthwhile */
+  if (most < nt) nt = most < 1 ? 1 : (int)most;
+  return nt;
+#else
+  (void)n;
+  (void)min_par;
+  return 1;
+#endif
+}
+
+void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, void *ctx) {
+  if (n <= 0) return;
+  int nt = kiln__cpu_threads_for(n, min_par);
+  if (nt <= 1) {
+    fn(ctx, 0, n);
+    return;
+  }
+#ifdef KILN_HAVE_OPENMP
+#pragma omp parallel num_threads(nt)
+  {
+    int t = omp_get_thread_num();
+    int tn = omp_get_num_threads();
+    int64_t lo = n * t / tn, hi = n * (t + 1) / tn;
+    if (lo < hi) fn(ctx, lo, hi);
+  }
+#endif
+}
+
+/* ---- elementwise map ---- */
+typedef struct kiln__map_ctx {
+  const kiln__kargs *a;
+  kiln__view v[KILN__CPU_MAXV]; /* v[0] = out, v[1..] = ins */
+  int nv;
+  kiln_dtype ct[KILN__CPU_MAXV];
+  int64_t csz[KILN__CPU_MAXV];
+  kiln__cpu_vec_fn fn;
+} kiln__map_ctx;
+
+static void kiln__map_run(void *vctx, char *const *p, const int64_t *bst, int64_t n,
+                          int64_t k0) {
+  kiln__map_ctx *c = (kiln__map_ctx *)vctx;
+  /* one chunk buffer per view, 8 bytes per element covers every compute type */
+  _Alignas(64) double buf[KILN__CPU_MAXV][KILN__CPU_BLK];
+  bool direct[KILN__CPU_MAXV];
+  bool all_direct = true;
+  for (int i = 0; i < c->nv; i++) {
+    direct[i] = c->v[i].dtype == c->ct[i] && bst[i] == c->csz[i];
+    if (!direct[i]) all_direct = false;
+  }
+  int64_t step = all_direct ? n : KILN__CPU_BLK;
+  for (int64_t off = 0; off < n; off += step) {
+    int64_t len = n - off < step ? n - off : step;
+    const void *in[KILN__CPU_MAXV];
+    for (int i = 1; i < c->nv; i++) {
+      if (direct[i]) {
+        in[i - 1] = p[i] + off * bst[i];
+      } else {
+        kiln__cpu_load(buf[i], c->ct[i], p[i] + off * bst[i], bst[i], c->v[i].dtype, len);
+        in[i - 1] = buf[i];
+      }
+    }
+    void *out = direct[0] ? (void *)(p[0] + off * bst[0]) : (void *)buf[0];
+    c->fn(out, in, len, k0 + off, c->a);
+    if (!direct[0]) kiln__cpu_store(p[0] + off * bst[0], bst[0], c->v[0].dtype, buf[0], c->ct[0], len);
+  }
+}
+
+static void kiln__map_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__map_ctx *c = (kiln__map_ctx *)vctx;
+  kiln__cpu_walk(c->v, c->nv, lo, hi, kiln__map_run, c);
+}
+
+kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
+                          const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn) {
+  kiln__map_ctx c;
+  c.a = a;
+  c.nv = nin + 1;
+  c.fn = fn;
+  c.v[0] = *out;
+  for (int i = 0; i < nin; i++) c.v[i + 1] = ins[i];
+  for (int i = 0; i < c.nv; i++) {
+    c.ct[i] = ct[i];
+    c.csz[i] = (int64_t)kiln__cpu_esize(ct[i]);
+  }
+  int64_t numel = kiln__view_numel(out);
+  if (numel == 0) return KILN_OK;
+  kiln__views_coalesce(c.v, c.nv);
+  kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN, kiln__map_range, &c);
+  return KILN_OK;
+}

@@ -1,0 +1,63 @@
+/*
+** The CPU backend's iteration engine: dtype conversion of strided runs, a walker that
+** visits coalesced views run by run (a run is a stretch along the innermost dim), a
+** parallel-for that only starts OpenMP when the work is large, and the elementwise "map"
+** built on them (gather a chunk into the compute type, compute, scatter).
+*/
+#ifndef KILN_CPU_ITER_H
+#define KILN_CPU_ITER_H
+
+#include "../backend.h"
+
+/* Below this many elements an op runs on one thread: starting a parallel region costs
+** microseconds, more than a small op's whole work. */
+#define KILN__CPU_PAR_MIN 32768
+/* Elements per chunk gathered into the compute type (fits L1 with five views). */
+#define KILN__CPU_BLK 256
+#define KILN__CPU_MAXV 5
+
+/* Compute types: F32, F64, I64, or BOOL (uint8_t 0/1). */
+kiln_dtype kiln__cpu_ct(kiln_dtype dt); /* f64 -> f64, other floats -> f32, ints -> i64 */
+bool kiln__cpu_is_float(kiln_dtype dt);
+size_t kiln__cpu_esize(kiln_dtype dt);
+
+/* Converts n elements of dtype dt at src (byte stride bst) into dst of compute type ct
+** (contiguous), and back. */
+void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
+                    int64_t n);
+void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kiln_dtype ct,
+                     int64_t n);
+double kiln__cpu_get_f64(const char *p, kiln_dtype dt);
+int64_t kiln__cpu_get_i64(const char *p, kiln_dtype dt);
+void kiln__cpu_set_f64(char *p, kiln_dtype dt, double v);
+void kiln__cpu_set_i64(char *p, kiln_dtype dt, int64_t v);
+
+/* Called for each run: p[i] points at the run's first element of view i, bst[i] is its
+** byte stride along the run, n the run length, k0 the C-order linear index of its first
+** element. */
+typedef void (*kiln__cpu_run_fn)(void *ctx, char *const *p, const int64_t *bst, int64_t n,
+                                 int64_t k0);
+/* Visits linear elements [lo, hi) of views v[0..nv) (same shape, ideally coalesced). */
+void kiln__cpu_walk(const kiln__view *v, int nv, int64_t lo, int64_t hi, kiln__cpu_run_fn fn,
+                    void *ctx);
+
+/* Runs fn over [0, n) split into one contiguous range per thread when n >= min_par and
+** more than one thread is configured; otherwise one call on this thread. */
+typedef void (*kiln__cpu_range_fn)(void *ctx, int64_t lo, int64_t hi);
+void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, void *ctx);
+/* The number of threads parallel_for would use for n work items (1 when serial). */
+int kiln__cpu_threads_for(int64_t n, int64_t min_par);
+
+/* Elementwise map. fn computes n elements from contiguous arrays of the compute types:
+** out (type ct[0]) from in[i] (type ct[1+i]); k0 is the linear index of element 0. out may
+** alias an input (element i only reads element i). */
+typedef void (*kiln__cpu_vec_fn)(void *out, const void *const *in, int64_t n, int64_t k0,
+                                 const kiln__kargs *a);
+/* Applies fn to out0 from in[0..nin) of a (views broadcast to out0's shape). */
+kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
+                          const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn);
+
+/* Error helper for float-only ops given another dtype. */
+kiln_status kiln__cpu_dtype_error(const kiln__kargs *a, kiln_dtype dt);
+
+#endif /* KILN_CPU_ITER_H */

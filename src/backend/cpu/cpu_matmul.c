@@ -1,0 +1,419 @@
+/*
+** MATMUL: out0 (B..., M, N) = s0 * A (B..., M, K) @ B (B..., K, N) + s1 * out0 + bias (N).
+**
+** Per batch element the product goes to cblas_sgemm/dgemm when built with a CBLAS
+** (KILN_HAVE_CBLAS), else to a blocked portable GEMM. An operand whose last two dims have
+** a unit stride in either position is handed over as it is (row-major, or transposed with
+** CblasTrans); any other layout is first copied to a contiguous temporary. An output in
+** column-major layout is computed as C^T = B^T A^T. When B is shared by the whole batch
+** (stride 0) and the batch dims of A and out0 fold into M, the batch becomes one big GEMM
+** ((B, T, C) @ (C, D) is one (B*T, C) @ (C, D)). f16/bf16 go through f32 temporaries.
+** s1 == 0 means out0 is never read (it may hold NaN or garbage).
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef KILN_HAVE_CBLAS
+#include <cblas.h>
+#endif
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
+
+/* Below this many multiply-adds a GEMM runs on one thread, and batches run in parallel. */
+#define KILN__MM_PAR_FLOPS (1 << 18)
+
+/* Whether a (rows, cols) matrix with strides (rs, cs) can be passed to a row-major GEMM,
+** untransposed (*trans = 0) or transposed (*trans = 1), and with which leading dim. */
+static bool kiln__mm_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, int *trans, int64_t *ld) {
+  int64_t mc = cols > 1 ? cols : 1, mr = rows > 1 ? rows : 1;
+  if ((cols == 1 || cs == 1) && (rows == 1 || rs >= mc)) {
+    *trans = 0;
+    *ld = rows == 1 ? mc : rs;
+    return true;
+  }
+  if ((rows == 1 || rs == 1) && (cols == 1 || cs >= mr)) {
+    *trans = 1;
+    *ld = cols == 1 ? mr : cs;
+    return true;
+  }
+  return false;
+}
+
+#define KILN__MM_MB 64
+#define KILN__MM_KB 128
+#define KILN__MM_NB 256
+
+#define KILN__MM_FNS(T, SUF, CBLAS_GEMM)                                                   \
+  /* C (row-major, ldc) = alpha * A @ B + beta * C; A, B given by element strides. */     \
+  typedef struct kiln__pg_##SUF {                                                         \
+    int64_t M, N, K;                                                                      \
+    T alpha, beta;                                                                        \
+    const T *A;                                                                           \
+    int64_t ars, acs;                                                                     \
+    const T *B;                                                                           \
+    int64_t brs, bcs;                                                                     \
+    T *C;                                                                                 \
+    int64_t ldc;                                                                          \
+    int failed;                                                                           \
+  } kiln__pg_##SUF;                                                                       \
+  static void kiln__pg_range_##SUF(void *vctx, int64_t lo, int64_t hi) {                  \
+    kiln__pg_##SUF *g = (kiln__pg_##SUF *)vctx;                                           \
+    int64_t i_lo = lo * KILN__MM_MB, i_hi = hi * KILN__MM_MB;                             \
+    if (i_hi > g->M) i_hi = g->M;                                                         \
+    for (int64_t i = i_lo; i < i_hi; i++) {                                               \
+      T *c = g->C + i * g->ldc;                                                           \
+      if (g->beta == 0)                                                                   \
+        for (int64_t j = 0; j < g->N; j++) c[j] = 0;                                      \
+      else if (g->beta != 1)                                                              \
+        for (int64_t j = 0; j < g->N; j++) c[j] *= g->beta;                               \
+    }                                                                                     \
+    T *bp = (T *)malloc(sizeof(T) * KILN__MM_KB * KILN__MM_NB);                           \
+    if (!bp) {                                                                            \
+      g->failed = 1;                                                                      \
+      return;                                                                             \
+    }                                                                                     \
+    for (int64_t j0 = 0; j0 < g->N; j0 += KILN__MM_NB) {                                  \
+      int64_t nb = g->N - j0 < KILN__MM_NB ? g->N - j0 : KILN__MM_NB;                     \
+      for (int64_t k0 = 0; k0 < g->K; k0 += KILN__MM_KB) {                                \
+        int64_t kb = g->K - k0 < KILN__MM_KB ? g->K - k0 : KILN__MM_KB;                   \
+        /* pack the B panel contiguous so the inner loop is a unit-stride axpy */         \
+        for (int64_t k = 0; k < kb; k++) {                                                \
+          const T *brow = g->B + (k0 + k) * g->brs + j0 * g->bcs;                         \
+          T *dst = bp + k * nb;                                                           \
+          if (g->bcs == 1)                                                                \
+            memcpy(dst, brow, sizeof(T) * (size_t)nb);                                    \
+          else                                                                            \
+            for (int64_t j = 0; j < nb; j++) dst[j] = brow[j * g->bcs];                   \
+        }                                                                                 \
+        for (int64_t i = i_lo; i < i_hi; i++) {                                           \
+          T *c = g->C + i * g->ldc + j0;                                                  \
+          const T *arow = g->A + i * g->ars + k0 * g->acs;                                \
+          int64_t k = 0;                                                                  \
+          for (; k + 4 <= kb; k += 4) { /* four rows of B per pass over the C row */      \
+            T a0 = g->alpha * arow[k * g->acs], a1 = g->alpha * arow[(k + 1) * g->acs];   \
+            T a2 = g->alpha * arow[(k + 2) * g->acs], a3 = g->alpha * arow[(k + 3) * g->acs]; \
+            const T *b0 = bp + k * nb, *b1 = b0 + nb, *b2 = b1 + nb, *b3 = b2 + nb;       \
+            for (int64_t j = 0; j < nb; j++)                                              \
+              c[j] += a0 * b0[j] + a1 * b1[j] + a2 * b2[j] + a3 * b3[j];                  \
+          }                                                                               \
+          for (; k < kb; k++) {                                                           \
+            T a0 = g->alpha * arow[k * g->acs];                                           \
+            const T *b0 = bp + k * nb;                                                    \
+            for (int64_t j = 0; j < nb; j++) c[j] += a0 * b0[j];                          \
+          }                                                                               \
+        }                                                                                 \
+      }                                                                                   \
+    }                                                                                     \
+    free(bp);                                                                             \
+  }                                                                                       \
+  /* One GEMM on operands already in a BLAS layout (row-major C). */                      \
+  static int kiln__gemm_##SUF(int ta, int tb, int64_t M, int64_t N, int64_t K, T alpha,   \
+                              const T *A, int64_t lda, const T *B, int64_t ldb, T beta, T *C, \
+                              int64_t ldc) {                                              \
+    CBLAS_GEMM                                                                            \
+    kiln__pg_##SUF g = {M, N, K, alpha, beta, A, ta ? 1 : lda, ta ? lda : 1,              \
+                        B, tb ? 1 : ldb, tb ? ldb : 1, C, ldc, 0};                        \
+    int64_t nblk = (M + KILN__MM_MB - 1) / KILN__MM_MB;                                   \
+    bool big = (double)M * (double)N * (double)K >= KILN__MM_PAR_FLOPS;                   \
+    kiln__cpu_parallel_for(nblk, big ? 1 : INT64_MAX, kiln__pg_range_##SUF, &g);          \
+    return g.failed ? -1 : 0;                                                             \
+  }                                                                                       \
+  /* Copies a strided (rows, cols) matrix into a contiguous one. */                       \
+  static void kiln__pack_##SUF(T *dst, const T *src, int64_t rows, int64_t cols, int64_t rs, \
+                               int64_t cs) {                                              \
+    for (int64_t r = 0; r < rows; r++)                                                    \
+      for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = src[r * rs + c * cs];        \
+  }                                                                                       \
+  /* C (strides cm, cn) = alpha * A @ B + beta * C for any strides; tmp: scratch, NULL */ \
+  /* when none is needed; returns 0, or -1 when out of memory. */                         \
+  static int kiln__gemm_any_##SUF(int64_t M, int64_t N, int64_t K, T alpha, const T *A,   \
+                                  int64_t am, int64_t ak, const T *B, int64_t bk,         \
+                                  int64_t bn, T beta, T *C, int64_t cm, int64_t cn) {     \
+    int ta, tb, tc;                                                                       \
+    int64_t lda, ldb, ldc;                                                                \
+    T *ta_buf = NULL, *tb_buf = NULL, *tc_buf = NULL;                                     \
+    int rc = 0;                                                                           \
+    if (!kiln__mm_layout(M, K, am, ak, &ta, &lda)) {                                      \
+      ta_buf = (T *)malloc(sizeof(T) * (size_t)(M * K));                                  \
+      if (!ta_buf) return -1;                                                             \
+      kiln__pack_##SUF(ta_buf, A, M, K, am, ak);                                          \
+      A = ta_buf;                                                                         \
+      ta = 0;                                                                             \
+      lda = K > 1 ? K : 1;                                                                \
+    }                                                                                     \
+    if (!kiln__mm_layout(K, N, bk, bn, &tb, &ldb)) {                                      \
+      tb_buf = (T *)malloc(sizeof(T) * (size_t)(K * N));                                  \
+      if (!tb_buf) {                                                                      \
+        free(ta_buf);                                                                     \
+        return -1;                                                                        \
+      }                                                                                   \
+      kiln__pack_##SUF(tb_buf, B, K, N, bk, bn);                                          \
+      B = tb_buf;                                                                         \
+      tb = 0;                                                                             \
+      ldb = N > 1 ? N : 1;                                                                \
+    }                                                                                     \
+    if (kiln__mm_layout(M, N, cm, cn, &tc, &ldc)) {                                       \
+      if (!tc)                                                                            \
+        rc = kiln__gemm_##SUF(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);      \
+      else /* column-major C: C^T = B^T A^T */                                            \
+        rc = kiln__gemm_##SUF(!tb, !ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);    \
+    } else {                                                                              \
+      tc_buf = (T *)malloc(sizeof(T) * (size_t)(M * N));                                  \
+      if (!tc_buf) {                                                                      \
+        rc = -1;                                                                          \
+      } else {                                                                            \
+        if (beta != 0) kiln__pack_##SUF(tc_buf, C, M, N, cm, cn);                         \
+        rc = kiln__gemm_##SUF(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, tc_buf,       \
+                              N > 1 ? N : 1);                                             \
+        for (int64_t i = 0; i < M; i++)                                                   \
+          for (int64_t j = 0; j < N; j++) C[i * cm + j * cn] = tc_buf[i * N + j];         \
+      }                                                                                   \
+    }                                                                                     \
+    free(ta_buf);                                                                         \
+    free(tb_buf);                                                                         \
+    free(tc_buf);                                                                         \
+    return rc;                                                                            \
+  }
+
+#ifdef KILN_HAVE_CBLAS
+#define KILN__CBLAS_CALL(FN)                                                              \
+  if (M > 0 && N > 0) {                                                                   \
+    if (K == 0) { /* BLAS leaves C alone for K == 0 only when beta == 1; be explicit */   \
+      for (int64_t i = 0; i < M; i++)                                                     \
+        for (int64_t j = 0; j < N; j++) C[i * ldc + j] = beta == 0 ? 0 : beta * C[i * ldc + j]; \
+      return 0;                                                                           \
+    }                                                                                     \
+    FN(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,     \
+       (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);       \
+  }                                                                                       \
+  return 0;
+KILN__MM_FNS(float, f32, KILN__CBLAS_CALL(cblas_sgemm))
+KILN__MM_FNS(double, f64, KILN__CBLAS_CALL(cblas_dgemm))
+#else
+KILN__MM_FNS(float, f32, )
+KILN__MM_FNS(double, f64, )
+#endif
+
+typedef struct kiln__mm_job {
+  const kiln__kargs *a;
+  kiln_dtype dt;
+  int64_t M, N, K;
+  int nb;                         /* batch dims */
+  int64_t nbatch;
+  int64_t bshape[KILN_MAX_DIMS];
+  int64_t am, ak, bk, bn, cm, cn; /* matrix strides */
+  const void *bias;               /* contiguous bias in the compute type, or NULL */
+  int failed;
+} kiln__mm_job;
+
+/* Element offsets of batch element b in views v (batch dims [0, nb)). */
+static int64_t kiln__mm_boff(const kiln__mm_job *j, const kiln__view *v, int64_t b) {
+  int64_t off = 0;
+  for (int d = j->nb - 1; d >= 0; d--) {
+    int64_t s = j->bshape[d];
+    off += (b % s) * v->strides[d];
+    b /= s;
+  }
+  return off;
+}
+
+/* Adds the bias to each row of the (M, N) result at C (compute type T). */
+#define KILN__MM_BIAS(T, C, M, N, cm, cn, bias)                                           \
+  do {                                                                                    \
+    const T *bb_ = (const T *)(bias);                                                     \
+    for (int64_t i_ = 0; i_ < (M); i_++) {                                                \
+      T *row_ = (C) + i_ * (cm);                                                          \
+      if ((cn) == 1)                                                                      \
+        for (int64_t j_ = 0; j_ < (N); j_++) row_[j_] += bb_[j_];                         \
+      else                                                                                \
+        for (int64_t j_ = 0; j_ < (N); j_++) row_[j_ * (cn)] += bb_[j_];                  \
+    }                                                                                     \
+  } while (0)
+
+/* One batch element (or the folded batch) on f32/f64 data in place. */
+static int kiln__mm_one(const kiln__mm_job *j, int64_t M, const char *A, const char *B, char *C) {
+  const kiln__kargs *a = j->a;
+  if (j->dt == KILN_F32) {
+    float *c = (float *)C;
+    if (kiln__gemm_any_f32(M, j->N, j->K, (float)a->s[0], (const float *)A, j->am, j->ak, (const float *)B,
+                           j->bk, j->bn, (float)a->s[1], c, j->cm, j->cn))
+      return -1;
+    if (j->bias) KILN__MM_BIAS(float, c, M, j->N, j->cm, j->cn, j->bias);
+  } else {
+    double *c = (double *)C;
+    if (kiln__gemm_any_f64(M, j->N, j->K, a->s[0], (const double *)A, j->am, j->ak, (const double *)B, j->bk,
+                           j->bn, a->s[1], c, j->cm, j->cn))
+      return -1;
+    if (j->bias) KILN__MM_BIAS(double, c, M, j->N, j->cm, j->cn, j->bias);
+  }
+  return 0;
+}
+
+/* 16-bit: convert a strided (rows, cols) matrix to contiguous f32 and back. */
+static void kiln__mm_to_f32(float *dst, const char *src, kiln_dtype dt, int64_t rows, int64_t cols, int64_t rs,
+                            int64_t cs) {
+  int64_t es = (int64_t)kiln__cpu_esize(dt);
+  for (int64_t r = 0; r < rows; r++) kiln__cpu_load(dst + r * cols, KILN_F32, src + r * rs * es, cs * es, dt, cols);
+}
+static void kiln__mm_from_f32(char *dst, kiln_dtype dt, const float *src, int64_t rows, int64_t cols, int64_t rs,
+                              int64_t cs) {
+  int64_t es = (int64_t)kiln__cpu_esize(dt);
+  for (int64_t r = 0; r < rows; r++) kiln__cpu_store(dst + r * rs * es, cs * es, dt, src + r * cols, KILN_F32, cols);
+}
+
+static int kiln__mm_one_half(const kiln__mm_job *j, int64_t M, const char *A, const char *B, char *C,
+                             float *ta, float *tb, float *tc) {
+  const kiln__kargs *a = j->a;
+  int64_t N = j->N, K = j->K;
+  kiln__mm_to_f32(ta, A, j->dt, M, K, j->am, j->ak);
+  kiln__mm_to_f32(tb, B, j->dt, K, N, j->bk, j->bn);
+  if (a->s[1] != 0) kiln__mm_to_f32(tc, C, j->dt, M, N, j->cm, j->cn);
+  if (kiln__gemm_any_f32(M, N, K, (float)a->s[0], ta, K, 1, tb, N, 1, (float)a->s[1], tc, N, 1)) return -1;
+  if (j->bias) KILN__MM_BIAS(float, tc, M, N, N, 1, j->bias);
+  kiln__mm_from_f32(C, j->dt, tc, M, N, j->cm, j->cn);
+  return 0;
+}
+
+typedef struct kiln__mm_bjob {
+  kiln__mm_job *j;
+  const kiln__view *A, *B, *C;
+} kiln__mm_bjob;
+
+static void kiln__mm_batch_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__mm_bjob *bj = (kiln__mm_bjob *)vctx;
+  kiln__mm_job *j = bj->j;
+  int64_t es = (int64_t)kiln__cpu_esize(j->dt);
+  float *ta = NULL, *tb = NULL, *tc = NULL;
+  bool half = j->dt == KILN_F16 || j->dt == KILN_BF16;
+  if (half) {
+    ta = (float *)malloc(sizeof(float) * (size_t)(j->M * j->K + 1));
+    tb = (float *)malloc(sizeof(float) * (size_t)(j->K * j->N + 1));
+    tc = (float *)malloc(sizeof(float) * (size_t)(j->M * j->N + 1));
+    if (!ta || !tb || !tc) {
+      j->failed = 1;
+      lo = hi;
+    }
+  }
+  for (int64_t b = lo; b < hi; b++) {
+    const char *A = (const char *)bj->A->data + kiln__mm_boff(j, bj->A, b) * es;
+    const char *B = (const char *)bj->B->data + kiln__mm_boff(j, bj->B, b) * es;
+    char *C = (char *)bj->C->data + kiln__mm_boff(j, bj->C, b) * es;
+    int rc = half ? kiln__mm_one_half(j, j->M, A, B, C, ta, tb, tc) : kiln__mm_one(j, j->M, A, B, C);
+    if (rc) j->failed = 1;
+  }
+  free(ta);
+  free(tb);
+  free(tc);
+}
+
+kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
+  const kiln__view *A = &a->in[0], *B = &a->in[1], *C = &a->out[0];
+  int nd = C->ndim;
+  if (nd < 2 || A->ndim != nd || B->ndim != nd)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: operands must have the same ndim >= 2 (got %d, %d, %d)",
+                          A->ndim, B->ndim, nd);
+  kiln_dtype dt = C->dtype;
+  if (!kiln__cpu_is_float(dt)) return kiln__cpu_dtype_error(a, dt);
+  if (A->dtype != dt || B->dtype != dt || (a->n_in > 2 && a->in[2].dtype != dt))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: dtypes %s @ %s -> %s differ", kiln_dtype_name(A->dtype),
+                          kiln_dtype_name(B->dtype), kiln_dtype_name(dt));
+  kiln__mm_job j;
+  memset(&j, 0, sizeof j);
+  j.a = a;
+  j.dt = dt;
+  j.M = C->shape[nd - 2];
+  j.N = C->shape[nd - 1];
+  j.K = A->shape[nd - 1];
+  if (A->shape[nd - 2] != j.M || B->shape[nd - 2] != j.K || B->shape[nd - 1] != j.N)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: (%lld, %lld) @ (%lld, %lld) -> (%lld, %lld) do not match",
+                          (long long)A->shape[nd - 2], (long long)j.K, (long long)B->shape[nd - 2],
+                          (long long)B->shape[nd - 1], (long long)j.M, (long long)j.N);
+  j.nb = nd - 2;
+  j.nbatch = 1;
+  for (int d = 0; d < j.nb; d++) {
+    if (A->shape[d] != C->shape[d] || B->shape[d] != C->shape[d])
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: batch dim %d differs (%lld, %lld, %lld)", d,
+                            (long long)A->shape[d], (long long)B->shape[d], (long long)C->shape[d]);
+    j.bshape[d] = C->shape[d];
+    j.nbatch *= C->shape[d];
+  }
+  if (j.nbatch == 0 || j.M == 0 || j.N == 0) return KILN_OK;
+  if ((j.M * j.N > INT32_MAX || j.M * j.K > INT32_MAX || j.K * j.N > INT32_MAX))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: matrices over 2^31 elements are not supported on cpu");
+  j.am = A->strides[nd - 2];
+  j.ak = A->strides[nd - 1];
+  j.bk = B->strides[nd - 2];
+  j.bn = B->strides[nd - 1];
+  j.cm = C->strides[nd - 2];
+  j.cn = C->strides[nd - 1];
+
+  /* bias, converted once to a contiguous vector of the compute type */
+  _Alignas(64) double bias_stack[512];
+  void *bias_heap = NULL;
+  if (a->n_in > 2) {
+    const kiln__view *bv = &a->in[2];
+    kiln_dtype bct = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+    void *dst = bias_stack;
+    if (j.N > 512) {
+      dst = bias_heap = malloc(sizeof(double) * (size_t)j.N);
+      if (!dst) return kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for the bias");
+    }
+    kiln__cpu_load(dst, bct, (const char *)bv->data, bv->strides[bv->ndim - 1] * (int64_t)kiln__cpu_esize(dt), dt,
+                   j.N);
+    j.bias = dst;
+  }
+
+  kiln_status st = KILN_OK;
+  bool half = dt == KILN_F16 || dt == KILN_BF16;
+  /* fold the batch into M when B is shared and A's/out0's (batch..., M) dims merge */
+  bool fold = false;
+  if (j.nb > 0 && j.nbatch > 1) {
+    bool shared = true;
+    for (int d = 0; d < j.nb; d++)
+      if (B->strides[d] != 0 && B->shape[d] != 1) shared = false;
+    if (shared) {
+      kiln__view fv[2] = {*A, *C};
+      for (int i = 0; i < 2; i++) fv[i].ndim = nd - 1;
+      fv[0].shape[nd - 2] = fv[1].shape[nd - 2] = j.M;
+      if (kiln__views_coalesce(fv, 2) == 1) {
+        fold = true;
+        int64_t Mt = fv[0].shape[0];
+        j.am = fv[0].strides[0];
+        j.cm = fv[1].strides[0];
+        int rc;
+        if (half) {
+          float *ta = (float *)malloc(sizeof(float) * (size_t)(Mt * j.K + 1));
+          float *tb = (float *)malloc(sizeof(float) * (size_t)(j.K * j.N + 1));
+          float *tc = (float *)malloc(sizeof(float) * (size_t)(Mt * j.N + 1));
+          rc = (ta && tb && tc) ? kiln__mm_one_half(&j, Mt, (const char *)A->data, (const char *)B->data,
+                                                    (char *)C->data, ta, tb, tc)
+                                : -1;
+          free(ta);
+          free(tb);
+          free(tc);
+        } else {
+          rc = kiln__mm_one(&j, Mt, (const char *)A->data, (const char *)B->data, (char *)C->data);
+        }
+        if (rc) j.failed = 1;
+      }
+    }
+  }
+  if (!fold) {
+    kiln__mm_bjob bj = {&j, A, B, C};
+    bool small = (double)j.M * (double)j.N * (double)j.K < KILN__MM_PAR_FLOPS;
+    bool par = small && j.nbatch > 1 && (double)j.nbatch * j.M * j.N * j.K >= KILN__MM_PAR_FLOPS;
+#ifdef KILN_HAVE_CBLAS
+    /* concurrent calls into the BLAS may serialize or oversubscribe its own threads */
+    par = false;
+#endif
+    kiln__cpu_parallel_for(j.nbatch, par ? 1 : INT64_MAX, kiln__mm_batch_range, &bj);
+  }
+  if (j.failed) st = kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for temporaries");
+  free(bias_heap);
+  return st;
+}

@@ -1,0 +1,102 @@
+/*
+** Random kernels. Element k (the C-order linear index within out0) takes its value from
+** the core's Philox mapping at (seed, offset, k), so the numbers depend neither on the
+** thread count nor on out0's strides, and match every other backend.
+** The f32 uniform/normal draw serves f32/f16/bf16 (and integer) outputs, the f64 draw
+** serves f64 outputs; RAND_INT always uses the f64 uniform.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+#include "../../core/kiln_int.h"
+
+#include <math.h>
+
+static void kiln__rand_uniform_f32(void *o, const void *const *in, int64_t n, int64_t k0,
+                                   const kiln__kargs *a) {
+  float *y = (float *)o;
+  float lo = (float)a->s[0], w = (float)(a->s[1] - a->s[0]);
+  (void)in;
+  for (int64_t i = 0; i < n; i++) y[i] = lo + w * kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i));
+}
+static void kiln__rand_uniform_f64(void *o, const void *const *in, int64_t n, int64_t k0,
+                                   const kiln__kargs *a) {
+  double *y = (double *)o;
+  double lo = a->s[0], w = a->s[1] - a->s[0];
+  (void)in;
+  for (int64_t i = 0; i < n; i++)
+    y[i] = lo + w * kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+}
+static void kiln__rand_normal_f32(void *o, const void *const *in, int64_t n, int64_t k0,
+                                  const kiln__kargs *a) {
+  float *y = (float *)o;
+  float mu = (float)a->s[0], sd = (float)a->s[1];
+  (void)in;
+  for (int64_t i = 0; i < n; i++) y[i] = mu + sd * kiln__philox_normal(a->seed, a->offset, (uint64_t)(k0 + i));
+}
+static void kiln__rand_normal_f64(void *o, const void *const *in, int64_t n, int64_t k0,
+                                  const kiln__kargs *a) {
+  double *y = (double *)o;
+  (void)in;
+  for (int64_t i = 0; i < n; i++)
+    y[i] = a->s[0] + a->s[1] * kiln__philox_normal_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+}
+static void kiln__rand_int(void *o, const void *const *in, int64_t n, int64_t k0,
+                           const kiln__kargs *a) {
+  int64_t *y = (int64_t *)o;
+  int64_t lo = a->i[0], hi = a->i[1];
+  double span = (double)hi - (double)lo;
+  (void)in;
+  for (int64_t i = 0; i < n; i++) {
+    double u = kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+    int64_t v = lo + (int64_t)floor(u * span);
+    if (v > hi - 1) v = hi - 1; /* u*span can round up to span */
+    if (v < lo) v = lo;
+    y[i] = v;
+  }
+}
+static void kiln__rand_bernoulli_f32(void *o, const void *const *in, int64_t n, int64_t k0,
+                                     const kiln__kargs *a) {
+  float *y = (float *)o;
+  float val = (float)a->s[1];
+  (void)in;
+  for (int64_t i = 0; i < n; i++)
+    y[i] = (double)kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i)) < a->s[0] ? val : 0.0f;
+}
+static void kiln__rand_bernoulli_f64(void *o, const void *const *in, int64_t n, int64_t k0,
+                                     const kiln__kargs *a) {
+  double *y = (double *)o;
+  (void)in;
+  for (int64_t i = 0; i < n; i++)
+    y[i] = kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i)) < a->s[0] ? a->s[1] : 0.0;
+}
+
+kiln_status kiln__cpu_random(const kiln__kargs *a) {
+  bool f64 = a->out[0].dtype == KILN_F64;
+  kiln_dtype ct = f64 ? KILN_F64 : KILN_F32;
+  kiln__cpu_vec_fn fn;
+  switch (a->op) {
+  case KILN__K_RAND_UNIFORM:
+    fn = f64 ? kiln__rand_uniform_f64 : kiln__rand_uniform_f32;
+    break;
+  case KILN__K_RAND_NORMAL:
+    fn = f64 ? kiln__rand_normal_f64 : kiln__rand_normal_f32;
+    break;
+  case KILN__K_RAND_INT:
+    if (a->i[1] <= a->i[0])
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_randint: low %lld must be below high %lld",
+                            (long long)a->i[0], (long long)a->i[1]);
+    fn = kiln__rand_int;
+    ct = KILN_I64;
+    break;
+  case KILN__K_RAND_BERNOULLI:
+    fn = f64 ? kiln__rand_bernoulli_f64 : kiln__rand_bernoulli_f32;
+    break;
+  default:
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_%s: not a random op", kiln__kop_name(a->op));
+  }
+  if ((a->op == KILN__K_RAND_UNIFORM || a->op == KILN__K_RAND_NORMAL) &&
+      !kiln__cpu_is_float(a->out[0].dtype))
+    return kiln__cpu_dtype_error(a, a->out[0].dtype);
+  kiln_dtype cts[1] = {ct};
+  return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, fn);
+}

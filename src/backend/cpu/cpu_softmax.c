@@ -1,0 +1,298 @@
+/*
+** Softmax and log-softmax along one dim (numerically stable: the row max is subtracted
+** before exp), their backward rules, and the fused cross-entropy loss with its backward.
+** Each row is gathered into a contiguous buffer of the compute type (f32 for f32/f16/bf16,
+** f64 for f64), so strided and 16-bit inputs take the same loops; sums over a row
+** accumulate in f64 so that long rows (vocabularies) lose nothing.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <tgmath.h>
+
+/* Rows up to this long use stack buffers; longer ones one heap buffer per thread. */
+#define KILN__SM_STACK 2048
+
+typedef struct kiln__rows {
+  const kiln__kargs *a;
+  kiln__view v[5];    /* per-row base pointers: one view per tensor, row dim removed */
+  int nv;
+  int64_t len;        /* row length */
+  int64_t bst[5];     /* byte stride along the row, per view */
+  kiln_dtype ct;      /* F32 or F64 */
+  int failed;         /* heap buffer allocation failed */
+} kiln__rows;
+
+/* ---- softmax family: row kernels on contiguous T arrays ---- */
+#define KILN__SM_FNS(T, SUF)                                                              \
+  static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
+    T m = -INFINITY;                                                                      \
+    for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;            \
+    if (m == -INFINITY) m = 0; /* all -inf: keep exp finite (gives NaN/uniform as torch) */ \
+    double s = 0;                                                                         \
+    for (int64_t i = 0; i < n; i++) s += (double)exp(x[i] - m);                           \
+    if (logsm) {                                                                          \
+      T lse = m + (T)log(s);                                                              \
+      for (int64_t i = 0; i < n; i++) x[i] = x[i] - lse;                                  \
+    } else {                                                                              \
+      T inv = (T)(1.0 / s);                                                               \
+      for (int64_t i = 0; i < n; i++) x[i] = exp(x[i] - m) * inv;                         \
+    }                                                                                     \
+  }                                                                                       \
+  /* y (softmax out) and g: y <- y*(g - sum(g*y)); logsm: y <- g - exp(y)*sum(g) */        \
+  static void kiln__softmax_bw_row_##SUF(T *y, const T *g, int64_t n, bool logsm) {       \
+    double s = 0;                                                                         \
+    if (logsm) {                                                                          \
+      for (int64_t i = 0; i < n; i++) s += (double)g[i];                                  \
+      T ts = (T)s;                                                                        \
+      for (int64_t i = 0; i < n; i++) y[i] = g[i] - exp(y[i]) * ts;                       \
+    } else {                                                                              \
+      for (int64_t i = 0; i < n; i++) s += (double)g[i] * (double)y[i];                   \
+      T ts = (T)s;                                                                        \
+      for (int64_t i = 0; i < n; i++) y[i] = y[i] * (g[i] - ts);                          \
+    }                                                                                     \
+  }
+KILN__SM_FNS(float, f32)
+KILN__SM_FNS(double, f64)
+
+static void kiln__sm_run(void *vctx, char *const *p, const int64_t *bst, int64_t n, int64_t k0) {
+  kiln__rows *c = (kiln__rows *)vctx;
+  const kiln__kargs *a = c->a;
+  bool bw = a->op == KILN__K_SOFTMAX_BACKWARD || a->op == KILN__K_LOG_SOFTMAX_BACKWARD;
+  bool logsm = a->op == KILN__K_LOG_SOFTMAX || a->op == KILN__K_LOG_SOFTMAX_BACKWARD;
+  int64_t len = c->len;
+  _Alignas(64) double sb[2][KILN__SM_STACK];
+  double *b0 = sb[0], *b1 = sb[1], *heap = NULL;
+  (void)k0;
+  if (len > KILN__SM_STACK) {
+    heap = (double *)malloc((size_t)len * 2 * sizeof(double));
+    if (!heap) {
+      c->failed = 1;
+      return;
+    }
+    b0 = heap;
+    b1 = heap + len;
+  }
+  /* view order: [0] out, [1] in0, [2] in1 */
+  for (int64_t r = 0; r < n; r++) {
+    char *po = p[0] + r * bst[0];
+    kiln__cpu_load(b0, c->ct, p[1] + r * bst[1], c->bst[1], c->v[1].dtype, len);
+    if (bw) kiln__cpu_load(b1, c->ct, p[2] + r * bst[2], c->bst[2], c->v[2].dtype, len);
+    if (c->ct == KILN_F32) {
+      if (bw)
+        kiln__softmax_bw_row_f32((float *)b0, (const float *)b1, len, logsm);
+      else
+        kiln__softmax_row_f32((float *)b0, len, logsm);
+    } else {
+      if (bw)
+        kiln__softmax_bw_row_f64(b0, b1, len, logsm);
+      else
+        kiln__softmax_row_f64(b0, len, logsm);
+    }
+    kiln__cpu_store(po, c->bst[0], c->v[0].dtype, b0, c->ct, len);
+  }
+  free(heap);
+}
+
+static void kiln__rows_range(void *vctx, int64_t lo, int64_t hi);
+
+/* Sets up c for rows along dim d of views vs[0..nv) (all with in0's shape). */
+static void kiln__rows_init(kiln__rows *c, const kiln__kargs *a, const kiln__view *vs, int nv, int d) {
+  c->a = a;
+  c->nv = nv;
+  c->failed = 0;
+  c->len = vs[0].shape[d];
+  for (int i = 0; i < nv; i++) {
+    c->v[i] = vs[i];
+    c->bst[i] = vs[i].strides[d] * (int64_t)kiln__cpu_esize(vs[i].dtype);
+    for (int k = d; k < vs[i].ndim - 1; k++) {
+      c->v[i].shape[k] = c->v[i].shape[k + 1];
+      c->v[i].strides[k] = c->v[i].strides[k + 1];
+    }
+    c->v[i].ndim = vs[i].ndim - 1;
+  }
+}
+
+typedef struct kiln__rows_job {
+  kiln__rows *c;
+  kiln__cpu_run_fn fn;
+} kiln__rows_job;
+
+static void kiln__rows_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__rows_job *j = (kiln__rows_job *)vctx;
+  kiln__cpu_walk(j->c->v, j->c->nv, lo, hi, j->fn, j->c);
+}
+
+static kiln_status kiln__rows_go(kiln__rows *c, kiln__cpu_run_fn fn) {
+  int64_t nrows = kiln__view_numel(&c->v[0]); /* 0-d view after removing the only dim: 1 */
+  if (nrows == 0 || c->len == 0) return KILN_OK;
+  kiln__views_coalesce(c->v, c->nv);
+  kiln__rows_job j = {c, fn};
+  int64_t work = nrows * c->len;
+  kiln__cpu_parallel_for(nrows, work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / c->len + 1,
+                         kiln__rows_range, &j);
+  if (c->failed)
+    return kiln_set_error(KILN_ERR_OOM, "kiln_%s: out of host memory for a row of %lld",
+                          kiln__kop_name(c->a->op), (long long)c->len);
+  return KILN_OK;
+}
+
+kiln_status kiln__cpu_softmax(const kiln__kargs *a) {
+  const kiln__view *in = &a->in[0];
+  int64_t d = a->i[0];
+  if (d < 0 || d >= in->ndim)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_%s: dim %lld invalid for %d dims",
+                          kiln__kop_name(a->op), (long long)d, in->ndim);
+  bool bw = a->op == KILN__K_SOFTMAX_BACKWARD || a->op == KILN__K_LOG_SOFTMAX_BACKWARD;
+  if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
+  for (int i = 0; i < (bw ? 2 : 1); i++)
+    if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+  kiln__view vs[3] = {a->out[0], a->in[0], bw ? a->in[1] : a->in[0]};
+  kiln__rows c;
+  kiln__rows_init(&c, a, vs, bw ? 3 : 2, (int)d);
+  c.ct = kiln__cpu_ct(a->out[0].dtype);
+  return kiln__rows_go(&c, kiln__sm_run);
+}
+
+/* ---- cross entropy ---- */
+/* Checks every target before anything is written. */
+static kiln_status kiln__ce_check(const kiln__kargs *a, const char *name) {
+  const kiln__view *lg = &a->in[0], *tg = &a->in[1];
+  if (lg->ndim != 2 || tg->ndim != 1 || tg->shape[0] != lg->shape[0])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: logits must be (N, C) and target (N)", name);
+  if (tg->dtype != KILN_I64 && tg->dtype != KILN_I32)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: target dtype %s is not int64 or int32", name,
+                          kiln_dtype_name(tg->dtype));
+  if (!kiln__cpu_is_float(lg->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: logits dtype %s is not a float dtype", name,
+                          kiln_dtype_name(lg->dtype));
+  int64_t nrow = lg->shape[0], ncls = lg->shape[1];
+  size_t es = kiln__cpu_esize(tg->dtype);
+  for (int64_t r = 0; r < nrow; r++) {
+    int64_t t = kiln__cpu_get_i64((const char *)tg->data + r * tg->strides[0] * (int64_t)es, tg->dtype);
+    if (t == a->i[0]) continue;
+    if (t < 0 || t >= ncls)
+      return kiln_set_error(KILN_ERR_INDEX, "%s: target %lld is out of range for %lld classes (row %lld)",
+                            name, (long long)t, (long long)ncls, (long long)r);
+  }
+  return KILN_OK;
+}
+
+#define KILN__CE_FNS(T, SUF)                                                              \
+  /* x: one row of logits; returns the loss, *lse_out the logsumexp */                    \
+  static T kiln__ce_row_##SUF(const T *x, int64_t n, int64_t t, double eps, T *lse_out) { \
+    T m = -INFINITY;                                                                      \
+    for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;            \
+    T mm = m == -INFINITY ? 0 : m;                                                        \
+    double s = 0, sx = 0;                                                                 \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      s += (double)exp(x[i] - mm);                                                        \
+      sx += (double)x[i];                                                                 \
+    }                                                                                     \
+    double lse = (double)mm + log(s);                                                     \
+    *lse_out = (T)lse;                                                                    \
+    return (T)((1.0 - eps) * (lse - (double)x[t]) + eps * (lse - sx / (double)n));        \
+  }                                                                                       \
+  static void kiln__ce_bw_row_##SUF(T *x, int64_t n, int64_t t, double eps, T lse, T g) { \
+    T off = (T)(eps / (double)n), on = (T)(1.0 - eps);                                    \
+    for (int64_t i = 0; i < n; i++) x[i] = g * (exp(x[i] - lse) - off);                   \
+    x[t] -= g * on;                                                                       \
+  }
+KILN__CE_FNS(float, f32)
+KILN__CE_FNS(double, f64)
+
+/* view order, forward: [0] logits row, [1] target, [2] loss, [3] lse;
+** backward: [0] dlogits row, [1] logits row, [2] target, [3] lse, [4] grad */
+static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t n, int64_t k0) {
+  kiln__rows *c = (kiln__rows *)vctx;
+  const kiln__kargs *a = c->a;
+  bool bw = a->op == KILN__K_CROSS_ENTROPY_BACKWARD;
+  int64_t len = c->len;
+  double eps = a->s[0];
+  _Alignas(64) double sb[KILN__SM_STACK];
+  double *b0 = sb, *heap = NULL;
+  (void)k0;
+  if (len > KILN__SM_STACK) {
+    heap = (double *)malloc((size_t)len * sizeof(double));
+    if (!heap) {
+      c->failed = 1;
+      return;
+    }
+    b0 = heap;
+  }
+  int ti = bw ? 2 : 1;
+  for (int64_t r = 0; r < n; r++) {
+    int64_t t = kiln__cpu_get_i64(p[ti] + r * bst[ti], c->v[ti].dtype);
+    bool ignored = t == a->i[0];
+    if (!bw) {
+      double loss = 0, lse = 0;
+      if (!ignored) {
+        kiln__cpu_load(b0, c->ct, p[0] + r * bst[0], c->bst[0], c->v[0].dtype, len);
+        if (c->ct == KILN_F32) {
+          float l32;
+          loss = kiln__ce_row_f32((const float *)b0, len, t, eps, &l32);
+          lse = l32;
+        } else {
+          loss = kiln__ce_row_f64(b0, len, t, eps, &lse);
+        }
+      }
+      kiln__cpu_set_f64(p[2] + r * bst[2], c->v[2].dtype, loss);
+      if (c->nv > 3) kiln__cpu_set_f64(p[3] + r * bst[3], c->v[3].dtype, lse);
+    } else {
+      if (ignored) {
+        for (int64_t i = 0; i < len; i++) b0[i] = 0; /* zeros in any compute type */
+      } else {
+        double lse = kiln__cpu_get_f64(p[3] + r * bst[3], c->v[3].dtype);
+        double g = kiln__cpu_get_f64(p[4] + r * bst[4], c->v[4].dtype);
+        kiln__cpu_load(b0, c->ct, p[1] + r * bst[1], c->bst[1], c->v[1].dtype, len);
+        if (c->ct == KILN_F32)
+          kiln__ce_bw_row_f32((float *)b0, len, t, eps, (float)lse, (float)g);
+        else
+          kiln__ce_bw_row_f64(b0, len, t, eps, lse, g);
+      }
+      kiln__cpu_store(p[0] + r * bst[0], c->bst[0], c->v[0].dtype, b0, c->ct, len);
+    }
+  }
+  free(heap);
+}
+
+/* Row views: a 1-d view (N) gets a fake dim of size C with stride 0, so every view has the
+** logits' shape and the row dim can be removed from all alike. */
+static kiln__view kiln__ce_rowview(const kiln__view *v, int64_t ncls) {
+  kiln__view r = *v;
+  r.ndim = 2;
+  r.shape[1] = ncls;
+  r.strides[1] = 0;
+  return r;
+}
+
+kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a) {
+  kiln_status st = kiln__ce_check(a, "kiln_cross_entropy");
+  if (st != KILN_OK) return st;
+  if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
+  int64_t ncls = a->in[0].shape[1];
+  kiln__view vs[4] = {a->in[0], kiln__ce_rowview(&a->in[1], ncls), kiln__ce_rowview(&a->out[0], ncls),
+                      a->n_out > 1 ? kiln__ce_rowview(&a->out[1], ncls) : a->in[0]};
+  kiln__rows c;
+  kiln__rows_init(&c, a, vs, a->n_out > 1 ? 4 : 3, 1);
+  c.ct = kiln__cpu_ct(a->in[0].dtype);
+  if (ncls == 0) { /* no classes: nothing to normalise; loss is undefined, write NaN */
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: logits have 0 classes");
+  }
+  return kiln__rows_go(&c, kiln__ce_run);
+}
+
+kiln_status kiln__cpu_cross_entropy_backward(const kiln__kargs *a) {
+  kiln_status st = kiln__ce_check(a, "kiln_cross_entropy_backward");
+  if (st != KILN_OK) return st;
+  if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
+  int64_t ncls = a->in[0].shape[1];
+  kiln__view vs[5] = {a->out[0], a->in[0], kiln__ce_rowview(&a->in[1], ncls),
+                      kiln__ce_rowview(&a->in[2], ncls), kiln__ce_rowview(&a->in[3], ncls)};
+  kiln__rows c;
+  kiln__rows_init(&c, a, vs, 5, 1);
+  c.ct = kiln__cpu_ct(a->out[0].dtype);
+  return kiln__rows_go(&c, kiln__ce_run);
+}

@@ -1,0 +1,71 @@
+/*
+** View helpers every backend may use: element counts, contiguity, and dim coalescing so
+** that kernels iterate over the fewest dims (a contiguous tensor becomes one flat run).
+*/
+#include "backend.h"
+
+int64_t kiln__view_numel(const kiln__view *v) {
+  int64_t n = 1;
+  for (int d = 0; d < v->ndim; d++) n *= v->shape[d];
+  return n;
+}
+
+/* C-contiguous, ignoring the strides of size-1 dims (they are never stepped over). */
+bool kiln__view_is_contiguous(const kiln__view *v) {
+  int64_t expect = 1;
+  for (int d = v->ndim - 1; d >= 0; d--) {
+    if (v->shape[d] == 0) return true;
+    if (v->shape[d] == 1) continue;
+    if (v->strides[d] != expect) return false;
+    expect *= v->shape[d];
+  }
+  return true;
+}
+
+/* Keeps the dims in their order (so a linear index over the result is still the C-order
+** index of the original shape, which the RNG kernels rely on). */
+int kiln__views_coalesce(kiln__view *views, int n) {
+  if (n <= 0) return 0;
+  int nd = views[0].ndim;
+  int64_t numel = kiln__view_numel(&views[0]);
+  if (numel == 0) {
+    for (int i = 0; i < n; i++) {
+      views[i].ndim = 1;
+      views[i].shape[0] = 0;
+      views[i].strides[0] = 1;
+    }
+    return 1;
+  }
+  int out = 0; /* dims kept so far, written in place */
+  for (int d = 0; d < nd; d++) {
+    int64_t size = views[0].shape[d];
+    if (size == 1) continue;
+    bool merge = out > 0;
+    for (int i = 0; merge && i < n; i++) {
+      /* dim out-1 (outer) merges with d (inner) when one step of the outer equals a full
+      ** sweep of the inner, in every view */
+      if (views[i].strides[out - 1] != views[i].strides[d] * size) merge = false;
+    }
+    if (merge) {
+      for (int i = 0; i < n; i++) {
+        views[i].shape[out - 1] *= size;
+        views[i].strides[out - 1] = views[i].strides[d];
+      }
+    } else {
+      for (int i = 0; i < n; i++) {
+        views[i].shape[out] = size;
+        views[i].strides[out] = views[i].strides[d];
+      }
+      out++;
+    }
+  }
+  if (out == 0) { /* a single element */
+    for (int i = 0; i < n; i++) {
+      views[i].shape[0] = 1;
+      views[i].strides[0] = 1;
+    }
+    out = 1;
+  }
+  for (int i = 0; i < n; i++) views[i].ndim = out;
+  return out;
+}

@@ -130,7 +130,13 @@ typedef struct kiln__view {
   /* whose target is ignore_index give 0. Out-of-range targets: KILN_ERR_INDEX. */        \
   X(CROSS_ENTROPY, "cross_entropy")                                                       \
   /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
-  X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")
+  X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")                                   \
+  /* fused optimizer step, every view the same shape and float dtype (in place): */      \
+  /* in0 grad; out0 param, out1 exp_avg, out2 exp_avg_sq, out3 max_exp_avg_sq (amsgrad, */ \
+  /* n_out == 4) — all read and written. s0 lr, s1 beta1, s2 beta2, s3 eps; i0 step */   \
+  /* (>= 1, for bias correction), i1 flags: 1 decoupled weight decay (AdamW), 2 */        \
+  /* amsgrad; i2 = weight decay as the bits of a double (memcpy). PyTorch's formulas. */  \
+  X(ADAM, "adam")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,
@@ -142,7 +148,7 @@ typedef enum kiln__kop {
 const char *kiln__kop_name(kiln__kop op);
 
 #define KILN__MAX_KIN 4
-#define KILN__MAX_KOUT 2
+#define KILN__MAX_KOUT 4
 
 typedef struct kiln__kargs {
   kiln__kop op;

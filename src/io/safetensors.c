@@ -479,7 +479,7 @@ kiln_status kiln_safetensors_save(const char *path, const kiln_dict *d) {
       return kiln_set_error(KILN_ERR_DTYPE, WHO ": %s: tensor '%s' has an invalid dtype", path,
                             name);
   }
-  int *order = malloc(sizeof(int) * (size_t)(n ? n : 1));
+  int *order = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
   if (!order) return kiln_set_error(KILN_ERR_OOM, WHO ": out of memory");
   save_order(d, order, n);
 

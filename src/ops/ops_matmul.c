@@ -131,7 +131,7 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
                     "kiln_matmul: both operands need at least 1 dim, got shapes %s and %s",
                     kiln__tshape(a), kiln__tshape(b));
   /* Promote 1-d operands: a (K) -> (1, K), b (K) -> (K, 1). */
-  int64_t ash[KILN_MAX_DIMS], ast[KILN_MAX_DIMS], bsh[KILN_MAX_DIMS], bst[KILN_MAX_DIMS];
+  int64_t ash[KILN_MAX_DIMS] = {0}, ast[KILN_MAX_DIMS] = {0}, bsh[KILN_MAX_DIMS] = {0}, bst[KILN_MAX_DIMS] = {0};
   int and_ = a->ndim, bnd = b->ndim;
   if (and_ == 1) {
     and_ = 2;

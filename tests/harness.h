@@ -25,7 +25,8 @@
 **     |got_i - want_i| <= rtol * |want_i| + atol * scale,   scale = max_j |want_j|
 ** i.e. a relative bound per element plus an absolute floor relative to the tensor's
 ** magnitude, so that results that cancel to ~0 next to O(scale) values are judged
-** against what the dtype can represent at that magnitude. Both NaN, or equal infinities,
+** against what the dtype can represent at that magnitude. For gradients scale is at
+** least 1 (gradcheck's 1e-6 is then relative and absolute). Both NaN, or equal infinities,
 ** match. Integer and bool outputs must match exactly.
 **     f64 1e-10/1e-10, f32 1e-5/1e-5, f16 1e-2/5e-3, bf16 3e-2/3e-2 (times tol_scale).
 **

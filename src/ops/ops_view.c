@@ -53,31 +53,31 @@ static bool view_strides(const kiln_tensor *t, int ndim, const int64_t *newshape
     kiln__contiguous_strides(ndim, newshape, newstrides);
     return true;
   }
-  int view_d = ndim - 1;
-  int64_t chunk = 1;
-  int64_t tensor_numel = 1, view_numel = 1;
   if (t->ndim == 0) {
     for (int i = 0; i < ndim; i++) newstrides[i] = 1;
     return true;
   }
-  int64_t base_stride = t->strides[t->ndim - 1];
+  /* Walk the old dims from the innermost, in chunks of dims that are contiguous with each
+  ** other; each chunk must map onto whole new dims. */
+  int view_d = ndim - 1;
+  int64_t chunk_base_stride = t->strides[t->ndim - 1];
+  int64_t tensor_numel = 1, view_numel = 1;
   for (int d = t->ndim - 1; d >= 0; d--) {
     tensor_numel *= t->shape[d];
-    if (d == 0 || (t->shape[d - 1] != 1 && t->strides[d - 1] != tensor_numel * t->strides[d])) {
-      chunk = t->strides[d];
+    if (d == 0 || (t->shape[d - 1] != 1 && t->strides[d - 1] != tensor_numel * chunk_base_stride)) {
       while (view_d >= 0 && (view_numel < tensor_numel || newshape[view_d] == 1)) {
-        newstrides[view_d] = view_numel * chunk;
+        newstrides[view_d] = view_numel * chunk_base_stride;
         view_numel *= newshape[view_d];
         view_d--;
       }
       if (view_numel != tensor_numel) return false;
       if (d > 0) {
+        chunk_base_stride = t->strides[d - 1];
         tensor_numel = 1;
         view_numel = 1;
       }
     }
   }
-  KILN__UNUSED(base_stride);
   return view_d == -1;
 }
 

@@ -1,0 +1,400 @@
+/*
+** safetensors: kiln reads the reference implementation's file exactly (every dtype, a
+** 0-dim and a size-0 tensor, metadata), writes files it reads back and that the reference
+** opens (checked with python3 only where `import safetensors` works), gives clear errors
+** on hand-made bad headers, and survives every truncation and single-bit flip of the
+** fixture (FORMAT/IO/DTYPE/SHAPE, no crash, no leak).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+#include <kiln_io.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(c)                                                                          \
+  do {                                                                                    \
+    if (!(c)) {                                                                           \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #c, \
+              kiln_last_error_message());                                                 \
+      failures++;                                                                         \
+    }                                                                                     \
+  } while (0)
+
+static char g_fixture[1024], g_tmp[256];
+
+static void find_fixture(const char *name, char *out, size_t n) {
+  const char *src = getenv("KILN_SOURCE_DIR");
+  if (src) snprintf(out, n, "%s/tests/fixtures/%s", src, name);
+  else {
+    const char *f = __FILE__, *slash = strrchr(f, '/');
+    snprintf(out, n, "%.*s/fixtures/%s", slash ? (int)(slash - f) : 1, slash ? f : ".", name);
+  }
+}
+
+static unsigned char *read_all(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long sz = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char *b = malloc((size_t)sz + 1);
+  *n = fread(b, 1, (size_t)sz, f);
+  fclose(f);
+  return b;
+}
+
+static void write_all(const char *path, const void *b, size_t n) {
+  FILE *f = fopen(path, "wb");
+  if (n) fwrite(b, 1, n, f);
+  fclose(f);
+}
+
+/* The expected fixture content (scripts/make_fixtures.py). */
+static int check_tensor(const kiln_dict *d, const char *name, kiln_dtype dt, int nd,
+                        const int64_t *shape, const void *bytes) {
+  kiln_tensor *t = kiln_dict_get(d, name);
+  if (!t) {
+    fprintf(stderr, "missing tensor %s\n", name);
+    return 0;
+  }
+  if (kiln_dtype_of(t) != dt || kiln_ndim(t) != nd) {
+    fprintf(stderr, "%s: dtype %s ndim %d\n", name, kiln_dtype_name(kiln_dtype_of(t)), kiln_ndim(t));
+    return 0;
+  }
+  for (int i = 0; i < nd; i++)
+    if (kiln_size(t, i) != shape[i]) return 0;
+  size_t nb = kiln_nbytes(t);
+  unsigned char *buf = malloc(nb + 1);
+  int ok = kiln_to_host(t, buf, nb) == KILN_OK && memcmp(buf, bytes, nb) == 0;
+  free(buf);
+  if (!ok) fprintf(stderr, "%s: values differ\n", name);
+  return ok;
+}
+
+static int check_fixture_dict(const kiln_dict *d) {
+  float a[6];
+  for (int i = 0; i < 6; i++) a[i] = (float)i * 0.5f - 1.25f;
+  double b[3];
+  for (int i = 0; i < 3; i++) b[i] = (i + 1) / 3.0;
+  const uint16_t c[4] = {0xB800, 0xB400, 0x0000, 0x3400}; /* -0.5 -0.25 0 0.25 */
+  const uint16_t bf[4] = {0x3F80, 0xC000, 0x3F00, 0x4040};
+  const int64_t e[4] = {-(INT64_C(1) << 40), -1, 0, INT64_C(1) << 62};
+  const int32_t f[3] = {-7, 0, 2147483647};
+  const uint8_t g[5] = {0, 1, 127, 128, 255};
+  const uint8_t h[3] = {1, 0, 1};
+  const float s = 3.5f;
+  int ok = 1;
+  ok &= check_tensor(d, "a.f32", KILN_F32, 2, (int64_t[]){2, 3}, a);
+  ok &= check_tensor(d, "b.f64", KILN_F64, 1, (int64_t[]){3}, b);
+  ok &= check_tensor(d, "c.f16", KILN_F16, 2, (int64_t[]){2, 2}, c);
+  ok &= check_tensor(d, "d.bf16", KILN_BF16, 1, (int64_t[]){4}, bf);
+  ok &= check_tensor(d, "e.i64", KILN_I64, 2, (int64_t[]){2, 2}, e);
+  ok &= check_tensor(d, "f.i32", KILN_I32, 1, (int64_t[]){3}, f);
+  ok &= check_tensor(d, "g.u8", KILN_U8, 1, (int64_t[]){5}, g);
+  ok &= check_tensor(d, "h.bool", KILN_BOOL, 1, (int64_t[]){3}, h);
+  ok &= check_tensor(d, "scalar", KILN_F32, 0, NULL, &s);
+  ok &= check_tensor(d, "empty", KILN_F32, 2, (int64_t[]){0, 3}, "");
+  ok &= kiln_dict_size(d) == 10;
+  ok &= kiln_dict_meta_size(d) == 2;
+  const char *m1 = kiln_dict_get_meta(d, "format"), *m2 = kiln_dict_get_meta(d, "kiln");
+  ok &= m1 && strcmp(m1, "np") == 0;
+  ok &= m2 && strcmp(m2, "fixture \"quoted\"") == 0;
+  return ok;
+}
+
+static void test_reference_file(void) {
+  kiln_dict *d = kiln_safetensors_load(g_fixture, kiln_device_cpu());
+  CHECK(d != NULL);
+  if (!d) return;
+  CHECK(check_fixture_dict(d));
+  /* round trip through kiln's writer */
+  char out[300];
+  snprintf(out, sizeof out, "%s/rt.safetensors", g_tmp);
+  CHECK(kiln_safetensors_save(out, d) == KILN_OK);
+  kiln_dict *d2 = kiln_safetensors_load(out, kiln_device_cpu());
+  CHECK(d2 != NULL);
+  if (d2) CHECK(check_fixture_dict(d2));
+  /* the data area starts 8-aligned and larger dtypes come first */
+  size_t n;
+  unsigned char *b = read_all(out, &n);
+  CHECK(b && n >= 8);
+  if (b) {
+    uint64_t hl = 0;
+    for (int i = 7; i >= 0; i--) hl = hl << 8 | b[i];
+    CHECK((8 + hl) % 8 == 0);
+    b[8 + hl - 1] = 0;
+    const char *p64 = strstr((char *)b + 8, "\"b.f64\""), *p8 = strstr((char *)b + 8, "\"g.u8\"");
+    CHECK(p64 && p8 && p64 < p8);
+    free(b);
+  }
+  /* the reference opens kiln's file (skipped without the module: CI has none) */
+  if (system("python3 -c 'import safetensors, numpy' >/dev/null 2>&1") == 0) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "python3 -c \"\n"
+             "import numpy as np, safetensors.numpy as sn, safetensors\n"
+             "from safetensors import safe_open\n"
+             "f = safe_open('%s', 'np')\n"
+             "t = {k: f.get_tensor(k) for k in f.keys() if k != 'd.bf16'}\n"
+             "assert np.array_equal(t['a.f32'], (np.arange(6, dtype=np.float32)*0.5-1.25).reshape(2,3))\n"
+             "assert t['scalar'].shape == () and t['scalar'] == 3.5\n"
+             "assert t['empty'].shape == (0, 3)\n"
+             "assert list(t['h.bool']) == [True, False, True]\n"
+             "assert t['e.i64'][1,1] == 1 << 62\n"
+             "raw = dict(safetensors.deserialize(open('%s','rb').read()))\n"
+             "assert raw['d.bf16']['dtype'] == 'BF16' and bytes(raw['d.bf16']['data']) == bytes([0x80,0x3f,0,0xc0,0,0x3f,0x40,0x40])\n"
+             "m = safe_open('%s', 'np').metadata()\n"
+             "assert m == {'format': 'np', 'kiln': 'fixture ' + chr(34) + 'quoted' + chr(34)}, m\n"
+             "\"",
+             out, out, out);
+    int rc = system(cmd);
+    CHECK(rc == 0);
+    printf("reference check of kiln's file: %s\n", rc == 0 ? "ok" : "FAILED");
+  } else {
+    printf("reference check of kiln's file: skipped (python3 has no safetensors module)\n");
+  }
+  kiln_dict_free(d2);
+  kiln_dict_free(d);
+}
+
+static void test_dict_api(void) {
+  kiln_dict *d = kiln_dict_new();
+  kiln_tensor *a = kiln_zeros(KILN_SHAPE(2), KILN_F32, kiln_device_cpu());
+  kiln_tensor *b = kiln_zeros(KILN_SHAPE(3), KILN_I64, kiln_device_cpu());
+  CHECK(kiln_dict_set(d, "x", a) == KILN_OK);
+  CHECK(kiln_dict_set(d, "y", b) == KILN_OK);
+  CHECK(kiln_dict_set(d, "x", b) == KILN_OK); /* replaced in place */
+  CHECK(kiln_dict_size(d) == 2);
+  CHECK(strcmp(kiln_dict_key(d, 0), "x") == 0 && kiln_dict_value(d, 0) == b);
+  CHECK(kiln_dict_get(d, "nope") == NULL);
+  CHECK(kiln_dict_key(d, 2) == NULL && kiln_dict_value(d, -1) == NULL);
+  CHECK(kiln_dict_set(d, NULL, a) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_dict_set(d, "", a) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_dict_set(d, "z", NULL) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_dict_set_meta(d, "k", "v1") == KILN_OK);
+  CHECK(kiln_dict_set_meta(d, "k", "v2") == KILN_OK);
+  CHECK(kiln_dict_meta_size(d) == 1 && strcmp(kiln_dict_get_meta(d, "k"), "v2") == 0);
+  CHECK(kiln_dict_get_meta(d, "q") == NULL);
+  kiln_tensor_free(a);
+  kiln_tensor_free(b);
+  CHECK(kiln_numel(kiln_dict_get(d, "y")) == 3); /* the dict keeps its own reference */
+  CHECK(kiln_dict_set(d, "__metadata__", kiln_dict_get(d, "y")) == KILN_OK);
+  char out[300];
+  snprintf(out, sizeof out, "%s/bad.safetensors", g_tmp);
+  CHECK(kiln_safetensors_save(out, d) == KILN_ERR_INVALID_ARGUMENT);
+  kiln_dict_free(d);
+  kiln_dict_free(NULL);
+  CHECK(kiln_dict_size(NULL) == 0);
+
+  /* a strided tensor is written in C order; an empty dict makes a valid file */
+  kiln_scope_begin();
+  float v[6] = {0, 1, 2, 3, 4, 5};
+  kiln_tensor *m = kiln_from_data(v, KILN_SHAPE(2, 3), KILN_F32, kiln_device_cpu());
+  kiln_tensor *mt = kiln_transpose(m, 0, 1); /* (3, 2) */
+  d = kiln_dict_new();
+  CHECK(kiln_dict_set(d, "t", mt) == KILN_OK);
+  kiln_scope_end();
+  snprintf(out, sizeof out, "%s/strided.safetensors", g_tmp);
+  CHECK(kiln_safetensors_save(out, d) == KILN_OK);
+  kiln_dict_free(d);
+  d = kiln_safetensors_load(out, kiln_device_cpu());
+  CHECK(d && kiln_dict_size(d) == 1);
+  if (d) {
+    const float want[6] = {0, 3, 1, 4, 2, 5};
+    CHECK(check_tensor(d, "t", KILN_F32, 2, (int64_t[]){3, 2}, want));
+  }
+  kiln_dict_free(d);
+  d = kiln_dict_new();
+  CHECK(kiln_safetensors_save(out, d) == KILN_OK);
+  kiln_dict_free(d);
+  d = kiln_safetensors_load(out, kiln_device_cpu());
+  CHECK(d && kiln_dict_size(d) == 0);
+  kiln_dict_free(d);
+
+  CHECK(kiln_safetensors_load(NULL, kiln_device_cpu()) == NULL &&
+        kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_load("/nonexistent/x.safetensors", kiln_device_cpu()) == NULL &&
+        kiln_last_error() == KILN_ERR_IO);
+  CHECK(kiln_safetensors_save("/nonexistent/dir/x.safetensors", NULL) == KILN_ERR_INVALID_ARGUMENT);
+  d = kiln_dict_new();
+  CHECK(kiln_safetensors_save("/nonexistent/dir/x.safetensors", d) == KILN_ERR_IO);
+  kiln_dict_free(d);
+}
+
+static void test_atomic(void) {
+  char out[300];
+  snprintf(out, sizeof out, "%s/atomic.bin", g_tmp);
+  CHECK(kiln_file_write_atomic(out, "hello", 5) == KILN_OK);
+  size_t n;
+  unsigned char *b = read_all(out, &n);
+  CHECK(b && n == 5 && memcmp(b, "hello", 5) == 0);
+  free(b);
+  CHECK(kiln_file_write_atomic(out, "", 0) == KILN_OK);
+  CHECK(kiln_file_write_atomic(NULL, "x", 1) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_file_write_atomic("/nonexistent/dir/f", "x", 1) == KILN_ERR_IO);
+  char tmpname[400];
+  snprintf(tmpname, sizeof tmpname, "%s.tmp.%ld", out, (long)getpid());
+  CHECK(access(tmpname, F_OK) != 0); /* no temporary left behind */
+}
+
+/* A file from a header string and a data area of n zero bytes. */
+static kiln_dict *load_crafted(const char *hdr, size_t ndata) {
+  size_t hl = strlen(hdr);
+  unsigned char *b = calloc(8 + hl + ndata + 1, 1);
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+  memcpy(b + 8, hdr, hl);
+  char p[300];
+  snprintf(p, sizeof p, "%s/crafted.safetensors", g_tmp);
+  write_all(p, b, 8 + hl + ndata);
+  free(b);
+  return kiln_safetensors_load(p, kiln_device_cpu());
+}
+
+static void expect_error(const char *hdr, size_t ndata, kiln_status code, const char *needle) {
+  kiln_clear_error();
+  kiln_dict *d = load_crafted(hdr, ndata);
+  int ok = d == NULL && kiln_last_error() == code && strstr(kiln_last_error_message(), needle);
+  if (!ok)
+    fprintf(stderr, "header %s: got %s \"%s\", want %s containing \"%s\"\n", hdr,
+            kiln_error_name(kiln_last_error()), kiln_last_error_message(), kiln_error_name(code),
+            needle);
+  CHECK(ok);
+  kiln_dict_free(d);
+}
+
+static void test_crafted_errors(void) {
+  kiln_dict *d = load_crafted("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
+  CHECK(d && kiln_dict_size(d) == 1);
+  kiln_dict_free(d);
+  expect_error("{\"fc1.weight\":{\"dtype\":\"F32\",\"shape\":[1024],\"data_offsets\":[0,4096]}}", 1024,
+               KILN_ERR_FORMAT, "tensor 'fc1.weight' data_offsets [0, 4096) end past the data area of 1024 bytes");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+               "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12,
+               KILN_ERR_FORMAT, "overlap");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+               "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}", 20,
+               KILN_ERR_FORMAT, "gap");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 12,
+               KILN_ERR_FORMAT, "stray bytes");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "need 12");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+               "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}", 16,
+               KILN_ERR_FORMAT, "duplicate tensor name 'a'");
+  expect_error("{\"a\":{\"dtype\":\"F33\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "unknown dtype");
+  expect_error("{\"a\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2,
+               KILN_ERR_DTYPE, "I8");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "shape[0]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "shape[0]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8,
+               KILN_ERR_FORMAT, "end before begin");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, KILN_ERR_FORMAT, "data_offsets");
+  expect_error("{\"a\":{\"shape\":[2],\"data_offsets\":[0,8]}}", 8, KILN_ERR_FORMAT, "dtype");
+  expect_error("{\"a\":3}", 0, KILN_ERR_FORMAT, "not a JSON object");
+  expect_error("[1,2]", 0, KILN_ERR_FORMAT, "start with '{'");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}", 8,
+               KILN_ERR_FORMAT, "invalid JSON");
+  expect_error("{}  x", 0, KILN_ERR_FORMAT, "bytes after the JSON header");
+  expect_error("{\"__metadata__\":{\"k\":1}}", 0, KILN_ERR_FORMAT, "not a string");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
+               KILN_ERR_SHAPE, "dims");
+  /* header length past the end of the file */
+  char p[300];
+  snprintf(p, sizeof p, "%s/hl.safetensors", g_tmp);
+  write_all(p, "\xff\xff\x00\x00\x00\x00\x00\x00{}", 10);
+  CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        strstr(kiln_last_error_message(), "header length 65535"));
+  write_all(p, "\x01\x00", 2);
+  CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT);
+}
+
+static int acceptable(kiln_status s) {
+  return s == KILN_ERR_FORMAT || s == KILN_ERR_IO || s == KILN_ERR_DTYPE || s == KILN_ERR_SHAPE;
+}
+
+static void test_fuzz(void) {
+  size_t n;
+  unsigned char *orig = read_all(g_fixture, &n);
+  CHECK(orig != NULL);
+  if (!orig) return;
+  unsigned char *b = malloc(n);
+  char p[300];
+  snprintf(p, sizeof p, "%s/fuzz.safetensors", g_tmp);
+  int64_t live0 = kiln_live_tensors();
+  int trunc_ok = 1, flip_bad = 0, loaded = 0;
+  for (size_t len = 0; len < n; len++) { /* every truncation is invalid */
+    write_all(p, orig, len);
+    kiln_dict *d = kiln_safetensors_load(p, kiln_device_cpu());
+    if (d || !acceptable(kiln_last_error())) trunc_ok = 0;
+    kiln_dict_free(d);
+  }
+  CHECK(trunc_ok);
+  for (size_t i = 0; i < n; i++)
+    for (int bit = 0; bit < 8; bit++) {
+      memcpy(b, orig, n);
+      b[i] ^= (unsigned char)(1u << bit);
+      write_all(p, b, n);
+      kiln_clear_error();
+      kiln_dict *d = kiln_safetensors_load(p, kiln_device_cpu());
+      if (d) loaded++;
+      else if (!acceptable(kiln_last_error())) {
+        flip_bad++;
+        fprintf(stderr, "flip %zu.%d: %s %s\n", i, bit, kiln_error_name(kiln_last_error()),
+                kiln_last_error_message());
+      }
+      kiln_dict_free(d);
+    }
+  CHECK(flip_bad == 0);
+  /* random multi-byte damage from a fixed LCG */
+  uint64_t s = 12345;
+  for (int it = 0; it < 3000; it++) {
+    memcpy(b, orig, n);
+    int k = 1 + it % 4;
+    for (int j = 0; j < k; j++) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      size_t at = (size_t)(s >> 33) % n;
+      b[at] = (unsigned char)(s >> 24);
+    }
+    write_all(p, b, n);
+    kiln_dict *d = kiln_safetensors_load(p, kiln_device_cpu());
+    if (!d && !acceptable(kiln_last_error())) flip_bad++;
+    kiln_dict_free(d);
+  }
+  CHECK(flip_bad == 0);
+  CHECK(kiln_live_tensors() == live0);
+  printf("fuzz: %zu truncations, %zu bit flips (%d still valid), 3000 random edits\n", n, n * 8,
+         loaded);
+  free(b);
+  free(orig);
+}
+
+int main(void) {
+  find_fixture("all_dtypes.safetensors", g_fixture, sizeof g_fixture);
+  snprintf(g_tmp, sizeof g_tmp, "/tmp/kiln_test_st_XXXXXX");
+  if (!mkdtemp(g_tmp)) {
+    perror("mkdtemp");
+    return 1;
+  }
+  int64_t live0 = kiln_live_tensors();
+  test_reference_file();
+  test_dict_api();
+  test_atomic();
+  test_crafted_errors();
+  test_fuzz();
+  CHECK(kiln_live_tensors() == live0);
+  char cmd[400];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+  if (failures) {
+    fprintf(stderr, "test_io_safetensors: %d failures\n", failures);
+    return 1;
+  }
+  printf("test_io_safetensors: ok\n");
+  return 0;
+}

@@ -1,0 +1,573 @@
+/*
+** kiln doctor: what this kiln was built with, which backends work and why not, the CPU,
+** the environment kiln reads, and a smoke test on every device that works (a 256x256
+** matmul against a reference, host->device bandwidth). Every failure comes with a
+** diagnosis and a fix line. `--json` prints exactly one JSON object on stdout instead.
+** Exit 0 when the CPU works, 1 otherwise (a missing GPU is a finding, not a failure).
+** Public API only: detailed CUDA device properties live behind a backend-internal
+** function, which a tool must not call; device count and memory statistics are public.
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <kiln.h>
+#include <kiln_nn.h> /* kiln_format_bytes */
+
+#include "cli.h"
+
+#define SMOKE_N 256
+#define BW_BYTES (64 << 20)
+#define MAX_CUDA 16
+#define MAX_PROBLEMS 16
+/* A 256-term f32 dot product of N(0,1) values: the expected rounding error is ~1e-5, a
+** blocked or FMA BLAS differs from the naive loop by about that; 1e-3 leaves a wide
+** margin and still catches a wrong kernel (errors of order 1). */
+#define SMOKE_TOL 1e-3
+
+typedef struct problem {
+  const char *severity; /* "error" (kiln cannot work), "warning", "note" */
+  char what[640];
+  char fix[640];
+} problem;
+
+typedef struct cuda_result {
+  int index;
+  bool ran;
+  bool ok;
+  double max_err;
+  double h2d_gbps; /* NAN when not measured */
+  bool mem_ok;
+  kiln_memory_stats mem;
+  char msg[320];
+} cuda_result;
+
+static const char *const env_names[] = {"KILN_DEVICE",  "KILN_NUM_THREADS", "KILN_FALLBACK",
+                                        "KILN_DATA_DIR", "OMP_NUM_THREADS",  "CUDA_VISIBLE_DEVICES"};
+#define N_ENV ((int)(sizeof env_names / sizeof env_names[0]))
+
+typedef struct doctor {
+  const char *version;
+  bool version_match;
+  const char *build;
+  char blas[64];
+  struct {
+    const char *name;
+    kiln_device_type type;
+    bool built, available;
+    const char *why;
+    int count;
+  } be[2];
+  char default_device[32];
+  char cpu_model[256];
+  long cores;
+  char simd[128];
+  const char *arch;
+  int threads;
+  bool cpu_ok;
+  double cpu_err;
+  double cpu_ms;
+  char cpu_msg[320];
+  int ncuda;
+  cuda_result cuda[MAX_CUDA];
+  int nprob;
+  problem prob[MAX_PROBLEMS];
+} doctor;
+
+static void add_problem(doctor *d, const char *severity, const char *what, const char *fix) {
+  if (d->nprob >= MAX_PROBLEMS) return;
+  problem *p = &d->prob[d->nprob++];
+  p->severity = severity;
+  snprintf(p->what, sizeof p->what, "%s", what);
+  snprintf(p->fix, sizeof p->fix, "%s", fix);
+}
+
+/* ---- the machine -------------------------------------------------------------------- */
+
+static void read_cpu_model(char *out, size_t n) {
+  snprintf(out, n, "unknown");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  /* x86: "model name"; arm64 kernels give no model name, only "CPU part" / "Hardware". */
+  const char *keys[] = {"model name", "Hardware", "Processor", "cpu model", "CPU part"};
+  int best = (int)(sizeof keys / sizeof keys[0]);
+  while (fgets(line, sizeof line, f)) {
+    for (int k = 0; k < best; k++) {
+      if (strncmp(line, keys[k], strlen(keys[k])) != 0) continue;
+      char *colon = strchr(line, ':');
+      if (!colon) continue;
+      char *v = colon + 1;
+      while (*v == ' ' || *v == '\t') v++;
+      v[strcspn(v, "\n")] = 0;
+      if (*v) {
+        snprintf(out, n, "%s", v);
+        best = k;
+      }
+      break;
+    }
+    if (best == 0) break;
+  }
+  fclose(f);
+}
+
+static void detect_simd(doctor *d) {
+  d->simd[0] = 0;
+#if defined(__x86_64__) || defined(__i386__)
+  d->arch = "x86";
+  __builtin_cpu_init();
+  struct {
+    const char *name;
+    int on;
+  } f[] = {{"avx512f", __builtin_cpu_supports("avx512f")},
+           {"avx2", __builtin_cpu_supports("avx2")},
+           {"fma", __builtin_cpu_supports("fma")},
+           {"sse4.2", __builtin_cpu_supports("sse4.2")}};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].on) {
+      size_t len = strlen(d->simd);
+      snprintf(d->simd + len, sizeof d->simd - len, "%s%s", len ? " " : "", f[i].name);
+    }
+#elif defined(__aarch64__)
+  d->arch = "arm64";
+  snprintf(d->simd, sizeof d->simd, "neon"); /* Advanced SIMD is mandatory on AArch64 */
+#elif defined(__ARM_NEON)
+  d->arch = "arm";
+  snprintf(d->simd, sizeof d->simd, "neon");
+#else
+  d->arch = "other";
+#endif
+  if (!d->simd[0]) snprintf(d->simd, sizeof d->simd, "none");
+}
+
+static void blas_from_build(const char *build, char *out, size_t n) {
+  snprintf(out, n, "unknown");
+  const char *p = build ? strstr(build, "blas=") : NULL;
+  if (!p) return;
+  p += 5;
+  size_t len = strcspn(p, " ");
+  snprintf(out, n, "%.*s", (int)len, p);
+  if (!strcmp(out, "off") || !strcmp(out, "none")) snprintf(out, n, "none (portable kernels)");
+}
+
+/* ---- the smoke test ----------------------------------------------------------------- */
+
+static void smoke_cpu(doctor *d, float *c_host /* SMOKE_N^2 out */, kiln_tensor **a_out,
+                      kiln_tensor **b_out) {
+  const int64_t n = SMOKE_N;
+  d->cpu_ok = false;
+  d->cpu_err = NAN;
+  kiln_generator *g = kiln_generator_new(1234);
+  kiln_tensor *a = kiln_randn(KILN_SHAPE(n, n), KILN_F32, kiln_device_cpu(), g);
+  kiln_tensor *b = kiln_randn(KILN_SHAPE(n, n), KILN_F32, kiln_device_cpu(), g);
+  kiln_generator_free(g);
+  double t0 = cli_now();
+  kiln_tensor *c = kiln_matmul(a, b);
+  float *ha = malloc(sizeof(float) * (size_t)(n * n));
+  float *hb = malloc(sizeof(float) * (size_t)(n * n));
+  if (!c || !ha || !hb || kiln_to_host(c, c_host, sizeof(float) * (size_t)(n * n)) != KILN_OK ||
+      kiln_to_host(a, ha, sizeof(float) * (size_t)(n * n)) != KILN_OK ||
+      kiln_to_host(b, hb, sizeof(float) * (size_t)(n * n)) != KILN_OK) {
+    snprintf(d->cpu_msg, sizeof d->cpu_msg, "%s",
+             (ha && hb) ? kiln_last_error_message() : "out of host memory");
+    free(ha);
+    free(hb);
+    *a_out = *b_out = NULL;
+    return;
+  }
+  d->cpu_ms = 1e3 * (cli_now() - t0);
+  double err = 0;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double s = 0;
+      for (int64_t k = 0; k < n; k++) s += (double)ha[i * n + k] * (double)hb[k * n + j];
+      double e = fabs(s - (double)c_host[i * n + j]);
+      if (!(e <= err)) err = e; /* NaN propagates as a failure */
+    }
+  free(ha);
+  free(hb);
+  d->cpu_err = err;
+  d->cpu_ok = err <= SMOKE_TOL;
+  if (!d->cpu_ok)
+    snprintf(d->cpu_msg, sizeof d->cpu_msg, "max error %.3g over the tolerance %.0e", err,
+             SMOKE_TOL);
+  *a_out = a;
+  *b_out = b;
+}
+
+static void smoke_cuda(cuda_result *r, kiln_tensor *a, kiln_tensor *b, const float *c_ref) {
+  const int64_t n = SMOKE_N;
+  kiln_device dev = kiln_device_cuda(r->index);
+  r->ran = true;
+  r->ok = false;
+  r->max_err = NAN;
+  r->h2d_gbps = NAN;
+  kiln_scope_begin();
+  float *hc = malloc(sizeof(float) * (size_t)(n * n));
+  kiln_tensor *c = kiln_matmul(kiln_to_device(a, dev), kiln_to_device(b, dev));
+  if (!hc || !c || kiln_to_host(c, hc, sizeof(float) * (size_t)(n * n)) != KILN_OK) {
+    snprintf(r->msg, sizeof r->msg, "matmul: %s", hc ? kiln_last_error_message() : "out of host memory");
+  } else {
+    double err = 0;
+    for (int64_t i = 0; i < n * n; i++) {
+      double e = fabs((double)hc[i] - (double)c_ref[i]);
+      if (!(e <= err)) err = e;
+    }
+    r->max_err = err;
+    r->ok = err <= SMOKE_TOL;
+    if (!r->ok)
+      snprintf(r->msg, sizeof r->msg, "max error %.3g against the CPU over the tolerance %.0e",
+               err, SMOKE_TOL);
+  }
+  free(hc);
+  kiln_scope_end();
+
+  /* Host->device bandwidth: 64 MiB, one warm-up copy (first-touch, allocator), then the
+  ** best of 3; each copy waits with kiln_device_synchronize so the time is the transfer. */
+  kiln_scope_begin();
+  kiln_tensor *big = kiln_zeros(KILN_SHAPE(BW_BYTES / 4), KILN_F32, kiln_device_cpu());
+  double best = INFINITY;
+  for (int rep = 0; big && rep < 4; rep++) {
+    kiln_scope_begin();
+    double t0 = cli_now();
+    kiln_tensor *dbig = kiln_to_device(big, dev);
+    kiln_status st = dbig ? kiln_device_synchronize(dev) : kiln_last_error();
+    double dt = cli_now() - t0;
+    kiln_scope_end();
+    if (st != KILN_OK) {
+      if (r->ok) snprintf(r->msg, sizeof r->msg, "host->device copy: %s", kiln_last_error_message());
+      r->ok = false;
+      best = INFINITY;
+      break;
+    }
+    if (rep > 0 && dt < best) best = dt;
+  }
+  if (isfinite(best) && best > 0) r->h2d_gbps = (double)BW_BYTES / best / 1e9;
+  kiln_scope_end();
+  r->mem_ok = kiln_memory_stats_get(dev, &r->mem) == KILN_OK;
+}
+
+/* ---- checks and diagnoses ----------------------------------------------------------- */
+
+static bool is_positive_int(const char *s) {
+  if (!s || !*s) return false;
+  char *end;
+  long v = strtol(s, &end, 10);
+  return *end == 0 && v > 0;
+}
+
+static void diagnose(doctor *d) {
+  char what[640], fix[640];
+  if (!d->version_match) {
+    snprintf(what, sizeof what, "the library is version %s but this tool was built against %s",
+             d->version, KILN_VERSION);
+    add_problem(d, "error", what, "rebuild the kiln tool against the library it runs with (or fix LD_LIBRARY_PATH)");
+  }
+  if (!d->be[0].available) {
+    snprintf(what, sizeof what, "the CPU backend is not available: %s", d->be[0].why ? d->be[0].why : "no reason given");
+    add_problem(d, "error", what, "this is a bug in the build; report it with the output of `kiln doctor --json`");
+  }
+  if (!d->cpu_ok) {
+    snprintf(what, sizeof what, "the CPU matmul smoke test failed: %s", d->cpu_msg);
+    add_problem(d, "error", what,
+                "rebuild with -DKILN_BLAS=OFF to rule out the BLAS library; if that passes, the "
+                "BLAS install is broken, else report a bug with `kiln doctor --json`");
+  }
+  const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+  if (!d->be[1].built) {
+    add_problem(d, "note", "this kiln was built without the CUDA backend (CPU only)",
+                "reconfigure with KILN_CUDA=ON on a machine with the CUDA toolkit "
+                "(cmake -S . -B build -DKILN_CUDA=ON && cmake --build build)");
+  } else if (!d->be[1].available) {
+    snprintf(what, sizeof what, "the CUDA backend is built but not available: %s",
+             d->be[1].why && *d->be[1].why ? d->be[1].why : "no reason given");
+    if (cvd && (!*cvd || !strcmp(cvd, "-1") || !strcmp(cvd, "none")))
+      snprintf(fix, sizeof fix, "CUDA_VISIBLE_DEVICES='%s' hides every GPU: unset it or list a device (CUDA_VISIBLE_DEVICES=0)", cvd);
+    else
+      snprintf(fix, sizeof fix, "%s", "check that `nvidia-smi` lists a GPU and that the driver is at least as new as the CUDA runtime kiln was built with; kiln runs on the CPU meanwhile");
+    add_problem(d, "warning", what, fix);
+  }
+  for (int i = 0; i < d->ncuda; i++) {
+    const cuda_result *r = &d->cuda[i];
+    if (r->ran && !r->ok) {
+      snprintf(what, sizeof what, "cuda:%d smoke test failed: %s", r->index, r->msg);
+      add_problem(d, "error", what, "run with KILN_FALLBACK=error to find the op, and report it with `kiln doctor --json`");
+    }
+  }
+  const char *kd = getenv("KILN_DEVICE");
+  if (kd && *kd) {
+    kiln_device dev;
+    if (kiln_device_parse(kd, &dev) != KILN_OK) {
+      snprintf(what, sizeof what, "KILN_DEVICE='%s' is not usable: %s", kd, kiln_last_error_message());
+      add_problem(d, "warning", what, "unset KILN_DEVICE or set it to cpu, cuda or cuda:N (a device that exists)");
+      kiln_clear_error();
+    }
+  }
+  const char *nt = getenv("KILN_NUM_THREADS");
+  if (nt && *nt && !is_positive_int(nt)) {
+    snprintf(what, sizeof what, "KILN_NUM_THREADS='%s' is not a positive integer", nt);
+    add_problem(d, "warning", what, "set KILN_NUM_THREADS to a thread count such as 2, or unset it (all cores)");
+  }
+  const char *fb = getenv("KILN_FALLBACK");
+  if (fb && *fb && strcmp(fb, "warn") && strcmp(fb, "error") && strcmp(fb, "silent")) {
+    snprintf(what, sizeof what, "KILN_FALLBACK='%s' is not one of warn, error, silent", fb);
+    add_problem(d, "warning", what, "set KILN_FALLBACK=warn (the default), error or silent");
+  }
+  const char *dd = getenv("KILN_DATA_DIR");
+  struct stat stt;
+  if (dd && *dd && (stat(dd, &stt) != 0 || !S_ISDIR(stt.st_mode))) {
+    snprintf(what, sizeof what, "KILN_DATA_DIR='%s' is not a directory", dd);
+    add_problem(d, "warning", what, "point KILN_DATA_DIR at the folder holding the data sets, or unset it");
+  }
+}
+
+/* ---- output ------------------------------------------------------------------------- */
+
+static void print_json(const doctor *d) {
+  cli_json j;
+  cli_json_init(&j, stdout);
+  cli_json_object_begin(&j, NULL);
+  cli_json_string(&j, "version", d->version);
+  cli_json_string(&j, "header_version", KILN_VERSION);
+  cli_json_string(&j, "build", d->build);
+  cli_json_array_begin(&j, "backends");
+  for (int i = 0; i < 2; i++) {
+    cli_json_object_begin(&j, NULL);
+    cli_json_string(&j, "name", d->be[i].name);
+    cli_json_bool(&j, "built", d->be[i].built);
+    cli_json_bool(&j, "available", d->be[i].available);
+    cli_json_int(&j, "devices", d->be[i].count);
+    if (!d->be[i].available) cli_json_string(&j, "reason", d->be[i].why ? d->be[i].why : "");
+    cli_json_object_end(&j);
+  }
+  cli_json_array_end(&j);
+  cli_json_string(&j, "default_device", d->default_device);
+  cli_json_object_begin(&j, "cpu");
+  cli_json_string(&j, "model", d->cpu_model);
+  cli_json_int(&j, "cores", d->cores);
+  cli_json_string(&j, "arch", d->arch);
+  cli_json_string(&j, "simd", d->simd);
+  cli_json_string(&j, "blas", d->blas);
+  cli_json_object_end(&j);
+  cli_json_int(&j, "threads", d->threads);
+  cli_json_object_begin(&j, "env");
+  for (int i = 0; i < N_ENV; i++) cli_json_string(&j, env_names[i], getenv(env_names[i]));
+  cli_json_object_end(&j);
+  cli_json_object_begin(&j, "smoke");
+  cli_json_double(&j, "cpu_matmul_max_err", d->cpu_err);
+  cli_json_double(&j, "cpu_matmul_ms", d->cpu_ms);
+  cli_json_bool(&j, "ok", d->cpu_ok);
+  cli_json_array_begin(&j, "cuda");
+  for (int i = 0; i < d->ncuda; i++) {
+    const cuda_result *r = &d->cuda[i];
+    cli_json_object_begin(&j, NULL);
+    cli_json_int(&j, "index", r->index);
+    cli_json_bool(&j, "ok", r->ok);
+    cli_json_double(&j, "matmul_max_err_vs_cpu", r->max_err);
+    cli_json_double(&j, "h2d_gb_per_s", r->h2d_gbps);
+    if (r->mem_ok) {
+      cli_json_object_begin(&j, "memory");
+      cli_json_int(&j, "allocated", r->mem.allocated);
+      cli_json_int(&j, "reserved", r->mem.reserved);
+      cli_json_int(&j, "peak_allocated", r->mem.peak_allocated);
+      cli_json_int(&j, "num_device_allocs", r->mem.num_device_allocs);
+      cli_json_int(&j, "limit", r->mem.limit);
+      cli_json_object_end(&j);
+    }
+    if (!r->ok) cli_json_string(&j, "error", r->msg);
+    cli_json_object_end(&j);
+  }
+  cli_json_array_end(&j);
+  cli_json_object_end(&j);
+  cli_json_array_begin(&j, "diagnosis");
+  for (int i = 0; i < d->nprob; i++) {
+    cli_json_object_begin(&j, NULL);
+    cli_json_string(&j, "severity", d->prob[i].severity);
+    cli_json_string(&j, "problem", d->prob[i].what);
+    cli_json_string(&j, "fix", d->prob[i].fix);
+    cli_json_object_end(&j);
+  }
+  cli_json_array_end(&j);
+  cli_json_bool(&j, "ok", d->cpu_ok && d->be[0].available);
+  cli_json_object_end(&j);
+}
+
+static void kv(const char *k, const char *v) { printf("  %-14s %s\n", k, v); }
+
+static void print_text(const doctor *d) {
+  bool pretty = cli_is_tty(stdout);
+  char buf[512], b2[64];
+  if (pretty) printf("\033[1mkiln doctor\033[0m\n");
+  else printf("kiln doctor\n");
+  snprintf(buf, sizeof buf, "%s%s", d->version, d->version_match ? "" : "  (MISMATCH with the tool's header)");
+  kv("version", buf);
+  kv("build", d->build);
+  kv("default device", d->default_device);
+
+  cli_heading(stdout, pretty, "Backends");
+  const char *bh[] = {"backend", "built", "available", "devices", "reason"};
+  cli_table *t = cli_table_new(5, bh);
+  cli_table_align_right(t, 3);
+  for (int i = 0; i < 2; i++) {
+    snprintf(b2, sizeof b2, "%d", d->be[i].count);
+    const char *row[] = {d->be[i].name, d->be[i].built ? "yes" : "no",
+                         d->be[i].available ? "yes" : "no", b2,
+                         d->be[i].available ? "" : (d->be[i].why ? d->be[i].why : "")};
+    cli_table_row(t, row);
+  }
+  cli_table_print(stdout, t, pretty);
+  cli_table_free(t);
+
+  cli_heading(stdout, pretty, "CPU");
+  kv("model", d->cpu_model);
+  snprintf(buf, sizeof buf, "%ld", d->cores);
+  kv("cores", buf);
+  kv("SIMD", d->simd);
+  kv("BLAS", d->blas);
+  snprintf(buf, sizeof buf, "%d", d->threads);
+  kv("threads", buf);
+
+  cli_heading(stdout, pretty, "Environment");
+  const char *eh[] = {"variable", "value"};
+  t = cli_table_new(2, eh);
+  for (int i = 0; i < N_ENV; i++) {
+    const char *v = getenv(env_names[i]);
+    const char *row[] = {env_names[i], v ? (*v ? v : "(empty)") : "(unset)"};
+    cli_table_row(t, row);
+  }
+  cli_table_print(stdout, t, pretty);
+  cli_table_free(t);
+
+  cli_heading(stdout, pretty, "Smoke test");
+  const char *sh[] = {"test", "device", "result", "detail"};
+  t = cli_table_new(4, sh);
+  if (d->cpu_ok) snprintf(buf, sizeof buf, "max err %.2e vs a naive loop (%.1f ms)", d->cpu_err, d->cpu_ms);
+  else snprintf(buf, sizeof buf, "%s", d->cpu_msg);
+  const char *row0[] = {"matmul 256x256", "cpu", d->cpu_ok ? "PASS" : "FAIL", buf};
+  cli_table_row(t, row0);
+  for (int i = 0; i < d->ncuda; i++) {
+    const cuda_result *r = &d->cuda[i];
+    snprintf(b2, sizeof b2, "cuda:%d", r->index);
+    if (isfinite(r->max_err) && r->max_err <= SMOKE_TOL)
+      snprintf(buf, sizeof buf, "max err %.2e vs cpu", r->max_err);
+    else
+      snprintf(buf, sizeof buf, "%s", r->msg);
+    const char *row[] = {"matmul 256x256", b2, r->ok ? "PASS" : "FAIL", buf};
+    cli_table_row(t, row);
+    if (isfinite(r->h2d_gbps)) snprintf(buf, sizeof buf, "%.1f GB/s", r->h2d_gbps);
+    else snprintf(buf, sizeof buf, "not measured");
+    const char *row2[] = {"host->device 64 MiB", b2, isfinite(r->h2d_gbps) ? "PASS" : "FAIL", buf};
+    cli_table_row(t, row2);
+  }
+  cli_table_print(stdout, t, pretty);
+  cli_table_free(t);
+
+  if (d->ncuda > 0) {
+    cli_heading(stdout, pretty, "CUDA memory (after the smoke test)");
+    const char *mh[] = {"device", "allocated", "reserved", "peak", "device allocs", "limit"};
+    t = cli_table_new(6, mh);
+    for (int c = 1; c < 6; c++) cli_table_align_right(t, c);
+    for (int i = 0; i < d->ncuda; i++) {
+      const cuda_result *r = &d->cuda[i];
+      if (!r->mem_ok) continue;
+      char dn[16], a[32], rs[32], pk[32], na[32], lim[32];
+      snprintf(dn, sizeof dn, "cuda:%d", r->index);
+      kiln_format_bytes(r->mem.allocated, a, sizeof a);
+      kiln_format_bytes(r->mem.reserved, rs, sizeof rs);
+      kiln_format_bytes(r->mem.peak_allocated, pk, sizeof pk);
+      snprintf(na, sizeof na, "%lld", (long long)r->mem.num_device_allocs);
+      if (r->mem.limit > 0) kiln_format_bytes(r->mem.limit, lim, sizeof lim);
+      else snprintf(lim, sizeof lim, "none");
+      const char *row[] = {dn, a, rs, pk, na, lim};
+      cli_table_row(t, row);
+    }
+    cli_table_print(stdout, t, pretty);
+    cli_table_free(t);
+  }
+
+  cli_heading(stdout, pretty, "Diagnosis");
+  if (d->nprob == 0) printf("  no problems found\n");
+  for (int i = 0; i < d->nprob; i++) {
+    const problem *p = &d->prob[i];
+    const char *mark = !strcmp(p->severity, "error") ? "✗" : !strcmp(p->severity, "warning") ? "!" : "-";
+    if (!pretty) mark = !strcmp(p->severity, "error") ? "ERROR" : !strcmp(p->severity, "warning") ? "WARNING" : "NOTE";
+    printf("  %s %s\n      fix: %s\n", mark, p->what, p->fix);
+  }
+  bool ok = d->cpu_ok && d->be[0].available;
+  printf("\n%s\n", ok ? "kiln works on this machine (CPU)." : "kiln does NOT work on this machine: see the errors above.");
+}
+
+static void doctor_usage(FILE *f) {
+  fprintf(f, "usage: kiln doctor [--json]\n"
+             "  Checks the build, the backends and devices, the environment, and runs a smoke\n"
+             "  test. --json prints one JSON object on stdout. Exit 0 when the CPU works.\n");
+}
+
+int cli_doctor(int argc, char **argv) {
+  bool json = false;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--json")) json = true;
+    else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+      doctor_usage(stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "kiln doctor: unknown option '%s'\n", argv[i]);
+      doctor_usage(stderr);
+      return 2;
+    }
+  }
+  doctor *d = calloc(1, sizeof *d);
+  float *c_ref = malloc(sizeof(float) * SMOKE_N * SMOKE_N);
+  if (!d || !c_ref) {
+    fprintf(stderr, "kiln doctor: out of memory\n");
+    free(d);
+    free(c_ref);
+    return 1;
+  }
+  d->version = kiln_version();
+  d->version_match = !strcmp(d->version, KILN_VERSION);
+  d->build = kiln_build_info();
+  blas_from_build(d->build, d->blas, sizeof d->blas);
+  const char *names[2] = {"cpu", "cuda"};
+  for (int i = 0; i < 2; i++) {
+    kiln_device_type ty = i == 0 ? KILN_DEVICE_CPU : KILN_DEVICE_CUDA;
+    d->be[i].name = names[i];
+    d->be[i].type = ty;
+    d->be[i].built = kiln_backend_built(ty);
+    d->be[i].why = NULL;
+    d->be[i].available = kiln_backend_available(ty, &d->be[i].why);
+    d->be[i].count = d->be[i].available ? kiln_device_count(ty) : 0;
+    if (!d->be[i].available && !d->be[i].why) d->be[i].why = d->be[i].built ? "no reason given" : "not built";
+  }
+  kiln_device_str(kiln_device_best(), d->default_device, sizeof d->default_device);
+  read_cpu_model(d->cpu_model, sizeof d->cpu_model);
+  d->cores = sysconf(_SC_NPROCESSORS_ONLN);
+  detect_simd(d);
+  d->threads = kiln_num_threads();
+
+  kiln_scope_begin();
+  kiln_tensor *a = NULL, *b = NULL;
+  smoke_cpu(d, c_ref, &a, &b);
+  if (d->cpu_ok && d->be[1].available) {
+    int n = d->be[1].count;
+    if (n > MAX_CUDA) n = MAX_CUDA;
+    for (int i = 0; i < n; i++) {
+      d->cuda[i].index = i;
+      smoke_cuda(&d->cuda[i], a, b, c_ref);
+    }
+    d->ncuda = n;
+  }
+  kiln_scope_end();
+  diagnose(d);
+
+  if (json) print_json(d);
+  else print_text(d);
+  fflush(stdout);
+  int rc = d->cpu_ok && d->be[0].available ? 0 : 1;
+  free(c_ref);
+  free(d);
+  return rc;
+}

@@ -168,6 +168,18 @@ KILN_API kiln_status kiln_device_synchronize(kiln_device dev);
 KILN_API bool kiln_backend_built(kiln_device_type type);
 KILN_API bool kiln_backend_available(kiln_device_type type, const char **why);
 
+/* Details of a device, for tools and logs. */
+typedef struct kiln_device_info {
+  char name[256];                    /* "NVIDIA H200"; the CPU model on the CPU */
+  int compute_major, compute_minor;  /* CUDA compute capability; 0 on the CPU */
+  int multiprocessors;               /* streaming multiprocessors; cores on the CPU */
+  int64_t total_memory, free_memory; /* bytes */
+  int driver_version, runtime_version, blas_version; /* CUDA's integers (12040 = 12.4) */
+} kiln_device_info;
+KILN_API kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out);
+/* Host<->device copy bandwidth in GB/s, pinned memory (KILN_ERR_INVALID_ARGUMENT on cpu). */
+KILN_API kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, double *d2h_gbs);
+
 /* Threads of the CPU backend (KILN_NUM_THREADS, else the number of cores). */
 KILN_API int kiln_num_threads(void);
 KILN_API void kiln_set_num_threads(int n);
@@ -505,6 +517,32 @@ KILN_API kiln_status kiln_memory_empty_cache(kiln_device dev);
 /* Caps reserved bytes on dev (0 removes the cap); allocations past it fail with OOM. */
 KILN_API kiln_status kiln_memory_set_limit(kiln_device dev, int64_t bytes);
 KILN_API void kiln_memory_reset_peak(kiln_device dev);
+
+/* --------------------------------------------------------------------------------------
+** Graphs: record a whole training step once and replay it, so that small models stop
+** paying a launch per op. The same code runs everywhere: on CUDA the step's device work
+** is captured into a CUDA graph; on the CPU replay simply calls the step again.
+**
+**   step(ctx) must be static: the same ops on the same shapes every time, reading its
+**   inputs from tensors made before the capture (copy each new batch into them with
+**   kiln_copy_) and writing results into tensors the program reads after a replay. Run
+**   it once eagerly before capturing (it creates optimizer state and warms the memory
+**   cache). Inside a captured step nothing may be read on the host (kiln_item,
+**   kiln_to_host: KILN_ERR_STATE), and memory the cache does not hold cannot be
+**   allocated (KILN_ERR_STATE asking for that warm-up step).
+**
+**   kiln_graph *g = kiln_graph_capture(dev, step, &ctx);   // records; does not run
+**   for (...) { kiln_copy_(x_static, batch); kiln_graph_replay(g); kiln_item(loss); }
+*/
+typedef struct kiln_graph kiln_graph;
+typedef kiln_status (*kiln_graph_fn)(void *ctx);
+/* NULL with the error of the step, or of the capture, on failure. */
+KILN_API kiln_graph *kiln_graph_capture(kiln_device dev, kiln_graph_fn step, void *ctx);
+/* Runs the recorded step once (queued; waits for nothing). */
+KILN_API kiln_status kiln_graph_replay(kiln_graph *g);
+/* true when replays launch a device graph; false when they call the step (CPU). */
+KILN_API bool kiln_graph_is_device_graph(const kiln_graph *g);
+KILN_API void kiln_graph_free(kiln_graph *g); /* NULL is a no-op */
 
 #ifdef __cplusplus
 }

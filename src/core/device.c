@@ -183,3 +183,79 @@ const char *kiln__getenv(const char *name) {
   const char *v = getenv(name);
   return (v && *v) ? v : NULL;
 }
+
+/* ---- device details ---- */
+#ifdef KILN_HAVE_CUDA
+#include "../backend/cuda/cuda_api.h"
+#endif
+
+static void cpu_model(char *buf, size_t n) {
+  snprintf(buf, n, "unknown CPU");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10) == 0) {
+      char *c = strchr(line, ':');
+      if (c) {
+        c++;
+        while (*c == ' ') c++;
+        c[strcspn(c, "\n")] = 0;
+        snprintf(buf, n, "%s", c);
+      }
+      break;
+    }
+  }
+  fclose(f);
+}
+
+kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out) {
+  if (!out) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_device_info_get: NULL out");
+  kiln_status st = check_device(dev, "kiln_device_info_get");
+  if (st != KILN_OK) return st;
+  memset(out, 0, sizeof *out);
+  if (dev.type == KILN_DEVICE_CPU) {
+    cpu_model(out->name, sizeof out->name);
+    long c = sysconf(_SC_NPROCESSORS_ONLN);
+    out->multiprocessors = c > 0 ? (int)c : 1;
+    long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0) out->total_memory = (int64_t)pages * psz;
+    if (avail > 0 && psz > 0) out->free_memory = (int64_t)avail * psz;
+    return KILN_OK;
+  }
+#ifdef KILN_HAVE_CUDA
+  kiln__cuda_info ci;
+  st = kiln__cuda_device_info(dev.index, &ci);
+  if (st != KILN_OK) return st;
+  snprintf(out->name, sizeof out->name, "%s", ci.name);
+  out->compute_major = ci.major;
+  out->compute_minor = ci.minor;
+  out->multiprocessors = ci.multiprocessors;
+  out->total_memory = ci.total_mem;
+  out->free_memory = ci.free_mem;
+  out->driver_version = ci.driver_version;
+  out->runtime_version = ci.runtime_version;
+  out->blas_version = ci.cublas_version;
+  return KILN_OK;
+#else
+  return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln_device_info_get: built without CUDA");
+#endif
+}
+
+kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, double *d2h_gbs) {
+  if (dev.type == KILN_DEVICE_CPU)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_device_bandwidth: the CPU has no host link to measure");
+  kiln_status st = check_device(dev, "kiln_device_bandwidth");
+  if (st != KILN_OK) return st;
+#ifdef KILN_HAVE_CUDA
+  double h = 0, d = 0;
+  st = kiln__cuda_bandwidth(dev.index, &h, &d);
+  if (h2d_gbs) *h2d_gbs = h;
+  if (d2h_gbs) *d2h_gbs = d;
+  return st;
+#else
+  KILN__UNUSED(h2d_gbs);
+  KILN__UNUSED(d2h_gbs);
+  return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln_device_bandwidth: built without CUDA");
+#endif
+}

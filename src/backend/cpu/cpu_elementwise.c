@@ -350,6 +350,7 @@ typedef struct kiln__raw_ctx {
 static void kiln__raw_run(void *vctx, char *const *p, const int64_t *bst, int64_t n, int64_t k0) {
   size_t es = ((kiln__raw_ctx *)vctx)->es;
   (void)k0;
+  if (p[0] == p[1] && bst[0] == bst[1]) return; /* in place: nothing to move */
   if (bst[0] == (int64_t)es && bst[1] == (int64_t)es) {
     memcpy(p[0], p[1], (size_t)n * es);
     return;

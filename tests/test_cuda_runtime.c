@@ -1,0 +1,234 @@
+/*
+** CUDA runtime behaviour seen through the public API: devices, moves, mixing devices,
+** the CPU fallback and its policy, out-of-memory recovery while training, memory
+** statistics, and graph capture/replay. Exits 77 (skipped) without a CUDA device.
+*/
+#include <kiln.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
+const char *kiln__kop_name(int op);
+
+static int failures, checks;
+#define CHECK(cond, ...)                                                                  \
+  do {                                                                                    \
+    checks++;                                                                             \
+    if (!(cond)) {                                                                        \
+      failures++;                                                                         \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                         \
+      printf(__VA_ARGS__);                                                                \
+      printf(" [last error: %s]\n", kiln_last_error_message());                           \
+    }                                                                                     \
+  } while (0)
+
+static double max_abs_diff(kiln_tensor *a, kiln_tensor *b) {
+  kiln_tensor *ca = kiln_to_dtype(kiln_to_device(a, kiln_device_cpu()), KILN_F64);
+  kiln_tensor *cb = kiln_to_dtype(kiln_to_device(b, kiln_device_cpu()), KILN_F64);
+  if (!ca || !cb) return INFINITY;
+  int64_t n = kiln_numel(ca);
+  double *x = malloc((size_t)n * 8), *y = malloc((size_t)n * 8), m = 0;
+  kiln_to_host(ca, x, (size_t)n * 8);
+  kiln_to_host(cb, y, (size_t)n * 8);
+  for (int64_t i = 0; i < n; i++) {
+    double d = fabs(x[i] - y[i]);
+    if (!(d <= m)) m = d;
+  }
+  free(x);
+  free(y);
+  return m;
+}
+
+static void test_devices(kiln_device gpu) {
+  kiln_scope_begin();
+  kiln_device best = kiln_device_best();
+  CHECK(best.type == KILN_DEVICE_CUDA, "kiln_device_best picks the GPU");
+  kiln_device d;
+  CHECK(kiln_device_parse("cuda:0", &d) == KILN_OK && d.type == KILN_DEVICE_CUDA, "parse cuda:0");
+  CHECK(kiln_device_parse("cuda:999", &d) == KILN_ERR_DEVICE, "parse cuda:999 is an error");
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(64, 33), KILN_F32, kiln_device_cpu(), NULL);
+  kiln_tensor *xg = kiln_to_device(x, gpu);
+  CHECK(xg && kiln_device_of(xg).type == KILN_DEVICE_CUDA, "to_device moves to the GPU");
+  CHECK(max_abs_diff(x, xg) == 0, "round trip is exact");
+  /* the same seed gives the same numbers on both devices */
+  kiln_generator *g1 = kiln_generator_new(7), *g2 = kiln_generator_new(7);
+  kiln_tensor *rc = kiln_randn(KILN_SHAPE(1000, 7), KILN_F32, kiln_device_cpu(), g1);
+  kiln_tensor *rg = kiln_randn(KILN_SHAPE(1000, 7), KILN_F32, gpu, g2);
+  CHECK(max_abs_diff(rc, rg) < 1e-5, "randn: same seed, same numbers on cpu and cuda (%g)", max_abs_diff(rc, rg));
+  kiln_tensor *uc = kiln_rand(KILN_SHAPE(999), KILN_F64, kiln_device_cpu(), g1);
+  kiln_tensor *ug = kiln_rand(KILN_SHAPE(999), KILN_F64, gpu, g2);
+  CHECK(max_abs_diff(uc, ug) == 0, "rand f64: identical on cpu and cuda");
+  kiln_generator_free(g1);
+  kiln_generator_free(g2);
+  /* mixing devices is an error, not a silent copy */
+  kiln_clear_error();
+  kiln_tensor *bad = kiln_add(x, xg);
+  CHECK(bad == NULL && kiln_last_error() == KILN_ERR_DEVICE, "mixing devices is KILN_ERR_DEVICE");
+  CHECK(strstr(kiln_last_error_message(), "cuda:0") != NULL, "message names the device");
+  kiln_scope_end();
+}
+
+static void test_fallback(kiln_device gpu) {
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(37, 5), KILN_F32, gpu, NULL);
+  kiln_tensor *ref = kiln_gelu(x);
+  kiln__dispatch_disable_kernel(KILN_DEVICE_CUDA, /* GELU */ -1, false);
+  int gelu = -1;
+  for (int k = 0; k < 200; k++)
+    if (kiln__kop_name(k) && strcmp(kiln__kop_name(k), "gelu") == 0) { gelu = k; break; }
+  CHECK(gelu >= 0, "found the gelu kernel op");
+  kiln__dispatch_disable_kernel(KILN_DEVICE_CUDA, gelu, true);
+  kiln_fallback_reset();
+  kiln_set_fallback_policy(KILN_FALLBACK_SILENT);
+  kiln_tensor *y = kiln_gelu(x);
+  CHECK(y && kiln_device_of(y).type == KILN_DEVICE_CUDA, "fallback result stays on the GPU");
+  CHECK(y && max_abs_diff(y, ref) < 1e-6, "fallback result matches the GPU kernel");
+  kiln_tensor *xt = kiln_transpose(x, 0, 1); /* non-contiguous input through the fallback */
+  kiln_tensor *yt = kiln_gelu(xt);
+  CHECK(yt && max_abs_diff(yt, kiln_transpose(ref, 0, 1)) < 1e-6, "fallback on a non-contiguous view");
+  kiln_fallback_entry e[8];
+  int n = kiln_fallback_stats(e, 8);
+  CHECK(n == 1 && strcmp(e[0].op, "gelu") == 0 && e[0].count == 2, "stats count the fallback (n=%d)", n);
+  kiln_fallback_report(stdout);
+  kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+  kiln_clear_error();
+  kiln_tensor *z = kiln_gelu(x);
+  CHECK(z == NULL && kiln_last_error() == KILN_ERR_UNSUPPORTED, "policy error refuses the op");
+  CHECK(strstr(kiln_last_error_message(), "gelu") && strstr(kiln_last_error_message(), "cuda:0"),
+        "the error names the op and the device");
+  kiln_set_fallback_policy(KILN_FALLBACK_WARN);
+  kiln__dispatch_disable_kernel(KILN_DEVICE_CUDA, gelu, false);
+  kiln_fallback_reset();
+  kiln_scope_end();
+}
+
+/* Trains a linear model with ever larger batches until the device runs out of memory,
+** frees, and finishes the run at a size that fits. */
+static void test_oom_recovery(kiln_device gpu) {
+  kiln_memory_stats st0;
+  CHECK(kiln_memory_stats_get(gpu, &st0) == KILN_OK, "memory stats");
+  const int64_t limit = (int64_t)256 << 20; /* 256 MiB cap so the test is quick */
+  CHECK(kiln_memory_set_limit(gpu, limit) == KILN_OK, "set a memory limit");
+  kiln_tensor *w = kiln_keep(kiln_randn(KILN_SHAPE(512, 512), KILN_F32, gpu, NULL));
+  kiln_requires_grad_(w, true);
+  int64_t batch = 1024;
+  bool hit = false;
+  for (int round = 0; round < 12 && !hit; round++, batch *= 2) {
+    kiln_scope_begin();
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(batch, 512), KILN_F32, gpu, NULL);
+    kiln_tensor *loss = kiln_mean_all(kiln_relu(kiln_matmul(x, w)));
+    kiln_status s = kiln_backward(loss, NULL);
+    if (s == KILN_ERR_OOM || (s != KILN_OK && kiln_last_error() == KILN_ERR_OOM)) {
+      hit = true;
+      const char *m = kiln_last_error_message();
+      CHECK(strstr(m, "tried to allocate") != NULL, "OOM message gives the requested size: %s", m);
+      printf("OOM as intended at batch %lld: %s\n", (long long)batch, m);
+    }
+    kiln_scope_end();
+    kiln_set_grad(w, NULL);
+  }
+  CHECK(hit, "the memory limit produced KILN_ERR_OOM");
+  kiln_memory_stats st;
+  kiln_memory_stats_get(gpu, &st);
+  CHECK(st.num_ooms >= 1, "num_ooms counted (%lld)", (long long)st.num_ooms);
+  CHECK(kiln_memory_empty_cache(gpu) == KILN_OK, "empty_cache");
+  /* recover: the same step at a size that fits */
+  kiln_clear_error();
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(1024, 512), KILN_F32, gpu, NULL);
+  kiln_tensor *loss = kiln_mean_all(kiln_relu(kiln_matmul(x, w)));
+  CHECK(kiln_backward(loss, NULL) == KILN_OK, "training goes on after the OOM");
+  CHECK(isfinite(kiln_item(loss)), "loss is finite after recovery");
+  kiln_scope_end();
+  kiln_memory_set_limit(gpu, 0);
+  kiln_tensor_free(w);
+  kiln_memory_stats_get(gpu, &st);
+  printf("memory: allocated %lld reserved %lld peak %lld allocs %lld device allocs %lld\n",
+         (long long)st.allocated, (long long)st.reserved, (long long)st.peak_allocated,
+         (long long)st.num_allocs, (long long)st.num_device_allocs);
+  CHECK(st.num_device_allocs < st.num_allocs, "the cache serves most allocations");
+}
+
+typedef struct step_ctx {
+  kiln_tensor *x, *w, *out;
+} step_ctx;
+
+static kiln_status graph_step(void *p) {
+  step_ctx *c = p;
+  kiln_scope_begin();
+  kiln_tensor *y = kiln_tanh(kiln_matmul(c->x, c->w));
+  kiln_status st = y ? kiln_copy_(c->out, y) : kiln_last_error();
+  kiln_scope_end();
+  return st;
+}
+
+static kiln_status bad_step(void *p) {
+  step_ctx *c = p;
+  double v = kiln_item(kiln_sum_all(c->x)); /* a host read inside a capture */
+  return isnan(v) ? kiln_last_error() : KILN_OK;
+}
+
+static void test_graphs(kiln_device gpu) {
+  step_ctx c;
+  c.x = kiln_keep(kiln_randn(KILN_SHAPE(64, 32), KILN_F32, gpu, NULL));
+  c.w = kiln_keep(kiln_randn(KILN_SHAPE(32, 16), KILN_F32, gpu, NULL));
+  c.out = kiln_keep(kiln_zeros(KILN_SHAPE(64, 16), KILN_F32, gpu));
+  CHECK(graph_step(&c) == KILN_OK, "eager warm-up step");
+  kiln_graph *g = kiln_graph_capture(gpu, graph_step, &c);
+  CHECK(g && kiln_graph_is_device_graph(g), "captured a CUDA graph");
+  for (int i = 0; i < 10 && g; i++) {
+    kiln_scope_begin();
+    kiln_tensor *nx = kiln_randn(KILN_SHAPE(64, 32), KILN_F32, gpu, NULL);
+    kiln_copy_(c.x, nx);
+    CHECK(kiln_graph_replay(g) == KILN_OK, "replay %d", i);
+    kiln_tensor *want = kiln_tanh(kiln_matmul(c.x, c.w));
+    CHECK(max_abs_diff(want, c.out) < 1e-5, "replay %d computes the step on new input", i);
+    kiln_scope_end();
+  }
+  kiln_graph_free(g);
+  kiln_clear_error();
+  kiln_graph *b = kiln_graph_capture(gpu, bad_step, &c);
+  CHECK(b == NULL && kiln_last_error() == KILN_ERR_STATE, "a host read inside a capture is KILN_ERR_STATE");
+  kiln_graph_free(b);
+  /* the device still works after a failed capture */
+  kiln_clear_error();
+  kiln_scope_begin();
+  CHECK(isfinite(kiln_item(kiln_sum_all(c.x))), "device usable after a failed capture");
+  kiln_scope_end();
+  /* on the CPU the same calls run eagerly */
+  step_ctx cc;
+  cc.x = kiln_keep(kiln_randn(KILN_SHAPE(8, 4), KILN_F32, kiln_device_cpu(), NULL));
+  cc.w = kiln_keep(kiln_randn(KILN_SHAPE(4, 3), KILN_F32, kiln_device_cpu(), NULL));
+  cc.out = kiln_keep(kiln_zeros(KILN_SHAPE(8, 3), KILN_F32, kiln_device_cpu()));
+  kiln_graph *gc = kiln_graph_capture(kiln_device_cpu(), graph_step, &cc);
+  CHECK(gc && !kiln_graph_is_device_graph(gc) && kiln_graph_replay(gc) == KILN_OK, "cpu graph runs eagerly");
+  kiln_scope_begin();
+  CHECK(max_abs_diff(kiln_tanh(kiln_matmul(cc.x, cc.w)), cc.out) < 1e-6, "cpu replay result");
+  kiln_scope_end();
+  kiln_graph_free(gc);
+  kiln_tensor_free(c.x), kiln_tensor_free(c.w), kiln_tensor_free(c.out);
+  kiln_tensor_free(cc.x), kiln_tensor_free(cc.w), kiln_tensor_free(cc.out);
+}
+
+int main(void) {
+  const char *why = NULL;
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    kiln_backend_available(KILN_DEVICE_CUDA, &why);
+    printf("skipped: no CUDA device (%s)\n", why ? why : "?");
+    return 77;
+  }
+  kiln_device gpu = kiln_device_cuda(0);
+  kiln_device_info info;
+  if (kiln_device_info_get(gpu, &info) == KILN_OK)
+    printf("device: %s, sm_%d%d, %d SMs, %.1f GiB\n", info.name, info.compute_major,
+           info.compute_minor, info.multiprocessors, (double)info.total_memory / (1 << 30));
+  test_devices(gpu);
+  test_fallback(gpu);
+  test_oom_recovery(gpu);
+  test_graphs(gpu);
+  printf("%d passed, %d failed\n", checks - failures, failures);
+  return failures ? 1 : 0;
+}

@@ -201,6 +201,21 @@ kiln_tensor *kiln_idx_load(const char *path) {
     short_read(&r, path, "the end of the stream");
     goto fail;
   }
+#ifdef KILN_HAVE_ZLIB
+  {
+    /* gzread treats a missing or cut gzip trailer (CRC and length) as a soft
+    ** Z_BUF_ERROR and returns the data: check for it, or a truncated .gz would pass. */
+    int code = Z_OK;
+    const char *m = gzerror(r.g, &code);
+    if (code != Z_OK) {
+      kiln_set_error(code == Z_BUF_ERROR ? KILN_ERR_FORMAT : KILN_ERR_IO,
+                     WHO ": %s: gzip stream %s after offset %llu: %s", path,
+                     code == Z_BUF_ERROR ? "truncated" : "broken", (unsigned long long)r.pos,
+                     m ? m : "?");
+      goto fail;
+    }
+  }
+#endif
   t = kiln__own(kiln_empty(nd, shape, dt, kiln_device_cpu()));
   if (!t) goto fail;
   if (numel) {

@@ -84,7 +84,7 @@ static int ix_r_split(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
   const h_arr *a = &in[0];
   int d = ix_wrap(c->dim, a->ndim);
   int64_t len = a->shape[d], np = (len + c->size - 1) / c->size;
-  if (np == 0) return 1; /* the test wants a piece; there is none */
+  if (np == 0) np = 1; /* torch.split of an empty dim gives one empty piece */
   int64_t k = c->piece < 0 ? np - 1 : c->piece;
   if (k >= np) return 1;
   int64_t start = k * c->size, plen = len - start < c->size ? len - start : c->size;
@@ -219,7 +219,7 @@ static const h_case ix_cases[] = {
     {.name = "index_select dim0 i64", .fn = ix_b_isel, .ref = ix_r_isel, .ctx = IXC(.dim = 0),
      .n_in = 2, .in = {IXF(2, S0, S1), IXI(1, 1, KILN_I64, 6)}, .sym = {4, 3}},
     {.name = "index_select dim1 i32", .fn = ix_b_isel, .ref = ix_r_isel, .ctx = IXC(.dim = 1),
-     .n_in = 2, .in = {IXF(3, 2, S0, S1), IXI(1, 2, KILN_I32, 5)}, .sym = {3, 4}},
+     .n_in = 2, .in = {IXF(3, 2, S0, S1), IXI(1, 1, KILN_I32, 5)}, .sym = {3, 4}},
     {.name = "gather dim1", .fn = ix_b_gather, .ref = ix_r_gather, .ctx = IXC(.dim = 1),
      .n_in = 2, .in = {IXF(2, S0, S1), IXI(2, 2, KILN_I64, S0, 5)}, .sym = {3, 4}},
     {.name = "gather dim0 i32", .fn = ix_b_gather, .ref = ix_r_gather, .ctx = IXC(.dim = 0),

@@ -176,3 +176,7 @@ int main(int argc, char **argv) {
   return h_finish();
 }
 #endif
+#undef M_
+#undef K_
+#undef N_
+#undef B_

@@ -1,0 +1,101 @@
+/*
+** Fused optimizer kernels for the CPU: one pass over param, grad and state per tensor
+** instead of a dozen elementwise ops. The formulas are PyTorch's Adam/AdamW
+** (torch/optim/adam.py, single-tensor path), computed in the parameter's precision
+** (f32 for the 16-bit floats).
+*/
+#include "core/kiln_int.h"
+#include "core/half.h"
+#include "cpu.h"
+
+#include <math.h>
+#include <string.h>
+
+kiln_status kiln__cpu_adam(const kiln__kargs *a); /* registered in cpu_backend.c */
+
+#ifdef KILN_HAVE_OPENMP
+#define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > 65536) schedule(static)")
+#else
+#define ADAM_OMP
+#endif
+
+typedef struct adam_hp {
+  double lr, beta1, beta2, eps, wd;
+  double step_size, bc2_sqrt;
+  bool decoupled, amsgrad;
+} adam_hp;
+
+#define ADAM_LOOP(T, LOAD, STORE, CT)                                                     \
+  do {                                                                                    \
+    T *p = a->out[0].data, *m = a->out[1].data, *v = a->out[2].data;                      \
+    T *vmax = a->n_out > 3 ? a->out[3].data : NULL;                                       \
+    const T *g = a->in[0].data;                                                           \
+    const CT b1 = (CT)hp.beta1, b2 = (CT)hp.beta2, eps = (CT)hp.eps, wd = (CT)hp.wd;        \
+    const CT ss = (CT)hp.step_size, bc2s = (CT)hp.bc2_sqrt, lrwd = (CT)(hp.lr * hp.wd);    \
+    ADAM_OMP                                                                              \
+    for (int64_t i = 0; i < n; i++) {                                                     \
+      CT pi = LOAD(p[i]), gi = LOAD(g[i]);                                                \
+      if (hp.decoupled)                                                                   \
+        pi = pi * ((CT)1 - lrwd);                                                         \
+      else if (wd != 0)                                                                   \
+        gi = gi + wd * pi;                                                                \
+      CT mi = LOAD(m[i]) * b1 + gi * ((CT)1 - b1);                                        \
+      CT vi = LOAD(v[i]) * b2 + gi * gi * ((CT)1 - b2);                                   \
+      CT den;                                                                             \
+      if (hp.amsgrad) {                                                                   \
+        CT vm = LOAD(vmax[i]);                                                            \
+        if (vi > vm) vm = vi;                                                             \
+        STORE(vmax[i], vm);                                                               \
+        den = (CT)sqrt((double)vm) / bc2s + eps;                                          \
+      } else {                                                                            \
+        den = (CT)sqrt((double)vi) / bc2s + eps;                                          \
+      }                                                                                   \
+      pi = pi - ss * (mi / den);                                                          \
+      STORE(m[i], mi);                                                                    \
+      STORE(v[i], vi);                                                                    \
+      STORE(p[i], pi);                                                                    \
+    }                                                                                     \
+  } while (0)
+
+#define ID(x) (x)
+#define SET(dst, x) ((dst) = (x))
+#define LD_F16(x) kiln__f16_to_f32(x)
+#define ST_F16(dst, x) ((dst) = kiln__f32_to_f16(x))
+#define LD_BF16(x) kiln__bf16_to_f32(x)
+#define ST_BF16(dst, x) ((dst) = kiln__f32_to_bf16(x))
+
+kiln_status kiln__cpu_adam(const kiln__kargs *a) {
+  if (a->n_in < 1 || a->n_out < 3)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam kernel: expected 1 input and 3-4 outputs");
+  kiln_dtype dt = a->out[0].dtype;
+  int64_t n = kiln__view_numel(&a->out[0]);
+  for (int k = 0; k < a->n_out; k++)
+    if (a->out[k].dtype != dt || !kiln__view_is_contiguous(&a->out[k]) || kiln__view_numel(&a->out[k]) != n)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln adam kernel: state %d must be contiguous %s of %lld elements", k, kiln_dtype_name(dt), (long long)n);
+  if (a->in[0].dtype != dt || !kiln__view_is_contiguous(&a->in[0]))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln adam kernel: grad must be contiguous %s", kiln_dtype_name(dt));
+  adam_hp hp;
+  hp.lr = a->s[0];
+  hp.beta1 = a->s[1];
+  hp.beta2 = a->s[2];
+  hp.eps = a->s[3];
+  memcpy(&hp.wd, &a->i[2], sizeof hp.wd);
+  hp.decoupled = (a->i[1] & 1) != 0;
+  hp.amsgrad = (a->i[1] & 2) != 0 && a->n_out > 3;
+  int64_t step = a->i[0] > 0 ? a->i[0] : 1;
+  double bc1 = 1.0 - pow(hp.beta1, (double)step);
+  double bc2 = 1.0 - pow(hp.beta2, (double)step);
+  hp.step_size = hp.lr / bc1;
+  hp.bc2_sqrt = sqrt(bc2);
+  int nt = kiln_num_threads();
+  (void)nt;
+  switch (dt) {
+  case KILN_F32: ADAM_LOOP(float, ID, SET, float); break;
+  case KILN_F64: ADAM_LOOP(double, ID, SET, double); break;
+  case KILN_F16: ADAM_LOOP(uint16_t, LD_F16, ST_F16, float); break;
+  case KILN_BF16: ADAM_LOOP(uint16_t, LD_BF16, ST_BF16, float); break;
+  default:
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel: expected a floating dtype, got %s", kiln_dtype_name(dt));
+  }
+  return KILN_OK;
+}

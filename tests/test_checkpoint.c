@@ -1,0 +1,309 @@
+/* Training checkpoints: an interrupted and resumed run is bit-identical to a straight one;
+** a checkpoint of another model is refused with the keys named and nothing changed; a
+** process killed while saving never leaves a broken checkpoint behind. CPU only. */
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+#include <kiln_checkpoint.h>
+#include <kiln_io.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include <dirent.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(cond)                                                                       \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed (last error: %s)\n", __FILE__, __LINE__, #cond, \
+              kiln_last_error_message());                                                 \
+      failures++;                                                                         \
+    }                                                                                     \
+  } while (0)
+
+static kiln_device cpu;
+static char dir[256];
+
+static const char *in_dir(const char *name, char *buf, size_t n) {
+  snprintf(buf, n, "%s/%s", dir, name);
+  return buf;
+}
+
+typedef struct run {
+  kiln_module *net;
+  kiln_optimizer *opt;
+  kiln_scheduler *sched;
+} run;
+
+/* The model, optimizer and scheduler of a training run. Dropout draws from the global
+** generator, so the RNG state is part of what a resume must restore. */
+static run build(uint64_t seed, int hidden) {
+  run r;
+  kiln_generator *g = kiln_generator_new(seed);
+  r.net = kiln_sequential_new();
+  kiln_sequential_append(r.net, kiln_linear_new(4, hidden, true, KILN_F32, cpu, g));
+  kiln_sequential_append(r.net, kiln_gelu_new(KILN_GELU_TANH));
+  kiln_sequential_append(r.net, kiln_dropout_new(0.2, NULL));
+  kiln_sequential_append(r.net, kiln_linear_new(hidden, 3, true, KILN_F32, cpu, g));
+  kiln_generator_free(g);
+  kiln_optim_config cfg = kiln_adamw_config(0.02);
+  cfg.amsgrad = true;
+  r.opt = kiln_optimizer_new_module(&cfg, r.net);
+  r.sched = kiln_cosine_lr_new(r.opt, 12, 0.001, 3, 0.1);
+  return r;
+}
+
+static void destroy(run *r) {
+  kiln_scheduler_free(r->sched);
+  kiln_optimizer_free(r->opt);
+  kiln_module_free(r->net);
+}
+
+/* Steps [from, to): the batch of step s comes from its own generator, as a data loader
+** seeded per epoch would give it. */
+static void train(run *r, int from, int to) {
+  for (int s = from; s < to; s++) {
+    kiln_scope_begin();
+    kiln_generator *dg = kiln_generator_new(1000 + (uint64_t)s);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(8, 4), KILN_F32, cpu, dg);
+    kiln_tensor *y = kiln_randint(0, 3, KILN_SHAPE(8), KILN_I64, cpu, dg);
+    kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(r->net, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
+    CHECK(kiln_optimizer_zero_grad(r->opt) == KILN_OK);
+    CHECK(kiln_backward(loss, NULL) == KILN_OK);
+    kiln_tensor *ps[8];
+    int n = kiln_module_parameters(r->net, ps, 8);
+    CHECK(!isnan(kiln_clip_grad_norm(ps, n, 0.5, 2.0)));
+    CHECK(kiln_optimizer_step(r->opt) == KILN_OK);
+    CHECK(kiln_scheduler_step(r->sched) == KILN_OK);
+    kiln_generator_free(dg);
+    kiln_scope_end();
+  }
+}
+
+/* All parameter bytes, concatenated. */
+static char *snapshot(kiln_module *m, size_t *len) {
+  kiln_tensor *ps[16];
+  int n = kiln_module_parameters(m, ps, 16);
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += kiln_nbytes(ps[i]);
+  char *buf = malloc(total), *p = buf;
+  for (int i = 0; i < n; i++) {
+    kiln_to_host(ps[i], p, kiln_nbytes(ps[i]));
+    p += kiln_nbytes(ps[i]);
+  }
+  *len = total;
+  return buf;
+}
+
+/* N steps straight == k steps, save, load into fresh objects, N - k more: bit for bit. */
+static void test_resume_is_exact(void) {
+  const int N = 10, K = 4;
+  char path[512];
+  in_dir("resume.ckpt", path, sizeof path);
+
+  kiln_manual_seed(42);
+  run a = build(7, 16);
+  train(&a, 0, N);
+  size_t la;
+  char *pa = snapshot(a.net, &la);
+  double lr_a = kiln_optimizer_get_lr(a.opt);
+  destroy(&a);
+
+  kiln_manual_seed(42);
+  run b = build(7, 16);
+  train(&b, 0, K);
+  kiln_dict *extra = kiln_dict_new();
+  kiln_dict_set_meta(extra, "note", "halfway");
+  kiln_tensor *hist = kiln_keep(kiln_arange(0, 5, 1, KILN_F32, cpu));
+  kiln_dict_set(extra, "loss_history", hist);
+  CHECK(kiln_checkpoint_save(path, b.net, b.opt, b.sched, NULL, 1, K, extra) == KILN_OK);
+  kiln_dict_free(extra);
+  kiln_tensor_free(hist);
+  destroy(&b);
+
+  /* Fresh objects, another init seed and another global RNG state: all must come back. */
+  kiln_manual_seed(999);
+  run c = build(12345, 16);
+  int64_t epoch = -1, step = -1;
+  kiln_dict *x = NULL;
+  CHECK(kiln_checkpoint_load(path, c.net, c.opt, c.sched, NULL, &epoch, &step, &x) == KILN_OK);
+  CHECK(epoch == 1 && step == K);
+  CHECK(x && kiln_dict_get_meta(x, "note") && !strcmp(kiln_dict_get_meta(x, "note"), "halfway"));
+  CHECK(x && kiln_dict_get(x, "loss_history") && kiln_numel(kiln_dict_get(x, "loss_history")) == 5);
+  CHECK(kiln_scheduler_last_epoch(c.sched) == K);
+  kiln_dict_free(x);
+  train(&c, K, N);
+  size_t lc;
+  char *pc = snapshot(c.net, &lc);
+  CHECK(la == lc && memcmp(pa, pc, la) == 0);
+  CHECK(kiln_optimizer_get_lr(c.opt) == lr_a);
+  destroy(&c);
+  free(pa);
+  free(pc);
+
+  /* The file is plain safetensors with the documented layout. */
+  kiln_dict *raw = kiln_safetensors_load(path, cpu);
+  CHECK(raw && kiln_dict_get(raw, "model.0.weight") && kiln_dict_get(raw, "optim.state.0.exp_avg") &&
+        kiln_dict_get(raw, "optim.state.3.max_exp_avg_sq") && kiln_dict_get(raw, "extra.loss_history"));
+  CHECK(raw && kiln_dict_get_meta(raw, "sched.kind") && !strcmp(kiln_dict_get_meta(raw, "sched.kind"), "CosineLR"));
+  CHECK(raw && kiln_dict_get_meta(raw, "rng.offset") && kiln_dict_get_meta(raw, "optim.lr"));
+  kiln_dict_free(raw);
+  remove(path);
+}
+
+/* A checkpoint of another model: refused, keys named, nothing changed. Also the other
+** refusals: missing optimizer/scheduler parts, a plain safetensors file, a missing file. */
+static void test_mismatch(void) {
+  char path[512], plain[512];
+  in_dir("small.ckpt", path, sizeof path);
+  in_dir("plain.safetensors", plain, sizeof plain);
+  run small = build(1, 8);
+  CHECK(kiln_checkpoint_save(path, small.net, small.opt, small.sched, NULL, 0, 0, NULL) == KILN_OK);
+  run big = build(2, 16);
+  size_t l0, l1;
+  char *before = snapshot(big.net, &l0);
+  double lr = kiln_optimizer_get_lr(big.opt);
+  CHECK(kiln_checkpoint_load(path, big.net, big.opt, big.sched, NULL, NULL, NULL, NULL) == KILN_ERR_SHAPE);
+  const char *msg = kiln_last_error_message();
+  CHECK(strstr(msg, "small.ckpt") && strstr(msg, "model"));
+  CHECK(strstr(msg, "0.weight: shape [8, 4] in the state dict, [16, 4] in the model"));
+  CHECK(strstr(msg, "3.weight") && strstr(msg, "0.bias"));
+  char *after = snapshot(big.net, &l1);
+  CHECK(l0 == l1 && memcmp(before, after, l0) == 0);
+  CHECK(kiln_optimizer_get_lr(big.opt) == lr);
+  free(before);
+  free(after);
+
+  /* Saved without an optimizer: asking for one is an error; the model alone loads. */
+  run other = build(3, 8);
+  CHECK(kiln_checkpoint_save(path, small.net, NULL, NULL, NULL, 2, 20, NULL) == KILN_OK);
+  CHECK(kiln_checkpoint_load(path, other.net, other.opt, NULL, NULL, NULL, NULL, NULL) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(kiln_last_error_message(), "no optimizer state"));
+  int64_t step = 0;
+  CHECK(kiln_checkpoint_load(path, other.net, NULL, NULL, NULL, NULL, &step, NULL) == KILN_OK && step == 20);
+
+  /* A model with an extra layer: the unexpected/missing keys are listed. */
+  kiln_sequential_append(other.net, kiln_linear_new(3, 3, true, KILN_F32, cpu, NULL));
+  CHECK(kiln_checkpoint_load(path, other.net, NULL, NULL, NULL, NULL, NULL, NULL) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(kiln_last_error_message(), "2 missing keys: 4.weight, 4.bias"));
+
+  kiln_dict *sd = kiln_module_state_dict(small.net);
+  CHECK(kiln_safetensors_save(plain, sd) == KILN_OK);
+  kiln_dict_free(sd);
+  CHECK(kiln_checkpoint_load(plain, small.net, NULL, NULL, NULL, NULL, NULL, NULL) == KILN_ERR_FORMAT);
+  CHECK(strstr(kiln_last_error_message(), "not a kiln checkpoint"));
+  char missing[512];
+  CHECK(kiln_checkpoint_load(in_dir("nope.ckpt", missing, sizeof missing), small.net, NULL, NULL, NULL, NULL,
+                             NULL, NULL) == KILN_ERR_IO);
+  CHECK(kiln_checkpoint_save(NULL, small.net, NULL, NULL, NULL, 0, 0, NULL) == KILN_ERR_INVALID_ARGUMENT);
+  destroy(&small);
+  destroy(&big);
+  destroy(&other);
+  remove(path);
+  remove(plain);
+}
+
+/* Weights filled with (step mod 1000), so a loaded checkpoint proves itself consistent. */
+static void fill_for_step(kiln_module *m, int64_t step) {
+  kiln_tensor *ps[4];
+  int n = kiln_module_parameters(m, ps, 4);
+  bool prev = kiln_set_grad_enabled(false);
+  for (int i = 0; i < n; i++) kiln_fill_(ps[i], (double)(step % 1000));
+  kiln_set_grad_enabled(prev);
+}
+
+/* Kill -9 a child in the middle of saving, many times: the checkpoint at the path is
+** always complete and self-consistent, and its step never goes back. */
+static void test_kill_while_saving(void) {
+  char path[512];
+  in_dir("killed.ckpt", path, sizeof path);
+  kiln_module *m = kiln_linear_new(512, 1024, true, KILN_F32, cpu, NULL); /* 2 MiB per save */
+  fill_for_step(m, 0);
+  CHECK(kiln_checkpoint_save(path, m, NULL, NULL, NULL, 0, 0, NULL) == KILN_OK);
+  int64_t last = 0;
+  int rounds = 24, advanced = 0;
+  unsigned lcg = 12345;
+  for (int r = 0; r < rounds; r++) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      /* The child saves forever; OpenMP is left alone after fork. */
+      kiln_set_num_threads(1);
+      for (int64_t s = last + 1;; s++) {
+        fill_for_step(m, s);
+        if (kiln_checkpoint_save(path, m, NULL, NULL, NULL, 0, s, NULL) != KILN_OK) _exit(3);
+      }
+    }
+    CHECK(pid > 0);
+    lcg = lcg * 1103515245u + 12345u;
+    struct timespec ts = {0, (long)(1 + (lcg >> 16) % 40) * 1000000L}; /* 1-40 ms */
+    nanosleep(&ts, NULL);
+    kill(pid, SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL); /* not a save failure */
+    kiln_module *back = kiln_linear_new(512, 1024, true, KILN_F32, cpu, NULL);
+    int64_t step = -1;
+    kiln_status st = kiln_checkpoint_load(path, back, NULL, NULL, NULL, NULL, &step, NULL);
+    CHECK(st == KILN_OK);
+    if (st == KILN_OK) {
+      CHECK(step >= last);
+      if (step > last) advanced++;
+      last = step;
+      /* Every weight holds the value of that step: no mix of two saves. */
+      kiln_scope_begin();
+      kiln_tensor *w = kiln_module_param(back, "weight"), *b = kiln_module_param(back, "bias");
+      double want = (double)(step % 1000);
+      CHECK(kiln_item(kiln_amax(w, 0, NULL, false)) == want && kiln_item(kiln_amin(w, 0, NULL, false)) == want);
+      CHECK(kiln_item(kiln_amax(b, 0, NULL, false)) == want && kiln_item(kiln_amin(b, 0, NULL, false)) == want);
+      kiln_scope_end();
+    }
+    kiln_module_free(back);
+  }
+  /* The children did get saves through (else the test proved nothing). */
+  CHECK(advanced > 0);
+  if (getenv("KILN_TEST_VERBOSE")) printf("kill test: %d of %d rounds advanced, last step %lld\n", advanced, rounds, (long long)last);
+  kiln_module_free(m);
+}
+
+/* Removes the test directory with whatever the killed children left (path.tmp.<pid>). */
+static void cleanup(void) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  char p[600];
+  while ((e = readdir(d)))
+    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+      snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+      remove(p);
+    }
+  closedir(d);
+  rmdir(dir);
+}
+
+int main(void) {
+  cpu = kiln_device_cpu();
+  snprintf(dir, sizeof dir, "test_checkpoint.XXXXXX");
+  if (!mkdtemp(dir)) {
+    perror("mkdtemp");
+    return 1;
+  }
+  test_resume_is_exact();
+  test_mismatch();
+  test_kill_while_saving();
+  cleanup();
+  if (failures) {
+    fprintf(stderr, "test_checkpoint: %d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("test_checkpoint: all passed\n");
+  return 0;
+}

@@ -1,0 +1,369 @@
+/*
+** The CUDA backend's vtable, its availability probe, the per-device state (one
+** non-blocking stream each, created on first use) and the memory copies.
+**
+** All work for a device goes on its one stream, in the order it is queued: that is what
+** makes the caching allocator's host-side frees safe (a block freed on the host is only
+** reused by work queued later on the same stream) and what lets graph capture record a
+** whole step. Only calls that hand data to the host synchronize.
+*/
+#include "cuda_int.cuh"
+
+#include <atomic>
+#include <mutex>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static kiln__cuda_dev g_dev[KC_MAX_DEV];
+static std::atomic<int> g_ready[KC_MAX_DEV];
+static std::mutex g_init_mu;
+static int g_count = -1; /* set by probe */
+static thread_local int t_current = -1;
+
+/* ---- errors ---- */
+
+extern "C" kiln_status kiln__cuda_err(cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return KILN_OK;
+  kiln_status code = KILN_ERR_INTERNAL;
+  switch (e) {
+  case cudaErrorMemoryAllocation: code = KILN_ERR_OOM; break;
+  case cudaErrorStreamCaptureUnsupported:
+  case cudaErrorStreamCaptureInvalidated:
+  case cudaErrorStreamCaptureWrongThread:
+  case cudaErrorStreamCaptureUnmatched:
+  case cudaErrorStreamCaptureUnjoined:
+  case cudaErrorStreamCaptureIsolation:
+  case cudaErrorStreamCaptureImplicit:
+  case cudaErrorCapturedEvent: code = KILN_ERR_STATE; break;
+  case cudaErrorInvalidDevice:
+  case cudaErrorNoDevice:
+  case cudaErrorInsufficientDriver: code = KILN_ERR_DEVICE; break;
+  case cudaErrorInvalidValue:
+  case cudaErrorInvalidConfiguration: code = KILN_ERR_INVALID_ARGUMENT; break;
+  default: break;
+  }
+  /* Clears a non-sticky error so that later calls do not see it again. */
+  (void)cudaGetLastError();
+  kiln_set_error(code, "kiln: CUDA error in %s: %s (%s)", what, cudaGetErrorName(e),
+                 cudaGetErrorString(e));
+  return code;
+}
+
+extern "C" kiln_status kiln__cuda_launched(const char *what) {
+  return kiln__cuda_err(cudaGetLastError(), what);
+}
+
+/* ---- probe ---- */
+
+static char g_why[512];
+
+static void ver_str(int v, char *buf, size_t n) { snprintf(buf, n, "%d.%d", v / 1000, (v % 1000) / 10); }
+
+static kiln_status probe_once(const char **why) {
+  int drv = 0, rt = 0;
+  char a[32], b[32];
+  cudaError_t e = cudaDriverGetVersion(&drv);
+  if (e != cudaSuccess || drv == 0) {
+    snprintf(g_why, sizeof g_why, "no NVIDIA driver found (libcuda not loaded)");
+    *why = g_why;
+    return KILN_ERR_UNAVAILABLE;
+  }
+  cudaRuntimeGetVersion(&rt);
+  if (drv / 1000 < rt / 1000 || (rt == 0 && drv < CUDART_VERSION)) {
+    ver_str(drv, a, sizeof a);
+    ver_str(rt ? rt : CUDART_VERSION, b, sizeof b);
+    snprintf(g_why, sizeof g_why,
+             "the driver (%s) is older than the CUDA runtime kiln was built with (%s): "
+             "update the driver", a, b);
+    *why = g_why;
+    return KILN_ERR_UNAVAILABLE;
+  }
+  int n = 0;
+  e = cudaGetDeviceCount(&n);
+  const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+  if (e == cudaErrorInsufficientDriver) {
+    ver_str(drv, a, sizeof a);
+    ver_str(rt, b, sizeof b);
+    snprintf(g_why, sizeof g_why,
+             "the driver (%s) is older than the CUDA runtime kiln was built with (%s): "
+             "update the driver", a, b);
+  } else if (e == cudaErrorNoDevice || (e == cudaSuccess && n == 0)) {
+    snprintf(g_why, sizeof g_why, "no CUDA device visible (CUDA_VISIBLE_DEVICES=%s)",
+             vis ? vis : "unset");
+  } else if (e != cudaSuccess) {
+    snprintf(g_why, sizeof g_why, "CUDA cannot start: %s (%s)%s%s", cudaGetErrorName(e),
+             cudaGetErrorString(e), vis ? "; CUDA_VISIBLE_DEVICES=" : "", vis ? vis : "");
+  }
+  (void)cudaGetLastError();
+  if (e != cudaSuccess || n == 0) {
+    *why = g_why;
+    return KILN_ERR_UNAVAILABLE;
+  }
+  g_count = n < KC_MAX_DEV ? n : KC_MAX_DEV;
+  return KILN_OK;
+}
+
+static kiln_status cuda_probe(const char **why) {
+  static std::once_flag once;
+  static kiln_status st = KILN_ERR_UNAVAILABLE;
+  static const char *saved = NULL;
+  std::call_once(once, [] { st = probe_once(&saved); });
+  if (why) *why = st == KILN_OK ? NULL : saved;
+  return st;
+}
+
+static int cuda_device_count(void) {
+  const char *why;
+  return cuda_probe(&why) == KILN_OK ? g_count : 0;
+}
+
+/* ---- device state ---- */
+
+extern "C" kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out) {
+  if (device < 0 || device >= cuda_device_count())
+    return kiln_set_error(KILN_ERR_DEVICE, "kiln: no CUDA device cuda:%d (%d visible)", device,
+                          cuda_device_count());
+  if (t_current != device) {
+    KC_CUDA(cudaSetDevice(device), "cudaSetDevice");
+    t_current = device;
+  }
+  kiln__cuda_dev *d = &g_dev[device];
+  if (!g_ready[device].load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(g_init_mu);
+    if (!g_ready[device].load(std::memory_order_relaxed)) {
+      KC_CUDA(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking), "cudaStreamCreate");
+      KC_CUDA(cudaMalloc((void **)&d->err_flag, sizeof(int)), "cudaMalloc (error flag)");
+      KC_CUDA(cudaMemset(d->err_flag, 0, sizeof(int)), "cudaMemset (error flag)");
+      KC_CUDA(cudaDeviceGetAttribute(&d->sm_count, cudaDevAttrMultiProcessorCount, device),
+              "cudaDeviceGetAttribute");
+      KC_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize (init)");
+      g_ready[device].store(1, std::memory_order_release);
+    }
+  }
+  *out = d;
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_check_flag(int device) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  int h = 0;
+  KC_CUDA(cudaMemcpyAsync(&h, d->err_flag, sizeof h, cudaMemcpyDeviceToHost, d->stream),
+          "reading the index error flag");
+  KC_CUDA(cudaStreamSynchronize(d->stream), "cudaStreamSynchronize");
+  if (h != 0) {
+    KC_CUDA(cudaMemsetAsync(d->err_flag, 0, sizeof(int), d->stream), "cudaMemsetAsync");
+    kiln__kop op = (kiln__kop)(h - 1);
+    return kiln_set_error(KILN_ERR_INDEX, "index out of range in %s (detected on the device)",
+                          (int)op < (int)KILN__K_COUNT ? kiln__kop_name(op) : "?");
+  }
+  return KILN_OK;
+}
+
+extern "C" bool kiln__cuda_capturing(int device) {
+  if (device < 0 || device >= KC_MAX_DEV || !g_ready[device].load()) return false;
+  return g_dev[device].capturing != 0;
+}
+
+/* ---- memory copies ---- */
+
+static kiln_status cuda_copy_to_host(int device, void *dst, const void *src, size_t n) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (d->capturing)
+    return kiln_set_error(KILN_ERR_STATE,
+                          "kiln: a value was read on the host inside a captured step "
+                          "(cuda:%d); move item()/to_host out of the graph", device);
+  if (n == 0) return KILN_OK;
+  KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, d->stream), "copy to host");
+  KC_CUDA(cudaStreamSynchronize(d->stream), "copy to host (synchronize)");
+  return kiln__cuda_check_flag(device);
+}
+
+static kiln_status cuda_copy_from_host(int device, void *dst, const void *src, size_t n) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (n == 0) return KILN_OK;
+  /* From pageable memory this returns once src has been staged, so the caller may reuse
+  ** src at once; the device sees the data in stream order. */
+  KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, d->stream), "copy from host");
+  return KILN_OK;
+}
+
+static kiln_status cuda_copy_device(int device, void *dst, const void *src, size_t n) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (n == 0) return KILN_OK;
+  KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, d->stream), "copy on device");
+  return KILN_OK;
+}
+
+static kiln_status cuda_memset_zero(int device, void *p, size_t n) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (n == 0) return KILN_OK;
+  KC_CUDA(cudaMemsetAsync(p, 0, n, d->stream), "memset");
+  return KILN_OK;
+}
+
+static kiln_status cuda_synchronize(int device) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (d->capturing)
+    return kiln_set_error(KILN_ERR_STATE,
+                          "kiln: synchronize inside a captured step (cuda:%d)", device);
+  KC_CUDA(cudaStreamSynchronize(d->stream), "synchronize");
+  return kiln__cuda_check_flag(device);
+}
+
+/* ---- exports for other layers (cuda_api.h) ---- */
+
+extern "C" void *kiln__cuda_stream(int device) {
+  kiln__cuda_dev *d;
+  if (kiln__cuda_ctx(device, &d) != KILN_OK) return NULL;
+  return (void *)d->stream;
+}
+
+extern "C" kiln_status kiln__cuda_host_alloc(void **p, size_t n) {
+  *p = NULL;
+  const char *why;
+  if (cuda_probe(&why) != KILN_OK)
+    return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: pinned memory needs CUDA: %s", why);
+  cudaError_t e = cudaHostAlloc(p, n ? n : 1, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    *p = NULL;
+    (void)cudaGetLastError();
+    return kiln_set_error(KILN_ERR_OOM, "kiln: cannot pin %zu bytes of host memory: %s", n,
+                          cudaGetErrorString(e));
+  }
+  return KILN_OK;
+}
+
+extern "C" void kiln__cuda_host_free(void *p) {
+  if (p) (void)cudaFreeHost(p);
+}
+
+extern "C" kiln_status kiln__cuda_copy_from_host_async(int device, void *dst, const void *src,
+                                                       size_t n) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  if (n == 0) return KILN_OK;
+  KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, d->stream),
+          "async copy from host");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_event_new(void **ev) {
+  *ev = NULL;
+  const char *why;
+  if (cuda_probe(&why) != KILN_OK)
+    return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: CUDA events: %s", why);
+  cudaEvent_t e;
+  KC_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  *ev = (void *)e;
+  return KILN_OK;
+}
+
+extern "C" void kiln__cuda_event_free(void *ev) {
+  if (ev) (void)cudaEventDestroy((cudaEvent_t)ev);
+}
+
+extern "C" kiln_status kiln__cuda_event_record(int device, void *ev) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  KC_CUDA(cudaEventRecord((cudaEvent_t)ev, d->stream), "cudaEventRecord");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_event_wait(int device, void *ev) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  KC_CUDA(cudaStreamWaitEvent(d->stream, (cudaEvent_t)ev, 0), "cudaStreamWaitEvent");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_event_synchronize(void *ev) {
+  KC_CUDA(cudaEventSynchronize((cudaEvent_t)ev), "cudaEventSynchronize");
+  return KILN_OK;
+}
+
+extern "C" int kiln__cuda_event_query(void *ev) {
+  cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  kiln__cuda_err(e, "cudaEventQuery");
+  return -1;
+}
+
+/* ---- the vtable ---- */
+
+static void *cuda_alloc(int device, size_t n) { return kiln__cuda_alloc(device, n); }
+static void cuda_free(int device, void *p, size_t n) { kiln__cuda_free(device, p, n); }
+
+static bool cuda_supports(const kiln__kargs *a) {
+  switch (a->op) {
+  case KILN__K_RAND_UNIFORM: case KILN__K_RAND_NORMAL: case KILN__K_RAND_INT:
+  case KILN__K_RAND_BERNOULLI:
+    return kiln__cuda_random_supports(a);
+  case KILN__K_SUM: case KILN__K_PROD: case KILN__K_AMAX: case KILN__K_AMIN:
+  case KILN__K_MAX_DIM: case KILN__K_MIN_DIM:
+    return kiln__cuda_reduce_supports(a);
+  case KILN__K_SOFTMAX: case KILN__K_LOG_SOFTMAX: case KILN__K_SOFTMAX_BACKWARD:
+  case KILN__K_LOG_SOFTMAX_BACKWARD: case KILN__K_CROSS_ENTROPY:
+  case KILN__K_CROSS_ENTROPY_BACKWARD:
+    return kiln__cuda_softmax_supports(a);
+  case KILN__K_MATMUL: return kiln__cuda_matmul_supports(a);
+  case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
+  case KILN__K_SCATTER_ADD:
+    return kiln__cuda_index_supports(a);
+  default: return kiln__cuda_elementwise_supports(a);
+  }
+}
+
+/* Which family serves each op (constexpr, so the table below is a constant). */
+static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
+  return (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
+          op == KILN__K_RAND_BERNOULLI)
+             ? kiln__cuda_random
+         : (op == KILN__K_SUM || op == KILN__K_PROD || op == KILN__K_AMAX ||
+            op == KILN__K_AMIN || op == KILN__K_MAX_DIM || op == KILN__K_MIN_DIM)
+             ? kiln__cuda_reduce
+         : (op == KILN__K_SOFTMAX || op == KILN__K_LOG_SOFTMAX ||
+            op == KILN__K_SOFTMAX_BACKWARD || op == KILN__K_LOG_SOFTMAX_BACKWARD ||
+            op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD)
+             ? kiln__cuda_softmax
+         : op == KILN__K_MATMUL ? kiln__cuda_matmul
+         : (op == KILN__K_INDEX_SELECT || op == KILN__K_INDEX_ADD || op == KILN__K_GATHER ||
+            op == KILN__K_SCATTER_ADD)
+             ? kiln__cuda_index
+             : kiln__cuda_elementwise;
+}
+
+extern "C" const kiln__backend kiln__cuda_backend = {
+    "cuda",
+    KILN_DEVICE_CUDA,
+    false,
+    cuda_probe,
+    cuda_device_count,
+    cuda_alloc,
+    cuda_free,
+    cuda_copy_to_host,
+    cuda_copy_from_host,
+    cuda_copy_device,
+    cuda_memset_zero,
+    cuda_synchronize,
+    kiln__cuda_memory_stats,
+    kiln__cuda_empty_cache,
+    kiln__cuda_set_memory_limit,
+    kiln__cuda_reset_peak,
+    {
+#define KC_ENTRY(name, str) kc_family(KILN__K_##name),
+        KILN__KOP_MAP(KC_ENTRY)
+#undef KC_ENTRY
+    },
+    cuda_supports,
+};

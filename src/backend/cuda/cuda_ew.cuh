@@ -1,0 +1,219 @@
+/*
+** The elementwise machinery (C++ templates), shared by cuda_elementwise.cu and
+** cuda_binary.cu: a functor applied to up to three inputs (or to the linear index, for
+** fills) over views of one shape.
+**
+** Paths, fastest first:
+** - vectorised: after coalescing the views are one dim, the output and every input
+**   contiguous or a broadcast scalar (stride 0), and the pointers aligned: each thread
+**   moves 16 bytes per load/store in a grid-stride loop (this is what reaches the copy
+**   bandwidth);
+** - strided with 32-bit index arithmetic when every offset fits, else 64-bit. Shapes and
+**   strides travel by value in the kernel's parameters.
+*/
+#ifndef KILN_CUDA_EW_CUH
+#define KILN_CUDA_EW_CUH
+
+#include "cuda_int.cuh"
+
+template <class T, int V> struct alignas(sizeof(T) * V) kc_vec {
+  T v[V];
+};
+
+/* Math on float or double, one spelling for the functors. */
+__device__ __forceinline__ float kc_exp(float x) { return expf(x); }
+__device__ __forceinline__ double kc_exp(double x) { return exp(x); }
+__device__ __forceinline__ float kc_log(float x) { return logf(x); }
+__device__ __forceinline__ double kc_log(double x) { return log(x); }
+__device__ __forceinline__ float kc_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double kc_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float kc_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double kc_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float kc_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ double kc_rsqrt(double x) { return rsqrt(x); }
+__device__ __forceinline__ float kc_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double kc_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float kc_erf(float x) { return erff(x); }
+__device__ __forceinline__ double kc_erf(double x) { return erf(x); }
+__device__ __forceinline__ float kc_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double kc_pow(double x, double y) { return pow(x, y); }
+__device__ __forceinline__ int64_t kc_pow(int64_t b, int64_t e) {
+  if (e < 0) return b == 1 ? 1 : (b == -1 ? ((e & 1) ? -1 : 1) : 0);
+  int64_t r = 1;
+  while (e) {
+    if (e & 1) r *= b;
+    b *= b;
+    e >>= 1;
+  }
+  return r;
+}
+
+template <int NIN, class F, class X0, class X1, class X2>
+__device__ __forceinline__ auto kc_call(const F &f, int64_t k, X0 a, X1 b, X2 c) {
+  if constexpr (NIN == 0) {
+    (void)a, (void)b, (void)c;
+    return f(k);
+  } else if constexpr (NIN == 1) {
+    (void)b, (void)c, (void)k;
+    return f(a);
+  } else if constexpr (NIN == 2) {
+    (void)c, (void)k;
+    return f(a, b);
+  } else {
+    (void)k;
+    return f(a, b, c);
+  }
+}
+
+template <int NIN, int V, class F, class TO, class T0, class T1, class T2>
+__global__ void __launch_bounds__(KC_THREADS)
+    kc_ew_vec(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, int bcast, int64_t n, F f) {
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t nv = n / V;
+  for (int64_t i = tid; i < nv; i += step) {
+    kc_vec<T0, V> a0;
+    kc_vec<T1, V> a1;
+    kc_vec<T2, V> a2;
+    if constexpr (NIN >= 1) {
+      if (bcast & 1) {
+#pragma unroll
+        for (int j = 0; j < V; j++) a0.v[j] = p0[0];
+      } else {
+        a0 = *(const kc_vec<T0, V> *)(p0 + i * V);
+      }
+    }
+    if constexpr (NIN >= 2) {
+      if (bcast & 2) {
+#pragma unroll
+        for (int j = 0; j < V; j++) a1.v[j] = p1[0];
+      } else {
+        a1 = *(const kc_vec<T1, V> *)(p1 + i * V);
+      }
+    }
+    if constexpr (NIN >= 3) {
+      if (bcast & 4) {
+#pragma unroll
+        for (int j = 0; j < V; j++) a2.v[j] = p2[0];
+      } else {
+        a2 = *(const kc_vec<T2, V> *)(p2 + i * V);
+      }
+    }
+    kc_vec<TO, V> r;
+#pragma unroll
+    for (int j = 0; j < V; j++)
+      r.v[j] = kc_st<TO>(kc_call<NIN>(f, i * V + j, kc_ld<T0>(a0.v[j]), kc_ld<T1>(a1.v[j]),
+                                      kc_ld<T2>(a2.v[j])));
+    *(kc_vec<TO, V> *)(out + i * V) = r;
+  }
+  for (int64_t k = nv * V + tid; k < n; k += step) {
+    T0 a0 = T0();
+    T1 a1 = T1();
+    T2 a2 = T2();
+    if constexpr (NIN >= 1) a0 = p0[(bcast & 1) ? 0 : k];
+    if constexpr (NIN >= 2) a1 = p1[(bcast & 2) ? 0 : k];
+    if constexpr (NIN >= 3) a2 = p2[(bcast & 4) ? 0 : k];
+    out[k] = kc_st<TO>(kc_call<NIN>(f, k, kc_ld<T0>(a0), kc_ld<T1>(a1), kc_ld<T2>(a2)));
+  }
+}
+
+template <int NIN, class I, class F, class TO, class T0, class T1, class T2>
+__global__ void __launch_bounds__(KC_THREADS)
+    kc_ew_strided(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, kc_geom<NIN + 1, I> g,
+                  I n, F f) {
+  const I step = (I)gridDim.x * blockDim.x;
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += step) {
+    I off[NIN + 1];
+    kc_offsets<NIN + 1, I>(g, k, off);
+    T0 a0 = T0();
+    T1 a1 = T1();
+    T2 a2 = T2();
+    if constexpr (NIN >= 1) a0 = p0[off[1]];
+    if constexpr (NIN >= 2) a1 = p1[off[2]];
+    if constexpr (NIN >= 3) a2 = p2[off[3]];
+    out[off[0]] =
+        kc_st<TO>(kc_call<NIN>(f, (int64_t)k, kc_ld<T0>(a0), kc_ld<T1>(a1), kc_ld<T2>(a2)));
+  }
+}
+
+template <class A, class B> constexpr size_t kc_max_sz() { return sizeof(A) > sizeof(B) ? sizeof(A) : sizeof(B); }
+
+/* Runs f over out = f(in...) (NIN inputs; the unused T's are placeholders). */
+template <int NIN, class TO, class T0, class T1, class T2, class F>
+kiln_status kc_ew_launch(kiln__cuda_dev *d, const kiln__view *out, const kiln__view *const *ins,
+                         F f, const char *what) {
+  const kiln__view *v[4] = {out, NULL, NULL, NULL};
+  for (int i = 0; i < NIN; i++) v[i + 1] = ins[i];
+  kc_shape sh;
+  kc_coalesce(&sh, v, NIN + 1);
+  if (sh.numel == 0) return KILN_OK;
+  TO *po = (TO *)out->data;
+  const T0 *p0 = NIN >= 1 ? (const T0 *)ins[0]->data : NULL;
+  const T1 *p1 = NIN >= 2 ? (const T1 *)ins[1]->data : NULL;
+  const T2 *p2 = NIN >= 3 ? (const T2 *)ins[2]->data : NULL;
+
+  constexpr size_t maxsz =
+      kc_max_sz<TO, T0>() > kc_max_sz<T1, T2>() ? kc_max_sz<TO, T0>() : kc_max_sz<T1, T2>();
+  constexpr int V = (int)(16 / maxsz);
+  bool vec = sh.ndim == 1 && sh.st[0][0] == 1;
+  int bcast = 0;
+  const void *ptrs[3] = {p0, p1, p2};
+  const size_t sizes[3] = {sizeof(T0), sizeof(T1), sizeof(T2)};
+  if ((uintptr_t)po % (V * sizeof(TO))) vec = false;
+  for (int i = 0; i < NIN && vec; i++) {
+    if (sh.st[i + 1][0] == 0) bcast |= 1 << i;
+    else if (sh.st[i + 1][0] != 1 || (uintptr_t)ptrs[i] % (V * sizes[i])) vec = false;
+  }
+  if (vec) {
+    int blocks = kc_blocks((sh.numel + V - 1) / V, KC_THREADS, d->sm_count);
+    kc_ew_vec<NIN, V, F, TO, T0, T1, T2>
+        <<<blocks, KC_THREADS, 0, d->stream>>>(po, p0, p1, p2, bcast, sh.numel, f);
+  } else if (kc_fits32(&sh)) {
+    int blocks = kc_blocks(sh.numel, KC_THREADS, d->sm_count);
+    kc_ew_strided<NIN, int32_t, F, TO, T0, T1, T2><<<blocks, KC_THREADS, 0, d->stream>>>(
+        po, p0, p1, p2, kc_make_geom<NIN + 1, int32_t>(&sh), (int32_t)sh.numel, f);
+  } else {
+    int blocks = kc_blocks(sh.numel, KC_THREADS, d->sm_count);
+    kc_ew_strided<NIN, int64_t, F, TO, T0, T1, T2><<<blocks, KC_THREADS, 0, d->stream>>>(
+        po, p0, p1, p2, kc_make_geom<NIN + 1, int64_t>(&sh), (int64_t)sh.numel, f);
+  }
+  return kiln__cuda_launched(what);
+}
+
+/* Inputs whose dtype is not `want` are cast into contiguous temporaries of the output's
+** shape (rare: the op layer normally hands matching dtypes). The temporaries are freed
+** right after the launch is queued: stream order keeps that safe. */
+struct kc_temps {
+  int device;
+  int n;
+  void *p[KILN__MAX_KIN];
+  kiln__view v[KILN__MAX_KIN];
+  kc_temps(int dev) : device(dev), n(0) {}
+  ~kc_temps() {
+    for (int i = 0; i < n; i++) kiln__cuda_free(device, p[i], 0);
+  }
+  /* Returns the view to use for in (cast when needed), or NULL on error. */
+  const kiln__view *cast(const kiln__view *in, const kiln__view *shape_of, kiln_dtype want) {
+    if (in->dtype == want) return in;
+    int64_t numel = kc_numel(shape_of);
+    void *mem = kiln__cuda_alloc(device, (size_t)numel * kc_size(want));
+    if (!mem) return NULL;
+    kiln__view t = *in;
+    t.data = mem;
+    t.dtype = want;
+    t.ndim = shape_of->ndim;
+    int64_t s = 1;
+    for (int d = shape_of->ndim - 1; d >= 0; d--) {
+      t.shape[d] = shape_of->shape[d];
+      t.strides[d] = s;
+      s *= shape_of->shape[d];
+    }
+    p[n] = mem;
+    v[n] = t;
+    n++;
+    if (kiln__cuda_copy_view(device, &v[n - 1], in) != KILN_OK) return NULL;
+    return &v[n - 1];
+  }
+};
+
+#endif /* KILN_CUDA_EW_CUH */

@@ -1,0 +1,168 @@
+/*
+** Index ops: INDEX_SELECT, INDEX_ADD, GATHER, SCATTER_ADD (index views i64 or i32, i0 =
+** dim). One thread per element of the iterated tensor (out for select/gather, src for the
+** two adds). An index outside [0, size) is never followed: the write is skipped and the
+** device's error flag set, which synchronize() and copies to the host turn into
+** KILN_ERR_INDEX (the check would otherwise need a device->host round trip per op).
+** The adds use atomicAdd, native on sm_90 for f32, f64, f16, bf16, int32 and int64.
+*/
+#include "cuda_int.cuh"
+
+namespace {
+
+enum { I_SELECT, I_ADD, I_GATHER, I_SCATTER };
+
+struct IGeom {
+  int ndim, dim;
+  int64_t shape[KILN_MAX_DIMS]; /* iterated tensor */
+  int64_t st_it[KILN_MAX_DIMS];
+  int64_t st_other[KILN_MAX_DIMS]; /* the tensor the index points into */
+  int64_t st_idx[KILN_MAX_DIMS];   /* 1-d ops: only st_idx[dim] is used */
+  int64_t lim;                     /* size of the other tensor along dim */
+  int64_t n;
+  int *flag;
+  int kop;
+};
+
+template <class T> __device__ __forceinline__ void kc_atomic_add(T *p, T v) { atomicAdd(p, v); }
+template <> __device__ __forceinline__ void kc_atomic_add<int64_t>(int64_t *p, int64_t v) {
+  atomicAdd((unsigned long long *)p, (unsigned long long)v);
+}
+
+template <class T, class TI, int MODE>
+__global__ void __launch_bounds__(KC_THREADS)
+    index_kernel(const T *src, const TI *idx, T *out, IGeom g) {
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < g.n;
+       k += (int64_t)gridDim.x * blockDim.x) {
+    int64_t r = k, o_it = 0, o_other = 0, o_idx = 0, cdim = 0;
+    for (int d = g.ndim - 1; d >= 0; d--) {
+      int64_t c = r % g.shape[d];
+      r /= g.shape[d];
+      o_it += c * g.st_it[d];
+      if (d == g.dim) cdim = c;
+      else o_other += c * g.st_other[d];
+      if (MODE == I_GATHER || MODE == I_SCATTER) o_idx += c * g.st_idx[d];
+    }
+    if (MODE == I_SELECT || MODE == I_ADD) o_idx = cdim * g.st_idx[g.dim];
+    int64_t i = (int64_t)idx[o_idx];
+    if (i < 0 || i >= g.lim) {
+      kc_flag(g.flag, g.kop);
+      continue;
+    }
+    o_other += i * g.st_other[g.dim];
+    if constexpr (MODE == I_SELECT || MODE == I_GATHER) out[o_it] = src[o_other];
+    else kc_atomic_add<T>(out + o_other, src[o_it]);
+  }
+}
+
+template <class T, class TI, bool ADD>
+kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g) {
+  const T *src = (const T *)a->in[0].data;
+  const TI *idx = (const TI *)a->in[1].data;
+  T *out = (T *)a->out[0].data;
+  int blocks = kc_blocks(g.n, KC_THREADS, d->sm_count);
+  if constexpr (ADD) {
+    if (a->op == KILN__K_INDEX_ADD)
+      index_kernel<T, TI, I_ADD><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
+    else
+      index_kernel<T, TI, I_SCATTER><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
+  } else {
+    if (a->op == KILN__K_INDEX_SELECT)
+      index_kernel<T, TI, I_SELECT><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
+    else
+      index_kernel<T, TI, I_GATHER><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
+  }
+  return kiln__cuda_launched(kiln__kop_name(a->op));
+}
+
+/* Copies move bits (one instantiation per element size); adds need the real type. */
+template <class T, bool ADD>
+kiln_status by_index(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g) {
+  if (a->in[1].dtype == KILN_I64) return launch<T, int64_t, ADD>(d, a, g);
+  return launch<T, int32_t, ADD>(d, a, g);
+}
+template <class T> kiln_status adds(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g) {
+  return by_index<T, true>(d, a, g);
+}
+
+kiln_status shape_err(const kiln__kargs *a, const char *what) {
+  return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: %s", kiln__kop_name(a->op), what);
+}
+
+bool is_add(kiln__kop op) { return op == KILN__K_INDEX_ADD || op == KILN__K_SCATTER_ADD; }
+
+} // namespace
+
+extern "C" bool kiln__cuda_index_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->out[0].dtype;
+  if (a->in[0].dtype != dt || !kc_is_index(a->in[1].dtype) || kc_size(dt) == 0) return false;
+  if (is_add(a->op)) return kc_is_float(dt) || dt == KILN_I64 || dt == KILN_I32;
+  return true;
+}
+
+extern "C" kiln_status kiln__cuda_index(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_index_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtypes %s (index %s) not supported on cuda",
+                          kiln__kop_name(a->op), kiln_dtype_name(a->out[0].dtype),
+                          kiln_dtype_name(a->in[1].dtype));
+  const kiln__view *src = &a->in[0], *idx = &a->in[1], *out = &a->out[0];
+  bool add = is_add(a->op);
+  const kiln__view *it = add ? src : out;    /* iterated */
+  const kiln__view *other = add ? out : src; /* indexed into */
+  int nd = it->ndim;
+  int dim = (int)a->i[0];
+  if (dim < 0) dim += nd;
+  if (nd == 0 || dim < 0 || dim >= nd || other->ndim != nd)
+    return shape_err(a, "dim or ndim out of range");
+  IGeom g;
+  g.ndim = nd;
+  g.dim = dim;
+  g.n = 1;
+  for (int k = 0; k < nd; k++) {
+    g.shape[k] = it->shape[k];
+    g.st_it[k] = it->strides[k];
+    g.st_other[k] = other->strides[k];
+    g.n *= it->shape[k];
+    if (k != dim && it->shape[k] > other->shape[k])
+      return shape_err(a, "index shape is larger than the indexed tensor on a dim not indexed");
+  }
+  if (a->op == KILN__K_GATHER || a->op == KILN__K_SCATTER_ADD) {
+    if (idx->ndim != nd) return shape_err(a, "index must have the ndim of the tensor");
+    for (int k = 0; k < nd; k++) {
+      if (idx->shape[k] != it->shape[k]) return shape_err(a, "index shape differs");
+      g.st_idx[k] = idx->strides[k];
+    }
+  } else {
+    if (idx->ndim != 1 || idx->shape[0] != it->shape[dim])
+      return shape_err(a, "index must be 1-d with one entry per selected slice");
+    for (int k = 0; k < nd; k++) g.st_idx[k] = 0;
+    g.st_idx[dim] = idx->strides[0];
+  }
+  g.lim = other->shape[dim];
+  g.flag = d->err_flag;
+  g.kop = (int)a->op;
+  if (g.n == 0) return KILN_OK;
+  kiln_dtype dt = out->dtype;
+  if (add) {
+    switch (dt) {
+    case KILN_F32: return adds<float>(d, a, g);
+    case KILN_F64: return adds<double>(d, a, g);
+    case KILN_F16: return adds<__half>(d, a, g);
+    case KILN_BF16: return adds<__nv_bfloat16>(d, a, g);
+    case KILN_I64: return adds<int64_t>(d, a, g);
+    case KILN_I32: return adds<int32_t>(d, a, g);
+    default: break;
+    }
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype not supported on cuda", kiln__kop_name(a->op));
+  }
+  switch (kc_size(dt)) {
+  case 1: return by_index<uint8_t, false>(d, a, g);
+  case 2: return by_index<uint16_t, false>(d, a, g);
+  case 4: return by_index<uint32_t, false>(d, a, g);
+  case 8: return by_index<uint64_t, false>(d, a, g);
+  default: break;
+  }
+  return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: bad dtype", kiln__kop_name(a->op));
+}

@@ -1,0 +1,285 @@
+/*
+** Internals shared by the CUDA backend's .cu files (C++ only: templates, CUDA types).
+** Not API. Device state, error helpers, dtype traits and the strided-geometry helpers
+** every kernel family uses.
+*/
+#ifndef KILN_CUDA_INT_CUH
+#define KILN_CUDA_INT_CUH
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#include "kiln.h"
+#include "../backend.h"
+#include "cuda_api.h"
+
+#define KC_MAX_DEV 64
+#define KC_THREADS 256
+
+/* ---- per-device state (cuda_backend.cu) ---- */
+typedef struct kiln__cuda_dev {
+  cudaStream_t stream;
+  int *err_flag;      /* device int: 0, or 1 + the kop of the first bad index */
+  int sm_count;
+  int capturing;      /* a graph capture is open on this device */
+  void *blas;         /* cublasHandle_t, cuda_matmul.cu */
+  void *blaslt;       /* cublasLtHandle_t */
+  void *workspace;    /* cuBLAS workspace from the caching allocator */
+  size_t workspace_size;
+} kiln__cuda_dev;
+
+extern "C" {
+/* Makes device current on this thread and returns its state, creating the stream and
+** the error flag on first use. KILN_ERR_DEVICE for a bad index. */
+kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out);
+/* KILN_OK for cudaSuccess; otherwise sets the last error naming what and returns a code
+** (OOM for allocation failures, STATE for capture misuse, INTERNAL otherwise). */
+kiln_status kiln__cuda_err(cudaError_t e, const char *what);
+/* cudaGetLastError after a launch. */
+kiln_status kiln__cuda_launched(const char *what);
+/* Reads and clears the device-side index error flag (synchronizes the stream). */
+kiln_status kiln__cuda_check_flag(int device);
+
+/* ---- caching allocator (cuda_memory.cu) ---- */
+void *kiln__cuda_alloc(int device, size_t nbytes);
+void kiln__cuda_free(int device, void *ptr, size_t nbytes);
+kiln_status kiln__cuda_memory_stats(int device, kiln_memory_stats *out);
+kiln_status kiln__cuda_empty_cache(int device);
+kiln_status kiln__cuda_set_memory_limit(int device, int64_t bytes);
+void kiln__cuda_reset_peak(int device);
+void kiln__cuda_mem_capture_begin(int device, int id);
+void kiln__cuda_mem_capture_end(int device, int id, bool ok);
+void kiln__cuda_mem_graph_release(int device, int id);
+
+/* ---- kernel families ---- */
+kiln_status kiln__cuda_elementwise(const kiln__kargs *a); /* copy..where */
+bool kiln__cuda_elementwise_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_random(const kiln__kargs *a);
+bool kiln__cuda_random_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_reduce(const kiln__kargs *a);
+bool kiln__cuda_reduce_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_softmax(const kiln__kargs *a); /* softmax family + cross entropy */
+bool kiln__cuda_softmax_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_matmul(const kiln__kargs *a);
+bool kiln__cuda_matmul_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_index(const kiln__kargs *a);
+kiln_status kiln__cuda_binary(const kiln__kargs *a); /* binary + where (cuda_binary.cu) */
+bool kiln__cuda_binary_supports(const kiln__kargs *a);
+bool kiln__cuda_index_supports(const kiln__kargs *a);
+
+/* Internal helpers other families use (cuda_elementwise.cu): out = cast(in) with any
+** strides, and out += bias broadcast along the last dim. Queue on the device's stream. */
+kiln_status kiln__cuda_copy_view(int device, const kiln__view *out, const kiln__view *in);
+kiln_status kiln__cuda_fill_view(int device, const kiln__view *out, double value);
+kiln_status kiln__cuda_scale_view(int device, const kiln__view *out, double s);
+kiln_status kiln__cuda_add_view(int device, const kiln__view *out, const kiln__view *in);
+}
+
+#define KC_TRY(expr)                                                                      \
+  do {                                                                                    \
+    kiln_status kc_s_ = (expr);                                                           \
+    if (kc_s_ != KILN_OK) return kc_s_;                                                   \
+  } while (0)
+#define KC_CUDA(call, what) KC_TRY(kiln__cuda_err((call), (what)))
+
+/* ---- dtype traits ---- */
+/* acc: the type arithmetic happens in (f32 for the 16-bit floats, int64 for integers). */
+template <class T> struct kc_traits { typedef int64_t acc; };
+template <> struct kc_traits<float> { typedef float acc; };
+template <> struct kc_traits<double> { typedef double acc; };
+template <> struct kc_traits<__half> { typedef float acc; };
+template <> struct kc_traits<__nv_bfloat16> { typedef float acc; };
+
+template <class T> __device__ __forceinline__ typename kc_traits<T>::acc kc_ld(T v) {
+  return (typename kc_traits<T>::acc)v;
+}
+template <> __device__ __forceinline__ float kc_ld<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float kc_ld<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ int64_t kc_ld<bool>(bool v) { return v ? 1 : 0; }
+
+/* Storage from any arithmetic value. */
+template <class T> struct kc_cvt {
+  template <class A> static __device__ __forceinline__ T to(A v) { return (T)v; }
+};
+template <> struct kc_cvt<__half> {
+  template <class A> static __device__ __forceinline__ __half to(A v) {
+    return __float2half_rn((float)v);
+  }
+};
+template <> struct kc_cvt<__nv_bfloat16> {
+  template <class A> static __device__ __forceinline__ __nv_bfloat16 to(A v) {
+    return __float2bfloat16_rn((float)v);
+  }
+};
+template <> struct kc_cvt<bool> {
+  template <class A> static __device__ __forceinline__ bool to(A v) { return v != (A)0; }
+};
+template <class T, class A> __device__ __forceinline__ T kc_st(A v) { return kc_cvt<T>::to(v); }
+
+/* Runtime dtype -> C++ type. BODY sees the type as T_NAME. */
+#define KC_CASE_(DT, TYPE, T_NAME, ...)                                                   \
+  case DT: {                                                                              \
+    typedef TYPE T_NAME;                                                                  \
+    __VA_ARGS__;                                                                          \
+  } break;
+#define KC_FLOAT_CASES_(T_NAME, ...)                                                      \
+  KC_CASE_(KILN_F32, float, T_NAME, __VA_ARGS__)                                          \
+  KC_CASE_(KILN_F64, double, T_NAME, __VA_ARGS__)                                         \
+  KC_CASE_(KILN_F16, __half, T_NAME, __VA_ARGS__)                                         \
+  KC_CASE_(KILN_BF16, __nv_bfloat16, T_NAME, __VA_ARGS__)
+#define KC_INT_CASES_(T_NAME, ...)                                                        \
+  KC_CASE_(KILN_I64, int64_t, T_NAME, __VA_ARGS__)                                        \
+  KC_CASE_(KILN_I32, int32_t, T_NAME, __VA_ARGS__)                                        \
+  KC_CASE_(KILN_U8, uint8_t, T_NAME, __VA_ARGS__)                                         \
+  KC_CASE_(KILN_BOOL, bool, T_NAME, __VA_ARGS__)
+/* These evaluate to a switch; `default:` runs FAIL. */
+#define KC_SWITCH_FLOAT(dt, T_NAME, FAIL, ...)                                            \
+  switch (dt) {                                                                           \
+    KC_FLOAT_CASES_(T_NAME, __VA_ARGS__)                                                  \
+  default:                                                                                \
+    FAIL;                                                                                 \
+  }
+#define KC_SWITCH_ALL(dt, T_NAME, FAIL, ...)                                              \
+  switch (dt) {                                                                           \
+    KC_FLOAT_CASES_(T_NAME, __VA_ARGS__)                                                  \
+    KC_INT_CASES_(T_NAME, __VA_ARGS__)                                                    \
+  default:                                                                                \
+    FAIL;                                                                                 \
+  }
+
+static inline bool kc_is_float(kiln_dtype dt) {
+  return dt == KILN_F32 || dt == KILN_F64 || dt == KILN_F16 || dt == KILN_BF16;
+}
+static inline bool kc_is_index(kiln_dtype dt) { return dt == KILN_I64 || dt == KILN_I32; }
+static inline size_t kc_size(kiln_dtype dt) {
+  switch (dt) {
+  case KILN_F32: case KILN_I32: return 4;
+  case KILN_F64: case KILN_I64: return 8;
+  case KILN_F16: case KILN_BF16: return 2;
+  case KILN_U8: case KILN_BOOL: return 1;
+  default: return 0;
+  }
+}
+static inline int64_t kc_numel(const kiln__view *v) {
+  int64_t n = 1;
+  for (int d = 0; d < v->ndim; d++) n *= v->shape[d];
+  return n;
+}
+
+/* ---- strided geometry ---- */
+/* nv views of one shape, coalesced: size-1 dims dropped, adjacent dims merged where
+** every view is contiguous across them. C order of the elements is kept, so the linear
+** index k of an element is the same before and after. */
+#define KC_MAXV (KILN__MAX_KIN + KILN__MAX_KOUT)
+struct kc_shape {
+  int ndim, nv;
+  int64_t numel;
+  int64_t shape[KILN_MAX_DIMS];
+  int64_t st[KC_MAXV][KILN_MAX_DIMS];
+};
+
+static inline void kc_coalesce(kc_shape *g, const kiln__view *const *v, int nv) {
+  const int nd = v[0]->ndim;
+  g->nv = nv;
+  g->numel = kc_numel(v[0]);
+  g->ndim = 0;
+  if (g->numel == 0) {
+    g->ndim = 1;
+    g->shape[0] = 0;
+    for (int i = 0; i < nv; i++) g->st[i][0] = 1;
+    return;
+  }
+  for (int d = 0; d < nd; d++) {
+    if (v[0]->shape[d] == 1) continue;
+    if (g->ndim > 0) {
+      int last = g->ndim - 1;
+      bool merge = true;
+      for (int i = 0; i < nv; i++)
+        if (g->st[i][last] != v[i]->strides[d] * v[0]->shape[d]) merge = false;
+      if (merge) {
+        g->shape[last] *= v[0]->shape[d];
+        for (int i = 0; i < nv; i++) g->st[i][last] = v[i]->strides[d];
+        continue;
+      }
+    }
+    g->shape[g->ndim] = v[0]->shape[d];
+    for (int i = 0; i < nv; i++) g->st[i][g->ndim] = v[i]->strides[d];
+    g->ndim++;
+  }
+  if (g->ndim == 0) {
+    g->ndim = 1;
+    g->shape[0] = 1;
+    for (int i = 0; i < nv; i++) g->st[i][0] = 1;
+  }
+}
+
+/* Whether every offset and the element count fit in int32 (then kernels index in 32 bits,
+** which is markedly faster for the div/mod of the strided path). */
+static inline bool kc_fits32(const kc_shape *g) {
+  if (g->numel >= (int64_t)INT32_MAX) return false;
+  for (int i = 0; i < g->nv; i++) {
+    int64_t span = 0;
+    for (int d = 0; d < g->ndim; d++) {
+      int64_t s = g->st[i][d] < 0 ? -g->st[i][d] : g->st[i][d];
+      span += (g->shape[d] - 1) * s;
+    }
+    if (span >= (int64_t)INT32_MAX) return false;
+  }
+  return true;
+}
+
+/* Geometry passed to kernels by value. */
+template <int NV, class I> struct kc_geom {
+  int ndim;
+  I shape[KILN_MAX_DIMS];
+  I st[NV][KILN_MAX_DIMS];
+};
+template <int NV, class I> static inline kc_geom<NV, I> kc_make_geom(const kc_shape *g) {
+  kc_geom<NV, I> r;
+  r.ndim = g->ndim;
+  for (int d = 0; d < KILN_MAX_DIMS; d++) {
+    r.shape[d] = d < g->ndim ? (I)g->shape[d] : (I)1;
+    for (int i = 0; i < NV; i++) r.st[i][d] = (d < g->ndim && i < g->nv) ? (I)g->st[i][d] : 0;
+  }
+  return r;
+}
+/* Offsets (in elements) of linear index k in each view. */
+template <int NV, class I>
+__device__ __forceinline__ void kc_offsets(const kc_geom<NV, I> &g, I k, I *off) {
+#pragma unroll
+  for (int i = 0; i < NV; i++) off[i] = 0;
+#pragma unroll
+  for (int d = KILN_MAX_DIMS - 1; d >= 0; d--) {
+    if (d < g.ndim) {
+      I c = k % g.shape[d];
+      k /= g.shape[d];
+#pragma unroll
+      for (int i = 0; i < NV; i++) off[i] += c * g.st[i][d];
+    }
+  }
+}
+
+static inline int kc_blocks(int64_t work, int threads, int sm_count) {
+  int64_t b = (work + threads - 1) / threads;
+  int64_t cap = (int64_t)(sm_count > 0 ? sm_count : 132) * 32;
+  if (b > cap) b = cap;
+  if (b < 1) b = 1;
+  return (int)b;
+}
+
+/* Sets the device's index error flag (first error wins). */
+__device__ __forceinline__ void kc_flag(int *flag, int kop) { atomicCAS(flag, 0, kop + 1); }
+
+/* Warp and block reductions of a value with an associative op. */
+template <class T, class F> __device__ __forceinline__ T kc_warp_reduce(T v, F f) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+#endif /* KILN_CUDA_INT_CUH */

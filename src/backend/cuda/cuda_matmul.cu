@@ -1,0 +1,341 @@
+/*
+** MATMUL through cuBLAS (cublasGemmStridedBatchedEx) and cuBLASLt (bias epilogue).
+**
+** kiln's matrices are row-major; cuBLAS's are column-major. A row-major (M, N) matrix is
+** the column-major (N, M) one, so C = A B is computed as C^T = B^T A^T: the operands are
+** passed swapped with m = N, n = M. A matrix whose column stride is 1 is "row-major" (op
+** N); one whose row stride is 1 is a transposed view (op T); anything else is first
+** copied to a contiguous temporary. Batch dims go into one strided-batched call when each
+** tensor's batch offsets are a multiple of one stride (0 for a broadcast operand), else
+** one call per batch.
+**
+** f32 is exact (CUBLAS_COMPUTE_32F) unless a->i[0] == 1 allows TF32; f16 and bf16
+** accumulate in f32; f64 is DGEMM-exact. out0 = s0 * A@B + s1 * out0 + bias.
+** The handle and a 32 MiB workspace (from the caching allocator, so that graph capture
+** never sees cuBLAS allocate) are made per device on first use, bound to its stream.
+*/
+#include "cuda_int.cuh"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <mutex>
+#include <stdlib.h>
+
+namespace {
+
+const size_t kWorkspace = (size_t)32 << 20;
+std::mutex g_blas_mu;
+
+kiln_status blas_err(cublasStatus_t s, const char *what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return KILN_OK;
+  kiln_status code = KILN_ERR_INTERNAL;
+  if (s == CUBLAS_STATUS_ALLOC_FAILED) code = KILN_ERR_OOM;
+  else if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH)
+    code = KILN_ERR_UNSUPPORTED;
+  else if (s == CUBLAS_STATUS_INVALID_VALUE) code = KILN_ERR_INVALID_ARGUMENT;
+  return kiln_set_error(code, "kiln: cuBLAS error in %s: %s", what, cublasGetStatusString(s));
+}
+#define KC_BLAS(call, what) KC_TRY(blas_err((call), (what)))
+
+kiln_status handles(int device, kiln__cuda_dev *d) {
+  if (d->blas && d->blaslt) return KILN_OK;
+  std::lock_guard<std::mutex> lock(g_blas_mu);
+  if (d->blas && d->blaslt) return KILN_OK;
+  if (d->capturing)
+    return kiln_set_error(KILN_ERR_STATE, "kiln: the first matmul on cuda:%d ran inside a graph "
+                                          "capture: run a warm-up step before capturing",
+                          device);
+  if (!d->workspace) {
+    d->workspace = kiln__cuda_alloc(device, kWorkspace);
+    if (!d->workspace) return kiln_last_error();
+    d->workspace_size = kWorkspace;
+  }
+  cublasHandle_t h;
+  KC_BLAS(cublasCreate(&h), "cublasCreate");
+  cublasStatus_t s = cublasSetStream(h, d->stream);
+  if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetWorkspace(h, d->workspace, d->workspace_size);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    cublasDestroy(h);
+    return blas_err(s, "cublasSetStream/SetWorkspace");
+  }
+  cublasLtHandle_t lt;
+  s = cublasLtCreate(&lt);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    cublasDestroy(h);
+    return blas_err(s, "cublasLtCreate");
+  }
+  d->blas = (void *)h;
+  d->blaslt = (void *)lt;
+  return KILN_OK;
+}
+
+/* How cuBLAS sees one (rows, cols) matrix with strides (sr, sc). */
+struct Mat {
+  bool trans; /* stored column-major (sr == 1): a transposed view */
+  int64_t ld;
+};
+bool describe(int64_t rows, int64_t cols, int64_t sr, int64_t sc, Mat *m) {
+  int64_t maxc = cols > 1 ? cols : 1, maxr = rows > 1 ? rows : 1;
+  if ((sc == 1 || cols == 1) && (rows == 1 || sr >= maxc)) {
+    m->trans = false;
+    m->ld = rows == 1 ? maxc : sr;
+  } else if ((sr == 1 || rows == 1) && (cols == 1 || sc >= maxr)) {
+    m->trans = true;
+    m->ld = cols == 1 ? maxr : sc;
+  } else {
+    return false;
+  }
+  return m->ld <= INT32_MAX;
+}
+
+/* The one stride that gives every batch's offset, if there is one. */
+bool batch_stride(const kiln__view *v, int nb, int64_t *out) {
+  int64_t s = 0, inner = 1;
+  bool have = false;
+  for (int i = nb - 1; i >= 0; i--) {
+    if (v->shape[i] == 1) continue;
+    if (!have) {
+      s = v->strides[i];
+      have = true;
+    } else if (v->strides[i] != s * inner) {
+      return false;
+    }
+    inner *= v->shape[i];
+  }
+  *out = s;
+  return true;
+}
+
+int64_t batch_offset(const kiln__view *v, int nb, int64_t b) {
+  int64_t off = 0;
+  for (int i = nb - 1; i >= 0; i--) {
+    off += (b % v->shape[i]) * v->strides[i];
+    b /= v->shape[i];
+  }
+  return off;
+}
+
+kiln__view contiguous_like(const kiln__view *v, void *mem) {
+  kiln__view t = *v;
+  t.data = mem;
+  int64_t s = 1;
+  for (int d = v->ndim - 1; d >= 0; d--) {
+    t.strides[d] = s;
+    s *= v->shape[d];
+  }
+  return t;
+}
+
+struct Types {
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  bool f64;
+};
+
+bool types_of(kiln_dtype dt, bool tf32, Types *t) {
+  t->f64 = false;
+  switch (dt) {
+  case KILN_F32:
+    t->data = CUDA_R_32F;
+    t->compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return true;
+  case KILN_F16: t->data = CUDA_R_16F; t->compute = CUBLAS_COMPUTE_32F; return true;
+  case KILN_BF16: t->data = CUDA_R_16BF; t->compute = CUBLAS_COMPUTE_32F; return true;
+  case KILN_F64:
+    t->data = CUDA_R_64F;
+    t->compute = CUBLAS_COMPUTE_64F;
+    t->f64 = true;
+    return true;
+  default: return false;
+  }
+}
+
+/* The bias epilogue for one 2-D product. Returns KILN_OK when done, KILN_ERR_UNSUPPORTED
+** (without setting the last error) when cuBLASLt has no algorithm: then the caller adds
+** the bias itself. */
+kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
+                    cublasOperation_t opA, int64_t M, int64_t N, int64_t K, const void *B,
+                    int64_t ldb, const void *A, int64_t lda, void *C, int64_t ldc,
+                    const void *bias, float alpha, float beta) {
+  cublasLtHandle_t lt = (cublasLtHandle_t)d->blaslt;
+  cublasLtMatmulDesc_t op = NULL;
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+  cublasLtMatmulPreference_t pref = NULL;
+  kiln_status st = KILN_ERR_UNSUPPORTED;
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  uint64_t ws = d->workspace_size;
+  cublasLtMatmulHeuristicResult_t heur;
+  int nres = 0;
+  if (cublasLtMatmulDescCreate(&op, t.compute, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) goto done;
+  if (cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opB, sizeof opB) ||
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opA, sizeof opA) ||
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ||
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias))
+    goto done;
+  if (cublasLtMatrixLayoutCreate(&la, t.data, opB == CUBLAS_OP_N ? N : K,
+                                 opB == CUBLAS_OP_N ? K : N, ldb) ||
+      cublasLtMatrixLayoutCreate(&lb, t.data, opA == CUBLAS_OP_N ? K : M,
+                                 opA == CUBLAS_OP_N ? M : K, lda) ||
+      cublasLtMatrixLayoutCreate(&lc, t.data, N, M, ldc))
+    goto done;
+  if (cublasLtMatmulPreferenceCreate(&pref) ||
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                           sizeof ws))
+    goto done;
+  if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &nres) !=
+          CUBLAS_STATUS_SUCCESS ||
+      nres == 0)
+    goto done;
+  {
+    cublasStatus_t s = cublasLtMatmul(lt, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc,
+                                      &heur.algo, d->workspace, d->workspace_size, d->stream);
+    /* A refusal here (say, a bias pointer it will not take) leaves the plain path. */
+    st = s == CUBLAS_STATUS_SUCCESS ? KILN_OK : KILN_ERR_UNSUPPORTED;
+  }
+done:
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (op) cublasLtMatmulDescDestroy(op);
+  return st;
+}
+
+/* Frees temporaries when the call returns (stream order keeps it safe). */
+struct Temps {
+  int device;
+  void *p[3] = {NULL, NULL, NULL};
+  Temps(int dev) : device(dev) {}
+  ~Temps() {
+    for (void *q : p)
+      if (q) kiln__cuda_free(device, q, 0);
+  }
+};
+
+} // namespace
+
+extern "C" bool kiln__cuda_matmul_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->out[0].dtype;
+  if (!kc_is_float(dt) || a->in[0].dtype != dt || a->in[1].dtype != dt) return false;
+  if (a->n_in >= 3 && !kc_is_float(a->in[2].dtype)) return false;
+  return a->out[0].ndim >= 2 && a->in[0].ndim == a->out[0].ndim && a->in[1].ndim == a->out[0].ndim;
+}
+
+extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_matmul_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: dtypes %s @ %s -> %s not supported on cuda",
+                          kiln_dtype_name(a->in[0].dtype), kiln_dtype_name(a->in[1].dtype),
+                          kiln_dtype_name(a->out[0].dtype));
+  const int device = a->device;
+  kiln__view A = a->in[0], B = a->in[1];
+  const kiln__view *O = &a->out[0];
+  const int nd = O->ndim, nb = nd - 2;
+  const int64_t M = O->shape[nd - 2], N = O->shape[nd - 1], K = A.shape[nd - 1];
+  if (A.shape[nd - 2] != M || B.shape[nd - 2] != K || B.shape[nd - 1] != N)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: (%lld x %lld) @ (%lld x %lld) -> (%lld x %lld)",
+                          (long long)A.shape[nd - 2], (long long)K, (long long)B.shape[nd - 2],
+                          (long long)B.shape[nd - 1], (long long)M, (long long)N);
+  int64_t batch = 1;
+  for (int i = 0; i < nb; i++) {
+    if (A.shape[i] != O->shape[i] || B.shape[i] != O->shape[i])
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: batch dim %d differs", i);
+    batch *= O->shape[i];
+  }
+  const bool has_bias = a->n_in >= 3;
+  const double alpha = a->s[0], beta = a->s[1];
+  if (batch == 0 || M == 0 || N == 0) return KILN_OK;
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: a dim over 2^31 is not supported on cuda");
+
+  /* out (bias added below) */
+  kiln__view bias_b;
+  if (has_bias) {
+    const kiln__view *bv = &a->in[2];
+    bias_b = *O;
+    bias_b.data = bv->data;
+    bias_b.dtype = bv->dtype;
+    for (int i = 0; i < nd; i++) bias_b.strides[i] = 0;
+    bias_b.strides[nd - 1] = bv->ndim > 0 ? bv->strides[bv->ndim - 1] : 0;
+  }
+  if (K == 0) {
+    if (beta == 0.0) KC_TRY(kiln__cuda_fill_view(device, O, 0.0));
+    else if (beta != 1.0) KC_TRY(kiln__cuda_scale_view(device, O, beta));
+    return has_bias ? kiln__cuda_add_view(device, O, &bias_b) : KILN_OK;
+  }
+  KC_TRY(handles(device, d));
+  Types t;
+  types_of(O->dtype, a->i[0] == 1, &t);
+  const size_t es = kc_size(O->dtype);
+  Temps tmp(device);
+
+  Mat ma, mb, mc;
+  if (!describe(M, K, A.strides[nd - 2], A.strides[nd - 1], &ma)) {
+    tmp.p[0] = kiln__cuda_alloc(device, (size_t)kc_numel(&A) * es);
+    if (!tmp.p[0]) return kiln_last_error();
+    kiln__view c = contiguous_like(&A, tmp.p[0]);
+    KC_TRY(kiln__cuda_copy_view(device, &c, &A));
+    A = c;
+    describe(M, K, A.strides[nd - 2], A.strides[nd - 1], &ma);
+  }
+  if (!describe(K, N, B.strides[nd - 2], B.strides[nd - 1], &mb)) {
+    tmp.p[1] = kiln__cuda_alloc(device, (size_t)kc_numel(&B) * es);
+    if (!tmp.p[1]) return kiln_last_error();
+    kiln__view c = contiguous_like(&B, tmp.p[1]);
+    KC_TRY(kiln__cuda_copy_view(device, &c, &B));
+    B = c;
+    describe(K, N, B.strides[nd - 2], B.strides[nd - 1], &mb);
+  }
+  kiln__view C = *O;
+  bool out_tmp = !describe(M, N, C.strides[nd - 2], C.strides[nd - 1], &mc) || mc.trans;
+  if (out_tmp) {
+    tmp.p[2] = kiln__cuda_alloc(device, (size_t)kc_numel(O) * es);
+    if (!tmp.p[2]) return kiln_last_error();
+    C = contiguous_like(O, tmp.p[2]);
+    if (beta != 0.0) KC_TRY(kiln__cuda_copy_view(device, &C, O));
+    describe(M, N, C.strides[nd - 2], C.strides[nd - 1], &mc);
+  }
+  cublasOperation_t opA = ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t opB = mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  float af = (float)alpha, bf = (float)beta;
+  const void *pa = t.f64 ? (const void *)&alpha : (const void *)&af;
+  const void *pb = t.f64 ? (const void *)&beta : (const void *)&bf;
+  cublasHandle_t h = (cublasHandle_t)d->blas;
+
+  bool bias_done = false;
+  if (has_bias && batch == 1 && !t.f64 && !out_tmp && a->in[2].dtype == O->dtype &&
+      (a->in[2].ndim == 0 || a->in[2].strides[a->in[2].ndim - 1] == 1 || N == 1)) {
+    kiln_status s = lt_bias(d, t, opB, opA, M, N, K, B.data, mb.ld, A.data, ma.ld, C.data, mc.ld,
+                            a->in[2].data, af, bf);
+    if (s == KILN_OK) bias_done = true;
+    else if (s != KILN_ERR_UNSUPPORTED) return s;
+  }
+  if (!bias_done) {
+    int64_t sa, sb, sc;
+    if (batch_stride(&A, nb, &sa) && batch_stride(&B, nb, &sb) && batch_stride(&C, nb, &sc) &&
+        batch <= INT32_MAX) {
+      KC_BLAS(cublasGemmStridedBatchedEx(h, opB, opA, (int)N, (int)M, (int)K, pa, B.data, t.data,
+                                         (int)mb.ld, sb, A.data, t.data, (int)ma.ld, sa, pb, C.data,
+                                         t.data, (int)mc.ld, sc, (int)batch, t.compute,
+                                         CUBLAS_GEMM_DEFAULT),
+              "cublasGemmStridedBatchedEx");
+    } else {
+      for (int64_t b = 0; b < batch; b++) {
+        const char *pA = (const char *)A.data + batch_offset(&A, nb, b) * (int64_t)es;
+        const char *pB = (const char *)B.data + batch_offset(&B, nb, b) * (int64_t)es;
+        char *pC = (char *)C.data + batch_offset(&C, nb, b) * (int64_t)es;
+        KC_BLAS(cublasGemmEx(h, opB, opA, (int)N, (int)M, (int)K, pa, pB, t.data, (int)mb.ld, pA,
+                             t.data, (int)ma.ld, pb, pC, t.data, (int)mc.ld, t.compute,
+                             CUBLAS_GEMM_DEFAULT),
+                "cublasGemmEx");
+      }
+    }
+    if (has_bias) {
+      kiln__view bb = bias_b;
+      KC_TRY(kiln__cuda_add_view(device, &C, &bb));
+    }
+  }
+  if (out_tmp) KC_TRY(kiln__cuda_copy_view(device, O, &C));
+  return KILN_OK;
+}

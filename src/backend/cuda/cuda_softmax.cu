@@ -1,0 +1,403 @@
+/*
+** SOFTMAX, LOG_SOFTMAX and their backward rules along one dim, and the fused
+** CROSS_ENTROPY / CROSS_ENTROPY_BACKWARD (logits (N, C), class targets (N)).
+**
+** Rows along the dim are handled by a warp (or a 256-thread block for long rows) when the
+** dim is contiguous in the input: the max and the sum of exponentials are found in one
+** pass (the "online softmax" rescaling, Milakov & Gimelshein 2018), the outputs written in
+** a second. When the dim is strided (softmax over a leading dim), one thread takes a row
+** instead, so that a warp reads 32 neighbouring rows at once, coalesced. Accumulation is
+** f32 (f64 for f64).
+*/
+#include "cuda_ew.cuh"
+
+#include <math.h>
+#include <type_traits>
+
+namespace {
+
+enum { S_SOFTMAX, S_LOG_SOFTMAX, S_SOFTMAX_BW, S_LOG_SOFTMAX_BW };
+
+/* Row geometry for up to three views (in0, in1, out0): kept dims and the one dim. */
+struct SGeom {
+  int nk;
+  int64_t ksize[KILN_MAX_DIMS], kst[3][KILN_MAX_DIMS];
+  int64_t C, cst[3];
+};
+
+__device__ __forceinline__ void row_base(const SGeom &g, int64_t r, int64_t *b) {
+  b[0] = b[1] = b[2] = 0;
+  for (int d = g.nk - 1; d >= 0; d--) {
+    int64_t i = r % g.ksize[d];
+    r /= g.ksize[d];
+    b[0] += i * g.kst[0][d];
+    b[1] += i * g.kst[1][d];
+    b[2] += i * g.kst[2][d];
+  }
+}
+
+/* (max, sum of exp(x - max)) pairs combine associatively. */
+template <class A> __device__ __forceinline__ void ms_combine(A &m, A &s, A m2, A s2) {
+  if (m2 == -(A)INFINITY) return;
+  if (m == -(A)INFINITY) {
+    m = m2;
+    s = s2;
+    return;
+  }
+  if (m2 > m) {
+    s = s * kc_exp(m - m2) + s2;
+    m = m2;
+  } else {
+    s = s + s2 * kc_exp(m2 - m);
+  }
+}
+
+/* Sum over a group of G threads (all in the block when G > 32); every lane gets it. */
+template <class A, int G> __device__ __forceinline__ A group_sum(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if constexpr (G > 32) {
+    __shared__ A part[G / 32];
+    __syncthreads(); /* part may still be read from a previous call */
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = 0;
+#pragma unroll
+    for (int w = 0; w < G / 32; w++) v += part[w];
+  }
+  return v;
+}
+template <class A, int G> __device__ __forceinline__ void group_ms(A &m, A &s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    A m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    A s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    ms_combine(m, s, m2, s2);
+  }
+  if constexpr (G > 32) {
+    __shared__ A pm[G / 32], ps[G / 32];
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) {
+      pm[threadIdx.x / 32] = m;
+      ps[threadIdx.x / 32] = s;
+    }
+    __syncthreads();
+    m = -(A)INFINITY;
+    s = 0;
+#pragma unroll
+    for (int w = 0; w < G / 32; w++) ms_combine(m, s, pm[w], ps[w]);
+  }
+}
+
+/* G threads per row (G == 1: a thread per row). */
+template <class T, int MODE, int G>
+__global__ void __launch_bounds__(KC_THREADS)
+    softmax_kernel(const T *x, const T *gr, T *out, SGeom g, int64_t rows) {
+  typedef typename kc_traits<T>::acc A;
+  const int per = KC_THREADS / G;
+  int64_t r = (int64_t)blockIdx.x * per + threadIdx.x / G;
+  int lane = threadIdx.x % G;
+  if (r >= rows) return; /* uniform within a group */
+  int64_t b[3];
+  row_base(g, r, b);
+  const T *xr = x + b[0];
+  T *orow = out + b[2];
+  const int64_t C = g.C, cx = g.cst[0], co = g.cst[2];
+  if constexpr (MODE == S_SOFTMAX || MODE == S_LOG_SOFTMAX) {
+    A m = -(A)INFINITY, s = 0;
+    for (int64_t j = lane; j < C; j += G) {
+      A v = kc_ld<T>(xr[j * cx]);
+      if (v != v) { /* NaN: keep it (it poisons the row, as in PyTorch) */
+        m = v;
+        s = 1;
+        continue;
+      }
+      if (v > m) {
+        s = s * kc_exp(m - v) + (A)1;
+        m = v;
+      } else {
+        s += kc_exp(v - m);
+      }
+    }
+    if constexpr (G > 1) group_ms<A, (G > 32 ? G : 32)>(m, s);
+    A ls = kc_log(s);
+    A inv = (A)1 / s;
+    for (int64_t j = lane; j < C; j += G) {
+      A v = kc_ld<T>(xr[j * cx]);
+      orow[j * co] = kc_st<T>(MODE == S_SOFTMAX ? kc_exp(v - m) * inv : v - m - ls);
+    }
+  } else {
+    const T *grow = gr + b[1];
+    const int64_t cg = g.cst[1];
+    A acc = 0;
+    for (int64_t j = lane; j < C; j += G) {
+      A gv = kc_ld<T>(grow[j * cg]);
+      if (MODE == S_SOFTMAX_BW) acc += gv * kc_ld<T>(xr[j * cx]);
+      else acc += gv;
+    }
+    if constexpr (G > 1) acc = group_sum<A, (G > 32 ? G : 32)>(acc);
+    for (int64_t j = lane; j < C; j += G) {
+      A y = kc_ld<T>(xr[j * cx]);
+      A gv = kc_ld<T>(grow[j * cg]);
+      orow[j * co] = kc_st<T>(MODE == S_SOFTMAX_BW ? y * (gv - acc) : gv - kc_exp(y) * acc);
+    }
+  }
+}
+
+template <class T, int MODE>
+kiln_status softmax_launch(kiln__cuda_dev *d, const kiln__kargs *a, const SGeom &g,
+                           int64_t rows) {
+  const T *x = (const T *)a->in[0].data;
+  const T *gr = (const T *)(MODE >= S_SOFTMAX_BW ? a->in[1].data : a->in[0].data);
+  T *out = (T *)a->out[0].data;
+  bool contig = g.cst[0] == 1;
+  int64_t blocks;
+  if (!contig && rows >= 1024) {
+    blocks = (rows + KC_THREADS - 1) / KC_THREADS;
+    softmax_kernel<T, MODE, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
+  } else if (g.C > 1024) {
+    softmax_kernel<T, MODE, KC_THREADS><<<(unsigned)rows, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
+  } else {
+    blocks = (rows + KC_THREADS / 32 - 1) / (KC_THREADS / 32);
+    softmax_kernel<T, MODE, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
+  }
+  return kiln__cuda_launched(kiln__kop_name(a->op));
+}
+
+/* ---- cross entropy ---- */
+struct CEArgs {
+  int64_t N, C;
+  int64_t sxn, sxc, st, sl, sz, sg, son, soc; /* strides: logits, target, loss, lse, grad, out */
+  int64_t ignore;
+  double eps;
+  int *flag;
+  int kop;
+};
+
+/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype). */
+template <class T, class TL, class TI, int G>
+__global__ void __launch_bounds__(KC_THREADS)
+    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, CEArgs p) {
+  typedef typename kc_traits<T>::acc A;
+  const int per = KC_THREADS / G;
+  int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
+  int lane = threadIdx.x % G;
+  if (n >= p.N) return;
+  const T *xr = x + n * p.sxn;
+  A m = -(A)INFINITY, s = 0, sum = 0;
+  for (int64_t j = lane; j < p.C; j += G) {
+    A v = kc_ld<T>(xr[j * p.sxc]);
+    sum += v;
+    if (v != v) {
+      m = v;
+      s = 1;
+      continue;
+    }
+    if (v > m) {
+      s = s * kc_exp(m - v) + (A)1;
+      m = v;
+    } else {
+      s += kc_exp(v - m);
+    }
+  }
+  group_ms<A, (G > 32 ? G : 32)>(m, s);
+  sum = group_sum<A, (G > 32 ? G : 32)>(sum);
+  if (lane != 0) return;
+  A l = m + kc_log(s);
+  int64_t t = (int64_t)tgt[n * p.st];
+  A out;
+  if (t == p.ignore) {
+    out = 0;
+  } else if (t < 0 || t >= p.C) {
+    kc_flag(p.flag, p.kop);
+    out = (A)NAN;
+  } else {
+    A xt = kc_ld<T>(xr[t * p.sxc]);
+    A e = (A)p.eps;
+    out = l - ((A)1 - e) * xt - e / (A)p.C * sum;
+  }
+  loss[n * p.sl] = kc_st<TL>(out);
+  lse[n * p.sz] = kc_st<TL>(l);
+}
+
+template <class T, class TL, class TI>
+__global__ void __launch_bounds__(KC_THREADS)
+    ce_backward(const T *x, const TI *tgt, const TL *lse, const TL *grad, T *out, CEArgs p) {
+  typedef typename kc_traits<T>::acc A;
+  const int64_t total = p.N * p.C;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (int64_t)gridDim.x * blockDim.x) {
+    int64_t n = k / p.C, j = k % p.C;
+    int64_t t = (int64_t)tgt[n * p.st];
+    A r;
+    if (t == p.ignore) {
+      r = 0;
+    } else if (t < 0 || t >= p.C) {
+      if (j == 0) kc_flag(p.flag, p.kop);
+      r = 0;
+    } else {
+      A e = (A)p.eps;
+      A pj = kc_exp(kc_ld<T>(x[n * p.sxn + j * p.sxc]) - (A)kc_ld<TL>(lse[n * p.sz]));
+      A q = (j == t ? (A)1 - e : (A)0) + e / (A)p.C;
+      r = (A)kc_ld<TL>(grad[n * p.sg]) * (pj - q);
+    }
+    out[n * p.son + j * p.soc] = kc_st<T>(r);
+  }
+}
+
+template <class T, class TL, class TI>
+kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
+  if (a->op == KILN__K_CROSS_ENTROPY) {
+    const T *x = (const T *)a->in[0].data;
+    const TI *t = (const TI *)a->in[1].data;
+    TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
+    if (p.C > 1024) {
+      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, p);
+    } else {
+      unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
+      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, p);
+    }
+  } else {
+    int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
+    ce_backward<T, TL, TI><<<blocks, KC_THREADS, 0, d->stream>>>(
+        (const T *)a->in[0].data, (const TI *)a->in[1].data, (const TL *)a->in[2].data,
+        (const TL *)a->in[3].data, (T *)a->out[0].data, p);
+  }
+  return kiln__cuda_launched(kiln__kop_name(a->op));
+}
+
+template <class T>
+kiln_status ce_dispatch(kiln__cuda_dev *d, const kiln__kargs *a, const CEArgs &p,
+                        kiln_dtype lt, kiln_dtype it) {
+  bool i64 = it == KILN_I64;
+  if (lt == KILN_F32) {
+    if constexpr (!std::is_same<T, double>::value) {
+      return i64 ? ce_launch<T, float, int64_t>(d, a, p) : ce_launch<T, float, int32_t>(d, a, p);
+    }
+  } else if (lt == KILN_F64) {
+    return i64 ? ce_launch<T, double, int64_t>(d, a, p) : ce_launch<T, double, int32_t>(d, a, p);
+  }
+  return kiln_set_error(KILN_ERR_DTYPE, "kiln_cross_entropy: loss dtype %s not supported on cuda",
+                        kiln_dtype_name(lt));
+}
+
+kiln_status bad(const kiln__kargs *a) {
+  return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype %s not supported on cuda",
+                        kiln__kop_name(a->op), kiln_dtype_name(a->in[0].dtype));
+}
+
+bool is_ce(kiln__kop op) {
+  return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD;
+}
+
+} // namespace
+
+extern "C" bool kiln__cuda_softmax_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->in[0].dtype;
+  if (!kc_is_float(dt)) return false;
+  if (!is_ce(a->op)) {
+    for (int i = 0; i < a->n_in; i++)
+      if (a->in[i].dtype != dt) return false;
+    return a->out[0].dtype == dt;
+  }
+  if (a->in[0].ndim != 2 || !kc_is_index(a->in[1].dtype)) return false;
+  kiln_dtype lt = a->op == KILN__K_CROSS_ENTROPY ? a->out[0].dtype : a->in[2].dtype;
+  if (lt != KILN_F32 && lt != KILN_F64) return false;
+  if (lt == KILN_F32 && dt == KILN_F64) return false;
+  if (a->op == KILN__K_CROSS_ENTROPY) return a->n_out >= 2 && a->out[1].dtype == lt;
+  return a->n_in >= 4 && a->in[3].dtype == lt && a->out[0].dtype == dt;
+}
+
+extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_softmax_supports(a)) return bad(a);
+  kiln_dtype dt = a->in[0].dtype;
+  if (is_ce(a->op)) {
+    const kiln__view *x = &a->in[0];
+    CEArgs p;
+    p.N = x->shape[0];
+    p.C = x->shape[1];
+    p.sxn = x->strides[0];
+    p.sxc = x->strides[1];
+    p.st = a->in[1].strides[0];
+    p.ignore = a->i[0];
+    p.eps = a->s[0];
+    p.flag = d->err_flag;
+    p.kop = (int)a->op;
+    if (a->op == KILN__K_CROSS_ENTROPY) {
+      p.sl = a->out[0].strides[0];
+      p.sz = a->out[1].strides[0];
+      p.sg = p.son = p.soc = 0;
+    } else {
+      p.sl = 0;
+      p.sz = a->in[2].strides[0];
+      p.sg = a->in[3].strides[0];
+      p.son = a->out[0].strides[0];
+      p.soc = a->out[0].strides[1];
+    }
+    if (p.N == 0) return KILN_OK;
+    if (p.C == 0 && a->op == KILN__K_CROSS_ENTROPY)
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: no classes (C = 0)");
+    if (p.C == 0) return KILN_OK;
+    if (p.N > INT32_MAX)
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: %lld rows is too many",
+                            (long long)p.N);
+    kiln_dtype lt = a->op == KILN__K_CROSS_ENTROPY ? a->out[0].dtype : a->in[2].dtype;
+    KC_SWITCH_FLOAT(dt, T, return bad(a), return ce_dispatch<T>(d, a, p, lt, a->in[1].dtype))
+    return KILN_OK;
+  }
+  const kiln__view *in0 = &a->in[0], *out = &a->out[0];
+  const kiln__view *in1 = a->n_in > 1 ? &a->in[1] : in0;
+  int dim = (int)a->i[0];
+  if (dim < 0) dim += in0->ndim;
+  if (in0->ndim == 0) dim = 0;
+  if (in0->ndim > 0 && (dim < 0 || dim >= in0->ndim))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_%s: dim %lld out of range for %d dims",
+                          kiln__kop_name(a->op), (long long)a->i[0], in0->ndim);
+  SGeom g;
+  g.nk = 0;
+  int64_t rows = 1;
+  const kiln__view *vs[3] = {in0, in1, out};
+  g.C = in0->ndim ? in0->shape[dim] : 1;
+  for (int i = 0; i < 3; i++) g.cst[i] = in0->ndim ? vs[i]->strides[dim] : 1;
+  for (int k = 0; k < in0->ndim; k++) {
+    if (k == dim) continue;
+    int64_t n = in0->shape[k];
+    rows *= n;
+    if (n == 1) continue;
+    int last = g.nk - 1;
+    bool merge = last >= 0;
+    for (int i = 0; i < 3 && merge; i++)
+      if (g.kst[i][last] != vs[i]->strides[k] * n) merge = false;
+    if (merge) {
+      g.ksize[last] *= n;
+      for (int i = 0; i < 3; i++) g.kst[i][last] = vs[i]->strides[k];
+    } else {
+      g.ksize[g.nk] = n;
+      for (int i = 0; i < 3; i++) g.kst[i][g.nk] = vs[i]->strides[k];
+      g.nk++;
+    }
+  }
+  if (rows == 0 || g.C == 0) return KILN_OK;
+  if (rows > INT32_MAX)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: %lld rows is too many", kiln__kop_name(a->op),
+                          (long long)rows);
+  switch (a->op) {
+  case KILN__K_SOFTMAX:
+    KC_SWITCH_FLOAT(dt, T, return bad(a), return softmax_launch<T, S_SOFTMAX>(d, a, g, rows))
+    break;
+  case KILN__K_LOG_SOFTMAX:
+    KC_SWITCH_FLOAT(dt, T, return bad(a), return softmax_launch<T, S_LOG_SOFTMAX>(d, a, g, rows))
+    break;
+  case KILN__K_SOFTMAX_BACKWARD:
+    KC_SWITCH_FLOAT(dt, T, return bad(a), return softmax_launch<T, S_SOFTMAX_BW>(d, a, g, rows))
+    break;
+  case KILN__K_LOG_SOFTMAX_BACKWARD:
+    KC_SWITCH_FLOAT(dt, T, return bad(a),
+                    return softmax_launch<T, S_LOG_SOFTMAX_BW>(d, a, g, rows))
+    break;
+  default: break;
+  }
+  return bad(a);
+}

@@ -87,6 +87,23 @@ static kiln_status run_matmul(kiln_device dev, kiln__view A, kiln__view B, kiln_
   return kiln__dispatch(dev, &a);
 }
 
+/* Whether the leading dims (all but the last) of x merge into one dim; *stride gets the
+** stride of that merged dim. */
+static bool leading_mergeable(const kiln_tensor *x, int64_t *stride) {
+  int64_t expect = -1;
+  *stride = x->shape[x->ndim - 1] ? x->shape[x->ndim - 1] : 1;
+  for (int d = x->ndim - 2; d >= 0; d--) {
+    if (x->shape[d] == 1) continue;
+    if (expect < 0) {
+      *stride = x->strides[d];
+    } else if (x->strides[d] != expect) {
+      return false;
+    }
+    expect = x->strides[d] * x->shape[d];
+  }
+  return true;
+}
+
 /* ---- matmul ------------------------------------------------------------------------- */
 
 /* dA = g @ B^T and dB = A^T @ g on the promoted (>= 2-d) operands, then summed over the
@@ -111,7 +128,18 @@ static kiln_status matmul_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     kiln_status st = give(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[1]) {
+  if (n->needs[1] && B->ndim == 2 && A->ndim >= 3) {
+    /* B was shared by every batch: dB = A^T @ g over all rows at once, (K, rows) @ (rows,
+    ** N), instead of a per-batch product summed afterwards. */
+    int64_t K = B->shape[0], N = B->shape[1];
+    int64_t rows = 1;
+    for (int d = 0; d < A->ndim - 1; d++) rows *= A->shape[d];
+    kiln_tensor *A2 = kiln_reshape(A, KILN_SHAPE(rows, K));
+    kiln_tensor *g2 = kiln_reshape(g, KILN_SHAPE(rows, N));
+    kiln_tensor *d = A2 && g2 ? kiln_matmul(kiln_transpose(A2, 0, 1), g2) : NULL;
+    kiln_status st = give(&gi[1], d, g);
+    if (st != KILN_OK) return st;
+  } else if (n->needs[1]) {
     kiln_tensor *d = kiln_matmul(kiln_transpose(Ap, Ap->ndim - 1, Ap->ndim - 2), gp);
     if (d) d = kiln__unbroadcast(d, Bp->ndim, Bp->shape);
     if (d && b1) d = kiln_reshape(d, 1, B->shape);
@@ -182,7 +210,21 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
   int64_t cst[KILN_MAX_DIMS];
   kiln__contiguous_strides(nd, csh, cst);
   kiln__view C = view_as(out, nd, csh, cst);
-  if (run_matmul(dev, view_as(a, nd, Ash, Ast), view_as(b, nd, Bsh, Bst), C, NULL) != KILN_OK) {
+  kiln__view Av = view_as(a, nd, Ash, Ast), Bv = view_as(b, nd, Bsh, Bst);
+  int64_t mst;
+  if (a->ndim >= 3 && b->ndim == 2 && leading_mergeable(a, &mst)) {
+    /* (B..., M, K) @ (K, N) with mergeable batch dims: one 2-D GEMM of B*M rows, not
+    ** B small ones against a stride-0 B. */
+    int64_t rows = 1;
+    for (int d = 0; d < a->ndim - 1; d++) rows *= a->shape[d];
+    int64_t xsh[2] = {rows, K}, xst[2] = {mst, a->strides[a->ndim - 1]};
+    int64_t ysh[2] = {K, N}, yst[2] = {b->strides[0], b->strides[1]};
+    int64_t zsh[2] = {rows, N}, zst[2] = {N, 1};
+    Av = view_as(a, 2, xsh, xst);
+    Bv = view_as(b, 2, ysh, yst);
+    C = view_as(out, 2, zsh, zst);
+  }
+  if (run_matmul(dev, Av, Bv, C, NULL) != KILN_OK) {
     kiln__discard(out);
     return NULL;
   }
@@ -223,23 +265,6 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
-}
-
-/* Whether the leading dims (all but the last) of x merge into one dim; *stride gets the
-** stride of that merged dim. */
-static bool leading_mergeable(const kiln_tensor *x, int64_t *stride) {
-  int64_t expect = -1;
-  *stride = x->shape[x->ndim - 1] ? x->shape[x->ndim - 1] : 1;
-  for (int d = x->ndim - 2; d >= 0; d--) {
-    if (x->shape[d] == 1) continue;
-    if (expect < 0) {
-      *stride = x->strides[d];
-    } else if (x->strides[d] != expect) {
-      return false;
-    }
-    expect = x->strides[d] * x->shape[d];
-  }
-  return true;
 }
 
 kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {

@@ -1,0 +1,271 @@
+/*
+** fashion-mnist: an MLP on Fashion-MNIST, the PyTorch peer's `fmnist-mlp` workload
+** (../shared/bench/torch_peer.py): Flatten, Linear(784, 256), ReLU, Linear(256, 10),
+** cross-entropy, Adam lr 1e-3, batch 128, shuffled. After each epoch: test accuracy (eval
+** mode, no grad, batches of 1000) and a checkpoint (model, optimizer, RNG, epoch, step).
+**
+** Usage: fashion-mnist [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
+**                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
+**                      [--json] [--quiet]
+** --epochs is the total: with --resume the run continues from the checkpoint's epoch up
+** to N (so the same command line can be run again after an interruption).
+** --limit N trains on the first N training images (for quick tests).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <kiln.h>
+#include <kiln_checkpoint.h>
+#include <kiln_data.h>
+#include <kiln_io.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include "common/progress.h"
+
+#define PROG "fashion-mnist"
+#define EVAL_BATCH 1000
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: " PROG " [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
+          "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
+          "                     [--json] [--quiet]\n"
+          "  MLP 784-256-10 on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
+          "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
+          "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
+          "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n");
+}
+
+static int fail(const char *what) {
+  fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
+          kiln_error_name(kiln_last_error()));
+  return 1;
+}
+
+/* Test accuracy: eval mode, no graph, batches of EVAL_BATCH. NAN on error. */
+static double evaluate(kiln_module *model, kiln_tensor *tx, kiln_tensor *ty) {
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_module_eval(model);
+  int64_t n = kiln_size(tx, 0), correct = 0;
+  bool ok = true;
+  for (int64_t i = 0; i < n && ok; i += EVAL_BATCH) {
+    int64_t len = n - i < EVAL_BATCH ? n - i : EVAL_BATCH;
+    kiln_scope_begin();
+    kiln_tensor *pred = kiln_argmax(kiln_module_forward(model, kiln_narrow(tx, 0, i, len)), 1, false);
+    double c = kiln_item(kiln_sum_all(kiln_to_dtype(kiln_eq(pred, kiln_narrow(ty, 0, i, len)), KILN_I64)));
+    kiln_scope_end();
+    if (isnan(c)) ok = false;
+    else correct += (int64_t)c;
+  }
+  kiln_module_train(model, true);
+  kiln_set_grad_enabled(prev);
+  return ok ? (double)correct / (double)n : NAN;
+}
+
+int main(int argc, char **argv) {
+  long long epochs = 5, batch = 128, limit = 0, workers = 0;
+  double lr = 1e-3;
+  bool json = false, quiet = false, resume = false;
+  const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v;
+    if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
+    else if (!strcmp(a, "--resume")) resume = true;
+    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--device")) {
+      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--data")) {
+      if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--checkpoint")) {
+      if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--epochs")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 100000, &epochs)) return 2;
+    } else if (!strcmp(a, "--batch")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 60000, &batch)) return 2;
+    } else if (!strcmp(a, "--limit")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 60000, &limit)) return 2;
+    } else if (!strcmp(a, "--workers")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 0, 64, &workers)) return 2;
+    } else if (!strcmp(a, "--lr")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
+    } else {
+      fprintf(stderr, PROG ": unknown option '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+  }
+  kiln_device dev = kiln_device_best();
+  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
+    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
+    return 2;
+  }
+  char dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+  struct stat st_ck;
+  if (resume && stat(ckpt, &st_ck) != 0) {
+    fprintf(stderr, PROG ": --resume: no checkpoint at '%s' (train without --resume first, or pass --checkpoint PATH)\n", ckpt);
+    return 2;
+  }
+
+  kiln_tensor *x = NULL, *y = NULL, *tx = NULL, *ty = NULL;
+  if (kiln_fashion_mnist_load(data, &x, &y, &tx, &ty) != KILN_OK) {
+    fprintf(stderr, PROG ": cannot load Fashion-MNIST: %s\n"
+                    "  (install the Debian package dataset-fashion-mnist, or pass --data DIR with the four *-ubyte[.gz] files)\n",
+            kiln_last_error_message());
+    return 1;
+  }
+  if (limit > 0 && limit < kiln_size(x, 0)) {
+    kiln_tensor *lx = kiln_narrow(x, 0, 0, limit), *ly = kiln_narrow(y, 0, 0, limit);
+    kiln_tensor_free(x);
+    kiln_tensor_free(y);
+    x = lx;
+    y = ly;
+  }
+  /* The test set lives on the device for the whole run (31 MB). */
+  kiln_tensor *txd = kiln_to_device(tx, dev), *tyd = kiln_to_device(ty, dev);
+  if (!x || !y || !txd || !tyd) return fail("preparing the data");
+  int64_t ntrain = kiln_size(x, 0);
+
+  kiln_manual_seed(0);
+  kiln_module *model = kiln_sequential_new();
+  kiln_sequential_append(model, kiln_flatten_new(1, -1));
+  kiln_sequential_append(model, kiln_linear_new(784, 256, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_sequential_append(model, kiln_relu_new());
+  kiln_sequential_append(model, kiln_linear_new(256, 10, true, KILN_F32, kiln_device_cpu(), NULL));
+  if (!model || kiln_module_num_children(model) != 4 || kiln_module_to(model, dev) != KILN_OK)
+    return fail("building the model");
+  kiln_optim_config cfg = kiln_adam_config(lr);
+  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
+  if (!opt) return fail("making the optimizer");
+
+  int64_t start_epoch = 0, step = 0;
+  double last_loss = NAN, test_acc = NAN;
+  if (resume) {
+    kiln_dict *extra = NULL;
+    if (kiln_checkpoint_load(ckpt, model, opt, NULL, NULL, &start_epoch, &step, &extra) != KILN_OK)
+      return fail("resuming from the checkpoint");
+    const char *s;
+    if ((s = kiln_dict_get_meta(extra, "train_loss"))) last_loss = strtod(s, NULL);
+    if ((s = kiln_dict_get_meta(extra, "test_acc"))) test_acc = strtod(s, NULL);
+    if ((s = kiln_dict_get_meta(extra, "batch")) && strtoll(s, NULL, 10) != batch)
+      fprintf(stderr, PROG ": warning: the checkpoint was trained with --batch %s, this run uses %lld\n", s, batch);
+    if ((s = kiln_dict_get_meta(extra, "train_samples")) && strtoll(s, NULL, 10) != ntrain)
+      fprintf(stderr, PROG ": warning: the checkpoint was trained on %s samples, this run uses %lld\n", s, (long long)ntrain);
+    kiln_dict_free(extra);
+    if (!quiet) printf("resumed from %s: epoch %lld, step %lld\n", ckpt, (long long)start_epoch, (long long)step);
+  }
+
+  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_loader_opts lo = kiln_loader_opts_default();
+  lo.batch_size = batch;
+  lo.shuffle = true;
+  lo.seed = 0;
+  lo.num_workers = (int)workers;
+  lo.device = dev;
+  kiln_loader *loader = ds ? kiln_loader_new(ds, &lo) : NULL;
+  if (!loader) return fail("making the loader");
+
+  if (!quiet) {
+    char pb[32];
+    printf("device: %s\ntrain: %lld images, test: %lld images\n", dname, (long long)ntrain,
+           (long long)kiln_size(tx, 0));
+    printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
+           kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
+    kiln_module_summary(stdout, model);
+    fflush(stdout);
+  }
+
+  double train_s = 0;
+  int64_t images = 0;
+  char label[64];
+  for (int64_t e = start_epoch; e < epochs; e++) {
+    kiln_device_synchronize(dev);
+    double t0 = ex_now();
+    if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
+    snprintf(label, sizeof label, "epoch %lld/%lld", (long long)e + 1, epochs);
+    ex_progress p;
+    ex_progress_begin(&p, label, ntrain, !quiet);
+    double total = 0;
+    int64_t n = 0, seen = 0;
+    for (;;) {
+      kiln_scope_begin(); /* one step */
+      kiln_tensor *b[2];
+      int r = kiln_loader_next(loader, b);
+      kiln_status st = KILN_OK;
+      double lv = 0;
+      if (r == 1) {
+        kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
+                                               KILN_REDUCTION_MEAN, -100, 0.0);
+        kiln_optimizer_zero_grad(opt);
+        st = kiln_backward(loss, NULL);
+        if (st == KILN_OK) st = kiln_optimizer_step(opt);
+        if (st == KILN_OK) lv = kiln_item(loss);
+        seen += kiln_size(b[0], 0);
+      }
+      kiln_scope_end();
+      if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
+      if (r == 0) break;
+      total += lv;
+      n++;
+      step++;
+      ex_progress_update(&p, seen);
+    }
+    kiln_device_synchronize(dev);
+    double dt = ex_now() - t0;
+    ex_progress_end(&p);
+    train_s += dt;
+    images += seen;
+    last_loss = n ? total / (double)n : NAN;
+    test_acc = evaluate(model, txd, tyd);
+    if (isnan(test_acc)) return fail("evaluating");
+
+    kiln_dict *extra = kiln_dict_new();
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.17g", last_loss);
+    kiln_dict_set_meta(extra, "train_loss", buf);
+    snprintf(buf, sizeof buf, "%.17g", test_acc);
+    kiln_dict_set_meta(extra, "test_acc", buf);
+    snprintf(buf, sizeof buf, "%lld", batch);
+    kiln_dict_set_meta(extra, "batch", buf);
+    snprintf(buf, sizeof buf, "%lld", (long long)ntrain);
+    kiln_dict_set_meta(extra, "train_samples", buf);
+    kiln_status cs = kiln_checkpoint_save(ckpt, model, opt, NULL, NULL, e + 1, step, extra);
+    kiln_dict_free(extra);
+    if (cs != KILN_OK) return fail("saving the checkpoint");
+    if (!quiet) {
+      printf("Epoch %lld, Loss: %.4f, Test accuracy: %.4f (%.2f s, %.0f images/s)\n",
+             (long long)e + 1, last_loss, test_acc, dt, dt > 0 ? (double)seen / dt : 0.0);
+      fflush(stdout);
+    }
+  }
+  if (isnan(test_acc)) {
+    test_acc = evaluate(model, txd, tyd);
+    if (isnan(test_acc)) return fail("evaluating");
+  }
+  if (!quiet) printf("test accuracy: %.4f, checkpoint: %s\n", test_acc, ckpt);
+  if (json)
+    printf("{\"example\":\"fashion-mnist\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
+           "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
+           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"kiln\":\"%s\"}\n",
+           dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
+           train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
+           kiln_version());
+  fflush(stdout);
+  kiln_fallback_report(stderr);
+
+  kiln_loader_free(loader);
+  kiln_dataset_free(ds);
+  kiln_optimizer_free(opt);
+  kiln_module_free(model);
+  kiln_tensor *all[] = {x, y, tx, ty, txd, tyd};
+  for (int i = 0; i < 6; i++) kiln_tensor_free(all[i]);
+  return 0;
+}

@@ -1,0 +1,195 @@
+/*
+** seed-mlp: the seed's example workload, line for line the PyTorch peer
+** (../shared/bench/torch_peer.py `seed_mlp`):
+**
+**   torch.manual_seed(0); x = torch.randn(20000, 64); y = (x.sum(1) > 0).long()
+**   model = Sequential(Linear(64, 128), ReLU(), Linear(128, 2)).to(dev)
+**   CrossEntropyLoss, Adam(lr=1e-3), DataLoader(batch_size=128, shuffle=True), 20 epochs,
+**   loss.item() every step, "Epoch N, Loss: X" with the mean over the epoch's batches.
+**
+** Usage: seed-mlp [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X] [--workers N]
+**                 [--json] [--quiet]
+** --json ends the output with one JSON line of figures (the same names as the peer's).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <kiln.h>
+#include <kiln_data.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include "common/progress.h"
+
+#define PROG "seed-mlp"
+#define N_SAMPLES 20000
+#define N_FEATURES 64
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: " PROG " [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X]\n"
+             "                [--workers N] [--json] [--quiet]\n"
+             "  The seed's MLP: 20000 x 64 Gaussian inputs, label sum > 0, Linear(64,128)-ReLU-\n"
+             "  Linear(128,2), cross-entropy, Adam, shuffled batches. Defaults: the best device,\n"
+             "  20 epochs, batch 128, lr 1e-3, no loader workers.\n");
+}
+
+static int fail(const char *what) {
+  fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
+          kiln_error_name(kiln_last_error()));
+  return 1;
+}
+
+int main(int argc, char **argv) {
+  long long epochs = 20, batch = 128, workers = 0;
+  double lr = 1e-3;
+  bool json = false, quiet = false;
+  const char *devname = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v;
+    if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
+    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--device")) {
+      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--epochs")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 100000, &epochs)) return 2;
+    } else if (!strcmp(a, "--batch")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, N_SAMPLES, &batch)) return 2;
+    } else if (!strcmp(a, "--workers")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 0, 64, &workers)) return 2;
+    } else if (!strcmp(a, "--lr")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
+    } else {
+      fprintf(stderr, PROG ": unknown option '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+  }
+  kiln_device dev = kiln_device_best();
+  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
+    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
+    return 2;
+  }
+  char dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+
+  /* Data: the same draws in the same order as the peer (x first, then the layers). */
+  kiln_manual_seed(0);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(N_SAMPLES, N_FEATURES), KILN_F32, kiln_device_cpu(), NULL);
+  kiln_tensor *y = NULL;
+  if (x) {
+    kiln_scope_begin();
+    y = kiln_keep(kiln_to_dtype(kiln_gt_scalar(kiln_sum(x, KILN_DIMS(1), false), 0.0), KILN_I64));
+    kiln_scope_end();
+  }
+  if (!x || !y) return fail("making the data");
+
+  kiln_module *model = kiln_sequential_new();
+  kiln_sequential_append(model, kiln_linear_new(N_FEATURES, 128, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_sequential_append(model, kiln_relu_new());
+  kiln_sequential_append(model, kiln_linear_new(128, 2, true, KILN_F32, kiln_device_cpu(), NULL));
+  if (!model || kiln_module_num_children(model) != 3 || kiln_module_to(model, dev) != KILN_OK)
+    return fail("building the model");
+
+  kiln_optim_config cfg = kiln_adam_config(lr);
+  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
+  if (!opt) return fail("making the optimizer");
+
+  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_loader_opts lo = kiln_loader_opts_default();
+  lo.batch_size = batch;
+  lo.shuffle = true;
+  lo.seed = 0;
+  lo.num_workers = (int)workers;
+  lo.device = dev;
+  kiln_loader *loader = ds ? kiln_loader_new(ds, &lo) : NULL;
+  if (!loader) return fail("making the loader");
+
+  if (!quiet) {
+    char pb[32];
+    printf("device: %s\n", dname);
+    printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
+           kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
+    kiln_module_summary(stdout, model);
+    fflush(stdout);
+  }
+
+  kiln_device_synchronize(dev);
+  double t0 = ex_now();
+  int64_t steps = 0;
+  double last = NAN;
+  char label[64];
+  for (long long e = 0; e < epochs; e++) {
+    if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
+    snprintf(label, sizeof label, "epoch %lld/%lld", e + 1, epochs);
+    ex_progress p;
+    ex_progress_begin(&p, label, N_SAMPLES, !quiet);
+    double total = 0;
+    int64_t n = 0, seen = 0;
+    for (;;) {
+      kiln_scope_begin(); /* one step: the batch, the graph and every temporary */
+      kiln_tensor *b[2];
+      int r = kiln_loader_next(loader, b);
+      kiln_status st = KILN_OK;
+      double lv = 0;
+      if (r == 1) {
+        kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
+                                               KILN_REDUCTION_MEAN, -100, 0.0);
+        kiln_optimizer_zero_grad(opt);
+        st = kiln_backward(loss, NULL);
+        if (st == KILN_OK) st = kiln_optimizer_step(opt);
+        if (st == KILN_OK) lv = kiln_item(loss);
+        seen += kiln_size(b[0], 0);
+      }
+      kiln_scope_end();
+      if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
+      if (r == 0) break;
+      total += lv;
+      n++;
+      steps++;
+      ex_progress_update(&p, seen);
+    }
+    ex_progress_end(&p);
+    last = n ? total / (double)n : NAN;
+    if (!quiet) {
+      printf("Epoch %lld, Loss: %.4f\n", e + 1, last);
+      fflush(stdout);
+    }
+  }
+  kiln_device_synchronize(dev);
+  double dt = ex_now() - t0;
+
+  /* Training accuracy over all 20000 samples, no graph. */
+  double acc = NAN;
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_scope_begin();
+  kiln_tensor *pred = kiln_argmax(kiln_module_forward(model, kiln_to_device(x, dev)), 1, false);
+  kiln_tensor *hit = kiln_to_dtype(kiln_eq(pred, kiln_to_device(y, dev)), KILN_F32);
+  acc = kiln_item(kiln_mean_all(hit));
+  kiln_scope_end();
+  kiln_set_grad_enabled(prev);
+  if (isnan(acc)) return fail("computing the accuracy");
+
+  if (!quiet) printf("train accuracy: %.4f, %.2f s, %.1f us/step\n", acc, dt, dt / (double)steps * 1e6);
+  if (json)
+    printf("{\"example\":\"seed-mlp\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
+           "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"
+           "\"train_acc\":%.4f,\"kiln\":\"%s\"}\n",
+           dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
+           last, acc, kiln_version());
+  fflush(stdout);
+  kiln_fallback_report(stderr); /* prints nothing when no op fell back */
+
+  kiln_loader_free(loader);
+  kiln_dataset_free(ds);
+  kiln_optimizer_free(opt);
+  kiln_module_free(model);
+  kiln_tensor_free(x);
+  kiln_tensor_free(y);
+  return 0;
+}

@@ -88,11 +88,12 @@ typedef struct kiln_loader kiln_loader;
 
 /* A custom collate: makes n_out batch tensors from n_samples samples. samples[s * n_fields
 ** + f] is sample s's field f (a CPU tensor of the field's spec, or for a tensor dataset a
-** view of the field's row on its device), borrowed. It writes n_out new tensors to out and
-** returns KILN_OK, or an error code. It runs inside a scope that the loader opens (in a
-** worker thread, or in the caller's thread when num_workers is 0): results of ops are
-** fine as they are, the scope frees intermediates, and the loader keeps the outputs. To
-** pass a sample through, return kiln_tensor_ref(sample). Must be thread-safe. */
+** view of the field's row on its device), borrowed. It writes n_out tensors to out and
+** returns KILN_OK, or an error code (with kiln_set_error). It runs inside a scope that the
+** loader opens (in a worker thread, or in the caller's thread when num_workers is 0), and
+** the outputs are borrowed: the loader takes its own reference to each before closing
+** that scope. So write op results, or samples themselves, to out as they are (no
+** kiln_keep, no kiln_tensor_ref); intermediates go with the scope. Must be thread-safe. */
 typedef kiln_status (*kiln_collate_fn)(void *user, int n_samples, int n_fields,
                                        kiln_tensor *const *samples, kiln_tensor **out);
 

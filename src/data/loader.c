@@ -198,7 +198,8 @@ static kiln_status build_custom(kiln_loader *l, const int64_t *idx, int64_t cnt,
 }
 
 /* Builds batch b into out (n_out tensors owned by the caller) inside a scope of its own,
-** so every intermediate is released whatever the thread. */
+** so every intermediate is released whatever the thread. Everything made inside is owned
+** by that scope. */
 static kiln_status build_batch(kiln_loader *l, int64_t b, kiln_tensor **out) {
   int64_t start = b * l->o.batch_size;
   int64_t cnt = l->o.batch_size;
@@ -207,7 +208,10 @@ static kiln_status build_batch(kiln_loader *l, int64_t b, kiln_tensor **out) {
   kiln_scope_begin();
   kiln_status st = l->o.collate ? build_custom(l, l->order + start, cnt, out)
                                 : build_default(l, l->order + start, cnt, out);
-  for (int k = 0; k < l->n_out; k++) out[k] = kiln__own(out[k]);
+  /* The loader's own reference to each output; closing the scope then drops the scope's
+  ** one. (kiln_keep would be wrong for an output that is also a sample passed through.) */
+  for (int k = 0; k < l->n_out; k++)
+    if (out[k]) kiln_tensor_ref(out[k]);
   if (st != KILN_OK)
     for (int k = 0; k < l->n_out; k++) {
       kiln_tensor_free(out[k]);

@@ -1,0 +1,199 @@
+/*
+** The kiln CLI as a user runs it: doctor (text and --json), info on a file this test
+** writes and on corrupt ones, --help / --version, usage errors (exit 2).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+#include <kiln_io.h>
+
+#include "cli_run.h"
+
+#if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
+#include <cjson/cJSON.h>
+#endif
+
+static void test_doctor_text(void) {
+  cr_result r = cr_run(NULL, "kiln", "doctor");
+  CR_CHECK(r.status == 0, "kiln doctor exited %d\n%s%s", r.status, r.out, r.err);
+  CR_CHECK(strstr(r.out, "Backends") && strstr(r.out, "cpu"), "no backend table:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "PASS"), "no passing smoke test:\n%s", r.out);
+  CR_CHECK(strstr(r.out, KILN_VERSION), "version %s not shown", KILN_VERSION);
+  CR_CHECK(!strstr(r.out, "\033["), "escape codes in plain (non-terminal) output");
+  if (!kiln_backend_built(KILN_DEVICE_CUDA))
+    CR_CHECK(strstr(r.out, "KILN_CUDA=ON"), "no fix line for a build without CUDA:\n%s", r.out);
+  cr_free(&r);
+}
+
+static void test_doctor_json(void) {
+  cr_result r = cr_run(NULL, "kiln", "doctor --json");
+  CR_CHECK(r.status == 0, "kiln doctor --json exited %d: %s", r.status, r.err);
+  const char *keys[] = {"\"version\"", "\"build\"", "\"backends\"", "\"name\"", "\"built\"",
+                        "\"available\"", "\"cpu\"", "\"threads\"", "\"env\"", "\"smoke\"",
+                        "\"cpu_matmul_max_err\""};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+    CR_CHECK(strstr(r.out, keys[i]), "key %s missing from:\n%s", keys[i], r.out);
+  CR_CHECK(r.out[0] == '{', "stdout does not start with an object: %.40s", r.out);
+#if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
+  const char *end = NULL;
+  cJSON *j = cJSON_ParseWithOpts(r.out, &end, 1); /* exactly one value, then only space */
+  CR_CHECK(j != NULL, "doctor --json is not one JSON value (at '%.40s')", end ? end : "?");
+  if (j) {
+    cJSON *ver = cJSON_GetObjectItemCaseSensitive(j, "version");
+    CR_CHECK(cJSON_IsString(ver) && !strcmp(ver->valuestring, kiln_version()), "version");
+    cJSON *be = cJSON_GetObjectItemCaseSensitive(j, "backends");
+    CR_CHECK(cJSON_IsArray(be) && cJSON_GetArraySize(be) == 2, "backends is not a 2-array");
+    bool saw_cpu = false, saw_cuda = false;
+    cJSON *b;
+    cJSON_ArrayForEach(b, be) {
+      cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "name");
+      cJSON *built = cJSON_GetObjectItemCaseSensitive(b, "built");
+      cJSON *av = cJSON_GetObjectItemCaseSensitive(b, "available");
+      CR_CHECK(cJSON_IsString(name) && cJSON_IsBool(built) && cJSON_IsBool(av), "backend fields");
+      if (!cJSON_IsString(name)) continue;
+      if (!strcmp(name->valuestring, "cpu")) {
+        saw_cpu = true;
+        CR_CHECK(cJSON_IsTrue(built) && cJSON_IsTrue(av), "cpu not built/available");
+      }
+      if (!strcmp(name->valuestring, "cuda")) {
+        saw_cuda = true;
+        CR_CHECK(cJSON_IsTrue(built) == kiln_backend_built(KILN_DEVICE_CUDA), "cuda built flag");
+        if (!cJSON_IsTrue(av))
+          CR_CHECK(cJSON_IsString(cJSON_GetObjectItemCaseSensitive(b, "reason")), "no reason");
+      }
+    }
+    CR_CHECK(saw_cpu && saw_cuda, "cpu and cuda rows");
+    cJSON *smoke = cJSON_GetObjectItemCaseSensitive(j, "smoke");
+    CR_CHECK(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(smoke, "ok")), "smoke.ok");
+    cJSON *err = cJSON_GetObjectItemCaseSensitive(smoke, "cpu_matmul_max_err");
+    CR_CHECK(cJSON_IsNumber(err) && err->valuedouble < 1e-3, "cpu_matmul_max_err");
+    cJSON *th = cJSON_GetObjectItemCaseSensitive(j, "threads");
+    CR_CHECK(cJSON_IsNumber(th) && th->valueint >= 1, "threads");
+    cJSON *env = cJSON_GetObjectItemCaseSensitive(j, "env");
+    CR_CHECK(cJSON_IsObject(env) && cJSON_GetObjectItemCaseSensitive(env, "KILN_DEVICE"), "env");
+    cJSON_Delete(j);
+  }
+#endif
+  cr_free(&r);
+
+  /* A bad environment is diagnosed (with a fix), and the CPU still works: exit 0. */
+  r = cr_run("KILN_FALLBACK=sometimes KILN_NUM_THREADS=lots", "kiln", "doctor --json");
+  CR_CHECK(r.status == 0, "doctor with a bad environment exited %d", r.status);
+  CR_CHECK(strstr(r.out, "KILN_FALLBACK='sometimes'"), "bad KILN_FALLBACK not diagnosed:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='lots'"), "bad KILN_NUM_THREADS not diagnosed");
+  CR_CHECK(strstr(r.out, "\"sometimes\""), "env value not reported");
+  cr_free(&r);
+}
+
+static void test_usage(void) {
+  cr_result r = cr_run(NULL, "kiln", "--version");
+  char want[64];
+  snprintf(want, sizeof want, "kiln %s", KILN_VERSION);
+  CR_CHECK(r.status == 0 && strstr(r.out, want), "--version: %d '%s'", r.status, r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "--help");
+  CR_CHECK(r.status == 0 && strstr(r.out, "doctor") && strstr(r.out, "info"), "--help");
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "frobnicate");
+  CR_CHECK(r.status == 2 && strstr(r.err, "unknown command") && strstr(r.err, "usage"),
+           "unknown command: %d '%s'", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "");
+  CR_CHECK(r.status == 2 && strstr(r.err, "usage"), "no command: %d", r.status);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "doctor --bogus");
+  CR_CHECK(r.status == 2, "doctor --bogus: %d", r.status);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "info");
+  CR_CHECK(r.status == 2 && strstr(r.err, "missing FILE"), "info without a file: %d", r.status);
+  cr_free(&r);
+}
+
+static void write_bytes(const char *path, const void *p, size_t n) {
+  FILE *f = fopen(path, "wb");
+  if (!f) return;
+  fwrite(p, 1, n, f);
+  fclose(f);
+}
+
+static void test_info(void) {
+  char path[256], bad[256], cut[256];
+  snprintf(path, sizeof path, "%s/model.safetensors", cr_tmpdir());
+  snprintf(bad, sizeof bad, "%s/garbage.safetensors", cr_tmpdir());
+  snprintf(cut, sizeof cut, "%s/cut.safetensors", cr_tmpdir());
+  kiln_scope_begin();
+  kiln_dict *d = kiln_dict_new();
+  kiln_dict_set(d, "fc.weight", kiln_ones(KILN_SHAPE(2, 3), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set(d, "ids", kiln_zeros(KILN_SHAPE(4), KILN_I64, kiln_device_cpu()));
+  kiln_dict_set_meta(d, "format", "pt");
+  kiln_dict_set_meta(d, "note", "say \"hi\"\n");
+  kiln_status st = kiln_safetensors_save(path, d);
+  kiln_dict_free(d);
+  kiln_scope_end();
+  CR_CHECK(st == KILN_OK, "saving the fixture: %s", kiln_last_error_message());
+
+  char args[512];
+  snprintf(args, sizeof args, "info '%s'", path);
+  cr_result r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0, "info exited %d: %s", r.status, r.err);
+  CR_CHECK(strstr(r.out, "fc.weight") && strstr(r.out, "float32") && strstr(r.out, "[2, 3]"),
+           "fc.weight row:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "ids") && strstr(r.out, "int64") && strstr(r.out, "[4]"), "ids row");
+  CR_CHECK(strstr(r.out, "format") && strstr(r.out, "pt"), "metadata");
+  CR_CHECK(strstr(r.out, "2 tensors, 10 parameters, 56 bytes"), "totals:\n%s", r.out);
+  cr_free(&r);
+
+  snprintf(args, sizeof args, "info --json '%s'", path);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0, "info --json exited %d", r.status);
+  const char *tot = strstr(r.out, "\"totals\"");
+  CR_CHECK(cr_json_num(tot, "parameters") == 10 && cr_json_num(tot, "tensors") == 2,
+           "json totals: %s", r.out);
+  CR_CHECK(strstr(r.out, "\"note\":\"say \\\"hi\\\"\\n\""), "metadata escaping: %s", r.out);
+#if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
+  cJSON *j = cJSON_ParseWithOpts(r.out, NULL, 1);
+  CR_CHECK(j && cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "tensors")) == 2,
+           "info --json parse");
+  cJSON_Delete(j);
+#endif
+  cr_free(&r);
+
+  /* Garbage, a truncated copy, a missing file: non-zero exit and a message. */
+  write_bytes(bad, "this is not a safetensors file at all", 37);
+  char *whole = cr_slurp(path);
+  FILE *f = fopen(path, "rb");
+  long n = 0;
+  if (f) {
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fclose(f);
+  }
+  write_bytes(cut, whole, (size_t)(n > 10 ? n - 10 : 0));
+  free(whole);
+  const char *files[] = {bad, cut, "/nonexistent/dir/x.safetensors"};
+  for (int i = 0; i < 3; i++) {
+    snprintf(args, sizeof args, "info '%s'", files[i]);
+    r = cr_run(NULL, "kiln", args);
+    CR_CHECK(r.status == 1, "info on %s exited %d", files[i], r.status);
+    CR_CHECK(strstr(r.err, "kiln info") && strlen(r.err) > 20, "no message for %s: '%s'", files[i], r.err);
+    CR_CHECK(r.out[0] == 0, "stdout not empty on failure: %s", r.out);
+    cr_free(&r);
+  }
+}
+
+int main(void) {
+  char bin[1024], kiln[1100];
+  cr_bin_dir(bin, sizeof bin);
+  snprintf(kiln, sizeof kiln, "%s/kiln", bin);
+  if (!cr_file_exists(kiln)) {
+    fprintf(stderr, "skip: %s not built\n", kiln);
+    return 77;
+  }
+  test_usage();
+  test_doctor_text();
+  test_doctor_json();
+  test_info();
+  cr_cleanup();
+  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
+  else printf("test_cli: all passed\n");
+  return cr_failures ? 1 : 0;
+}

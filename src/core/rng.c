@@ -7,12 +7,12 @@
 ** The mapping every backend implements (src/backend/cuda/philox.cuh matches it):
 **   block(c)     = philox4x32_10(counter = {lo32(c), hi32(c), 0, 0}, key = {lo32(seed), hi32(seed)})
 **   f32 uniform  k: w = block(offset + k/4)[k%4];               u = (w >> 8) * 2^-24
-**   f64 uniform  k: (a, b) = block(offset + k/2)[2(k%2), 2(k%2)+1]; u = ((a>>6)*2^26 + (b>>5)) * 2^-53
+**   f64 uniform  k: (a, b) = block(offset + k/2)[2(k%2), 2(k%2)+1]; u = ((a>>5)*2^26 + (b>>6)) * 2^-53
 **   f32 normal   k: B = block(offset + k/4), p = (k%4)/2;
 **                   u1 = ((B[2p]>>8) + 1) * 2^-24, u2 = (B[2p+1]>>8) * 2^-24,
 **                   r = sqrt(-2 ln u1); k even: r cos(2 pi u2), k odd: r sin(2 pi u2)
-**   f64 normal   k: B = block(offset + k/2); u1 = ((B0>>6)*2^26 + (B1>>5) + 1) * 2^-53,
-**                   u2 = ((B2>>6)*2^26 + (B3>>5)) * 2^-53; even cos, odd sin.
+**   f64 normal   k: B = block(offset + k/2); u1 = ((B0>>5)*2^26 + (B1>>6) + 1) * 2^-53,
+**                   u2 = ((B2>>5)*2^26 + (B3>>6)) * 2^-53; even cos, odd sin.
 */
 #include "kiln_int.h"
 
@@ -75,7 +75,7 @@ double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
   block_at(seed, offset + k / 2, b);
   uint32_t a = b[2 * (k % 2)], c = b[2 * (k % 2) + 1];
-  return ((double)(a >> 6) * 67108864.0 + (double)(c >> 5)) * TWO_M53;
+  return ((double)(a >> 5) * 67108864.0 + (double)(c >> 6)) * TWO_M53;
 }
 
 float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k) {
@@ -92,8 +92,8 @@ float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k) {
 double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
   block_at(seed, offset + k / 2, b);
-  double u1 = ((double)(b[0] >> 6) * 67108864.0 + (double)(b[1] >> 5) + 1.0) * TWO_M53;
-  double u2 = ((double)(b[2] >> 6) * 67108864.0 + (double)(b[3] >> 5)) * TWO_M53;
+  double u1 = ((double)(b[0] >> 5) * 67108864.0 + (double)(b[1] >> 6) + 1.0) * TWO_M53;
+  double u2 = ((double)(b[2] >> 5) * 67108864.0 + (double)(b[3] >> 6)) * TWO_M53;
   double r = sqrt(-2.0 * log(u1));
   return (k % 2 == 0) ? r * cos(TWO_PI * u2) : r * sin(TWO_PI * u2);
 }

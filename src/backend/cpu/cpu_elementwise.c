@@ -235,48 +235,52 @@ KILN__CF(ge, v >= g)
 
 typedef struct kiln__ew_entry {
   int nin;
+  bool heavy; /* transcendental: threads pay off sooner */
   kiln__cpu_vec_fn f32, f64, i64;
 } kiln__ew_entry;
 
-#define KILN__E1(OP, NAME) [KILN__K_##OP] = {1, NAME##_f32, NAME##_f64, NULL}
-#define KILN__E1I(OP, NAME) [KILN__K_##OP] = {1, NAME##_f32, NAME##_f64, NAME##_i64}
-#define KILN__E2(OP, NAME) [KILN__K_##OP] = {2, NAME##_f32, NAME##_f64, NULL}
-#define KILN__E2I(OP, NAME) [KILN__K_##OP] = {2, NAME##_f32, NAME##_f64, NAME##_i64}
-#define KILN__EC(OP, NAME) [KILN__K_##OP] = {2, NULL, NAME##_f64, NAME##_i64}
+#define KILN__E1(OP, NAME) [KILN__K_##OP] = {1, false, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E1H(OP, NAME) [KILN__K_##OP] = {1, true, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E1I(OP, NAME) [KILN__K_##OP] = {1, false, NAME##_f32, NAME##_f64, NAME##_i64}
+#define KILN__E2(OP, NAME) [KILN__K_##OP] = {2, false, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E2H(OP, NAME) [KILN__K_##OP] = {2, true, NAME##_f32, NAME##_f64, NULL}
+#define KILN__E2I(OP, NAME) [KILN__K_##OP] = {2, false, NAME##_f32, NAME##_f64, NAME##_i64}
+#define KILN__E2IH(OP, NAME) [KILN__K_##OP] = {2, true, NAME##_f32, NAME##_f64, NAME##_i64}
+#define KILN__EC(OP, NAME) [KILN__K_##OP] = {2, false, NULL, NAME##_f64, NAME##_i64}
 
 static const kiln__ew_entry kiln__ew_table[KILN__K_COUNT] = {
     KILN__E1I(NEG, neg),
-    KILN__E1(EXP, exp),
-    KILN__E1(LOG, log),
+    KILN__E1H(EXP, exp),
+    KILN__E1H(LOG, log),
     KILN__E1(SQRT, sqrt),
-    KILN__E1(RSQRT, rsqrt),
+    KILN__E1H(RSQRT, rsqrt),
     KILN__E1I(ABS, abs),
     KILN__E1I(SIGN, sign),
     KILN__E1I(RELU, relu),
     KILN__E1(LEAKY_RELU, leaky_relu),
-    KILN__E1(GELU, gelu),
-    KILN__E1(GELU_TANH, gelu_tanh),
-    KILN__E1(SILU, silu),
-    KILN__E1(SIGMOID, sigmoid),
-    KILN__E1(TANH, tanh),
-    KILN__E1(SOFTPLUS, softplus),
+    KILN__E1H(GELU, gelu),
+    KILN__E1H(GELU_TANH, gelu_tanh),
+    KILN__E1H(SILU, silu),
+    KILN__E1H(SIGMOID, sigmoid),
+    KILN__E1H(TANH, tanh),
+    KILN__E1H(SOFTPLUS, softplus),
     KILN__E1I(CLAMP, clamp),
-    KILN__E1(POW_SCALAR, pow_scalar),
+    KILN__E1H(POW_SCALAR, pow_scalar),
     KILN__E1I(AFFINE, affine),
     KILN__E2(RELU_BACKWARD, relu_bw),
     KILN__E2(LEAKY_RELU_BACKWARD, leaky_relu_bw),
-    KILN__E2(GELU_BACKWARD, gelu_bw),
-    KILN__E2(GELU_TANH_BACKWARD, gelu_tanh_bw),
-    KILN__E2(SILU_BACKWARD, silu_bw),
+    KILN__E2H(GELU_BACKWARD, gelu_bw),
+    KILN__E2H(GELU_TANH_BACKWARD, gelu_tanh_bw),
+    KILN__E2H(SILU_BACKWARD, silu_bw),
     KILN__E2(SIGMOID_BACKWARD, sigmoid_bw),
     KILN__E2(TANH_BACKWARD, tanh_bw),
-    KILN__E2(SOFTPLUS_BACKWARD, softplus_bw),
+    KILN__E2H(SOFTPLUS_BACKWARD, softplus_bw),
     KILN__E2(CLAMP_BACKWARD, clamp_bw),
     KILN__E2I(ADD, add),
     KILN__E2I(SUB, sub),
     KILN__E2I(MUL, mul),
     KILN__E2I(DIV, div),
-    KILN__E2I(POW, pow),
+    KILN__E2IH(POW, pow),
     KILN__E2I(MAXIMUM, maximum),
     KILN__E2I(MINIMUM, minimum),
     KILN__EC(EQ, eq),
@@ -310,7 +314,8 @@ static kiln_status kiln__ew_run(const kiln__kargs *a, bool cmp) {
     }
     cts[0] = cts[1] = cts[2] = ct;
   }
-  return kiln__cpu_map(a, &a->out[0], e->nin, a->in, cts, fn);
+  return kiln__cpu_map_ex(a, &a->out[0], e->nin, a->in, cts, fn,
+                          e->heavy ? KILN__CPU_PAR_MIN : KILN__CPU_PAR_MIN_CHEAP);
 }
 
 kiln_status kiln__cpu_unary(const kiln__kargs *a) { return kiln__ew_run(a, false); }

@@ -408,6 +408,12 @@ static void kiln__map_range(void *vctx, int64_t lo, int64_t hi) {
 
 kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
                           const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn) {
+  return kiln__cpu_map_ex(a, out, nin, ins, ct, fn, KILN__CPU_PAR_MIN_CHEAP);
+}
+
+kiln_status kiln__cpu_map_ex(const kiln__kargs *a, const kiln__view *out, int nin,
+                             const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn,
+                             int64_t min_par) {
   kiln__map_ctx c;
   c.a = a;
   c.nv = nin + 1;
@@ -421,6 +427,6 @@ kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
   int64_t numel = kiln__view_numel(out);
   if (numel == 0) return KILN_OK;
   kiln__views_coalesce(c.v, c.nv);
-  kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN, kiln__map_range, &c);
+  kiln__cpu_parallel_for(numel, min_par, kiln__map_range, &c);
   return KILN_OK;
 }

@@ -10,8 +10,12 @@
 #include "../backend.h"
 
 /* Below this many elements an op runs on one thread: starting a parallel region costs
-** microseconds, more than a small op's whole work. */
+** microseconds, more than a small op's whole work. Ops that are a few instructions per
+** element (add, copy, compare) are memory-bound and gain little from a second core, so
+** they wait for KILN__CPU_PAR_MIN_CHEAP; transcendental ones and the RNG for
+** KILN__CPU_PAR_MIN. */
 #define KILN__CPU_PAR_MIN 32768
+#define KILN__CPU_PAR_MIN_CHEAP 131072
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256
 #define KILN__CPU_MAXV 5
@@ -53,7 +57,11 @@ int kiln__cpu_threads_for(int64_t n, int64_t min_par);
 ** alias an input (element i only reads element i). */
 typedef void (*kiln__cpu_vec_fn)(void *out, const void *const *in, int64_t n, int64_t k0,
                                  const kiln__kargs *a);
-/* Applies fn to out0 from in[0..nin) of a (views broadcast to out0's shape). */
+/* Applies fn to out0 from in[0..nin) of a (views broadcast to out0's shape); threads
+** start at min_par elements. kiln__cpu_map is the cheap-op default. */
+kiln_status kiln__cpu_map_ex(const kiln__kargs *a, const kiln__view *out, int nin,
+                             const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn,
+                             int64_t min_par);
 kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
                           const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn);
 

@@ -98,5 +98,5 @@ kiln_status kiln__cpu_random(const kiln__kargs *a) {
       !kiln__cpu_is_float(a->out[0].dtype))
     return kiln__cpu_dtype_error(a, a->out[0].dtype);
   kiln_dtype cts[1] = {ct};
-  return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, fn);
+  return kiln__cpu_map_ex(a, &a->out[0], 0, NULL, cts, fn, KILN__CPU_PAR_MIN);
 }

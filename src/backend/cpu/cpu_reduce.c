@@ -145,6 +145,17 @@ static void kiln__fold_run(void *vctx, char *const *p, const int64_t *bst, int64
   const kiln__red *r = c->r;
   _Alignas(64) double buf[KILN__CPU_BLK];
   (void)k0;
+  if (r->rop == KILN__R_SUM && r->idt == KILN_F32 && bst[0] == 4) {
+    /* the common case, without the staging buffer: f32 widened to f64 as it is added */
+    const float *x = (const float *)p[0];
+    double s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 8; j++) s8[j] += (double)x[i + j];
+    for (; i < n; i++) s8[0] += (double)x[i];
+    c->acc.f += ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
+    return;
+  }
   for (int64_t off = 0; off < n; off += KILN__CPU_BLK) {
     int64_t len = n - off < KILN__CPU_BLK ? n - off : KILN__CPU_BLK;
     if (r->isf) {
@@ -179,6 +190,14 @@ static void kiln__blk_run(void *vctx, char *const *p, const int64_t *bst, int64_
   _Alignas(64) double buf[KILN__CPU_BLK];
   (void)k0;
   /* p[0] walks the reduced dims from the block's first output */
+  if (r->rop == KILN__R_SUM && r->idt == KILN_F32 && c->kbst == 4) {
+    /* bias gradients: contiguous f32 rows added straight into the f64 block */
+    for (int64_t i = 0; i < n; i++) {
+      const float *x = (const float *)(p[0] + i * bst[0]);
+      for (int64_t j = 0; j < c->len; j++) c->accf[j] += (double)x[j];
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; i++) {
     const char *q = p[0] + i * bst[0];
     if (r->isf) {
@@ -249,8 +268,8 @@ kiln_status kiln__cpu_reduce(const kiln__kargs *a) {
   if (out->ndim != nd)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: out has %d dims, input %d", kiln__kop_name(a->op),
                           out->ndim, nd);
-  kiln__red *r = (kiln__red *)malloc(sizeof *r); /* ~5 KB: keep it off small thread stacks */
-  if (!r) return kiln_set_error(KILN_ERR_OOM, "kiln_%s: out of host memory", kiln__kop_name(a->op));
+  kiln__red rs; /* ~1.5 KB on the caller's stack: no allocation per call */
+  kiln__red *r = &rs;
   r->rop = a->op == KILN__K_SUM ? KILN__R_SUM
            : a->op == KILN__K_PROD ? KILN__R_PROD
            : a->op == KILN__K_AMAX ? KILN__R_MAX
@@ -265,7 +284,6 @@ kiln_status kiln__cpu_reduce(const kiln__kargs *a) {
     bool red = (out->shape[d] == 1 && in->shape[d] != 1) || ((a->i[0] >> d) & 1);
     if (red) {
       if (out->shape[d] != 1) {
-        free(r);
         return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: reduced dim %d of out has size %lld, not 1",
                               kiln__kop_name(a->op), d, (long long)out->shape[d]);
       }
@@ -274,7 +292,6 @@ kiln_status kiln__cpu_reduce(const kiln__kargs *a) {
       nr++;
     } else {
       if (out->shape[d] != in->shape[d]) {
-        free(r);
         return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: dim %d is %lld in out but %lld in the input",
                               kiln__kop_name(a->op), d, (long long)out->shape[d],
                               (long long)in->shape[d]);
@@ -290,14 +307,11 @@ kiln_status kiln__cpu_reduce(const kiln__kargs *a) {
   r->rv.ndim = nr;
   int64_t nout = kiln__view_numel(&r->kv[1]);
   int64_t nred = kiln__view_numel(&r->rv);
-  if (nout == 0) {
-    free(r);
-    return KILN_OK;
-  }
+  if (nout == 0) return KILN_OK;
   kiln__views_coalesce(r->kv, 2);
   kiln__views_coalesce(&r->rv, 1);
   if (nout == 1) {
-    int nt = kiln__cpu_threads_for(nred, KILN__CPU_PAR_MIN);
+    int nt = kiln__cpu_threads_for(nred, KILN__CPU_PAR_MIN_CHEAP);
     r->nchunks = nt > 64 ? 64 : nt;
     kiln__cpu_parallel_for(r->nchunks, 1, kiln__full_range, r);
     kiln__racc acc = kiln__r_init(r->rop);
@@ -308,15 +322,14 @@ kiln_status kiln__cpu_reduce(const kiln__kargs *a) {
         acc.i = kiln__fold_i64(r->rop, acc.i, &r->part[c].i, 1);
     }
     kiln__store_acc((char *)out->data, out->dtype, r->isf, acc);
-    free(r);
     return KILN_OK;
   }
   int kn = r->kv[0].ndim, rnd = r->rv.ndim;
   r->outer = kiln__iabs(r->rv.strides[rnd - 1]) > kiln__iabs(r->kv[0].strides[kn - 1]);
   int64_t work = nout * (nred > 0 ? nred : 1);
-  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : (KILN__CPU_PAR_MIN / (nred > 0 ? nred : 1)) + 1;
+  int64_t min_par =
+      work < KILN__CPU_PAR_MIN_CHEAP ? INT64_MAX : (KILN__CPU_PAR_MIN_CHEAP / (nred > 0 ? nred : 1)) + 1;
   kiln__cpu_parallel_for(nout, min_par, kiln__kept_range, r);
-  free(r);
   return KILN_OK;
 }
 
@@ -424,7 +437,7 @@ kiln_status kiln__cpu_minmax_dim(const kiln__kargs *a) {
   }
   kiln__views_coalesce(c.v, 3);
   int64_t work = nout * c.m.size;
-  kiln__cpu_parallel_for(nout, work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / c.m.size + 1,
+  kiln__cpu_parallel_for(nout, work < KILN__CPU_PAR_MIN_CHEAP ? INT64_MAX : KILN__CPU_PAR_MIN_CHEAP / c.m.size + 1,
                          kiln__mm_range, &c);
   return KILN_OK;
 }

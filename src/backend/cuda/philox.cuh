@@ -16,23 +16,25 @@
 **   Element k is the k-th element of out0 in C order; o = a->offset, s = a->seed.
 **   f32 uniform (also f16, bf16): w = philox(s, o + k/4)[k%4]; u = (w >> 8) * 2^-24.
 **   f64 uniform: w = philox(s, o + k/2); a = w[2*(k%2)], b = w[2*(k%2)+1];
-**     u = ((a >> 6) * 2^26 + (b >> 5)) * 2^-53.
+**     u = ((a >> 5) * 2^26 + (b >> 6)) * 2^-53.
 **   f32 normal (also f16, bf16): w = philox(s, o + k/4); p = (k%4)/2;
 **     u1 = ((w[2p] >> 8) + 1) * 2^-24  (in (0, 1]),  u2 = (w[2p+1] >> 8) * 2^-24;
 **     r = sqrtf(-2 * logf(u1)); t = 6.2831853071795864769f * u2 (a float product);
 **     n = k even ? r * cosf(t) : r * sinf(t)   (all in float).
 **   f64 normal: w = philox(s, o + k/2);
-**     u1 = ((w0 >> 6) * 2^26 + (w1 >> 5) + 1) * 2^-53,  u2 = ((w2 >> 6) * 2^26 + (w3 >> 5)) * 2^-53;
+**     u1 = ((w0 >> 5) * 2^26 + (w1 >> 6) + 1) * 2^-53,  u2 = ((w2 >> 5) * 2^26 + (w3 >> 6)) * 2^-53;
 **     r = sqrt(-2 log u1); n = k even ? r cos(2 pi u2) : r sin(2 pi u2)  (in double).
-**   RAND_UNIFORM: out = s0 + (s1 - s0) * u, in float for f32/f16/bf16 (then rounded),
-**     double for f64.
-**   RAND_NORMAL:  out = s0 + s1 * n, likewise.
+**   RAND_UNIFORM: out = lo + w * u with lo = (float)s0, w = (float)(s1 - s0), in float
+**     for f32/f16/bf16 (then rounded), s0 + (s1 - s0) * u in double for f64; no fused
+**     multiply-add (the device uses __fmul_rn/__fadd_rn so that it matches the host).
+**   RAND_NORMAL:  out = (float)s0 + (float)s1 * n, likewise (double for f64).
 **   RAND_INT (any output dtype): u is the f64 uniform above (so ranges past 2^24 stay
-**     uniform); v = i0 + (int64)floor(u * (double)(i1 - i0)), clamped to at most i1 - 1.
+**     uniform); v = i0 + (int64)floor(u * ((double)i1 - (double)i0)), clamped to
+**     [i0, i1 - 1].
 **   RAND_BERNOULLI: u is the f32 uniform for f32/f16/bf16 outputs and the f64 uniform for
-**     f64 (and the f32 one for integer outputs); out = (u < s0) ? s1 : 0.
+**     f64 (and the f32 one for integer outputs); out = ((double)u < s0) ? s1 : 0.
 **   Counters used: ceil(n/4) blocks for the f32 mappings, ceil(n/2) for the f64 ones
-**     (RAND_INT, f64 outputs) — kiln__generator_reserve must advance by at least that.
+**     (RAND_INT, f64 outputs); rng.c reserves ceil(n/2), which covers both.
 */
 #ifndef KILN_PHILOX_CUH
 #define KILN_PHILOX_CUH
@@ -72,7 +74,7 @@ __host__ __device__ __forceinline__ float kc_u01_f32(uint32_t w) {
   return (float)(w >> 8) * (1.0f / 16777216.0f);
 }
 __host__ __device__ __forceinline__ double kc_u01_f64(uint32_t a, uint32_t b) {
-  return ((double)(a >> 6) * 67108864.0 + (double)(b >> 5)) * (1.0 / 9007199254740992.0);
+  return ((double)(a >> 5) * 67108864.0 + (double)(b >> 6)) * (1.0 / 9007199254740992.0);
 }
 /* The normal pair from words (a, b) of the f32 mapping; lane 0 cos, lane 1 sin. */
 __device__ __forceinline__ float kc_normal_f32(uint32_t a, uint32_t b, int odd) {
@@ -83,9 +85,9 @@ __device__ __forceinline__ float kc_normal_f32(uint32_t a, uint32_t b, int odd) 
   return odd ? r * sinf(t) : r * cosf(t);
 }
 __device__ __forceinline__ double kc_normal_f64(const kc_u32x4 &w, int odd) {
-  double u1 = ((double)(w.x[0] >> 6) * 67108864.0 + (double)(w.x[1] >> 5) + 1.0) *
+  double u1 = ((double)(w.x[0] >> 5) * 67108864.0 + (double)(w.x[1] >> 6) + 1.0) *
               (1.0 / 9007199254740992.0);
-  double u2 = ((double)(w.x[2] >> 6) * 67108864.0 + (double)(w.x[3] >> 5)) *
+  double u2 = ((double)(w.x[2] >> 5) * 67108864.0 + (double)(w.x[3] >> 6)) *
               (1.0 / 9007199254740992.0);
   double r = sqrt(-2.0 * log(u1));
   double t = 6.283185307179586476925286766559 * u2;

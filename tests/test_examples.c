@@ -1,0 +1,70 @@
+/*
+** The seed-mlp example as a user runs it: two epochs on the CPU, the loss goes down, the
+** closing JSON line carries the figures; bad flags are refused with a message (exit 2).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+
+#include "cli_run.h"
+
+static double epoch_loss(const char *out, int epoch) {
+  char pat[32];
+  snprintf(pat, sizeof pat, "Epoch %d, Loss: ", epoch);
+  const char *p = strstr(out, pat);
+  return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+static void test_train(void) {
+  cr_result r = cr_run(NULL, "seed-mlp", "--device cpu --epochs 2 --json");
+  CR_CHECK(r.status == 0, "seed-mlp exited %d: %s", r.status, r.err);
+  double l1 = epoch_loss(r.out, 1), l2 = epoch_loss(r.out, 2);
+  CR_CHECK(l1 > 0 && l2 > 0 && l2 < l1, "loss did not decrease: %g -> %g\n%s", l1, l2, r.out);
+  CR_CHECK(strstr(r.out, "device: cpu") && strstr(r.out, "parameters: 8578"), "header:\n%s", r.out);
+  char line[1024];
+  cr_last_line(r.out, line, sizeof line);
+  CR_CHECK(line[0] == '{' && strstr(line, "\"example\":\"seed-mlp\""), "last line: %s", line);
+  double fl = cr_json_num(line, "final_loss");
+  CR_CHECK(fabs(fl - l2) < 1e-4, "final_loss %g vs epoch 2 %g", fl, l2);
+  CR_CHECK(cr_json_num(line, "epochs") == 2 && cr_json_num(line, "batch") == 128, "epochs/batch");
+  CR_CHECK(cr_json_num(line, "train_acc") > 0.9, "train_acc %g", cr_json_num(line, "train_acc"));
+  CR_CHECK(cr_json_num(line, "samples_per_s") > 0 && cr_json_num(line, "us_per_step") > 0, "speed");
+  cr_free(&r);
+
+  /* --quiet --json: stdout is exactly the JSON line. */
+  r = cr_run(NULL, "seed-mlp", "--device cpu --epochs 1 --batch 512 --json --quiet");
+  CR_CHECK(r.status == 0, "quiet run exited %d", r.status);
+  CR_CHECK(r.out[0] == '{' && strchr(r.out, '\n') == r.out + strlen(r.out) - 1,
+           "quiet output is not one line: %s", r.out);
+  CR_CHECK(cr_json_num(r.out, "batch") == 512, "batch 512");
+  cr_free(&r);
+}
+
+static void test_bad_flags(void) {
+  const char *bad[][2] = {{"--batch 0", "--batch"},        {"--epochs -1", "--epochs"},
+                          {"--epochs x", "--epochs"},      {"--device tpu", "tpu"},
+                          {"--lr 0", "--lr"},              {"--batch", "needs a value"},
+                          {"--frobnicate", "unknown option"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    cr_result r = cr_run(NULL, "seed-mlp", bad[i][0]);
+    CR_CHECK(r.status == 2, "'%s' exited %d", bad[i][0], r.status);
+    CR_CHECK(strstr(r.err, bad[i][1]), "'%s': message '%s' lacks '%s'", bad[i][0], r.err, bad[i][1]);
+    CR_CHECK(!strstr(r.out, "Epoch"), "'%s' trained anyway", bad[i][0]);
+    cr_free(&r);
+  }
+}
+
+int main(void) {
+  char bin[1024], exe[1100];
+  cr_bin_dir(bin, sizeof bin);
+  snprintf(exe, sizeof exe, "%s/seed-mlp", bin);
+  if (!cr_file_exists(exe)) {
+    fprintf(stderr, "skip: %s not built\n", exe);
+    return 77;
+  }
+  test_bad_flags();
+  test_train();
+  cr_cleanup();
+  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
+  else printf("test_examples: all passed\n");
+  return cr_failures ? 1 : 0;
+}

@@ -1352,6 +1352,123 @@ static void test_views(void) {
   CHECK(kiln__views_coalesce(&e, 1) == 1 && e.shape[0] == 0, "coalesce empty");
 }
 
+
+/* ---- 0-d views, and sizes large enough for the threaded paths ---- */
+static void test_scalars_and_threads(void) {
+  float x = -2.5f, y = 0;
+  kiln__view vx = {&x, KILN_F32, 0, {0}, {0}}, vy = {&y, KILN_F32, 0, {0}, {0}};
+  kiln__kargs a = kargs(KILN__K_ABS, 1, 1);
+  a.in[0] = vx;
+  a.out[0] = vy;
+  CHECK(run(&a) == KILN_OK && y == 2.5f, "abs of a 0-d view: %g", y);
+  a = kargs(KILN__K_SUM, 1, 1);
+  a.in[0] = vx;
+  a.out[0] = vy;
+  CHECK(run(&a) == KILN_OK && y == -2.5f, "sum of a 0-d view: %g", y);
+
+  /* softmax rows (64, 1024) and cross entropy (512, 300): split across threads */
+  int64_t R = 64, C = 1024;
+  tt sx = tt_new(KILN_F32, 2, (int64_t[]){R, C}, NULL), sy = tt_new(KILN_F32, 2, (int64_t[]){R, C}, NULL);
+  fill_rand(&sx.v, -5, 5);
+  a = kargs(KILN__K_SOFTMAX, 1, 1);
+  a.in[0] = sx.v;
+  a.out[0] = sy.v;
+  a.i[0] = 1;
+  CHECK(run(&a) == KILN_OK, "softmax large");
+  int bad = 0;
+  for (int64_t r = 0; r < R; r++) {
+    double s = 0;
+    for (int64_t c = 0; c < C; c++) s += ((float *)sy.buf)[r * C + c];
+    if (fabs(s - 1) > 1e-4) bad++;
+  }
+  CHECK(bad == 0, "softmax large: %d rows do not sum to 1", bad);
+  tt_free(&sx);
+  tt_free(&sy);
+
+  int64_t N = 512, K = 300;
+  tt lg = tt_new(KILN_F32, 2, (int64_t[]){N, K}, NULL), tg = tt_new(KILN_I64, 1, &N, NULL);
+  tt loss = tt_new(KILN_F32, 1, &N, NULL), lse = tt_new(KILN_F32, 1, &N, NULL);
+  fill_rand(&lg.v, -3, 3);
+  fill_rand(&tg.v, 0, (double)K);
+  a = kargs(KILN__K_CROSS_ENTROPY, 2, 2);
+  a.in[0] = lg.v;
+  a.in[1] = tg.v;
+  a.out[0] = loss.v;
+  a.out[1] = lse.v;
+  a.i[0] = -100;
+  CHECK(run(&a) == KILN_OK, "cross_entropy large");
+  bad = 0;
+  for (int64_t r = 0; r < N; r++) {
+    double s = 0;
+    for (int64_t c = 0; c < K; c++) s += exp(((float *)lg.buf)[r * K + c]);
+    double want = log(s) - ((float *)lg.buf)[r * K + ((int64_t *)tg.buf)[r]];
+    if (fabs(((float *)loss.buf)[r] - want) > 1e-4 * (1 + fabs(want))) bad++;
+  }
+  CHECK(bad == 0, "cross_entropy large: %d rows off", bad);
+  tt_free(&lg);
+  tt_free(&tg);
+  tt_free(&loss);
+  tt_free(&lse);
+
+  /* index_select / gather over 4096 rows of 64 */
+  int64_t S = 1000, D = 64, Q = 4096;
+  tt src = tt_new(KILN_F32, 2, (int64_t[]){S, D}, NULL), idx = tt_new(KILN_I64, 1, &Q, NULL);
+  tt out = tt_new(KILN_F32, 2, (int64_t[]){Q, D}, NULL);
+  fill_rand(&src.v, -1, 1);
+  fill_rand(&idx.v, 0, (double)S);
+  a = kargs(KILN__K_INDEX_SELECT, 2, 1);
+  a.in[0] = src.v;
+  a.in[1] = idx.v;
+  a.out[0] = out.v;
+  CHECK(run(&a) == KILN_OK, "index_select large");
+  bad = 0;
+  for (int64_t q = 0; q < Q; q++)
+    if (memcmp((float *)out.buf + q * D, (float *)src.buf + ((int64_t *)idx.buf)[q] * D, (size_t)D * 4)) bad++;
+  CHECK(bad == 0, "index_select large: %d rows wrong", bad);
+  tt gi = tt_new(KILN_I64, 2, (int64_t[]){Q, D}, NULL);
+  fill_rand(&gi.v, 0, (double)D);
+  a = kargs(KILN__K_GATHER, 2, 1);
+  a.in[0] = out.v;
+  a.in[1] = gi.v;
+  tt go = tt_new(KILN_F32, 2, (int64_t[]){Q, D}, NULL);
+  a.out[0] = go.v;
+  a.i[0] = 1;
+  CHECK(run(&a) == KILN_OK, "gather large");
+  bad = 0;
+  for (int64_t q = 0; q < Q * D; q++) {
+    int64_t row = q / D;
+    if (((float *)go.buf)[q] != ((float *)out.buf)[row * D + ((int64_t *)gi.buf)[q]]) bad++;
+  }
+  CHECK(bad == 0, "gather large: %d wrong", bad);
+  tt_free(&src);
+  tt_free(&idx);
+  tt_free(&out);
+  tt_free(&gi);
+  tt_free(&go);
+
+  /* max_dim and amax over many rows */
+  tt mx = tt_new(KILN_F32, 2, (int64_t[]){2048, 40}, (const int[]){1, 0});
+  fill_rand(&mx.v, -9, 9);
+  tt mv = tt_new(KILN_F32, 2, (int64_t[]){2048, 1}, NULL), mi = tt_new(KILN_I64, 2, (int64_t[]){2048, 1}, NULL);
+  a = kargs(KILN__K_MAX_DIM, 1, 2);
+  a.in[0] = mx.v;
+  a.out[0] = mv.v;
+  a.out[1] = mi.v;
+  a.i[1] = 1;
+  CHECK(run(&a) == KILN_OK, "max_dim large");
+  bad = 0;
+  for (int64_t r = 0; r < 2048; r++) {
+    int64_t best = 0;
+    for (int64_t c = 1; c < 40; c++)
+      if (get(&mx.v, (int64_t[]){r, c}) > get(&mx.v, (int64_t[]){r, best})) best = c;
+    if (((int64_t *)mi.buf)[r] != best) bad++;
+  }
+  CHECK(bad == 0, "max_dim large: %d wrong", bad);
+  tt_free(&mx);
+  tt_free(&mv);
+  tt_free(&mi);
+}
+
 int main(void) {
   test_views();
   test_memory();
@@ -1366,6 +1483,7 @@ int main(void) {
   test_cross_entropy();
   test_matmul();
   test_index();
+  test_scalars_and_threads();
   printf("test_cpu_kernels: %d checks, %d failed\n", g_checks, g_fails);
   printf("%d passed, %d failed\n", g_checks - g_fails, g_fails);
   return g_fails ? 1 : 0;

@@ -19,7 +19,6 @@ static kiln__cuda_dev g_dev[KC_MAX_DEV];
 static std::atomic<int> g_ready[KC_MAX_DEV];
 static std::mutex g_init_mu;
 static int g_count = -1; /* set by probe */
-static thread_local int t_current = -1;
 
 /* ---- errors ---- */
 
@@ -124,10 +123,10 @@ extern "C" kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out) {
   if (device < 0 || device >= cuda_device_count())
     return kiln_set_error(KILN_ERR_DEVICE, "kiln: no CUDA device cuda:%d (%d visible)", device,
                           cuda_device_count());
-  if (t_current != device) {
-    KC_CUDA(cudaSetDevice(device), "cudaSetDevice");
-    t_current = device;
-  }
+  /* Asked each time (cheap): other code on this thread (NCCL, user code) may switch. */
+  int cur = -1;
+  KC_CUDA(cudaGetDevice(&cur), "cudaGetDevice");
+  if (cur != device) KC_CUDA(cudaSetDevice(device), "cudaSetDevice");
   kiln__cuda_dev *d = &g_dev[device];
   if (!g_ready[device].load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(g_init_mu);

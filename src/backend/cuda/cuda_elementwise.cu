@@ -47,7 +47,7 @@ KC_UNARY(F_sqrt, kc_sqrt(x))
 KC_UNARY(F_rsqrt, kc_rsqrt(x))
 KC_UNARY(F_abs, x < (A)0 ? -x : x)
 KC_UNARY(F_sign, x > (A)0 ? (A)1 : (x < (A)0 ? (A)-1 : x)) /* keeps NaN, +-0 */
-KC_UNARY(F_relu, x > (A)0 ? x : (x != x ? x : (A)0))
+KC_UNARY(F_relu, x < (A)0 ? (A)0 : x) /* NaN passes through, as in PyTorch */
 KC_UNARY(F_leaky, x > (A)0 ? x : x * s0)
 KC_UNARY(F_gelu, (A)0.5 * x * ((A)1 + kc_erf(x * (A)0.70710678118654752440)))
 KC_UNARY(F_gelu_tanh,

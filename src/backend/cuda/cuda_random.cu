@@ -37,28 +37,29 @@ __global__ void rand_kernel(T *out, kc_geom<1, I> g, RParams p) {
       if (MODE == M_UNIFORM) {
         if (F64MAP) {
           double u = kc_u01_f64(w.x[2 * l], w.x[2 * l + 1]);
-          v = kc_st<T>(p.s0 + (p.s1 - p.s0) * u);
+          v = kc_st<T>(__dadd_rn(p.s0, __dmul_rn(p.s1 - p.s0, u)));
         } else {
           float u = kc_u01_f32(w.x[l]);
-          v = kc_st<T>((float)p.s0 + ((float)p.s1 - (float)p.s0) * u);
+          v = kc_st<T>(__fadd_rn((float)p.s0, __fmul_rn((float)(p.s1 - p.s0), u)));
         }
       } else if (MODE == M_NORMAL) {
         if (F64MAP) {
-          v = kc_st<T>(p.s0 + p.s1 * kc_normal_f64(w, l & 1));
+          v = kc_st<T>(__dadd_rn(p.s0, __dmul_rn(p.s1, kc_normal_f64(w, l & 1))));
         } else {
           int q = l >> 1;
           float nv = kc_normal_f32(w.x[2 * q], w.x[2 * q + 1], l & 1);
-          v = kc_st<T>((float)p.s0 + (float)p.s1 * nv);
+          v = kc_st<T>(__fadd_rn((float)p.s0, __fmul_rn((float)p.s1, nv)));
         }
       } else if (MODE == M_INT) {
         double u = kc_u01_f64(w.x[2 * l], w.x[2 * l + 1]);
-        int64_t r = p.i0 + (int64_t)floor(u * (double)(p.i1 - p.i0));
-        if (r > p.i1 - 1) r = p.i1 - 1;
+        int64_t r = p.i0 + (int64_t)floor(u * ((double)p.i1 - (double)p.i0));
+        if (r > p.i1 - 1) r = p.i1 - 1; /* u * span can round up to span */
+        if (r < p.i0) r = p.i0;
         v = kc_st<T>(r);
       } else {
         bool hit;
         if (F64MAP) hit = kc_u01_f64(w.x[2 * l], w.x[2 * l + 1]) < p.s0;
-        else hit = kc_u01_f32(w.x[l]) < (float)p.s0;
+        else hit = (double)kc_u01_f32(w.x[l]) < p.s0;
         v = kc_st<T>(hit ? p.s1 : 0.0);
       }
       if (CONTIG) {
@@ -119,6 +120,9 @@ extern "C" kiln_status kiln__cuda_random(const kiln__kargs *a) {
   if (sh.numel == 0) return KILN_OK;
   kiln_dtype dt = a->out[0].dtype;
   bool f64 = dt == KILN_F64;
+  if (a->op == KILN__K_RAND_INT && a->i[1] <= a->i[0])
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_randint: low %lld must be below high %lld",
+                          (long long)a->i[0], (long long)a->i[1]);
   switch (a->op) {
   case KILN__K_RAND_UNIFORM:
     if (f64) return launch<double, M_UNIFORM, true>(a, d, &sh);

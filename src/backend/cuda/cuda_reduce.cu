@@ -103,9 +103,7 @@ __global__ void __launch_bounds__(KC_THREADS)
   const int per = KC_THREADS / G;
   int64_t row = (int64_t)blockIdx.x * per + threadIdx.x / G;
   int lane = threadIdx.x % G;
-  bool live = row < O; /* uniform across a group; G == 256 means the whole block */
-  if (G <= 32 && !live) return;
-  if (G > 32 && !live) return;
+  if (row >= O) return; /* uniform across a group (G == 256: the whole block) */
   int64_t base, o0, o1;
   kept_offsets(g, row, &base, &o0, &o1);
   int64_t r0 = (int64_t)blockIdx.y * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;

@@ -206,8 +206,9 @@ __global__ void __launch_bounds__(KC_THREADS)
   A l = m + kc_log(s);
   int64_t t = (int64_t)tgt[n * p.st];
   A out;
-  if (t == p.ignore) {
+  if (t == p.ignore) { /* as the CPU: loss 0 and lse 0 for ignored rows */
     out = 0;
+    l = 0;
   } else if (t < 0 || t >= p.C) {
     kc_flag(p.flag, p.kop);
     out = (A)NAN;

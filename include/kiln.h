@@ -430,6 +430,16 @@ KILN_API kiln_status kiln_zero_(kiln_tensor *t);
 KILN_API kiln_status kiln_mul_scalar_(kiln_tensor *t, double s);
 KILN_API kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x); /* t += a*x */
 
+/* Fused Adam/AdamW update of one parameter, in place, in one kernel (PyTorch's formulas:
+** torch.optim.Adam/AdamW). param, grad and the state tensors must have one shape, dtype
+** and device and be contiguous; max_exp_avg_sq may be NULL unless amsgrad. step is the
+** update count after this one (>= 1). decoupled selects AdamW's weight decay. */
+KILN_API kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                                     kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq,
+                                     double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, int64_t step, bool decoupled,
+                                     bool amsgrad);
+
 /* --------------------------------------------------------------------------------------
 ** Autograd.
 */

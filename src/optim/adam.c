@@ -12,8 +12,23 @@
 
 #include "optim/optim_int.h"
 
+/* The fused kernel (kiln_adam_step_) computes the same formulas in one pass, when the
+** tensors allow it: contiguous, one dtype, no maximize. */
+static bool fusable(const kiln_optim_config *c, kiln_tensor *p, kiln_tensor *g) {
+  return !c->maximize && kiln_is_contiguous(p) && kiln_is_contiguous(g) &&
+         kiln_dtype_of(g) == kiln_dtype_of(p);
+}
+
 static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s) {
   kiln_tensor *g = kiln_grad(p);
+  if (g && fusable(c, p, g)) {
+    int nbuf = c->amsgrad ? 3 : 2;
+    for (int k = 0; k < nbuf; k++)
+      if (!s->buf[k] && !(s->buf[k] = kiln_keep(kiln_zeros_like(p)))) return kiln_last_error();
+    return kiln_adam_step_(p, g, s->buf[0], s->buf[1], c->amsgrad ? s->buf[2] : NULL, c->lr,
+                           c->beta1, c->beta2, c->eps, c->weight_decay, s->step + 1,
+                           c->kind == KILN_OPTIM_ADAMW, c->amsgrad);
+  }
   if (c->maximize) g = kiln_neg(g);
   if (!g) return kiln_last_error();
   kiln_status st = KILN_OK;

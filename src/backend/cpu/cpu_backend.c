@@ -96,6 +96,7 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_SCATTER_ADD] = kiln__cpu_scatter_add,
             [KILN__K_CROSS_ENTROPY] = kiln__cpu_cross_entropy,
             [KILN__K_CROSS_ENTROPY_BACKWARD] = kiln__cpu_cross_entropy_backward,
+            [KILN__K_ADAM] = kiln__cpu_adam,
         },
     .supports = NULL,
 };

@@ -11,8 +11,6 @@
 #include <math.h>
 #include <string.h>
 
-kiln_status kiln__cpu_adam(const kiln__kargs *a); /* registered in cpu_backend.c */
-
 #ifdef KILN_HAVE_OPENMP
 #define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > 65536) schedule(static)")
 #else

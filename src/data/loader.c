@@ -121,19 +121,26 @@ int kiln_loader_num_fields(const kiln_loader *l) { return l ? l->n_out : 0; }
 /* ------------------------------------------------------------------------------------ */
 /* Building one batch (any thread). Outputs are owned by the caller of build_batch. */
 
+/* The default collate. Outputs are owned by the caller (kiln__own: out of any scope), and
+** so is every intermediate: no scope is opened here, because a worker thread's scope
+** frames would outlive the thread. */
 static kiln_status build_default(kiln_loader *l, const int64_t *idx, int64_t cnt, kiln_tensor **out) {
   kiln_dataset *ds = l->ds;
   if (ds->is_tensor) {
     /* Fast path: one index_select per field, on the field's device. */
-    kiln_tensor *ix = kiln_from_data(idx, 1, (const int64_t[]){cnt}, KILN_I64, kiln_device_cpu());
+    kiln_tensor *ix =
+        kiln__own(kiln_from_data(idx, 1, (const int64_t[]){cnt}, KILN_I64, kiln_device_cpu()));
     if (!ix) return kiln_last_error();
-    for (int f = 0; f < ds->n_fields; f++) {
+    kiln_status st = KILN_OK;
+    for (int f = 0; f < ds->n_fields && st == KILN_OK; f++) {
       kiln_device dv = kiln_device_of(ds->fields[f]);
-      kiln_tensor *ixd = dv.type == KILN_DEVICE_CPU ? ix : kiln_to_device(ix, dv);
-      out[f] = ixd ? kiln_index_select(ds->fields[f], 0, ixd) : NULL;
-      if (!out[f]) return kiln_last_error();
+      kiln_tensor *ixd = dv.type == KILN_DEVICE_CPU ? ix : kiln__own(kiln_to_device(ix, dv));
+      out[f] = ixd ? kiln__own(kiln_index_select(ds->fields[f], 0, ixd)) : NULL;
+      if (!out[f]) st = kiln_last_error();
+      if (ixd != ix) kiln_tensor_free(ixd);
     }
-    return KILN_OK;
+    kiln_tensor_free(ix);
+    return st;
   }
   /* User dataset: (cnt, ...) CPU tensors, each sample written straight into its row. */
   void *base[KILN__MAX_FIELDS];
@@ -143,7 +150,7 @@ static kiln_status build_default(kiln_loader *l, const int64_t *idx, int64_t cnt
     int64_t shape[KILN_MAX_DIMS];
     shape[0] = cnt;
     memcpy(shape + 1, s->shape, sizeof(int64_t) * (size_t)s->ndim);
-    out[f] = kiln_empty(s->ndim + 1, shape, s->dtype, kiln_device_cpu());
+    out[f] = kiln__own(kiln_empty(s->ndim + 1, shape, s->dtype, kiln_device_cpu()));
     if (!out[f]) return kiln_last_error();
     fb[f] = kiln__field_bytes(s);
     base[f] = fb[f] && cnt ? kiln_data_ptr(out[f]) : NULL;
@@ -197,27 +204,30 @@ static kiln_status build_custom(kiln_loader *l, const int64_t *idx, int64_t cnt,
   return st;
 }
 
-/* Builds batch b into out (n_out tensors owned by the caller) inside a scope of its own,
-** so every intermediate is released whatever the thread. Everything made inside is owned
-** by that scope. */
+/* Builds batch b into out (n_out tensors owned by the caller). */
 static kiln_status build_batch(kiln_loader *l, int64_t b, kiln_tensor **out) {
   int64_t start = b * l->o.batch_size;
   int64_t cnt = l->o.batch_size;
   if (start + cnt > l->n) cnt = l->n - start;
   for (int k = 0; k < l->n_out; k++) out[k] = NULL;
-  kiln_scope_begin();
-  kiln_status st = l->o.collate ? build_custom(l, l->order + start, cnt, out)
-                                : build_default(l, l->order + start, cnt, out);
-  /* The loader's own reference to each output; closing the scope then drops the scope's
-  ** one. (kiln_keep would be wrong for an output that is also a sample passed through.) */
-  for (int k = 0; k < l->n_out; k++)
-    if (out[k]) kiln_tensor_ref(out[k]);
+  kiln_status st;
+  if (l->o.collate) {
+    /* A user's collate runs in a scope of its own, so its intermediates go whatever the
+    ** thread. The loader's own reference to each output then survives the scope's end
+    ** (kiln_keep would be wrong for an output that is also a sample passed through). */
+    kiln_scope_begin();
+    st = build_custom(l, l->order + start, cnt, out);
+    for (int k = 0; k < l->n_out; k++)
+      if (out[k]) kiln_tensor_ref(out[k]);
+    kiln_scope_end();
+  } else {
+    st = build_default(l, l->order + start, cnt, out);
+  }
   if (st != KILN_OK)
     for (int k = 0; k < l->n_out; k++) {
       kiln_tensor_free(out[k]);
       out[k] = NULL;
     }
-  kiln_scope_end();
   return st;
 }
 

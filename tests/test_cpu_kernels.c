@@ -303,6 +303,26 @@ static void test_unary(void) {
       }
     }
   }
+  /* exp over its whole f32 range, including overflow, underflow, infinities and NaN */
+  {
+    float xs[12] = {-INFINITY, -200, -87.5f, -87, -10, 0, 1e-4f, 1, 50, 88.5f, 89, INFINITY}, ys[12];
+    float nn[1] = {NAN}, ny[1];
+    kiln__view vx = {xs, KILN_F32, 1, {12}, {1}}, vy = {ys, KILN_F32, 1, {12}, {1}};
+    kiln__kargs a = kargs(KILN__K_EXP, 1, 1);
+    a.in[0] = vx;
+    a.out[0] = vy;
+    run(&a);
+    for (int i = 0; i < 12; i++) {
+      double w = exp((double)xs[i]);
+      bool ok = w > 3.4028e38 ? isinf(ys[i]) : (w < 1.3e-38 ? ys[i] < 1.3e-38f && ys[i] >= 0 : fabs(ys[i] - w) <= 2e-7 * w);
+      CHECK(ok, "exp(%g) = %g, want %g", xs[i], ys[i], w);
+    }
+    a.in[0].data = nn;
+    a.in[0].shape[0] = a.out[0].shape[0] = 1;
+    a.out[0].data = ny;
+    run(&a);
+    CHECK(isnan(ny[0]), "exp(NaN) = %g", ny[0]);
+  }
   /* large enough for the threaded path, output transposed */
   {
     tt x = tt_new(KILN_F32, 2, (int64_t[]){300, 257}, NULL);

@@ -6,6 +6,12 @@
 ** chunk, and hands it the tensors' own memory when they already are of that type and
 ** contiguous, so the common case is one vectorizable loop.
 */
+/* Kernels never read the FP exception flags, so comparisons may be treated as not
+** trapping: that is what lets GCC turn the selects in these loops (clamps, relu, NaN
+** checks, the range limits of kiln__expf) into vector blends instead of branches. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include "cpu.h"
 #include "cpu_iter.h"
 
@@ -112,6 +118,9 @@ static int64_t kiln__sat(double v) {
   KILN__C(NAME##_f64, double, EXPR)                                                       \
   KILN__C(NAME##_i64, int64_t, EXPR)
 
+/* exp of the element's own type: the vectorizable kiln__expf for f32, libm for f64 */
+#define KILN__EXP(v) _Generic((v), float: kiln__expf, default: exp)(v)
+
 /* 1/sqrt(2), sqrt(2/pi), 1/sqrt(2*pi) */
 #define KILN__RSQRT2 0.70710678118654752440
 #define KILN__SQRT_2_PI 0.79788456080286535588
@@ -124,7 +133,7 @@ KILN__UF(abs, r = fabs(v))
 KILN__UI(abs_i64, r = v < 0 ? (int64_t)(0u - (uint64_t)v) : v)
 KILN__UF(sign, r = v > 0 ? 1 : (v < 0 ? -1 : v)) /* keeps +-0 and NaN */
 KILN__UI(sign_i64, r = (v > 0) - (v < 0))
-KILN__UF(exp, r = exp(v))
+KILN__UF(exp, r = KILN__EXP(v))
 KILN__UF(log, r = log(v))
 KILN__UF(sqrt, r = sqrt(v))
 KILN__UF(rsqrt, r = 1 / sqrt(v))
@@ -137,8 +146,8 @@ KILN__U(gelu_tanh_f32, float,
         r = 0.5f * v * (1.0f + tanh((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v))))
 KILN__U(gelu_tanh_f64, double,
         r = 0.5 * v * (1.0 + tanh(KILN__SQRT_2_PI * (v + 0.044715 * v * v * v))))
-KILN__UF(silu, r = v / (1 + exp(-v)))
-KILN__UF(sigmoid, r = 1 / (1 + exp(-v)))
+KILN__UF(silu, r = v / (1 + KILN__EXP(-v)))
+KILN__UF(sigmoid, r = 1 / (1 + KILN__EXP(-v)))
 KILN__UF(tanh, r = tanh(v))
 /* softplus(x) = log(1 + exp(beta x)) / beta, linear above the threshold (PyTorch's) */
 KILN__UF(softplus, r = v * s0 > s1 ? v : log1p(exp(v * s0)) / s0)
@@ -173,7 +182,7 @@ KILN__B(gelu_tanh_bw_f64, double, {
            0.5 * v * (1.0 - t * t) * KILN__SQRT_2_PI * (1.0 + 3.0 * 0.044715 * v * v));
 })
 /* sigmoid written twice: the compiler folds it, and the macro stays type-generic */
-KILN__BF(silu_bw, r = g * (1 / (1 + exp(-v))) * (1 + v * (1 - 1 / (1 + exp(-v)))))
+KILN__BF(silu_bw, r = g * (1 / (1 + KILN__EXP(-v))) * (1 + v * (1 - 1 / (1 + KILN__EXP(-v)))))
 KILN__BF(sigmoid_bw, r = g * v * (1 - v))
 KILN__BF(tanh_bw, r = g * (1 - v * v))
 KILN__BF(softplus_bw, r = v * s0 > s1 ? g : g / (1 + exp(-v * s0)))

@@ -1,6 +1,12 @@
 /*
 ** The CPU iteration engine (see cpu_iter.h).
 */
+/* Kernels never read the FP exception flags, so comparisons may be treated as not
+** trapping: that is what lets GCC turn the selects in these loops (clamps, relu, NaN
+** checks, the range limits of kiln__expf) into vector blends instead of branches. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include "cpu_iter.h"
 
 #include "../../core/half.h"

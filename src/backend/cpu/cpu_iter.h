@@ -9,6 +9,10 @@
 
 #include "../backend.h"
 
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
 /* Below this many elements an op runs on one thread: starting a parallel region costs
 ** microseconds, more than a small op's whole work. Ops that are a few instructions per
 ** element (add, copy, compare) are memory-bound and gain little from a second core, so
@@ -64,6 +68,36 @@ kiln_status kiln__cpu_map_ex(const kiln__kargs *a, const kiln__view *out, int ni
                              int64_t min_par);
 kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
                           const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn);
+
+/* exp for f32 written so that a loop of it vectorizes (libm's expf is a call per element):
+** range reduction x = n ln2 + r with n rounded by the 1.5*2^23 trick, Cephes' degree-5
+** polynomial on |r| <= ln2/2 (about 1 ulp), and 2^n built in the exponent bits. Below
+** -87.3 it returns 0 (true values there are subnormal, < 1.2e-38), above 88.72 +inf, and
+** NaN stays NaN. */
+static inline float kiln__expf(float x) {
+  float xc = x < -87.3f ? -87.3f : (x > 88.7228f ? 88.7228f : x);
+  float t = xc * 1.44269504088896341f + 12582912.0f;
+  float n = t - 12582912.0f;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  /* 2^n as two factors: n reaches 128 near the top of the range, -126 at the bottom */
+  int32_t ni = (int32_t)n, h = ni >> 1;
+  int32_t e1 = (h + 127) << 23, e2 = (ni - h + 127) << 23;
+  float s1, s2;
+  memcpy(&s1, &e1, 4);
+  memcpy(&s2, &e2, 4);
+  y = y * s1 * s2;
+  y = x < -87.3f ? 0.0f : y;
+  y = x > 88.7228f ? (float)INFINITY : y;
+  return x != x ? x : y;
+}
 
 /* Error helper for float-only ops given another dtype. */
 kiln_status kiln__cpu_dtype_error(const kiln__kargs *a, kiln_dtype dt);

@@ -12,6 +12,12 @@
 ** over the batch) a block of neighbouring outputs is accumulated row by row, so every
 ** load is contiguous either way.
 */
+/* Kernels never read the FP exception flags, so comparisons may be treated as not
+** trapping: that is what lets GCC turn the selects in these loops (clamps, relu, NaN
+** checks, the range limits of kiln__expf) into vector blends instead of branches. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include "cpu.h"
 #include "cpu_iter.h"
 

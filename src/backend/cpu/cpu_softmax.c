@@ -5,12 +5,20 @@
 ** f64 for f64), so strided and 16-bit inputs take the same loops; sums over a row
 ** accumulate in f64 so that long rows (vocabularies) lose nothing.
 */
+/* Kernels never read the FP exception flags, so comparisons may be treated as not
+** trapping: that is what lets GCC turn the selects in these loops (clamps, relu, NaN
+** checks, the range limits of kiln__expf) into vector blends instead of branches. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include "cpu.h"
 #include "cpu_iter.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <tgmath.h>
+
+#define KILN__EXP(v) _Generic((v), float: kiln__expf, default: exp)(v)
 
 /* Rows up to this long use stack buffers; longer ones one heap buffer per thread. */
 #define KILN__SM_STACK 2048
@@ -27,27 +35,45 @@ typedef struct kiln__rows {
 
 /* ---- softmax family: row kernels on contiguous T arrays ---- */
 #define KILN__SM_FNS(T, SUF)                                                              \
-  static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
+  /* sum of exp(x - m) in f64, eight independent lanes so the loop vectorizes */          \
+  static double kiln__sumexp_##SUF(const T *x, int64_t n, T m) {                          \
+    double s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
+    int64_t i = 0;                                                                        \
+    for (; i + 8 <= n; i += 8)                                                            \
+      for (int j = 0; j < 8; j++) s8[j] += (double)KILN__EXP(x[i + j] - m);               \
+    for (; i < n; i++) s8[0] += (double)KILN__EXP(x[i] - m);                              \
+    return ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));     \
+  }                                                                                       \
+  static double kiln__sum_##SUF(const T *x, int64_t n) {                                  \
+    double s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
+    int64_t i = 0;                                                                        \
+    for (; i + 8 <= n; i += 8)                                                            \
+      for (int j = 0; j < 8; j++) s8[j] += (double)x[i + j];                              \
+    for (; i < n; i++) s8[0] += (double)x[i];                                             \
+    return ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));     \
+  }                                                                                       \
+  static T kiln__rowmax_##SUF(const T *x, int64_t n) {                                    \
     T m = -INFINITY;                                                                      \
     for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;            \
-    if (m == -INFINITY) m = 0; /* all -inf: keep exp finite (gives NaN/uniform as torch) */ \
-    double s = 0;                                                                         \
-    for (int64_t i = 0; i < n; i++) s += (double)exp(x[i] - m);                           \
+    return m == -INFINITY ? 0 : m; /* all -inf: keep exp finite (NaN results, as torch) */ \
+  }                                                                                       \
+  static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
+    T m = kiln__rowmax_##SUF(x, n);                                                       \
     if (logsm) {                                                                          \
-      T lse = m + (T)log(s);                                                              \
+      T lse = m + (T)log(kiln__sumexp_##SUF(x, n, m));                                    \
       for (int64_t i = 0; i < n; i++) x[i] = x[i] - lse;                                  \
     } else {                                                                              \
-      T inv = (T)(1.0 / s);                                                               \
-      for (int64_t i = 0; i < n; i++) x[i] = exp(x[i] - m) * inv;                         \
+      for (int64_t i = 0; i < n; i++) x[i] = KILN__EXP(x[i] - m);                         \
+      T inv = (T)(1.0 / kiln__sum_##SUF(x, n));                                           \
+      for (int64_t i = 0; i < n; i++) x[i] *= inv;                                        \
     }                                                                                     \
   }                                                                                       \
   /* y (softmax out) and g: y <- y*(g - sum(g*y)); logsm: y <- g - exp(y)*sum(g) */        \
   static void kiln__softmax_bw_row_##SUF(T *y, const T *g, int64_t n, bool logsm) {       \
     double s = 0;                                                                         \
     if (logsm) {                                                                          \
-      for (int64_t i = 0; i < n; i++) s += (double)g[i];                                  \
-      T ts = (T)s;                                                                        \
-      for (int64_t i = 0; i < n; i++) y[i] = g[i] - exp(y[i]) * ts;                       \
+      T ts = (T)kiln__sum_##SUF(g, n);                                                    \
+      for (int64_t i = 0; i < n; i++) y[i] = g[i] - KILN__EXP(y[i]) * ts;                 \
     } else {                                                                              \
       for (int64_t i = 0; i < n; i++) s += (double)g[i] * (double)y[i];                   \
       T ts = (T)s;                                                                        \
@@ -183,21 +209,16 @@ static kiln_status kiln__ce_check(const kiln__kargs *a, const char *name) {
 #define KILN__CE_FNS(T, SUF)                                                              \
   /* x: one row of logits; returns the loss, *lse_out the logsumexp */                    \
   static T kiln__ce_row_##SUF(const T *x, int64_t n, int64_t t, double eps, T *lse_out) { \
-    T m = -INFINITY;                                                                      \
-    for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;            \
-    T mm = m == -INFINITY ? 0 : m;                                                        \
-    double s = 0, sx = 0;                                                                 \
-    for (int64_t i = 0; i < n; i++) {                                                     \
-      s += (double)exp(x[i] - mm);                                                        \
-      sx += (double)x[i];                                                                 \
-    }                                                                                     \
-    double lse = (double)mm + log(s);                                                     \
+    T mm = kiln__rowmax_##SUF(x, n);                                                      \
+    double lse = (double)mm + log(kiln__sumexp_##SUF(x, n, mm));                          \
     *lse_out = (T)lse;                                                                    \
-    return (T)((1.0 - eps) * (lse - (double)x[t]) + eps * (lse - sx / (double)n));        \
+    double loss = (1.0 - eps) * (lse - (double)x[t]);                                     \
+    if (eps != 0) loss += eps * (lse - kiln__sum_##SUF(x, n) / (double)n);                \
+    return (T)loss;                                                                       \
   }                                                                                       \
   static void kiln__ce_bw_row_##SUF(T *x, int64_t n, int64_t t, double eps, T lse, T g) { \
     T off = (T)(eps / (double)n), on = (T)(1.0 - eps);                                    \
-    for (int64_t i = 0; i < n; i++) x[i] = g * (exp(x[i] - lse) - off);                   \
+    for (int64_t i = 0; i < n; i++) x[i] = g * (KILN__EXP(x[i] - lse) - off);                   \
     x[t] -= g * on;                                                                       \
   }
 KILN__CE_FNS(float, f32)

@@ -150,7 +150,7 @@ static void test_fuzz(void) {
 }
 
 int main(void) {
-  snprintf(g_path, sizeof g_path, "/tmp/kiln_test_csv_%ld.csv", (long)getpid());
+  snprintf(g_path, sizeof g_path, "%s/kiln_test_csv_%ld.csv", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp", (long)getpid());
   test_good();
   test_errors();
   test_fuzz();

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <zlib.h>
 
 static int failures;
@@ -229,7 +230,7 @@ static void test_fashion_mnist(void) {
 }
 
 int main(void) {
-  snprintf(g_tmp, sizeof g_tmp, "/tmp/kiln_test_idx_XXXXXX");
+  snprintf(g_tmp, sizeof g_tmp, "%s/kiln_test_idx_XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
   if (!mkdtemp(g_tmp)) {
     perror("mkdtemp");
     return 1;

@@ -376,7 +376,7 @@ static void test_fuzz(void) {
 
 int main(void) {
   find_fixture("all_dtypes.safetensors", g_fixture, sizeof g_fixture);
-  snprintf(g_tmp, sizeof g_tmp, "/tmp/kiln_test_st_XXXXXX");
+  snprintf(g_tmp, sizeof g_tmp, "%s/kiln_test_st_XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
   if (!mkdtemp(g_tmp)) {
     perror("mkdtemp");
     return 1;

@@ -77,6 +77,11 @@ KILN_API const kiln_field_spec *kiln_dataset_field(const kiln_dataset *ds, int i
 /* Sample index as n_fields new CPU tensors written to out (owned by the current scope,
 ** else by the caller). KILN_ERR_INDEX for an index out of range, the dataset's error. */
 KILN_API kiln_status kiln_dataset_get(kiln_dataset *ds, int64_t index, kiln_tensor **out);
+/* Sample index written into per-field host buffers, as a user dataset's get does (each
+** buffer holds one contiguous C-order element of field f's spec). For datasets built on
+** other datasets (shards, subsets, transforms). Thread-safe when the dataset's get is.
+** KILN_ERR_INVALID_ARGUMENT (NULL), KILN_ERR_INDEX, the dataset's error. */
+KILN_API kiln_status kiln_dataset_read(kiln_dataset *ds, int64_t index, void *const *field_bufs);
 /* Frees the dataset (calls destroy, releases tensor fields). It must outlive every loader
 ** made from it. NULL is a no-op. */
 KILN_API void kiln_dataset_free(kiln_dataset *ds);

@@ -351,6 +351,11 @@ static void test_bad_args(void) {
   CHECK(kiln_dataset_get(ds, 10, out) == KILN_ERR_INDEX);
   CHECK(kiln_dataset_get(ds, 3, out) == KILN_OK && kiln_get(out[0], (int64_t[]){1}) == -3 &&
         kiln_get(out[1], NULL) == 3);
+  float rx[2] = {0, 0};
+  int64_t ry = 0;
+  CHECK(kiln_dataset_read(ds, 4, (void *[]){rx, &ry}) == KILN_OK && rx[1] == -4 && ry == 4);
+  CHECK(kiln_dataset_read(ds, -1, (void *[]){rx, &ry}) == KILN_ERR_INDEX);
+  CHECK(kiln_dataset_read(NULL, 0, (void *[]){rx, &ry}) == KILN_ERR_INVALID_ARGUMENT);
   kiln_scope_end();
   CHECK(kiln_dataset_len(NULL) == -1);
   kiln_dataset_free(NULL);

@@ -123,6 +123,17 @@ kiln_status kiln__dataset_get_into(kiln_dataset *ds, int64_t index, void *const 
   return KILN_OK;
 }
 
+kiln_status kiln_dataset_read(kiln_dataset *ds, int64_t index, void *const *field_bufs) {
+  if (!ds || !field_bufs)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_dataset_read: NULL %s",
+                          ds ? "field_bufs" : "dataset");
+  int64_t n = kiln_dataset_len(ds);
+  if (index < 0 || index >= n)
+    return kiln_set_error(KILN_ERR_INDEX, "kiln_dataset_read: index %lld out of range [0, %lld)",
+                          (long long)index, (long long)n);
+  return kiln__dataset_get_into(ds, index, field_bufs);
+}
+
 kiln_status kiln_dataset_get(kiln_dataset *ds, int64_t index, kiln_tensor **out) {
   if (!ds || !out)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_dataset_get: NULL %s",

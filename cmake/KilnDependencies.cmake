@@ -171,6 +171,12 @@ if(KILN_HAVE_CUDA)
   list(APPEND KILN_DEP_INCLUDE_DIRS ${CUDAToolkit_INCLUDE_DIRS})
   string(APPEND KILN_PC_LIBS_PRIVATE " -L${CUDAToolkit_LIBRARY_DIR} -lcudart -lcublas -lcublasLt")
   string(APPEND KILN_CONFIG_DEPENDENCIES "find_dependency(CUDAToolkit)\n")
+  # The host side of .cu files is C++ (nvcc compiles it with g++) and may use the C++
+  # standard library; a C program linking libkiln.a needs it named.
+  if(NOT APPLE)
+    list(APPEND KILN_DEP_LIBS stdc++)
+    string(APPEND KILN_PC_LIBS_PRIVATE " -lstdc++")
+  endif()
   if(KILN_HAVE_NCCL)
     list(APPEND KILN_DEFINITIONS KILN_HAVE_NCCL=1)
     list(APPEND KILN_DEP_INCLUDE_DIRS "${KILN_NCCL_INCLUDE_DIR}")

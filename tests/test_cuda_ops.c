@@ -13,6 +13,7 @@
 #include "test_ops_index.c"
 #include "test_ops_compare.c"
 #include "test_ops_loss.c"
+#include "test_ops_view.c"
 
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_cuda_ops");
@@ -26,5 +27,6 @@ int main(int argc, char **argv) {
   ix_family();
   cmp_family();
   loss_family();
+  vw_family();
   return h_finish();
 }

@@ -684,6 +684,20 @@ static void test_random(void) {
     for (int v = 0; v < 8 && core_f64_ok; v++) CHECK(seen[v] > 450, "randint value %d seen %d times", v - 3, seen[v]);
     tt_free(&y);
   }
+  /* [lo, hi) stays half-open after rounding to 16 bits */
+  for (int di = 0; di < 4; di++) {
+    tt y = tt_new(FLOATS[di], 1, (int64_t[]){200000}, NULL);
+    kiln__kargs a = kargs(KILN__K_RAND_UNIFORM, 0, 1);
+    a.out[0] = y.v;
+    a.seed = 5;
+    a.s[0] = 0;
+    a.s[1] = 1;
+    run(&a);
+    double mx = 0;
+    for (int64_t k = 0; k < 200000; k++) mx = fmax(mx, get(&y.v, &k));
+    CHECK(mx < 1, "rand %s reached %g (must stay below 1)", kiln_dtype_name(FLOATS[di]), mx);
+    tt_free(&y);
+  }
   /* float-only draws refuse integers */
   tt y = tt_new(KILN_I64, 1, (int64_t[]){4}, NULL);
   kiln__kargs a = kargs(KILN__K_RAND_NORMAL, 0, 1);

@@ -8,23 +8,49 @@
 #include "cpu.h"
 #include "cpu_iter.h"
 #include "../../core/kiln_int.h"
+#include "../../core/half.h"
 
 #include <math.h>
+
+/* The largest value of dtype dt (f32, f16 or bf16) below hi: lo + (hi-lo)*u with u < 1
+** can still round up to hi, in f32 and much more often once stored as 16 bits, and the
+** interval is half-open. */
+static float kiln__below(float hi, kiln_dtype dt) {
+  if (dt != KILN_F16 && dt != KILN_BF16) return nextafterf(hi, -INFINITY);
+  bool h = dt == KILN_F16;
+  uint16_t b = h ? kiln__f32_to_f16(hi) : kiln__f32_to_bf16(hi);
+  float q = h ? kiln__f16_to_f32(b) : kiln__bf16_to_f32(b);
+  if (q < hi) return q; /* hi itself is not representable and rounds down */
+  if ((b & 0x7fffu) == 0)
+    b = 0x8001u; /* +-0: the smallest negative subnormal */
+  else if (b & 0x8000u)
+    b = (uint16_t)(b + 1); /* negative: one step further from zero */
+  else
+    b = (uint16_t)(b - 1); /* positive: one step towards zero */
+  return h ? kiln__f16_to_f32(b) : kiln__bf16_to_f32(b);
+}
 
 static void kiln__rand_uniform_f32(void *o, const void *const *in, int64_t n, int64_t k0,
                                    const kiln__kargs *a) {
   float *y = (float *)o;
-  float lo = (float)a->s[0], w = (float)(a->s[1] - a->s[0]);
+  float lo = (float)a->s[0], hi = (float)a->s[1], w = (float)(a->s[1] - a->s[0]);
+  float top = hi > lo ? kiln__below(hi, a->out[0].dtype) : hi;
   (void)in;
-  for (int64_t i = 0; i < n; i++) y[i] = lo + w * kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i));
+  for (int64_t i = 0; i < n; i++) {
+    float v = lo + w * kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i));
+    y[i] = v > top ? top : v;
+  }
 }
 static void kiln__rand_uniform_f64(void *o, const void *const *in, int64_t n, int64_t k0,
                                    const kiln__kargs *a) {
   double *y = (double *)o;
   double lo = a->s[0], w = a->s[1] - a->s[0];
+  double top = a->s[1] > lo ? nextafter(a->s[1], -INFINITY) : a->s[1];
   (void)in;
-  for (int64_t i = 0; i < n; i++)
-    y[i] = lo + w * kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+  for (int64_t i = 0; i < n; i++) {
+    double v = lo + w * kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+    y[i] = v > top ? top : v;
+  }
 }
 static void kiln__rand_normal_f32(void *o, const void *const *in, int64_t n, int64_t k0,
                                   const kiln__kargs *a) {

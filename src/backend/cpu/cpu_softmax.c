@@ -60,8 +60,9 @@ typedef struct kiln__rows {
   static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
     T m = kiln__rowmax_##SUF(x, n);                                                       \
     if (logsm) {                                                                          \
-      T lse = m + (T)log(kiln__sumexp_##SUF(x, n, m));                                    \
-      for (int64_t i = 0; i < n; i++) x[i] = x[i] - lse;                                  \
+      /* (x - m) - log(s), not x - (m + log(s)): m + log(s) rounds at m's magnitude */    \
+      T ls = (T)log(kiln__sumexp_##SUF(x, n, m));                                         \
+      for (int64_t i = 0; i < n; i++) x[i] = (x[i] - m) - ls;                             \
     } else {                                                                              \
       for (int64_t i = 0; i < n; i++) x[i] = KILN__EXP(x[i] - m);                         \
       T inv = (T)(1.0 / kiln__sum_##SUF(x, n));                                           \

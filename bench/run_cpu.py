@@ -73,6 +73,7 @@ def main():
     info = run_json([os.path.join(bindir, "kiln"), "doctor", "--json"]) if os.path.exists(
         os.path.join(bindir, "kiln")) else {}
 
+    load0 = os.getloadavg()[0]
     rows = []
     k = best([os.path.join(bindir, "seed-mlp"), "--device", "cpu", "--json", "--quiet"], "us_per_step", a.repeat, higher=False)
     t = best([a.python, peer, "seed-mlp", "--device", "cpu"], "us_per_step", a.repeat, higher=False)
@@ -110,10 +111,13 @@ def main():
     if a.no_append:
         return
     env = " ".join("%s=%s" % (v, os.environ[v]) for v in
-                   ("KILN_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS") if v in os.environ)
-    head = "## %s — %s, %d cores; kiln %s (%s); torch %s%s" % (
+                   ("KILN_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY",
+                    "GOMP_SPINCOUNT") if v in os.environ)
+    load = "; load average %.1f at start, %.1f at end (other processes share the cores)" % (
+        load0, os.getloadavg()[0])
+    head = "## %s — %s, %d cores; kiln %s (%s); torch %s%s%s" % (
         datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), cpu_model(), os.cpu_count() or 0,
-        info.get("version", "?"), info.get("build", "?"), torch_ver, ("; env " + env) if env else "")
+        info.get("version", "?"), info.get("build", "?"), torch_ver, ("; env " + env) if env else "", load)
     text = "\n".join([head, "", "| workload (cpu) | kiln | PyTorch | ratio | kiln result | PyTorch result |",
                       "|---|---|---|---|---|---|"] + rows) + "\n\n"
     path = os.path.join(HERE, "RESULTS.md")

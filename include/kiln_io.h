@@ -92,9 +92,10 @@ KILN_API kiln_status kiln_file_write_atomic(const char *path, const void *data, 
 ** truncated data; the message gives the byte offset), KILN_ERR_DTYPE (a dtype kiln lacks),
 ** KILN_ERR_OOM. */
 KILN_API kiln_tensor *kiln_npy_load(const char *path, kiln_device dev);
-/* Writes t (any device, any strides) as a C-order .npy (version 1.0, or 2.0 for a header
-** over 64 KiB), atomically like kiln_file_write_atomic. BF16 has no numpy dtype:
-** KILN_ERR_DTYPE (convert to f32 first). KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO. */
+/* Writes t (any device, any strides) as a C-order .npy, format version 1.0 (kiln's at most
+** 8 dims always fit its header), data 64-aligned, atomically like kiln_file_write_atomic.
+** BF16 has no numpy dtype: KILN_ERR_DTYPE (convert to f32 first).
+** KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO, KILN_ERR_OOM. */
 KILN_API kiln_status kiln_npy_save(const char *path, const kiln_tensor *t);
 
 #ifdef __cplusplus

@@ -126,6 +126,12 @@ kiln_status kiln_device_parse(const char *s, kiln_device *out) {
     return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: '%s' is not a device (use cpu, cuda or cuda:N)", s);
   }
   kiln_status st = check_device(d, "kiln_device_parse");
+  if (st == KILN_ERR_UNAVAILABLE) {
+    const char *why = NULL;
+    kiln_backend_available(KILN_DEVICE_CUDA, &why);
+    return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: no device %s: cuda is not available (%s)", s,
+                          why ? why : "unknown reason");
+  }
   if (st != KILN_OK) return st;
   *out = d;
   return KILN_OK;

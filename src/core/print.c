@@ -70,7 +70,7 @@ static void emit(sbuf *b, const double *v, const int64_t *shape, const int64_t *
       if (!skipped) {
         skipped = true;
         if (dim == ndim - 1)
-          sb_printf(b, "..., ");
+          sb_printf(b, " ..., "); /* PyTorch pads the ellipsis with a space */
         else
           sb_printf(b, "...,\n%*s", indent + dim + 1, "");
       }

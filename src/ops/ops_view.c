@@ -28,8 +28,8 @@ static kiln_status infer_shape(const char *op, const kiln_tensor *t, int ndim, c
       infer = i;
     } else if (shape[i] < 0) {
       return kiln_set_error(KILN_ERR_SHAPE, "%s: invalid size %lld in %s", op, (long long)shape[i], kiln__shape_cstr(ndim, shape));
-    } else {
-      known *= shape[i];
+    } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: shape %s is too large", op, kiln__shape_cstr(ndim, shape));
     }
     out[i] = shape[i];
   }

@@ -326,7 +326,16 @@ static void test_bad_args(void) {
   o = kiln_loader_opts_default();
   o.collate_n_out = 2;
   CHECK(kiln_loader_new(ds, &o) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
-  kiln_loader *l = kiln_loader_new(ds, NULL); /* defaults */
+  o = kiln_loader_opts_default();
+  o.batch_size = INT64_MAX;
+  kiln_loader *l = kiln_loader_new(ds, &o);
+  CHECK(l && kiln_loader_len(l) == 1);
+  kiln_tensor *one[2];
+  CHECK(kiln_loader_next(l, one) == 1 && kiln_size(one[1], 0) == 10);
+  kiln_tensor_free(one[0]);
+  kiln_tensor_free(one[1]);
+  kiln_loader_free(l);
+  l = kiln_loader_new(ds, NULL); /* defaults */
   CHECK(l && kiln_loader_len(l) == 10);
   CHECK(kiln_loader_next(l, NULL) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
   CHECK(kiln_loader_next(NULL, NULL) == -1);

@@ -66,7 +66,7 @@ kiln_loader_opts kiln_loader_opts_default(void) {
 
 static int64_t batches_for(const kiln_loader *l, int64_t n) {
   int64_t b = l->o.batch_size;
-  return l->o.drop_last ? n / b : (n + b - 1) / b;
+  return n / b + (!l->o.drop_last && n % b != 0); /* no n + b - 1: b may be near INT64_MAX */
 }
 
 kiln_loader *kiln_loader_new(kiln_dataset *ds, const kiln_loader_opts *opts) {

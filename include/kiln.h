@@ -462,6 +462,12 @@ KILN_API kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad);
 KILN_API kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
                                         kiln_tensor *const *grad_outputs, int n_inputs,
                                         kiln_tensor *const *inputs, kiln_tensor **grads_out);
+/* Calls fn(t, ctx) inside kiln_backward as soon as the gradient of leaf t is complete for
+** that backward (every path into t has been processed), while the rest of the backward
+** still runs: data-parallel training starts communicating a bucket of gradients there.
+** One hook per tensor; fn NULL removes it. */
+typedef void (*kiln_grad_hook)(kiln_tensor *t, void *ctx);
+KILN_API kiln_status kiln_set_grad_ready_hook(kiln_tensor *t, kiln_grad_hook fn, void *ctx);
 /* A tensor sharing t's data, cut from the graph. */
 KILN_API kiln_tensor *kiln_detach(kiln_tensor *t);
 /* Grad mode (thread-local, default on). Returns the previous value. */

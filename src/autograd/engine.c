@@ -157,6 +157,15 @@ kiln_status kiln_retain_grad(kiln_tensor *t) {
   return KILN_OK;
 }
 
+kiln_status kiln_set_grad_ready_hook(kiln_tensor *t, kiln_grad_hook fn, void *ctx) {
+  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_set_grad_ready_hook: NULL tensor");
+  if (fn && (t->grad_fn || !t->requires_grad))
+    return kiln_set_error(KILN_ERR_AUTOGRAD, "kiln_set_grad_ready_hook: only leaves that require grad take a hook");
+  t->hook = fn;
+  t->hook_ctx = fn ? ctx : NULL;
+  return KILN_OK;
+}
+
 kiln_tensor *kiln_detach(kiln_tensor *t) {
   if (!t) return NULL;
   return kiln__tensor_alias(t, true);
@@ -289,6 +298,14 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   for (int i = 0; i < all.n && st == KILN_OK; i++) {
     kiln__node *n = all.v[i];
     for (int k = 0; k < n->n_in; k++) {
+      kiln_tensor *leaf = n->next[k].leaf;
+      if (leaf && leaf->hook) { /* count the paths into a hooked leaf */
+        if (leaf->hook_epoch != epoch) {
+          leaf->hook_epoch = epoch;
+          leaf->hook_pending = 0;
+        }
+        leaf->hook_pending++;
+      }
       kiln__node *m = n->next[k].node;
       if (!m) continue;
       if (m->visit_mark != epoch) {
@@ -337,6 +354,9 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
         }
       }
       kiln_tensor_free(gi[k]);
+      kiln_tensor *hl = n->next[k].leaf;
+      if (st == KILN_OK && hl && hl->hook && hl->hook_epoch == epoch && --hl->hook_pending == 0 && !cap->grads)
+        hl->hook(hl, hl->hook_ctx);
       kiln__node *m = n->next[k].node;
       if (m && --m->deps == 0 && !push(&ready, m))
         st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");

@@ -100,6 +100,10 @@ struct kiln_tensor {
   kiln_tensor *grad; /* ref held */
   kiln__node *grad_fn; /* ref held */
   int scope_refs; /* how many references scopes hold on this handle */
+  /* grad-ready hook (kiln_set_grad_ready_hook): edges still to come in this backward */
+  kiln_grad_hook hook;
+  void *hook_ctx;
+  int hook_pending, hook_epoch;
 };
 
 /* Makes a handle over s (takes a new reference on s). ndim/shape/strides copied;

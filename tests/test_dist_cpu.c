@@ -15,41 +15,7 @@
 ** Skips (77) when kiln was built without MPI or mpirun is not on PATH.
 */
 #define _POSIX_C_SOURCE 200809L
-#include <kiln.h>
-#include <kiln_data.h>
-#include <kiln_dist.h>
-#include <kiln_nn.h>
-#include <kiln_optim.h>
-
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include "harness.h"
-
-#define N_SAMPLES 64
-#define N_IN 5
-#define N_HIDDEN 16
-#define N_CLASSES 3
-#define GLOBAL_BATCH 16
-#define EPOCHS 2
-#define DATA_SEED 5
-
-/* A status call that must fail with code and say why. */
-#define EXPECT_ST(expr, code, what)                                                       \
-  do {                                                                                    \
-    kiln_status st_ = (expr);                                                             \
-    H_CHECK(st_ == (code) && kiln_last_error_message()[0], "%s: got %s (%s)", (what),     \
-            kiln_error_name(st_), kiln_last_error_message());                            \
-  } while (0)
-
-static bool under_launcher(void) {
-  return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
-}
+#include "dist/dist_common.h"
 
 /* ---- checks that need no process group ------------------------------------------- */
 
@@ -138,148 +104,6 @@ static void test_null_group(void) {
                "NULL value");
 }
 
-/* ---- the model and the data ------------------------------------------------------ */
-
-static kiln_module *make_mlp(uint64_t seed, int64_t hidden) {
-  kiln_generator *g = kiln_generator_new(seed);
-  kiln_module *net = kiln_sequential_new();
-  kiln_sequential_append(net, kiln_linear_new(N_IN, hidden, true, KILN_F64, kiln_device_cpu(), g));
-  kiln_sequential_append(net, kiln_relu_new());
-  kiln_sequential_append(net, kiln_linear_new(hidden, N_CLASSES, true, KILN_F64, kiln_device_cpu(), g));
-  kiln_generator_free(g);
-  return net;
-}
-
-/* Sum and sum of squares of all parameters, weighted by position (order-sensitive). */
-static double checksum(kiln_module *m) {
-  kiln_tensor *ps[16];
-  int n = kiln_module_parameters(m, ps, 16);
-  double s = 0;
-  for (int i = 0; i < n; i++) {
-    int64_t k = 0;
-    double *v = h_values(ps[i], &k);
-    for (int64_t j = 0; j < k; j++) s += v[j] * (1.0 + 1e-3 * (double)(j + 31 * i));
-    free(v);
-  }
-  return s;
-}
-
-/* Largest |a - b| over all parameters, relative to the largest |b|. */
-static double max_rel_diff(kiln_module *a, kiln_module *b) {
-  kiln_tensor *pa[16], *pb[16];
-  int n = kiln_module_parameters(a, pa, 16);
-  kiln_module_parameters(b, pb, 16);
-  double worst = 0, scale = 0;
-  for (int i = 0; i < n; i++) {
-    int64_t k = 0;
-    double *va = h_values(pa[i], &k), *vb = h_values(pb[i], &k);
-    for (int64_t j = 0; j < k; j++) {
-      worst = fmax(worst, fabs(va[j] - vb[j]));
-      scale = fmax(scale, fabs(vb[j]));
-    }
-    free(va);
-    free(vb);
-  }
-  return worst / (scale > 0 ? scale : 1);
-}
-
-static kiln_tensor *step_loss(kiln_module *net, kiln_tensor *x, kiln_tensor *y) {
-  return kiln_cross_entropy(kiln_module_forward(net, x), y, KILN_REDUCTION_MEAN, -100, 0);
-}
-
-/* DDP training on this rank's shard vs one process on the global batches (rank 0). */
-static void test_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const char *name) {
-  int rank = kiln_dist_rank(d), world = kiln_dist_world_size(d);
-  kiln_generator *dg = kiln_generator_new(123); /* the same data on every rank */
-  kiln_tensor *x = kiln_keep(kiln_randn(KILN_SHAPE(N_SAMPLES, N_IN), KILN_F64, kiln_device_cpu(), dg));
-  kiln_tensor *y = kiln_keep(kiln_randint(0, N_CLASSES, KILN_SHAPE(N_SAMPLES), KILN_I64,
-                                          kiln_device_cpu(), dg));
-  kiln_generator_free(dg);
-  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
-  kiln_dataset *shard = kiln_dist_shard_dataset(ds, rank, world, true, DATA_SEED, false);
-
-  /* each rank starts from other weights: the wrapper must broadcast rank 0's */
-  kiln_module *net = make_mlp(7 + 100 * (uint64_t)rank, N_HIDDEN);
-  kiln_ddp_opts dopt = kiln_ddp_opts_default();
-  dopt.bucket_mb = 300.0 / 1048576.0; /* ~300 bytes: several buckets */
-  kiln_ddp *ddp = kiln_ddp_new(d, net, &dopt);
-  H_CHECK(ddp != NULL, "%s: kiln_ddp_new: %s", name, kiln_last_error_message());
-  if (!ddp) return;
-  H_CHECK(kiln_ddp_num_buckets(ddp) >= 3, "%s: %d buckets", name, kiln_ddp_num_buckets(ddp));
-  int in_buckets = 0;
-  for (int b = 0; b < kiln_ddp_num_buckets(ddp); b++) in_buckets += kiln_ddp_bucket_params(ddp, b);
-  H_CHECK(in_buckets == 4, "%s: every parameter in one bucket (%d)", name, in_buckets);
-  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, net);
-
-  kiln_module *ref = rank == 0 ? make_mlp(7, N_HIDDEN) : NULL;
-  kiln_optimizer *ref_opt = ref ? kiln_optimizer_new_module(&cfg, ref) : NULL;
-
-  kiln_loader_opts lo = kiln_loader_opts_default();
-  lo.batch_size = GLOBAL_BATCH / world;
-  lo.num_workers = 1;
-  kiln_loader *l = kiln_loader_new(shard, &lo);
-  double worst_loss = 0;
-  int steps = 0;
-  for (uint64_t epoch = 0; epoch < EPOCHS; epoch++) {
-    kiln_dist_shard_set_epoch(shard, epoch);
-    kiln_loader_epoch(l, epoch);
-    int64_t order[N_SAMPLES];
-    kiln_dist_shard_indices(N_SAMPLES, 0, 1, true, DATA_SEED, epoch, false, order);
-    for (int s = 0;; s++) {
-      kiln_scope_begin();
-      kiln_tensor *b[2];
-      int r = kiln_loader_next(l, b);
-      if (r != 1) {
-        H_CHECK(r == 0, "%s: loader: %s", name, kiln_last_error_message());
-        kiln_scope_end();
-        break;
-      }
-      kiln_optimizer_zero_grad(opt);
-      kiln_tensor *loss = step_loss(net, b[0], b[1]);
-      kiln_status st = kiln_backward(loss, NULL);
-      if (st == KILN_OK) st = kiln_ddp_sync_grads(ddp);
-      if (st == KILN_OK) st = kiln_optimizer_step(opt);
-      H_CHECK(st == KILN_OK, "%s: step: %s", name, kiln_last_error_message());
-      double lv = kiln_item(loss);
-      kiln_dist_allreduce_scalar(d, &lv, KILN_DIST_AVG);
-      if (ref) {
-        kiln_tensor *idx = kiln_from_data(order + s * GLOBAL_BATCH, KILN_SHAPE(GLOBAL_BATCH),
-                                          KILN_I64, kiln_device_cpu());
-        kiln_optimizer_zero_grad(ref_opt);
-        kiln_tensor *rl = step_loss(ref, kiln_index_select(x, 0, idx), kiln_index_select(y, 0, idx));
-        kiln_backward(rl, NULL);
-        kiln_optimizer_step(ref_opt);
-        worst_loss = fmax(worst_loss, fabs(kiln_item(rl) - lv) / fabs(kiln_item(rl)));
-      }
-      steps++;
-      kiln_scope_end();
-    }
-  }
-  H_CHECK(steps == EPOCHS * N_SAMPLES / GLOBAL_BATCH, "%s: %d steps", name, steps);
-  if (ref) {
-    double rel = max_rel_diff(net, ref);
-    H_CHECK(rel <= 1e-6, "%s: parameters vs one process on the global batch: rel diff %.3g", name, rel);
-    H_CHECK(worst_loss <= 1e-9, "%s: averaged loss vs one process: rel diff %.3g", name, worst_loss);
-  }
-  double sums[8];
-  kiln_dist_allgather_scalar(d, checksum(net), sums);
-  bool same = true;
-  for (int r = 1; r < world; r++) same = same && sums[r] == sums[0];
-  H_CHECK(same, "%s: parameters bit-identical on every rank (%.17g vs %.17g)", name, sums[0],
-          sums[world - 1]);
-
-  kiln_loader_free(l);
-  kiln_optimizer_free(ref_opt);
-  kiln_module_free(ref);
-  kiln_optimizer_free(opt);
-  kiln_ddp_free(ddp);
-  kiln_module_free(net);
-  kiln_dataset_free(shard);
-  kiln_dataset_free(ds);
-  kiln_tensor_free(x);
-  kiln_tensor_free(y);
-}
-
 /* ---- collectives ----------------------------------------------------------------- */
 
 static void test_collectives(kiln_dist *d) {
@@ -355,7 +179,7 @@ static void test_partial_grads(kiln_dist *d) {
   kiln_module_free(m);
 
   /* rank 1 builds a wider model: refused on every rank, nobody hangs */
-  kiln_module *net = make_mlp(1, rank == 1 ? N_HIDDEN + 1 : N_HIDDEN);
+  kiln_module *net = dc_make_mlp(1, rank == 1 ? DC_HIDDEN + 1 : DC_HIDDEN, KILN_F64, kiln_device_cpu());
   kiln_ddp *bad = kiln_ddp_new(d, net, NULL);
   H_CHECK(!bad && kiln_last_error() == KILN_ERR_STATE, "different models refused (%s)",
           kiln_last_error_message());
@@ -386,9 +210,9 @@ static int run_rank(void) {
   test_collectives(d);
   kiln_optim_config sgd = kiln_sgd_config(0.1);
   sgd.momentum = 0.9;
-  test_ddp_matches_single(d, sgd, "sgd+momentum");
+  dc_ddp_matches_single(d, sgd, "sgd+momentum", kiln_device_cpu(), KILN_F64, 1e-6);
   kiln_optim_config adam = kiln_adam_config(0.01);
-  test_ddp_matches_single(d, adam, "adam");
+  dc_ddp_matches_single(d, adam, "adam", kiln_device_cpu(), KILN_F64, 1e-6);
   test_partial_grads(d);
   kiln_dist_free(d);
   H_CHECK(!kiln_dist_init(&o) && kiln_last_error() == KILN_ERR_STATE, "MPI cannot start twice");
@@ -400,10 +224,10 @@ static int run_singleton(void) {
   H_CHECK(d != NULL, "singleton kiln_dist_init: %s", kiln_last_error_message());
   if (!d) return h_finish();
   H_CHECK(kiln_dist_world_size(d) == 1 && kiln_dist_is_main(d), "without mpirun: a world of one");
-  kiln_module *net = make_mlp(3, N_HIDDEN);
+  kiln_module *net = dc_make_mlp(3, DC_HIDDEN, KILN_F64, kiln_device_cpu());
   kiln_ddp *ddp = kiln_ddp_new(d, net, NULL);
   kiln_scope_begin();
-  kiln_tensor *x = kiln_ones(KILN_SHAPE(4, N_IN), KILN_F64, kiln_device_cpu());
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(4, DC_IN), KILN_F64, kiln_device_cpu());
   kiln_backward(kiln_sum_all(kiln_module_forward(net, x)), NULL);
   double before = kiln_item(kiln_sum_all(kiln_grad(kiln_module_param(net, "0.weight"))));
   H_CHECK(kiln_ddp_sync_grads(ddp) == KILN_OK, "sync in a world of one");
@@ -416,38 +240,10 @@ static int run_singleton(void) {
   return h_finish();
 }
 
-static char *find_on_path(const char *name) {
-  const char *path = getenv("PATH");
-  if (!path) return NULL;
-  char *copy = strdup(path), *save = NULL;
-  char *found = NULL;
-  for (char *dir = strtok_r(copy, ":", &save); dir && !found; dir = strtok_r(NULL, ":", &save)) {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s/%s", dir, name);
-    if (access(buf, X_OK) == 0) found = strdup(buf);
-  }
-  free(copy);
-  return found;
-}
-
-/* Runs argv as a child and returns its exit status (-1 when it could not run). */
-static int run_child(char *const argv[]) {
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid < 0) return -1;
-  if (pid == 0) {
-    execv(argv[0], argv);
-    _exit(127);
-  }
-  int status = 0;
-  if (waitpid(pid, &status, 0) < 0) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
-}
-
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_dist_cpu");
   if (getenv("KILN_TEST_DIST_SINGLETON")) return run_singleton();
-  if (under_launcher()) return run_rank();
+  if (dc_under_launcher()) return run_rank();
 
   test_shard_rules();
   test_shard_dataset();
@@ -457,33 +253,21 @@ int main(int argc, char **argv) {
     h_finish();
     return 77;
   }
-  char *mpirun = find_on_path("mpirun");
-  if (!mpirun) {
+  char self[4096];
+  dc_self(self, sizeof self, argv[0]);
+
+  /* alone: MPI's singleton mode */
+  setenv("KILN_TEST_DIST_SINGLETON", "1", 1);
+  int rc = dc_run_child((char *[]){self, NULL});
+  unsetenv("KILN_TEST_DIST_SINGLETON");
+  H_CHECK(rc == 0, "the singleton run exited with %d", rc);
+
+  rc = dc_mpirun_self(self, 2);
+  if (rc == -1) {
     printf("test_dist_cpu: no mpirun on PATH: the multi-process part is skipped\n");
     h_finish();
     return 77;
   }
-  char self[4096];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n <= 0) snprintf(self, sizeof self, "%s", argv[0]);
-  else self[n] = 0;
-
-  /* alone: MPI's singleton mode */
-  setenv("KILN_TEST_DIST_SINGLETON", "1", 1);
-  int rc = run_child((char *[]){self, NULL});
-  unsetenv("KILN_TEST_DIST_SINGLETON");
-  H_CHECK(rc == 0, "the singleton run exited with %d", rc);
-
-  /* two ranks; one thread each (2 cores), run as root in a sandbox, shared memory only */
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  setenv("KILN_NUM_THREADS", "1", 1);
-  setenv("OMP_NUM_THREADS", "1", 1);
-  setenv("OPENBLAS_NUM_THREADS", "1", 1);
-  char *args[] = {mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none",
-                  "--mca", "btl", "self,vader", "--timeout", "120", self, NULL};
-  rc = run_child(args);
   H_CHECK(rc == 0, "mpirun -np 2 exited with %d", rc);
-  free(mpirun);
   return h_finish();
 }

@@ -49,6 +49,13 @@ struct kiln_ddp {
   int n_buckets;
 };
 
+bool kiln__ddp_always_reduce = false;
+
+/* Whether there is anything to reduce. */
+static bool reduces(const kiln_ddp *ddp) {
+  return kiln_dist_world_size(ddp->d) > 1 || (ddp->d && kiln__ddp_always_reduce);
+}
+
 kiln_ddp_opts kiln_ddp_opts_default(void) {
   kiln_ddp_opts o;
   memset(&o, 0, sizeof o);
@@ -155,7 +162,7 @@ static kiln_status build_buckets(kiln_ddp *ddp) {
     kiln_dtype cdt = kiln__dist_comm_dtype(cdev, pdt);
     int64_t len = bk->numel + bk->n;
     bk->bytes = len * (int64_t)kiln_dtype_size(cdt);
-    if (kiln_dist_world_size(ddp->d) == 1) continue; /* no memory for an identity */
+    if (!reduces(ddp)) continue; /* no memory for an identity */
     bk->flat = kiln_keep(kiln_zeros(1, &len, cdt, cdev));
     if (!bk->flat) return kiln_last_error();
   }
@@ -169,7 +176,8 @@ static kiln_status refresh(kiln_ddp *ddp) {
   uint64_t sig = layout_sig(ddp->params, ddp->n_params);
   st = check_same_layout(ddp, sig);
   if (st != KILN_OK) return st;
-  if (sig != ddp->sig || !ddp->slots) {
+  bool unbuffered = reduces(ddp) && ddp->n_buckets > 0 && !ddp->buckets[0].flat;
+  if (sig != ddp->sig || !ddp->slots || unbuffered) {
     st = build_buckets(ddp);
     if (st != KILN_OK) {
       free_buckets(ddp);
@@ -240,7 +248,7 @@ static kiln_status bucket_finish(kiln_ddp *ddp, int b) {
 kiln_status kiln_ddp_sync_grads(kiln_ddp *ddp) {
   if (!ddp) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_ddp_sync_grads: NULL wrapper");
   kiln_status st = refresh(ddp);
-  if (st != KILN_OK || kiln_dist_world_size(ddp->d) == 1) return st;
+  if (st != KILN_OK || !reduces(ddp)) return st;
   bool prev = kiln_set_grad_enabled(false);
   for (int b = 0; b < ddp->n_buckets && st == KILN_OK; b++) {
     kiln_scope_begin();

@@ -63,4 +63,10 @@ void *kiln__dist_ptr(const kiln_tensor *t);
 /* Checks op against dt ("AVG needs a floating dtype"). */
 kiln_status kiln__dist_check_op(const char *what, kiln_dtype dt, kiln_dist_op op);
 
+/* ---- ddp.c ---- */
+/* Test hook: run the buckets (copy in, collective, copy back) even in a world of one,
+** where kiln_ddp_sync_grads normally returns at once, so that a one-GPU machine can
+** exercise the NCCL path. */
+extern bool kiln__ddp_always_reduce;
+
 #endif /* KILN_DIST_INT_H */

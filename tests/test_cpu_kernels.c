@@ -325,9 +325,9 @@ static void test_unary(void) {
   }
   /* large enough for the threaded path, output transposed */
   {
-    tt x = tt_new(KILN_F32, 2, (int64_t[]){300, 257}, NULL);
+    tt x = tt_new(KILN_F32, 2, (int64_t[]){600, 257}, NULL);
     fill_rand(&x.v, -3, 3);
-    tt y = tt_new(KILN_F32, 2, (int64_t[]){300, 257}, (const int[]){1, 0});
+    tt y = tt_new(KILN_F32, 2, (int64_t[]){600, 257}, (const int[]){1, 0});
     kiln__kargs a = kargs(KILN__K_TANH, 1, 1);
     a.in[0] = x.v;
     a.out[0] = y.v;
@@ -797,9 +797,9 @@ static void test_reduce(void) {
     run(&a);
     CHECK(isnan(ys[0]) && ys[1] == 4, "amin NaN: %g %g", ys[0], ys[1]);
   }
-  /* accuracy of a 1e6-element f32 sum, full and by rows of the threaded path */
+  /* accuracy of a 1.5e6-element f32 sum (past the threading threshold), full and by rows */
   {
-    int64_t n = 1000000;
+    int64_t n = 1500000;
     tt x = tt_new(KILN_F32, 1, &n, NULL);
     double want = 0;
     for (int64_t k = 0; k < n; k++) {
@@ -813,22 +813,22 @@ static void test_reduce(void) {
     a.in[0] = x.v;
     a.out[0] = vy;
     CHECK(run(&a) == KILN_OK, "sum 1e6");
-    CHECK(fabs(got - want) / want < 1e-6, "sum of 1e6 f32: got %.9g want %.9g (rel %.3g)", got, want,
+    CHECK(fabs(got - want) / want < 1e-6, "sum of 1.5e6 f32: got %.9g want %.9g (rel %.3g)", got, want,
           fabs(got - want) / want);
-    /* (1000, 1000) summed over dim 0 (outer) and dim 1 (inner) */
+    /* (1500, 1000) summed over dim 0 (outer) and dim 1 (inner) */
     for (int d = 0; d < 2; d++) {
-      kiln__view v2 = {x.buf, KILN_F32, 2, {1000, 1000}, {1000, 1}};
-      tt y = tt_new(KILN_F32, 2, (int64_t[]){d == 0 ? 1 : 1000, d == 0 ? 1000 : 1}, NULL);
+      kiln__view v2 = {x.buf, KILN_F32, 2, {1500, 1000}, {1000, 1}};
+      tt y = tt_new(KILN_F32, 2, (int64_t[]){d == 0 ? 1 : 1500, d == 0 ? 1000 : 1}, NULL);
       a.in[0] = v2;
       a.out[0] = y.v;
       CHECK(run(&a) == KILN_OK, "sum dim %d", d);
       int bad = 0;
-      for (int j = 0; j < 1000; j++) {
+      for (int j = 0; j < (d == 0 ? 1000 : 1500); j++) {
         double s = 0;
-        for (int i = 0; i < 1000; i++) s += ((float *)x.buf)[d == 0 ? i * 1000 + j : j * 1000 + i];
+        for (int i = 0; i < (d == 0 ? 1500 : 1000); i++) s += ((float *)x.buf)[d == 0 ? i * 1000 + j : j * 1000 + i];
         if (fabs(((float *)y.buf)[j] - s) > 1e-6 * s) bad++;
       }
-      CHECK(bad == 0, "sum (1000,1000) over dim %d: %d bad", d, bad);
+      CHECK(bad == 0, "sum (1500,1000) over dim %d: %d bad", d, bad);
       tt_free(&y);
     }
     tt_free(&x);
@@ -1400,8 +1400,8 @@ static void test_scalars_and_threads(void) {
   a.out[0] = vy;
   CHECK(run(&a) == KILN_OK && y == -2.5f, "sum of a 0-d view: %g", y);
 
-  /* softmax rows (64, 1024) and cross entropy (512, 300): split across threads */
-  int64_t R = 64, C = 1024;
+  /* softmax rows (128, 2048) and cross entropy (512, 300): split across threads */
+  int64_t R = 128, C = 2048;
   tt sx = tt_new(KILN_F32, 2, (int64_t[]){R, C}, NULL), sy = tt_new(KILN_F32, 2, (int64_t[]){R, C}, NULL);
   fill_rand(&sx.v, -5, 5);
   a = kargs(KILN__K_SOFTMAX, 1, 1);
@@ -1444,8 +1444,8 @@ static void test_scalars_and_threads(void) {
   tt_free(&loss);
   tt_free(&lse);
 
-  /* index_select / gather over 4096 rows of 64 */
-  int64_t S = 1000, D = 64, Q = 4096;
+  /* index_select / gather over 20000 rows of 64 */
+  int64_t S = 1000, D = 64, Q = 20000;
   tt src = tt_new(KILN_F32, 2, (int64_t[]){S, D}, NULL), idx = tt_new(KILN_I64, 1, &Q, NULL);
   tt out = tt_new(KILN_F32, 2, (int64_t[]){Q, D}, NULL);
   fill_rand(&src.v, -1, 1);
@@ -1480,10 +1480,33 @@ static void test_scalars_and_threads(void) {
   tt_free(&gi);
   tt_free(&go);
 
+  /* a memory-bound op over 1.2e6 elements, broadcast second operand */
+  {
+    int64_t n0 = 1200, n1 = 1000;
+    tt ax = tt_new(KILN_F32, 2, (int64_t[]){n0, n1}, NULL), z = tt_new(KILN_F32, 2, (int64_t[]){n0, n1}, NULL);
+    tt b = tt_new(KILN_F32, 2, (int64_t[]){1, n1}, NULL);
+    fill_rand(&ax.v, -1, 1);
+    fill_rand(&b.v, -1, 1);
+    b.v.shape[0] = n0;
+    b.v.strides[0] = 0;
+    a = kargs(KILN__K_ADD, 2, 1);
+    a.in[0] = ax.v;
+    a.in[1] = b.v;
+    a.out[0] = z.v;
+    a.s[0] = 1;
+    CHECK(run(&a) == KILN_OK, "add large");
+    bad = 0;
+    for (int64_t k = 0; k < n0 * n1; k++)
+      if (((float *)z.buf)[k] != ((float *)ax.buf)[k] + ((float *)b.buf)[k % n1]) bad++;
+    CHECK(bad == 0, "add large broadcast: %d wrong", bad);
+    tt_free(&ax);
+    tt_free(&z);
+    tt_free(&b);
+  }
   /* max_dim and amax over many rows */
-  tt mx = tt_new(KILN_F32, 2, (int64_t[]){2048, 40}, (const int[]){1, 0});
+  tt mx = tt_new(KILN_F32, 2, (int64_t[]){30000, 40}, (const int[]){1, 0});
   fill_rand(&mx.v, -9, 9);
-  tt mv = tt_new(KILN_F32, 2, (int64_t[]){2048, 1}, NULL), mi = tt_new(KILN_I64, 2, (int64_t[]){2048, 1}, NULL);
+  tt mv = tt_new(KILN_F32, 2, (int64_t[]){30000, 1}, NULL), mi = tt_new(KILN_I64, 2, (int64_t[]){30000, 1}, NULL);
   a = kargs(KILN__K_MAX_DIM, 1, 2);
   a.in[0] = mx.v;
   a.out[0] = mv.v;
@@ -1491,7 +1514,7 @@ static void test_scalars_and_threads(void) {
   a.i[1] = 1;
   CHECK(run(&a) == KILN_OK, "max_dim large");
   bad = 0;
-  for (int64_t r = 0; r < 2048; r++) {
+  for (int64_t r = 0; r < 30000; r++) {
     int64_t best = 0;
     for (int64_t c = 1; c < 40; c++)
       if (get(&mx.v, (int64_t[]){r, c}) > get(&mx.v, (int64_t[]){r, best})) best = c;

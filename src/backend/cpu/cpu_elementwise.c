@@ -417,7 +417,7 @@ kiln_status kiln__cpu_copy(const kiln__kargs *a) {
     c.v[1] = a->in[0];
     c.rc.es = kiln__cpu_esize(od);
     kiln__views_coalesce(c.v, 2);
-    kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN * 4, kiln__raw_range, &c);
+    kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN_CHEAP, kiln__raw_range, &c);
     return KILN_OK;
   }
   kiln_dtype ct;

@@ -107,7 +107,7 @@ kiln_status kiln__cpu_index_select(const kiln__kargs *a) {
   int64_t row = kiln__view_numel(src) / (src->shape[d] ? src->shape[d] : 1);
   kiln__isel c = {a, (int)d};
   int64_t work = K * row;
-  kiln__cpu_parallel_for(K, work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / (row + 1) + 1,
+  kiln__cpu_parallel_for(K, work < KILN__CPU_PAR_MIN_CHEAP ? INT64_MAX : KILN__CPU_PAR_MIN_CHEAP / (row + 1) + 1,
                          kiln__isel_range, &c);
   return KILN_OK;
 }
@@ -234,7 +234,7 @@ kiln_status kiln__cpu_gather(const kiln__kargs *a) {
   for (int e = 0; e < out->ndim; e++) c.v[2].shape[e] = out->shape[e];
   c.v[2].strides[d] = 0;
   kiln__views_coalesce(c.v, 3);
-  kiln__cpu_parallel_for(n, KILN__CPU_PAR_MIN, kiln__gather_range, &c);
+  kiln__cpu_parallel_for(n, KILN__CPU_PAR_MIN_CHEAP, kiln__gather_range, &c);
   return KILN_OK;
 }
 

@@ -13,13 +13,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Below this many elements an op runs on one thread: starting a parallel region costs
-** microseconds, more than a small op's whole work. Ops that are a few instructions per
-** element (add, copy, compare) are memory-bound and gain little from a second core, so
-** they wait for KILN__CPU_PAR_MIN_CHEAP; transcendental ones and the RNG for
-** KILN__CPU_PAR_MIN. */
-#define KILN__CPU_PAR_MIN 32768
-#define KILN__CPU_PAR_MIN_CHEAP 131072
+/* Below this many elements an op runs on one thread. Threads cost far more than the
+** fork: after each parallel region libgomp's workers spin (by default ~300k pause loops,
+** milliseconds) on cores that OpenBLAS's threads, the data loader and the caller want, so
+** a training step that opened a region per op measured 10x slower on 2 cores than one
+** that opened none. Hence high thresholds: memory-bound ops (add, copy, compare, sums;
+** a second core adds little bandwidth) need KILN__CPU_PAR_MIN_CHEAP elements, ops of
+** tens of instructions per element (exp, tanh, erf, the RNG) KILN__CPU_PAR_MIN. */
+#define KILN__CPU_PAR_MIN 131072
+#define KILN__CPU_PAR_MIN_CHEAP 1048576
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256
 #define KILN__CPU_MAXV 5

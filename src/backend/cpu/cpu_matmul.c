@@ -41,7 +41,7 @@ static void kiln__blas_sync_threads(void) {}
 #endif
 
 /* Below this many multiply-adds a GEMM runs on one thread, and batches run in parallel. */
-#define KILN__MM_PAR_FLOPS (1 << 18)
+#define KILN__MM_PAR_FLOPS (1 << 22)
 
 /* Whether a (rows, cols) matrix with strides (rs, cs) can be passed to a row-major GEMM,
 ** untransposed (*trans = 0) or transposed (*trans = 1), and with which leading dim. */

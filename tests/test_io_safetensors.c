@@ -269,6 +269,12 @@ static void test_crafted_errors(void) {
   kiln_dict *d = load_crafted("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
   CHECK(d && kiln_dict_size(d) == 1);
   kiln_dict_free(d);
+  /* JSON order need not be data order; the dict follows the data */
+  d = load_crafted("{\"b\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[4,6]},"
+                   "\"a\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}    ", 6);
+  CHECK(d && kiln_dict_size(d) == 2 && strcmp(kiln_dict_key(d, 0), "a") == 0 &&
+        kiln_ndim(kiln_dict_get(d, "a")) == 0 && kiln_numel(kiln_dict_get(d, "b")) == 2);
+  kiln_dict_free(d);
   expect_error("{\"fc1.weight\":{\"dtype\":\"F32\",\"shape\":[1024],\"data_offsets\":[0,4096]}}", 1024,
                KILN_ERR_FORMAT, "tensor 'fc1.weight' data_offsets [0, 4096) end past the data area of 1024 bytes");
   expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"

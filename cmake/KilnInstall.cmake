@@ -33,6 +33,7 @@ install(FILES "${CMAKE_CURRENT_BINARY_DIR}/kilnConfig.cmake"
 # kiln.pc: ${pcfiledir} makes it relocatable (pkg-config and pkgconf both define it).
 file(RELATIVE_PATH KILN_PC_PREFIX_FROM_PCDIR
      "/kiln-root/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/kiln-root")
+string(REGEX REPLACE "/$" "" KILN_PC_PREFIX_FROM_PCDIR "${KILN_PC_PREFIX_FROM_PCDIR}")
 configure_file(cmake/kiln.pc.in "${CMAKE_CURRENT_BINARY_DIR}/kiln.pc" @ONLY)
 install(FILES "${CMAKE_CURRENT_BINARY_DIR}/kiln.pc"
   DESTINATION "${CMAKE_INSTALL_LIBDIR}/pkgconfig")

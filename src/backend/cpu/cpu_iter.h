@@ -78,6 +78,7 @@ kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
 ** NaN stays NaN. */
 static inline float kiln__expf(float x) {
   float xc = x < -87.3f ? -87.3f : (x > 88.7228f ? 88.7228f : x);
+  xc = x != x ? 0.0f : xc; /* keeps the float -> int conversion below defined */
   float t = xc * 1.44269504088896341f + 12582912.0f;
   float n = t - 12582912.0f;
   float r = xc - n * 0.693359375f;
@@ -91,7 +92,7 @@ static inline float kiln__expf(float x) {
   float y = p * r * r + r + 1.0f;
   /* 2^n as two factors: n reaches 128 near the top of the range, -126 at the bottom */
   int32_t ni = (int32_t)n, h = ni >> 1;
-  int32_t e1 = (h + 127) << 23, e2 = (ni - h + 127) << 23;
+  uint32_t e1 = (uint32_t)(h + 127) << 23, e2 = (uint32_t)(ni - h + 127) << 23;
   float s1, s2;
   memcpy(&s1, &e1, 4);
   memcpy(&s2, &e2, 4);

@@ -4,6 +4,7 @@
 */
 #include "kiln_int.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 
 typedef struct frame {
@@ -14,14 +15,35 @@ typedef struct frame {
 static _Thread_local frame *frames;
 static _Thread_local int depth, frames_cap;
 
+/* A thread that used scopes frees its frames when it exits (loader workers, user
+** threads): a pthread key whose destructor runs at thread exit. */
+static pthread_key_t frames_key;
+static pthread_once_t frames_key_once = PTHREAD_ONCE_INIT;
+
+static void free_frames(void *p) {
+  frame *fs = p;
+  if (!fs) return;
+  if (fs == frames) {
+    for (int i = 0; i < frames_cap; i++) free(frames[i].items);
+    frames_cap = 0;
+    depth = 0;
+    frames = NULL;
+  }
+  free(fs);
+}
+
+static void make_frames_key(void) { pthread_key_create(&frames_key, free_frames); }
+
 void kiln_scope_begin(void) {
   if (depth == frames_cap) {
+    pthread_once(&frames_key_once, make_frames_key);
     int ncap = frames_cap ? frames_cap * 2 : 8;
     frame *nf = realloc(frames, (size_t)ncap * sizeof *nf);
     if (!nf) kiln__abort(__FILE__, __LINE__, "out of host memory for a scope frame");
     for (int i = frames_cap; i < ncap; i++) nf[i] = (frame){NULL, 0, 0};
     frames = nf;
     frames_cap = ncap;
+    pthread_setspecific(frames_key, frames);
   }
   frames[depth].n = 0;
   depth++;

@@ -4,6 +4,7 @@
 ** broadcast (stride 0), size 0 and size 1; dtypes f32 f64 f16 bf16 and integers.
 ** Exits 0 when every check passes; prints one line per failing check otherwise.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include "kiln.h"
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
@@ -1318,6 +1319,13 @@ static void test_memory(void) {
   CHECK(b->host_visible && b->device_count() == 1, "host visible, one device");
   const char *why = "x";
   CHECK(b->probe(&why) == KILN_OK, "probe");
+  /* the env var is read at the first allocation of the process (this one) */
+  setenv("KILN_CPU_FAIL_ALLOC_AFTER", "1", 1);
+  void *e1 = b->alloc(0, 8), *e2 = b->alloc(0, 8);
+  CHECK(e1 != NULL && e2 == NULL && kiln_last_error() == KILN_ERR_OOM,
+        "KILN_CPU_FAIL_ALLOC_AFTER=1: the second allocation fails");
+  kiln__cpu_fail_alloc_after(-1);
+  b->free(0, e1, 8);
   kiln_memory_stats s0, s1;
   b->memory_stats(0, &s0);
   void *z1 = b->alloc(0, 0), *z2 = b->alloc(0, 0);
@@ -1328,7 +1336,7 @@ static void test_memory(void) {
   CHECK(s1.allocated == s0.allocated + 1000 && s1.reserved == s1.allocated, "allocated %lld",
         (long long)s1.allocated);
   CHECK(s1.num_allocs == s0.num_allocs + 3 && s1.peak_allocated >= s1.allocated, "counts");
-  CHECK(b->memset_zero(0, p, 1000) == KILN_OK && ((char *)p)[999] == 0, "memset");
+  if (p) CHECK(b->memset_zero(0, p, 1000) == KILN_OK && ((char *)p)[999] == 0, "memset");
   b->free(0, p, 1000);
   b->free(0, z1, 0);
   b->free(0, z2, 0);

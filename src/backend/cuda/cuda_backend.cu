@@ -316,6 +316,7 @@ static bool cuda_supports(const kiln__kargs *a) {
   case KILN__K_CROSS_ENTROPY_BACKWARD:
     return kiln__cuda_softmax_supports(a);
   case KILN__K_MATMUL: return kiln__cuda_matmul_supports(a);
+  case KILN__K_ADAM: return kiln__cuda_adam_supports(a);
   case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
   case KILN__K_SCATTER_ADD:
     return kiln__cuda_index_supports(a);
@@ -336,6 +337,7 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
             op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD)
              ? kiln__cuda_softmax
          : op == KILN__K_MATMUL ? kiln__cuda_matmul
+         : op == KILN__K_ADAM ? kiln__cuda_adam
          : (op == KILN__K_INDEX_SELECT || op == KILN__K_INDEX_ADD || op == KILN__K_GATHER ||
             op == KILN__K_SCATTER_ADD)
              ? kiln__cuda_index

@@ -305,7 +305,9 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
 
   bool bias_done = false;
   if (has_bias && batch == 1 && !t.f64 && !out_tmp && a->in[2].dtype == O->dtype &&
-      (a->in[2].ndim == 0 || a->in[2].strides[a->in[2].ndim - 1] == 1 || N == 1)) {
+      a->in[2].ndim >= 1 && a->in[2].shape[a->in[2].ndim - 1] == N &&
+      (a->in[2].strides[a->in[2].ndim - 1] == 1 || N == 1)) {
+    /* the epilogue reads N contiguous bias values (a broadcast scalar bias goes below) */
     kiln_status s = lt_bias(d, t, opB, opA, M, N, K, B.data, mb.ld, A.data, ma.ld, C.data, mc.ld,
                             a->in[2].data, af, bf);
     if (s == KILN_OK) bias_done = true;

@@ -14,9 +14,9 @@
 ** kernels queued after them.
 **
 ** Graph capture: no cudaMalloc/cudaFree may happen while a stream captures. Blocks
-** allocated during a capture carry the graph's id; when the capture ends, such blocks
-** that are free, and later frees of the rest, are parked with the graph instead of going
-** back to the free lists, so a replay never writes into memory given to someone else.
+** allocated or freed during a capture carry the graph's id; when the capture ends, such
+** blocks that are free, and later frees of the rest, are parked with the graph instead of
+** going back to the free lists, so a replay never touches memory given to someone else.
 ** They return to the pools when the graph is freed.
 */
 #include "cuda_int.cuh"
@@ -231,6 +231,10 @@ extern "C" void kiln__cuda_free(int device, void *ptr, size_t nbytes) {
   Block *b = it->second;
   m->live.erase(it);
   m->allocated -= (int64_t)b->size;
+  /* Freed while capturing: the graph may use it (an input freed at the end of the step),
+  ** so it joins the capture's blocks, unless an older live graph already holds it. */
+  if (m->capture_id && !(b->graph && b->graph != m->capture_id && m->graphs.count(b->graph)))
+    b->graph = m->capture_id;
   if (b->graph && b->graph != m->capture_id && m->graphs.count(b->graph)) {
     b->allocated = false;
     b->parked = true;

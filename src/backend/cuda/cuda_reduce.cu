@@ -409,6 +409,8 @@ extern "C" kiln_status kiln__cuda_reduce(const kiln__kargs *a) {
                             kiln__kop_name(a->op));
     return kiln__cuda_fill_view(a->device, out, a->op == KILN__K_PROD ? 1.0 : 0.0);
   }
+  /* Only size-1 dims reduced: the same elements, maybe another dtype. */
+  if (p.R == 1) return kiln__cuda_copy_view(a->device, out, in);
   kiln_dtype it = in->dtype, ot = out->dtype;
   if (it == ot) {
     KC_SWITCH_ALL(it, T, return bad(a, "dtype"), return reduce_op<T, T>(d, a, p))

@@ -190,6 +190,13 @@ static void test_partial_grads(kiln_dist *d) {
 /* ---- the processes --------------------------------------------------------------- */
 
 static int run_rank(void) {
+  if (!kiln_dist_mpi_built()) {
+    kiln_dist *d = kiln_dist_init(NULL);
+    H_CHECK(!d && kiln_last_error() == KILN_ERR_UNAVAILABLE &&
+                strstr(kiln_last_error_message(), "built without MPI"),
+            "one of several ranks in a build without MPI is refused: %s", kiln_last_error_message());
+    return h_finish();
+  }
   kiln_dist_opts o = kiln_dist_opts_default();
   o.device = KILN_DIST_DEVICE_CPU;
   o.expected_world_size = 3;
@@ -248,19 +255,25 @@ int main(int argc, char **argv) {
   test_shard_rules();
   test_shard_dataset();
   test_null_group();
-  if (!kiln_dist_mpi_built()) {
-    printf("test_dist_cpu: kiln was built without MPI: the multi-process part is skipped\n");
-    h_finish();
-    return 77;
-  }
   char self[4096];
   dc_self(self, sizeof self, argv[0]);
 
-  /* alone: MPI's singleton mode */
+  /* alone: MPI's singleton mode (or, without MPI, a world of one all the same) */
   setenv("KILN_TEST_DIST_SINGLETON", "1", 1);
   int rc = dc_run_child((char *[]){self, NULL});
   unsetenv("KILN_TEST_DIST_SINGLETON");
   H_CHECK(rc == 0, "the singleton run exited with %d", rc);
+
+  if (!kiln_dist_mpi_built()) {
+    /* what a launcher would say to a build without MPI: refused with the reason */
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    rc = dc_run_child((char *[]){self, NULL});
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    H_CHECK(rc == 0, "the refused launch exited with %d", rc);
+    printf("test_dist_cpu: kiln was built without MPI: the multi-process part is skipped\n");
+    int code = h_finish();
+    return code != 0 ? code : 77;
+  }
 
   rc = dc_mpirun_self(self, 2);
   if (rc == -1) {

@@ -220,7 +220,7 @@ static kiln_status choose_device(kiln_dist *d, kiln_dist_device_mode mode) {
   bool ok = mode != KILN_DIST_DEVICE_CPU && local_cuda_ok(d, why, sizeof why);
   if (mode == KILN_DIST_DEVICE_AUTO && ok) ok = kiln_device_best().type == KILN_DEVICE_CUDA;
   kiln_status st = KILN_OK;
-  char msg[512] = "";
+  char msg[1024] = "";
   if (mode == KILN_DIST_DEVICE_CUDA && !ok) {
     bool topo = strstr(why, "ranks run on this host") != NULL;
     char host[256] = "this host";

@@ -142,6 +142,14 @@ static int run_rank(void) {
   kiln_dist_opts o = kiln_dist_opts_default();
   o.device = KILN_DIST_DEVICE_CUDA;
   kiln_dist *d = kiln_dist_init(&o);
+  if (getenv("KILN_TEST_DIST_TOO_MANY")) {
+    /* two ranks, one GPU: refused on both ranks, naming the counts */
+    H_CHECK(!d && kiln_last_error() == KILN_ERR_DEVICE &&
+                strstr(kiln_last_error_message(), "2 ranks run on this host but it has 1 GPU"),
+            "more ranks than GPUs is refused: %s", kiln_last_error_message());
+    kiln_dist_free(d);
+    return h_finish();
+  }
   H_CHECK(d != NULL, "kiln_dist_init(CUDA): %s", kiln_last_error_message());
   if (!d) return h_finish();
   g_dev = kiln_dist_device(d);
@@ -180,9 +188,15 @@ int main(int argc, char **argv) {
     rc = dc_mpirun_self(self, 2);
     if (rc == -1) printf("test_cuda_dist_nccl: no mpirun on PATH: the two-GPU part is skipped\n");
     else H_CHECK(rc == 0, "mpirun -np 2 on two GPUs exited with %d", rc);
+  } else if (gpus == 1 && kiln_dist_mpi_built()) {
+    printf("test_cuda_dist_nccl: one GPU: the two-GPU part is skipped; two ranks on it must "
+           "be refused\n");
+    setenv("KILN_TEST_DIST_TOO_MANY", "1", 1);
+    rc = dc_mpirun_self(self, 2);
+    unsetenv("KILN_TEST_DIST_TOO_MANY");
+    if (rc != -1) H_CHECK(rc == 0, "mpirun -np 2 on one GPU exited with %d", rc);
   } else {
-    printf("test_cuda_dist_nccl: %d GPU(s)%s: the two-GPU part is skipped\n", gpus,
-           kiln_dist_mpi_built() ? "" : ", no MPI");
+    printf("test_cuda_dist_nccl: %d GPU(s), no MPI: the two-GPU part is skipped\n", gpus);
   }
   return h_finish();
 }

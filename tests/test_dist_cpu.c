@@ -205,6 +205,15 @@ static int run_rank(void) {
               strstr(kiln_last_error_message(), "expects 3 ranks"),
           "a launch with the wrong world size is refused: %s", kiln_last_error_message());
   o.expected_world_size = 0;
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    /* every rank refuses, with the same reason, and nobody waits in NCCL */
+    o.device = KILN_DIST_DEVICE_CUDA;
+    d = kiln_dist_init(&o);
+    H_CHECK(!d && kiln_last_error() == KILN_ERR_UNAVAILABLE &&
+                strstr(kiln_last_error_message(), "device CUDA"),
+            "device CUDA without a GPU is refused: %s", kiln_last_error_message());
+    o.device = KILN_DIST_DEVICE_CPU;
+  }
   d = kiln_dist_init(&o);
   H_CHECK(d != NULL, "kiln_dist_init: %s", kiln_last_error_message());
   if (!d) return h_finish();

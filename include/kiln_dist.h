@@ -83,7 +83,9 @@ KILN_API bool kiln_dist_nccl_built(void);
 ** all ranks run the same kiln build (kiln_version() and kiln_build_info() gathered from
 ** all) and, on CUDA, that this host has a GPU for each of its ranks, then makes the NCCL
 ** communicator (ncclGetUniqueId on rank 0, MPI_Bcast, ncclCommInitRank on
-** cuda:<local rank>, which also becomes the CUDA device of the thread). Started without
+** cuda:<local rank>, which also becomes the CUDA device of the thread). On success it sets
+** KILN_DEVICE in the environment to this rank's device ("cuda:1", "cpu"), so that
+** kiln_device_best() in code written for one process picks the same. Started without
 ** mpirun it is a world of one (MPI's singleton mode). opts NULL: kiln_dist_opts_default().
 ** Every check is agreed on by all ranks before anything that could hang, so a bad launch
 ** fails on every rank with the same message.

@@ -155,6 +155,7 @@ static int run_rank(void) {
   g_dev = kiln_dist_device(d);
   H_CHECK(g_dev.type == KILN_DEVICE_CUDA && g_dev.index == kiln_dist_local_rank(d) &&
               kiln_dist_uses_nccl(d), "rank %d on cuda:%d", kiln_dist_rank(d), g_dev.index);
+  H_CHECK(kiln_device_equal(kiln_device_best(), g_dev), "kiln_device_best() is this rank's GPU");
   check_collectives(d);
   kiln_optim_config sgd = kiln_sgd_config(0.1);
   sgd.momentum = 0.9;

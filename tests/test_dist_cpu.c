@@ -223,6 +223,7 @@ static int run_rank(void) {
   H_CHECK(kiln_dist_local_size(d) == world && kiln_dist_local_rank(d) == kiln_dist_rank(d),
           "one host: local rank = rank");
   H_CHECK(kiln_dist_device(d).type == KILN_DEVICE_CPU && !kiln_dist_uses_nccl(d), "cpu, MPI");
+  H_CHECK(kiln_device_best().type == KILN_DEVICE_CPU, "kiln_device_best() agrees");
   test_collectives(d);
   kiln_optim_config sgd = kiln_sgd_config(0.1);
   sgd.momentum = 0.9;

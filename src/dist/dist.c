@@ -3,6 +3,7 @@
 ** communicator, rank-0 printing. Built with or without MPI: without it a process is a
 ** world of one and a launch of several is refused with a message saying why.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -340,6 +341,10 @@ kiln_dist *kiln_dist_init(const kiln_dist_opts *opts) {
     free(d);
     return NULL;
   }
+  /* programs written for one process pick their device with kiln_device_best(): make it
+  ** answer this rank's device (cuda:<local rank>, not cuda:0 on every rank) */
+  char dev_name[32];
+  setenv("KILN_DEVICE", kiln_device_str(d->device, dev_name, sizeof dev_name), 1);
   g_live = true;
   return d;
 }

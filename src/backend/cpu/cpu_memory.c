@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 static atomic_llong kiln__cpu_allocated;
@@ -52,10 +53,22 @@ static void *kiln__cpu_oom(size_t nbytes) {
   return NULL;
 }
 
+/* Physical memory in bytes (0 when unknown). A request larger than the machine's RAM
+** can only end in the kernel's OOM killer on systems that overcommit (malloc "succeeds",
+** the first touch kills the process), so it is refused here as KILN_ERR_OOM. */
+static size_t physical_memory(void) {
+  static size_t phys;
+  if (!phys) {
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    phys = (pages > 0 && psz > 0) ? (size_t)pages * (size_t)psz : (size_t)-1;
+  }
+  return phys;
+}
+
 void *kiln__cpu_alloc(int device, size_t nbytes) {
   (void)device;
   if (kiln__cpu_injected_failure()) return kiln__cpu_oom(nbytes);
-  if (nbytes > (size_t)INT64_MAX / 2) return kiln__cpu_oom(nbytes);
+  if (nbytes > (size_t)INT64_MAX / 2 || nbytes > physical_memory()) return kiln__cpu_oom(nbytes);
   long long n = (long long)nbytes;
   /* reserve the bytes first so concurrent allocations cannot both pass the limit */
   long long now = atomic_fetch_add(&kiln__cpu_allocated, n) + n;

@@ -199,12 +199,49 @@ void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off) {
     disabled[type][op] = off;
 }
 
+/* ---- KILN_PROFILE=1: host time per kernel op (the launch cost on a GPU, the whole
+** kernel on the CPU), printed at exit. Off by default: one branch per dispatch. ---- */
+static int profile_on = -1;
+static struct {
+  int64_t count;
+  double seconds;
+} prof[2][KILN__K_COUNT];
+
+static void profile_report(void) {
+  double total = 0;
+  for (int t = 0; t < 2; t++)
+    for (int k = 0; k < KILN__K_COUNT; k++) total += prof[t][k].seconds;
+  fprintf(stderr, "kiln profile (host time in kernel calls, KILN_PROFILE=1): %.4f s\n", total);
+  fprintf(stderr, "  %-24s %-5s %10s %10s %9s\n", "op", "dev", "calls", "time (s)", "us/call");
+  for (int t = 0; t < 2; t++)
+    for (int k = 0; k < KILN__K_COUNT; k++)
+      if (prof[t][k].count)
+        fprintf(stderr, "  %-24s %-5s %10lld %10.4f %9.2f\n", kiln__kop_name((kiln__kop)k), t ? "cuda" : "cpu",
+                (long long)prof[t][k].count, prof[t][k].seconds, 1e6 * prof[t][k].seconds / (double)prof[t][k].count);
+}
+
+static bool profiling(void) {
+  if (profile_on < 0) {
+    const char *e = kiln__getenv("KILN_PROFILE");
+    profile_on = e && strcmp(e, "0") != 0;
+    if (profile_on) atexit(profile_report);
+  }
+  return profile_on;
+}
+
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
   const kiln__backend *b = kiln__backend_get(dev.type);
   if (!b) return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: %s backend is not built", kiln__device_cstr(dev));
   a->device = dev.index;
-  if (b->kernels[a->op] && !disabled[dev.type][a->op] && (!b->supports || b->supports(a)))
-    return b->kernels[a->op](a);
+  if (b->kernels[a->op] && !disabled[dev.type][a->op] && (!b->supports || b->supports(a))) {
+    if (!profiling()) return b->kernels[a->op](a);
+    double t0 = kiln__now();
+    kiln_status st = b->kernels[a->op](a);
+    int t = dev.type == KILN_DEVICE_CUDA;
+    prof[t][a->op].count++; /* single-threaded use; counts are approximate under threads */
+    prof[t][a->op].seconds += kiln__now() - t0;
+    return st;
+  }
   if (dev.type == KILN_DEVICE_CPU)
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: op '%s' has no CPU kernel for %s",
                           kiln__kop_name(a->op),

@@ -16,6 +16,9 @@
 */
 #include "cuda_int.cuh"
 
+#include <pthread.h>
+#include <string.h>
+
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <mutex>
@@ -150,6 +153,68 @@ bool types_of(kiln_dtype dt, bool tf32, Types *t) {
   }
 }
 
+/* cuBLASLt plans for the bias epilogue, cached by problem: making the descriptors and
+** asking the heuristic costs tens of microseconds per call, more than a small GEMM takes
+** on the device, so a training loop (the same few shapes every step) pays it once. The
+** bias pointer changes per call and is set on the cached descriptor under the lock. */
+struct LtPlan {
+  bool used, ok;
+  int device;
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  cublasOperation_t opA, opB;
+  int64_t M, N, K, lda, ldb, ldc;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+};
+enum { LT_PLANS = 64 };
+LtPlan lt_plans[LT_PLANS];
+int lt_next;
+pthread_mutex_t lt_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void lt_plan_destroy(LtPlan *p) {
+  if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+  if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+  if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+  if (p->op) cublasLtMatmulDescDestroy(p->op);
+  memset(p, 0, sizeof *p);
+}
+
+/* Builds the plan in place; p->ok false when cuBLASLt has no algorithm for it. */
+void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
+  cublasLtHandle_t lt = (cublasLtHandle_t)d->blaslt;
+  cublasLtMatmulPreference_t pref = NULL;
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  uint64_t ws = d->workspace_size;
+  cublasLtMatmulHeuristicResult_t heur;
+  int nres = 0;
+  const void *nullbias = NULL;
+  p->ok = false;
+  if (cublasLtMatmulDescCreate(&p->op, p->compute, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
+  if (cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &p->opB, sizeof p->opB) ||
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &p->opA, sizeof p->opA) ||
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ||
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &nullbias, sizeof nullbias))
+    return;
+  if (cublasLtMatrixLayoutCreate(&p->la, p->data, p->opB == CUBLAS_OP_N ? p->N : p->K,
+                                 p->opB == CUBLAS_OP_N ? p->K : p->N, p->ldb) ||
+      cublasLtMatrixLayoutCreate(&p->lb, p->data, p->opA == CUBLAS_OP_N ? p->K : p->M,
+                                 p->opA == CUBLAS_OP_N ? p->M : p->K, p->lda) ||
+      cublasLtMatrixLayoutCreate(&p->lc, p->data, p->N, p->M, p->ldc))
+    return;
+  if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                           sizeof ws) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &heur, &nres) ==
+          CUBLAS_STATUS_SUCCESS &&
+      nres > 0) {
+    p->algo = heur.algo;
+    p->ok = true;
+  }
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+}
+
 /* The bias epilogue for one 2-D product. Returns KILN_OK when done, KILN_ERR_UNSUPPORTED
 ** (without setting the last error) when cuBLASLt has no algorithm: then the caller adds
 ** the bias itself. */
@@ -157,47 +222,41 @@ kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
                     cublasOperation_t opA, int64_t M, int64_t N, int64_t K, const void *B,
                     int64_t ldb, const void *A, int64_t lda, void *C, int64_t ldc,
                     const void *bias, float alpha, float beta) {
-  cublasLtHandle_t lt = (cublasLtHandle_t)d->blaslt;
-  cublasLtMatmulDesc_t op = NULL;
-  cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
-  cublasLtMatmulPreference_t pref = NULL;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  pthread_mutex_lock(&lt_lock);
+  LtPlan *p = NULL;
+  for (int i = 0; i < LT_PLANS && !p; i++) {
+    LtPlan *q = &lt_plans[i];
+    if (q->used && q->device == dev && q->data == t.data && q->compute == t.compute &&
+        q->opA == opA && q->opB == opB && q->M == M && q->N == N && q->K == K &&
+        q->lda == lda && q->ldb == ldb && q->ldc == ldc)
+      p = q;
+  }
+  if (!p) { /* a new problem: take the next slot, round robin */
+    p = &lt_plans[lt_next];
+    lt_next = (lt_next + 1) % LT_PLANS;
+    lt_plan_destroy(p);
+    p->used = true;
+    p->device = dev;
+    p->data = t.data;
+    p->compute = t.compute;
+    p->opA = opA;
+    p->opB = opB;
+    p->M = M, p->N = N, p->K = K, p->lda = lda, p->ldb = ldb, p->ldc = ldc;
+    lt_plan_make(d, p);
+  }
   kiln_status st = KILN_ERR_UNSUPPORTED;
-  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-  uint64_t ws = d->workspace_size;
-  cublasLtMatmulHeuristicResult_t heur;
-  int nres = 0;
-  if (cublasLtMatmulDescCreate(&op, t.compute, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) goto done;
-  if (cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opB, sizeof opB) ||
-      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opA, sizeof opA) ||
-      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ||
-      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias))
-    goto done;
-  if (cublasLtMatrixLayoutCreate(&la, t.data, opB == CUBLAS_OP_N ? N : K,
-                                 opB == CUBLAS_OP_N ? K : N, ldb) ||
-      cublasLtMatrixLayoutCreate(&lb, t.data, opA == CUBLAS_OP_N ? K : M,
-                                 opA == CUBLAS_OP_N ? M : K, lda) ||
-      cublasLtMatrixLayoutCreate(&lc, t.data, N, M, ldc))
-    goto done;
-  if (cublasLtMatmulPreferenceCreate(&pref) ||
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                           sizeof ws))
-    goto done;
-  if (cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &nres) !=
-          CUBLAS_STATUS_SUCCESS ||
-      nres == 0)
-    goto done;
-  {
-    cublasStatus_t s = cublasLtMatmul(lt, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc,
-                                      &heur.algo, d->workspace, d->workspace_size, d->stream);
+  if (p->ok &&
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
+          CUBLAS_STATUS_SUCCESS) {
+    cublasStatus_t s = cublasLtMatmul((cublasLtHandle_t)d->blaslt, p->op, &alpha, B, p->la, A, p->lb,
+                                      &beta, C, p->lc, C, p->lc, &p->algo, d->workspace,
+                                      d->workspace_size, d->stream);
     /* A refusal here (say, a bias pointer it will not take) leaves the plain path. */
     st = s == CUBLAS_STATUS_SUCCESS ? KILN_OK : KILN_ERR_UNSUPPORTED;
   }
-done:
-  if (pref) cublasLtMatmulPreferenceDestroy(pref);
-  if (lc) cublasLtMatrixLayoutDestroy(lc);
-  if (lb) cublasLtMatrixLayoutDestroy(lb);
-  if (la) cublasLtMatrixLayoutDestroy(la);
-  if (op) cublasLtMatmulDescDestroy(op);
+  pthread_mutex_unlock(&lt_lock);
   return st;
 }
 

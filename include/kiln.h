@@ -433,12 +433,15 @@ KILN_API kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x); /
 /* Fused Adam/AdamW update of one parameter, in place, in one kernel (PyTorch's formulas:
 ** torch.optim.Adam/AdamW). param, grad and the state tensors must have one shape, dtype
 ** and device and be contiguous; max_exp_avg_sq may be NULL unless amsgrad. step is the
-** update count after this one (>= 1). decoupled selects AdamW's weight decay. */
+** update count after this one (>= 1). decoupled selects AdamW's weight decay. When
+** step_t (an f64 one-element tensor on the parameter's device) is given, the kernel reads
+** the count from it instead (step_t + 1) and the call then adds 1 to it on the device:
+** nothing the host passes changes between steps, so the update can be graph-captured. */
 KILN_API kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
                                      kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq,
                                      double lr, double beta1, double beta2, double eps,
                                      double weight_decay, int64_t step, bool decoupled,
-                                     bool amsgrad);
+                                     bool amsgrad, kiln_tensor *step_t);
 
 /* --------------------------------------------------------------------------------------
 ** Autograd.

@@ -60,6 +60,11 @@ typedef struct kiln_optim_config {
   double beta1, beta2;
   double eps;
   bool amsgrad;
+  /* Adam/AdamW: keep each parameter's step count on its device and read it there, so a
+  ** captured training step (kiln_graph_capture) advances the bias correction on every
+  ** replay (PyTorch's capturable=True). The lr is fixed into a captured graph: re-capture
+  ** after changing it. kiln_optimizer_steps() counts eager steps only. */
+  bool capturable;
 } kiln_optim_config;
 
 /* PyTorch's defaults: SGD momentum 0, dampening 0, wd 0; Adam betas (0.9, 0.999),

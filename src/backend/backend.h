@@ -135,7 +135,8 @@ typedef struct kiln__view {
   /* in0 grad; out0 param, out1 exp_avg, out2 exp_avg_sq, out3 max_exp_avg_sq (amsgrad, */ \
   /* n_out == 4) — all read and written. s0 lr, s1 beta1, s2 beta2, s3 eps; i0 step */   \
   /* (>= 1, for bias correction), i1 flags: 1 decoupled weight decay (AdamW), 2 */        \
-  /* amsgrad; i2 = weight decay as the bits of a double (memcpy). PyTorch's formulas. */  \
+  /* amsgrad, 4 step on the device: in1 is an f64 one-element step count (the kernel */  \
+  /* uses in1 + 1 and does not write it); i2 = weight decay as the bits of a double. */   \
   X(ADAM, "adam")
 
 typedef enum kiln__kop {

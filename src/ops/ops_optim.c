@@ -6,7 +6,7 @@
 kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
                             kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
                             double beta1, double beta2, double eps, double weight_decay,
-                            int64_t step, bool decoupled, bool amsgrad) {
+                            int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
   kiln_tensor *ts[5] = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq};
   int n = amsgrad ? 5 : 4;
   for (int i = 0; i < n; i++)
@@ -29,6 +29,14 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
     if (!kiln_is_contiguous(ts[i]))
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_adam_step_: tensor %d is not contiguous", i);
   }
+  if (step_t) {
+    if (step_t->dtype != KILN_F64 || kiln_numel(step_t) != 1 ||
+        !kiln_device_equal(kiln_device_of(step_t), kiln_device_of(param)))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                            "kiln_adam_step_: step_t must be one float64 element on %s",
+                            kiln__device_cstr(kiln_device_of(param)));
+    step = 1; /* unused by the kernel */
+  }
   if (step < 1) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_adam_step_: step must be >= 1, got %lld", (long long)step);
   if (kiln_numel(param) == 0) return KILN_OK;
   kiln__kargs a = {0};
@@ -45,7 +53,20 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
   a.s[2] = beta2;
   a.s[3] = eps;
   a.i[0] = step;
-  a.i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0);
+  a.i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0) | (step_t ? 4 : 0);
   memcpy(&a.i[2], &weight_decay, sizeof weight_decay);
-  return kiln__dispatch(kiln_device_of(param), &a);
+  if (step_t) {
+    a.n_in = 2;
+    a.in[1] = kiln__view_of(step_t);
+  }
+  kiln_status st = kiln__dispatch(kiln_device_of(param), &a);
+  if (st != KILN_OK || !step_t) return st;
+  /* step_t += 1, on the device, after the kernel read it (stream order) */
+  kiln__kargs inc = {0};
+  inc.op = KILN__K_AFFINE;
+  inc.n_in = inc.n_out = 1;
+  inc.in[0] = inc.out[0] = kiln__view_of(step_t);
+  inc.s[0] = 1.0;
+  inc.s[1] = 1.0;
+  return kiln__dispatch(kiln_device_of(step_t), &inc);
 }

@@ -25,9 +25,12 @@ static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__pa
     int nbuf = c->amsgrad ? 3 : 2;
     for (int k = 0; k < nbuf; k++)
       if (!s->buf[k] && !(s->buf[k] = kiln_keep(kiln_zeros_like(p)))) return kiln_last_error();
+    if (c->capturable && !s->step_t &&
+        !(s->step_t = kiln_keep(kiln_scalar((double)s->step, KILN_F64, kiln_device_of(p)))))
+      return kiln_last_error();
     return kiln_adam_step_(p, g, s->buf[0], s->buf[1], c->amsgrad ? s->buf[2] : NULL, c->lr,
                            c->beta1, c->beta2, c->eps, c->weight_decay, s->step + 1,
-                           c->kind == KILN_OPTIM_ADAMW, c->amsgrad);
+                           c->kind == KILN_OPTIM_ADAMW, c->amsgrad, s->step_t);
   }
   if (c->maximize) g = kiln_neg(g);
   if (!g) return kiln_last_error();

@@ -18,6 +18,7 @@ enum { KILN__OPTIM_MAX_STATE = 3 };
 typedef struct kiln__param_state {
   int64_t step;                             /* updates applied to this parameter */
   kiln_tensor *buf[KILN__OPTIM_MAX_STATE];  /* owned; NULL until first needed */
+  kiln_tensor *step_t; /* capturable: the step count (f64, 0-dim) on the param's device */
 } kiln__param_state;
 
 typedef kiln_status (*kiln__optim_rule_fn)(const kiln_optim_config *cfg, int n,

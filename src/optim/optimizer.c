@@ -165,6 +165,7 @@ void kiln_optimizer_free(kiln_optimizer *o) {
   for (int i = 0; i < o->n; i++) {
     kiln_tensor_free(o->params[i]);
     for (int k = 0; k < KILN__OPTIM_MAX_STATE; k++) kiln_tensor_free(o->st[i].buf[k]);
+    kiln_tensor_free(o->st[i].step_t);
   }
   free(o->params);
   free(o->st);
@@ -226,6 +227,8 @@ static kiln_status sync_module(kiln_optimizer *o, const char *who) {
       }
     }
     if (st == KILN_OK) {
+      kiln_tensor_free(o->st[i].step_t); /* made again on the new device from .step */
+      o->st[i].step_t = NULL;
       kiln_tensor_free(o->params[i]);
       o->params[i] = kiln_tensor_ref(o->scratch[i]);
     }
@@ -337,6 +340,10 @@ kiln_dict *kiln_optimizer_state_dict(const kiln_optimizer *co) {
   if (st == KILN_OK) st = kiln__meta_set_i64(d, "steps", o->steps);
   char key[64];
   for (int i = 0; i < o->n && st == KILN_OK; i++) {
+    if (o->st[i].step_t) { /* capturable: the device holds the true count (graph replays) */
+      double v = kiln_item(o->st[i].step_t);
+      if (v == v) ((kiln_optimizer *)o)->st[i].step = (int64_t)v;
+    }
     if (o->st[i].step) {
       snprintf(key, sizeof key, "state.%d.step", i);
       st = kiln__meta_set_i64(d, key, o->st[i].step);
@@ -471,7 +478,11 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
         s->buf[j % KILN__OPTIM_MAX_STATE] = fresh[j];
       }
       if (st == KILN_OK) {
-        for (int i = 0; i < o->n; i++) o->st[i].step = stepv[i];
+        for (int i = 0; i < o->n; i++) {
+          o->st[i].step = stepv[i];
+          kiln_tensor_free(o->st[i].step_t); /* made again from .step */
+          o->st[i].step_t = NULL;
+        }
         o->cfg = cfg;
         o->steps = steps;
       }

@@ -81,6 +81,7 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   hp.decoupled = (a->i[1] & 1) != 0;
   hp.amsgrad = (a->i[1] & 2) != 0 && a->n_out > 3;
   int64_t step = a->i[0] > 0 ? a->i[0] : 1;
+  if ((a->i[1] & 4) && a->n_in > 1) step = (int64_t)(*(const double *)a->in[1].data) + 1;
   double bc1 = 1.0 - pow(hp.beta1, (double)step);
   double bc2 = 1.0 - pow(hp.beta2, (double)step);
   hp.step_size = hp.lr / bc1;

@@ -16,9 +16,17 @@ struct kc_adam_hp {
 template <class T, class C>
 __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__restrict__ m,
                                T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hp hp,
-                               double lr_d, double wd_d, double ss_d, double bc2s_d) {
+                               double lr_d, double wd_d, double ss_d, double bc2s_d,
+                               const double *__restrict__ step_dev) {
   /* C is the compute type: float for f32/f16/bf16, double for f64 (hyper-parameters are
   ** passed both ways so f64 keeps full precision). */
+  if (step_dev) { /* capturable: the step count lives on the device (graph replays) */
+    double t = *step_dev + 1.0;
+    ss_d = lr_d / (1.0 - pow((double)hp.b1, t));
+    bc2s_d = sqrt(1.0 - pow((double)hp.b2, t));
+    hp.step_size = (float)ss_d;
+    hp.bc2_sqrt = (float)bc2s_d;
+  }
   const C lr = sizeof(C) == 8 ? (C)lr_d : (C)hp.lr;
   const C wd = sizeof(C) == 8 ? (C)wd_d : (C)hp.wd;
   const C ss = sizeof(C) == 8 ? (C)ss_d : (C)hp.step_size;
@@ -74,13 +82,14 @@ extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
   int64_t cap = (int64_t)dev->sm_count * 8;
   if (blocks > cap) blocks = cap > 0 ? cap : 1;
   void *vmax = hp.amsgrad ? a->out[3].data : NULL;
+  const double *step_dev = ((a->i[1] & 4) && a->n_in > 1) ? (const double *)a->in[1].data : NULL;
   KC_SWITCH_FLOAT(dt, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
                   {
                     typedef typename kc_traits<T>::acc C;
                     kc_adam_kernel<T, C><<<(unsigned)blocks, threads, 0, dev->stream>>>(
                         (T *)a->out[0].data, (const T *)a->in[0].data, (T *)a->out[1].data,
-                        (T *)a->out[2].data, (T *)vmax, n, hp, a->s[0], wd, a->s[0] / bc1, sqrt(bc2));
+                        (T *)a->out[2].data, (T *)vmax, n, hp, a->s[0], wd, a->s[0] / bc1, sqrt(bc2), step_dev);
                   })
   return kiln__cuda_launched("adam");
 }

@@ -8,7 +8,10 @@
 **   loss.item() every step, "Epoch N, Loss: X" with the mean over the epoch's batches.
 **
 ** Usage: seed-mlp [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X] [--workers N]
-**                 [--json] [--quiet]
+**                 [--graph] [--json] [--quiet]
+** --graph records the training step once per batch shape (after one eager step at that
+** shape, which trains like any other) and replays it: CUDA graphs on a GPU, the same
+** calls run eagerly on the CPU. The loss is still read with kiln_item every step.
 ** --json ends the output with one JSON line of figures (the same names as the peer's).
 */
 #define _POSIX_C_SOURCE 200809L
@@ -30,10 +33,34 @@
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X]\n"
-             "                [--workers N] [--json] [--quiet]\n"
+             "                [--workers N] [--graph] [--json] [--quiet]\n"
              "  The seed's MLP: 20000 x 64 Gaussian inputs, label sum > 0, Linear(64,128)-ReLU-\n"
              "  Linear(128,2), cross-entropy, Adam, shuffled batches. Defaults: the best device,\n"
              "  20 epochs, batch 128, lr 1e-3, no loader workers.\n");
+}
+
+/* The captured step: reads the static batch, writes the static loss. */
+typedef struct step_ctx {
+  kiln_module *model;
+  kiln_optimizer *opt;
+  kiln_tensor *x, *y, *loss; /* static: made before the capture, reused by replays */
+} step_ctx;
+
+static kiln_status train_step(void *p) {
+  step_ctx *c = p;
+  kiln_scope_begin();
+  kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(c->model, c->x), c->y,
+                                         KILN_REDUCTION_MEAN, -100, 0.0);
+  kiln_optimizer_zero_grad(c->opt);
+  kiln_status st = kiln_backward(loss, NULL);
+  if (st == KILN_OK) st = kiln_optimizer_step(c->opt);
+  if (st == KILN_OK) {
+    bool prev = kiln_set_grad_enabled(false);
+    st = kiln_copy_(c->loss, loss);
+    kiln_set_grad_enabled(prev);
+  }
+  kiln_scope_end();
+  return st;
 }
 
 static int fail(const char *what) {
@@ -45,11 +72,12 @@ static int fail(const char *what) {
 int main(int argc, char **argv) {
   long long epochs = 20, batch = 128, workers = 0;
   double lr = 1e-3;
-  bool json = false, quiet = false;
+  bool json = false, quiet = false, graph = false;
   const char *devname = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
     if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--graph")) graph = true;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
@@ -97,6 +125,7 @@ int main(int argc, char **argv) {
     return fail("building the model");
 
   kiln_optim_config cfg = kiln_adam_config(lr);
+  cfg.capturable = graph; /* the step count lives on the device, so replays advance it */
   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
@@ -119,6 +148,11 @@ int main(int argc, char **argv) {
     fflush(stdout);
   }
 
+  /* --graph: one recorded step per batch shape (full batches, and the smaller last one) */
+  step_ctx sc[2];
+  kiln_graph *graphs[2] = {NULL, NULL};
+  memset(sc, 0, sizeof sc);
+
   kiln_device_synchronize(dev);
   double t0 = ex_now();
   int64_t steps = 0;
@@ -137,7 +171,30 @@ int main(int argc, char **argv) {
       int r = kiln_loader_next(loader, b);
       kiln_status st = KILN_OK;
       double lv = 0;
-      if (r == 1) {
+      if (r == 1 && graph) {
+        int k = kiln_size(b[0], 0) == batch ? 0 : 1;
+        step_ctx *c = &sc[k];
+        if (!graphs[k]) {
+          /* first step at this shape: static tensors, one eager step, then the capture */
+          c->model = model;
+          c->opt = opt;
+          c->x = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, dev));
+          c->y = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, dev));
+          c->loss = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev));
+          st = (c->x && c->y && c->loss) ? KILN_OK : kiln_last_error();
+          if (st == KILN_OK) st = kiln_copy_(c->x, b[0]);
+          if (st == KILN_OK) st = kiln_copy_(c->y, b[1]);
+          if (st == KILN_OK) st = train_step(c);
+          if (st == KILN_OK) lv = kiln_item(c->loss);
+          if (st == KILN_OK && !(graphs[k] = kiln_graph_capture(dev, train_step, c))) st = kiln_last_error();
+        } else {
+          st = kiln_copy_(c->x, b[0]);
+          if (st == KILN_OK) st = kiln_copy_(c->y, b[1]);
+          if (st == KILN_OK) st = kiln_graph_replay(graphs[k]);
+          if (st == KILN_OK) lv = kiln_item(c->loss);
+        }
+        seen += kiln_size(b[0], 0);
+      } else if (r == 1) {
         kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
                                                KILN_REDUCTION_MEAN, -100, 0.0);
         kiln_optimizer_zero_grad(opt);
@@ -177,14 +234,20 @@ int main(int argc, char **argv) {
 
   if (!quiet) printf("train accuracy: %.4f, %.2f s, %.1f us/step\n", acc, dt, dt / (double)steps * 1e6);
   if (json)
-    printf("{\"example\":\"seed-mlp\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
+    printf("{\"example\":\"seed-mlp%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"
            "\"train_acc\":%.4f,\"kiln\":\"%s\"}\n",
-           dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
+           graph ? "-graph" : "", dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
            last, acc, kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr); /* prints nothing when no op fell back */
 
+  for (int k = 0; k < 2; k++) {
+    kiln_graph_free(graphs[k]);
+    kiln_tensor_free(sc[k].x);
+    kiln_tensor_free(sc[k].y);
+    kiln_tensor_free(sc[k].loss);
+  }
   kiln_loader_free(loader);
   kiln_dataset_free(ds);
   kiln_optimizer_free(opt);

@@ -37,6 +37,17 @@ static void test_train(void) {
            "quiet output is not one line: %s", r.out);
   CR_CHECK(cr_json_num(r.out, "batch") == 512, "batch 512");
   cr_free(&r);
+
+  /* --graph: the recorded step (run eagerly on the CPU) trains exactly like the plain loop,
+  ** with a smaller last batch (20000 = 156 * 128 + 32) taking its own recording. */
+  r = cr_run(NULL, "seed-mlp", "--device cpu --epochs 2 --json --quiet");
+  cr_result rg = cr_run(NULL, "seed-mlp", "--device cpu --epochs 2 --json --quiet --graph");
+  CR_CHECK(r.status == 0 && rg.status == 0, "graph run exited %d: %s", rg.status, rg.err);
+  CR_CHECK(strstr(rg.out, "\"example\":\"seed-mlp-graph\""), "graph JSON: %s", rg.out);
+  CR_CHECK(cr_json_num(rg.out, "final_loss") == cr_json_num(r.out, "final_loss"),
+           "graph final_loss %g vs eager %g", cr_json_num(rg.out, "final_loss"), cr_json_num(r.out, "final_loss"));
+  cr_free(&r);
+  cr_free(&rg);
 }
 
 static void test_bad_flags(void) {

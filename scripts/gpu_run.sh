@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: build kiln with CUDA for sm_90, run the GPU-labelled
+# tests and the rest of the suite, then the benchmarks next to their PyTorch peers.
+# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|bench|all]...
+# The machine has no Debian dev packages: .debs/ (carried, git-ignored) holds OpenBLAS,
+# zlib and cJSON, unpacked into a private prefix, never into /.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+steps=${*:-all}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+pfx=/tmp/kiln-deps
+if [ -d .debs ] && [ ! -d $pfx ]; then
+  mkdir -p $pfx
+  for f in .debs/*.deb; do dpkg -x "$f" $pfx; done
+fi
+lib=$pfx/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=$lib/openblas-pthread:$lib:${LD_LIBRARY_PATH:-}
+has() { case " $steps " in *" $1 "*|*" all "*) return 0;; esac; return 1; }
+
+if has build; then
+  {
+    echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; gcc --version | head -1; cmake --version | head -1; nvcc --version | tail -2
+    zinc=; zlibf=
+    if [ ! -f /usr/include/zlib.h ]; then zinc="-DZLIB_INCLUDE_DIR=$pfx/usr/include"; fi
+    for z in /usr/lib/x86_64-linux-gnu/libz.so /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1; do
+      [ -e "$z" ] && { zlibf="-DZLIB_LIBRARY=$z"; break; }
+    done
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DKILN_CUDA_ARCHS=90 \
+      -DKILN_OPENBLAS_LIBRARY=$lib/openblas-pthread/libopenblas.so \
+      -DKILN_CBLAS_INCLUDE_DIR=$pfx/usr/include/x86_64-linux-gnu/openblas-pthread \
+      $zinc $zlibf -DKILN_WERROR=OFF 2>&1
+    time cmake --build build-gpu -j16 2>&1 | grep -E "error|warning:|Error" | head -60
+    ls build-gpu/bin | head -80
+  } > "$OUT/build.log" 2>&1
+  tail -25 "$OUT/build.log"
+fi
+
+if has test; then
+  (cd build-gpu && timeout 400 ctest -L gpu --output-on-failure -j4) > "$OUT/gpu-tests.log" 2>&1
+  grep -E "tests passed|Failed|Passed|Skipped|\*\*\*" "$OUT/gpu-tests.log" | tail -30
+  (cd build-gpu && timeout 300 ctest -LE gpu -j16) > "$OUT/cpu-tests.log" 2>&1
+  grep -E "tests passed|\*\*\*Failed" "$OUT/cpu-tests.log" | tail -10
+fi
+
+if has bench; then
+  peer=.peer/torch_peer.py   # a carried copy of ../shared/bench/torch_peer.py
+  [ -f $peer ] || peer=../shared/bench/torch_peer.py
+  {
+    echo "== kiln doctor"; build-gpu/bin/kiln doctor
+    echo "== kiln seed-mlp profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --json --quiet
+    echo "== kiln seed-mlp (cuda)"; build-gpu/bin/seed-mlp --device cuda --json --quiet
+    echo "== kiln seed-mlp (cuda, graph)"; build-gpu/bin/seed-mlp --device cuda --graph --json --quiet
+    echo "== kiln bench-sweep"; build-gpu/bin/bench-sweep --device cuda
+    echo "== kiln bench-ceilings"; build-gpu/bin/bench-ceilings --device cuda
+    if [ -f "$peer" ]; then
+      echo "== torch seed-mlp"; python3 $peer seed-mlp --device cuda
+      echo "== torch seed-mlp preload"; python3 $peer seed-mlp --device cuda --preload
+      echo "== torch bs-sweep"; python3 $peer bs-sweep --device cuda
+      echo "== torch ceilings"; python3 $peer ceilings --device cuda
+    else
+      echo "torch_peer.py not found"
+    fi
+  } > "$OUT/bench.log" 2>&1
+  grep -E "^\{|TFLOP|GB/s|samples|==" "$OUT/bench.log" | tail -40
+fi

@@ -42,6 +42,9 @@ typedef struct cuda_result {
   double h2d_gbps; /* NAN when not measured */
   bool mem_ok;
   kiln_memory_stats mem;
+  bool info_ok;
+  kiln_device_info info;
+  double pinned_h2d, pinned_d2h; /* GB/s with pinned memory, NAN when not measured */
   char msg[320];
 } cuda_result;
 
@@ -248,6 +251,12 @@ static void smoke_cuda(cuda_result *r, kiln_tensor *a, kiln_tensor *b, const flo
   if (isfinite(best) && best > 0) r->h2d_gbps = (double)BW_BYTES / best / 1e9;
   kiln_scope_end();
   r->mem_ok = kiln_memory_stats_get(dev, &r->mem) == KILN_OK;
+  r->info_ok = kiln_device_info_get(dev, &r->info) == KILN_OK;
+  r->pinned_h2d = r->pinned_d2h = NAN;
+  if (kiln_device_bandwidth(dev, &r->pinned_h2d, &r->pinned_d2h) != KILN_OK) {
+    r->pinned_h2d = r->pinned_d2h = NAN;
+    kiln_clear_error();
+  }
 }
 
 /* ---- checks and diagnoses ----------------------------------------------------------- */
@@ -368,6 +377,20 @@ static void print_json(const doctor *d) {
     cli_json_bool(&j, "ok", r->ok);
     cli_json_double(&j, "matmul_max_err_vs_cpu", r->max_err);
     cli_json_double(&j, "h2d_gb_per_s", r->h2d_gbps);
+    cli_json_double(&j, "pinned_h2d_gb_per_s", r->pinned_h2d);
+    cli_json_double(&j, "pinned_d2h_gb_per_s", r->pinned_d2h);
+    if (r->info_ok) {
+      char cc[16];
+      snprintf(cc, sizeof cc, "%d.%d", r->info.compute_major, r->info.compute_minor);
+      cli_json_string(&j, "name", r->info.name);
+      cli_json_string(&j, "compute_capability", cc);
+      cli_json_int(&j, "multiprocessors", r->info.multiprocessors);
+      cli_json_int(&j, "total_memory", r->info.total_memory);
+      cli_json_int(&j, "free_memory", r->info.free_memory);
+      cli_json_int(&j, "driver_version", r->info.driver_version);
+      cli_json_int(&j, "runtime_version", r->info.runtime_version);
+      cli_json_int(&j, "cublas_version", r->info.blas_version);
+    }
     if (r->mem_ok) {
       cli_json_object_begin(&j, "memory");
       cli_json_int(&j, "allocated", r->mem.allocated);
@@ -440,6 +463,31 @@ static void print_text(const doctor *d) {
   }
   cli_table_print(stdout, t, pretty);
   cli_table_free(t);
+
+  if (d->ncuda > 0) {
+    cli_heading(stdout, pretty, "CUDA devices");
+    const char *ch[] = {"device", "name", "compute", "SMs", "memory (free/total)", "driver", "runtime", "cuBLAS", "pinned h2d/d2h"};
+    cli_table *ct = cli_table_new(9, ch);
+    for (int i = 0; i < d->ncuda; i++) {
+      const cuda_result *r = &d->cuda[i];
+      if (!r->info_ok) continue;
+      char dv[16], cc[16], sm[16], mem[64], drv[16], rt[16], bl[16], bw[48];
+      snprintf(dv, sizeof dv, "cuda:%d", r->index);
+      snprintf(cc, sizeof cc, "sm_%d%d", r->info.compute_major, r->info.compute_minor);
+      snprintf(sm, sizeof sm, "%d", r->info.multiprocessors);
+      snprintf(mem, sizeof mem, "%.1f / %.1f GiB", (double)r->info.free_memory / 1073741824.0,
+               (double)r->info.total_memory / 1073741824.0);
+      snprintf(drv, sizeof drv, "%d.%d", r->info.driver_version / 1000, (r->info.driver_version % 1000) / 10);
+      snprintf(rt, sizeof rt, "%d.%d", r->info.runtime_version / 1000, (r->info.runtime_version % 1000) / 10);
+      snprintf(bl, sizeof bl, "%d", r->info.blas_version);
+      if (isfinite(r->pinned_h2d)) snprintf(bw, sizeof bw, "%.1f / %.1f GB/s", r->pinned_h2d, r->pinned_d2h);
+      else snprintf(bw, sizeof bw, "not measured");
+      const char *row[] = {dv, r->info.name, cc, sm, mem, drv, rt, bl, bw};
+      cli_table_row(ct, row);
+    }
+    cli_table_print(stdout, ct, pretty);
+    cli_table_free(ct);
+  }
 
   cli_heading(stdout, pretty, "Smoke test");
   const char *sh[] = {"test", "device", "result", "detail"};

@@ -168,10 +168,26 @@ KILN_API kiln_status kiln_dist_broadcast(kiln_dist *d, kiln_tensor *t, int root)
 ** Gradients are all-reduced in buckets: the gradients of consecutive parameters (in
 ** reverse registration order, the order backward produces them; grouped by device and
 ** dtype) are copied into one flat buffer of about bucket_mb, reduced with one collective
-** and copied back. The reduction runs after backward: kiln's autograd has no per-leaf
-** "gradient ready" hook yet, so communication does not overlap backward. (Buckets are
-** launched one by one and completed together, so a hook can later launch each bucket as
-** its last gradient arrives.)
+** and copied back.
+**
+** Overlap (on by default): the wrapper puts a grad-ready hook (kiln_set_grad_ready_hook)
+** on every trainable parameter, and a bucket whose gradients are all complete is launched
+** from inside kiln_backward, while the rest of backward runs. On CUDA the collective is
+** queued on NCCL's stream and runs beside the remaining backward kernels; on the CPU it is
+** an MPI_Iallreduce on the wrapper's own duplicate of MPI_COMM_WORLD (so it never meets
+** another collective), completed in the sync. kiln_ddp_sync_grads then launches the
+** buckets the hooks did not and copies all results back. Buckets always start in one
+** order on every rank, so a parameter that gets no gradient on some rank is fine. One
+** caveat on CUDA: a GPU collective of the program's own (kiln_dist_allreduce of a CUDA
+** tensor) between backward and the sync shares NCCL's communicator with the buckets; it
+** is safe when every rank's backward reaches the same parameters, else make it after the
+** sync. The hooks replace any other grad-ready hook on those parameters.
+**
+** Gradient accumulation (several backward passes per optimizer step): call
+** kiln_ddp_no_sync(ddp, true) before the backward passes of all micro-batches but the
+** last, and kiln_ddp_no_sync(ddp, false) before the last one. Without it the result is
+** still right (a gradient that grows after its bucket was sent makes sync reduce every
+** bucket again), only the early communication is wasted.
 **
 ** A parameter without a gradient on some rank (not used in that rank's forward) counts as
 ** zeros there; if no rank has a gradient for it, it keeps none on every rank (the
@@ -184,9 +200,10 @@ typedef struct kiln_ddp_opts {
   bool no_broadcast;      /* true: skip broadcasting rank 0's parameters and buffers at
                              kiln_ddp_new (the program made them equal itself) */
   bool sum;               /* true: sum gradients instead of averaging them */
+  bool no_overlap;        /* true: no hooks; every bucket is reduced in kiln_ddp_sync_grads */
 } kiln_ddp_opts;
 
-/* 25 MiB buckets, broadcast at start, average. A zero-filled struct is the same. */
+/* 25 MiB buckets, broadcast at start, average, overlap. A zero-filled struct is the same. */
 KILN_API kiln_ddp_opts kiln_ddp_opts_default(void);
 
 /* Wraps m (borrowed: m and d must outlive the wrapper). Checks that every rank has the
@@ -202,6 +219,14 @@ KILN_API kiln_ddp *kiln_ddp_new(kiln_dist *d, kiln_module *m, const kiln_ddp_opt
 ** gradients). A collective. Grad mode may be on. Errors: a collective's, KILN_ERR_OOM,
 ** KILN_ERR_STATE (ranks' parameters changed differently). */
 KILN_API kiln_status kiln_ddp_sync_grads(kiln_ddp *ddp);
+/* While on, backward passes start no communication (the micro-batches of gradient
+** accumulation before the last); kiln_ddp_sync_grads still reduces everything when called.
+** Not a collective; set it the same way on every rank. KILN_ERR_INVALID_ARGUMENT for NULL. */
+KILN_API kiln_status kiln_ddp_no_sync(kiln_ddp *ddp, bool on);
+/* How many buckets the last kiln_ddp_sync_grads found already launched during backward
+** (overlap at work; 0 with no_overlap, in a world of one, or after a dirty round). -1 for
+** NULL. */
+KILN_API int kiln_ddp_num_overlapped(const kiln_ddp *ddp);
 /* Copies rank 0's parameters and persistent buffers to all ranks again (after loading a
 ** checkpoint on rank 0 only, say). A collective. */
 KILN_API kiln_status kiln_ddp_broadcast_params(kiln_ddp *ddp);
@@ -212,7 +237,8 @@ KILN_API kiln_module *kiln_ddp_module(const kiln_ddp *ddp);
 KILN_API int kiln_ddp_num_buckets(const kiln_ddp *ddp);
 KILN_API int kiln_ddp_bucket_params(const kiln_ddp *ddp, int b);
 KILN_API int64_t kiln_ddp_bucket_bytes(const kiln_ddp *ddp, int b);
-/* Frees the wrapper (not the module; no collective). NULL is a no-op. */
+/* Frees the wrapper (not the module; no collective) and removes its hooks. NULL is a
+** no-op. */
 KILN_API void kiln_ddp_free(kiln_ddp *ddp);
 
 /* --------------------------------------------------------------------------------------

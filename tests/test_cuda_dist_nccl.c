@@ -159,8 +159,9 @@ static int run_rank(void) {
   check_collectives(d);
   kiln_optim_config sgd = kiln_sgd_config(0.1);
   sgd.momentum = 0.9;
-  dc_ddp_matches_single(d, sgd, "cuda f64 sgd+momentum", g_dev, KILN_F64, 1e-6);
-  dc_ddp_matches_single(d, kiln_adam_config(0.01), "cuda f32 adam", g_dev, KILN_F32, 1e-5);
+  dc_ddp_matches_single(d, sgd, "cuda f64 sgd+momentum", g_dev, KILN_F64, 1e-6, true);
+  dc_ddp_matches_single(d, kiln_adam_config(0.01), "cuda f32 adam", g_dev, KILN_F32, 1e-5, false);
+  dc_ddp_accumulation(d, g_dev, KILN_F64);
   check_partial_grads(d);
   kiln_dist_free(d);
   return h_finish();

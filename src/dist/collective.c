@@ -104,6 +104,60 @@ kiln_status kiln__mpi_allreduce(const kiln_dist *d, void *buf, int64_t count, ki
 #endif
 }
 
+kiln_status kiln__mpi_iallreduce(const kiln_dist *d, void *buf, int64_t count, kiln_dtype dt,
+                                 kiln_dist_op op, kiln__mpi_pending *p) {
+  memset(p, 0, sizeof *p);
+  if (!d || d->world == 1 || count == 0) return KILN_OK;
+#if KILN__DIST_MPI
+  MPI_Datatype ty = mpi_type(dt);
+  if (ty == MPI_DATATYPE_NULL || !d->bucket_comm)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln__mpi_iallreduce: no MPI type for %s",
+                          kiln_dtype_name(dt));
+  int n = (int)((count + KILN__MPI_CHUNK - 1) / KILN__MPI_CHUNK);
+  MPI_Request *reqs = malloc(sizeof *reqs * (size_t)n);
+  if (!reqs) return kiln_set_error(KILN_ERR_OOM, "kiln_ddp: out of memory");
+  size_t es = kiln_dtype_size(dt);
+  for (int i = 0; i < n; i++) {
+    int64_t at = (int64_t)i * KILN__MPI_CHUNK;
+    int64_t k = count - at < KILN__MPI_CHUNK ? count - at : KILN__MPI_CHUNK;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + (size_t)at * es, (int)k, ty, mpi_op(op),
+                            *(MPI_Comm *)d->bucket_comm, &reqs[i]);
+    if (rc != MPI_SUCCESS) {
+      /* the ones started must still complete before buf is reused */
+      MPI_Waitall(i, reqs, MPI_STATUSES_IGNORE);
+      free(reqs);
+      return kiln__mpi_fail("kiln_ddp: MPI_Iallreduce", rc);
+    }
+  }
+  p->reqs = reqs;
+  p->n = n;
+  p->buf = buf;
+  p->count = count;
+  p->dt = dt;
+  p->scale = op == KILN_DIST_AVG ? 1.0 / d->world : 1.0;
+  return KILN_OK;
+#else
+  KILN__UNUSED(buf);
+  KILN__UNUSED(dt);
+  KILN__UNUSED(op);
+  return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln was built without MPI");
+#endif
+}
+
+kiln_status kiln__mpi_wait(kiln__mpi_pending *p) {
+  if (!p->reqs) return KILN_OK;
+#if KILN__DIST_MPI
+  int rc = MPI_Waitall(p->n, (MPI_Request *)p->reqs, MPI_STATUSES_IGNORE);
+  free(p->reqs);
+  p->reqs = NULL;
+  if (rc != MPI_SUCCESS) return kiln__mpi_fail("kiln_ddp: MPI_Waitall", rc);
+  if (p->scale != 1.0) scale_host(p->buf, p->count, p->dt, p->scale);
+  return KILN_OK;
+#else
+  return KILN_OK;
+#endif
+}
+
 kiln_status kiln__mpi_broadcast(const kiln_dist *d, void *buf, int64_t count, kiln_dtype dt,
                                 int root) {
   if (!d || d->world == 1 || count == 0) return KILN_OK;

@@ -13,9 +13,20 @@
 ** had one, so that every rank ends with the same set of gradients.
 **
 ** Each bucket goes through launch (copy in, start the collective) and finish (copy
-** back); sync runs them one after the other after backward. A per-leaf "gradient ready"
-** hook in autograd could later call launch as each bucket fills (overlap with backward).
+** back). With overlap on, every trainable parameter carries a grad-ready hook
+** (kiln_set_grad_ready_hook): when the last gradient of a bucket is complete, the hook
+** launches it while backward goes on (NCCL: queued on its own stream, so the GPU
+** communicates during the rest of backward; MPI: an MPI_Iallreduce on the process
+** group's duplicate communicator, waited for in the sync).
+** Buckets are always launched in index order, by the hook or at sync, so every rank
+** issues the same collectives in the same order even when some parameter gets no gradient
+** on some rank. A gradient that changes after its bucket was launched (a second backward
+** before the sync: gradient accumulation) marks the round dirty, and sync reduces every
+** bucket again from the final gradients: correct, only slower (kiln_ddp_no_sync avoids
+** it). kiln_ddp_sync_grads launches what the hooks did not and finishes all.
 */
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,6 +37,8 @@ typedef struct ddp_slot {
   int param;      /* index in the module's parameter list */
   int64_t offset; /* first element in the bucket's flat buffer */
   int64_t numel;
+  int bucket;
+  bool ready;     /* its gradient is complete in this round (hook) */
 } ddp_slot;
 
 typedef struct ddp_bucket {
@@ -34,7 +47,17 @@ typedef struct ddp_bucket {
   int64_t bytes;      /* of the flat buffer */
   kiln_tensor *flat;  /* owned; NULL in a world of one (nothing to reduce) */
   kiln_device dev;    /* the parameters' device */
+  int ready;          /* slots ready in this round */
+  bool launched;      /* in this round */
+  kiln__mpi_pending pending; /* a CPU bucket's reduction in flight */
 } ddp_bucket;
+
+/* A parameter carrying this wrapper's hook (a reference held, so that a parameter the
+** module replaced cannot call the hook after it is gone). Sorted by address. */
+typedef struct ddp_hooked {
+  kiln_tensor *t;
+  int slot;
+} ddp_hooked;
 
 struct kiln_ddp {
   kiln_dist *d;
@@ -47,6 +70,16 @@ struct kiln_ddp {
   int n_slots;
   ddp_bucket *buckets;
   int n_buckets;
+  ddp_hooked *hooked;
+  int n_hooked;
+  /* the round: from one sync to the next */
+  int next_launch;    /* buckets [0, next_launch) are launched */
+  int early;          /* of those, launched by hooks during backward */
+  int last_early;     /* early of the last finished round */
+  bool dirty;         /* a gradient changed after its bucket was launched */
+  bool no_sync;       /* hooks launch nothing (kiln_ddp_no_sync) */
+  kiln_status err;    /* the first failure inside a hook, reported by sync */
+  char err_msg[512];
 };
 
 bool kiln__ddp_always_reduce = false;
@@ -114,13 +147,79 @@ static kiln_status check_same_layout(kiln_ddp *ddp, uint64_t sig) {
   return KILN_OK;
 }
 
+static void ddp_hook(kiln_tensor *t, void *ctx);
+
+static void unhook_all(kiln_ddp *ddp) {
+  for (int i = 0; i < ddp->n_hooked; i++) {
+    kiln_tensor *t = ddp->hooked[i].t;
+    if (t->hook == ddp_hook && t->hook_ctx == ddp) kiln_set_grad_ready_hook(t, NULL, NULL);
+    kiln_tensor_free(t);
+  }
+  free(ddp->hooked);
+  ddp->hooked = NULL;
+  ddp->n_hooked = 0;
+}
+
+static void reset_round(kiln_ddp *ddp) {
+  for (int k = 0; k < ddp->n_slots; k++) ddp->slots[k].ready = false;
+  for (int b = 0; b < ddp->n_buckets; b++) {
+    kiln__mpi_wait(&ddp->buckets[b].pending); /* after an error: nothing left in flight */
+    ddp->buckets[b].ready = 0;
+    ddp->buckets[b].launched = false;
+  }
+  ddp->next_launch = 0;
+  ddp->early = 0;
+  ddp->dirty = false;
+  ddp->err = KILN_OK;
+}
+
 static void free_buckets(kiln_ddp *ddp) {
-  for (int b = 0; b < ddp->n_buckets; b++) kiln_tensor_free(ddp->buckets[b].flat);
+  unhook_all(ddp);
+  for (int b = 0; b < ddp->n_buckets; b++) {
+    kiln__mpi_wait(&ddp->buckets[b].pending); /* MPI still writes into it */
+    kiln_tensor_free(ddp->buckets[b].flat);
+  }
   free(ddp->buckets);
   free(ddp->slots);
   ddp->buckets = NULL;
   ddp->slots = NULL;
   ddp->n_buckets = ddp->n_slots = 0;
+  ddp->next_launch = ddp->early = 0;
+  ddp->dirty = false;
+  ddp->err = KILN_OK;
+}
+
+static int cmp_hooked(const void *a, const void *b) {
+  uintptr_t x = (uintptr_t)((const ddp_hooked *)a)->t, y = (uintptr_t)((const ddp_hooked *)b)->t;
+  return x < y ? -1 : x > y;
+}
+
+static int find_slot(const kiln_ddp *ddp, const kiln_tensor *t) {
+  int lo = 0, hi = ddp->n_hooked - 1;
+  while (lo <= hi) {
+    int mid = (lo + hi) / 2;
+    uintptr_t m = (uintptr_t)ddp->hooked[mid].t, want = (uintptr_t)t;
+    if (m == want) return ddp->hooked[mid].slot;
+    if (m < want) lo = mid + 1;
+    else hi = mid - 1;
+  }
+  return -1;
+}
+
+/* Hooks on every trainable parameter (overlap on, and something to reduce). */
+static kiln_status hook_all(kiln_ddp *ddp) {
+  ddp->hooked = calloc((size_t)(ddp->n_slots > 0 ? ddp->n_slots : 1), sizeof *ddp->hooked);
+  if (!ddp->hooked) return kiln_set_error(KILN_ERR_OOM, "kiln_ddp: out of memory");
+  for (int k = 0; k < ddp->n_slots; k++) {
+    kiln_tensor *t = ddp->params[ddp->slots[k].param];
+    kiln_status st = kiln_set_grad_ready_hook(t, ddp_hook, ddp);
+    if (st != KILN_OK) return st;
+    ddp->hooked[ddp->n_hooked].t = kiln_tensor_ref(t);
+    ddp->hooked[ddp->n_hooked].slot = k;
+    ddp->n_hooked++;
+  }
+  qsort(ddp->hooked, (size_t)ddp->n_hooked, sizeof *ddp->hooked, cmp_hooked);
+  return KILN_OK;
 }
 
 static kiln_status build_buckets(kiln_ddp *ddp) {
@@ -149,6 +248,7 @@ static kiln_status build_buckets(kiln_ddp *ddp) {
     }
     ddp_slot *s = &ddp->slots[ddp->n_slots++];
     s->param = i;
+    s->bucket = (int)(cur - ddp->buckets);
     s->offset = cur->numel;
     s->numel = kiln_numel(p);
     cur->numel += s->numel;
@@ -166,6 +266,7 @@ static kiln_status build_buckets(kiln_ddp *ddp) {
     bk->flat = kiln_keep(kiln_zeros(1, &len, cdt, cdev));
     if (!bk->flat) return kiln_last_error();
   }
+  if (reduces(ddp) && !ddp->o.no_overlap) return hook_all(ddp);
   return KILN_OK;
 }
 
@@ -215,13 +316,19 @@ static kiln_status bucket_launch(kiln_ddp *ddp, int b) {
   if (bk->dev.type != KILN_DEVICE_CPU && bk->flat->storage->device.type == KILN_DEVICE_CPU)
     st = kiln_device_synchronize(bk->dev);
   if (st != KILN_OK) return st;
-  return kiln__dist_allreduce_buffer(ddp->d, bk->flat, ddp->o.sum ? KILN_DIST_SUM : KILN_DIST_AVG);
+  kiln_dist_op op = ddp->o.sum ? KILN_DIST_SUM : KILN_DIST_AVG;
+  if (bk->flat->storage->device.type == KILN_DEVICE_CPU)
+    /* nonblocking, on the wrapper's own communicator: a bucket started by a hook in
+    ** backward never meets another collective the program makes before the sync */
+    return kiln__mpi_iallreduce(ddp->d, kiln__dist_ptr(bk->flat), kiln_numel(bk->flat),
+                                bk->flat->dtype, op, &bk->pending);
+  return kiln__dist_allreduce_buffer(ddp->d, bk->flat, op);
 }
 
 /* Copies the reduced gradients back (queued after the collective on the device). */
 static kiln_status bucket_finish(kiln_ddp *ddp, int b) {
   ddp_bucket *bk = &ddp->buckets[b];
-  kiln_status st = KILN_OK;
+  kiln_status st = kiln__mpi_wait(&bk->pending);
   for (int k = 0; k < bk->n && st == KILN_OK; k++) {
     const ddp_slot *s = &ddp->slots[bk->first + k];
     kiln_tensor *p = ddp->params[s->param];
@@ -245,24 +352,94 @@ static kiln_status bucket_finish(kiln_ddp *ddp, int b) {
   return st;
 }
 
+/* Launches bucket next_launch (in its own scope, grad mode off). */
+static kiln_status launch_next(kiln_ddp *ddp) {
+  int b = ddp->next_launch;
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_scope_begin();
+  kiln_status st = bucket_launch(ddp, b);
+  kiln_scope_end();
+  kiln_set_grad_enabled(prev);
+  if (st == KILN_OK) {
+    ddp->buckets[b].launched = true;
+    ddp->next_launch++;
+  }
+  return st;
+}
+
+/* The grad-ready hook: t's gradient is complete for this backward. */
+static void ddp_hook(kiln_tensor *t, void *ctx) {
+  kiln_ddp *ddp = ctx;
+  if (ddp->no_sync || ddp->err != KILN_OK) return;
+  int k = find_slot(ddp, t);
+  if (k < 0) return;
+  ddp_slot *s = &ddp->slots[k];
+  ddp_bucket *bk = &ddp->buckets[s->bucket];
+  if (bk->launched) {
+    ddp->dirty = true; /* this gradient grew after it was sent */
+    return;
+  }
+  if (!s->ready) {
+    s->ready = true;
+    bk->ready++;
+  }
+  /* in index order only: every rank issues the same collectives in the same order */
+  while (ddp->next_launch < ddp->n_buckets && !ddp->dirty) {
+    ddp_bucket *nb = &ddp->buckets[ddp->next_launch];
+    if (nb->ready < nb->n) break;
+    kiln_status st = launch_next(ddp);
+    if (st != KILN_OK) {
+      ddp->err = st;
+      snprintf(ddp->err_msg, sizeof ddp->err_msg, "%s", kiln_last_error_message());
+      return;
+    }
+    ddp->early++;
+  }
+}
+
 kiln_status kiln_ddp_sync_grads(kiln_ddp *ddp) {
   if (!ddp) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_ddp_sync_grads: NULL wrapper");
   kiln_status st = refresh(ddp);
-  if (st != KILN_OK || !reduces(ddp)) return st;
-  bool prev = kiln_set_grad_enabled(false);
-  for (int b = 0; b < ddp->n_buckets && st == KILN_OK; b++) {
-    kiln_scope_begin();
-    st = bucket_launch(ddp, b);
-    kiln_scope_end();
+  if (st != KILN_OK || !reduces(ddp)) {
+    if (ddp->slots) reset_round(ddp);
+    return st;
   }
+  if (ddp->err != KILN_OK) {
+    st = kiln_set_error(ddp->err, "kiln_ddp_sync_grads: during backward: %s", ddp->err_msg);
+    reset_round(ddp);
+    return st;
+  }
+  int early = ddp->early;
+  if (ddp->dirty) {
+    /* reduce everything again from the final gradients (what was sent is stale); on the
+    ** device the new copies are queued after the collectives already in flight */
+    for (int b = 0; b < ddp->n_buckets; b++) {
+      ddp->buckets[b].launched = false;
+      if (st == KILN_OK) st = kiln__mpi_wait(&ddp->buckets[b].pending); /* before reuse */
+    }
+    ddp->next_launch = 0;
+    early = 0;
+  }
+  while (st == KILN_OK && ddp->next_launch < ddp->n_buckets) st = launch_next(ddp);
+  bool prev = kiln_set_grad_enabled(false);
   for (int b = 0; b < ddp->n_buckets && st == KILN_OK; b++) {
     kiln_scope_begin();
     st = bucket_finish(ddp, b);
     kiln_scope_end();
   }
   kiln_set_grad_enabled(prev);
+  ddp->last_early = st == KILN_OK ? early : 0;
+  reset_round(ddp);
   return st;
 }
+
+kiln_status kiln_ddp_no_sync(kiln_ddp *ddp, bool on) {
+  if (!ddp) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_ddp_no_sync: NULL wrapper");
+  ddp->no_sync = on;
+  return KILN_OK;
+}
+
+int kiln_ddp_num_overlapped(const kiln_ddp *ddp) { return ddp ? ddp->last_early : -1; }
 
 kiln_status kiln_ddp_broadcast_params(kiln_ddp *ddp) {
   if (!ddp) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_ddp_broadcast_params: NULL wrapper");

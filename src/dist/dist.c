@@ -203,10 +203,24 @@ static kiln_status topology(kiln_dist *d) {
     return kiln__mpi_fail("kiln_dist_init: MPI_Comm_split_type", rc);
   }
   d->node_comm = node;
+  MPI_Comm *bc = malloc(sizeof *bc);
+  if (!bc) return kiln_set_error(KILN_ERR_OOM, "kiln_dist_init: out of memory");
+  rc = MPI_Comm_dup(MPI_COMM_WORLD, bc);
+  if (rc != MPI_SUCCESS) {
+    free(bc);
+    return kiln__mpi_fail("kiln_dist_init: MPI_Comm_dup", rc);
+  }
+  MPI_Comm_set_errhandler(*bc, MPI_ERRORS_RETURN);
+  d->bucket_comm = bc;
   return KILN_OK;
 }
 
 static void mpi_release(kiln_dist *d) {
+  if (d->bucket_comm) {
+    MPI_Comm_free((MPI_Comm *)d->bucket_comm);
+    free(d->bucket_comm);
+    d->bucket_comm = NULL;
+  }
   if (d->node_comm) {
     MPI_Comm_free((MPI_Comm *)d->node_comm);
     free(d->node_comm);

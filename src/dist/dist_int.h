@@ -24,6 +24,9 @@ struct kiln_dist {
   kiln_device device; /* what this rank trains on */
   bool mpi;           /* MPI is up (false: a world of one without MPI) */
   void *node_comm;    /* MPI_Comm of this host's ranks (heap copy), or NULL */
+  void *bucket_comm;  /* MPI_Comm (heap copy), a duplicate of MPI_COMM_WORLD for DDP's
+                         nonblocking bucket reductions, so that they can never match (or
+                         wait for) any other collective; NULL without MPI */
   void *nccl;         /* kiln__nccl (nccl.c), or NULL */
 };
 
@@ -49,6 +52,22 @@ kiln_status kiln__mpi_allreduce(const kiln_dist *d, void *buf, int64_t count, ki
                                 kiln_dist_op op);
 kiln_status kiln__mpi_broadcast(const kiln_dist *d, void *buf, int64_t count, kiln_dtype dt,
                                 int root);
+/* A nonblocking reduction in flight on d->bucket_comm (DDP's CPU buckets). */
+typedef struct kiln__mpi_pending {
+  void *reqs; /* MPI_Request[n] */
+  int n;
+  void *buf;
+  int64_t count;
+  kiln_dtype dt;
+  double scale; /* applied after completion (AVG: 1 / world), 1 for none */
+} kiln__mpi_pending;
+/* Starts an in-place reduction of host memory on d->bucket_comm (done at once, with
+** nothing pending, in a world of one). Calls on one kiln_dist match across ranks in
+** issue order. buf must stay untouched until kiln__mpi_wait. */
+kiln_status kiln__mpi_iallreduce(const kiln_dist *d, void *buf, int64_t count, kiln_dtype dt,
+                                 kiln_dist_op op, kiln__mpi_pending *p);
+/* Completes p (a no-op when nothing is pending) and applies its scale. */
+kiln_status kiln__mpi_wait(kiln__mpi_pending *p);
 /* MPI's error text for a return code, "op: text" in the last error. */
 kiln_status kiln__mpi_fail(const char *op, int rc);
 /* Where a collective on a tensor of (dev, dt) runs its buffer: dev itself when NCCL serves

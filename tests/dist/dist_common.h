@@ -164,7 +164,7 @@ static kiln_tensor *dc_loss(kiln_module *net, kiln_tensor *x, kiln_tensor *y) {
 ** relative, averaged losses within tol, and every rank's parameters bit-identical. Each
 ** rank starts from other weights, so the initial broadcast is checked too. */
 static void dc_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const char *name,
-                                  kiln_device dev, kiln_dtype dt, double tol) {
+                                  kiln_device dev, kiln_dtype dt, double tol, bool overlap) {
   int rank = kiln_dist_rank(d), world = kiln_dist_world_size(d);
   kiln_generator *dg = kiln_generator_new(123); /* the same data on every rank */
   kiln_tensor *x = kiln_keep(kiln_randn(KILN_SHAPE(DC_SAMPLES, DC_IN), dt, kiln_device_cpu(), dg));
@@ -177,9 +177,11 @@ static void dc_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const cha
   kiln_module *net = dc_make_mlp(7 + 100 * (uint64_t)rank, DC_HIDDEN, dt, dev);
   kiln_ddp_opts dopt = kiln_ddp_opts_default();
   dopt.bucket_mb = 300.0 / 1048576.0; /* ~300 bytes: several buckets */
+  dopt.no_overlap = !overlap;
   kiln_ddp *ddp = kiln_ddp_new(d, net, &dopt);
   H_CHECK(ddp != NULL, "%s: kiln_ddp_new: %s", name, kiln_last_error_message());
   if (!ddp) return;
+  int bad_overlap = 0;
   H_CHECK(kiln_ddp_num_buckets(ddp) >= 3, "%s: %d buckets", name, kiln_ddp_num_buckets(ddp));
   int in_buckets = 0;
   for (int b = 0; b < kiln_ddp_num_buckets(ddp); b++) in_buckets += kiln_ddp_bucket_params(ddp, b);
@@ -216,6 +218,9 @@ static void dc_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const cha
       kiln_tensor *loss = dc_loss(net, b[0], b[1]);
       kiln_status st = kiln_backward(loss, NULL);
       if (st == KILN_OK) st = kiln_ddp_sync_grads(ddp);
+      /* with overlap every bucket was started inside backward */
+      int want = overlap && world > 1 ? kiln_ddp_num_buckets(ddp) : 0;
+      if (kiln_ddp_num_overlapped(ddp) != want) bad_overlap++;
       if (st == KILN_OK) st = kiln_optimizer_step(opt);
       H_CHECK(st == KILN_OK, "%s: step: %s", name, kiln_last_error_message());
       double lv = kiln_item(loss);
@@ -236,6 +241,7 @@ static void dc_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const cha
     }
   }
   H_CHECK(steps == DC_EPOCHS * DC_SAMPLES / DC_GLOBAL_BATCH, "%s: %d steps", name, steps);
+  H_CHECK(bad_overlap == 0, "%s: buckets started during backward (%d steps wrong)", name, bad_overlap);
   if (ref) {
     double rel = dc_max_rel_diff(net, ref);
     H_CHECK(rel <= tol, "%s: parameters vs one process on the global batch: rel diff %.3g", name, rel);
@@ -260,6 +266,50 @@ static void dc_ddp_matches_single(kiln_dist *d, kiln_optim_config cfg, const cha
   kiln_dataset_free(ds);
   kiln_tensor_free(x);
   kiln_tensor_free(y);
+}
+
+/* Gradient accumulation: two backward passes (other data on each rank), then one sync,
+** equals the average over ranks of the summed gradients: without kiln_ddp_no_sync (the
+** buckets the first backward started are stale: sync reduces again) and with it. */
+static void dc_ddp_accumulation(kiln_dist *d, kiln_device dev, kiln_dtype dt) {
+  int rank = kiln_dist_rank(d);
+  kiln_module *net = dc_make_mlp(11, DC_HIDDEN, dt, dev);
+  kiln_ddp_opts o = kiln_ddp_opts_default();
+  o.bucket_mb = 300.0 / 1048576.0;
+  kiln_ddp *ddp = kiln_ddp_new(d, net, &o);
+  kiln_generator *g = kiln_generator_new(50 + (uint64_t)rank);
+  for (int use_no_sync = 0; use_no_sync < 2; use_no_sync++) {
+    kiln_scope_begin();
+    kiln_tensor *ps[4];
+    kiln_module_parameters(net, ps, 4);
+    for (int i = 0; i < 4; i++) kiln_set_grad(ps[i], NULL);
+    for (int micro = 0; micro < 2; micro++) {
+      if (use_no_sync) kiln_ddp_no_sync(ddp, micro == 0);
+      kiln_tensor *x = kiln_randn(KILN_SHAPE(6, DC_IN), dt, dev, g);
+      kiln_backward(kiln_mean_all(kiln_mul(kiln_module_forward(net, x), kiln_module_forward(net, x))), NULL);
+    }
+    /* the expectation, by the plain collective (a WORLD collective between backward and
+    ** sync, while buckets may be in flight) */
+    kiln_tensor *want[4];
+    for (int i = 0; i < 4; i++) {
+      want[i] = kiln_clone(kiln_grad(ps[i]));
+      kiln_dist_allreduce(d, want[i], KILN_DIST_AVG);
+    }
+    H_CHECK(kiln_ddp_sync_grads(ddp) == KILN_OK, "accumulation sync: %s", kiln_last_error_message());
+    double worst = 0;
+    for (int i = 0; i < 4; i++)
+      worst = fmax(worst, kiln_item(kiln_amax(kiln_abs(kiln_sub(kiln_grad(ps[i]), want[i])), 0, NULL, false)));
+    H_CHECK(worst <= 1e-12, "%s: accumulated gradients averaged (%s): max diff %.3g",
+            kiln_dtype_name(dt), use_no_sync ? "no_sync" : "stale buckets redone", worst);
+    int nb = kiln_ddp_num_buckets(ddp);
+    int want_early = use_no_sync && kiln_dist_world_size(d) > 1 ? nb : 0;
+    H_CHECK(kiln_ddp_num_overlapped(ddp) == want_early, "%s: %d buckets early (want %d)",
+            use_no_sync ? "no_sync" : "dirty round", kiln_ddp_num_overlapped(ddp), want_early);
+    kiln_scope_end();
+  }
+  kiln_generator_free(g);
+  kiln_ddp_free(ddp);
+  kiln_module_free(net);
 }
 
 #endif /* KILN_TEST_DIST_COMMON_H */

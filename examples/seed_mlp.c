@@ -13,6 +13,10 @@
 ** shape, which trains like any other) and replays it: CUDA graphs on a GPU, the same
 ** calls run eagerly on the CPU. The loss is still read with kiln_item every step.
 ** --json ends the output with one JSON line of figures (the same names as the peer's).
+**
+** Under mpirun (mpirun -np N seed-mlp ...) it trains data-parallel: each rank takes its
+** shard of every epoch (kiln_dist_shard_dataset), batch / N samples a step, gradients
+** averaged across ranks (kiln_ddp); rank 0 alone prints, and the JSON gains world_size.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -22,6 +26,7 @@
 
 #include <kiln.h>
 #include <kiln_data.h>
+#include <kiln_dist.h>
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
@@ -63,6 +68,11 @@ static kiln_status train_step(void *p) {
   return st;
 }
 
+/* Started by an MPI launcher (Open MPI, MPICH/PMI, PMIx)? Plain runs never touch MPI. */
+static bool launched_by_mpi(void) {
+  return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
 static int fail(const char *what) {
   fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
           kiln_error_name(kiln_last_error()));
@@ -98,7 +108,19 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  kiln_device dev = kiln_device_best();
+  kiln_dist *dist = NULL;
+  if (launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
+  const int world = dist ? kiln_dist_world_size(dist) : 1, rank = dist ? kiln_dist_rank(dist) : 0;
+  if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
+  if (world > 1 && batch % world != 0) {
+    fprintf(stderr, PROG ": --batch %lld is not divisible by the %d ranks\n", batch, world);
+    return 2;
+  }
+  if (world > 1 && graph) {
+    fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
+    return 2;
+  }
+  kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
     return 2;
@@ -124,24 +146,30 @@ int main(int argc, char **argv) {
   if (!model || kiln_module_num_children(model) != 3 || kiln_module_to(model, dev) != KILN_OK)
     return fail("building the model");
 
+  kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
+  if (world > 1 && !(ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
+
   kiln_optim_config cfg = kiln_adam_config(lr);
   cfg.capturable = graph; /* the step count lives on the device, so replays advance it */
   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
   kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_dataset *shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, 0, false) : NULL;
+  if (world > 1 && !shard) return fail("sharding the data");
   kiln_loader_opts lo = kiln_loader_opts_default();
-  lo.batch_size = batch;
-  lo.shuffle = true;
+  lo.batch_size = batch / world;
+  lo.shuffle = world == 1; /* the shard shuffles per epoch, the same on every rank */
   lo.seed = 0;
   lo.num_workers = (int)workers;
   lo.device = dev;
-  kiln_loader *loader = ds ? kiln_loader_new(ds, &lo) : NULL;
+  kiln_loader *loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
   if (!loader) return fail("making the loader");
 
   if (!quiet) {
     char pb[32];
     printf("device: %s\n", dname);
+    if (world > 1) printf("data parallel: %d ranks, %lld samples a step each\n", world, batch / world);
     printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
            kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
     kiln_module_summary(stdout, model);
@@ -159,6 +187,7 @@ int main(int argc, char **argv) {
   double last = NAN;
   char label[64];
   for (long long e = 0; e < epochs; e++) {
+    if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
     if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
     snprintf(label, sizeof label, "epoch %lld/%lld", e + 1, epochs);
     ex_progress p;
@@ -172,7 +201,7 @@ int main(int argc, char **argv) {
       kiln_status st = KILN_OK;
       double lv = 0;
       if (r == 1 && graph) {
-        int k = kiln_size(b[0], 0) == batch ? 0 : 1;
+        int k = kiln_size(b[0], 0) == lo.batch_size ? 0 : 1;
         step_ctx *c = &sc[k];
         if (!graphs[k]) {
           /* first step at this shape: static tensors, one eager step, then the capture */
@@ -199,9 +228,10 @@ int main(int argc, char **argv) {
                                                KILN_REDUCTION_MEAN, -100, 0.0);
         kiln_optimizer_zero_grad(opt);
         st = kiln_backward(loss, NULL);
+        if (st == KILN_OK && ddp) st = kiln_ddp_sync_grads(ddp);
         if (st == KILN_OK) st = kiln_optimizer_step(opt);
         if (st == KILN_OK) lv = kiln_item(loss);
-        seen += kiln_size(b[0], 0);
+        seen += kiln_size(b[0], 0) * world;
       }
       kiln_scope_end();
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
@@ -213,6 +243,7 @@ int main(int argc, char **argv) {
     }
     ex_progress_end(&p);
     last = n ? total / (double)n : NAN;
+    if (dist && kiln_dist_allreduce_scalar(dist, &last, KILN_DIST_AVG) != KILN_OK) return fail("averaging the loss");
     if (!quiet) {
       printf("Epoch %lld, Loss: %.4f\n", e + 1, last);
       fflush(stdout);
@@ -236,9 +267,9 @@ int main(int argc, char **argv) {
   if (json)
     printf("{\"example\":\"seed-mlp%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"
-           "\"train_acc\":%.4f,\"kiln\":\"%s\"}\n",
+           "\"train_acc\":%.4f,\"world_size\":%d,\"kiln\":\"%s\"}\n",
            graph ? "-graph" : "", dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
-           last, acc, kiln_version());
+           last, acc, world, kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr); /* prints nothing when no op fell back */
 
@@ -249,10 +280,13 @@ int main(int argc, char **argv) {
     kiln_tensor_free(sc[k].loss);
   }
   kiln_loader_free(loader);
+  kiln_dataset_free(shard);
   kiln_dataset_free(ds);
+  kiln_ddp_free(ddp);
   kiln_optimizer_free(opt);
   kiln_module_free(model);
   kiln_tensor_free(x);
   kiln_tensor_free(y);
+  kiln_dist_free(dist);
   return 0;
 }

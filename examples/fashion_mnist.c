@@ -10,6 +10,10 @@
 ** --epochs is the total: with --resume the run continues from the checkpoint's epoch up
 ** to N (so the same command line can be run again after an interruption).
 ** --limit N trains on the first N training images (for quick tests).
+**
+** Under mpirun (mpirun -np N fashion-mnist ...) it trains data-parallel: a shard of each
+** epoch per rank, batch / N images a step each, gradients averaged (kiln_ddp); rank 0
+** alone prints, evaluates and writes the checkpoint, and the JSON gains world_size.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -20,6 +24,7 @@
 
 #include <kiln.h>
 #include <kiln_checkpoint.h>
+#include <kiln_dist.h>
 #include <kiln_data.h>
 #include <kiln_io.h>
 #include <kiln_nn.h>
@@ -39,6 +44,11 @@ static void usage(FILE *f) {
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
           "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n");
+}
+
+/* Started by an MPI launcher (Open MPI, MPICH/PMI, PMIx)? Plain runs never touch MPI. */
+static bool launched_by_mpi(void) {
+  return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
 static int fail(const char *what) {
@@ -102,7 +112,15 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  kiln_device dev = kiln_device_best();
+  kiln_dist *dist = NULL;
+  if (launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
+  const int world = dist ? kiln_dist_world_size(dist) : 1, rank = dist ? kiln_dist_rank(dist) : 0;
+  if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
+  if (world > 1 && batch % world != 0) {
+    fprintf(stderr, PROG ": --batch %lld is not divisible by the %d ranks\n", batch, world);
+    return 2;
+  }
+  kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
     return 2;
@@ -142,6 +160,8 @@ int main(int argc, char **argv) {
   kiln_sequential_append(model, kiln_linear_new(256, 10, true, KILN_F32, kiln_device_cpu(), NULL));
   if (!model || kiln_module_num_children(model) != 4 || kiln_module_to(model, dev) != KILN_OK)
     return fail("building the model");
+  kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
+  if (world > 1 && !(ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
   kiln_optim_config cfg = kiln_adam_config(lr);
   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
@@ -164,13 +184,15 @@ int main(int argc, char **argv) {
   }
 
   kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_dataset *shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, 0, false) : NULL;
+  if (world > 1 && !shard) return fail("sharding the data");
   kiln_loader_opts lo = kiln_loader_opts_default();
-  lo.batch_size = batch;
-  lo.shuffle = true;
+  lo.batch_size = batch / world;
+  lo.shuffle = world == 1; /* the shard shuffles per epoch, the same on every rank */
   lo.seed = 0;
   lo.num_workers = (int)workers;
   lo.device = dev;
-  kiln_loader *loader = ds ? kiln_loader_new(ds, &lo) : NULL;
+  kiln_loader *loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
   if (!loader) return fail("making the loader");
 
   if (!quiet) {
@@ -189,6 +211,7 @@ int main(int argc, char **argv) {
   for (int64_t e = start_epoch; e < epochs; e++) {
     kiln_device_synchronize(dev);
     double t0 = ex_now();
+    if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
     if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
     snprintf(label, sizeof label, "epoch %lld/%lld", (long long)e + 1, epochs);
     ex_progress p;
@@ -206,9 +229,10 @@ int main(int argc, char **argv) {
                                                KILN_REDUCTION_MEAN, -100, 0.0);
         kiln_optimizer_zero_grad(opt);
         st = kiln_backward(loss, NULL);
+        if (st == KILN_OK && ddp) st = kiln_ddp_sync_grads(ddp);
         if (st == KILN_OK) st = kiln_optimizer_step(opt);
         if (st == KILN_OK) lv = kiln_item(loss);
-        seen += kiln_size(b[0], 0);
+        seen += kiln_size(b[0], 0) * world;
       }
       kiln_scope_end();
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
@@ -224,6 +248,9 @@ int main(int argc, char **argv) {
     train_s += dt;
     images += seen;
     last_loss = n ? total / (double)n : NAN;
+    if (dist && kiln_dist_allreduce_scalar(dist, &last_loss, KILN_DIST_AVG) != KILN_OK) return fail("averaging the loss");
+    /* every rank holds the same parameters: rank 0 evaluates and checkpoints for all */
+    if (rank != 0) continue;
     test_acc = evaluate(model, txd, tyd);
     if (isnan(test_acc)) return fail("evaluating");
 
@@ -246,7 +273,7 @@ int main(int argc, char **argv) {
       fflush(stdout);
     }
   }
-  if (isnan(test_acc)) {
+  if (isnan(test_acc) && rank == 0) {
     test_acc = evaluate(model, txd, tyd);
     if (isnan(test_acc)) return fail("evaluating");
   }
@@ -254,18 +281,21 @@ int main(int argc, char **argv) {
   if (json)
     printf("{\"example\":\"fashion-mnist\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
            "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
-           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"kiln\":\"%s\"}\n",
+           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"kiln\":\"%s\"}\n",
            dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
            train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
-           kiln_version());
+           world, kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);
 
   kiln_loader_free(loader);
+  kiln_dataset_free(shard);
   kiln_dataset_free(ds);
+  kiln_ddp_free(ddp);
   kiln_optimizer_free(opt);
   kiln_module_free(model);
   kiln_tensor *all[] = {x, y, tx, ty, txd, tyd};
   for (int i = 0; i < 6; i++) kiln_tensor_free(all[i]);
+  kiln_dist_free(dist);
   return 0;
 }

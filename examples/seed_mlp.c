@@ -8,7 +8,9 @@
 **   loss.item() every step, "Epoch N, Loss: X" with the mean over the epoch's batches.
 **
 ** Usage: seed-mlp [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X] [--workers N]
-**                 [--graph] [--json] [--quiet]
+**                 [--graph] [--preload] [--json] [--quiet]
+** --preload keeps the 20000 samples on the device (the peer's --preload): the loader then
+** gathers each shuffled batch there, and nothing crosses the host link per step.
 ** --graph records the training step once per batch shape (after one eager step at that
 ** shape, which trains like any other) and replays it: CUDA graphs on a GPU, the same
 ** calls run eagerly on the CPU. The loss is still read with kiln_item every step.
@@ -38,7 +40,7 @@
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X]\n"
-             "                [--workers N] [--graph] [--json] [--quiet]\n"
+             "                [--workers N] [--graph] [--preload] [--json] [--quiet]\n"
              "  The seed's MLP: 20000 x 64 Gaussian inputs, label sum > 0, Linear(64,128)-ReLU-\n"
              "  Linear(128,2), cross-entropy, Adam, shuffled batches. Defaults: the best device,\n"
              "  20 epochs, batch 128, lr 1e-3, no loader workers.\n");
@@ -82,12 +84,13 @@ static int fail(const char *what) {
 int main(int argc, char **argv) {
   long long epochs = 20, batch = 128, workers = 0;
   double lr = 1e-3;
-  bool json = false, quiet = false, graph = false;
+  bool json = false, quiet = false, graph = false, preload = false;
   const char *devname = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--graph")) graph = true;
+    else if (!strcmp(a, "--preload")) preload = true;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
@@ -154,7 +157,13 @@ int main(int argc, char **argv) {
   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
-  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_tensor *xs = x, *ys = y; /* what the dataset holds: host tensors, or their device copies */
+  if (preload) {
+    xs = kiln_keep(kiln_to_device(x, dev));
+    ys = kiln_keep(kiln_to_device(y, dev));
+    if (!xs || !ys) return fail("moving the data to the device");
+  }
+  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){xs, ys});
   kiln_dataset *shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, 0, false) : NULL;
   if (world > 1 && !shard) return fail("sharding the data");
   kiln_loader_opts lo = kiln_loader_opts_default();
@@ -265,10 +274,10 @@ int main(int argc, char **argv) {
 
   if (!quiet) printf("train accuracy: %.4f, %.2f s, %.1f us/step\n", acc, dt, dt / (double)steps * 1e6);
   if (json)
-    printf("{\"example\":\"seed-mlp%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
+    printf("{\"example\":\"seed-mlp%s%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"
            "\"train_acc\":%.4f,\"world_size\":%d,\"kiln\":\"%s\"}\n",
-           graph ? "-graph" : "", dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
+           preload ? "-preload" : "", graph ? "-graph" : "", dname, epochs, batch, dt, (double)epochs * N_SAMPLES / dt, dt / (double)steps * 1e6,
            last, acc, world, kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr); /* prints nothing when no op fell back */
@@ -287,6 +296,10 @@ int main(int argc, char **argv) {
   kiln_module_free(model);
   kiln_tensor_free(x);
   kiln_tensor_free(y);
+  if (preload) {
+    kiln_tensor_free(xs);
+    kiln_tensor_free(ys);
+  }
   kiln_dist_free(dist);
   return 0;
 }

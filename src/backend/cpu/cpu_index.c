@@ -105,6 +105,24 @@ kiln_status kiln__cpu_index_select(const kiln__kargs *a) {
   if (st != KILN_OK) return st;
   int64_t K = idx->shape[0];
   int64_t row = kiln__view_numel(src) / (src->shape[d] ? src->shape[d] : 1);
+  /* Fast path (the loader's batch gather): rows along dim 0, each a contiguous block in
+  ** src and out of one dtype: one memcpy per row instead of a strided copy per row. */
+  if (d == 0 && src->dtype == out->dtype && row > 0) {
+    bool dense = true;
+    int64_t s = 1;
+    for (int k = src->ndim - 1; k >= 1 && dense; k--) {
+      if (src->shape[k] != 1 && (src->strides[k] != s || out->strides[k] != s)) dense = false;
+      s *= src->shape[k];
+    }
+    if (dense) {
+      size_t es = kiln__cpu_esize(src->dtype), rb = (size_t)row * es;
+      const char *sp = src->data;
+      char *op = out->data;
+      int64_t ss = src->ndim ? src->strides[0] * (int64_t)es : 0, os = out->ndim ? out->strides[0] * (int64_t)es : 0;
+      for (int64_t k = 0; k < K; k++) memcpy(op + k * os, sp + kiln__idx_at(idx, k) * ss, rb);
+      return KILN_OK;
+    }
+  }
   kiln__isel c = {a, (int)d};
   int64_t work = K * row;
   kiln__cpu_parallel_for(K, work < KILN__CPU_PAR_MIN_CHEAP ? INT64_MAX : KILN__CPU_PAR_MIN_CHEAP / (row + 1) + 1,

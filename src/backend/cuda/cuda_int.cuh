@@ -22,7 +22,8 @@
 /* ---- per-device state (cuda_backend.cu) ---- */
 typedef struct kiln__cuda_dev {
   cudaStream_t stream;
-  int *err_flag;      /* device int: 0, or 1 + the kop of the first bad index */
+  int *err_flag;      /* device alias of err_flag_host: 0, or 1 + the kop of the first bad index */
+  int *err_flag_host; /* mapped pinned host memory */
   int sm_count;
   int capturing;      /* a graph capture is open on this device */
   void *blas;         /* cublasHandle_t, cuda_matmul.cu */
@@ -275,7 +276,12 @@ static inline int kc_blocks(int64_t work, int threads, int sm_count) {
 }
 
 /* Sets the device's index error flag (first error wins). */
-__device__ __forceinline__ void kc_flag(int *flag, int kop) { atomicCAS(flag, 0, kop + 1); }
+/* The flag is mapped host memory (cuda_backend.cu): a plain store, no atomic (PCIe may not
+** carry atomics). Racing writers only race over which bad op is named. */
+__device__ __forceinline__ void kc_flag(int *flag, int kop) {
+  volatile int *f = flag;
+  if (*f == 0) *f = kop + 1;
+}
 
 /* Warp and block reductions of a value with an associative op. */
 template <class T, class F> __device__ __forceinline__ T kc_warp_reduce(T v, F f) {

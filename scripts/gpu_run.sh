@@ -53,9 +53,12 @@ if has bench; then
     echo "== kiln seed-mlp profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --json --quiet
     echo "== kiln seed-mlp (cuda)"; build-gpu/bin/seed-mlp --device cuda --json --quiet
     echo "== kiln seed-mlp (cuda, graph)"; build-gpu/bin/seed-mlp --device cuda --graph --json --quiet
+    echo "== kiln seed-mlp (cuda, preload)"; build-gpu/bin/seed-mlp --device cuda --preload --json --quiet
+    echo "== kiln seed-mlp (cuda, preload, graph)"; build-gpu/bin/seed-mlp --device cuda --preload --graph --json --quiet
+    echo "== kiln seed-mlp graph profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --graph --json --quiet
     echo "== kiln bench-sweep"; build-gpu/bin/bench-sweep --device cuda
     echo "== kiln bench-ceilings"; build-gpu/bin/bench-ceilings --device cuda
-    if [ -f "$peer" ]; then
+    if [ -f "$peer" ] && [ -z "${KILN_NO_PEER:-}" ]; then
       echo "== torch seed-mlp"; python3 $peer seed-mlp --device cuda
       echo "== torch seed-mlp preload"; python3 $peer seed-mlp --device cuda --preload
       echo "== torch bs-sweep"; python3 $peer bs-sweep --device cuda

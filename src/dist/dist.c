@@ -163,6 +163,16 @@ static kiln_status check_builds(const kiln_dist *d) {
   return st; /* every rank compared the same table: they agree already */
 }
 
+/* MPI that kiln started and nobody finalised (a failed kiln_dist_init leaves it up, so
+** that a later init may succeed) is finalised at exit: otherwise mpirun reports the rank
+** as having exited "improperly" and fails the whole job. */
+static void finalize_at_exit(void) {
+  int fin = 0, inited = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&fin);
+  if (g_mpi_owned && inited && !fin) MPI_Finalize();
+}
+
 static kiln_status mpi_start(void) {
   int fin = 0, inited = 0;
   MPI_Finalized(&fin);
@@ -183,6 +193,7 @@ static kiln_status mpi_start(void) {
                             buf);
     }
     g_mpi_owned = true;
+    atexit(finalize_at_exit);
   }
   /* Errors come back as codes (kiln's rule), not as MPI's default abort. */
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #ifdef KILN_HAVE_OPENMP
-#define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > 65536) schedule(static)")
+#define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > (1 << 20)) schedule(static)")
 #else
 #define ADAM_OMP
 #endif

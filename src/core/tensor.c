@@ -314,16 +314,18 @@ static kiln_status refuse_grad_inplace(const char *op, const kiln_tensor *t) {
   return KILN_OK;
 }
 
-kiln_status kiln_uniform_(kiln_tensor *t, double low, double high, kiln_generator *gen) {
-  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_uniform_: NULL tensor");
+/* uniform_ and normal_: a random kernel into an existing tensor, never recorded. */
+static kiln_status random_inplace(const char *op, kiln_tensor *t, kiln__kop kop, double s0,
+                                  double s1, kiln_generator *gen) {
+  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL tensor", op);
   if (!kiln_dtype_is_float(t->dtype))
-    return kiln_set_error(KILN_ERR_DTYPE, "kiln_uniform_: expected a floating tensor, got %s",
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s", op,
                           kiln_dtype_name(t->dtype));
-  if (refuse_grad_inplace("kiln_uniform_", t) != KILN_OK) return kiln_last_error();
+  if (refuse_grad_inplace(op, t) != KILN_OK) return kiln_last_error();
   kiln__kargs a = {0};
-  a.op = KILN__K_RAND_UNIFORM;
-  a.s[0] = low;
-  a.s[1] = high;
+  a.op = kop;
+  a.s[0] = s0;
+  a.s[1] = s1;
   a.n_out = 1;
   a.out[0] = kiln__view_of(t);
   a.device = kiln_device_of(t).index;
@@ -331,21 +333,12 @@ kiln_status kiln_uniform_(kiln_tensor *t, double low, double high, kiln_generato
   return kiln__dispatch(kiln_device_of(t), &a);
 }
 
+kiln_status kiln_uniform_(kiln_tensor *t, double low, double high, kiln_generator *gen) {
+  return random_inplace("kiln_uniform_", t, KILN__K_RAND_UNIFORM, low, high, gen);
+}
+
 kiln_status kiln_normal_(kiln_tensor *t, double mean, double std, kiln_generator *gen) {
-  if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_normal_: NULL tensor");
-  if (!kiln_dtype_is_float(t->dtype))
-    return kiln_set_error(KILN_ERR_DTYPE, "kiln_normal_: expected a floating tensor, got %s",
-                          kiln_dtype_name(t->dtype));
-  if (refuse_grad_inplace("kiln_normal_", t) != KILN_OK) return kiln_last_error();
-  kiln__kargs a = {0};
-  a.op = KILN__K_RAND_NORMAL;
-  a.s[0] = mean;
-  a.s[1] = std;
-  a.n_out = 1;
-  a.out[0] = kiln__view_of(t);
-  a.device = kiln_device_of(t).index;
-  kiln__generator_reserve(gen, kiln_numel(t), &a.seed, &a.offset);
-  return kiln__dispatch(kiln_device_of(t), &a);
+  return random_inplace("kiln_normal_", t, KILN__K_RAND_NORMAL, mean, std, gen);
 }
 
 kiln_tensor *kiln_randperm(int64_t n, kiln_generator *gen) {

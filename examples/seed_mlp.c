@@ -32,6 +32,7 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
+#include "common/launch.h"
 #include "common/progress.h"
 
 #define PROG "seed-mlp"
@@ -68,11 +69,6 @@ static kiln_status train_step(void *p) {
   }
   kiln_scope_end();
   return st;
-}
-
-/* Started by an MPI launcher (Open MPI, MPICH/PMI, PMIx)? Plain runs never touch MPI. */
-static bool launched_by_mpi(void) {
-  return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
 static int fail(const char *what) {
@@ -112,7 +108,7 @@ int main(int argc, char **argv) {
     }
   }
   kiln_dist *dist = NULL;
-  if (launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
+  if (ex_launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
   const int world = dist ? kiln_dist_world_size(dist) : 1, rank = dist ? kiln_dist_rank(dist) : 0;
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
   if (world > 1 && batch % world != 0) {

@@ -184,10 +184,69 @@ static kiln_status cuda_copy_to_host(int device, void *dst, const void *src, siz
   return kiln__cuda_check_flag(device);
 }
 
+/* Small host->device copies (a training batch, a scalar) go through a pinned staging
+** ring: memcpy into page-locked memory, then a truly asynchronous DMA, so the host does
+** not wait on the copy engine as it does for pageable memory. A region of the ring is
+** written again only after the event recorded behind its copy has completed. */
+enum { KC_RING_BYTES = 8 << 20, KC_RING_MAX_COPY = 1 << 20, KC_RING_EVENTS = 64 };
+struct kc_ring {
+  std::mutex mu;
+  char *buf;      /* pinned, KC_RING_BYTES; NULL until first use (or when unavailable) */
+  bool failed;    /* pinned memory could not be had: always use the plain path */
+  size_t head;
+  struct { cudaEvent_t ev; size_t lo, hi; } fly[KC_RING_EVENTS]; /* in-flight regions */
+  int first, count;
+};
+static kc_ring g_ring[KC_MAX_DEV];
+
+static bool ring_overlaps(size_t lo, size_t hi, size_t a, size_t b) { return lo < b && a < hi; }
+
+static kiln_status ring_copy(kiln__cuda_dev *d, kc_ring *r, void *dst, const void *src, size_t n,
+                             bool *done) {
+  *done = false;
+  std::lock_guard<std::mutex> lock(r->mu);
+  if (r->failed) return KILN_OK;
+  if (!r->buf) {
+    if (cudaHostAlloc((void **)&r->buf, KC_RING_BYTES, cudaHostAllocDefault) != cudaSuccess) {
+      (void)cudaGetLastError();
+      r->buf = NULL;
+      r->failed = true;
+      return KILN_OK;
+    }
+    for (int i = 0; i < KC_RING_EVENTS; i++)
+      KC_CUDA(cudaEventCreateWithFlags(&r->fly[i].ev, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  size_t at = (r->head + 255) & ~(size_t)255;
+  if (at + n > KC_RING_BYTES) at = 0;
+  /* wait for the copies still reading [at, at + n) (oldest first), or for a free event */
+  while (r->count > 0) {
+    int i = r->first;
+    if (!ring_overlaps(at, at + n, r->fly[i].lo, r->fly[i].hi) && r->count < KC_RING_EVENTS) break;
+    KC_CUDA(cudaEventSynchronize(r->fly[i].ev), "staging ring (event synchronize)");
+    r->first = (r->first + 1) % KC_RING_EVENTS;
+    r->count--;
+  }
+  memcpy(r->buf + at, src, n);
+  KC_CUDA(cudaMemcpyAsync(dst, r->buf + at, n, cudaMemcpyHostToDevice, d->stream), "copy from host");
+  int slot = (r->first + r->count) % KC_RING_EVENTS;
+  KC_CUDA(cudaEventRecord(r->fly[slot].ev, d->stream), "staging ring (event record)");
+  r->fly[slot].lo = at;
+  r->fly[slot].hi = at + n;
+  r->count++;
+  r->head = at + n;
+  *done = true;
+  return KILN_OK;
+}
+
 static kiln_status cuda_copy_from_host(int device, void *dst, const void *src, size_t n) {
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(device, &d));
   if (n == 0) return KILN_OK;
+  if (n <= KC_RING_MAX_COPY && !d->capturing) {
+    bool done = false;
+    KC_TRY(ring_copy(d, &g_ring[device], dst, src, n, &done));
+    if (done) return KILN_OK;
+  }
   /* From pageable memory this returns once src has been staged, so the caller may reuse
   ** src at once; the device sees the data in stream order. */
   KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, d->stream), "copy from host");

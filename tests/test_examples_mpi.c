@@ -14,8 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Leak checking is off for the MPI ranks of a sanitizer build: Open MPI's plug-ins leak
+** at finalize (in libmpi, not kiln); test_dist_cpu does the same. */
 #define MPIRUN                                                                            \
-  "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "     \
+  "ASAN_OPTIONS=detect_leaks=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " \
+  "OMPI_MCA_btl=self,vader "                                                              \
   "OMPI_MCA_rmaps_base_oversubscribe=1 KILN_NUM_THREADS=1 mpirun -np 2 --oversubscribe"
 
 int main(void) {

@@ -466,12 +466,12 @@ static void print_text(const doctor *d) {
 
   if (d->ncuda > 0) {
     cli_heading(stdout, pretty, "CUDA devices");
-    const char *ch[] = {"device", "name", "compute", "SMs", "memory (free/total)", "driver", "runtime", "cuBLAS", "pinned h2d/d2h"};
-    cli_table *ct = cli_table_new(9, ch);
+    const char *ch[] = {"device", "name", "compute", "SMs", "memory (free/total)", "driver/runtime", "cuBLAS", "pinned h2d/d2h"};
+    cli_table *ct = cli_table_new(8, ch); /* CLI_TABLE_MAX_COLS */
     for (int i = 0; i < d->ncuda; i++) {
       const cuda_result *r = &d->cuda[i];
       if (!r->info_ok) continue;
-      char dv[16], cc[16], sm[16], mem[64], drv[16], rt[16], bl[16], bw[48];
+      char dv[16], cc[16], sm[16], mem[64], drv[16], rt[16], dr[40], bl[16], bw[48];
       snprintf(dv, sizeof dv, "cuda:%d", r->index);
       snprintf(cc, sizeof cc, "sm_%d%d", r->info.compute_major, r->info.compute_minor);
       snprintf(sm, sizeof sm, "%d", r->info.multiprocessors);
@@ -482,7 +482,8 @@ static void print_text(const doctor *d) {
       snprintf(bl, sizeof bl, "%d", r->info.blas_version);
       if (isfinite(r->pinned_h2d)) snprintf(bw, sizeof bw, "%.1f / %.1f GB/s", r->pinned_h2d, r->pinned_d2h);
       else snprintf(bw, sizeof bw, "not measured");
-      const char *row[] = {dv, r->info.name, cc, sm, mem, drv, rt, bl, bw};
+      snprintf(dr, sizeof dr, "%s / %s", drv, rt);
+      const char *row[] = {dv, r->info.name, cc, sm, mem, dr, bl, bw};
       cli_table_row(ct, row);
     }
     cli_table_print(stdout, ct, pretty);

@@ -186,6 +186,10 @@ int main(int argc, char **argv) {
   kiln_graph *graphs[2] = {NULL, NULL};
   memset(sc, 0, sizeof sc);
 
+  /* KILN_PHASES=1: host time per phase of the eager step, printed at the end */
+  const bool phases = getenv("KILN_PHASES") != NULL;
+  double phase_s[6] = {0};
+
   kiln_device_synchronize(dev);
   double t0 = ex_now();
   int64_t steps = 0;
@@ -200,9 +204,11 @@ int main(int argc, char **argv) {
     double total = 0;
     int64_t n = 0, seen = 0;
     for (;;) {
+      double q0 = phases ? ex_now() : 0;
       kiln_scope_begin(); /* one step: the batch, the graph and every temporary */
       kiln_tensor *b[2];
       int r = kiln_loader_next(loader, b);
+      if (phases) phase_s[0] += ex_now() - q0;
       kiln_status st = KILN_OK;
       double lv = 0;
       if (r == 1 && graph) {
@@ -229,16 +235,26 @@ int main(int argc, char **argv) {
         }
         seen += kiln_size(b[0], 0);
       } else if (r == 1) {
+        double p0 = phases ? ex_now() : 0;
         kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
                                                KILN_REDUCTION_MEAN, -100, 0.0);
         kiln_optimizer_zero_grad(opt);
+        double p1 = phases ? ex_now() : 0;
         st = kiln_backward(loss, NULL);
         if (st == KILN_OK && ddp) st = kiln_ddp_sync_grads(ddp);
+        double p2 = phases ? ex_now() : 0;
         if (st == KILN_OK) st = kiln_optimizer_step(opt);
+        double p3 = phases ? ex_now() : 0;
         if (st == KILN_OK) lv = kiln_item(loss);
+        if (phases) {
+          double p4 = ex_now();
+          phase_s[1] += p1 - p0, phase_s[2] += p2 - p1, phase_s[3] += p3 - p2, phase_s[4] += p4 - p3;
+        }
         seen += kiln_size(b[0], 0) * world;
       }
+      double q1 = phases ? ex_now() : 0;
       kiln_scope_end();
+      if (phases) phase_s[5] += ex_now() - q1;
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;
       total += lv;
@@ -269,6 +285,10 @@ int main(int argc, char **argv) {
   if (isnan(acc)) return fail("computing the accuracy");
 
   if (!quiet) printf("train accuracy: %.4f, %.2f s, %.1f us/step\n", acc, dt, dt / (double)steps * 1e6);
+  if (phases) {
+    static const char *const names[6] = {"load batch", "forward+zero_grad", "backward", "optimizer", "item (sync)", "scope end"};
+    for (int k = 0; k < 6; k++) fprintf(stderr, "phase %-18s %8.1f us/step\n", names[k], phase_s[k] / (double)steps * 1e6);
+  }
   if (json)
     printf("{\"example\":\"seed-mlp%s%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"

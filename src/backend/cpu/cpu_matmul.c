@@ -27,17 +27,21 @@
 #if defined(KILN_HAVE_CBLAS) && defined(OPENBLAS_VERSION)
 #include <stdatomic.h>
 /* OpenBLAS keeps its own thread pool; give it kiln's thread count (KILN_NUM_THREADS,
-** kiln_set_num_threads) whenever that changes, so one setting governs every kernel. */
+** kiln_set_num_threads) whenever that changes, so one setting governs every kernel —
+** except for small products, which get one thread: below ~8M multiply-adds the split
+** saves less than a wake-up costs, and on a busy machine a descheduled BLAS worker
+** turned each small GEMM into milliseconds. */
+#define KILN__MM_BLAS_PAR_MACS ((int64_t)1 << 23)
 static atomic_int kiln__blas_threads;
-static void kiln__blas_sync_threads(void) {
-  int nt = kiln_num_threads();
+static void kiln__blas_sync_threads(int64_t macs) {
+  int nt = macs < KILN__MM_BLAS_PAR_MACS ? 1 : kiln_num_threads();
   if (atomic_load_explicit(&kiln__blas_threads, memory_order_relaxed) != nt) {
     atomic_store(&kiln__blas_threads, nt);
     openblas_set_num_threads(nt);
   }
 }
 #else
-static void kiln__blas_sync_threads(void) {}
+static void kiln__blas_sync_threads(int64_t macs) { (void)macs; }
 #endif
 
 /* Below this many multiply-adds a GEMM runs on one thread, and batches run in parallel. */
@@ -386,7 +390,7 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
 
   kiln_status st = KILN_OK;
   bool half = dt == KILN_F16 || dt == KILN_BF16;
-  kiln__blas_sync_threads();
+  kiln__blas_sync_threads(j.M * j.N * j.K * (j.nbatch > 0 ? j.nbatch : 1));
   /* fold the batch into M when B is shared and A's/out0's (batch..., M) dims merge */
   bool fold = false;
   if (j.nb > 0 && j.nbatch > 1) {

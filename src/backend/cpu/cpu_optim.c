@@ -23,7 +23,7 @@ typedef struct adam_hp {
   bool decoupled, amsgrad;
 } adam_hp;
 
-#define ADAM_LOOP(T, LOAD, STORE, CT)                                                     \
+#define ADAM_LOOP(T, LOAD, STORE, CT, KSQRT) /* KSQRT: sqrt in CT (sqrtf for f32, as PyTorch) */                                                     \
   do {                                                                                    \
     T *p = a->out[0].data, *m = a->out[1].data, *v = a->out[2].data;                      \
     T *vmax = a->n_out > 3 ? a->out[3].data : NULL;                                       \
@@ -44,9 +44,9 @@ typedef struct adam_hp {
         CT vm = LOAD(vmax[i]);                                                            \
         if (vi > vm) vm = vi;                                                             \
         STORE(vmax[i], vm);                                                               \
-        den = (CT)sqrt((double)vm) / bc2s + eps;                                          \
+        den = KSQRT(vm) / bc2s + eps;                                                     \
       } else {                                                                            \
-        den = (CT)sqrt((double)vi) / bc2s + eps;                                          \
+        den = KSQRT(vi) / bc2s + eps;                                                     \
       }                                                                                   \
       pi = pi - ss * (mi / den);                                                          \
       STORE(m[i], mi);                                                                    \
@@ -89,10 +89,10 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   int nt = kiln_num_threads();
   (void)nt;
   switch (dt) {
-  case KILN_F32: ADAM_LOOP(float, ID, SET, float); break;
-  case KILN_F64: ADAM_LOOP(double, ID, SET, double); break;
-  case KILN_F16: ADAM_LOOP(uint16_t, LD_F16, ST_F16, float); break;
-  case KILN_BF16: ADAM_LOOP(uint16_t, LD_BF16, ST_BF16, float); break;
+  case KILN_F32: ADAM_LOOP(float, ID, SET, float, sqrtf); break;
+  case KILN_F64: ADAM_LOOP(double, ID, SET, double, sqrt); break;
+  case KILN_F16: ADAM_LOOP(uint16_t, LD_F16, ST_F16, float, sqrtf); break;
+  case KILN_BF16: ADAM_LOOP(uint16_t, LD_BF16, ST_BF16, float, sqrtf); break;
   default:
     return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel: expected a floating dtype, got %s", kiln_dtype_name(dt));
   }

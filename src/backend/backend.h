@@ -127,7 +127,9 @@ typedef struct kiln__view {
                                   /* out0[..index..] += src */                            \
   /* fused loss: in0 logits (N, C), in1 target (N) -> out0 loss (N) f32/f64, out1 lse */  \
   /* (N) (logsumexp, saved for backward); i0 ignore_index; s0 label smoothing. Rows */    \
-  /* whose target is ignore_index give 0. Out-of-range targets: KILN_ERR_INDEX. */        \
+  /* whose target is ignore_index give 0. Out-of-range targets: KILN_ERR_INDEX. With */   \
+  /* n_out == 3, out2 (N, out0's dtype) gets each row's weight: 1 kept, 0 ignored, so */  \
+  /* the mean over kept rows needs one reduction. */                                      \
   X(CROSS_ENTROPY, "cross_entropy")                                                       \
   /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
   X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")                                   \

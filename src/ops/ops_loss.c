@@ -134,18 +134,28 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
     L2 = kiln_reshape(kiln_permute(logits, nd, perm), KILN_SHAPE(M, C));
   }
   T1 = kiln_reshape(target, KILN_SHAPE(M));
-  if (L2 && T1) rows = kiln__tensor_new(1, &M, ld, dev);
+  /* mean: each row's loss and weight (1 kept, 0 ignored) side by side in one (M, 2)
+  ** buffer, so one reduction gives the sum and the count (three kernels in all) */
+  kiln_tensor *rw = NULL, *w = NULL;
+  if (L2 && T1 && red == KILN_REDUCTION_MEAN) {
+    rw = kiln__tensor_new(2, (int64_t[]){M, 2}, ld, dev);
+    rows = rw ? kiln_select(rw, 1, 0) : NULL;
+    w = rw ? kiln_select(rw, 1, 1) : NULL;
+  } else if (L2 && T1) {
+    rows = kiln__tensor_new(1, &M, ld, dev);
+  }
   if (rows) lse = kiln__tensor_new(1, &M, ld, dev);
   kiln_status st = lse ? KILN_OK : KILN_ERR_OOM;
   if (lse && M > 0) {
     kiln__kargs a = {0};
     a.op = KILN__K_CROSS_ENTROPY;
     a.n_in = 2;
-    a.n_out = 2;
+    a.n_out = w ? 3 : 2;
     a.in[0] = kiln__view_of(L2);
     a.in[1] = kiln__view_of(T1);
     a.out[0] = kiln__view_of(rows);
     a.out[1] = kiln__view_of(lse);
+    if (w) a.out[2] = kiln__view_of(w);
     a.i[0] = ignore_index;
     a.s[0] = label_smoothing;
     st = kiln__dispatch(dev, &a);
@@ -156,9 +166,10 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
     } else if (red == KILN_REDUCTION_SUM) {
       r = kiln_sum_all(rows);
     } else {
-      kiln_tensor *ign = kiln_scalar((double)ignore_index, KILN_I64, dev);
-      cnt = kiln_to_dtype(kiln_sum_all(kiln_ne(T1, ign)), ld);
-      r = kiln_div(kiln_sum_all(rows), cnt);
+      if (M == 0 && rw) st = kiln_zero_(rw); /* no rows: 0 / 0, NaN like PyTorch */
+      kiln_tensor *sums = st == KILN_OK ? kiln_sum(rw, KILN_DIMS(0), false) : NULL; /* (2) */
+      cnt = sums ? kiln_select(sums, 0, 1) : NULL;
+      r = cnt ? kiln_div(kiln_select(sums, 0, 0), cnt) : NULL;
     }
     if (r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
   }

@@ -262,6 +262,7 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
       }
       kiln__cpu_set_f64(p[2] + r * bst[2], c->v[2].dtype, loss);
       if (c->nv > 3) kiln__cpu_set_f64(p[3] + r * bst[3], c->v[3].dtype, lse);
+      if (c->nv > 4) kiln__cpu_set_f64(p[4] + r * bst[4], c->v[4].dtype, ignored ? 0.0 : 1.0);
     } else {
       if (ignored) {
         for (int64_t i = 0; i < len; i++) b0[i] = 0; /* zeros in any compute type */
@@ -295,10 +296,11 @@ kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a) {
   if (st != KILN_OK) return st;
   if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
   int64_t ncls = a->in[0].shape[1];
-  kiln__view vs[4] = {a->in[0], kiln__ce_rowview(&a->in[1], ncls), kiln__ce_rowview(&a->out[0], ncls),
-                      a->n_out > 1 ? kiln__ce_rowview(&a->out[1], ncls) : a->in[0]};
+  kiln__view vs[5] = {a->in[0], kiln__ce_rowview(&a->in[1], ncls), kiln__ce_rowview(&a->out[0], ncls),
+                      a->n_out > 1 ? kiln__ce_rowview(&a->out[1], ncls) : a->in[0],
+                      a->n_out > 2 ? kiln__ce_rowview(&a->out[2], ncls) : a->in[0]};
   kiln__rows c;
-  kiln__rows_init(&c, a, vs, a->n_out > 1 ? 4 : 3, 1);
+  kiln__rows_init(&c, a, vs, a->n_out > 2 ? 5 : (a->n_out > 1 ? 4 : 3), 1);
   c.ct = kiln__cpu_ct(a->in[0].dtype);
   if (ncls == 0) { /* no classes: nothing to normalise; loss is undefined, write NaN */
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: logits have 0 classes");

@@ -168,6 +168,7 @@ kiln_status softmax_launch(kiln__cuda_dev *d, const kiln__kargs *a, const SGeom 
 struct CEArgs {
   int64_t N, C;
   int64_t sxn, sxc, st, sl, sz, sg, son, soc; /* strides: logits, target, loss, lse, grad, out */
+  int64_t sw; /* stride of the optional per-row weight (out2) */
   int64_t ignore;
   double eps;
   int *flag;
@@ -177,7 +178,7 @@ struct CEArgs {
 /* One group of G threads per row. out0 loss, out1 lse (TL = their dtype). */
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
-    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, CEArgs p) {
+    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -219,6 +220,7 @@ __global__ void __launch_bounds__(KC_THREADS)
   }
   loss[n * p.sl] = kc_st<TL>(out);
   lse[n * p.sz] = kc_st<TL>(l);
+  if (w) w[n * p.sw] = kc_st<TL>(t == p.ignore ? 0 : 1);
 }
 
 template <class T, class TL, class TI>
@@ -252,11 +254,12 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     const T *x = (const T *)a->in[0].data;
     const TI *t = (const TI *)a->in[1].data;
     TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
+    TL *w = a->n_out > 2 ? (TL *)a->out[2].data : NULL;
     if (p.C > 1024) {
-      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, p);
+      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
-      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, p);
+      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
     }
   } else {
     int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
@@ -305,7 +308,8 @@ extern "C" bool kiln__cuda_softmax_supports(const kiln__kargs *a) {
   kiln_dtype lt = a->op == KILN__K_CROSS_ENTROPY ? a->out[0].dtype : a->in[2].dtype;
   if (lt != KILN_F32 && lt != KILN_F64) return false;
   if (lt == KILN_F32 && dt == KILN_F64) return false;
-  if (a->op == KILN__K_CROSS_ENTROPY) return a->n_out >= 2 && a->out[1].dtype == lt;
+  if (a->op == KILN__K_CROSS_ENTROPY)
+    return a->n_out >= 2 && a->out[1].dtype == lt && (a->n_out < 3 || a->out[2].dtype == lt);
   return a->n_in >= 4 && a->in[3].dtype == lt && a->out[0].dtype == dt;
 }
 
@@ -329,9 +333,10 @@ extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
     if (a->op == KILN__K_CROSS_ENTROPY) {
       p.sl = a->out[0].strides[0];
       p.sz = a->out[1].strides[0];
+      p.sw = a->n_out > 2 ? a->out[2].strides[0] : 0;
       p.sg = p.son = p.soc = 0;
     } else {
-      p.sl = 0;
+      p.sl = p.sw = 0;
       p.sz = a->in[2].strides[0];
       p.sg = a->in[3].strides[0];
       p.son = a->out[0].strides[0];

@@ -23,35 +23,48 @@ typedef struct adam_hp {
   bool decoupled, amsgrad;
 } adam_hp;
 
-#define ADAM_LOOP(T, LOAD, STORE, CT, KSQRT) /* KSQRT: sqrt in CT (sqrtf for f32, as PyTorch) */                                                     \
+/* One pass over a parameter. DEC (AdamW's decay), L2 (Adam's decay) and AMS are literal
+** 0/1 at each use, so every variant is a straight-line loop the compiler vectorises. */
+#define ADAM_PASS(T, LOAD, STORE, CT, KSQRT, DEC, L2, AMS)                                \
   do {                                                                                    \
     T *p = a->out[0].data, *m = a->out[1].data, *v = a->out[2].data;                      \
-    T *vmax = a->n_out > 3 ? a->out[3].data : NULL;                                       \
+    T *vmax = a->n_out > 3 ? a->out[3].data : p;                                          \
     const T *g = a->in[0].data;                                                           \
     const CT b1 = (CT)hp.beta1, b2 = (CT)hp.beta2, eps = (CT)hp.eps, wd = (CT)hp.wd;        \
-    const CT ss = (CT)hp.step_size, bc2s = (CT)hp.bc2_sqrt, lrwd = (CT)(hp.lr * hp.wd);    \
+    const CT ss = (CT)hp.step_size, bc2s = (CT)hp.bc2_sqrt, keep = (CT)(1.0 - hp.lr * hp.wd); \
+    (void)wd, (void)keep, (void)vmax;                                                     \
     ADAM_OMP                                                                              \
     for (int64_t i = 0; i < n; i++) {                                                     \
       CT pi = LOAD(p[i]), gi = LOAD(g[i]);                                                \
-      if (hp.decoupled)                                                                   \
-        pi = pi * ((CT)1 - lrwd);                                                         \
-      else if (wd != 0)                                                                   \
-        gi = gi + wd * pi;                                                                \
+      if (DEC) pi = pi * keep;                                                            \
+      if (L2) gi = gi + wd * pi;                                                          \
       CT mi = LOAD(m[i]) * b1 + gi * ((CT)1 - b1);                                        \
       CT vi = LOAD(v[i]) * b2 + gi * gi * ((CT)1 - b2);                                   \
-      CT den;                                                                             \
-      if (hp.amsgrad) {                                                                   \
+      CT vd = vi;                                                                         \
+      if (AMS) {                                                                          \
         CT vm = LOAD(vmax[i]);                                                            \
-        if (vi > vm) vm = vi;                                                             \
-        STORE(vmax[i], vm);                                                               \
-        den = KSQRT(vm) / bc2s + eps;                                                     \
-      } else {                                                                            \
-        den = KSQRT(vi) / bc2s + eps;                                                     \
+        vd = vi > vm ? vi : vm;                                                           \
+        STORE(vmax[i], vd);                                                               \
       }                                                                                   \
-      pi = pi - ss * (mi / den);                                                          \
+      CT den = KSQRT(vd) / bc2s + eps;                                                    \
       STORE(m[i], mi);                                                                    \
       STORE(v[i], vi);                                                                    \
-      STORE(p[i], pi);                                                                    \
+      STORE(p[i], pi - ss * (mi / den));                                                  \
+    }                                                                                     \
+  } while (0)
+
+/* KSQRT: sqrt in CT (sqrtf for f32, as PyTorch). */
+#define ADAM_LOOP(T, LOAD, STORE, CT, KSQRT)                                              \
+  do {                                                                                    \
+    bool l2 = !hp.decoupled && hp.wd != 0;                                                \
+    if (hp.amsgrad) {                                                                     \
+      if (hp.decoupled) ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 1, 0, 1);                    \
+      else if (l2) ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 0, 1, 1);                         \
+      else ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 0, 0, 1);                                 \
+    } else {                                                                              \
+      if (hp.decoupled) ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 1, 0, 0);                    \
+      else if (l2) ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 0, 1, 0);                         \
+      else ADAM_PASS(T, LOAD, STORE, CT, KSQRT, 0, 0, 0);                                 \
     }                                                                                     \
   } while (0)
 

@@ -118,8 +118,9 @@ static int64_t kiln__sat(double v) {
   KILN__C(NAME##_f64, double, EXPR)                                                       \
   KILN__C(NAME##_i64, int64_t, EXPR)
 
-/* exp of the element's own type: the vectorizable kiln__expf for f32, libm for f64 */
+/* exp and tanh of the element's own type: the vectorizable f32 versions, libm for f64 */
 #define KILN__EXP(v) _Generic((v), float: kiln__expf, default: exp)(v)
+#define KILN__TANH(v) _Generic((v), float: kiln__tanhf, default: tanh)(v)
 
 /* 1/sqrt(2), sqrt(2/pi), 1/sqrt(2*pi) */
 #define KILN__RSQRT2 0.70710678118654752440
@@ -143,12 +144,12 @@ KILN__UF(leaky_relu, r = v > 0 ? v : v * s0)
 KILN__U(gelu_f32, float, r = 0.5f * v * (1.0f + erf(v * (float)KILN__RSQRT2)))
 KILN__U(gelu_f64, double, r = 0.5 * v * (1.0 + erf(v * KILN__RSQRT2)))
 KILN__U(gelu_tanh_f32, float,
-        r = 0.5f * v * (1.0f + tanh((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v))))
+        r = 0.5f * v * (1.0f + kiln__tanhf((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v))))
 KILN__U(gelu_tanh_f64, double,
         r = 0.5 * v * (1.0 + tanh(KILN__SQRT_2_PI * (v + 0.044715 * v * v * v))))
 KILN__UF(silu, r = v / (1 + KILN__EXP(-v)))
 KILN__UF(sigmoid, r = 1 / (1 + KILN__EXP(-v)))
-KILN__UF(tanh, r = tanh(v))
+KILN__UF(tanh, r = KILN__TANH(v))
 /* softplus(x) = log(1 + exp(beta x)) / beta, linear above the threshold (PyTorch's) */
 KILN__UF(softplus, r = v * s0 > s1 ? v : log1p(exp(v * s0)) / s0)
 KILN__UF(clamp, r = v < s0 ? s0 : v; r = r > s1 ? s1 : r)
@@ -172,7 +173,7 @@ KILN__B(gelu_bw_f32, float,
 KILN__B(gelu_bw_f64, double,
         r = g * (0.5 * (1.0 + erf(v * KILN__RSQRT2)) + v * KILN__RSQRT_2PI * exp(-0.5 * v * v)))
 KILN__B(gelu_tanh_bw_f32, float, {
-  float t = tanh((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v));
+  float t = kiln__tanhf((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v));
   r = g * (0.5f * (1.0f + t) +
            0.5f * v * (1.0f - t * t) * (float)KILN__SQRT_2_PI * (1.0f + 3.0f * 0.044715f * v * v));
 })

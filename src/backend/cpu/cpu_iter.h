@@ -102,6 +102,26 @@ static inline float kiln__expf(float x) {
   return x != x ? x : y;
 }
 
+/* tanh for f32 that vectorizes (libm's is a call per element, and tanh() of a float is
+** the double one): Cephes' tanhf. |x| < 0.625: odd polynomial (about 2 ulp); beyond:
+** 1 - 2 / (exp(2|x|) + 1) with the sign put back. Both are computed and one selected, so
+** a loop has no branch. NaN stays NaN. */
+static inline float kiln__tanhf(float x) {
+  float ax = x < 0 ? -x : x;
+  float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  float small = p * z * x + x;
+  float e = kiln__expf(2.0f * (ax > 44.0f ? 44.0f : ax));
+  float big = 1.0f - 2.0f / (e + 1.0f);
+  big = x < 0 ? -big : big;
+  float r = ax < 0.625f ? small : big;
+  return x != x ? x : r;
+}
+
 /* Error helper for float-only ops given another dtype. */
 kiln_status kiln__cpu_dtype_error(const kiln__kargs *a, kiln_dtype dt);
 

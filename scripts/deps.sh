@@ -17,7 +17,7 @@ fi
 # tests: the Fashion-MNIST package, python3 + numpy (fixtures), valgrind.
 packages=(
   build-essential cmake pkg-config
-  libopenblas-dev libopenblas0-pthread
+  libopenblas-dev libopenblas0-pthread libopenblas-openmp-dev
   zlib1g-dev libcjson-dev
   openmpi-bin libopenmpi-dev
   dataset-fashion-mnist python3 python3-numpy valgrind

@@ -11,8 +11,15 @@
 #include <math.h>
 #include <string.h>
 
+/* Threads pay off from 64k elements when OpenBLAS shares kiln's OpenMP pool; beside the
+** pthread OpenBLAS's own pool, only for very large tensors. */
+#if defined(KILN_BLAS_OPENMP) || !defined(KILN_HAVE_CBLAS)
+#define ADAM_PAR_MIN 65536
+#else
+#define ADAM_PAR_MIN (1 << 20)
+#endif
 #ifdef KILN_HAVE_OPENMP
-#define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > (1 << 20)) schedule(static)")
+#define ADAM_OMP _Pragma("omp parallel for num_threads(nt) if (n > ADAM_PAR_MIN) schedule(static)")
 #else
 #define ADAM_OMP
 #endif

@@ -48,6 +48,36 @@ static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g
   return KILN_OK;
 }
 
+/* The common tail of index_select and gather: run the kernel into out (src t, index,
+** along dim d) and record the node whose rule accumulates back through the same index. */
+static kiln_tensor *index_run(kiln__kop op, const char *name, kiln__backward_fn bw, kiln_tensor *t,
+                              kiln_tensor *index, kiln_tensor *out, int d) {
+  if (kiln_numel(out) > 0) {
+    kiln__kargs a = {0};
+    a.op = op;
+    a.n_in = 2;
+    a.n_out = 1;
+    a.in[0] = view1(t);
+    a.in[1] = view1(index);
+    a.out[0] = view1(out);
+    a.i[0] = d;
+    if (kiln__dispatch(kiln_device_of(t), &a) != KILN_OK) {
+      kiln__discard(out);
+      return NULL;
+    }
+  }
+  if (kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
+    kiln__node *n = kiln__node_attach(out, name, bw, 1, &t);
+    if (!n) {
+      kiln__discard(out);
+      return NULL;
+    }
+    kiln__node_save(n, 0, index);
+    n->i[0] = d;
+  }
+  return out;
+}
+
 /* ---- index_select ------------------------------------------------------------------- */
 
 static kiln_tensor *zeros_like_input(kiln__node *n, int k, kiln_tensor *g) {
@@ -100,30 +130,7 @@ kiln_tensor *kiln_index_select(kiln_tensor *t, int dim, kiln_tensor *index) {
   kiln_device dev = kiln_device_of(t);
   kiln_tensor *out = kiln__tensor_new(ond, osh, t->dtype, dev);
   if (!out) return NULL;
-  if (kiln_numel(out) > 0) {
-    kiln__kargs a = {0};
-    a.op = KILN__K_INDEX_SELECT;
-    a.n_in = 2;
-    a.n_out = 1;
-    a.in[0] = view1(t);
-    a.in[1] = view1(index);
-    a.out[0] = view1(out);
-    a.i[0] = d;
-    if (kiln__dispatch(dev, &a) != KILN_OK) {
-      kiln__discard(out);
-      return NULL;
-    }
-  }
-  if (kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, "index_select", index_select_backward, 1, &t);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save(n, 0, index);
-    n->i[0] = d;
-  }
-  return out;
+  return index_run(KILN__K_INDEX_SELECT, "index_select", index_select_backward, t, index, out, d);
 }
 
 /* ---- gather ------------------------------------------------------------------------- */
@@ -158,30 +165,7 @@ kiln_tensor *kiln_gather(kiln_tensor *t, int dim, kiln_tensor *index) {
   kiln_device dev = kiln_device_of(t);
   kiln_tensor *out = kiln__tensor_new(index->ndim, index->shape, t->dtype, dev);
   if (!out) return NULL;
-  if (kiln_numel(out) > 0) {
-    kiln__kargs a = {0};
-    a.op = KILN__K_GATHER;
-    a.n_in = 2;
-    a.n_out = 1;
-    a.in[0] = view1(t);
-    a.in[1] = view1(index);
-    a.out[0] = view1(out);
-    a.i[0] = d;
-    if (kiln__dispatch(dev, &a) != KILN_OK) {
-      kiln__discard(out);
-      return NULL;
-    }
-  }
-  if (kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, "gather", gather_backward, 1, &t);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save(n, 0, index);
-    n->i[0] = d;
-  }
-  return out;
+  return index_run(KILN__K_GATHER, "gather", gather_backward, t, index, out, d);
 }
 
 /* ---- scatter_add -------------------------------------------------------------------- */

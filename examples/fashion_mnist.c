@@ -108,14 +108,11 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  kiln_dist *dist = NULL;
-  if (ex_launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
-  const int world = dist ? kiln_dist_world_size(dist) : 1, rank = dist ? kiln_dist_rank(dist) : 0;
+  kiln_dist *dist;
+  int world, rank;
+  int jrc = ex_join(PROG, batch, &dist, &world, &rank);
+  if (jrc) return jrc;
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
-  if (world > 1 && batch % world != 0) {
-    fprintf(stderr, PROG ": --batch %lld is not divisible by the %d ranks\n", batch, world);
-    return 2;
-  }
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());

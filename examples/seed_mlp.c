@@ -107,14 +107,11 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  kiln_dist *dist = NULL;
-  if (ex_launched_by_mpi() && !(dist = kiln_dist_init(NULL))) return fail("joining the MPI job");
-  const int world = dist ? kiln_dist_world_size(dist) : 1, rank = dist ? kiln_dist_rank(dist) : 0;
+  kiln_dist *dist;
+  int world, rank;
+  int jrc = ex_join(PROG, batch, &dist, &world, &rank);
+  if (jrc) return jrc;
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
-  if (world > 1 && batch % world != 0) {
-    fprintf(stderr, PROG ": --batch %lld is not divisible by the %d ranks\n", batch, world);
-    return 2;
-  }
   if (world > 1 && graph) {
     fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
     return 2;

@@ -1,14 +1,40 @@
-/* Shared by the examples: was this process started by an MPI launcher? Plain runs then
-** never touch MPI (no singleton start-up cost, no MPI messages). Header-only. */
+/* Shared by the examples: joining an MPI job when one was launched. Header-only. */
 #ifndef KILN_EXAMPLES_LAUNCH_H
 #define KILN_EXAMPLES_LAUNCH_H
 
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 
-/* Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers each set one of these. */
+#include <kiln.h>
+#include <kiln_dist.h>
+
+/* Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers each set one of these. Plain runs
+** never touch MPI (no singleton start-up cost, no MPI messages). */
 static inline bool ex_launched_by_mpi(void) {
   return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
+/* Joins the job when started by a launcher (kiln_dist_init), else a world of one (*dist
+** NULL). The global batch must split evenly across the ranks. Returns 0, or the exit code
+** to leave with: 1 when joining failed, 2 for a batch the ranks cannot split. */
+static inline int ex_join(const char *prog, long long batch, kiln_dist **dist, int *world, int *rank) {
+  *dist = NULL;
+  *world = 1;
+  *rank = 0;
+  if (!ex_launched_by_mpi()) return 0;
+  if (!(*dist = kiln_dist_init(NULL))) {
+    fprintf(stderr, "%s: joining the MPI job: %s (%s)\n", prog, kiln_last_error_message(),
+            kiln_error_name(kiln_last_error()));
+    return 1;
+  }
+  *world = kiln_dist_world_size(*dist);
+  *rank = kiln_dist_rank(*dist);
+  if (batch % *world != 0) {
+    fprintf(stderr, "%s: --batch %lld is not divisible by the %d ranks\n", prog, batch, *world);
+    return 2;
+  }
+  return 0;
 }
 
 #endif

@@ -4,6 +4,7 @@
 ** 6000 of each class in train and 1000 in test).
 */
 #define _POSIX_C_SOURCE 200809L
+#include "scratch.h"
 #include <kiln.h>
 #include <kiln_data.h>
 #include <stdio.h>
@@ -230,20 +231,14 @@ static void test_fashion_mnist(void) {
 }
 
 int main(void) {
-  snprintf(g_tmp, sizeof g_tmp, "%s/kiln_test_idx_XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp(g_tmp)) {
-    perror("mkdtemp");
-    return 1;
-  }
+  if (scratch_begin(g_tmp, sizeof g_tmp, "idx") != 0) return 1;
   int64_t live0 = kiln_live_tensors();
   test_types();
   test_errors();
   test_fuzz();
   test_fashion_mnist();
   CHECK(kiln_live_tensors() == live0);
-  char cmd[400];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+  scratch_end(g_tmp);
   if (failures) {
     fprintf(stderr, "test_data_idx: %d failures\n", failures);
     return 1;

@@ -5,6 +5,7 @@
 ** and survives every truncation and bit flip of a fixture.
 */
 #define _POSIX_C_SOURCE 200809L
+#include "scratch.h"
 #include <kiln.h>
 #include <kiln_io.h>
 #include <stdio.h>
@@ -250,20 +251,14 @@ static void test_fuzz(void) {
 }
 
 int main(void) {
-  snprintf(g_tmp, sizeof g_tmp, "%s/kiln_test_npy_XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp(g_tmp)) {
-    perror("mkdtemp");
-    return 1;
-  }
+  if (scratch_begin(g_tmp, sizeof g_tmp, "npy") != 0) return 1;
   int64_t live0 = kiln_live_tensors();
   test_numpy_files();
   test_round_trip();
   test_crafted();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
-  char cmd[400];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+  scratch_end(g_tmp);
   if (failures) {
     fprintf(stderr, "test_io_npy: %d failures\n", failures);
     return 1;

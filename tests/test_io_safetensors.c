@@ -6,6 +6,7 @@
 ** fixture (FORMAT/IO/DTYPE/SHAPE, no crash, no leak).
 */
 #define _POSIX_C_SOURCE 200809L
+#include "scratch.h"
 #include <kiln.h>
 #include <kiln_io.h>
 #include <stdio.h>
@@ -382,11 +383,7 @@ static void test_fuzz(void) {
 
 int main(void) {
   find_fixture("all_dtypes.safetensors", g_fixture, sizeof g_fixture);
-  snprintf(g_tmp, sizeof g_tmp, "%s/kiln_test_st_XXXXXX", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp(g_tmp)) {
-    perror("mkdtemp");
-    return 1;
-  }
+  if (scratch_begin(g_tmp, sizeof g_tmp, "st") != 0) return 1;
   int64_t live0 = kiln_live_tensors();
   test_reference_file();
   test_dict_api();
@@ -394,9 +391,7 @@ int main(void) {
   test_crafted_errors();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
-  char cmd[400];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+  scratch_end(g_tmp);
   if (failures) {
     fprintf(stderr, "test_io_safetensors: %d failures\n", failures);
     return 1;

@@ -48,36 +48,6 @@ static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g
   return KILN_OK;
 }
 
-/* The common tail of index_select and gather: run the kernel into out (src t, index,
-** along dim d) and record the node whose rule accumulates back through the same index. */
-static kiln_tensor *index_run(kiln__kop op, const char *name, kiln__backward_fn bw, kiln_tensor *t,
-                              kiln_tensor *index, kiln_tensor *out, int d) {
-  if (kiln_numel(out) > 0) {
-    kiln__kargs a = {0};
-    a.op = op;
-    a.n_in = 2;
-    a.n_out = 1;
-    a.in[0] = view1(t);
-    a.in[1] = view1(index);
-    a.out[0] = view1(out);
-    a.i[0] = d;
-    if (kiln__dispatch(kiln_device_of(t), &a) != KILN_OK) {
-      kiln__discard(out);
-      return NULL;
-    }
-  }
-  if (kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, name, bw, 1, &t);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save(n, 0, index);
-    n->i[0] = d;
-  }
-  return out;
-}
-
 /* ---- index_select ------------------------------------------------------------------- */
 
 static kiln_tensor *zeros_like_input(kiln__node *n, int k, kiln_tensor *g) {
@@ -97,15 +67,50 @@ static kiln_status accumulate(kiln__kop kop, kiln_tensor *z, int d, kiln__view s
   return kiln__dispatch(kiln_device_of(z), &a);
 }
 
-static kiln_status index_select_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+
+/* index_select and gather: the gradient is scattered back through the same index into
+** zeros, with the accumulating kernel the forward recorded in n->i[1] (INDEX_ADD for
+** index_select, SCATTER_ADD for gather); repeated indices add up. */
+static kiln_status index_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *index = n->saved[0];
   kiln_tensor *z = zeros_like_input(n, 0, g);
   if (!z) return kiln_last_error();
   kiln_tensor *gc = g->dtype == z->dtype ? g : kiln_to_dtype(g, z->dtype);
   if (!gc) return kiln_last_error();
-  kiln_status st = accumulate(KILN__K_INDEX_ADD, z, (int)n->i[0], view1(gc), view1(index));
+  kiln_status st = accumulate((kiln__kop)n->i[1], z, (int)n->i[0], view1(gc), view1(index));
   if (st != KILN_OK) return st;
   return give(&gi[0], z, g);
+}
+
+/* The common tail of index_select and gather: run the kernel into out (src t, index,
+** along dim d) and record the node whose rule accumulates back through the same index. */
+static kiln_tensor *index_run(kiln__kop op, const char *name, kiln_tensor *t, kiln_tensor *index,
+                              kiln_tensor *out, int d) {
+  if (kiln_numel(out) > 0) {
+    kiln__kargs a = {0};
+    a.op = op;
+    a.n_in = 2;
+    a.n_out = 1;
+    a.in[0] = view1(t);
+    a.in[1] = view1(index);
+    a.out[0] = view1(out);
+    a.i[0] = d;
+    if (kiln__dispatch(kiln_device_of(t), &a) != KILN_OK) {
+      kiln__discard(out);
+      return NULL;
+    }
+  }
+  if (kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
+    kiln__node *n = kiln__node_attach(out, name, index_backward, 1, &t);
+    if (!n) {
+      kiln__discard(out);
+      return NULL;
+    }
+    kiln__node_save(n, 0, index);
+    n->i[0] = d;
+    n->i[1] = op == KILN__K_GATHER ? KILN__K_SCATTER_ADD : KILN__K_INDEX_ADD;
+  }
+  return out;
 }
 
 kiln_tensor *kiln_index_select(kiln_tensor *t, int dim, kiln_tensor *index) {
@@ -130,21 +135,11 @@ kiln_tensor *kiln_index_select(kiln_tensor *t, int dim, kiln_tensor *index) {
   kiln_device dev = kiln_device_of(t);
   kiln_tensor *out = kiln__tensor_new(ond, osh, t->dtype, dev);
   if (!out) return NULL;
-  return index_run(KILN__K_INDEX_SELECT, "index_select", index_select_backward, t, index, out, d);
+  return index_run(KILN__K_INDEX_SELECT, "index_select", t, index, out, d);
 }
 
 /* ---- gather ------------------------------------------------------------------------- */
 
-static kiln_status gather_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *index = n->saved[0];
-  kiln_tensor *z = zeros_like_input(n, 0, g);
-  if (!z) return kiln_last_error();
-  kiln_tensor *gc = g->dtype == z->dtype ? g : kiln_to_dtype(g, z->dtype);
-  if (!gc) return kiln_last_error();
-  kiln_status st = accumulate(KILN__K_SCATTER_ADD, z, (int)n->i[0], view1(gc), view1(index));
-  if (st != KILN_OK) return st;
-  return give(&gi[0], z, g);
-}
 
 kiln_tensor *kiln_gather(kiln_tensor *t, int dim, kiln_tensor *index) {
   if (!t || !index) return NULL;
@@ -165,7 +160,7 @@ kiln_tensor *kiln_gather(kiln_tensor *t, int dim, kiln_tensor *index) {
   kiln_device dev = kiln_device_of(t);
   kiln_tensor *out = kiln__tensor_new(index->ndim, index->shape, t->dtype, dev);
   if (!out) return NULL;
-  return index_run(KILN__K_GATHER, "gather", gather_backward, t, index, out, d);
+  return index_run(KILN__K_GATHER, "gather", t, index, out, d);
 }
 
 /* ---- scatter_add -------------------------------------------------------------------- */

@@ -171,6 +171,12 @@ kiln_tensor *kiln_detach(kiln_tensor *t) {
   return kiln__tensor_alias(t, true);
 }
 
+kiln_status kiln__give_grad(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
+  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
+  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
+  return KILN_OK;
+}
+
 /* ---- unbroadcast ---- */
 kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape) {
   if (!g) return NULL;

@@ -118,6 +118,9 @@ void kiln__discard(kiln_tensor *t);
 /* A new handle on t's storage with t's shape and strides, no autograd history; tracked by
 ** the current scope when track is true. */
 kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track);
+/* Ends the scope a composed op opened for its intermediates and hands r (which may be
+** NULL) to the caller's scope: r survives, everything else made in the scope goes. */
+kiln_tensor *kiln__scope_return(kiln_tensor *r);
 /* Registers a new reference with the innermost scope, if any. Returns t. */
 kiln_tensor *kiln__scope_track(kiln_tensor *t);
 void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
@@ -172,6 +175,11 @@ void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
 /* Saves the node's own output in slot k without a reference cycle: stores a detached
 ** alias sharing the output's storage. Call right after kiln__node_attach. */
 void kiln__node_save_output(kiln__node *n, int k);
+/* Hands a backward rule's result r to the engine as *slot (a new reference it owns): a
+** result made in the rule is taken out of the engine's scope (no copy); the incoming
+** gradient g passed straight through gets a reference of its own. NULL r returns the
+** pending error. */
+kiln_status kiln__give_grad(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g);
 /* Reduces a broadcast gradient g back to the input shape (sum over broadcast dims). */
 kiln_tensor *kiln__unbroadcast(kiln_tensor *g, int ndim, const int64_t *shape);
 

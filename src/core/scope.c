@@ -105,6 +105,12 @@ kiln_tensor *kiln_keep(kiln_tensor *t) {
   return t; /* owned by another thread's scope: left as it is */
 }
 
+kiln_tensor *kiln__scope_return(kiln_tensor *r) {
+  if (r) kiln_tensor_ref(r);
+  kiln_scope_end();
+  return kiln__scope_track(r);
+}
+
 void kiln__discard(kiln_tensor *t) {
   if (t) kiln_tensor_free(kiln_keep(t));
 }

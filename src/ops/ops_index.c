@@ -39,15 +39,6 @@ static int wrap_dim0(const char *op, int dim, int ndim) {
   return kiln__wrap_dim(op, dim, ndim);
 }
 
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
-  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  /* A result made here is taken out of the engine's scope, so the engine holds the only
-  ** reference and can keep it without a copy. The incoming gradient itself (passed
-  ** through) may belong to someone else: it gets a reference of its own. */
-  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
-  return KILN_OK;
-}
-
 /* ---- index_select ------------------------------------------------------------------- */
 
 static kiln_tensor *zeros_like_input(kiln__node *n, int k, kiln_tensor *g) {
@@ -79,7 +70,7 @@ static kiln_status index_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **g
   if (!gc) return kiln_last_error();
   kiln_status st = accumulate((kiln__kop)n->i[1], z, (int)n->i[0], view1(gc), view1(index));
   if (st != KILN_OK) return st;
-  return give(&gi[0], z, g);
+  return kiln__give_grad(&gi[0], z, g);
 }
 
 /* The common tail of index_select and gather: run the kernel into out (src t, index,
@@ -169,7 +160,7 @@ kiln_tensor *kiln_gather(kiln_tensor *t, int dim, kiln_tensor *index) {
 ** index (only the index-shaped corner of src takes part, as in PyTorch). */
 static kiln_status scatter_add_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   if (n->needs[0]) {
-    kiln_status st = give(&gi[0], g, g);
+    kiln_status st = kiln__give_grad(&gi[0], g, g);
     if (st != KILN_OK) return st;
   }
   if (n->needs[1]) {
@@ -189,7 +180,7 @@ static kiln_status scatter_add_backward(kiln__node *n, kiln_tensor *g, kiln_tens
       if (st != KILN_OK) return st;
       r = z;
     }
-    return give(&gi[1], r, g);
+    return kiln__give_grad(&gi[1], r, g);
   }
   return KILN_OK;
 }
@@ -262,7 +253,7 @@ static kiln_status embedding_backward(kiln__node *n, kiln_tensor *g, kiln_tensor
   iv.strides[0] = 1;
   kiln_status st = accumulate(KILN__K_INDEX_ADD, z, 0, kiln__view_of(g2), iv);
   if (st != KILN_OK) return st;
-  return give(&gi[0], z, g);
+  return kiln__give_grad(&gi[0], z, g);
 }
 
 kiln_tensor *kiln_embedding(kiln_tensor *weight, kiln_tensor *ids) {

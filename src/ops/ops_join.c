@@ -12,28 +12,13 @@
 
 #include <stdlib.h>
 
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
-  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  /* A result made here is taken out of the engine's scope, so the engine holds the only
-  ** reference and can keep it without a copy. The incoming gradient itself (passed
-  ** through) may belong to someone else: it gets a reference of its own. */
-  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
-  return KILN_OK;
-}
-
-static kiln_tensor *local_end(kiln_tensor *r) {
-  if (r) kiln_tensor_ref(r);
-  kiln_scope_end();
-  return kiln__scope_track(r);
-}
-
 /* ---- cat ---------------------------------------------------------------------------- */
 
 static kiln_status cat_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   int d = (int)n->i[0];
   for (int k = 0; k < n->n_in; k++) {
     if (!n->needs[k]) continue;
-    kiln_status st = give(&gi[k], kiln_narrow(g, d, n->i[1 + k], n->i[5 + k]), g);
+    kiln_status st = kiln__give_grad(&gi[k], kiln_narrow(g, d, n->i[1 + k], n->i[5 + k]), g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
@@ -54,11 +39,11 @@ static kiln_tensor *cat_tree(int n, kiln_tensor *const *ts, int d) {
   for (int s = 0; s < n; s += chunk) {
     int m = n - s < chunk ? n - s : chunk;
     parts[np] = cat_list(m, ts + s, d);
-    if (!parts[np]) return local_end(NULL);
+    if (!parts[np]) return kiln__scope_return(NULL);
     np++;
   }
   r = cat_list(np, parts, d);
-  return local_end(r);
+  return kiln__scope_return(r);
 }
 
 /* cat of a checked list (no legacy empties, all of one ndim/dtype/device, d wrapped). */
@@ -187,7 +172,7 @@ kiln_tensor *kiln_stack(int n, kiln_tensor *const *ts, int dim) {
     if (!(u[k] = kiln_unsqueeze(ts[k], d))) break;
   if (k == n) r = kiln_cat(n, u, d);
   free(u);
-  return local_end(r);
+  return kiln__scope_return(r);
 }
 
 /* ---- split -------------------------------------------------------------------------- */

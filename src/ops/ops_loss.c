@@ -13,21 +13,6 @@
 
 #include <math.h>
 
-static kiln_tensor *local_end(kiln_tensor *r) {
-  if (r) kiln_tensor_ref(r);
-  kiln_scope_end();
-  return kiln__scope_track(r);
-}
-
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
-  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  /* A result made here is taken out of the engine's scope, so the engine holds the only
-  ** reference and can keep it without a copy. The incoming gradient itself (passed
-  ** through) may belong to someone else: it gets a reference of its own. */
-  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
-  return KILN_OK;
-}
-
 static bool valid_reduction(kiln_reduction r) {
   return r == KILN_REDUCTION_MEAN || r == KILN_REDUCTION_SUM || r == KILN_REDUCTION_NONE;
 }
@@ -83,7 +68,7 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
     for (int k = 2; k < nd; k++) perm[k] = k - 1;
     r = kiln_contiguous(kiln_permute(kiln_reshape(dl, nd, sh), nd, perm));
   }
-  return give(&gi[0], r, g);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_reduction red,
@@ -188,7 +173,7 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
       n->s[0] = label_smoothing;
     }
   }
-  return local_end(r);
+  return kiln__scope_return(r);
 }
 
 /* ---- mse_loss ----------------------------------------------------------------------- */
@@ -213,5 +198,5 @@ kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kiln_reducti
   kiln_tensor *r = red == KILN_REDUCTION_MEAN ? kiln_mean_all(sq)
                    : red == KILN_REDUCTION_SUM ? kiln_sum_all(sq)
                                                : sq;
-  return local_end(r);
+  return kiln__scope_return(r);
 }

@@ -15,15 +15,6 @@ static atomic_bool tf32_allowed; /* process-global; default off (exact f32) */
 void kiln_set_matmul_tf32(bool allow) { atomic_store(&tf32_allowed, allow); }
 bool kiln_matmul_tf32(void) { return atomic_load(&tf32_allowed); }
 
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
-  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  /* A result made here is taken out of the engine's scope, so the engine holds the only
-  ** reference and can keep it without a copy. The incoming gradient itself (passed
-  ** through) may belong to someone else: it gets a reference of its own. */
-  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
-  return KILN_OK;
-}
-
 static kiln_status check_float_pair(const char *op, const kiln_tensor *a, const kiln_tensor *b) {
   if (!kiln_dtype_is_float(a->dtype) || a->dtype != b->dtype)
     return kiln_set_error(KILN_ERR_DTYPE,
@@ -125,7 +116,7 @@ static kiln_status matmul_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     kiln_tensor *d = kiln_matmul(gp, kiln_transpose(Bp, Bp->ndim - 1, Bp->ndim - 2));
     if (d) d = kiln__unbroadcast(d, Ap->ndim, Ap->shape);
     if (d && a1) d = kiln_reshape(d, 1, A->shape);
-    kiln_status st = give(&gi[0], d, g);
+    kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
   if (n->needs[1] && B->ndim == 2 && A->ndim >= 3) {
@@ -137,13 +128,13 @@ static kiln_status matmul_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     kiln_tensor *A2 = kiln_reshape(A, KILN_SHAPE(rows, K));
     kiln_tensor *g2 = kiln_reshape(g, KILN_SHAPE(rows, N));
     kiln_tensor *d = A2 && g2 ? kiln_matmul(kiln_transpose(A2, 0, 1), g2) : NULL;
-    kiln_status st = give(&gi[1], d, g);
+    kiln_status st = kiln__give_grad(&gi[1], d, g);
     if (st != KILN_OK) return st;
   } else if (n->needs[1]) {
     kiln_tensor *d = kiln_matmul(kiln_transpose(Ap, Ap->ndim - 1, Ap->ndim - 2), gp);
     if (d) d = kiln__unbroadcast(d, Bp->ndim, Bp->shape);
     if (d && b1) d = kiln_reshape(d, 1, B->shape);
-    kiln_status st = give(&gi[1], d, g);
+    kiln_status st = kiln__give_grad(&gi[1], d, g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
@@ -249,19 +240,19 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
   if (n->needs[0]) {
     kiln_tensor *d = kiln_matmul(g, W); /* (..., N) @ (N, K) -> (..., K) */
-    kiln_status st = give(&gi[0], d, g);
+    kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
   kiln_tensor *g2 = (n->needs[1] || n->needs[2]) ? kiln_reshape(g, KILN_SHAPE(M, N)) : NULL;
   if (n->needs[1]) {
     kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
     kiln_tensor *d = g2 && x2 ? kiln_matmul(kiln_transpose(g2, 0, 1), x2) : NULL; /* (N, K) */
-    kiln_status st = give(&gi[1], d, g);
+    kiln_status st = kiln__give_grad(&gi[1], d, g);
     if (st != KILN_OK) return st;
   }
   if (n->needs[2]) {
     kiln_tensor *d = g2 ? kiln_sum(g2, KILN_DIMS(0), false) : NULL; /* (N) */
-    kiln_status st = give(&gi[2], d, g);
+    kiln_status st = kiln__give_grad(&gi[2], d, g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

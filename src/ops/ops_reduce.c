@@ -14,23 +14,6 @@
 
 /* ---- helpers ---------------------------------------------------------------------- */
 
-/* Intermediates of composed ops live in a scope of our own, so that nothing leaks when
-** the caller has no scope open; the result is handed over to the caller's scope. */
-static kiln_tensor *local_end(kiln_tensor *r) {
-  if (r) kiln_tensor_ref(r);
-  kiln_scope_end();
-  return kiln__scope_track(r);
-}
-
-static kiln_status give(kiln_tensor **slot, kiln_tensor *r, const kiln_tensor *g) {
-  if (!r) return kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-  /* A result made here is taken out of the engine's scope, so the engine holds the only
-  ** reference and can keep it without a copy. The incoming gradient itself (passed
-  ** through) may belong to someone else: it gets a reference of its own. */
-  *slot = (r != g && r->scope_refs > 0) ? kiln_keep(r) : kiln_tensor_ref(r);
-  return KILN_OK;
-}
-
 /* The bit mask of reduced dims. ndims 0 (dims NULL) means all dims. A 0-dim tensor takes
 ** dim 0 or -1 (PyTorch's rule) and has nothing to reduce. */
 static kiln_status reduce_mask(const char *op, const kiln_tensor *t, int ndims, const int *dims,
@@ -177,7 +160,7 @@ static bool is_half(kiln_dtype dt) { return dt == KILN_F16 || dt == KILN_BF16; }
 
 static kiln_status sum_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *r = expand_back(g, n->in_ndim[0], n->in_shape[0], (uint32_t)n->i[0], n->i[1] != 0);
-  return give(&gi[0], r, g);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_sum(kiln_tensor *t, int ndims, const int *dims, bool keepdim) {
@@ -190,7 +173,7 @@ kiln_tensor *kiln_sum(kiln_tensor *t, int ndims, const int *dims, bool keepdim) 
     kiln_scope_begin();
     kiln_tensor *w = t->dtype == KILN_I64 ? t : kiln_to_dtype(t, KILN_I64);
     kiln_tensor *r = w ? reduce_raw(KILN__K_SUM, w, mask, keepdim, KILN_I64) : NULL;
-    return local_end(r);
+    return kiln__scope_return(r);
   }
   kiln_tensor *out = reduce_raw(KILN__K_SUM, t, mask, keepdim, t->dtype);
   if (!out) return NULL;
@@ -213,7 +196,7 @@ kiln_tensor *kiln_sum_all(kiln_tensor *t) { return kiln_sum(t, 0, NULL, false); 
 static kiln_status mean_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *r = expand_back(g, n->in_ndim[0], n->in_shape[0], (uint32_t)n->i[0], n->i[1] != 0);
   if (r) r = kiln_mul_scalar(r, n->s[0]);
-  return give(&gi[0], r, g);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 kiln_tensor *kiln_mean(kiln_tensor *t, int ndims, const int *dims, bool keepdim) {
@@ -235,7 +218,7 @@ kiln_tensor *kiln_mean(kiln_tensor *t, int ndims, const int *dims, bool keepdim)
   kiln_tensor *s = src ? reduce_raw(KILN__K_SUM, src, mask, keepdim, src->dtype) : NULL;
   kiln_tensor *r = s ? kiln_mul_scalar(s, scale) : NULL;
   if (r && r->dtype != t->dtype) r = kiln_to_dtype(r, t->dtype);
-  kiln_tensor *out = local_end(r);
+  kiln_tensor *out = kiln__scope_return(r);
   kiln_set_grad_enabled(prev);
   if (!out) return NULL;
   if (ng) {
@@ -270,7 +253,7 @@ static kiln_status aext_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi
   kiln_tensor *cnt = k ? kiln_sum(hit, k, dims, true) : hit;
   kiln_tensor *r = kiln_mul(hit, kiln_div(gk, cnt));
   if (r && r->dtype != n->in_dtype[0]) r = kiln_to_dtype(r, n->in_dtype[0]);
-  return give(&gi[0], r, g);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 static kiln_tensor *aext(const char *op, const char *name, kiln__kop kop, kiln_tensor *t, int ndims,
@@ -330,7 +313,7 @@ static kiln_tensor *var_impl(const char *op, kiln_tensor *t, int ndims, const in
     if (take_sqrt) r = kiln_sqrt(r);
     if (r && r->dtype != t->dtype) r = kiln_to_dtype(r, t->dtype);
   }
-  return local_end(r);
+  return kiln__scope_return(r);
 }
 
 kiln_tensor *kiln_var(kiln_tensor *t, int ndims, const int *dims, int correction, bool keepdim) {
@@ -346,13 +329,13 @@ kiln_tensor *kiln_std(kiln_tensor *t, int ndims, const int *dims, int correction
 /* The gradient goes to the position the index names (first on ties, like PyTorch). */
 static kiln_status extdim_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   int nd = n->in_ndim[0];
-  if (nd == 0) return give(&gi[0], kiln_contiguous(g), g);
+  if (nd == 0) return kiln__give_grad(&gi[0], kiln_contiguous(g), g);
   int d = (int)n->i[0];
   bool keepdim = n->i[1] != 0;
   kiln_tensor *idx = unsqueeze_back(n->saved[0], nd, 1u << d, keepdim);
   kiln_tensor *gk = unsqueeze_back(g, nd, 1u << d, keepdim);
   kiln_tensor *z = kiln_zeros(nd, n->in_shape[0], g->dtype, kiln_device_of(g));
-  return give(&gi[0], kiln_scatter_add(z, d, idx, gk), g);
+  return kiln__give_grad(&gi[0], kiln_scatter_add(z, d, idx, gk), g);
 }
 
 /* Values and i64 indices of the max (min) along dim; both owned by the caller's scope. */

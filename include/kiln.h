@@ -442,6 +442,20 @@ KILN_API kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln
                                      double lr, double beta1, double beta2, double eps,
                                      double weight_decay, int64_t step, bool decoupled,
                                      bool amsgrad, kiln_tensor *step_t);
+/* kiln_adam_step_ over n parameters at once (PyTorch's fused/multi-tensor Adam): the
+** tensors of one device and dtype are updated in as few kernel launches as the backend
+** allows (CUDA: one launch for up to 32 tensors), with the same numbers as n single
+** calls. Each array holds n tensors; max_exp_avg_sq may be NULL unless amsgrad. Either
+** step_t (n step tensors, read and then advanced on the device, as above) or steps (the
+** n update counts, >= 1) is given. Every tensor is checked before any is changed; errors
+** name the tensor's position. */
+KILN_API kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params,
+                                           kiln_tensor *const *grads, kiln_tensor *const *exp_avg,
+                                           kiln_tensor *const *exp_avg_sq,
+                                           kiln_tensor *const *max_exp_avg_sq,
+                                           const int64_t *steps, kiln_tensor *const *step_t,
+                                           double lr, double beta1, double beta2, double eps,
+                                           double weight_decay, bool decoupled, bool amsgrad);
 
 /* --------------------------------------------------------------------------------------
 ** Autograd.

@@ -1033,6 +1033,96 @@ static void test_cross_entropy(void) {
   }
 }
 
+/* CROSS_ENTROPY_MEAN (the mean over kept rows and their count in one call) and
+** CROSS_ENTROPY_BACKWARD's optional divisor (in4), against f64 loops; every row ignored
+** and no rows give NaN with a count of 0; a bad target writes nothing. */
+static void test_cross_entropy_mean(void) {
+  for (int di = 0; di < 4; di++) {
+    kiln_dtype dt = FLOATS[di], lt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+    for (int ti = 0; ti < 2; ti++) {
+      int64_t N = 13, C = 7, one = 1;
+      double eps = ti ? 0.1 : 0;
+      tt lg = make_in(dt, ti ? L_TRANS : L_CONTIG, N, C);
+      fill_rand(&lg.v, -5, 5);
+      tt tg = tt_new(KILN_I64, 1, &N, NULL);
+      fill_rand(&tg.v, 0, (double)C);
+      set(&tg.v, (int64_t[]){2}, -100);
+      set(&tg.v, (int64_t[]){9}, -100);
+      tt mean = tt_new(lt, 1, &one, NULL), cnt = tt_new(lt, 1, &one, NULL), lse = tt_new(lt, 1, &N, NULL);
+      kiln__kargs a = kargs(KILN__K_CROSS_ENTROPY_MEAN, 2, 3);
+      a.in[0] = lg.v;
+      a.in[1] = tg.v;
+      a.out[0] = mean.v;
+      a.out[1] = lse.v;
+      a.out[2] = cnt.v;
+      a.i[0] = -100;
+      a.s[0] = eps;
+      CHECK(run(&a) == KILN_OK, "cross_entropy_mean: %s", kiln_last_error_message());
+      double total = 0, kept = 0, lses[13];
+      for (int64_t r = 0; r < N; r++) {
+        double m = -INFINITY, sx = 0, se = 0;
+        for (int64_t c = 0; c < C; c++) m = fmax(m, get(&lg.v, (int64_t[]){r, c}));
+        for (int64_t c = 0; c < C; c++) {
+          se += exp(get(&lg.v, (int64_t[]){r, c}) - m);
+          sx += get(&lg.v, (int64_t[]){r, c});
+        }
+        lses[r] = m + log(se);
+        int64_t t = (int64_t)get(&tg.v, &r);
+        if (t == -100) continue;
+        total += (1 - eps) * (lses[r] - get(&lg.v, (int64_t[]){r, t})) + eps * (lses[r] - sx / (double)C);
+        kept++;
+      }
+      double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);
+      CHECK(close_to(get(&mean.v, (int64_t[]){0}), total / kept, tol), "ce mean %s: got %g want %g",
+            kiln_dtype_name(dt), get(&mean.v, (int64_t[]){0}), total / kept);
+      CHECK(get(&cnt.v, (int64_t[]){0}) == kept, "ce mean count %s: got %g want %g", kiln_dtype_name(dt),
+            get(&cnt.v, (int64_t[]){0}), kept);
+      /* backward with the count as divisor: a scalar grad and the count, both broadcast */
+      tt g = tt_new(lt, 1, &one, NULL);
+      set(&g.v, (int64_t[]){0}, 1.5);
+      kiln__view gb = g.v, cb = cnt.v;
+      gb.shape[0] = cb.shape[0] = N;
+      gb.strides[0] = cb.strides[0] = 0;
+      tt dl = make_in(dt, L_CONTIG, N, C);
+      kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, 5, 1);
+      b.in[0] = lg.v;
+      b.in[1] = tg.v;
+      b.in[2] = lse.v;
+      b.in[3] = gb;
+      b.in[4] = cb;
+      b.out[0] = dl.v;
+      b.i[0] = -100;
+      b.s[0] = eps;
+      CHECK(run(&b) == KILN_OK, "cross_entropy_backward / count: %s", kiln_last_error_message());
+      int bad = 0;
+      for (int64_t r = 0; r < N; r++) {
+        int64_t t = (int64_t)get(&tg.v, &r);
+        for (int64_t c = 0; c < C; c++) {
+          double pr = exp(get(&lg.v, (int64_t[]){r, c}) - lses[r]);
+          double want = t == -100 ? 0 : 1.5 / kept * (pr - (1 - eps) * (c == t) - eps / (double)C);
+          double got = get(&dl.v, (int64_t[]){r, c});
+          if (fabs(got - want) > tol * 2 + (dt == KILN_BF16 ? 1e-2 : dt == KILN_F16 ? 2e-3 : 0)) bad++;
+        }
+      }
+      CHECK(bad == 0, "ce backward / count %s: %d bad", kiln_dtype_name(dt), bad);
+      /* every row ignored, and no rows at all: NaN, count 0 */
+      for (int64_t r = 0; r < N; r++) set(&tg.v, &r, -100);
+      CHECK(run(&a) == KILN_OK && isnan(get(&mean.v, (int64_t[]){0})) && get(&cnt.v, (int64_t[]){0}) == 0,
+            "ce mean, all ignored: NaN and 0");
+      kiln__kargs e = a;
+      e.in[0].shape[0] = e.in[1].shape[0] = e.out[1].shape[0] = 0;
+      set(&mean.v, (int64_t[]){0}, 5);
+      CHECK(run(&e) == KILN_OK && isnan(get(&mean.v, (int64_t[]){0})) && get(&cnt.v, (int64_t[]){0}) == 0,
+            "ce mean, no rows: NaN and 0");
+      /* a target out of range: KILN_ERR_INDEX, the mean untouched */
+      set(&tg.v, (int64_t[]){4}, (double)C);
+      set(&mean.v, (int64_t[]){0}, 42);
+      CHECK(run(&a) == KILN_ERR_INDEX && get(&mean.v, (int64_t[]){0}) == 42, "ce mean bad target -> KILN_ERR_INDEX, nothing written");
+      tt_free(&lg), tt_free(&tg), tt_free(&mean), tt_free(&cnt), tt_free(&lse), tt_free(&g), tt_free(&dl);
+    }
+  }
+}
+
 /* ---- matmul ---- */
 /* A matrix view (rows, cols) of dtype dt with a layout: 0 row-major, 1 column-major,
 ** 2 strided (every other column of a wider buffer) */
@@ -1546,6 +1636,7 @@ int main(void) {
   test_minmax_dim();
   test_softmax();
   test_cross_entropy();
+  test_cross_entropy_mean();
   test_matmul();
   test_index();
   test_scalars_and_threads();

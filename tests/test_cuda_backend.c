@@ -641,7 +641,7 @@ static void softmax_cases(void) {
   for (size_t di = 0; di < 4; di++) {
     for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++) {
       for (int it = 0; it < 2; it++) {
-        for (int bw = 0; bw < 2; bw++) {
+        for (int bw = 0; bw < 4; bw++) { /* CE, its backward, the mean, backward / count */
           kiln_dtype dt = FLOATS[di], lt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
           kiln_dtype tdt = it ? KILN_I32 : KILN_I64;
           tcase t;
@@ -651,7 +651,7 @@ static void softmax_cases(void) {
           t.s[0] = cs[k].eps;
           tspec logits = filled(c2(dt, cs[k].n, cs[k].c), F_NORMAL, -6, 6);
           tspec target = filled(c1(tdt, cs[k].n), F_INT, cs[k].ignore ? -1 : 0, (double)cs[k].c - 1);
-          if (!bw) {
+          if (bw == 0) {
             t.op = KILN__K_CROSS_ENTROPY;
             t.n_in = 2;
             t.n_out = 2;
@@ -659,14 +659,29 @@ static void softmax_cases(void) {
             t.in[1] = target;
             t.out[0] = c1(lt, cs[k].n);
             t.out[1] = c1(lt, cs[k].n);
+          } else if (bw == 2) {
+            t.op = KILN__K_CROSS_ENTROPY_MEAN;
+            t.n_in = 2;
+            t.n_out = 3;
+            t.in[0] = logits;
+            t.in[1] = target;
+            t.out[0] = c1(lt, 1);
+            t.out[1] = c1(lt, cs[k].n);
+            t.out[2] = c1(lt, 1);
+            t.tol_scale = 4; /* a sum over rows in another order */
           } else {
             t.op = KILN__K_CROSS_ENTROPY_BACKWARD;
-            t.n_in = 4;
+            t.n_in = bw == 3 ? 5 : 4;
             t.n_out = 1;
             t.in[0] = logits;
             t.in[1] = target;
             t.in[2] = filled(c1(lt, cs[k].n), F_UNIFORM, 3, 9);
             t.in[3] = c1(lt, cs[k].n);
+            if (bw == 3) { /* the mean's count, one value broadcast over the rows */
+              t.in[4] = filled(c1(lt, cs[k].n), F_UNIFORM, 2, 40);
+              t.in[4].strides[0] = 0;
+              t.in[4].base_n = 1;
+            }
             t.out[0] = c2(dt, cs[k].n, cs[k].c);
           }
           /* ignore_index -1 (the fill makes some targets -1) */

@@ -210,6 +210,62 @@ static void test_graphs(kiln_device gpu) {
   kiln_tensor_free(cc.x), kiln_tensor_free(cc.w), kiln_tensor_free(cc.out);
 }
 
+/* kiln_adam_multi_step_ on the GPU (the list kernel: 40 tensors, so more than one launch,
+** sizes from empty to 100k) against the same calls on the CPU, per dtype; with the step
+** on the device too, which the kernel must read and then advance. */
+static void test_adam_multi(kiln_device gpu) {
+  enum { NT = 40 };
+  const kiln_dtype dts[4] = {KILN_F32, KILN_F64, KILN_F16, KILN_BF16};
+  const kiln_device cpu = kiln_device_cpu();
+  for (int di = 0; di < 4; di++) {
+    for (int dev_step = 0; dev_step < 2; dev_step++) {
+      kiln_dtype dt = dts[di];
+      kiln_scope_begin();
+      kiln_generator *gen = kiln_generator_new(99 + (uint64_t)di);
+      kiln_tensor *p[2][NT], *g[2][NT], *m[2][NT], *v[2][NT], *x[2][NT], *t[2][NT];
+      int64_t steps[NT];
+      for (int i = 0; i < NT; i++) {
+        int64_t n = i == 3 ? 0 : i == 7 ? 100003 : 1 + (i * 977) % 3001;
+        kiln_tensor *p0 = kiln_randn(KILN_SHAPE(n), KILN_F32, cpu, gen);
+        kiln_tensor *g0 = kiln_randn(KILN_SHAPE(n), KILN_F32, cpu, gen);
+        for (int side = 0; side < 2; side++) {
+          kiln_device d = side ? gpu : cpu;
+          p[side][i] = kiln_to_device(kiln_to_dtype(p0, dt), d);
+          g[side][i] = kiln_to_device(kiln_to_dtype(g0, dt), d);
+          m[side][i] = kiln_zeros(KILN_SHAPE(n), dt, d);
+          v[side][i] = kiln_zeros(KILN_SHAPE(n), dt, d);
+          x[side][i] = kiln_zeros(KILN_SHAPE(n), dt, d);
+          t[side][i] = kiln_scalar(0, KILN_F64, d);
+        }
+      }
+      bool prev = kiln_set_grad_enabled(false);
+      kiln_status st = KILN_OK;
+      for (int s = 1; s <= 3 && st == KILN_OK; s++) {
+        for (int i = 0; i < NT; i++) steps[i] = s;
+        for (int side = 0; side < 2 && st == KILN_OK; side++)
+          st = kiln_adam_multi_step_(NT, p[side], g[side], m[side], v[side], x[side], steps,
+                                     dev_step ? t[side] : NULL, 1e-2, 0.9, 0.99, 1e-8, 0.01,
+                                     s == 2, true);
+      }
+      kiln_set_grad_enabled(prev);
+      CHECK(st == KILN_OK, "adam_multi %s: %s", kiln_dtype_name(dt), kiln_last_error_message());
+      double tol = dt == KILN_F64 ? 1e-12 : dt == KILN_F32 ? 1e-5 : 2e-2, worst = 0;
+      for (int i = 0; i < NT && st == KILN_OK; i++) {
+        double d = max_abs_diff(p[0][i], p[1][i]);
+        d = fmax(d, max_abs_diff(m[0][i], m[1][i]));
+        d = fmax(d, max_abs_diff(v[0][i], v[1][i]));
+        d = fmax(d, max_abs_diff(x[0][i], x[1][i]));
+        if (!(d <= worst)) worst = d;
+        if (dev_step) CHECK(kiln_item(t[1][i]) == 3, "adam_multi: step_t %d advanced to 3 (got %g)", i, kiln_item(t[1][i]));
+      }
+      CHECK(worst <= tol, "adam_multi %s%s: cpu and cuda differ by %g", kiln_dtype_name(dt),
+            dev_step ? " (device step)" : "", worst);
+      kiln_generator_free(gen);
+      kiln_scope_end();
+    }
+  }
+}
+
 int main(void) {
   const char *why = NULL;
   if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
@@ -226,6 +282,7 @@ int main(void) {
   test_fallback(gpu);
   test_oom_recovery(gpu);
   test_graphs(gpu);
+  test_adam_multi(gpu);
   printf("%d passed, %d failed\n", checks - failures, failures);
   return failures ? 1 : 0;
 }

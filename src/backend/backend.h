@@ -132,14 +132,26 @@ typedef struct kiln__view {
   /* the mean over kept rows needs one reduction. */                                      \
   X(CROSS_ENTROPY, "cross_entropy")                                                       \
   /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
+  /* With n_in == 5, in4 (N) divides each row's grad (mean: the count of kept rows, */    \
+  /* broadcast), so the mean's backward needs no division kernel of its own. */          \
   X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")                                   \
+  /* the mean in one kernel: in0 logits (N,C), in1 target (N) -> out0 (1) the mean loss */ \
+  /* over kept rows (f32/f64), out1 lse (N), out2 (1) the count of kept rows; i0, s0 as */ \
+  /* CROSS_ENTROPY. Every row ignored (or N == 0) gives 0/0 = NaN, as PyTorch. */         \
+  X(CROSS_ENTROPY_MEAN, "cross_entropy_mean")                                           \
   /* fused optimizer step, every view the same shape and float dtype (in place): */      \
   /* in0 grad; out0 param, out1 exp_avg, out2 exp_avg_sq, out3 max_exp_avg_sq (amsgrad, */ \
   /* n_out == 4) — all read and written. s0 lr, s1 beta1, s2 beta2, s3 eps; i0 step */   \
   /* (>= 1, for bias correction), i1 flags: 1 decoupled weight decay (AdamW), 2 */        \
   /* amsgrad, 4 step on the device: in1 is an f64 one-element step count (the kernel */  \
   /* uses in1 + 1 and does not write it); i2 = weight decay as the bits of a double. */   \
-  X(ADAM, "adam")
+  X(ADAM, "adam")                                                                         \
+  /* ADAM over many tensors in few launches (a list op: see kiln__kargs.list). Each */    \
+  /* group is [grad, param, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only), step_t */ \
+  /* (flag 4 only)], all groups one float dtype, contiguous; list_i[g] is the group's */   \
+  /* step (>= 1) when the step is on the host. s0-s3, i1, i2 as ADAM. With flag 4 the */  \
+  /* kernel reads step_t + 1 and then advances every step_t by one (unlike ADAM). */     \
+  X(ADAM_MULTI, "adam_multi")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,
@@ -150,7 +162,7 @@ typedef enum kiln__kop {
 
 const char *kiln__kop_name(kiln__kop op);
 
-#define KILN__MAX_KIN 4
+#define KILN__MAX_KIN 5
 #define KILN__MAX_KOUT 4
 
 typedef struct kiln__kargs {
@@ -162,6 +174,13 @@ typedef struct kiln__kargs {
   double s[4];  /* scalar parameters, per op */
   int64_t i[4]; /* integer parameters, per op */
   uint64_t seed, offset; /* RNG ops */
+  /* List ops (ADAM_MULTI): list_n groups of list_w views, group-major in list, and one
+  ** integer per group in list_i. Owned by the caller. The CPU fallback does not stage
+  ** lists: the op layer asks kiln__dispatch_has() first and loops the single-tensor op
+  ** where a backend lacks the list op. */
+  int list_n, list_w;
+  const kiln__view *list;
+  const int64_t *list_i;
 } kiln__kargs;
 
 typedef kiln_status (*kiln__kernel_fn)(const kiln__kargs *a);

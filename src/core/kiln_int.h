@@ -143,6 +143,9 @@ const char *kiln__device_cstr(kiln_device dev);
 /* Runs kernel a->op on the device dev, falling back to the CPU under the policy when the
 ** backend lacks it. The views in a must point into memory of dev. */
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
+/* Whether dev's backend runs kernel op itself (no fallback) for arguments like a (a may be
+** NULL: then only the table is asked). List ops use it to choose their path. */
+bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op);
 /* Test hook: make dispatch treat kernel op of backend type as missing (fallback tests). */
 void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
 /* Copies t into a new contiguous tensor of dtype dt on dev, recording autograd as `name`

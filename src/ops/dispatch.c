@@ -229,11 +229,22 @@ static bool profiling(void) {
   return profile_on;
 }
 
+static bool runs_here(const kiln__backend *b, kiln_device dev, const kiln__kargs *a) {
+  return b->kernels[a->op] && !disabled[dev.type][a->op] && (!b->supports || b->supports(a));
+}
+
+bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op) {
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  if (!b) return false;
+  if (a) return a->op == op && runs_here(b, dev, a);
+  return b->kernels[op] && !disabled[dev.type][op];
+}
+
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
   const kiln__backend *b = kiln__backend_get(dev.type);
   if (!b) return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: %s backend is not built", kiln__device_cstr(dev));
   a->device = dev.index;
-  if (b->kernels[a->op] && !disabled[dev.type][a->op] && (!b->supports || b->supports(a))) {
+  if (runs_here(b, dev, a)) {
     if (!profiling()) return b->kernels[a->op](a);
     double t0 = kiln__now();
     kiln_status st = b->kernels[a->op](a);
@@ -246,6 +257,9 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
     }
     return st;
   }
+  if (a->list_n > 0) /* the op layer checks kiln__dispatch_has before a list op */
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: list op '%s' is not supported on %s",
+                          kiln__kop_name(a->op), kiln__device_cstr(dev));
   if (dev.type == KILN_DEVICE_CPU)
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: op '%s' has no CPU kernel for %s",
                           kiln__kop_name(a->op),

@@ -7,7 +7,9 @@
 ** is cast back to the logits' dtype as PyTorch returns it. The reduction runs on the
 ** device — mean divides by the number of targets that are not ignore_index, counted on
 ** the device too, so no op here waits for the device (all ignored gives 0/0 = NaN, as
-** in PyTorch).
+** in PyTorch). The mean is one kernel each way (CROSS_ENTROPY_MEAN forward; backward
+** divides by the count inside CROSS_ENTROPY_BACKWARD), since a small model's step is
+** bounded by the number of launches.
 */
 #include "../core/kiln_int.h"
 
@@ -26,12 +28,14 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
   int64_t M = L2->shape[0], C = L2->shape[1];
   kiln_reduction red = (kiln_reduction)n->i[0];
   kiln_tensor *gl = g->dtype == lse->dtype ? g : kiln_to_dtype(g, lse->dtype);
-  kiln_tensor *gr = NULL; /* (M): d loss / d row loss */
+  kiln_tensor *gr = NULL, *div = NULL; /* (M): d loss / d row loss, and its divisor */
   if (gl && red == KILN_REDUCTION_NONE) {
     gr = kiln_reshape(gl, KILN_SHAPE(M));
   } else if (gl) {
-    if (red == KILN_REDUCTION_MEAN) gl = kiln_div(gl, cnt);
-    gr = gl ? kiln_expand(kiln_reshape(gl, KILN_SHAPE(1)), KILN_SHAPE(M)) : NULL;
+    gr = kiln_expand(kiln_reshape(gl, KILN_SHAPE(1)), KILN_SHAPE(M));
+    /* mean: the kernel divides by the count itself (one kernel, no division op) */
+    if (gr && red == KILN_REDUCTION_MEAN && !(div = kiln_expand(kiln_reshape(cnt, KILN_SHAPE(1)), KILN_SHAPE(M))))
+      gr = NULL;
   }
   if (!gr) return kiln_last_error();
   kiln_tensor *dl = kiln__tensor_new(2, L2->shape, L2->dtype, kiln_device_of(L2));
@@ -39,12 +43,13 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
   if (M > 0 && C > 0) {
     kiln__kargs a = {0};
     a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
-    a.n_in = 4;
+    a.n_in = div ? 5 : 4;
     a.n_out = 1;
     a.in[0] = kiln__view_of(L2);
     a.in[1] = kiln__view_of(T1);
     a.in[2] = kiln__view_of(lse);
     a.in[3] = kiln__view_of(gr);
+    if (div) a.in[4] = kiln__view_of(div);
     a.out[0] = kiln__view_of(dl);
     a.i[0] = n->i[1];
     a.s[0] = n->s[0];
@@ -119,45 +124,51 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
     L2 = kiln_reshape(kiln_permute(logits, nd, perm), KILN_SHAPE(M, C));
   }
   T1 = kiln_reshape(target, KILN_SHAPE(M));
-  /* mean: each row's loss and weight (1 kept, 0 ignored) side by side in one (M, 2)
-  ** buffer, so one reduction gives the sum and the count (three kernels in all) */
-  kiln_tensor *rw = NULL, *w = NULL;
+  kiln_status st = KILN_OK;
   if (L2 && T1 && red == KILN_REDUCTION_MEAN) {
-    rw = kiln__tensor_new(2, (int64_t[]){M, 2}, ld, dev);
-    rows = rw ? kiln_select(rw, 1, 0) : NULL;
-    w = rw ? kiln_select(rw, 1, 1) : NULL;
+    /* the mean over kept rows and their count in one kernel (CROSS_ENTROPY_MEAN) */
+    kiln_tensor *mean = kiln__tensor_new(0, NULL, ld, dev);
+    cnt = kiln__tensor_new(0, NULL, ld, dev);
+    lse = kiln__tensor_new(1, &M, ld, dev);
+    st = mean && cnt && lse ? KILN_OK : KILN_ERR_OOM;
+    if (st == KILN_OK) {
+      kiln__kargs a = {0};
+      a.op = KILN__K_CROSS_ENTROPY_MEAN;
+      a.n_in = 2;
+      a.n_out = 3;
+      a.in[0] = kiln__view_of(L2);
+      a.in[1] = kiln__view_of(T1);
+      a.out[0] = kiln__view_of(mean);
+      a.out[1] = kiln__view_of(lse);
+      a.out[2] = kiln__view_of(cnt);
+      a.i[0] = ignore_index;
+      a.s[0] = label_smoothing;
+      st = kiln__dispatch(dev, &a);
+    }
+    r = st == KILN_OK ? mean : NULL;
   } else if (L2 && T1) {
     rows = kiln__tensor_new(1, &M, ld, dev);
-  }
-  if (rows) lse = kiln__tensor_new(1, &M, ld, dev);
-  kiln_status st = lse ? KILN_OK : KILN_ERR_OOM;
-  if (lse && M > 0) {
-    kiln__kargs a = {0};
-    a.op = KILN__K_CROSS_ENTROPY;
-    a.n_in = 2;
-    a.n_out = w ? 3 : 2;
-    a.in[0] = kiln__view_of(L2);
-    a.in[1] = kiln__view_of(T1);
-    a.out[0] = kiln__view_of(rows);
-    a.out[1] = kiln__view_of(lse);
-    if (w) a.out[2] = kiln__view_of(w);
-    a.i[0] = ignore_index;
-    a.s[0] = label_smoothing;
-    st = kiln__dispatch(dev, &a);
-  }
-  if (st == KILN_OK) {
-    if (red == KILN_REDUCTION_NONE) {
-      r = kiln_reshape(rows, target->ndim, target->shape);
-    } else if (red == KILN_REDUCTION_SUM) {
-      r = kiln_sum_all(rows);
-    } else {
-      if (M == 0 && rw) st = kiln_zero_(rw); /* no rows: 0 / 0, NaN like PyTorch */
-      kiln_tensor *sums = st == KILN_OK ? kiln_sum(rw, KILN_DIMS(0), false) : NULL; /* (2) */
-      cnt = sums ? kiln_select(sums, 0, 1) : NULL;
-      r = cnt ? kiln_div(kiln_select(sums, 0, 0), cnt) : NULL;
+    lse = rows ? kiln__tensor_new(1, &M, ld, dev) : NULL;
+    st = lse ? KILN_OK : KILN_ERR_OOM;
+    if (lse && M > 0) {
+      kiln__kargs a = {0};
+      a.op = KILN__K_CROSS_ENTROPY;
+      a.n_in = 2;
+      a.n_out = 2;
+      a.in[0] = kiln__view_of(L2);
+      a.in[1] = kiln__view_of(T1);
+      a.out[0] = kiln__view_of(rows);
+      a.out[1] = kiln__view_of(lse);
+      a.i[0] = ignore_index;
+      a.s[0] = label_smoothing;
+      st = kiln__dispatch(dev, &a);
     }
-    if (r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
+    if (st == KILN_OK)
+      r = red == KILN_REDUCTION_NONE ? kiln_reshape(rows, target->ndim, target->shape) : kiln_sum_all(rows);
+  } else {
+    st = kiln_last_error();
   }
+  if (st == KILN_OK && r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
   kiln_set_grad_enabled(prev);
   if (r && ng) {
     kiln__node *n = kiln__node_attach(r, "cross_entropy", ce_backward, 1, &logits);

@@ -1,44 +1,68 @@
 /* Fused optimizer updates: one kernel per parameter instead of a dozen elementwise ops. */
 #include "core/kiln_int.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
-                            kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
-                            double beta1, double beta2, double eps, double weight_decay,
-                            int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
+/* The checks every Adam entry point makes of one parameter's tensors; *step is set to 1
+** when step_t carries the count. who names the caller. */
+static kiln_status adam_check(const char *who, kiln_tensor *param, kiln_tensor *grad,
+                              kiln_tensor *exp_avg, kiln_tensor *exp_avg_sq,
+                              kiln_tensor *max_exp_avg_sq, bool amsgrad, kiln_tensor *step_t,
+                              int64_t *step) {
   kiln_tensor *ts[5] = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq};
   int n = amsgrad ? 5 : 4;
   for (int i = 0; i < n; i++)
     if (!ts[i]) {
       if (kiln_last_error() == KILN_OK)
-        kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_adam_step_: tensor %d is NULL", i);
+        kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: tensor %d is NULL", who, i);
       return kiln_last_error();
     }
   if (param->requires_grad && kiln_grad_enabled())
-    return kiln_set_error(KILN_ERR_AUTOGRAD, "kiln_adam_step_: grad mode is on (wrap the step in kiln_set_grad_enabled(false))");
-  if (kiln__same_device("kiln_adam_step_", n, ts) != KILN_OK) return kiln_last_error();
+    return kiln_set_error(KILN_ERR_AUTOGRAD, "%s: grad mode is on (wrap the step in kiln_set_grad_enabled(false))", who);
+  if (kiln__same_device(who, n, ts) != KILN_OK) return kiln_last_error();
   if (!kiln_dtype_is_float(param->dtype))
-    return kiln_set_error(KILN_ERR_DTYPE, "kiln_adam_step_: parameter is %s, not a floating dtype", kiln_dtype_name(param->dtype));
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: parameter is %s, not a floating dtype", who, kiln_dtype_name(param->dtype));
   for (int i = 0; i < n; i++) {
     if (ts[i]->dtype != param->dtype || ts[i]->ndim != param->ndim ||
         memcmp(ts[i]->shape, param->shape, (size_t)param->ndim * sizeof(int64_t)) != 0)
-      return kiln_set_error(KILN_ERR_SHAPE, "kiln_adam_step_: tensor %d is %s %s; the parameter is %s %s", i,
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: tensor %d is %s %s; the parameter is %s %s", who, i,
                             kiln_dtype_name(ts[i]->dtype), kiln__tshape(ts[i]), kiln_dtype_name(param->dtype),
                             kiln__tshape(param));
     if (!kiln_is_contiguous(ts[i]))
-      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_adam_step_: tensor %d is not contiguous", i);
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: tensor %d is not contiguous", who, i);
   }
   if (step_t) {
     if (step_t->dtype != KILN_F64 || kiln_numel(step_t) != 1 ||
         !kiln_device_equal(kiln_device_of(step_t), kiln_device_of(param)))
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
-                            "kiln_adam_step_: step_t must be one float64 element on %s",
+                            "%s: step_t must be one float64 element on %s", who,
                             kiln__device_cstr(kiln_device_of(param)));
-    step = 1; /* unused by the kernel */
+    *step = 1; /* unused by the kernel */
   }
-  if (step < 1) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_adam_step_: step must be >= 1, got %lld", (long long)step);
-  if (kiln_numel(param) == 0) return KILN_OK;
+  if (*step < 1) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: step must be >= 1, got %lld", who, (long long)*step);
+  return KILN_OK;
+}
+
+/* ADAM's scalars and flags, shared by the single and the list kernel. */
+static void adam_scalars(kiln__kargs *a, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool decoupled, bool amsgrad, bool on_device) {
+  a->s[0] = lr;
+  a->s[1] = beta1;
+  a->s[2] = beta2;
+  a->s[3] = eps;
+  a->i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0) | (on_device ? 4 : 0);
+  memcpy(&a->i[2], &weight_decay, sizeof weight_decay);
+}
+
+kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                            kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
+                            double beta1, double beta2, double eps, double weight_decay,
+                            int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
+  kiln_status cs = adam_check("kiln_adam_step_", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                              amsgrad, step_t, &step);
+  if (cs != KILN_OK) return cs;
   kiln__kargs a = {0};
   a.op = KILN__K_ADAM;
   a.n_in = 1;
@@ -48,18 +72,13 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
   a.out[1] = kiln__view_of(exp_avg);
   a.out[2] = kiln__view_of(exp_avg_sq);
   if (amsgrad) a.out[3] = kiln__view_of(max_exp_avg_sq);
-  a.s[0] = lr;
-  a.s[1] = beta1;
-  a.s[2] = beta2;
-  a.s[3] = eps;
+  adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL);
   a.i[0] = step;
-  a.i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0) | (step_t ? 4 : 0);
-  memcpy(&a.i[2], &weight_decay, sizeof weight_decay);
   if (step_t) {
     a.n_in = 2;
     a.in[1] = kiln__view_of(step_t);
   }
-  kiln_status st = kiln__dispatch(kiln_device_of(param), &a);
+  kiln_status st = kiln_numel(param) ? kiln__dispatch(kiln_device_of(param), &a) : KILN_OK;
   if (st != KILN_OK || !step_t) return st;
   /* step_t += 1, on the device, after the kernel read it (stream order) */
   kiln__kargs inc = {0};
@@ -69,4 +88,81 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
   inc.s[0] = 1.0;
   inc.s[1] = 1.0;
   return kiln__dispatch(kiln_device_of(step_t), &inc);
+}
+
+/* The list form: the tensors of one device and dtype go to one ADAM_MULTI call (the
+** backend splits it into launches as it needs); a backend without the list kernel gets
+** kiln_adam_step_ per tensor, which gives the same numbers. */
+kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                  kiln_tensor *const *exp_avg, kiln_tensor *const *exp_avg_sq,
+                                  kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
+                                  kiln_tensor *const *step_t, double lr, double beta1,
+                                  double beta2, double eps, double weight_decay, bool decoupled,
+                                  bool amsgrad) {
+  static const char who[] = "kiln_adam_multi_step_";
+  if (n < 0 || (n > 0 && (!params || !grads || !exp_avg || !exp_avg_sq || (amsgrad && !max_exp_avg_sq) ||
+                          (!steps && !step_t))))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: n must be >= 0 and the arrays given (max_exp_avg_sq with amsgrad; "
+                          "steps or step_t)", who);
+  for (int i = 0; i < n; i++) { /* everything checked before anything moves */
+    int64_t st = steps ? steps[i] : 1;
+    kiln_status cs = adam_check(who, params[i], grads[i], exp_avg[i], exp_avg_sq[i],
+                                amsgrad ? max_exp_avg_sq[i] : NULL, amsgrad,
+                                step_t ? step_t[i] : NULL, &st);
+    if (cs != KILN_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+      return kiln_set_error(cs, "%s (tensor %d)", msg, i);
+    }
+  }
+  const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0);
+  kiln__view *list = malloc((size_t)(n > 0 ? n : 1) * (size_t)w * sizeof *list);
+  int64_t *li = malloc((size_t)(n > 0 ? n : 1) * sizeof *li);
+  int *idx = malloc((size_t)(n > 0 ? n : 1) * sizeof *idx); /* list group -> tensor */
+  unsigned char *done = calloc((size_t)(n > 0 ? n : 1), 1);
+  kiln_status st = list && li && idx && done ? KILN_OK
+                                      : kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    if (done[i]) continue;
+    kiln_device dev = kiln_device_of(params[i]);
+    kiln_dtype dt = params[i]->dtype;
+    int m = 0;
+    for (int j = i; j < n; j++) { /* this device and dtype, in order */
+      if (done[j] || params[j]->dtype != dt || !kiln_device_equal(kiln_device_of(params[j]), dev)) continue;
+      done[j] = 1; /* empty tensors stay in the list: their step_t advances too */
+      kiln__view *g = &list[(size_t)m * (size_t)w];
+      g[0] = kiln__view_of(grads[j]);
+      g[1] = kiln__view_of(params[j]);
+      g[2] = kiln__view_of(exp_avg[j]);
+      g[3] = kiln__view_of(exp_avg_sq[j]);
+      if (amsgrad) g[4] = kiln__view_of(max_exp_avg_sq[j]);
+      if (step_t) g[w - 1] = kiln__view_of(step_t[j]);
+      li[m] = step_t ? 1 : steps[j];
+      idx[m++] = j;
+    }
+    if (m == 0) continue;
+    kiln__kargs a = {0};
+    a.op = KILN__K_ADAM_MULTI;
+    adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL);
+    a.list_n = m;
+    a.list_w = w;
+    a.list = list;
+    a.list_i = li;
+    if (kiln__dispatch_has(dev, &a, KILN__K_ADAM_MULTI)) {
+      st = kiln__dispatch(dev, &a);
+      continue;
+    }
+    for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
+      int j = idx[k];
+      st = kiln_adam_step_(params[j], grads[j], exp_avg[j], exp_avg_sq[j],
+                           amsgrad ? max_exp_avg_sq[j] : NULL, lr, beta1, beta2, eps, weight_decay,
+                           li[k], decoupled, amsgrad, step_t ? step_t[j] : NULL);
+    }
+  }
+  free(list);
+  free(li);
+  free(idx);
+  free(done);
+  return st;
 }

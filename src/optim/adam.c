@@ -9,6 +9,7 @@
 **   p -= lr / (1 - b1^t) * m / denom
 ** About 9 ops per parameter; a fused path replaces this whole function (optim_int.h). */
 #include <math.h>
+#include <stdlib.h>
 
 #include "optim/optim_int.h"
 
@@ -19,19 +20,10 @@ static bool fusable(const kiln_optim_config *c, kiln_tensor *p, kiln_tensor *g) 
          kiln_dtype_of(g) == kiln_dtype_of(p);
 }
 
+/* The composed update, for what the fused kernel does not take (maximize, strided or
+** mixed-dtype gradients). */
 static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s) {
   kiln_tensor *g = kiln_grad(p);
-  if (g && fusable(c, p, g)) {
-    int nbuf = c->amsgrad ? 3 : 2;
-    for (int k = 0; k < nbuf; k++)
-      if (!s->buf[k] && !(s->buf[k] = kiln_keep(kiln_zeros_like(p)))) return kiln_last_error();
-    if (c->capturable && !s->step_t &&
-        !(s->step_t = kiln_keep(kiln_scalar((double)s->step, KILN_F64, kiln_device_of(p)))))
-      return kiln_last_error();
-    return kiln_adam_step_(p, g, s->buf[0], s->buf[1], c->amsgrad ? s->buf[2] : NULL, c->lr,
-                           c->beta1, c->beta2, c->eps, c->weight_decay, s->step + 1,
-                           c->kind == KILN_OPTIM_ADAMW, c->amsgrad, s->step_t);
-  }
   if (c->maximize) g = kiln_neg(g);
   if (!g) return kiln_last_error();
   kiln_status st = KILN_OK;
@@ -63,15 +55,57 @@ static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__pa
   return kiln_axpy_(p, -(c->lr / bc1), upd);
 }
 
+/* Creates the state adam_one's fused path uses (exp_avg, exp_avg_sq[, max], step_t). */
+static kiln_status fused_state(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s) {
+  int nbuf = c->amsgrad ? 3 : 2;
+  for (int k = 0; k < nbuf; k++)
+    if (!s->buf[k] && !(s->buf[k] = kiln_keep(kiln_zeros_like(p)))) return kiln_last_error();
+  if (c->capturable && !s->step_t &&
+      !(s->step_t = kiln_keep(kiln_scalar((double)s->step, KILN_F64, kiln_device_of(p)))))
+    return kiln_last_error();
+  return KILN_OK;
+}
+
+/* The fusable parameters go to one multi-tensor update (one launch per device and dtype
+** on CUDA), the others through adam_one. */
 kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *const *params,
                             kiln__param_state *states) {
-  for (int i = 0; i < n; i++) {
-    if (!kiln_grad(params[i])) continue;
-    kiln_scope_begin();
-    kiln_status st = adam_one(cfg, params[i], &states[i]);
-    kiln_scope_end();
-    if (st != KILN_OK) return st;
-    states[i].step++;
+  kiln_tensor **arr = malloc((size_t)(n > 0 ? n : 1) * 7 * sizeof *arr);
+  int64_t *steps = malloc((size_t)(n > 0 ? n : 1) * sizeof *steps);
+  int *which = malloc((size_t)(n > 0 ? n : 1) * sizeof *which);
+  if (!arr || !steps || !which) {
+    free(arr), free(steps), free(which);
+    return kiln_set_error(KILN_ERR_OOM, "kiln_optimizer_step: out of host memory");
   }
-  return KILN_OK;
+  kiln_tensor **P = arr, **G = arr + n, **M = arr + 2 * n, **V = arr + 3 * n, **X = arr + 4 * n,
+              **T = arr + 5 * n;
+  int m = 0;
+  kiln_status st = KILN_OK;
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    kiln_tensor *g = kiln_grad(params[i]);
+    if (!g) continue;
+    if (fusable(cfg, params[i], g)) {
+      kiln__param_state *s = &states[i];
+      if ((st = fused_state(cfg, params[i], s)) != KILN_OK) break;
+      P[m] = params[i], G[m] = g, M[m] = s->buf[0], V[m] = s->buf[1];
+      X[m] = cfg->amsgrad ? s->buf[2] : NULL;
+      T[m] = s->step_t;
+      steps[m] = s->step + 1;
+      which[m++] = i;
+      continue;
+    }
+    kiln_scope_begin();
+    st = adam_one(cfg, params[i], &states[i]);
+    kiln_scope_end();
+    if (st == KILN_OK) states[i].step++;
+  }
+  if (st == KILN_OK && m > 0) {
+    st = kiln_adam_multi_step_(m, P, G, M, V, cfg->amsgrad ? X : NULL, steps,
+                               cfg->capturable ? T : NULL, cfg->lr, cfg->beta1, cfg->beta2,
+                               cfg->eps, cfg->weight_decay, cfg->kind == KILN_OPTIM_ADAMW,
+                               cfg->amsgrad);
+    for (int k = 0; k < m && st == KILN_OK; k++) states[which[k]].step++;
+  }
+  free(arr), free(steps), free(which);
+  return st;
 }

@@ -96,7 +96,9 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_SCATTER_ADD] = kiln__cpu_scatter_add,
             [KILN__K_CROSS_ENTROPY] = kiln__cpu_cross_entropy,
             [KILN__K_CROSS_ENTROPY_BACKWARD] = kiln__cpu_cross_entropy_backward,
+            [KILN__K_CROSS_ENTROPY_MEAN] = kiln__cpu_cross_entropy_mean,
             [KILN__K_ADAM] = kiln__cpu_adam,
+            [KILN__K_ADAM_MULTI] = kiln__cpu_adam_multi,
         },
     .supports = NULL,
 };

@@ -118,3 +118,31 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   }
   return KILN_OK;
 }
+
+/* ADAM_MULTI: the single-tensor kernel per group (the CPU gains nothing from fewer calls
+** but the dispatch), then each step_t advanced when the step lives with the tensors. */
+kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
+  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
+  const int w = 4 + (ams ? 1 : 0) + (on_dev ? 1 : 0);
+  if (a->list_w != w || (a->list_n > 0 && !a->list))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: expected groups of %d views, got %d", w, a->list_w);
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[(size_t)g * (size_t)w];
+    kiln__kargs k = {0};
+    k.op = KILN__K_ADAM;
+    k.n_in = on_dev ? 2 : 1;
+    k.in[0] = v[0];
+    if (on_dev) k.in[1] = v[w - 1];
+    k.n_out = ams ? 4 : 3;
+    for (int o = 0; o < k.n_out; o++) k.out[o] = v[1 + o];
+    memcpy(k.s, a->s, sizeof k.s);
+    k.i[0] = a->list_i ? a->list_i[g] : 1;
+    k.i[1] = a->i[1];
+    k.i[2] = a->i[2];
+    kiln_status st = kiln__cpu_adam(&k);
+    if (st != KILN_OK) return st;
+  }
+  if (on_dev)
+    for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(w - 1)].data += 1.0;
+  return KILN_OK;
+}

@@ -235,7 +235,6 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
   double eps = a->s[0];
   _Alignas(64) double sb[KILN__SM_STACK];
   double *b0 = sb, *heap = NULL;
-  (void)k0;
   if (len > KILN__SM_STACK) {
     heap = (double *)malloc((size_t)len * sizeof(double));
     if (!heap) {
@@ -245,6 +244,8 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
     b0 = heap;
   }
   int ti = bw ? 2 : 1;
+  /* backward with n_in == 5: in4 (N) divides each row's grad (the mean's count) */
+  const kiln__view *div = bw && a->n_in > 4 ? &a->in[4] : NULL;
   for (int64_t r = 0; r < n; r++) {
     int64_t t = kiln__cpu_get_i64(p[ti] + r * bst[ti], c->v[ti].dtype);
     bool ignored = t == a->i[0];
@@ -269,6 +270,10 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
       } else {
         double lse = kiln__cpu_get_f64(p[3] + r * bst[3], c->v[3].dtype);
         double g = kiln__cpu_get_f64(p[4] + r * bst[4], c->v[4].dtype);
+        if (div)
+          g /= kiln__cpu_get_f64((const char *)div->data + (k0 + r) * div->strides[0] *
+                                                              (int64_t)kiln__cpu_esize(div->dtype),
+                                 div->dtype);
         kiln__cpu_load(b0, c->ct, p[1] + r * bst[1], c->bst[1], c->v[1].dtype, len);
         if (c->ct == KILN_F32)
           kiln__ce_bw_row_f32((float *)b0, len, t, eps, (float)lse, (float)g);
@@ -306,6 +311,44 @@ kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: logits have 0 classes");
   }
   return kiln__rows_go(&c, kiln__ce_run);
+}
+
+/* The mean in one call: the per-row kernel into scratch rows (loss, weight), then one
+** ordered f64 sum of each. */
+kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a) {
+  if (a->n_out < 3 || kiln__view_numel(&a->out[0]) != 1 || kiln__view_numel(&a->out[2]) != 1)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_cross_entropy: the mean kernel wants 3 outputs, one element in out0 and out2");
+  kiln_status st = kiln__ce_check(a, "kiln_cross_entropy");
+  if (st != KILN_OK) return st;
+  kiln_dtype lt = a->out[0].dtype;
+  if (lt != KILN_F32 && lt != KILN_F64) return kiln__cpu_dtype_error(a, lt);
+  int64_t nrow = a->in[0].shape[0];
+  size_t es = kiln__cpu_esize(lt);
+  char *scratch = malloc((size_t)(nrow > 0 ? nrow : 1) * 2 * es);
+  if (!scratch) return kiln_set_error(KILN_ERR_OOM, "kiln_cross_entropy: out of host memory for %lld rows", (long long)nrow);
+  double sum = 0, cnt = 0;
+  if (nrow > 0) {
+    kiln__kargs r = *a;
+    r.op = KILN__K_CROSS_ENTROPY;
+    r.n_out = 3;
+    r.out[0] = a->out[1]; /* shape and dtype of an (N) row view; data replaced below */
+    r.out[0].data = scratch;
+    r.out[0].strides[0] = 1;
+    r.out[0].dtype = lt;
+    r.out[1] = a->out[1];
+    r.out[2] = r.out[0];
+    r.out[2].data = scratch + (size_t)nrow * es;
+    st = kiln__cpu_cross_entropy(&r);
+    for (int64_t i = 0; i < nrow && st == KILN_OK; i++) {
+      sum += kiln__cpu_get_f64(scratch + (size_t)i * es, lt);
+      cnt += kiln__cpu_get_f64(scratch + (size_t)(nrow + i) * es, lt);
+    }
+  }
+  free(scratch);
+  if (st != KILN_OK) return st;
+  kiln__cpu_set_f64(a->out[0].data, lt, sum / cnt); /* no kept rows: 0 / 0 = NaN */
+  kiln__cpu_set_f64(a->out[2].data, a->out[2].dtype, cnt);
+  return KILN_OK;
 }
 
 kiln_status kiln__cpu_cross_entropy_backward(const kiln__kargs *a) {

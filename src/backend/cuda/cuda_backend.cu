@@ -376,10 +376,11 @@ static bool cuda_supports(const kiln__kargs *a) {
     return kiln__cuda_reduce_supports(a);
   case KILN__K_SOFTMAX: case KILN__K_LOG_SOFTMAX: case KILN__K_SOFTMAX_BACKWARD:
   case KILN__K_LOG_SOFTMAX_BACKWARD: case KILN__K_CROSS_ENTROPY:
-  case KILN__K_CROSS_ENTROPY_BACKWARD:
+  case KILN__K_CROSS_ENTROPY_BACKWARD: case KILN__K_CROSS_ENTROPY_MEAN:
     return kiln__cuda_softmax_supports(a);
   case KILN__K_MATMUL: return kiln__cuda_matmul_supports(a);
   case KILN__K_ADAM: return kiln__cuda_adam_supports(a);
+  case KILN__K_ADAM_MULTI: return kiln__cuda_adam_multi_supports(a);
   case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
   case KILN__K_SCATTER_ADD:
     return kiln__cuda_index_supports(a);
@@ -397,10 +398,12 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
              ? kiln__cuda_reduce
          : (op == KILN__K_SOFTMAX || op == KILN__K_LOG_SOFTMAX ||
             op == KILN__K_SOFTMAX_BACKWARD || op == KILN__K_LOG_SOFTMAX_BACKWARD ||
-            op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD)
+            op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD ||
+            op == KILN__K_CROSS_ENTROPY_MEAN)
              ? kiln__cuda_softmax
          : op == KILN__K_MATMUL ? kiln__cuda_matmul
          : op == KILN__K_ADAM ? kiln__cuda_adam
+         : op == KILN__K_ADAM_MULTI ? kiln__cuda_adam_multi
          : (op == KILN__K_INDEX_SELECT || op == KILN__K_INDEX_ADD || op == KILN__K_GATHER ||
             op == KILN__K_SCATTER_ADD)
              ? kiln__cuda_index

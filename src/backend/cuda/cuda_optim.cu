@@ -100,3 +100,148 @@ extern "C" bool kiln__cuda_adam_supports(const kiln__kargs *a) {
     if (a->out[k].dtype != a->out[0].dtype || kc_numel(&a->out[k]) != kc_numel(&a->out[0])) return false;
   return true; /* the op layer guarantees contiguous views */
 }
+
+/* ---- ADAM_MULTI: up to KC_MT_MAX tensors per launch (PyTorch's multi_tensor_apply idea):
+** the tensors' pointers travel in the kernel's parameters, each block finds its tensor
+** from the running block counts and updates one chunk of it. Capturable steps are read by
+** the update and advanced by a second, one-block kernel (every block of the first must
+** have read them). */
+#define KC_MT_MAX 32
+#define KC_MT_CHUNK (KC_THREADS * 4)
+
+struct kc_adam_list {
+  int n;
+  void *p[KC_MT_MAX], *m[KC_MT_MAX], *v[KC_MT_MAX], *vmax[KC_MT_MAX];
+  const void *g[KC_MT_MAX];
+  double *step_t[KC_MT_MAX];
+  int64_t numel[KC_MT_MAX], step[KC_MT_MAX];
+  int block_end[KC_MT_MAX]; /* blocks of tensors 0..i together */
+};
+
+struct kc_adam_hpd {
+  double lr, b1, b2, eps, wd;
+  int decoupled, amsgrad;
+};
+
+template <class T, class C>
+__global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list L, kc_adam_hpd h) {
+  int t = 0;
+  while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
+  const int first = t ? L.block_end[t - 1] : 0;
+  const int64_t n = L.numel[t];
+  const int64_t lo = (int64_t)((int)blockIdx.x - first) * KC_MT_CHUNK;
+  const int64_t hi = lo + KC_MT_CHUNK < n ? lo + KC_MT_CHUNK : n;
+  const double step = L.step_t[t] ? *L.step_t[t] + 1.0 : (double)L.step[t];
+  const double ss_d = h.lr / (1.0 - pow(h.b1, step));
+  const double bc2s_d = sqrt(1.0 - pow(h.b2, step));
+  const C lr = (C)h.lr, wd = (C)h.wd, ss = (C)ss_d, bc2s = (C)bc2s_d;
+  const C b1 = (C)h.b1, b2 = (C)h.b2, eps = (C)h.eps;
+  T *__restrict__ p = (T *)L.p[t];
+  const T *__restrict__ g = (const T *)L.g[t];
+  T *__restrict__ m = (T *)L.m[t];
+  T *__restrict__ v = (T *)L.v[t];
+  T *__restrict__ vmax = (T *)L.vmax[t];
+  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) {
+    C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
+    if (h.decoupled)
+      pi = pi * ((C)1 - lr * wd);
+    else if (wd != (C)0)
+      gi = gi + wd * pi;
+    C mi = (C)kc_ld(m[i]) * b1 + gi * ((C)1 - b1);
+    C vi = (C)kc_ld(v[i]) * b2 + gi * gi * ((C)1 - b2);
+    C den;
+    if (h.amsgrad) {
+      C vm = (C)kc_ld(vmax[i]);
+      vm = vi > vm ? vi : vm;
+      vmax[i] = kc_st<T>(vm);
+      den = sqrt(vm) / bc2s + eps;
+    } else {
+      den = sqrt(vi) / bc2s + eps;
+    }
+    pi = pi - ss * (mi / den);
+    m[i] = kc_st<T>(mi);
+    v[i] = kc_st<T>(vi);
+    p[i] = kc_st<T>(pi);
+  }
+}
+
+__global__ void kc_step_advance_kernel(kc_adam_list L) {
+  int t = threadIdx.x;
+  if (t < L.n && L.step_t[t]) *L.step_t[t] += 1.0;
+}
+
+extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
+  kiln__cuda_dev *dev;
+  KC_TRY(kiln__cuda_ctx(a->device, &dev));
+  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
+  const int w = 4 + (ams ? 1 : 0) + (on_dev ? 1 : 0);
+  if (a->list_w != w || (a->list_n > 0 && !a->list))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel (cuda): expected groups of %d views, got %d", w, a->list_w);
+  if (a->list_n == 0) return KILN_OK;
+  kc_adam_hpd h;
+  h.lr = a->s[0];
+  h.b1 = a->s[1];
+  h.b2 = a->s[2];
+  h.eps = a->s[3];
+  memcpy(&h.wd, &a->i[2], sizeof h.wd);
+  h.decoupled = (a->i[1] & 1) != 0;
+  h.amsgrad = ams;
+  const kiln_dtype dt = a->list[1].dtype;
+  for (int g0 = 0; g0 < a->list_n;) {
+    kc_adam_list L;
+    memset(&L, 0, sizeof L);
+    int blocks = 0;
+    for (int k = 0; k < KC_MT_MAX && g0 + k < a->list_n; k++) {
+      const kiln__view *v = &a->list[(size_t)(g0 + k) * (size_t)w];
+      int64_t n = kc_numel(&v[1]);
+      int64_t nb = (n + KC_MT_CHUNK - 1) / KC_MT_CHUNK;
+      if (v[1].dtype != dt || nb > INT32_MAX - blocks) {
+        if (v[1].dtype != dt)
+          return kiln_set_error(KILN_ERR_DTYPE, "kiln adam_multi kernel (cuda): tensor %d is %s, the list is %s",
+                                g0 + k, kiln_dtype_name(v[1].dtype), kiln_dtype_name(dt));
+        break; /* this launch is full; the next takes the rest */
+      }
+      L.g[k] = v[0].data;
+      L.p[k] = v[1].data;
+      L.m[k] = v[2].data;
+      L.v[k] = v[3].data;
+      L.vmax[k] = ams ? v[4].data : NULL;
+      L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
+      L.numel[k] = n;
+      L.step[k] = a->list_i ? a->list_i[g0 + k] : 1;
+      blocks += (int)nb;
+      L.block_end[k] = blocks;
+      L.n = k + 1;
+    }
+    if (L.n == 0) return kiln_set_error(KILN_ERR_SHAPE, "kiln adam_multi kernel (cuda): a tensor is too large for one launch");
+    if (blocks > 0) {
+      KC_SWITCH_FLOAT(dt, T,
+                      return kiln_set_error(KILN_ERR_DTYPE, "kiln adam_multi kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
+                      {
+                        typedef typename kc_traits<T>::acc C;
+                        kc_adam_multi_kernel<T, C><<<(unsigned)blocks, KC_THREADS, 0, dev->stream>>>(L, h);
+                      })
+      KC_TRY(kiln__cuda_launched("adam_multi"));
+    }
+    if (on_dev) {
+      kc_step_advance_kernel<<<1, KC_MT_MAX, 0, dev->stream>>>(L);
+      KC_TRY(kiln__cuda_launched("adam_multi (step)"));
+    }
+    g0 += L.n;
+  }
+  return KILN_OK;
+}
+
+extern "C" bool kiln__cuda_adam_multi_supports(const kiln__kargs *a) {
+  const int w = a->list_w;
+  if (a->list_n < 1 || w < 4 || !a->list) return a->list_n == 0;
+  kiln_dtype dt = a->list[1].dtype;
+  if (!kc_is_float(dt)) return false;
+  const bool on_dev = (a->i[1] & 4) != 0;
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[(size_t)g * (size_t)w];
+    for (int k = 0; k < w - (on_dev ? 1 : 0); k++)
+      if (v[k].dtype != dt || kc_numel(&v[k]) != kc_numel(&v[1])) return false;
+  }
+  return true;
+}

@@ -168,22 +168,22 @@ kiln_status softmax_launch(kiln__cuda_dev *d, const kiln__kargs *a, const SGeom 
 struct CEArgs {
   int64_t N, C;
   int64_t sxn, sxc, st, sl, sz, sg, son, soc; /* strides: logits, target, loss, lse, grad, out */
-  int64_t sw; /* stride of the optional per-row weight (out2) */
+  int64_t sw;   /* stride of the optional per-row weight (out2) */
+  int64_t sdiv; /* backward: stride of the optional per-row divisor (in4) */
   int64_t ignore;
   double eps;
   int *flag;
   int kop;
 };
 
-/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype). */
-template <class T, class TL, class TI, int G>
-__global__ void __launch_bounds__(KC_THREADS)
-    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, CEArgs p) {
+/* One row's loss and logsumexp, by a group of G threads (every lane gets them). kept is
+** false for an ignored row (loss and lse 0, as the CPU); an out-of-range target sets the
+** index flag and gives NaN. */
+template <class T, class TI, int G>
+__device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &p, int64_t n,
+                                       int lane, typename kc_traits<T>::acc &out,
+                                       typename kc_traits<T>::acc &l, bool &kept) {
   typedef typename kc_traits<T>::acc A;
-  const int per = KC_THREADS / G;
-  int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
-  int lane = threadIdx.x % G;
-  if (n >= p.N) return;
   const T *xr = x + n * p.sxn;
   A m = -(A)INFINITY, s = 0, sum = 0;
   for (int64_t j = lane; j < p.C; j += G) {
@@ -203,29 +203,89 @@ __global__ void __launch_bounds__(KC_THREADS)
   }
   group_ms<A, (G > 32 ? G : 32)>(m, s);
   sum = group_sum<A, (G > 32 ? G : 32)>(sum);
-  if (lane != 0) return;
-  A l = m + kc_log(s);
+  l = m + kc_log(s);
   int64_t t = (int64_t)tgt[n * p.st];
-  A out;
-  if (t == p.ignore) { /* as the CPU: loss 0 and lse 0 for ignored rows */
+  kept = t != p.ignore;
+  if (!kept) {
     out = 0;
     l = 0;
   } else if (t < 0 || t >= p.C) {
-    kc_flag(p.flag, p.kop);
+    if (lane == 0) kc_flag(p.flag, p.kop);
     out = (A)NAN;
   } else {
     A xt = kc_ld<T>(xr[t * p.sxc]);
     A e = (A)p.eps;
     out = l - ((A)1 - e) * xt - e / (A)p.C * sum;
   }
+}
+
+/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype). */
+template <class T, class TL, class TI, int G>
+__global__ void __launch_bounds__(KC_THREADS)
+    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, CEArgs p) {
+  typedef typename kc_traits<T>::acc A;
+  const int per = KC_THREADS / G;
+  int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
+  int lane = threadIdx.x % G;
+  if (n >= p.N) return;
+  A out, l;
+  bool kept;
+  ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
+  if (lane != 0) return;
   loss[n * p.sl] = kc_st<TL>(out);
   lse[n * p.sz] = kc_st<TL>(l);
-  if (w) w[n * p.sw] = kc_st<TL>(t == p.ignore ? 0 : 1);
+  if (w) w[n * p.sw] = kc_st<TL>(kept ? 1 : 0);
+}
+
+/* CROSS_ENTROPY_MEAN: a warp per row, rows strided over the grid; each block sums its
+** rows' losses and kept counts in a fixed order. One block writes the mean itself; with
+** more, each writes its pair to part and ce_mean_finish adds the pairs in block order (no
+** atomics, so the result does not depend on scheduling). */
+template <class T, class TL, class TI>
+__global__ void __launch_bounds__(KC_THREADS)
+    ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, CEArgs p) {
+  typedef typename kc_traits<T>::acc A;
+  const int warps = KC_THREADS / 32, wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+  TL ls = 0, lc = 0;
+  for (int64_t n = (int64_t)blockIdx.x * warps + wid; n < p.N; n += (int64_t)gridDim.x * warps) {
+    A out, l;
+    bool kept;
+    ce_row<T, TI, 32>(x, tgt, p, n, lane, out, l, kept);
+    if (lane == 0) {
+      lse[n * p.sz] = kc_st<TL>(l);
+      ls += (TL)out;
+      lc += kept ? (TL)1 : (TL)0;
+    }
+  }
+  __shared__ TL ps[KC_THREADS / 32], pc[KC_THREADS / 32];
+  if (lane == 0) {
+    ps[wid] = ls;
+    pc[wid] = lc;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  TL s = 0, c = 0;
+  for (int k = 0; k < warps; k++) s += ps[k], c += pc[k];
+  if (gridDim.x == 1) {
+    *mean = s / c; /* nothing kept: 0 / 0 = NaN, as PyTorch */
+    *cnt = c;
+  } else {
+    part[2 * blockIdx.x] = s;
+    part[2 * blockIdx.x + 1] = c;
+  }
+}
+
+template <class TL> __global__ void ce_mean_finish(const TL *part, int nparts, TL *mean, TL *cnt) {
+  TL s = 0, c = 0;
+  for (int k = 0; k < nparts; k++) s += part[2 * k], c += part[2 * k + 1];
+  *mean = s / c;
+  *cnt = c;
 }
 
 template <class T, class TL, class TI>
 __global__ void __launch_bounds__(KC_THREADS)
-    ce_backward(const T *x, const TI *tgt, const TL *lse, const TL *grad, T *out, CEArgs p) {
+    ce_backward(const T *x, const TI *tgt, const TL *lse, const TL *grad, const TL *div, T *out,
+                CEArgs p) {
   typedef typename kc_traits<T>::acc A;
   const int64_t total = p.N * p.C;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
@@ -242,7 +302,9 @@ __global__ void __launch_bounds__(KC_THREADS)
       A e = (A)p.eps;
       A pj = kc_exp(kc_ld<T>(x[n * p.sxn + j * p.sxc]) - (A)kc_ld<TL>(lse[n * p.sz]));
       A q = (j == t ? (A)1 - e : (A)0) + e / (A)p.C;
-      r = (A)kc_ld<TL>(grad[n * p.sg]) * (pj - q);
+      A gv = (A)kc_ld<TL>(grad[n * p.sg]);
+      if (div) gv = gv / (A)kc_ld<TL>(div[n * p.sdiv]);
+      r = gv * (pj - q);
     }
     out[n * p.son + j * p.soc] = kc_st<T>(r);
   }
@@ -261,11 +323,28 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
       ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
     }
+  } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
+    /* one block when the rows are few (a small model's step: one launch); else up to 4
+    ** blocks per SM, then the finishing launch */
+    const int warps = KC_THREADS / 32;
+    int64_t want = (p.N + warps * 16 - 1) / (warps * 16);
+    int64_t cap = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4;
+    int blocks = (int)(want < 1 ? 1 : want > cap ? cap : want);
+    TL *mean = (TL *)a->out[0].data, *cnt = (TL *)a->out[2].data, *part = NULL;
+    if (blocks > 1 && !(part = (TL *)kiln__cuda_alloc(a->device, (size_t)blocks * 2 * sizeof(TL))))
+      return kiln_last_error();
+    ce_mean<T, TL, TI><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(
+        (const T *)a->in[0].data, (const TI *)a->in[1].data, (TL *)a->out[1].data, mean, cnt, part, p);
+    if (blocks > 1) {
+      ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
+      kiln__cuda_free(a->device, part, (size_t)blocks * 2 * sizeof(TL)); /* stream-ordered reuse */
+    }
   } else {
     int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
     ce_backward<T, TL, TI><<<blocks, KC_THREADS, 0, d->stream>>>(
         (const T *)a->in[0].data, (const TI *)a->in[1].data, (const TL *)a->in[2].data,
-        (const TL *)a->in[3].data, (T *)a->out[0].data, p);
+        (const TL *)a->in[3].data, a->n_in > 4 ? (const TL *)a->in[4].data : NULL,
+        (T *)a->out[0].data, p);
   }
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }
@@ -291,8 +370,10 @@ kiln_status bad(const kiln__kargs *a) {
 }
 
 bool is_ce(kiln__kop op) {
-  return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD;
+  return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD ||
+         op == KILN__K_CROSS_ENTROPY_MEAN;
 }
+bool ce_fwd(kiln__kop op) { return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_MEAN; }
 
 } // namespace
 
@@ -305,12 +386,16 @@ extern "C" bool kiln__cuda_softmax_supports(const kiln__kargs *a) {
     return a->out[0].dtype == dt;
   }
   if (a->in[0].ndim != 2 || !kc_is_index(a->in[1].dtype)) return false;
-  kiln_dtype lt = a->op == KILN__K_CROSS_ENTROPY ? a->out[0].dtype : a->in[2].dtype;
+  kiln_dtype lt = ce_fwd(a->op) ? a->out[0].dtype : a->in[2].dtype;
   if (lt != KILN_F32 && lt != KILN_F64) return false;
   if (lt == KILN_F32 && dt == KILN_F64) return false;
+  if (a->op == KILN__K_CROSS_ENTROPY_MEAN)
+    return a->n_out == 3 && a->out[1].dtype == lt && a->out[2].dtype == lt &&
+           kc_numel(&a->out[0]) == 1 && kc_numel(&a->out[2]) == 1;
   if (a->op == KILN__K_CROSS_ENTROPY)
     return a->n_out >= 2 && a->out[1].dtype == lt && (a->n_out < 3 || a->out[2].dtype == lt);
-  return a->n_in >= 4 && a->in[3].dtype == lt && a->out[0].dtype == dt;
+  return a->n_in >= 4 && a->in[3].dtype == lt && (a->n_in < 5 || a->in[4].dtype == lt) &&
+         a->out[0].dtype == dt;
 }
 
 extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
@@ -330,7 +415,11 @@ extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
     p.eps = a->s[0];
     p.flag = d->err_flag;
     p.kop = (int)a->op;
-    if (a->op == KILN__K_CROSS_ENTROPY) {
+    p.sdiv = 0;
+    if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
+      p.sl = p.sw = p.sg = p.son = p.soc = 0;
+      p.sz = a->out[1].strides[0];
+    } else if (a->op == KILN__K_CROSS_ENTROPY) {
       p.sl = a->out[0].strides[0];
       p.sz = a->out[1].strides[0];
       p.sw = a->n_out > 2 ? a->out[2].strides[0] : 0;
@@ -339,17 +428,20 @@ extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
       p.sl = p.sw = 0;
       p.sz = a->in[2].strides[0];
       p.sg = a->in[3].strides[0];
+      p.sdiv = a->n_in > 4 ? a->in[4].strides[0] : 0;
       p.son = a->out[0].strides[0];
       p.soc = a->out[0].strides[1];
     }
-    if (p.N == 0) return KILN_OK;
-    if (p.C == 0 && a->op == KILN__K_CROSS_ENTROPY)
-      return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: no classes (C = 0)");
-    if (p.C == 0) return KILN_OK;
+    /* the mean of no rows is still written (NaN), so only the other two stop here */
+    if (p.N == 0 && a->op != KILN__K_CROSS_ENTROPY_MEAN) return KILN_OK;
+    if (p.C == 0 && p.N > 0) {
+      if (ce_fwd(a->op)) return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: no classes (C = 0)");
+      return KILN_OK;
+    }
     if (p.N > INT32_MAX)
       return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: %lld rows is too many",
                             (long long)p.N);
-    kiln_dtype lt = a->op == KILN__K_CROSS_ENTROPY ? a->out[0].dtype : a->in[2].dtype;
+    kiln_dtype lt = ce_fwd(a->op) ? a->out[0].dtype : a->in[2].dtype;
     KC_SWITCH_FLOAT(dt, T, return bad(a), return ce_dispatch<T>(d, a, p, lt, a->in[1].dtype))
     return KILN_OK;
   }

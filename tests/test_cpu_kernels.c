@@ -1237,6 +1237,44 @@ static void test_matmul(void) {
     check_matmul(FLOATS[di], 1, batch, 6, 5, 7, 1, 2, 0, true, false, 1, 1);
     check_matmul(FLOATS[di], 1, batch, 16, 40, 70, 0, 1, 1, false, true, 2, 0.5);
   }
+  /* the row-sum output (n_out == 2): dW = g^T x with db = g^T's row sums, A transposed as
+  ** a bias gradient has it, and contiguous; K = 0 gives zero sums */
+  static const int64_t rs[][3] = {{128, 64, 128}, {7, 5, 3}, {4, 6, 0}, {1, 1, 9}};
+  for (int di = 0; di < 4; di++)
+    for (size_t si = 0; si < sizeof rs / sizeof rs[0]; si++)
+      for (int la = 0; la < 2; la++) {
+        kiln_dtype dt = FLOATS[di];
+        int64_t M = rs[si][0], N = rs[si][1], K = rs[si][2];
+        tt A = make_mat(dt, 0, NULL, M, K, la), B = make_mat(dt, 0, NULL, K, N, 0);
+        tt C = make_mat(dt, 0, NULL, M, N, 0), R = tt_new(dt, 1, &M, NULL);
+        fill_rand(&A.v, -2, 2);
+        fill_rand(&B.v, -2, 2);
+        kiln__kargs a = kargs(KILN__K_MATMUL, 2, 2);
+        a.in[0] = A.v, a.in[1] = B.v, a.out[0] = C.v, a.out[1] = R.v;
+        a.s[0] = 1;
+        CHECK(run(&a) == KILN_OK, "matmul with row sums: %s", kiln_last_error_message());
+        int bad = 0;
+        double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);
+        for (int64_t m = 0; m < M; m++) {
+          double want = 0;
+          for (int64_t k = 0; k < K; k++) want += get(&A.v, (int64_t[]){m, k});
+          if (!close_to(get(&R.v, &m), want, tol * (1 + (double)K / 16))) bad++;
+          for (int64_t n = 0; n < N && K > 0; n++) {
+            double c = 0;
+            for (int64_t k = 0; k < K; k++) c += get(&A.v, (int64_t[]){m, k}) * get(&B.v, (int64_t[]){k, n});
+            if (!close_to(get(&C.v, (int64_t[]){m, n}), c, tol * (1 + (double)K / 16))) bad++;
+          }
+        }
+        CHECK(bad == 0, "matmul row sums %s %lldx%lldx%lld layout %d: %d bad", kiln_dtype_name(dt), (long long)M,
+              (long long)N, (long long)K, la, bad);
+        /* a batched product with row sums is refused, not half done */
+        if (di == 0 && si == 1 && la == 0) {
+          kiln__kargs b = a;
+          b.out[1].shape[0] = M + 1;
+          CHECK(run(&b) == KILN_ERR_SHAPE, "row sums of the wrong length -> KILN_ERR_SHAPE");
+        }
+        tt_free(&A), tt_free(&B), tt_free(&C), tt_free(&R);
+      }
   check_matmul(KILN_F32, 1, (int64_t[]){0}, 4, 4, 4, 0, 0, 0, false, false, 1, 0); /* empty batch */
   check_matmul(KILN_F32, 1, (int64_t[]){64}, 16, 16, 16, 0, 0, 0, false, false, 1, 0); /* many small */
   /* integers refused */

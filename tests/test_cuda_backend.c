@@ -734,6 +734,26 @@ static void matmul_cases(void) {
         run_case(&t);
       }
     }
+    /* the row-sum output (a linear layer's dW = g^T x with db): A transposed, as g^T is,
+    ** and contiguous; the epilogue path and the plain one must agree with the CPU */
+    struct { int64_t m, k, n; bool trans; const char *label; } rs[] = {
+        {128, 128, 64, true, "rowsum g^T[128,128]@x[128,64]"}, {2, 128, 128, true, "rowsum g^T[2,128]@h"},
+        {33, 47, 29, false, "rowsum 33x47 @ 47x29"}, {6, 0, 5, true, "rowsum K=0"}};
+    for (size_t k = 0; k < sizeof rs / sizeof rs[0]; k++) {
+      tcase t;
+      memset(&t, 0, sizeof t);
+      t.label = rs[k].label;
+      t.op = KILN__K_MATMUL;
+      t.n_in = 2;
+      t.n_out = 2;
+      t.in[0] = rs[k].trans ? trans2(dt, rs[k].m, rs[k].k) : c2(dt, rs[k].m, rs[k].k);
+      t.in[1] = c2(dt, rs[k].k, rs[k].n);
+      t.out[0] = c2(dt, rs[k].m, rs[k].n);
+      t.out[1] = c1(dt, rs[k].m);
+      t.s[0] = 1;
+      t.tol_scale = tol;
+      run_case(&t);
+    }
     /* batched: uniform strides, a broadcast operand, a batch that is not collapsible */
     for (int variant = 0; variant < 4; variant++) {
       tcase t;

@@ -116,7 +116,9 @@ typedef struct kiln__view {
   /* in0 A (B..., M, K), in1 B (B..., K, N), out0 (B..., M, N); all three have the same */ \
   /* ndim >= 2 with batch dims already expanded (stride 0 allowed). Optional in2 bias */  \
   /* (N) when n_in == 3. out0 = s0 * A@B + s1 * out0 + bias (s1 == 0: out0 not read). */ \
-  /* i0 = 1 allows TF32 (or another reduced-precision f32 path). */                       \
+  /* i0 = 1 allows TF32 (or another reduced-precision f32 path). With n_out == 2 (2-d */  \
+  /* only), out1 (M) also gets the sums of A's rows over K: dW = g^T x and the bias */    \
+  /* gradient db (g^T's row sums) in one call (cuBLASLt's BGRADB epilogue on CUDA). */   \
   X(MATMUL, "matmul")                                                                     \
   /* indexing; index views are i64 or i32; i0 = dim */                                    \
   X(INDEX_SELECT, "index_select") /* in0 src, in1 index (1-d) -> out0 */                  \

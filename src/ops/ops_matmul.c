@@ -244,6 +244,29 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     if (st != KILN_OK) return st;
   }
   kiln_tensor *g2 = (n->needs[1] || n->needs[2]) ? kiln_reshape(g, KILN_SHAPE(M, N)) : NULL;
+  if (n->needs[1] && n->needs[2] && g2 && M > 0 && N > 0 && K > 0) {
+    /* dW and db from one kernel call (the product's row-sum output) */
+    kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
+    kiln_tensor *dW = x2 ? kiln__tensor_new(2, (int64_t[]){N, K}, W->dtype, kiln_device_of(W)) : NULL;
+    kiln_tensor *db = dW ? kiln__tensor_new(1, &N, W->dtype, kiln_device_of(W)) : NULL;
+    if (!db) return kiln_last_error();
+    kiln__kargs a = {0};
+    a.op = KILN__K_MATMUL;
+    a.n_in = 2;
+    a.n_out = 2;
+    a.in[0] = kiln__view_of(g2);
+    a.in[0].shape[0] = N, a.in[0].shape[1] = M; /* g2^T */
+    a.in[0].strides[0] = g2->strides[1], a.in[0].strides[1] = g2->strides[0];
+    a.in[1] = kiln__view_of(x2);
+    a.out[0] = kiln__view_of(dW);
+    a.out[1] = kiln__view_of(db);
+    a.s[0] = 1.0;
+    a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+    kiln_status st = kiln__dispatch(kiln_device_of(W), &a);
+    if (st == KILN_OK) st = kiln__give_grad(&gi[1], dW, g);
+    if (st == KILN_OK) st = kiln__give_grad(&gi[2], db, g);
+    return st;
+  }
   if (n->needs[1]) {
     kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
     kiln_tensor *d = g2 && x2 ? kiln_matmul(kiln_transpose(g2, 0, 1), x2) : NULL; /* (N, K) */

@@ -331,8 +331,34 @@ static void kiln__mm_batch_range(void *vctx, int64_t lo, int64_t hi) {
   free(tc);
 }
 
+/* out1 (M) = the sums of A's rows over K, in f64 (MATMUL with n_out == 2, 2-d only): a
+** column of A at a time, so a transposed A (a bias gradient's g^T) is read along its
+** contiguous dim. */
+static kiln_status kiln__mm_row_sums(const kiln__view *A, const kiln__view *out) {
+  int64_t M = A->shape[0], K = A->shape[1];
+  double *acc = calloc((size_t)(2 * M + 1), sizeof(double)), *col = acc + M;
+  if (!acc) return kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for %lld row sums", (long long)M);
+  int64_t es = (int64_t)kiln__cpu_esize(A->dtype);
+  for (int64_t k = 0; k < K; k++) {
+    kiln__cpu_load(col, KILN_F64, (const char *)A->data + k * A->strides[1] * es, A->strides[0] * es, A->dtype, M);
+    for (int64_t m = 0; m < M; m++) acc[m] += col[m];
+  }
+  kiln__cpu_store((char *)out->data, out->strides[0] * (int64_t)kiln__cpu_esize(out->dtype), out->dtype, acc,
+                  KILN_F64, M);
+  free(acc);
+  return KILN_OK;
+}
+
 kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   const kiln__view *A = &a->in[0], *B = &a->in[1], *C = &a->out[0];
+  if (a->n_out > 1) {
+    if (C->ndim != 2 || a->out[1].ndim != 1 || a->out[1].shape[0] != C->shape[0] || a->out[1].dtype != C->dtype)
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product and an (M) output of its dtype");
+    kiln__kargs one = *a;
+    one.n_out = 1;
+    kiln_status st = kiln__cpu_matmul(&one);
+    return st == KILN_OK ? kiln__mm_row_sums(A, &a->out[1]) : st;
+  }
   int nd = C->ndim;
   if (nd < 2 || A->ndim != nd || B->ndim != nd)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: operands must have the same ndim >= 2 (got %d, %d, %d)",

@@ -160,6 +160,7 @@ bool types_of(kiln_dtype dt, bool tf32, Types *t) {
 struct LtPlan {
   bool used, ok;
   int device;
+  cublasLtEpilogue_t epi; /* BIAS (add a bias) or BGRADB (write the row sums of kiln's A) */
   cudaDataType_t data;
   cublasComputeType_t compute;
   cublasOperation_t opA, opB;
@@ -185,7 +186,7 @@ void lt_plan_destroy(LtPlan *p) {
 void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
   cublasLtHandle_t lt = (cublasLtHandle_t)d->blaslt;
   cublasLtMatmulPreference_t pref = NULL;
-  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  cublasLtEpilogue_t epi = p->epi;
   uint64_t ws = d->workspace_size;
   cublasLtMatmulHeuristicResult_t heur;
   int nres = 0;
@@ -215,10 +216,11 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
   if (pref) cublasLtMatmulPreferenceDestroy(pref);
 }
 
-/* The bias epilogue for one 2-D product. Returns KILN_OK when done, KILN_ERR_UNSUPPORTED
-** (without setting the last error) when cuBLASLt has no algorithm: then the caller adds
-** the bias itself. */
-kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
+/* One 2-D product with an epilogue: BIAS adds the vector at bias to every row of kiln's C;
+** BGRADB writes the sums of kiln's A's rows there (cuBLAS's B is kiln's A, and BGRADB
+** reduces B over the GEMM's k). Returns KILN_OK when done, KILN_ERR_UNSUPPORTED (without
+** setting the last error) when cuBLASLt has no algorithm: then the caller does it itself. */
+kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &t, cublasOperation_t opB,
                     cublasOperation_t opA, int64_t M, int64_t N, int64_t K, const void *B,
                     int64_t ldb, const void *A, int64_t lda, void *C, int64_t ldc,
                     const void *bias, float alpha, float beta) {
@@ -228,7 +230,7 @@ kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
   LtPlan *p = NULL;
   for (int i = 0; i < LT_PLANS && !p; i++) {
     LtPlan *q = &lt_plans[i];
-    if (q->used && q->device == dev && q->data == t.data && q->compute == t.compute &&
+    if (q->used && q->device == dev && q->epi == epi && q->data == t.data && q->compute == t.compute &&
         q->opA == opA && q->opB == opB && q->M == M && q->N == N && q->K == K &&
         q->lda == lda && q->ldb == ldb && q->ldc == ldc)
       p = q;
@@ -239,6 +241,7 @@ kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
     lt_plan_destroy(p);
     p->used = true;
     p->device = dev;
+    p->epi = epi;
     p->data = t.data;
     p->compute = t.compute;
     p->opA = opA;
@@ -258,6 +261,29 @@ kiln_status lt_bias(kiln__cuda_dev *d, const Types &t, cublasOperation_t opB,
   }
   pthread_mutex_unlock(&lt_lock);
   return st;
+}
+
+/* out[m] = sum_k A[m, k] (one thread a row; A's rows are usually a transposed view, so
+** neighbouring threads read neighbouring elements). */
+template <class T>
+__global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t ak, T *out, int64_t so) {
+  typedef typename kc_traits<T>::acc Acc;
+  for (int64_t m = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; m < M; m += (int64_t)gridDim.x * blockDim.x) {
+    Acc s = 0;
+    for (int64_t k = 0; k < K; k++) s += (Acc)kc_ld<T>(A[m * am + k * ak]);
+    out[m * so] = kc_st<T>(s);
+  }
+}
+
+kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__view *R) {
+  const int64_t M = A->shape[0], K = A->shape[1];
+  if (M == 0) return KILN_OK;
+  int blocks = kc_blocks(M, KC_THREADS, d->sm_count);
+  KC_SWITCH_FLOAT(R->dtype, T,
+                  return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: row sums of %s", kiln_dtype_name(R->dtype)),
+                  row_sums<T><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)A->data, M, K, A->strides[0],
+                                                                    A->strides[1], (T *)R->data, R->strides[0]))
+  return kiln__cuda_launched("matmul row sums");
 }
 
 /* Frees temporaries when the call returns (stream order keeps it safe). */
@@ -303,8 +329,12 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     batch *= O->shape[i];
   }
   const bool has_bias = a->n_in >= 3;
+  const bool row_sum = a->n_out > 1; /* out1 = A's row sums (a bias gradient), 2-d only */
+  if (row_sum && (nb != 0 || has_bias || a->out[1].ndim != 1 || a->out[1].shape[0] != M ||
+                  a->out[1].dtype != O->dtype))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product without bias and an (M) output of its dtype");
   const double alpha = a->s[0], beta = a->s[1];
-  if (batch == 0 || M == 0 || N == 0) return KILN_OK;
+  if (batch == 0 || M == 0 || N == 0) return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
   if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: a dim over 2^31 is not supported on cuda");
 
@@ -321,7 +351,8 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   if (K == 0) {
     if (beta == 0.0) KC_TRY(kiln__cuda_fill_view(device, O, 0.0));
     else if (beta != 1.0) KC_TRY(kiln__cuda_scale_view(device, O, beta));
-    return has_bias ? kiln__cuda_add_view(device, O, &bias_b) : KILN_OK;
+    if (has_bias) KC_TRY(kiln__cuda_add_view(device, O, &bias_b));
+    return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
   }
   KC_TRY(handles(device, d));
   Types t;
@@ -362,17 +393,23 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   const void *pb = t.f64 ? (const void *)&beta : (const void *)&bf;
   cublasHandle_t h = (cublasHandle_t)d->blas;
 
-  bool bias_done = false;
+  bool gemm_done = false, sums_done = false;
+  if (row_sum && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BGRADB, t, opB, opA, M, N, K, B.data, mb.ld, A.data,
+                                ma.ld, C.data, mc.ld, a->out[1].data, af, bf);
+    if (s == KILN_OK) sums_done = gemm_done = true;
+    else if (s != KILN_ERR_UNSUPPORTED) return s;
+  }
   if (has_bias && batch == 1 && !t.f64 && !out_tmp && a->in[2].dtype == O->dtype &&
       a->in[2].ndim >= 1 && a->in[2].shape[a->in[2].ndim - 1] == N &&
       (a->in[2].strides[a->in[2].ndim - 1] == 1 || N == 1)) {
     /* the epilogue reads N contiguous bias values (a broadcast scalar bias goes below) */
-    kiln_status s = lt_bias(d, t, opB, opA, M, N, K, B.data, mb.ld, A.data, ma.ld, C.data, mc.ld,
-                            a->in[2].data, af, bf);
-    if (s == KILN_OK) bias_done = true;
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BIAS, t, opB, opA, M, N, K, B.data, mb.ld, A.data,
+                                ma.ld, C.data, mc.ld, a->in[2].data, af, bf);
+    if (s == KILN_OK) gemm_done = true;
     else if (s != KILN_ERR_UNSUPPORTED) return s;
   }
-  if (!bias_done) {
+  if (!gemm_done) {
     int64_t sa, sb, sc;
     if (batch_stride(&A, nb, &sa) && batch_stride(&B, nb, &sb) && batch_stride(&C, nb, &sc) &&
         batch <= INT32_MAX) {
@@ -398,5 +435,5 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     }
   }
   if (out_tmp) KC_TRY(kiln__cuda_copy_view(device, O, &C));
-  return KILN_OK;
+  return row_sum && !sums_done ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
 }

@@ -56,6 +56,8 @@ if has bench; then
     echo "== kiln seed-mlp (cuda, preload)"; build-gpu/bin/seed-mlp --device cuda --preload --json --quiet
     echo "== kiln seed-mlp (cuda, preload, graph)"; build-gpu/bin/seed-mlp --device cuda --preload --graph --json --quiet
     echo "== kiln seed-mlp graph profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --graph --json --quiet
+    echo "== kiln seed-mlp phases (eager, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --json --quiet
+    echo "== kiln seed-mlp phases (graph, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --graph --json --quiet
     echo "== kiln bench-sweep"; build-gpu/bin/bench-sweep --device cuda
     echo "== kiln bench-ceilings"; build-gpu/bin/bench-ceilings --device cuda
     if [ -f "$peer" ] && [ -z "${KILN_NO_PEER:-}" ]; then

@@ -372,9 +372,11 @@ static kiln_status copy_between(kiln_tensor *dst, kiln_tensor *src) {
   kiln_status st;
   kiln_scope_begin();
   bool prev = kiln_set_grad_enabled(false);
-  kiln_tensor *c = kiln__tensor_new(src->ndim, src->shape, dst->dtype, sd);
+  /* already compact and of the right dtype (a loader's batch): transferred as it is */
+  bool as_is = src->dtype == dst->dtype && kiln_is_contiguous(src);
+  kiln_tensor *c = as_is ? src : kiln__tensor_new(src->ndim, src->shape, dst->dtype, sd);
   st = c ? KILN_OK : kiln_last_error();
-  if (st == KILN_OK) {
+  if (st == KILN_OK && !as_is) {
     k.in[0] = kiln__view_of(src);
     k.out[0] = kiln__view_of(c);
     st = kiln__dispatch(sd, &k);
@@ -446,7 +448,11 @@ kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src) {
     k.in[0] = kiln__view_broadcast(src, nd, shape);
     return kiln__dispatch(dd, &k);
   }
-  /* another device: bring src over (contiguous, dst dtype), then a local strided copy */
+  /* another device, same shape, dst compact: one transfer straight into dst */
+  if (nd == src->ndim && memcmp(src->shape, dst->shape, (size_t)nd * sizeof(int64_t)) == 0 &&
+      kiln_is_contiguous(dst))
+    return copy_between(dst, src);
+  /* otherwise bring src over (contiguous, dst dtype), then a local strided copy */
   kiln_scope_begin();
   bool prev = kiln_set_grad_enabled(false);
   kiln_tensor *moved = kiln__tensor_new(src->ndim, src->shape, dst->dtype, dd);

@@ -17,6 +17,7 @@
 #include "cuda_int.cuh"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cublasLt.h>
@@ -435,5 +436,14 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     }
   }
   if (out_tmp) KC_TRY(kiln__cuda_copy_view(device, O, &C));
-  return row_sum && !sums_done ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
+  if (!row_sum || sums_done) return KILN_OK;
+  static bool told; /* KILN_PROFILE: say once that the fused bias gradient was not had */
+  const char *prof = getenv("KILN_PROFILE");
+  if (!told && prof && strcmp(prof, "0") != 0) {
+    told = true;
+    fprintf(stderr, "kiln profile: cuBLASLt took no BGRADB epilogue for %s %lldx%lldx%lld (op %c%c); the bias gradient is a separate kernel\n",
+            kiln_dtype_name(O->dtype), (long long)M, (long long)N, (long long)K, opA == CUBLAS_OP_T ? 'T' : 'N',
+            opB == CUBLAS_OP_T ? 'T' : 'N');
+  }
+  return launch_row_sums(d, &A, &a->out[1]);
 }

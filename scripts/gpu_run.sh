@@ -56,6 +56,15 @@ if has bench; then
     echo "== kiln seed-mlp (cuda, preload)"; build-gpu/bin/seed-mlp --device cuda --preload --json --quiet
     echo "== kiln seed-mlp (cuda, preload, graph)"; build-gpu/bin/seed-mlp --device cuda --preload --graph --json --quiet
     echo "== kiln seed-mlp graph profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --graph --json --quiet
+    echo "== kiln seed-mlp device profile (2 epochs)"; KILN_PROFILE=device build-gpu/bin/seed-mlp --device cuda --epochs 2 --json --quiet
+    if [ -n "${KILN_SAMPLE:-}" ]; then
+      cc -O2 -shared -fPIC scripts/sampler.c -o /tmp/sampler.so -ldl -lrt
+      for mode in "" "--graph"; do
+        echo "== host samples: seed-mlp $mode (20 epochs)"
+        KILN_SAMPLER_US=250 KILN_SAMPLER_OUT=/tmp/s.out LD_PRELOAD=/tmp/sampler.so build-gpu/bin/seed-mlp --device cuda $mode --json --quiet
+        python3 scripts/sampler_report.py /tmp/s.out --top 45
+      done
+    fi
     echo "== kiln seed-mlp phases (eager, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --json --quiet
     echo "== kiln seed-mlp phases (graph, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --graph --json --quiet
     echo "== kiln bench-sweep"; build-gpu/bin/bench-sweep --device cuda

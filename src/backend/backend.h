@@ -215,6 +215,13 @@ typedef struct kiln__backend {
   /* Optional finer check: whether kernels[op] handles these arguments (e.g. dtypes).
   ** NULL means every dtype the op layer allows. */
   bool (*supports)(const kiln__kargs *a);
+
+  /* Optional device timing (KILN_PROFILE=device): mark() puts a timestamp on the device's
+  ** queue and returns it (NULL on failure); elapsed_ms() waits for the later mark and
+  ** returns the device time between the two, freeing both. NULL where the host time of a
+  ** kernel call is already its device time (the CPU). */
+  void *(*mark)(int device);
+  double (*elapsed_ms)(int device, void *start, void *stop);
 } kiln__backend;
 
 /* The registered backends (NULL when not built). */

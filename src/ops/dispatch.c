@@ -200,33 +200,61 @@ void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off) {
 }
 
 /* ---- KILN_PROFILE=1: host time per kernel op (the launch cost on a GPU, the whole
-** kernel on the CPU), printed at exit. Off by default: one branch per dispatch. ---- */
-static int profile_on = -1;
+** kernel on the CPU), printed at exit; KILN_PROFILE=device adds each op's device time
+** (a timestamp before and after every kernel, waited for: slow, and the host column then
+** includes the waits). Off by default: one branch per dispatch. ---- */
+static int profile_on = -1; /* 0 off, 1 host, 2 host and device */
 static struct {
   int64_t warm, count;
-  double seconds;
+  double seconds, device_seconds;
 } prof[2][KILN__K_COUNT];
 
 static void profile_report(void) {
-  double total = 0;
+  double total = 0, dtotal = 0;
   for (int t = 0; t < 2; t++)
-    for (int k = 0; k < KILN__K_COUNT; k++) total += prof[t][k].seconds;
-  fprintf(stderr, "kiln profile (host time in kernel calls, KILN_PROFILE=1; after 20 calls of each op): %.4f s\n", total);
-  fprintf(stderr, "  %-24s %-5s %10s %10s %9s\n", "op", "dev", "calls", "time (s)", "us/call");
+    for (int k = 0; k < KILN__K_COUNT; k++) total += prof[t][k].seconds, dtotal += prof[t][k].device_seconds;
+  fprintf(stderr, "kiln profile (KILN_PROFILE=%s; after 20 calls of each op): host %.4f s%s", profile_on == 2 ? "device" : "1",
+          total, profile_on == 2 ? "" : "\n");
+  if (profile_on == 2) fprintf(stderr, ", device %.4f s\n", dtotal);
+  fprintf(stderr, "  %-24s %-5s %10s %10s %9s%s\n", "op", "dev", "calls", "host (s)", "us/call",
+          profile_on == 2 ? "  device us/call" : "");
   for (int t = 0; t < 2; t++)
     for (int k = 0; k < KILN__K_COUNT; k++)
-      if (prof[t][k].count)
-        fprintf(stderr, "  %-24s %-5s %10lld %10.4f %9.2f\n", kiln__kop_name((kiln__kop)k), t ? "cuda" : "cpu",
-                (long long)prof[t][k].count, prof[t][k].seconds, 1e6 * prof[t][k].seconds / (double)prof[t][k].count);
+      if (prof[t][k].count) {
+        double n = (double)prof[t][k].count;
+        fprintf(stderr, "  %-24s %-5s %10lld %10.4f %9.2f", kiln__kop_name((kiln__kop)k), t ? "cuda" : "cpu",
+                (long long)prof[t][k].count, prof[t][k].seconds, 1e6 * prof[t][k].seconds / n);
+        if (profile_on == 2 && t) fprintf(stderr, "  %15.2f", 1e6 * prof[t][k].device_seconds / n);
+        fprintf(stderr, "\n");
+      }
 }
 
-static bool profiling(void) {
+static int profiling(void) {
   if (profile_on < 0) {
     const char *e = kiln__getenv("KILN_PROFILE");
-    profile_on = e && strcmp(e, "0") != 0;
+    profile_on = !e || strcmp(e, "0") == 0 ? 0 : strcmp(e, "device") == 0 ? 2 : 1;
     if (profile_on) atexit(profile_report);
   }
   return profile_on;
+}
+
+/* Runs the kernel with the profile's timing around it. */
+static kiln_status profiled(const kiln__backend *b, kiln_device dev, kiln__kargs *a, int mode) {
+  bool dev_time = mode == 2 && b->mark && b->elapsed_ms;
+  void *m0 = dev_time ? b->mark(dev.index) : NULL;
+  double t0 = kiln__now();
+  kiln_status st = b->kernels[a->op](a);
+  double host = kiln__now() - t0;
+  double ms = dev_time ? b->elapsed_ms(dev.index, m0, b->mark(dev.index)) : 0;
+  int t = dev.type == KILN_DEVICE_CUDA;
+  /* the first calls of each op pay one-time costs (module loading, library handles):
+  ** the table is the steady state */
+  if (++prof[t][a->op].warm > 20) {
+    prof[t][a->op].count++; /* single-threaded use; counts are approximate under threads */
+    prof[t][a->op].seconds += host;
+    prof[t][a->op].device_seconds += ms * 1e-3;
+  }
+  return st;
 }
 
 static bool runs_here(const kiln__backend *b, kiln_device dev, const kiln__kargs *a) {
@@ -245,17 +273,8 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
   if (!b) return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: %s backend is not built", kiln__device_cstr(dev));
   a->device = dev.index;
   if (runs_here(b, dev, a)) {
-    if (!profiling()) return b->kernels[a->op](a);
-    double t0 = kiln__now();
-    kiln_status st = b->kernels[a->op](a);
-    int t = dev.type == KILN_DEVICE_CUDA;
-    /* the first calls of each op pay one-time costs (module loading, library handles):
-    ** the table is the steady state */
-    if (++prof[t][a->op].warm > 20) {
-      prof[t][a->op].count++; /* single-threaded use; counts are approximate under threads */
-      prof[t][a->op].seconds += kiln__now() - t0;
-    }
-    return st;
+    int mode = profiling();
+    return mode ? profiled(b, dev, a, mode) : b->kernels[a->op](a);
   }
   if (a->list_n > 0) /* the op layer checks kiln__dispatch_has before a list op */
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: list op '%s' is not supported on %s",

@@ -388,6 +388,30 @@ static bool cuda_supports(const kiln__kargs *a) {
   }
 }
 
+/* ---- device timing (KILN_PROFILE=device) ---- */
+static void *cuda_mark(int device) {
+  kiln__cuda_dev *d;
+  if (kiln__cuda_ctx(device, &d) != KILN_OK || d->capturing) return NULL; /* a capture times nothing */
+  cudaEvent_t e;
+  if (cudaEventCreate(&e) != cudaSuccess) return NULL;
+  if (cudaEventRecord(e, d->stream) != cudaSuccess) {
+    cudaEventDestroy(e);
+    return NULL;
+  }
+  return (void *)e;
+}
+
+static double cuda_elapsed_ms(int device, void *start, void *stop) {
+  (void)device;
+  float ms = 0;
+  if (!start || !stop || cudaEventSynchronize((cudaEvent_t)stop) != cudaSuccess ||
+      cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)stop) != cudaSuccess)
+    ms = 0;
+  if (start) cudaEventDestroy((cudaEvent_t)start);
+  if (stop) cudaEventDestroy((cudaEvent_t)stop);
+  return ms;
+}
+
 /* Which family serves each op (constexpr, so the table below is a constant). */
 static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
   return (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
@@ -433,4 +457,6 @@ extern "C" const kiln__backend kiln__cuda_backend = {
 #undef KC_ENTRY
     },
     cuda_supports,
+    cuda_mark,
+    cuda_elapsed_ms,
 };

@@ -637,6 +637,8 @@ static void softmax_cases(void) {
       {37, 11, 0.1, true, "[37,11] smoothing, ignore"},
       {8, 5000, 0.0, false, "[8,5000]"},
       {0, 7, 0.0, false, "[0,7]"},
+      {3000, 5, 0.0, true, "[3000,5] ignore (several blocks)"},
+      {1500, 40, 0.0, false, "[1500,40] (several blocks)"},
   };
   for (size_t di = 0; di < 4; di++) {
     for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++) {

@@ -276,6 +276,93 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
   }
 }
 
+/* ---- small products: one launch of 32x32 output tiles ----
+** cuBLAS(Lt) picks split-K kernels for a small model's products (128x128x64 and
+** smaller): two or three launches of 3-10 us each, plus 9-12 us of host time in
+** cublasLtMatmul. Up to kSmallMacs multiply-adds one plain tiled kernel is faster on both
+** sides, takes any strides (no contiguous temporaries), and adds the bias and A's row sums
+** in the same pass. Arithmetic is the exact FMA of the compute type, as cuBLAS's SIMT
+** kernels do; only the order of the sum differs. */
+const double kSmallMacs = 4194304.0; /* 2^22 */
+const int kTile = 32;
+
+template <class T>
+__global__ void __launch_bounds__(256)
+    small_gemm(const T *__restrict__ A, int64_t am, int64_t ak, int64_t sa, const T *__restrict__ B,
+               int64_t bk, int64_t bn, int64_t sb, T *C, int64_t cm, int64_t cn, int64_t sc, int M,
+               int N, int K, typename kc_traits<T>::acc alpha, typename kc_traits<T>::acc beta,
+               const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow) {
+  typedef typename kc_traits<T>::acc Acc;
+  __shared__ Acc As[kTile][kTile + 1]; /* [m][k] */
+  __shared__ Acc Bs[kTile][kTile + 1]; /* [k][n] */
+  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile; /* ty: 0..7 */
+  const int m0 = blockIdx.y * kTile, n0 = blockIdx.x * kTile;
+  A += (int64_t)blockIdx.z * sa;
+  B += (int64_t)blockIdx.z * sb;
+  C += (int64_t)blockIdx.z * sc;
+  /* loads walk the operand's unit-stride dim with the lane index (coalesced) */
+  const bool a_rows = ak == 1 || am != 1, b_rows = bn == 1 || bk != 1;
+  const bool sums = rowsum && blockIdx.x == 0;
+  Acc acc[4] = {0, 0, 0, 0}, rs = 0;
+  for (int k0 = 0; k0 < K; k0 += kTile) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      int e = threadIdx.x + 256 * i;
+      int r = a_rows ? e / kTile : e % kTile, c = a_rows ? e % kTile : e / kTile; /* (m, k) */
+      As[r][c] = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
+      r = b_rows ? e / kTile : e % kTile, c = b_rows ? e % kTile : e / kTile; /* (k, n) */
+      Bs[r][c] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < kTile; kk++) {
+      Acc b = Bs[kk][tx];
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[i] += As[ty + 8 * i][kk] * b;
+    }
+    if (sums && ty == 0)
+      for (int kk = 0; kk < kTile; kk++) rs += As[tx][kk];
+    __syncthreads();
+  }
+  const int n = n0 + tx;
+  if (n < N) {
+    Acc bv = bias ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      int m = m0 + ty + 8 * i;
+      if (m >= M) continue;
+      T *c = C + m * cm + n * cn;
+      Acc v = alpha * acc[i] + bv;
+      if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
+      *c = kc_st<T>(v);
+    }
+  }
+  if (sums && ty == 0 && m0 + tx < M) rowsum[(m0 + tx) * srow] = kc_st<T>(rs);
+}
+
+/* The small path for a problem of `batch` products (one stride per operand, checked by the
+** caller); bias (N) and row sums (M, batch 1 only) optional. */
+kiln_status launch_small_gemm(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view &A,
+                              const kiln__view &B, const kiln__view &C, int nb, int64_t batch,
+                              int64_t sa, int64_t sb, int64_t sc) {
+  const int nd = C.ndim;
+  const int64_t M = C.shape[nd - 2], N = C.shape[nd - 1], K = A.shape[nd - 1];
+  const kiln__view *bias = a->n_in >= 3 ? &a->in[2] : NULL;
+  const kiln__view *rs = a->n_out > 1 ? &a->out[1] : NULL;
+  dim3 grid((unsigned)((N + kTile - 1) / kTile), (unsigned)((M + kTile - 1) / kTile), (unsigned)batch);
+  (void)nb;
+  KC_SWITCH_FLOAT(C.dtype, T, return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: %s", kiln_dtype_name(C.dtype)), {
+    typedef typename kc_traits<T>::acc Acc;
+    small_gemm<T><<<grid, 256, 0, d->stream>>>(
+        (const T *)A.data, A.strides[nd - 2], A.strides[nd - 1], sa, (const T *)B.data, B.strides[nd - 2],
+        B.strides[nd - 1], sb, (T *)C.data, C.strides[nd - 2], C.strides[nd - 1], sc, (int)M, (int)N, (int)K,
+        (Acc)a->s[0], (Acc)a->s[1], bias ? (const T *)bias->data : (const T *)NULL,
+        bias && bias->ndim > 0 ? bias->strides[bias->ndim - 1] : 0, rs ? (T *)rs->data : (T *)NULL,
+        rs ? rs->strides[0] : 0);
+  })
+  return kiln__cuda_launched("matmul (small)");
+}
+
 kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__view *R) {
   const int64_t M = A->shape[0], K = A->shape[1];
   if (M == 0) return KILN_OK;
@@ -354,6 +441,15 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     else if (beta != 1.0) KC_TRY(kiln__cuda_scale_view(device, O, beta));
     if (has_bias) KC_TRY(kiln__cuda_add_view(device, O, &bias_b));
     return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
+  }
+  /* small problems: the one-launch kernel above (strided operands as they are) */
+  {
+    int64_t sa, sb, sc;
+    if ((double)batch * (double)M * (double)N * (double)K <= kSmallMacs && batch <= 65535 &&
+        K <= 512 && (M + kTile - 1) / kTile <= 65535 && /* a long K: cuBLAS splits it better */
+        (!row_sum || batch == 1) && (!has_bias || a->in[2].dtype == O->dtype) &&
+        batch_stride(&A, nb, &sa) && batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc))
+      return launch_small_gemm(d, a, A, B, *O, nb, batch, sa, sb, sc);
   }
   KC_TRY(handles(device, d));
   Types t;

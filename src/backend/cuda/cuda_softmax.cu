@@ -201,8 +201,10 @@ __device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &
       s += kc_exp(v - m);
     }
   }
-  group_ms<A, (G > 32 ? G : 32)>(m, s);
-  sum = group_sum<A, (G > 32 ? G : 32)>(sum);
+  if constexpr (G > 1) { /* G == 1: a thread has the whole row */
+    group_ms<A, (G > 32 ? G : 32)>(m, s);
+    sum = group_sum<A, (G > 32 ? G : 32)>(sum);
+  }
   l = m + kc_log(s);
   int64_t t = (int64_t)tgt[n * p.st];
   kept = t != p.ignore;
@@ -237,35 +239,44 @@ __global__ void __launch_bounds__(KC_THREADS)
   if (w) w[n * p.sw] = kc_st<TL>(kept ? 1 : 0);
 }
 
-/* CROSS_ENTROPY_MEAN: a warp per row, rows strided over the grid; each block sums its
-** rows' losses and kept counts in a fixed order. One block writes the mean itself; with
-** more, each writes its pair to part and ce_mean_finish adds the pairs in block order (no
-** atomics, so the result does not depend on scheduling). */
-template <class T, class TL, class TI>
+/* CROSS_ENTROPY_MEAN: G threads per row (a warp; one thread when the rows are short, as a
+** classifier's few classes are: a warp then would idle 30 lanes through 10 shuffles a row),
+** rows strided over the grid; each block sums its rows' losses and kept counts in a fixed
+** order. One block writes the mean itself; with more, each writes its pair to part and
+** ce_mean_finish adds the pairs in block order (no atomics, so the result does not depend
+** on scheduling). */
+template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
     ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
-  const int warps = KC_THREADS / 32, wid = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = KC_THREADS / G, gid = threadIdx.x / G, lane = threadIdx.x % G;
   TL ls = 0, lc = 0;
-  for (int64_t n = (int64_t)blockIdx.x * warps + wid; n < p.N; n += (int64_t)gridDim.x * warps) {
+  for (int64_t n = (int64_t)blockIdx.x * groups + gid; n < p.N; n += (int64_t)gridDim.x * groups) {
     A out, l;
     bool kept;
-    ce_row<T, TI, 32>(x, tgt, p, n, lane, out, l, kept);
+    ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
     if (lane == 0) {
       lse[n * p.sz] = kc_st<TL>(l);
       ls += (TL)out;
       lc += kept ? (TL)1 : (TL)0;
     }
   }
+  /* each warp's lane-0 values (G == 32), or all 32 lanes' (G == 1), summed in order */
+  if (G == 1) {
+    for (int o = 16; o > 0; o >>= 1) {
+      ls += __shfl_down_sync(0xffffffffu, ls, o);
+      lc += __shfl_down_sync(0xffffffffu, lc, o);
+    }
+  }
   __shared__ TL ps[KC_THREADS / 32], pc[KC_THREADS / 32];
-  if (lane == 0) {
-    ps[wid] = ls;
-    pc[wid] = lc;
+  if (threadIdx.x % 32 == 0) {
+    ps[threadIdx.x / 32] = ls;
+    pc[threadIdx.x / 32] = lc;
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
   TL s = 0, c = 0;
-  for (int k = 0; k < warps; k++) s += ps[k], c += pc[k];
+  for (int k = 0; k < KC_THREADS / 32; k++) s += ps[k], c += pc[k];
   if (gridDim.x == 1) {
     *mean = s / c; /* nothing kept: 0 / 0 = NaN, as PyTorch */
     *cnt = c;
@@ -324,17 +335,23 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
       ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
     }
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
-    /* one block when the rows are few (a small model's step: one launch); else up to 4
-    ** blocks per SM, then the finishing launch */
-    const int warps = KC_THREADS / 32;
-    int64_t want = (p.N + warps * 16 - 1) / (warps * 16);
+    /* a thread per row up to 16 classes, else a warp; one block when the rows are few (a
+    ** small model's step: one launch), else up to 4 blocks per SM and the finishing launch */
+    const bool thread_rows = p.C <= 16;
+    const int64_t rows_per_block = thread_rows ? KC_THREADS * 2 : (KC_THREADS / 32) * 16;
+    int64_t want = (p.N + rows_per_block - 1) / rows_per_block;
     int64_t cap = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4;
     int blocks = (int)(want < 1 ? 1 : want > cap ? cap : want);
     TL *mean = (TL *)a->out[0].data, *cnt = (TL *)a->out[2].data, *part = NULL;
     if (blocks > 1 && !(part = (TL *)kiln__cuda_alloc(a->device, (size_t)blocks * 2 * sizeof(TL))))
       return kiln_last_error();
-    ce_mean<T, TL, TI><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(
-        (const T *)a->in[0].data, (const TI *)a->in[1].data, (TL *)a->out[1].data, mean, cnt, part, p);
+    const T *x = (const T *)a->in[0].data;
+    const TI *t = (const TI *)a->in[1].data;
+    TL *lse = (TL *)a->out[1].data;
+    if (thread_rows)
+      ce_mean<T, TL, TI, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, p);
+    else
+      ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, p);
     if (blocks > 1) {
       ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
       kiln__cuda_free(a->device, part, (size_t)blocks * 2 * sizeof(TL)); /* stream-ordered reuse */

@@ -700,6 +700,8 @@ static void matmul_cases(void) {
   struct { int64_t m, k, n; const char *label; } ms[] = {
       {33, 47, 29, "33x47 @ 47x29"}, {1, 64, 1, "1x64 @ 64x1"}, {128, 256, 64, "128x256 @ 256x64"},
       {5, 0, 7, "5x0 @ 0x7"}, {0, 4, 3, "0x4 @ 4x3"},
+      /* past the one-launch kernel's limits: cuBLAS(Lt) */
+      {300, 100, 200, "300x100 @ 100x200 (cublas)"}, {8, 1024, 8, "8x1024 @ 1024x8 (cublas)"},
   };
   for (size_t di = 0; di < 4; di++) {
     kiln_dtype dt = FLOATS[di];
@@ -757,11 +759,11 @@ static void matmul_cases(void) {
       run_case(&t);
     }
     /* batched: uniform strides, a broadcast operand, a batch that is not collapsible */
-    for (int variant = 0; variant < 4; variant++) {
+    for (int variant = 0; variant < 5; variant++) {
       tcase t;
       memset(&t, 0, sizeof t);
       const char *vn[] = {"[3,17,19]@[3,19,23]", "[3,17,19]@bcast[19,23]", "[2,3,..] permuted batch",
-                          "[3,17,19]@[3,19,23]+bias"};
+                          "[3,17,19]@[3,19,23]+bias", "[4,128,96]@[4,96,128] (cublas)"};
       t.label = vn[variant];
       t.op = KILN__K_MATMUL;
       t.n_in = variant == 3 ? 3 : 2;
@@ -775,6 +777,10 @@ static void matmul_cases(void) {
         t.in[0].strides[0] = 17 * 19;
         t.in[0].strides[1] = 2 * 17 * 19;
         t.out[0] = contig(dt, 4, (int64_t[]){2, 3, 17, 23});
+      } else if (variant == 4) {
+        t.in[0] = contig(dt, 3, (int64_t[]){4, 128, 96});
+        t.in[1] = contig(dt, 3, (int64_t[]){4, 96, 128});
+        t.out[0] = contig(dt, 3, (int64_t[]){4, 128, 128});
       } else {
         t.in[0] = contig(dt, 3, (int64_t[]){3, 17, 19});
         t.in[1] = contig(dt, 3, (int64_t[]){3, 19, 23});

@@ -114,7 +114,8 @@ struct kc_adam_list {
   void *p[KC_MT_MAX], *m[KC_MT_MAX], *v[KC_MT_MAX], *vmax[KC_MT_MAX];
   const void *g[KC_MT_MAX];
   double *step_t[KC_MT_MAX];
-  int64_t numel[KC_MT_MAX], step[KC_MT_MAX];
+  int64_t numel[KC_MT_MAX];
+  double ss[KC_MT_MAX], bc2s[KC_MT_MAX]; /* lr / (1 - b1^t) and sqrt(1 - b2^t), host steps */
   int block_end[KC_MT_MAX]; /* blocks of tensors 0..i together */
 };
 
@@ -131,9 +132,16 @@ __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list 
   const int64_t n = L.numel[t];
   const int64_t lo = (int64_t)((int)blockIdx.x - first) * KC_MT_CHUNK;
   const int64_t hi = lo + KC_MT_CHUNK < n ? lo + KC_MT_CHUNK : n;
-  const double step = L.step_t[t] ? *L.step_t[t] + 1.0 : (double)L.step[t];
-  const double ss_d = h.lr / (1.0 - pow(h.b1, step));
-  const double bc2s_d = sqrt(1.0 - pow(h.b2, step));
+  __shared__ double corr[2]; /* a device step: the block's corrections, worked out once */
+  if (L.step_t[t]) {
+    if (threadIdx.x == 0) {
+      const double step = *L.step_t[t] + 1.0;
+      corr[0] = h.lr / (1.0 - pow(h.b1, step));
+      corr[1] = sqrt(1.0 - pow(h.b2, step));
+    }
+    __syncthreads();
+  }
+  const double ss_d = L.step_t[t] ? corr[0] : L.ss[t], bc2s_d = L.step_t[t] ? corr[1] : L.bc2s[t];
   const C lr = (C)h.lr, wd = (C)h.wd, ss = (C)ss_d, bc2s = (C)bc2s_d;
   const C b1 = (C)h.b1, b2 = (C)h.b2, eps = (C)h.eps;
   T *__restrict__ p = (T *)L.p[t];
@@ -208,7 +216,9 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
       L.vmax[k] = ams ? v[4].data : NULL;
       L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
       L.numel[k] = n;
-      L.step[k] = a->list_i ? a->list_i[g0 + k] : 1;
+      const double step = (double)(a->list_i && a->list_i[g0 + k] > 0 ? a->list_i[g0 + k] : 1);
+      L.ss[k] = h.lr / (1.0 - pow(h.b1, step));
+      L.bc2s[k] = sqrt(1.0 - pow(h.b2, step));
       blocks += (int)nb;
       L.block_end[k] = blocks;
       L.n = k + 1;

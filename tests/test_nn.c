@@ -153,6 +153,34 @@ static kiln_module *mlp(uint64_t seed) {
   return seq;
 }
 
+/* A Sequential runs Linear then ReLU as kiln_linear_relu: the same output and the same
+** gradients as the two ops written out, bit for bit on the CPU. */
+static void test_sequential_fuses_linear_relu(void) {
+  kiln_scope_begin();
+  kiln_module *seq = mlp(17);
+  kiln_generator *g = kiln_generator_new(3);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(6, 3), KILN_F32, cpu, g);
+  kiln_tensor *y = kiln_module_forward(seq, x);
+  kiln_tensor *w0 = kiln_module_param(seq, "0.weight"), *b0 = kiln_module_param(seq, "0.bias");
+  kiln_tensor *w2 = kiln_module_param(seq, "2.weight"), *b2 = kiln_module_param(seq, "2.bias");
+  kiln_tensor *h = kiln_linear(x, w0, b0);
+  kiln_tensor *y2 = kiln_linear(kiln_relu(h), w2, b2);
+  CHECK(y && y2 && tensors_equal(y, y2));
+  kiln_tensor *grads[4];
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(y, y)), NULL) == KILN_OK);
+  kiln_tensor *ps[4] = {w0, b0, w2, b2};
+  for (int i = 0; i < 4; i++) grads[i] = kiln_tensor_ref(kiln_grad(ps[i]));
+  for (int i = 0; i < 4; i++) kiln_set_grad(ps[i], NULL);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(y2, y2)), NULL) == KILN_OK);
+  for (int i = 0; i < 4; i++) {
+    CHECK(grads[i] && kiln_grad(ps[i]) && tensors_equal(grads[i], kiln_grad(ps[i])));
+    kiln_tensor_free(grads[i]);
+  }
+  kiln_generator_free(g);
+  kiln_module_free(seq);
+  kiln_scope_end();
+}
+
 /* Sequential names children "0", "1", ...; parameters come in a stable order with
 ** dotted names; lookups reach into children. */
 static void test_sequential_naming(void) {
@@ -523,6 +551,7 @@ int main(void) {
   test_linear_init();
   test_linear_forward();
   test_sequential_naming();
+  test_sequential_fuses_linear_relu();
   test_train_eval();
   test_state_dict_round_trip();
   test_state_dict_errors();

@@ -98,6 +98,18 @@ static int mm_rlin(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
   return 0;
 }
 
+/* linear_relu: relu(linear(...)), one fused op */
+static kiln_tensor *mm_linrelu(kiln_tensor **in, const void *ctx) {
+  return kiln_linear_relu(in[0], in[1], ctx ? in[2] : NULL);
+}
+static int mm_rlinrelu(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  int r = mm_rlin(in, n_in, out, ctx);
+  if (r || !out->data) return r;
+  int64_t n = h_numel(out->ndim, out->shape);
+  for (int64_t i = 0; i < n; i++) out->data[i] = out->data[i] > 0 ? out->data[i] : 0;
+  return 0;
+}
+
 #define M_ H_SYM(0)
 #define K_ H_SYM(1)
 #define N_ H_SYM(2)
@@ -130,6 +142,16 @@ static const h_case mm_cases[] = {
      .in = {MMIN(3, B_, M_, K_), MMIN(2, N_, K_)}, .sym = {3, 5, 4, 2}},
     {.name = "linear 1d input", .fn = mm_lin, .ref = mm_rlin, .ctx = &mm_bias_on, .n_in = 3,
      .in = {MMIN(1, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_relu 2d with bias", .fn = mm_linrelu, .ref = mm_rlinrelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(2, M_, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_relu 3d with bias", .fn = mm_linrelu, .ref = mm_rlinrelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(3, B_, M_, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_relu no bias", .fn = mm_linrelu, .ref = mm_rlinrelu, .n_in = 2,
+     .in = {MMIN(3, B_, M_, K_), MMIN(2, N_, K_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_relu 1d input", .fn = mm_linrelu, .ref = mm_rlinrelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(1, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_relu wide (64 rows, 40 out)", .fn = mm_linrelu, .ref = mm_rlinrelu, .ctx = &mm_bias_on,
+     .n_in = 3, .in = {MMIN(2, 64, 33), MMIN(2, 40, 33), MMIN(1, 40)}},
 };
 
 static void mm_extra(void) {

@@ -119,6 +119,9 @@ typedef struct kiln__view {
   /* i0 = 1 allows TF32 (or another reduced-precision f32 path). With n_out == 2 (2-d */  \
   /* only), out1 (M) also gets the sums of A's rows over K: dW = g^T x and the bias */    \
   /* gradient db (g^T's row sums) in one call (cuBLASLt's BGRADB epilogue on CUDA). */   \
+  /* i1 flags (a linear layer fused with its ReLU): 1 applies ReLU to out0 last; 2 */     \
+  /* makes the last input a mask of A's shape, A read as where(mask > 0, A, 0) (ReLU's */ \
+  /* backward folded into the products that consume it). Use the helpers below. */       \
   X(MATMUL, "matmul")                                                                     \
   /* indexing; index views are i64 or i32; i0 = dim */                                    \
   X(INDEX_SELECT, "index_select") /* in0 src, in1 index (1-d) -> out0 */                  \
@@ -230,6 +233,14 @@ extern const kiln__backend kiln__cpu_backend;
 #ifdef KILN_HAVE_CUDA
 extern const kiln__backend kiln__cuda_backend;
 #endif
+
+/* MATMUL's optional inputs (see its flags above): the bias and the mask of A, or NULL. */
+static inline const kiln__view *kiln__mm_bias(const kiln__kargs *a) {
+  return a->n_in - ((a->i[1] & 2) ? 1 : 0) >= 3 ? &a->in[2] : NULL;
+}
+static inline const kiln__view *kiln__mm_mask(const kiln__kargs *a) {
+  return (a->i[1] & 2) && a->n_in >= 3 ? &a->in[a->n_in - 1] : NULL;
+}
 
 /* Helpers every backend may use (src/backend/view.c). */
 int64_t kiln__view_numel(const kiln__view *v);

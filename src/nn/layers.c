@@ -78,10 +78,23 @@ kiln_module *kiln_linear_new(int64_t in_features, int64_t out_features, bool bia
 ** result follows the usual lifetime rule (a reshape to the same shape is a view). */
 static kiln_tensor *same(kiln_tensor *x) { return kiln_reshape(x, kiln_ndim(x), kiln_shape(x)); }
 
+static const kiln_module_vtable relu_vt;
+
+/* A Linear followed by a ReLU runs as kiln_linear_relu (one fused op, the same numbers). */
 static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
   int n = kiln_module_num_children(m);
   if (n == 0) return same(x);
-  for (int i = 0; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
+  for (int i = 0; i < n && x; i++) {
+    kiln_module *c = kiln_module_child_at(m, i);
+    kiln_module *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
+    if (kiln__module_vtable(c) == &linear_vt && next && kiln__module_vtable(next) == &relu_vt) {
+      const linear_cfg *lc = kiln_module_impl(c);
+      x = kiln_linear_relu(x, kiln_module_param(c, "weight"), lc->bias ? kiln_module_param(c, "bias") : NULL);
+      i++;
+      continue;
+    }
+    x = kiln_module_forward(c, x);
+  }
   return x;
 }
 

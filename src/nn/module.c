@@ -126,6 +126,7 @@ void kiln_module_free(kiln_module *m) {
 }
 
 void *kiln_module_impl(const kiln_module *m) { return m ? m->impl : NULL; }
+const kiln_module_vtable *kiln__module_vtable(const kiln_module *m) { return m ? m->vt : NULL; }
 
 const char *kiln_module_type_name(const kiln_module *m) { return m ? m->vt->type_name : "(null)"; }
 

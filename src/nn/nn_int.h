@@ -48,6 +48,9 @@ void kiln__problems_free(kiln__problems *p);
 kiln_status kiln__module_load_state_dict(kiln_module *m, const kiln_dict *d, bool strict,
                                          bool apply, const char *who);
 
+/* The module's vtable (identifies kiln's own layer types exactly, for fusions). */
+const kiln_module_vtable *kiln__module_vtable(const kiln_module *m);
+
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
 int kiln__module_extra_repr(const kiln_module *m, char *buf, size_t n);
 

@@ -59,11 +59,20 @@ static kiln_status fill_empty_product(kiln_device dev, kiln__view out, const kil
   return kiln__dispatch(dev, &a);
 }
 
+/* C = A @ B (+ bias) (ReLU'd when relu). */
 static kiln_status run_matmul(kiln_device dev, kiln__view A, kiln__view B, kiln__view C,
-                              const kiln_tensor *bias) {
+                              const kiln_tensor *bias, bool relu) {
   int64_t K = A.shape[A.ndim - 1];
   if (kiln__view_numel(&C) == 0) return KILN_OK;
-  if (K == 0) return fill_empty_product(dev, C, bias);
+  if (K == 0) {
+    kiln_status st = fill_empty_product(dev, C, bias);
+    if (st != KILN_OK || !relu) return st;
+    kiln__kargs r = {0};
+    r.op = KILN__K_RELU;
+    r.n_in = r.n_out = 1;
+    r.in[0] = r.out[0] = C;
+    return kiln__dispatch(dev, &r);
+  }
   kiln__kargs a = {0};
   a.op = KILN__K_MATMUL;
   a.n_in = bias ? 3 : 2;
@@ -72,6 +81,7 @@ static kiln_status run_matmul(kiln_device dev, kiln__view A, kiln__view B, kiln_
   a.in[1] = B;
   if (bias) a.in[2] = kiln__view_of(bias);
   a.out[0] = C;
+  a.i[1] = relu ? 1 : 0;
   a.s[0] = 1.0;
   a.s[1] = 0.0;
   a.i[0] = kiln_matmul_tf32() ? 1 : 0;
@@ -215,7 +225,7 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
     Bv = view_as(b, 2, ysh, yst);
     C = view_as(out, 2, zsh, zst);
   }
-  if (run_matmul(dev, Av, Bv, C, NULL) != KILN_OK) {
+  if (run_matmul(dev, Av, Bv, C, NULL, false) != KILN_OK) {
     kiln__discard(out);
     return NULL;
   }
@@ -233,74 +243,98 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
 
 /* ---- linear ------------------------------------------------------------------------- */
 
+/* The product A (M, K) @ B (K, N) into a new (M, N) tensor of B's dtype, A read through
+** mask (where(mask > 0, A, 0): ReLU's backward) when given; rowsum, when given, gets A's
+** (masked) row sums. For backward rules (grad mode is off there: nothing is recorded). */
+static kiln_tensor *product(kiln__view A, const kiln__view *mask, kiln_tensor *B, kiln_tensor **rowsum) {
+  int64_t M = A.shape[0], N = B->shape[1];
+  kiln_device dev = kiln_device_of(B);
+  kiln_tensor *C = kiln__tensor_new(2, (int64_t[]){M, N}, B->dtype, dev);
+  kiln_tensor *R = C && rowsum ? kiln__tensor_new(1, &M, B->dtype, dev) : NULL;
+  if (!C || (rowsum && !R)) return NULL;
+  kiln__kargs a = {0};
+  a.op = KILN__K_MATMUL;
+  a.n_in = 2;
+  a.n_out = R ? 2 : 1;
+  a.in[0] = A;
+  a.in[1] = kiln__view_of(B);
+  if (mask) {
+    a.in[a.n_in++] = *mask;
+    a.i[1] = 2;
+  }
+  a.out[0] = kiln__view_of(C);
+  if (R) a.out[1] = kiln__view_of(R);
+  a.s[0] = 1.0;
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  if (kiln__dispatch(dev, &a) != KILN_OK) return NULL;
+  if (rowsum) *rowsum = R;
+  return C;
+}
+
+/* A 2-d view of t (M, N) or of its transpose. */
+static kiln__view view2(const kiln_tensor *t, bool transpose) {
+  kiln__view v = kiln__view_of(t);
+  if (transpose) {
+    int64_t s0 = v.strides[0], n0 = v.shape[0];
+    v.shape[0] = v.shape[1], v.strides[0] = v.strides[1];
+    v.shape[1] = n0, v.strides[1] = s0;
+  }
+  return v;
+}
+
+/* linear and linear_relu (n->i[0] == 1: y = relu(z) is saved[2], and the gradient that
+** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
+** backward costs no kernel of its own). */
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *x = n->saved[0], *W = n->saved[1];
+  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->i[0] ? n->saved[2] : NULL;
   int64_t N = W->shape[0], K = W->shape[1];
   int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
+  kiln_tensor *g2 = kiln_reshape(g, KILN_SHAPE(M, N));
+  kiln_tensor *y2 = y ? kiln_reshape(y, KILN_SHAPE(M, N)) : NULL;
+  kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
+  if (!g2 || !x2 || (y && !y2)) return kiln_last_error();
+  kiln__view mT, m;
+  if (y2) mT = view2(y2, true), m = view2(y2, false);
   if (n->needs[0]) {
-    kiln_tensor *d = kiln_matmul(g, W); /* (..., N) @ (N, K) -> (..., K) */
+    kiln_tensor *d = product(view2(g2, false), y2 ? &m : NULL, W, NULL); /* (M, N) @ (N, K) */
+    if (d) d = kiln_reshape(d, x->ndim, x->shape);
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
-  kiln_tensor *g2 = (n->needs[1] || n->needs[2]) ? kiln_reshape(g, KILN_SHAPE(M, N)) : NULL;
-  if (n->needs[1] && n->needs[2] && g2 && M > 0 && N > 0 && K > 0) {
-    /* dW and db from one kernel call (the product's row-sum output) */
-    kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
-    kiln_tensor *dW = x2 ? kiln__tensor_new(2, (int64_t[]){N, K}, W->dtype, kiln_device_of(W)) : NULL;
-    kiln_tensor *db = dW ? kiln__tensor_new(1, &N, W->dtype, kiln_device_of(W)) : NULL;
-    if (!db) return kiln_last_error();
-    kiln__kargs a = {0};
-    a.op = KILN__K_MATMUL;
-    a.n_in = 2;
-    a.n_out = 2;
-    a.in[0] = kiln__view_of(g2);
-    a.in[0].shape[0] = N, a.in[0].shape[1] = M; /* g2^T */
-    a.in[0].strides[0] = g2->strides[1], a.in[0].strides[1] = g2->strides[0];
-    a.in[1] = kiln__view_of(x2);
-    a.out[0] = kiln__view_of(dW);
-    a.out[1] = kiln__view_of(db);
-    a.s[0] = 1.0;
-    a.i[0] = kiln_matmul_tf32() ? 1 : 0;
-    kiln_status st = kiln__dispatch(kiln_device_of(W), &a);
-    if (st == KILN_OK) st = kiln__give_grad(&gi[1], dW, g);
-    if (st == KILN_OK) st = kiln__give_grad(&gi[2], db, g);
-    return st;
-  }
-  if (n->needs[1]) {
-    kiln_tensor *x2 = kiln_reshape(x, KILN_SHAPE(M, K));
-    kiln_tensor *d = g2 && x2 ? kiln_matmul(kiln_transpose(g2, 0, 1), x2) : NULL; /* (N, K) */
-    kiln_status st = kiln__give_grad(&gi[1], d, g);
-    if (st != KILN_OK) return st;
-  }
-  if (n->needs[2]) {
-    kiln_tensor *d = g2 ? kiln_sum(g2, KILN_DIMS(0), false) : NULL; /* (N) */
-    kiln_status st = kiln__give_grad(&gi[2], d, g);
+  if (n->needs[1] || n->needs[2]) {
+    /* dW = g^T x (N, K) and, in the same call, db = g^T's row sums (N) */
+    kiln_tensor *db = NULL;
+    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, n->needs[2] ? &db : NULL);
+    kiln_status st = dW ? KILN_OK : kiln_last_error();
+    if (st == KILN_OK && n->needs[1]) st = kiln__give_grad(&gi[1], dW, g);
+    if (st == KILN_OK && n->needs[2]) st = kiln__give_grad(&gi[2], db, g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
 }
 
-kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+/* y = x @ W^T + bias, then ReLU when relu: one MATMUL call either way. */
+static kiln_tensor *linear_impl(const char *who, kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool relu) {
   if (!x || !weight) return NULL;
   kiln_tensor *ts[3] = {x, weight, bias};
-  if (kiln__same_device("kiln_linear", 3, ts) != KILN_OK) return NULL;
-  if (check_float_pair("kiln_linear", x, weight) != KILN_OK) return NULL;
+  if (kiln__same_device(who, 3, ts) != KILN_OK) return NULL;
+  if (check_float_pair(who, x, weight) != KILN_OK) return NULL;
   if (bias && bias->dtype != x->dtype)
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_linear: bias is %s but input and weight are %s",
+    KILN__FAIL_NULL(KILN_ERR_DTYPE, "%s: bias is %s but input and weight are %s", who,
                     kiln_dtype_name(bias->dtype), kiln_dtype_name(x->dtype));
   if (weight->ndim != 2 || x->ndim == 0)
     KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                    "kiln_linear: expected input (..., in) and weight (out, in), got %s and %s",
+                    "%s: expected input (..., in) and weight (out, in), got %s and %s", who,
                     kiln__tshape(x), kiln__tshape(weight));
   int64_t N = weight->shape[0], K = weight->shape[1];
   if (x->shape[x->ndim - 1] != K)
     KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                    "kiln_linear: input %s and weight %s cannot be multiplied (%lld != %lld)",
+                    "%s: input %s and weight %s cannot be multiplied (%lld != %lld)", who,
                     kiln__tshape(x), kiln__tshape(weight), (long long)x->shape[x->ndim - 1],
                     (long long)K);
   if (bias && (bias->ndim != 1 || bias->shape[0] != N))
-    KILN__FAIL_NULL(KILN_ERR_SHAPE, "kiln_linear: bias %s does not match weight %s (expected [%lld])",
+    KILN__FAIL_NULL(KILN_ERR_SHAPE, "%s: bias %s does not match weight %s (expected [%lld])", who,
                     kiln__tshape(bias), kiln__tshape(weight), (long long)N);
   int64_t osh[KILN_MAX_DIMS];
   for (int d = 0; d < x->ndim - 1; d++) osh[d] = x->shape[d];
@@ -332,18 +366,28 @@ kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias)
     B = view_as(weight, nd, bsh, bst);
     C = kiln__view_of(out);
   }
-  if (run_matmul(dev, A, B, C, bias) != KILN_OK) {
+  if (run_matmul(dev, A, B, C, bias, relu) != KILN_OK) {
     kiln__discard(out);
     return NULL;
   }
   if (kiln__needs_grad(3, ts)) {
-    kiln__node *n = kiln__node_attach(out, "linear", linear_backward, 3, ts);
+    kiln__node *n = kiln__node_attach(out, relu ? "linear_relu" : "linear", linear_backward, 3, ts);
     if (!n) {
       kiln__discard(out);
       return NULL;
     }
     kiln__node_save(n, 0, x);
     kiln__node_save(n, 1, weight);
+    if (relu) kiln__node_save(n, 2, out);
+    n->i[0] = relu;
   }
   return out;
+}
+
+kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+  return linear_impl("kiln_linear", x, weight, bias, false);
+}
+
+kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+  return linear_impl("kiln_linear_relu", x, weight, bias, true);
 }

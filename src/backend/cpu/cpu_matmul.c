@@ -349,8 +349,53 @@ static kiln_status kiln__mm_row_sums(const kiln__view *A, const kiln__view *out)
   return KILN_OK;
 }
 
+/* MATMUL's flags by composition: A masked into a temporary (RELU_BACKWARD's where(mask >
+** 0, A, 0)), the plain product (row sums included), then ReLU in place on out0. */
+static kiln_status kiln__mm_flags(const kiln__kargs *a) {
+  const kiln__view *A = &a->in[0], *mask = kiln__mm_mask(a);
+  kiln__kargs k = *a;
+  k.i[1] = 0;
+  void *tmp = NULL;
+  if (mask) {
+    if (mask->ndim != A->ndim || memcmp(mask->shape, A->shape, sizeof(int64_t) * (size_t)A->ndim) != 0)
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: the mask of A has another shape");
+    int64_t n = kiln__view_numel(A);
+    tmp = malloc((size_t)(n > 0 ? n : 1) * kiln__cpu_esize(A->dtype));
+    if (!tmp) return kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for a masked operand");
+    kiln__kargs r = {0};
+    r.op = KILN__K_RELU_BACKWARD;
+    r.n_in = 2;
+    r.n_out = 1;
+    r.in[0] = *mask;
+    r.in[1] = *A;
+    r.out[0] = *A;
+    r.out[0].data = tmp;
+    int64_t st = 1;
+    for (int d = A->ndim - 1; d >= 0; d--) {
+      r.out[0].strides[d] = st;
+      st *= A->shape[d] > 0 ? A->shape[d] : 1;
+    }
+    kiln_status s = kiln__cpu_backend.kernels[KILN__K_RELU_BACKWARD](&r);
+    if (s != KILN_OK) {
+      free(tmp);
+      return s;
+    }
+    k.n_in--;
+    k.in[0] = r.out[0];
+  }
+  kiln_status st = kiln__cpu_matmul(&k);
+  free(tmp);
+  if (st != KILN_OK || !(a->i[1] & 1)) return st;
+  kiln__kargs r = {0};
+  r.op = KILN__K_RELU;
+  r.n_in = r.n_out = 1;
+  r.in[0] = r.out[0] = a->out[0];
+  return kiln__cpu_backend.kernels[KILN__K_RELU](&r);
+}
+
 kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   const kiln__view *A = &a->in[0], *B = &a->in[1], *C = &a->out[0];
+  if (a->i[1] & 3) return kiln__mm_flags(a);
   if (a->n_out > 1) {
     if (C->ndim != 2 || a->out[1].ndim != 1 || a->out[1].shape[0] != C->shape[0] || a->out[1].dtype != C->dtype)
       return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product and an (M) output of its dtype");
@@ -365,7 +410,7 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
                           A->ndim, B->ndim, nd);
   kiln_dtype dt = C->dtype;
   if (!kiln__cpu_is_float(dt)) return kiln__cpu_dtype_error(a, dt);
-  if (A->dtype != dt || B->dtype != dt || (a->n_in > 2 && a->in[2].dtype != dt))
+  if (A->dtype != dt || B->dtype != dt || (kiln__mm_bias(a) && kiln__mm_bias(a)->dtype != dt))
     return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: dtypes %s @ %s -> %s differ", kiln_dtype_name(A->dtype),
                           kiln_dtype_name(B->dtype), kiln_dtype_name(dt));
   kiln__mm_job j;
@@ -401,8 +446,8 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   /* bias, converted once to a contiguous vector of the compute type */
   _Alignas(64) double bias_stack[512];
   void *bias_heap = NULL;
-  if (a->n_in > 2) {
-    const kiln__view *bv = &a->in[2];
+  if (kiln__mm_bias(a)) {
+    const kiln__view *bv = kiln__mm_bias(a);
     kiln_dtype bct = dt == KILN_F64 ? KILN_F64 : KILN_F32;
     void *dst = bias_stack;
     if (j.N > 512) {

@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(256)
     small_gemm(const T *__restrict__ A, int64_t am, int64_t ak, int64_t sa, const T *__restrict__ B,
                int64_t bk, int64_t bn, int64_t sb, T *C, int64_t cm, int64_t cn, int64_t sc, int M,
                int N, int K, typename kc_traits<T>::acc alpha, typename kc_traits<T>::acc beta,
-               const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow) {
+               const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow,
+               const T *__restrict__ mask, int64_t mm, int64_t mk, int64_t smask, int relu) {
   typedef typename kc_traits<T>::acc Acc;
   __shared__ Acc As[kTile][kTile + 1]; /* [m][k] */
   __shared__ Acc Bs[kTile][kTile + 1]; /* [k][n] */
@@ -300,6 +301,7 @@ __global__ void __launch_bounds__(256)
   A += (int64_t)blockIdx.z * sa;
   B += (int64_t)blockIdx.z * sb;
   C += (int64_t)blockIdx.z * sc;
+  if (mask) mask += (int64_t)blockIdx.z * smask;
   /* loads walk the operand's unit-stride dim with the lane index (coalesced) */
   const bool a_rows = ak == 1 || am != 1, b_rows = bn == 1 || bk != 1;
   const bool sums = rowsum && blockIdx.x == 0;
@@ -309,7 +311,9 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < 4; i++) {
       int e = threadIdx.x + 256 * i;
       int r = a_rows ? e / kTile : e % kTile, c = a_rows ? e % kTile : e / kTile; /* (m, k) */
-      As[r][c] = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
+      Acc av = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
+      if (mask && av != (Acc)0 && !((Acc)kc_ld<T>(mask[(m0 + r) * mm + (k0 + c) * mk]) > (Acc)0)) av = 0;
+      As[r][c] = av;
       r = b_rows ? e / kTile : e % kTile, c = b_rows ? e % kTile : e / kTile; /* (k, n) */
       Bs[r][c] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
     }
@@ -334,6 +338,7 @@ __global__ void __launch_bounds__(256)
       T *c = C + m * cm + n * cn;
       Acc v = alpha * acc[i] + bv;
       if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
+      if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0; /* ReLU keeps NaN, as kiln_relu */
       *c = kc_st<T>(v);
     }
   }
@@ -344,10 +349,10 @@ __global__ void __launch_bounds__(256)
 ** caller); bias (N) and row sums (M, batch 1 only) optional. */
 kiln_status launch_small_gemm(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view &A,
                               const kiln__view &B, const kiln__view &C, int nb, int64_t batch,
-                              int64_t sa, int64_t sb, int64_t sc) {
+                              int64_t sa, int64_t sb, int64_t sc, int64_t smask) {
   const int nd = C.ndim;
   const int64_t M = C.shape[nd - 2], N = C.shape[nd - 1], K = A.shape[nd - 1];
-  const kiln__view *bias = a->n_in >= 3 ? &a->in[2] : NULL;
+  const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
   const kiln__view *rs = a->n_out > 1 ? &a->out[1] : NULL;
   dim3 grid((unsigned)((N + kTile - 1) / kTile), (unsigned)((M + kTile - 1) / kTile), (unsigned)batch);
   (void)nb;
@@ -358,7 +363,8 @@ kiln_status launch_small_gemm(kiln__cuda_dev *d, const kiln__kargs *a, const kil
         B.strides[nd - 1], sb, (T *)C.data, C.strides[nd - 2], C.strides[nd - 1], sc, (int)M, (int)N, (int)K,
         (Acc)a->s[0], (Acc)a->s[1], bias ? (const T *)bias->data : (const T *)NULL,
         bias && bias->ndim > 0 ? bias->strides[bias->ndim - 1] : 0, rs ? (T *)rs->data : (T *)NULL,
-        rs ? rs->strides[0] : 0);
+        rs ? rs->strides[0] : 0, mask ? (const T *)mask->data : (const T *)NULL,
+        mask ? mask->strides[nd - 2] : 0, mask ? mask->strides[nd - 1] : 0, smask, (a->i[1] & 1) ? 1 : 0);
   })
   return kiln__cuda_launched("matmul (small)");
 }
@@ -390,7 +396,8 @@ struct Temps {
 extern "C" bool kiln__cuda_matmul_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->out[0].dtype;
   if (!kc_is_float(dt) || a->in[0].dtype != dt || a->in[1].dtype != dt) return false;
-  if (a->n_in >= 3 && !kc_is_float(a->in[2].dtype)) return false;
+  const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
+  if ((bias && !kc_is_float(bias->dtype)) || (mask && mask->dtype != dt)) return false;
   return a->out[0].ndim >= 2 && a->in[0].ndim == a->out[0].ndim && a->in[1].ndim == a->out[0].ndim;
 }
 
@@ -416,8 +423,49 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
       return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: batch dim %d differs", i);
     batch *= O->shape[i];
   }
-  const bool has_bias = a->n_in >= 3;
+  const bool has_bias = kiln__mm_bias(a) != NULL;
   const bool row_sum = a->n_out > 1; /* out1 = A's row sums (a bias gradient), 2-d only */
+  const kiln__view *mask = kiln__mm_mask(a);
+  if (mask && (mask->ndim != nd || memcmp(mask->shape, A.shape, sizeof(int64_t) * (size_t)nd) != 0))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: the mask of A has another shape");
+  /* small problems: one launch of the tiled kernel (strided operands as they are; the mask
+  ** and the ReLU inside it) */
+  int64_t sa = 0, sb = 0, sc = 0, sm = 0;
+  const bool small = batch > 0 && M > 0 && N > 0 && K > 0 &&
+                     (double)batch * (double)M * (double)N * (double)K <= kSmallMacs &&
+                     batch <= 65535 && K <= 512 && /* a long K: cuBLAS splits it better */
+                     (M + kTile - 1) / kTile <= 65535 && (!row_sum || batch == 1) &&
+                     (!has_bias || a->in[2].dtype == O->dtype) && batch_stride(&A, nb, &sa) &&
+                     batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc) &&
+                     (!mask || batch_stride(mask, nb, &sm));
+  if ((a->i[1] & 3) && !small) { /* elsewhere: mask into a temporary, ReLU after, by kernels */
+    kiln__kargs k = *a;
+    k.i[1] = 0;
+    Temps tmp(device);
+    if (mask) {
+      k.n_in--;
+      tmp.p[0] = kiln__cuda_alloc(device, (size_t)kc_numel(&A) * kc_size(A.dtype));
+      if (!tmp.p[0]) return kiln_last_error();
+      kiln__kargs r = {};
+      r.op = KILN__K_RELU_BACKWARD; /* where(mask > 0, A, 0) */
+      r.device = device;
+      r.n_in = 2;
+      r.n_out = 1;
+      r.in[0] = *mask;
+      r.in[1] = A;
+      r.out[0] = contiguous_like(&A, tmp.p[0]);
+      KC_TRY(kiln__cuda_elementwise(&r));
+      k.in[0] = r.out[0];
+    }
+    KC_TRY(kiln__cuda_matmul(&k));
+    if (!(a->i[1] & 1)) return KILN_OK;
+    kiln__kargs r = {};
+    r.op = KILN__K_RELU;
+    r.device = device;
+    r.n_in = r.n_out = 1;
+    r.in[0] = r.out[0] = *O;
+    return kiln__cuda_elementwise(&r);
+  }
   if (row_sum && (nb != 0 || has_bias || a->out[1].ndim != 1 || a->out[1].shape[0] != M ||
                   a->out[1].dtype != O->dtype))
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product without bias and an (M) output of its dtype");
@@ -442,15 +490,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     if (has_bias) KC_TRY(kiln__cuda_add_view(device, O, &bias_b));
     return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
   }
-  /* small problems: the one-launch kernel above (strided operands as they are) */
-  {
-    int64_t sa, sb, sc;
-    if ((double)batch * (double)M * (double)N * (double)K <= kSmallMacs && batch <= 65535 &&
-        K <= 512 && (M + kTile - 1) / kTile <= 65535 && /* a long K: cuBLAS splits it better */
-        (!row_sum || batch == 1) && (!has_bias || a->in[2].dtype == O->dtype) &&
-        batch_stride(&A, nb, &sa) && batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc))
-      return launch_small_gemm(d, a, A, B, *O, nb, batch, sa, sb, sc);
-  }
+  if (small) return launch_small_gemm(d, a, A, B, *O, nb, batch, sa, sb, sc, sm);
   KC_TRY(handles(device, d));
   Types t;
   types_of(O->dtype, a->i[0] == 1, &t);

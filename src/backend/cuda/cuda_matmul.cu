@@ -284,7 +284,7 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
 ** in the same pass. Arithmetic is the exact FMA of the compute type, as cuBLAS's SIMT
 ** kernels do; only the order of the sum differs. */
 const double kSmallMacs = 4194304.0; /* 2^22 */
-const int kTile = 32;
+const int kTile = 32, kSlice = 64;
 
 template <class T>
 __global__ void __launch_bounds__(256)
@@ -294,55 +294,81 @@ __global__ void __launch_bounds__(256)
                const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow,
                const T *__restrict__ mask, int64_t mm, int64_t mk, int64_t smask, int relu) {
   typedef typename kc_traits<T>::acc Acc;
-  __shared__ Acc As[kTile][kTile + 1]; /* [m][k] */
-  __shared__ Acc Bs[kTile][kTile + 1]; /* [k][n] */
-  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile; /* ty: 0..7 */
+  /* a 32x32 tile of C per block; K in slices of kSlice, the next slice's loads in flight
+  ** (in registers) while the block computes on this one: a small product's time is
+  ** mostly the latency of its loads */
+  __shared__ Acc As[kTile][kSlice + 1]; /* [m][k] */
+  __shared__ Acc Bs[kSlice][kTile + 1]; /* [k][n] */
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16; /* rows ty, ty+16; cols 2tx, 2tx+1 */
   const int m0 = blockIdx.y * kTile, n0 = blockIdx.x * kTile;
   A += (int64_t)blockIdx.z * sa;
   B += (int64_t)blockIdx.z * sb;
   C += (int64_t)blockIdx.z * sc;
   if (mask) mask += (int64_t)blockIdx.z * smask;
-  /* loads walk the operand's unit-stride dim with the lane index (coalesced) */
+  /* loads walk the operand's unit-stride dim with the thread index (coalesced) */
   const bool a_rows = ak == 1 || am != 1, b_rows = bn == 1 || bk != 1;
   const bool sums = rowsum && blockIdx.x == 0;
-  Acc acc[4] = {0, 0, 0, 0}, rs = 0;
-  for (int k0 = 0; k0 < K; k0 += kTile) {
+  enum { PER = kTile * kSlice / 256 }; /* elements of each operand a thread loads */
+  Acc ra[PER], rb[PER];
+  auto load = [&](int k0) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < PER; i++) {
       int e = threadIdx.x + 256 * i;
-      int r = a_rows ? e / kTile : e % kTile, c = a_rows ? e % kTile : e / kTile; /* (m, k) */
+      int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile; /* (m, k) */
       Acc av = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
       if (mask && av != (Acc)0 && !((Acc)kc_ld<T>(mask[(m0 + r) * mm + (k0 + c) * mk]) > (Acc)0)) av = 0;
-      As[r][c] = av;
-      r = b_rows ? e / kTile : e % kTile, c = b_rows ? e % kTile : e / kTile; /* (k, n) */
-      Bs[r][c] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
+      ra[i] = av;
+      r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice; /* (k, n) */
+      rb[i] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
+    }
+  };
+  Acc acc[2][2] = {{0, 0}, {0, 0}}, rs = 0;
+  load(0);
+  for (int k0 = 0; k0 < K; k0 += kSlice) {
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      int e = threadIdx.x + 256 * i;
+      int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile;
+      As[r][c] = ra[i];
+      r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice;
+      Bs[r][c] = rb[i];
     }
     __syncthreads();
-#pragma unroll 8
-    for (int kk = 0; kk < kTile; kk++) {
-      Acc b = Bs[kk][tx];
-#pragma unroll
-      for (int i = 0; i < 4; i++) acc[i] += As[ty + 8 * i][kk] * b;
+    if (k0 + kSlice < K) load(k0 + kSlice);
+#pragma unroll 16
+    for (int kk = 0; kk < kSlice; kk++) {
+      Acc a0 = As[ty][kk], a1 = As[ty + 16][kk], b0 = Bs[kk][2 * tx], b1 = Bs[kk][2 * tx + 1];
+      acc[0][0] += a0 * b0;
+      acc[0][1] += a0 * b1;
+      acc[1][0] += a1 * b0;
+      acc[1][1] += a1 * b1;
     }
-    if (sums && ty == 0)
-      for (int kk = 0; kk < kTile; kk++) rs += As[tx][kk];
+    if (sums && threadIdx.x < kTile)
+      for (int kk = 0; kk < kSlice; kk++) rs += As[threadIdx.x][kk];
     __syncthreads();
   }
-  const int n = n0 + tx;
-  if (n < N) {
-    Acc bv = bias ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0;
+  Acc bv[2];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-      int m = m0 + ty + 8 * i;
-      if (m >= M) continue;
+  for (int j = 0; j < 2; j++) {
+    int n = n0 + 2 * tx + j;
+    bv[j] = bias && n < N ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    int m = m0 + ty + 16 * i;
+    if (m >= M) continue;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      int n = n0 + 2 * tx + j;
+      if (n >= N) continue;
       T *c = C + m * cm + n * cn;
-      Acc v = alpha * acc[i] + bv;
+      Acc v = alpha * acc[i][j] + bv[j];
       if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
       if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0; /* ReLU keeps NaN, as kiln_relu */
       *c = kc_st<T>(v);
     }
   }
-  if (sums && ty == 0 && m0 + tx < M) rowsum[(m0 + tx) * srow] = kc_st<T>(rs);
+  if (sums && threadIdx.x < kTile && m0 + threadIdx.x < M) rowsum[(m0 + threadIdx.x) * srow] = kc_st<T>(rs);
 }
 
 /* The small path for a problem of `batch` products (one stride per operand, checked by the

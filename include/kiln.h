@@ -279,6 +279,11 @@ KILN_API int kiln_snprint(char *buf, size_t n, const kiln_tensor *t);
 /* Conversion and movement (new tensors; the same tensor, +1 ref, when nothing changes). */
 KILN_API kiln_tensor *kiln_to_dtype(kiln_tensor *t, kiln_dtype dt);
 KILN_API kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev);
+/* kiln_to_device of n tensors into out[0..n): compact host tensors that do not require
+** grad (a loader's batch) go to a GPU in one transfer, into one device block, each result
+** a view of its part; otherwise each goes by kiln_to_device. Results are owned by the
+** scope like any new tensor. On error out[] is all NULL. */
+KILN_API kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, kiln_tensor **out);
 KILN_API kiln_tensor *kiln_contiguous(kiln_tensor *t);
 KILN_API kiln_tensor *kiln_clone(kiln_tensor *t);
 

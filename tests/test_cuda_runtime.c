@@ -210,6 +210,33 @@ static void test_graphs(kiln_device gpu) {
   kiln_tensor_free(cc.x), kiln_tensor_free(cc.w), kiln_tensor_free(cc.out);
 }
 
+/* kiln_to_device_many: compact host tensors in one transfer, as views of one device block
+** at aligned offsets, with their values; one that requires grad goes alone and keeps its
+** history; a device tensor among them is moved as usual. */
+static void test_to_device_many(kiln_device gpu) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_tensor *ts[4] = {kiln_randn(KILN_SHAPE(5, 3), KILN_F32, cpu, NULL), kiln_arange(0, 7, 1, KILN_I64, cpu),
+                        kiln_zeros(KILN_SHAPE(0), KILN_U8, cpu), kiln_randn(KILN_SHAPE(33), KILN_BF16, cpu, NULL)};
+  kiln_tensor *out[4];
+  CHECK(kiln_to_device_many(4, ts, gpu, out) == KILN_OK, "to_device_many to the GPU");
+  for (int i = 0; i < 4; i++) {
+    CHECK(out[i] && kiln_device_of(out[i]).type == KILN_DEVICE_CUDA && kiln_dtype_of(out[i]) == kiln_dtype_of(ts[i]) &&
+              kiln_numel(out[i]) == kiln_numel(ts[i]),
+          "to_device_many: tensor %d on the GPU with its dtype and shape", i);
+    if (out[i] && kiln_numel(ts[i]) > 0) CHECK(max_abs_diff(ts[i], out[i]) == 0, "to_device_many: tensor %d's values", i);
+  }
+  kiln_tensor *w = kiln_randn(KILN_SHAPE(4), KILN_F32, cpu, NULL);
+  kiln_requires_grad_(w, true);
+  kiln_tensor *two[2] = {ts[0], w}, *o2[2];
+  CHECK(kiln_to_device_many(2, two, gpu, o2) == KILN_OK && kiln_requires_grad(o2[1]),
+        "a tensor that requires grad keeps its history");
+  CHECK(kiln_backward(kiln_sum_all(o2[1]), NULL) == KILN_OK && kiln_grad(w) &&
+            kiln_device_of(kiln_grad(w)).type == KILN_DEVICE_CPU,
+        "the gradient comes back to the CPU leaf");
+  kiln_scope_end();
+}
+
 /* kiln_adam_multi_step_ on the GPU (the list kernel: 40 tensors, so more than one launch,
 ** sizes from empty to 100k) against the same calls on the CPU, per dtype; with the step
 ** on the device too, which the kernel must read and then advance. */
@@ -283,6 +310,7 @@ int main(void) {
   test_oom_recovery(gpu);
   test_graphs(gpu);
   test_adam_multi(gpu);
+  test_to_device_many(gpu);
   printf("%d passed, %d failed\n", checks - failures, failures);
   return failures ? 1 : 0;
 }

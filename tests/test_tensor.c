@@ -169,6 +169,25 @@ static void test_copies(void) {
   kiln_scope_end();
 }
 
+/* kiln_to_device_many: to the CPU every tensor comes back as itself (+1 reference); a
+** NULL among them is an error with out[] all NULL. (The one-transfer path to a GPU is in
+** test_cuda_runtime.) */
+static void test_to_device_many(void) {
+  kiln_scope_begin();
+  kiln_tensor *ts[3] = {kiln_arange(0, 6, 1, KILN_F32, cpu), kiln_full(KILN_SHAPE(2), 7, KILN_I64, cpu),
+                        kiln_zeros(KILN_SHAPE(0), KILN_U8, cpu)};
+  kiln_tensor *out[3];
+  H_CHECK(kiln_to_device_many(3, ts, cpu, out) == KILN_OK && out[0] == ts[0] && out[1] == ts[1] && out[2] == ts[2],
+          "to the CPU: the same tensors");
+  kiln_tensor *bad[2] = {ts[0], NULL};
+  out[0] = ts[0];
+  H_EXPECT_ERR(kiln_to_device_many(2, bad, cpu, out) == KILN_OK, KILN_ERR_INVALID_ARGUMENT, "a NULL tensor");
+  H_CHECK(out[0] == NULL && out[1] == NULL, "out[] is NULL after an error");
+  H_EXPECT_ERR(kiln_to_device_many(-1, ts, cpu, out) == KILN_OK, KILN_ERR_INVALID_ARGUMENT, "n < 0");
+  H_CHECK(kiln_to_device_many(0, NULL, cpu, NULL) == KILN_OK, "n = 0 is a no-op");
+  kiln_scope_end();
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_tensor");
   cpu = kiln_device_cpu();
@@ -176,6 +195,7 @@ int main(int argc, char **argv) {
   test_creation();
   test_conversion();
   test_copies();
+  test_to_device_many();
   H_CHECK(kiln_live_tensors() == live0, "no leaks: %lld -> %lld", (long long)live0,
           (long long)kiln_live_tensors());
   return h_finish();

@@ -498,6 +498,57 @@ kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev) {
   return kiln__copy_as(t, t->dtype, dev, "to_device");
 }
 
+/* n tensors in one transfer: packed (each at a 256-byte offset) into one host buffer, one
+** copy into one device block, and each result a view of its part. A transfer costs the
+** host several microseconds whatever its size, and a batch has several fields. */
+kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, kiln_tensor **out) {
+  if (n < 0 || (n > 0 && (!ts || !out)))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_to_device_many: n must be >= 0 and the arrays given");
+  for (int i = 0; i < n; i++) out[i] = NULL;
+  for (int i = 0; i < n; i++)
+    if (!ts[i]) return kiln_last_error() != KILN_OK ? kiln_last_error()
+                                                   : kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_to_device_many: tensor %d is NULL", i);
+  if (kiln__check_device(dev, "kiln_to_device_many") != KILN_OK) return kiln_last_error();
+  /* one block only when every tensor is a compact host tensor (the loader's case) */
+  bool pack = dev.type != KILN_DEVICE_CPU && n > 1;
+  size_t total = 0;
+  for (int i = 0; i < n && pack; i++) {
+    if (ts[i]->storage->device.type != KILN_DEVICE_CPU || !kiln_is_contiguous(ts[i]) || ts[i]->requires_grad)
+      pack = false;
+    total += (kiln_nbytes(ts[i]) + 255) / 256 * 256;
+  }
+  if (!pack) {
+    for (int i = 0; i < n; i++)
+      if (!(out[i] = kiln_to_device(ts[i], dev))) {
+        kiln_status st = kiln_last_error();
+        for (int k = 0; k < i; k++) kiln__discard(out[k]), out[k] = NULL;
+        return st;
+      }
+    return KILN_OK;
+  }
+  char *host = malloc(total ? total : 1);
+  if (!host) return kiln_set_error(KILN_ERR_OOM, "kiln_to_device_many: out of host memory (%zu bytes)", total);
+  size_t off = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(host + off, kiln__view_of(ts[i]).data, kiln_nbytes(ts[i]));
+    off += (kiln_nbytes(ts[i]) + 255) / 256 * 256;
+  }
+  kiln__storage *s = kiln__storage_new(dev, total);
+  kiln_status st = s ? s->backend->copy_from_host(dev.index, s->data, host, total) : kiln_last_error();
+  free(host);
+  off = 0;
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    size_t es = kiln_dtype_size(ts[i]->dtype);
+    out[i] = kiln__tensor_make(s, (int64_t)(off / es), ts[i]->ndim, ts[i]->shape, NULL, ts[i]->dtype);
+    if (!out[i]) st = kiln_last_error();
+    off += (kiln_nbytes(ts[i]) + 255) / 256 * 256;
+  }
+  kiln__storage_release(s); /* the views hold it */
+  if (st != KILN_OK)
+    for (int i = 0; i < n; i++) kiln__discard(out[i]), out[i] = NULL;
+  return st;
+}
+
 kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track) {
   kiln_tensor *a = calloc(1, sizeof *a);
   if (!a) {

@@ -343,18 +343,11 @@ kiln_status kiln_loader_epoch(kiln_loader *l, uint64_t epoch) {
 /* Moves the loader-owned batch into the caller's hands on opts.device. */
 static int deliver(kiln_loader *l, kiln_tensor **t, kiln_tensor **fields) {
   kiln_tensor *r[KILN__MAX_FIELDS];
-  int ok = 1;
-  for (int k = 0; k < l->n_out; k++) {
-    /* TODO(pinned/async): copy from pinned host memory on a side stream here, so the
-    ** host-to-device copy of batch b+1 overlaps the step on batch b. */
-    r[k] = ok ? kiln_to_device(t[k], l->o.device) : NULL;
-    if (!r[k]) ok = 0;
-  }
+  /* every field in one transfer. TODO(pinned/async): copy from pinned host memory on a
+  ** side stream, so the copy of batch b+1 overlaps the step on batch b. */
+  int ok = kiln_to_device_many(l->n_out, t, l->o.device, r) == KILN_OK;
   for (int k = 0; k < l->n_out; k++) kiln_tensor_free(t[k]);
-  if (!ok) {
-    for (int k = 0; k < l->n_out; k++) kiln_tensor_free(kiln__own(r[k]));
-    return -1;
-  }
+  if (!ok) return -1;
   memcpy(fields, r, sizeof(kiln_tensor *) * (size_t)l->n_out);
   return 1;
 }

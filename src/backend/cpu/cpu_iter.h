@@ -22,6 +22,18 @@
 ** tens of instructions per element (exp, tanh, erf, the RNG) KILN__CPU_PAR_MIN. */
 #define KILN__CPU_PAR_MIN 131072
 #define KILN__CPU_PAR_MIN_CHEAP 1048576
+/* KILN__CPU_CLONES before a hot loop's function: GCC compiles it twice, for AVX2 and for the
+** build's baseline (SSE2 on x86-64), and picks one when the library loads (an ifunc). Only
+** "avx2", not "fma" or "arch=...": without FMA contraction both copies round every
+** operation the same way, so results do not depend on the machine. Only where the build
+** has ifuncs (GCC on x86-64 glibc Linux); elsewhere the plain function. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    defined(__GLIBC__) && !defined(KILN_NO_TARGET_CLONES)
+#define KILN__CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KILN__CPU_CLONES
+#endif
+
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256
 #define KILN__CPU_MAXV 5

@@ -1467,6 +1467,27 @@ static void test_scalars_and_threads(void) {
   for (int64_t q = 0; q < Q; q++)
     if (memcmp((float *)out.buf + q * D, (float *)src.buf + ((int64_t *)idx.buf)[q] * D, (size_t)D * 4)) bad++;
   CHECK(bad == 0, "index_select large: %d rows wrong", bad);
+  { /* the loader's batch: 128 images (28, 28) out of 5000, rows split across threads */
+    int64_t NI = 5000, B = 128;
+    tt im = tt_new(KILN_F32, 3, (int64_t[]){NI, 28, 28}, NULL), bi = tt_new(KILN_I64, 1, &B, NULL);
+    tt bo = tt_new(KILN_F32, 3, (int64_t[]){B, 28, 28}, NULL);
+    fill_rand(&im.v, 0, 1);
+    fill_rand(&bi.v, 0, (double)NI);
+    a = kargs(KILN__K_INDEX_SELECT, 2, 1);
+    a.in[0] = im.v;
+    a.in[1] = bi.v;
+    a.out[0] = bo.v;
+    CHECK(run(&a) == KILN_OK, "index_select images");
+    bad = 0;
+    for (int64_t q = 0; q < B; q++)
+      if (memcmp((float *)bo.buf + q * 784, (float *)im.buf + ((int64_t *)bi.buf)[q] * 784, 784 * 4)) bad++;
+    CHECK(bad == 0, "index_select images: %d rows wrong", bad);
+    ((int64_t *)bi.buf)[77] = NI; /* one past the end: an error, nothing read */
+    CHECK(run(&a) != KILN_OK, "index_select images: index %lld of %lld accepted", (long long)NI, (long long)NI);
+    tt_free(&im);
+    tt_free(&bi);
+    tt_free(&bo);
+  }
   tt gi = tt_new(KILN_I64, 2, (int64_t[]){Q, D}, NULL);
   fill_rand(&gi.v, 0, (double)D);
   a = kargs(KILN__K_GATHER, 2, 1);

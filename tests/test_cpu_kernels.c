@@ -1139,6 +1139,17 @@ static void test_matmul(void) {
       check_matmul(FLOATS[di], 0, NULL, M, N, K, 1, 0, 1, false, true, 0.5, 2);
     }
   }
+  /* Products of 8M-256M multiply-adds are split by kiln into one BLAS call per thread:
+  ** along N when K > M (130 x 257 x 300), along M otherwise (300 x 130 x 250); sizes that
+  ** are not multiples of the slice alignment, transposed operands, a column-major C, beta. */
+  static const int64_t split_sizes[2][3] = {{130, 257, 300}, {300, 130, 250}};
+  for (int si = 0; si < 2; si++)
+    for (int di = 0; di < 2; di++)
+      for (int l = 0; l < 4; l++) {
+        int64_t M = split_sizes[si][0], N = split_sizes[si][1], K = split_sizes[si][2];
+        check_matmul(FLOATS[di], 0, NULL, M, N, K, l & 1, l >> 1, 0, false, l == 3, 1, 0);
+        if (l == 0) check_matmul(FLOATS[di], 0, NULL, M, N, K, 1, 0, 1, false, true, 0.5, 2);
+      }
   /* batched: own B, shared B (folded into M), shared B with A transposed (not folded) */
   int64_t batch[2] = {3, 2};
   for (int di = 0; di < 4; di++) {

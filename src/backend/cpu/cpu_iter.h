@@ -24,7 +24,7 @@
 ** workers are kiln's own and already spinning between regions, a fork/join costs 1-3 us,
 ** and a region pays from ~10 us of work: 128 KiB of a cheap op (the (128, 256)
 ** activations of an MLP step: relu 12.6 -> 9 us, its backward 13 -> 8.5 us), 8k elements
-** of an expensive one. That took fashion-mnist from 182k to 190k images/s on 2 cores. */
+** of an expensive one. That took fashion-mnist from 176k to 184k images/s on 2 cores. */
 #if defined(KILN_BLAS_OPENMP) || !defined(KILN_HAVE_CBLAS)
 #define KILN__CPU_PAR_MIN 8192
 #define KILN__CPU_PAR_MIN_CHEAP 32768

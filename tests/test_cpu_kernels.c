@@ -1139,11 +1139,13 @@ static void test_matmul(void) {
       check_matmul(FLOATS[di], 0, NULL, M, N, K, 1, 0, 1, false, true, 0.5, 2);
     }
   }
-  /* Products of 8M-256M multiply-adds are split by kiln into one BLAS call per thread:
-  ** along N when K > M (130 x 257 x 300), along M otherwise (300 x 130 x 250); sizes that
-  ** are not multiples of the slice alignment, transposed operands, a column-major C, beta. */
-  static const int64_t split_sizes[2][3] = {{130, 257, 300}, {300, 130, 250}};
-  for (int si = 0; si < 2; si++)
+  /* Products of 256k-256M multiply-adds are split by kiln into one BLAS call per thread:
+  ** along N when K > M (130 x 257 x 300), along M otherwise (300 x 130 x 250), along M when
+  ** N is small (128 x 10 x 256), not at all when both are (20 x 20 x 1000); sizes that are
+  ** not multiples of the slice alignment, transposed operands, a column-major C, beta. */
+  static const int64_t split_sizes[6][3] = {{130, 257, 300}, {300, 130, 250}, /* from 256k: */
+                                            {128, 10, 256}, {128, 256, 10}, {10, 256, 128}, {20, 20, 1000}};
+  for (int si = 0; si < 6; si++)
     for (int di = 0; di < 2; di++)
       for (int l = 0; l < 4; l++) {
         int64_t M = split_sizes[si][0], N = split_sizes[si][1], K = split_sizes[si][2];

@@ -221,12 +221,17 @@ static bool kiln__mm_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, 
 ** few and long (K > M) make the second cheaper. From 256M multiply-adds the BLAS's own
 ** threads (which share their packed panels) win again. */
 #define KILN__MM_SPLIT_MAX_MACS ((int64_t)1 << 28)
+/* kiln's fork costs 1-3 us where OpenBLAS's wake-up cost more (KILN__MM_BLAS_PAR_MACS), so
+** kiln splits from 256k multiply-adds (~5 us on one core): the small products of an MLP's
+** output layer, (128, 256) x (256, 10) and its two gradients, run on both cores too. */
+#define KILN__MM_SPLIT_MIN_MACS ((int64_t)1 << 18)
 static int kiln__mm_split_parts(int64_t M, int64_t N, int64_t K, bool *along_n) {
   int64_t macs = M * N * K;
-  if (macs < KILN__MM_BLAS_PAR_MACS || macs >= KILN__MM_SPLIT_MAX_MACS || omp_in_parallel()) return 0;
+  if (macs < KILN__MM_SPLIT_MIN_MACS || macs >= KILN__MM_SPLIT_MAX_MACS || omp_in_parallel()) return 0;
   int nt = kiln_num_threads();
-  *along_n = K > M;
-  int64_t len = *along_n ? N : M, most = len / 32; /* slices of 32 rows or columns at least */
+  /* slices of 32 rows or columns at least; N when K > M and there are enough columns */
+  *along_n = K > M && N >= 64;
+  int64_t len = *along_n ? N : M, most = len / 32;
   if (most < nt) nt = (int)most;
   return nt > 1 ? nt : 0;
 }

@@ -1141,7 +1141,7 @@ static void test_matmul(void) {
   }
   /* Products of 256k-256M multiply-adds are split by kiln into one BLAS call per thread:
   ** along N when K > M (130 x 257 x 300), along M otherwise (300 x 130 x 250), along M when
-  ** N is small (128 x 10 x 256), not at all when both are (20 x 20 x 1000); sizes that are
+  ** N is small (128 x 10 x 256), not at all with few rows (10 x 256 x 128); sizes that are
   ** not multiples of the slice alignment, transposed operands, a column-major C, beta. */
   static const int64_t split_sizes[6][3] = {{130, 257, 300}, {300, 130, 250}, /* from 256k: */
                                             {128, 10, 256}, {128, 256, 10}, {10, 256, 128}, {20, 20, 1000}};

@@ -227,7 +227,8 @@ static bool kiln__mm_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, 
 #define KILN__MM_SPLIT_MIN_MACS ((int64_t)1 << 18)
 static int kiln__mm_split_parts(int64_t M, int64_t N, int64_t K, bool *along_n) {
   int64_t macs = M * N * K;
-  if (macs < KILN__MM_SPLIT_MIN_MACS || macs >= KILN__MM_SPLIT_MAX_MACS || omp_in_parallel()) return 0;
+  /* Few rows: slices of N measured slower than one call (10 x 256 x 128: 9.2 against 5.5 us). */
+  if (M < 64 || macs < KILN__MM_SPLIT_MIN_MACS || macs >= KILN__MM_SPLIT_MAX_MACS || omp_in_parallel()) return 0;
   int nt = kiln_num_threads();
   /* slices of 32 rows or columns at least; N when K > M and there are enough columns */
   *along_n = K > M && N >= 64;

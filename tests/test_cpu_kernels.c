@@ -1229,6 +1229,19 @@ static void test_matmul(void) {
       check_matmul(FLOATS[di], 0, NULL, M, N, K, 1, 0, 1, false, true, 0.5, 2);
     }
   }
+  /* Products of 256k-256M multiply-adds are split by kiln into one BLAS call per thread:
+  ** along N when K > M (130 x 257 x 300), along M otherwise (300 x 130 x 250), along M when
+  ** N is small (128 x 10 x 256), not at all with few rows (10 x 256 x 128); sizes that are
+  ** not multiples of the slice alignment, transposed operands, a column-major C, beta. */
+  static const int64_t split_sizes[6][3] = {{130, 257, 300}, {300, 130, 250}, /* from 256k: */
+                                            {128, 10, 256}, {128, 256, 10}, {10, 256, 128}, {20, 20, 1000}};
+  for (int si = 0; si < 6; si++)
+    for (int di = 0; di < 2; di++)
+      for (int l = 0; l < 4; l++) {
+        int64_t M = split_sizes[si][0], N = split_sizes[si][1], K = split_sizes[si][2];
+        check_matmul(FLOATS[di], 0, NULL, M, N, K, l & 1, l >> 1, 0, false, l == 3, 1, 0);
+        if (l == 0) check_matmul(FLOATS[di], 0, NULL, M, N, K, 1, 0, 1, false, true, 0.5, 2);
+      }
   /* batched: own B, shared B (folded into M), shared B with A transposed (not folded) */
   int64_t batch[2] = {3, 2};
   for (int di = 0; di < 4; di++) {
@@ -1471,6 +1484,19 @@ static void test_memory(void) {
   b->free(0, NULL, 0);
   b->memory_stats(0, &s1);
   CHECK(s1.allocated == s0.allocated, "freed");
+  /* a large block (huge-page hint): 2 MiB aligned, every byte usable, counted exactly */
+  size_t big = ((size_t)9 << 20) + 100;
+  char *h = b->alloc(0, big);
+  CHECK(h && ((uintptr_t)h % (2u << 20)) == 0, "a 9 MiB block starts on a 2 MiB boundary");
+  if (h) {
+    memset(h, 0x5a, big);
+    CHECK(h[0] == 0x5a && h[big - 1] == 0x5a, "large block writable end to end");
+    b->memory_stats(0, &s1);
+    CHECK(s1.allocated == s0.allocated + (int64_t)big, "large block counted: %lld", (long long)s1.allocated);
+    b->free(0, h, big);
+  }
+  b->memory_stats(0, &s1);
+  CHECK(s1.allocated == s0.allocated, "large block freed");
   /* limit */
   CHECK(b->set_memory_limit(0, s1.allocated + 4096) == KILN_OK, "limit");
   void *q = b->alloc(0, 3 << 20);
@@ -1595,6 +1621,27 @@ static void test_scalars_and_threads(void) {
   for (int64_t q = 0; q < Q; q++)
     if (memcmp((float *)out.buf + q * D, (float *)src.buf + ((int64_t *)idx.buf)[q] * D, (size_t)D * 4)) bad++;
   CHECK(bad == 0, "index_select large: %d rows wrong", bad);
+  { /* the loader's batch: 128 images (28, 28) out of 5000, rows split across threads */
+    int64_t NI = 5000, B = 128;
+    tt im = tt_new(KILN_F32, 3, (int64_t[]){NI, 28, 28}, NULL), bi = tt_new(KILN_I64, 1, &B, NULL);
+    tt bo = tt_new(KILN_F32, 3, (int64_t[]){B, 28, 28}, NULL);
+    fill_rand(&im.v, 0, 1);
+    fill_rand(&bi.v, 0, (double)NI);
+    a = kargs(KILN__K_INDEX_SELECT, 2, 1);
+    a.in[0] = im.v;
+    a.in[1] = bi.v;
+    a.out[0] = bo.v;
+    CHECK(run(&a) == KILN_OK, "index_select images");
+    bad = 0;
+    for (int64_t q = 0; q < B; q++)
+      if (memcmp((float *)bo.buf + q * 784, (float *)im.buf + ((int64_t *)bi.buf)[q] * 784, 784 * 4)) bad++;
+    CHECK(bad == 0, "index_select images: %d rows wrong", bad);
+    ((int64_t *)bi.buf)[77] = NI; /* one past the end: an error, nothing read */
+    CHECK(run(&a) != KILN_OK, "index_select images: index %lld of %lld accepted", (long long)NI, (long long)NI);
+    tt_free(&im);
+    tt_free(&bi);
+    tt_free(&bo);
+  }
   tt gi = tt_new(KILN_I64, 2, (int64_t[]){Q, D}, NULL);
   fill_rand(&gi.v, 0, (double)D);
   a = kargs(KILN__K_GATHER, 2, 1);
@@ -1662,6 +1709,95 @@ static void test_scalars_and_threads(void) {
   tt_free(&mi);
 }
 
+/* ---- the fused Adam update ---- */
+/* PyTorch's single-tensor Adam (decay folded into the grad) in f64, one element. */
+static void ref_adam(double *p, double *m, double *v, double g, double lr, double b1, double b2, double eps,
+                     double wd, int64_t step) {
+  g += wd * *p;
+  *m = *m * b1 + g * (1 - b1);
+  *v = *v * b2 + g * g * (1 - b2);
+  double den = sqrt(*v) / sqrt(1 - pow(b2, (double)step)) + eps;
+  *p -= lr / (1 - pow(b1, (double)step)) * (*m / den);
+}
+
+static void test_adam(void) {
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const kiln_dtype dts[2] = {KILN_F32, KILN_F64};
+  const int64_t sizes[3] = {1, 1000, 100003}; /* the last one is split across threads */
+  for (int di = 0; di < 2; di++)
+    for (int si = 0; si < 3; si++)
+      for (int l2 = 0; l2 < 2; l2++) {
+        kiln_dtype dt = dts[di];
+        int64_t n = sizes[si];
+        double wd = l2 ? 0.1 : 0.0;
+        tt p = tt_new(dt, 1, &n, NULL), m = tt_new(dt, 1, &n, NULL), v = tt_new(dt, 1, &n, NULL);
+        tt g = tt_new(dt, 1, &n, NULL);
+        fill_rand(&p.v, -1, 1);
+        fill_rand(&m.v, -0.1, 0.1);
+        fill_rand(&v.v, 0, 0.01);
+        fill_rand(&g.v, -1, 1);
+        double *rp = malloc(sizeof(double) * (size_t)n * 3), *rm = rp + n, *rv = rm + n;
+        for (int64_t k = 0; k < n; k++) {
+          rp[k] = get(&p.v, &k), rm[k] = get(&m.v, &k), rv[k] = get(&v.v, &k);
+          ref_adam(&rp[k], &rm[k], &rv[k], get(&g.v, &k), lr, b1, b2, eps, wd, 3);
+        }
+        kiln__kargs a = kargs(KILN__K_ADAM, 1, 3);
+        a.in[0] = g.v;
+        a.out[0] = p.v, a.out[1] = m.v, a.out[2] = v.v;
+        a.s[0] = lr, a.s[1] = b1, a.s[2] = b2, a.s[3] = eps;
+        a.i[0] = 3;
+        memcpy(&a.i[2], &wd, sizeof wd);
+        CHECK(run(&a) == KILN_OK, "adam %s n=%lld", kiln_dtype_name(dt), (long long)n);
+        int bad = 0;
+        double tol = tol_of(dt);
+        for (int64_t k = 0; k < n; k++)
+          if (!close_to(get(&p.v, &k), rp[k], tol) || !close_to(get(&m.v, &k), rm[k], tol) ||
+              !close_to(get(&v.v, &k), rv[k], tol))
+            bad++;
+        CHECK(bad == 0, "adam %s n=%lld wd=%g: %d of %lld wrong", kiln_dtype_name(dt), (long long)n, wd, bad,
+              (long long)n);
+        free(rp);
+        tt_free(&p), tt_free(&m), tt_free(&v), tt_free(&g);
+      }
+
+  /* A zero gradient decays m and v toward the subnormals; the kernel stores 0 instead (a
+  ** subnormal state costs a microcode assist per element per step on x86). Normal values,
+  ** NaN and negative m are kept. */
+  for (int di = 0; di < 2; di++) {
+    kiln_dtype dt = dts[di];
+    double tiny = dt == KILN_F32 ? 1.1754943508222875e-38 : 2.2250738585072014e-308;
+    int64_t n = 4;
+    tt p = tt_new(dt, 1, &n, NULL), m = tt_new(dt, 1, &n, NULL), v = tt_new(dt, 1, &n, NULL);
+    tt g = tt_new(dt, 1, &n, NULL);
+    const double m0[4] = {1.05 * tiny, -1.05 * tiny, 2 * tiny, NAN};
+    const double v0[4] = {1.0005 * tiny, 1e-4, 1.1 * tiny, 1e-4};
+    for (int64_t k = 0; k < n; k++) {
+      set(&p.v, &k, 0.5);
+      set(&m.v, &k, m0[k]);
+      set(&v.v, &k, v0[k]);
+    }
+    kiln__kargs a = kargs(KILN__K_ADAM, 1, 3);
+    a.in[0] = g.v;
+    a.out[0] = p.v, a.out[1] = m.v, a.out[2] = v.v;
+    a.s[0] = lr, a.s[1] = b1, a.s[2] = b2, a.s[3] = eps;
+    a.i[0] = 1000;
+    int64_t k2 = 2;
+    double sm2 = get(&m.v, &k2), sv2 = get(&v.v, &k2); /* as stored */
+    CHECK(run(&a) == KILN_OK, "adam subnormal %s", kiln_dtype_name(dt));
+    double got_m[4], got_v[4], got_p[4];
+    for (int64_t k = 0; k < n; k++) got_m[k] = get(&m.v, &k), got_v[k] = get(&v.v, &k), got_p[k] = get(&p.v, &k);
+    CHECK(got_m[0] == 0 && got_m[1] == 0 && got_v[0] == 0, "adam %s: subnormal m/v kept (%g %g %g)",
+          kiln_dtype_name(dt), got_m[0], got_m[1], got_v[0]);
+    CHECK(got_m[2] == as_dt(sm2 * (dt == KILN_F32 ? (double)(float)b1 : b1), dt) &&
+              got_v[2] == as_dt(sv2 * (dt == KILN_F32 ? (double)(float)b2 : b2), dt),
+          "adam %s: normal m/v changed (%g %g)", kiln_dtype_name(dt), got_m[2], got_v[2]);
+    CHECK(isnan(got_m[3]) && isnan(got_p[3]), "adam %s: NaN state not propagated", kiln_dtype_name(dt));
+    CHECK(got_p[0] == 0.5 && got_p[1] == 0.5, "adam %s: p moved by a flushed m (%.17g)", kiln_dtype_name(dt),
+          got_p[0]);
+    tt_free(&p), tt_free(&m), tt_free(&v), tt_free(&g);
+  }
+}
+
 int main(void) {
   test_views();
   test_memory();
@@ -1677,6 +1813,7 @@ int main(void) {
   test_cross_entropy_mean();
   test_matmul();
   test_index();
+  test_adam();
   test_scalars_and_threads();
   printf("test_cpu_kernels: %d checks, %d failed\n", g_checks, g_fails);
   printf("%d passed, %d failed\n", g_checks - g_fails, g_fails);

@@ -93,6 +93,25 @@ static void kiln__isel_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* Rows gathered at random from a large source (a data set) wait on memory, not on
+** bandwidth: a second thread keeps twice the misses in flight, and halved the loader's
+** batch gather (128 rows of 3136 bytes out of 188 MB: 92 -> 49 us on 2 cores). */
+#define KILN__CPU_GATHER_PAR_BYTES ((size_t)256 << 10)
+
+/* Whole rows of rb bytes: out row k = src row idx[k] (row strides ss, os in bytes). */
+typedef struct kiln__rows {
+  const char *sp;
+  char *op;
+  const kiln__view *idx;
+  int64_t ss, os;
+  size_t rb;
+} kiln__rows;
+
+static void kiln__rows_range(void *vctx, int64_t lo, int64_t hi) {
+  const kiln__rows *c = (const kiln__rows *)vctx;
+  for (int64_t k = lo; k < hi; k++) memcpy(c->op + k * c->os, c->sp + kiln__idx_at(c->idx, k) * c->ss, c->rb);
+}
+
 kiln_status kiln__cpu_index_select(const kiln__kargs *a) {
   const kiln__view *src = &a->in[0], *idx = &a->in[1], *out = &a->out[0];
   int64_t d = a->i[0];
@@ -119,7 +138,9 @@ kiln_status kiln__cpu_index_select(const kiln__kargs *a) {
       const char *sp = src->data;
       char *op = out->data;
       int64_t ss = src->ndim ? src->strides[0] * (int64_t)es : 0, os = out->ndim ? out->strides[0] * (int64_t)es : 0;
-      for (int64_t k = 0; k < K; k++) memcpy(op + k * os, sp + kiln__idx_at(idx, k) * ss, rb);
+      kiln__rows c = {sp, op, idx, ss, os, rb};
+      /* min_par in rows: KILN__CPU_GATHER_PAR_BYTES of rows before a second thread */
+      kiln__cpu_parallel_for(K, (int64_t)(KILN__CPU_GATHER_PAR_BYTES / rb) + 1, kiln__rows_range, &c);
       return KILN_OK;
     }
   }

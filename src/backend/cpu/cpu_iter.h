@@ -13,15 +13,40 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Below this many elements an op runs on one thread. Threads cost far more than the
-** fork: after each parallel region libgomp's workers spin (by default ~300k pause loops,
-** milliseconds) on cores that OpenBLAS's threads, the data loader and the caller want, so
-** a training step that opened a region per op measured 10x slower on 2 cores than one
-** that opened none. Hence high thresholds: memory-bound ops (add, copy, compare, sums;
-** a second core adds little bandwidth) need KILN__CPU_PAR_MIN_CHEAP elements, ops of
-** tens of instructions per element (exp, tanh, erf, the RNG) KILN__CPU_PAR_MIN. */
+/* Below this many elements an op runs on one thread. Threads cost more than the fork:
+** after each parallel region libgomp's workers spin (by default ~300k pause loops,
+** milliseconds) on the cores the caller wants. Beside OpenBLAS's own pthread pool (or a
+** busy machine) that was ruinous: a training step that opened a region per op measured 10x
+** slower on 2 cores than one that opened none, hence high thresholds there: memory-bound
+** ops (add, copy, compare, sums) KILN__CPU_PAR_MIN_CHEAP elements, ops of tens of
+** instructions per element (exp, tanh, erf, the RNG) KILN__CPU_PAR_MIN.
+** When kiln's OpenMP pool is the only one (OpenBLAS's OpenMP build, or no BLAS) the
+** workers are kiln's own and already spinning between regions, a fork/join costs 1-3 us,
+** and a region pays from ~10 us of work: 128 KiB of a cheap op (the (128, 256)
+** activations of an MLP step: relu 12.6 -> 9 us, its backward 13 -> 8.5 us), 8k elements
+** of an expensive one. That took fashion-mnist from 176k to 184k images/s on 2 cores. */
+#if defined(KILN_BLAS_OPENMP) || !defined(KILN_HAVE_CBLAS)
+#define KILN__CPU_PAR_MIN 8192
+#define KILN__CPU_PAR_MIN_CHEAP 32768
+#else
 #define KILN__CPU_PAR_MIN 131072
 #define KILN__CPU_PAR_MIN_CHEAP 1048576
+#endif
+/* Work of one row in a row kernel (softmax, cross-entropy) beyond its elements, in
+** element-equivalents: a log, the row's setup and its scalar stores. */
+#define KILN__CPU_ROW_COST 64
+/* KILN__CPU_CLONES before a hot loop's function: GCC compiles it twice, for AVX2 and for the
+** build's baseline (SSE2 on x86-64), and picks one when the library loads (an ifunc). Only
+** "avx2", not "fma" or "arch=...": without FMA contraction both copies round every
+** operation the same way, so results do not depend on the machine. Only where the build
+** has ifuncs (GCC on x86-64 glibc Linux); elsewhere the plain function. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    defined(__GLIBC__) && !defined(KILN_NO_TARGET_CLONES)
+#define KILN__CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KILN__CPU_CLONES
+#endif
+
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256
 #define KILN__CPU_MAXV 5

@@ -157,8 +157,8 @@ static kiln_status kiln__rows_go(kiln__rows *c, kiln__cpu_run_fn fn) {
   if (nrows == 0 || c->len == 0) return KILN_OK;
   kiln__views_coalesce(c->v, c->nv);
   kiln__rows_job j = {c, fn};
-  int64_t work = nrows * c->len;
-  kiln__cpu_parallel_for(nrows, work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / c->len + 1,
+  int64_t rw = c->len + KILN__CPU_ROW_COST, work = nrows * rw;
+  kiln__cpu_parallel_for(nrows, work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / rw + 1,
                          kiln__rows_range, &j);
   if (c->failed)
     return kiln_set_error(KILN_ERR_OOM, "kiln_%s: out of host memory for a row of %lld",

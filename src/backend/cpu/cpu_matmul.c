@@ -409,22 +409,20 @@ static void kiln__mm_batch_range(void *vctx, int64_t lo, int64_t hi) {
   free(tc);
 }
 
-/* out1 (M) = the sums of A's rows over K, in f64 (MATMUL with n_out == 2, 2-d only): a
-** column of A at a time, so a transposed A (a bias gradient's g^T) is read along its
-** contiguous dim. */
+/* out1 (M) = the sums of A's rows over K (MATMUL with n_out == 2, 2-d only), by the SUM
+** kernel (vectorised, threaded) with out1 seen as (M, 1). */
 static kiln_status kiln__mm_row_sums(const kiln__view *A, const kiln__view *out) {
-  int64_t M = A->shape[0], K = A->shape[1];
-  double *acc = calloc((size_t)(2 * M + 1), sizeof(double)), *col = acc + M;
-  if (!acc) return kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for %lld row sums", (long long)M);
-  int64_t es = (int64_t)kiln__cpu_esize(A->dtype);
-  for (int64_t k = 0; k < K; k++) {
-    kiln__cpu_load(col, KILN_F64, (const char *)A->data + k * A->strides[1] * es, A->strides[0] * es, A->dtype, M);
-    for (int64_t m = 0; m < M; m++) acc[m] += col[m];
-  }
-  kiln__cpu_store((char *)out->data, out->strides[0] * (int64_t)kiln__cpu_esize(out->dtype), out->dtype, acc,
-                  KILN_F64, M);
-  free(acc);
-  return KILN_OK;
+  kiln__kargs r = {0};
+  r.op = KILN__K_SUM;
+  r.n_in = r.n_out = 1;
+  r.in[0] = *A;
+  r.out[0] = *out;
+  r.out[0].ndim = 2;
+  r.out[0].shape[0] = A->shape[0];
+  r.out[0].shape[1] = 1;
+  r.out[0].strides[1] = 0;
+  r.i[0] = 2; /* dim 1 reduced, also when K == 1 */
+  return kiln__cpu_backend.kernels[KILN__K_SUM](&r);
 }
 
 /* MATMUL's flags by composition: A masked into a temporary (RELU_BACKWARD's where(mask >
@@ -448,12 +446,33 @@ static kiln_status kiln__mm_flags(const kiln__kargs *a) {
     r.in[1] = *A;
     r.out[0] = *A;
     r.out[0].data = tmp;
+    /* dense, in A's own memory order (a transposed A stays transposed: the product then
+    ** runs on the layout it would have had without the mask) */
+    int order[KILN_MAX_DIMS];
+    for (int d = 0; d < A->ndim; d++) order[d] = d;
+    for (int i = 1; i < A->ndim; i++) /* insertion sort: largest stride first */
+      for (int j = i; j > 0 && llabs(A->strides[order[j]]) > llabs(A->strides[order[j - 1]]); j--) {
+        int t = order[j];
+        order[j] = order[j - 1];
+        order[j - 1] = t;
+      }
     int64_t st = 1;
-    for (int d = A->ndim - 1; d >= 0; d--) {
-      r.out[0].strides[d] = st;
-      st *= A->shape[d] > 0 ? A->shape[d] : 1;
+    for (int i = A->ndim - 1; i >= 0; i--) {
+      r.out[0].strides[order[i]] = st;
+      st *= A->shape[order[i]] > 0 ? A->shape[order[i]] : 1;
     }
-    kiln_status s = kiln__cpu_backend.kernels[KILN__K_RELU_BACKWARD](&r);
+    /* the elementwise kernel walks C order: hand it the views with their dims in memory
+    ** order (all three permuted alike), so a transposed A is a plain contiguous run */
+    kiln__kargs rp = r;
+    for (int v = 0; v < 3; v++) {
+      kiln__view *src = v == 0 ? &r.in[0] : v == 1 ? &r.in[1] : &r.out[0];
+      kiln__view *dst = v == 0 ? &rp.in[0] : v == 1 ? &rp.in[1] : &rp.out[0];
+      for (int i = 0; i < A->ndim; i++) {
+        dst->shape[i] = src->shape[order[i]];
+        dst->strides[i] = src->strides[order[i]];
+      }
+    }
+    kiln_status s = kiln__cpu_backend.kernels[KILN__K_RELU_BACKWARD](&rp);
     if (s != KILN_OK) {
       free(tmp);
       return s;

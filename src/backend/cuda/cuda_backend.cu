@@ -171,6 +171,15 @@ extern "C" bool kiln__cuda_capturing(int device) {
 
 /* ---- memory copies ---- */
 
+/* Small reads (kiln_item: a loss every step) land in a pinned scratch buffer per device:
+** into pageable memory the driver stages the copy itself and the host waits longer. */
+enum { KC_READ_SCRATCH = 4096 };
+static struct {
+  std::mutex mu;
+  void *buf; /* pinned; NULL until first use */
+  bool failed;
+} g_read[KC_MAX_DEV];
+
 static kiln_status cuda_copy_to_host(int device, void *dst, const void *src, size_t n) {
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(device, &d));
@@ -179,6 +188,21 @@ static kiln_status cuda_copy_to_host(int device, void *dst, const void *src, siz
                           "kiln: a value was read on the host inside a captured step "
                           "(cuda:%d); move item()/to_host out of the graph", device);
   if (n == 0) return KILN_OK;
+  if (n <= KC_READ_SCRATCH) {
+    std::lock_guard<std::mutex> lock(g_read[device].mu);
+    if (!g_read[device].buf && !g_read[device].failed &&
+        cudaHostAlloc(&g_read[device].buf, KC_READ_SCRATCH, cudaHostAllocDefault) != cudaSuccess) {
+      (void)cudaGetLastError();
+      g_read[device].buf = NULL;
+      g_read[device].failed = true;
+    }
+    if (g_read[device].buf) {
+      KC_CUDA(cudaMemcpyAsync(g_read[device].buf, src, n, cudaMemcpyDeviceToHost, d->stream), "copy to host");
+      KC_CUDA(cudaStreamSynchronize(d->stream), "copy to host (synchronize)");
+      memcpy(dst, g_read[device].buf, n);
+      return kiln__cuda_check_flag(device);
+    }
+  }
   KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, d->stream), "copy to host");
   KC_CUDA(cudaStreamSynchronize(d->stream), "copy to host (synchronize)");
   return kiln__cuda_check_flag(device);

@@ -242,6 +242,10 @@ static inline const kiln__view *kiln__mm_mask(const kiln__kargs *a) {
   return (a->i[1] & 2) && a->n_in >= 3 ? &a->in[a->n_in - 1] : NULL;
 }
 
+/* ADAM_MULTI's group width for its flags (4 views, + max_exp_avg_sq, + step_t); -1 with
+** the last error set when the list does not have it. (src/backend/view.c) */
+int kiln__adam_list_width(const kiln__kargs *a);
+
 /* Helpers every backend may use (src/backend/view.c). */
 int64_t kiln__view_numel(const kiln__view *v);
 bool kiln__view_is_contiguous(const kiln__view *v);

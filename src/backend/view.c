@@ -1,6 +1,7 @@
 /*
 ** View helpers every backend may use: element counts, contiguity, and dim coalescing so
-** that kernels iterate over the fewest dims (a contiguous tensor becomes one flat run).
+** that kernels iterate over the fewest dims (a contiguous tensor becomes one flat run);
+** and the reading of ADAM_MULTI's list layout, which every backend's list kernel needs.
 */
 #include "backend.h"
 
@@ -68,4 +69,13 @@ int kiln__views_coalesce(kiln__view *views, int n) {
   }
   for (int i = 0; i < n; i++) views[i].ndim = out;
   return out;
+}
+
+int kiln__adam_list_width(const kiln__kargs *a) {
+  const int w = 4 + ((a->i[1] & 2) ? 1 : 0) + ((a->i[1] & 4) ? 1 : 0);
+  if (a->list_w != w || (a->list_n > 0 && !a->list)) {
+    kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: expected groups of %d views, got %d", w, a->list_w);
+    return -1;
+  }
+  return w;
 }

@@ -76,6 +76,25 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
   return kiln__give_grad(&gi[0], r, g);
 }
 
+/* The forward kernel (CROSS_ENTROPY: per-row loss; CROSS_ENTROPY_MEAN: the mean, and the
+** count of kept rows in cnt) on logits L2 (M, C) and targets T1 (M). */
+static kiln_status ce_forward(kiln__kop op, kiln_tensor *L2, kiln_tensor *T1, kiln_tensor *loss,
+                              kiln_tensor *lse, kiln_tensor *cnt, int64_t ignore_index,
+                              double label_smoothing) {
+  kiln__kargs a = {0};
+  a.op = op;
+  a.n_in = 2;
+  a.n_out = cnt ? 3 : 2;
+  a.in[0] = kiln__view_of(L2);
+  a.in[1] = kiln__view_of(T1);
+  a.out[0] = kiln__view_of(loss);
+  a.out[1] = kiln__view_of(lse);
+  if (cnt) a.out[2] = kiln__view_of(cnt);
+  a.i[0] = ignore_index;
+  a.s[0] = label_smoothing;
+  return kiln__dispatch(kiln_device_of(L2), &a);
+}
+
 kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_reduction red,
                                 int64_t ignore_index, double label_smoothing) {
   if (!logits || !target) return NULL;
@@ -131,38 +150,15 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
     cnt = kiln__tensor_new(0, NULL, ld, dev);
     lse = kiln__tensor_new(1, &M, ld, dev);
     st = mean && cnt && lse ? KILN_OK : KILN_ERR_OOM;
-    if (st == KILN_OK) {
-      kiln__kargs a = {0};
-      a.op = KILN__K_CROSS_ENTROPY_MEAN;
-      a.n_in = 2;
-      a.n_out = 3;
-      a.in[0] = kiln__view_of(L2);
-      a.in[1] = kiln__view_of(T1);
-      a.out[0] = kiln__view_of(mean);
-      a.out[1] = kiln__view_of(lse);
-      a.out[2] = kiln__view_of(cnt);
-      a.i[0] = ignore_index;
-      a.s[0] = label_smoothing;
-      st = kiln__dispatch(dev, &a);
-    }
+    if (st == KILN_OK)
+      st = ce_forward(KILN__K_CROSS_ENTROPY_MEAN, L2, T1, mean, lse, cnt, ignore_index, label_smoothing);
     r = st == KILN_OK ? mean : NULL;
   } else if (L2 && T1) {
     rows = kiln__tensor_new(1, &M, ld, dev);
     lse = rows ? kiln__tensor_new(1, &M, ld, dev) : NULL;
     st = lse ? KILN_OK : KILN_ERR_OOM;
-    if (lse && M > 0) {
-      kiln__kargs a = {0};
-      a.op = KILN__K_CROSS_ENTROPY;
-      a.n_in = 2;
-      a.n_out = 2;
-      a.in[0] = kiln__view_of(L2);
-      a.in[1] = kiln__view_of(T1);
-      a.out[0] = kiln__view_of(rows);
-      a.out[1] = kiln__view_of(lse);
-      a.i[0] = ignore_index;
-      a.s[0] = label_smoothing;
-      st = kiln__dispatch(dev, &a);
-    }
+    if (lse && M > 0)
+      st = ce_forward(KILN__K_CROSS_ENTROPY, L2, T1, rows, lse, NULL, ignore_index, label_smoothing);
     if (st == KILN_OK)
       r = red == KILN_REDUCTION_NONE ? kiln_reshape(rows, target->ndim, target->shape) : kiln_sum_all(rows);
   } else {

@@ -145,9 +145,8 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
 ** but the dispatch), then each step_t advanced when the step lives with the tensors. */
 kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
   const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
-  const int w = 4 + (ams ? 1 : 0) + (on_dev ? 1 : 0);
-  if (a->list_w != w || (a->list_n > 0 && !a->list))
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: expected groups of %d views, got %d", w, a->list_w);
+  const int w = kiln__adam_list_width(a);
+  if (w < 0) return kiln_last_error();
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
     kiln__kargs k = {0};

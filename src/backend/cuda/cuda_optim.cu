@@ -13,6 +13,36 @@ struct kc_adam_hp {
   int decoupled, amsgrad;
 };
 
+/* One element's update (PyTorch's single-tensor formulas), in the compute type C; ss is
+** lr / (1 - b1^t), bc2s sqrt(1 - b2^t). Shared by the one-tensor and the list kernels. */
+template <class T, class C>
+__device__ __forceinline__ void kc_adam_elem(T *__restrict__ p, const T *__restrict__ g,
+                                             T *__restrict__ m, T *__restrict__ v,
+                                             T *__restrict__ vmax, int64_t i, C lr, C wd, C ss,
+                                             C bc2s, C b1, C b2, C eps, bool decoupled,
+                                             bool amsgrad) {
+  C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
+  if (decoupled)
+    pi = pi * ((C)1 - lr * wd);
+  else if (wd != (C)0)
+    gi = gi + wd * pi;
+  C mi = (C)kc_ld(m[i]) * b1 + gi * ((C)1 - b1);
+  C vi = (C)kc_ld(v[i]) * b2 + gi * gi * ((C)1 - b2);
+  C den;
+  if (amsgrad) {
+    C vm = (C)kc_ld(vmax[i]);
+    vm = vi > vm ? vi : vm;
+    vmax[i] = kc_st<T>(vm);
+    den = sqrt(vm) / bc2s + eps;
+  } else {
+    den = sqrt(vi) / bc2s + eps;
+  }
+  pi = pi - ss * (mi / den);
+  m[i] = kc_st<T>(mi);
+  v[i] = kc_st<T>(vi);
+  p[i] = kc_st<T>(pi);
+}
+
 template <class T, class C>
 __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__restrict__ m,
                                T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hp hp,
@@ -33,28 +63,8 @@ __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__
   const C bc2s = sizeof(C) == 8 ? (C)bc2s_d : (C)hp.bc2_sqrt;
   const C b1 = (C)hp.b1, b2 = (C)hp.b2, eps = (C)hp.eps;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
-    if (hp.decoupled)
-      pi = pi * ((C)1 - lr * wd);
-    else if (wd != (C)0)
-      gi = gi + wd * pi;
-    C mi = (C)kc_ld(m[i]) * b1 + gi * ((C)1 - b1);
-    C vi = (C)kc_ld(v[i]) * b2 + gi * gi * ((C)1 - b2);
-    C den;
-    if (hp.amsgrad) {
-      C vm = (C)kc_ld(vmax[i]);
-      vm = vi > vm ? vi : vm;
-      vmax[i] = kc_st<T>(vm);
-      den = sqrt(vm) / bc2s + eps;
-    } else {
-      den = sqrt(vi) / bc2s + eps;
-    }
-    pi = pi - ss * (mi / den);
-    m[i] = kc_st<T>(mi);
-    v[i] = kc_st<T>(vi);
-    p[i] = kc_st<T>(pi);
-  }
+       i += (int64_t)gridDim.x * blockDim.x)
+    kc_adam_elem<T, C>(p, g, m, v, vmax, i, lr, wd, ss, bc2s, b1, b2, eps, hp.decoupled, hp.amsgrad);
 }
 
 extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
@@ -149,28 +159,8 @@ __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list 
   T *__restrict__ m = (T *)L.m[t];
   T *__restrict__ v = (T *)L.v[t];
   T *__restrict__ vmax = (T *)L.vmax[t];
-  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) {
-    C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
-    if (h.decoupled)
-      pi = pi * ((C)1 - lr * wd);
-    else if (wd != (C)0)
-      gi = gi + wd * pi;
-    C mi = (C)kc_ld(m[i]) * b1 + gi * ((C)1 - b1);
-    C vi = (C)kc_ld(v[i]) * b2 + gi * gi * ((C)1 - b2);
-    C den;
-    if (h.amsgrad) {
-      C vm = (C)kc_ld(vmax[i]);
-      vm = vi > vm ? vi : vm;
-      vmax[i] = kc_st<T>(vm);
-      den = sqrt(vm) / bc2s + eps;
-    } else {
-      den = sqrt(vi) / bc2s + eps;
-    }
-    pi = pi - ss * (mi / den);
-    m[i] = kc_st<T>(mi);
-    v[i] = kc_st<T>(vi);
-    p[i] = kc_st<T>(pi);
-  }
+  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS)
+    kc_adam_elem<T, C>(p, g, m, v, vmax, i, lr, wd, ss, bc2s, b1, b2, eps, h.decoupled, h.amsgrad);
 }
 
 __global__ void kc_step_advance_kernel(kc_adam_list L) {
@@ -182,9 +172,8 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
   kiln__cuda_dev *dev;
   KC_TRY(kiln__cuda_ctx(a->device, &dev));
   const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
-  const int w = 4 + (ams ? 1 : 0) + (on_dev ? 1 : 0);
-  if (a->list_w != w || (a->list_n > 0 && !a->list))
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel (cuda): expected groups of %d views, got %d", w, a->list_w);
+  const int w = kiln__adam_list_width(a);
+  if (w < 0) return kiln_last_error();
   if (a->list_n == 0) return KILN_OK;
   kc_adam_hpd h;
   h.lr = a->s[0];

@@ -217,19 +217,25 @@ int main(int argc, char **argv) {
           /* first step at this shape: static tensors, one eager step, then the capture */
           c->model = model;
           c->opt = opt;
-          c->x = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, dev));
-          c->y = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, dev));
+          if (!preload && dev.type != KILN_DEVICE_CPU) { /* host batches: the two static
+                          ** inputs in one device block, refilled by one transfer a step */
+            kiln_tensor *sx[2] = {NULL, NULL};
+            st = kiln_to_device_many(2, b, dev, sx);
+            c->x = kiln_keep(sx[0]);
+            c->y = kiln_keep(sx[1]);
+          } else {
+            c->x = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, dev));
+            c->y = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, dev));
+            st = c->x && c->y ? kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b) : kiln_last_error();
+          }
           c->loss = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev));
-          st = (c->x && c->y && c->loss) ? KILN_OK : kiln_last_error();
-          if (st == KILN_OK) st = kiln_copy_(c->x, b[0]);
-          if (st == KILN_OK) st = kiln_copy_(c->y, b[1]);
+          if (st == KILN_OK && !c->loss) st = kiln_last_error();
           if (st == KILN_OK) st = train_step(c);
           if (st == KILN_OK) lv = kiln_item(c->loss);
           if (st == KILN_OK && !(graphs[k] = kiln_graph_capture(dev, train_step, c))) st = kiln_last_error();
         } else {
           double p0 = phases ? ex_now() : 0;
-          st = kiln_copy_(c->x, b[0]);
-          if (st == KILN_OK) st = kiln_copy_(c->y, b[1]);
+          st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
           double p1 = phases ? ex_now() : 0;
           if (st == KILN_OK) st = kiln_graph_replay(graphs[k]);
           double p2 = phases ? ex_now() : 0;

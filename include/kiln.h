@@ -435,6 +435,10 @@ KILN_API kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kil
 /* In-place updates, for optimizers and initialisers: never recorded by autograd and
 ** refused (KILN_ERR_AUTOGRAD) on a tensor that requires grad while grad mode is on. */
 KILN_API kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src); /* broadcasts, casts */
+/* kiln_copy_(dsts[i], srcs[i]) for i < n. Destinations made together by
+** kiln_to_device_many, refilled from compact host tensors of their shapes and dtypes (a
+** captured step's static inputs), take one transfer for all. Errors name the pair. */
+KILN_API kiln_status kiln_copy_many_(int n, kiln_tensor *const *dsts, kiln_tensor *const *srcs);
 KILN_API kiln_status kiln_fill_(kiln_tensor *t, double value);
 KILN_API kiln_status kiln_zero_(kiln_tensor *t);
 KILN_API kiln_status kiln_mul_scalar_(kiln_tensor *t, double s);

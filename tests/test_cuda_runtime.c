@@ -226,6 +226,12 @@ static void test_to_device_many(kiln_device gpu) {
           "to_device_many: tensor %d on the GPU with its dtype and shape", i);
     if (out[i] && kiln_numel(ts[i]) > 0) CHECK(max_abs_diff(ts[i], out[i]) == 0, "to_device_many: tensor %d's values", i);
   }
+  /* refilled in one transfer by kiln_copy_many_ from new host tensors of the same shapes */
+  kiln_tensor *fresh[4] = {kiln_randn(KILN_SHAPE(5, 3), KILN_F32, cpu, NULL), kiln_arange(7, 14, 1, KILN_I64, cpu),
+                           kiln_zeros(KILN_SHAPE(0), KILN_U8, cpu), kiln_randn(KILN_SHAPE(33), KILN_BF16, cpu, NULL)};
+  CHECK(kiln_copy_many_(4, out, fresh) == KILN_OK, "copy_many_ into the packed block");
+  for (int i = 0; i < 4; i++)
+    if (kiln_numel(fresh[i]) > 0) CHECK(max_abs_diff(fresh[i], out[i]) == 0, "copy_many_: tensor %d's new values", i);
   kiln_tensor *w = kiln_randn(KILN_SHAPE(4), KILN_F32, cpu, NULL);
   kiln_requires_grad_(w, true);
   kiln_tensor *two[2] = {ts[0], w}, *o2[2];

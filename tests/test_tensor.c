@@ -185,6 +185,17 @@ static void test_to_device_many(void) {
   H_CHECK(out[0] == NULL && out[1] == NULL, "out[] is NULL after an error");
   H_EXPECT_ERR(kiln_to_device_many(-1, ts, cpu, out) == KILN_OK, KILN_ERR_INVALID_ARGUMENT, "n < 0");
   H_CHECK(kiln_to_device_many(0, NULL, cpu, NULL) == KILN_OK, "n = 0 is a no-op");
+  /* kiln_copy_many_: pair by pair here (no packed block), values copied, errors name the pair */
+  kiln_tensor *d[2] = {kiln_zeros(KILN_SHAPE(6), KILN_F32, cpu), kiln_zeros(KILN_SHAPE(2), KILN_I64, cpu)};
+  kiln_tensor *src[2] = {ts[0], ts[1]};
+  H_CHECK(kiln_copy_many_(2, d, src) == KILN_OK && kiln_get(d[0], (int64_t[]){5}) == 5 &&
+              kiln_get(d[1], (int64_t[]){1}) == 7,
+          "copy_many_ copies every pair");
+  kiln_tensor *wrong[2] = {ts[0], ts[2]};
+  kiln_status rc = kiln_copy_many_(2, d, wrong);
+  H_CHECK(rc == KILN_ERR_SHAPE && strstr(kiln_last_error_message(), "pair 1"),
+          "a pair that does not broadcast: KILN_ERR_SHAPE naming pair 1 (%s)", kiln_last_error_message());
+  H_EXPECT_ERR(kiln_copy_many_(-1, d, src) == KILN_OK, KILN_ERR_INVALID_ARGUMENT, "copy_many_ with n < 0");
   kiln_scope_end();
 }
 

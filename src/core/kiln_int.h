@@ -34,6 +34,7 @@ typedef struct kiln__storage {
   void *data;
   size_t nbytes;
   bool borrowed; /* memory not ours (kiln_from_blob-style); never freed */
+  bool packed;   /* made by kiln_to_device_many: its views, and between them only padding */
 } kiln__storage;
 
 kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes); /* NULL + error on OOM */

@@ -3,6 +3,7 @@
 #include "half.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -537,6 +538,7 @@ kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, 
     off += (kiln_nbytes(ts[i]) + 255) / 256 * 256;
   }
   kiln__storage *s = kiln__storage_new(dev, total);
+  if (s) s->packed = true;
   kiln_status st = s ? s->backend->copy_from_host(dev.index, s->data, host, total) : kiln_last_error();
   free(host);
   off = 0;
@@ -550,6 +552,50 @@ kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, 
   if (st != KILN_OK)
     for (int i = 0; i < n; i++) kiln__discard(out[i]), out[i] = NULL;
   return st;
+}
+
+/* kiln_copy_ for n pairs. When the destinations are the views of one block made by
+** kiln_to_device_many (so the bytes between them are padding nobody reads) and the sources
+** compact host tensors of their shapes and dtypes, the whole span goes in one transfer:
+** a captured step's static inputs, refilled every step. */
+kiln_status kiln_copy_many_(int n, kiln_tensor *const *dsts, kiln_tensor *const *srcs) {
+  if (n < 0 || (n > 0 && (!dsts || !srcs)))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_copy_many_: n must be >= 0 and the arrays given");
+  bool one = n > 1;
+  size_t lo = SIZE_MAX, hi = 0;
+  for (int i = 0; i < n && one; i++) {
+    kiln_tensor *d = dsts[i], *s = srcs[i];
+    if (!d || !s || !d->storage->packed || d->storage != dsts[0]->storage || !kiln_is_contiguous(d) ||
+        !kiln_is_contiguous(s) || s->storage->device.type != KILN_DEVICE_CPU || s->dtype != d->dtype ||
+        s->ndim != d->ndim || memcmp(s->shape, d->shape, sizeof(int64_t) * (size_t)d->ndim) != 0 ||
+        (d->requires_grad && kiln_grad_enabled())) {
+      one = false;
+      break;
+    }
+    size_t off = (size_t)d->offset * kiln_dtype_size(d->dtype);
+    if (off < lo) lo = off;
+    if (off + kiln_nbytes(d) > hi) hi = off + kiln_nbytes(d);
+  }
+  if (!one || hi <= lo) {
+    for (int i = 0; i < n; i++) {
+      kiln_status st = kiln_copy_(dsts ? dsts[i] : NULL, srcs ? srcs[i] : NULL);
+      if (st != KILN_OK) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+        return kiln_set_error(st, "%s (pair %d)", msg, i);
+      }
+    }
+    return KILN_OK;
+  }
+  char *host = calloc(hi - lo, 1);
+  if (!host) return kiln_set_error(KILN_ERR_OOM, "kiln_copy_many_: out of host memory (%zu bytes)", hi - lo);
+  for (int i = 0; i < n; i++)
+    memcpy(host + (size_t)dsts[i]->offset * kiln_dtype_size(dsts[i]->dtype) - lo, kiln__view_of(srcs[i]).data,
+           kiln_nbytes(srcs[i]));
+  kiln__storage *st = dsts[0]->storage;
+  kiln_status rc = st->backend->copy_from_host(st->device.index, (char *)st->data + lo, host, hi - lo);
+  free(host);
+  return rc;
 }
 
 kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track) {

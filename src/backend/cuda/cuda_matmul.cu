@@ -284,9 +284,20 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
 ** in the same pass. Arithmetic is the exact FMA of the compute type, as cuBLAS's SIMT
 ** kernels do; only the order of the sum differs. */
 const double kSmallMacs = 4194304.0; /* 2^22 */
-const int kTile = 32, kSlice = 64;
+const int kSlice = 64;
+/* The output tile: 32x32 (4 outputs a thread) or 16x16 (1 a thread, four times the blocks
+** and half the shared-memory reads per SM); KILN_CUDA_SMALL_TILE=16|32 picks it (read
+** once) so that both can be measured in one run. */
+int small_tile() {
+  static int t = 0;
+  if (!t) {
+    const char *e = getenv("KILN_CUDA_SMALL_TILE");
+    t = e && atoi(e) == 32 ? 32 : 16;
+  }
+  return t;
+}
 
-template <class T>
+template <class T, int kTile>
 __global__ void __launch_bounds__(256)
     small_gemm(const T *__restrict__ A, int64_t am, int64_t ak, int64_t sa, const T *__restrict__ B,
                int64_t bk, int64_t bn, int64_t sb, T *C, int64_t cm, int64_t cn, int64_t sc, int M,
@@ -299,7 +310,9 @@ __global__ void __launch_bounds__(256)
   ** mostly the latency of its loads */
   __shared__ Acc As[kTile][kSlice + 1]; /* [m][k] */
   __shared__ Acc Bs[kSlice][kTile + 1]; /* [k][n] */
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16; /* rows ty, ty+16; cols 2tx, 2tx+1 */
+  /* thread (tx, ty) of 16 x 16: rows ty + 16 i, cols R tx + j (R = kTile / 16 of each) */
+  enum { R = kTile / 16 };
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int m0 = blockIdx.y * kTile, n0 = blockIdx.x * kTile;
   A += (int64_t)blockIdx.z * sa;
   B += (int64_t)blockIdx.z * sb;
@@ -322,7 +335,11 @@ __global__ void __launch_bounds__(256)
       rb[i] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
     }
   };
-  Acc acc[2][2] = {{0, 0}, {0, 0}}, rs = 0;
+  Acc acc[R][R], rs = 0;
+#pragma unroll
+  for (int i = 0; i < R; i++)
+#pragma unroll
+    for (int j = 0; j < R; j++) acc[i][j] = 0;
   load(0);
   for (int k0 = 0; k0 < K; k0 += kSlice) {
 #pragma unroll
@@ -337,29 +354,31 @@ __global__ void __launch_bounds__(256)
     if (k0 + kSlice < K) load(k0 + kSlice);
 #pragma unroll 16
     for (int kk = 0; kk < kSlice; kk++) {
-      Acc a0 = As[ty][kk], a1 = As[ty + 16][kk], b0 = Bs[kk][2 * tx], b1 = Bs[kk][2 * tx + 1];
-      acc[0][0] += a0 * b0;
-      acc[0][1] += a0 * b1;
-      acc[1][0] += a1 * b0;
-      acc[1][1] += a1 * b1;
+      Acc av[R], bw[R];
+#pragma unroll
+      for (int i = 0; i < R; i++) av[i] = As[ty + 16 * i][kk], bw[i] = Bs[kk][R * tx + i];
+#pragma unroll
+      for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int j = 0; j < R; j++) acc[i][j] += av[i] * bw[j];
     }
     if (sums && threadIdx.x < kTile)
       for (int kk = 0; kk < kSlice; kk++) rs += As[threadIdx.x][kk];
     __syncthreads();
   }
-  Acc bv[2];
+  Acc bv[R];
 #pragma unroll
-  for (int j = 0; j < 2; j++) {
-    int n = n0 + 2 * tx + j;
+  for (int j = 0; j < R; j++) {
+    int n = n0 + R * tx + j;
     bv[j] = bias && n < N ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0;
   }
 #pragma unroll
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < R; i++) {
     int m = m0 + ty + 16 * i;
     if (m >= M) continue;
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-      int n = n0 + 2 * tx + j;
+    for (int j = 0; j < R; j++) {
+      int n = n0 + R * tx + j;
       if (n >= N) continue;
       T *c = C + m * cm + n * cn;
       Acc v = alpha * acc[i][j] + bv[j];
@@ -380,11 +399,13 @@ kiln_status launch_small_gemm(kiln__cuda_dev *d, const kiln__kargs *a, const kil
   const int64_t M = C.shape[nd - 2], N = C.shape[nd - 1], K = A.shape[nd - 1];
   const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
   const kiln__view *rs = a->n_out > 1 ? &a->out[1] : NULL;
-  dim3 grid((unsigned)((N + kTile - 1) / kTile), (unsigned)((M + kTile - 1) / kTile), (unsigned)batch);
+  const int tile = small_tile();
+  dim3 grid((unsigned)((N + tile - 1) / tile), (unsigned)((M + tile - 1) / tile), (unsigned)batch);
   (void)nb;
   KC_SWITCH_FLOAT(C.dtype, T, return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: %s", kiln_dtype_name(C.dtype)), {
     typedef typename kc_traits<T>::acc Acc;
-    small_gemm<T><<<grid, 256, 0, d->stream>>>(
+    auto kern = tile == 32 ? small_gemm<T, 32> : small_gemm<T, 16>;
+    kern<<<grid, 256, 0, d->stream>>>(
         (const T *)A.data, A.strides[nd - 2], A.strides[nd - 1], sa, (const T *)B.data, B.strides[nd - 2],
         B.strides[nd - 1], sb, (T *)C.data, C.strides[nd - 2], C.strides[nd - 1], sc, (int)M, (int)N, (int)K,
         (Acc)a->s[0], (Acc)a->s[1], bias ? (const T *)bias->data : (const T *)NULL,
@@ -460,7 +481,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   const bool small = batch > 0 && M > 0 && N > 0 && K > 0 &&
                      (double)batch * (double)M * (double)N * (double)K <= kSmallMacs &&
                      batch <= 65535 && K <= 512 && /* a long K: cuBLAS splits it better */
-                     (M + kTile - 1) / kTile <= 65535 && (!row_sum || batch == 1) &&
+                     (M + 15) / 16 <= 65535 && (!row_sum || batch == 1) &&
                      (!has_bias || a->in[2].dtype == O->dtype) && batch_stride(&A, nb, &sa) &&
                      batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc) &&
                      (!mask || batch_stride(mask, nb, &sm));

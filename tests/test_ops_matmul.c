@@ -157,6 +157,17 @@ static const h_case mm_cases[] = {
 static void mm_extra(void) {
   kiln_device cpu = kiln_device_cpu();
   kiln_scope_begin();
+  /* a frozen weight: only the bias gets a gradient (rows where the output counts) */
+  for (int relu = 0; relu < 2; relu++) {
+    kiln_tensor *x = kiln_ones(KILN_SHAPE(4, 3), KILN_F64, cpu);
+    kiln_tensor *w = H_T(KILN_SHAPE(2, 3), KILN_F64, 1, 1, 1, -1, -1, -1);
+    kiln_tensor *b = kiln_zeros(KILN_SHAPE(2), KILN_F64, cpu);
+    kiln_requires_grad_(b, true);
+    kiln_tensor *y = relu ? kiln_linear_relu(x, w, b) : kiln_linear(x, w, b);
+    H_CHECK(kiln_backward(kiln_sum_all(y), NULL) == KILN_OK && kiln_grad(b) && !kiln_grad(w) &&
+                kiln_get(kiln_grad(b), (int64_t[]){0}) == 4 && kiln_get(kiln_grad(b), (int64_t[]){1}) == (relu ? 0 : 4),
+            "linear%s with a frozen weight: db = [4, %d]", relu ? "_relu" : "", relu ? 0 : 4);
+  }
   kiln_tensor *a = kiln_ones(KILN_SHAPE(128, 64), KILN_F32, cpu);
   kiln_tensor *b = kiln_ones(KILN_SHAPE(32, 2), KILN_F32, cpu);
   kiln_clear_error();

@@ -302,7 +302,10 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[1] || n->needs[2]) {
+  if (n->needs[2] && !n->needs[1] && !y2) { /* a frozen weight: db alone, no product */
+    kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g2, KILN_DIMS(0), false), g);
+    if (st != KILN_OK) return st;
+  } else if (n->needs[1] || n->needs[2]) {
     /* dW = g^T x (N, K) and, in the same call, db = g^T's row sums (N) */
     kiln_tensor *db = NULL;
     kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, n->needs[2] ? &db : NULL);

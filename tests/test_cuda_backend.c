@@ -742,7 +742,8 @@ static void matmul_cases(void) {
     ** and contiguous; the epilogue path and the plain one must agree with the CPU */
     struct { int64_t m, k, n; bool trans; const char *label; } rs[] = {
         {128, 128, 64, true, "rowsum g^T[128,128]@x[128,64]"}, {2, 128, 128, true, "rowsum g^T[2,128]@h"},
-        {33, 47, 29, false, "rowsum 33x47 @ 47x29"}, {6, 0, 5, true, "rowsum K=0"}};
+        {33, 47, 29, false, "rowsum 33x47 @ 47x29"}, {6, 0, 5, true, "rowsum K=0"},
+        {64, 1024, 32, true, "rowsum K=1024 (cuBLASLt BGRADB)"}};
     for (size_t k = 0; k < sizeof rs / sizeof rs[0]; k++) {
       tcase t;
       memset(&t, 0, sizeof t);
@@ -758,6 +759,33 @@ static void matmul_cases(void) {
       t.tol_scale = tol;
       run_case(&t);
     }
+    /* the linear+ReLU flags: ReLU on the output (1), A read through a mask (2), both;
+    ** in the one-launch kernel and, past its limits, composed around cuBLAS */
+    struct { int64_t m, k, n; const char *label; } fl[] = {{33, 47, 29, "flags 33x47 @ 47x29"},
+                                                           {300, 100, 200, "flags 300x100 @ 100x200 (cublas)"}};
+    for (size_t k = 0; k < sizeof fl / sizeof fl[0]; k++)
+      for (int flags = 1; flags <= 3; flags++) {
+        tcase t;
+        memset(&t, 0, sizeof t);
+        char label[96];
+        snprintf(label, sizeof label, "%s relu %d mask %d", fl[k].label, flags & 1, (flags >> 1) & 1);
+        t.label = label;
+        t.op = KILN__K_MATMUL;
+        t.n_in = 3;
+        t.n_out = 1;
+        t.in[0] = trans2(dt, fl[k].m, fl[k].k);
+        t.in[1] = c2(dt, fl[k].k, fl[k].n);
+        t.in[2] = c1(dt, fl[k].n); /* bias */
+        if (flags & 2) { /* the mask, last: where(mask > 0, A, 0) */
+          t.n_in = 4;
+          t.in[3] = trans2(dt, fl[k].m, fl[k].k);
+        }
+        t.out[0] = c2(dt, fl[k].m, fl[k].n);
+        t.s[0] = 1;
+        t.i[1] = flags;
+        t.tol_scale = tol;
+        run_case(&t);
+      }
     /* batched: uniform strides, a broadcast operand, a batch that is not collapsible */
     for (int variant = 0; variant < 5; variant++) {
       tcase t;

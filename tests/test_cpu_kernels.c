@@ -958,6 +958,20 @@ static void test_softmax(void) {
   tt_free(&x);
 }
 
+/* Row r of logits lg (C classes) in f64: the loss for target t (any t in range; callers
+** skip ignored rows) with label smoothing eps; *lse gets the row's logsumexp. */
+static double ce_ref_row(const kiln__view *lg, int64_t r, int64_t C, int64_t t, double eps, double *lse) {
+  double m = -INFINITY, s = 0, sx = 0;
+  for (int64_t c = 0; c < C; c++) m = fmax(m, get(lg, (int64_t[]){r, c}));
+  for (int64_t c = 0; c < C; c++) {
+    s += exp(get(lg, (int64_t[]){r, c}) - m);
+    sx += get(lg, (int64_t[]){r, c});
+  }
+  *lse = m + log(s);
+  double xt = t >= 0 && t < C ? get(lg, (int64_t[]){r, t}) : 0;
+  return (1 - eps) * (*lse - xt) + eps * (*lse - sx / (double)C);
+}
+
 static void test_cross_entropy(void) {
   for (int di = 0; di < 4; di++) {
     kiln_dtype dt = FLOATS[di];
@@ -995,14 +1009,8 @@ static void test_cross_entropy(void) {
         double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);
         for (int64_t r = 0; r < N; r++) {
           int64_t t = (int64_t)get(&tg.v, &r);
-          double m = -INFINITY, s = 0, sx = 0;
-          for (int64_t c = 0; c < C; c++) m = fmax(m, get(&lg.v, (int64_t[]){r, c}));
-          for (int64_t c = 0; c < C; c++) {
-            s += exp(get(&lg.v, (int64_t[]){r, c}) - m);
-            sx += get(&lg.v, (int64_t[]){r, c});
-          }
-          double l = m + log(s);
-          double want = t == -100 ? 0 : (1 - eps) * (l - get(&lg.v, (int64_t[]){r, t})) + eps * (l - sx / (double)C);
+          double l, row = ce_ref_row(&lg.v, r, C, t, eps, &l);
+          double want = t == -100 ? 0 : row;
           if (!close_to(get(&loss.v, &r), want, tol)) bad++;
           if (t != -100 && !close_to(get(&lse.v, &r), l, tol)) bad++;
           for (int64_t c = 0; c < C; c++) {
@@ -1060,16 +1068,10 @@ static void test_cross_entropy_mean(void) {
       CHECK(run(&a) == KILN_OK, "cross_entropy_mean: %s", kiln_last_error_message());
       double total = 0, kept = 0, lses[13];
       for (int64_t r = 0; r < N; r++) {
-        double m = -INFINITY, sx = 0, se = 0;
-        for (int64_t c = 0; c < C; c++) m = fmax(m, get(&lg.v, (int64_t[]){r, c}));
-        for (int64_t c = 0; c < C; c++) {
-          se += exp(get(&lg.v, (int64_t[]){r, c}) - m);
-          sx += get(&lg.v, (int64_t[]){r, c});
-        }
-        lses[r] = m + log(se);
         int64_t t = (int64_t)get(&tg.v, &r);
+        double row = ce_ref_row(&lg.v, r, C, t, eps, &lses[r]);
         if (t == -100) continue;
-        total += (1 - eps) * (lses[r] - get(&lg.v, (int64_t[]){r, t})) + eps * (lses[r] - sx / (double)C);
+        total += row;
         kept++;
       }
       double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);

@@ -71,6 +71,30 @@ static kiln_status train_step(void *p) {
   return st;
 }
 
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* KILN_PHASES: the first steps, the steady step (median), and how much of the run the
+** steps above the steady one cost beyond it (one-time work: first launches, captures). */
+static void print_step_times(const double *s, int64_t n, double run_s) {
+  fprintf(stderr, "steps: first");
+  for (int64_t i = 0; i < n && i < 6; i++) fprintf(stderr, " %.1f", s[i] * 1e6);
+  fprintf(stderr, " us\n");
+  double *v = malloc(sizeof *v * (size_t)n);
+  if (!v) return;
+  memcpy(v, s, sizeof *v * (size_t)n);
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  double med = v[n / 2], sum = 0, excess = 0;
+  for (int64_t i = 0; i < n; i++) sum += v[i], excess += v[i] > med ? v[i] - med : 0;
+  fprintf(stderr, "steps: min %.1f  p10 %.1f  median %.1f  p90 %.1f  p99 %.1f  max %.1f us\n", v[0] * 1e6,
+          v[n / 10] * 1e6, med * 1e6, v[n * 9 / 10] * 1e6, v[n * 99 / 100] * 1e6, v[n - 1] * 1e6);
+  fprintf(stderr, "steps: %.1f ms in steps, of them %.1f ms above the median; %.1f ms of the run outside steps\n",
+          sum * 1e3, excess * 1e3, (run_s - sum) * 1e3);
+  free(v);
+}
+
 static int fail(const char *what) {
   fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
           kiln_error_name(kiln_last_error()));
@@ -188,6 +212,11 @@ int main(int argc, char **argv) {
   /* KILN_PHASES=1: host time per phase of the eager step, printed at the end */
   const bool phases = getenv("KILN_PHASES") != NULL;
   double phase_s[6] = {0};
+  /* ... and each step's whole time, to tell one-time costs (first launches, captures,
+  ** epoch starts) from the steady step */
+  const int64_t max_steps = epochs * ((N_SAMPLES + batch - 1) / batch) + 1;
+  double *step_s = phases ? calloc((size_t)max_steps, sizeof *step_s) : NULL;
+  double epoch_start_s = 0;
 
   kiln_device_synchronize(dev);
   double t0 = ex_now();
@@ -195,8 +224,10 @@ int main(int argc, char **argv) {
   double last = NAN;
   char label[64];
   for (long long e = 0; e < epochs; e++) {
+    double e0 = phases ? ex_now() : 0;
     if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
     if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
+    if (phases) epoch_start_s += ex_now() - e0;
     snprintf(label, sizeof label, "epoch %lld/%lld", e + 1, epochs);
     ex_progress p;
     ex_progress_begin(&p, label, N_SAMPLES, !quiet);
@@ -266,6 +297,7 @@ int main(int argc, char **argv) {
       if (phases) phase_s[5] += ex_now() - q1;
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;
+      if (step_s && steps < max_steps) step_s[steps] = ex_now() - q0;
       total += lv;
       n++;
       steps++;
@@ -301,7 +333,10 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 6; k++)
       if (*names[graph][k])
         fprintf(stderr, "phase %-18s %8.1f us/step\n", names[graph][k], phase_s[k] / (double)steps * 1e6);
+    fprintf(stderr, "phase %-18s %8.1f us/step\n", "epoch starts", epoch_start_s / (double)steps * 1e6);
+    if (step_s && steps > 0) print_step_times(step_s, steps < max_steps ? steps : max_steps, dt);
   }
+  free(step_s);
   if (json)
     printf("{\"example\":\"seed-mlp%s%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"

@@ -700,6 +700,11 @@ static void matmul_cases(void) {
   struct { int64_t m, k, n; const char *label; } ms[] = {
       {33, 47, 29, "33x47 @ 47x29"}, {1, 64, 1, "1x64 @ 64x1"}, {128, 256, 64, "128x256 @ 256x64"},
       {5, 0, 7, "5x0 @ 0x7"}, {0, 4, 3, "0x4 @ 4x3"},
+      /* the small kernels' shapes: tiny K, thin (N <= 8), thin transposed (M <= 8) */
+      {128, 2, 128, "128x2 @ 2x128 (tiny K)"}, {7, 16, 40, "7x16 @ 16x40 (tiny K=16)"},
+      {128, 128, 2, "128x128 @ 128x2 (thin)"}, {37, 300, 3, "37x300 @ 300x3 (thin)"},
+      {2, 128, 128, "2x128 @ 128x128 (thin^T)"}, {3, 512, 200, "3x512 @ 512x200 (thin^T, K=512)"},
+      {40, 17, 9, "40x17 @ 17x9 (tiles)"},
       /* past the one-launch kernel's limits: cuBLAS(Lt) */
       {300, 100, 200, "300x100 @ 100x200 (cublas)"}, {8, 1024, 8, "8x1024 @ 1024x8 (cublas)"},
   };
@@ -743,7 +748,9 @@ static void matmul_cases(void) {
     struct { int64_t m, k, n; bool trans; const char *label; } rs[] = {
         {128, 128, 64, true, "rowsum g^T[128,128]@x[128,64]"}, {2, 128, 128, true, "rowsum g^T[2,128]@h"},
         {33, 47, 29, false, "rowsum 33x47 @ 47x29"}, {6, 0, 5, true, "rowsum K=0"},
-        {64, 1024, 32, true, "rowsum K=1024 (cuBLASLt BGRADB)"}};
+        {64, 1024, 32, true, "rowsum K=1024 (cuBLASLt BGRADB)"},
+        {128, 2, 128, true, "rowsum K=2 (tiny K)"}, {128, 128, 2, true, "rowsum thin N=2"},
+        {37, 300, 5, false, "rowsum thin 37x300 @ 300x5"}, {5, 40, 100, false, "rowsum thin^T 5x40"}};
     for (size_t k = 0; k < sizeof rs / sizeof rs[0]; k++) {
       tcase t;
       memset(&t, 0, sizeof t);
@@ -762,7 +769,10 @@ static void matmul_cases(void) {
     /* the linear+ReLU flags: ReLU on the output (1), A read through a mask (2), both;
     ** in the one-launch kernel and, past its limits, composed around cuBLAS */
     struct { int64_t m, k, n; const char *label; } fl[] = {{33, 47, 29, "flags 33x47 @ 47x29"},
-                                                           {300, 100, 200, "flags 300x100 @ 100x200 (cublas)"}};
+                                                           {300, 100, 200, "flags 300x100 @ 100x200 (cublas)"},
+                                                           {128, 2, 128, "flags 128x2 @ 2x128 (tiny K)"},
+                                                           {128, 128, 2, "flags 128x128 @ 128x2 (thin)"},
+                                                           {2, 128, 128, "flags 2x128 @ 128x128 (thin^T)"}};
     for (size_t k = 0; k < sizeof fl / sizeof fl[0]; k++)
       for (int flags = 1; flags <= 3; flags++) {
         tcase t;
@@ -773,12 +783,13 @@ static void matmul_cases(void) {
         t.op = KILN__K_MATMUL;
         t.n_in = 3;
         t.n_out = 1;
-        t.in[0] = trans2(dt, fl[k].m, fl[k].k);
+        /* A (and its mask) transposed as a gradient g^T is, or contiguous, by turns */
+        t.in[0] = k % 2 ? c2(dt, fl[k].m, fl[k].k) : trans2(dt, fl[k].m, fl[k].k);
         t.in[1] = c2(dt, fl[k].k, fl[k].n);
         t.in[2] = c1(dt, fl[k].n); /* bias */
         if (flags & 2) { /* the mask, last: where(mask > 0, A, 0) */
           t.n_in = 4;
-          t.in[3] = trans2(dt, fl[k].m, fl[k].k);
+          t.in[3] = k % 2 ? c2(dt, fl[k].m, fl[k].k) : trans2(dt, fl[k].m, fl[k].k);
         }
         t.out[0] = c2(dt, fl[k].m, fl[k].n);
         t.s[0] = 1;

@@ -160,6 +160,7 @@ kiln_status kiln__same_device(const char *op, int n, kiln_tensor *const *ts);
 /* ---- rng (src/core/rng.c) ---- */
 /* Reserves the counters n values need and returns the (seed, offset) to hand a kernel. */
 void kiln__generator_reserve(kiln_generator *g, int64_t n, uint64_t *seed, uint64_t *offset);
+void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j);
 /* The exact per-element mapping every backend implements. */
 float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k);  /* [0,1) */
 double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k);

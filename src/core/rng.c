@@ -151,6 +151,26 @@ double kiln_generator_uniform(kiln_generator *g) {
   return kiln__philox_uniform_f64(seed, off, 0);
 }
 
+/* The draws of a Fisher-Yates shuffle of n: j[t] uniform in [0, n - 1 - t] for t < n - 1,
+** the numbers kiln_generator_below(g, n - t) gives one call at a time (one counter block
+** each, reserved here all at once), computed in parallel: a loader reshuffles every epoch
+** and one Philox block at a time took 0.7 ms for 20000 samples. */
+void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j) {
+  if (n <= 1) return;
+  uint64_t seed, off;
+  kiln__generator_reserve(g, 2 * (n - 1), &seed, &off);
+#ifdef KILN_HAVE_OPENMP
+  const int nt = kiln_num_threads();
+#pragma omp parallel for schedule(static) num_threads(nt) if (n >= 8192 && nt > 1)
+#endif
+  for (int64_t t = 0; t < n - 1; t++) {
+    uint32_t b[4];
+    block_at(seed, off + (uint64_t)t, b);
+    uint64_t x = ((uint64_t)b[0] << 32) | b[1];
+    j[t] = (int64_t)(((unsigned __int128)x * (uint64_t)(n - t)) >> 64);
+  }
+}
+
 uint64_t kiln_generator_below(kiln_generator *g, uint64_t n) {
   if (n <= 1) return 0;
   uint64_t seed, off;

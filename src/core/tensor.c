@@ -348,14 +348,21 @@ kiln_tensor *kiln_randperm(int64_t n, kiln_generator *gen) {
   if (!t) return NULL;
   int64_t *p = t->storage->data;
   for (int64_t i = 0; i < n; i++) p[i] = i;
+  if (n <= 1) return t;
   /* Fisher-Yates from the generator: one counter block per draw, so the sequence depends
-  ** only on the generator state. */
-  for (int64_t i = n - 1; i > 0; i--) {
-    int64_t j = (int64_t)kiln_generator_below(gen, (uint64_t)i + 1);
-    int64_t tmp = p[i];
-    p[i] = p[j];
-    p[j] = tmp;
+  ** only on the generator state. The draws first (in parallel), then the swaps. */
+  int64_t *j = malloc(sizeof(int64_t) * (size_t)(n - 1));
+  if (!j) {
+    kiln__discard(t);
+    KILN__FAIL_NULL(KILN_ERR_OOM, "kiln_randperm: out of host memory for %lld draws", (long long)n);
   }
+  kiln__generator_shuffle_draws(gen, n, j);
+  for (int64_t i = n - 1; i > 0; i--) {
+    int64_t k = j[n - 1 - i], tmp = p[i];
+    p[i] = p[k];
+    p[k] = tmp;
+  }
+  free(j);
   return t;
 }
 

@@ -40,6 +40,13 @@ kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out);
 ** (OOM for allocation failures, STATE for capture misuse, INTERNAL otherwise). */
 kiln_status kiln__cuda_err(cudaError_t e, const char *what);
 /* cudaGetLastError after a launch. */
+/* Small products (cuda_matmul_small.cu): whether kiln's own one-launch kernels take a
+** problem of `batch` (M, K) @ (K, N) products, and the launch (operand batch strides
+** sa, sb, sc, smask; MATMUL's bias, flags and row sums as in backend.h). */
+bool kiln__cuda_matmul_small_fits(int64_t batch, int64_t M, int64_t N, int64_t K);
+kiln_status kiln__cuda_matmul_small(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view &A,
+                                    const kiln__view &B, const kiln__view &C, int64_t batch,
+                                    int64_t sa, int64_t sb, int64_t sc, int64_t smask);
 kiln_status kiln__cuda_launched(const char *what);
 /* Reads and clears the device-side index error flag (synchronizes the stream). */
 kiln_status kiln__cuda_check_flag(int device);

@@ -276,137 +276,6 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
   }
 }
 
-/* ---- small products: one launch of 32x32 output tiles ----
-** cuBLAS(Lt) picks split-K kernels for a small model's products (128x128x64 and
-** smaller): two or three launches of 3-10 us each, plus 9-12 us of host time in
-** cublasLtMatmul. Up to kSmallMacs multiply-adds one plain tiled kernel is faster on both
-** sides, takes any strides (no contiguous temporaries), and adds the bias and A's row sums
-** in the same pass. Arithmetic is the exact FMA of the compute type, as cuBLAS's SIMT
-** kernels do; only the order of the sum differs. */
-const double kSmallMacs = 4194304.0; /* 2^22 */
-/* A 16x16 output tile a block, one output a thread: against 32x32 tiles (four outputs a
-** thread) four times the blocks and half the shared-memory reads per SM. Measured on the
-** H200 with seed-mlp's products (Nsight Compute, serialised): 4.3-7.9 us against 5.8-10.9,
-** and the eager step 84 against 107-112 us. */
-const int kSlice = 64, kTile = 16;
-
-template <class T>
-__global__ void __launch_bounds__(256)
-    small_gemm(const T *__restrict__ A, int64_t am, int64_t ak, int64_t sa, const T *__restrict__ B,
-               int64_t bk, int64_t bn, int64_t sb, T *C, int64_t cm, int64_t cn, int64_t sc, int M,
-               int N, int K, typename kc_traits<T>::acc alpha, typename kc_traits<T>::acc beta,
-               const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow,
-               const T *__restrict__ mask, int64_t mm, int64_t mk, int64_t smask, int relu) {
-  typedef typename kc_traits<T>::acc Acc;
-  /* a 32x32 tile of C per block; K in slices of kSlice, the next slice's loads in flight
-  ** (in registers) while the block computes on this one: a small product's time is
-  ** mostly the latency of its loads */
-  __shared__ Acc As[kTile][kSlice + 1]; /* [m][k] */
-  __shared__ Acc Bs[kSlice][kTile + 1]; /* [k][n] */
-  /* thread (tx, ty) of 16 x 16: rows ty + 16 i, cols R tx + j (R = kTile / 16 of each) */
-  enum { R = kTile / 16 };
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int m0 = blockIdx.y * kTile, n0 = blockIdx.x * kTile;
-  A += (int64_t)blockIdx.z * sa;
-  B += (int64_t)blockIdx.z * sb;
-  C += (int64_t)blockIdx.z * sc;
-  if (mask) mask += (int64_t)blockIdx.z * smask;
-  /* loads walk the operand's unit-stride dim with the thread index (coalesced) */
-  const bool a_rows = ak == 1 || am != 1, b_rows = bn == 1 || bk != 1;
-  const bool sums = rowsum && blockIdx.x == 0;
-  enum { PER = kTile * kSlice / 256 }; /* elements of each operand a thread loads */
-  Acc ra[PER], rb[PER];
-  auto load = [&](int k0) {
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      int e = threadIdx.x + 256 * i;
-      int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile; /* (m, k) */
-      Acc av = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
-      if (mask && av != (Acc)0 && !((Acc)kc_ld<T>(mask[(m0 + r) * mm + (k0 + c) * mk]) > (Acc)0)) av = 0;
-      ra[i] = av;
-      r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice; /* (k, n) */
-      rb[i] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
-    }
-  };
-  Acc acc[R][R], rs = 0;
-#pragma unroll
-  for (int i = 0; i < R; i++)
-#pragma unroll
-    for (int j = 0; j < R; j++) acc[i][j] = 0;
-  load(0);
-  for (int k0 = 0; k0 < K; k0 += kSlice) {
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-      int e = threadIdx.x + 256 * i;
-      int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile;
-      As[r][c] = ra[i];
-      r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice;
-      Bs[r][c] = rb[i];
-    }
-    __syncthreads();
-    if (k0 + kSlice < K) load(k0 + kSlice);
-#pragma unroll 16
-    for (int kk = 0; kk < kSlice; kk++) {
-      Acc av[R], bw[R];
-#pragma unroll
-      for (int i = 0; i < R; i++) av[i] = As[ty + 16 * i][kk], bw[i] = Bs[kk][R * tx + i];
-#pragma unroll
-      for (int i = 0; i < R; i++)
-#pragma unroll
-        for (int j = 0; j < R; j++) acc[i][j] += av[i] * bw[j];
-    }
-    if (sums && threadIdx.x < kTile)
-      for (int kk = 0; kk < kSlice; kk++) rs += As[threadIdx.x][kk];
-    __syncthreads();
-  }
-  Acc bv[R];
-#pragma unroll
-  for (int j = 0; j < R; j++) {
-    int n = n0 + R * tx + j;
-    bv[j] = bias && n < N ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0;
-  }
-#pragma unroll
-  for (int i = 0; i < R; i++) {
-    int m = m0 + ty + 16 * i;
-    if (m >= M) continue;
-#pragma unroll
-    for (int j = 0; j < R; j++) {
-      int n = n0 + R * tx + j;
-      if (n >= N) continue;
-      T *c = C + m * cm + n * cn;
-      Acc v = alpha * acc[i][j] + bv[j];
-      if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
-      if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0; /* ReLU keeps NaN, as kiln_relu */
-      *c = kc_st<T>(v);
-    }
-  }
-  if (sums && threadIdx.x < kTile && m0 + threadIdx.x < M) rowsum[(m0 + threadIdx.x) * srow] = kc_st<T>(rs);
-}
-
-/* The small path for a problem of `batch` products (one stride per operand, checked by the
-** caller); bias (N) and row sums (M, batch 1 only) optional. */
-kiln_status launch_small_gemm(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view &A,
-                              const kiln__view &B, const kiln__view &C, int nb, int64_t batch,
-                              int64_t sa, int64_t sb, int64_t sc, int64_t smask) {
-  const int nd = C.ndim;
-  const int64_t M = C.shape[nd - 2], N = C.shape[nd - 1], K = A.shape[nd - 1];
-  const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
-  const kiln__view *rs = a->n_out > 1 ? &a->out[1] : NULL;
-  dim3 grid((unsigned)((N + kTile - 1) / kTile), (unsigned)((M + kTile - 1) / kTile), (unsigned)batch);
-  (void)nb;
-  KC_SWITCH_FLOAT(C.dtype, T, return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: %s", kiln_dtype_name(C.dtype)), {
-    typedef typename kc_traits<T>::acc Acc;
-    small_gemm<T><<<grid, 256, 0, d->stream>>>(
-        (const T *)A.data, A.strides[nd - 2], A.strides[nd - 1], sa, (const T *)B.data, B.strides[nd - 2],
-        B.strides[nd - 1], sb, (T *)C.data, C.strides[nd - 2], C.strides[nd - 1], sc, (int)M, (int)N, (int)K,
-        (Acc)a->s[0], (Acc)a->s[1], bias ? (const T *)bias->data : (const T *)NULL,
-        bias && bias->ndim > 0 ? bias->strides[bias->ndim - 1] : 0, rs ? (T *)rs->data : (T *)NULL,
-        rs ? rs->strides[0] : 0, mask ? (const T *)mask->data : (const T *)NULL,
-        mask ? mask->strides[nd - 2] : 0, mask ? mask->strides[nd - 1] : 0, smask, (a->i[1] & 1) ? 1 : 0);
-  })
-  return kiln__cuda_launched("matmul (small)");
-}
-
 kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__view *R) {
   const int64_t M = A->shape[0], K = A->shape[1];
   if (M == 0) return KILN_OK;
@@ -469,10 +338,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   /* small problems: one launch of the tiled kernel (strided operands as they are; the mask
   ** and the ReLU inside it) */
   int64_t sa = 0, sb = 0, sc = 0, sm = 0;
-  const bool small = batch > 0 && M > 0 && N > 0 && K > 0 &&
-                     (double)batch * (double)M * (double)N * (double)K <= kSmallMacs &&
-                     batch <= 65535 && K <= 512 && /* a long K: cuBLAS splits it better */
-                     (M + kTile - 1) / kTile <= 65535 && (!row_sum || batch == 1) &&
+  const bool small = kiln__cuda_matmul_small_fits(batch, M, N, K) && (!row_sum || batch == 1) &&
                      (!has_bias || a->in[2].dtype == O->dtype) && batch_stride(&A, nb, &sa) &&
                      batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc) &&
                      (!mask || batch_stride(mask, nb, &sm));
@@ -528,7 +394,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     if (has_bias) KC_TRY(kiln__cuda_add_view(device, O, &bias_b));
     return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
   }
-  if (small) return launch_small_gemm(d, a, A, B, *O, nb, batch, sa, sb, sc, sm);
+  if (small) return kiln__cuda_matmul_small(d, a, A, B, *O, batch, sa, sb, sc, sm);
   KC_TRY(handles(device, d));
   Types t;
   types_of(O->dtype, a->i[0] == 1, &t);

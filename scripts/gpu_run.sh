@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build kiln with CUDA for sm_90, run the GPU-labelled
 # tests and the rest of the suite, then the benchmarks next to their PyTorch peers.
-# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|bench|all]...
+# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|all]...
 # The machine has no Debian dev packages: .debs/ (carried, git-ignored) holds OpenBLAS,
 # zlib and cJSON, unpacked into a private prefix, never into /.
 set -u
@@ -43,6 +43,23 @@ if has test; then
   grep -E "tests passed|Failed|Passed|Skipped|\*\*\*" "$OUT/gpu-tests.log" | tail -30
   (cd build-gpu && timeout 300 ctest -LE gpu -j16) > "$OUT/cpu-tests.log" 2>&1
   grep -E "tests passed|\*\*\*Failed" "$OUT/cpu-tests.log" | tail -10
+fi
+
+if has probe; then # the step's timing: phases and step times each way, kernels by ncu, init cost
+  {
+    for m in "" "--graph"; do
+      echo "== seed-mlp phases $m"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda $m --json --quiet
+    done
+    for ml in LAZY EAGER; do
+      echo "== process time, 1 epoch, CUDA_MODULE_LOADING=$ml"
+      TIMEFORMAT="%R s wall"
+      time CUDA_MODULE_LOADING=$ml build-gpu/bin/seed-mlp --device cuda --epochs 1 --json --quiet
+    done
+    echo "== ncu: one eager step's kernels (after 200 launches)"
+    ncu --clock-control none --launch-skip 200 --launch-count 10 --metrics gpu__time_duration.sum \
+      build-gpu/bin/seed-mlp --device cuda --epochs 1 --quiet 2>&1 | grep -E "^  [a-z_]|gpu__time_duration|==PROF==" | head -40
+  } > "$OUT/probe.log" 2>&1
+  cat "$OUT/probe.log" | grep -v "^Epoch" | head -80
 fi
 
 if has bench; then

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(256)
       Acc v = 0;
       if (n < N) {
         v = (Acc)kc_ld<T>(B[k * bk + n * bn]);
-        if (mask_b && v != (Acc)0 && !((Acc)kc_ld<T>(mask[k * ms0 + n * ms1]) > (Acc)0)) v = 0;
+        if (mask && mask_b && v != (Acc)0 && !((Acc)kc_ld<T>(mask[k * ms0 + n * ms1]) > (Acc)0)) v = 0;
       }
       buf[k * kThinN + n] = v;
     }

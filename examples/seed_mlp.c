@@ -216,7 +216,7 @@ int main(int argc, char **argv) {
   ** epoch starts) from the steady step */
   const int64_t max_steps = epochs * ((N_SAMPLES + batch - 1) / batch) + 1;
   double *step_s = phases ? calloc((size_t)max_steps, sizeof *step_s) : NULL;
-  double epoch_start_s = 0;
+  double epoch_start_s = 0, device_s = 0; /* device time between marks (kiln_mark) */
 
   kiln_device_synchronize(dev);
   double t0 = ex_now();
@@ -268,14 +268,20 @@ int main(int argc, char **argv) {
           double p0 = phases ? ex_now() : 0;
           st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
           double p1 = phases ? ex_now() : 0;
+          kiln_mark *m0 = phases ? kiln_mark_record(dev) : NULL;
           if (st == KILN_OK) st = kiln_graph_replay(graphs[k]);
+          kiln_mark *m1 = phases ? kiln_mark_record(dev) : NULL;
           double p2 = phases ? ex_now() : 0;
           if (st == KILN_OK) lv = kiln_item(c->loss);
-          if (phases) phase_s[1] += p1 - p0, phase_s[2] += p2 - p1, phase_s[4] += ex_now() - p2;
+          if (phases) {
+            phase_s[1] += p1 - p0, phase_s[2] += p2 - p1, phase_s[4] += ex_now() - p2;
+            device_s += kiln_mark_elapsed_ms(m0, m1) * 1e-3;
+          }
         }
         seen += kiln_size(b[0], 0);
       } else if (r == 1) {
         double p0 = phases ? ex_now() : 0;
+        kiln_mark *m0 = phases ? kiln_mark_record(dev) : NULL;
         kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
                                                KILN_REDUCTION_MEAN, -100, 0.0);
         kiln_optimizer_zero_grad(opt);
@@ -285,9 +291,11 @@ int main(int argc, char **argv) {
         double p2 = phases ? ex_now() : 0;
         if (st == KILN_OK) st = kiln_optimizer_step(opt);
         double p3 = phases ? ex_now() : 0;
+        kiln_mark *m1 = phases ? kiln_mark_record(dev) : NULL;
         if (st == KILN_OK) lv = kiln_item(loss);
         if (phases) {
           double p4 = ex_now();
+          device_s += kiln_mark_elapsed_ms(m0, m1) * 1e-3;
           phase_s[1] += p1 - p0, phase_s[2] += p2 - p1, phase_s[3] += p3 - p2, phase_s[4] += p4 - p3;
         }
         seen += kiln_size(b[0], 0) * world;
@@ -334,6 +342,8 @@ int main(int argc, char **argv) {
       if (*names[graph][k])
         fprintf(stderr, "phase %-18s %8.1f us/step\n", names[graph][k], phase_s[k] / (double)steps * 1e6);
     fprintf(stderr, "phase %-18s %8.1f us/step\n", "epoch starts", epoch_start_s / (double)steps * 1e6);
+    fprintf(stderr, "device: %.1f us/step from %s (device marks)\n", device_s / (double)steps * 1e6,
+            graph ? "the graph's launch to its end" : "the step's first op to its last");
     if (step_s && steps > 0) print_step_times(step_s, steps < max_steps ? steps : max_steps, dt);
   }
   free(step_s);

@@ -163,6 +163,16 @@ KILN_API bool kiln_device_equal(kiln_device a, kiln_device b);
 KILN_API int kiln_device_count(kiln_device_type type);
 /* Waits for all queued work on dev. */
 KILN_API kiln_status kiln_device_synchronize(kiln_device dev);
+/* Device-side timing, as torch.cuda.Event(enable_timing=True): a mark is a timestamp put
+** on dev's queue in order with its work, so the time between two marks is the device's
+** time for the work queued between them, without waiting for anything when recorded. On
+** the CPU (which runs each op as it is called) a mark is the host clock. */
+typedef struct kiln_mark kiln_mark;
+/* NULL on error (inside a graph capture, for one: a captured step cannot be timed). */
+KILN_API kiln_mark *kiln_mark_record(kiln_device dev);
+/* Waits until stop has been reached and returns the milliseconds from start to stop; frees
+** both marks (either may be NULL: then -1 and the error). -1 on any error. */
+KILN_API double kiln_mark_elapsed_ms(kiln_mark *start, kiln_mark *stop);
 /* Whether the backend was compiled in, and whether it works now; when not, *why (static
 ** or thread-local string) says why. */
 KILN_API bool kiln_backend_built(kiln_device_type type);

@@ -299,6 +299,37 @@ static void test_adam_multi(kiln_device gpu) {
   }
 }
 
+/* kiln_mark on the GPU: device time between marks, in stream order; none inside a capture */
+static kiln_status mark_step(void *p) {
+  kiln_mark **out = p;
+  *out = kiln_mark_record(kiln_device_cuda(0));
+  return *out ? KILN_OK : kiln_last_error();
+}
+
+static void test_marks(kiln_device gpu) {
+  kiln_scope_begin();
+  kiln_tensor *a = kiln_randn(KILN_SHAPE(2048, 2048), KILN_F32, gpu, NULL);
+  kiln_device_synchronize(gpu);
+  kiln_mark *m0 = kiln_mark_record(gpu);
+  kiln_tensor *p = a;
+  for (int i = 0; i < 8; i++) p = kiln_matmul(p, a); /* about 140 GFLOP of exact f32 */
+  kiln_mark *m1 = kiln_mark_record(gpu);
+  CHECK(m0 && m1 && p, "marks around queued products");
+  double ms = kiln_mark_elapsed_ms(m0, m1);
+  CHECK(ms > 0.05 && ms < 10000, "device time of 8 products of 2048^2: %.3f ms", ms);
+  kiln_mark *inside = NULL;
+  kiln_clear_error();
+  kiln_graph *g = kiln_graph_capture(gpu, mark_step, &inside);
+  CHECK(g == NULL && inside == NULL && kiln_last_error() == KILN_ERR_STATE,
+        "a mark inside a capture is KILN_ERR_STATE");
+  kiln_graph_free(g);
+  kiln_clear_error();
+  kiln_mark *c = kiln_mark_record(gpu), *d = kiln_mark_record(kiln_device_cpu());
+  CHECK(kiln_mark_elapsed_ms(c, d) == -1 && kiln_last_error() == KILN_ERR_DEVICE,
+        "marks on two devices: -1 and KILN_ERR_DEVICE");
+  kiln_scope_end();
+}
+
 int main(void) {
   const char *why = NULL;
   if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
@@ -317,6 +348,7 @@ int main(void) {
   test_graphs(gpu);
   test_adam_multi(gpu);
   test_to_device_many(gpu);
+  test_marks(gpu);
   printf("%d passed, %d failed\n", checks - failures, failures);
   return failures ? 1 : 0;
 }

@@ -6,6 +6,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static kiln_device cpu;
 
@@ -199,6 +200,23 @@ static void test_to_device_many(void) {
   kiln_scope_end();
 }
 
+/* kiln_mark on the CPU: the host clock; errors free what they are given */
+static void test_marks(void) {
+  kiln_mark *a = kiln_mark_record(cpu);
+  struct timespec ts = {0, 2000000}; /* 2 ms */
+  nanosleep(&ts, NULL);
+  kiln_mark *b = kiln_mark_record(cpu);
+  double ms = kiln_mark_elapsed_ms(a, b);
+  H_CHECK(ms >= 1.9 && ms < 1000, "two marks around a 2 ms sleep: %.3f ms", ms);
+  kiln_mark *c = kiln_mark_record(cpu);
+  H_CHECK(kiln_mark_elapsed_ms(c, NULL) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT,
+          "a NULL mark: -1 and KILN_ERR_INVALID_ARGUMENT (the other mark freed)");
+  kiln_clear_error();
+  H_CHECK(kiln_mark_record((kiln_device){KILN_DEVICE_CUDA, 99}) == NULL &&
+              (kiln_last_error() == KILN_ERR_DEVICE || kiln_last_error() == KILN_ERR_UNAVAILABLE),
+          "a mark on a device that does not exist: KILN_ERR_DEVICE (or UNAVAILABLE without CUDA)");
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_tensor");
   cpu = kiln_device_cpu();
@@ -207,6 +225,7 @@ int main(int argc, char **argv) {
   test_conversion();
   test_copies();
   test_to_device_many();
+  test_marks();
   H_CHECK(kiln_live_tensors() == live0, "no leaks: %lld -> %lld", (long long)live0,
           (long long)kiln_live_tensors());
   return h_finish();

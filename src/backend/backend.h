@@ -221,7 +221,8 @@ typedef struct kiln__backend {
 
   /* Optional device timing (KILN_PROFILE=device): mark() puts a timestamp on the device's
   ** queue and returns it (NULL on failure); elapsed_ms() waits for the later mark and
-  ** returns the device time between the two, freeing both. NULL where the host time of a
+  ** returns the device time between the two (-1 on failure or a NULL mark), freeing both
+  ** (either may be NULL, to free the other). NULL where the host time of a
   ** kernel call is already its device time (the CPU). */
   void *(*mark)(int device);
   double (*elapsed_ms)(int device, void *start, void *stop);

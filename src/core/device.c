@@ -156,6 +156,61 @@ kiln_status kiln_device_synchronize(kiln_device dev) {
   return b->synchronize ? b->synchronize(dev.index) : KILN_OK;
 }
 
+/* ---- device timing ---- */
+struct kiln_mark {
+  kiln_device dev;
+  void *dev_mark; /* the backend's (a CUDA event); NULL on the CPU */
+  double host_s;
+};
+
+kiln_mark *kiln_mark_record(kiln_device dev) {
+  if (check_device(dev, "kiln_mark_record") != KILN_OK) return NULL;
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  kiln_mark *m = calloc(1, sizeof *m);
+  if (!m) KILN__FAIL_NULL(KILN_ERR_OOM, "kiln_mark_record: out of host memory");
+  m->dev = dev;
+  if (b->mark && b->elapsed_ms) {
+    if (!(m->dev_mark = b->mark(dev.index))) {
+      free(m);
+      KILN__FAIL_NULL(KILN_ERR_STATE, "kiln_mark_record: cannot put a mark on %s's queue (inside a "
+                      "graph capture, or the device failed)", kiln__device_cstr(dev));
+    }
+  } else {
+    m->host_s = kiln__now();
+  }
+  return m;
+}
+
+static void mark_free(kiln_mark *m) {
+  if (!m) return;
+  if (m->dev_mark) {
+    const kiln__backend *b = kiln__backend_get(m->dev.type);
+    b->elapsed_ms(m->dev.index, m->dev_mark, NULL); /* frees it */
+  }
+  free(m);
+}
+
+double kiln_mark_elapsed_ms(kiln_mark *start, kiln_mark *stop) {
+  if (!start || !stop || !kiln_device_equal(start->dev, stop->dev)) {
+    kiln_set_error(!start || !stop ? KILN_ERR_INVALID_ARGUMENT : KILN_ERR_DEVICE,
+                   "kiln_mark_elapsed_ms: %s", !start || !stop ? "NULL mark" : "marks on two devices");
+    mark_free(start);
+    mark_free(stop);
+    return -1;
+  }
+  double ms;
+  if (start->dev_mark) {
+    const kiln__backend *b = kiln__backend_get(start->dev.type);
+    ms = b->elapsed_ms(start->dev.index, start->dev_mark, stop->dev_mark); /* frees both */
+    if (ms < 0) kiln_set_error(KILN_ERR_INTERNAL, "kiln_mark_elapsed_ms: the device could not time the marks");
+  } else {
+    ms = (stop->host_s - start->host_s) * 1e3;
+  }
+  free(start);
+  free(stop);
+  return ms;
+}
+
 /* ---- CPU threads ---- */
 #ifdef KILN_HAVE_OPENMP
 #include <omp.h>

@@ -246,6 +246,7 @@ static kiln_status profiled(const kiln__backend *b, kiln_device dev, kiln__kargs
   kiln_status st = b->kernels[a->op](a);
   double host = kiln__now() - t0;
   double ms = dev_time ? b->elapsed_ms(dev.index, m0, b->mark(dev.index)) : 0;
+  if (ms < 0) ms = 0;
   int t = dev.type == KILN_DEVICE_CUDA;
   /* the first calls of each op pay one-time costs (module loading, library handles):
   ** the table is the steady state */

@@ -427,10 +427,12 @@ static void *cuda_mark(int device) {
 
 static double cuda_elapsed_ms(int device, void *start, void *stop) {
   (void)device;
-  float ms = 0;
+  float ms = -1;
   if (!start || !stop || cudaEventSynchronize((cudaEvent_t)stop) != cudaSuccess ||
-      cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)stop) != cudaSuccess)
-    ms = 0;
+      cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)stop) != cudaSuccess) {
+    (void)cudaGetLastError();
+    ms = -1;
+  }
   if (start) cudaEventDestroy((cudaEvent_t)start);
   if (stop) cudaEventDestroy((cudaEvent_t)stop);
   return ms;

@@ -49,14 +49,16 @@ __global__ void __launch_bounds__(256)
        i += (int64_t)gridDim.x * blockDim.x) {
     /* neighbouring threads take neighbouring outputs along C's unit-stride dim */
     const int m = n_fast ? (int)(i / N) : (int)(i % M), n = n_fast ? (int)(i % N) : (int)(i / M);
+    const Acc bv = bias ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0; /* in flight with the rest */
     Acc acc = 0, rs = 0;
-    for (int k = 0; k < K; k++) {
+#pragma unroll 4
+    for (int k = 0; k < K; k++) { /* the mask's load beside A's, not behind it */
       Acc a = (Acc)kc_ld<T>(A[m * am + k * ak]);
-      if (mask && a != (Acc)0 && !((Acc)kc_ld<T>(mask[m * mm + k * mk]) > (Acc)0)) a = 0;
+      if (mask && !((Acc)kc_ld<T>(mask[m * mm + k * mk]) > (Acc)0)) a = 0;
       rs += a;
       acc += a * (Acc)kc_ld<T>(B[k * bk + n * bn]);
     }
-    Acc v = alpha * acc + (bias ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0);
+    Acc v = alpha * acc + bv;
     T *c = C + m * cm + n * cn;
     if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
     if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0; /* ReLU keeps NaN, as kiln_relu */
@@ -68,6 +70,25 @@ __global__ void __launch_bounds__(256)
 /* ---- thin: N <= 8 -------------------------------------------------------------------- */
 
 const int kThinN = 8;
+const int kThinG = 8; /* A's loads a thread issues together: one wait for 8, not 8 in turn */
+
+/* a[u] = A[m, k + step u] (through the mask when there is one), 0 at or past k_end */
+template <class T>
+__device__ __forceinline__ void thin_load(typename kc_traits<T>::acc *a, const T *__restrict__ A,
+                                          const T *__restrict__ mask, int m, int k, int step,
+                                          int k_end, int64_t am, int64_t ak, int64_t ms0, int64_t ms1) {
+  typedef typename kc_traits<T>::acc Acc;
+  Acc mv[kThinG];
+#pragma unroll
+  for (int u = 0; u < kThinG; u++) {
+    const int kk = k + step * u;
+    a[u] = kk < k_end ? (Acc)kc_ld<T>(A[m * am + kk * ak]) : (Acc)0;
+    mv[u] = mask && kk < k_end ? (Acc)kc_ld<T>(mask[m * ms0 + kk * ms1]) : (Acc)1;
+  }
+#pragma unroll
+  for (int u = 0; u < kThinG; u++)
+    if (!(mv[u] > (Acc)0)) a[u] = 0;
+}
 
 /* C (M, N <= 8) = A (M, K) B (K, N). B's panel goes to shared memory once per block. With
 ** lanes_k (A's K is its unit-stride dim) a warp takes a row of C, its lanes split K and a
@@ -113,6 +134,10 @@ __global__ void __launch_bounds__(256)
     if (lane == 0) sums[warp * ss] = kc_st<T>(s);
   }
   const bool a_sums = sums && !sums_b;
+  /* the bias along n, loaded now so that its latency hides behind the product's */
+  Acc bn_v[kThinN];
+#pragma unroll
+  for (int j = 0; j < kThinN; j++) bn_v[j] = bias && !bias_m && j < N ? (Acc)kc_ld<T>(bias[j * sbias]) : (Acc)0;
   Acc acc[kThinN], rs = 0;
 #pragma unroll
   for (int j = 0; j < kThinN; j++) acc[j] = 0;
@@ -120,12 +145,16 @@ __global__ void __launch_bounds__(256)
   if (lanes_k) {
     m = blockIdx.x * 8 + warp;
     if (m < M)
-      for (int k = lane; k < K; k += 32) {
-        Acc a = (Acc)kc_ld<T>(A[m * am + k * ak]);
-        if (!mask_b && mask && a != (Acc)0 && !((Acc)kc_ld<T>(mask[m * ms0 + k * ms1]) > (Acc)0)) a = 0;
-        rs += a;
+      for (int k0 = lane; k0 < K; k0 += 32 * kThinG) {
+        Acc a[kThinG];
+        thin_load<T>(a, A, mask_b ? NULL : mask, m, k0, 32, K, am, ak, ms0, ms1);
 #pragma unroll
-        for (int j = 0; j < kThinN; j++) acc[j] += a * buf[k * kThinN + j];
+        for (int u = 0; u < kThinG; u++) {
+          rs += a[u];
+#pragma unroll
+          for (int j = 0; j < kThinN; j++)
+            acc[j] += a[u] * (k0 + 32 * u < K ? buf[(k0 + 32 * u) * kThinN + j] : (Acc)0);
+        }
       }
 #pragma unroll
     for (int j = 0; j < kThinN; j++)
@@ -139,12 +168,15 @@ __global__ void __launch_bounds__(256)
     m = blockIdx.x * 32 + lane;
     const int chunk = (K + 7) / 8, k0 = warp * chunk, k1 = min(K, k0 + chunk);
     if (m < M)
-      for (int k = k0; k < k1; k++) {
-        Acc a = (Acc)kc_ld<T>(A[m * am + k * ak]);
-        if (!mask_b && mask && a != (Acc)0 && !((Acc)kc_ld<T>(mask[m * ms0 + k * ms1]) > (Acc)0)) a = 0;
-        rs += a;
+      for (int k = k0; k < k1; k += kThinG) {
+        Acc a[kThinG];
+        thin_load<T>(a, A, mask_b ? NULL : mask, m, k, 1, k1, am, ak, ms0, ms1);
 #pragma unroll
-        for (int j = 0; j < kThinN; j++) acc[j] += a * buf[k * kThinN + j];
+        for (int u = 0; u < kThinG; u++) {
+          rs += a[u];
+#pragma unroll
+          for (int j = 0; j < kThinN; j++) acc[j] += a[u] * (k + u < k1 ? buf[(k + u) * kThinN + j] : (Acc)0);
+        }
       }
     __syncthreads(); /* the panel is dead: reuse it for the 8 warps' partial sums */
     Acc *red = buf + (warp * 32 + lane) * (kThinN + 1);
@@ -167,7 +199,7 @@ __global__ void __launch_bounds__(256)
   for (int j = 0; j < kThinN; j++) {
     if (j >= N) break;
     T *c = C + m * cm + j * cn;
-    Acc v = alpha * acc[j] + (bias ? (bias_m ? bm : (Acc)kc_ld<T>(bias[j * sbias])) : (Acc)0);
+    Acc v = alpha * acc[j] + (bias_m ? bm : bn_v[j]);
     if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
     if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0;
     *c = kc_st<T>(v);
@@ -204,19 +236,21 @@ __global__ void __launch_bounds__(256)
   const bool a_rows = ak == 1 || am != 1, b_rows = bn == 1 || bk != 1;
   const bool sums = rowsum && blockIdx.x == 0;
   enum { PER = kTile * kSlice / 256 }; /* elements of each operand a thread loads */
-  Acc ra[PER], rb[PER];
+  Acc ra[PER], rb[PER], rm[PER];
   auto load = [&](int k0) {
 #pragma unroll
     for (int i = 0; i < PER; i++) {
       int e = threadIdx.x + 256 * i;
       int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile; /* (m, k) */
-      Acc av = (m0 + r < M && k0 + c < K) ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
-      if (mask && av != (Acc)0 && !((Acc)kc_ld<T>(mask[(m0 + r) * mm + (k0 + c) * mk]) > (Acc)0)) av = 0;
-      ra[i] = av;
+      const bool in = m0 + r < M && k0 + c < K;
+      ra[i] = in ? (Acc)kc_ld<T>(A[(m0 + r) * am + (k0 + c) * ak]) : (Acc)0;
+      rm[i] = mask && in ? (Acc)kc_ld<T>(mask[(m0 + r) * mm + (k0 + c) * mk]) : (Acc)1; /* beside A's load */
       r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice; /* (k, n) */
       rb[i] = (k0 + r < K && n0 + c < N) ? (Acc)kc_ld<T>(B[(k0 + r) * bk + (n0 + c) * bn]) : (Acc)0;
     }
   };
+  const int m = m0 + ty, n = n0 + tx;
+  const Acc bv = bias && n < N ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0; /* in flight with slice 0 */
   Acc acc = 0, rs = 0;
   load(0);
   for (int k0 = 0; k0 < K; k0 += kSlice) {
@@ -224,7 +258,7 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < PER; i++) {
       int e = threadIdx.x + 256 * i;
       int r = a_rows ? e / kSlice : e % kTile, c = a_rows ? e % kSlice : e / kTile;
-      As[r][c] = ra[i];
+      As[r][c] = rm[i] > (Acc)0 ? ra[i] : (Acc)0;
       r = b_rows ? e / kTile : e % kSlice, c = b_rows ? e % kTile : e / kSlice;
       Bs[r][c] = rb[i];
     }
@@ -239,7 +273,6 @@ __global__ void __launch_bounds__(256)
       for (int j = 0; j < kSlice / 16; j++) rs += As[ty][tx + 16 * j];
     __syncthreads();
   }
-  const int m = m0 + ty, n = n0 + tx;
   if (sums) { /* the 16 threads of a row are one half of a warp */
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) rs += __shfl_xor_sync(0xffffffffu, rs, o, 16);
@@ -247,7 +280,7 @@ __global__ void __launch_bounds__(256)
   }
   if (m >= M || n >= N) return;
   T *c = C + m * cm + n * cn;
-  Acc v = alpha * acc + (bias ? (Acc)kc_ld<T>(bias[n * sbias]) : (Acc)0);
+  Acc v = alpha * acc + bv;
   if (beta != (Acc)0) v += beta * (Acc)kc_ld<T>(*c);
   if (relu && !(v > (Acc)0)) v = v != v ? v : (Acc)0; /* ReLU keeps NaN, as kiln_relu */
   *c = kc_st<T>(v);

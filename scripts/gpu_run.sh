@@ -55,6 +55,11 @@ if has probe; then # the step's timing: phases and step times each way, kernels 
       TIMEFORMAT="%R s wall"
       time CUDA_MODULE_LOADING=$ml build-gpu/bin/seed-mlp --device cuda --epochs 1 --json --quiet
     done
+    echo "== first use of each kernel family (lazy module loading)"
+    cc -O2 -Iinclude scripts/first_use.c -Lbuild-gpu/lib -lkiln -o /tmp/first_use && LD_LIBRARY_PATH=build-gpu/lib:$LD_LIBRARY_PATH /tmp/first_use
+    echo "== ncu: one captured step as a whole (graph profiling)"
+    ncu --clock-control none --graph-profiling graph --launch-skip 40 --launch-count 3 --metrics gpu__time_duration.sum \
+      build-gpu/bin/seed-mlp --device cuda --epochs 1 --graph --quiet 2>&1 | grep -E "gpu__time_duration" | head -5
     echo "== ncu: one eager step's kernels (after 200 launches)"
     ncu --clock-control none --launch-skip 200 --launch-count 10 --metrics gpu__time_duration.sum \
       build-gpu/bin/seed-mlp --device cuda --epochs 1 --quiet 2>&1 | grep -E "^  [a-z_]|gpu__time_duration|==PROF==" | head -40

@@ -8,6 +8,7 @@ set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 steps=${*:-all}
+B=${KILN_BUILD_DIR:-build-gpu}   # the build folder; KILN_CMAKE_EXTRA adds configure flags
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,41 +29,41 @@ if has build; then
     for z in /usr/lib/x86_64-linux-gnu/libz.so /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1; do
       [ -e "$z" ] && { zlibf="-DZLIB_LIBRARY=$z"; break; }
     done
-    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DKILN_CUDA_ARCHS=90 \
+    cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DKILN_CUDA_ARCHS=90 \
       -DKILN_OPENBLAS_LIBRARY=$lib/openblas-pthread/libopenblas.so \
       -DKILN_CBLAS_INCLUDE_DIR=$pfx/usr/include/x86_64-linux-gnu/openblas-pthread \
-      $zinc $zlibf -DKILN_WERROR=OFF 2>&1
-    time cmake --build build-gpu -j16 2>&1 | grep -E "error|warning:|Error" | head -60
-    ls build-gpu/bin | head -80
+      $zinc $zlibf -DKILN_WERROR=OFF ${KILN_CMAKE_EXTRA:-} 2>&1
+    time cmake --build $B -j16 2>&1 | grep -E "error|warning:|Error" | head -60
+    ls $B/bin | head -80
   } > "$OUT/build.log" 2>&1
   tail -25 "$OUT/build.log"
 fi
 
 if has test; then
-  (cd build-gpu && timeout 400 ctest -L gpu --output-on-failure -j4) > "$OUT/gpu-tests.log" 2>&1
+  (cd $B && timeout 400 ctest -L gpu --output-on-failure -j4) > "$OUT/gpu-tests.log" 2>&1
   grep -E "tests passed|Failed|Passed|Skipped|\*\*\*" "$OUT/gpu-tests.log" | tail -30
-  (cd build-gpu && timeout 300 ctest -LE gpu -j16) > "$OUT/cpu-tests.log" 2>&1
+  (cd $B && timeout 300 ctest -LE gpu -j16) > "$OUT/cpu-tests.log" 2>&1
   grep -E "tests passed|\*\*\*Failed" "$OUT/cpu-tests.log" | tail -10
 fi
 
 if has probe; then # the step's timing: phases and step times each way, kernels by ncu, init cost
   {
     for m in "" "--graph"; do
-      echo "== seed-mlp phases $m"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda $m --json --quiet
+      echo "== seed-mlp phases $m"; KILN_PHASES=1 $B/bin/seed-mlp --device cuda $m --json --quiet
     done
     for ml in LAZY EAGER; do
       echo "== process time, 1 epoch, CUDA_MODULE_LOADING=$ml"
       TIMEFORMAT="%R s wall"
-      time CUDA_MODULE_LOADING=$ml build-gpu/bin/seed-mlp --device cuda --epochs 1 --json --quiet
+      time CUDA_MODULE_LOADING=$ml $B/bin/seed-mlp --device cuda --epochs 1 --json --quiet
     done
     echo "== first use of each kernel family (lazy module loading)"
-    cc -O2 -Iinclude scripts/first_use.c -Lbuild-gpu/lib -lkiln -o /tmp/first_use && LD_LIBRARY_PATH=build-gpu/lib:$LD_LIBRARY_PATH /tmp/first_use
+    cc -O2 -Iinclude scripts/first_use.c -L$B/lib -lkiln -o /tmp/first_use && LD_LIBRARY_PATH=$B/lib:$LD_LIBRARY_PATH /tmp/first_use
     echo "== ncu: one captured step as a whole (graph profiling)"
     ncu --clock-control none --graph-profiling graph --launch-skip 40 --launch-count 3 --metrics gpu__time_duration.sum \
-      build-gpu/bin/seed-mlp --device cuda --epochs 1 --graph --quiet 2>&1 | grep -E "gpu__time_duration" | head -5
+      $B/bin/seed-mlp --device cuda --epochs 1 --graph --quiet 2>&1 | grep -E "gpu__time_duration" | head -5
     echo "== ncu: one eager step's kernels (after 200 launches)"
     ncu --clock-control none --launch-skip 200 --launch-count 10 --metrics gpu__time_duration.sum \
-      build-gpu/bin/seed-mlp --device cuda --epochs 1 --quiet 2>&1 | grep -E "^  [a-z_]|gpu__time_duration|==PROF==" | head -40
+      $B/bin/seed-mlp --device cuda --epochs 1 --quiet 2>&1 | grep -E "^  [a-z_]|gpu__time_duration|==PROF==" | head -40
   } > "$OUT/probe.log" 2>&1
   cat "$OUT/probe.log" | grep -v "^Epoch" | head -80
 fi
@@ -71,26 +72,26 @@ if has bench; then
   peer=.peer/torch_peer.py   # a carried copy of ../shared/bench/torch_peer.py
   [ -f $peer ] || peer=../shared/bench/torch_peer.py
   {
-    echo "== kiln doctor"; build-gpu/bin/kiln doctor
-    echo "== kiln seed-mlp profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --json --quiet
-    echo "== kiln seed-mlp (cuda)"; build-gpu/bin/seed-mlp --device cuda --json --quiet
-    echo "== kiln seed-mlp (cuda, graph)"; build-gpu/bin/seed-mlp --device cuda --graph --json --quiet
-    echo "== kiln seed-mlp (cuda, preload)"; build-gpu/bin/seed-mlp --device cuda --preload --json --quiet
-    echo "== kiln seed-mlp (cuda, preload, graph)"; build-gpu/bin/seed-mlp --device cuda --preload --graph --json --quiet
-    echo "== kiln seed-mlp graph profile (2 epochs)"; KILN_PROFILE=1 build-gpu/bin/seed-mlp --device cuda --epochs 2 --graph --json --quiet
-    echo "== kiln seed-mlp device profile (2 epochs)"; KILN_PROFILE=device build-gpu/bin/seed-mlp --device cuda --epochs 2 --json --quiet
+    echo "== kiln doctor"; $B/bin/kiln doctor
+    echo "== kiln seed-mlp profile (2 epochs)"; KILN_PROFILE=1 $B/bin/seed-mlp --device cuda --epochs 2 --json --quiet
+    echo "== kiln seed-mlp (cuda)"; $B/bin/seed-mlp --device cuda --json --quiet
+    echo "== kiln seed-mlp (cuda, graph)"; $B/bin/seed-mlp --device cuda --graph --json --quiet
+    echo "== kiln seed-mlp (cuda, preload)"; $B/bin/seed-mlp --device cuda --preload --json --quiet
+    echo "== kiln seed-mlp (cuda, preload, graph)"; $B/bin/seed-mlp --device cuda --preload --graph --json --quiet
+    echo "== kiln seed-mlp graph profile (2 epochs)"; KILN_PROFILE=1 $B/bin/seed-mlp --device cuda --epochs 2 --graph --json --quiet
+    echo "== kiln seed-mlp device profile (2 epochs)"; KILN_PROFILE=device $B/bin/seed-mlp --device cuda --epochs 2 --json --quiet
     if [ -n "${KILN_SAMPLE:-}" ]; then
       cc -O2 -shared -fPIC scripts/sampler.c -o /tmp/sampler.so -ldl -lrt
       for mode in "" "--graph"; do
         echo "== host samples: seed-mlp $mode (20 epochs)"
-        KILN_SAMPLER_US=250 KILN_SAMPLER_OUT=/tmp/s.out LD_PRELOAD=/tmp/sampler.so build-gpu/bin/seed-mlp --device cuda $mode --json --quiet
+        KILN_SAMPLER_US=250 KILN_SAMPLER_OUT=/tmp/s.out LD_PRELOAD=/tmp/sampler.so $B/bin/seed-mlp --device cuda $mode --json --quiet
         python3 scripts/sampler_report.py /tmp/s.out --top 45
       done
     fi
-    echo "== kiln seed-mlp phases (eager, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --json --quiet
-    echo "== kiln seed-mlp phases (graph, 5 epochs)"; KILN_PHASES=1 build-gpu/bin/seed-mlp --device cuda --epochs 5 --graph --json --quiet
-    echo "== kiln bench-sweep"; build-gpu/bin/bench-sweep --device cuda
-    echo "== kiln bench-ceilings"; build-gpu/bin/bench-ceilings --device cuda
+    echo "== kiln seed-mlp phases (eager, 5 epochs)"; KILN_PHASES=1 $B/bin/seed-mlp --device cuda --epochs 5 --json --quiet
+    echo "== kiln seed-mlp phases (graph, 5 epochs)"; KILN_PHASES=1 $B/bin/seed-mlp --device cuda --epochs 5 --graph --json --quiet
+    echo "== kiln bench-sweep"; $B/bin/bench-sweep --device cuda
+    echo "== kiln bench-ceilings"; $B/bin/bench-ceilings --device cuda
     if [ -f "$peer" ] && [ -z "${KILN_NO_PEER:-}" ]; then
       echo "== torch seed-mlp"; python3 $peer seed-mlp --device cuda
       echo "== torch seed-mlp preload"; python3 $peer seed-mlp --device cuda --preload

@@ -114,15 +114,24 @@ __global__ void __launch_bounds__(256)
   if (mask) mask += (int64_t)blockIdx.z * smask;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   {
+    /* every load of the panel issued before any is used: one wait, not one per pass */
+    enum { PER = kSmallMaxK * kThinN / 256 };
     const bool k_fast = bk == 1 && bn != 1; /* walk B's unit-stride dim with the thread index */
-    for (int e = threadIdx.x; e < K * kThinN; e += blockDim.x) {
+    const bool mb = mask && mask_b;
+    Acc pv[PER], pm[PER];
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+      const int e = threadIdx.x + 256 * u;
       const int k = k_fast ? e % K : e / kThinN, n = k_fast ? e / K : e % kThinN;
-      Acc v = 0;
-      if (n < N) {
-        v = (Acc)kc_ld<T>(B[k * bk + n * bn]);
-        if (mask && mask_b && v != (Acc)0 && !((Acc)kc_ld<T>(mask[k * ms0 + n * ms1]) > (Acc)0)) v = 0;
-      }
-      buf[k * kThinN + n] = v;
+      const bool in = e < K * kThinN && n < N;
+      pv[u] = in ? (Acc)kc_ld<T>(B[k * bk + n * bn]) : (Acc)0;
+      pm[u] = in && mb ? (Acc)kc_ld<T>(mask[k * ms0 + n * ms1]) : (Acc)1;
+    }
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+      const int e = threadIdx.x + 256 * u;
+      const int k = k_fast ? e % K : e / kThinN, n = k_fast ? e / K : e % kThinN;
+      if (e < K * kThinN) buf[k * kThinN + n] = pm[u] > (Acc)0 ? pv[u] : (Acc)0;
     }
   }
   __syncthreads();

@@ -367,19 +367,18 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     n->grad_acc = NULL;
     n->unit_seed = false;
     kiln_scope_begin();
-    /* what a user sees of this node's gradient: a unit seed is made only to be shown */
-    kiln_tensor *shown = g;
-    bool show = cap->grads ? false : n->out_weak && n->out_weak->retains_grad;
+    /* Does a user see this node's gradient (captured, or retained)? A unit seed is made
+    ** into a ones tensor only then. No gradient at all: nothing to compute; the edges
+    ** below still release their dependencies. */
+    bool show = !cap->grads && n->out_weak && n->out_weak->retains_grad;
     for (int c = 0; cap->grads && c < cap->n; c++) show = show || cap->inputs[c]->grad_fn == n;
-    if (unit && show && !(shown = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device)))
+    kiln_tensor *shown = g;
+    if (show && unit && !(shown = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device)))
       st = kiln_last_error();
-    if (!shown || st != KILN_OK) {
-      /* nothing to show (or no gradient: the edges below still release their dependencies) */
-    } else if (cap->grads) {
-      for (int c = 0; c < cap->n; c++)
-        if (cap->inputs[c]->grad_fn == n && st == KILN_OK) st = accumulate(&cap->grads[c], shown, true);
-    } else if (show) {
-      st = accumulate(&n->out_weak->grad, shown, true);
+    if (show && shown && st == KILN_OK) {
+      if (!cap->grads) st = accumulate(&n->out_weak->grad, shown, true);
+      for (int c = 0; cap->grads && c < cap->n && st == KILN_OK; c++)
+        if (cap->inputs[c]->grad_fn == n) st = accumulate(&cap->grads[c], shown, true);
     }
     kiln_tensor *gi[KILN__NODE_MAX_IN] = {0};
     if (st == KILN_OK && (g || unit)) {

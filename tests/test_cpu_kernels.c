@@ -1145,8 +1145,9 @@ static void test_cross_entropy_fused(void) {
           fill_rand(&tg.v, 0, (double)C);
           set(&tg.v, (int64_t[]){1}, -100);
           int64_t nl = mean ? 1 : N;
-          tt loss0 = tt_new(lt, 1, &nl, NULL), lse0 = tt_new(lt, 1, &N, NULL), w0 = tt_new(lt, 1, mean ? &one : &N, NULL);
-          tt loss1 = tt_new(lt, 1, &nl, NULL), lse1 = tt_new(lt, 1, &N, NULL), w1 = tt_new(lt, 1, mean ? &one : &N, NULL);
+          const int64_t *nw = mean ? &one : &N; /* the weight (per row) or the count (mean) */
+          tt loss0 = tt_new(lt, 1, &nl, NULL), lse0 = tt_new(lt, 1, &N, NULL), w0 = tt_new(lt, 1, nw, NULL);
+          tt loss1 = tt_new(lt, 1, &nl, NULL), lse1 = tt_new(lt, 1, &N, NULL), w1 = tt_new(lt, 1, nw, NULL);
           tt dl = make_in(dt, li ? L_CONTIG : L_TRANS, N, C), db = make_in(dt, L_CONTIG, N, C);
           kiln__kop op = mean ? KILN__K_CROSS_ENTROPY_MEAN : KILN__K_CROSS_ENTROPY;
           kiln__kargs a = kargs(op, 2, 3);
@@ -1154,7 +1155,7 @@ static void test_cross_entropy_fused(void) {
           a.in[1] = tg.v;
           a.out[0] = loss0.v;
           a.out[1] = lse0.v;
-          a.out[2] = w0.v; /* the weight (per row) or the count (mean) */
+          a.out[2] = w0.v;
           a.i[0] = -100;
           a.s[0] = eps;
           CHECK(run(&a) == KILN_OK, "ce fused: plain %s: %s", kiln__kop_name(op), kiln_last_error_message());
@@ -1166,9 +1167,11 @@ static void test_cross_entropy_fused(void) {
           f.out[3] = dl.v;
           f.i[1] = 1;
           CHECK(run(&f) == KILN_OK, "ce fused: %s with dlogits: %s", kiln__kop_name(op), kiln_last_error_message());
-          CHECK(memcmp(loss0.buf, loss1.buf, (size_t)nl * esz(lt)) == 0 && memcmp(lse0.buf, lse1.buf, (size_t)N * esz(lt)) == 0 &&
-                    memcmp(w0.buf, w1.buf, (size_t)(mean ? 1 : N) * esz(lt)) == 0,
-                "ce fused %s %s: the flag changed the loss, lse or weight", kiln__kop_name(op), kiln_dtype_name(dt));
+          CHECK(memcmp(loss0.buf, loss1.buf, (size_t)nl * esz(lt)) == 0 &&
+                    memcmp(lse0.buf, lse1.buf, (size_t)N * esz(lt)) == 0 &&
+                    memcmp(w0.buf, w1.buf, (size_t)*nw * esz(lt)) == 0,
+                "ce fused %s %s: the flag changed the loss, lse or weight", kiln__kop_name(op),
+                kiln_dtype_name(dt));
           /* the backward kernel with grad 1 (and the mean's count as divisor) */
           tt g = tt_new(lt, 1, &one, NULL);
           set(&g.v, (int64_t[]){0}, 1);
@@ -1201,8 +1204,8 @@ static void test_cross_entropy_fused(void) {
               if (fabs(got - want) > tol * 2 + (dt == KILN_BF16 ? 1e-2 : dt == KILN_F16 ? 2e-3 : 0)) bad++;
             }
           }
-          CHECK(differ == 0, "ce fused %s %s [%lld,%lld]: %d elements differ from the backward kernel's", kiln__kop_name(op),
-                kiln_dtype_name(dt), (long long)N, (long long)C, differ);
+          CHECK(differ == 0, "ce fused %s %s [%lld,%lld]: %d elements differ from the backward kernel's",
+                kiln__kop_name(op), kiln_dtype_name(dt), (long long)N, (long long)C, differ);
           CHECK(bad == 0, "ce fused %s %s [%lld,%lld] eps %g: %d elements off the formula", kiln__kop_name(op),
                 kiln_dtype_name(dt), (long long)N, (long long)C, eps, bad);
           /* every row ignored: zeros (the mean itself is NaN) */
@@ -1213,7 +1216,8 @@ static void test_cross_entropy_fused(void) {
           int64_t idx[2] = {0, 0};
           do bad += get(&dl.v, idx) != 0;
           while (next(idx, 2, dl.v.shape));
-          CHECK(bad == 0, "ce fused %s %s, all ignored: %d nonzero gradients", kiln__kop_name(op), kiln_dtype_name(dt), bad);
+          CHECK(bad == 0, "ce fused %s %s, all ignored: %d nonzero gradients", kiln__kop_name(op),
+                kiln_dtype_name(dt), bad);
           /* dlogits of the wrong shape */
           f.out[3].shape[1] = C - 1;
           CHECK(run(&f) == KILN_ERR_SHAPE, "ce fused %s: a [N, C-1] dlogits -> KILN_ERR_SHAPE", kiln__kop_name(op));

@@ -257,7 +257,8 @@ static void loss_fused_grad(void) {
         int64_t ng = kiln_numel(loss);
         for (int64_t k = 0; k < ng; k++) g[k] = ng == 1 ? 2.5 : h_rand_uniform() * 4 - 2;
         kiln_tensor *gt = h_tensor(g, kiln_ndim(loss), kiln_shape(loss), dt);
-        H_CHECK(kiln_backward(loss, gt) == KILN_OK, "%s: backward with a gradient: %s", what, kiln_last_error_message());
+        H_CHECK(kiln_backward(loss, gt) == KILN_OK, "%s: backward with a gradient: %s", what,
+                kiln_last_error_message());
         loss_ref_ce_grad(x, t, N, C, D, c, g, want);
         char w3[200];
         snprintf(w3, sizeof w3, "%s: grad, explicit gradient", what);
@@ -296,7 +297,8 @@ static void loss_fused_no_kernel(void) {
   /* and the gradient is right: w.grad = x^T dlogits */
   double want[15] = {0}, dl[20], one = 1;
   double *lg = h_values(kiln_matmul(x, w), NULL);
-  loss_ref_ce_grad(lg, (const double[]){0, 4, 2, 1}, 4, 5, 1, &(const loss_ctx){KILN_REDUCTION_MEAN, -100, 0}, &one, dl);
+  loss_ref_ce_grad(lg, (const double[]){0, 4, 2, 1}, 4, 5, 1, &(const loss_ctx){KILN_REDUCTION_MEAN, -100, 0},
+                   &one, dl);
   for (int k = 0; k < 3; k++)
     for (int j = 0; j < 5; j++)
       for (int n = 0; n < 4; n++) want[k * 5 + j] += xv[n * 3 + k] * dl[n * 5 + j];
@@ -343,7 +345,8 @@ static void loss_fused_alias(void) {
   H_CHECK(r[1] && kiln_item(r[1]) == 1, "autograd_grad of the loss itself (the unit seed shown) is 1");
   if (r[0]) kiln_fill_(r[0], 7);
   kiln_tensor *outs[2] = {loss, loss}, *r2 = NULL;
-  H_CHECK(kiln_autograd_grad(2, outs, NULL, 1, &y, &r2) == KILN_OK, "autograd_grad, two roots: %s", kiln_last_error_message());
+  H_CHECK(kiln_autograd_grad(2, outs, NULL, 1, &y, &r2) == KILN_OK, "autograd_grad, two roots: %s",
+          kiln_last_error_message());
   double *v2 = h_values(r2, NULL);
   int bad = 0;
   for (int k = 0; gy && v2 && k < 12; k++) bad += fabs(v2[k] - 2 * gy[k]) > 1e-6;
@@ -371,7 +374,8 @@ static void loss_fused_alias(void) {
   double *gh2 = h_values(kiln_grad(h), NULL), *gx2 = h_values(kiln_grad(x), NULL);
   bad = 0;
   for (int k = 0; gh && gh2 && gx2 && k < 12; k++) bad += gh2[k] != gh[k] || gx2[k] != gh[k];
-  H_CHECK(gh && gh2 && gx2 && bad == 0, "retained and leaf grads the same after writing 7s into the first (%d differ)", bad);
+  H_CHECK(gh && gh2 && gx2 && bad == 0,
+          "retained and leaf grads the same after writing 7s into the first (%d differ)", bad);
   free(gh), free(gh2), free(gx2);
   /* a view between the leaf and the logits: its backward is a view of the saved gradient */
   kiln_tensor *z = h_tensor(xv, KILN_SHAPE(12), KILN_F32);
@@ -397,7 +401,8 @@ static void loss_fused_cross(void) {
   int nc = kiln_device_count(KILN_DEVICE_CUDA);
   static const int64_t shapes[][2] = {{37, 11}, {8, 5000}, {3000, 5}, {1500, 40}};
   static const loss_ctx ctxs[] = {
-      {KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -1, 0.1}, {KILN_REDUCTION_NONE, -1, 0.1}, {KILN_REDUCTION_MEAN, -1, 0.2}};
+      {KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -1, 0.1},
+      {KILN_REDUCTION_NONE, -1, 0.1}, {KILN_REDUCTION_MEAN, -1, 0.2}};
   static const kiln_dtype dts[] = {KILN_F32, KILN_F64, KILN_F16};
   for (int dev = 0; dev < nc; dev++) {
     for (size_t di = 0; di < 3; di++) {
@@ -414,8 +419,8 @@ static void loss_fused_cross(void) {
           loss_ce_data(2, shapes[si], c->ignore, x, t, &N, &C, &D);
           for (int64_t k = 0; k < N; k++) g[k] = h_rand_uniform() + 0.5;
           char what[160];
-          snprintf(what, sizeof what, "cuda:%d ce fused %s [%lld,%lld] red %d ignore %lld ls %g", dev, kiln_dtype_name(dt),
-                   (long long)N, (long long)C, (int)c->red, (long long)c->ignore, c->ls);
+          snprintf(what, sizeof what, "cuda:%d ce fused %s [%lld,%lld] red %d ignore %lld ls %g", dev,
+                   kiln_dtype_name(dt), (long long)N, (long long)C, (int)c->red, (long long)c->ignore, c->ls);
           kiln_scope_begin();
           kiln_tensor *grads[2] = {NULL, NULL}, *losses[2] = {NULL, NULL};
           for (int side = 0; side < 2; side++) { /* 0: the CPU, 1: the GPU */
@@ -429,7 +434,9 @@ static void loss_fused_cross(void) {
             kiln_status st = loss ? kiln_backward(loss, gt) : kiln_last_error();
             int64_t kernels = kiln__dispatch_count() - k0;
             H_CHECK(st == KILN_OK, "%s side %d: %s", what, side, kiln_last_error_message());
-            if (!gt) H_CHECK(kernels == 1, "%s side %d: %lld kernels in backward, want 1 (the copy into x.grad)", what, side, (long long)kernels);
+            if (!gt)
+              H_CHECK(kernels == 1, "%s side %d: %lld kernels in backward, want 1 (the copy into x.grad)", what,
+                      side, (long long)kernels);
             losses[side] = loss;
             grads[side] = kiln_grad(xt);
           }

@@ -346,7 +346,8 @@ kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a) {
   const kiln__view *dl = kiln__ce_dlogits(a);
   int nout = a->n_out - (dl ? 1 : 0);
   if (nout < 3 || kiln__view_numel(&a->out[0]) != 1 || kiln__view_numel(&a->out[2]) != 1)
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_cross_entropy: the mean kernel wants 3 outputs (4 with dlogits), one element in out0 and out2");
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_cross_entropy: the mean kernel wants 3 outputs "
+                          "(4 with dlogits), one element in out0 and out2");
   kiln_status st = kiln__ce_check(a, "kiln_cross_entropy");
   if (st != KILN_OK) return st;
   kiln_dtype lt = a->out[0].dtype;

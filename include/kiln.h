@@ -436,7 +436,9 @@ typedef enum kiln_reduction {
 } kiln_reduction;
 /* logits (N, C) or (N, C, d...) and class indices (N) / (N, d...) in [0, C) (i64/i32).
 ** Mean is over targets that are not ignore_index (PyTorch's rule). label_smoothing in
-** [0, 1]. Use ignore_index -100 for PyTorch's default. */
+** [0, 1]. Use ignore_index -100 for PyTorch's default. When the logits require grad,
+** the forward also computes their gradient (the same size as the logits, kept with the
+** graph), so that kiln_backward(loss) runs no kernel for this op. */
 KILN_API kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target,
                                          kiln_reduction red, int64_t ignore_index,
                                          double label_smoothing);

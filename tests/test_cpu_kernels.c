@@ -1125,6 +1125,136 @@ static void test_cross_entropy_mean(void) {
   }
 }
 
+/* CROSS_ENTROPY and CROSS_ENTROPY_MEAN with flag i1 & 1: the extra last output dlogits
+** equals, bit for bit, CROSS_ENTROPY_BACKWARD's with grad 1 (the mean's: divided by the
+** count, in4), and the f64 formula; the flag changes no other output. Logits and dlogits
+** contiguous or transposed, rows past the stack buffer (C = 3000), ignored rows, label
+** smoothing; every row ignored gives zeros; a dlogits of the wrong shape is an error. */
+static void test_cross_entropy_fused(void) {
+  static const int64_t shapes[][2] = {{9, 11}, {3, 3000}};
+  for (int di = 0; di < 4; di++) {
+    kiln_dtype dt = FLOATS[di], lt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+    for (int si = 0; si < 2; si++) {
+      for (int li = 0; li < 2; li++) {
+        for (int mean = 0; mean < 2; mean++) {
+          int64_t N = shapes[si][0], C = shapes[si][1], one = 1;
+          double eps = li ? 0.1 : 0;
+          tt lg = make_in(dt, li ? L_TRANS : L_CONTIG, N, C);
+          fill_rand(&lg.v, -5, 5);
+          tt tg = tt_new(KILN_I64, 1, &N, NULL);
+          fill_rand(&tg.v, 0, (double)C);
+          set(&tg.v, (int64_t[]){1}, -100);
+          int64_t nl = mean ? 1 : N;
+          const int64_t *nw = mean ? &one : &N; /* the weight (per row) or the count (mean) */
+          tt loss0 = tt_new(lt, 1, &nl, NULL), lse0 = tt_new(lt, 1, &N, NULL), w0 = tt_new(lt, 1, nw, NULL);
+          tt loss1 = tt_new(lt, 1, &nl, NULL), lse1 = tt_new(lt, 1, &N, NULL), w1 = tt_new(lt, 1, nw, NULL);
+          tt dl = make_in(dt, li ? L_CONTIG : L_TRANS, N, C), db = make_in(dt, L_CONTIG, N, C);
+          kiln__kop op = mean ? KILN__K_CROSS_ENTROPY_MEAN : KILN__K_CROSS_ENTROPY;
+          kiln__kargs a = kargs(op, 2, 3);
+          a.in[0] = lg.v;
+          a.in[1] = tg.v;
+          a.out[0] = loss0.v;
+          a.out[1] = lse0.v;
+          a.out[2] = w0.v;
+          a.i[0] = -100;
+          a.s[0] = eps;
+          CHECK(run(&a) == KILN_OK, "ce fused: plain %s: %s", kiln__kop_name(op), kiln_last_error_message());
+          kiln__kargs f = a;
+          f.n_out = 4;
+          f.out[0] = loss1.v;
+          f.out[1] = lse1.v;
+          f.out[2] = w1.v;
+          f.out[3] = dl.v;
+          f.i[1] = 1;
+          CHECK(run(&f) == KILN_OK, "ce fused: %s with dlogits: %s", kiln__kop_name(op), kiln_last_error_message());
+          CHECK(memcmp(loss0.buf, loss1.buf, (size_t)nl * esz(lt)) == 0 &&
+                    memcmp(lse0.buf, lse1.buf, (size_t)N * esz(lt)) == 0 &&
+                    memcmp(w0.buf, w1.buf, (size_t)*nw * esz(lt)) == 0,
+                "ce fused %s %s: the flag changed the loss, lse or weight", kiln__kop_name(op),
+                kiln_dtype_name(dt));
+          /* the backward kernel with grad 1 (and the mean's count as divisor) */
+          tt g = tt_new(lt, 1, &one, NULL);
+          set(&g.v, (int64_t[]){0}, 1);
+          kiln__view gb = g.v, cb = w1.v;
+          gb.shape[0] = cb.shape[0] = N;
+          gb.strides[0] = cb.strides[0] = 0;
+          kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, mean ? 5 : 4, 1);
+          b.in[0] = lg.v;
+          b.in[1] = tg.v;
+          b.in[2] = lse1.v;
+          b.in[3] = gb;
+          b.in[4] = cb;
+          b.out[0] = db.v;
+          b.i[0] = -100;
+          b.s[0] = eps;
+          CHECK(run(&b) == KILN_OK, "ce fused: backward: %s", kiln_last_error_message());
+          double kept = 0;
+          for (int64_t r = 0; r < N; r++) kept += get(&tg.v, &r) != -100;
+          int bad = 0, differ = 0;
+          double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);
+          for (int64_t r = 0; r < N; r++) {
+            int64_t t = (int64_t)get(&tg.v, &r);
+            double l;
+            ce_ref_row(&lg.v, r, C, t, eps, &l);
+            for (int64_t c = 0; c < C; c++) {
+              double got = get(&dl.v, (int64_t[]){r, c});
+              if (got != get(&db.v, (int64_t[]){r, c})) differ++;
+              double p = exp(get(&lg.v, (int64_t[]){r, c}) - l);
+              double want = t == -100 ? 0 : (p - (1 - eps) * (c == t) - eps / (double)C) / (mean ? kept : 1);
+              if (fabs(got - want) > tol * 2 + (dt == KILN_BF16 ? 1e-2 : dt == KILN_F16 ? 2e-3 : 0)) bad++;
+            }
+          }
+          CHECK(differ == 0, "ce fused %s %s [%lld,%lld]: %d elements differ from the backward kernel's",
+                kiln__kop_name(op), kiln_dtype_name(dt), (long long)N, (long long)C, differ);
+          CHECK(bad == 0, "ce fused %s %s [%lld,%lld] eps %g: %d elements off the formula", kiln__kop_name(op),
+                kiln_dtype_name(dt), (long long)N, (long long)C, eps, bad);
+          /* every row ignored: zeros (the mean itself is NaN) */
+          for (int64_t r = 0; r < N; r++) set(&tg.v, &r, -100);
+          fill_rand(&dl.v, 1, 2);
+          CHECK(run(&f) == KILN_OK, "ce fused, all ignored: %s", kiln_last_error_message());
+          bad = 0;
+          int64_t idx[2] = {0, 0};
+          do bad += get(&dl.v, idx) != 0;
+          while (next(idx, 2, dl.v.shape));
+          CHECK(bad == 0, "ce fused %s %s, all ignored: %d nonzero gradients", kiln__kop_name(op),
+                kiln_dtype_name(dt), bad);
+          /* dlogits of the wrong shape */
+          f.out[3].shape[1] = C - 1;
+          CHECK(run(&f) == KILN_ERR_SHAPE, "ce fused %s: a [N, C-1] dlogits -> KILN_ERR_SHAPE", kiln__kop_name(op));
+          tt_free(&lg), tt_free(&tg), tt_free(&loss0), tt_free(&lse0), tt_free(&w0), tt_free(&loss1);
+          tt_free(&lse1), tt_free(&w1), tt_free(&dl), tt_free(&db), tt_free(&g);
+        }
+      }
+    }
+  }
+  /* CROSS_ENTROPY with dlogits but no weight: out2 is dlogits */
+  int64_t N = 4, C = 3;
+  tt lg = make_in(KILN_F32, L_CONTIG, N, C), tg = tt_new(KILN_I64, 1, &N, NULL);
+  tt loss = tt_new(KILN_F32, 1, &N, NULL), lse = tt_new(KILN_F32, 1, &N, NULL), dl = make_in(KILN_F32, L_CONTIG, N, C);
+  fill_rand(&lg.v, -2, 2);
+  fill_rand(&tg.v, 0, (double)C);
+  kiln__kargs a = kargs(KILN__K_CROSS_ENTROPY, 2, 3);
+  a.in[0] = lg.v;
+  a.in[1] = tg.v;
+  a.out[0] = loss.v;
+  a.out[1] = lse.v;
+  a.out[2] = dl.v;
+  a.i[0] = -100;
+  a.i[1] = 1;
+  CHECK(run(&a) == KILN_OK, "ce fused without weight: %s", kiln_last_error_message());
+  double worst = 0;
+  for (int64_t r = 0; r < N; r++) {
+    double s = 0; /* each row's gradient sums to 0 (softmax and one-hot both sum to 1) */
+    for (int64_t c = 0; c < C; c++) s += get(&dl.v, (int64_t[]){r, c});
+    worst = fmax(worst, fabs(s));
+    int64_t t = (int64_t)get(&tg.v, &r);
+    double l = get(&lse.v, &r), p = exp(get(&lg.v, (int64_t[]){r, t}) - l);
+    worst = fmax(worst, fabs(get(&dl.v, (int64_t[]){r, t}) - (p - 1)));
+  }
+  CHECK(worst < 1e-6, "ce fused without weight: off by %g", worst);
+  tt_free(&lg), tt_free(&tg), tt_free(&loss), tt_free(&lse), tt_free(&dl);
+}
+
 /* ---- matmul ---- */
 /* A matrix view (rows, cols) of dtype dt with a layout: 0 row-major, 1 column-major,
 ** 2 strided (every other column of a wider buffer) */
@@ -1813,6 +1943,7 @@ int main(void) {
   test_softmax();
   test_cross_entropy();
   test_cross_entropy_mean();
+  test_cross_entropy_fused();
   test_matmul();
   test_index();
   test_adam();

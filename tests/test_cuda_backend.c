@@ -643,17 +643,22 @@ static void softmax_cases(void) {
   for (size_t di = 0; di < 4; di++) {
     for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++) {
       for (int it = 0; it < 2; it++) {
-        for (int bw = 0; bw < 4; bw++) { /* CE, its backward, the mean, backward / count */
+        /* CE, its backward, the mean, backward / count; then the forwards with dlogits (flag
+        ** i1 & 1, the last output): CE with the weight and a transposed dlogits, CE without
+        ** the weight, the mean (one block counts the kept rows itself; several: ce_count) */
+        for (int bw = 0; bw < 7; bw++) {
           kiln_dtype dt = FLOATS[di], lt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
           kiln_dtype tdt = it ? KILN_I32 : KILN_I64;
           tcase t;
           memset(&t, 0, sizeof t);
-          t.label = cs[k].label;
+          char label[64];
+          snprintf(label, sizeof label, "%s%s", cs[k].label, bw >= 4 ? " +dlogits" : "");
+          t.label = label;
           t.i[0] = -100;
           t.s[0] = cs[k].eps;
           tspec logits = filled(c2(dt, cs[k].n, cs[k].c), F_NORMAL, -6, 6);
           tspec target = filled(c1(tdt, cs[k].n), F_INT, cs[k].ignore ? -1 : 0, (double)cs[k].c - 1);
-          if (bw == 0) {
+          if (bw == 0 || bw == 4 || bw == 5) {
             t.op = KILN__K_CROSS_ENTROPY;
             t.n_in = 2;
             t.n_out = 2;
@@ -661,7 +666,12 @@ static void softmax_cases(void) {
             t.in[1] = target;
             t.out[0] = c1(lt, cs[k].n);
             t.out[1] = c1(lt, cs[k].n);
-          } else if (bw == 2) {
+            if (bw == 4) t.out[t.n_out++] = c1(lt, cs[k].n); /* the weight */
+            if (bw >= 4) {
+              t.out[t.n_out++] = bw == 4 ? trans2(dt, cs[k].n, cs[k].c) : c2(dt, cs[k].n, cs[k].c);
+              t.i[1] = 1;
+            }
+          } else if (bw == 2 || bw == 6) {
             t.op = KILN__K_CROSS_ENTROPY_MEAN;
             t.n_in = 2;
             t.n_out = 3;
@@ -671,6 +681,11 @@ static void softmax_cases(void) {
             t.out[1] = c1(lt, cs[k].n);
             t.out[2] = c1(lt, 1);
             t.tol_scale = 4; /* a sum over rows in another order */
+            if (bw == 6) {
+              t.n_out = 4;
+              t.out[3] = c2(dt, cs[k].n, cs[k].c);
+              t.i[1] = 1;
+            }
           } else {
             t.op = KILN__K_CROSS_ENTROPY_BACKWARD;
             t.n_in = bw == 3 ? 5 : 4;

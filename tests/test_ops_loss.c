@@ -5,8 +5,13 @@
 **   row loss = (1 - ls) * -logp[target] + ls * -mean_c(logp[c]);  0 for ignored rows
 **   mean = sum(row loss) / (number of rows not ignored)
 ** Names are prefixed loss_ (tests/test_cuda_ops.c includes this file).
+**
+** Then the fused gradient (src/ops/ops_loss.c): the forward saves the logits' gradient for
+** a unit upstream gradient, backward from the implicit seed hands it on with no kernel,
+** and the engine copies it wherever a user could see or write it.
 */
 #include "harness.h"
+#include "core/kiln_int.h" /* kiln__dispatch_count, and the node's saved tensor */
 
 #include <stdlib.h>
 #include <string.h>
@@ -153,9 +158,312 @@ static void loss_extra(void) {
   kiln_scope_end();
 }
 
+/* ---- the fused gradient ----------------------------------------------------------- */
+
+/* The f64 gradient of cross_entropy w.r.t. logits x (N, C, D) in C order ((N, C): D = 1;
+** (C): N = D = 1) with targets t (N, D) and upstream gradient g: one per row for 'none',
+** g[0] otherwise, divided by the count of kept rows for the mean. */
+static void loss_ref_ce_grad(const double *x, const double *t, int64_t N, int64_t C, int64_t D,
+                             const loss_ctx *c, const double *g, double *out) {
+  double kept = 0;
+  for (int64_t r = 0; r < N * D; r++) kept += (int64_t)t[r] != c->ignore;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t d = 0; d < D; d++) {
+      int64_t tgt = (int64_t)t[n * D + d];
+      double m = -INFINITY, s = 0;
+      for (int64_t k = 0; k < C; k++) m = fmax(m, x[(n * C + k) * D + d]);
+      for (int64_t k = 0; k < C; k++) s += exp(x[(n * C + k) * D + d] - m);
+      double w = c->red == KILN_REDUCTION_NONE ? g[n * D + d] : g[0];
+      if (c->red == KILN_REDUCTION_MEAN) w /= kept;
+      for (int64_t k = 0; k < C; k++) {
+        double p = exp(x[(n * C + k) * D + d] - m) / s;
+        double q = (k == tgt ? 1 - c->ls : 0) + c->ls / (double)C;
+        out[(n * C + k) * D + d] = tgt == c->ignore ? 0 : w * (p - q);
+      }
+    }
+}
+
+/* Random logits (shape sh, nd dims) and targets in [0, C), with row 1 (row 0 when there
+** is one row) set to ignore when ignore != -100; fills the sizes N, C, D. */
+static void loss_ce_data(int nd, const int64_t *sh, int64_t ignore, double *x, double *t, int64_t *N,
+                         int64_t *C, int64_t *D) {
+  *N = nd == 1 ? 1 : sh[0];
+  *C = nd == 1 ? sh[0] : sh[1];
+  *D = nd == 3 ? sh[2] : 1;
+  for (int64_t k = 0; k < *N * *C * *D; k++) x[k] = 2 * h_rand_normal();
+  for (int64_t r = 0; r < *N * *D; r++) t[r] = (double)(h_rand_u64() % (uint64_t)*C);
+  if (ignore != -100) t[*N * *D > 1 ? 1 : 0] = (double)ignore;
+}
+
+/* Gradients through the fused path against loss_ref_ce_grad, for (C), (N, C), (N, C, D)
+** logits, each reduction, ignore_index and label smoothing, in f64 and f32:
+**   - backward from the implicit seed (one-element losses: mean, sum, and 'none' of (C)
+**     logits) runs exactly one kernel, the COPY that gives the leaf logits a .grad of
+**     their own (without the fusion: a FILL for the seed and CROSS_ENTROPY_BACKWARD);
+**   - a second backward accumulates (2x), the graph kept as always;
+**   - an explicit gradient (2.5 for one-element losses, random per row for 'none') gives
+**     that multiple. */
+static void loss_fused_grad(void) {
+  static const struct { int nd; int64_t sh[3]; } shapes[] = {{1, {5}}, {2, {6, 5}}, {3, {3, 4, 2}}};
+  static const loss_ctx ctxs[] = {
+      {KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -100, 0}, {KILN_REDUCTION_NONE, -100, 0},
+      {KILN_REDUCTION_MEAN, -1, 0.1}, {KILN_REDUCTION_SUM, -1, 0.2}, {KILN_REDUCTION_NONE, -1, 0.1},
+  };
+  static const char *rn[] = {"none", "mean", "sum"};
+  for (int di = 0; di < 2; di++) {
+    kiln_dtype dt = di ? KILN_F32 : KILN_F64;
+    double rtol, atol;
+    h_dtype_tol(dt, &rtol, &atol);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+      for (size_t ci = 0; ci < sizeof ctxs / sizeof ctxs[0]; ci++) {
+        const loss_ctx *c = &ctxs[ci];
+        int nd = shapes[si].nd;
+        const int64_t *sh = shapes[si].sh;
+        double x[64], t[16], g[16], want[64];
+        int64_t N, C, D;
+        loss_ce_data(nd, sh, c->ignore, x, t, &N, &C, &D);
+        int64_t tsh[2] = {N, D}, nx = N * C * D;
+        char what[160];
+        snprintf(what, sizeof what, "ce fused %s %dd %s ignore %lld ls %g", kiln_dtype_name(dt), nd,
+                 rn[c->red == KILN_REDUCTION_MEAN ? 1 : c->red == KILN_REDUCTION_SUM ? 2 : 0],
+                 (long long)c->ignore, c->ls);
+        kiln_scope_begin();
+        kiln_tensor *xt = h_tensor(x, nd, sh, dt);
+        kiln_tensor *tt = h_tensor(t, nd - 1, tsh, KILN_I64);
+        kiln_requires_grad_(xt, true);
+        kiln_tensor *loss = kiln_cross_entropy(xt, tt, c->red, c->ignore, c->ls);
+        if (!H_CHECK(loss != NULL, "%s: forward: %s", what, kiln_last_error_message())) {
+          kiln_scope_end();
+          continue;
+        }
+        if (kiln_numel(loss) == 1) {
+          int64_t k0 = kiln__dispatch_count();
+          kiln_status st = kiln_backward(loss, NULL);
+          int64_t kernels = kiln__dispatch_count() - k0;
+          H_CHECK(st == KILN_OK, "%s: backward: %s", what, kiln_last_error_message());
+          H_CHECK(kernels == 1, "%s: backward from the implicit seed ran %lld kernels, want 1 (the copy into x.grad)",
+                  what, (long long)kernels);
+          g[0] = 1;
+          loss_ref_ce_grad(x, t, N, C, D, c, g, want);
+          char w2[200];
+          snprintf(w2, sizeof w2, "%s: grad, implicit seed", what);
+          h_tensor_close(w2, kiln_grad(xt), want, nx, rtol, atol);
+          H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "%s: second backward: %s", what, kiln_last_error_message());
+          for (int64_t k = 0; k < nx; k++) want[k] *= 2;
+          snprintf(w2, sizeof w2, "%s: grad after two backward calls", what);
+          h_tensor_close(w2, kiln_grad(xt), want, nx, rtol, atol);
+          kiln_set_grad(xt, NULL);
+        }
+        int64_t ng = kiln_numel(loss);
+        for (int64_t k = 0; k < ng; k++) g[k] = ng == 1 ? 2.5 : h_rand_uniform() * 4 - 2;
+        kiln_tensor *gt = h_tensor(g, kiln_ndim(loss), kiln_shape(loss), dt);
+        H_CHECK(kiln_backward(loss, gt) == KILN_OK, "%s: backward with a gradient: %s", what,
+                kiln_last_error_message());
+        loss_ref_ce_grad(x, t, N, C, D, c, g, want);
+        char w3[200];
+        snprintf(w3, sizeof w3, "%s: grad, explicit gradient", what);
+        h_tensor_close(w3, kiln_grad(xt), want, nx, rtol, atol);
+        kiln_scope_end();
+      }
+    }
+  }
+}
+
+/* The CE node adds no kernel when its logits come from another op: backward through
+** matmul then cross_entropy runs exactly the kernels of matmul's own backward given the
+** logits' gradient (kiln_backward(logits, G) on a copy of the graph). */
+static void loss_fused_no_kernel(void) {
+  kiln_scope_begin();
+  double xv[4 * 3], wv[3 * 5];
+  for (int k = 0; k < 12; k++) xv[k] = h_rand_normal();
+  for (int k = 0; k < 15; k++) wv[k] = h_rand_normal();
+  kiln_tensor *x = h_tensor(xv, KILN_SHAPE(4, 3), KILN_F32);
+  kiln_tensor *w = h_tensor(wv, KILN_SHAPE(3, 5), KILN_F32);
+  kiln_tensor *t = h_tensor((const double[]){0, 4, 2, 1}, KILN_SHAPE(4), KILN_I64);
+  kiln_requires_grad_(w, true);
+  kiln_tensor *loss = kiln_cross_entropy(kiln_matmul(x, w), t, KILN_REDUCTION_MEAN, -100, 0);
+  int64_t k0 = kiln__dispatch_count();
+  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "ce(x@w) backward: %s", kiln_last_error_message());
+  int64_t k_ce = kiln__dispatch_count() - k0;
+  double *g1 = h_values(kiln_grad(w), NULL);
+  kiln_set_grad(w, NULL);
+  kiln_tensor *logits = kiln_matmul(x, w);
+  kiln_tensor *G = kiln_zeros(KILN_SHAPE(4, 5), KILN_F32, kiln_device_cpu());
+  k0 = kiln__dispatch_count();
+  H_CHECK(kiln_backward(logits, G) == KILN_OK, "x@w backward: %s", kiln_last_error_message());
+  int64_t k_mm = kiln__dispatch_count() - k0;
+  H_CHECK(k_ce == k_mm, "backward through cross_entropy(x @ w) ran %lld kernels, matmul's alone %lld",
+          (long long)k_ce, (long long)k_mm);
+  /* and the gradient is right: w.grad = x^T dlogits */
+  double want[15] = {0}, dl[20], one = 1;
+  double *lg = h_values(kiln_matmul(x, w), NULL);
+  loss_ref_ce_grad(lg, (const double[]){0, 4, 2, 1}, 4, 5, 1, &(const loss_ctx){KILN_REDUCTION_MEAN, -100, 0},
+                   &one, dl);
+  for (int k = 0; k < 3; k++)
+    for (int j = 0; j < 5; j++)
+      for (int n = 0; n < 4; n++) want[k * 5 + j] += xv[n * 3 + k] * dl[n * 5 + j];
+  double rtol, atol;
+  h_dtype_tol(KILN_F32, &rtol, &atol);
+  if (g1) h_close("ce(x@w): w.grad", g1, want, 15, rtol, atol);
+  free(g1);
+  free(lg);
+  kiln_scope_end();
+}
+
+/* The saved gradient is never handed to a user: a leaf's .grad, a retained grad and
+** kiln_autograd_grad's results have storage of their own, and writing into them changes
+** nothing the next backward sees. Also: the loss's own retained grad is 1, two roots on
+** one CE node give twice the gradient, and the seed survives a view between the logits
+** and their leaf. */
+static void loss_fused_alias(void) {
+  kiln_scope_begin();
+  double xv[12];
+  for (int k = 0; k < 12; k++) xv[k] = h_rand_normal();
+  kiln_tensor *t = h_tensor((const double[]){2, 0, -100, 1}, KILN_SHAPE(4), KILN_I64);
+  /* leaf logits: .grad */
+  kiln_tensor *y = h_tensor(xv, KILN_SHAPE(4, 3), KILN_F32);
+  kiln_requires_grad_(y, true);
+  kiln_tensor *loss = kiln_cross_entropy(y, t, KILN_REDUCTION_MEAN, -100, 0.1);
+  kiln__storage *saved = loss && loss->grad_fn ? loss->grad_fn->saved[0]->storage : NULL;
+  H_CHECK(saved != NULL && saved->saved_grad, "ce: the node saves its gradient (marked saved_grad)");
+  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "ce backward: %s", kiln_last_error_message());
+  H_CHECK(kiln_grad(y) && kiln_grad(y)->storage != saved, "leaf .grad is not the saved tensor");
+  double *gy = h_values(kiln_grad(y), NULL);
+  kiln_fill_(kiln_grad(y), 7);
+  kiln_set_grad(y, NULL);
+  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "ce backward again: %s", kiln_last_error_message());
+  if (gy) {
+    double *g2 = h_values(kiln_grad(y), NULL);
+    H_CHECK(g2 && memcmp(g2, gy, 12 * sizeof(double)) == 0, "leaf .grad: the same after writing 7s into the first one");
+    free(g2);
+  }
+  /* kiln_autograd_grad: its results, the loss itself captured (1), and two roots (2x) */
+  kiln_tensor *r[2] = {NULL, NULL};
+  kiln_tensor *ins[2] = {y, loss};
+  H_CHECK(kiln_autograd_grad(1, &loss, NULL, 2, ins, r) == KILN_OK, "autograd_grad: %s", kiln_last_error_message());
+  H_CHECK(r[0] && r[0]->storage != saved, "autograd_grad's result is not the saved tensor");
+  H_CHECK(r[1] && kiln_item(r[1]) == 1, "autograd_grad of the loss itself (the unit seed shown) is 1");
+  if (r[0]) kiln_fill_(r[0], 7);
+  kiln_tensor *outs[2] = {loss, loss}, *r2 = NULL;
+  H_CHECK(kiln_autograd_grad(2, outs, NULL, 1, &y, &r2) == KILN_OK, "autograd_grad, two roots: %s",
+          kiln_last_error_message());
+  double *v2 = h_values(r2, NULL);
+  int bad = 0;
+  for (int k = 0; gy && v2 && k < 12; k++) bad += fabs(v2[k] - 2 * gy[k]) > 1e-6;
+  H_CHECK(gy && v2 && bad == 0, "autograd_grad of [loss, loss]: twice the gradient (%d off)", bad);
+  free(v2);
+  /* retain_grad on logits made by an op, and on the loss */
+  kiln_tensor *x = h_tensor(xv, KILN_SHAPE(4, 3), KILN_F32);
+  kiln_requires_grad_(x, true);
+  kiln_tensor *h = kiln_mul_scalar(x, 1.0);
+  kiln_retain_grad(h);
+  kiln_tensor *l2 = kiln_cross_entropy(h, t, KILN_REDUCTION_MEAN, -100, 0.1);
+  kiln_retain_grad(l2);
+  kiln__storage *saved2 = l2 && l2->grad_fn ? l2->grad_fn->saved[0]->storage : NULL;
+  H_CHECK(kiln_backward(l2, NULL) == KILN_OK, "ce(h) backward: %s", kiln_last_error_message());
+  H_CHECK(kiln_grad(h) && kiln_grad(h)->storage != saved2, "retained grad is not the saved tensor");
+  H_CHECK(kiln_grad(l2) && kiln_item(kiln_grad(l2)) == 1, "the loss's retained grad is 1");
+  double *gh = h_values(kiln_grad(h), NULL);
+  bad = 0;
+  for (int k = 0; gy && gh && k < 12; k++) bad += gh[k] != gy[k];
+  H_CHECK(gy && gh && bad == 0, "retained grad equals the leaf's in the same graph (%d differ)", bad);
+  kiln_fill_(kiln_grad(h), 7);
+  kiln_set_grad(h, NULL);
+  kiln_set_grad(x, NULL);
+  H_CHECK(kiln_backward(l2, NULL) == KILN_OK, "ce(h) backward again: %s", kiln_last_error_message());
+  double *gh2 = h_values(kiln_grad(h), NULL), *gx2 = h_values(kiln_grad(x), NULL);
+  bad = 0;
+  for (int k = 0; gh && gh2 && gx2 && k < 12; k++) bad += gh2[k] != gh[k] || gx2[k] != gh[k];
+  H_CHECK(gh && gh2 && gx2 && bad == 0,
+          "retained and leaf grads the same after writing 7s into the first (%d differ)", bad);
+  free(gh), free(gh2), free(gx2);
+  /* a view between the leaf and the logits: its backward is a view of the saved gradient */
+  kiln_tensor *z = h_tensor(xv, KILN_SHAPE(12), KILN_F32);
+  kiln_requires_grad_(z, true);
+  kiln_tensor *l3 = kiln_cross_entropy(kiln_reshape(z, KILN_SHAPE(4, 3)), t, KILN_REDUCTION_MEAN, -100, 0.1);
+  kiln__storage *saved3 = l3 && l3->grad_fn ? l3->grad_fn->saved[0]->storage : NULL;
+  H_CHECK(kiln_backward(l3, NULL) == KILN_OK, "ce(reshape(z)) backward: %s", kiln_last_error_message());
+  H_CHECK(kiln_grad(z) && kiln_grad(z)->storage != saved3, "a leaf behind a view gets a copy, not the saved tensor");
+  double *gz = h_values(kiln_grad(z), NULL);
+  bad = 0;
+  for (int k = 0; gy && gz && k < 12; k++) bad += gz[k] != gy[k];
+  H_CHECK(gy && gz && bad == 0, "ce(reshape(z)): z.grad equals the (4, 3) leaf's (%d differ)", bad);
+  free(gz);
+  free(gy);
+  kiln_scope_end();
+}
+
+/* CUDA against the CPU through the fused path: loss and the implicit-seed gradient (an
+** explicit per-row one for 'none'), with shapes that take each kernel's layouts: a warp
+** per row, a block per row (C > 1024), the mean's thread-per-row and several-block forms
+** (the count then made by ce_count first). */
+static void loss_fused_cross(void) {
+  int nc = kiln_device_count(KILN_DEVICE_CUDA);
+  static const int64_t shapes[][2] = {{37, 11}, {8, 5000}, {3000, 5}, {1500, 40}};
+  static const loss_ctx ctxs[] = {
+      {KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -1, 0.1},
+      {KILN_REDUCTION_NONE, -1, 0.1}, {KILN_REDUCTION_MEAN, -1, 0.2}};
+  static const kiln_dtype dts[] = {KILN_F32, KILN_F64, KILN_F16};
+  for (int dev = 0; dev < nc; dev++) {
+    for (size_t di = 0; di < 3; di++) {
+      kiln_dtype dt = dts[di];
+      double rtol, atol;
+      h_dtype_tol(dt, &rtol, &atol);
+      for (size_t si = 0; si < 4; si++) {
+        for (size_t ci = 0; ci < 4; ci++) {
+          const loss_ctx *c = &ctxs[ci];
+          int64_t N, C, D;
+          int64_t nx = shapes[si][0] * shapes[si][1];
+          double *x = malloc(sizeof(double) * (size_t)nx), *t = malloc(sizeof(double) * (size_t)shapes[si][0]);
+          double *g = malloc(sizeof(double) * (size_t)shapes[si][0]);
+          loss_ce_data(2, shapes[si], c->ignore, x, t, &N, &C, &D);
+          for (int64_t k = 0; k < N; k++) g[k] = h_rand_uniform() + 0.5;
+          char what[160];
+          snprintf(what, sizeof what, "cuda:%d ce fused %s [%lld,%lld] red %d ignore %lld ls %g", dev,
+                   kiln_dtype_name(dt), (long long)N, (long long)C, (int)c->red, (long long)c->ignore, c->ls);
+          kiln_scope_begin();
+          kiln_tensor *grads[2] = {NULL, NULL}, *losses[2] = {NULL, NULL};
+          for (int side = 0; side < 2; side++) { /* 0: the CPU, 1: the GPU */
+            kiln_device d = side ? kiln_device_cuda(dev) : kiln_device_cpu();
+            kiln_tensor *xt = kiln_to_device(h_tensor(x, KILN_SHAPE(N, C), dt), d);
+            kiln_tensor *tt = kiln_to_device(h_tensor(t, KILN_SHAPE(N), KILN_I64), d);
+            kiln_requires_grad_(xt, true);
+            kiln_tensor *loss = kiln_cross_entropy(xt, tt, c->red, c->ignore, c->ls);
+            kiln_tensor *gt = c->red == KILN_REDUCTION_NONE ? kiln_to_device(h_tensor(g, KILN_SHAPE(N), dt), d) : NULL;
+            int64_t k0 = kiln__dispatch_count();
+            kiln_status st = loss ? kiln_backward(loss, gt) : kiln_last_error();
+            int64_t kernels = kiln__dispatch_count() - k0;
+            H_CHECK(st == KILN_OK, "%s side %d: %s", what, side, kiln_last_error_message());
+            if (!gt)
+              H_CHECK(kernels == 1, "%s side %d: %lld kernels in backward, want 1 (the copy into x.grad)", what,
+                      side, (long long)kernels);
+            losses[side] = loss;
+            grads[side] = kiln_grad(xt);
+          }
+          double *l0 = h_values(losses[0], NULL), *g0 = h_values(grads[0], NULL);
+          char w2[200];
+          snprintf(w2, sizeof w2, "%s: loss", what);
+          if (l0) h_tensor_close(w2, losses[1], l0, kiln_numel(losses[0]), rtol * 4, atol * 4);
+          snprintf(w2, sizeof w2, "%s: grad", what);
+          if (g0) h_tensor_close(w2, grads[1], g0, nx, rtol * 4, atol * 4);
+          H_CHECK(l0 && g0, "%s: CPU results", what);
+          free(l0), free(g0), free(x), free(t), free(g);
+          kiln_scope_end();
+        }
+      }
+    }
+  }
+}
+
 static void loss_family(void) {
   h_run_cases(loss_cases, (int)(sizeof loss_cases / sizeof loss_cases[0]));
-  if (!h_cross_only()) loss_extra();
+  if (!h_cross_only()) {
+    loss_extra();
+    loss_fused_grad();
+    loss_fused_no_kernel();
+    loss_fused_alias();
+  }
+  loss_fused_cross();
 }
 
 #ifndef H_NO_MAIN

@@ -7,6 +7,14 @@
 ** Saved tensors are detached aliases (same storage, no grad_fn), so a node never owns a
 ** graph through what it saved: no reference cycles, and freeing a long chain needs no
 ** recursion through saved tensors.
+**
+** Unit seeds: backward from a one-element output without a gradient seeds it with ones.
+** A node with unit_seed_ok (cross_entropy) is told "unit seed" instead (grad_out NULL) and
+** then hands out a gradient it saved in the forward, with no kernel at all. Such a
+** gradient's storage is marked saved_grad: it flows freely between nodes (the engine
+** only reads gradients and accumulates out of place, kiln_add), but wherever a user could
+** see or write it — a leaf's .grad, a retained grad, a kiln_autograd_grad result — the
+** engine stores a copy, so the node's tensor stays intact for the next backward.
 */
 #include "core/kiln_int.h"
 
@@ -213,10 +221,12 @@ static bool push(nodelist *l, kiln__node *n) {
 
 /* Adds g into *slot (which holds its own reference). When the slot is empty it takes g
 ** itself if nobody else holds g, else a copy, so that later accumulation never writes
-** into a tensor someone else sees. */
-static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g) {
+** into a tensor someone else sees. shown: the slot is one a user sees (.grad, a captured
+** result), which never gets a node's saved gradient (saved_grad storage) either. Later
+** additions make a new tensor (kiln_add), never writing into the one in the slot. */
+static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g, bool shown) {
   if (!*slot) {
-    if (atomic_load(&g->refcount) == 1) {
+    if (atomic_load(&g->refcount) == 1 && !(shown && g->storage->saved_grad)) {
       *slot = kiln_tensor_ref(g);
     } else {
       kiln_tensor *c = kiln_clone(g);
@@ -230,6 +240,19 @@ static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g) {
   kiln_tensor_free(*slot);
   *slot = kiln_tensor_ref(s);
   return KILN_OK;
+}
+
+/* A node's pending gradient: an implicit unit seed already there becomes a ones tensor
+** first, since the rule then needs the sum. */
+static kiln_status node_accumulate(kiln__node *n, kiln_tensor *g) {
+  if (n->unit_seed) {
+    kiln_tensor *one = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device);
+    if (!one) return kiln_last_error();
+    n->unit_seed = false;
+    kiln_status st = accumulate(&n->grad_acc, one, false);
+    if (st != KILN_OK) return st;
+  }
+  return accumulate(&n->grad_acc, g, false);
 }
 
 static int mark_epoch;
@@ -271,6 +294,17 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
                             r, kiln__tshape(root));
         break;
       }
+      kiln__node *rn = root->grad_fn;
+      if (rn && rn->unit_seed_ok && rn->visit_mark != epoch) { /* its first gradient: no ones */
+        if (!push(&all, rn)) {
+          st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
+          break;
+        }
+        rn->unit_seed = true;
+        rn->visit_mark = epoch;
+        rn->deps = 0;
+        continue;
+      }
       g = kiln_ones_like(root);
       if (!g) { st = kiln_last_error(); break; }
     } else if (g->ndim != root->ndim ||
@@ -286,14 +320,14 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     if (!root->grad_fn) { /* the root is a leaf */
       if (cap->grads) {
         int ci = capture_index_leaf(cap, root);
-        if (ci >= 0) st = accumulate(&cap->grads[ci], g);
+        if (ci >= 0) st = accumulate(&cap->grads[ci], g, true);
       } else {
-        st = accumulate(&root->grad, g);
+        st = accumulate(&root->grad, g, true);
       }
       continue;
     }
     kiln__node *n = root->grad_fn;
-    st = accumulate(&n->grad_acc, g);
+    st = node_accumulate(n, g);
     if (st == KILN_OK && n->visit_mark != epoch) {
       n->visit_mark = epoch;
       n->deps = 0;
@@ -329,18 +363,25 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   while (ready.n > 0 && st == KILN_OK) {
     kiln__node *n = ready.v[--ready.n];
     kiln_tensor *g = n->grad_acc; /* NULL: reached, but no gradient flowed into it */
+    bool unit = n->unit_seed;     /* or the implicit unit seed, with no tensor */
     n->grad_acc = NULL;
+    n->unit_seed = false;
     kiln_scope_begin();
-    if (!g) {
-      /* nothing to compute; the edges below still release their dependencies */
-    } else if (cap->grads) {
-      for (int c = 0; c < cap->n; c++)
-        if (cap->inputs[c]->grad_fn == n && st == KILN_OK) st = accumulate(&cap->grads[c], g);
-    } else if (n->out_weak && n->out_weak->retains_grad) {
-      st = accumulate(&n->out_weak->grad, g);
+    /* Does a user see this node's gradient (captured, or retained)? A unit seed is made
+    ** into a ones tensor only then. No gradient at all: nothing to compute; the edges
+    ** below still release their dependencies. */
+    bool show = !cap->grads && n->out_weak && n->out_weak->retains_grad;
+    for (int c = 0; cap->grads && c < cap->n; c++) show = show || cap->inputs[c]->grad_fn == n;
+    kiln_tensor *shown = g;
+    if (show && unit && !(shown = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device)))
+      st = kiln_last_error();
+    if (show && shown && st == KILN_OK) {
+      if (!cap->grads) st = accumulate(&n->out_weak->grad, shown, true);
+      for (int c = 0; cap->grads && c < cap->n && st == KILN_OK; c++)
+        if (cap->inputs[c]->grad_fn == n) st = accumulate(&cap->grads[c], shown, true);
     }
     kiln_tensor *gi[KILN__NODE_MAX_IN] = {0};
-    if (st == KILN_OK && g) {
+    if (st == KILN_OK && (g || unit)) {
       st = n->backward(n, g, gi);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
@@ -351,12 +392,12 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
           kiln_tensor *leaf = n->next[k].leaf;
           if (cap->grads) {
             int ci = capture_index_leaf(cap, leaf);
-            if (ci >= 0) st = accumulate(&cap->grads[ci], gi[k]);
+            if (ci >= 0) st = accumulate(&cap->grads[ci], gi[k], true);
           } else {
-            st = accumulate(&leaf->grad, gi[k]);
+            st = accumulate(&leaf->grad, gi[k], true);
           }
         } else if (n->next[k].node) {
-          st = accumulate(&n->next[k].node->grad_acc, gi[k]);
+          st = node_accumulate(n->next[k].node, gi[k]);
         }
       }
       kiln_tensor_free(gi[k]);
@@ -374,6 +415,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   for (int i = 0; i < all.n; i++) {
     kiln_tensor_free(all.v[i]->grad_acc);
     all.v[i]->grad_acc = NULL;
+    all.v[i]->unit_seed = false;
   }
   free(all.v);
   free(ready.v);

@@ -134,7 +134,10 @@ typedef struct kiln__view {
   /* (N) (logsumexp, saved for backward); i0 ignore_index; s0 label smoothing. Rows */    \
   /* whose target is ignore_index give 0. Out-of-range targets: KILN_ERR_INDEX. With */   \
   /* n_out == 3, out2 (N, out0's dtype) gets each row's weight: 1 kept, 0 ignored, so */  \
-  /* the mean over kept rows needs one reduction. */                                      \
+  /* the mean over kept rows needs one reduction. i1 flags: 1 adds one more output, */    \
+  /* last (see kiln__ce_dlogits): dlogits (N, C, in0's dtype), the gradient of the sum */ \
+  /* of the row losses, i.e. CROSS_ENTROPY_BACKWARD with grad 1 (ignored rows 0), so */   \
+  /* a unit-seeded backward needs no kernel. */                                           \
   X(CROSS_ENTROPY, "cross_entropy")                                                       \
   /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
   /* With n_in == 5, in4 (N) divides each row's grad (mean: the count of kept rows, */    \
@@ -142,7 +145,9 @@ typedef struct kiln__view {
   X(CROSS_ENTROPY_BACKWARD, "cross_entropy_backward")                                   \
   /* the mean in one kernel: in0 logits (N,C), in1 target (N) -> out0 (1) the mean loss */ \
   /* over kept rows (f32/f64), out1 lse (N), out2 (1) the count of kept rows; i0, s0 as */ \
-  /* CROSS_ENTROPY. Every row ignored (or N == 0) gives 0/0 = NaN, as PyTorch. */         \
+  /* CROSS_ENTROPY. Every row ignored (or N == 0) gives 0/0 = NaN, as PyTorch. i1 flag */ \
+  /* 1: out3 dlogits (N, C, in0's dtype), the mean's gradient: CROSS_ENTROPY_BACKWARD */  \
+  /* with grad 1 divided by the count (all rows ignored: zeros, as that kernel gives). */ \
   X(CROSS_ENTROPY_MEAN, "cross_entropy_mean")                                           \
   /* fused optimizer step, every view the same shape and float dtype (in place): */      \
   /* in0 grad; out0 param, out1 exp_avg, out2 exp_avg_sq, out3 max_exp_avg_sq (amsgrad, */ \
@@ -241,6 +246,12 @@ static inline const kiln__view *kiln__mm_bias(const kiln__kargs *a) {
 }
 static inline const kiln__view *kiln__mm_mask(const kiln__kargs *a) {
   return (a->i[1] & 2) && a->n_in >= 3 ? &a->in[a->n_in - 1] : NULL;
+}
+
+/* CROSS_ENTROPY(_MEAN)'s optional dlogits output (i1 flag 1): the last output, or NULL. */
+static inline const kiln__view *kiln__ce_dlogits(const kiln__kargs *a) {
+  bool fwd = a->op == KILN__K_CROSS_ENTROPY || a->op == KILN__K_CROSS_ENTROPY_MEAN;
+  return fwd && (a->i[1] & 1) && a->n_out > 0 ? &a->out[a->n_out - 1] : NULL;
 }
 
 /* ADAM_MULTI's group width for its flags (4 views, + max_exp_avg_sq, + step_t); -1 with

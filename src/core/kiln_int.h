@@ -35,6 +35,10 @@ typedef struct kiln__storage {
   size_t nbytes;
   bool borrowed; /* memory not ours (kiln_from_blob-style); never freed */
   bool packed;   /* made by kiln_to_device_many: its views, and between them only padding */
+  /* A gradient an autograd node keeps and hands to the engine as its input's gradient
+  ** (cross_entropy's fused dlogits): it must outlive every backward, so the engine never
+  ** lets a user see or write these bytes; it copies them first (engine.c, accumulate). */
+  bool saved_grad;
 } kiln__storage;
 
 kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes); /* NULL + error on OOM */
@@ -45,7 +49,9 @@ void kiln__storage_release(kiln__storage *s);
 struct kiln__node;
 /* Computes the gradients of the node's inputs from the gradient of its output.
 ** grad_in[i] must be set to a new reference or NULL (no gradient / input does not need
-** it); the engine owns what it receives. Returns KILN_OK or an error code. */
+** it); the engine owns what it receives. Returns KILN_OK or an error code. grad_out is
+** NULL only for a node with unit_seed_ok, when its gradient is the implicit all-ones seed
+** of a backward from its one-element output (no ones tensor is made). */
 typedef kiln_status (*kiln__backward_fn)(struct kiln__node *n, kiln_tensor *grad_out,
                                          kiln_tensor **grad_in);
 
@@ -74,6 +80,7 @@ typedef struct kiln__node {
   kiln_dtype out_dtype;
   kiln_device out_device;
   kiln_tensor *saved[KILN__NODE_MAX_SAVED]; /* refs held; released with the node */
+  bool unit_seed_ok; /* the rule takes grad_out NULL for an implicit unit seed (see above) */
   double s[4];
   int64_t i[KILN_MAX_DIMS + 4];
   /* the output tensor (weak: cleared when that handle dies); used for retain_grad and
@@ -82,6 +89,7 @@ typedef struct kiln__node {
   /* engine scratch */
   int deps;
   kiln_tensor *grad_acc;
+  bool unit_seed; /* the pending gradient is the implicit unit seed (grad_acc NULL) */
   int visit_mark;
 } kiln__node;
 
@@ -149,6 +157,9 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
 bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op);
 /* Test hook: make dispatch treat kernel op of backend type as missing (fallback tests). */
 void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
+/* Test hook: how many kernels this thread has asked kiln__dispatch for (every call,
+** whether it ran on the device, fell back or failed). Tests diff it around a call. */
+int64_t kiln__dispatch_count(void);
 /* Copies t into a new contiguous tensor of dtype dt on dev, recording autograd as `name`
 ** (clone, to_dtype, to_device). */
 kiln_tensor *kiln__copy_as(kiln_tensor *t, kiln_dtype dt, kiln_device dev, const char *name);

@@ -269,7 +269,12 @@ bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op) {
   return b->kernels[op] && !disabled[dev.type][op];
 }
 
+/* Per thread, so that counting needs no atomics and a test sees only its own calls. */
+static _Thread_local int64_t dispatch_calls;
+int64_t kiln__dispatch_count(void) { return dispatch_calls; }
+
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
+  dispatch_calls++;
   const kiln__backend *b = kiln__backend_get(dev.type);
   if (!b) return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: %s backend is not built", kiln__device_cstr(dev));
   a->device = dev.index;

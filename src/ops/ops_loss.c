@@ -1,5 +1,5 @@
 /*
-** Losses: cross_entropy (one fused kernel each way) and mse_loss (composed).
+** Losses: cross_entropy (one fused kernel, and no backward kernel) and mse_loss (composed).
 **
 ** cross_entropy moves the class dim last and flattens logits to (M, C), targets to (M).
 ** The CROSS_ENTROPY kernel gives per-row losses and the row logsumexp in f32 (f64 for f64
@@ -7,13 +7,27 @@
 ** is cast back to the logits' dtype as PyTorch returns it. The reduction runs on the
 ** device — mean divides by the number of targets that are not ignore_index, counted on
 ** the device too, so no op here waits for the device (all ignored gives 0/0 = NaN, as
-** in PyTorch). The mean is one kernel each way (CROSS_ENTROPY_MEAN forward; backward
-** divides by the count inside CROSS_ENTROPY_BACKWARD), since a small model's step is
-** bounded by the number of launches.
+** in PyTorch). The mean is one kernel (CROSS_ENTROPY_MEAN).
+**
+** A small model's step is bounded by the number of launches, so the backward has no
+** kernel of its own. When the logits need a gradient, the forward kernel also writes
+** dlogits (its flag i1 & 1): the gradient for a unit upstream gradient, softmax minus the
+** smoothed one-hot, 0 for ignored rows, divided by the count of kept rows for the mean
+** (per row for 'none' and 'sum', whose row weights are all 1). The node saves only that
+** tensor, in the logits' shape and dtype, and takes a unit seed (unit_seed_ok): backward
+** from kiln_backward(loss) without a gradient hands it on as the logits' gradient, no
+** kernel; an explicit gradient g costs one mul (g (N, 1, d...) over the classes for
+** 'none', a scalar otherwise). Its storage is marked saved_grad, so the engine copies it
+** before a user can see or write it (a leaf's .grad, retain_grad, kiln_autograd_grad),
+** and a second backward finds it intact. The price is memory: dlogits (M, C) is made in
+** the forward and lives with the graph (before, the backward made it from the saved
+** logits). CROSS_ENTROPY_BACKWARD stays for the backends and their tests: every path
+** here that needs the gradient has dlogits.
 */
 #include "../core/kiln_int.h"
 
 #include <math.h>
+#include <string.h>
 
 static bool valid_reduction(kiln_reduction r) {
   return r == KILN_REDUCTION_MEAN || r == KILN_REDUCTION_SUM || r == KILN_REDUCTION_NONE;
@@ -21,66 +35,45 @@ static bool valid_reduction(kiln_reduction r) {
 
 /* ---- cross_entropy ------------------------------------------------------------------ */
 
-/* saved: 0 logits (M, C), 1 target (M), 2 lse (M), 3 count of kept targets (mean only).
-** i: 0 reduction, 1 ignore_index. s: 0 label smoothing. */
+/* saved: 0 dlogits, the logits' gradient for a unit upstream gradient (the logits' shape
+** and dtype). i: 0 reduction. g NULL: the implicit unit seed. */
 static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *L2 = n->saved[0], *T1 = n->saved[1], *lse = n->saved[2], *cnt = n->saved[3];
-  int64_t M = L2->shape[0], C = L2->shape[1];
-  kiln_reduction red = (kiln_reduction)n->i[0];
-  kiln_tensor *gl = g->dtype == lse->dtype ? g : kiln_to_dtype(g, lse->dtype);
-  kiln_tensor *gr = NULL, *div = NULL; /* (M): d loss / d row loss, and its divisor */
-  if (gl && red == KILN_REDUCTION_NONE) {
-    gr = kiln_reshape(gl, KILN_SHAPE(M));
-  } else if (gl) {
-    gr = kiln_expand(kiln_reshape(gl, KILN_SHAPE(1)), KILN_SHAPE(M));
-    /* mean: the kernel divides by the count itself (one kernel, no division op) */
-    if (gr && red == KILN_REDUCTION_MEAN && !(div = kiln_expand(kiln_reshape(cnt, KILN_SHAPE(1)), KILN_SHAPE(M))))
-      gr = NULL;
-  }
-  if (!gr) return kiln_last_error();
-  kiln_tensor *dl = kiln__tensor_new(2, L2->shape, L2->dtype, kiln_device_of(L2));
-  if (!dl) return kiln_last_error();
-  if (M > 0 && C > 0) {
-    kiln__kargs a = {0};
-    a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
-    a.n_in = div ? 5 : 4;
-    a.n_out = 1;
-    a.in[0] = kiln__view_of(L2);
-    a.in[1] = kiln__view_of(T1);
-    a.in[2] = kiln__view_of(lse);
-    a.in[3] = kiln__view_of(gr);
-    if (div) a.in[4] = kiln__view_of(div);
-    a.out[0] = kiln__view_of(dl);
-    a.i[0] = n->i[1];
-    a.s[0] = n->s[0];
-    kiln_status st = kiln__dispatch(kiln_device_of(L2), &a);
-    if (st != KILN_OK) return st;
-  }
-  /* Back to the logits' layout: (M, C) -> (N, d..., C) -> (N, C, d...). */
+  kiln_tensor *dl = n->saved[0];
+  if (!g) /* the saved tensor is the answer: a handle of the engine's own, no kernel */
+    return kiln__give_grad(&gi[0], kiln__tensor_alias(dl, true), NULL);
+  kiln_tensor *gd = g->dtype == dl->dtype ? g : kiln_to_dtype(g, dl->dtype);
   int nd = n->in_ndim[0];
-  const int64_t *ls = n->in_shape[0];
-  kiln_tensor *r = dl;
-  if (nd == 1) {
-    r = kiln_reshape(dl, 1, ls);
-  } else if (nd > 2) {
+  if (gd && n->i[0] == KILN_REDUCTION_NONE && nd >= 2) { /* (N, d...) -> (N, 1, d...) */
     int64_t sh[KILN_MAX_DIMS];
-    int perm[KILN_MAX_DIMS];
-    sh[0] = ls[0];
-    for (int k = 2; k < nd; k++) sh[k - 1] = ls[k];
-    sh[nd - 1] = ls[1];
-    perm[0] = 0;
-    perm[1] = nd - 1;
-    for (int k = 2; k < nd; k++) perm[k] = k - 1;
-    r = kiln_contiguous(kiln_permute(kiln_reshape(dl, nd, sh), nd, perm));
+    memcpy(sh, n->in_shape[0], (size_t)nd * sizeof sh[0]);
+    sh[1] = 1;
+    gd = kiln_reshape(gd, nd, sh);
   }
-  return kiln__give_grad(&gi[0], r, g);
+  return kiln__give_grad(&gi[0], gd ? kiln_mul(dl, gd) : NULL, g);
+}
+
+/* dlogits (M, C) in the logits' layout: (M, C) -> (C) for 1-d logits (a view), or
+** (M, C) -> (N, d..., C) -> (N, C, d...) (a copy) for more than 2 dims. */
+static kiln_tensor *ce_logits_layout(kiln_tensor *dl, int nd, const int64_t *ls) {
+  if (nd == 1) return kiln_reshape(dl, 1, ls);
+  if (nd == 2) return dl;
+  int64_t sh[KILN_MAX_DIMS];
+  int perm[KILN_MAX_DIMS];
+  sh[0] = ls[0];
+  for (int k = 2; k < nd; k++) sh[k - 1] = ls[k];
+  sh[nd - 1] = ls[1];
+  perm[0] = 0;
+  perm[1] = nd - 1;
+  for (int k = 2; k < nd; k++) perm[k] = k - 1;
+  return kiln_contiguous(kiln_permute(kiln_reshape(dl, nd, sh), nd, perm));
 }
 
 /* The forward kernel (CROSS_ENTROPY: per-row loss; CROSS_ENTROPY_MEAN: the mean, and the
-** count of kept rows in cnt) on logits L2 (M, C) and targets T1 (M). */
+** count of kept rows in cnt) on logits L2 (M, C) and targets T1 (M); dl (M, C), when not
+** NULL, gets the fused gradient. */
 static kiln_status ce_forward(kiln__kop op, kiln_tensor *L2, kiln_tensor *T1, kiln_tensor *loss,
-                              kiln_tensor *lse, kiln_tensor *cnt, int64_t ignore_index,
-                              double label_smoothing) {
+                              kiln_tensor *lse, kiln_tensor *cnt, kiln_tensor *dl,
+                              int64_t ignore_index, double label_smoothing) {
   kiln__kargs a = {0};
   a.op = op;
   a.n_in = 2;
@@ -90,7 +83,9 @@ static kiln_status ce_forward(kiln__kop op, kiln_tensor *L2, kiln_tensor *T1, ki
   a.out[0] = kiln__view_of(loss);
   a.out[1] = kiln__view_of(lse);
   if (cnt) a.out[2] = kiln__view_of(cnt);
+  if (dl) a.out[a.n_out++] = kiln__view_of(dl);
   a.i[0] = ignore_index;
+  a.i[1] = dl ? 1 : 0;
   a.s[0] = label_smoothing;
   return kiln__dispatch(kiln_device_of(L2), &a);
 }
@@ -133,6 +128,7 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
   bool prev = kiln_set_grad_enabled(false);
   kiln_scope_begin();
   kiln_tensor *L2 = NULL, *T1 = NULL, *rows = NULL, *lse = NULL, *cnt = NULL, *r = NULL;
+  kiln_tensor *dl = NULL; /* (M, C): the fused gradient, made only when it will be used */
   if (nd <= 2) {
     L2 = kiln_reshape(logits, KILN_SHAPE(M, C));
   } else { /* (N, C, d...) -> (N, d..., C) -> (M, C) */
@@ -144,40 +140,42 @@ kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target, kiln_r
   }
   T1 = kiln_reshape(target, KILN_SHAPE(M));
   kiln_status st = KILN_OK;
-  if (L2 && T1 && red == KILN_REDUCTION_MEAN) {
+  if (L2 && T1 && ng) dl = kiln__tensor_new(2, (const int64_t[]){M, C}, logits->dtype, dev);
+  if (ng && !dl) {
+    st = kiln_last_error();
+  } else if (L2 && T1 && red == KILN_REDUCTION_MEAN) {
     /* the mean over kept rows and their count in one kernel (CROSS_ENTROPY_MEAN) */
     kiln_tensor *mean = kiln__tensor_new(0, NULL, ld, dev);
     cnt = kiln__tensor_new(0, NULL, ld, dev);
     lse = kiln__tensor_new(1, &M, ld, dev);
     st = mean && cnt && lse ? KILN_OK : KILN_ERR_OOM;
     if (st == KILN_OK)
-      st = ce_forward(KILN__K_CROSS_ENTROPY_MEAN, L2, T1, mean, lse, cnt, ignore_index, label_smoothing);
+      st = ce_forward(KILN__K_CROSS_ENTROPY_MEAN, L2, T1, mean, lse, cnt, dl, ignore_index, label_smoothing);
     r = st == KILN_OK ? mean : NULL;
   } else if (L2 && T1) {
     rows = kiln__tensor_new(1, &M, ld, dev);
     lse = rows ? kiln__tensor_new(1, &M, ld, dev) : NULL;
     st = lse ? KILN_OK : KILN_ERR_OOM;
     if (lse && M > 0)
-      st = ce_forward(KILN__K_CROSS_ENTROPY, L2, T1, rows, lse, NULL, ignore_index, label_smoothing);
+      st = ce_forward(KILN__K_CROSS_ENTROPY, L2, T1, rows, lse, NULL, dl, ignore_index, label_smoothing);
     if (st == KILN_OK)
       r = red == KILN_REDUCTION_NONE ? kiln_reshape(rows, target->ndim, target->shape) : kiln_sum_all(rows);
   } else {
     st = kiln_last_error();
   }
   if (st == KILN_OK && r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
+  kiln_tensor *grad = r && ng ? ce_logits_layout(dl, nd, logits->shape) : NULL;
+  if (ng && !grad) r = NULL;
   kiln_set_grad_enabled(prev);
   if (r && ng) {
     kiln__node *n = kiln__node_attach(r, "cross_entropy", ce_backward, 1, &logits);
     if (!n) {
       r = NULL;
     } else {
-      kiln__node_save(n, 0, L2);
-      kiln__node_save(n, 1, T1);
-      kiln__node_save(n, 2, lse);
-      kiln__node_save(n, 3, cnt);
+      kiln__node_save(n, 0, grad);
+      grad->storage->saved_grad = true; /* the engine copies it before anyone sees it */
+      n->unit_seed_ok = true;
       n->i[0] = red;
-      n->i[1] = ignore_index;
-      n->s[0] = label_smoothing;
     }
   }
   return kiln__scope_return(r);

@@ -31,6 +31,7 @@ typedef struct kiln__rows {
   int64_t bst[5];     /* byte stride along the row, per view */
   kiln_dtype ct;      /* F32 or F64 */
   int failed;         /* heap buffer allocation failed */
+  double gscale;      /* cross entropy's fused dlogits: the upstream grad of every row */
 } kiln__rows;
 
 /* ---- softmax family: row kernels on contiguous T arrays ---- */
@@ -130,6 +131,7 @@ static void kiln__rows_init(kiln__rows *c, const kiln__kargs *a, const kiln__vie
   c->a = a;
   c->nv = nv;
   c->failed = 0;
+  c->gscale = 1;
   c->len = vs[0].shape[d];
   for (int i = 0; i < nv; i++) {
     c->v[i] = vs[i];
@@ -225,8 +227,10 @@ static kiln_status kiln__ce_check(const kiln__kargs *a, const char *name) {
 KILN__CE_FNS(float, f32)
 KILN__CE_FNS(double, f64)
 
-/* view order, forward: [0] logits row, [1] target, [2] loss, [3] lse;
-** backward: [0] dlogits row, [1] logits row, [2] target, [3] lse, [4] grad */
+/* view order, forward: [0] logits row, [1] target, [2] loss, [3] lse, [4] weight;
+** backward: [0] dlogits row, [1] logits row, [2] target, [3] lse, [4] grad.
+** The forward's optional dlogits (kiln__ce_dlogits) is addressed by row index, as the
+** backward's divisor is: the walk takes at most five views. */
 static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t n, int64_t k0) {
   kiln__rows *c = (kiln__rows *)vctx;
   const kiln__kargs *a = c->a;
@@ -246,6 +250,8 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
   int ti = bw ? 2 : 1;
   /* backward with n_in == 5: in4 (N) divides each row's grad (the mean's count) */
   const kiln__view *div = bw && a->n_in > 4 ? &a->in[4] : NULL;
+  const kiln__view *dl = kiln__ce_dlogits(a);
+  int64_t dles = dl ? (int64_t)kiln__cpu_esize(dl->dtype) : 0;
   for (int64_t r = 0; r < n; r++) {
     int64_t t = kiln__cpu_get_i64(p[ti] + r * bst[ti], c->v[ti].dtype);
     bool ignored = t == a->i[0];
@@ -264,6 +270,16 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
       kiln__cpu_set_f64(p[2] + r * bst[2], c->v[2].dtype, loss);
       if (c->nv > 3) kiln__cpu_set_f64(p[3] + r * bst[3], c->v[3].dtype, lse);
       if (c->nv > 4) kiln__cpu_set_f64(p[4] + r * bst[4], c->v[4].dtype, ignored ? 0.0 : 1.0);
+      if (dl) { /* the row still in b0: its gradient in place, as the backward kernel's */
+        if (ignored)
+          for (int64_t i = 0; i < len; i++) b0[i] = 0;
+        else if (c->ct == KILN_F32)
+          kiln__ce_bw_row_f32((float *)b0, len, t, eps, (float)lse, (float)c->gscale);
+        else
+          kiln__ce_bw_row_f64(b0, len, t, eps, lse, c->gscale);
+        kiln__cpu_store((char *)dl->data + (k0 + r) * dl->strides[0] * dles, dl->strides[1] * dles,
+                        dl->dtype, b0, c->ct, len);
+      }
     } else {
       if (ignored) {
         for (int64_t i = 0; i < len; i++) b0[i] = 0; /* zeros in any compute type */
@@ -296,28 +312,42 @@ static kiln__view kiln__ce_rowview(const kiln__view *v, int64_t ncls) {
   return r;
 }
 
-kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a) {
+/* CROSS_ENTROPY with every row's fused gradient (if asked for) scaled by gscale. */
+static kiln_status kiln__ce_forward(const kiln__kargs *a, double gscale) {
   kiln_status st = kiln__ce_check(a, "kiln_cross_entropy");
   if (st != KILN_OK) return st;
   if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
   int64_t ncls = a->in[0].shape[1];
+  const kiln__view *dl = kiln__ce_dlogits(a);
+  int nout = a->n_out - (dl ? 1 : 0); /* loss, lse, weight: those given */
+  if (dl && (dl->ndim != 2 || dl->shape[0] != a->in[0].shape[0] || dl->shape[1] != ncls))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: dlogits must have the logits' shape (N, C)");
+  if (dl && !kiln__cpu_is_float(dl->dtype)) return kiln__cpu_dtype_error(a, dl->dtype);
   kiln__view vs[5] = {a->in[0], kiln__ce_rowview(&a->in[1], ncls), kiln__ce_rowview(&a->out[0], ncls),
-                      a->n_out > 1 ? kiln__ce_rowview(&a->out[1], ncls) : a->in[0],
-                      a->n_out > 2 ? kiln__ce_rowview(&a->out[2], ncls) : a->in[0]};
+                      nout > 1 ? kiln__ce_rowview(&a->out[1], ncls) : a->in[0],
+                      nout > 2 ? kiln__ce_rowview(&a->out[2], ncls) : a->in[0]};
   kiln__rows c;
-  kiln__rows_init(&c, a, vs, a->n_out > 2 ? 5 : (a->n_out > 1 ? 4 : 3), 1);
+  kiln__rows_init(&c, a, vs, nout > 2 ? 5 : (nout > 1 ? 4 : 3), 1);
   c.ct = kiln__cpu_ct(a->in[0].dtype);
+  c.gscale = gscale;
   if (ncls == 0) { /* no classes: nothing to normalise; loss is undefined, write NaN */
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: logits have 0 classes");
   }
   return kiln__rows_go(&c, kiln__ce_run);
 }
 
+kiln_status kiln__cpu_cross_entropy(const kiln__kargs *a) { return kiln__ce_forward(a, 1.0); }
+
 /* The mean in one call: the per-row kernel into scratch rows (loss, weight), then one
-** ordered f64 sum of each. */
+** ordered f64 sum of each. The fused gradient needs the count first: the targets are
+** counted before the rows run, and each row's gradient is scaled by 1 / count (1 / 0 =
+** inf when every row is ignored, but then no row is scaled: zeros). */
 kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a) {
-  if (a->n_out < 3 || kiln__view_numel(&a->out[0]) != 1 || kiln__view_numel(&a->out[2]) != 1)
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_cross_entropy: the mean kernel wants 3 outputs, one element in out0 and out2");
+  const kiln__view *dl = kiln__ce_dlogits(a);
+  int nout = a->n_out - (dl ? 1 : 0);
+  if (nout < 3 || kiln__view_numel(&a->out[0]) != 1 || kiln__view_numel(&a->out[2]) != 1)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_cross_entropy: the mean kernel wants 3 outputs "
+                          "(4 with dlogits), one element in out0 and out2");
   kiln_status st = kiln__ce_check(a, "kiln_cross_entropy");
   if (st != KILN_OK) return st;
   kiln_dtype lt = a->out[0].dtype;
@@ -330,7 +360,7 @@ kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a) {
   if (nrow > 0) {
     kiln__kargs r = *a;
     r.op = KILN__K_CROSS_ENTROPY;
-    r.n_out = 3;
+    r.n_out = dl ? 4 : 3;
     r.out[0] = a->out[1]; /* shape and dtype of an (N) row view; data replaced below */
     r.out[0].data = scratch;
     r.out[0].strides[0] = 1;
@@ -338,7 +368,16 @@ kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a) {
     r.out[1] = a->out[1];
     r.out[2] = r.out[0];
     r.out[2].data = scratch + (size_t)nrow * es;
-    st = kiln__cpu_cross_entropy(&r);
+    double gscale = 1.0;
+    if (dl) {
+      const kiln__view *tg = &a->in[1];
+      int64_t tes = (int64_t)kiln__cpu_esize(tg->dtype), kept = 0;
+      for (int64_t i = 0; i < nrow; i++)
+        kept += kiln__cpu_get_i64((const char *)tg->data + i * tg->strides[0] * tes, tg->dtype) != a->i[0];
+      gscale = 1.0 / (double)kept;
+      r.out[3] = *dl;
+    }
+    st = kiln__ce_forward(&r, gscale);
     for (int64_t i = 0; i < nrow && st == KILN_OK; i++) {
       sum += kiln__cpu_get_f64(scratch + (size_t)i * es, lt);
       cnt += kiln__cpu_get_f64(scratch + (size_t)(nrow + i) * es, lt);

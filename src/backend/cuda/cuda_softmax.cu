@@ -1,6 +1,9 @@
 /*
 ** SOFTMAX, LOG_SOFTMAX and their backward rules along one dim, and the fused
-** CROSS_ENTROPY / CROSS_ENTROPY_BACKWARD (logits (N, C), class targets (N)).
+** CROSS_ENTROPY / CROSS_ENTROPY_MEAN / CROSS_ENTROPY_BACKWARD (logits (N, C), class
+** targets (N)). The forward kernels may also write dlogits (i1 flag 1): the group that
+** found a row's logsumexp reads the row again and writes its gradient, so a unit-seeded
+** backward costs no launch.
 **
 ** Rows along the dim are handled by a warp (or a 256-thread block for long rows) when the
 ** dim is contiguous in the input: the max and the sum of exponentials are found in one
@@ -170,6 +173,7 @@ struct CEArgs {
   int64_t sxn, sxc, st, sl, sz, sg, son, soc; /* strides: logits, target, loss, lse, grad, out */
   int64_t sw;   /* stride of the optional per-row weight (out2) */
   int64_t sdiv; /* backward: stride of the optional per-row divisor (in4) */
+  int64_t sdn, sdc; /* forward: strides of the optional dlogits (the flag's output) */
   int64_t ignore;
   double eps;
   int *flag;
@@ -221,10 +225,43 @@ __device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &
   }
 }
 
-/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype). */
+/* The number of rows whose target is not ignore_index, by a whole block of KC_THREADS
+** (every thread gets it; all must call). N <= INT32_MAX (checked at launch). */
+template <class TI> __device__ __forceinline__ int ce_kept(const TI *tgt, const CEArgs &p) {
+  int k = 0;
+  for (int64_t n = threadIdx.x; n < p.N; n += KC_THREADS) k += (int64_t)tgt[n * p.st] != p.ignore ? 1 : 0;
+  return group_sum<int, KC_THREADS>(k);
+}
+
+/* Row n's gradient for upstream grad gs (the lanes of its group split the classes), as
+** ce_backward computes it: gs * (softmax - smoothed one-hot); 0 for an ignored or
+** out-of-range target (the flag is ce_row's to set). */
+template <class T, class TI, int G>
+__device__ __forceinline__ void ce_row_grad(const T *x, const TI *tgt, T *dl, const CEArgs &p,
+                                            int64_t n, int lane, typename kc_traits<T>::acc l,
+                                            typename kc_traits<T>::acc gs) {
+  typedef typename kc_traits<T>::acc A;
+  const T *xr = x + n * p.sxn;
+  T *dr = dl + n * p.sdn;
+  int64_t t = (int64_t)tgt[n * p.st];
+  bool zero = t == p.ignore || t < 0 || t >= p.C;
+  A e = (A)p.eps;
+  for (int64_t j = lane; j < p.C; j += G) {
+    A r = 0;
+    if (!zero) {
+      A pj = kc_exp(kc_ld<T>(xr[j * p.sxc]) - l);
+      A q = (j == t ? (A)1 - e : (A)0) + e / (A)p.C;
+      r = gs * (pj - q);
+    }
+    dr[j * p.sdc] = kc_st<T>(r);
+  }
+}
+
+/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype), dl (NULL: not
+** asked) the row's gradient for a unit upstream grad. */
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
-    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, CEArgs p) {
+    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, T *dl, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -233,6 +270,8 @@ __global__ void __launch_bounds__(KC_THREADS)
   A out, l;
   bool kept;
   ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
+  /* l is what ce_backward would read back: TL holds A exactly (f64 logits take f64 lse) */
+  if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, (A)1);
   if (lane != 0) return;
   loss[n * p.sl] = kc_st<TL>(out);
   lse[n * p.sz] = kc_st<TL>(l);
@@ -244,17 +283,24 @@ __global__ void __launch_bounds__(KC_THREADS)
 ** rows strided over the grid; each block sums its rows' losses and kept counts in a fixed
 ** order. One block writes the mean itself; with more, each writes its pair to part and
 ** ce_mean_finish adds the pairs in block order (no atomics, so the result does not depend
-** on scheduling). */
+** on scheduling).
+** With dl (the fused gradient) every row's gradient is divided by the count of kept rows,
+** which must be known before the first row is written: one block counts the targets
+** itself first (N small: a read of N indices); with several blocks ce_count has put it
+** in part[2 * gridDim.x] beforehand (one more launch, only where N is large). */
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
-    ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, CEArgs p) {
+    ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, T *dl, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
   const int groups = KC_THREADS / G, gid = threadIdx.x / G, lane = threadIdx.x % G;
   TL ls = 0, lc = 0;
+  A gs = 0; /* every kept row's upstream grad: 1 / count (inf when none is kept: unused) */
+  if (dl) gs = (A)1 / (gridDim.x == 1 ? (A)ce_kept<TI>(tgt, p) : (A)part[2 * gridDim.x]);
   for (int64_t n = (int64_t)blockIdx.x * groups + gid; n < p.N; n += (int64_t)gridDim.x * groups) {
     A out, l;
     bool kept;
     ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
+    if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, gs);
     if (lane == 0) {
       lse[n * p.sz] = kc_st<TL>(l);
       ls += (TL)out;
@@ -284,6 +330,12 @@ __global__ void __launch_bounds__(KC_THREADS)
     part[2 * blockIdx.x] = s;
     part[2 * blockIdx.x + 1] = c;
   }
+}
+
+/* ce_mean's count of kept rows when it runs on several blocks (one block, KC_THREADS). */
+template <class TI, class TL> __global__ void __launch_bounds__(KC_THREADS) ce_count(const TI *tgt, CEArgs p, TL *out) {
+  int k = ce_kept<TI>(tgt, p);
+  if (threadIdx.x == 0) *out = (TL)k;
 }
 
 template <class TL> __global__ void ce_mean_finish(const TL *part, int nparts, TL *mean, TL *cnt) {
@@ -323,16 +375,18 @@ __global__ void __launch_bounds__(KC_THREADS)
 
 template <class T, class TL, class TI>
 kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
+  const kiln__view *dlv = kiln__ce_dlogits(a);
+  T *dl = dlv ? (T *)dlv->data : NULL;
   if (a->op == KILN__K_CROSS_ENTROPY) {
     const T *x = (const T *)a->in[0].data;
     const TI *t = (const TI *)a->in[1].data;
     TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
-    TL *w = a->n_out > 2 ? (TL *)a->out[2].data : NULL;
+    TL *w = a->n_out - (dl ? 1 : 0) > 2 ? (TL *)a->out[2].data : NULL;
     if (p.C > 1024) {
-      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
+      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
-      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, p);
+      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
     }
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
     /* a thread per row up to 16 classes, else a warp; one block when the rows are few (a
@@ -343,18 +397,20 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     int64_t cap = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4;
     int blocks = (int)(want < 1 ? 1 : want > cap ? cap : want);
     TL *mean = (TL *)a->out[0].data, *cnt = (TL *)a->out[2].data, *part = NULL;
-    if (blocks > 1 && !(part = (TL *)kiln__cuda_alloc(a->device, (size_t)blocks * 2 * sizeof(TL))))
+    size_t part_bytes = ((size_t)blocks * 2 + (dl ? 1 : 0)) * sizeof(TL); /* + the count */
+    if (blocks > 1 && !(part = (TL *)kiln__cuda_alloc(a->device, part_bytes)))
       return kiln_last_error();
     const T *x = (const T *)a->in[0].data;
     const TI *t = (const TI *)a->in[1].data;
     TL *lse = (TL *)a->out[1].data;
+    if (blocks > 1 && dl) ce_count<TI, TL><<<1, KC_THREADS, 0, d->stream>>>(t, p, part + 2 * blocks);
     if (thread_rows)
-      ce_mean<T, TL, TI, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, p);
+      ce_mean<T, TL, TI, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
     else
-      ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, p);
+      ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
     if (blocks > 1) {
       ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
-      kiln__cuda_free(a->device, part, (size_t)blocks * 2 * sizeof(TL)); /* stream-ordered reuse */
+      kiln__cuda_free(a->device, part, part_bytes); /* stream-ordered reuse */
     }
   } else {
     int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
@@ -406,11 +462,17 @@ extern "C" bool kiln__cuda_softmax_supports(const kiln__kargs *a) {
   kiln_dtype lt = ce_fwd(a->op) ? a->out[0].dtype : a->in[2].dtype;
   if (lt != KILN_F32 && lt != KILN_F64) return false;
   if (lt == KILN_F32 && dt == KILN_F64) return false;
+  /* the fused dlogits (flag 1): the logits' dtype and shape, after the usual outputs */
+  const kiln__view *dl = kiln__ce_dlogits(a);
+  int nout = a->n_out - (dl ? 1 : 0);
+  if (dl && (dl->dtype != dt || dl->ndim != 2 || dl->shape[0] != a->in[0].shape[0] ||
+             dl->shape[1] != a->in[0].shape[1]))
+    return false;
   if (a->op == KILN__K_CROSS_ENTROPY_MEAN)
-    return a->n_out == 3 && a->out[1].dtype == lt && a->out[2].dtype == lt &&
+    return nout == 3 && a->out[1].dtype == lt && a->out[2].dtype == lt &&
            kc_numel(&a->out[0]) == 1 && kc_numel(&a->out[2]) == 1;
   if (a->op == KILN__K_CROSS_ENTROPY)
-    return a->n_out >= 2 && a->out[1].dtype == lt && (a->n_out < 3 || a->out[2].dtype == lt);
+    return nout >= 2 && a->out[1].dtype == lt && (nout < 3 || a->out[2].dtype == lt);
   return a->n_in >= 4 && a->in[3].dtype == lt && (a->n_in < 5 || a->in[4].dtype == lt) &&
          a->out[0].dtype == dt;
 }
@@ -433,13 +495,16 @@ extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
     p.flag = d->err_flag;
     p.kop = (int)a->op;
     p.sdiv = 0;
+    const kiln__view *dl = kiln__ce_dlogits(a);
+    p.sdn = dl ? dl->strides[0] : 0;
+    p.sdc = dl ? dl->strides[1] : 0;
     if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
       p.sl = p.sw = p.sg = p.son = p.soc = 0;
       p.sz = a->out[1].strides[0];
     } else if (a->op == KILN__K_CROSS_ENTROPY) {
       p.sl = a->out[0].strides[0];
       p.sz = a->out[1].strides[0];
-      p.sw = a->n_out > 2 ? a->out[2].strides[0] : 0;
+      p.sw = a->n_out - (dl ? 1 : 0) > 2 ? a->out[2].strides[0] : 0;
       p.sg = p.son = p.soc = 0;
     } else {
       p.sl = p.sw = 0;

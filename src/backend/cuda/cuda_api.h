@@ -35,6 +35,17 @@ kiln_status kiln__cuda_event_synchronize(void *ev);               /* host waits 
 /* 1 when the event's work is done, 0 when not yet, -1 on error (last error set). */
 int kiln__cuda_event_query(void *ev);
 
+/* The side copy stream (one per device, non-blocking, created on first use): the data
+** loader's host->device copies run on it, beside the kernels of the device's stream, and
+** meet that stream only through events. It is never captured. */
+/* Queues a host->device copy on the side stream and returns at once. src must be pinned
+** (kiln__cuda_host_alloc) and stay untouched until an event recorded on the side stream
+** after this call has completed; dst must not be touched by the device's stream until
+** that stream has waited for such an event. */
+kiln_status kiln__cuda_side_copy_from_host(int device, void *dst, const void *src, size_t n);
+kiln_status kiln__cuda_side_event_record(int device, void *ev);   /* on the side stream */
+kiln_status kiln__cuda_side_event_wait(int device, void *ev);     /* side stream waits for ev */
+
 /* CUDA graphs by stream capture (cudaStreamCaptureModeThreadLocal). Between begin and
 ** end, kernels are recorded, not run; the caching allocator serves only memory it already
 ** holds (KILN_ERR_STATE "allocation during graph capture needs a warm-up step first"

@@ -204,7 +204,7 @@ kiln_status kiln__copier_event_new(kiln__copier *c, void **ev) {
     return *ev ? KILN_OK : kiln_set_error(KILN_ERR_OOM, "kiln: out of memory for an event");
   }
 #ifdef KILN_HAVE_CUDA
-  return kiln__cuda_event_new(ev);
+  return kiln__cuda_event_new(c->dev.index, ev);
 #else
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: a copier without a device");
 #endif

@@ -26,8 +26,9 @@ void kiln__cuda_host_free(void *p);
 ** call has completed. */
 kiln_status kiln__cuda_copy_from_host_async(int device, void *dst, const void *src, size_t n);
 
-/* Events (cudaEvent_t as void *), for the loader's buffer recycling. */
-kiln_status kiln__cuda_event_new(void **ev);
+/* Events (cudaEvent_t as void *), for the loader's buffer recycling. An event belongs to
+** its device: it may be recorded on that device's streams only. */
+kiln_status kiln__cuda_event_new(int device, void **ev);
 void kiln__cuda_event_free(void *ev);
 kiln_status kiln__cuda_event_record(int device, void *ev);        /* on the stream */
 kiln_status kiln__cuda_event_wait(int device, void *ev);          /* stream waits for ev */

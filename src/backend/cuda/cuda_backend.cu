@@ -387,11 +387,13 @@ extern "C" kiln_status kiln__cuda_side_event_wait(int device, void *ev) {
   return KILN_OK;
 }
 
-extern "C" kiln_status kiln__cuda_event_new(void **ev) {
+extern "C" kiln_status kiln__cuda_event_new(int device, void **ev) {
   *ev = NULL;
   const char *why;
   if (cuda_probe(&why) != KILN_OK)
     return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: CUDA events: %s", why);
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d)); /* the event is made on the current device */
   cudaEvent_t e;
   KC_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   *ev = (void *)e;

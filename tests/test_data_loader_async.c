@@ -3,7 +3,7 @@
 ** the emulated device, so it runs on any machine and under valgrind: the same batches,
 ** bit for bit, as the synchronous loader over several epochs (shuffle and drop_last both
 ** ways, the smaller last batch, tensor and user datasets, strided fields, a custom
-** collate); a batch kept across next() calls is never overwritten and released blocks are
+** collate, batches that outgrow the pinned blocks); a batch kept across next() calls is never overwritten and released blocks are
 ** reused; stopping mid-epoch (free, a new epoch) with copies in flight; and failures (a
 ** pinned or device allocation, the dataset's own) reported by the next kiln_loader_next.
 ** The emulated copies start late on purpose, so a missing wait shows as a wrong batch.
@@ -407,6 +407,44 @@ static void test_unstaged_collate(void) {
   kiln_dataset_free(ds);
 }
 
+/* collate: (arange of 1 + 10 * the first id (f32), the ids): each batch bigger than the
+** last, so the builders outgrow their pinned blocks */
+static kiln_status growing_collate(void *user, int n, int nf, kiln_tensor *const *samples, kiln_tensor **out) {
+  (void)user;
+  int64_t id[64];
+  for (int i = 0; i < n; i++) id[i] = (int64_t)kiln_get(samples[i * nf + 1], NULL);
+  out[0] = kiln_arange(0, (double)(1 + 10 * id[0]), 1, KILN_F32, kiln_device_cpu());
+  out[1] = kiln_from_data(id, KILN_SHAPE(n), KILN_I64, kiln_device_cpu());
+  return out[0] && out[1] ? KILN_OK : kiln_last_error();
+}
+
+static void test_growing_batches(void) {
+  my_ds ud = {-1};
+  kiln_dataset *ds = user_dataset(&ud);
+  kiln_loader_opts o = kiln_loader_opts_default();
+  o.batch_size = 10;
+  o.collate = growing_collate;
+  o.collate_n_out = 2;
+  for (int w = 0; w < 3; w += 2) {
+    o.num_workers = w;
+    emulate(false, 0, 0, 0);
+    kiln_loader *ref = kiln_loader_new(ds, &o);
+    emulate(true, 100, 0, 0);
+    kiln_loader *l = kiln_loader_new(ds, &o);
+    emulate(false, 0, 0, 0);
+    for (uint64_t e = 0; e < 2; e++) {
+      record a = {0}, b = {0};
+      CHECK(run_epoch(ref, e, &a) == 0 && run_epoch(l, e, &b) == 11);
+      CHECK(a.n == b.n && memcmp(a.p, b.p, a.n) == 0);
+      free(a.p);
+      free(b.p);
+    }
+    kiln_loader_free(ref);
+    kiln_loader_free(l);
+  }
+  kiln_dataset_free(ds);
+}
+
 int main(void) {
   int64_t live0 = kiln_live_tensors();
   test_same_batches();
@@ -414,6 +452,7 @@ int main(void) {
   test_early_stop();
   test_errors();
   test_unstaged_collate();
+  test_growing_batches();
   CHECK(kiln_live_tensors() == live0);
   if (failures) {
     fprintf(stderr, "test_data_loader_async: %d failures\n", failures);

@@ -172,7 +172,7 @@ kiln_status kiln__copier_host_alloc(kiln__copier *c, void **p, size_t n) {
               : kiln_set_error(KILN_ERR_OOM, "kiln: cannot pin %zu bytes of host memory (emulated device)", n);
   }
 #ifdef KILN_HAVE_CUDA
-  return kiln__cuda_host_alloc(p, n);
+  return kiln__cuda_host_alloc(c->dev.index, p, n);
 #else
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: a copier without a device");
 #endif

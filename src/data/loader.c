@@ -83,6 +83,7 @@ typedef struct slot {
   ** that read it, and the batch in it */
   void *host;
   size_t host_cap;
+  void *retired; /* a pinned block the builder outgrew, freed in the caller's thread */
   void *copy_ev;
   size_t bytes;
   field_layout *layout; /* n_out entries */
@@ -334,10 +335,13 @@ static kiln_status build_batch(kiln_loader *l, int64_t b, kiln_tensor **out) {
 
 static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 
-/* Grows slot s's pinned block to n bytes (the copy that last read it has finished). */
+/* Grows slot s's pinned block to n bytes (the copy that last read it has finished). The
+** old block is freed by the caller's thread: freeing pinned memory may synchronize the
+** device, which a builder must not do while the caller captures a graph. */
 static kiln_status host_reserve(kiln_loader *l, slot *s, int64_t b, size_t n) {
   if (s->host_cap >= n) return KILN_OK;
-  kiln__copier_host_free(l->copier, s->host);
+  kiln__copier_host_free(l->copier, s->retired); /* NULL: the caller freed the last one */
+  s->retired = s->host;
   s->host = NULL;
   s->host_cap = 0;
   if (kiln__copier_host_alloc(l->copier, &s->host, n) != KILN_OK) {
@@ -473,6 +477,10 @@ static void slot_clear(kiln_loader *l, slot *s) {
   if (s->state == SLOT_ISSUED) {
     if (kiln__copier_sync(l->copier, s->copy_ev) != KILN_OK) kiln_clear_error();
     s->block->state = BLOCK_FREE;
+  }
+  if (l->copier) {
+    kiln__copier_host_free(l->copier, s->retired);
+    s->retired = NULL;
   }
   free(s->msg);
   s->msg = NULL;
@@ -672,6 +680,8 @@ static int next_staged(kiln_loader *l, kiln_tensor **fields) {
   } else {
     r = state == SLOT_STAGED && issue(l, s) != KILN_OK ? -1 : deliver_staged(l, s, fields);
   }
+  kiln__copier_host_free(l->copier, s->retired);
+  s->retired = NULL;
   pthread_mutex_lock(&l->mu);
   free(s->msg);
   s->msg = NULL;
@@ -736,6 +746,7 @@ static void staging_free(kiln_loader *l) {
     slot *s = &l->slots[i];
     if (s->copy_ev && kiln__copier_sync(l->copier, s->copy_ev) != KILN_OK) kiln_clear_error();
     kiln__copier_host_free(l->copier, s->host);
+    kiln__copier_host_free(l->copier, s->retired);
     kiln__copier_event_free(l->copier, s->copy_ev);
     free(s->layout);
   }

@@ -18,8 +18,10 @@ extern "C" {
 void *kiln__cuda_stream(int device);
 
 /* Pinned (page-locked) host memory, for the data loader: copies from it are truly
-** asynchronous. Free with kiln__cuda_host_free (NULL is a no-op). */
-kiln_status kiln__cuda_host_alloc(void **p, size_t n);
+** asynchronous (to any device). Made with `device` current, so that a thread that has
+** used no device yet does not start device 0's context. Free with kiln__cuda_host_free
+** (NULL is a no-op). */
+kiln_status kiln__cuda_host_alloc(int device, void **p, size_t n);
 void kiln__cuda_host_free(void *p);
 /* Queues a host->device copy on the device's stream and returns at once. src must be
 ** pinned (kiln__cuda_host_alloc) and stay untouched until an event recorded after this

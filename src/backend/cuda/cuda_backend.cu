@@ -318,11 +318,13 @@ extern "C" void *kiln__cuda_stream(int device) {
   return (void *)d->stream;
 }
 
-extern "C" kiln_status kiln__cuda_host_alloc(void **p, size_t n) {
+extern "C" kiln_status kiln__cuda_host_alloc(int device, void **p, size_t n) {
   *p = NULL;
   const char *why;
   if (cuda_probe(&why) != KILN_OK)
     return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: pinned memory needs CUDA: %s", why);
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
   cudaError_t e = cudaHostAlloc(p, n ? n : 1, cudaHostAllocPortable);
   if (e != cudaSuccess) {
     *p = NULL;

@@ -3,10 +3,11 @@
 ** the emulated device, so it runs on any machine and under valgrind: the same batches,
 ** bit for bit, as the synchronous loader over several epochs (shuffle and drop_last both
 ** ways, the smaller last batch, tensor and user datasets, strided fields, a custom
-** collate, batches that outgrow the pinned blocks); a batch kept across next() calls is never overwritten and released blocks are
-** reused; stopping mid-epoch (free, a new epoch) with copies in flight; and failures (a
-** pinned or device allocation, the dataset's own) reported by the next kiln_loader_next.
-** The emulated copies start late on purpose, so a missing wait shows as a wrong batch.
+** collate, batches that outgrow the pinned blocks); a batch kept across next() calls is
+** never overwritten and released blocks are reused; stopping mid-epoch (free, a new
+** epoch) with copies in flight; and failures (a pinned or device allocation, the
+** dataset's own) reported by the next kiln_loader_next. The emulated copies start late on
+** purpose, so a missing wait shows as a wrong batch.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>

@@ -62,7 +62,8 @@
 #define MAX_WORKERS 256
 
 /* READY holds built tensors (or an error); STAGED a batch in the slot's pinned block;
-** ISSUED one whose copy to a device block has been queued. */
+** ISSUED one whose copy to a device block has been queued. In this order: a slot at READY
+** or after holds its batch. */
 enum { SLOT_EMPTY = 0, SLOT_BUILDING, SLOT_READY, SLOT_STAGED, SLOT_ISSUED };
 
 /* Where field f of a staged batch lies in its blocks. */

@@ -9,11 +9,15 @@
 **
 ** Usage: seed-mlp [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X] [--workers N]
 **                 [--graph] [--preload] [--json] [--quiet]
-** --preload keeps the 20000 samples on the device (the peer's --preload): the loader then
-** gathers each shuffled batch there, and nothing crosses the host link per step.
+** The loader delivers each batch on the device: on a GPU it gathers the batch into pinned
+** memory in a background thread and copies it on a side stream while the previous step
+** runs. --preload keeps the 20000 samples on the device instead (the peer's --preload):
+** the loader then gathers each shuffled batch there, and nothing crosses the host link
+** per step.
 ** --graph records the training step once per batch shape (after one eager step at that
 ** shape, which trains like any other) and replays it: CUDA graphs on a GPU, the same
-** calls run eagerly on the CPU. The loss is still read with kiln_item every step.
+** calls run eagerly on the CPU. Each batch is copied on the device into the recorded
+** step's static inputs. The loss is still read with kiln_item every step.
 ** --json ends the output with one JSON line of figures (the same names as the peer's).
 **
 ** Under mpirun (mpirun -np N seed-mlp ...) it trains data-parallel: each rank takes its
@@ -188,9 +192,7 @@ int main(int argc, char **argv) {
   lo.shuffle = world == 1; /* the shard shuffles per epoch, the same on every rank */
   lo.seed = 0;
   lo.num_workers = (int)workers;
-  /* --graph copies each batch into the recorded step's static tensors: straight from the
-  ** host (one transfer each) unless the data already lives on the device */
-  lo.device = graph && !preload ? kiln_device_cpu() : dev;
+  lo.device = dev; /* --graph copies each batch on the device into the step's static inputs */
   kiln_loader *loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
   if (!loader) return fail("making the loader");
 
@@ -248,17 +250,17 @@ int main(int argc, char **argv) {
           /* first step at this shape: static tensors, one eager step, then the capture */
           c->model = model;
           c->opt = opt;
-          if (!preload && dev.type != KILN_DEVICE_CPU) { /* host batches: the two static
-                          ** inputs in one device block, refilled by one transfer a step */
-            kiln_tensor *sx[2] = {NULL, NULL};
-            st = kiln_to_device_many(2, b, dev, sx);
-            c->x = kiln_keep(sx[0]);
-            c->y = kiln_keep(sx[1]);
-          } else {
-            c->x = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, dev));
-            c->y = kiln_keep(kiln_empty(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, dev));
-            st = c->x && c->y ? kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b) : kiln_last_error();
-          }
+          /* the two static inputs in one device block (kiln_to_device_many packs host
+          ** tensors), laid out as the loader lays out a batch, so that a staged batch
+          ** refills both with one copy on the device (and --preload's, one copy each) */
+          kiln_device cpu = kiln_device_cpu();
+          kiln_tensor *hz[2] = {kiln_zeros(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, cpu),
+                                kiln_zeros(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, cpu)};
+          kiln_tensor *sx[2] = {NULL, NULL};
+          st = hz[0] && hz[1] ? kiln_to_device_many(2, hz, dev, sx) : kiln_last_error();
+          c->x = kiln_keep(sx[0]);
+          c->y = kiln_keep(sx[1]);
+          if (st == KILN_OK) st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
           c->loss = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev));
           if (st == KILN_OK && !c->loss) st = kiln_last_error();
           if (st == KILN_OK) st = train_step(c);

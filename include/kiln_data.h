@@ -107,10 +107,15 @@ typedef struct kiln_loader_opts {
   bool shuffle;         /* a new permutation each epoch from seed + epoch */
   uint64_t seed;
   bool drop_last;       /* drop the last, smaller batch */
-  int num_workers;      /* 0: batches are made in the caller's thread by kiln_loader_next */
+  int num_workers;      /* 0: batches are made in the caller's thread by kiln_loader_next
+                           (staged copies: by one background thread, see device) */
   int prefetch_factor;  /* batches in flight per worker (queue: prefetch_factor *
                            num_workers); 0 means 2 */
-  kiln_device device;   /* where batches are delivered (kiln_to_device after collate) */
+  kiln_device device;   /* where batches are delivered (kiln_to_device after collate).
+                           A GPU, with the samples on the host (a user dataset or CPU
+                           tensors): staged copies. Worker threads write each batch into
+                           pinned host memory and its copy runs on a side stream while
+                           the current step runs (see kiln_loader_next) */
   kiln_collate_fn collate; /* NULL: stack each field into (B, ...) */
   void *collate_user;
   int collate_n_out;    /* tensors a custom collate makes; 0 means n_fields */
@@ -128,7 +133,8 @@ KILN_API kiln_loader *kiln_loader_new(kiln_dataset *ds, const kiln_loader_opts *
 ** fixes the order (shuffle: kiln_randperm with a generator seeded seed + epoch, so the
 ** order is the same for any num_workers; else 0..n-1) and starts the workers. The
 ** dataset's length is read again here. KILN_ERR_INVALID_ARGUMENT, KILN_ERR_OOM,
-** KILN_ERR_INTERNAL (a thread could not start). */
+** KILN_ERR_INTERNAL (a thread could not start), KILN_ERR_STATE (a graph capture is open
+** on the loader's device or its dataset's). */
 KILN_API kiln_status kiln_loader_epoch(kiln_loader *l, uint64_t epoch);
 /* The next batch of the epoch, in order, written to fields[0 .. kiln_loader_num_fields-1].
 ** Returns
@@ -139,7 +145,16 @@ KILN_API kiln_status kiln_loader_epoch(kiln_loader *l, uint64_t epoch);
 **       kiln_loader_epoch. With no epoch started, the first call starts epoch 0;
 **   -1  an error (fields untouched): kiln_last_error() tells which (the dataset's or
 **       collate's error, KILN_ERR_OOM, KILN_ERR_DEVICE, KILN_ERR_INVALID_ARGUMENT). The
-**       failed batch is skipped: the next call goes on with the one after it. */
+**       failed batch is skipped: the next call goes on with the one after it. A failure
+**       in a worker thread (an allocation, the dataset) is the error of the call that
+**       would have returned its batch. KILN_ERR_STATE when a graph capture is open on
+**       the loader's device or its dataset's: nothing is taken, so call it before the
+**       captured step and copy the batch into the step's static inputs.
+** Staged copies (opts.device): the fields are views of one device block; the call makes
+** the device's stream wait for the block's copy (the host does not wait) and queues the
+** next batch's copy, which then runs beside the step. The loader writes a block again
+** only once every tensor that shares it (the fields, views of them, tensors autograd
+** saved) has been freed, so a batch may be kept across calls. */
 KILN_API int kiln_loader_next(kiln_loader *l, kiln_tensor **fields);
 /* Batches per epoch for the dataset's current length: ceil(n / B), or floor(n / B) with
 ** drop_last, which is 0 when the dataset is shorter than one batch (every epoch is then
@@ -147,8 +162,9 @@ KILN_API int kiln_loader_next(kiln_loader *l, kiln_tensor **fields);
 KILN_API int64_t kiln_loader_len(const kiln_loader *l);
 /* Tensors per batch (collate_n_out, or the dataset's n_fields). 0 for NULL. */
 KILN_API int kiln_loader_num_fields(const kiln_loader *l);
-/* Stops and joins the workers, even mid-epoch, and frees undelivered batches. Batches
-** already delivered stay valid. NULL is a no-op. */
+/* Stops and joins the workers, even mid-epoch, and frees undelivered batches (waiting
+** for copies in flight). Batches already delivered stay valid. Not inside a captured
+** step. NULL is a no-op. */
 KILN_API void kiln_loader_free(kiln_loader *l);
 
 /* --------------------------------------------------------------------------------------

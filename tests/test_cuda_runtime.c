@@ -232,6 +232,17 @@ static void test_to_device_many(kiln_device gpu) {
   CHECK(kiln_copy_many_(4, out, fresh) == KILN_OK, "copy_many_ into the packed block");
   for (int i = 0; i < 4; i++)
     if (kiln_numel(fresh[i]) > 0) CHECK(max_abs_diff(fresh[i], out[i]) == 0, "copy_many_: tensor %d's new values", i);
+  /* on the device: from another block of the same layout (one copy), then pair by pair
+  ** from separate device tensors */
+  kiln_tensor *other[4], *sep[4];
+  CHECK(kiln_to_device_many(4, ts, gpu, other) == KILN_OK && kiln_copy_many_(4, out, other) == KILN_OK,
+        "copy_many_ from a packed device block");
+  for (int i = 0; i < 4; i++)
+    if (kiln_numel(ts[i]) > 0) CHECK(max_abs_diff(ts[i], out[i]) == 0, "copy_many_ on the device: tensor %d", i);
+  for (int i = 0; i < 4; i++) sep[i] = kiln_to_device(fresh[i], gpu);
+  CHECK(kiln_copy_many_(4, out, sep) == KILN_OK, "copy_many_ from separate device tensors");
+  for (int i = 0; i < 4; i++)
+    if (kiln_numel(fresh[i]) > 0) CHECK(max_abs_diff(fresh[i], out[i]) == 0, "copy_many_ pair by pair: tensor %d", i);
   kiln_tensor *w = kiln_randn(KILN_SHAPE(4), KILN_F32, cpu, NULL);
   kiln_requires_grad_(w, true);
   kiln_tensor *two[2] = {ts[0], w}, *o2[2];

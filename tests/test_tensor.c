@@ -192,6 +192,10 @@ static void test_to_device_many(void) {
   H_CHECK(kiln_copy_many_(2, d, src) == KILN_OK && kiln_get(d[0], (int64_t[]){5}) == 5 &&
               kiln_get(d[1], (int64_t[]){1}) == 7,
           "copy_many_ copies every pair");
+  kiln_tensor *cast[2] = {kiln_zeros(KILN_SHAPE(6), KILN_F64, cpu), kiln_zeros(KILN_SHAPE(2, 2), KILN_I64, cpu)};
+  H_CHECK(kiln_copy_many_(2, cast, src) == KILN_OK && kiln_get(cast[0], (int64_t[]){4}) == 4 &&
+              kiln_get(cast[1], (int64_t[]){1, 0}) == 7,
+          "copy_many_ casts and broadcasts as kiln_copy_ does");
   kiln_tensor *wrong[2] = {ts[0], ts[2]};
   kiln_status rc = kiln_copy_many_(2, d, wrong);
   H_CHECK(rc == KILN_ERR_SHAPE && strstr(kiln_last_error_message(), "pair 1"),

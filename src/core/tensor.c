@@ -561,48 +561,76 @@ kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, 
   return st;
 }
 
+/* Whether src can be copied into dst as bytes: compact, one dtype and shape (no cast, no
+** broadcast), dst not refused by kiln_copy_ (which then reports why). */
+static bool copy_as_bytes(const kiln_tensor *dst, const kiln_tensor *src) {
+  return dst && src && kiln_is_contiguous(dst) && kiln_is_contiguous(src) && src->dtype == dst->dtype &&
+         src->ndim == dst->ndim && memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim) == 0 &&
+         !(dst->requires_grad && kiln_grad_enabled());
+}
+
+static size_t byte_offset(const kiln_tensor *t) { return (size_t)t->offset * kiln_dtype_size(t->dtype); }
+
 /* kiln_copy_ for n pairs. When the destinations are the views of one block made by
-** kiln_to_device_many (so the bytes between them are padding nobody reads) and the sources
-** compact host tensors of their shapes and dtypes, the whole span goes in one transfer:
-** a captured step's static inputs, refilled every step. */
+** kiln_to_device_many (so the bytes between them are padding nobody reads), the whole span
+** goes in one transfer: from compact host tensors of their shapes and dtypes, or on the
+** device from views of one other block laid out the same way (a staged loader batch). A
+** captured step's static inputs are refilled so every step. Other pairs on one device
+** with one dtype and shape take one device copy each instead of a copy kernel. */
 kiln_status kiln_copy_many_(int n, kiln_tensor *const *dsts, kiln_tensor *const *srcs) {
   if (n < 0 || (n > 0 && (!dsts || !srcs)))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_copy_many_: n must be >= 0 and the arrays given");
-  bool one = n > 1;
+  bool one = n > 1, from_host = n > 0 && srcs[0] && srcs[0]->storage->device.type == KILN_DEVICE_CPU;
   size_t lo = SIZE_MAX, hi = 0;
+  int64_t delta = 0; /* device to device: a source's byte offset minus its destination's */
   for (int i = 0; i < n && one; i++) {
     kiln_tensor *d = dsts[i], *s = srcs[i];
-    if (!d || !s || !d->storage->packed || d->storage != dsts[0]->storage || !kiln_is_contiguous(d) ||
-        !kiln_is_contiguous(s) || s->storage->device.type != KILN_DEVICE_CPU || s->dtype != d->dtype ||
-        s->ndim != d->ndim || memcmp(s->shape, d->shape, sizeof(int64_t) * (size_t)d->ndim) != 0 ||
-        (d->requires_grad && kiln_grad_enabled())) {
+    if (!copy_as_bytes(d, s) || !d->storage->packed || d->storage != dsts[0]->storage) {
       one = false;
       break;
     }
-    size_t off = (size_t)d->offset * kiln_dtype_size(d->dtype);
+    if (from_host) {
+      one = s->storage->device.type == KILN_DEVICE_CPU;
+    } else {
+      if (i == 0) delta = (int64_t)byte_offset(s) - (int64_t)byte_offset(d);
+      one = s->storage == srcs[0]->storage && s->storage != d->storage &&
+            kiln_device_equal(s->storage->device, d->storage->device) &&
+            (int64_t)byte_offset(s) - (int64_t)byte_offset(d) == delta;
+    }
+    size_t off = byte_offset(d);
     if (off < lo) lo = off;
     if (off + kiln_nbytes(d) > hi) hi = off + kiln_nbytes(d);
   }
-  if (!one || hi <= lo) {
-    for (int i = 0; i < n; i++) {
-      kiln_status st = kiln_copy_(dsts ? dsts[i] : NULL, srcs ? srcs[i] : NULL);
-      if (st != KILN_OK) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
-        return kiln_set_error(st, "%s (pair %d)", msg, i);
-      }
-    }
-    return KILN_OK;
+  if (one && hi > lo) {
+    kiln__storage *st = dsts[0]->storage;
+    if (!from_host) /* both spans lie inside their blocks: each view does */
+      return st->backend->copy_device(st->device.index, (char *)st->data + lo,
+                                      (char *)srcs[0]->storage->data + (int64_t)lo + delta, hi - lo);
+    char *host = calloc(hi - lo, 1);
+    if (!host) return kiln_set_error(KILN_ERR_OOM, "kiln_copy_many_: out of host memory (%zu bytes)", hi - lo);
+    for (int i = 0; i < n; i++)
+      memcpy(host + byte_offset(dsts[i]) - lo, kiln__view_of(srcs[i]).data, kiln_nbytes(srcs[i]));
+    kiln_status rc = st->backend->copy_from_host(st->device.index, (char *)st->data + lo, host, hi - lo);
+    free(host);
+    return rc;
   }
-  char *host = calloc(hi - lo, 1);
-  if (!host) return kiln_set_error(KILN_ERR_OOM, "kiln_copy_many_: out of host memory (%zu bytes)", hi - lo);
-  for (int i = 0; i < n; i++)
-    memcpy(host + (size_t)dsts[i]->offset * kiln_dtype_size(dsts[i]->dtype) - lo, kiln__view_of(srcs[i]).data,
-           kiln_nbytes(srcs[i]));
-  kiln__storage *st = dsts[0]->storage;
-  kiln_status rc = st->backend->copy_from_host(st->device.index, (char *)st->data + lo, host, hi - lo);
-  free(host);
-  return rc;
+  for (int i = 0; i < n; i++) {
+    kiln_tensor *d = dsts ? dsts[i] : NULL, *s = srcs ? srcs[i] : NULL;
+    kiln_status st;
+    if (copy_as_bytes(d, s) && d->storage != s->storage &&
+        kiln_device_equal(d->storage->device, s->storage->device))
+      st = kiln_nbytes(d) ? d->storage->backend->copy_device(d->storage->device.index, kiln__view_of(d).data,
+                                                             kiln__view_of(s).data, kiln_nbytes(d))
+                          : KILN_OK;
+    else
+      st = kiln_copy_(d, s);
+    if (st != KILN_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+      return kiln_set_error(st, "%s (pair %d)", msg, i);
+    }
+  }
+  return KILN_OK;
 }
 
 kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track) {

@@ -18,22 +18,36 @@ extern "C" {
 void *kiln__cuda_stream(int device);
 
 /* Pinned (page-locked) host memory, for the data loader: copies from it are truly
-** asynchronous. Free with kiln__cuda_host_free (NULL is a no-op). */
-kiln_status kiln__cuda_host_alloc(void **p, size_t n);
+** asynchronous (to any device). Made with `device` current, so that a thread that has
+** used no device yet does not start device 0's context. Free with kiln__cuda_host_free
+** (NULL is a no-op). */
+kiln_status kiln__cuda_host_alloc(int device, void **p, size_t n);
 void kiln__cuda_host_free(void *p);
 /* Queues a host->device copy on the device's stream and returns at once. src must be
 ** pinned (kiln__cuda_host_alloc) and stay untouched until an event recorded after this
 ** call has completed. */
 kiln_status kiln__cuda_copy_from_host_async(int device, void *dst, const void *src, size_t n);
 
-/* Events (cudaEvent_t as void *), for the loader's buffer recycling. */
-kiln_status kiln__cuda_event_new(void **ev);
+/* Events (cudaEvent_t as void *), for the loader's buffer recycling. An event belongs to
+** its device: it may be recorded on that device's streams only. */
+kiln_status kiln__cuda_event_new(int device, void **ev);
 void kiln__cuda_event_free(void *ev);
 kiln_status kiln__cuda_event_record(int device, void *ev);        /* on the stream */
 kiln_status kiln__cuda_event_wait(int device, void *ev);          /* stream waits for ev */
 kiln_status kiln__cuda_event_synchronize(void *ev);               /* host waits for ev */
 /* 1 when the event's work is done, 0 when not yet, -1 on error (last error set). */
 int kiln__cuda_event_query(void *ev);
+
+/* The side copy stream (one per device, non-blocking, created on first use): the data
+** loader's host->device copies run on it, beside the kernels of the device's stream, and
+** meet that stream only through events. It is never captured. */
+/* Queues a host->device copy on the side stream and returns at once. src must be pinned
+** (kiln__cuda_host_alloc) and stay untouched until an event recorded on the side stream
+** after this call has completed; dst must not be touched by the device's stream until
+** that stream has waited for such an event. */
+kiln_status kiln__cuda_side_copy_from_host(int device, void *dst, const void *src, size_t n);
+kiln_status kiln__cuda_side_event_record(int device, void *ev);   /* on the side stream */
+kiln_status kiln__cuda_side_event_wait(int device, void *ev);     /* side stream waits for ev */
 
 /* CUDA graphs by stream capture (cudaStreamCaptureModeThreadLocal). Between begin and
 ** end, kernels are recorded, not run; the caching allocator serves only memory it already

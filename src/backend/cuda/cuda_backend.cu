@@ -6,6 +6,13 @@
 ** makes the caching allocator's host-side frees safe (a block freed on the host is only
 ** reused by work queued later on the same stream) and what lets graph capture record a
 ** whole step. Only calls that hand data to the host synchronize.
+**
+** One exception, kept narrow: the data loader's host->device copies run on a side copy
+** stream, so that the next batch crosses the link while the current step's kernels run.
+** They meet the device's stream only through events (src/data/loader.c says how the
+** loader keeps the allocator's rule: the side stream writes a block only after an event
+** recorded on the device's stream behind its last user, and the device's stream waits for
+** the copy before any kernel reads it).
 */
 #include "cuda_int.cuh"
 
@@ -311,11 +318,13 @@ extern "C" void *kiln__cuda_stream(int device) {
   return (void *)d->stream;
 }
 
-extern "C" kiln_status kiln__cuda_host_alloc(void **p, size_t n) {
+extern "C" kiln_status kiln__cuda_host_alloc(int device, void **p, size_t n) {
   *p = NULL;
   const char *why;
   if (cuda_probe(&why) != KILN_OK)
     return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: pinned memory needs CUDA: %s", why);
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
   cudaError_t e = cudaHostAlloc(p, n ? n : 1, cudaHostAllocPortable);
   if (e != cudaSuccess) {
     *p = NULL;
@@ -340,11 +349,53 @@ extern "C" kiln_status kiln__cuda_copy_from_host_async(int device, void *dst, co
   return KILN_OK;
 }
 
-extern "C" kiln_status kiln__cuda_event_new(void **ev) {
+/* The side copy streams, made on first use (cuda_api.h). */
+static struct {
+  std::mutex mu;
+  cudaStream_t stream; /* NULL until first use */
+} g_side[KC_MAX_DEV];
+
+static kiln_status side_stream(int device, cudaStream_t *out) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d));
+  std::lock_guard<std::mutex> lock(g_side[device].mu);
+  if (!g_side[device].stream)
+    KC_CUDA(cudaStreamCreateWithFlags(&g_side[device].stream, cudaStreamNonBlocking),
+            "cudaStreamCreate (side copy stream)");
+  *out = g_side[device].stream;
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_side_copy_from_host(int device, void *dst, const void *src,
+                                                      size_t n) {
+  cudaStream_t s;
+  KC_TRY(side_stream(device, &s));
+  if (n == 0) return KILN_OK;
+  KC_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, s), "copy from host (side stream)");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_side_event_record(int device, void *ev) {
+  cudaStream_t s;
+  KC_TRY(side_stream(device, &s));
+  KC_CUDA(cudaEventRecord((cudaEvent_t)ev, s), "cudaEventRecord (side stream)");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_side_event_wait(int device, void *ev) {
+  cudaStream_t s;
+  KC_TRY(side_stream(device, &s));
+  KC_CUDA(cudaStreamWaitEvent(s, (cudaEvent_t)ev, 0), "cudaStreamWaitEvent (side stream)");
+  return KILN_OK;
+}
+
+extern "C" kiln_status kiln__cuda_event_new(int device, void **ev) {
   *ev = NULL;
   const char *why;
   if (cuda_probe(&why) != KILN_OK)
     return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: CUDA events: %s", why);
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(device, &d)); /* the event is made on the current device */
   cudaEvent_t e;
   KC_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   *ev = (void *)e;

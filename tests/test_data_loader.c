@@ -1,7 +1,7 @@
 /*
 ** The loader: the same batches in the same order for num_workers 0, 1 and 3; every
 ** sample once per epoch; new orders per epoch and the same order for the same seed and
-** epoch; drop_last and its batch count; a dataset error reported in order without
+** epoch, also when a worker made it ahead; drop_last and its batch count; a dataset error reported in order without
 ** stopping the epoch; custom collate; the prefetch bound; stopping mid-epoch (free and
 ** epoch restart) with no leak and no hang; bad arguments.
 */
@@ -167,6 +167,57 @@ static void test_order_any_workers(void) {
   kiln_dataset_free(uds);
   free(x);
   free(y);
+}
+
+/* The next epoch's order is made by a worker ahead of time; whatever epochs are asked for,
+** in order, skipped, repeated or after an epoch left half done, each epoch's order is
+** kiln_randperm(n) from a generator seeded seed + epoch. n above 8192, where the caller's
+** shuffle draws in parallel and the worker's serially: the two must agree. */
+static void test_order_made_ahead(void) {
+  const int64_t N = 9001;
+  int64_t *y = malloc(sizeof(int64_t) * N), *ids = malloc(sizeof(int64_t) * N);
+  float *x = calloc((size_t)N * 2, sizeof(float));
+  for (int64_t i = 0; i < N; i++) y[i] = i, x[2 * i] = (float)i, x[2 * i + 1] = (float)-i;
+  kiln_scope_begin();
+  kiln_tensor *tx = kiln_from_data(x, KILN_SHAPE(N, 2), KILN_F32, kiln_device_cpu());
+  kiln_tensor *ty = kiln_from_data(y, KILN_SHAPE(N), KILN_I64, kiln_device_cpu());
+  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){tx, ty});
+  kiln_scope_end();
+  for (int workers = 0; workers <= 2; workers += 2) {
+    kiln_loader_opts o = kiln_loader_opts_default();
+    o.batch_size = 1000;
+    o.shuffle = true;
+    o.seed = 11;
+    o.num_workers = workers;
+    kiln_loader *l = kiln_loader_new(ds, &o);
+    CHECK(l != NULL);
+    const uint64_t epochs[] = {0, 1, 2, 7, 3, 3, 4, 5};
+    for (int e = 0; e < 8 && l; e++) {
+      int64_t n = 0;
+      if (e == 5) { /* epoch 3 again, left after one batch; then 4 */
+        CHECK(kiln_loader_epoch(l, epochs[e]) == KILN_OK);
+        kiln_scope_begin();
+        kiln_tensor *b[2];
+        CHECK(kiln_loader_next(l, b) == 1);
+        kiln_scope_end();
+        continue;
+      }
+      CHECK(run_epoch(l, epochs[e], ids, &n, NULL) == 10);
+      kiln_generator *g = kiln_generator_new(11 + epochs[e]);
+      kiln_scope_begin();
+      kiln_tensor *perm = kiln_randperm(N, g);
+      int64_t bad = 0;
+      for (int64_t i = 0; perm && i < N; i++) bad += ids[i] != (int64_t)kiln_get(perm, (int64_t[]){i});
+      CHECK(perm && n == N && bad == 0);
+      kiln_scope_end();
+      kiln_generator_free(g);
+    }
+    kiln_loader_free(l);
+  }
+  kiln_dataset_free(ds);
+  free(x);
+  free(y);
+  free(ids);
 }
 
 static void test_drop_last(void) {
@@ -374,6 +425,7 @@ static void test_bad_args(void) {
 int main(void) {
   int64_t live0 = kiln_live_tensors();
   test_order_any_workers();
+  test_order_made_ahead();
   test_drop_last();
   test_errors_in_order();
   test_collate();

@@ -171,7 +171,10 @@ kiln_status kiln__same_device(const char *op, int n, kiln_tensor *const *ts);
 /* ---- rng (src/core/rng.c) ---- */
 /* Reserves the counters n values need and returns the (seed, offset) to hand a kernel. */
 void kiln__generator_reserve(kiln_generator *g, int64_t n, uint64_t *seed, uint64_t *offset);
-void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j);
+void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j, bool parallel);
+/* p = a random permutation of 0..n-1, the one kiln_randperm(n, g) gives; parallel: the
+** draws may use the OpenMP team (not from a thread of kiln's own: it would make a team). */
+kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool parallel);
 /* The exact per-element mapping every backend implements. */
 float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k);  /* [0,1) */
 double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k);

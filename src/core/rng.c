@@ -155,13 +155,13 @@ double kiln_generator_uniform(kiln_generator *g) {
 ** the numbers kiln_generator_below(g, n - t) gives one call at a time (one counter block
 ** each, reserved here all at once), computed in parallel: a loader reshuffles every epoch
 ** and one Philox block at a time took 0.7 ms for 20000 samples. */
-void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j) {
+void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j, bool parallel) {
   if (n <= 1) return;
   uint64_t seed, off;
   kiln__generator_reserve(g, 2 * (n - 1), &seed, &off);
 #ifdef KILN_HAVE_OPENMP
   const int nt = kiln_num_threads();
-#pragma omp parallel for schedule(static) num_threads(nt) if (n >= 8192 && nt > 1)
+#pragma omp parallel for schedule(static) num_threads(nt) if (parallel && n >= 8192 && nt > 1)
 #endif
   for (int64_t t = 0; t < n - 1; t++) {
     uint32_t b[4];

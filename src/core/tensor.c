@@ -346,24 +346,28 @@ kiln_tensor *kiln_randperm(int64_t n, kiln_generator *gen) {
   if (n < 0) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "kiln_randperm: n must be >= 0, got %lld", (long long)n);
   kiln_tensor *t = kiln__tensor_new(1, &n, KILN_I64, kiln_device_cpu());
   if (!t) return NULL;
-  int64_t *p = t->storage->data;
+  if (kiln__randperm_fill(n, gen, t->storage->data, true) != KILN_OK) {
+    kiln__discard(t);
+    return NULL;
+  }
+  return t;
+}
+
+kiln_status kiln__randperm_fill(int64_t n, kiln_generator *gen, int64_t *p, bool parallel) {
   for (int64_t i = 0; i < n; i++) p[i] = i;
-  if (n <= 1) return t;
+  if (n <= 1) return KILN_OK;
   /* Fisher-Yates from the generator: one counter block per draw, so the sequence depends
   ** only on the generator state. The draws first (in parallel), then the swaps. */
   int64_t *j = malloc(sizeof(int64_t) * (size_t)(n - 1));
-  if (!j) {
-    kiln__discard(t);
-    KILN__FAIL_NULL(KILN_ERR_OOM, "kiln_randperm: out of host memory for %lld draws", (long long)n);
-  }
-  kiln__generator_shuffle_draws(gen, n, j);
+  if (!j) return kiln_set_error(KILN_ERR_OOM, "kiln_randperm: out of host memory for %lld draws", (long long)n);
+  kiln__generator_shuffle_draws(gen, n, j, parallel);
   for (int64_t i = n - 1; i > 0; i--) {
     int64_t k = j[n - 1 - i], tmp = p[i];
     p[i] = p[k];
     p[k] = tmp;
   }
   free(j);
-  return t;
+  return KILN_OK;
 }
 
 kiln_tensor *kiln_from_data(const void *data, int ndim, const int64_t *shape, kiln_dtype dt,

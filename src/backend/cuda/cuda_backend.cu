@@ -149,11 +149,6 @@ extern "C" kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out) {
               "cudaHostGetDevicePointer (error flag)");
       KC_CUDA(cudaDeviceGetAttribute(&d->sm_count, cudaDevAttrMultiProcessorCount, device),
               "cudaDeviceGetAttribute");
-      int major = 0;
-      KC_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-              "cudaDeviceGetAttribute");
-      const char *pdl = getenv("KILN_PDL"); /* programmatic dependent launch: kc_launch */
-      d->pdl = major >= 9 && !(pdl && !strcmp(pdl, "0"));
       KC_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize (init)");
       g_ready[device].store(1, std::memory_order_release);
     }

@@ -68,7 +68,6 @@ __device__ __forceinline__ auto kc_call(const F &f, int64_t k, X0 a, X1 b, X2 c)
 template <int NIN, int V, class F, class TO, class T0, class T1, class T2>
 __global__ void __launch_bounds__(KC_THREADS)
     kc_ew_vec(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, int bcast, int64_t n, F f) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   const int64_t step = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t nv = n / V;
@@ -122,7 +121,6 @@ template <int NIN, class I, class F, class TO, class T0, class T1, class T2>
 __global__ void __launch_bounds__(KC_THREADS)
     kc_ew_strided(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, kc_geom<NIN + 1, I> g,
                   I n, F f) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   const I step = (I)gridDim.x * blockDim.x;
   for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += step) {
     I off[NIN + 1];
@@ -168,14 +166,15 @@ kiln_status kc_ew_launch(kiln__cuda_dev *d, const kiln__view *out, const kiln__v
   }
   if (vec) {
     int blocks = kc_blocks((sh.numel + V - 1) / V, KC_THREADS, d->sm_count);
-    kc_launch(d, kc_ew_vec<NIN, V, F, TO, T0, T1, T2>, blocks, KC_THREADS, 0, po, p0, p1, p2, bcast, sh.numel, f);
+    kc_ew_vec<NIN, V, F, TO, T0, T1, T2>
+        <<<blocks, KC_THREADS, 0, d->stream>>>(po, p0, p1, p2, bcast, sh.numel, f);
   } else if (kc_fits32(&sh)) {
     int blocks = kc_blocks(sh.numel, KC_THREADS, d->sm_count);
-    kc_launch(d, kc_ew_strided<NIN, int32_t, F, TO, T0, T1, T2>, blocks, KC_THREADS, 0,
+    kc_ew_strided<NIN, int32_t, F, TO, T0, T1, T2><<<blocks, KC_THREADS, 0, d->stream>>>(
         po, p0, p1, p2, kc_make_geom<NIN + 1, int32_t>(&sh), (int32_t)sh.numel, f);
   } else {
     int blocks = kc_blocks(sh.numel, KC_THREADS, d->sm_count);
-    kc_launch(d, kc_ew_strided<NIN, int64_t, F, TO, T0, T1, T2>, blocks, KC_THREADS, 0,
+    kc_ew_strided<NIN, int64_t, F, TO, T0, T1, T2><<<blocks, KC_THREADS, 0, d->stream>>>(
         po, p0, p1, p2, kc_make_geom<NIN + 1, int64_t>(&sh), (int64_t)sh.numel, f);
   }
   return kiln__cuda_launched(what);

@@ -32,7 +32,6 @@ template <> __device__ __forceinline__ void kc_atomic_add<int64_t>(int64_t *p, i
 template <class T, class TI, int MODE>
 __global__ void __launch_bounds__(KC_THREADS)
     index_kernel(const T *src, const TI *idx, T *out, IGeom g) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < g.n;
        k += (int64_t)gridDim.x * blockDim.x) {
     int64_t r = k, o_it = 0, o_other = 0, o_idx = 0, cdim = 0;
@@ -64,14 +63,14 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g) {
   int blocks = kc_blocks(g.n, KC_THREADS, d->sm_count);
   if constexpr (ADD) {
     if (a->op == KILN__K_INDEX_ADD)
-      kc_launch(d, index_kernel<T, TI, I_ADD>, blocks, KC_THREADS, 0, src, idx, out, g);
+      index_kernel<T, TI, I_ADD><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
     else
-      kc_launch(d, index_kernel<T, TI, I_SCATTER>, blocks, KC_THREADS, 0, src, idx, out, g);
+      index_kernel<T, TI, I_SCATTER><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
   } else {
     if (a->op == KILN__K_INDEX_SELECT)
-      kc_launch(d, index_kernel<T, TI, I_SELECT>, blocks, KC_THREADS, 0, src, idx, out, g);
+      index_kernel<T, TI, I_SELECT><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
     else
-      kc_launch(d, index_kernel<T, TI, I_GATHER>, blocks, KC_THREADS, 0, src, idx, out, g);
+      index_kernel<T, TI, I_GATHER><<<blocks, KC_THREADS, 0, d->stream>>>(src, idx, out, g);
   }
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }

@@ -26,7 +26,6 @@ typedef struct kiln__cuda_dev {
   int *err_flag_host; /* mapped pinned host memory */
   int sm_count;
   int capturing;      /* a graph capture is open on this device */
-  int pdl;            /* launch with programmatic dependent launch (kc_launch) */
   void *blas;         /* cublasHandle_t, cuda_matmul.cu */
   void *blaslt;       /* cublasLtHandle_t */
   void *workspace;    /* cuBLAS workspace from the caching allocator */
@@ -89,47 +88,6 @@ kiln_status kiln__cuda_copy_view(int device, const kiln__view *out, const kiln__
 kiln_status kiln__cuda_fill_view(int device, const kiln__view *out, double value);
 kiln_status kiln__cuda_scale_view(int device, const kiln__view *out, double s);
 kiln_status kiln__cuda_add_view(int device, const kiln__view *out, const kiln__view *in);
-}
-
-/* ---- launches: programmatic dependent launch ----
-** A step of a small model is a chain of short kernels, each waiting for the one before.
-** Launched plainly, a kernel's blocks are only set up once the previous grid has ended,
-** and that gap (about a microsecond) is paid at every link. With programmatic dependent
-** launch (sm_90 and later) the next kernel is launched while the previous one still runs:
-** its blocks become resident, then wait in kc_pdl_begin (griddepcontrol.wait) until the
-** previous grid has completed and its stores are visible, so the results are the same and
-** only the gap goes. The rule that makes this safe: every kiln kernel starts with
-** kc_pdl_begin(), before touching global memory, and every kiln launch goes through
-** kc_launch. A kernel it follows that never signals (cuBLAS's) lets it start when it
-** ends, as a plain launch would; copies and event records in between keep their usual
-** stream order. KILN_PDL=0 turns it off (d->pdl, set at device init). */
-__device__ __forceinline__ void kc_pdl_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); /* the next may start */
-  asm volatile("griddepcontrol.wait;" ::: "memory");              /* the last is done */
-#endif
-}
-
-/* kernel<<<grid, block, smem, d->stream>>>(args...), with PDL where the device has it.
-** Launch errors surface through cudaGetLastError (kiln__cuda_launched), as for <<<>>>. */
-template <class... P, class... A>
-static inline void kc_launch(const kiln__cuda_dev *d, void (*kernel)(P...), dim3 grid, dim3 block,
-                             size_t smem, A &&...args) {
-  if (!d->pdl) {
-    kernel<<<grid, block, smem, d->stream>>>(static_cast<A &&>(args)...);
-    return;
-  }
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = d->stream;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
 }
 
 #define KC_TRY(expr)                                                                      \

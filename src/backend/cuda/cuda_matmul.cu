@@ -268,7 +268,6 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
 ** neighbouring threads read neighbouring elements). */
 template <class T>
 __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t ak, T *out, int64_t so) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc Acc;
   for (int64_t m = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; m < M; m += (int64_t)gridDim.x * blockDim.x) {
     Acc s = 0;
@@ -283,7 +282,7 @@ kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__
   int blocks = kc_blocks(M, KC_THREADS, d->sm_count);
   KC_SWITCH_FLOAT(R->dtype, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: row sums of %s", kiln_dtype_name(R->dtype)),
-                  kc_launch(d, row_sums<T>, blocks, KC_THREADS, 0, (const T *)A->data, M, K, A->strides[0],
+                  row_sums<T><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)A->data, M, K, A->strides[0],
                                                                     A->strides[1], (T *)R->data, R->strides[0]))
   return kiln__cuda_launched("matmul row sums");
 }

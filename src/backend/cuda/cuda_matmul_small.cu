@@ -39,7 +39,6 @@ __global__ void __launch_bounds__(256)
                const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow,
                const T *__restrict__ mask, int64_t mm, int64_t mk, int64_t smask, int relu,
                int n_fast) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc Acc;
   A += (int64_t)blockIdx.z * sa;
   B += (int64_t)blockIdx.z * sb;
@@ -106,7 +105,6 @@ __global__ void __launch_bounds__(256)
               const T *__restrict__ bias, int64_t sbias, int bias_m, T *sums, int64_t ss, int sums_b,
               const T *__restrict__ mask, int64_t ms0, int64_t ms1, int64_t smask, int mask_b,
               int relu, int lanes_k) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc Acc;
   /* B's panel while computing; the warps' partial sums after (the panel is dead by then) */
   __shared__ Acc buf[kSmallMaxK * kThinN];
@@ -232,7 +230,6 @@ __global__ void __launch_bounds__(256)
                int N, int K, typename kc_traits<T>::acc alpha, typename kc_traits<T>::acc beta,
                const T *__restrict__ bias, int64_t sbias, T *rowsum, int64_t srow,
                const T *__restrict__ mask, int64_t mm, int64_t mk, int64_t smask, int relu) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc Acc;
   /* K in slices of kSlice, the next slice's loads in flight (in registers) while the block
   ** computes on this one: a small product's time is mostly the latency of its loads */
@@ -330,24 +327,24 @@ kiln_status kiln__cuda_matmul_small(kiln__cuda_dev *d, const kiln__kargs *a, con
     if (K <= kTinyK) {
       const int64_t total = M * N;
       const unsigned blocks = (unsigned)((total + 255) / 256 < 4096 ? (total + 255) / 256 : 4096);
-      kc_launch(d, tinyk_gemm<T>, dim3(blocks, 1, z), 256, 0,
+      tinyk_gemm<T><<<dim3(blocks, 1, z), 256, 0, d->stream>>>(
           pa, am, ak, sa, pb, bk, bn, sb, pc, cm, cn, sc, (int)M, (int)N, (int)K, alpha, beta, pbias, sbias,
           prs, srow, pmask, mm, mk, smask, relu, cn == 1 || cm != 1);
     } else if (N <= kThinN) { /* C (M, N) directly */
       const bool lanes_k = ak == 1 && am != 1;
       const unsigned blocks = (unsigned)(lanes_k ? (M + 7) / 8 : (M + 31) / 32);
-      kc_launch(d, thin_gemm<T>, dim3(blocks, 1, z), 256, 0,
+      thin_gemm<T><<<dim3(blocks, 1, z), 256, 0, d->stream>>>(
           pa, am, ak, sa, pb, bk, bn, sb, pc, cm, cn, sc, (int)M, (int)N, (int)K, alpha, beta, pbias, sbias,
           0, prs, srow, 0, pmask, mm, mk, smask, 0, relu, lanes_k);
     } else if (M <= kThinN) { /* C^T (N, M) = B^T (N, K) A^T (K, M): A's row sums are A^T's column sums */
       const bool lanes_k = bk == 1 && bn != 1;
       const unsigned blocks = (unsigned)(lanes_k ? (N + 7) / 8 : (N + 31) / 32);
-      kc_launch(d, thin_gemm<T>, dim3(blocks, 1, z), 256, 0,
+      thin_gemm<T><<<dim3(blocks, 1, z), 256, 0, d->stream>>>(
           pb, bn, bk, sb, pa, ak, am, sa, pc, cn, cm, sc, (int)N, (int)M, (int)K, alpha, beta, pbias, sbias,
           1, prs, srow, 1, pmask, mk, mm, smask, 1, relu, lanes_k);
     } else {
       dim3 grid((unsigned)((N + kTile - 1) / kTile), (unsigned)((M + kTile - 1) / kTile), z);
-      kc_launch(d, small_gemm<T>, grid, 256, 0, pa, am, ak, sa, pb, bk, bn, sb, pc, cm, cn, sc, (int)M, (int)N,
+      small_gemm<T><<<grid, 256, 0, d->stream>>>(pa, am, ak, sa, pb, bk, bn, sb, pc, cm, cn, sc, (int)M, (int)N,
                                                  (int)K, alpha, beta, pbias, sbias, prs, srow, pmask, mm, mk,
                                                  smask, relu);
     }

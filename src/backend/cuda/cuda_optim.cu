@@ -48,7 +48,6 @@ __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__
                                T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hp hp,
                                double lr_d, double wd_d, double ss_d, double bc2s_d,
                                const double *__restrict__ step_dev) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   /* C is the compute type: float for f32/f16/bf16, double for f64 (hyper-parameters are
   ** passed both ways so f64 keeps full precision). */
   if (step_dev) { /* capturable: the step count lives on the device (graph replays) */
@@ -98,7 +97,7 @@ extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
                   {
                     typedef typename kc_traits<T>::acc C;
-                    kc_launch(dev, kc_adam_kernel<T, C>, (unsigned)blocks, threads, 0,
+                    kc_adam_kernel<T, C><<<(unsigned)blocks, threads, 0, dev->stream>>>(
                         (T *)a->out[0].data, (const T *)a->in[0].data, (T *)a->out[1].data,
                         (T *)a->out[2].data, (T *)vmax, n, hp, a->s[0], wd, a->s[0] / bc1, sqrt(bc2), step_dev);
                   })
@@ -144,7 +143,6 @@ struct kc_adam_hpd {
 
 template <class T, class C>
 __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list L, kc_adam_hpd h) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   int t = 0;
   while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
   const int first = t ? L.block_end[t - 1] : 0;
@@ -236,7 +234,7 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
                       return kiln_set_error(KILN_ERR_DTYPE, "kiln adam_multi kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
                       {
                         typedef typename kc_traits<T>::acc C;
-                        kc_launch(dev, kc_adam_multi_kernel<T, C>, (unsigned)blocks, KC_THREADS, 0, L, h);
+                        kc_adam_multi_kernel<T, C><<<(unsigned)blocks, KC_THREADS, 0, dev->stream>>>(L, h);
                       })
       KC_TRY(kiln__cuda_launched("adam_multi"));
     }

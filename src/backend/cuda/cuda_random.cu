@@ -24,7 +24,6 @@ struct RParams {
 
 template <class T, int MODE, bool F64MAP, bool CONTIG, class I>
 __global__ void rand_kernel(T *out, kc_geom<1, I> g, RParams p) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   const int L = F64MAP ? 2 : 4;
   const int64_t nblocks = (p.n + L - 1) / L;
   for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < nblocks;
@@ -83,13 +82,13 @@ kiln_status launch(const kiln__kargs *a, kiln__cuda_dev *d, const kc_shape *sh) 
   bool contig = sh->ndim == 1 && sh->st[0][0] == 1;
   if (contig) {
     kc_geom<1, int64_t> g = kc_make_geom<1, int64_t>(sh);
-    kc_launch(d, rand_kernel<T, MODE, F64MAP, true, int64_t>, blocks, KC_THREADS, 0, out, g, p);
+    rand_kernel<T, MODE, F64MAP, true, int64_t><<<blocks, KC_THREADS, 0, d->stream>>>(out, g, p);
   } else if (kc_fits32(sh)) {
     kc_geom<1, int32_t> g = kc_make_geom<1, int32_t>(sh);
-    kc_launch(d, rand_kernel<T, MODE, F64MAP, false, int32_t>, blocks, KC_THREADS, 0, out, g, p);
+    rand_kernel<T, MODE, F64MAP, false, int32_t><<<blocks, KC_THREADS, 0, d->stream>>>(out, g, p);
   } else {
     kc_geom<1, int64_t> g = kc_make_geom<1, int64_t>(sh);
-    kc_launch(d, rand_kernel<T, MODE, F64MAP, false, int64_t>, blocks, KC_THREADS, 0, out, g, p);
+    rand_kernel<T, MODE, F64MAP, false, int64_t><<<blocks, KC_THREADS, 0, d->stream>>>(out, g, p);
   }
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }

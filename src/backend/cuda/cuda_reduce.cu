@@ -99,7 +99,6 @@ template <class T, class TO, class Op, int G>
 __global__ void __launch_bounds__(KC_THREADS)
     reduce_rows(const T *in, TO *out, typename kc_traits<T>::acc *partial, RGeom g, int64_t O,
                 int64_t R, int64_t chunk, Op op) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t row = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -126,7 +125,6 @@ template <class T, class TO, class Op>
 __global__ void __launch_bounds__(KC_THREADS)
     reduce_cols(const T *in, TO *out, typename kc_traits<T>::acc *partial, RGeom g, int64_t O,
                 int64_t R, int64_t chunk, Op op) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (o >= O) return;
@@ -141,7 +139,6 @@ __global__ void __launch_bounds__(KC_THREADS)
 
 template <class A, class TO, class Op>
 __global__ void reduce_finish(const A *partial, TO *out, RGeom g, int64_t O, int splits, Op op) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (o >= O) return;
   A acc = op.init();
@@ -239,13 +236,13 @@ kiln_status reduce_launch(kiln__cuda_dev *d, int device, const Plan &p, const T 
   }
   if (blocks > INT32_MAX) blocks = INT32_MAX; /* O beyond 2^31 * 8 rows is not reachable */
   dim3 grid((unsigned)blocks, (unsigned)splits);
-  if (cols) kc_launch(d, reduce_cols<T, TO, OpT<A>>, grid, KC_THREADS, 0, in, out, partial, p.g, O, R, chunk, op);
-  else if (G == 32) kc_launch(d, reduce_rows<T, TO, OpT<A>, 32>, grid, KC_THREADS, 0, in, out, partial, p.g, O, R, chunk, op);
-  else kc_launch(d, reduce_rows<T, TO, OpT<A>, KC_THREADS>, grid, KC_THREADS, 0, in, out, partial, p.g, O, R, chunk, op);
+  if (cols) reduce_cols<T, TO, OpT<A>><<<grid, KC_THREADS, 0, d->stream>>>(in, out, partial, p.g, O, R, chunk, op);
+  else if (G == 32) reduce_rows<T, TO, OpT<A>, 32><<<grid, KC_THREADS, 0, d->stream>>>(in, out, partial, p.g, O, R, chunk, op);
+  else reduce_rows<T, TO, OpT<A>, KC_THREADS><<<grid, KC_THREADS, 0, d->stream>>>(in, out, partial, p.g, O, R, chunk, op);
   kiln_status st = kiln__cuda_launched(what);
   if (st == KILN_OK && splits > 1) {
     int fb = (int)((O + KC_THREADS - 1) / KC_THREADS);
-    kc_launch(d, reduce_finish<A, TO, OpT<A>>, fb, KC_THREADS, 0, partial, out, p.g, O, splits, op);
+    reduce_finish<A, TO, OpT<A>><<<fb, KC_THREADS, 0, d->stream>>>(partial, out, p.g, O, splits, op);
     st = kiln__cuda_launched(what);
   }
   if (partial) kiln__cuda_free(device, partial, 0);
@@ -289,7 +286,6 @@ __device__ __forceinline__ void arg_combine(A &v, int64_t &i, A v2, int64_t i2) 
 template <class T, bool MAX, bool ROWS>
 __global__ void __launch_bounds__(KC_THREADS)
     argreduce(const T *in, T *vals, int64_t *idx, RGeom g, int64_t O, int64_t R) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   int64_t o;
   int lane;
@@ -331,10 +327,10 @@ kiln_status argreduce_op(kiln__cuda_dev *d, const kiln__kargs *a, const Plan &p)
   int64_t blocks = rows ? (p.O + 7) / 8 : (p.O + KC_THREADS - 1) / KC_THREADS;
   if (blocks > INT32_MAX) blocks = INT32_MAX;
   unsigned b = (unsigned)blocks;
-  if (rows && mx) kc_launch(d, argreduce<T, true, true>, b, KC_THREADS, 0, in, vals, idx, p.g, p.O, p.R);
-  else if (rows) kc_launch(d, argreduce<T, false, true>, b, KC_THREADS, 0, in, vals, idx, p.g, p.O, p.R);
-  else if (mx) kc_launch(d, argreduce<T, true, false>, b, KC_THREADS, 0, in, vals, idx, p.g, p.O, p.R);
-  else kc_launch(d, argreduce<T, false, false>, b, KC_THREADS, 0, in, vals, idx, p.g, p.O, p.R);
+  if (rows && mx) argreduce<T, true, true><<<b, KC_THREADS, 0, d->stream>>>(in, vals, idx, p.g, p.O, p.R);
+  else if (rows) argreduce<T, false, true><<<b, KC_THREADS, 0, d->stream>>>(in, vals, idx, p.g, p.O, p.R);
+  else if (mx) argreduce<T, true, false><<<b, KC_THREADS, 0, d->stream>>>(in, vals, idx, p.g, p.O, p.R);
+  else argreduce<T, false, false><<<b, KC_THREADS, 0, d->stream>>>(in, vals, idx, p.g, p.O, p.R);
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }
 

@@ -96,7 +96,6 @@ template <class A, int G> __device__ __forceinline__ void group_ms(A &m, A &s) {
 template <class T, int MODE, int G>
 __global__ void __launch_bounds__(KC_THREADS)
     softmax_kernel(const T *x, const T *gr, T *out, SGeom g, int64_t rows) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t r = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -158,12 +157,12 @@ kiln_status softmax_launch(kiln__cuda_dev *d, const kiln__kargs *a, const SGeom 
   int64_t blocks;
   if (!contig && rows >= 1024) {
     blocks = (rows + KC_THREADS - 1) / KC_THREADS;
-    kc_launch(d, softmax_kernel<T, MODE, 1>, (unsigned)blocks, KC_THREADS, 0, x, gr, out, g, rows);
+    softmax_kernel<T, MODE, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
   } else if (g.C > 1024) {
-    kc_launch(d, softmax_kernel<T, MODE, KC_THREADS>, (unsigned)rows, KC_THREADS, 0, x, gr, out, g, rows);
+    softmax_kernel<T, MODE, KC_THREADS><<<(unsigned)rows, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
   } else {
     blocks = (rows + KC_THREADS / 32 - 1) / (KC_THREADS / 32);
-    kc_launch(d, softmax_kernel<T, MODE, 32>, (unsigned)blocks, KC_THREADS, 0, x, gr, out, g, rows);
+    softmax_kernel<T, MODE, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, gr, out, g, rows);
   }
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }
@@ -263,7 +262,6 @@ __device__ __forceinline__ void ce_row_grad(const T *x, const TI *tgt, T *dl, co
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
     ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, T *dl, CEArgs p) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -293,7 +291,6 @@ __global__ void __launch_bounds__(KC_THREADS)
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
     ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, T *dl, CEArgs p) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   const int groups = KC_THREADS / G, gid = threadIdx.x / G, lane = threadIdx.x % G;
   TL ls = 0, lc = 0;
@@ -337,13 +334,11 @@ __global__ void __launch_bounds__(KC_THREADS)
 
 /* ce_mean's count of kept rows when it runs on several blocks (one block, KC_THREADS). */
 template <class TI, class TL> __global__ void __launch_bounds__(KC_THREADS) ce_count(const TI *tgt, CEArgs p, TL *out) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   int k = ce_kept<TI>(tgt, p);
   if (threadIdx.x == 0) *out = (TL)k;
 }
 
 template <class TL> __global__ void ce_mean_finish(const TL *part, int nparts, TL *mean, TL *cnt) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   TL s = 0, c = 0;
   for (int k = 0; k < nparts; k++) s += part[2 * k], c += part[2 * k + 1];
   *mean = s / c;
@@ -354,7 +349,6 @@ template <class T, class TL, class TI>
 __global__ void __launch_bounds__(KC_THREADS)
     ce_backward(const T *x, const TI *tgt, const TL *lse, const TL *grad, const TL *div, T *out,
                 CEArgs p) {
-  kc_pdl_begin(); /* before any global memory access: see kc_launch */
   typedef typename kc_traits<T>::acc A;
   const int64_t total = p.N * p.C;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
@@ -389,10 +383,10 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
     TL *w = a->n_out - (dl ? 1 : 0) > 2 ? (TL *)a->out[2].data : NULL;
     if (p.C > 1024) {
-      kc_launch(d, ce_forward<T, TL, TI, KC_THREADS>, (unsigned)p.N, KC_THREADS, 0, x, t, loss, lse, w, dl, p);
+      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
-      kc_launch(d, ce_forward<T, TL, TI, 32>, blocks, KC_THREADS, 0, x, t, loss, lse, w, dl, p);
+      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
     }
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
     /* a thread per row up to 16 classes, else a warp; one block when the rows are few (a
@@ -409,18 +403,18 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     const T *x = (const T *)a->in[0].data;
     const TI *t = (const TI *)a->in[1].data;
     TL *lse = (TL *)a->out[1].data;
-    if (blocks > 1 && dl) kc_launch(d, ce_count<TI, TL>, 1, KC_THREADS, 0, t, p, part + 2 * blocks);
+    if (blocks > 1 && dl) ce_count<TI, TL><<<1, KC_THREADS, 0, d->stream>>>(t, p, part + 2 * blocks);
     if (thread_rows)
-      kc_launch(d, ce_mean<T, TL, TI, 1>, (unsigned)blocks, KC_THREADS, 0, x, t, lse, mean, cnt, part, dl, p);
+      ce_mean<T, TL, TI, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
     else
-      kc_launch(d, ce_mean<T, TL, TI, 32>, (unsigned)blocks, KC_THREADS, 0, x, t, lse, mean, cnt, part, dl, p);
+      ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
     if (blocks > 1) {
-      kc_launch(d, ce_mean_finish<TL>, 1, 1, 0, part, blocks, mean, cnt);
+      ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
       kiln__cuda_free(a->device, part, part_bytes); /* stream-ordered reuse */
     }
   } else {
     int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
-    kc_launch(d, ce_backward<T, TL, TI>, blocks, KC_THREADS, 0,
+    ce_backward<T, TL, TI><<<blocks, KC_THREADS, 0, d->stream>>>(
         (const T *)a->in[0].data, (const TI *)a->in[1].data, (const TL *)a->in[2].data,
         (const TL *)a->in[3].data, a->n_in > 4 ? (const TL *)a->in[4].data : NULL,
         (T *)a->out[0].data, p);

@@ -1,7 +1,8 @@
 /*
-** Elementwise kernels without a second operand: COPY (with casts), FILL, ARANGE, EYE,
+** Elementwise kernels without a second operand: COPY between dtypes (casts), ARANGE, EYE,
 ** the unary ops and their backward rules (machinery in cuda_ew.cuh). Binary ops and
-** WHERE live in cuda_binary.cu. 16-bit floats are computed in f32, f64 in f64, integers
+** WHERE live in cuda_binary.cu; same-dtype COPY and FILL in cuda_copy.cu (a small module,
+** loaded fast on first use). 16-bit floats are computed in f32, f64 in f64, integers
 ** in int64, as backend.h asks.
 */
 #include "cuda_ew.cuh"
@@ -11,11 +12,7 @@
 
 namespace {
 
-/* ---- fills ---- */
-template <class A> struct F_fill {
-  A v;
-  __device__ __forceinline__ A operator()(int64_t) const { return v; }
-};
+/* ---- fills (FILL itself is in cuda_copy.cu) ---- */
 struct F_arange {
   double s0, s1;
   __device__ __forceinline__ double operator()(int64_t k) const { return s0 + (double)k * s1; }
@@ -131,65 +128,12 @@ kiln_status bad(const kiln__kargs *a, const char *what) {
                         a->n_in > 0 ? kiln_dtype_name(a->in[0].dtype) : "-");
 }
 
-/* ---- COPY ---- */
+/* ---- COPY between dtypes (a cast; same-dtype copies are in cuda_copy.cu) ---- */
 template <class TO>
 kiln_status copy_to(kiln__cuda_dev *d, const kiln__view *out, const kiln__view *in) {
   const kiln__view *ins[1] = {in};
   KC_SWITCH_ALL(in->dtype, TI, return kiln_set_error(KILN_ERR_DTYPE, "kiln_copy: bad dtype"),
                 return kc_ew_launch<1, TO, TI, TO, TO>(d, out, ins, F_ident(), "copy"))
-  return KILN_OK;
-}
-
-template <class U>
-kiln_status copy_bits(kiln__cuda_dev *d, const kiln__view *out, const kiln__view *in) {
-  const kiln__view *ins[1] = {in};
-  return kc_ew_launch<1, U, U, U, U>(d, out, ins, F_ident(), "copy");
-}
-
-kiln_status copy_view(kiln__cuda_dev *d, const kiln__view *out, const kiln__view *in) {
-  if (in->ndim != out->ndim)
-    return kiln_set_error(KILN_ERR_SHAPE, "kiln_copy: ndim %d and %d differ", in->ndim,
-                          out->ndim);
-  if (in->dtype == out->dtype) {
-    if (in->data == out->data) { /* in place (backend.h allows it): nothing moves */
-      bool same = true;
-      for (int d = 0; d < in->ndim; d++) same = same && in->strides[d] == out->strides[d];
-      if (same) return KILN_OK;
-    }
-    const kiln__view *v[2] = {out, in};
-    kc_shape sh;
-    kc_coalesce(&sh, v, 2);
-    if (sh.numel == 0) return KILN_OK;
-    if (sh.ndim == 1 && sh.st[0][0] == 1 && sh.st[1][0] == 1) {
-      KC_CUDA(cudaMemcpyAsync(out->data, in->data, (size_t)sh.numel * kc_size(in->dtype),
-                              cudaMemcpyDeviceToDevice, d->stream),
-              "copy");
-      return KILN_OK;
-    }
-    switch (kc_size(in->dtype)) {
-    case 1: return copy_bits<uint8_t>(d, out, in);
-    case 2: return copy_bits<uint16_t>(d, out, in);
-    case 4: return copy_bits<uint32_t>(d, out, in);
-    case 8: return copy_bits<uint64_t>(d, out, in);
-    default: return kiln_set_error(KILN_ERR_DTYPE, "kiln_copy: bad dtype");
-    }
-  }
-  KC_SWITCH_ALL(out->dtype, TO, return kiln_set_error(KILN_ERR_DTYPE, "kiln_copy: bad dtype"),
-                return copy_to<TO>(d, out, in))
-  return KILN_OK;
-}
-
-/* ---- FILL / ARANGE / EYE ---- */
-template <class T> kiln_status fill(kiln__cuda_dev *d, const kiln__view *out, double v) {
-  typedef typename kc_traits<T>::acc A;
-  F_fill<A> f = {(A)v};
-  return kc_ew_launch<0, T, T, T, T>(d, out, NULL, f, "fill");
-}
-
-kiln_status fill_view(kiln__cuda_dev *d, const kiln__view *out, double v) {
-  if (out->dtype == KILN_BOOL) v = v != 0.0 ? 1.0 : 0.0;
-  KC_SWITCH_ALL(out->dtype, T, return kiln_set_error(KILN_ERR_DTYPE, "kiln_fill: bad dtype"),
-                return fill<T>(d, out, v))
   return KILN_OK;
 }
 
@@ -306,17 +250,13 @@ bool int_unary_ok(kiln__kop op) {
 
 /* ---- helpers for the other families ---- */
 
-extern "C" kiln_status kiln__cuda_copy_view(int device, const kiln__view *out,
+extern "C" kiln_status kiln__cuda_cast_view(int device, const kiln__view *out,
                                             const kiln__view *in) {
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(device, &d));
-  return copy_view(d, out, in);
-}
-
-extern "C" kiln_status kiln__cuda_fill_view(int device, const kiln__view *out, double value) {
-  kiln__cuda_dev *d;
-  KC_TRY(kiln__cuda_ctx(device, &d));
-  return fill_view(d, out, value);
+  KC_SWITCH_ALL(out->dtype, TO, return kiln_set_error(KILN_ERR_DTYPE, "kiln_copy: bad dtype"),
+                return copy_to<TO>(d, out, in))
+  return KILN_OK;
 }
 
 extern "C" kiln_status kiln__cuda_scale_view(int device, const kiln__view *out, double s) {
@@ -367,8 +307,8 @@ extern "C" kiln_status kiln__cuda_elementwise(const kiln__kargs *a) {
   const kiln__view *out = &a->out[0];
   kiln_dtype dt = out->dtype;
   switch (a->op) {
-  case KILN__K_COPY: return copy_view(d, out, &a->in[0]);
-  case KILN__K_FILL: return fill_view(d, out, a->s[0]);
+  case KILN__K_COPY: return kiln__cuda_copy_view(a->device, out, &a->in[0]);
+  case KILN__K_FILL: return kiln__cuda_fill_view(a->device, out, a->s[0]);
   case KILN__K_ARANGE:
     KC_SWITCH_ALL(dt, T, return bad(a, "dtype"), return arange<T>(d, a))
     return KILN_OK;

@@ -69,8 +69,10 @@ kiln_status kiln__cuda_random(const kiln__kargs *a);
 bool kiln__cuda_random_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_reduce(const kiln__kargs *a);
 bool kiln__cuda_reduce_supports(const kiln__kargs *a);
-kiln_status kiln__cuda_softmax(const kiln__kargs *a); /* softmax family + cross entropy */
+kiln_status kiln__cuda_softmax(const kiln__kargs *a); /* softmax family */
 bool kiln__cuda_softmax_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_cross_entropy(const kiln__kargs *a); /* cuda_cross_entropy.cu */
+bool kiln__cuda_cross_entropy_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_matmul(const kiln__kargs *a);
 kiln_status kiln__cuda_adam(const kiln__kargs *a); /* cuda_optim.cu */
 bool kiln__cuda_adam_supports(const kiln__kargs *a);
@@ -85,6 +87,7 @@ bool kiln__cuda_index_supports(const kiln__kargs *a);
 /* Internal helpers other families use (cuda_elementwise.cu): out = cast(in) with any
 ** strides, and out += bias broadcast along the last dim. Queue on the device's stream. */
 kiln_status kiln__cuda_copy_view(int device, const kiln__view *out, const kiln__view *in);
+kiln_status kiln__cuda_cast_view(int device, const kiln__view *out, const kiln__view *in); /* dtypes differ */
 kiln_status kiln__cuda_fill_view(int device, const kiln__view *out, double value);
 kiln_status kiln__cuda_scale_view(int device, const kiln__view *out, double s);
 kiln_status kiln__cuda_add_view(int device, const kiln__view *out, const kiln__view *in);

@@ -1,9 +1,7 @@
 /*
-** SOFTMAX, LOG_SOFTMAX and their backward rules along one dim, and the fused
-** CROSS_ENTROPY / CROSS_ENTROPY_MEAN / CROSS_ENTROPY_BACKWARD (logits (N, C), class
-** targets (N)). The forward kernels may also write dlogits (i1 flag 1): the group that
-** found a row's logsumexp reads the row again and writes its gradient, so a unit-seeded
-** backward costs no launch.
+** SOFTMAX, LOG_SOFTMAX and their backward rules along one dim (cross-entropy, which shares
+** the row machinery of cuda_rows.cuh, is in cuda_cross_entropy.cu: a module of its own,
+** so a training step that only needs it loads a small one on first use).
 **
 ** Rows along the dim are handled by a warp (or a 256-thread block for long rows) when the
 ** dim is contiguous in the input: the max and the sum of exponentials are found in one
@@ -12,7 +10,7 @@
 ** instead, so that a warp reads 32 neighbouring rows at once, coalesced. Accumulation is
 ** f32 (f64 for f64).
 */
-#include "cuda_ew.cuh"
+#include "cuda_rows.cuh"
 
 #include <math.h>
 #include <type_traits>
@@ -39,58 +37,6 @@ __device__ __forceinline__ void row_base(const SGeom &g, int64_t r, int64_t *b) 
   }
 }
 
-/* (max, sum of exp(x - max)) pairs combine associatively. */
-template <class A> __device__ __forceinline__ void ms_combine(A &m, A &s, A m2, A s2) {
-  if (m2 == -(A)INFINITY) return;
-  if (m == -(A)INFINITY) {
-    m = m2;
-    s = s2;
-    return;
-  }
-  if (m2 > m) {
-    s = s * kc_exp(m - m2) + s2;
-    m = m2;
-  } else {
-    s = s + s2 * kc_exp(m2 - m);
-  }
-}
-
-/* Sum over a group of G threads (all in the block when G > 32); every lane gets it. */
-template <class A, int G> __device__ __forceinline__ A group_sum(A v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if constexpr (G > 32) {
-    __shared__ A part[G / 32];
-    __syncthreads(); /* part may still be read from a previous call */
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-    __syncthreads();
-    v = 0;
-#pragma unroll
-    for (int w = 0; w < G / 32; w++) v += part[w];
-  }
-  return v;
-}
-template <class A, int G> __device__ __forceinline__ void group_ms(A &m, A &s) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    A m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    A s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    ms_combine(m, s, m2, s2);
-  }
-  if constexpr (G > 32) {
-    __shared__ A pm[G / 32], ps[G / 32];
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) {
-      pm[threadIdx.x / 32] = m;
-      ps[threadIdx.x / 32] = s;
-    }
-    __syncthreads();
-    m = -(A)INFINITY;
-    s = 0;
-#pragma unroll
-    for (int w = 0; w < G / 32; w++) ms_combine(m, s, pm[w], ps[w]);
-  }
-}
 
 /* G threads per row (G == 1: a thread per row). */
 template <class T, int MODE, int G>
@@ -167,314 +113,21 @@ kiln_status softmax_launch(kiln__cuda_dev *d, const kiln__kargs *a, const SGeom 
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }
 
-/* ---- cross entropy ---- */
-struct CEArgs {
-  int64_t N, C;
-  int64_t sxn, sxc, st, sl, sz, sg, son, soc; /* strides: logits, target, loss, lse, grad, out */
-  int64_t sw;   /* stride of the optional per-row weight (out2) */
-  int64_t sdiv; /* backward: stride of the optional per-row divisor (in4) */
-  int64_t sdn, sdc; /* forward: strides of the optional dlogits (the flag's output) */
-  int64_t ignore;
-  double eps;
-  int *flag;
-  int kop;
-};
-
-/* One row's loss and logsumexp, by a group of G threads (every lane gets them). kept is
-** false for an ignored row (loss and lse 0, as the CPU); an out-of-range target sets the
-** index flag and gives NaN. */
-template <class T, class TI, int G>
-__device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &p, int64_t n,
-                                       int lane, typename kc_traits<T>::acc &out,
-                                       typename kc_traits<T>::acc &l, bool &kept) {
-  typedef typename kc_traits<T>::acc A;
-  const T *xr = x + n * p.sxn;
-  A m = -(A)INFINITY, s = 0, sum = 0;
-  for (int64_t j = lane; j < p.C; j += G) {
-    A v = kc_ld<T>(xr[j * p.sxc]);
-    sum += v;
-    if (v != v) {
-      m = v;
-      s = 1;
-      continue;
-    }
-    if (v > m) {
-      s = s * kc_exp(m - v) + (A)1;
-      m = v;
-    } else {
-      s += kc_exp(v - m);
-    }
-  }
-  if constexpr (G > 1) { /* G == 1: a thread has the whole row */
-    group_ms<A, (G > 32 ? G : 32)>(m, s);
-    sum = group_sum<A, (G > 32 ? G : 32)>(sum);
-  }
-  l = m + kc_log(s);
-  int64_t t = (int64_t)tgt[n * p.st];
-  kept = t != p.ignore;
-  if (!kept) {
-    out = 0;
-    l = 0;
-  } else if (t < 0 || t >= p.C) {
-    if (lane == 0) kc_flag(p.flag, p.kop);
-    out = (A)NAN;
-  } else {
-    A xt = kc_ld<T>(xr[t * p.sxc]);
-    A e = (A)p.eps;
-    out = l - ((A)1 - e) * xt - e / (A)p.C * sum;
-  }
-}
-
-/* The number of rows whose target is not ignore_index, by a whole block of KC_THREADS
-** (every thread gets it; all must call). N <= INT32_MAX (checked at launch). */
-template <class TI> __device__ __forceinline__ int ce_kept(const TI *tgt, const CEArgs &p) {
-  int k = 0;
-  for (int64_t n = threadIdx.x; n < p.N; n += KC_THREADS) k += (int64_t)tgt[n * p.st] != p.ignore ? 1 : 0;
-  return group_sum<int, KC_THREADS>(k);
-}
-
-/* Row n's gradient for upstream grad gs (the lanes of its group split the classes), as
-** ce_backward computes it: gs * (softmax - smoothed one-hot); 0 for an ignored or
-** out-of-range target (the flag is ce_row's to set). */
-template <class T, class TI, int G>
-__device__ __forceinline__ void ce_row_grad(const T *x, const TI *tgt, T *dl, const CEArgs &p,
-                                            int64_t n, int lane, typename kc_traits<T>::acc l,
-                                            typename kc_traits<T>::acc gs) {
-  typedef typename kc_traits<T>::acc A;
-  const T *xr = x + n * p.sxn;
-  T *dr = dl + n * p.sdn;
-  int64_t t = (int64_t)tgt[n * p.st];
-  bool zero = t == p.ignore || t < 0 || t >= p.C;
-  A e = (A)p.eps;
-  for (int64_t j = lane; j < p.C; j += G) {
-    A r = 0;
-    if (!zero) {
-      A pj = kc_exp(kc_ld<T>(xr[j * p.sxc]) - l);
-      A q = (j == t ? (A)1 - e : (A)0) + e / (A)p.C;
-      r = gs * (pj - q);
-    }
-    dr[j * p.sdc] = kc_st<T>(r);
-  }
-}
-
-/* One group of G threads per row. out0 loss, out1 lse (TL = their dtype), dl (NULL: not
-** asked) the row's gradient for a unit upstream grad. */
-template <class T, class TL, class TI, int G>
-__global__ void __launch_bounds__(KC_THREADS)
-    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, T *dl, CEArgs p) {
-  typedef typename kc_traits<T>::acc A;
-  const int per = KC_THREADS / G;
-  int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
-  int lane = threadIdx.x % G;
-  if (n >= p.N) return;
-  A out, l;
-  bool kept;
-  ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
-  /* l is what ce_backward would read back: TL holds A exactly (f64 logits take f64 lse) */
-  if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, (A)1);
-  if (lane != 0) return;
-  loss[n * p.sl] = kc_st<TL>(out);
-  lse[n * p.sz] = kc_st<TL>(l);
-  if (w) w[n * p.sw] = kc_st<TL>(kept ? 1 : 0);
-}
-
-/* CROSS_ENTROPY_MEAN: G threads per row (a warp; one thread when the rows are short, as a
-** classifier's few classes are: a warp then would idle 30 lanes through 10 shuffles a row),
-** rows strided over the grid; each block sums its rows' losses and kept counts in a fixed
-** order. One block writes the mean itself; with more, each writes its pair to part and
-** ce_mean_finish adds the pairs in block order (no atomics, so the result does not depend
-** on scheduling).
-** With dl (the fused gradient) every row's gradient is divided by the count of kept rows,
-** which must be known before the first row is written: one block counts the targets
-** itself first (N small: a read of N indices); with several blocks ce_count has put it
-** in part[2 * gridDim.x] beforehand (one more launch, only where N is large). */
-template <class T, class TL, class TI, int G>
-__global__ void __launch_bounds__(KC_THREADS)
-    ce_mean(const T *x, const TI *tgt, TL *lse, TL *mean, TL *cnt, TL *part, T *dl, CEArgs p) {
-  typedef typename kc_traits<T>::acc A;
-  const int groups = KC_THREADS / G, gid = threadIdx.x / G, lane = threadIdx.x % G;
-  TL ls = 0, lc = 0;
-  A gs = 0; /* every kept row's upstream grad: 1 / count (inf when none is kept: unused) */
-  if (dl) gs = (A)1 / (gridDim.x == 1 ? (A)ce_kept<TI>(tgt, p) : (A)part[2 * gridDim.x]);
-  for (int64_t n = (int64_t)blockIdx.x * groups + gid; n < p.N; n += (int64_t)gridDim.x * groups) {
-    A out, l;
-    bool kept;
-    ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
-    if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, gs);
-    if (lane == 0) {
-      lse[n * p.sz] = kc_st<TL>(l);
-      ls += (TL)out;
-      lc += kept ? (TL)1 : (TL)0;
-    }
-  }
-  /* each warp's lane-0 values (G == 32), or all 32 lanes' (G == 1), summed in order */
-  if (G == 1) {
-    for (int o = 16; o > 0; o >>= 1) {
-      ls += __shfl_down_sync(0xffffffffu, ls, o);
-      lc += __shfl_down_sync(0xffffffffu, lc, o);
-    }
-  }
-  __shared__ TL ps[KC_THREADS / 32], pc[KC_THREADS / 32];
-  if (threadIdx.x % 32 == 0) {
-    ps[threadIdx.x / 32] = ls;
-    pc[threadIdx.x / 32] = lc;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  TL s = 0, c = 0;
-  for (int k = 0; k < KC_THREADS / 32; k++) s += ps[k], c += pc[k];
-  if (gridDim.x == 1) {
-    *mean = s / c; /* nothing kept: 0 / 0 = NaN, as PyTorch */
-    *cnt = c;
-  } else {
-    part[2 * blockIdx.x] = s;
-    part[2 * blockIdx.x + 1] = c;
-  }
-}
-
-/* ce_mean's count of kept rows when it runs on several blocks (one block, KC_THREADS). */
-template <class TI, class TL> __global__ void __launch_bounds__(KC_THREADS) ce_count(const TI *tgt, CEArgs p, TL *out) {
-  int k = ce_kept<TI>(tgt, p);
-  if (threadIdx.x == 0) *out = (TL)k;
-}
-
-template <class TL> __global__ void ce_mean_finish(const TL *part, int nparts, TL *mean, TL *cnt) {
-  TL s = 0, c = 0;
-  for (int k = 0; k < nparts; k++) s += part[2 * k], c += part[2 * k + 1];
-  *mean = s / c;
-  *cnt = c;
-}
-
-template <class T, class TL, class TI>
-__global__ void __launch_bounds__(KC_THREADS)
-    ce_backward(const T *x, const TI *tgt, const TL *lse, const TL *grad, const TL *div, T *out,
-                CEArgs p) {
-  typedef typename kc_traits<T>::acc A;
-  const int64_t total = p.N * p.C;
-  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
-       k += (int64_t)gridDim.x * blockDim.x) {
-    int64_t n = k / p.C, j = k % p.C;
-    int64_t t = (int64_t)tgt[n * p.st];
-    A r;
-    if (t == p.ignore) {
-      r = 0;
-    } else if (t < 0 || t >= p.C) {
-      if (j == 0) kc_flag(p.flag, p.kop);
-      r = 0;
-    } else {
-      A e = (A)p.eps;
-      A pj = kc_exp(kc_ld<T>(x[n * p.sxn + j * p.sxc]) - (A)kc_ld<TL>(lse[n * p.sz]));
-      A q = (j == t ? (A)1 - e : (A)0) + e / (A)p.C;
-      A gv = (A)kc_ld<TL>(grad[n * p.sg]);
-      if (div) gv = gv / (A)kc_ld<TL>(div[n * p.sdiv]);
-      r = gv * (pj - q);
-    }
-    out[n * p.son + j * p.soc] = kc_st<T>(r);
-  }
-}
-
-template <class T, class TL, class TI>
-kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
-  const kiln__view *dlv = kiln__ce_dlogits(a);
-  T *dl = dlv ? (T *)dlv->data : NULL;
-  if (a->op == KILN__K_CROSS_ENTROPY) {
-    const T *x = (const T *)a->in[0].data;
-    const TI *t = (const TI *)a->in[1].data;
-    TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
-    TL *w = a->n_out - (dl ? 1 : 0) > 2 ? (TL *)a->out[2].data : NULL;
-    if (p.C > 1024) {
-      ce_forward<T, TL, TI, KC_THREADS><<<(unsigned)p.N, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
-    } else {
-      unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
-      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
-    }
-  } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
-    /* a thread per row up to 16 classes, else a warp; one block when the rows are few (a
-    ** small model's step: one launch), else up to 4 blocks per SM and the finishing launch */
-    const bool thread_rows = p.C <= 16;
-    const int64_t rows_per_block = thread_rows ? KC_THREADS * 2 : (KC_THREADS / 32) * 16;
-    int64_t want = (p.N + rows_per_block - 1) / rows_per_block;
-    int64_t cap = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4;
-    int blocks = (int)(want < 1 ? 1 : want > cap ? cap : want);
-    TL *mean = (TL *)a->out[0].data, *cnt = (TL *)a->out[2].data, *part = NULL;
-    size_t part_bytes = ((size_t)blocks * 2 + (dl ? 1 : 0)) * sizeof(TL); /* + the count */
-    if (blocks > 1 && !(part = (TL *)kiln__cuda_alloc(a->device, part_bytes)))
-      return kiln_last_error();
-    const T *x = (const T *)a->in[0].data;
-    const TI *t = (const TI *)a->in[1].data;
-    TL *lse = (TL *)a->out[1].data;
-    if (blocks > 1 && dl) ce_count<TI, TL><<<1, KC_THREADS, 0, d->stream>>>(t, p, part + 2 * blocks);
-    if (thread_rows)
-      ce_mean<T, TL, TI, 1><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
-    else
-      ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
-    if (blocks > 1) {
-      ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
-      kiln__cuda_free(a->device, part, part_bytes); /* stream-ordered reuse */
-    }
-  } else {
-    int blocks = kc_blocks(p.N * p.C, KC_THREADS, d->sm_count);
-    ce_backward<T, TL, TI><<<blocks, KC_THREADS, 0, d->stream>>>(
-        (const T *)a->in[0].data, (const TI *)a->in[1].data, (const TL *)a->in[2].data,
-        (const TL *)a->in[3].data, a->n_in > 4 ? (const TL *)a->in[4].data : NULL,
-        (T *)a->out[0].data, p);
-  }
-  return kiln__cuda_launched(kiln__kop_name(a->op));
-}
-
-template <class T>
-kiln_status ce_dispatch(kiln__cuda_dev *d, const kiln__kargs *a, const CEArgs &p,
-                        kiln_dtype lt, kiln_dtype it) {
-  bool i64 = it == KILN_I64;
-  if (lt == KILN_F32) {
-    if constexpr (!std::is_same<T, double>::value) {
-      return i64 ? ce_launch<T, float, int64_t>(d, a, p) : ce_launch<T, float, int32_t>(d, a, p);
-    }
-  } else if (lt == KILN_F64) {
-    return i64 ? ce_launch<T, double, int64_t>(d, a, p) : ce_launch<T, double, int32_t>(d, a, p);
-  }
-  return kiln_set_error(KILN_ERR_DTYPE, "kiln_cross_entropy: loss dtype %s not supported on cuda",
-                        kiln_dtype_name(lt));
-}
 
 kiln_status bad(const kiln__kargs *a) {
   return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype %s not supported on cuda",
                         kiln__kop_name(a->op), kiln_dtype_name(a->in[0].dtype));
 }
 
-bool is_ce(kiln__kop op) {
-  return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD ||
-         op == KILN__K_CROSS_ENTROPY_MEAN;
-}
-bool ce_fwd(kiln__kop op) { return op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_MEAN; }
 
 } // namespace
 
 extern "C" bool kiln__cuda_softmax_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->in[0].dtype;
   if (!kc_is_float(dt)) return false;
-  if (!is_ce(a->op)) {
-    for (int i = 0; i < a->n_in; i++)
-      if (a->in[i].dtype != dt) return false;
-    return a->out[0].dtype == dt;
-  }
-  if (a->in[0].ndim != 2 || !kc_is_index(a->in[1].dtype)) return false;
-  kiln_dtype lt = ce_fwd(a->op) ? a->out[0].dtype : a->in[2].dtype;
-  if (lt != KILN_F32 && lt != KILN_F64) return false;
-  if (lt == KILN_F32 && dt == KILN_F64) return false;
-  /* the fused dlogits (flag 1): the logits' dtype and shape, after the usual outputs */
-  const kiln__view *dl = kiln__ce_dlogits(a);
-  int nout = a->n_out - (dl ? 1 : 0);
-  if (dl && (dl->dtype != dt || dl->ndim != 2 || dl->shape[0] != a->in[0].shape[0] ||
-             dl->shape[1] != a->in[0].shape[1]))
-    return false;
-  if (a->op == KILN__K_CROSS_ENTROPY_MEAN)
-    return nout == 3 && a->out[1].dtype == lt && a->out[2].dtype == lt &&
-           kc_numel(&a->out[0]) == 1 && kc_numel(&a->out[2]) == 1;
-  if (a->op == KILN__K_CROSS_ENTROPY)
-    return nout >= 2 && a->out[1].dtype == lt && (nout < 3 || a->out[2].dtype == lt);
-  return a->n_in >= 4 && a->in[3].dtype == lt && (a->n_in < 5 || a->in[4].dtype == lt) &&
-         a->out[0].dtype == dt;
+  for (int i = 0; i < a->n_in; i++)
+    if (a->in[i].dtype != dt) return false;
+  return a->out[0].dtype == dt;
 }
 
 extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
@@ -482,51 +135,6 @@ extern "C" kiln_status kiln__cuda_softmax(const kiln__kargs *a) {
   KC_TRY(kiln__cuda_ctx(a->device, &d));
   if (!kiln__cuda_softmax_supports(a)) return bad(a);
   kiln_dtype dt = a->in[0].dtype;
-  if (is_ce(a->op)) {
-    const kiln__view *x = &a->in[0];
-    CEArgs p;
-    p.N = x->shape[0];
-    p.C = x->shape[1];
-    p.sxn = x->strides[0];
-    p.sxc = x->strides[1];
-    p.st = a->in[1].strides[0];
-    p.ignore = a->i[0];
-    p.eps = a->s[0];
-    p.flag = d->err_flag;
-    p.kop = (int)a->op;
-    p.sdiv = 0;
-    const kiln__view *dl = kiln__ce_dlogits(a);
-    p.sdn = dl ? dl->strides[0] : 0;
-    p.sdc = dl ? dl->strides[1] : 0;
-    if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
-      p.sl = p.sw = p.sg = p.son = p.soc = 0;
-      p.sz = a->out[1].strides[0];
-    } else if (a->op == KILN__K_CROSS_ENTROPY) {
-      p.sl = a->out[0].strides[0];
-      p.sz = a->out[1].strides[0];
-      p.sw = a->n_out - (dl ? 1 : 0) > 2 ? a->out[2].strides[0] : 0;
-      p.sg = p.son = p.soc = 0;
-    } else {
-      p.sl = p.sw = 0;
-      p.sz = a->in[2].strides[0];
-      p.sg = a->in[3].strides[0];
-      p.sdiv = a->n_in > 4 ? a->in[4].strides[0] : 0;
-      p.son = a->out[0].strides[0];
-      p.soc = a->out[0].strides[1];
-    }
-    /* the mean of no rows is still written (NaN), so only the other two stop here */
-    if (p.N == 0 && a->op != KILN__K_CROSS_ENTROPY_MEAN) return KILN_OK;
-    if (p.C == 0 && p.N > 0) {
-      if (ce_fwd(a->op)) return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: no classes (C = 0)");
-      return KILN_OK;
-    }
-    if (p.N > INT32_MAX)
-      return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: %lld rows is too many",
-                            (long long)p.N);
-    kiln_dtype lt = ce_fwd(a->op) ? a->out[0].dtype : a->in[2].dtype;
-    KC_SWITCH_FLOAT(dt, T, return bad(a), return ce_dispatch<T>(d, a, p, lt, a->in[1].dtype))
-    return KILN_OK;
-  }
   const kiln__view *in0 = &a->in[0], *out = &a->out[0];
   const kiln__view *in1 = a->n_in > 1 ? &a->in[1] : in0;
   int dim = (int)a->i[0];

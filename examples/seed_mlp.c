@@ -17,7 +17,9 @@
 ** --graph records the training step once per batch shape (after one eager step at that
 ** shape, which trains like any other) and replays it: CUDA graphs on a GPU, the same
 ** calls run eagerly on the CPU. Each batch is copied on the device into the recorded
-** step's static inputs. The loss is still read with kiln_item every step.
+** step's static inputs. The loss is still read with kiln_item every step; while a replay
+** runs, the host fetches the next batch and queues that copy, so the read waits for the
+** device alone.
 ** --json ends the output with one JSON line of figures (the same names as the peer's).
 **
 ** Under mpirun (mpirun -np N seed-mlp ...) it trains data-parallel: each rank takes its
@@ -225,6 +227,11 @@ int main(int argc, char **argv) {
   int64_t steps = 0;
   double last = NAN;
   char label[64];
+  /* --graph: the batch fetched ahead, during the last replay (AHEAD_NONE: none), and which
+  ** shape's static inputs it was already copied into (-1: none) */
+  enum { AHEAD_NONE = -2 };
+  kiln_tensor *ahead[2] = {NULL, NULL};
+  int ahead_r = AHEAD_NONE, ahead_in = -1;
   for (long long e = 0; e < epochs; e++) {
     double e0 = phases ? ex_now() : 0;
     if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
@@ -238,8 +245,16 @@ int main(int argc, char **argv) {
     for (;;) {
       double q0 = phases ? ex_now() : 0;
       kiln_scope_begin(); /* one step: the batch, the graph and every temporary */
-      kiln_tensor *b[2];
-      int r = kiln_loader_next(loader, b);
+      kiln_tensor *b[2] = {NULL, NULL}, *held[2] = {NULL, NULL};
+      int r;
+      if (ahead_r != AHEAD_NONE) { /* fetched while the last replay ran (kept: freed below) */
+        r = ahead_r;
+        if (r == 1) memcpy(b, ahead, sizeof b), memcpy(held, ahead, sizeof held);
+        ahead[0] = ahead[1] = NULL;
+        ahead_r = AHEAD_NONE;
+      } else {
+        r = kiln_loader_next(loader, b);
+      }
       if (phases) phase_s[0] += ex_now() - q0;
       kiln_status st = KILN_OK;
       double lv = 0;
@@ -268,15 +283,35 @@ int main(int argc, char **argv) {
           if (st == KILN_OK && !(graphs[k] = kiln_graph_capture(dev, train_step, c))) st = kiln_last_error();
         } else {
           double p0 = phases ? ex_now() : 0;
-          st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
+          if (ahead_in != k) st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
+          ahead_in = -1;
           double p1 = phases ? ex_now() : 0;
           kiln_mark *m0 = phases ? kiln_mark_record(dev) : NULL;
           if (st == KILN_OK) st = kiln_graph_replay(graphs[k]);
           kiln_mark *m1 = phases ? kiln_mark_record(dev) : NULL;
           double p2 = phases ? ex_now() : 0;
+          /* While the device runs the replay, the host fetches the next batch and queues
+          ** its copy into the static inputs of its shape (behind the replay, which reads
+          ** them first): the loss read below then waits for the device alone. */
+          double p3 = p2;
+          if (st == KILN_OK) {
+            ahead_r = kiln_loader_next(loader, ahead);
+            p3 = phases ? ex_now() : 0;
+            if (ahead_r == 1) {
+              kiln_keep(ahead[0]);
+              kiln_keep(ahead[1]);
+              int k2 = kiln_size(ahead[0], 0) == lo.batch_size ? 0 : 1;
+              if (graphs[k2]) {
+                st = kiln_copy_many_(2, (kiln_tensor *[]){sc[k2].x, sc[k2].y}, ahead);
+                ahead_in = k2;
+              }
+            }
+          }
+          double p4 = phases ? ex_now() : 0;
           if (st == KILN_OK) lv = kiln_item(c->loss);
           if (phases) {
-            phase_s[1] += p1 - p0, phase_s[2] += p2 - p1, phase_s[4] += ex_now() - p2;
+            phase_s[0] += p3 - p2, phase_s[1] += (p1 - p0) + (p4 - p3), phase_s[2] += p2 - p1;
+            phase_s[4] += ex_now() - p4;
             device_s += kiln_mark_elapsed_ms(m0, m1) * 1e-3;
           }
         }
@@ -304,6 +339,8 @@ int main(int argc, char **argv) {
       }
       double q1 = phases ? ex_now() : 0;
       kiln_scope_end();
+      kiln_tensor_free(held[0]);
+      kiln_tensor_free(held[1]);
       if (phases) phase_s[5] += ex_now() - q1;
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;

@@ -69,6 +69,23 @@ static double median(double *v, int n) {
 
 enum { ITERS = 2000 };
 
+/* One link of the chain on stream s, with or without the PDL attribute. */
+static void launch_link(cudaStream_t s, int blocks, int pdl, const float *in, float *out, int n) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(256);
+  cfg.stream = s;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl ? 1 : 0;
+  if (pdl)
+    CK(cudaLaunchKernelEx(&cfg, link<true>, in, out, n));
+  else
+    CK(cudaLaunchKernelEx(&cfg, link<false>, in, out, n));
+}
+
 int main(void) {
   cudaStream_t s;
   CK(cudaSetDevice(0));
@@ -128,23 +145,7 @@ int main(void) {
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int k = 0; k < K; k++) {
-        const float *in = bufs[k & 1];
-        float *out = bufs[(k + 1) & 1];
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(256);
-        cfg.stream = s;
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = at;
-        cfg.numAttrs = pdl ? 1 : 0;
-        if (pdl)
-          CK(cudaLaunchKernelEx(&cfg, link<true>, in, out, n));
-        else
-          CK(cudaLaunchKernelEx(&cfg, link<false>, in, out, n));
-      }
+      for (int k = 0; k < K; k++) launch_link(s, blocks, pdl, bufs[k & 1], bufs[(k + 1) & 1], n);
       CK(cudaStreamEndCapture(s, &g));
       CK(cudaGraphInstantiate(&ge, g, 0));
       for (int it = 0; it < 50; it++) CK(cudaGraphLaunch(ge, s));
@@ -171,21 +172,7 @@ int main(void) {
       /* the same chain launched eagerly on the stream */
       for (int it = 0; it < ITERS; it++) {
         double t0 = now_us();
-        for (int k = 0; k < K; k++) {
-          cudaLaunchConfig_t cfg = {};
-          cfg.gridDim = dim3(blocks);
-          cfg.blockDim = dim3(256);
-          cfg.stream = s;
-          cudaLaunchAttribute at[1];
-          at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-          at[0].val.programmaticStreamSerializationAllowed = 1;
-          cfg.attrs = at;
-          cfg.numAttrs = pdl ? 1 : 0;
-          if (pdl)
-            CK(cudaLaunchKernelEx(&cfg, link<true>, (const float *)bufs[k & 1], bufs[(k + 1) & 1], n));
-          else
-            CK(cudaLaunchKernelEx(&cfg, link<false>, (const float *)bufs[k & 1], bufs[(k + 1) & 1], n));
-        }
+        for (int k = 0; k < K; k++) launch_link(s, blocks, pdl, bufs[k & 1], bufs[(k + 1) & 1], n);
         CK(cudaStreamSynchronize(s));
         t[it] = now_us() - t0;
       }

@@ -546,7 +546,15 @@ static void print_text(const doctor *d) {
     printf("  %s %s\n      fix: %s\n", mark, p->what, p->fix);
   }
   bool ok = d->cpu_ok && d->be[0].available;
-  printf("\n%s\n", ok ? "kiln works on this machine (CPU)." : "kiln does NOT work on this machine: see the errors above.");
+  /* the devices whose smoke test passed, named in the verdict beside the CPU */
+  char gpus[256] = "";
+  size_t used = 0;
+  for (int i = 0; i < d->ncuda && used < sizeof gpus; i++)
+    if (d->cuda[i].ran && d->cuda[i].ok)
+      used += (size_t)snprintf(gpus + used, sizeof gpus - used, "cuda:%d, ", d->cuda[i].index);
+  if (!ok) printf("\nkiln does NOT work on this machine: see the errors above.\n");
+  else if (!*gpus) printf("\nkiln works on this machine (CPU).\n");
+  else printf("\nkiln works on this machine (%sCPU); programs run on %s by default.\n", gpus, d->default_device);
 }
 
 static void doctor_usage(FILE *f) {

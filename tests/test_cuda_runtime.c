@@ -3,6 +3,7 @@
 ** the CPU fallback and its policy, out-of-memory recovery while training, memory
 ** statistics, and graph capture/replay. Exits 77 (skipped) without a CUDA device.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <kiln.h>
 
 #include "backend/backend.h" /* kiln__dispatch_disable_kernel's op ids */
@@ -13,6 +14,7 @@
 #include <string.h>
 
 void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
+void kiln__graph_shape(const kiln_graph *g, int *nodes, int *depth);
 
 static int failures, checks;
 #define CHECK(cond, ...)                                                                  \
@@ -210,6 +212,108 @@ static void test_graphs(kiln_device gpu) {
   kiln_tensor_free(cc.x), kiln_tensor_free(cc.w), kiln_tensor_free(cc.out);
 }
 
+/* Data dependencies in a capture (cuda_capture.cu): two branches that share only their
+** input run side by side in the graph (its longest chain is shorter than its node count),
+** and with KILN_GRAPH_DEPS=0 the graph is one chain; replays give the eager numbers. */
+typedef struct branch_ctx {
+  kiln_tensor *x, *w1, *w2, *out;
+} branch_ctx;
+
+static kiln_status branch_step(void *p) {
+  branch_ctx *c = p;
+  kiln_scope_begin();
+  kiln_tensor *a = kiln_relu(kiln_matmul(c->x, c->w1));
+  kiln_tensor *b = kiln_tanh(kiln_matmul(c->x, c->w2));
+  kiln_tensor *y = kiln_add(a, b);
+  kiln_status st = y ? kiln_copy_(c->out, y) : kiln_last_error();
+  kiln_scope_end();
+  return st;
+}
+
+/* Ops on overlapping views of one buffer in every order of reads and writes (read after
+** write, write after read, write after write), beside independent ones, with reductions
+** whose scratch the allocator hands out again inside the capture. A view is 2^20 floats,
+** so kernels the capture wrongly let run side by side would overlap in time. */
+enum { HZ_SEG = 1 << 20, HZ_VIEWS = 7, HZ_OPS = 48 };
+typedef struct hazard_ctx {
+  kiln_tensor *buf; /* HZ_VIEWS + 1 half-segments; view i starts at half-segment i */
+} hazard_ctx;
+
+static kiln_status hazard_step(void *p) {
+  hazard_ctx *c = p;
+  kiln_scope_begin();
+  kiln_tensor *v[HZ_VIEWS];
+  for (int i = 0; i < HZ_VIEWS; i++) v[i] = kiln_narrow(c->buf, 0, (int64_t)i * HZ_SEG / 2, HZ_SEG);
+  kiln_status st = KILN_OK;
+  uint32_t r = 12345;
+  for (int k = 0; k < HZ_OPS && st == KILN_OK; k++) {
+    r = r * 1664525u + 1013904223u;
+    const int i = (int)((r >> 8) % HZ_VIEWS), kind = (int)((r >> 20) % 4);
+    int j = (int)((r >> 12) % HZ_VIEWS);
+    if (abs(i - j) < 2) j = (i + 3) % HZ_VIEWS; /* views i and j do not overlap */
+    switch (kind) {
+    case 0: st = kiln_mul_scalar_(v[i], 0.5 + 0.01 * (double)(k % 7)); break;
+    case 1: st = kiln_axpy_(v[i], 0.25, v[j]); break;
+    case 2: st = kiln_copy_(v[i], kiln_tanh(v[j])); break;
+    default: /* a reduction with split partials, written into one element of view i */
+      st = kiln_copy_(kiln_narrow(v[i], 0, 0, 1), kiln_mul_scalar(kiln_sum_all(v[j]), 1e-6));
+    }
+  }
+  kiln_scope_end();
+  return st;
+}
+
+static void test_graph_dependencies(kiln_device gpu) {
+  kiln_generator *gen = kiln_generator_new(3);
+  branch_ctx c;
+  c.x = kiln_keep(kiln_randn(KILN_SHAPE(96, 64), KILN_F32, gpu, gen));
+  c.w1 = kiln_keep(kiln_randn(KILN_SHAPE(64, 48), KILN_F32, gpu, gen));
+  c.w2 = kiln_keep(kiln_randn(KILN_SHAPE(64, 48), KILN_F32, gpu, gen));
+  c.out = kiln_keep(kiln_zeros(KILN_SHAPE(96, 48), KILN_F32, gpu));
+  CHECK(branch_step(&c) == KILN_OK, "eager warm-up step");
+  int nodes[2], depth[2];
+  for (int off = 0; off < 2; off++) {
+    if (off) setenv("KILN_GRAPH_DEPS", "0", 1);
+    kiln_graph *g = kiln_graph_capture(gpu, branch_step, &c);
+    unsetenv("KILN_GRAPH_DEPS");
+    CHECK(g != NULL, "captured the two-branch step (KILN_GRAPH_DEPS %s)", off ? "0" : "unset");
+    kiln__graph_shape(g, &nodes[off], &depth[off]);
+    for (int i = 0; i < 5 && g; i++) {
+      kiln_scope_begin();
+      kiln_copy_(c.x, kiln_randn(KILN_SHAPE(96, 64), KILN_F32, gpu, gen));
+      CHECK(kiln_graph_replay(g) == KILN_OK, "replay %d", i);
+      kiln_tensor *want = kiln_add(kiln_relu(kiln_matmul(c.x, c.w1)), kiln_tanh(kiln_matmul(c.x, c.w2)));
+      CHECK(max_abs_diff(want, c.out) == 0, "replay %d gives the eager numbers (deps %s)", i, off ? "off" : "on");
+      kiln_scope_end();
+    }
+    kiln_graph_free(g);
+  }
+  /* 6 ops: two products and their activations, the add, the copy out */
+  CHECK(nodes[1] >= 6 && depth[1] == nodes[1],
+        "KILN_GRAPH_DEPS=0 captures one chain: %d nodes, longest chain %d", nodes[1], depth[1]);
+  CHECK(nodes[0] >= nodes[1] && depth[0] >= 4 && depth[0] <= nodes[1] - 2,
+        "the branches run side by side: %d nodes, longest chain %d (a chain: %d)", nodes[0], depth[0], depth[1]);
+  kiln_tensor_free(c.x), kiln_tensor_free(c.w1), kiln_tensor_free(c.w2), kiln_tensor_free(c.out);
+
+  /* the hazards: the eager run from a start, then replays from the same start */
+  kiln_tensor *start = kiln_keep(kiln_randn(KILN_SHAPE((HZ_VIEWS + 1) * HZ_SEG / 2), KILN_F32, gpu, gen));
+  hazard_ctx e = {kiln_keep(kiln_clone(start))}, h = {kiln_keep(kiln_clone(start))};
+  CHECK(hazard_step(&e) == KILN_OK, "eager hazard step");
+  kiln_graph *g = kiln_graph_capture(gpu, hazard_step, &h);
+  CHECK(g != NULL, "captured the hazard step");
+  int hn, hd;
+  kiln__graph_shape(g, &hn, &hd);
+  CHECK(hn >= HZ_OPS && hd < hn, "the hazard step has independent ops: %d nodes, longest chain %d", hn, hd);
+  for (int rep = 0; rep < 3 && g; rep++) {
+    CHECK(kiln_graph_replay(g) == KILN_OK, "hazard replay %d", rep);
+    CHECK(max_abs_diff(e.buf, h.buf) == 0, "hazard replay %d gives the eager numbers", rep);
+    CHECK(hazard_step(&e) == KILN_OK, "eager hazard step %d", rep + 2);
+  }
+  kiln_graph_free(g);
+  kiln_tensor_free(start), kiln_tensor_free(e.buf), kiln_tensor_free(h.buf);
+  kiln_generator_free(gen);
+}
+
 /* kiln_to_device_many: compact host tensors in one transfer, as views of one device block
 ** at aligned offsets, with their values; one that requires grad goes alone and keeps its
 ** history; a device tensor among them is moved as usual. */
@@ -357,6 +461,7 @@ int main(void) {
   test_fallback(gpu);
   test_oom_recovery(gpu);
   test_graphs(gpu);
+  test_graph_dependencies(gpu);
   test_adam_multi(gpu);
   test_to_device_many(gpu);
   test_marks(gpu);

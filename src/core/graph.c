@@ -70,6 +70,15 @@ kiln_status kiln_graph_replay(kiln_graph *g) {
 
 bool kiln_graph_is_device_graph(const kiln_graph *g) { return g && g->exec; }
 
+void kiln__graph_shape(const kiln_graph *g, int *nodes, int *depth) {
+  *nodes = *depth = -1;
+#ifdef KILN_HAVE_CUDA
+  if (g && g->exec) kiln__cuda_graph_shape(g->exec, nodes, depth);
+#else
+  KILN__UNUSED(g);
+#endif
+}
+
 void kiln_graph_free(kiln_graph *g) {
   if (!g) return;
 #ifdef KILN_HAVE_CUDA

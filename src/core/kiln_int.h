@@ -160,6 +160,9 @@ void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
 /* Test hook: how many kernels this thread has asked kiln__dispatch for (every call,
 ** whether it ran on the device, fell back or failed). Tests diff it around a call. */
 int64_t kiln__dispatch_count(void);
+/* Test hook: a device graph's node count and its longest chain of dependent nodes (-1
+** for a CPU graph or when unknown). */
+void kiln__graph_shape(const kiln_graph *g, int *nodes, int *depth);
 /* Copies t into a new contiguous tensor of dtype dt on dev, recording autograd as `name`
 ** (clone, to_dtype, to_device). */
 kiln_tensor *kiln__copy_as(kiln_tensor *t, kiln_dtype dt, kiln_device dev, const char *name);

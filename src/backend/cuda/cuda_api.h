@@ -59,6 +59,9 @@ kiln_status kiln__cuda_graph_begin(int device);
 kiln_status kiln__cuda_graph_end(int device, void **graph_exec);
 kiln_status kiln__cuda_graph_launch(int device, void *graph_exec);
 void kiln__cuda_graph_free(void *graph_exec); /* NULL is a no-op */
+/* The captured graph's node count and its longest chain of dependent nodes (-1 unknown):
+** with data dependencies (cuda_capture.cu) independent ops make the chain shorter. */
+void kiln__cuda_graph_shape(const void *graph_exec, int *nodes, int *depth);
 /* Whether a capture is in progress on the device. */
 bool kiln__cuda_capturing(int device);
 

@@ -509,27 +509,37 @@ static double cuda_elapsed_ms(int device, void *start, void *stop) {
   return ms;
 }
 
+/* A kernel family's entry: during a capture with data dependencies (cuda_capture.cu) the
+** op's launches are made to wait only for the ops whose memory it shares. */
+template <kiln__kernel_fn F> static kiln_status kc_entry(const kiln__kargs *a) {
+  if (!kiln__cuda_capture_tracking(a->device)) return F(a);
+  KC_TRY(kiln__cuda_capture_op_begin(a));
+  kiln_status st = F(a);
+  kiln_status end = kiln__cuda_capture_op_end(a->device);
+  return st != KILN_OK ? st : end;
+}
+
 /* Which family serves each op (constexpr, so the table below is a constant). */
 static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
   return (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
           op == KILN__K_RAND_BERNOULLI)
-             ? kiln__cuda_random
+             ? kc_entry<kiln__cuda_random>
          : (op == KILN__K_SUM || op == KILN__K_PROD || op == KILN__K_AMAX ||
             op == KILN__K_AMIN || op == KILN__K_MAX_DIM || op == KILN__K_MIN_DIM)
-             ? kiln__cuda_reduce
+             ? kc_entry<kiln__cuda_reduce>
          : (op == KILN__K_SOFTMAX || op == KILN__K_LOG_SOFTMAX ||
             op == KILN__K_SOFTMAX_BACKWARD || op == KILN__K_LOG_SOFTMAX_BACKWARD)
-             ? kiln__cuda_softmax
+             ? kc_entry<kiln__cuda_softmax>
          : (op == KILN__K_CROSS_ENTROPY || op == KILN__K_CROSS_ENTROPY_BACKWARD ||
             op == KILN__K_CROSS_ENTROPY_MEAN)
-             ? kiln__cuda_cross_entropy
-         : op == KILN__K_MATMUL ? kiln__cuda_matmul
-         : op == KILN__K_ADAM ? kiln__cuda_adam
-         : op == KILN__K_ADAM_MULTI ? kiln__cuda_adam_multi
+             ? kc_entry<kiln__cuda_cross_entropy>
+         : op == KILN__K_MATMUL ? kc_entry<kiln__cuda_matmul>
+         : op == KILN__K_ADAM ? kc_entry<kiln__cuda_adam>
+         : op == KILN__K_ADAM_MULTI ? kc_entry<kiln__cuda_adam_multi>
          : (op == KILN__K_INDEX_SELECT || op == KILN__K_INDEX_ADD || op == KILN__K_GATHER ||
             op == KILN__K_SCATTER_ADD)
-             ? kiln__cuda_index
-             : kiln__cuda_elementwise;
+             ? kc_entry<kiln__cuda_index>
+             : kc_entry<kiln__cuda_elementwise>;
 }
 
 extern "C" const kiln__backend kiln__cuda_backend = {

@@ -62,6 +62,18 @@ void kiln__cuda_mem_capture_begin(int device, int id);
 void kiln__cuda_mem_capture_end(int device, int id, bool ok);
 void kiln__cuda_mem_graph_release(int device, int id);
 
+/* ---- a capture's data dependencies (cuda_capture.cu) ---- */
+/* Between begin and end (cuda_graph.cu), each op the kernel table runs is made to wait
+** only for the ops it conflicts with (KILN_GRAPH_DEPS=0: off). */
+void kiln__cuda_capture_track_begin(int device);
+void kiln__cuda_capture_track_end(int device);
+bool kiln__cuda_capture_tracking(int device);
+kiln_status kiln__cuda_capture_op_begin(const kiln__kargs *a);
+kiln_status kiln__cuda_capture_op_end(int device);
+/* Memory an open op writes beyond its views (scratch, a library's workspace): called
+** before the op's first use of it. A no-op outside a tracked capture. */
+kiln_status kiln__cuda_capture_note(int device, const void *p, size_t n);
+
 /* ---- kernel families ---- */
 kiln_status kiln__cuda_elementwise(const kiln__kargs *a); /* copy..where */
 bool kiln__cuda_elementwise_supports(const kiln__kargs *a);

@@ -396,6 +396,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   }
   if (small) return kiln__cuda_matmul_small(d, a, A, B, *O, batch, sa, sb, sc, sm);
   KC_TRY(handles(device, d));
+  KC_TRY(kiln__cuda_capture_note(device, d->workspace, d->workspace_size)); /* cuBLAS's scratch */
   Types t;
   types_of(O->dtype, a->i[0] == 1, &t);
   const size_t es = kc_size(O->dtype);

@@ -151,9 +151,7 @@ kiln_status oom(DevAlloc *m, int device, size_t want, const char *why) {
 
 } // namespace
 
-extern "C" void *kiln__cuda_alloc(int device, size_t nbytes) {
-  kiln__cuda_dev *d;
-  if (kiln__cuda_ctx(device, &d) != KILN_OK) return NULL;
+static void *cached_alloc(kiln__cuda_dev *d, int device, size_t nbytes) {
   DevAlloc *m = get(device);
   if (nbytes > ((size_t)1 << 48)) {
     std::lock_guard<std::mutex> lock(m->mu);
@@ -218,6 +216,18 @@ extern "C" void *kiln__cuda_alloc(int device, size_t nbytes) {
   if (m->allocated > m->peak) m->peak = m->allocated;
   m->num_allocs++;
   return b->ptr;
+}
+
+extern "C" void *kiln__cuda_alloc(int device, size_t nbytes) {
+  kiln__cuda_dev *d;
+  if (kiln__cuda_ctx(device, &d) != KILN_OK) return NULL;
+  void *p = cached_alloc(d, device, nbytes);
+  /* scratch an op takes inside a capture: the op writes it (cuda_capture.cu) */
+  if (p && d->capturing && kiln__cuda_capture_note(device, p, nbytes ? nbytes : 1) != KILN_OK) {
+    kiln__cuda_free(device, p, nbytes);
+    return NULL;
+  }
+  return p;
 }
 
 extern "C" void kiln__cuda_free(int device, void *ptr, size_t nbytes) {

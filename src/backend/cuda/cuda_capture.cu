@@ -56,13 +56,12 @@ Tracker g_track[KC_MAX_DEV];
 
 /* ---- the runtime's capture calls (their signatures changed in CUDA 13) ---- */
 
-cudaError_t capture_deps(cudaStream_t s, const cudaGraphNode_t **deps, size_t *n,
-                         cudaGraph_t *graph = NULL) {
+cudaError_t capture_deps(cudaStream_t s, const cudaGraphNode_t **deps, size_t *n) {
   cudaStreamCaptureStatus status;
 #if CUDART_VERSION >= 13000
-  cudaError_t e = cudaStreamGetCaptureInfo(s, &status, NULL, graph, deps, NULL, n);
+  cudaError_t e = cudaStreamGetCaptureInfo(s, &status, NULL, NULL, deps, NULL, n);
 #else
-  cudaError_t e = cudaStreamGetCaptureInfo_v2(s, &status, NULL, graph, deps, n);
+  cudaError_t e = cudaStreamGetCaptureInfo_v2(s, &status, NULL, NULL, deps, n);
 #endif
   if (e == cudaSuccess && status != cudaStreamCaptureStatusActive) return cudaErrorStreamCaptureInvalidated;
   return e;
@@ -173,24 +172,10 @@ extern "C" kiln_status kiln__cuda_capture_op_begin(const kiln__kargs *a) {
   } catch (const std::bad_alloc &) {
     return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
   }
-  if (t.cur_deps.empty() && t.base.empty() && !t.frontier.empty()) {
-    /* No conflict and nothing undeclared before: a root. The stream's dependencies are
-    ** never made empty in mid-capture; an empty node, added to the graph directly, is
-    ** the base such ops start from instead. */
-    cudaGraph_t graph;
-    cudaGraphNode_t root;
-    e = capture_deps(d->stream, &now, &n_now, &graph);
-    if (e == cudaSuccess) e = cudaGraphAddEmptyNode(&root, graph, NULL, 0);
-    if (e != cudaSuccess) return fail(e, "cudaGraphAddEmptyNode");
-    try {
-      t.base.assign(1, root);
-    } catch (const std::bad_alloc &) {
-      return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
-    }
-    e = capture_deps(d->stream, &now, &n_now); /* the array may have moved */
-    if (e != cudaSuccess) return fail(e, "cudaStreamGetCaptureInfo");
-  }
-  if (t.cur_deps.empty()) t.cur_deps = t.base; /* empty only for the capture's first op */
+  /* No conflict: after the base; before any base, after the frontier, so that the stream's
+  ** dependencies are never emptied in mid-capture (an op that touches nothing touched
+  ** before is a root only at the capture's start or right after undeclared work). */
+  if (t.cur_deps.empty()) t.cur_deps = t.base.empty() ? t.frontier : t.base;
   if (!same_set(now, n_now, t.cur_deps)) {
     e = set_deps(d->stream, t.cur_deps, cudaStreamSetCaptureDependencies);
     if (e != cudaSuccess) return fail(e, "cudaStreamUpdateCaptureDependencies");

@@ -51,7 +51,7 @@ void graph_shape(cudaGraph_t g, int *nodes, int *depth) {
   std::unordered_map<cudaGraphNode_t, int> idx;
   for (size_t i = 0; i < n; i++) idx[all[i]] = (int)i;
   std::vector<std::vector<int>> out(n);
-  /* an empty node (a root cuda_capture.cu adds) is no work: it does not count */
+  /* an empty node is no work: it does not count */
   std::vector<int> indeg(n, 0), weight(n, 1), len(n), ready;
   for (size_t i = 0; i < n; i++) {
     cudaGraphNodeType type;

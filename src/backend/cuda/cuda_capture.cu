@@ -121,6 +121,10 @@ bool same_set(const cudaGraphNode_t *a, size_t n, const std::vector<cudaGraphNod
   return true;
 }
 
+kiln_status no_memory(void) {
+  return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
+}
+
 kiln_status fail(cudaError_t e, const char *what) {
   char msg[160];
   snprintf(msg, sizeof msg, "%s (graph capture with data dependencies; KILN_GRAPH_DEPS=0 captures one chain)", what);
@@ -169,13 +173,13 @@ extern "C" kiln_status kiln__cuda_capture_op_begin(const kiln__kargs *a) {
     t.cur_deps.clear();
     for (const Range &r : t.cur.reads) conflicts(t, r, false, t.cur_deps);
     for (const Range &r : t.cur.writes) conflicts(t, r, true, t.cur_deps);
+    /* No conflict: after the base; before any base, after the frontier, so that the
+    ** stream's dependencies are never emptied in mid-capture (an op that touches nothing
+    ** touched before is a root only at the capture's start or right after undeclared work). */
+    if (t.cur_deps.empty()) t.cur_deps = t.base.empty() ? t.frontier : t.base;
   } catch (const std::bad_alloc &) {
-    return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
+    return no_memory();
   }
-  /* No conflict: after the base; before any base, after the frontier, so that the stream's
-  ** dependencies are never emptied in mid-capture (an op that touches nothing touched
-  ** before is a root only at the capture's start or right after undeclared work). */
-  if (t.cur_deps.empty()) t.cur_deps = t.base.empty() ? t.frontier : t.base;
   if (!same_set(now, n_now, t.cur_deps)) {
     e = set_deps(d->stream, t.cur_deps, cudaStreamSetCaptureDependencies);
     if (e != cudaSuccess) return fail(e, "cudaStreamUpdateCaptureDependencies");
@@ -195,7 +199,7 @@ extern "C" kiln_status kiln__cuda_capture_note(int device, const void *p, size_t
     t.cur.writes.push_back(r);
     conflicts(t, r, true, more);
   } catch (const std::bad_alloc &) {
-    return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
+    return no_memory();
   }
   if (more.empty()) return KILN_OK;
   /* added to the stream's current dependencies: the op's launches so far stay before */
@@ -225,7 +229,7 @@ extern "C" kiln_status kiln__cuda_capture_op_end(int device) {
     t.frontier.swap(f);
     t.ops.push_back(t.cur);
   } catch (const std::bad_alloc &) {
-    return kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory tracking a graph capture");
+    return no_memory();
   }
   /* between ops the stream waits for every leaf: work no op declares is ordered after all */
   if (t.frontier.empty() || same_set(now, n_now, t.frontier)) return KILN_OK;

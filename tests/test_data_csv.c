@@ -10,15 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c)                                                                          \
-  do {                                                                                    \
-    if (!(c)) {                                                                           \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #c, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 static char g_path[300];
 

@@ -14,15 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures;
-#define CHECK(c)                                                                          \
-  do {                                                                                    \
-    if (!(c)) {                                                                           \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #c, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};

@@ -19,16 +19,7 @@
 #include <time.h>
 
 #include "core/kiln_int.h"
-
-static int failures;
-#define CHECK(c)                                                                          \
-  do {                                                                                    \
-    if (!(c)) {                                                                           \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #c, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 #define N 50
 

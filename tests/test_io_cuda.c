@@ -11,15 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c)                                                                          \
-  do {                                                                                    \
-    if (!(c)) {                                                                           \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #c, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 static const char *fixture(const char *name) {
   static char out[1024];

@@ -10,15 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
-#define CHECK(cond)                                                                       \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed (last error: %s)\n", __FILE__, __LINE__, #cond, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 static kiln_device cpu;
 

@@ -15,15 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(cond)                                                                       \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed (last error: %s)\n", __FILE__, __LINE__, #cond, \
-              kiln_last_error_message());                                                 \
-      failures++;                                                                         \
-    }                                                                                     \
-  } while (0)
+#include "check.h"
 
 static kiln_device cpu, gpu;
 

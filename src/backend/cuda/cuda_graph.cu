@@ -37,45 +37,45 @@ void graph_shape(cudaGraph_t g, int *nodes, int *depth) {
     return;
   }
   try {
-  std::vector<cudaGraphNode_t> all(n), from(ne), to(ne);
+    std::vector<cudaGraphNode_t> all(n), from(ne), to(ne);
 #if CUDART_VERSION >= 13000
-  cudaError_t e = cudaGraphGetEdges(g, from.data(), to.data(), NULL, &ne);
+    cudaError_t e = cudaGraphGetEdges(g, from.data(), to.data(), NULL, &ne);
 #else
-  cudaError_t e = cudaGraphGetEdges(g, from.data(), to.data(), &ne);
+    cudaError_t e = cudaGraphGetEdges(g, from.data(), to.data(), &ne);
 #endif
-  if (cudaGraphGetNodes(g, all.data(), &n) != cudaSuccess || e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;
-  }
-  /* longest path, nodes taken in a topological order (Kahn) */
-  std::unordered_map<cudaGraphNode_t, int> idx;
-  for (size_t i = 0; i < n; i++) idx[all[i]] = (int)i;
-  std::vector<std::vector<int>> out(n);
-  /* an empty node is no work: it does not count */
-  std::vector<int> indeg(n, 0), weight(n, 1), len(n), ready;
-  for (size_t i = 0; i < n; i++) {
-    cudaGraphNodeType type;
-    if (cudaGraphNodeGetType(all[i], &type) == cudaSuccess && type == cudaGraphNodeTypeEmpty) weight[i] = 0;
-    len[i] = weight[i]; /* the longest path that ends at node i */
-  }
-  for (size_t i = 0; i < ne; i++) {
-    out[idx[from[i]]].push_back(idx[to[i]]);
-    indeg[idx[to[i]]]++;
-  }
-  for (size_t i = 0; i < n; i++)
-    if (!indeg[i]) ready.push_back((int)i);
-  int best = 0;
-  while (!ready.empty()) {
-    int u = ready.back();
-    ready.pop_back();
-    best = len[u] > best ? len[u] : best;
-    for (int v : out[u]) {
-      if (len[v] < len[u] + weight[v]) len[v] = len[u] + weight[v];
-      if (--indeg[v] == 0) ready.push_back(v);
+    if (cudaGraphGetNodes(g, all.data(), &n) != cudaSuccess || e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
     }
-  }
-  *nodes = (int)n;
-  *depth = best;
+    /* longest path, nodes taken in a topological order (Kahn) */
+    std::unordered_map<cudaGraphNode_t, int> idx;
+    for (size_t i = 0; i < n; i++) idx[all[i]] = (int)i;
+    std::vector<std::vector<int>> out(n);
+    /* an empty node is no work: it does not count */
+    std::vector<int> indeg(n, 0), weight(n, 1), len(n), ready;
+    for (size_t i = 0; i < n; i++) {
+      cudaGraphNodeType type;
+      if (cudaGraphNodeGetType(all[i], &type) == cudaSuccess && type == cudaGraphNodeTypeEmpty) weight[i] = 0;
+      len[i] = weight[i]; /* the longest path that ends at node i */
+    }
+    for (size_t i = 0; i < ne; i++) {
+      out[idx[from[i]]].push_back(idx[to[i]]);
+      indeg[idx[to[i]]]++;
+    }
+    for (size_t i = 0; i < n; i++)
+      if (!indeg[i]) ready.push_back((int)i);
+    int best = 0;
+    while (!ready.empty()) {
+      int u = ready.back();
+      ready.pop_back();
+      best = len[u] > best ? len[u] : best;
+      for (int v : out[u]) {
+        if (len[v] < len[u] + weight[v]) len[v] = len[u] + weight[v];
+        if (--indeg[v] == 0) ready.push_back(v);
+      }
+    }
+    *nodes = (int)n;
+    *depth = best;
   } catch (const std::bad_alloc &) { /* the shape stays unknown */
   }
 }

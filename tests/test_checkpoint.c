@@ -212,8 +212,6 @@ static void fill_for_step(kiln_module *m, int64_t step) {
   kiln_set_grad_enabled(prev);
 }
 
-/* Kill -9 a child in the middle of saving, many times: the checkpoint at the path is
-** always complete and self-consistent, and its step never goes back. */
 /* One round: a child saves step after step from last + 1 until it is killed after
 ** delay_ms; then the file must load whole, at a step no older than last (updated).
 ** Returns whether the step advanced. */
@@ -256,6 +254,8 @@ static bool kill_round(kiln_module *m, const char *path, int64_t *last, long del
   return advanced;
 }
 
+/* Kill -9 a child in the middle of saving, many times: the checkpoint at the path is
+** always complete and self-consistent, and its step never goes back. */
 static void test_kill_while_saving(void) {
   char path[512];
   in_dir("killed.ckpt", path, sizeof path);

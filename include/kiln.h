@@ -221,6 +221,9 @@ KILN_API kiln_status kiln_scope_end(void);
 KILN_API int kiln_scope_depth(void);
 /* Live tensor handles in this process (for leak tests). */
 KILN_API int64_t kiln_live_tensors(void);
+/* A number that names t's handle for the life of the process (never reused; views get
+** their own). Traces name tensors by it. 0 for NULL. */
+KILN_API int64_t kiln_tensor_id(const kiln_tensor *t);
 
 /* Accessors (t must not be NULL, except where noted). */
 KILN_API int kiln_ndim(const kiln_tensor *t);
@@ -518,6 +521,105 @@ KILN_API bool kiln_set_grad_enabled(bool on);
 KILN_API bool kiln_grad_enabled(void);
 /* The name of the op that made t ("mul", "matmul", ...), or NULL for a leaf. */
 KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
+
+/* --------------------------------------------------------------------------------------
+** Custom autograd functions (torch.autograd.Function): an op written by the program as a
+** forward and a backward in C. forward runs with grad mode off and makes n_out outputs
+** from the inputs with any kiln ops; when grad mode is on and an input requires grad, the
+** outputs get one node whose backward is the program's. backward receives the gradient
+** of each output (NULL where none reached it) and writes a new tensor, or NULL, for each
+** input (kiln_function_grad_needed says which are wanted); the tensors it makes belong to
+** a scope the engine closes, so it need not free them. Saved tensors are kept by the
+** node until the graph is freed.
+**
+**   static kiln_status sq_fwd(kiln_function_ctx *c, int n_in, kiln_tensor *const *x,
+**                             int n_out, kiln_tensor **y) {
+**     kiln_function_save(c, x[0]);
+**     y[0] = kiln_mul(x[0], x[0]);
+**     return y[0] ? KILN_OK : kiln_last_error();
+**   }
+**   static kiln_status sq_bwd(kiln_function_ctx *c, int n_out, kiln_tensor *const *gy,
+**                             int n_in, kiln_tensor **gx) {
+**     gx[0] = kiln_mul(gy[0], kiln_mul_scalar(kiln_function_saved(c, 0), 2.0));
+**     return gx[0] ? KILN_OK : kiln_last_error();
+**   }
+**   static const kiln_function square = {"square", sq_fwd, sq_bwd};
+**   kiln_tensor *y;
+**   kiln_function_apply(&square, NULL, NULL, 1, &x, 1, &y);
+*/
+typedef struct kiln_function_ctx kiln_function_ctx;
+typedef struct kiln_function {
+  const char *name; /* shown as the grad_fn name and in traces */
+  kiln_status (*forward)(kiln_function_ctx *ctx, int n_in, kiln_tensor *const *inputs, int n_out,
+                         kiln_tensor **outputs);
+  kiln_status (*backward)(kiln_function_ctx *ctx, int n_out, kiln_tensor *const *grad_outputs, int n_in,
+                          kiln_tensor **grad_inputs);
+} kiln_function;
+/* Runs fn on n_in inputs (none NULL) into n_out outputs (1..8), owned by the current
+** scope. state is handed to both functions (kiln_function_state) and, when state_free is
+** given, freed with the node (or at once when no node is made). Errors: whatever forward
+** returns; KILN_ERR_INVALID_ARGUMENT for bad counts or an output forward left NULL. */
+KILN_API kiln_status kiln_function_apply(const kiln_function *fn, void *state, void (*state_free)(void *),
+                                         int n_in, kiln_tensor *const *inputs, int n_out,
+                                         kiln_tensor **outputs);
+/* In forward: keeps t for backward (appended; index = order of the calls, from 0). */
+KILN_API kiln_status kiln_function_save(kiln_function_ctx *ctx, kiln_tensor *t);
+/* In backward: saved tensor k (borrowed), NULL when out of range. */
+KILN_API kiln_tensor *kiln_function_saved(kiln_function_ctx *ctx, int k);
+KILN_API void *kiln_function_state(kiln_function_ctx *ctx);
+/* In backward: whether input k needs a gradient. */
+KILN_API bool kiln_function_grad_needed(kiln_function_ctx *ctx, int k);
+
+/* --------------------------------------------------------------------------------------
+** Traces: the ops a forward pass runs, in order, each with its name, named attributes and
+** the ids (kiln_tensor_id) of its inputs and outputs — what an exporter needs. Only the
+** ops the program calls are recorded, not the ops they are made of, and nothing a
+** backward runs. Tensors that no recorded op made (parameters, the batch) are the
+** trace's inputs. Recording is per thread; traces nest (the inner one records too).
+**
+**   kiln_trace *tr = kiln_trace_begin();
+**   kiln_tensor *y = kiln_nn_forward(model, x);
+**   kiln_trace_end(tr);
+**   kiln_trace_print(tr, stdout);     // 0: linear(%1, %2, %3) -> %4 ...
+**   kiln_trace_free(tr);
+*/
+typedef enum kiln_attr_type {
+  KILN_ATTR_INT,    /* i */
+  KILN_ATTR_FLOAT,  /* f */
+  KILN_ATTR_BOOL,   /* i (0 or 1) */
+  KILN_ATTR_INTS,   /* n values at ints */
+  KILN_ATTR_DTYPE,  /* i (a kiln_dtype), s its name */
+  KILN_ATTR_STRING  /* s (enums by name, devices as "cuda:0") */
+} kiln_attr_type;
+typedef struct kiln_attr {
+  const char *name;
+  kiln_attr_type type;
+  int64_t i;
+  double f;
+  int n;
+  const int64_t *ints;
+  const char *s;
+} kiln_attr;
+typedef struct kiln_trace_op {
+  const char *name;         /* "linear", "relu", ...; a custom function's own name */
+  int n_inputs;
+  const int64_t *inputs;    /* tensor ids; 0 for an absent optional input (a bias) */
+  int n_outputs;
+  const int64_t *outputs;
+  int n_attrs;
+  const kiln_attr *attrs;
+} kiln_trace_op;
+typedef struct kiln_trace kiln_trace;
+/* Starts recording on this thread. NULL on OOM. */
+KILN_API kiln_trace *kiln_trace_begin(void);
+/* Stops recording into tr (the innermost trace must end first: KILN_ERR_STATE). */
+KILN_API kiln_status kiln_trace_end(kiln_trace *tr);
+KILN_API int kiln_trace_count(const kiln_trace *tr);
+/* Op i (borrowed from tr), NULL when out of range. */
+KILN_API const kiln_trace_op *kiln_trace_get(const kiln_trace *tr, int i);
+/* One line per op: "3: linear(%5, %2, %3) -> %6" with its attributes. */
+KILN_API kiln_status kiln_trace_print(const kiln_trace *tr, FILE *f);
+KILN_API void kiln_trace_free(kiln_trace *tr); /* NULL is a no-op; ends it if recording */
 
 /* --------------------------------------------------------------------------------------
 ** RNG: Philox 4x32-10, counter-based. A generator is a (seed, offset) pair; each op

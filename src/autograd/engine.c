@@ -4,9 +4,8 @@
 ** each node's rule with the gradient of its output and routing the results to the nodes
 ** of its inputs or, for leaves, into their .grad.
 **
-** Saved tensors are detached aliases (same storage, no grad_fn), so a node never owns a
-** graph through what it saved: no reference cycles, and freeing a long chain needs no
-** recursion through saved tensors.
+** Nodes (src/autograd/node.c) have any number of inputs and outputs; an edge names the
+** output of its node that the input was, and each output has its own pending gradient.
 **
 ** Unit seeds: backward from a one-element output without a gradient seeds it with ones.
 ** A node with unit_seed_ok (cross_entropy) is told "unit seed" instead (grad_out NULL) and
@@ -22,6 +21,9 @@
 #include <string.h>
 
 static _Thread_local bool grad_disabled; /* default: grad mode on */
+static _Thread_local int backward_depth;
+
+bool kiln__in_backward(void) { return backward_depth > 0; }
 
 bool kiln_set_grad_enabled(bool on) {
   bool prev = !grad_disabled;
@@ -36,88 +38,6 @@ bool kiln__needs_grad(int n, kiln_tensor *const *ts) {
   for (int i = 0; i < n; i++)
     if (ts[i] && ts[i]->requires_grad) return true;
   return false;
-}
-
-/* ---- nodes ---- */
-kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward_fn fn, int n_in,
-                              kiln_tensor *const *ins) {
-  KILN__ASSERT(n_in >= 0 && n_in <= KILN__NODE_MAX_IN);
-  kiln__node *n = calloc(1, sizeof *n);
-  if (!n) {
-    kiln_set_error(KILN_ERR_OOM, "kiln: out of host memory for an autograd node (%s)", name);
-    return NULL;
-  }
-  atomic_init(&n->refcount, 1);
-  n->name = name;
-  n->backward = fn;
-  n->n_in = n_in;
-  for (int i = 0; i < n_in; i++) {
-    kiln_tensor *t = ins[i];
-    if (!t) continue;
-    n->in_ndim[i] = t->ndim;
-    memcpy(n->in_shape[i], t->shape, sizeof n->in_shape[i]);
-    n->in_dtype[i] = t->dtype;
-    n->needs[i] = t->requires_grad;
-    if (!t->requires_grad) continue;
-    if (t->grad_fn) {
-      atomic_fetch_add_explicit(&t->grad_fn->refcount, 1, memory_order_relaxed);
-      n->next[i].node = t->grad_fn;
-    } else {
-      n->next[i].leaf = kiln_tensor_ref(t);
-    }
-  }
-  n->out_ndim = out->ndim;
-  memcpy(n->out_shape, out->shape, sizeof n->out_shape);
-  n->out_dtype = out->dtype;
-  n->out_device = kiln_device_of(out);
-  n->out_weak = out;
-  if (out->grad_fn) kiln__node_release(out->grad_fn);
-  out->grad_fn = n;
-  out->requires_grad = true;
-  return n;
-}
-
-void kiln__node_save(kiln__node *n, int k, kiln_tensor *t) {
-  KILN__ASSERT(k >= 0 && k < KILN__NODE_MAX_SAVED);
-  kiln_tensor_free(n->saved[k]);
-  n->saved[k] = t ? kiln__tensor_alias(t, false) : NULL;
-}
-
-void kiln__node_save_output(kiln__node *n, int k) {
-  KILN__ASSERT(n->out_weak != NULL);
-  kiln__node_save(n, k, n->out_weak);
-}
-
-void kiln__node_release(kiln__node *root) {
-  /* Iterative: a chain of a million nodes must not overflow the C stack. */
-  kiln__node *local[64];
-  kiln__node **stack = local;
-  int top = 0, cap = 64;
-  stack[top++] = root;
-  while (top > 0) {
-    kiln__node *n = stack[--top];
-    if (!n) continue;
-    if (atomic_fetch_sub_explicit(&n->refcount, 1, memory_order_acq_rel) != 1) continue;
-    for (int i = 0; i < n->n_in; i++) {
-      kiln_tensor_free(n->next[i].leaf);
-      if (!n->next[i].node) continue;
-      if (top == cap) {
-        int ncap = cap * 2;
-        kiln__node **ns = malloc((size_t)ncap * sizeof *ns);
-        if (!ns) kiln__abort(__FILE__, __LINE__, "out of host memory while freeing a graph");
-        memcpy(ns, stack, (size_t)top * sizeof *ns);
-        if (stack != local) free(stack);
-        stack = ns;
-        cap = ncap;
-      }
-      stack[top++] = n->next[i].node;
-    }
-    for (int k = 0; k < KILN__NODE_MAX_SAVED; k++) kiln_tensor_free(n->saved[k]);
-    kiln_tensor_free(n->grad_acc);
-    if (n->out_weak && n->out_weak->grad_fn == n) n->out_weak->grad_fn = NULL;
-    free(n);
-  }
-  if (stack != local) free(stack);
 }
 
 /* ---- tensor-level autograd API ---- */
@@ -244,7 +164,8 @@ static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g, bool shown) {
 
 /* A node's pending gradient: an implicit unit seed already there becomes a ones tensor
 ** first, since the rule then needs the sum. */
-static kiln_status node_accumulate(kiln__node *n, kiln_tensor *g) {
+static kiln_status node_accumulate(kiln__node *n, int index, kiln_tensor *g) {
+  if (index > 0) return accumulate(&n->grad_accs[index], g, false);
   if (n->unit_seed) {
     kiln_tensor *one = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device);
     if (!one) return kiln_last_error();
@@ -273,6 +194,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
                           capture *cap) {
   kiln_status st = KILN_OK;
   bool prev_mode = kiln_set_grad_enabled(false);
+  backward_depth++;
   kiln_scope_begin();
   nodelist all = {0}, ready = {0};
   int epoch = ++mark_epoch;
@@ -295,7 +217,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
         break;
       }
       kiln__node *rn = root->grad_fn;
-      if (rn && rn->unit_seed_ok && rn->visit_mark != epoch) { /* its first gradient: no ones */
+      if (rn && rn->unit_seed_ok && root->grad_fn_index == 0 && rn->visit_mark != epoch) { /* its first gradient: no ones */
         if (!push(&all, rn)) {
           st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
           break;
@@ -327,7 +249,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
       continue;
     }
     kiln__node *n = root->grad_fn;
-    st = node_accumulate(n, g);
+    st = node_accumulate(n, root->grad_fn_index, g);
     if (st == KILN_OK && n->visit_mark != epoch) {
       n->visit_mark = epoch;
       n->deps = 0;
@@ -360,47 +282,76 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     if (all.v[i]->deps == 0 && !push(&ready, all.v[i]))
       st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
   /* Run. */
+  kiln_tensor *gi_local[8], **gi_buf = gi_local;
+  int gi_cap = 8;
   while (ready.n > 0 && st == KILN_OK) {
     kiln__node *n = ready.v[--ready.n];
     kiln_tensor *g = n->grad_acc; /* NULL: reached, but no gradient flowed into it */
     bool unit = n->unit_seed;     /* or the implicit unit seed, with no tensor */
+    bool any_other = false;       /* a gradient reached an output other than 0 */
     n->grad_acc = NULL;
     n->unit_seed = false;
+    for (int k = 1; k < n->n_out; k++) {
+      n->grad_outs[k] = n->grad_accs[k];
+      n->grad_accs[k] = NULL;
+      any_other = any_other || n->grad_outs[k];
+    }
     kiln_scope_begin();
     /* Does a user see this node's gradient (captured, or retained)? A unit seed is made
     ** into a ones tensor only then. No gradient at all: nothing to compute; the edges
     ** below still release their dependencies. */
     bool show = !cap->grads && n->out_weak && n->out_weak->retains_grad;
-    for (int c = 0; cap->grads && c < cap->n; c++) show = show || cap->inputs[c]->grad_fn == n;
+    for (int c = 0; cap->grads && c < cap->n; c++)
+      show = show || (cap->inputs[c]->grad_fn == n && cap->inputs[c]->grad_fn_index == 0);
     kiln_tensor *shown = g;
     if (show && unit && !(shown = kiln_ones(n->out_ndim, n->out_shape, n->out_dtype, n->out_device)))
       st = kiln_last_error();
     if (show && shown && st == KILN_OK) {
       if (!cap->grads) st = accumulate(&n->out_weak->grad, shown, true);
       for (int c = 0; cap->grads && c < cap->n && st == KILN_OK; c++)
-        if (cap->inputs[c]->grad_fn == n) st = accumulate(&cap->grads[c], shown, true);
+        if (cap->inputs[c]->grad_fn == n && cap->inputs[c]->grad_fn_index == 0)
+          st = accumulate(&cap->grads[c], shown, true);
     }
-    kiln_tensor *gi[KILN__NODE_MAX_IN] = {0};
-    if (st == KILN_OK && (g || unit)) {
+    for (int k = 1; k < n->n_out && st == KILN_OK; k++) { /* the other outputs' gradients */
+      kiln_tensor *gk = n->grad_outs[k], *ok = n->outs_weak[k];
+      if (!gk) continue;
+      if (!cap->grads && ok && ok->retains_grad) st = accumulate(&ok->grad, gk, true);
+      for (int c = 0; cap->grads && c < cap->n && st == KILN_OK; c++)
+        if (cap->inputs[c]->grad_fn == n && cap->inputs[c]->grad_fn_index == k)
+          st = accumulate(&cap->grads[c], gk, true);
+    }
+    if (n->n_in > gi_cap && st == KILN_OK) {
+      kiln_tensor **nb = realloc(gi_buf == gi_local ? NULL : gi_buf, (size_t)n->n_in * sizeof *nb);
+      if (!nb) {
+        st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
+      } else {
+        gi_buf = nb;
+        gi_cap = n->n_in;
+      }
+    }
+    kiln_tensor **gi = gi_buf;
+    for (int k = 0; k < n->n_in && k < gi_cap; k++) gi[k] = NULL;
+    if (st == KILN_OK && (g || unit || any_other)) {
       st = n->backward(n, g, gi);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
     }
     for (int k = 0; k < n->n_in; k++) {
-      if (st == KILN_OK && gi[k] && n->needs[k]) {
+      kiln_tensor *gk = k < gi_cap ? gi[k] : NULL;
+      if (st == KILN_OK && gk && n->needs[k]) {
         if (n->next[k].leaf) {
           kiln_tensor *leaf = n->next[k].leaf;
           if (cap->grads) {
             int ci = capture_index_leaf(cap, leaf);
-            if (ci >= 0) st = accumulate(&cap->grads[ci], gi[k], true);
+            if (ci >= 0) st = accumulate(&cap->grads[ci], gk, true);
           } else {
-            st = accumulate(&leaf->grad, gi[k], true);
+            st = accumulate(&leaf->grad, gk, true);
           }
         } else if (n->next[k].node) {
-          st = node_accumulate(n->next[k].node, gi[k]);
+          st = node_accumulate(n->next[k].node, n->next[k].index, gk);
         }
       }
-      kiln_tensor_free(gi[k]);
+      kiln_tensor_free(gk);
       kiln_tensor *hl = n->next[k].leaf;
       if (st == KILN_OK && hl && hl->hook && hl->hook_epoch == epoch && --hl->hook_pending == 0 && !cap->grads)
         hl->hook(hl, hl->hook_ctx);
@@ -409,17 +360,28 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
         st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
     }
     kiln_tensor_free(g);
+    for (int k = 1; k < n->n_out; k++) {
+      kiln_tensor_free(n->grad_outs[k]);
+      n->grad_outs[k] = NULL;
+    }
     kiln_scope_end();
   }
+  if (gi_buf != gi_local) free(gi_buf);
   /* On error, drop partial accumulations so a later backward starts clean. */
   for (int i = 0; i < all.n; i++) {
-    kiln_tensor_free(all.v[i]->grad_acc);
-    all.v[i]->grad_acc = NULL;
-    all.v[i]->unit_seed = false;
+    kiln__node *n = all.v[i];
+    kiln_tensor_free(n->grad_acc);
+    n->grad_acc = NULL;
+    n->unit_seed = false;
+    for (int k = 1; k < n->n_out; k++) {
+      kiln_tensor_free(n->grad_accs[k]);
+      n->grad_accs[k] = NULL;
+    }
   }
   free(all.v);
   free(ready.v);
   kiln_scope_end();
+  backward_depth--;
   kiln_set_grad_enabled(prev_mode);
   return st;
 }

@@ -47,48 +47,58 @@ void kiln__storage_release(kiln__storage *s);
 
 /* ---- autograd node ---- */
 struct kiln__node;
+struct kiln__op;
 /* Computes the gradients of the node's inputs from the gradient of its output.
 ** grad_in[i] must be set to a new reference or NULL (no gradient / input does not need
 ** it); the engine owns what it receives. Returns KILN_OK or an error code. grad_out is
 ** NULL only for a node with unit_seed_ok, when its gradient is the implicit all-ones seed
-** of a backward from its one-element output (no ones tensor is made). */
+** of a backward from its one-element output (no ones tensor is made). A node of several
+** outputs gets output 0's gradient as grad_out and the others in n->grad_outs[k] (NULL
+** where no gradient reached that output). */
 typedef kiln_status (*kiln__backward_fn)(struct kiln__node *n, kiln_tensor *grad_out,
                                          kiln_tensor **grad_in);
-
-#define KILN__NODE_MAX_IN 4
-#define KILN__NODE_MAX_SAVED 4
 
 typedef struct kiln__edge {
   struct kiln__node *node; /* the input's grad_fn (ref held), or NULL */
   kiln_tensor *leaf;       /* the input itself when it is a leaf needing grad (ref held) */
+  int index;               /* which output of node the input is */
 } kiln__edge;
 
+/* A node of any arity: the arrays below point into the node's own allocation (one
+** malloc per node), sized when it is made. */
 typedef struct kiln__node {
   atomic_int refcount;
   const char *name;
+  const struct kiln__op *op; /* the op that made it; NULL for custom functions */
   kiln__backward_fn backward;
-  int n_in;
-  kiln__edge next[KILN__NODE_MAX_IN];
-  bool needs[KILN__NODE_MAX_IN]; /* which inputs need a gradient */
-  /* input metadata the rules often need (shape for un-broadcasting, dtype, device) */
-  int in_ndim[KILN__NODE_MAX_IN];
-  int64_t in_shape[KILN__NODE_MAX_IN][KILN_MAX_DIMS];
-  kiln_dtype in_dtype[KILN__NODE_MAX_IN];
-  /* output metadata */
+  int n_in, n_out, n_saved;
+  kiln__edge *next; /* [n_in] */
+  bool *needs;      /* [n_in] which inputs need a gradient */
+  /* input metadata the rules often need (shape for un-broadcasting, dtype) */
+  int *in_ndim;                      /* [n_in] */
+  int64_t (*in_shape)[KILN_MAX_DIMS]; /* [n_in] */
+  kiln_dtype *in_dtype;              /* [n_in] */
+  /* output 0's metadata (the unit seed and retained gradients use it) */
   int out_ndim;
   int64_t out_shape[KILN_MAX_DIMS];
   kiln_dtype out_dtype;
   kiln_device out_device;
-  kiln_tensor *saved[KILN__NODE_MAX_SAVED]; /* refs held; released with the node */
+  kiln_tensor **saved; /* [n_saved] refs held; released with the node */
+  void *attrs;         /* a copy of the op's attribute record (NULL when it has none) */
+  void *state;         /* custom functions: the caller's state, freed by state_free */
+  void (*state_free)(void *state);
   bool unit_seed_ok; /* the rule takes grad_out NULL for an implicit unit seed (see above) */
   double s[4];
   int64_t i[KILN_MAX_DIMS + 4];
-  /* the output tensor (weak: cleared when that handle dies); used for retain_grad and
-  ** kiln__node_save_output */
+  /* the output tensors (weak: cleared when a handle dies); used for retain_grad and
+  ** kiln__node_save_output. out_weak is output 0's. */
   kiln_tensor *out_weak;
+  kiln_tensor **outs_weak; /* [n_out], outs_weak[0] unused (out_weak) */
   /* engine scratch */
   int deps;
-  kiln_tensor *grad_acc;
+  kiln_tensor *grad_acc;    /* output 0's pending gradient */
+  kiln_tensor **grad_accs;  /* [n_out] the other outputs' ([0] unused) */
+  kiln_tensor **grad_outs;  /* [n_out] during the rule: the gradients of outputs 1.. */
   bool unit_seed; /* the pending gradient is the implicit unit seed (grad_acc NULL) */
   int visit_mark;
 } kiln__node;
@@ -108,6 +118,8 @@ struct kiln_tensor {
   bool retains_grad;
   kiln_tensor *grad; /* ref held */
   kiln__node *grad_fn; /* ref held */
+  int grad_fn_index;   /* which output of grad_fn this tensor is */
+  int64_t id;          /* unique in the process (traces name tensors by it) */
   int scope_refs; /* how many references scopes hold on this handle */
   /* grad-ready hook (kiln_set_grad_ready_hook): edges still to come in this backward */
   kiln_grad_hook hook;
@@ -163,9 +175,6 @@ int64_t kiln__dispatch_count(void);
 /* Test hook: a device graph's node count and its longest chain of dependent nodes (-1
 ** for a CPU graph or when unknown). */
 void kiln__graph_shape(const kiln_graph *g, int *nodes, int *depth);
-/* Copies t into a new contiguous tensor of dtype dt on dev, recording autograd as `name`
-** (clone, to_dtype, to_device). */
-kiln_tensor *kiln__copy_as(kiln_tensor *t, kiln_dtype dt, kiln_device dev, const char *name);
 /* One element at p as double. */
 double kiln__load_double(const void *p, kiln_dtype dt);
 /* Checks that all non-NULL tensors are on one device; sets KILN_ERR_DEVICE naming op. */
@@ -185,13 +194,20 @@ float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k);
 double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
 
 /* ---- autograd (src/autograd/) ---- */
+/* Whether the calling thread is running a backward (engine.c). */
+bool kiln__in_backward(void);
 /* True when grad mode is on and any of the tensors requires grad. */
 bool kiln__needs_grad(int n, kiln_tensor *const *ts);
-/* Makes a node for out with inputs ins (NULL entries allowed), sets out->grad_fn and
-** out->requires_grad. Saved tensors / scalars are filled by the caller after. Returns the
-** node (owned by out) or NULL on OOM. */
+/* Makes a node for out with inputs ins (NULL entries allowed) and room for 4 saved
+** tensors, sets out->grad_fn and out->requires_grad. Saved tensors / scalars are filled by
+** the caller after. Returns the node (owned by out) or NULL on OOM. */
 kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward_fn fn, int n_in,
                               kiln_tensor *const *ins);
+/* The general form: n_out outputs (each gets grad_fn = the node, grad_fn_index = k),
+** n_saved slots, and attr_size bytes of attrs copied into the node. */
+kiln__node *kiln__node_make(int n_out, kiln_tensor *const *outs, const char *name, kiln__backward_fn fn,
+                            int n_in, kiln_tensor *const *ins, int n_saved, const void *attrs,
+                            size_t attr_size);
 /* Saves t in slot k of n (takes a reference; t may be NULL). */
 void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
 /* Saves the node's own output in slot k without a reference cycle: stores a detached

@@ -8,6 +8,7 @@
 #include <string.h>
 
 static atomic_llong live_tensors;
+static atomic_llong next_id;
 
 int64_t kiln_live_tensors(void) { return atomic_load(&live_tensors); }
 
@@ -99,6 +100,7 @@ kiln_tensor *kiln__tensor_make(kiln__storage *s, int64_t offset, int ndim, const
   else
     kiln__contiguous_strides(ndim, t->shape, t->strides);
   t->dtype = dt;
+  t->id = atomic_fetch_add_explicit(&next_id, 1, memory_order_relaxed) + 1;
   atomic_fetch_add_explicit(&live_tensors, 1, memory_order_relaxed);
   return kiln__scope_track(t);
 }
@@ -122,8 +124,10 @@ void kiln_tensor_free(kiln_tensor *t) {
   if (!t) return;
   if (atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1) return;
   if (t->grad_fn) {
-    if (t->grad_fn->out_weak == t) t->grad_fn->out_weak = NULL;
-    kiln__node_release(t->grad_fn);
+    kiln__node *n = t->grad_fn;
+    if (n->out_weak == t) n->out_weak = NULL;
+    if (t->grad_fn_index > 0 && n->outs_weak[t->grad_fn_index] == t) n->outs_weak[t->grad_fn_index] = NULL;
+    kiln__node_release(n);
   }
   kiln_tensor_free(t->grad);
   kiln__storage_release(t->storage);
@@ -132,6 +136,7 @@ void kiln_tensor_free(kiln_tensor *t) {
 }
 
 /* ---- accessors ---- */
+int64_t kiln_tensor_id(const kiln_tensor *t) { return t ? t->id : 0; }
 int kiln_ndim(const kiln_tensor *t) { return t ? t->ndim : -1; }
 int64_t kiln_size(const kiln_tensor *t, int dim) {
   if (!t) return -1;
@@ -484,32 +489,6 @@ void *kiln_data_ptr(kiln_tensor *t) {
 }
 
 /* ---- conversion and movement ---- */
-kiln_tensor *kiln_contiguous(kiln_tensor *t) {
-  if (!t) return NULL;
-  if (kiln_is_contiguous(t)) return kiln__scope_track(kiln_tensor_ref(t));
-  return kiln_clone(t);
-}
-
-kiln_tensor *kiln_to_dtype(kiln_tensor *t, kiln_dtype dt) {
-  if (!t) return NULL;
-  if ((int)dt < 0 || dt >= KILN_DTYPE__COUNT)
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_to_dtype: invalid dtype %d", (int)dt);
-  if (dt == t->dtype) return kiln__scope_track(kiln_tensor_ref(t));
-  return kiln__copy_as(t, dt, kiln_device_of(t), "to_dtype");
-}
-
-kiln_tensor *kiln_clone(kiln_tensor *t) {
-  if (!t) return NULL;
-  return kiln__copy_as(t, t->dtype, kiln_device_of(t), "clone");
-}
-
-kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev) {
-  if (!t) return NULL;
-  if (kiln_device_equal(dev, kiln_device_of(t))) return kiln__scope_track(kiln_tensor_ref(t));
-  if (kiln__check_device(dev, "kiln_to_device") != KILN_OK) return NULL;
-  return kiln__copy_as(t, t->dtype, dev, "to_device");
-}
-
 /* n tensors in one transfer: packed (each at a 256-byte offset) into one host buffer, one
 ** copy into one device block, and each result a view of its part. A transfer costs the
 ** host several microseconds whatever its size, and a batch has several fields. */
@@ -651,6 +630,7 @@ kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track) {
   memcpy(a->shape, t->shape, sizeof a->shape);
   memcpy(a->strides, t->strides, sizeof a->strides);
   a->dtype = t->dtype;
+  a->id = atomic_fetch_add_explicit(&next_id, 1, memory_order_relaxed) + 1;
   atomic_fetch_add_explicit(&live_tensors, 1, memory_order_relaxed);
   return track ? kiln__scope_track(a) : a;
 }

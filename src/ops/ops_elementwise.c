@@ -1,88 +1,59 @@
 /*
 ** Elementwise ops: broadcasting binary arithmetic, comparisons, where, unary math,
 ** activations, copies between dtypes and devices, and the in-place updates optimizers
-** use. Each differentiable op records a node whose rule is written with other ops.
+** use. Each is a descriptor on the one call path (op.h); differentiable ones have a
+** backward rule written with other ops.
 */
-#include "core/kiln_int.h"
+#include "ops/op.h"
 
 #include <math.h>
 #include <string.h>
 
-/* ---- helpers ---- */
-static kiln_status broadcast_shape(const char *op, const kiln_tensor *a, const kiln_tensor *b,
-                                   int *ndim, int64_t *shape) {
-  int n = a->ndim > b->ndim ? a->ndim : b->ndim;
-  for (int i = 0; i < n; i++) {
-    int ia = i - (n - a->ndim), ib = i - (n - b->ndim);
-    int64_t sa = ia >= 0 ? a->shape[ia] : 1, sb = ib >= 0 ? b->shape[ib] : 1;
-    if (sa != sb && sa != 1 && sb != 1)
-      return kiln_set_error(KILN_ERR_SHAPE,
-                            "%s: shapes %s and %s cannot be broadcast (dim %d: %lld vs %lld)", op,
-                            kiln__tshape(a), kiln__tshape(b), i, (long long)sa, (long long)sb);
-    shape[i] = sa == 1 ? sb : sa;
-  }
-  *ndim = n;
+/* ---- binary ---- */
+/* add and axpy scale their second input (axpy: a + alpha*b); the others take no
+** attribute. */
+typedef struct attrs_alpha {
+  double alpha;
+} attrs_alpha;
+static const kiln__attr_field alpha_fields[] = {KILN__FIELD(attrs_alpha, alpha, KILN__A_FLOAT)};
+
+static bool is_cmp(kiln__kop k) { return k >= KILN__K_EQ && k <= KILN__K_GE; }
+
+static kiln_status binary_infer(kiln__op_ctx *c) {
+  kiln_tensor *a = c->in[0], *b = c->in[1];
+  kiln__kop kop = c->op->kernels[0];
+  int nd;
+  int64_t shape[KILN_MAX_DIMS];
+  if (kiln__broadcast_shape(c->op->api, a, b, &nd, shape) != KILN_OK) return kiln_last_error();
+  kiln_dtype ct = kiln_dtype_promote(a->dtype, b->dtype);
+  if ((kop == KILN__K_POW || kop == KILN__K_DIV) && ct == KILN_BOOL) ct = KILN_I64;
+  if (kop == KILN__K_SUB && ct == KILN_BOOL)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: subtraction of bool tensors is not supported", c->op->api);
+  c->scratch[0] = (uint64_t)ct;
+  kiln__op_meta(c, 0, nd, shape, is_cmp(kop) ? KILN_BOOL : ct);
+  c->differentiable = c->differentiable && kiln_dtype_is_float(ct);
   return KILN_OK;
 }
 
-/* t itself when it already has dtype dt, else a converted copy (no autograd: callers
-** record their own node on the original inputs). */
-static kiln_tensor *as_dtype_nograd(kiln_tensor *t, kiln_dtype dt) {
-  if (t->dtype == dt) return t;
-  bool prev = kiln_set_grad_enabled(false);
-  kiln_tensor *c = kiln_to_dtype(t, dt);
-  kiln_set_grad_enabled(prev);
-  return c;
-}
-
-static kiln_status run(kiln_tensor *out, kiln__kargs *a) {
-  a->n_out = a->n_out ? a->n_out : 1;
-  a->out[0] = kiln__view_of(out);
-  if (kiln_numel(out) == 0) return KILN_OK;
-  return kiln__dispatch(kiln_device_of(out), a);
-}
-
-static kiln_tensor *fail_discard(kiln_tensor *out) {
-  kiln__discard(out);
-  return NULL;
-}
-
-/* ---- binary ---- */
-typedef enum { BIN_ARITH, BIN_CMP } bin_kind;
-
-static kiln_tensor *binary(const char *name, kiln__kop op, kiln_tensor *a, kiln_tensor *b, double alpha,
-                           bin_kind kind, kiln__backward_fn bw) {
-  if (!a || !b) return NULL;
-  kiln_tensor *ab[2] = {a, b};
-  if (kiln__same_device(name, 2, ab) != KILN_OK) return NULL;
-  int nd;
-  int64_t shape[KILN_MAX_DIMS];
-  if (broadcast_shape(name, a, b, &nd, shape) != KILN_OK) return NULL;
-  kiln_dtype ct = kiln_dtype_promote(a->dtype, b->dtype);
-  if ((op == KILN__K_POW || op == KILN__K_DIV) && ct == KILN_BOOL) ct = KILN_I64;
-  if (op == KILN__K_SUB && ct == KILN_BOOL)
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "%s: subtraction of bool tensors is not supported", name);
-  kiln_dtype odt = kind == BIN_CMP ? KILN_BOOL : ct;
-  kiln_tensor *ca = as_dtype_nograd(a, ct), *cb = as_dtype_nograd(b, ct);
-  if (!ca || !cb) return NULL;
-  kiln_tensor *out = kiln__tensor_new(nd, shape, odt, kiln_device_of(a));
-  if (!out) return NULL;
+static kiln_status binary_forward(kiln__op_ctx *c) {
+  kiln_dtype ct = (kiln_dtype)c->scratch[0];
+  kiln_tensor *out = c->out[0];
+  kiln_tensor *ca = c->tmp[0] = kiln__as_dtype_nograd(c->in[0], ct);
+  kiln_tensor *cb = c->tmp[1] = kiln__as_dtype_nograd(c->in[1], ct);
+  if (!ca || !cb) return kiln_last_error();
   kiln__kargs k = {0};
-  k.op = op;
+  k.op = c->op->kernels[0];
   k.n_in = 2;
-  k.in[0] = kiln__view_broadcast(ca, nd, shape);
-  k.in[1] = kiln__view_broadcast(cb, nd, shape);
-  k.s[0] = alpha;
-  if (run(out, &k) != KILN_OK) return fail_discard(out);
-  if (bw && kind == BIN_ARITH && kiln_dtype_is_float(ct) && kiln__needs_grad(2, ab)) {
-    kiln__node *n = kiln__node_attach(out, name + 5 /* skip "kiln_" */, bw, 2, ab);
-    if (!n) return fail_discard(out);
-    kiln__node_save(n, 0, ca);
-    kiln__node_save(n, 1, cb);
-    n->s[0] = alpha;
-    if (op == KILN__K_POW) kiln__node_save_output(n, 2);
-  }
-  return out;
+  k.in[0] = kiln__view_broadcast(ca, out->ndim, out->shape);
+  k.in[1] = kiln__view_broadcast(cb, out->ndim, out->shape);
+  k.s[0] = c->attrs ? ((const attrs_alpha *)c->attrs)->alpha : 1.0;
+  return kiln__run_into(out, &k);
+}
+
+static void binary_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->tmp[0]);
+  kiln__node_save(n, 1, c->tmp[1]);
+  if (c->op->kernels[0] == KILN__K_POW) kiln__node_save_output(n, 2);
 }
 
 /* Gradient g for input k, reduced to that input's shape and cast to its dtype. */
@@ -104,7 +75,8 @@ static kiln_tensor *to_input(kiln__node *n, int k, kiln_tensor *g) {
 
 static kiln_status add_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   SET_GRAD(0, g);
-  SET_GRAD(1, n->s[0] == 1.0 ? g : kiln_mul_scalar(g, n->s[0]));
+  double alpha = n->attrs ? ((const attrs_alpha *)n->attrs)->alpha : 1.0;
+  SET_GRAD(1, alpha == 1.0 ? g : kiln_mul_scalar(g, alpha));
   return KILN_OK;
 }
 static kiln_status sub_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
@@ -147,20 +119,49 @@ static kiln_status maxmin_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, bo
 static kiln_status maximum_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) { return maxmin_bw(n, g, gi, true); }
 static kiln_status minimum_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) { return maxmin_bw(n, g, gi, false); }
 
-kiln_tensor *kiln_add(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_add", KILN__K_ADD, a, b, 1.0, BIN_ARITH, add_bw); }
-kiln_tensor *kiln_axpy(kiln_tensor *a, double alpha, kiln_tensor *b) { return binary("kiln_axpy", KILN__K_ADD, a, b, alpha, BIN_ARITH, add_bw); }
-kiln_tensor *kiln_sub(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_sub", KILN__K_SUB, a, b, 1.0, BIN_ARITH, sub_bw); }
-kiln_tensor *kiln_mul(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_mul", KILN__K_MUL, a, b, 1.0, BIN_ARITH, mul_bw); }
-kiln_tensor *kiln_div(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_div", KILN__K_DIV, a, b, 1.0, BIN_ARITH, div_bw); }
-kiln_tensor *kiln_pow(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_pow", KILN__K_POW, a, b, 1.0, BIN_ARITH, pow_bw); }
-kiln_tensor *kiln_maximum(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_maximum", KILN__K_MAXIMUM, a, b, 1.0, BIN_ARITH, maximum_bw); }
-kiln_tensor *kiln_minimum(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_minimum", KILN__K_MINIMUM, a, b, 1.0, BIN_ARITH, minimum_bw); }
-kiln_tensor *kiln_eq(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_eq", KILN__K_EQ, a, b, 1.0, BIN_CMP, NULL); }
-kiln_tensor *kiln_ne(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_ne", KILN__K_NE, a, b, 1.0, BIN_CMP, NULL); }
-kiln_tensor *kiln_lt(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_lt", KILN__K_LT, a, b, 1.0, BIN_CMP, NULL); }
-kiln_tensor *kiln_le(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_le", KILN__K_LE, a, b, 1.0, BIN_CMP, NULL); }
-kiln_tensor *kiln_gt(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_gt", KILN__K_GT, a, b, 1.0, BIN_CMP, NULL); }
-kiln_tensor *kiln_ge(kiln_tensor *a, kiln_tensor *b) { return binary("kiln_ge", KILN__K_GE, a, b, 1.0, BIN_CMP, NULL); }
+#define BINARY_OP(fname, opname, kop, bw, attr_fields, n_attr_fields, attr_sz)         \
+  static const kiln__op op_##fname = {                                                    \
+      .name = opname, .api = "kiln_" opname, .n_in = 2, .n_out = 1,                      \
+      .amp = KILN__AMP_PROMOTE, .n_kernels = 1, .kernels = {kop},                         \
+      .attrs = attr_fields, .n_attrs = n_attr_fields, .attr_size = attr_sz,               \
+      .infer = binary_infer, .forward = binary_forward, .backward = bw,                   \
+      .n_saved = 3, .save = binary_save};
+#define BINARY(fname, opname, kop, bw) BINARY_OP(fname, opname, kop, bw, NULL, 0, 0)
+
+static kiln_tensor *binary(const kiln__op *op, kiln_tensor *a, kiln_tensor *b, const attrs_alpha *at) {
+  kiln_tensor *in[2] = {a, b};
+  return kiln__op_call(op, 2, in, at, NULL);
+}
+
+BINARY(add, "add", KILN__K_ADD, add_bw)
+BINARY_OP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha))
+BINARY(sub, "sub", KILN__K_SUB, sub_bw)
+BINARY(mul, "mul", KILN__K_MUL, mul_bw)
+BINARY(div, "div", KILN__K_DIV, div_bw)
+BINARY(pow, "pow", KILN__K_POW, pow_bw)
+BINARY(maximum, "maximum", KILN__K_MAXIMUM, maximum_bw)
+BINARY(minimum, "minimum", KILN__K_MINIMUM, minimum_bw)
+BINARY(eq, "eq", KILN__K_EQ, NULL)
+BINARY(ne, "ne", KILN__K_NE, NULL)
+BINARY(lt, "lt", KILN__K_LT, NULL)
+BINARY(le, "le", KILN__K_LE, NULL)
+BINARY(gt, "gt", KILN__K_GT, NULL)
+BINARY(ge, "ge", KILN__K_GE, NULL)
+
+kiln_tensor *kiln_add(kiln_tensor *a, kiln_tensor *b) { return binary(&op_add, a, b, NULL); }
+kiln_tensor *kiln_axpy(kiln_tensor *a, double alpha, kiln_tensor *b) { return binary(&op_axpy, a, b, &(attrs_alpha){alpha}); }
+kiln_tensor *kiln_sub(kiln_tensor *a, kiln_tensor *b) { return binary(&op_sub, a, b, NULL); }
+kiln_tensor *kiln_mul(kiln_tensor *a, kiln_tensor *b) { return binary(&op_mul, a, b, NULL); }
+kiln_tensor *kiln_div(kiln_tensor *a, kiln_tensor *b) { return binary(&op_div, a, b, NULL); }
+kiln_tensor *kiln_pow(kiln_tensor *a, kiln_tensor *b) { return binary(&op_pow, a, b, NULL); }
+kiln_tensor *kiln_maximum(kiln_tensor *a, kiln_tensor *b) { return binary(&op_maximum, a, b, NULL); }
+kiln_tensor *kiln_minimum(kiln_tensor *a, kiln_tensor *b) { return binary(&op_minimum, a, b, NULL); }
+kiln_tensor *kiln_eq(kiln_tensor *a, kiln_tensor *b) { return binary(&op_eq, a, b, NULL); }
+kiln_tensor *kiln_ne(kiln_tensor *a, kiln_tensor *b) { return binary(&op_ne, a, b, NULL); }
+kiln_tensor *kiln_lt(kiln_tensor *a, kiln_tensor *b) { return binary(&op_lt, a, b, NULL); }
+kiln_tensor *kiln_le(kiln_tensor *a, kiln_tensor *b) { return binary(&op_le, a, b, NULL); }
+kiln_tensor *kiln_gt(kiln_tensor *a, kiln_tensor *b) { return binary(&op_gt, a, b, NULL); }
+kiln_tensor *kiln_ge(kiln_tensor *a, kiln_tensor *b) { return binary(&op_ge, a, b, NULL); }
 
 static kiln_tensor *cmp_scalar(kiln_tensor *a, double s, kiln_tensor *(*cmp)(kiln_tensor *, kiln_tensor *)) {
   if (!a) return NULL;
@@ -188,64 +189,78 @@ static kiln_status where_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   return KILN_OK;
 }
 
-kiln_tensor *kiln_where(kiln_tensor *cond, kiln_tensor *a, kiln_tensor *b) {
-  if (!cond || !a || !b) return NULL;
-  kiln_tensor *ts[3] = {cond, a, b};
-  if (kiln__same_device("kiln_where", 3, ts) != KILN_OK) return NULL;
+static kiln_status where_infer(kiln__op_ctx *c) {
+  kiln_tensor *cond = c->in[0], *a = c->in[1], *b = c->in[2];
   int nd1, nd;
   int64_t s1[KILN_MAX_DIMS], shape[KILN_MAX_DIMS];
-  if (broadcast_shape("kiln_where", a, b, &nd1, s1) != KILN_OK) return NULL;
-  kiln_tensor tmp; /* shape carrier for the second broadcast */
-  memset(&tmp, 0, sizeof tmp);
-  tmp.ndim = nd1;
-  memcpy(tmp.shape, s1, sizeof s1);
-  if (broadcast_shape("kiln_where", cond, &tmp, &nd, shape) != KILN_OK) return NULL;
+  if (kiln__broadcast_shape("kiln_where", a, b, &nd1, s1) != KILN_OK ||
+      kiln__broadcast_shapes("kiln_where", cond->ndim, cond->shape, nd1, s1, &nd, shape) != KILN_OK)
+    return kiln_last_error();
   kiln_dtype ct = kiln_dtype_promote(a->dtype, b->dtype);
-  kiln_tensor *ca = as_dtype_nograd(a, ct), *cb = as_dtype_nograd(b, ct);
-  if (!ca || !cb) return NULL;
-  kiln_tensor *out = kiln__tensor_new(nd, shape, ct, kiln_device_of(a));
-  if (!out) return NULL;
+  kiln__op_meta(c, 0, nd, shape, ct);
+  c->differentiable = kiln_dtype_is_float(ct);
+  return KILN_OK;
+}
+
+static kiln_status where_forward(kiln__op_ctx *c) {
+  kiln_tensor *out = c->out[0];
+  kiln_tensor *ca = kiln__as_dtype_nograd(c->in[1], out->dtype);
+  kiln_tensor *cb = kiln__as_dtype_nograd(c->in[2], out->dtype);
+  if (!ca || !cb) return kiln_last_error();
   kiln__kargs k = {0};
   k.op = KILN__K_WHERE;
   k.n_in = 3;
-  k.in[0] = kiln__view_broadcast(cond, nd, shape);
-  k.in[1] = kiln__view_broadcast(ca, nd, shape);
-  k.in[2] = kiln__view_broadcast(cb, nd, shape);
-  if (run(out, &k) != KILN_OK) return fail_discard(out);
-  kiln_tensor *ab[2] = {a, b};
-  if (kiln_dtype_is_float(ct) && kiln__needs_grad(2, ab)) {
-    kiln__node *n = kiln__node_attach(out, "where", where_bw, 3, ts);
-    if (!n) return fail_discard(out);
-    kiln__node_save(n, 0, cond);
-  }
-  return out;
+  k.in[0] = kiln__view_broadcast(c->in[0], out->ndim, out->shape);
+  k.in[1] = kiln__view_broadcast(ca, out->ndim, out->shape);
+  k.in[2] = kiln__view_broadcast(cb, out->ndim, out->shape);
+  return kiln__run_into(out, &k);
+}
+
+static void where_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->in[0]); }
+
+static const kiln__op op_where = {
+    .name = "where", .api = "kiln_where", .n_in = 3, .n_out = 1, .amp = KILN__AMP_PROMOTE,
+    .n_kernels = 1, .kernels = {KILN__K_WHERE}, .infer = where_infer, .forward = where_forward,
+    .backward = where_bw, .n_saved = 1, .save = where_save};
+
+kiln_tensor *kiln_where(kiln_tensor *cond, kiln_tensor *a, kiln_tensor *b) {
+  kiln_tensor *in[3] = {cond, a, b};
+  return kiln__op_call(&op_where, 3, in, NULL, NULL);
 }
 
 /* ---- unary ---- */
-static kiln_tensor *unary(const char *name, kiln__kop op, kiln_tensor *t, double s0, double s1,
-                          bool float_only, kiln__backward_fn bw, bool save_out) {
-  if (!t) return NULL;
-  if (float_only && !kiln_dtype_is_float(t->dtype))
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s %s", name,
-                    kiln_dtype_name(t->dtype), kiln__tshape(t));
-  kiln_tensor *out = kiln__tensor_new(t->ndim, t->shape, t->dtype, kiln_device_of(t));
-  if (!out) return NULL;
+/* Every unary op's record: up to two scalars, named per op by its field table. */
+typedef struct attrs_2f {
+  double a, b;
+} attrs_2f;
+static double attr_a(const kiln__node *n) { return n->attrs ? ((const attrs_2f *)n->attrs)->a : 0.0; }
+static double attr_b(const kiln__node *n) { return n->attrs ? ((const attrs_2f *)n->attrs)->b : 0.0; }
+
+static kiln_status unary_infer(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0];
+  if ((c->op->flags & KILN__OP_FLOAT_ONLY) && !kiln_dtype_is_float(t->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s %s", c->op->api,
+                          kiln_dtype_name(t->dtype), kiln__tshape(t));
+  kiln__op_meta_like(c, 0, t, t->dtype);
+  c->differentiable = c->differentiable && kiln_dtype_is_float(t->dtype);
+  return KILN_OK;
+}
+
+static kiln_status unary_forward(kiln__op_ctx *c) {
+  const attrs_2f *p = c->attrs;
   kiln__kargs k = {0};
-  k.op = op;
+  k.op = c->op->kernels[0];
   k.n_in = 1;
-  k.in[0] = kiln__view_of(t);
-  k.s[0] = s0;
-  k.s[1] = s1;
-  if (run(out, &k) != KILN_OK) return fail_discard(out);
-  if (bw && kiln_dtype_is_float(t->dtype) && kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, name + 5, bw, 1, &t);
-    if (!n) return fail_discard(out);
-    kiln__node_save(n, 0, t);
-    if (save_out) kiln__node_save_output(n, 1);
-    n->s[0] = s0;
-    n->s[1] = s1;
-  }
-  return out;
+  k.in[0] = kiln__view_of(c->in[0]);
+  k.s[0] = p ? p->a : 0.0;
+  k.s[1] = p ? p->b : 0.0;
+  return kiln__run_into(c->out[0], &k);
+}
+
+/* x in slot 0; ops whose rule reads the output (exp, sqrt, sigmoid, tanh) have n_saved 2 */
+static void unary_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  if (c->op->n_saved > 1) kiln__node_save_output(n, 1);
 }
 
 /* Backward through a dedicated kernel: grad_in = K(saved x or y, g). */
@@ -258,9 +273,9 @@ static kiln_status kernel_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, ki
   k.n_in = 2;
   k.in[0] = kiln__view_of(x);
   k.in[1] = kiln__view_of(g);
-  k.s[0] = n->s[0];
-  k.s[1] = n->s[1];
-  if (run(out, &k) != KILN_OK) return kiln_last_error();
+  k.s[0] = attr_a(n);
+  k.s[1] = attr_b(n);
+  if (kiln__run_into(out, &k) != KILN_OK) return kiln_last_error();
   gi[0] = kiln_keep(out);
   return KILN_OK;
 }
@@ -296,56 +311,101 @@ static kiln_status rsqrt_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *y = n->saved[1];
   SET0(kiln_mul(g, kiln_mul_scalar(kiln_mul(y, kiln_mul(y, y)), -0.5)));
 }
-static kiln_status abs_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *sg = unary("kiln_sign", KILN__K_SIGN, n->saved[0], 0, 0, false, NULL, false);
-  SET0(kiln_mul(g, sg));
-}
+static kiln_status abs_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi);
 static kiln_status pow_scalar_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  double e = n->s[0];
+  double e = attr_a(n);
   if (e == 0.0) SET0(kiln_zeros_like(g));
   SET0(kiln_mul(g, kiln_mul_scalar(kiln_pow_scalar(n->saved[0], e - 1.0), e)));
 }
 static kiln_status affine_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  SET0(n->s[0] == 1.0 ? kiln__scope_track(kiln_tensor_ref(g)) : kiln_mul_scalar(g, n->s[0]));
+  double s = attr_a(n);
+  SET0(s == 1.0 ? kiln__scope_track(kiln_tensor_ref(g)) : kiln_mul_scalar(g, s));
 }
 
-kiln_tensor *kiln_neg(kiln_tensor *t) {
-  if (t && t->dtype == KILN_BOOL) KILN__FAIL_NULL(KILN_ERR_DTYPE, "kiln_neg: negation of a bool tensor is not supported");
-  return unary("kiln_neg", KILN__K_NEG, t, 0, 0, false, neg_bw, false);
+static kiln_status neg_infer(kiln__op_ctx *c) {
+  if (c->in[0]->dtype == KILN_BOOL)
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_neg: negation of a bool tensor is not supported");
+  return unary_infer(c);
 }
-kiln_tensor *kiln_exp(kiln_tensor *t) { return unary("kiln_exp", KILN__K_EXP, t, 0, 0, true, exp_bw, true); }
-kiln_tensor *kiln_log(kiln_tensor *t) { return unary("kiln_log", KILN__K_LOG, t, 0, 0, true, log_bw, false); }
-kiln_tensor *kiln_sqrt(kiln_tensor *t) { return unary("kiln_sqrt", KILN__K_SQRT, t, 0, 0, true, sqrt_bw, true); }
-kiln_tensor *kiln_rsqrt(kiln_tensor *t) { return unary("kiln_rsqrt", KILN__K_RSQRT, t, 0, 0, true, rsqrt_bw, true); }
-kiln_tensor *kiln_abs(kiln_tensor *t) { return unary("kiln_abs", KILN__K_ABS, t, 0, 0, false, abs_bw, false); }
-kiln_tensor *kiln_clamp(kiln_tensor *t, double lo, double hi) {
-  if (t && lo > hi) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "kiln_clamp: lo %g is above hi %g", lo, hi);
-  return unary("kiln_clamp", KILN__K_CLAMP, t, lo, hi, false, clamp_bw, false);
+static kiln_status clamp_infer(kiln__op_ctx *c) {
+  const attrs_2f *p = c->attrs;
+  if (p->a > p->b) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_clamp: lo %g is above hi %g", p->a, p->b);
+  return unary_infer(c);
 }
-kiln_tensor *kiln_pow_scalar(kiln_tensor *t, double e) {
-  return unary("kiln_pow_scalar", KILN__K_POW_SCALAR, t, e, 0, true, pow_scalar_bw, false);
-}
-kiln_tensor *kiln_add_scalar(kiln_tensor *a, double s) {
-  return unary("kiln_add_scalar", KILN__K_AFFINE, a, 1.0, s, false, affine_bw, false);
-}
-kiln_tensor *kiln_mul_scalar(kiln_tensor *a, double s) {
-  return unary("kiln_mul_scalar", KILN__K_AFFINE, a, s, 0.0, false, affine_bw, false);
+static kiln_status softplus_infer(kiln__op_ctx *c) {
+  if (((const attrs_2f *)c->attrs)->a == 0)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_softplus: beta must not be 0");
+  return unary_infer(c);
 }
 
-kiln_tensor *kiln_relu(kiln_tensor *t) { return unary("kiln_relu", KILN__K_RELU, t, 0, 0, true, relu_bw, false); }
-kiln_tensor *kiln_leaky_relu(kiln_tensor *t, double slope) {
-  return unary("kiln_leaky_relu", KILN__K_LEAKY_RELU, t, slope, 0, true, leaky_relu_bw, false);
+/* Field tables naming each op's scalars. The affine kernel (in*a + b) serves both
+** mul_scalar and add_scalar; the trace names only the scalar the user gave. */
+static const kiln__attr_field f_clamp[] = {{"min", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL},
+                                           {"max", KILN__A_FLOAT, offsetof(attrs_2f, b), 0, NULL}};
+static const kiln__attr_field f_slope[] = {{"negative_slope", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL}};
+static const kiln__attr_field f_exponent[] = {{"exponent", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL}};
+static const kiln__attr_field f_scale[] = {{"value", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL}};
+static const kiln__attr_field f_shift[] = {{"value", KILN__A_FLOAT, offsetof(attrs_2f, b), 0, NULL}};
+static const kiln__attr_field f_softplus[] = {{"beta", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL},
+                                              {"threshold", KILN__A_FLOAT, offsetof(attrs_2f, b), 0, NULL}};
+
+/* UNARY(c name, op name, kernel, infer, flags, rule, saved slots, field table, count) */
+#define UNARY(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields)                  \
+  static const kiln__op op_##fname = {                                                    \
+      .name = opname, .api = "kiln_" opname, .n_in = 1, .n_out = 1, .flags = fl,         \
+      .n_kernels = 1, .kernels = {kop}, .attrs = fields, .n_attrs = nfields,              \
+      .attr_size = nfields ? sizeof(attrs_2f) : 0, .infer = inf, .forward = unary_forward, \
+      .backward = bw, .n_saved = nsaved, .save = unary_save};
+#define FLOAT_ONLY KILN__OP_FLOAT_ONLY
+
+UNARY(neg, "neg", KILN__K_NEG, neg_infer, 0, neg_bw, 1, NULL, 0)
+UNARY(sign, "sign", KILN__K_SIGN, unary_infer, 0, NULL, 0, NULL, 0)
+UNARY(exp, "exp", KILN__K_EXP, unary_infer, FLOAT_ONLY, exp_bw, 2, NULL, 0)
+UNARY(log, "log", KILN__K_LOG, unary_infer, FLOAT_ONLY, log_bw, 1, NULL, 0)
+UNARY(sqrt, "sqrt", KILN__K_SQRT, unary_infer, FLOAT_ONLY, sqrt_bw, 2, NULL, 0)
+UNARY(rsqrt, "rsqrt", KILN__K_RSQRT, unary_infer, FLOAT_ONLY, rsqrt_bw, 2, NULL, 0)
+UNARY(abs, "abs", KILN__K_ABS, unary_infer, 0, abs_bw, 1, NULL, 0)
+UNARY(clamp, "clamp", KILN__K_CLAMP, clamp_infer, 0, clamp_bw, 1, f_clamp, 2)
+UNARY(pow_scalar, "pow_scalar", KILN__K_POW_SCALAR, unary_infer, FLOAT_ONLY, pow_scalar_bw, 1, f_exponent, 1)
+UNARY(add_scalar, "add_scalar", KILN__K_AFFINE, unary_infer, 0, affine_bw, 1, f_shift, 1)
+UNARY(mul_scalar, "mul_scalar", KILN__K_AFFINE, unary_infer, 0, affine_bw, 1, f_scale, 1)
+UNARY(relu, "relu", KILN__K_RELU, unary_infer, FLOAT_ONLY, relu_bw, 1, NULL, 0)
+UNARY(leaky_relu, "leaky_relu", KILN__K_LEAKY_RELU, unary_infer, FLOAT_ONLY, leaky_relu_bw, 1, f_slope, 1)
+UNARY(gelu, "gelu", KILN__K_GELU, unary_infer, FLOAT_ONLY, gelu_bw, 1, NULL, 0)
+UNARY(gelu_tanh, "gelu_tanh", KILN__K_GELU_TANH, unary_infer, FLOAT_ONLY, gelu_tanh_bw, 1, NULL, 0)
+UNARY(silu, "silu", KILN__K_SILU, unary_infer, FLOAT_ONLY, silu_bw, 1, NULL, 0)
+UNARY(sigmoid, "sigmoid", KILN__K_SIGMOID, unary_infer, FLOAT_ONLY, sigmoid_bw, 2, NULL, 0)
+UNARY(tanh, "tanh", KILN__K_TANH, unary_infer, FLOAT_ONLY, tanh_bw, 2, NULL, 0)
+UNARY(softplus, "softplus", KILN__K_SOFTPLUS, softplus_infer, FLOAT_ONLY, softplus_bw, 1, f_softplus, 2)
+
+static kiln_tensor *unary(const kiln__op *op, kiln_tensor *t, double a, double b) {
+  attrs_2f p = {a, b};
+  return kiln__op_call(op, 1, &t, op->n_attrs ? &p : NULL, NULL);
 }
-kiln_tensor *kiln_gelu(kiln_tensor *t) { return unary("kiln_gelu", KILN__K_GELU, t, 0, 0, true, gelu_bw, false); }
-kiln_tensor *kiln_gelu_tanh(kiln_tensor *t) {
-  return unary("kiln_gelu_tanh", KILN__K_GELU_TANH, t, 0, 0, true, gelu_tanh_bw, false);
+
+static kiln_status abs_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  SET0(kiln_mul(g, unary(&op_sign, n->saved[0], 0, 0)));
 }
-kiln_tensor *kiln_silu(kiln_tensor *t) { return unary("kiln_silu", KILN__K_SILU, t, 0, 0, true, silu_bw, false); }
-kiln_tensor *kiln_sigmoid(kiln_tensor *t) { return unary("kiln_sigmoid", KILN__K_SIGMOID, t, 0, 0, true, sigmoid_bw, true); }
-kiln_tensor *kiln_tanh(kiln_tensor *t) { return unary("kiln_tanh", KILN__K_TANH, t, 0, 0, true, tanh_bw, true); }
+
+kiln_tensor *kiln_neg(kiln_tensor *t) { return unary(&op_neg, t, 0, 0); }
+kiln_tensor *kiln_exp(kiln_tensor *t) { return unary(&op_exp, t, 0, 0); }
+kiln_tensor *kiln_log(kiln_tensor *t) { return unary(&op_log, t, 0, 0); }
+kiln_tensor *kiln_sqrt(kiln_tensor *t) { return unary(&op_sqrt, t, 0, 0); }
+kiln_tensor *kiln_rsqrt(kiln_tensor *t) { return unary(&op_rsqrt, t, 0, 0); }
+kiln_tensor *kiln_abs(kiln_tensor *t) { return unary(&op_abs, t, 0, 0); }
+kiln_tensor *kiln_clamp(kiln_tensor *t, double lo, double hi) { return unary(&op_clamp, t, lo, hi); }
+kiln_tensor *kiln_pow_scalar(kiln_tensor *t, double e) { return unary(&op_pow_scalar, t, e, 0); }
+kiln_tensor *kiln_add_scalar(kiln_tensor *a, double s) { return unary(&op_add_scalar, a, 1.0, s); }
+kiln_tensor *kiln_mul_scalar(kiln_tensor *a, double s) { return unary(&op_mul_scalar, a, s, 0.0); }
+kiln_tensor *kiln_relu(kiln_tensor *t) { return unary(&op_relu, t, 0, 0); }
+kiln_tensor *kiln_leaky_relu(kiln_tensor *t, double slope) { return unary(&op_leaky_relu, t, slope, 0); }
+kiln_tensor *kiln_gelu(kiln_tensor *t) { return unary(&op_gelu, t, 0, 0); }
+kiln_tensor *kiln_gelu_tanh(kiln_tensor *t) { return unary(&op_gelu_tanh, t, 0, 0); }
+kiln_tensor *kiln_silu(kiln_tensor *t) { return unary(&op_silu, t, 0, 0); }
+kiln_tensor *kiln_sigmoid(kiln_tensor *t) { return unary(&op_sigmoid, t, 0, 0); }
+kiln_tensor *kiln_tanh(kiln_tensor *t) { return unary(&op_tanh, t, 0, 0); }
 kiln_tensor *kiln_softplus(kiln_tensor *t, double beta, double threshold) {
-  if (t && beta == 0) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "kiln_softplus: beta must not be 0");
-  return unary("kiln_softplus", KILN__K_SOFTPLUS, t, beta, threshold, true, softplus_bw, false);
+  return unary(&op_softplus, t, beta, threshold);
 }
 
 /* ---- copies: clone, to_dtype, to_device ---- */
@@ -399,19 +459,67 @@ static kiln_status copy_between(kiln_tensor *dst, kiln_tensor *src) {
   return st;
 }
 
-kiln_tensor *kiln__copy_as(kiln_tensor *t, kiln_dtype dt, kiln_device dev, const char *name) {
-  if (!t) return NULL;
-  kiln_tensor *out = kiln__tensor_new(t->ndim, t->shape, dt, dev);
-  if (!out) return NULL;
-  if (copy_between(out, t) != KILN_OK) return fail_discard(out);
-  if (kiln_dtype_is_float(dt) && kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, name, copy_bw, 1, &t);
-    if (!n) return fail_discard(out);
-    kiln_device sd = kiln_device_of(t);
-    n->i[0] = sd.type;
-    n->i[1] = sd.index;
-  }
-  return out;
+/* clone, to_dtype and to_device: one forward (a copy into a new contiguous tensor of the
+** record's dtype on the record's device), three names. */
+typedef struct attrs_to {
+  kiln_dtype dtype;
+  kiln_device device;
+} attrs_to;
+static const kiln__attr_field f_to_dtype[] = {KILN__FIELD(attrs_to, dtype, KILN__A_DTYPE)};
+static const kiln__attr_field f_to_device[] = {KILN__FIELD(attrs_to, device, KILN__A_DEVICE)};
+
+static kiln_status to_infer(kiln__op_ctx *c) {
+  const attrs_to *p = c->attrs;
+  if ((int)p->dtype < 0 || p->dtype >= KILN_DTYPE__COUNT)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: invalid dtype %d", c->op->api, (int)p->dtype);
+  if (!kiln_device_equal(p->device, c->device) && kiln__check_device(p->device, c->op->api) != KILN_OK)
+    return kiln_last_error();
+  kiln__op_meta_like(c, 0, c->in[0], p->dtype);
+  c->device = p->device;
+  c->differentiable = kiln_dtype_is_float(p->dtype);
+  return KILN_OK;
+}
+static kiln_status to_forward(kiln__op_ctx *c) { return copy_between(c->out[0], c->in[0]); }
+static void to_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln_device sd = kiln_device_of(c->in[0]);
+  n->i[0] = sd.type;
+  n->i[1] = sd.index;
+}
+#define TO_OP(fname, opname, fields, nfields)                                             \
+  static const kiln__op op_##fname = {                                                    \
+      .name = opname, .api = "kiln_" opname, .n_in = 1, .n_out = 1, .n_kernels = 1,      \
+      .kernels = {KILN__K_COPY}, .attrs = fields, .n_attrs = nfields,                     \
+      .attr_size = sizeof(attrs_to), .infer = to_infer, .forward = to_forward,            \
+      .backward = copy_bw, .save = to_save};
+TO_OP(clone, "clone", NULL, 0)
+TO_OP(contiguous, "contiguous", NULL, 0)
+TO_OP(to_dtype, "to_dtype", f_to_dtype, 1)
+TO_OP(to_device, "to_device", f_to_device, 1)
+
+static kiln_tensor *copy_to(const kiln__op *op, kiln_tensor *t, kiln_dtype dt, kiln_device dev) {
+  attrs_to p = {dt, dev};
+  return kiln__op_call(op, 1, &t, &p, NULL);
+}
+
+kiln_tensor *kiln_clone(kiln_tensor *t) {
+  return t ? copy_to(&op_clone, t, t->dtype, kiln_device_of(t)) : copy_to(&op_clone, t, KILN_F32, kiln_device_cpu());
+}
+
+/* The three conversions hand back t itself (a new reference) when there is nothing to
+** do, as PyTorch's .contiguous(), .to() do; that is not an op, and a trace shows none. */
+kiln_tensor *kiln_contiguous(kiln_tensor *t) {
+  if (t && kiln_is_contiguous(t)) return kiln__scope_track(kiln_tensor_ref(t));
+  return t ? copy_to(&op_contiguous, t, t->dtype, kiln_device_of(t)) : NULL;
+}
+
+kiln_tensor *kiln_to_dtype(kiln_tensor *t, kiln_dtype dt) {
+  if (t && dt == t->dtype) return kiln__scope_track(kiln_tensor_ref(t));
+  return t ? copy_to(&op_to_dtype, t, dt, kiln_device_of(t)) : NULL;
+}
+
+kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev) {
+  if (t && kiln_device_equal(dev, kiln_device_of(t))) return kiln__scope_track(kiln_tensor_ref(t));
+  return t ? copy_to(&op_to_device, t, t->dtype, dev) : NULL;
 }
 
 /* ---- in-place updates (never recorded) ---- */
@@ -428,16 +536,23 @@ static kiln_status inplace_ok(const char *op, kiln_tensor *t) {
   return KILN_OK;
 }
 
-kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src) {
+static kiln_status copy__infer(kiln__op_ctx *c) {
+  kiln_tensor *dst = c->in[0], *src = c->in[1];
   if (inplace_ok("kiln_copy_", dst) != KILN_OK) return kiln_last_error();
-  if (!src) return kiln_last_error() != KILN_OK ? kiln_last_error() : kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_copy_: NULL source");
-  /* src broadcasts to dst's shape */
   int nd;
   int64_t shape[KILN_MAX_DIMS];
-  if (broadcast_shape("kiln_copy_", dst, src, &nd, shape) != KILN_OK) return kiln_last_error();
+  if (kiln__broadcast_shape("kiln_copy_", dst, src, &nd, shape) != KILN_OK) return kiln_last_error();
   if (nd != dst->ndim || memcmp(shape, dst->shape, (size_t)nd * sizeof(int64_t)) != 0)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_copy_: source %s does not broadcast to destination %s",
                           kiln__tshape(src), kiln__tshape(dst));
+  return KILN_OK;
+}
+
+/* dst <- src broadcast, converting the dtype; src may be on another device. */
+static kiln_status copy__forward(kiln__op_ctx *c) {
+  kiln_tensor *dst = c->in[0], *src = c->in[1];
+  int nd = dst->ndim;
+  const int64_t *shape = dst->shape;
   if (kiln_numel(dst) == 0) return KILN_OK;
   kiln_device sd = kiln_device_of(src), dd = kiln_device_of(dst);
   kiln__kargs k = {0};
@@ -449,8 +564,7 @@ kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src) {
     return kiln__dispatch(dd, &k);
   }
   /* another device, same shape, dst compact: one transfer straight into dst */
-  if (nd == src->ndim && memcmp(src->shape, dst->shape, (size_t)nd * sizeof(int64_t)) == 0 &&
-      kiln_is_contiguous(dst))
+  if (nd == src->ndim && memcmp(src->shape, shape, (size_t)nd * sizeof(int64_t)) == 0 && kiln_is_contiguous(dst))
     return copy_between(dst, src);
   /* otherwise bring src over (contiguous, dst dtype), then a local strided copy */
   kiln_scope_begin();
@@ -466,49 +580,82 @@ kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src) {
   return st;
 }
 
-kiln_status kiln_fill_(kiln_tensor *t, double value) {
-  if (inplace_ok("kiln_fill_", t) != KILN_OK) return kiln_last_error();
+/* fill_ and mul_scalar_ : the record's scalars. */
+static kiln_status scalar__infer(kiln__op_ctx *c) { return inplace_ok(c->op->api, c->in[0]); }
+static kiln_status fill__forward(kiln__op_ctx *c) {
   kiln__kargs k = {0};
   k.op = KILN__K_FILL;
-  k.s[0] = value;
-  return run(t, &k);
+  k.s[0] = ((const attrs_2f *)c->attrs)->a;
+  return kiln__run_into(c->in[0], &k);
 }
-
-kiln_status kiln_zero_(kiln_tensor *t) { return kiln_fill_(t, 0.0); }
-
-kiln_status kiln_mul_scalar_(kiln_tensor *t, double s) {
-  if (inplace_ok("kiln_mul_scalar_", t) != KILN_OK) return kiln_last_error();
+static kiln_status mul_scalar__forward(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0];
   kiln__kargs k = {0};
   k.op = KILN__K_AFFINE;
   k.n_in = 1;
   k.in[0] = kiln__view_of(t); /* elementwise in place: each element read before written */
-  k.s[0] = s;
+  k.s[0] = ((const attrs_2f *)c->attrs)->a;
   k.s[1] = 0.0;
-  return run(t, &k);
+  return kiln__run_into(t, &k);
 }
 
-kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x) {
+static kiln_status axpy__infer(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0], *x = c->in[1];
   if (inplace_ok("kiln_axpy_", t) != KILN_OK) return kiln_last_error();
-  if (!x) return kiln_last_error() != KILN_OK ? kiln_last_error() : kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_axpy_: NULL x");
-  kiln_tensor *tx[2] = {t, x};
-  if (kiln__same_device("kiln_axpy_", 2, tx) != KILN_OK) return kiln_last_error();
   int nd;
   int64_t shape[KILN_MAX_DIMS];
-  if (broadcast_shape("kiln_axpy_", t, x, &nd, shape) != KILN_OK) return kiln_last_error();
+  if (kiln__broadcast_shape("kiln_axpy_", t, x, &nd, shape) != KILN_OK) return kiln_last_error();
   if (nd != t->ndim || memcmp(shape, t->shape, (size_t)nd * sizeof(int64_t)) != 0)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_axpy_: %s does not broadcast to %s", kiln__tshape(x), kiln__tshape(t));
+  return KILN_OK;
+}
+static kiln_status axpy__forward(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0], *x = c->in[1];
   kiln_scope_begin();
-  kiln_tensor *cx = as_dtype_nograd(x, t->dtype);
+  kiln_tensor *cx = kiln__as_dtype_nograd(x, t->dtype);
   kiln_status st = cx ? KILN_OK : kiln_last_error();
   if (st == KILN_OK) {
     kiln__kargs k = {0};
     k.op = KILN__K_ADD;
     k.n_in = 2;
     k.in[0] = kiln__view_of(t);
-    k.in[1] = kiln__view_broadcast(cx, nd, shape);
-    k.s[0] = alpha;
-    st = run(t, &k);
+    k.in[1] = kiln__view_broadcast(cx, t->ndim, t->shape);
+    k.s[0] = ((const attrs_alpha *)c->attrs)->alpha;
+    st = kiln__run_into(t, &k);
   }
   kiln_scope_end();
   return st;
+}
+
+static const kiln__attr_field f_fill[] = {{"value", KILN__A_FLOAT, offsetof(attrs_2f, a), 0, NULL}};
+#define INPLACE_OP(fname, opname, nin, kop, inf, fwd, fields, nfields, asz, fl)            \
+  static const kiln__op op_##fname = {                                                    \
+      .name = opname, .api = "kiln_" opname, .n_in = nin, .n_out = 1,                    \
+      .flags = KILN__OP_INPLACE | fl, .n_kernels = 1, .kernels = {kop}, .attrs = fields,  \
+      .n_attrs = nfields, .attr_size = asz, .infer = inf, .forward = fwd};
+INPLACE_OP(copy_, "copy_", 2, KILN__K_COPY, copy__infer, copy__forward, NULL, 0, 0, KILN__OP_ANY_DEVICE)
+INPLACE_OP(fill_, "fill_", 1, KILN__K_FILL, scalar__infer, fill__forward, f_fill, 1, sizeof(attrs_2f), 0)
+INPLACE_OP(mul_scalar_, "mul_scalar_", 1, KILN__K_AFFINE, scalar__infer, mul_scalar__forward, f_scale, 1,
+           sizeof(attrs_2f), 0)
+INPLACE_OP(axpy_, "axpy_", 2, KILN__K_ADD, axpy__infer, axpy__forward, alpha_fields, 1, sizeof(attrs_alpha), 0)
+
+/* NULL destinations are refused with a message of their own (a status return has no
+** NULL to pass through). */
+static kiln_status inplace(const kiln__op *op, int n, kiln_tensor *t, kiln_tensor *x, const void *attrs) {
+  if (!t) return inplace_ok(op->api, t);
+  if (n == 2 && !x)
+    return kiln_last_error() != KILN_OK ? kiln_last_error()
+                                        : kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL source", op->api);
+  kiln_tensor *in[2] = {t, x};
+  return kiln__op_call_status(op, n, in, attrs);
+}
+
+kiln_status kiln_copy_(kiln_tensor *dst, kiln_tensor *src) { return inplace(&op_copy_, 2, dst, src, NULL); }
+kiln_status kiln_fill_(kiln_tensor *t, double value) { return inplace(&op_fill_, 1, t, NULL, &(attrs_2f){value, 0}); }
+kiln_status kiln_zero_(kiln_tensor *t) { return kiln_fill_(t, 0.0); }
+kiln_status kiln_mul_scalar_(kiln_tensor *t, double s) {
+  return inplace(&op_mul_scalar_, 1, t, NULL, &(attrs_2f){s, 0});
+}
+kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x) {
+  return inplace(&op_axpy_, 2, t, x, &(attrs_alpha){alpha});
 }

@@ -1,0 +1,196 @@
+/*
+** The op layer's one path: op descriptors and the call that every public op makes.
+**
+** An op is one kiln__op: its name, arity, a typed attribute record (a plain C struct per
+** op, described field by field so that observers can name each attribute), shape and
+** dtype inference, the forward that dispatches its kernels, its backward rule (written
+** with other ops), and its autocast class. A public op builds its attribute record and
+** calls kiln__op_call(); the call does, in order:
+**
+**   1. NULL inputs pass through (the error that made them stays the last error);
+**   2. the inputs must share one device (KILN_ERR_DEVICE naming the op otherwise);
+**   3. the autocast hook, when one is set and the op has a class, may cast the inputs;
+**   4. infer checks the arguments and gives each output's shape and dtype;
+**   5. the outputs are allocated (unless the op makes its own: views, composites);
+**   6. forward dispatches the kernels (kiln__dispatch: the fallback policy lives there);
+**   7. when grad mode is on, an input requires grad and the op has a backward rule, a
+**      node of the op's arity is recorded on the outputs, with a copy of the attributes,
+**      and save() stores what the rule needs;
+**   8. the observers (trace, profiler, anomaly check) see the op, its attributes, its
+**      inputs and its outputs. With no observer on, this is one relaxed atomic load.
+**
+** Ops that are composed of other public ops (mse_loss, var) set KILN__OP_COMPOSITE: their
+** forward calls those ops, which record their own nodes; the path records none. The
+** depth of nested calls is kept per thread, so a trace can keep only the ops the user
+** called (depth 0) and a profile can keep composites whole.
+*/
+#ifndef KILN_OP_H
+#define KILN_OP_H
+
+#include "core/kiln_int.h"
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KILN__OP_MAX_OUT 8
+#define KILN__OP_MAX_TMP 6
+#define KILN__OP_VARIADIC (-1)
+
+/* Autocast classes (PyTorch's autocast op lists): run in the lower precision (matmul,
+** linear, conv, attention); run in f32 (softmax, norms, losses, reductions, exp/log/pow);
+** promote mixed inputs to the widest; or leave alone. The policy that applies them is a
+** hook (kiln__autocast_hook) so the op layer does not depend on it. */
+typedef enum kiln__amp {
+  KILN__AMP_NONE = 0,
+  KILN__AMP_LOWER,
+  KILN__AMP_F32,
+  KILN__AMP_PROMOTE
+} kiln__amp;
+
+/* One attribute of an op's record. INTS is an int64_t array with an int count beside it. */
+typedef enum kiln__attr_type {
+  KILN__A_INT,    /* int64_t */
+  KILN__A_INT32,  /* int */
+  KILN__A_FLOAT,  /* double */
+  KILN__A_BOOL,   /* bool */
+  KILN__A_INTS,   /* int64_t[], count at count_offset (int) */
+  KILN__A_DTYPE,  /* kiln_dtype */
+  KILN__A_DEVICE, /* kiln_device */
+  KILN__A_ENUM    /* int-sized enum, printed by its names (names[]) */
+} kiln__attr_type;
+
+typedef struct kiln__attr_field {
+  const char *name;
+  kiln__attr_type type;
+  size_t offset;
+  size_t count_offset;       /* INTS only */
+  const char *const *names;  /* ENUM only: names[value] */
+} kiln__attr_field;
+
+#define KILN__FIELD(rec, f, t) {#f, t, offsetof(rec, f), 0, NULL}
+#define KILN__FIELD_INTS(rec, f, cnt) {#f, KILN__A_INTS, offsetof(rec, f), offsetof(rec, cnt), NULL}
+#define KILN__FIELD_ENUM(rec, f, nm) {#f, KILN__A_ENUM, offsetof(rec, f), 0, nm}
+
+struct kiln__op;
+
+/* What one call of an op carries from step to step. infer fills meta and n_out; forward
+** reads in and attrs and writes out; forward may park intermediates (converted inputs)
+** in tmp for save(). */
+typedef struct kiln__op_ctx {
+  const struct kiln__op *op;
+  const void *attrs;
+  int n_in;
+  kiln_tensor **in; /* the inputs after autocast */
+  int n_out;
+  kiln_tensor *out[KILN__OP_MAX_OUT];
+  struct {
+    int ndim;
+    int64_t shape[KILN_MAX_DIMS];
+    kiln_dtype dtype;
+  } meta[KILN__OP_MAX_OUT];
+  kiln_device device;         /* the inputs' device (infer may set it for creation ops) */
+  kiln_tensor *tmp[KILN__OP_MAX_TMP];
+  bool differentiable;        /* infer may clear it (comparisons, integer dtypes) */
+  uint64_t scratch[8];        /* small op-private values from infer to forward */
+} kiln__op_ctx;
+
+typedef struct kiln__op {
+  const char *name; /* "add": traces, profiles and node names */
+  const char *api;  /* "kiln_add": the prefix of error messages */
+  int n_in;         /* or KILN__OP_VARIADIC */
+  int n_out;        /* the most outputs; infer sets c->n_out */
+  uint32_t optional; /* bit i: input i may be NULL (a bias) */
+  kiln__amp amp;
+  unsigned flags;
+  int n_kernels;            /* the kernels its forward dispatches (docs/ops.md) */
+  kiln__kop kernels[4];
+  const kiln__attr_field *attrs; /* the record's fields, for observers */
+  int n_attrs;
+  size_t attr_size;
+  kiln_status (*infer)(kiln__op_ctx *c);
+  kiln_status (*forward)(kiln__op_ctx *c);
+  kiln__backward_fn backward; /* NULL: not differentiable */
+  int n_saved;                /* slots save() fills */
+  void (*save)(kiln__op_ctx *c, kiln__node *n);
+  /* Fused ops: the standard ops the fused one stands for, in order, so that a trace
+  ** shows what the user wrote (NULL-terminated; NULL for ordinary ops). */
+  const char *const *expands_to;
+} kiln__op;
+
+/* flags */
+#define KILN__OP_COMPOSITE (1u << 0) /* forward calls public ops; no node of its own */
+#define KILN__OP_SELF_ALLOC (1u << 1) /* forward makes c->out (views, aliases) */
+#define KILN__OP_INPLACE (1u << 2)    /* writes input 0; returns it (never recorded) */
+#define KILN__OP_CREATION (1u << 3)   /* no tensor inputs: c->device comes from attrs */
+#define KILN__OP_NO_GRAD (1u << 4)    /* never recorded (random fills, comparisons) */
+#define KILN__OP_FLOAT_ONLY (1u << 5) /* input 0 must be a floating tensor */
+#define KILN__OP_ANY_DEVICE (1u << 6) /* inputs may be on different devices (copies) */
+
+/* The call. Returns the first output (a new reference owned by the current scope), NULL
+** with the last error set on failure. out (may be NULL) receives every output. */
+kiln_tensor *kiln__op_call(const kiln__op *op, int n_in, kiln_tensor *const *in, const void *attrs,
+                           kiln_tensor **out);
+/* The same for in-place ops: returns the status. */
+kiln_status kiln__op_call_status(const kiln__op *op, int n_in, kiln_tensor *const *in, const void *attrs);
+
+/* Infer helpers */
+/* Output k has input i's shape and the given dtype. */
+void kiln__op_meta_like(kiln__op_ctx *c, int k, const kiln_tensor *t, kiln_dtype dt);
+void kiln__op_meta(kiln__op_ctx *c, int k, int ndim, const int64_t *shape, kiln_dtype dt);
+/* The broadcast shape of a and b; KILN_ERR_SHAPE naming the op otherwise. */
+kiln_status kiln__broadcast_shape(const char *op, const kiln_tensor *a, const kiln_tensor *b, int *ndim,
+                                  int64_t *shape);
+kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, int nd_b, const int64_t *sb,
+                                   int *ndim, int64_t *shape);
+/* t itself when it already has dtype dt, else a converted copy without autograd. */
+kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
+/* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);
+** nothing for an empty out. */
+kiln_status kiln__run_into(kiln_tensor *out, kiln__kargs *a);
+
+/* ---- observers ---- */
+typedef struct kiln__op_event {
+  const kiln__op *op;
+  const void *attrs;
+  int n_in;
+  kiln_tensor *const *in;
+  int n_out;
+  kiln_tensor *const *out;
+  int depth;      /* 0 for an op the program called itself */
+  bool backward;  /* called from a backward rule */
+  kiln_status status;
+} kiln__op_event;
+
+typedef struct kiln__observer {
+  const char *name;
+  /* Before infer; returns a token handed to end (may be NULL). */
+  void *(*begin)(const kiln__op_event *e, void *ctx);
+  /* After the node is recorded (status says how the op ended). A non-OK return fails
+  ** the op with that status (the anomaly check). */
+  kiln_status (*end)(const kiln__op_event *e, void *token, void *ctx);
+  void *ctx;
+} kiln__observer;
+
+/* Adds o (kept by pointer) to the process's observers; at most 8. */
+kiln_status kiln__observer_add(const kiln__observer *o);
+void kiln__observer_remove(const kiln__observer *o);
+/* The current op depth of this thread (0 outside any op). */
+int kiln__op_depth(void);
+
+/* ---- autocast hook (the mixed-precision issue installs the policy) ---- */
+/* Called for ops with an amp class when set: may replace in[i] with cast tensors (owned by
+** the current scope). Returns KILN_OK or an error that fails the op. */
+typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in);
+void kiln__set_autocast_hook(kiln__autocast_fn fn);
+
+/* Fills the public attribute view of a record (observers, traces): at most max entries,
+** returns the count. ints point into rec. */
+int kiln__attrs_describe(const kiln__op *op, const void *rec, kiln_attr *out, int max);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_OP_H */

@@ -77,7 +77,8 @@ extern "C" {
   X(UNAVAILABLE, "backend not built or not available")                                    \
   X(STATE, "API misuse: call not valid in this state")                                    \
   X(AUTOGRAD, "autograd error")                                                           \
-  X(INTERNAL, "internal error")
+  X(INTERNAL, "internal error")                                                           \
+  X(NUMERIC, "NaN or infinity found by the anomaly check")
 
 typedef enum kiln_status {
 #define KILN__ERR_ENUM(name, msg) KILN_ERR_##name,
@@ -521,6 +522,13 @@ KILN_API bool kiln_set_grad_enabled(bool on);
 KILN_API bool kiln_grad_enabled(void);
 /* The name of the op that made t ("mul", "matmul", ...), or NULL for a leaf. */
 KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
+
+/* Anomaly mode (torch.autograd.detect_anomaly): every floating output of every op, in
+** forward and backward, is checked for NaN and infinity; the first one found fails that
+** op with KILN_ERR_NUMERIC naming the op and the shape. Copies each output to the host:
+** for debugging. KILN_ANOMALY=1 turns it on at start. */
+KILN_API kiln_status kiln_set_anomaly_enabled(bool on);
+KILN_API bool kiln_anomaly_enabled(void);
 
 /* --------------------------------------------------------------------------------------
 ** Custom autograd functions (torch.autograd.Function): an op written by the program as a

@@ -10,6 +10,7 @@
 #include <kiln_io.h>
 
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -29,7 +30,7 @@ static void saw(kiln_status code, bool failed, const char *what) {
 static void test_names(void) {
   static const char *names[] = {"OK", "INVALID_ARGUMENT", "SHAPE", "DTYPE", "DEVICE", "OOM", "IO",
                                 "FORMAT", "INDEX", "UNSUPPORTED", "UNAVAILABLE", "STATE",
-                                "AUTOGRAD", "INTERNAL"};
+                                "AUTOGRAD", "INTERNAL", "NUMERIC"};
   H_CHECK(sizeof names / sizeof names[0] == KILN_ERR__COUNT, "the test knows every code");
   for (int c = 0; c < KILN_ERR__COUNT; c++) {
     char want[64];
@@ -274,6 +275,22 @@ static void test_files(void) {
   }
 }
 
+/* NUMERIC: anomaly mode fails the op that made a NaN, naming it; off again, the same op
+** gives its NaN quietly. */
+static void test_anomaly(void) {
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_full(KILN_SHAPE(2, 3), -1.0, KILN_F32, kiln_device_cpu());
+  H_CHECK(kiln_set_anomaly_enabled(true) == KILN_OK && kiln_anomaly_enabled(), "anomaly mode on");
+  kiln_tensor *y = kiln_log(x);
+  saw(KILN_ERR_NUMERIC, y == NULL, "log of -1 under anomaly mode");
+  kiln_tensor *z = kiln_add(x, x); /* finite: passes */
+  H_CHECK(z != NULL, "a finite op passes the check: %s", kiln_last_error_message());
+  kiln_set_anomaly_enabled(false);
+  y = kiln_log(x);
+  H_CHECK(y != NULL && isnan(kiln_item(kiln_sum_all(y))), "anomaly mode off: the NaN is a value again");
+  kiln_scope_end();
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_errors");
   cpu = kiln_device_cpu();
@@ -285,6 +302,7 @@ int main(int argc, char **argv) {
   test_absurd_shapes();
   test_oom();
   test_files();
+  test_anomaly();
   for (int c = 0; c < KILN_ERR__COUNT; c++)
     H_CHECK(hit[c], "error code %s was produced by the suite", kiln_error_name((kiln_status)c));
   H_CHECK(kiln_live_tensors() == live0, "no leaks: %lld -> %lld", (long long)live0,

@@ -14,6 +14,7 @@
 struct kiln_trace {
   kiln_trace_op *ops;
   int n, cap;
+  int64_t next_synthetic; /* ids of the values inside an expanded fused op: -1, -2, ... */
   bool recording;
   struct kiln_trace *outer; /* the trace that was innermost before this one */
 };
@@ -39,7 +40,10 @@ static void free_op(kiln_trace_op *op) {
   free((void *)op->attrs);
 }
 
-static kiln_status record(kiln_trace *tr, const kiln__op_event *e) {
+/* Appends one op: name, inputs and outputs (ids), and the record's attributes when
+** with_attrs. */
+static kiln_status record(kiln_trace *tr, const kiln__op_event *e, const char *name, int n_in, const int64_t *in_ids,
+                          int n_out, const int64_t *out_ids, bool with_attrs) {
   if (tr->n == tr->cap) {
     int ncap = tr->cap ? tr->cap * 2 : 32;
     kiln_trace_op *nv = realloc(tr->ops, (size_t)ncap * sizeof *nv);
@@ -50,19 +54,21 @@ static kiln_status record(kiln_trace *tr, const kiln__op_event *e) {
   kiln_trace_op *op = &tr->ops[tr->n];
   memset(op, 0, sizeof *op);
   kiln_attr attrs[MAX_ATTRS];
-  int na = kiln__attrs_describe(e->op, e->attrs, attrs, MAX_ATTRS);
-  int64_t *ins = malloc(sizeof(int64_t) * (size_t)(e->n_in ? e->n_in : 1));
-  int64_t *outs = malloc(sizeof(int64_t) * (size_t)(e->n_out ? e->n_out : 1));
+  int na = with_attrs ? kiln__attrs_describe(e->op, e->attrs, attrs, MAX_ATTRS) : 0;
+  int64_t *ins = malloc(sizeof(int64_t) * (size_t)(n_in ? n_in : 1));
+  int64_t *outs = malloc(sizeof(int64_t) * (size_t)(n_out ? n_out : 1));
   kiln_attr *ac = calloc((size_t)(na ? na : 1), sizeof *ac);
-  op->name = dup_str(e->op->name);
+  op->name = dup_str(name);
   op->inputs = ins;
   op->outputs = outs;
   op->attrs = ac;
   bool ok = ins && outs && ac && op->name;
-  for (int i = 0; ok && i < e->n_in; i++) ins[i] = kiln_tensor_id(e->in[i]);
-  for (int i = 0; ok && i < e->n_out; i++) outs[i] = kiln_tensor_id(e->out[i]);
-  op->n_inputs = e->n_in;
-  op->n_outputs = e->n_out;
+  if (ok) {
+    memcpy(ins, in_ids, sizeof(int64_t) * (size_t)n_in);
+    memcpy(outs, out_ids, sizeof(int64_t) * (size_t)n_out);
+  }
+  op->n_inputs = n_in;
+  op->n_outputs = n_out;
   for (int a = 0; ok && a < na; a++) {
     ac[a] = attrs[a]; /* the name is static (the op's field table); the rest is copied */
     ac[a].ints = NULL;
@@ -84,12 +90,40 @@ static kiln_status record(kiln_trace *tr, const kiln__op_event *e) {
   return KILN_OK;
 }
 
+/* One op of the program; a fused op as the chain of standard ops it stands for (its
+** attributes go with the first), linked by synthetic ids, so a trace shows the layers
+** the user wrote. */
+static kiln_status record_event(kiln_trace *tr, const kiln__op_event *e) {
+  int64_t local_in[8], local_out[8];
+  int64_t *in_ids = e->n_in <= 8 ? local_in : malloc(sizeof(int64_t) * (size_t)e->n_in);
+  int64_t *out_ids = e->n_out <= 8 ? local_out : malloc(sizeof(int64_t) * (size_t)e->n_out);
+  kiln_status st = in_ids && out_ids ? KILN_OK : kiln_set_error(KILN_ERR_OOM, "kiln_trace: out of host memory");
+  for (int i = 0; st == KILN_OK && i < e->n_in; i++) in_ids[i] = kiln_tensor_id(e->in[i]);
+  for (int i = 0; st == KILN_OK && i < e->n_out; i++) out_ids[i] = kiln_tensor_id(e->out[i]);
+  const char *const *parts = e->op->expands_to;
+  if (st == KILN_OK && !parts) {
+    st = record(tr, e, e->op->name, e->n_in, in_ids, e->n_out, out_ids, true);
+  } else if (st == KILN_OK) {
+    int64_t prev = 0;
+    for (int p = 0; parts[p] && st == KILN_OK; p++) {
+      bool first = p == 0, last = parts[p + 1] == NULL;
+      int64_t mid = last ? 0 : --tr->next_synthetic;
+      st = record(tr, e, parts[p], first ? e->n_in : 1, first ? in_ids : &prev, last ? e->n_out : 1,
+                  last ? out_ids : &mid, first);
+      prev = mid;
+    }
+  }
+  if (in_ids != local_in) free(in_ids);
+  if (out_ids != local_out) free(out_ids);
+  return st;
+}
+
 static kiln_status trace_end_op(const kiln__op_event *e, void *token, void *ctx) {
   KILN__UNUSED(token);
   KILN__UNUSED(ctx);
   if (!innermost || e->depth != 0 || e->backward || e->status != KILN_OK) return KILN_OK;
   for (kiln_trace *tr = innermost; tr; tr = tr->outer) {
-    kiln_status st = record(tr, e);
+    kiln_status st = record_event(tr, e);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

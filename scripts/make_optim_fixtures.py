@@ -41,15 +41,15 @@ BATCHES, BATCH, IN, HIDDEN, CLASSES = 8, 32, 16, 32, 10
 CONFIGS = {
     "sgd": dict(optimizer="sgd", lr=0.1),
     "sgd_momentum": dict(optimizer="sgd", lr=0.05, momentum=0.9, dampening=0.1),
-    "sgd_nesterov": dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_nesterov": dict(optimizer="sgd", lr=0.02, momentum=0.9, nesterov=True),
     "sgd_weight_decay": dict(optimizer="sgd", lr=0.1, weight_decay=0.01),
-    "adam": dict(optimizer="adam", lr=1e-3),
-    "adam_l2": dict(optimizer="adam", lr=1e-3, weight_decay=0.01),
-    "adamw": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1),
-    "adam_amsgrad": dict(optimizer="adam", lr=2e-3, amsgrad=True),
+    "adam": dict(optimizer="adam", lr=1e-2),
+    "adam_l2": dict(optimizer="adam", lr=1e-2, weight_decay=0.01),
+    "adamw": dict(optimizer="adamw", lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": dict(optimizer="adam", lr=1e-2, amsgrad=True),
     "sgd_momentum_steplr": dict(optimizer="sgd", lr=0.05, momentum=0.9,
                                 scheduler="step", step_size=60, gamma=0.7),
-    "adam_cosine": dict(optimizer="adam", lr=3e-3, scheduler="cosine", t_max=STEPS,
+    "adam_cosine": dict(optimizer="adam", lr=1e-2, scheduler="cosine", t_max=STEPS,
                         eta_min=1e-5),
 }
 

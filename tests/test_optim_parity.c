@@ -105,6 +105,7 @@ static bool run(const char *name, const kiln_dict *init, const kiln_dict *batche
   const float *want = kiln_data_ptr(kiln_dict_get(ref, "losses"));
   const int64_t steps = kiln_numel(kiln_dict_get(ref, "losses"));
   const int64_t nb = kiln_shape(x)[0];
+  const char *trace = getenv("KILN_PARITY_TRACE"); /* a configuration's name: every step */
   double worst = 0;
   int64_t worst_step = -1, first_bad = -1;
   for (int64_t s = 0; s < steps && opt; s++) {
@@ -116,6 +117,8 @@ static bool run(const char *name, const kiln_dict *init, const kiln_dict *batche
     CHECK(kiln_optimizer_step(opt) == KILN_OK);
     if (sched) CHECK(kiln_scheduler_step(sched) == KILN_OK);
     double got = kiln_item(loss), rel = fabs(got - want[s]) / fabs((double)want[s]);
+    if (trace && !strcmp(trace, name))
+      printf("    step %3lld loss %.9g PyTorch %.9g relative %.3g\n", (long long)s, got, (double)want[s], rel);
     if (!(rel <= worst)) worst = rel, worst_step = s; /* a NaN is the worst too */
     if (!(rel <= LOSS_RTOL) && first_bad < 0) {
       first_bad = s;

@@ -2,12 +2,15 @@
 ** (torch/optim/adam.py, _single_tensor_adam), t the parameter's step after increment:
 **   g = grad (negated when maximize)
 **   Adam:  g += wd * p            AdamW: p *= 1 - lr * wd
-**   m = b1 m + (1 - b1) g          (PyTorch writes m.lerp_(g, 1 - b1): the same value)
-**   v = b2 v + (1 - b2) g*g
+**   m = m * b1 + (1 - b1) g        exp_avg.mul_(b1).add_(g, alpha=1 - b1) (1.13; 2.x: lerp_)
+**   v = v * b2 + (1 - b2) g * g    exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
 **   amsgrad: vmax = max(vmax, v); v' = vmax, else v' = v
 **   denom = sqrt(v') / sqrt(1 - b2^t) + eps
-**   p -= lr / (1 - b1^t) * m / denom
-** About 9 ops per parameter; a fused path replaces this whole function (optim_int.h). */
+**   p += (-(lr / (1 - b1^t)) * m) / denom     param.addcdiv_(exp_avg, denom, value=-step_size)
+** Scalars in double, as Python computes them. The fused kernel (cpu_optim.c,
+** cuda_optim.cu) gives PyTorch's values to the bit; this composed path (maximize, strided
+** or mixed-dtype gradients) matches it except for addcmul's FMA, which no kiln op has.
+** About 10 ops per parameter. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -42,17 +45,19 @@ static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__pa
   if ((st = kiln_mul_scalar_(m, c->beta1)) != KILN_OK) return st;
   if ((st = kiln_axpy_(m, 1.0 - c->beta1, g)) != KILN_OK) return st;
   if ((st = kiln_mul_scalar_(v, c->beta2)) != KILN_OK) return st;
-  if ((st = kiln_axpy_(v, 1.0 - c->beta2, kiln_mul(g, g))) != KILN_OK) return st;
+  /* PyTorch: v = fma((1 - b2) g, g, v) (addcmul); kiln's ops round the product once more */
+  if ((st = kiln_axpy_(v, 1.0, kiln_mul(kiln_mul_scalar(g, 1.0 - c->beta2), g))) != KILN_OK) return st;
   if (c->amsgrad) {
     if ((st = kiln_copy_(s->buf[2], kiln_maximum(s->buf[2], v))) != KILN_OK) return st;
     v = s->buf[2];
   }
-  double bc1 = 1.0 - pow(c->beta1, t);
+  double step_size = c->lr / (1.0 - pow(c->beta1, t));
   double bc2_sqrt = sqrt(1.0 - pow(c->beta2, t));
-  kiln_tensor *denom = kiln_add_scalar(kiln_mul_scalar(kiln_sqrt(v), 1.0 / bc2_sqrt), c->eps);
-  kiln_tensor *upd = kiln_div(m, denom);
+  kiln_tensor *bc2s = kiln_scalar(bc2_sqrt, kiln_dtype_of(v), kiln_device_of(v));
+  kiln_tensor *denom = kiln_add_scalar(kiln_div(kiln_sqrt(v), bc2s), c->eps);
+  kiln_tensor *upd = kiln_div(kiln_mul_scalar(m, -step_size), denom);
   if (!upd) return kiln_last_error();
-  return kiln_axpy_(p, -(c->lr / bc1), upd);
+  return kiln_axpy_(p, 1.0, upd);
 }
 
 /* Creates the state adam_one's fused path uses (exp_avg, exp_avg_sq[, max], step_t). */

@@ -190,6 +190,20 @@ KILN__BF(softplus_bw, r = v * s0 > s1 ? g : g / (1 + exp(-v * s0)))
 KILN__BF(clamp_bw, r = (v >= s0 && v <= s1) ? g : 0)
 
 /* ---- binary: v = in0, g = in1 ---- */
+/* x + alpha * y (kiln_axpy) is one FMA, as in PyTorch's CPU add: its AVX2 kernels are
+** built with FMA contraction, so torch.add(alpha=) rounds once (measured on torch 1.13).
+** torch.optim's SGD is made of such adds (p.add_(d_p, alpha=-lr), the momentum buffer,
+** weight decay, Nesterov), and kiln's SGD rounds as PyTorch's only with them. Both copies
+** compute the same fused value (see KILN__CPU_FMA). */
+#define KILN__AXPY(NAME, ATTR, T, KFMA)                                                   \
+  static ATTR void NAME(T *z, const T *x, const T *y, T al, int64_t n) {                  \
+    for (int64_t i = 0; i < n; i++) z[i] = KFMA(y[i], al, x[i]);                          \
+  }
+KILN__AXPY(axpy_f32_fma, KILN__CPU_FMA, float, fmaf)
+KILN__AXPY(axpy_f32_plain, , float, fmaf)
+KILN__AXPY(axpy_f64_fma, KILN__CPU_FMA, double, __builtin_fma)
+KILN__AXPY(axpy_f64_plain, , double, __builtin_fma)
+
 KILN__VEC_HEAD(add_f32) {
   float *z = (float *)o_;
   const float *x = (const float *)in[0], *y = (const float *)in[1];
@@ -198,10 +212,20 @@ KILN__VEC_HEAD(add_f32) {
   if (al == 1.0f) {
     for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
   } else {
-    for (int64_t i = 0; i < n; i++) z[i] = x[i] + al * y[i];
+    (kiln__cpu_has_fma() ? axpy_f32_fma : axpy_f32_plain)(z, x, y, al, n);
   }
 }
-KILN__B(add_f64, double, r = s0 == 1 ? v + g : v + s0 * g)
+KILN__VEC_HEAD(add_f64) {
+  double *z = (double *)o_;
+  const double *x = (const double *)in[0], *y = (const double *)in[1];
+  double al = a->s[0];
+  (void)k0;
+  if (al == 1.0) {
+    for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
+  } else {
+    (kiln__cpu_has_fma() ? axpy_f64_fma : axpy_f64_plain)(z, x, y, al, n);
+  }
+}
 KILN__BI(add_i64, r = (int64_t)((uint64_t)v + (uint64_t)s0 * (uint64_t)g))
 KILN__BF(sub, r = v - g)
 KILN__BI(sub_i64, r = (int64_t)((uint64_t)v - (uint64_t)g))

@@ -19,6 +19,19 @@
 #include <omp.h>
 #endif
 
+bool kiln__cpu_has_fma(void) {
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+  static int has = -1; /* a benign race: every thread stores the same value */
+  if (has < 0) {
+    __builtin_cpu_init();
+    has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+  return has != 0;
+#else
+  return true; /* KILN__CPU_FMA is empty: the code runs anywhere */
+#endif
+}
+
 kiln_dtype kiln__cpu_ct(kiln_dtype dt) {
   switch (dt) {
   case KILN_F64:

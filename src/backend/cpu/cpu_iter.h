@@ -47,6 +47,21 @@
 #define KILN__CPU_CLONES
 #endif
 
+/* KILN__CPU_FMA before a loop that computes fused multiply-adds (fmaf/fma, one rounding):
+** on x86-64 with GCC or Clang it is compiled for AVX2+FMA, where fmaf is one instruction
+** and the loop vectorises; kiln__cpu_has_fma() says whether this CPU may run it. The
+** caller keeps a plain copy of the same loop for the others, where fmaf is libm's
+** (correctly rounded, slow), so both give the same bits and results still do not depend
+** on the machine. Used where kiln follows PyTorch's CPU kernels, which are built for
+** AVX2 with FMA contraction: `a + alpha * b` is one FMA there (torch.add(alpha=),
+** addcmul, torch.optim's updates). */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#define KILN__CPU_FMA __attribute__((target("avx2,fma")))
+#else
+#define KILN__CPU_FMA
+#endif
+bool kiln__cpu_has_fma(void); /* true where KILN__CPU_FMA code may run */
+
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256
 #define KILN__CPU_MAXV 5

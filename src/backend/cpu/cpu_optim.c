@@ -1,8 +1,31 @@
 /*
 ** Fused optimizer kernels for the CPU: one pass over param, grad and state per tensor
-** instead of a dozen elementwise ops. The formulas are PyTorch's Adam/AdamW
-** (torch/optim/adam.py, single-tensor path), computed in the parameter's precision
-** (f32 for the 16-bit floats).
+** instead of a dozen elementwise ops. The values are PyTorch's Adam/AdamW to the bit: the
+** operations of torch/optim/adam.py's _single_tensor_adam (torch 1.13, foreach=False) in
+** their order and with their roundings, in the parameter's precision (f32 for the 16-bit
+** floats). Per element, t the step, with the scalars worked out in double as Python does
+** and rounded once to the compute type (that is what a Python float becomes in an op):
+**   g = grad
+**   Adam:  g = fma(p, wd, g)                     grad.add(param, alpha=wd)
+**   AdamW: p = p * (1 - lr wd)                   param.mul_(1 - lr * wd)
+**   m = fma(g, 1 - b1, m * b1)                   exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+**   v = fma((1 - b2) * g, g, v * b2)             exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+**   amsgrad: vmax = max(vmax, v), used for v below
+**   den = sqrt(v) / sqrt(1 - b2^t) + eps         (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+**   p = p + (-(lr / (1 - b1^t)) * m) / den       param.addcdiv_(exp_avg, denom, value=-step_size)
+** The FMAs are PyTorch's: its CPU kernels for AVX2 are compiled with -mfma and GCC
+** contracts `a + alpha * b` (add with alpha, addcmul) into one FMA; the add of addcdiv
+** follows a division and stays apart. (Measured on torch 1.13's AVX2 kernels against
+** numpy, element by element; PyTorch's kernels for CPUs without AVX2 round twice, kiln
+** keeps the FMA there too, through libm, so its results do not depend on the machine.)
+** What kiln did before: 1 - b1 and 1 - b2 from the f32-rounded betas (1 - 0.999f is
+** 4.7e-5 away from 0.001f), den = sqrt(v) * (1 / sqrt(bc2)) + eps, p - ss * (m / den),
+** v from (g * g) * (1 - b2), and no FMA.
+** PyTorch 2.x writes the first moment as exp_avg.lerp_(grad, 1 - beta1); its CPU lerp is
+** m + w * (g - m) for w = 1 - b1 < 0.5 (g - (g - m) * (1 - w) above), which rounds
+** differently from 1.13's mul_/add_ above. The fixtures of tests/test_optim_parity.c come
+** from 1.13, so kiln follows 1.13; moving to 2.x's numbers means changing the m line here
+** and in cuda_optim.cu, and making the fixtures again.
 **
 ** One deliberate difference: m and v are flushed to zero once they fall below the
 ** smallest normal number of the compute type. A parameter whose gradient stays zero (a
@@ -11,6 +34,8 @@
 ** microcode assist (x86 handles subnormal results in microcode, ~100 cycles), and the
 ** Adam pass of fashion-mnist slowed 3.5x from its third epoch. The update such an m or v
 ** would contribute is below lr * FLT_MIN / eps (~1e-33): zero at any parameter scale.
+** (It never fires within test_optim_parity's 300 steps, where PyTorch's m and v stay
+** normal; a run long enough to reach it differs from PyTorch by such updates only.)
 */
 #include "core/kiln_int.h"
 #include "core/half.h"
@@ -29,62 +54,64 @@
 #define ADAM_PAR_MIN (1 << 20)
 #endif
 
+/* The scalars of one update, in double; each kernel rounds them once to its type. */
 typedef struct adam_job {
   void *p, *m, *v, *vmax;
   const void *g;
-  double lr, beta1, beta2, eps, wd;
-  double step_size, inv_bc2_sqrt;
-  bool decoupled, amsgrad;
+  double wd, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step_size;
 } adam_job;
 
 /* One pass over elements [lo, hi) of a parameter. DEC (AdamW's decay), L2 (Adam's decay)
 ** and AMS are literal 0/1, so every variant is a straight-line loop the compiler
-** vectorises; KILN__CPU_CLONES adds an AVX2 copy (no FMA, so the same roundings as the
-** SSE2 one: two square roots and two divides per element made the SSE2 loop
-** divider-bound). The denominator is sqrt(v) * (1 / sqrt(bc2)) + eps, where PyTorch
-** divides by sqrt(bc2): one divide fewer, a difference of at most 1 ulp in den. */
-#define ADAM_RANGE(NAME, T, LOAD, STORE, CT, KSQRT, TINY, DEC, L2, AMS)                   \
-  static KILN__CPU_CLONES void NAME(void *ctx, int64_t lo, int64_t hi) {                  \
+** vectorises. ATTR is KILN__CPU_FMA for the copy that runs where the CPU has FMA (KFMA one
+** instruction), empty for the plain copy (KFMA libm's). */
+#define ADAM_RANGE(NAME, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, DEC, L2, AMS)        \
+  static ATTR void NAME(void *ctx, int64_t lo, int64_t hi) {                              \
     const adam_job *j = (const adam_job *)ctx;                                            \
     T *p = j->p, *m = j->m, *v = j->v, *vmax = j->vmax;                                   \
     const T *g = j->g;                                                                    \
-    const CT b1 = (CT)j->beta1, b2 = (CT)j->beta2, eps = (CT)j->eps, wd = (CT)j->wd;      \
-    const CT ss = (CT)j->step_size, ibc2s = (CT)j->inv_bc2_sqrt;                          \
-    const CT keep = (CT)(1.0 - j->lr * j->wd);                                            \
+    const CT b1 = (CT)j->b1, omb1 = (CT)j->omb1, b2 = (CT)j->b2, omb2 = (CT)j->omb2;      \
+    const CT wd = (CT)j->wd, keep = (CT)j->keep, bc2s = (CT)j->bc2_sqrt, eps = (CT)j->eps; \
+    const CT nss = (CT)j->neg_step_size;                                                  \
     (void)wd, (void)keep, (void)vmax;                                                     \
     for (int64_t i = lo; i < hi; i++) {                                                   \
       CT pi = LOAD(p[i]), gi = LOAD(g[i]);                                                \
       if (DEC) pi = pi * keep;                                                            \
-      if (L2) gi = gi + wd * pi;                                                          \
-      CT mi = LOAD(m[i]) * b1 + gi * ((CT)1 - b1);                                        \
-      CT vi = LOAD(v[i]) * b2 + gi * gi * ((CT)1 - b2);                                   \
+      if (L2) gi = KFMA(pi, wd, gi);                                                      \
+      CT mi = KFMA(gi, omb1, LOAD(m[i]) * b1);                                            \
+      CT vi = KFMA(omb2 * gi, gi, LOAD(v[i]) * b2);                                       \
       mi = mi < (CT)TINY && mi > -(CT)TINY ? (CT)0 : mi; /* no subnormal state */         \
       vi = vi < (CT)TINY ? (CT)0 : vi;                                                    \
       CT vd = vi;                                                                         \
       if (AMS) {                                                                          \
         CT vm = LOAD(vmax[i]);                                                            \
-        vd = vi > vm ? vi : vm;                                                           \
+        vd = (vi != vi || vi > vm) ? vi : vm; /* torch.maximum: NaN wins */               \
         STORE(vmax[i], vd);                                                               \
       }                                                                                   \
-      CT den = KSQRT(vd) * ibc2s + eps;                                                   \
+      CT den = KSQRT(vd) / bc2s + eps;                                                    \
       STORE(m[i], mi);                                                                    \
       STORE(v[i], vi);                                                                    \
-      STORE(p[i], pi - ss * (mi / den));                                                  \
+      STORE(p[i], pi + (nss * mi) / den);                                                 \
     }                                                                                     \
   }
 
-/* The six variants of one storage type, and a table of them indexed by
+/* The six variants of one storage type and one ATTR, and a table of them indexed by
 ** amsgrad * 3 + (decoupled ? 2 : l2 ? 1 : 0). */
-#define ADAM_FNS(SUF, T, LOAD, STORE, CT, KSQRT, TINY)                                    \
-  ADAM_RANGE(adam_##SUF##_000, T, LOAD, STORE, CT, KSQRT, TINY, 0, 0, 0)                  \
-  ADAM_RANGE(adam_##SUF##_010, T, LOAD, STORE, CT, KSQRT, TINY, 0, 1, 0)                  \
-  ADAM_RANGE(adam_##SUF##_100, T, LOAD, STORE, CT, KSQRT, TINY, 1, 0, 0)                  \
-  ADAM_RANGE(adam_##SUF##_001, T, LOAD, STORE, CT, KSQRT, TINY, 0, 0, 1)                  \
-  ADAM_RANGE(adam_##SUF##_011, T, LOAD, STORE, CT, KSQRT, TINY, 0, 1, 1)                  \
-  ADAM_RANGE(adam_##SUF##_101, T, LOAD, STORE, CT, KSQRT, TINY, 1, 0, 1)                  \
+#define ADAM_SIX(SUF, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY)                          \
+  ADAM_RANGE(adam_##SUF##_000, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 0, 0, 0)        \
+  ADAM_RANGE(adam_##SUF##_010, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 0, 1, 0)        \
+  ADAM_RANGE(adam_##SUF##_100, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 1, 0, 0)        \
+  ADAM_RANGE(adam_##SUF##_001, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 0, 0, 1)        \
+  ADAM_RANGE(adam_##SUF##_011, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 0, 1, 1)        \
+  ADAM_RANGE(adam_##SUF##_101, ATTR, T, LOAD, STORE, CT, KSQRT, KFMA, TINY, 1, 0, 1)        \
   static const kiln__cpu_range_fn adam_##SUF[6] = {adam_##SUF##_000, adam_##SUF##_010,    \
                                                    adam_##SUF##_100, adam_##SUF##_001,    \
                                                    adam_##SUF##_011, adam_##SUF##_101};
+
+/* Both copies of one storage type: adam_<suf>_fma and adam_<suf>_plain. */
+#define ADAM_FNS(SUF, T, LOAD, STORE, CT, KSQRT, KFMA, TINY)                                \
+  ADAM_SIX(SUF##_fma, KILN__CPU_FMA, T, LOAD, STORE, CT, KSQRT, KFMA, TINY)                  \
+  ADAM_SIX(SUF##_plain, , T, LOAD, STORE, CT, KSQRT, KFMA, TINY)
 
 #define ID(x) (x)
 #define SET(dst, x) ((dst) = (x))
@@ -93,10 +120,10 @@ typedef struct adam_job {
 #define LD_BF16(x) kiln__bf16_to_f32(x)
 #define ST_BF16(dst, x) ((dst) = kiln__f32_to_bf16(x))
 
-ADAM_FNS(f32, float, ID, SET, float, sqrtf, FLT_MIN)
-ADAM_FNS(f64, double, ID, SET, double, sqrt, DBL_MIN)
-ADAM_FNS(f16, uint16_t, LD_F16, ST_F16, float, sqrtf, FLT_MIN)
-ADAM_FNS(bf16, uint16_t, LD_BF16, ST_BF16, float, sqrtf, FLT_MIN)
+ADAM_FNS(f32, float, ID, SET, float, sqrtf, fmaf, FLT_MIN)
+ADAM_FNS(f64, double, ID, SET, double, sqrt, fma, DBL_MIN)
+ADAM_FNS(f16, uint16_t, LD_F16, ST_F16, float, sqrtf, fmaf, FLT_MIN)
+ADAM_FNS(bf16, uint16_t, LD_BF16, ST_BF16, float, sqrtf, fmaf, FLT_MIN)
 
 kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   if (a->n_in < 1 || a->n_out < 3)
@@ -114,26 +141,28 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   j.v = a->out[2].data;
   j.vmax = a->n_out > 3 ? a->out[3].data : NULL;
   j.g = a->in[0].data;
-  j.lr = a->s[0];
-  j.beta1 = a->s[1];
-  j.beta2 = a->s[2];
-  j.eps = a->s[3];
+  const double lr = a->s[0], beta1 = a->s[1], beta2 = a->s[2];
   memcpy(&j.wd, &a->i[2], sizeof j.wd);
-  j.decoupled = (a->i[1] & 1) != 0;
-  j.amsgrad = (a->i[1] & 2) != 0 && a->n_out > 3;
+  const bool decoupled = (a->i[1] & 1) != 0, amsgrad = (a->i[1] & 2) != 0 && a->n_out > 3;
   int64_t step = a->i[0] > 0 ? a->i[0] : 1;
   if ((a->i[1] & 4) && a->n_in > 1) step = (int64_t)(*(const double *)a->in[1].data) + 1;
-  double bc1 = 1.0 - pow(j.beta1, (double)step);
-  double bc2 = 1.0 - pow(j.beta2, (double)step);
-  j.step_size = j.lr / bc1;
-  j.inv_bc2_sqrt = 1.0 / sqrt(bc2);
-  int variant = (j.amsgrad ? 3 : 0) + (j.decoupled ? 2 : (j.wd != 0 ? 1 : 0));
+  /* Python's arithmetic on Python floats, in adam.py's order. */
+  j.keep = 1.0 - lr * j.wd;
+  j.b1 = beta1;
+  j.omb1 = 1.0 - beta1;
+  j.b2 = beta2;
+  j.omb2 = 1.0 - beta2;
+  j.eps = a->s[3];
+  j.bc2_sqrt = sqrt(1.0 - pow(beta2, (double)step));
+  j.neg_step_size = -(lr / (1.0 - pow(beta1, (double)step)));
+  int variant = (amsgrad ? 3 : 0) + (decoupled ? 2 : (j.wd != 0 ? 1 : 0));
+  const bool fma_cpu = kiln__cpu_has_fma();
   const kiln__cpu_range_fn *fns;
   switch (dt) {
-  case KILN_F32: fns = adam_f32; break;
-  case KILN_F64: fns = adam_f64; break;
-  case KILN_F16: fns = adam_f16; break;
-  case KILN_BF16: fns = adam_bf16; break;
+  case KILN_F32: fns = fma_cpu ? adam_f32_fma : adam_f32_plain; break;
+  case KILN_F64: fns = fma_cpu ? adam_f64_fma : adam_f64_plain; break;
+  case KILN_F16: fns = fma_cpu ? adam_f16_fma : adam_f16_plain; break;
+  case KILN_BF16: fns = fma_cpu ? adam_bf16_fma : adam_bf16_plain; break;
   default:
     return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel: expected a floating dtype, got %s", kiln_dtype_name(dt));
   }

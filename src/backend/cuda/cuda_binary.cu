@@ -9,12 +9,18 @@
 
 namespace {
 
+/* a + alpha * b in one rounding for floats, as kiln's CPU add and PyTorch's (its CPU
+** kernels are FMA-contracted; nvcc would contract this too, but the fma says it). */
+__device__ __forceinline__ float kc_axpy(float a, float al, float b) { return fmaf(b, al, a); }
+__device__ __forceinline__ double kc_axpy(double a, double al, double b) { return fma(b, al, a); }
+__device__ __forceinline__ int64_t kc_axpy(int64_t a, int64_t al, int64_t b) { return a + al * b; }
+
 #define KC_BINARY(NAME, EXPR)                                                             \
   template <class A> struct NAME {                                                        \
     A alpha;                                                                              \
     __device__ __forceinline__ A operator()(A a, A b) const { return (EXPR); }            \
   };
-KC_BINARY(F_add, a + alpha * b)
+KC_BINARY(F_add, kc_axpy(a, alpha, b))
 KC_BINARY(F_add1, a + b)
 KC_BINARY(F_sub, a - b)
 KC_BINARY(F_mul, a * b)

@@ -1,70 +1,101 @@
 /*
-** Fused optimizer kernels on CUDA: Adam/AdamW in one pass over param, grad and state
-** (PyTorch's single-tensor formulas, as the CPU kernel in cpu_optim.c). One launch per
-** parameter; vectorised through a grid-stride loop.
+** Fused optimizer kernels on CUDA: Adam/AdamW in one pass over param, grad and state.
+** The element update is the CPU kernel's (cpu_optim.c), which is torch.optim 1.13's
+** _single_tensor_adam on PyTorch's CPU, to the bit:
+**   Adam:  g = fma(p, wd, g)                 AdamW: p = p * (1 - lr wd)
+**   m = fma(g, 1 - b1, m * b1)
+**   v = fma((1 - b2) * g, g, v * b2)
+**   amsgrad: vmax = max(vmax, v), used for v below
+**   p = p + (-(lr / (1 - b1^t)) * m) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+** with every scalar worked out in double on the host (as Python does) and rounded once to
+** the compute type. Every operation is written with a _rn intrinsic or fma: nvcc would
+** otherwise contract other pairs (p * (1 - lr wd) into the final add, for one), and the
+** GPU would drift from the CPU and from PyTorch. (PyTorch's own CUDA Adam rounds
+** differently again: its addcdiv is a + alpha * (b / c), and tensor / scalar multiplies by
+** the reciprocal; kiln keeps one set of numbers on every backend.) Before this, the
+** one-tensor kernel passed lr, betas, eps and wd as float and computed 1 - b from the
+** rounded betas. One launch per parameter through a grid-stride loop, or ADAM_MULTI below.
 */
 #include "cuda_int.cuh"
 
 #include <math.h>
 #include <string.h>
 
-struct kc_adam_hp {
-  float lr, b1, b2, eps, wd, step_size, bc2_sqrt;
+/* Roundings spelled out, so no contraction changes them. */
+__device__ __forceinline__ float kc_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double kc_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float kc_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double kc_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float kc_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double kc_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float kc_sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double kc_sqrt(double a) { return __dsqrt_rn(a); }
+__device__ __forceinline__ float kc_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double kc_fma(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+/* The step's scalars in double (the host's arithmetic, adam.py's order). */
+struct kc_adam_hpd {
+  double wd, keep, b1, omb1, b2, omb2, eps, lr;
   int decoupled, amsgrad;
 };
 
-/* One element's update (PyTorch's single-tensor formulas), in the compute type C; ss is
-** lr / (1 - b1^t), bc2s sqrt(1 - b2^t). Shared by the one-tensor and the list kernels. */
+static kc_adam_hpd kc_adam_scalars(const kiln__kargs *a) {
+  kc_adam_hpd h;
+  h.lr = a->s[0];
+  h.b1 = a->s[1];
+  h.b2 = a->s[2];
+  h.eps = a->s[3];
+  memcpy(&h.wd, &a->i[2], sizeof h.wd);
+  h.keep = 1.0 - h.lr * h.wd;
+  h.omb1 = 1.0 - h.b1;
+  h.omb2 = 1.0 - h.b2;
+  h.decoupled = (a->i[1] & 1) != 0;
+  h.amsgrad = (a->i[1] & 2) != 0;
+  return h;
+}
+
+/* The host's bias corrections for step t: -(lr / (1 - b1^t)) and sqrt(1 - b2^t). */
+__host__ __device__ static inline void kc_adam_corr(const kc_adam_hpd &h, double t, double *nss,
+                                                    double *bc2s) {
+  *nss = -(h.lr / (1.0 - pow(h.b1, t)));
+  *bc2s = sqrt(1.0 - pow(h.b2, t));
+}
+
+/* One element's update in the compute type C. Shared by the one-tensor and the list
+** kernels. */
 template <class T, class C>
 __device__ __forceinline__ void kc_adam_elem(T *__restrict__ p, const T *__restrict__ g,
                                              T *__restrict__ m, T *__restrict__ v,
-                                             T *__restrict__ vmax, int64_t i, C lr, C wd, C ss,
-                                             C bc2s, C b1, C b2, C eps, bool decoupled,
-                                             bool amsgrad) {
+                                             T *__restrict__ vmax, int64_t i, const kc_adam_hpd &h,
+                                             C nss, C bc2s) {
   C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
-  if (decoupled)
-    pi = pi * ((C)1 - lr * wd);
-  else if (wd != (C)0)
-    gi = gi + wd * pi;
-  C mi = (C)kc_ld(m[i]) * b1 + gi * ((C)1 - b1);
-  C vi = (C)kc_ld(v[i]) * b2 + gi * gi * ((C)1 - b2);
-  C den;
-  if (amsgrad) {
+  if (h.decoupled)
+    pi = kc_mul(pi, (C)h.keep);
+  else if (h.wd != 0)
+    gi = kc_fma(pi, (C)h.wd, gi);
+  C mi = kc_fma(gi, (C)h.omb1, kc_mul((C)kc_ld(m[i]), (C)h.b1));
+  C vi = kc_fma(kc_mul((C)h.omb2, gi), gi, kc_mul((C)kc_ld(v[i]), (C)h.b2));
+  C vd = vi;
+  if (h.amsgrad) {
     C vm = (C)kc_ld(vmax[i]);
-    vm = vi > vm ? vi : vm;
-    vmax[i] = kc_st<T>(vm);
-    den = sqrt(vm) / bc2s + eps;
-  } else {
-    den = sqrt(vi) / bc2s + eps;
+    vd = (vi != vi || vi > vm) ? vi : vm; /* torch.maximum: NaN wins */
+    vmax[i] = kc_st<T>(vd);
   }
-  pi = pi - ss * (mi / den);
+  C den = kc_add(kc_div(kc_sqrt(vd), bc2s), (C)h.eps);
   m[i] = kc_st<T>(mi);
   v[i] = kc_st<T>(vi);
-  p[i] = kc_st<T>(pi);
+  p[i] = kc_st<T>(kc_add(pi, kc_div(kc_mul(nss, mi), den)));
 }
 
 template <class T, class C>
 __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__restrict__ m,
-                               T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hp hp,
-                               double lr_d, double wd_d, double ss_d, double bc2s_d,
-                               const double *__restrict__ step_dev) {
-  /* C is the compute type: float for f32/f16/bf16, double for f64 (hyper-parameters are
-  ** passed both ways so f64 keeps full precision). */
-  if (step_dev) { /* capturable: the step count lives on the device (graph replays) */
-    double t = *step_dev + 1.0;
-    ss_d = lr_d / (1.0 - pow((double)hp.b1, t));
-    bc2s_d = sqrt(1.0 - pow((double)hp.b2, t));
-    hp.step_size = (float)ss_d;
-    hp.bc2_sqrt = (float)bc2s_d;
-  }
-  const C lr = sizeof(C) == 8 ? (C)lr_d : (C)hp.lr;
-  const C wd = sizeof(C) == 8 ? (C)wd_d : (C)hp.wd;
-  const C ss = sizeof(C) == 8 ? (C)ss_d : (C)hp.step_size;
-  const C bc2s = sizeof(C) == 8 ? (C)bc2s_d : (C)hp.bc2_sqrt;
-  const C b1 = (C)hp.b1, b2 = (C)hp.b2, eps = (C)hp.eps;
+                               T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hpd h,
+                               double nss_d, double bc2s_d, const double *__restrict__ step_dev) {
+  if (step_dev) kc_adam_corr(h, *step_dev + 1.0, &nss_d, &bc2s_d); /* capturable: replays */
+  const C nss = (C)nss_d, bc2s = (C)bc2s_d;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x)
-    kc_adam_elem<T, C>(p, g, m, v, vmax, i, lr, wd, ss, bc2s, b1, b2, eps, hp.decoupled, hp.amsgrad);
+    kc_adam_elem<T, C>(p, g, m, v, vmax, i, h, nss, bc2s);
 }
 
 extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
@@ -73,25 +104,16 @@ extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
   kiln_dtype dt = a->out[0].dtype;
   int64_t n = kc_numel(&a->out[0]);
   if (n == 0) return KILN_OK;
-  double wd;
-  memcpy(&wd, &a->i[2], sizeof wd);
+  kc_adam_hpd h = kc_adam_scalars(a);
+  h.amsgrad = h.amsgrad && a->n_out > 3;
   int64_t step = a->i[0] > 0 ? a->i[0] : 1;
-  double bc1 = 1.0 - pow(a->s[1], (double)step), bc2 = 1.0 - pow(a->s[2], (double)step);
-  kc_adam_hp hp;
-  hp.lr = (float)a->s[0];
-  hp.b1 = (float)a->s[1];
-  hp.b2 = (float)a->s[2];
-  hp.eps = (float)a->s[3];
-  hp.wd = (float)wd;
-  hp.step_size = (float)(a->s[0] / bc1);
-  hp.bc2_sqrt = (float)sqrt(bc2);
-  hp.decoupled = (a->i[1] & 1) != 0;
-  hp.amsgrad = (a->i[1] & 2) != 0 && a->n_out > 3;
+  double nss, bc2s;
+  kc_adam_corr(h, (double)step, &nss, &bc2s);
   int threads = KC_THREADS;
   int64_t blocks = (n + threads - 1) / threads;
   int64_t cap = (int64_t)dev->sm_count * 8;
   if (blocks > cap) blocks = cap > 0 ? cap : 1;
-  void *vmax = hp.amsgrad ? a->out[3].data : NULL;
+  void *vmax = h.amsgrad ? a->out[3].data : NULL;
   const double *step_dev = ((a->i[1] & 4) && a->n_in > 1) ? (const double *)a->in[1].data : NULL;
   KC_SWITCH_FLOAT(dt, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
@@ -99,7 +121,7 @@ extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
                     typedef typename kc_traits<T>::acc C;
                     kc_adam_kernel<T, C><<<(unsigned)blocks, threads, 0, dev->stream>>>(
                         (T *)a->out[0].data, (const T *)a->in[0].data, (T *)a->out[1].data,
-                        (T *)a->out[2].data, (T *)vmax, n, hp, a->s[0], wd, a->s[0] / bc1, sqrt(bc2), step_dev);
+                        (T *)a->out[2].data, (T *)vmax, n, h, nss, bc2s, step_dev);
                   })
   return kiln__cuda_launched("adam");
 }
@@ -131,14 +153,9 @@ struct kc_adam_list {
   const void *g[KC_MT_MAX];
   double *step_t[KC_MT_MAX];
   int64_t numel[KC_MT_MAX];
-  double ss[KC_MT_MAX], bc2s[KC_MT_MAX]; /* lr / (1 - b1^t) and sqrt(1 - b2^t), host steps */
+  double nss[KC_MT_MAX], bc2s[KC_MT_MAX]; /* -(lr / (1 - b1^t)) and sqrt(1 - b2^t), host steps */
   int block_end[KC_MT_MAX]; /* blocks of tensors 0..i together */
   int any_step;             /* some step_t is set: the last block advances them */
-};
-
-struct kc_adam_hpd {
-  double lr, b1, b2, eps, wd;
-  int decoupled, amsgrad;
 };
 
 template <class T, class C>
@@ -152,22 +169,18 @@ __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list 
   __shared__ double corr[2]; /* a device step: the block's corrections, worked out once */
   if (L.step_t[t]) {
     if (threadIdx.x == 0) {
-      const double step = *L.step_t[t] + 1.0;
-      corr[0] = h.lr / (1.0 - pow(h.b1, step));
-      corr[1] = sqrt(1.0 - pow(h.b2, step));
+      kc_adam_corr(h, *L.step_t[t] + 1.0, &corr[0], &corr[1]);
     }
     __syncthreads();
   }
-  const double ss_d = L.step_t[t] ? corr[0] : L.ss[t], bc2s_d = L.step_t[t] ? corr[1] : L.bc2s[t];
-  const C lr = (C)h.lr, wd = (C)h.wd, ss = (C)ss_d, bc2s = (C)bc2s_d;
-  const C b1 = (C)h.b1, b2 = (C)h.b2, eps = (C)h.eps;
+  const C nss = (C)(L.step_t[t] ? corr[0] : L.nss[t]), bc2s = (C)(L.step_t[t] ? corr[1] : L.bc2s[t]);
   T *__restrict__ p = (T *)L.p[t];
   const T *__restrict__ g = (const T *)L.g[t];
   T *__restrict__ m = (T *)L.m[t];
   T *__restrict__ v = (T *)L.v[t];
   T *__restrict__ vmax = (T *)L.vmax[t];
   for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS)
-    kc_adam_elem<T, C>(p, g, m, v, vmax, i, lr, wd, ss, bc2s, b1, b2, eps, h.decoupled, h.amsgrad);
+    kc_adam_elem<T, C>(p, g, m, v, vmax, i, h, nss, bc2s);
   if (!L.any_step) return;
   /* every block has read its step before it counts itself done: the last one advances them */
   __syncthreads();
@@ -189,14 +202,7 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
   const int w = kiln__adam_list_width(a);
   if (w < 0) return kiln_last_error();
   if (a->list_n == 0) return KILN_OK;
-  kc_adam_hpd h;
-  h.lr = a->s[0];
-  h.b1 = a->s[1];
-  h.b2 = a->s[2];
-  h.eps = a->s[3];
-  memcpy(&h.wd, &a->i[2], sizeof h.wd);
-  h.decoupled = (a->i[1] & 1) != 0;
-  h.amsgrad = ams;
+  kc_adam_hpd h = kc_adam_scalars(a);
   const kiln_dtype dt = a->list[1].dtype;
   for (int g0 = 0; g0 < a->list_n;) {
     kc_adam_list L;
@@ -220,8 +226,7 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
       L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
       L.numel[k] = n;
       const double step = (double)(a->list_i && a->list_i[g0 + k] > 0 ? a->list_i[g0 + k] : 1);
-      L.ss[k] = h.lr / (1.0 - pow(h.b1, step));
-      L.bc2s[k] = sqrt(1.0 - pow(h.b2, step));
+      kc_adam_corr(h, step, &L.nss[k], &L.bc2s[k]);
       blocks += (int)nb;
       L.block_end[k] = blocks;
       L.n = k + 1;

@@ -6,6 +6,7 @@
 #   make install    PREFIX=/usr/local
 #   make asan       build-asan/ with ASan+UBSan, and its tests
 #   make valgrind   the tests labelled `valgrind` under memcheck
+#   make ops-doc    regenerate docs/ops.md (the op x backend x dtype table) from this build
 #   make clean
 # Variables: BUILD_TYPE, KILN_CUDA (AUTO|ON|OFF), KILN_CUDA_ARCHS, JOBS, PREFIX, CMAKE_ARGS.
 
@@ -27,7 +28,7 @@ endif
 
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps configure build run test install asan valgrind clean
+.PHONY: all deps configure build run test install asan valgrind clean ops-doc
 
 all: build
 
@@ -54,6 +55,10 @@ run: build
 
 test: build
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS)
+
+# The harness's support mode over every test_ops_* program (tests/harness.h says how).
+ops-doc: build
+	./scripts/ops_doc.sh $(BUILD_DIR) docs/ops.md
 
 install: build
 	$(CMAKE) --install $(BUILD_DIR) --prefix $(PREFIX)

@@ -151,13 +151,14 @@ typedef struct kiln_device {
 
 KILN_API kiln_device kiln_device_cpu(void);
 KILN_API kiln_device kiln_device_cuda(int index);
-/* KILN_DEVICE from the environment if set and valid, else cuda:0 when CUDA is built and
-** a device works, else cpu. */
+/* KILN_DEVICE from the environment if set and valid, else device 0 of the best backend
+** that works (cuda:0 when CUDA is built and a device works), else cpu. */
 KILN_API kiln_device kiln_device_best(void);
-/* Parses "cpu", "cuda", "cuda:N". KILN_ERR_DEVICE (with a message) on anything else or a
-** device that does not exist. */
+/* Parses "cpu", "cuda", "cuda:N" (and "<name>", "<name>:N" for any other backend
+** registered). KILN_ERR_DEVICE (with a message) on anything else or a device that does
+** not exist. */
 KILN_API kiln_status kiln_device_parse(const char *s, kiln_device *out);
-/* "cpu" or "cuda:N" into buf (at least 16 bytes); returns buf. */
+/* "cpu" or "<backend>:N" ("cuda:0") into buf (at least 24 bytes); returns buf. */
 KILN_API const char *kiln_device_str(kiln_device dev, char *buf, size_t n);
 KILN_API bool kiln_device_equal(kiln_device a, kiln_device b);
 /* Number of devices of a type that work now (cpu: 1; cuda: 0 when unavailable). */
@@ -178,6 +179,14 @@ KILN_API double kiln_mark_elapsed_ms(kiln_mark *start, kiln_mark *stop);
 ** or thread-local string) says why. */
 KILN_API bool kiln_backend_built(kiln_device_type type);
 KILN_API bool kiln_backend_available(kiln_device_type type, const char **why);
+/* The backends this process has: the built-in ones (cpu first, then cuda when built) and
+** any registered at run time (those get type ids of their own, beyond the named values).
+** kiln_backend_type(i) is the i-th (0 <= i < kiln_backend_count(); -1 past the end);
+** kiln_backend_name(type) is the name its devices print and parse with ("cpu", "cuda";
+** NULL for an unknown type). */
+KILN_API int kiln_backend_count(void);
+KILN_API kiln_device_type kiln_backend_type(int i);
+KILN_API const char *kiln_backend_name(kiln_device_type type);
 
 /* Details of a device, for tools and logs. */
 typedef struct kiln_device_info {

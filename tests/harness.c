@@ -3,17 +3,38 @@
 */
 #include "harness.h"
 
+#include "backend_testdev.h"
+#include "core/kiln_int.h"
+
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define H_MAX_DEVS 16
+#define H_MAX_ROWS 256
+#define H_NDT 4 /* the support table's dtypes: f32 f64 f16 bf16 */
+
+/* A row of the support table: one case, each backend slot and dtype a cell. */
+typedef struct support_row {
+  char name[48];
+  char cell[KILN__MAX_BACKENDS][H_NDT]; /* 'Y' native, 'F' fell back, 'X' failed, '-' no dtype, 0 not run */
+  char fell[KILN__MAX_BACKENDS][192];   /* kernel ops that fell back, comma separated */
+  bool from_tables[KILN__MAX_BACKENDS]; /* judged from the kernel table, not run */
+} support_row;
 
 static struct {
   const char *name;
   int passed, failed;
   bool cross_only;
-  int n_cuda;
+  const char *only_backend; /* KILN_TEST_DEVICE=<name>: part (d) on that backend only */
+  int n_devs;               /* part (d)'s devices: every registered non-CPU backend's */
+  kiln_device devs[H_MAX_DEVS];
+  bool devs_test[H_MAX_DEVS]; /* a test-only backend: fallback allowed (see part (d)) */
+  bool support;               /* KILN_HARNESS_SUPPORT=1 / --support: the table, no checks */
+  int n_rows;
+  support_row rows[H_MAX_ROWS];
   uint64_t rng;
-} H = {"test", 0, 0, false, 0, 0x9e3779b97f4a7c15ull};
+} H = {.name = "test", .rng = 0x9e3779b97f4a7c15ull};
 
 /* ---------------------------------------------------------------- host RNG, shapes */
 
@@ -442,7 +463,8 @@ static void compare(const h_case *c, const variant *v, const char *part, kiln_dt
                     const double *got, const double *want, int64_t n, double rtol, double atol) {
   int64_t wi;
   double we, wt;
-  double floor_ = (strstr(part, "grad") || strstr(part, "cuda:")) ? 1.0 : 0.0;
+  /* cross-device parts are named "<device> ..." ("cuda:0 forward"): the only ones with a ':' */
+  double floor_ = (strstr(part, "grad") || strchr(part, ':')) ? 1.0 : 0.0;
   if (close_worst(got, want, n, rtol, atol, floor_, &wi, &we, &wt)) {
     H.passed++;
     return;
@@ -501,6 +523,145 @@ static int call_ref(const h_case *c, const vinput *vis, double *const *bases, h_
   return rc;
 }
 
+/* ---------------------------------------------------------------- support table */
+
+/* What the observer saw of one run: the kernel calls on the watched device, and for a
+** backend that cannot run here (built, no device), what its tables say of the CPU's. */
+typedef struct watch {
+  kiln_device dev;
+  const kiln__backend *judge; /* non-NULL: judge the CPU's calls by this backend's table */
+  int n_native, n_fell;
+  char fell[160];
+} watch;
+
+static void watch_call(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
+  watch *w = ctx;
+  if (!kiln_device_equal(dev, w->dev)) return;
+  if (w->judge)
+    native = w->judge->kernels[a->op] && (!w->judge->supports || w->judge->supports(a));
+  if (native) {
+    w->n_native++;
+    return;
+  }
+  w->n_fell++;
+  const char *name = kiln__kop_name(a->op);
+  char pat[40];
+  snprintf(pat, sizeof pat, ",%s,", name);
+  char have[170];
+  snprintf(have, sizeof have, ",%s,", w->fell);
+  if (strstr(have, pat)) return;
+  size_t k = strlen(w->fell);
+  snprintf(w->fell + k, sizeof w->fell - k, "%s%s", k ? "," : "", name);
+}
+
+static support_row *support_row_of(const char *name) {
+  for (int i = 0; i < H.n_rows; i++)
+    if (strcmp(H.rows[i].name, name) == 0) return &H.rows[i];
+  if (H.n_rows == H_MAX_ROWS) return NULL;
+  support_row *r = &H.rows[H.n_rows++];
+  memset(r, 0, sizeof *r);
+  snprintf(r->name, sizeof r->name, "%s", name);
+  return r;
+}
+
+static void run_once(const h_case *c, const vinput *vis, double *const *bases, kiln_dtype dt,
+                     kiln_device dev, const double *g, run_result *r);
+
+/* The contiguous variant, forward and backward, on every backend in each float dtype,
+** with the fallback policy silent and the dispatch observer counting what ran where. */
+static void support_variant(const h_case *c, const vinput *vis, double *const *bases,
+                            const double *g, bool float_out) {
+  support_row *row = support_row_of(c->name);
+  if (!row) return;
+  static const kiln_dtype dts[H_NDT] = {KILN_F32, KILN_F64, KILN_F16, KILN_BF16};
+  kiln_fallback_policy saved = kiln_fallback_policy_get();
+  kiln_set_fallback_policy(KILN_FALLBACK_SILENT);
+  for (int di = 0; di < H_NDT; di++) {
+    kiln_dtype dt = dts[di];
+    bool skip = (c->flags & H_NO_LOWP) && (dt == KILN_F16 || dt == KILN_BF16);
+    double *rb[H_MAX_IN] = {0};
+    round_bases(c, vis, bases, rb, dt);
+    bool grad = float_out && !(c->flags & H_NO_GRAD);
+    run_result rc;
+    run_once(c, vis, rb, dt, kiln_device_cpu(), grad ? g : NULL, &rc);
+    bool cpu_ok = rc.ok && rc.bwd_ok;
+    result_free(&rc);
+    for (int bi = 0; bi < kiln__backend_count() && bi < KILN__MAX_BACKENDS; bi++) {
+      kiln_device_type t;
+      const kiln__backend *b = kiln__backend_at(bi, &t);
+      if (skip || !cpu_ok) {
+        row->cell[bi][di] = '-';
+        continue;
+      }
+      watch w = {.dev = {t, 0}};
+      kiln_device run_on = w.dev;
+      if (t != KILN_DEVICE_CPU && kiln_device_count(t) == 0) { /* built, no device here */
+        w.dev = run_on = kiln_device_cpu();
+        w.judge = b;
+        row->from_tables[bi] = true;
+      }
+      run_result r;
+      kiln__dispatch_observe(watch_call, &w);
+      run_once(c, vis, rb, dt, run_on, grad ? g : NULL, &r);
+      kiln__dispatch_observe(NULL, NULL);
+      row->cell[bi][di] = !(r.ok && r.bwd_ok) ? 'X' : w.n_fell ? 'F' : 'Y';
+      if (w.n_fell) {
+        char *tok = strtok(w.fell, ",");
+        for (; tok; tok = strtok(NULL, ",")) {
+          char have[200], pat[40];
+          snprintf(have, sizeof have, ",%s,", row->fell[bi]);
+          for (char *p = have; *p; p++)
+            if (*p == ' ') memmove(p, p + 1, strlen(p)); /* ", " separators -> "," */
+          snprintf(pat, sizeof pat, ",%s,", tok);
+          if (strstr(have, pat)) continue;
+          size_t k = strlen(row->fell[bi]);
+          snprintf(row->fell[bi] + k, sizeof row->fell[bi] - k, "%s%s", k ? ", " : "", tok);
+        }
+      }
+      result_free(&r);
+    }
+    free_bases(c->n_in, rb);
+  }
+  kiln_set_fallback_policy(saved);
+  kiln_clear_error();
+}
+
+/* The table as Markdown rows (scripts/ops_doc.sh adds the page around them). */
+static void support_print(void) {
+  int nb = kiln__backend_count();
+  if (nb > KILN__MAX_BACKENDS) nb = KILN__MAX_BACKENDS;
+  printf("| case |");
+  for (int bi = 0; bi < nb; bi++) {
+    const kiln__backend *b = kiln__backend_at(bi, NULL);
+    bool tables = false;
+    for (int r = 0; r < H.n_rows; r++) tables |= H.rows[r].from_tables[bi];
+    printf(" %s%s |", b->name, tables ? " (tables)" : "");
+  }
+  printf(" kernels that fall back |\n|---|");
+  for (int bi = 0; bi < nb; bi++) printf("---|");
+  printf("---|\n");
+  for (int r = 0; r < H.n_rows; r++) {
+    support_row *row = &H.rows[r];
+    printf("| %s |", row->name);
+    for (int bi = 0; bi < nb; bi++) {
+      printf(" ");
+      for (int di = 0; di < H_NDT; di++) {
+        char ch = row->cell[bi][di];
+        printf("%s", ch == 'Y' ? "✓" : ch == 'F' ? "F" : ch == 'X' ? "✗" : "·");
+      }
+      printf(" |");
+    }
+    printf(" ");
+    bool any = false;
+    for (int bi = 0; bi < nb; bi++)
+      if (row->fell[bi][0]) {
+        printf("%s%s: %s", any ? "; " : "", kiln__backend_at(bi, NULL)->name, row->fell[bi]);
+        any = true;
+      }
+    printf(" |\n");
+  }
+}
+
 static void run_variant(const h_case *c, const variant *v) {
   vinput vis[H_MAX_IN];
   double *bases[H_MAX_IN] = {0};
@@ -526,6 +687,7 @@ static void run_variant(const h_case *c, const variant *v) {
 
   /* (a) forward f64 against the reference; gives the output shape for the rest */
   run_once(c, vis, bases, KILN_F64, cpu, NULL, &r64);
+  if (ref_rc == 1 && H.support) goto done;
   if (ref_rc == 1) {
     if (!H.cross_only) {
       if (r64.ok) fail_line(c, v, "forward", KILN_F64, "expected an error, got a result");
@@ -536,10 +698,10 @@ static void run_variant(const h_case *c, const variant *v) {
     goto done;
   }
   if (!r64.ok) {
-    fail_line(c, v, "forward", KILN_F64, "failed: %s", r64.err);
+    if (!H.support) fail_line(c, v, "forward", KILN_F64, "failed: %s", r64.err);
     goto done;
   }
-  if (!H.cross_only && ref_rc == 0) {
+  if (!H.cross_only && !H.support && ref_rc == 0) {
     char b1[96], b2[96];
     if (!same_shape(r64.ndim, r64.shape, ref.ndim, ref.shape))
       fail_line(c, v, "shape", KILN_F64, "got %s want %s", h_shape_text(r64.ndim, r64.shape, b1, 96),
@@ -552,6 +714,11 @@ static void run_variant(const h_case *c, const variant *v) {
 
   double *g = malloc(sizeof(double) * (size_t)(r64.n_out ? r64.n_out : 1));
   for (int64_t k = 0; k < r64.n_out; k++) g[k] = h_rand_normal();
+  if (H.support) {
+    support_variant(c, vis, bases, g, !int_out);
+    free(g);
+    goto done;
+  }
 
   /* (b) lower precision against kiln's f64 on the same rounded inputs */
   static const kiln_dtype lowp[] = {KILN_F32, KILN_F16, KILN_BF16, KILN_I32, KILN_I64};
@@ -637,9 +804,18 @@ static void run_variant(const h_case *c, const variant *v) {
     result_free(&ra);
   }
 
-  /* (d) every other device against the CPU in the same dtype */
-  for (int d = 0; d < H.n_cuda; d++) {
-    kiln_device dev = kiln_device_cuda(d);
+  /* (d) every other device against the CPU in the same dtype. A real backend runs with
+  ** the fallback policy at error, so a kernel it lacks fails the case (naming op, device
+  ** and dtype) instead of comparing the CPU with itself. A test-only backend (testdev,
+  ** which has six kernels) runs with fallback allowed: everything it lacks goes through
+  ** the CPU fallback, and the results must still match, which tests the fallback path
+  ** (staging, strided copies back) on every op and variant. */
+  kiln_fallback_policy saved_policy = kiln_fallback_policy_get();
+  for (int d = 0; d < H.n_devs; d++) {
+    kiln_device dev = H.devs[d];
+    char dname[24];
+    kiln_device_str(dev, dname, sizeof dname);
+    kiln_set_fallback_policy(H.devs_test[d] ? KILN_FALLBACK_SILENT : KILN_FALLBACK_ERROR);
     static const kiln_dtype xdt[] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
     for (int xi = 0; xi < 4; xi++) {
       kiln_dtype dt = xdt[xi];
@@ -651,7 +827,7 @@ static void run_variant(const h_case *c, const variant *v) {
       run_once(c, vis, rb, dt, cpu, grad ? g : NULL, &rc);
       run_once(c, vis, rb, dt, dev, grad ? g : NULL, &rg);
       char part[48];
-      snprintf(part, sizeof part, "cuda:%d forward", d);
+      snprintf(part, sizeof part, "%s forward", dname);
       double rtol, atol;
       h_dtype_tol(int_out ? KILN_I64 : dt, &rtol, &atol);
       rtol *= tol_scale(c), atol *= tol_scale(c);
@@ -662,12 +838,12 @@ static void run_variant(const h_case *c, const variant *v) {
       else {
         compare(c, v, part, dt, rg.out, rc.out, rc.n_out, rtol, atol);
         if (grad && !rg.bwd_ok) {
-          snprintf(part, sizeof part, "cuda:%d backward", d);
+          snprintf(part, sizeof part, "%s backward", dname);
           fail_line(c, v, part, dt, "%s", rg.err);
         } else if (grad) {
           for (int i = 0; i < c->n_in; i++) {
             if (!rc.grad[i]) continue;
-            snprintf(part, sizeof part, "cuda:%d grad[%d]", d, i);
+            snprintf(part, sizeof part, "%s grad[%d]", dname, i);
             if (!rg.grad[i] || rg.n_grad[i] != rc.n_grad[i])
               fail_line(c, v, part, dt, "missing or wrongly shaped gradient");
             else compare(c, v, part, dt, rg.grad[i], rc.grad[i], rc.n_grad[i], rtol, atol);
@@ -678,6 +854,7 @@ static void run_variant(const h_case *c, const variant *v) {
       free_bases(c->n_in, rb);
     }
   }
+  kiln_set_fallback_policy(saved_policy);
   free(g);
 done:
   free(ref.data);
@@ -686,7 +863,15 @@ done:
 }
 
 void h_run_case(const h_case *c) {
-  if (H.cross_only && H.n_cuda == 0) return;
+  if (H.support) {
+    variant v = {.kind = V_CONTIG};
+    snprintf(v.name, sizeof v.name, "contiguous");
+    memcpy(v.sym, c->sym, sizeof c->sym);
+    run_variant(c, &v);
+    kiln_clear_error();
+    return;
+  }
+  if (H.cross_only && H.n_devs == 0) return;
   int64_t live0 = kiln_live_tensors();
   int used[H_MAX_SYM] = {0};
   for (int i = 0; i < c->n_in; i++) {
@@ -745,25 +930,65 @@ void h_run_cases(const h_case *cs, int n) {
 
 /* ---------------------------------------------------------------- init / finish */
 
+/* Part (d)'s devices: every device of every registered backend but the CPU. The test
+** backend is registered here (KILN_HARNESS_TESTDEV=0 leaves it out); a cross-only run
+** (--cross-only, KILN_TEST_DEVICE=<backend>) uses the real backends only, or the one
+** named. */
+static void find_devices(void) {
+  const char *td = getenv("KILN_HARNESS_TESTDEV");
+  kiln_device_type test_type = KILN__DEVICE_TYPE_ANY;
+  if (!td || strcmp(td, "0") != 0) test_type = h_testdev_register();
+  H.n_devs = 0;
+  for (int i = 0; i < kiln_backend_count(); i++) {
+    kiln_device_type t = kiln_backend_type(i);
+    const char *name = kiln_backend_name(t);
+    bool is_test = t == test_type;
+    if (t == KILN_DEVICE_CPU) continue;
+    if (H.only_backend ? strcmp(H.only_backend, name) != 0 : (H.cross_only && is_test)) continue;
+    int n = kiln_device_count(t);
+    for (int d = 0; d < n && H.n_devs < H_MAX_DEVS; d++) {
+      H.devs[H.n_devs] = (kiln_device){t, d};
+      H.devs_test[H.n_devs++] = is_test;
+    }
+  }
+  kiln_clear_error();
+}
+
 void h_init(int argc, char **argv, const char *test_name) {
   H.name = test_name;
   const char *e = getenv("KILN_TEST_DEVICE");
-  if (e && strncmp(e, "cuda", 4) == 0) H.cross_only = true;
-  for (int i = 1; i < argc; i++)
+  if (e && *e && strcmp(e, "cpu") != 0) {
+    H.cross_only = true;
+    static char only[24];
+    snprintf(only, sizeof only, "%.*s", (int)strcspn(e, ":"), e); /* "cuda:0" -> "cuda" */
+    H.only_backend = only;
+  }
+  for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--cross-only") == 0) H.cross_only = true;
-  H.n_cuda = kiln_device_count(KILN_DEVICE_CUDA);
-  if (H.n_cuda < 0) H.n_cuda = 0;
-  kiln_clear_error();
+    if (strcmp(argv[i], "--support") == 0) H.support = true;
+  }
+  const char *sup = getenv("KILN_HARNESS_SUPPORT");
+  if (sup && *sup && strcmp(sup, "0") != 0) H.support = true;
+  find_devices();
   setvbuf(stdout, NULL, _IOLBF, 0);
 }
 
-void h_set_cross_only(bool on) { H.cross_only = on; }
+void h_set_cross_only(bool on) {
+  H.cross_only = on;
+  find_devices(); /* a cross-only run leaves the test backend out */
+}
+
+bool h_support_mode(void) { return H.support; }
 
 bool h_cross_only(void) { return H.cross_only; }
 
 int h_finish(void) {
-  if (H.cross_only && H.n_cuda == 0) {
-    printf("%s: skipped (no CUDA device)\n", H.name);
+  if (H.support) {
+    support_print();
+    return 0;
+  }
+  if (H.cross_only && H.n_devs == 0) {
+    printf("%s: skipped (no %s device)\n", H.name, H.only_backend ? H.only_backend : "non-CPU");
     return 77;
   }
   printf("%s: %d passed, %d failed\n", H.name, H.passed, H.failed);

@@ -11,8 +11,12 @@
 **       input rounding);
 **   (c) gradcheck in f64: backward with a random upstream gradient g against central
 **       differences of sum(out * g), eps 1e-6, for every differentiable input;
-**   (d) cross-backend: for every CUDA device, the same inputs copied over, forward and
-**       backward, compared to the CPU in the same dtype.
+**   (d) cross-backend: for every device of every registered backend but the CPU (CUDA,
+**       and the test-only backend testdev that h_init registers), the same inputs copied
+**       over, forward and backward, compared to the CPU in the same dtype. Real backends
+**       run under KILN_FALLBACK=error, so a missing kernel fails the case (the message
+**       names op, device and dtype); testdev, which has six kernels, runs with fallback
+**       allowed, so every op and variant also checks the CPU fallback path.
 ** Variants: contiguous; non-contiguous (the input is a transposed view of a buffer laid
 ** out the other way, or a step-2 slice for 1-d); expanded (a stride-0 view of a base
 ** whose dim 0 is 1); broadcast (for broadcasting ops: one input gets dim 0 = 1, or loses
@@ -30,8 +34,16 @@
 ** match. Integer and bool outputs must match exactly.
 **     f64 1e-10/1e-10, f32 1e-5/1e-5, f16 1e-2/5e-3, bf16 3e-2/3e-2 (times tol_scale).
 **
-** KILN_TEST_DEVICE=cuda (or the argument --cross-only) runs only part (d); with no CUDA
-** device the test then exits 77 (ctest SKIP_RETURN_CODE).
+** KILN_TEST_DEVICE=cuda (or any backend's name; or the argument --cross-only: every real
+** backend) runs only part (d); with no such device the test then exits 77 (ctest
+** SKIP_RETURN_CODE). KILN_HARNESS_TESTDEV=0 leaves testdev out.
+**
+** Support mode (KILN_HARNESS_SUPPORT=1 or --support) checks nothing: each case's
+** contiguous variant runs forward and backward on every registered backend in f32, f64,
+** f16 and bf16 with the fallback policy silent, a dispatch observer records whether every
+** kernel ran natively, and h_finish prints a Markdown table (docs/ops.md, `make ops-doc`).
+** A backend that is built but has no device here is judged from its kernel table and its
+** supports() callback on the kernel calls of the CPU run, and marked "(tables)".
 */
 #ifndef KILN_TEST_HARNESS_H
 #define KILN_TEST_HARNESS_H
@@ -111,6 +123,7 @@ void h_init(int argc, char **argv, const char *test_name);
 int h_finish(void);
 bool h_cross_only(void);
 void h_set_cross_only(bool on);
+bool h_support_mode(void); /* KILN_HARNESS_SUPPORT=1 / --support: hand-written checks skip */
 void h_run_case(const h_case *c);
 void h_run_cases(const h_case *cs, int n);
 

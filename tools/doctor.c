@@ -22,6 +22,7 @@
 #define SMOKE_N 256
 #define BW_BYTES (64 << 20)
 #define MAX_CUDA 16
+#define MAX_BACKENDS 8
 #define MAX_PROBLEMS 16
 /* A 256-term f32 dot product of N(0,1) values: the expected rounding error is ~1e-5, a
 ** blocked or FMA BLAS differs from the naive loop by about that; 1e-3 leaves a wide
@@ -63,7 +64,8 @@ typedef struct doctor {
     bool built, available;
     const char *why;
     int count;
-  } be[2];
+  } be[MAX_BACKENDS]; /* [0] cpu, [1] cuda (built or not), then any other registered */
+  int nbe;
   char default_device[32];
   char cpu_model[256];
   long cores;
@@ -343,7 +345,7 @@ static void print_json(const doctor *d) {
   cli_json_string(&j, "header_version", KILN_VERSION);
   cli_json_string(&j, "build", d->build);
   cli_json_array_begin(&j, "backends");
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < d->nbe; i++) {
     cli_json_object_begin(&j, NULL);
     cli_json_string(&j, "name", d->be[i].name);
     cli_json_bool(&j, "built", d->be[i].built);
@@ -434,7 +436,7 @@ static void print_text(const doctor *d) {
   const char *bh[] = {"backend", "built", "available", "devices", "reason"};
   cli_table *t = cli_table_new(5, bh);
   cli_table_align_right(t, 3);
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < d->nbe; i++) {
     snprintf(b2, sizeof b2, "%d", d->be[i].count);
     const char *row[] = {d->be[i].name, d->be[i].built ? "yes" : "no",
                          d->be[i].available ? "yes" : "no", b2,
@@ -588,10 +590,17 @@ int cli_doctor(int argc, char **argv) {
   d->version_match = !strcmp(d->version, KILN_VERSION);
   d->build = kiln_build_info();
   blas_from_build(d->build, d->blas, sizeof d->blas);
-  const char *names[2] = {"cpu", "cuda"};
-  for (int i = 0; i < 2; i++) {
-    kiln_device_type ty = i == 0 ? KILN_DEVICE_CPU : KILN_DEVICE_CUDA;
-    d->be[i].name = names[i];
+  /* cpu and cuda always (cuda's row says why it is missing), then whatever else the
+  ** registry holds, in its order */
+  kiln_device_type types[MAX_BACKENDS] = {KILN_DEVICE_CPU, KILN_DEVICE_CUDA};
+  d->nbe = 2;
+  for (int i = 0; i < kiln_backend_count() && d->nbe < MAX_BACKENDS; i++) {
+    kiln_device_type ty = kiln_backend_type(i);
+    if (ty != KILN_DEVICE_CPU && ty != KILN_DEVICE_CUDA) types[d->nbe++] = ty;
+  }
+  for (int i = 0; i < d->nbe; i++) {
+    kiln_device_type ty = types[i];
+    d->be[i].name = kiln_backend_name(ty);
     d->be[i].type = ty;
     d->be[i].built = kiln_backend_built(ty);
     d->be[i].why = NULL;

@@ -195,8 +195,45 @@ typedef struct kiln__kargs {
 
 typedef kiln_status (*kiln__kernel_fn)(const kiln__kargs *a);
 
+/* Optional graph capture (kiln_graph_capture). A backend without it leaves
+** kiln__backend.graph NULL: capture then only records the step and replay calls it (what
+** the CPU does). Between begin and end, kernels queued on the device are recorded, not run;
+** end instantiates them as an executable graph (an opaque pointer) that launch replays. */
+typedef struct kiln__backend_graph {
+  kiln_status (*begin)(int device);
+  kiln_status (*end)(int device, void **exec);
+  kiln_status (*launch)(int device, void *exec);
+  void (*free)(void *exec); /* NULL is a no-op */
+  /* node count and longest dependent chain (-1 unknown); may be NULL */
+  void (*shape)(const void *exec, int *nodes, int *depth);
+  bool (*capturing)(int device); /* whether a capture is in progress on the device */
+} kiln__backend_graph;
+
+/* Optional asynchronous host->device copies, for the data loader's copier
+** (src/data/copier.c). A backend without them leaves kiln__backend.async NULL and the
+** loader copies batches with plain kiln_to_device. Events are opaque pointers of the
+** device; "the stream" is the device's queue of kernels, "the side stream" a second queue
+** that only meets it through events. */
+typedef struct kiln__backend_async {
+  kiln_status (*host_alloc)(int device, void **p, size_t n); /* pinned host memory */
+  void (*host_free)(void *p);                                /* NULL is a no-op */
+  kiln_status (*event_new)(int device, void **ev);
+  void (*event_free)(void *ev);                              /* NULL is a no-op */
+  kiln_status (*event_record)(int device, void *ev);         /* on the stream */
+  kiln_status (*event_wait)(int device, void *ev);           /* the stream waits for ev */
+  kiln_status (*event_synchronize)(void *ev);                /* the host waits for ev */
+  /* Queues a copy on the side stream and returns at once; src is pinned and untouched
+  ** until an event recorded on the side stream after it has completed. */
+  kiln_status (*side_copy_from_host)(int device, void *dst, const void *src, size_t n);
+  kiln_status (*side_event_record)(int device, void *ev);    /* on the side stream */
+  kiln_status (*side_event_wait)(int device, void *ev);      /* side stream waits for ev */
+} kiln__backend_async;
+
 typedef struct kiln__backend {
-  const char *name;           /* "cpu", "cuda" */
+  const char *name;           /* "cpu", "cuda": devices print and parse as "<name>:N" */
+  /* A named value of kiln_device_type (CPU, CUDA, later ones at the enum's end), or
+  ** KILN__DEVICE_TYPE_ANY for a backend registered at run time: the registry gives it
+  ** a type id of its own (kiln__backend_register). */
   kiln_device_type type;
   bool host_visible;          /* device memory is addressable by the CPU */
 
@@ -221,7 +258,9 @@ typedef struct kiln__backend {
   /* Kernels: NULL means "not implemented here" (the op layer falls back to the CPU). */
   kiln__kernel_fn kernels[KILN__K_COUNT];
   /* Optional finer check: whether kernels[op] handles these arguments (e.g. dtypes).
-  ** NULL means every dtype the op layer allows. */
+  ** NULL means every dtype the op layer allows. It looks at dtypes, shapes and scalars
+  ** only, never at the data, so it may be asked about views of another device (the
+  ** harness's support table does). */
   bool (*supports)(const kiln__kargs *a);
 
   /* Optional device timing (KILN_PROFILE=device): mark() puts a timestamp on the device's
@@ -231,10 +270,53 @@ typedef struct kiln__backend {
   ** kernel call is already its device time (the CPU). */
   void *(*mark)(int device);
   double (*elapsed_ms)(int device, void *start, void *stop);
+
+  /* Everything below may be NULL; the caller then does the plain thing. */
+  const kiln__backend_graph *graph; /* NULL: capture records, replay calls the step */
+  const kiln__backend_async *async; /* NULL: the loader copies synchronously */
+  /* kiln_device_info_get; NULL: only the name field, "<name> device". */
+  kiln_status (*device_info)(int device, kiln_device_info *out);
+  /* kiln_device_bandwidth; NULL: KILN_ERR_UNSUPPORTED. */
+  kiln_status (*bandwidth)(int device, double *h2d_gbs, double *d2h_gbs);
+  /* kiln_device_best picks the available backend of the highest rank > 0 (CUDA: 100);
+  ** 0: never picked by itself (the CPU, which is the default anyway; test backends). */
+  int best_rank;
 } kiln__backend;
 
-/* The registered backends (NULL when not built). */
+/* ---- the registry (src/backend/registry.c) ----
+** A fixed table of KILN__MAX_BACKENDS backends: the built-in ones (cpu, then cuda when
+** built) come from a static list in registry.c; others register at run time, before
+** their first use (a test backend, a plug-in). Lookups are lock-free; registering takes
+** a lock. */
+#define KILN__MAX_BACKENDS 8
+/* Type ids: named kiln_device_type values are below KILN__DEVICE_TYPE_DYNAMIC; run-time
+** registrations get ids from it upward, so the public enum can grow (Vulkan, Metal)
+** without colliding. */
+#define KILN__DEVICE_TYPE_DYNAMIC 16
+#define KILN__DEVICE_TYPE_LIMIT (KILN__DEVICE_TYPE_DYNAMIC + KILN__MAX_BACKENDS)
+#define KILN__DEVICE_TYPE_ANY ((kiln_device_type)-1)
+
+/* Registers b (which must outlive the process: a static object) and returns its type id:
+** b->type when that is a named value, else a new id. Registering the same b again returns
+** its id. -1 (cast) with the last error set when the table is full, the name is taken, b
+** lacks a required entry (name, alloc, free, the copies) or b->type is taken by another. */
+kiln_device_type kiln__backend_register(const kiln__backend *b);
+/* The backend of a type id (NULL when none is registered). */
 const kiln__backend *kiln__backend_get(kiln_device_type type);
+/* The backend named name ("cuda"), NULL when none; *type gets its id. */
+const kiln__backend *kiln__backend_find(const char *name, kiln_device_type *type);
+/* Iteration in registration order (cpu is 0): the count, and the i-th backend and id. */
+int kiln__backend_count(void);
+const kiln__backend *kiln__backend_at(int i, kiln_device_type *type);
+/* The registry slot (0 .. KILN__MAX_BACKENDS-1) of a type id, -1 when not registered:
+** per-backend state elsewhere (probes, profiles, test hooks) is indexed by it. */
+int kiln__backend_slot(kiln_device_type type);
+/* Name of a type id for messages and parsing: a registered backend's, else the named
+** enum value's ("cuda" when kiln was built without it); NULL when unknown. */
+const char *kiln__device_type_name(kiln_device_type type);
+/* Why a named type has no backend ("kiln was built without CUDA ..."); NULL if unknown. */
+const char *kiln__backend_missing_why(kiln_device_type type);
+/* The CPU backend: the host, and the fallback of every other backend. */
 extern const kiln__backend kiln__cpu_backend;
 #ifdef KILN_HAVE_CUDA
 extern const kiln__backend kiln__cuda_backend;

@@ -36,10 +36,11 @@ bool kiln_device_equal(kiln_device a, kiln_device b) {
 
 const char *kiln_device_str(kiln_device dev, char *buf, size_t n) {
   if (!buf || n == 0) return buf;
+  const char *name = kiln__device_type_name(dev.type);
   if (dev.type == KILN_DEVICE_CPU)
     snprintf(buf, n, "cpu");
-  else if (dev.type == KILN_DEVICE_CUDA)
-    snprintf(buf, n, "cuda:%d", dev.index);
+  else if (name)
+    snprintf(buf, n, "%s:%d", name, dev.index);
   else
     snprintf(buf, n, "device(%d:%d)", (int)dev.type, dev.index);
   return buf;
@@ -52,38 +53,46 @@ const char *kiln__device_cstr(kiln_device dev) {
   return kiln_device_str(dev, b, 24);
 }
 
-/* ---- availability, probed once per backend ---- */
-static pthread_once_t probe_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
-static bool probe_ok[2];
-static const char *probe_why[2];
+/* ---- the registry, publicly ---- */
+int kiln_backend_count(void) { return kiln__backend_count(); }
 
-static void probe_type(int t) {
-  const kiln__backend *b = kiln__backend_get((kiln_device_type)t);
-  if (!b) {
-    probe_ok[t] = false;
-    probe_why[t] = t == KILN_DEVICE_CUDA ? "kiln was built without CUDA (configure with KILN_CUDA=ON "
-                                           "on a machine with the CUDA toolkit)"
-                                         : "backend not built";
-    return;
-  }
-  const char *why = NULL;
-  kiln_status st = b->probe ? b->probe(&why) : KILN_OK;
-  probe_ok[t] = st == KILN_OK;
-  probe_why[t] = probe_ok[t] ? NULL : (why ? why : "the backend's probe failed");
+kiln_device_type kiln_backend_type(int i) {
+  kiln_device_type t;
+  return kiln__backend_at(i, &t) ? t : KILN__DEVICE_TYPE_ANY;
 }
-static void probe_cpu(void) { probe_type(KILN_DEVICE_CPU); }
-static void probe_cuda(void) { probe_type(KILN_DEVICE_CUDA); }
+
+const char *kiln_backend_name(kiln_device_type type) { return kiln__device_type_name(type); }
+
+/* ---- availability, probed once per backend (per registry slot) ---- */
+static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int probe_state[KILN__MAX_BACKENDS]; /* 0 not yet, 1 works, 2 does not */
+static const char *probe_why[KILN__MAX_BACKENDS];
 
 bool kiln_backend_built(kiln_device_type type) { return kiln__backend_get(type) != NULL; }
 
 bool kiln_backend_available(kiln_device_type type, const char **why) {
-  if (type != KILN_DEVICE_CPU && type != KILN_DEVICE_CUDA) {
-    if (why) *why = "unknown device type";
+  int slot = kiln__backend_slot(type);
+  if (slot < 0) {
+    const char *w = kiln__backend_missing_why(type);
+    if (why) *why = w ? w : "unknown device type";
     return false;
   }
-  pthread_once(&probe_once[type], type == KILN_DEVICE_CPU ? probe_cpu : probe_cuda);
-  if (why) *why = probe_why[type];
-  return probe_ok[type];
+  int state = atomic_load_explicit(&probe_state[slot], memory_order_acquire);
+  if (state == 0) {
+    pthread_mutex_lock(&probe_lock);
+    state = atomic_load_explicit(&probe_state[slot], memory_order_relaxed);
+    if (state == 0) {
+      const kiln__backend *b = kiln__backend_get(type);
+      const char *w = NULL;
+      kiln_status st = b->probe ? b->probe(&w) : KILN_OK;
+      probe_why[slot] = st == KILN_OK ? NULL : (w ? w : "the backend's probe failed");
+      state = st == KILN_OK ? 1 : 2;
+      atomic_store_explicit(&probe_state[slot], state, memory_order_release);
+    }
+    pthread_mutex_unlock(&probe_lock);
+  }
+  if (why) *why = probe_why[slot];
+  return state == 1;
 }
 
 int kiln_device_count(kiln_device_type type) {
@@ -94,43 +103,63 @@ int kiln_device_count(kiln_device_type type) {
 
 static kiln_status check_device(kiln_device d, const char *what) {
   if (d.type == KILN_DEVICE_CPU) return KILN_OK;
-  if (d.type != KILN_DEVICE_CUDA)
-    return kiln_set_error(KILN_ERR_DEVICE, "%s: unknown device type %d", what, (int)d.type);
+  const char *name = kiln__device_type_name(d.type);
+  if (!name) return kiln_set_error(KILN_ERR_DEVICE, "%s: unknown device type %d", what, (int)d.type);
   const char *why = NULL;
-  if (!kiln_backend_available(KILN_DEVICE_CUDA, &why))
-    return kiln_set_error(KILN_ERR_UNAVAILABLE, "%s: cuda is not available: %s", what,
+  if (!kiln_backend_available(d.type, &why))
+    return kiln_set_error(KILN_ERR_UNAVAILABLE, "%s: %s is not available: %s", what, name,
                           why ? why : "unknown reason");
-  int n = kiln_device_count(KILN_DEVICE_CUDA);
+  int n = kiln_device_count(d.type);
   if (d.index < 0 || d.index >= n)
-    return kiln_set_error(KILN_ERR_DEVICE, "%s: no device cuda:%d (%d CUDA device%s visible)",
-                          what, d.index, n, n == 1 ? "" : "s");
+    return kiln_set_error(KILN_ERR_DEVICE, "%s: no device %s:%d (%d %s device%s visible)", what, name,
+                          d.index, n, name, n == 1 ? "" : "s");
   return KILN_OK;
 }
 
 kiln_status kiln__check_device(kiln_device d, const char *what) { return check_device(d, what); }
 
+/* "cpu, cuda or cuda:N, testdev or testdev:N": the names a device string may use. */
+static const char *device_forms(char *buf, size_t n) {
+  size_t k = (size_t)snprintf(buf, n, "cpu");
+  for (int t = 1; t < KILN__DEVICE_TYPE_LIMIT && k < n; t++) {
+    const char *name = kiln__device_type_name((kiln_device_type)t);
+    if (name) k += (size_t)snprintf(buf + k, n - k, ", %s or %s:N", name, name);
+  }
+  return buf;
+}
+
 kiln_status kiln_device_parse(const char *s, kiln_device *out) {
   if (!s || !out) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_device_parse: NULL argument");
-  kiln_device d;
-  if (strcmp(s, "cpu") == 0) {
-    d = kiln_device_cpu();
-  } else if (strcmp(s, "cuda") == 0) {
-    d = kiln_device_cuda(0);
-  } else if (strncmp(s, "cuda:", 5) == 0 && s[5] >= '0' && s[5] <= '9') {
-    char *end = NULL;
-    long idx = strtol(s + 5, &end, 10);
-    if (*end != 0 || idx > 1024)
-      return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: '%s' is not a device (use cpu, cuda or cuda:N)", s);
-    d = kiln_device_cuda((int)idx);
-  } else {
-    return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: '%s' is not a device (use cpu, cuda or cuda:N)", s);
+  char forms[256];
+  kiln_device d = kiln_device_cpu();
+  if (strcmp(s, "cpu") != 0) {
+    /* "<name>" or "<name>:N", name a registered backend's or a named type's */
+    size_t len = strcspn(s, ":");
+    kiln_device_type type = KILN__DEVICE_TYPE_ANY;
+    for (int t = 1; t < KILN__DEVICE_TYPE_LIMIT; t++) {
+      const char *name = kiln__device_type_name((kiln_device_type)t);
+      if (name && strlen(name) == len && strncmp(s, name, len) == 0) type = (kiln_device_type)t;
+    }
+    long idx = 0;
+    bool ok = type != KILN__DEVICE_TYPE_ANY;
+    if (ok && s[len] == ':') {
+      char *end = NULL;
+      ok = s[len + 1] >= '0' && s[len + 1] <= '9';
+      if (ok) idx = strtol(s + len + 1, &end, 10);
+      ok = ok && *end == 0 && idx <= 1024;
+    }
+    if (!ok)
+      return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: '%s' is not a device (use %s)", s,
+                            device_forms(forms, sizeof forms));
+    d.type = type;
+    d.index = (int)idx;
   }
   kiln_status st = check_device(d, "kiln_device_parse");
   if (st == KILN_ERR_UNAVAILABLE) {
     const char *why = NULL;
-    kiln_backend_available(KILN_DEVICE_CUDA, &why);
-    return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: no device %s: cuda is not available (%s)", s,
-                          why ? why : "unknown reason");
+    kiln_backend_available(d.type, &why);
+    return kiln_set_error(KILN_ERR_DEVICE, "kiln_device_parse: no device %s: %s is not available (%s)", s,
+                          kiln__device_type_name(d.type), why ? why : "unknown reason");
   }
   if (st != KILN_OK) return st;
   *out = d;
@@ -145,8 +174,18 @@ kiln_device kiln_device_best(void) {
     fprintf(stderr, "kiln: KILN_DEVICE=%s ignored: %s\n", env, kiln_last_error_message());
     kiln_clear_error();
   }
-  if (kiln_device_count(KILN_DEVICE_CUDA) > 0) return kiln_device_cuda(0);
-  return kiln_device_cpu();
+  kiln_device best = kiln_device_cpu();
+  int rank = 0;
+  for (int i = 0, n = kiln__backend_count(); i < n; i++) {
+    kiln_device_type t;
+    const kiln__backend *b = kiln__backend_at(i, &t);
+    if (b && b->best_rank > rank && kiln_device_count(t) > 0) {
+      rank = b->best_rank;
+      best.type = t;
+      best.index = 0;
+    }
+  }
+  return best;
 }
 
 kiln_status kiln_device_synchronize(kiln_device dev) {
@@ -246,61 +285,15 @@ const char *kiln__getenv(const char *name) {
 }
 
 /* ---- device details ---- */
-#ifdef KILN_HAVE_CUDA
-#include "../backend/cuda/cuda_api.h"
-#endif
-
-static void cpu_model(char *buf, size_t n) {
-  snprintf(buf, n, "unknown CPU");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) == 0) {
-      char *c = strchr(line, ':');
-      if (c) {
-        c++;
-        while (*c == ' ') c++;
-        c[strcspn(c, "\n")] = 0;
-        snprintf(buf, n, "%s", c);
-      }
-      break;
-    }
-  }
-  fclose(f);
-}
-
 kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out) {
   if (!out) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_device_info_get: NULL out");
   kiln_status st = check_device(dev, "kiln_device_info_get");
   if (st != KILN_OK) return st;
   memset(out, 0, sizeof *out);
-  if (dev.type == KILN_DEVICE_CPU) {
-    cpu_model(out->name, sizeof out->name);
-    long c = sysconf(_SC_NPROCESSORS_ONLN);
-    out->multiprocessors = c > 0 ? (int)c : 1;
-    long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    if (pages > 0 && psz > 0) out->total_memory = (int64_t)pages * psz;
-    if (avail > 0 && psz > 0) out->free_memory = (int64_t)avail * psz;
-    return KILN_OK;
-  }
-#ifdef KILN_HAVE_CUDA
-  kiln__cuda_info ci;
-  st = kiln__cuda_device_info(dev.index, &ci);
-  if (st != KILN_OK) return st;
-  snprintf(out->name, sizeof out->name, "%s", ci.name);
-  out->compute_major = ci.major;
-  out->compute_minor = ci.minor;
-  out->multiprocessors = ci.multiprocessors;
-  out->total_memory = ci.total_mem;
-  out->free_memory = ci.free_mem;
-  out->driver_version = ci.driver_version;
-  out->runtime_version = ci.runtime_version;
-  out->blas_version = ci.cublas_version;
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  if (b->device_info) return b->device_info(dev.index, out);
+  snprintf(out->name, sizeof out->name, "%s device", b->name);
   return KILN_OK;
-#else
-  return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln_device_info_get: built without CUDA");
-#endif
 }
 
 kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, double *d2h_gbs) {
@@ -308,15 +301,13 @@ kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, double *d2h_
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_device_bandwidth: the CPU has no host link to measure");
   kiln_status st = check_device(dev, "kiln_device_bandwidth");
   if (st != KILN_OK) return st;
-#ifdef KILN_HAVE_CUDA
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  if (!b->bandwidth)
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_device_bandwidth: %s cannot measure its host link",
+                          kiln__device_cstr(dev));
   double h = 0, d = 0;
-  st = kiln__cuda_bandwidth(dev.index, &h, &d);
+  st = b->bandwidth(dev.index, &h, &d);
   if (h2d_gbs) *h2d_gbs = h;
   if (d2h_gbs) *d2h_gbs = d;
   return st;
-#else
-  KILN__UNUSED(h2d_gbs);
-  KILN__UNUSED(d2h_gbs);
-  return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln_device_bandwidth: built without CUDA");
-#endif
 }

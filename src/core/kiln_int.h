@@ -169,6 +169,10 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
 bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op);
 /* Test hook: make dispatch treat kernel op of backend type as missing (fallback tests). */
 void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off);
+/* Test hook: fn(ctx, dev, a, native) is called on this thread for every kernel call before
+** it runs (native false: it will fall back, or fail); NULL stops it. */
+typedef void (*kiln__dispatch_observer)(void *ctx, kiln_device dev, const kiln__kargs *a, bool native);
+void kiln__dispatch_observe(kiln__dispatch_observer fn, void *ctx);
 /* Test hook: how many kernels this thread has asked kiln__dispatch for (every call,
 ** whether it ran on the device, fell back or failed). Tests diff it around a call. */
 int64_t kiln__dispatch_count(void);

@@ -1,7 +1,9 @@
 /*
 ** The loader's copier: what a staged batch needs from its device, in plain C. Pinned
 ** host blocks, device blocks, a side copy stream, and events on it and on the device's
-** own (compute) stream. On CUDA these are thin wrappers of backend/cuda/cuda_api.h.
+** own (compute) stream: the backend's optional kiln__backend_async entries (CUDA has
+** them). A device whose backend lacks them gets no copier, and the loader copies its
+** batches with plain kiln_to_device.
 **
 ** The emulated device (kiln__copier_emulate, for tests) gives the same machinery on the
 ** CPU, so that the loader's threads, buffer recycling and error paths run in CI and
@@ -19,10 +21,6 @@
 #include <time.h>
 
 #include "data_int.h"
-
-#ifdef KILN_HAVE_CUDA
-#include "backend/cuda/cuda_api.h"
-#endif
 
 /* ---- the emulated side stream ----
 ** Copies get sequence numbers 1, 2, ... as they are queued and run in that order; `done`
@@ -52,6 +50,7 @@ typedef struct emu_stream {
 
 struct kiln__copier {
   kiln_device dev;
+  const kiln__backend_async *as; /* the device's (NULL when emulated) */
   bool emulated;
   emu_stream emu;
   atomic_int host_countdown, block_countdown; /* the allocation that sees 1 fails */
@@ -101,12 +100,8 @@ static void emu_wait(emu_stream *s, const emu_event *ev) {
 /* ---- the copier ---- */
 
 bool kiln__copier_capturing(kiln_device dev) {
-#ifdef KILN_HAVE_CUDA
-  return dev.type == KILN_DEVICE_CUDA && kiln__cuda_capturing(dev.index);
-#else
-  KILN__UNUSED(dev);
-  return false;
-#endif
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  return b && b->graph && b->graph->capturing && b->graph->capturing(dev.index);
 }
 
 kiln_status kiln__copier_new(kiln_device dev, kiln__copier **out) {
@@ -115,19 +110,17 @@ kiln_status kiln__copier_new(kiln_device dev, kiln__copier **out) {
   kiln__copier_emulation emu = g_emu.e;
   pthread_mutex_unlock(&g_emu.mu);
   bool emulated = dev.type == KILN_DEVICE_CPU && emu.on;
+  const kiln__backend *b = kiln__backend_get(dev.type);
   if (!emulated) {
-#ifdef KILN_HAVE_CUDA
-    if (dev.type != KILN_DEVICE_CUDA || !kiln_backend_available(KILN_DEVICE_CUDA, NULL) ||
-        dev.index < 0 || dev.index >= kiln_device_count(KILN_DEVICE_CUDA))
+    if (!b || !b->async || !kiln_backend_available(dev.type, NULL) || dev.index < 0 ||
+        dev.index >= kiln_device_count(dev.type))
       return KILN_OK; /* kiln_loader_next reports a bad device as it always has */
-#else
-    return KILN_OK;
-#endif
   }
   kiln__copier *c = calloc(1, sizeof *c);
   if (!c) return kiln_set_error(KILN_ERR_OOM, "kiln_loader_new: out of memory");
   c->dev = dev;
   c->emulated = emulated;
+  c->as = emulated ? NULL : b->async;
   if (emulated) {
     emu_stream *s = &c->emu;
     s->delay_us = emu.copy_delay_us;
@@ -171,22 +164,13 @@ kiln_status kiln__copier_host_alloc(kiln__copier *c, void **p, size_t n) {
     return *p ? KILN_OK
               : kiln_set_error(KILN_ERR_OOM, "kiln: cannot pin %zu bytes of host memory (emulated device)", n);
   }
-#ifdef KILN_HAVE_CUDA
-  return kiln__cuda_host_alloc(c->dev.index, p, n);
-#else
-  return kiln_set_error(KILN_ERR_INTERNAL, "kiln: a copier without a device");
-#endif
+  return c->as->host_alloc(c->dev.index, p, n);
 }
 
 void kiln__copier_host_free(kiln__copier *c, void *p) {
   if (!p) return;
-  if (c->emulated) {
-    free(p);
-    return;
-  }
-#ifdef KILN_HAVE_CUDA
-  kiln__cuda_host_free(p);
-#endif
+  if (c->emulated) free(p);
+  else c->as->host_free(p);
 }
 
 kiln__storage *kiln__copier_block_new(kiln__copier *c, size_t n) {
@@ -203,22 +187,13 @@ kiln_status kiln__copier_event_new(kiln__copier *c, void **ev) {
     *ev = calloc(1, sizeof(emu_event));
     return *ev ? KILN_OK : kiln_set_error(KILN_ERR_OOM, "kiln: out of memory for an event");
   }
-#ifdef KILN_HAVE_CUDA
-  return kiln__cuda_event_new(c->dev.index, ev);
-#else
-  return kiln_set_error(KILN_ERR_INTERNAL, "kiln: a copier without a device");
-#endif
+  return c->as->event_new(c->dev.index, ev);
 }
 
 void kiln__copier_event_free(kiln__copier *c, void *ev) {
   if (!ev) return;
-  if (c->emulated) {
-    free(ev);
-    return;
-  }
-#ifdef KILN_HAVE_CUDA
-  kiln__cuda_event_free(ev);
-#endif
+  if (c->emulated) free(ev);
+  else c->as->event_free(ev);
 }
 
 kiln_status kiln__copier_mark(kiln__copier *c, void *ev) {
@@ -226,11 +201,7 @@ kiln_status kiln__copier_mark(kiln__copier *c, void *ev) {
     ((emu_event *)ev)->seq = 0; /* the host's work is done when it returns */
     return KILN_OK;
   }
-#ifdef KILN_HAVE_CUDA
-  return kiln__cuda_event_record(c->dev.index, ev);
-#else
-  return KILN_OK;
-#endif
+  return c->as->event_record(c->dev.index, ev);
 }
 
 kiln_status kiln__copier_copy(kiln__copier *c, void *dst, const void *src, size_t n, void *after,
@@ -246,16 +217,11 @@ kiln_status kiln__copier_copy(kiln__copier *c, void *dst, const void *src, size_
     pthread_mutex_unlock(&s->mu);
     return KILN_OK;
   }
-#ifdef KILN_HAVE_CUDA
   int d = c->dev.index;
-  kiln_status st = after ? kiln__cuda_side_event_wait(d, after) : KILN_OK;
-  if (st == KILN_OK) st = kiln__cuda_side_copy_from_host(d, dst, src, n);
-  if (st == KILN_OK) st = kiln__cuda_side_event_record(d, done);
+  kiln_status st = after ? c->as->side_event_wait(d, after) : KILN_OK;
+  if (st == KILN_OK) st = c->as->side_copy_from_host(d, dst, src, n);
+  if (st == KILN_OK) st = c->as->side_event_record(d, done);
   return st;
-#else
-  KILN__UNUSED(dst), KILN__UNUSED(src), KILN__UNUSED(n), KILN__UNUSED(after), KILN__UNUSED(done);
-  return kiln_set_error(KILN_ERR_INTERNAL, "kiln: a copier without a device");
-#endif
 }
 
 kiln_status kiln__copier_join(kiln__copier *c, void *ev) {
@@ -263,11 +229,7 @@ kiln_status kiln__copier_join(kiln__copier *c, void *ev) {
     emu_wait(&c->emu, ev);
     return KILN_OK;
   }
-#ifdef KILN_HAVE_CUDA
-  return kiln__cuda_event_wait(c->dev.index, ev);
-#else
-  return KILN_OK;
-#endif
+  return c->as->event_wait(c->dev.index, ev);
 }
 
 kiln_status kiln__copier_sync(kiln__copier *c, void *ev) {
@@ -275,9 +237,5 @@ kiln_status kiln__copier_sync(kiln__copier *c, void *ev) {
     emu_wait(&c->emu, ev);
     return KILN_OK;
   }
-#ifdef KILN_HAVE_CUDA
-  return kiln__cuda_event_synchronize(ev);
-#else
-  return KILN_OK;
-#endif
+  return c->as->event_synchronize(ev);
 }

@@ -49,7 +49,8 @@ int kiln_fallback_stats(kiln_fallback_entry *out, int max) {
     if (fb_stats[k].count == 0) continue;
     if (out && n < max) {
       out[n].op = kiln__kop_name((kiln__kop)k);
-      out[n].device = fb_stats[k].type == KILN_DEVICE_CUDA ? "cuda" : "cpu";
+      const char *dn = kiln__device_type_name(fb_stats[k].type);
+      out[n].device = dn ? dn : "?";
       out[n].count = fb_stats[k].count;
       out[n].seconds = fb_stats[k].seconds;
     }
@@ -65,9 +66,9 @@ void kiln_fallback_report(FILE *f) {
   if (n == 0 || !f) return;
   double total = 0;
   fprintf(f, "kiln: ops that fell back to the CPU:\n");
-  fprintf(f, "  %-24s %-6s %10s %12s\n", "op", "from", "calls", "time (s)");
+  fprintf(f, "  %-24s %-8s %10s %12s\n", "op", "from", "calls", "time (s)");
   for (int i = 0; i < n; i++) {
-    fprintf(f, "  %-24s %-6s %10lld %12.4f\n", e[i].op, e[i].device, (long long)e[i].count, e[i].seconds);
+    fprintf(f, "  %-24s %-8s %10lld %12.4f\n", e[i].op, e[i].device, (long long)e[i].count, e[i].seconds);
     total += e[i].seconds;
   }
   fprintf(f, "  total time spent in fallback: %.4f s\n", total);
@@ -192,11 +193,22 @@ static kiln_status fallback(kiln_device dev, const kiln__backend *b, kiln__kargs
 }
 
 /* Test hook: pretend the backend of `type` lacks kernel `op` (so the fallback path can be
-** tested with a real backend). */
-static unsigned char disabled[2][KILN__K_COUNT];
+** tested with a real backend). Indexed by registry slot. */
+static unsigned char disabled[KILN__MAX_BACKENDS][KILN__K_COUNT];
+static bool any_disabled; /* set once a kernel is disabled: dispatch skips the lookup until then */
 void kiln__dispatch_disable_kernel(kiln_device_type type, int op, bool off) {
-  if ((int)type >= 0 && type <= KILN_DEVICE_CUDA && op >= 0 && op < KILN__K_COUNT)
-    disabled[type][op] = off;
+  int slot = kiln__backend_slot(type);
+  if (slot >= 0 && op >= 0 && op < KILN__K_COUNT) disabled[slot][op] = off;
+  if (off) any_disabled = true;
+}
+
+/* Test hook: an observer told of every kernel call before it runs (the harness's support
+** table). Per thread, so that only the thread that set it is watched. */
+static _Thread_local kiln__dispatch_observer observer;
+static _Thread_local void *observer_ctx;
+void kiln__dispatch_observe(kiln__dispatch_observer fn, void *ctx) {
+  observer = fn;
+  observer_ctx = ctx;
 }
 
 /* ---- KILN_PROFILE=1: host time per kernel op (the launch cost on a GPU, the whole
@@ -207,26 +219,28 @@ static int profile_on = -1; /* 0 off, 1 host, 2 host and device */
 static struct {
   int64_t warm, count;
   double seconds, device_seconds;
-} prof[2][KILN__K_COUNT];
+} prof[KILN__MAX_BACKENDS][KILN__K_COUNT]; /* by registry slot */
 
 static void profile_report(void) {
   double total = 0, dtotal = 0;
-  for (int t = 0; t < 2; t++)
+  for (int t = 0; t < KILN__MAX_BACKENDS; t++)
     for (int k = 0; k < KILN__K_COUNT; k++) total += prof[t][k].seconds, dtotal += prof[t][k].device_seconds;
   fprintf(stderr, "kiln profile (KILN_PROFILE=%s; after 20 calls of each op): host %.4f s%s", profile_on == 2 ? "device" : "1",
           total, profile_on == 2 ? "" : "\n");
   if (profile_on == 2) fprintf(stderr, ", device %.4f s\n", dtotal);
-  fprintf(stderr, "  %-24s %-5s %10s %10s %9s%s\n", "op", "dev", "calls", "host (s)", "us/call",
+  fprintf(stderr, "  %-24s %-8s %10s %10s %9s%s\n", "op", "dev", "calls", "host (s)", "us/call",
           profile_on == 2 ? "  device us/call" : "");
-  for (int t = 0; t < 2; t++)
+  for (int t = 0; t < KILN__MAX_BACKENDS; t++) {
+    const kiln__backend *b = kiln__backend_at(t, NULL);
     for (int k = 0; k < KILN__K_COUNT; k++)
       if (prof[t][k].count) {
         double n = (double)prof[t][k].count;
-        fprintf(stderr, "  %-24s %-5s %10lld %10.4f %9.2f", kiln__kop_name((kiln__kop)k), t ? "cuda" : "cpu",
+        fprintf(stderr, "  %-24s %-8s %10lld %10.4f %9.2f", kiln__kop_name((kiln__kop)k), b ? b->name : "?",
                 (long long)prof[t][k].count, prof[t][k].seconds, 1e6 * prof[t][k].seconds / n);
-        if (profile_on == 2 && t) fprintf(stderr, "  %15.2f", 1e6 * prof[t][k].device_seconds / n);
+        if (profile_on == 2 && b && b->mark) fprintf(stderr, "  %15.2f", 1e6 * prof[t][k].device_seconds / n);
         fprintf(stderr, "\n");
       }
+  }
 }
 
 static int profiling(void) {
@@ -247,7 +261,8 @@ static kiln_status profiled(const kiln__backend *b, kiln_device dev, kiln__kargs
   double host = kiln__now() - t0;
   double ms = dev_time ? b->elapsed_ms(dev.index, m0, b->mark(dev.index)) : 0;
   if (ms < 0) ms = 0;
-  int t = dev.type == KILN_DEVICE_CUDA;
+  int t = kiln__backend_slot(dev.type);
+  if (t < 0) return st;
   /* the first calls of each op pay one-time costs (module loading, library handles):
   ** the table is the steady state */
   if (++prof[t][a->op].warm > 20) {
@@ -258,15 +273,21 @@ static kiln_status profiled(const kiln__backend *b, kiln_device dev, kiln__kargs
   return st;
 }
 
+static bool is_disabled(kiln_device dev, kiln__kop op) {
+  if (!any_disabled) return false;
+  int slot = kiln__backend_slot(dev.type);
+  return slot >= 0 && disabled[slot][op];
+}
+
 static bool runs_here(const kiln__backend *b, kiln_device dev, const kiln__kargs *a) {
-  return b->kernels[a->op] && !disabled[dev.type][a->op] && (!b->supports || b->supports(a));
+  return b->kernels[a->op] && !is_disabled(dev, a->op) && (!b->supports || b->supports(a));
 }
 
 bool kiln__dispatch_has(kiln_device dev, const kiln__kargs *a, kiln__kop op) {
   const kiln__backend *b = kiln__backend_get(dev.type);
   if (!b) return false;
   if (a) return a->op == op && runs_here(b, dev, a);
-  return b->kernels[op] && !disabled[dev.type][op];
+  return b->kernels[op] && !is_disabled(dev, op);
 }
 
 /* Per thread, so that counting needs no atomics and a test sees only its own calls. */
@@ -278,14 +299,16 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
   const kiln__backend *b = kiln__backend_get(dev.type);
   if (!b) return kiln_set_error(KILN_ERR_UNAVAILABLE, "kiln: %s backend is not built", kiln__device_cstr(dev));
   a->device = dev.index;
-  if (runs_here(b, dev, a)) {
+  bool native = runs_here(b, dev, a);
+  if (observer) observer(observer_ctx, dev, a, native);
+  if (native) {
     int mode = profiling();
     return mode ? profiled(b, dev, a, mode) : b->kernels[a->op](a);
   }
   if (a->list_n > 0) /* the op layer checks kiln__dispatch_has before a list op */
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: list op '%s' is not supported on %s",
                           kiln__kop_name(a->op), kiln__device_cstr(dev));
-  if (dev.type == KILN_DEVICE_CPU)
+  if (b == &kiln__cpu_backend)
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: op '%s' has no CPU kernel for %s",
                           kiln__kop_name(a->op),
                           kiln_dtype_name(a->n_in ? a->in[0].dtype : a->out[0].dtype));

@@ -2,7 +2,12 @@
 ** The CPU backend's vtable. Memory is host memory (host_visible), kernels run to
 ** completion on the calling thread (plus OpenMP workers), so synchronize is a no-op.
 */
+#define _POSIX_C_SOURCE 200809L
 #include "cpu.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 
 static kiln_status kiln__cpu_probe(const char **why) {
   if (why) *why = NULL;
@@ -10,6 +15,38 @@ static kiln_status kiln__cpu_probe(const char **why) {
 }
 
 static int kiln__cpu_device_count(void) { return 1; }
+
+static void cpu_model(char *buf, size_t n) {
+  snprintf(buf, n, "unknown CPU");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10) == 0) {
+      char *c = strchr(line, ':');
+      if (c) {
+        c++;
+        while (*c == ' ') c++;
+        c[strcspn(c, "\n")] = 0;
+        snprintf(buf, n, "%s", c);
+      }
+      break;
+    }
+  }
+  fclose(f);
+}
+
+/* kiln_device_info_get on the CPU: the model, the cores and the machine's memory. */
+static kiln_status kiln__cpu_device_info(int device, kiln_device_info *out) {
+  (void)device;
+  cpu_model(out->name, sizeof out->name);
+  long c = sysconf(_SC_NPROCESSORS_ONLN);
+  out->multiprocessors = c > 0 ? (int)c : 1;
+  long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && psz > 0) out->total_memory = (int64_t)pages * psz;
+  if (avail > 0 && psz > 0) out->free_memory = (int64_t)avail * psz;
+  return KILN_OK;
+}
 
 const kiln__backend kiln__cpu_backend = {
     .name = "cpu",
@@ -101,4 +138,6 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_ADAM_MULTI] = kiln__cpu_adam_multi,
         },
     .supports = NULL,
+    .device_info = kiln__cpu_device_info,
+    /* no mark/elapsed_ms, graph, async, bandwidth: the CPU does the plain thing */
 };

@@ -542,6 +542,35 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
              : kc_entry<kiln__cuda_elementwise>;
 }
 
+/* ---- the optional entries: graphs, the loader's async copies, device details ---- */
+static const kiln__backend_graph cuda_graph = {
+    kiln__cuda_graph_begin, kiln__cuda_graph_end,   kiln__cuda_graph_launch,
+    kiln__cuda_graph_free,  kiln__cuda_graph_shape, kiln__cuda_capturing,
+};
+
+static const kiln__backend_async cuda_async = {
+    kiln__cuda_host_alloc,          kiln__cuda_host_free,         kiln__cuda_event_new,
+    kiln__cuda_event_free,          kiln__cuda_event_record,      kiln__cuda_event_wait,
+    kiln__cuda_event_synchronize,   kiln__cuda_side_copy_from_host, kiln__cuda_side_event_record,
+    kiln__cuda_side_event_wait,
+};
+
+static kiln_status cuda_device_info(int device, kiln_device_info *out) {
+  kiln__cuda_info ci;
+  kiln_status st = kiln__cuda_device_info(device, &ci);
+  if (st != KILN_OK) return st;
+  snprintf(out->name, sizeof out->name, "%s", ci.name);
+  out->compute_major = ci.major;
+  out->compute_minor = ci.minor;
+  out->multiprocessors = ci.multiprocessors;
+  out->total_memory = ci.total_mem;
+  out->free_memory = ci.free_mem;
+  out->driver_version = ci.driver_version;
+  out->runtime_version = ci.runtime_version;
+  out->blas_version = ci.cublas_version;
+  return KILN_OK;
+}
+
 extern "C" const kiln__backend kiln__cuda_backend = {
     "cuda",
     KILN_DEVICE_CUDA,
@@ -567,4 +596,9 @@ extern "C" const kiln__backend kiln__cuda_backend = {
     cuda_supports,
     cuda_mark,
     cuda_elapsed_ms,
+    &cuda_graph,
+    &cuda_async,
+    cuda_device_info,
+    kiln__cuda_bandwidth,
+    100, /* best_rank: kiln_device_best prefers a working CUDA device */
 };

@@ -211,68 +211,6 @@ void kiln__dispatch_observe(kiln__dispatch_observer fn, void *ctx) {
   observer_ctx = ctx;
 }
 
-/* ---- KILN_PROFILE=1: host time per kernel op (the launch cost on a GPU, the whole
-** kernel on the CPU), printed at exit; KILN_PROFILE=device adds each op's device time
-** (a timestamp before and after every kernel, waited for: slow, and the host column then
-** includes the waits). Off by default: one branch per dispatch. ---- */
-static int profile_on = -1; /* 0 off, 1 host, 2 host and device */
-static struct {
-  int64_t warm, count;
-  double seconds, device_seconds;
-} prof[KILN__MAX_BACKENDS][KILN__K_COUNT]; /* by registry slot */
-
-static void profile_report(void) {
-  double total = 0, dtotal = 0;
-  for (int t = 0; t < KILN__MAX_BACKENDS; t++)
-    for (int k = 0; k < KILN__K_COUNT; k++) total += prof[t][k].seconds, dtotal += prof[t][k].device_seconds;
-  fprintf(stderr, "kiln profile (KILN_PROFILE=%s; after 20 calls of each op): host %.4f s%s", profile_on == 2 ? "device" : "1",
-          total, profile_on == 2 ? "" : "\n");
-  if (profile_on == 2) fprintf(stderr, ", device %.4f s\n", dtotal);
-  fprintf(stderr, "  %-24s %-8s %10s %10s %9s%s\n", "op", "dev", "calls", "host (s)", "us/call",
-          profile_on == 2 ? "  device us/call" : "");
-  for (int t = 0; t < KILN__MAX_BACKENDS; t++) {
-    const kiln__backend *b = kiln__backend_at(t, NULL);
-    for (int k = 0; k < KILN__K_COUNT; k++)
-      if (prof[t][k].count) {
-        double n = (double)prof[t][k].count;
-        fprintf(stderr, "  %-24s %-8s %10lld %10.4f %9.2f", kiln__kop_name((kiln__kop)k), b ? b->name : "?",
-                (long long)prof[t][k].count, prof[t][k].seconds, 1e6 * prof[t][k].seconds / n);
-        if (profile_on == 2 && b && b->mark) fprintf(stderr, "  %15.2f", 1e6 * prof[t][k].device_seconds / n);
-        fprintf(stderr, "\n");
-      }
-  }
-}
-
-static int profiling(void) {
-  if (profile_on < 0) {
-    const char *e = kiln__getenv("KILN_PROFILE");
-    profile_on = !e || strcmp(e, "0") == 0 ? 0 : strcmp(e, "device") == 0 ? 2 : 1;
-    if (profile_on) atexit(profile_report);
-  }
-  return profile_on;
-}
-
-/* Runs the kernel with the profile's timing around it. */
-static kiln_status profiled(const kiln__backend *b, kiln_device dev, kiln__kargs *a, int mode) {
-  bool dev_time = mode == 2 && b->mark && b->elapsed_ms;
-  void *m0 = dev_time ? b->mark(dev.index) : NULL;
-  double t0 = kiln__now();
-  kiln_status st = b->kernels[a->op](a);
-  double host = kiln__now() - t0;
-  double ms = dev_time ? b->elapsed_ms(dev.index, m0, b->mark(dev.index)) : 0;
-  if (ms < 0) ms = 0;
-  int t = kiln__backend_slot(dev.type);
-  if (t < 0) return st;
-  /* the first calls of each op pay one-time costs (module loading, library handles):
-  ** the table is the steady state */
-  if (++prof[t][a->op].warm > 20) {
-    prof[t][a->op].count++; /* single-threaded use; counts are approximate under threads */
-    prof[t][a->op].seconds += host;
-    prof[t][a->op].device_seconds += ms * 1e-3;
-  }
-  return st;
-}
-
 static bool is_disabled(kiln_device dev, kiln__kop op) {
   if (!any_disabled) return false;
   int slot = kiln__backend_slot(dev.type);
@@ -301,10 +239,7 @@ kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a) {
   a->device = dev.index;
   bool native = runs_here(b, dev, a);
   if (observer) observer(observer_ctx, dev, a, native);
-  if (native) {
-    int mode = profiling();
-    return mode ? profiled(b, dev, a, mode) : b->kernels[a->op](a);
-  }
+  if (native) return b->kernels[a->op](a); /* KILN_PROFILE times ops on the call path (profile.c) */
   if (a->list_n > 0) /* the op layer checks kiln__dispatch_has before a list op */
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: list op '%s' is not supported on %s",
                           kiln__kop_name(a->op), kiln__device_cstr(dev));

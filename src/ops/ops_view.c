@@ -157,15 +157,16 @@ static kiln_status reshape_forward(kiln__op_ctx *c) {
   return c->out[0] ? KILN_OK : kiln_last_error();
 }
 
-#define VIEW_OP(fname, opname, fl, kflags, fields, nfields, asz, inf, fwd, bw)                 \
+/* VIEW_OP(c name, op name, save, field table, count, record size, infer, forward, rule):
+** the public function is kiln_<c name>. No view saves a tensor. */
+#define VIEW_OP(fname, opname, sv, fields, nfields, asz, inf, fwd, bw)                         \
   static const kiln__op op_##fname = {                                                        \
       .name = opname, .api = "kiln_" #fname, .n_in = 1, .n_out = 1,                           \
-      .flags = KILN__OP_SELF_ALLOC | (kflags), .attrs = fields, .n_attrs = nfields,           \
-      .attr_size = asz, .infer = inf, .forward = fwd, .backward = bw, .n_saved = 0,           \
-      .save = fl};
+      .flags = KILN__OP_SELF_ALLOC, .attrs = fields, .n_attrs = nfields, .attr_size = asz,    \
+      .infer = inf, .forward = fwd, .backward = bw, .save = sv};
 
-VIEW_OP(view, "view", NULL, 0, f_size, 1, sizeof(attrs_shape), view_infer, strided_forward, view_backward)
-VIEW_OP(reshape, "reshape", NULL, 0, f_shape, 1, sizeof(attrs_shape), reshape_infer, reshape_forward,
+VIEW_OP(view, "view", NULL, f_size, 1, sizeof(attrs_shape), view_infer, strided_forward, view_backward)
+VIEW_OP(reshape, "reshape", NULL, f_shape, 1, sizeof(attrs_shape), reshape_infer, reshape_forward,
         view_backward)
 
 /* The record holds the shape inline: its length and pointer are checked as it is made (a
@@ -275,7 +276,7 @@ static kiln_status permute_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-VIEW_OP(permute, "permute", NULL, 0, f_dims, 1, sizeof(attrs_dims), permute_infer, strided_forward,
+VIEW_OP(permute, "permute", NULL, f_dims, 1, sizeof(attrs_dims), permute_infer, strided_forward,
         permute_backward)
 
 /* The record holds the dims inline: their count must be t's ndim before it is made. */
@@ -322,7 +323,7 @@ static kiln_status transpose_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-VIEW_OP(transpose, "transpose", NULL, 0, f_transpose, 2, sizeof(attrs_transpose), transpose_infer,
+VIEW_OP(transpose, "transpose", NULL, f_transpose, 2, sizeof(attrs_transpose), transpose_infer,
         strided_forward, transpose_backward)
 
 kiln_tensor *kiln_transpose(kiln_tensor *t, int dim0, int dim1) {
@@ -459,10 +460,10 @@ static kiln_status select_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-VIEW_OP(narrow, "narrow", pick_save, 0, f_narrow, 3, sizeof(attrs_narrow), narrow_infer, pick_forward,
+VIEW_OP(narrow, "narrow", pick_save, f_narrow, 3, sizeof(attrs_narrow), narrow_infer, pick_forward,
         pick_backward)
-VIEW_OP(slice, "slice", pick_save, 0, f_slice, 4, sizeof(attrs_slice), slice_infer, pick_forward, pick_backward)
-VIEW_OP(select, "select", pick_save, 0, f_select, 2, sizeof(attrs_select), select_infer, pick_forward,
+VIEW_OP(slice, "slice", pick_save, f_slice, 4, sizeof(attrs_slice), slice_infer, pick_forward, pick_backward)
+VIEW_OP(select, "select", pick_save, f_select, 2, sizeof(attrs_select), select_infer, pick_forward,
         pick_backward)
 
 kiln_tensor *kiln_narrow(kiln_tensor *t, int dim, int64_t start, int64_t length) {
@@ -514,7 +515,7 @@ static kiln_status expand_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-VIEW_OP(expand, "expand", NULL, 0, f_size, 1, sizeof(attrs_shape), expand_infer, strided_forward,
+VIEW_OP(expand, "expand", NULL, f_size, 1, sizeof(attrs_shape), expand_infer, strided_forward,
         expand_backward)
 
 /* The record holds the shape inline: its length is checked as it is made. */
@@ -585,9 +586,9 @@ static kiln_status unsqueeze_infer(kiln__op_ctx *c) {
 }
 
 /* squeeze(dim) and squeeze() are one op in traces ("squeeze"), as in PyTorch. */
-VIEW_OP(squeeze, "squeeze", NULL, 0, f_dim, 1, sizeof(attrs_dim), squeeze_infer, strided_forward, view_backward)
-VIEW_OP(squeeze_all, "squeeze", NULL, 0, NULL, 0, 0, squeeze_all_infer, strided_forward, view_backward)
-VIEW_OP(unsqueeze, "unsqueeze", NULL, 0, f_dim, 1, sizeof(attrs_dim), unsqueeze_infer, strided_forward,
+VIEW_OP(squeeze, "squeeze", NULL, f_dim, 1, sizeof(attrs_dim), squeeze_infer, strided_forward, view_backward)
+VIEW_OP(squeeze_all, "squeeze", NULL, NULL, 0, 0, squeeze_all_infer, strided_forward, view_backward)
+VIEW_OP(unsqueeze, "unsqueeze", NULL, f_dim, 1, sizeof(attrs_dim), unsqueeze_infer, strided_forward,
         view_backward)
 
 kiln_tensor *kiln_squeeze(kiln_tensor *t, int dim) {

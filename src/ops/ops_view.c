@@ -327,8 +327,9 @@ VIEW_OP(transpose, "transpose", NULL, f_transpose, 2, sizeof(attrs_transpose), t
         strided_forward, transpose_backward)
 
 kiln_tensor *kiln_transpose(kiln_tensor *t, int dim0, int dim1) {
-  /* 0-d and 1-d with dims 0 / -1: nothing to swap, t itself (a new reference), as
-  ** PyTorch's transpose returns its input when the two dims are one; not an op. */
+  /* 0-d and 1-d with dims 0 / -1: nothing to swap, t itself (a new reference), as kiln
+  ** has always returned; not an op (whether PyTorch gives the input or an alias here is
+  ** for the lead to settle: see the conversion report). */
   if (t && t->ndim < 2 && (dim0 == 0 || dim0 == -1) && (dim1 == 0 || dim1 == -1))
     return kiln__scope_track(kiln_tensor_ref(t));
   return kiln__op_call(&op_transpose, 1, &t, &(attrs_transpose){dim0, dim1}, NULL);
@@ -592,8 +593,8 @@ VIEW_OP(unsqueeze, "unsqueeze", NULL, f_dim, 1, sizeof(attrs_dim), unsqueeze_inf
         view_backward)
 
 kiln_tensor *kiln_squeeze(kiln_tensor *t, int dim) {
-  /* A 0-dim tensor has nothing to squeeze: t itself (a new reference), whatever dim;
-  ** not an op. */
+  /* A 0-dim tensor has nothing to squeeze: t itself (a new reference), whatever dim, as
+  ** kiln has always returned; not an op (see transpose). */
   if (t && t->ndim == 0) return kiln__scope_track(kiln_tensor_ref(t));
   return kiln__op_call(&op_squeeze, 1, &t, &(attrs_dim){dim}, NULL);
 }

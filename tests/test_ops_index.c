@@ -5,6 +5,7 @@
 */
 #include "harness.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -283,9 +284,62 @@ static void ix_extra(void) {
   kiln_scope_end();
 }
 
+/* cat of many inputs that need grad records one node (no tree of cats): the trace shows
+** one cat of all its inputs, and each input gets its own slice of the gradient. A legacy
+** 1-d empty input joins the node but takes no part in the result, so it gets no gradient;
+** a cat where only such an input needs grad records nothing. */
+static void ix_cat_one_node(void) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  enum { N = 9 };
+  kiln_tensor *in[N + 1];
+  int64_t total = 0;
+  for (int k = 0; k < N; k++) {
+    in[k] = kiln_ones(KILN_SHAPE(2, k % 3 + 1), KILN_F64, cpu);
+    kiln_requires_grad_(in[k], true);
+    total += k % 3 + 1;
+  }
+  in[N] = kiln_zeros(KILN_SHAPE(0), KILN_F64, cpu); /* legacy empty, needs grad */
+  kiln_requires_grad_(in[N], true);
+  kiln_trace *tr = kiln_trace_begin();
+  kiln_tensor *y = kiln_cat(N + 1, in, -1);
+  kiln_trace_end(tr);
+  const kiln_trace_op *op = kiln_trace_count(tr) == 1 ? kiln_trace_get(tr, 0) : NULL;
+  H_CHECK(op && strcmp(op->name, "cat") == 0 && op->n_inputs == N + 1 && op->n_attrs == 1 &&
+              strcmp(op->attrs[0].name, "dim") == 0 && op->attrs[0].i == -1,
+          "cat of %d inputs traces as one cat(dim=-1) of all of them", N + 1);
+  kiln_trace_free(tr);
+  H_CHECK(y && kiln_size(y, 1) == total && kiln_grad_fn_name(y) && strcmp(kiln_grad_fn_name(y), "cat") == 0,
+          "cat of %d inputs that need grad: one node named cat (%s)", N,
+          y && kiln_grad_fn_name(y) ? kiln_grad_fn_name(y) : "NULL");
+  /* weights 0, 1, 2, ... along the joined dim: input k's gradient is its slice of them */
+  kiln_tensor *w = kiln_arange(0, (double)total, 1, KILN_F64, cpu);
+  if (H_CHECK(y && kiln_backward(kiln_sum_all(kiln_mul(y, w)), NULL) == KILN_OK, "cat backward")) {
+    int64_t start = 0;
+    for (int k = 0; k < N; k++) {
+      int64_t len = k % 3 + 1;
+      double want[6];
+      for (int r = 0; r < 2; r++)
+        for (int j = 0; j < len; j++) want[r * len + j] = (double)(start + j);
+      char what[64];
+      snprintf(what, sizeof what, "cat input %d gets its slice of the gradient", k);
+      h_tensor_close(what, kiln_grad(in[k]), want, 2 * len, 0, 0);
+      start += len;
+    }
+    H_CHECK(kiln_grad(in[N]) == NULL, "the skipped legacy empty gets no gradient");
+  }
+  kiln_tensor *plain[2] = {kiln_ones(KILN_SHAPE(2, 2), KILN_F64, cpu), in[N]};
+  kiln_tensor *z = kiln_cat(2, plain, 1);
+  H_CHECK(z && !kiln_requires_grad(z), "cat where only a skipped legacy empty needs grad records no node");
+  kiln_scope_end();
+}
+
 static void ix_family(void) {
   h_run_cases(ix_cases, (int)(sizeof ix_cases / sizeof ix_cases[0]));
-  if (!h_cross_only()) ix_extra();
+  if (!h_cross_only()) {
+    ix_extra();
+    ix_cat_one_node();
+  }
 }
 
 #ifndef H_NO_MAIN

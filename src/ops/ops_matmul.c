@@ -5,8 +5,13 @@
 ** with one ndim >= 2 and the batch dims already broadcast (stride 0), optional in2 bias
 ** (N). Everything else — promotion of 1-d operands, broadcasting of batch dims, W^T —
 ** is done here with views (strides), never with copies.
+**
+** matmul, linear and linear_relu are ops on the one call path (op.h), in the lower
+** precision under autocast. linear_relu is linear then relu fused into one MATMUL call (a
+** ReLU epilogue); it shares linear's infer, forward and backward, and names the two ops it
+** stands for (expands_to) so that a trace can show what the user wrote.
 */
-#include "../core/kiln_int.h"
+#include "ops/op.h"
 
 #include <stdatomic.h>
 
@@ -150,15 +155,23 @@ static kiln_status matmul_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   return KILN_OK;
 }
 
-kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b) return NULL;
-  kiln_tensor *ts[2] = {a, b};
-  if (kiln__same_device("kiln_matmul", 2, ts) != KILN_OK) return NULL;
-  if (check_float_pair("kiln_matmul", a, b) != KILN_OK) return NULL;
+/* The geometry of a @ b: 1-d operands promoted, batch dims broadcast (aligned from the
+** right), the result's shape with the promoted dims dropped again. */
+typedef struct mm_geom {
+  int nd; /* of the promoted product (batch..., M, N) */
+  int64_t M, K, N;
+  int64_t csh[KILN_MAX_DIMS], Ash[KILN_MAX_DIMS], Ast[KILN_MAX_DIMS], Bsh[KILN_MAX_DIMS], Bst[KILN_MAX_DIMS];
+  int ond;
+  int64_t osh[KILN_MAX_DIMS];
+} mm_geom;
+
+/* Checks a and b and fills g (infer); forward calls it again for the views (no error can
+** happen then), which costs a few dozen integer operations and no record to carry. */
+static kiln_status matmul_geom(const kiln_tensor *a, const kiln_tensor *b, mm_geom *g) {
+  if (check_float_pair("kiln_matmul", a, b) != KILN_OK) return kiln_last_error();
   if (a->ndim == 0 || b->ndim == 0)
-    KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                    "kiln_matmul: both operands need at least 1 dim, got shapes %s and %s",
-                    kiln__tshape(a), kiln__tshape(b));
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: both operands need at least 1 dim, got shapes %s and %s",
+                          kiln__tshape(a), kiln__tshape(b));
   /* Promote 1-d operands: a (K) -> (1, K), b (K) -> (K, 1). */
   int64_t ash[KILN_MAX_DIMS] = {0}, ast[KILN_MAX_DIMS] = {0}, bsh[KILN_MAX_DIMS] = {0}, bst[KILN_MAX_DIMS] = {0};
   int and_ = a->ndim, bnd = b->ndim;
@@ -176,42 +189,53 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
   }
   int64_t M = ash[and_ - 2], K = ash[and_ - 1], N = bsh[bnd - 1];
   if (K != bsh[bnd - 2])
-    KILN__FAIL_NULL(KILN_ERR_SHAPE, "kiln_matmul: shapes %s and %s cannot be multiplied (%lld != %lld)",
-                    kiln__tshape(a), kiln__tshape(b), (long long)K, (long long)bsh[bnd - 2]);
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: shapes %s and %s cannot be multiplied (%lld != %lld)",
+                          kiln__tshape(a), kiln__tshape(b), (long long)K, (long long)bsh[bnd - 2]);
   /* Broadcast the batch dims (aligned from the right). */
-  int na = and_ - 2, nb = bnd - 2, nbat = na > nb ? na : nb, nd = nbat + 2;
-  int64_t csh[KILN_MAX_DIMS], Ash[KILN_MAX_DIMS], Ast[KILN_MAX_DIMS], Bsh[KILN_MAX_DIMS],
-      Bst[KILN_MAX_DIMS];
+  int na = and_ - 2, nb = bnd - 2, nbat = na > nb ? na : nb;
   for (int i = 0; i < nbat; i++) {
     int ia = i - (nbat - na), ib = i - (nbat - nb);
     int64_t sa = ia >= 0 ? ash[ia] : 1, sb = ib >= 0 ? bsh[ib] : 1;
     if (sa != sb && sa != 1 && sb != 1)
-      KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                      "kiln_matmul: batch dims of shapes %s and %s do not broadcast (%lld vs %lld)",
-                      kiln__tshape(a), kiln__tshape(b), (long long)sa, (long long)sb);
-    csh[i] = sa == 1 ? sb : sa;
-    Ash[i] = Bsh[i] = csh[i];
-    Ast[i] = (ia >= 0 && sa != 1) ? ast[ia] : 0;
-    Bst[i] = (ib >= 0 && sb != 1) ? bst[ib] : 0;
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: batch dims of shapes %s and %s do not broadcast (%lld vs %lld)",
+                            kiln__tshape(a), kiln__tshape(b), (long long)sa, (long long)sb);
+    g->csh[i] = sa == 1 ? sb : sa;
+    g->Ash[i] = g->Bsh[i] = g->csh[i];
+    g->Ast[i] = (ia >= 0 && sa != 1) ? ast[ia] : 0;
+    g->Bst[i] = (ib >= 0 && sb != 1) ? bst[ib] : 0;
   }
-  Ash[nbat] = M, Ash[nbat + 1] = K, Ast[nbat] = ast[and_ - 2], Ast[nbat + 1] = ast[and_ - 1];
-  Bsh[nbat] = K, Bsh[nbat + 1] = N, Bst[nbat] = bst[bnd - 2], Bst[nbat + 1] = bst[bnd - 1];
-  csh[nbat] = M, csh[nbat + 1] = N;
+  g->Ash[nbat] = M, g->Ash[nbat + 1] = K, g->Ast[nbat] = ast[and_ - 2], g->Ast[nbat + 1] = ast[and_ - 1];
+  g->Bsh[nbat] = K, g->Bsh[nbat + 1] = N, g->Bst[nbat] = bst[bnd - 2], g->Bst[nbat + 1] = bst[bnd - 1];
+  g->csh[nbat] = M, g->csh[nbat + 1] = N;
+  g->nd = nbat + 2;
+  g->M = M, g->K = K, g->N = N;
   /* The result drops the promoted dims again. */
-  int ond = 0;
-  int64_t osh[KILN_MAX_DIMS];
-  for (int i = 0; i < nbat; i++) osh[ond++] = csh[i];
-  if (a->ndim > 1) osh[ond++] = M;
-  if (b->ndim > 1) osh[ond++] = N;
-  kiln_device dev = kiln_device_of(a);
-  kiln_tensor *out = kiln__tensor_new(ond, osh, a->dtype, dev);
-  if (!out) return NULL;
+  g->ond = 0;
+  for (int i = 0; i < nbat; i++) g->osh[g->ond++] = g->csh[i];
+  if (a->ndim > 1) g->osh[g->ond++] = M;
+  if (b->ndim > 1) g->osh[g->ond++] = N;
+  return KILN_OK;
+}
+
+static kiln_status matmul_infer(kiln__op_ctx *c) {
+  mm_geom g;
+  if (matmul_geom(c->in[0], c->in[1], &g) != KILN_OK) return kiln_last_error();
+  kiln__op_meta(c, 0, g.ond, g.osh, c->in[0]->dtype);
+  return KILN_OK;
+}
+
+static kiln_status matmul_forward(kiln__op_ctx *c) {
+  kiln_tensor *a = c->in[0], *b = c->in[1], *out = c->out[0];
+  mm_geom g;
+  if (matmul_geom(a, b, &g) != KILN_OK) return kiln_last_error();
+  int nd = g.nd;
+  int64_t K = g.K, N = g.N;
   /* Removing size-1 dims from a contiguous layout keeps the other strides, so the
   ** contiguous strides of (batch..., M, N) describe out exactly. */
   int64_t cst[KILN_MAX_DIMS];
-  kiln__contiguous_strides(nd, csh, cst);
-  kiln__view C = view_as(out, nd, csh, cst);
-  kiln__view Av = view_as(a, nd, Ash, Ast), Bv = view_as(b, nd, Bsh, Bst);
+  kiln__contiguous_strides(nd, g.csh, cst);
+  kiln__view C = view_as(out, nd, g.csh, cst);
+  kiln__view Av = view_as(a, nd, g.Ash, g.Ast), Bv = view_as(b, nd, g.Bsh, g.Bst);
   int64_t mst;
   if (a->ndim >= 3 && b->ndim == 2 && leading_mergeable(a, &mst)) {
     /* (B..., M, K) @ (K, N) with mergeable batch dims: one 2-D GEMM of B*M rows, not
@@ -225,20 +249,22 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
     Bv = view_as(b, 2, ysh, yst);
     C = view_as(out, 2, zsh, zst);
   }
-  if (run_matmul(dev, Av, Bv, C, NULL, false) != KILN_OK) {
-    kiln__discard(out);
-    return NULL;
-  }
-  if (kiln__needs_grad(2, ts)) {
-    kiln__node *n = kiln__node_attach(out, "matmul", matmul_backward, 2, ts);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save(n, 0, a);
-    kiln__node_save(n, 1, b);
-  }
-  return out;
+  return run_matmul(c->device, Av, Bv, C, NULL, false);
+}
+
+static void matmul_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+}
+
+static const kiln__op op_matmul = {
+    .name = "matmul", .api = "kiln_matmul", .n_in = 2, .n_out = 1, .amp = KILN__AMP_LOWER,
+    .n_kernels = 2, .kernels = {KILN__K_MATMUL, KILN__K_FILL}, .infer = matmul_infer,
+    .forward = matmul_forward, .backward = matmul_backward, .n_saved = 2, .save = matmul_save};
+
+kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
+  kiln_tensor *in[2] = {a, b};
+  return kiln__op_call(&op_matmul, 2, in, NULL, NULL);
 }
 
 /* ---- linear ------------------------------------------------------------------------- */
@@ -282,11 +308,13 @@ static kiln__view view2(const kiln_tensor *t, bool transpose) {
   return v;
 }
 
-/* linear and linear_relu (n->i[0] == 1: y = relu(z) is saved[2], and the gradient that
+static const kiln__op op_linear_relu;
+
+/* linear and linear_relu (for linear_relu, y = relu(z) is saved[2], and the gradient that
 ** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
 ** backward costs no kernel of its own). */
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->i[0] ? n->saved[2] : NULL;
+  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->op == &op_linear_relu ? n->saved[2] : NULL;
   int64_t N = W->shape[0], K = W->shape[1];
   int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
@@ -317,34 +345,33 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   return KILN_OK;
 }
 
-/* y = x @ W^T + bias, then ReLU when relu: one MATMUL call either way. */
-static kiln_tensor *linear_impl(const char *who, kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool relu) {
-  if (!x || !weight) return NULL;
-  kiln_tensor *ts[3] = {x, weight, bias};
-  if (kiln__same_device(who, 3, ts) != KILN_OK) return NULL;
-  if (check_float_pair(who, x, weight) != KILN_OK) return NULL;
+/* Inputs (x, weight, bias): bias may be NULL. */
+static kiln_status linear_infer(kiln__op_ctx *c) {
+  const char *who = c->op->api;
+  kiln_tensor *x = c->in[0], *weight = c->in[1], *bias = c->in[2];
+  if (check_float_pair(who, x, weight) != KILN_OK) return kiln_last_error();
   if (bias && bias->dtype != x->dtype)
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "%s: bias is %s but input and weight are %s", who,
-                    kiln_dtype_name(bias->dtype), kiln_dtype_name(x->dtype));
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: bias is %s but input and weight are %s", who,
+                          kiln_dtype_name(bias->dtype), kiln_dtype_name(x->dtype));
   if (weight->ndim != 2 || x->ndim == 0)
-    KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                    "%s: expected input (..., in) and weight (out, in), got %s and %s", who,
-                    kiln__tshape(x), kiln__tshape(weight));
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: expected input (..., in) and weight (out, in), got %s and %s", who,
+                          kiln__tshape(x), kiln__tshape(weight));
   int64_t N = weight->shape[0], K = weight->shape[1];
   if (x->shape[x->ndim - 1] != K)
-    KILN__FAIL_NULL(KILN_ERR_SHAPE,
-                    "%s: input %s and weight %s cannot be multiplied (%lld != %lld)", who,
-                    kiln__tshape(x), kiln__tshape(weight), (long long)x->shape[x->ndim - 1],
-                    (long long)K);
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: input %s and weight %s cannot be multiplied (%lld != %lld)", who,
+                          kiln__tshape(x), kiln__tshape(weight), (long long)x->shape[x->ndim - 1], (long long)K);
   if (bias && (bias->ndim != 1 || bias->shape[0] != N))
-    KILN__FAIL_NULL(KILN_ERR_SHAPE, "%s: bias %s does not match weight %s (expected [%lld])", who,
-                    kiln__tshape(bias), kiln__tshape(weight), (long long)N);
-  int64_t osh[KILN_MAX_DIMS];
-  for (int d = 0; d < x->ndim - 1; d++) osh[d] = x->shape[d];
-  osh[x->ndim - 1] = N;
-  kiln_device dev = kiln_device_of(x);
-  kiln_tensor *out = kiln__tensor_new(x->ndim, osh, x->dtype, dev);
-  if (!out) return NULL;
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: bias %s does not match weight %s (expected [%lld])", who,
+                          kiln__tshape(bias), kiln__tshape(weight), (long long)N);
+  kiln__op_meta_like(c, 0, x, x->dtype);
+  c->meta[0].shape[x->ndim - 1] = N;
+  return KILN_OK;
+}
+
+/* y = x @ W^T + bias, then ReLU for linear_relu: one MATMUL call either way. */
+static kiln_status linear_forward(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0], *weight = c->in[1], *bias = c->in[2], *out = c->out[0];
+  int64_t N = weight->shape[0], K = weight->shape[1];
   int64_t M = 1;
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
   kiln__view A, B, C;
@@ -369,28 +396,35 @@ static kiln_tensor *linear_impl(const char *who, kiln_tensor *x, kiln_tensor *we
     B = view_as(weight, nd, bsh, bst);
     C = kiln__view_of(out);
   }
-  if (run_matmul(dev, A, B, C, bias, relu) != KILN_OK) {
-    kiln__discard(out);
-    return NULL;
-  }
-  if (kiln__needs_grad(3, ts)) {
-    kiln__node *n = kiln__node_attach(out, relu ? "linear_relu" : "linear", linear_backward, 3, ts);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save(n, 0, x);
-    kiln__node_save(n, 1, weight);
-    if (relu) kiln__node_save(n, 2, out);
-    n->i[0] = relu;
-  }
-  return out;
+  return run_matmul(c->device, A, B, C, bias, c->op == &op_linear_relu);
 }
 
+static void linear_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+  if (c->op == &op_linear_relu) kiln__node_save_output(n, 2);
+}
+
+/* Kernels: MATMUL; COPY / FILL for the bias or zeros when K is 0 (and RELU then). */
+static const kiln__op op_linear = {
+    .name = "linear", .api = "kiln_linear", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .n_kernels = 3, .kernels = {KILN__K_MATMUL, KILN__K_COPY, KILN__K_FILL},
+    .infer = linear_infer, .forward = linear_forward, .backward = linear_backward, .n_saved = 3,
+    .save = linear_save};
+
+static const kiln__op op_linear_relu = {
+    .name = "linear_relu", .api = "kiln_linear_relu", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .n_kernels = 4,
+    .kernels = {KILN__K_MATMUL, KILN__K_COPY, KILN__K_FILL, KILN__K_RELU}, .infer = linear_infer,
+    .forward = linear_forward, .backward = linear_backward, .n_saved = 3, .save = linear_save,
+    .expands_to = (const char *const[]){"linear", "relu", NULL}};
+
 kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
-  return linear_impl("kiln_linear", x, weight, bias, false);
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_linear, 3, in, NULL, NULL);
 }
 
 kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
-  return linear_impl("kiln_linear_relu", x, weight, bias, true);
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_linear_relu, 3, in, NULL, NULL);
 }

@@ -178,6 +178,10 @@ const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n) {
   return buf;
 }
 
+void *kiln__tensor_data(const kiln_tensor *t) {
+  return (char *)t->storage->data + (size_t)t->offset * kiln_dtype_size(t->dtype);
+}
+
 kiln__view kiln__view_of(const kiln_tensor *t) {
   kiln__view v;
   memset(&v, 0, sizeof v);

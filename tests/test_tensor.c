@@ -221,11 +221,55 @@ static void test_marks(void) {
           "a mark on a device that does not exist: KILN_ERR_DEVICE (or UNAVAILABLE without CUDA)");
 }
 
+/* Creation ops are ops on the one call path: a trace names each with its attributes; a
+** refused call is not traced and leaves the generator where it was. */
+static const kiln_attr *attr_named(const kiln_trace_op *op, const char *name) {
+  for (int i = 0; op && i < op->n_attrs; i++)
+    if (strcmp(op->attrs[i].name, name) == 0) return &op->attrs[i];
+  return NULL;
+}
+
+static void test_creation_traced(void) {
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new(7);
+  kiln_trace *tr = kiln_trace_begin();
+  kiln_tensor *f = kiln_full(KILN_SHAPE(2, 3), 1.5, KILN_F32, cpu);
+  kiln_tensor *z = kiln_zeros_like(f);
+  kiln_tensor *a = kiln_arange(0, 5, 2, KILN_I64, cpu);
+  kiln_tensor *r = kiln_randint(3, 9, KILN_SHAPE(4), KILN_I32, cpu, g);
+  H_CHECK(kiln_uniform_(f, -1, 1, g) == KILN_OK, "uniform_");
+  H_CHECK(kiln_rand(KILN_SHAPE(2), KILN_I64, cpu, g) == NULL && kiln_last_error() == KILN_ERR_DTYPE,
+          "rand of an integer dtype refused");
+  kiln_trace_end(tr);
+  H_CHECK(f && z && a && r, "creation ops");
+  H_CHECK(kiln_trace_count(tr) == 5, "5 ops traced, got %d", kiln_trace_count(tr));
+  const char *want[] = {"full", "zeros_like", "arange", "randint", "uniform_"};
+  for (int i = 0; i < 5 && i < kiln_trace_count(tr); i++)
+    H_CHECK(strcmp(kiln_trace_get(tr, i)->name, want[i]) == 0, "op %d is %s, not %s", i, kiln_trace_get(tr, i)->name,
+            want[i]);
+  const kiln_trace_op *o0 = kiln_trace_get(tr, 0);
+  const kiln_attr *shape = attr_named(o0, "shape"), *value = attr_named(o0, "value"), *dt = attr_named(o0, "dtype");
+  H_CHECK(o0 && o0->n_inputs == 0 && o0->n_outputs == 1 && o0->outputs[0] == kiln_tensor_id(f), "full: no inputs, f out");
+  H_CHECK(shape && shape->n == 2 && shape->ints[0] == 2 && shape->ints[1] == 3, "full: shape [2, 3]");
+  H_CHECK(value && value->f == 1.5 && dt && strcmp(dt->s, kiln_dtype_name(KILN_F32)) == 0, "full: value 1.5, dtype f32");
+  const kiln_attr *hi = attr_named(kiln_trace_get(tr, 3), "high"), *step = attr_named(kiln_trace_get(tr, 2), "step");
+  H_CHECK(hi && hi->i == 9 && step && step->f == 2, "randint high 9, arange step 2");
+  kiln_trace_free(tr);
+  /* the generator moved for randint (4 values: 2 blocks) and uniform_ (6: 3), not for the
+  ** refused rand */
+  uint64_t seed, off;
+  kiln_generator_get_state(g, &seed, &off);
+  H_CHECK(seed == 7 && off == 5, "generator offset 5, got %llu", (unsigned long long)off);
+  kiln_generator_free(g);
+  kiln_scope_end();
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_tensor");
   cpu = kiln_device_cpu();
   int64_t live0 = kiln_live_tensors();
   test_creation();
+  test_creation_traced();
   test_conversion();
   test_copies();
   test_to_device_many();

@@ -94,6 +94,10 @@ kiln_status kiln_set_grad_ready_hook(kiln_tensor *t, kiln_grad_hook fn, void *ct
   return KILN_OK;
 }
 
+bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const void *ctx) {
+  return t->hook == fn && t->hook_ctx == ctx;
+}
+
 kiln_tensor *kiln_detach(kiln_tensor *t) {
   if (!t) return NULL;
   return kiln__tensor_alias(t, true);

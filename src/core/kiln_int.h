@@ -44,6 +44,11 @@ typedef struct kiln__storage {
 kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes); /* NULL + error on OOM */
 void kiln__storage_retain(kiln__storage *s);
 void kiln__storage_release(kiln__storage *s);
+/* For the layers above (ext/kiln_ext.h declares them too, with their contracts): the
+** block's first byte; whether another reference than the caller's holds s. */
+void *kiln__storage_data(const kiln__storage *s);
+bool kiln__storage_in_use(const kiln__storage *s);
+void kiln__storage_mark_packed(kiln__storage *s);
 
 /* ---- autograd node ---- */
 struct kiln__node;
@@ -151,6 +156,8 @@ kiln_status kiln__check_shape(const char *op, int ndim, const int64_t *shape, ki
 /* Normalises a possibly-negative dim; sets KILN_ERR_INVALID_ARGUMENT and returns -1 when
 ** out of range. */
 int kiln__wrap_dim(const char *op, int dim, int ndim);
+/* The address of t's element 0 (ext/kiln_ext.h). */
+void *kiln__tensor_data(const kiln_tensor *t);
 /* The kernel view of a tensor. */
 kiln__view kiln__view_of(const kiln_tensor *t);
 /* t's view broadcast to (ndim, shape) with stride 0 on broadcast dims (caller checked). */
@@ -160,7 +167,9 @@ const char *kiln__shape_cstr(int ndim, const int64_t *shape);
 const char *kiln__tshape(const kiln_tensor *t);
 const char *kiln__device_cstr(kiln_device dev);
 
-/* ---- dispatch (src/ops/dispatch.c) ---- */
+/* ---- dispatch (src/ops/dispatch.c) ----
+** For the op layer and tests; the core never calls it (tests/test_layering.sh checks the
+** core's objects for calls up into ops). */
 /* Runs kernel a->op on the device dev, falling back to the CPU under the policy when the
 ** backend lacks it. The views in a must point into memory of dev. */
 kiln_status kiln__dispatch(kiln_device dev, kiln__kargs *a);
@@ -200,6 +209,8 @@ double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
 /* ---- autograd (src/autograd/) ---- */
 /* Whether the calling thread is running a backward (engine.c). */
 bool kiln__in_backward(void);
+/* Whether t's grad-ready hook is fn with ctx (ext/kiln_ext.h). */
+bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const void *ctx);
 /* True when grad mode is on and any of the tensors requires grad. */
 bool kiln__needs_grad(int n, kiln_tensor *const *ts);
 /* Makes a node for out with inputs ins (NULL entries allowed) and room for 4 saved

@@ -181,3 +181,20 @@ uint64_t kiln_generator_below(kiln_generator *g, uint64_t n) {
   /* Multiply-shift (Lemire): bias below 2^-64 * n, negligible for any n we shuffle. */
   return (uint64_t)(((unsigned __int128)x * n) >> 64);
 }
+
+kiln_status kiln__randperm_fill(int64_t n, kiln_generator *gen, int64_t *p, bool parallel) {
+  for (int64_t i = 0; i < n; i++) p[i] = i;
+  if (n <= 1) return KILN_OK;
+  /* Fisher-Yates from the generator: one counter block per draw, so the sequence depends
+  ** only on the generator state. The draws first (in parallel), then the swaps. */
+  int64_t *j = malloc(sizeof(int64_t) * (size_t)(n - 1));
+  if (!j) return kiln_set_error(KILN_ERR_OOM, "kiln_randperm: out of host memory for %lld draws", (long long)n);
+  kiln__generator_shuffle_draws(gen, n, j, parallel);
+  for (int64_t i = n - 1; i > 0; i--) {
+    int64_t k = j[n - 1 - i], tmp = p[i];
+    p[i] = p[k];
+    p[k] = tmp;
+  }
+  free(j);
+  return KILN_OK;
+}

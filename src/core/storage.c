@@ -36,3 +36,13 @@ void kiln__storage_release(kiln__storage *s) {
   if (!s->borrowed && s->data) s->backend->free(s->device.index, s->data, s->nbytes);
   free(s);
 }
+
+void *kiln__storage_data(const kiln__storage *s) { return s->data; }
+
+bool kiln__storage_in_use(const kiln__storage *s) {
+  /* acquire: pairs with the release in kiln__storage_release of the last other holder, so
+  ** the caller may reuse the bytes once this says false */
+  return atomic_load_explicit(&((kiln__storage *)s)->refcount, memory_order_acquire) != 1;
+}
+
+void kiln__storage_mark_packed(kiln__storage *s) { s->packed = true; }

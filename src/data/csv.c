@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../io/io_int.h"
+#include "ext/kiln_ext.h"
 #include "kiln_data.h"
 
 #define WHO "kiln_csv_load"

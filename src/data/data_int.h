@@ -6,9 +6,9 @@
 #define KILN_DATA_INT_H
 
 #include "kiln_data.h"
-#include "kiln_int.h"
+#include "ext/kiln_ext.h"
 
-#define KILN__MAX_FIELDS 64
+/* KILN__MAX_FIELDS and kiln__dataset_self: ext/kiln_ext.h */
 
 struct kiln_dataset {
   kiln_dataset_vtable vt; /* user datasets */

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../io/io_int.h"
 #include "data_int.h"
 
 size_t kiln__field_bytes(const kiln_field_spec *s) {
@@ -103,6 +102,10 @@ int kiln_dataset_num_fields(const kiln_dataset *ds) { return ds ? ds->n_fields :
 
 const kiln_field_spec *kiln_dataset_field(const kiln_dataset *ds, int i) {
   return ds && i >= 0 && i < ds->n_fields ? &ds->spec[i] : NULL;
+}
+
+void *kiln__dataset_self(const kiln_dataset *ds, kiln_status (*get)(void *self, int64_t index, void *const *bufs)) {
+  return ds && !ds->is_tensor && ds->vt.get == get ? ds->self : NULL;
 }
 
 kiln_status kiln__dataset_get_into(kiln_dataset *ds, int64_t index, void *const *bufs) {

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../io/io_int.h"
+#include "ext/kiln_ext.h"
 #include "kiln_data.h"
 
 #ifdef KILN_HAVE_ZLIB

@@ -56,7 +56,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../io/io_int.h"
 #include "data_int.h"
 
 #define MAX_WORKERS 256
@@ -631,7 +630,7 @@ static void reclaim(kiln_loader *l) {
   int n_free = 0;
   for (int i = 0; i < l->n_blocks; i++) {
     dev_block *d = l->blocks[i];
-    if (d->state == BLOCK_OUT && atomic_load_explicit(&d->s->refcount, memory_order_acquire) == 1) {
+    if (d->state == BLOCK_OUT && !kiln__storage_in_use(d->s)) {
       if (kiln__copier_mark(l->copier, d->ev) != KILN_OK) {
         kiln_clear_error(); /* kept out; tried again next time */
         continue;
@@ -668,10 +667,10 @@ static kiln_status issue(kiln_loader *l, slot *s) {
       block_free(l, d);
       return st;
     }
-    d->s->packed = true; /* the batch's fields and padding between them (kiln_copy_many_) */
+    kiln__storage_mark_packed(d->s); /* the batch's fields and padding between them (kiln_copy_many_) */
     l->blocks[l->n_blocks++] = d;
   }
-  kiln_status st = kiln__copier_copy(l->copier, d->s->data, s->host, s->bytes, d->ev, s->copy_ev);
+  kiln_status st = kiln__copier_copy(l->copier, kiln__storage_data(d->s), s->host, s->bytes, d->ev, s->copy_ev);
   if (st != KILN_OK) return st;
   d->state = BLOCK_FILLING;
   pthread_mutex_lock(&l->mu);

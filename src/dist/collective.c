@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "dist_int.h"
-#include "kiln_int.h"
+#include "ext/kiln_ext.h"
 
 #if KILN__DIST_MPI
 #include <mpi.h>
@@ -43,9 +43,7 @@ kiln_status kiln__dist_check_op(const char *what, kiln_dtype dt, kiln_dist_op op
   }
 }
 
-void *kiln__dist_ptr(const kiln_tensor *t) {
-  return (char *)t->storage->data + (size_t)t->offset * kiln_dtype_size(t->dtype);
-}
+void *kiln__dist_ptr(const kiln_tensor *t) { return kiln__tensor_data(t); }
 
 #if KILN__DIST_MPI
 static MPI_Datatype mpi_type(kiln_dtype dt) {
@@ -192,26 +190,26 @@ kiln_dtype kiln__dist_comm_dtype(kiln_device comm_dev, kiln_dtype dt) {
 kiln_status kiln__dist_allreduce_buffer(kiln_dist *d, kiln_tensor *buf, kiln_dist_op op) {
   int64_t n = kiln_numel(buf);
   if (!d || n == 0) return KILN_OK;
-  if (buf->storage->device.type == KILN_DEVICE_CUDA) {
+  if (kiln_device_of(buf).type == KILN_DEVICE_CUDA) {
 #if KILN__DIST_NCCL
-    return kiln__nccl_allreduce(d->nccl, kiln__dist_ptr(buf), n, buf->dtype, op);
+    return kiln__nccl_allreduce(d->nccl, kiln__dist_ptr(buf), n, kiln_dtype_of(buf), op);
 #else
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln_dist: a CUDA buffer without NCCL");
 #endif
   }
-  return kiln__mpi_allreduce(d, kiln__dist_ptr(buf), n, buf->dtype, op);
+  return kiln__mpi_allreduce(d, kiln__dist_ptr(buf), n, kiln_dtype_of(buf), op);
 }
 
 static kiln_status bcast_buffer(kiln_dist *d, kiln_tensor *buf, int root) {
   int64_t n = kiln_numel(buf);
-  if (buf->storage->device.type == KILN_DEVICE_CUDA) {
+  if (kiln_device_of(buf).type == KILN_DEVICE_CUDA) {
 #if KILN__DIST_NCCL
-    return kiln__nccl_broadcast(d->nccl, kiln__dist_ptr(buf), n, buf->dtype, root);
+    return kiln__nccl_broadcast(d->nccl, kiln__dist_ptr(buf), n, kiln_dtype_of(buf), root);
 #else
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln_dist: a CUDA buffer without NCCL");
 #endif
   }
-  return kiln__mpi_broadcast(d, kiln__dist_ptr(buf), n, buf->dtype, root);
+  return kiln__mpi_broadcast(d, kiln__dist_ptr(buf), n, kiln_dtype_of(buf), root);
 }
 
 /* Runs fn on t directly when it already is a buffer the transport takes, else on a
@@ -223,12 +221,12 @@ static kiln_status on_tensor(kiln_dist *d, kiln_tensor *t, const char *what, boo
   /* a world of one has nothing to exchange; NCCL still runs (it is what a one-GPU test of
   ** the GPU path can exercise) */
   if (d->world == 1 && cdev.type == KILN_DEVICE_CPU) return KILN_OK;
-  kiln_dtype cdt = reduce ? kiln__dist_comm_dtype(cdev, t->dtype) : t->dtype;
-  if (kiln_is_contiguous(t) && kiln_device_equal(dev, cdev) && cdt == t->dtype)
+  kiln_dtype cdt = reduce ? kiln__dist_comm_dtype(cdev, kiln_dtype_of(t)) : kiln_dtype_of(t);
+  if (kiln_is_contiguous(t) && kiln_device_equal(dev, cdev) && cdt == kiln_dtype_of(t))
     return reduce ? kiln__dist_allreduce_buffer(d, t, op) : bcast_buffer(d, t, root);
   bool prev = kiln_set_grad_enabled(false); /* t may be a parameter */
   kiln_scope_begin();
-  kiln_tensor *buf = kiln_empty(t->ndim, t->shape, cdt, cdev);
+  kiln_tensor *buf = kiln_empty(kiln_ndim(t), kiln_shape(t), cdt, cdev);
   kiln_status st = buf ? kiln_copy_(buf, t) : kiln_last_error();
   /* the host transport reads memory the device may still be writing */
   if (st == KILN_OK && dev.type != KILN_DEVICE_CPU && cdev.type == KILN_DEVICE_CPU)
@@ -245,7 +243,7 @@ static kiln_status on_tensor(kiln_dist *d, kiln_tensor *t, const char *what, boo
 
 kiln_status kiln_dist_allreduce(kiln_dist *d, kiln_tensor *t, kiln_dist_op op) {
   if (!t) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_dist_allreduce: NULL tensor");
-  kiln_status st = kiln__dist_check_op("kiln_dist_allreduce", t->dtype, op);
+  kiln_status st = kiln__dist_check_op("kiln_dist_allreduce", kiln_dtype_of(t), op);
   if (st != KILN_OK || !d || kiln_numel(t) == 0) return st;
   return on_tensor(d, t, "kiln_dist_allreduce", true, op, 0);
 }

@@ -31,7 +31,7 @@
 #include <string.h>
 
 #include "dist_int.h"
-#include "kiln_int.h"
+#include "ext/kiln_ext.h"
 
 typedef struct ddp_slot {
   int param;      /* index in the module's parameter list */
@@ -107,10 +107,11 @@ static uint64_t layout_sig(kiln_tensor *const *ps, int n) {
   uint64_t h = fnv(UINT64_C(0xcbf29ce484222325), &n, sizeof n);
   for (int i = 0; i < n; i++) {
     const kiln_tensor *t = ps[i];
-    int v[4] = {t->requires_grad, (int)t->dtype, (int)t->storage->device.type, t->storage->device.index};
+    int v[4] = {kiln_requires_grad(t), (int)kiln_dtype_of(t), (int)kiln_device_of(t).type, kiln_device_of(t).index};
     h = fnv(h, v, sizeof v);
-    h = fnv(h, &t->ndim, sizeof t->ndim);
-    h = fnv(h, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    int nd = kiln_ndim(t);
+    h = fnv(h, &nd, sizeof nd);
+    h = fnv(h, kiln_shape(t), sizeof(int64_t) * (size_t)nd);
   }
   return h;
 }
@@ -152,7 +153,7 @@ static void ddp_hook(kiln_tensor *t, void *ctx);
 static void unhook_all(kiln_ddp *ddp) {
   for (int i = 0; i < ddp->n_hooked; i++) {
     kiln_tensor *t = ddp->hooked[i].t;
-    if (t->hook == ddp_hook && t->hook_ctx == ddp) kiln_set_grad_ready_hook(t, NULL, NULL);
+    if (kiln__grad_ready_hook_is(t, ddp_hook, ddp)) kiln_set_grad_ready_hook(t, NULL, NULL);
     kiln_tensor_free(t);
   }
   free(ddp->hooked);
@@ -235,15 +236,15 @@ static kiln_status build_buckets(kiln_ddp *ddp) {
   int64_t cur_bytes = 0;
   for (int i = n - 1; i >= 0; i--) {
     kiln_tensor *p = ddp->params[i];
-    if (!p->requires_grad) continue;
-    int64_t bytes = kiln_numel(p) * (int64_t)kiln_dtype_size(p->dtype);
-    bool fits = cur && kiln_device_equal(cur->dev, p->storage->device) &&
-                ddp->params[ddp->slots[cur->first].param]->dtype == p->dtype &&
+    if (!kiln_requires_grad(p)) continue;
+    int64_t bytes = kiln_numel(p) * (int64_t)kiln_dtype_size(kiln_dtype_of(p));
+    bool fits = cur && kiln_device_equal(cur->dev, kiln_device_of(p)) &&
+                kiln_dtype_of(ddp->params[ddp->slots[cur->first].param]) == kiln_dtype_of(p) &&
                 cur_bytes + bytes <= cap;
     if (!fits) {
       cur = &ddp->buckets[ddp->n_buckets++];
       cur->first = ddp->n_slots;
-      cur->dev = p->storage->device;
+      cur->dev = kiln_device_of(p);
       cur_bytes = 0;
     }
     ddp_slot *s = &ddp->slots[ddp->n_slots++];
@@ -257,7 +258,7 @@ static kiln_status build_buckets(kiln_ddp *ddp) {
   }
   for (int b = 0; b < ddp->n_buckets; b++) {
     ddp_bucket *bk = &ddp->buckets[b];
-    kiln_dtype pdt = ddp->params[ddp->slots[bk->first].param]->dtype;
+    kiln_dtype pdt = kiln_dtype_of(ddp->params[ddp->slots[bk->first].param]);
     kiln_device cdev = kiln__dist_comm_device(ddp->d, bk->dev);
     kiln_dtype cdt = kiln__dist_comm_dtype(cdev, pdt);
     int64_t len = bk->numel + bk->n;
@@ -292,7 +293,7 @@ static kiln_status refresh(kiln_ddp *ddp) {
 /* Slot s's slice of the bucket, shaped like its parameter (a view: scope-owned). */
 static kiln_tensor *slice_of(kiln_ddp *ddp, const ddp_bucket *bk, const ddp_slot *s) {
   kiln_tensor *p = ddp->params[s->param];
-  return kiln_view(kiln_narrow(bk->flat, 0, s->offset, s->numel), p->ndim, p->shape);
+  return kiln_view(kiln_narrow(bk->flat, 0, s->offset, s->numel), kiln_ndim(p), kiln_shape(p));
 }
 
 /* Copies the bucket's gradients in and starts its collective (NCCL: queued; MPI: done). */
@@ -313,15 +314,15 @@ static kiln_status bucket_launch(kiln_ddp *ddp, int b) {
   }
   if (st != KILN_OK) return st;
   /* the host transport reads what the device wrote */
-  if (bk->dev.type != KILN_DEVICE_CPU && bk->flat->storage->device.type == KILN_DEVICE_CPU)
+  if (bk->dev.type != KILN_DEVICE_CPU && kiln_device_of(bk->flat).type == KILN_DEVICE_CPU)
     st = kiln_device_synchronize(bk->dev);
   if (st != KILN_OK) return st;
   kiln_dist_op op = ddp->o.sum ? KILN_DIST_SUM : KILN_DIST_AVG;
-  if (bk->flat->storage->device.type == KILN_DEVICE_CPU)
+  if (kiln_device_of(bk->flat).type == KILN_DEVICE_CPU)
     /* nonblocking, on the wrapper's own communicator: a bucket started by a hook in
     ** backward never meets another collective the program makes before the sync */
     return kiln__mpi_iallreduce(ddp->d, kiln__dist_ptr(bk->flat), kiln_numel(bk->flat),
-                                bk->flat->dtype, op, &bk->pending);
+                                kiln_dtype_of(bk->flat), op, &bk->pending);
   return kiln__dist_allreduce_buffer(ddp->d, bk->flat, op);
 }
 

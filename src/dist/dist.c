@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "dist_int.h"
-#include "kiln_int.h"
+#include "ext/kiln_ext.h"
 
 #if KILN__DIST_MPI
 #include <mpi.h>

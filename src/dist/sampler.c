@@ -8,9 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data/data_int.h"
 #include "dist_int.h"
-#include "kiln_int.h"
+#include "ext/kiln_ext.h"
 
 int64_t kiln_dist_shard_num_samples(int64_t n, int world, bool drop_last) {
   if (n < 0 || world < 1) {
@@ -82,7 +81,7 @@ static kiln_status shard_get(void *self, int64_t i, void *const *bufs) {
   if (j < 0)
     return kiln_set_error(KILN_ERR_INDEX, "kiln_dist_shard_dataset: index %lld out of range [0, %lld)",
                           (long long)i, (long long)s->num);
-  return kiln__dataset_get_into(s->base, j, bufs);
+  return kiln_dataset_read(s->base, j, bufs);
 }
 
 static void shard_destroy(void *self) {
@@ -144,10 +143,10 @@ kiln_dataset *kiln_dist_shard_dataset(kiln_dataset *base, int rank, int world, b
 }
 
 kiln_status kiln_dist_shard_set_epoch(kiln_dataset *ds, uint64_t epoch) {
-  if (!ds || ds->is_tensor || ds->vt.get != shard_get)
+  shard *s = kiln__dataset_self(ds, shard_get);
+  if (!s)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                           "kiln_dist_shard_set_epoch: not a dataset made by kiln_dist_shard_dataset");
-  shard *s = ds->self;
   int64_t *idx = NULL;
   kiln_status st = shard_fill(s, epoch, &idx);
   if (st != KILN_OK) return st;

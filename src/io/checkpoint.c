@@ -8,8 +8,7 @@
 #include <string.h>
 
 #include "kiln_checkpoint.h"
-#include "nn/nn_int.h"
-#include "optim/optim_int.h"
+#include "ext/kiln_ext.h"
 
 #define CKPT_LAYOUT "1"
 

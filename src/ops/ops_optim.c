@@ -1,5 +1,12 @@
-/* Fused optimizer updates: one kernel per parameter instead of a dozen elementwise ops. */
-#include "core/kiln_int.h"
+/*
+** Fused optimizer updates: one kernel per parameter instead of a dozen elementwise ops.
+** Both entry points are in-place ops on the one call path (op.h, KILN__OP_INPLACE): their
+** record names Adam's hyperparameters, infer makes every check before anything moves, and
+** forward runs the kernels. The path's own same-device check is off (KILN__OP_ANY_DEVICE)
+** and every input is optional to it: adam_check reports NULL tensors, devices and step_t
+** with the messages it always gave.
+*/
+#include "ops/op.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,13 +63,11 @@ static void adam_scalars(kiln__kargs *a, double lr, double beta1, double beta2, 
   memcpy(&a->i[2], &weight_decay, sizeof weight_decay);
 }
 
-kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
-                            kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
-                            double beta1, double beta2, double eps, double weight_decay,
-                            int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
-  kiln_status cs = adam_check("kiln_adam_step_", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                              amsgrad, step_t, &step);
-  if (cs != KILN_OK) return cs;
+/* The update of one parameter, its arguments checked (adam_check). */
+static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                             kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
+                             double beta1, double beta2, double eps, double weight_decay,
+                             int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
   kiln__kargs a = {0};
   a.op = KILN__K_ADAM;
   a.n_in = 1;
@@ -92,30 +97,15 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
 
 /* The list form: the tensors of one device and dtype go to one ADAM_MULTI call (the
 ** backend splits it into launches as it needs); a backend without the list kernel gets
-** kiln_adam_step_ per tensor, which gives the same numbers. */
-kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
-                                  kiln_tensor *const *exp_avg, kiln_tensor *const *exp_avg_sq,
-                                  kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
-                                  kiln_tensor *const *step_t, double lr, double beta1,
-                                  double beta2, double eps, double weight_decay, bool decoupled,
-                                  bool amsgrad) {
+** kiln_adam_step_ per tensor, which gives the same numbers. Its arguments are checked
+** (adam_multi_infer). */
+static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                   kiln_tensor *const *exp_avg, kiln_tensor *const *exp_avg_sq,
+                                   kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
+                                   kiln_tensor *const *step_t, double lr, double beta1,
+                                   double beta2, double eps, double weight_decay, bool decoupled,
+                                   bool amsgrad) {
   static const char who[] = "kiln_adam_multi_step_";
-  if (n < 0 || (n > 0 && (!params || !grads || !exp_avg || !exp_avg_sq || (amsgrad && !max_exp_avg_sq) ||
-                          (!steps && !step_t))))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
-                          "%s: n must be >= 0 and the arrays given (max_exp_avg_sq with amsgrad; "
-                          "steps or step_t)", who);
-  for (int i = 0; i < n; i++) { /* everything checked before anything moves */
-    int64_t st = steps ? steps[i] : 1;
-    kiln_status cs = adam_check(who, params[i], grads[i], exp_avg[i], exp_avg_sq[i],
-                                amsgrad ? max_exp_avg_sq[i] : NULL, amsgrad,
-                                step_t ? step_t[i] : NULL, &st);
-    if (cs != KILN_OK) {
-      char msg[512];
-      snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
-      return kiln_set_error(cs, "%s (tensor %d)", msg, i);
-    }
-  }
   const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0);
   kiln__view *list = malloc((size_t)(n > 0 ? n : 1) * (size_t)w * sizeof *list);
   int64_t *li = malloc((size_t)(n > 0 ? n : 1) * sizeof *li);
@@ -164,5 +154,117 @@ kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor
   free(li);
   free(idx);
   free(done);
+  return st;
+}
+
+/* ---- the ops ---- */
+/* Adam's hyperparameters (torch.optim.Adam's names). step is the single form's count
+** (unused with step_t); steps, n and has_step_t are not attributes: the list form's
+** per-tensor counts (NULL when it has step_t), its tensor count (its inputs are the six
+** lists, n each) and whether its step_t list was given (it wins over steps, as before). */
+typedef struct attrs_adam {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, decoupled;
+  int64_t step;
+  const int64_t *steps;
+  int n;
+  bool has_step_t;
+} attrs_adam;
+static const kiln__attr_field f_adam[] = {
+    KILN__FIELD(attrs_adam, lr, KILN__A_FLOAT),           KILN__FIELD(attrs_adam, beta1, KILN__A_FLOAT),
+    KILN__FIELD(attrs_adam, beta2, KILN__A_FLOAT),        KILN__FIELD(attrs_adam, eps, KILN__A_FLOAT),
+    KILN__FIELD(attrs_adam, weight_decay, KILN__A_FLOAT), KILN__FIELD(attrs_adam, amsgrad, KILN__A_BOOL),
+    KILN__FIELD(attrs_adam, decoupled, KILN__A_BOOL),     KILN__FIELD(attrs_adam, step, KILN__A_INT)};
+
+/* inputs: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), step_t (capturable) */
+static kiln_status adam_infer(kiln__op_ctx *c) {
+  const attrs_adam *p = c->attrs;
+  kiln_tensor *const *in = c->in;
+  int64_t step = p->step;
+  kiln_status cs = adam_check(c->op->api, in[0], in[1], in[2], in[3], in[4], p->amsgrad, in[5], &step);
+  c->scratch[0] = (uint64_t)step; /* the count the kernel gets (1 with step_t) */
+  return cs;
+}
+static kiln_status adam_forward(kiln__op_ctx *c) {
+  const attrs_adam *p = c->attrs;
+  kiln_tensor *const *in = c->in;
+  return adam_step(in[0], in[1], in[2], in[3], in[4], p->lr, p->beta1, p->beta2, p->eps, p->weight_decay,
+                   (int64_t)c->scratch[0], p->decoupled, p->amsgrad, in[5]);
+}
+
+/* inputs: the lists params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, step_t, n each
+** (the last two all NULL when not used) */
+#define ADAM_LIST(c, k) ((c)->in + (size_t)(k) * (size_t)((const attrs_adam *)(c)->attrs)->n)
+static kiln_status adam_multi_infer(kiln__op_ctx *c) {
+  const attrs_adam *p = c->attrs;
+  kiln_tensor *const *params = ADAM_LIST(c, 0), *const *grads = ADAM_LIST(c, 1);
+  kiln_tensor *const *exp_avg = ADAM_LIST(c, 2), *const *exp_avg_sq = ADAM_LIST(c, 3);
+  kiln_tensor *const *max_exp_avg_sq = ADAM_LIST(c, 4), *const *step_t = ADAM_LIST(c, 5);
+  for (int i = 0; i < p->n; i++) { /* everything checked before anything moves */
+    int64_t st = p->steps ? p->steps[i] : 1;
+    kiln_status cs = adam_check(c->op->api, params[i], grads[i], exp_avg[i], exp_avg_sq[i],
+                                p->amsgrad ? max_exp_avg_sq[i] : NULL, p->amsgrad, p->has_step_t ? step_t[i] : NULL,
+                                &st);
+    if (cs != KILN_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+      return kiln_set_error(cs, "%s (tensor %d)", msg, i);
+    }
+  }
+  return KILN_OK;
+}
+static kiln_status adam_multi_forward(kiln__op_ctx *c) {
+  const attrs_adam *p = c->attrs;
+  return adam_multi_step(p->n, ADAM_LIST(c, 0), ADAM_LIST(c, 1), ADAM_LIST(c, 2), ADAM_LIST(c, 3),
+                         p->amsgrad ? ADAM_LIST(c, 4) : NULL, p->steps, p->has_step_t ? ADAM_LIST(c, 5) : NULL, p->lr,
+                         p->beta1, p->beta2, p->eps, p->weight_decay, p->decoupled, p->amsgrad);
+}
+
+static const kiln__op op_adam_step_ = {
+    .name = "adam_step_", .api = "kiln_adam_step_", .n_in = 6, .n_out = 1, .optional = 0x3f,
+    .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 2, .kernels = {KILN__K_ADAM, KILN__K_AFFINE},
+    .attrs = f_adam, .n_attrs = 8, .attr_size = sizeof(attrs_adam), .infer = adam_infer, .forward = adam_forward};
+static const kiln__op op_adam_multi_step_ = {
+    .name = "adam_multi_step_", .api = "kiln_adam_multi_step_", .n_in = KILN__OP_VARIADIC, .n_out = 1,
+    .optional = 0xffffffffu, .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 3,
+    .kernels = {KILN__K_ADAM_MULTI, KILN__K_ADAM, KILN__K_AFFINE}, .attrs = f_adam, .n_attrs = 7,
+    .attr_size = sizeof(attrs_adam), .infer = adam_multi_infer, .forward = adam_multi_forward};
+
+kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                            kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
+                            double beta1, double beta2, double eps, double weight_decay,
+                            int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
+  kiln_tensor *in[6] = {param, grad, exp_avg, exp_avg_sq, amsgrad ? max_exp_avg_sq : NULL, step_t};
+  attrs_adam p = {lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled, step, NULL, 1, step_t != NULL};
+  return kiln__op_call_status(&op_adam_step_, 6, in, &p);
+}
+
+/* The lists are laid end to end as the op's inputs (one host array for the call; the
+** kernels' list is built in forward as before). */
+kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                  kiln_tensor *const *exp_avg, kiln_tensor *const *exp_avg_sq,
+                                  kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
+                                  kiln_tensor *const *step_t, double lr, double beta1,
+                                  double beta2, double eps, double weight_decay, bool decoupled,
+                                  bool amsgrad) {
+  static const char who[] = "kiln_adam_multi_step_";
+  if (n < 0 || (n > 0 && (!params || !grads || !exp_avg || !exp_avg_sq || (amsgrad && !max_exp_avg_sq) ||
+                          (!steps && !step_t))))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: n must be >= 0 and the arrays given (max_exp_avg_sq with amsgrad; "
+                          "steps or step_t)", who);
+  kiln_tensor **in = malloc((size_t)(n > 0 ? n : 1) * 6 * sizeof *in);
+  if (!in) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  for (int i = 0; i < n; i++) {
+    in[i] = params[i];
+    in[n + i] = grads[i];
+    in[2 * n + i] = exp_avg[i];
+    in[3 * n + i] = exp_avg_sq[i];
+    in[4 * n + i] = amsgrad ? max_exp_avg_sq[i] : NULL;
+    in[5 * n + i] = step_t ? step_t[i] : NULL;
+  }
+  attrs_adam p = {lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled, 0, steps, n, step_t != NULL};
+  kiln_status st = kiln__op_call_status(&op_adam_multi_step_, 6 * n, in, &p);
+  free(in);
   return st;
 }

@@ -12,6 +12,7 @@
 #define KILN_OPTIM_INT_H
 
 #include "kiln_optim.h"
+#include "ext/kiln_ext.h"
 
 enum { KILN__OPTIM_MAX_STATE = 3 };
 
@@ -35,11 +36,7 @@ kiln__optim_rule_fn kiln__optim_rule(const kiln_optim_config *cfg, int n, kiln_t
 ** "max_exp_avg_sq"); NULL past the last. */
 const char *kiln__optim_state_name(kiln_optim_kind kind, int i);
 
-/* Validates d (apply false) or validates and restores (apply true): checkpoints check
-** every part before changing any. who names the caller in messages. */
-kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *d, bool apply,
-                                            const char *who);
-kiln_status kiln__scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *d, bool apply,
-                                            const char *who);
+/* kiln__optimizer_load_state_dict and kiln__scheduler_load_state_dict (the checked loads
+** checkpoints use) are declared in ext/kiln_ext.h. */
 
 #endif /* KILN_OPTIM_INT_H */

@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/nn_int.h"
 #include "optim/optim_int.h"
 
 struct kiln_optimizer {

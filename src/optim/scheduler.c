@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "nn/nn_int.h"
 #include "optim/optim_int.h"
 
 typedef enum sched_kind { S_STEP, S_MULTISTEP, S_EXP, S_LINEAR, S_COSINE, S__COUNT } sched_kind;

@@ -1,5 +1,7 @@
-/* Printing tensors the way PyTorch does: tensor([[1.0000, 2.0000], ...], dtype=...). */
-#include "kiln_int.h"
+/* Printing tensors the way PyTorch does: tensor([[1.0000, 2.0000], ...], dtype=...). In the
+** op layer, not the core: it reads values with kiln_to_host, which runs a copy kernel for a
+** strided tensor. */
+#include "core/kiln_int.h"
 
 #include <math.h>
 #include <stdarg.h>

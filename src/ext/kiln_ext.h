@@ -1,0 +1,156 @@
+/*
+** kiln's extension header: the few internals that the layers above the op layer (nn,
+** optim, data, io, dist) really need beyond the public headers, as ggml keeps
+** ggml-backend-impl.h beside ggml-backend.h. Not API and not installed: the names are
+** kiln__, and a program built on the installed headers never sees them.
+**
+** Layering (tests/test_layering.sh checks it on every build): a file of those layers, of
+** tools/ or of examples/ includes only public headers (include/kiln*.h), this header and
+** its own layer's private header. Everything here is declared in terms of public types
+** (kiln_tensor, kiln_dict, kiln_module, ...) plus one opaque one (kiln__storage); the
+** implementations live in the layer named in each section, which declares the same
+** prototypes in its own private header.
+*/
+#ifndef KILN_EXT_H
+#define KILN_EXT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kiln.h"
+#include "kiln_data.h"
+#include "kiln_io.h"
+#include "kiln_nn.h"
+#include "kiln_optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- helpers (core: src/core/error.c) ----
+** The same definitions as src/core/kiln_int.h (a file may include both). */
+#define KILN__UNUSED(x) ((void)(x))
+
+/* Broken invariant: a bug in kiln, never bad input. Goes through the abort hook. */
+void kiln__abort(const char *file, int line, const char *msg);
+#define KILN__ASSERT(cond)                                                                \
+  do {                                                                                    \
+    if (!(cond)) kiln__abort(__FILE__, __LINE__, "assertion failed: " #cond);             \
+  } while (0)
+
+/* Error helper that returns NULL, for tensor-returning functions. */
+#define KILN__FAIL_NULL(code, ...)                                                        \
+  do {                                                                                    \
+    kiln_set_error((code), __VA_ARGS__);                                                  \
+    return NULL;                                                                          \
+  } while (0)
+
+/* ---- tensor memory (core: src/core/tensor.c, storage.c) ----
+** For file formats, collectives and the loader's staged batches: the bytes behind a
+** tensor, and tensors made over a block the caller filled. */
+
+/* The address of t's element 0 in its device's memory (a device pointer for a CUDA
+** tensor). With kiln_is_contiguous(t), kiln_nbytes(t) bytes from there are t. */
+void *kiln__tensor_data(const kiln_tensor *t);
+
+/* A refcounted block of device memory (opaque here). */
+typedef struct kiln__storage kiln__storage;
+/* n bytes on dev, one reference (the caller's); NULL + KILN_ERR_OOM/DEVICE. */
+kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes);
+void kiln__storage_release(kiln__storage *s); /* NULL is a no-op */
+/* The block's first byte (device memory for a device block). */
+void *kiln__storage_data(const kiln__storage *s);
+/* Whether anyone but the caller's one reference still holds s (a tensor over it): the
+** loader reuses a staged block only once its batch's tensors are gone. */
+bool kiln__storage_in_use(const kiln__storage *s);
+/* Marks s as one batch's block: tensors over it and padding between them only, so that
+** kiln_copy_many_ may copy the whole span in one transfer. */
+void kiln__storage_mark_packed(kiln__storage *s);
+/* A tensor over s at offset elements, with ndim/shape (strides NULL: contiguous) and
+** dtype dt; takes its own reference on s; registered with the current scope. NULL + OOM. */
+kiln_tensor *kiln__tensor_make(kiln__storage *s, int64_t offset, int ndim, const int64_t *shape,
+                               const int64_t *strides, kiln_dtype dt);
+/* Releases t now whether or not a scope owns it (error paths). NULL is a no-op. */
+void kiln__discard(kiln_tensor *t);
+
+/* ---- datasets (data: src/data/dataset.c; used by dist's sharded dataset) ---- */
+#define KILN__MAX_FIELDS 64 /* fields of a dataset (kiln_dataset_new's limit) */
+/* The self pointer of ds when ds was made by kiln_dataset_new with a vtable whose get is
+** get (a wrapper recognising its own datasets); NULL for any other dataset or NULL ds. */
+void *kiln__dataset_self(const kiln_dataset *ds, kiln_status (*get)(void *self, int64_t index, void *const *bufs));
+
+/* ---- grad-ready hooks (autograd: src/autograd/engine.c) ---- */
+/* Whether t's grad-ready hook (kiln_set_grad_ready_hook) is fn with ctx: DDP takes off
+** only the hooks it set. */
+bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const void *ctx);
+
+/* ---- rng (core: src/core/rng.c) ---- */
+/* p = the random permutation of 0..n-1 that kiln_randperm(n, g) gives; parallel: the draws
+** may use the OpenMP team (not from a thread of kiln's own). KILN_ERR_OOM. */
+kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool parallel);
+
+/* ---- environment (core: src/core/device.c) ---- */
+const char *kiln__getenv(const char *name); /* NULL when unset or empty */
+
+/* ---- ownership (io: src/io/file.c) ---- */
+/* A tensor made here and owned by the calling code, whether or not a scope is open:
+** kiln_keep() after creation (a no-op without a scope). NULL stays NULL. */
+kiln_tensor *kiln__own(kiln_tensor *t);
+
+/* ---- messages that list many problems (nn: src/nn/util.c; used by nn and optim) ---- */
+/* A growable string. On OOM it silently stops growing (shorter, never wrong). */
+typedef struct kiln__sb {
+  char *buf;
+  size_t len, cap;
+} kiln__sb;
+void kiln__sb_printf(kiln__sb *sb, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+const char *kiln__sb_str(const kiln__sb *sb); /* "" when empty */
+void kiln__sb_free(kiln__sb *sb);
+
+/* Problems of three kinds, printed as "N missing keys: a, b; ..." with at most a handful
+** of names per kind (the last error's message buffer is 1 KiB). */
+typedef struct kiln__problems {
+  kiln__sb missing, unexpected, mismatch;
+  int n_missing, n_unexpected, n_mismatch;
+  kiln_status mismatch_code; /* first mismatch's code (SHAPE or DTYPE) */
+} kiln__problems;
+void kiln__problems_missing(kiln__problems *p, const char *name);
+void kiln__problems_unexpected(kiln__problems *p, const char *name);
+void kiln__problems_mismatch(kiln__problems *p, kiln_status code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+int kiln__problems_count(const kiln__problems *p);
+/* Sets the last error "<who>: <the list>" and returns its code (KILN_OK when empty). */
+kiln_status kiln__problems_report(kiln__problems *p, const char *who);
+void kiln__problems_free(kiln__problems *p);
+
+/* ---- dict metadata numbers (nn: src/nn/util.c; used by nn, optim, io/checkpoint) ---- */
+/* KILN_ERR_FORMAT naming key, text and who when the entry is missing or not a number. */
+kiln_status kiln__meta_i64(const kiln_dict *d, const char *key, int64_t *out, const char *who);
+kiln_status kiln__meta_f64(const kiln_dict *d, const char *key, double *out, const char *who);
+kiln_status kiln__meta_set_i64(kiln_dict *d, const char *key, int64_t v);
+kiln_status kiln__meta_set_f64(kiln_dict *d, const char *key, double v);
+
+/* ---- state dicts checked before any is applied (nn, optim; used by io/checkpoint) ----
+** Each validates d against its object (apply false) or validates and then restores it
+** (apply true), naming who in messages; a checkpoint validates every part before it
+** applies any, so a bad file changes nothing. The public kiln_*_load_state_dict are
+** these with apply true. */
+kiln_status kiln__module_load_state_dict(kiln_module *m, const kiln_dict *d, bool strict, bool apply,
+                                         const char *who); /* src/nn/module.c */
+kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *d, bool apply,
+                                            const char *who); /* src/optim/optimizer.c */
+kiln_status kiln__scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *d, bool apply,
+                                            const char *who); /* src/optim/scheduler.c */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_EXT_H */

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/kiln_int.h" /* the backend vtable's async entries (see tests/test_layering.sh) */
 #include "data_int.h"
 
 /* ---- the emulated side stream ----

@@ -2,7 +2,8 @@
 ** Reductions, softmax, losses and dropout on the one op path: what the path added to
 ** them. A trace names each op with its typed attributes (dim, keepdim, correction,
 ** reduction, ...); composites (var, mse_loss, dropout) show as one op; max_dim is one op
-** of two outputs whose indices never require grad; eval-mode dropout hands back its input.
+** of two outputs whose indices never require grad; eval-mode dropout hands back its input
+** and is no op.
 */
 #include "check.h"
 
@@ -35,8 +36,10 @@ static void trace_names_attributes(void) {
   kiln_tensor *sm = kiln_log_softmax(x, 1);
   kiln_tensor *ce = kiln_cross_entropy(x, target, KILN_REDUCTION_SUM, -100, 0.25);
   kiln_tensor *mse = kiln_mse_loss(x, x, KILN_REDUCTION_NONE);
-  kiln_tensor *d = kiln_dropout(x, 0.5, false, NULL);
+  kiln_tensor *d = kiln_dropout(x, 0.5, false, NULL); /* the input itself, not traced */
+  kiln_tensor *dt = kiln_dropout(x, 0.5, true, NULL);
   CHECK(kiln_trace_end(tr) == KILN_OK);
+  CHECK(d == x && dt && dt != x);
   CHECK(s && v && m && idx && sm && ce && mse && d);
   /* composites' parts (var's mean, sub, ...) are at depth 1: not in the trace */
   CHECK(kiln_trace_count(tr) == 7);
@@ -75,12 +78,12 @@ static void trace_names_attributes(void) {
   a = attr(kiln_trace_get(tr, 5), "reduction");
   CHECK(a && a->s && strcmp(a->s, "none") == 0);
 
-  op = kiln_trace_get(tr, 6); /* eval mode: the input itself */
-  CHECK(d == x && op && op->outputs[0] == kiln_tensor_id(x));
+  op = kiln_trace_get(tr, 6); /* the mask's product (mul) is at depth 1 */
+  CHECK(op && op->n_outputs == 1 && op->outputs[0] == kiln_tensor_id(dt));
   a = attr(op, "p");
   CHECK(a && a->f == 0.5);
   a = attr(op, "train");
-  CHECK(a && a->type == KILN_ATTR_BOOL && a->i == 0);
+  CHECK(a && a->type == KILN_ATTR_BOOL && a->i == 1);
   CHECK(op && op->n_attrs == 2); /* the generator is not an attribute */
   kiln_trace_free(tr);
   kiln_scope_end();
@@ -128,8 +131,22 @@ static void rules_read_attributes(void) {
   kiln_scope_end();
 }
 
+/* Eval mode skips the path only for arguments it would accept: the others get infer's
+** error, as in training. */
+static void dropout_eval_checks_arguments(void) {
+  kiln_scope_begin();
+  kiln_tensor *x = data_2x3();
+  kiln_tensor *i = kiln_to_dtype(x, KILN_I32);
+  CHECK(kiln_dropout(x, 1.5, false, NULL) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_dropout(i, 0.5, false, NULL) == NULL && kiln_last_error() == KILN_ERR_DTYPE);
+  CHECK(kiln_dropout(i, 0.0, true, NULL) == NULL && kiln_last_error() == KILN_ERR_DTYPE);
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
 int main(void) {
   trace_names_attributes();
+  dropout_eval_checks_arguments();
   max_dim_indices_need_no_grad();
   rules_read_attributes();
   if (failures) fprintf(stderr, "test_ops_reduce_path: %d failed checks\n", failures);

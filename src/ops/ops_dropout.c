@@ -29,17 +29,10 @@ static kiln_status dropout_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
+/* train, p > 0 (kiln_dropout returned the identity cases) */
 static kiln_status dropout_forward(kiln__op_ctx *c) {
   const attrs_dropout *a = c->attrs;
   kiln_tensor *t = c->in[0];
-  /* Identity: the same tensor, as a new reference for the caller's scope (PyTorch
-  ** returns the input itself too). It stays inside the op, after infer, so that eval mode
-  ** checks p and the dtype as training does, and a trace shows the dropout the program
-  ** wrote (as torch.jit.trace shows dropout with train=False). */
-  if (!a->train || a->p == 0.0) {
-    c->out[0] = kiln__scope_track(kiln_tensor_ref(t));
-    return KILN_OK;
-  }
   kiln_device dev = kiln_device_of(t);
   kiln_scope_begin();
   kiln_tensor *r = NULL;
@@ -73,6 +66,11 @@ static const kiln__op op_dropout = {
     .attr_size = sizeof(attrs_dropout), .infer = dropout_infer, .forward = dropout_forward};
 
 kiln_tensor *kiln_dropout(kiln_tensor *t, double p, bool train, kiln_generator *gen) {
+  /* Identity (eval mode, p 0): the same tensor, as a new reference for the caller's
+  ** scope, as PyTorch returns the input itself; that is not an op, and a trace shows none.
+  ** Arguments infer would refuse still go to the call, for its error. */
+  if (t && (!train || p == 0.0) && p >= 0.0 && p <= 1.0 && kiln_dtype_is_float(t->dtype))
+    return kiln__scope_track(kiln_tensor_ref(t));
   attrs_dropout a = {p, train, gen};
   return kiln__op_call(&op_dropout, 1, &t, &a, NULL);
 }

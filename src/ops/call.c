@@ -290,6 +290,9 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   if (st == KILN_OK && c.differentiable && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE | KILN__OP_NO_GRAD)) &&
       kiln__needs_grad(n_in, args) && kiln_dtype_is_float(c.out[0]->dtype)) {
     int n_node_out = c.n_out;
+    /* Trailing integer outputs (max_dim's indices) are not differentiable, as in PyTorch:
+    ** they stay out of the node and never require grad. */
+    while (n_node_out > 1 && !kiln_dtype_is_float(c.out[n_node_out - 1]->dtype)) n_node_out--;
     kiln__node *node = kiln__node_make(n_node_out, c.out, op->name, op->backward, n_in, args,
                                        op->n_saved, attrs, op->attr_size);
     if (!node) {

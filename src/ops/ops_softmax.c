@@ -1,10 +1,17 @@
 /*
-** softmax and log_softmax along one dim, with fused backward kernels:
+** softmax and log_softmax along one dim (attribute dim), descriptors on the one call path
+** (op.h) with fused backward kernels:
 **   softmax:      dx = y * (g - sum(g * y))        (SOFTMAX_BACKWARD, in0 y, in1 g)
 **   log_softmax:  dx = g - exp(y) * sum(g)         (LOG_SOFTMAX_BACKWARD, in0 y, in1 g)
-** Both backward rules need only the output y, which the node saves without a cycle.
+** Both backward rules need only the output y, which the node saves without a cycle, and
+** the dim, which they read from the node's copy of the attribute record.
 */
-#include "../core/kiln_int.h"
+#include "ops/op.h"
+
+typedef struct attrs_softmax {
+  int dim;
+} attrs_softmax;
+static const kiln__attr_field f_softmax[] = {KILN__FIELD(attrs_softmax, dim, KILN__A_INT32)};
 
 /* A 0-dim tensor is softmaxed as one element along a dim of size 1 (PyTorch: result 1). */
 static kiln__view view1(const kiln_tensor *t) {
@@ -15,6 +22,12 @@ static kiln__view view1(const kiln_tensor *t) {
     v.strides[0] = 1;
   }
   return v;
+}
+
+/* The dim a record names for an input of ndim dims (infer checked it; 0 for a 0-dim one). */
+static int wrapped_dim(const attrs_softmax *p, int ndim) {
+  if (ndim == 0) return 0;
+  return p->dim < 0 ? p->dim + ndim : p->dim;
 }
 
 static kiln_status softmax_bw_common(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, kiln__kop op) {
@@ -32,7 +45,7 @@ static kiln_status softmax_bw_common(kiln__node *n, kiln_tensor *g, kiln_tensor 
     if (!gc) return kiln_last_error();
     a.in[1] = view1(gc);
     a.out[0] = view1(dx);
-    a.i[0] = n->i[0];
+    a.i[0] = wrapped_dim(n->attrs, y->ndim);
     kiln_status st = kiln__dispatch(kiln_device_of(y), &a);
     if (st != KILN_OK) return st;
   }
@@ -48,54 +61,58 @@ static kiln_status log_softmax_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   return softmax_bw_common(n, g, gi, KILN__K_LOG_SOFTMAX_BACKWARD);
 }
 
-static kiln_tensor *softmax_common(const char *op, const char *name, kiln__kop kop,
-                                   kiln__backward_fn bw, kiln_tensor *t, int dim) {
-  if (!t) return NULL;
+static kiln_status softmax_infer(kiln__op_ctx *c) {
+  const attrs_softmax *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *t = c->in[0];
   if (!kiln_dtype_is_float(t->dtype))
-    KILN__FAIL_NULL(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s (shape %s)", op,
-                    kiln_dtype_name(t->dtype), kiln__tshape(t));
-  int d = 0;
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s (shape %s)", op,
+                          kiln_dtype_name(t->dtype), kiln__tshape(t));
   if (t->ndim == 0) {
-    if (dim != 0 && dim != -1)
-      KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT,
-                      "%s: dim %d out of range for a 0-dim tensor (expected 0 or -1)", op, dim);
-  } else {
-    d = kiln__wrap_dim(op, dim, t->ndim);
-    if (d < 0) return NULL;
+    if (p->dim != 0 && p->dim != -1)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                            "%s: dim %d out of range for a 0-dim tensor (expected 0 or -1)", op, p->dim);
+  } else if (kiln__wrap_dim(op, p->dim, t->ndim) < 0) {
+    return kiln_last_error();
   }
-  kiln_device dev = kiln_device_of(t);
-  kiln_tensor *out = kiln__tensor_new(t->ndim, t->shape, t->dtype, dev);
-  if (!out) return NULL;
-  if (kiln_numel(out) > 0) {
-    kiln__kargs a = {0};
-    a.op = kop;
-    a.n_in = 1;
-    a.n_out = 1;
-    a.in[0] = view1(t);
-    a.out[0] = view1(out);
-    a.i[0] = d;
-    if (kiln__dispatch(dev, &a) != KILN_OK) {
-      kiln__discard(out);
-      return NULL;
-    }
-  }
-  if (kiln__needs_grad(1, &t)) {
-    kiln__node *n = kiln__node_attach(out, name, bw, 1, &t);
-    if (!n) {
-      kiln__discard(out);
-      return NULL;
-    }
-    kiln__node_save_output(n, 0);
-    n->i[0] = d;
-  }
-  return out;
+  kiln__op_meta_like(c, 0, t, t->dtype);
+  return KILN_OK;
 }
 
+static kiln_status softmax_forward(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0], *out = c->out[0];
+  if (kiln_numel(out) == 0) return KILN_OK;
+  kiln__kargs a = {0};
+  a.op = c->op->kernels[0];
+  a.n_in = 1;
+  a.n_out = 1;
+  a.in[0] = view1(t);
+  a.out[0] = view1(out);
+  a.i[0] = wrapped_dim(c->attrs, t->ndim);
+  return kiln__dispatch(kiln_device_of(t), &a);
+}
+
+/* saved: 0 the output y */
+static void softmax_save(kiln__op_ctx *c, kiln__node *n) {
+  KILN__UNUSED(c);
+  kiln__node_save_output(n, 0);
+}
+
+#define SOFTMAX_OP(fname, kop, bw)                                                                    \
+  static const kiln__op op_##fname = {                                                               \
+      .name = #fname, .api = "kiln_" #fname, .n_in = 1, .n_out = 1, .amp = KILN__AMP_F32,            \
+      .n_kernels = 1, .kernels = {kop}, .attrs = f_softmax, .n_attrs = 1,                            \
+      .attr_size = sizeof(attrs_softmax), .infer = softmax_infer, .forward = softmax_forward,        \
+      .backward = bw, .n_saved = 1, .save = softmax_save};
+SOFTMAX_OP(softmax, KILN__K_SOFTMAX, softmax_backward)
+SOFTMAX_OP(log_softmax, KILN__K_LOG_SOFTMAX, log_softmax_backward)
+
 kiln_tensor *kiln_softmax(kiln_tensor *t, int dim) {
-  return softmax_common("kiln_softmax", "softmax", KILN__K_SOFTMAX, softmax_backward, t, dim);
+  attrs_softmax p = {dim};
+  return kiln__op_call(&op_softmax, 1, &t, &p, NULL);
 }
 
 kiln_tensor *kiln_log_softmax(kiln_tensor *t, int dim) {
-  return softmax_common("kiln_log_softmax", "log_softmax", KILN__K_LOG_SOFTMAX,
-                        log_softmax_backward, t, dim);
+  attrs_softmax p = {dim};
+  return kiln__op_call(&op_log_softmax, 1, &t, &p, NULL);
 }

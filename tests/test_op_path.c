@@ -303,6 +303,21 @@ static void test_path_checks(void) {
   CHECK(bad == NULL && kiln_relu(kiln_add(a, bad)) == NULL && kiln_last_error() == st);
   kiln_clear_error();
   kiln_scope_end();
+  /* with no scope open, an op's converted inputs (f32 + f64 promotes a to f64) are freed:
+  ** only the result is left to the caller */
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(3), KILN_F32, cpu), *y = kiln_ones(KILN_SHAPE(3), KILN_F64, cpu);
+  int64_t live = kiln_live_tensors();
+  kiln_tensor *z = kiln_add(x, y);
+  CHECK(z && kiln_dtype_of(z) == KILN_F64 && kiln_live_tensors() == live + 1);
+  kiln_tensor_free(z);
+  CHECK(kiln_live_tensors() == live);
+  kiln_requires_grad_(x, true); /* the node keeps what it saved until z goes */
+  z = kiln_add(x, y);
+  CHECK(z && kiln_requires_grad(z));
+  kiln_tensor_free(z);
+  CHECK(kiln_live_tensors() == live);
+  kiln_tensor_free(x);
+  kiln_tensor_free(y);
 }
 
 int main(void) {

@@ -170,6 +170,21 @@ static kiln_tensor *fail(kiln__op_ctx *c, int n_alloc) {
   return NULL;
 }
 
+/* The intermediates forward parked for save(): each was a new reference (owned by the
+** scope when one is open), now released either way. */
+static void release_tmps(kiln__op_ctx *c) {
+  for (int k = 0; k < KILN__OP_MAX_TMP; k++) {
+    kiln_tensor *t = c->tmp[k];
+    if (!t) continue;
+    bool shared = false;
+    for (int i = 0; i < c->n_in && !shared; i++) shared = c->in[i] == t;
+    for (int i = 0; i < c->n_out && !shared; i++) shared = c->out[i] == t;
+    for (int j = 0; j < k && !shared; j++) shared = c->tmp[j] == t;
+    if (!shared) kiln__discard(t);
+    c->tmp[k] = NULL;
+  }
+}
+
 typedef struct obs_token {
   const kiln__observer *o;
   void *token;
@@ -303,6 +318,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     }
   }
   depth--;
+  release_tmps(&c);
   if (st != KILN_OK && kiln_last_error() == KILN_OK)
     kiln_set_error(st, "%s failed", op->api);
   /* 8. observers */

@@ -78,7 +78,8 @@ struct kiln__op;
 
 /* What one call of an op carries from step to step. infer fills meta and n_out; forward
 ** reads in and attrs and writes out; forward may park intermediates (converted inputs)
-** in tmp for save(). */
+** in tmp for save(): the path releases each after save() (save takes its own reference),
+** unless it is one of the inputs or outputs, with or without an open scope. */
 typedef struct kiln__op_ctx {
   const struct kiln__op *op;
   const void *attrs;

@@ -5,8 +5,9 @@
 ** path must not make it longer. Uses the public API only, so the same source measures
 ** any kiln version.
 **
-** Usage: bench-host-op [--iters N] [--json]
-** Prints ns per call for each case, the median of 7 rounds.
+** Usage: bench-host-op [--device D] [--iters N] [--json]
+** Prints ns per call for each case, the median of 7 rounds. On a GPU the figure is the
+** host's cost of queueing the op (the device is synchronized after each round).
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
@@ -55,17 +56,24 @@ typedef struct bcase {
 int main(int argc, char **argv) {
   int iters = 20000;
   bool json = false;
+  kiln_device dev = kiln_device_cpu();
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
+        fprintf(stderr, "bench-host-op: %s\n", kiln_last_error_message());
+        return 2;
+      }
+    }
     else if (!strcmp(argv[i], "--json")) json = true;
     else {
-      fprintf(stderr, "usage: bench-host-op [--iters N] [--json]\n");
+      fprintf(stderr, "usage: bench-host-op [--device D] [--iters N] [--json]\n");
       return 2;
     }
   }
   if (iters < 100) iters = 100;
   kiln_set_num_threads(1);
-  kiln_device cpu = kiln_device_cpu();
+  kiln_device cpu = dev; /* the device the cases run on */
   env e;
   e.a = kiln_keep(kiln_randn(KILN_SHAPE(4, 4), KILN_F32, cpu, NULL));
   e.b = kiln_keep(kiln_randn(KILN_SHAPE(4, 4), KILN_F32, cpu, NULL));
@@ -80,7 +88,9 @@ int main(int argc, char **argv) {
                    {"sum", case_sum},         {"matmul_4x4", case_matmul}, {"transpose", case_view},
                    {"add_grad", case_add_grad}, {"mlp_step", case_mlp_step}};
   int nc = (int)(sizeof cases / sizeof cases[0]);
-  if (json) printf("{\"bench\": \"host-op\", \"iters\": %d", iters);
+  char dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+  if (json) printf("{\"bench\": \"host-op\", \"device\": \"%s\", \"iters\": %d", dname, iters);
   for (int c = 0; c < nc; c++) {
     double r[7];
     int per = cases[c].fn == case_mlp_step ? iters / 10 : iters;
@@ -91,6 +101,7 @@ int main(int argc, char **argv) {
         for (int k = 0; k < 64 && i + k < per; k++) cases[c].fn(&e);
         kiln_scope_end();
       }
+      kiln_device_synchronize(dev);
       r[round] = (now() - t0) / per * 1e9;
     }
     qsort(r, 7, sizeof r[0], cmp);

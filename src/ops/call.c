@@ -228,7 +228,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
 
   /* 1. NULL inputs pass through */
   for (int i = 0; i < n_in; i++)
-    if (!in[i] && !(i < 32 && (op->optional >> i) & 1u)) {
+    if (!in[i] && op->optional != UINT32_MAX && !(i < 32 && (op->optional >> i) & 1u)) {
       if (kiln_last_error() == KILN_OK)
         kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", op->api, i);
       *status = kiln_last_error();

@@ -103,7 +103,8 @@ typedef struct kiln__op {
   const char *api;  /* "kiln_add": the prefix of error messages */
   int n_in;         /* or KILN__OP_VARIADIC */
   int n_out;        /* the most outputs; infer sets c->n_out */
-  uint32_t optional; /* bit i: input i may be NULL (a bias) */
+  uint32_t optional; /* bit i: input i may be NULL (a bias); all bits set: every input,
+                      ** however many (list ops check their own) */
   kiln__amp amp;
   unsigned flags;
   int n_kernels;            /* the kernels its forward dispatches (docs/ops.md) */

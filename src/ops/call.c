@@ -226,42 +226,46 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   for (int k = 0; k < KILN__OP_MAX_TMP; k++) c.tmp[k] = NULL;
   *status = KILN_OK;
 
-  /* 1. NULL inputs pass through */
-  for (int i = 0; i < n_in; i++)
-    if (!in[i] && op->optional != UINT32_MAX && !(i < 32 && (op->optional >> i) & 1u)) {
-      if (kiln_last_error() == KILN_OK)
-        kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", op->api, i);
+  /* 1. NULL inputs pass through; 2. one device (the first input's; the others match).
+  ** One loop, with the device read inline: this runs for every op. */
+  c.device = kiln_device_cpu();
+  bool any_device = (op->flags & (KILN__OP_CREATION | KILN__OP_ANY_DEVICE)) != 0;
+  int first = -1;
+  for (int i = 0; i < n_in; i++) {
+    const kiln_tensor *t = in[i];
+    if (!t) {
+      if (op->optional == UINT32_MAX || (i < 32 && (op->optional >> i) & 1u)) continue;
+      if (kiln_last_error() == KILN_OK) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", op->api, i);
       *status = kiln_last_error();
       return NULL;
     }
-  /* 2. one device */
-  c.device = kiln_device_cpu();
-  if (!(op->flags & KILN__OP_CREATION)) { /* the first input's device; the others must match */
-    int first = -1;
-    for (int i = 0; i < n_in; i++) {
-      if (!in[i]) continue;
-      kiln_device di = kiln_device_of(in[i]);
-      if (first < 0) {
-        c.device = di;
-        first = i;
-      } else if (!kiln_device_equal(c.device, di) && !(op->flags & KILN__OP_ANY_DEVICE)) {
-        *status = kiln_set_error(KILN_ERR_DEVICE,
-                                 "%s: expected all tensors on one device, but input %d is on %s and "
-                                 "input %d on %s (move them with kiln_to_device)",
-                                 op->api, first, kiln__device_cstr(c.device), i, kiln__device_cstr(di));
-        return NULL;
-      }
+    kiln_device di = t->storage->device;
+    if (first < 0) {
+      if (!(op->flags & KILN__OP_CREATION)) c.device = di;
+      first = i;
+    } else if (!any_device && (di.type != c.device.type || di.index != c.device.index)) {
+      *status = kiln_set_error(KILN_ERR_DEVICE,
+                               "%s: expected all tensors on one device, but input %d is on %s and "
+                               "input %d on %s (move them with kiln_to_device)",
+                               op->api, first, kiln__device_cstr(c.device), i, kiln__device_cstr(di));
+      return NULL;
     }
   }
-  /* the inputs as the op sees them: a copy, so autocast can replace entries */
-  kiln_tensor *local[8], **args = local;
-  if (n_in > 8 && !(args = malloc((size_t)n_in * sizeof *args))) {
-    *status = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", op->api);
-    return NULL;
+  /* the inputs as the op sees them: a copy only when autocast may replace entries */
+  bool amp = op->amp != KILN__AMP_NONE && autocast_hook;
+  kiln_tensor *local[8], **args = (kiln_tensor **)in;
+  if (amp) {
+    if (n_in > 8 && !(args = malloc((size_t)n_in * sizeof *args))) {
+      *status = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", op->api);
+      return NULL;
+    }
+    if (n_in <= 8) args = local;
+    for (int i = 0; i < n_in; i++) args[i] = in[i];
   }
-  for (int i = 0; i < n_in; i++) args[i] = in[i];
   c.in = args;
 
+  /* The depth is kept only while observers are on (no one else reads it), so the path
+  ** touches no thread-local when none is. */
   bool observe = atomic_load_explicit(&n_observers, memory_order_relaxed) > 0 && !in_observer;
   obs_token toks[MAX_OBSERVERS];
   int n_tok = 0;
@@ -279,12 +283,12 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     in_observer = true;
     n_tok = observe_begin(&ev, toks);
     in_observer = false;
+    depth++;
   }
-  depth++;
   kiln_status st = KILN_OK;
   int n_alloc = 0;
   /* 3. autocast */
-  if (op->amp != KILN__AMP_NONE && autocast_hook) st = autocast_hook(op, n_in, args);
+  if (amp) st = autocast_hook(op, n_in, args);
   /* 4. infer */
   if (st == KILN_OK && op->infer) st = op->infer(&c);
   /* 5. outputs */
@@ -317,7 +321,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
       if (op->save) op->save(&c, node);
     }
   }
-  depth--;
+  if (observe) depth--;
   release_tmps(&c);
   if (st != KILN_OK && kiln_last_error() == KILN_OK)
     kiln_set_error(st, "%s failed", op->api);
@@ -330,7 +334,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     in_observer = false;
     if (st == KILN_OK && ost != KILN_OK) st = ost;
   }
-  if (args != local) free(args);
+  if (amp && args != local) free(args);
   *status = st;
   if (st != KILN_OK) return fail(&c, n_alloc);
   if (out)

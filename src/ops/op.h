@@ -179,7 +179,7 @@ typedef struct kiln__observer {
 /* Adds o (kept by pointer) to the process's observers; at most 8. */
 kiln_status kiln__observer_add(const kiln__observer *o);
 void kiln__observer_remove(const kiln__observer *o);
-/* The current op depth of this thread (0 outside any op). */
+/* The current op depth of this thread (0 outside any op); kept only while an observer is on. */
 int kiln__op_depth(void);
 
 /* ---- autocast hook (the mixed-precision issue installs the policy) ---- */

@@ -433,6 +433,22 @@ kiln_status kiln__cpu_map(const kiln__kargs *a, const kiln__view *out, int nin,
 kiln_status kiln__cpu_map_ex(const kiln__kargs *a, const kiln__view *out, int nin,
                              const kiln__view *ins, const kiln_dtype *ct, kiln__cpu_vec_fn fn,
                              int64_t min_par) {
+  /* A small op on compact operands already of the compute types (most ops of a small
+  ** model's step): one call over the whole range, without copying and coalescing the
+  ** views, which cost more host time than the arithmetic at this size. */
+  int64_t n_small = kiln__view_numel(out);
+  if (n_small < min_par && out->dtype == ct[0] && kiln__view_is_contiguous(out)) {
+    const void *p[KILN__CPU_MAXV];
+    bool compact = true;
+    for (int i = 0; i < nin && compact; i++) {
+      compact = ins[i].dtype == ct[i + 1] && kiln__view_is_contiguous(&ins[i]);
+      p[i] = ins[i].data;
+    }
+    if (compact) {
+      if (n_small > 0) fn(out->data, p, n_small, 0, a);
+      return KILN_OK;
+    }
+  }
   kiln__map_ctx c;
   c.a = a;
   c.nv = nin + 1;

@@ -16,6 +16,12 @@
 
 static kiln_device cpu;
 
+/* Fixed weights of t's shape, so a loss is not symmetric in its elements. */
+static kiln_tensor *fixed_weights(kiln_tensor *t) {
+  kiln_tensor *r = kiln_arange(0, (double)kiln_numel(t), 1, kiln_dtype_of(t), kiln_device_of(t));
+  return kiln_reshape(kiln_add_scalar(kiln_mul_scalar(r, 0.37), -1.0), kiln_ndim(t), kiln_shape(t));
+}
+
 static const kiln_trace_op *op_at(const kiln_trace *tr, int i) { return kiln_trace_get(tr, i); }
 
 static bool named(const kiln_trace *tr, int i, const char *name) {
@@ -289,6 +295,53 @@ static void test_observers(void) {
   kiln_scope_end();
 }
 
+/* ---- a program's own Linear then ReLU: the backward peephole ---- */
+static void count_kernel(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
+  (void)dev, (void)native;
+  int *per_kernel = ctx;
+  per_kernel[a->op]++;
+}
+
+/* relu(linear(x, W, b)) then a loss: returns the number of RELU_BACKWARD kernels the
+** backward ran, and W's and x's gradients in gw, gx (kept). retain: the program asks for
+** the pre-activation's gradient, which the peephole must then not touch. */
+static int linear_relu_backward(kiln_tensor *x, kiln_tensor *W, kiln_tensor *b, bool retain, kiln_tensor **gw,
+                                kiln_tensor **gx) {
+  kiln_set_grad(W, NULL), kiln_set_grad(b, NULL), kiln_set_grad(x, NULL);
+  kiln_scope_begin();
+  kiln_tensor *z = kiln_linear(x, W, b);
+  if (retain) kiln_retain_grad(z);
+  kiln_tensor *h = kiln_relu(z);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(h, fixed_weights(h)));
+  int per_kernel[KILN__K_COUNT] = {0};
+  kiln__dispatch_observe(count_kernel, per_kernel);
+  CHECK(kiln_backward(loss, NULL) == KILN_OK);
+  kiln__dispatch_observe(NULL, NULL);
+  CHECK(!retain || kiln_grad(z) != NULL);
+  kiln_scope_end();
+  *gw = kiln_clone(kiln_grad(W));
+  *gx = kiln_clone(kiln_grad(x));
+  return per_kernel[KILN__K_RELU_BACKWARD];
+}
+
+static void test_linear_relu_peephole(void) {
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(6, 8), KILN_F32, cpu, NULL);
+  kiln_tensor *W = kiln_randn(KILN_SHAPE(5, 8), KILN_F32, cpu, NULL);
+  kiln_tensor *b = kiln_randn(KILN_SHAPE(5), KILN_F32, cpu, NULL);
+  kiln_requires_grad_(x, true), kiln_requires_grad_(W, true), kiln_requires_grad_(b, true);
+  kiln_tensor *gw_f, *gx_f, *gw_u, *gx_u;
+  int fused = linear_relu_backward(x, W, b, false, &gw_f, &gx_f);
+  int unfused = linear_relu_backward(x, W, b, true, &gw_u, &gx_u);
+  CHECK(fused == 0 && unfused == 1);
+  /* the mask read in the products gives the very numbers of the ReLU kernel */
+  CHECK(kiln_item(kiln_amax(kiln_abs(kiln_sub(gw_f, gw_u)), 0, NULL, false)) == 0.0);
+  CHECK(kiln_item(kiln_amax(kiln_abs(kiln_sub(gx_f, gx_u)), 0, NULL, false)) == 0.0);
+  /* and both are the gradients of a ReLU: some rows of the pre-activation are negative */
+  CHECK(kiln_item(kiln_sum_all(kiln_abs(gw_f))) > 0);
+  kiln_scope_end();
+}
+
 /* ---- the path's own checks ---- */
 static void test_path_checks(void) {
   kiln_scope_begin();
@@ -327,6 +380,7 @@ int main(void) {
   test_trace_small_model();
   test_custom_functions();
   test_observers();
+  test_linear_relu_peephole();
   test_path_checks();
   printf("test_op_path: %d failures\n", failures);
   return failures ? 1 : 0;

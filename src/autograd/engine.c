@@ -143,14 +143,15 @@ static bool push(nodelist *l, kiln__node *n) {
   return true;
 }
 
-/* Adds g into *slot (which holds its own reference). When the slot is empty it takes g
-** itself if nobody else holds g, else a copy, so that later accumulation never writes
-** into a tensor someone else sees. shown: the slot is one a user sees (.grad, a captured
-** result), which never gets a node's saved gradient (saved_grad storage) either. Later
-** additions make a new tensor (kiln_add), never writing into the one in the slot. */
+/* Adds g into *slot (which holds its own reference). Accumulation is out of place
+** (kiln_add makes a new tensor) and rules only read their gradients, so an engine slot
+** may share g with other slots and the rule that made it. shown: the slot is one a user
+** sees (.grad, a captured result), where the user (or an optimizer's zero_grad) may write
+** in place: it takes g only if nobody else holds it, else a copy, and never a node's
+** saved gradient (saved_grad storage). */
 static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g, bool shown) {
   if (!*slot) {
-    if (atomic_load(&g->refcount) == 1 && !(shown && g->storage->saved_grad)) {
+    if (!shown || (atomic_load(&g->refcount) == 1 && !g->storage->saved_grad)) {
       *slot = kiln_tensor_ref(g);
     } else {
       kiln_tensor *c = kiln_clone(g);
@@ -188,6 +189,23 @@ typedef struct capture {
   kiln_tensor **grads; /* NULL: normal backward into .grad */
 } capture;
 
+/* The capture of the backward running on this thread (kiln__grad_mask_ok reads it). */
+static _Thread_local const capture *running;
+
+/* Whether the rule now running may hand m (the node of its input, output 0) a gradient
+** still to be masked (m->grad_mask): this edge is the last into m in this backward and
+** nothing reached m before, so the gradient m gets is exactly this one; and no one sees
+** m's gradient (not retained, not asked for by kiln_autograd_grad). */
+bool kiln__grad_mask_ok(const kiln__node *m, int index) {
+  if (!m || index != 0 || m->deps != 1 || m->grad_acc || m->unit_seed || m->grad_mask) return false;
+  for (int k = 1; k < m->n_out; k++)
+    if (m->grad_accs[k]) return false;
+  if (m->out_weak && m->out_weak->retains_grad) return false;
+  for (int c = 0; running && running->grads && c < running->n; c++)
+    if (running->inputs[c]->grad_fn == m) return false;
+  return true;
+}
+
 static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
   for (int i = 0; i < c->n; i++)
     if (c->inputs[i] == leaf) return i;
@@ -199,6 +217,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   kiln_status st = KILN_OK;
   bool prev_mode = kiln_set_grad_enabled(false);
   backward_depth++;
+  const capture *prev_running = running;
+  running = cap;
   kiln_scope_begin();
   nodelist all = {0}, ready = {0};
   int epoch = ++mark_epoch;
@@ -364,6 +384,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
         st = kiln_set_error(KILN_ERR_OOM, "kiln_backward: out of host memory");
     }
     kiln_tensor_free(g);
+    kiln_tensor_free(n->grad_mask);
+    n->grad_mask = NULL;
     for (int k = 1; k < n->n_out; k++) {
       kiln_tensor_free(n->grad_outs[k]);
       n->grad_outs[k] = NULL;
@@ -377,6 +399,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     kiln_tensor_free(n->grad_acc);
     n->grad_acc = NULL;
     n->unit_seed = false;
+    kiln_tensor_free(n->grad_mask);
+    n->grad_mask = NULL;
     for (int k = 1; k < n->n_out; k++) {
       kiln_tensor_free(n->grad_accs[k]);
       n->grad_accs[k] = NULL;
@@ -385,6 +409,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   free(all.v);
   free(ready.v);
   kiln_scope_end();
+  running = prev_running;
   backward_depth--;
   kiln_set_grad_enabled(prev_mode);
   return st;

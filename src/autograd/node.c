@@ -142,6 +142,7 @@ void kiln__node_release(kiln__node *root) {
     }
     for (int k = 0; k < n->n_saved; k++) kiln_tensor_free(n->saved[k]);
     kiln_tensor_free(n->grad_acc);
+    kiln_tensor_free(n->grad_mask);
     for (int k = 1; k < n->n_out; k++) kiln_tensor_free(n->grad_accs[k]);
     if (n->out_weak && n->out_weak->grad_fn == n) n->out_weak->grad_fn = NULL;
     for (int k = 1; k < n->n_out; k++)

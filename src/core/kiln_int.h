@@ -104,6 +104,11 @@ typedef struct kiln__node {
   kiln_tensor *grad_acc;    /* output 0's pending gradient */
   kiln_tensor **grad_accs;  /* [n_out] the other outputs' ([0] unused) */
   kiln_tensor **grad_outs;  /* [n_out] during the rule: the gradients of outputs 1.. */
+  /* Set by the rule of the one node this node's output feeds (relu), which then hands
+  ** on its gradient unmasked: this node's rule reads its gradient as where(mask > 0, g,
+  ** 0) (folded into its products). Only for ops with KILN__OP_GRAD_MASK; see
+  ** kiln__grad_mask_ok. Freed by the engine after the rule. */
+  kiln_tensor *grad_mask;
   bool unit_seed; /* the pending gradient is the implicit unit seed (grad_acc NULL) */
   int visit_mark;
 } kiln__node;
@@ -207,6 +212,8 @@ float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k);
 double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
 
 /* ---- autograd (src/autograd/) ---- */
+/* In a rule: whether it may set m->grad_mask for its input's node m (engine.c). */
+bool kiln__grad_mask_ok(const kiln__node *m, int index);
 /* Whether the calling thread is running a backward (engine.c). */
 bool kiln__in_backward(void);
 /* Whether t's grad-ready hook is fn with ctx (ext/kiln_ext.h). */

@@ -130,6 +130,9 @@ typedef struct kiln__op {
 #define KILN__OP_NO_GRAD (1u << 4)    /* never recorded (random fills, comparisons) */
 #define KILN__OP_FLOAT_ONLY (1u << 5) /* input 0 must be a floating tensor */
 #define KILN__OP_ANY_DEVICE (1u << 6) /* inputs may be on different devices (copies) */
+/* Its rule reads n->grad_mask (a ReLU after it folded its backward into this op's
+** products): the peephole of ops_elementwise.c's relu rule. */
+#define KILN__OP_GRAD_MASK (1u << 7)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */

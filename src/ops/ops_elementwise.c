@@ -284,7 +284,19 @@ static kiln_status kernel_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, ki
   static kiln_status fn(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {                \
     return kernel_bw(n, g, gi, kop, saved);                                               \
   }
-KERNEL_BW(relu_bw, KILN__K_RELU_BACKWARD, 0)
+/* ReLU after an op that can read its gradient through a mask (linear: the mask folds
+** into its two products, as linear_relu's does): when this ReLU is the only way gradient
+** reaches that op (kiln__grad_mask_ok), hand it the gradient unmasked with x as the mask
+** (x > 0 exactly where ReLU passes gradient) and run no kernel. A program's own Linear
+** then ReLU gets the fused backward this way; the forward stays two ops. */
+static kiln_status relu_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln__node *m = n->next[0].node;
+  if (m && m->op && (m->op->flags & KILN__OP_GRAD_MASK) && kiln__grad_mask_ok(m, n->next[0].index)) {
+    m->grad_mask = kiln_tensor_ref(n->saved[0]);
+    return kiln__give_grad(&gi[0], g, g);
+  }
+  return kernel_bw(n, g, gi, KILN__K_RELU_BACKWARD, 0);
+}
 KERNEL_BW(leaky_relu_bw, KILN__K_LEAKY_RELU_BACKWARD, 0)
 KERNEL_BW(gelu_bw, KILN__K_GELU_BACKWARD, 0)
 KERNEL_BW(gelu_tanh_bw, KILN__K_GELU_TANH_BACKWARD, 0)

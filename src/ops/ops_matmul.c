@@ -314,7 +314,9 @@ static const kiln__op op_linear_relu;
 ** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
 ** backward costs no kernel of its own). */
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->op == &op_linear_relu ? n->saved[2] : NULL;
+  /* the mask of the gradient: linear_relu's output, or a following ReLU's input handed
+  ** over by that ReLU's rule (KILN__OP_GRAD_MASK); either is > 0 where ReLU passed it */
+  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->op == &op_linear_relu ? n->saved[2] : n->grad_mask;
   int64_t N = W->shape[0], K = W->shape[1];
   int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
@@ -407,7 +409,7 @@ static void linear_save(kiln__op_ctx *c, kiln__node *n) {
 
 /* Kernels: MATMUL; COPY / FILL for the bias or zeros when K is 0 (and RELU then). */
 static const kiln__op op_linear = {
-    .name = "linear", .api = "kiln_linear", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .name = "linear", .api = "kiln_linear", .n_in = 3, .n_out = 1, .optional = 1u << 2, .flags = KILN__OP_GRAD_MASK,
     .amp = KILN__AMP_LOWER, .n_kernels = 3, .kernels = {KILN__K_MATMUL, KILN__K_COPY, KILN__K_FILL},
     .infer = linear_infer, .forward = linear_forward, .backward = linear_backward, .n_saved = 3,
     .save = linear_save};

@@ -18,6 +18,8 @@ OUT=$OUT/new scripts/gpu_run.sh build >/dev/null 2>&1 &
 wait
 tail -3 "$OUT/new/build.log" "$OUT/base/build.log"
 OUT=$OUT/new scripts/gpu_run.sh test
+# docs/ops.md with the GPU's column run, not read from the kernel tables
+scripts/ops_doc.sh $N "$OUT/ops.md" > "$OUT/ops-doc.log" 2>&1 || tail -5 "$OUT/ops-doc.log"
 export LD_LIBRARY_PATH=/tmp/kiln-deps/usr/lib/x86_64-linux-gnu/openblas-pthread:/tmp/kiln-deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 # bench-host-op of the base: the same source against the base library
 cc -O2 -std=c11 -I$BASE/include bench/bench_host_op.c -L$BASE/$N/lib -lkiln -Wl,-rpath,$root/$BASE/$N/lib \

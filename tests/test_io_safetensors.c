@@ -303,6 +303,14 @@ static void test_crafted_errors(void) {
   expect_error("{\"__metadata__\":{\"k\":1}}", 0, KILN_ERR_FORMAT, "not a string");
   expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
                KILN_ERR_SHAPE, "dims");
+  /* issue 17.1: no elements, but a partial product of the dims passes 2^63 */
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[0,4294967296,4294967296],\"data_offsets\":[0,0]}}",
+               0, KILN_ERR_SHAPE, "too large");
+  expect_error("{\"a\":{\"dtype\":\"U8\",\"shape\":[4294967296,0,4294967296],\"data_offsets\":[0,0]}}",
+               0, KILN_ERR_SHAPE, "too large");
+  d = load_crafted("{\"a\":{\"dtype\":\"F32\",\"shape\":[0,65536,65536],\"data_offsets\":[0,0]}}", 0);
+  CHECK(d && kiln_numel(kiln_dict_get(d, "a")) == 0);
+  kiln_dict_free(d);
   /* header length past the end of the file */
   char p[300];
   snprintf(p, sizeof p, "%s/hl.safetensors", g_tmp);

@@ -156,14 +156,18 @@ kiln_tensor *kiln_idx_load(const char *path) {
     goto fail;
   }
   int64_t shape[KILN_MAX_DIMS];
-  uint64_t numel = 1;
+  /* span: the product with zero dims counted as 1 (strides are made of it), so that
+  ** (0, 2^31, 2^31, 2^31) is refused like its non-empty cousin. */
+  uint64_t numel = 1, span = 1;
   for (int i = 0; i < nd; i++) {
     const unsigned char *p = h + 4 + 4 * i;
     shape[i] = (int64_t)(((uint64_t)p[0] << 24) | ((uint64_t)p[1] << 16) | ((uint64_t)p[2] << 8) | p[3]);
-    if (shape[i] && numel > (UINT64_C(1) << 40) / (uint64_t)shape[i]) {
-      kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: dims at offset 4 give over 2^40 elements", path);
+    uint64_t d = shape[i] ? (uint64_t)shape[i] : 1;
+    if (span > (UINT64_C(1) << 40) / d) {
+      kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: dims at offset 4 give over 2^40 elements", path);
       goto fail;
     }
+    span *= d;
     numel *= (uint64_t)shape[i];
   }
   /* Read into a buffer that grows with the data, so a corrupt dim costs no more memory

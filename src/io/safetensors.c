@@ -117,8 +117,10 @@ static kiln_status parse_entry(const char *path, const cJSON *e, st_info *info) 
     return kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: tensor '%s' has %d dims (kiln holds %d)",
                           path, name, nd, KILN_MAX_DIMS);
   info->ndim = nd;
-  /* numel * size stays below 2^63: each factor is checked before multiplying */
-  uint64_t bytes = kiln_dtype_size(info->dtype);
+  /* numel * size stays below 2^62: each factor is checked before multiplying. span is the
+  ** product with zero dims counted as 1 (what strides are made of): it must fit too, or a
+  ** shape like [0, 2^40, 2^40] would pass as 0 bytes. */
+  uint64_t bytes = kiln_dtype_size(info->dtype), span = bytes;
   int i = 0;
   for (const cJSON *d = sh->child; d; d = d->next, i++) {
     uint64_t v;
@@ -127,9 +129,12 @@ static kiln_status parse_entry(const char *path, const cJSON *e, st_info *info) 
                             WHO ": %s: tensor '%s' shape[%d] is not a non-negative integer",
                             path, name, i);
     info->shape[i] = (int64_t)v;
-    if (v && bytes > (UINT64_C(1) << 62) / v)
-      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' shape is too large",
+    if (span > (UINT64_C(1) << 62) / (v ? v : 1))
+      return kiln_set_error(KILN_ERR_SHAPE,
+                            WHO ": %s: tensor '%s' shape is too large (a product of its "
+                                "dims passes 2^62 bytes)",
                             path, name);
+    span *= v ? v : 1;
     bytes *= v;
   }
   if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 || !json_uint(off->child, &info->begin) ||

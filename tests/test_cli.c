@@ -180,6 +180,52 @@ static void test_info(void) {
   }
 }
 
+/* Issue 17.3: names with terminal escapes print escaped; --json stays valid JSON. */
+static void test_info_unsafe_names(void) {
+  char path[256], args[512];
+  snprintf(path, sizeof path, "%s/esc.safetensors", cr_tmpdir());
+  kiln_scope_begin();
+  kiln_dict *d = kiln_dict_new();
+  kiln_dict_set(d, "\x1b]0;pwned\x07\x1b[2J", kiln_ones(KILN_SHAPE(1), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set(d, "csi\xc2\x9b" "31m", kiln_ones(KILN_SHAPE(1), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set_meta(d, "\x1b[31mkey", "value\x1b[0m");
+  kiln_status st = kiln_safetensors_save(path, d);
+  kiln_dict_free(d);
+  kiln_scope_end();
+  CR_CHECK(st == KILN_OK, "saving: %s", kiln_last_error_message());
+  snprintf(args, sizeof args, "info '%s'", path);
+  cr_result r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0, "info exited %d: %s", r.status, r.err);
+  CR_CHECK(!strchr(r.out, '\x1b') && !strchr(r.out, '\x07') && !strstr(r.out, "\xc2\x9b"),
+           "raw control bytes printed:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "\\x1b]0;pwned\\x07\\x1b[2J") && strstr(r.out, "csi\\xc2\\x9b31m") &&
+           strstr(r.out, "value\\x1b[0m"), "escaped names missing:\n%s", r.out);
+  cr_free(&r);
+  snprintf(args, sizeof args, "info --json '%s'", path);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0 && !strchr(r.out, '\x1b') && strstr(r.out, "\\u001b]0;pwned\\u0007"),
+           "json escaping: %s", r.out);
+#if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
+  cJSON *j = cJSON_ParseWithOpts(r.out, NULL, 1);
+  CR_CHECK(j != NULL, "info --json is not JSON: %s", r.out);
+  cJSON_Delete(j);
+#endif
+  cr_free(&r);
+  /* a name of raw non-UTF-8 bytes is refused, with the offset */
+  static const char hdr[] = "{\"\xff\xfe\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  unsigned char b[8 + sizeof hdr];
+  size_t hl = sizeof hdr - 1;
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+  memcpy(b + 8, hdr, hl);
+  b[8 + hl] = 7;
+  write_bytes(path, b, 8 + hl + 1);
+  snprintf(args, sizeof args, "info --json '%s'", path);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 1 && r.out[0] == 0 && strstr(r.err, "invalid UTF-8") && strstr(r.err, "file offset 10"),
+           "non-UTF-8 name: %d %s", r.status, r.err);
+  cr_free(&r);
+}
+
 int main(void) {
   char bin[1024], kiln[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -192,6 +238,7 @@ int main(void) {
   test_doctor_text();
   test_doctor_json();
   test_info();
+  test_info_unsafe_names();
   cr_cleanup();
   if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
   else printf("test_cli: all passed\n");

@@ -321,6 +321,44 @@ static void test_crafted_errors(void) {
   CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT);
 }
 
+/* Issue 17.3: names and metadata must be UTF-8 without NUL; the error names the offset. */
+static void test_names(void) {
+  /* raw 0xFF in a name: the byte sits at file offset 8 + 2 */
+  expect_error("{\"\xff\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+               KILN_ERR_FORMAT, "invalid UTF-8 in the header at file offset 10");
+  /* an overlong form of '/', a lone surrogate (ED A0 80), a cut sequence, in metadata */
+  expect_error("{\"__metadata__\":{\"k\":\"\xc0\xaf\"}}", 0, KILN_ERR_FORMAT, "invalid UTF-8");
+  expect_error("{\"__metadata__\":{\"k\":\"\xed\xa0\x80\"}}", 0, KILN_ERR_FORMAT, "invalid UTF-8");
+  expect_error("{\"__metadata__\":{\"\xe2\x82\":\"v\"}}", 0, KILN_ERR_FORMAT, "file offset 26");
+  /* escaped NUL: two names that would both be cut to "a" */
+  expect_error("{\"a\\u0000x\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+               "\"a\\u0000y\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
+               2, KILN_ERR_FORMAT, "escaped NUL (\\u0000) in a string at file offset 11");
+  expect_error("{\"__metadata__\":{\"k\":\"v\\u0000\"}}", 0, KILN_ERR_FORMAT, "escaped NUL");
+  /* a raw NUL byte */
+  {
+    static const char h[] = "{\"__metadata__\":{\"k\":\"v\0w\"}}";
+    unsigned char b[8 + sizeof h];
+    size_t hl = sizeof h - 1;
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+    memcpy(b + 8, h, hl);
+    char p[300];
+    snprintf(p, sizeof p, "%s/nul.safetensors", g_tmp);
+    write_all(p, b, 8 + hl);
+    CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+          strstr(kiln_last_error_message(), "NUL byte in the header at file offset 31"));
+  }
+  /* valid: UTF-8 names, an escaped backslash before "u0000" (the name is \u0000 as text),
+  ** an escaped control character */
+  kiln_dict *d = load_crafted("{\"caf\xc3\xa9.\xe2\x82\xac.\xf0\x9f\x94\xa5\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[0,1]},\"b\\\\u0000\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[1,2]},\"\\u001b[31m\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[2,3]}}", 3);
+  CHECK(d && kiln_dict_size(d) == 3 && kiln_dict_get(d, "caf\xc3\xa9.\xe2\x82\xac.\xf0\x9f\x94\xa5") &&
+        kiln_dict_get(d, "b\\u0000") && kiln_dict_get(d, "\x1b[31m"));
+  kiln_dict_free(d);
+}
+
 static int acceptable(kiln_status s) {
   return s == KILN_ERR_FORMAT || s == KILN_ERR_IO || s == KILN_ERR_DTYPE || s == KILN_ERR_SHAPE;
 }
@@ -389,6 +427,7 @@ int main(void) {
   test_dict_api();
   test_atomic();
   test_crafted_errors();
+  test_names();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

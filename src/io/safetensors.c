@@ -24,6 +24,7 @@
 #define _FILE_OFFSET_BITS 64
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -208,9 +209,58 @@ static kiln_tensor *read_tensor(const char *path, FILE *f, uint64_t data_start,
   return t;
 }
 
+/* The header's text, before the JSON parser sees it: strictly valid UTF-8 (the format
+** requires it; no overlong forms, surrogates or code points past U+10FFFF), no NUL byte,
+** and no escaped NUL (\u0000) in a string: names and metadata are C strings, so a NUL would
+** cut one short silently (two such names then look like duplicates of the cut name).
+** Errors name the file offset of the offending byte. */
+static kiln_status check_header_text(const char *path, const char *hdr, uint64_t hlen) {
+  const unsigned char *p = (const unsigned char *)hdr;
+  bool in_string = false;
+  for (uint64_t i = 0; i < hlen;) {
+    unsigned c = p[i];
+    if (c == 0)
+      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: NUL byte in the header at file offset %llu",
+                            path, (unsigned long long)(8 + i));
+    if (c < 0x80) {
+      if (c == '"') in_string = !in_string;
+      else if (c == '\\' && in_string && i + 1 < hlen) {
+        if (p[i + 1] == 'u' && i + 5 < hlen && !memcmp(p + i + 2, "0000", 4))
+          return kiln_set_error(KILN_ERR_FORMAT,
+                                WHO ": %s: escaped NUL (\\u0000) in a string at file offset %llu "
+                                    "(names and metadata may not hold NUL)",
+                                path, (unsigned long long)(8 + i));
+        if (p[i + 1] < 0x80) i++; /* the escaped character (a quote does not end the string) */
+      }
+      i++;
+      continue;
+    }
+    /* lead byte: length and the smallest code point that needs that length */
+    int len;
+    uint32_t cp, min;
+    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F, min = 0x80;
+    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F, min = 0x800;
+    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07, min = 0x10000;
+    else len = 0, cp = 0, min = 0;
+    bool ok = len > 0 && i + (uint64_t)len <= hlen;
+    for (int k = 1; ok && k < len; k++) {
+      if ((p[i + k] & 0xC0) != 0x80) ok = false;
+      else cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (ok && (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))) ok = false;
+    if (!ok)
+      return kiln_set_error(KILN_ERR_FORMAT,
+                            WHO ": %s: invalid UTF-8 in the header at file offset %llu (byte 0x%02x)",
+                            path, (unsigned long long)(8 + i), c);
+    i += (uint64_t)len;
+  }
+  return KILN_OK;
+}
+
 static kiln_status validate_and_read(const char *path, FILE *f, uint64_t fsize, char *hdr,
                                      uint64_t hlen, kiln_dict *d, kiln_device dev) {
   const uint64_t data_start = 8 + hlen, data_size = fsize - data_start;
+  if (check_header_text(path, hdr, hlen) != KILN_OK) return kiln_last_error();
   const char *end = NULL;
   cJSON *root = cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
   if (!root) {

@@ -7,6 +7,7 @@
 #include <kiln_io.h>
 
 #include "cli_run.h"
+#include <sys/stat.h>
 
 #if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
 #include <cjson/cJSON.h>
@@ -226,6 +227,19 @@ static void test_info_unsafe_names(void) {
   cr_free(&r);
 }
 
+/* Issue 17.4: kiln info on a FIFO fails at once instead of waiting for a writer. */
+static void test_info_fifo(void) {
+  char fifo[256], args[512];
+  snprintf(fifo, sizeof fifo, "%s/fifo.safetensors", cr_tmpdir());
+  if (mkfifo(fifo, 0600) != 0) return;
+  snprintf(args, sizeof args, "info '%s'", fifo);
+  cr_result r = cr_run("timeout 20", "kiln", args); /* 124: it blocked */
+  CR_CHECK(r.status == 1 && strstr(r.err, "not a regular file (a FIFO)"), "info on a FIFO: %d %s",
+           r.status, r.err);
+  cr_free(&r);
+  remove(fifo);
+}
+
 int main(void) {
   char bin[1024], kiln[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -239,6 +253,7 @@ int main(void) {
   test_doctor_json();
   test_info();
   test_info_unsafe_names();
+  test_info_fifo();
   cr_cleanup();
   if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
   else printf("test_cli: all passed\n");

@@ -15,6 +15,8 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "../io/io_int.h"
 #include "kiln_data.h"
@@ -36,13 +38,20 @@ typedef struct rd {
   int err;      /* a read error, not an end of file */
 } rd;
 
+/* 0 with the error set on failure (a FIFO or other special file is refused unopened). */
 static int rd_open(rd *r, const char *path) {
   memset(r, 0, sizeof *r);
 #ifdef KILN_HAVE_ZLIB
-  r->g = gzopen(path, "rb");
+  int fd = kiln__open_regular(WHO, path);
+  if (fd < 0) return 0;
+  r->g = gzdopen(fd, "rb");
+  if (!r->g) {
+    close(fd);
+    kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for the gzip reader", path);
+  }
   return r->g != NULL;
 #else
-  r->f = fopen(path, "rb");
+  r->f = kiln__fopen_regular(WHO, path);
   return r->f != NULL;
 #endif
 }
@@ -108,11 +117,7 @@ kiln_tensor *kiln_idx_load(const char *path) {
     return NULL;
   }
   rd r;
-  if (!rd_open(&r, path)) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-    return NULL;
-  }
+  if (!rd_open(&r, path)) return NULL;
   unsigned char *buf = NULL;
   kiln_tensor *t = NULL;
   unsigned char h[4 + 4 * KILN_MAX_DIMS];
@@ -266,10 +271,11 @@ fail:
 #define WHO "kiln_fashion_mnist_load"
 #define DEFAULT_DIR "/usr/share/datasets/fashion-mnist"
 
+/* stat, not open: opening a FIFO to see whether it is there would block; kiln_idx_load
+** then refuses anything that is not a regular file. */
 static int file_exists(const char *p) {
-  FILE *f = fopen(p, "rb");
-  if (f) fclose(f);
-  return f != NULL;
+  struct stat sb;
+  return stat(p, &sb) == 0;
 }
 
 /* Finds base[.gz] in one of the candidate dirs; writes the path. */

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "io_int.h"
@@ -125,6 +126,56 @@ kiln_status kiln_file_write_atomic(const char *path, const void *data, size_t n)
     return KILN_ERR_IO;
   }
   return kiln__atomic_commit(&af);
+}
+
+static const char *file_kind(mode_t m) {
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+int kiln__open_regular(const char *who, const char *path) {
+  if (!path || !*path) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: empty path", who);
+    return -1;
+  }
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    int e = errno;
+    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(e));
+    return -1;
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) {
+    int e = errno;
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot stat %s: %s", who, path, strerror(e));
+    return -1;
+  }
+  if (!S_ISREG(sb.st_mode)) {
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: %s is not a regular file (%s)", who, path,
+                   file_kind(sb.st_mode));
+    return -1;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl != -1) (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+FILE *kiln__fopen_regular(const char *who, const char *path) {
+  int fd = kiln__open_regular(who, path);
+  if (fd < 0) return NULL;
+  FILE *f = fdopen(fd, "rb");
+  if (!f) {
+    int e = errno;
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(e));
+  }
+  return f;
 }
 
 int kiln__host_is_le(void) {

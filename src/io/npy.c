@@ -219,12 +219,8 @@ kiln_tensor *kiln_npy_load(const char *path, kiln_device dev) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL path");
     return NULL;
   }
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-    return NULL;
-  }
+  FILE *f = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  if (!f) return NULL;
   char *hdr = NULL;
   unsigned char *tmp = NULL;
   kiln_tensor *t = NULL;

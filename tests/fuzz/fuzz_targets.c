@@ -54,8 +54,20 @@ static kiln_module *ck_model;
 static kiln_optimizer *ck_opt;
 static kiln_scheduler *ck_sched;
 
+static int64_t ck_base; /* live tensors before the objects were made */
+
+static void ck_teardown(void) {
+  kiln_scheduler_free(ck_sched);
+  kiln_optimizer_free(ck_opt);
+  kiln_module_free(ck_model);
+  ck_sched = NULL;
+  ck_opt = NULL;
+  ck_model = NULL;
+}
+
 static int ck_setup(void) {
   if (ck_model) return 0;
+  ck_base = kiln_live_tensors();
   kiln_manual_seed(1);
   ck_model = kiln_sequential_new();
   kiln_sequential_append(ck_model, kiln_linear_new(4, 3, true, KILN_F32, kiln_device_cpu(), NULL));
@@ -83,6 +95,25 @@ static float *ck_snapshot(size_t *n) {
   kiln_dict_free(d);
   *n = total;
   return v;
+}
+
+/* What a loaded checkpoint promises: training goes on from it. One step of the model,
+** the optimizer and the scheduler must succeed and leave a finite learning rate. */
+static int train_step(void) {
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(2, 4), KILN_F32, kiln_device_cpu());
+  kiln_status st = kiln_optimizer_zero_grad(ck_opt);
+  if (st == KILN_OK) st = kiln_backward(kiln_mean_all(kiln_module_forward(ck_model, x)), NULL);
+  if (st == KILN_OK) st = kiln_optimizer_step(ck_opt);
+  if (st == KILN_OK) st = kiln_scheduler_step(ck_sched);
+  kiln_scope_end();
+  double lr = kiln_optimizer_get_lr(ck_opt);
+  if (st != KILN_OK || !isfinite(lr)) {
+    fprintf(stderr, "fuzz checkpoint: the load succeeded but the next step failed: %s (lr %g)\n",
+            st != KILN_OK ? kiln_last_error_message() : "ok", lr);
+    return -1;
+  }
+  return 0;
 }
 
 static int run_checkpoint(const char *path, uint8_t flags) {
@@ -119,8 +150,15 @@ static int run_checkpoint(const char *path, uint8_t flags) {
             (long long)epoch, (long long)step);
     rc = -1;
   }
+  if (st == KILN_OK && rc == 0 && train_step() != 0) rc = -1;
   kiln_dict_free(extra);
   free(before);
+  if (st == KILN_OK) {
+    /* A load may rightly give the optimizer state tensors it did not have: start the next
+    ** input from fresh objects, and count leaks against the count before they existed. */
+    ck_teardown();
+    return rc ? rc : 1;
+  }
   return rc;
 }
 
@@ -171,8 +209,12 @@ int kiln_fuzz_run(const char *name, const uint8_t *data, size_t size) {
   } else if (!strcmp(name, "checkpoint")) {
     if (write_file(path, body, bsize)) return 0;
     if (ck_setup() != 0) return -1;
-    live0 = kiln_live_tensors(); /* the model and optimizer made on the first call stay */
+    live0 = kiln_live_tensors(); /* the model and optimizer stay between inputs */
     rc = run_checkpoint(path, opt);
+    if (rc == 1) { /* loaded; the objects were freed */
+      rc = 0;
+      live0 = ck_base;
+    }
   } else {
     return -2;
   }

@@ -83,6 +83,20 @@ static void test_doctor_json(void) {
   CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='lots'"), "bad KILN_NUM_THREADS not diagnosed");
   CR_CHECK(strstr(r.out, "\"sometimes\""), "env value not reported");
   cr_free(&r);
+
+  /* Issue 17.5: every bad value is flagged, each naming what is accepted. */
+  r = cr_run("KILN_NUM_THREADS=100000 KILN_DEVICE=nonsense KILN_FALLBACK=nonsense KILN_PROFILE=yes", "kiln",
+             "doctor");
+  CR_CHECK(r.status == 0, "doctor exited %d", r.status);
+  CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='100000' is not a thread count") && strstr(r.out, "1 to 1024"),
+           "KILN_NUM_THREADS=100000 not flagged:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "KILN_DEVICE='nonsense' is not a device"), "KILN_DEVICE not flagged");
+  CR_CHECK(strstr(r.out, "KILN_FALLBACK='nonsense'"), "KILN_FALLBACK not flagged");
+  CR_CHECK(strstr(r.out, "KILN_PROFILE='yes'"), "KILN_PROFILE not flagged");
+  cr_free(&r);
+  r = cr_run("KILN_NUM_THREADS=4x", "kiln", "doctor");
+  CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='4x'"), "KILN_NUM_THREADS=4x not flagged:\n%s", r.out);
+  cr_free(&r);
 }
 
 static void test_usage(void) {

@@ -365,6 +365,42 @@ static void test_kill_while_saving(void) {
   for (long ms = 80; !advanced && ms <= 2560; ms *= 2) advanced += kill_round(m, path, &last, ms);
   CHECK(advanced > 0);
   if (getenv("KILN_TEST_VERBOSE")) printf("kill test: %d of %d rounds advanced, last step %lld\n", advanced, rounds, (long long)last);
+
+  /* Issue 17.7: the killed children's killed.ckpt.tmp.<pid> files are removed by the next
+  ** save of the same path; a live writer's file and other names are left alone. */
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, NULL, 0);
+  char stale[600], live[600], other[600];
+  snprintf(stale, sizeof stale, "%s.tmp.%ld", path, (long)dead);
+  snprintf(live, sizeof live, "%s.tmp.%ld", path, (long)getppid());
+  snprintf(other, sizeof other, "%s/other.ckpt.tmp.%ld", dir, (long)dead);
+  const char *made[] = {stale, live, other};
+  for (int i = 0; i < 3; i++) {
+    FILE *f = fopen(made[i], "wb");
+    if (f) fclose(f);
+  }
+  CHECK(kiln_checkpoint_save(path, m, NULL, NULL, NULL, 0, last + 1, NULL) == KILN_OK);
+  int left = 0;
+  DIR *dh = opendir(dir);
+  struct dirent *e;
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "killed.ckpt.tmp.");
+  while (dh && (e = readdir(dh)))
+    if (!strncmp(e->d_name, prefix, strlen(prefix)) && strtol(e->d_name + strlen(prefix), NULL, 10) != (long)getppid()) {
+      fprintf(stderr, "left behind: %s\n", e->d_name);
+      left++;
+    }
+  if (dh) closedir(dh);
+  CHECK(left == 0);
+  FILE *f = fopen(live, "rb");
+  CHECK(f != NULL); /* a live process's file stays */
+  if (f) fclose(f);
+  f = fopen(other, "rb");
+  CHECK(f != NULL); /* another path's file stays */
+  if (f) fclose(f);
+  remove(live);
+  remove(other);
   kiln_module_free(m);
 }
 

@@ -4,7 +4,9 @@
 ** never a torn one (checkpoints depend on this).
 */
 #define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +23,48 @@ static char *dup_str(const char *s) {
   return p;
 }
 
+/* Removes path.tmp.<pid> files left by writers that were killed mid-save (issue 17.7): a
+** pid that no longer exists (kill(pid, 0) fails with ESRCH) cannot be writing. Files of
+** live processes, including a concurrent save of the same path, are left alone; a pid
+** reused by an unrelated process only keeps its file a while longer. Best effort:
+** nothing here can fail the save. */
+static void remove_stale_tmps(const char *path) {
+  char *dir = dup_str(path);
+  if (!dir) return;
+  char *slash = strrchr(dir, '/');
+  const char *base = slash ? slash + 1 : path, *d = ".";
+  if (slash == dir) d = "/";
+  else if (slash) {
+    *slash = 0;
+    d = dir;
+  }
+  size_t blen = strlen(base);
+  DIR *dh = opendir(d);
+  if (dh) {
+    struct dirent *e;
+    while ((e = readdir(dh))) {
+      const char *n = e->d_name;
+      if (strncmp(n, base, blen) || strncmp(n + blen, ".tmp.", 5)) continue;
+      const char *digits = n + blen + 5;
+      char *end = NULL;
+      errno = 0;
+      long pid = strtol(digits, &end, 10);
+      if (errno || end == digits || *end || *digits < '1' || *digits > '9' || pid <= 0 ||
+          pid == (long)getpid())
+        continue;
+      if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive, or not ours to ask */
+      size_t need = strlen(d) + strlen(n) + 2;
+      char *full = malloc(need);
+      if (!full) break;
+      snprintf(full, need, "%s/%s", d, n);
+      (void)unlink(full);
+      free(full);
+    }
+    closedir(dh);
+  }
+  free(dir);
+}
+
 kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char *path) {
   memset(af, 0, sizeof *af);
   af->who = who;
@@ -35,6 +79,7 @@ kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char
     return kiln_set_error(KILN_ERR_OOM, "%s: out of memory", who);
   }
   snprintf(af->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+  remove_stale_tmps(path);
   af->f = fopen(af->tmp, "wb");
   if (!af->f) {
     int e = errno;

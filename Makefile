@@ -4,7 +4,7 @@
 #   make run        build, then `kiln doctor` and the seed-mlp example
 #   make test       build, then the whole ctest suite
 #   make install    PREFIX=/usr/local
-#   make asan       build-asan/ with ASan+UBSan, and its tests
+#   make asan       build-asan/ with ASan+UBSan, and its tests (ASAN_CC=clang: with clang)
 #   make valgrind   the tests labelled `valgrind` under memcheck
 #   make fuzz       the libFuzzer targets, FUZZ_TIME seconds each (clang)
 #   make clean
@@ -13,7 +13,8 @@
 CMAKE      ?= cmake
 CTEST      ?= ctest
 BUILD_DIR  ?= build
-ASAN_DIR   ?= build-asan
+ASAN_CC    ?=
+ASAN_DIR   ?= build-asan$(if $(ASAN_CC),-$(notdir $(ASAN_CC)))
 BUILD_TYPE ?= Release
 KILN_CUDA  ?= AUTO
 JOBS       ?= 2
@@ -65,9 +66,10 @@ test: build
 install: build
 	$(CMAKE) --install $(BUILD_DIR) --prefix $(PREFIX)
 
+# ASAN_CC=clang builds with clang instead (in build-asan-clang unless ASAN_DIR is given).
 asan: deps
 	$(CMAKE) -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DKILN_CUDA=OFF \
-	  -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
+	  $(if $(ASAN_CC),-DCMAKE_C_COMPILER=$(ASAN_CC)) -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
 	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -113,4 +115,4 @@ valgrind: build
 	exit $$fail
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(FUZZ_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) build-asan-clang $(FUZZ_DIR)

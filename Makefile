@@ -4,16 +4,18 @@
 #   make run        build, then `kiln doctor` and the seed-mlp example
 #   make test       build, then the whole ctest suite
 #   make install    PREFIX=/usr/local
-#   make asan       build-asan/ with ASan+UBSan, and its tests
+#   make asan       build-asan/ with ASan+UBSan, and its tests (ASAN_CC=clang: with clang)
 #   make valgrind   the tests labelled `valgrind` under memcheck
 #   make ops-doc    regenerate docs/ops.md (the op x backend x dtype table) from this build
+#   make fuzz       the libFuzzer targets, FUZZ_TIME seconds each (clang)
 #   make clean
 # Variables: BUILD_TYPE, KILN_CUDA (AUTO|ON|OFF), KILN_CUDA_ARCHS, JOBS, PREFIX, CMAKE_ARGS.
 
 CMAKE      ?= cmake
 CTEST      ?= ctest
 BUILD_DIR  ?= build
-ASAN_DIR   ?= build-asan
+ASAN_CC    ?=
+ASAN_DIR   ?= build-asan$(if $(ASAN_CC),-$(notdir $(ASAN_CC)))
 BUILD_TYPE ?= Release
 KILN_CUDA  ?= AUTO
 JOBS       ?= 2
@@ -28,7 +30,13 @@ endif
 
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps configure build run test install asan valgrind clean ops-doc
+FUZZ_DIR   ?= build-fuzz
+FUZZ_TIME  ?= 60
+FUZZ_JOBS  ?= $(JOBS)
+FUZZ_TARGETS ?= safetensors npy idx idx_gz csv checkpoint
+FUZZ_CC    ?= clang
+
+.PHONY: all deps configure build run test install asan valgrind clean ops-doc fuzz fuzz-build
 
 all: build
 
@@ -63,13 +71,32 @@ ops-doc: build
 install: build
 	$(CMAKE) --install $(BUILD_DIR) --prefix $(PREFIX)
 
+# ASAN_CC=clang builds with clang instead (in build-asan-clang unless ASAN_DIR is given).
 asan: deps
 	$(CMAKE) -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DKILN_CUDA=OFF \
-	  -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
+	  $(if $(ASAN_CC),-DCMAKE_C_COMPILER=$(ASAN_CC)) -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
 	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  $(CTEST) --test-dir $(ASAN_DIR) --output-on-failure -j$(JOBS)
+
+# libFuzzer: one target per reader (tests/fuzz). Each runs FUZZ_TIME seconds (FUZZ_JOBS at
+# once, niced) from a seed corpus written by fuzz-seeds plus what earlier runs found
+# ($(FUZZ_DIR)/corpus/<target>), with its dictionary (tests/fuzz/dict). A crash, leak or
+# broken promise lands in $(FUZZ_DIR)/crashes/<target>/: copy it into
+# tests/fuzz/regressions/<target>/ with the fix, and `make test` replays it for good.
+# Needs clang with libFuzzer (Debian: clang libclang-rt-dev libomp-dev; scripts/deps.sh clang).
+fuzz-build:
+	@./scripts/fuzz.sh check "$(FUZZ_CC)"
+	@mkdir -p $(FUZZ_DIR)
+	@$(CMAKE) -S . -B $(FUZZ_DIR) -DCMAKE_C_COMPILER=$(FUZZ_CC) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DKILN_CUDA=OFF -DKILN_MPI=OFF -DKILN_SANITIZE=address,undefined,fuzzer-no-link \
+	  -DKILN_BUILD_FUZZERS=ON -DKILN_BUILD_TESTS=OFF -DKILN_BUILD_EXAMPLES=OFF -DKILN_BUILD_BENCH=OFF \
+	  $(CMAKE_ARGS) >$(FUZZ_DIR)/configure.log 2>&1 || { cat $(FUZZ_DIR)/configure.log; exit 1; }
+	$(CMAKE) --build $(FUZZ_DIR) -j$(JOBS) --target fuzz-seeds $(addprefix fuzz-,$(subst _,-,$(FUZZ_TARGETS)))
+
+fuzz: fuzz-build
+	@./scripts/fuzz.sh run "$(FUZZ_DIR)" "$(FUZZ_TIME)" "$(FUZZ_JOBS)" $(FUZZ_TARGETS)
 
 # The list of tests is tests/CMakeLists.txt's KILN_VALGRIND_TESTS (ctest label
 # `valgrind`). One thread each: thread pools only add noise to memcheck's report.
@@ -93,4 +120,4 @@ valgrind: build
 	exit $$fail
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) build-asan-clang $(FUZZ_DIR)

@@ -5,6 +5,7 @@
 **
 **   bench-ceilings [--device cuda:0] [--n 8192] [--mib 1024] [--reps 20]
 */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime: clang does not get it by default */
 #include <kiln.h>
 
 #include <stdio.h>

@@ -6,6 +6,7 @@
 **
 **   bench-sweep [--device D] [--batches 32,128,1024,8192]
 */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime: clang does not get it by default */
 #include <kiln.h>
 #include <kiln_data.h>
 #include <kiln_nn.h>

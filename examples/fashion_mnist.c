@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <kiln.h>
 #include <kiln_checkpoint.h>
@@ -50,10 +51,91 @@ static void usage(FILE *f) {
           "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n");
 }
 
+/* Everything main makes, released on every way out (LeakSanitizer checks the error exits
+** too). NULL members are skipped: every free function takes NULL. */
+static struct {
+  kiln_tensor *t[6]; /* x, y, tx, ty, txd, tyd */
+  kiln_module *model;
+  kiln_ddp *ddp;
+  kiln_optimizer *opt;
+  kiln_dataset *ds, *shard;
+  kiln_loader *loader;
+  kiln_dist *dist;
+} R;
+
+static void release(void) {
+  kiln_loader_free(R.loader);
+  kiln_dataset_free(R.shard);
+  kiln_dataset_free(R.ds);
+  kiln_ddp_free(R.ddp);
+  kiln_optimizer_free(R.opt);
+  kiln_module_free(R.model);
+  for (int i = 0; i < 6; i++) kiln_tensor_free(R.t[i]);
+  kiln_dist_free(R.dist);
+  memset(&R, 0, sizeof R);
+}
+
+/* Releases everything and returns the exit code rc. */
+static int finish(int rc) {
+  release();
+  return rc;
+}
+
 static int fail(const char *what) {
-  fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
-          kiln_error_name(kiln_last_error()));
-  return 1;
+  if (kiln_last_error() == KILN_OK) /* a check of the example's own, with no kiln error */
+    fprintf(stderr, PROG ": %s failed\n", what);
+  else
+    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
+            kiln_error_name(kiln_last_error()));
+  return finish(1);
+}
+
+/* The data must be what the model was built for, checked before any training: images
+** (N, 28, 28) with N > 0, labels (N) in 0..9. Returns 0 or prints why and returns 1. */
+static int check_split(const char *split, kiln_tensor *x, kiln_tensor *y) {
+  char b[96];
+  if (kiln_ndim(x) != 3 || kiln_size(x, 1) != 28 || kiln_size(x, 2) != 28) {
+    fprintf(stderr, PROG ": the %s images are %s; this model takes 28 x 28 images (N, 28, 28)\n",
+            split, kiln_shape_str(x, b, sizeof b));
+    return 1;
+  }
+  if (kiln_size(x, 0) == 0) {
+    fprintf(stderr, PROG ": the %s set has no images\n", split);
+    return 1;
+  }
+  const int64_t *l = kiln_data_ptr(y);
+  for (int64_t i = 0, n = kiln_numel(y); l && i < n; i++)
+    if (l[i] < 0 || l[i] > 9) {
+      fprintf(stderr, PROG ": %s label %lld is %lld; Fashion-MNIST has classes 0 to 9\n", split,
+              (long long)i, (long long)l[i]);
+      return 1;
+    }
+  return 0;
+}
+
+/* The checkpoint is written after the first epoch: its directory must exist and be
+** writable, and the path must not be a directory, before the training starts. */
+static int check_output(const char *path) {
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+    fprintf(stderr, PROG ": --checkpoint '%s' is a directory; give a file name\n", path);
+    return 1;
+  }
+  char dir[1024];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = 0;
+  else *slash = 0;
+  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' does not exist\n", path, dir);
+    return 1;
+  }
+  if (access(dir, W_OK | X_OK) != 0) {
+    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' is not writable\n", path, dir);
+    return 1;
+  }
+  return 0;
 }
 
 /* Test accuracy: eval mode, no graph, batches of EVAL_BATCH. NAN on error. */
@@ -113,22 +195,29 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
+  if (check_output(ckpt)) return 2;
   kiln_dist *dist;
   int world, rank;
   int jrc = ex_join(PROG, batch, &dist, &world, &rank);
-  if (jrc) return jrc;
+  R.dist = dist;
+  if (jrc) return finish(jrc);
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return 2;
+    return finish(2);
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
   struct stat st_ck;
   if (resume && stat(ckpt, &st_ck) != 0) {
     fprintf(stderr, PROG ": --resume: no checkpoint at '%s' (train without --resume first, or pass --checkpoint PATH)\n", ckpt);
-    return 2;
+    return finish(2);
+  }
+  if (resume && !S_ISREG(st_ck.st_mode)) { /* a FIFO would block the load */
+    fprintf(stderr, PROG ": --resume: '%s' is not a regular file\n", ckpt);
+    return finish(2);
   }
 
   kiln_tensor *x = NULL, *y = NULL, *tx = NULL, *ty = NULL;
@@ -136,22 +225,25 @@ int main(int argc, char **argv) {
     fprintf(stderr, PROG ": cannot load Fashion-MNIST: %s\n"
                     "  (install the Debian package dataset-fashion-mnist, or pass --data DIR with the four *-ubyte[.gz] files)\n",
             kiln_last_error_message());
-    return 1;
+    return finish(1);
   }
+  R.t[0] = x, R.t[1] = y, R.t[2] = tx, R.t[3] = ty;
+  if (check_split("training", x, y) || check_split("test", tx, ty)) return finish(1);
   if (limit > 0 && limit < kiln_size(x, 0)) {
     kiln_tensor *lx = kiln_narrow(x, 0, 0, limit), *ly = kiln_narrow(y, 0, 0, limit);
     kiln_tensor_free(x);
     kiln_tensor_free(y);
-    x = lx;
-    y = ly;
+    R.t[0] = x = lx;
+    R.t[1] = y = ly;
   }
   /* The test set lives on the device for the whole run (31 MB). */
   kiln_tensor *txd = kiln_to_device(tx, dev), *tyd = kiln_to_device(ty, dev);
+  R.t[4] = txd, R.t[5] = tyd;
   if (!x || !y || !txd || !tyd) return fail("preparing the data");
   int64_t ntrain = kiln_size(x, 0);
 
   kiln_manual_seed((uint64_t)seed);
-  kiln_module *model = kiln_sequential_new();
+  kiln_module *model = R.model = kiln_sequential_new();
   kiln_sequential_append(model, kiln_flatten_new(1, -1));
   kiln_sequential_append(model, kiln_linear_new(784, 256, true, KILN_F32, kiln_device_cpu(), NULL));
   kiln_sequential_append(model, kiln_relu_new());
@@ -159,9 +251,9 @@ int main(int argc, char **argv) {
   if (!model || kiln_module_num_children(model) != 4 || kiln_module_to(model, dev) != KILN_OK)
     return fail("building the model");
   kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
-  if (world > 1 && !(ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
+  if (world > 1 && !(R.ddp = ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
   kiln_optim_config cfg = kiln_adam_config(lr);
-  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
+  kiln_optimizer *opt = R.opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
   int64_t start_epoch = 0, step = 0;
@@ -170,6 +262,9 @@ int main(int argc, char **argv) {
     kiln_dict *extra = NULL;
     if (kiln_checkpoint_load(ckpt, model, opt, NULL, NULL, &start_epoch, &step, &extra) != KILN_OK)
       return fail("resuming from the checkpoint");
+    if (start_epoch > epochs)
+      fprintf(stderr, PROG ": warning: the checkpoint is at epoch %lld, past --epochs %lld: nothing to train\n",
+              (long long)start_epoch, epochs);
     const char *s;
     if ((s = kiln_dict_get_meta(extra, "train_loss"))) last_loss = strtod(s, NULL);
     if ((s = kiln_dict_get_meta(extra, "test_acc"))) test_acc = strtod(s, NULL);
@@ -181,8 +276,8 @@ int main(int argc, char **argv) {
     if (!quiet) printf("resumed from %s: epoch %lld, step %lld\n", ckpt, (long long)start_epoch, (long long)step);
   }
 
-  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
-  kiln_dataset *shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, (uint64_t)seed, false) : NULL;
+  kiln_dataset *ds = R.ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){x, y});
+  kiln_dataset *shard = R.shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, (uint64_t)seed, false) : NULL;
   if (world > 1 && !shard) return fail("sharding the data");
   kiln_loader_opts lo = kiln_loader_opts_default();
   lo.batch_size = batch / world;
@@ -190,7 +285,7 @@ int main(int argc, char **argv) {
   lo.seed = (uint64_t)seed;
   lo.num_workers = (int)workers;
   lo.device = dev;
-  kiln_loader *loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
+  kiln_loader *loader = R.loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
   if (!loader) return fail("making the loader");
 
   if (!quiet) {
@@ -286,14 +381,5 @@ int main(int argc, char **argv) {
   fflush(stdout);
   kiln_fallback_report(stderr);
 
-  kiln_loader_free(loader);
-  kiln_dataset_free(shard);
-  kiln_dataset_free(ds);
-  kiln_ddp_free(ddp);
-  kiln_optimizer_free(opt);
-  kiln_module_free(model);
-  kiln_tensor *all[] = {x, y, tx, ty, txd, tyd};
-  for (int i = 0; i < 6; i++) kiln_tensor_free(all[i]);
-  kiln_dist_free(dist);
-  return 0;
+  return finish(0);
 }

@@ -101,10 +101,55 @@ static void print_step_times(const double *s, int64_t n, double run_s) {
   free(v);
 }
 
+/* Everything main makes, released on every way out (LeakSanitizer checks the error exits
+** too). NULL members are skipped: every free function takes NULL. */
+static struct {
+  kiln_tensor *t[6]; /* x, y, xs, ys (--preload), the batch fetched ahead (--graph) */
+  step_ctx *sc;      /* main's two step contexts (--graph) */
+  kiln_graph *graphs[2];
+  kiln_module *model;
+  kiln_ddp *ddp;
+  kiln_optimizer *opt;
+  kiln_dataset *ds, *shard;
+  kiln_loader *loader;
+  kiln_dist *dist;
+  double *step_s;
+} R;
+
+static void release(void) {
+  for (int k = 0; k < 2; k++) {
+    kiln_graph_free(R.graphs[k]);
+    if (R.sc) {
+      kiln_tensor_free(R.sc[k].x);
+      kiln_tensor_free(R.sc[k].y);
+      kiln_tensor_free(R.sc[k].loss);
+    }
+  }
+  kiln_loader_free(R.loader);
+  kiln_dataset_free(R.shard);
+  kiln_dataset_free(R.ds);
+  kiln_ddp_free(R.ddp);
+  kiln_optimizer_free(R.opt);
+  kiln_module_free(R.model);
+  for (int i = 0; i < 6; i++) kiln_tensor_free(R.t[i]);
+  kiln_dist_free(R.dist);
+  free(R.step_s);
+  memset(&R, 0, sizeof R);
+}
+
+/* Releases everything and returns the exit code rc. */
+static int finish(int rc) {
+  release();
+  return rc;
+}
+
 static int fail(const char *what) {
-  fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
-          kiln_error_name(kiln_last_error()));
-  return 1;
+  if (kiln_last_error() == KILN_OK) /* a check of the example's own, with no kiln error */
+    fprintf(stderr, PROG ": %s failed\n", what);
+  else
+    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
+            kiln_error_name(kiln_last_error()));
+  return finish(1);
 }
 
 int main(int argc, char **argv) {
@@ -137,35 +182,37 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   kiln_dist *dist;
   int world, rank;
   int jrc = ex_join(PROG, batch, &dist, &world, &rank);
-  if (jrc) return jrc;
+  R.dist = dist;
+  if (jrc) return finish(jrc);
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
   if (world > 1 && graph) {
     fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
-    return 2;
+    return finish(2);
   }
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return 2;
+    return finish(2);
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
 
   /* Data: the same draws in the same order as the peer (x first, then the layers). */
   kiln_manual_seed(0);
-  kiln_tensor *x = kiln_randn(KILN_SHAPE(N_SAMPLES, N_FEATURES), KILN_F32, kiln_device_cpu(), NULL);
+  kiln_tensor *x = R.t[0] = kiln_randn(KILN_SHAPE(N_SAMPLES, N_FEATURES), KILN_F32, kiln_device_cpu(), NULL);
   kiln_tensor *y = NULL;
   if (x) {
     kiln_scope_begin();
-    y = kiln_keep(kiln_to_dtype(kiln_gt_scalar(kiln_sum(x, KILN_DIMS(1), false), 0.0), KILN_I64));
+    y = R.t[1] = kiln_keep(kiln_to_dtype(kiln_gt_scalar(kiln_sum(x, KILN_DIMS(1), false), 0.0), KILN_I64));
     kiln_scope_end();
   }
   if (!x || !y) return fail("making the data");
 
-  kiln_module *model = kiln_sequential_new();
+  kiln_module *model = R.model = kiln_sequential_new();
   kiln_sequential_append(model, kiln_linear_new(N_FEATURES, 128, true, KILN_F32, kiln_device_cpu(), NULL));
   kiln_sequential_append(model, kiln_relu_new());
   kiln_sequential_append(model, kiln_linear_new(128, 2, true, KILN_F32, kiln_device_cpu(), NULL));
@@ -173,21 +220,21 @@ int main(int argc, char **argv) {
     return fail("building the model");
 
   kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
-  if (world > 1 && !(ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
+  if (world > 1 && !(R.ddp = ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
 
   kiln_optim_config cfg = kiln_adam_config(lr);
   cfg.capturable = graph; /* the step count lives on the device, so replays advance it */
-  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, model);
+  kiln_optimizer *opt = R.opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
   kiln_tensor *xs = x, *ys = y; /* what the dataset holds: host tensors, or their device copies */
   if (preload) {
-    xs = kiln_keep(kiln_to_device(x, dev));
-    ys = kiln_keep(kiln_to_device(y, dev));
+    xs = R.t[2] = kiln_keep(kiln_to_device(x, dev));
+    ys = R.t[3] = kiln_keep(kiln_to_device(y, dev));
     if (!xs || !ys) return fail("moving the data to the device");
   }
-  kiln_dataset *ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){xs, ys});
-  kiln_dataset *shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, 0, false) : NULL;
+  kiln_dataset *ds = R.ds = kiln_tensor_dataset_new(2, (kiln_tensor *[]){xs, ys});
+  kiln_dataset *shard = R.shard = world > 1 && ds ? kiln_dist_shard_dataset(ds, rank, world, true, 0, false) : NULL;
   if (world > 1 && !shard) return fail("sharding the data");
   kiln_loader_opts lo = kiln_loader_opts_default();
   lo.batch_size = batch / world;
@@ -195,7 +242,7 @@ int main(int argc, char **argv) {
   lo.seed = 0;
   lo.num_workers = (int)workers;
   lo.device = dev; /* --graph copies each batch on the device into the step's static inputs */
-  kiln_loader *loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
+  kiln_loader *loader = R.loader = ds ? kiln_loader_new(shard ? shard : ds, &lo) : NULL;
   if (!loader) return fail("making the loader");
 
   if (!quiet) {
@@ -210,8 +257,9 @@ int main(int argc, char **argv) {
 
   /* --graph: one recorded step per batch shape (full batches, and the smaller last one) */
   step_ctx sc[2];
-  kiln_graph *graphs[2] = {NULL, NULL};
+  kiln_graph **graphs = R.graphs;
   memset(sc, 0, sizeof sc);
+  R.sc = sc;
 
   /* KILN_PHASES=1: host time per phase of the eager step, printed at the end */
   const bool phases = getenv("KILN_PHASES") != NULL;
@@ -219,7 +267,7 @@ int main(int argc, char **argv) {
   /* ... and each step's whole time, to tell one-time costs (first launches, captures,
   ** epoch starts) from the steady step */
   const int64_t max_steps = epochs * ((N_SAMPLES + batch - 1) / batch) + 1;
-  double *step_s = phases ? calloc((size_t)max_steps, sizeof *step_s) : NULL;
+  double *step_s = R.step_s = phases ? calloc((size_t)max_steps, sizeof *step_s) : NULL;
   double epoch_start_s = 0, device_s = 0; /* device time between marks (kiln_mark) */
 
   kiln_device_synchronize(dev);
@@ -251,6 +299,7 @@ int main(int argc, char **argv) {
         r = ahead_r;
         if (r == 1) memcpy(b, ahead, sizeof b), memcpy(held, ahead, sizeof held);
         ahead[0] = ahead[1] = NULL;
+        R.t[4] = R.t[5] = NULL; /* held now: freed after the step */
         ahead_r = AHEAD_NONE;
       } else {
         r = kiln_loader_next(loader, b);
@@ -298,8 +347,8 @@ int main(int argc, char **argv) {
             ahead_r = kiln_loader_next(loader, ahead);
             p3 = phases ? ex_now() : 0;
             if (ahead_r == 1) {
-              kiln_keep(ahead[0]);
-              kiln_keep(ahead[1]);
+              R.t[4] = kiln_keep(ahead[0]); /* released by release() if the run fails first */
+              R.t[5] = kiln_keep(ahead[1]);
               int k2 = kiln_size(ahead[0], 0) == lo.batch_size ? 0 : 1;
               if (graphs[k2]) {
                 st = kiln_copy_many_(2, (kiln_tensor *[]){sc[k2].x, sc[k2].y}, ahead);
@@ -385,7 +434,6 @@ int main(int argc, char **argv) {
             graph ? "the graph's launch to its end" : "the step's first op to its last");
     if (step_s && steps > 0) print_step_times(step_s, steps < max_steps ? steps : max_steps, dt);
   }
-  free(step_s);
   if (json)
     printf("{\"example\":\"seed-mlp%s%s\",\"device\":\"%s\",\"epochs\":%lld,\"batch\":%lld,"
            "\"seconds\":%.4f,\"samples_per_s\":%.0f,\"us_per_step\":%.1f,\"final_loss\":%.6f,"
@@ -395,24 +443,5 @@ int main(int argc, char **argv) {
   fflush(stdout);
   kiln_fallback_report(stderr); /* prints nothing when no op fell back */
 
-  for (int k = 0; k < 2; k++) {
-    kiln_graph_free(graphs[k]);
-    kiln_tensor_free(sc[k].x);
-    kiln_tensor_free(sc[k].y);
-    kiln_tensor_free(sc[k].loss);
-  }
-  kiln_loader_free(loader);
-  kiln_dataset_free(shard);
-  kiln_dataset_free(ds);
-  kiln_ddp_free(ddp);
-  kiln_optimizer_free(opt);
-  kiln_module_free(model);
-  kiln_tensor_free(x);
-  kiln_tensor_free(y);
-  if (preload) {
-    kiln_tensor_free(xs);
-    kiln_tensor_free(ys);
-  }
-  kiln_dist_free(dist);
-  return 0;
+  return finish(0);
 }

@@ -204,6 +204,16 @@ KILN_API kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, dou
 KILN_API int kiln_num_threads(void);
 KILN_API void kiln_set_num_threads(int n);
 
+/* Checks the environment variables kiln reads: name is one of "KILN_DEVICE" (cpu, cuda or
+** cuda:N, a device that exists), "KILN_NUM_THREADS" (an integer from 1 to 1024),
+** "KILN_FALLBACK" (warn, error or silent), "KILN_PROFILE" (0, 1 or device); NULL checks
+** all of them and returns the first problem. Unset or empty is fine. Returns KILN_OK, or
+** KILN_ERR_INVALID_ARGUMENT (a value that is not one of the accepted ones; the message
+** names the variable, the value and what is accepted) or KILN_ERR_DEVICE (KILN_DEVICE
+** names a device this machine lacks). The library itself warns once on stderr and goes on
+** with the default when it meets a bad value; programs call this at start to refuse it. */
+KILN_API kiln_status kiln_env_check(const char *name);
+
 /* --------------------------------------------------------------------------------------
 ** Tensors: an opaque, refcounted view (storage + offset + shape + strides + dtype).
 */

@@ -22,6 +22,11 @@ packages=(
   openmpi-bin libopenmpi-dev
   dataset-fashion-mnist python3 python3-numpy valgrind
 )
+# `scripts/deps.sh clang`: also clang, its sanitizer/libFuzzer runtimes and OpenMP, for
+# `make fuzz` and `make asan ASAN_CC=clang` (not needed by the normal build).
+if [[ "${1:-}" == clang ]]; then
+  packages+=(clang libclang-rt-dev libomp-dev)
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps.sh: not a Debian-like system; make sure these (or your system's equivalents)" >&2

@@ -203,6 +203,96 @@ static void test_mismatch(void) {
   remove(plain);
 }
 
+/* Rewrites the checkpoint at path with metadata key set to value (NULL: removed) and,
+** when drop is given, the entries whose names start with drop removed. */
+static void edit_ckpt(const char *path, const char *out, const char *key, const char *value,
+                      const char *drop) {
+  kiln_dict *d = kiln_safetensors_load(path, cpu), *e = kiln_dict_new();
+  CHECK(d && e);
+  for (int i = 0; d && i < kiln_dict_size(d); i++)
+    if (!drop || strncmp(kiln_dict_key(d, i), drop, strlen(drop)))
+      kiln_dict_set(e, kiln_dict_key(d, i), kiln_dict_value(d, i));
+  for (int i = 0; d && i < kiln_dict_meta_size(d); i++) {
+    const char *k = kiln_dict_meta_key(d, i);
+    if (drop && !strncmp(k, drop, strlen(drop))) continue;
+    if (key && !strcmp(k, key)) continue;
+    kiln_dict_set_meta(e, k, kiln_dict_meta_value(d, i));
+  }
+  if (key && value) kiln_dict_set_meta(e, key, value);
+  CHECK(kiln_safetensors_save(out, e) == KILN_OK);
+  kiln_dict_free(d);
+  kiln_dict_free(e);
+}
+
+/* Issue 17.2: inconsistent state is refused before anything changes. */
+static void test_inconsistent_state(void) {
+  char good[512], bad[512];
+  in_dir("good.ckpt", good, sizeof good);
+  in_dir("bad.ckpt", bad, sizeof bad);
+  run a = build(1, 8);
+  train(&a, 0, 2);
+  CHECK(kiln_checkpoint_save(good, a.net, a.opt, a.sched, NULL, 1, 2, NULL) == KILN_OK);
+  run b = build(2, 8);
+  train(&b, 0, 1);
+  size_t l0, l1;
+  char *before = snapshot(b.net, &l0);
+  double lr = kiln_optimizer_get_lr(b.opt);
+  int64_t steps = kiln_optimizer_steps(b.opt);
+  struct {
+    const char *key, *value, *drop;
+    kiln_status code;
+    const char *needle;
+  } cases[] = {
+      /* moment tensors without the step counts that must come with them */
+      {"optim.state.0.step", NULL, NULL, KILN_ERR_INVALID_ARGUMENT, "unexpected key"},
+      /* a step count for a parameter the model does not have */
+      {"optim.state.9.step", "3", NULL, KILN_ERR_INVALID_ARGUMENT, "state.9.step"},
+      {"optim.state.x.step", "3", NULL, KILN_ERR_INVALID_ARGUMENT, "state.x.step"},
+      {"optim.state.0.step", "-1", NULL, KILN_ERR_FORMAT, "\"state.0.step\" is -1"},
+      {"optim.steps", "-5", NULL, KILN_ERR_FORMAT, "\"steps\" is -5"},
+      {"epoch", "-1", NULL, KILN_ERR_FORMAT, "\"epoch\" is -1"},
+      {"step", "-3", NULL, KILN_ERR_FORMAT, "\"step\" is -3"},
+      {"has_optim", "0", NULL, KILN_ERR_FORMAT, "\"has_optim\" is \"0\""},
+      {"has_sched", "yes", NULL, KILN_ERR_FORMAT, "\"has_sched\" is \"yes\""},
+      {"sched.gamma", "nan", NULL, KILN_ERR_FORMAT, "\"gamma\" is nan"},
+      {"sched.base_lr", "inf", NULL, KILN_ERR_FORMAT, "\"base_lr\" is inf"},
+      {"sched.eta_min", "-nan", NULL, KILN_ERR_FORMAT, "eta_min"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    edit_ckpt(good, bad, cases[i].key, cases[i].value, cases[i].drop);
+    if (i == 0) { /* every step count gone, the moments kept */
+      edit_ckpt(good, bad, NULL, NULL, NULL);
+      kiln_dict *d = kiln_safetensors_load(bad, cpu), *e = kiln_dict_new();
+      for (int j = 0; j < kiln_dict_size(d); j++) kiln_dict_set(e, kiln_dict_key(d, j), kiln_dict_value(d, j));
+      for (int j = 0; j < kiln_dict_meta_size(d); j++)
+        if (!strstr(kiln_dict_meta_key(d, j), ".step") || !strncmp(kiln_dict_meta_key(d, j), "optim.steps", 11))
+          kiln_dict_set_meta(e, kiln_dict_meta_key(d, j), kiln_dict_meta_value(d, j));
+      CHECK(kiln_safetensors_save(bad, e) == KILN_OK);
+      kiln_dict_free(d);
+      kiln_dict_free(e);
+    }
+    int64_t ep = -7, sp = -7;
+    kiln_status st = kiln_checkpoint_load(bad, b.net, b.opt, b.sched, NULL, &ep, &sp, NULL);
+    bool ok = st == cases[i].code && strstr(kiln_last_error_message(), cases[i].needle) && ep == -7 && sp == -7;
+    if (!ok)
+      fprintf(stderr, "case %zu (%s=%s): got %s \"%s\"\n", i, cases[i].key, cases[i].value ? cases[i].value : "(none)",
+              kiln_error_name(st), kiln_last_error_message());
+    CHECK(ok);
+    char *after = snapshot(b.net, &l1);
+    CHECK(l0 == l1 && memcmp(before, after, l0) == 0);
+    CHECK(kiln_optimizer_get_lr(b.opt) == lr && kiln_optimizer_steps(b.opt) == steps);
+    free(after);
+  }
+  /* the unedited file loads, and training goes on from it */
+  CHECK(kiln_checkpoint_load(good, b.net, b.opt, b.sched, NULL, NULL, NULL, NULL) == KILN_OK);
+  train(&b, 2, 3);
+  free(before);
+  destroy(&a);
+  destroy(&b);
+  remove(good);
+  remove(bad);
+}
+
 /* Weights filled with (step mod 1000), so a loaded checkpoint proves itself consistent. */
 static void fill_for_step(kiln_module *m, int64_t step) {
   kiln_tensor *ps[4];
@@ -275,6 +365,42 @@ static void test_kill_while_saving(void) {
   for (long ms = 80; !advanced && ms <= 2560; ms *= 2) advanced += kill_round(m, path, &last, ms);
   CHECK(advanced > 0);
   if (getenv("KILN_TEST_VERBOSE")) printf("kill test: %d of %d rounds advanced, last step %lld\n", advanced, rounds, (long long)last);
+
+  /* Issue 17.7: the killed children's killed.ckpt.tmp.<pid> files are removed by the next
+  ** save of the same path; a live writer's file and other names are left alone. */
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, NULL, 0);
+  char stale[600], live[600], other[600];
+  snprintf(stale, sizeof stale, "%s.tmp.%ld", path, (long)dead);
+  snprintf(live, sizeof live, "%s.tmp.%ld", path, (long)getppid());
+  snprintf(other, sizeof other, "%s/other.ckpt.tmp.%ld", dir, (long)dead);
+  const char *made[] = {stale, live, other};
+  for (int i = 0; i < 3; i++) {
+    FILE *f = fopen(made[i], "wb");
+    if (f) fclose(f);
+  }
+  CHECK(kiln_checkpoint_save(path, m, NULL, NULL, NULL, 0, last + 1, NULL) == KILN_OK);
+  int left = 0;
+  DIR *dh = opendir(dir);
+  struct dirent *e;
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "killed.ckpt.tmp.");
+  while (dh && (e = readdir(dh)))
+    if (!strncmp(e->d_name, prefix, strlen(prefix)) && strtol(e->d_name + strlen(prefix), NULL, 10) != (long)getppid()) {
+      fprintf(stderr, "left behind: %s\n", e->d_name);
+      left++;
+    }
+  if (dh) closedir(dh);
+  CHECK(left == 0);
+  FILE *f = fopen(live, "rb");
+  CHECK(f != NULL); /* a live process's file stays */
+  if (f) fclose(f);
+  f = fopen(other, "rb");
+  CHECK(f != NULL); /* another path's file stays */
+  if (f) fclose(f);
+  remove(live);
+  remove(other);
   kiln_module_free(m);
 }
 
@@ -302,6 +428,7 @@ int main(void) {
   }
   test_resume_is_exact();
   test_mismatch();
+  test_inconsistent_state();
   test_kill_while_saving();
   cleanup();
   if (failures) {

@@ -7,6 +7,7 @@
 #include <kiln_io.h>
 
 #include "cli_run.h"
+#include <sys/stat.h>
 
 #if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
 #include <cjson/cJSON.h>
@@ -81,6 +82,20 @@ static void test_doctor_json(void) {
   CR_CHECK(strstr(r.out, "KILN_FALLBACK='sometimes'"), "bad KILN_FALLBACK not diagnosed:\n%s", r.out);
   CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='lots'"), "bad KILN_NUM_THREADS not diagnosed");
   CR_CHECK(strstr(r.out, "\"sometimes\""), "env value not reported");
+  cr_free(&r);
+
+  /* Issue 17.5: every bad value is flagged, each naming what is accepted. */
+  r = cr_run("KILN_NUM_THREADS=100000 KILN_DEVICE=nonsense KILN_FALLBACK=nonsense KILN_PROFILE=yes", "kiln",
+             "doctor");
+  CR_CHECK(r.status == 0, "doctor exited %d", r.status);
+  CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='100000' is not a thread count") && strstr(r.out, "1 to 1024"),
+           "KILN_NUM_THREADS=100000 not flagged:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "KILN_DEVICE='nonsense' is not a device"), "KILN_DEVICE not flagged");
+  CR_CHECK(strstr(r.out, "KILN_FALLBACK='nonsense'"), "KILN_FALLBACK not flagged");
+  CR_CHECK(strstr(r.out, "KILN_PROFILE='yes'"), "KILN_PROFILE not flagged");
+  cr_free(&r);
+  r = cr_run("KILN_NUM_THREADS=4x", "kiln", "doctor");
+  CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='4x'"), "KILN_NUM_THREADS=4x not flagged:\n%s", r.out);
   cr_free(&r);
 }
 
@@ -180,6 +195,65 @@ static void test_info(void) {
   }
 }
 
+/* Issue 17.3: names with terminal escapes print escaped; --json stays valid JSON. */
+static void test_info_unsafe_names(void) {
+  char path[256], args[512];
+  snprintf(path, sizeof path, "%s/esc.safetensors", cr_tmpdir());
+  kiln_scope_begin();
+  kiln_dict *d = kiln_dict_new();
+  kiln_dict_set(d, "\x1b]0;pwned\x07\x1b[2J", kiln_ones(KILN_SHAPE(1), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set(d, "csi\xc2\x9b" "31m", kiln_ones(KILN_SHAPE(1), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set_meta(d, "\x1b[31mkey", "value\x1b[0m");
+  kiln_status st = kiln_safetensors_save(path, d);
+  kiln_dict_free(d);
+  kiln_scope_end();
+  CR_CHECK(st == KILN_OK, "saving: %s", kiln_last_error_message());
+  snprintf(args, sizeof args, "info '%s'", path);
+  cr_result r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0, "info exited %d: %s", r.status, r.err);
+  CR_CHECK(!strchr(r.out, '\x1b') && !strchr(r.out, '\x07') && !strstr(r.out, "\xc2\x9b"),
+           "raw control bytes printed:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "\\x1b]0;pwned\\x07\\x1b[2J") && strstr(r.out, "csi\\xc2\\x9b31m") &&
+           strstr(r.out, "value\\x1b[0m"), "escaped names missing:\n%s", r.out);
+  cr_free(&r);
+  snprintf(args, sizeof args, "info --json '%s'", path);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0 && !strchr(r.out, '\x1b') && strstr(r.out, "\\u001b]0;pwned\\u0007"),
+           "json escaping: %s", r.out);
+#if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
+  cJSON *j = cJSON_ParseWithOpts(r.out, NULL, 1);
+  CR_CHECK(j != NULL, "info --json is not JSON: %s", r.out);
+  cJSON_Delete(j);
+#endif
+  cr_free(&r);
+  /* a name of raw non-UTF-8 bytes is refused, with the offset */
+  static const char hdr[] = "{\"\xff\xfe\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  unsigned char b[8 + sizeof hdr];
+  size_t hl = sizeof hdr - 1;
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+  memcpy(b + 8, hdr, hl);
+  b[8 + hl] = 7;
+  write_bytes(path, b, 8 + hl + 1);
+  snprintf(args, sizeof args, "info --json '%s'", path);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 1 && r.out[0] == 0 && strstr(r.err, "invalid UTF-8") && strstr(r.err, "file offset 10"),
+           "non-UTF-8 name: %d %s", r.status, r.err);
+  cr_free(&r);
+}
+
+/* Issue 17.4: kiln info on a FIFO fails at once instead of waiting for a writer. */
+static void test_info_fifo(void) {
+  char fifo[256], args[512];
+  snprintf(fifo, sizeof fifo, "%s/fifo.safetensors", cr_tmpdir());
+  if (mkfifo(fifo, 0600) != 0) return;
+  snprintf(args, sizeof args, "info '%s'", fifo);
+  cr_result r = cr_run("timeout 20", "kiln", args); /* 124: it blocked */
+  CR_CHECK(r.status == 1 && strstr(r.err, "not a regular file (a FIFO)"), "info on a FIFO: %d %s",
+           r.status, r.err);
+  cr_free(&r);
+  remove(fifo);
+}
+
 int main(void) {
   char bin[1024], kiln[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -192,6 +266,8 @@ int main(void) {
   test_doctor_text();
   test_doctor_json();
   test_info();
+  test_info_unsafe_names();
+  test_info_fifo();
   cr_cleanup();
   if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
   else printf("test_cli: all passed\n");

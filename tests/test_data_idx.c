@@ -108,6 +108,18 @@ static void test_errors(void) {
   expect(b, n + 1, KILN_ERR_FORMAT, "trailing bytes after the data at offset 28");
   b[4] = 0xFF; /* a huge dim with little data must not allocate it */
   expect(b, n, KILN_ERR_FORMAT, "truncated");
+  { /* issue 17.1: (0, 2^32-1 x 7): no elements, but the strides' product passes 2^63 */
+    unsigned char z[4 + 4 * 8] = {0, 0, 0x08, 8};
+    for (int i = 1; i < 8; i++) memset(z + 4 + 4 * i, 0xFF, 4);
+    expect(z, sizeof z, KILN_ERR_SHAPE, "2^40");
+    unsigned char ok3[4 + 12] = {0, 0, 0x08, 3, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0};
+    char p[300];
+    snprintf(p, sizeof p, "%s/z.idx", g_tmp);
+    write_raw(p, ok3, sizeof ok3); /* (0, 65536, 65536): empty and fine */
+    kiln_tensor *t = kiln_idx_load(p);
+    CHECK(t && kiln_numel(t) == 0 && kiln_size(t, 2) == 65536);
+    kiln_tensor_free(t);
+  }
   CHECK(kiln_idx_load("/nonexistent/x") == NULL && kiln_last_error() == KILN_ERR_IO);
   CHECK(kiln_idx_load(NULL) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
 }

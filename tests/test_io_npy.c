@@ -166,6 +166,12 @@ static void test_crafted(void) {
       {"{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", 4, KILN_ERR_DTYPE, "structured"},
       {"{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", 8, KILN_ERR_FORMAT, "unknown header key"},
       {"{'descr': '<f4', 'fortran_order': False, 'shape': (1,1,1,1,1,1,1,1,1), }", 4, KILN_ERR_SHAPE, "dims"},
+      /* issue 17.1: no elements, but the other dims' product passes 2^63 (strides overflow) */
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (0, 281474976710656, 281474976710656), }", 0,
+       KILN_ERR_SHAPE, "too large"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (281474976710656, 0, 65536), }", 0,
+       KILN_ERR_SHAPE, "too large"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (0, 65536, 65536), }", 0, KILN_OK, ""},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     size_t hl = strlen(cases[i].hdr);

@@ -303,6 +303,14 @@ static void test_crafted_errors(void) {
   expect_error("{\"__metadata__\":{\"k\":1}}", 0, KILN_ERR_FORMAT, "not a string");
   expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
                KILN_ERR_SHAPE, "dims");
+  /* issue 17.1: no elements, but a partial product of the dims passes 2^63 */
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[0,4294967296,4294967296],\"data_offsets\":[0,0]}}",
+               0, KILN_ERR_SHAPE, "too large");
+  expect_error("{\"a\":{\"dtype\":\"U8\",\"shape\":[4294967296,0,4294967296],\"data_offsets\":[0,0]}}",
+               0, KILN_ERR_SHAPE, "too large");
+  d = load_crafted("{\"a\":{\"dtype\":\"F32\",\"shape\":[0,65536,65536],\"data_offsets\":[0,0]}}", 0);
+  CHECK(d && kiln_numel(kiln_dict_get(d, "a")) == 0);
+  kiln_dict_free(d);
   /* header length past the end of the file */
   char p[300];
   snprintf(p, sizeof p, "%s/hl.safetensors", g_tmp);
@@ -311,6 +319,44 @@ static void test_crafted_errors(void) {
         strstr(kiln_last_error_message(), "header length 65535"));
   write_all(p, "\x01\x00", 2);
   CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT);
+}
+
+/* Issue 17.3: names and metadata must be UTF-8 without NUL; the error names the offset. */
+static void test_names(void) {
+  /* raw 0xFF in a name: the byte sits at file offset 8 + 2 */
+  expect_error("{\"\xff\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+               KILN_ERR_FORMAT, "invalid UTF-8 in the header at file offset 10");
+  /* an overlong form of '/', a lone surrogate (ED A0 80), a cut sequence, in metadata */
+  expect_error("{\"__metadata__\":{\"k\":\"\xc0\xaf\"}}", 0, KILN_ERR_FORMAT, "invalid UTF-8");
+  expect_error("{\"__metadata__\":{\"k\":\"\xed\xa0\x80\"}}", 0, KILN_ERR_FORMAT, "invalid UTF-8");
+  expect_error("{\"__metadata__\":{\"\xe2\x82\":\"v\"}}", 0, KILN_ERR_FORMAT, "file offset 26");
+  /* escaped NUL: two names that would both be cut to "a" */
+  expect_error("{\"a\\u0000x\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+               "\"a\\u0000y\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
+               2, KILN_ERR_FORMAT, "escaped NUL (\\u0000) in a string at file offset 11");
+  expect_error("{\"__metadata__\":{\"k\":\"v\\u0000\"}}", 0, KILN_ERR_FORMAT, "escaped NUL");
+  /* a raw NUL byte */
+  {
+    static const char h[] = "{\"__metadata__\":{\"k\":\"v\0w\"}}";
+    unsigned char b[8 + sizeof h];
+    size_t hl = sizeof h - 1;
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+    memcpy(b + 8, h, hl);
+    char p[300];
+    snprintf(p, sizeof p, "%s/nul.safetensors", g_tmp);
+    write_all(p, b, 8 + hl);
+    CHECK(kiln_safetensors_load(p, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+          strstr(kiln_last_error_message(), "NUL byte in the header at file offset 31"));
+  }
+  /* valid: UTF-8 names, an escaped backslash before "u0000" (the name is \u0000 as text),
+  ** an escaped control character */
+  kiln_dict *d = load_crafted("{\"caf\xc3\xa9.\xe2\x82\xac.\xf0\x9f\x94\xa5\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[0,1]},\"b\\\\u0000\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[1,2]},\"\\u001b[31m\":{\"dtype\":\"U8\",\"shape\":[1],"
+                              "\"data_offsets\":[2,3]}}", 3);
+  CHECK(d && kiln_dict_size(d) == 3 && kiln_dict_get(d, "caf\xc3\xa9.\xe2\x82\xac.\xf0\x9f\x94\xa5") &&
+        kiln_dict_get(d, "b\\u0000") && kiln_dict_get(d, "\x1b[31m"));
+  kiln_dict_free(d);
 }
 
 static int acceptable(kiln_status s) {
@@ -381,6 +427,7 @@ int main(void) {
   test_dict_api();
   test_atomic();
   test_crafted_errors();
+  test_names();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

@@ -2,6 +2,7 @@
 ** Tensor creation, accessors, reading values, dtype conversion (f16/bf16 rounding,
 ** float->int truncation, bool), contiguous, clone, to_device cpu->cpu.
 */
+#define _POSIX_C_SOURCE 200809L /* nanosleep: clang does not get it by default */
 #include "harness.h"
 
 #include <stdlib.h>

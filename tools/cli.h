@@ -42,6 +42,15 @@ void cli_json_null(cli_json *j, const char *key);
 /* A JSON string literal of s (quotes included) on f. */
 void cli_json_write_escaped(FILE *f, const char *s);
 
+/* ---- text from files: names, metadata and paths are printed through these. --------- */
+/* s with what a terminal would act on made visible: control bytes (C0, DEL, and the C1
+** controls U+0080..U+009F, which include CSI) and bytes that are not valid UTF-8 become
+** \xNN, a backslash becomes \\. Valid printable UTF-8 passes unchanged. A new string
+** (free it); NULL on OOM. */
+char *cli_safe_text(const char *s);
+/* cli_safe_text(s) written to f. */
+void cli_write_safe(FILE *f, const char *s);
+
 /* ---- tables: box-drawn on a terminal, plain aligned columns otherwise. -------------- */
 #define CLI_TABLE_MAX_COLS 8
 #define CLI_TABLE_MAX_ROWS 4096

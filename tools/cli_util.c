@@ -20,6 +20,61 @@ bool cli_is_tty(FILE *f) {
   return isatty(fileno(f)) == 1;
 }
 
+/* ---- safe text ---------------------------------------------------------------------- */
+
+/* Length of the valid UTF-8 sequence at p (1..4), or 0 when it is not one. */
+static int utf8_len(const unsigned char *p) {
+  unsigned c = p[0];
+  int len;
+  uint32_t cp, min;
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F, min = 0x80;
+  else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F, min = 0x800;
+  else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07, min = 0x10000;
+  else return 0;
+  for (int k = 1; k < len; k++) {
+    if ((p[k] & 0xC0) != 0x80) return 0; /* also stops at the terminating NUL */
+    cp = (cp << 6) | (p[k] & 0x3F);
+  }
+  if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+  return len;
+}
+
+char *cli_safe_text(const char *s) {
+  if (!s) s = "(null)";
+  size_t n = strlen(s);
+  char *out = malloc(4 * n + 1); /* each byte grows to at most 4 (\xNN) */
+  if (!out) return NULL;
+  size_t o = 0;
+  const unsigned char *p = (const unsigned char *)s;
+  while (*p) {
+    int len = utf8_len(p);
+    bool c1 = len == 2 && p[0] == 0xC2 && p[1] < 0xA0; /* U+0080..U+009F */
+    if (len == 1 && *p >= 0x20 && *p != 0x7F && *p != '\\') {
+      out[o++] = (char)*p++;
+    } else if (len == 1 && *p == '\\') {
+      out[o++] = '\\';
+      out[o++] = '\\';
+      p++;
+    } else if (len > 1 && !c1) {
+      memcpy(out + o, p, (size_t)len);
+      o += (size_t)len;
+      p += len;
+    } else { /* a control byte, a C1 control's two bytes, or a byte that is not UTF-8 */
+      int k = len > 1 ? len : 1;
+      for (int i = 0; i < k; i++, p++) o += (size_t)snprintf(out + o, 5, "\\x%02x", *p);
+    }
+  }
+  out[o] = 0;
+  return out;
+}
+
+void cli_write_safe(FILE *f, const char *s) {
+  char *t = cli_safe_text(s);
+  fputs(t ? t : "(out of memory)", f);
+  free(t);
+}
+
 /* ---- JSON --------------------------------------------------------------------------- */
 
 void cli_json_init(cli_json *j, FILE *f) {
@@ -40,8 +95,15 @@ void cli_json_write_escaped(FILE *f, const char *s) {
     case '\b': fputs("\\b", f); break;
     case '\f': fputs("\\f", f); break;
     default:
-      if (*p < 0x20) fprintf(f, "\\u%04x", *p);
-      else fputc(*p, f); /* UTF-8 bytes pass through: JSON text is UTF-8 */
+      if (*p < 0x20 || *p == 0x7F) fprintf(f, "\\u%04x", *p);
+      else if (*p < 0x80) fputc(*p, f);
+      else { /* valid UTF-8 passes through (JSON text is UTF-8); C1 controls are escaped */
+        int len = utf8_len(p);
+        if (len == 2 && p[0] == 0xC2 && p[1] < 0xA0) fprintf(f, "\\u%04x", p[1]);
+        else if (len > 1) fwrite(p, 1, (size_t)len, f);
+        else fputs("\\ufffd", f); /* not UTF-8: the replacement character, so the output stays JSON */
+        if (len > 1) p += len - 1;
+      }
     }
   }
   fputc('"', f);
@@ -154,8 +216,8 @@ void cli_table_row(cli_table *t, const char *const *cells) {
     t->cells = nc;
     t->cap = cap;
   }
-  for (int c = 0; c < t->ncols; c++)
-    t->cells[t->nrows * t->ncols + c] = dupstr(cells[c]);
+  for (int c = 0; c < t->ncols; c++) /* cells may hold names from files: made safe to print */
+    t->cells[t->nrows * t->ncols + c] = cli_safe_text(cells[c] ? cells[c] : "");
   t->nrows++;
 }
 

@@ -263,13 +263,6 @@ static void smoke_cuda(cuda_result *r, kiln_tensor *a, kiln_tensor *b, const flo
 
 /* ---- checks and diagnoses ----------------------------------------------------------- */
 
-static bool is_positive_int(const char *s) {
-  if (!s || !*s) return false;
-  char *end;
-  long v = strtol(s, &end, 10);
-  return *end == 0 && v > 0;
-}
-
 static void diagnose(doctor *d) {
   char what[640], fix[640];
   if (!d->version_match) {
@@ -308,24 +301,25 @@ static void diagnose(doctor *d) {
       add_problem(d, "error", what, "run with KILN_FALLBACK=error to find the op, and report it with `kiln doctor --json`");
     }
   }
-  const char *kd = getenv("KILN_DEVICE");
-  if (kd && *kd) {
-    kiln_device dev;
-    if (kiln_device_parse(kd, &dev) != KILN_OK) {
-      snprintf(what, sizeof what, "KILN_DEVICE='%s' is not usable: %s", kd, kiln_last_error_message());
-      add_problem(d, "warning", what, "unset KILN_DEVICE or set it to cpu, cuda or cuda:N (a device that exists)");
+  /* Every variable kiln reads, each checked by the library's own rules (kiln_env_check):
+  ** a bad value is an error, since the examples refuse to start with it. */
+  static const char *const checked[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK", "KILN_PROFILE"};
+  static const char *const fixes[] = {
+      "unset KILN_DEVICE or set it to cpu, cuda or cuda:N (a device that exists)",
+      "set KILN_NUM_THREADS to a thread count from 1 to 1024 (at most the number of cores is best), or unset it",
+      "set KILN_FALLBACK=warn (the default), error or silent",
+      "set KILN_PROFILE=1, device or 0, or unset it"};
+  for (int i = 0; i < 4; i++)
+    if (kiln_env_check(checked[i]) != KILN_OK) {
+      snprintf(what, sizeof what, "%s", kiln_last_error_message());
+      add_problem(d, "error", what, fixes[i]);
       kiln_clear_error();
     }
-  }
   const char *nt = getenv("KILN_NUM_THREADS");
-  if (nt && *nt && !is_positive_int(nt)) {
-    snprintf(what, sizeof what, "KILN_NUM_THREADS='%s' is not a positive integer", nt);
-    add_problem(d, "warning", what, "set KILN_NUM_THREADS to a thread count such as 2, or unset it (all cores)");
-  }
-  const char *fb = getenv("KILN_FALLBACK");
-  if (fb && *fb && strcmp(fb, "warn") && strcmp(fb, "error") && strcmp(fb, "silent")) {
-    snprintf(what, sizeof what, "KILN_FALLBACK='%s' is not one of warn, error, silent", fb);
-    add_problem(d, "warning", what, "set KILN_FALLBACK=warn (the default), error or silent");
+  if (nt && *nt && kiln_env_check("KILN_NUM_THREADS") == KILN_OK && atol(nt) > d->cores && d->cores > 0) {
+    snprintf(what, sizeof what, "KILN_NUM_THREADS=%s is more than the %ld cores: threads will wait on each other", nt,
+             d->cores);
+    add_problem(d, "warning", what, "set KILN_NUM_THREADS to the number of cores or fewer, or unset it");
   }
   const char *dd = getenv("KILN_DATA_DIR");
   struct stat stt;

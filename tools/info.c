@@ -47,8 +47,11 @@ int cli_info(int argc, char **argv) {
   }
   kiln_dict *d = kiln_safetensors_load(path, kiln_device_cpu());
   if (!d) {
-    fprintf(stderr, "kiln info: cannot read '%s' as safetensors: %s (%s)\n", path,
-            kiln_last_error_message(), kiln_error_name(kiln_last_error()));
+    fputs("kiln info: cannot read '", stderr);
+    cli_write_safe(stderr, path);
+    fputs("' as safetensors: ", stderr);
+    cli_write_safe(stderr, kiln_last_error_message()); /* may quote a name from the file */
+    fprintf(stderr, " (%s)\n", kiln_error_name(kiln_last_error()));
     return 1;
   }
   int n = kiln_dict_size(d);
@@ -90,7 +93,8 @@ int cli_info(int argc, char **argv) {
     cli_json_object_end(&j);
   } else {
     bool pretty = cli_is_tty(stdout);
-    printf("%s\n", path);
+    cli_write_safe(stdout, path);
+    putchar('\n');
     const char *h[] = {"name", "dtype", "shape", "elements", "bytes"};
     cli_table *t = cli_table_new(5, h);
     cli_table_align_right(t, 3);

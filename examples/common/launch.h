@@ -9,6 +9,19 @@
 #include <kiln.h>
 #include <kiln_dist.h>
 
+/* The KILN_* environment, checked before anything runs (kiln_env_check): a bad value is
+** an error naming the variable and the accepted values, exit code 2. KILN_DEVICE is not
+** checked when --device was given (the flag wins). Returns 0 or 2. */
+static inline int ex_check_env(const char *prog, bool device_flag) {
+  static const char *const names[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK", "KILN_PROFILE"};
+  for (int i = device_flag ? 1 : 0; i < 4; i++)
+    if (kiln_env_check(names[i]) != KILN_OK) {
+      fprintf(stderr, "%s: %s\n", prog, kiln_last_error_message());
+      return 2;
+    }
+  return 0;
+}
+
 /* Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers each set one of these. Plain runs
 ** never touch MPI (no singleton start-up cost, no MPI messages). */
 static inline bool ex_launched_by_mpi(void) {

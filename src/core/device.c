@@ -259,8 +259,7 @@ static atomic_int num_threads; /* 0: not yet read */
 int kiln_num_threads(void) {
   int n = atomic_load_explicit(&num_threads, memory_order_relaxed);
   if (n > 0) return n;
-  const char *env = kiln__getenv("KILN_NUM_THREADS");
-  if (env) n = atoi(env);
+  n = kiln__env_num_threads(); /* 0 when unset or invalid (warned once) */
   if (n <= 0) {
     long c = sysconf(_SC_NPROCESSORS_ONLN);
     n = c > 0 ? (int)c : 1;

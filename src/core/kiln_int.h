@@ -250,5 +250,10 @@ kiln_status kiln__check_device(kiln_device dev, const char *what);
 /* ---- misc ---- */
 double kiln__now(void); /* monotonic seconds */
 const char *kiln__getenv(const char *name); /* NULL when unset or empty */
+/* KILN_NUM_THREADS as a thread count, 0 when unset; an invalid value warns once on stderr
+** and gives 0 (the default). src/core/env.c. */
+int kiln__env_num_threads(void);
+/* KILN_FALLBACK as a kiln_fallback_policy; unset or invalid (warned once): WARN. */
+int kiln__env_fallback_policy(void);
 
 #endif /* KILN_INT_H */

@@ -57,21 +57,22 @@ kiln_status kiln__check_shape(const char *op, int ndim, const int64_t *shape, ki
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: shape is NULL for %d dims", op, ndim);
   if ((int)dt < 0 || dt >= KILN_DTYPE__COUNT)
     return kiln_set_error(KILN_ERR_DTYPE, "%s: invalid dtype %d", op, (int)dt);
-  /* numel * elsize must fit in 2^62 bytes: refuse absurd shapes before any arithmetic
-  ** can overflow. */
+  /* Every partial product of the dims, times elsize, must fit in 2^62: refuse absurd
+  ** shapes before any arithmetic can overflow. A zero dim counts as 1 here, as it does in
+  ** kiln__contiguous_strides: [0, 2^40, 2^40] has no elements but its strides would still
+  ** overflow (signed overflow is undefined behaviour). */
   const int64_t limit = (int64_t)1 << 62;
   int64_t n = (int64_t)kiln_dtype_size(dt);
-  for (int i = 0; i < ndim; i++) {
+  for (int i = 0; i < ndim; i++)
     if (shape[i] < 0)
       return kiln_set_error(KILN_ERR_SHAPE, "%s: negative size %lld in dim %d of shape %s", op,
                             (long long)shape[i], i, kiln__shape_cstr(ndim, shape));
-    if (shape[i] == 0) return KILN_OK;
-  }
-  for (int i = 0; i < ndim; i++) {
-    if (n > limit / shape[i])
+  for (int i = ndim - 1; i >= 0; i--) {
+    int64_t d = shape[i] > 1 ? shape[i] : 1;
+    if (n > limit / d)
       return kiln_set_error(KILN_ERR_SHAPE, "%s: shape %s of %s is too large (over 2^62 bytes)",
                             op, kiln__shape_cstr(ndim, shape), kiln_dtype_name(dt));
-    n *= shape[i];
+    n *= d;
   }
   return KILN_OK;
 }

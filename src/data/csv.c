@@ -93,11 +93,8 @@ kiln_status kiln_csv_load(const char *path, const kiln_csv_opts *opts, kiln_tens
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL %s",
                           !path ? "path" : !features ? "features" : "labels");
   char delim = o.delimiter ? o.delimiter : ',';
-  FILE *fp = fopen(path, "rb");
-  if (!fp) {
-    int e = errno;
-    return kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-  }
+  FILE *fp = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  if (!fp) return kiln_last_error();
   char *text = NULL;
   size_t len = 0, cap = 0;
   for (;;) {

@@ -15,6 +15,8 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "ext/kiln_ext.h"
 #include "kiln_data.h"
@@ -36,13 +38,20 @@ typedef struct rd {
   int err;      /* a read error, not an end of file */
 } rd;
 
+/* 0 with the error set on failure (a FIFO or other special file is refused unopened). */
 static int rd_open(rd *r, const char *path) {
   memset(r, 0, sizeof *r);
 #ifdef KILN_HAVE_ZLIB
-  r->g = gzopen(path, "rb");
+  int fd = kiln__open_regular(WHO, path);
+  if (fd < 0) return 0;
+  r->g = gzdopen(fd, "rb");
+  if (!r->g) {
+    close(fd);
+    kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for the gzip reader", path);
+  }
   return r->g != NULL;
 #else
-  r->f = fopen(path, "rb");
+  r->f = kiln__fopen_regular(WHO, path);
   return r->f != NULL;
 #endif
 }
@@ -108,11 +117,7 @@ kiln_tensor *kiln_idx_load(const char *path) {
     return NULL;
   }
   rd r;
-  if (!rd_open(&r, path)) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-    return NULL;
-  }
+  if (!rd_open(&r, path)) return NULL;
   unsigned char *buf = NULL;
   kiln_tensor *t = NULL;
   unsigned char h[4 + 4 * KILN_MAX_DIMS];
@@ -156,14 +161,18 @@ kiln_tensor *kiln_idx_load(const char *path) {
     goto fail;
   }
   int64_t shape[KILN_MAX_DIMS];
-  uint64_t numel = 1;
+  /* span: the product with zero dims counted as 1 (strides are made of it), so that
+  ** (0, 2^31, 2^31, 2^31) is refused like its non-empty cousin. */
+  uint64_t numel = 1, span = 1;
   for (int i = 0; i < nd; i++) {
     const unsigned char *p = h + 4 + 4 * i;
     shape[i] = (int64_t)(((uint64_t)p[0] << 24) | ((uint64_t)p[1] << 16) | ((uint64_t)p[2] << 8) | p[3]);
-    if (shape[i] && numel > (UINT64_C(1) << 40) / (uint64_t)shape[i]) {
-      kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: dims at offset 4 give over 2^40 elements", path);
+    uint64_t d = shape[i] ? (uint64_t)shape[i] : 1;
+    if (span > (UINT64_C(1) << 40) / d) {
+      kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: dims at offset 4 give over 2^40 elements", path);
       goto fail;
     }
+    span *= d;
     numel *= (uint64_t)shape[i];
   }
   /* Read into a buffer that grows with the data, so a corrupt dim costs no more memory
@@ -262,10 +271,11 @@ fail:
 #define WHO "kiln_fashion_mnist_load"
 #define DEFAULT_DIR "/usr/share/datasets/fashion-mnist"
 
+/* stat, not open: opening a FIFO to see whether it is there would block; kiln_idx_load
+** then refuses anything that is not a regular file. */
 static int file_exists(const char *p) {
-  FILE *f = fopen(p, "rb");
-  if (f) fclose(f);
-  return f != NULL;
+  struct stat sb;
+  return stat(p, &sb) == 0;
 }
 
 /* Finds base[.gz] in one of the candidate dirs; writes the path. */

@@ -17,6 +17,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "kiln.h"
 #include "kiln_data.h"
@@ -92,6 +93,13 @@ kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool p
 
 /* ---- environment (core: src/core/device.c) ---- */
 const char *kiln__getenv(const char *name); /* NULL when unset or empty */
+
+/* ---- regular files only (io: src/io/file.c; used by the data readers) ----
+** Opens path for reading, refusing anything but a regular file without blocking (a FIFO,
+** a directory, a device, a socket): the descriptor, or -1 with KILN_ERR_IO naming `who`,
+** the path and the kind of file. The FILE form opens "rb"; NULL with the error set. */
+int kiln__open_regular(const char *who, const char *path);
+FILE *kiln__fopen_regular(const char *who, const char *path);
 
 /* ---- ownership (io: src/io/file.c) ---- */
 /* A tensor made here and owned by the calling code, whether or not a scope is open:

@@ -127,9 +127,24 @@ kiln_status kiln_checkpoint_load(const char *path, kiln_module *model, kiln_opti
   if ((st = kiln__meta_i64(d, "epoch", &ep, whobuf)) != KILN_OK ||
       (st = kiln__meta_i64(d, "step", &sp, whobuf)) != KILN_OK)
     goto done;
+  if (ep < 0 || sp < 0) {
+    st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s: metadata \"%s\" is %lld; it must be 0 or more",
+                        who, path, ep < 0 ? "epoch" : "step", (long long)(ep < 0 ? ep : sp));
+    goto done;
+  }
   if ((st = parse_u64(d, "rng.seed", &seed, path)) != KILN_OK ||
       (st = parse_u64(d, "rng.offset", &offset, path)) != KILN_OK)
     goto done;
+  /* The writer sets these to "1" or leaves them out; anything else is a damaged file. */
+  static const char *const flags[] = {"has_optim", "has_sched"};
+  for (int i = 0; i < 2; i++) {
+    const char *v = kiln_dict_get_meta(d, flags[i]);
+    if (v && strcmp(v, "1")) {
+      st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s: metadata \"%s\" is \"%s\" (a kiln checkpoint has "
+                          "\"1\" or no such entry)", who, path, flags[i], v);
+      goto done;
+    }
+  }
   if (opt && !kiln_dict_get_meta(d, "has_optim")) {
     st = kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %s has no optimizer state (saved without one)",
                         who, path);

@@ -4,10 +4,13 @@
 ** never a torn one (checkpoints depend on this).
 */
 #define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "io_int.h"
@@ -18,6 +21,48 @@ static char *dup_str(const char *s) {
   char *p = malloc(n);
   if (p) memcpy(p, s, n);
   return p;
+}
+
+/* Removes path.tmp.<pid> files left by writers that were killed mid-save (issue 17.7): a
+** pid that no longer exists (kill(pid, 0) fails with ESRCH) cannot be writing. Files of
+** live processes, including a concurrent save of the same path, are left alone; a pid
+** reused by an unrelated process only keeps its file a while longer. Best effort:
+** nothing here can fail the save. */
+static void remove_stale_tmps(const char *path) {
+  char *dir = dup_str(path);
+  if (!dir) return;
+  char *slash = strrchr(dir, '/');
+  const char *base = slash ? slash + 1 : path, *d = ".";
+  if (slash == dir) d = "/";
+  else if (slash) {
+    *slash = 0;
+    d = dir;
+  }
+  size_t blen = strlen(base);
+  DIR *dh = opendir(d);
+  if (dh) {
+    struct dirent *e;
+    while ((e = readdir(dh))) {
+      const char *n = e->d_name;
+      if (strncmp(n, base, blen) || strncmp(n + blen, ".tmp.", 5)) continue;
+      const char *digits = n + blen + 5;
+      char *end = NULL;
+      errno = 0;
+      long pid = strtol(digits, &end, 10);
+      if (errno || end == digits || *end || *digits < '1' || *digits > '9' || pid <= 0 ||
+          pid == (long)getpid())
+        continue;
+      if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive, or not ours to ask */
+      size_t need = strlen(d) + strlen(n) + 2;
+      char *full = malloc(need);
+      if (!full) break;
+      snprintf(full, need, "%s/%s", d, n);
+      (void)unlink(full);
+      free(full);
+    }
+    closedir(dh);
+  }
+  free(dir);
 }
 
 kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char *path) {
@@ -34,6 +79,7 @@ kiln_status kiln__atomic_open(kiln__atomic_file *af, const char *who, const char
     return kiln_set_error(KILN_ERR_OOM, "%s: out of memory", who);
   }
   snprintf(af->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+  remove_stale_tmps(path);
   af->f = fopen(af->tmp, "wb");
   if (!af->f) {
     int e = errno;
@@ -125,6 +171,56 @@ kiln_status kiln_file_write_atomic(const char *path, const void *data, size_t n)
     return KILN_ERR_IO;
   }
   return kiln__atomic_commit(&af);
+}
+
+static const char *file_kind(mode_t m) {
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+int kiln__open_regular(const char *who, const char *path) {
+  if (!path || !*path) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: empty path", who);
+    return -1;
+  }
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    int e = errno;
+    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(e));
+    return -1;
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) {
+    int e = errno;
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot stat %s: %s", who, path, strerror(e));
+    return -1;
+  }
+  if (!S_ISREG(sb.st_mode)) {
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: %s is not a regular file (%s)", who, path,
+                   file_kind(sb.st_mode));
+    return -1;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl != -1) (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+FILE *kiln__fopen_regular(const char *who, const char *path) {
+  int fd = kiln__open_regular(who, path);
+  if (fd < 0) return NULL;
+  FILE *f = fdopen(fd, "rb");
+  if (!f) {
+    int e = errno;
+    close(fd);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(e));
+  }
+  return f;
 }
 
 int kiln__host_is_le(void) {

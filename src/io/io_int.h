@@ -26,6 +26,15 @@ kiln_status kiln__atomic_write(kiln__atomic_file *af, const void *data, size_t n
 kiln_status kiln__atomic_commit(kiln__atomic_file *af);
 void kiln__atomic_abort(kiln__atomic_file *af);
 
+/* Opens path for reading, refusing anything but a regular file without blocking: a FIFO
+** (whose open would wait for a writer forever), a directory, a device or a socket. The
+** open is non-blocking and the type comes from fstat of the same descriptor (no race);
+** blocking mode is restored before returning. Returns the descriptor, or -1 with
+** KILN_ERR_IO set naming `who`, the path and the kind of file. */
+int kiln__open_regular(const char *who, const char *path);
+/* The same as a FILE opened "rb"; NULL with the error set. */
+FILE *kiln__fopen_regular(const char *who, const char *path);
+
 /* 1 on a little-endian host. File formats here are little-endian; on a big-endian host
 ** element bytes are swapped after reading and before writing. */
 int kiln__host_is_le(void);

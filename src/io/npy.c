@@ -219,12 +219,8 @@ kiln_tensor *kiln_npy_load(const char *path, kiln_device dev) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL path");
     return NULL;
   }
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-    return NULL;
-  }
+  FILE *f = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  if (!f) return NULL;
   char *hdr = NULL;
   unsigned char *tmp = NULL;
   kiln_tensor *t = NULL;
@@ -278,12 +274,17 @@ kiln_tensor *kiln_npy_load(const char *path, kiln_device dev) {
   npy_header h;
   if (parse_header(path, hdr, (size_t)hlen, hstart, &h) != KILN_OK) goto fail;
   size_t es = kiln_dtype_size(h.dtype);
-  uint64_t numel = 1;
+  /* span: the product with zero dims counted as 1 (strides are made of it), checked
+  ** like the element count, so [0, 2^40, 2^40] is refused too. */
+  uint64_t numel = 1, span = 1;
   for (int i = 0; i < h.ndim; i++) {
-    if (h.shape[i] && numel > (UINT64_C(1) << 56) / (uint64_t)h.shape[i]) {
-      kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: shape too large", path);
+    uint64_t d = h.shape[i] ? (uint64_t)h.shape[i] : 1;
+    if (span > (UINT64_C(1) << 56) / d) {
+      kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: shape too large (a product of its dims passes 2^56)",
+                     path);
       goto fail;
     }
+    span *= d;
     numel *= (uint64_t)h.shape[i];
   }
   uint64_t nbytes = numel * es, dstart = hstart + hlen;

@@ -24,6 +24,7 @@
 #define _FILE_OFFSET_BITS 64
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -117,8 +118,10 @@ static kiln_status parse_entry(const char *path, const cJSON *e, st_info *info) 
     return kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: tensor '%s' has %d dims (kiln holds %d)",
                           path, name, nd, KILN_MAX_DIMS);
   info->ndim = nd;
-  /* numel * size stays below 2^63: each factor is checked before multiplying */
-  uint64_t bytes = kiln_dtype_size(info->dtype);
+  /* numel * size stays below 2^62: each factor is checked before multiplying. span is the
+  ** product with zero dims counted as 1 (what strides are made of): it must fit too, or a
+  ** shape like [0, 2^40, 2^40] would pass as 0 bytes. */
+  uint64_t bytes = kiln_dtype_size(info->dtype), span = bytes;
   int i = 0;
   for (const cJSON *d = sh->child; d; d = d->next, i++) {
     uint64_t v;
@@ -127,9 +130,12 @@ static kiln_status parse_entry(const char *path, const cJSON *e, st_info *info) 
                             WHO ": %s: tensor '%s' shape[%d] is not a non-negative integer",
                             path, name, i);
     info->shape[i] = (int64_t)v;
-    if (v && bytes > (UINT64_C(1) << 62) / v)
-      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' shape is too large",
+    if (span > (UINT64_C(1) << 62) / (v ? v : 1))
+      return kiln_set_error(KILN_ERR_SHAPE,
+                            WHO ": %s: tensor '%s' shape is too large (a product of its "
+                                "dims passes 2^62 bytes)",
                             path, name);
+    span *= v ? v : 1;
     bytes *= v;
   }
   if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 || !json_uint(off->child, &info->begin) ||
@@ -203,9 +209,58 @@ static kiln_tensor *read_tensor(const char *path, FILE *f, uint64_t data_start,
   return t;
 }
 
+/* The header's text, before the JSON parser sees it: strictly valid UTF-8 (the format
+** requires it; no overlong forms, surrogates or code points past U+10FFFF), no NUL byte,
+** and no escaped NUL (\u0000) in a string: names and metadata are C strings, so a NUL would
+** cut one short silently (two such names then look like duplicates of the cut name).
+** Errors name the file offset of the offending byte. */
+static kiln_status check_header_text(const char *path, const char *hdr, uint64_t hlen) {
+  const unsigned char *p = (const unsigned char *)hdr;
+  bool in_string = false;
+  for (uint64_t i = 0; i < hlen;) {
+    unsigned c = p[i];
+    if (c == 0)
+      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: NUL byte in the header at file offset %llu",
+                            path, (unsigned long long)(8 + i));
+    if (c < 0x80) {
+      if (c == '"') in_string = !in_string;
+      else if (c == '\\' && in_string && i + 1 < hlen) {
+        if (p[i + 1] == 'u' && i + 5 < hlen && !memcmp(p + i + 2, "0000", 4))
+          return kiln_set_error(KILN_ERR_FORMAT,
+                                WHO ": %s: escaped NUL (\\u0000) in a string at file offset %llu "
+                                    "(names and metadata may not hold NUL)",
+                                path, (unsigned long long)(8 + i));
+        if (p[i + 1] < 0x80) i++; /* the escaped character (a quote does not end the string) */
+      }
+      i++;
+      continue;
+    }
+    /* lead byte: length and the smallest code point that needs that length */
+    int len;
+    uint32_t cp, min;
+    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F, min = 0x80;
+    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F, min = 0x800;
+    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07, min = 0x10000;
+    else len = 0, cp = 0, min = 0;
+    bool ok = len > 0 && i + (uint64_t)len <= hlen;
+    for (int k = 1; ok && k < len; k++) {
+      if ((p[i + k] & 0xC0) != 0x80) ok = false;
+      else cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (ok && (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))) ok = false;
+    if (!ok)
+      return kiln_set_error(KILN_ERR_FORMAT,
+                            WHO ": %s: invalid UTF-8 in the header at file offset %llu (byte 0x%02x)",
+                            path, (unsigned long long)(8 + i), c);
+    i += (uint64_t)len;
+  }
+  return KILN_OK;
+}
+
 static kiln_status validate_and_read(const char *path, FILE *f, uint64_t fsize, char *hdr,
                                      uint64_t hlen, kiln_dict *d, kiln_device dev) {
   const uint64_t data_start = 8 + hlen, data_size = fsize - data_start;
+  if (check_header_text(path, hdr, hlen) != KILN_OK) return kiln_last_error();
   const char *end = NULL;
   cJSON *root = cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
   if (!root) {
@@ -324,12 +379,8 @@ kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL path");
     return NULL;
   }
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": cannot open %s: %s", path, strerror(e));
-    return NULL;
-  }
+  FILE *f = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  if (!f) return NULL;
   kiln_dict *d = NULL;
   char *hdr = NULL;
   struct stat sb;

@@ -21,10 +21,7 @@ static struct {
 
 static int policy_locked(void) {
   if (policy < 0) {
-    const char *e = kiln__getenv("KILN_FALLBACK");
-    policy = KILN_FALLBACK_WARN;
-    if (e && strcmp(e, "error") == 0) policy = KILN_FALLBACK_ERROR;
-    if (e && strcmp(e, "silent") == 0) policy = KILN_FALLBACK_SILENT;
+    policy = kiln__env_fallback_policy(); /* src/core/env.c: a bad value is warned once */
   }
   return policy;
 }

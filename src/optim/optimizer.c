@@ -406,6 +406,9 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                           "%s: the state is for %lld parameters, this optimizer has %d", who, (long long)n, o->n);
   if ((st = kiln__meta_i64(d, "steps", &steps, who)) != KILN_OK) return st;
+  if (steps < 0)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: metadata \"steps\" is %lld; it must be 0 or more", who,
+                          (long long)steps);
   kiln_optim_config cfg = o->cfg;
   if ((st = read_config(d, &cfg, who)) != KILN_OK) return st;
   if ((st = check_config(&cfg, who)) != KILN_OK) return st;
@@ -422,6 +425,21 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
   for (int i = 0; i < o->n; i++) {
     snprintf(key, sizeof key, "state.%d.step", i);
     if (kiln_dict_get_meta(d, key) && (st = kiln__meta_i64(d, key, &stepv[i], who)) != KILN_OK) break;
+    if (stepv[i] < 0) {
+      st = kiln_set_error(KILN_ERR_FORMAT, "%s: metadata \"%s\" is %lld; it must be 0 or more", who, key,
+                          (long long)stepv[i]);
+      break;
+    }
+  }
+  /* Metadata under "state." other than a step count of one of our parameters (an index
+  ** past the model's, a name this optimizer does not keep) is unexpected. */
+  for (int j = 0; j < kiln_dict_meta_size(d) && st == KILN_OK; j++) {
+    const char *name = kiln_dict_meta_key(d, j);
+    if (strncmp(name, "state.", 6)) continue;
+    char *end = NULL;
+    long i = strtol(name + 6, &end, 10);
+    if (end == name + 6 || name[6] == '-' || name[6] == '+' || i < 0 || i >= o->n || strcmp(end, ".step"))
+      kiln__problems_unexpected(&p, name);
   }
   for (int j = 0; j < kiln_dict_size(d) && st == KILN_OK; j++) {
     int i, k;
@@ -439,6 +457,8 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
     else if (kiln_dtype_of(t) != kiln_dtype_of(par))
       kiln__problems_mismatch(&p, KILN_ERR_DTYPE, "%s: dtype %s, parameter %d has %s", name,
                               kiln_dtype_name(kiln_dtype_of(t)), i, kiln_dtype_name(kiln_dtype_of(par)));
+    else if (!stepv[i]) /* state is made by a parameter's first step: none without a step count */
+      kiln__problems_unexpected(&p, name);
     else
       src[(size_t)i * KILN__OPTIM_MAX_STATE + k] = t;
   }

@@ -258,6 +258,13 @@ kiln_status kiln__scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *
   if (st == KILN_OK) st = kiln__meta_f64(d, "start_factor", &n.start_factor, who);
   if (st == KILN_OK) st = kiln__meta_f64(d, "end_factor", &n.end_factor, who);
   if (st != KILN_OK) return st;
+  /* Rates and factors must be numbers: a NaN gamma would load and then poison the lr. */
+  const double reals[] = {n.base_lr, n.gamma, n.eta_min, n.start_factor, n.end_factor};
+  static const char *const real_names[] = {"base_lr", "gamma", "eta_min", "start_factor", "end_factor"};
+  for (int i = 0; i < 5; i++)
+    if (!isfinite(reals[i]))
+      return kiln_set_error(KILN_ERR_FORMAT, "%s: metadata \"%s\" is %g; it must be a finite number", who,
+                            real_names[i], reals[i]);
   /* The same validity the constructors enforce: the lr formula divides by these. */
   if (n.t < 0 || (n.kind == S_STEP && n.step_size < 1) || (n.kind == S_LINEAR && n.total_iters < 1) ||
       (n.kind == S_COSINE && (n.t_max < 1 || n.warmup < 0 || n.warmup >= n.t_max)))

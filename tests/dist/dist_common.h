@@ -61,8 +61,15 @@ static char *dc_find_on_path(const char *name) {
 ** that it has already unloaded (LSan shows them as "<unknown module>", so no suppression
 ** can name them): the MPI processes run without leak checking. This process, which runs
 ** the sampler tests, keeps it; ASan's other checks stay on in the children. */
+#if defined(__SANITIZE_ADDRESS__) /* gcc */
+#define DC_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) /* clang */
+#define DC_ASAN 1
+#endif
+#endif
 static void dc_child_env(void) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DC_ASAN)
   const char *asan = getenv("ASAN_OPTIONS");
   if (asan && strstr(asan, ":detect_leaks=0")) return;
   char buf[4096];

@@ -350,7 +350,7 @@ void kiln__cpu_walk(const kiln__view *v, int nv, int64_t lo, int64_t hi, kiln__c
 /* ---- parallel for ---- */
 int kiln__cpu_threads_for(int64_t n, int64_t min_par) {
 #ifdef KILN_HAVE_OPENMP
-  if (n < min_par || omp_in_parallel()) return 1;
+  if (n < min_par || omp_in_parallel() || kiln__cpu_pool_inside()) return 1;
   int nt = kiln_num_threads();
   if (nt <= 1) return 1;
   int64_t most = n / (min_par / 4 > 0 ? min_par / 4 : 1); /* keep each share worthwhile */
@@ -370,15 +370,9 @@ void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, v
     fn(ctx, 0, n);
     return;
   }
-#ifdef KILN_HAVE_OPENMP
-#pragma omp parallel num_threads(nt)
-  {
-    int t = omp_get_thread_num();
-    int tn = omp_get_num_threads();
-    int64_t lo = n * t / tn, hi = n * (t + 1) / tn;
-    if (lo < hi) fn(ctx, lo, hi);
-  }
-#endif
+  /* kiln's own pool, whose waits sleep: OpenMP's spinning workers made every loop crawl
+  ** on a machine busy with another process (cpu_pool.c). Same split, same results. */
+  if (!kiln__cpu_pool_run(n, nt, fn, ctx)) fn(ctx, 0, n);
 }
 
 /* ---- elementwise map ---- */

@@ -97,6 +97,11 @@ typedef void (*kiln__cpu_range_fn)(void *ctx, int64_t lo, int64_t hi);
 void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, void *ctx);
 /* The number of threads parallel_for would use for n work items (1 when serial). */
 int kiln__cpu_threads_for(int64_t n, int64_t min_par);
+/* kiln's thread pool (cpu_pool.c): runs fn over [0, n) in tn shares split as an OpenMP
+** region would; false when it cannot (pool busy, nested, tn < 2): then run it yourself. */
+bool kiln__cpu_pool_run(int64_t n, int tn, kiln__cpu_range_fn fn, void *ctx);
+/* Whether this thread is inside a pool job (a nested loop then runs serially). */
+bool kiln__cpu_pool_inside(void);
 
 /* Elementwise map. fn computes n elements from contiguous arrays of the compute types:
 ** out (type ct[0]) from in[i] (type ct[1+i]); k0 is the linear index of element 0. out may

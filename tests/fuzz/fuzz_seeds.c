@@ -1,0 +1,218 @@
+/*
+** Writes the seed corpus of every fuzz target: small valid files made with kiln's own
+** writers (and IDX / CSV by hand), so the fuzzers start from inputs that reach deep into
+** each reader. Usage: fuzz-seeds DIR  (makes DIR/<target>/seed-*). `make fuzz` runs it.
+** For csv, idx_gz and checkpoint the first byte of an input picks options (fuzz_targets.c).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+#include <kiln_checkpoint.h>
+#include <kiln_io.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <zlib.h>
+
+static char g_dir[1024];
+static int g_fail;
+
+static void path_of(char *out, size_t n, const char *target, const char *name) {
+  snprintf(out, n, "%s/%s", g_dir, target);
+  mkdir(out, 0777);
+  snprintf(out, n, "%s/%s/%s", g_dir, target, name);
+}
+
+/* A file: an optional leading option byte (opt >= 0), then n bytes. */
+static void put(const char *target, const char *name, int opt, const void *b, size_t n) {
+  char p[1200];
+  path_of(p, sizeof p, target, name);
+  FILE *f = fopen(p, "wb");
+  if (!f) {
+    perror(p);
+    g_fail = 1;
+    return;
+  }
+  if (opt >= 0) fputc(opt, f);
+  if (n) fwrite(b, 1, n, f);
+  fclose(f);
+}
+
+static unsigned char *slurp(const char *p, size_t *n) {
+  FILE *f = fopen(p, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long len = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char *b = malloc((size_t)len + 1);
+  *n = b ? fread(b, 1, (size_t)len, f) : 0;
+  fclose(f);
+  return b;
+}
+
+/* A file kiln wrote at tmp, copied into the corpus with an optional option byte. */
+static void put_file(const char *target, const char *name, int opt, const char *tmp) {
+  size_t n = 0;
+  unsigned char *b = slurp(tmp, &n);
+  if (!b) {
+    fprintf(stderr, "fuzz-seeds: %s was not written: %s\n", tmp, kiln_last_error_message());
+    g_fail = 1;
+    return;
+  }
+  put(target, name, opt, b, n);
+  free(b);
+  remove(tmp);
+}
+
+static void seeds_safetensors_npy(const char *tmp) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_dict *d = kiln_dict_new();
+  kiln_dict_set(d, "w", kiln_randn(KILN_SHAPE(3, 2), KILN_F32, cpu, NULL));
+  kiln_dict_set(d, "b", kiln_zeros(KILN_SHAPE(2), KILN_F64, cpu));
+  kiln_dict_set(d, "h", kiln_ones(KILN_SHAPE(2, 1, 2), KILN_F16, cpu));
+  kiln_dict_set(d, "bf", kiln_ones(KILN_SHAPE(1), KILN_BF16, cpu));
+  kiln_dict_set(d, "i", kiln_arange(0, 4, 1, KILN_I64, cpu));
+  kiln_dict_set(d, "j", kiln_arange(0, 3, 1, KILN_I32, cpu));
+  kiln_dict_set(d, "u", kiln_arange(0, 5, 1, KILN_U8, cpu));
+  kiln_dict_set(d, "m", kiln_ones(KILN_SHAPE(2, 2), KILN_BOOL, cpu));
+  kiln_dict_set(d, "s", kiln_ones(KILN_SHAPE0, KILN_F32, cpu));
+  kiln_dict_set(d, "e", kiln_zeros(KILN_SHAPE(0, 3), KILN_F32, cpu));
+  kiln_dict_set_meta(d, "format", "pt");
+  kiln_dict_set_meta(d, "note", "caf\xc3\xa9 \"q\"");
+  kiln_safetensors_save(tmp, d);
+  put_file("safetensors", "seed-all-dtypes", -1, tmp);
+  kiln_dict *one = kiln_dict_new();
+  kiln_dict_set(one, "x", kiln_ones(KILN_SHAPE(2), KILN_F32, cpu));
+  kiln_safetensors_save(tmp, one);
+  put_file("safetensors", "seed-one", -1, tmp);
+  kiln_dict_free(one);
+  const char *npys[] = {"w", "b", "h", "i", "j", "u", "m", "s", "e"};
+  for (size_t k = 0; k < sizeof npys / sizeof npys[0]; k++) {
+    char name[32];
+    snprintf(name, sizeof name, "seed-%s", npys[k]);
+    kiln_npy_save(tmp, kiln_dict_get(d, npys[k]));
+    put_file("npy", name, -1, tmp);
+  }
+  kiln_dict_free(d);
+  /* numpy's other header forms: version 2, Fortran order, big-endian */
+  static const char f2[] = "\x93NUMPY\x01\x00\x46\x00{'descr': '>i2', 'fortran_order': True, "
+                           "'shape': (2, 2), }           \n\x00\x01\x00\x02\x00\x03\x00\x04";
+  put("npy", "seed-fortran-be", -1, f2, sizeof f2 - 1);
+  static const char v2[] = "\x93NUMPY\x02\x00\x3a\x00\x00\x00{'descr': '<u1', 'fortran_order': "
+                           "False, 'shape': (3,), }  \n\x01\x02\x03";
+  put("npy", "seed-v2", -1, v2, sizeof v2 - 1);
+}
+
+static size_t idx_u8(unsigned char *b) { /* (3, 2, 2) u8 */
+  const unsigned char h[] = {0, 0, 0x08, 3, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 2};
+  memcpy(b, h, sizeof h);
+  for (int i = 0; i < 12; i++) b[16 + i] = (unsigned char)(i * 20);
+  return 28;
+}
+
+static void seeds_idx(const char *tmp) {
+  unsigned char b[256];
+  size_t n = idx_u8(b);
+  put("idx", "seed-u8", -1, b, n);
+  put("idx_gz", "seed-u8", 0, b, n);
+  const unsigned char types[] = {0x09, 0x0B, 0x0C, 0x0D, 0x0E};
+  const int sizes[] = {1, 2, 4, 4, 8};
+  for (int k = 0; k < 5; k++) {
+    unsigned char t[64] = {0, 0, types[k], 1, 0, 0, 0, 3};
+    for (int i = 0; i < 3 * sizes[k]; i++) t[8 + i] = (unsigned char)(0x3F + i);
+    char name[32];
+    snprintf(name, sizeof name, "seed-type-%02x", types[k]);
+    put("idx", name, -1, t, 8 + 3 * (size_t)sizes[k]);
+    put("idx_gz", name, 0, t, 8 + 3 * (size_t)sizes[k]);
+  }
+  const unsigned char lbl[] = {0, 0, 0x08, 1, 0, 0, 0, 4, 1, 2, 3, 9};
+  put("idx", "seed-labels", -1, lbl, sizeof lbl);
+  /* gzip streams as they are on disk (the odd option byte writes them unchanged) */
+  gzFile g = gzopen(tmp, "wb9");
+  gzwrite(g, b, (unsigned)n);
+  gzclose(g);
+  put_file("idx_gz", "seed-raw-gz", 1, tmp);
+  g = gzopen(tmp, "wb1");
+  gzwrite(g, lbl, sizeof lbl);
+  gzclose(g);
+  put_file("idx_gz", "seed-raw-gz-labels", 1, tmp);
+}
+
+static void seeds_csv(void) {
+  static const char *const csv[] = {
+      "label,a,b\n0,1.5,2\n1,-3,4e2\n",
+      "x;y;label\r\n1;2;0\r\n3;4;1\r\n",
+      "1\t2\t3\n4\t5\t6\n",
+      "\"label\", \"f\"\n 1 , \" 2.5\"\n\n2,3\n",
+      "a b c\n1 2 3\n",
+      "0,nan,inf,-inf,1e-40\n",
+  };
+  const int opts[] = {0, 1 | 32 | 64, 2 | 16, 0, 3 | 8 | 16, 8};
+  for (size_t i = 0; i < sizeof csv / sizeof csv[0]; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "seed-%zu", i);
+    put("csv", name, opts[i], csv[i], strlen(csv[i]));
+  }
+}
+
+/* Checkpoints of the fuzz target's model (fuzz_targets.c: Linear(4,3), ReLU, Linear(3,2),
+** Adam, StepLR(2, 0.5)) after 0, 1 and 3 steps, with and without optimizer and scheduler. */
+static void seeds_checkpoint(const char *tmp) {
+  kiln_manual_seed(1);
+  kiln_module *m = kiln_sequential_new();
+  kiln_sequential_append(m, kiln_linear_new(4, 3, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_sequential_append(m, kiln_relu_new());
+  kiln_sequential_append(m, kiln_linear_new(3, 2, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_optim_config cfg = kiln_adam_config(1e-2);
+  kiln_optimizer *o = kiln_optimizer_new_module(&cfg, m);
+  kiln_scheduler *s = kiln_step_lr_new(o, 2, 0.5);
+  for (int steps = 0; steps <= 3; steps++) {
+    if (steps == 1 || steps == 3) {
+      char name[64];
+      kiln_dict *extra = kiln_dict_new();
+      kiln_dict_set_meta(extra, "note", "seed");
+      kiln_dict_set(extra, "t", kiln_ones(KILN_SHAPE(2), KILN_F32, kiln_device_cpu()));
+      kiln_checkpoint_save(tmp, m, o, s, NULL, steps, steps * 10, extra);
+      snprintf(name, sizeof name, "seed-full-%d", steps);
+      put_file("checkpoint", name, 7, tmp);
+      kiln_checkpoint_save(tmp, m, NULL, NULL, NULL, steps, steps, NULL);
+      snprintf(name, sizeof name, "seed-model-%d", steps);
+      put_file("checkpoint", name, 0, tmp);
+      kiln_dict_free(extra);
+    }
+    if (steps == 0) {
+      kiln_checkpoint_save(tmp, m, o, s, NULL, 0, 0, NULL);
+      put_file("checkpoint", "seed-full-0", 3, tmp);
+    }
+    kiln_scope_begin();
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 4), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_optimizer_zero_grad(o);
+    kiln_backward(kiln_mean_all(kiln_module_forward(m, x)), NULL);
+    kiln_optimizer_step(o);
+    kiln_scheduler_step(s);
+    kiln_scope_end();
+  }
+  kiln_scheduler_free(s);
+  kiln_optimizer_free(o);
+  kiln_module_free(m);
+}
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: fuzz-seeds DIR\n");
+    return 2;
+  }
+  snprintf(g_dir, sizeof g_dir, "%s", argv[1]);
+  mkdir(g_dir, 0777);
+  char tmp[1200];
+  snprintf(tmp, sizeof tmp, "%s/.tmp-seed", g_dir);
+  kiln_scope_begin(); /* owns the tensors made for the files */
+  seeds_safetensors_npy(tmp);
+  seeds_idx(tmp);
+  seeds_csv();
+  seeds_checkpoint(tmp);
+  kiln_scope_end();
+  return g_fail;
+}

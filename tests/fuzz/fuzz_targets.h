@@ -1,0 +1,24 @@
+/*
+** kiln's fuzz targets, one per file reader. Each takes the bytes of one file, writes them
+** to a scratch file, runs the reader on it and checks the reader's promises:
+**   - it returns a value or an error (a crash is found by the sanitizers);
+**   - no tensor outlives the call (kiln_live_tensors() is back where it was);
+**   - checkpoint: a failed load changes nothing (the model's parameters, the optimizer's
+**     step count and learning rate are as before).
+** The same code runs under libFuzzer (fuzz_main.c, one executable per target) and in the
+** ordinary test suite (tests/test_fuzz_corpus.c replays tests/fuzz/regressions/).
+*/
+#ifndef KILN_FUZZ_TARGETS_H
+#define KILN_FUZZ_TARGETS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The targets, by name: safetensors npy idx idx_gz csv checkpoint. */
+extern const char *const kiln_fuzz_target_names[];
+
+/* Runs target `name` on data. 0: the reader kept its promises (whether or not the file
+** was valid); -1: it broke one (the reason is printed on stderr); -2: no such target. */
+int kiln_fuzz_run(const char *name, const uint8_t *data, size_t size);
+
+#endif

@@ -32,6 +32,7 @@ int main(void) {
   unsetenv("KILN_NUM_THREADS");
   unsetenv("KILN_FALLBACK");
   unsetenv("KILN_PROFILE");
+  unsetenv("KILN_ANOMALY");
   CHECK(kiln_env_check(NULL) == KILN_OK);
   const char *bad_threads[] = {"0", "-1", "abc", "4x", "100000", " 2", "+2", "1e3", "99999999999999999999"};
   for (size_t i = 0; i < sizeof bad_threads / sizeof bad_threads[0]; i++)
@@ -48,6 +49,8 @@ int main(void) {
     expect_bad("KILN_DEVICE", "cuda", KILN_ERR_DEVICE, "not available");
   expect_bad("KILN_PROFILE", "yes", KILN_ERR_INVALID_ARGUMENT, "device");
   expect_good("KILN_PROFILE", "device");
+  expect_bad("KILN_ANOMALY", "yes", KILN_ERR_INVALID_ARGUMENT, "0 (off)");
+  expect_good("KILN_ANOMALY", "1");
   CHECK(kiln_env_check("KILN_NOPE") == KILN_ERR_INVALID_ARGUMENT);
 
   /* The library's readers: a bad value means the default, and the caller's last error

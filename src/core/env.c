@@ -51,6 +51,13 @@ static kiln_status parse_profile(const char *v) {
                         "(also device time) or 0 (off)", v);
 }
 
+static kiln_status parse_anomaly(const char *v) {
+  if (!strcmp(v, "0") || !strcmp(v, "1")) return KILN_OK;
+  return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                        "KILN_ANOMALY='%s' is not understood: use 1 (check every op's outputs for NaN "
+                        "and infinity) or 0 (off)", v);
+}
+
 static kiln_status check_device_var(const char *v) {
   kiln_device d;
   if (kiln_device_parse(v, &d) == KILN_OK) return KILN_OK;
@@ -64,7 +71,7 @@ static kiln_status check_device_var(const char *v) {
 }
 
 static const char *const checked[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK",
-                                      "KILN_PROFILE"};
+                                      "KILN_PROFILE", "KILN_ANOMALY"};
 
 kiln_status kiln_env_check(const char *name) {
   if (!name) {
@@ -82,10 +89,11 @@ kiln_status kiln_env_check(const char *name) {
   if (!strcmp(name, "KILN_NUM_THREADS")) return parse_threads(v, &x);
   if (!strcmp(name, "KILN_FALLBACK")) return parse_fallback(v, &x);
   if (!strcmp(name, "KILN_PROFILE")) return parse_profile(v);
+  if (!strcmp(name, "KILN_ANOMALY")) return parse_anomaly(v);
   if (!strcmp(name, "KILN_DEVICE")) return check_device_var(v);
   return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                         "kiln_env_check: '%s' is not a variable kiln reads (KILN_DEVICE, "
-                        "KILN_NUM_THREADS, KILN_FALLBACK, KILN_PROFILE)", name);
+                        "KILN_NUM_THREADS, KILN_FALLBACK, KILN_PROFILE, KILN_ANOMALY)", name);
 }
 
 /* The library's readers: a bad value is said once on stderr, then the default is used.

@@ -9,6 +9,7 @@
 #include "ops/op.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,4 +66,6 @@ bool kiln_anomaly_enabled(void) { return atomic_load(&enabled); }
 __attribute__((constructor)) static void anomaly_init(void) {
   const char *e = getenv("KILN_ANOMALY");
   if (e && strcmp(e, "1") == 0) kiln_set_anomaly_enabled(true);
+  else if (e && *e && strcmp(e, "0") != 0)
+    fprintf(stderr, "kiln: KILN_ANOMALY=%s is not understood (accepted: 0, 1); the check stays off\n", e);
 }

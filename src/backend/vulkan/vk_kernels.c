@@ -276,6 +276,39 @@ static kiln_status vk_softmax(const kiln__kargs *a) {
   return run_rows(a->device, "softmax", &p, p.n);
 }
 
+/* MAX_DIM / MIN_DIM: dim i1, the rows walked as the softmax's */
+static kiln_status vk_minmax_dim(const kiln__kargs *a) {
+  int dim = (int)a->i[1];
+  const kiln__view *src[3] = {&a->out[0], &a->in[0], &a->out[1]};
+  kiln__view rows[3];
+  kv_params p = {0};
+  for (int v = 0; v < 3; v++) {
+    rows[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      rows[v].shape[k] = src[v]->shape[d];
+      rows[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) rows[v].shape[0] = 1, rows[v].strides[0] = 0, k = 1;
+    rows[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[3] = {&rows[0], &rows[1], &rows[2]};
+  set_views(&p, 3, vs);
+  p.ex[0] = (int32_t)a->in[0].shape[dim];
+  p.op = a->op == KILN__K_MAX_DIM ? 1 : 2;
+  if (p.ex[0] == 0) return KILN_OK;
+  return run_rows(a->device, "argmax", &p, p.n);
+}
+
+static bool minmax_dim_supports(const kiln__kargs *a) {
+  int nd = a->in[0].ndim, dim = (int)a->i[1];
+  return dim >= 0 && dim < nd && nd <= KV_MAXD + 1 && is_float(a->in[0].dtype) &&
+         a->out[0].dtype == a->in[0].dtype && a->out[1].dtype == KILN_I64 &&
+         a->out[0].ndim == nd && a->out[1].ndim == nd;
+}
+
 /* ---- matmul ---- */
 static kiln_status vk_matmul(const kiln__kargs *a) {
   const kiln__view *C = &a->out[0], *A = &a->in[0], *B = &a->in[1];
@@ -556,6 +589,7 @@ bool kiln__vk_supports(const kiln__kargs *a) {
   case KILN__K_SOFTMAX: case KILN__K_LOG_SOFTMAX: case KILN__K_SOFTMAX_BACKWARD:
   case KILN__K_LOG_SOFTMAX_BACKWARD: return all_float(a) && a->out[0].ndim <= KV_MAXD + 1;
   case KILN__K_MATMUL: return matmul_supports(a);
+  case KILN__K_MAX_DIM: case KILN__K_MIN_DIM: return minmax_dim_supports(a);
   case KILN__K_CROSS_ENTROPY: case KILN__K_CROSS_ENTROPY_MEAN: case KILN__K_CROSS_ENTROPY_BACKWARD:
     return ce_supports(a);
   case KILN__K_ADAM: return adam_supports(a);
@@ -601,6 +635,7 @@ kiln__backend kiln__vulkan_backend = {
             [KILN__K_AMIN] = vk_reduce, [KILN__K_SOFTMAX] = vk_softmax,
             [KILN__K_LOG_SOFTMAX] = vk_softmax, [KILN__K_SOFTMAX_BACKWARD] = vk_softmax,
             [KILN__K_LOG_SOFTMAX_BACKWARD] = vk_softmax, [KILN__K_MATMUL] = vk_matmul,
+            [KILN__K_MAX_DIM] = vk_minmax_dim, [KILN__K_MIN_DIM] = vk_minmax_dim,
             [KILN__K_CROSS_ENTROPY] = vk_ce, [KILN__K_CROSS_ENTROPY_MEAN] = vk_ce,
             [KILN__K_CROSS_ENTROPY_BACKWARD] = vk_ce_bw, [KILN__K_ADAM] = vk_adam,
             [KILN__K_INDEX_SELECT] = vk_index, [KILN__K_INDEX_ADD] = vk_index,

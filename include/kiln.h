@@ -143,7 +143,11 @@ KILN_API float kiln_bf16_to_f32(uint16_t b);
 /* --------------------------------------------------------------------------------------
 ** Devices.
 */
-typedef enum kiln_device_type { KILN_DEVICE_CPU = 0, KILN_DEVICE_CUDA = 1 } kiln_device_type;
+typedef enum kiln_device_type {
+  KILN_DEVICE_CPU = 0,
+  KILN_DEVICE_CUDA = 1,
+  KILN_DEVICE_VULKAN = 2 /* Vulkan compute: AMD, Intel, NVIDIA, Apple (MoltenVK) GPUs */
+} kiln_device_type;
 typedef struct kiln_device {
   kiln_device_type type;
   int index;

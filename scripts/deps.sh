@@ -15,12 +15,16 @@ fi
 
 # build: compiler, cmake, pkg-config, BLAS, zlib, cJSON, MPI.
 # tests: the Fashion-MNIST package, python3 + numpy (fixtures), valgrind.
+# Vulkan: the headers and glslc to build the backend; the loader and Mesa's drivers
+# (lavapipe, a Vulkan device on the CPU) so its tests run on any machine; vulkan-tools
+# for vulkaninfo.
 packages=(
   build-essential cmake pkg-config
   libopenblas-dev libopenblas0-pthread libopenblas-openmp-dev
   zlib1g-dev libcjson-dev
   openmpi-bin libopenmpi-dev
   dataset-fashion-mnist python3 python3-numpy valgrind
+  libvulkan-dev libvulkan1 glslc mesa-vulkan-drivers vulkan-tools
 )
 # `scripts/deps.sh clang`: also clang, its sanitizer/libFuzzer runtimes and OpenMP, for
 # `make fuzz` and `make asan ASAN_CC=clang` (not needed by the normal build).
@@ -31,7 +35,8 @@ fi
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps.sh: not a Debian-like system; make sure these (or your system's equivalents)" >&2
   echo "  are installed: a C11 compiler, cmake >= 3.25, pkg-config, OpenBLAS, zlib, cJSON," >&2
-  echo "  OpenMP, Open MPI (optional), python3 with numpy, valgrind (optional)." >&2
+  echo "  OpenMP, Open MPI (optional), python3 with numpy, valgrind (optional), the Vulkan" >&2
+  echo "  headers, loader and glslc (optional: the Vulkan backend)." >&2
   exit 0
 fi
 

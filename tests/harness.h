@@ -15,8 +15,10 @@
 **       and the test-only backend testdev that h_init registers), the same inputs copied
 **       over, forward and backward, compared to the CPU in the same dtype. Real backends
 **       run under KILN_FALLBACK=error, so a missing kernel fails the case (the message
-**       names op, device and dtype); testdev, which has six kernels, runs with fallback
-**       allowed, so every op and variant also checks the CPU fallback path.
+**       names op, device and dtype); testdev, which has six kernels, and Vulkan, which
+**       claims part of the ops, run with fallback allowed (what they claim runs natively
+**       and is compared; the rest checks the CPU fallback path). KILN_HARNESS_STRICT=1
+**       puts Vulkan under KILN_FALLBACK=error too.
 ** Variants: contiguous; non-contiguous (the input is a transposed view of a buffer laid
 ** out the other way, or a step-2 slice for 1-d); expanded (a stride-0 view of a base
 ** whose dim 0 is 1); broadcast (for broadcasting ops: one input gets dim 0 = 1, or loses

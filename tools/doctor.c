@@ -35,8 +35,10 @@ typedef struct problem {
   char fix[640];
 } problem;
 
+/* One GPU's results (CUDA or Vulkan). */
 typedef struct cuda_result {
   int index;
+  kiln_device dev;
   bool ran;
   bool ok;
   double max_err;
@@ -78,6 +80,9 @@ typedef struct doctor {
   char cpu_msg[320];
   int ncuda;
   cuda_result cuda[MAX_CUDA];
+  int vk_slot; /* be[] index of the Vulkan backend, -1 when this build has none */
+  int nvk;
+  cuda_result vk[MAX_CUDA];
   int nprob;
   problem prob[MAX_PROBLEMS];
 } doctor;
@@ -205,7 +210,7 @@ static void smoke_cpu(doctor *d, float *c_host /* SMOKE_N^2 out */, kiln_tensor 
 
 static void smoke_cuda(cuda_result *r, kiln_tensor *a, kiln_tensor *b, const float *c_ref) {
   const int64_t n = SMOKE_N;
-  kiln_device dev = kiln_device_cuda(r->index);
+  kiln_device dev = r->dev;
   r->ran = true;
   r->ok = false;
   r->max_err = NAN;
@@ -293,6 +298,31 @@ static void diagnose(doctor *d) {
     else
       snprintf(fix, sizeof fix, "%s", "check that `nvidia-smi` lists a GPU and that the driver is at least as new as the CUDA runtime kiln was built with; kiln runs on the CPU meanwhile");
     add_problem(d, "warning", what, fix);
+  }
+  if (d->vk_slot >= 0 && !d->be[d->vk_slot].available) {
+    const char *why = d->be[d->vk_slot].why ? d->be[d->vk_slot].why : "no reason given";
+    snprintf(what, sizeof what, "the Vulkan backend is built but not available: %s", why);
+    if (strstr(why, "loader"))
+#if defined(__APPLE__)
+      snprintf(fix, sizeof fix, "%s", "install the Vulkan loader and MoltenVK (brew install vulkan-loader molten-vk, or the LunarG Vulkan SDK); kiln runs on the CPU meanwhile");
+#else
+      snprintf(fix, sizeof fix, "%s", "install the Vulkan loader and a driver: sudo apt install libvulkan1 mesa-vulkan-drivers (AMD, Intel, and lavapipe on the CPU) or NVIDIA's driver; kiln runs on the CPU meanwhile");
+#endif
+    else if (strstr(why, "driver") || strstr(why, "no device") || strstr(why, "ICD"))
+      snprintf(fix, sizeof fix, "%s", "install a Vulkan driver (ICD) for the GPU: mesa-vulkan-drivers for AMD and Intel, the NVIDIA driver's Vulkan part (libnvidia-gl), MoltenVK on macOS; `vulkaninfo --summary` must list the device");
+    else if (strstr(why, "KILN_VULKAN_DISABLE"))
+      snprintf(fix, sizeof fix, "%s", "unset KILN_VULKAN_DISABLE");
+    else
+      snprintf(fix, sizeof fix, "%s", "update the GPU driver (kiln needs Vulkan 1.2 with bufferDeviceAddress, shaderInt64 and 8/16-bit storage); `vulkaninfo` shows what the device offers");
+    add_problem(d, "warning", what, fix);
+  }
+  for (int i = 0; i < d->nvk; i++) {
+    const cuda_result *r = &d->vk[i];
+    if (r->ran && !r->ok) {
+      snprintf(what, sizeof what, "vulkan:%d (%s) smoke test failed: %s", r->index,
+               r->info_ok ? r->info.name : "?", r->msg);
+      add_problem(d, "error", what, "update the Vulkan driver; run with KILN_FALLBACK=error to find the op, and report it with `kiln doctor --json` and `vulkaninfo --summary`");
+    }
   }
   for (int i = 0; i < d->ncuda; i++) {
     const cuda_result *r = &d->cuda[i];
@@ -400,6 +430,35 @@ static void print_json(const doctor *d) {
     cli_json_object_end(&j);
   }
   cli_json_array_end(&j);
+  cli_json_array_begin(&j, "vulkan");
+  for (int i = 0; i < d->nvk; i++) {
+    const cuda_result *r = &d->vk[i];
+    cli_json_object_begin(&j, NULL);
+    cli_json_int(&j, "index", r->index);
+    cli_json_bool(&j, "ok", r->ok);
+    cli_json_double(&j, "matmul_max_err_vs_cpu", r->max_err);
+    cli_json_double(&j, "h2d_gb_per_s", r->h2d_gbps);
+    if (r->info_ok) {
+      char api[16];
+      snprintf(api, sizeof api, "%d.%d", r->info.runtime_version / 1000, (r->info.runtime_version % 1000) / 10);
+      cli_json_string(&j, "name", r->info.name);
+      cli_json_string(&j, "api_version", api);
+      cli_json_int(&j, "driver_version", r->info.driver_version);
+      cli_json_int(&j, "total_memory", r->info.total_memory);
+    }
+    if (r->mem_ok) {
+      cli_json_object_begin(&j, "memory");
+      cli_json_int(&j, "allocated", r->mem.allocated);
+      cli_json_int(&j, "reserved", r->mem.reserved);
+      cli_json_int(&j, "peak_allocated", r->mem.peak_allocated);
+      cli_json_int(&j, "num_device_allocs", r->mem.num_device_allocs);
+      cli_json_int(&j, "limit", r->mem.limit);
+      cli_json_object_end(&j);
+    }
+    if (!r->ok) cli_json_string(&j, "error", r->msg);
+    cli_json_object_end(&j);
+  }
+  cli_json_array_end(&j);
   cli_json_object_end(&j);
   cli_json_array_begin(&j, "diagnosis");
   for (int i = 0; i < d->nprob; i++) {
@@ -486,6 +545,27 @@ static void print_text(const doctor *d) {
     cli_table_free(ct);
   }
 
+  if (d->nvk > 0) {
+    cli_heading(stdout, pretty, "Vulkan devices");
+    const char *vh[] = {"device", "name", "Vulkan", "memory heap", "allocated/reserved"};
+    cli_table *vt = cli_table_new(5, vh);
+    for (int i = 0; i < d->nvk; i++) {
+      const cuda_result *r = &d->vk[i];
+      if (!r->info_ok) continue;
+      char dv[16], api[16], mem[32], al[32], rs[32], ar[72];
+      snprintf(dv, sizeof dv, "vulkan:%d", r->index);
+      snprintf(api, sizeof api, "%d.%d", r->info.runtime_version / 1000, (r->info.runtime_version % 1000) / 10);
+      kiln_format_bytes(r->info.total_memory, mem, sizeof mem);
+      kiln_format_bytes(r->mem_ok ? r->mem.allocated : 0, al, sizeof al);
+      kiln_format_bytes(r->mem_ok ? r->mem.reserved : 0, rs, sizeof rs);
+      snprintf(ar, sizeof ar, "%s / %s", al, rs);
+      const char *row[] = {dv, r->info.name, api, mem, ar};
+      cli_table_row(vt, row);
+    }
+    cli_table_print(stdout, vt, pretty);
+    cli_table_free(vt);
+  }
+
   cli_heading(stdout, pretty, "Smoke test");
   const char *sh[] = {"test", "device", "result", "detail"};
   t = cli_table_new(4, sh);
@@ -506,6 +586,16 @@ static void print_text(const doctor *d) {
     else snprintf(buf, sizeof buf, "not measured");
     const char *row2[] = {"host->device 64 MiB", b2, isfinite(r->h2d_gbps) ? "PASS" : "FAIL", buf};
     cli_table_row(t, row2);
+  }
+  for (int i = 0; i < d->nvk; i++) {
+    const cuda_result *r = &d->vk[i];
+    snprintf(b2, sizeof b2, "vulkan:%d", r->index);
+    if (isfinite(r->max_err) && r->max_err <= SMOKE_TOL)
+      snprintf(buf, sizeof buf, "max err %.2e vs cpu", r->max_err);
+    else
+      snprintf(buf, sizeof buf, "%s", r->msg);
+    const char *row[] = {"matmul 256x256", b2, r->ok ? "PASS" : "FAIL", buf};
+    cli_table_row(t, row);
   }
   cli_table_print(stdout, t, pretty);
   cli_table_free(t);
@@ -548,6 +638,9 @@ static void print_text(const doctor *d) {
   for (int i = 0; i < d->ncuda && used < sizeof gpus; i++)
     if (d->cuda[i].ran && d->cuda[i].ok)
       used += (size_t)snprintf(gpus + used, sizeof gpus - used, "cuda:%d, ", d->cuda[i].index);
+  for (int i = 0; i < d->nvk && used < sizeof gpus; i++)
+    if (d->vk[i].ran && d->vk[i].ok)
+      used += (size_t)snprintf(gpus + used, sizeof gpus - used, "vulkan:%d, ", d->vk[i].index);
   if (!ok) printf("\nkiln does NOT work on this machine: see the errors above.\n");
   else if (!*gpus) printf("\nkiln works on this machine (CPU).\n");
   else printf("\nkiln works on this machine (%sCPU); programs run on %s by default.\n", gpus, d->default_device);
@@ -602,6 +695,9 @@ int cli_doctor(int argc, char **argv) {
     d->be[i].count = d->be[i].available ? kiln_device_count(ty) : 0;
     if (!d->be[i].available && !d->be[i].why) d->be[i].why = d->be[i].built ? "no reason given" : "not built";
   }
+  d->vk_slot = -1;
+  for (int i = 0; i < d->nbe; i++)
+    if (d->be[i].name && !strcmp(d->be[i].name, "vulkan") && d->be[i].built) d->vk_slot = i;
   kiln_device_str(kiln_device_best(), d->default_device, sizeof d->default_device);
   read_cpu_model(d->cpu_model, sizeof d->cpu_model);
   d->cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -616,9 +712,20 @@ int cli_doctor(int argc, char **argv) {
     if (n > MAX_CUDA) n = MAX_CUDA;
     for (int i = 0; i < n; i++) {
       d->cuda[i].index = i;
+      d->cuda[i].dev = kiln_device_cuda(i);
       smoke_cuda(&d->cuda[i], a, b, c_ref);
     }
     d->ncuda = n;
+  }
+  if (d->cpu_ok && d->vk_slot >= 0 && d->be[d->vk_slot].available) {
+    int n = d->be[d->vk_slot].count;
+    if (n > MAX_CUDA) n = MAX_CUDA;
+    for (int i = 0; i < n; i++) {
+      d->vk[i].index = i;
+      d->vk[i].dev = (kiln_device){d->be[d->vk_slot].type, i};
+      smoke_cuda(&d->vk[i], a, b, c_ref); /* the same checks: matmul vs CPU, copies */
+    }
+    d->nvk = n;
   }
   kiln_scope_end();
   diagnose(d);

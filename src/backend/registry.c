@@ -18,10 +18,17 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#ifdef KILN_HAVE_VULKAN
+extern kiln__backend kiln__vulkan_backend;
+#endif
+
 static const kiln__backend *const builtin[] = {
     &kiln__cpu_backend, /* slot 0: the host, and every other backend's fallback */
 #ifdef KILN_HAVE_CUDA
     &kiln__cuda_backend,
+#endif
+#ifdef KILN_HAVE_VULKAN
+    &kiln__vulkan_backend, /* not const: its probe sets best_rank (src/backend/vulkan/) */
 #endif
 };
 #define N_BUILTIN ((int)(sizeof builtin / sizeof builtin[0]))
@@ -35,6 +42,8 @@ static const struct {
     [KILN_DEVICE_CPU] = {"cpu", "backend not built"},
     [KILN_DEVICE_CUDA] = {"cuda", "kiln was built without CUDA (configure with KILN_CUDA=ON "
                                   "on a machine with the CUDA toolkit)"},
+    [KILN_DEVICE_VULKAN] = {"vulkan", "kiln was built without Vulkan (install libvulkan-dev and "
+                                      "glslc, and configure with KILN_VULKAN=ON)"},
 };
 #define N_NAMED ((int)(sizeof named / sizeof named[0]))
 

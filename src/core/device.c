@@ -179,7 +179,9 @@ kiln_device kiln_device_best(void) {
   for (int i = 0, n = kiln__backend_count(); i < n; i++) {
     kiln_device_type t;
     const kiln__backend *b = kiln__backend_at(i, &t);
-    if (b && b->best_rank > rank && kiln_device_count(t) > 0) {
+    /* best_rank is read again after the count: a probe may lower it (Vulkan's, when it
+    ** finds only a CPU implementation such as lavapipe) */
+    if (b && b->best_rank > rank && kiln_device_count(t) > 0 && b->best_rank > rank) {
       rank = b->best_rank;
       best.type = t;
       best.index = 0;

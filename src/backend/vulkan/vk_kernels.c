@@ -1,0 +1,649 @@
+/*
+** The Vulkan kernels' host side: each kernel fills a parameter block (kv_params, the
+** shaders' `Params` in shaders/common.glsl) and dispatches its shader; supports() says
+** which dtypes and sizes each handles natively (everything else falls back to the CPU
+** under the fallback policy).
+**
+** Sizes: shaders index elements with 32-bit ints, so a view whose element count or
+** furthest element passes 2^31 - 1 is refused (falls back). f64 arithmetic is not done
+** here (COPY and FILL move f64 bits; the rest falls back), so the device needs no
+** shaderFloat64 (Apple GPUs have none).
+*/
+#include "vk_int.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "shaders/kv_ops.h"
+
+_Static_assert(KV_F32 == KILN_F32 && KV_F64 == KILN_F64 && KV_F16 == KILN_F16 &&
+                   KV_BF16 == KILN_BF16 && KV_I64 == KILN_I64 && KV_I32 == KILN_I32 &&
+                   KV_U8 == KILN_U8 && KV_BOOL == KILN_BOOL,
+               "shaders/kv_ops.h's dtype codes are kiln_dtype's");
+
+/* Must match `Params` in shaders/common.glsl (std430). */
+typedef struct kv_params {
+  uint64_t addr[KV_MAXV];
+  uint64_t flag;
+  int32_t ndim, n, op, nv;
+  float s[4];
+  int32_t i[4];
+  int32_t dtype[KV_MAXV];
+  int32_t shape[KV_MAXD];
+  int32_t strides[KV_MAXV * KV_MAXD];
+  int32_t ex[16];
+} kv_params;
+_Static_assert(sizeof(kv_params) == 416, "kv_params is Params of common.glsl");
+
+#define I32MAX 2147483647LL
+
+/* The furthest element a view reaches fits an int (and so does its count). */
+static bool fits(const kiln__view *v) {
+  int64_t n = 1, far = 0;
+  for (int d = 0; d < v->ndim; d++) {
+    if (v->shape[d] == 0) return true;
+    n *= v->shape[d];
+    if (v->strides[d] < 0) return false;
+    far += (v->shape[d] - 1) * v->strides[d];
+    if (n > I32MAX || far > I32MAX) return false;
+  }
+  return v->ndim <= KV_MAXD;
+}
+
+static bool is_float(kiln_dtype t) { return t == KILN_F32 || t == KILN_F16 || t == KILN_BF16; }
+static bool is_int(kiln_dtype t) { return t == KILN_I64 || t == KILN_I32 || t == KILN_U8 || t == KILN_BOOL; }
+
+static vk_dev *dev_of(const kiln__kargs *a) {
+  vk_dev *d = kiln__vk_dev(a->device);
+  return d ? d : kiln__vk_dev(0);
+}
+
+static uint64_t flag_addr(int device) {
+  vk_dev *d = kiln__vk_dev(device);
+  return d ? d->flag.addr : 0;
+}
+
+/* Fills addr/dtype/shape/strides from views of one shape (merged where contiguous). */
+static void set_views(kv_params *p, int nv, const kiln__view *const *vs) {
+  kiln__view v[KV_MAXV];
+  for (int i = 0; i < nv; i++) v[i] = *vs[i];
+  int nd = kiln__views_coalesce(v, nv);
+  p->nv = nv;
+  p->ndim = nd;
+  p->n = (int32_t)kiln__view_numel(&v[0]);
+  for (int d = 0; d < nd; d++) p->shape[d] = (int32_t)v[0].shape[d];
+  for (int i = 0; i < nv; i++) {
+    p->addr[i] = (uint64_t)(uintptr_t)v[i].data;
+    p->dtype[i] = (int32_t)v[i].dtype;
+    for (int d = 0; d < nd; d++) p->strides[i * KV_MAXD + d] = (int32_t)v[i].strides[d];
+  }
+}
+
+/* One invocation per element, 256 to a workgroup, the groups in a 2-d grid. */
+static kiln_status run_1d(int device, const char *shader, const kv_params *p, int64_t n) {
+  if (n <= 0) return KILN_OK;
+  uint64_t groups = ((uint64_t)n + 255) / 256;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  uint32_t gy = (uint32_t)((groups + gx - 1) / gx);
+  return kiln__vk_dispatch(device, shader, p, sizeof *p, gx, gy, 1);
+}
+
+/* One workgroup per row (reductions, softmax, cross-entropy). */
+static kiln_status run_rows(int device, const char *shader, const kv_params *p, int64_t rows) {
+  if (rows <= 0) return KILN_OK;
+  uint32_t gx = rows < 65535 ? (uint32_t)rows : 65535;
+  uint32_t gy = (uint32_t)(((uint64_t)rows + gx - 1) / gx);
+  return kiln__vk_dispatch(device, shader, p, sizeof *p, gx, gy, 1);
+}
+
+/* ---- COPY, FILL ---- */
+static kiln_status vk_copy(const kiln__kargs *a) {
+  kv_params p = {0};
+  const kiln__view *vs[2] = {&a->out[0], &a->in[0]};
+  set_views(&p, 2, vs);
+  p.i[0] = (int32_t)kiln_dtype_size(a->out[0].dtype);
+  bool f64 = a->in[0].dtype != a->out[0].dtype && (a->in[0].dtype == KILN_F64 || a->out[0].dtype == KILN_F64);
+  return run_1d(a->device, f64 ? "copy_f64" : "copy", &p, p.n);
+}
+
+static int64_t sat_i64(double x) {
+  if (x != x) return 0;
+  if (x >= 9223372036854775807.0) return INT64_MAX;
+  if (x <= -9223372036854775808.0) return INT64_MIN;
+  return (int64_t)x;
+}
+
+static kiln_status vk_fill(const kiln__kargs *a) {
+  kv_params p = {0};
+  const kiln__view *vs[1] = {&a->out[0]};
+  set_views(&p, 1, vs);
+  uint64_t bits = 0;
+  double x = a->s[0];
+  switch (a->out[0].dtype) {
+  case KILN_F32: {
+    float f = (float)x;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    bits = u;
+    break;
+  }
+  case KILN_F64: memcpy(&bits, &x, 8); break;
+  case KILN_F16: bits = kiln_f32_to_f16((float)x); break;
+  case KILN_BF16: bits = kiln_f32_to_bf16((float)x); break;
+  case KILN_BOOL: bits = x != 0; break;
+  default: bits = (uint64_t)sat_i64(x); break;
+  }
+  p.i[0] = (int32_t)(uint32_t)bits;
+  p.i[1] = (int32_t)(uint32_t)(bits >> 32);
+  p.i[2] = (int32_t)kiln_dtype_size(a->out[0].dtype);
+  return run_1d(a->device, "fill", &p, p.n);
+}
+
+/* ---- the elementwise family ---- */
+static int ew_code(kiln__kop op) {
+  switch (op) {
+#define C(K, V) case KILN__K_##K: return KV_##V;
+    C(NEG, NEG) C(EXP, EXP) C(LOG, LOG) C(SQRT, SQRT) C(RSQRT, RSQRT) C(ABS, ABS) C(SIGN, SIGN)
+    C(RELU, RELU) C(LEAKY_RELU, LEAKY_RELU) C(GELU, GELU) C(GELU_TANH, GELU_TANH) C(SILU, SILU)
+    C(SIGMOID, SIGMOID) C(TANH, TANH) C(SOFTPLUS, SOFTPLUS) C(CLAMP, CLAMP)
+    C(POW_SCALAR, POW_SCALAR) C(AFFINE, AFFINE)
+    C(RELU_BACKWARD, RELU_BW) C(LEAKY_RELU_BACKWARD, LEAKY_RELU_BW) C(GELU_BACKWARD, GELU_BW)
+    C(GELU_TANH_BACKWARD, GELU_TANH_BW) C(SILU_BACKWARD, SILU_BW) C(SIGMOID_BACKWARD, SIGMOID_BW)
+    C(TANH_BACKWARD, TANH_BW) C(SOFTPLUS_BACKWARD, SOFTPLUS_BW) C(CLAMP_BACKWARD, CLAMP_BW)
+    C(ADD, ADD) C(SUB, SUB) C(MUL, MUL) C(DIV, DIV) C(POW, POW) C(MAXIMUM, MAXIMUM)
+    C(MINIMUM, MINIMUM) C(EQ, EQ) C(NE, NE) C(LT, LT) C(LE, LE) C(GT, GT) C(GE, GE) C(WHERE, WHERE)
+#undef C
+  default: return 0;
+  }
+}
+
+static bool ew_int_ok(int code) {
+  return code == KV_NEG || code == KV_ABS || code == KV_SIGN || code == KV_RELU ||
+         (code >= KV_ADD && code <= KV_WHERE && code != KV_POW);
+}
+
+static kiln_status vk_ew(const kiln__kargs *a) {
+  kv_params p = {0};
+  const kiln__view *vs[4] = {&a->out[0], &a->in[0], &a->in[1], &a->in[2]};
+  set_views(&p, 1 + a->n_in, vs);
+  p.op = ew_code(a->op);
+  for (int k = 0; k < 4; k++) p.s[k] = (float)a->s[k];
+  p.ex[0] = is_int(a->out[0].dtype) && (p.op < KV_EQ || p.op == KV_WHERE) ? 1 : 0;
+  if (p.op >= KV_EQ && p.op <= KV_GE) p.ex[0] = is_int(a->in[0].dtype);
+  if (p.ex[0] && p.op == KV_ADD) p.i[0] = (int32_t)sat_i64(a->s[0]);
+  return run_1d(a->device, "ew", &p, p.n);
+}
+
+static bool ew_supports(const kiln__kargs *a) {
+  int code = ew_code(a->op);
+  if (code == 0) return false;
+  if (code == KV_WHERE) {
+    kiln_dtype t = a->out[0].dtype;
+    if (t != a->in[1].dtype || t != a->in[2].dtype || t == KILN_F64 || a->in[0].dtype == KILN_F64) return false;
+    return true;
+  }
+  kiln_dtype t = a->in[0].dtype;
+  for (int i = 0; i < a->n_in; i++)
+    if (a->in[i].dtype != t) return false;
+  bool cmp = code >= KV_EQ && code <= KV_GE;
+  if (cmp ? a->out[0].dtype != KILN_BOOL : a->out[0].dtype != t) return false;
+  if (is_float(t)) return true;
+  if (!is_int(t) || !ew_int_ok(code)) return false;
+  if (code == KV_ADD && (a->s[0] != floor(a->s[0]) || fabs(a->s[0]) > 2147483647.0)) return false;
+  return true;
+}
+
+
+/* A view of a few dims (the caller's), to put in a parameter block as is. */
+static void put_view(kv_params *p, int slot, const kiln__view *v) {
+  p->addr[slot] = (uint64_t)(uintptr_t)v->data;
+  p->dtype[slot] = (int32_t)v->dtype;
+}
+
+static bool all_float(const kiln__kargs *a) {
+  for (int i = 0; i < a->n_in; i++)
+    if (!is_float(a->in[i].dtype)) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (!is_float(a->out[i].dtype)) return false;
+  return true;
+}
+
+/* ---- reductions ---- */
+static kiln_status vk_reduce(const kiln__kargs *a) {
+  const kiln__view *in = &a->in[0], *out = &a->out[0];
+  kv_params p = {0};
+  p.op = a->op == KILN__K_SUM ? KV_R_SUM : a->op == KILN__K_PROD ? KV_R_PROD
+       : a->op == KILN__K_AMAX ? KV_R_MAX : KV_R_MIN;
+  kiln__view kept[2] = {*out, *in};
+  int nk = 0, nr = 0;
+  int64_t nred = 1;
+  for (int d = 0; d < in->ndim; d++) {
+    bool red = (out->shape[d] == 1 && in->shape[d] != 1) || ((a->i[0] >> d) & 1);
+    if (red) {
+      if (in->shape[d] == 1) continue;
+      p.ex[1 + nr] = (int32_t)in->shape[d];
+      p.strides[2 * KV_MAXD + nr] = (int32_t)in->strides[d];
+      nred *= in->shape[d];
+      nr++;
+    } else {
+      kept[0].shape[nk] = kept[1].shape[nk] = out->shape[d];
+      kept[0].strides[nk] = out->strides[d];
+      kept[1].strides[nk] = in->strides[d];
+      nk++;
+    }
+  }
+  if (nk == 0) {
+    kept[0].shape[0] = kept[1].shape[0] = 1;
+    kept[0].strides[0] = kept[1].strides[0] = 0;
+    nk = 1;
+  }
+  kept[0].ndim = kept[1].ndim = nk;
+  const kiln__view *vs[2] = {&kept[0], &kept[1]};
+  set_views(&p, 2, vs);
+  p.ex[0] = nr;
+  p.i[0] = (int32_t)nred;
+  return run_rows(a->device, "reduce", &p, p.n);
+}
+
+static bool reduce_supports(const kiln__kargs *a) {
+  return a->in[0].dtype == a->out[0].dtype && is_float(a->in[0].dtype) && a->in[0].ndim <= KV_MAXD;
+}
+
+/* ---- softmax family: rows along dim i0 ---- */
+static kiln_status vk_softmax(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *src[3] = {&a->out[0], &a->in[0], a->n_in > 1 ? &a->in[1] : &a->in[0]};
+  kiln__view rows[3];
+  kv_params p = {0};
+  for (int v = 0; v < 3; v++) {
+    rows[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      rows[v].shape[k] = src[v]->shape[d];
+      rows[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) rows[v].shape[0] = 1, rows[v].strides[0] = 0, k = 1;
+    rows[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[3] = {&rows[0], &rows[1], &rows[2]};
+  set_views(&p, 3, vs);
+  p.ex[0] = (int32_t)a->out[0].shape[dim];
+  p.op = a->op == KILN__K_SOFTMAX ? KV_SOFTMAX : a->op == KILN__K_LOG_SOFTMAX ? KV_LOG_SOFTMAX
+       : a->op == KILN__K_SOFTMAX_BACKWARD ? KV_SOFTMAX_BW : KV_LOG_SOFTMAX_BW;
+  if (p.ex[0] == 0) return KILN_OK;
+  return run_rows(a->device, "softmax", &p, p.n);
+}
+
+/* MAX_DIM / MIN_DIM: dim i1, the rows walked as the softmax's */
+static kiln_status vk_minmax_dim(const kiln__kargs *a) {
+  int dim = (int)a->i[1];
+  const kiln__view *src[3] = {&a->out[0], &a->in[0], &a->out[1]};
+  kiln__view rows[3];
+  kv_params p = {0};
+  for (int v = 0; v < 3; v++) {
+    rows[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      rows[v].shape[k] = src[v]->shape[d];
+      rows[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) rows[v].shape[0] = 1, rows[v].strides[0] = 0, k = 1;
+    rows[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[3] = {&rows[0], &rows[1], &rows[2]};
+  set_views(&p, 3, vs);
+  p.ex[0] = (int32_t)a->in[0].shape[dim];
+  p.op = a->op == KILN__K_MAX_DIM ? 1 : 2;
+  if (p.ex[0] == 0) return KILN_OK;
+  return run_rows(a->device, "argmax", &p, p.n);
+}
+
+static bool minmax_dim_supports(const kiln__kargs *a) {
+  int nd = a->in[0].ndim, dim = (int)a->i[1];
+  return dim >= 0 && dim < nd && nd <= KV_MAXD + 1 && is_float(a->in[0].dtype) &&
+         a->out[0].dtype == a->in[0].dtype && a->out[1].dtype == KILN_I64 &&
+         a->out[0].ndim == nd && a->out[1].ndim == nd;
+}
+
+/* ---- matmul ---- */
+static kiln_status vk_matmul(const kiln__kargs *a) {
+  const kiln__view *C = &a->out[0], *A = &a->in[0], *B = &a->in[1];
+  const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
+  int nd = C->ndim, nb = nd - 2;
+  kv_params p = {0};
+  int64_t M = C->shape[nd - 2], N = C->shape[nd - 1], K = A->shape[nd - 1];
+  /* the batch walk: C, A, B, bias (stride 0), mask */
+  kiln__view bv[5] = {*C, *A, *B, *C, mask ? *mask : *A};
+  for (int v = 0; v < 5; v++) {
+    bv[v].ndim = nb > 0 ? nb : 1;
+    if (nb == 0) bv[v].shape[0] = 1, bv[v].strides[0] = 0;
+    for (int d = 0; d < nb; d++) {
+      bv[v].shape[d] = C->shape[d];
+      if (v == 3) bv[v].strides[d] = 0;
+    }
+  }
+  if (bias) bv[3].data = bias->data, bv[3].dtype = bias->dtype;
+  const kiln__view *vs[5] = {&bv[0], &bv[1], &bv[2], &bv[3], &bv[4]};
+  set_views(&p, 5, vs);
+  int64_t batch = p.n;
+  p.ex[0] = (int32_t)M, p.ex[1] = (int32_t)N, p.ex[2] = (int32_t)K;
+  p.ex[3] = (int32_t)A->strides[nd - 2], p.ex[4] = (int32_t)A->strides[nd - 1];
+  p.ex[5] = (int32_t)B->strides[nd - 2], p.ex[6] = (int32_t)B->strides[nd - 1];
+  p.ex[7] = (int32_t)C->strides[nd - 2], p.ex[8] = (int32_t)C->strides[nd - 1];
+  p.ex[9] = bias ? (int32_t)bias->strides[bias->ndim - 1] : 0;
+  p.ex[10] = mask ? (int32_t)mask->strides[nd - 2] : 0;
+  p.ex[11] = mask ? (int32_t)mask->strides[nd - 1] : 0;
+  p.ex[12] = ((a->i[1] & 1) ? 1 : 0) | (mask ? 2 : 0) | (bias ? 4 : 0) | (a->s[1] != 0 ? 8 : 0);
+  p.s[0] = (float)a->s[0];
+  p.s[1] = (float)a->s[1];
+  kiln_status st = KILN_OK;
+  if (M > 0 && N > 0 && batch > 0)
+    st = kiln__vk_dispatch(a->device, "matmul", &p, sizeof p, (uint32_t)((N + 63) / 64),
+                           (uint32_t)((M + 63) / 64), (uint32_t)batch);
+  if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */
+    put_view(&p, 0, &a->out[1]);
+    p.ex[13] = (int32_t)a->out[1].strides[0];
+    st = run_rows(a->device, "rowsum", &p, M);
+  }
+  return st;
+}
+
+static bool matmul_supports(const kiln__kargs *a) {
+  const kiln__view *C = &a->out[0];
+  int nd = C->ndim;
+  if (nd < 2 || !all_float(a)) return false;
+  int64_t batch = 1;
+  for (int d = 0; d < nd - 2; d++) batch *= C->shape[d];
+  if (batch > 65535 || (C->shape[nd - 2] + 63) / 64 > 65535 || (C->shape[nd - 1] + 63) / 64 > 65535) return false;
+  if (a->n_out == 2 && (nd != 2 || a->out[1].ndim != 1)) return false;
+  return true;
+}
+
+/* ---- cross-entropy ---- */
+static void ce_views(kv_params *p, const kiln__view *lg, const kiln__view *tg) {
+  put_view(p, 0, lg);
+  put_view(p, 1, tg);
+  for (int v = 2; v < KV_MAXV; v++) put_view(p, v, lg); /* absent views: never touched */
+  p->ex[0] = (int32_t)lg->shape[1];
+  p->ex[1] = (int32_t)lg->strides[0], p->ex[2] = (int32_t)lg->strides[1];
+  p->ex[3] = (int32_t)tg->strides[0];
+}
+
+static kiln_status vk_ce(const kiln__kargs *a) {
+  const kiln__view *lg = &a->in[0], *tg = &a->in[1], *dl = kiln__ce_dlogits(a);
+  int nout = a->n_out - (dl ? 1 : 0);
+  int64_t N = lg->shape[0];
+  if (lg->shape[1] == 0) return kiln_set_error(KILN_ERR_SHAPE, "kiln_cross_entropy: logits have 0 classes");
+  kv_params p = {0};
+  ce_views(&p, lg, tg);
+  p.n = (int32_t)N;
+  p.flag = flag_addr(a->device);
+  p.i[0] = (int32_t)a->i[0];
+  p.s[0] = (float)a->s[0];
+  p.s[1] = 1.0f;
+  if (dl) {
+    put_view(&p, 5, dl);
+    p.ex[7] = (int32_t)dl->strides[0], p.ex[8] = (int32_t)dl->strides[1];
+    p.ex[9] |= 4;
+  }
+  if (a->op == KILN__K_CROSS_ENTROPY) {
+    put_view(&p, 2, &a->out[0]);
+    p.ex[4] = (int32_t)a->out[0].strides[0];
+    if (nout > 1) put_view(&p, 3, &a->out[1]), p.ex[5] = (int32_t)a->out[1].strides[0], p.ex[9] |= 1;
+    if (nout > 2) put_view(&p, 4, &a->out[2]), p.ex[6] = (int32_t)a->out[2].strides[0], p.ex[9] |= 2;
+    return run_rows(a->device, "ce", &p, N);
+  }
+  /* the mean: count the kept rows (their gradient divides by it), the rows' losses into a
+  ** scratch row, then their sum over the count */
+  kv_params c = p;
+  c.op = 1;
+  c.ex[0] = (int32_t)N;
+  c.ex[1] = (int32_t)tg->strides[0];
+  put_view(&c, 1, tg);
+  put_view(&c, 2, &a->out[2]);
+  kiln_status st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+  if (st != KILN_OK) return st;
+  void *scratch = kiln__vk_alloc(a->device, (size_t)(N > 0 ? N : 1) * 4);
+  if (!scratch) return kiln_last_error();
+  kiln__view sv = {.data = scratch, .dtype = KILN_F32, .ndim = 1, .shape = {N}, .strides = {1}};
+  put_view(&p, 2, &sv);
+  p.ex[4] = 1;
+  put_view(&p, 3, &a->out[1]);
+  p.ex[5] = (int32_t)a->out[1].strides[0];
+  p.ex[9] |= 1;
+  if (dl) put_view(&p, 4, &a->out[2]), p.ex[9] |= 8; /* the count: the gradient's 1 / count */
+  st = run_rows(a->device, "ce", &p, N);
+  if (st == KILN_OK) {
+    c.op = 2;
+    put_view(&c, 0, &a->out[0]);
+    put_view(&c, 3, &sv);
+    st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+  }
+  /* the queue runs in order behind barriers: freeing now is safe (vk_memory.c) */
+  kiln__vk_free(a->device, scratch, (size_t)(N > 0 ? N : 1) * 4);
+  return st;
+}
+
+static kiln_status vk_ce_bw(const kiln__kargs *a) {
+  const kiln__view *lg = &a->in[0], *tg = &a->in[1], *out = &a->out[0];
+  kv_params p = {0};
+  put_view(&p, 0, out);
+  put_view(&p, 1, lg);
+  put_view(&p, 2, tg);
+  put_view(&p, 3, &a->in[2]);
+  put_view(&p, 4, &a->in[3]);
+  put_view(&p, 5, a->n_in > 4 ? &a->in[4] : &a->in[3]);
+  p.ex[0] = (int32_t)lg->shape[1];
+  p.ex[1] = (int32_t)lg->strides[0], p.ex[2] = (int32_t)lg->strides[1];
+  p.ex[3] = (int32_t)tg->strides[0];
+  p.flag = flag_addr(a->device);
+  p.ex[4] = (int32_t)a->in[2].strides[0];
+  p.ex[5] = (int32_t)a->in[3].strides[0];
+  p.ex[6] = a->n_in > 4 ? (int32_t)a->in[4].strides[0] : 0;
+  p.ex[7] = (int32_t)out->strides[0], p.ex[8] = (int32_t)out->strides[1];
+  p.ex[9] = a->n_in > 4 ? 1 : 0;
+  p.i[0] = (int32_t)a->i[0];
+  p.s[0] = (float)a->s[0];
+  p.n = (int32_t)(lg->shape[0] * lg->shape[1]);
+  return run_1d(a->device, "ce_bw", &p, p.n);
+}
+
+static bool ce_supports(const kiln__kargs *a) {
+  const kiln__view *lg = &a->in[0], *tg = &a->in[1];
+  if (lg->ndim != 2 || tg->ndim != 1 || (tg->dtype != KILN_I64 && tg->dtype != KILN_I32)) return false;
+  if (a->i[0] < INT32_MIN || a->i[0] > INT32_MAX || !is_float(lg->dtype)) return false;
+  for (int i = 2; i < a->n_in; i++)
+    if (!is_float(a->in[i].dtype) || a->in[i].ndim != 1) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (!is_float(a->out[i].dtype)) return false;
+  return true;
+}
+
+/* ---- Adam (one tensor) ---- */
+static int32_t fbits(double x) {
+  float f = (float)x;
+  int32_t b;
+  memcpy(&b, &f, 4);
+  return b;
+}
+
+static kiln_status vk_adam(const kiln__kargs *a) {
+  kv_params p = {0};
+  for (int k = 0; k < a->n_out; k++) put_view(&p, k, &a->out[k]);
+  if (a->n_out < 4) put_view(&p, 3, &a->out[0]);
+  put_view(&p, 4, &a->in[0]);
+  p.n = (int32_t)kiln__view_numel(&a->out[0]);
+  double lr = a->s[0], b1 = a->s[1], b2 = a->s[2], wd;
+  memcpy(&wd, &a->i[2], sizeof wd);
+  int64_t step = a->i[0] > 0 ? a->i[0] : 1;
+  bool decoupled = (a->i[1] & 1) != 0, ams = (a->i[1] & 2) != 0 && a->n_out > 3;
+  /* Python's arithmetic on Python floats, in adam.py's order (as cpu_optim.c) */
+  p.ex[0] = fbits(1.0 - lr * wd);
+  p.ex[1] = fbits(b1), p.ex[2] = fbits(1.0 - b1);
+  p.ex[3] = fbits(b2), p.ex[4] = fbits(1.0 - b2);
+  p.ex[5] = fbits(wd);
+  p.ex[6] = fbits(sqrt(1.0 - pow(b2, (double)step)));
+  p.ex[7] = fbits(a->s[3]);
+  p.ex[8] = fbits(-(lr / (1.0 - pow(b1, (double)step))));
+  p.i[0] = (decoupled ? 1 : (wd != 0 ? 2 : 0)) | (ams ? 4 : 0);
+  return run_1d(a->device, "adam", &p, p.n);
+}
+
+static bool adam_supports(const kiln__kargs *a) {
+  if ((a->i[1] & 4) || a->n_out < 3) return false; /* the step on the device: an f64 read */
+  kiln_dtype t = a->out[0].dtype;
+  if (!is_float(t) || a->in[0].dtype != t || !kiln__view_is_contiguous(&a->in[0])) return false;
+  for (int k = 0; k < a->n_out; k++)
+    if (a->out[k].dtype != t || !kiln__view_is_contiguous(&a->out[k])) return false;
+  return true;
+}
+
+/* ---- indexing ---- */
+static kiln_status vk_index(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  bool add = a->op == KILN__K_INDEX_ADD || a->op == KILN__K_SCATTER_ADD;
+  bool one_d = a->op == KILN__K_INDEX_SELECT || a->op == KILN__K_INDEX_ADD;
+  const kiln__view *walk = add ? &a->in[0] : &a->out[0];     /* the tensor walked */
+  const kiln__view *other = add ? &a->out[0] : &a->in[0];    /* the one indexed */
+  kiln__view v[3] = {a->out[0], a->in[0], a->in[1]};
+  for (int k = 0; k < 3; k++) {
+    v[k].ndim = walk->ndim;
+    for (int d = 0; d < walk->ndim; d++) v[k].shape[d] = walk->shape[d];
+  }
+  int oi = add ? 0 : 1; /* the indexed view's slot: its own stride along dim comes from the index */
+  v[oi].strides[dim] = 0;
+  if (one_d) {
+    for (int d = 0; d < walk->ndim; d++) v[2].strides[d] = 0;
+    v[2].strides[dim] = a->in[1].strides[0];
+  }
+  kv_params p = {0};
+  const kiln__view *vs[3] = {&v[0], &v[1], &v[2]};
+  set_views(&p, 3, vs);
+  p.op = a->op == KILN__K_INDEX_SELECT ? KV_INDEX_SELECT : a->op == KILN__K_INDEX_ADD ? KV_INDEX_ADD
+       : a->op == KILN__K_GATHER ? KV_GATHER : KV_SCATTER_ADD;
+  p.ex[0] = (int32_t)other->strides[dim];
+  p.ex[1] = (int32_t)other->shape[dim];
+  p.i[0] = (int32_t)kiln_dtype_size(a->out[0].dtype);
+  p.flag = flag_addr(a->device);
+  return run_1d(a->device, "index", &p, p.n);
+}
+
+static bool index_supports(const kiln__kargs *a) {
+  kiln_dtype it = a->in[1].dtype;
+  if (it != KILN_I64 && it != KILN_I32) return false;
+  if (a->in[0].dtype != a->out[0].dtype) return false;
+  bool add = a->op == KILN__K_INDEX_ADD || a->op == KILN__K_SCATTER_ADD;
+  if (add && a->out[0].dtype != KILN_F32) return false; /* f32 CAS adds only */
+  int dim = (int)a->i[0];
+  const kiln__view *walk = add ? &a->in[0] : &a->out[0];
+  return dim >= 0 && dim < walk->ndim;
+}
+
+/* ---- random (f32) ---- */
+static kiln_status vk_random(const kiln__kargs *a) {
+  kv_params p = {0};
+  const kiln__view *vs[1] = {&a->out[0]};
+  set_views(&p, 1, vs);
+  p.i[0] = (int32_t)(uint32_t)a->seed, p.i[1] = (int32_t)(uint32_t)(a->seed >> 32);
+  p.ex[0] = (int32_t)(uint32_t)a->offset, p.ex[1] = (int32_t)(uint32_t)(a->offset >> 32);
+  switch (a->op) {
+  case KILN__K_RAND_UNIFORM: {
+    float lo = (float)a->s[0], hi = (float)a->s[1];
+    p.op = KV_RAND_UNIFORM;
+    p.s[0] = lo;
+    p.s[1] = (float)(a->s[1] - a->s[0]);
+    p.ex[2] = fbits(hi > lo ? nextafterf(hi, -INFINITY) : hi);
+    break;
+  }
+  case KILN__K_RAND_NORMAL:
+    p.op = KV_RAND_NORMAL;
+    p.s[0] = (float)a->s[0], p.s[1] = (float)a->s[1];
+    break;
+  default: { /* bernoulli: u < p exactly, u = j * 2^-24: j < ceil(p * 2^24) */
+    double t = ceil(a->s[0] * 16777216.0);
+    p.op = KV_RAND_BERNOULLI;
+    p.ex[3] = !(t > 0) ? 0 : t > 16777217.0 ? 16777217 : (int32_t)t;
+    p.s[1] = (float)a->s[1];
+    break;
+  }
+  }
+  return run_1d(a->device, "random", &p, p.n);
+}
+
+bool kiln__vk_supports(const kiln__kargs *a) {
+  for (int i = 0; i < a->n_in; i++)
+    if (!fits(&a->in[i])) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (!fits(&a->out[i])) return false;
+  vk_dev *d = dev_of(a);
+  switch (a->op) {
+  case KILN__K_COPY: /* casts to or from f64 need shaderFloat64 */
+    return a->in[0].dtype == a->out[0].dtype ||
+           (d && d->f64) || (a->in[0].dtype != KILN_F64 && a->out[0].dtype != KILN_F64);
+  case KILN__K_FILL: return true;
+  case KILN__K_SUM: case KILN__K_PROD: case KILN__K_AMAX: case KILN__K_AMIN: return reduce_supports(a);
+  case KILN__K_SOFTMAX: case KILN__K_LOG_SOFTMAX: case KILN__K_SOFTMAX_BACKWARD:
+  case KILN__K_LOG_SOFTMAX_BACKWARD: return all_float(a) && a->out[0].ndim <= KV_MAXD + 1;
+  case KILN__K_MATMUL: return matmul_supports(a);
+  case KILN__K_MAX_DIM: case KILN__K_MIN_DIM: return minmax_dim_supports(a);
+  case KILN__K_CROSS_ENTROPY: case KILN__K_CROSS_ENTROPY_MEAN: case KILN__K_CROSS_ENTROPY_BACKWARD:
+    return ce_supports(a);
+  case KILN__K_ADAM: return adam_supports(a);
+  case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER: case KILN__K_SCATTER_ADD:
+    return index_supports(a);
+  case KILN__K_RAND_UNIFORM: case KILN__K_RAND_NORMAL: case KILN__K_RAND_BERNOULLI:
+    return a->out[0].dtype == KILN_F32;
+  default: return ew_supports(a);
+  }
+}
+
+/* Not const: the probe sets best_rank (a discrete GPU ranks above an integrated one;
+** lavapipe, a CPU, never beats the CPU itself). */
+kiln__backend kiln__vulkan_backend = {
+    .name = "vulkan",
+    .type = KILN_DEVICE_VULKAN,
+    .host_visible = false, /* pointers are device addresses, even on unified memory */
+    .probe = kiln__vk_probe,
+    .device_count = kiln__vk_device_count,
+    .alloc = kiln__vk_alloc,
+    .free = kiln__vk_free,
+    .copy_to_host = kiln__vk_copy_to_host,
+    .copy_from_host = kiln__vk_copy_from_host,
+    .copy_device = kiln__vk_copy_device,
+    .memset_zero = kiln__vk_memset_zero,
+    .synchronize = kiln__vk_synchronize,
+    .memory_stats = kiln__vk_memory_stats,
+    .empty_cache = kiln__vk_empty_cache,
+    .set_memory_limit = kiln__vk_set_limit,
+    .reset_peak = kiln__vk_reset_peak,
+    .kernels = {
+    [KILN__K_COPY] = vk_copy,
+    [KILN__K_FILL] = vk_fill,
+#define EW(K) [KILN__K_##K] = vk_ew,
+    EW(NEG) EW(EXP) EW(LOG) EW(SQRT) EW(RSQRT) EW(ABS) EW(SIGN) EW(RELU) EW(LEAKY_RELU)
+    EW(GELU) EW(GELU_TANH) EW(SILU) EW(SIGMOID) EW(TANH) EW(SOFTPLUS) EW(CLAMP) EW(POW_SCALAR)
+    EW(AFFINE) EW(RELU_BACKWARD) EW(LEAKY_RELU_BACKWARD) EW(GELU_BACKWARD) EW(GELU_TANH_BACKWARD)
+    EW(SILU_BACKWARD) EW(SIGMOID_BACKWARD) EW(TANH_BACKWARD) EW(SOFTPLUS_BACKWARD) EW(CLAMP_BACKWARD)
+    EW(ADD) EW(SUB) EW(MUL) EW(DIV) EW(POW) EW(MAXIMUM) EW(MINIMUM) EW(EQ) EW(NE) EW(LT) EW(LE)
+    EW(GT) EW(GE) EW(WHERE)
+#undef EW
+            [KILN__K_SUM] = vk_reduce, [KILN__K_PROD] = vk_reduce, [KILN__K_AMAX] = vk_reduce,
+            [KILN__K_AMIN] = vk_reduce, [KILN__K_SOFTMAX] = vk_softmax,
+            [KILN__K_LOG_SOFTMAX] = vk_softmax, [KILN__K_SOFTMAX_BACKWARD] = vk_softmax,
+            [KILN__K_LOG_SOFTMAX_BACKWARD] = vk_softmax, [KILN__K_MATMUL] = vk_matmul,
+            [KILN__K_MAX_DIM] = vk_minmax_dim, [KILN__K_MIN_DIM] = vk_minmax_dim,
+            [KILN__K_CROSS_ENTROPY] = vk_ce, [KILN__K_CROSS_ENTROPY_MEAN] = vk_ce,
+            [KILN__K_CROSS_ENTROPY_BACKWARD] = vk_ce_bw, [KILN__K_ADAM] = vk_adam,
+            [KILN__K_INDEX_SELECT] = vk_index, [KILN__K_INDEX_ADD] = vk_index,
+            [KILN__K_GATHER] = vk_index, [KILN__K_SCATTER_ADD] = vk_index,
+            [KILN__K_RAND_UNIFORM] = vk_random, [KILN__K_RAND_NORMAL] = vk_random,
+            [KILN__K_RAND_BERNOULLI] = vk_random,
+        },
+    .supports = kiln__vk_supports,
+    .device_info = kiln__vk_device_info,
+    .best_rank = 60, /* lowered by the probe; must start > 0 for kiln_device_best to ask */
+};

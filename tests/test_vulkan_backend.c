@@ -1,0 +1,199 @@
+/*
+** The Vulkan backend beyond the op harness (which compares every op case with the CPU on
+** every Vulkan device): device choice, the caching allocator's statistics, limit and
+** recoverable out-of-memory error, copies of odd sizes and of large blocks, the deferred
+** index error, a short training run against the CPU, and "no loader" (a child process
+** with KILN_VULKAN_LOADER pointing nowhere: a clean reason, the CPU still works).
+** Skipped (77) without a Vulkan device; on CI it runs on lavapipe (mesa-vulkan-drivers).
+*/
+#define _POSIX_C_SOURCE 200809L
+#include "check.h"
+
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static kiln_device vk;
+
+static void test_device_choice(void) {
+  kiln_device_info info;
+  CHECK(kiln_device_info_get(vk, &info) == KILN_OK);
+  char name[24];
+  kiln_device_str(vk, name, sizeof name);
+  CHECK(strcmp(name, "vulkan:0") == 0);
+  kiln_device parsed;
+  CHECK(kiln_device_parse("vulkan:0", &parsed) == KILN_OK && kiln_device_equal(parsed, vk));
+  CHECK(kiln_device_parse("vulkan:99", &parsed) == KILN_ERR_DEVICE);
+  kiln_clear_error();
+  /* lavapipe is a CPU: never the default device (KILN_DEVICE unset) */
+  if (strstr(info.name, "llvmpipe") && !getenv("KILN_DEVICE"))
+    CHECK(kiln_device_best().type == KILN_DEVICE_CPU);
+}
+
+static void test_memory(void) {
+  kiln_scope_begin();
+  kiln_memory_stats s0, s1;
+  CHECK(kiln_memory_stats_get(vk, &s0) == KILN_OK);
+  kiln_tensor *small = kiln_zeros(KILN_SHAPE(100), KILN_F32, vk);
+  kiln_tensor *big = kiln_zeros(KILN_SHAPE(3 << 20), KILN_F32, vk); /* 12 MiB: a block of its own */
+  CHECK(small && big);
+  CHECK(kiln_memory_stats_get(vk, &s1) == KILN_OK);
+  CHECK(s1.allocated >= s0.allocated + 12 * (1 << 20) && s1.reserved >= s1.allocated);
+  CHECK(s1.num_allocs >= s0.num_allocs + 2 && s1.peak_allocated >= s1.allocated);
+  /* the limit: an allocation past it fails with the numbers, and the program goes on */
+  CHECK(kiln_memory_set_limit(vk, s1.reserved + (1 << 20)) == KILN_OK);
+  kiln_tensor *huge = kiln_zeros(KILN_SHAPE(64 << 20), KILN_F32, vk);
+  CHECK(huge == NULL && kiln_last_error() == KILN_ERR_OOM);
+  CHECK(strstr(kiln_last_error_message(), "vulkan:0") && strstr(kiln_last_error_message(), "limit"));
+  kiln_clear_error();
+  kiln_memory_stats s2;
+  CHECK(kiln_memory_stats_get(vk, &s2) == KILN_OK && s2.num_ooms == s1.num_ooms + 1);
+  CHECK(kiln_memory_set_limit(vk, 0) == KILN_OK);
+  kiln_tensor *again = kiln_full(KILN_SHAPE(5 << 20), 2.5, KILN_F32, vk);
+  CHECK(again && kiln_item(kiln_sum_all(again)) == 2.5 * (5 << 20));
+  kiln_scope_end();
+  /* freed blocks stay cached until empty_cache gives them back */
+  kiln_memory_stats s3, s4;
+  CHECK(kiln_memory_stats_get(vk, &s3) == KILN_OK && s3.allocated <= s0.allocated);
+  CHECK(kiln_memory_empty_cache(vk) == KILN_OK);
+  CHECK(kiln_memory_stats_get(vk, &s4) == KILN_OK && s4.reserved < s3.reserved);
+}
+
+static void test_copies(void) {
+  kiln_scope_begin();
+  /* 7 bytes: fill and zeros of a size vkCmdFillBuffer cannot do */
+  uint8_t b[7] = {1, 2, 3, 4, 5, 6, 7}, back[7] = {0};
+  kiln_tensor *t = kiln_from_data(b, KILN_SHAPE(7), KILN_U8, vk);
+  CHECK(t && kiln_to_host(t, back, sizeof back) == KILN_OK && memcmp(b, back, 7) == 0);
+  kiln_tensor *z = kiln_zeros(KILN_SHAPE(7), KILN_U8, vk);
+  CHECK(z && kiln_to_host(z, back, sizeof back) == KILN_OK);
+  for (int i = 0; i < 7; i++) CHECK(back[i] == 0);
+  /* a large round trip (more than the staging buffer on a discrete GPU) */
+  int64_t n = 5 << 20;
+  float *h = malloc((size_t)n * sizeof *h), *h2 = malloc((size_t)n * sizeof *h2);
+  CHECK(h && h2);
+  if (h && h2) {
+    for (int64_t i = 0; i < n; i++) h[i] = (float)(i % 1000) * 0.5f;
+    kiln_tensor *d = kiln_from_data(h, KILN_SHAPE(n), KILN_F32, vk);
+    kiln_tensor *d2 = d ? kiln_contiguous(kiln_slice(d, 0, 1, n, 2)) : NULL; /* strided copy */
+    CHECK(d && d2 && kiln_to_host(d, h2, (size_t)n * sizeof *h2) == KILN_OK);
+    CHECK(memcmp(h, h2, (size_t)n * sizeof *h) == 0);
+    CHECK(d2 && kiln_to_host(d2, h2, (size_t)(n / 2) * sizeof *h2) == KILN_OK);
+    bool same = true;
+    for (int64_t i = 0; i < n / 2; i++) same = same && h2[i] == h[1 + 2 * i];
+    CHECK(same);
+  }
+  free(h);
+  free(h2);
+  kiln_scope_end();
+}
+
+static void test_bad_index(void) {
+  kiln_scope_begin();
+  kiln_tensor *src = kiln_ones(KILN_SHAPE(4, 3), KILN_F32, vk);
+  int64_t idx[2] = {1, 9};
+  kiln_tensor *ix = kiln_from_data(idx, KILN_SHAPE(2), KILN_I64, vk);
+  kiln_tensor *out = kiln_index_select(src, 0, ix);
+  /* the kernel cannot fail as it runs: the next sync reports it */
+  kiln_status st = out ? kiln_device_synchronize(vk) : kiln_last_error();
+  CHECK(st == KILN_ERR_INDEX);
+  kiln_clear_error();
+  CHECK(kiln_item(kiln_sum_all(src)) == 12.0); /* the device still works */
+  kiln_scope_end();
+}
+
+/* The same small MLP and data on the CPU and the device: the losses agree. */
+static double train(kiln_device dev, double *first) {
+  kiln_manual_seed(7);
+  kiln_module *net = kiln_sequential_new();
+  kiln_sequential_append(net, kiln_linear_new(6, 16, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_sequential_append(net, kiln_relu_new());
+  kiln_sequential_append(net, kiln_linear_new(16, 3, true, KILN_F32, kiln_device_cpu(), NULL));
+  kiln_module_to(net, dev);
+  kiln_optim_config cfg = kiln_adamw_config(1e-2);
+  kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, net);
+  kiln_tensor *x = kiln_keep(kiln_to_device(kiln_randn(KILN_SHAPE(32, 6), KILN_F32, kiln_device_cpu(), NULL), dev));
+  kiln_tensor *y = kiln_keep(kiln_to_device(kiln_randint(0, 3, KILN_SHAPE(32), KILN_I64, kiln_device_cpu(), NULL), dev));
+  double loss = NAN;
+  for (int step = 0; step < 30; step++) {
+    kiln_scope_begin();
+    kiln_tensor *l = kiln_cross_entropy(kiln_module_forward(net, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
+    kiln_optimizer_zero_grad(opt);
+    kiln_backward(l, NULL);
+    kiln_optimizer_step(opt);
+    loss = kiln_item(l);
+    if (step == 0) *first = loss;
+    kiln_scope_end();
+  }
+  kiln_tensor_free(x);
+  kiln_tensor_free(y);
+  kiln_optimizer_free(opt);
+  kiln_module_free(net);
+  return loss;
+}
+
+static void test_training(void) {
+  double c0 = 0, v0 = 0;
+  double c = train(kiln_device_cpu(), &c0);
+  kiln_fallback_reset();
+  double v = train(vk, &v0);
+  CHECK(kiln_last_error() == KILN_OK);
+  printf("cpu loss %.6f -> %.6f, vulkan loss %.6f -> %.6f\n", c0, c, v0, v);
+  CHECK(fabs(c0 - v0) <= 1e-5 * fabs(c0) + 1e-6);
+  CHECK(c < c0 && fabs(c - v) <= 1e-3 * fabs(c) + 1e-4);
+}
+
+/* Child: no loader. The backend says why, the CPU works. */
+static int child_no_loader(void) {
+  const char *why = NULL;
+  bool ok = kiln_backend_available(KILN_DEVICE_VULKAN, &why);
+  kiln_device d;
+  int bad = ok || !why || !strstr(why, "loader") || kiln_device_parse("vulkan", &d) != KILN_ERR_DEVICE;
+  kiln_clear_error();
+  kiln_tensor *t = kiln_ones(KILN_SHAPE(3), KILN_F32, kiln_device_cpu());
+  bad |= !t || kiln_item(kiln_sum_all(t)) != 3.0;
+  bad |= kiln_device_best().type != KILN_DEVICE_CPU && kiln_device_best().type != KILN_DEVICE_CUDA;
+  printf("child: vulkan available=%d why='%s'\n", ok, why ? why : "");
+  return bad;
+}
+
+static void test_no_loader(void) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    setenv("KILN_VULKAN_LOADER", "/nonexistent/libvulkan.so.1", 1);
+    unsetenv("KILN_DEVICE");
+    char *argv[] = {(char *)"test_vulkan_backend", (char *)"--no-loader", NULL};
+    execv("/proc/self/exe", argv);
+    _exit(3);
+  }
+  int status = 0;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "--no-loader") == 0) return child_no_loader();
+  if (!kiln_backend_built(KILN_DEVICE_VULKAN)) {
+    printf("test_vulkan_backend: skipped (built without Vulkan)\n");
+    return 77;
+  }
+  test_no_loader(); /* works whether or not this machine has a device */
+  const char *why = NULL;
+  if (!kiln_backend_available(KILN_DEVICE_VULKAN, &why) || kiln_device_count(KILN_DEVICE_VULKAN) < 1) {
+    printf("test_vulkan_backend: skipped (no Vulkan device: %s)\n", why ? why : "?");
+    return failures ? 1 : 77;
+  }
+  vk = (kiln_device){KILN_DEVICE_VULKAN, 0};
+  test_device_choice();
+  test_memory();
+  test_copies();
+  test_bad_index();
+  test_training();
+  printf("test_vulkan_backend: %d failures\n", failures);
+  return failures ? 1 : 0;
+}

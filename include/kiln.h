@@ -540,6 +540,34 @@ KILN_API kiln_status kiln_set_anomaly_enabled(bool on);
 KILN_API bool kiln_anomaly_enabled(void);
 
 /* --------------------------------------------------------------------------------------
+** Autocast (torch.autocast): mixed precision without changing the model. Inside a region
+** the ops of a class (docs/autocast.md) cast their floating inputs on the device type
+** the region names: matmul and linear run in dtype (f16 or bf16); softmax, log_softmax,
+** losses, reductions, exp/log/pow in f32; binary ops with mixed inputs promote to the
+** widest. Casts are recorded ops: parameters stay f32 (the master weights) and get f32
+** gradients. The cast of a parameter is made once per region and reused (the outermost
+** kiln_autocast_end drops the cache). Backward rules are never cast. Per thread; regions
+** nest, and a nested region may switch autocast off (enabled false) or change the dtype.
+** Open a scope per step inside a region: casts made with no scope open are kept until
+** the outermost end.
+**
+**   kiln_autocast_begin(KILN_DEVICE_CUDA, KILN_BF16);
+**   kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(net, x), y, ...);  // f32
+**   kiln_autocast_end();
+**   kiln_backward(loss, NULL);
+**
+** Errors: KILN_ERR_DTYPE for a dtype other than f16/bf16 (an integer dtype), KILN_ERR_DEVICE
+** for an unknown device type, KILN_ERR_STATE past 64 nested regions or for an end with
+** no region open. */
+KILN_API kiln_status kiln_autocast_begin(kiln_device_type device_type, kiln_dtype dtype);
+KILN_API kiln_status kiln_autocast_begin_enabled(kiln_device_type device_type, kiln_dtype dtype,
+                                                 bool enabled);
+KILN_API kiln_status kiln_autocast_end(void);
+/* Whether ops on device_type are cast now on this thread, and to what (f32 when not). */
+KILN_API bool kiln_autocast_is_enabled(kiln_device_type device_type);
+KILN_API kiln_dtype kiln_autocast_dtype(kiln_device_type device_type);
+
+/* --------------------------------------------------------------------------------------
 ** Custom autograd functions (torch.autograd.Function): an op written by the program as a
 ** forward and a backward in C. forward runs with grad mode off and makes n_out outputs
 ** from the inputs with any kiln ops; when grad mode is on and an input requires grad, the

@@ -24,6 +24,7 @@ static _Thread_local bool grad_disabled; /* default: grad mode on */
 static _Thread_local int backward_depth;
 
 bool kiln__in_backward(void) { return backward_depth > 0; }
+int kiln__backward_depth(void) { return backward_depth; }
 
 bool kiln_set_grad_enabled(bool on) {
   bool prev = !grad_disabled;

@@ -616,6 +616,34 @@ KILN_API void *kiln_function_state(kiln_function_ctx *ctx);
 KILN_API bool kiln_function_grad_needed(kiln_function_ctx *ctx, int k);
 
 /* --------------------------------------------------------------------------------------
+** Gradient checkpointing (torch.utils.checkpoint): trade compute for memory. fn runs with
+** grad mode off inside a scope of its own, so only the segment's inputs and outputs are
+** kept; during backward it runs again with grad mode on and the gradient goes through
+** the recomputed graph. The parameters fn uses (leaves that require grad, seen as it
+** runs) get their gradients as if it had run normally, under kiln_backward (into .grad)
+** and kiln_autograd_grad (into its results) alike. The recompute restores the state of
+** the global generator (and of the generators given to kiln_checkpoint_ex) as it was at
+** forward, so dropout draws the same mask, and leaves them as they were; it runs under
+** the autocast state of the forward. Checkpoints nest. With grad mode off, or when
+** nothing fn touches requires grad, fn just runs.
+**
+** fn must be deterministic given its inputs and the generators, write n_out new
+** tensors (or inputs) into outputs and read tensors that have a history only through
+** its inputs (one it reads from ctx gets no gradient). ctx must live until the graph is
+** freed. On the CPU the gradients are the bits of the run without checkpointing.
+**
+** Errors: KILN_ERR_INVALID_ARGUMENT for bad counts, a NULL input or generator, or fn
+** returning no tensor for an output; whatever fn returns; the outputs are then NULL. */
+typedef kiln_status (*kiln_checkpoint_fn)(void *ctx, int n_in, kiln_tensor *const *inputs, int n_out,
+                                          kiln_tensor **outputs);
+KILN_API kiln_status kiln_checkpoint(kiln_checkpoint_fn fn, void *ctx, int n_in, kiln_tensor *const *inputs,
+                                     int n_out, kiln_tensor **outputs);
+/* The same, restoring n_gens (at most 8) explicit generators too. */
+KILN_API kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens,
+                                        kiln_generator *const *gens, int n_in,
+                                        kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs);
+
+/* --------------------------------------------------------------------------------------
 ** Traces: the ops a forward pass runs, in order, each with its name, named attributes and
 ** the ids (kiln_tensor_id) of its inputs and outputs — what an exporter needs. Only the
 ** ops the program calls are recorded, not the ops they are made of, and nothing a

@@ -51,8 +51,11 @@ static kiln_tensor *param(int64_t r, int64_t c, uint64_t seed) {
 
 static bool bit_equal(kiln_tensor *a, kiln_tensor *b) {
   if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
+  kiln_scope_begin();
   kiln_tensor *ca = kiln_contiguous(a), *cb = kiln_contiguous(b);
-  return memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
+  bool same = memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
+  kiln_scope_end();
+  return same;
 }
 
 /* linear in bf16, the loss in f32; w's gradient is f32 and the same bits as the program

@@ -496,6 +496,14 @@ KILN_API kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params,
                                            double lr, double beta1, double beta2, double eps,
                                            double weight_decay, bool decoupled, bool amsgrad);
 
+/* Loss scaling's unscale (torch._amp_foreach_non_finite_check_and_unscale_): multiplies
+** each of the n gradients (floating, contiguous, on found_inf's device; NULL entries are
+** skipped) by inv_scale in place, and sets found_inf (one float32 element) to 1 when any
+** result is inf or NaN; it never clears it. One kernel launch for all of them where the
+** backend has the list kernel; nothing is read on the host. */
+KILN_API kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf,
+                                       double inv_scale);
+
 /* --------------------------------------------------------------------------------------
 ** Autograd.
 */

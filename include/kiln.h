@@ -510,6 +510,14 @@ KILN_API kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params,
                                            double lr, double beta1, double beta2, double eps,
                                            double weight_decay, bool decoupled, bool amsgrad);
 
+/* Loss scaling's unscale (torch._amp_foreach_non_finite_check_and_unscale_): multiplies
+** each of the n gradients (floating, contiguous, on found_inf's device; NULL entries are
+** skipped) by inv_scale in place, and sets found_inf (one float32 element) to 1 when any
+** result is inf or NaN; it never clears it. One kernel launch for all of them where the
+** backend has the list kernel; nothing is read on the host. */
+KILN_API kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf,
+                                       double inv_scale);
+
 /* --------------------------------------------------------------------------------------
 ** Autograd.
 */
@@ -552,6 +560,34 @@ KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
 ** for debugging. KILN_ANOMALY=1 turns it on at start. */
 KILN_API kiln_status kiln_set_anomaly_enabled(bool on);
 KILN_API bool kiln_anomaly_enabled(void);
+
+/* --------------------------------------------------------------------------------------
+** Autocast (torch.autocast): mixed precision without changing the model. Inside a region
+** the ops of a class (docs/autocast.md) cast their floating inputs on the device type
+** the region names: matmul and linear run in dtype (f16 or bf16); softmax, log_softmax,
+** losses, reductions, exp/log/pow in f32; binary ops with mixed inputs promote to the
+** widest. Casts are recorded ops: parameters stay f32 (the master weights) and get f32
+** gradients. The cast of a parameter is made once per region and reused (the outermost
+** kiln_autocast_end drops the cache). Backward rules are never cast. Per thread; regions
+** nest, and a nested region may switch autocast off (enabled false) or change the dtype.
+** Open a scope per step inside a region: casts made with no scope open are kept until
+** the outermost end.
+**
+**   kiln_autocast_begin(KILN_DEVICE_CUDA, KILN_BF16);
+**   kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(net, x), y, ...);  // f32
+**   kiln_autocast_end();
+**   kiln_backward(loss, NULL);
+**
+** Errors: KILN_ERR_DTYPE for a dtype other than f16/bf16 (an integer dtype), KILN_ERR_DEVICE
+** for an unknown device type, KILN_ERR_STATE past 64 nested regions or for an end with
+** no region open. */
+KILN_API kiln_status kiln_autocast_begin(kiln_device_type device_type, kiln_dtype dtype);
+KILN_API kiln_status kiln_autocast_begin_enabled(kiln_device_type device_type, kiln_dtype dtype,
+                                                 bool enabled);
+KILN_API kiln_status kiln_autocast_end(void);
+/* Whether ops on device_type are cast now on this thread, and to what (f32 when not). */
+KILN_API bool kiln_autocast_is_enabled(kiln_device_type device_type);
+KILN_API kiln_dtype kiln_autocast_dtype(kiln_device_type device_type);
 
 /* --------------------------------------------------------------------------------------
 ** Custom autograd functions (torch.autograd.Function): an op written by the program as a
@@ -600,6 +636,34 @@ KILN_API kiln_tensor *kiln_function_saved(kiln_function_ctx *ctx, int k);
 KILN_API void *kiln_function_state(kiln_function_ctx *ctx);
 /* In backward: whether input k needs a gradient. */
 KILN_API bool kiln_function_grad_needed(kiln_function_ctx *ctx, int k);
+
+/* --------------------------------------------------------------------------------------
+** Gradient checkpointing (torch.utils.checkpoint): trade compute for memory. fn runs with
+** grad mode off inside a scope of its own, so only the segment's inputs and outputs are
+** kept; during backward it runs again with grad mode on and the gradient goes through
+** the recomputed graph. The parameters fn uses (leaves that require grad, seen as it
+** runs) get their gradients as if it had run normally, under kiln_backward (into .grad)
+** and kiln_autograd_grad (into its results) alike. The recompute restores the state of
+** the global generator (and of the generators given to kiln_checkpoint_ex) as it was at
+** forward, so dropout draws the same mask, and leaves them as they were; it runs under
+** the autocast state of the forward. Checkpoints nest. With grad mode off, or when
+** nothing fn touches requires grad, fn just runs.
+**
+** fn must be deterministic given its inputs and the generators, write n_out new
+** tensors (or inputs) into outputs and read tensors that have a history only through
+** its inputs (one it reads from ctx gets no gradient). ctx must live until the graph is
+** freed. On the CPU the gradients are the bits of the run without checkpointing.
+**
+** Errors: KILN_ERR_INVALID_ARGUMENT for bad counts, a NULL input or generator, or fn
+** returning no tensor for an output; whatever fn returns; the outputs are then NULL. */
+typedef kiln_status (*kiln_checkpoint_fn)(void *ctx, int n_in, kiln_tensor *const *inputs, int n_out,
+                                          kiln_tensor **outputs);
+KILN_API kiln_status kiln_checkpoint(kiln_checkpoint_fn fn, void *ctx, int n_in, kiln_tensor *const *inputs,
+                                     int n_out, kiln_tensor **outputs);
+/* The same, restoring n_gens (at most 8) explicit generators too. */
+KILN_API kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens,
+                                        kiln_generator *const *gens, int n_in,
+                                        kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs);
 
 /* --------------------------------------------------------------------------------------
 ** Traces: the ops a forward pass runs, in order, each with its name, named attributes and

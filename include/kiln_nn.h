@@ -108,6 +108,12 @@ KILN_API const char *kiln_module_child_name(const kiln_module *m, int i);
 KILN_API kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x);
 KILN_API kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs);
 
+/* Gradient checkpointing (kiln_checkpoint): a marked module's forward keeps only its
+** inputs and output and runs again during backward (when grad mode is on). Marking a
+** Sequential marks each of its children (one segment per block); to make a whole
+** Sequential one segment, put it in a Sequential of its own and mark that. */
+KILN_API kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on);
+KILN_API bool kiln_module_is_checkpointed(const kiln_module *m);
 /* Train / eval mode, recursive (new modules are in train mode). */
 KILN_API void kiln_module_train(kiln_module *m, bool on);
 KILN_API void kiln_module_eval(kiln_module *m);

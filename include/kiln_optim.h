@@ -181,6 +181,52 @@ KILN_API const char *kiln_scheduler_name(const kiln_scheduler *s);
 KILN_API kiln_dict *kiln_scheduler_state_dict(const kiln_scheduler *s);
 KILN_API kiln_status kiln_scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *d);
 
+/* --------------------------------------------------------------------------------------
+** Loss scaling for f16 training (torch.amp.GradScaler), with PyTorch's defaults:
+**
+**   kiln_grad_scaler *sc = kiln_grad_scaler_new(NULL);        // 2^16, x2 / 2000, x0.5
+**   for (...) {
+**     kiln_backward(kiln_grad_scaler_scale(sc, loss), NULL);
+**     kiln_grad_scaler_unscale_(sc, opt);                     // optional: before clipping
+**     kiln_clip_grad_norm(params, n, 1.0, ...);
+**     kiln_grad_scaler_step(sc, opt);                         // skipped on inf/NaN
+**     kiln_grad_scaler_update(sc);
+**   }
+**
+** unscale_ divides every gradient of the optimizer by the scale and checks them for inf
+** and NaN in one pass (kiln_amp_unscale_: one kernel launch for all); step unscales if
+** that was not done, then steps unless a gradient was not finite (parameters and
+** optimizer state are then left as they were); update halves the scale after such a
+** step and multiplies it by growth_factor after growth_interval clean ones. step and
+** update read the one-element found-inf flag on the host (a wait per step). */
+typedef struct kiln_grad_scaler kiln_grad_scaler;
+typedef struct kiln_grad_scaler_config {
+  double init_scale;       /* 65536 */
+  double growth_factor;    /* 2 */
+  double backoff_factor;   /* 0.5 */
+  int64_t growth_interval; /* 2000 */
+  bool enabled;            /* false: scale 1, step is the optimizer's step */
+} kiln_grad_scaler_config;
+KILN_API kiln_grad_scaler_config kiln_grad_scaler_default_config(void);
+/* cfg NULL: the defaults. NULL with KILN_ERR_INVALID_ARGUMENT for a scale that is not
+** positive and finite, a growth interval <= 0, a growth factor <= 1 or a backoff factor
+** outside (0, 1). */
+KILN_API kiln_grad_scaler *kiln_grad_scaler_new(const kiln_grad_scaler_config *cfg);
+KILN_API void kiln_grad_scaler_free(kiln_grad_scaler *s); /* NULL is a no-op */
+/* loss * scale (a new tensor, recorded). NULL loss gives NULL without a new error. */
+KILN_API kiln_tensor *kiln_grad_scaler_scale(kiln_grad_scaler *s, kiln_tensor *loss);
+/* KILN_ERR_STATE when called twice for one optimizer before update. */
+KILN_API kiln_status kiln_grad_scaler_unscale_(kiln_grad_scaler *s, kiln_optimizer *opt);
+KILN_API kiln_status kiln_grad_scaler_step(kiln_grad_scaler *s, kiln_optimizer *opt);
+KILN_API kiln_status kiln_grad_scaler_update(kiln_grad_scaler *s);
+KILN_API double kiln_grad_scaler_get_scale(const kiln_grad_scaler *s);
+/* Whether the last step was skipped (a gradient was inf or NaN). */
+KILN_API bool kiln_grad_scaler_found_inf(const kiln_grad_scaler *s);
+/* State for checkpoints: "scale" (f64) and "growth_tracker" (i64), the factors as
+** metadata. load: KILN_ERR_FORMAT for missing or out-of-range entries. */
+KILN_API kiln_dict *kiln_grad_scaler_state_dict(const kiln_grad_scaler *s);
+KILN_API kiln_status kiln_grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dict *d);
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,6 +24,7 @@ static _Thread_local bool grad_disabled; /* default: grad mode on */
 static _Thread_local int backward_depth;
 
 bool kiln__in_backward(void) { return backward_depth > 0; }
+int kiln__backward_depth(void) { return backward_depth; }
 
 bool kiln_set_grad_enabled(bool on) {
   bool prev = !grad_disabled;
@@ -285,7 +286,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     kiln__node *n = all.v[i];
     for (int k = 0; k < n->n_in; k++) {
       kiln_tensor *leaf = n->next[k].leaf;
-      if (leaf && leaf->hook) { /* count the paths into a hooked leaf */
+      if (leaf && leaf->hook && !cap->grads) { /* count the paths into a hooked leaf (kiln_backward's only: a
+                                               ** nested kiln_autograd_grad, as a checkpoint runs, must not reset it) */
         if (leaf->hook_epoch != epoch) {
           leaf->hook_epoch = epoch;
           leaf->hook_pending = 0;

@@ -161,7 +161,11 @@ typedef struct kiln__view {
   /* (flag 4 only)], all groups one float dtype, contiguous; list_i[g] is the group's */   \
   /* step (>= 1) when the step is on the host. s0-s3, i1, i2 as ADAM. With flag 4 the */  \
   /* kernel reads step_t + 1 and then advances every step_t by one (unlike ADAM). */     \
-  X(ADAM_MULTI, "adam_multi")
+  X(ADAM_MULTI, "adam_multi")                                                             \
+  /* loss-scaling unscale over many tensors (a list op, list_w 1): each floating */        \
+  /* contiguous view is multiplied in place by s0 (1/scale); out0, an f32 one-element */   \
+  /* flag, is set to 1 when any value is inf or NaN (never cleared here). */               \
+  X(AMP_UNSCALE, "amp_unscale")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -216,6 +216,9 @@ double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
 bool kiln__grad_mask_ok(const kiln__node *m, int index);
 /* Whether the calling thread is running a backward (engine.c). */
 bool kiln__in_backward(void);
+/* How many backward engines run on this thread now (0 outside any; 2 inside a backward
+** that a rule started: a checkpoint's recompute). */
+int kiln__backward_depth(void);
 /* Whether t's grad-ready hook is fn with ctx (ext/kiln_ext.h). */
 bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const void *ctx);
 /* True when grad mode is on and any of the tensors requires grad. */

@@ -87,7 +87,8 @@ static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
   for (int i = 0; i < n && x; i++) {
     kiln_module *c = kiln_module_child_at(m, i);
     kiln_module *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
-    if (kiln__module_vtable(c) == &linear_vt && next && kiln__module_vtable(next) == &relu_vt) {
+    if (kiln__module_vtable(c) == &linear_vt && next && kiln__module_vtable(next) == &relu_vt &&
+        !kiln_module_is_checkpointed(c) && !kiln_module_is_checkpointed(next)) {
       const linear_cfg *lc = kiln_module_impl(c);
       x = kiln_linear_relu(x, kiln_module_param(c, "weight"), lc->bias ? kiln_module_param(c, "bias") : NULL);
       i++;

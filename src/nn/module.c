@@ -35,6 +35,7 @@ struct kiln_module {
   void *impl;
   kiln_module *parent;
   bool training;
+  bool checkpoint; /* forward goes through kiln_checkpoint (kiln_module_set_checkpoint) */
   entry *params;
   int nparams, cap_params;
   entry *buffers;
@@ -354,12 +355,40 @@ const char *kiln_module_child_name(const kiln_module *m, int i) {
 
 /* ---- forward, mode --------------------------------------------------------------------- */
 
+/* The module's own forward, as kiln_checkpoint calls it (ctx is the module). */
+static kiln_status checkpointed_forward(void *ctx, int n_in, kiln_tensor *const *xs, int n_out, kiln_tensor **out) {
+  kiln_module *m = ctx;
+  (void)n_out;
+  if (n_in == 1 && m->vt->forward) out[0] = m->vt->forward(m, xs[0]);
+  else out[0] = m->vt->forward_n(m, n_in, xs);
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
+static kiln_tensor *forward_checkpointed(kiln_module *m, int n, kiln_tensor *const *xs) {
+  kiln_tensor *y = NULL;
+  if (kiln_checkpoint(checkpointed_forward, m, n, xs, 1, &y) != KILN_OK) return NULL;
+  return y;
+}
+
+kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on) {
+  if (!m) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_set_checkpoint: NULL module");
+  if (strcmp(m->vt->type_name, "Sequential") == 0 && !m->impl && m->nchildren > 0) {
+    for (int i = 0; i < m->nchildren; i++) m->children[i].m->checkpoint = on;
+  } else {
+    m->checkpoint = on;
+  }
+  return KILN_OK;
+}
+
+bool kiln_module_is_checkpointed(const kiln_module *m) { return m && m->checkpoint; }
+
 kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x) {
   if (!m) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_forward: NULL module");
     return NULL;
   }
   if (!x) return NULL;
+  if (m->checkpoint && kiln_grad_enabled()) return forward_checkpointed(m, 1, &x);
   if (m->vt->forward) return m->vt->forward(m, x);
   return m->vt->forward_n(m, 1, &x);
 }
@@ -371,6 +400,7 @@ kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs
   }
   for (int i = 0; i < n; i++)
     if (!xs[i]) return NULL;
+  if (m->checkpoint && kiln_grad_enabled() && (m->vt->forward_n || n == 1)) return forward_checkpointed(m, n, xs);
   if (m->vt->forward_n) return m->vt->forward_n(m, n, xs);
   if (n != 1) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_forward_n: %s takes one input, got %d",

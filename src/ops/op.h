@@ -191,6 +191,23 @@ int kiln__op_depth(void);
 typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in);
 void kiln__set_autocast_hook(kiln__autocast_fn fn);
 
+/* This thread's autocast state (src/ops/autocast.c): per device type (the first 4),
+** whether a region casts and to what; level is the backward depth it applies at. Gradient
+** checkpointing saves it at forward and reinstates it (with a cache of its own) for the
+** recompute. */
+typedef struct kiln__autocast_type {
+  bool enabled;
+  kiln_dtype dtype;
+} kiln__autocast_type;
+typedef struct kiln__autocast_state {
+  kiln__autocast_type type[4];
+  int n_enabled;
+  int level;
+} kiln__autocast_state;
+void kiln__autocast_get_state(kiln__autocast_state *s);
+kiln_status kiln__autocast_push_state(const kiln__autocast_state *s);
+kiln_status kiln__autocast_pop_state(void);
+
 /* Fills the public attribute view of a record (observers, traces): at most max entries,
 ** returns the count. ints point into rec. */
 int kiln__attrs_describe(const kiln__op *op, const void *rec, kiln_attr *out, int max);

@@ -119,13 +119,15 @@ static kiln_status maxmin_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, bo
 static kiln_status maximum_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) { return maxmin_bw(n, g, gi, true); }
 static kiln_status minimum_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) { return maxmin_bw(n, g, gi, false); }
 
-#define BINARY_OP(fname, opname, kop, bw, attr_fields, n_attr_fields, attr_sz)         \
+#define BINARY_AMP(fname, opname, kop, bw, attr_fields, n_attr_fields, attr_sz, amp_cls) \
   static const kiln__op op_##fname = {                                                    \
       .name = opname, .api = "kiln_" opname, .n_in = 2, .n_out = 1,                      \
-      .amp = KILN__AMP_PROMOTE, .n_kernels = 1, .kernels = {kop},                         \
+      .amp = amp_cls, .n_kernels = 1, .kernels = {kop},                                   \
       .attrs = attr_fields, .n_attrs = n_attr_fields, .attr_size = attr_sz,               \
       .infer = binary_infer, .forward = binary_forward, .backward = bw,                   \
       .n_saved = 3, .save = binary_save};
+#define BINARY_OP(fname, opname, kop, bw, attr_fields, n_attr_fields, attr_sz)         \
+  BINARY_AMP(fname, opname, kop, bw, attr_fields, n_attr_fields, attr_sz, KILN__AMP_PROMOTE)
 #define BINARY(fname, opname, kop, bw) BINARY_OP(fname, opname, kop, bw, NULL, 0, 0)
 
 static kiln_tensor *binary(const kiln__op *op, kiln_tensor *a, kiln_tensor *b, const attrs_alpha *at) {
@@ -138,7 +140,7 @@ BINARY_OP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha
 BINARY(sub, "sub", KILN__K_SUB, sub_bw)
 BINARY(mul, "mul", KILN__K_MUL, mul_bw)
 BINARY(div, "div", KILN__K_DIV, div_bw)
-BINARY(pow, "pow", KILN__K_POW, pow_bw)
+BINARY_AMP(pow, "pow", KILN__K_POW, pow_bw, NULL, 0, 0, KILN__AMP_F32) /* autocast: f32 */
 BINARY(maximum, "maximum", KILN__K_MAXIMUM, maximum_bw)
 BINARY(minimum, "minimum", KILN__K_MINIMUM, minimum_bw)
 BINARY(eq, "eq", KILN__K_EQ, NULL)
@@ -362,23 +364,29 @@ static const kiln__attr_field f_softplus[] = {{"beta", KILN__A_FLOAT, offsetof(a
                                               {"threshold", KILN__A_FLOAT, offsetof(attrs_2f, b), 0, NULL}};
 
 /* UNARY(c name, op name, kernel, infer, flags, rule, saved slots, field table, count) */
-#define UNARY(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields)                  \
+#define UNARY_AMP(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields, amp_cls)     \
   static const kiln__op op_##fname = {                                                    \
       .name = opname, .api = "kiln_" opname, .n_in = 1, .n_out = 1, .flags = fl,         \
+      .amp = amp_cls,                                                                     \
       .n_kernels = 1, .kernels = {kop}, .attrs = fields, .n_attrs = nfields,              \
       .attr_size = nfields ? sizeof(attrs_2f) : 0, .infer = inf, .forward = unary_forward, \
       .backward = bw, .n_saved = nsaved, .save = unary_save};
+#define UNARY(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields)                  \
+  UNARY_AMP(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields, KILN__AMP_NONE)
+/* the ones autocast runs in f32 (PyTorch's fp32 list) */
+#define UNARY_F32(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields)              \
+  UNARY_AMP(fname, opname, kop, inf, fl, bw, nsaved, fields, nfields, KILN__AMP_F32)
 #define FLOAT_ONLY KILN__OP_FLOAT_ONLY
 
 UNARY(neg, "neg", KILN__K_NEG, neg_infer, 0, neg_bw, 1, NULL, 0)
 UNARY(sign, "sign", KILN__K_SIGN, unary_infer, 0, NULL, 0, NULL, 0)
-UNARY(exp, "exp", KILN__K_EXP, unary_infer, FLOAT_ONLY, exp_bw, 2, NULL, 0)
-UNARY(log, "log", KILN__K_LOG, unary_infer, FLOAT_ONLY, log_bw, 1, NULL, 0)
+UNARY_F32(exp, "exp", KILN__K_EXP, unary_infer, FLOAT_ONLY, exp_bw, 2, NULL, 0)
+UNARY_F32(log, "log", KILN__K_LOG, unary_infer, FLOAT_ONLY, log_bw, 1, NULL, 0)
 UNARY(sqrt, "sqrt", KILN__K_SQRT, unary_infer, FLOAT_ONLY, sqrt_bw, 2, NULL, 0)
-UNARY(rsqrt, "rsqrt", KILN__K_RSQRT, unary_infer, FLOAT_ONLY, rsqrt_bw, 2, NULL, 0)
+UNARY_F32(rsqrt, "rsqrt", KILN__K_RSQRT, unary_infer, FLOAT_ONLY, rsqrt_bw, 2, NULL, 0)
 UNARY(abs, "abs", KILN__K_ABS, unary_infer, 0, abs_bw, 1, NULL, 0)
 UNARY(clamp, "clamp", KILN__K_CLAMP, clamp_infer, 0, clamp_bw, 1, f_clamp, 2)
-UNARY(pow_scalar, "pow_scalar", KILN__K_POW_SCALAR, unary_infer, FLOAT_ONLY, pow_scalar_bw, 1, f_exponent, 1)
+UNARY_F32(pow_scalar, "pow_scalar", KILN__K_POW_SCALAR, unary_infer, FLOAT_ONLY, pow_scalar_bw, 1, f_exponent, 1)
 UNARY(add_scalar, "add_scalar", KILN__K_AFFINE, unary_infer, 0, affine_bw, 1, f_shift, 1)
 UNARY(mul_scalar, "mul_scalar", KILN__K_AFFINE, unary_infer, 0, affine_bw, 1, f_scale, 1)
 UNARY(relu, "relu", KILN__K_RELU, unary_infer, FLOAT_ONLY, relu_bw, 1, NULL, 0)
@@ -388,7 +396,7 @@ UNARY(gelu_tanh, "gelu_tanh", KILN__K_GELU_TANH, unary_infer, FLOAT_ONLY, gelu_t
 UNARY(silu, "silu", KILN__K_SILU, unary_infer, FLOAT_ONLY, silu_bw, 1, NULL, 0)
 UNARY(sigmoid, "sigmoid", KILN__K_SIGMOID, unary_infer, FLOAT_ONLY, sigmoid_bw, 2, NULL, 0)
 UNARY(tanh, "tanh", KILN__K_TANH, unary_infer, FLOAT_ONLY, tanh_bw, 2, NULL, 0)
-UNARY(softplus, "softplus", KILN__K_SOFTPLUS, softplus_infer, FLOAT_ONLY, softplus_bw, 1, f_softplus, 2)
+UNARY_F32(softplus, "softplus", KILN__K_SOFTPLUS, softplus_infer, FLOAT_ONLY, softplus_bw, 1, f_softplus, 2)
 
 static kiln_tensor *unary(const kiln__op *op, kiln_tensor *t, double a, double b) {
   attrs_2f p = {a, b};

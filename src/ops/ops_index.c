@@ -245,7 +245,7 @@ static kiln_status scatter_add_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_scatter_add = {
-    .name = "scatter_add", .api = "kiln_scatter_add", .n_in = 3, .n_out = 1, .n_kernels = 2,
+    .name = "scatter_add", .api = "kiln_scatter_add", .n_in = 3, .n_out = 1, .amp = KILN__AMP_PROMOTE, .n_kernels = 2,
     .kernels = {KILN__K_COPY, KILN__K_SCATTER_ADD}, .attrs = dim_fields, .n_attrs = 1,
     .attr_size = sizeof(attrs_dim), .infer = scatter_add_infer, .forward = scatter_add_forward,
     .backward = scatter_add_backward, .n_saved = 1, .save = save_index};

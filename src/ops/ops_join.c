@@ -109,7 +109,7 @@ static kiln_status cat_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_cat = {
-    .name = "cat", .api = "kiln_cat", .n_in = KILN__OP_VARIADIC, .n_out = 1, .n_kernels = 1,
+    .name = "cat", .api = "kiln_cat", .n_in = KILN__OP_VARIADIC, .n_out = 1, .amp = KILN__AMP_PROMOTE, .n_kernels = 1,
     .kernels = {KILN__K_COPY}, .attrs = dim_fields, .n_attrs = 1, .attr_size = sizeof(attrs_dim),
     .infer = cat_infer, .forward = cat_forward, .backward = cat_backward};
 
@@ -157,7 +157,7 @@ static kiln_status stack_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_stack = {
-    .name = "stack", .api = "kiln_stack", .n_in = KILN__OP_VARIADIC, .n_out = 1,
+    .name = "stack", .api = "kiln_stack", .n_in = KILN__OP_VARIADIC, .n_out = 1, .amp = KILN__AMP_PROMOTE,
     .flags = KILN__OP_COMPOSITE, .attrs = dim_fields, .n_attrs = 1, .attr_size = sizeof(attrs_dim),
     .infer = stack_infer, .forward = stack_forward};
 

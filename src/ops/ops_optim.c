@@ -268,3 +268,93 @@ kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor
   free(in);
   return st;
 }
+
+/* ---- loss scaling: unscale and check for inf/NaN ---- */
+typedef struct attrs_unscale {
+  double inv_scale;
+  int n;
+} attrs_unscale;
+static const kiln__attr_field f_unscale[] = {KILN__FIELD(attrs_unscale, inv_scale, KILN__A_FLOAT)};
+
+/* inputs: the n gradients (NULL entries skipped), then found_inf */
+static kiln_status unscale_infer(kiln__op_ctx *c) {
+  const attrs_unscale *p = c->attrs;
+  kiln_tensor *fi = c->in[p->n];
+  if (!fi || fi->dtype != KILN_F32 || kiln_numel(fi) != 1)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: found_inf must be one float32 element", c->op->api);
+  for (int i = 0; i < p->n; i++) {
+    kiln_tensor *g = c->in[i];
+    if (!g) continue;
+    if (!kiln_dtype_is_float(g->dtype))
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: gradient %d is %s, not floating", c->op->api, i, kiln_dtype_name(g->dtype));
+    if (!kiln_is_contiguous(g))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: gradient %d is not contiguous", c->op->api, i);
+    if (!kiln_device_equal(kiln_device_of(g), kiln_device_of(fi)))
+      return kiln_set_error(KILN_ERR_DEVICE, "%s: gradient %d is on %s, found_inf on %s", c->op->api, i,
+                            kiln__device_cstr(kiln_device_of(g)), kiln__device_cstr(kiln_device_of(fi)));
+  }
+  return KILN_OK;
+}
+
+/* One list kernel for all the gradients (CUDA: one launch); a backend without it gets the
+** same numbers from public ops per tensor, still without reading anything on the host:
+** g *= inv_scale; found_inf = max(found_inf, any(g * 0 != 0)) (inf * 0 and NaN * 0 are NaN). */
+static kiln_status unscale_forward(kiln__op_ctx *c) {
+  const attrs_unscale *p = c->attrs;
+  kiln_tensor *fi = c->in[p->n];
+  kiln_device dev = kiln_device_of(fi);
+  kiln__view *list = malloc((size_t)(p->n > 0 ? p->n : 1) * sizeof *list);
+  if (!list) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", c->op->api);
+  int m = 0;
+  for (int i = 0; i < p->n; i++)
+    if (c->in[i] && kiln_numel(c->in[i]) > 0) list[m++] = kiln__view_of(c->in[i]);
+  kiln__kargs a = {0};
+  a.op = KILN__K_AMP_UNSCALE;
+  a.n_out = 1;
+  a.out[0] = kiln__view_of(fi);
+  a.s[0] = p->inv_scale;
+  a.list_n = m;
+  a.list_w = 1;
+  a.list = list;
+  kiln_status st = KILN_OK;
+  if (m == 0) {
+    /* nothing to do */
+  } else if (kiln__dispatch_has(dev, &a, KILN__K_AMP_UNSCALE)) {
+    st = kiln__dispatch(dev, &a);
+  } else {
+    for (int i = 0; i < p->n && st == KILN_OK; i++) {
+      kiln_tensor *g = c->in[i];
+      if (!g || kiln_numel(g) == 0) continue;
+      kiln_scope_begin();
+      st = kiln_mul_scalar_(g, p->inv_scale);
+      kiln_tensor *bad = st == KILN_OK ? kiln_amax(kiln_to_dtype(kiln_ne(kiln_mul_scalar(g, 0.0), kiln_zeros_like(g)),
+                                                                 KILN_F32), g->ndim, (const int[]){0, 1, 2, 3, 4, 5, 6, 7}, false)
+                                       : NULL;
+      kiln_tensor *both = bad ? kiln_maximum(kiln_view(fi, 0, NULL), bad) : NULL;
+      if (st == KILN_OK) st = both ? kiln_copy_(fi, both) : kiln_last_error();
+      kiln_scope_end();
+    }
+  }
+  free(list);
+  return st;
+}
+
+static const kiln__op op_amp_unscale_ = {
+    .name = "amp_unscale_", .api = "kiln_amp_unscale_", .n_in = KILN__OP_VARIADIC, .n_out = 1,
+    .optional = 0xffffffffu, .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 1,
+    .kernels = {KILN__K_AMP_UNSCALE}, .attrs = f_unscale, .n_attrs = 1, .attr_size = sizeof(attrs_unscale),
+    .infer = unscale_infer, .forward = unscale_forward};
+
+kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf, double inv_scale) {
+  static const char who[] = "kiln_amp_unscale_";
+  if (n < 0 || (n > 0 && !grads) || !found_inf)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: n must be >= 0, the gradients and found_inf given", who);
+  kiln_tensor **in = malloc((size_t)(n + 1) * sizeof *in);
+  if (!in) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  for (int i = 0; i < n; i++) in[i] = grads[i];
+  in[n] = found_inf;
+  attrs_unscale p = {inv_scale, n};
+  kiln_status st = kiln__op_call_status(&op_amp_unscale_, n + 1, in, &p);
+  free(in);
+  return st;
+}

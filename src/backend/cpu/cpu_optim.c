@@ -196,3 +196,61 @@ kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
     for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(w - 1)].data += 1.0;
   return KILN_OK;
 }
+
+/* AMP_UNSCALE: g *= inv_scale in place over every view of the list, and the found-inf
+** flag (out0, f32) set when any product is not finite (an inf or NaN gradient stays one
+** after the multiplication, so the check reads the products). 16-bit grads are computed
+** in f32 and rounded back, as the elementwise kernels do. */
+kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a) {
+  if (a->list_w != 1 || a->n_out < 1 || a->out[0].dtype != KILN_F32)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_unscale kernel: expected a list of width 1 and an f32 flag");
+  const double inv = a->s[0];
+  bool bad = false;
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[g];
+    if (!kiln__view_is_contiguous(v))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln amp_unscale kernel: tensor %d is not contiguous", g);
+    int64_t n = kiln__view_numel(v);
+    switch (v->dtype) {
+    case KILN_F32: {
+      float *p = v->data, s = (float)inv;
+      for (int64_t k = 0; k < n; k++) {
+        p[k] *= s;
+        bad |= !isfinite(p[k]);
+      }
+      break;
+    }
+    case KILN_F64: {
+      double *p = v->data;
+      for (int64_t k = 0; k < n; k++) {
+        p[k] *= inv;
+        bad |= !isfinite(p[k]);
+      }
+      break;
+    }
+    case KILN_F16: {
+      uint16_t *p = v->data;
+      for (int64_t k = 0; k < n; k++) {
+        float x = kiln_f16_to_f32(p[k]) * (float)inv;
+        p[k] = kiln_f32_to_f16(x);
+        bad |= !isfinite(x);
+      }
+      break;
+    }
+    case KILN_BF16: {
+      uint16_t *p = v->data;
+      for (int64_t k = 0; k < n; k++) {
+        float x = kiln_bf16_to_f32(p[k]) * (float)inv;
+        p[k] = kiln_f32_to_bf16(x);
+        bad |= !isfinite(x);
+      }
+      break;
+    }
+    default:
+      return kiln_set_error(KILN_ERR_DTYPE, "kiln amp_unscale kernel: tensor %d is %s, not floating", g,
+                            kiln_dtype_name(v->dtype));
+    }
+  }
+  if (bad) *(float *)a->out[0].data = 1.0f;
+  return KILN_OK;
+}

@@ -1,0 +1,309 @@
+/*
+** Gradient checkpointing (torch.utils.checkpoint): a segment's forward runs with grad
+** mode off inside a scope of its own, so that only its inputs and outputs outlive it;
+** its backward runs the segment again with grad mode on, from detached copies of the
+** inputs, and backpropagates through the recomputed graph.
+**
+** The segment is one custom function (kiln_function_apply) whose inputs are the
+** program's inputs and the parameters the segment uses: leaves that require grad, found
+** while the forward runs by an op observer (every op's inputs go past it). The recompute
+** asks kiln_autograd_grad for the gradients of exactly those tensors and hands them to
+** the engine as the function's input gradients, so they reach .grad under kiln_backward
+** and the requested results under kiln_autograd_grad alike (PyTorch's non-reentrant
+** form has the same property; its reentrant form writes .grad from inside backward and
+** cannot serve torch.autograd.grad).
+**
+** Same numbers: the recompute restores the generators' states saved at forward (the
+** global one, and those the program names in kiln_checkpoint_ex), so dropout draws the
+** same mask, and puts the generators back as they were after; it runs under the
+** autocast state of the forward (with a weight-cast cache of its own, so it never shares
+** a node with the graph being backpropagated). On the CPU the gradients are the bits of
+** the run without checkpointing, as long as a parameter is used by one segment only (the
+** order of the additions into its .grad is otherwise the segments').
+**
+** Limits: a tensor with a history that fn reads other than through its inputs (from its
+** ctx) gets no gradient, as with PyTorch's reentrant checkpoint: pass it as an input.
+*/
+#include "ops/op.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GENS 8
+
+/* ---- the parameter collector: an op observer with a per-thread target ---- */
+typedef struct tlist {
+  kiln_tensor **v;
+  int n, cap;
+  bool oom;
+} tlist;
+
+typedef struct collector {
+  tlist found;
+  int n_exclude;
+  kiln_tensor *const *exclude; /* the segment's own inputs */
+} collector;
+
+static _Thread_local collector *collecting;
+
+static void tlist_add(tlist *l, kiln_tensor *t) {
+  for (int i = 0; i < l->n; i++)
+    if (l->v[i] == t) return;
+  if (l->n == l->cap) {
+    int ncap = l->cap ? l->cap * 2 : 16;
+    kiln_tensor **nv = realloc(l->v, (size_t)ncap * sizeof *nv);
+    if (!nv) {
+      l->oom = true;
+      return;
+    }
+    l->v = nv;
+    l->cap = ncap;
+  }
+  l->v[l->n++] = t;
+}
+
+static void *collect_begin(const kiln__op_event *e, void *ctx) {
+  KILN__UNUSED(ctx);
+  collector *c = collecting;
+  if (!c) return NULL;
+  for (int i = 0; i < e->n_in; i++) {
+    kiln_tensor *t = e->in[i];
+    if (!t || !t->requires_grad || t->grad_fn) continue;
+    bool own = false;
+    for (int k = 0; k < c->n_exclude && !own; k++) own = c->exclude[k] == t;
+    if (!own) tlist_add(&c->found, t);
+  }
+  return NULL;
+}
+
+static const kiln__observer collect_obs = {"checkpoint", collect_begin, NULL, NULL};
+static pthread_mutex_t obs_lock = PTHREAD_MUTEX_INITIALIZER;
+static int obs_users; /* threads collecting now: the observer is on while any is */
+
+static kiln_status collect_on(void) {
+  pthread_mutex_lock(&obs_lock);
+  kiln_status st = obs_users == 0 ? kiln__observer_add(&collect_obs) : KILN_OK;
+  if (st == KILN_OK) obs_users++;
+  pthread_mutex_unlock(&obs_lock);
+  return st;
+}
+
+static void collect_off(void) {
+  pthread_mutex_lock(&obs_lock);
+  if (--obs_users == 0) kiln__observer_remove(&collect_obs);
+  pthread_mutex_unlock(&obs_lock);
+}
+
+/* ---- the segment ---- */
+typedef struct rng_state {
+  kiln_generator *g;
+  uint64_t seed, offset;
+} rng_state;
+
+typedef struct segment {
+  kiln_checkpoint_fn fn;
+  void *ctx;
+  int n_in;     /* the program's inputs; the function's inputs after them are parameters */
+  int n_params;
+  int n_out;
+  kiln_tensor **outs; /* forward: the outputs computed before kiln_function_apply */
+  int n_gens;
+  rng_state gens[MAX_GENS + 1]; /* [0]: the global generator */
+  kiln__autocast_state ac;
+} segment;
+
+static void rng_save(segment *s) {
+  for (int k = 0; k < s->n_gens; k++) kiln_generator_get_state(s->gens[k].g, &s->gens[k].seed, &s->gens[k].offset);
+}
+
+static kiln_status seg_forward(kiln_function_ctx *fc, int n_in, kiln_tensor *const *in, int n_out,
+                               kiln_tensor **out) {
+  segment *s = kiln_function_state(fc);
+  for (int i = 0; i < s->n_in && i < n_in; i++) {
+    kiln_status st = kiln_function_save(fc, in[i]);
+    if (st != KILN_OK) return st;
+  }
+  for (int k = 0; k < n_out; k++) out[k] = s->outs[k];
+  return KILN_OK;
+}
+
+static kiln_status seg_backward(kiln_function_ctx *fc, int n_out, kiln_tensor *const *gout, int n_in,
+                                kiln_tensor **gin) {
+  segment *s = kiln_function_state(fc);
+  kiln_tensor *local[16], **buf = local;
+  size_t need = (size_t)s->n_in + (size_t)n_out * 3 + (size_t)n_in * 2;
+  if (need > 16 && !(buf = calloc(need, sizeof *buf)))
+    return kiln_set_error(KILN_ERR_OOM, "kiln_checkpoint: out of host memory");
+  kiln_tensor **x = buf, **y = x + s->n_in, **ys = y + n_out, **gs = ys + n_out;
+  kiln_tensor **targets = gs + n_out, **grads = targets + n_in;
+  int where[64];
+  kiln_status st = KILN_OK;
+  /* detached inputs; those the engine wants a gradient for require grad */
+  for (int i = 0; i < s->n_in && st == KILN_OK; i++) {
+    x[i] = kiln_detach(kiln_function_saved(fc, i));
+    if (!x[i]) st = kiln_last_error();
+    else if (kiln_function_grad_needed(fc, i) && kiln_dtype_is_float(kiln_dtype_of(x[i])))
+      st = kiln_requires_grad_(x[i], true);
+  }
+  /* the recompute, under the forward's generators and autocast state */
+  rng_state now[MAX_GENS + 1];
+  if (st == KILN_OK) {
+    for (int k = 0; k < s->n_gens; k++) {
+      now[k].g = s->gens[k].g;
+      kiln_generator_get_state(now[k].g, &now[k].seed, &now[k].offset);
+      kiln_generator_set_state(s->gens[k].g, s->gens[k].seed, s->gens[k].offset);
+    }
+    st = kiln__autocast_push_state(&s->ac);
+    if (st == KILN_OK) {
+      bool prev = kiln_set_grad_enabled(true);
+      for (int k = 0; k < n_out; k++) y[k] = NULL;
+      st = s->fn(s->ctx, s->n_in, x, n_out, y);
+      kiln_set_grad_enabled(prev);
+      kiln__autocast_pop_state();
+    }
+    for (int k = 0; k < s->n_gens; k++) kiln_generator_set_state(now[k].g, now[k].seed, now[k].offset);
+    if (st != KILN_OK && kiln_last_error() == KILN_OK)
+      kiln_set_error(st, "kiln_checkpoint: the recompute failed");
+  }
+  /* backward through it, to the inputs and parameters that want a gradient */
+  int n_y = 0, n_t = 0;
+  for (int k = 0; k < n_out && st == KILN_OK; k++) {
+    if (!y[k]) st = kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_checkpoint: the recompute left output %d NULL", k);
+    else if (gout[k] && kiln_requires_grad(y[k])) {
+      ys[n_y] = y[k];
+      gs[n_y++] = gout[k];
+    }
+  }
+  for (int i = 0; i < n_in && st == KILN_OK; i++) {
+    if (!kiln_function_grad_needed(fc, i)) continue;
+    if (n_t == 64) {
+      st = kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_checkpoint: at most 64 tensors take a gradient from a segment");
+      break;
+    }
+    where[n_t] = i;
+    targets[n_t++] = NULL;
+  }
+  if (st == KILN_OK && n_y > 0 && n_t > 0) {
+    /* an input's detached copy, or a parameter itself (kept after the outputs in outs) */
+    for (int j = 0; j < n_t; j++) {
+      int i = where[j];
+      targets[j] = i < s->n_in ? x[i] : s->outs[s->n_out + (i - s->n_in)];
+    }
+    st = kiln_autograd_grad(n_y, ys, gs, n_t, targets, grads);
+    for (int j = 0; j < n_t && st == KILN_OK; j++) gin[where[j]] = grads[j];
+  }
+  if (buf != local) free(buf);
+  return st;
+}
+
+static const kiln_function seg_fn = {"checkpoint", seg_forward, seg_backward};
+
+static void segment_free(void *p) {
+  segment *s = p;
+  if (!s) return;
+  for (int j = 0; j < s->n_params; j++) kiln_tensor_free(s->outs[s->n_out + j]);
+  free(s->outs);
+  free(s);
+}
+
+kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kiln_generator *const *gens,
+                               int n_in, kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs) {
+  static const char who[] = "kiln_checkpoint";
+  if (!fn || n_in < 0 || (n_in > 0 && !inputs) || n_out < 1 || n_out > KILN__OP_MAX_OUT || !outputs ||
+      n_gens < 0 || n_gens > MAX_GENS || (n_gens > 0 && !gens))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: needs a function, inputs, 1 to %d outputs and at most %d generators", who,
+                          KILN__OP_MAX_OUT, MAX_GENS);
+  for (int k = 0; k < n_out; k++) outputs[k] = NULL;
+  for (int i = 0; i < n_in; i++)
+    if (!inputs[i]) {
+      if (kiln_last_error() == KILN_OK) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", who, i);
+      return kiln_last_error();
+    }
+  for (int k = 0; k < n_gens; k++)
+    if (!gens[k]) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: generator %d is NULL", who, k);
+  segment *s = calloc(1, sizeof *s);
+  if (!s) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  s->fn = fn;
+  s->ctx = ctx;
+  s->n_in = n_in;
+  s->n_out = n_out;
+  s->n_gens = n_gens + 1;
+  s->gens[0].g = kiln_generator_global();
+  for (int k = 0; k < n_gens; k++) s->gens[k + 1].g = gens[k];
+  rng_save(s);
+  kiln__autocast_get_state(&s->ac);
+  bool record = kiln_grad_enabled();
+
+  /* the forward: grad mode off, in a scope of its own; the parameters collected */
+  collector col = {{NULL, 0, 0, false}, n_in, inputs}, *prev_col = collecting;
+  kiln_tensor *outs[KILN__OP_MAX_OUT] = {NULL};
+  kiln_status st = record ? collect_on() : KILN_OK;
+  if (st == KILN_OK) {
+    if (record) collecting = &col;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    st = fn(ctx, n_in, inputs, n_out, outs);
+    if (st == KILN_OK)
+      for (int k = 0; k < n_out && st == KILN_OK; k++) {
+        if (!outs[k])
+          st = kiln_last_error() != KILN_OK
+                   ? kiln_last_error()
+                   : kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: the function returned no tensor for output %d",
+                                    who, k);
+      }
+    else if (kiln_last_error() == KILN_OK)
+      kiln_set_error(st, "%s: the function failed", who);
+    for (int k = 0; k < n_out; k++) kiln_tensor_ref(outs[k]); /* NULL-safe: outlives the scope */
+    kiln_scope_end();
+    kiln_set_grad_enabled(prev);
+    if (record) {
+      collecting = prev_col;
+      collect_off();
+    }
+  }
+  for (int k = 0; k < n_out; k++) kiln__scope_track(outs[k]); /* the caller's scope owns them now */
+  if (st == KILN_OK && col.found.oom) st = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  /* An enclosing checkpoint's forward must see this segment's parameters too. */
+  for (int j = 0; prev_col && j < col.found.n; j++) tlist_add(&prev_col->found, col.found.v[j]);
+  bool any = false;
+  for (int i = 0; i < n_in && record; i++) any = any || inputs[i]->requires_grad;
+  any = any || col.found.n > 0;
+  if (st != KILN_OK || !record || !any) {
+    if (st == KILN_OK)
+      for (int k = 0; k < n_out; k++) outputs[k] = outs[k];
+    else
+      for (int k = 0; k < n_out; k++) kiln__discard(outs[k]);
+    free(col.found.v);
+    free(s);
+    return st;
+  }
+  /* One node for the segment: inputs, then the parameters (kept in outs after the outputs). */
+  int n_all = n_in + col.found.n;
+  kiln_tensor **all = malloc((size_t)(n_all > 0 ? n_all : 1) * sizeof *all);
+  s->outs = malloc((size_t)(n_out + col.found.n) * sizeof *s->outs);
+  if (!all || !s->outs) {
+    free(all);
+    free(s->outs);
+    free(s);
+    free(col.found.v);
+    return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  }
+  for (int i = 0; i < n_in; i++) all[i] = inputs[i];
+  for (int k = 0; k < n_out; k++) s->outs[k] = outs[k];
+  for (int j = 0; j < col.found.n; j++) {
+    all[n_in + j] = col.found.v[j];
+    s->outs[n_out + j] = kiln_tensor_ref(col.found.v[j]);
+  }
+  s->n_params = col.found.n;
+  free(col.found.v);
+  st = kiln_function_apply(&seg_fn, s, segment_free, n_all, all, n_out, outputs);
+  free(all);
+  return st;
+}
+
+kiln_status kiln_checkpoint(kiln_checkpoint_fn fn, void *ctx, int n_in, kiln_tensor *const *inputs, int n_out,
+                            kiln_tensor **outputs) {
+  return kiln_checkpoint_ex(fn, ctx, 0, NULL, n_in, inputs, n_out, outputs);
+}

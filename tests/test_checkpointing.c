@@ -1,0 +1,292 @@
+/*
+** Gradient checkpointing (kiln_checkpoint): on the CPU the gradients are the bits of the
+** run without it, with dropout inside (the generator is restored for the recompute),
+** under kiln_backward and kiln_autograd_grad, nested, under autocast, with an explicit
+** generator; the forward keeps no activations; grad mode off just runs; the bad inputs.
+*/
+#include "check.h"
+
+#include <kiln_nn.h>
+
+#include <string.h>
+
+static const kiln_device CPU = {KILN_DEVICE_CPU, 0};
+
+typedef struct net {
+  kiln_tensor *w1, *b1, *w2;
+  kiln_generator *gen; /* NULL: the global one */
+  bool nested;         /* the second layer is a checkpoint of its own */
+} net;
+
+static kiln_tensor *param(int64_t r, int64_t c, uint64_t seed) {
+  kiln_generator *g = kiln_generator_new(seed);
+  kiln_tensor *w = kiln_keep(kiln_randn(KILN_SHAPE(r, c), KILN_F32, CPU, g));
+  kiln_generator_free(g);
+  kiln_requires_grad_(w, true);
+  return w;
+}
+
+static kiln_status layer2(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_in;
+  (void)n_out;
+  net *m = ctx;
+  out[0] = kiln_tanh(kiln_linear(kiln_dropout(in[0], 0.3, true, m->gen), m->w2, NULL));
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
+/* (B, 6) -> (B, 4): dropout(relu(x W1^T + b1)) W2^T, then tanh */
+static kiln_status block(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  net *m = ctx;
+  kiln_tensor *h = kiln_relu(kiln_linear(in[0], m->w1, kiln_view(m->b1, KILN_SHAPE(8))));
+  if (m->nested) return kiln_checkpoint_ex(layer2, m, m->gen ? 1 : 0, &m->gen, 1, &h, n_out, out);
+  return layer2(ctx, n_in, &h, n_out, out);
+}
+
+static kiln_tensor *loss_of(kiln_tensor *y) { return kiln_mean_all(kiln_mul(y, y)); }
+
+static bool bit_equal(kiln_tensor *a, kiln_tensor *b) {
+  if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
+  kiln_scope_begin();
+  kiln_tensor *ca = kiln_contiguous(a), *cb = kiln_contiguous(b);
+  bool same = memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
+  kiln_scope_end();
+  return same;
+}
+
+typedef struct grads {
+  kiln_tensor *loss, *w1, *b1, *w2, *x;
+} grads;
+
+/* One step, checkpointed or not: the loss and the gradients (kept), from seed 11. */
+static grads run(net *m, bool ckpt, bool autocast) {
+  grads r;
+  kiln_scope_begin();
+  kiln_manual_seed(11);
+  if (m->gen) kiln_generator_seed(m->gen, 11);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL);
+  kiln_requires_grad_(x, true);
+  kiln_tensor *y = NULL;
+  if (autocast) kiln_autocast_begin(KILN_DEVICE_CPU, KILN_BF16);
+  if (ckpt) {
+    CHECK(kiln_checkpoint_ex(block, m, m->gen ? 1 : 0, &m->gen, 1, &x, 1, &y) == KILN_OK);
+    CHECK(kiln_grad_fn_name(y) && strcmp(kiln_grad_fn_name(y), "checkpoint") == 0);
+  } else CHECK(block(m, 1, &x, 1, &y) == KILN_OK);
+  kiln_tensor *loss = loss_of(y);
+  if (autocast) kiln_autocast_end();
+  kiln_set_grad(m->w1, NULL);
+  kiln_set_grad(m->b1, NULL);
+  kiln_set_grad(m->w2, NULL);
+  CHECK(kiln_backward(loss, NULL) == KILN_OK);
+  r.loss = kiln_keep(kiln_clone(loss));
+  r.w1 = kiln_keep(kiln_clone(kiln_grad(m->w1)));
+  r.b1 = kiln_keep(kiln_clone(kiln_grad(m->b1)));
+  r.w2 = kiln_keep(kiln_clone(kiln_grad(m->w2)));
+  r.x = kiln_keep(kiln_clone(kiln_grad(x)));
+  kiln_scope_end();
+  return r;
+}
+
+static void grads_free(grads *g) {
+  kiln_tensor_free(g->loss);
+  kiln_tensor_free(g->w1);
+  kiln_tensor_free(g->b1);
+  kiln_tensor_free(g->w2);
+  kiln_tensor_free(g->x);
+}
+
+static void expect_same(net *m, bool autocast) {
+  grads a = run(m, false, autocast), b = run(m, true, autocast);
+  CHECK(bit_equal(a.loss, b.loss));
+  CHECK(bit_equal(a.w1, b.w1));
+  CHECK(bit_equal(a.b1, b.b1));
+  CHECK(bit_equal(a.w2, b.w2));
+  CHECK(bit_equal(a.x, b.x));
+  grads_free(&a);
+  grads_free(&b);
+}
+
+static net make_net(void) {
+  net m = {param(8, 6, 1), param(1, 8, 2), param(4, 8, 3), NULL, false};
+  return m;
+}
+static void free_net(net *m) {
+  kiln_tensor_free(m->w1);
+  kiln_tensor_free(m->b1);
+  kiln_tensor_free(m->w2);
+}
+
+static void test_bit_identical_with_dropout(void) {
+  net m = make_net();
+  expect_same(&m, false);
+  free_net(&m);
+}
+
+static void test_nested(void) {
+  net m = make_net();
+  m.nested = true;
+  expect_same(&m, false);
+  free_net(&m);
+}
+
+static void test_under_autocast(void) {
+  net m = make_net();
+  expect_same(&m, true);
+  m.nested = true;
+  expect_same(&m, true);
+  free_net(&m);
+}
+
+/* An explicit generator is restored for the recompute and left as it was after. */
+static void test_explicit_generator(void) {
+  net m = make_net();
+  m.gen = kiln_generator_new(5);
+  expect_same(&m, false);
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL), *y = NULL;
+  CHECK(kiln_checkpoint_ex(block, &m, 1, &m.gen, 1, &x, 1, &y) == KILN_OK);
+  uint64_t s0, o0, s1, o1, gs0, go0, gs1, go1;
+  kiln_generator_get_state(m.gen, &s0, &o0);
+  kiln_generator_get_state(kiln_generator_global(), &gs0, &go0);
+  CHECK(kiln_backward(loss_of(y), NULL) == KILN_OK);
+  kiln_generator_get_state(m.gen, &s1, &o1);
+  kiln_generator_get_state(kiln_generator_global(), &gs1, &go1);
+  CHECK(s0 == s1 && o0 == o1 && gs0 == gs1 && go0 == go1);
+  kiln_scope_end();
+  kiln_generator_free(m.gen);
+  free_net(&m);
+}
+
+/* kiln_autograd_grad through a checkpoint: the same gradients, and no .grad written. */
+static void test_autograd_grad(void) {
+  net m = make_net();
+  kiln_tensor *res[2][4];
+  for (int c = 0; c < 2; c++) {
+    kiln_scope_begin();
+    kiln_manual_seed(3);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL), *y = NULL;
+    kiln_requires_grad_(x, true);
+    if (c) CHECK(kiln_checkpoint(block, &m, 1, &x, 1, &y) == KILN_OK);
+    else CHECK(block(&m, 1, &x, 1, &y) == KILN_OK);
+    kiln_tensor *loss = loss_of(y);
+    kiln_tensor *wrt[4] = {m.w1, m.b1, m.w2, x}, *g[4] = {NULL};
+    CHECK(kiln_autograd_grad(1, &loss, NULL, 4, wrt, g) == KILN_OK);
+    for (int k = 0; k < 4; k++) res[c][k] = kiln_keep(g[k]);
+    CHECK(!kiln_grad(m.w1) && !kiln_grad(m.w2) && !kiln_grad(x));
+    kiln_scope_end();
+  }
+  for (int k = 0; k < 4; k++) {
+    CHECK(bit_equal(res[0][k], res[1][k]));
+    kiln_tensor_free(res[0][k]);
+    kiln_tensor_free(res[1][k]);
+  }
+  free_net(&m);
+}
+
+/* The forward keeps only the outputs: fewer live tensors than the plain forward. */
+static void test_keeps_no_activations(void) {
+  net m = make_net();
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL), *y = NULL;
+  int64_t before = kiln_live_tensors();
+  CHECK(kiln_checkpoint(block, &m, 1, &x, 1, &y) == KILN_OK);
+  int64_t with = kiln_live_tensors() - before;
+  before = kiln_live_tensors();
+  CHECK(block(&m, 1, &x, 1, &y) == KILN_OK);
+  int64_t without = kiln_live_tensors() - before;
+  CHECK(with < without);
+  CHECK(with <= 2); /* the output and its alias on the node */
+  kiln_scope_end();
+  free_net(&m);
+}
+
+/* Grad mode off: fn just runs, nothing is recorded. */
+static void test_no_grad_just_runs(void) {
+  net m = make_net();
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL), *y = NULL;
+  bool prev = kiln_set_grad_enabled(false);
+  CHECK(kiln_checkpoint(block, &m, 1, &x, 1, &y) == KILN_OK);
+  kiln_set_grad_enabled(prev);
+  CHECK(y && !kiln_requires_grad(y) && kiln_grad_fn_name(y) == NULL);
+  kiln_scope_end();
+  free_net(&m);
+}
+
+static kiln_status returns_nothing(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)ctx;
+  (void)n_in;
+  (void)in;
+  (void)n_out;
+  (void)out;
+  return KILN_OK;
+}
+static kiln_status fails(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)ctx;
+  (void)n_in;
+  (void)n_out;
+  out[0] = kiln_relu(in[0]);
+  return kiln_set_error(KILN_ERR_SHAPE, "fails: on purpose");
+}
+
+static void test_bad_inputs(void) {
+  kiln_scope_begin();
+  int64_t live0 = kiln_live_tensors();
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(2), KILN_F32, CPU), *y = (kiln_tensor *)&y;
+  kiln_requires_grad_(x, true);
+  CHECK(kiln_checkpoint(returns_nothing, NULL, 1, &x, 1, &y) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(y == NULL && strstr(kiln_last_error_message(), "no tensor") != NULL);
+  CHECK(kiln_checkpoint(fails, NULL, 1, &x, 1, &y) == KILN_ERR_SHAPE && y == NULL);
+  CHECK(strstr(kiln_last_error_message(), "on purpose") != NULL);
+  CHECK(kiln_checkpoint(NULL, NULL, 1, &x, 1, &y) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_checkpoint(block, NULL, 1, &x, 0, &y) == KILN_ERR_INVALID_ARGUMENT);
+  kiln_tensor *none = NULL;
+  kiln_clear_error();
+  CHECK(kiln_checkpoint(block, NULL, 1, &none, 1, &y) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_live_tensors() == live0 + 1);
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
+/* nn: a Sequential marked to checkpoint each block gives the same gradients. */
+static void test_nn_sequential(void) {
+  kiln_tensor *g[2][4] = {{NULL}};
+  for (int c = 0; c < 2; c++) {
+    kiln_generator *gen = kiln_generator_new(9);
+    kiln_module *seq = kiln_sequential_new();
+    kiln_sequential_append(seq, kiln_linear_new(6, 8, true, KILN_F32, CPU, gen));
+    kiln_sequential_append(seq, kiln_relu_new());
+    kiln_sequential_append(seq, kiln_dropout_new(0.25, NULL));
+    kiln_sequential_append(seq, kiln_linear_new(8, 3, true, KILN_F32, CPU, gen));
+    kiln_generator_free(gen);
+    if (c) CHECK(kiln_module_set_checkpoint(seq, true) == KILN_OK);
+    kiln_scope_begin();
+    kiln_manual_seed(4);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL);
+    kiln_tensor *loss = loss_of(kiln_module_forward(seq, x));
+    CHECK(kiln_backward(loss, NULL) == KILN_OK);
+    kiln_tensor *ps[4];
+    CHECK(kiln_module_parameters(seq, ps, 4) == 4);
+    for (int k = 0; k < 4; k++) g[c][k] = kiln_keep(kiln_clone(kiln_grad(ps[k])));
+    kiln_scope_end();
+    kiln_module_free(seq);
+  }
+  for (int k = 0; k < 4; k++) {
+    CHECK(bit_equal(g[0][k], g[1][k]));
+    kiln_tensor_free(g[0][k]);
+    kiln_tensor_free(g[1][k]);
+  }
+}
+
+int main(void) {
+  test_bit_identical_with_dropout();
+  test_nested();
+  test_under_autocast();
+  test_explicit_generator();
+  test_autograd_grad();
+  test_keeps_no_activations();
+  test_no_grad_just_runs();
+  test_bad_inputs();
+  test_nn_sequential();
+  printf("test_checkpointing: %d failures\n", failures);
+  return failures ? 1 : 0;
+}

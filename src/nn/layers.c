@@ -89,7 +89,10 @@ static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
     kiln_module *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
     if (kiln__module_vtable(c) == &linear_vt && next && kiln__module_vtable(next) == &relu_vt) {
       const linear_cfg *lc = kiln_module_impl(c);
+      /* the fused op runs in the Linear's module scope (the ReLU gets no span of its own) */
+      kiln__module_scope_push(kiln__module_label(c));
       x = kiln_linear_relu(x, kiln_module_param(c, "weight"), lc->bias ? kiln_module_param(c, "bias") : NULL);
+      kiln__module_scope_pop();
       i++;
       continue;
     }

@@ -14,6 +14,10 @@
 /* The module's vtable (identifies kiln's own layer types exactly, for fusions). */
 const kiln_module_vtable *kiln__module_vtable(const kiln_module *m);
 
+/* The module's label for the module scope ("layers.0 (Linear)"; the root: its type
+** name), interned: it outlives the module. */
+const char *kiln__module_label(kiln_module *m);
+
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
 int kiln__module_extra_repr(const kiln_module *m, char *buf, size_t n);
 

@@ -534,7 +534,9 @@ KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
 
 /* Anomaly mode (torch.autograd.detect_anomaly): every floating output of every op, in
 ** forward and backward, is checked for NaN and infinity; the first one found fails that
-** op with KILN_ERR_NUMERIC naming the op and the shape. Copies each output to the host:
+** op with KILN_ERR_NUMERIC naming the op, its input and output shapes, the nn module it
+** ran in, and during a backward the forward op and module that made the node whose rule
+** produced the value. Copies each output to the host:
 ** for debugging. KILN_ANOMALY=1 turns it on at start. */
 KILN_API kiln_status kiln_set_anomaly_enabled(bool on);
 KILN_API bool kiln_anomaly_enabled(void);

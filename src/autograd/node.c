@@ -109,10 +109,17 @@ kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward
 
 void kiln__node_save(kiln__node *n, int k, kiln_tensor *t) {
   KILN__ASSERT(k >= 0 && k < n->n_saved);
-  if (n->saved[k]) kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
+  uint32_t bit = k < 32 ? 1u << k : 0;
+  if (n->saved[k] && (n->saved_counted & bit)) kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
   kiln_tensor_free(n->saved[k]);
   n->saved[k] = t ? kiln__tensor_alias(t, false) : NULL;
-  if (n->saved[k]) kiln__saved_bytes_add((int64_t)kiln_nbytes(n->saved[k]));
+  n->saved_counted &= ~bit;
+  /* Activations are what autograd keeps alive: a leaf that requires grad (a parameter)
+  ** is held by its owner anyway and is not counted. Slots past 32 are not counted. */
+  if (n->saved[k] && bit && !(t->requires_grad && !t->grad_fn)) {
+    n->saved_counted |= bit;
+    kiln__saved_bytes_add((int64_t)kiln_nbytes(n->saved[k]));
+  }
 }
 
 void kiln__node_save_output(kiln__node *n, int k) {
@@ -145,7 +152,8 @@ void kiln__node_release(kiln__node *root) {
       stack[top++] = n->next[i].node;
     }
     for (int k = 0; k < n->n_saved; k++) {
-      if (n->saved[k]) kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
+      if (n->saved[k] && k < 32 && (n->saved_counted & (1u << k)))
+        kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
       kiln_tensor_free(n->saved[k]);
     }
     kiln_tensor_free(n->grad_acc);

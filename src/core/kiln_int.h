@@ -90,6 +90,7 @@ typedef struct kiln__node {
   kiln_dtype out_dtype;
   kiln_device out_device;
   kiln_tensor **saved; /* [n_saved] refs held; released with the node */
+  uint32_t saved_counted; /* bit k: slot k's bytes are in the saved-bytes count (memory.c) */
   void *attrs;         /* a copy of the op's attribute record (NULL when it has none) */
   void *state;         /* custom functions: the caller's state, freed by state_free */
   void (*state_free)(void *state);

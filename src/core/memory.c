@@ -6,7 +6,8 @@
 ** Saved bytes are counted where a node saves a tensor and where it lets go of one
 ** (autograd/node.c): the logical bytes of each saved view (numel x element size), so two
 ** slots over one storage count twice, and a view of a larger block counts its own
-** elements only. The module table is fed by the module scope (ops/module_scope.c) when
+** elements only. Saved parameters (leaves that require grad) are not activations and are
+** not counted. The module table is fed by the module scope (ops/module_scope.c) when
 ** a module's forward ends: what autograd holds more than when it began.
 */
 #include "kiln_int.h"
@@ -148,7 +149,7 @@ void kiln__oom_annotate(kiln_device dev) {
   if (n > 0) {
     k += snprintf(extra + k, sizeof extra - (size_t)k, "; checkpointing the modules that save the most (");
     for (int i = 0; i < n && k < (int)sizeof extra; i++)
-      k += snprintf(extra + k, sizeof extra - (size_t)k, "%s%s %s", i ? ", " : "", labels[i], fmt(bytes[i], a, sizeof a));
+      k += snprintf(extra + k, sizeof extra - (size_t)k, "%s%s: %s", i ? ", " : "", labels[i], fmt(bytes[i], a, sizeof a));
     if (k < (int)sizeof extra) k += snprintf(extra + k, sizeof extra - (size_t)k, ")");
   } else {
     k += snprintf(extra + k, sizeof extra - (size_t)k, "; activation checkpointing");

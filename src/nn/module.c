@@ -392,6 +392,39 @@ const char *kiln__module_label(kiln_module *m) {
   return m->label;
 }
 
+static _Thread_local kiln__act_measure *measuring;
+
+void kiln__module_measure_set(kiln__act_measure *a) { measuring = a; }
+bool kiln__module_measuring(void) { return measuring != NULL; }
+
+void kiln__module_measure_note(kiln_module *m, int64_t bytes) {
+  kiln__act_measure *a = measuring;
+  if (!a) return;
+  for (int i = 0; i < a->n; i++)
+    if (a->mods[i] == m) {
+      a->bytes[i] += bytes;
+      return;
+    }
+  if (a->n == a->cap) {
+    int nc = a->cap ? 2 * a->cap : 16;
+    kiln_module **nm = realloc(a->mods, (size_t)nc * sizeof *nm);
+    if (!nm) return;
+    a->mods = nm;
+    int64_t *nb = realloc(a->bytes, (size_t)nc * sizeof *nb);
+    if (!nb) return;
+    a->bytes = nb;
+    a->cap = nc;
+  }
+  a->mods[a->n] = m;
+  a->bytes[a->n++] = bytes;
+}
+
+static int64_t saved_now(void) {
+  int64_t live = 0;
+  if (measuring) kiln_autograd_saved_bytes(&live, NULL);
+  return live;
+}
+
 kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x) {
   if (!m) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_forward: NULL module");
@@ -399,7 +432,9 @@ kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x) {
   }
   if (!x) return NULL;
   kiln__module_scope_push(kiln__module_label(m));
+  int64_t s0 = saved_now();
   kiln_tensor *y = m->vt->forward ? m->vt->forward(m, x) : m->vt->forward_n(m, 1, &x);
+  if (measuring) kiln__module_measure_note(m, saved_now() - s0);
   kiln__module_scope_pop();
   return y;
 }
@@ -417,7 +452,9 @@ kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs
     return NULL;
   }
   kiln__module_scope_push(kiln__module_label(m));
+  int64_t s0 = saved_now();
   kiln_tensor *y = m->vt->forward_n ? m->vt->forward_n(m, n, xs) : m->vt->forward(m, xs[0]);
+  if (measuring) kiln__module_measure_note(m, saved_now() - s0);
   kiln__module_scope_pop();
   return y;
 }

@@ -13,13 +13,15 @@ if [[ "${KILN_SKIP_DEPS:-0}" == 1 ]]; then
   exit 0
 fi
 
-# build: compiler, cmake, pkg-config, BLAS, zlib, cJSON, MPI.
+# build: compiler, cmake, pkg-config, BLAS, zlib, cJSON, MPI; protobuf-c (TensorBoard
+# events through the library; optional) and cairo (`kiln plot`; optional).
 # tests: the Fashion-MNIST package, python3 + numpy (fixtures), valgrind.
 packages=(
   build-essential cmake pkg-config
   libopenblas-dev libopenblas0-pthread libopenblas-openmp-dev
   zlib1g-dev libcjson-dev
   openmpi-bin libopenmpi-dev
+  libprotobuf-c-dev protobuf-c-compiler libcairo2-dev
   dataset-fashion-mnist python3 python3-numpy valgrind
 )
 

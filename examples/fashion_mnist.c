@@ -6,7 +6,7 @@
 **
 ** Usage: fashion-mnist [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
-**                      [--seed N] [--json] [--quiet]
+**                      [--seed N] [--json] [--quiet] [--logdir DIR]
 ** --epochs is the total: with --resume the run continues from the checkpoint's epoch up
 ** to N (so the same command line can be run again after an interruption).
 ** --limit N trains on the first N training images (for quick tests).
@@ -34,6 +34,7 @@
 #include <kiln_optim.h>
 
 #include "common/launch.h"
+#include "common/logdir.h"
 #include "common/progress.h"
 
 #define PROG "fashion-mnist"
@@ -43,7 +44,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: " PROG " [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
-          "                     [--seed N] [--json] [--quiet]\n"
+          "                     [--seed N] [--json] [--quiet] [--logdir DIR]\n"
           "  MLP 784-256-10 on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
@@ -80,6 +81,7 @@ int main(int argc, char **argv) {
   long long epochs = 5, batch = 128, limit = 0, workers = 0, seed = 0;
   double lr = 1e-3;
   bool json = false, quiet = false, resume = false;
+  const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -93,6 +95,8 @@ int main(int argc, char **argv) {
       if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--data")) {
       if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--logdir")) {
+      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--checkpoint")) {
       if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--epochs")) {
@@ -118,6 +122,7 @@ int main(int argc, char **argv) {
   int jrc = ex_join(PROG, batch, &dist, &world, &rank);
   if (jrc) return jrc;
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
+  kiln_summary_writer *tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
@@ -238,6 +243,7 @@ int main(int argc, char **argv) {
       total += lv;
       n++;
       step++;
+      ex_log_scalar(&tb, "train/loss", step, lv);
       ex_progress_update(&p, seen);
     }
     kiln_device_synchronize(dev);
@@ -251,6 +257,8 @@ int main(int argc, char **argv) {
     if (rank != 0) continue;
     test_acc = evaluate(model, txd, tyd);
     if (isnan(test_acc)) return fail("evaluating");
+    ex_log_epoch(&tb, step, last_loss, lr, dt > 0 ? (double)seen / dt : 0.0, dev);
+    ex_log_scalar(&tb, "epoch/test_acc", step, test_acc);
 
     kiln_dict *extra = kiln_dict_new();
     char buf[64];
@@ -295,5 +303,6 @@ int main(int argc, char **argv) {
   kiln_tensor *all[] = {x, y, tx, ty, txd, tyd};
   for (int i = 0; i < 6; i++) kiln_tensor_free(all[i]);
   kiln_dist_free(dist);
+  ex_log_close(tb);
   return 0;
 }

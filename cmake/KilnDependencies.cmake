@@ -152,6 +152,40 @@ else()
   message(STATUS "kiln: cJSON not found (install libcjson-dev)")
 endif()
 
+# ---- protobuf-c (optional: TensorBoard event files through the maintained library) ------
+# With protoc-c and libprotobuf-c, src/io/tb_event.proto is compiled at build time and the
+# summary writer encodes its events with protobuf-c; without them it encodes the same
+# few fields by hand (src/io/summary_writer.c), so logs are written either way.
+set(KILN_HAVE_PROTOBUF_C 0)
+find_program(KILN_PROTOC_C NAMES protoc-c)
+if(PKG_CONFIG_FOUND AND KILN_PROTOC_C)
+  pkg_check_modules(KILN_PC_PROTOBUF_C QUIET libprotobuf-c)
+  if(KILN_PC_PROTOBUF_C_FOUND)
+    set(KILN_HAVE_PROTOBUF_C 1)
+    list(APPEND KILN_DEFINITIONS KILN_HAVE_PROTOBUF_C=1)
+    list(APPEND KILN_DEP_INCLUDE_DIRS ${KILN_PC_PROTOBUF_C_INCLUDE_DIRS})
+    foreach(_l IN LISTS KILN_PC_PROTOBUF_C_LINK_LIBRARIES)
+      _kiln_add_plain_lib("${_l}")
+    endforeach()
+    message(STATUS "kiln: protobuf-c found (TensorBoard events through protobuf-c)")
+  endif()
+endif()
+if(NOT KILN_HAVE_PROTOBUF_C)
+  message(STATUS "kiln: protobuf-c not found (install libprotobuf-c-dev protobuf-c-compiler); TensorBoard events encoded by hand")
+endif()
+
+# ---- cairo (optional: `kiln plot`) ------------------------------------------------------
+set(KILN_HAVE_CAIRO 0)
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(KILN_PC_CAIRO QUIET cairo)
+  if(KILN_PC_CAIRO_FOUND)
+    set(KILN_HAVE_CAIRO 1)
+    message(STATUS "kiln: cairo found (kiln plot)")
+  else()
+    message(STATUS "kiln: cairo not found (install libcairo2-dev); kiln plot is off")
+  endif()
+endif()
+
 # ---- threads --------------------------------------------------------------------------
 set(THREADS_PREFER_PTHREAD_FLAG ON)
 find_package(Threads REQUIRED)

@@ -6,7 +6,7 @@
 **
 ** Usage: fashion-mnist [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
-**                      [--seed N] [--json] [--quiet]
+**                      [--seed N] [--json] [--quiet] [--logdir DIR]
 ** --epochs is the total: with --resume the run continues from the checkpoint's epoch up
 ** to N (so the same command line can be run again after an interruption).
 ** --limit N trains on the first N training images (for quick tests).
@@ -35,6 +35,7 @@
 #include <kiln_optim.h>
 
 #include "common/launch.h"
+#include "common/logdir.h"
 #include "common/progress.h"
 
 #define PROG "fashion-mnist"
@@ -44,7 +45,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: " PROG " [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
-          "                     [--seed N] [--json] [--quiet]\n"
+          "                     [--seed N] [--json] [--quiet] [--logdir DIR]\n"
           "  MLP 784-256-10 on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
@@ -61,6 +62,7 @@ static struct {
   kiln_dataset *ds, *shard;
   kiln_loader *loader;
   kiln_dist *dist;
+  kiln_summary_writer *tb; /* --logdir */
 } R;
 
 static void release(void) {
@@ -72,6 +74,7 @@ static void release(void) {
   kiln_module_free(R.model);
   for (int i = 0; i < 6; i++) kiln_tensor_free(R.t[i]);
   kiln_dist_free(R.dist);
+  ex_log_close(R.tb);
   memset(&R, 0, sizeof R);
 }
 
@@ -162,6 +165,7 @@ int main(int argc, char **argv) {
   long long epochs = 5, batch = 128, limit = 0, workers = 0, seed = 0;
   double lr = 1e-3;
   bool json = false, quiet = false, resume = false;
+  const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -175,6 +179,8 @@ int main(int argc, char **argv) {
       if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--data")) {
       if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--logdir")) {
+      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--checkpoint")) {
       if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--epochs")) {
@@ -203,6 +209,7 @@ int main(int argc, char **argv) {
   R.dist = dist;
   if (jrc) return finish(jrc);
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
+  R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
@@ -333,6 +340,7 @@ int main(int argc, char **argv) {
       total += lv;
       n++;
       step++;
+      ex_log_scalar(&R.tb, "train/loss", step, lv);
       ex_progress_update(&p, seen);
     }
     kiln_device_synchronize(dev);
@@ -346,6 +354,8 @@ int main(int argc, char **argv) {
     if (rank != 0) continue;
     test_acc = evaluate(model, txd, tyd);
     if (isnan(test_acc)) return fail("evaluating");
+    ex_log_epoch(&R.tb, step, last_loss, lr, dt > 0 ? (double)seen / dt : 0.0, dev);
+    ex_log_scalar(&R.tb, "epoch/test_acc", step, test_acc);
 
     kiln_dict *extra = kiln_dict_new();
     char buf[64];

@@ -8,7 +8,7 @@
 **   loss.item() every step, "Epoch N, Loss: X" with the mean over the epoch's batches.
 **
 ** Usage: seed-mlp [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X] [--workers N]
-**                 [--graph] [--preload] [--json] [--quiet]
+**                 [--graph] [--preload] [--json] [--quiet] [--logdir DIR]
 ** The loader delivers each batch on the device: on a GPU it gathers the batch into pinned
 ** memory in a background thread and copies it on a side stream while the previous step
 ** runs. --preload keeps the 20000 samples on the device instead (the peer's --preload):
@@ -39,6 +39,7 @@
 #include <kiln_optim.h>
 
 #include "common/launch.h"
+#include "common/logdir.h"
 #include "common/progress.h"
 
 #define PROG "seed-mlp"
@@ -47,7 +48,7 @@
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device cpu|cuda[:N]] [--epochs N] [--batch N] [--lr X]\n"
-             "                [--workers N] [--graph] [--preload] [--json] [--quiet]\n"
+             "                [--workers N] [--graph] [--preload] [--json] [--quiet] [--logdir DIR]\n"
              "  The seed's MLP: 20000 x 64 Gaussian inputs, label sum > 0, Linear(64,128)-ReLU-\n"
              "  Linear(128,2), cross-entropy, Adam, shuffled batches. Defaults: the best device,\n"
              "  20 epochs, batch 128, lr 1e-3, no loader workers.\n");
@@ -114,6 +115,7 @@ static struct {
   kiln_loader *loader;
   kiln_dist *dist;
   double *step_s;
+  kiln_summary_writer *tb; /* --logdir */
 } R;
 
 static void release(void) {
@@ -133,6 +135,7 @@ static void release(void) {
   kiln_module_free(R.model);
   for (int i = 0; i < 6; i++) kiln_tensor_free(R.t[i]);
   kiln_dist_free(R.dist);
+  ex_log_close(R.tb);
   free(R.step_s);
   memset(&R, 0, sizeof R);
 }
@@ -156,6 +159,7 @@ int main(int argc, char **argv) {
   long long epochs = 20, batch = 128, workers = 0;
   double lr = 1e-3;
   bool json = false, quiet = false, graph = false, preload = false;
+  const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *devname = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -168,6 +172,8 @@ int main(int argc, char **argv) {
       return 0;
     } else if (!strcmp(a, "--device")) {
       if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--logdir")) {
+      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--epochs")) {
       if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 100000, &epochs)) return 2;
     } else if (!strcmp(a, "--batch")) {
@@ -193,6 +199,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
     return finish(2);
   }
+  R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
     fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
@@ -281,7 +288,7 @@ int main(int argc, char **argv) {
   kiln_tensor *ahead[2] = {NULL, NULL};
   int ahead_r = AHEAD_NONE, ahead_in = -1;
   for (long long e = 0; e < epochs; e++) {
-    double e0 = phases ? ex_now() : 0;
+    double e0 = phases || R.tb ? ex_now() : 0;
     if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
     if (kiln_loader_epoch(loader, (uint64_t)e) != KILN_OK) return fail("starting an epoch");
     if (phases) epoch_start_s += ex_now() - e0;
@@ -397,11 +404,13 @@ int main(int argc, char **argv) {
       total += lv;
       n++;
       steps++;
+      ex_log_scalar(&R.tb, "train/loss", steps, lv);
       ex_progress_update(&p, seen);
     }
     ex_progress_end(&p);
     last = n ? total / (double)n : NAN;
     if (dist && kiln_dist_allreduce_scalar(dist, &last, KILN_DIST_AVG) != KILN_OK) return fail("averaging the loss");
+    if (R.tb) ex_log_epoch(&R.tb, steps, last, lr, (double)N_SAMPLES / (ex_now() - e0), dev);
     if (!quiet) {
       printf("Epoch %lld, Loss: %.4f\n", e + 1, last);
       fflush(stdout);

@@ -556,10 +556,30 @@ KILN_API const char *kiln_grad_fn_name(const kiln_tensor *t);
 
 /* Anomaly mode (torch.autograd.detect_anomaly): every floating output of every op, in
 ** forward and backward, is checked for NaN and infinity; the first one found fails that
-** op with KILN_ERR_NUMERIC naming the op and the shape. Copies each output to the host:
+** op with KILN_ERR_NUMERIC naming the op, its input and output shapes, the nn module it
+** ran in, and during a backward the forward op and module that made the node whose rule
+** produced the value. Copies each output to the host:
 ** for debugging. KILN_ANOMALY=1 turns it on at start. */
 KILN_API kiln_status kiln_set_anomaly_enabled(bool on);
 KILN_API bool kiln_anomaly_enabled(void);
+
+/* Profiler (torch.profiler): between start and stop, every op the program calls (and each
+** op of a backward) is timed, with its bytes moved (inputs + outputs) and FLOPs (matmul
+** family 2*M*N*K; elementwise and reductions one per element; softmax family five), and
+** each nn module's forward is a span. kiln_profiler_stop prints the table per op and per
+** module (calls, host ms, device us per call, MB, GFLOP, TFLOP/s, GB/s, share of a known
+** GPU's data-sheet peak) to table (NULL: none) and writes the Chrome-trace JSON (Perfetto,
+** chrome://tracing) when trace_path was given. KILN_PROFILE=1|device|trace:FILE does the
+** same for the whole run. start: KILN_ERR_STATE when already on, KILN_ERR_IO when
+** trace_path cannot be written (checked at start, before any work). stop: KILN_ERR_STATE
+** when off, KILN_ERR_IO when writing the trace failed. */
+typedef struct kiln_profiler_options {
+  bool device_time;       /* time each op on its device between marks (waits for each op) */
+  const char *trace_path; /* the Chrome trace, written at stop; NULL: none */
+} kiln_profiler_options;
+KILN_API kiln_status kiln_profiler_start(const kiln_profiler_options *opt); /* NULL: host times only */
+KILN_API kiln_status kiln_profiler_stop(FILE *table);
+KILN_API bool kiln_profiler_enabled(void);
 
 /* --------------------------------------------------------------------------------------
 ** Autocast (torch.autocast): mixed precision without changing the model. Inside a region
@@ -773,6 +793,17 @@ KILN_API kiln_status kiln_memory_empty_cache(kiln_device dev);
 /* Caps reserved bytes on dev (0 removes the cap); allocations past it fail with OOM. */
 KILN_API kiln_status kiln_memory_set_limit(kiln_device dev, int64_t bytes);
 KILN_API void kiln_memory_reset_peak(kiln_device dev);
+/* Bytes autograd holds in tensors saved for backward (activations), over all devices:
+** live now and the high-water mark (either pointer may be NULL). Each saved view counts
+** its own elements. */
+KILN_API void kiln_autograd_saved_bytes(int64_t *live, int64_t *peak);
+KILN_API void kiln_autograd_saved_reset_peak(void);
+/* Prints dev's memory to f: allocated (and peak), reserved, cached (the share of reserved
+** holding no tensor: cache and fragmentation), the limit, saved-for-backward bytes live
+** and peak, and the modules that saved the most in their last forward. Parameters,
+** gradients and optimizer state: kiln_model_memory_summary (kiln_nn.h).
+** KILN_ERR_INVALID_ARGUMENT (NULL f), KILN_ERR_DEVICE. */
+KILN_API kiln_status kiln_memory_summary(kiln_device dev, FILE *f);
 
 /* --------------------------------------------------------------------------------------
 ** Graphs: record a whole training step once and replay it, so that small models stop

@@ -98,6 +98,50 @@ KILN_API kiln_tensor *kiln_npy_load(const char *path, kiln_device dev);
 ** KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO, KILN_ERR_OOM. */
 KILN_API kiln_status kiln_npy_save(const char *path, const kiln_tensor *t);
 
+/* --------------------------------------------------------------------------------------
+** TensorBoard logs: scalars (loss, learning rate, throughput, memory) as TensorFlow event
+** files that `tensorboard --logdir DIR` reads; `kiln plot DIR` draws them without it.
+**
+**   kiln_summary_writer *w = kiln_summary_writer_open("runs/mlp");   // before training
+**   kiln_summary_writer_add_scalar(w, "train/loss", step, loss);
+**   kiln_summary_writer_close(w);
+**
+** Layout: TFRecord framing (uint64 length, masked CRC-32C of it, the Event protobuf, its
+** masked CRC-32C); the first Event carries file_version "brain.Event:2", each scalar an
+** Event{wall_time, step, summary{value{tag, simple_value}}}. Values are stored as float.
+*/
+typedef struct kiln_summary_writer kiln_summary_writer;
+/* Makes logdir (and its parents) when missing and starts a new event file in it
+** (events.out.tfevents.<time>.<host>.<pid>.<n>). NULL with KILN_ERR_IO naming the path when
+** the directory cannot be made or the file cannot be written, KILN_ERR_INVALID_ARGUMENT
+** for a NULL or empty logdir: open it before training, so no work is lost to a bad path. */
+KILN_API kiln_summary_writer *kiln_summary_writer_open(const char *logdir);
+/* Appends one scalar (tag: at most 1024 bytes, "train/loss"). KILN_ERR_IO on a failed write. */
+KILN_API kiln_status kiln_summary_writer_add_scalar(kiln_summary_writer *w, const char *tag, int64_t step,
+                                                    double value);
+/* Pushes buffered events to the file (TensorBoard sees them while training runs). */
+KILN_API kiln_status kiln_summary_writer_flush(kiln_summary_writer *w);
+/* Flushes and closes; NULL is a no-op. KILN_ERR_IO when the last write failed. */
+KILN_API kiln_status kiln_summary_writer_close(kiln_summary_writer *w);
+/* The event file's path (owned by w). */
+KILN_API const char *kiln_summary_writer_path(const kiln_summary_writer *w);
+
+/* One scalar read back. tag is valid only during the callback. */
+typedef struct kiln_scalar_event {
+  double wall_time;
+  int64_t step;
+  const char *tag;
+  double value;
+} kiln_scalar_event;
+/* Return false to stop reading. */
+typedef bool (*kiln_scalar_fn)(const kiln_scalar_event *e, void *ctx);
+/* Calls fn for each simple scalar in the event file at path, in file order, checking every
+** record's CRCs; other summaries (images, histograms) are skipped. KILN_ERR_IO (cannot
+** open), KILN_ERR_FORMAT naming the offset (truncated record, bad CRC, malformed event). */
+KILN_API kiln_status kiln_summary_read(const char *path, kiln_scalar_fn fn, void *ctx);
+/* CRC-32C (Castagnoli) of n bytes, as TFRecord uses (before masking). */
+KILN_API uint32_t kiln_crc32c(const void *data, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -156,6 +156,19 @@ KILN_API kiln_status kiln_module_load_state_dict(kiln_module *m, const kiln_dict
 ** with shapes, counts and bytes, then totals: parameters (trainable), bytes of weights,
 ** gradients and buffers. */
 KILN_API kiln_status kiln_module_summary(FILE *f, kiln_module *m);
+/* The memory a model costs, printed to f: parameters, gradients, buffers, optimizer state
+** (opt may be NULL), and, when x is given, one forward on x (grad on, in its own scope,
+** then dropped) measuring the activations saved for backward: in all and at the peak,
+** and per module (each module's bytes include its children's; "-" for a module that ran
+** fused into its parent's op). x does not need to require grad. Returns the forward's
+** error if it failed. Allocator numbers: kiln_memory_summary (kiln.h). */
+struct kiln_optimizer;
+KILN_API kiln_status kiln_model_memory_summary(FILE *f, kiln_module *m, const struct kiln_optimizer *opt,
+                                               kiln_tensor *x);
+/* The bytes a forward of m on x leaves saved for backward in module which (m itself when
+** NULL; its children included); -1 with the error set when the forward failed, or which
+** did not run as its own module. */
+KILN_API int64_t kiln_module_activation_bytes(kiln_module *m, kiln_tensor *x, kiln_module *which);
 /* Human-readable byte count "1.50 MiB" into buf; returns buf. */
 KILN_API const char *kiln_format_bytes(int64_t bytes, char *buf, size_t n);
 

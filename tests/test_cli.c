@@ -7,6 +7,8 @@
 #include <kiln_io.h>
 
 #include "cli_run.h"
+#include "scratch.h"
+
 #include <sys/stat.h>
 
 #if defined(KILN_HAVE_CJSON) && KILN_HAVE_CJSON
@@ -256,6 +258,53 @@ static void test_info_fifo(void) {
   remove(fifo);
 }
 
+/* kiln plot: a PNG (its signature) and an SVG from event files; a directory without
+** events, and a path that is not one, fail with exit 1. Without cairo the command says so
+** (exit 1). */
+static void test_plot(void) {
+  char dir[512], run[600], args[1400], png[700], svg[700];
+  if (scratch_begin(dir, sizeof dir, "plot") != 0) return;
+  snprintf(run, sizeof run, "%s/logs/run1", dir);
+  kiln_summary_writer *w = kiln_summary_writer_open(run);
+  CR_CHECK(w != NULL, "writer: %s", kiln_last_error_message());
+  for (int i = 0; w && i < 50; i++) {
+    kiln_summary_writer_add_scalar(w, "loss", i, 1.0 / (1 + i));
+    kiln_summary_writer_add_scalar(w, "lr", i, 1e-3);
+  }
+  kiln_summary_writer_close(w);
+  snprintf(png, sizeof png, "%s/c.png", dir);
+  snprintf(svg, sizeof svg, "%s/c.svg", dir);
+  snprintf(args, sizeof args, "plot %s/logs --out %s", dir, png);
+  cr_result r = cr_run(NULL, "kiln", args);
+  if (r.status == 1 && strstr(r.err, "without cairo")) {
+    cr_free(&r);
+    scratch_end(dir);
+    return;
+  }
+  CR_CHECK(r.status == 0 && strstr(r.out, "2 tag(s)"), "kiln plot exited %d: %s%s", r.status, r.out, r.err);
+  cr_free(&r);
+  FILE *f = fopen(png, "rb");
+  unsigned char sig[8] = {0};
+  CR_CHECK(f && fread(sig, 1, 8, f) == 8 && !memcmp(sig, "\x89PNG\r\n\x1a\n", 8), "no PNG at %s", png);
+  if (f) fclose(f);
+  snprintf(args, sizeof args, "plot %s --out %s --smooth 0.5", run, svg);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0, "kiln plot svg exited %d: %s", r.status, r.err);
+  cr_free(&r);
+  f = fopen(svg, "rb");
+  char head[64] = {0};
+  CR_CHECK(f && fread(head, 1, 63, f) > 0 && strstr(head, "<?xml"), "no SVG at %s", svg);
+  if (f) fclose(f);
+  snprintf(args, sizeof args, "plot %s --out %s", dir, png); /* no events directly or one level down */
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 1 && strstr(r.err, "no scalars"), "empty dir: exit %d: %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "plot /nonexistent-kiln-logs");
+  CR_CHECK(r.status == 1 && strstr(r.err, "not a directory"), "missing dir: exit %d: %s", r.status, r.err);
+  cr_free(&r);
+  scratch_end(dir);
+}
+
 int main(void) {
   char bin[1024], kiln[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -270,6 +319,7 @@ int main(void) {
   test_info();
   test_info_unsafe_names();
   test_info_fifo();
+  test_plot();
   cr_cleanup();
   if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
   else printf("test_cli: all passed\n");

@@ -8,6 +8,7 @@
 #include "harness.h"
 
 #include <kiln_io.h>
+#include <kiln_nn.h>
 
 #include <stdlib.h>
 #include <math.h>
@@ -291,6 +292,49 @@ static void test_anomaly(void) {
   kiln_scope_end();
 }
 
+/* sqrt(|x|): finite at 0 in forward, an infinity in its backward there */
+static kiln_tensor *sqrt_abs_forward(kiln_module *m, kiln_tensor *x) {
+  (void)m;
+  return kiln_sqrt(kiln_abs(x));
+}
+static kiln_tensor *log_forward(kiln_module *m, kiln_tensor *x) {
+  (void)m;
+  return kiln_log(x);
+}
+static const kiln_module_vtable sqrt_abs_vt = {"SqrtAbs", sqrt_abs_forward, NULL, NULL, NULL};
+static const kiln_module_vtable log_vt = {"Log", log_forward, NULL, NULL, NULL};
+
+/* The anomaly error names the module: in forward the module running; in backward the
+** forward op and module that made the node whose rule made the infinity. */
+static void test_anomaly_modules(void) {
+  kiln_module *net = kiln_sequential_new();
+  kiln_sequential_append(net, kiln_module_new(&sqrt_abs_vt, NULL));
+  kiln_sequential_append(net, kiln_module_new(&log_vt, NULL));
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_full(KILN_SHAPE(2, 3), 0.0, KILN_F32, cpu);
+  kiln_requires_grad_(x, true);
+  kiln_tensor *one = kiln_full(KILN_SHAPE(2, 3), 1.0, KILN_F32, cpu);
+  kiln_set_anomaly_enabled(true);
+  /* forward: log(sqrt(|0|)) = -inf, made by the Log module */
+  kiln_tensor *y = kiln_module_forward(net, x);
+  const char *msg = kiln_last_error_message();
+  H_CHECK(y == NULL && strstr(msg, "'log'") && strstr(msg, "in module 1 (Log)") && strstr(msg, "[2, 3]"),
+          "forward anomaly names op, module and shapes: %s", msg);
+  kiln_clear_error();
+  /* backward: sqrt's rule at 0 gives an infinity; the node was made by sqrt in 0 (SqrtAbs) */
+  kiln_module *first = kiln_module_child_at(net, 0);
+  kiln_tensor *z = kiln_module_forward(first, kiln_add(x, kiln_mul_scalar(one, 0.0)));
+  H_CHECK(z != NULL, "forward is finite: %s", kiln_last_error_message());
+  kiln_status st = kiln_backward(kiln_sum_all(z), NULL);
+  msg = kiln_last_error_message();
+  H_CHECK(st == KILN_ERR_NUMERIC && strstr(msg, "backward of 'sqrt'") && strstr(msg, "0 (SqrtAbs)"),
+          "backward anomaly names the forward op and its module: %s", msg);
+  kiln_clear_error();
+  kiln_set_anomaly_enabled(false);
+  kiln_scope_end();
+  kiln_module_free(net);
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_errors");
   cpu = kiln_device_cpu();
@@ -303,6 +347,7 @@ int main(int argc, char **argv) {
   test_oom();
   test_files();
   test_anomaly();
+  test_anomaly_modules();
   for (int c = 0; c < KILN_ERR__COUNT; c++)
     H_CHECK(hit[c], "error code %s was produced by the suite", kiln_error_name((kiln_status)c));
   H_CHECK(kiln_live_tensors() == live0, "no leaks: %lld -> %lld", (long long)live0,

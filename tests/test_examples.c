@@ -1,11 +1,17 @@
 /*
 ** The seed-mlp example as a user runs it: two epochs on the CPU, the loss goes down, the
-** closing JSON line carries the figures; bad flags are refused with a message (exit 2).
+** closing JSON line carries the figures; bad flags are refused with a message (exit 2);
+** --logdir writes TensorBoard events (a loss per step, the epoch figures), and a log
+** directory that cannot be made stops the run before training.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
+#include <kiln_io.h>
+
+#include <dirent.h>
 
 #include "cli_run.h"
+#include "scratch.h"
 
 static double epoch_loss(const char *out, int epoch) {
   char pat[32];
@@ -64,6 +70,43 @@ static void test_bad_flags(void) {
   }
 }
 
+static bool count_tags(const kiln_scalar_event *e, void *ctx) {
+  int *n = ctx;
+  if (!strcmp(e->tag, "train/loss")) n[0]++;
+  if (!strcmp(e->tag, "epoch/loss")) n[1]++;
+  if (!strcmp(e->tag, "memory/saved_peak_mib") && e->value > 0) n[2]++;
+  return true;
+}
+
+static void test_logdir(void) {
+  char dir[512], args[1200], logdir[640];
+  if (scratch_begin(dir, sizeof dir, "logdir") != 0) return;
+  snprintf(logdir, sizeof logdir, "%s/runs/mlp", dir);
+  snprintf(args, sizeof args, "--device cpu --epochs 2 --quiet --logdir %s", logdir);
+  cr_result r = cr_run(NULL, "seed-mlp", args);
+  CR_CHECK(r.status == 0, "--logdir run exited %d: %s", r.status, r.err);
+  cr_free(&r);
+  int n[3] = {0, 0, 0}, files = 0;
+  DIR *d = opendir(logdir);
+  struct dirent *de;
+  while (d && (de = readdir(d)) != NULL) {
+    if (!strstr(de->d_name, "tfevents")) continue;
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", logdir, de->d_name);
+    files++;
+    CR_CHECK(kiln_summary_read(path, count_tags, n) == KILN_OK, "reading %s: %s", path, kiln_last_error_message());
+  }
+  if (d) closedir(d);
+  /* 20000 samples in batches of 128: 157 steps an epoch */
+  CR_CHECK(files == 1 && n[0] == 2 * 157 && n[1] == 2 && n[2] == 2, "events: %d files, %d losses, %d epochs, %d memory",
+           files, n[0], n[1], n[2]);
+  r = cr_run(NULL, "seed-mlp", "--device cpu --epochs 1 --logdir /dev/null/x");
+  CR_CHECK(r.status == 1 && strstr(r.err, "log directory") && !strstr(r.out, "Epoch"),
+           "unwritable --logdir: exit %d, '%s'", r.status, r.err);
+  cr_free(&r);
+  scratch_end(dir);
+}
+
 int main(void) {
   char bin[1024], exe[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -74,6 +117,7 @@ int main(void) {
   }
   test_bad_flags();
   test_train();
+  test_logdir();
   cr_cleanup();
   if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
   else printf("test_examples: all passed\n");

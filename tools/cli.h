@@ -14,6 +14,7 @@
 /* Subcommands: argv[0] is the subcommand name. Return the process exit code. */
 int cli_doctor(int argc, char **argv);
 int cli_info(int argc, char **argv);
+int cli_plot(int argc, char **argv); /* plot.c */
 
 /* Wall clock in seconds (CLOCK_MONOTONIC). */
 double cli_now(void);

@@ -1,5 +1,5 @@
 /*
-** kiln — the command-line tool: `kiln doctor`, `kiln info FILE`.
+** kiln — the command-line tool: `kiln doctor`, `kiln info FILE`, `kiln plot LOGDIR`.
 ** Exit codes: 0 success, 1 the command ran and failed, 2 a usage error.
 */
 #include <stdio.h>
@@ -16,6 +16,7 @@ static void usage(FILE *f) {
           "commands:\n"
           "  doctor [--json]        check the build, the backends and the devices; run a smoke test\n"
           "  info FILE [--json]     list the tensors and metadata of a safetensors file\n"
+          "  plot LOGDIR [--out F]  draw the TensorBoard scalars of LOGDIR to F (.png, .svg)\n"
           "\n"
           "options:\n"
           "  -h, --help             this help (also: kiln <command> --help)\n"
@@ -40,6 +41,7 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(cmd, "doctor")) return cli_doctor(argc - 1, argv + 1);
   if (!strcmp(cmd, "info")) return cli_info(argc - 1, argv + 1);
+  if (!strcmp(cmd, "plot")) return cli_plot(argc - 1, argv + 1);
   fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
   usage(stderr);
   return 2;

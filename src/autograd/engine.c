@@ -16,6 +16,7 @@
 ** engine stores a copy, so the node's tensor stays intact for the next backward.
 */
 #include "core/kiln_int.h"
+#include "ops/op.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -358,7 +359,9 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     kiln_tensor **gi = gi_buf;
     for (int k = 0; k < n->n_in && k < gi_cap; k++) gi[k] = NULL;
     if (st == KILN_OK && (g || unit || any_other)) {
+      const kiln__node *outer = kiln__backward_node_swap(n); /* observers name the node */
       st = n->backward(n, g, gi);
+      kiln__backward_node_swap(outer);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
     }

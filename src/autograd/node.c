@@ -9,6 +9,7 @@
 ** recursion through saved tensors.
 */
 #include "core/kiln_int.h"
+#include "ops/op.h"
 
 #include <stdalign.h>
 #include <stdlib.h>
@@ -48,6 +49,7 @@ kiln__node *kiln__node_make(int n_out, kiln_tensor *const *outs, const char *nam
   kiln__node *n = (kiln__node *)mem;
   atomic_init(&n->refcount, 1);
   n->name = name;
+  n->module = kiln__module_scope_current();
   n->backward = fn;
   n->n_in = n_in;
   n->n_out = n_out;
@@ -107,8 +109,17 @@ kiln__node *kiln__node_attach(kiln_tensor *out, const char *name, kiln__backward
 
 void kiln__node_save(kiln__node *n, int k, kiln_tensor *t) {
   KILN__ASSERT(k >= 0 && k < n->n_saved);
+  uint32_t bit = k < 32 ? 1u << k : 0;
+  if (n->saved[k] && (n->saved_counted & bit)) kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
   kiln_tensor_free(n->saved[k]);
   n->saved[k] = t ? kiln__tensor_alias(t, false) : NULL;
+  n->saved_counted &= ~bit;
+  /* Activations are what autograd keeps alive: a leaf that requires grad (a parameter)
+  ** is held by its owner anyway and is not counted. Slots past 32 are not counted. */
+  if (n->saved[k] && bit && !(t->requires_grad && !t->grad_fn)) {
+    n->saved_counted |= bit;
+    kiln__saved_bytes_add((int64_t)kiln_nbytes(n->saved[k]));
+  }
 }
 
 void kiln__node_save_output(kiln__node *n, int k) {
@@ -140,7 +151,11 @@ void kiln__node_release(kiln__node *root) {
       }
       stack[top++] = n->next[i].node;
     }
-    for (int k = 0; k < n->n_saved; k++) kiln_tensor_free(n->saved[k]);
+    for (int k = 0; k < n->n_saved; k++) {
+      if (n->saved[k] && k < 32 && (n->saved_counted & (1u << k)))
+        kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
+      kiln_tensor_free(n->saved[k]);
+    }
     kiln_tensor_free(n->grad_acc);
     kiln_tensor_free(n->grad_mask);
     for (int k = 1; k < n->n_out; k++) kiln_tensor_free(n->grad_accs[k]);

@@ -9,7 +9,7 @@
 #include <string.h>
 
 static _Thread_local kiln_status tl_code = KILN_OK;
-static _Thread_local char tl_msg[1024];
+static _Thread_local char tl_msg[2048]; /* an OOM carries its breakdown and advice */
 
 static const char *const err_names[] = {
 #define KILN__ERR_NAME(name, msg) "KILN_ERR_" #name,

@@ -75,6 +75,7 @@ typedef struct kiln__node {
   atomic_int refcount;
   const char *name;
   const struct kiln__op *op; /* the op that made it; NULL for custom functions */
+  const char *module;        /* the module whose forward made it (interned label) or NULL */
   kiln__backward_fn backward;
   int n_in, n_out, n_saved;
   kiln__edge *next; /* [n_in] */
@@ -89,6 +90,7 @@ typedef struct kiln__node {
   kiln_dtype out_dtype;
   kiln_device out_device;
   kiln_tensor **saved; /* [n_saved] refs held; released with the node */
+  uint32_t saved_counted; /* bit k: slot k's bytes are in the saved-bytes count (memory.c) */
   void *attrs;         /* a copy of the op's attribute record (NULL when it has none) */
   void *state;         /* custom functions: the caller's state, freed by state_free */
   void (*state_free)(void *state);
@@ -252,6 +254,17 @@ kiln_status kiln__check_device(kiln_device dev, const char *what);
 
 /* ---- misc ---- */
 double kiln__now(void); /* monotonic seconds */
+
+/* ---- memory accounting (core/memory.c) ---- */
+/* Bytes of tensors autograd nodes hold in saved slots: add on save, subtract on release. */
+void kiln__saved_bytes_add(int64_t delta);
+int64_t kiln__saved_bytes_live(void);
+/* A module (its interned label) left bytes saved for backward in its last forward. */
+void kiln__memory_note_saver(const char *label, int64_t bytes);
+/* The modules that saved the most, largest first; returns how many (at most max). */
+int kiln__memory_top_savers(const char **labels, int64_t *bytes, int max);
+/* Appends the memory breakdown and advice to the OOM error just set for dev. */
+void kiln__oom_annotate(kiln_device dev);
 const char *kiln__getenv(const char *name); /* NULL when unset or empty */
 /* KILN_NUM_THREADS as a thread count, 0 when unset; an invalid value warns once on stderr
 ** and gives 0 (the default). src/core/env.c. */

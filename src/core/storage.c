@@ -17,6 +17,7 @@ kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes) {
     if (kiln_last_error() != KILN_ERR_OOM)
       kiln_set_error(KILN_ERR_OOM, "kiln: out of memory on %s: tried to allocate %zu bytes",
                      kiln__device_cstr(dev), nbytes);
+    kiln__oom_annotate(dev);
     return NULL;
   }
   atomic_init(&s->refcount, 1);

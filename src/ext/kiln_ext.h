@@ -158,6 +158,14 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
 kiln_status kiln__scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *d, bool apply,
                                             const char *who); /* src/optim/scheduler.c */
 
+/* ---- module scope (ops: src/ops/module_scope.c) ----
+** kiln_module_forward runs a module's forward between push and pop of its label, so that
+** the profiler and the anomaly check can name the module an op ran in. label must live
+** as long as the process: kiln__intern gives such a copy. */
+void kiln__module_scope_push(const char *label);
+void kiln__module_scope_pop(void);
+const char *kiln__intern(const char *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -90,7 +90,16 @@ static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
     if (kiln__module_vtable(c) == &linear_vt && next && kiln__module_vtable(next) == &relu_vt &&
         !kiln_module_is_checkpointed(c) && !kiln_module_is_checkpointed(next)) {
       const linear_cfg *lc = kiln_module_impl(c);
+      /* the fused op runs in the Linear's module scope (the ReLU gets no span of its own) */
+      kiln__module_scope_push(kiln__module_label(c));
+      int64_t s0 = 0, s1 = 0;
+      if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
       x = kiln_linear_relu(x, kiln_module_param(c, "weight"), lc->bias ? kiln_module_param(c, "bias") : NULL);
+      if (kiln__module_measuring()) {
+        kiln_autograd_saved_bytes(&s1, NULL);
+        kiln__module_measure_note(c, s1 - s0);
+      }
+      kiln__module_scope_pop();
       i++;
       continue;
     }

@@ -6,6 +6,7 @@
 ** whenever the subtree or an ancestor chain changes, so the per-step lookups a module
 ** optimizer makes cost a copy of pointers, not a walk with string building. */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,7 +45,14 @@ struct kiln_module {
   int nchildren, cap_children;
   flat fparams;  /* unique parameters (named_parameters) */
   flat fbuffers; /* all buffers (named_buffers) */
+  /* The label the module scope shows ("layers.0 (Linear)"; the root: its type name),
+  ** interned, and the tree generation it was made in (a new child anywhere renews it). */
+  const char *label;
+  int label_gen;
 };
+
+/* Bumped whenever a module gains a parent: labels computed before are stale. */
+static atomic_int tree_gen = 1;
 
 static char *dupstr(const char *s) {
   size_t n = strlen(s) + 1;
@@ -256,6 +264,7 @@ kiln_status kiln_module_add_child(kiln_module *m, const char *name, kiln_module 
     if (!nm) goto oom;
     m->children[m->nchildren++] = (child){nm, c};
     c->parent = m;
+    atomic_fetch_add(&tree_gen, 1);
     invalidate_up(m);
     return KILN_OK;
   oom:
@@ -382,15 +391,82 @@ kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on) {
 
 bool kiln_module_is_checkpointed(const kiln_module *m) { return m && m->checkpoint; }
 
+/* The dotted path from the root ("layers.0"): the child names up the parent chain. */
+static void path_of(const kiln_module *m, char *buf, size_t n) {
+  if (!m->parent) {
+    buf[0] = 0;
+    return;
+  }
+  path_of(m->parent, buf, n);
+  const kiln_module *p = m->parent;
+  for (int i = 0; i < p->nchildren; i++)
+    if (p->children[i].m == m) {
+      size_t k = strlen(buf);
+      snprintf(buf + k, n - k, "%s%s", k ? "." : "", p->children[i].name);
+      return;
+    }
+}
+
+/* The module's label for the module scope, made once per tree generation. */
+const char *kiln__module_label(kiln_module *m) {
+  int gen = atomic_load_explicit(&tree_gen, memory_order_relaxed);
+  if (m->label && m->label_gen == gen) return m->label;
+  char path[512], label[640];
+  path_of(m, path, sizeof path);
+  if (path[0]) snprintf(label, sizeof label, "%s (%s)", path, m->vt->type_name);
+  else snprintf(label, sizeof label, "%s", m->vt->type_name);
+  m->label = kiln__intern(label);
+  m->label_gen = gen;
+  return m->label;
+}
+
+static _Thread_local kiln__act_measure *measuring;
+
+void kiln__module_measure_set(kiln__act_measure *a) { measuring = a; }
+bool kiln__module_measuring(void) { return measuring != NULL; }
+
+void kiln__module_measure_note(kiln_module *m, int64_t bytes) {
+  kiln__act_measure *a = measuring;
+  if (!a) return;
+  for (int i = 0; i < a->n; i++)
+    if (a->mods[i] == m) {
+      a->bytes[i] += bytes;
+      return;
+    }
+  if (a->n == a->cap) {
+    int nc = a->cap ? 2 * a->cap : 16;
+    kiln_module **nm = realloc(a->mods, (size_t)nc * sizeof *nm);
+    if (!nm) return;
+    a->mods = nm;
+    int64_t *nb = realloc(a->bytes, (size_t)nc * sizeof *nb);
+    if (!nb) return;
+    a->bytes = nb;
+    a->cap = nc;
+  }
+  a->mods[a->n] = m;
+  a->bytes[a->n++] = bytes;
+}
+
+static int64_t saved_now(void) {
+  int64_t live = 0;
+  if (measuring) kiln_autograd_saved_bytes(&live, NULL);
+  return live;
+}
+
 kiln_tensor *kiln_module_forward(kiln_module *m, kiln_tensor *x) {
   if (!m) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_forward: NULL module");
     return NULL;
   }
   if (!x) return NULL;
-  if (m->checkpoint && kiln_grad_enabled()) return forward_checkpointed(m, 1, &x);
-  if (m->vt->forward) return m->vt->forward(m, x);
-  return m->vt->forward_n(m, 1, &x);
+  kiln__module_scope_push(kiln__module_label(m));
+  int64_t s0 = saved_now();
+  kiln_tensor *y = m->checkpoint && kiln_grad_enabled() ? forward_checkpointed(m, 1, &x)
+                   : m->vt->forward                     ? m->vt->forward(m, x)
+                                                        : m->vt->forward_n(m, 1, &x);
+  if (measuring) kiln__module_measure_note(m, saved_now() - s0);
+  kiln__module_scope_pop();
+  return y;
 }
 
 kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs) {
@@ -400,14 +476,19 @@ kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *const *xs
   }
   for (int i = 0; i < n; i++)
     if (!xs[i]) return NULL;
-  if (m->checkpoint && kiln_grad_enabled() && (m->vt->forward_n || n == 1)) return forward_checkpointed(m, n, xs);
-  if (m->vt->forward_n) return m->vt->forward_n(m, n, xs);
-  if (n != 1) {
+  if (!m->vt->forward_n && n != 1) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_forward_n: %s takes one input, got %d",
                    m->vt->type_name, n);
     return NULL;
   }
-  return m->vt->forward(m, xs[0]);
+  kiln__module_scope_push(kiln__module_label(m));
+  int64_t s0 = saved_now();
+  kiln_tensor *y = m->checkpoint && kiln_grad_enabled() ? forward_checkpointed(m, n, xs)
+                   : m->vt->forward_n                   ? m->vt->forward_n(m, n, xs)
+                                                        : m->vt->forward(m, xs[0]);
+  if (measuring) kiln__module_measure_note(m, saved_now() - s0);
+  kiln__module_scope_pop();
+  return y;
 }
 
 void kiln_module_train(kiln_module *m, bool on) {

@@ -14,6 +14,21 @@
 /* The module's vtable (identifies kiln's own layer types exactly, for fusions). */
 const kiln_module_vtable *kiln__module_vtable(const kiln_module *m);
 
+/* The module's label for the module scope ("layers.0 (Linear)"; the root: its type
+** name), interned: it outlives the module. */
+const char *kiln__module_label(kiln_module *m);
+
+/* kiln_model_memory_summary's measurement: while set on this thread, each module forward
+** adds the bytes autograd saved during it to its entry (grown as needed). */
+typedef struct kiln__act_measure {
+  kiln_module **mods;
+  int64_t *bytes;
+  int n, cap;
+} kiln__act_measure;
+void kiln__module_measure_set(kiln__act_measure *a); /* NULL: off */
+bool kiln__module_measuring(void);
+void kiln__module_measure_note(kiln_module *m, int64_t bytes);
+
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
 int kiln__module_extra_repr(const kiln_module *m, char *buf, size_t n);
 

@@ -102,3 +102,89 @@ kiln_status kiln_module_summary(FILE *f, kiln_module *m) {
   }
   return KILN_OK;
 }
+
+/* ---- kiln_model_memory_summary ---- */
+
+static int64_t measured(const kiln__act_measure *a, const kiln_module *m) {
+  for (int i = 0; i < a->n; i++)
+    if (a->mods[i] == m) return a->bytes[i];
+  return -1;
+}
+
+static void walk_act(FILE *f, const kiln__act_measure *a, kiln_module *m, const char *prefix, int depth) {
+  int64_t b = measured(a, m);
+  char bytes[32], name[600];
+  if (prefix[0]) (void)!snprintf(name, sizeof name, "%*s%s (%s)", 2 * depth, "", prefix, kiln_module_type_name(m));
+  else (void)!snprintf(name, sizeof name, "%s", kiln_module_type_name(m));
+  if (b >= 0) fprintf(f, "  %-48s %12s\n", name, kiln_format_bytes(b, bytes, sizeof bytes));
+  else fprintf(f, "  %-48s %12s\n", name, "-"); /* its forward did not run as its own (fused) */
+  for (int i = 0; i < kiln_module_num_children(m); i++) {
+    char full[512];
+    if (snprintf(full, sizeof full, "%s%s%s", prefix, prefix[0] ? "." : "", kiln_module_child_name(m, i)) >=
+        (int)sizeof full)
+      continue; /* a path past 511 characters: left out */
+    walk_act(f, a, kiln_module_child_at(m, i), full, depth + 1);
+  }
+}
+
+kiln_status kiln_model_memory_summary(FILE *f, kiln_module *m, const kiln_optimizer *opt, kiln_tensor *x) {
+  if (!f || !m) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_model_memory_summary: NULL argument");
+  char b1[32], b2[32], b3[32], b4[32], b5[32];
+  int64_t pb = kiln_module_param_bytes(m), gb = kiln_module_grad_bytes(m), bb = kiln_module_buffer_bytes(m);
+  int64_t ob = opt ? kiln_optimizer_state_bytes(opt) : 0;
+  fprintf(f, "model memory\n");
+  fprintf(f, "  parameters        %12s\n", kiln_format_bytes(pb, b1, sizeof b1));
+  fprintf(f, "  gradients         %12s%s\n", kiln_format_bytes(gb, b2, sizeof b2),
+          gb == 0 ? "   (none yet: made by the first backward)" : "");
+  fprintf(f, "  buffers           %12s\n", kiln_format_bytes(bb, b3, sizeof b3));
+  fprintf(f, "  optimizer state   %12s%s\n", kiln_format_bytes(ob, b4, sizeof b4),
+          !opt ? "   (no optimizer given)" : ob == 0 ? "   (none yet: made by the first step)" : "");
+  fprintf(f, "  total             %12s\n", kiln_format_bytes(pb + gb + bb + ob, b5, sizeof b5));
+  if (!x) return KILN_OK;
+  /* One forward on x with grad on, in its own scope: what each module leaves saved for
+  ** backward (inclusive of its children), and the peak of the whole forward. */
+  kiln__act_measure a = {NULL, NULL, 0, 0};
+  int64_t live0 = 0, peak = 0;
+  kiln_autograd_saved_bytes(&live0, NULL);
+  kiln_autograd_saved_reset_peak();
+  bool was = kiln_set_grad_enabled(true);
+  kiln__module_measure_set(&a);
+  kiln_scope_begin();
+  kiln_tensor *y = kiln_module_forward(m, x);
+  kiln_status st = y ? KILN_OK : kiln_last_error();
+  int64_t live1 = 0;
+  kiln_autograd_saved_bytes(&live1, &peak);
+  kiln_scope_end();
+  kiln__module_measure_set(NULL);
+  kiln_set_grad_enabled(was);
+  if (st == KILN_OK) {
+    char shape[96];
+    kiln_shape_str(x, shape, sizeof shape);
+    fprintf(f, "activations saved for backward, one forward on %s %s: %s (peak %s)\n", shape,
+            kiln_dtype_name(kiln_dtype_of(x)), kiln_format_bytes(live1 - live0, b1, sizeof b1),
+            kiln_format_bytes(peak - live0, b2, sizeof b2));
+    walk_act(f, &a, m, "", 0);
+  }
+  free(a.mods);
+  free(a.bytes);
+  return st;
+}
+
+int64_t kiln_module_activation_bytes(kiln_module *m, kiln_tensor *x, kiln_module *which) {
+  if (!m || !x) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_activation_bytes: NULL argument");
+    return -1;
+  }
+  kiln__act_measure a = {NULL, NULL, 0, 0};
+  bool was = kiln_set_grad_enabled(true);
+  kiln__module_measure_set(&a);
+  kiln_scope_begin();
+  kiln_tensor *y = kiln_module_forward(m, x);
+  kiln_scope_end();
+  kiln__module_measure_set(NULL);
+  kiln_set_grad_enabled(was);
+  int64_t b = y ? measured(&a, which ? which : m) : -1;
+  free(a.mods);
+  free(a.bytes);
+  return b;
+}

@@ -1,8 +1,9 @@
 /*
 ** Anomaly check: an observer on the op call path that looks at every floating output of
 ** every op (at any depth, in forward and backward) and fails the op with
-** KILN_ERR_NUMERIC when one holds a NaN or an infinity, naming the op, the output's shape
-** and whether it ran in a backward (torch.autograd.detect_anomaly). It copies each output
+** KILN_ERR_NUMERIC when one holds a NaN or an infinity, naming the op, its input and output
+** shapes, the nn module it ran in, and in a backward the forward op and module that made
+** the node whose rule failed (torch.autograd.detect_anomaly, with the module name). It copies each output
 ** to the host and so waits for the device: a debugging mode, off by default. Turned on by
 ** KILN_ANOMALY=1 at load, or kiln_set_anomaly_enabled(true).
 */
@@ -37,12 +38,27 @@ static kiln_status check(const kiln__op_event *e, void *tok, void *ctx) {
     double v = bad >= 0 ? h[bad] : 0;
     free(h);
     if (st != KILN_OK) return st;
-    if (bad >= 0)
+    if (bad >= 0) {
+      /* Where it happened: in forward, the module running; in backward, the node whose
+      ** rule ran, i.e. the forward op and the module that made it (what PyTorch's
+      ** detect_anomaly shows as a forward traceback). */
+      char where[512] = "", ins[256] = "";
+      const kiln__node *bn = e->backward ? kiln__backward_node() : NULL;
+      const char *mod = e->backward ? (bn ? bn->module : NULL) : kiln__module_scope_current();
+      if (e->backward)
+        snprintf(where, sizeof where, " in the backward of '%s'%s%s%s", bn ? bn->name : "?", mod ? " (module " : "",
+                 mod ? mod : "", mod ? ")" : "");
+      else if (mod)
+        snprintf(where, sizeof where, " in module %s", mod);
+      int w = 0;
+      for (int i = 0; i < e->n_in && w < (int)sizeof ins - 1; i++)
+        w += snprintf(ins + w, sizeof ins - (size_t)w, "%s%s", w ? ", " : "", e->in[i] ? kiln__tshape(e->in[i]) : "NULL");
       return kiln_set_error(KILN_ERR_NUMERIC,
-                            "kiln anomaly: op '%s'%s produced %s in output %d (shape %s, %s) at element %lld",
-                            e->op->name, e->backward ? " (in a backward pass)" : "",
-                            isnan(v) ? "NaN" : "an infinity", k, kiln__tshape(t), kiln_dtype_name(t->dtype),
-                            (long long)bad);
+                            "kiln anomaly: op '%s'%s produced %s in output %d (shape %s, %s) at element %lld; "
+                            "inputs %s",
+                            e->op->name, where, isnan(v) ? "NaN" : "an infinity", k, kiln__tshape(t),
+                            kiln_dtype_name(t->dtype), (long long)bad, ins);
+    }
   }
   return KILN_OK;
 }

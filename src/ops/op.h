@@ -208,6 +208,25 @@ void kiln__autocast_get_state(kiln__autocast_state *s);
 kiln_status kiln__autocast_push_state(const kiln__autocast_state *s);
 kiln_status kiln__autocast_pop_state(void);
 
+/* ---- module scope (module_scope.c) ----
+** The nn module the thread is inside (labels interned: "layers.0 (Linear)"), pushed and
+** popped by kiln_module_forward through the extension header; and the node whose
+** backward rule the thread is running (set by the engine around each rule). */
+void kiln__module_scope_push(const char *label);
+void kiln__module_scope_pop(void);
+const char *kiln__module_scope_current(void); /* innermost label or NULL */
+int kiln__module_scope_depth(void);
+const char *kiln__module_scope_at(int i); /* 0: outermost */
+/* Told of every push (begin true, t1 0) and pop (t0 the push's time, t1 now) while set:
+** the profiler's module spans. One listener; NULL removes it. */
+typedef void (*kiln__module_listener_fn)(const char *label, bool begin, double t0, double t1);
+void kiln__module_scope_set_listener(kiln__module_listener_fn fn);
+/* Sets the thread's backward node, returns the previous one. */
+const kiln__node *kiln__backward_node_swap(const kiln__node *n);
+const kiln__node *kiln__backward_node(void); /* NULL outside a backward rule */
+/* A copy of s that lives as long as the process (one per distinct string). */
+const char *kiln__intern(const char *s);
+
 /* Fills the public attribute view of a record (observers, traces): at most max entries,
 ** returns the count. ints point into rec. */
 int kiln__attrs_describe(const kiln__op *op, const void *rec, kiln_attr *out, int max);

@@ -1,36 +1,221 @@
 /*
-** KILN_PROFILE: an observer on the op call path that times every op the program calls
-** (depth 0: a composite op counts whole, not again for its parts; backward's ops are
-** counted apart as "name (backward)"), and prints the table at exit.
-**   KILN_PROFILE=1       host time per op: on a GPU the cost of queueing the op, on the
-**                        CPU the whole op;
-**   KILN_PROFILE=device  also the device time between marks around each op (waits for
-**                        each op: slow, and the host column then includes the waits).
-** The first 20 calls of each op are left out (module loading, library handles, caches
-** warming): the table is the steady state. Off (unset or "0"), nothing is registered and
-** the path pays only its observer check. Any other value is refused with a message.
+** The profiler: an observer on the op call path, plus a listener on the module scope.
+**
+** It keeps, for the ops the program calls (depth 0: a composite counts whole, not again
+** for its parts; backward's ops apart, as "name (backward)"), and for each nn module
+** (forward spans from kiln_module_forward; backward: the ops of the rules of nodes the
+** module made):
+**   calls, host time, device time (between marks around each op: see below), bytes moved
+**   (the logical bytes of the op's inputs and outputs: an estimate; a gather reads less of
+**   its source, a tiled matmul re-reads more),
+**   FLOPs (flops_of below), and from them achieved TFLOP/s and GB/s, and the share of
+**   the device's peak when the device is one kiln knows (peak_of below).
+** and, when asked, a Chrome-trace JSON (Trace Event Format, "X" complete events):
+**   pid 1 "host": one track per thread; module spans and the ops inside them, which the
+**   viewers (Perfetto, chrome://tracing) nest by time; pid 2 "device": each op's device
+**   time, for ops on a device other than the CPU (a CPU op runs on the host track).
+**
+** Turned on by:
+**   KILN_PROFILE=1          host time per op, table at exit; on a GPU the host column is
+**                           the cost of queueing the op;
+**   KILN_PROFILE=device     also device time per op (waits for each op: slow, and the
+**                           host column then includes the waits);
+**   KILN_PROFILE=trace:FILE device time, and the Chrome trace written to FILE at exit
+**                           (opened at load: a path that cannot be written stops the
+**                           program there, before any work is lost);
+**   kiln_profiler_start / kiln_profiler_stop (kiln.h) around any region.
+** The environment modes leave out the first 20 calls of each op and module from the
+** table (module loading, library handles, caches warming: the table is the steady
+** state); the API and the trace keep every call. Off, nothing is registered: the path
+** pays its one observer check and the module scope one relaxed load per module.
 ** Counts are kept under a lock: ops may run on several threads.
 */
 #include "ops/op.h"
 
+#include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 256
+#define MAX_ROWS 512
+#define MAX_EVENTS (1 << 20) /* ~100 MB of trace at most; later events are counted, not kept */
+#define WARMUP 20
 
 typedef struct row {
-  const char *name;
-  bool backward;
+  const char *name; /* op name or module label (both live as long as the process) */
+  bool backward, module;
+  kiln_device_type dev;
+  kiln_dtype dtype;
   int64_t warm, count;
   double host_s, device_s;
+  double bytes, flops;
+  bool timed; /* device time measured for every counted call */
 } row;
+
+typedef struct event {
+  const char *name;
+  const char *module; /* the innermost module (ops) */
+  double ts, dur, dev_dur; /* seconds from the start; dev_dur < 0: none */
+  int tid;
+  bool is_module, backward;
+  int64_t bytes, flops;
+  char shapes[80];
+} event;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static row rows[MAX_ROWS];
 static int n_rows;
-static int mode; /* 1 host, 2 host and device */
+static event *events;
+static int64_t n_events, cap_events, dropped;
+static atomic_bool active;
+static bool device_time, env_mode, warmup;
+static FILE *trace_file;
+static char trace_path[1024];
+static double t_start;
+static atomic_int next_tid;
+static _Thread_local int my_tid; /* 0: not yet given */
+
+static int tid(void) {
+  if (!my_tid) my_tid = atomic_fetch_add(&next_tid, 1) + 1;
+  return my_tid;
+}
+
+/* ---- FLOPs and peaks ---- */
+
+/* FLOPs of one op, from its name and shapes. A table keyed by name rather than a field of
+** each descriptor: the count belongs to the profiler's model of cost (one flop per
+** element for elementwise ops, transcendental or not), and this keeps the descriptors,
+** which other work edits, unchanged. Ops not listed (views, copies, indexing, the
+** optimizer steps) count 0. */
+static double flops_of(const kiln__op_event *e) {
+  const char *n = e->op->name;
+  if (e->n_out < 1 || !e->out[0]) return 0;
+  double out = (double)kiln_numel(e->out[0]);
+  kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
+  double in0 = a ? (double)kiln_numel(a) : 0;
+  if (!strcmp(n, "matmul") || !strcmp(n, "linear") || !strcmp(n, "linear_relu")) {
+    /* (..., M, K) x (K, N): 2*M*N*K multiply-adds per batch; a bias adds M*N, a relu M*N */
+    if (!a || a->ndim < 1) return 0;
+    double k = (double)a->shape[a->ndim - 1];
+    double f = 2.0 * out * k;
+    if (strcmp(n, "matmul") != 0 && e->n_in > 2 && e->in[2]) f += out;
+    if (!strcmp(n, "linear_relu")) f += out;
+    return f;
+  }
+  static const char *const per_out[] = {
+      "add", "axpy", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+      "neg", "sign", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "pow_scalar", "add_scalar", "mul_scalar",
+      "relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "softplus", "where", "dropout", NULL};
+  for (int i = 0; per_out[i]; i++)
+    if (!strcmp(n, per_out[i])) return out;
+  static const char *const per_in[] = {"sum", "mean", "var", "std", "max", "min", "argmax", "mse_loss", NULL};
+  for (int i = 0; per_in[i]; i++)
+    if (!strcmp(n, per_in[i])) return in0;
+  /* max, subtract, exp, sum, divide (or log): five passes over the input */
+  if (!strcmp(n, "softmax") || !strcmp(n, "log_softmax") || !strcmp(n, "cross_entropy")) return 5.0 * in0;
+  return 0;
+}
+
+static double bytes_of(const kiln__op_event *e) {
+  double b = 0;
+  for (int i = 0; i < e->n_in; i++)
+    if (e->in[i]) b += (double)kiln_nbytes(e->in[i]);
+  for (int k = 0; k < e->n_out; k++)
+    if (e->out[k]) b += (double)kiln_nbytes(e->out[k]);
+  return b;
+}
+
+/* Dense peaks from the vendors' data sheets (SXM parts; no sparsity): f32 on the CUDA
+** cores, bf16/f16 on the tensor cores, and HBM bandwidth. Not measured here: a device
+** kiln does not know (the CPU, another GPU) shows no share of peak. */
+static const struct {
+  const char *match;
+  double f32_tflops, half_tflops, gbs;
+} peaks[] = {
+    {"H200", 67.0, 989.0, 4800.0},
+    {"H100", 67.0, 989.0, 3350.0},
+    {"A100", 19.5, 312.0, 2039.0},
+    {"L40S", 91.6, 362.0, 864.0},
+    {"V100", 15.7, 125.0, 900.0},
+};
+
+typedef struct peak {
+  char device[256];
+  double f32, half, gbs; /* 0: unknown */
+} peak;
+#define MAX_TYPES 8
+static peak dev_peak[MAX_TYPES]; /* by device type, found at start */
+
+static void find_peak(kiln_device_type t) {
+  if ((int)t < 0 || (int)t >= MAX_TYPES) return;
+  peak *p = &dev_peak[t];
+  memset(p, 0, sizeof *p);
+  if (t == KILN_DEVICE_CPU) return;
+  kiln_device_info info;
+  kiln_device d = {t, 0};
+  if (kiln_device_info_get(d, &info) != KILN_OK) {
+    kiln_clear_error();
+    return;
+  }
+  snprintf(p->device, sizeof p->device, "%s", info.name);
+  for (size_t i = 0; i < sizeof peaks / sizeof peaks[0]; i++)
+    if (strstr(info.name, peaks[i].match)) {
+      p->f32 = peaks[i].f32_tflops;
+      p->half = peaks[i].half_tflops;
+      p->gbs = peaks[i].gbs;
+      return;
+    }
+}
+
+/* ---- recording ---- */
+
+static row *row_for(const char *name, bool backward, bool module) {
+  for (int r = 0; r < n_rows; r++)
+    if (rows[r].name == name && rows[r].backward == backward && rows[r].module == module) return &rows[r];
+  if (n_rows == MAX_ROWS) return NULL;
+  row *r = &rows[n_rows++];
+  memset(r, 0, sizeof *r);
+  r->name = name;
+  r->backward = backward;
+  r->module = module;
+  r->timed = true;
+  r->dev = KILN_DEVICE_CPU;
+  r->dtype = KILN_F32;
+  return r;
+}
+
+static event *event_new(void) {
+  if (!trace_file) return NULL;
+  if (n_events == cap_events) {
+    if (cap_events == MAX_EVENTS) {
+      dropped++;
+      return NULL;
+    }
+    int64_t nc = cap_events ? cap_events * 2 : 4096;
+    event *ne = realloc(events, (size_t)nc * sizeof *ne);
+    if (!ne) {
+      dropped++;
+      return NULL;
+    }
+    events = ne;
+    cap_events = nc;
+  }
+  return &events[n_events++];
+}
+
+/* Adds one call's numbers to r (after the warm-up in the environment modes). */
+static void add(row *r, double host, double dev_s, double bytes, double flops) {
+  if (!r) return;
+  if (warmup && ++r->warm <= WARMUP) return;
+  r->count++;
+  r->host_s += host;
+  if (dev_s >= 0) r->device_s += dev_s;
+  else r->timed = false;
+  r->bytes += bytes;
+  r->flops += flops;
+}
 
 typedef struct token {
   double t0;
@@ -43,7 +228,7 @@ static void *prof_begin(const kiln__op_event *e, void *ctx) {
   token *t = malloc(sizeof *t);
   if (!t) return NULL;
   t->m0 = NULL;
-  if (mode == 2 && e->n_in > 0 && e->in[0]) t->m0 = kiln_mark_record(kiln_device_of(e->in[0]));
+  if (device_time && e->n_in > 0 && e->in[0]) t->m0 = kiln_mark_record(kiln_device_of(e->in[0]));
   t->t0 = kiln__now();
   return t;
 }
@@ -52,60 +237,291 @@ static kiln_status prof_end(const kiln__op_event *e, void *tok, void *ctx) {
   KILN__UNUSED(ctx);
   token *t = tok;
   if (!t) return KILN_OK;
-  double ms = 0;
+  double dev_s = -1;
+  kiln_device dev = e->n_in > 0 && e->in[0] ? kiln_device_of(e->in[0])
+                    : e->n_out > 0 && e->out[0] ? kiln_device_of(e->out[0])
+                                                : kiln_device_cpu();
   if (t->m0) {
-    ms = kiln_mark_elapsed_ms(t->m0, kiln_mark_record(kiln_device_of(e->in[0])));
-    if (ms < 0) ms = 0;
+    double ms = kiln_mark_elapsed_ms(t->m0, kiln_mark_record(dev));
+    dev_s = ms < 0 ? -1 : ms * 1e-3;
   }
-  double host = kiln__now() - t->t0;
+  double t1 = kiln__now();
+  double host = t1 - t->t0, t0 = t->t0;
   free(t);
+  if (dev.type == KILN_DEVICE_CPU && dev_s < 0) dev_s = host; /* the CPU's ops run on the host */
+  double bytes = e->status == KILN_OK ? bytes_of(e) : 0, flops = e->status == KILN_OK ? flops_of(e) : 0;
+  /* backward: the module of the node whose rule runs; forward: the module stack */
+  const kiln__node *bn = e->backward ? kiln__backward_node() : NULL;
+  const char *bmod = bn ? bn->module : NULL;
+  int depth = kiln__module_scope_depth();
   pthread_mutex_lock(&lock);
-  int r = 0;
-  while (r < n_rows && !(rows[r].name == e->op->name && rows[r].backward == e->backward)) r++;
-  if (r == n_rows && n_rows < MAX_ROWS) {
-    rows[r].name = e->op->name;
-    rows[r].backward = e->backward;
-    n_rows++;
+  row *r = row_for(e->op->name, e->backward, false);
+  if (r && r->count == 0 && r->warm == 0) {
+    r->dev = dev.type;
+    if (e->n_out > 0 && e->out[0]) r->dtype = kiln_dtype_of(e->out[0]);
   }
-  if (r < n_rows && ++rows[r].warm > 20) {
-    rows[r].count++;
-    rows[r].host_s += host;
-    rows[r].device_s += ms * 1e-3;
+  add(r, host, dev_s, bytes, flops);
+  /* modules: every module on the stack has this op inside it (forward); the backward
+  ** row of the node's module has the op (host time summed from its ops) */
+  if (e->backward) {
+    if (bmod) {
+      row *m = row_for(bmod, true, true);
+      if (m && m->count == 0 && m->warm == 0) m->dev = dev.type;
+      add(m, host, dev_s, bytes, flops);
+    }
+  } else {
+    for (int i = 0; i < depth; i++) {
+      const char *label = kiln__module_scope_at(i);
+      row *m = label ? row_for(label, false, true) : NULL;
+      if (!m) continue;
+      if (m->count == 0 && m->warm == 0) m->dev = dev.type;
+      /* calls and host time come from the module's span (listener); the rest from ops */
+      if (dev_s >= 0) m->device_s += dev_s;
+      m->bytes += bytes;
+      m->flops += flops;
+    }
+  }
+  event *ev = event_new();
+  if (ev) {
+    ev->name = e->op->name;
+    ev->module = e->backward ? bmod : kiln__module_scope_current();
+    ev->ts = t0 - t_start;
+    ev->dur = host;
+    ev->dev_dur = dev.type != KILN_DEVICE_CPU ? dev_s : -1;
+    ev->tid = tid();
+    ev->is_module = false;
+    ev->backward = e->backward;
+    ev->bytes = (int64_t)bytes;
+    ev->flops = (int64_t)flops;
+    int k = 0;
+    ev->shapes[0] = 0;
+    for (int i = 0; i < e->n_in && k < (int)sizeof ev->shapes - 1; i++)
+      if (e->in[i])
+        k += snprintf(ev->shapes + k, sizeof ev->shapes - (size_t)k, "%s%s", k ? " " : "", kiln__tshape(e->in[i]));
   }
   pthread_mutex_unlock(&lock);
   return KILN_OK;
 }
 
+static void module_span(const char *label, bool begin, double t0, double t1) {
+  if (begin || !label) return;
+  pthread_mutex_lock(&lock);
+  row *m = row_for(label, false, true);
+  if (m) {
+    if (warmup && ++m->warm <= WARMUP) {
+      /* the ops' share added meanwhile belongs to the warm-up too */
+      m->device_s = m->bytes = m->flops = 0;
+    } else {
+      m->count++;
+      m->host_s += t1 - t0;
+    }
+  }
+  event *ev = event_new();
+  if (ev) {
+    memset(ev, 0, sizeof *ev);
+    ev->name = label;
+    ev->ts = t0 - t_start;
+    ev->dur = t1 - t0;
+    ev->dev_dur = -1;
+    ev->tid = tid();
+    ev->is_module = true;
+  }
+  pthread_mutex_unlock(&lock);
+}
+
 static const kiln__observer profiler = {"profile", prof_begin, prof_end, NULL};
 
-static void report(void) {
-  double total = 0, dtotal = 0;
-  for (int r = 0; r < n_rows; r++) total += rows[r].host_s, dtotal += rows[r].device_s;
-  fprintf(stderr, "kiln profile (KILN_PROFILE=%s; per op, after 20 calls of each): host %.4f s", mode == 2 ? "device" : "1", total);
-  if (mode == 2) fprintf(stderr, ", device %.4f s", dtotal);
-  fprintf(stderr, "\n  %-32s %10s %10s %9s%s\n", "op", "calls", "host (s)", "us/call", mode == 2 ? "  device us/call" : "");
-  for (int r = 0; r < n_rows; r++) {
-    if (!rows[r].count) continue;
-    char name[64];
-    snprintf(name, sizeof name, "%s%s", rows[r].name, rows[r].backward ? " (backward)" : "");
-    double n = (double)rows[r].count;
-    fprintf(stderr, "  %-32s %10lld %10.4f %9.2f", name, (long long)rows[r].count, rows[r].host_s, 1e6 * rows[r].host_s / n);
-    if (mode == 2) fprintf(stderr, "  %15.2f", 1e6 * rows[r].device_s / n);
-    fprintf(stderr, "\n");
+/* ---- the table ---- */
+
+static void print_rows(FILE *f, bool modules) {
+  bool any = false;
+  for (int i = 0; i < n_rows; i++) any |= rows[i].module == modules && rows[i].count > 0;
+  if (!any) return;
+  fprintf(f, "  %-36s %8s %10s %10s %10s %10s %10s %8s %8s %7s\n", modules ? "module" : "op", "calls",
+          "host ms", "host us/c", "dev us/c", "MB moved", "GFLOP", "TFLOP/s", "GB/s", "% peak");
+  for (int i = 0; i < n_rows; i++) {
+    row *r = &rows[i];
+    if (r->module != modules || !r->count) continue;
+    char name[80], dus[16] = "-", tf[16] = "-", gb[16] = "-", pk[16] = "-";
+    snprintf(name, sizeof name, "%s%s", r->name, r->backward ? " (backward)" : "");
+    double n = (double)r->count;
+    /* rates need device time: measured, or the host time of CPU ops (which is theirs) */
+    bool have = r->timed && r->device_s > 0;
+    if (have) {
+      snprintf(dus, sizeof dus, "%.2f", 1e6 * r->device_s / n);
+      double tflops = r->flops / r->device_s * 1e-12, gbs = r->bytes / r->device_s * 1e-9;
+      if (r->flops > 0) snprintf(tf, sizeof tf, "%.3f", tflops);
+      snprintf(gb, sizeof gb, "%.1f", gbs);
+      const peak *p = (int)r->dev >= 0 && (int)r->dev < MAX_TYPES ? &dev_peak[r->dev] : NULL;
+      if (p && p->gbs > 0) {
+        double pf = r->dtype == KILN_BF16 || r->dtype == KILN_F16 ? p->half : p->f32;
+        /* the bound that binds: compute for ops that do work, bandwidth for the rest */
+        double share = r->flops > 0 ? 100.0 * tflops / pf : 100.0 * gbs / p->gbs;
+        double bw = 100.0 * gbs / p->gbs;
+        snprintf(pk, sizeof pk, "%.1f", share > bw ? share : bw);
+      }
+    }
+    fprintf(f, "  %-36s %8" PRId64 " %10.3f %10.2f %10s %10.2f %10.3f %8s %8s %7s\n", name, r->count,
+            1e3 * r->host_s, 1e6 * r->host_s / n, dus, r->bytes / 1e6, r->flops / 1e9, tf, gb, pk);
   }
+}
+
+static void print_table(FILE *f) {
+  double total = 0, dtotal = 0;
+  for (int r = 0; r < n_rows; r++)
+    if (!rows[r].module) total += rows[r].host_s, dtotal += rows[r].device_s;
+  fprintf(f, "kiln profile (%s%s): ops host %.4f s", env_mode ? "KILN_PROFILE" : "kiln_profiler",
+          warmup ? "; after 20 calls of each op and module" : "", total);
+  if (device_time) fprintf(f, ", device %.4f s", dtotal);
+  fprintf(f, "\n");
+  print_rows(f, false);
+  print_rows(f, true);
+  for (int t = 1; t < MAX_TYPES; t++)
+    if (dev_peak[t].gbs > 0)
+      fprintf(f, "  %% peak: of %s's data-sheet peak (%.1f TFLOP/s f32, %.0f bf16/f16 dense, %.0f GB/s)\n",
+              dev_peak[t].device, dev_peak[t].f32, dev_peak[t].half, dev_peak[t].gbs);
+  if (!device_time) fprintf(f, "  (no device times on a GPU without device timing: KILN_PROFILE=device)\n");
+}
+
+/* ---- the Chrome trace ---- */
+
+static void json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; s && *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+    else if (c < 0x20) fprintf(f, "\\u%04x", c);
+    else fputc(c, f);
+  }
+  fputc('"', f);
+}
+
+static kiln_status write_trace(void) {
+  FILE *f = trace_file;
+  fprintf(f, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"kiln %s\",\"dropped_events\":%" PRId64
+             "},\n\"traceEvents\":[\n",
+          kiln_version(), dropped);
+  fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,\"tid\":0,\"args\":{\"name\":\"host\"}},\n");
+  fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":2,\"tid\":0,\"args\":{\"name\":\"device\"}}");
+  int max_tid = atomic_load(&next_tid);
+  for (int t = 1; t <= max_tid; t++)
+    fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":%d,\"args\":{\"name\":\"thread %d\"}}", t, t);
+  for (int64_t i = 0; i < n_events; i++) {
+    const event *e = &events[i];
+    fprintf(f, ",\n{\"name\":");
+    json_str(f, e->name);
+    fprintf(f, ",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":1,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f",
+            e->is_module ? "module" : e->backward ? "op,backward" : "op", e->tid, e->ts * 1e6, e->dur * 1e6);
+    if (!e->is_module) {
+      fprintf(f, ",\"args\":{\"shapes\":");
+      json_str(f, e->shapes);
+      fprintf(f, ",\"bytes\":%" PRId64 ",\"flops\":%" PRId64, e->bytes, e->flops);
+      if (e->module) {
+        fprintf(f, ",\"module\":");
+        json_str(f, e->module);
+      }
+      fprintf(f, "}");
+    }
+    fprintf(f, "}");
+    if (e->dev_dur >= 0) {
+      fprintf(f, ",\n{\"name\":");
+      json_str(f, e->name);
+      fprintf(f, ",\"cat\":\"device\",\"ph\":\"X\",\"pid\":2,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f}", e->tid,
+              e->ts * 1e6, e->dev_dur * 1e6);
+    }
+  }
+  fprintf(f, "\n]}\n");
+  bool bad = ferror(f) != 0;
+  bad |= fclose(f) != 0;
+  trace_file = NULL;
+  if (bad) return kiln_set_error(KILN_ERR_IO, "kiln profiler: writing the trace '%s' failed", trace_path);
+  return KILN_OK;
+}
+
+/* ---- on and off ---- */
+
+static kiln_status start(bool dev_time, const char *path, bool from_env) {
+  if (atomic_load(&active))
+    return kiln_set_error(KILN_ERR_STATE, "kiln_profiler_start: the profiler is already on%s",
+                          env_mode ? " (KILN_PROFILE)" : "");
+  if (path) {
+    if (strlen(path) >= sizeof trace_path)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_profiler_start: trace path too long");
+    FILE *f = fopen(path, "w");
+    if (!f)
+      return kiln_set_error(KILN_ERR_IO, "kiln_profiler_start: cannot write the trace '%s': %s", path, strerror(errno));
+    snprintf(trace_path, sizeof trace_path, "%s", path);
+    trace_file = f;
+  }
+  pthread_mutex_lock(&lock);
+  n_rows = 0;
+  n_events = 0;
+  dropped = 0;
+  device_time = dev_time;
+  env_mode = from_env;
+  warmup = from_env;
+  for (int t = 0; t < kiln_backend_count(); t++) find_peak(kiln_backend_type(t));
+  t_start = kiln__now();
+  pthread_mutex_unlock(&lock);
+  kiln_status st = kiln__observer_add(&profiler);
+  if (st != KILN_OK) {
+    if (trace_file) fclose(trace_file), trace_file = NULL;
+    return st;
+  }
+  kiln__module_scope_set_listener(module_span);
+  atomic_store(&active, true);
+  return KILN_OK;
+}
+
+static kiln_status stop(FILE *table) {
+  if (!atomic_load(&active)) return kiln_set_error(KILN_ERR_STATE, "kiln_profiler_stop: the profiler is not on");
+  kiln__observer_remove(&profiler);
+  kiln__module_scope_set_listener(NULL);
+  atomic_store(&active, false);
+  pthread_mutex_lock(&lock);
+  if (table) print_table(table);
+  kiln_status st = trace_file ? write_trace() : KILN_OK;
+  free(events);
+  events = NULL;
+  n_events = cap_events = 0;
+  pthread_mutex_unlock(&lock);
+  return st;
+}
+
+kiln_status kiln_profiler_start(const kiln_profiler_options *opt) {
+  return start(opt && opt->device_time, opt ? opt->trace_path : NULL, false);
+}
+
+kiln_status kiln_profiler_stop(FILE *table) { return stop(table); }
+
+bool kiln_profiler_enabled(void) { return atomic_load(&active); }
+
+static void report(void) {
+  if (!atomic_load(&active) || !env_mode) return;
+  if (stop(stderr) != KILN_OK) fprintf(stderr, "%s\n", kiln_last_error_message());
+  else if (trace_path[0]) fprintf(stderr, "kiln profile: trace written to %s\n", trace_path);
 }
 
 /* Read once, when the library is loaded: the path itself never looks at the variable. */
 __attribute__((constructor)) static void profile_init(void) {
   const char *e = getenv("KILN_PROFILE");
   if (!e || !*e || strcmp(e, "0") == 0) return;
+  kiln_status st;
   if (strcmp(e, "1") == 0) {
-    mode = 1;
+    st = start(false, NULL, true);
   } else if (strcmp(e, "device") == 0) {
-    mode = 2;
+    st = start(true, NULL, true);
+  } else if (strncmp(e, "trace:", 6) == 0 && e[6]) {
+    st = start(true, e + 6, true);
+    if (st != KILN_OK) {
+      /* The trace is what was asked for: better to stop now than after the run. */
+      fprintf(stderr, "kiln: KILN_PROFILE=%s: %s; stopping before any work (fix the path or unset KILN_PROFILE)\n",
+              e, kiln_last_error_message());
+      exit(2);
+    }
   } else {
-    fprintf(stderr, "kiln: KILN_PROFILE=%s is not understood (accepted: 0, 1, device); not profiling\n", e);
+    fprintf(stderr, "kiln: KILN_PROFILE=%s is not understood (accepted: 0, 1, device, trace:FILE); not profiling\n", e);
     return;
   }
-  if (kiln__observer_add(&profiler) == KILN_OK) atexit(report);
+  if (st == KILN_OK) atexit(report);
 }

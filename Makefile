@@ -76,6 +76,7 @@ asan: deps
 	$(CMAKE) -S . -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=Debug -DKILN_CUDA=OFF \
 	  $(if $(ASAN_CC),-DCMAKE_C_COMPILER=$(ASAN_CC)) -DKILN_SANITIZE=address,undefined $(CMAKE_ARGS)
 	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
+	LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0 \
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  $(CTEST) --test-dir $(ASAN_DIR) --output-on-failure -j$(JOBS)

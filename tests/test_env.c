@@ -49,6 +49,8 @@ int main(void) {
     expect_bad("KILN_DEVICE", "cuda", KILN_ERR_DEVICE, "not available");
   expect_bad("KILN_PROFILE", "yes", KILN_ERR_INVALID_ARGUMENT, "device");
   expect_good("KILN_PROFILE", "device");
+  expect_good("KILN_PROFILE", "trace:/tmp/kiln-trace.json");
+  expect_bad("KILN_PROFILE", "trace:", KILN_ERR_INVALID_ARGUMENT, "trace:FILE");
   expect_bad("KILN_ANOMALY", "yes", KILN_ERR_INVALID_ARGUMENT, "0 (off)");
   expect_good("KILN_ANOMALY", "1");
   CHECK(kiln_env_check("KILN_NOPE") == KILN_ERR_INVALID_ARGUMENT);

@@ -46,9 +46,10 @@ static kiln_status parse_fallback(const char *v, int *out) {
 
 static kiln_status parse_profile(const char *v) {
   if (!strcmp(v, "0") || !strcmp(v, "1") || !strcmp(v, "device")) return KILN_OK;
+  if (!strncmp(v, "trace:", 6) && v[6]) return KILN_OK; /* the path is checked when the profiler opens it */
   return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                         "KILN_PROFILE='%s' is not a profile mode: use 1 (host time per op), device "
-                        "(also device time) or 0 (off)", v);
+                        "(also device time), trace:FILE (also a Chrome trace) or 0 (off)", v);
 }
 
 static kiln_status parse_anomaly(const char *v) {

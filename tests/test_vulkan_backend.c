@@ -155,8 +155,10 @@ static int child_no_loader(void) {
   kiln_device d;
   int bad = ok || !why || !strstr(why, "loader") || kiln_device_parse("vulkan", &d) != KILN_ERR_DEVICE;
   kiln_clear_error();
+  kiln_scope_begin();
   kiln_tensor *t = kiln_ones(KILN_SHAPE(3), KILN_F32, kiln_device_cpu());
   bad |= !t || kiln_item(kiln_sum_all(t)) != 3.0;
+  kiln_scope_end();
   bad |= kiln_device_best().type != KILN_DEVICE_CPU && kiln_device_best().type != KILN_DEVICE_CUDA;
   printf("child: vulkan available=%d why='%s'\n", ok, why ? why : "");
   return bad;

@@ -117,8 +117,10 @@ static double train(kiln_device dev, double *first) {
   kiln_module_to(net, dev);
   kiln_optim_config cfg = kiln_adamw_config(1e-2);
   kiln_optimizer *opt = kiln_optimizer_new_module(&cfg, net);
+  kiln_scope_begin(); /* owns the CPU originals */
   kiln_tensor *x = kiln_keep(kiln_to_device(kiln_randn(KILN_SHAPE(32, 6), KILN_F32, kiln_device_cpu(), NULL), dev));
   kiln_tensor *y = kiln_keep(kiln_to_device(kiln_randint(0, 3, KILN_SHAPE(32), KILN_I64, kiln_device_cpu(), NULL), dev));
+  kiln_scope_end();
   double loss = NAN;
   for (int step = 0; step < 30; step++) {
     kiln_scope_begin();

@@ -6,7 +6,10 @@
 **
 ** Usage: fashion-mnist [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
-**                      [--seed N] [--json] [--quiet] [--logdir DIR]
+**                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]
+** --autocast runs each step's forward under autocast (kiln_autocast_begin): the products in
+** bf16 or f16, the loss in f32, the parameters and their gradients f32. f16 without a loss
+** scaler can underflow small gradients; bf16 needs none.
 ** --epochs is the total: with --resume the run continues from the checkpoint's epoch up
 ** to N (so the same command line can be run again after an interruption).
 ** --limit N trains on the first N training images (for quick tests).
@@ -45,7 +48,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: " PROG " [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
-          "                     [--seed N] [--json] [--quiet] [--logdir DIR]\n"
+          "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]\n"
           "  MLP 784-256-10 on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
@@ -166,6 +169,7 @@ int main(int argc, char **argv) {
   double lr = 1e-3;
   bool json = false, quiet = false, resume = false;
   const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
+  const char *amp = NULL;    /* --autocast bf16|f16 */
   const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -181,6 +185,12 @@ int main(int argc, char **argv) {
       if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--logdir")) {
       if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--autocast")) {
+      if (!(amp = ex_flag_value(PROG, argc, argv, &i))) return 2;
+      if (strcmp(amp, "bf16") && strcmp(amp, "f16")) {
+        fprintf(stderr, PROG ": --autocast '%s': use bf16 or f16\n", amp);
+        return 2;
+      }
     } else if (!strcmp(a, "--checkpoint")) {
       if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--epochs")) {
@@ -325,8 +335,11 @@ int main(int argc, char **argv) {
       kiln_status st = KILN_OK;
       double lv = 0;
       if (r == 1) {
+        if (amp) st = kiln_autocast_begin(dev.type, !strcmp(amp, "f16") ? KILN_F16 : KILN_BF16);
         kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
                                                KILN_REDUCTION_MEAN, -100, 0.0);
+        if (amp && st == KILN_OK) st = kiln_autocast_end();
+        if (st != KILN_OK) loss = NULL;
         kiln_optimizer_zero_grad(opt);
         st = kiln_backward(loss, NULL);
         if (st == KILN_OK && ddp) st = kiln_ddp_sync_grads(ddp);
@@ -384,10 +397,10 @@ int main(int argc, char **argv) {
   if (json)
     printf("{\"example\":\"fashion-mnist\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
            "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
-           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"kiln\":\"%s\"}\n",
+           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"autocast\":\"%s\",\"kiln\":\"%s\"}\n",
            dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
            train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
-           world, seed, kiln_version());
+           world, seed, amp ? amp : "off", kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);
 

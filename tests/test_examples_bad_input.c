@@ -64,6 +64,7 @@ int main(void) {
   expect_refused(NULL, fm, "--data empty-train --device cpu --checkpoint c.ckpt", 1, "the training set has no images");
   expect_refused(NULL, fm, "--data empty-test --device cpu --checkpoint c.ckpt", 1, "the test set has no images");
   expect_refused(NULL, fm, "--data small-images --device cpu --checkpoint c.ckpt", 1, "28 x 28");
+  expect_refused(NULL, fm, "--data good --device cpu --autocast f8 --checkpoint c.ckpt", 2, "use bf16 or f16");
   char ck0[512];
   snprintf(ck0, sizeof ck0, "%s/c.ckpt", cr_tmpdir());
   CR_CHECK(!cr_file_exists(ck0), "a checkpoint was written from nonsense data");

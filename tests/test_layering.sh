@@ -11,7 +11,7 @@
 #   backend   src/backend/**, src/core/*, public headers, the generated config
 #   ops       src/core/*, src/backend/backend.h, src/ops/*, public headers
 #   autograd  src/core/*, src/ops/op.h, public headers
-#   nn optim data io dist, tools, examples, bench
+#   nn optim data io dist text, tools, examples, bench
 #             public headers (include/kiln*.h), the extension header src/ext/kiln_ext.h,
 #             and the layer's own private headers (its own folder)
 #   ext       public headers only
@@ -48,7 +48,7 @@ layer_of() {
   src/ops/*) echo ops ;;
   src/autograd/*) echo autograd ;;
   src/ext/*) echo ext ;;
-  src/nn/* | src/optim/* | src/data/* | src/io/* | src/dist/*) echo upper ;;
+  src/nn/* | src/optim/* | src/data/* | src/io/* | src/dist/* | src/text/*) echo upper ;;
   tools/* | examples/* | bench/*) echo upper ;;
   *) echo other ;;
   esac
@@ -93,7 +93,7 @@ rule_text() {
   ops) echo "ops include only src/core, src/backend/backend.h, src/ops and public headers" ;;
   autograd) echo "autograd includes only src/core, src/ops/op.h and public headers" ;;
   ext) echo "the extension header is built on public headers only" ;;
-  upper) echo "nn/optim/data/io/dist/tools/examples include only public headers, src/ext/kiln_ext.h and their own folder's headers" ;;
+  upper) echo "nn/optim/data/io/dist/text/tools/examples include only public headers, src/ext/kiln_ext.h and their own folder's headers" ;;
   esac
 }
 
@@ -123,7 +123,7 @@ done <"$tmp.files"
 # The core calls nothing above it.
 if [ -n "$OBJ" ] && [ -d "$OBJ/src/core" ]; then
   : >"$tmp.upper"
-  for f in $(ls src/ops/*.c src/autograd/*.c src/nn/*.c src/optim/*.c src/io/*.c src/data/*.c src/dist/*.c 2>/dev/null); do
+  for f in $(ls src/ops/*.c src/autograd/*.c src/nn/*.c src/optim/*.c src/io/*.c src/data/*.c src/dist/*.c src/text/*.c 2>/dev/null); do
     [ -f "$OBJ/$f.o" ] && "$NM" -g --defined-only "$OBJ/$f.o" | awk 'NF==3{print $3}' >>"$tmp.upper"
   done
   sort -u "$tmp.upper" -o "$tmp.upper"

@@ -1,0 +1,293 @@
+/* A small JSON reader for the tokenizer files (vocab.json, tokenizer.json): a cursor
+** over the file in memory, read by the caller member by member, so that an error can name
+** the line and byte offset of the very entry that is wrong. The library's cJSON (when
+** built with it) builds a whole tree and reports only where the syntax broke, and io's
+** reader for safetensors headers is private to io (tests/test_layering.sh). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "text_int.h"
+
+#define JR_MAX_DEPTH 128
+
+void kiln__jr_init(kiln__jreader *jr, const char *what, const char *path, const char *s, size_t n) {
+  memset(jr, 0, sizeof *jr);
+  jr->what = what;
+  jr->path = path;
+  jr->s = s;
+  jr->n = n;
+  jr->code = KILN_ERR_FORMAT;
+}
+
+void kiln__jr_release(kiln__jreader *jr) {
+  free(jr->buf);
+  jr->buf = NULL;
+  jr->cap = jr->len = 0;
+}
+
+kiln_status kiln__jr_fail_at(kiln__jreader *jr, size_t off, const char *fmt, ...) {
+  if (jr->failed) return kiln_last_error(); /* keep the first error */
+  jr->failed = 1;
+  if (off > jr->n) off = jr->n;
+  size_t line = 1;
+  for (size_t i = 0; i < off; i++) line += jr->s[i] == '\n';
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  return kiln_set_error(jr->code, "%s: %s:%zu: byte %zu: %s", jr->what, jr->path, line,
+                        off, msg);
+}
+
+static void skip_ws(kiln__jreader *jr) {
+  while (jr->pos < jr->n) {
+    char c = jr->s[jr->pos];
+    if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
+    jr->pos++;
+  }
+}
+
+int kiln__jr_peek(kiln__jreader *jr) {
+  if (jr->failed) return 0;
+  skip_ws(jr);
+  return jr->pos < jr->n ? (unsigned char)jr->s[jr->pos] : 0;
+}
+
+static const char *describe(kiln__jreader *jr) {
+  if (jr->pos >= jr->n) return "the end of the file";
+  static _Thread_local char d[32];
+  unsigned char c = (unsigned char)jr->s[jr->pos];
+  if (c >= 0x20 && c < 0x7f) snprintf(d, sizeof d, "'%c'", c);
+  else snprintf(d, sizeof d, "byte 0x%02x", c);
+  return d;
+}
+
+int kiln__jr_expect(kiln__jreader *jr, int c) {
+  if (kiln__jr_peek(jr) == c && !jr->failed) {
+    jr->pos++;
+    return 1;
+  }
+  kiln__jr_fail_at(jr, jr->pos, "expected '%c', found %s", c, describe(jr));
+  return 0;
+}
+
+int kiln__jr_accept(kiln__jreader *jr, int c) {
+  if (kiln__jr_peek(jr) == c && !jr->failed) {
+    jr->pos++;
+    return 1;
+  }
+  return 0;
+}
+
+static int put(kiln__jreader *jr, const char *b, size_t k) {
+  if (jr->len + k + 1 > jr->cap) {
+    size_t cap = jr->cap ? jr->cap * 2 : 64;
+    while (cap < jr->len + k + 1) cap *= 2;
+    char *nb = realloc(jr->buf, cap);
+    if (!nb) {
+      jr->failed = 1;
+      kiln_set_error(KILN_ERR_OOM, "%s: %s: out of memory", jr->what, jr->path);
+      return 0;
+    }
+    jr->buf = nb;
+    jr->cap = cap;
+  }
+  memcpy(jr->buf + jr->len, b, k);
+  jr->len += k;
+  jr->buf[jr->len] = 0;
+  return 1;
+}
+
+static int hex4(const char *s, uint32_t *v) {
+  *v = 0;
+  for (int i = 0; i < 4; i++) {
+    char c = s[i];
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+          : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (d < 0) return 0;
+    *v = *v << 4 | (uint32_t)d;
+  }
+  return 1;
+}
+
+static size_t utf8_put(char *o, uint32_t cp) {
+  if (cp < 0x80) { o[0] = (char)cp; return 1; }
+  if (cp < 0x800) { o[0] = (char)(0xC0 | cp >> 6); o[1] = (char)(0x80 | (cp & 63)); return 2; }
+  if (cp < 0x10000) {
+    o[0] = (char)(0xE0 | cp >> 12); o[1] = (char)(0x80 | (cp >> 6 & 63));
+    o[2] = (char)(0x80 | (cp & 63));
+    return 3;
+  }
+  o[0] = (char)(0xF0 | cp >> 18); o[1] = (char)(0x80 | (cp >> 12 & 63));
+  o[2] = (char)(0x80 | (cp >> 6 & 63)); o[3] = (char)(0x80 | (cp & 63));
+  return 4;
+}
+
+int kiln__jr_string(kiln__jreader *jr) {
+  if (!kiln__jr_expect(jr, '"')) return 0;
+  jr->len = 0;
+  if (!put(jr, "", 0)) return 0;
+  size_t start = jr->pos - 1;
+  while (jr->pos < jr->n) {
+    size_t run = jr->pos;
+    while (run < jr->n && jr->s[run] != '"' && jr->s[run] != '\\' && (unsigned char)jr->s[run] >= 0x20)
+      run++;
+    if (!put(jr, jr->s + jr->pos, run - jr->pos)) return 0;
+    jr->pos = run;
+    if (run >= jr->n) break;
+    char c = jr->s[run];
+    if (c == '"') {
+      jr->pos++;
+      return 1;
+    }
+    if (c != '\\') {
+      kiln__jr_fail_at(jr, run, "control byte 0x%02x inside a string", (unsigned char)c);
+      return 0;
+    }
+    if (run + 1 >= jr->n) break;
+    char e = jr->s[run + 1], o[4];
+    size_t k = 1;
+    jr->pos = run + 2;
+    switch (e) {
+    case '"': o[0] = '"'; break;
+    case '\\': o[0] = '\\'; break;
+    case '/': o[0] = '/'; break;
+    case 'b': o[0] = '\b'; break;
+    case 'f': o[0] = '\f'; break;
+    case 'n': o[0] = '\n'; break;
+    case 'r': o[0] = '\r'; break;
+    case 't': o[0] = '\t'; break;
+    case 'u': {
+      uint32_t cp, lo;
+      if (run + 6 > jr->n || !hex4(jr->s + run + 2, &cp)) {
+        kiln__jr_fail_at(jr, run, "bad \\u escape");
+        return 0;
+      }
+      jr->pos = run + 6;
+      if (cp >= 0xD800 && cp < 0xDC00) { /* a high surrogate wants its low half */
+        if (jr->pos + 6 <= jr->n && jr->s[jr->pos] == '\\' && jr->s[jr->pos + 1] == 'u' &&
+            hex4(jr->s + jr->pos + 2, &lo) && lo >= 0xDC00 && lo < 0xE000) {
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          jr->pos += 6;
+        } else {
+          kiln__jr_fail_at(jr, run, "unpaired surrogate \\u%04X", (unsigned)cp);
+          return 0;
+        }
+      } else if (cp >= 0xDC00 && cp < 0xE000) {
+        kiln__jr_fail_at(jr, run, "unpaired surrogate \\u%04X", (unsigned)cp);
+        return 0;
+      }
+      k = utf8_put(o, cp);
+      break;
+    }
+    default:
+      kiln__jr_fail_at(jr, run, "bad escape '\\%c'", e);
+      return 0;
+    }
+    if (!put(jr, o, k)) return 0;
+  }
+  kiln__jr_fail_at(jr, start, "string not terminated");
+  return 0;
+}
+
+int kiln__jr_int(kiln__jreader *jr, int64_t *v) {
+  kiln__jr_peek(jr);
+  if (jr->failed) return 0;
+  size_t p = jr->pos, start = p;
+  int neg = 0;
+  if (p < jr->n && jr->s[p] == '-') neg = 1, p++;
+  int64_t x = 0;
+  size_t digits = 0;
+  while (p < jr->n && jr->s[p] >= '0' && jr->s[p] <= '9') {
+    if (x > (INT64_MAX - 9) / 10) {
+      kiln__jr_fail_at(jr, start, "integer out of range");
+      return 0;
+    }
+    x = x * 10 + (jr->s[p++] - '0');
+    digits++;
+  }
+  if (!digits || (p < jr->n && (jr->s[p] == '.' || jr->s[p] == 'e' || jr->s[p] == 'E'))) {
+    kiln__jr_fail_at(jr, start, "expected an integer, found %s", describe(jr));
+    return 0;
+  }
+  jr->pos = p;
+  *v = neg ? -x : x;
+  return 1;
+}
+
+static int skip_depth(kiln__jreader *jr, int depth) {
+  if (depth > JR_MAX_DEPTH) {
+    kiln__jr_fail_at(jr, jr->pos, "nested deeper than %d", JR_MAX_DEPTH);
+    return 0;
+  }
+  int c = kiln__jr_peek(jr), first = 1, r;
+  if (jr->failed) return 0;
+  switch (c) {
+  case '"': return kiln__jr_string(jr);
+  case '{':
+    if (!kiln__jr_object_begin(jr)) return 0;
+    while ((r = kiln__jr_member(jr, &first)) == 1)
+      if (!skip_depth(jr, depth + 1)) return 0;
+    return r == 0;
+  case '[':
+    if (!kiln__jr_array_begin(jr)) return 0;
+    while ((r = kiln__jr_element(jr, &first)) == 1)
+      if (!skip_depth(jr, depth + 1)) return 0;
+    return r == 0;
+  default: break;
+  }
+  static const char *const words[] = {"true", "false", "null"};
+  for (int i = 0; i < 3; i++) {
+    size_t k = strlen(words[i]);
+    if (jr->pos + k <= jr->n && !memcmp(jr->s + jr->pos, words[i], k)) {
+      jr->pos += k;
+      return 1;
+    }
+  }
+  /* a number: -?digits(.digits)?([eE][+-]?digits)? */
+  size_t p = jr->pos;
+  if (p < jr->n && jr->s[p] == '-') p++;
+  size_t d0 = p;
+  while (p < jr->n && ((jr->s[p] >= '0' && jr->s[p] <= '9') || jr->s[p] == '.' || jr->s[p] == 'e' ||
+                       jr->s[p] == 'E' || jr->s[p] == '+' || jr->s[p] == '-'))
+    p++;
+  if (p == d0) {
+    kiln__jr_fail_at(jr, jr->pos, "expected a value, found %s", describe(jr));
+    return 0;
+  }
+  jr->pos = p;
+  return 1;
+}
+
+int kiln__jr_skip(kiln__jreader *jr) { return skip_depth(jr, 0); }
+
+int kiln__jr_object_begin(kiln__jreader *jr) { return kiln__jr_expect(jr, '{'); }
+
+int kiln__jr_member(kiln__jreader *jr, int *first) {
+  if (jr->failed) return -1;
+  if (kiln__jr_accept(jr, '}')) return 0;
+  if (!*first && !kiln__jr_expect(jr, ',')) return -1;
+  *first = 0;
+  if (kiln__jr_peek(jr) != '"') {
+    kiln__jr_fail_at(jr, jr->pos, "expected a member name, found %s", describe(jr));
+    return -1;
+  }
+  jr->key_pos = jr->pos;
+  if (!kiln__jr_string(jr) || !kiln__jr_expect(jr, ':')) return -1;
+  kiln__jr_peek(jr);
+  return 1;
+}
+
+int kiln__jr_array_begin(kiln__jreader *jr) { return kiln__jr_expect(jr, '['); }
+
+int kiln__jr_element(kiln__jreader *jr, int *first) {
+  if (jr->failed) return -1;
+  if (kiln__jr_accept(jr, ']')) return 0;
+  if (!*first && !kiln__jr_expect(jr, ',')) return -1;
+  *first = 0;
+  kiln__jr_peek(jr);
+  return 1;
+}

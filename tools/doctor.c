@@ -361,6 +361,22 @@ static void diagnose(doctor *d) {
 
 /* ---- output ------------------------------------------------------------------------- */
 
+
+/* The end of a GPU's JSON object, the same for CUDA and Vulkan: its memory, its error. */
+static void json_device_tail(cli_json *j, const cuda_result *r) {
+  if (r->mem_ok) {
+    cli_json_object_begin(j, "memory");
+    cli_json_int(j, "allocated", r->mem.allocated);
+    cli_json_int(j, "reserved", r->mem.reserved);
+    cli_json_int(j, "peak_allocated", r->mem.peak_allocated);
+    cli_json_int(j, "num_device_allocs", r->mem.num_device_allocs);
+    cli_json_int(j, "limit", r->mem.limit);
+    cli_json_object_end(j);
+  }
+  if (!r->ok) cli_json_string(j, "error", r->msg);
+  cli_json_object_end(j);
+}
+
 static void print_json(const doctor *d) {
   cli_json j;
   cli_json_init(&j, stdout);
@@ -417,17 +433,7 @@ static void print_json(const doctor *d) {
       cli_json_int(&j, "runtime_version", r->info.runtime_version);
       cli_json_int(&j, "cublas_version", r->info.blas_version);
     }
-    if (r->mem_ok) {
-      cli_json_object_begin(&j, "memory");
-      cli_json_int(&j, "allocated", r->mem.allocated);
-      cli_json_int(&j, "reserved", r->mem.reserved);
-      cli_json_int(&j, "peak_allocated", r->mem.peak_allocated);
-      cli_json_int(&j, "num_device_allocs", r->mem.num_device_allocs);
-      cli_json_int(&j, "limit", r->mem.limit);
-      cli_json_object_end(&j);
-    }
-    if (!r->ok) cli_json_string(&j, "error", r->msg);
-    cli_json_object_end(&j);
+    json_device_tail(&j, r);
   }
   cli_json_array_end(&j);
   cli_json_array_begin(&j, "vulkan");
@@ -446,17 +452,7 @@ static void print_json(const doctor *d) {
       cli_json_int(&j, "driver_version", r->info.driver_version);
       cli_json_int(&j, "total_memory", r->info.total_memory);
     }
-    if (r->mem_ok) {
-      cli_json_object_begin(&j, "memory");
-      cli_json_int(&j, "allocated", r->mem.allocated);
-      cli_json_int(&j, "reserved", r->mem.reserved);
-      cli_json_int(&j, "peak_allocated", r->mem.peak_allocated);
-      cli_json_int(&j, "num_device_allocs", r->mem.num_device_allocs);
-      cli_json_int(&j, "limit", r->mem.limit);
-      cli_json_object_end(&j);
-    }
-    if (!r->ok) cli_json_string(&j, "error", r->msg);
-    cli_json_object_end(&j);
+    json_device_tail(&j, r);
   }
   cli_json_array_end(&j);
   cli_json_object_end(&j);

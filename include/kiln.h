@@ -425,6 +425,47 @@ KILN_API kiln_tensor *kiln_argmin(kiln_tensor *t, int dim, bool keepdim); /* i64
 KILN_API kiln_tensor *kiln_softmax(kiln_tensor *t, int dim);
 KILN_API kiln_tensor *kiln_log_softmax(kiln_tensor *t, int dim);
 
+/* Transformer ops (CPU kernels; other backends run them through the CPU fallback).
+** layer_norm over the last ndims dims, which must equal normalized_shape:
+** (x - mean) / sqrt(var + eps) * weight + bias, var biased; weight and bias (of
+** normalized_shape; either may be NULL) as PyTorch's. rms_norm: x / sqrt(mean(x^2) + eps)
+** * weight. Both fused: the backward uses the mean and rstd the forward kept. Errors:
+** KILN_ERR_SHAPE (normalized_shape vs the input, weight or bias), KILN_ERR_DTYPE. */
+KILN_API kiln_tensor *kiln_layer_norm(kiln_tensor *x, int ndims, const int64_t *normalized_shape,
+                                      kiln_tensor *weight, kiln_tensor *bias, double eps);
+KILN_API kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *normalized_shape,
+                                    kiln_tensor *weight, double eps);
+/* softmax(q k^T * scale + mask) v for q (B, H, Tq, D), k (B, H, Tk, D), v (B, H, Tk, Dv)
+** -> (B, H, Tq, Dv), one dtype. mask (may be NULL) broadcasts to (B, H, Tq, Tk): bool
+** (true attends) or floating (added to the scores); is_causal lets query i attend keys
+** j <= i (not both). dropout_p drops attention weights (scaled by 1/(1-p)) from gen (NULL:
+** the global generator); pass 0 in eval. scale 0 means 1/sqrt(D). On the CPU no Tq x Tk
+** matrix is made (keys in blocks, online softmax). A row with every key masked gives 0.
+** The mask gets no gradient. Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE,
+** KILN_ERR_INVALID_ARGUMENT (dropout_p outside [0, 1], mask with is_causal). */
+KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v,
+                                                        kiln_tensor *mask, bool is_causal,
+                                                        double dropout_p, double scale,
+                                                        kiln_generator *gen);
+/* Running sum along dim; integer and bool inputs give i64. */
+KILN_API kiln_tensor *kiln_cumsum(kiln_tensor *t, int dim);
+/* The lower (upper) triangle of the last two dims: elements with j - i <= diagonal
+** (>= diagonal for triu) kept, the rest 0. 2 or more dims (KILN_ERR_SHAPE otherwise). */
+KILN_API kiln_tensor *kiln_tril(kiln_tensor *t, int64_t diagonal);
+KILN_API kiln_tensor *kiln_triu(kiln_tensor *t, int64_t diagonal);
+/* The k largest (smallest) values along dim, sorted, NaN counted largest, ties by lower
+** index; *indices (may be NULL) gets their i64 positions. Both owned by the caller's
+** scope. KILN_ERR_INVALID_ARGUMENT when k is outside [0, size of dim]. */
+KILN_API kiln_tensor *kiln_topk(kiln_tensor *t, int64_t k, int dim, bool largest, bool sorted,
+                                kiln_tensor **indices);
+/* num_samples i64 class indices per row of probs (C) or (N, C) -> (S) or (N, S), drawn
+** with weights probs (non-negative, finite, not all 0 in a row; need not sum to 1), with
+** or without replacement, from gen (NULL: global). Same seed, same samples on every
+** backend (the mapping: src/backend/cpu/cpu_scan.c). KILN_ERR_INVALID_ARGUMENT for a bad
+** distribution or too many samples without replacement. */
+KILN_API kiln_tensor *kiln_multinomial(kiln_tensor *probs, int64_t num_samples, bool replacement,
+                                       kiln_generator *gen);
+
 /* Matrix products. matmul follows torch.matmul: 1-d operands are promoted and the
 ** result squeezed; batch dims broadcast. Exact f32 by default (see kiln_set_matmul_tf32). */
 KILN_API kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b);

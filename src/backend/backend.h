@@ -165,7 +165,43 @@ typedef struct kiln__view {
   /* loss-scaling unscale over many tensors (a list op, list_w 1): each floating */        \
   /* contiguous view is multiplied in place by s0 (1/scale); out0, an f32 one-element */   \
   /* flag, is set to 1 when any value is inf or NaN (never cleared here). */               \
-  X(AMP_UNSCALE, "amp_unscale")
+  X(AMP_UNSCALE, "amp_unscale")                                                          \
+  /* ---- transformer ops (issue 16); CPU kernels only so far ---- */                     \
+  /* fused norms over the last dim: in0 x (R, N), then the weight (N) when i0 flag 1 */  \
+  /* and the bias (N) when flag 2, in that order -> out0 y (R, N), out1 mean (R), out2 */ \
+  /* rstd (R) (both f32 for f32/f16/bf16, f64 for f64); s0 eps; i1 1: RMS norm (no */     \
+  /* mean, no bias; out1 rstd, no out2) */                                                \
+  X(LAYER_NORM, "layer_norm")                                                             \
+  /* in0 x (R, N), in1 grad (R, N), in2 mean (R), in3 rstd (R), optional in4 weight */    \
+  /* (N) (i0 flag 1) -> out0 dx (R, N); with n_out 2 out1 dweight (N), with n_out 3 */    \
+  /* out2 dbias (N). i1 1: RMS norm (in2 ignored: rstd is in3 all the same) */            \
+  X(LAYER_NORM_BACKWARD, "layer_norm_backward")                                           \
+  /* attention, blocked over keys with an online softmax (no Tq x Tk buffer): in0 q */    \
+  /* (B, H, Tq, D), in1 k (B, H, Tk, D), in2 v (B, H, Tk, Dv), optional in3 additive */   \
+  /* mask (B, H, Tq, Tk) (stride 0 where broadcast; bool: true attends) -> out0 */      \
+  /* (B, H, Tq, Dv), out1 lse */                                                          \
+  /* (B, H, Tq) (f32, f64 for f64). s0 scale, s1 dropout p; i0 flags 1 causal (key */     \
+  /* j <= query i), 2 mask given. Dropout keeps score (b, h, i, j) when the f32 */        \
+  /* Philox uniform of element ((b*H + h)*Tq + i)*Tk + j is < 1 - p (rng.c's mapping) */  \
+  X(ATTENTION, "attention")                                                               \
+  /* in0 q, in1 k, in2 v, in3 grad of out0, optional in4 mask (i0 flag 2); out0 dq, */    \
+  /* out1 dk, out2 dv, and out3 the forward's lse, READ ONLY: it rides in an output */    \
+  /* slot because the five input slots are taken. Scalars and seed as ATTENTION. */       \
+  X(ATTENTION_BACKWARD, "attention_backward")                                             \
+  /* along dim i0, in0 -> out0 (same shape; i64 for integer or bool in0): running sum; */ \
+  /* i1 1: from the end (the backward of cumsum) */                                       \
+  X(CUMSUM, "cumsum")                                                                     \
+  /* in0 (..., M, N) -> out0 same shape and dtype: elements (i, j) with j - i <= i0 */    \
+  /* kept (tril), or with j - i >= i0 when i1 is 1 (triu); the rest 0 */                  \
+  X(TRIL, "tril")                                                                         \
+  /* in0 along dim i0 -> out0 values, out1 i64 indices (dim i0 of size k = i1): the k */  \
+  /* largest (i2 flag 1, else smallest), sorted, NaN largest, ties by lower index */      \
+  X(TOPK, "topk")                                                                         \
+  /* in0 probabilities (N, C), any float, non-negative, rows not all 0 -> out0 (N, S) */  \
+  /* i64; i0 1: with replacement. Sample s of row r: u = the f64 Philox uniform of */     \
+  /* element r*S + s; the first class j with cdf[j] > u * total (f64 prefix sums in */    \
+  /* class order; without replacement, the classes drawn so far weigh 0) */               \
+  X(MULTINOMIAL, "multinomial")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

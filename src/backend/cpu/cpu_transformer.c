@@ -1,0 +1,385 @@
+/*
+** The transformer kernels of the CPU: the fused layer and RMS norms (forward saving the
+** mean and rstd, backward giving dx, dweight, dbias) and scaled dot-product attention
+** (forward and backward), blocked over keys with an online softmax.
+**
+** Every value is computed in f64 whatever the dtype (rows are gathered into f64 buffers
+** with kiln__cpu_load and stored back rounded once), so f32, f16 and bf16 results are the
+** f64 result rounded: the harness's f32 tolerance then measures only the final rounding.
+** This is the reference path; a faster f32 path (SIMD dot products) can come later
+** behind the same kernel signature.
+**
+** Attention (FlashAttention's algorithm, Dao et al. 2022, on one core per query row):
+** for a query row i the scores s_j = scale * q_i . k_j + mask_ij are taken BK keys at a
+** time; a running max m, normaliser l and accumulator acc (Dv) are rescaled by
+** exp(m_old - m_new) when a block raises the max, so no Tq x Tk matrix exists, only K and
+** V of one (b, h) converted to f64 (the size of the inputs) and BK scores per thread. The
+** forward saves lse_i = m + log(l); the backward recomputes P_ij = exp(s_ij - lse_i)
+** block by block, in two passes per query row: the first gives delta_i = sum_j P_ij Z_ij
+** (dO_i . v_j) (= dO_i . O_i, which would need the output: no input slot is left for
+** it), the second dv_j += P Z dO_i, dS = P (Z dO_i.v_j - delta_i), dq_i += scale dS k_j,
+** dk_j += scale dS q_i. Z_ij is dropout's keep mask times 1/(1-p), drawn again from the
+** same (seed, offset) as the forward. A row whose keys are all masked gives zeros (and lse
+** -inf, zero gradients).
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+#include "../../core/kiln_int.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KILN__ATT_BK 64 /* keys per block */
+
+static char *kiln__at(const kiln__view *v, int n, const int64_t *idx) {
+  int64_t off = 0;
+  for (int d = 0; d < n; d++) off += idx[d] * v->strides[d];
+  return (char *)v->data + off * (int64_t)kiln__cpu_esize(v->dtype);
+}
+
+static int64_t kiln__bst(const kiln__view *v, int d) {
+  return v->strides[d] * (int64_t)kiln__cpu_esize(v->dtype);
+}
+
+/* ---- layer norm / RMS norm ---- */
+typedef struct kiln__ln {
+  const kiln__kargs *a;
+  int64_t rows, n;
+  const double *w, *b; /* NULL when absent */
+  bool rms, failed;
+} kiln__ln;
+
+static void kiln__ln_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__ln *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t n = c->n;
+  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  if (!x) {
+    c->failed = true;
+    return;
+  }
+  const kiln__view *xv = &a->in[0], *yv = &a->out[0];
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t idx[2] = {r, 0};
+    kiln__cpu_load(x, KILN_F64, kiln__at(xv, 2, idx), kiln__bst(xv, 1), xv->dtype, n);
+    double mean = 0, var = 0;
+    if (!c->rms) {
+      for (int64_t j = 0; j < n; j++) mean += x[j];
+      mean /= (double)n;
+    }
+    for (int64_t j = 0; j < n; j++) var += (x[j] - mean) * (x[j] - mean);
+    var /= (double)n;
+    double rstd = 1.0 / sqrt(var + a->s[0]);
+    for (int64_t j = 0; j < n; j++) {
+      double v = (x[j] - mean) * rstd;
+      if (c->w) v *= c->w[j];
+      if (c->b) v += c->b[j];
+      x[j] = v;
+    }
+    kiln__cpu_store(kiln__at(yv, 2, idx), kiln__bst(yv, 1), yv->dtype, x, KILN_F64, n);
+    if (c->rms) {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
+    } else {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
+      kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
+    }
+  }
+  free(x);
+}
+
+static void kiln__ln_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__ln *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t n = c->n;
+  double *x = malloc(sizeof(double) * (size_t)(n ? 2 * n : 1));
+  if (!x) {
+    c->failed = true;
+    return;
+  }
+  double *g = x + n;
+  const kiln__view *xv = &a->in[0], *gv = &a->in[1], *dv = &a->out[0];
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t idx[2] = {r, 0};
+    kiln__cpu_load(x, KILN_F64, kiln__at(xv, 2, idx), kiln__bst(xv, 1), xv->dtype, n);
+    kiln__cpu_load(g, KILN_F64, kiln__at(gv, 2, idx), kiln__bst(gv, 1), gv->dtype, n);
+    double mean = c->rms ? 0 : kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+    double rstd = kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+    /* xhat = (x - mean) rstd, gw = g w: dx = rstd (gw - mean(gw) - xhat mean(gw xhat)),
+    ** the mean(gw) term absent for RMS norm (no mean was subtracted). */
+    double sg = 0, sgx = 0;
+    for (int64_t j = 0; j < n; j++) {
+      x[j] = (x[j] - mean) * rstd;
+      if (c->w) g[j] *= c->w[j];
+      sg += g[j];
+      sgx += g[j] * x[j];
+    }
+    sg /= (double)n, sgx /= (double)n;
+    for (int64_t j = 0; j < n; j++) x[j] = rstd * (g[j] - (c->rms ? 0 : sg) - x[j] * sgx);
+    kiln__cpu_store(kiln__at(dv, 2, idx), kiln__bst(dv, 1), dv->dtype, x, KILN_F64, n);
+  }
+  free(x);
+}
+
+/* dweight_j = sum_r g_rj xhat_rj, dbias_j = sum_r g_rj: one column per item. */
+static void kiln__ln_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__ln *c = vctx;
+  const kiln__kargs *a = c->a;
+  for (int64_t j = lo; j < hi; j++) {
+    double sw = 0, sb = 0;
+    for (int64_t r = 0; r < c->rows; r++) {
+      int64_t idx[2] = {r, j};
+      double g = kiln__cpu_get_f64(kiln__at(&a->in[1], 2, idx), a->in[1].dtype);
+      double x = kiln__cpu_get_f64(kiln__at(&a->in[0], 2, idx), a->in[0].dtype);
+      double mean = c->rms ? 0 : kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+      double rstd = kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+      sw += g * (x - mean) * rstd;
+      sb += g;
+    }
+    int64_t jj[1] = {j};
+    kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw);
+    if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb);
+  }
+}
+
+/* A 1-d view's n values as f64 (malloc'd; NULL on OOM). */
+static double *kiln__load_vec(const kiln__view *v, int64_t n) {
+  double *p = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  if (p) kiln__cpu_load(p, KILN_F64, v->data, kiln__bst(v, 0), v->dtype, n);
+  return p;
+}
+
+kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
+  const char *name = bw ? "kiln_layer_norm_backward" : "kiln_layer_norm";
+  const kiln__view *x = &a->in[0];
+  if (x->ndim != 2 || a->out[0].ndim != 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants x as (rows, n)", name);
+  if (!kiln__cpu_is_float(x->dtype)) return kiln__cpu_dtype_error(a, x->dtype);
+  kiln__ln c = {.a = a, .rows = x->shape[0], .n = x->shape[1], .rms = a->i[1] == 1};
+  double *w = NULL, *b = NULL;
+  int wi = bw ? 4 : 1;
+  if ((a->i[0] & 1) && !(w = kiln__load_vec(&a->in[wi], c.n))) goto oom;
+  if (!bw && (a->i[0] & 2) && !(b = kiln__load_vec(&a->in[(a->i[0] & 1) ? 2 : 1], c.n))) goto oom;
+  c.w = w, c.b = b;
+  int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
+  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
+  if (c.rows > 0 && c.n > 0) {
+    kiln__cpu_parallel_for(c.rows, min_par, bw ? kiln__ln_bwd_range : kiln__ln_fwd_range, &c);
+    if (bw && a->n_out > 1) {
+      int64_t ccost = c.rows + KILN__CPU_ROW_COST;
+      kiln__cpu_parallel_for(c.n, c.n * ccost < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / ccost + 1,
+                             kiln__ln_wgrad_range, &c);
+    }
+  } else if (bw && a->n_out > 1) { /* no rows: zero weight gradients */
+    for (int k = 1; k < a->n_out; k++)
+      for (int64_t j = 0; j < a->out[k].shape[0]; j++)
+        kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
+  }
+  free(w), free(b);
+  if (c.failed) goto oom;
+  return KILN_OK;
+oom:
+  free(w), free(b);
+  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
+}
+
+/* ---- attention ---- */
+typedef struct kiln__att {
+  const kiln__kargs *a;
+  int64_t B, H, Tq, Tk, D, Dv;
+  double scale, keep, zscale; /* dropout: kept with probability keep, scaled by zscale */
+  bool causal, masked, dropout, failed;
+  double *K, *V; /* forward: every (b, h)'s keys and values, f64, contiguous */
+} kiln__att;
+
+/* The score of query i (q, f64) and key j of (b, h): scale q.k_j + mask; -inf when the
+** causal rule or the mask removes it. */
+static double kiln__att_score(const kiln__att *c, const double *q, const double *kj, int64_t b, int64_t h,
+                              int64_t i, int64_t j) {
+  if (c->causal && j > i) return -INFINITY;
+  double s = 0;
+  for (int64_t d = 0; d < c->D; d++) s += q[d] * kj[d];
+  s *= c->scale;
+  if (c->masked) {
+    int64_t idx[4] = {b, h, i, j};
+    const kiln__view *m = &c->a->in[c->a->op == KILN__K_ATTENTION ? 3 : 4];
+    double mv = kiln__cpu_get_f64(kiln__at(m, 4, idx), m->dtype);
+    s += m->dtype == KILN_BOOL ? (mv != 0 ? 0.0 : -INFINITY) : mv; /* bool: true attends */
+  }
+  return s;
+}
+
+/* Dropout's factor Z for score (b, h, i, j): 1/keep or 0. */
+static double kiln__att_z(const kiln__att *c, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (!c->dropout) return 1.0;
+  uint64_t k = (uint64_t)(((b * c->H + h) * c->Tq + i) * c->Tk + j);
+  float u = kiln__philox_uniform(c->a->seed, c->a->offset, k);
+  return (double)u < c->keep ? c->zscale : 0.0;
+}
+
+static void kiln__att_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__att *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t D = c->D, Dv = c->Dv;
+  double *buf = malloc(sizeof(double) * (size_t)(D + Dv + KILN__ATT_BK));
+  if (!buf) {
+    c->failed = true;
+    return;
+  }
+  double *q = buf, *acc = buf + D, *s = acc + Dv;
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t i = r % c->Tq, bh = r / c->Tq, b = bh / c->H, h = bh % c->H;
+    int64_t idx[4] = {b, h, i, 0};
+    kiln__cpu_load(q, KILN_F64, kiln__at(&a->in[0], 4, idx), kiln__bst(&a->in[0], 3), a->in[0].dtype, D);
+    const double *K = c->K + bh * c->Tk * D, *V = c->V + bh * c->Tk * Dv;
+    double m = -INFINITY, l = 0;
+    for (int64_t d = 0; d < Dv; d++) acc[d] = 0;
+    int64_t jend = c->causal && i + 1 < c->Tk ? i + 1 : c->Tk;
+    for (int64_t j0 = 0; j0 < jend; j0 += KILN__ATT_BK) {
+      int64_t nb = jend - j0 < KILN__ATT_BK ? jend - j0 : KILN__ATT_BK;
+      double mb = -INFINITY;
+      for (int64_t t = 0; t < nb; t++) {
+        s[t] = kiln__att_score(c, q, K + (j0 + t) * D, b, h, i, j0 + t);
+        if (s[t] > mb) mb = s[t];
+      }
+      if (mb == -INFINITY) continue; /* every key of the block masked */
+      if (mb > m) {                  /* rescale what was summed under the old max */
+        double corr = exp(m - mb);   /* m == -inf: 0 */
+        l *= corr;
+        for (int64_t d = 0; d < Dv; d++) acc[d] *= corr;
+        m = mb;
+      }
+      for (int64_t t = 0; t < nb; t++) {
+        double p = exp(s[t] - m);
+        l += p;
+        p *= kiln__att_z(c, b, h, i, j0 + t);
+        if (p == 0) continue;
+        const double *vj = V + (j0 + t) * Dv;
+        for (int64_t d = 0; d < Dv; d++) acc[d] += p * vj[d];
+      }
+    }
+    double inv = l > 0 ? 1.0 / l : 0.0;
+    for (int64_t d = 0; d < Dv; d++) acc[d] *= inv;
+    kiln__cpu_store(kiln__at(&a->out[0], 4, idx), kiln__bst(&a->out[0], 3), a->out[0].dtype, acc, KILN_F64, Dv);
+    kiln__cpu_set_f64(kiln__at(&a->out[1], 3, idx), a->out[1].dtype, l > 0 ? m + log(l) : -INFINITY);
+  }
+  free(buf);
+}
+
+/* One (b, h) per item: its dq rows, and dk, dv (summed over every query row). */
+static void kiln__att_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__att *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t D = c->D, Dv = c->Dv, Tq = c->Tq, Tk = c->Tk;
+  size_t nq = (size_t)(Tq * D), nk = (size_t)(Tk * D), nv = (size_t)(Tk * Dv), ng = (size_t)(Tq * Dv);
+  double *buf = malloc(sizeof(double) * (2 * nq + 2 * nk + 2 * nv + ng + 1));
+  if (!buf) {
+    c->failed = true;
+    return;
+  }
+  double *Q = buf, *dQ = Q + nq, *K = dQ + nq, *dK = K + nk, *V = dK + nk, *dV = V + nv, *G = dV + nv;
+  for (int64_t bh = lo; bh < hi; bh++) {
+    int64_t b = bh / c->H, h = bh % c->H;
+    for (int64_t i = 0; i < Tq; i++) {
+      int64_t idx[4] = {b, h, i, 0};
+      kiln__cpu_load(Q + i * D, KILN_F64, kiln__at(&a->in[0], 4, idx), kiln__bst(&a->in[0], 3), a->in[0].dtype, D);
+      kiln__cpu_load(G + i * Dv, KILN_F64, kiln__at(&a->in[3], 4, idx), kiln__bst(&a->in[3], 3), a->in[3].dtype, Dv);
+    }
+    for (int64_t j = 0; j < Tk; j++) {
+      int64_t idx[4] = {b, h, j, 0};
+      kiln__cpu_load(K + j * D, KILN_F64, kiln__at(&a->in[1], 4, idx), kiln__bst(&a->in[1], 3), a->in[1].dtype, D);
+      kiln__cpu_load(V + j * Dv, KILN_F64, kiln__at(&a->in[2], 4, idx), kiln__bst(&a->in[2], 3), a->in[2].dtype, Dv);
+    }
+    memset(dQ, 0, sizeof(double) * nq);
+    memset(dK, 0, sizeof(double) * nk);
+    memset(dV, 0, sizeof(double) * nv);
+    for (int64_t i = 0; i < Tq; i++) {
+      int64_t li[3] = {b, h, i};
+      double lse = kiln__cpu_get_f64(kiln__at(&a->out[3], 3, li), a->out[3].dtype);
+      if (lse == -INFINITY) continue; /* every key masked: no gradient */
+      const double *q = Q + i * D, *g = G + i * Dv;
+      int64_t jend = c->causal && i + 1 < Tk ? i + 1 : Tk;
+      double delta = 0;
+      for (int64_t j = 0; j < jend; j++) {
+        double s = kiln__att_score(c, q, K + j * D, b, h, i, j);
+        if (s == -INFINITY) continue;
+        double pz = exp(s - lse) * kiln__att_z(c, b, h, i, j);
+        if (pz == 0) continue;
+        double dp = 0;
+        for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
+        delta += pz * dp;
+      }
+      for (int64_t j = 0; j < jend; j++) {
+        double s = kiln__att_score(c, q, K + j * D, b, h, i, j);
+        if (s == -INFINITY) continue;
+        double p = exp(s - lse), z = kiln__att_z(c, b, h, i, j);
+        double dp = 0;
+        for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
+        if (p * z != 0)
+          for (int64_t d = 0; d < Dv; d++) dV[j * Dv + d] += p * z * g[d];
+        double ds = p * (z * dp - delta) * c->scale;
+        if (ds == 0) continue;
+        for (int64_t d = 0; d < D; d++) {
+          dQ[i * D + d] += ds * K[j * D + d];
+          dK[j * D + d] += ds * q[d];
+        }
+      }
+    }
+    for (int64_t i = 0; i < Tq; i++) {
+      int64_t idx[4] = {b, h, i, 0};
+      kiln__cpu_store(kiln__at(&a->out[0], 4, idx), kiln__bst(&a->out[0], 3), a->out[0].dtype, dQ + i * D, KILN_F64, D);
+    }
+    for (int64_t j = 0; j < Tk; j++) {
+      int64_t idx[4] = {b, h, j, 0};
+      kiln__cpu_store(kiln__at(&a->out[1], 4, idx), kiln__bst(&a->out[1], 3), a->out[1].dtype, dK + j * D, KILN_F64, D);
+      kiln__cpu_store(kiln__at(&a->out[2], 4, idx), kiln__bst(&a->out[2], 3), a->out[2].dtype, dV + j * Dv, KILN_F64, Dv);
+    }
+  }
+  free(buf);
+}
+
+static void kiln__att_load_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__att *c = vctx;
+  const kiln__kargs *a = c->a;
+  for (int64_t r = lo; r < hi; r++) { /* r = bh * Tk + j */
+    int64_t j = r % c->Tk, bh = r / c->Tk;
+    int64_t idx[4] = {bh / c->H, bh % c->H, j, 0};
+    kiln__cpu_load(c->K + r * c->D, KILN_F64, kiln__at(&a->in[1], 4, idx), kiln__bst(&a->in[1], 3), a->in[1].dtype, c->D);
+    kiln__cpu_load(c->V + r * c->Dv, KILN_F64, kiln__at(&a->in[2], 4, idx), kiln__bst(&a->in[2], 3), a->in[2].dtype, c->Dv);
+  }
+}
+
+kiln_status kiln__cpu_attention(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
+  const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants 4-d q, k, v", name);
+  for (int i = 0; i < 3; i++)
+    if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+  kiln__att c = {.a = a, .B = q->shape[0], .H = q->shape[1], .Tq = q->shape[2], .Tk = k->shape[2],
+                 .D = q->shape[3], .Dv = v->shape[3], .scale = a->s[0], .causal = (a->i[0] & 1) != 0,
+                 .masked = (a->i[0] & 2) != 0, .dropout = a->s[1] > 0};
+  c.keep = 1.0 - a->s[1];
+  c.zscale = c.keep > 0 ? 1.0 / c.keep : 0.0;
+  int64_t BH = c.B * c.H;
+  int64_t work = BH * c.Tq * (c.Tk + 1) * (c.D + c.Dv + 1);
+  if (bw) {
+    if (BH > 0) kiln__cpu_parallel_for(BH, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__att_bwd_range, &c);
+  } else {
+    size_t nk = (size_t)(BH * c.Tk);
+    c.K = malloc(sizeof(double) * (nk * (size_t)(c.D + c.Dv) + 1));
+    if (!c.K) goto oom;
+    c.V = c.K + nk * (size_t)c.D;
+    if (nk > 0) kiln__cpu_parallel_for((int64_t)nk, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__att_load_range, &c);
+    if (BH * c.Tq > 0)
+      kiln__cpu_parallel_for(BH * c.Tq, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__att_fwd_range, &c);
+    free(c.K);
+  }
+  if (c.failed) goto oom;
+  return KILN_OK;
+oom:
+  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory (B*H %lld, Tq %lld, Tk %lld, D %lld)", name,
+                        (long long)BH, (long long)c.Tq, (long long)c.Tk, (long long)c.D);
+}

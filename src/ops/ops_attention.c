@@ -1,0 +1,172 @@
+/*
+** scaled_dot_product_attention (torch.nn.functional's): softmax(q k^T * scale + mask) v
+** with optional causal masking and dropout on the attention weights, as one ATTENTION
+** kernel (blocked over keys with an online softmax: no Tq x Tk matrix; the CPU's is in
+** src/backend/cpu/cpu_transformer.c) that also gives each query row's log-sum-exp, which
+** the node keeps, and one ATTENTION_BACKWARD kernel that recomputes the weights from it.
+**
+** Dropout draws from the Philox generator: the forward reserves B*H*Tq*Tk values and the
+** node keeps the (seed, offset) (in n->i), so the backward sees the very same mask.
+** Autocast class LOWER (PyTorch's list). The mask gets no gradient.
+*/
+#include "ops/op.h"
+
+#include <math.h>
+
+typedef struct attrs_attention {
+  bool is_causal;
+  double dropout_p;
+  double scale; /* 0: 1 / sqrt(D) */
+  kiln_generator *gen; /* not an attribute: where dropout draws from (NULL: global) */
+} attrs_attention;
+static const kiln__attr_field f_attention[] = {KILN__FIELD(attrs_attention, is_causal, KILN__A_BOOL),
+                                               KILN__FIELD(attrs_attention, dropout_p, KILN__A_FLOAT),
+                                               KILN__FIELD(attrs_attention, scale, KILN__A_FLOAT)};
+
+static kiln_status attention_infer(kiln__op_ctx *c) {
+  const attrs_attention *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *m = c->in[3];
+  static const char *const names[] = {"q", "k", "v"};
+  for (int i = 0; i < 3; i++) {
+    kiln_tensor *t = c->in[i];
+    if (t->ndim != 4)
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: %s must be 4-d (batch, heads, seq, head_dim), got %s", op, names[i],
+                            kiln__tshape(t));
+    if (!kiln_dtype_is_float(t->dtype))
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: %s must be floating, got %s", op, names[i], kiln_dtype_name(t->dtype));
+    if (t->dtype != q->dtype)
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: q, k and v must have one dtype, got q %s and %s %s", op,
+                            kiln_dtype_name(q->dtype), names[i], kiln_dtype_name(t->dtype));
+  }
+  if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
+      v->shape[1] != q->shape[1])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: q %s, k %s and v %s must have the same batch and head counts", op,
+                          kiln__tshape(q), kiln__tshape(k), kiln__tshape(v));
+  if (k->shape[3] != q->shape[3])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: q %s and k %s must have the same head dim (last dim)", op,
+                          kiln__tshape(q), kiln__tshape(k));
+  if (k->shape[2] != v->shape[2])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: k %s and v %s must have the same sequence length (dim 2)", op,
+                          kiln__tshape(k), kiln__tshape(v));
+  if (!(p->dropout_p >= 0.0 && p->dropout_p <= 1.0))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: dropout_p must be in [0, 1], got %g", op, p->dropout_p);
+  if (!(p->scale >= 0.0) || isinf(p->scale))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g",
+                          op, p->scale);
+  if (m) {
+    if (p->is_causal)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: give a mask or is_causal, not both", op);
+    if (m->dtype != KILN_BOOL && !kiln_dtype_is_float(m->dtype))
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: the mask must be bool (true attends) or floating (added), got %s", op,
+                            kiln_dtype_name(m->dtype));
+    int64_t want[4] = {q->shape[0], q->shape[1], q->shape[2], k->shape[2]}, sh[KILN_MAX_DIMS];
+    int nd;
+    if (m->ndim > 4 || kiln__broadcast_shapes(op, m->ndim, m->shape, 4, want, &nd, sh) != KILN_OK ||
+        sh[0] != want[0] || sh[1] != want[1] || sh[2] != want[2] || sh[3] != want[3]) {
+      kiln_clear_error();
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: the mask %s does not broadcast to the scores' shape %s", op,
+                            kiln__tshape(m), kiln__shape_cstr(4, want));
+    }
+  }
+  int64_t oshape[4] = {q->shape[0], q->shape[1], q->shape[2], v->shape[3]};
+  kiln__op_meta(c, 0, 4, oshape, q->dtype);
+  return KILN_OK;
+}
+
+static double resolved_scale(const attrs_attention *p, int64_t d) {
+  return p->scale > 0 ? p->scale : (d > 0 ? 1.0 / sqrt((double)d) : 1.0);
+}
+
+static kiln_status attention_forward(kiln__op_ctx *c) {
+  const attrs_attention *p = c->attrs;
+  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *m = c->in[3];
+  kiln_device dev = kiln_device_of(q);
+  int64_t lshape[3] = {q->shape[0], q->shape[1], q->shape[2]};
+  kiln_tensor *lse = c->tmp[0] = kiln__tensor_new(3, lshape, q->dtype == KILN_F64 ? KILN_F64 : KILN_F32, dev);
+  if (!lse) return kiln_last_error();
+  int64_t n_scores = q->shape[0] * q->shape[1] * q->shape[2] * k->shape[2];
+  c->scratch[0] = c->scratch[1] = 0;
+  if (p->dropout_p > 0 && n_scores > 0)
+    kiln__generator_reserve(p->gen ? p->gen : kiln_generator_global(), n_scores, &c->scratch[0], &c->scratch[1]);
+  if (kiln_numel(c->out[0]) == 0) return KILN_OK;
+  kiln__kargs a = {0};
+  a.op = KILN__K_ATTENTION;
+  a.n_in = 3;
+  a.in[0] = kiln__view_of(q);
+  a.in[1] = kiln__view_of(k);
+  a.in[2] = kiln__view_of(v);
+  int64_t sshape[4] = {q->shape[0], q->shape[1], q->shape[2], k->shape[2]};
+  if (m) a.in[a.n_in++] = kiln__view_broadcast(m, 4, sshape), a.i[0] |= 2;
+  if (p->is_causal) a.i[0] |= 1;
+  a.n_out = 2;
+  a.out[0] = kiln__view_of(c->out[0]);
+  a.out[1] = kiln__view_of(lse);
+  a.s[0] = resolved_scale(p, q->shape[3]);
+  a.s[1] = p->dropout_p;
+  a.seed = c->scratch[0];
+  a.offset = c->scratch[1];
+  return kiln__dispatch(dev, &a);
+}
+
+/* saved: 0 q, 1 k, 2 v, 3 mask (or NULL), 4 lse; n->i[0..1] dropout's (seed, offset) */
+static void attention_save(kiln__op_ctx *c, kiln__node *n) {
+  for (int i = 0; i < 4; i++) kiln__node_save(n, i, c->in[i]);
+  kiln__node_save(n, 4, c->tmp[0]);
+  n->i[0] = (int64_t)c->scratch[0];
+  n->i[1] = (int64_t)c->scratch[1];
+}
+
+static kiln_status attention_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  const attrs_attention *p = n->attrs;
+  kiln_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *m = n->saved[3], *lse = n->saved[4];
+  kiln_device dev = kiln_device_of(q);
+  kiln_tensor *dq = kiln__tensor_new(q->ndim, q->shape, q->dtype, dev);
+  kiln_tensor *dk = kiln__tensor_new(k->ndim, k->shape, k->dtype, dev);
+  kiln_tensor *dv = kiln__tensor_new(v->ndim, v->shape, v->dtype, dev);
+  if (!dq || !dk || !dv) return kiln_last_error();
+  if (kiln_numel(q) == 0 || kiln_numel(k) == 0 || kiln_numel(v) == 0) {
+    /* nothing to attend or nobody attends: every gradient is 0 */
+    if (kiln_fill_(dq, 0) != KILN_OK || kiln_fill_(dk, 0) != KILN_OK || kiln_fill_(dv, 0) != KILN_OK)
+      return kiln_last_error();
+  } else {
+    kiln__kargs a = {0};
+    a.op = KILN__K_ATTENTION_BACKWARD;
+    a.n_in = 4;
+    a.in[0] = kiln__view_of(q);
+    a.in[1] = kiln__view_of(k);
+    a.in[2] = kiln__view_of(v);
+    a.in[3] = kiln__view_of(g);
+    int64_t sshape[4] = {q->shape[0], q->shape[1], q->shape[2], k->shape[2]};
+    if (m) a.in[a.n_in++] = kiln__view_broadcast(m, 4, sshape), a.i[0] |= 2;
+    if (p->is_causal) a.i[0] |= 1;
+    a.n_out = 4;
+    a.out[0] = kiln__view_of(dq);
+    a.out[1] = kiln__view_of(dk);
+    a.out[2] = kiln__view_of(dv);
+    a.out[3] = kiln__view_of(lse); /* read only (see backend.h) */
+    a.s[0] = resolved_scale(p, q->shape[3]);
+    a.s[1] = p->dropout_p;
+    a.seed = (uint64_t)n->i[0];
+    a.offset = (uint64_t)n->i[1];
+    kiln_status st = kiln__dispatch(dev, &a);
+    if (st != KILN_OK) return st;
+  }
+  kiln_tensor *r[3] = {dq, dk, dv};
+  for (int i = 0; i < 3; i++)
+    if (n->needs[i]) gi[i] = kiln_keep(r[i]);
+  return KILN_OK;
+}
+
+static const kiln__op op_attention = {
+    .name = "scaled_dot_product_attention", .api = "kiln_scaled_dot_product_attention", .n_in = 4, .n_out = 1,
+    .optional = 1u << 3, .amp = KILN__AMP_LOWER, .n_kernels = 1, .kernels = {KILN__K_ATTENTION},
+    .attrs = f_attention, .n_attrs = 3, .attr_size = sizeof(attrs_attention), .infer = attention_infer,
+    .forward = attention_forward, .backward = attention_backward, .n_saved = 5, .save = attention_save};
+
+kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *mask,
+                                               bool is_causal, double dropout_p, double scale, kiln_generator *gen) {
+  attrs_attention p = {is_causal, dropout_p, scale, gen};
+  kiln_tensor *in[4] = {q, k, v, mask};
+  return kiln__op_call(&op_attention, 4, in, &p, NULL);
+}

@@ -1,0 +1,248 @@
+/*
+** layer_norm, rms_norm and scaled_dot_product_attention against naive f64 references,
+** gradchecked; attention also against the composite matmul + softmax + matmul, and with
+** dropout against the documented Philox mapping. Every case is H_CPU_ONLY: CUDA and
+** Vulkan have no kernels for these ops yet, so on them the harness checks the CPU
+** fallback (with KILN_FALLBACK=error a real backend would fail the case by design).
+** Names are prefixed tf_.
+*/
+#include "harness.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- norms */
+typedef struct tf_norm_ctx {
+  bool rms;
+  int nd;      /* normalized dims */
+  int n_param; /* 0 none, 1 weight, 2 weight and bias */
+} tf_norm_ctx;
+
+static kiln_tensor *tf_norm_b(kiln_tensor **in, const void *ctx) {
+  const tf_norm_ctx *c = ctx;
+  int nd = kiln_ndim(in[0]);
+  const int64_t *sh = kiln_shape(in[0]) + (nd - c->nd);
+  kiln_tensor *w = c->n_param >= 1 ? in[1] : NULL, *b = c->n_param >= 2 ? in[2] : NULL;
+  return c->rms ? kiln_rms_norm(in[0], c->nd, sh, w, 1e-5) : kiln_layer_norm(in[0], c->nd, sh, w, b, 1e-5);
+}
+
+static int tf_norm_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  (void)n_in;
+  const tf_norm_ctx *c = ctx;
+  const h_arr *x = &in[0];
+  out->ndim = x->ndim;
+  memcpy(out->shape, x->shape, sizeof out->shape);
+  if (!out->data) return 0;
+  int64_t n = h_numel(c->nd, x->shape + (x->ndim - c->nd));
+  int64_t rows = n ? h_numel(x->ndim, x->shape) / n : 0;
+  for (int64_t r = 0; r < rows; r++) {
+    const double *xr = x->data + r * n;
+    double mean = 0, var = 0;
+    if (!c->rms) {
+      for (int64_t j = 0; j < n; j++) mean += xr[j];
+      mean /= (double)n;
+    }
+    for (int64_t j = 0; j < n; j++) var += (xr[j] - mean) * (xr[j] - mean);
+    var /= (double)n;
+    for (int64_t j = 0; j < n; j++) {
+      double y = (xr[j] - mean) / sqrt(var + 1e-5);
+      if (c->n_param >= 1) y *= in[1].data[j];
+      if (c->n_param >= 2) y += in[2].data[j];
+      out->data[r * n + j] = y;
+    }
+  }
+  return 0;
+}
+
+#define TF_NORM(nm, r, ndn, np, ...)                                                                       \
+  {.name = nm, .fn = tf_norm_b, .ref = tf_norm_r, .ctx = &(const tf_norm_ctx){r, ndn, np}, .n_in = 1 + (np), \
+   .in = {{.ndim = 3, .shape = {H_SYM(0), H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .hi = 2, .diff = true},     \
+          __VA_ARGS__},                                                                                    \
+   .sym = {3, 4, 5}, .flags = H_CPU_ONLY}
+#define TF_W1 {.ndim = 1, .shape = {H_SYM(2)}, .fill = H_RANDN, .diff = true}
+#define TF_W2 {.ndim = 2, .shape = {H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .diff = true}
+
+static const h_case tf_norm_cases[] = {
+    TF_NORM("layer_norm last dim, weight, bias", false, 1, 2, TF_W1, TF_W1),
+    TF_NORM("layer_norm last dim, weight", false, 1, 1, TF_W1),
+    TF_NORM("layer_norm last dim, no affine", false, 1, 0, {0}),
+    TF_NORM("layer_norm last 2 dims, weight, bias", false, 2, 2, TF_W2, TF_W2),
+    TF_NORM("rms_norm last dim, weight", true, 1, 1, TF_W1),
+    TF_NORM("rms_norm last 2 dims, no weight", true, 2, 0, {0}),
+};
+
+/* ---------------------------------------------------------------- attention */
+typedef struct tf_att_ctx {
+  int mask; /* 0 none, 1 additive float, 2 bool */
+  bool causal;
+  double dropout, scale;
+} tf_att_ctx;
+
+#define TF_SEED 1234u
+
+static kiln_tensor *tf_att_b(kiln_tensor **in, const void *ctx) {
+  const tf_att_ctx *c = ctx;
+  /* a fresh generator each call: gradcheck's forwards all see the one dropout mask */
+  kiln_generator *g = c->dropout > 0 ? kiln_generator_new(TF_SEED) : NULL;
+  kiln_tensor *r = kiln_scaled_dot_product_attention(in[0], in[1], in[2], c->mask ? in[3] : NULL, c->causal,
+                                                     c->dropout, c->scale, g);
+  kiln_generator_free(g);
+  return r;
+}
+
+/* rng.c's f32 uniform of element k at (seed, offset 0): what the kernel's dropout draws. */
+static double tf_philox_u(uint64_t seed, uint64_t k) {
+  uint32_t b[4];
+  kiln_philox4x32(seed, 0, k / 4, b);
+  return (double)(b[k % 4] >> 8) * (1.0 / 16777216.0);
+}
+
+static int tf_att_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  (void)n_in;
+  const tf_att_ctx *c = ctx;
+  const h_arr *q = &in[0], *k = &in[1], *v = &in[2];
+  int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Tk = k->shape[2], Dv = v->shape[3];
+  out->ndim = 4;
+  out->shape[0] = B, out->shape[1] = H, out->shape[2] = Tq, out->shape[3] = Dv;
+  if (!out->data) return 0;
+  double scale = c->scale > 0 ? c->scale : (D > 0 ? 1.0 / sqrt((double)D) : 1.0);
+  double *s = malloc(sizeof(double) * (size_t)(Tk + 1));
+  int64_t sshape[4] = {B, H, Tq, Tk};
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t i = 0; i < Tq; i++) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j < Tk; j++) {
+          double x = 0;
+          for (int64_t d = 0; d < D; d++)
+            x += q->data[((b * H + h) * Tq + i) * D + d] * k->data[((b * H + h) * Tk + j) * D + d];
+          x *= scale;
+          if (c->causal && j > i) x = -INFINITY;
+          if (c->mask) {
+            int64_t idx[4] = {b, h, i, j};
+            double mv = in[3].data[h_bcast_offset(in[3].ndim, in[3].shape, 4, idx)];
+            x += c->mask == 2 ? (mv != 0 ? 0 : -INFINITY) : mv;
+          }
+          s[j] = x;
+          if (x > m) m = x;
+        }
+        double l = 0;
+        for (int64_t j = 0; j < Tk; j++) l += s[j] == -INFINITY ? 0 : exp(s[j] - m);
+        for (int64_t e = 0; e < Dv; e++) {
+          double acc = 0;
+          for (int64_t j = 0; j < Tk && l > 0; j++) {
+            if (s[j] == -INFINITY) continue;
+            double p = exp(s[j] - m) / l;
+            if (c->dropout > 0) {
+              uint64_t kk = (uint64_t)(((b * H + h) * Tq + i) * Tk + j);
+              p = tf_philox_u(TF_SEED, kk) < 1.0 - c->dropout ? p / (1.0 - c->dropout) : 0.0;
+            }
+            acc += p * v->data[((b * H + h) * Tk + j) * Dv + e];
+          }
+          out->data[((b * H + h) * Tq + i) * Dv + e] = acc;
+        }
+      }
+  (void)sshape;
+  free(s);
+  return 0;
+}
+
+#define TF_Q {.ndim = 4, .shape = {H_SYM(0), H_SYM(1), H_SYM(2), H_SYM(4)}, .fill = H_RANDN, .diff = true}
+#define TF_K {.ndim = 4, .shape = {H_SYM(0), H_SYM(1), H_SYM(3), H_SYM(4)}, .fill = H_RANDN, .diff = true}
+#define TF_V {.ndim = 4, .shape = {H_SYM(0), H_SYM(1), H_SYM(3), H_SYM(5)}, .fill = H_RANDN, .diff = true}
+#define TF_ATT(nm, m, cz, dp, sc, nin, ...)                                                                  \
+  {.name = nm, .fn = tf_att_b, .ref = tf_att_r, .ctx = &(const tf_att_ctx){m, cz, dp, sc}, .n_in = nin,      \
+   .in = {TF_Q, TF_K, TF_V, __VA_ARGS__}, .sym = {2, 2, 3, 5, 4, 3}, .flags = H_CPU_ONLY}
+
+static const h_case tf_att_cases[] = {
+    TF_ATT("sdpa plain", 0, false, 0, 0, 3, {0}),
+    TF_ATT("sdpa causal (Tq 3, Tk 5: top-left)", 0, true, 0, 0, 3, {0}),
+    TF_ATT("sdpa scale 0.7", 0, false, 0, 0.7, 3, {0}),
+    TF_ATT("sdpa additive mask (Tq, Tk)", 1, false, 0, 0, 4,
+           {.ndim = 2, .shape = {H_SYM(2), H_SYM(3)}, .fill = H_RANDN}),
+    TF_ATT("sdpa bool mask (B, 1, Tq, Tk)", 2, false, 0, 0, 4,
+           {.ndim = 4, .shape = {H_SYM(0), 1, H_SYM(2), H_SYM(3)}, .fill = H_BOOLS}),
+    TF_ATT("sdpa dropout 0.3 causal", 0, true, 0.3, 0, 3, {0}),
+    /* Tk 150 > the kernel's 64-key blocks: the online softmax's rescaling runs */
+    {.name = "sdpa causal, 3 key blocks", .fn = tf_att_b, .ref = tf_att_r,
+     .ctx = &(const tf_att_ctx){0, true, 0, 0}, .n_in = 3,
+     .in = {{.ndim = 4, .shape = {1, 1, H_SYM(0), 3}, .fill = H_RANDN, .hi = 3, .diff = true},
+            {.ndim = 4, .shape = {1, 1, H_SYM(0), 3}, .fill = H_RANDN, .hi = 3, .diff = true},
+            {.ndim = 4, .shape = {1, 1, H_SYM(0), 2}, .fill = H_RANDN, .diff = true}},
+     .sym = {150}, .flags = H_CPU_ONLY | H_NO_SIZE1 | H_NO_EXPAND},
+};
+
+/* ---------------------------------------------------------------- hand-written */
+/* The composite softmax(q k^T s + causal) v with kiln's own ops, forward and gradients,
+** at a size where the blocked path matters (T 200, D 64) in f32. */
+static void tf_att_composite(void) {
+  kiln_scope_begin();
+  int64_t B = 1, H = 2, T = 200, D = 64;
+  int64_t sh[4] = {B, H, T, D};
+  kiln_generator *gen = kiln_generator_new(5);
+  kiln_tensor *q = kiln_randn(4, sh, KILN_F32, kiln_device_cpu(), gen);
+  kiln_tensor *k = kiln_randn(4, sh, KILN_F32, kiln_device_cpu(), gen);
+  kiln_tensor *v = kiln_randn(4, sh, KILN_F32, kiln_device_cpu(), gen);
+  kiln_tensor *gout = kiln_randn(4, sh, KILN_F32, kiln_device_cpu(), gen);
+  kiln_generator_free(gen);
+  kiln_tensor *leaves[3] = {q, k, v};
+  for (int i = 0; i < 3; i++) kiln_requires_grad_(leaves[i], true);
+  kiln_tensor *y = kiln_scaled_dot_product_attention(q, k, v, NULL, true, 0, 0, NULL);
+  kiln_tensor *g1[3] = {0};
+  H_CHECK(y && kiln_autograd_grad(1, &y, &gout, 3, leaves, g1) == KILN_OK, "sdpa backward");
+  int64_t tt[2] = {T, T};
+  kiln_tensor *neg = kiln_triu(kiln_full(2, tt, -INFINITY, KILN_F32, kiln_device_cpu()), 1);
+  kiln_tensor *s = kiln_add(kiln_mul_scalar(kiln_matmul(q, kiln_transpose(k, -1, -2)), 1.0 / sqrt((double)D)), neg);
+  kiln_tensor *yc = kiln_matmul(kiln_softmax(s, -1), v);
+  kiln_tensor *g2[3] = {0};
+  H_CHECK(yc && kiln_autograd_grad(1, &yc, &gout, 3, leaves, g2) == KILN_OK, "composite backward");
+  int64_t n = kiln_numel(y);
+  double *want = h_values(yc, NULL);
+  if (want) h_tensor_close("sdpa vs composite forward (T 200, D 64)", y, want, n, 1e-5, 1e-5);
+  free(want);
+  static const char *const nm[3] = {"dq vs composite", "dk vs composite", "dv vs composite"};
+  for (int i = 0; i < 3; i++) {
+    double *w = g2[i] ? h_values(g2[i], NULL) : NULL;
+    if (w && g1[i]) h_tensor_close(nm[i], g1[i], w, n, 1e-4, 1e-4);
+    else H_CHECK(false, "%s: a gradient is missing", nm[i]);
+    free(w);
+  }
+  kiln_scope_end();
+}
+
+static void tf_bad_input(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  int64_t s3[3] = {2, 3, 4}, s4[4] = {1, 2, 3, 4}, s4b[4] = {1, 2, 5, 8}, s1[1] = {5}, s2[2] = {3, 5};
+  kiln_tensor *x = kiln_zeros(3, s3, KILN_F32, cpu);
+  H_EXPECT_ERR(kiln_layer_norm(x, 1, s1, NULL, NULL, 1e-5), KILN_ERR_SHAPE, "layer_norm: normalized_shape mismatch");
+  H_EXPECT_ERR(kiln_layer_norm(x, 1, s3 + 2, kiln_zeros(1, s1, KILN_F32, cpu), NULL, 1e-5), KILN_ERR_SHAPE,
+               "layer_norm: weight of the wrong shape");
+  H_EXPECT_ERR(kiln_layer_norm(x, 4, s4, NULL, NULL, 1e-5), KILN_ERR_SHAPE, "layer_norm: more dims than the input");
+  H_EXPECT_ERR(kiln_rms_norm(kiln_zeros(3, s3, KILN_I64, cpu), 1, s3 + 2, NULL, 1e-5), KILN_ERR_DTYPE,
+               "rms_norm of int64");
+  kiln_tensor *q = kiln_zeros(4, s4, KILN_F32, cpu), *kb = kiln_zeros(4, s4b, KILN_F32, cpu);
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(q, kb, kb, NULL, false, 0, 0, NULL), KILN_ERR_SHAPE,
+               "sdpa: head dims differ");
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(x, x, x, NULL, false, 0, 0, NULL), KILN_ERR_SHAPE, "sdpa: 3-d q");
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(q, q, kiln_zeros(4, s4, KILN_F64, cpu), NULL, false, 0, 0, NULL),
+               KILN_ERR_DTYPE, "sdpa: mixed dtypes");
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(q, q, q, NULL, false, 1.5, 0, NULL), KILN_ERR_INVALID_ARGUMENT,
+               "sdpa: dropout_p 1.5");
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(q, q, q, kiln_zeros(2, s2, KILN_F32, cpu), false, 0, 0, NULL),
+               KILN_ERR_SHAPE, "sdpa: mask (3, 5) for scores (1, 2, 3, 3)");
+  H_EXPECT_ERR(kiln_scaled_dot_product_attention(q, q, q, kiln_zeros(2, s2, KILN_F32, cpu), true, 0, 0, NULL),
+               KILN_ERR_INVALID_ARGUMENT, "sdpa: a mask and is_causal");
+  kiln_scope_end();
+}
+
+int main(int argc, char **argv) {
+  h_init(argc, argv, "test_ops_transformer");
+  h_run_cases(tf_norm_cases, (int)(sizeof tf_norm_cases / sizeof tf_norm_cases[0]));
+  h_run_cases(tf_att_cases, (int)(sizeof tf_att_cases / sizeof tf_att_cases[0]));
+  if (!h_cross_only() && !h_support_mode()) {
+    tf_att_composite();
+    tf_bad_input();
+  }
+  return h_finish();
+}

@@ -201,6 +201,64 @@ KILN_API kiln_module *kiln_dropout_new(double p, kiln_generator *gen);
 KILN_API kiln_module *kiln_flatten_new(int start_dim, int end_dim); /* PyTorch: 1, -1 */
 KILN_API kiln_module *kiln_identity_new(void);
 
+/* --------------------------------------------------------------------------------------
+** Transformer modules (GPT-2 / nanoGPT layout and parameter names). dt must be floating;
+** gen (NULL: the global generator) gives the initial draws; dropout draws from the global
+** generator.
+*/
+/* Rows of weight (num_embeddings, embedding_dim) picked by integer ids of any shape:
+** (..., embedding_dim). PyTorch's init: weight ~ N(0, 1). Parameter: weight. */
+KILN_API kiln_module *kiln_embedding_new(int64_t num_embeddings, int64_t embedding_dim,
+                                         kiln_dtype dt, kiln_device dev, kiln_generator *gen);
+/* LayerNorm over the last dim (dim): weight 1, bias 0 (bias false: no bias parameter).
+** PyTorch's eps: 1e-5. Parameters: weight, bias. */
+KILN_API kiln_module *kiln_layer_norm_new(int64_t dim, double eps, bool bias, kiln_dtype dt,
+                                          kiln_device dev);
+/* RMSNorm over the last dim: weight 1. Parameter: weight. */
+KILN_API kiln_module *kiln_rms_norm_new(int64_t dim, double eps, kiln_dtype dt, kiln_device dev);
+
+/* A GPT-2 shape. The struct may grow at its end: start from kiln_gpt2_config(). */
+typedef struct kiln_gpt_config {
+  int64_t n_layer, n_head, n_embd; /* n_embd must be a multiple of n_head */
+  int64_t vocab_size;
+  int64_t block_size;              /* the context: the longest sequence forward takes */
+  double dropout;                  /* embeddings, attention weights, residual branches */
+  bool bias;                       /* biases in the Linears and LayerNorms */
+} kiln_gpt_config;
+/* GPT-2 small: 12 layers, 12 heads, 768 wide, vocab 50257, context 1024, dropout 0,
+** biases on (124M parameters). */
+KILN_API kiln_gpt_config kiln_gpt2_config(void);
+
+/* The GPT-2 initialisation (nanoGPT's _init_weights) all of these use: Linear and
+** Embedding weights ~ N(0, 0.02), biases 0, LayerNorm weight 1 and bias 0, and the
+** residual projections (c_proj of attention and MLP) ~ N(0, 0.02 / sqrt(2 n_layer)).
+**
+** Causal self-attention on x (B, T, C): children c_attn (Linear C -> 3C; q, k, v in that
+** order along the output) and c_proj (Linear C -> C); heads of n_embd / n_head. */
+KILN_API kiln_module *kiln_causal_self_attention_new(const kiln_gpt_config *cfg, kiln_dtype dt,
+                                                     kiln_device dev, kiln_generator *gen);
+/* MLP: c_fc (Linear C -> 4C), GELU (tanh approximation), c_proj (Linear 4C -> C). */
+KILN_API kiln_module *kiln_gpt_mlp_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
+                                       kiln_generator *gen);
+/* Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). Children ln_1, attn, ln_2, mlp. */
+KILN_API kiln_module *kiln_gpt_block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
+                                         kiln_generator *gen);
+/* GPT-2: forward takes token ids idx (B, T) (i64 or i32) and returns logits
+** (B, T, vocab_size). Children wte (Embedding vocab x C), wpe (Embedding block_size x C),
+** drop, h (a Sequential of n_layer Blocks: "h.0.attn.c_attn.weight"), ln_f. The output
+** head is tied to the token embedding: logits = x @ wte.weight^T, and the weight is
+** registered once (wte.weight), so state dicts, parameter counts, optimizers and the
+** summary see it once (nanoGPT's state dict would also list lm_head.weight).
+** Errors: constructors give KILN_ERR_INVALID_ARGUMENT for sizes < 1, dropout outside
+** [0, 1) or n_embd not a multiple of n_head (naming both); forward gives KILN_ERR_SHAPE
+** for idx that is not (B, T) or T over block_size (naming both), KILN_ERR_DTYPE for ids
+** that are not integers. */
+KILN_API kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
+                                   kiln_generator *gen);
+/* The configuration a GPT module (or one of its attention, MLP or block modules) was
+** built with; NULL for any other module. Borrowed. */
+KILN_API const kiln_gpt_config *kiln_gpt_config_of(const kiln_module *m);
+
 #ifdef __cplusplus
 }
 #endif

@@ -87,6 +87,24 @@ KILN_API kiln_optimizer *kiln_optimizer_new(const kiln_optim_config *cfg,
 KILN_API kiln_optimizer *kiln_optimizer_new_module(const kiln_optim_config *cfg, kiln_module *m);
 KILN_API void kiln_optimizer_free(kiln_optimizer *opt); /* NULL is a no-op */
 
+/* Parameter groups, reduced to what differs between them in practice: a weight decay per
+** parameter. wd[i] (>= 0, finite) replaces cfg.weight_decay for parameter i (the
+** optimizer's order: kiln_module_parameters() for a module optimizer); n must be the
+** optimizer's parameter count. wd NULL (with n 0) goes back to cfg.weight_decay for all.
+** Each step updates the parameters of one decay together (one fused launch per group).
+** The decays belong to the optimizer's construction, like its parameter list: its state
+** dict does not carry them, and a load keeps them. KILN_ERR_INVALID_ARGUMENT naming the
+** bad value or count. */
+KILN_API kiln_status kiln_optimizer_set_weight_decays(kiln_optimizer *opt, const double *wd, int n);
+/* Parameter i's weight decay (cfg.weight_decay unless set above); NAN out of range. */
+KILN_API double kiln_optimizer_param_weight_decay(const kiln_optimizer *opt, int i);
+/* nanoGPT's configure_optimizers split on a module optimizer: parameters with 2 or more
+** dims (Linear and Embedding weights) decay by cfg->weight_decay, the others (biases,
+** LayerNorm / RMSNorm weights) not at all. A tied weight is one parameter and decays
+** once. Errors as kiln_optimizer_new_module. */
+KILN_API kiln_optimizer *kiln_optimizer_new_module_decay_split(const kiln_optim_config *cfg,
+                                                               kiln_module *m);
+
 /* Clears every parameter's gradient (set_to_none=True: kiln_set_grad(p, NULL)). */
 KILN_API kiln_status kiln_optimizer_zero_grad(kiln_optimizer *opt);
 /* One update of every parameter that has a gradient. Errors leave the parameters already

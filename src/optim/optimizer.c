@@ -14,6 +14,7 @@ struct kiln_optimizer {
   kiln__param_state *st;     /* n entries */
   kiln_module *module;       /* not owned; NULL for a list optimizer */
   kiln_tensor **scratch;     /* n borrowed pointers, for re-reading the module */
+  double *wd;                /* n per-parameter weight decays; NULL: cfg.weight_decay */
   int64_t steps;
 };
 
@@ -169,6 +170,7 @@ void kiln_optimizer_free(kiln_optimizer *o) {
   free(o->params);
   free(o->st);
   free(o->scratch);
+  free(o->wd);
   free(o);
 }
 
@@ -245,6 +247,84 @@ kiln_status kiln_optimizer_zero_grad(kiln_optimizer *o) {
   return KILN_OK;
 }
 
+/* One rule call per distinct weight decay (in order of first appearance), over gathered
+** copies of the parameters and their state, written back after (the rule creates state
+** lazily and advances step counts). */
+static kiln_status step_groups(kiln_optimizer *o) {
+  int n = o->n;
+  kiln_tensor **ps = malloc((size_t)(n ? n : 1) * sizeof *ps);
+  kiln__param_state *ss = malloc((size_t)(n ? n : 1) * sizeof *ss);
+  int *idx = malloc((size_t)(n ? n : 1) * sizeof *idx);
+  bool *done = calloc((size_t)(n ? n : 1), sizeof *done);
+  kiln_status st = KILN_OK;
+  if (!ps || !ss || !idx || !done) st = kiln_set_error(KILN_ERR_OOM, "kiln_optimizer_step: out of host memory");
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    if (done[i]) continue;
+    int m = 0;
+    for (int j = i; j < n; j++)
+      if (!done[j] && o->wd[j] == o->wd[i]) {
+        done[j] = true;
+        ps[m] = o->params[j];
+        ss[m] = o->st[j];
+        idx[m++] = j;
+      }
+    kiln_optim_config cfg = o->cfg;
+    cfg.weight_decay = o->wd[i];
+    st = kiln__optim_rule(&cfg, m, ps)(&cfg, m, ps, ss);
+    for (int k = 0; k < m; k++) o->st[idx[k]] = ss[k];
+  }
+  free(ps), free(ss), free(idx), free(done);
+  return st;
+}
+
+kiln_status kiln_optimizer_set_weight_decays(kiln_optimizer *o, const double *wd, int n) {
+  static const char who[] = "kiln_optimizer_set_weight_decays";
+  if (!o) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL optimizer", who);
+  if (!wd) {
+    if (n != 0) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL decays with n %d", who, n);
+    free(o->wd);
+    o->wd = NULL;
+    return KILN_OK;
+  }
+  if (n != o->n)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %d decays for an optimizer of %d parameters", who, n,
+                          o->n);
+  for (int i = 0; i < n; i++)
+    if (!(wd[i] >= 0) || isinf(wd[i]))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: invalid weight_decay value for parameter %d: %g", who,
+                            i, wd[i]);
+  double *copy = malloc((size_t)(n ? n : 1) * sizeof *copy);
+  if (!copy) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  memcpy(copy, wd, (size_t)n * sizeof *copy);
+  free(o->wd);
+  o->wd = copy;
+  return KILN_OK;
+}
+
+double kiln_optimizer_param_weight_decay(const kiln_optimizer *o, int i) {
+  if (!o || i < 0 || i >= o->n) return NAN;
+  return o->wd ? o->wd[i] : o->cfg.weight_decay;
+}
+
+kiln_optimizer *kiln_optimizer_new_module_decay_split(const kiln_optim_config *cfg, kiln_module *m) {
+  kiln_optimizer *o = kiln_optimizer_new_module(cfg, m);
+  if (!o) return NULL;
+  double *wd = malloc((size_t)(o->n ? o->n : 1) * sizeof *wd);
+  if (!wd) {
+    kiln_optimizer_free(o);
+    kiln_set_error(KILN_ERR_OOM, "kiln_optimizer_new_module_decay_split: out of host memory");
+    return NULL;
+  }
+  for (int i = 0; i < o->n; i++) wd[i] = kiln_ndim(o->params[i]) >= 2 ? cfg->weight_decay : 0.0;
+  kiln_status st = kiln_optimizer_set_weight_decays(o, wd, o->n);
+  free(wd);
+  if (st != KILN_OK) {
+    kiln_optimizer_free(o);
+    return NULL;
+  }
+  return o;
+}
+
 kiln_status kiln_optimizer_step(kiln_optimizer *o) {
   static const char who[] = "kiln_optimizer_step";
   if (!o) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL optimizer", who);
@@ -268,8 +348,12 @@ kiln_status kiln_optimizer_step(kiln_optimizer *o) {
   }
   if (!any) return KILN_OK;
   bool prev = kiln_set_grad_enabled(false); /* updates are not part of any graph */
-  kiln__optim_rule_fn rule = kiln__optim_rule(&o->cfg, o->n, o->params);
-  st = rule(&o->cfg, o->n, o->params, o->st);
+  if (o->wd) {
+    st = step_groups(o);
+  } else {
+    kiln__optim_rule_fn rule = kiln__optim_rule(&o->cfg, o->n, o->params);
+    st = rule(&o->cfg, o->n, o->params, o->st);
+  }
   kiln_set_grad_enabled(prev);
   if (st == KILN_OK) o->steps++;
   return st;

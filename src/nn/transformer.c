@@ -1,0 +1,347 @@
+/* Transformer modules: Embedding, LayerNorm, RMSNorm, and GPT-2 (causal self-attention,
+** MLP, block, the model) with nanoGPT's layout, parameter names and initialisation
+** (github.com/karpathy/nanoGPT, model.py). Each forward looks its tensors up by name at
+** every call (kiln_module_to may have replaced them) and runs its children through
+** kiln_module_forward, so module scopes, activation measurement and checkpointing see
+** every sub-module. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/nn_int.h"
+
+/* GPT-2's initial standard deviation for weights (nanoGPT's _init_weights). */
+#define GPT_INIT_STD 0.02
+
+static void *dup_cfg(const void *src, size_t n, const char *who) {
+  void *c = malloc(n);
+  if (!c) {
+    kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+    return NULL;
+  }
+  memcpy(c, src, n);
+  return c;
+}
+
+/* A new parameter of shape (n0) or (n0, n1) filled by fill(): normal(0, std) when std > 0,
+** else the constant value. Registered under name; the status of the whole. */
+static kiln_status add_param(kiln_module *m, const char *name, int ndim, int64_t n0, int64_t n1,
+                             double std, double value, kiln_dtype dt, kiln_device dev,
+                             kiln_generator *gen) {
+  const int64_t shape[2] = {n0, n1};
+  kiln_tensor *t = kiln_empty(ndim, shape, dt, dev);
+  kiln_status st = !t ? kiln_last_error() : std > 0 ? kiln_normal_(t, 0.0, std, gen) : kiln_fill_(t, value);
+  if (st != KILN_OK) {
+    kiln_tensor_free(kiln_keep(t));
+    return st;
+  }
+  return kiln_module_register_parameter(m, name, t, true);
+}
+
+static kiln_module *fail(kiln_module *m) {
+  kiln_module_free(m);
+  return NULL;
+}
+
+static kiln_status check_dtype(kiln_dtype dt, const char *who) {
+  if (!kiln_dtype_is_float(dt))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: dtype %s is not floating", who, kiln_dtype_name(dt));
+  return KILN_OK;
+}
+
+/* ---- Embedding ------------------------------------------------------------------------- */
+
+typedef struct embedding_cfg {
+  int64_t num, dim;
+} embedding_cfg;
+
+static kiln_tensor *embedding_forward(kiln_module *m, kiln_tensor *ids) {
+  return kiln_embedding(kiln_module_param(m, "weight"), ids);
+}
+
+static int embedding_repr(const kiln_module *m, char *buf, size_t n) {
+  const embedding_cfg *c = kiln_module_impl(m);
+  return snprintf(buf, n, "%lld, %lld", (long long)c->num, (long long)c->dim);
+}
+
+static const kiln_module_vtable embedding_vt = {"Embedding", embedding_forward, NULL, free, embedding_repr};
+
+kiln_module *kiln_embedding_new(int64_t num_embeddings, int64_t embedding_dim, kiln_dtype dt,
+                                kiln_device dev, kiln_generator *gen) {
+  static const char who[] = "kiln_embedding_new";
+  if (num_embeddings < 1 || embedding_dim < 1) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: num_embeddings %lld, embedding_dim %lld (both must be >= 1)",
+                   who, (long long)num_embeddings, (long long)embedding_dim);
+    return NULL;
+  }
+  if (check_dtype(dt, who) != KILN_OK) return NULL;
+  embedding_cfg cfg = {num_embeddings, embedding_dim};
+  void *c = dup_cfg(&cfg, sizeof cfg, who);
+  kiln_module *m = c ? kiln_module_new(&embedding_vt, c) : NULL;
+  if (!m) return NULL;
+  if (add_param(m, "weight", 2, num_embeddings, embedding_dim, 1.0, 0, dt, dev, gen) != KILN_OK) return fail(m);
+  return m;
+}
+
+/* ---- LayerNorm, RMSNorm ------------------------------------------------------------------ */
+
+typedef struct norm_cfg {
+  int64_t dim;
+  double eps;
+  bool bias;
+} norm_cfg;
+
+static kiln_tensor *layer_norm_forward(kiln_module *m, kiln_tensor *x) {
+  const norm_cfg *c = kiln_module_impl(m);
+  return kiln_layer_norm(x, 1, &c->dim, kiln_module_param(m, "weight"),
+                         c->bias ? kiln_module_param(m, "bias") : NULL, c->eps);
+}
+
+static kiln_tensor *rms_norm_forward(kiln_module *m, kiln_tensor *x) {
+  const norm_cfg *c = kiln_module_impl(m);
+  return kiln_rms_norm(x, 1, &c->dim, kiln_module_param(m, "weight"), c->eps);
+}
+
+static int norm_repr(const kiln_module *m, char *buf, size_t n) {
+  const norm_cfg *c = kiln_module_impl(m);
+  return snprintf(buf, n, "(%lld,), eps=%g%s", (long long)c->dim, c->eps, c->bias ? "" : ", bias=false");
+}
+
+static const kiln_module_vtable layer_norm_vt = {"LayerNorm", layer_norm_forward, NULL, free, norm_repr};
+static const kiln_module_vtable rms_norm_vt = {"RMSNorm", rms_norm_forward, NULL, free, norm_repr};
+
+static kiln_module *norm_new(const kiln_module_vtable *vt, int64_t dim, double eps, bool bias,
+                             kiln_dtype dt, kiln_device dev, const char *who) {
+  if (dim < 1 || !(eps >= 0) || isinf(eps)) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: dim %lld, eps %g (dim >= 1, eps >= 0 finite)", who,
+                   (long long)dim, eps);
+    return NULL;
+  }
+  if (check_dtype(dt, who) != KILN_OK) return NULL;
+  norm_cfg cfg = {dim, eps, bias};
+  void *c = dup_cfg(&cfg, sizeof cfg, who);
+  kiln_module *m = c ? kiln_module_new(vt, c) : NULL;
+  if (!m) return NULL;
+  kiln_status st = add_param(m, "weight", 1, dim, 0, 0, 1.0, dt, dev, NULL);
+  if (st == KILN_OK && bias) st = add_param(m, "bias", 1, dim, 0, 0, 0.0, dt, dev, NULL);
+  return st == KILN_OK ? m : fail(m);
+}
+
+kiln_module *kiln_layer_norm_new(int64_t dim, double eps, bool bias, kiln_dtype dt, kiln_device dev) {
+  return norm_new(&layer_norm_vt, dim, eps, bias, dt, dev, "kiln_layer_norm_new");
+}
+
+kiln_module *kiln_rms_norm_new(int64_t dim, double eps, kiln_dtype dt, kiln_device dev) {
+  return norm_new(&rms_norm_vt, dim, eps, false, dt, dev, "kiln_rms_norm_new");
+}
+
+/* ---- GPT-2 ------------------------------------------------------------------------------- */
+
+kiln_gpt_config kiln_gpt2_config(void) {
+  kiln_gpt_config c;
+  memset(&c, 0, sizeof c);
+  c.n_layer = 12;
+  c.n_head = 12;
+  c.n_embd = 768;
+  c.vocab_size = 50257;
+  c.block_size = 1024;
+  c.dropout = 0.0;
+  c.bias = true;
+  return c;
+}
+
+static kiln_status check_gpt_config(const kiln_gpt_config *c, kiln_dtype dt, const char *who) {
+  if (!c) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL config", who);
+  if (c->n_layer < 1 || c->n_head < 1 || c->n_embd < 1 || c->vocab_size < 1 || c->block_size < 1)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: n_layer %lld, n_head %lld, n_embd %lld, vocab_size %lld, block_size %lld "
+                          "(each must be >= 1)", who, (long long)c->n_layer, (long long)c->n_head,
+                          (long long)c->n_embd, (long long)c->vocab_size, (long long)c->block_size);
+  if (c->n_embd % c->n_head != 0)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: n_embd %lld is not a multiple of n_head %lld", who,
+                          (long long)c->n_embd, (long long)c->n_head);
+  if (!(c->dropout >= 0 && c->dropout < 1))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: dropout %g is not in [0, 1)", who, c->dropout);
+  return check_dtype(dt, who);
+}
+
+/* A Linear with GPT-2's init: weight ~ N(0, std), bias 0. */
+static kiln_module *gpt_linear(int64_t in, int64_t out, bool bias, double std, kiln_dtype dt,
+                               kiln_device dev, kiln_generator *gen) {
+  kiln_module *l = kiln_linear_new(in, out, bias, dt, dev, gen);
+  if (!l) return NULL;
+  /* re-initialised in place: no graph records it */
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = kiln_normal_(kiln_module_param(l, "weight"), 0.0, std, gen);
+  if (st == KILN_OK && bias) st = kiln_zero_(kiln_module_param(l, "bias"));
+  kiln_set_grad_enabled(prev);
+  return st == KILN_OK ? l : fail(l);
+}
+
+/* The residual projections: 0.02 / sqrt(2 n_layer), since each block adds two branches to
+** the residual stream (GPT-2 paper, 2.3; nanoGPT applies it to every c_proj.weight). */
+static double proj_std(const kiln_gpt_config *c) { return GPT_INIT_STD / sqrt(2.0 * (double)c->n_layer); }
+
+static int gpt_repr(const kiln_module *m, char *buf, size_t n) {
+  const kiln_gpt_config *c = kiln_module_impl(m);
+  return snprintf(buf, n, "n_layer=%lld, n_head=%lld, n_embd=%lld, vocab_size=%lld, block_size=%lld, dropout=%g%s, "
+                  "lm_head tied to wte.weight",
+                  (long long)c->n_layer, (long long)c->n_head, (long long)c->n_embd, (long long)c->vocab_size,
+                  (long long)c->block_size, c->dropout, c->bias ? "" : ", bias=false");
+}
+
+static int attn_repr(const kiln_module *m, char *buf, size_t n) {
+  const kiln_gpt_config *c = kiln_module_impl(m);
+  return snprintf(buf, n, "n_head=%lld, n_embd=%lld, causal", (long long)c->n_head, (long long)c->n_embd);
+}
+
+/* x (B, T, C) -> (B, T, C). */
+static kiln_tensor *attn_forward(kiln_module *m, kiln_tensor *x) {
+  const kiln_gpt_config *c = kiln_module_impl(m);
+  const int64_t C = c->n_embd, H = c->n_head, D = C / H;
+  if (kiln_ndim(x) != 3 || kiln_size(x, 2) != C) {
+    char b[96];
+    kiln_set_error(KILN_ERR_SHAPE, "CausalSelfAttention: input has shape %s; expected (B, T, %lld)",
+                   kiln_shape_str(x, b, sizeof b), (long long)C);
+    return NULL;
+  }
+  const int64_t B = kiln_size(x, 0), T = kiln_size(x, 1);
+  kiln_tensor *qkv = kiln_module_forward(kiln_module_child(m, "c_attn"), x); /* (B, T, 3C) */
+  if (!qkv) return NULL;
+  kiln_tensor *part[3];
+  if (kiln_split(qkv, C, 2, part, 3) != 3) return NULL;
+  for (int i = 0; i < 3; i++) /* (B, T, C) -> (B, T, H, D) -> (B, H, T, D) */
+    part[i] = kiln_transpose(kiln_view(part[i], KILN_SHAPE(B, T, H, D)), 1, 2);
+  double p = kiln_module_is_training(m) ? c->dropout : 0.0;
+  kiln_tensor *y = kiln_scaled_dot_product_attention(part[0], part[1], part[2], NULL, true, p, 0.0, NULL);
+  y = kiln_reshape(kiln_transpose(y, 1, 2), KILN_SHAPE(B, T, C)); /* (B, H, T, D) -> (B, T, C) */
+  y = kiln_module_forward(kiln_module_child(m, "c_proj"), y);
+  return kiln_module_forward(kiln_module_child(m, "resid_dropout"), y);
+}
+
+static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
+  static const char *const order[] = {"c_fc", "gelu", "c_proj", "dropout"};
+  for (int i = 0; i < 4; i++) x = kiln_module_forward(kiln_module_child(m, order[i]), x);
+  return x;
+}
+
+static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
+  kiln_tensor *a = kiln_module_forward(kiln_module_child(m, "ln_1"), x);
+  x = kiln_add(x, kiln_module_forward(kiln_module_child(m, "attn"), a));
+  if (!x) return NULL;
+  kiln_tensor *b = kiln_module_forward(kiln_module_child(m, "ln_2"), x);
+  return kiln_add(x, kiln_module_forward(kiln_module_child(m, "mlp"), b));
+}
+
+/* idx (B, T) -> logits (B, T, vocab). */
+static kiln_tensor *gpt_forward(kiln_module *m, kiln_tensor *idx) {
+  const kiln_gpt_config *c = kiln_module_impl(m);
+  char b[96];
+  if (kiln_ndim(idx) != 2) {
+    kiln_set_error(KILN_ERR_SHAPE, "GPT: idx has shape %s; expected (B, T) token ids",
+                   kiln_shape_str(idx, b, sizeof b));
+    return NULL;
+  }
+  kiln_dtype dt = kiln_dtype_of(idx);
+  if (dt != KILN_I64 && dt != KILN_I32) {
+    kiln_set_error(KILN_ERR_DTYPE, "GPT: idx has dtype %s; expected i64 or i32 token ids", kiln_dtype_name(dt));
+    return NULL;
+  }
+  const int64_t T = kiln_size(idx, 1);
+  if (T > c->block_size) {
+    kiln_set_error(KILN_ERR_SHAPE, "GPT: sequence length %lld is longer than the context (block_size %lld)",
+                   (long long)T, (long long)c->block_size);
+    return NULL;
+  }
+  kiln_tensor *pos = kiln_arange(0, (double)T, 1, KILN_I64, kiln_device_of(idx));             /* (T) */
+  kiln_tensor *tok = kiln_module_forward(kiln_module_child(m, "wte"), idx);                  /* (B, T, C) */
+  kiln_tensor *x = kiln_add(tok, kiln_module_forward(kiln_module_child(m, "wpe"), pos));     /* + (T, C) */
+  x = kiln_module_forward(kiln_module_child(m, "drop"), x);
+  x = kiln_module_forward(kiln_module_child(m, "h"), x);
+  x = kiln_module_forward(kiln_module_child(m, "ln_f"), x);
+  return kiln_linear(x, kiln_module_param(m, "wte.weight"), NULL); /* tied lm_head: (B, T, V) */
+}
+
+static const kiln_module_vtable attn_vt = {"CausalSelfAttention", attn_forward, NULL, free, attn_repr};
+static const kiln_module_vtable mlp_vt = {"MLP", mlp_forward, NULL, free, NULL};
+static const kiln_module_vtable block_vt = {"Block", block_forward, NULL, free, NULL};
+static const kiln_module_vtable gpt_vt = {"GPT", gpt_forward, NULL, free, gpt_repr};
+
+const kiln_gpt_config *kiln_gpt_config_of(const kiln_module *m) {
+  const kiln_module_vtable *vt = kiln__module_vtable(m);
+  if (vt == &attn_vt || vt == &mlp_vt || vt == &block_vt || vt == &gpt_vt) return kiln_module_impl(m);
+  return NULL;
+}
+
+/* A module of vt whose impl is a copy of cfg, after the checks. */
+static kiln_module *gpt_module(const kiln_module_vtable *vt, const kiln_gpt_config *cfg, kiln_dtype dt,
+                               const char *who) {
+  if (check_gpt_config(cfg, dt, who) != KILN_OK) return NULL;
+  void *c = dup_cfg(cfg, sizeof *cfg, who);
+  return c ? kiln_module_new(vt, c) : NULL;
+}
+
+kiln_module *kiln_causal_self_attention_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
+                                            kiln_generator *gen) {
+  kiln_module *m = gpt_module(&attn_vt, cfg, dt, "kiln_causal_self_attention_new");
+  if (!m) return NULL;
+  const int64_t C = cfg->n_embd;
+  kiln_status st = kiln_module_add_child(m, "c_attn", gpt_linear(C, 3 * C, cfg->bias, GPT_INIT_STD, dt, dev, gen));
+  if (st == KILN_OK)
+    st = kiln_module_add_child(m, "c_proj", gpt_linear(C, C, cfg->bias, proj_std(cfg), dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "resid_dropout", kiln_dropout_new(cfg->dropout, NULL));
+  return st == KILN_OK ? m : fail(m);
+}
+
+kiln_module *kiln_gpt_mlp_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  kiln_module *m = gpt_module(&mlp_vt, cfg, dt, "kiln_gpt_mlp_new");
+  if (!m) return NULL;
+  const int64_t C = cfg->n_embd;
+  kiln_status st = kiln_module_add_child(m, "c_fc", gpt_linear(C, 4 * C, cfg->bias, GPT_INIT_STD, dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "gelu", kiln_gelu_new(KILN_GELU_TANH));
+  if (st == KILN_OK)
+    st = kiln_module_add_child(m, "c_proj", gpt_linear(4 * C, C, cfg->bias, proj_std(cfg), dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "dropout", kiln_dropout_new(cfg->dropout, NULL));
+  return st == KILN_OK ? m : fail(m);
+}
+
+kiln_module *kiln_gpt_block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  kiln_module *m = gpt_module(&block_vt, cfg, dt, "kiln_gpt_block_new");
+  if (!m) return NULL;
+  const int64_t C = cfg->n_embd;
+  kiln_status st = kiln_module_add_child(m, "ln_1", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "attn", kiln_causal_self_attention_new(cfg, dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_2", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "mlp", kiln_gpt_mlp_new(cfg, dt, dev, gen));
+  return st == KILN_OK ? m : fail(m);
+}
+
+kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  kiln_module *m = gpt_module(&gpt_vt, cfg, dt, "kiln_gpt_new");
+  if (!m) return NULL;
+  const int64_t C = cfg->n_embd;
+  kiln_status st = KILN_OK;
+  kiln_module *wte = kiln_embedding_new(cfg->vocab_size, C, dt, dev, gen);
+  kiln_module *wpe = wte ? kiln_embedding_new(cfg->block_size, C, dt, dev, gen) : NULL;
+  if (wte && wpe) { /* GPT-2's N(0, 0.02) instead of Embedding's N(0, 1) */
+    bool prev = kiln_set_grad_enabled(false);
+    st = kiln_normal_(kiln_module_param(wte, "weight"), 0.0, GPT_INIT_STD, gen);
+    if (st == KILN_OK) st = kiln_normal_(kiln_module_param(wpe, "weight"), 0.0, GPT_INIT_STD, gen);
+    kiln_set_grad_enabled(prev);
+  }
+  if (!wte || !wpe || st != KILN_OK) {
+    kiln_module_free(wte);
+    kiln_module_free(wpe);
+    return fail(m);
+  }
+  st = kiln_module_add_child(m, "wte", wte);
+  if (st == KILN_OK) st = kiln_module_add_child(m, "wpe", wpe);
+  else kiln_module_free(wpe);
+  if (st == KILN_OK) st = kiln_module_add_child(m, "drop", kiln_dropout_new(cfg->dropout, NULL));
+  kiln_module *h = st == KILN_OK ? kiln_sequential_new() : NULL;
+  if (st == KILN_OK) st = kiln_module_add_child(m, "h", h);
+  for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++)
+    st = kiln_sequential_append(h, kiln_gpt_block_new(cfg, dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_f", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  return st == KILN_OK ? m : fail(m);
+}

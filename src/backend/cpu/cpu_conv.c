@@ -30,33 +30,61 @@ static int64_t plane_off(const kiln__view *v, int64_t q) {
   return (n * v->strides[0] + c * v->strides[1]) * (int64_t)kiln_dtype_size(v->dtype);
 }
 
+/* The output columns ow whose input column ow*s - p + j*d lies in [0, W): [*lo, *hi). */
+static void valid_range(int64_t OW, int64_t W, int64_t s, int64_t p, int64_t off, int64_t *lo, int64_t *hi) {
+  int64_t base = off - p; /* w = ow*s + base */
+  int64_t a = base >= 0 ? 0 : (-base + s - 1) / s;
+  int64_t b = W - base <= 0 ? 0 : (W - base - 1) / s + 1;
+  if (a > OW) a = OW;
+  if (b > OW) b = OW;
+  if (b < a) b = a;
+  *lo = a, *hi = b;
+}
+
 /* ---- IM2COL ---------------------------------------------------------------------------- */
 
 static void im2col_range(void *vctx, int64_t lo, int64_t hi) {
   const conv_job *j = vctx;
   const kiln__view *x = &j->a->in[0], *o = &j->a->out[0];
   const kiln__conv_params *p = j->p;
-  size_t es = kiln_dtype_size(x->dtype);
+  int64_t es = (int64_t)kiln_dtype_size(x->dtype);
   int64_t H = x->shape[2], W = x->shape[3];
   int64_t KH = o->shape[2], KW = o->shape[3], OH = o->shape[4], OW = o->shape[5];
+  int64_t xs3 = x->strides[3] * es, os5 = o->strides[5] * es;
+  /* a row of the output copies one contiguous run of x when both are unit-stride */
+  bool runs = p->stride[1] == 1 && x->strides[3] == 1 && o->strides[5] == 1;
   for (int64_t q = lo; q < hi; q++) {
     const char *xp = (const char *)x->data + plane_off(x, q);
     char *op = (char *)o->data + plane_off(o, q);
     for (int64_t i = 0; i < KH; i++)
       for (int64_t jj = 0; jj < KW; jj++) {
-        char *orow = op + (i * o->strides[2] + jj * o->strides[3]) * (int64_t)es;
+        char *orow = op + (i * o->strides[2] + jj * o->strides[3]) * es;
+        int64_t a, b;
+        valid_range(OW, W, p->stride[1], p->padding[1], jj * p->dilation[1], &a, &b);
         for (int64_t oh = 0; oh < OH; oh++) {
           int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
-          char *dst = orow + oh * o->strides[4] * (int64_t)es;
-          bool hin = h >= 0 && h < H;
-          for (int64_t ow = 0; ow < OW; ow++) {
-            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
-            char *d = dst + ow * o->strides[5] * (int64_t)es;
-            if (hin && w >= 0 && w < W)
-              memcpy(d, xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, es);
-            else
-              memset(d, 0, es);
+          char *dst = orow + oh * o->strides[4] * es;
+          if (h < 0 || h >= H || a == b) {
+            if (o->strides[5] == 1) memset(dst, 0, (size_t)(OW * es));
+            else for (int64_t ow = 0; ow < OW; ow++) memset(dst + ow * os5, 0, (size_t)es);
+            continue;
           }
+          /* first input column of the run: w(a) */
+          const char *src = xp + h * x->strides[2] * es + (a * p->stride[1] - p->padding[1] + jj * p->dilation[1]) * xs3;
+          if (runs) {
+            memset(dst, 0, (size_t)(a * es));
+            memcpy(dst + a * es, src, (size_t)((b - a) * es));
+            memset(dst + b * es, 0, (size_t)((OW - b) * es));
+            continue;
+          }
+          for (int64_t ow = 0; ow < a; ow++) memset(dst + ow * os5, 0, (size_t)es);
+          int64_t step = p->stride[1] * xs3;
+          if (es == 4) {
+            for (int64_t ow = a; ow < b; ow++) memcpy(dst + ow * os5, src + (ow - a) * step, 4);
+          } else {
+            for (int64_t ow = a; ow < b; ow++) memcpy(dst + ow * os5, src + (ow - a) * step, (size_t)es);
+          }
+          for (int64_t ow = b; ow < OW; ow++) memset(dst + ow * os5, 0, (size_t)es);
         }
       }
   }
@@ -64,14 +92,29 @@ static void im2col_range(void *vctx, int64_t lo, int64_t hi) {
 
 /* ---- COL2IM ---------------------------------------------------------------------------- */
 
+/* acc[k*astep] += cols row src[k*sstep] for k < n, read as dtype dt */
+static void add_row(double *acc, int64_t astep, const char *src, int64_t sstep, kiln_dtype dt, int64_t n) {
+  switch (dt) {
+  case KILN_F32:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += *(const float *)(src + k * sstep);
+    break;
+  case KILN_F64:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += *(const double *)(src + k * sstep);
+    break;
+  default:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += kiln__cpu_get_f64(src + k * sstep, dt);
+  }
+}
+
 static void col2im_range(void *vctx, int64_t lo, int64_t hi) {
   conv_job *j = vctx;
   const kiln__view *cv = &j->a->in[0], *x = &j->a->out[0];
   const kiln__conv_params *p = j->p;
-  size_t es = kiln_dtype_size(x->dtype), ces = kiln_dtype_size(cv->dtype);
+  int64_t es = (int64_t)kiln_dtype_size(x->dtype), ces = (int64_t)kiln_dtype_size(cv->dtype);
   int64_t H = x->shape[2], W = x->shape[3];
   int64_t KH = cv->shape[2], KW = cv->shape[3], OH = cv->shape[4], OW = cv->shape[5];
-  /* One plane in f64 (exact sums for f32 and below; f64 as the kernel's compute type). */
+  /* One plane in f64: exact sums for 16-bit floats and f32, f64 as the compute type; the
+  ** plane is rounded to the dtype once. */
   double *acc = malloc((size_t)(H * W > 0 ? H * W : 1) * sizeof(double));
   if (!acc) {
     atomic_store(&j->oom, true);
@@ -82,22 +125,23 @@ static void col2im_range(void *vctx, int64_t lo, int64_t hi) {
     const char *cp = (const char *)cv->data + plane_off(cv, q);
     for (int64_t h = 0; h < H; h++)
       for (int64_t w = 0; w < W; w++)
-        acc[h * W + w] = kiln__cpu_get_f64(xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, x->dtype);
+        acc[h * W + w] = kiln__cpu_get_f64(xp + (h * x->strides[2] + w * x->strides[3]) * es, x->dtype);
     for (int64_t i = 0; i < KH; i++)
-      for (int64_t jj = 0; jj < KW; jj++)
+      for (int64_t jj = 0; jj < KW; jj++) {
+        int64_t a, b;
+        valid_range(OW, W, p->stride[1], p->padding[1], jj * p->dilation[1], &a, &b);
+        if (a == b) continue;
         for (int64_t oh = 0; oh < OH; oh++) {
           int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
           if (h < 0 || h >= H) continue;
-          const char *src = cp + (i * cv->strides[2] + jj * cv->strides[3] + oh * cv->strides[4]) * (int64_t)ces;
-          for (int64_t ow = 0; ow < OW; ow++) {
-            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
-            if (w < 0 || w >= W) continue;
-            acc[h * W + w] += kiln__cpu_get_f64(src + ow * cv->strides[5] * (int64_t)ces, cv->dtype);
-          }
+          const char *src = cp + (i * cv->strides[2] + jj * cv->strides[3] + oh * cv->strides[4] + a * cv->strides[5]) * ces;
+          int64_t w0 = a * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+          add_row(acc + h * W + w0, p->stride[1], src, cv->strides[5] * ces, cv->dtype, b - a);
         }
+      }
     for (int64_t h = 0; h < H; h++)
       for (int64_t w = 0; w < W; w++)
-        kiln__cpu_set_f64(xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, x->dtype, acc[h * W + w]);
+        kiln__cpu_set_f64(xp + (h * x->strides[2] + w * x->strides[3]) * es, x->dtype, acc[h * W + w]);
   }
   free(acc);
 }

@@ -488,9 +488,60 @@ static void cv_extra(void) {
   kiln_scope_end();
 }
 
+/* f32 conv2d (the library's kernel and its backward rule where the CPU has CONV2D, the
+** composite elsewhere) against the f64 composite on the same values: forward and the
+** three gradients. The harness gradchecks only f64, which never takes the kernel. */
+static void cv_f32_vs_f64(void) {
+  static const cv_cfg *cfgs[] = {&cv_strided, &cv_same, &cv_groups, &cv_depthwise, &cv_1x1, &cv_dilated};
+  static const int64_t shapes[][8] = {
+      {2, 2, 6, 5, 3, 2, 3, 2}, {2, 2, 5, 4, 3, 2, 2, 3}, {2, 4, 4, 4, 6, 2, 3, 3},
+      {2, 4, 5, 5, 8, 1, 3, 3}, {2, 3, 4, 3, 5, 3, 1, 1}, {2, 2, 5, 5, 3, 2, 3, 2}};
+  for (int t = 0; t < 6; t++) {
+    const cv_cfg *k = cfgs[t];
+    const int64_t *s = shapes[t];
+    kiln_scope_begin();
+    kiln_tensor *x64 = kiln_randn(KILN_SHAPE(s[0], s[1], s[2], s[3]), KILN_F64, kiln_device_cpu(), NULL);
+    kiln_tensor *w64 = kiln_randn(KILN_SHAPE(s[4], s[5], s[6], s[7]), KILN_F64, kiln_device_cpu(), NULL);
+    kiln_tensor *b64 = kiln_randn(KILN_SHAPE(s[4]), KILN_F64, kiln_device_cpu(), NULL);
+    /* the values f32 can hold, so only the arithmetic differs */
+    x64 = kiln_to_dtype(kiln_to_dtype(x64, KILN_F32), KILN_F64);
+    w64 = kiln_to_dtype(kiln_to_dtype(w64, KILN_F32), KILN_F64);
+    b64 = kiln_to_dtype(kiln_to_dtype(b64, KILN_F32), KILN_F64);
+    kiln_tensor *ins[2][3] = {{x64, w64, b64},
+                              {kiln_to_dtype(x64, KILN_F32), kiln_to_dtype(w64, KILN_F32), kiln_to_dtype(b64, KILN_F32)}};
+    double *vals[2][4] = {{0}};
+    int64_t nv[4] = {0};
+    for (int d = 0; d < 2; d++) {
+      for (int i = 0; i < 3; i++) kiln_requires_grad_(ins[d][i], true);
+      kiln_tensor *y = kiln_conv2d(ins[d][0], ins[d][1], ins[d][2], k->s, k->p, k->d, k->g);
+      /* weights 1, 2, 3, ... on the output so that every position's gradient differs */
+      kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, kiln_dtype_of(y), kiln_device_cpu()),
+                                        4, kiln_shape(y))
+                         : NULL;
+      if (!y || !r || kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) != KILN_OK) {
+        H_CHECK(false, "f32 vs f64 conv2d case %d ran: %s", t, kiln_last_error_message());
+        break;
+      }
+      vals[d][0] = h_values(y, &nv[0]);
+      for (int i = 0; i < 3; i++) vals[d][1 + i] = h_values(kiln_grad(ins[d][i]), &nv[1 + i]);
+    }
+    static const char *const what[4] = {"forward", "dx", "dw", "db"};
+    char name[96];
+    for (int q = 0; q < 4; q++) {
+      snprintf(name, sizeof name, "conv2d f32 vs f64 case %d %s", t, what[q]);
+      if (vals[0][q] && vals[1][q]) h_close(name, vals[1][q], vals[0][q], nv[q], 1e-4, 1e-5);
+      free(vals[0][q]), free(vals[1][q]);
+    }
+    kiln_scope_end();
+  }
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
-  if (!h_cross_only() && !h_support_mode()) cv_extra();
+  if (!h_cross_only() && !h_support_mode()) {
+    cv_extra();
+    cv_f32_vs_f64();
+  }
 }
 
 #ifndef H_NO_MAIN

@@ -176,7 +176,13 @@ typedef struct kiln__view {
   /* in0 x (N, C, H, W) -> out0 (N, C, OH, OW) the max over each window (padding never */ \
   /* wins; NaN propagates; the first maximum on ties), out1 (same shape, i64) its flat */ \
   /* index h*W + w in x's plane. a->params: kiln__conv_params. */                         \
-  X(MAX_POOL2D, "max_pool2d")
+  X(MAX_POOL2D, "max_pool2d")                                                             \
+  /* a library's convolution, where it beats IM2COL + MATMUL (the CPU with oneDNN): */    \
+  /* in0 x (N, C, H, W), in1 weight (OC, C/G, kh, kw), optional in2 bias (OC), all */      \
+  /* contiguous -> out0 (N, OC, OH, OW) contiguous; a->params kiln__conv_params (the */    \
+  /* padding after follows from OH, OW), i0 groups. f32 only. The op layer asks */         \
+  /* kiln__dispatch_has first and composes IM2COL + MATMUL where it is missing. */         \
+  X(CONV2D, "conv2d")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

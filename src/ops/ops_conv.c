@@ -15,6 +15,10 @@
 ** backward would rebuild anyway). What it costs: cols stays alive for the backward (C*kh*kw
 ** times the input). A 1x1 stride-1 unpadded convolution skips im2col (cols is x itself).
 **
+** Where the device has a library convolution (kernel CONV2D: the CPU built with oneDNN,
+** f32 only), conv2d's forward runs it through the internal op conv2d_direct instead; that
+** op's backward rule uses the same im2col/col2im and matmul ops (cols recomputed).
+**
 ** conv_transpose2d is the adjoint: cols = W^T x, then col2im. avg_pool2d is im2col and a
 ** mean over the window (count_include_pad, PyTorch's default); adaptive_avg_pool2d and
 ** bilinear upsampling (ops_resize.c) are two products with fixed pooling matrices.
@@ -285,6 +289,82 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
   return g->G == 1 ? kiln_reshape(cols, KILN_SHAPE(g->N, K, L)) : kiln_reshape(cols, KILN_SHAPE(g->N, g->G, K, L));
 }
 
+/* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
+
+static const kiln__op op_conv2d_direct;
+
+static kiln__conv_params conv_params(const conv_geom *g, const attrs_conv *p) {
+  kiln__conv_params cp;
+  cp.kernel[0] = g->KH, cp.kernel[1] = g->KW;
+  for (int k = 0; k < 2; k++) cp.stride[k] = p->stride[k], cp.padding[k] = g->pad[k], cp.dilation[k] = p->dilation[k];
+  return cp;
+}
+
+static kiln_status conv_direct_forward(kiln__op_ctx *c) {
+  const attrs_conv *p = c->attrs;
+  conv_geom g = {0};
+  if (conv_geometry(c->in[0], c->in[1], c->in[2], p, &g) != KILN_OK) return kiln_last_error();
+  kiln__conv_params cp = conv_params(&g, p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV2D;
+  a.n_in = c->in[2] ? 3 : 2;
+  for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.i[0] = g.G;
+  a.params = &cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void conv_direct_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+}
+
+/* The backward of the kernel's convolution, with the ops the composite uses, so that it
+** runs on every backend and twice differentiates: dx = col2im(W^T g), dW = sum_n g cols^T
+** (cols recomputed: the forward kept none), db = g summed over (N, OH, OW). */
+static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  const attrs_conv *p = n->attrs;
+  kiln_tensor *x = n->saved[0], *w = n->saved[1];
+  conv_geom ge = {0};
+  if (conv_geometry(x, w, NULL, p, &ge) != KILN_OK) return kiln_last_error();
+  int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
+  kiln_tensor *gm = kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L));
+  kiln_tensor *wm = kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K));
+  if (n->needs[0]) {
+    kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
+    kiln_tensor *dx;
+    if (ge.KH == 1 && ge.KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && ge.pad[0] == 0 && ge.pad[1] == 0) {
+      dx = kiln_reshape(dcols, 4, x->shape);
+    } else {
+      int64_t k[2] = {ge.KH, ge.KW}, sz[2] = {ge.H, ge.W};
+      attrs_window win = window(k, p->stride, ge.pad, p->dilation, sz);
+      dx = col2im_call(kiln_reshape(dcols, KILN_SHAPE(ge.N, ge.C, ge.KH, ge.KW, ge.OH, ge.OW)), &win);
+    }
+    kiln_status st = kiln__give_grad(&gi[0], dx, g);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    kiln_tensor *cols = conv_cols(x, &ge, p);
+    if (cols && ge.G == 1) cols = kiln_unsqueeze(cols, 1); /* (N, 1, K, L) */
+    int dim0 = 0;
+    kiln_tensor *dw = kiln_sum(kiln_matmul(gm, kiln_transpose(cols, 2, 3)), 1, &dim0, false); /* (G, OCg, K) */
+    kiln_status st = kiln__give_grad(&gi[1], kiln_reshape(dw, 4, w->shape), g);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[2]) {
+    int dims[3] = {0, 2, 3};
+    kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g, 3, dims, false), g);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_conv2d_direct = {
+    .name = "conv2d_direct", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2, .n_kernels = 1,
+    .kernels = {KILN__K_CONV2D}, .attrs = f_conv, .n_attrs = 4, .attr_size = sizeof(attrs_conv),
+    .infer = conv2d_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
+    .save = conv_direct_save};
+
 static kiln_status conv2d_forward(kiln__op_ctx *c) {
   const attrs_conv *p = c->attrs;
   kiln_tensor *x = c->in[0], *w = c->in[1], *b = c->in[2];
@@ -292,6 +372,13 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   if (conv_geometry(x, w, b, p, &g) != KILN_OK) return kiln_last_error();
   int64_t K = g.C / g.G * g.KH * g.KW;
   kiln_scope_begin();
+  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, NULL, KILN__K_CONV2D)) {
+    /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
+    kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
+    kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;
+    c->out[0] = kiln__scope_return(y);
+    return c->out[0] ? KILN_OK : kiln_last_error();
+  }
   kiln_tensor *cols = conv_cols(x, &g, p);
   /* (OC, K) @ (N, K, L), or per group (G, OC/G, K) @ (N, G, K, L) */
   kiln_tensor *wm = g.G == 1 ? kiln_reshape(w, KILN_SHAPE(g.OC, K)) : kiln_reshape(w, KILN_SHAPE(g.G, g.OC / g.G, K));

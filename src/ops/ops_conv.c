@@ -372,7 +372,17 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   if (conv_geometry(x, w, b, p, &g) != KILN_OK) return kiln_last_error();
   int64_t K = g.C / g.G * g.KH * g.KW;
   kiln_scope_begin();
-  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, NULL, KILN__K_CONV2D)) {
+  /* whether the device runs CONV2D for these arguments (its supports() asked too) */
+  kiln__kargs q = {0};
+  q.op = KILN__K_CONV2D;
+  q.n_in = b ? 3 : 2;
+  for (int i = 0; i < q.n_in; i++) q.in[i] = kiln__view_of(c->in[i]);
+  q.n_out = 1;
+  q.out[0] = q.in[0];
+  q.out[0].shape[1] = g.OC, q.out[0].shape[2] = g.OH, q.out[0].shape[3] = g.OW;
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.i[0] = g.G;
+  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
     /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
     kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
     kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;

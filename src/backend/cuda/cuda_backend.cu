@@ -521,7 +521,12 @@ template <kiln__kernel_fn F> static kiln_status kc_entry(const kiln__kargs *a) {
 
 /* Which family serves each op (constexpr, so the table below is a constant). */
 static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
-  return (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
+  /* The convolution family has no CUDA kernels yet: NULL, so that the op layer composes
+  ** (conv2d: IM2COL through the CPU fallback, then cuBLAS) instead of the elementwise
+  ** family taking ops it does not know. */
+  return (op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D || op == KILN__K_CONV2D)
+             ? static_cast<kiln__kernel_fn>(nullptr)
+         : (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
           op == KILN__K_RAND_BERNOULLI)
              ? kc_entry<kiln__cuda_random>
          : (op == KILN__K_SUM || op == KILN__K_PROD || op == KILN__K_AMAX ||

@@ -152,6 +152,23 @@ else()
   message(STATUS "kiln: cJSON not found (install libcjson-dev)")
 endif()
 
+# ---- oneDNN (optional: the CPU's f32 convolution forward; im2col + BLAS without it) ------
+set(KILN_HAVE_DNNL 0)
+string(TOUPPER "${KILN_DNNL}" _kiln_dnnl_mode)
+if(NOT _kiln_dnnl_mode STREQUAL "OFF")
+  find_library(KILN_DNNL_LIBRARY dnnl)
+  find_path(KILN_DNNL_INCLUDE_DIR dnnl.h)
+  if(KILN_DNNL_LIBRARY AND KILN_DNNL_INCLUDE_DIR)
+    set(KILN_HAVE_DNNL 1)
+    list(APPEND KILN_DEFINITIONS KILN_HAVE_DNNL=1)
+    list(APPEND KILN_DEP_INCLUDE_DIRS "${KILN_DNNL_INCLUDE_DIR}")
+    _kiln_add_plain_lib("${KILN_DNNL_LIBRARY}")
+    message(STATUS "kiln: oneDNN ${KILN_DNNL_LIBRARY}")
+  else()
+    message(STATUS "kiln: oneDNN not found (install libdnnl-dev): convolutions use im2col + BLAS")
+  endif()
+endif()
+
 # ---- protobuf-c (optional: TensorBoard event files through the maintained library) ------
 # With protoc-c and libprotobuf-c, src/io/tb_event.proto is compiled at build time and the
 # summary writer encodes its events with protobuf-c; without them it encodes the same

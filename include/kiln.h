@@ -496,6 +496,67 @@ KILN_API kiln_tensor *kiln_embedding(kiln_tensor *weight, kiln_tensor *ids);
 /* Dropout with probability p (scaled by 1/(1-p)); identity when !train or p == 0. */
 KILN_API kiln_tensor *kiln_dropout(kiln_tensor *t, double p, bool train, kiln_generator *gen);
 
+/* Convolutional layers, NCHW. Two-element arrays are (height, width); NULL gives the
+** default (stride 1, padding 0, dilation 1). Every floating dtype (16-bit floats computed
+** in f32), forward and backward. Results are owned by the current scope. Errors:
+** KILN_ERR_SHAPE when a kernel is larger than the padded input, groups do not divide the
+** channels, or shapes disagree (the message names the op and the shapes);
+** KILN_ERR_DTYPE for mixed or integer dtypes; KILN_ERR_INVALID_ARGUMENT for a stride,
+** dilation or groups < 1 and for negative padding. */
+/* A padding value meaning "same" for that dim: the output keeps the input's size (stride 1
+** only); an odd total puts the extra row/column after, as PyTorch. */
+#define KILN_PADDING_SAME (-1)
+/* x (N, C, H, W), weight (OC, C/groups, kh, kw), bias (OC) or NULL -> (N, OC, OH, OW).
+** groups == C with weight (C*m, 1, kh, kw) is a depthwise convolution. */
+KILN_API kiln_tensor *kiln_conv2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, const int64_t *stride,
+                                  const int64_t *padding, const int64_t *dilation, int64_t groups);
+/* x (N, C, L), weight (OC, C/groups, k), bias (OC) or NULL -> (N, OC, OL); padding may be
+** KILN_PADDING_SAME. */
+KILN_API kiln_tensor *kiln_conv1d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, int64_t stride,
+                                  int64_t padding, int64_t dilation, int64_t groups);
+/* The adjoint of conv2d in x: x (N, C, H, W), weight (C, OC/groups, kh, kw), bias (OC) ->
+** (N, OC, (H-1)*stride - 2*padding + dilation*(kh-1) + output_padding + 1, ...). */
+KILN_API kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias,
+                                            const int64_t *stride, const int64_t *padding,
+                                            const int64_t *output_padding, const int64_t *dilation,
+                                            int64_t groups);
+/* The max of each window (stride NULL: the kernel size; padding at most half the kernel,
+** never chosen). *indices (may be NULL) gets the i64 flat index h*W + w of each maximum
+** in its plane, owned by the current scope. */
+KILN_API kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
+                                      const int64_t *padding, const int64_t *dilation, kiln_tensor **indices);
+/* The mean of each window, the padding's zeros counted (PyTorch's count_include_pad). */
+KILN_API kiln_tensor *kiln_avg_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
+                                      const int64_t *padding);
+/* (N, C, H, W) -> (N, C, output_size[0], output_size[1]), PyTorch's windows. */
+KILN_API kiln_tensor *kiln_adaptive_avg_pool2d(kiln_tensor *x, const int64_t *output_size);
+typedef enum kiln_upsample_mode {
+  KILN_UPSAMPLE_NEAREST = 0, /* source floor(o * in / out) */
+  KILN_UPSAMPLE_BILINEAR     /* align_corners = false */
+} kiln_upsample_mode;
+/* (N, C, H, W) -> (N, C, size[0], size[1]). */
+KILN_API kiln_tensor *kiln_upsample(kiln_tensor *x, const int64_t *size, kiln_upsample_mode mode);
+typedef enum kiln_pad_mode {
+  KILN_PAD_CONSTANT = 0, /* value */
+  KILN_PAD_REFLECT       /* mirrored without the edge; each pad smaller than its dim */
+} kiln_pad_mode;
+/* n pad sizes >= 0 in PyTorch's order: (last dim before, after, the dim before it ...). */
+KILN_API kiln_tensor *kiln_pad(kiln_tensor *x, int n, const int64_t *pads, kiln_pad_mode mode, double value);
+/* x (N, C, ...). Training: normalized with the batch's mean and biased variance over every
+** dim but 1, and running_mean/running_var (C, either may be NULL) updated in place,
+** r = (1-momentum) r + momentum stat (the unbiased variance); KILN_ERR_SHAPE when there
+** is one value per channel. Eval: normalized with the running statistics (required).
+** weight, bias (C) or NULL. */
+KILN_API kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                      kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
+                                      double eps);
+/* x (N, C, ...) normalized over each group of C/groups channels; weight, bias (C) or NULL. */
+KILN_API kiln_tensor *kiln_group_norm(kiln_tensor *x, int64_t groups, kiln_tensor *weight, kiln_tensor *bias,
+                                      double eps);
+/* Zeroes whole channels of x (N, C, ...) with probability p, scales the rest by 1/(1-p);
+** identity when !train or p == 0. */
+KILN_API kiln_tensor *kiln_dropout2d(kiln_tensor *x, double p, bool train, kiln_generator *gen);
+
 /* Losses. */
 typedef enum kiln_reduction {
   KILN_REDUCTION_MEAN = 0,

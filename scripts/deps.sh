@@ -14,7 +14,8 @@ if [[ "${KILN_SKIP_DEPS:-0}" == 1 ]]; then
 fi
 
 # build: compiler, cmake, pkg-config, BLAS, zlib, cJSON, MPI; protobuf-c (TensorBoard
-# events through the library; optional) and cairo (`kiln plot`; optional).
+# events through the library; optional), cairo (`kiln plot`; optional) and oneDNN (the
+# CPU's f32 convolutions; optional: im2col + BLAS without it).
 # tests: the Fashion-MNIST package, python3 + numpy (fixtures), valgrind.
 # Vulkan: the headers and glslc to build the backend; the loader and Mesa's drivers
 # (lavapipe, a Vulkan device on the CPU) so its tests run on any machine; vulkan-tools
@@ -24,7 +25,7 @@ packages=(
   libopenblas-dev libopenblas0-pthread libopenblas-openmp-dev
   zlib1g-dev libcjson-dev
   openmpi-bin libopenmpi-dev
-  libprotobuf-c-dev protobuf-c-compiler libcairo2-dev
+  libprotobuf-c-dev protobuf-c-compiler libcairo2-dev libdnnl-dev
   dataset-fashion-mnist python3 python3-numpy valgrind
   libvulkan-dev libvulkan1 glslc mesa-vulkan-drivers vulkan-tools
 )

@@ -104,11 +104,11 @@ enum {
   H_NO_SIZE0 = 1 << 5,     /* skip size-0 variants */
   H_INT_DTYPES = 1 << 6,   /* also run forward with float inputs as i32 and i64 */
   H_NO_SIZE1 = 1 << 7,
-  /* The op's kernels exist on the CPU only so far (the transformer ops of issue 16): in
-  ** part (d) real backends (CUDA, Vulkan under KILN_HARNESS_STRICT) run it with the
-  ** fallback allowed instead of KILN_FALLBACK=error, so the case checks the CPU fallback
-  ** path there rather than failing for the kernel that is still to be written. Remove
-  ** the flag from a case when its backend kernels land. */
+  /* Some of the op's kernels exist only on the CPU so far (the transformer ops of issue
+  ** 16, the convolution family of issue 15): in part (d) real backends (CUDA, Vulkan under
+  ** KILN_HARNESS_STRICT) run the case with the fallback allowed instead of
+  ** KILN_FALLBACK=error, so it checks the CPU fallback path there rather than failing for
+  ** the kernel still to be written. Remove the flag from a case when its kernels land. */
   H_CPU_ONLY = 1 << 8
 };
 

@@ -201,7 +201,25 @@ typedef struct kiln__view {
   /* i64; i0 1: with replacement. Sample s of row r: u = the f64 Philox uniform of */     \
   /* element r*S + s; the first class j with cdf[j] > u * total (f64 prefix sums in */    \
   /* class order; without replacement, the classes drawn so far weigh 0) */               \
-  X(MULTINOMIAL, "multinomial")
+  X(MULTINOMIAL, "multinomial")                                                           \
+  /* ---- convolution (issue 15); CPU kernels only so far ---- */                        \
+  /* convolution's unfold (a->params: kiln__conv_params; kernel, stride, padding */       \
+  /* before, dilation): in0 x (N, C, H, W) -> out0 cols (N, C, kh, kw, OH, OW), */         \
+  /* cols[n,c,i,j,oh,ow] = x[n, c, oh*sh - ph + i*dh, ow*sw - pw + j*dw], 0 outside x. */  \
+  X(IM2COL, "im2col")                                                                     \
+  /* its adjoint: in0 cols (N, C, kh, kw, OH, OW); accumulates into out0 (N, C, H, W) */  \
+  /* every column entry at the pixel IM2COL read it from (entries outside x dropped). */  \
+  X(COL2IM, "col2im")                                                                     \
+  /* in0 x (N, C, H, W) -> out0 (N, C, OH, OW) the max over each window (padding never */ \
+  /* wins; NaN propagates; the first maximum on ties), out1 (same shape, i64) its flat */ \
+  /* index h*W + w in x's plane. a->params: kiln__conv_params. */                         \
+  X(MAX_POOL2D, "max_pool2d")                                                             \
+  /* a library's convolution, where it beats IM2COL + MATMUL (the CPU with oneDNN): */    \
+  /* in0 x (N, C, H, W), in1 weight (OC, C/G, kh, kw), optional in2 bias (OC), all */      \
+  /* contiguous -> out0 (N, OC, OH, OW) contiguous; a->params kiln__conv_params (the */    \
+  /* padding after follows from OH, OW), i0 groups. f32 only. The op layer asks */         \
+  /* kiln__dispatch_has first and composes IM2COL + MATMUL where it is missing. */         \
+  X(CONV2D, "conv2d")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,
@@ -231,7 +249,19 @@ typedef struct kiln__kargs {
   int list_n, list_w;
   const kiln__view *list;
   const int64_t *list_i;
+  /* Ops whose parameters do not fit s[] and i[] (IM2COL, COL2IM, MAX_POOL2D: a
+  ** kiln__conv_params) point here at a typed record in host memory, owned by the caller
+  ** for the length of the call. Backends read it; the CPU fallback passes it through as
+  ** it is (it is host memory, never staged). NULL for every other op. */
+  const void *params;
 } kiln__kargs;
+
+/* The window geometry of IM2COL, COL2IM and MAX_POOL2D (2-d, [0] is the height): the
+** window size, its step, the padding before the first row/column (the padding after is
+** implied by the output's shape, so "same" padding may be asymmetric) and the dilation. */
+typedef struct kiln__conv_params {
+  int64_t kernel[2], stride[2], padding[2], dilation[2];
+} kiln__conv_params;
 
 typedef kiln_status (*kiln__kernel_fn)(const kiln__kargs *a);
 

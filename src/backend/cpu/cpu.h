@@ -41,6 +41,10 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a); /* cpu_optim.c */
 kiln_status kiln__cpu_adam_multi(const kiln__kargs *a);
 kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a);
 kiln_status kiln__cpu_matmul(const kiln__kargs *a);
+kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
+#ifdef KILN_HAVE_DNNL
+kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
+#endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);
 kiln_status kiln__cpu_gather(const kiln__kargs *a);

@@ -145,6 +145,12 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_TRIL] = kiln__cpu_tril,
             [KILN__K_TOPK] = kiln__cpu_topk,
             [KILN__K_MULTINOMIAL] = kiln__cpu_multinomial,
+            [KILN__K_IM2COL] = kiln__cpu_conv_window,
+            [KILN__K_COL2IM] = kiln__cpu_conv_window,
+            [KILN__K_MAX_POOL2D] = kiln__cpu_conv_window,
+#ifdef KILN_HAVE_DNNL
+            [KILN__K_CONV2D] = kiln__cpu_conv2d,
+#endif
         },
     .supports = NULL,
     .device_info = kiln__cpu_device_info,

@@ -521,7 +521,13 @@ template <kiln__kernel_fn F> static kiln_status kc_entry(const kiln__kargs *a) {
 
 /* Which family serves each op (constexpr, so the table below is a constant). */
 static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
-  return (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
+  /* Kernel ops past ADAM_MULTI (loss scaling, the transformer and convolution ops) have
+  ** no CUDA kernels yet: NULL, so that dispatch falls back to the CPU (and the op layer
+  ** composes where it asks kiln__dispatch_has), instead of the elementwise family, the
+  ** catch-all below, taking ops it does not know. */
+  return (int)op > (int)KILN__K_ADAM_MULTI
+             ? static_cast<kiln__kernel_fn>(nullptr)
+         : (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
           op == KILN__K_RAND_BERNOULLI)
              ? kc_entry<kiln__cuda_random>
          : (op == KILN__K_SUM || op == KILN__K_PROD || op == KILN__K_AMAX ||

@@ -1,0 +1,200 @@
+/*
+** Window kernels of convolutional networks: IM2COL, its adjoint COL2IM, and MAX_POOL2D.
+**
+** Convolution itself is im2col then one GEMM (the MATMUL kernel, BLAS where built), done
+** by the op layer (src/ops/ops_conv.c); these kernels only move data. Each (n, c) image
+** plane is independent, so the planes are split across threads.
+**
+** IM2COL copies elements of any dtype bit for bit (zero bits outside the image are 0 in
+** every floating dtype). COL2IM adds, in the dtype's compute type (f32 for 16-bit floats,
+** rounded once per pixel). MAX_POOL2D compares in f64, which is exact for every floating
+** dtype.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct conv_job {
+  const kiln__kargs *a;
+  const kiln__conv_params *p;
+  atomic_bool oom; /* COL2IM's plane buffer could not be had */
+} conv_job;
+
+/* Plane q of a 4-d view (N, C, ...) as a byte offset. */
+static int64_t plane_off(const kiln__view *v, int64_t q) {
+  int64_t n = q / v->shape[1], c = q % v->shape[1];
+  return (n * v->strides[0] + c * v->strides[1]) * (int64_t)kiln_dtype_size(v->dtype);
+}
+
+/* The output columns ow whose input column ow*s - p + j*d lies in [0, W): [*lo, *hi). */
+static void valid_range(int64_t OW, int64_t W, int64_t s, int64_t p, int64_t off, int64_t *lo, int64_t *hi) {
+  int64_t base = off - p; /* w = ow*s + base */
+  int64_t a = base >= 0 ? 0 : (-base + s - 1) / s;
+  int64_t b = W - base <= 0 ? 0 : (W - base - 1) / s + 1;
+  if (a > OW) a = OW;
+  if (b > OW) b = OW;
+  if (b < a) b = a;
+  *lo = a, *hi = b;
+}
+
+/* ---- IM2COL ---------------------------------------------------------------------------- */
+
+static void im2col_range(void *vctx, int64_t lo, int64_t hi) {
+  const conv_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *o = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  int64_t es = (int64_t)kiln_dtype_size(x->dtype);
+  int64_t H = x->shape[2], W = x->shape[3];
+  int64_t KH = o->shape[2], KW = o->shape[3], OH = o->shape[4], OW = o->shape[5];
+  int64_t xs3 = x->strides[3] * es, os5 = o->strides[5] * es;
+  /* a row of the output copies one contiguous run of x when both are unit-stride */
+  bool runs = p->stride[1] == 1 && x->strides[3] == 1 && o->strides[5] == 1;
+  for (int64_t q = lo; q < hi; q++) {
+    const char *xp = (const char *)x->data + plane_off(x, q);
+    char *op = (char *)o->data + plane_off(o, q);
+    for (int64_t i = 0; i < KH; i++)
+      for (int64_t jj = 0; jj < KW; jj++) {
+        char *orow = op + (i * o->strides[2] + jj * o->strides[3]) * es;
+        int64_t a, b;
+        valid_range(OW, W, p->stride[1], p->padding[1], jj * p->dilation[1], &a, &b);
+        for (int64_t oh = 0; oh < OH; oh++) {
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+          char *dst = orow + oh * o->strides[4] * es;
+          if (h < 0 || h >= H || a == b) {
+            if (o->strides[5] == 1) memset(dst, 0, (size_t)(OW * es));
+            else for (int64_t ow = 0; ow < OW; ow++) memset(dst + ow * os5, 0, (size_t)es);
+            continue;
+          }
+          /* first input column of the run: w(a) */
+          const char *src = xp + h * x->strides[2] * es + (a * p->stride[1] - p->padding[1] + jj * p->dilation[1]) * xs3;
+          if (runs) {
+            memset(dst, 0, (size_t)(a * es));
+            memcpy(dst + a * es, src, (size_t)((b - a) * es));
+            memset(dst + b * es, 0, (size_t)((OW - b) * es));
+            continue;
+          }
+          for (int64_t ow = 0; ow < a; ow++) memset(dst + ow * os5, 0, (size_t)es);
+          int64_t step = p->stride[1] * xs3;
+          if (es == 4) {
+            for (int64_t ow = a; ow < b; ow++) memcpy(dst + ow * os5, src + (ow - a) * step, 4);
+          } else {
+            for (int64_t ow = a; ow < b; ow++) memcpy(dst + ow * os5, src + (ow - a) * step, (size_t)es);
+          }
+          for (int64_t ow = b; ow < OW; ow++) memset(dst + ow * os5, 0, (size_t)es);
+        }
+      }
+  }
+}
+
+/* ---- COL2IM ---------------------------------------------------------------------------- */
+
+/* acc[k*astep] += cols row src[k*sstep] for k < n, read as dtype dt */
+static void add_row(double *acc, int64_t astep, const char *src, int64_t sstep, kiln_dtype dt, int64_t n) {
+  switch (dt) {
+  case KILN_F32:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += *(const float *)(src + k * sstep);
+    break;
+  case KILN_F64:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += *(const double *)(src + k * sstep);
+    break;
+  default:
+    for (int64_t k = 0; k < n; k++) acc[k * astep] += kiln__cpu_get_f64(src + k * sstep, dt);
+  }
+}
+
+static void col2im_range(void *vctx, int64_t lo, int64_t hi) {
+  conv_job *j = vctx;
+  const kiln__view *cv = &j->a->in[0], *x = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  int64_t es = (int64_t)kiln_dtype_size(x->dtype), ces = (int64_t)kiln_dtype_size(cv->dtype);
+  int64_t H = x->shape[2], W = x->shape[3];
+  int64_t KH = cv->shape[2], KW = cv->shape[3], OH = cv->shape[4], OW = cv->shape[5];
+  /* One plane in f64: exact sums for 16-bit floats and f32, f64 as the compute type; the
+  ** plane is rounded to the dtype once. */
+  double *acc = malloc((size_t)(H * W > 0 ? H * W : 1) * sizeof(double));
+  if (!acc) {
+    atomic_store(&j->oom, true);
+    return;
+  }
+  for (int64_t q = lo; q < hi; q++) {
+    char *xp = (char *)x->data + plane_off(x, q);
+    const char *cp = (const char *)cv->data + plane_off(cv, q);
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++)
+        acc[h * W + w] = kiln__cpu_get_f64(xp + (h * x->strides[2] + w * x->strides[3]) * es, x->dtype);
+    for (int64_t i = 0; i < KH; i++)
+      for (int64_t jj = 0; jj < KW; jj++) {
+        int64_t a, b;
+        valid_range(OW, W, p->stride[1], p->padding[1], jj * p->dilation[1], &a, &b);
+        if (a == b) continue;
+        for (int64_t oh = 0; oh < OH; oh++) {
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+          if (h < 0 || h >= H) continue;
+          const char *src = cp + (i * cv->strides[2] + jj * cv->strides[3] + oh * cv->strides[4] + a * cv->strides[5]) * ces;
+          int64_t w0 = a * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+          add_row(acc + h * W + w0, p->stride[1], src, cv->strides[5] * ces, cv->dtype, b - a);
+        }
+      }
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++)
+        kiln__cpu_set_f64(xp + (h * x->strides[2] + w * x->strides[3]) * es, x->dtype, acc[h * W + w]);
+  }
+  free(acc);
+}
+
+/* ---- MAX_POOL2D ------------------------------------------------------------------------ */
+
+static void max_pool_range(void *vctx, int64_t lo, int64_t hi) {
+  const conv_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  size_t es = kiln_dtype_size(x->dtype), yes = kiln_dtype_size(y->dtype), ies = kiln_dtype_size(ix->dtype);
+  int64_t H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *xp = (const char *)x->data + plane_off(x, q);
+    char *yp = (char *)y->data + plane_off(y, q);
+    char *ip = (char *)ix->data + plane_off(ix, q);
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++) {
+        double best = -INFINITY;
+        int64_t at = -1;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+          if (h < 0 || h >= H) continue;
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+            if (w < 0 || w >= W) continue;
+            double v = kiln__cpu_get_f64(xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, x->dtype);
+            if (at < 0 || v > best || (isnan(v) && !isnan(best))) best = v, at = h * W + w;
+          }
+        }
+        kiln__cpu_set_f64(yp + (oh * y->strides[2] + ow * y->strides[3]) * (int64_t)yes, y->dtype, best);
+        kiln__cpu_set_i64(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)ies, ix->dtype, at < 0 ? 0 : at);
+      }
+  }
+}
+
+kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  if (!p) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
+  const kiln__view *v = a->op == KILN__K_COL2IM ? &a->out[0] : &a->in[0];
+  if (!kiln__cpu_is_float(v->dtype)) return kiln__cpu_dtype_error(a, v->dtype);
+  int64_t planes = v->shape[0] * v->shape[1];
+  if (planes == 0) return KILN_OK;
+  conv_job j = {a, p, false};
+  const kiln__view *big = a->op == KILN__K_MAX_POOL2D ? &a->in[0] : a->op == KILN__K_IM2COL ? &a->out[0] : &a->in[0];
+  int64_t per = kiln__view_numel(big) / planes + 1;
+  int64_t min_par = KILN__CPU_PAR_MIN / per + 1;
+  switch (a->op) {
+  case KILN__K_IM2COL: kiln__cpu_parallel_for(planes, min_par, im2col_range, &j); break;
+  case KILN__K_COL2IM: kiln__cpu_parallel_for(planes, min_par, col2im_range, &j); break;
+  case KILN__K_MAX_POOL2D: kiln__cpu_parallel_for(planes, min_par, max_pool_range, &j); break;
+  default: return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s is not a window kernel", kiln__kop_name(a->op));
+  }
+  if (atomic_load(&j.oom)) return kiln_set_error(KILN_ERR_OOM, "kiln: col2im: out of host memory for a plane buffer");
+  return KILN_OK;
+}

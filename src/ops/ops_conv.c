@@ -1,0 +1,666 @@
+/*
+** Convolutional layers (NCHW): conv2d, conv1d, conv_transpose2d, max_pool2d,
+** avg_pool2d, adaptive_avg_pool2d, each on the one call path (op.h).
+**
+** Convolution is im2col then one product: x (N, C, H, W) is unfolded by the im2col op
+** (kernel IM2COL) into cols (N, G, C/G*kh*kw, OH*OW), and the weight (OC, C/G, kh, kw),
+** seen as (G, OC/G, C/G*kh*kw), multiplies it with kiln_matmul (MATMUL: BLAS on the CPU,
+** cuBLAS on CUDA). conv2d is a composite of those ops, so its backward comes from theirs:
+** the input's gradient is col2im(W^T g) (im2col's rule), the weight's is g cols^T summed
+** over the batch (matmul's rule). Composing rather than writing CONV2D_BACKWARD_* kernels
+** was chosen because (1) a backend needs only the two data-moving kernels IM2COL/COL2IM
+** to run every convolution, forward and backward, natively, its GEMM doing the work;
+** (2) double backward and every dtype come for free; (3) the costs are the same as a
+** fused im2col kernel's on the CPU (the unfolded input is what a GEMM-based CONV2D
+** backward would rebuild anyway). What it costs: cols stays alive for the backward (C*kh*kw
+** times the input). A 1x1 stride-1 unpadded convolution skips im2col (cols is x itself).
+**
+** Where the device has a library convolution (kernel CONV2D: the CPU built with oneDNN,
+** f32 only), conv2d's forward runs it through the internal op conv2d_direct instead; that
+** op's backward rule uses the same im2col/col2im and matmul ops (cols recomputed).
+**
+** conv_transpose2d is the adjoint: cols = W^T x, then col2im. avg_pool2d is im2col and a
+** mean over the window (count_include_pad, PyTorch's default); adaptive_avg_pool2d and
+** bilinear upsampling (ops_resize.c) are two products with fixed pooling matrices.
+** max_pool2d has a kernel of its own (MAX_POOL2D) that also gives the argmax, and its
+** backward scatters the gradient through those indices (SCATTER_ADD).
+*/
+#include "ops/op.h"
+
+#include <stdlib.h>
+
+/* ---- im2col / col2im: internal ops, each the other's backward ----------------------- */
+
+/* kernel, stride, padding (before), dilation, and size: for im2col the output's (OH, OW),
+** for col2im the image's (H, W). */
+typedef struct attrs_window {
+  int64_t kernel[2];
+  int nk;
+  int64_t stride[2];
+  int ns;
+  int64_t padding[2];
+  int np;
+  int64_t dilation[2];
+  int nd;
+  int64_t size[2];
+  int nsz;
+} attrs_window;
+static const kiln__attr_field f_window[] = {
+    KILN__FIELD_INTS(attrs_window, kernel, nk), KILN__FIELD_INTS(attrs_window, stride, ns),
+    KILN__FIELD_INTS(attrs_window, padding, np), KILN__FIELD_INTS(attrs_window, dilation, nd),
+    KILN__FIELD_INTS(attrs_window, size, nsz)};
+
+static attrs_window window(const int64_t k[2], const int64_t s[2], const int64_t p[2], const int64_t d[2],
+                           const int64_t size[2]) {
+  attrs_window w = {{k[0], k[1]}, 2, {s[0], s[1]}, 2, {p[0], p[1]}, 2, {d[0], d[1]}, 2, {size[0], size[1]}, 2};
+  return w;
+}
+
+static kiln__conv_params window_params(const attrs_window *w) {
+  kiln__conv_params p;
+  for (int k = 0; k < 2; k++) {
+    p.kernel[k] = w->kernel[k];
+    p.stride[k] = w->stride[k];
+    p.padding[k] = w->padding[k];
+    p.dilation[k] = w->dilation[k];
+  }
+  return p;
+}
+
+static const kiln__op op_im2col, op_col2im;
+
+static kiln_tensor *im2col_call(kiln_tensor *x, const attrs_window *w) {
+  return kiln__op_call(&op_im2col, 1, &x, w, NULL);
+}
+static kiln_tensor *col2im_call(kiln_tensor *cols, const attrs_window *w) {
+  return kiln__op_call(&op_col2im, 1, &cols, w, NULL);
+}
+
+static kiln_status im2col_infer(kiln__op_ctx *c) {
+  const attrs_window *w = c->attrs;
+  kiln_tensor *x = c->in[0];
+  if (x->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_im2col: expected (N, C, H, W), got %s", kiln__tshape(x));
+  int64_t sh[6] = {x->shape[0], x->shape[1], w->kernel[0], w->kernel[1], w->size[0], w->size[1]};
+  kiln__op_meta(c, 0, 6, sh, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status im2col_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = window_params(c->attrs);
+  kiln__kargs a = {0};
+  a.op = KILN__K_IM2COL;
+  a.n_in = 1;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static kiln_status im2col_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  attrs_window w = *(const attrs_window *)n->attrs;
+  w.size[0] = n->in_shape[0][2];
+  w.size[1] = n->in_shape[0][3];
+  return kiln__give_grad(&gi[0], col2im_call(g, &w), g);
+}
+
+static kiln_status col2im_infer(kiln__op_ctx *c) {
+  const attrs_window *w = c->attrs;
+  kiln_tensor *t = c->in[0];
+  if (t->ndim != 6)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_col2im: expected (N, C, kh, kw, OH, OW), got %s", kiln__tshape(t));
+  int64_t sh[4] = {t->shape[0], t->shape[1], w->size[0], w->size[1]};
+  kiln__op_meta(c, 0, 4, sh, t->dtype);
+  return KILN_OK;
+}
+
+static kiln_status col2im_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = window_params(c->attrs);
+  kiln__kargs z = {0};
+  z.op = KILN__K_FILL;
+  kiln_status st = kiln__run_into(c->out[0], &z);
+  if (st != KILN_OK || kiln_numel(c->in[0]) == 0) return st;
+  kiln__kargs a = {0};
+  a.op = KILN__K_COL2IM;
+  a.n_in = 1;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static kiln_status col2im_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  attrs_window w = *(const attrs_window *)n->attrs;
+  w.size[0] = n->in_shape[0][4];
+  w.size[1] = n->in_shape[0][5];
+  return kiln__give_grad(&gi[0], im2col_call(g, &w), g);
+}
+
+static const kiln__op op_im2col = {
+    .name = "im2col", .api = "kiln_im2col", .n_in = 1, .n_out = 1, .flags = KILN__OP_FLOAT_ONLY,
+    .n_kernels = 1, .kernels = {KILN__K_IM2COL}, .attrs = f_window, .n_attrs = 5,
+    .attr_size = sizeof(attrs_window), .infer = im2col_infer, .forward = im2col_forward,
+    .backward = im2col_backward};
+static const kiln__op op_col2im = {
+    .name = "col2im", .api = "kiln_col2im", .n_in = 1, .n_out = 1, .flags = KILN__OP_FLOAT_ONLY,
+    .n_kernels = 2, .kernels = {KILN__K_FILL, KILN__K_COL2IM}, .attrs = f_window, .n_attrs = 5,
+    .attr_size = sizeof(attrs_window), .infer = col2im_infer, .forward = col2im_forward,
+    .backward = col2im_backward};
+
+/* ---- geometry and argument checks ------------------------------------------------------ */
+
+static const int64_t one2[2] = {1, 1}, zero2[2] = {0, 0};
+
+/* The output size of one spatial dim; -1 (error set) when the kernel does not fit. */
+static int64_t out_size(const char *api, const char *what, int dim, int64_t in, int64_t k, int64_t s, int64_t p,
+                        int64_t d, const kiln_tensor *x, const kiln_tensor *w) {
+  int64_t span = d * (k - 1) + 1;
+  if (in + 2 * p < span) {
+    kiln_set_error(KILN_ERR_SHAPE,
+                   "%s: %s %lld (dilation %lld, so %lld wide) is larger than the padded input %lld at dim %d "
+                   "(input %s%s%s, padding %lld)",
+                   api, what, (long long)k, (long long)d, (long long)span, (long long)(in + 2 * p), dim + 2,
+                   kiln__tshape(x), w ? ", weight " : "", w ? kiln__tshape(w) : "", (long long)p);
+    return -1;
+  }
+  return (in + 2 * p - span) / s + 1;
+}
+
+static kiln_status check_positive(const char *api, const char *name, const int64_t *v, int64_t min) {
+  for (int k = 0; k < 2; k++)
+    if (v[k] < min)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %s must be >= %lld, got [%lld, %lld]", api, name,
+                            (long long)min, (long long)v[0], (long long)v[1]);
+  return KILN_OK;
+}
+
+static kiln_status check_float4(const char *api, const kiln_tensor *x) {
+  if (!kiln_dtype_is_float(x->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating input, got %s (shape %s)", api,
+                          kiln_dtype_name(x->dtype), kiln__tshape(x));
+  if (x->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: expected a 4-d input (N, C, H, W), got shape %s", api,
+                          kiln__tshape(x));
+  return KILN_OK;
+}
+
+/* ---- conv2d ------------------------------------------------------------------------------ */
+
+typedef struct attrs_conv {
+  int64_t stride[2];
+  int ns;
+  int64_t padding[2]; /* KILN_PADDING_SAME: "same" */
+  int np;
+  int64_t dilation[2];
+  int nd;
+  int64_t output_padding[2]; /* conv_transpose2d only */
+  int nop;
+  int64_t groups;
+} attrs_conv;
+static const kiln__attr_field f_conv[] = {
+    KILN__FIELD_INTS(attrs_conv, stride, ns), KILN__FIELD_INTS(attrs_conv, padding, np),
+    KILN__FIELD_INTS(attrs_conv, dilation, nd), KILN__FIELD(attrs_conv, groups, KILN__A_INT),
+    KILN__FIELD_INTS(attrs_conv, output_padding, nop)};
+
+/* conv2d's geometry: padding before (same: half the total, the odd one after, as
+** PyTorch), the output's spatial size, and whether the 1x1 shortcut applies. */
+typedef struct conv_geom {
+  int64_t N, C, H, W, OC, KH, KW, G, OH, OW;
+  int64_t pad[2];
+} conv_geom;
+
+static kiln_status conv_check_common(const char *api, const kiln_tensor *x, const kiln_tensor *w,
+                                     const kiln_tensor *b, const attrs_conv *p, int64_t out_ch) {
+  if (check_float4(api, x) != KILN_OK) return kiln_last_error();
+  if (w->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: weight must be 4-d, got shape %s (input %s)", api, kiln__tshape(w),
+                          kiln__tshape(x));
+  if (w->dtype != x->dtype || (b && b->dtype != x->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: input %s %s, weight %s %s%s%s must share one dtype", api,
+                          kiln_dtype_name(x->dtype), kiln__tshape(x), kiln_dtype_name(w->dtype), kiln__tshape(w),
+                          b ? " and bias " : "", b ? kiln_dtype_name(b->dtype) : "");
+  if (check_positive(api, "stride", p->stride, 1) != KILN_OK) return kiln_last_error();
+  if (check_positive(api, "dilation", p->dilation, 1) != KILN_OK) return kiln_last_error();
+  if (p->groups < 1)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: groups must be >= 1, got %lld", api, (long long)p->groups);
+  if (x->shape[1] % p->groups != 0 || out_ch % p->groups != 0)
+    return kiln_set_error(KILN_ERR_SHAPE,
+                          "%s: groups %lld must divide the input channels %lld and the output channels %lld "
+                          "(input %s, weight %s)",
+                          api, (long long)p->groups, (long long)x->shape[1], (long long)out_ch, kiln__tshape(x),
+                          kiln__tshape(w));
+  if (b && (b->ndim != 1 || b->shape[0] != out_ch))
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: bias must have shape [%lld] (the output channels), got %s", api,
+                          (long long)out_ch, kiln__tshape(b));
+  return KILN_OK;
+}
+
+static kiln_status conv_geometry(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
+                                 const attrs_conv *p, conv_geom *g) {
+  const char *api = "kiln_conv2d";
+  if (conv_check_common(api, x, w, b, p, w->ndim == 4 ? w->shape[0] : 0) != KILN_OK) return kiln_last_error();
+  g->N = x->shape[0], g->C = x->shape[1], g->H = x->shape[2], g->W = x->shape[3];
+  g->OC = w->shape[0], g->KH = w->shape[2], g->KW = w->shape[3], g->G = p->groups;
+  if (w->shape[1] * g->G != g->C)
+    return kiln_set_error(KILN_ERR_SHAPE,
+                          "kiln_conv2d: weight %s expects %lld input channels (groups %lld), input %s has %lld", kiln__tshape(w),
+                          (long long)(w->shape[1] * g->G), (long long)g->G, kiln__tshape(x), (long long)g->C);
+  int64_t in[2] = {g->H, g->W}, k[2] = {g->KH, g->KW}, o[2];
+  for (int d = 0; d < 2; d++) {
+    if (p->padding[d] == KILN_PADDING_SAME) {
+      if (p->stride[d] != 1)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                              "kiln_conv2d: padding \"same\" needs stride 1, got stride [%lld, %lld] (input %s)",
+                              (long long)p->stride[0], (long long)p->stride[1], kiln__tshape(x));
+      int64_t total = p->dilation[d] * (k[d] - 1);
+      g->pad[d] = total / 2;
+      o[d] = in[d];
+    } else {
+      if (p->padding[d] < 0)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_conv2d: padding must be >= 0 or KILN_PADDING_SAME, got [%lld, %lld]",
+                              (long long)p->padding[0], (long long)p->padding[1]);
+      g->pad[d] = p->padding[d];
+      o[d] = out_size(api, "kernel", d, in[d], k[d], p->stride[d], p->padding[d], p->dilation[d], x, w);
+      if (o[d] < 0) return kiln_last_error();
+    }
+  }
+  g->OH = o[0], g->OW = o[1];
+  return KILN_OK;
+}
+
+static kiln_status conv2d_infer(kiln__op_ctx *c) {
+  conv_geom g = {0};
+  if (conv_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  return KILN_OK;
+}
+
+/* cols (N, G, C/G*kh*kw, OH*OW): a view of x for a 1x1 stride-1 unpadded kernel, else
+** the im2col op's output. */
+static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_conv *p) {
+  int64_t K = g->C / g->G * g->KH * g->KW, L = g->OH * g->OW;
+  kiln_tensor *cols;
+  if (g->KH == 1 && g->KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && g->pad[0] == 0 && g->pad[1] == 0) {
+    cols = x;
+  } else {
+    int64_t k[2] = {g->KH, g->KW}, o[2] = {g->OH, g->OW};
+    attrs_window w = window(k, p->stride, g->pad, p->dilation, o);
+    cols = im2col_call(x, &w);
+  }
+  return g->G == 1 ? kiln_reshape(cols, KILN_SHAPE(g->N, K, L)) : kiln_reshape(cols, KILN_SHAPE(g->N, g->G, K, L));
+}
+
+/* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
+
+static const kiln__op op_conv2d_direct;
+
+static kiln__conv_params conv_params(const conv_geom *g, const attrs_conv *p) {
+  kiln__conv_params cp;
+  cp.kernel[0] = g->KH, cp.kernel[1] = g->KW;
+  for (int k = 0; k < 2; k++) cp.stride[k] = p->stride[k], cp.padding[k] = g->pad[k], cp.dilation[k] = p->dilation[k];
+  return cp;
+}
+
+static kiln_status conv_direct_forward(kiln__op_ctx *c) {
+  const attrs_conv *p = c->attrs;
+  conv_geom g = {0};
+  if (conv_geometry(c->in[0], c->in[1], c->in[2], p, &g) != KILN_OK) return kiln_last_error();
+  kiln__conv_params cp = conv_params(&g, p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV2D;
+  a.n_in = c->in[2] ? 3 : 2;
+  for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.i[0] = g.G;
+  a.params = &cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void conv_direct_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+}
+
+/* The backward of the kernel's convolution, with the ops the composite uses, so that it
+** runs on every backend and twice differentiates: dx = col2im(W^T g), dW = sum_n g cols^T
+** (cols recomputed: the forward kept none), db = g summed over (N, OH, OW). */
+static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  const attrs_conv *p = n->attrs;
+  kiln_tensor *x = n->saved[0], *w = n->saved[1];
+  conv_geom ge = {0};
+  if (conv_geometry(x, w, NULL, p, &ge) != KILN_OK) return kiln_last_error();
+  int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
+  kiln_tensor *gm = kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L));
+  kiln_tensor *wm = kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K));
+  if (n->needs[0]) {
+    kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
+    kiln_tensor *dx;
+    if (ge.KH == 1 && ge.KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && ge.pad[0] == 0 && ge.pad[1] == 0) {
+      dx = kiln_reshape(dcols, 4, x->shape);
+    } else {
+      int64_t k[2] = {ge.KH, ge.KW}, sz[2] = {ge.H, ge.W};
+      attrs_window win = window(k, p->stride, ge.pad, p->dilation, sz);
+      dx = col2im_call(kiln_reshape(dcols, KILN_SHAPE(ge.N, ge.C, ge.KH, ge.KW, ge.OH, ge.OW)), &win);
+    }
+    kiln_status st = kiln__give_grad(&gi[0], dx, g);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    kiln_tensor *cols = conv_cols(x, &ge, p);
+    if (cols && ge.G == 1) cols = kiln_unsqueeze(cols, 1); /* (N, 1, K, L) */
+    int dim0 = 0;
+    kiln_tensor *dw = kiln_sum(kiln_matmul(gm, kiln_transpose(cols, 2, 3)), 1, &dim0, false); /* (G, OCg, K) */
+    kiln_status st = kiln__give_grad(&gi[1], kiln_reshape(dw, 4, w->shape), g);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[2]) {
+    int dims[3] = {0, 2, 3};
+    kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g, 3, dims, false), g);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_conv2d_direct = {
+    .name = "conv2d_direct", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2, .n_kernels = 1,
+    .kernels = {KILN__K_CONV2D}, .attrs = f_conv, .n_attrs = 4, .attr_size = sizeof(attrs_conv),
+    .infer = conv2d_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
+    .save = conv_direct_save};
+
+static kiln_status conv2d_forward(kiln__op_ctx *c) {
+  const attrs_conv *p = c->attrs;
+  kiln_tensor *x = c->in[0], *w = c->in[1], *b = c->in[2];
+  conv_geom g = {0};
+  if (conv_geometry(x, w, b, p, &g) != KILN_OK) return kiln_last_error();
+  int64_t K = g.C / g.G * g.KH * g.KW;
+  kiln_scope_begin();
+  /* whether the device runs CONV2D for these arguments (its supports() asked too) */
+  kiln__kargs q = {0};
+  q.op = KILN__K_CONV2D;
+  q.n_in = b ? 3 : 2;
+  for (int i = 0; i < q.n_in; i++) q.in[i] = kiln__view_of(c->in[i]);
+  q.n_out = 1;
+  q.out[0] = q.in[0];
+  q.out[0].shape[1] = g.OC, q.out[0].shape[2] = g.OH, q.out[0].shape[3] = g.OW;
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.i[0] = g.G;
+  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
+    /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
+    kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
+    kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;
+    c->out[0] = kiln__scope_return(y);
+    return c->out[0] ? KILN_OK : kiln_last_error();
+  }
+  kiln_tensor *cols = conv_cols(x, &g, p);
+  /* (OC, K) @ (N, K, L), or per group (G, OC/G, K) @ (N, G, K, L) */
+  kiln_tensor *wm = g.G == 1 ? kiln_reshape(w, KILN_SHAPE(g.OC, K)) : kiln_reshape(w, KILN_SHAPE(g.G, g.OC / g.G, K));
+  kiln_tensor *y = kiln_reshape(kiln_matmul(wm, cols), KILN_SHAPE(g.N, g.OC, g.OH, g.OW));
+  if (y && b) y = kiln_add(y, kiln_reshape(b, KILN_SHAPE(g.OC, 1, 1)));
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln__op op_conv2d = {
+    .name = "conv2d", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .flags = KILN__OP_COMPOSITE, .n_kernels = 2,
+    .kernels = {KILN__K_IM2COL, KILN__K_MATMUL}, .attrs = f_conv, .n_attrs = 4,
+    .attr_size = sizeof(attrs_conv), .infer = conv2d_infer, .forward = conv2d_forward};
+
+static attrs_conv conv_attrs(const int64_t *stride, const int64_t *padding, const int64_t *dilation,
+                             const int64_t *output_padding, int64_t groups) {
+  attrs_conv a;
+  const int64_t *s = stride ? stride : one2, *p = padding ? padding : zero2, *d = dilation ? dilation : one2;
+  const int64_t *op = output_padding ? output_padding : zero2;
+  for (int k = 0; k < 2; k++) a.stride[k] = s[k], a.padding[k] = p[k], a.dilation[k] = d[k], a.output_padding[k] = op[k];
+  a.ns = a.np = a.nd = a.nop = 2;
+  a.groups = groups;
+  return a;
+}
+
+kiln_tensor *kiln_conv2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, const int64_t *stride,
+                         const int64_t *padding, const int64_t *dilation, int64_t groups) {
+  attrs_conv a = conv_attrs(stride, padding, dilation, NULL, groups);
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_conv2d, 3, in, &a, NULL);
+}
+
+/* ---- conv1d: conv2d with a unit height ------------------------------------------------ */
+
+static kiln_status conv1d_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0], *w = c->in[1];
+  if (x->ndim != 3 || w->ndim != 3)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv1d: expected input (N, C, L) and weight (OC, C/groups, k), got %s and %s",
+                          kiln__tshape(x), kiln__tshape(w));
+  return KILN_OK;
+}
+
+static kiln_status conv1d_forward(kiln__op_ctx *c) {
+  const attrs_conv *p = c->attrs;
+  kiln_scope_begin();
+  int64_t s[2] = {1, p->stride[1]}, pd[2] = {0, p->padding[1]}, d[2] = {1, p->dilation[1]};
+  kiln_tensor *y = kiln_conv2d(kiln_unsqueeze(c->in[0], 2), kiln_unsqueeze(c->in[1], 2), c->in[2], s, pd, d, p->groups);
+  if (y) y = kiln_squeeze(y, 2);
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln__op op_conv1d = {
+    .name = "conv1d", .api = "kiln_conv1d", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .flags = KILN__OP_COMPOSITE, .n_kernels = 2,
+    .kernels = {KILN__K_IM2COL, KILN__K_MATMUL}, .attrs = f_conv, .n_attrs = 4,
+    .attr_size = sizeof(attrs_conv), .infer = conv1d_infer, .forward = conv1d_forward};
+
+kiln_tensor *kiln_conv1d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, int64_t stride, int64_t padding,
+                         int64_t dilation, int64_t groups) {
+  int64_t s[2] = {1, stride}, p[2] = {0, padding}, d[2] = {1, dilation};
+  attrs_conv a = conv_attrs(s, p, d, NULL, groups);
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_conv1d, 3, in, &a, NULL);
+}
+
+/* ---- conv_transpose2d: the adjoint of conv2d in x ------------------------------------- */
+
+static kiln_status convt_geometry(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
+                                  const attrs_conv *p, conv_geom *g) {
+  const char *api = "kiln_conv_transpose2d";
+  int64_t oc = w->ndim == 4 ? w->shape[1] * p->groups : 0;
+  if (conv_check_common(api, x, w, b, p, oc) != KILN_OK) return kiln_last_error();
+  if (w->shape[0] != x->shape[1])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: weight %s expects %lld input channels, input %s has %lld", api,
+                          kiln__tshape(w), (long long)w->shape[0], kiln__tshape(x), (long long)x->shape[1]);
+  g->N = x->shape[0], g->C = x->shape[1], g->H = x->shape[2], g->W = x->shape[3];
+  g->OC = oc, g->KH = w->shape[2], g->KW = w->shape[3], g->G = p->groups;
+  int64_t in[2] = {g->H, g->W}, k[2] = {g->KH, g->KW}, o[2];
+  for (int d = 0; d < 2; d++) {
+    if (p->padding[d] < 0 || p->output_padding[d] < 0 ||
+        (p->output_padding[d] >= p->stride[d] && p->output_padding[d] >= p->dilation[d]))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                            "%s: padding [%lld, %lld] must be >= 0 and output_padding [%lld, %lld] >= 0 and smaller "
+                            "than the stride or the dilation",
+                            api, (long long)p->padding[0], (long long)p->padding[1], (long long)p->output_padding[0],
+                            (long long)p->output_padding[1]);
+    g->pad[d] = p->padding[d];
+    o[d] = (in[d] - 1) * p->stride[d] - 2 * p->padding[d] + p->dilation[d] * (k[d] - 1) + p->output_padding[d] + 1;
+    if (o[d] < 0 || (in[d] > 0 && o[d] == 0))
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: the output size at dim %d would be %lld (input %s, weight %s, padding %lld)",
+                            api, d + 2, (long long)o[d], kiln__tshape(x), kiln__tshape(w), (long long)p->padding[d]);
+  }
+  g->OH = o[0], g->OW = o[1];
+  return KILN_OK;
+}
+
+static kiln_status convt_infer(kiln__op_ctx *c) {
+  conv_geom g = {0};
+  if (convt_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  return KILN_OK;
+}
+
+static kiln_status convt_forward(kiln__op_ctx *c) {
+  const attrs_conv *p = c->attrs;
+  kiln_tensor *x = c->in[0], *w = c->in[1], *b = c->in[2];
+  conv_geom g = {0};
+  if (convt_geometry(x, w, b, p, &g) != KILN_OK) return kiln_last_error();
+  int64_t Cg = g.C / g.G, OCg = g.OC / g.G, K = OCg * g.KH * g.KW, L = g.H * g.W;
+  kiln_scope_begin();
+  /* cols (N, G, OC/G*kh*kw, H*W) = W^T (G, OC/G*kh*kw, C/G) @ x (N, G, C/G, H*W) */
+  kiln_tensor *wt = kiln_transpose(kiln_reshape(w, KILN_SHAPE(g.G, Cg, K)), 1, 2);
+  kiln_tensor *cols = kiln_matmul(wt, kiln_reshape(x, KILN_SHAPE(g.N, g.G, Cg, L)));
+  int64_t k[2] = {g.KH, g.KW}, o[2] = {g.OH, g.OW};
+  attrs_window win = window(k, p->stride, g.pad, p->dilation, o);
+  kiln_tensor *y = col2im_call(kiln_reshape(cols, KILN_SHAPE(g.N, g.OC, g.KH, g.KW, g.H, g.W)), &win);
+  if (y && b) y = kiln_add(y, kiln_reshape(b, KILN_SHAPE(g.OC, 1, 1)));
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln__op op_conv_transpose2d = {
+    .name = "conv_transpose2d", .api = "kiln_conv_transpose2d", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .flags = KILN__OP_COMPOSITE, .n_kernels = 2,
+    .kernels = {KILN__K_MATMUL, KILN__K_COL2IM}, .attrs = f_conv, .n_attrs = 5,
+    .attr_size = sizeof(attrs_conv), .infer = convt_infer, .forward = convt_forward};
+
+kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, const int64_t *stride,
+                                   const int64_t *padding, const int64_t *output_padding, const int64_t *dilation,
+                                   int64_t groups) {
+  attrs_conv a = conv_attrs(stride, padding, dilation, output_padding, groups);
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_conv_transpose2d, 3, in, &a, NULL);
+}
+
+/* ---- pooling -------------------------------------------------------------------------------- */
+
+/* kernel, stride (default: the kernel), padding, dilation (max_pool2d only). */
+typedef struct attrs_pool {
+  int64_t kernel[2];
+  int nk;
+  int64_t stride[2];
+  int ns;
+  int64_t padding[2];
+  int np;
+  int64_t dilation[2];
+  int nd;
+} attrs_pool;
+static const kiln__attr_field f_pool[] = {
+    KILN__FIELD_INTS(attrs_pool, kernel, nk), KILN__FIELD_INTS(attrs_pool, stride, ns),
+    KILN__FIELD_INTS(attrs_pool, padding, np), KILN__FIELD_INTS(attrs_pool, dilation, nd)};
+
+static attrs_pool pool_attrs(const int64_t *kernel, const int64_t *stride, const int64_t *padding,
+                             const int64_t *dilation) {
+  attrs_pool a;
+  const int64_t *k = kernel ? kernel : one2;
+  const int64_t *s = stride ? stride : k, *p = padding ? padding : zero2, *d = dilation ? dilation : one2;
+  for (int i = 0; i < 2; i++) a.kernel[i] = k[i], a.stride[i] = s[i], a.padding[i] = p[i], a.dilation[i] = d[i];
+  a.nk = a.ns = a.np = a.nd = 2;
+  return a;
+}
+
+/* The output's spatial size (o), after the checks every pool makes. PyTorch's rule: the
+** padding is at most half the (dilated) kernel, so that no window lies in padding only. */
+static kiln_status pool_geometry(const char *api, const kiln_tensor *x, const attrs_pool *p, int64_t o[2]) {
+  if (check_float4(api, x) != KILN_OK) return kiln_last_error();
+  if (check_positive(api, "kernel size", p->kernel, 1) != KILN_OK) return kiln_last_error();
+  if (check_positive(api, "stride", p->stride, 1) != KILN_OK) return kiln_last_error();
+  if (check_positive(api, "dilation", p->dilation, 1) != KILN_OK) return kiln_last_error();
+  for (int d = 0; d < 2; d++) {
+    if (p->padding[d] < 0 || 2 * p->padding[d] > p->dilation[d] * (p->kernel[d] - 1) + 1)
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                            "%s: padding [%lld, %lld] must be >= 0 and at most half the kernel [%lld, %lld] (input %s)",
+                            api, (long long)p->padding[0], (long long)p->padding[1], (long long)p->kernel[0],
+                            (long long)p->kernel[1], kiln__tshape(x));
+    o[d] = out_size(api, "kernel", d, x->shape[2 + d], p->kernel[d], p->stride[d], p->padding[d], p->dilation[d], x,
+                    NULL);
+    if (o[d] < 0) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static kiln_status max_pool_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  int64_t o[2];
+  if (pool_geometry("kiln_max_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  kiln__op_meta(c, 1, 4, sh, KILN_I64);
+  return KILN_OK;
+}
+
+static kiln_status max_pool_forward(kiln__op_ctx *c) {
+  const attrs_pool *w = c->attrs;
+  if (kiln_numel(c->out[0]) == 0) return KILN_OK;
+  kiln__conv_params p;
+  for (int k = 0; k < 2; k++)
+    p.kernel[k] = w->kernel[k], p.stride[k] = w->stride[k], p.padding[k] = w->padding[k], p.dilation[k] = w->dilation[k];
+  kiln__kargs a = {0};
+  a.op = KILN__K_MAX_POOL2D;
+  a.n_in = 1;
+  a.n_out = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.out[1] = kiln__view_of(c->out[1]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* saved: 0 the indices (an integer output, which the path leaves out of the node). */
+static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->out[1]); }
+
+/* The gradient goes to the pixel each window took its maximum from; windows that share
+** it add up (SCATTER_ADD). */
+static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  const int64_t *xs = n->in_shape[0];
+  int64_t N = xs[0], C = xs[1], L = g->shape[2] * g->shape[3];
+  kiln_tensor *z = kiln_zeros(KILN_SHAPE(N, C, xs[2] * xs[3]), g->dtype, kiln_device_of(g));
+  kiln_tensor *idx = kiln_reshape(n->saved[0], KILN_SHAPE(N, C, L));
+  kiln_tensor *r = kiln_scatter_add(z, 2, idx, kiln_reshape(g, KILN_SHAPE(N, C, L)));
+  return kiln__give_grad(&gi[0], kiln_reshape(r, 4, xs), g);
+}
+
+static const kiln__op op_max_pool2d = {
+    .name = "max_pool2d", .api = "kiln_max_pool2d", .n_in = 1, .n_out = 2, .n_kernels = 1,
+    .kernels = {KILN__K_MAX_POOL2D}, .attrs = f_pool, .n_attrs = 4, .attr_size = sizeof(attrs_pool),
+    .infer = max_pool_infer, .forward = max_pool_forward, .backward = max_pool_backward, .n_saved = 1,
+    .save = max_pool_save};
+
+kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride, const int64_t *padding,
+                             const int64_t *dilation, kiln_tensor **indices) {
+  if (indices) *indices = NULL;
+  attrs_pool a = pool_attrs(kernel, stride, padding, dilation);
+  kiln_tensor *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_max_pool2d, 1, &x, &a, out);
+  if (y && indices) *indices = out[1];
+  return y;
+}
+
+/* avg_pool2d: the mean of each window, padding counted (PyTorch's count_include_pad). */
+static kiln_status avg_pool_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  int64_t o[2];
+  if (pool_geometry("kiln_avg_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status avg_pool_forward(kiln__op_ctx *c) {
+  const attrs_pool *p = c->attrs;
+  kiln_tensor *x = c->in[0];
+  int64_t o[2];
+  if (pool_geometry("kiln_avg_pool2d", x, p, o) != KILN_OK) return kiln_last_error();
+  int64_t N = x->shape[0], C = x->shape[1];
+  kiln_scope_begin();
+  attrs_window w = window(p->kernel, p->stride, p->padding, p->dilation, o);
+  kiln_tensor *cols = kiln_reshape(im2col_call(x, &w), KILN_SHAPE(N, C, p->kernel[0] * p->kernel[1], o[0], o[1]));
+  int dim = 2;
+  kiln_tensor *y = kiln_mean(cols, 1, &dim, false);
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln__op op_avg_pool2d = {
+    .name = "avg_pool2d", .api = "kiln_avg_pool2d", .n_in = 1, .n_out = 1, .flags = KILN__OP_COMPOSITE,
+    .n_kernels = 2, .kernels = {KILN__K_IM2COL, KILN__K_SUM}, .attrs = f_pool, .n_attrs = 3,
+    .attr_size = sizeof(attrs_pool), .infer = avg_pool_infer, .forward = avg_pool_forward};
+
+kiln_tensor *kiln_avg_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride, const int64_t *padding) {
+  attrs_pool a = pool_attrs(kernel, stride, padding, NULL);
+  return kiln__op_call(&op_avg_pool2d, 1, &x, &a, NULL);
+}

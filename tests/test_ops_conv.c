@@ -1,0 +1,554 @@
+/*
+** The convolutional family through the harness: conv2d (stride, padding and "same",
+** dilation, groups, depthwise, bias), conv1d, conv_transpose2d, max_pool2d, avg_pool2d,
+** adaptive_avg_pool2d, upsample (nearest, bilinear), pad (constant, reflect), batch_norm
+** (training, eval), group_norm; each against naive f64 loops here. Then what the harness
+** cannot see: max_pool2d's indices, batch_norm's running statistics, dropout2d's masks,
+** and bad input (messages naming the op and the shapes).
+**
+** The IM2COL, COL2IM and MAX_POOL2D kernels exist on the CPU only so far: every case is
+** H_CPU_ONLY (other backends run it through the fallback, which is compared too).
+** Names are prefixed cv_.
+*/
+#include "harness.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct cv_cfg {
+  int64_t s[2], p[2], d[2], g;
+  int bias;
+  int64_t op[2]; /* conv_transpose2d's output_padding */
+} cv_cfg;
+
+static double cv_at(const h_arr *x, int64_t n, int64_t c, int64_t h, int64_t w) {
+  return x->data[((n * x->shape[1] + c) * x->shape[2] + h) * x->shape[3] + w];
+}
+
+/* conv2d reference; returns 1 when kiln must refuse the shapes */
+static int cv_conv_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_cfg *k = ctx;
+  const h_arr *x = &in[0], *w = &in[1];
+  (void)n_in;
+  int64_t N = x->shape[0], C = x->shape[1], H = x->shape[2], W = x->shape[3];
+  int64_t OC = w->shape[0], Cg = w->shape[1], KH = w->shape[2], KW = w->shape[3];
+  if (C % k->g || OC % k->g || Cg * k->g != C) return 1;
+  int64_t pb[2], o[2], in2[2] = {H, W}, kk[2] = {KH, KW};
+  for (int d = 0; d < 2; d++) {
+    if (k->p[d] < 0) {
+      pb[d] = k->d[d] * (kk[d] - 1) / 2;
+      o[d] = in2[d];
+    } else {
+      pb[d] = k->p[d];
+      int64_t span = k->d[d] * (kk[d] - 1) + 1;
+      if (in2[d] + 2 * pb[d] < span) return 1;
+      o[d] = (in2[d] + 2 * pb[d] - span) / k->s[d] + 1;
+    }
+  }
+  out->ndim = 4;
+  out->shape[0] = N, out->shape[1] = OC, out->shape[2] = o[0], out->shape[3] = o[1];
+  if (!out->data) return 0;
+  int64_t OCg = OC / k->g;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t oc = 0; oc < OC; oc++)
+      for (int64_t oh = 0; oh < o[0]; oh++)
+        for (int64_t ow = 0; ow < o[1]; ow++) {
+          double s = k->bias ? in[2].data[oc] : 0;
+          int64_t g = oc / OCg;
+          for (int64_t ci = 0; ci < Cg; ci++)
+            for (int64_t i = 0; i < KH; i++)
+              for (int64_t j = 0; j < KW; j++) {
+                int64_t h = oh * k->s[0] - pb[0] + i * k->d[0], ww = ow * k->s[1] - pb[1] + j * k->d[1];
+                if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                s += cv_at(x, n, g * Cg + ci, h, ww) * w->data[((oc * Cg + ci) * KH + i) * KW + j];
+              }
+          out->data[((n * OC + oc) * o[0] + oh) * o[1] + ow] = s;
+        }
+  return 0;
+}
+
+static kiln_tensor *cv_conv(kiln_tensor **in, const void *ctx) {
+  const cv_cfg *k = ctx;
+  return kiln_conv2d(in[0], in[1], k->bias ? in[2] : NULL, k->s, k->p, k->d, k->g);
+}
+
+/* conv1d: the 2-d reference on (N, C, 1, L) */
+static int cv_conv1d_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_cfg *k = ctx;
+  if (in[0].ndim != 3 || in[1].ndim != 3) return 1;
+  h_arr t[3];
+  for (int q = 0; q < n_in; q++) t[q] = in[q];
+  for (int q = 0; q < 2; q++) {
+    t[q].ndim = 4;
+    t[q].shape[0] = in[q].shape[0], t[q].shape[1] = in[q].shape[1], t[q].shape[2] = 1, t[q].shape[3] = in[q].shape[2];
+  }
+  cv_cfg k2 = *k;
+  k2.s[0] = 1, k2.p[0] = 0, k2.d[0] = 1;
+  int r = cv_conv_ref(t, n_in, out, &k2);
+  if (r) return r;
+  out->ndim = 3;
+  out->shape[2] = out->shape[3];
+  return 0;
+}
+static kiln_tensor *cv_conv1d(kiln_tensor **in, const void *ctx) {
+  const cv_cfg *k = ctx;
+  return kiln_conv1d(in[0], in[1], k->bias ? in[2] : NULL, k->s[1], k->p[1], k->d[1], k->g);
+}
+
+/* conv_transpose2d: every input pixel spreads through the kernel */
+static int cv_convt_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_cfg *k = ctx;
+  const h_arr *x = &in[0], *w = &in[1];
+  (void)n_in;
+  int64_t N = x->shape[0], C = x->shape[1], H = x->shape[2], W = x->shape[3];
+  int64_t OCg = w->shape[1], KH = w->shape[2], KW = w->shape[3], Cg = C / k->g, OC = OCg * k->g;
+  int64_t OH = (H - 1) * k->s[0] - 2 * k->p[0] + k->d[0] * (KH - 1) + k->op[0] + 1;
+  int64_t OW = (W - 1) * k->s[1] - 2 * k->p[1] + k->d[1] * (KW - 1) + k->op[1] + 1;
+  out->ndim = 4;
+  out->shape[0] = N, out->shape[1] = OC, out->shape[2] = OH, out->shape[3] = OW;
+  if (!out->data) return 0;
+  int64_t n_out = N * OC * OH * OW;
+  for (int64_t q = 0; q < n_out; q++) out->data[q] = k->bias ? in[2].data[(q / (OH * OW)) % OC] : 0;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t ci = 0; ci < C; ci++)
+      for (int64_t h = 0; h < H; h++)
+        for (int64_t ww = 0; ww < W; ww++)
+          for (int64_t ol = 0; ol < OCg; ol++)
+            for (int64_t i = 0; i < KH; i++)
+              for (int64_t j = 0; j < KW; j++) {
+                int64_t oy = h * k->s[0] - k->p[0] + i * k->d[0], ox = ww * k->s[1] - k->p[1] + j * k->d[1];
+                if (oy < 0 || oy >= OH || ox < 0 || ox >= OW) continue;
+                int64_t oc = (ci / Cg) * OCg + ol;
+                out->data[((n * OC + oc) * OH + oy) * OW + ox] +=
+                    cv_at(x, n, ci, h, ww) * w->data[((ci * OCg + ol) * KH + i) * KW + j];
+              }
+  return 0;
+}
+static kiln_tensor *cv_convt(kiln_tensor **in, const void *ctx) {
+  const cv_cfg *k = ctx;
+  return kiln_conv_transpose2d(in[0], in[1], k->bias ? in[2] : NULL, k->s, k->p, k->op, k->d, k->g);
+}
+
+/* ---- pooling: kernel in s? no: cfg reused, kernel in op[] ---------------------------- */
+
+/* max (mode 0) or mean with padding counted (mode 1) over windows op[] (kernel) */
+typedef struct cv_pool {
+  int64_t k[2], s[2], p[2], d[2];
+  int avg;
+} cv_pool;
+
+static int cv_pool_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_pool *k = ctx;
+  const h_arr *x = &in[0];
+  (void)n_in;
+  int64_t N = x->shape[0], C = x->shape[1], H = x->shape[2], W = x->shape[3], o[2], in2[2] = {H, W};
+  for (int d = 0; d < 2; d++) {
+    int64_t span = k->d[d] * (k->k[d] - 1) + 1;
+    if (in2[d] + 2 * k->p[d] < span) return 1;
+    o[d] = (in2[d] + 2 * k->p[d] - span) / k->s[d] + 1;
+  }
+  out->ndim = 4;
+  out->shape[0] = N, out->shape[1] = C, out->shape[2] = o[0], out->shape[3] = o[1];
+  if (!out->data) return 0;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t c = 0; c < C; c++)
+      for (int64_t oh = 0; oh < o[0]; oh++)
+        for (int64_t ow = 0; ow < o[1]; ow++) {
+          double acc = k->avg ? 0 : -INFINITY;
+          for (int64_t i = 0; i < k->k[0]; i++)
+            for (int64_t j = 0; j < k->k[1]; j++) {
+              int64_t h = oh * k->s[0] - k->p[0] + i * k->d[0], w = ow * k->s[1] - k->p[1] + j * k->d[1];
+              if (h < 0 || h >= H || w < 0 || w >= W) continue;
+              double v = cv_at(x, n, c, h, w);
+              if (k->avg) acc += v;
+              else if (v > acc) acc = v;
+            }
+          if (k->avg) acc /= (double)(k->k[0] * k->k[1]);
+          out->data[((n * C + c) * o[0] + oh) * o[1] + ow] = acc;
+        }
+  return 0;
+}
+static kiln_tensor *cv_pool_fn(kiln_tensor **in, const void *ctx) {
+  const cv_pool *k = ctx;
+  return k->avg ? kiln_avg_pool2d(in[0], k->k, k->s, k->p) : kiln_max_pool2d(in[0], k->k, k->s, k->p, k->d, NULL);
+}
+
+/* ---- adaptive pooling, upsampling ------------------------------------------------------ */
+
+typedef struct cv_size {
+  int64_t o[2];
+  int mode; /* 0 adaptive avg, 1 nearest, 2 bilinear */
+} cv_size;
+
+static double cv_lin(const h_arr *x, int64_t n, int64_t c, int64_t oh, int64_t ow, const cv_size *k) {
+  int64_t H = x->shape[2], W = x->shape[3], in2[2] = {H, W}, oo[2] = {oh, ow};
+  if (k->mode == 0) {
+    int64_t a[2], b[2];
+    for (int d = 0; d < 2; d++) a[d] = oo[d] * in2[d] / k->o[d], b[d] = ((oo[d] + 1) * in2[d] + k->o[d] - 1) / k->o[d];
+    double s = 0;
+    for (int64_t h = a[0]; h < b[0]; h++)
+      for (int64_t w = a[1]; w < b[1]; w++) s += cv_at(x, n, c, h, w);
+    return s / (double)((b[0] - a[0]) * (b[1] - a[1]));
+  }
+  if (k->mode == 1) return cv_at(x, n, c, oh * H / k->o[0], ow * W / k->o[1]);
+  int64_t i0[2], i1[2];
+  double l[2];
+  for (int d = 0; d < 2; d++) {
+    double src = ((double)oo[d] + 0.5) * (double)in2[d] / (double)k->o[d] - 0.5;
+    if (src < 0) src = 0;
+    i0[d] = (int64_t)floor(src);
+    if (i0[d] > in2[d] - 1) i0[d] = in2[d] - 1;
+    i1[d] = i0[d] + 1 < in2[d] ? i0[d] + 1 : in2[d] - 1;
+    l[d] = src - (double)i0[d];
+  }
+  return (1 - l[0]) * ((1 - l[1]) * cv_at(x, n, c, i0[0], i0[1]) + l[1] * cv_at(x, n, c, i0[0], i1[1])) +
+         l[0] * ((1 - l[1]) * cv_at(x, n, c, i1[0], i0[1]) + l[1] * cv_at(x, n, c, i1[0], i1[1]));
+}
+static int cv_size_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_size *k = ctx;
+  const h_arr *x = &in[0];
+  (void)n_in;
+  if (x->shape[2] == 0 || x->shape[3] == 0) return 1;
+  out->ndim = 4;
+  out->shape[0] = x->shape[0], out->shape[1] = x->shape[1], out->shape[2] = k->o[0], out->shape[3] = k->o[1];
+  if (!out->data) return 0;
+  int64_t q = 0;
+  for (int64_t n = 0; n < x->shape[0]; n++)
+    for (int64_t c = 0; c < x->shape[1]; c++)
+      for (int64_t oh = 0; oh < k->o[0]; oh++)
+        for (int64_t ow = 0; ow < k->o[1]; ow++) out->data[q++] = cv_lin(x, n, c, oh, ow, k);
+  return 0;
+}
+static kiln_tensor *cv_size_fn(kiln_tensor **in, const void *ctx) {
+  const cv_size *k = ctx;
+  if (k->mode == 0) return kiln_adaptive_avg_pool2d(in[0], k->o);
+  return kiln_upsample(in[0], k->o, k->mode == 1 ? KILN_UPSAMPLE_NEAREST : KILN_UPSAMPLE_BILINEAR);
+}
+
+/* ---- pad: (left, right, top, bottom) on the last two dims of a 4-d input ----------------- */
+
+typedef struct cv_padc {
+  int64_t pads[4];
+  int reflect;
+} cv_padc;
+static int cv_pad_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  const cv_padc *k = ctx;
+  const h_arr *x = &in[0];
+  (void)n_in;
+  int64_t H = x->shape[2], W = x->shape[3];
+  if (k->reflect && (k->pads[0] >= W || k->pads[1] >= W || k->pads[2] >= H || k->pads[3] >= H)) return 1;
+  int64_t OH = H + k->pads[2] + k->pads[3], OW = W + k->pads[0] + k->pads[1];
+  out->ndim = 4;
+  out->shape[0] = x->shape[0], out->shape[1] = x->shape[1], out->shape[2] = OH, out->shape[3] = OW;
+  if (!out->data) return 0;
+  int64_t q = 0;
+  for (int64_t n = 0; n < x->shape[0]; n++)
+    for (int64_t c = 0; c < x->shape[1]; c++)
+      for (int64_t oh = 0; oh < OH; oh++)
+        for (int64_t ow = 0; ow < OW; ow++) {
+          int64_t h = oh - k->pads[2], w = ow - k->pads[0];
+          if (k->reflect) {
+            h = h < 0 ? -h : h >= H ? 2 * (H - 1) - h : h;
+            w = w < 0 ? -w : w >= W ? 2 * (W - 1) - w : w;
+            out->data[q++] = cv_at(x, n, c, h, w);
+          } else {
+            out->data[q++] = (h < 0 || h >= H || w < 0 || w >= W) ? 0.5 : cv_at(x, n, c, h, w);
+          }
+        }
+  return 0;
+}
+static kiln_tensor *cv_pad_fn(kiln_tensor **in, const void *ctx) {
+  const cv_padc *k = ctx;
+  return kiln_pad(in[0], 4, k->pads, k->reflect ? KILN_PAD_REFLECT : KILN_PAD_CONSTANT, 0.5);
+}
+
+/* ---- norms ------------------------------------------------------------------------------------ */
+
+/* batch_norm: mode 0 training (x, w, b), mode 1 eval (x, running mean, running var, w, b);
+** group_norm: mode 2 (x, w, b) with 2 groups. eps 1e-5. */
+static int cv_norm_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  int mode = *(const int *)ctx;
+  const h_arr *x = &in[0];
+  (void)n_in;
+  int64_t N = x->shape[0], C = x->shape[1], S = x->shape[2] * x->shape[3];
+  out->ndim = 4;
+  memcpy(out->shape, x->shape, sizeof out->shape);
+  if (mode == 0 && N * S == 1) return 1;
+  if (!out->data) return 0;
+  const h_arr *w = &in[mode == 1 ? 3 : 1], *b = &in[mode == 1 ? 4 : 2];
+  int64_t G = mode == 2 ? 2 : C, Cg = C / G;
+  for (int64_t g = 0; g < G; g++) {
+    /* statistics over (n?, channels of g, spatial) */
+    int64_t nn = mode == 2 ? 1 : N;
+    for (int64_t n0 = 0; n0 < (mode == 2 ? N : 1); n0++) {
+      double mean = 0, var = 0, cnt = 0;
+      for (int64_t n = 0; n < nn; n++)
+        for (int64_t c = g * Cg; c < (g + 1) * Cg; c++)
+          for (int64_t s = 0; s < S; s++) mean += x->data[((n + n0) * C + c) * S + s], cnt++;
+      mean /= cnt;
+      for (int64_t n = 0; n < nn; n++)
+        for (int64_t c = g * Cg; c < (g + 1) * Cg; c++)
+          for (int64_t s = 0; s < S; s++) {
+            double dlt = x->data[((n + n0) * C + c) * S + s] - mean;
+            var += dlt * dlt;
+          }
+      var /= cnt;
+      if (mode == 1) mean = in[1].data[g], var = in[2].data[g];
+      for (int64_t n = 0; n < nn; n++)
+        for (int64_t c = g * Cg; c < (g + 1) * Cg; c++)
+          for (int64_t s = 0; s < S; s++) {
+            int64_t q = ((n + n0) * C + c) * S + s;
+            out->data[q] = (x->data[q] - mean) / sqrt(var + 1e-5) * w->data[c] + b->data[c];
+          }
+    }
+  }
+  return 0;
+}
+static kiln_tensor *cv_norm_fn(kiln_tensor **in, const void *ctx) {
+  int mode = *(const int *)ctx;
+  if (mode == 0) return kiln_batch_norm(in[0], NULL, NULL, in[1], in[2], true, 0.1, 1e-5);
+  if (mode == 1) return kiln_batch_norm(in[0], in[1], in[2], in[3], in[4], false, 0.1, 1e-5);
+  return kiln_group_norm(in[0], 2, in[1], in[2], 1e-5);
+}
+
+#define N_ H_SYM(0)
+#define CVIN(...) {.ndim = 4, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
+#define CVIN3(...) {.ndim = 3, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
+#define CV1(...) {.ndim = 1, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
+#define CVF H_CPU_ONLY
+
+static const cv_cfg cv_plain = {{1, 1}, {0, 0}, {1, 1}, 1, 1, {0, 0}};
+static const cv_cfg cv_strided = {{2, 1}, {1, 2}, {1, 1}, 1, 1, {0, 0}};
+static const cv_cfg cv_dilated = {{1, 2}, {2, 1}, {2, 1}, 1, 0, {0, 0}};
+static const cv_cfg cv_same = {{1, 1}, {KILN_PADDING_SAME, KILN_PADDING_SAME}, {1, 2}, 1, 1, {0, 0}};
+static const cv_cfg cv_groups = {{1, 1}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
+static const cv_cfg cv_depthwise = {{2, 2}, {1, 1}, {1, 1}, 4, 1, {0, 0}};
+static const cv_cfg cv_1x1 = {{1, 1}, {0, 0}, {1, 1}, 1, 1, {0, 0}};
+static const cv_cfg cv_1d = {{1, 2}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
+static const cv_cfg cv_1d_same = {{1, 1}, {0, KILN_PADDING_SAME}, {1, 1}, 1, 0, {0, 0}};
+static const cv_cfg cv_t_plain = {{2, 2}, {1, 0}, {1, 1}, 1, 1, {1, 0}};
+static const cv_cfg cv_t_groups = {{1, 2}, {0, 1}, {2, 1}, 2, 0, {0, 1}};
+static const cv_pool cv_max = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 0};
+static const cv_pool cv_max_dil = {{2, 2}, {1, 2}, {0, 0}, {2, 1}, 0};
+static const cv_pool cv_avg = {{3, 2}, {2, 2}, {1, 1}, {1, 1}, 1};
+static const cv_size cv_adapt = {{3, 2}, 0}, cv_adapt_up = {{4, 6}, 0}, cv_near = {{7, 3}, 1}, cv_bil = {{7, 9}, 2},
+                     cv_bil_down = {{2, 3}, 2};
+static const cv_padc cv_pad_const = {{1, 2, 0, 3}, 0}, cv_pad_refl = {{2, 1, 1, 2}, 1};
+static const int cv_bn_train = 0, cv_bn_eval = 1, cv_gn = 2;
+
+static const h_case cv_cases[] = {
+    {.name = "conv2d 3x3 with bias", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_plain, .n_in = 3,
+     .in = {CVIN(N_, 3, 5, 6), CVIN(4, 3, 3, 3), CV1(4)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d stride (2,1) padding (1,2)", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_strided, .n_in = 3,
+     .in = {CVIN(N_, 2, 6, 5), CVIN(3, 2, 3, 2), CV1(3)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d dilation (2,1) no bias", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_dilated, .n_in = 2,
+     .in = {CVIN(N_, 2, 5, 5), CVIN(3, 2, 3, 2)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d padding same, even kernel", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_same, .n_in = 3,
+     .in = {CVIN(N_, 2, 5, 4), CVIN(3, 2, 2, 3), CV1(3)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d groups 2", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_groups, .n_in = 3,
+     .in = {CVIN(N_, 4, 4, 4), CVIN(6, 2, 3, 3), CV1(6)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d depthwise (x2 multiplier) stride 2", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_depthwise,
+     .n_in = 3, .in = {CVIN(N_, 4, 5, 5), CVIN(8, 1, 3, 3), CV1(8)}, .sym = {2}, .flags = CVF},
+    {.name = "conv2d 1x1 (no im2col)", .fn = cv_conv, .ref = cv_conv_ref, .ctx = &cv_1x1, .n_in = 3,
+     .in = {CVIN(N_, 3, 4, 3), CVIN(5, 3, 1, 1), CV1(5)}, .sym = {2}, .flags = CVF},
+    {.name = "conv1d stride 2 groups 2", .fn = cv_conv1d, .ref = cv_conv1d_ref, .ctx = &cv_1d, .n_in = 3,
+     .in = {CVIN3(N_, 4, 9), CVIN3(6, 2, 3), CV1(6)}, .sym = {2}, .flags = CVF},
+    {.name = "conv1d padding same", .fn = cv_conv1d, .ref = cv_conv1d_ref, .ctx = &cv_1d_same, .n_in = 2,
+     .in = {CVIN3(N_, 3, 7), CVIN3(2, 3, 4)}, .sym = {2}, .flags = CVF},
+    {.name = "conv_transpose2d stride 2 output_padding", .fn = cv_convt, .ref = cv_convt_ref, .ctx = &cv_t_plain,
+     .n_in = 3, .in = {CVIN(N_, 3, 3, 4), CVIN(3, 2, 3, 2), CV1(2)}, .sym = {2}, .flags = CVF},
+    {.name = "conv_transpose2d groups dilation", .fn = cv_convt, .ref = cv_convt_ref, .ctx = &cv_t_groups, .n_in = 2,
+     .in = {CVIN(N_, 4, 3, 3), CVIN(4, 3, 2, 2)}, .sym = {2}, .flags = CVF},
+    {.name = "max_pool2d 3x3 stride 2 padding 1", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_max, .n_in = 1,
+     .in = {CVIN(N_, 3, 7, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "max_pool2d dilation", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_max_dil, .n_in = 1,
+     .in = {CVIN(N_, 2, 5, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "avg_pool2d 3x2 padding 1", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_avg, .n_in = 1,
+     .in = {CVIN(N_, 3, 7, 5)}, .sym = {2}, .flags = CVF},
+    {.name = "adaptive_avg_pool2d 7x5 -> 3x2", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt, .n_in = 1,
+     .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF},
+    {.name = "adaptive_avg_pool2d 3x4 -> 4x6", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_up, .n_in = 1,
+     .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
+    {.name = "upsample nearest 3x2 -> 7x3", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_near, .n_in = 1,
+     .in = {CVIN(N_, 2, 3, 2)}, .sym = {2}, .flags = CVF},
+    {.name = "upsample bilinear 3x4 -> 7x9", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_bil, .n_in = 1,
+     .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
+    {.name = "upsample bilinear 5x7 -> 2x3", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_bil_down, .n_in = 1,
+     .in = {CVIN(N_, 2, 5, 7)}, .sym = {2}, .flags = CVF},
+    {.name = "pad constant (1,2,0,3)", .fn = cv_pad_fn, .ref = cv_pad_ref, .ctx = &cv_pad_const, .n_in = 1,
+     .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
+    {.name = "pad reflect (2,1,1,2)", .fn = cv_pad_fn, .ref = cv_pad_ref, .ctx = &cv_pad_refl, .n_in = 1,
+     .in = {CVIN(N_, 2, 4, 3)}, .sym = {2}, .flags = CVF},
+    {.name = "batch_norm training", .fn = cv_norm_fn, .ref = cv_norm_ref, .ctx = &cv_bn_train, .n_in = 3,
+     .in = {CVIN(N_, 3, 2, 3), CV1(3), CV1(3)}, .sym = {3}, .flags = CVF | H_NO_SIZE0},
+    {.name = "batch_norm eval", .fn = cv_norm_fn, .ref = cv_norm_ref, .ctx = &cv_bn_eval, .n_in = 5,
+     .in = {CVIN(N_, 3, 2, 3), {.ndim = 1, .shape = {3}, .fill = H_RANDN},
+            {.ndim = 1, .shape = {3}, .fill = H_POSITIVE}, CV1(3), CV1(3)},
+     .sym = {2}, .flags = CVF},
+    {.name = "group_norm 2 groups", .fn = cv_norm_fn, .ref = cv_norm_ref, .ctx = &cv_gn, .n_in = 3,
+     .in = {CVIN(N_, 4, 2, 3), CV1(4), CV1(4)}, .sym = {2}, .flags = CVF | H_NO_SIZE0},
+};
+
+/* ---- what the harness cannot see ------------------------------------------------------------ */
+
+static bool cv_msg_has(const char *a, const char *b, const char *c) {
+  const char *m = kiln_last_error_message();
+  return m && strstr(m, a) && (!b || strstr(m, b)) && (!c || strstr(m, c));
+}
+
+static void cv_extra(void) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+
+  /* max_pool2d's indices: flat h*W + w of each window's maximum (the first on ties) */
+  kiln_tensor *x = H_T(KILN_SHAPE(1, 1, 3, 4), KILN_F32, 1, 9, 2, 3, 4, 5, 9, 0, 7, 7, 1, 2);
+  kiln_tensor *idx = NULL;
+  kiln_tensor *y = kiln_max_pool2d(x, (const int64_t[]){2, 2}, (const int64_t[]){1, 2}, NULL, NULL, &idx);
+  H_CHECK(y && idx && kiln_dtype_of(idx) == KILN_I64 && kiln_size(idx, 2) == 2 && kiln_size(idx, 3) == 2 &&
+              kiln_get(idx, (int64_t[]){0, 0, 0, 0}) == 1 && kiln_get(idx, (int64_t[]){0, 0, 0, 1}) == 6 &&
+              kiln_get(idx, (int64_t[]){0, 0, 1, 0}) == 8 && kiln_get(idx, (int64_t[]){0, 0, 1, 1}) == 6 &&
+              kiln_get(y, (int64_t[]){0, 0, 1, 0}) == 7,
+          "max_pool2d indices [[1, 6], [8, 6]] and values");
+  /* overlapping windows that share a maximum add up its gradient */
+  kiln_requires_grad_(x, true);
+  y = kiln_max_pool2d(x, (const int64_t[]){2, 2}, (const int64_t[]){1, 2}, NULL, NULL, NULL);
+  H_CHECK(kiln_backward(kiln_sum_all(y), NULL) == KILN_OK && kiln_get(kiln_grad(x), (int64_t[]){0, 0, 1, 2}) == 2,
+          "max_pool2d: a maximum two windows share gets gradient 2");
+
+  /* batch_norm's running statistics, as PyTorch: momentum 0.1, unbiased variance */
+  kiln_tensor *xb = H_T(KILN_SHAPE(2, 2, 1, 2), KILN_F64, 1, 2, 10, 20, 3, 6, 30, 50);
+  kiln_tensor *rm = kiln_full(KILN_SHAPE(2), 1.0, KILN_F64, cpu), *rv = kiln_full(KILN_SHAPE(2), 2.0, KILN_F64, cpu);
+  y = kiln_batch_norm(xb, rm, rv, NULL, NULL, true, 0.1, 1e-5);
+  /* channel 0: 1 2 3 6 -> mean 3, unbiased var (4+1+0+9)/3; channel 1: 10 20 30 50 */
+  double m0 = 3, v0 = 14.0 / 3, m1 = 27.5, v1 = (17.5 * 17.5 + 7.5 * 7.5 + 2.5 * 2.5 + 22.5 * 22.5) / 3;
+  double want_m[2] = {0.9 + 0.1 * m0, 0.9 + 0.1 * m1}, want_v[2] = {1.8 + 0.1 * v0, 1.8 + 0.1 * v1};
+  H_CHECK(y != NULL, "batch_norm training with running statistics runs");
+  h_tensor_close("batch_norm running_mean", rm, want_m, 2, 1e-12, 1e-12);
+  h_tensor_close("batch_norm running_var", rv, want_v, 2, 1e-12, 1e-12);
+  /* eval then normalizes with them */
+  y = kiln_batch_norm(xb, rm, rv, NULL, NULL, false, 0.1, 0.0);
+  H_CHECK(y && fabs(kiln_get(y, (int64_t[]){0, 0, 0, 0}) - (1 - want_m[0]) / sqrt(want_v[0])) < 1e-12,
+          "batch_norm eval uses the running statistics");
+
+  /* dropout2d: whole channels dropped or scaled by 1/(1-p); identity in eval */
+  kiln_tensor *xo = kiln_ones(KILN_SHAPE(4, 8, 3, 3), KILN_F32, cpu);
+  kiln_generator *gen = kiln_generator_new(7);
+  kiln_tensor *d = kiln_dropout2d(xo, 0.5, true, gen);
+  int64_t n = 0;
+  double *v = d ? h_values(d, &n) : NULL;
+  bool whole = v != NULL, some0 = false, some2 = false;
+  for (int64_t ch = 0; v && ch < 32; ch++) {
+    for (int k = 0; k < 9; k++) whole = whole && v[ch * 9 + k] == v[ch * 9];
+    some0 = some0 || v[ch * 9] == 0;
+    some2 = some2 || v[ch * 9] == 2;
+    whole = whole && (v[ch * 9] == 0 || v[ch * 9] == 2);
+  }
+  free(v);
+  H_CHECK(whole && some0 && some2, "dropout2d drops whole channels and scales the rest by 2");
+  H_CHECK(kiln_dropout2d(xo, 0.5, false, gen) == xo, "dropout2d in eval is the identity");
+  kiln_generator_free(gen);
+
+  /* bad input: the op and the shapes in the message */
+  kiln_tensor *img = kiln_ones(KILN_SHAPE(1, 4, 3, 3), KILN_F32, cpu);
+  kiln_tensor *w5 = kiln_ones(KILN_SHAPE(2, 4, 5, 5), KILN_F32, cpu);
+  kiln_clear_error();
+  H_CHECK(!kiln_conv2d(img, w5, NULL, NULL, NULL, NULL, 1) && kiln_last_error() == KILN_ERR_SHAPE &&
+              cv_msg_has("kiln_conv2d", "[1, 4, 3, 3]", "[2, 4, 5, 5]"),
+          "conv2d: a 5x5 kernel on a 3x3 input names the op and both shapes: %s", kiln_last_error_message());
+  H_CHECK(kiln_conv2d(img, w5, NULL, NULL, (const int64_t[]){1, 1}, NULL, 1) != NULL,
+          "conv2d: the same kernel fits once padded by 1");
+  kiln_clear_error();
+  H_CHECK(!kiln_conv2d(img, kiln_ones(KILN_SHAPE(2, 1, 1, 1), KILN_F32, cpu), NULL, NULL, NULL, NULL, 3) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_conv2d", "groups 3", "[1, 4, 3, 3]"),
+          "conv2d: groups 3 do not divide 4 channels: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_conv2d(img, kiln_ones(KILN_SHAPE(2, 4, 1, 1), KILN_F32, cpu), NULL, (const int64_t[]){2, 2},
+                       (const int64_t[]){KILN_PADDING_SAME, KILN_PADDING_SAME}, NULL, 1) &&
+              kiln_last_error() == KILN_ERR_INVALID_ARGUMENT && cv_msg_has("kiln_conv2d", "same", NULL),
+          "conv2d: padding same with stride 2 is refused");
+  kiln_clear_error();
+  H_CHECK(!kiln_batch_norm(kiln_ones(KILN_SHAPE(1, 3), KILN_F32, cpu), NULL, NULL, NULL, NULL, true, 0.1, 1e-5) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_batch_norm", "[1, 3]", "one value per channel"),
+          "batch_norm: training with one value per channel: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_group_norm(img, 3, NULL, NULL, 1e-5) && kiln_last_error() == KILN_ERR_SHAPE &&
+              cv_msg_has("kiln_group_norm", "groups 3", "[1, 4, 3, 3]"),
+          "group_norm: groups 3 do not divide 4 channels");
+  kiln_clear_error();
+  H_CHECK(!kiln_max_pool2d(img, (const int64_t[]){4, 4}, NULL, NULL, NULL, NULL) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_max_pool2d", "[1, 4, 3, 3]", NULL),
+          "max_pool2d: a 4x4 window on a 3x3 input");
+  kiln_clear_error();
+  H_CHECK(!kiln_pad(img, 2, (const int64_t[]){3, 0}, KILN_PAD_REFLECT, 0) && kiln_last_error() == KILN_ERR_SHAPE &&
+              cv_msg_has("kiln_pad", "[1, 4, 3, 3]", NULL),
+          "pad: reflect by 3 on a dim of 3");
+  kiln_clear_error();
+  H_EXPECT_ERR(kiln_conv2d(img, kiln_ones(KILN_SHAPE(2, 4, 1, 1), KILN_F64, cpu), NULL, NULL, NULL, NULL, 1),
+               KILN_ERR_DTYPE, "conv2d of f32 with an f64 weight");
+  kiln_scope_end();
+}
+
+/* f32 conv2d (the library's kernel and its backward rule where the CPU has CONV2D, the
+** composite elsewhere) against the f64 composite on the same values: forward and the
+** three gradients. The harness gradchecks only f64, which never takes the kernel. */
+static void cv_f32_vs_f64(void) {
+  static const cv_cfg *cfgs[] = {&cv_strided, &cv_same, &cv_groups, &cv_depthwise, &cv_1x1, &cv_dilated};
+  static const int64_t shapes[][8] = {
+      {2, 2, 6, 5, 3, 2, 3, 2}, {2, 2, 5, 4, 3, 2, 2, 3}, {2, 4, 4, 4, 6, 2, 3, 3},
+      {2, 4, 5, 5, 8, 1, 3, 3}, {2, 3, 4, 3, 5, 3, 1, 1}, {2, 2, 5, 5, 3, 2, 3, 2}};
+  for (int t = 0; t < 6; t++) {
+    const cv_cfg *k = cfgs[t];
+    const int64_t *s = shapes[t];
+    kiln_scope_begin();
+    kiln_tensor *x64 = kiln_randn(KILN_SHAPE(s[0], s[1], s[2], s[3]), KILN_F64, kiln_device_cpu(), NULL);
+    kiln_tensor *w64 = kiln_randn(KILN_SHAPE(s[4], s[5], s[6], s[7]), KILN_F64, kiln_device_cpu(), NULL);
+    kiln_tensor *b64 = kiln_randn(KILN_SHAPE(s[4]), KILN_F64, kiln_device_cpu(), NULL);
+    /* the values f32 can hold, so only the arithmetic differs */
+    x64 = kiln_to_dtype(kiln_to_dtype(x64, KILN_F32), KILN_F64);
+    w64 = kiln_to_dtype(kiln_to_dtype(w64, KILN_F32), KILN_F64);
+    b64 = kiln_to_dtype(kiln_to_dtype(b64, KILN_F32), KILN_F64);
+    kiln_tensor *ins[2][3] = {{x64, w64, b64},
+                              {kiln_to_dtype(x64, KILN_F32), kiln_to_dtype(w64, KILN_F32), kiln_to_dtype(b64, KILN_F32)}};
+    double *vals[2][4] = {{0}};
+    int64_t nv[4] = {0};
+    for (int d = 0; d < 2; d++) {
+      for (int i = 0; i < 3; i++) kiln_requires_grad_(ins[d][i], true);
+      kiln_tensor *y = kiln_conv2d(ins[d][0], ins[d][1], ins[d][2], k->s, k->p, k->d, k->g);
+      /* weights 1, 2, 3, ... on the output so that every position's gradient differs */
+      kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, kiln_dtype_of(y), kiln_device_cpu()),
+                                        4, kiln_shape(y))
+                         : NULL;
+      if (!y || !r || kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) != KILN_OK) {
+        H_CHECK(false, "f32 vs f64 conv2d case %d ran: %s", t, kiln_last_error_message());
+        break;
+      }
+      vals[d][0] = h_values(y, &nv[0]);
+      for (int i = 0; i < 3; i++) vals[d][1 + i] = h_values(kiln_grad(ins[d][i]), &nv[1 + i]);
+    }
+    static const char *const what[4] = {"forward", "dx", "dw", "db"};
+    char name[96];
+    for (int q = 0; q < 4; q++) {
+      snprintf(name, sizeof name, "conv2d f32 vs f64 case %d %s", t, what[q]);
+      if (vals[0][q] && vals[1][q]) h_close(name, vals[1][q], vals[0][q], nv[q], 1e-4, 1e-5);
+      free(vals[0][q]), free(vals[1][q]);
+    }
+    kiln_scope_end();
+  }
+}
+
+static void cv_family(void) {
+  h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
+  if (!h_cross_only() && !h_support_mode()) {
+    cv_extra();
+    cv_f32_vs_f64();
+  }
+}
+
+#ifndef H_NO_MAIN
+int main(int argc, char **argv) {
+  h_init(argc, argv, "test_ops_conv");
+  cv_family();
+  return h_finish();
+}
+#endif
+#undef N_

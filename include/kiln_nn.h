@@ -259,6 +259,50 @@ KILN_API kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, ki
 ** built with; NULL for any other module. Borrowed. */
 KILN_API const kiln_gpt_config *kiln_gpt_config_of(const kiln_module *m);
 
+/* --------------------------------------------------------------------------------------
+** Hugging Face interop (transformers' GPT2LMHeadModel / GPT2Model, src/nn/gpt_hf.c).
+** HF's names are kiln's with "transformer." in front ("transformer.h.0.attn.c_attn.weight"),
+** and its c_attn, c_proj and c_fc are Conv1D layers whose weights are stored (in, out):
+** transposed from kiln's Linear (out, in). HF's lm_head.weight is the tied wte.
+**
+**   kiln_module *gpt = kiln_gpt_from_hf("gpt2-dir", NULL, KILN_F32, kiln_device_cpu());
+**   ...
+**   kiln_gpt_save_hf(gpt, "out-dir");   // config.json + model.safetensors, HF's layout
+*/
+/* Copies a HF GPT-2 state dict into gpt (a kiln_gpt_new module, biases on). Names with or
+** without the "transformer." prefix; Conv1D weights transposed; values converted to the
+** model's dtype; the buffers attn.bias / attn.masked_bias skipped; lm_head.weight, when
+** present, must equal wte.weight. Checks everything first and changes nothing on failure;
+** the error lists every problem and gives the sizes of the file and of the model:
+** KILN_ERR_SHAPE (an entry of another shape: key, file shape, expected shape, in HF's
+** (in, out) terms for Conv1D), KILN_ERR_FORMAT (missing or unexpected keys, e.g. another
+** n_layer; an untied lm_head), KILN_ERR_DTYPE (a non-floating entry),
+** KILN_ERR_INVALID_ARGUMENT (NULL, gpt not a GPT). */
+KILN_API kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf);
+/* gpt's parameters under HF's GPT2LMHeadModel names ("transformer." + kiln's name), Conv1D
+** weights transposed to (in, out) (copies; the others shared), metadata format "pt"; no
+** lm_head.weight (transformers ties it on load). A new dict the caller frees; NULL +
+** KILN_ERR_INVALID_ARGUMENT (not a GPT) or KILN_ERR_OOM. */
+KILN_API kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt);
+/* Reads a HF config.json (n_layer, n_head, n_embd, vocab_size, n_positions -> block_size,
+** resid_pdrop -> dropout) into *cfg. KILN_ERR_IO (cannot read), KILN_ERR_FORMAT (bad
+** JSON naming the byte, a size missing, or a GPT-2 kiln's GPT is not: model_type other
+** than gpt2, activation other than gelu_new, layer_norm_epsilon other than 1e-5, n_inner
+** other than 4 n_embd, untied embeddings, scale_attn_by_inverse_layer_idx). */
+KILN_API kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg);
+/* A new GPT from a HF checkpoint: path is a directory (its config.json and
+** model.safetensors) or a .safetensors file (config.json beside it). cfg non-NULL is used
+** instead of config.json. The model is built with dt on dev and loaded with
+** kiln_gpt_load_hf (the global generator is not drawn from). NULL with the error of
+** kiln_gpt_hf_config, kiln_safetensors_load or kiln_gpt_load_hf (prefixed by the file). */
+KILN_API kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln_dtype dt,
+                                       kiln_device dev);
+/* Writes dir/model.safetensors (kiln_gpt_hf_state_dict) and dir/config.json, as
+** save_pretrained does (dir is made when missing; its parent must exist), so that
+** transformers' GPT2LMHeadModel.from_pretrained(dir) and kiln_gpt_from_hf(dir) read it.
+** KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO (naming the path), KILN_ERR_OOM. */
+KILN_API kiln_status kiln_gpt_save_hf(kiln_module *gpt, const char *dir);
+
 #ifdef __cplusplus
 }
 #endif

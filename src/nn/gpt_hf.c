@@ -1,0 +1,495 @@
+/* Hugging Face interop for GPT-2: transformers' GPT2LMHeadModel / GPT2Model names and
+** layout to and from kiln's GPT (src/nn/transformer.c).
+**
+** The two state dicts differ in three ways only:
+** - names: HF's "transformer.h.0.attn.c_attn.weight" is kiln's "h.0.attn.c_attn.weight"
+**   (GPT2Model, the bare body, has no "transformer." prefix);
+** - HF's c_attn, c_proj and c_fc are Conv1D modules whose weight is stored (in, out)
+**   (y = x W + b), where kiln's Linear holds (out, in) (y = x W^T + b): transposed;
+** - HF may list lm_head.weight (the tied head: a copy of wte) and, in older files, the
+**   attention buffers attn.bias (the causal mask) and attn.masked_bias; kiln has none.
+** Everything else (LayerNorm eps 1e-5, GELU tanh approximation "gelu_new", q k v in that
+** order along c_attn's output, scaled attention) is the same model. */
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "nn/nn_int.h"
+
+#define HF_PREFIX "transformer."
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t n = strlen(s), m = strlen(suffix);
+  return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+/* A Conv1D weight (stored (in, out) by HF). */
+static bool is_conv1d_weight(const char *kiln_name) {
+  return ends_with(kiln_name, "attn.c_attn.weight") || ends_with(kiln_name, "attn.c_proj.weight") ||
+         ends_with(kiln_name, "mlp.c_fc.weight") || ends_with(kiln_name, "mlp.c_proj.weight");
+}
+
+/* HF's buffers that kiln does not keep: the causal mask and the masked value. */
+static bool is_hf_buffer(const char *name) {
+  return ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias");
+}
+
+static const char *shape_of(const kiln_tensor *t, char *b, size_t n) { return kiln_shape_str(t, b, n); }
+
+/* The GPT module's parameter names (borrowed) and tensors; n, -1 on error. */
+static int gpt_params(kiln_module *gpt, const char ***names, kiln_tensor ***ts, const char *who) {
+  *names = NULL;
+  *ts = NULL;
+  const kiln_gpt_config *c = kiln_gpt_config_of(gpt);
+  if (!gpt || !c || !kiln_module_child(gpt, "wte")) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: the module is not a GPT (kiln_gpt_new)", who);
+    return -1;
+  }
+  int n = kiln_module_named_parameters(gpt, NULL, NULL, 0);
+  if (n < 0) return -1;
+  *names = malloc((size_t)(n ? n : 1) * sizeof **names);
+  *ts = malloc((size_t)(n ? n : 1) * sizeof **ts);
+  if (!*names || !*ts) {
+    free(*names);
+    free(*ts);
+    *names = NULL;
+    *ts = NULL;
+    kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+    return -1;
+  }
+  kiln_module_named_parameters(gpt, *names, *ts, n);
+  return n;
+}
+
+/* "n_layer 3, n_embd 64, vocab_size 100, n_positions 32" of a HF dict, read from the
+** shapes (what can be read; "" when nothing). */
+static void describe_hf(const kiln_dict *hf, const char *prefix, char *out, size_t n) {
+  char key[128];
+  int64_t layers = 0;
+  for (int i = 0; i < kiln_dict_size(hf); i++) {
+    const char *k = kiln_dict_key(hf, i);
+    size_t pl = strlen(prefix);
+    if (strncmp(k, prefix, pl) == 0 && strncmp(k + pl, "h.", 2) == 0) {
+      long long l = strtoll(k + pl + 2, NULL, 10);
+      if (l + 1 > layers) layers = l + 1;
+    }
+  }
+  snprintf(key, sizeof key, "%swte.weight", prefix);
+  kiln_tensor *wte = kiln_dict_get(hf, key);
+  snprintf(key, sizeof key, "%swpe.weight", prefix);
+  kiln_tensor *wpe = kiln_dict_get(hf, key);
+  int len = snprintf(out, n, "n_layer %lld", (long long)layers);
+  if (wte && kiln_ndim(wte) == 2 && len >= 0 && (size_t)len < n)
+    len += snprintf(out + len, n - (size_t)len, ", n_embd %lld, vocab_size %lld", (long long)kiln_size(wte, 1),
+                    (long long)kiln_size(wte, 0));
+  if (wpe && kiln_ndim(wpe) == 2 && len >= 0 && (size_t)len < n)
+    snprintf(out + len, n - (size_t)len, ", n_positions %lld", (long long)kiln_size(wpe, 0));
+}
+
+/* true when a and b hold the same values (compared as f64 on the host). */
+static bool same_values(kiln_tensor *a, kiln_tensor *b) {
+  if (kiln_numel(a) != kiln_numel(b)) return false;
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_to_dtype(a, KILN_F64), *y = kiln_to_dtype(b, KILN_F64);
+  size_t nb = x && y ? kiln_nbytes(x) : 0;
+  double *u = malloc(nb ? nb : 8), *v = malloc(nb ? nb : 8);
+  bool eq = x && y && u && v && kiln_to_host(x, u, nb) == KILN_OK && kiln_to_host(y, v, nb) == KILN_OK &&
+            memcmp(u, v, nb) == 0;
+  free(u);
+  free(v);
+  kiln_scope_end();
+  return eq;
+}
+
+kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf) {
+  static const char *who = "kiln_gpt_load_hf";
+  if (!hf) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL dict", who);
+  const char **names;
+  kiln_tensor **params;
+  int n = gpt_params(gpt, &names, &params, who);
+  if (n < 0) return kiln_last_error();
+  const char *prefix = kiln_dict_get(hf, HF_PREFIX "wte.weight") ? HF_PREFIX : "";
+  if (!kiln_dict_get(hf, HF_PREFIX "wte.weight") && !kiln_dict_get(hf, "wte.weight")) {
+    free(names);
+    free(params);
+    return kiln_set_error(KILN_ERR_FORMAT,
+                          "%s: neither transformer.wte.weight nor wte.weight is present: not a Hugging "
+                          "Face GPT-2 state dict (GPT2LMHeadModel or GPT2Model)", who);
+  }
+  const size_t pl = strlen(prefix);
+  kiln__problems p = {0};
+  kiln_dict *d = kiln_dict_new();
+  kiln_status st = d ? KILN_OK : kiln_last_error();
+  char key[256], b1[96], b2[96];
+  kiln_scope_begin();
+  /* Every parameter of the model from its HF entry. */
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    snprintf(key, sizeof key, "%s%s", prefix, names[i]);
+    kiln_tensor *t = kiln_dict_get(hf, key);
+    if (!t) {
+      kiln__problems_missing(&p, key);
+      continue;
+    }
+    const bool conv = is_conv1d_weight(names[i]);
+    const kiln_tensor *want = params[i];
+    bool ok = kiln_ndim(t) == kiln_ndim(want);
+    for (int k = 0; ok && k < kiln_ndim(t); k++)
+      ok = kiln_size(t, k) == kiln_size(want, conv ? kiln_ndim(want) - 1 - k : k);
+    if (!ok) {
+      if (conv) /* say it in HF's (in, out) terms */
+        snprintf(b2, sizeof b2, "[%lld, %lld]", (long long)kiln_size(want, 1), (long long)kiln_size(want, 0));
+      else
+        shape_of(want, b2, sizeof b2);
+      kiln__problems_mismatch(&p, KILN_ERR_SHAPE, "%s has shape %s in the file; the model expects %s", key,
+                              shape_of(t, b1, sizeof b1), b2);
+      continue;
+    }
+    if (!kiln_dtype_is_float(kiln_dtype_of(t))) {
+      kiln__problems_mismatch(&p, KILN_ERR_DTYPE, "%s has dtype %s; expected a floating dtype", key,
+                              kiln_dtype_name(kiln_dtype_of(t)));
+      continue;
+    }
+    kiln_tensor *v = conv ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
+    if (v && kiln_dtype_of(v) != kiln_dtype_of(want)) v = kiln_to_dtype(v, kiln_dtype_of(want));
+    st = v ? kiln_dict_set(d, names[i], v) : kiln_last_error();
+  }
+  /* Every HF entry is one of those, a buffer kiln does not keep, or the tied head. */
+  for (int i = 0; i < kiln_dict_size(hf) && st == KILN_OK; i++) {
+    const char *k = kiln_dict_key(hf, i);
+    if (is_hf_buffer(k)) continue;
+    if (strcmp(k, "lm_head.weight") == 0) {
+      kiln_tensor *head = kiln_dict_value(hf, i), *wte = kiln_dict_get(hf, *prefix ? HF_PREFIX "wte.weight" : "wte.weight");
+      if (!wte || kiln_ndim(head) != 2 || kiln_size(head, 0) != kiln_size(wte, 0) ||
+          kiln_size(head, 1) != kiln_size(wte, 1) || !same_values(head, wte))
+        kiln__problems_mismatch(&p, KILN_ERR_FORMAT,
+                                "lm_head.weight differs from %swte.weight: an untied output head, which "
+                                "kiln's GPT (head tied to wte) cannot hold", prefix);
+      continue;
+    }
+    bool known = false;
+    if (strncmp(k, prefix, pl) == 0)
+      for (int j = 0; j < n && !known; j++) known = strcmp(k + pl, names[j]) == 0;
+    if (!known) kiln__problems_unexpected(&p, k);
+  }
+  kiln_scope_end();
+  if (st == KILN_OK && kiln__problems_count(&p)) {
+    kiln__problems_report(&p, who);
+    /* A file of another size or another model: a format problem, with both sizes said. */
+    const kiln_gpt_config *c = kiln_gpt_config_of(gpt);
+    char file[160], msg[1024];
+    describe_hf(hf, prefix, file, sizeof file);
+    snprintf(msg, sizeof msg, "%s (the file: %s; the model: n_layer %lld, n_embd %lld, vocab_size %lld, "
+             "n_positions %lld)", kiln_last_error_message(), file, (long long)c->n_layer, (long long)c->n_embd,
+             (long long)c->vocab_size, (long long)c->block_size);
+    st = kiln_set_error(p.n_mismatch ? p.mismatch_code : KILN_ERR_FORMAT, "%s", msg);
+  }
+  kiln__problems_free(&p);
+  if (st == KILN_OK) st = kiln_module_load_state_dict(gpt, d, true);
+  kiln_dict_free(d);
+  free(names);
+  free(params);
+  return st;
+}
+
+kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt) {
+  static const char *who = "kiln_gpt_hf_state_dict";
+  const char **names;
+  kiln_tensor **params;
+  int n = gpt_params(gpt, &names, &params, who);
+  if (n < 0) return NULL;
+  kiln_dict *d = kiln_dict_new();
+  kiln_status st = d ? KILN_OK : kiln_last_error();
+  char key[256];
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_scope_begin();
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    snprintf(key, sizeof key, HF_PREFIX "%s", names[i]);
+    kiln_tensor *v = is_conv1d_weight(names[i]) ? kiln_contiguous(kiln_transpose(params[i], 0, 1)) : params[i];
+    st = v ? kiln_dict_set(d, key, v) : kiln_last_error();
+  }
+  if (st == KILN_OK) st = kiln_dict_set_meta(d, "format", "pt"); /* transformers requires it */
+  kiln_scope_end();
+  kiln_set_grad_enabled(prev);
+  free(names);
+  free(params);
+  if (st != KILN_OK) {
+    kiln_dict_free(d);
+    return NULL;
+  }
+  return d;
+}
+
+/* ---- config.json ---------------------------------------------------------------------
+** Only the top-level members matter; a small reader walks them and skips every value it
+** does not need (nested objects included), so no JSON library is required. */
+
+typedef struct cfg_reader {
+  const char *s, *path;
+  size_t n, i;
+} cfg_reader;
+
+static void ws(cfg_reader *r) {
+  while (r->i < r->n && strchr(" \t\r\n", r->s[r->i])) r->i++;
+}
+
+static kiln_status bad(cfg_reader *r, const char *what) {
+  return kiln_set_error(KILN_ERR_FORMAT, "kiln_gpt_from_hf: %s: %s at byte %zu", r->path, what, r->i);
+}
+
+/* A string into out (escapes kept as their letter; enough for config keys). */
+static kiln_status read_string(cfg_reader *r, char *out, size_t cap) {
+  if (r->i >= r->n || r->s[r->i] != '"') return bad(r, "expected a string");
+  size_t len = 0;
+  for (r->i++; r->i < r->n && r->s[r->i] != '"'; r->i++) {
+    if (r->s[r->i] == '\\' && r->i + 1 < r->n) r->i++;
+    if (len + 1 < cap) out[len++] = r->s[r->i];
+  }
+  if (r->i >= r->n) return bad(r, "unterminated string");
+  r->i++;
+  out[len] = 0;
+  return KILN_OK;
+}
+
+/* Skips one value of any kind. */
+static kiln_status skip_value(cfg_reader *r) {
+  ws(r);
+  if (r->i >= r->n) return bad(r, "expected a value");
+  char c = r->s[r->i];
+  if (c == '"') {
+    char tmp[8];
+    return read_string(r, tmp, sizeof tmp);
+  }
+  if (c == '{' || c == '[') {
+    int depth = 0;
+    for (; r->i < r->n; r->i++) {
+      c = r->s[r->i];
+      if (c == '"') {
+        char tmp[8];
+        if (read_string(r, tmp, sizeof tmp) != KILN_OK) return kiln_last_error();
+        r->i--;
+      } else if (c == '{' || c == '[') {
+        depth++;
+      } else if ((c == '}' || c == ']') && --depth == 0) {
+        r->i++;
+        return KILN_OK;
+      }
+    }
+    return bad(r, "unterminated object or array");
+  }
+  size_t start = r->i;
+  while (r->i < r->n && !strchr(",}] \t\r\n", r->s[r->i])) r->i++;
+  return r->i > start ? KILN_OK : bad(r, "expected a value");
+}
+
+/* The members kiln reads. Numbers are NAN and strings "" when absent. */
+typedef struct hf_cfg {
+  double n_layer, n_head, n_embd, vocab_size, n_positions, n_inner, eps;
+  double resid_pdrop, embd_pdrop, attn_pdrop;
+  char activation[32], model_type[32];
+  int tie, scale_attn, scale_by_layer; /* -1 absent, 0 false, 1 true */
+} hf_cfg;
+
+static kiln_status read_member(cfg_reader *r, const char *key, hf_cfg *h) {
+  static const struct {
+    const char *key;
+    size_t off;
+  } nums[] = {{"n_layer", offsetof(hf_cfg, n_layer)},         {"n_head", offsetof(hf_cfg, n_head)},
+              {"n_embd", offsetof(hf_cfg, n_embd)},           {"vocab_size", offsetof(hf_cfg, vocab_size)},
+              {"n_positions", offsetof(hf_cfg, n_positions)}, {"n_inner", offsetof(hf_cfg, n_inner)},
+              {"layer_norm_epsilon", offsetof(hf_cfg, eps)},  {"resid_pdrop", offsetof(hf_cfg, resid_pdrop)},
+              {"embd_pdrop", offsetof(hf_cfg, embd_pdrop)},   {"attn_pdrop", offsetof(hf_cfg, attn_pdrop)}};
+  ws(r);
+  for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
+    if (strcmp(key, nums[k].key) != 0) continue;
+    if (r->i + 4 <= r->n && strncmp(r->s + r->i, "null", 4) == 0) return skip_value(r);
+    char *end;
+    double v = strtod(r->s + r->i, &end);
+    if (end == r->s + r->i) return bad(r, "expected a number");
+    r->i = (size_t)(end - r->s);
+    *(double *)((char *)h + nums[k].off) = v;
+    return KILN_OK;
+  }
+  if (strcmp(key, "activation_function") == 0) return read_string(r, h->activation, sizeof h->activation);
+  if (strcmp(key, "model_type") == 0) return read_string(r, h->model_type, sizeof h->model_type);
+  int *flag = strcmp(key, "tie_word_embeddings") == 0           ? &h->tie
+              : strcmp(key, "scale_attn_weights") == 0            ? &h->scale_attn
+              : strcmp(key, "scale_attn_by_inverse_layer_idx") == 0 ? &h->scale_by_layer
+                                                                  : NULL;
+  if (flag && r->i + 4 <= r->n && strncmp(r->s + r->i, "true", 4) == 0) *flag = 1;
+  if (flag && r->i + 5 <= r->n && strncmp(r->s + r->i, "false", 5) == 0) *flag = 0;
+  return skip_value(r);
+}
+
+static char *read_file(const char *path, size_t *n, const char *who) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(errno));
+    return NULL;
+  }
+  size_t cap = 4096, len = 0;
+  char *buf = malloc(cap);
+  for (size_t got; buf && (got = fread(buf + len, 1, cap - len, f)) > 0;) {
+    len += got;
+    if (len == cap) {
+      char *nb = realloc(buf, cap *= 2);
+      if (!nb) free(buf);
+      buf = nb;
+    }
+  }
+  fclose(f);
+  if (!buf) kiln_set_error(KILN_ERR_OOM, "%s: out of host memory reading %s", who, path);
+  *n = len;
+  return buf;
+}
+
+kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
+  static const char *who = "kiln_gpt_hf_config";
+  if (!path || !cfg) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL argument", who);
+  size_t n;
+  char *s = read_file(path, &n, who);
+  if (!s) return kiln_last_error();
+  cfg_reader r = {s, path, n, 0};
+  hf_cfg h = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, 0, 0, 0, "", "", -1, -1, -1};
+  kiln_status st = KILN_OK;
+  ws(&r);
+  if (r.i >= n || s[r.i] != '{') st = bad(&r, "expected a JSON object");
+  r.i++;
+  char key[64];
+  for (bool first = true; st == KILN_OK; first = false) {
+    ws(&r);
+    if (r.i < n && s[r.i] == '}') break;
+    if (!first) {
+      if (r.i >= n || s[r.i] != ',') {
+        st = bad(&r, "expected ',' or '}'");
+        break;
+      }
+      r.i++;
+      ws(&r);
+    }
+    if ((st = read_string(&r, key, sizeof key)) != KILN_OK) break;
+    ws(&r);
+    if (r.i >= n || s[r.i] != ':') {
+      st = bad(&r, "expected ':'");
+      break;
+    }
+    r.i++;
+    st = read_member(&r, key, &h);
+  }
+  free(s);
+  if (st != KILN_OK) return st;
+  /* The model, its sizes, then what kiln's GPT cannot be. */
+  if (h.model_type[0] && strcmp(h.model_type, "gpt2") != 0)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: %s is model_type \"%s\"; kiln reads \"gpt2\"", who, path,
+                          h.model_type);
+  const char *missing = isnan(h.n_layer)      ? "n_layer"
+                        : isnan(h.n_head)     ? "n_head"
+                        : isnan(h.n_embd)     ? "n_embd"
+                        : isnan(h.vocab_size) ? "vocab_size"
+                        : isnan(h.n_positions) ? "n_positions"
+                                              : NULL;
+  if (missing) return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has no %s", who, path, missing);
+  if (h.activation[0] && strcmp(h.activation, "gelu_new") != 0 && strcmp(h.activation, "gelu_pytorch_tanh") != 0)
+    return kiln_set_error(KILN_ERR_FORMAT,
+                          "%s: %s has activation_function \"%s\"; kiln's GPT uses the tanh GELU "
+                          "(\"gelu_new\")", who, path, h.activation);
+  if (!isnan(h.eps) && fabs(h.eps - 1e-5) > 1e-12)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has layer_norm_epsilon %g; kiln's GPT uses 1e-05", who, path,
+                          h.eps);
+  if (!isnan(h.n_inner) && h.n_inner != 4 * h.n_embd)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has n_inner %g; kiln's GPT uses 4 * n_embd (%g)", who, path,
+                          h.n_inner, 4 * h.n_embd);
+  if (h.tie == 0 || h.scale_attn == 0 || h.scale_by_layer == 1)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has %s; kiln's GPT does not", who, path,
+                          h.tie == 0 ? "tie_word_embeddings false (an untied head)"
+                          : h.scale_attn == 0 ? "scale_attn_weights false"
+                                              : "scale_attn_by_inverse_layer_idx true");
+  kiln_gpt_config c = kiln_gpt2_config();
+  c.n_layer = (int64_t)h.n_layer;
+  c.n_head = (int64_t)h.n_head;
+  c.n_embd = (int64_t)h.n_embd;
+  c.vocab_size = (int64_t)h.vocab_size;
+  c.block_size = (int64_t)h.n_positions;
+  c.dropout = h.resid_pdrop; /* kiln has one rate; HF's three are equal in GPT-2's files */
+  c.bias = true;
+  if (h.embd_pdrop != h.resid_pdrop || h.attn_pdrop != h.resid_pdrop)
+    fprintf(stderr, "%s: %s: dropout rates differ (resid %g, embd %g, attn %g); kiln uses resid_pdrop for all\n",
+            who, path, h.resid_pdrop, h.embd_pdrop, h.attn_pdrop);
+  *cfg = c;
+  return KILN_OK;
+}
+
+/* path is a directory (config.json, model.safetensors in it) or a .safetensors file
+** (config.json beside it). */
+static void hf_paths(const char *path, char *weights, char *config, size_t n) {
+  struct stat sb;
+  if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+    snprintf(weights, n, "%s/model.safetensors", path);
+    snprintf(config, n, "%s/config.json", path);
+    return;
+  }
+  snprintf(weights, n, "%s", path);
+  const char *slash = strrchr(path, '/');
+  if (slash) snprintf(config, n, "%.*s/config.json", (int)(slash - path), path);
+  else snprintf(config, n, "config.json");
+}
+
+kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev) {
+  static const char *who = "kiln_gpt_from_hf";
+  if (!path) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", who);
+    return NULL;
+  }
+  char weights[4096], config[4096];
+  hf_paths(path, weights, config, sizeof weights);
+  kiln_gpt_config c;
+  if (cfg) c = *cfg;
+  else if (kiln_gpt_hf_config(config, &c) != KILN_OK) return NULL;
+  kiln_dict *hf = kiln_safetensors_load(weights, kiln_device_cpu());
+  if (!hf) return NULL;
+  /* The initial draws are thrown away: a private generator leaves the global one alone. */
+  kiln_generator *gen = kiln_generator_new(0);
+  kiln_module *m = gen ? kiln_gpt_new(&c, dt, dev, gen) : NULL;
+  kiln_generator_free(gen);
+  if (m && kiln_gpt_load_hf(m, hf) != KILN_OK) {
+    char msg[1024];
+    kiln_status code = kiln_last_error();
+    snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+    kiln_set_error(code, "%s: %s", weights, msg);
+    kiln_module_free(m);
+    m = NULL;
+  }
+  kiln_dict_free(hf);
+  return m;
+}
+
+kiln_status kiln_gpt_save_hf(kiln_module *gpt, const char *dir) {
+  static const char *who = "kiln_gpt_save_hf";
+  if (!dir || !*dir) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL or empty directory", who);
+  kiln_dict *d = kiln_gpt_hf_state_dict(gpt);
+  if (!d) return kiln_last_error();
+  const kiln_gpt_config *c = kiln_gpt_config_of(gpt);
+  if (mkdir(dir, 0777) != 0 && errno != EEXIST) {
+    kiln_dict_free(d);
+    return kiln_set_error(KILN_ERR_IO, "%s: cannot make %s: %s", who, dir, strerror(errno));
+  }
+  char path[4096], json[2048];
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  kiln_status st = kiln_safetensors_save(path, d);
+  kiln_dict_free(d);
+  if (st != KILN_OK) return st;
+  int n = snprintf(json, sizeof json,
+                   "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
+                   "  \"activation_function\": \"gelu_new\",\n  \"n_layer\": %lld,\n  \"n_head\": %lld,\n"
+                   "  \"n_embd\": %lld,\n  \"vocab_size\": %lld,\n  \"n_positions\": %lld,\n  \"n_ctx\": %lld,\n"
+                   "  \"n_inner\": null,\n  \"layer_norm_epsilon\": 1e-05,\n  \"resid_pdrop\": %.17g,\n"
+                   "  \"embd_pdrop\": %.17g,\n  \"attn_pdrop\": %.17g,\n  \"scale_attn_weights\": true,\n"
+                   "  \"tie_word_embeddings\": true\n}\n",
+                   (long long)c->n_layer, (long long)c->n_head, (long long)c->n_embd, (long long)c->vocab_size,
+                   (long long)c->block_size, (long long)c->block_size, c->dropout, c->dropout, c->dropout);
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  return kiln_file_write_atomic(path, json, (size_t)n);
+}

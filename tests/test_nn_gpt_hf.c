@@ -1,0 +1,309 @@
+/* Hugging Face GPT-2 interop on the CPU (kiln_gpt_from_hf, kiln_gpt_load_hf,
+** kiln_gpt_save_hf): the logits of a tiny random GPT-2 that transformers saved match
+** transformers' own logits (scripts/make_hf_gpt2_fixture.py, tests/fixtures/hf_gpt2/);
+** saving back gives HF's names, shapes and values and reloads to the same logits; names
+** without "transformer.", the tied lm_head and HF's buffers are accepted; a checkpoint of
+** another size, an untied head, a config kiln's GPT is not, are refused with errors that
+** name the problem, and a refused load changes nothing. */
+#define _GNU_SOURCE /* mkdtemp */
+#include <kiln.h>
+#include <kiln_io.h>
+#include <kiln_nn.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "scratch.h"
+
+static kiln_device cpu;
+static char fix[4096];
+
+static double *host_f64(kiln_tensor *t) {
+  kiln_scope_begin();
+  kiln_tensor *d = kiln_to_dtype(t, KILN_F64);
+  double *v = malloc(kiln_nbytes(d) ? kiln_nbytes(d) : 8);
+  kiln_to_host(d, v, kiln_nbytes(d));
+  kiln_scope_end();
+  return v;
+}
+
+static double max_abs_diff(kiln_tensor *a, kiln_tensor *b) {
+  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
+  double *x = host_f64(a), *y = host_f64(b), d = 0;
+  for (int64_t i = 0; i < kiln_numel(a); i++) d = fmax(d, fabs(x[i] - y[i]));
+  free(x);
+  free(y);
+  return d;
+}
+
+static bool bits_equal(kiln_tensor *a, kiln_tensor *b) {
+  if (!a || !b || kiln_numel(a) != kiln_numel(b) || kiln_dtype_of(a) != kiln_dtype_of(b)) return false;
+  size_t n = kiln_nbytes(a);
+  char *x = malloc(n + 1), *y = malloc(n + 1);
+  kiln_to_host(a, x, n);
+  kiln_to_host(b, y, n);
+  bool eq = memcmp(x, y, n) == 0;
+  free(x);
+  free(y);
+  return eq;
+}
+
+static bool same_shape(kiln_tensor *a, kiln_tensor *b) {
+  if (!a || !b || kiln_ndim(a) != kiln_ndim(b)) return false;
+  for (int i = 0; i < kiln_ndim(a); i++)
+    if (kiln_size(a, i) != kiln_size(b, i)) return false;
+  return true;
+}
+
+static bool msg_has(const char *s) { return strstr(kiln_last_error_message(), s) != NULL; }
+
+static kiln_tensor *logits_of(kiln_module *m, kiln_tensor *ids) {
+  if (!m) return NULL;
+  kiln_module_eval(m);
+  return kiln_module_forward(m, ids);
+}
+
+static kiln_gpt_config fixture_cfg(void) {
+  kiln_gpt_config c = kiln_gpt2_config();
+  c.n_layer = 2, c.n_head = 2, c.n_embd = 32, c.vocab_size = 100, c.block_size = 32;
+  return c;
+}
+
+/* The logits of the loaded model against transformers' (f32 both; the difference is
+** summation order: a few ulps of logits of size ~2). */
+static void test_parity(kiln_dict *ref) {
+  kiln_scope_begin();
+  kiln_tensor *ids = kiln_dict_get(ref, "ids"), *want = kiln_dict_get(ref, "logits");
+  kiln_module *m = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
+  CHECK(m != NULL);
+  const kiln_gpt_config *c = kiln_gpt_config_of(m);
+  CHECK(c && c->n_layer == 2 && c->n_head == 2 && c->n_embd == 32 && c->vocab_size == 100 && c->block_size == 32);
+  kiln_tensor *got = logits_of(m, ids);
+  double d = max_abs_diff(got, want);
+  printf("parity: max |kiln - transformers| logits = %.3g (bound 1e-4)\n", d);
+  CHECK(d < 1e-4);
+  /* The .safetensors file itself (config.json beside it) gives the same model. */
+  char file[4200];
+  snprintf(file, sizeof file, "%s/model.safetensors", fix);
+  kiln_module *m2 = kiln_gpt_from_hf(file, NULL, KILN_F32, cpu);
+  CHECK(bits_equal(logits_of(m2, ids), got));
+  /* f64: the same weights, closer still to transformers' f32 (its own rounding dominates). */
+  kiln_module *m64 = kiln_gpt_from_hf(fix, NULL, KILN_F64, cpu);
+  double d64 = max_abs_diff(logits_of(m64, ids), want);
+  printf("parity f64: max |kiln - transformers| logits = %.3g\n", d64);
+  CHECK(d64 < 1e-4);
+  kiln_module_free(m);
+  kiln_module_free(m2);
+  kiln_module_free(m64);
+  kiln_scope_end();
+}
+
+/* Save back: HF's names and shapes, the file's values bit for bit, a config.json that
+** kiln_gpt_from_hf reads, and the same logits. */
+static void test_save_roundtrip(kiln_dict *ref, kiln_dict *hf) {
+  char dir[256], out[300], file[400];
+  if (scratch_begin(dir, sizeof dir, "gpt_hf") != 0) {
+    failures++;
+    return;
+  }
+  kiln_scope_begin();
+  kiln_tensor *ids = kiln_dict_get(ref, "ids");
+  kiln_module *m = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
+  snprintf(out, sizeof out, "%s/out", dir);
+  CHECK(kiln_gpt_save_hf(m, out) == KILN_OK);
+  snprintf(file, sizeof file, "%s/model.safetensors", out);
+  kiln_dict *back = kiln_safetensors_load(file, cpu);
+  CHECK(back != NULL);
+  CHECK(kiln_dict_size(back) == kiln_dict_size(hf));
+  for (int i = 0; i < kiln_dict_size(hf); i++) {
+    const char *k = kiln_dict_key(hf, i);
+    kiln_tensor *a = kiln_dict_get(back, k), *b = kiln_dict_value(hf, i);
+    if (!same_shape(a, b) || !bits_equal(a, b)) {
+      fprintf(stderr, "saved entry %s differs from the HF file's\n", k);
+      failures++;
+    }
+  }
+  CHECK(back && kiln_dict_get_meta(back, "format") && strcmp(kiln_dict_get_meta(back, "format"), "pt") == 0);
+  kiln_module *r = kiln_gpt_from_hf(out, NULL, KILN_F32, cpu);
+  CHECK(r != NULL);
+  CHECK(bits_equal(logits_of(r, ids), logits_of(m, ids)));
+  /* A directory that cannot be made. */
+  snprintf(out, sizeof out, "%s/no/such/dir", dir);
+  CHECK(kiln_gpt_save_hf(m, out) == KILN_ERR_IO && msg_has(out));
+  kiln_dict_free(back);
+  kiln_module_free(m);
+  kiln_module_free(r);
+  kiln_scope_end();
+  scratch_end(dir);
+}
+
+/* GPT2Model's names (no prefix), the tied lm_head and HF's attention buffers load too. */
+static void test_variants(kiln_dict *ref, kiln_dict *hf) {
+  kiln_scope_begin();
+  kiln_tensor *ids = kiln_dict_get(ref, "ids");
+  kiln_dict *bare = kiln_dict_new();
+  for (int i = 0; i < kiln_dict_size(hf); i++)
+    kiln_dict_set(bare, kiln_dict_key(hf, i) + strlen("transformer."), kiln_dict_value(hf, i));
+  kiln_dict_set(bare, "lm_head.weight", kiln_clone(kiln_dict_get(hf, "transformer.wte.weight")));
+  kiln_dict_set(bare, "h.0.attn.bias", kiln_ones(KILN_SHAPE(1, 1, 32, 32), KILN_F32, cpu));
+  kiln_dict_set(bare, "h.0.attn.masked_bias", kiln_full(KILN_SHAPE0, -1e4, KILN_F32, cpu));
+  kiln_gpt_config c = fixture_cfg();
+  kiln_module *m = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
+  CHECK(kiln_gpt_load_hf(m, bare) == KILN_OK);
+  kiln_module *ref_m = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
+  CHECK(bits_equal(logits_of(m, ids), logits_of(ref_m, ids)));
+  /* An f16 file loads into an f32 model (converted). */
+  kiln_dict *half = kiln_dict_new();
+  for (int i = 0; i < kiln_dict_size(hf); i++)
+    kiln_dict_set(half, kiln_dict_key(hf, i), kiln_to_dtype(kiln_dict_value(hf, i), KILN_F16));
+  CHECK(kiln_gpt_load_hf(m, half) == KILN_OK);
+  double d = max_abs_diff(logits_of(m, ids), logits_of(ref_m, ids));
+  CHECK(d > 0 && d < 0.05);
+  kiln_dict_free(half);
+  kiln_dict_free(bare);
+  kiln_module_free(m);
+  kiln_module_free(ref_m);
+  kiln_scope_end();
+}
+
+/* Checkpoints of another size and other bad input: the error names the key, both shapes
+** or both sizes; the model keeps its values. */
+static void test_bad_input(kiln_dict *hf) {
+  kiln_scope_begin();
+  kiln_gpt_config c = fixture_cfg();
+  /* Wider model: every entry mismatches; the message names wte and both shapes. */
+  c.n_embd = 64;
+  kiln_module *wide = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
+  kiln_tensor *before = kiln_clone(kiln_module_param(wide, "wte.weight"));
+  CHECK(kiln_gpt_load_hf(wide, hf) == KILN_ERR_SHAPE);
+  printf("another width: %s\n", kiln_last_error_message());
+  CHECK(msg_has("transformer.wte.weight has shape [100, 32] in the file; the model expects [100, 64]"));
+  CHECK(msg_has("the file: n_layer 2, n_embd 32, vocab_size 100, n_positions 32"));
+  CHECK(msg_has("the model: n_layer 2, n_embd 64"));
+  /* Conv1D shapes are said in HF's (in, out) terms. */
+  CHECK(msg_has("transformer.h.0.attn.c_attn.weight has shape [32, 96] in the file; the model expects [64, 192]"));
+  CHECK(bits_equal(kiln_module_param(wide, "wte.weight"), before));
+  kiln_module_free(wide);
+  /* More layers in the model: missing keys. */
+  c = fixture_cfg();
+  c.n_layer = 3;
+  kiln_module *deep = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
+  CHECK(kiln_gpt_load_hf(deep, hf) == KILN_ERR_FORMAT);
+  printf("more layers: %s\n", kiln_last_error_message());
+  CHECK(msg_has("missing key") && msg_has("transformer.h.2.ln_1.weight") && msg_has("the model: n_layer 3"));
+  kiln_module_free(deep);
+  /* Fewer layers in the model: unexpected keys. */
+  c.n_layer = 1;
+  kiln_module *shallow = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
+  CHECK(kiln_gpt_load_hf(shallow, hf) == KILN_ERR_FORMAT);
+  printf("fewer layers: %s\n", kiln_last_error_message());
+  CHECK(msg_has("unexpected key") && msg_has("transformer.h.1.") && msg_has("the file: n_layer 2"));
+  kiln_module_free(shallow);
+  /* A larger vocabulary in the model (config given by the caller): SHAPE, the file named. */
+  c = fixture_cfg();
+  c.vocab_size = 200;
+  CHECK(kiln_gpt_from_hf(fix, &c, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(msg_has("model.safetensors") && msg_has("[100, 32] in the file; the model expects [200, 32]"));
+  /* An untied head; a missing key; not a GPT state dict; not a GPT module. */
+  c = fixture_cfg();
+  kiln_module *m = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
+  before = kiln_clone(kiln_module_param(m, "h.0.attn.c_attn.weight"));
+  kiln_dict *d = kiln_dict_new();
+  for (int i = 0; i < kiln_dict_size(hf); i++) kiln_dict_set(d, kiln_dict_key(hf, i), kiln_dict_value(hf, i));
+  kiln_dict_set(d, "lm_head.weight", kiln_randn(KILN_SHAPE(100, 32), KILN_F32, cpu, NULL));
+  CHECK(kiln_gpt_load_hf(m, d) == KILN_ERR_FORMAT && msg_has("lm_head.weight differs") && msg_has("untied"));
+  CHECK(bits_equal(kiln_module_param(m, "h.0.attn.c_attn.weight"), before));
+  kiln_dict_free(d);
+  d = kiln_dict_new();
+  for (int i = 0; i < kiln_dict_size(hf); i++)
+    if (strcmp(kiln_dict_key(hf, i), "transformer.ln_f.bias") != 0)
+      kiln_dict_set(d, kiln_dict_key(hf, i), kiln_dict_value(hf, i));
+  CHECK(kiln_gpt_load_hf(m, d) == KILN_ERR_FORMAT && msg_has("1 missing key: transformer.ln_f.bias"));
+  kiln_dict_free(d);
+  d = kiln_dict_new();
+  kiln_dict_set(d, "fc1.weight", kiln_zeros(KILN_SHAPE(2, 2), KILN_F32, cpu));
+  CHECK(kiln_gpt_load_hf(m, d) == KILN_ERR_FORMAT && msg_has("not a Hugging Face GPT-2"));
+  kiln_dict_free(d);
+  kiln_module *lin = kiln_linear_new(2, 2, true, KILN_F32, cpu, NULL);
+  CHECK(kiln_gpt_load_hf(lin, hf) == KILN_ERR_INVALID_ARGUMENT && msg_has("not a GPT"));
+  CHECK(kiln_gpt_hf_state_dict(lin) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_gpt_load_hf(m, NULL) == KILN_ERR_INVALID_ARGUMENT);
+  kiln_module_free(lin);
+  kiln_module_free(m);
+  kiln_scope_end();
+}
+
+static kiln_status config_text(const char *dir, const char *text, kiln_gpt_config *c) {
+  char path[400];
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  FILE *f = fopen(path, "wb");
+  fputs(text, f);
+  fclose(f);
+  return kiln_gpt_hf_config(path, c);
+}
+
+/* config.json: nested members skipped, the sizes read; GPT-2s kiln's GPT is not refused. */
+static void test_config(void) {
+  char dir[256];
+  if (scratch_begin(dir, sizeof dir, "gpt_hf_cfg") != 0) {
+    failures++;
+    return;
+  }
+  kiln_gpt_config c;
+  CHECK(config_text(dir, "{\"task_specific_params\": {\"n_layer\": 9, \"x\": [1, {\"n_head\": 7}]},"
+                         " \"n_layer\": 3, \"n_head\": 4, \"n_embd\": 64, \"vocab_size\": 50,"
+                         " \"n_positions\": 16, \"n_inner\": null, \"resid_pdrop\": 0.1,"
+                         " \"embd_pdrop\": 0.1, \"attn_pdrop\": 0.1, \"name\": \"a \\\"q\\\" }\"}",
+                    &c) == KILN_OK);
+  CHECK(c.n_layer == 3 && c.n_head == 4 && c.n_embd == 64 && c.vocab_size == 50 && c.block_size == 16 &&
+        c.dropout == 0.1 && c.bias);
+  CHECK(config_text(dir, "{\"n_layer\": 3, \"n_embd\": 64, \"vocab_size\": 50, \"n_positions\": 16}", &c) ==
+            KILN_ERR_FORMAT && msg_has("has no n_head"));
+  CHECK(config_text(dir, "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"vocab_size\": 5, \"n_positions\": 4,"
+                         " \"activation_function\": \"relu\"}", &c) == KILN_ERR_FORMAT && msg_has("\"relu\""));
+  CHECK(config_text(dir, "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"vocab_size\": 5, \"n_positions\": 4,"
+                         " \"layer_norm_epsilon\": 1e-6}", &c) == KILN_ERR_FORMAT && msg_has("layer_norm_epsilon"));
+  CHECK(config_text(dir, "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"vocab_size\": 5, \"n_positions\": 4,"
+                         " \"tie_word_embeddings\": false}", &c) == KILN_ERR_FORMAT && msg_has("untied"));
+  CHECK(config_text(dir, "{\"model_type\": \"llama\"}", &c) == KILN_ERR_FORMAT && msg_has("llama"));
+  CHECK(config_text(dir, "{\"n_layer\" 3}", &c) == KILN_ERR_FORMAT && msg_has("at byte"));
+  CHECK(config_text(dir, "[1, 2]", &c) == KILN_ERR_FORMAT);
+  CHECK(config_text(dir, "{\"n_layer\": 3, ", &c) == KILN_ERR_FORMAT);
+  char path[400];
+  snprintf(path, sizeof path, "%s/none.json", dir);
+  CHECK(kiln_gpt_hf_config(path, &c) == KILN_ERR_IO && msg_has("none.json"));
+  /* kiln_gpt_from_hf with no config.json beside the file says which file is missing. */
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  remove(path);
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  CHECK(kiln_gpt_from_hf(path, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_IO &&
+        msg_has("config.json"));
+  scratch_end(dir);
+}
+
+int main(void) {
+  cpu = kiln_device_cpu();
+  const char *src = getenv("KILN_SOURCE_DIR");
+  snprintf(fix, sizeof fix, "%s/tests/fixtures/hf_gpt2", src ? src : ".");
+  char path[4200];
+  snprintf(path, sizeof path, "%s/logits.safetensors", fix);
+  kiln_dict *ref = kiln_safetensors_load(path, cpu);
+  snprintf(path, sizeof path, "%s/model.safetensors", fix);
+  kiln_dict *hf = kiln_safetensors_load(path, cpu);
+  if (!ref || !hf) {
+    fprintf(stderr, "fixture missing (%s): %s\n", fix, kiln_last_error_message());
+    return 1;
+  }
+  test_parity(ref);
+  test_save_roundtrip(ref, hf);
+  test_variants(ref, hf);
+  test_bad_input(hf);
+  test_config();
+  kiln_dict_free(ref);
+  kiln_dict_free(hf);
+  printf("%d failures\n", failures);
+  return failures ? 1 : 0;
+}

@@ -71,8 +71,8 @@ static void usage(FILE *f) {
           "           [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
           "  python3.X (/usr/share/doc/python3.X/NEWS.gz); 90%% trains, 10%% validates.\n"
-          "  Defaults: 1500 steps, batch 16, block 64, 4 layers, 4 heads, 128 wide, dropout 0,\n"
-          "  AdamW lr 2e-3 (cosine, 100 warmup steps), eval every 100 steps over 20 windows,\n"
+          "  Defaults: 600 steps, batch 16, block 64, 4 layers, 4 heads, 64 wide, dropout 0,\n"
+          "  AdamW lr 3e-3 (cosine, 60 warmup steps), eval every 100 steps over 20 windows,\n"
           "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
           "  seed 0. A prompt longer than the context keeps its last block-size bytes.\n");
 }
@@ -331,8 +331,8 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
   kiln_dict_free(R.meta);
   R.meta = NULL;
   if (top_k > VOCAB) top_k = VOCAB;
-  kiln_generator *scratch = kiln_generator_new(0); /* takes the checkpoint's RNG state */
-  R.gen = scratch;
+  kiln_generator *scratch = R.gen = kiln_generator_new(0); /* takes the checkpoint's RNG state */
+  if (!scratch) return fail("making a generator");
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, scratch);
   if (!model) return fail("building the model");
   if (kiln_checkpoint_load(ckpt, model, NULL, NULL, scratch, NULL, NULL, NULL) != KILN_OK)
@@ -439,9 +439,9 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
 }
 
 int main(int argc, char **argv) {
-  long long steps = 1500, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 128;
+  long long steps = 600, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 64;
   long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
-  double lr = 2e-3, dropout = 0.0, temperature = 0.8;
+  double lr = 3e-3, dropout = 0.0, temperature = 0.8;
   bool json = false, quiet = false, resume = false, shape_flag = false;
   const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
@@ -508,6 +508,7 @@ int main(int argc, char **argv) {
   if (prompt) return generate(ckpt, prompt, n_tokens, temperature, top_k, (uint64_t)seed, dev, quiet);
 
   if (check_output(ckpt)) return 2;
+  R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
   kiln_gpt_config cfg = kiln_gpt2_config();
   cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block;
   cfg.vocab_size = VOCAB, cfg.dropout = dropout, cfg.bias = true;
@@ -519,7 +520,7 @@ int main(int argc, char **argv) {
               (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size);
   } else if (n_embd % n_head != 0) {
     fprintf(stderr, PROG ": --n-embd %lld is not a multiple of --n-head %lld\n", n_embd, n_head);
-    return 2;
+    return finish(2);
   }
   block = cfg.block_size;
 
@@ -544,7 +545,6 @@ int main(int argc, char **argv) {
   R.yb = malloc(sizeof *R.yb * (size_t)(batch * block));
   R.gen = kiln_generator_new((uint64_t)seed + 1);
   if (!R.xb || !R.yb || !R.gen) return fail("allocating the batch");
-  R.tb = ex_log_open(PROG, logdir);
 
   kiln_manual_seed((uint64_t)seed);
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);

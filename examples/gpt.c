@@ -29,6 +29,9 @@
 ** --steps is the total: with --resume the run continues from the checkpoint's step up to N,
 ** with the model shape and the lr schedule the checkpoint was made with (the schedule
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
+** --json ends the output with one line: example, device, steps (reached), start_step,
+** the shape, params, seconds and tokens_per_s (the training steps of this run, without
+** the evaluations), train_loss and val_loss (the last evaluation), seed, kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
 ** --generate loads the checkpoint (its shape from its metadata) and prints the prompt

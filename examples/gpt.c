@@ -20,6 +20,12 @@
 ** mean over --eval-iters fixed windows of each split, eval mode, no grad) and a
 ** checkpoint (model, optimizer, scheduler, RNG, step, and the model's shape).
 **
+** On 2 shared CPU cores the defaults (220k parameters, 600 steps of 1024 bytes) take about
+** 3 minutes and reach a validation loss near 2.2 nats/byte: samples have the entries'
+** layout ("- bpo-NNNNN: Fix ...", indented continuation lines), not yet the words.
+** --steps 2500 (about 10 minutes) reaches about 1.6: English words, :meth:`...` roles,
+** "Patch by ...".
+**
 ** Usage: gpt [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]
 **            [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]
 **            [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]

@@ -1,0 +1,666 @@
+/*
+** gpt: a small GPT (kiln_gpt_new: nanoGPT's layout) trained on bytes of a real text, and
+** sampling from its checkpoint.
+**
+** The corpus: Python's changelog, /usr/share/doc/python3.X/NEWS.gz, shipped by the Debian
+** package python3.X (pulled in by python3, which scripts/deps.sh already installs for the
+** test fixtures): no download, the same bytes on every machine of one Debian release, and
+** 1.4 MB of English with a strong, easily seen structure (section headings, "- gh-issue-
+** NNNNN: Fix ..." entries, :func:`...` roles, "Patch by ..."), so a model of a few hundred
+** thousand parameters visibly learns it in a minute or two on a CPU. --data PATH takes any
+** other text file, gzip-compressed (decompressed by running gzip -dc) or plain.
+**
+** Byte level: vocabulary 256, token = byte, so any text (and any prompt) encodes and the
+** output is the bytes sampled. The first 90% of the text trains, the last 10% validates.
+** Each step takes --batch random windows of --block bytes (starts drawn from the global
+** generator, so a checkpoint's RNG state continues the same sequence of batches) and
+** predicts every next byte; AdamW (betas 0.9, 0.95, weight decay 0.1 on the matrices only:
+** kiln_optimizer_new_module_decay_split), gradient norm clipped to 1, cosine lr with
+** warmup to --lr / 10. Every --eval-every steps: "step N: train loss X, val loss Y" (the
+** mean over --eval-iters fixed windows of each split, eval mode, no grad) and a
+** checkpoint (model, optimizer, scheduler, RNG, step, and the model's shape).
+**
+** On 2 shared CPU cores the defaults (220k parameters, 600 steps of 1024 bytes) take about
+** 3 minutes and reach a validation loss near 2.2 nats/byte: samples have the entries'
+** layout ("- bpo-NNNNN: Fix ...", indented continuation lines), not yet the words.
+** --steps 2500 (about 10 minutes) reaches about 1.6: English words, :meth:`...` roles,
+** "Patch by ...".
+**
+** Usage: gpt [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]
+**            [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]
+**            [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]
+**            [--quiet] [--logdir DIR]
+**        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]
+**            [--checkpoint PATH] [--device D]
+** --steps is the total: with --resume the run continues from the checkpoint's step up to N,
+** with the model shape and the lr schedule the checkpoint was made with (the schedule
+** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
+** --json ends the output with one line: example, device, steps (reached), start_step,
+** the shape, params, seconds and tokens_per_s (the training steps of this run, without
+** the evaluations), train_loss and val_loss (the last evaluation), seed, kiln.
+** --until N stops at step N of the --steps schedule (after evaluating and writing the
+** checkpoint there): a long run split into sessions, each continued with --resume.
+** --generate loads the checkpoint (its shape from its metadata) and prints the prompt
+** followed by --tokens sampled bytes on stdout. An empty prompt (0 tokens) is refused
+** (exit 2); a prompt longer than the context keeps its last block-size bytes, as nanoGPT's
+** generate crops its input (a note on stderr says so). Each new token runs the model over
+** the whole (cropped) window again: there is no KV cache yet.
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <glob.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <kiln.h>
+#include <kiln_checkpoint.h>
+#include <kiln_io.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include "common/launch.h"
+#include "common/logdir.h"
+#include "common/progress.h"
+
+#define PROG "gpt"
+#define VOCAB 256
+#define MAX_PARAMS 256
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: " PROG " [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]\n"
+          "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
+          "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
+          "           [--quiet] [--logdir DIR]\n"
+          "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]\n"
+          "           [--checkpoint PATH] [--device D]\n"
+          "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
+          "  python3.X (/usr/share/doc/python3.X/NEWS.gz); 90%% trains, 10%% validates.\n"
+          "  Defaults: 600 steps, batch 16, block 64, 4 layers, 4 heads, 64 wide, dropout 0,\n"
+          "  AdamW lr 3e-3 (cosine, 60 warmup steps), eval every 100 steps over 20 windows,\n"
+          "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
+          "  seed 0. A prompt longer than the context keeps its last block-size bytes.\n");
+}
+
+/* Everything main makes, released on every way out (LeakSanitizer checks the error exits
+** too). NULL members are skipped: every free function takes NULL. */
+static struct {
+  unsigned char *text;
+  int64_t *xb, *yb; /* one batch of windows on the host */
+  kiln_module *model;
+  kiln_optimizer *opt;
+  kiln_scheduler *sched;
+  kiln_generator *gen; /* --generate: the sampling draws; training: the eval windows */
+  kiln_dict *meta;     /* the checkpoint read for its metadata */
+  kiln_summary_writer *tb;
+} R;
+
+static void release(void) {
+  free(R.text);
+  free(R.xb);
+  free(R.yb);
+  kiln_scheduler_free(R.sched);
+  kiln_optimizer_free(R.opt);
+  kiln_module_free(R.model);
+  kiln_generator_free(R.gen);
+  kiln_dict_free(R.meta);
+  ex_log_close(R.tb);
+  memset(&R, 0, sizeof R);
+}
+
+static int finish(int rc) {
+  release();
+  return rc;
+}
+
+static int fail(const char *what) {
+  if (kiln_last_error() == KILN_OK) /* a check of the example's own, with no kiln error */
+    fprintf(stderr, PROG ": %s failed\n", what);
+  else
+    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
+            kiln_error_name(kiln_last_error()));
+  return finish(1);
+}
+
+/* ---- the corpus ---------------------------------------------------------------------- */
+
+/* The default corpus: /usr/share/doc/python3.X/NEWS.gz of the package python3.X
+** (python3.11 on Debian 12), the highest X installed; python3.X-dev's copy of the same file
+** is not taken. Writes the path into out; false when none is installed. */
+static bool default_corpus(char *out, size_t n) {
+  glob_t g;
+  bool found = false;
+  if (glob("/usr/share/doc/python3.*/NEWS.gz", 0, NULL, &g) == 0) {
+    for (size_t i = g.gl_pathc; i-- > 0 && !found;) {
+      const char *x = g.gl_pathv[i] + strlen("/usr/share/doc/python3.");
+      size_t digits = strspn(x, "0123456789");
+      struct stat st;
+      if (digits > 0 && x[digits] == '/' && stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) {
+        snprintf(out, n, "%s", g.gl_pathv[i]);
+        found = true;
+      }
+    }
+  }
+  globfree(&g);
+  return found;
+}
+
+/* Appends everything fd gives to *buf (*len bytes, *cap allocated). false on OOM or a
+** read error. */
+static bool read_all(int fd, unsigned char **buf, size_t *len, size_t *cap) {
+  for (;;) {
+    if (*cap - *len < 65536) {
+      size_t nc = *cap ? *cap * 2 : 1 << 20;
+      unsigned char *nb = realloc(*buf, nc);
+      if (!nb) return false;
+      *buf = nb, *cap = nc;
+    }
+    ssize_t r = read(fd, *buf + *len, *cap - *len);
+    if (r < 0) return false;
+    if (r == 0) return true;
+    *len += (size_t)r;
+  }
+}
+
+/* The whole text of path into R.text: a gzip file (magic 1f 8b) through `gzip -dc`, run
+** directly (no shell), anything else as it is. Prints why and returns false on failure. */
+static bool load_corpus(const char *path, int64_t *n_out) {
+  struct stat st;
+  if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
+    fprintf(stderr, PROG ": --data '%s': %s\n", path, stat(path, &st) != 0 ? "no such file" : "not a regular file");
+    return false;
+  }
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    fprintf(stderr, PROG ": --data '%s': cannot open it\n", path);
+    return false;
+  }
+  unsigned char magic[2] = {0, 0};
+  size_t got = fread(magic, 1, 2, f);
+  size_t len = 0, cap = 0;
+  bool ok;
+  if (got == 2 && magic[0] == 0x1f && magic[1] == 0x8b) {
+    fclose(f);
+    int p[2];
+    if (pipe(p) != 0) {
+      fprintf(stderr, PROG ": --data '%s': cannot make a pipe for gzip\n", path);
+      return false;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+      close(p[0]), close(p[1]);
+      fprintf(stderr, PROG ": --data '%s': cannot start gzip\n", path);
+      return false;
+    }
+    if (pid == 0) {
+      dup2(p[1], 1);
+      close(p[0]), close(p[1]);
+      execlp("gzip", "gzip", "-dc", "--", path, (char *)NULL);
+      _exit(127);
+    }
+    close(p[1]);
+    ok = read_all(p[0], &R.text, &len, &cap);
+    close(p[0]);
+    int ws = 0;
+    waitpid(pid, &ws, 0);
+    if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+      fprintf(stderr, PROG ": --data '%s': gzip -dc failed (%s)\n", path,
+              WIFEXITED(ws) && WEXITSTATUS(ws) == 127 ? "gzip is not installed" : "a broken gzip file?");
+      return false;
+    }
+  } else {
+    rewind(f);
+    ok = read_all(fileno(f), &R.text, &len, &cap);
+    fclose(f);
+  }
+  if (!ok) {
+    fprintf(stderr, PROG ": --data '%s': reading failed (out of memory or a read error)\n", path);
+    return false;
+  }
+  *n_out = (int64_t)len;
+  return true;
+}
+
+/* ---- batches and losses -------------------------------------------------------------- */
+
+/* batch windows of block bytes from text[lo, hi) into R.xb (inputs) and R.yb (the next
+** bytes), starts uniform from gen; then (B, T) i64 tensors on dev in the caller's scope. */
+static kiln_status get_batch(const unsigned char *text, int64_t lo, int64_t hi, int64_t batch, int64_t block,
+                             kiln_generator *gen, kiln_device dev, kiln_tensor **x, kiln_tensor **y) {
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t s = lo + (int64_t)kiln_generator_below(gen, (uint64_t)(hi - lo - block));
+    for (int64_t t = 0; t < block; t++) {
+      R.xb[b * block + t] = text[s + t];
+      R.yb[b * block + t] = text[s + t + 1];
+    }
+  }
+  *x = kiln_from_data(R.xb, 2, (int64_t[]){batch, block}, KILN_I64, dev);
+  *y = kiln_from_data(R.yb, 2, (int64_t[]){batch, block}, KILN_I64, dev);
+  return *x && *y ? KILN_OK : kiln_last_error();
+}
+
+/* Mean cross-entropy of next-byte predictions: logits (B, T, V) against y (B, T). */
+static kiln_tensor *lm_loss(kiln_module *model, kiln_tensor *x, kiln_tensor *y) {
+  kiln_tensor *logits = kiln_module_forward(model, x); /* (B, T, V) */
+  int64_t n = kiln_numel(y);
+  return kiln_cross_entropy(kiln_reshape(logits, 2, (int64_t[]){n, VOCAB}), kiln_reshape(y, 1, &n),
+                            KILN_REDUCTION_MEAN, -100, 0.0);
+}
+
+/* The loss over iters fixed windows of text[lo, hi): the generator restarts from the same
+** seed each time, so every evaluation sees the same windows and the numbers compare. Eval
+** mode (no dropout), no graph. NAN on error. */
+static double estimate_loss(kiln_module *model, const unsigned char *text, int64_t lo, int64_t hi, int64_t iters,
+                            int64_t batch, int64_t block, uint64_t seed, kiln_device dev) {
+  kiln_generator_seed(R.gen, seed);
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_module_eval(model);
+  double sum = 0;
+  for (int64_t i = 0; i < iters && !isnan(sum); i++) {
+    kiln_scope_begin();
+    kiln_tensor *x, *y;
+    double l = get_batch(text, lo, hi, batch, block, R.gen, dev, &x, &y) == KILN_OK
+                   ? kiln_item(lm_loss(model, x, y))
+                   : NAN;
+    kiln_scope_end();
+    sum += l;
+  }
+  kiln_module_train(model, true);
+  kiln_set_grad_enabled(prev);
+  return sum / (double)iters;
+}
+
+/* ---- the checkpoint's model shape ---------------------------------------------------- */
+
+static bool meta_int(const kiln_dict *d, const char *key, int64_t *out) {
+  const char *s = kiln_dict_get_meta(d, key);
+  char *end = NULL;
+  if (!s || !*s) return false;
+  long long v = strtoll(s, &end, 10);
+  if (*end) return false;
+  *out = v;
+  return true;
+}
+
+/* The shape a checkpoint was trained with (its "extra.*" metadata) into cfg. Prints why
+** and returns false when the file is not one of this program's checkpoints. */
+static bool read_shape(const char *path, kiln_gpt_config *cfg) {
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    fprintf(stderr, PROG ": no checkpoint at '%s' (train first, or pass --checkpoint PATH)\n", path);
+    return false;
+  }
+  if (!S_ISREG(st.st_mode)) { /* a FIFO would block the load */
+    fprintf(stderr, PROG ": '%s' is not a regular file\n", path);
+    return false;
+  }
+  R.meta = kiln_safetensors_load(path, kiln_device_cpu());
+  if (!R.meta) {
+    fprintf(stderr, PROG ": reading '%s': %s\n", path, kiln_last_error_message());
+    return false;
+  }
+  int64_t vocab = 0, bias = 1;
+  const char *dr = kiln_dict_get_meta(R.meta, "extra.dropout");
+  if (!meta_int(R.meta, "extra.n_layer", &cfg->n_layer) || !meta_int(R.meta, "extra.n_head", &cfg->n_head) ||
+      !meta_int(R.meta, "extra.n_embd", &cfg->n_embd) || !meta_int(R.meta, "extra.block_size", &cfg->block_size) ||
+      !meta_int(R.meta, "extra.vocab_size", &vocab) || !meta_int(R.meta, "extra.bias", &bias) || !dr) {
+    fprintf(stderr, PROG ": '%s' is not a checkpoint of " PROG " (no model shape in its metadata)\n", path);
+    return false;
+  }
+  if (vocab != VOCAB) {
+    fprintf(stderr, PROG ": '%s' has a vocabulary of %lld; this program is byte-level (%d)\n", path,
+            (long long)vocab, VOCAB);
+    return false;
+  }
+  cfg->vocab_size = VOCAB;
+  cfg->dropout = strtod(dr, NULL);
+  cfg->bias = bias != 0;
+  return true;
+}
+
+/* ---- sampling ------------------------------------------------------------------------ */
+
+/* Prints prompt followed by n_new sampled bytes. Each byte: the model over the last
+** block_size bytes (no KV cache: the whole window again), the last position's logits /
+** temperature, all but the top_k largest set to -inf (top_k 0: all kept), softmax, one
+** draw from R.gen. */
+static int generate(const char *ckpt, const char *prompt, int64_t n_new, double temperature, int64_t top_k,
+                    uint64_t seed, kiln_device dev, bool quiet) {
+  size_t plen = strlen(prompt);
+  if (plen == 0) {
+    fprintf(stderr, PROG ": --generate: the prompt is empty (0 tokens); give at least one character\n");
+    return finish(2);
+  }
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  if (!read_shape(ckpt, &cfg)) return finish(2);
+  kiln_dict_free(R.meta);
+  R.meta = NULL;
+  if (top_k > VOCAB) top_k = VOCAB;
+  kiln_generator *scratch = R.gen = kiln_generator_new(0); /* takes the checkpoint's RNG state */
+  if (!scratch) return fail("making a generator");
+  kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, scratch);
+  if (!model) return fail("building the model");
+  if (kiln_checkpoint_load(ckpt, model, NULL, NULL, scratch, NULL, NULL, NULL) != KILN_OK)
+    return fail("loading the checkpoint");
+  kiln_generator_seed(R.gen, seed);
+  kiln_module_eval(model);
+
+  int64_t total = (int64_t)plen + n_new;
+  int64_t *ids = R.xb = malloc(sizeof *ids * (size_t)total);
+  if (!ids) return fail("allocating the sequence");
+  for (size_t i = 0; i < plen; i++) ids[i] = (unsigned char)prompt[i];
+  if ((int64_t)plen > cfg.block_size && !quiet)
+    fprintf(stderr, PROG ": the prompt is %zu bytes, longer than the context (%lld): the model sees its last %lld\n",
+            plen, (long long)cfg.block_size, (long long)cfg.block_size);
+  fwrite(prompt, 1, plen, stdout);
+  fflush(stdout);
+
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = KILN_OK;
+  for (int64_t n = (int64_t)plen; n < total && st == KILN_OK; n++) {
+    int64_t t = n < cfg.block_size ? n : cfg.block_size;
+    kiln_scope_begin();
+    kiln_tensor *x = kiln_from_data(ids + n - t, 2, (int64_t[]){1, t}, KILN_I64, dev);
+    kiln_tensor *logits = kiln_module_forward(model, x);                                /* (1, t, V) */
+    kiln_tensor *last = kiln_mul_scalar(kiln_select(logits, 1, t - 1), 1.0 / temperature); /* (1, V) */
+    if (top_k > 0 && top_k < VOCAB) {
+      kiln_tensor *v = kiln_topk(last, top_k, 1, true, true, NULL);  /* (1, k), largest first */
+      kiln_tensor *kth = kiln_narrow(v, 1, top_k - 1, 1);             /* (1, 1) */
+      last = kiln_where(kiln_lt(last, kth), kiln_full_like(last, -INFINITY), last);
+    }
+    kiln_tensor *next = kiln_multinomial(kiln_softmax(last, 1), 1, false, R.gen); /* (1, 1) */
+    int64_t id = -1;
+    st = next ? kiln_to_host(next, &id, sizeof id) : kiln_last_error();
+    kiln_scope_end();
+    if (st == KILN_OK) {
+      ids[n] = id;
+      putchar((int)id);
+      fflush(stdout);
+    }
+  }
+  kiln_set_grad_enabled(prev);
+  if (st != KILN_OK) {
+    putchar('\n');
+    return fail("sampling");
+  }
+  putchar('\n');
+  fflush(stdout);
+  kiln_fallback_report(stderr);
+  return finish(0);
+}
+
+/* ---- training ------------------------------------------------------------------------ */
+
+/* The checkpoint is written during training: its directory must exist and be writable,
+** and the path must not be a directory, before the training starts. */
+static int check_output(const char *path) {
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+    fprintf(stderr, PROG ": --checkpoint '%s' is a directory; give a file name\n", path);
+    return 1;
+  }
+  char dir[1024];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = 0;
+  else *slash = 0;
+  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' does not exist\n", path, dir);
+    return 1;
+  }
+  if (access(dir, W_OK | X_OK) != 0) {
+    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' is not writable\n", path, dir);
+    return 1;
+  }
+  return 0;
+}
+
+static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t step, double train_loss,
+                        double val_loss, const char *corpus) {
+  kiln_dict *extra = kiln_dict_new();
+  if (!extra) return kiln_last_error();
+  char buf[64];
+  const struct {
+    const char *k;
+    long long v;
+  } ints[] = {{"n_layer", cfg->n_layer},       {"n_head", cfg->n_head}, {"n_embd", cfg->n_embd},
+              {"block_size", cfg->block_size}, {"vocab_size", VOCAB},   {"bias", cfg->bias}};
+  kiln_status st = KILN_OK;
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0] && st == KILN_OK; i++) {
+    snprintf(buf, sizeof buf, "%lld", ints[i].v);
+    st = kiln_dict_set_meta(extra, ints[i].k, buf);
+  }
+  snprintf(buf, sizeof buf, "%.17g", cfg->dropout);
+  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "dropout", buf);
+  snprintf(buf, sizeof buf, "%.17g", train_loss);
+  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "train_loss", buf);
+  snprintf(buf, sizeof buf, "%.17g", val_loss);
+  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "val_loss", buf);
+  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "corpus", corpus);
+  if (st == KILN_OK) st = kiln_checkpoint_save(ckpt, R.model, R.opt, R.sched, NULL, 0, step, extra);
+  kiln_dict_free(extra);
+  return st;
+}
+
+int main(int argc, char **argv) {
+  long long steps = 600, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 64;
+  long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
+  double lr = 3e-3, dropout = 0.0, temperature = 0.8;
+  bool json = false, quiet = false, resume = false, shape_flag = false;
+  const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL;
+  const char *ckpt = "gpt.ckpt.safetensors";
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v;
+    long long *iv = NULL, lo = 1, hi = 0;
+    if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
+    else if (!strcmp(a, "--resume")) resume = true;
+    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--device")) {
+      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--data")) {
+      if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--logdir")) {
+      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--checkpoint")) {
+      if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--generate")) {
+      if (!(prompt = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--lr")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
+    } else if (!strcmp(a, "--temperature")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 100.0, &temperature))
+        return 2;
+    } else if (!strcmp(a, "--dropout")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, -1.0, 0.9, &dropout)) return 2;
+      if (dropout < 0) {
+        fprintf(stderr, PROG ": --dropout needs a number in [0, 0.9], got '%s'\n", v);
+        return 2;
+      }
+      shape_flag = true;
+    } else {
+      if (!strcmp(a, "--steps")) iv = &steps, hi = 10000000;
+      else if (!strcmp(a, "--batch")) iv = &batch, hi = 65536;
+      else if (!strcmp(a, "--block")) iv = &block, hi = 65536, shape_flag = true;
+      else if (!strcmp(a, "--n-layer")) iv = &n_layer, hi = 1024, shape_flag = true;
+      else if (!strcmp(a, "--n-head")) iv = &n_head, hi = 1024, shape_flag = true;
+      else if (!strcmp(a, "--n-embd")) iv = &n_embd, hi = 65536, shape_flag = true;
+      else if (!strcmp(a, "--eval-every")) iv = &eval_every, hi = 10000000;
+      else if (!strcmp(a, "--until")) iv = &until, hi = 10000000;
+      else if (!strcmp(a, "--eval-iters")) iv = &eval_iters, hi = 100000;
+      else if (!strcmp(a, "--seed")) iv = &seed, lo = 0, hi = 2147483647;
+      else if (!strcmp(a, "--tokens")) iv = &n_tokens, hi = 1000000;
+      else if (!strcmp(a, "--top-k")) iv = &top_k, lo = 0, hi = 1000000;
+      if (!iv) {
+        fprintf(stderr, PROG ": unknown option '%s'\n", a);
+        usage(stderr);
+        return 2;
+      }
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, lo, hi, iv)) return 2;
+    }
+  }
+  if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
+  kiln_device dev = kiln_device_best();
+  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
+    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
+    return 2;
+  }
+  char dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+  if (prompt) return generate(ckpt, prompt, n_tokens, temperature, top_k, (uint64_t)seed, dev, quiet);
+
+  if (check_output(ckpt)) return 2;
+  R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block;
+  cfg.vocab_size = VOCAB, cfg.dropout = dropout, cfg.bias = true;
+  if (resume) {
+    if (!read_shape(ckpt, &cfg)) return finish(2);
+    if (shape_flag)
+      fprintf(stderr, PROG ": note: --resume trains the checkpoint's model (%lld layers, %lld heads, %lld wide, "
+                      "block %lld); the shape flags are ignored\n",
+              (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size);
+  } else if (n_embd % n_head != 0) {
+    fprintf(stderr, PROG ": --n-embd %lld is not a multiple of --n-head %lld\n", n_embd, n_head);
+    return finish(2);
+  }
+  block = cfg.block_size;
+
+  char corpus[1024];
+  if (data) snprintf(corpus, sizeof corpus, "%s", data);
+  else if (!default_corpus(corpus, sizeof corpus)) {
+    fprintf(stderr, PROG ": no corpus: /usr/share/doc/python3.X/NEWS.gz is not installed (apt-get install python3),\n"
+                    "  or pass --data PATH with a text file (plain or .gz)\n");
+    return finish(1);
+  }
+  int64_t n_text = 0;
+  if (!load_corpus(corpus, &n_text)) return finish(1);
+  /* 90% trains, 10% validates; each split must hold a window and its next byte */
+  int64_t split = n_text * 9 / 10;
+  if (split - block < 1 || n_text - split - block < 1) {
+    fprintf(stderr, PROG ": --data '%s' has %lld bytes: too short for windows of %lld bytes in a 90/10 split "
+                    "(it needs more than %lld)\n",
+            corpus, (long long)n_text, block, (long long)(block + 1) * 10);
+    return finish(1);
+  }
+  R.xb = malloc(sizeof *R.xb * (size_t)(batch * block));
+  R.yb = malloc(sizeof *R.yb * (size_t)(batch * block));
+  R.gen = kiln_generator_new((uint64_t)seed + 1);
+  if (!R.xb || !R.yb || !R.gen) return fail("allocating the batch");
+
+  kiln_manual_seed((uint64_t)seed);
+  kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
+  if (!model) return fail("building the model");
+  kiln_optim_config oc = kiln_adamw_config(lr);
+  oc.beta2 = 0.95, oc.weight_decay = 0.1; /* nanoGPT's */
+  kiln_optimizer *opt = R.opt = kiln_optimizer_new_module_decay_split(&oc, model);
+  if (!opt) return fail("making the optimizer");
+  int64_t warmup = steps / 10 < 100 ? steps / 10 : 100;
+  kiln_scheduler *sched = R.sched = kiln_cosine_lr_new(opt, steps, lr / 10, warmup, 0.0);
+  if (!sched) return fail("making the lr schedule");
+
+  int64_t step = 0;
+  double train_loss = NAN, val_loss = NAN;
+  if (resume) {
+    kiln_dict *extra = NULL;
+    if (kiln_checkpoint_load(ckpt, model, opt, sched, NULL, NULL, &step, &extra) != KILN_OK)
+      return fail("resuming from the checkpoint");
+    const char *s;
+    if ((s = kiln_dict_get_meta(extra, "train_loss"))) train_loss = strtod(s, NULL);
+    if ((s = kiln_dict_get_meta(extra, "val_loss"))) val_loss = strtod(s, NULL);
+    if ((s = kiln_dict_get_meta(extra, "corpus")) && strcmp(s, corpus))
+      fprintf(stderr, PROG ": warning: the checkpoint was trained on '%s', this run reads '%s'\n", s, corpus);
+    kiln_dict_free(extra);
+    kiln_dict_free(R.meta);
+    R.meta = NULL;
+    if (step > steps)
+      fprintf(stderr, PROG ": warning: the checkpoint is at step %lld, past --steps %lld: nothing to train\n",
+              (long long)step, steps);
+    if (!quiet) printf("resumed from %s at step %lld\n", ckpt, (long long)step);
+  }
+  kiln_tensor *params[MAX_PARAMS];
+  int n_params = kiln_module_parameters(model, params, MAX_PARAMS);
+  if (n_params < 0 || n_params > MAX_PARAMS) return fail("listing the parameters");
+
+  if (!quiet) {
+    char pb[32];
+    printf("device: %s\ncorpus: %s, %lld bytes (train %lld, val %lld)\n", dname, corpus, (long long)n_text,
+           (long long)split, (long long)(n_text - split));
+    printf("model: %lld layers, %lld heads, %lld wide, context %lld, vocabulary %d (bytes)\n", (long long)cfg.n_layer,
+           (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size, VOCAB);
+    printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
+           kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
+    fflush(stdout);
+  }
+
+  const uint64_t eval_seed = (uint64_t)seed + 1;
+  double train_s = 0;
+  int64_t trained = 0; /* steps this run */
+  int64_t start = step;
+  ex_progress p;
+  char label[64];
+  const int64_t stop = until > 0 && until < steps ? until : steps;
+  while (step < stop) {
+    int64_t chunk_end = (step / eval_every + 1) * eval_every;
+    if (chunk_end > stop) chunk_end = stop;
+    snprintf(label, sizeof label, "steps %lld-%lld/%lld", (long long)step + 1, (long long)chunk_end, steps);
+    ex_progress_begin(&p, label, (chunk_end - step) * batch * block, !quiet);
+    int64_t chunk_start = step;
+    kiln_device_synchronize(dev);
+    double t0 = ex_now();
+    for (; step < chunk_end; step++) {
+      kiln_scope_begin(); /* one step */
+      kiln_tensor *x, *y;
+      kiln_status st = get_batch(R.text, 0, split, batch, block, kiln_generator_global(), dev, &x, &y);
+      double lv = 0;
+      kiln_tensor *loss = st == KILN_OK ? lm_loss(model, x, y) : NULL;
+      kiln_optimizer_zero_grad(opt);
+      if (st == KILN_OK) st = kiln_backward(loss, NULL);
+      if (st == KILN_OK && isnan(kiln_clip_grad_norm(params, n_params, 1.0, 2.0))) st = kiln_last_error();
+      if (st == KILN_OK) st = kiln_optimizer_step(opt);
+      if (st == KILN_OK) st = kiln_scheduler_step(sched);
+      if (st == KILN_OK) lv = kiln_item(loss);
+      kiln_scope_end();
+      if (st != KILN_OK) return fail("training step");
+      ex_log_scalar(&R.tb, "train/loss", step + 1, lv);
+      ex_progress_update(&p, (step + 1 - chunk_start) * batch * block);
+    }
+    kiln_device_synchronize(dev);
+    double dt = ex_now() - t0;
+    ex_progress_end(&p);
+    train_s += dt;
+    trained += chunk_end - chunk_start;
+    train_loss = estimate_loss(model, R.text, 0, split, eval_iters, batch, block, eval_seed, dev);
+    val_loss = estimate_loss(model, R.text, split, n_text, eval_iters, batch, block, eval_seed, dev);
+    if (isnan(train_loss) || isnan(val_loss)) return fail("evaluating");
+    double tps = dt > 0 ? (double)((chunk_end - chunk_start) * batch * block) / dt : 0.0;
+    ex_log_epoch(&R.tb, step, train_loss, kiln_scheduler_get_lr(sched), tps, dev);
+    ex_log_scalar(&R.tb, "eval/val_loss", step, val_loss);
+    if (save(ckpt, &cfg, step, train_loss, val_loss, corpus) != KILN_OK) return fail("saving the checkpoint");
+    if (!quiet) {
+      printf("step %lld: train loss %.4f, val loss %.4f (lr %.2e, %.0f tokens/s)\n", (long long)step, train_loss,
+             val_loss, kiln_scheduler_get_lr(sched), tps);
+      fflush(stdout);
+    }
+  }
+  if (!quiet) printf("checkpoint: %s (sample with: " PROG " --generate \"Fix \" --checkpoint %s)\n", ckpt, ckpt);
+  if (json)
+    printf("{\"example\":\"gpt\",\"device\":\"%s\",\"steps\":%lld,\"start_step\":%lld,\"batch\":%lld,"
+           "\"block\":%lld,\"n_layer\":%lld,\"n_head\":%lld,\"n_embd\":%lld,\"params\":%lld,"
+           "\"seconds\":%.4f,\"tokens_per_s\":%.0f,\"train_loss\":%.17g,\"val_loss\":%.17g,\"seed\":%lld,"
+           "\"kiln\":\"%s\"}\n",
+           dname, (long long)step, (long long)start, batch, (long long)cfg.block_size, (long long)cfg.n_layer,
+           (long long)cfg.n_head, (long long)cfg.n_embd, (long long)kiln_module_num_params(model), train_s,
+           train_s > 0 ? (double)(trained * batch * cfg.block_size) / train_s : 0.0, train_loss, val_loss, seed,
+           kiln_version());
+  fflush(stdout);
+  kiln_fallback_report(stderr);
+  return finish(0);
+}

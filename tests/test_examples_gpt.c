@@ -1,0 +1,131 @@
+/*
+** The gpt example on a tiny model and a small text made here (so the test needs neither
+** the Python changelog nor minutes): a few steps train and report both losses in --json
+** and write a checkpoint and event files; a run resumed half-way ends with the same losses
+** as a straight one (CPU, bit for bit); --generate prints the prompt and exactly N sampled
+** bytes, the same for the same seed; a gzip corpus reads like a plain one; bad input (an
+** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+
+#include <dirent.h>
+
+#include "cli_run.h"
+
+#define TINY "--device cpu --n-layer 1 --n-head 2 --n-embd 16 --block 16 --batch 4 --eval-iters 2 --quiet"
+
+static void write_text(const char *name, int lines) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%s", cr_tmpdir(), name);
+  FILE *f = fopen(p, "wb");
+  if (!f) return;
+  for (int i = 0; i < lines; i++)
+    fprintf(f, "- gh-issue-%d: Fix a crash in the %s module when %s.\n", 90000 + i * 7,
+            (const char *[]){"os", "sys", "json", "re"}[i % 4],
+            (const char *[]){"the file is empty", "a thread exits", "the path is long"}[i % 3]);
+  fclose(f);
+}
+
+static bool dir_has_file(const char *name) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%s", cr_tmpdir(), name);
+  DIR *d = opendir(p);
+  if (!d) return false;
+  bool any = false;
+  struct dirent *e;
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.') any = true;
+  closedir(d);
+  return any;
+}
+
+int main(void) {
+  char bin[1024], exe[1100];
+  cr_bin_dir(bin, sizeof bin);
+  snprintf(exe, sizeof exe, "%s/gpt", bin);
+  if (!cr_file_exists(exe)) {
+    fprintf(stderr, "skip: %s not built\n", exe);
+    return 77;
+  }
+  write_text("news.txt", 400); /* about 24 KB */
+  write_text("short.txt", 2);
+
+  /* a few steps: both losses, a checkpoint, event files */
+  cr_result r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --eval-every 3 --checkpoint a.ckpt --logdir logs --json " TINY);
+  CR_CHECK(r.status == 0, "6 steps exited %d: %s", r.status, r.err);
+  double tl = cr_json_num(r.out, "train_loss"), vl = cr_json_num(r.out, "val_loss");
+  CR_CHECK(tl > 0 && tl < 6.5 && vl > 0 && vl < 6.5, "losses after 6 steps: %s", r.out); /* ln 256 = 5.55 */
+  CR_CHECK(cr_json_num(r.out, "steps") == 6, "steps: %s", r.out);
+  CR_CHECK(strstr(r.out, "\"example\":\"gpt\"") && strstr(r.out, "\"tokens_per_s\":"), "json: %s", r.out);
+  char straight[64];
+  cr_json_raw(r.out, "val_loss", straight, sizeof straight);
+  cr_free(&r);
+  char p[512];
+  snprintf(p, sizeof p, "%s/a.ckpt", cr_tmpdir());
+  CR_CHECK(cr_file_exists(p), "no checkpoint at %s", p);
+  CR_CHECK(dir_has_file("logs"), "--logdir wrote nothing");
+
+  /* 3 of 6 steps (--until), then --resume to 6: the same losses as 6 straight */
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --until 3 --eval-every 3 --checkpoint b.ckpt --json " TINY);
+  CR_CHECK(r.status == 0, "first half exited %d: %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --eval-every 3 --checkpoint b.ckpt --resume --json " TINY);
+  CR_CHECK(r.status == 0, "resume exited %d: %s", r.status, r.err);
+  CR_CHECK(cr_json_num(r.out, "start_step") == 3, "did not resume at step 3: %s", r.out);
+  char resumed[64];
+  cr_json_raw(r.out, "val_loss", resumed, sizeof resumed);
+  CR_CHECK(straight[0] && !strcmp(straight, resumed), "resumed val_loss %s != straight %s", resumed, straight);
+  cr_free(&r);
+
+  /* sampling: the prompt, then exactly 20 bytes and a newline; the same seed, the same text */
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --tokens 20 --seed 3 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0, "generate exited %d: %s", r.status, r.err);
+  CR_CHECK(strlen(r.out) == 4 + 20 + 1 && !strncmp(r.out, "Fix ", 4), "generated %zu bytes: '%s'", strlen(r.out), r.out);
+  char first[64];
+  snprintf(first, sizeof first, "%s", r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --tokens 20 --seed 3 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0 && !strcmp(r.out, first), "same seed, other text: '%s' vs '%s'", r.out, first);
+  cr_free(&r);
+
+  /* a prompt (35 bytes) longer than the context (16) is cropped to its last 16, with a note */
+  r = cr_run(NULL, "gpt", "--generate 'a prompt of more than sixteen bytes' --tokens 5 --top-k 0 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0 && strlen(r.out) == 35 + 5 + 1, "long prompt: %d '%s' %s", r.status, r.out, r.err);
+  CR_CHECK(strstr(r.err, "longer than the context"), "no note on the cropped prompt: %s", r.err);
+  cr_free(&r);
+
+  /* bad input */
+  r = cr_run(NULL, "gpt", "--generate '' --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "prompt is empty"), "empty prompt: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--generate 'x' --checkpoint missing.ckpt --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "no checkpoint"), "missing checkpoint: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data news.txt --resume --checkpoint missing.ckpt " TINY);
+  CR_CHECK(r.status == 2 && strstr(r.err, "no checkpoint"), "resume without a file: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data short.txt --steps 2 --checkpoint c.ckpt " TINY);
+  CR_CHECK(r.status == 1 && strstr(r.err, "too short"), "short corpus: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data nonexistent.txt --steps 2 --checkpoint c.ckpt " TINY);
+  CR_CHECK(r.status == 1 && strstr(r.err, "no such file"), "missing corpus: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--n-embd 15 --n-head 2 --steps 2 --data news.txt --checkpoint c.ckpt --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "multiple"), "n_embd %% n_head: %d %s", r.status, r.err);
+  cr_free(&r);
+
+  /* a gzip corpus (gzip is an essential Debian package) */
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "gzip -c '%s/news.txt' > '%s/news.txt.gz'", cr_tmpdir(), cr_tmpdir());
+  if (system(cmd) == 0) {
+    r = cr_run(NULL, "gpt", "--data news.txt.gz --steps 2 --eval-every 2 --checkpoint d.ckpt --json " TINY);
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "steps") == 2, "gzip corpus: %d %s", r.status, r.err);
+    cr_free(&r);
+  }
+
+  cr_cleanup();
+  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
+  else printf("test_examples_gpt: all passed\n");
+  return cr_failures ? 1 : 0;
+}

@@ -23,6 +23,18 @@ static kiln_tensor *per_channel(kiln_tensor *v, int ndim, kiln_dtype dt) {
   return r && r->dtype != dt ? kiln_to_dtype(r, dt) : r;
 }
 
+/* The end of both norms: y (normalized, in the compute type ct) times the per-channel
+** weight, plus the bias (either may be NULL), back in the input's dtype, handed out of the
+** op's scope as its output. */
+static kiln_status affine_out(kiln__op_ctx *c, kiln_tensor *y, kiln_tensor *w, kiln_tensor *b, int nd, kiln_dtype ct,
+                              kiln_dtype out_dt) {
+  if (y && w) y = kiln_mul(y, per_channel(w, nd, ct));
+  if (y && b) y = kiln_add(y, per_channel(b, nd, ct));
+  if (y && y->dtype != out_dt) y = kiln_to_dtype(y, out_dt);
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
 /* ---- batch_norm ------------------------------------------------------------------------- */
 
 typedef struct attrs_bn {
@@ -107,11 +119,7 @@ static kiln_status bn_forward(kiln__op_ctx *c) {
     inv = kiln_rsqrt(kiln_add_scalar(per_channel(rv, nd, ct), p->eps));
   }
   kiln_tensor *y = st == KILN_OK ? kiln_mul(kiln_sub(xf, mean), inv) : NULL;
-  if (y && w) y = kiln_mul(y, per_channel(w, nd, ct));
-  if (y && b) y = kiln_add(y, per_channel(b, nd, ct));
-  if (y && y->dtype != x->dtype) y = kiln_to_dtype(y, x->dtype);
-  c->out[0] = kiln__scope_return(y);
-  return c->out[0] ? KILN_OK : kiln_last_error();
+  return affine_out(c, y, w, b, nd, ct, x->dtype);
 }
 
 static const kiln__op op_batch_norm = {
@@ -166,11 +174,7 @@ static kiln_status gn_forward(kiln__op_ctx *c) {
   kiln_tensor *mean = kiln_mean(xr, 1, &dim, true);
   kiln_tensor *inv = kiln_rsqrt(kiln_add_scalar(kiln_var(xr, 1, &dim, 0, true), p->eps));
   kiln_tensor *y = kiln_reshape(kiln_mul(kiln_sub(xr, mean), inv), nd, x->shape);
-  if (y && w) y = kiln_mul(y, per_channel(w, nd, ct));
-  if (y && b) y = kiln_add(y, per_channel(b, nd, ct));
-  if (y && y->dtype != x->dtype) y = kiln_to_dtype(y, x->dtype);
-  c->out[0] = kiln__scope_return(y);
-  return c->out[0] ? KILN_OK : kiln_last_error();
+  return affine_out(c, y, w, b, nd, ct, x->dtype);
 }
 
 static const kiln__op op_group_norm = {

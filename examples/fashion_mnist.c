@@ -38,6 +38,7 @@
 #include <kiln_optim.h>
 
 #include "common/launch.h"
+#include "common/output.h"
 #include "common/logdir.h"
 #include "common/progress.h"
 
@@ -119,31 +120,6 @@ static int check_split(const char *split, kiln_tensor *x, kiln_tensor *y) {
   return 0;
 }
 
-/* The checkpoint is written after the first epoch: its directory must exist and be
-** writable, and the path must not be a directory, before the training starts. */
-static int check_output(const char *path) {
-  struct stat st;
-  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
-    fprintf(stderr, PROG ": --checkpoint '%s' is a directory; give a file name\n", path);
-    return 1;
-  }
-  char dir[1024];
-  snprintf(dir, sizeof dir, "%s", path);
-  char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, sizeof dir, ".");
-  else if (slash == dir) dir[1] = 0;
-  else *slash = 0;
-  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' does not exist\n", path, dir);
-    return 1;
-  }
-  if (access(dir, W_OK | X_OK) != 0) {
-    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' is not writable\n", path, dir);
-    return 1;
-  }
-  return 0;
-}
-
 /* Test accuracy: eval mode, no graph, batches of EVAL_BATCH. NAN on error. */
 static double evaluate(kiln_module *model, kiln_tensor *tx, kiln_tensor *ty) {
   bool prev = kiln_set_grad_enabled(false);
@@ -212,7 +188,7 @@ int main(int argc, char **argv) {
     }
   }
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
-  if (check_output(ckpt)) return 2;
+  if (ex_check_output(PROG, ckpt)) return 2;
   kiln_dist *dist;
   int world, rank;
   int jrc = ex_join(PROG, batch, &dist, &world, &rank);

@@ -63,6 +63,7 @@
 #include <kiln_optim.h>
 
 #include "common/launch.h"
+#include "common/output.h"
 #include "common/logdir.h"
 #include "common/progress.h"
 
@@ -395,31 +396,6 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
 
 /* ---- training ------------------------------------------------------------------------ */
 
-/* The checkpoint is written during training: its directory must exist and be writable,
-** and the path must not be a directory, before the training starts. */
-static int check_output(const char *path) {
-  struct stat st;
-  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
-    fprintf(stderr, PROG ": --checkpoint '%s' is a directory; give a file name\n", path);
-    return 1;
-  }
-  char dir[1024];
-  snprintf(dir, sizeof dir, "%s", path);
-  char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, sizeof dir, ".");
-  else if (slash == dir) dir[1] = 0;
-  else *slash = 0;
-  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' does not exist\n", path, dir);
-    return 1;
-  }
-  if (access(dir, W_OK | X_OK) != 0) {
-    fprintf(stderr, PROG ": --checkpoint '%s': the directory '%s' is not writable\n", path, dir);
-    return 1;
-  }
-  return 0;
-}
-
 static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t step, double train_loss,
                         double val_loss, const char *corpus) {
   kiln_dict *extra = kiln_dict_new();
@@ -516,7 +492,7 @@ int main(int argc, char **argv) {
   kiln_device_str(dev, dname, sizeof dname);
   if (prompt) return generate(ckpt, prompt, n_tokens, temperature, top_k, (uint64_t)seed, dev, quiet);
 
-  if (check_output(ckpt)) return 2;
+  if (ex_check_output(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
   kiln_gpt_config cfg = kiln_gpt2_config();
   cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block;

@@ -460,6 +460,18 @@ extern "C" int kiln__cuda_event_query(void *ev) {
 static void *cuda_alloc(int device, size_t n) { return kiln__cuda_alloc(device, n); }
 static void cuda_free(int device, void *p, size_t n) { kiln__cuda_free(device, p, n); }
 
+/* The families past ADAM_MULTI, each listing its ops (kc_family and cuda_supports). */
+static constexpr bool kc_is_transformer(kiln__kop op) {
+  return op == KILN__K_LAYER_NORM || op == KILN__K_LAYER_NORM_BACKWARD ||
+         op == KILN__K_ATTENTION || op == KILN__K_ATTENTION_BACKWARD || op == KILN__K_CUMSUM ||
+         op == KILN__K_TRIL || op == KILN__K_TOPK || op == KILN__K_MULTINOMIAL;
+}
+
+static constexpr bool kc_is_conv(kiln__kop op) {
+  return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
+         op == KILN__K_CONV2D;
+}
+
 static bool cuda_supports(const kiln__kargs *a) {
   switch (a->op) {
   case KILN__K_RAND_UNIFORM: case KILN__K_RAND_NORMAL: case KILN__K_RAND_INT:
@@ -479,7 +491,11 @@ static bool cuda_supports(const kiln__kargs *a) {
   case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
   case KILN__K_SCATTER_ADD:
     return kiln__cuda_index_supports(a);
-  default: return kiln__cuda_elementwise_supports(a);
+  case KILN__K_AMP_UNSCALE: return kiln__cuda_amp_supports(a);
+  default:
+    if (kc_is_transformer(a->op)) return kiln__cuda_transformer_supports(a);
+    if (kc_is_conv(a->op)) return kiln__cuda_conv_supports(a);
+    return kiln__cuda_elementwise_supports(a);
   }
 }
 
@@ -521,11 +537,14 @@ template <kiln__kernel_fn F> static kiln_status kc_entry(const kiln__kargs *a) {
 
 /* Which family serves each op (constexpr, so the table below is a constant). */
 static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
-  /* Kernel ops past ADAM_MULTI (loss scaling, the transformer and convolution ops) have
-  ** no CUDA kernels yet: NULL, so that dispatch falls back to the CPU (and the op layer
-  ** composes where it asks kiln__dispatch_has), instead of the elementwise family, the
-  ** catch-all below, taking ops it does not know. */
-  return (int)op > (int)KILN__K_ADAM_MULTI
+  /* Every family names its ops: an op no family lists has no CUDA kernel (NULL), so that
+  ** dispatch falls back to the CPU (and the op layer composes where it asks
+  ** kiln__dispatch_has) instead of the elementwise family, the catch-all for the ops up
+  ** to ADAM_MULTI, taking ops it does not know. */
+  return op == KILN__K_AMP_UNSCALE ? kc_entry<kiln__cuda_amp>
+         : kc_is_transformer(op) ? kc_entry<kiln__cuda_transformer>
+         : kc_is_conv(op) ? kc_entry<kiln__cuda_conv>
+         : (int)op > (int)KILN__K_ADAM_MULTI
              ? static_cast<kiln__kernel_fn>(nullptr)
          : (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||
           op == KILN__K_RAND_BERNOULLI)

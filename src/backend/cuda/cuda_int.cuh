@@ -95,6 +95,12 @@ kiln_status kiln__cuda_index(const kiln__kargs *a);
 kiln_status kiln__cuda_binary(const kiln__kargs *a); /* binary + where (cuda_binary.cu) */
 bool kiln__cuda_binary_supports(const kiln__kargs *a);
 bool kiln__cuda_index_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_amp(const kiln__kargs *a); /* AMP_UNSCALE (cuda_amp.cu) */
+bool kiln__cuda_amp_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_transformer(const kiln__kargs *a); /* norms, attention, scan, topk, */
+bool kiln__cuda_transformer_supports(const kiln__kargs *a); /* multinomial (cuda_transformer.cu) */
+kiln_status kiln__cuda_conv(const kiln__kargs *a); /* im2col, pools, conv (cuda_conv.cu) */
+bool kiln__cuda_conv_supports(const kiln__kargs *a);
 
 /* Internal helpers other families use (cuda_elementwise.cu): out = cast(in) with any
 ** strides, and out += bias broadcast along the last dim. Queue on the device's stream. */

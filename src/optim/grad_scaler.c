@@ -228,8 +228,8 @@ kiln_dict *kiln_grad_scaler_state_dict(const kiln_grad_scaler *s) {
   return d;
 }
 
-kiln_status kiln_grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dict *d) {
-  static const char who[] = "kiln_grad_scaler_load_state_dict";
+kiln_status kiln__grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dict *d, bool apply,
+                                              const char *who) {
   if (!s || !d) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL scaler or dict", who);
   kiln_tensor *sc = kiln_dict_get(d, "scale"), *gt = kiln_dict_get(d, "growth_tracker");
   if (!sc || !gt || kiln_numel(sc) != 1 || kiln_numel(gt) != 1)
@@ -237,6 +237,7 @@ kiln_status kiln_grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dic
   double scale = kiln_item(sc), tracker = kiln_item(gt);
   if (!(scale > 0) || !isfinite(scale) || tracker < 0 || tracker != floor(tracker))
     return kiln_set_error(KILN_ERR_FORMAT, "%s: scale %g or growth_tracker %g out of range", who, scale, tracker);
+  if (!apply) return KILN_OK;
   kiln_status st = KILN_OK;
   if (s->scale) st = kiln_fill_(s->scale, scale);
   if (st == KILN_OK && s->growth_tracker) st = kiln_fill_(s->growth_tracker, tracker);
@@ -247,4 +248,8 @@ kiln_status kiln_grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dic
   s->stepped = false;
   s->cleared = false;
   return KILN_OK;
+}
+
+kiln_status kiln_grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dict *d) {
+  return kiln__grad_scaler_load_state_dict(s, d, true, "kiln_grad_scaler_load_state_dict");
 }

@@ -177,9 +177,11 @@ static bool blob_eq(blob a, blob b) { return a.n == b.n && memcmp(a.b, b.b, a.n)
 
 /* Two parameters (5 and 3x4 elements) on dev with fixed values. */
 static void make_params(kiln_tensor **ps, kiln_device dev) {
+  kiln_scope_begin();
   ps[0] = kiln_keep(kiln_to_device(kiln_arange(0, 5, 1, KILN_F32, CPU), dev));
   kiln_tensor *w = kiln_mul_scalar(kiln_arange(-6, 6, 1, KILN_F32, CPU), 0.25);
-  ps[1] = kiln_keep(kiln_to_device(kiln_view(w, 2, (const int64_t[]){3, 4}), dev));
+  ps[1] = kiln_keep(kiln_contiguous(kiln_to_device(kiln_view(w, 2, (const int64_t[]){3, 4}), dev)));
+  kiln_scope_end();
   kiln_requires_grad_(ps[0], true);
   kiln_requires_grad_(ps[1], true);
 }
@@ -256,8 +258,10 @@ static void test_skip_is_bit_identical(void) {
     iteration(NULL, ref, qs, 4, false);
     CHECK(kiln_optimizer_steps(opt) == 3);
     if (path == 2) { /* f64 pow on the device vs the host's: equal to f32 rounding */
+      kiln_scope_begin();
       for (int i = 0; i < 2; i++)
         CHECK(kiln_item(kiln_amax(kiln_abs(kiln_sub(ps[i], qs[i])), 0, NULL, false)) < 1e-6);
+      kiln_scope_end();
     } else {
       blob x = snapshot(opt), y = snapshot(ref);
       CHECK(blob_eq(x, y));

@@ -186,10 +186,15 @@ static void test_device_skip(void) {
     CHECK(kiln_optimizer_steps(g.opt) == 4 && kiln_optimizer_steps(c.opt) == 4);
     CHECK(kiln_grad_scaler_get_scale(sg) == 16384.0 && kiln_grad_scaler_get_scale(scpu) == 16384.0);
     kiln_scope_begin();
+    /* SGD: the largest difference; Adam: the mean one, since an element whose gradient is
+    ** ~0 may take its lr-sized step the other way on the GPU (matmul rounding), while a
+    ** step applied on one device and skipped on the other moves every element by ~lr. */
     for (int i = 0; i < 2; i++) {
-      double d = kiln_item(kiln_amax(kiln_abs(kiln_sub(kiln_to_device(g.w[i], cpu), c.w[i])), 0, NULL, false));
-      if (!(d < 1e-5)) fprintf(stderr, "kind %d: weight %d differs from the CPU run by %g\n", kind, i, d);
-      CHECK(d < 1e-5);
+      kiln_tensor *diff = kiln_abs(kiln_sub(kiln_to_device(g.w[i], cpu), c.w[i]));
+      double d = kiln_item(kind == 0 ? kiln_mean_all(diff) : kiln_amax(diff, 0, NULL, false));
+      double tol = kind == 0 ? 1e-3 : 1e-4;
+      if (!(d < tol)) fprintf(stderr, "kind %d: weight %d differs from the CPU run by %g\n", kind, i, d);
+      CHECK(d < tol);
     }
     kiln_scope_end();
     kiln_grad_scaler_free(sg), kiln_grad_scaler_free(scpu);

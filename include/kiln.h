@@ -643,7 +643,8 @@ KILN_API kiln_status kiln_amp_unscale_dev_(int n, kiln_tensor *const *grads, kil
 ** float32 element) is non-zero, scale *= backoff_factor and growth_tracker = 0; otherwise
 ** growth_tracker += 1 and, when it reaches growth_interval, scale *= growth_factor (kept
 ** if that overflows) and growth_tracker = 0. scale is one float32 element, growth_tracker
-** one floating element, all three on one device; both are updated in place and nothing is
+** one float32 or float64 element, all three on one device; both are updated in place (one
+** kernel where the backend has AMP_UPDATE_SCALE) and nothing is
 ** read on the host. KILN_ERR_INVALID_ARGUMENT / KILN_ERR_DEVICE for bad tensors. */
 KILN_API kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_tracker,
                                             kiln_tensor *found_inf, double growth_factor,

@@ -16,6 +16,7 @@
 #include <kiln_io.h>
 
 #include "backend/backend.h"
+#include "backend_testdev.h"
 
 #include <float.h>
 #include <math.h>
@@ -405,6 +406,46 @@ static void test_scale_sequence_matches_pytorch(void) {
   kiln_tensor_free(p);
 }
 
+/* kiln_amp_update_scale_ through the CPU's AMP_UPDATE_SCALE kernel and through the
+** composed path (the test backend has no such kernel, so the op composes it from
+** elementwise ops): the same scale and tracker after every step of a script, including a
+** growth that would overflow f32 (kept) and an f32 tracker. */
+static void test_update_scale_kernel_and_composed(void) {
+  kiln_device td = h_testdev_device();
+  kiln_fallback_policy prev = kiln_fallback_policy_get();
+  kiln_set_fallback_policy(KILN_FALLBACK_SILENT); /* the composed ops run on the CPU by design */
+  for (int variant = 0; variant < 2; variant++) {
+    kiln_scope_begin();
+    const char *script = variant ? "...x..." : "..x...xx.....";
+    double init = variant ? 3e38 : 1024.0;
+    kiln_dtype tdt = variant ? KILN_F32 : KILN_F64;
+    kiln_tensor *s0 = kiln_scalar(init, KILN_F32, CPU), *t0 = kiln_scalar(0, tdt, CPU);
+    kiln_tensor *s1 = kiln_scalar(init, KILN_F32, td), *t1 = kiln_scalar(0, tdt, td);
+    kiln_tensor *f0 = kiln_zeros(KILN_SHAPE0, KILN_F32, CPU), *f1 = kiln_zeros(KILN_SHAPE0, KILN_F32, td);
+    h_testdev_reset_calls();
+    for (int i = 0; script[i]; i++) {
+      double bad = script[i] == 'x' ? 1.0 : 0.0;
+      kiln_fill_(f0, bad);
+      kiln_fill_(f1, bad);
+      CHECK(kiln_amp_update_scale_(s0, t0, f0, 2.0, 0.5, 3) == KILN_OK);
+      CHECK(kiln_amp_update_scale_(s1, t1, f1, 2.0, 0.5, 3) == KILN_OK);
+      if (kiln_item(s0) != kiln_item(s1) || kiln_item(t0) != kiln_item(t1)) {
+        fprintf(stderr, "update_scale step %d: kernel %g/%g, composed %g/%g\n", i, kiln_item(s0), kiln_item(t0),
+                kiln_item(s1), kiln_item(t1));
+        CHECK(false);
+      }
+      if (variant && i == 2) CHECK(kiln_item(s0) == (double)3e38f); /* 6e38 overflows: kept */
+    }
+    /* 1024: x0.5 at 2, x2 at 5, x0.5 at 6 and 7, x2 at 10: 512 */
+    CHECK(variant || kiln_item(s0) == 512.0);
+    CHECK(!variant || kiln_item(s0) == (double)3e38f); /* x0.5 at 3, x2 at 6 */
+    CHECK(h_testdev_calls(KILN__K_AMP_UPDATE_SCALE) == 0); /* the test backend composed it */
+    kiln_scope_end();
+  }
+  kiln_set_fallback_policy(prev);
+  kiln_clear_error();
+}
+
 /* The new entry points refuse bad arguments with a message. */
 static void test_amp_bad_input(void) {
   kiln_scope_begin();
@@ -457,6 +498,7 @@ int main(void) {
   test_no_host_read();
   test_scale_sequence_matches_pytorch();
   test_amp_bad_input();
+  test_update_scale_kernel_and_composed();
   printf("test_grad_scaler: %d failures\n", failures);
   return failures ? 1 : 0;
 }

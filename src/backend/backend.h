@@ -174,6 +174,12 @@ typedef struct kiln__view {
   /* in0 (f32, one element, on the device) is the multiplier instead of s0, so the scale */ \
   /* can live on the device (graph replays read its current value). */                    \
   X(AMP_UNSCALE, "amp_unscale")                                                          \
+  /* the loss scale's update (torch._amp_update_scale_), one element each, in place: */   \
+  /* out0 scale (f32), out1 growth tracker (f32/f64), in0 found_inf (f32); s0 growth, */   \
+  /* s1 backoff, i0 growth interval. found_inf != 0: scale *= backoff, tracker = 0; */     \
+  /* else tracker + 1 == interval: scale *= growth when that is finite, tracker = 0; */    \
+  /* else tracker += 1. */                                                                 \
+  X(AMP_UPDATE_SCALE, "amp_update_scale")                                                 \
   /* ---- transformer ops (issue 16); CPU kernels only so far ---- */                     \
   /* fused norms over the last dim: in0 x (R, N), then the weight (N) when i0 flag 1 */  \
   /* and the bias (N) when flag 2, in that order -> out0 y (R, N), out1 mean (R), out2 */ \

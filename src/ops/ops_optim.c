@@ -433,44 +433,94 @@ kiln_status kiln_amp_unscale_dev_(int n, kiln_tensor *const *grads, kiln_tensor 
 }
 
 /* ---- loss scaling: the scale's update on the device (torch._amp_update_scale_) ----
-** Composed of elementwise ops on one-element tensors (about a dozen tiny launches on a
-** GPU, all queued, none read on the host), so every backend has it and a graph captures
-** it. PyTorch's kernel, in its order:
+** One kernel (AMP_UPDATE_SCALE) where the backend has it; elsewhere the same rule from
+** elementwise ops on one-element tensors (about a dozen, all queued, none read on the
+** host). Either way a graph captures it. PyTorch's rule, in its order:
 **   found_inf:  scale *= backoff; tracker = 0
 **   else:       t = tracker + 1; t == interval ? (scale *= growth if that is finite; tracker = 0)
 **                                              : tracker = t */
-kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_tracker, kiln_tensor *found_inf,
-                                   double growth_factor, double backoff_factor, int64_t growth_interval) {
-  static const char who[] = "kiln_amp_update_scale_";
-  if (!scale || !growth_tracker || !found_inf)
+typedef struct attrs_update_scale {
+  double growth_factor, backoff_factor;
+  int64_t growth_interval;
+} attrs_update_scale;
+static const kiln__attr_field f_update_scale[] = {
+    KILN__FIELD(attrs_update_scale, growth_factor, KILN__A_FLOAT),
+    KILN__FIELD(attrs_update_scale, backoff_factor, KILN__A_FLOAT),
+    KILN__FIELD(attrs_update_scale, growth_interval, KILN__A_INT)};
+
+/* inputs: scale, growth_tracker, found_inf */
+static kiln_status update_scale_infer(kiln__op_ctx *c) {
+  const attrs_update_scale *p = c->attrs;
+  const char *who = c->op->api;
+  kiln_tensor *scale = c->in[0], *tracker = c->in[1], *found_inf = c->in[2];
+  if (!scale || !tracker || !found_inf)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL scale, growth_tracker or found_inf", who);
   if (scale->dtype != KILN_F32 || kiln_numel(scale) != 1 || found_inf->dtype != KILN_F32 || kiln_numel(found_inf) != 1 ||
-      !kiln_dtype_is_float(growth_tracker->dtype) || kiln_numel(growth_tracker) != 1)
+      (tracker->dtype != KILN_F32 && tracker->dtype != KILN_F64) || kiln_numel(tracker) != 1)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
-                          "%s: scale and found_inf must be one float32 element, growth_tracker one floating element",
-                          who);
+                          "%s: scale and found_inf must be one float32 element, growth_tracker one float32 or "
+                          "float64 element", who);
   kiln_device dev = kiln_device_of(scale);
-  if (!kiln_device_equal(dev, kiln_device_of(growth_tracker)) || !kiln_device_equal(dev, kiln_device_of(found_inf)))
+  if (!kiln_device_equal(dev, kiln_device_of(tracker)) || !kiln_device_equal(dev, kiln_device_of(found_inf)))
     return kiln_set_error(KILN_ERR_DEVICE, "%s: scale, growth_tracker and found_inf must be on one device", who);
-  if (growth_interval <= 0 || !(growth_factor > 0) || !(backoff_factor > 0))
+  if (p->growth_interval <= 0 || !(p->growth_factor > 0) || !(p->backoff_factor > 0))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: growth_interval %lld, growth %g, backoff %g out of range",
-                          who, (long long)growth_interval, growth_factor, backoff_factor);
-  bool prev = kiln_set_grad_enabled(false);
+                          who, (long long)p->growth_interval, p->growth_factor, p->backoff_factor);
+  return KILN_OK;
+}
+
+/* The rule from elementwise ops, for a backend without the kernel. */
+static kiln_status update_scale_composed(kiln_tensor *scale, kiln_tensor *growth_tracker, kiln_tensor *found_inf,
+                                         const attrs_update_scale *p) {
+  kiln_device dev = kiln_device_of(scale);
   kiln_scope_begin();
   kiln_tensor *sc = kiln_view(scale, 0, NULL), *tr = kiln_view(growth_tracker, 0, NULL);
   kiln_tensor *bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, dev));
   kiln_tensor *zero_t = kiln_zeros_like(tr);
   kiln_tensor *t1 = kiln_add_scalar(tr, 1.0);
   kiln_tensor *clean_t1 = kiln_where(bad, zero_t, t1); /* 0 after a bad step, else tracker + 1 */
-  kiln_tensor *grow = clean_t1 ? kiln_ge(clean_t1, kiln_full_like(clean_t1, (double)growth_interval)) : NULL;
-  kiln_tensor *grown = kiln_mul_scalar(sc, growth_factor);
+  kiln_tensor *grow = clean_t1 ? kiln_ge(clean_t1, kiln_full_like(clean_t1, (double)p->growth_interval)) : NULL;
+  kiln_tensor *grown = kiln_mul_scalar(sc, p->growth_factor);
   kiln_tensor *grown_ok = grown ? kiln_where(kiln_eq(kiln_mul_scalar(grown, 0.0), kiln_zeros_like(grown)), grown, sc)
                                 : NULL; /* inf * 0 is NaN: the growth would overflow, keep the scale */
-  kiln_tensor *new_sc = kiln_where(bad, kiln_mul_scalar(sc, backoff_factor), kiln_where(grow, grown_ok, sc));
+  kiln_tensor *new_sc = kiln_where(bad, kiln_mul_scalar(sc, p->backoff_factor), kiln_where(grow, grown_ok, sc));
   kiln_tensor *new_tr = kiln_where(grow, zero_t, clean_t1);
   kiln_status st = new_sc && new_tr ? kiln_copy_(scale, new_sc) : kiln_last_error();
   if (st == KILN_OK) st = kiln_copy_(growth_tracker, new_tr);
   kiln_scope_end();
+  return st;
+}
+
+static kiln_status update_scale_forward(kiln__op_ctx *c) {
+  const attrs_update_scale *p = c->attrs;
+  kiln_tensor *scale = c->in[0], *tracker = c->in[1], *found_inf = c->in[2];
+  kiln__kargs a = {0};
+  a.op = KILN__K_AMP_UPDATE_SCALE;
+  a.n_in = 1;
+  a.in[0] = kiln__view_of(found_inf);
+  a.n_out = 2;
+  a.out[0] = kiln__view_of(scale);
+  a.out[1] = kiln__view_of(tracker);
+  a.s[0] = p->growth_factor;
+  a.s[1] = p->backoff_factor;
+  a.i[0] = p->growth_interval;
+  kiln_device dev = kiln_device_of(scale);
+  if (kiln__dispatch_has(dev, &a, KILN__K_AMP_UPDATE_SCALE)) return kiln__dispatch(dev, &a);
+  return update_scale_composed(scale, tracker, found_inf, p);
+}
+
+static const kiln__op op_amp_update_scale_ = {
+    .name = "amp_update_scale_", .api = "kiln_amp_update_scale_", .n_in = 3, .n_out = 1, .optional = 0x7,
+    .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 1, .kernels = {KILN__K_AMP_UPDATE_SCALE},
+    .attrs = f_update_scale, .n_attrs = 3, .attr_size = sizeof(attrs_update_scale), .infer = update_scale_infer,
+    .forward = update_scale_forward};
+
+kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_tracker, kiln_tensor *found_inf,
+                                   double growth_factor, double backoff_factor, int64_t growth_interval) {
+  kiln_tensor *in[3] = {scale, growth_tracker, found_inf};
+  attrs_update_scale p = {growth_factor, backoff_factor, growth_interval};
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = kiln__op_call_status(&op_amp_update_scale_, 3, in, &p);
   kiln_set_grad_enabled(prev);
   return st;
 }

@@ -263,3 +263,31 @@ kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a) {
   if (bad) *(float *)a->out[0].data = 1.0f;
   return KILN_OK;
 }
+
+/* AMP_UPDATE_SCALE: PyTorch's _amp_update_scale_ (aten/src/ATen/native/cuda/AmpKernels.cu)
+** on one element, the scale's arithmetic in f32 as there. */
+kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a) {
+  if (a->n_in < 1 || a->n_out < 2 || a->in[0].dtype != KILN_F32 || a->out[0].dtype != KILN_F32 ||
+      (a->out[1].dtype != KILN_F32 && a->out[1].dtype != KILN_F64))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_update_scale kernel: expected f32 found_inf and scale, "
+                                             "an f32/f64 tracker");
+  float *scale = a->out[0].data;
+  const float found = *(const float *)a->in[0].data;
+  double tracker = a->out[1].dtype == KILN_F64 ? *(double *)a->out[1].data : (double)*(float *)a->out[1].data;
+  if (found != 0.0f) {
+    *scale = *scale * (float)a->s[1];
+    tracker = 0;
+  } else {
+    double t = tracker + 1;
+    if (t == (double)a->i[0]) {
+      float grown = *scale * (float)a->s[0];
+      if (isfinite(grown)) *scale = grown;
+      tracker = 0;
+    } else {
+      tracker = t;
+    }
+  }
+  if (a->out[1].dtype == KILN_F64) *(double *)a->out[1].data = tracker;
+  else *(float *)a->out[1].data = (float)tracker;
+  return KILN_OK;
+}

@@ -1,4 +1,5 @@
-/* CUDA kernels for the loss scaler's unscale-and-check (AMP_UNSCALE, PyTorch's
+/* CUDA kernels for the loss scaler: AMP_UPDATE_SCALE (the scale's update, one thread) and
+** the unscale-and-check (AMP_UNSCALE, PyTorch's
 ** _amp_foreach_non_finite_check_and_unscale_): every gradient of the list multiplied in
 ** place by 1/scale, and the f32 found-inf flag set to 1 when a product is inf or NaN.
 **
@@ -61,7 +62,33 @@ __global__ void __launch_bounds__(KC_THREADS)
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1.0f;
 }
 
+/* AMP_UPDATE_SCALE: torch._amp_update_scale_ on one thread (the CPU kernel's arithmetic:
+** the scale in f32, the tracker in its own type). */
+template <class TR>
+__global__ void kc_amp_update_scale_kernel(float *scale, TR *tracker, const float *found, float growth,
+                                           float backoff, double interval) {
+  if (*found != 0.0f) {
+    *scale = __fmul_rn(*scale, backoff);
+    *tracker = (TR)0;
+    return;
+  }
+  double t = (double)*tracker + 1.0;
+  if (t == interval) {
+    float grown = __fmul_rn(*scale, growth);
+    if (isfinite(grown)) *scale = grown;
+    *tracker = (TR)0;
+  } else {
+    *tracker = (TR)t;
+  }
+}
+
+static bool kc_update_scale_ok(const kiln__kargs *a) {
+  return a->n_in >= 1 && a->n_out >= 2 && a->in[0].dtype == KILN_F32 && a->out[0].dtype == KILN_F32 &&
+         (a->out[1].dtype == KILN_F32 || a->out[1].dtype == KILN_F64);
+}
+
 extern "C" bool kiln__cuda_amp_supports(const kiln__kargs *a) {
+  if (a->op == KILN__K_AMP_UPDATE_SCALE) return kc_update_scale_ok(a);
   if (a->op != KILN__K_AMP_UNSCALE) return false;
   if (a->list_w != 1 || (a->list_n > 0 && !a->list) || a->n_out < 1 || a->out[0].dtype != KILN_F32 ||
       kc_numel(&a->out[0]) != 1)
@@ -73,9 +100,24 @@ extern "C" bool kiln__cuda_amp_supports(const kiln__kargs *a) {
 }
 
 extern "C" kiln_status kiln__cuda_amp(const kiln__kargs *a) {
-  if (a->op != KILN__K_AMP_UNSCALE)
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln cuda amp family: op %d is not AMP_UNSCALE", (int)a->op);
   kiln__cuda_dev *dev;
+  if (a->op == KILN__K_AMP_UPDATE_SCALE) {
+    if (!kc_update_scale_ok(a))
+      return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_update_scale kernel (cuda): expected f32 found_inf and "
+                                               "scale, an f32/f64 tracker");
+    KC_TRY(kiln__cuda_ctx(a->device, &dev));
+    float *scale = (float *)a->out[0].data;
+    const float *found = (const float *)a->in[0].data;
+    if (a->out[1].dtype == KILN_F64)
+      kc_amp_update_scale_kernel<double><<<1, 1, 0, dev->stream>>>(scale, (double *)a->out[1].data, found,
+                                                                   (float)a->s[0], (float)a->s[1], (double)a->i[0]);
+    else
+      kc_amp_update_scale_kernel<float><<<1, 1, 0, dev->stream>>>(scale, (float *)a->out[1].data, found,
+                                                                  (float)a->s[0], (float)a->s[1], (double)a->i[0]);
+    return kiln__cuda_launched("amp_update_scale");
+  }
+  if (a->op != KILN__K_AMP_UNSCALE)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln cuda amp family: op %d is not an amp op", (int)a->op);
   KC_TRY(kiln__cuda_ctx(a->device, &dev));
   if (a->list_w != 1 || a->n_out < 1 || a->out[0].dtype != KILN_F32)
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_unscale kernel (cuda): expected a list of width 1 and an f32 flag");

@@ -446,6 +446,38 @@ static void test_update_scale_kernel_and_composed(void) {
   kiln_clear_error();
 }
 
+/* Two optimizers on one scaler (PyTorch: a found_inf per optimizer): an inf gradient of
+** one skips that optimizer's step only; update backs off once for the iteration. */
+static void test_two_optimizers(void) {
+  kiln_tensor *p = leaf(1.0), *q = leaf(2.0);
+  kiln_optim_config ac = kiln_adam_config(0.1), sc_ = kiln_sgd_config(0.1);
+  kiln_optimizer *a = kiln_optimizer_new(&ac, &p, 1), *b = kiln_optimizer_new(&sc_, &q, 1);
+  kiln_grad_scaler *s = kiln_grad_scaler_new(NULL);
+  for (int it = 0; it < 2; it++) {
+    bool bad = it == 0;
+    kiln_scope_begin();
+    kiln_optimizer_zero_grad(a);
+    kiln_optimizer_zero_grad(b);
+    kiln_tensor *x = kiln_full(KILN_SHAPE(3), 1.0, KILN_F32, CPU);
+    kiln_tensor *y = kiln_full(KILN_SHAPE(3), bad ? INFINITY : 1.0, KILN_F32, CPU);
+    kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_mul(p, x)), kiln_sum_all(kiln_mul(q, y)));
+    CHECK(kiln_backward(kiln_grad_scaler_scale(s, loss), NULL) == KILN_OK);
+    double p0 = kiln_item(kiln_sum_all(p)), q0 = kiln_item(kiln_sum_all(q));
+    CHECK(kiln_grad_scaler_unscale_(s, a) == KILN_OK && kiln_grad_scaler_unscale_(s, b) == KILN_OK);
+    CHECK(kiln_grad_scaler_step(s, a) == KILN_OK && kiln_grad_scaler_step(s, b) == KILN_OK);
+    CHECK(kiln_grad_scaler_found_inf(s) == bad);
+    CHECK(kiln_grad_scaler_update(s) == KILN_OK);
+    CHECK(kiln_item(kiln_sum_all(p)) < p0);                       /* a's gradients were finite */
+    CHECK(bad ? kiln_item(kiln_sum_all(q)) == q0 : kiln_item(kiln_sum_all(q)) < q0);
+    kiln_scope_end();
+  }
+  CHECK(kiln_optimizer_steps(a) == 2 && kiln_optimizer_steps(b) == 1);
+  CHECK(kiln_grad_scaler_get_scale(s) == 32768.0);
+  kiln_grad_scaler_free(s);
+  kiln_optimizer_free(a), kiln_optimizer_free(b);
+  kiln_tensor_free(p), kiln_tensor_free(q);
+}
+
 /* The new entry points refuse bad arguments with a message. */
 static void test_amp_bad_input(void) {
   kiln_scope_begin();
@@ -499,6 +531,7 @@ int main(void) {
   test_scale_sequence_matches_pytorch();
   test_amp_bad_input();
   test_update_scale_kernel_and_composed();
+  test_two_optimizers();
   printf("test_grad_scaler: %d failures\n", failures);
   return failures ? 1 : 0;
 }

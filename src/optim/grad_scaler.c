@@ -31,10 +31,18 @@ struct kiln_grad_scaler {
   kiln_tensor *scale;         /* f32, 0-dim, on the device; NULL until first used */
   kiln_tensor *inv_scale;     /* f32, 0-dim: f32(1 / f64(scale)), remade by each unscale_ */
   kiln_tensor *growth_tracker; /* f64, 0-dim: clean steps in a row since the last change */
-  kiln_tensor *found_inf;     /* f32, 0-dim: set by unscale_ when a gradient is not finite */
-  const kiln_optimizer *unscaled; /* the optimizer unscaled in this iteration */
-  bool cleared;                   /* found_inf was zeroed in this iteration */
-  bool stepped;                   /* step ran (or skipped) in this iteration */
+  kiln_tensor *found_inf;     /* f32, 0-dim: any optimizer's gradient was not finite (update) */
+  /* Per optimizer (PyTorch's per-optimizer found_inf): its own flag, which its step reads,
+  ** so an inf in one optimizer's gradients skips that optimizer only. */
+  struct opt_rec {
+    const kiln_optimizer *opt;
+    kiln_tensor *flag; /* f32, 0-dim, on the scaler's device */
+    bool unscaled;     /* unscale_ ran for it in this iteration */
+  } *recs;
+  int n_recs;
+  bool cleared; /* found_inf was zeroed in this iteration */
+  bool stepped; /* a step ran (or was skipped) in this iteration */
+  bool any_unscaled;
 };
 
 kiln_grad_scaler_config kiln_grad_scaler_default_config(void) {
@@ -68,12 +76,33 @@ static void free_tensors(kiln_grad_scaler *s) {
   kiln_tensor_free(s->growth_tracker);
   kiln_tensor_free(s->found_inf);
   s->scale = s->inv_scale = s->growth_tracker = s->found_inf = NULL;
+  for (int i = 0; i < s->n_recs; i++) {
+    kiln_tensor_free(s->recs[i].flag);
+    s->recs[i].flag = NULL;
+  }
 }
 
 void kiln_grad_scaler_free(kiln_grad_scaler *s) {
   if (!s) return;
   free_tensors(s);
+  free(s->recs);
   free(s);
+}
+
+/* opt's record (made on first use), NULL with KILN_ERR_OOM. */
+static struct opt_rec *rec_of(kiln_grad_scaler *s, const kiln_optimizer *opt) {
+  for (int i = 0; i < s->n_recs; i++)
+    if (s->recs[i].opt == opt) return &s->recs[i];
+  struct opt_rec *r = realloc(s->recs, (size_t)(s->n_recs + 1) * sizeof *r);
+  if (!r) {
+    kiln_set_error(KILN_ERR_OOM, "kiln_grad_scaler: out of host memory");
+    return NULL;
+  }
+  s->recs = r;
+  r = &s->recs[s->n_recs++];
+  memset(r, 0, sizeof *r);
+  r->opt = opt;
+  return r;
 }
 
 /* The state tensors on dev: made from the host state the first time, moved (a copy)
@@ -87,6 +116,10 @@ static kiln_status on_device(kiln_grad_scaler *s, kiln_device dev) {
       if (!moved) return kiln_last_error();
       kiln_tensor_free(*ts[k]);
       *ts[k] = moved;
+    }
+    for (int i = 0; i < s->n_recs; i++) { /* made again on dev by the next unscale_ */
+      kiln_tensor_free(s->recs[i].flag);
+      s->recs[i].flag = NULL;
     }
     return KILN_OK;
   }
@@ -136,7 +169,9 @@ kiln_status kiln_grad_scaler_unscale_(kiln_grad_scaler *s, kiln_optimizer *opt) 
   static const char who[] = "kiln_grad_scaler_unscale_";
   if (!s || !opt) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL scaler or optimizer", who);
   if (!s->cfg.enabled) return KILN_OK;
-  if (s->unscaled == opt)
+  struct opt_rec *rec = rec_of(s, opt);
+  if (!rec) return kiln_last_error();
+  if (rec->unscaled)
     return kiln_set_error(KILN_ERR_STATE, "%s: already called for this optimizer since the last update", who);
   int n = kiln_optimizer_num_params(opt);
   kiln_tensor **grads = malloc((size_t)(n > 0 ? n : 1) * sizeof *grads);
@@ -155,9 +190,12 @@ kiln_status kiln_grad_scaler_unscale_(kiln_grad_scaler *s, kiln_optimizer *opt) 
     }
   }
   if (st == KILN_OK) st = on_device(s, dev);
-  /* The flag is cleared once per iteration, so a second optimizer's unscale_ adds to it. */
+  /* The combined flag is cleared once per iteration; each optimizer's flag at its unscale_. */
   if (st == KILN_OK && !s->cleared) st = kiln_fill_(s->found_inf, 0.0);
   if (st == KILN_OK) s->cleared = true;
+  if (st == KILN_OK && !rec->flag && !(rec->flag = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev))))
+    st = kiln_last_error();
+  if (st == KILN_OK) st = kiln_fill_(rec->flag, 0.0);
   bool prev = kiln_set_grad_enabled(false);
   if (st == KILN_OK) { /* PyTorch: scale.double().reciprocal().float(), on the device */
     kiln_scope_begin();
@@ -165,10 +203,16 @@ kiln_status kiln_grad_scaler_unscale_(kiln_grad_scaler *s, kiln_optimizer *opt) 
     st = inv ? kiln_copy_(s->inv_scale, inv) : kiln_last_error();
     kiln_scope_end();
   }
-  if (st == KILN_OK) st = kiln_amp_unscale_dev_(n, grads, s->found_inf, s->inv_scale);
+  if (st == KILN_OK) st = kiln_amp_unscale_dev_(n, grads, rec->flag, s->inv_scale);
+  if (st == KILN_OK) { /* found_inf = max(found_inf, this optimizer's flag), on the device */
+    kiln_scope_begin();
+    kiln_tensor *both = kiln_maximum(s->found_inf, rec->flag);
+    st = both ? kiln_copy_(s->found_inf, both) : kiln_last_error();
+    kiln_scope_end();
+  }
   kiln_set_grad_enabled(prev);
   free(grads);
-  if (st == KILN_OK) s->unscaled = opt;
+  if (st == KILN_OK) rec->unscaled = s->any_unscaled = true;
   return st;
 }
 
@@ -176,23 +220,26 @@ kiln_status kiln_grad_scaler_step(kiln_grad_scaler *s, kiln_optimizer *opt) {
   static const char who[] = "kiln_grad_scaler_step";
   if (!s || !opt) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL scaler or optimizer", who);
   if (!s->cfg.enabled) return kiln_optimizer_step(opt);
-  if (s->unscaled != opt) {
+  struct opt_rec *rec = rec_of(s, opt);
+  if (!rec) return kiln_last_error();
+  if (!rec->unscaled) {
     kiln_status st = kiln_grad_scaler_unscale_(s, opt);
     if (st != KILN_OK) return st;
   }
   s->stepped = true;
-  /* the kernels read the flag on the device: skipped there, no wait here */
-  return kiln__optimizer_step_found_inf(opt, s->found_inf);
+  /* the kernels read this optimizer's flag on the device: skipped there, no wait here */
+  return kiln__optimizer_step_found_inf(opt, rec->flag);
 }
 
 kiln_status kiln_grad_scaler_update(kiln_grad_scaler *s) {
   if (!s) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_grad_scaler_update: NULL scaler");
   if (!s->cfg.enabled) return KILN_OK;
-  if (!s->stepped && !s->unscaled)
+  if (!s->stepped && !s->any_unscaled)
     return kiln_set_error(KILN_ERR_STATE, "kiln_grad_scaler_update: no unscale_ or step since the last update");
   kiln_status st = kiln_amp_update_scale_(s->scale, s->growth_tracker, s->found_inf, s->cfg.growth_factor,
                                           s->cfg.backoff_factor, s->cfg.growth_interval);
-  s->unscaled = NULL;
+  for (int i = 0; i < s->n_recs; i++) s->recs[i].unscaled = false;
+  s->any_unscaled = false;
   s->stepped = false;
   s->cleared = false;
   return st;
@@ -244,7 +291,8 @@ kiln_status kiln__grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_di
   if (st != KILN_OK) return st;
   s->host_scale = scale;
   s->host_tracker = (int64_t)tracker;
-  s->unscaled = NULL;
+  for (int i = 0; i < s->n_recs; i++) s->recs[i].unscaled = false;
+  s->any_unscaled = false;
   s->stepped = false;
   s->cleared = false;
   return KILN_OK;

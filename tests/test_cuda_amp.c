@@ -27,14 +27,41 @@
 
 static kiln_device cpu, gpu;
 
-static bool same_bytes(kiln_tensor *a, kiln_tensor *b) {
-  size_t n = kiln_nbytes(a);
-  if (n != kiln_nbytes(b)) return false;
+/* a and b hold the same bits, except that any two NaNs are equal (a NaN's payload is the
+** hardware's: the CPU's f16 conversion makes 0x7e00, the GPU's 0x7fff). On the first
+** difference prints (unless what is NULL) what, the dtype, the element and both values with their bits. */
+static bool same_data(kiln_tensor *a, kiln_tensor *b, const char *what) {
+  size_t n = kiln_nbytes(a), es = kiln_dtype_size(kiln_dtype_of(a));
+  if (n != kiln_nbytes(b) || kiln_dtype_of(a) != kiln_dtype_of(b) || es == 0) {
+    if (what)
+      fprintf(stderr, "%s: %s of %zu bytes against %s of %zu bytes\n", what, kiln_dtype_name(kiln_dtype_of(a)), n,
+            kiln_dtype_name(kiln_dtype_of(b)), kiln_nbytes(b));
+    return false;
+  }
+  int64_t ne = (int64_t)(n / es);
   unsigned char *x = malloc(n + 1), *y = malloc(n + 1);
-  bool ok = kiln_to_host(a, x, n) == KILN_OK && kiln_to_host(b, y, n) == KILN_OK && memcmp(x, y, n) == 0;
-  free(x), free(y);
+  double *xf = malloc((size_t)ne * sizeof(double) + 1), *yf = malloc((size_t)ne * sizeof(double) + 1);
+  bool ok = x && y && xf && yf && kiln_to_host(a, x, n) == KILN_OK && kiln_to_host(b, y, n) == KILN_OK;
+  kiln_scope_begin();
+  ok = ok && kiln_to_host(kiln_to_dtype(kiln_to_device(a, cpu), KILN_F64), xf, (size_t)ne * sizeof(double)) == KILN_OK &&
+       kiln_to_host(kiln_to_dtype(kiln_to_device(b, cpu), KILN_F64), yf, (size_t)ne * sizeof(double)) == KILN_OK;
+  kiln_scope_end();
+  if (!ok && what) fprintf(stderr, "%s: could not read the values: %s\n", what, kiln_last_error_message());
+  for (int64_t i = 0; ok && i < ne; i++) {
+    if (!memcmp(x + (size_t)i * es, y + (size_t)i * es, es) || (isnan(xf[i]) && isnan(yf[i]))) continue;
+    unsigned long long bx = 0, by = 0; /* little-endian: the element's bits */
+    memcpy(&bx, x + (size_t)i * es, es);
+    memcpy(&by, y + (size_t)i * es, es);
+    if (what)
+      fprintf(stderr, "%s: %s, %lld elements: first difference at %lld: %.17g (0x%llx) against %.17g (0x%llx)\n",
+              what, kiln_dtype_name(kiln_dtype_of(a)), (long long)ne, (long long)i, xf[i], bx, yf[i], by);
+    ok = false;
+  }
+  free(x), free(y), free(xf), free(yf);
   return ok;
 }
+
+static bool same_bytes(kiln_tensor *a, kiln_tensor *b) { return same_data(a, b, "tensor"); }
 
 /* ---- unscale ---- */
 enum { NT = 70 };
@@ -72,11 +99,18 @@ static void test_unscale(void) {
       CHECK(kiln_amp_unscale_dev_(NT, d, fd, inv_d) == KILN_OK);
     }
     int differ = 0;
-    for (int i = 0; i < NT; i++) differ += !same_bytes(h[i], d[i]);
+    for (int i = 0; i < NT; i++) {
+      char what[96];
+      snprintf(what, sizeof what, "unscale mode %d: tensor %d (cpu, then cuda)", mode, i);
+      differ += !same_data(h[i], d[i], what);
+    }
     if (differ) fprintf(stderr, "unscale mode %d: %d of %d tensors differ from the CPU kernel\n", mode, differ, NT);
     CHECK(differ == 0);
-    CHECK(kiln_item(fh) == (mode >= 2 ? 1.0 : 0.0));
-    CHECK(kiln_item(fd) == (mode >= 2 ? 1.0 : 0.0));
+    const double want = mode >= 2 ? 1.0 : 0.0, got_h = kiln_item(fh), got_d = kiln_item(fd);
+    if (got_h != want || got_d != want)
+      fprintf(stderr, "unscale mode %d: found_inf %g on the cpu, %g on cuda, want %g\n", mode, got_h, got_d, want);
+    CHECK(got_h == want);
+    CHECK(got_d == want);
     /* the flag is never cleared: a clean pass after a bad one leaves it set */
     if (mode >= 2) {
       kiln_tensor *ok = kiln_ones(KILN_SHAPE(5), KILN_F16, gpu);
@@ -137,17 +171,52 @@ static void scaled_step(model *m, kiln_grad_scaler *sc, kiln_tensor *x) {
   CHECK(kiln_grad_scaler_update(sc) == KILN_OK);
 }
 
-/* Every state tensor of the optimizer and the step counts, as one dict compared entry by
-** entry. */
-static bool same_state(kiln_optimizer *a, kiln_dict *before) {
+/* The optimizer's state after a skipped step against a copy from before it: every state
+** tensor that existed holds the same bits and the step counts are the same. A tensor the
+** step made (a first step's moments or momentum buffer: made before the device knows the
+** step is skipped, as PyTorch's fused Adam makes its state) must be all zeros, which is
+** the state of a step never taken. Prints which entry differs. */
+static bool same_state(kiln_optimizer *a, kiln_dict *before, const char *what) {
   kiln_dict *now = kiln_optimizer_state_dict(a);
-  bool ok = now && kiln_dict_size(now) == kiln_dict_size(before) && kiln_dict_meta_size(now) == kiln_dict_meta_size(before);
-  for (int i = 0; ok && i < kiln_dict_size(now); i++)
-    ok = same_bytes(kiln_dict_value(now, i), kiln_dict_get(before, kiln_dict_key(now, i)));
-  for (int i = 0; ok && i < kiln_dict_meta_size(now); i++) {
-    const char *v = kiln_dict_get_meta(before, kiln_dict_meta_key(now, i));
-    ok = v && !strcmp(v, kiln_dict_meta_value(now, i));
+  if (!now) {
+    fprintf(stderr, "%s: no state dict: %s\n", what, kiln_last_error_message());
+    return false;
   }
+  bool ok = true;
+  char buf[160];
+  for (int i = 0; i < kiln_dict_size(before); i++)
+    if (!kiln_dict_get(now, kiln_dict_key(before, i))) {
+      fprintf(stderr, "%s: state entry %s is gone\n", what, kiln_dict_key(before, i));
+      ok = false;
+    }
+  for (int i = 0; i < kiln_dict_size(now); i++) {
+    const char *key = kiln_dict_key(now, i);
+    kiln_tensor *was = kiln_dict_get(before, key), *t = kiln_dict_value(now, i);
+    snprintf(buf, sizeof buf, "%s: state entry %s", what, key);
+    if (was) {
+      ok = same_data(was, t, buf) && ok;
+      continue;
+    }
+    kiln_scope_begin();
+    double mag = kiln_item(kiln_mean_all(kiln_abs(kiln_to_dtype(t, KILN_F64))));
+    kiln_scope_end();
+    if (mag != 0.0) {
+      fprintf(stderr, "%s (made by the skipped step) is not zero: mean |x| %g\n", buf, mag);
+      ok = false;
+    }
+  }
+  for (int i = 0; i < kiln_dict_meta_size(before); i++) {
+    const char *k = kiln_dict_meta_key(before, i), *v = kiln_dict_get_meta(now, k);
+    if (!v || strcmp(v, kiln_dict_meta_value(before, i))) {
+      fprintf(stderr, "%s: metadata %s was %s, now %s\n", what, k, kiln_dict_meta_value(before, i), v ? v : "(none)");
+      ok = false;
+    }
+  }
+  for (int i = 0; i < kiln_dict_meta_size(now); i++)
+    if (!kiln_dict_get_meta(before, kiln_dict_meta_key(now, i))) {
+      fprintf(stderr, "%s: metadata %s = %s is new\n", what, kiln_dict_meta_key(now, i), kiln_dict_meta_value(now, i));
+      ok = false;
+    }
   kiln_dict_free(now);
   return ok;
 }
@@ -177,8 +246,10 @@ static void test_device_skip(void) {
       scaled_step(&c, scpu, batch(it, bad, cpu));
       if (bad) {
         CHECK(kiln_grad_scaler_found_inf(sg));
-        CHECK(same_bytes(wg[0], g.w[0]) && same_bytes(wg[1], g.w[1]));
-        CHECK(same_state(g.opt, before));
+        char what[64];
+        snprintf(what, sizeof what, "skip kind %d step %d", kind, it);
+        CHECK(same_data(wg[0], g.w[0], what) && same_data(wg[1], g.w[1], what));
+        CHECK(same_state(g.opt, before, what));
       }
       kiln_dict_free(before);
       kiln_scope_end();
@@ -253,7 +324,7 @@ static void test_graph(void) {
         double s = kiln_grad_scaler_get_scale(c.sc);
         if (s != want[r]) fprintf(stderr, "kind %d replay %d: scale %g, want %g\n", kind, r, s, want[r]);
         CHECK(s == want[r]);
-        CHECK(bad[r] ? same_bytes(w0, c.m.w[0]) : !same_bytes(w0, c.m.w[0]));
+        CHECK(bad[r] ? same_bytes(w0, c.m.w[0]) : !same_data(w0, c.m.w[0], NULL));
         CHECK(kiln_grad_scaler_found_inf(c.sc) == bad[r]);
         kiln_scope_end();
       }

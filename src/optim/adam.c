@@ -143,6 +143,9 @@ kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *co
       which[m++] = i;
       continue;
     }
+    /* A device step count here too: a captured step that read the host's count would
+    ** replay its bias corrections from the capture forever. */
+    if (on_dev && (st = kiln__optim_step_on_device(params[i], &states[i])) != KILN_OK) break;
     kiln_scope_begin();
     st = adam_one(cfg, params[i], &states[i], found_inf);
     kiln_scope_end();

@@ -35,7 +35,8 @@ static kiln_status sgd_one(const kiln_optim_config *c, kiln_tensor *p, kiln__par
   return kiln_axpy_(p, -c->lr, g);
 }
 
-/* The loss-scaled step (see the top): nothing read on the host. */
+/* The loss-scaled step (see the top): nothing read on the host. found_inf NULL: a plain
+** step with the device step count (the first-step rule from step_t). */
 static kiln_status sgd_one_scaled(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s,
                                   kiln_tensor *found_inf) {
   kiln_status st = kiln__optim_step_on_device(p, s);
@@ -58,12 +59,15 @@ static kiln_status sgd_one_scaled(const kiln_optim_config *c, kiln_tensor *p, ki
   }
   fresh[0] = kiln_axpy(p, -c->lr, g);
   if (!fresh[0]) return kiln_last_error();
-  /* keep = the old values when found_inf is set; the fresh ones otherwise */
-  kiln_tensor *bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, kiln_device_of(found_inf)));
-  if (!bad) return kiln_last_error();
+  /* keep = the old values when found_inf is set; the fresh ones otherwise (and always
+  ** without found_inf: a plain step after scaled ones) */
+  kiln_tensor *bad = NULL;
+  if (found_inf &&
+      !(bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, kiln_device_of(found_inf)))))
+    return kiln_last_error();
   for (int k = 0; k < 2; k++) {
     if (!now[k]) continue;
-    if ((st = kiln_copy_(now[k], kiln_where(bad, now[k], fresh[k]))) != KILN_OK) return st;
+    if ((st = kiln_copy_(now[k], bad ? kiln_where(bad, now[k], fresh[k]) : fresh[k])) != KILN_OK) return st;
   }
   return kiln__optim_advance_step(s, found_inf);
 }
@@ -73,10 +77,11 @@ kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *con
   for (int i = 0; i < n; i++) {
     if (!kiln_grad(params[i])) continue;
     kiln_scope_begin(); /* the temporaries of one parameter's update */
-    kiln_status st = found_inf ? sgd_one_scaled(cfg, params[i], &states[i], found_inf)
-                               : sgd_one(cfg, params[i], &states[i]);
-    /* once on the device (an earlier scaled step), the count stays true there */
-    if (st == KILN_OK && !found_inf && states[i].step_t) st = kiln__optim_advance_step(&states[i], NULL);
+    /* Once the count is on the device (an earlier scaled step) the first-step rule reads
+    ** it there: a skipped first step left a zero buffer, which sgd_one would take for
+    ** a later step's. */
+    kiln_status st = found_inf || states[i].step_t ? sgd_one_scaled(cfg, params[i], &states[i], found_inf)
+                                                   : sgd_one(cfg, params[i], &states[i]);
     kiln_scope_end();
     if (st != KILN_OK) return st;
     if (!found_inf) states[i].step++; /* scaled: step_t counts on the device */

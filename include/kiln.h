@@ -611,6 +611,20 @@ KILN_API kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params,
                                            const int64_t *steps, kiln_tensor *const *step_t,
                                            double lr, double beta1, double beta2, double eps,
                                            double weight_decay, bool decoupled, bool amsgrad);
+/* kiln_adam_multi_step_ for loss scaling (PyTorch's fused Adam with found_inf): found_inf
+** (one float32 element on the parameters' device, or NULL) is read by the kernels on the
+** device; when it is non-zero nothing is written and no step_t advances, so a skipped step
+** needs no host read and works inside a captured graph. With found_inf the steps live on
+** the device: step_t is required (KILN_ERR_INVALID_ARGUMENT without it). Errors and
+** ownership as kiln_adam_multi_step_. */
+KILN_API kiln_status kiln_adam_multi_step_amp_(int n, kiln_tensor *const *params,
+                                               kiln_tensor *const *grads, kiln_tensor *const *exp_avg,
+                                               kiln_tensor *const *exp_avg_sq,
+                                               kiln_tensor *const *max_exp_avg_sq,
+                                               const int64_t *steps, kiln_tensor *const *step_t,
+                                               double lr, double beta1, double beta2, double eps,
+                                               double weight_decay, bool decoupled, bool amsgrad,
+                                               kiln_tensor *found_inf);
 
 /* Loss scaling's unscale (torch._amp_foreach_non_finite_check_and_unscale_): multiplies
 ** each of the n gradients (floating, contiguous, on found_inf's device; NULL entries are
@@ -619,6 +633,22 @@ KILN_API kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params,
 ** backend has the list kernel; nothing is read on the host. */
 KILN_API kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf,
                                        double inv_scale);
+/* kiln_amp_unscale_ with the multiplier on the device: inv_scale is one float32 element on
+** found_inf's device (the scaler's 1/scale), read by the kernel, so a captured graph
+** replays with the scale's current value. KILN_ERR_INVALID_ARGUMENT for a NULL or
+** wrong-shaped inv_scale; otherwise as kiln_amp_unscale_. */
+KILN_API kiln_status kiln_amp_unscale_dev_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf,
+                                           kiln_tensor *inv_scale);
+/* The loss scale's update on the device (torch._amp_update_scale_): when found_inf (one
+** float32 element) is non-zero, scale *= backoff_factor and growth_tracker = 0; otherwise
+** growth_tracker += 1 and, when it reaches growth_interval, scale *= growth_factor (kept
+** if that overflows) and growth_tracker = 0. scale is one float32 element, growth_tracker
+** one float32 or float64 element, all three on one device; both are updated in place (one
+** kernel where the backend has AMP_UPDATE_SCALE) and nothing is
+** read on the host. KILN_ERR_INVALID_ARGUMENT / KILN_ERR_DEVICE for bad tensors. */
+KILN_API kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_tracker,
+                                            kiln_tensor *found_inf, double growth_factor,
+                                            double backoff_factor, int64_t growth_interval);
 
 /* --------------------------------------------------------------------------------------
 ** Autograd.

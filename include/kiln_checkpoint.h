@@ -7,11 +7,14 @@
 **   tensors   "model.<name>"   the model's state dict (kiln_module_state_dict)
 **             "optim.<name>"   the optimizer's state tensors ("optim.state.3.exp_avg")
 **             "extra.<name>"   the caller's extra tensors
+**             "scaler.scale", "scaler.growth_tracker"  the loss scaler's state (_amp forms)
 **   metadata  "kiln.checkpoint" = "1" (the layout version), "kiln.version",
 **             "epoch", "step", "rng.seed", "rng.offset",
 **             "optim.<key>"    the optimizer's metadata (lr, hyperparameters, step counts)
 **             "sched.<key>"    the scheduler's (kind, last_epoch, base_lr, ...)
 **             "extra.<key>"    the caller's extra metadata
+**             "has_optim", "has_sched", "has_scaler" = "1" for the parts saved
+**             "scaler.<key>"   the scaler's factors and interval (informational)
 ** The file is written atomically (kiln_safetensors_save: a temporary file, fsync, rename),
 ** so a crash while saving leaves the previous checkpoint intact.
 **
@@ -53,6 +56,22 @@ KILN_API kiln_status kiln_checkpoint_load(const char *path, kiln_module *model,
                                           kiln_optimizer *opt, kiln_scheduler *sched,
                                           kiln_generator *gen, int64_t *epoch, int64_t *step,
                                           kiln_dict **extra);
+
+/* kiln_checkpoint_save with the loss scaler's state (kiln_grad_scaler_state_dict: scale and
+** growth tracker) as well; scaler NULL: not saved (kiln_checkpoint_save is this with NULL).
+** Reads the scaler's device tensors (a wait). Errors as kiln_checkpoint_save. */
+KILN_API kiln_status kiln_checkpoint_save_amp(const char *path, kiln_module *model,
+                                              kiln_optimizer *opt, kiln_scheduler *sched,
+                                              kiln_grad_scaler *scaler, kiln_generator *gen,
+                                              int64_t epoch, int64_t step, const kiln_dict *extra);
+/* kiln_checkpoint_load restoring the scaler too: scaler NULL: not restored; non-NULL: the
+** file must have it (KILN_ERR_INVALID_ARGUMENT otherwise) and a damaged entry (missing,
+** a scale that is not positive and finite, a negative or fractional tracker) is
+** KILN_ERR_FORMAT; like every part it is checked before anything changes. */
+KILN_API kiln_status kiln_checkpoint_load_amp(const char *path, kiln_module *model,
+                                              kiln_optimizer *opt, kiln_scheduler *sched,
+                                              kiln_grad_scaler *scaler, kiln_generator *gen,
+                                              int64_t *epoch, int64_t *step, kiln_dict **extra);
 
 #ifdef __cplusplus
 }

@@ -215,8 +215,12 @@ KILN_API kiln_status kiln_scheduler_load_state_dict(kiln_scheduler *s, const kil
 ** and NaN in one pass (kiln_amp_unscale_: one kernel launch for all); step unscales if
 ** that was not done, then steps unless a gradient was not finite (parameters and
 ** optimizer state are then left as they were); update halves the scale after such a
-** step and multiplies it by growth_factor after growth_interval clean ones. step and
-** update read the one-element found-inf flag on the host (a wait per step). */
+** step and multiplies it by growth_factor after growth_interval clean ones. Nothing of
+** this reads the device on the host: the scale, the growth tracker and the found-inf flag
+** are one-element tensors on the gradients' device, the optimizer's kernels skip the step
+** there (its step count does not advance), and update runs on the device, so the loop
+** never waits and a CUDA graph can capture it. get_scale, found_inf and the state dict
+** read the device (a wait). */
 typedef struct kiln_grad_scaler kiln_grad_scaler;
 typedef struct kiln_grad_scaler_config {
   double init_scale;       /* 65536 */
@@ -231,7 +235,8 @@ KILN_API kiln_grad_scaler_config kiln_grad_scaler_default_config(void);
 ** outside (0, 1). */
 KILN_API kiln_grad_scaler *kiln_grad_scaler_new(const kiln_grad_scaler_config *cfg);
 KILN_API void kiln_grad_scaler_free(kiln_grad_scaler *s); /* NULL is a no-op */
-/* loss * scale (a new tensor, recorded). NULL loss gives NULL without a new error. */
+/* loss * scale (a new tensor, recorded; f32 for an f16/bf16 loss, whose range 2^16 passes).
+** NULL loss gives NULL without a new error; KILN_ERR_DTYPE for an integer loss. */
 KILN_API kiln_tensor *kiln_grad_scaler_scale(kiln_grad_scaler *s, kiln_tensor *loss);
 /* KILN_ERR_STATE when called twice for one optimizer before update. */
 KILN_API kiln_status kiln_grad_scaler_unscale_(kiln_grad_scaler *s, kiln_optimizer *opt);

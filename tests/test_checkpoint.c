@@ -1,6 +1,7 @@
 /* Training checkpoints: an interrupted and resumed run is bit-identical to a straight one;
 ** a checkpoint of another model is refused with the keys named and nothing changed; a
-** process killed while saving never leaves a broken checkpoint behind. CPU only. */
+** process killed while saving never leaves a broken checkpoint behind; a loss-scaled run
+** resumes with its scaler's scale and growth tracker. CPU only. */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
 #include <kiln_checkpoint.h>
@@ -149,6 +150,118 @@ static void test_resume_is_exact(void) {
   CHECK(raw && kiln_dict_get_meta(raw, "rng.offset") && kiln_dict_get_meta(raw, "optim.lr"));
   kiln_dict_free(raw);
   remove(path);
+}
+
+/* Steps [from, to) under loss scaling: unscale_ before clipping, as PyTorch's recipe; every
+** fifth step (s % 5 == 2) has an inf loss, so the scale backs off and grows again. */
+static void train_scaled(run *r, kiln_grad_scaler *sc, int from, int to) {
+  for (int s = from; s < to; s++) {
+    kiln_scope_begin();
+    kiln_generator *dg = kiln_generator_new(2000 + (uint64_t)s);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(8, 4), KILN_F32, cpu, dg);
+    kiln_tensor *y = kiln_randint(0, 3, KILN_SHAPE(8), KILN_I64, cpu, dg);
+    kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(r->net, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
+    if (s % 5 == 2) loss = kiln_mul_scalar(loss, INFINITY);
+    CHECK(kiln_optimizer_zero_grad(r->opt) == KILN_OK);
+    CHECK(kiln_backward(kiln_grad_scaler_scale(sc, loss), NULL) == KILN_OK);
+    CHECK(kiln_grad_scaler_unscale_(sc, r->opt) == KILN_OK);
+    kiln_tensor *ps[8];
+    int n = kiln_module_parameters(r->net, ps, 8);
+    kiln_clip_grad_norm(ps, n, 0.5, 2.0); /* NaN norm on the inf steps: the step is skipped */
+    CHECK(kiln_grad_scaler_step(sc, r->opt) == KILN_OK);
+    CHECK(kiln_grad_scaler_update(sc) == KILN_OK);
+    CHECK(kiln_scheduler_step(r->sched) == KILN_OK);
+    kiln_generator_free(dg);
+    kiln_scope_end();
+  }
+}
+
+static double scaler_tracker(const kiln_grad_scaler *sc) {
+  kiln_dict *d = kiln_grad_scaler_state_dict(sc);
+  double v = d ? kiln_item(kiln_dict_get(d, "growth_tracker")) : NAN;
+  kiln_dict_free(d);
+  return v;
+}
+
+/* A loss-scaled run saved with its scaler (kiln_checkpoint_save_amp) and resumed into a
+** fresh scaler: scale, growth tracker and parameters as the straight run's, bit for bit.
+** A checkpoint without a scaler, or with a damaged one, is refused and changes nothing. */
+static void test_resume_scaled(void) {
+  const int N = 14, K = 4;
+  char path[512], plain[512];
+  in_dir("scaled.ckpt", path, sizeof path);
+  in_dir("plain.ckpt", plain, sizeof plain);
+  kiln_grad_scaler_config cfg = kiln_grad_scaler_default_config();
+  cfg.growth_interval = 3;
+
+  kiln_manual_seed(42);
+  run a = build(7, 16);
+  kiln_grad_scaler *sa = kiln_grad_scaler_new(&cfg);
+  train_scaled(&a, sa, 0, N);
+  size_t la;
+  char *pa = snapshot(a.net, &la);
+  double scale_a = kiln_grad_scaler_get_scale(sa), tracker_a = scaler_tracker(sa);
+  int64_t steps_a = kiln_optimizer_steps(a.opt);
+  CHECK(steps_a == N - 3); /* steps 2, 7, 12 skipped */
+  kiln_grad_scaler_free(sa);
+  destroy(&a);
+
+  kiln_manual_seed(42);
+  run b = build(7, 16);
+  kiln_grad_scaler *sb = kiln_grad_scaler_new(&cfg);
+  train_scaled(&b, sb, 0, K);
+  /* at K = 4: backed off to 32768 at step 2, one clean step since (a fresh scaler would
+  ** have 65536 and 0, so the resume below shows the state came back) */
+  CHECK(kiln_grad_scaler_get_scale(sb) == 32768.0 && scaler_tracker(sb) == 1.0);
+  CHECK(kiln_checkpoint_save_amp(path, b.net, b.opt, b.sched, sb, NULL, 0, K, NULL) == KILN_OK);
+  CHECK(kiln_checkpoint_save(plain, b.net, b.opt, b.sched, NULL, 0, K, NULL) == KILN_OK);
+  kiln_grad_scaler_free(sb);
+  destroy(&b);
+
+  kiln_manual_seed(999);
+  run c = build(12345, 16);
+  kiln_grad_scaler *sc = kiln_grad_scaler_new(&cfg);
+  /* the plain checkpoint has no scaler: refused, nothing changed */
+  size_t l0;
+  char *p0 = snapshot(c.net, &l0);
+  CHECK(kiln_checkpoint_load_amp(plain, c.net, c.opt, c.sched, sc, NULL, NULL, NULL, NULL) ==
+        KILN_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(kiln_last_error_message(), "scaler") != NULL);
+  size_t l1;
+  char *p1 = snapshot(c.net, &l1);
+  CHECK(l0 == l1 && memcmp(p0, p1, l0) == 0);
+  free(p0), free(p1);
+  /* a damaged scale: KILN_ERR_FORMAT naming the part, nothing changed */
+  char bad[512];
+  in_dir("bad_scaler.ckpt", bad, sizeof bad);
+  kiln_dict *raw = kiln_safetensors_load(path, cpu);
+  CHECK(raw && kiln_dict_get(raw, "scaler.scale") && kiln_dict_get(raw, "scaler.growth_tracker"));
+  CHECK(raw && kiln_dict_get_meta(raw, "has_scaler") && kiln_dict_get_meta(raw, "scaler.growth_interval"));
+  kiln_tensor *neg = kiln_keep(kiln_scalar(-1.0, KILN_F64, cpu));
+  CHECK(raw && kiln_dict_set(raw, "scaler.scale", neg) == KILN_OK && kiln_safetensors_save(bad, raw) == KILN_OK);
+  kiln_tensor_free(neg);
+  kiln_dict_free(raw);
+  p0 = snapshot(c.net, &l0);
+  CHECK(kiln_checkpoint_load_amp(bad, c.net, c.opt, c.sched, sc, NULL, NULL, NULL, NULL) == KILN_ERR_FORMAT);
+  CHECK(strstr(kiln_last_error_message(), "grad scaler") != NULL);
+  p1 = snapshot(c.net, &l1);
+  CHECK(l0 == l1 && memcmp(p0, p1, l0) == 0 && kiln_grad_scaler_get_scale(sc) == 65536.0);
+  free(p0), free(p1);
+  kiln_clear_error();
+  /* the real one: the run goes on as if never interrupted */
+  int64_t step = -1;
+  CHECK(kiln_checkpoint_load_amp(path, c.net, c.opt, c.sched, sc, NULL, NULL, &step, NULL) == KILN_OK);
+  CHECK(step == K && scaler_tracker(sc) == 1.0 && kiln_grad_scaler_get_scale(sc) == 32768.0);
+  train_scaled(&c, sc, K, N);
+  size_t lc;
+  char *pc = snapshot(c.net, &lc);
+  CHECK(la == lc && memcmp(pa, pc, la) == 0);
+  CHECK(kiln_grad_scaler_get_scale(sc) == scale_a && scaler_tracker(sc) == tracker_a);
+  CHECK(kiln_optimizer_steps(c.opt) == steps_a);
+  kiln_grad_scaler_free(sc);
+  destroy(&c);
+  free(pa), free(pc);
+  remove(path), remove(plain), remove(bad);
 }
 
 /* A checkpoint of another model: refused, keys named, nothing changed. Also the other
@@ -427,6 +540,7 @@ int main(void) {
     return 1;
   }
   test_resume_is_exact();
+  test_resume_scaled();
   test_mismatch();
   test_inconsistent_state();
   test_kill_while_saving();

@@ -13,8 +13,9 @@
 ** an error naming the variable and the accepted values, exit code 2. KILN_DEVICE is not
 ** checked when --device was given (the flag wins). Returns 0 or 2. */
 static inline int ex_check_env(const char *prog, bool device_flag) {
-  static const char *const names[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK", "KILN_PROFILE"};
-  for (int i = device_flag ? 1 : 0; i < 4; i++)
+  static const char *const names[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK", "KILN_PROFILE",
+                                      "KILN_ANOMALY"};
+  for (int i = device_flag ? 1 : 0; i < 5; i++)
     if (kiln_env_check(names[i]) != KILN_OK) {
       fprintf(stderr, "%s: %s\n", prog, kiln_last_error_message());
       return 2;

@@ -155,17 +155,31 @@ typedef struct kiln__view {
   /* (>= 1, for bias correction), i1 flags: 1 decoupled weight decay (AdamW), 2 */        \
   /* amsgrad, 4 step on the device: in1 is an f64 one-element step count (the kernel */  \
   /* uses in1 + 1 and does not write it); i2 = weight decay as the bits of a double. */   \
+  /* i1 flag 8, found_inf (loss scaling): the last input (in1, or in2 after step_t) is */  \
+  /* an f32 one-element flag read on the device; when it is non-zero the kernel writes */  \
+  /* nothing (a skipped step, no host read). A backend that does not know flag 8 must */   \
+  /* refuse it in supports. */                                                            \
   X(ADAM, "adam")                                                                         \
   /* ADAM over many tensors in few launches (a list op: see kiln__kargs.list). Each */    \
   /* group is [grad, param, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only), step_t */ \
   /* (flag 4 only)], all groups one float dtype, contiguous; list_i[g] is the group's */   \
   /* step (>= 1) when the step is on the host. s0-s3, i1, i2 as ADAM. With flag 4 the */  \
   /* kernel reads step_t + 1 and then advances every step_t by one (unlike ADAM). */     \
+  /* Flag 8 (found_inf): in0 (n_in 1) is an f32 one-element flag read on the device; */   \
+  /* non-zero: nothing is written and no step_t advances (PyTorch's skipped step). */      \
   X(ADAM_MULTI, "adam_multi")                                                             \
   /* loss-scaling unscale over many tensors (a list op, list_w 1): each floating */        \
   /* contiguous view is multiplied in place by s0 (1/scale); out0, an f32 one-element */   \
-  /* flag, is set to 1 when any value is inf or NaN (never cleared here). */               \
+  /* flag, is set to 1 when any value is inf or NaN (never cleared here). With n_in 1, */ \
+  /* in0 (f32, one element, on the device) is the multiplier instead of s0, so the scale */ \
+  /* can live on the device (graph replays read its current value). */                    \
   X(AMP_UNSCALE, "amp_unscale")                                                          \
+  /* the loss scale's update (torch._amp_update_scale_), one element each, in place: */   \
+  /* out0 scale (f32), out1 growth tracker (f32/f64), in0 found_inf (f32); s0 growth, */   \
+  /* s1 backoff, i0 growth interval. found_inf != 0: scale *= backoff, tracker = 0; */     \
+  /* else tracker + 1 == interval: scale *= growth when that is finite, tracker = 0; */    \
+  /* else tracker += 1. */                                                                 \
+  X(AMP_UPDATE_SCALE, "amp_update_scale")                                                 \
   /* ---- transformer ops (issue 16); CPU kernels only so far ---- */                     \
   /* fused norms over the last dim: in0 x (R, N), then the weight (N) when i0 flag 1 */  \
   /* and the bias (N) when flag 2, in that order -> out0 y (R, N), out1 mean (R), out2 */ \

@@ -157,6 +157,8 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
                                             const char *who); /* src/optim/optimizer.c */
 kiln_status kiln__scheduler_load_state_dict(kiln_scheduler *s, const kiln_dict *d, bool apply,
                                             const char *who); /* src/optim/scheduler.c */
+kiln_status kiln__grad_scaler_load_state_dict(kiln_grad_scaler *s, const kiln_dict *d, bool apply,
+                                              const char *who); /* src/optim/grad_scaler.c */
 
 /* ---- module scope (ops: src/ops/module_scope.c) ----
 ** kiln_module_forward runs a module's forward between push and pop of its label, so that

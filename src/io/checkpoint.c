@@ -51,6 +51,12 @@ static kiln_dict *take_prefixed(const kiln_dict *src, const char *prefix) {
 kiln_status kiln_checkpoint_save(const char *path, kiln_module *model, kiln_optimizer *opt,
                                  kiln_scheduler *sched, kiln_generator *gen, int64_t epoch,
                                  int64_t step, const kiln_dict *extra) {
+  return kiln_checkpoint_save_amp(path, model, opt, sched, NULL, gen, epoch, step, extra);
+}
+
+kiln_status kiln_checkpoint_save_amp(const char *path, kiln_module *model, kiln_optimizer *opt,
+                                     kiln_scheduler *sched, kiln_grad_scaler *scaler, kiln_generator *gen,
+                                     int64_t epoch, int64_t step, const kiln_dict *extra) {
   static const char who[] = "kiln_checkpoint_save";
   if (!path || !model)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path or model", who);
@@ -59,8 +65,9 @@ kiln_status kiln_checkpoint_save(const char *path, kiln_module *model, kiln_opti
   kiln_dict *md = kiln_module_state_dict(model);
   kiln_dict *od = opt ? kiln_optimizer_state_dict(opt) : NULL;
   kiln_dict *sd = sched ? kiln_scheduler_state_dict(sched) : NULL;
+  kiln_dict *gd = scaler ? kiln_grad_scaler_state_dict(scaler) : NULL; /* reads the device */
   kiln_status st = KILN_OK;
-  if (!md || (opt && !od) || (sched && !sd)) st = kiln_last_error();
+  if (!md || (opt && !od) || (sched && !sd) || (scaler && !gd)) st = kiln_last_error();
   if (st == KILN_OK) st = kiln_dict_set_meta(d, "kiln.checkpoint", CKPT_LAYOUT);
   if (st == KILN_OK) st = kiln_dict_set_meta(d, "kiln.version", kiln_version());
   if (st == KILN_OK) st = kiln__meta_set_i64(d, "epoch", epoch);
@@ -79,11 +86,14 @@ kiln_status kiln_checkpoint_save(const char *path, kiln_module *model, kiln_opti
   if (st == KILN_OK && od) st = add_prefixed(d, od, "optim.", true, true);
   if (st == KILN_OK && sd) st = kiln_dict_set_meta(d, "has_sched", "1");
   if (st == KILN_OK && sd) st = add_prefixed(d, sd, "sched.", false, true);
+  if (st == KILN_OK && gd) st = kiln_dict_set_meta(d, "has_scaler", "1");
+  if (st == KILN_OK && gd) st = add_prefixed(d, gd, "scaler.", true, true);
   if (st == KILN_OK && extra) st = add_prefixed(d, extra, "extra.", true, true);
   if (st == KILN_OK) st = kiln_safetensors_save(path, d);
   kiln_dict_free(md);
   kiln_dict_free(od);
   kiln_dict_free(sd);
+  kiln_dict_free(gd);
   kiln_dict_free(d);
   return st;
 }
@@ -100,13 +110,19 @@ static kiln_status parse_u64(const kiln_dict *d, const char *key, uint64_t *out,
 kiln_status kiln_checkpoint_load(const char *path, kiln_module *model, kiln_optimizer *opt,
                                  kiln_scheduler *sched, kiln_generator *gen, int64_t *epoch,
                                  int64_t *step, kiln_dict **extra) {
+  return kiln_checkpoint_load_amp(path, model, opt, sched, NULL, gen, epoch, step, extra);
+}
+
+kiln_status kiln_checkpoint_load_amp(const char *path, kiln_module *model, kiln_optimizer *opt,
+                                     kiln_scheduler *sched, kiln_grad_scaler *scaler, kiln_generator *gen,
+                                     int64_t *epoch, int64_t *step, kiln_dict **extra) {
   static const char who[] = "kiln_checkpoint_load";
   if (extra) *extra = NULL;
   if (!path || !model)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path or model", who);
   kiln_dict *d = kiln_safetensors_load(path, kiln_device_cpu());
   if (!d) return kiln_last_error();
-  kiln_dict *md = NULL, *od = NULL, *sd = NULL, *xd = NULL;
+  kiln_dict *md = NULL, *od = NULL, *sd = NULL, *xd = NULL, *gd = NULL;
   kiln_status st = KILN_OK;
   int64_t ep = 0, sp = 0;
   uint64_t seed = 0, offset = 0;
@@ -136,8 +152,8 @@ kiln_status kiln_checkpoint_load(const char *path, kiln_module *model, kiln_opti
       (st = parse_u64(d, "rng.offset", &offset, path)) != KILN_OK)
     goto done;
   /* The writer sets these to "1" or leaves them out; anything else is a damaged file. */
-  static const char *const flags[] = {"has_optim", "has_sched"};
-  for (int i = 0; i < 2; i++) {
+  static const char *const flags[] = {"has_optim", "has_sched", "has_scaler"};
+  for (int i = 0; i < 3; i++) {
     const char *v = kiln_dict_get_meta(d, flags[i]);
     if (v && strcmp(v, "1")) {
       st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s: metadata \"%s\" is \"%s\" (a kiln checkpoint has "
@@ -155,11 +171,17 @@ kiln_status kiln_checkpoint_load(const char *path, kiln_module *model, kiln_opti
                         who, path);
     goto done;
   }
+  if (scaler && !kiln_dict_get_meta(d, "has_scaler")) {
+    st = kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %s has no grad scaler state (saved without one)",
+                        who, path);
+    goto done;
+  }
   md = take_prefixed(d, "model.");
   od = opt ? take_prefixed(d, "optim.") : NULL;
   sd = sched ? take_prefixed(d, "sched.") : NULL;
   xd = extra ? take_prefixed(d, "extra.") : NULL;
-  if (!md || (opt && !od) || (sched && !sd) || (extra && !xd)) {
+  gd = scaler ? take_prefixed(d, "scaler.") : NULL;
+  if (!md || (opt && !od) || (sched && !sd) || (extra && !xd) || (scaler && !gd)) {
     st = kiln_last_error();
     goto done;
   }
@@ -174,12 +196,17 @@ kiln_status kiln_checkpoint_load(const char *path, kiln_module *model, kiln_opti
     snprintf(whobuf, sizeof whobuf, "%s: %s: scheduler", who, path);
     st = kiln__scheduler_load_state_dict(sched, sd, false, whobuf);
   }
+  if (st == KILN_OK && scaler) {
+    snprintf(whobuf, sizeof whobuf, "%s: %s: grad scaler", who, path);
+    st = kiln__grad_scaler_load_state_dict(scaler, gd, false, whobuf);
+  }
   if (st != KILN_OK) goto done;
   snprintf(whobuf, sizeof whobuf, "%s: %s: model", who, path);
   st = kiln__module_load_state_dict(model, md, true, true, whobuf);
   if (st == KILN_OK && opt) st = kiln__optimizer_load_state_dict(opt, od, true, whobuf);
   /* The scheduler last: it sets the optimizer's lr for its step. */
   if (st == KILN_OK && sched) st = kiln__scheduler_load_state_dict(sched, sd, true, whobuf);
+  if (st == KILN_OK && scaler) st = kiln__grad_scaler_load_state_dict(scaler, gd, true, whobuf);
   if (st != KILN_OK) goto done; /* only OOM can get here after the checks */
   kiln_generator_set_state(gen ? gen : kiln_generator_global(), seed, offset);
   if (epoch) *epoch = ep;
@@ -193,6 +220,7 @@ done:
   kiln_dict_free(od);
   kiln_dict_free(sd);
   kiln_dict_free(xd);
+  kiln_dict_free(gd);
   kiln_dict_free(d);
   return st;
 }

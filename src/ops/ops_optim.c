@@ -12,12 +12,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* kiln_adam_step_ with the found-inf flag (the op's 7th input); defined with the op. */
+static kiln_status adam_step_call(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                                  kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
+                                  double beta1, double beta2, double eps, double weight_decay,
+                                  int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t,
+                                  kiln_tensor *found_inf);
+
 /* The checks every Adam entry point makes of one parameter's tensors; *step is set to 1
 ** when step_t carries the count. who names the caller. */
 static kiln_status adam_check(const char *who, kiln_tensor *param, kiln_tensor *grad,
                               kiln_tensor *exp_avg, kiln_tensor *exp_avg_sq,
                               kiln_tensor *max_exp_avg_sq, bool amsgrad, kiln_tensor *step_t,
-                              int64_t *step) {
+                              kiln_tensor *found_inf, int64_t *step) {
   kiln_tensor *ts[5] = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq};
   int n = amsgrad ? 5 : 4;
   for (int i = 0; i < n; i++)
@@ -48,18 +55,27 @@ static kiln_status adam_check(const char *who, kiln_tensor *param, kiln_tensor *
                             kiln__device_cstr(kiln_device_of(param)));
     *step = 1; /* unused by the kernel */
   }
+  if (found_inf && (found_inf->dtype != KILN_F32 || kiln_numel(found_inf) != 1 ||
+                    !kiln_device_equal(kiln_device_of(found_inf), kiln_device_of(param))))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: found_inf must be one float32 element on %s", who,
+                          kiln__device_cstr(kiln_device_of(param)));
+  if (found_inf && !step_t)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: found_inf needs the step on the device (step_t): a host step count cannot "
+                          "tell whether the step was skipped", who);
   if (*step < 1) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: step must be >= 1, got %lld", who, (long long)*step);
   return KILN_OK;
 }
 
 /* ADAM's scalars and flags, shared by the single and the list kernel. */
 static void adam_scalars(kiln__kargs *a, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool decoupled, bool amsgrad, bool on_device) {
+                         double weight_decay, bool decoupled, bool amsgrad, bool on_device,
+                         bool found_inf) {
   a->s[0] = lr;
   a->s[1] = beta1;
   a->s[2] = beta2;
   a->s[3] = eps;
-  a->i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0) | (on_device ? 4 : 0);
+  a->i[1] = (decoupled ? 1 : 0) | (amsgrad ? 2 : 0) | (on_device ? 4 : 0) | (found_inf ? 8 : 0);
   memcpy(&a->i[2], &weight_decay, sizeof weight_decay);
 }
 
@@ -67,7 +83,8 @@ static void adam_scalars(kiln__kargs *a, double lr, double beta1, double beta2, 
 static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
                              kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
                              double beta1, double beta2, double eps, double weight_decay,
-                             int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
+                             int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t,
+                             kiln_tensor *found_inf) {
   kiln__kargs a = {0};
   a.op = KILN__K_ADAM;
   a.n_in = 1;
@@ -77,14 +94,22 @@ static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor 
   a.out[1] = kiln__view_of(exp_avg);
   a.out[2] = kiln__view_of(exp_avg_sq);
   if (amsgrad) a.out[3] = kiln__view_of(max_exp_avg_sq);
-  adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL);
+  adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
   a.i[0] = step;
   if (step_t) {
     a.n_in = 2;
     a.in[1] = kiln__view_of(step_t);
   }
+  if (found_inf) a.in[a.n_in++] = kiln__view_of(found_inf);
   kiln_status st = kiln_numel(param) ? kiln__dispatch(kiln_device_of(param), &a) : KILN_OK;
   if (st != KILN_OK || !step_t) return st;
+  if (found_inf) { /* step_t += (found_inf == 0), on the device: a skipped step does not count */
+    kiln_scope_begin();
+    kiln_tensor *ok = kiln_to_dtype(kiln_eq_scalar(found_inf, 0.0), KILN_F64);
+    st = ok ? kiln_axpy_(step_t, 1.0, kiln_view(ok, 0, NULL)) : kiln_last_error();
+    kiln_scope_end();
+    return st;
+  }
   /* step_t += 1, on the device, after the kernel read it (stream order) */
   kiln__kargs inc = {0};
   inc.op = KILN__K_AFFINE;
@@ -104,7 +129,7 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
                                    kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
                                    kiln_tensor *const *step_t, double lr, double beta1,
                                    double beta2, double eps, double weight_decay, bool decoupled,
-                                   bool amsgrad) {
+                                   bool amsgrad, kiln_tensor *found_inf) {
   static const char who[] = "kiln_adam_multi_step_";
   const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0);
   kiln__view *list = malloc((size_t)(n > 0 ? n : 1) * (size_t)w * sizeof *list);
@@ -134,7 +159,11 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
     if (m == 0) continue;
     kiln__kargs a = {0};
     a.op = KILN__K_ADAM_MULTI;
-    adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL);
+    adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
+    if (found_inf) {
+      a.n_in = 1;
+      a.in[0] = kiln__view_of(found_inf);
+    }
     a.list_n = m;
     a.list_w = w;
     a.list = list;
@@ -145,9 +174,9 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
     }
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
       int j = idx[k];
-      st = kiln_adam_step_(params[j], grads[j], exp_avg[j], exp_avg_sq[j],
-                           amsgrad ? max_exp_avg_sq[j] : NULL, lr, beta1, beta2, eps, weight_decay,
-                           li[k], decoupled, amsgrad, step_t ? step_t[j] : NULL);
+      st = adam_step_call(params[j], grads[j], exp_avg[j], exp_avg_sq[j],
+                          amsgrad ? max_exp_avg_sq[j] : NULL, lr, beta1, beta2, eps, weight_decay,
+                          li[k], decoupled, amsgrad, step_t ? step_t[j] : NULL, found_inf);
     }
   }
   free(list);
@@ -176,12 +205,13 @@ static const kiln__attr_field f_adam[] = {
     KILN__FIELD(attrs_adam, weight_decay, KILN__A_FLOAT), KILN__FIELD(attrs_adam, amsgrad, KILN__A_BOOL),
     KILN__FIELD(attrs_adam, decoupled, KILN__A_BOOL),     KILN__FIELD(attrs_adam, step, KILN__A_INT)};
 
-/* inputs: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), step_t (capturable) */
+/* inputs: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), step_t (capturable),
+** found_inf (loss scaling: skip on the device when set) */
 static kiln_status adam_infer(kiln__op_ctx *c) {
   const attrs_adam *p = c->attrs;
   kiln_tensor *const *in = c->in;
   int64_t step = p->step;
-  kiln_status cs = adam_check(c->op->api, in[0], in[1], in[2], in[3], in[4], p->amsgrad, in[5], &step);
+  kiln_status cs = adam_check(c->op->api, in[0], in[1], in[2], in[3], in[4], p->amsgrad, in[5], in[6], &step);
   c->scratch[0] = (uint64_t)step; /* the count the kernel gets (1 with step_t) */
   return cs;
 }
@@ -189,11 +219,11 @@ static kiln_status adam_forward(kiln__op_ctx *c) {
   const attrs_adam *p = c->attrs;
   kiln_tensor *const *in = c->in;
   return adam_step(in[0], in[1], in[2], in[3], in[4], p->lr, p->beta1, p->beta2, p->eps, p->weight_decay,
-                   (int64_t)c->scratch[0], p->decoupled, p->amsgrad, in[5]);
+                   (int64_t)c->scratch[0], p->decoupled, p->amsgrad, in[5], in[6]);
 }
 
 /* inputs: the lists params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, step_t, n each
-** (the last two all NULL when not used) */
+** (the last two all NULL when not used), then found_inf (NULL when not used) */
 #define ADAM_LIST(c, k) ((c)->in + (size_t)(k) * (size_t)((const attrs_adam *)(c)->attrs)->n)
 static kiln_status adam_multi_infer(kiln__op_ctx *c) {
   const attrs_adam *p = c->attrs;
@@ -204,7 +234,7 @@ static kiln_status adam_multi_infer(kiln__op_ctx *c) {
     int64_t st = p->steps ? p->steps[i] : 1;
     kiln_status cs = adam_check(c->op->api, params[i], grads[i], exp_avg[i], exp_avg_sq[i],
                                 p->amsgrad ? max_exp_avg_sq[i] : NULL, p->amsgrad, p->has_step_t ? step_t[i] : NULL,
-                                &st);
+                                c->in[6 * (size_t)p->n], &st);
     if (cs != KILN_OK) {
       char msg[512];
       snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
@@ -217,11 +247,12 @@ static kiln_status adam_multi_forward(kiln__op_ctx *c) {
   const attrs_adam *p = c->attrs;
   return adam_multi_step(p->n, ADAM_LIST(c, 0), ADAM_LIST(c, 1), ADAM_LIST(c, 2), ADAM_LIST(c, 3),
                          p->amsgrad ? ADAM_LIST(c, 4) : NULL, p->steps, p->has_step_t ? ADAM_LIST(c, 5) : NULL, p->lr,
-                         p->beta1, p->beta2, p->eps, p->weight_decay, p->decoupled, p->amsgrad);
+                         p->beta1, p->beta2, p->eps, p->weight_decay, p->decoupled, p->amsgrad,
+                         c->in[6 * (size_t)p->n]);
 }
 
 static const kiln__op op_adam_step_ = {
-    .name = "adam_step_", .api = "kiln_adam_step_", .n_in = 6, .n_out = 1, .optional = 0x3f,
+    .name = "adam_step_", .api = "kiln_adam_step_", .n_in = 7, .n_out = 1, .optional = 0x7f,
     .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 2, .kernels = {KILN__K_ADAM, KILN__K_AFFINE},
     .attrs = f_adam, .n_attrs = 8, .attr_size = sizeof(attrs_adam), .infer = adam_infer, .forward = adam_forward};
 static const kiln__op op_adam_multi_step_ = {
@@ -234,9 +265,18 @@ kiln_status kiln_adam_step_(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *
                             kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
                             double beta1, double beta2, double eps, double weight_decay,
                             int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t) {
-  kiln_tensor *in[6] = {param, grad, exp_avg, exp_avg_sq, amsgrad ? max_exp_avg_sq : NULL, step_t};
+  return adam_step_call(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
+                        step, decoupled, amsgrad, step_t, NULL);
+}
+
+static kiln_status adam_step_call(kiln_tensor *param, kiln_tensor *grad, kiln_tensor *exp_avg,
+                                  kiln_tensor *exp_avg_sq, kiln_tensor *max_exp_avg_sq, double lr,
+                                  double beta1, double beta2, double eps, double weight_decay,
+                                  int64_t step, bool decoupled, bool amsgrad, kiln_tensor *step_t,
+                                  kiln_tensor *found_inf) {
+  kiln_tensor *in[7] = {param, grad, exp_avg, exp_avg_sq, amsgrad ? max_exp_avg_sq : NULL, step_t, found_inf};
   attrs_adam p = {lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled, step, NULL, 1, step_t != NULL};
-  return kiln__op_call_status(&op_adam_step_, 6, in, &p);
+  return kiln__op_call_status(&op_adam_step_, 7, in, &p);
 }
 
 /* The lists are laid end to end as the op's inputs (one host array for the call; the
@@ -247,14 +287,25 @@ kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor
                                   kiln_tensor *const *step_t, double lr, double beta1,
                                   double beta2, double eps, double weight_decay, bool decoupled,
                                   bool amsgrad) {
+  return kiln_adam_multi_step_amp_(n, params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, step_t, lr, beta1,
+                                   beta2, eps, weight_decay, decoupled, amsgrad, NULL);
+}
+
+kiln_status kiln_adam_multi_step_amp_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                      kiln_tensor *const *exp_avg, kiln_tensor *const *exp_avg_sq,
+                                      kiln_tensor *const *max_exp_avg_sq, const int64_t *steps,
+                                      kiln_tensor *const *step_t, double lr, double beta1, double beta2,
+                                      double eps, double weight_decay, bool decoupled, bool amsgrad,
+                                      kiln_tensor *found_inf) {
   static const char who[] = "kiln_adam_multi_step_";
   if (n < 0 || (n > 0 && (!params || !grads || !exp_avg || !exp_avg_sq || (amsgrad && !max_exp_avg_sq) ||
                           (!steps && !step_t))))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                           "%s: n must be >= 0 and the arrays given (max_exp_avg_sq with amsgrad; "
                           "steps or step_t)", who);
-  kiln_tensor **in = malloc((size_t)(n > 0 ? n : 1) * 6 * sizeof *in);
+  kiln_tensor **in = malloc(((size_t)n * 6 + 1) * sizeof *in);
   if (!in) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  in[6 * (size_t)n] = found_inf;
   for (int i = 0; i < n; i++) {
     in[i] = params[i];
     in[n + i] = grads[i];
@@ -264,7 +315,7 @@ kiln_status kiln_adam_multi_step_(int n, kiln_tensor *const *params, kiln_tensor
     in[5 * n + i] = step_t ? step_t[i] : NULL;
   }
   attrs_adam p = {lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled, 0, steps, n, step_t != NULL};
-  kiln_status st = kiln__op_call_status(&op_adam_multi_step_, 6 * n, in, &p);
+  kiln_status st = kiln__op_call_status(&op_adam_multi_step_, 6 * n + 1, in, &p);
   free(in);
   return st;
 }
@@ -274,14 +325,20 @@ typedef struct attrs_unscale {
   double inv_scale;
   int n;
 } attrs_unscale;
+/* The multiplier: the device tensor inv_t (f32, one element) when given, else inv_scale. */
 static const kiln__attr_field f_unscale[] = {KILN__FIELD(attrs_unscale, inv_scale, KILN__A_FLOAT)};
 
-/* inputs: the n gradients (NULL entries skipped), then found_inf */
+/* inputs: the n gradients (NULL entries skipped), then found_inf, then inv_scale as a
+** tensor (NULL: the attribute) */
 static kiln_status unscale_infer(kiln__op_ctx *c) {
   const attrs_unscale *p = c->attrs;
-  kiln_tensor *fi = c->in[p->n];
+  kiln_tensor *fi = c->in[p->n], *inv = c->in[p->n + 1];
   if (!fi || fi->dtype != KILN_F32 || kiln_numel(fi) != 1)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: found_inf must be one float32 element", c->op->api);
+  if (inv && (inv->dtype != KILN_F32 || kiln_numel(inv) != 1 ||
+              !kiln_device_equal(kiln_device_of(inv), kiln_device_of(fi))))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: inv_scale must be one float32 element on %s", c->op->api,
+                          kiln__device_cstr(kiln_device_of(fi)));
   for (int i = 0; i < p->n; i++) {
     kiln_tensor *g = c->in[i];
     if (!g) continue;
@@ -301,7 +358,7 @@ static kiln_status unscale_infer(kiln__op_ctx *c) {
 ** g *= inv_scale; found_inf = max(found_inf, any(g * 0 != 0)) (inf * 0 and NaN * 0 are NaN). */
 static kiln_status unscale_forward(kiln__op_ctx *c) {
   const attrs_unscale *p = c->attrs;
-  kiln_tensor *fi = c->in[p->n];
+  kiln_tensor *fi = c->in[p->n], *inv = c->in[p->n + 1];
   kiln_device dev = kiln_device_of(fi);
   kiln__view *list = malloc((size_t)(p->n > 0 ? p->n : 1) * sizeof *list);
   if (!list) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", c->op->api);
@@ -313,6 +370,10 @@ static kiln_status unscale_forward(kiln__op_ctx *c) {
   a.n_out = 1;
   a.out[0] = kiln__view_of(fi);
   a.s[0] = p->inv_scale;
+  if (inv) {
+    a.n_in = 1;
+    a.in[0] = kiln__view_of(inv);
+  }
   a.list_n = m;
   a.list_w = 1;
   a.list = list;
@@ -326,7 +387,7 @@ static kiln_status unscale_forward(kiln__op_ctx *c) {
       kiln_tensor *g = c->in[i];
       if (!g || kiln_numel(g) == 0) continue;
       kiln_scope_begin();
-      st = kiln_mul_scalar_(g, p->inv_scale);
+      st = inv ? kiln_copy_(g, kiln_mul(g, kiln_view(inv, 0, NULL))) : kiln_mul_scalar_(g, p->inv_scale);
       kiln_tensor *bad = st == KILN_OK ? kiln_amax(kiln_to_dtype(kiln_ne(kiln_mul_scalar(g, 0.0), kiln_zeros_like(g)),
                                                                  KILN_F32), g->ndim, (const int[]){0, 1, 2, 3, 4, 5, 6, 7}, false)
                                        : NULL;
@@ -345,16 +406,121 @@ static const kiln__op op_amp_unscale_ = {
     .kernels = {KILN__K_AMP_UNSCALE}, .attrs = f_unscale, .n_attrs = 1, .attr_size = sizeof(attrs_unscale),
     .infer = unscale_infer, .forward = unscale_forward};
 
-kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf, double inv_scale) {
+static kiln_status amp_unscale_call(int n, kiln_tensor *const *grads, kiln_tensor *found_inf, double inv_scale,
+                                    kiln_tensor *inv_t) {
   static const char who[] = "kiln_amp_unscale_";
   if (n < 0 || (n > 0 && !grads) || !found_inf)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: n must be >= 0, the gradients and found_inf given", who);
-  kiln_tensor **in = malloc((size_t)(n + 1) * sizeof *in);
+  kiln_tensor **in = malloc((size_t)(n + 2) * sizeof *in);
   if (!in) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
   for (int i = 0; i < n; i++) in[i] = grads[i];
   in[n] = found_inf;
+  in[n + 1] = inv_t;
   attrs_unscale p = {inv_scale, n};
-  kiln_status st = kiln__op_call_status(&op_amp_unscale_, n + 1, in, &p);
+  kiln_status st = kiln__op_call_status(&op_amp_unscale_, n + 2, in, &p);
   free(in);
+  return st;
+}
+
+kiln_status kiln_amp_unscale_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf, double inv_scale) {
+  return amp_unscale_call(n, grads, found_inf, inv_scale, NULL);
+}
+
+kiln_status kiln_amp_unscale_dev_(int n, kiln_tensor *const *grads, kiln_tensor *found_inf, kiln_tensor *inv_scale) {
+  if (!inv_scale)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_amp_unscale_dev_: NULL inv_scale");
+  return amp_unscale_call(n, grads, found_inf, 0.0, inv_scale);
+}
+
+/* ---- loss scaling: the scale's update on the device (torch._amp_update_scale_) ----
+** One kernel (AMP_UPDATE_SCALE) where the backend has it; elsewhere the same rule from
+** elementwise ops on one-element tensors (about a dozen, all queued, none read on the
+** host). Either way a graph captures it. PyTorch's rule, in its order:
+**   found_inf:  scale *= backoff; tracker = 0
+**   else:       t = tracker + 1; t == interval ? (scale *= growth if that is finite; tracker = 0)
+**                                              : tracker = t */
+typedef struct attrs_update_scale {
+  double growth_factor, backoff_factor;
+  int64_t growth_interval;
+} attrs_update_scale;
+static const kiln__attr_field f_update_scale[] = {
+    KILN__FIELD(attrs_update_scale, growth_factor, KILN__A_FLOAT),
+    KILN__FIELD(attrs_update_scale, backoff_factor, KILN__A_FLOAT),
+    KILN__FIELD(attrs_update_scale, growth_interval, KILN__A_INT)};
+
+/* inputs: scale, growth_tracker, found_inf */
+static kiln_status update_scale_infer(kiln__op_ctx *c) {
+  const attrs_update_scale *p = c->attrs;
+  const char *who = c->op->api;
+  kiln_tensor *scale = c->in[0], *tracker = c->in[1], *found_inf = c->in[2];
+  if (!scale || !tracker || !found_inf)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL scale, growth_tracker or found_inf", who);
+  if (scale->dtype != KILN_F32 || kiln_numel(scale) != 1 || found_inf->dtype != KILN_F32 || kiln_numel(found_inf) != 1 ||
+      (tracker->dtype != KILN_F32 && tracker->dtype != KILN_F64) || kiln_numel(tracker) != 1)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: scale and found_inf must be one float32 element, growth_tracker one float32 or "
+                          "float64 element", who);
+  kiln_device dev = kiln_device_of(scale);
+  if (!kiln_device_equal(dev, kiln_device_of(tracker)) || !kiln_device_equal(dev, kiln_device_of(found_inf)))
+    return kiln_set_error(KILN_ERR_DEVICE, "%s: scale, growth_tracker and found_inf must be on one device", who);
+  if (p->growth_interval <= 0 || !(p->growth_factor > 0) || !(p->backoff_factor > 0))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: growth_interval %lld, growth %g, backoff %g out of range",
+                          who, (long long)p->growth_interval, p->growth_factor, p->backoff_factor);
+  return KILN_OK;
+}
+
+/* The rule from elementwise ops, for a backend without the kernel. */
+static kiln_status update_scale_composed(kiln_tensor *scale, kiln_tensor *growth_tracker, kiln_tensor *found_inf,
+                                         const attrs_update_scale *p) {
+  kiln_device dev = kiln_device_of(scale);
+  kiln_scope_begin();
+  kiln_tensor *sc = kiln_view(scale, 0, NULL), *tr = kiln_view(growth_tracker, 0, NULL);
+  kiln_tensor *bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, dev));
+  kiln_tensor *zero_t = kiln_zeros_like(tr);
+  kiln_tensor *t1 = kiln_add_scalar(tr, 1.0);
+  kiln_tensor *clean_t1 = kiln_where(bad, zero_t, t1); /* 0 after a bad step, else tracker + 1 */
+  kiln_tensor *grow = clean_t1 ? kiln_ge(clean_t1, kiln_full_like(clean_t1, (double)p->growth_interval)) : NULL;
+  kiln_tensor *grown = kiln_mul_scalar(sc, p->growth_factor);
+  kiln_tensor *grown_ok = grown ? kiln_where(kiln_eq(kiln_mul_scalar(grown, 0.0), kiln_zeros_like(grown)), grown, sc)
+                                : NULL; /* inf * 0 is NaN: the growth would overflow, keep the scale */
+  kiln_tensor *new_sc = kiln_where(bad, kiln_mul_scalar(sc, p->backoff_factor), kiln_where(grow, grown_ok, sc));
+  kiln_tensor *new_tr = kiln_where(grow, zero_t, clean_t1);
+  kiln_status st = new_sc && new_tr ? kiln_copy_(scale, new_sc) : kiln_last_error();
+  if (st == KILN_OK) st = kiln_copy_(growth_tracker, new_tr);
+  kiln_scope_end();
+  return st;
+}
+
+static kiln_status update_scale_forward(kiln__op_ctx *c) {
+  const attrs_update_scale *p = c->attrs;
+  kiln_tensor *scale = c->in[0], *tracker = c->in[1], *found_inf = c->in[2];
+  kiln__kargs a = {0};
+  a.op = KILN__K_AMP_UPDATE_SCALE;
+  a.n_in = 1;
+  a.in[0] = kiln__view_of(found_inf);
+  a.n_out = 2;
+  a.out[0] = kiln__view_of(scale);
+  a.out[1] = kiln__view_of(tracker);
+  a.s[0] = p->growth_factor;
+  a.s[1] = p->backoff_factor;
+  a.i[0] = p->growth_interval;
+  kiln_device dev = kiln_device_of(scale);
+  if (kiln__dispatch_has(dev, &a, KILN__K_AMP_UPDATE_SCALE)) return kiln__dispatch(dev, &a);
+  return update_scale_composed(scale, tracker, found_inf, p);
+}
+
+static const kiln__op op_amp_update_scale_ = {
+    .name = "amp_update_scale_", .api = "kiln_amp_update_scale_", .n_in = 3, .n_out = 1, .optional = 0x7,
+    .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 1, .kernels = {KILN__K_AMP_UPDATE_SCALE},
+    .attrs = f_update_scale, .n_attrs = 3, .attr_size = sizeof(attrs_update_scale), .infer = update_scale_infer,
+    .forward = update_scale_forward};
+
+kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_tracker, kiln_tensor *found_inf,
+                                   double growth_factor, double backoff_factor, int64_t growth_interval) {
+  kiln_tensor *in[3] = {scale, growth_tracker, found_inf};
+  attrs_update_scale p = {growth_factor, backoff_factor, growth_interval};
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = kiln__op_call_status(&op_amp_update_scale_, 3, in, &p);
+  kiln_set_grad_enabled(prev);
   return st;
 }

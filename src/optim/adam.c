@@ -23,9 +23,39 @@ static bool fusable(const kiln_optim_config *c, kiln_tensor *p, kiln_tensor *g) 
          kiln_dtype_of(g) == kiln_dtype_of(p);
 }
 
+/* The bias corrections from the device step count t = step_t + 1, as tensors of dtype dt:
+** -(lr / (1 - b1^t)) and sqrt(1 - b2^t) (the host's formulas in f64 on the device, so a
+** skipped or replayed step needs no host read). */
+static kiln_status device_corr(const kiln_optim_config *c, kiln_tensor *step_t, kiln_dtype dt, kiln_tensor **nss,
+                               kiln_tensor **bc2s) {
+  kiln_device dev = kiln_device_of(step_t);
+  kiln_tensor *t = kiln_add_scalar(kiln_view(step_t, 0, NULL), 1.0);
+  kiln_tensor *b1t = kiln_pow(kiln_scalar(c->beta1, KILN_F64, dev), t);
+  kiln_tensor *b2t = kiln_pow(kiln_scalar(c->beta2, KILN_F64, dev), t);
+  kiln_tensor *bc1 = kiln_add_scalar(kiln_neg(b1t), 1.0);
+  *nss = kiln_to_dtype(kiln_neg(kiln_div(kiln_scalar(c->lr, KILN_F64, dev), bc1)), dt);
+  *bc2s = kiln_to_dtype(kiln_sqrt(kiln_add_scalar(kiln_neg(b2t), 1.0)), dt);
+  return *nss && *bc2s ? KILN_OK : kiln_last_error();
+}
+
 /* The composed update, for what the fused kernel does not take (maximize, strided or
-** mixed-dtype gradients). */
-static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s) {
+** mixed-dtype gradients). With a device step count (step_t) the bias corrections are
+** worked out on the device; with found_inf the update is undone on the device when the
+** flag is set (copies of p and its state taken first), and step_t only advances when it
+** is clear. */
+static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s,
+                            kiln_tensor *found_inf) {
+  int nkeep = c->amsgrad ? 3 : 2;
+  kiln_tensor *now[4] = {p, NULL, NULL, NULL}, *before[4] = {NULL, NULL, NULL, NULL};
+  if (found_inf) {
+    kiln_status st0 = kiln__optim_step_on_device(p, s);
+    for (int k = 0; k < nkeep && st0 == KILN_OK; k++)
+      if (!s->buf[k] && !(s->buf[k] = kiln_keep(kiln_zeros_like(p)))) st0 = kiln_last_error();
+    if (st0 != KILN_OK) return st0;
+    before[0] = kiln_clone(p);
+    for (int k = 0; k < nkeep; k++) now[1 + k] = s->buf[k], before[1 + k] = kiln_clone(s->buf[k]);
+    if (!before[0] || !before[nkeep]) return kiln_last_error();
+  }
   kiln_tensor *g = kiln_grad(p);
   if (c->maximize) g = kiln_neg(g);
   if (!g) return kiln_last_error();
@@ -51,13 +81,23 @@ static kiln_status adam_one(const kiln_optim_config *c, kiln_tensor *p, kiln__pa
     if ((st = kiln_copy_(s->buf[2], kiln_maximum(s->buf[2], v))) != KILN_OK) return st;
     v = s->buf[2];
   }
-  double step_size = c->lr / (1.0 - pow(c->beta1, t));
-  double bc2_sqrt = sqrt(1.0 - pow(c->beta2, t));
-  kiln_tensor *bc2s = kiln_scalar(bc2_sqrt, kiln_dtype_of(v), kiln_device_of(v));
-  kiln_tensor *denom = kiln_add_scalar(kiln_div(kiln_sqrt(v), bc2s), c->eps);
-  kiln_tensor *upd = kiln_div(kiln_mul_scalar(m, -step_size), denom);
+  kiln_tensor *bc2s, *upd;
+  if (s->step_t) {
+    kiln_tensor *nss;
+    if ((st = device_corr(c, s->step_t, kiln_dtype_of(v), &nss, &bc2s)) != KILN_OK) return st;
+    kiln_tensor *denom = kiln_add_scalar(kiln_div(kiln_sqrt(v), bc2s), c->eps);
+    upd = kiln_div(kiln_mul(m, nss), denom);
+  } else {
+    double step_size = c->lr / (1.0 - pow(c->beta1, t));
+    double bc2_sqrt = sqrt(1.0 - pow(c->beta2, t));
+    bc2s = kiln_scalar(bc2_sqrt, kiln_dtype_of(v), kiln_device_of(v));
+    kiln_tensor *denom = kiln_add_scalar(kiln_div(kiln_sqrt(v), bc2s), c->eps);
+    upd = kiln_div(kiln_mul_scalar(m, -step_size), denom);
+  }
   if (!upd) return kiln_last_error();
-  return kiln_axpy_(p, 1.0, upd);
+  if ((st = kiln_axpy_(p, 1.0, upd)) != KILN_OK) return st;
+  if (found_inf && (st = kiln__optim_undo_if_inf(found_inf, 1 + nkeep, now, before)) != KILN_OK) return st;
+  return s->step_t ? kiln__optim_advance_step(s, found_inf) : KILN_OK;
 }
 
 /* Creates the state adam_one's fused path uses (exp_avg, exp_avg_sq[, max], step_t). */
@@ -74,7 +114,7 @@ static kiln_status fused_state(const kiln_optim_config *c, kiln_tensor *p, kiln_
 /* The fusable parameters go to one multi-tensor update (one launch per device and dtype
 ** on CUDA), the others through adam_one. */
 kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *const *params,
-                            kiln__param_state *states) {
+                            kiln__param_state *states, kiln_tensor *found_inf) {
   kiln_tensor **arr = malloc((size_t)(n > 0 ? n : 1) * 7 * sizeof *arr);
   int64_t *steps = malloc((size_t)(n > 0 ? n : 1) * sizeof *steps);
   int *which = malloc((size_t)(n > 0 ? n : 1) * sizeof *which);
@@ -86,12 +126,16 @@ kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *co
               **T = arr + 5 * n;
   int m = 0;
   kiln_status st = KILN_OK;
+  /* The steps live on the device when captured, loss-scaled, or once they have been. */
+  bool on_dev = cfg->capturable || found_inf;
+  for (int i = 0; i < n && !on_dev; i++) on_dev = states[i].step_t != NULL;
   for (int i = 0; i < n && st == KILN_OK; i++) {
     kiln_tensor *g = kiln_grad(params[i]);
     if (!g) continue;
     if (fusable(cfg, params[i], g)) {
       kiln__param_state *s = &states[i];
       if ((st = fused_state(cfg, params[i], s)) != KILN_OK) break;
+      if (on_dev && (st = kiln__optim_step_on_device(params[i], s)) != KILN_OK) break;
       P[m] = params[i], G[m] = g, M[m] = s->buf[0], V[m] = s->buf[1];
       X[m] = cfg->amsgrad ? s->buf[2] : NULL;
       T[m] = s->step_t;
@@ -99,17 +143,19 @@ kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *co
       which[m++] = i;
       continue;
     }
+    /* A device step count here too: a captured step that read the host's count would
+    ** replay its bias corrections from the capture forever. */
+    if (on_dev && (st = kiln__optim_step_on_device(params[i], &states[i])) != KILN_OK) break;
     kiln_scope_begin();
-    st = adam_one(cfg, params[i], &states[i]);
+    st = adam_one(cfg, params[i], &states[i], found_inf);
     kiln_scope_end();
-    if (st == KILN_OK) states[i].step++;
+    if (st == KILN_OK && !found_inf) states[i].step++; /* with found_inf, step_t counts */
   }
   if (st == KILN_OK && m > 0) {
-    st = kiln_adam_multi_step_(m, P, G, M, V, cfg->amsgrad ? X : NULL, steps,
-                               cfg->capturable ? T : NULL, cfg->lr, cfg->beta1, cfg->beta2,
-                               cfg->eps, cfg->weight_decay, cfg->kind == KILN_OPTIM_ADAMW,
-                               cfg->amsgrad);
-    for (int k = 0; k < m && st == KILN_OK; k++) states[which[k]].step++;
+    st = kiln_adam_multi_step_amp_(m, P, G, M, V, cfg->amsgrad ? X : NULL, steps, on_dev ? T : NULL, cfg->lr,
+                                   cfg->beta1, cfg->beta2, cfg->eps, cfg->weight_decay,
+                                   cfg->kind == KILN_OPTIM_ADAMW, cfg->amsgrad, found_inf);
+    for (int k = 0; k < m && st == KILN_OK && !found_inf; k++) states[which[k]].step++;
   }
   free(arr), free(steps), free(which);
   return st;

@@ -15,8 +15,19 @@ struct kiln_optimizer {
   kiln_module *module;       /* not owned; NULL for a list optimizer */
   kiln_tensor **scratch;     /* n borrowed pointers, for re-reading the module */
   double *wd;                /* n per-parameter weight decays; NULL: cfg.weight_decay */
-  int64_t steps;
+  int64_t steps;             /* step calls; the skipped ones are counted in skipped */
+  /* Steps skipped on the device by the loss scaler (f64, one element, on found_inf's
+  ** device; NULL until a scaled step): steps - skipped is the count of applied steps,
+  ** read on the host only when asked. */
+  kiln_tensor *skipped;
 };
+
+/* Applied steps: the host count less those the device skipped (a query: may wait). */
+static int64_t applied_steps(const kiln_optimizer *o) {
+  if (!o->skipped) return o->steps;
+  double v = kiln_item(o->skipped);
+  return v == v ? o->steps - (int64_t)v : o->steps;
+}
 
 static const char *const kind_names[KILN_OPTIM__COUNT] = {"sgd", "adam", "adamw"};
 
@@ -56,6 +67,31 @@ kiln__optim_rule_fn kiln__optim_rule(const kiln_optim_config *cfg, int n, kiln_t
   (void)n;
   (void)params; /* a fused path would look at the devices of params here */
   return cfg->kind == KILN_OPTIM_SGD ? kiln__sgd_rule : kiln__adam_rule;
+}
+
+kiln_status kiln__optim_step_on_device(kiln_tensor *p, kiln__param_state *s) {
+  if (s->step_t) return KILN_OK;
+  s->step_t = kiln_keep(kiln_scalar((double)s->step, KILN_F64, kiln_device_of(p)));
+  return s->step_t ? KILN_OK : kiln_last_error();
+}
+
+kiln_status kiln__optim_undo_if_inf(kiln_tensor *found_inf, int n, kiln_tensor *const *now,
+                                    kiln_tensor *const *before) {
+  kiln_device dev = kiln_device_of(found_inf);
+  kiln_tensor *bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, dev));
+  if (!bad) return kiln_last_error();
+  for (int i = 0; i < n; i++) {
+    if (!now[i] || !before[i]) continue;
+    kiln_status st = kiln_copy_(now[i], kiln_where(bad, before[i], now[i]));
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+kiln_status kiln__optim_advance_step(kiln__param_state *s, kiln_tensor *found_inf) {
+  if (!found_inf) return kiln_axpy_(s->step_t, 1.0, kiln_scalar(1.0, KILN_F64, kiln_device_of(s->step_t)));
+  kiln_tensor *ok = kiln_to_dtype(kiln_eq_scalar(kiln_view(found_inf, 0, NULL), 0.0), KILN_F64);
+  return ok ? kiln_axpy_(s->step_t, 1.0, ok) : kiln_last_error();
 }
 
 /* PyTorch's constructor checks, same wording where it has one. */
@@ -171,6 +207,7 @@ void kiln_optimizer_free(kiln_optimizer *o) {
   free(o->st);
   free(o->scratch);
   free(o->wd);
+  kiln_tensor_free(o->skipped);
   free(o);
 }
 
@@ -228,6 +265,10 @@ static kiln_status sync_module(kiln_optimizer *o, const char *who) {
       }
     }
     if (st == KILN_OK) {
+      if (o->st[i].step_t) { /* the device holds the true count (skipped or replayed steps) */
+        double v = kiln_item(o->st[i].step_t);
+        if (v == v) o->st[i].step = (int64_t)v;
+      }
       kiln_tensor_free(o->st[i].step_t); /* made again on the new device from .step */
       o->st[i].step_t = NULL;
       kiln_tensor_free(o->params[i]);
@@ -250,7 +291,7 @@ kiln_status kiln_optimizer_zero_grad(kiln_optimizer *o) {
 /* One rule call per distinct weight decay (in order of first appearance), over gathered
 ** copies of the parameters and their state, written back after (the rule creates state
 ** lazily and advances step counts). */
-static kiln_status step_groups(kiln_optimizer *o) {
+static kiln_status step_groups(kiln_optimizer *o, kiln_tensor *found_inf) {
   int n = o->n;
   kiln_tensor **ps = malloc((size_t)(n ? n : 1) * sizeof *ps);
   kiln__param_state *ss = malloc((size_t)(n ? n : 1) * sizeof *ss);
@@ -270,7 +311,7 @@ static kiln_status step_groups(kiln_optimizer *o) {
       }
     kiln_optim_config cfg = o->cfg;
     cfg.weight_decay = o->wd[i];
-    st = kiln__optim_rule(&cfg, m, ps)(&cfg, m, ps, ss);
+    st = kiln__optim_rule(&cfg, m, ps)(&cfg, m, ps, ss, found_inf);
     for (int k = 0; k < m; k++) o->st[idx[k]] = ss[k];
   }
   free(ps), free(ss), free(idx), free(done);
@@ -326,8 +367,14 @@ kiln_optimizer *kiln_optimizer_new_module_decay_split(const kiln_optim_config *c
 }
 
 kiln_status kiln_optimizer_step(kiln_optimizer *o) {
+  return kiln__optimizer_step_found_inf(o, NULL);
+}
+
+kiln_status kiln__optimizer_step_found_inf(kiln_optimizer *o, kiln_tensor *found_inf) {
   static const char who[] = "kiln_optimizer_step";
   if (!o) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL optimizer", who);
+  if (found_inf && (kiln_dtype_of(found_inf) != KILN_F32 || kiln_numel(found_inf) != 1))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: found_inf must be one float32 element", who);
   kiln_status st = sync_module(o, who);
   if (st != KILN_OK) return st;
   /* Gradients must match their parameters; checked up front so a bad one fails the
@@ -345,14 +392,36 @@ kiln_status kiln_optimizer_step(kiln_optimizer *o) {
       return kiln_set_error(KILN_ERR_DEVICE, "%s: parameter %d is on %s but its gradient on %s", who, i,
                             kiln_device_str(kiln_device_of(p), d1, sizeof d1),
                             kiln_device_str(kiln_device_of(g), d2, sizeof d2));
+    if (found_inf && !kiln_device_equal(kiln_device_of(found_inf), kiln_device_of(p)))
+      return kiln_set_error(KILN_ERR_DEVICE, "%s: parameter %d is on %s but found_inf on %s", who, i,
+                            kiln_device_str(kiln_device_of(p), d1, sizeof d1),
+                            kiln_device_str(kiln_device_of(found_inf), d2, sizeof d2));
   }
   if (!any) return KILN_OK;
   bool prev = kiln_set_grad_enabled(false); /* updates are not part of any graph */
   if (o->wd) {
-    st = step_groups(o);
+    st = step_groups(o, found_inf);
   } else {
     kiln__optim_rule_fn rule = kiln__optim_rule(&o->cfg, o->n, o->params);
-    st = rule(&o->cfg, o->n, o->params, o->st);
+    st = rule(&o->cfg, o->n, o->params, o->st, found_inf);
+  }
+  if (st == KILN_OK && found_inf) { /* skipped += (found_inf != 0), on the device */
+    kiln_device fd = kiln_device_of(found_inf);
+    if (o->skipped && !kiln_device_equal(kiln_device_of(o->skipped), fd)) {
+      kiln_tensor *moved = kiln_keep(kiln_to_device(o->skipped, fd));
+      kiln_tensor_free(o->skipped);
+      o->skipped = moved;
+      if (!moved) st = kiln_last_error();
+    }
+    if (st == KILN_OK && !o->skipped && !(o->skipped = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F64, fd))))
+      st = kiln_last_error();
+    if (st == KILN_OK) {
+      kiln_scope_begin();
+      kiln_tensor *bad = kiln_to_dtype(kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, fd)),
+                                       KILN_F64);
+      st = bad ? kiln_axpy_(o->skipped, 1.0, bad) : kiln_last_error();
+      kiln_scope_end();
+    }
   }
   kiln_set_grad_enabled(prev);
   if (st == KILN_OK) o->steps++;
@@ -384,7 +453,7 @@ kiln_tensor *kiln_optimizer_param(kiln_optimizer *o, int i) {
   return o->params[i];
 }
 
-int64_t kiln_optimizer_steps(const kiln_optimizer *o) { return o ? o->steps : 0; }
+int64_t kiln_optimizer_steps(const kiln_optimizer *o) { return o ? applied_steps(o) : 0; }
 
 int64_t kiln_optimizer_state_bytes(const kiln_optimizer *o) {
   if (!o) return 0;
@@ -420,7 +489,7 @@ kiln_dict *kiln_optimizer_state_dict(const kiln_optimizer *co) {
   if (st == KILN_OK) st = kiln__meta_set_f64(d, "eps", c->eps);
   if (st == KILN_OK) st = kiln__meta_set_i64(d, "amsgrad", c->amsgrad);
   if (st == KILN_OK) st = kiln__meta_set_i64(d, "num_params", o->n);
-  if (st == KILN_OK) st = kiln__meta_set_i64(d, "steps", o->steps);
+  if (st == KILN_OK) st = kiln__meta_set_i64(d, "steps", applied_steps(o));
   char key[64];
   for (int i = 0; i < o->n && st == KILN_OK; i++) {
     if (o->st[i].step_t) { /* capturable: the device holds the true count (graph replays) */
@@ -588,6 +657,8 @@ kiln_status kiln__optimizer_load_state_dict(kiln_optimizer *o, const kiln_dict *
         }
         o->cfg = cfg;
         o->steps = steps;
+        kiln_tensor_free(o->skipped); /* steps is the applied count */
+        o->skipped = NULL;
       }
       free(fresh);
     }

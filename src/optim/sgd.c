@@ -4,7 +4,14 @@
 **   momentum: b = clone(g) on the first step, else b = mu * b + (1 - dampening) * g
 **             g = nesterov ? g + mu * b : b
 **   p -= lr * g
-** Ops per parameter: at most 4 (axpy, mul_, axpy_, axpy, axpy_). */
+** Ops per parameter: at most 4 (axpy, mul_, axpy_, axpy, axpy_).
+**
+** Loss-scaled steps (found_inf given) cannot ask the host whether to step, so they compute
+** the new p and b out of place and select them on the device:
+**   p = found_inf ? p : p_new;  b = found_inf ? b : b_new
+** with the first-step rule read from the device step count (step_t == 0: b_new = g), so a
+** skipped first step leaves the buffer as if it were never made. The arithmetic of p_new
+** and b_new is the in-place path's, op for op, so a clean scaled step gives the same bits. */
 #include "optim/optim_int.h"
 
 static kiln_status sgd_one(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s) {
@@ -28,15 +35,56 @@ static kiln_status sgd_one(const kiln_optim_config *c, kiln_tensor *p, kiln__par
   return kiln_axpy_(p, -c->lr, g);
 }
 
+/* The loss-scaled step (see the top): nothing read on the host. found_inf NULL: a plain
+** step with the device step count (the first-step rule from step_t). */
+static kiln_status sgd_one_scaled(const kiln_optim_config *c, kiln_tensor *p, kiln__param_state *s,
+                                  kiln_tensor *found_inf) {
+  kiln_status st = kiln__optim_step_on_device(p, s);
+  if (st != KILN_OK) return st;
+  kiln_tensor *g = kiln_grad(p);
+  if (c->maximize) g = kiln_neg(g);
+  if (c->weight_decay != 0) g = kiln_axpy(g, c->weight_decay, p);
+  if (!g) return kiln_last_error();
+  kiln_tensor *now[2] = {p, NULL}, *fresh[2] = {NULL, NULL};
+  if (c->momentum != 0) {
+    if (!s->buf[0] && !(s->buf[0] = kiln_keep(kiln_zeros_like(p)))) return kiln_last_error();
+    kiln_tensor *later = kiln_axpy(kiln_mul_scalar(s->buf[0], c->momentum), 1.0 - c->dampening, g);
+    kiln_tensor *first = kiln_eq_scalar(kiln_view(s->step_t, 0, NULL), 0.0);
+    kiln_tensor *b = later && first ? kiln_where(first, g, later) : NULL;
+    if (!b) return kiln_last_error();
+    now[1] = s->buf[0];
+    fresh[1] = b;
+    g = c->nesterov ? kiln_axpy(g, c->momentum, b) : b;
+    if (!g) return kiln_last_error();
+  }
+  fresh[0] = kiln_axpy(p, -c->lr, g);
+  if (!fresh[0]) return kiln_last_error();
+  /* keep = the old values when found_inf is set; the fresh ones otherwise (and always
+  ** without found_inf: a plain step after scaled ones) */
+  kiln_tensor *bad = NULL;
+  if (found_inf &&
+      !(bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, kiln_device_of(found_inf)))))
+    return kiln_last_error();
+  for (int k = 0; k < 2; k++) {
+    if (!now[k]) continue;
+    if ((st = kiln_copy_(now[k], bad ? kiln_where(bad, now[k], fresh[k]) : fresh[k])) != KILN_OK) return st;
+  }
+  return kiln__optim_advance_step(s, found_inf);
+}
+
 kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *const *params,
-                           kiln__param_state *states) {
+                           kiln__param_state *states, kiln_tensor *found_inf) {
   for (int i = 0; i < n; i++) {
     if (!kiln_grad(params[i])) continue;
     kiln_scope_begin(); /* the temporaries of one parameter's update */
-    kiln_status st = sgd_one(cfg, params[i], &states[i]);
+    /* Once the count is on the device (an earlier scaled step) the first-step rule reads
+    ** it there: a skipped first step left a zero buffer, which sgd_one would take for
+    ** a later step's. */
+    kiln_status st = found_inf || states[i].step_t ? sgd_one_scaled(cfg, params[i], &states[i], found_inf)
+                                                   : sgd_one(cfg, params[i], &states[i]);
     kiln_scope_end();
     if (st != KILN_OK) return st;
-    states[i].step++;
+    if (!found_inf) states[i].step++; /* scaled: step_t counts on the device */
   }
   return KILN_OK;
 }

@@ -40,6 +40,7 @@ kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a);
 kiln_status kiln__cpu_adam(const kiln__kargs *a); /* cpu_optim.c */
 kiln_status kiln__cpu_adam_multi(const kiln__kargs *a);
 kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a);
+kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a);
 kiln_status kiln__cpu_matmul(const kiln__kargs *a);
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL

@@ -135,6 +135,8 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln adam kernel: state %d must be contiguous %s of %lld elements", k, kiln_dtype_name(dt), (long long)n);
   if (a->in[0].dtype != dt || !kiln__view_is_contiguous(&a->in[0]))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln adam kernel: grad must be contiguous %s", kiln_dtype_name(dt));
+  /* flag 8: the found-inf flag is the last input; a set flag skips the step untouched */
+  if ((a->i[1] & 8) && a->n_in > 1 && *(const float *)a->in[a->n_in - 1].data != 0.0f) return KILN_OK;
   adam_job j;
   j.p = a->out[0].data;
   j.m = a->out[1].data;
@@ -176,6 +178,12 @@ kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
   const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
   const int w = kiln__adam_list_width(a);
   if (w < 0) return kiln_last_error();
+  /* flag 8: in0 is the found-inf flag; set, the step is skipped and no step_t advances */
+  if (a->i[1] & 8) {
+    if (a->n_in < 1 || a->in[0].dtype != KILN_F32)
+      return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: flag 8 needs an f32 found_inf as in0");
+    if (*(const float *)a->in[0].data != 0.0f) return KILN_OK;
+  }
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
     kiln__kargs k = {0};
@@ -187,7 +195,7 @@ kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
     for (int o = 0; o < k.n_out; o++) k.out[o] = v[1 + o];
     memcpy(k.s, a->s, sizeof k.s);
     k.i[0] = a->list_i ? a->list_i[g] : 1;
-    k.i[1] = a->i[1];
+    k.i[1] = a->i[1] & ~(int64_t)8; /* the flag was read above */
     k.i[2] = a->i[2];
     kiln_status st = kiln__cpu_adam(&k);
     if (st != KILN_OK) return st;
@@ -204,7 +212,8 @@ kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
 kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a) {
   if (a->list_w != 1 || a->n_out < 1 || a->out[0].dtype != KILN_F32)
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_unscale kernel: expected a list of width 1 and an f32 flag");
-  const double inv = a->s[0];
+  /* with n_in 1 the multiplier lives on the device (the scaler's 1/scale tensor) */
+  const double inv = a->n_in >= 1 ? (double)*(const float *)a->in[0].data : a->s[0];
   bool bad = false;
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[g];
@@ -252,5 +261,33 @@ kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a) {
     }
   }
   if (bad) *(float *)a->out[0].data = 1.0f;
+  return KILN_OK;
+}
+
+/* AMP_UPDATE_SCALE: PyTorch's _amp_update_scale_ (aten/src/ATen/native/cuda/AmpKernels.cu)
+** on one element, the scale's arithmetic in f32 as there. */
+kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a) {
+  if (a->n_in < 1 || a->n_out < 2 || a->in[0].dtype != KILN_F32 || a->out[0].dtype != KILN_F32 ||
+      (a->out[1].dtype != KILN_F32 && a->out[1].dtype != KILN_F64))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_update_scale kernel: expected f32 found_inf and scale, "
+                                             "an f32/f64 tracker");
+  float *scale = a->out[0].data;
+  const float found = *(const float *)a->in[0].data;
+  double tracker = a->out[1].dtype == KILN_F64 ? *(double *)a->out[1].data : (double)*(float *)a->out[1].data;
+  if (found != 0.0f) {
+    *scale = *scale * (float)a->s[1];
+    tracker = 0;
+  } else {
+    double t = tracker + 1;
+    if (t == (double)a->i[0]) {
+      float grown = *scale * (float)a->s[0];
+      if (isfinite(grown)) *scale = grown;
+      tracker = 0;
+    } else {
+      tracker = t;
+    }
+  }
+  if (a->out[1].dtype == KILN_F64) *(double *)a->out[1].data = tracker;
+  else *(float *)a->out[1].data = (float)tracker;
   return KILN_OK;
 }

@@ -491,7 +491,7 @@ static bool cuda_supports(const kiln__kargs *a) {
   case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
   case KILN__K_SCATTER_ADD:
     return kiln__cuda_index_supports(a);
-  case KILN__K_AMP_UNSCALE: return kiln__cuda_amp_supports(a);
+  case KILN__K_AMP_UNSCALE: case KILN__K_AMP_UPDATE_SCALE: return kiln__cuda_amp_supports(a);
   default:
     if (kc_is_transformer(a->op)) return kiln__cuda_transformer_supports(a);
     if (kc_is_conv(a->op)) return kiln__cuda_conv_supports(a);
@@ -541,7 +541,7 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
   ** dispatch falls back to the CPU (and the op layer composes where it asks
   ** kiln__dispatch_has) instead of the elementwise family, the catch-all for the ops up
   ** to ADAM_MULTI, taking ops it does not know. */
-  return op == KILN__K_AMP_UNSCALE ? kc_entry<kiln__cuda_amp>
+  return op == KILN__K_AMP_UNSCALE || op == KILN__K_AMP_UPDATE_SCALE ? kc_entry<kiln__cuda_amp>
          : kc_is_transformer(op) ? kc_entry<kiln__cuda_transformer>
          : kc_is_conv(op) ? kc_entry<kiln__cuda_conv>
          : (int)op > (int)KILN__K_ADAM_MULTI

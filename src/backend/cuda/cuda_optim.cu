@@ -90,7 +90,9 @@ __device__ __forceinline__ void kc_adam_elem(T *__restrict__ p, const T *__restr
 template <class T, class C>
 __global__ void kc_adam_kernel(T *__restrict__ p, const T *__restrict__ g, T *__restrict__ m,
                                T *__restrict__ v, T *__restrict__ vmax, int64_t n, kc_adam_hpd h,
-                               double nss_d, double bc2s_d, const double *__restrict__ step_dev) {
+                               double nss_d, double bc2s_d, const double *__restrict__ step_dev,
+                               const float *__restrict__ found) {
+  if (found && *found != 0.0f) return; /* loss scaling found inf/NaN: the step is skipped */
   if (step_dev) kc_adam_corr(h, *step_dev + 1.0, &nss_d, &bc2s_d); /* capturable: replays */
   const C nss = (C)nss_d, bc2s = (C)bc2s_d;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -115,19 +117,22 @@ extern "C" kiln_status kiln__cuda_adam(const kiln__kargs *a) {
   if (blocks > cap) blocks = cap > 0 ? cap : 1;
   void *vmax = h.amsgrad ? a->out[3].data : NULL;
   const double *step_dev = ((a->i[1] & 4) && a->n_in > 1) ? (const double *)a->in[1].data : NULL;
+  /* flag 8: the found-inf flag is the last input, read by every thread on the device */
+  const float *found = ((a->i[1] & 8) && a->n_in > 1) ? (const float *)a->in[a->n_in - 1].data : NULL;
   KC_SWITCH_FLOAT(dt, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln adam kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
                   {
                     typedef typename kc_traits<T>::acc C;
                     kc_adam_kernel<T, C><<<(unsigned)blocks, threads, 0, dev->stream>>>(
                         (T *)a->out[0].data, (const T *)a->in[0].data, (T *)a->out[1].data,
-                        (T *)a->out[2].data, (T *)vmax, n, h, nss, bc2s, step_dev);
+                        (T *)a->out[2].data, (T *)vmax, n, h, nss, bc2s, step_dev, found);
                   })
   return kiln__cuda_launched("adam");
 }
 
 extern "C" bool kiln__cuda_adam_supports(const kiln__kargs *a) {
   if (!kc_is_float(a->out[0].dtype) || a->in[0].dtype != a->out[0].dtype) return false;
+  if ((a->i[1] & 8) && (a->n_in < 2 || a->in[a->n_in - 1].dtype != KILN_F32)) return false;
   for (int k = 0; k < a->n_out; k++)
     if (a->out[k].dtype != a->out[0].dtype || kc_numel(&a->out[k]) != kc_numel(&a->out[0])) return false;
   return true; /* the op layer guarantees contiguous views */
@@ -139,7 +144,8 @@ extern "C" bool kiln__cuda_adam_supports(const kiln__kargs *a) {
 ** model's update is the latency of one round of loads: four elements a thread in turn
 ** took 4.9 us for seed-mlp's 8578 parameters). Capturable steps are read by every block
 ** and advanced by the last block to finish (a counter in device memory), so a captured
-** step stays one kernel. */
+** step stays one kernel. With flag 8 every block first reads the found-inf flag and
+** leaves when it is set, so a skipped step writes nothing, inside a graph too. */
 #define KC_MT_MAX 32
 #define KC_MT_CHUNK KC_THREADS
 
@@ -159,7 +165,11 @@ struct kc_adam_list {
 };
 
 template <class T, class C>
-__global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list L, kc_adam_hpd h) {
+__global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list L, kc_adam_hpd h,
+                                                                   const float *__restrict__ found) {
+  /* a found inf/NaN skips the whole step: every block leaves before counting itself, so
+  ** the done counter stays 0 and no step_t advances (PyTorch's skipped step) */
+  if (found && *found != 0.0f) return;
   int t = 0;
   while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
   const int first = t ? L.block_end[t - 1] : 0;
@@ -204,6 +214,7 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
   if (a->list_n == 0) return KILN_OK;
   kc_adam_hpd h = kc_adam_scalars(a);
   const kiln_dtype dt = a->list[1].dtype;
+  const float *found = (a->i[1] & 8) ? (const float *)a->in[0].data : NULL;
   for (int g0 = 0; g0 < a->list_n;) {
     kc_adam_list L;
     memset(&L, 0, sizeof L);
@@ -239,7 +250,7 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
                       return kiln_set_error(KILN_ERR_DTYPE, "kiln adam_multi kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
                       {
                         typedef typename kc_traits<T>::acc C;
-                        kc_adam_multi_kernel<T, C><<<(unsigned)blocks, KC_THREADS, 0, dev->stream>>>(L, h);
+                        kc_adam_multi_kernel<T, C><<<(unsigned)blocks, KC_THREADS, 0, dev->stream>>>(L, h, found);
                       })
       KC_TRY(kiln__cuda_launched("adam_multi"));
     }
@@ -254,6 +265,7 @@ extern "C" bool kiln__cuda_adam_multi_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->list[1].dtype;
   if (!kc_is_float(dt)) return false;
   const bool on_dev = (a->i[1] & 4) != 0;
+  if ((a->i[1] & 8) && (a->n_in < 1 || a->in[0].dtype != KILN_F32 || kc_numel(&a->in[0]) != 1)) return false;
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
     for (int k = 0; k < w - (on_dev ? 1 : 0); k++)

@@ -495,6 +495,7 @@ static kiln_status vk_adam(const kiln__kargs *a) {
 
 static bool adam_supports(const kiln__kargs *a) {
   if ((a->i[1] & 4) || a->n_out < 3) return false; /* the step on the device: an f64 read */
+  if (a->i[1] & 8) return false; /* the found-inf flag (loss scaling): not read here, fall back */
   kiln_dtype t = a->out[0].dtype;
   if (!is_float(t) || a->in[0].dtype != t || !kiln__view_is_contiguous(&a->in[0])) return false;
   for (int k = 0; k < a->n_out; k++)

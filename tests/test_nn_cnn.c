@@ -96,6 +96,32 @@ static void test_pools(void) {
   CHECK(ya && kiln_size(ya, 2) == 3 && max_abs_diff(ya, kiln_avg_pool2d(x, k3, k3, p1)) == 0.0);
   kiln_tensor *yd = kiln_module_forward(ad, x);
   CHECK(yd && kiln_size(yd, 2) == 2 && kiln_size(yd, 3) == 3 && max_abs_diff(yd, kiln_adaptive_avg_pool2d(x, o)) == 0.0);
+  /* MaxPool2d(2) on f32 takes the CPU's unrolled 2x2 path, f64 the general loop: the same
+  ** maxima and indices, with ties (values rounded to halves) and NaNs (the first NaN wins) */
+  {
+    enum { NX = 2 * 3 * 7 * 9, NY = 2 * 3 * 3 * 4 };
+    float v[NX], a[NY];
+    double b[NY];
+    int64_t ia[NY], ib[NY];
+    for (int i = 0; i < NX; i++) v[i] = (float)((i * 7919) % 5) * 0.5f; /* many ties */
+    v[10] = NAN, v[100] = NAN, v[101] = NAN, v[200] = NAN;
+    kiln_tensor *t = kiln_from_data(v, KILN_SHAPE(2, 3, 7, 9), KILN_F32, cpu);
+    kiln_tensor *i32 = NULL, *i64 = NULL;
+    kiln_tensor *y32 = kiln_max_pool2d(t, (const int64_t[]){2, 2}, NULL, NULL, NULL, &i32);
+    kiln_tensor *y64 = kiln_max_pool2d(kiln_to_dtype(t, KILN_F64), (const int64_t[]){2, 2}, NULL, NULL, NULL, &i64);
+    CHECK(y32 && y64 && kiln_numel(y32) == NY);
+    if (y32 && y64) {
+      kiln_to_host(y32, a, sizeof a), kiln_to_host(y64, b, sizeof b);
+      kiln_to_host(i32, ia, sizeof ia), kiln_to_host(i64, ib, sizeof ib);
+      int same = 0, nans = 0;
+      for (int i = 0; i < NY; i++) {
+        same += ia[i] == ib[i] && (isnan(a[i]) ? isnan(b[i]) : a[i] == b[i]);
+        nans += isnan(a[i]);
+      }
+      if (same != NY || nans != 4) fprintf(stderr, "max_pool2d 2x2: %d of %d agree, %d NaN\n", same, NY, nans);
+      CHECK(same == NY && nans == 4); /* each NaN in a window of its own */
+    }
+  }
   /* errors */
   const int64_t big_pad[2] = {2, 2}, zero[2] = {0, 3};
   CHECK(!kiln_max_pool2d_new(k3, NULL, big_pad, NULL) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT &&

@@ -202,6 +202,88 @@ KILN_API kiln_module *kiln_flatten_new(int start_dim, int end_dim); /* PyTorch: 
 KILN_API kiln_module *kiln_identity_new(void);
 
 /* --------------------------------------------------------------------------------------
+** Convolutional modules (src/nn/conv_layers.c) over the ops of kiln.h (kiln_conv2d ...),
+** PyTorch's names, shapes and defaults. dt must be floating (KILN_ERR_DTYPE); a bad
+** configuration gives NULL and KILN_ERR_INVALID_ARGUMENT naming the values. Pairs
+** (kernel_size, stride, ...) are two values (height, width); a NULL pair takes PyTorch's
+** default (stride 1, padding 0, dilation 1, output_padding 0). Forward takes (N, C, H, W)
+** ((N, C, L) for Conv1d) and reports shape problems as the op does (KILN_ERR_SHAPE).
+**
+** Convolutions draw PyTorch's default init from gen (NULL: the global generator), weight
+** first: kaiming_uniform(a = sqrt(5)), i.e. W ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) and the
+** bias from the same bound, fan_in = in_channels/groups * kernel area (ConvTranspose2d:
+** out_channels/groups * kernel area, as PyTorch). Parameters: weight, bias (when bias). */
+/* weight (out, in/groups, kh, kw). padding may be KILN_PADDING_SAME in both dims (then
+** stride must be 1). groups must divide both channel counts. */
+KILN_API kiln_module *kiln_conv2d_new(int64_t in_channels, int64_t out_channels, const int64_t *kernel_size,
+                                      const int64_t *stride, const int64_t *padding, const int64_t *dilation,
+                                      int64_t groups, bool bias, kiln_dtype dt, kiln_device dev,
+                                      kiln_generator *gen);
+/* weight (out, in/groups, k); padding may be KILN_PADDING_SAME (stride 1). */
+KILN_API kiln_module *kiln_conv1d_new(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
+                                      int64_t stride, int64_t padding, int64_t dilation, int64_t groups, bool bias,
+                                      kiln_dtype dt, kiln_device dev, kiln_generator *gen);
+/* weight (in, out/groups, kh, kw); output_padding < stride or < dilation (PyTorch's rule). */
+KILN_API kiln_module *kiln_conv_transpose2d_new(int64_t in_channels, int64_t out_channels,
+                                                const int64_t *kernel_size, const int64_t *stride,
+                                                const int64_t *padding, const int64_t *output_padding,
+                                                const int64_t *dilation, int64_t groups, bool bias, kiln_dtype dt,
+                                                kiln_device dev, kiln_generator *gen);
+/* stride NULL: the kernel size (PyTorch). padding at most half the kernel. */
+KILN_API kiln_module *kiln_max_pool2d_new(const int64_t *kernel_size, const int64_t *stride,
+                                          const int64_t *padding, const int64_t *dilation);
+/* The padding's zeros count in the mean (count_include_pad, PyTorch's default). */
+KILN_API kiln_module *kiln_avg_pool2d_new(const int64_t *kernel_size, const int64_t *stride,
+                                          const int64_t *padding);
+KILN_API kiln_module *kiln_adaptive_avg_pool2d_new(const int64_t *output_size);
+/* Batch normalization over C of (N, C) or (N, C, L) (1d) / (N, C, H, W) (2d). PyTorch's
+** defaults: eps 1e-5, momentum 0.1 (NAN: PyTorch's momentum=None, a cumulative average,
+** which reads the count on the host at each training step), affine and
+** track_running_stats true. Parameters weight (1) and bias (0) when affine; persistent
+** buffers running_mean (0), running_var (1) (dt) and num_batches_tracked (0-dim i64) when
+** track_running_stats: they are in the state dict and moved by kiln_module_to, not seen
+** by optimizers. Train mode: batch statistics, num_batches_tracked += 1 and the running
+** statistics updated in place (r = (1-momentum) r + momentum stat, unbiased variance).
+** Eval mode: the running statistics; without track_running_stats always the batch's.
+** Forward: KILN_ERR_SHAPE for another rank or channel count, and (train) one value per
+** channel. */
+KILN_API kiln_module *kiln_batch_norm1d_new(int64_t num_features, double eps, double momentum, bool affine,
+                                            bool track_running_stats, kiln_dtype dt, kiln_device dev);
+KILN_API kiln_module *kiln_batch_norm2d_new(int64_t num_features, double eps, double momentum, bool affine,
+                                            bool track_running_stats, kiln_dtype dt, kiln_device dev);
+/* GroupNorm: num_groups must divide num_channels; weight 1, bias 0 when affine. */
+KILN_API kiln_module *kiln_group_norm_new(int64_t num_groups, int64_t num_channels, double eps, bool affine,
+                                          kiln_dtype dt, kiln_device dev);
+/* Zeroes whole channels with probability p in train mode (scaled by 1/(1-p)); identity in
+** eval. gen NULL: the global generator (not owned). */
+KILN_API kiln_module *kiln_dropout2d_new(double p, kiln_generator *gen);
+
+/* ResNets (src/nn/resnet.c), torchvision's structure and parameter names: conv1, bn1,
+** (relu, maxpool), layer1..layer4 of blocks ("layer1.0.conv1.weight",
+** "layer2.0.downsample.0.weight", "layer2.0.downsample.1.running_mean"), avgpool
+** (adaptive to 1x1), flatten, fc. Input (N, 3, H, W) -> logits (N, num_classes).
+** torchvision's initialisation: convolutions kaiming_normal (fan_out, relu):
+** N(0, sqrt(2 / (out_channels * kh * kw))), BatchNorm weight 1 and bias 0, fc as Linear's
+** default (kiln_linear_new), drawn from gen (NULL: the global generator). cifar_stem:
+** conv1 is 3x3 stride 1 padding 1 and there is no maxpool (the usual variant for 32x32
+** images; the names stay the same). A state dict of another depth does not load:
+** kiln_module_load_state_dict lists the missing / unexpected keys and shapes.
+** depth 18, 34 (BasicBlock, layers [2,2,2,2] / [3,4,6,3]) or 50 (Bottleneck, [3,4,6,3]).
+** NULL + KILN_ERR_INVALID_ARGUMENT for another depth or num_classes < 1, KILN_ERR_DTYPE. */
+KILN_API kiln_module *kiln_resnet_new(int depth, int64_t num_classes, bool cifar_stem, kiln_dtype dt,
+                                      kiln_device dev, kiln_generator *gen);
+typedef enum kiln_resnet_block {
+  KILN_RESNET_BASIC = 0, /* two 3x3 convolutions, expansion 1 */
+  KILN_RESNET_BOTTLENECK /* 1x1, 3x3 (the stride), 1x1; expansion 4 (torchvision's v1.5) */
+} kiln_resnet_block;
+/* Any ResNet of torchvision's code: layers[i] blocks in layer i+1 (each >= 1), width the
+** channels of conv1 and layer1 (torchvision: 64; layer k has width * 2^(k-1) planes).
+** kiln_resnet_new(18, ...) is kiln_resnet_custom_new({2,2,2,2}, BASIC, 64, ...). */
+KILN_API kiln_module *kiln_resnet_custom_new(const int *layers, kiln_resnet_block block, int64_t width,
+                                             int64_t num_classes, bool cifar_stem, kiln_dtype dt,
+                                             kiln_device dev, kiln_generator *gen);
+
+/* --------------------------------------------------------------------------------------
 ** Transformer modules (GPT-2 / nanoGPT layout and parameter names). dt must be floating;
 ** gen (NULL: the global generator) gives the initial draws; dropout draws from the global
 ** generator.

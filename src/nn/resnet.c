@@ -1,0 +1,217 @@
+/* ResNet-18/34/50 as torchvision builds them (torchvision/models/resnet.py: ResNet,
+** BasicBlock, Bottleneck, _make_layer), so that torchvision's state dicts load by name.
+** The tree and its names:
+**   conv1 bn1 relu maxpool layer1..layer4 avgpool flatten fc
+**   layerK.i: conv1 bn1 conv2 bn2 [conv3 bn3] [downsample.0 (1x1 conv) downsample.1 (BN)]
+** The stride of a layer's first block sits on its 3x3 convolution (conv2 of a Bottleneck:
+** torchvision's "ResNet v1.5"). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/nn_int.h"
+
+typedef struct resnet_cfg {
+  int layers[4];
+  kiln_resnet_block block;
+  int64_t width, num_classes;
+  bool cifar_stem;
+} resnet_cfg;
+
+typedef struct block_cfg {
+  bool bottleneck, downsample;
+  int64_t in, planes, stride;
+} block_cfg;
+
+/* ---- blocks ----------------------------------------------------------------------------- */
+
+static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
+  const block_cfg *c = kiln_module_impl(m);
+  kiln_tensor *out = kiln_relu(kiln_module_forward(kiln_module_child(m, "bn1"),
+                                                   kiln_module_forward(kiln_module_child(m, "conv1"), x)));
+  out = kiln_module_forward(kiln_module_child(m, "bn2"), kiln_module_forward(kiln_module_child(m, "conv2"), out));
+  if (c->bottleneck)
+    out = kiln_module_forward(kiln_module_child(m, "bn3"),
+                              kiln_module_forward(kiln_module_child(m, "conv3"), kiln_relu(out)));
+  kiln_tensor *identity = c->downsample ? kiln_module_forward(kiln_module_child(m, "downsample"), x) : x;
+  if (!out || !identity) return NULL;
+  return kiln_relu(kiln_add(out, identity));
+}
+
+static int block_repr(const kiln_module *m, char *buf, size_t n) {
+  const block_cfg *c = kiln_module_impl(m);
+  return snprintf(buf, n, "in=%lld, planes=%lld, stride=%lld", (long long)c->in, (long long)c->planes,
+                  (long long)c->stride);
+}
+
+static const kiln_module_vtable basic_vt = {"BasicBlock", block_forward, NULL, free, block_repr};
+static const kiln_module_vtable bottleneck_vt = {"Bottleneck", block_forward, NULL, free, block_repr};
+
+/* A bias-free convolution with torchvision's init: kaiming_normal_(mode="fan_out",
+** nonlinearity="relu"), std = sqrt(2 / fan_out), fan_out = out * kh * kw. kiln_conv2d_new
+** draws PyTorch's default first and this draws again, as torchvision's constructor
+** does (build, then re-initialise every Conv2d). */
+static kiln_module *conv(int64_t in, int64_t out, int64_t k, int64_t stride, kiln_dtype dt, kiln_device dev,
+                         kiln_generator *gen) {
+  int64_t ks[2] = {k, k}, st[2] = {stride, stride}, pad[2] = {k / 2, k / 2};
+  kiln_module *m = kiln_conv2d_new(in, out, ks, st, pad, NULL, 1, false, dt, dev, gen);
+  if (!m) return NULL;
+  bool was = kiln_set_grad_enabled(false); /* an initialiser, not a recorded op */
+  kiln_status ok = kiln_normal_(kiln_module_param(m, "weight"), 0.0, sqrt(2.0 / (double)(out * k * k)), gen);
+  kiln_set_grad_enabled(was);
+  if (ok != KILN_OK) {
+    kiln_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+static kiln_module *bn(int64_t c, kiln_dtype dt, kiln_device dev) {
+  return kiln_batch_norm2d_new(c, 1e-5, 0.1, true, true, dt, dev);
+}
+
+/* Adds child (taking it; a NULL child keeps the pending error). */
+static kiln_status add(kiln_module *m, const char *name, kiln_module *child, kiln_status st) {
+  if (st != KILN_OK) {
+    kiln_module_free(child);
+    return st;
+  }
+  return kiln_module_add_child(m, name, child);
+}
+
+static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64_t stride, kiln_dtype dt,
+                              kiln_device dev, kiln_generator *gen) {
+  int64_t expansion = bottleneck ? 4 : 1;
+  block_cfg *c = malloc(sizeof *c);
+  if (!c) {
+    kiln_set_error(KILN_ERR_OOM, "kiln_resnet_new: out of host memory");
+    return NULL;
+  }
+  *c = (block_cfg){bottleneck, stride != 1 || in != planes * expansion, in, planes, stride};
+  kiln_module *m = kiln_module_new(bottleneck ? &bottleneck_vt : &basic_vt, c);
+  if (!m) return NULL;
+  kiln_status st = KILN_OK;
+  if (bottleneck) {
+    /* torchvision's width = planes * (base_width / 64) * groups, with 64 and 1 */
+    st = add(m, "conv1", conv(in, planes, 1, 1, dt, dev, gen), st);
+    st = add(m, "bn1", bn(planes, dt, dev), st);
+    st = add(m, "conv2", conv(planes, planes, 3, stride, dt, dev, gen), st);
+    st = add(m, "bn2", bn(planes, dt, dev), st);
+    st = add(m, "conv3", conv(planes, planes * 4, 1, 1, dt, dev, gen), st);
+    st = add(m, "bn3", bn(planes * 4, dt, dev), st);
+  } else {
+    st = add(m, "conv1", conv(in, planes, 3, stride, dt, dev, gen), st);
+    st = add(m, "bn1", bn(planes, dt, dev), st);
+    st = add(m, "conv2", conv(planes, planes, 3, 1, dt, dev, gen), st);
+    st = add(m, "bn2", bn(planes, dt, dev), st);
+  }
+  if (st == KILN_OK && c->downsample) {
+    kiln_module *ds = kiln_sequential_new();
+    st = ds ? KILN_OK : kiln_last_error();
+    if (st == KILN_OK) st = kiln_sequential_append(ds, conv(in, planes * expansion, 1, stride, dt, dev, gen));
+    if (st == KILN_OK) st = kiln_sequential_append(ds, bn(planes * expansion, dt, dev));
+    st = add(m, "downsample", ds, st);
+  }
+  if (st != KILN_OK) {
+    kiln_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+/* ---- the network ------------------------------------------------------------------------ */
+
+/* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc. */
+static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
+  int n = kiln_module_num_children(m);
+  for (int i = 0; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
+  return x;
+}
+
+static int resnet_repr(const kiln_module *m, char *buf, size_t n) {
+  const resnet_cfg *c = kiln_module_impl(m);
+  return snprintf(buf, n, "block=%s, layers=[%d, %d, %d, %d], width=%lld, num_classes=%lld%s",
+                  c->block == KILN_RESNET_BOTTLENECK ? "Bottleneck" : "BasicBlock", c->layers[0], c->layers[1],
+                  c->layers[2], c->layers[3], (long long)c->width, (long long)c->num_classes,
+                  c->cifar_stem ? ", cifar_stem" : "");
+}
+
+static const kiln_module_vtable resnet_vt = {"ResNet", resnet_forward, NULL, free, resnet_repr};
+
+static kiln_module *resnet_build(const char *who, const int *layers, kiln_resnet_block block, int64_t width,
+                                 int64_t num_classes, bool cifar_stem, kiln_dtype dt, kiln_device dev,
+                                 kiln_generator *gen) {
+  if (!layers || (block != KILN_RESNET_BASIC && block != KILN_RESNET_BOTTLENECK) || width < 1 ||
+      num_classes < 1) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: layers %s, block %d, width %lld (>= 1), num_classes %lld (>= 1)",
+                   who, layers ? "given" : "NULL", (int)block, (long long)width, (long long)num_classes);
+    return NULL;
+  }
+  for (int i = 0; i < 4; i++) {
+    if (layers[i] < 1) {
+      kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: layer%d has %d blocks (must be >= 1)", who, i + 1, layers[i]);
+      return NULL;
+    }
+  }
+  if (!kiln_dtype_is_float(dt)) {
+    kiln_set_error(KILN_ERR_DTYPE, "%s: dtype %s is not floating", who, kiln_dtype_name(dt));
+    return NULL;
+  }
+  resnet_cfg *c = malloc(sizeof *c);
+  if (!c) {
+    kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+    return NULL;
+  }
+  *c = (resnet_cfg){{layers[0], layers[1], layers[2], layers[3]}, block, width, num_classes, cifar_stem};
+  kiln_module *m = kiln_module_new(&resnet_vt, c);
+  if (!m) return NULL;
+  bool bottleneck = block == KILN_RESNET_BOTTLENECK;
+  int64_t expansion = bottleneck ? 4 : 1;
+  kiln_status st = KILN_OK;
+  /* torchvision draws in construction order (every conv's default, the fc's default),
+  ** then re-draws the convolutions; kiln draws each conv's two at once. Both are
+  ** torchvision's distributions; the numbers differ from torch's generator anyway. */
+  st = add(m, "conv1", conv(3, width, cifar_stem ? 3 : 7, cifar_stem ? 1 : 2, dt, dev, gen), st);
+  st = add(m, "bn1", bn(width, dt, dev), st);
+  st = add(m, "relu", kiln_relu_new(), st);
+  if (!cifar_stem) st = add(m, "maxpool", kiln_max_pool2d_new((const int64_t[]){3, 3}, (const int64_t[]){2, 2},
+                                                             (const int64_t[]){1, 1}, NULL), st);
+  int64_t in = width;
+  for (int l = 0; l < 4 && st == KILN_OK; l++) {
+    int64_t planes = width << l, stride = l == 0 ? 1 : 2;
+    kiln_module *layer = kiln_sequential_new();
+    st = layer ? KILN_OK : kiln_last_error();
+    for (int b = 0; b < layers[l] && st == KILN_OK; b++) {
+      st = kiln_sequential_append(layer, block_new(bottleneck, in, planes, b == 0 ? stride : 1, dt, dev, gen));
+      in = planes * expansion;
+    }
+    char name[16];
+    snprintf(name, sizeof name, "layer%d", l + 1);
+    st = add(m, name, layer, st);
+  }
+  st = add(m, "avgpool", kiln_adaptive_avg_pool2d_new((const int64_t[]){1, 1}), st);
+  st = add(m, "flatten", kiln_flatten_new(1, -1), st);
+  st = add(m, "fc", kiln_linear_new(in, num_classes, true, dt, dev, gen), st);
+  if (st != KILN_OK) {
+    kiln_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+kiln_module *kiln_resnet_custom_new(const int *layers, kiln_resnet_block block, int64_t width, int64_t num_classes,
+                                    bool cifar_stem, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  return resnet_build("kiln_resnet_custom_new", layers, block, width, num_classes, cifar_stem, dt, dev, gen);
+}
+
+kiln_module *kiln_resnet_new(int depth, int64_t num_classes, bool cifar_stem, kiln_dtype dt, kiln_device dev,
+                             kiln_generator *gen) {
+  static const int l18[4] = {2, 2, 2, 2}, l34[4] = {3, 4, 6, 3};
+  if (depth != 18 && depth != 34 && depth != 50) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_resnet_new: depth %d is not 18, 34 or 50", depth);
+    return NULL;
+  }
+  return resnet_build("kiln_resnet_new", depth == 18 ? l18 : l34,
+                      depth == 50 ? KILN_RESNET_BOTTLENECK : KILN_RESNET_BASIC, 64, num_classes, cifar_stem, dt,
+                      dev, gen);
+}

@@ -1,10 +1,14 @@
 /*
-** fashion-mnist: an MLP on Fashion-MNIST, the PyTorch peer's `fmnist-mlp` workload
-** (../shared/bench/torch_peer.py): Flatten, Linear(784, 256), ReLU, Linear(256, 10),
+** fashion-mnist: an MLP or a CNN on Fashion-MNIST, the PyTorch peer's `fmnist-mlp` and
+** `fmnist-cnn` workloads (../shared/bench/torch_peer.py):
+**   --model mlp (default): Flatten, Linear(784, 256), ReLU, Linear(256, 10)
+**   --model cnn: Conv2d(1, 32, 3), ReLU, MaxPool2d(2), Conv2d(32, 64, 3), ReLU,
+**                MaxPool2d(2), Flatten, Linear(1600, 128), ReLU, Linear(128, 10)
+**                (the images as (N, 1, 28, 28); no padding, as the peer)
 ** cross-entropy, Adam lr 1e-3, batch 128, shuffled. After each epoch: test accuracy (eval
 ** mode, no grad, batches of 1000) and a checkpoint (model, optimizer, RNG, epoch, step).
 **
-** Usage: fashion-mnist [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
+** Usage: fashion-mnist [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
 **                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]
 ** --autocast runs each step's forward under autocast (kiln_autocast_begin): the products in
@@ -47,10 +51,11 @@
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: " PROG " [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
+          "usage: " PROG " [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
           "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]\n"
-          "  MLP 784-256-10 on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
+          "  MLP 784-256-10 (--model mlp, the default) or CNN conv32-pool-conv64-pool-fc128-fc10\n"
+          "  (--model cnn) on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
           "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n");
@@ -120,6 +125,37 @@ static int check_split(const char *split, kiln_tensor *x, kiln_tensor *y) {
   return 0;
 }
 
+/* (N, 28, 28) -> (N, 1, 28, 28): the CNN's first module (PyTorch's peer unsqueezes the
+** data instead; kiln's loader and evaluation stay the same for both models). */
+static kiln_tensor *to_nchw_forward(kiln_module *m, kiln_tensor *x) {
+  (void)m;
+  return kiln_unsqueeze(x, 1);
+}
+static const kiln_module_vtable to_nchw_vt = {"Unsqueeze", to_nchw_forward, NULL, NULL, NULL};
+
+/* The model of --model (weights drawn from the global generator, on the CPU). NULL on
+** error (the last error set). */
+static kiln_module *build_model(bool cnn) {
+  kiln_device cpu = kiln_device_cpu();
+  if (!cnn)
+    return kiln_sequential_of(4, (kiln_module *[]){kiln_flatten_new(1, -1),
+                                                   kiln_linear_new(784, 256, true, KILN_F32, cpu, NULL),
+                                                   kiln_relu_new(),
+                                                   kiln_linear_new(256, 10, true, KILN_F32, cpu, NULL)});
+  const int64_t k3[2] = {3, 3}, k2[2] = {2, 2};
+  return kiln_sequential_of(11, (kiln_module *[]){kiln_module_new(&to_nchw_vt, NULL),
+                                                  kiln_conv2d_new(1, 32, k3, NULL, NULL, NULL, 1, true, KILN_F32, cpu, NULL),
+                                                  kiln_relu_new(),
+                                                  kiln_max_pool2d_new(k2, NULL, NULL, NULL),
+                                                  kiln_conv2d_new(32, 64, k3, NULL, NULL, NULL, 1, true, KILN_F32, cpu, NULL),
+                                                  kiln_relu_new(),
+                                                  kiln_max_pool2d_new(k2, NULL, NULL, NULL),
+                                                  kiln_flatten_new(1, -1),
+                                                  kiln_linear_new(64 * 5 * 5, 128, true, KILN_F32, cpu, NULL),
+                                                  kiln_relu_new(),
+                                                  kiln_linear_new(128, 10, true, KILN_F32, cpu, NULL)});
+}
+
 /* Test accuracy: eval mode, no graph, batches of EVAL_BATCH. NAN on error. */
 static double evaluate(kiln_module *model, kiln_tensor *tx, kiln_tensor *ty) {
   bool prev = kiln_set_grad_enabled(false);
@@ -146,6 +182,7 @@ int main(int argc, char **argv) {
   bool json = false, quiet = false, resume = false;
   const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *amp = NULL;    /* --autocast bf16|f16 */
+  const char *model_name = "mlp"; /* --model mlp|cnn */
   const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -157,6 +194,12 @@ int main(int argc, char **argv) {
       return 0;
     } else if (!strcmp(a, "--device")) {
       if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--model")) {
+      if (!(model_name = ex_flag_value(PROG, argc, argv, &i))) return 2;
+      if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn")) {
+        fprintf(stderr, PROG ": --model '%s': use mlp or cnn\n", model_name);
+        return 2;
+      }
     } else if (!strcmp(a, "--data")) {
       if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--logdir")) {
@@ -236,13 +279,9 @@ int main(int argc, char **argv) {
   int64_t ntrain = kiln_size(x, 0);
 
   kiln_manual_seed((uint64_t)seed);
-  kiln_module *model = R.model = kiln_sequential_new();
-  kiln_sequential_append(model, kiln_flatten_new(1, -1));
-  kiln_sequential_append(model, kiln_linear_new(784, 256, true, KILN_F32, kiln_device_cpu(), NULL));
-  kiln_sequential_append(model, kiln_relu_new());
-  kiln_sequential_append(model, kiln_linear_new(256, 10, true, KILN_F32, kiln_device_cpu(), NULL));
-  if (!model || kiln_module_num_children(model) != 4 || kiln_module_to(model, dev) != KILN_OK)
-    return fail("building the model");
+  bool cnn = !strcmp(model_name, "cnn");
+  kiln_module *model = R.model = build_model(cnn);
+  if (!model || kiln_module_to(model, dev) != KILN_OK) return fail("building the model");
   kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
   if (world > 1 && !(R.ddp = ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
   kiln_optim_config cfg = kiln_adam_config(lr);
@@ -283,7 +322,7 @@ int main(int argc, char **argv) {
 
   if (!quiet) {
     char pb[32];
-    printf("device: %s\ntrain: %lld images, test: %lld images\n", dname, (long long)ntrain,
+    printf("model: %s\ndevice: %s\ntrain: %lld images, test: %lld images\n", model_name, dname, (long long)ntrain,
            (long long)kiln_size(tx, 0));
     printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
            kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
@@ -356,6 +395,7 @@ int main(int argc, char **argv) {
     kiln_dict_set_meta(extra, "batch", buf);
     snprintf(buf, sizeof buf, "%lld", (long long)ntrain);
     kiln_dict_set_meta(extra, "train_samples", buf);
+    kiln_dict_set_meta(extra, "model", model_name);
     kiln_status cs = kiln_checkpoint_save(ckpt, model, opt, NULL, NULL, e + 1, step, extra);
     kiln_dict_free(extra);
     if (cs != KILN_OK) return fail("saving the checkpoint");
@@ -371,10 +411,10 @@ int main(int argc, char **argv) {
   }
   if (!quiet) printf("test accuracy: %.4f, checkpoint: %s\n", test_acc, ckpt);
   if (json)
-    printf("{\"example\":\"fashion-mnist\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
+    printf("{\"example\":\"fashion-mnist\",\"model\":\"%s\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
            "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
            "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"autocast\":\"%s\",\"kiln\":\"%s\"}\n",
-           dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
+           model_name, dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
            train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
            world, seed, amp ? amp : "off", kiln_version());
   fflush(stdout);

@@ -1,5 +1,6 @@
 /*
-** The fashion-mnist example: one short epoch trains and evaluates; a checkpoint resumes
+** The fashion-mnist example: one short epoch trains and evaluates (the MLP, and the CNN
+** of --model cnn); a checkpoint resumes
 ** bit-identically on the CPU (2 epochs straight == 1 epoch, then --resume to 2); kiln
 ** info reads the checkpoint. Skipped (77) when the data set is not installed.
 */
@@ -66,6 +67,27 @@ int main(void) {
   cr_free(&r);
   CR_CHECK(straight[0] && !strcmp(straight, resumed), "resumed loss %s != straight %s", resumed, straight);
   CR_CHECK(acc_a[0] && !strcmp(acc_a, acc_b), "resumed test_acc %s != straight %s", acc_b, acc_a);
+
+  /* --model cnn: the peer's fmnist-cnn; a short epoch learns (10 classes: chance is 0.1) */
+  r = cr_run(NULL, "fashion-mnist", "--model cnn --epochs 1 --checkpoint cnn.ckpt --device cpu --limit 640 --json --quiet");
+  CR_CHECK(r.status == 0, "--model cnn exited %d: %s", r.status, r.err);
+  acc = cr_json_num(r.out, "test_acc");
+  CR_CHECK(acc > 0.4 && acc <= 1, "--model cnn: test_acc %g after 5 steps", acc);
+  CR_CHECK(strstr(r.out, "\"model\":\"cnn\"") && cr_json_num(r.out, "steps") == 5, "--model cnn: %s", r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "info cnn.ckpt");
+  CR_CHECK(r.status == 0 && strstr(r.out, "model.1.weight") && strstr(r.out, "[32, 1, 3, 3]") &&
+               strstr(r.out, "[128, 1600]"),
+           "kiln info on the CNN checkpoint: %d %s", r.status, r.err);
+  cr_free(&r);
+  /* resuming the MLP's checkpoint with the CNN fails on the keys, not silently */
+  r = cr_run(NULL, "fashion-mnist", "--model cnn --epochs 2 --resume --checkpoint one.ckpt " ARGS);
+  CR_CHECK(r.status == 1 && strstr(r.err, "1.weight: shape [256, 784] in the state dict, [32, 1, 3, 3] in the model"), "cnn resuming an MLP checkpoint: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "fashion-mnist", "--model bogus " ARGS);
+  CR_CHECK(r.status == 2 && strstr(r.err, "--model 'bogus'") && strstr(r.err, "mlp or cnn"),
+           "--model bogus: %d %s", r.status, r.err);
+  cr_free(&r);
 
   r = cr_run(NULL, "fashion-mnist", "--resume --checkpoint missing.ckpt " ARGS);
   CR_CHECK(r.status == 2 && strstr(r.err, "no checkpoint"), "resume without a file: %d %s", r.status, r.err);

@@ -8,8 +8,11 @@
 **
 **   bench-resnet [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]
 **                [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]
-**                [--peer-threads N] [--no-peer] [--json]
+**                [--peer-threads N] [--no-peer] [--profile] [--json]
 **
+** --profile prints kiln's per-op and per-module table (kiln_profiler_start) over the steps
+** after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
+** library, where nothing pulls in the profiler's load-time hook.)
 ** The peer: --peer PATH, else $KILN_TORCH_PEER, else the first of .peer/torch_peer.py,
 ** ../shared/bench/torch_peer.py (both from the working directory) and
 ** /work/shared/bench/torch_peer.py that exists. --peer-threads N runs it with
@@ -46,7 +49,7 @@ static int cmp_double(const void *a, const void *b) {
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
              "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
-             "                    [--peer-threads N] [--no-peer] [--json]\n");
+             "                    [--peer-threads N] [--no-peer] [--profile] [--json]\n");
 }
 
 /* One number after "key": in a JSON line; NAN when absent or null. */
@@ -80,7 +83,7 @@ typedef struct result {
 
 /* kiln's run. Returns 0, or 1 with the error printed. */
 static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_device dev, bool bf16,
-                    result *out) {
+                    bool profile, result *out) {
   const int64_t classes = size >= 128 ? 1000 : 10;
   kiln_generator *gen = kiln_generator_new(0);
   kiln_module *model = kiln_resnet_new(depth, classes, false, KILN_F32, dev, gen);
@@ -100,6 +103,8 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   double loss = NAN;
   for (int s = 0; s < steps && !rc; s++) {
     kiln_device_synchronize(dev);
+    if (profile && s == (steps > 3 ? 3 : 0) && kiln_profiler_start(NULL) != KILN_OK)
+      fprintf(stderr, PROG ": --profile: %s\n", kiln_last_error_message());
     double t0 = now_s();
     kiln_scope_begin();
     kiln_status st = bf16 ? kiln_autocast_begin(dev.type, KILN_BF16) : KILN_OK;
@@ -117,6 +122,7 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
       rc = 1;
     }
   }
+  if (profile && kiln_profiler_enabled()) kiln_profiler_stop(stdout);
   if (!rc) {
     /* the peer's statistic: the median of the steps after the first three */
     int skip = steps > 3 ? 3 : 0;
@@ -175,7 +181,7 @@ int main(int argc, char **argv) {
   const char *arch = "resnet18", *devname = NULL, *amp = NULL, *peer_flag = NULL, *python = "python3";
   long long size = 0, batch = 0, steps = 15;
   int peer_threads = 0;
-  bool json = false, no_peer = false, compile = false, arch_set = false;
+  bool json = false, no_peer = false, compile = false, arch_set = false, profile = false;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -190,6 +196,7 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--no-peer")) no_peer = true;
     else if (!strcmp(a, "--compile")) compile = true;
+    else if (!strcmp(a, "--profile")) profile = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -242,7 +249,7 @@ int main(int argc, char **argv) {
   result k = {NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN};
   printf("%s, size %lld, batch %lld, %s, %s, %lld steps (median of steps 4..)\n", arch, size, batch,
          dname, bf16 ? "bf16 autocast" : "f32", steps);
-  if (run_kiln(depth, size, batch, (int)steps, dev, bf16, &k)) return 1;
+  if (run_kiln(depth, size, batch, (int)steps, dev, bf16, profile, &k)) return 1;
   printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  (%d threads)\n", k.images_per_s, k.ms,
          k.peak_gib, kiln_num_threads());
   char line[4096] = "";

@@ -168,6 +168,74 @@ KILN_API int kiln_loader_num_fields(const kiln_loader *l);
 KILN_API void kiln_loader_free(kiln_loader *l);
 
 /* --------------------------------------------------------------------------------------
+** Image transforms (src/data/transform.c): a dataset whose image field goes through a list
+** of transforms as each sample is read, so they run on the loader's worker threads (as a
+** torchvision Dataset given transforms.Compose([...])).
+**
+**   kiln_transform t[] = {
+**     kiln_transform_pad(2, KILN_PAD_CONSTANT),                 // (1, 28, 28) -> (1, 32, 32)
+**     kiln_transform_random_crop(32, 32, 4, KILN_PAD_CONSTANT), // pad 4, crop 32x32
+**     kiln_transform_random_hflip(0.5),
+**     kiln_transform_normalize(1, (const float[]){0.2860f}, (const float[]){0.3530f}),
+**   };
+**   kiln_dataset *aug = kiln_transform_dataset_new(base, 0, 4, t, seed);  // base: (x, y)
+**   kiln_loader *l = kiln_loader_new(aug, &o);   // batches of (B, 1, 32, 32) f32 and (B)
+**
+** Images are (C, H, W), or (H, W) read as one channel; u8 or f32. The transformed field is
+** (C, H', W'): f32 once to_float ran or when the input was f32, else u8 (rounded to the
+** nearest, clamped to [0, 255], after a resize). Every other field passes through.
+**
+** Randomness: random transform k of sample i in epoch e draws from kiln's Philox with key
+** seed and counter (e, i, k) — not from a thread's generator — so a seed gives the same
+** images whatever num_workers and whichever worker reads the sample, and each epoch gives
+** new ones. The epoch is the one of the loader reading the sample (kiln_loader_epoch);
+** a read outside a loader (kiln_dataset_get/read) is epoch 0.
+*/
+typedef enum kiln_transform_kind {
+  KILN_TRANSFORM_TO_FLOAT = 1, /* u8 -> f32 as x / 255 (ToTensor, ConvertImageDtype) */
+  KILN_TRANSFORM_NORMALIZE,    /* f32: (x - mean[c]) / std[c] (Normalize) */
+  KILN_TRANSFORM_PAD,          /* padding on each side of H and W (Pad) */
+  KILN_TRANSFORM_RANDOM_CROP,  /* pad, then a uniform (height, width) window (RandomCrop) */
+  KILN_TRANSFORM_RANDOM_HFLIP, /* mirror along W with probability p (RandomHorizontalFlip) */
+  KILN_TRANSFORM_RESIZE        /* bilinear to (height, width), half-pixel centres as
+                                  PyTorch's interpolate(align_corners=False), no antialias */
+} kiln_transform_kind;
+
+/* One transform; make it with the constructors below. */
+typedef struct kiln_transform {
+  kiln_transform_kind kind;
+  int64_t height, width;   /* RANDOM_CROP, RESIZE: the output size */
+  int64_t padding;         /* PAD, RANDOM_CROP: pixels added on each side (>= 0) */
+  kiln_pad_mode pad_mode;  /* PAD, RANDOM_CROP: KILN_PAD_CONSTANT pads with 0; REFLECT needs
+                              padding < H and < W */
+  double p;                /* RANDOM_HFLIP: in [0, 1] */
+  int n_channels;          /* NORMALIZE: entries in mean and std (must equal C) */
+  const float *mean, *std; /* NORMALIZE: copied by kiln_transform_dataset_new; std != 0 */
+} kiln_transform;
+
+KILN_API kiln_transform kiln_transform_to_float(void);
+KILN_API kiln_transform kiln_transform_normalize(int n_channels, const float *mean, const float *std);
+KILN_API kiln_transform kiln_transform_pad(int64_t padding, kiln_pad_mode mode);
+KILN_API kiln_transform kiln_transform_random_crop(int64_t height, int64_t width, int64_t padding,
+                                                   kiln_pad_mode mode);
+KILN_API kiln_transform kiln_transform_random_hflip(double p);
+KILN_API kiln_transform kiln_transform_resize(int64_t height, int64_t width);
+
+/* A dataset over base whose field `field` is passed through transforms[0 .. n) in order
+** (n in [0, 64]; the list and the mean/std arrays are copied). base is borrowed and must
+** outlive the new dataset; free it with kiln_dataset_free. Shapes and dtypes are checked
+** here, through the whole list, so a bad list fails at once: NULL with
+** KILN_ERR_INVALID_ARGUMENT (NULL base or transforms, field out of range, an unknown kind,
+** to_float on f32, normalize on u8, p outside [0, 1], std 0 or not finite, a negative
+** padding or a size < 1, reflect padding not smaller than the image), KILN_ERR_SHAPE
+** (the field is not (H, W) or (C, H, W), mean/std length not C, a crop larger than the
+** padded image; the message names the transform and the shapes), KILN_ERR_DTYPE (the
+** field not u8 or f32), KILN_ERR_OOM. An empty base is an error too (KILN_ERR_INVALID_
+** ARGUMENT): a dataset to augment with no samples is a mistake upstream. */
+KILN_API kiln_dataset *kiln_transform_dataset_new(kiln_dataset *base, int field, int n,
+                                                  const kiln_transform *transforms, uint64_t seed);
+
+/* --------------------------------------------------------------------------------------
 ** IDX files (MNIST, Fashion-MNIST). Layout: see src/data/idx.c.
 */
 /* Loads an IDX file, gzip-compressed (when built with zlib) or raw, as a new CPU tensor of

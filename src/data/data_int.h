@@ -24,6 +24,11 @@ size_t kiln__field_bytes(const kiln_field_spec *s);
 /* Writes sample index into per-field host buffers (both kinds of dataset). */
 kiln_status kiln__dataset_get_into(kiln_dataset *ds, int64_t index, void *const *bufs);
 
+/* The epoch of the loader building a batch on this thread, for the transform dataset's
+** randomness (transform.c): the loader sets it around each build and puts the previous
+** value back. Returns the previous value. */
+uint64_t kiln__data_epoch_swap(uint64_t epoch);
+
 /* ---- the loader's copier (copier.c) ----
 ** What a staged batch needs from its device: pinned host blocks, device blocks, a side
 ** copy stream, and events on it and on the device's compute stream (the one every kiln

@@ -475,7 +475,9 @@ static void *worker_main(void *arg) {
     kiln_tensor *t[KILN__MAX_FIELDS];
     bool staged = false;
     kiln_clear_error();
+    uint64_t prev_epoch = kiln__data_epoch_swap(l->epoch); /* transforms draw from it */
     kiln_status st = l->copier ? stage_batch(l, s, b, t, &staged) : build_batch(l, b, t);
+    kiln__data_epoch_swap(prev_epoch);
     char *msg = st != KILN_OK ? dup_msg(kiln_last_error_message()) : NULL;
 
     pthread_mutex_lock(&l->mu);
@@ -751,7 +753,9 @@ int kiln_loader_next(kiln_loader *l, kiln_tensor **fields) {
   kiln_tensor *t[KILN__MAX_FIELDS];
   int64_t b = l->delivered;
   if (l->workers == 0) {
+    uint64_t prev_epoch = kiln__data_epoch_swap(l->epoch);
     kiln_status st = build_batch(l, b, t);
+    kiln__data_epoch_swap(prev_epoch);
     l->delivered++;
     if (st != KILN_OK) return -1;
     return deliver(l, t, fields);

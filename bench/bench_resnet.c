@@ -1,0 +1,293 @@
+/*
+** bench-resnet: kiln's ResNet training step beside PyTorch's in the same run. Both do the
+** peer's workload (torch_peer.py `resnet`): torchvision's ResNet (ImageNet stem; 1000
+** classes at size >= 128, else 10), SGD lr 0.1 momentum 0.9 weight decay 1e-4, one fixed
+** batch of normal noise and random labels, forward (under bf16 autocast when asked) +
+** cross-entropy + backward + step per timed step; the median step of steps 4..N. Prints
+** images/s and peak memory for both and kiln / torch, then one --json line.
+**
+**   bench-resnet [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]
+**                [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]
+**                [--peer-threads N] [--no-peer] [--profile] [--json]
+**
+** --profile prints kiln's per-op and per-module table (kiln_profiler_start) over the steps
+** after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
+** library, where nothing pulls in the profiler's load-time hook.)
+** The peer: --peer PATH, else $KILN_TORCH_PEER, else the first of .peer/torch_peer.py,
+** ../shared/bench/torch_peer.py (both from the working directory) and
+** /work/shared/bench/torch_peer.py that exists. --peer-threads N runs it with
+** OMP_NUM_THREADS=N (the CPU comparison in bench/RESULTS.md is made at 1 and at the
+** default). Peak memory: kiln's allocator high-water mark (kiln_memory_stats) and
+** torch.cuda.max_memory_allocated; the peer reports none on the CPU.
+** Defaults: resnet18, size 32, batch 64 on the CPU; resnet50, size 224, batch 256 on a GPU.
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <kiln.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#define PROG "bench-resnet"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: " PROG " [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
+             "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
+             "                    [--peer-threads N] [--no-peer] [--profile] [--json]\n");
+}
+
+/* One number after "key": in a JSON line; NAN when absent or null. */
+static double json_num(const char *line, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = strstr(line, pat);
+  if (!p) return NAN;
+  p += strlen(pat);
+  while (*p == ' ') p++;
+  if (!strncmp(p, "null", 4)) return NAN;
+  char *end;
+  double v = strtod(p, &end);
+  return end == p ? NAN : v;
+}
+
+static const char *find_peer(const char *flag) {
+  if (flag) return flag;
+  const char *env = getenv("KILN_TORCH_PEER");
+  if (env && *env) return env;
+  static const char *const tries[] = {".peer/torch_peer.py", "../shared/bench/torch_peer.py",
+                                      "/work/shared/bench/torch_peer.py"};
+  for (size_t i = 0; i < sizeof tries / sizeof tries[0]; i++)
+    if (access(tries[i], R_OK) == 0) return tries[i];
+  return NULL;
+}
+
+typedef struct result {
+  double ms, images_per_s, peak_gib, loss;
+} result;
+
+/* kiln's run. Returns 0, or 1 with the error printed. */
+static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_device dev, bool bf16,
+                    bool profile, result *out) {
+  const int64_t classes = size >= 128 ? 1000 : 10;
+  kiln_generator *gen = kiln_generator_new(0);
+  kiln_module *model = kiln_resnet_new(depth, classes, false, KILN_F32, dev, gen);
+  kiln_optim_config cfg = kiln_sgd_config(0.1);
+  cfg.momentum = 0.9;
+  cfg.weight_decay = 1e-4;
+  kiln_optimizer *opt = model ? kiln_optimizer_new_module(&cfg, model) : NULL;
+  kiln_tensor *x = kiln_randn(4, (int64_t[]){batch, 3, size, size}, KILN_F32, dev, gen);
+  kiln_tensor *y = kiln_randint(0, classes, 1, (int64_t[]){batch}, KILN_I64, dev, gen);
+  double *t = calloc((size_t)steps, sizeof *t);
+  int rc = 0;
+  if (!model || !opt || !x || !y || !t) {
+    fprintf(stderr, PROG ": setting up kiln's resnet: %s\n", kiln_last_error_message());
+    rc = 1;
+  }
+  kiln_memory_reset_peak(dev);
+  double loss = NAN;
+  for (int s = 0; s < steps && !rc; s++) {
+    kiln_device_synchronize(dev);
+    if (profile && s == (steps > 3 ? 3 : 0) && kiln_profiler_start(NULL) != KILN_OK)
+      fprintf(stderr, PROG ": --profile: %s\n", kiln_last_error_message());
+    double t0 = now_s();
+    kiln_scope_begin();
+    kiln_status st = bf16 ? kiln_autocast_begin(dev.type, KILN_BF16) : KILN_OK;
+    kiln_tensor *l = kiln_cross_entropy(kiln_module_forward(model, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
+    if (bf16 && st == KILN_OK) st = kiln_autocast_end();
+    if (st == KILN_OK) st = kiln_backward(l, NULL);
+    if (st == KILN_OK) st = kiln_optimizer_step(opt);
+    if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
+    if (st == KILN_OK && s == steps - 1) loss = kiln_item(l);
+    kiln_scope_end();
+    kiln_device_synchronize(dev);
+    t[s] = now_s() - t0;
+    if (st != KILN_OK) {
+      fprintf(stderr, PROG ": kiln step %d: %s\n", s, kiln_last_error_message());
+      rc = 1;
+    }
+  }
+  if (profile && kiln_profiler_enabled()) kiln_profiler_stop(stdout);
+  if (!rc) {
+    /* the peer's statistic: the median of the steps after the first three */
+    int skip = steps > 3 ? 3 : 0;
+    qsort(t + skip, (size_t)(steps - skip), sizeof *t, cmp_double);
+    double med = t[skip + (steps - skip) / 2];
+    kiln_memory_stats ms;
+    out->ms = med * 1e3;
+    out->images_per_s = (double)batch / med;
+    out->peak_gib = kiln_memory_stats_get(dev, &ms) == KILN_OK ? (double)ms.peak_allocated / 1073741824.0 : NAN;
+    out->loss = loss;
+  }
+  free(t);
+  kiln_tensor_free(x);
+  kiln_tensor_free(y);
+  kiln_optimizer_free(opt);
+  kiln_module_free(model);
+  kiln_generator_free(gen);
+  return rc;
+}
+
+/* The peer's run: its JSON line parsed into out. Returns 0, or 1 with the reason printed. */
+static int run_peer(const char *python, const char *peer, const char *arch, int64_t size,
+                    int64_t batch, int steps, const char *devname, bool bf16, bool compile,
+                    int threads, result *out, char *line, size_t line_n) {
+  char cmd[2048], thr[48] = "";
+  if (threads > 0) snprintf(thr, sizeof thr, "OMP_NUM_THREADS=%d ", threads);
+  snprintf(cmd, sizeof cmd, "%s%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s",
+           thr, python, peer, arch, (long long)size, (long long)batch, steps, devname,
+           bf16 ? "" : " --no-amp", compile ? " --compile" : "");
+  fprintf(stderr, PROG ": peer: %s\n", cmd);
+  FILE *p = popen(cmd, "r");
+  if (!p) {
+    fprintf(stderr, PROG ": cannot run the peer\n");
+    return 1;
+  }
+  char buf[4096];
+  line[0] = 0;
+  while (fgets(buf, sizeof buf, p))
+    if (buf[0] == '{' && strstr(buf, "images_per_s")) {
+      snprintf(line, line_n, "%s", buf);
+      line[strcspn(line, "\n")] = 0;
+    }
+  int st = pclose(p);
+  if (!line[0]) {
+    fprintf(stderr, PROG ": the peer printed no result (exit status %d)\n", st);
+    return 1;
+  }
+  out->ms = json_num(line, "ms_per_step");
+  out->images_per_s = json_num(line, "images_per_s");
+  out->peak_gib = json_num(line, "peak_gib");
+  out->loss = json_num(line, "loss");
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const char *arch = "resnet18", *devname = NULL, *amp = NULL, *peer_flag = NULL, *python = "python3";
+  long long size = 0, batch = 0, steps = 15;
+  int peer_threads = 0;
+  bool json = false, no_peer = false, compile = false, arch_set = false, profile = false;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    bool takes = !strcmp(a, "--arch") || !strcmp(a, "--size") || !strcmp(a, "--batch") ||
+                 !strcmp(a, "--steps") || !strcmp(a, "--device") || !strcmp(a, "--autocast") ||
+                 !strcmp(a, "--peer") || !strcmp(a, "--python") || !strcmp(a, "--peer-threads");
+    if (takes && !v) {
+      fprintf(stderr, PROG ": %s needs a value\n", a);
+      return 2;
+    }
+    char *end = NULL;
+    if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--no-peer")) no_peer = true;
+    else if (!strcmp(a, "--compile")) compile = true;
+    else if (!strcmp(a, "--profile")) profile = true;
+    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--arch")) arch = v, arch_set = true, i++;
+    else if (!strcmp(a, "--device")) devname = v, i++;
+    else if (!strcmp(a, "--autocast")) amp = v, i++;
+    else if (!strcmp(a, "--peer")) peer_flag = v, i++;
+    else if (!strcmp(a, "--python")) python = v, i++;
+    else if (!strcmp(a, "--size") || !strcmp(a, "--batch") || !strcmp(a, "--steps") ||
+             !strcmp(a, "--peer-threads")) {
+      long long n = strtoll(v, &end, 10);
+      long long lo = !strcmp(a, "--peer-threads") ? 0 : !strcmp(a, "--size") ? 16 : 1;
+      if (!*v || *end || n < lo || n > 100000) {
+        fprintf(stderr, PROG ": %s '%s': want an integer from %lld to 100000\n", a, v, lo);
+        return 2;
+      }
+      if (!strcmp(a, "--size")) size = n;
+      else if (!strcmp(a, "--batch")) batch = n;
+      else if (!strcmp(a, "--steps")) steps = n;
+      else peer_threads = (int)n;
+      i++;
+    } else {
+      fprintf(stderr, PROG ": unknown option '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+  }
+  int depth = !strcmp(arch, "resnet18") ? 18 : !strcmp(arch, "resnet34") ? 34 : !strcmp(arch, "resnet50") ? 50 : 0;
+  if (!depth) {
+    fprintf(stderr, PROG ": --arch '%s': use resnet18, resnet34 or resnet50\n", arch);
+    return 2;
+  }
+  if (amp && strcmp(amp, "bf16")) {
+    fprintf(stderr, PROG ": --autocast '%s': only bf16 (the peer's autocast dtype)\n", amp);
+    return 2;
+  }
+  kiln_device dev = kiln_device_best();
+  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
+    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
+    return 2;
+  }
+  bool gpu = dev.type != KILN_DEVICE_CPU;
+  if (!arch_set && gpu) arch = "resnet50", depth = 50;
+  if (!size) size = gpu ? 224 : 32;
+  if (!batch) batch = gpu ? 256 : 64;
+  char dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+  const bool bf16 = amp != NULL;
+
+  result k = {NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN};
+  printf("%s, size %lld, batch %lld, %s, %s, %lld steps (median of steps 4..)\n", arch, size, batch,
+         dname, bf16 ? "bf16 autocast" : "f32", steps);
+  if (run_kiln(depth, size, batch, (int)steps, dev, bf16, profile, &k)) return 1;
+  printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  (%d threads)\n", k.images_per_s, k.ms,
+         k.peak_gib, kiln_num_threads());
+  char line[4096] = "";
+  const char *peer = no_peer ? NULL : find_peer(peer_flag);
+  int peer_rc = 1;
+  if (!no_peer && !peer)
+    fprintf(stderr, PROG ": torch_peer.py not found (pass --peer PATH or set KILN_TORCH_PEER)\n");
+  if (peer) {
+    /* the peer names the device as torch does: cuda, cpu */
+    const char *pdev = dev.type == KILN_DEVICE_CPU ? "cpu" : dev.type == KILN_DEVICE_CUDA ? "cuda" : "auto";
+    peer_rc = run_peer(python, peer, arch, size, batch, (int)steps, pdev, bf16, compile, peer_threads,
+                       &t, line, sizeof line);
+    if (!peer_rc) {
+      printf("torch: %8.1f images/s  %8.2f ms/step  peak ", t.images_per_s, t.ms);
+      if (isnan(t.peak_gib)) printf("n/a");
+      else printf("%.2f GiB", t.peak_gib);
+      printf("  (%s%s)\n", compile ? "torch.compile, " : "",
+             peer_threads ? "OMP_NUM_THREADS set" : "default threads");
+      printf("kiln / torch: %.2fx images/s", k.images_per_s / t.images_per_s);
+      if (!isnan(t.peak_gib) && t.peak_gib > 0) printf(", %.2fx peak memory", k.peak_gib / t.peak_gib);
+      printf("\n");
+    }
+  }
+  if (json) {
+    double ratio = peer_rc ? NAN : k.images_per_s / t.images_per_s;
+    printf("{\"bench\":\"resnet\",\"arch\":\"%s\",\"size\":%lld,\"batch\":%lld,\"device\":\"%s\","
+           "\"autocast\":\"%s\",\"steps\":%lld,\"threads\":%d,\"kiln_images_per_s\":%.1f,"
+           "\"kiln_ms_per_step\":%.3f,\"kiln_peak_gib\":%.3f,\"kiln_loss\":%.4f",
+           arch, size, batch, dname, bf16 ? "bf16" : "off", steps, kiln_num_threads(),
+           k.images_per_s, k.ms, k.peak_gib, k.loss);
+    if (!peer_rc) {
+      printf(",\"torch_images_per_s\":%.1f,\"torch_ms_per_step\":%.3f,\"ratio\":%.3f", t.images_per_s,
+             t.ms, ratio);
+      if (!isnan(t.peak_gib)) printf(",\"torch_peak_gib\":%.3f", t.peak_gib);
+      printf(",\"torch_compile\":%s,\"peer_threads\":%d", compile ? "true" : "false", peer_threads);
+    }
+    printf(",\"kiln\":\"%s\"}\n", kiln_version());
+  }
+  kiln_fallback_report(stderr);
+  return peer && peer_rc ? 1 : 0;
+}

@@ -289,6 +289,184 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
   return g->G == 1 ? kiln_reshape(cols, KILN_SHAPE(g->N, K, L)) : kiln_reshape(cols, KILN_SHAPE(g->N, g->G, K, L));
 }
 
+/* ---- conv2d's backward kernels (CONV2D_BACKWARD_DATA/_WEIGHT: cuDNN on CUDA) ------------- */
+
+/* attrs_conv with the padding resolved (no "same") and the size of the tensor the op
+** makes: the input's (H, W) for the data gradient, the kernel's (kh, kw) for the weight's. */
+typedef struct attrs_convb {
+  attrs_conv c;
+  int64_t size[2];
+  int nsz;
+} attrs_convb;
+static const kiln__attr_field f_convb[] = {
+    {"stride", KILN__A_INTS, offsetof(attrs_convb, c.stride), offsetof(attrs_convb, c.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_convb, c.padding), offsetof(attrs_convb, c.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_convb, c.dilation), offsetof(attrs_convb, c.nd), NULL},
+    {"groups", KILN__A_INT, offsetof(attrs_convb, c.groups), 0, NULL},
+    KILN__FIELD_INTS(attrs_convb, size, nsz)};
+
+static const kiln__op op_conv2d_bwd_data, op_conv2d_bwd_weight;
+
+static attrs_convb convb_attrs(const attrs_conv *p, const conv_geom *g) {
+  attrs_convb a;
+  a.c = *p;
+  for (int k = 0; k < 2; k++) a.c.padding[k] = g->pad[k];
+  a.size[0] = g->H, a.size[1] = g->W;
+  a.nsz = 2;
+  return a;
+}
+
+static kiln__conv_params convb_params(const attrs_convb *a, int64_t kh, int64_t kw) {
+  kiln__conv_params cp;
+  cp.kernel[0] = kh, cp.kernel[1] = kw;
+  for (int k = 0; k < 2; k++)
+    cp.stride[k] = a->c.stride[k], cp.padding[k] = a->c.padding[k], cp.dilation[k] = a->c.dilation[k];
+  return cp;
+}
+
+/* The arguments of a backward kernel: in0, in1, and the output (shape out_shape,
+** contiguous strides when it is only asked about). */
+static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const int64_t *out_shape,
+                              const attrs_convb *ab, const kiln__conv_params *cp) {
+  kiln__kargs q = {0};
+  q.op = op;
+  q.n_in = 2;
+  q.in[0] = kiln__view_of(in0);
+  q.in[1] = kiln__view_of(in1);
+  q.n_out = 1;
+  q.out[0] = q.in[0];
+  for (int d = 0; d < 4; d++) q.out[0].shape[d] = out_shape[d];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.i[0] = ab->c.groups;
+  q.i[1] = kiln_matmul_tf32() ? 1 : 0;
+  q.params = cp;
+  return q;
+}
+
+/* Whether conv2d's backward should use kernel op for these tensors: not on the CPU, where
+** its kernels are reference loops and im2col + BLAS is much faster; elsewhere when the
+** device has it for these arguments (cuDNN: padding symmetric, packed layouts). `like` is
+** the tensor whose gradient it makes. */
+static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
+                      const attrs_convb *ab) {
+  kiln_device dev = kiln_device_of(in0);
+  if (dev.type == KILN_DEVICE_CPU) return false;
+  const kiln_tensor *k = op == KILN__K_CONV2D_BACKWARD_DATA ? in1 : like; /* the weight */
+  kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
+  /* the kernels read the operands contiguous (the calls below make them so) */
+  kiln__kargs q = convb_args(op, in0, in1, like->shape, ab, &cp);
+  kiln__contiguous_strides(4, q.in[0].shape, q.in[0].strides);
+  kiln__contiguous_strides(4, q.in[1].shape, q.in[1].strides);
+  return kiln__dispatch_has(dev, &q, op);
+}
+
+static kiln_tensor *convb_data_call(kiln_tensor *g, kiln_tensor *w, const attrs_convb *ab) {
+  kiln_tensor *in[2] = {kiln_contiguous(g), kiln_contiguous(w)};
+  return in[0] && in[1] ? kiln__op_call(&op_conv2d_bwd_data, 2, in, ab, NULL) : NULL;
+}
+/* ab->size is the weight's (kh, kw) here */
+static kiln_tensor *convb_weight_call(kiln_tensor *x, kiln_tensor *g, const attrs_convb *ab) {
+  kiln_tensor *in[2] = {kiln_contiguous(x), kiln_contiguous(g)};
+  return in[0] && in[1] ? kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, NULL) : NULL;
+}
+
+/* dx (N, C, H, W) from g (N, OC, OH, OW) and w (OC, C/G, kh, kw) */
+static kiln_status convb_data_infer(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln_tensor *g = c->in[0], *w = c->in[1];
+  if (g->ndim != 4 || w->ndim != 4 || g->shape[1] != w->shape[0])
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_data: grad %s and weight %s do not match",
+                          kiln__tshape(g), kiln__tshape(w));
+  int64_t sh[4] = {g->shape[0], w->shape[1] * ab->c.groups, ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status convb_data_forward(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln__conv_params cp = convb_params(ab, c->in[1]->shape[2], c->in[1]->shape[3]);
+  kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_DATA, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
+  a.n_out = 0; /* kiln__run_into sets out0 */
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void convb_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+}
+
+/* conv2d with the resolved padding (every argument checked already) */
+static kiln_tensor *convb_conv(kiln_tensor *x, kiln_tensor *w, const attrs_convb *ab) {
+  return kiln_conv2d(x, w, NULL, ab->c.stride, ab->c.padding, ab->c.dilation, ab->c.groups);
+}
+
+/* dx = T(g, w) is linear in each: <gg, T(g, w)> = <conv(gg, w), g>, whose gradient in w is
+** the weight gradient of conv(gg, .) against g. */
+static kiln_status convb_data_backward(kiln__node *n, kiln_tensor *gg, kiln_tensor **gi) {
+  const attrs_convb *ab = n->attrs;
+  kiln_tensor *g = n->saved[0], *w = n->saved[1];
+  if (n->needs[0]) {
+    kiln_status st = kiln__give_grad(&gi[0], convb_conv(gg, w, ab), gg);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    attrs_convb wb = *ab;
+    wb.size[0] = w->shape[2], wb.size[1] = w->shape[3];
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(gg, g, &wb), gg);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+/* dW (OC, C/G, kh, kw) from x (N, C, H, W) and g (N, OC, OH, OW) */
+static kiln_status convb_weight_infer(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln_tensor *x = c->in[0], *g = c->in[1];
+  if (x->ndim != 4 || g->ndim != 4 || x->shape[0] != g->shape[0] || x->shape[1] % ab->c.groups)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_weight: input %s and grad %s do not match",
+                          kiln__tshape(x), kiln__tshape(g));
+  int64_t sh[4] = {g->shape[1], x->shape[1] / ab->c.groups, ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status convb_weight_forward(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln__conv_params cp = convb_params(ab, ab->size[0], ab->size[1]);
+  kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_WEIGHT, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
+  a.n_out = 0;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* dW = V(x, g): <gW, V(x, g)> = <conv(x, gW), g>: in x the data gradient of conv(., gW)
+** against g, in g conv(x, gW). */
+static kiln_status convb_weight_backward(kiln__node *n, kiln_tensor *gw, kiln_tensor **gi) {
+  const attrs_convb *ab = n->attrs;
+  kiln_tensor *x = n->saved[0], *g = n->saved[1];
+  if (n->needs[0]) {
+    attrs_convb db = *ab;
+    db.size[0] = x->shape[2], db.size[1] = x->shape[3];
+    kiln_status st = kiln__give_grad(&gi[0], convb_data_call(g, gw, &db), gw);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    kiln_status st = kiln__give_grad(&gi[1], convb_conv(x, gw, ab), gw);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_conv2d_bwd_data = {
+    .name = "conv2d_backward_data", .api = "kiln_conv2d_backward_data", .n_in = 2, .n_out = 1,
+    .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_DATA}, .attrs = f_convb,
+    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_data_infer, .forward = convb_data_forward,
+    .backward = convb_data_backward, .n_saved = 2, .save = convb_save};
+static const kiln__op op_conv2d_bwd_weight = {
+    .name = "conv2d_backward_weight", .api = "kiln_conv2d_backward_weight", .n_in = 2, .n_out = 1,
+    .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_WEIGHT}, .attrs = f_convb,
+    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_weight_infer, .forward = convb_weight_forward,
+    .backward = convb_weight_backward, .n_saved = 2, .save = convb_save};
+
 /* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
 
 static const kiln__op op_conv2d_direct;
@@ -310,6 +488,7 @@ static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   a.n_in = c->in[2] ? 3 : 2;
   for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
   a.i[0] = g.G;
+  a.i[1] = kiln_matmul_tf32() ? 1 : 0; /* TF32 as the products allow it */
   a.params = &cp;
   return kiln__run_into(c->out[0], &a);
 }
@@ -327,10 +506,24 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   kiln_tensor *x = n->saved[0], *w = n->saved[1];
   conv_geom ge = {0};
   if (conv_geometry(x, w, NULL, p, &ge) != KILN_OK) return kiln_last_error();
+  /* The device's own backward kernels (cuDNN), where it has them for these arguments. */
+  attrs_convb ab = convb_attrs(p, &ge), wb = ab;
+  wb.size[0] = ge.KH, wb.size[1] = ge.KW;
+  bool need_x = n->needs[0], need_w = n->needs[1];
+  if (need_x && convb_has(KILN__K_CONV2D_BACKWARD_DATA, g, w, x, &ab)) {
+    kiln_status st = kiln__give_grad(&gi[0], convb_data_call(g, w, &ab), g);
+    if (st != KILN_OK) return st;
+    need_x = false;
+  }
+  if (need_w && convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) {
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(x, g, &wb), g);
+    if (st != KILN_OK) return st;
+    need_w = false;
+  }
   int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
   kiln_tensor *gm = kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L));
   kiln_tensor *wm = kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K));
-  if (n->needs[0]) {
+  if (need_x) {
     kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
     kiln_tensor *dx;
     if (ge.KH == 1 && ge.KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && ge.pad[0] == 0 && ge.pad[1] == 0) {
@@ -343,7 +536,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     kiln_status st = kiln__give_grad(&gi[0], dx, g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[1]) {
+  if (need_w) {
     kiln_tensor *cols = conv_cols(x, &ge, p);
     if (cols && ge.G == 1) cols = kiln_unsqueeze(cols, 1); /* (N, 1, K, L) */
     int dim0 = 0;
@@ -382,7 +575,14 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   q.out[0].shape[1] = g.OC, q.out[0].shape[2] = g.OH, q.out[0].shape[3] = g.OW;
   kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
   q.i[0] = g.G;
-  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
+  q.i[1] = kiln_matmul_tf32() ? 1 : 0;
+  kiln__conv_params qp = conv_params(&g, p);
+  q.params = &qp;
+  /* contiguous operands, as the call below makes them */
+  for (int i = 0; i < q.n_in; i++) kiln__contiguous_strides(q.in[i].ndim, q.in[i].shape, q.in[i].strides);
+  /* The CPU's kernel (oneDNN) is f32 only; other devices' supports() say which dtypes. */
+  bool lib_dtype = x->dtype == KILN_F32 || c->device.type != KILN_DEVICE_CPU;
+  if (lib_dtype && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
     /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
     kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
     kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;

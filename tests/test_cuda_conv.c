@@ -8,7 +8,8 @@
 **    padded, dilated, grouped, depthwise, 1x1, asymmetric ("same", even kernel) shapes,
 **    with contiguous, non-contiguous (a transposed view) and channels-last-strided inputs:
 **    f64 and f32 tight (TF32 off), f16/bf16 loose. The fallback policy is "error", so a
-**    kernel that fell back to the CPU fails the run.
+**    kernel that fell back to the CPU fails the run. With cuDNN a channels-last input
+**    must give a channels-last output.
 ** 3. The CUDA kernels called directly against the CPU's: CONV2D_BACKWARD_DATA/_WEIGHT
 **    (with the bias gradient) when the device has them (cuDNN); MAX_POOL2D's indices on
 **    ties and NaN (must be identical).
@@ -23,6 +24,8 @@
 
 #include <math.h>
 #include <stdio.h>
+
+static bool cc_cudnn; /* cuda:0 runs CONV2D (cuDNN) */
 
 static kiln_device cc_cpu(void) { return kiln_device_cpu(); }
 static kiln_device cc_gpu(void) { return kiln_device_cuda(0); }
@@ -149,6 +152,9 @@ static void cc_conv_vs_cpu(void) {
         if (s1 != KILN_OK || s2 != KILN_OK) {
           H_CHECK(false, "%s: %s run failed: %s", what, s1 != KILN_OK ? "CPU" : "CUDA", kiln_last_error_message());
         } else {
+          /* with cuDNN a channels-last input gives a channels-last output */
+          if (layout == 2 && cc_cudnn && dt != KILN_F64)
+            H_CHECK(kiln_is_contiguous_format(got[0], KILN_CHANNELS_LAST), "%s: the output is not channels-last", what);
           static const char *const part[4] = {"y", "dx", "dw", "db"};
           for (int q = 0; q < 4; q++) {
             if (!want[q]) continue;
@@ -345,8 +351,8 @@ int main(int argc, char **argv) {
     a.in[0] = kiln__view_of(x), a.in[1] = kiln__view_of(w), a.out[0] = kiln__view_of(y);
     a.i[0] = 1;
     a.params = &cp;
-    printf("test_cuda_conv: CONV2D on cuda:0: %s\n",
-           kiln__dispatch_has(cc_gpu(), &a, KILN__K_CONV2D) ? "cuDNN" : "none (im2col + cuBLAS)");
+    cc_cudnn = kiln__dispatch_has(cc_gpu(), &a, KILN__K_CONV2D);
+    printf("test_cuda_conv: CONV2D on cuda:0: %s\n", cc_cudnn ? "cuDNN" : "none (im2col + cuBLAS)");
     kiln_scope_end();
   }
   cv_family();

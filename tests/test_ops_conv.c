@@ -607,12 +607,65 @@ static void cv_backward_kernels(void) {
   }
 }
 
+/* Memory formats: kiln_contiguous_format / kiln_is_contiguous_format on the CPU. */
+static void cv_format(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_generator *gen = kiln_generator_new(3);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 3, 4, 5), KILN_F64, cpu, gen);
+  kiln_tensor *w = kiln_randn(KILN_SHAPE(4, 3, 3, 3), KILN_F64, cpu, gen);
+  kiln_generator_free(gen);
+  kiln_requires_grad_(x, true);
+  H_CHECK(kiln_is_contiguous_format(x, KILN_CONTIGUOUS_FORMAT) && !kiln_is_contiguous_format(x, KILN_CHANNELS_LAST),
+          "a new tensor is contiguous, not channels-last");
+  kiln_tensor *y = kiln_contiguous_format(x, KILN_CHANNELS_LAST);
+  H_CHECK(y && kiln_is_contiguous_format(y, KILN_CHANNELS_LAST) && !kiln_is_contiguous(y),
+          "contiguous_format(channels_last) gives channels-last strides: %s", kiln_last_error_message());
+  if (y) {
+    const int64_t *st = kiln_strides(y);
+    H_CHECK(st[0] == 60 && st[1] == 1 && st[2] == 15 && st[3] == 3, "channels-last strides (%lld, %lld, %lld, %lld)",
+            (long long)st[0], (long long)st[1], (long long)st[2], (long long)st[3]);
+    int64_t n = 0;
+    double *want = h_values(x, &n);
+    if (want) h_tensor_close("contiguous_format keeps the values", y, want, n, 0, 0);
+    free(want);
+    H_CHECK(kiln_contiguous_format(y, KILN_CHANNELS_LAST) == y, "already channels-last: the same tensor");
+    /* conv2d reads it as any strided input: the same numbers as from x */
+    int64_t pd[2] = {1, 1};
+    kiln_tensor *a = kiln_conv2d(y, w, NULL, NULL, pd, NULL, 1), *b = kiln_conv2d(x, w, NULL, NULL, pd, NULL, 1);
+    double *vb = b ? h_values(b, &n) : NULL;
+    if (a && vb) h_tensor_close("conv2d of a channels-last input", a, vb, n, 1e-12, 1e-12);
+    else H_CHECK(false, "conv2d of a channels-last input failed: %s", kiln_last_error_message());
+    free(vb);
+    /* differentiable: the gradient of sum(y * 2) is 2 everywhere, in x's layout */
+    kiln_tensor *loss = kiln_sum_all(kiln_mul_scalar(y, 2.0));
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK && kiln_grad(x), "backward through contiguous_format: %s",
+            kiln_last_error_message());
+    if (kiln_grad(x)) {
+      double *g = h_values(kiln_grad(x), &n);
+      bool ok = g != NULL;
+      for (int64_t i = 0; ok && i < n; i++) ok = g[i] == 2.0;
+      H_CHECK(ok, "the gradient through contiguous_format is 2 everywhere");
+      free(g);
+    }
+    kiln_tensor *back = kiln_contiguous_format(y, KILN_CONTIGUOUS_FORMAT);
+    H_CHECK(back && kiln_is_contiguous(back), "contiguous_format(contiguous) of a channels-last tensor is contiguous");
+  }
+  kiln_tensor *t3 = kiln_zeros(KILN_SHAPE(2, 3, 4), KILN_F32, cpu);
+  H_EXPECT_ERR(kiln_contiguous_format(t3, KILN_CHANNELS_LAST), KILN_ERR_SHAPE, "channels_last of a 3-d tensor");
+  H_EXPECT_ERR(kiln_contiguous_format(x, (kiln_memory_format)7), KILN_ERR_INVALID_ARGUMENT, "an unknown format");
+  H_CHECK(!kiln_is_contiguous_format(t3, KILN_CHANNELS_LAST) && !kiln_is_contiguous_format(NULL, KILN_CONTIGUOUS_FORMAT),
+          "is_contiguous_format: false for 3-d and NULL");
+  kiln_scope_end();
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     cv_extra();
     cv_f32_vs_f64();
     cv_backward_kernels();
+    cv_format();
   }
 }
 

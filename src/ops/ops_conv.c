@@ -289,6 +289,60 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
   return g->G == 1 ? kiln_reshape(cols, KILN_SHAPE(g->N, K, L)) : kiln_reshape(cols, KILN_SHAPE(g->N, g->G, K, L));
 }
 
+/* ---- channels-last through the library kernels ----------------------------------------- */
+/* An op of the library path (conv2d_direct and the two backward ops) runs channels-last
+** when its image input (x, or the gradient for the data gradient) is channels-last (and
+** not also contiguous) on a device other than the CPU (oneDNN there reads contiguous
+** tensors). Its inputs are then all made channels-last and it makes its output in NHWC
+** memory: the op's own output has the shape (N, H, W, C) (its infer permutes it), its
+** kernel sees that memory as an NCHW-shaped view with channels-last strides, and the
+** caller permutes it back, so the user gets an NCHW-shaped channels-last tensor. */
+static bool conv_cl(const kiln_tensor *x) {
+  return x && kiln_device_of(x).type != KILN_DEVICE_CPU && !kiln_is_contiguous(x) &&
+         kiln_is_contiguous_format(x, KILN_CHANNELS_LAST);
+}
+static const int to_nchw[4] = {0, 3, 1, 2};
+
+/* t as the library op reads it: channels-last in cl mode, else contiguous (a copy only
+** when t is not already so; the copies are ops of their own). */
+static kiln_tensor *conv_prep(kiln_tensor *t, bool cl) {
+  if (!t || t->ndim != 4) return t ? kiln_contiguous(t) : NULL;
+  return cl ? kiln_contiguous_format(t, KILN_CHANNELS_LAST) : kiln_contiguous(t);
+}
+
+/* The strides conv_prep gives a view (for asking kiln__dispatch_has before the copies). */
+static void prep_strides(kiln__view *v, bool cl) {
+  kiln__contiguous_strides(v->ndim, v->shape, v->strides);
+  if (cl && v->ndim == 4) {
+    v->strides[1] = 1, v->strides[3] = v->shape[1], v->strides[2] = v->shape[3] * v->shape[1];
+    v->strides[0] = v->shape[2] * v->strides[2];
+  }
+}
+
+/* An op's NCHW output shape as it allocates it (NHWC in cl mode). */
+static void out_shape(int64_t sh[4], bool cl) {
+  if (!cl) return;
+  int64_t t[4] = {sh[0], sh[2], sh[3], sh[1]};
+  for (int k = 0; k < 4; k++) sh[k] = t[k];
+}
+
+/* Runs a library kernel into out (NHWC memory seen as NCHW in cl mode). */
+static kiln_status run_lib(kiln_tensor *out, kiln__kargs *a, bool cl) {
+  a->n_out = a->n_out ? a->n_out : 1;
+  a->out[0] = kiln__view_of(out);
+  if (cl) {
+    kiln__view v = a->out[0], o = v;
+    o.shape[1] = v.shape[3], o.shape[2] = v.shape[1], o.shape[3] = v.shape[2];
+    o.strides[1] = v.strides[3], o.strides[2] = v.strides[1], o.strides[3] = v.strides[2];
+    a->out[0] = o;
+  }
+  if (kiln_numel(out) == 0) return KILN_OK;
+  return kiln__dispatch(kiln_device_of(out), a);
+}
+
+/* An op's output as the NCHW-shaped tensor the caller wants. */
+static kiln_tensor *from_lib(kiln_tensor *y, bool cl) { return cl && y ? kiln_permute(y, 4, to_nchw) : y; }
+
 /* ---- conv2d's backward kernels (CONV2D_BACKWARD_DATA/_WEIGHT: cuDNN on CUDA) ------------- */
 
 /* attrs_conv with the padding resolved (no "same") and the size of the tensor the op
@@ -326,7 +380,7 @@ static kiln__conv_params convb_params(const attrs_convb *a, int64_t kh, int64_t 
 
 /* The arguments of a backward kernel: in0, in1, and the output (shape out_shape,
 ** contiguous strides when it is only asked about). */
-static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const int64_t *out_shape,
+static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const int64_t *oshape,
                               const attrs_convb *ab, const kiln__conv_params *cp) {
   kiln__kargs q = {0};
   q.op = op;
@@ -335,7 +389,7 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
   q.in[1] = kiln__view_of(in1);
   q.n_out = 1;
   q.out[0] = q.in[0];
-  for (int d = 0; d < 4; d++) q.out[0].shape[d] = out_shape[d];
+  for (int d = 0; d < 4; d++) q.out[0].shape[d] = oshape[d];
   kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
   q.i[0] = ab->c.groups;
   q.i[1] = kiln_matmul_tf32() ? 1 : 0;
@@ -351,23 +405,25 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
                       const attrs_convb *ab) {
   kiln_device dev = kiln_device_of(in0);
   if (dev.type == KILN_DEVICE_CPU) return false;
+  bool cl = conv_cl(in0);
   const kiln_tensor *k = op == KILN__K_CONV2D_BACKWARD_DATA ? in1 : like; /* the weight */
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
-  /* the kernels read the operands contiguous (the calls below make them so) */
+  /* the operands as the calls below prepare them */
   kiln__kargs q = convb_args(op, in0, in1, like->shape, ab, &cp);
-  kiln__contiguous_strides(4, q.in[0].shape, q.in[0].strides);
-  kiln__contiguous_strides(4, q.in[1].shape, q.in[1].strides);
+  prep_strides(&q.in[0], cl), prep_strides(&q.in[1], cl), prep_strides(&q.out[0], cl);
   return kiln__dispatch_has(dev, &q, op);
 }
 
 static kiln_tensor *convb_data_call(kiln_tensor *g, kiln_tensor *w, const attrs_convb *ab) {
-  kiln_tensor *in[2] = {kiln_contiguous(g), kiln_contiguous(w)};
-  return in[0] && in[1] ? kiln__op_call(&op_conv2d_bwd_data, 2, in, ab, NULL) : NULL;
+  bool cl = conv_cl(g);
+  kiln_tensor *in[2] = {conv_prep(g, cl), conv_prep(w, cl)};
+  return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_data, 2, in, ab, NULL), cl) : NULL;
 }
 /* ab->size is the weight's (kh, kw) here */
 static kiln_tensor *convb_weight_call(kiln_tensor *x, kiln_tensor *g, const attrs_convb *ab) {
-  kiln_tensor *in[2] = {kiln_contiguous(x), kiln_contiguous(g)};
-  return in[0] && in[1] ? kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, NULL) : NULL;
+  bool cl = conv_cl(x);
+  kiln_tensor *in[2] = {conv_prep(x, cl), conv_prep(g, cl)};
+  return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, NULL), cl) : NULL;
 }
 
 /* dx (N, C, H, W) from g (N, OC, OH, OW) and w (OC, C/G, kh, kw) */
@@ -378,6 +434,7 @@ static kiln_status convb_data_infer(kiln__op_ctx *c) {
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_data: grad %s and weight %s do not match",
                           kiln__tshape(g), kiln__tshape(w));
   int64_t sh[4] = {g->shape[0], w->shape[1] * ab->c.groups, ab->size[0], ab->size[1]};
+  out_shape(sh, conv_cl(g));
   kiln__op_meta(c, 0, 4, sh, g->dtype);
   return KILN_OK;
 }
@@ -386,8 +443,8 @@ static kiln_status convb_data_forward(kiln__op_ctx *c) {
   const attrs_convb *ab = c->attrs;
   kiln__conv_params cp = convb_params(ab, c->in[1]->shape[2], c->in[1]->shape[3]);
   kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_DATA, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
-  a.n_out = 0; /* kiln__run_into sets out0 */
-  return kiln__run_into(c->out[0], &a);
+  a.n_out = 0; /* run_lib sets out0 */
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
 static void convb_save(kiln__op_ctx *c, kiln__node *n) {
@@ -405,6 +462,7 @@ static kiln_tensor *convb_conv(kiln_tensor *x, kiln_tensor *w, const attrs_convb
 static kiln_status convb_data_backward(kiln__node *n, kiln_tensor *gg, kiln_tensor **gi) {
   const attrs_convb *ab = n->attrs;
   kiln_tensor *g = n->saved[0], *w = n->saved[1];
+  gg = from_lib(gg, conv_cl(g)); /* the op's output was NHWC-shaped in cl mode */
   if (n->needs[0]) {
     kiln_status st = kiln__give_grad(&gi[0], convb_conv(gg, w, ab), gg);
     if (st != KILN_OK) return st;
@@ -426,6 +484,7 @@ static kiln_status convb_weight_infer(kiln__op_ctx *c) {
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_weight: input %s and grad %s do not match",
                           kiln__tshape(x), kiln__tshape(g));
   int64_t sh[4] = {g->shape[1], x->shape[1] / ab->c.groups, ab->size[0], ab->size[1]};
+  out_shape(sh, conv_cl(x));
   kiln__op_meta(c, 0, 4, sh, x->dtype);
   return KILN_OK;
 }
@@ -435,7 +494,7 @@ static kiln_status convb_weight_forward(kiln__op_ctx *c) {
   kiln__conv_params cp = convb_params(ab, ab->size[0], ab->size[1]);
   kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_WEIGHT, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
   a.n_out = 0;
-  return kiln__run_into(c->out[0], &a);
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
 /* dW = V(x, g): <gW, V(x, g)> = <conv(x, gW), g>: in x the data gradient of conv(., gW)
@@ -443,6 +502,7 @@ static kiln_status convb_weight_forward(kiln__op_ctx *c) {
 static kiln_status convb_weight_backward(kiln__node *n, kiln_tensor *gw, kiln_tensor **gi) {
   const attrs_convb *ab = n->attrs;
   kiln_tensor *x = n->saved[0], *g = n->saved[1];
+  gw = from_lib(gw, conv_cl(x));
   if (n->needs[0]) {
     attrs_convb db = *ab;
     db.size[0] = x->shape[2], db.size[1] = x->shape[3];
@@ -478,6 +538,15 @@ static kiln__conv_params conv_params(const conv_geom *g, const attrs_conv *p) {
   return cp;
 }
 
+static kiln_status conv_direct_infer(kiln__op_ctx *c) {
+  conv_geom g = {0};
+  if (conv_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
+  out_shape(sh, conv_cl(c->in[0]));
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  return KILN_OK;
+}
+
 static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   const attrs_conv *p = c->attrs;
   conv_geom g = {0};
@@ -490,7 +559,7 @@ static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   a.i[0] = g.G;
   a.i[1] = kiln_matmul_tf32() ? 1 : 0; /* TF32 as the products allow it */
   a.params = &cp;
-  return kiln__run_into(c->out[0], &a);
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
 static void conv_direct_save(kiln__op_ctx *c, kiln__node *n) {
@@ -506,6 +575,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   kiln_tensor *x = n->saved[0], *w = n->saved[1];
   conv_geom ge = {0};
   if (conv_geometry(x, w, NULL, p, &ge) != KILN_OK) return kiln_last_error();
+  g = from_lib(g, conv_cl(x)); /* NHWC-shaped in cl mode, as the forward's output */
   /* The device's own backward kernels (cuDNN), where it has them for these arguments. */
   attrs_convb ab = convb_attrs(p, &ge), wb = ab;
   wb.size[0] = ge.KH, wb.size[1] = ge.KW;
@@ -555,7 +625,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
 static const kiln__op op_conv2d_direct = {
     .name = "conv2d_direct", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2, .n_kernels = 1,
     .kernels = {KILN__K_CONV2D}, .attrs = f_conv, .n_attrs = 4, .attr_size = sizeof(attrs_conv),
-    .infer = conv2d_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
+    .infer = conv_direct_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
     .save = conv_direct_save};
 
 static kiln_status conv2d_forward(kiln__op_ctx *c) {
@@ -578,15 +648,16 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   q.i[1] = kiln_matmul_tf32() ? 1 : 0;
   kiln__conv_params qp = conv_params(&g, p);
   q.params = &qp;
-  /* contiguous operands, as the call below makes them */
-  for (int i = 0; i < q.n_in; i++) kiln__contiguous_strides(q.in[i].ndim, q.in[i].shape, q.in[i].strides);
+  /* the operands as the call below prepares them (channels-last on CUDA stays so) */
+  bool cl = conv_cl(x);
+  for (int i = 0; i < q.n_in; i++) prep_strides(&q.in[i], cl);
+  prep_strides(&q.out[0], cl);
   /* The CPU's kernel (oneDNN) is f32 only; other devices' supports() say which dtypes. */
   bool lib_dtype = x->dtype == KILN_F32 || c->device.type != KILN_DEVICE_CPU;
   if (lib_dtype && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
-    /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
-    kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
+    kiln_tensor *in[3] = {conv_prep(x, cl), conv_prep(w, cl), b ? kiln_contiguous(b) : NULL};
     kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;
-    c->out[0] = kiln__scope_return(y);
+    c->out[0] = kiln__scope_return(from_lib(y, cl));
     return c->out[0] ? KILN_OK : kiln_last_error();
   }
   kiln_tensor *cols = conv_cols(x, &g, p);

@@ -238,26 +238,20 @@ std::string cache_key(const kiln__kargs *a, const Operands &o) {
   return k;
 }
 
-/* Whether a candidate's math keeps the contract: exact f32 only with FMA math. */
-bool math_ok(cudnnMathType_t want, cudnnMathType_t got) {
-  if (want == CUDNN_FMA_MATH) return got == CUDNN_FMA_MATH;
-  return got != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
-}
-
 const size_t kMaxWorkspace = (size_t)1 << 30;
 
-/* The algorithm for these arguments: cached, else heuristics (or a measurement). */
-template <class Perf>
-kiln_status pick(const Perf *perf, int n, cudnnMathType_t want, Choice *c, const char *what) {
-  for (int i = 0; i < n; i++) {
-    if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > kMaxWorkspace) continue;
-    if (!math_ok(want, perf[i].mathType)) continue;
-    c->algo = (int)perf[i].algo;
-    c->math = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : perf[i].mathType;
-    c->ws = perf[i].memory;
-    return KILN_OK;
-  }
-  return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: cuDNN has no %s algorithm for these arguments", what);
+/* One candidate of cuDNN's list, whatever the direction. */
+struct Cand {
+  int algo;
+  cudnnStatus_t status;
+  cudnnMathType_t math;
+  cudnnDeterminism_t det;
+  size_t memory;
+};
+template <class Perf> int to_cands(const Perf *perf, int n, Cand *out) {
+  for (int i = 0; i < n; i++)
+    out[i] = Cand{(int)perf[i].algo, perf[i].status, perf[i].mathType, perf[i].determinism, perf[i].memory};
+  return n;
 }
 
 struct Scratch {
@@ -291,6 +285,7 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
   }
   enum { kMax = 16 };
   int n = 0;
+  c->algo = -1;
   bool bench = benchmark_mode() && !d->capturing;
   Scratch ws;
   size_t ws_n = 0;
@@ -303,6 +298,7 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
     }
     if (!ws.p) ws_n = 0;
   }
+  Cand cand[kMax];
   switch (a->op) {
   case KILN__K_CONV2D: {
     cudnnConvolutionFwdAlgoPerf_t perf[kMax];
@@ -313,7 +309,7 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
     else
       KC_DNN(cudnnGetConvolutionForwardAlgorithm_v7(h, ds.x, ds.w, ds.conv, ds.y, kMax, &n, perf),
              "cudnnGetConvolutionForwardAlgorithm_v7");
-    KC_TRY(pick(perf, n, want, c, "forward"));
+    n = to_cands(perf, n, cand);
     break;
   }
   case KILN__K_CONV2D_BACKWARD_DATA: {
@@ -325,7 +321,7 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
     else
       KC_DNN(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, ds.w, ds.y, ds.conv, ds.x, kMax, &n, perf),
              "cudnnGetConvolutionBackwardDataAlgorithm_v7");
-    KC_TRY(pick(perf, n, want, c, "backward-data"));
+    n = to_cands(perf, n, cand);
     break;
   }
   default: {
@@ -337,24 +333,45 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
     else
       KC_DNN(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, ds.x, ds.y, ds.conv, ds.w, kMax, &n, perf),
              "cudnnGetConvolutionBackwardFilterAlgorithm_v7");
-    KC_TRY(pick(perf, n, want, c, "backward-filter"));
+    n = to_cands(perf, n, cand);
   }
   }
-  /* The heuristics' workspace figure can be an estimate: ask for the exact size. */
-  size_t exact = 0;
-  cudnnStatus_t s = CUDNN_STATUS_SUCCESS;
-  KC_DNN(cudnnSetConvolutionMathType(ds.conv, c->math), "cudnnSetConvolutionMathType");
-  if (a->op == KILN__K_CONV2D)
-    s = cudnnGetConvolutionForwardWorkspaceSize(h, ds.x, ds.w, ds.conv, ds.y, (cudnnConvolutionFwdAlgo_t)c->algo,
-                                                &exact);
-  else if (a->op == KILN__K_CONV2D_BACKWARD_DATA)
-    s = cudnnGetConvolutionBackwardDataWorkspaceSize(h, ds.w, ds.y, ds.conv, ds.x,
-                                                     (cudnnConvolutionBwdDataAlgo_t)c->algo, &exact);
-  else
-    s = cudnnGetConvolutionBackwardFilterWorkspaceSize(h, ds.x, ds.y, ds.conv, ds.w,
-                                                       (cudnnConvolutionBwdFilterAlgo_t)c->algo, &exact);
-  KC_DNN(s, "cudnnGetConvolution*WorkspaceSize");
-  if (exact > c->ws) c->ws = exact;
+  /* The first candidate (fastest by heuristic or measurement) that works, keeps the math
+  ** contract (exact f32: FMA only; never a down-conversion), is deterministic (DESIGN.md:
+  ** same seed, same numbers; some backward algorithms add with atomics) and whose
+  ** workspace is reasonable; the workspace size is asked again under the math type that
+  ** will be set, which also checks that the algorithm runs with it. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < n; i++) {
+      const Cand &k = cand[i];
+      if (k.status != CUDNN_STATUS_SUCCESS || k.memory > kMaxWorkspace) continue;
+      if (k.math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+      if (want == CUDNN_FMA_MATH && k.math == CUDNN_TENSOR_OP_MATH) continue;
+      if (pass == 0 && k.det != CUDNN_DETERMINISTIC) continue;
+      cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : k.math;
+      if (cudnnSetConvolutionMathType(ds.conv, m) != CUDNN_STATUS_SUCCESS) continue;
+      size_t exact = 0;
+      cudnnStatus_t s;
+      if (a->op == KILN__K_CONV2D)
+        s = cudnnGetConvolutionForwardWorkspaceSize(h, ds.x, ds.w, ds.conv, ds.y, (cudnnConvolutionFwdAlgo_t)k.algo,
+                                                    &exact);
+      else if (a->op == KILN__K_CONV2D_BACKWARD_DATA)
+        s = cudnnGetConvolutionBackwardDataWorkspaceSize(h, ds.w, ds.y, ds.conv, ds.x,
+                                                         (cudnnConvolutionBwdDataAlgo_t)k.algo, &exact);
+      else
+        s = cudnnGetConvolutionBackwardFilterWorkspaceSize(h, ds.x, ds.y, ds.conv, ds.w,
+                                                           (cudnnConvolutionBwdFilterAlgo_t)k.algo, &exact);
+      if (s != CUDNN_STATUS_SUCCESS || exact > kMaxWorkspace) continue;
+      c->algo = k.algo;
+      c->math = m;
+      c->ws = exact > k.memory ? exact : k.memory;
+      pass = 2;
+      break;
+    }
+  }
+  if (!(c->algo >= 0))
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: cuDNN offers no algorithm for these arguments (%d tried)",
+                          kiln__kop_name(a->op), n);
   std::lock_guard<std::mutex> lock(g_mu);
   g_cache[key] = *c;
   return KILN_OK;
@@ -425,8 +442,11 @@ extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
   cudnnDataType_t dt;
   if (!dtype_of(o.x->dtype, &dt) || o.w->dtype != o.x->dtype || o.y->dtype != o.x->dtype) return false;
   const kiln__view *vs[3] = {o.x, o.w, o.y};
-  for (const kiln__view *v : vs)
-    if (v->ndim != 4 || !fits_int(v) || !(packed_nchw(v) || packed_nhwc(v))) return false;
+  for (const kiln__view *v : vs) {
+    if (v->ndim != 4 || !fits_int(v)) return false;
+    /* f64: NCHW only (cuDNN's double kernels are NCHW ones) */
+    if (!packed_nchw(v) && (o.x->dtype == KILN_F64 || !packed_nhwc(v))) return false;
+  }
   if (!symmetric((const kiln__conv_params *)a->params, o, a->i[0])) return false;
   const kiln__view *b = o.bias ? o.bias : o.dbias;
   if (b && (b->ndim != 1 || b->shape[0] != o.y->shape[1] || b->dtype != o.x->dtype)) return false;

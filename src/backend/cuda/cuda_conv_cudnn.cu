@@ -182,12 +182,17 @@ struct Descs {
   }
 };
 
-/* The view's strides, with those of size-1 dims (free in kiln, checked by cuDNN) set to
-** what the packed layout (NCHW or NHWC, supports() checked one holds) has there. */
-kiln_status tensor_desc(cudnnTensorDescriptor_t t, const kiln__view *v, cudnnDataType_t dt) {
+/* One layout for the three operands (supports() checked each is packed in it): NHWC
+** when any is not NCHW-packed (a tensor packed both ways, with C == 1 or H == W == 1,
+** follows the others). */
+bool nhwc_mode(const Operands &o) { return !packed_nchw(o.x) || !packed_nchw(o.w) || !packed_nchw(o.y); }
+
+/* The packed strides of the layout (those of size-1 dims are free in kiln; cuDNN checks
+** them, and infers the layout from them). */
+kiln_status tensor_desc(cudnnTensorDescriptor_t t, const kiln__view *v, cudnnDataType_t dt, bool nhwc) {
   int dims[4], st[4];
-  const int nchw[4] = {3, 2, 1, 0}, nhwc[4] = {1, 3, 2, 0}; /* fastest first */
-  const int *order = packed_nchw(v) ? nchw : nhwc;
+  const int nchw[4] = {3, 2, 1, 0}, nhwc_order[4] = {1, 3, 2, 0}; /* fastest first */
+  const int *order = nhwc ? nhwc_order : nchw;
   int64_t s = 1;
   for (int k = 0; k < 4; k++) {
     int d = order[k];
@@ -206,9 +211,9 @@ kiln_status make_descs(const kiln__kargs *a, const Operands &o, Descs *ds, cudnn
   KC_DNN(cudnnCreateTensorDescriptor(&ds->y), "cudnnCreateTensorDescriptor");
   KC_DNN(cudnnCreateFilterDescriptor(&ds->w), "cudnnCreateFilterDescriptor");
   KC_DNN(cudnnCreateConvolutionDescriptor(&ds->conv), "cudnnCreateConvolutionDescriptor");
-  KC_TRY(tensor_desc(ds->x, o.x, dt));
-  KC_TRY(tensor_desc(ds->y, o.y, dt));
-  cudnnTensorFormat_t fmt = packed_nchw(o.w) ? CUDNN_TENSOR_NCHW : CUDNN_TENSOR_NHWC;
+  KC_TRY(tensor_desc(ds->x, o.x, dt, nhwc_mode(o)));
+  KC_TRY(tensor_desc(ds->y, o.y, dt, nhwc_mode(o)));
+  cudnnTensorFormat_t fmt = nhwc_mode(o) ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   KC_DNN(cudnnSetFilter4dDescriptor(ds->w, dt, fmt, (int)o.w->shape[0], (int)o.w->shape[1], (int)o.w->shape[2],
                                     (int)o.w->shape[3]),
          "cudnnSetFilter4dDescriptor");
@@ -382,7 +387,6 @@ template <class T>
 __global__ void __launch_bounds__(KC_THREADS) bias_add_kernel(T *y, const T *b, int64_t bs, int64_t C, int64_t H,
                                                               int64_t W, int64_t s0, int64_t s1, int64_t s2,
                                                               int64_t s3, int64_t total) {
-  typedef typename kc_traits<T>::acc A;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
     int64_t r = k;
     int64_t w = r % W; r /= W;
@@ -442,11 +446,12 @@ extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
   cudnnDataType_t dt;
   if (!dtype_of(o.x->dtype, &dt) || o.w->dtype != o.x->dtype || o.y->dtype != o.x->dtype) return false;
   const kiln__view *vs[3] = {o.x, o.w, o.y};
-  for (const kiln__view *v : vs) {
+  for (const kiln__view *v : vs)
     if (v->ndim != 4 || !fits_int(v)) return false;
-    /* f64: NCHW only (cuDNN's double kernels are NCHW ones) */
-    if (!packed_nchw(v) && (o.x->dtype == KILN_F64 || !packed_nhwc(v))) return false;
-  }
+  /* one layout for all three; f64 NCHW only (cuDNN's double kernels are NCHW ones) */
+  bool nhwc = nhwc_mode(o);
+  for (const kiln__view *v : vs)
+    if (nhwc ? !packed_nhwc(v) || o.x->dtype == KILN_F64 : !packed_nchw(v)) return false;
   if (!symmetric((const kiln__conv_params *)a->params, o, a->i[0])) return false;
   const kiln__view *b = o.bias ? o.bias : o.dbias;
   if (b && (b->ndim != 1 || b->shape[0] != o.y->shape[1] || b->dtype != o.x->dtype)) return false;

@@ -247,11 +247,31 @@ static void cc_max_pool(void) {
   int64_t kk[2] = {3, 2}, st[2] = {2, 1}, pd[2] = {1, 1}, dl[2] = {1, 2};
   for (int di = 0; di < 4; di++) {
     for (int layout = 0; layout < 3; layout++) {
-      kiln_tensor *idx[2] = {0}, *y[2] = {0};
+      kiln_tensor *idx[2] = {0}, *y[2] = {0}, *gx[3] = {0};
       kiln_device devs[2] = {cc_cpu(), cc_gpu()};
-      for (int d = 0; d < 2; d++) {
-        kiln_tensor *xd = cc_layout(kiln_to_dtype(kiln_to_device(x, devs[d]), dts[di]), layout);
-        y[d] = kiln_max_pool2d(xd, kk, st, pd, dl, &idx[d]);
+      for (int d = 0; d < 3; d++) {
+        /* d == 2: cuda again, for the backward's determinism */
+        kiln_tensor *leaf = kiln_contiguous(kiln_to_dtype(kiln_to_device(x, devs[d ? 1 : 0]), dts[di]));
+        kiln_requires_grad_(leaf, true);
+        kiln_tensor *xd = cc_layout(leaf, layout);
+        kiln_tensor *yy, *ii;
+        yy = kiln_max_pool2d(xd, kk, st, pd, dl, &ii);
+        if (d < 2) y[d] = yy, idx[d] = ii;
+        /* a weighted sum, so that windows sharing a maximum add different grads */
+        kiln_tensor *wts = yy ? kiln_to_dtype(kiln_arange(0, (double)kiln_numel(yy), 1, KILN_F64, devs[d ? 1 : 0]), dts[di]) : NULL;
+        kiln_tensor *loss = wts ? kiln_sum_all(kiln_mul(kiln_reshape(yy, 1, (int64_t[]){kiln_numel(yy)}), wts)) : NULL;
+        if (loss && kiln_backward(loss, NULL) == KILN_OK) gx[d] = kiln_grad(leaf);
+      }
+      char gname[128];
+      snprintf(gname, sizeof gname, "max_pool2d %s %s backward", kiln_dtype_name(dts[di]), cc_layout_name[layout]);
+      if (gx[0] && gx[1] && gx[2]) {
+        cc_same(gname, gx[1], gx[0], dts[di]);
+        double *a2 = cc_host(gx[1]), *b2 = cc_host(gx[2]);
+        strcat(gname, " (run twice: the same bits)");
+        if (a2 && b2) h_close(gname, a2, b2, kiln_numel(gx[1]), 0, 0);
+        free(a2), free(b2);
+      } else {
+        H_CHECK(false, "%s failed: %s", gname, kiln_last_error_message());
       }
       char name[128];
       snprintf(name, sizeof name, "max_pool2d %s %s values", kiln_dtype_name(dts[di]), cc_layout_name[layout]);

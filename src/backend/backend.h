@@ -227,7 +227,12 @@ typedef struct kiln__view {
   /* CONV2D's weight gradient: in0 x (N, C, H, W), in1 grad (N, OC, OH, OW) -> out0 dW */  \
   /* (OC, C/G, kh, kw); with n_out == 2, out1 (OC) the bias gradient (grad summed over */ \
   /* N, OH, OW). params, i0, i1 as CONV2D. */                                              \
-  X(CONV2D_BACKWARD_WEIGHT, "conv2d_backward_weight")
+  X(CONV2D_BACKWARD_WEIGHT, "conv2d_backward_weight")                                     \
+  /* MAX_POOL2D's backward as a gather (deterministic: no atomics): in0 grad (N, C, OH, */ \
+  /* OW), in1 its indices (i64, as MAX_POOL2D gave them) -> out0 dx (N, C, H, W) */       \
+  /* (written): each pixel sums the grads of the windows (in window order i, j) whose */  \
+  /* index names it. a->params: the forward's kiln__conv_params. */                         \
+  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -874,11 +874,93 @@ static kiln_status max_pool_forward(kiln__op_ctx *c) {
 /* saved: 0 the indices (an integer output, which the path leaves out of the node). */
 static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->out[1]); }
 
+/* max_pool2d's backward through its kernel (MAX_POOL2D_BACKWARD: a gather per pixel, the
+** same sums every run), an internal op: inputs the gradient and the indices, attributes
+** the forward's window and the input's (H, W). Its own backward gathers the gradient of
+** dx at the indices. */
+typedef struct attrs_poolb {
+  attrs_pool p;
+  int64_t size[2];
+  int nsz;
+} attrs_poolb;
+static const kiln__attr_field f_poolb[] = {
+    {"kernel", KILN__A_INTS, offsetof(attrs_poolb, p.kernel), offsetof(attrs_poolb, p.nk), NULL},
+    {"stride", KILN__A_INTS, offsetof(attrs_poolb, p.stride), offsetof(attrs_poolb, p.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_poolb, p.padding), offsetof(attrs_poolb, p.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_poolb, p.dilation), offsetof(attrs_poolb, p.nd), NULL},
+    KILN__FIELD_INTS(attrs_poolb, size, nsz)};
+
+static kiln__conv_params pool_params(const attrs_pool *w) {
+  kiln__conv_params p;
+  for (int k = 0; k < 2; k++)
+    p.kernel[k] = w->kernel[k], p.stride[k] = w->stride[k], p.padding[k] = w->padding[k], p.dilation[k] = w->dilation[k];
+  return p;
+}
+
+static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln_tensor *g = c->in[0], *ix = c->in[1];
+  if (g->ndim != 4 || ix->ndim != 4 || ix->dtype != KILN_I64)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_max_pool2d_backward: grad %s and i64 indices %s expected", kiln__tshape(g),
+                          kiln__tshape(ix));
+  int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status max_pool_bwd_forward(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln__conv_params p = pool_params(&ab->p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_MAX_POOL2D_BACKWARD;
+  a.n_in = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.in[1] = kiln__view_of(c->in[1]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void max_pool_bwd_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->in[1]); }
+
+/* dx = scatter of g at the indices: its gradient in g is gg gathered at them */
+static kiln_status max_pool_bwd_backward(kiln__node *n, kiln_tensor *gg, kiln_tensor **gi) {
+  kiln_tensor *ix = n->saved[0];
+  const int64_t *gs = n->in_shape[0];
+  int64_t N = gs[0], C = gs[1], L = gs[2] * gs[3];
+  kiln_tensor *r = kiln_gather(kiln_reshape(gg, KILN_SHAPE(N, C, gg->shape[2] * gg->shape[3])), 2,
+                               kiln_reshape(ix, KILN_SHAPE(N, C, L)));
+  return kiln__give_grad(&gi[0], kiln_reshape(r, 4, gs), gg);
+}
+
+static const kiln__op op_max_pool2d_bwd = {
+    .name = "max_pool2d_backward", .api = "kiln_max_pool2d_backward", .n_in = 2, .n_out = 1, .n_kernels = 1,
+    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5, .attr_size = sizeof(attrs_poolb),
+    .infer = max_pool_bwd_infer, .forward = max_pool_bwd_forward, .backward = max_pool_bwd_backward, .n_saved = 1,
+    .save = max_pool_bwd_save};
+
 /* The gradient goes to the pixel each window took its maximum from; windows that share
-** it add up (SCATTER_ADD). */
+** it add up: the device's MAX_POOL2D_BACKWARD where it has it, else SCATTER_ADD (whose
+** atomics on a GPU add in no fixed order). */
 static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const int64_t *xs = n->in_shape[0];
   int64_t N = xs[0], C = xs[1], L = g->shape[2] * g->shape[3];
+  kiln__kargs q = {0};
+  attrs_poolb ab;
+  ab.p = *(const attrs_pool *)n->attrs;
+  ab.size[0] = xs[2], ab.size[1] = xs[3], ab.nsz = 2;
+  kiln__conv_params p = pool_params(&ab.p);
+  q.op = KILN__K_MAX_POOL2D_BACKWARD;
+  q.n_in = 2, q.n_out = 1;
+  q.in[0] = kiln__view_of(g);
+  q.in[1] = kiln__view_of(n->saved[0]);
+  q.out[0] = q.in[0];
+  for (int d = 0; d < 4; d++) q.out[0].shape[d] = xs[d];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.params = &p;
+  if (kiln_dtype_is_float(g->dtype) && kiln__dispatch_has(kiln_device_of(g), &q, KILN__K_MAX_POOL2D_BACKWARD)) {
+    kiln_tensor *in[2] = {g, n->saved[0]};
+    return kiln__give_grad(&gi[0], kiln__op_call(&op_max_pool2d_bwd, 2, in, &ab, NULL), g);
+  }
   kiln_tensor *z = kiln_zeros(KILN_SHAPE(N, C, xs[2] * xs[3]), g->dtype, kiln_device_of(g));
   kiln_tensor *idx = kiln_reshape(n->saved[0], KILN_SHAPE(N, C, L));
   kiln_tensor *r = kiln_scatter_add(z, 2, idx, kiln_reshape(g, KILN_SHAPE(N, C, L)));

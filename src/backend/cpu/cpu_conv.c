@@ -178,10 +178,47 @@ static void max_pool_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* ---- MAX_POOL2D_BACKWARD --------------------------------------------------------------- */
+
+/* Per pixel, the windows that contain it (at most one per (i, j)), in that order; f64 sums. */
+static void max_pool_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  const conv_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *ix = &j->a->in[1], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  size_t ges = kiln_dtype_size(g->dtype), ies = kiln_dtype_size(ix->dtype), xes = kiln_dtype_size(dx->dtype);
+  int64_t H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *gp = (const char *)g->data + plane_off(g, q);
+    const char *ip = (const char *)ix->data + plane_off(ix, q);
+    char *xp = (char *)dx->data + plane_off(dx, q);
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++) {
+        double acc = 0;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t hh = h + p->padding[0] - i * p->dilation[0];
+          if (hh < 0 || hh % p->stride[0] || hh / p->stride[0] >= OH) continue;
+          int64_t oh = hh / p->stride[0];
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t ww = w + p->padding[1] - jj * p->dilation[1];
+            if (ww < 0 || ww % p->stride[1] || ww / p->stride[1] >= OW) continue;
+            int64_t ow = ww / p->stride[1];
+            int64_t at = kiln__cpu_get_i64(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)ies, ix->dtype);
+            if (at == h * W + w)
+              acc += kiln__cpu_get_f64(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)ges, g->dtype);
+          }
+        }
+        kiln__cpu_set_f64(xp + (h * dx->strides[2] + w * dx->strides[3]) * (int64_t)xes, dx->dtype, acc);
+      }
+  }
+}
+
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
   const kiln__conv_params *p = a->params;
   if (!p) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
-  const kiln__view *v = a->op == KILN__K_COL2IM ? &a->out[0] : &a->in[0];
+  const kiln__view *v = a->op == KILN__K_COL2IM || a->op == KILN__K_MAX_POOL2D_BACKWARD ? &a->out[0] : &a->in[0];
+  if (a->op == KILN__K_MAX_POOL2D_BACKWARD &&
+      (a->n_in < 2 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || v->ndim != 4 || kiln__cpu_is_float(a->in[1].dtype)))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln: max_pool2d_backward takes a 4-d grad, its integer indices and a 4-d dx");
   if (!kiln__cpu_is_float(v->dtype)) return kiln__cpu_dtype_error(a, v->dtype);
   int64_t planes = v->shape[0] * v->shape[1];
   if (planes == 0) return KILN_OK;
@@ -193,6 +230,7 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
   case KILN__K_IM2COL: kiln__cpu_parallel_for(planes, min_par, im2col_range, &j); break;
   case KILN__K_COL2IM: kiln__cpu_parallel_for(planes, min_par, col2im_range, &j); break;
   case KILN__K_MAX_POOL2D: kiln__cpu_parallel_for(planes, min_par, max_pool_range, &j); break;
+  case KILN__K_MAX_POOL2D_BACKWARD: kiln__cpu_parallel_for(planes, min_par, max_pool_bwd_range, &j); break;
   default: return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s is not a window kernel", kiln__kop_name(a->op));
   }
   if (atomic_load(&j.oom)) return kiln_set_error(KILN_ERR_OOM, "kiln: col2im: out of host memory for a plane buffer");

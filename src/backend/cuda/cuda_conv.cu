@@ -1,4 +1,5 @@
-/* The convolution family on CUDA: the window kernels (IM2COL, COL2IM, MAX_POOL2D:
+/* The convolution family on CUDA: the window kernels (IM2COL, COL2IM, MAX_POOL2D and its
+** backward:
 ** cuda_pool.cu) and the library convolutions (CONV2D and its two backward kernels:
 ** cuda_conv_cudnn.cu, cuDNN; without it supports() says no, and the op layer composes
 ** IM2COL + MATMUL). */
@@ -10,7 +11,8 @@ extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
 
 static bool is_window(kiln__kop op) {
-  return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D;
+  return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
+         op == KILN__K_MAX_POOL2D_BACKWARD;
 }
 
 extern "C" bool kiln__cuda_conv_supports(const kiln__kargs *a) {

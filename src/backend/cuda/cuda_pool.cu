@@ -10,7 +10,8 @@
 **   CPU's order (i, then j), and rounded once. A scatter with atomics would be shorter
 **   but its sums would change from run to run (DESIGN.md: same seed, same numbers);
 ** - MAX_POOL2D: per output, the window's max compared in the compute type (exact: a
-**   16-bit float widens to f32 without rounding), the first maximum on ties, NaN wins.
+**   16-bit float widens to f32 without rounding), the first maximum on ties, NaN wins;
+** - MAX_POOL2D_BACKWARD: per pixel, a gather of the grads whose index names it.
 ** Offsets are 32-bit when every offset fits (the div/mod chain is much cheaper).
 */
 #include "cuda_int.cuh"
@@ -109,6 +110,39 @@ __global__ void __launch_bounds__(KC_THREADS) max_pool_kernel(const T *x, T *y, 
   }
 }
 
+/* MAX_POOL2D_BACKWARD: per pixel, the windows that contain it (one per (i, j) at most),
+** adding the grads of those whose index names the pixel: a gather, so no atomics and the
+** same sums every run (a scatter_add's atomics add in whatever order threads arrive). */
+template <class T, class I>
+__global__ void __launch_bounds__(KC_THREADS) max_pool_bwd_kernel(const T *g, const int64_t *idx, T *dx, WGeom<I> gm) {
+  typedef typename kc_traits<T>::acc A;
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < gm.total; k += (I)gridDim.x * blockDim.x) {
+    I r = k;
+    I w = r % gm.W; r /= gm.W;
+    I h = r % gm.H; r /= gm.H;
+    I c = r % gm.C;
+    I n = r / gm.C;
+    const T *gp = g + n * gm.os[0] + c * gm.os[1];
+    const int64_t *ip = idx + n * gm.is[0] + c * gm.is[1];
+    int64_t me = (int64_t)h * gm.W + w;
+    A acc = 0;
+    for (I i = 0; i < gm.KH; i++) {
+      I hh = h + gm.ph - i * gm.dh;
+      if (hh < 0 || hh % gm.sh != 0) continue;
+      I oh = hh / gm.sh;
+      if (oh >= gm.OH) continue;
+      for (I j = 0; j < gm.KW; j++) {
+        I ww = w + gm.pw - j * gm.dw;
+        if (ww < 0 || ww % gm.sw != 0) continue;
+        I ow = ww / gm.sw;
+        if (ow >= gm.OW) continue;
+        if (ip[oh * gm.is[2] + ow * gm.is[3]] == me) acc += kc_ld<T>(gp[oh * gm.os[2] + ow * gm.os[3]]);
+      }
+    }
+    dx[n * gm.xs[0] + c * gm.xs[1] + h * gm.xs[2] + w * gm.xs[3]] = kc_st<T>(acc);
+  }
+}
+
 /* The largest offset a view reaches (elements), for the 32-bit choice. */
 int64_t span_of(const kiln__view *v) {
   int64_t s = 0;
@@ -125,7 +159,8 @@ template <class I> WGeom<I> make_geom(const kiln__kargs *a, const kiln__view *im
   g.N = (I)img->shape[0], g.C = (I)img->shape[1], g.H = (I)img->shape[2], g.W = (I)img->shape[3];
   for (int d = 0; d < 4; d++) g.xs[d] = (I)img->strides[d];
   for (int d = 0; d < 6; d++) g.os[d] = d < other->ndim ? (I)other->strides[d] : 0;
-  for (int d = 0; d < 4; d++) g.is[d] = a->op == KILN__K_MAX_POOL2D ? (I)a->out[1].strides[d] : 0;
+  const kiln__view *iv = a->op == KILN__K_MAX_POOL2D ? &a->out[1] : a->op == KILN__K_MAX_POOL2D_BACKWARD ? &a->in[1] : NULL;
+  for (int d = 0; d < 4; d++) g.is[d] = iv ? (I)iv->strides[d] : 0;
   if (other->ndim == 6) {
     g.KH = (I)other->shape[2], g.KW = (I)other->shape[3], g.OH = (I)other->shape[4], g.OW = (I)other->shape[5];
   } else {
@@ -149,6 +184,10 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
   case KILN__K_COL2IM:
     col2im_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, g);
     break;
+  case KILN__K_MAX_POOL2D_BACKWARD:
+    max_pool_bwd_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data,
+                                                                    (const int64_t *)a->in[1].data, (T *)a->out[0].data, g);
+    break;
   default:
     max_pool_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
                                                                 (int64_t *)a->out[1].data, g);
@@ -168,6 +207,9 @@ extern "C" bool kiln__cuda_window_supports(const kiln__kargs *a) {
   case KILN__K_MAX_POOL2D:
     return a->n_out == 2 && a->in[0].ndim == 4 && a->out[0].ndim == 4 && a->out[1].ndim == 4 &&
            a->out[1].dtype == KILN_I64;
+  case KILN__K_MAX_POOL2D_BACKWARD:
+    return a->n_in == 2 && a->in[0].ndim == 4 && a->in[1].ndim == 4 && a->out[0].ndim == 4 &&
+           a->in[1].dtype == KILN_I64;
   default: return false;
   }
 }
@@ -178,16 +220,18 @@ extern "C" kiln_status kiln__cuda_window(const kiln__kargs *a) {
                           kiln__kop_name(a->op), kiln_dtype_name(a->in[0].dtype), a->in[0].ndim, a->out[0].ndim);
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(a->device, &d));
-  const kiln__view *img = a->op == KILN__K_COL2IM ? &a->out[0] : &a->in[0];
-  const kiln__view *other = a->op == KILN__K_COL2IM ? &a->in[0] : &a->out[0];
+  bool to_img = a->op == KILN__K_COL2IM || a->op == KILN__K_MAX_POOL2D_BACKWARD; /* the image is written */
+  const kiln__view *img = to_img ? &a->out[0] : &a->in[0];
+  const kiln__view *other = to_img ? &a->in[0] : &a->out[0];
   /* the work items: the written tensor's elements */
-  int64_t total = kc_numel(a->op == KILN__K_COL2IM ? img : other);
+  int64_t total = kc_numel(to_img ? img : other);
   if (total == 0) return KILN_OK;
   int64_t big = span_of(img) + 1;
   int64_t so = span_of(other) + 1;
   if (so > big) big = so;
   if (total > big) big = total;
   if (a->op == KILN__K_MAX_POOL2D && span_of(&a->out[1]) + 1 > big) big = span_of(&a->out[1]) + 1;
+  if (a->op == KILN__K_MAX_POOL2D_BACKWARD && span_of(&a->in[1]) + 1 > big) big = span_of(&a->in[1]) + 1;
   /* h * W + w and the window arithmetic stay within a few spans; a margin keeps int32 safe */
   bool small = big < (int64_t)INT32_MAX / 4 && img->shape[2] * img->shape[3] < (int64_t)INT32_MAX / 4;
   kiln_status st = KILN_OK;

@@ -1,25 +1,32 @@
 /*
-** conv2d on the CPU (im2col + GEMM): forward, and forward + backward, for a few layer
-** shapes of a ResNet at batch 8, f32. Prints ms per call and the achieved GFLOP/s
-** (2*N*OC*OH*OW*C/G*kh*kw per forward; backward counted as twice the forward).
+** conv2d forward, and forward + backward, per layer shape. Prints ms per call (the best
+** of reps, after a warm-up call) and the achieved GFLOP/s (2*N*OC*OH*OW*C/G*kh*kw per
+** forward; backward counted as twice the forward).
+**
+** CPU (default): a few ResNet shapes at batch 8, f32 (im2col + GEMM, or oneDNN).
+** --cuda: ResNet-50's distinct conv layers at batch 32 on cuda:0, in f32 (TF32 off) and
+** bf16, NCHW and channels-last (NHWC strides, kiln_contiguous_format), times from device
+** marks. With cuDNN, CONV2D and its backward kernels run; without it im2col + cuBLAS.
 **
 ** No PyTorch peer yet (it is not installed on the machine this was written on); compare
-** with `torch.nn.functional.conv2d` at the same shapes and thread count by hand, and add
-** the peer to ../shared/bench/torch_peer.py when it is.
+** with `torch.nn.functional.conv2d` at the same shapes by hand (torch.backends.cudnn.
+** benchmark as KILN_CUDNN_BENCHMARK), and add the peer to ../shared/bench/torch_peer.py.
 **
-**   bench-conv [reps]   (KILN_NUM_THREADS sets the threads)
+**   bench-conv [reps]          (KILN_NUM_THREADS sets the threads)
+**   bench-conv --cuda [reps]   (KILN_CUDNN_BENCHMARK=1: measured algorithms)
 */
 #include <kiln.h>
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct shape {
   const char *name;
   int64_t n, c, h, w, oc, k, stride, pad, groups;
 } shape;
 
-static const shape shapes[] = {
+static const shape cpu_shapes[] = {
     {"resnet stem 7x7/2 3->64 @112", 8, 3, 112, 112, 64, 7, 2, 3, 1},
     {"3x3 64->64 @56", 8, 64, 56, 56, 64, 3, 1, 1, 1},
     {"3x3 128->128 @28", 8, 128, 28, 28, 128, 3, 1, 1, 1},
@@ -27,12 +34,28 @@ static const shape shapes[] = {
     {"depthwise 3x3 128 @28", 8, 128, 28, 28, 128, 3, 1, 1, 128},
 };
 
-static double time_ms(const shape *s, int reps, bool backward) {
-  kiln_device cpu = kiln_device_cpu();
+/* ResNet-50 (torchvision, stride on the 3x3), batch 32: each distinct layer once. */
+static const shape gpu_shapes[] = {
+    {"stem 7x7/2 3->64 @224", 32, 3, 224, 224, 64, 7, 2, 3, 1},
+    {"l1 1x1 64->64 @56", 32, 64, 56, 56, 64, 1, 1, 0, 1},
+    {"l1 3x3 64->64 @56", 32, 64, 56, 56, 64, 3, 1, 1, 1},
+    {"l1 1x1 64->256 @56", 32, 64, 56, 56, 256, 1, 1, 0, 1},
+    {"l1 1x1 256->64 @56", 32, 256, 56, 56, 64, 1, 1, 0, 1},
+    {"l2 3x3/2 128->128 @56", 32, 128, 56, 56, 128, 3, 2, 1, 1},
+    {"l2 3x3 128->128 @28", 32, 128, 28, 28, 128, 3, 1, 1, 1},
+    {"l2 1x1 512->128 @28", 32, 512, 28, 28, 128, 1, 1, 0, 1},
+    {"l3 3x3 256->256 @14", 32, 256, 14, 14, 256, 3, 1, 1, 1},
+    {"l3 1x1 1024->256 @14", 32, 1024, 14, 14, 256, 1, 1, 0, 1},
+    {"l4 3x3 512->512 @7", 32, 512, 7, 7, 512, 3, 1, 1, 1},
+    {"l4 1x1 512->2048 @7", 32, 512, 7, 7, 2048, 1, 1, 0, 1},
+};
+
+static double time_ms(kiln_device dev, const shape *s, kiln_dtype dt, bool nhwc, int reps, bool backward) {
   kiln_scope_begin();
-  kiln_tensor *x = kiln_randn(KILN_SHAPE(s->n, s->c, s->h, s->w), KILN_F32, cpu, NULL);
-  kiln_tensor *w = kiln_randn(KILN_SHAPE(s->oc, s->c / s->groups, s->k, s->k), KILN_F32, cpu, NULL);
-  kiln_tensor *b = kiln_zeros(KILN_SHAPE(s->oc), KILN_F32, cpu);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(s->n, s->c, s->h, s->w), dt, dev, NULL);
+  kiln_tensor *w = kiln_randn(KILN_SHAPE(s->oc, s->c / s->groups, s->k, s->k), dt, dev, NULL);
+  kiln_tensor *b = kiln_zeros(KILN_SHAPE(s->oc), dt, dev);
+  if (nhwc) x = kiln_contiguous_format(x, KILN_CHANNELS_LAST);
   if (backward) {
     kiln_requires_grad_(x, true);
     kiln_requires_grad_(w, true);
@@ -42,33 +65,64 @@ static double time_ms(const shape *s, int reps, bool backward) {
   double best = 1e30;
   for (int r = 0; r < reps + 1; r++) {
     kiln_scope_begin();
-    kiln_mark *m0 = kiln_mark_record(cpu);
+    kiln_mark *m0 = kiln_mark_record(dev);
     kiln_tensor *y = kiln_conv2d(x, w, b, st, pd, NULL, s->groups);
     if (backward && y) kiln_backward(kiln_sum_all(y), NULL);
-    kiln_mark *m1 = kiln_mark_record(cpu);
+    kiln_mark *m1 = kiln_mark_record(dev);
     double ms = kiln_mark_elapsed_ms(m0, m1);
     if (!y) {
-      fprintf(stderr, "bench-conv: %s\n", kiln_last_error_message());
+      fprintf(stderr, "bench-conv: %s: %s\n", s->name, kiln_last_error_message());
       exit(1);
     }
-    if (r > 0 && ms < best) best = ms; /* the first call warms the allocator */
+    if (r > 0 && ms < best) best = ms; /* the first call warms the allocator (and picks cuDNN's algorithm) */
     kiln_scope_end();
   }
   kiln_scope_end();
   return best;
 }
 
+static double flops(const shape *s) {
+  int64_t oh = (s->h + 2 * s->pad - s->k) / s->stride + 1, ow = (s->w + 2 * s->pad - s->k) / s->stride + 1;
+  return 2.0 * (double)(s->n * s->oc * oh * ow) * (double)(s->c / s->groups * s->k * s->k);
+}
+
 int main(int argc, char **argv) {
-  int reps = argc > 1 ? atoi(argv[1]) : 3;
-  printf("| shape (batch 8, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
-         kiln_num_threads());
-  printf("|---|---|---|---|---|\n");
-  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-    const shape *s = &shapes[i];
-    int64_t oh = (s->h + 2 * s->pad - s->k) / s->stride + 1, ow = (s->w + 2 * s->pad - s->k) / s->stride + 1;
-    double flop = 2.0 * (double)(s->n * s->oc * oh * ow) * (double)(s->c / s->groups * s->k * s->k);
-    double f = time_ms(s, reps, false), fb = time_ms(s, reps, true);
-    printf("| %s | %.2f | %.1f | %.2f | %.1f |\n", s->name, f, flop / f / 1e6, fb, 3 * flop / fb / 1e6);
+  bool cuda = argc > 1 && strcmp(argv[1], "--cuda") == 0;
+  int reps = argc > 1 + cuda ? atoi(argv[1 + cuda]) : 3;
+  if (!cuda) {
+    printf("| shape (batch 8, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
+           kiln_num_threads());
+    printf("|---|---|---|---|---|\n");
+    for (size_t i = 0; i < sizeof cpu_shapes / sizeof cpu_shapes[0]; i++) {
+      const shape *s = &cpu_shapes[i];
+      double f = time_ms(kiln_device_cpu(), s, KILN_F32, false, reps, false);
+      double fb = time_ms(kiln_device_cpu(), s, KILN_F32, false, reps, true);
+      printf("| %s | %.2f | %.1f | %.2f | %.1f |\n", s->name, f, flops(s) / f / 1e6, fb, 3 * flops(s) / fb / 1e6);
+    }
+    return 0;
+  }
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    fprintf(stderr, "bench-conv: no CUDA device\n");
+    return 77;
+  }
+  kiln_device dev = kiln_device_cuda(0);
+  kiln_set_matmul_tf32(false);
+  const char *bm = getenv("KILN_CUDNN_BENCHMARK");
+  printf("cuda:0, ResNet-50 conv layers at batch 32, TF32 off, cuDNN algorithms: %s\n\n",
+         bm && strcmp(bm, "0") ? "measured (KILN_CUDNN_BENCHMARK=1)" : "heuristic");
+  printf("| layer | dtype | layout | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n");
+  printf("|---|---|---|---|---|---|---|\n");
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (size_t i = 0; i < sizeof gpu_shapes / sizeof gpu_shapes[0]; i++) {
+    const shape *s = &gpu_shapes[i];
+    for (int di = 0; di < 2; di++)
+      for (int l = 0; l < 2; l++) {
+        double f = time_ms(dev, s, dts[di], l == 1, reps, false);
+        double fb = time_ms(dev, s, dts[di], l == 1, reps, true);
+        printf("| %s | %s | %s | %.3f | %.1f | %.3f | %.1f |\n", s->name, kiln_dtype_name(dts[di]), l ? "NHWC" : "NCHW",
+               f, flops(s) / f / 1e9, fb, 3 * flops(s) / fb / 1e9);
+        fflush(stdout);
+      }
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 # Decides whether the CUDA backend is built (KILN_CUDA=AUTO|ON|OFF) and, when it is,
 # enables the CUDA language and finds the toolkit. Sets KILN_HAVE_CUDA and KILN_HAVE_NCCL
-# (0/1) and KILN_CUDA_LIBS (what libkiln links for CUDA).
+# (0/1) and KILN_CUDA_LIBS (what libkiln links for CUDA); KILN_HAVE_CUDNN (0/1),
+# KILN_CUDNN_INCLUDE_DIR and KILN_CUDNN_LIBRARY for cuDNN (KILN_CUDNN=AUTO|ON|OFF).
 #
 # AUTO builds the backend whenever nvcc is found: the backend only *works* when a driver
 # and a device are present at run time, and kiln_backend_available() says why not, so a
@@ -8,7 +9,10 @@
 
 set(KILN_HAVE_CUDA 0)
 set(KILN_HAVE_NCCL 0)
+set(KILN_HAVE_CUDNN 0)
 set(KILN_CUDA_LIBS "")
+set(KILN_CUDNN "AUTO" CACHE STRING "cuDNN for CUDA convolutions: AUTO (when found next to the toolkit), ON (required), OFF (im2col + cuBLAS)")
+set_property(CACHE KILN_CUDNN PROPERTY STRINGS AUTO ON OFF)
 
 string(TOUPPER "${KILN_CUDA}" _kiln_cuda_mode)
 if(NOT _kiln_cuda_mode MATCHES "^(AUTO|ON|OFF|TRUE|FALSE|YES|NO|1|0)$")
@@ -73,4 +77,33 @@ if(KILN_HAVE_CUDA)
   else()
     message(STATUS "kiln: NCCL not found (multi-GPU collectives off)")
   endif()
+endif()
+
+# cuDNN (9.x, its legacy convolution API): the CONV2D kernels of src/backend/cuda/
+# cuda_conv_cudnn.cu. Without it the convolution ops compose IM2COL + cuBLAS on CUDA.
+string(TOUPPER "${KILN_CUDNN}" _kiln_cudnn_mode)
+if(KILN_HAVE_CUDA AND NOT _kiln_cudnn_mode MATCHES "^(OFF|FALSE|NO|0)$")
+  find_path(KILN_CUDNN_INCLUDE_DIR cudnn.h
+            HINTS ${CUDAToolkit_INCLUDE_DIRS} "${CUDAToolkit_LIBRARY_ROOT}/include"
+            PATH_SUFFIXES cudnn)
+  find_library(KILN_CUDNN_LIBRARY cudnn
+               HINTS "${CUDAToolkit_LIBRARY_DIR}" "${CUDAToolkit_LIBRARY_ROOT}/lib"
+                     "${CUDAToolkit_LIBRARY_ROOT}/lib64")
+  set(_kiln_cudnn_major 0)
+  if(KILN_CUDNN_INCLUDE_DIR AND EXISTS "${KILN_CUDNN_INCLUDE_DIR}/cudnn_version.h")
+    file(STRINGS "${KILN_CUDNN_INCLUDE_DIR}/cudnn_version.h" _kiln_cudnn_line REGEX "^#define CUDNN_MAJOR [0-9]+")
+    string(REGEX REPLACE "^#define CUDNN_MAJOR ([0-9]+).*" "\\1" _kiln_cudnn_major "${_kiln_cudnn_line}")
+  endif()
+  if(KILN_CUDNN_INCLUDE_DIR AND KILN_CUDNN_LIBRARY AND _kiln_cudnn_major GREATER_EQUAL 8)
+    set(KILN_HAVE_CUDNN 1)
+    list(APPEND KILN_CUDA_LIBS "${KILN_CUDNN_LIBRARY}")
+    message(STATUS "kiln: cuDNN ${_kiln_cudnn_major} found: ${KILN_CUDNN_LIBRARY}")
+  elseif(_kiln_cudnn_mode MATCHES "^(ON|TRUE|YES|1)$")
+    message(FATAL_ERROR "kiln: KILN_CUDNN=ON but no cuDNN >= 8 was found next to the CUDA toolkit "
+                        "(cudnn.h: ${KILN_CUDNN_INCLUDE_DIR}, libcudnn: ${KILN_CUDNN_LIBRARY})")
+  else()
+    message(STATUS "kiln: cuDNN not found (convolutions on CUDA: im2col + cuBLAS)")
+  endif()
+elseif(KILN_HAVE_CUDA)
+  message(STATUS "kiln: cuDNN off (KILN_CUDNN=OFF)")
 endif()

@@ -322,6 +322,20 @@ KILN_API kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev);
 ** scope like any new tensor. On error out[] is all NULL. */
 KILN_API kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_device dev, kiln_tensor **out);
 KILN_API kiln_tensor *kiln_contiguous(kiln_tensor *t);
+/* Memory formats (PyTorch's torch.channels_last): the shape stays (N, C, H, W); a
+** channels-last tensor has strides (H*W*C, 1, W*C, C), each pixel's channels adjacent.
+** conv2d on CUDA with cuDNN reads a channels-last input as it is and returns a
+** channels-last output; other ops read it as any strided tensor (results contiguous). */
+typedef enum kiln_memory_format {
+  KILN_CONTIGUOUS_FORMAT = 0, /* C order */
+  KILN_CHANNELS_LAST = 1      /* 4-d only */
+} kiln_memory_format;
+/* t laid out in format: t itself (a new reference, owned by the scope) when it already
+** is, else a copy (differentiable). KILN_ERR_SHAPE for channels-last of a tensor that is
+** not 4-d, KILN_ERR_INVALID_ARGUMENT for an unknown format; NULL in passes through. */
+KILN_API kiln_tensor *kiln_contiguous_format(kiln_tensor *t, kiln_memory_format format);
+/* Whether t's strides are format's (size-1 dims may have any stride). false for NULL. */
+KILN_API bool kiln_is_contiguous_format(const kiln_tensor *t, kiln_memory_format format);
 KILN_API kiln_tensor *kiln_clone(kiln_tensor *t);
 
 /* --------------------------------------------------------------------------------------

@@ -109,7 +109,10 @@ enum {
   ** KILN_HARNESS_STRICT) run the case with the fallback allowed instead of
   ** KILN_FALLBACK=error, so it checks the CPU fallback path there rather than failing for
   ** the kernel still to be written. Remove the flag from a case when its kernels land. */
-  H_CPU_ONLY = 1 << 8
+  H_CPU_ONLY = 1 << 8,
+  /* With H_CPU_ONLY: CUDA has the case's kernels now (the convolution family), so a CUDA
+  ** device runs it under KILN_FALLBACK=error after all; other backends still fall back. */
+  H_CUDA_NATIVE = 1 << 9
 };
 
 typedef struct h_case {

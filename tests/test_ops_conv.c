@@ -6,11 +6,15 @@
 ** cannot see: max_pool2d's indices, batch_norm's running statistics, dropout2d's masks,
 ** and bad input (messages naming the op and the shapes).
 **
-** The IM2COL, COL2IM and MAX_POOL2D kernels exist on the CPU only so far: every case is
-** H_CPU_ONLY (other backends run it through the fallback, which is compared too).
+** The IM2COL, COL2IM and MAX_POOL2D kernels exist on the CPU and CUDA (and CONV2D with
+** its backward kernels on CUDA with cuDNN): every case is H_CPU_ONLY | H_CUDA_NATIVE, so
+** CUDA runs it with the fallback off (tests/test_cuda_conv.c) and other backends through
+** the fallback, which is compared too.
 ** Names are prefixed cv_.
 */
 #include "harness.h"
+#include "backend/backend.h"
+#include "core/kiln_int.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -315,7 +319,7 @@ static kiln_tensor *cv_norm_fn(kiln_tensor **in, const void *ctx) {
 #define CVIN(...) {.ndim = 4, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
 #define CVIN3(...) {.ndim = 3, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
 #define CV1(...) {.ndim = 1, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
-#define CVF H_CPU_ONLY
+#define CVF (H_CPU_ONLY | H_CUDA_NATIVE)
 
 static const cv_cfg cv_plain = {{1, 1}, {0, 0}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_strided = {{2, 1}, {1, 2}, {1, 1}, 1, 1, {0, 0}};
@@ -536,11 +540,132 @@ static void cv_f32_vs_f64(void) {
   }
 }
 
+/* The CPU's CONV2D_BACKWARD_DATA/_WEIGHT kernels (the reference of CUDA's, not used by
+** the ops on the CPU) against conv2d's gradients through autograd, in f64, with strided
+** views as the kernels' inputs and outputs. */
+static void cv_backward_kernels(void) {
+  static const struct {
+    int64_t N, C, H, W, OC, KH, KW, s[2], p[2], d[2], g;
+  } cfg[] = {{2, 4, 7, 6, 6, 3, 2, {2, 1}, {1, 0}, {1, 2}, 2},
+             {1, 3, 5, 5, 3, 3, 3, {1, 1}, {1, 1}, {1, 1}, 3},
+             {2, 2, 6, 7, 4, 1, 1, {2, 2}, {0, 0}, {1, 1}, 1}};
+  kiln_device cpu = kiln_device_cpu();
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+    kiln_scope_begin();
+    kiln_generator *gen = kiln_generator_new(31 + ci);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(cfg[ci].N, cfg[ci].C, cfg[ci].H, cfg[ci].W), KILN_F64, cpu, gen);
+    kiln_tensor *w = kiln_randn(KILN_SHAPE(cfg[ci].OC, cfg[ci].C / cfg[ci].g, cfg[ci].KH, cfg[ci].KW), KILN_F64, cpu, gen);
+    kiln_tensor *b = kiln_randn(KILN_SHAPE(cfg[ci].OC), KILN_F64, cpu, gen);
+    kiln_requires_grad_(x, true), kiln_requires_grad_(w, true), kiln_requires_grad_(b, true);
+    kiln_tensor *y = kiln_conv2d(x, w, b, cfg[ci].s, cfg[ci].p, cfg[ci].d, cfg[ci].g);
+    /* g as a transposed view: the kernels take any strides */
+    kiln_tensor *gt = y ? kiln_randn(KILN_SHAPE(y->shape[0], y->shape[1], y->shape[3], y->shape[2]), KILN_F64, cpu, gen)
+                        : NULL;
+    kiln_generator_free(gen);
+    kiln_tensor *g = gt ? kiln_transpose(gt, 2, 3) : NULL;
+    kiln_tensor *loss = g ? kiln_sum_all(kiln_mul(y, g)) : NULL;
+    if (!loss || kiln_backward(loss, NULL) != KILN_OK) {
+      H_CHECK(false, "conv2d backward kernels case %zu: setup failed: %s", ci, kiln_last_error_message());
+      kiln_scope_end();
+      continue;
+    }
+    kiln__conv_params cp = {{cfg[ci].KH, cfg[ci].KW}, {cfg[ci].s[0], cfg[ci].s[1]}, {cfg[ci].p[0], cfg[ci].p[1]},
+                            {cfg[ci].d[0], cfg[ci].d[1]}};
+    /* outputs written through transposed views too */
+    kiln_tensor *dxt = kiln_full(KILN_SHAPE(x->shape[0], x->shape[1], x->shape[3], x->shape[2]), 7.0, KILN_F64, cpu);
+    kiln_tensor *dx = kiln_transpose(dxt, 2, 3);
+    kiln_tensor *dw = kiln_full(4, w->shape, 7.0, KILN_F64, cpu), *db = kiln_full(1, b->shape, 7.0, KILN_F64, cpu);
+    kiln__kargs a = {0};
+    a.op = KILN__K_CONV2D_BACKWARD_DATA;
+    a.n_in = 2, a.n_out = 1;
+    a.in[0] = kiln__view_of(g), a.in[1] = kiln__view_of(w), a.out[0] = kiln__view_of(dx);
+    a.i[0] = cfg[ci].g;
+    a.params = &cp;
+    H_CHECK(kiln__dispatch(cpu, &a) == KILN_OK, "CONV2D_BACKWARD_DATA case %zu: %s", ci, kiln_last_error_message());
+    kiln__kargs q = a;
+    q.op = KILN__K_CONV2D_BACKWARD_WEIGHT;
+    q.n_out = 2;
+    q.in[0] = kiln__view_of(x), q.in[1] = kiln__view_of(g), q.out[0] = kiln__view_of(dw), q.out[1] = kiln__view_of(db);
+    H_CHECK(kiln__dispatch(cpu, &q) == KILN_OK, "CONV2D_BACKWARD_WEIGHT case %zu: %s", ci, kiln_last_error_message());
+    kiln_tensor *pairs[3][2] = {{dx, kiln_grad(x)}, {dw, kiln_grad(w)}, {db, kiln_grad(b)}};
+    static const char *const nm[3] = {"dx", "dw", "db"};
+    for (int k = 0; k < 3; k++) {
+      int64_t n = 0;
+      double *want = h_values(pairs[k][1], &n);
+      char name[96];
+      snprintf(name, sizeof name, "conv2d backward kernel case %zu %s", ci, nm[k]);
+      if (want) h_tensor_close(name, pairs[k][0], want, n, 1e-10, 1e-10);
+      else H_CHECK(false, "%s: no gradient", name);
+      free(want);
+    }
+    /* bad groups: an error naming the op, not a crash */
+    kiln__kargs bad = a;
+    bad.i[0] = 5;
+    H_CHECK(kiln__dispatch(cpu, &bad) == KILN_ERR_SHAPE && strstr(kiln_last_error_message(), "conv2d_backward_data"),
+            "CONV2D_BACKWARD_DATA with groups not dividing C: %s", kiln_last_error_message());
+    kiln_scope_end();
+  }
+}
+
+/* Memory formats: kiln_contiguous_format / kiln_is_contiguous_format on the CPU. */
+static void cv_format(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_generator *gen = kiln_generator_new(3);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 3, 4, 5), KILN_F64, cpu, gen);
+  kiln_tensor *w = kiln_randn(KILN_SHAPE(4, 3, 3, 3), KILN_F64, cpu, gen);
+  kiln_generator_free(gen);
+  kiln_requires_grad_(x, true);
+  H_CHECK(kiln_is_contiguous_format(x, KILN_CONTIGUOUS_FORMAT) && !kiln_is_contiguous_format(x, KILN_CHANNELS_LAST),
+          "a new tensor is contiguous, not channels-last");
+  kiln_tensor *y = kiln_contiguous_format(x, KILN_CHANNELS_LAST);
+  H_CHECK(y && kiln_is_contiguous_format(y, KILN_CHANNELS_LAST) && !kiln_is_contiguous(y),
+          "contiguous_format(channels_last) gives channels-last strides: %s", kiln_last_error_message());
+  if (y) {
+    const int64_t *st = kiln_strides(y);
+    H_CHECK(st[0] == 60 && st[1] == 1 && st[2] == 15 && st[3] == 3, "channels-last strides (%lld, %lld, %lld, %lld)",
+            (long long)st[0], (long long)st[1], (long long)st[2], (long long)st[3]);
+    int64_t n = 0;
+    double *want = h_values(x, &n);
+    if (want) h_tensor_close("contiguous_format keeps the values", y, want, n, 0, 0);
+    free(want);
+    H_CHECK(kiln_contiguous_format(y, KILN_CHANNELS_LAST) == y, "already channels-last: the same tensor");
+    /* conv2d reads it as any strided input: the same numbers as from x */
+    int64_t pd[2] = {1, 1};
+    kiln_tensor *a = kiln_conv2d(y, w, NULL, NULL, pd, NULL, 1), *b = kiln_conv2d(x, w, NULL, NULL, pd, NULL, 1);
+    double *vb = b ? h_values(b, &n) : NULL;
+    if (a && vb) h_tensor_close("conv2d of a channels-last input", a, vb, n, 1e-12, 1e-12);
+    else H_CHECK(false, "conv2d of a channels-last input failed: %s", kiln_last_error_message());
+    free(vb);
+    /* differentiable: the gradient of sum(y * 2) is 2 everywhere, in x's layout */
+    kiln_tensor *loss = kiln_sum_all(kiln_mul_scalar(y, 2.0));
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK && kiln_grad(x), "backward through contiguous_format: %s",
+            kiln_last_error_message());
+    if (kiln_grad(x)) {
+      double *g = h_values(kiln_grad(x), &n);
+      bool ok = g != NULL;
+      for (int64_t i = 0; ok && i < n; i++) ok = g[i] == 2.0;
+      H_CHECK(ok, "the gradient through contiguous_format is 2 everywhere");
+      free(g);
+    }
+    kiln_tensor *back = kiln_contiguous_format(y, KILN_CONTIGUOUS_FORMAT);
+    H_CHECK(back && kiln_is_contiguous(back), "contiguous_format(contiguous) of a channels-last tensor is contiguous");
+  }
+  kiln_tensor *t3 = kiln_zeros(KILN_SHAPE(2, 3, 4), KILN_F32, cpu);
+  H_EXPECT_ERR(kiln_contiguous_format(t3, KILN_CHANNELS_LAST), KILN_ERR_SHAPE, "channels_last of a 3-d tensor");
+  H_EXPECT_ERR(kiln_contiguous_format(x, (kiln_memory_format)7), KILN_ERR_INVALID_ARGUMENT, "an unknown format");
+  H_CHECK(!kiln_is_contiguous_format(t3, KILN_CHANNELS_LAST) && !kiln_is_contiguous_format(NULL, KILN_CONTIGUOUS_FORMAT),
+          "is_contiguous_format: false for 3-d and NULL");
+  kiln_scope_end();
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     cv_extra();
     cv_f32_vs_f64();
+    cv_backward_kernels();
+    cv_format();
   }
 }
 

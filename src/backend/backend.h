@@ -216,7 +216,7 @@ typedef struct kiln__view {
   /* element r*S + s; the first class j with cdf[j] > u * total (f64 prefix sums in */    \
   /* class order; without replacement, the classes drawn so far weigh 0) */               \
   X(MULTINOMIAL, "multinomial")                                                           \
-  /* ---- convolution (issue 15); CPU kernels only so far ---- */                        \
+  /* ---- convolution (issue 15) ---- */                                                 \
   /* convolution's unfold (a->params: kiln__conv_params; kernel, stride, padding */       \
   /* before, dilation): in0 x (N, C, H, W) -> out0 cols (N, C, kh, kw, OH, OW), */         \
   /* cols[n,c,i,j,oh,ow] = x[n, c, oh*sh - ph + i*dh, ow*sw - pw + j*dw], 0 outside x. */  \
@@ -228,12 +228,25 @@ typedef struct kiln__view {
   /* wins; NaN propagates; the first maximum on ties), out1 (same shape, i64) its flat */ \
   /* index h*W + w in x's plane. a->params: kiln__conv_params. */                         \
   X(MAX_POOL2D, "max_pool2d")                                                             \
-  /* a library's convolution, where it beats IM2COL + MATMUL (the CPU with oneDNN): */    \
-  /* in0 x (N, C, H, W), in1 weight (OC, C/G, kh, kw), optional in2 bias (OC), all */      \
-  /* contiguous -> out0 (N, OC, OH, OW) contiguous; a->params kiln__conv_params (the */    \
-  /* padding after follows from OH, OW), i0 groups. f32 only. The op layer asks */         \
-  /* kiln__dispatch_has first and composes IM2COL + MATMUL where it is missing. */         \
-  X(CONV2D, "conv2d")
+  /* a library's convolution, where it beats IM2COL + MATMUL (oneDNN on the CPU, f32; */ \
+  /* cuDNN on CUDA, every float dtype): in0 x (N, C, H, W), in1 weight (OC, C/G, kh, */   \
+  /* kw), optional in2 bias (OC) -> out0 (N, OC, OH, OW); a->params kiln__conv_params */  \
+  /* (the padding after follows from OH, OW), i0 groups, i1 flag 1 allows TF32 for f32. */ \
+  /* Layouts: contiguous, or on CUDA also channels-last (NHWC strides). The op layer */    \
+  /* asks kiln__dispatch_has first and composes IM2COL + MATMUL where it is missing. */   \
+  X(CONV2D, "conv2d")                                                                     \
+  /* CONV2D's input gradient: in0 grad (N, OC, OH, OW), in1 weight (OC, C/G, kh, kw) -> */ \
+  /* out0 dx (N, C, H, W) (written, not accumulated); params, i0, i1 as CONV2D. */         \
+  X(CONV2D_BACKWARD_DATA, "conv2d_backward_data")                                         \
+  /* CONV2D's weight gradient: in0 x (N, C, H, W), in1 grad (N, OC, OH, OW) -> out0 dW */  \
+  /* (OC, C/G, kh, kw); with n_out == 2, out1 (OC) the bias gradient (grad summed over */ \
+  /* N, OH, OW). params, i0, i1 as CONV2D. */                                              \
+  X(CONV2D_BACKWARD_WEIGHT, "conv2d_backward_weight")                                     \
+  /* MAX_POOL2D's backward as a gather (deterministic: no atomics): in0 grad (N, C, OH, */ \
+  /* OW), in1 its indices (i64, as MAX_POOL2D gave them) -> out0 dx (N, C, H, W) */       \
+  /* (written): each pixel sums the grads of the windows (in window order i, j) whose */  \
+  /* index names it. a->params: the forward's kiln__conv_params. */                         \
+  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -289,6 +289,244 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
   return g->G == 1 ? kiln_reshape(cols, KILN_SHAPE(g->N, K, L)) : kiln_reshape(cols, KILN_SHAPE(g->N, g->G, K, L));
 }
 
+/* ---- channels-last through the library kernels ----------------------------------------- */
+/* An op of the library path (conv2d_direct and the two backward ops) runs channels-last
+** when its image input (x, or the gradient for the data gradient) is channels-last (and
+** not also contiguous) on a device other than the CPU (oneDNN there reads contiguous
+** tensors). Its inputs are then all made channels-last and it makes its output in NHWC
+** memory: the op's own output has the shape (N, H, W, C) (its infer permutes it), its
+** kernel sees that memory as an NCHW-shaped view with channels-last strides, and the
+** caller permutes it back, so the user gets an NCHW-shaped channels-last tensor. */
+static bool conv_cl(const kiln_tensor *x) {
+  return x && kiln_device_of(x).type != KILN_DEVICE_CPU && !kiln_is_contiguous(x) &&
+         kiln_is_contiguous_format(x, KILN_CHANNELS_LAST);
+}
+static const int to_nchw[4] = {0, 3, 1, 2};
+
+/* t as the library op reads it: channels-last in cl mode, else contiguous (a copy only
+** when t is not already so; the copies are ops of their own). */
+static kiln_tensor *conv_prep(kiln_tensor *t, bool cl) {
+  if (!t || t->ndim != 4) return t ? kiln_contiguous(t) : NULL;
+  return cl ? kiln_contiguous_format(t, KILN_CHANNELS_LAST) : kiln_contiguous(t);
+}
+
+/* The strides conv_prep gives a view (for asking kiln__dispatch_has before the copies). */
+static void prep_strides(kiln__view *v, bool cl) {
+  kiln__contiguous_strides(v->ndim, v->shape, v->strides);
+  if (cl && v->ndim == 4) {
+    v->strides[1] = 1, v->strides[3] = v->shape[1], v->strides[2] = v->shape[3] * v->shape[1];
+    v->strides[0] = v->shape[2] * v->strides[2];
+  }
+}
+
+/* An op's NCHW output shape as it allocates it (NHWC in cl mode). */
+static void out_shape(int64_t sh[4], bool cl) {
+  if (!cl) return;
+  int64_t t[4] = {sh[0], sh[2], sh[3], sh[1]};
+  for (int k = 0; k < 4; k++) sh[k] = t[k];
+}
+
+/* Runs a library kernel into out (NHWC memory seen as NCHW in cl mode). */
+static kiln_status run_lib(kiln_tensor *out, kiln__kargs *a, bool cl) {
+  a->n_out = a->n_out ? a->n_out : 1;
+  a->out[0] = kiln__view_of(out);
+  if (cl) {
+    kiln__view v = a->out[0], o = v;
+    o.shape[1] = v.shape[3], o.shape[2] = v.shape[1], o.shape[3] = v.shape[2];
+    o.strides[1] = v.strides[3], o.strides[2] = v.strides[1], o.strides[3] = v.strides[2];
+    a->out[0] = o;
+  }
+  if (kiln_numel(out) == 0) return KILN_OK;
+  return kiln__dispatch(kiln_device_of(out), a);
+}
+
+/* An op's output as the NCHW-shaped tensor the caller wants. */
+static kiln_tensor *from_lib(kiln_tensor *y, bool cl) { return cl && y ? kiln_permute(y, 4, to_nchw) : y; }
+
+/* ---- conv2d's backward kernels (CONV2D_BACKWARD_DATA/_WEIGHT: cuDNN on CUDA) ------------- */
+
+/* attrs_conv with the padding resolved (no "same") and the size of the tensor the op
+** makes: the input's (H, W) for the data gradient, the kernel's (kh, kw) for the weight's. */
+typedef struct attrs_convb {
+  attrs_conv c;
+  int64_t size[2];
+  int nsz;
+} attrs_convb;
+static const kiln__attr_field f_convb[] = {
+    {"stride", KILN__A_INTS, offsetof(attrs_convb, c.stride), offsetof(attrs_convb, c.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_convb, c.padding), offsetof(attrs_convb, c.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_convb, c.dilation), offsetof(attrs_convb, c.nd), NULL},
+    {"groups", KILN__A_INT, offsetof(attrs_convb, c.groups), 0, NULL},
+    KILN__FIELD_INTS(attrs_convb, size, nsz)};
+
+static const kiln__op op_conv2d_bwd_data, op_conv2d_bwd_weight;
+
+static attrs_convb convb_attrs(const attrs_conv *p, const conv_geom *g) {
+  attrs_convb a;
+  a.c = *p;
+  for (int k = 0; k < 2; k++) a.c.padding[k] = g->pad[k];
+  a.size[0] = g->H, a.size[1] = g->W;
+  a.nsz = 2;
+  return a;
+}
+
+static kiln__conv_params convb_params(const attrs_convb *a, int64_t kh, int64_t kw) {
+  kiln__conv_params cp;
+  cp.kernel[0] = kh, cp.kernel[1] = kw;
+  for (int k = 0; k < 2; k++)
+    cp.stride[k] = a->c.stride[k], cp.padding[k] = a->c.padding[k], cp.dilation[k] = a->c.dilation[k];
+  return cp;
+}
+
+/* The arguments of a backward kernel: in0, in1, and the output (shape out_shape,
+** contiguous strides when it is only asked about). */
+static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const int64_t *oshape,
+                              const attrs_convb *ab, const kiln__conv_params *cp) {
+  kiln__kargs q = {0};
+  q.op = op;
+  q.n_in = 2;
+  q.in[0] = kiln__view_of(in0);
+  q.in[1] = kiln__view_of(in1);
+  q.n_out = 1;
+  q.out[0] = q.in[0];
+  for (int d = 0; d < 4; d++) q.out[0].shape[d] = oshape[d];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.i[0] = ab->c.groups;
+  q.i[1] = kiln_matmul_tf32() ? 1 : 0;
+  q.params = cp;
+  return q;
+}
+
+/* Whether conv2d's backward should use kernel op for these tensors: not on the CPU, where
+** its kernels are reference loops and im2col + BLAS is much faster; elsewhere when the
+** device has it for these arguments (cuDNN: padding symmetric, packed layouts). `like` is
+** the tensor whose gradient it makes. */
+static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
+                      const attrs_convb *ab) {
+  kiln_device dev = kiln_device_of(in0);
+  if (dev.type == KILN_DEVICE_CPU) return false;
+  bool cl = conv_cl(in0);
+  const kiln_tensor *k = op == KILN__K_CONV2D_BACKWARD_DATA ? in1 : like; /* the weight */
+  kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
+  /* the operands as the calls below prepare them */
+  kiln__kargs q = convb_args(op, in0, in1, like->shape, ab, &cp);
+  prep_strides(&q.in[0], cl), prep_strides(&q.in[1], cl), prep_strides(&q.out[0], cl);
+  return kiln__dispatch_has(dev, &q, op);
+}
+
+static kiln_tensor *convb_data_call(kiln_tensor *g, kiln_tensor *w, const attrs_convb *ab) {
+  bool cl = conv_cl(g);
+  kiln_tensor *in[2] = {conv_prep(g, cl), conv_prep(w, cl)};
+  return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_data, 2, in, ab, NULL), cl) : NULL;
+}
+/* ab->size is the weight's (kh, kw) here */
+static kiln_tensor *convb_weight_call(kiln_tensor *x, kiln_tensor *g, const attrs_convb *ab) {
+  bool cl = conv_cl(x);
+  kiln_tensor *in[2] = {conv_prep(x, cl), conv_prep(g, cl)};
+  return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, NULL), cl) : NULL;
+}
+
+/* dx (N, C, H, W) from g (N, OC, OH, OW) and w (OC, C/G, kh, kw) */
+static kiln_status convb_data_infer(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln_tensor *g = c->in[0], *w = c->in[1];
+  if (g->ndim != 4 || w->ndim != 4 || g->shape[1] != w->shape[0])
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_data: grad %s and weight %s do not match",
+                          kiln__tshape(g), kiln__tshape(w));
+  int64_t sh[4] = {g->shape[0], w->shape[1] * ab->c.groups, ab->size[0], ab->size[1]};
+  out_shape(sh, conv_cl(g));
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status convb_data_forward(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln__conv_params cp = convb_params(ab, c->in[1]->shape[2], c->in[1]->shape[3]);
+  kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_DATA, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
+  a.n_out = 0; /* run_lib sets out0 */
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
+}
+
+static void convb_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save(n, 1, c->in[1]);
+}
+
+/* conv2d with the resolved padding (every argument checked already) */
+static kiln_tensor *convb_conv(kiln_tensor *x, kiln_tensor *w, const attrs_convb *ab) {
+  return kiln_conv2d(x, w, NULL, ab->c.stride, ab->c.padding, ab->c.dilation, ab->c.groups);
+}
+
+/* dx = T(g, w) is linear in each: <gg, T(g, w)> = <conv(gg, w), g>, whose gradient in w is
+** the weight gradient of conv(gg, .) against g. */
+static kiln_status convb_data_backward(kiln__node *n, kiln_tensor *gg, kiln_tensor **gi) {
+  const attrs_convb *ab = n->attrs;
+  kiln_tensor *g = n->saved[0], *w = n->saved[1];
+  gg = from_lib(gg, conv_cl(g)); /* the op's output was NHWC-shaped in cl mode */
+  if (n->needs[0]) {
+    kiln_status st = kiln__give_grad(&gi[0], convb_conv(gg, w, ab), gg);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    attrs_convb wb = *ab;
+    wb.size[0] = w->shape[2], wb.size[1] = w->shape[3];
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(gg, g, &wb), gg);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+/* dW (OC, C/G, kh, kw) from x (N, C, H, W) and g (N, OC, OH, OW) */
+static kiln_status convb_weight_infer(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln_tensor *x = c->in[0], *g = c->in[1];
+  if (x->ndim != 4 || g->ndim != 4 || x->shape[0] != g->shape[0] || x->shape[1] % ab->c.groups)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_conv2d_backward_weight: input %s and grad %s do not match",
+                          kiln__tshape(x), kiln__tshape(g));
+  int64_t sh[4] = {g->shape[1], x->shape[1] / ab->c.groups, ab->size[0], ab->size[1]};
+  out_shape(sh, conv_cl(x));
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status convb_weight_forward(kiln__op_ctx *c) {
+  const attrs_convb *ab = c->attrs;
+  kiln__conv_params cp = convb_params(ab, ab->size[0], ab->size[1]);
+  kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_WEIGHT, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
+  a.n_out = 0;
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
+}
+
+/* dW = V(x, g): <gW, V(x, g)> = <conv(x, gW), g>: in x the data gradient of conv(., gW)
+** against g, in g conv(x, gW). */
+static kiln_status convb_weight_backward(kiln__node *n, kiln_tensor *gw, kiln_tensor **gi) {
+  const attrs_convb *ab = n->attrs;
+  kiln_tensor *x = n->saved[0], *g = n->saved[1];
+  gw = from_lib(gw, conv_cl(x));
+  if (n->needs[0]) {
+    attrs_convb db = *ab;
+    db.size[0] = x->shape[2], db.size[1] = x->shape[3];
+    kiln_status st = kiln__give_grad(&gi[0], convb_data_call(g, gw, &db), gw);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[1]) {
+    kiln_status st = kiln__give_grad(&gi[1], convb_conv(x, gw, ab), gw);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_conv2d_bwd_data = {
+    .name = "conv2d_backward_data", .api = "kiln_conv2d_backward_data", .n_in = 2, .n_out = 1,
+    .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_DATA}, .attrs = f_convb,
+    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_data_infer, .forward = convb_data_forward,
+    .backward = convb_data_backward, .n_saved = 2, .save = convb_save};
+static const kiln__op op_conv2d_bwd_weight = {
+    .name = "conv2d_backward_weight", .api = "kiln_conv2d_backward_weight", .n_in = 2, .n_out = 1,
+    .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_WEIGHT}, .attrs = f_convb,
+    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_weight_infer, .forward = convb_weight_forward,
+    .backward = convb_weight_backward, .n_saved = 2, .save = convb_save};
+
 /* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
 
 static const kiln__op op_conv2d_direct;
@@ -298,6 +536,15 @@ static kiln__conv_params conv_params(const conv_geom *g, const attrs_conv *p) {
   cp.kernel[0] = g->KH, cp.kernel[1] = g->KW;
   for (int k = 0; k < 2; k++) cp.stride[k] = p->stride[k], cp.padding[k] = g->pad[k], cp.dilation[k] = p->dilation[k];
   return cp;
+}
+
+static kiln_status conv_direct_infer(kiln__op_ctx *c) {
+  conv_geom g = {0};
+  if (conv_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
+  out_shape(sh, conv_cl(c->in[0]));
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  return KILN_OK;
 }
 
 static kiln_status conv_direct_forward(kiln__op_ctx *c) {
@@ -310,8 +557,9 @@ static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   a.n_in = c->in[2] ? 3 : 2;
   for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
   a.i[0] = g.G;
+  a.i[1] = kiln_matmul_tf32() ? 1 : 0; /* TF32 as the products allow it */
   a.params = &cp;
-  return kiln__run_into(c->out[0], &a);
+  return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
 static void conv_direct_save(kiln__op_ctx *c, kiln__node *n) {
@@ -328,10 +576,25 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   kiln_tensor *x = n->saved[0], *w = n->saved[1];
   conv_geom ge = {0};
   if (conv_geometry(x, w, NULL, p, &ge) != KILN_OK) return kiln_last_error();
+  g = from_lib(g, conv_cl(x)); /* NHWC-shaped in cl mode, as the forward's output */
+  /* The device's own backward kernels (cuDNN), where it has them for these arguments. */
+  attrs_convb ab = convb_attrs(p, &ge), wb = ab;
+  wb.size[0] = ge.KH, wb.size[1] = ge.KW;
+  bool need_x = n->needs[0], need_w = n->needs[1];
+  if (need_x && convb_has(KILN__K_CONV2D_BACKWARD_DATA, g, w, x, &ab)) {
+    kiln_status st = kiln__give_grad(&gi[0], convb_data_call(g, w, &ab), g);
+    if (st != KILN_OK) return st;
+    need_x = false;
+  }
+  if (need_w && convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) {
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(x, g, &wb), g);
+    if (st != KILN_OK) return st;
+    need_w = false;
+  }
   int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
   kiln_tensor *gm = kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L));
   kiln_tensor *wm = kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K));
-  if (n->needs[0]) {
+  if (need_x) {
     kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
     kiln_tensor *dx;
     if (ge.KH == 1 && ge.KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && ge.pad[0] == 0 && ge.pad[1] == 0) {
@@ -344,7 +607,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     kiln_status st = kiln__give_grad(&gi[0], dx, g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[1]) {
+  if (need_w) {
     kiln_tensor *cols = conv_cols(x, &ge, p);
     if (cols && ge.G == 1) cols = kiln_unsqueeze(cols, 1); /* (N, 1, K, L) */
     /* One product over all the images: (G, OCg, N*L) x (G, N*L, K). A product per image
@@ -368,7 +631,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
 static const kiln__op op_conv2d_direct = {
     .name = "conv2d_direct", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2, .n_kernels = 1,
     .kernels = {KILN__K_CONV2D}, .attrs = f_conv, .n_attrs = 4, .attr_size = sizeof(attrs_conv),
-    .infer = conv2d_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
+    .infer = conv_direct_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
     .save = conv_direct_save};
 
 static kiln_status conv2d_forward(kiln__op_ctx *c) {
@@ -388,11 +651,19 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   q.out[0].shape[1] = g.OC, q.out[0].shape[2] = g.OH, q.out[0].shape[3] = g.OW;
   kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
   q.i[0] = g.G;
-  if (x->dtype == KILN_F32 && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
-    /* the library's kernel reads contiguous tensors; the copies (if any) are ops of their own */
-    kiln_tensor *in[3] = {kiln_contiguous(x), kiln_contiguous(w), b ? kiln_contiguous(b) : NULL};
+  q.i[1] = kiln_matmul_tf32() ? 1 : 0;
+  kiln__conv_params qp = conv_params(&g, p);
+  q.params = &qp;
+  /* the operands as the call below prepares them (channels-last on CUDA stays so) */
+  bool cl = conv_cl(x);
+  for (int i = 0; i < q.n_in; i++) prep_strides(&q.in[i], cl);
+  prep_strides(&q.out[0], cl);
+  /* The CPU's kernel (oneDNN) is f32 only; other devices' supports() say which dtypes. */
+  bool lib_dtype = x->dtype == KILN_F32 || c->device.type != KILN_DEVICE_CPU;
+  if (lib_dtype && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
+    kiln_tensor *in[3] = {conv_prep(x, cl), conv_prep(w, cl), b ? kiln_contiguous(b) : NULL};
     kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;
-    c->out[0] = kiln__scope_return(y);
+    c->out[0] = kiln__scope_return(from_lib(y, cl));
     return c->out[0] ? KILN_OK : kiln_last_error();
   }
   kiln_tensor *cols = conv_cols(x, &g, p);
@@ -609,11 +880,93 @@ static kiln_status max_pool_forward(kiln__op_ctx *c) {
 /* saved: 0 the indices (an integer output, which the path leaves out of the node). */
 static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->out[1]); }
 
+/* max_pool2d's backward through its kernel (MAX_POOL2D_BACKWARD: a gather per pixel, the
+** same sums every run), an internal op: inputs the gradient and the indices, attributes
+** the forward's window and the input's (H, W). Its own backward gathers the gradient of
+** dx at the indices. */
+typedef struct attrs_poolb {
+  attrs_pool p;
+  int64_t size[2];
+  int nsz;
+} attrs_poolb;
+static const kiln__attr_field f_poolb[] = {
+    {"kernel", KILN__A_INTS, offsetof(attrs_poolb, p.kernel), offsetof(attrs_poolb, p.nk), NULL},
+    {"stride", KILN__A_INTS, offsetof(attrs_poolb, p.stride), offsetof(attrs_poolb, p.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_poolb, p.padding), offsetof(attrs_poolb, p.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_poolb, p.dilation), offsetof(attrs_poolb, p.nd), NULL},
+    KILN__FIELD_INTS(attrs_poolb, size, nsz)};
+
+static kiln__conv_params pool_params(const attrs_pool *w) {
+  kiln__conv_params p;
+  for (int k = 0; k < 2; k++)
+    p.kernel[k] = w->kernel[k], p.stride[k] = w->stride[k], p.padding[k] = w->padding[k], p.dilation[k] = w->dilation[k];
+  return p;
+}
+
+static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln_tensor *g = c->in[0], *ix = c->in[1];
+  if (g->ndim != 4 || ix->ndim != 4 || ix->dtype != KILN_I64)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_max_pool2d_backward: grad %s and i64 indices %s expected", kiln__tshape(g),
+                          kiln__tshape(ix));
+  int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status max_pool_bwd_forward(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln__conv_params p = pool_params(&ab->p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_MAX_POOL2D_BACKWARD;
+  a.n_in = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.in[1] = kiln__view_of(c->in[1]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void max_pool_bwd_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->in[1]); }
+
+/* dx = scatter of g at the indices: its gradient in g is gg gathered at them */
+static kiln_status max_pool_bwd_backward(kiln__node *n, kiln_tensor *gg, kiln_tensor **gi) {
+  kiln_tensor *ix = n->saved[0];
+  const int64_t *gs = n->in_shape[0];
+  int64_t N = gs[0], C = gs[1], L = gs[2] * gs[3];
+  kiln_tensor *r = kiln_gather(kiln_reshape(gg, KILN_SHAPE(N, C, gg->shape[2] * gg->shape[3])), 2,
+                               kiln_reshape(ix, KILN_SHAPE(N, C, L)));
+  return kiln__give_grad(&gi[0], kiln_reshape(r, 4, gs), gg);
+}
+
+static const kiln__op op_max_pool2d_bwd = {
+    .name = "max_pool2d_backward", .api = "kiln_max_pool2d_backward", .n_in = 2, .n_out = 1, .n_kernels = 1,
+    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5, .attr_size = sizeof(attrs_poolb),
+    .infer = max_pool_bwd_infer, .forward = max_pool_bwd_forward, .backward = max_pool_bwd_backward, .n_saved = 1,
+    .save = max_pool_bwd_save};
+
 /* The gradient goes to the pixel each window took its maximum from; windows that share
-** it add up (SCATTER_ADD). */
+** it add up: the device's MAX_POOL2D_BACKWARD where it has it, else SCATTER_ADD (whose
+** atomics on a GPU add in no fixed order). */
 static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const int64_t *xs = n->in_shape[0];
   int64_t N = xs[0], C = xs[1], L = g->shape[2] * g->shape[3];
+  kiln__kargs q = {0};
+  attrs_poolb ab;
+  ab.p = *(const attrs_pool *)n->attrs;
+  ab.size[0] = xs[2], ab.size[1] = xs[3], ab.nsz = 2;
+  kiln__conv_params p = pool_params(&ab.p);
+  q.op = KILN__K_MAX_POOL2D_BACKWARD;
+  q.n_in = 2, q.n_out = 1;
+  q.in[0] = kiln__view_of(g);
+  q.in[1] = kiln__view_of(n->saved[0]);
+  q.out[0] = q.in[0];
+  for (int d = 0; d < 4; d++) q.out[0].shape[d] = xs[d];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.params = &p;
+  if (kiln_dtype_is_float(g->dtype) && kiln__dispatch_has(kiln_device_of(g), &q, KILN__K_MAX_POOL2D_BACKWARD)) {
+    kiln_tensor *in[2] = {g, n->saved[0]};
+    return kiln__give_grad(&gi[0], kiln__op_call(&op_max_pool2d_bwd, 2, in, &ab, NULL), g);
+  }
   kiln_tensor *z = kiln_zeros(KILN_SHAPE(N, C, xs[2] * xs[3]), g->dtype, kiln_device_of(g));
   kiln_tensor *idx = kiln_reshape(n->saved[0], KILN_SHAPE(N, C, L));
   kiln_tensor *r = kiln_scatter_add(z, 2, idx, kiln_reshape(g, KILN_SHAPE(N, C, L)));

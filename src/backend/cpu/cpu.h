@@ -43,6 +43,7 @@ kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a);
 kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a);
 kiln_status kiln__cpu_matmul(const kiln__kargs *a);
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
+kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
 #endif

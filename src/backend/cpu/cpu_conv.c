@@ -240,10 +240,47 @@ static void max_pool_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* ---- MAX_POOL2D_BACKWARD --------------------------------------------------------------- */
+
+/* Per pixel, the windows that contain it (at most one per (i, j)), in that order; f64 sums. */
+static void max_pool_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  const conv_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *ix = &j->a->in[1], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  size_t ges = kiln_dtype_size(g->dtype), ies = kiln_dtype_size(ix->dtype), xes = kiln_dtype_size(dx->dtype);
+  int64_t H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *gp = (const char *)g->data + plane_off(g, q);
+    const char *ip = (const char *)ix->data + plane_off(ix, q);
+    char *xp = (char *)dx->data + plane_off(dx, q);
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++) {
+        double acc = 0;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t hh = h + p->padding[0] - i * p->dilation[0];
+          if (hh < 0 || hh % p->stride[0] || hh / p->stride[0] >= OH) continue;
+          int64_t oh = hh / p->stride[0];
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t ww = w + p->padding[1] - jj * p->dilation[1];
+            if (ww < 0 || ww % p->stride[1] || ww / p->stride[1] >= OW) continue;
+            int64_t ow = ww / p->stride[1];
+            int64_t at = kiln__cpu_get_i64(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)ies, ix->dtype);
+            if (at == h * W + w)
+              acc += kiln__cpu_get_f64(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)ges, g->dtype);
+          }
+        }
+        kiln__cpu_set_f64(xp + (h * dx->strides[2] + w * dx->strides[3]) * (int64_t)xes, dx->dtype, acc);
+      }
+  }
+}
+
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
   const kiln__conv_params *p = a->params;
   if (!p) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
-  const kiln__view *v = a->op == KILN__K_COL2IM ? &a->out[0] : &a->in[0];
+  const kiln__view *v = a->op == KILN__K_COL2IM || a->op == KILN__K_MAX_POOL2D_BACKWARD ? &a->out[0] : &a->in[0];
+  if (a->op == KILN__K_MAX_POOL2D_BACKWARD &&
+      (a->n_in < 2 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || v->ndim != 4 || kiln__cpu_is_float(a->in[1].dtype)))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln: max_pool2d_backward takes a 4-d grad, its integer indices and a 4-d dx");
   if (!kiln__cpu_is_float(v->dtype)) return kiln__cpu_dtype_error(a, v->dtype);
   int64_t planes = v->shape[0] * v->shape[1];
   if (planes == 0) return KILN_OK;
@@ -255,8 +292,122 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
   case KILN__K_IM2COL: kiln__cpu_parallel_for(planes, min_par, im2col_range, &j); break;
   case KILN__K_COL2IM: kiln__cpu_parallel_for(planes, min_par, col2im_range, &j); break;
   case KILN__K_MAX_POOL2D: kiln__cpu_parallel_for(planes, min_par, max_pool_range, &j); break;
+  case KILN__K_MAX_POOL2D_BACKWARD: kiln__cpu_parallel_for(planes, min_par, max_pool_bwd_range, &j); break;
   default: return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s is not a window kernel", kiln__kop_name(a->op));
   }
   if (atomic_load(&j.oom)) return kiln_set_error(KILN_ERR_OOM, "kiln: col2im: out of host memory for a plane buffer");
+  return KILN_OK;
+}
+
+/* ---- CONV2D_BACKWARD_DATA, CONV2D_BACKWARD_WEIGHT: the reference -------------------------- */
+/* Direct loops in f64, any strides and float dtype: the reference the CUDA kernels are
+** compared with, and the fallback of a backend that has CONV2D but not its backward. The
+** op layer does not pick them on the CPU itself, where im2col + BLAS is much faster. */
+
+typedef struct convb_job {
+  const kiln__kargs *a;
+  const kiln__conv_params *p;
+} convb_job;
+
+static double at4(const kiln__view *v, int64_t a, int64_t b, int64_t c, int64_t d) {
+  const char *p = (const char *)v->data +
+                  (a * v->strides[0] + b * v->strides[1] + c * v->strides[2] + d * v->strides[3]) *
+                      (int64_t)kiln_dtype_size(v->dtype);
+  return kiln__cpu_get_f64(p, v->dtype);
+}
+static void put4(const kiln__view *v, int64_t a, int64_t b, int64_t c, int64_t d, double x) {
+  char *p = (char *)v->data +
+            (a * v->strides[0] + b * v->strides[1] + c * v->strides[2] + d * v->strides[3]) *
+                (int64_t)kiln_dtype_size(v->dtype);
+  kiln__cpu_set_f64(p, v->dtype, x);
+}
+
+/* planes q = n*C + c of dx */
+static void convb_data_range(void *vctx, int64_t lo, int64_t hi) {
+  const convb_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *w = &j->a->in[1], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  int64_t C = dx->shape[1], H = dx->shape[2], W = dx->shape[3];
+  int64_t OC = g->shape[1], OH = g->shape[2], OW = g->shape[3], KH = w->shape[2], KW = w->shape[3];
+  int64_t G = j->a->i[0], Cg = C / G, OCg = OC / G;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / C, c = q % C, grp = c / Cg;
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t x = 0; x < W; x++) {
+        double acc = 0;
+        for (int64_t i = 0; i < KH; i++) {
+          int64_t hh = h + p->padding[0] - i * p->dilation[0];
+          if (hh < 0 || hh % p->stride[0] || hh / p->stride[0] >= OH) continue;
+          for (int64_t jj = 0; jj < KW; jj++) {
+            int64_t ww = x + p->padding[1] - jj * p->dilation[1];
+            if (ww < 0 || ww % p->stride[1] || ww / p->stride[1] >= OW) continue;
+            for (int64_t o = grp * OCg; o < (grp + 1) * OCg; o++)
+              acc += at4(g, n, o, hh / p->stride[0], ww / p->stride[1]) * at4(w, o, c - grp * Cg, i, jj);
+          }
+        }
+        put4(dx, n, c, h, x, acc);
+      }
+  }
+}
+
+/* output channels oc of dW (and db) */
+static void convb_weight_range(void *vctx, int64_t lo, int64_t hi) {
+  const convb_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *g = &j->a->in[1], *dw = &j->a->out[0];
+  const kiln__view *db = j->a->n_out > 1 ? &j->a->out[1] : NULL;
+  const kiln__conv_params *p = j->p;
+  int64_t N = x->shape[0], C = x->shape[1], H = x->shape[2], W = x->shape[3];
+  int64_t OC = g->shape[1], OH = g->shape[2], OW = g->shape[3], KH = dw->shape[2], KW = dw->shape[3];
+  int64_t G = j->a->i[0], Cg = C / G, OCg = OC / G;
+  for (int64_t o = lo; o < hi; o++) {
+    int64_t grp = o / OCg;
+    for (int64_t cg = 0; cg < Cg; cg++)
+      for (int64_t i = 0; i < KH; i++)
+        for (int64_t jj = 0; jj < KW; jj++) {
+          double acc = 0;
+          for (int64_t n = 0; n < N; n++)
+            for (int64_t oh = 0; oh < OH; oh++) {
+              int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+              if (h < 0 || h >= H) continue;
+              for (int64_t ow = 0; ow < OW; ow++) {
+                int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+                if (w < 0 || w >= W) continue;
+                acc += at4(g, n, o, oh, ow) * at4(x, n, grp * Cg + cg, h, w);
+              }
+            }
+          put4(dw, o, cg, i, jj, acc);
+        }
+    if (db) {
+      double acc = 0;
+      for (int64_t n = 0; n < N; n++)
+        for (int64_t oh = 0; oh < OH; oh++)
+          for (int64_t ow = 0; ow < OW; ow++) acc += at4(g, n, o, oh, ow);
+      char *bp = (char *)db->data + o * db->strides[0] * (int64_t)kiln_dtype_size(db->dtype);
+      kiln__cpu_set_f64(bp, db->dtype, acc);
+    }
+  }
+}
+
+kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  if (!p) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
+  if (a->n_in < 2 || a->n_out < 1 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || a->out[0].ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln: %s takes 4-d views", kiln__kop_name(a->op));
+  if (!kiln__cpu_is_float(a->out[0].dtype)) return kiln__cpu_dtype_error(a, a->out[0].dtype);
+  int64_t G = a->i[0];
+  const kiln__view *img = a->op == KILN__K_CONV2D_BACKWARD_DATA ? &a->out[0] : &a->in[0];
+  const kiln__view *gr = a->op == KILN__K_CONV2D_BACKWARD_DATA ? &a->in[0] : &a->in[1];
+  if (G < 1 || img->shape[1] % G || gr->shape[1] % G)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln: %s: groups %lld must divide the channels %lld and %lld",
+                          kiln__kop_name(a->op), (long long)G, (long long)img->shape[1], (long long)gr->shape[1]);
+  convb_job j = {a, p};
+  if (a->op == KILN__K_CONV2D_BACKWARD_DATA) {
+    int64_t planes = img->shape[0] * img->shape[1];
+    if (planes > 0) kiln__cpu_parallel_for(planes, 1, convb_data_range, &j);
+  } else if (a->op == KILN__K_CONV2D_BACKWARD_WEIGHT) {
+    if (gr->shape[1] > 0) kiln__cpu_parallel_for(gr->shape[1], 1, convb_weight_range, &j);
+  } else {
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s is not a convolution backward kernel", kiln__kop_name(a->op));
+  }
   return KILN_OK;
 }

@@ -469,7 +469,8 @@ static constexpr bool kc_is_transformer(kiln__kop op) {
 
 static constexpr bool kc_is_conv(kiln__kop op) {
   return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
-         op == KILN__K_CONV2D;
+         op == KILN__K_CONV2D || op == KILN__K_CONV2D_BACKWARD_DATA ||
+         op == KILN__K_CONV2D_BACKWARD_WEIGHT || op == KILN__K_MAX_POOL2D_BACKWARD;
 }
 
 static bool cuda_supports(const kiln__kargs *a) {

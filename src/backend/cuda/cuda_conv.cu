@@ -1,13 +1,24 @@
-/* CUDA kernels for the convolution ops: im2col/col2im, pools, convolution (cuDNN).
-** No kernel yet: supports() says no, so dispatch falls back to the CPU under the policy. */
+/* The convolution family on CUDA: the window kernels (IM2COL, COL2IM, MAX_POOL2D and its
+** backward:
+** cuda_pool.cu) and the library convolutions (CONV2D and its two backward kernels:
+** cuda_conv_cudnn.cu, cuDNN; without it supports() says no, and the op layer composes
+** IM2COL + MATMUL). */
 #include "cuda_int.cuh"
 
+extern "C" bool kiln__cuda_window_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_window(const kiln__kargs *a);
+extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
+
+static bool is_window(kiln__kop op) {
+  return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
+         op == KILN__K_MAX_POOL2D_BACKWARD;
+}
+
 extern "C" bool kiln__cuda_conv_supports(const kiln__kargs *a) {
-  (void)a;
-  return false;
+  return is_window(a->op) ? kiln__cuda_window_supports(a) : kiln__cuda_cudnn_supports(a);
 }
 
 extern "C" kiln_status kiln__cuda_conv(const kiln__kargs *a) {
-  (void)a;
-  return KILN_ERR_UNSUPPORTED;
+  return is_window(a->op) ? kiln__cuda_window(a) : kiln__cuda_cudnn_conv(a);
 }

@@ -1,0 +1,523 @@
+/*
+** CONV2D, CONV2D_BACKWARD_DATA and CONV2D_BACKWARD_WEIGHT on CUDA through cuDNN's legacy
+** convolution API (cudnnConvolutionForward / BackwardData / BackwardFilter), built when
+** cuDNN is found (KILN_HAVE_CUDNN, cmake/KilnCuda.cmake). Without it, supports() says no
+** and the op layer composes IM2COL + MATMUL (cuda_pool.cu, cuBLAS).
+**
+** - Tensor descriptors take the views' strides, so NCHW and channels-last (NHWC strides)
+**   inputs go in as they are; the filter must be packed NCHW or NHWC (cuDNN's filter
+**   descriptor has no strides). cuDNN pads symmetrically: arguments whose padding after
+**   differs from the padding before ("same" with an even kernel) are not supported here.
+** - f32 is exact (CUDNN_FMA_MATH) unless i1 flag 1 allows TF32 (as MATMUL's i0); f16 and
+**   bf16 use tensor-op math with f32 accumulation; f64 computes in f64.
+** - The algorithm is cuDNN's heuristic (cudnnGet*_v7), or with KILN_CUDNN_BENCHMARK=1 the
+**   fastest measured (cudnnFind*Ex, outside a graph capture), cached per arguments
+**   (op, dtype, shapes, strides, window, groups, math).
+** - One handle per device on kiln's stream; the workspace comes from the caching
+**   allocator for the call and is given back right after it is queued (frees are stream
+**   ordered: cuda_memory.cu), so a graph capture sees no cudaMalloc. The handle is made on
+**   first use, which must not be inside a capture (as cuBLAS's, cuda_matmul.cu).
+** - The bias is added, and its gradient summed, by small kernels here (deterministic, any
+**   strides).
+*/
+#include "cuda_int.cuh"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
+
+#ifndef KILN_HAVE_CUDNN
+
+extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
+  (void)a;
+  return false;
+}
+extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
+  return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: kiln was built without cuDNN (KILN_CUDNN)",
+                        kiln__kop_name(a->op));
+}
+
+#else
+
+#include <cudnn.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+std::mutex g_mu; /* handles and the algorithm cache */
+cudnnHandle_t g_handle[KC_MAX_DEV];
+
+struct Choice {
+  int algo;
+  cudnnMathType_t math;
+  size_t ws;
+};
+std::unordered_map<std::string, Choice> g_cache;
+
+kiln_status dnn_err(cudnnStatus_t s, const char *what) {
+  if (s == CUDNN_STATUS_SUCCESS) return KILN_OK;
+  kiln_status code = s == CUDNN_STATUS_NOT_SUPPORTED ? KILN_ERR_UNSUPPORTED
+                     : s == CUDNN_STATUS_ALLOC_FAILED ? KILN_ERR_OOM
+                     : s == CUDNN_STATUS_BAD_PARAM ? KILN_ERR_INVALID_ARGUMENT
+                                                   : KILN_ERR_INTERNAL;
+  (void)cudaGetLastError();
+  return kiln_set_error(code, "kiln: cuDNN error in %s: %s", what, cudnnGetErrorString(s));
+}
+#define KC_DNN(call, what) KC_TRY(dnn_err((call), (what)))
+
+bool benchmark_mode() {
+  static int on = -1;
+  if (on < 0) {
+    const char *e = getenv("KILN_CUDNN_BENCHMARK");
+    on = e && e[0] && strcmp(e, "0") != 0;
+  }
+  return on == 1;
+}
+
+kiln_status handle_of(int device, kiln__cuda_dev *d, cudnnHandle_t *out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_handle[device]) {
+    if (d->capturing)
+      return kiln_set_error(KILN_ERR_STATE, "kiln: the first cuDNN convolution on cuda:%d ran inside a graph "
+                                            "capture: run a warm-up step before capturing", device);
+    cudnnHandle_t h;
+    KC_DNN(cudnnCreate(&h), "cudnnCreate");
+    cudnnStatus_t s = cudnnSetStream(h, d->stream);
+    if (s != CUDNN_STATUS_SUCCESS) {
+      cudnnDestroy(h);
+      return dnn_err(s, "cudnnSetStream");
+    }
+    g_handle[device] = h;
+  }
+  *out = g_handle[device];
+  return KILN_OK;
+}
+
+bool dtype_of(kiln_dtype dt, cudnnDataType_t *t) {
+  switch (dt) {
+  case KILN_F32: *t = CUDNN_DATA_FLOAT; return true;
+  case KILN_F64: *t = CUDNN_DATA_DOUBLE; return true;
+  case KILN_F16: *t = CUDNN_DATA_HALF; return true;
+  case KILN_BF16: *t = CUDNN_DATA_BFLOAT16; return true;
+  default: return false;
+  }
+}
+
+bool packed_nchw(const kiln__view *v) { return kiln__view_is_contiguous(v); }
+/* NHWC in memory: strides (H*W*C, 1, W*C, C), size-1 dims free */
+bool packed_nhwc(const kiln__view *v) {
+  if (v->ndim != 4) return false;
+  const int order[4] = {1, 3, 2, 0}; /* fastest first */
+  int64_t want = 1;
+  for (int k = 0; k < 4; k++) {
+    int d = order[k];
+    if (v->shape[d] != 1 && v->strides[d] != want) return false;
+    want *= v->shape[d];
+  }
+  return true;
+}
+
+/* The three 4-d operands of each op: image x, filter w, output-side y (gradients too). */
+struct Operands {
+  const kiln__view *x, *w, *y, *bias, *dbias;
+};
+
+bool operands(const kiln__kargs *a, Operands *o) {
+  memset(o, 0, sizeof *o);
+  switch (a->op) {
+  case KILN__K_CONV2D:
+    if (a->n_in < 2 || a->n_out < 1) return false;
+    o->x = &a->in[0], o->w = &a->in[1], o->y = &a->out[0];
+    o->bias = a->n_in > 2 ? &a->in[2] : NULL;
+    return true;
+  case KILN__K_CONV2D_BACKWARD_DATA:
+    if (a->n_in < 2 || a->n_out < 1) return false;
+    o->y = &a->in[0], o->w = &a->in[1], o->x = &a->out[0];
+    return true;
+  case KILN__K_CONV2D_BACKWARD_WEIGHT:
+    if (a->n_in < 2 || a->n_out < 1) return false;
+    o->x = &a->in[0], o->y = &a->in[1], o->w = &a->out[0];
+    o->dbias = a->n_out > 1 ? &a->out[1] : NULL;
+    return true;
+  default: return false;
+  }
+}
+
+/* The output size cuDNN computes with symmetric padding equals the view's. */
+bool symmetric(const kiln__conv_params *p, const Operands &o, int64_t groups) {
+  for (int d = 0; d < 2; d++) {
+    int64_t in = o.x->shape[2 + d], k = o.w->shape[2 + d];
+    if (p->kernel[d] != k || p->stride[d] < 1 || p->dilation[d] < 1 || p->padding[d] < 0) return false;
+    int64_t span = p->dilation[d] * (k - 1) + 1;
+    if (in + 2 * p->padding[d] < span) return false;
+    if ((in + 2 * p->padding[d] - span) / p->stride[d] + 1 != o.y->shape[2 + d]) return false;
+  }
+  if (o.x->shape[0] != o.y->shape[0] || o.w->shape[0] != o.y->shape[1] || groups < 1 ||
+      o.w->shape[1] * groups != o.x->shape[1] || o.y->shape[1] % groups != 0)
+    return false;
+  return true;
+}
+
+bool fits_int(const kiln__view *v) {
+  for (int d = 0; d < v->ndim; d++)
+    if (v->shape[d] > INT32_MAX || v->strides[d] > INT32_MAX || v->strides[d] < 0) return false;
+  return kc_numel(v) < INT32_MAX;
+}
+
+struct Descs {
+  cudnnTensorDescriptor_t x = NULL, y = NULL;
+  cudnnFilterDescriptor_t w = NULL;
+  cudnnConvolutionDescriptor_t conv = NULL;
+  ~Descs() {
+    if (x) cudnnDestroyTensorDescriptor(x);
+    if (y) cudnnDestroyTensorDescriptor(y);
+    if (w) cudnnDestroyFilterDescriptor(w);
+    if (conv) cudnnDestroyConvolutionDescriptor(conv);
+  }
+};
+
+/* One layout for the three operands (supports() checked each is packed in it): NHWC
+** when any is not NCHW-packed (a tensor packed both ways, with C == 1 or H == W == 1,
+** follows the others). */
+bool nhwc_mode(const Operands &o) { return !packed_nchw(o.x) || !packed_nchw(o.w) || !packed_nchw(o.y); }
+
+/* The packed strides of the layout (those of size-1 dims are free in kiln; cuDNN checks
+** them, and infers the layout from them). */
+kiln_status tensor_desc(cudnnTensorDescriptor_t t, const kiln__view *v, cudnnDataType_t dt, bool nhwc) {
+  int dims[4], st[4];
+  const int nchw[4] = {3, 2, 1, 0}, nhwc_order[4] = {1, 3, 2, 0}; /* fastest first */
+  const int *order = nhwc ? nhwc_order : nchw;
+  int64_t s = 1;
+  for (int k = 0; k < 4; k++) {
+    int d = order[k];
+    dims[d] = (int)v->shape[d];
+    st[d] = (int)s;
+    s *= v->shape[d] > 0 ? v->shape[d] : 1;
+  }
+  KC_DNN(cudnnSetTensorNdDescriptor(t, dt, 4, dims, st), "cudnnSetTensorNdDescriptor");
+  return KILN_OK;
+}
+
+kiln_status make_descs(const kiln__kargs *a, const Operands &o, Descs *ds, cudnnDataType_t dt,
+                       cudnnMathType_t *math) {
+  const kiln__conv_params *p = (const kiln__conv_params *)a->params;
+  KC_DNN(cudnnCreateTensorDescriptor(&ds->x), "cudnnCreateTensorDescriptor");
+  KC_DNN(cudnnCreateTensorDescriptor(&ds->y), "cudnnCreateTensorDescriptor");
+  KC_DNN(cudnnCreateFilterDescriptor(&ds->w), "cudnnCreateFilterDescriptor");
+  KC_DNN(cudnnCreateConvolutionDescriptor(&ds->conv), "cudnnCreateConvolutionDescriptor");
+  KC_TRY(tensor_desc(ds->x, o.x, dt, nhwc_mode(o)));
+  KC_TRY(tensor_desc(ds->y, o.y, dt, nhwc_mode(o)));
+  cudnnTensorFormat_t fmt = nhwc_mode(o) ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  KC_DNN(cudnnSetFilter4dDescriptor(ds->w, dt, fmt, (int)o.w->shape[0], (int)o.w->shape[1], (int)o.w->shape[2],
+                                    (int)o.w->shape[3]),
+         "cudnnSetFilter4dDescriptor");
+  cudnnDataType_t compute = dt == CUDNN_DATA_DOUBLE ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+  KC_DNN(cudnnSetConvolution2dDescriptor(ds->conv, (int)p->padding[0], (int)p->padding[1], (int)p->stride[0],
+                                         (int)p->stride[1], (int)p->dilation[0], (int)p->dilation[1],
+                                         CUDNN_CROSS_CORRELATION, compute),
+         "cudnnSetConvolution2dDescriptor");
+  KC_DNN(cudnnSetConvolutionGroupCount(ds->conv, (int)a->i[0]), "cudnnSetConvolutionGroupCount");
+  bool tf32 = (a->i[1] & 1) != 0;
+  *math = dt == CUDNN_DATA_HALF || dt == CUDNN_DATA_BFLOAT16 ? CUDNN_TENSOR_OP_MATH
+          : dt == CUDNN_DATA_FLOAT && !tf32                  ? CUDNN_FMA_MATH
+                                                             : CUDNN_DEFAULT_MATH;
+  KC_DNN(cudnnSetConvolutionMathType(ds->conv, *math), "cudnnSetConvolutionMathType");
+  return KILN_OK;
+}
+
+std::string cache_key(const kiln__kargs *a, const Operands &o) {
+  std::string k;
+  auto put = [&k](int64_t v) { k.append((const char *)&v, sizeof v); };
+  put(a->op), put(a->device), put(o.x->dtype), put(a->i[0]), put(a->i[1] & 1);
+  const kiln__view *vs[3] = {o.x, o.w, o.y};
+  for (const kiln__view *v : vs)
+    for (int d = 0; d < 4; d++) put(v->shape[d]), put(v->strides[d]);
+  const kiln__conv_params *p = (const kiln__conv_params *)a->params;
+  for (int d = 0; d < 2; d++) put(p->stride[d]), put(p->padding[d]), put(p->dilation[d]);
+  return k;
+}
+
+const size_t kMaxWorkspace = (size_t)1 << 30;
+
+/* One candidate of cuDNN's list, whatever the direction. */
+struct Cand {
+  int algo;
+  cudnnStatus_t status;
+  cudnnMathType_t math;
+  cudnnDeterminism_t det;
+  size_t memory;
+};
+template <class Perf> int to_cands(const Perf *perf, int n, Cand *out) {
+  for (int i = 0; i < n; i++)
+    out[i] = Cand{(int)perf[i].algo, perf[i].status, perf[i].mathType, perf[i].determinism, perf[i].memory};
+  return n;
+}
+
+struct Scratch {
+  int device;
+  void *p = NULL;
+  size_t n = 0;
+  ~Scratch() {
+    if (p) kiln__cuda_free(device, p, n);
+  }
+};
+
+kiln_status alloc_ws(int device, size_t n, Scratch *s) {
+  s->device = device;
+  if (n == 0) return KILN_OK;
+  s->p = kiln__cuda_alloc(device, n);
+  if (!s->p) return kiln_last_error();
+  s->n = n;
+  return kiln__cuda_capture_note(device, s->p, n);
+}
+
+kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, const Operands &o, const Descs &ds,
+                   cudnnMathType_t want, Choice *c) {
+  std::string key = cache_key(a, o);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_cache.find(key);
+    if (it != g_cache.end()) {
+      *c = it->second;
+      return KILN_OK;
+    }
+  }
+  enum { kMax = 16 };
+  int n = 0;
+  c->algo = -1;
+  bool bench = benchmark_mode() && !d->capturing;
+  Scratch ws;
+  size_t ws_n = 0;
+  if (bench) {
+    /* Find*Ex times every algorithm in the workspace given: as much as the limit allows,
+    ** less when the allocator cannot have it. */
+    for (ws_n = (size_t)256 << 20; ws_n >= ((size_t)1 << 20); ws_n /= 4) {
+      if (alloc_ws(a->device, ws_n, &ws) == KILN_OK) break;
+      kiln_clear_error();
+    }
+    if (!ws.p) ws_n = 0;
+  }
+  Cand cand[kMax];
+  switch (a->op) {
+  case KILN__K_CONV2D: {
+    cudnnConvolutionFwdAlgoPerf_t perf[kMax];
+    if (bench)
+      KC_DNN(cudnnFindConvolutionForwardAlgorithmEx(h, ds.x, o.x->data, ds.w, o.w->data, ds.conv, ds.y, o.y->data,
+                                                    kMax, &n, perf, ws.p, ws_n),
+             "cudnnFindConvolutionForwardAlgorithmEx");
+    else
+      KC_DNN(cudnnGetConvolutionForwardAlgorithm_v7(h, ds.x, ds.w, ds.conv, ds.y, kMax, &n, perf),
+             "cudnnGetConvolutionForwardAlgorithm_v7");
+    n = to_cands(perf, n, cand);
+    break;
+  }
+  case KILN__K_CONV2D_BACKWARD_DATA: {
+    cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
+    if (bench)
+      KC_DNN(cudnnFindConvolutionBackwardDataAlgorithmEx(h, ds.w, o.w->data, ds.y, o.y->data, ds.conv, ds.x,
+                                                         o.x->data, kMax, &n, perf, ws.p, ws_n),
+             "cudnnFindConvolutionBackwardDataAlgorithmEx");
+    else
+      KC_DNN(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, ds.w, ds.y, ds.conv, ds.x, kMax, &n, perf),
+             "cudnnGetConvolutionBackwardDataAlgorithm_v7");
+    n = to_cands(perf, n, cand);
+    break;
+  }
+  default: {
+    cudnnConvolutionBwdFilterAlgoPerf_t perf[kMax];
+    if (bench)
+      KC_DNN(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, ds.x, o.x->data, ds.y, o.y->data, ds.conv, ds.w,
+                                                           o.w->data, kMax, &n, perf, ws.p, ws_n),
+             "cudnnFindConvolutionBackwardFilterAlgorithmEx");
+    else
+      KC_DNN(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, ds.x, ds.y, ds.conv, ds.w, kMax, &n, perf),
+             "cudnnGetConvolutionBackwardFilterAlgorithm_v7");
+    n = to_cands(perf, n, cand);
+  }
+  }
+  /* The first candidate (fastest by heuristic or measurement) that works, keeps the math
+  ** contract (exact f32: FMA only; never a down-conversion), is deterministic (DESIGN.md:
+  ** same seed, same numbers; some backward algorithms add with atomics) and whose
+  ** workspace is reasonable; the workspace size is asked again under the math type that
+  ** will be set, which also checks that the algorithm runs with it. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < n; i++) {
+      const Cand &k = cand[i];
+      if (k.status != CUDNN_STATUS_SUCCESS || k.memory > kMaxWorkspace) continue;
+      if (k.math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+      if (want == CUDNN_FMA_MATH && k.math == CUDNN_TENSOR_OP_MATH) continue;
+      if (pass == 0 && k.det != CUDNN_DETERMINISTIC) continue;
+      cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : k.math;
+      if (cudnnSetConvolutionMathType(ds.conv, m) != CUDNN_STATUS_SUCCESS) continue;
+      size_t exact = 0;
+      cudnnStatus_t s;
+      if (a->op == KILN__K_CONV2D)
+        s = cudnnGetConvolutionForwardWorkspaceSize(h, ds.x, ds.w, ds.conv, ds.y, (cudnnConvolutionFwdAlgo_t)k.algo,
+                                                    &exact);
+      else if (a->op == KILN__K_CONV2D_BACKWARD_DATA)
+        s = cudnnGetConvolutionBackwardDataWorkspaceSize(h, ds.w, ds.y, ds.conv, ds.x,
+                                                         (cudnnConvolutionBwdDataAlgo_t)k.algo, &exact);
+      else
+        s = cudnnGetConvolutionBackwardFilterWorkspaceSize(h, ds.x, ds.y, ds.conv, ds.w,
+                                                           (cudnnConvolutionBwdFilterAlgo_t)k.algo, &exact);
+      if (s != CUDNN_STATUS_SUCCESS || exact > kMaxWorkspace) continue;
+      c->algo = k.algo;
+      c->math = m;
+      c->ws = exact > k.memory ? exact : k.memory;
+      pass = 2;
+      break;
+    }
+  }
+  if (!(c->algo >= 0))
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: cuDNN offers no algorithm for these arguments (%d tried)",
+                          kiln__kop_name(a->op), n);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_cache[key] = *c;
+  return KILN_OK;
+}
+
+/* y[n, c, h, w] += bias[c] */
+template <class T>
+__global__ void __launch_bounds__(KC_THREADS) bias_add_kernel(T *y, const T *b, int64_t bs, int64_t C, int64_t H,
+                                                              int64_t W, int64_t s0, int64_t s1, int64_t s2,
+                                                              int64_t s3, int64_t total) {
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (int64_t)gridDim.x * blockDim.x) {
+    int64_t r = k;
+    int64_t w = r % W; r /= W;
+    int64_t h = r % H; r /= H;
+    int64_t c = r % C;
+    int64_t n = r / C;
+    T *p = y + n * s0 + c * s1 + h * s2 + w * s3;
+    *p = kc_st<T>(kc_ld<T>(*p) + kc_ld<T>(b[c * bs]));
+  }
+}
+
+/* db[c] = sum over (n, h, w) of g[n, c, h, w]: one block per channel, a fixed order. */
+template <class T>
+__global__ void __launch_bounds__(KC_THREADS) bias_grad_kernel(const T *g, T *db, int64_t dbs, int64_t N, int64_t H,
+                                                               int64_t W, int64_t s0, int64_t s1, int64_t s2,
+                                                               int64_t s3) {
+  typedef typename kc_traits<T>::acc A;
+  __shared__ A part[KC_THREADS];
+  int64_t c = blockIdx.x, per = N * H * W;
+  A acc = 0;
+  for (int64_t k = threadIdx.x; k < per; k += blockDim.x) {
+    int64_t w = k % W, h = (k / W) % H, n = k / (W * H);
+    acc += kc_ld<T>(g[n * s0 + c * s1 + h * s2 + w * s3]);
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = KC_THREADS / 2; s > 0; s >>= 1) {
+    if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) db[c * dbs] = kc_st<T>(part[0]);
+}
+
+template <class T> kiln_status bias_add(kiln__cuda_dev *d, const kiln__view *y, const kiln__view *b) {
+  int64_t total = kc_numel(y);
+  if (total == 0) return KILN_OK;
+  bias_add_kernel<T><<<kc_blocks(total, KC_THREADS, d->sm_count), KC_THREADS, 0, d->stream>>>(
+      (T *)y->data, (const T *)b->data, b->strides[0], y->shape[1], y->shape[2], y->shape[3], y->strides[0],
+      y->strides[1], y->strides[2], y->strides[3], total);
+  return kiln__cuda_launched("conv2d (bias)");
+}
+
+template <class T> kiln_status bias_grad(kiln__cuda_dev *d, const kiln__view *g, const kiln__view *db) {
+  int64_t C = g->shape[1];
+  if (C == 0) return KILN_OK;
+  bias_grad_kernel<T><<<(unsigned)C, KC_THREADS, 0, d->stream>>>((const T *)g->data, (T *)db->data, db->strides[0],
+                                                                 g->shape[0], g->shape[2], g->shape[3], g->strides[0],
+                                                                 g->strides[1], g->strides[2], g->strides[3]);
+  return kiln__cuda_launched("conv2d_backward_weight (bias)");
+}
+
+} // namespace
+
+extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
+  Operands o;
+  if (!a->params || !operands(a, &o)) return false;
+  cudnnDataType_t dt;
+  if (!dtype_of(o.x->dtype, &dt) || o.w->dtype != o.x->dtype || o.y->dtype != o.x->dtype) return false;
+  const kiln__view *vs[3] = {o.x, o.w, o.y};
+  for (const kiln__view *v : vs)
+    if (v->ndim != 4 || !fits_int(v)) return false;
+  /* one layout for all three; f64 NCHW only (cuDNN's double kernels are NCHW ones) */
+  bool nhwc = nhwc_mode(o);
+  for (const kiln__view *v : vs)
+    if (nhwc ? !packed_nhwc(v) || o.x->dtype == KILN_F64 : !packed_nchw(v)) return false;
+  if (!symmetric((const kiln__conv_params *)a->params, o, a->i[0])) return false;
+  const kiln__view *b = o.bias ? o.bias : o.dbias;
+  if (b && (b->ndim != 1 || b->shape[0] != o.y->shape[1] || b->dtype != o.x->dtype)) return false;
+  return true;
+}
+
+extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
+  if (!kiln__cuda_cudnn_supports(a))
+    return kiln_set_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_%s: cuDNN does not take these arguments (dtype %s; views must be packed NCHW or "
+                          "NHWC, padding symmetric)",
+                          kiln__kop_name(a->op), kiln_dtype_name(a->in[0].dtype));
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  Operands o;
+  operands(a, &o);
+  if (a->op == KILN__K_CONV2D_BACKWARD_WEIGHT && o.dbias) {
+    KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_grad<T>(d, o.y, o.dbias)));
+  }
+  /* empty: nothing to compute, but the written tensor must still be defined */
+  if (kc_numel(o.x) == 0 || kc_numel(o.y) == 0 || kc_numel(o.w) == 0) {
+    const kiln__view *out = &a->out[0];
+    if (kc_numel(out) == 0) return KILN_OK;
+    KC_TRY(kiln__cuda_fill_view(a->device, out, 0.0));
+    if (a->op == KILN__K_CONV2D && o.bias) {
+      KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_add<T>(d, o.y, o.bias)));
+    }
+    return KILN_OK;
+  }
+  cudnnHandle_t h;
+  KC_TRY(handle_of(a->device, d, &h));
+  cudnnDataType_t dt;
+  dtype_of(o.x->dtype, &dt);
+  Descs ds;
+  cudnnMathType_t want;
+  KC_TRY(make_descs(a, o, &ds, dt, &want));
+  Choice c;
+  KC_TRY(choose(a, d, h, o, ds, want, &c));
+  KC_DNN(cudnnSetConvolutionMathType(ds.conv, c.math), "cudnnSetConvolutionMathType");
+  Scratch ws;
+  KC_TRY(alloc_ws(a->device, c.ws, &ws));
+  float f1 = 1.0f, f0 = 0.0f;
+  double d1 = 1.0, d0 = 0.0;
+  const void *one = dt == CUDNN_DATA_DOUBLE ? (const void *)&d1 : (const void *)&f1;
+  const void *zero = dt == CUDNN_DATA_DOUBLE ? (const void *)&d0 : (const void *)&f0;
+  switch (a->op) {
+  case KILN__K_CONV2D:
+    KC_DNN(cudnnConvolutionForward(h, one, ds.x, o.x->data, ds.w, o.w->data, ds.conv,
+                                   (cudnnConvolutionFwdAlgo_t)c.algo, ws.p, c.ws, zero, ds.y, o.y->data),
+           "cudnnConvolutionForward");
+    if (o.bias) {
+      KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_add<T>(d, o.y, o.bias)));
+    }
+    break;
+  case KILN__K_CONV2D_BACKWARD_DATA:
+    KC_DNN(cudnnConvolutionBackwardData(h, one, ds.w, o.w->data, ds.y, o.y->data, ds.conv,
+                                        (cudnnConvolutionBwdDataAlgo_t)c.algo, ws.p, c.ws, zero, ds.x, o.x->data),
+           "cudnnConvolutionBackwardData");
+    break;
+  default:
+    KC_DNN(cudnnConvolutionBackwardFilter(h, one, ds.x, o.x->data, ds.y, o.y->data, ds.conv,
+                                          (cudnnConvolutionBwdFilterAlgo_t)c.algo, ws.p, c.ws, zero, ds.w,
+                                          o.w->data),
+           "cudnnConvolutionBackwardFilter");
+  }
+  return kiln__cuda_launched(kiln__kop_name(a->op));
+}
+
+#endif /* KILN_HAVE_CUDNN */

@@ -1,0 +1,244 @@
+/*
+** The window kernels of convolutional networks on CUDA: IM2COL, its adjoint COL2IM, and
+** MAX_POOL2D (backend.h gives their contracts; src/backend/cpu/cpu_conv.c is the
+** reference). Any strides, f32/f64/f16/bf16.
+**
+** One thread per element of the tensor written, so no two threads write one address:
+** - IM2COL: per column entry, a copy of one pixel or 0 (bits moved, no arithmetic);
+** - COL2IM: per pixel, a gather of the column entries that read it (at most kh*kw),
+**   added to the pixel in the compute type (f32 for 16-bit floats, f64 for f64) in the
+**   CPU's order (i, then j), and rounded once. A scatter with atomics would be shorter
+**   but its sums would change from run to run (DESIGN.md: same seed, same numbers);
+** - MAX_POOL2D: per output, the window's max compared in the compute type (exact: a
+**   16-bit float widens to f32 without rounding), the first maximum on ties, NaN wins;
+** - MAX_POOL2D_BACKWARD: per pixel, a gather of the grads whose index names it.
+** Offsets are 32-bit when every offset fits (the div/mod chain is much cheaper).
+*/
+#include "cuda_int.cuh"
+
+#include <math.h>
+
+namespace {
+
+/* Geometry of one call: the 4-d image view (N, C, H, W), the other view's shape and
+** strides (6-d columns, or the 4-d pooled output and its indices), and the window. */
+template <class I> struct WGeom {
+  I N, C, H, W;
+  I xs[4];            /* image strides */
+  I KH, KW, OH, OW;
+  I os[6];            /* columns (N, C, kh, kw, OH, OW), or pooled (N, C, OH, OW) */
+  I is[4];            /* MAX_POOL2D: the indices' strides */
+  I sh, sw, ph, pw, dh, dw;
+  I total;            /* threads' work items */
+};
+
+template <class T, class I>
+__global__ void __launch_bounds__(KC_THREADS) im2col_kernel(const T *x, T *cols, WGeom<I> g) {
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += (I)gridDim.x * blockDim.x) {
+    I r = k;
+    I ow = r % g.OW; r /= g.OW;
+    I oh = r % g.OH; r /= g.OH;
+    I j = r % g.KW; r /= g.KW;
+    I i = r % g.KH; r /= g.KH;
+    I c = r % g.C;
+    I n = r / g.C;
+    I h = oh * g.sh - g.ph + i * g.dh, w = ow * g.sw - g.pw + j * g.dw;
+    T v = kc_st<T>(0.0f);
+    if (h >= 0 && h < g.H && w >= 0 && w < g.W)
+      v = x[n * g.xs[0] + c * g.xs[1] + h * g.xs[2] + w * g.xs[3]];
+    cols[n * g.os[0] + c * g.os[1] + i * g.os[2] + j * g.os[3] + oh * g.os[4] + ow * g.os[5]] = v;
+  }
+}
+
+template <class T, class I>
+__global__ void __launch_bounds__(KC_THREADS) col2im_kernel(const T *cols, T *x, WGeom<I> g) {
+  typedef typename kc_traits<T>::acc A;
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += (I)gridDim.x * blockDim.x) {
+    I r = k;
+    I w = r % g.W; r /= g.W;
+    I h = r % g.H; r /= g.H;
+    I c = r % g.C;
+    I n = r / g.C;
+    T *px = x + n * g.xs[0] + c * g.xs[1] + h * g.xs[2] + w * g.xs[3];
+    const T *cp = cols + n * g.os[0] + c * g.os[1];
+    A acc = kc_ld<T>(*px);
+    for (I i = 0; i < g.KH; i++) {
+      I hh = h + g.ph - i * g.dh; /* = oh * sh */
+      if (hh < 0 || hh % g.sh != 0) continue;
+      I oh = hh / g.sh;
+      if (oh >= g.OH) continue;
+      for (I j = 0; j < g.KW; j++) {
+        I ww = w + g.pw - j * g.dw;
+        if (ww < 0 || ww % g.sw != 0) continue;
+        I ow = ww / g.sw;
+        if (ow >= g.OW) continue;
+        acc += kc_ld<T>(cp[i * g.os[2] + j * g.os[3] + oh * g.os[4] + ow * g.os[5]]);
+      }
+    }
+    *px = kc_st<T>(acc);
+  }
+}
+
+template <class A> __device__ __forceinline__ bool kc_isnan(A v) { return v != v; }
+
+template <class T, class I>
+__global__ void __launch_bounds__(KC_THREADS) max_pool_kernel(const T *x, T *y, int64_t *idx, WGeom<I> g) {
+  typedef typename kc_traits<T>::acc A;
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += (I)gridDim.x * blockDim.x) {
+    I r = k;
+    I ow = r % g.OW; r /= g.OW;
+    I oh = r % g.OH; r /= g.OH;
+    I c = r % g.C;
+    I n = r / g.C;
+    const T *xp = x + n * g.xs[0] + c * g.xs[1];
+    A best = 0;
+    int64_t at = -1;
+    for (I i = 0; i < g.KH; i++) {
+      I h = oh * g.sh - g.ph + i * g.dh;
+      if (h < 0 || h >= g.H) continue;
+      for (I j = 0; j < g.KW; j++) {
+        I w = ow * g.sw - g.pw + j * g.dw;
+        if (w < 0 || w >= g.W) continue;
+        A v = kc_ld<T>(xp[h * g.xs[2] + w * g.xs[3]]);
+        if (at < 0 || v > best || (kc_isnan(v) && !kc_isnan(best))) best = v, at = (int64_t)h * g.W + w;
+      }
+    }
+    /* A window wholly in padding cannot happen (the op layer bounds the padding); as
+    ** the CPU, it would give -inf and index 0. */
+    y[n * g.os[0] + c * g.os[1] + oh * g.os[2] + ow * g.os[3]] = kc_st<T>(at < 0 ? (A)-INFINITY : best);
+    idx[n * g.is[0] + c * g.is[1] + oh * g.is[2] + ow * g.is[3]] = at < 0 ? 0 : at;
+  }
+}
+
+/* MAX_POOL2D_BACKWARD: per pixel, the windows that contain it (one per (i, j) at most),
+** adding the grads of those whose index names the pixel: a gather, so no atomics and the
+** same sums every run (a scatter_add's atomics add in whatever order threads arrive). */
+template <class T, class I>
+__global__ void __launch_bounds__(KC_THREADS) max_pool_bwd_kernel(const T *g, const int64_t *idx, T *dx, WGeom<I> gm) {
+  typedef typename kc_traits<T>::acc A;
+  for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < gm.total; k += (I)gridDim.x * blockDim.x) {
+    I r = k;
+    I w = r % gm.W; r /= gm.W;
+    I h = r % gm.H; r /= gm.H;
+    I c = r % gm.C;
+    I n = r / gm.C;
+    const T *gp = g + n * gm.os[0] + c * gm.os[1];
+    const int64_t *ip = idx + n * gm.is[0] + c * gm.is[1];
+    int64_t me = (int64_t)h * gm.W + w;
+    A acc = 0;
+    for (I i = 0; i < gm.KH; i++) {
+      I hh = h + gm.ph - i * gm.dh;
+      if (hh < 0 || hh % gm.sh != 0) continue;
+      I oh = hh / gm.sh;
+      if (oh >= gm.OH) continue;
+      for (I j = 0; j < gm.KW; j++) {
+        I ww = w + gm.pw - j * gm.dw;
+        if (ww < 0 || ww % gm.sw != 0) continue;
+        I ow = ww / gm.sw;
+        if (ow >= gm.OW) continue;
+        if (ip[oh * gm.is[2] + ow * gm.is[3]] == me) acc += kc_ld<T>(gp[oh * gm.os[2] + ow * gm.os[3]]);
+      }
+    }
+    dx[n * gm.xs[0] + c * gm.xs[1] + h * gm.xs[2] + w * gm.xs[3]] = kc_st<T>(acc);
+  }
+}
+
+/* The largest offset a view reaches (elements), for the 32-bit choice. */
+int64_t span_of(const kiln__view *v) {
+  int64_t s = 0;
+  for (int d = 0; d < v->ndim; d++) {
+    if (v->shape[d] == 0) return 0;
+    s += (v->shape[d] - 1) * (v->strides[d] < 0 ? -v->strides[d] : v->strides[d]);
+  }
+  return s;
+}
+
+template <class I> WGeom<I> make_geom(const kiln__kargs *a, const kiln__view *img, const kiln__view *other,
+                                      const kiln__conv_params *p, int64_t total) {
+  WGeom<I> g;
+  g.N = (I)img->shape[0], g.C = (I)img->shape[1], g.H = (I)img->shape[2], g.W = (I)img->shape[3];
+  for (int d = 0; d < 4; d++) g.xs[d] = (I)img->strides[d];
+  for (int d = 0; d < 6; d++) g.os[d] = d < other->ndim ? (I)other->strides[d] : 0;
+  const kiln__view *iv = a->op == KILN__K_MAX_POOL2D ? &a->out[1] : a->op == KILN__K_MAX_POOL2D_BACKWARD ? &a->in[1] : NULL;
+  for (int d = 0; d < 4; d++) g.is[d] = iv ? (I)iv->strides[d] : 0;
+  if (other->ndim == 6) {
+    g.KH = (I)other->shape[2], g.KW = (I)other->shape[3], g.OH = (I)other->shape[4], g.OW = (I)other->shape[5];
+  } else {
+    g.KH = (I)p->kernel[0], g.KW = (I)p->kernel[1], g.OH = (I)other->shape[2], g.OW = (I)other->shape[3];
+  }
+  g.sh = (I)p->stride[0], g.sw = (I)p->stride[1], g.ph = (I)p->padding[0], g.pw = (I)p->padding[1];
+  g.dh = (I)p->dilation[0], g.dw = (I)p->dilation[1];
+  g.total = (I)total;
+  return g;
+}
+
+template <class T, class I>
+kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *img, const kiln__view *other,
+                   int64_t total) {
+  WGeom<I> g = make_geom<I>(a, img, other, (const kiln__conv_params *)a->params, total);
+  int blocks = kc_blocks(total, KC_THREADS, d->sm_count);
+  switch (a->op) {
+  case KILN__K_IM2COL:
+    im2col_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, g);
+    break;
+  case KILN__K_COL2IM:
+    col2im_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, g);
+    break;
+  case KILN__K_MAX_POOL2D_BACKWARD:
+    max_pool_bwd_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data,
+                                                                    (const int64_t *)a->in[1].data, (T *)a->out[0].data, g);
+    break;
+  default:
+    max_pool_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
+                                                                (int64_t *)a->out[1].data, g);
+  }
+  return kiln__cuda_launched(kiln__kop_name(a->op));
+}
+
+} // namespace
+
+extern "C" bool kiln__cuda_window_supports(const kiln__kargs *a) {
+  if (!a->params || a->n_in < 1 || a->n_out < 1) return false;
+  kiln_dtype dt = a->in[0].dtype;
+  if (!kc_is_float(dt) || a->out[0].dtype != dt) return false;
+  switch (a->op) {
+  case KILN__K_IM2COL: return a->in[0].ndim == 4 && a->out[0].ndim == 6;
+  case KILN__K_COL2IM: return a->in[0].ndim == 6 && a->out[0].ndim == 4;
+  case KILN__K_MAX_POOL2D:
+    return a->n_out == 2 && a->in[0].ndim == 4 && a->out[0].ndim == 4 && a->out[1].ndim == 4 &&
+           a->out[1].dtype == KILN_I64;
+  case KILN__K_MAX_POOL2D_BACKWARD:
+    return a->n_in == 2 && a->in[0].ndim == 4 && a->in[1].ndim == 4 && a->out[0].ndim == 4 &&
+           a->in[1].dtype == KILN_I64;
+  default: return false;
+  }
+}
+
+extern "C" kiln_status kiln__cuda_window(const kiln__kargs *a) {
+  if (!kiln__cuda_window_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype %s (or ranks %d -> %d) not supported on cuda",
+                          kiln__kop_name(a->op), kiln_dtype_name(a->in[0].dtype), a->in[0].ndim, a->out[0].ndim);
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  bool to_img = a->op == KILN__K_COL2IM || a->op == KILN__K_MAX_POOL2D_BACKWARD; /* the image is written */
+  const kiln__view *img = to_img ? &a->out[0] : &a->in[0];
+  const kiln__view *other = to_img ? &a->in[0] : &a->out[0];
+  /* the work items: the written tensor's elements */
+  int64_t total = kc_numel(to_img ? img : other);
+  if (total == 0) return KILN_OK;
+  int64_t big = span_of(img) + 1;
+  int64_t so = span_of(other) + 1;
+  if (so > big) big = so;
+  if (total > big) big = total;
+  if (a->op == KILN__K_MAX_POOL2D && span_of(&a->out[1]) + 1 > big) big = span_of(&a->out[1]) + 1;
+  if (a->op == KILN__K_MAX_POOL2D_BACKWARD && span_of(&a->in[1]) + 1 > big) big = span_of(&a->in[1]) + 1;
+  /* h * W + w and the window arithmetic stay within a few spans; a margin keeps int32 safe */
+  bool small = big < (int64_t)INT32_MAX / 4 && img->shape[2] * img->shape[3] < (int64_t)INT32_MAX / 4;
+  kiln_status st = KILN_OK;
+  if (small) {
+    KC_SWITCH_FLOAT(img->dtype, T, return KILN_ERR_DTYPE, st = (launch<T, int32_t>(d, a, img, other, total)));
+  } else {
+    KC_SWITCH_FLOAT(img->dtype, T, return KILN_ERR_DTYPE, st = (launch<T, int64_t>(d, a, img, other, total)));
+  }
+  return st;
+}

@@ -1,0 +1,402 @@
+/*
+** The convolution family on CUDA (issue 15): skipped (exit 77) without a CUDA device.
+**
+** 1. The family's harness cases (test_ops_conv.c), part (d) only: forward and backward
+**    on cuda:0 against the CPU in f64/f32/f16/bf16, every variant, with the fallback off
+**    (H_CUDA_NATIVE): IM2COL, COL2IM, MAX_POOL2D, and with cuDNN CONV2D and its backward.
+** 2. conv2d forward and backward (autograd) on CUDA against the CPU over random, strided,
+**    padded, dilated, grouped, depthwise, 1x1, asymmetric ("same", even kernel) shapes,
+**    with contiguous, non-contiguous (a transposed view) and channels-last-strided inputs:
+**    f64 and f32 tight (TF32 off), f16/bf16 loose. The fallback policy is "error", so a
+**    kernel that fell back to the CPU fails the run. With cuDNN a channels-last input
+**    must give a channels-last output.
+** 3. The CUDA kernels called directly against the CPU's: CONV2D_BACKWARD_DATA/_WEIGHT
+**    (with the bias gradient) when the device has them (cuDNN); MAX_POOL2D's indices on
+**    ties and NaN (must be identical).
+** 4. A conv forward + backward captured into a CUDA graph and replayed equals eager.
+** It prints whether cuDNN serves CONV2D, so a log says which path was tested.
+*/
+#define H_NO_MAIN
+#include "test_ops_conv.c"
+
+#include "backend/backend.h"
+#include "core/kiln_int.h"
+
+#include <math.h>
+#include <stdio.h>
+
+static bool cc_cudnn; /* cuda:0 runs CONV2D (cuDNN) */
+
+static kiln_device cc_cpu(void) { return kiln_device_cpu(); }
+#ifdef CC_GPU_IS_CPU /* a check of the test's own logic on a machine without a GPU */
+static kiln_device cc_gpu(void) { return kiln_device_cpu(); }
+#else
+static kiln_device cc_gpu(void) { return kiln_device_cuda(0); }
+#endif
+
+/* t as f64 host values (malloc'd; NULL on failure) */
+static double *cc_host(kiln_tensor *t) {
+  if (!t) return NULL;
+  kiln_tensor *h = kiln_contiguous(kiln_to_dtype(kiln_to_device(t, cc_cpu()), KILN_F64));
+  if (!h) return NULL;
+  int64_t n = kiln_numel(h);
+  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+  if (v && kiln_to_host(h, v, (size_t)n * sizeof(double)) != KILN_OK) {
+    free(v);
+    v = NULL;
+  }
+  return v;
+}
+
+static void cc_tol(kiln_dtype dt, double *rtol, double *atol) {
+  switch (dt) {
+  case KILN_F64: *rtol = 1e-10, *atol = 1e-10; break;
+  case KILN_F32: *rtol = 1e-4, *atol = 1e-5; break;
+  case KILN_F16: *rtol = 2e-2, *atol = 1e-2; break;
+  default: *rtol = 8e-2, *atol = 5e-2; break; /* bf16 */
+  }
+}
+
+static bool cc_same(const char *what, kiln_tensor *got, kiln_tensor *want, kiln_dtype dt) {
+  if (!got || !want) return H_CHECK(false, "%s: %s result missing", what, got ? "the CPU's" : "the CUDA");
+  double *g = cc_host(got), *w = cc_host(want);
+  bool ok = false;
+  if (!g || !w) {
+    H_CHECK(false, "%s: could not read the results: %s", what, kiln_last_error_message());
+  } else if (kiln_numel(got) != kiln_numel(want)) {
+    H_CHECK(false, "%s: %lld elements, expected %lld", what, (long long)kiln_numel(got),
+            (long long)kiln_numel(want));
+  } else {
+    double rtol, atol;
+    cc_tol(dt, &rtol, &atol);
+    ok = h_close(what, g, w, kiln_numel(want), rtol, atol);
+  }
+  free(g), free(w);
+  return ok;
+}
+
+/* layouts of x: 0 contiguous, 1 a transposed view (H and W swapped in memory), 2
+** channels-last strides (N, H, W, C in memory) */
+static const char *const cc_layout_name[3] = {"contiguous", "transposed", "channels-last"};
+
+static kiln_tensor *cc_layout(kiln_tensor *x, int layout) {
+  if (layout == 1) {
+    kiln_tensor *t = kiln_contiguous(kiln_transpose(x, 2, 3)); /* (N, C, W, H) in memory */
+    return kiln_transpose(t, 2, 3);
+  }
+  if (layout == 2) {
+    int to_nhwc[4] = {0, 2, 3, 1}, to_nchw[4] = {0, 3, 1, 2};
+    return kiln_permute(kiln_contiguous(kiln_permute(x, 4, to_nhwc)), 4, to_nchw);
+  }
+  return x;
+}
+
+typedef struct cc_conv {
+  int64_t N, C, H, W, OC, KH, KW;
+  int64_t s[2], p[2], d[2], g;
+  int bias;
+} cc_conv;
+
+static const cc_conv cc_convs[] = {
+    {2, 3, 9, 8, 4, 3, 3, {1, 1}, {1, 1}, {1, 1}, 1, 1},                                 /* 3x3 same-size */
+    {2, 4, 11, 10, 6, 3, 2, {2, 1}, {1, 0}, {1, 2}, 2, 1},                               /* strided dilated grouped */
+    {1, 6, 7, 7, 6, 3, 3, {2, 2}, {1, 1}, {1, 1}, 6, 0},                                 /* depthwise */
+    {3, 8, 5, 6, 5, 1, 1, {1, 1}, {0, 0}, {1, 1}, 1, 1},                                 /* 1x1 */
+    {2, 3, 8, 9, 4, 4, 2, {1, 1}, {KILN_PADDING_SAME, KILN_PADDING_SAME}, {1, 1}, 1, 1}, /* asymmetric pad */
+    {2, 16, 14, 14, 32, 3, 3, {2, 2}, {1, 1}, {1, 1}, 1, 0},                             /* a ResNet-like layer */
+    {1, 2, 6, 5, 2, 5, 5, {1, 1}, {2, 2}, {1, 1}, 1, 1},                                 /* kernel as big as x */
+};
+
+/* y = conv2d(x, w, b); loss = sum(y * r); returns y and the three gradients */
+static kiln_status cc_run(const cc_conv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
+                          kiln_dtype dt, kiln_device dev, int layout, kiln_tensor *res[4]) {
+  /* detached leaves of their own (on the CPU the conversions return the bases themselves) */
+  kiln_tensor *x = kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(xb, dev), dt)));
+  kiln_tensor *w = kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(wb, dev), dt)));
+  kiln_tensor *b = k->bias ? kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(bb, dev), dt))) : NULL;
+  kiln_tensor *r = kiln_to_dtype(kiln_to_device(rb, dev), dt);
+  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
+  if (kiln_requires_grad_(x, true) != KILN_OK || kiln_requires_grad_(w, true) != KILN_OK ||
+      (b && kiln_requires_grad_(b, true) != KILN_OK))
+    return kiln_last_error();
+  kiln_tensor *xv = cc_layout(x, layout);
+  kiln_tensor *y = kiln_conv2d(xv, w, b, k->s, k->p, k->d, k->g);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
+  if (!loss) return kiln_last_error();
+  kiln_status st = kiln_backward(loss, NULL);
+  if (st != KILN_OK) return st;
+  res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = b ? kiln_grad(b) : NULL;
+  return KILN_OK;
+}
+
+static void cc_conv_vs_cpu(void) {
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  kiln_set_matmul_tf32(false);
+  for (size_t ci = 0; ci < sizeof cc_convs / sizeof cc_convs[0]; ci++) {
+    const cc_conv *k = &cc_convs[ci];
+    for (int layout = 0; layout < 3; layout++)
+      for (int di = 0; di < 4; di++) {
+        kiln_dtype dt = dts[di];
+        kiln_scope_begin();
+        kiln_generator *gen = kiln_generator_new(1000 + ci);
+        kiln_tensor *xb = kiln_randn(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F64, cc_cpu(), gen);
+        kiln_tensor *wb = kiln_randn(KILN_SHAPE(k->OC, k->C / k->g, k->KH, k->KW), KILN_F64, cc_cpu(), gen);
+        kiln_tensor *bb = kiln_randn(KILN_SHAPE(k->OC), KILN_F64, cc_cpu(), gen);
+        /* the output's shape, from a CPU run in f64 */
+        kiln_tensor *y0 = kiln_conv2d(xb, wb, bb, k->s, k->p, k->d, k->g);
+        kiln_tensor *rb = y0 ? kiln_randn(4, kiln_shape(y0), KILN_F64, cc_cpu(), gen) : NULL;
+        kiln_generator_free(gen);
+        char what[160];
+        snprintf(what, sizeof what, "conv case %zu %s %s", ci, cc_layout_name[layout], kiln_dtype_name(dt));
+        kiln_tensor *want[4] = {0}, *got[4] = {0};
+        kiln_fallback_policy saved = kiln_fallback_policy_get();
+        kiln_status s1 = rb ? cc_run(k, xb, wb, bb, rb, dt, cc_cpu(), layout, want) : kiln_last_error();
+        kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+        kiln_status s2 = rb ? cc_run(k, xb, wb, bb, rb, dt, cc_gpu(), layout, got) : kiln_last_error();
+        kiln_set_fallback_policy(saved);
+        if (s1 != KILN_OK || s2 != KILN_OK) {
+          H_CHECK(false, "%s: %s run failed: %s", what, s1 != KILN_OK ? "CPU" : "CUDA", kiln_last_error_message());
+        } else {
+          /* with cuDNN a channels-last input gives a channels-last output */
+          if (layout == 2 && cc_cudnn && dt != KILN_F64 && k->p[0] != KILN_PADDING_SAME) /* asymmetric: composed */
+            H_CHECK(kiln_is_contiguous_format(got[0], KILN_CHANNELS_LAST), "%s: the output is not channels-last", what);
+          static const char *const part[4] = {"y", "dx", "dw", "db"};
+          for (int q = 0; q < 4; q++) {
+            if (!want[q] && !got[q]) continue;
+            char name[200];
+            snprintf(name, sizeof name, "%s %s", what, part[q]);
+            cc_same(name, got[q], want[q], dt);
+          }
+        }
+        kiln_scope_end();
+      }
+  }
+}
+
+/* The backward kernels on cuda:0 against the CPU's reference loops, through dispatch. */
+static void cc_backward_kernels(void) {
+  for (size_t ci = 0; ci < sizeof cc_convs / sizeof cc_convs[0]; ci++) {
+    const cc_conv *k = &cc_convs[ci];
+    if (k->p[0] == KILN_PADDING_SAME) continue; /* asymmetric: cuDNN does not take it */
+    for (int di = 0; di < 2; di++) {
+      kiln_dtype dt = di ? KILN_BF16 : KILN_F32;
+      kiln_scope_begin();
+      kiln_generator *gen = kiln_generator_new(77 + ci);
+      kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F64, cc_cpu(), gen), dt);
+      kiln_tensor *w = kiln_to_dtype(kiln_randn(KILN_SHAPE(k->OC, k->C / k->g, k->KH, k->KW), KILN_F64, cc_cpu(), gen), dt);
+      kiln_tensor *y = kiln_conv2d(x, w, NULL, k->s, k->p, k->d, k->g);
+      kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F64, cc_cpu(), gen), dt) : NULL;
+      kiln_generator_free(gen);
+      if (!g) {
+        H_CHECK(false, "backward kernels: setup failed: %s", kiln_last_error_message());
+        kiln_scope_end();
+        continue;
+      }
+      kiln__conv_params cp = {{k->KH, k->KW}, {k->s[0], k->s[1]}, {k->p[0], k->p[1]}, {k->d[0], k->d[1]}};
+      for (int op = 0; op < 2; op++) {
+        kiln__kop kop = op ? KILN__K_CONV2D_BACKWARD_WEIGHT : KILN__K_CONV2D_BACKWARD_DATA;
+        kiln_tensor *in0 = op ? x : g, *in1 = op ? g : w, *like = op ? w : x;
+        kiln_tensor *outs[2][2] = {{0}};
+        kiln_device devs[2] = {cc_cpu(), cc_gpu()};
+        bool ran[2] = {false, false};
+        for (int d = 0; d < 2; d++) {
+          kiln_tensor *a0 = kiln_to_device(in0, devs[d]), *a1 = kiln_to_device(in1, devs[d]);
+          outs[d][0] = kiln_empty(4, kiln_shape(like), dt, devs[d]);
+          outs[d][1] = op ? kiln_empty(KILN_SHAPE(k->OC), dt, devs[d]) : NULL;
+          if (!a0 || !a1 || !outs[d][0]) break;
+          kiln__kargs a = {0};
+          a.op = kop;
+          a.n_in = 2;
+          a.in[0] = kiln__view_of(a0), a.in[1] = kiln__view_of(a1);
+          a.n_out = op ? 2 : 1;
+          a.out[0] = kiln__view_of(outs[d][0]);
+          if (op) a.out[1] = kiln__view_of(outs[d][1]);
+          a.i[0] = k->g;
+          a.params = &cp;
+          if (d == 1 && !kiln__dispatch_has(devs[1], &a, kop)) {
+            if (ci == 0) printf("test_cuda_conv: cuda:0 has no %s kernel (built without cuDNN?): skipped\n", kiln__kop_name(kop));
+            break;
+          }
+          kiln_status st = kiln__dispatch(devs[d], &a);
+          if (st != KILN_OK) {
+            H_CHECK(false, "%s on %s: %s", kiln__kop_name(kop), d ? "cuda" : "cpu", kiln_last_error_message());
+            break;
+          }
+          ran[d] = true;
+        }
+        if (ran[0] && ran[1]) {
+          char name[160];
+          snprintf(name, sizeof name, "%s case %zu %s", kiln__kop_name(kop), ci, kiln_dtype_name(dt));
+          cc_same(name, outs[1][0], outs[0][0], dt);
+          if (op) {
+            snprintf(name, sizeof name, "%s (bias) case %zu %s", kiln__kop_name(kop), ci, kiln_dtype_name(dt));
+            cc_same(name, outs[1][1], outs[0][1], dt);
+          }
+        }
+      }
+      kiln_scope_end();
+    }
+  }
+}
+
+/* MAX_POOL2D: the values and indices must be identical to the CPU's, ties and NaN included. */
+static void cc_max_pool(void) {
+  kiln_scope_begin();
+  int64_t n = 2 * 3 * 9 * 10;
+  double *v = malloc((size_t)n * sizeof(double));
+  for (int64_t i = 0; i < n; i++) v[i] = (double)((i * 7919) % 5); /* many ties */
+  v[17] = NAN, v[200] = NAN;
+  kiln_tensor *x = kiln_from_data(v, KILN_SHAPE(2, 3, 9, 10), KILN_F64, cc_cpu());
+  free(v);
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  int64_t kk[2] = {3, 2}, st[2] = {2, 1}, pd[2] = {1, 1}, dl[2] = {1, 2};
+  for (int di = 0; di < 4; di++) {
+    for (int layout = 0; layout < 3; layout++) {
+      kiln_tensor *idx[2] = {0}, *y[2] = {0}, *gx[3] = {0};
+      kiln_device devs[2] = {cc_cpu(), cc_gpu()};
+      for (int d = 0; d < 3; d++) {
+        /* d == 2: cuda again, for the backward's determinism */
+        kiln_tensor *leaf = kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(x, devs[d ? 1 : 0]), dts[di])));
+        kiln_requires_grad_(leaf, true);
+        kiln_tensor *xd = cc_layout(leaf, layout);
+        kiln_tensor *yy, *ii;
+        yy = kiln_max_pool2d(xd, kk, st, pd, dl, &ii);
+        if (d < 2) y[d] = yy, idx[d] = ii;
+        /* a weighted sum, so that windows sharing a maximum add different grads */
+        kiln_tensor *wts = yy ? kiln_to_dtype(kiln_arange(0, (double)kiln_numel(yy), 1, KILN_F64, devs[d ? 1 : 0]), dts[di]) : NULL;
+        kiln_tensor *loss = wts ? kiln_sum_all(kiln_mul(kiln_reshape(yy, 1, (int64_t[]){kiln_numel(yy)}), wts)) : NULL;
+        if (loss && kiln_backward(loss, NULL) == KILN_OK) gx[d] = kiln_grad(leaf);
+      }
+      char gname[128];
+      snprintf(gname, sizeof gname, "max_pool2d %s %s backward", kiln_dtype_name(dts[di]), cc_layout_name[layout]);
+      if (gx[0] && gx[1] && gx[2]) {
+        cc_same(gname, gx[1], gx[0], dts[di]);
+        double *a2 = cc_host(gx[1]), *b2 = cc_host(gx[2]);
+        strcat(gname, " (run twice: the same bits)");
+        if (a2 && b2) h_close(gname, a2, b2, kiln_numel(gx[1]), 0, 0);
+        free(a2), free(b2);
+      } else {
+        H_CHECK(false, "%s failed: %s", gname, kiln_last_error_message());
+      }
+      char name[128];
+      snprintf(name, sizeof name, "max_pool2d %s %s values", kiln_dtype_name(dts[di]), cc_layout_name[layout]);
+      double *a = cc_host(y[1]), *b = cc_host(y[0]);
+      if (a && b) h_close(name, a, b, kiln_numel(y[0]), 0, 0);
+      else H_CHECK(false, "%s: could not read: %s", name, kiln_last_error_message());
+      free(a), free(b);
+      snprintf(name, sizeof name, "max_pool2d %s %s indices", kiln_dtype_name(dts[di]), cc_layout_name[layout]);
+      a = cc_host(idx[1]), b = cc_host(idx[0]);
+      if (a && b) h_close(name, a, b, kiln_numel(idx[0]), 0, 0);
+      else H_CHECK(false, "%s: could not read: %s", name, kiln_last_error_message());
+      free(a), free(b);
+    }
+  }
+  kiln_scope_end();
+}
+
+/* ---- a captured conv step ---------------------------------------------------------------- */
+
+typedef struct cc_step {
+  kiln_tensor *x, *w, *b, *out; /* out: [y | dx | dw] results copied in */
+  kiln_tensor *y, *dx, *dw;
+} cc_step;
+
+static kiln_status cc_step_fn(void *vctx) {
+  cc_step *s = vctx;
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_detach(s->x), *w = kiln_detach(s->w);
+  kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
+  int64_t st[2] = {2, 2}, pd[2] = {1, 1};
+  kiln_tensor *y = kiln_conv2d(x, w, s->b, st, pd, NULL, 1);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, y));
+  kiln_status r = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (r == KILN_OK) r = kiln_copy_(s->y, y);
+  if (r == KILN_OK) r = kiln_copy_(s->dx, kiln_grad(x));
+  if (r == KILN_OK) r = kiln_copy_(s->dw, kiln_grad(w));
+  kiln_status e = kiln_scope_end();
+  return r != KILN_OK ? r : e;
+}
+
+static void cc_capture(void) {
+  kiln_scope_begin();
+  kiln_device dev = cc_gpu();
+  kiln_generator *gen = kiln_generator_new(5);
+  cc_step s = {0};
+  s.x = kiln_randn(KILN_SHAPE(4, 8, 16, 16), KILN_F32, dev, gen);
+  s.w = kiln_randn(KILN_SHAPE(16, 8, 3, 3), KILN_F32, dev, gen);
+  s.b = kiln_randn(KILN_SHAPE(16), KILN_F32, dev, gen);
+  kiln_generator_free(gen);
+  s.y = kiln_zeros(KILN_SHAPE(4, 16, 8, 8), KILN_F32, dev);
+  s.dx = kiln_zeros(KILN_SHAPE(4, 8, 16, 16), KILN_F32, dev);
+  s.dw = kiln_zeros(KILN_SHAPE(16, 8, 3, 3), KILN_F32, dev);
+  kiln_status st = cc_step_fn(&s); /* eager, and the warm-up the capture asks for */
+  kiln_tensor *eager[3] = {kiln_clone(s.y), kiln_clone(s.dx), kiln_clone(s.dw)};
+  kiln_graph *g = st == KILN_OK ? kiln_graph_capture(dev, cc_step_fn, &s) : NULL;
+  if (!g) {
+    H_CHECK(false, "conv capture failed: %s", kiln_last_error_message());
+  } else {
+    kiln_fill_(s.y, 0), kiln_fill_(s.dx, 0), kiln_fill_(s.dw, 0);
+    st = kiln_graph_replay(g);
+    if (st == KILN_OK) st = kiln_device_synchronize(dev);
+    if (st != KILN_OK) {
+      H_CHECK(false, "conv replay failed: %s", kiln_last_error_message());
+    } else {
+      printf("test_cuda_conv: conv step captured (%s)\n", kiln_graph_is_device_graph(g) ? "a CUDA graph" : "no device graph");
+      kiln_tensor *got[3] = {s.y, s.dx, s.dw};
+      static const char *const nm[3] = {"capture y", "capture dx", "capture dw"};
+      for (int q = 0; q < 3; q++) {
+        double *a = cc_host(got[q]), *b = cc_host(eager[q]);
+        if (a && b) h_close(nm[q], a, b, kiln_numel(got[q]), 0, 0); /* same kernels, same numbers */
+        else H_CHECK(false, "%s: could not read: %s", nm[q], kiln_last_error_message());
+        free(a), free(b);
+      }
+    }
+    kiln_graph_free(g);
+  }
+  kiln_scope_end();
+}
+
+int main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps what was printed */
+  h_init(argc, argv, "test_cuda_conv");
+  h_set_cross_only(true);
+#ifndef CC_GPU_IS_CPU
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    printf("test_cuda_conv: skipped (no CUDA device)\n");
+    return 77;
+  }
+#endif
+  {
+    /* which path conv2d takes on cuda:0 (cuDNN or im2col + cuBLAS) */
+    kiln_scope_begin();
+    kiln_tensor *x = kiln_zeros(KILN_SHAPE(1, 2, 5, 5), KILN_F32, cc_gpu());
+    kiln_tensor *w = kiln_zeros(KILN_SHAPE(3, 2, 3, 3), KILN_F32, cc_gpu());
+    kiln_tensor *y = kiln_zeros(KILN_SHAPE(1, 3, 3, 3), KILN_F32, cc_gpu());
+    kiln__conv_params cp = {{3, 3}, {1, 1}, {0, 0}, {1, 1}};
+    kiln__kargs a = {0};
+    a.op = KILN__K_CONV2D;
+    a.n_in = 2, a.n_out = 1;
+    a.in[0] = kiln__view_of(x), a.in[1] = kiln__view_of(w), a.out[0] = kiln__view_of(y);
+    a.i[0] = 1;
+    a.params = &cp;
+    cc_cudnn = kiln__dispatch_has(cc_gpu(), &a, KILN__K_CONV2D);
+#ifdef CC_GPU_IS_CPU
+    cc_cudnn = false; /* the CPU's CONV2D (oneDNN) keeps no format */
+#endif
+    printf("test_cuda_conv: CONV2D on cuda:0: %s\n", cc_cudnn ? "cuDNN" : "none (im2col + cuBLAS)");
+    kiln_scope_end();
+  }
+#ifndef CC_GPU_IS_CPU
+  printf("test_cuda_conv: harness cases\n");
+  cv_family();
+#endif
+  printf("test_cuda_conv: conv2d against the CPU\n");
+  cc_conv_vs_cpu();
+  printf("test_cuda_conv: backward kernels\n");
+  cc_backward_kernels();
+  printf("test_cuda_conv: max_pool2d\n");
+  cc_max_pool();
+  printf("test_cuda_conv: graph capture\n");
+  cc_capture();
+  return h_finish();
+}

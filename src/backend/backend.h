@@ -166,7 +166,7 @@ typedef struct kiln__view {
   /* contiguous view is multiplied in place by s0 (1/scale); out0, an f32 one-element */   \
   /* flag, is set to 1 when any value is inf or NaN (never cleared here). */               \
   X(AMP_UNSCALE, "amp_unscale")                                                          \
-  /* ---- transformer ops (issue 16); CPU kernels only so far ---- */                     \
+  /* ---- transformer ops (issue 16); CPU and CUDA kernels ---- */                       \
   /* fused norms over the last dim: in0 x (R, N), then the weight (N) when i0 flag 1 */  \
   /* and the bias (N) when flag 2, in that order -> out0 y (R, N), out1 mean (R), out2 */ \
   /* rstd (R) (both f32 for f32/f16/bf16, f64 for f64); s0 eps; i1 1: RMS norm (no */     \

@@ -13,6 +13,7 @@
 **   bench-attention [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]
 ** Runs under KILN_FALLBACK=error: a kernel missing on the GPU is an error, not a CPU time.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <kiln.h>
 
 #include <math.h>
@@ -87,10 +88,14 @@ int main(int argc, char **argv) {
   printf("attention B %lld H %lld T %lld D %lld %s%s, best of %d\n", (long long)B, (long long)H, (long long)T,
          (long long)D, kiln_dtype_name(dt), causal ? " causal" : "", reps);
   printf("| path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|\n");
-  for (int fused = 1; fused >= 0; fused--) {
-    double f = time_ms(fused, false), fb = time_ms(fused, true);
-    printf("| %s | %.3f | %.1f | %.3f | %.1f |\n", fused ? "kiln fused (cuda_attention.cu)" : "composite (cuBLAS matmul + softmax)",
-           f, fwd_flop / f / 1e9, fb, 3.5 * fwd_flop / fb / 1e9);
+  static const char *const names[3] = {"kiln fused (cuda_attention.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple",
+                                        "composite (cuBLAS matmul + softmax)"};
+  for (int path = 0; path < 3; path++) {
+    if (path == 1) setenv("KILN_CUDA_ATTENTION", "simple", 1);
+    if (path == 2) unsetenv("KILN_CUDA_ATTENTION");
+    double f = time_ms(path < 2, false), fb = time_ms(path < 2, true);
+    printf("| %s | %.3f | %.1f | %.3f | %.1f |\n", names[path], f, fwd_flop / f / 1e9, fb,
+           3.5 * fwd_flop / fb / 1e9);
   }
   return 0;
 }

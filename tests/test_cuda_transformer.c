@@ -15,6 +15,7 @@
 ** 3. determinism: two runs of the same backward give the same bits (no atomics);
 ** 4. multinomial, topk and cumsum give the CPU's very numbers (the sampling contract).
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define H_NO_MAIN
 #include "test_ops_transformer.c"
 #include "test_ops_scan.c"
@@ -182,8 +183,19 @@ static void attention_checks(void) {
       {"att f64 causal D 128", 1, 2, 100, 100, 128, 128, true, false, 0, 0, KILN_F64, 1e-10},
       {"att bf16 causal T 256 D 64", 2, 3, 256, 256, 64, 64, true, false, 0, 0, KILN_BF16, bf16},
       {"att f16 causal T 128 D 128", 1, 2, 128, 128, 128, 128, true, true, 0, 0.1, KILN_F16, 1e-2},
+      /* the tensor-core forward (f16/bf16, D 64 or 128): ragged tiles, masks, Tq != Tk */
+      {"att bf16 T 200 D 128 additive mask", 2, 2, 200, 200, 128, 128, false, false, 1, 0, KILN_BF16, bf16},
+      {"att bf16 causal Tq 100 Tk 230 dropout 0.1 transposed", 1, 3, 100, 230, 64, 64, true, true, 0, 0.1,
+       KILN_BF16, bf16},
+      {"att bf16 causal Tq 230 Tk 100", 1, 2, 230, 100, 64, 64, true, false, 0, 0, KILN_BF16, bf16},
+      {"att f16 bool mask D 64", 2, 2, 77, 129, 64, 64, false, false, 2, 0, KILN_F16, 1e-2},
   };
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) att_case(&specs[i]);
+  /* the 16-bit cases once more on the simple (CUDA-core) kernels */
+  setenv("KILN_CUDA_ATTENTION", "simple", 1);
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+    if (specs[i].dt == KILN_BF16 || specs[i].dt == KILN_F16) att_case(&specs[i]);
+  unsetenv("KILN_CUDA_ATTENTION");
 }
 
 /* ---------------------------------------------------------------- sampling, scans */

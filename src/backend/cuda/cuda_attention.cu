@@ -28,6 +28,10 @@
 #include "philox.cuh"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <mma.h>
+#include <type_traits>
 
 namespace {
 
@@ -341,11 +345,170 @@ template <class K> kiln_status smem_opt_in(K kernel, size_t bytes) {
                         "attention (shared memory)");
 }
 
+
+/* ---------------------------------------------------------------- forward, tensor cores */
+/* f16/bf16 with head dim 64 or 128 (D == Dv): the same online softmax, with the two
+** products on the tensor cores (WMMA 16x16x16, f32 accumulation). A block of TC_W warps
+** takes TC_BQ = 16 * TC_W query rows, a warp 16 of them; key tiles of TC_BK. Per tile a
+** warp computes its S = Q K^T (16 x TC_BK, f32) into shared memory, two lanes per row
+** apply scale, mask, causal rule and the running max/sum (FlashAttention-2's rescaling of
+** O, which lives in shared memory in f32 since a WMMA accumulator's layout is opaque),
+** write P (rounded to the input dtype, as FlashAttention does) and then O += P V. */
+enum { TC_W = 4, TC_BQ = 16 * TC_W, TC_BK = 64 };
+
+template <class T, int HD>
+__global__ void __launch_bounds__(TC_W * 32) att_fwd_tc(const T *q, const T *k, const T *v, T *o, void *lse,
+                                                       int lse_dt, AttArgs p) {
+  using namespace nvcuda;
+  extern __shared__ __align__(128) unsigned char tc_smem[]; /* WMMA wants 32-byte aligned tiles */
+  T *Qs = (T *)tc_smem;                    /* TC_BQ x HD */
+  T *Ks = Qs + TC_BQ * HD;                  /* TC_BK x HD */
+  T *Vs = Ks + TC_BK * HD;                  /* TC_BK x HD */
+  T *Ps = Vs + TC_BK * HD;                  /* TC_BQ x TC_BK */
+  float *Ss = (float *)(Ps + TC_BQ * TC_BK); /* TC_BQ x TC_BK */
+  float *Os = Ss + TC_BQ * TC_BK;            /* TC_BQ x HD */
+  float *Cs = Os + TC_BQ * HD;               /* TC_BQ: this tile's rescale factor per row */
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nt = (p.Tq + TC_BQ - 1) / TC_BQ;
+  const int64_t bh = blockIdx.x / nt, i_first = (blockIdx.x % nt) * TC_BQ;
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const T *qb = q + b * p.qs[0] + h * p.qs[1];
+  const T *kb = k + b * p.ks[0] + h * p.ks[1];
+  const T *vb = v + b * p.vs[0] + h * p.vs[1];
+  for (int e = threadIdx.x; e < TC_BQ * HD; e += blockDim.x) {
+    int r = e / HD, c = e % HD;
+    int64_t i = i_first + r;
+    Qs[e] = i < p.Tq ? qb[i * p.qs[2] + c * p.qs[3]] : kc_st<T>(0.0f);
+    Os[e] = 0.0f;
+  }
+  /* row r = warp * 16 + lane / 2 of the block; the two lanes of a row split its columns */
+  const int r = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t i = i_first + r;
+  float m = -INFINITY, l = 0;
+  const float scale = (float)p.scale;
+  int64_t i_last_blk = i_first + TC_BQ - 1 < p.Tq ? i_first + TC_BQ - 1 : p.Tq - 1;
+  int64_t jend_blk = p.causal && i_last_blk + 1 < p.Tk ? i_last_blk + 1 : p.Tk;
+  int64_t i_last_w = i_first + warp * 16 + 15; /* the warp's last row: its causal limit */
+  int64_t jend_w = p.causal && i_last_w + 1 < p.Tk ? i_last_w + 1 : p.Tk;
+  int64_t jend = p.causal && i + 1 < p.Tk ? i + 1 : p.Tk;
+  for (int64_t j0 = 0; j0 < jend_blk; j0 += TC_BK) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < TC_BK * HD; e += blockDim.x) {
+      int t = e / HD, c = e % HD;
+      int64_t j = j0 + t;
+      Ks[e] = j < p.Tk ? kb[j * p.ks[2] + c * p.ks[3]] : kc_st<T>(0.0f);
+      Vs[e] = j < p.Tk ? vb[j * p.vs[2] + c * p.vs[3]] : kc_st<T>(0.0f);
+    }
+    __syncthreads();
+    if (j0 >= jend_w || i_first + warp * 16 >= p.Tq) continue; /* warp-uniform */
+    /* S = Q K^T for the warp's 16 rows */
+#pragma unroll
+    for (int nb = 0; nb < TC_BK / 16; nb++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; kk++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, Qs + warp * 16 * HD + kk * 16, HD);
+        wmma::load_matrix_sync(fb, Ks + nb * 16 * HD + kk * 16, HD); /* K^T: column n is key n */
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(Ss + warp * 16 * TC_BK + nb * 16, acc, TC_BK, wmma::mem_row_major);
+    }
+    __syncwarp();
+    /* the row's scores: scale, mask, causal; max, rescale, P */
+    float *srow = Ss + r * TC_BK;
+    float mb = -INFINITY;
+    for (int c = half; c < TC_BK; c += 2) {
+      int64_t j = j0 + c;
+      float s = -INFINITY;
+      if (i < p.Tq && j < jend) {
+        s = srow[c] * scale;
+        if (p.masked) s += mask_at<float>(p, b, h, i, j);
+      }
+      srow[c] = s;
+      mb = fmaxf(mb, s);
+    }
+    mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+    float mn = fmaxf(m, mb);
+    float corr = mn == -INFINITY ? 1.0f : expf(m - mn); /* m == -inf, mn finite: 0 */
+    float ls = 0;
+    T *prow = Ps + r * TC_BK;
+    for (int c = half; c < TC_BK; c += 2) {
+      float s = srow[c];
+      float pr = s == -INFINITY ? 0.0f : expf(s - mn);
+      ls += pr;
+      if (p.dropout && pr != 0) pr *= drop_z<float>(p, b, h, i, j0 + c);
+      prow[c] = kc_st<T>(pr);
+    }
+    ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+    l = l * corr + ls;
+    m = mn;
+    if (half == 0) Cs[r] = corr;
+    __syncwarp();
+    for (int e = lane; e < 16 * HD; e += 32) Os[warp * 16 * HD + e] *= Cs[warp * 16 + e / HD];
+    __syncwarp();
+    /* O += P V */
+#pragma unroll
+    for (int nb = 0; nb < HD / 16; nb++) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, Os + warp * 16 * HD + nb * 16, HD, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < TC_BK / 16; kk++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, Ps + warp * 16 * TC_BK + kk * 16, TC_BK);
+        wmma::load_matrix_sync(fb, Vs + kk * 16 * HD + nb * 16, HD);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(Os + warp * 16 * HD + nb * 16, acc, HD, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  __syncthreads(); /* the warps that skipped their last tiles see their rows' O too */
+  if (i >= p.Tq) return;
+  float inv = l > 0 ? 1.0f / l : 0.0f;
+  T *ob = o + b * p.os[0] + h * p.os[1] + i * p.os[2];
+  for (int c = half; c < HD; c += 2) ob[c * p.os[3]] = kc_st<T>(Os[r * HD + c] * inv);
+  if (half == 0) {
+    int64_t lo = b * p.ls[0] + h * p.ls[1] + i * p.ls[2];
+    float lv = l > 0 ? m + logf(l) : -INFINITY;
+    if (lse_dt == KILN_F64) ((double *)lse)[lo] = (double)lv;
+    else ((float *)lse)[lo] = lv;
+  }
+}
+
+/* Whether the tensor-core forward takes these arguments (KILN_CUDA_ATTENTION=simple turns
+** it off, for comparison and as a way around it). */
+static bool tc_fits(const kiln__kargs *a, const AttArgs &p) {
+  kiln_dtype dt = a->in[0].dtype;
+  if (a->op != KILN__K_ATTENTION || (dt != KILN_F16 && dt != KILN_BF16)) return false;
+  if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
+  const char *e = getenv("KILN_CUDA_ATTENTION");
+  return !(e && strcmp(e, "simple") == 0);
+}
+
+template <class T, int HD> kiln_status tc_launch(kiln__cuda_dev *d, const kiln__kargs *a, const AttArgs &p) {
+  int64_t blocks = p.B * p.H * ((p.Tq + TC_BQ - 1) / TC_BQ);
+  size_t sm = (size_t)(TC_BQ * HD + 2 * TC_BK * HD + TC_BQ * TC_BK) * sizeof(T) +
+              (size_t)(TC_BQ * TC_BK + TC_BQ * HD + TC_BQ) * sizeof(float);
+  KC_TRY(smem_opt_in(att_fwd_tc<T, HD>, sm));
+  att_fwd_tc<T, HD><<<(unsigned)blocks, TC_W * 32, sm, d->stream>>>(
+      (const T *)a->in[0].data, (const T *)a->in[1].data, (const T *)a->in[2].data, (T *)a->out[0].data,
+      a->out[1].data, (int)a->out[1].dtype, p);
+  return kiln__cuda_launched("attention (tensor cores)");
+}
+
 template <class T> kiln_status att_run(kiln__cuda_dev *d, const kiln__kargs *a, const AttArgs &p) {
   typedef typename kc_traits<T>::acc A;
   const T *q = (const T *)a->in[0].data, *k = (const T *)a->in[1].data, *v = (const T *)a->in[2].data;
   int64_t BH = p.B * p.H;
   if (a->op == KILN__K_ATTENTION) {
+    if (tc_fits(a, p)) {
+      if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value)
+        return p.D == 64 ? tc_launch<T, 64>(d, a, p) : tc_launch<T, 128>(d, a, p);
+    }
     int64_t blocks = BH * ((p.Tq + NW - 1) / NW);
     size_t sm = (size_t)(BK * (p.D + 1) + BK * p.Dv + NW * p.D) * sizeof(A);
     KC_TRY(smem_opt_in(att_fwd<T, A>, sm));

@@ -26,6 +26,13 @@ extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a);
 
 namespace {
 
+/* The accumulation type: f64 for f32 too, as the CPU computes in f64, so that f32 results
+** are the exact result rounded (the first H200 run of the harness found f32 accumulation
+** 1.5x past its f32 tolerance where cancellation leaves a result near 0); f32 for the
+** 16-bit types (their tolerance is far looser), f64 for f64. */
+template <class T> struct wide_acc { typedef typename kc_traits<T>::acc type; };
+template <> struct wide_acc<float> { typedef double type; };
+
 /* A value of a runtime-typed vector (weights, biases, mean, rstd), as A. */
 template <class A> __device__ __forceinline__ A ld_any(const void *p, int dt, int64_t i) {
   switch (dt) {
@@ -189,7 +196,7 @@ __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Ve
 
 template <class T>
 kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
-  typedef typename kc_traits<T>::acc A;
+  typedef typename wide_acc<T>::type A;
   bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
   unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
   if (!bw) {

@@ -439,7 +439,7 @@ KILN_API kiln_tensor *kiln_argmin(kiln_tensor *t, int dim, bool keepdim); /* i64
 KILN_API kiln_tensor *kiln_softmax(kiln_tensor *t, int dim);
 KILN_API kiln_tensor *kiln_log_softmax(kiln_tensor *t, int dim);
 
-/* Transformer ops (CPU kernels; other backends run them through the CPU fallback).
+/* Transformer ops (CPU and CUDA kernels; other backends run them through the CPU fallback).
 ** layer_norm over the last ndims dims, which must equal normalized_shape:
 ** (x - mean) / sqrt(var + eps) * weight + bias, var biased; weight and bias (of
 ** normalized_shape; either may be NULL) as PyTorch's. rms_norm: x / sqrt(mean(x^2) + eps)

@@ -31,6 +31,8 @@ static struct {
   kiln_device devs[H_MAX_DEVS];
   bool devs_test[H_MAX_DEVS]; /* a test-only backend: fallback allowed (see part (d)) */
   bool support;               /* KILN_HARNESS_SUPPORT=1 / --support: the table, no checks */
+  bool has_native;            /* h_set_native_type: H_CPU_ONLY is strict on native_type */
+  kiln_device_type native_type;
   int n_rows;
   support_row rows[H_MAX_ROWS];
   uint64_t rng;
@@ -815,8 +817,9 @@ static void run_variant(const h_case *c, const variant *v) {
     kiln_device dev = H.devs[d];
     char dname[24];
     kiln_device_str(dev, dname, sizeof dname);
-    bool cpu_only = (c->flags & H_CPU_ONLY) &&
-                    !((c->flags & H_CUDA_NATIVE) && dev.type == KILN_DEVICE_CUDA);
+    bool cpu_only = (c->flags & H_CPU_ONLY) && !(H.has_native && dev.type == H.native_type) &&
+                    !((c->flags & H_CUDA_NATIVE) && dev.type == KILN_DEVICE_CUDA) &&
+                    !((c->flags & H_VK_NATIVE) && dev.type == KILN_DEVICE_VULKAN);
     kiln_set_fallback_policy(H.devs_test[d] || cpu_only ? KILN_FALLBACK_SILENT : KILN_FALLBACK_ERROR);
     static const kiln_dtype xdt[] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
     for (int xi = 0; xi < 4; xi++) {
@@ -987,6 +990,11 @@ void h_set_cross_only(bool on) {
 }
 
 bool h_support_mode(void) { return H.support; }
+
+void h_set_native_type(kiln_device_type t) {
+  H.has_native = true;
+  H.native_type = t;
+}
 
 bool h_cross_only(void) { return H.cross_only; }
 

@@ -134,6 +134,9 @@ void h_init(int argc, char **argv, const char *test_name);
 int h_finish(void);
 bool h_cross_only(void);
 void h_set_cross_only(bool on);
+/* The H_CPU_ONLY cases' kernels exist on backends of type t (CUDA's transformer kernels):
+** part (d) runs them there under KILN_FALLBACK=error, so a missing kernel fails. */
+void h_set_native_type(kiln_device_type t);
 bool h_support_mode(void); /* KILN_HARNESS_SUPPORT=1 / --support: hand-written checks skip */
 void h_run_case(const h_case *c);
 void h_run_cases(const h_case *cs, int n);

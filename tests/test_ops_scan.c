@@ -236,9 +236,11 @@ static void sc_extra(void) {
   kiln_scope_end();
 }
 
+#ifndef H_NO_MAIN
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_ops_scan");
   h_run_cases(sc_cases, (int)(sizeof sc_cases / sizeof sc_cases[0]));
   if (!h_cross_only() && !h_support_mode()) sc_extra();
   return h_finish();
 }
+#endif

@@ -236,6 +236,7 @@ static void tf_bad_input(void) {
   kiln_scope_end();
 }
 
+#ifndef H_NO_MAIN
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_ops_transformer");
   h_run_cases(tf_norm_cases, (int)(sizeof tf_norm_cases / sizeof tf_norm_cases[0]));
@@ -246,3 +247,4 @@ int main(int argc, char **argv) {
   }
   return h_finish();
 }
+#endif

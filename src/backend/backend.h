@@ -180,7 +180,7 @@ typedef struct kiln__view {
   /* else tracker + 1 == interval: scale *= growth when that is finite, tracker = 0; */    \
   /* else tracker += 1. */                                                                 \
   X(AMP_UPDATE_SCALE, "amp_update_scale")                                                 \
-  /* ---- transformer ops (issue 16); CPU kernels only so far ---- */                     \
+  /* ---- transformer ops (issue 16); CPU and CUDA kernels ---- */                       \
   /* fused norms over the last dim: in0 x (R, N), then the weight (N) when i0 flag 1 */  \
   /* and the bias (N) when flag 2, in that order -> out0 y (R, N), out1 mean (R), out2 */ \
   /* rstd (R) (both f32 for f32/f16/bf16, f64 for f64); s0 eps; i1 1: RMS norm (no */     \

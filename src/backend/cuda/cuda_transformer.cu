@@ -1,13 +1,629 @@
-/* CUDA kernels for the transformer ops: layer/RMS norm, attention, cumsum, tril/triu, topk, multinomial.
-** No kernel yet: supports() says no, so dispatch falls back to the CPU under the policy. */
+/*
+** CUDA kernels for the transformer ops (contracts: backend.h; CPU references:
+** cpu/cpu_transformer.c and cpu/cpu_scan.c): the fused layer and RMS norms forward and
+** backward, cumsum, tril/triu, topk and multinomial. Attention is in cuda_attention.cu.
+**
+** Determinism (DESIGN.md: same seed, same numbers): no kernel here uses atomics. The
+** norm's parameter gradients are reduced in two stages, each a fixed order: stage 1 gives
+** per-chunk-of-rows partial sums into scratch, stage 2 sums the chunks in chunk order.
+**
+** Bit-for-bit agreement with the CPU where the contract asks for it: cumsum accumulates
+** floats in f64 and integers in i64 in index order as the CPU does; multinomial sums its
+** weights and prefix sums in f64 in class order, one thread per draw, with the CPU's Philox
+** mapping; topk copies the selected elements themselves. The norms compute their statistics
+** in f32 (f64 for f64), so f32 results are within the harness's f32 tolerance of the CPU's
+** f64 computation, not equal to it.
+*/
 #include "cuda_int.cuh"
+#include "cuda_ew.cuh"
+#include "philox.cuh"
+
+#include <math.h>
+#include <vector>
+
+extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a); /* cuda_attention.cu */
+extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a);
+
+namespace {
+
+/* The accumulation type: f64 for f32 too, as the CPU computes in f64, so that f32 results
+** are the exact result rounded (the first H200 run of the harness found f32 accumulation
+** 1.5x past its f32 tolerance where cancellation leaves a result near 0); f32 for the
+** 16-bit types (their tolerance is far looser), f64 for f64. */
+template <class T> struct wide_acc { typedef typename kc_traits<T>::acc type; };
+template <> struct wide_acc<float> { typedef double type; };
+
+/* A value of a runtime-typed vector (weights, biases, mean, rstd), as A. */
+template <class A> __device__ __forceinline__ A ld_any(const void *p, int dt, int64_t i) {
+  switch (dt) {
+  case KILN_F32: return (A)((const float *)p)[i];
+  case KILN_F64: return (A)((const double *)p)[i];
+  case KILN_F16: return (A)__half2float(((const __half *)p)[i]);
+  case KILN_BF16: return (A)__bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  case KILN_I64: return (A)((const int64_t *)p)[i];
+  case KILN_I32: return (A)((const int32_t *)p)[i];
+  case KILN_U8: return (A)((const uint8_t *)p)[i];
+  case KILN_BOOL: return ((const bool *)p)[i] ? (A)1 : (A)0;
+  default: return (A)0;
+  }
+}
+template <class A> __device__ __forceinline__ void st_any(void *p, int dt, int64_t i, A v) {
+  switch (dt) {
+  case KILN_F32: ((float *)p)[i] = (float)v; break;
+  case KILN_F64: ((double *)p)[i] = (double)v; break;
+  case KILN_F16: ((__half *)p)[i] = __float2half_rn((float)v); break;
+  case KILN_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn((float)v); break;
+  default: break;
+  }
+}
+
+/* A runtime-typed 1-d vector: pointer, dtype, stride. */
+struct Vec {
+  const void *p;
+  int dt;
+  int64_t st;
+};
+static Vec vec_of(const kiln__view *v) {
+  Vec r = {v->data, (int)v->dtype, v->ndim > 0 ? v->strides[0] : 1};
+  return r;
+}
+
+template <class A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+kiln_status dtype_error(const kiln__kargs *a, kiln_dtype dt) {
+  return kiln_set_error(KILN_ERR_DTYPE, "kiln_%s: dtype %s not supported on cuda", kiln__kop_name(a->op),
+                        kiln_dtype_name(dt));
+}
+
+/* ================================================================ layer / RMS norm */
+/* x (R, N) with row stride xs0 and element stride xs1; one warp per row (8 rows per
+** 256-thread block): GPT rows are 768..4096 wide, which a warp streams at full width. */
+struct LnArgs {
+  int64_t R, N;
+  int64_t xs0, xs1, ys0, ys1, gs0, gs1;
+  Vec w, b, mean, rstd, out_mean, out_rstd;
+  bool has_w, has_b, rms;
+  double eps;
+};
+
+template <class T, class A>
+__global__ void __launch_bounds__(KC_THREADS) ln_fwd(const T *x, T *y, LnArgs p) {
+  int64_t r = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (r >= p.R) return;
+  const T *xr = x + r * p.xs0;
+  A mean = 0, var = 0;
+  if (!p.rms) {
+    for (int64_t j = lane; j < p.N; j += 32) mean += kc_ld<T>(xr[j * p.xs1]);
+    mean = warp_sum(mean) / (A)p.N;
+  }
+  for (int64_t j = lane; j < p.N; j += 32) { /* two passes, as the CPU: no cancellation */
+    A d = kc_ld<T>(xr[j * p.xs1]) - mean;
+    var += d * d;
+  }
+  var = warp_sum(var) / (A)p.N;
+  A rstd = (A)1 / sqrt(var + (A)p.eps);
+  T *yr = y + r * p.ys0;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A v = (kc_ld<T>(xr[j * p.xs1]) - mean) * rstd;
+    if (p.has_w) v *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    if (p.has_b) v += ld_any<A>(p.b.p, p.b.dt, j * p.b.st);
+    yr[j * p.ys1] = kc_st<T>(v);
+  }
+  if (lane == 0) {
+    if (p.rms) {
+      st_any<A>((void *)p.out_mean.p, p.out_mean.dt, r * p.out_mean.st, rstd);
+    } else {
+      st_any<A>((void *)p.out_mean.p, p.out_mean.dt, r * p.out_mean.st, mean);
+      st_any<A>((void *)p.out_rstd.p, p.out_rstd.dt, r * p.out_rstd.st, rstd);
+    }
+  }
+}
+
+/* dx = rstd (gw - mean(gw) - xhat mean(gw xhat)), gw = g w (the mean(gw) term absent for
+** RMS norm). One warp per row. */
+template <class T, class A>
+__global__ void __launch_bounds__(KC_THREADS) ln_bwd_dx(const T *x, const T *g, T *dx, LnArgs p) {
+  int64_t r = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (r >= p.R) return;
+  const T *xr = x + r * p.xs0, *gr = g + r * p.gs0;
+  A mean = p.rms ? (A)0 : ld_any<A>(p.mean.p, p.mean.dt, r * p.mean.st);
+  A rstd = ld_any<A>(p.rstd.p, p.rstd.dt, r * p.rstd.st);
+  A sg = 0, sgx = 0;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A xh = (kc_ld<T>(xr[j * p.xs1]) - mean) * rstd;
+    A gw = kc_ld<T>(gr[j * p.gs1]);
+    if (p.has_w) gw *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    sg += gw;
+    sgx += gw * xh;
+  }
+  sg = warp_sum(sg) / (A)p.N;
+  sgx = warp_sum(sgx) / (A)p.N;
+  if (p.rms) sg = 0;
+  T *dr = dx + r * p.ys0;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A xh = (kc_ld<T>(xr[j * p.xs1]) - mean) * rstd;
+    A gw = kc_ld<T>(gr[j * p.gs1]);
+    if (p.has_w) gw *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    dr[j * p.ys1] = kc_st<T>(rstd * (gw - sg - xh * sgx));
+  }
+}
+
+/* Stage 1 of dweight_j = sum_r g_rj xhat_rj and dbias_j = sum_r g_rj: block (32, 8) takes
+** 32 columns and chunk rows [c*chunk, (c+1)*chunk); each thread sums its rows (stride 8)
+** in order, then the 8 partials are added in thread order; part is (2, chunks, N). */
+template <class T, class A>
+__global__ void ln_bwd_wpart(const T *x, const T *g, A *part, int64_t chunk, int64_t chunks, LnArgs p) {
+  __shared__ A sw[8][33], sb[8][33];
+  int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  int64_t c = blockIdx.y;
+  int64_t r0 = c * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  A aw = 0, ab = 0;
+  if (j < p.N) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      A mean = p.rms ? (A)0 : ld_any<A>(p.mean.p, p.mean.dt, r * p.mean.st);
+      A rstd = ld_any<A>(p.rstd.p, p.rstd.dt, r * p.rstd.st);
+      A gv = kc_ld<T>(g[r * p.gs0 + j * p.gs1]);
+      aw += gv * (kc_ld<T>(x[r * p.xs0 + j * p.xs1]) - mean) * rstd;
+      ab += gv;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < p.N) {
+    for (int t = 1; t < 8; t++) aw += sw[t][threadIdx.x], ab += sb[t][threadIdx.x];
+    part[c * p.N + j] = aw;
+    part[(chunks + c) * p.N + j] = ab;
+  }
+}
+
+/* Stage 2: chunk partials summed in chunk order. */
+template <class A>
+__global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Vec db, bool want_w, bool want_b) {
+  int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  A aw = 0, ab = 0;
+  for (int64_t c = 0; c < chunks; c++) aw += part[c * N + j], ab += part[(chunks + c) * N + j];
+  if (want_w) st_any<A>((void *)dw.p, dw.dt, j * dw.st, aw);
+  if (want_b) st_any<A>((void *)db.p, db.dt, j * db.st, ab);
+}
+
+template <class T>
+kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
+  typedef typename wide_acc<T>::type A;
+  bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
+  unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
+  if (!bw) {
+    ln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, p);
+    return kiln__cuda_launched("layer_norm");
+  }
+  const T *x = (const T *)a->in[0].data, *g = (const T *)a->in[1].data;
+  ln_bwd_dx<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(x, g, (T *)a->out[0].data, p);
+  KC_TRY(kiln__cuda_launched("layer_norm_backward"));
+  if (a->n_out < 2) return KILN_OK;
+  /* chunks: enough blocks to fill the device (about 4 per SM), at least 32 rows each */
+  int64_t colb = (p.N + 31) / 32;
+  int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
+  int64_t chunk = (p.R + want - 1) / want;
+  if (chunk < 32) chunk = 32;
+  int64_t chunks = (p.R + chunk - 1) / chunk;
+  if (chunks > 65535) chunks = 65535, chunk = (p.R + chunks - 1) / chunks;
+  size_t bytes = (size_t)(2 * chunks * p.N) * sizeof(A);
+  A *part = (A *)kiln__cuda_alloc(a->device, bytes);
+  if (!part) return kiln_last_error();
+  kiln_status st = kiln__cuda_capture_note(a->device, part, bytes);
+  if (st == KILN_OK) {
+    ln_bwd_wpart<T, A><<<dim3((unsigned)colb, (unsigned)chunks), dim3(32, 8), 0, d->stream>>>(x, g, part, chunk,
+                                                                                            chunks, p);
+    st = kiln__cuda_launched("layer_norm_backward (weight partials)");
+  }
+  if (st == KILN_OK) {
+    Vec dw = vec_of(&a->out[1]), db = a->n_out > 2 ? vec_of(&a->out[2]) : dw;
+    ln_bwd_wsum<A><<<(unsigned)((p.N + 255) / 256), 256, 0, d->stream>>>(part, chunks, p.N, dw, db, true,
+                                                                         a->n_out > 2);
+    st = kiln__cuda_launched("layer_norm_backward (weight sums)");
+  }
+  kiln__cuda_free(a->device, part, bytes); /* stream-ordered reuse */
+  return st;
+}
+
+bool ln_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->in[0].dtype;
+  if (!kc_is_float(dt) || a->in[0].ndim != 2 || a->out[0].ndim != 2 || a->out[0].dtype != dt) return false;
+  if (a->op == KILN__K_LAYER_NORM_BACKWARD && a->in[1].dtype != dt) return false;
+  for (int i = 1; i < a->n_in; i++)
+    if (!kc_is_float(a->in[i].dtype)) return false;
+  for (int i = 1; i < a->n_out; i++)
+    if (!kc_is_float(a->out[i].dtype)) return false;
+  return true;
+}
+
+kiln_status layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
+  const kiln__view *x = &a->in[0], *y = &a->out[0];
+  LnArgs p;
+  p.R = x->shape[0], p.N = x->shape[1];
+  p.xs0 = x->strides[0], p.xs1 = x->strides[1];
+  p.ys0 = y->strides[0], p.ys1 = y->strides[1];
+  p.gs0 = bw ? a->in[1].strides[0] : 0, p.gs1 = bw ? a->in[1].strides[1] : 0;
+  p.rms = a->i[1] == 1;
+  p.eps = a->s[0];
+  p.has_w = (a->i[0] & 1) != 0;
+  p.has_b = !bw && (a->i[0] & 2) != 0;
+  Vec none = {NULL, 0, 0};
+  p.w = p.b = p.mean = p.rstd = p.out_mean = p.out_rstd = none;
+  if (!bw) {
+    if (p.has_w) p.w = vec_of(&a->in[1]);
+    if (p.has_b) p.b = vec_of(&a->in[p.has_w ? 2 : 1]);
+    p.out_mean = vec_of(&a->out[1]);
+    if (!p.rms) p.out_rstd = vec_of(&a->out[2]);
+  } else {
+    p.mean = vec_of(&a->in[2]);
+    p.rstd = vec_of(&a->in[3]);
+    if (p.has_w) p.w = vec_of(&a->in[4]);
+  }
+  if (p.R == 0 || p.N == 0) {
+    for (int k = 1; bw && k < a->n_out; k++) KC_TRY(kiln__cuda_fill_view(a->device, &a->out[k], 0.0));
+    return KILN_OK;
+  }
+  if (p.R > (int64_t)INT32_MAX * 8)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: %lld rows is too many", kiln__kop_name(a->op), (long long)p.R);
+  KC_SWITCH_FLOAT(x->dtype, T, return dtype_error(a, x->dtype), return ln_run<T>(d, a, p))
+  return KILN_OK;
+}
+
+/* ================================================================ lines along one dim */
+/* The start offsets of line L (every index but dim d) in up to 3 views of one shape. */
+struct Lines {
+  int nd, d;
+  int64_t shape[KILN_MAX_DIMS];
+  int64_t st[3][KILN_MAX_DIMS];
+  int64_t n_lines, len;
+};
+static Lines lines_of(const kiln__view *const *v, int nv, int d) {
+  Lines g;
+  g.nd = v[0]->ndim, g.d = d;
+  g.n_lines = 1;
+  for (int k = 0; k < g.nd; k++) {
+    g.shape[k] = v[0]->shape[k];
+    for (int i = 0; i < 3; i++) g.st[i][k] = i < nv ? v[i]->strides[k] : 0;
+    if (k != d) g.n_lines *= g.shape[k];
+  }
+  g.len = g.nd ? v[0]->shape[d] : 1;
+  return g;
+}
+__device__ __forceinline__ void line_base(const Lines &g, int64_t L, int64_t *b) {
+  b[0] = b[1] = b[2] = 0;
+  for (int k = g.nd - 1; k >= 0; k--) {
+    if (k == g.d) continue;
+    int64_t i = L % g.shape[k];
+    L /= g.shape[k];
+    b[0] += i * g.st[0][k], b[1] += i * g.st[1][k], b[2] += i * g.st[2][k];
+  }
+}
+
+/* ---- cumsum: a thread per line, in index order (f64 for floats, i64 for integers) ---- */
+template <class TI, class TO, class S>
+__global__ void cumsum_k(const TI *x, TO *y, Lines g, bool rev) {
+  int64_t L = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (L >= g.n_lines) return;
+  int64_t b[3];
+  line_base(g, L, b);
+  const int64_t sx = g.st[0][g.d], sy = g.st[1][g.d];
+  S s = 0;
+  for (int64_t t = 0; t < g.len; t++) {
+    int64_t j = rev ? g.len - 1 - t : t;
+    s += (S)kc_ld<TI>(x[b[0] + j * sx]);
+    y[b[1] + j * sy] = kc_st<TO>(s);
+  }
+}
+
+kiln_status cumsum(kiln__cuda_dev *d, const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0], *y = &a->out[0];
+  if (dim < 0 || dim >= x->ndim)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_cumsum: dim %d invalid for %d dims", dim, x->ndim);
+  const kiln__view *vs[2] = {x, y};
+  Lines g = lines_of(vs, 2, dim);
+  if (g.n_lines == 0 || g.len == 0) return KILN_OK;
+  unsigned blocks = (unsigned)((g.n_lines + 127) / 128);
+  bool rev = a->i[1] == 1;
+  if (kc_is_float(x->dtype)) {
+    KC_SWITCH_FLOAT(x->dtype, T, return dtype_error(a, x->dtype),
+                    cumsum_k<T, T, double><<<blocks, 128, 0, d->stream>>>((const T *)x->data, (T *)y->data, g, rev))
+  } else {
+    KC_SWITCH_ALL(x->dtype, T, return dtype_error(a, x->dtype),
+                  cumsum_k<T, int64_t, int64_t>
+                  <<<blocks, 128, 0, d->stream>>>((const T *)x->data, (int64_t *)y->data, g, rev))
+  }
+  return kiln__cuda_launched("cumsum");
+}
+
+/* ---- tril / triu: elementwise over out's C order, the element copied as bits ---- */
+template <class U>
+__global__ void tril_k(const U *x, U *y, kc_geom<2, int64_t> g, int64_t n, int64_t diag, bool upper,
+                       int64_t ncol, int64_t nrow) {
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+    int64_t off[2];
+    kc_offsets<2, int64_t>(g, e, off);
+    int64_t j = e % ncol, i = (e / ncol) % nrow;
+    bool keep = upper ? j - i >= diag : j - i <= diag;
+    y[off[1]] = keep ? x[off[0]] : (U)0; /* all-zero bits: 0 in every dtype */
+  }
+}
+
+kiln_status tril(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *y = &a->out[0];
+  if (x->ndim < 2 || x->dtype != y->dtype)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_tril: the kernel wants 2 or more dims and one dtype");
+  int64_t n = kc_numel(x);
+  if (n == 0) return KILN_OK;
+  /* geometry over the full shape (not coalesced: the last two indices are needed) */
+  kc_geom<2, int64_t> g;
+  g.ndim = x->ndim;
+  for (int k = 0; k < KILN_MAX_DIMS; k++) {
+    g.shape[k] = k < x->ndim ? x->shape[k] : 1;
+    g.st[0][k] = k < x->ndim ? x->strides[k] : 0;
+    g.st[1][k] = k < x->ndim ? y->strides[k] : 0;
+  }
+  int64_t ncol = x->shape[x->ndim - 1], nrow = x->shape[x->ndim - 2];
+  int blocks = kc_blocks(n, KC_THREADS, d->sm_count);
+  bool upper = a->i[1] == 1;
+  switch (kc_size(x->dtype)) {
+  case 1: tril_k<uint8_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint8_t *)x->data, (uint8_t *)y->data, g, n, a->i[0], upper, ncol, nrow); break;
+  case 2: tril_k<uint16_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint16_t *)x->data, (uint16_t *)y->data, g, n, a->i[0], upper, ncol, nrow); break;
+  case 4: tril_k<uint32_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint32_t *)x->data, (uint32_t *)y->data, g, n, a->i[0], upper, ncol, nrow); break;
+  case 8: tril_k<uint64_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint64_t *)x->data, (uint64_t *)y->data, g, n, a->i[0], upper, ncol, nrow); break;
+  default: return dtype_error(a, x->dtype);
+  }
+  return kiln__cuda_launched("tril");
+}
+
+/* ---- topk: a block per line, k rounds of a block-wide selection ----
+** The order is total (NaN largest, then value, then the lower index first), so round t
+** needs no record of what was taken: it picks the best element strictly after round
+** t-1's pick. k rounds of len/256 loads each: right for the small k of sampling (top-k
+** over a vocabulary); TOPK_MAX_K bounds it, larger k fall back to the CPU's sort. */
+enum { TOPK_MAX_K = 1024, TOPK_THREADS = 256 };
+
+/* Whether (va, ia) comes before (vb, ib) in the order (largest: descending). */
+__device__ __forceinline__ bool before(double va, int64_t ia, double vb, int64_t ib, bool largest) {
+  bool na = va != va, nb = vb != vb;
+  if (na != nb) return largest ? na : nb;
+  if (!na && va != vb) return largest ? va > vb : va < vb;
+  return ia < ib;
+}
+
+template <class T>
+__global__ void __launch_bounds__(TOPK_THREADS) topk_k(const T *x, T *vals, int64_t *idx, Lines g, int64_t k,
+                                                      bool largest) {
+  __shared__ double sv[TOPK_THREADS];
+  __shared__ int64_t si[TOPK_THREADS];
+  int64_t L = blockIdx.x;
+  int64_t b[3];
+  line_base(g, L, b);
+  const int64_t sx = g.st[0][g.d], so = g.st[1][g.d], sk = g.st[2][g.d];
+  double pv = 0;
+  int64_t pi = -1; /* the previous pick; -1: none yet */
+  for (int64_t t = 0; t < k; t++) {
+    double bv = 0;
+    int64_t bi = -1;
+    for (int64_t j = threadIdx.x; j < g.len; j += TOPK_THREADS) {
+      double v = (double)kc_ld<T>(x[b[0] + j * sx]);
+      if (pi >= 0 && !before(pv, pi, v, j, largest)) continue; /* taken already */
+      if (bi < 0 || before(v, j, bv, bi, largest)) bv = v, bi = j;
+    }
+    sv[threadIdx.x] = bv, si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = TOPK_THREADS / 2; s > 0; s >>= 1) {
+      if (threadIdx.x < s) {
+        int64_t oi = si[threadIdx.x + s];
+        double ov = sv[threadIdx.x + s];
+        if (oi >= 0 && (si[threadIdx.x] < 0 || before(ov, oi, sv[threadIdx.x], si[threadIdx.x], largest)))
+          sv[threadIdx.x] = ov, si[threadIdx.x] = oi;
+      }
+      __syncthreads();
+    }
+    pv = sv[0], pi = si[0];
+    __syncthreads(); /* everyone has read the winner before the next round writes */
+    if (threadIdx.x == 0) {
+      vals[b[1] + t * so] = x[b[0] + pi * sx];
+      idx[b[2] + t * sk] = pi;
+    }
+  }
+}
+
+kiln_status topk(kiln__cuda_dev *d, const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0];
+  if (dim < 0 || dim >= x->ndim || a->i[1] < 0 || a->i[1] > x->shape[dim] || a->out[0].shape[dim] != a->i[1] ||
+      a->out[0].dtype != x->dtype)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_topk: dim %d and k %lld do not fit the views", dim,
+                          (long long)a->i[1]);
+  const kiln__view *vs[3] = {x, &a->out[0], &a->out[1]};
+  Lines g = lines_of(vs, 3, dim);
+  if (g.n_lines == 0 || a->i[1] == 0) return KILN_OK;
+  if (g.n_lines > INT32_MAX) return kiln_set_error(KILN_ERR_SHAPE, "kiln_topk: too many rows");
+  bool largest = (a->i[2] & 1) != 0;
+  KC_SWITCH_ALL(x->dtype, T, return dtype_error(a, x->dtype),
+                topk_k<T><<<(unsigned)g.n_lines, TOPK_THREADS, 0, d->stream>>>(
+                    (const T *)x->data, (T *)a->out[0].data, (int64_t *)a->out[1].data, g, a->i[1], largest))
+  return kiln__cuda_launched("topk");
+}
+
+/* ---- multinomial ---- */
+/* Per row: the first bad class (value not finite or negative) and the count of nonzero
+** weights, for the checks the CPU makes before drawing. */
+struct MnCheck {
+  int64_t bad;  /* first bad class, or -1 */
+  double value; /* its value */
+  int64_t nz;
+};
+
+template <class T>
+__global__ void mn_check(const T *p, int64_t ps0, int64_t ps1, int64_t N, int64_t C, MnCheck *out) {
+  int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= N) return;
+  MnCheck c = {-1, 0, 0};
+  for (int64_t j = 0; j < C; j++) {
+    double v = (double)kc_ld<T>(p[r * ps0 + j * ps1]);
+    if (!(v >= 0) || isinf(v)) {
+      c.bad = j, c.value = v;
+      break;
+    }
+    c.nz += v > 0;
+  }
+  out[r] = c;
+}
+
+/* Sample s of row r, the CPU's mapping exactly (cpu_scan.c): one thread per draw with
+** replacement, one per row without (its draws depend on each other). */
+template <class T>
+__global__ void mn_draw(const T *p, int64_t ps0, int64_t ps1, int64_t *o, int64_t os0, int64_t os1, int64_t N,
+                        int64_t C, int64_t S, bool repl, uint64_t seed, uint64_t offset, int *flag) {
+  int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (repl ? t >= N * S : t >= N) return;
+  int64_t r = repl ? t / S : t;
+  int64_t s0 = repl ? t % S : 0, s1 = repl ? s0 + 1 : S;
+  const T *pr = p + r * ps0;
+  for (int64_t s = s0; s < s1; s++) {
+    double tot = 0;
+    int64_t last = -1;
+    for (int64_t j = 0; j < C; j++) {
+      double w = (double)kc_ld<T>(pr[j * ps1]);
+      if (!repl)
+        for (int64_t q = 0; q < s; q++)
+          if (o[r * os0 + q * os1] == j) w = 0;
+      tot += w;
+      if (w > 0) last = j;
+    }
+    if (!(tot > 0) || last < 0) { /* only reachable in a captured step, where nothing was checked */
+      kc_flag(flag, KILN__K_MULTINOMIAL);
+      o[r * os0 + s * os1] = 0;
+      continue;
+    }
+    uint64_t k = (uint64_t)(r * S + s);
+    kc_u32x4 wd = kc_philox(seed, offset + k / 2);
+    double u = kc_u01_f64(wd.x[2 * (k % 2)], wd.x[2 * (k % 2) + 1]) * tot;
+    double cdf = 0;
+    int64_t pick = last;
+    for (int64_t j = 0; j < C; j++) {
+      double w = (double)kc_ld<T>(pr[j * ps1]);
+      if (!repl)
+        for (int64_t q = 0; q < s; q++)
+          if (o[r * os0 + q * os1] == j) w = 0;
+      cdf += w;
+      if (cdf > u) {
+        pick = j;
+        break;
+      }
+    }
+    o[r * os0 + s * os1] = pick;
+  }
+}
+
+template <class T> kiln_status mn_run(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *p = &a->in[0], *o = &a->out[0];
+  int64_t N = p->shape[0], C = p->shape[1], S = o->shape[1];
+  bool repl = a->i[0] == 1;
+  const T *pp = (const T *)p->data;
+  /* The checks read the data, as the CPU's do: outside a capture the stream is synchronized
+  ** to give the CPU's errors; inside one nothing may synchronize, and a bad row sets the
+  ** device flag instead (reported at the next synchronize). */
+  if (!kiln__cuda_capturing(a->device) && N > 0) {
+    size_t bytes = (size_t)N * sizeof(MnCheck);
+    MnCheck *dc = (MnCheck *)kiln__cuda_alloc(a->device, bytes);
+    if (!dc) return kiln_last_error();
+    mn_check<T><<<(unsigned)((N + 127) / 128), 128, 0, d->stream>>>(pp, p->strides[0], p->strides[1], N, C, dc);
+    kiln_status st = kiln__cuda_launched("multinomial (checks)");
+    std::vector<MnCheck> hc;
+    try {
+      hc.resize((size_t)N);
+    } catch (...) {
+      st = kiln_set_error(KILN_ERR_OOM, "kiln_multinomial: out of host memory for %lld rows", (long long)N);
+    }
+    if (st == KILN_OK)
+      st = kiln__cuda_err(cudaMemcpyAsync(hc.data(), dc, bytes, cudaMemcpyDeviceToHost, d->stream),
+                          "multinomial (checks)");
+    if (st == KILN_OK) st = kiln__cuda_err(cudaStreamSynchronize(d->stream), "multinomial (synchronize)");
+    kiln__cuda_free(a->device, dc, bytes);
+    if (st != KILN_OK) return st;
+    for (int64_t r = 0; r < N; r++) {
+      const MnCheck &c = hc[(size_t)r];
+      if (c.bad >= 0)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                              "kiln_multinomial: probabilities must be finite and non-negative; row %lld "
+                              "class %lld is %g",
+                              (long long)r, (long long)c.bad, c.value);
+      if (c.nz == 0)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_multinomial: row %lld of the probabilities sums to 0",
+                              (long long)r);
+      if (!repl && c.nz < S)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                              "kiln_multinomial: %lld samples without replacement, but row %lld has only %lld "
+                              "classes of nonzero probability",
+                              (long long)S, (long long)r, (long long)c.nz);
+    }
+  }
+  if (N == 0 || S == 0) return KILN_OK;
+  int64_t threads = repl ? N * S : N;
+  mn_draw<T><<<(unsigned)((threads + 127) / 128), 128, 0, d->stream>>>(
+      pp, p->strides[0], p->strides[1], (int64_t *)o->data, o->strides[0], o->strides[1], N, C, S, repl, a->seed,
+      a->offset, d->err_flag);
+  return kiln__cuda_launched("multinomial");
+}
+
+kiln_status multinomial(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *p = &a->in[0], *o = &a->out[0];
+  if (p->ndim != 2 || o->ndim != 2 || o->shape[0] != p->shape[0])
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_multinomial: the kernel wants probabilities (N, C) and out (N, S)");
+  KC_SWITCH_FLOAT(p->dtype, T, return dtype_error(a, p->dtype), return mn_run<T>(d, a))
+  return KILN_OK;
+}
+
+} // namespace
 
 extern "C" bool kiln__cuda_transformer_supports(const kiln__kargs *a) {
-  (void)a;
-  return false;
+  switch (a->op) {
+  case KILN__K_LAYER_NORM:
+  case KILN__K_LAYER_NORM_BACKWARD: return ln_supports(a);
+  case KILN__K_ATTENTION:
+  case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention_supports(a);
+  case KILN__K_CUMSUM: {
+    kiln_dtype di = a->in[0].dtype, dout = a->out[0].dtype;
+    if (kc_is_float(di)) return dout == di;
+    return kc_size(di) > 0 && dout == KILN_I64;
+  }
+  case KILN__K_TRIL: return kc_size(a->in[0].dtype) > 0 && a->out[0].dtype == a->in[0].dtype;
+  case KILN__K_TOPK:
+    return kc_size(a->in[0].dtype) > 0 && a->i[1] <= TOPK_MAX_K && a->n_out == 2 && a->out[1].dtype == KILN_I64;
+  case KILN__K_MULTINOMIAL:
+    return kc_is_float(a->in[0].dtype) && a->out[0].dtype == KILN_I64 && a->in[0].ndim == 2;
+  default: return false;
+  }
 }
 
 extern "C" kiln_status kiln__cuda_transformer(const kiln__kargs *a) {
-  (void)a;
-  return KILN_ERR_UNSUPPORTED;
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_transformer_supports(a))
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: these dtypes or sizes have no cuda kernel",
+                          kiln__kop_name(a->op));
+  switch (a->op) {
+  case KILN__K_LAYER_NORM:
+  case KILN__K_LAYER_NORM_BACKWARD: return layer_norm(d, a);
+  case KILN__K_ATTENTION:
+  case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention(a);
+  case KILN__K_CUMSUM: return cumsum(d, a);
+  case KILN__K_TRIL: return tril(d, a);
+  case KILN__K_TOPK: return topk(d, a);
+  case KILN__K_MULTINOMIAL: return multinomial(d, a);
+  default: return KILN_ERR_UNSUPPORTED;
+  }
 }

@@ -1,0 +1,101 @@
+/*
+** scaled_dot_product_attention on CUDA, forward and forward + backward: kiln's fused
+** kernels (ATTENTION, ATTENTION_BACKWARD: cuda_attention.cu) against the composition a
+** framework without them runs (cuBLAS batched matmul q k^T, scale, causal mask, softmax,
+** matmul with v; autograd's backward through the same ops), at GPT-2's shape by default:
+** B 16, H 12, T 1024, D 64, bf16, causal.
+**
+** FLOPs counted as FlashAttention's papers count them: 4 B H T^2 D for the forward (two
+** products), halved when causal; the backward 2.5 times the forward (five products). The
+** composite gets the same count (it does the masked half too, which is its loss). Prints
+** ms (best of the runs after a warm-up) and TFLOP/s.
+**
+**   bench-attention [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]
+** Runs under KILN_FALLBACK=error: a kernel missing on the GPU is an error, not a CPU time.
+*/
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <kiln.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t B = 16, H = 12, T = 1024, D = 64;
+static kiln_dtype dt = KILN_BF16;
+static bool causal = true;
+static int reps = 10;
+
+static kiln_tensor *composite(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *neg) {
+  kiln_tensor *s = kiln_mul_scalar(kiln_matmul(q, kiln_transpose(k, -1, -2)), 1.0 / sqrt((double)D));
+  if (neg) s = kiln_add(s, neg);
+  return kiln_matmul(kiln_softmax(s, -1), v);
+}
+
+static void die(const char *what) {
+  fprintf(stderr, "bench-attention: %s: %s\n", what, kiln_last_error_message());
+  exit(1);
+}
+
+/* Best ms over reps runs after one warm-up; fused or composite; with backward or not. */
+static double time_ms(bool fused, bool backward) {
+  kiln_device gpu = kiln_device_cuda(0);
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new(1);
+  kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, D), KILN_F32, gpu, g), dt);
+  kiln_tensor *k = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, D), KILN_F32, gpu, g), dt);
+  kiln_tensor *v = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, D), KILN_F32, gpu, g), dt);
+  kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, D), KILN_F32, gpu, g), dt);
+  kiln_generator_free(g);
+  kiln_tensor *neg = NULL;
+  if (causal && !fused) neg = kiln_to_dtype(kiln_triu(kiln_full(KILN_SHAPE(T, T), -INFINITY, KILN_F32, gpu), 1), dt);
+  kiln_tensor *leaves[3] = {q, k, v};
+  if (backward)
+    for (int i = 0; i < 3; i++) kiln_requires_grad_(leaves[i], true);
+  double best = INFINITY;
+  for (int r = 0; r <= reps; r++) {
+    kiln_scope_begin();
+    if (kiln_device_synchronize(gpu) != KILN_OK) die("synchronize");
+    kiln_mark *m0 = kiln_mark_record(gpu);
+    kiln_tensor *y = fused ? kiln_scaled_dot_product_attention(q, k, v, NULL, causal, 0, 0, NULL)
+                           : composite(q, k, v, neg);
+    if (!y) die(fused ? "fused forward" : "composite forward");
+    if (backward) {
+      kiln_tensor *gr[3] = {0};
+      if (kiln_autograd_grad(1, &y, &gy, 3, leaves, gr) != KILN_OK) die("backward");
+    }
+    kiln_mark *m1 = kiln_mark_record(gpu);
+    if (kiln_device_synchronize(gpu) != KILN_OK) die("synchronize");
+    double ms = kiln_mark_elapsed_ms(m0, m1);
+    if (r > 0 && ms < best) best = ms; /* run 0 warms the allocator and loads the modules */
+    kiln_scope_end();
+  }
+  kiln_scope_end();
+  return best;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 4) B = atoll(argv[1]), H = atoll(argv[2]), T = atoll(argv[3]), D = atoll(argv[4]);
+  if (argc > 5) dt = strcmp(argv[5], "f32") == 0 ? KILN_F32 : strcmp(argv[5], "f16") == 0 ? KILN_F16 : KILN_BF16;
+  if (argc > 6) causal = atoi(argv[6]) != 0;
+  if (argc > 7) reps = atoi(argv[7]);
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    printf("bench-attention: no cuda device\n");
+    return 77;
+  }
+  kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+  double fwd_flop = 4.0 * (double)(B * H) * (double)T * (double)T * (double)D * (causal ? 0.5 : 1.0);
+  printf("attention B %lld H %lld T %lld D %lld %s%s, best of %d\n", (long long)B, (long long)H, (long long)T,
+         (long long)D, kiln_dtype_name(dt), causal ? " causal" : "", reps);
+  printf("| path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|\n");
+  static const char *const names[3] = {"kiln fused (cuda_attention.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple",
+                                        "composite (cuBLAS matmul + softmax)"};
+  for (int path = 0; path < 3; path++) {
+    if (path == 1) setenv("KILN_CUDA_ATTENTION", "simple", 1);
+    if (path == 2) unsetenv("KILN_CUDA_ATTENTION");
+    double f = time_ms(path < 2, false), fb = time_ms(path < 2, true);
+    printf("| %s | %.3f | %.1f | %.3f | %.1f |\n", names[path], f, fwd_flop / f / 1e9, fb,
+           3.5 * fwd_flop / fb / 1e9);
+  }
+  return 0;
+}

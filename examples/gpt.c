@@ -29,9 +29,9 @@
 ** Usage: gpt [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]
 **            [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]
 **            [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]
-**            [--quiet] [--logdir DIR]
-**        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]
-**            [--checkpoint PATH] [--device D]
+**            [--quiet] [--logdir DIR] [--checkpoint-activations]
+**        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]
+**            [--greedy] [--seed N] [--checkpoint PATH] [--device D]
 ** --steps is the total: with --resume the run continues from the checkpoint's step up to N,
 ** with the model shape and the lr schedule the checkpoint was made with (the schedule
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
@@ -40,11 +40,16 @@
 ** the evaluations), train_loss and val_loss (the last evaluation), seed, kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
+** --checkpoint-activations makes each transformer block one gradient-checkpointing
+** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
+** backward instead of kept, for memory; the losses are those of the run without it.
 ** --generate loads the checkpoint (its shape from its metadata) and prints the prompt
-** followed by --tokens sampled bytes on stdout. An empty prompt (0 tokens) is refused
-** (exit 2); a prompt longer than the context keeps its last block-size bytes, as nanoGPT's
-** generate crops its input (a note on stderr says so). Each new token runs the model over
-** the whole (cropped) window again: there is no KV cache yet.
+** followed by --tokens sampled bytes on stdout, from kiln_gpt_generate (a KV cache, and a
+** CUDA graph per token on a GPU): logits / --temperature, --top-k, --top-p (nucleus; 1:
+** off), or --greedy (argmax). An empty prompt (0 tokens) is refused (exit 2); a prompt
+** longer than the context keeps its last block-size - 1 bytes (a note on stderr says so),
+** and a continuation past the context goes on in windows that restart from the last
+** half-context of bytes.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <glob.h>
@@ -76,15 +81,16 @@ static void usage(FILE *f) {
           "usage: " PROG " [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]\n"
           "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
           "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
-          "           [--quiet] [--logdir DIR]\n"
-          "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]\n"
-          "           [--checkpoint PATH] [--device D]\n"
+          "           [--quiet] [--logdir DIR] [--checkpoint-activations]\n"
+          "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+          "           [--greedy] [--seed N] [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
           "  python3.X (/usr/share/doc/python3.X/NEWS.gz); 90%% trains, 10%% validates.\n"
           "  Defaults: 600 steps, batch 16, block 64, 4 layers, 4 heads, 64 wide, dropout 0,\n"
           "  AdamW lr 3e-3 (cosine, 60 warmup steps), eval every 100 steps over 20 windows,\n"
           "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
-          "  seed 0. A prompt longer than the context keeps its last block-size bytes.\n");
+          "  top-p 1 (off), seed 0 (KV cache). A prompt longer than the context keeps its last\n"
+          "  block-size - 1 bytes.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
@@ -325,11 +331,12 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
 
 /* ---- sampling ------------------------------------------------------------------------ */
 
-/* Prints prompt followed by n_new sampled bytes. Each byte: the model over the last
-** block_size bytes (no KV cache: the whole window again), the last position's logits /
-** temperature, all but the top_k largest set to -inf (top_k 0: all kept), softmax, one
-** draw from R.gen. */
-static int generate(const char *ckpt, const char *prompt, int64_t n_new, double temperature, int64_t top_k,
+/* Prints prompt followed by n_new sampled bytes, from kiln_gpt_generate (a KV cache; a
+** CUDA graph per token on a GPU). The context holds block_size bytes: a prompt longer
+** than that keeps its last block_size - 1 bytes, and a continuation that would run past
+** the context goes on in windows, each restarting from the last half-context of bytes
+** (the learned positions stop at block_size: there is no sliding cache). */
+static int generate(const char *ckpt, const char *prompt, int64_t n_new, const kiln_sample_opts *so,
                     uint64_t seed, kiln_device dev, bool quiet) {
   size_t plen = strlen(prompt);
   if (plen == 0) {
@@ -340,7 +347,6 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
   if (!read_shape(ckpt, &cfg)) return finish(2);
   kiln_dict_free(R.meta);
   R.meta = NULL;
-  if (top_k > VOCAB) top_k = VOCAB;
   kiln_generator *scratch = R.gen = kiln_generator_new(0); /* takes the checkpoint's RNG state */
   if (!scratch) return fail("making a generator");
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, scratch);
@@ -350,40 +356,40 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
   kiln_generator_seed(R.gen, seed);
   kiln_module_eval(model);
 
+  const int64_t block = cfg.block_size;
+  if (block < 2) {
+    fprintf(stderr, PROG ": the checkpoint's context is %lld byte; sampling needs at least 2\n", (long long)block);
+    return finish(2);
+  }
   int64_t total = (int64_t)plen + n_new;
   int64_t *ids = R.xb = malloc(sizeof *ids * (size_t)total);
   if (!ids) return fail("allocating the sequence");
   for (size_t i = 0; i < plen; i++) ids[i] = (unsigned char)prompt[i];
-  if ((int64_t)plen > cfg.block_size && !quiet)
-    fprintf(stderr, PROG ": the prompt is %zu bytes, longer than the context (%lld): the model sees its last %lld\n",
-            plen, (long long)cfg.block_size, (long long)cfg.block_size);
+  if ((int64_t)plen >= block && !quiet)
+    fprintf(stderr, PROG ": the prompt (%zu bytes) leaves no room in the context (%lld): the model sees its last %lld\n",
+            plen, (long long)block, (long long)(block - 1));
   fwrite(prompt, 1, plen, stdout);
   fflush(stdout);
 
-  bool prev = kiln_set_grad_enabled(false);
   kiln_status st = KILN_OK;
-  for (int64_t n = (int64_t)plen; n < total && st == KILN_OK; n++) {
-    int64_t t = n < cfg.block_size ? n : cfg.block_size;
+  for (int64_t n = (int64_t)plen; n < total && st == KILN_OK;) {
+    int64_t left = total - n;
+    /* the window: as much history as leaves room for the rest, at least half a context */
+    int64_t ctx = n < block - 1 ? n : block - 1;
+    if (ctx + left > block && ctx > block / 2) ctx = n < block / 2 ? n : (block / 2 > 0 ? block / 2 : 1);
+    int64_t chunk = block - ctx < left ? block - ctx : left;
     kiln_scope_begin();
-    kiln_tensor *x = kiln_from_data(ids + n - t, 2, (int64_t[]){1, t}, KILN_I64, dev);
-    kiln_tensor *logits = kiln_module_forward(model, x);                                /* (1, t, V) */
-    kiln_tensor *last = kiln_mul_scalar(kiln_select(logits, 1, t - 1), 1.0 / temperature); /* (1, V) */
-    if (top_k > 0 && top_k < VOCAB) {
-      kiln_tensor *v = kiln_topk(last, top_k, 1, true, true, NULL);  /* (1, k), largest first */
-      kiln_tensor *kth = kiln_narrow(v, 1, top_k - 1, 1);             /* (1, 1) */
-      last = kiln_where(kiln_lt(last, kth), kiln_full_like(last, -INFINITY), last);
-    }
-    kiln_tensor *next = kiln_multinomial(kiln_softmax(last, 1), 1, false, R.gen); /* (1, 1) */
-    int64_t id = -1;
-    st = next ? kiln_to_host(next, &id, sizeof id) : kiln_last_error();
+    kiln_tensor *x = kiln_from_data(ids + n - ctx, 2, (int64_t[]){1, ctx}, KILN_I64, dev);
+    kiln_tensor *out = kiln_gpt_generate(model, x, chunk, so, R.gen); /* (1, ctx + chunk) */
+    st = out ? kiln_to_host(kiln_contiguous(kiln_narrow(out, 1, ctx, chunk)), ids + n, sizeof *ids * (size_t)chunk)
+             : kiln_last_error();
     kiln_scope_end();
     if (st == KILN_OK) {
-      ids[n] = id;
-      putchar((int)id);
+      for (int64_t i = 0; i < chunk; i++) putchar((int)ids[n + i]);
       fflush(stdout);
+      n += chunk;
     }
   }
-  kiln_set_grad_enabled(prev);
   if (st != KILN_OK) {
     putchar('\n');
     return fail("sampling");
@@ -426,8 +432,8 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
 int main(int argc, char **argv) {
   long long steps = 600, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 64;
   long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
-  double lr = 3e-3, dropout = 0.0, temperature = 0.8;
-  bool json = false, quiet = false, resume = false, shape_flag = false;
+  double lr = 3e-3, dropout = 0.0, temperature = 0.8, top_p = 1.0;
+  bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
   const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
@@ -436,6 +442,8 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "--resume")) resume = true;
+    else if (!strcmp(a, "--greedy")) greedy = true;
+    else if (!strcmp(a, "--checkpoint-activations")) ckpt_act = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -454,6 +462,12 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--temperature")) {
       if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 100.0, &temperature))
         return 2;
+    } else if (!strcmp(a, "--top-p")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 1.0, &top_p)) return 2;
+      if (!(top_p > 0)) {
+        fprintf(stderr, PROG ": --top-p needs a number in (0, 1], got '%s'\n", v);
+        return 2;
+      }
     } else if (!strcmp(a, "--dropout")) {
       if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, -1.0, 0.9, &dropout)) return 2;
       if (dropout < 0) {
@@ -490,7 +504,11 @@ int main(int argc, char **argv) {
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
-  if (prompt) return generate(ckpt, prompt, n_tokens, temperature, top_k, (uint64_t)seed, dev, quiet);
+  if (prompt) {
+    kiln_sample_opts so = kiln_sample_opts_default();
+    so.temperature = temperature, so.top_k = top_k, so.top_p = top_p, so.greedy = greedy;
+    return generate(ckpt, prompt, n_tokens, &so, (uint64_t)seed, dev, quiet);
+  }
 
   if (ex_check_output(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
@@ -534,6 +552,10 @@ int main(int argc, char **argv) {
   kiln_manual_seed((uint64_t)seed);
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
   if (!model) return fail("building the model");
+  /* --checkpoint-activations: each block one segment (kiln_checkpoint): its activations
+  ** are recomputed in backward instead of kept */
+  if (ckpt_act && kiln_module_set_checkpoint(kiln_module_child(model, "h"), true) != KILN_OK)
+    return fail("marking the blocks for checkpointing");
   kiln_optim_config oc = kiln_adamw_config(lr);
   oc.beta2 = 0.95, oc.weight_decay = 0.1; /* nanoGPT's */
   kiln_optimizer *opt = R.opt = kiln_optimizer_new_module_decay_split(&oc, model);

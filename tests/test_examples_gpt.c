@@ -4,7 +4,8 @@
 ** and write a checkpoint and event files; a run resumed half-way ends with the same losses
 ** as a straight one (CPU, bit for bit); --generate prints the prompt and exactly N sampled
 ** bytes, the same for the same seed (--greedy: for any seed), past the context too;
-** --checkpoint-activations trains to the same losses; a gzip corpus reads like a plain one; bad input (an
+** --checkpoint-activations trains to the same losses; --tokenizer trains on BPE tokens and
+** the checkpoint samples with that tokenizer; a gzip corpus reads like a plain one; bad input (an
 ** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
 */
 #define _POSIX_C_SOURCE 200809L
@@ -121,6 +122,32 @@ int main(void) {
   r = cr_run(NULL, "gpt", "--generate 'a prompt of more than sixteen bytes' --tokens 5 --top-k 0 --checkpoint a.ckpt --device cpu");
   CR_CHECK(r.status == 0 && strlen(r.out) == 35 + 5 + 1, "long prompt: %d '%s' %s", r.status, r.out, r.err);
   CR_CHECK(strstr(r.err, "the model sees its last 15"), "no note on the cropped prompt: %s", r.err);
+  cr_free(&r);
+
+  /* --tokenizer: BPE tokens (the fixture's 4096-token vocabulary); the checkpoint carries
+  ** the tokenizer, so --generate encodes the prompt and decodes with it */
+  const char *src = getenv("KILN_SOURCE_DIR");
+  if (src) {
+    char args[2048];
+    snprintf(args, sizeof args, "--data news.txt --tokenizer '%s/tests/fixtures/tokenizer' --steps 2 --eval-every 2 "
+             "--checkpoint t.ckpt --json " TINY, src);
+    r = cr_run(NULL, "gpt", args);
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "steps") == 2, "BPE training: %d %s %s", r.status, r.out, r.err);
+    double bl = cr_json_num(r.out, "val_loss");
+    CR_CHECK(bl > 6 && bl < 10, "BPE val loss %g (ln 4096 = 8.3)", bl);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 12 --seed 5 --checkpoint t.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strncmp(r.out, "Fix a crash", 11) && strlen(r.out) > 11 + 12,
+             "BPE generate: %d '%s' %s", r.status, r.out, r.err);
+    char bpe_first[512];
+    snprintf(bpe_first, sizeof bpe_first, "%s", r.out);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 12 --seed 5 --checkpoint t.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strcmp(r.out, bpe_first), "BPE same seed, other text: '%s' vs '%s'", r.out, bpe_first);
+    cr_free(&r);
+  }
+  r = cr_run(NULL, "gpt", "--data news.txt --tokenizer no-such-dir --steps 2 --checkpoint c.ckpt " TINY);
+  CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json"), "missing tokenizer: %d %s", r.status, r.err);
   cr_free(&r);
 
   /* bad input */

@@ -288,9 +288,11 @@ KILN_API void kiln_kv_cache_reset(kiln_kv_cache *cache);
 KILN_API kiln_tensor *kiln_gpt_forward_cached(kiln_module *gpt, kiln_tensor *idx, kiln_kv_cache *cache);
 
 /* Whether kiln_gpt_generate records the per-token step once and replays it
-** (kiln_graph_capture): AUTO does on any device but the CPU (a CUDA graph), ON always
-** (on the CPU a replay calls the step, which then runs the static path: attention over
-** the whole cache under a mask), OFF never. */
+** (kiln_graph_capture): AUTO does on any device but the CPU (a CUDA graph), and when the
+** capture fails (a step op that runs on the CPU fallback cannot be captured) runs the
+** same static step eagerly; ON always, a failed capture being an error (on the CPU a
+** replay calls the step, which then runs the static path: attention over the whole cache
+** under a mask); OFF never (each step attends only the filled prefix). */
 typedef enum kiln_gen_graph { KILN_GEN_GRAPH_AUTO = 0, KILN_GEN_GRAPH_OFF, KILN_GEN_GRAPH_ON } kiln_gen_graph;
 /* How the next token is chosen from logits. May grow at its end: start from
 ** kiln_sample_opts_default(). In order: logits / temperature, then top-k (keep the k

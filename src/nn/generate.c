@@ -360,6 +360,7 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   kiln_kv_cache *cache = kiln_kv_cache_new(gpt, B, M);
   decode_ctx d = {gpt, cache, NULL, NULL, NULL};
   kiln_graph *graph = NULL;
+  bool capture_failed = false;
   /* out lives in the caller's scope (the loop's scopes do not own it) */
   kiln_tensor *out = kiln_zeros(KILN_SHAPE(B, M), KILN_I64, dev), *logits = NULL, *done = NULL;
   kiln_status st = cache && out ? kiln_copy_(kiln_narrow(out, 1, 0, T0), ids) : kiln_last_error();
@@ -402,11 +403,16 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
       kiln_tensor *next = NULL;
       if (use_graph) {
         st = kiln_copy_(d.tok, kiln_unsqueeze(tok, 1));
-        if (st == KILN_OK && !graph) { /* first step eager (warms the memory cache), then capture */
+        if (st == KILN_OK && !graph && !capture_failed) { /* first step eager (warms the memory cache), then capture */
           st = decode_step(&d);
-          if (st == KILN_OK && !(graph = kiln_graph_capture(dev, decode_step, &d))) st = kiln_last_error();
+          if (st == KILN_OK && !(graph = kiln_graph_capture(dev, decode_step, &d))) {
+            /* AUTO: a step that cannot be captured (an op on the CPU fallback reads the
+            ** device) runs eagerly instead; a failed capture ran nothing */
+            if (opts->graph == KILN_GEN_GRAPH_AUTO) capture_failed = true, kiln_clear_error();
+            else st = kiln_last_error();
+          }
         } else if (st == KILN_OK) {
-          st = kiln_graph_replay(graph);
+          st = graph ? kiln_graph_replay(graph) : decode_step(&d);
         }
         next = d.logits;
       } else {

@@ -21,7 +21,8 @@
 **                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint]
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
-**                   [--peak-tflops X] [--json]
+**                   [--peak-tflops X] [--json] [--profile]
+** --profile prints kiln's op table (kiln_profiler) for the training steps after the first.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
 ** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
 ** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
@@ -58,7 +59,7 @@ typedef struct opts {
   kiln_device dev;
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
-  bool checkpoint, train, generate, peer, json;
+  bool checkpoint, train, generate, peer, json, profile;
   int64_t gen_batches[8];
   int n_gen_batches;
   const char *peer_path, *python;
@@ -127,8 +128,11 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
   r->params = kiln_module_num_params(m);
   double *times = calloc((size_t)o->steps, sizeof *times);
   kiln_memory_reset_peak(o->dev);
+  bool profiling = false;
   for (int64_t s = 0; s < o->steps && st == KILN_OK; s++) {
     kiln_device_synchronize(o->dev);
+    if (o->profile && s == 1 && !profiling) /* after the first step (allocations, warm-up) */
+      profiling = kiln_profiler_start(NULL) == KILN_OK;
     double t0 = now();
     kiln_scope_begin();
     if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);
@@ -144,6 +148,7 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
     kiln_device_synchronize(o->dev);
     times[s] = now() - t0;
   }
+  if (profiling) kiln_profiler_stop(stdout);
   if (st == KILN_OK) {
     int64_t skip = o->steps > 4 ? 3 : 0;
     qsort(times + skip, (size_t)(o->steps - skip), sizeof *times, cmp_double);
@@ -222,7 +227,7 @@ static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
              "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--peer PATH] [--python PY]\n"
-             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json]\n");
+             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile]\n");
 }
 
 int main(int argc, char **argv) {
@@ -258,6 +263,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--generate")) o.generate = true;
     else if (!strcmp(a, "--no-peer")) o.peer = false;
     else if (!strcmp(a, "--json")) o.json = true;
+    else if (!strcmp(a, "--profile")) o.profile = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;

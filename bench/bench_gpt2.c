@@ -178,8 +178,10 @@ static void print_train(const opts *o, const char *name, const train_result *k, 
   printf("  loss %.3f\n", k->loss);
   if (peer_line && peer_line[0]) {
     double pt = json_num(peer_line, "tokens_per_s"), pm = json_num(peer_line, "peak_gib");
-    printf("%-22s torch %10.0f tokens/s  %8.2f ms/step  peak %6.2f GiB  %6.1f TFLOP/s", "", pt,
-           json_num(peer_line, "ms_per_step"), pm, pt * fpt / 1e12);
+    printf("%-22s torch %10.0f tokens/s  %8.2f ms/step  peak ", "", pt, json_num(peer_line, "ms_per_step"));
+    if (isnan(pm)) printf("     - GiB"); /* the peer reports CUDA memory only */
+    else printf("%6.2f GiB", pm);
+    printf("  %6.1f TFLOP/s", pt * fpt / 1e12);
     if (o->peak_tflops > 0) printf("  MFU %.1f%%", 100 * pt * fpt / (o->peak_tflops * 1e12));
     printf("\n%-22s kiln / torch: %.2fx tokens/s", "", k->tokens_per_s / pt);
     if (!isnan(pm) && pm > 0) printf(", %.2fx peak memory", k->peak_gib / pm);

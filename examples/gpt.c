@@ -29,9 +29,9 @@
 ** Usage: gpt [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]
 **            [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]
 **            [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]
-**            [--quiet] [--logdir DIR]
-**        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]
-**            [--checkpoint PATH] [--device D]
+**            [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]
+**        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]
+**            [--greedy] [--seed N] [--checkpoint PATH] [--device D]
 ** --steps is the total: with --resume the run continues from the checkpoint's step up to N,
 ** with the model shape and the lr schedule the checkpoint was made with (the schedule
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
@@ -40,11 +40,22 @@
 ** the evaluations), train_loss and val_loss (the last evaluation), seed, kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
+** --tokenizer DIR trains on GPT-2 byte-level BPE tokens instead of bytes: DIR holds
+** vocab.json and merges.txt (tests/fixtures/tokenizer has one of 4096 tokens trained
+** locally with `tokenizers` on this same changelog: scripts/make_tokenizer_fixtures.py);
+** the model's vocabulary is the tokenizer's, and both files are stored in the checkpoint's
+** metadata, so --generate and --resume encode and decode with the tokenizer the model
+** was trained with. --block then counts tokens.
+** --checkpoint-activations makes each transformer block one gradient-checkpointing
+** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
+** backward instead of kept, for memory; the losses are those of the run without it.
 ** --generate loads the checkpoint (its shape from its metadata) and prints the prompt
-** followed by --tokens sampled bytes on stdout. An empty prompt (0 tokens) is refused
-** (exit 2); a prompt longer than the context keeps its last block-size bytes, as nanoGPT's
-** generate crops its input (a note on stderr says so). Each new token runs the model over
-** the whole (cropped) window again: there is no KV cache yet.
+** followed by --tokens sampled bytes on stdout, from kiln_gpt_generate (a KV cache, and a
+** CUDA graph per token on a GPU): logits / --temperature, --top-k, --top-p (nucleus; 1:
+** off), or --greedy (argmax). An empty prompt (0 tokens) is refused (exit 2); a prompt
+** longer than the context keeps its last block-size - 1 bytes (a note on stderr says so),
+** and a continuation past the context goes on in windows that restart from the last
+** half-context of bytes.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <glob.h>
@@ -54,6 +65,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <kiln.h>
@@ -61,6 +73,7 @@
 #include <kiln_io.h>
 #include <kiln_nn.h>
 #include <kiln_optim.h>
+#include <kiln_text.h>
 
 #include "common/launch.h"
 #include "common/output.h"
@@ -68,7 +81,7 @@
 #include "common/progress.h"
 
 #define PROG "gpt"
-#define VOCAB 256
+#define VOCAB 256 /* byte level; --tokenizer: the BPE vocabulary's size */
 #define MAX_PARAMS 256
 
 static void usage(FILE *f) {
@@ -76,21 +89,27 @@ static void usage(FILE *f) {
           "usage: " PROG " [--data PATH] [--steps N] [--batch N] [--block N] [--n-layer N] [--n-head N]\n"
           "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
           "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
-          "           [--quiet] [--logdir DIR]\n"
-          "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--seed N]\n"
-          "           [--checkpoint PATH] [--device D]\n"
+          "           [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]\n"
+          "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+          "           [--greedy] [--seed N] [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
           "  python3.X (/usr/share/doc/python3.X/NEWS.gz); 90%% trains, 10%% validates.\n"
           "  Defaults: 600 steps, batch 16, block 64, 4 layers, 4 heads, 64 wide, dropout 0,\n"
           "  AdamW lr 3e-3 (cosine, 60 warmup steps), eval every 100 steps over 20 windows,\n"
           "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
-          "  seed 0. A prompt longer than the context keeps its last block-size bytes.\n");
+          "  top-p 1 (off), seed 0 (KV cache). A prompt longer than the context keeps its last\n"
+          "  block-size - 1 bytes.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
 ** too). NULL members are skipped: every free function takes NULL. */
+static int64_t vocab = VOCAB; /* the model's vocabulary: 256 bytes, or the tokenizer's */
+
 static struct {
   unsigned char *text;
+  int32_t *tok;             /* the corpus as token ids (bytes, or BPE ids) */
+  kiln_tokenizer *bpe;      /* --tokenizer, or the one a checkpoint carries */
+  char *bpe_vocab, *bpe_merges; /* its two files' text, stored in checkpoints */
   int64_t *xb, *yb; /* one batch of windows on the host */
   kiln_module *model;
   kiln_optimizer *opt;
@@ -102,6 +121,10 @@ static struct {
 
 static void release(void) {
   free(R.text);
+  free(R.tok);
+  kiln_tokenizer_free(R.bpe);
+  free(R.bpe_vocab);
+  free(R.bpe_merges);
   free(R.xb);
   free(R.yb);
   kiln_scheduler_free(R.sched);
@@ -226,11 +249,90 @@ static bool load_corpus(const char *path, int64_t *n_out) {
   return true;
 }
 
+/* ---- the BPE tokenizer (--tokenizer) ------------------------------------------------ */
+
+/* The tokenizer from the text of its vocab.json and merges.txt (as a checkpoint stores
+** them): written to two temporary files for kiln_tokenizer_load, which reads paths. Keeps
+** the texts in R.bpe_vocab / R.bpe_merges (for the next checkpoint). Prints why on failure. */
+static bool load_bpe_text(const char *vocab_json, const char *merges_txt) {
+  const char *dir = getenv("TMPDIR");
+  char pv[1024], pm[1024];
+  snprintf(pv, sizeof pv, "%s/gpt-vocab-XXXXXX", dir && *dir ? dir : "/tmp");
+  snprintf(pm, sizeof pm, "%s/gpt-merges-XXXXXX", dir && *dir ? dir : "/tmp");
+  int fv = mkstemp(pv), fm = fv >= 0 ? mkstemp(pm) : -1;
+  bool ok = fv >= 0 && fm >= 0;
+  size_t lv = strlen(vocab_json), lm = strlen(merges_txt);
+  if (ok) ok = write(fv, vocab_json, lv) == (ssize_t)lv && write(fm, merges_txt, lm) == (ssize_t)lm;
+  if (fv >= 0) close(fv);
+  if (fm >= 0) close(fm);
+  if (ok) {
+    kiln_tokenizer_free(R.bpe);
+    R.bpe = kiln_tokenizer_load(pv, pm);
+  }
+  if (fv >= 0) unlink(pv);
+  if (fm >= 0) unlink(pm);
+  if (!ok) {
+    fprintf(stderr, PROG ": cannot write the tokenizer to temporary files in %s\n", dir && *dir ? dir : "/tmp");
+    return false;
+  }
+  if (!R.bpe) {
+    fprintf(stderr, PROG ": the tokenizer: %s\n", kiln_last_error_message());
+    return false;
+  }
+  if (vocab_json != R.bpe_vocab) {
+    free(R.bpe_vocab);
+    free(R.bpe_merges);
+    R.bpe_vocab = strdup(vocab_json);
+    R.bpe_merges = strdup(merges_txt);
+    if (!R.bpe_vocab || !R.bpe_merges) {
+      fprintf(stderr, PROG ": out of memory keeping the tokenizer\n");
+      return false;
+    }
+  }
+  return true;
+}
+
+/* A whole file as a NUL-terminated string (NULL when it cannot be read). */
+static char *read_text_file(const char *path) {
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return NULL;
+  unsigned char *buf = NULL;
+  size_t len = 0, cap = 0;
+  bool ok = read_all(fd, &buf, &len, &cap);
+  close(fd);
+  if (!ok || memchr(buf, 0, len)) { /* a NUL could not travel in the checkpoint's metadata */
+    free(buf);
+    return NULL;
+  }
+  buf[len] = 0; /* read_all leaves room: at least 64 KiB free after a read */
+  return (char *)buf;
+}
+
+/* --tokenizer DIR: DIR/vocab.json and DIR/merges.txt (GPT-2's pair, as
+** scripts/make_tokenizer_fixtures.py writes for tests/fixtures/tokenizer). */
+static bool load_bpe_dir(const char *dir) {
+  char pv[1024], pm[1024];
+  snprintf(pv, sizeof pv, "%s/vocab.json", dir);
+  snprintf(pm, sizeof pm, "%s/merges.txt", dir);
+  char *v = read_text_file(pv), *m = v ? read_text_file(pm) : NULL;
+  if (!v || !m) {
+    fprintf(stderr, PROG ": --tokenizer '%s': cannot read %s (the directory needs vocab.json and merges.txt)\n", dir,
+            v ? pm : pv);
+    free(v);
+    free(m);
+    return false;
+  }
+  free(R.bpe_vocab);
+  free(R.bpe_merges);
+  R.bpe_vocab = v, R.bpe_merges = m;
+  return load_bpe_text(v, m);
+}
+
 /* ---- batches and losses -------------------------------------------------------------- */
 
 /* batch windows of block bytes from text[lo, hi) into R.xb (inputs) and R.yb (the next
 ** bytes), starts uniform from gen; then (B, T) i64 tensors on dev in the caller's scope. */
-static kiln_status get_batch(const unsigned char *text, int64_t lo, int64_t hi, int64_t batch, int64_t block,
+static kiln_status get_batch(const int32_t *text, int64_t lo, int64_t hi, int64_t batch, int64_t block,
                              kiln_generator *gen, kiln_device dev, kiln_tensor **x, kiln_tensor **y) {
   for (int64_t b = 0; b < batch; b++) {
     int64_t s = lo + (int64_t)kiln_generator_below(gen, (uint64_t)(hi - lo - block));
@@ -248,14 +350,14 @@ static kiln_status get_batch(const unsigned char *text, int64_t lo, int64_t hi, 
 static kiln_tensor *lm_loss(kiln_module *model, kiln_tensor *x, kiln_tensor *y) {
   kiln_tensor *logits = kiln_module_forward(model, x); /* (B, T, V) */
   int64_t n = kiln_numel(y);
-  return kiln_cross_entropy(kiln_reshape(logits, 2, (int64_t[]){n, VOCAB}), kiln_reshape(y, 1, &n),
+  return kiln_cross_entropy(kiln_reshape(logits, 2, (int64_t[]){n, vocab}), kiln_reshape(y, 1, &n),
                             KILN_REDUCTION_MEAN, -100, 0.0);
 }
 
 /* The loss over iters fixed windows of text[lo, hi): the generator restarts from the same
 ** seed each time, so every evaluation sees the same windows and the numbers compare. Eval
 ** mode (no dropout), no graph. NAN on error. */
-static double estimate_loss(kiln_module *model, const unsigned char *text, int64_t lo, int64_t hi, int64_t iters,
+static double estimate_loss(kiln_module *model, const int32_t *text, int64_t lo, int64_t hi, int64_t iters,
                             int64_t batch, int64_t block, uint64_t seed, kiln_device dev) {
   kiln_generator_seed(R.gen, seed);
   bool prev = kiln_set_grad_enabled(false);
@@ -304,20 +406,30 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
     fprintf(stderr, PROG ": reading '%s': %s\n", path, kiln_last_error_message());
     return false;
   }
-  int64_t vocab = 0, bias = 1;
+  int64_t n_vocab = 0, bias = 1;
   const char *dr = kiln_dict_get_meta(R.meta, "extra.dropout");
   if (!meta_int(R.meta, "extra.n_layer", &cfg->n_layer) || !meta_int(R.meta, "extra.n_head", &cfg->n_head) ||
       !meta_int(R.meta, "extra.n_embd", &cfg->n_embd) || !meta_int(R.meta, "extra.block_size", &cfg->block_size) ||
-      !meta_int(R.meta, "extra.vocab_size", &vocab) || !meta_int(R.meta, "extra.bias", &bias) || !dr) {
+      !meta_int(R.meta, "extra.vocab_size", &n_vocab) || !meta_int(R.meta, "extra.bias", &bias) || !dr) {
     fprintf(stderr, PROG ": '%s' is not a checkpoint of " PROG " (no model shape in its metadata)\n", path);
     return false;
   }
-  if (vocab != VOCAB) {
-    fprintf(stderr, PROG ": '%s' has a vocabulary of %lld; this program is byte-level (%d)\n", path,
-            (long long)vocab, VOCAB);
+  const char *tv = kiln_dict_get_meta(R.meta, "extra.tokenizer_vocab");
+  const char *tm = kiln_dict_get_meta(R.meta, "extra.tokenizer_merges");
+  if (tv && tm) { /* a BPE model: its tokenizer travels in the checkpoint */
+    if (!load_bpe_text(tv, tm)) return false;
+    if (n_vocab != kiln_tokenizer_vocab_size(R.bpe)) {
+      fprintf(stderr, PROG ": '%s' has a vocabulary of %lld but its tokenizer %lld\n", path, (long long)n_vocab,
+              (long long)kiln_tokenizer_vocab_size(R.bpe));
+      return false;
+    }
+  } else if (n_vocab != VOCAB) {
+    fprintf(stderr, PROG ": '%s' has a vocabulary of %lld and no tokenizer; byte level is %d\n", path,
+            (long long)n_vocab, VOCAB);
     return false;
   }
-  cfg->vocab_size = VOCAB;
+  vocab = n_vocab;
+  cfg->vocab_size = n_vocab;
   cfg->dropout = strtod(dr, NULL);
   cfg->bias = bias != 0;
   return true;
@@ -325,11 +437,32 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
 
 /* ---- sampling ------------------------------------------------------------------------ */
 
-/* Prints prompt followed by n_new sampled bytes. Each byte: the model over the last
-** block_size bytes (no KV cache: the whole window again), the last position's logits /
-** temperature, all but the top_k largest set to -inf (top_k 0: all kept), softmax, one
-** draw from R.gen. */
-static int generate(const char *ckpt, const char *prompt, int64_t n_new, double temperature, int64_t top_k,
+/* Writes n tokens to stdout: bytes, or decoded by the BPE tokenizer. */
+static kiln_status put_tokens(const int64_t *ids, int64_t n) {
+  if (!R.bpe) {
+    for (int64_t i = 0; i < n; i++) putchar((int)ids[i]);
+  } else {
+    int32_t *t = malloc(sizeof *t * (size_t)(n ? n : 1));
+    if (!t) return kiln_set_error(KILN_ERR_OOM, "out of host memory");
+    for (int64_t i = 0; i < n; i++) t[i] = (int32_t)ids[i];
+    char *text = NULL;
+    size_t len = 0;
+    kiln_status st = kiln_tokenizer_decode(R.bpe, t, n, &text, &len);
+    free(t);
+    if (st != KILN_OK) return st;
+    fwrite(text, 1, len, stdout);
+    kiln_tokenizer_buffer_free(text);
+  }
+  fflush(stdout);
+  return KILN_OK;
+}
+
+/* Prints prompt followed by n_new sampled tokens (bytes, or BPE tokens decoded), from kiln_gpt_generate (a KV cache; a
+** CUDA graph per token on a GPU). The context holds block_size bytes: a prompt longer
+** than that keeps its last block_size - 1 bytes, and a continuation that would run past
+** the context goes on in windows, each restarting from the last half-context of bytes
+** (the learned positions stop at block_size: there is no sliding cache). */
+static int generate(const char *ckpt, const char *prompt, int64_t n_new, const kiln_sample_opts *so,
                     uint64_t seed, kiln_device dev, bool quiet) {
   size_t plen = strlen(prompt);
   if (plen == 0) {
@@ -340,7 +473,6 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
   if (!read_shape(ckpt, &cfg)) return finish(2);
   kiln_dict_free(R.meta);
   R.meta = NULL;
-  if (top_k > VOCAB) top_k = VOCAB;
   kiln_generator *scratch = R.gen = kiln_generator_new(0); /* takes the checkpoint's RNG state */
   if (!scratch) return fail("making a generator");
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, scratch);
@@ -350,40 +482,48 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, double 
   kiln_generator_seed(R.gen, seed);
   kiln_module_eval(model);
 
-  int64_t total = (int64_t)plen + n_new;
+  const int64_t block = cfg.block_size;
+  if (block < 2) {
+    fprintf(stderr, PROG ": the checkpoint's context is %lld byte; sampling needs at least 2\n", (long long)block);
+    return finish(2);
+  }
+  /* the prompt's tokens: its bytes, or the checkpoint's BPE ids */
+  int32_t *enc = NULL;
+  int64_t n_prompt = (int64_t)plen;
+  if (R.bpe && kiln_tokenizer_encode(R.bpe, prompt, plen, &enc, &n_prompt) != KILN_OK)
+    return fail("encoding the prompt");
+  int64_t total = n_prompt + n_new;
   int64_t *ids = R.xb = malloc(sizeof *ids * (size_t)total);
-  if (!ids) return fail("allocating the sequence");
-  for (size_t i = 0; i < plen; i++) ids[i] = (unsigned char)prompt[i];
-  if ((int64_t)plen > cfg.block_size && !quiet)
-    fprintf(stderr, PROG ": the prompt is %zu bytes, longer than the context (%lld): the model sees its last %lld\n",
-            plen, (long long)cfg.block_size, (long long)cfg.block_size);
+  if (!ids) {
+    kiln_tokenizer_buffer_free(enc);
+    return fail("allocating the sequence");
+  }
+  for (int64_t i = 0; i < n_prompt; i++) ids[i] = enc ? enc[i] : (unsigned char)prompt[i];
+  kiln_tokenizer_buffer_free(enc);
+  if (n_prompt >= block && !quiet)
+    fprintf(stderr, PROG ": the prompt (%lld %s) leaves no room in the context (%lld): the model sees its last %lld\n",
+            (long long)n_prompt, R.bpe ? "tokens" : "bytes", (long long)block, (long long)(block - 1));
   fwrite(prompt, 1, plen, stdout);
   fflush(stdout);
 
-  bool prev = kiln_set_grad_enabled(false);
   kiln_status st = KILN_OK;
-  for (int64_t n = (int64_t)plen; n < total && st == KILN_OK; n++) {
-    int64_t t = n < cfg.block_size ? n : cfg.block_size;
+  for (int64_t n = n_prompt; n < total && st == KILN_OK;) {
+    int64_t left = total - n;
+    /* the window: as much history as leaves room for the rest, at least half a context */
+    int64_t ctx = n < block - 1 ? n : block - 1;
+    if (ctx + left > block && ctx > block / 2) ctx = n < block / 2 ? n : (block / 2 > 0 ? block / 2 : 1);
+    int64_t chunk = block - ctx < left ? block - ctx : left;
     kiln_scope_begin();
-    kiln_tensor *x = kiln_from_data(ids + n - t, 2, (int64_t[]){1, t}, KILN_I64, dev);
-    kiln_tensor *logits = kiln_module_forward(model, x);                                /* (1, t, V) */
-    kiln_tensor *last = kiln_mul_scalar(kiln_select(logits, 1, t - 1), 1.0 / temperature); /* (1, V) */
-    if (top_k > 0 && top_k < VOCAB) {
-      kiln_tensor *v = kiln_topk(last, top_k, 1, true, true, NULL);  /* (1, k), largest first */
-      kiln_tensor *kth = kiln_narrow(v, 1, top_k - 1, 1);             /* (1, 1) */
-      last = kiln_where(kiln_lt(last, kth), kiln_full_like(last, -INFINITY), last);
-    }
-    kiln_tensor *next = kiln_multinomial(kiln_softmax(last, 1), 1, false, R.gen); /* (1, 1) */
-    int64_t id = -1;
-    st = next ? kiln_to_host(next, &id, sizeof id) : kiln_last_error();
+    kiln_tensor *x = kiln_from_data(ids + n - ctx, 2, (int64_t[]){1, ctx}, KILN_I64, dev);
+    kiln_tensor *out = kiln_gpt_generate(model, x, chunk, so, R.gen); /* (1, ctx + chunk) */
+    st = out ? kiln_to_host(kiln_contiguous(kiln_narrow(out, 1, ctx, chunk)), ids + n, sizeof *ids * (size_t)chunk)
+             : kiln_last_error();
     kiln_scope_end();
     if (st == KILN_OK) {
-      ids[n] = id;
-      putchar((int)id);
-      fflush(stdout);
+      st = put_tokens(ids + n, chunk); /* byte-level BPE: concatenated pieces decode alike */
+      n += chunk;
     }
   }
-  kiln_set_grad_enabled(prev);
   if (st != KILN_OK) {
     putchar('\n');
     return fail("sampling");
@@ -405,7 +545,7 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
     const char *k;
     long long v;
   } ints[] = {{"n_layer", cfg->n_layer},       {"n_head", cfg->n_head}, {"n_embd", cfg->n_embd},
-              {"block_size", cfg->block_size}, {"vocab_size", VOCAB},   {"bias", cfg->bias}};
+              {"block_size", cfg->block_size}, {"vocab_size", vocab},   {"bias", cfg->bias}};
   kiln_status st = KILN_OK;
   for (size_t i = 0; i < sizeof ints / sizeof ints[0] && st == KILN_OK; i++) {
     snprintf(buf, sizeof buf, "%lld", ints[i].v);
@@ -418,6 +558,8 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
   snprintf(buf, sizeof buf, "%.17g", val_loss);
   if (st == KILN_OK) st = kiln_dict_set_meta(extra, "val_loss", buf);
   if (st == KILN_OK) st = kiln_dict_set_meta(extra, "corpus", corpus);
+  if (st == KILN_OK && R.bpe_vocab) st = kiln_dict_set_meta(extra, "tokenizer_vocab", R.bpe_vocab);
+  if (st == KILN_OK && R.bpe_merges) st = kiln_dict_set_meta(extra, "tokenizer_merges", R.bpe_merges);
   if (st == KILN_OK) st = kiln_checkpoint_save(ckpt, R.model, R.opt, R.sched, NULL, 0, step, extra);
   kiln_dict_free(extra);
   return st;
@@ -426,9 +568,9 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
 int main(int argc, char **argv) {
   long long steps = 600, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 64;
   long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
-  double lr = 3e-3, dropout = 0.0, temperature = 0.8;
-  bool json = false, quiet = false, resume = false, shape_flag = false;
-  const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL;
+  double lr = 3e-3, dropout = 0.0, temperature = 0.8, top_p = 1.0;
+  bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
+  const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
@@ -436,6 +578,8 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "--resume")) resume = true;
+    else if (!strcmp(a, "--greedy")) greedy = true;
+    else if (!strcmp(a, "--checkpoint-activations")) ckpt_act = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -447,6 +591,8 @@ int main(int argc, char **argv) {
       if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--checkpoint")) {
       if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
+    } else if (!strcmp(a, "--tokenizer")) {
+      if (!(tokenizer = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--generate")) {
       if (!(prompt = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--lr")) {
@@ -454,6 +600,12 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--temperature")) {
       if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 100.0, &temperature))
         return 2;
+    } else if (!strcmp(a, "--top-p")) {
+      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 1.0, &top_p)) return 2;
+      if (!(top_p > 0)) {
+        fprintf(stderr, PROG ": --top-p needs a number in (0, 1], got '%s'\n", v);
+        return 2;
+      }
     } else if (!strcmp(a, "--dropout")) {
       if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, -1.0, 0.9, &dropout)) return 2;
       if (dropout < 0) {
@@ -490,14 +642,26 @@ int main(int argc, char **argv) {
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
-  if (prompt) return generate(ckpt, prompt, n_tokens, temperature, top_k, (uint64_t)seed, dev, quiet);
+  if (prompt && tokenizer)
+    fprintf(stderr, PROG ": note: --generate decodes with the checkpoint's own tokenizer; --tokenizer is ignored\n");
+  if (prompt) {
+    kiln_sample_opts so = kiln_sample_opts_default();
+    so.temperature = temperature, so.top_k = top_k, so.top_p = top_p, so.greedy = greedy;
+    return generate(ckpt, prompt, n_tokens, &so, (uint64_t)seed, dev, quiet);
+  }
 
   if (ex_check_output(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
   kiln_gpt_config cfg = kiln_gpt2_config();
   cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block;
   cfg.vocab_size = VOCAB, cfg.dropout = dropout, cfg.bias = true;
+  if (tokenizer && !resume) {
+    if (!load_bpe_dir(tokenizer)) return finish(2);
+    cfg.vocab_size = vocab = kiln_tokenizer_vocab_size(R.bpe);
+  }
   if (resume) {
+    if (tokenizer)
+      fprintf(stderr, PROG ": note: --resume uses the checkpoint's own tokenizer; --tokenizer is ignored\n");
     if (!read_shape(ckpt, &cfg)) return finish(2);
     if (shape_flag)
       fprintf(stderr, PROG ": note: --resume trains the checkpoint's model (%lld layers, %lld heads, %lld wide, "
@@ -518,10 +682,23 @@ int main(int argc, char **argv) {
   }
   int64_t n_text = 0;
   if (!load_corpus(corpus, &n_text)) return finish(1);
+  /* the corpus as tokens: one per byte, or the BPE's ids (n_text then counts tokens) */
+  if (R.bpe) {
+    int64_t n_bytes = n_text;
+    if (kiln_tokenizer_encode(R.bpe, (const char *)R.text, (size_t)n_text, &R.tok, &n_text) != KILN_OK)
+      return fail("encoding the corpus");
+    if (!quiet)
+      printf("tokenizer: BPE, vocabulary %lld: %lld bytes -> %lld tokens\n", (long long)vocab, (long long)n_bytes,
+             (long long)n_text);
+  } else {
+    R.tok = malloc(sizeof *R.tok * (size_t)(n_text ? n_text : 1));
+    if (!R.tok) return fail("allocating the tokens");
+    for (int64_t i = 0; i < n_text; i++) R.tok[i] = R.text[i];
+  }
   /* 90% trains, 10% validates; each split must hold a window and its next byte */
   int64_t split = n_text * 9 / 10;
   if (split - block < 1 || n_text - split - block < 1) {
-    fprintf(stderr, PROG ": --data '%s' has %lld bytes: too short for windows of %lld bytes in a 90/10 split "
+    fprintf(stderr, PROG ": --data '%s' has %lld tokens: too short for windows of %lld bytes in a 90/10 split "
                     "(it needs more than %lld)\n",
             corpus, (long long)n_text, block, (long long)(block + 1) * 10);
     return finish(1);
@@ -534,6 +711,10 @@ int main(int argc, char **argv) {
   kiln_manual_seed((uint64_t)seed);
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
   if (!model) return fail("building the model");
+  /* --checkpoint-activations: each block one segment (kiln_checkpoint): its activations
+  ** are recomputed in backward instead of kept */
+  if (ckpt_act && kiln_module_set_checkpoint(kiln_module_child(model, "h"), true) != KILN_OK)
+    return fail("marking the blocks for checkpointing");
   kiln_optim_config oc = kiln_adamw_config(lr);
   oc.beta2 = 0.95, oc.weight_decay = 0.1; /* nanoGPT's */
   kiln_optimizer *opt = R.opt = kiln_optimizer_new_module_decay_split(&oc, model);
@@ -569,8 +750,9 @@ int main(int argc, char **argv) {
     char pb[32];
     printf("device: %s\ncorpus: %s, %lld bytes (train %lld, val %lld)\n", dname, corpus, (long long)n_text,
            (long long)split, (long long)(n_text - split));
-    printf("model: %lld layers, %lld heads, %lld wide, context %lld, vocabulary %d (bytes)\n", (long long)cfg.n_layer,
-           (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size, VOCAB);
+    printf("model: %lld layers, %lld heads, %lld wide, context %lld, vocabulary %d (%s)\n", (long long)cfg.n_layer,
+           (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size, (int)vocab,
+           R.bpe ? "BPE" : "bytes");
     printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
            kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
     fflush(stdout);
@@ -594,7 +776,7 @@ int main(int argc, char **argv) {
     for (; step < chunk_end; step++) {
       kiln_scope_begin(); /* one step */
       kiln_tensor *x, *y;
-      kiln_status st = get_batch(R.text, 0, split, batch, block, kiln_generator_global(), dev, &x, &y);
+      kiln_status st = get_batch(R.tok, 0, split, batch, block, kiln_generator_global(), dev, &x, &y);
       double lv = 0;
       kiln_tensor *loss = st == KILN_OK ? lm_loss(model, x, y) : NULL;
       kiln_optimizer_zero_grad(opt);
@@ -613,8 +795,8 @@ int main(int argc, char **argv) {
     ex_progress_end(&p);
     train_s += dt;
     trained += chunk_end - chunk_start;
-    train_loss = estimate_loss(model, R.text, 0, split, eval_iters, batch, block, eval_seed, dev);
-    val_loss = estimate_loss(model, R.text, split, n_text, eval_iters, batch, block, eval_seed, dev);
+    train_loss = estimate_loss(model, R.tok, 0, split, eval_iters, batch, block, eval_seed, dev);
+    val_loss = estimate_loss(model, R.tok, split, n_text, eval_iters, batch, block, eval_seed, dev);
     if (isnan(train_loss) || isnan(val_loss)) return fail("evaluating");
     double tps = dt > 0 ? (double)((chunk_end - chunk_start) * batch * block) / dt : 0.0;
     ex_log_epoch(&R.tb, step, train_loss, kiln_scheduler_get_lr(sched), tps, dev);

@@ -342,6 +342,81 @@ KILN_API kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, ki
 KILN_API const kiln_gpt_config *kiln_gpt_config_of(const kiln_module *m);
 
 /* --------------------------------------------------------------------------------------
+** Generation (src/nn/generate.c): a key/value cache, sampling, kiln_gpt_generate.
+**
+**   kiln_sample_opts o = kiln_sample_opts_default();    // temperature 1, no filters
+**   o.top_k = 40; o.temperature = 0.8;
+**   kiln_tensor *out = kiln_gpt_generate(gpt, prompt, 100, &o, gen);  // (B, T0 + 100)
+*/
+/* The keys and values of every layer of one GPT for a batch: per layer two tensors
+** (batch, n_head, max_len, head_dim), made at the first forward with the dtype and device
+** of the keys (under autocast, the autocast dtype). NULL + KILN_ERR_INVALID_ARGUMENT
+** (gpt not a kiln_gpt_new module; batch < 1; max_len outside [1, block_size]) or
+** KILN_ERR_OOM. Owned by the caller: kiln_kv_cache_free (NULL is a no-op). */
+typedef struct kiln_kv_cache kiln_kv_cache;
+KILN_API kiln_kv_cache *kiln_kv_cache_new(const kiln_module *gpt, int64_t batch, int64_t max_len);
+KILN_API void kiln_kv_cache_free(kiln_kv_cache *cache);
+/* Positions filled so far (0 for NULL). */
+KILN_API int64_t kiln_kv_cache_length(const kiln_kv_cache *cache);
+/* Forgets the cached positions (the memory stays). */
+KILN_API void kiln_kv_cache_reset(kiln_kv_cache *cache);
+/* The GPT's forward on the next T positions: idx (batch, T) i64/i32 are tokens at
+** positions len .. len + T - 1 (len = kiln_kv_cache_length), attending the cached prefix
+** and themselves (causally); returns logits (batch, T, vocab_size) and appends their keys
+** and values. Runs with grad mode off and without dropout (inference). Equal, within f32
+** rounding, to the last T positions of kiln_module_forward on the whole sequence.
+** Errors: KILN_ERR_INVALID_ARGUMENT (not a GPT, NULL cache, a cache of another shape),
+** KILN_ERR_SHAPE (idx not (batch, T>=1), len + T over max_len), KILN_ERR_DTYPE. */
+KILN_API kiln_tensor *kiln_gpt_forward_cached(kiln_module *gpt, kiln_tensor *idx, kiln_kv_cache *cache);
+
+/* Whether kiln_gpt_generate records the per-token step once and replays it
+** (kiln_graph_capture): AUTO does on any device but the CPU (a CUDA graph), and when the
+** capture fails (a step op that runs on the CPU fallback cannot be captured) runs the
+** same static step eagerly; ON always, a failed capture being an error (on the CPU a
+** replay calls the step, which then runs the static path: attention over the whole cache
+** under a mask); OFF never (each step attends only the filled prefix). */
+typedef enum kiln_gen_graph { KILN_GEN_GRAPH_AUTO = 0, KILN_GEN_GRAPH_OFF, KILN_GEN_GRAPH_ON } kiln_gen_graph;
+/* How the next token is chosen from logits. May grow at its end: start from
+** kiln_sample_opts_default(). In order: logits / temperature, then top-k (keep the k
+** largest; 0 keeps all), then top-p (keep the fewest largest tokens whose probability
+** reaches top_p: a token stays while the tokens above it hold < top_p; tokens tied with
+** the last kept one stay too), softmax, one draw from gen (kiln_multinomial: same seed,
+** same tokens). greedy, or temperature 0, takes the argmax (first on ties) and ignores
+** the filters. */
+typedef struct kiln_sample_opts {
+  double temperature;   /* >= 0; default 1 */
+  int64_t top_k;        /* >= 0; default 0 (off) */
+  double top_p;         /* (0, 1]; default 1 (off) */
+  bool greedy;          /* default false */
+  int64_t eos_id;       /* >= 0: a row that made it repeats it, generation stops when all rows
+                           have (one host read per token); default -1 (none) */
+  kiln_gen_graph graph; /* default AUTO */
+} kiln_sample_opts;
+KILN_API kiln_sample_opts kiln_sample_opts_default(void);
+/* logits (N, V) floating -> (N, V) f32: divided by the temperature, with -inf where top-k
+** or top-p removes a token (greedy: the logits as f32, unfiltered). Errors:
+** KILN_ERR_INVALID_ARGUMENT (temperature < 0 or not finite, top_k < 0, top_p outside
+** (0, 1], NULL opts), KILN_ERR_SHAPE (logits not floating (N, V)). */
+KILN_API kiln_tensor *kiln_sample_filter(kiln_tensor *logits, const kiln_sample_opts *opts);
+/* One token per row of logits (N, V): (N) i64, drawn as kiln_sample_opts says from gen
+** (NULL: the global generator). Errors as kiln_sample_filter. */
+KILN_API kiln_tensor *kiln_sample_next(kiln_tensor *logits, const kiln_sample_opts *opts,
+                                       kiln_generator *gen);
+/* Continues each row of ids (B, T0) i64/i32 (on the model's device) by n_new tokens and
+** returns (B, T0 + n_new) i64 (prompt included), owned by the open scope. The prompt runs
+** in one pass that fills a kiln_kv_cache of T0 + n_new positions, then one position per
+** token (a CUDA graph replay per token where opts->graph allows). With eos_id set and
+** every row finished early, the result is shorter: (B, T0 + tokens made). Grad mode off,
+** no dropout. T0 + n_new may not exceed the context: there is no sliding window (the
+** learned positions stop at block_size; a caller that wants more crops its prompt and
+** calls again). Errors: KILN_ERR_SHAPE (ids not (B, T0) integers, T0 = 0 (an empty
+** prompt), T0 + n_new > block_size, n_new < 0, naming the numbers),
+** KILN_ERR_INVALID_ARGUMENT (not a GPT, bad options as kiln_sample_filter, eos_id >=
+** vocab_size), and the errors of the ops. */
+KILN_API kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new,
+                                        const kiln_sample_opts *opts, kiln_generator *gen);
+
+/* --------------------------------------------------------------------------------------
 ** Hugging Face interop (transformers' GPT2LMHeadModel / GPT2Model, src/nn/gpt_hf.c).
 ** HF's names are kiln's with "transformer." in front ("transformer.h.0.attn.c_attn.weight"),
 ** and its c_attn, c_proj and c_fc are Conv1D layers whose weights are stored (in, out):

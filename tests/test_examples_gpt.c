@@ -3,7 +3,9 @@
 ** the Python changelog nor minutes): a few steps train and report both losses in --json
 ** and write a checkpoint and event files; a run resumed half-way ends with the same losses
 ** as a straight one (CPU, bit for bit); --generate prints the prompt and exactly N sampled
-** bytes, the same for the same seed; a gzip corpus reads like a plain one; bad input (an
+** bytes, the same for the same seed (--greedy: for any seed), past the context too;
+** --checkpoint-activations trains to the same losses; --tokenizer trains on BPE tokens and
+** the checkpoint samples with that tokenizer; a gzip corpus reads like a plain one; bad input (an
 ** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
 */
 #define _POSIX_C_SOURCE 200809L
@@ -89,10 +91,63 @@ int main(void) {
   CR_CHECK(r.status == 0 && !strcmp(r.out, first), "same seed, other text: '%s' vs '%s'", r.out, first);
   cr_free(&r);
 
-  /* a prompt (35 bytes) longer than the context (16) is cropped to its last 16, with a note */
+  /* --greedy: the argmax at each step, whatever the seed */
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --tokens 20 --greedy --seed 1 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0 && strlen(r.out) == 4 + 20 + 1, "greedy: %d '%s' %s", r.status, r.out, r.err);
+  snprintf(first, sizeof first, "%s", r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --tokens 20 --greedy --seed 2 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0 && !strcmp(r.out, first), "greedy depends on the seed: '%s' vs '%s'", r.out, first);
+  cr_free(&r);
+  /* --top-p, and a continuation (40) past the context (16): windows, exactly 40 bytes */
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --tokens 40 --top-p 0.9 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 0 && strlen(r.out) == 4 + 40 + 1, "top-p past the context: %d '%s' %s", r.status, r.out, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --top-p 0 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "--top-p"), "top-p 0: %d %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--generate 'Fix ' --top-p 1.5 --checkpoint a.ckpt --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "--top-p"), "top-p 1.5: %d %s", r.status, r.err);
+  cr_free(&r);
+
+  /* --checkpoint-activations: the losses of the straight run, bit for bit (CPU) */
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --eval-every 3 --checkpoint e.ckpt --checkpoint-activations --json " TINY);
+  CR_CHECK(r.status == 0, "checkpointed run exited %d: %s", r.status, r.err);
+  char ckact[64];
+  cr_json_raw(r.out, "val_loss", ckact, sizeof ckact);
+  CR_CHECK(straight[0] && !strcmp(straight, ckact), "checkpointed val_loss %s != straight %s", ckact, straight);
+  cr_free(&r);
+
+  /* a prompt (35 bytes) longer than the context (16) is cropped to its last 15, with a note */
   r = cr_run(NULL, "gpt", "--generate 'a prompt of more than sixteen bytes' --tokens 5 --top-k 0 --checkpoint a.ckpt --device cpu");
   CR_CHECK(r.status == 0 && strlen(r.out) == 35 + 5 + 1, "long prompt: %d '%s' %s", r.status, r.out, r.err);
-  CR_CHECK(strstr(r.err, "longer than the context"), "no note on the cropped prompt: %s", r.err);
+  CR_CHECK(strstr(r.err, "the model sees its last 15"), "no note on the cropped prompt: %s", r.err);
+  cr_free(&r);
+
+  /* --tokenizer: BPE tokens (the fixture's 4096-token vocabulary); the checkpoint carries
+  ** the tokenizer, so --generate encodes the prompt and decodes with it */
+  const char *src = getenv("KILN_SOURCE_DIR");
+  if (src) {
+    char args[2048];
+    snprintf(args, sizeof args, "--data news.txt --tokenizer '%s/tests/fixtures/tokenizer' --steps 2 --eval-every 2 "
+             "--checkpoint t.ckpt --json " TINY, src);
+    r = cr_run(NULL, "gpt", args);
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "steps") == 2, "BPE training: %d %s %s", r.status, r.out, r.err);
+    double bl = cr_json_num(r.out, "val_loss");
+    CR_CHECK(bl > 6 && bl < 10, "BPE val loss %g (ln 4096 = 8.3)", bl);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 12 --seed 5 --checkpoint t.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strncmp(r.out, "Fix a crash", 11) && strlen(r.out) > 11 + 12,
+             "BPE generate: %d '%s' %s", r.status, r.out, r.err);
+    char bpe_first[512];
+    snprintf(bpe_first, sizeof bpe_first, "%s", r.out);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 12 --seed 5 --checkpoint t.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strcmp(r.out, bpe_first), "BPE same seed, other text: '%s' vs '%s'", r.out, bpe_first);
+    cr_free(&r);
+  }
+  r = cr_run(NULL, "gpt", "--data news.txt --tokenizer no-such-dir --steps 2 --checkpoint c.ckpt " TINY);
+  CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json"), "missing tokenizer: %d %s", r.status, r.err);
   cr_free(&r);
 
   /* bad input */

@@ -210,6 +210,23 @@ static double kiln__att_score(const kiln__att *c, const double *q, const double 
   return s;
 }
 
+/* kiln__att_score of four consecutive keys k0..k3 (rows of D) without a mask: four
+** independent dot products side by side, so the adds of one do not wait on another's (one
+** chain of D dependent adds per score was the forward's limit); each sums in the same
+** order as kiln__att_score, so the results are the same bits. */
+static void kiln__att_dot4(const double *q, const double *k0, int64_t D, double scale, double *out) {
+  const double *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (int64_t d = 0; d < D; d++) {
+    double x = q[d];
+    s0 += x * k0[d];
+    s1 += x * k1[d];
+    s2 += x * k2[d];
+    s3 += x * k3[d];
+  }
+  out[0] = s0 * scale, out[1] = s1 * scale, out[2] = s2 * scale, out[3] = s3 * scale;
+}
+
 /* Dropout's factor Z for score (b, h, i, j): 1/keep or 0. */
 static double kiln__att_z(const kiln__att *c, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!c->dropout) return 1.0;
@@ -239,10 +256,12 @@ static void kiln__att_fwd_range(void *vctx, int64_t lo, int64_t hi) {
     for (int64_t j0 = 0; j0 < jend; j0 += KILN__ATT_BK) {
       int64_t nb = jend - j0 < KILN__ATT_BK ? jend - j0 : KILN__ATT_BK;
       double mb = -INFINITY;
-      for (int64_t t = 0; t < nb; t++) {
-        s[t] = kiln__att_score(c, q, K + (j0 + t) * D, b, h, i, j0 + t);
+      int64_t t = 0;
+      if (!c->masked) /* the causal cut is jend: every key here counts */
+        for (; t + 4 <= nb; t += 4) kiln__att_dot4(q, K + (j0 + t) * D, D, c->scale, s + t);
+      for (; t < nb; t++) s[t] = kiln__att_score(c, q, K + (j0 + t) * D, b, h, i, j0 + t);
+      for (t = 0; t < nb; t++)
         if (s[t] > mb) mb = s[t];
-      }
       if (mb == -INFINITY) continue; /* every key of the block masked */
       if (mb > m) {                  /* rescale what was summed under the old max */
         double corr = exp(m - mb);   /* m == -inf: 0 */
@@ -250,7 +269,7 @@ static void kiln__att_fwd_range(void *vctx, int64_t lo, int64_t hi) {
         for (int64_t d = 0; d < Dv; d++) acc[d] *= corr;
         m = mb;
       }
-      for (int64_t t = 0; t < nb; t++) {
+      for (t = 0; t < nb; t++) {
         double p = exp(s[t] - m);
         l += p;
         p *= kiln__att_z(c, b, h, i, j0 + t);
@@ -273,12 +292,13 @@ static void kiln__att_bwd_range(void *vctx, int64_t lo, int64_t hi) {
   const kiln__kargs *a = c->a;
   int64_t D = c->D, Dv = c->Dv, Tq = c->Tq, Tk = c->Tk;
   size_t nq = (size_t)(Tq * D), nk = (size_t)(Tk * D), nv = (size_t)(Tk * Dv), ng = (size_t)(Tq * Dv);
-  double *buf = malloc(sizeof(double) * (2 * nq + 2 * nk + 2 * nv + ng + 1));
+  double *buf = malloc(sizeof(double) * (2 * nq + 2 * nk + 2 * nv + ng + 2 * (size_t)Tk + 1));
   if (!buf) {
     c->failed = true;
     return;
   }
   double *Q = buf, *dQ = Q + nq, *K = dQ + nq, *dK = K + nk, *V = dK + nk, *dV = V + nv, *G = dV + nv;
+  double *S = G + ng, *DP = S + Tk; /* row i's scores and g.v_j, computed once (no mask) */
   for (int64_t bh = lo; bh < hi; bh++) {
     int64_t b = bh / c->H, h = bh % c->H;
     for (int64_t i = 0; i < Tq; i++) {
@@ -301,21 +321,39 @@ static void kiln__att_bwd_range(void *vctx, int64_t lo, int64_t hi) {
       const double *q = Q + i * D, *g = G + i * Dv;
       int64_t jend = c->causal && i + 1 < Tk ? i + 1 : Tk;
       double delta = 0;
+      bool pre = !c->masked; /* the same sums, four keys at a time, kept for both passes */
+      if (pre) {
+        int64_t j = 0;
+        for (; j + 4 <= jend; j += 4) {
+          kiln__att_dot4(q, K + j * D, D, c->scale, S + j);
+          kiln__att_dot4(g, V + j * Dv, Dv, 1.0, DP + j);
+        }
+        for (; j < jend; j++) {
+          S[j] = kiln__att_score(c, q, K + j * D, b, h, i, j);
+          double dp = 0;
+          for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
+          DP[j] = dp;
+        }
+      }
       for (int64_t j = 0; j < jend; j++) {
-        double s = kiln__att_score(c, q, K + j * D, b, h, i, j);
+        double s = pre ? S[j] : kiln__att_score(c, q, K + j * D, b, h, i, j);
         if (s == -INFINITY) continue;
         double pz = exp(s - lse) * kiln__att_z(c, b, h, i, j);
         if (pz == 0) continue;
         double dp = 0;
-        for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
+        if (pre) dp = DP[j];
+        else
+          for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
         delta += pz * dp;
       }
       for (int64_t j = 0; j < jend; j++) {
-        double s = kiln__att_score(c, q, K + j * D, b, h, i, j);
+        double s = pre ? S[j] : kiln__att_score(c, q, K + j * D, b, h, i, j);
         if (s == -INFINITY) continue;
         double p = exp(s - lse), z = kiln__att_z(c, b, h, i, j);
         double dp = 0;
-        for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
+        if (pre) dp = DP[j];
+        else
+          for (int64_t d = 0; d < Dv; d++) dp += g[d] * V[j * Dv + d];
         if (p * z != 0)
           for (int64_t d = 0; d < Dv; d++) dV[j * Dv + d] += p * z * g[d];
         double ds = p * (z * dp - delta) * c->scale;

@@ -1,0 +1,392 @@
+/*
+** bench-gpt2: a GPT-2 training step and GPT-2 generation, kiln and the PyTorch peer
+** (torch_peer.py `gpt2` and `gpt2-generate`) in the same run, side by side.
+**
+** Training: the peer's workload exactly (its GPT class is nanoGPT's layout with the head
+** tied, GPT-2's init, AdamW lr 3e-4 weight decay 0.01, random ids and targets, a context of
+** --seq): --steps steps, each timed between device syncs, the median of those after the
+** first 3. Prints tokens/s, peak memory (kiln_memory_stats: allocated bytes, as the peer's
+** torch.cuda.max_memory_allocated), and MFU = tokens/s * (6 N + 12 L D T) / peak FLOP/s
+** (the peer's FLOP count: N parameters with the tied head once, plus attention), with the
+** peak from --peak-tflops (default 989, the H100/H200 bf16 dense data-sheet figure, when
+** the device is one of those; otherwise MFU is printed only when given). --checkpoint runs
+** a second kiln step with every block checkpointed (kiln_module_set_checkpoint) and the
+** peer's --checkpoint.
+**
+** Generation (--generate): greedy kiln_gpt_generate of --new tokens after a random prompt
+** of --prompt tokens at each batch in --gen-batches (default 1,16), the model's weights in
+** bf16 on CUDA (f32 on the CPU) as the peer's; a warm-up of 8 tokens first, as the peer.
+**
+** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
+**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint]
+**                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
+**                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
+**                   [--peak-tflops X] [--json] [--profile]
+** --profile prints kiln's op table (kiln_profiler) for the training steps after the first.
+** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
+** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
+** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
+** --peer-threads N sets OMP_NUM_THREADS=N for it (the issue's CPU line uses 1).
+** The issue's CPU line:
+**   bench-gpt2 --device cpu --layers 4 --dim 256 --heads 4 --vocab 4096 --seq 256 --batch 8
+**   bench-gpt2 ... --peer-threads 1
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+#include <kiln_nn.h>
+#include <kiln_optim.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PROG "bench-gpt2"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+typedef struct opts {
+  kiln_device dev;
+  int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
+  kiln_dtype autocast; /* KILN_F32: none */
+  bool checkpoint, train, generate, peer, json, profile;
+  int64_t gen_batches[8];
+  int n_gen_batches;
+  const char *peer_path, *python;
+  int peer_threads;
+  double peak_tflops; /* 0: unknown */
+} opts;
+
+/* ---- the peer ---------------------------------------------------------------------- */
+
+/* A number after "key": in a JSON line; NAN when absent or null. */
+static double json_num(const char *line, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = strstr(line, pat);
+  if (!p) return NAN;
+  p += strlen(pat);
+  while (*p == ' ') p++;
+  char *end;
+  double v = strtod(p, &end);
+  return end == p ? NAN : v;
+}
+
+/* Runs the peer with args; its last JSON line into out. false (with a note) on failure. */
+static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
+  char cmd[2048];
+  char threads[64] = "";
+  if (o->peer_threads > 0) snprintf(threads, sizeof threads, "OMP_NUM_THREADS=%d ", o->peer_threads);
+  snprintf(cmd, sizeof cmd, "%s%s '%s' %s 2>&1", threads, o->python, o->peer_path, args);
+  fprintf(stderr, PROG ": peer: %s\n", cmd);
+  FILE *f = popen(cmd, "r");
+  if (!f) return false;
+  char line[4096];
+  out[0] = 0;
+  while (fgets(line, sizeof line, f))
+    if (line[0] == '{') snprintf(out, n, "%s", line);
+    else fprintf(stderr, "  peer: %s", line);
+  int rc = pclose(f);
+  if (rc != 0 || !out[0]) {
+    fprintf(stderr, PROG ": the peer failed (exit %d)\n", rc);
+    return false;
+  }
+  return true;
+}
+
+/* ---- training ----------------------------------------------------------------------- */
+
+typedef struct train_result {
+  double tokens_per_s, ms_per_step, peak_gib, loss;
+  int64_t params;
+} train_result;
+
+static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  cfg.n_layer = o->layers, cfg.n_head = o->heads, cfg.n_embd = o->dim, cfg.vocab_size = o->vocab;
+  cfg.block_size = o->seq;
+  kiln_manual_seed(0);
+  kiln_memory_empty_cache(o->dev);
+  kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, o->dev, NULL);
+  if (!m) return kiln_last_error();
+  if (checkpoint) kiln_module_set_checkpoint(kiln_module_child(m, "h"), true);
+  kiln_optim_config oc = kiln_adamw_config(3e-4); /* torch's AdamW defaults: wd 0.01 */
+  kiln_optimizer *opt = kiln_optimizer_new_module(&oc, m);
+  kiln_tensor *idx = kiln_keep(kiln_randint(0, o->vocab, KILN_SHAPE(o->batch, o->seq), KILN_I64, o->dev, NULL));
+  kiln_tensor *tgt = kiln_keep(kiln_randint(0, o->vocab, KILN_SHAPE(o->batch * o->seq), KILN_I64, o->dev, NULL));
+  kiln_status st = opt && idx && tgt ? KILN_OK : kiln_last_error();
+  r->params = kiln_module_num_params(m);
+  double *times = calloc((size_t)o->steps, sizeof *times);
+  kiln_memory_reset_peak(o->dev);
+  bool profiling = false;
+  for (int64_t s = 0; s < o->steps && st == KILN_OK; s++) {
+    kiln_device_synchronize(o->dev);
+    if (o->profile && s == 1 && !profiling) /* after the first step (allocations, warm-up) */
+      profiling = kiln_profiler_start(NULL) == KILN_OK;
+    double t0 = now();
+    kiln_scope_begin();
+    if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);
+    kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
+    kiln_tensor *loss = kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), tgt,
+                                           KILN_REDUCTION_MEAN, -100, 0.0);
+    if (o->autocast != KILN_F32) kiln_autocast_end();
+    st = kiln_backward(loss, NULL);
+    if (st == KILN_OK) st = kiln_optimizer_step(opt);
+    if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
+    if (st == KILN_OK && s == o->steps - 1) r->loss = kiln_item(loss);
+    kiln_scope_end();
+    kiln_device_synchronize(o->dev);
+    times[s] = now() - t0;
+  }
+  if (profiling) kiln_profiler_stop(stdout);
+  if (st == KILN_OK) {
+    int64_t skip = o->steps > 4 ? 3 : 0;
+    qsort(times + skip, (size_t)(o->steps - skip), sizeof *times, cmp_double);
+    double med = times[skip + (o->steps - skip) / 2];
+    r->ms_per_step = med * 1e3;
+    r->tokens_per_s = (double)(o->batch * o->seq) / med;
+    kiln_memory_stats ms;
+    r->peak_gib = kiln_memory_stats_get(o->dev, &ms) == KILN_OK ? (double)ms.peak_allocated / (1 << 30) : NAN;
+  }
+  free(times);
+  kiln_tensor_free(idx);
+  kiln_tensor_free(tgt);
+  kiln_optimizer_free(opt);
+  kiln_module_free(m);
+  return st;
+}
+
+static double flops_per_token(const opts *o, int64_t params) {
+  return 6.0 * (double)params + 12.0 * (double)o->layers * (double)o->dim * (double)o->seq;
+}
+
+static void print_train(const opts *o, const char *name, const train_result *k, const char *peer_line) {
+  double fpt = flops_per_token(o, k->params);
+  printf("%-22s kiln  %10.0f tokens/s  %8.2f ms/step  peak %6.2f GiB  %6.1f TFLOP/s", name, k->tokens_per_s,
+         k->ms_per_step, k->peak_gib, k->tokens_per_s * fpt / 1e12);
+  if (o->peak_tflops > 0) printf("  MFU %.1f%%", 100 * k->tokens_per_s * fpt / (o->peak_tflops * 1e12));
+  printf("  loss %.3f\n", k->loss);
+  if (peer_line && peer_line[0]) {
+    double pt = json_num(peer_line, "tokens_per_s"), pm = json_num(peer_line, "peak_gib");
+    printf("%-22s torch %10.0f tokens/s  %8.2f ms/step  peak ", "", pt, json_num(peer_line, "ms_per_step"));
+    if (isnan(pm)) printf("     - GiB"); /* the peer reports CUDA memory only */
+    else printf("%6.2f GiB", pm);
+    printf("  %6.1f TFLOP/s", pt * fpt / 1e12);
+    if (o->peak_tflops > 0) printf("  MFU %.1f%%", 100 * pt * fpt / (o->peak_tflops * 1e12));
+    printf("\n%-22s kiln / torch: %.2fx tokens/s", "", k->tokens_per_s / pt);
+    if (!isnan(pm) && pm > 0) printf(", %.2fx peak memory", k->peak_gib / pm);
+    printf("\n");
+  }
+  if (o->json)
+    printf("{\"bench\":\"gpt2-train\",\"name\":\"%s\",\"tokens_per_s\":%.0f,\"ms_per_step\":%.3f,\"peak_gib\":%.3f,"
+           "\"params\":%lld,\"flops_per_token\":%.0f,\"peer_tokens_per_s\":%.0f}\n",
+           name, k->tokens_per_s, k->ms_per_step, k->peak_gib, (long long)k->params, fpt,
+           peer_line && peer_line[0] ? json_num(peer_line, "tokens_per_s") : 0.0);
+  fflush(stdout);
+}
+
+/* ---- generation --------------------------------------------------------------------- */
+
+static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s) {
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  cfg.n_layer = o->layers, cfg.n_head = o->heads, cfg.n_embd = o->dim, cfg.vocab_size = o->vocab;
+  if (cfg.block_size < o->prompt + o->new_tokens) cfg.block_size = o->prompt + o->new_tokens;
+  kiln_manual_seed(0);
+  kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, o->dev, NULL);
+  if (!m) return kiln_last_error();
+  kiln_status st = o->dev.type != KILN_DEVICE_CPU ? kiln_module_to_dtype(m, KILN_BF16) : KILN_OK;
+  kiln_module_eval(m);
+  kiln_sample_opts so = kiln_sample_opts_default();
+  so.greedy = true;
+  kiln_scope_begin();
+  kiln_tensor *ids = kiln_randint(0, o->vocab, KILN_SHAPE(batch, o->prompt), KILN_I64, o->dev, NULL);
+  if (st == KILN_OK && !kiln_gpt_generate(m, ids, 8, &so, NULL)) st = kiln_last_error(); /* warm-up */
+  kiln_device_synchronize(o->dev);
+  double t0 = now();
+  kiln_tensor *out = st == KILN_OK ? kiln_gpt_generate(m, ids, o->new_tokens, &so, NULL) : NULL;
+  kiln_device_synchronize(o->dev);
+  double dt = now() - t0;
+  if (st == KILN_OK && !out) st = kiln_last_error();
+  kiln_scope_end();
+  kiln_module_free(m);
+  *tokens_per_s = (double)(batch * o->new_tokens) / dt;
+  return st;
+}
+
+/* ---- main --------------------------------------------------------------------------- */
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
+             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--no-train] [--generate]\n"
+             "         [--gen-batches 1,16] [--prompt P] [--new N] [--peer PATH] [--python PY]\n"
+             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile]\n");
+}
+
+int main(int argc, char **argv) {
+  opts o;
+  memset(&o, 0, sizeof o);
+  o.dev = kiln_device_best();
+  o.layers = 12, o.dim = 768, o.heads = 12, o.vocab = 50257, o.seq = 1024, o.batch = 16, o.steps = 15;
+  o.prompt = 64, o.new_tokens = 256;
+  o.train = true, o.peer = true;
+  o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
+  o.python = "python3";
+  const char *env_peer = getenv("KILN_TORCH_PEER");
+  /* beside the source tree (this file is SRC/bench/bench_gpt2.c), else from the cwd */
+  static char default_peer[4096];
+  snprintf(default_peer, sizeof default_peer, "%s", __FILE__);
+  char *slash = strrchr(default_peer, '/');
+  if (slash && slash - default_peer > 6) {
+    *slash = 0; /* SRC/bench */
+    slash = strrchr(default_peer, '/');
+    if (slash) snprintf(slash, sizeof default_peer - (size_t)(slash - default_peer), "/../shared/bench/torch_peer.py");
+  }
+  FILE *probe = fopen(default_peer, "r");
+  if (probe) fclose(probe);
+  else snprintf(default_peer, sizeof default_peer, "../shared/bench/torch_peer.py");
+  o.peer_path = env_peer && *env_peer ? env_peer : default_peer;
+  const char *autocast = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int64_t *iv = NULL;
+    if (!strcmp(a, "--checkpoint")) o.checkpoint = true;
+    else if (!strcmp(a, "--no-train")) o.train = false;
+    else if (!strcmp(a, "--generate")) o.generate = true;
+    else if (!strcmp(a, "--no-peer")) o.peer = false;
+    else if (!strcmp(a, "--json")) o.json = true;
+    else if (!strcmp(a, "--profile")) o.profile = true;
+    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!v) {
+      fprintf(stderr, PROG ": '%s' needs a value (or is unknown)\n", a);
+      usage(stderr);
+      return 2;
+    } else {
+      i++;
+      if (!strcmp(a, "--device")) {
+        if (kiln_device_parse(v, &o.dev) != KILN_OK) {
+          fprintf(stderr, PROG ": --device '%s': %s\n", v, kiln_last_error_message());
+          return 2;
+        }
+      } else if (!strcmp(a, "--autocast")) autocast = v;
+      else if (!strcmp(a, "--peer")) o.peer_path = v;
+      else if (!strcmp(a, "--python")) o.python = v;
+      else if (!strcmp(a, "--peer-threads")) o.peer_threads = atoi(v);
+      else if (!strcmp(a, "--peak-tflops")) o.peak_tflops = strtod(v, NULL);
+      else if (!strcmp(a, "--gen-batches")) {
+        o.n_gen_batches = 0;
+        for (char *s = (char *)v; *s && o.n_gen_batches < 8;) {
+          char *end;
+          long long b = strtoll(s, &end, 10);
+          if (end == s || b < 1) {
+            fprintf(stderr, PROG ": --gen-batches '%s': a comma-separated list of batch sizes >= 1\n", v);
+            return 2;
+          }
+          o.gen_batches[o.n_gen_batches++] = b;
+          s = *end == ',' ? end + 1 : end;
+        }
+      } else {
+        if (!strcmp(a, "--layers")) iv = &o.layers;
+        else if (!strcmp(a, "--dim")) iv = &o.dim;
+        else if (!strcmp(a, "--heads")) iv = &o.heads;
+        else if (!strcmp(a, "--vocab")) iv = &o.vocab;
+        else if (!strcmp(a, "--seq")) iv = &o.seq;
+        else if (!strcmp(a, "--batch")) iv = &o.batch;
+        else if (!strcmp(a, "--steps")) iv = &o.steps;
+        else if (!strcmp(a, "--prompt")) iv = &o.prompt;
+        else if (!strcmp(a, "--new")) iv = &o.new_tokens;
+        char *end;
+        long long x = iv ? strtoll(v, &end, 10) : 0;
+        if (!iv || *end || x < 1) {
+          fprintf(stderr, PROG ": %s '%s': %s\n", a, v, iv ? "needs an integer >= 1" : "unknown option");
+          usage(stderr);
+          return 2;
+        }
+        *iv = x;
+      }
+    }
+  }
+  bool cpu = o.dev.type == KILN_DEVICE_CPU;
+  if (!autocast) autocast = cpu ? "none" : "bf16";
+  if (!strcmp(autocast, "bf16")) o.autocast = KILN_BF16;
+  else if (!strcmp(autocast, "f16")) o.autocast = KILN_F16;
+  else if (!strcmp(autocast, "none")) o.autocast = KILN_F32;
+  else {
+    fprintf(stderr, PROG ": --autocast '%s': bf16, f16 or none\n", autocast);
+    return 2;
+  }
+  if (o.dim % o.heads) {
+    fprintf(stderr, PROG ": --dim %lld is not a multiple of --heads %lld\n", (long long)o.dim, (long long)o.heads);
+    return 2;
+  }
+  kiln_device_info info;
+  memset(&info, 0, sizeof info);
+  kiln_device_info_get(o.dev, &info);
+  if (o.peak_tflops <= 0 && (strstr(info.name, "H100") || strstr(info.name, "H200")) && o.autocast != KILN_F32)
+    o.peak_tflops = 989.0; /* bf16/f16 dense, the data sheet */
+  if (!cpu) kiln_set_matmul_tf32(true); /* as the peer's allow_tf32 */
+  char dname[32];
+  kiln_device_str(o.dev, dname, sizeof dname);
+  printf("device: %s (%s), threads %d; GPT %lld layers, %lld wide, %lld heads, vocab %lld, seq %lld, batch %lld; "
+         "autocast %s\n",
+         dname, info.name, kiln_num_threads(), (long long)o.layers, (long long)o.dim, (long long)o.heads,
+         (long long)o.vocab, (long long)o.seq, (long long)o.batch, autocast);
+  if (o.peer)
+    printf("peer: %s (%s)%s\n", o.peer_path, o.python, o.peer_threads > 0 ? " with OMP_NUM_THREADS set" : "");
+  fflush(stdout);
+
+  char args[1024], line[4096];
+  for (int pass = 0; o.train && pass < (o.checkpoint ? 2 : 1); pass++) {
+    train_result k;
+    memset(&k, 0, sizeof k);
+    kiln_status st = train(&o, pass == 1, &k);
+    if (st != KILN_OK) {
+      fprintf(stderr, PROG ": kiln training step: %s\n", kiln_last_error_message());
+      return 1;
+    }
+    line[0] = 0;
+    if (o.peer) {
+      snprintf(args, sizeof args,
+               "gpt2 --device %s --layers %lld --dim %lld --heads %lld --vocab %lld --seq %lld --batch %lld "
+               "--steps %lld%s",
+               cpu ? "cpu" : "cuda", (long long)o.layers, (long long)o.dim, (long long)o.heads, (long long)o.vocab,
+               (long long)o.seq, (long long)o.batch, (long long)o.steps, pass == 1 ? " --checkpoint" : "");
+      if (!run_peer(&o, args, line, sizeof line)) line[0] = 0;
+    }
+    print_train(&o, pass == 1 ? "train, checkpointed" : "train", &k, line);
+  }
+  for (int i = 0; o.generate && i < o.n_gen_batches; i++) {
+    double tps = 0;
+    if (gen_bench(&o, o.gen_batches[i], &tps) != KILN_OK) {
+      fprintf(stderr, PROG ": kiln generation: %s\n", kiln_last_error_message());
+      return 1;
+    }
+    printf("generate, batch %-3lld kiln  %10.1f tokens/s (prompt %lld, %lld new, greedy)\n",
+           (long long)o.gen_batches[i], tps, (long long)o.prompt, (long long)o.new_tokens);
+    if (o.peer) {
+      snprintf(args, sizeof args, "gpt2-generate --device %s --batch %lld --prompt %lld --new %lld",
+               cpu ? "cpu" : "cuda", (long long)o.gen_batches[i], (long long)o.prompt, (long long)o.new_tokens);
+      if (run_peer(&o, args, line, sizeof line)) {
+        double pt = json_num(line, "tokens_per_s");
+        printf("%-22s torch %10.1f tokens/s\n%-22s kiln / torch: %.2fx\n", "", pt, "", tps / pt);
+      }
+    }
+    if (o.json)
+      printf("{\"bench\":\"gpt2-generate\",\"batch\":%lld,\"tokens_per_s\":%.1f}\n", (long long)o.gen_batches[i], tps);
+    fflush(stdout);
+  }
+  kiln_fallback_report(stderr);
+  return 0;
+}

@@ -109,7 +109,10 @@ enum {
   ** KILN_HARNESS_STRICT) run the case with the fallback allowed instead of
   ** KILN_FALLBACK=error, so it checks the CPU fallback path there rather than failing for
   ** the kernel still to be written. Remove the flag from a case when its kernels land. */
-  H_CPU_ONLY = 1 << 8
+  H_CPU_ONLY = 1 << 8,
+  /* With H_CPU_ONLY: Vulkan has the case's kernels (CUDA not yet), so a strict Vulkan
+  ** run (KILN_HARNESS_STRICT=1) keeps the fallback at error for it. */
+  H_VK_NATIVE = 1 << 9
 };
 
 typedef struct h_case {

@@ -58,7 +58,7 @@ static int tf_norm_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
   {.name = nm, .fn = tf_norm_b, .ref = tf_norm_r, .ctx = &(const tf_norm_ctx){r, ndn, np}, .n_in = 1 + (np), \
    .in = {{.ndim = 3, .shape = {H_SYM(0), H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .hi = 2, .diff = true},     \
           __VA_ARGS__},                                                                                    \
-   .sym = {3, 4, 5}, .flags = H_CPU_ONLY}
+   .sym = {3, 4, 5}, .flags = H_CPU_ONLY | H_VK_NATIVE}
 #define TF_W1 {.ndim = 1, .shape = {H_SYM(2)}, .fill = H_RANDN, .diff = true}
 #define TF_W2 {.ndim = 2, .shape = {H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .diff = true}
 

@@ -107,6 +107,124 @@ static void test_bad_index(void) {
   kiln_scope_end();
 }
 
+static kiln_tensor *rg(kiln_tensor *t) {
+  if (t) kiln_requires_grad_(t, true);
+  return t;
+}
+
+/* The largest |a - b| / (atol + rtol |b|) over two tensors of one shape (any devices). */
+static double rel_err(kiln_tensor *a, kiln_tensor *b, double rtol, double atol) {
+  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
+  int64_t n = kiln_numel(a);
+  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1)), *y = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  double worst = 0;
+  kiln_tensor *a64 = kiln_to_dtype(kiln_to_device(a, kiln_device_cpu()), KILN_F64);
+  kiln_tensor *b64 = kiln_to_dtype(kiln_to_device(b, kiln_device_cpu()), KILN_F64);
+  if (!x || !y || !a64 || !b64 || kiln_to_host(kiln_contiguous(a64), x, sizeof(double) * (size_t)n) != KILN_OK ||
+      kiln_to_host(kiln_contiguous(b64), y, sizeof(double) * (size_t)n) != KILN_OK)
+    worst = INFINITY;
+  for (int64_t i = 0; worst < INFINITY && i < n; i++) {
+    double e = fabs(x[i] - y[i]) / (atol + rtol * fabs(y[i]));
+    if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+  }
+  free(x), free(y);
+  return worst;
+}
+
+/* The kernels beyond the op families of the first version (creation, scans, norms, the
+** window ops of convolution, the AMP and Adam list ops) run natively: the fallback is at
+** error, so a kernel that falls back fails here; each result is compared with the CPU's
+** (the harness compares every case too, but with the fallback allowed on Vulkan). */
+static void test_native_ops(void) {
+  kiln_fallback_policy saved = kiln_fallback_policy_get();
+  kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new(11);
+  kiln_tensor *xc = kiln_randn(KILN_SHAPE(2, 3, 7, 9), KILN_F32, cpu, g);
+  kiln_tensor *xv = kiln_to_device(xc, vk);
+  CHECK(xv != NULL);
+  /* eye, tril/triu, cumsum (float and integer) */
+  CHECK(rel_err(kiln_eye(5, 7, KILN_F32, vk), kiln_eye(5, 7, KILN_F32, cpu), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_tril(xv, -1), kiln_tril(xc, -1), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_triu(kiln_transpose(xv, 2, 3), 2), kiln_triu(kiln_transpose(xc, 2, 3), 2), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_cumsum(xv, 3), kiln_cumsum(xc, 3), 1e-5, 1e-5) <= 1);
+  CHECK(rel_err(kiln_cumsum(xv, 1), kiln_cumsum(xc, 1), 1e-5, 1e-5) <= 1);
+  kiln_tensor *ic = kiln_randint(-50, 50, KILN_SHAPE(4, 33), KILN_I32, cpu, g);
+  CHECK(rel_err(kiln_cumsum(kiln_to_device(ic, vk), 1), kiln_cumsum(ic, 1), 0, 1e-12) == 0);
+  /* layer norm and RMS norm, forward and gradients */
+  kiln_tensor *wc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
+  kiln_tensor *bc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
+  kiln_tensor *wv = rg(kiln_to_device(kiln_detach(wc), vk));
+  kiln_tensor *bv = rg(kiln_to_device(kiln_detach(bc), vk));
+  kiln_tensor *x2c = rg(kiln_detach(xc)), *x2v = rg(kiln_detach(xv));
+  kiln_tensor *lc = kiln_layer_norm(x2c, 1, (const int64_t[]){9}, wc, bc, 1e-5);
+  kiln_tensor *lv = kiln_layer_norm(x2v, 1, (const int64_t[]){9}, wv, bv, 1e-5);
+  CHECK(rel_err(lv, lc, 1e-4, 1e-5) <= 1);
+  kiln_tensor *gc = kiln_randn(KILN_SHAPE(2, 3, 7, 9), KILN_F32, cpu, g);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(lc, gc)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(lv, kiln_to_device(gc, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(x2v), kiln_grad(x2c), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(wv), kiln_grad(wc), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(bv), kiln_grad(bc), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_rms_norm(xv, 1, (const int64_t[]){9}, wv, 1e-6), kiln_rms_norm(xc, 1, (const int64_t[]){9}, wc, 1e-6),
+                1e-4, 1e-5) <= 1);
+  /* convolution through IM2COL + MATMUL, its gradient through COL2IM; max pooling */
+  kiln_tensor *kc = rg(kiln_randn(KILN_SHAPE(4, 3, 3, 2), KILN_F32, cpu, g));
+  kiln_tensor *kv = rg(kiln_to_device(kiln_detach(kc), vk));
+  kiln_tensor *x3c = rg(kiln_detach(xc)), *x3v = rg(kiln_detach(xv));
+  const int64_t st[2] = {2, 1}, pd[2] = {1, 0}, dl[2] = {1, 2};
+  kiln_tensor *cc = kiln_conv2d(x3c, kc, NULL, st, pd, dl, 1), *cv = kiln_conv2d(x3v, kv, NULL, st, pd, dl, 1);
+  CHECK(rel_err(cv, cc, 1e-4, 1e-4) <= 1);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(cc, cc)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(cv, cv)), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(x3v), kiln_grad(x3c), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(kv), kiln_grad(kc), 1e-4, 1e-4) <= 1);
+  kiln_tensor *ixc = NULL, *ixv = NULL;
+  const int64_t pk[2] = {3, 2}, ps[2] = {2, 2}, pp[2] = {1, 1}, pdl[2] = {1, 1};
+  CHECK(rel_err(kiln_max_pool2d(xv, pk, ps, pp, pdl, &ixv), kiln_max_pool2d(xc, pk, ps, pp, pdl, &ixc), 0, 1e-12) == 0);
+  CHECK(rel_err(ixv, ixc, 0, 1e-12) == 0);
+  /* attention's forward (its backward still falls back): causal, a bool mask, dropout with
+  ** the CPU's Philox mapping (the same generator state on both devices) */
+  kiln_tensor *qc = kiln_randn(KILN_SHAPE(2, 3, 37, 16), KILN_F32, cpu, g);
+  kiln_tensor *kc2 = kiln_randn(KILN_SHAPE(2, 3, 70, 16), KILN_F32, cpu, g);
+  kiln_tensor *vc = kiln_randn(KILN_SHAPE(2, 3, 70, 8), KILN_F32, cpu, g);
+  kiln_tensor *qv = kiln_to_device(qc, vk), *kv2 = kiln_to_device(kc2, vk), *vv = kiln_to_device(vc, vk);
+  CHECK(rel_err(kiln_scaled_dot_product_attention(qv, kv2, vv, NULL, true, 0, 0, NULL),
+                kiln_scaled_dot_product_attention(qc, kc2, vc, NULL, true, 0, 0, NULL), 1e-4, 1e-5) <= 1);
+  kiln_tensor *mc = kiln_gt(kiln_rand(KILN_SHAPE(2, 1, 37, 70), KILN_F32, cpu, g), kiln_full(KILN_SHAPE0, 0.3, KILN_F32, cpu));
+  kiln_generator *d1 = kiln_generator_new(9), *d2 = kiln_generator_new(9);
+  CHECK(rel_err(kiln_scaled_dot_product_attention(qv, kv2, vv, kiln_to_device(mc, vk), false, 0.25, 0.3, d1),
+                kiln_scaled_dot_product_attention(qc, kc2, vc, mc, false, 0.25, 0.3, d2), 1e-4, 1e-5) <= 1);
+  kiln_generator_free(d1), kiln_generator_free(d2);
+  /* AMP's unscale: values scaled, the flag set by an inf only */
+  kiln_tensor *fv = kiln_zeros(KILN_SHAPE(1), KILN_F32, vk);
+  kiln_tensor *g1 = kiln_to_device(xc, vk), *g2 = kiln_full(KILN_SHAPE(3), 4.0, KILN_F32, vk);
+  CHECK(kiln_amp_unscale_(2, (kiln_tensor *const[]){g1, g2}, fv, 0.5) == KILN_OK);
+  CHECK(rel_err(g1, kiln_mul_scalar(xc, 0.5), 0, 1e-12) == 0 && kiln_item(fv) == 0.0);
+  kiln_tensor *g3 = kiln_full(KILN_SHAPE(3), INFINITY, KILN_F32, vk);
+  CHECK(kiln_amp_unscale_(1, (kiln_tensor *const[]){g3}, fv, 0.5) == KILN_OK && kiln_item(fv) == 1.0);
+  /* arange and randint compute in f64: natively only where the device has shaderFloat64 */
+  kiln_tensor *av = kiln_arange(-3, 7.5, 0.1, KILN_F32, vk);
+  if (av) {
+    CHECK(rel_err(av, kiln_arange(-3, 7.5, 0.1, KILN_F32, cpu), 0, 1e-12) == 0);
+    kiln_generator *ga = kiln_generator_new(5), *gb = kiln_generator_new(5);
+    CHECK(rel_err(kiln_randint(-7, 1000, KILN_SHAPE(3, 1001), KILN_I64, vk, ga),
+                  kiln_randint(-7, 1000, KILN_SHAPE(3, 1001), KILN_I64, cpu, gb), 0, 1e-12) == 0);
+    kiln_generator_free(ga), kiln_generator_free(gb);
+  } else {
+    CHECK(kiln_last_error() == KILN_ERR_UNSUPPORTED);
+    printf("test_vulkan_backend: arange/randint fall back on this device (no shaderFloat64)\n");
+    kiln_clear_error();
+  }
+  CHECK(kiln_last_error() == KILN_OK);
+  if (kiln_last_error() != KILN_OK) printf("  last error: %s\n", kiln_last_error_message());
+  kiln_generator_free(g);
+  kiln_scope_end();
+  kiln_clear_error();
+  kiln_set_fallback_policy(saved);
+}
+
 /* The same small MLP and data on the CPU and the device: the losses agree. */
 static double train(kiln_device dev, double *first) {
   kiln_manual_seed(7);
@@ -197,6 +315,7 @@ int main(int argc, char **argv) {
   test_memory();
   test_copies();
   test_bad_index();
+  test_native_ops();
   test_training();
   printf("test_vulkan_backend: %d failures\n", failures);
   return failures ? 1 : 0;

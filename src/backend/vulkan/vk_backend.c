@@ -481,3 +481,45 @@ kiln_status kiln__vk_device_info(int device, kiln_device_info *out) {
   return KILN_OK;
 }
 
+
+kiln_status kiln_vulkan_info_get(int index, kiln_vulkan_info *out) {
+  if (!out) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_vulkan_info_get: out is NULL");
+  memset(out, 0, sizeof *out);
+  vk_dev *d = kiln_device_count(KILN_DEVICE_VULKAN) > index ? kiln__vk_dev(index) : NULL;
+  if (!d) return kiln_set_error(KILN_ERR_DEVICE, "kiln_vulkan_info_get: no device vulkan:%d", index);
+  const char *ty = "other";
+  switch (d->props.deviceType) {
+  case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: ty = "discrete"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: ty = "integrated"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: ty = "virtual"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_CPU: ty = "cpu"; break;
+  default: break;
+  }
+  snprintf(out->type, sizeof out->type, "%s", ty);
+  VkPhysicalDeviceDriverProperties dp = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+  VkPhysicalDeviceProperties2 p2 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &dp};
+  VK->vkGetPhysicalDeviceProperties2(d->pd, &p2);
+  snprintf(out->driver, sizeof out->driver, "%.128s: %.150s", dp.driverName, dp.driverInfo);
+  out->api_version = (int)(VK_API_VERSION_MAJOR(d->props.apiVersion) * 1000 +
+                           VK_API_VERSION_MINOR(d->props.apiVersion) * 10);
+  out->vendor_id = (int)d->props.vendorID, out->device_id = (int)d->props.deviceID;
+  out->n_heaps = (int)d->memprops.memoryHeapCount;
+  if (out->n_heaps > KILN_VK_MAX_HEAPS) out->n_heaps = KILN_VK_MAX_HEAPS;
+  for (int h = 0; h < out->n_heaps; h++) {
+    out->heap_size[h] = (int64_t)d->memprops.memoryHeaps[h].size;
+    out->heap_device_local[h] = (d->memprops.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0;
+  }
+  out->unified = d->unified;
+  out->subgroup_size = (int)d->subgroup_size;
+  out->subgroup_arith = d->subgroup_arith;
+  out->f64 = d->f64, out->f16 = d->f16, out->int8 = d->i8, out->coop_matrix = d->coop_matrix;
+  uint32_t ne = 0;
+  VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, NULL);
+  VkExtensionProperties *ext = calloc(ne ? ne : 1, sizeof *ext);
+  if (ext) {
+    VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, ext);
+    out->bf16 = has_ext(ext, ne, "VK_KHR_shader_bfloat16");
+    free(ext);
+  }
+  return KILN_OK;
+}

@@ -184,7 +184,7 @@ static void test_native_ops(void) {
   const int64_t pk[2] = {3, 2}, ps[2] = {2, 2}, pp[2] = {1, 1}, pdl[2] = {1, 1};
   CHECK(rel_err(kiln_max_pool2d(xv, pk, ps, pp, pdl, &ixv), kiln_max_pool2d(xc, pk, ps, pp, pdl, &ixc), 0, 1e-12) == 0);
   CHECK(rel_err(ixv, ixc, 0, 1e-12) == 0);
-  /* attention's forward (its backward still falls back): causal, a bool mask, dropout with
+  /* attention's forward: causal, a bool mask, dropout with
   ** the CPU's Philox mapping (the same generator state on both devices) */
   kiln_tensor *qc = kiln_randn(KILN_SHAPE(2, 3, 37, 16), KILN_F32, cpu, g);
   kiln_tensor *kc2 = kiln_randn(KILN_SHAPE(2, 3, 70, 16), KILN_F32, cpu, g);
@@ -196,6 +196,19 @@ static void test_native_ops(void) {
   kiln_generator *d1 = kiln_generator_new(9), *d2 = kiln_generator_new(9);
   CHECK(rel_err(kiln_scaled_dot_product_attention(qv, kv2, vv, kiln_to_device(mc, vk), false, 0.25, 0.3, d1),
                 kiln_scaled_dot_product_attention(qc, kc2, vc, mc, false, 0.25, 0.3, d2), 1e-4, 1e-5) <= 1);
+  kiln_generator_free(d1), kiln_generator_free(d2);
+  /* and its backward: the gradients of q, k, v agree (the same dropout drawn again) */
+  kiln_tensor *qa = rg(kiln_detach(qc)), *ka = rg(kiln_detach(kc2)), *va = rg(kiln_detach(vc));
+  kiln_tensor *qb = rg(kiln_detach(qv)), *kb = rg(kiln_detach(kv2)), *vb = rg(kiln_detach(vv));
+  kiln_tensor *go = kiln_randn(KILN_SHAPE(2, 3, 37, 8), KILN_F32, cpu, g);
+  d1 = kiln_generator_new(4), d2 = kiln_generator_new(4);
+  kiln_tensor *oa = kiln_scaled_dot_product_attention(qa, ka, va, mc, false, 0.2, 0, d1);
+  kiln_tensor *ob = kiln_scaled_dot_product_attention(qb, kb, vb, kiln_to_device(mc, vk), false, 0.2, 0, d2);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(oa, go)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(ob, kiln_to_device(go, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(qb), kiln_grad(qa), 1e-4, 1e-5) <= 1);
+  CHECK(rel_err(kiln_grad(kb), kiln_grad(ka), 1e-4, 1e-5) <= 1);
+  CHECK(rel_err(kiln_grad(vb), kiln_grad(va), 1e-4, 1e-5) <= 1);
   kiln_generator_free(d1), kiln_generator_free(d2);
   /* AMP's unscale: values scaled, the flag set by an inf only */
   kiln_tensor *fv = kiln_zeros(KILN_SHAPE(1), KILN_F32, vk);

@@ -848,7 +848,7 @@ static bool adam_multi_supports(const kiln__kargs *a) {
   return true;
 }
 
-/* ---- ATTENTION (forward; the backward falls back for now) ---- */
+/* ---- ATTENTION, ATTENTION_BACKWARD ---- */
 #define VK_ATT_MAXD 128 /* attention.comp's KV_ATT_MAXD: q and the accumulator in registers */
 
 static void put_view_strides(kv_params *p, int slot, const kiln__view *v) {
@@ -890,7 +890,68 @@ static kiln_status vk_attention(const kiln__kargs *a) {
   return kiln__vk_dispatch(a->device, "attention", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
 }
 
+/* Three dispatches of attention_bw (dq with each query row's delta, then dk, then dv) and a
+** scratch row of deltas (B*H*Tq f32). */
+static kiln_status vk_attention_bw(const kiln__kargs *a) {
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *lse = &a->out[3];
+  bool masked = (a->i[0] & 2) != 0;
+  kv_params p = {0};
+  put_view_strides(&p, 1, q);
+  put_view_strides(&p, 2, k);
+  put_view_strides(&p, 3, v);
+  put_view_strides(&p, 4, masked ? &a->in[4] : q);
+  put_view_strides(&p, 5, &a->in[3]);
+  int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2];
+  p.ex[0] = (int32_t)B, p.ex[1] = (int32_t)H, p.ex[2] = (int32_t)Tq, p.ex[3] = (int32_t)Tk;
+  p.ex[4] = (int32_t)q->shape[3], p.ex[5] = (int32_t)v->shape[3];
+  p.ex[6] = (a->i[0] & 1) | (masked ? 2 : 0) | (masked && a->in[4].dtype == KILN_BOOL ? 4 : 0);
+  float sch = (float)a->s[0], scl = (float)(a->s[0] - (double)sch);
+  memcpy(&p.ex[10], &sch, 4);
+  memcpy(&p.ex[11], &scl, 4);
+  if (a->s[1] > 0) {
+    double keep = 1.0 - a->s[1], t = ceil(keep * 16777216.0);
+    p.ex[6] |= 8;
+    p.ex[7] = !(t > 0) ? 0 : t > 16777217.0 ? 16777217 : (int32_t)t;
+    p.s[1] = keep > 0 ? (float)(1.0 / keep) : 0.0f;
+  }
+  p.i[0] = (int32_t)(uint32_t)a->seed, p.i[1] = (int32_t)(uint32_t)(a->seed >> 32);
+  put_u64(&p, 8, a->offset);
+  put_u64(&p, 12, (uint64_t)(uintptr_t)lse->data);
+  for (int d = 0; d < 3; d++) p.shape[d] = (int32_t)lse->strides[d];
+  int64_t nq = B * H * Tq, nk = B * H * Tk;
+  size_t sbytes = (size_t)(nq > 0 ? nq : 1) * 4;
+  void *delta = kiln__vk_alloc(a->device, sbytes);
+  if (!delta) return kiln_last_error();
+  p.flag = (uint64_t)(uintptr_t)delta;
+  kiln_status st = KILN_OK;
+  for (int op = 1; op <= 3 && st == KILN_OK; op++) {
+    p.op = op;
+    put_view_strides(&p, 0, &a->out[op - 1]);
+    int64_t rows = op == 1 ? nq : nk;
+    if (rows == 0) continue;
+    uint64_t groups = ((uint64_t)rows + 63) / 64;
+    uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+    st = kiln__vk_dispatch(a->device, "attention_bw", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+  }
+  /* the queue runs in order behind barriers: freeing now is safe (vk_memory.c) */
+  kiln__vk_free(a->device, delta, sbytes);
+  return st;
+}
+
 static bool attention_supports(const kiln__kargs *a) {
+  if (a->op == KILN__K_ATTENTION_BACKWARD) {
+    if (a->n_out < 4 || a->out[3].dtype != KILN_F32 || a->out[3].ndim != 3 || a->n_in < 4) return false;
+    for (int i = 0; i < 3; i++)
+      if (!is_float(a->out[i].dtype) || a->out[i].ndim != 4) return false;
+    if (!is_float(a->in[3].dtype) || a->in[3].ndim != 4) return false;
+    if ((a->i[0] & 2) && (a->n_in < 5 || (a->in[4].dtype != KILN_BOOL && !is_float(a->in[4].dtype)))) return false;
+    const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return false;
+    if (q->shape[3] > VK_ATT_MAXD || v->shape[3] > VK_ATT_MAXD) return false;
+    for (int i = 0; i < 3; i++)
+      if (!is_float(a->in[i].dtype)) return false;
+    return true;
+  }
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
   if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4 || a->n_out < 2) return false;
   if (q->shape[3] > VK_ATT_MAXD || v->shape[3] > VK_ATT_MAXD) return false;
@@ -933,7 +994,7 @@ bool kiln__vk_supports(const kiln__kargs *a) {
   case KILN__K_IM2COL: case KILN__K_COL2IM: case KILN__K_MAX_POOL2D: return window_supports(a);
   case KILN__K_AMP_UNSCALE: return amp_unscale_supports(a);
   case KILN__K_ADAM_MULTI: return adam_multi_supports(a);
-  case KILN__K_ATTENTION: return attention_supports(a);
+  case KILN__K_ATTENTION: case KILN__K_ATTENTION_BACKWARD: return attention_supports(a);
   default: return ew_supports(a);
   }
 }
@@ -984,7 +1045,7 @@ kiln__backend kiln__vulkan_backend = {
             [KILN__K_LAYER_NORM_BACKWARD] = vk_layer_norm, [KILN__K_IM2COL] = vk_window,
             [KILN__K_COL2IM] = vk_window, [KILN__K_MAX_POOL2D] = vk_window,
             [KILN__K_AMP_UNSCALE] = vk_amp_unscale, [KILN__K_ADAM_MULTI] = vk_adam_multi,
-            [KILN__K_ATTENTION] = vk_attention,
+            [KILN__K_ATTENTION] = vk_attention, [KILN__K_ATTENTION_BACKWARD] = vk_attention_bw,
         },
     .supports = kiln__vk_supports,
     .device_info = kiln__vk_device_info,

@@ -152,6 +152,10 @@ static void test_native_ops(void) {
   CHECK(rel_err(kiln_cumsum(xv, 1), kiln_cumsum(xc, 1), 1e-5, 1e-5) <= 1);
   kiln_tensor *ic = kiln_randint(-50, 50, KILN_SHAPE(4, 33), KILN_I32, cpu, g);
   CHECK(rel_err(kiln_cumsum(kiln_to_device(ic, vk), 1), kiln_cumsum(ic, 1), 0, 1e-12) == 0);
+  /* integer sums are exact (int64), e.g. fashion-mnist's count of correct predictions */
+  CHECK(rel_err(kiln_sum_all(kiln_to_device(ic, vk)), kiln_sum_all(ic), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_sum_all(kiln_eq(kiln_to_device(ic, vk), kiln_to_device(ic, vk))), kiln_sum_all(kiln_eq(ic, ic)), 0,
+                1e-12) == 0);
   /* layer norm and RMS norm, forward and gradients */
   kiln_tensor *wc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
   kiln_tensor *bc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
@@ -210,6 +214,15 @@ static void test_native_ops(void) {
   CHECK(rel_err(kiln_grad(kb), kiln_grad(ka), 1e-4, 1e-5) <= 1);
   CHECK(rel_err(kiln_grad(vb), kiln_grad(va), 1e-4, 1e-5) <= 1);
   kiln_generator_free(d1), kiln_generator_free(d2);
+  /* the elementwise fast path (contiguous aligned f32, vec4s, a capped grid walked in
+  ** strides) with a tail of 3, and the strided path on an unaligned view of the same */
+  int64_t big = (1 << 21) + 3;
+  kiln_tensor *ua = kiln_randn(KILN_SHAPE(big), KILN_F32, cpu, g), *ub = kiln_randn(KILN_SHAPE(big), KILN_F32, cpu, g);
+  kiln_tensor *va2 = kiln_to_device(ua, vk), *vb2 = kiln_to_device(ub, vk);
+  CHECK(rel_err(kiln_add(va2, vb2), kiln_add(ua, ub), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_gelu_tanh(va2), kiln_gelu_tanh(ua), 1e-5, 1e-6) <= 1);
+  CHECK(rel_err(kiln_mul(kiln_slice(va2, 0, 1, big, 1), kiln_slice(vb2, 0, 0, big - 1, 1)),
+                kiln_mul(kiln_slice(ua, 0, 1, big, 1), kiln_slice(ub, 0, 0, big - 1, 1)), 0, 1e-12) == 0);
   /* AMP's unscale: values scaled, the flag set by an inf only */
   kiln_tensor *fv = kiln_zeros(KILN_SHAPE(1), KILN_F32, vk);
   kiln_tensor *g1 = kiln_to_device(xc, vk), *g2 = kiln_full(KILN_SHAPE(3), 4.0, KILN_F32, vk);

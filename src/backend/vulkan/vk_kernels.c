@@ -171,6 +171,15 @@ static kiln_status vk_ew(const kiln__kargs *a) {
   p.ex[0] = is_int(a->out[0].dtype) && (p.op < KV_EQ || p.op == KV_WHERE) ? 1 : 0;
   if (p.op >= KV_EQ && p.op <= KV_GE) p.ex[0] = is_int(a->in[0].dtype);
   if (p.ex[0] && p.op == KV_ADD) p.i[0] = (int32_t)sat_i64(a->s[0]);
+  /* the fast path (ew4.comp): f32 views, contiguous after merging, 16-byte aligned */
+  bool fast = p.op != KV_WHERE && p.ndim == 1 && p.n >= 4;
+  for (int v = 0; v < p.nv && fast; v++)
+    fast = p.dtype[v] == KV_F32 && p.strides[v * KV_MAXD] == 1 && (p.addr[v] & 15) == 0;
+  if (fast) {
+    uint64_t groups = ((uint64_t)p.n / 4 + 255) / 256;
+    if (groups > 4096) groups = 4096; /* the rest by striding: several vec4s per invocation */
+    return kiln__vk_dispatch(a->device, "ew4", &p, sizeof p, (uint32_t)groups, 1, 1);
+  }
   return run_1d(a->device, "ew", &p, p.n);
 }
 
@@ -242,11 +251,15 @@ static kiln_status vk_reduce(const kiln__kargs *a) {
   set_views(&p, 2, vs);
   p.ex[0] = nr;
   p.i[0] = (int32_t)nred;
+  p.ex[15] = is_int(in->dtype) ? 1 : 0;
   return run_rows(a->device, "reduce", &p, p.n);
 }
 
 static bool reduce_supports(const kiln__kargs *a) {
-  return a->in[0].dtype == a->out[0].dtype && is_float(a->in[0].dtype) && a->in[0].ndim <= KV_MAXD;
+  if (a->in[0].ndim > KV_MAXD) return false;
+  kiln_dtype t = a->in[0].dtype, o = a->out[0].dtype;
+  if (is_int(t)) return o == t || o == KILN_I64; /* exact in int64 */
+  return t == o && is_float(t);
 }
 
 /* ---- softmax family: rows along dim i0 ---- */

@@ -223,6 +223,25 @@ static void test_native_ops(void) {
   CHECK(rel_err(kiln_gelu_tanh(va2), kiln_gelu_tanh(ua), 1e-5, 1e-6) <= 1);
   CHECK(rel_err(kiln_mul(kiln_slice(va2, 0, 1, big, 1), kiln_slice(vb2, 0, 0, big - 1, 1)),
                 kiln_mul(kiln_slice(ua, 0, 1, big, 1), kiln_slice(ub, 0, 0, big - 1, 1)), 0, 1e-12) == 0);
+  /* matmul's 128x128 tiles (products of 128 or more each way; edges not multiples of the
+  ** tile or of K's step of 8): batched with a transposed operand; linear with a fused
+  ** bias and ReLU, and its backward (the mask of ReLU, dW with the bias's row sums) */
+  kiln_tensor *ma = kiln_randn(KILN_SHAPE(2, 300, 141), KILN_F32, cpu, g);
+  kiln_tensor *mb = kiln_randn(KILN_SHAPE(2, 260, 141), KILN_F32, cpu, g);
+  CHECK(rel_err(kiln_matmul(kiln_to_device(ma, vk), kiln_transpose(kiln_to_device(mb, vk), 1, 2)),
+                kiln_matmul(ma, kiln_transpose(mb, 1, 2)), 1e-4, 1e-4) <= 1);
+  kiln_tensor *lx = rg(kiln_randn(KILN_SHAPE(257, 133), KILN_F32, cpu, g)), *lw = rg(kiln_randn(KILN_SHAPE(190, 133), KILN_F32, cpu, g));
+  kiln_tensor *lb = rg(kiln_randn(KILN_SHAPE(190), KILN_F32, cpu, g));
+  kiln_tensor *vx = rg(kiln_to_device(kiln_detach(lx), vk)), *vw = rg(kiln_to_device(kiln_detach(lw), vk));
+  kiln_tensor *vbias = rg(kiln_to_device(kiln_detach(lb), vk));
+  kiln_tensor *ly = kiln_linear_relu(lx, lw, lb), *vy = kiln_linear_relu(vx, vw, vbias);
+  CHECK(rel_err(vy, ly, 1e-4, 1e-4) <= 1);
+  kiln_tensor *lg = kiln_randn(KILN_SHAPE(257, 190), KILN_F32, cpu, g);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(ly, lg)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(vy, kiln_to_device(lg, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(vx), kiln_grad(lx), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(vw), kiln_grad(lw), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(vbias), kiln_grad(lb), 1e-4, 1e-4) <= 1);
   /* AMP's unscale: values scaled, the flag set by an inf only */
   kiln_tensor *fv = kiln_zeros(KILN_SHAPE(1), KILN_F32, vk);
   kiln_tensor *g1 = kiln_to_device(xc, vk), *g2 = kiln_full(KILN_SHAPE(3), 4.0, KILN_F32, vk);

@@ -354,9 +354,13 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   p.s[0] = (float)a->s[0];
   p.s[1] = (float)a->s[1];
   kiln_status st = KILN_OK;
+  /* 128x128 tiles (8x8 per invocation) once the product fills them: below that a 64x64
+  ** tile keeps more workgroups in flight */
+  bool big = M >= 128 && N >= 128 && K >= 8;
+  int tile = big ? 128 : 64;
   if (M > 0 && N > 0 && batch > 0)
-    st = kiln__vk_dispatch(a->device, "matmul", &p, sizeof p, (uint32_t)((N + 63) / 64),
-                           (uint32_t)((M + 63) / 64), (uint32_t)batch);
+    st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),
+                           (uint32_t)((M + tile - 1) / tile), (uint32_t)batch);
   if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */
     put_view(&p, 0, &a->out[1]);
     p.ex[13] = (int32_t)a->out[1].strides[0];

@@ -173,13 +173,13 @@ static const h_case sc_cases[] = {
     ** the gradient's position depend on rounding: H_NO_EXPAND, and indices in f32/f64 */
     {.name = "topk largest k 2 dim -1", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = -1, .k = 2, .flag = true}, .n_in = 1, .in = {SC_X3}, .sym = {2, 3, 6},
-     .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP},
+     .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP},
     {.name = "topk smallest k 3 dim 0", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = 0, .k = 3, .flag = false}, .n_in = 1, .in = {SC_X2}, .sym = {5, 4},
-     .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP},
+     .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP},
     {.name = "topk indices", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = 1, .k = 2, .flag = true, .indices = true}, .n_in = 1, .in = {SC_X3},
-     .sym = {2, 5, 3}, .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP | H_NO_GRAD},
+     .sym = {2, 5, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP | H_NO_GRAD},
     /* integer samples: the f16/bf16 runs draw from the rounded probabilities, as the f64
     ** run they are compared with does, so they match exactly */
     {.name = "multinomial with replacement", .fn = sc_mn_b, .ref = sc_mn_r,

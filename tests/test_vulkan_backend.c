@@ -152,6 +152,25 @@ static void test_native_ops(void) {
   CHECK(rel_err(kiln_cumsum(xv, 1), kiln_cumsum(xc, 1), 1e-5, 1e-5) <= 1);
   kiln_tensor *ic = kiln_randint(-50, 50, KILN_SHAPE(4, 33), KILN_I32, cpu, g);
   CHECK(rel_err(kiln_cumsum(kiln_to_device(ic, vk), 1), kiln_cumsum(ic, 1), 0, 1e-12) == 0);
+  /* topk with ties and a NaN (largest and smallest): values and indices as the CPU's */
+  float th[5 * 40];
+  for (int e = 0; e < 5 * 40; e++) th[e] = (float)((e * 7919) % 13) - 6.0f;
+  th[17] = NAN;
+  kiln_tensor *tc = kiln_from_data(th, KILN_SHAPE(5, 40), KILN_F32, cpu), *tv = kiln_to_device(tc, vk);
+  for (int lg2 = 0; lg2 < 2; lg2++) {
+    kiln_tensor *ic2 = NULL, *iv2 = NULL;
+    kiln_tensor *vc2 = kiln_topk(tc, 6, 1, lg2 == 1, true, &ic2), *vv2 = kiln_topk(tv, 6, 1, lg2 == 1, true, &iv2);
+    CHECK(vc2 && vv2 && ic2 && iv2);
+    double *hc = malloc(30 * sizeof(double)), *hv = malloc(30 * sizeof(double));
+    int64_t jc[30], jv[30];
+    CHECK(kiln_to_host(kiln_to_dtype(vc2, KILN_F64), hc, 240) == KILN_OK &&
+          kiln_to_host(kiln_to_dtype(kiln_to_device(vv2, cpu), KILN_F64), hv, 240) == KILN_OK);
+    CHECK(kiln_to_host(ic2, jc, sizeof jc) == KILN_OK && kiln_to_host(kiln_to_device(iv2, cpu), jv, sizeof jv) == KILN_OK);
+    bool same = true;
+    for (int e = 0; e < 30; e++) same = same && jc[e] == jv[e] && (hc[e] == hv[e] || (isnan(hc[e]) && isnan(hv[e])));
+    CHECK(same);
+    free(hc), free(hv);
+  }
   /* integer sums are exact (int64), e.g. fashion-mnist's count of correct predictions */
   CHECK(rel_err(kiln_sum_all(kiln_to_device(ic, vk)), kiln_sum_all(ic), 0, 1e-12) == 0);
   CHECK(rel_err(kiln_sum_all(kiln_eq(kiln_to_device(ic, vk), kiln_to_device(ic, vk))), kiln_sum_all(kiln_eq(ic, ic)), 0,

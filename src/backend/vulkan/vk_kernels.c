@@ -979,6 +979,47 @@ static bool attention_supports(const kiln__kargs *a) {
   return is_float(a->out[0].dtype) && is_float(a->out[1].dtype);
 }
 
+/* ---- TOPK: one invocation per line, k selection rounds (topk.comp) ---- */
+static kiln_status vk_topk(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0];
+  if (dim < 0 || dim >= x->ndim || a->i[1] < 0 || a->i[1] > x->shape[dim] || a->out[0].shape[dim] != a->i[1] ||
+      a->out[0].dtype != x->dtype)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_topk: dim %d and k %lld do not fit the views", dim,
+                          (long long)a->i[1]);
+  const kiln__view *src[3] = {&a->out[0], x, &a->out[1]};
+  kiln__view lines[3];
+  kv_params p = {0};
+  for (int v = 0; v < 3; v++) {
+    lines[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      lines[v].shape[k] = src[v]->shape[d];
+      lines[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
+    lines[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[3] = {&lines[0], &lines[1], &lines[2]};
+  set_views(&p, 3, vs);
+  p.ex[0] = (int32_t)x->shape[dim];
+  p.i[0] = (int32_t)a->i[1];
+  p.i[1] = (a->i[2] & 1) ? 1 : 0;
+  if (p.n == 0 || a->i[1] == 0) return KILN_OK;
+  uint64_t groups = ((uint64_t)p.n + 63) / 64;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  return kiln__vk_dispatch(a->device, "topk", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+}
+
+static bool topk_supports(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0];
+  return dim >= 0 && dim < x->ndim && x->ndim <= KV_MAXD + 1 && is_float(x->dtype) && a->out[0].dtype == x->dtype &&
+         a->n_out == 2 && a->out[1].dtype == KILN_I64 && a->i[1] >= 0 && a->i[1] <= x->shape[dim];
+}
+
 bool kiln__vk_supports(const kiln__kargs *a) {
   for (int i = 0; i < a->n_in; i++)
     if (!fits(&a->in[i])) return false;
@@ -1012,6 +1053,7 @@ bool kiln__vk_supports(const kiln__kargs *a) {
   case KILN__K_AMP_UNSCALE: return amp_unscale_supports(a);
   case KILN__K_ADAM_MULTI: return adam_multi_supports(a);
   case KILN__K_ATTENTION: case KILN__K_ATTENTION_BACKWARD: return attention_supports(a);
+  case KILN__K_TOPK: return topk_supports(a);
   default: return ew_supports(a);
   }
 }
@@ -1063,6 +1105,7 @@ kiln__backend kiln__vulkan_backend = {
             [KILN__K_COL2IM] = vk_window, [KILN__K_MAX_POOL2D] = vk_window,
             [KILN__K_AMP_UNSCALE] = vk_amp_unscale, [KILN__K_ADAM_MULTI] = vk_adam_multi,
             [KILN__K_ATTENTION] = vk_attention, [KILN__K_ATTENTION_BACKWARD] = vk_attention_bw,
+            [KILN__K_TOPK] = vk_topk,
         },
     .supports = kiln__vk_supports,
     .device_info = kiln__vk_device_info,

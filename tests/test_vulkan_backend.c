@@ -249,6 +249,11 @@ static void test_native_ops(void) {
   kiln_tensor *mb = kiln_randn(KILN_SHAPE(2, 260, 141), KILN_F32, cpu, g);
   CHECK(rel_err(kiln_matmul(kiln_to_device(ma, vk), kiln_transpose(kiln_to_device(mb, vk), 1, 2)),
                 kiln_matmul(ma, kiln_transpose(mb, 1, 2)), 1e-4, 1e-4) <= 1);
+  /* f16 products of whole 64x64 tiles: on tensor cores where the device enabled them
+  ** (KILN_VK_COOPMAT=1 with VK_NV_cooperative_matrix), else the tiled shaders */
+  kiln_tensor *ha = kiln_to_dtype(kiln_randn(KILN_SHAPE(3, 256, 96), KILN_F32, cpu, g), KILN_F16);
+  kiln_tensor *hb = kiln_to_dtype(kiln_randn(KILN_SHAPE(3, 96, 192), KILN_F32, cpu, g), KILN_F16);
+  CHECK(rel_err(kiln_matmul(kiln_to_device(ha, vk), kiln_to_device(hb, vk)), kiln_matmul(ha, hb), 1e-2, 1e-2) <= 1);
   kiln_tensor *lx = rg(kiln_randn(KILN_SHAPE(257, 133), KILN_F32, cpu, g)), *lw = rg(kiln_randn(KILN_SHAPE(190, 133), KILN_F32, cpu, g));
   kiln_tensor *lb = rg(kiln_randn(KILN_SHAPE(190), KILN_F32, cpu, g));
   kiln_tensor *vx = rg(kiln_to_device(kiln_detach(lx), vk)), *vw = rg(kiln_to_device(kiln_detach(lw), vk));

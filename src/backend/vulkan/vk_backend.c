@@ -87,6 +87,28 @@ static int find_type(const VkPhysicalDeviceMemoryProperties *mp, uint32_t bits,
   return best;
 }
 
+/* Whether VK_NV_cooperative_matrix has the one shape matmul_cm.comp uses: 16x16x16,
+** f16 A and B, f32 C and D, subgroup scope. */
+static bool coop_nv_f16(VkPhysicalDevice pd) {
+  PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV fn =
+      (PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)VK->vkGetInstanceProcAddr(
+          instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
+  if (!fn) return false;
+  uint32_t n = 0;
+  if (fn(pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
+  VkCooperativeMatrixPropertiesNV *p = calloc(n, sizeof *p);
+  if (!p) return false;
+  for (uint32_t i = 0; i < n; i++) p[i].sType = VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV;
+  bool ok = false;
+  if (fn(pd, &n, p) == VK_SUCCESS)
+    for (uint32_t i = 0; i < n && !ok; i++)
+      ok = p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 && p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+           p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+           p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].scope == VK_SCOPE_SUBGROUP_NV;
+  free(p);
+  return ok;
+}
+
 /* Features and properties of pd; false (with why) when kiln cannot use it. */
 static bool inspect(vk_dev *d, const char **why) {
   VK->vkGetPhysicalDeviceProperties(d->pd, &d->props);
@@ -129,6 +151,7 @@ static bool inspect(vk_dev *d, const char **why) {
     d->coop_matrix = has_ext(ext, ne, "VK_KHR_cooperative_matrix") ||
                      has_ext(ext, ne, "VK_NV_cooperative_matrix");
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
+    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d->pd);
     free(ext);
   }
   uint32_t nq = 0;
@@ -170,7 +193,25 @@ static bool open_device(vk_dev *d, int index, const char **why) {
                            .pNext = &f,
                            .queueCreateInfoCount = 1,
                            .pQueueCreateInfos = &q};
-  VkResult r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+  /* Tensor cores through VK_NV_cooperative_matrix: opt-in (KILN_VK_COOPMAT=1) until the
+  ** H200 has run matmul_cm.comp; a device that refuses it is opened without. */
+  const char *cm_env = getenv("KILN_VK_COOPMAT");
+  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
+                                                    .cooperativeMatrix = VK_TRUE};
+  const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
+  VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
+  d->coop_on = false;
+  if (d->coop_nv && d->f16 && cm_env && strcmp(cm_env, "1") == 0) {
+    f12.pNext = &cm;
+    ci.enabledExtensionCount = 1;
+    ci.ppEnabledExtensionNames = cm_ext;
+    r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+    d->coop_on = r == VK_SUCCESS;
+    f12.pNext = NULL;
+    ci.enabledExtensionCount = 0;
+    ci.ppEnabledExtensionNames = NULL;
+  }
+  if (!d->coop_on) r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
   if (r != VK_SUCCESS) {
     *why = "vkCreateDevice failed";
     return false;

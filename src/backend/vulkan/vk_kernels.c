@@ -354,11 +354,22 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   p.s[0] = (float)a->s[0];
   p.s[1] = (float)a->s[1];
   kiln_status st = KILN_OK;
-  /* 128x128 tiles (8x8 per invocation) once the product fills them: below that a 64x64
-  ** tile keeps more workgroups in flight */
+  /* f16 on tensor cores (matmul_cm.comp) where the device enabled them and the product is
+  ** a plain one of whole 64x64 tiles in row-major, aligned memory */
+  vk_dev *d = dev_of(a);
+  bool cm = d && d->coop_on && C->dtype == KILN_F16 && A->dtype == KILN_F16 && B->dtype == KILN_F16 && !bias &&
+            !mask && a->i[1] == 0 && a->s[0] == 1.0 && a->s[1] == 0 && M % 64 == 0 && N % 64 == 0 && K % 16 == 0 &&
+            p.ex[4] == 1 && p.ex[6] == 1 && p.ex[8] == 1 && p.ex[3] % 8 == 0 && p.ex[5] % 8 == 0 && p.ex[7] % 8 == 0;
+  for (int v = 0; v < 3 && cm; v++) cm = (p.addr[v] & 15) == 0;
+  for (int b = 0; b < p.ndim && cm; b++)
+    for (int v = 0; v < 3 && cm; v++) cm = p.strides[v * KV_MAXD + b] % 8 == 0;
+  if (cm && M > 0 && N > 0 && batch > 0)
+    st = kiln__vk_dispatch(a->device, "matmul_cm", &p, sizeof p, (uint32_t)(N / 64), (uint32_t)(M / 64), (uint32_t)batch);
+  /* else 128x128 tiles (8x8 per invocation) once the product fills them: below that a
+  ** 64x64 tile keeps more workgroups in flight */
   bool big = M >= 128 && N >= 128 && K >= 8;
   int tile = big ? 128 : 64;
-  if (M > 0 && N > 0 && batch > 0)
+  if (!cm && M > 0 && N > 0 && batch > 0)
     st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),
                            (uint32_t)((M + tile - 1) / tile), (uint32_t)batch);
   if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */

@@ -204,6 +204,31 @@ KILN_API kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out
 /* Host<->device copy bandwidth in GB/s, pinned memory (KILN_ERR_INVALID_ARGUMENT on cpu). */
 KILN_API kiln_status kiln_device_bandwidth(kiln_device dev, double *h2d_gbs, double *d2h_gbs);
 
+/* What a Vulkan device offers, for diagnostics (kiln doctor): its type ("discrete",
+** "integrated", "virtual", "cpu", "other"), driver ("name: info" from the driver's
+** properties), Vulkan version (major*1000 + minor*10, as kiln_device_info), memory heaps
+** (size, device-local or not), whether its device memory is host-visible (unified: the
+** host copies are memcpy of mapped memory), its subgroup size and whether compute shaders
+** have subgroup arithmetic (subgroupAdd/subgroupMax), and its optional features: f64, f16
+** and int8 arithmetic, bf16 (VK_KHR_shader_bfloat16) and cooperative matrices
+** (VK_KHR_cooperative_matrix or VK_NV_cooperative_matrix). index is N of vulkan:N.
+** Errors: KILN_ERR_DEVICE (no such device, or a build without Vulkan). */
+#define KILN_VK_MAX_HEAPS 16
+typedef struct kiln_vulkan_info {
+  char type[16];
+  char driver[288];
+  int api_version;
+  int vendor_id, device_id;
+  int n_heaps;
+  int64_t heap_size[KILN_VK_MAX_HEAPS];
+  bool heap_device_local[KILN_VK_MAX_HEAPS];
+  bool unified;
+  int subgroup_size;
+  bool subgroup_arith;
+  bool f64, f16, int8, bf16, coop_matrix;
+} kiln_vulkan_info;
+KILN_API kiln_status kiln_vulkan_info_get(int index, kiln_vulkan_info *out);
+
 /* Threads of the CPU backend (KILN_NUM_THREADS, else the number of cores). */
 KILN_API int kiln_num_threads(void);
 KILN_API void kiln_set_num_threads(int n);

@@ -33,8 +33,13 @@ OUT=$OUT/new scripts/gpu_run.sh test
 peer=.peer/torch_peer.py
 {
   echo "== kiln doctor"; $N/bin/kiln doctor
-  for t in elementwise reduce softmax matmul loss index activation compare view; do
+  for t in elementwise reduce softmax matmul loss index activation compare view scan transformer conv; do
     echo "== harness on vulkan: test_ops_$t"; KILN_TEST_DEVICE=vulkan timeout 120 $N/bin/test_ops_$t 2>&1 | tail -2
+  done
+  # strict: every kernel native (f64 is expected to fail: no f64 arithmetic on Vulkan)
+  for t in scan transformer; do
+    echo "== strict harness on vulkan: test_ops_$t (non-f64 failures)"
+    KILN_TEST_DEVICE=vulkan KILN_HARNESS_STRICT=1 timeout 120 $N/bin/test_ops_$t 2>&1 | grep FAIL | grep -vc float64
   done
   echo "== test_vulkan_backend"; timeout 120 $N/bin/test_vulkan_backend 2>&1 | tail -3
   for r in 1 2; do

@@ -112,7 +112,10 @@ enum {
   H_CPU_ONLY = 1 << 8,
   /* With H_CPU_ONLY: CUDA has the case's kernels now (the convolution family), so a CUDA
   ** device runs it under KILN_FALLBACK=error after all; other backends still fall back. */
-  H_CUDA_NATIVE = 1 << 9
+  H_CUDA_NATIVE = 1 << 9,
+  /* With H_CPU_ONLY: Vulkan has the case's kernels, so a strict Vulkan run
+  ** (KILN_HARNESS_STRICT=1) keeps the fallback at error for it. */
+  H_VK_NATIVE = 1 << 10
 };
 
 typedef struct h_case {

@@ -71,6 +71,19 @@ static void test_doctor_json(void) {
     CR_CHECK(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(smoke, "ok")), "smoke.ok");
     cJSON *err = cJSON_GetObjectItemCaseSensitive(smoke, "cpu_matmul_max_err");
     CR_CHECK(cJSON_IsNumber(err) && err->valuedouble < 1e-3, "cpu_matmul_max_err");
+    /* each Vulkan device: its type, driver, heaps, subgroup and features (kiln_vulkan_info_get) */
+    cJSON *vks = cJSON_GetObjectItemCaseSensitive(smoke, "vulkan");
+    if (kiln_backend_available(KILN_DEVICE_VULKAN, NULL) && kiln_device_count(KILN_DEVICE_VULKAN) > 0) {
+      cJSON *v0 = cJSON_IsArray(vks) ? cJSON_GetArrayItem(vks, 0) : NULL;
+      CR_CHECK(v0 && cJSON_IsString(cJSON_GetObjectItemCaseSensitive(v0, "type")) &&
+                   cJSON_IsString(cJSON_GetObjectItemCaseSensitive(v0, "driver")) &&
+                   cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(v0, "heaps")) &&
+                   cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(v0, "heaps")) >= 1 &&
+                   cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(v0, "subgroup_size")) &&
+                   cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(v0, "cooperative_matrix")) &&
+                   cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(v0, "unified_memory")),
+               "vulkan:0's details (type, driver, heaps, subgroup, features) missing");
+    }
     cJSON *th = cJSON_GetObjectItemCaseSensitive(j, "threads");
     CR_CHECK(cJSON_IsNumber(th) && th->valueint >= 1, "threads");
     cJSON *env = cJSON_GetObjectItemCaseSensitive(j, "env");

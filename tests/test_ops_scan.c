@@ -158,28 +158,28 @@ static int sc_mn_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
 
 static const h_case sc_cases[] = {
     {.name = "cumsum dim -1", .fn = sc_cumsum_b, .ref = sc_cumsum_r, .ctx = &(const sc_ctx){.dim = -1}, .n_in = 1,
-     .in = {SC_X3}, .sym = {2, 3, 5}, .flags = H_CPU_ONLY},
+     .in = {SC_X3}, .sym = {2, 3, 5}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     {.name = "cumsum dim 1", .fn = sc_cumsum_b, .ref = sc_cumsum_r, .ctx = &(const sc_ctx){.dim = 1}, .n_in = 1,
-     .in = {SC_X3}, .sym = {2, 4, 3}, .flags = H_CPU_ONLY},
+     .in = {SC_X3}, .sym = {2, 4, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     {.name = "tril 0", .fn = sc_tri_b, .ref = sc_tri_r, .ctx = &(const sc_ctx){.k = 0}, .n_in = 1,
-     .in = {SC_X3}, .sym = {2, 4, 5}, .flags = H_CPU_ONLY},
+     .in = {SC_X3}, .sym = {2, 4, 5}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     {.name = "tril -1", .fn = sc_tri_b, .ref = sc_tri_r, .ctx = &(const sc_ctx){.k = -1}, .n_in = 1,
-     .in = {SC_X2}, .sym = {4, 3}, .flags = H_CPU_ONLY},
+     .in = {SC_X2}, .sym = {4, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     {.name = "triu 1", .fn = sc_tri_b, .ref = sc_tri_r, .ctx = &(const sc_ctx){.k = 1, .flag = true}, .n_in = 1,
-     .in = {SC_X3}, .sym = {2, 4, 5}, .flags = H_CPU_ONLY},
+     .in = {SC_X3}, .sym = {2, 4, 5}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     {.name = "triu -2", .fn = sc_tri_b, .ref = sc_tri_r, .ctx = &(const sc_ctx){.k = -2, .flag = true}, .n_in = 1,
-     .in = {SC_X2}, .sym = {5, 3}, .flags = H_CPU_ONLY},
+     .in = {SC_X2}, .sym = {5, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE},
     /* ties (the expanded variant's equal rows, 16-bit rounding) would make the order and
     ** the gradient's position depend on rounding: H_NO_EXPAND, and indices in f32/f64 */
     {.name = "topk largest k 2 dim -1", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = -1, .k = 2, .flag = true}, .n_in = 1, .in = {SC_X3}, .sym = {2, 3, 6},
-     .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP},
+     .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP},
     {.name = "topk smallest k 3 dim 0", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = 0, .k = 3, .flag = false}, .n_in = 1, .in = {SC_X2}, .sym = {5, 4},
-     .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP},
+     .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP},
     {.name = "topk indices", .fn = sc_topk_b, .ref = sc_topk_r,
      .ctx = &(const sc_ctx){.dim = 1, .k = 2, .flag = true, .indices = true}, .n_in = 1, .in = {SC_X3},
-     .sym = {2, 5, 3}, .flags = H_CPU_ONLY | H_NO_EXPAND | H_NO_LOWP | H_NO_GRAD},
+     .sym = {2, 5, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_EXPAND | H_NO_LOWP | H_NO_GRAD},
     /* integer samples: the f16/bf16 runs draw from the rounded probabilities, as the f64
     ** run they are compared with does, so they match exactly */
     {.name = "multinomial with replacement", .fn = sc_mn_b, .ref = sc_mn_r,

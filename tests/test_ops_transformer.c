@@ -58,7 +58,7 @@ static int tf_norm_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
   {.name = nm, .fn = tf_norm_b, .ref = tf_norm_r, .ctx = &(const tf_norm_ctx){r, ndn, np}, .n_in = 1 + (np), \
    .in = {{.ndim = 3, .shape = {H_SYM(0), H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .hi = 2, .diff = true},     \
           __VA_ARGS__},                                                                                    \
-   .sym = {3, 4, 5}, .flags = H_CPU_ONLY}
+   .sym = {3, 4, 5}, .flags = H_CPU_ONLY | H_VK_NATIVE}
 #define TF_W1 {.ndim = 1, .shape = {H_SYM(2)}, .fill = H_RANDN, .diff = true}
 #define TF_W2 {.ndim = 2, .shape = {H_SYM(1), H_SYM(2)}, .fill = H_RANDN, .diff = true}
 
@@ -152,7 +152,7 @@ static int tf_att_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
 #define TF_V {.ndim = 4, .shape = {H_SYM(0), H_SYM(1), H_SYM(3), H_SYM(5)}, .fill = H_RANDN, .diff = true}
 #define TF_ATT(nm, m, cz, dp, sc, nin, ...)                                                                  \
   {.name = nm, .fn = tf_att_b, .ref = tf_att_r, .ctx = &(const tf_att_ctx){m, cz, dp, sc}, .n_in = nin,      \
-   .in = {TF_Q, TF_K, TF_V, __VA_ARGS__}, .sym = {2, 2, 3, 5, 4, 3}, .flags = H_CPU_ONLY}
+   .in = {TF_Q, TF_K, TF_V, __VA_ARGS__}, .sym = {2, 2, 3, 5, 4, 3}, .flags = H_CPU_ONLY | H_VK_NATIVE}
 
 static const h_case tf_att_cases[] = {
     TF_ATT("sdpa plain", 0, false, 0, 0, 3, {0}),
@@ -169,7 +169,7 @@ static const h_case tf_att_cases[] = {
      .in = {{.ndim = 4, .shape = {1, 1, H_SYM(0), 3}, .fill = H_RANDN, .hi = 3, .diff = true},
             {.ndim = 4, .shape = {1, 1, H_SYM(0), 3}, .fill = H_RANDN, .hi = 3, .diff = true},
             {.ndim = 4, .shape = {1, 1, H_SYM(0), 2}, .fill = H_RANDN, .diff = true}},
-     .sym = {150}, .flags = H_CPU_ONLY | H_NO_SIZE1 | H_NO_EXPAND},
+     .sym = {150}, .flags = H_CPU_ONLY | H_VK_NATIVE | H_NO_SIZE1 | H_NO_EXPAND},
 };
 
 /* ---------------------------------------------------------------- hand-written */

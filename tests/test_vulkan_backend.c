@@ -107,6 +107,193 @@ static void test_bad_index(void) {
   kiln_scope_end();
 }
 
+static kiln_tensor *rg(kiln_tensor *t) {
+  if (t) kiln_requires_grad_(t, true);
+  return t;
+}
+
+/* The largest |a - b| / (atol + rtol |b|) over two tensors of one shape (any devices). */
+static double rel_err(kiln_tensor *a, kiln_tensor *b, double rtol, double atol) {
+  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
+  int64_t n = kiln_numel(a);
+  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1)), *y = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  double worst = 0;
+  kiln_tensor *a64 = kiln_to_dtype(kiln_to_device(a, kiln_device_cpu()), KILN_F64);
+  kiln_tensor *b64 = kiln_to_dtype(kiln_to_device(b, kiln_device_cpu()), KILN_F64);
+  if (!x || !y || !a64 || !b64 || kiln_to_host(kiln_contiguous(a64), x, sizeof(double) * (size_t)n) != KILN_OK ||
+      kiln_to_host(kiln_contiguous(b64), y, sizeof(double) * (size_t)n) != KILN_OK)
+    worst = INFINITY;
+  for (int64_t i = 0; worst < INFINITY && i < n; i++) {
+    double e = fabs(x[i] - y[i]) / (atol + rtol * fabs(y[i]));
+    if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+  }
+  free(x), free(y);
+  return worst;
+}
+
+/* The kernels beyond the op families of the first version (creation, scans, norms, the
+** window ops of convolution, the AMP and Adam list ops) run natively: the fallback is at
+** error, so a kernel that falls back fails here; each result is compared with the CPU's
+** (the harness compares every case too, but with the fallback allowed on Vulkan). */
+static void test_native_ops(void) {
+  kiln_fallback_policy saved = kiln_fallback_policy_get();
+  kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new(11);
+  kiln_tensor *xc = kiln_randn(KILN_SHAPE(2, 3, 7, 9), KILN_F32, cpu, g);
+  kiln_tensor *xv = kiln_to_device(xc, vk);
+  CHECK(xv != NULL);
+  /* eye, tril/triu, cumsum (float and integer) */
+  CHECK(rel_err(kiln_eye(5, 7, KILN_F32, vk), kiln_eye(5, 7, KILN_F32, cpu), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_tril(xv, -1), kiln_tril(xc, -1), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_triu(kiln_transpose(xv, 2, 3), 2), kiln_triu(kiln_transpose(xc, 2, 3), 2), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_cumsum(xv, 3), kiln_cumsum(xc, 3), 1e-5, 1e-5) <= 1);
+  CHECK(rel_err(kiln_cumsum(xv, 1), kiln_cumsum(xc, 1), 1e-5, 1e-5) <= 1);
+  kiln_tensor *ic = kiln_randint(-50, 50, KILN_SHAPE(4, 33), KILN_I32, cpu, g);
+  CHECK(rel_err(kiln_cumsum(kiln_to_device(ic, vk), 1), kiln_cumsum(ic, 1), 0, 1e-12) == 0);
+  /* topk with ties and a NaN (largest and smallest): values and indices as the CPU's */
+  float th[5 * 40];
+  for (int e = 0; e < 5 * 40; e++) th[e] = (float)((e * 7919) % 13) - 6.0f;
+  th[17] = NAN;
+  kiln_tensor *tc = kiln_from_data(th, KILN_SHAPE(5, 40), KILN_F32, cpu), *tv = kiln_to_device(tc, vk);
+  for (int lg2 = 0; lg2 < 2; lg2++) {
+    kiln_tensor *ic2 = NULL, *iv2 = NULL;
+    kiln_tensor *vc2 = kiln_topk(tc, 6, 1, lg2 == 1, true, &ic2), *vv2 = kiln_topk(tv, 6, 1, lg2 == 1, true, &iv2);
+    CHECK(vc2 && vv2 && ic2 && iv2);
+    double *hc = malloc(30 * sizeof(double)), *hv = malloc(30 * sizeof(double));
+    int64_t jc[30], jv[30];
+    CHECK(kiln_to_host(kiln_to_dtype(vc2, KILN_F64), hc, 240) == KILN_OK &&
+          kiln_to_host(kiln_to_dtype(kiln_to_device(vv2, cpu), KILN_F64), hv, 240) == KILN_OK);
+    CHECK(kiln_to_host(ic2, jc, sizeof jc) == KILN_OK && kiln_to_host(kiln_to_device(iv2, cpu), jv, sizeof jv) == KILN_OK);
+    bool same = true;
+    for (int e = 0; e < 30; e++) same = same && jc[e] == jv[e] && (hc[e] == hv[e] || (isnan(hc[e]) && isnan(hv[e])));
+    CHECK(same);
+    free(hc), free(hv);
+  }
+  /* integer sums are exact (int64), e.g. fashion-mnist's count of correct predictions */
+  CHECK(rel_err(kiln_sum_all(kiln_to_device(ic, vk)), kiln_sum_all(ic), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_sum_all(kiln_eq(kiln_to_device(ic, vk), kiln_to_device(ic, vk))), kiln_sum_all(kiln_eq(ic, ic)), 0,
+                1e-12) == 0);
+  /* layer norm and RMS norm, forward and gradients */
+  kiln_tensor *wc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
+  kiln_tensor *bc = rg(kiln_randn(KILN_SHAPE(9), KILN_F32, cpu, g));
+  kiln_tensor *wv = rg(kiln_to_device(kiln_detach(wc), vk));
+  kiln_tensor *bv = rg(kiln_to_device(kiln_detach(bc), vk));
+  kiln_tensor *x2c = rg(kiln_detach(xc)), *x2v = rg(kiln_detach(xv));
+  kiln_tensor *lc = kiln_layer_norm(x2c, 1, (const int64_t[]){9}, wc, bc, 1e-5);
+  kiln_tensor *lv = kiln_layer_norm(x2v, 1, (const int64_t[]){9}, wv, bv, 1e-5);
+  CHECK(rel_err(lv, lc, 1e-4, 1e-5) <= 1);
+  kiln_tensor *gc = kiln_randn(KILN_SHAPE(2, 3, 7, 9), KILN_F32, cpu, g);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(lc, gc)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(lv, kiln_to_device(gc, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(x2v), kiln_grad(x2c), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(wv), kiln_grad(wc), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(bv), kiln_grad(bc), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_rms_norm(xv, 1, (const int64_t[]){9}, wv, 1e-6), kiln_rms_norm(xc, 1, (const int64_t[]){9}, wc, 1e-6),
+                1e-4, 1e-5) <= 1);
+  /* convolution through IM2COL + MATMUL, its gradient through COL2IM; max pooling */
+  kiln_tensor *kc = rg(kiln_randn(KILN_SHAPE(4, 3, 3, 2), KILN_F32, cpu, g));
+  kiln_tensor *kv = rg(kiln_to_device(kiln_detach(kc), vk));
+  kiln_tensor *x3c = rg(kiln_detach(xc)), *x3v = rg(kiln_detach(xv));
+  const int64_t st[2] = {2, 1}, pd[2] = {1, 0}, dl[2] = {1, 2};
+  kiln_tensor *cc = kiln_conv2d(x3c, kc, NULL, st, pd, dl, 1), *cv = kiln_conv2d(x3v, kv, NULL, st, pd, dl, 1);
+  CHECK(rel_err(cv, cc, 1e-4, 1e-4) <= 1);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(cc, cc)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(cv, cv)), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(x3v), kiln_grad(x3c), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(kv), kiln_grad(kc), 1e-4, 1e-4) <= 1);
+  kiln_tensor *ixc = NULL, *ixv = NULL;
+  const int64_t pk[2] = {3, 2}, ps[2] = {2, 2}, pp[2] = {1, 1}, pdl[2] = {1, 1};
+  CHECK(rel_err(kiln_max_pool2d(xv, pk, ps, pp, pdl, &ixv), kiln_max_pool2d(xc, pk, ps, pp, pdl, &ixc), 0, 1e-12) == 0);
+  CHECK(rel_err(ixv, ixc, 0, 1e-12) == 0);
+  /* attention's forward: causal, a bool mask, dropout with
+  ** the CPU's Philox mapping (the same generator state on both devices) */
+  kiln_tensor *qc = kiln_randn(KILN_SHAPE(2, 3, 37, 16), KILN_F32, cpu, g);
+  kiln_tensor *kc2 = kiln_randn(KILN_SHAPE(2, 3, 70, 16), KILN_F32, cpu, g);
+  kiln_tensor *vc = kiln_randn(KILN_SHAPE(2, 3, 70, 8), KILN_F32, cpu, g);
+  kiln_tensor *qv = kiln_to_device(qc, vk), *kv2 = kiln_to_device(kc2, vk), *vv = kiln_to_device(vc, vk);
+  CHECK(rel_err(kiln_scaled_dot_product_attention(qv, kv2, vv, NULL, true, 0, 0, NULL),
+                kiln_scaled_dot_product_attention(qc, kc2, vc, NULL, true, 0, 0, NULL), 1e-4, 1e-5) <= 1);
+  kiln_tensor *mc = kiln_gt(kiln_rand(KILN_SHAPE(2, 1, 37, 70), KILN_F32, cpu, g), kiln_full(KILN_SHAPE0, 0.3, KILN_F32, cpu));
+  kiln_generator *d1 = kiln_generator_new(9), *d2 = kiln_generator_new(9);
+  CHECK(rel_err(kiln_scaled_dot_product_attention(qv, kv2, vv, kiln_to_device(mc, vk), false, 0.25, 0.3, d1),
+                kiln_scaled_dot_product_attention(qc, kc2, vc, mc, false, 0.25, 0.3, d2), 1e-4, 1e-5) <= 1);
+  kiln_generator_free(d1), kiln_generator_free(d2);
+  /* and its backward: the gradients of q, k, v agree (the same dropout drawn again) */
+  kiln_tensor *qa = rg(kiln_detach(qc)), *ka = rg(kiln_detach(kc2)), *va = rg(kiln_detach(vc));
+  kiln_tensor *qb = rg(kiln_detach(qv)), *kb = rg(kiln_detach(kv2)), *vb = rg(kiln_detach(vv));
+  kiln_tensor *go = kiln_randn(KILN_SHAPE(2, 3, 37, 8), KILN_F32, cpu, g);
+  d1 = kiln_generator_new(4), d2 = kiln_generator_new(4);
+  kiln_tensor *oa = kiln_scaled_dot_product_attention(qa, ka, va, mc, false, 0.2, 0, d1);
+  kiln_tensor *ob = kiln_scaled_dot_product_attention(qb, kb, vb, kiln_to_device(mc, vk), false, 0.2, 0, d2);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(oa, go)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(ob, kiln_to_device(go, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(qb), kiln_grad(qa), 1e-4, 1e-5) <= 1);
+  CHECK(rel_err(kiln_grad(kb), kiln_grad(ka), 1e-4, 1e-5) <= 1);
+  CHECK(rel_err(kiln_grad(vb), kiln_grad(va), 1e-4, 1e-5) <= 1);
+  kiln_generator_free(d1), kiln_generator_free(d2);
+  /* the elementwise fast path (contiguous aligned f32, vec4s, a capped grid walked in
+  ** strides) with a tail of 3, and the strided path on an unaligned view of the same */
+  int64_t big = (1 << 21) + 3;
+  kiln_tensor *ua = kiln_randn(KILN_SHAPE(big), KILN_F32, cpu, g), *ub = kiln_randn(KILN_SHAPE(big), KILN_F32, cpu, g);
+  kiln_tensor *va2 = kiln_to_device(ua, vk), *vb2 = kiln_to_device(ub, vk);
+  CHECK(rel_err(kiln_add(va2, vb2), kiln_add(ua, ub), 0, 1e-12) == 0);
+  CHECK(rel_err(kiln_gelu_tanh(va2), kiln_gelu_tanh(ua), 1e-5, 1e-6) <= 1);
+  CHECK(rel_err(kiln_mul(kiln_slice(va2, 0, 1, big, 1), kiln_slice(vb2, 0, 0, big - 1, 1)),
+                kiln_mul(kiln_slice(ua, 0, 1, big, 1), kiln_slice(ub, 0, 0, big - 1, 1)), 0, 1e-12) == 0);
+  /* matmul's 128x128 tiles (products of 128 or more each way; edges not multiples of the
+  ** tile or of K's step of 8): batched with a transposed operand; linear with a fused
+  ** bias and ReLU, and its backward (the mask of ReLU, dW with the bias's row sums) */
+  kiln_tensor *ma = kiln_randn(KILN_SHAPE(2, 300, 141), KILN_F32, cpu, g);
+  kiln_tensor *mb = kiln_randn(KILN_SHAPE(2, 260, 141), KILN_F32, cpu, g);
+  CHECK(rel_err(kiln_matmul(kiln_to_device(ma, vk), kiln_transpose(kiln_to_device(mb, vk), 1, 2)),
+                kiln_matmul(ma, kiln_transpose(mb, 1, 2)), 1e-4, 1e-4) <= 1);
+  /* f16 products of whole 64x64 tiles: on tensor cores where the device enabled them
+  ** (KILN_VK_COOPMAT=1 with VK_NV_cooperative_matrix), else the tiled shaders */
+  kiln_tensor *ha = kiln_to_dtype(kiln_randn(KILN_SHAPE(3, 256, 96), KILN_F32, cpu, g), KILN_F16);
+  kiln_tensor *hb = kiln_to_dtype(kiln_randn(KILN_SHAPE(3, 96, 192), KILN_F32, cpu, g), KILN_F16);
+  CHECK(rel_err(kiln_matmul(kiln_to_device(ha, vk), kiln_to_device(hb, vk)), kiln_matmul(ha, hb), 1e-2, 1e-2) <= 1);
+  kiln_tensor *lx = rg(kiln_randn(KILN_SHAPE(257, 133), KILN_F32, cpu, g)), *lw = rg(kiln_randn(KILN_SHAPE(190, 133), KILN_F32, cpu, g));
+  kiln_tensor *lb = rg(kiln_randn(KILN_SHAPE(190), KILN_F32, cpu, g));
+  kiln_tensor *vx = rg(kiln_to_device(kiln_detach(lx), vk)), *vw = rg(kiln_to_device(kiln_detach(lw), vk));
+  kiln_tensor *vbias = rg(kiln_to_device(kiln_detach(lb), vk));
+  kiln_tensor *ly = kiln_linear_relu(lx, lw, lb), *vy = kiln_linear_relu(vx, vw, vbias);
+  CHECK(rel_err(vy, ly, 1e-4, 1e-4) <= 1);
+  kiln_tensor *lg = kiln_randn(KILN_SHAPE(257, 190), KILN_F32, cpu, g);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(ly, lg)), NULL) == KILN_OK);
+  CHECK(kiln_backward(kiln_sum_all(kiln_mul(vy, kiln_to_device(lg, vk))), NULL) == KILN_OK);
+  CHECK(rel_err(kiln_grad(vx), kiln_grad(lx), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(vw), kiln_grad(lw), 1e-4, 1e-4) <= 1);
+  CHECK(rel_err(kiln_grad(vbias), kiln_grad(lb), 1e-4, 1e-4) <= 1);
+  /* AMP's unscale: values scaled, the flag set by an inf only */
+  kiln_tensor *fv = kiln_zeros(KILN_SHAPE(1), KILN_F32, vk);
+  kiln_tensor *g1 = kiln_to_device(xc, vk), *g2 = kiln_full(KILN_SHAPE(3), 4.0, KILN_F32, vk);
+  CHECK(kiln_amp_unscale_(2, (kiln_tensor *const[]){g1, g2}, fv, 0.5) == KILN_OK);
+  CHECK(rel_err(g1, kiln_mul_scalar(xc, 0.5), 0, 1e-12) == 0 && kiln_item(fv) == 0.0);
+  kiln_tensor *g3 = kiln_full(KILN_SHAPE(3), INFINITY, KILN_F32, vk);
+  CHECK(kiln_amp_unscale_(1, (kiln_tensor *const[]){g3}, fv, 0.5) == KILN_OK && kiln_item(fv) == 1.0);
+  /* arange and randint compute in f64: natively only where the device has shaderFloat64 */
+  kiln_tensor *av = kiln_arange(-3, 7.5, 0.1, KILN_F32, vk);
+  if (av) {
+    CHECK(rel_err(av, kiln_arange(-3, 7.5, 0.1, KILN_F32, cpu), 0, 1e-12) == 0);
+    kiln_generator *ga = kiln_generator_new(5), *gb = kiln_generator_new(5);
+    CHECK(rel_err(kiln_randint(-7, 1000, KILN_SHAPE(3, 1001), KILN_I64, vk, ga),
+                  kiln_randint(-7, 1000, KILN_SHAPE(3, 1001), KILN_I64, cpu, gb), 0, 1e-12) == 0);
+    kiln_generator_free(ga), kiln_generator_free(gb);
+  } else {
+    CHECK(kiln_last_error() == KILN_ERR_UNSUPPORTED);
+    printf("test_vulkan_backend: arange/randint fall back on this device (no shaderFloat64)\n");
+    kiln_clear_error();
+  }
+  CHECK(kiln_last_error() == KILN_OK);
+  if (kiln_last_error() != KILN_OK) printf("  last error: %s\n", kiln_last_error_message());
+  kiln_generator_free(g);
+  kiln_scope_end();
+  kiln_clear_error();
+  kiln_set_fallback_policy(saved);
+}
+
 /* The same small MLP and data on the CPU and the device: the losses agree. */
 static double train(kiln_device dev, double *first) {
   kiln_manual_seed(7);
@@ -197,6 +384,7 @@ int main(int argc, char **argv) {
   test_memory();
   test_copies();
   test_bad_index();
+  test_native_ops();
   test_training();
   printf("test_vulkan_backend: %d failures\n", failures);
   return failures ? 1 : 0;

@@ -48,6 +48,8 @@ typedef struct cuda_result {
   bool info_ok;
   kiln_device_info info;
   double pinned_h2d, pinned_d2h; /* GB/s with pinned memory, NAN when not measured */
+  bool vk_ok;         /* Vulkan only: vk holds the device's features */
+  kiln_vulkan_info vk;
   char msg[320];
 } cuda_result;
 
@@ -316,8 +318,17 @@ static void diagnose(doctor *d) {
       snprintf(fix, sizeof fix, "%s", "update the GPU driver (kiln needs Vulkan 1.2 with bufferDeviceAddress, shaderInt64 and 8/16-bit storage); `vulkaninfo` shows what the device offers");
     add_problem(d, "warning", what, fix);
   }
+  bool vk_gpu = false;
+  for (int i = 0; i < d->nvk; i++) vk_gpu = vk_gpu || (d->vk[i].vk_ok && strcmp(d->vk[i].vk.type, "cpu") != 0);
+  if (d->nvk > 0 && !vk_gpu && d->ncuda == 0)
+    add_problem(d, "note", "the only Vulkan device is a CPU (lavapipe/llvmpipe): slower than kiln's own CPU backend, so kiln_device_best() keeps the CPU",
+                "for a GPU, install its Vulkan driver: mesa-vulkan-drivers (AMD radv, Intel anv), NVIDIA's driver with its Vulkan part, MoltenVK on macOS; `vulkaninfo --summary` must list it");
   for (int i = 0; i < d->nvk; i++) {
     const cuda_result *r = &d->vk[i];
+    if (r->vk_ok && strcmp(r->vk.type, "cpu") != 0 && !r->vk.subgroup_arith) {
+      snprintf(what, sizeof what, "vulkan:%d has no subgroup arithmetic in compute shaders: reductions take the shared-memory path", r->index);
+      add_problem(d, "note", what, "update the GPU driver (subgroup arithmetic is in Vulkan 1.1 drivers of every current GPU)");
+    }
     if (r->ran && !r->ok) {
       snprintf(what, sizeof what, "vulkan:%d (%s) smoke test failed: %s", r->index,
                r->info_ok ? r->info.name : "?", r->msg);
@@ -452,6 +463,26 @@ static void print_json(const doctor *d) {
       cli_json_int(&j, "driver_version", r->info.driver_version);
       cli_json_int(&j, "total_memory", r->info.total_memory);
     }
+    if (r->vk_ok) {
+      cli_json_string(&j, "type", r->vk.type);
+      cli_json_string(&j, "driver", r->vk.driver);
+      cli_json_bool(&j, "unified_memory", r->vk.unified);
+      cli_json_int(&j, "subgroup_size", r->vk.subgroup_size);
+      cli_json_bool(&j, "subgroup_arithmetic", r->vk.subgroup_arith);
+      cli_json_bool(&j, "f64", r->vk.f64);
+      cli_json_bool(&j, "f16", r->vk.f16);
+      cli_json_bool(&j, "bf16", r->vk.bf16);
+      cli_json_bool(&j, "int8", r->vk.int8);
+      cli_json_bool(&j, "cooperative_matrix", r->vk.coop_matrix);
+      cli_json_array_begin(&j, "heaps");
+      for (int h = 0; h < r->vk.n_heaps; h++) {
+        cli_json_object_begin(&j, NULL);
+        cli_json_int(&j, "size", r->vk.heap_size[h]);
+        cli_json_bool(&j, "device_local", r->vk.heap_device_local[h]);
+        cli_json_object_end(&j);
+      }
+      cli_json_array_end(&j);
+    }
     json_device_tail(&j, r);
   }
   cli_json_array_end(&j);
@@ -560,6 +591,29 @@ static void print_text(const doctor *d) {
     }
     cli_table_print(stdout, vt, pretty);
     cli_table_free(vt);
+    for (int i = 0; i < d->nvk; i++) {
+      const cuda_result *r = &d->vk[i];
+      if (!r->vk_ok) continue;
+      char b1[400], hb[32];
+      printf("  vulkan:%d\n", r->index);
+      kv("type", r->vk.type);
+      kv("driver", r->vk.driver);
+      size_t used = 0;
+      b1[0] = 0;
+      for (int h = 0; h < r->vk.n_heaps && used < sizeof b1 - 64; h++) {
+        kiln_format_bytes(r->vk.heap_size[h], hb, sizeof hb);
+        used += (size_t)snprintf(b1 + used, sizeof b1 - used, "%s%s%s", h ? ", " : "", hb,
+                                 r->vk.heap_device_local[h] ? " (device-local)" : "");
+      }
+      kv("memory heaps", b1);
+      kv("unified", r->vk.unified ? "yes (host copies are memcpy of mapped device memory)" : "no (copies go through a staging buffer)");
+      snprintf(b1, sizeof b1, "%d, arithmetic %s", r->vk.subgroup_size, r->vk.subgroup_arith ? "yes" : "no");
+      kv("subgroup", b1);
+      snprintf(b1, sizeof b1, "f64 %s, f16 %s, bf16 %s, int8 %s, cooperative matrix %s", r->vk.f64 ? "yes" : "no",
+               r->vk.f16 ? "yes" : "no", r->vk.bf16 ? "yes" : "no", r->vk.int8 ? "yes" : "no",
+               r->vk.coop_matrix ? "yes" : "no");
+      kv("features", b1);
+    }
   }
 
   cli_heading(stdout, pretty, "Smoke test");
@@ -720,6 +774,8 @@ int cli_doctor(int argc, char **argv) {
       d->vk[i].index = i;
       d->vk[i].dev = (kiln_device){d->be[d->vk_slot].type, i};
       smoke_cuda(&d->vk[i], a, b, c_ref); /* the same checks: matmul vs CPU, copies */
+      d->vk[i].vk_ok = kiln_vulkan_info_get(i, &d->vk[i].vk) == KILN_OK;
+      if (!d->vk[i].vk_ok) kiln_clear_error();
     }
     d->nvk = n;
   }

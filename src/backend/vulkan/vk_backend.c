@@ -87,6 +87,28 @@ static int find_type(const VkPhysicalDeviceMemoryProperties *mp, uint32_t bits,
   return best;
 }
 
+/* Whether VK_NV_cooperative_matrix has the one shape matmul_cm.comp uses: 16x16x16,
+** f16 A and B, f32 C and D, subgroup scope. */
+static bool coop_nv_f16(VkPhysicalDevice pd) {
+  PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV fn =
+      (PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)VK->vkGetInstanceProcAddr(
+          instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
+  if (!fn) return false;
+  uint32_t n = 0;
+  if (fn(pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
+  VkCooperativeMatrixPropertiesNV *p = calloc(n, sizeof *p);
+  if (!p) return false;
+  for (uint32_t i = 0; i < n; i++) p[i].sType = VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV;
+  bool ok = false;
+  if (fn(pd, &n, p) == VK_SUCCESS)
+    for (uint32_t i = 0; i < n && !ok; i++)
+      ok = p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 && p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+           p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+           p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].scope == VK_SCOPE_SUBGROUP_NV;
+  free(p);
+  return ok;
+}
+
 /* Features and properties of pd; false (with why) when kiln cannot use it. */
 static bool inspect(vk_dev *d, const char **why) {
   VK->vkGetPhysicalDeviceProperties(d->pd, &d->props);
@@ -129,6 +151,7 @@ static bool inspect(vk_dev *d, const char **why) {
     d->coop_matrix = has_ext(ext, ne, "VK_KHR_cooperative_matrix") ||
                      has_ext(ext, ne, "VK_NV_cooperative_matrix");
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
+    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d->pd);
     free(ext);
   }
   uint32_t nq = 0;
@@ -170,7 +193,25 @@ static bool open_device(vk_dev *d, int index, const char **why) {
                            .pNext = &f,
                            .queueCreateInfoCount = 1,
                            .pQueueCreateInfos = &q};
-  VkResult r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+  /* Tensor cores through VK_NV_cooperative_matrix: opt-in (KILN_VK_COOPMAT=1) until the
+  ** H200 has run matmul_cm.comp; a device that refuses it is opened without. */
+  const char *cm_env = getenv("KILN_VK_COOPMAT");
+  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
+                                                    .cooperativeMatrix = VK_TRUE};
+  const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
+  VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
+  d->coop_on = false;
+  if (d->coop_nv && d->f16 && cm_env && strcmp(cm_env, "1") == 0) {
+    f12.pNext = &cm;
+    ci.enabledExtensionCount = 1;
+    ci.ppEnabledExtensionNames = cm_ext;
+    r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+    d->coop_on = r == VK_SUCCESS;
+    f12.pNext = NULL;
+    ci.enabledExtensionCount = 0;
+    ci.ppEnabledExtensionNames = NULL;
+  }
+  if (!d->coop_on) r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
   if (r != VK_SUCCESS) {
     *why = "vkCreateDevice failed";
     return false;
@@ -481,3 +522,45 @@ kiln_status kiln__vk_device_info(int device, kiln_device_info *out) {
   return KILN_OK;
 }
 
+
+kiln_status kiln_vulkan_info_get(int index, kiln_vulkan_info *out) {
+  if (!out) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_vulkan_info_get: out is NULL");
+  memset(out, 0, sizeof *out);
+  vk_dev *d = kiln_device_count(KILN_DEVICE_VULKAN) > index ? kiln__vk_dev(index) : NULL;
+  if (!d) return kiln_set_error(KILN_ERR_DEVICE, "kiln_vulkan_info_get: no device vulkan:%d", index);
+  const char *ty = "other";
+  switch (d->props.deviceType) {
+  case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: ty = "discrete"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: ty = "integrated"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: ty = "virtual"; break;
+  case VK_PHYSICAL_DEVICE_TYPE_CPU: ty = "cpu"; break;
+  default: break;
+  }
+  snprintf(out->type, sizeof out->type, "%s", ty);
+  VkPhysicalDeviceDriverProperties dp = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+  VkPhysicalDeviceProperties2 p2 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &dp};
+  VK->vkGetPhysicalDeviceProperties2(d->pd, &p2);
+  snprintf(out->driver, sizeof out->driver, "%.128s: %.150s", dp.driverName, dp.driverInfo);
+  out->api_version = (int)(VK_API_VERSION_MAJOR(d->props.apiVersion) * 1000 +
+                           VK_API_VERSION_MINOR(d->props.apiVersion) * 10);
+  out->vendor_id = (int)d->props.vendorID, out->device_id = (int)d->props.deviceID;
+  out->n_heaps = (int)d->memprops.memoryHeapCount;
+  if (out->n_heaps > KILN_VK_MAX_HEAPS) out->n_heaps = KILN_VK_MAX_HEAPS;
+  for (int h = 0; h < out->n_heaps; h++) {
+    out->heap_size[h] = (int64_t)d->memprops.memoryHeaps[h].size;
+    out->heap_device_local[h] = (d->memprops.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0;
+  }
+  out->unified = d->unified;
+  out->subgroup_size = (int)d->subgroup_size;
+  out->subgroup_arith = d->subgroup_arith;
+  out->f64 = d->f64, out->f16 = d->f16, out->int8 = d->i8, out->coop_matrix = d->coop_matrix;
+  uint32_t ne = 0;
+  VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, NULL);
+  VkExtensionProperties *ext = calloc(ne ? ne : 1, sizeof *ext);
+  if (ext) {
+    VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, ext);
+    out->bf16 = has_ext(ext, ne, "VK_KHR_shader_bfloat16");
+    free(ext);
+  }
+  return KILN_OK;
+}

@@ -148,6 +148,8 @@ typedef struct vk_dev {
   uint32_t subgroup_size;
   bool f64, f16, i8, i16, i64, atomic_f32, coop_matrix, subgroup_arith;
   bool unified;        /* device memory is host-visible (integrated GPUs, lavapipe) */
+  bool coop_nv;        /* VK_NV_cooperative_matrix offered with 16x16x16 f16 -> f32 */
+  bool coop_on;        /* and enabled (KILN_VK_COOPMAT=1): matmul_cm.comp for f16 */
   uint32_t mem_type;   /* for tensors */
   uint32_t host_type;  /* host-visible, coherent (staging, parameters) */
   uint64_t heap_size;  /* of mem_type's heap */

@@ -171,6 +171,15 @@ static kiln_status vk_ew(const kiln__kargs *a) {
   p.ex[0] = is_int(a->out[0].dtype) && (p.op < KV_EQ || p.op == KV_WHERE) ? 1 : 0;
   if (p.op >= KV_EQ && p.op <= KV_GE) p.ex[0] = is_int(a->in[0].dtype);
   if (p.ex[0] && p.op == KV_ADD) p.i[0] = (int32_t)sat_i64(a->s[0]);
+  /* the fast path (ew4.comp): f32 views, contiguous after merging, 16-byte aligned */
+  bool fast = p.op != KV_WHERE && p.ndim == 1 && p.n >= 4;
+  for (int v = 0; v < p.nv && fast; v++)
+    fast = p.dtype[v] == KV_F32 && p.strides[v * KV_MAXD] == 1 && (p.addr[v] & 15) == 0;
+  if (fast) {
+    uint64_t groups = ((uint64_t)p.n / 4 + 255) / 256;
+    if (groups > 4096) groups = 4096; /* the rest by striding: several vec4s per invocation */
+    return kiln__vk_dispatch(a->device, "ew4", &p, sizeof p, (uint32_t)groups, 1, 1);
+  }
   return run_1d(a->device, "ew", &p, p.n);
 }
 
@@ -242,11 +251,15 @@ static kiln_status vk_reduce(const kiln__kargs *a) {
   set_views(&p, 2, vs);
   p.ex[0] = nr;
   p.i[0] = (int32_t)nred;
+  p.ex[15] = is_int(in->dtype) ? 1 : 0;
   return run_rows(a->device, "reduce", &p, p.n);
 }
 
 static bool reduce_supports(const kiln__kargs *a) {
-  return a->in[0].dtype == a->out[0].dtype && is_float(a->in[0].dtype) && a->in[0].ndim <= KV_MAXD;
+  if (a->in[0].ndim > KV_MAXD) return false;
+  kiln_dtype t = a->in[0].dtype, o = a->out[0].dtype;
+  if (is_int(t)) return o == t || o == KILN_I64; /* exact in int64 */
+  return t == o && is_float(t);
 }
 
 /* ---- softmax family: rows along dim i0 ---- */
@@ -341,9 +354,28 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   p.s[0] = (float)a->s[0];
   p.s[1] = (float)a->s[1];
   kiln_status st = KILN_OK;
-  if (M > 0 && N > 0 && batch > 0)
-    st = kiln__vk_dispatch(a->device, "matmul", &p, sizeof p, (uint32_t)((N + 63) / 64),
-                           (uint32_t)((M + 63) / 64), (uint32_t)batch);
+  /* f16 on tensor cores (matmul_cm.comp) where the device enabled them and the product is
+  ** a plain one of whole 64x64 tiles in row-major, aligned memory */
+  vk_dev *d = dev_of(a);
+  bool cm = d && d->coop_on && C->dtype == KILN_F16 && A->dtype == KILN_F16 && B->dtype == KILN_F16 && !bias &&
+            !mask && a->i[1] == 0 && a->s[0] == 1.0 && a->s[1] == 0 && M % 64 == 0 && N % 64 == 0 && K % 16 == 0 &&
+            p.ex[4] == 1 && p.ex[6] == 1 && p.ex[8] == 1 && p.ex[3] % 8 == 0 && p.ex[5] % 8 == 0 && p.ex[7] % 8 == 0;
+  for (int v = 0; v < 3 && cm; v++) cm = (p.addr[v] & 15) == 0;
+  for (int b = 0; b < p.ndim && cm; b++)
+    for (int v = 0; v < 3 && cm; v++) cm = p.strides[v * KV_MAXD + b] % 8 == 0;
+  if (cm && M > 0 && N > 0 && batch > 0)
+    st = kiln__vk_dispatch(a->device, "matmul_cm", &p, sizeof p, (uint32_t)(N / 64), (uint32_t)(M / 64), (uint32_t)batch);
+  /* else 128x128 tiles (8x8 per invocation) once there are enough of them to fill a GPU
+  ** (256: about two per multiprocessor of the largest GPUs); below that 64x64 tiles keep
+  ** four times the workgroups in flight. A CPU device (lavapipe) has no such concern and
+  ** takes the big tiles whenever they fit, which also keeps them tested there. */
+  int64_t tiles128 = ((M + 127) / 128) * ((N + 127) / 128) * batch;
+  bool cpu_dev = d && d->props.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU;
+  bool big = M >= 128 && N >= 128 && K >= 8 && (cpu_dev || tiles128 >= 256);
+  int tile = big ? 128 : 64;
+  if (!cm && M > 0 && N > 0 && batch > 0)
+    st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),
+                           (uint32_t)((M + tile - 1) / tile), (uint32_t)batch);
   if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */
     put_view(&p, 0, &a->out[1]);
     p.ex[13] = (int32_t)a->out[1].strides[0];
@@ -575,6 +607,435 @@ static kiln_status vk_random(const kiln__kargs *a) {
   return run_1d(a->device, "random", &p, p.n);
 }
 
+/* ---- ARANGE, EYE, RAND_INT, TRIL ---- */
+static void put_f64_bits(kv_params *p, int at, double x) {
+  uint64_t u;
+  memcpy(&u, &x, 8);
+  p->ex[at] = (int32_t)(uint32_t)u, p->ex[at + 1] = (int32_t)(uint32_t)(u >> 32);
+}
+
+static void put_u64(kv_params *p, int at, uint64_t u) {
+  p->ex[at] = (int32_t)(uint32_t)u, p->ex[at + 1] = (int32_t)(uint32_t)(u >> 32);
+}
+
+/* ARANGE and RAND_INT compute in f64 as the CPU does (arange.comp): devices with
+** shaderFloat64 only; the rest fall back. */
+static kiln_status vk_arange(const kiln__kargs *a) {
+  kv_params p = {0};
+  const kiln__view *vs[1] = {&a->out[0]};
+  set_views(&p, 1, vs);
+  put_f64_bits(&p, 0, a->s[0]);
+  put_f64_bits(&p, 2, a->s[1]);
+  return run_1d(a->device, "arange", &p, p.n);
+}
+
+static kiln_status vk_rand_int(const kiln__kargs *a) {
+  if (a->i[1] <= a->i[0])
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_randint: low %lld must be below high %lld",
+                          (long long)a->i[0], (long long)a->i[1]);
+  kv_params p = {0};
+  const kiln__view *vs[1] = {&a->out[0]};
+  set_views(&p, 1, vs);
+  p.op = 1;
+  p.i[0] = (int32_t)(uint32_t)a->seed, p.i[1] = (int32_t)(uint32_t)(a->seed >> 32);
+  put_u64(&p, 4, a->offset);
+  put_u64(&p, 6, (uint64_t)a->i[0]);
+  put_u64(&p, 8, (uint64_t)a->i[1]);
+  return run_1d(a->device, "arange", &p, p.n);
+}
+
+/* A view as it is (no coalescing): the walk needs its row and column indices. */
+static void set_views_as_is(kv_params *p, int nv, const kiln__view *const *vs) {
+  p->nv = nv;
+  p->ndim = vs[0]->ndim;
+  p->n = (int32_t)kiln__view_numel(vs[0]);
+  for (int d = 0; d < vs[0]->ndim; d++) p->shape[d] = (int32_t)vs[0]->shape[d];
+  for (int i = 0; i < nv; i++) {
+    p->addr[i] = (uint64_t)(uintptr_t)vs[i]->data;
+    p->dtype[i] = (int32_t)vs[i]->dtype;
+    for (int d = 0; d < vs[i]->ndim; d++) p->strides[i * KV_MAXD + d] = (int32_t)vs[i]->strides[d];
+  }
+}
+
+static kiln_status vk_eye(const kiln__kargs *a) {
+  if (a->out[0].ndim != 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_eye: out must be 2-d, got %d dims", a->out[0].ndim);
+  kv_params p = {0};
+  const kiln__view *vs[1] = {&a->out[0]};
+  set_views_as_is(&p, 1, vs);
+  p.op = KV_M_EYE;
+  p.ex[0] = (int32_t)a->out[0].shape[1];
+  return run_1d(a->device, "misc", &p, p.n);
+}
+
+static kiln_status vk_tril(const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *y = &a->out[0];
+  if (x->ndim < 2 || x->dtype != y->dtype)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_tril: the kernel wants 2 or more dims and one dtype");
+  kv_params p = {0};
+  const kiln__view *vs[2] = {y, x};
+  set_views_as_is(&p, 2, vs);
+  p.op = KV_M_TRIL;
+  p.i[0] = (int32_t)a->i[0];
+  p.i[1] = a->i[1] == 1;
+  p.i[2] = (int32_t)kiln_dtype_size(x->dtype);
+  return run_1d(a->device, "misc", &p, p.n);
+}
+
+/* ---- CUMSUM: one invocation per line along dim i0 ---- */
+static kiln_status vk_cumsum(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  if (dim < 0 || dim >= a->in[0].ndim)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_cumsum: dim %d invalid for %d dims", dim, a->in[0].ndim);
+  const kiln__view *src[2] = {&a->out[0], &a->in[0]};
+  kiln__view lines[2];
+  kv_params p = {0};
+  for (int v = 0; v < 2; v++) {
+    lines[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      lines[v].shape[k] = src[v]->shape[d];
+      lines[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
+    lines[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[2] = {&lines[0], &lines[1]};
+  set_views(&p, 2, vs);
+  p.ex[0] = (int32_t)a->in[0].shape[dim];
+  p.i[0] = a->i[1] == 1;
+  if (p.ex[0] == 0 || p.n == 0) return KILN_OK;
+  uint64_t groups = ((uint64_t)p.n + 63) / 64;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  return kiln__vk_dispatch(a->device, "cumsum", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+}
+
+static bool cumsum_supports(const kiln__kargs *a) {
+  kiln_dtype t = a->in[0].dtype, o = a->out[0].dtype;
+  int dim = (int)a->i[0];
+  if (dim < 0 || dim >= a->in[0].ndim || a->in[0].ndim > KV_MAXD + 1) return false;
+  if (is_float(t)) return o == t;
+  return is_int(t) && o == KILN_I64;
+}
+
+/* ---- LAYER_NORM (+ RMS), LAYER_NORM_BACKWARD ---- */
+static kiln_status vk_layer_norm(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD, rms = a->i[1] == 1;
+  const kiln__view *x = &a->in[0];
+  if (x->ndim != 2 || a->out[0].ndim != 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants x as (rows, n)",
+                          bw ? "kiln_layer_norm_backward" : "kiln_layer_norm");
+  int64_t R = x->shape[0], N = x->shape[1];
+  kv_params p = {0};
+  p.ex[0] = (int32_t)R, p.ex[1] = (int32_t)N;
+  p.ex[2] = (int32_t)x->strides[0], p.ex[3] = (int32_t)x->strides[1];
+  p.ex[6] = (int32_t)a->out[0].strides[0], p.ex[7] = (int32_t)a->out[0].strides[1];
+  p.ex[12] = ((a->i[0] & 1) ? 1 : 0) | (rms ? 4 : 0);
+  p.s[0] = (float)a->s[0];
+  for (int v = 0; v < KV_MAXV; v++) put_view(&p, v, x); /* absent views: never touched */
+  put_view(&p, 0, &a->out[0]);
+  if (!bw) {
+    int wi = 1;
+    if (a->i[0] & 1) put_view(&p, 2, &a->in[wi]), p.ex[10] = (int32_t)a->in[wi].strides[0], wi++;
+    if (a->i[0] & 2) put_view(&p, 3, &a->in[wi]), p.ex[11] = (int32_t)a->in[wi].strides[0], p.ex[12] |= 2;
+    if (rms) {
+      put_view(&p, 5, &a->out[1]), p.ex[9] = (int32_t)a->out[1].strides[0];
+    } else {
+      put_view(&p, 4, &a->out[1]), p.ex[8] = (int32_t)a->out[1].strides[0];
+      put_view(&p, 5, &a->out[2]), p.ex[9] = (int32_t)a->out[2].strides[0];
+    }
+    p.op = KV_LN_FWD;
+    if (R == 0 || N == 0) return KILN_OK;
+    return run_rows(a->device, "layernorm", &p, R);
+  }
+  put_view(&p, 1, x);
+  put_view(&p, 2, &a->in[1]);
+  p.ex[4] = (int32_t)a->in[1].strides[0], p.ex[5] = (int32_t)a->in[1].strides[1];
+  put_view(&p, 3, &a->in[2]), p.ex[8] = (int32_t)a->in[2].strides[0];
+  put_view(&p, 4, &a->in[3]), p.ex[9] = (int32_t)a->in[3].strides[0];
+  if (a->i[0] & 1) put_view(&p, 5, &a->in[4]), p.ex[10] = (int32_t)a->in[4].strides[0];
+  kiln_status st = KILN_OK;
+  p.op = KV_LN_BWD;
+  if (R > 0 && N > 0) st = run_rows(a->device, "layernorm", &p, R);
+  if (st != KILN_OK || a->n_out < 2) return st;
+  /* the weight's (and bias's) gradients: one invocation per column, over every row */
+  kv_params w = p;
+  w.op = KV_LN_WGRAD;
+  w.ex[12] = rms ? 4 : 0;
+  put_view(&w, 0, &a->out[1]), w.ex[10] = (int32_t)a->out[1].strides[0];
+  if (a->n_out > 2) put_view(&w, 5, &a->out[2]), w.ex[11] = (int32_t)a->out[2].strides[0], w.ex[12] |= 2;
+  if (N == 0) return KILN_OK;
+  return run_1d(a->device, "layernorm", &w, N);
+}
+
+static bool layer_norm_supports(const kiln__kargs *a) {
+  if (a->in[0].ndim != 2 || a->out[0].ndim != 2) return false;
+  for (int i = 0; i < a->n_in; i++)
+    if (!is_float(a->in[i].dtype)) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (!is_float(a->out[i].dtype)) return false;
+  return true;
+}
+
+/* ---- IM2COL, COL2IM, MAX_POOL2D ---- */
+static kiln_status vk_window(const kiln__kargs *a) {
+  const kiln__conv_params *cp = a->params;
+  if (!cp) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
+  const kiln__view *x = a->op == KILN__K_COL2IM ? &a->out[0] : &a->in[0];
+  kv_params p = {0};
+  const kiln__view *vs[3] = {&a->out[0], &a->in[0], a->n_out > 1 ? &a->out[1] : &a->out[0]};
+  set_views_as_is(&p, 3, vs);
+  p.op = a->op == KILN__K_IM2COL ? KV_W_IM2COL : a->op == KILN__K_COL2IM ? KV_W_COL2IM : KV_W_MAXPOOL;
+  for (int k = 0; k < 2; k++) {
+    p.ex[0 + k] = (int32_t)cp->kernel[k], p.ex[2 + k] = (int32_t)cp->stride[k];
+    p.ex[4 + k] = (int32_t)cp->padding[k], p.ex[6 + k] = (int32_t)cp->dilation[k];
+  }
+  p.ex[8] = (int32_t)x->shape[2], p.ex[9] = (int32_t)x->shape[3];
+  const kiln__view *o = a->op == KILN__K_IM2COL ? &a->out[0] : a->op == KILN__K_COL2IM ? &a->in[0] : &a->out[0];
+  p.ex[10] = (int32_t)o->shape[o->ndim - 2], p.ex[11] = (int32_t)o->shape[o->ndim - 1];
+  p.i[2] = (int32_t)kiln_dtype_size(a->in[0].dtype);
+  return run_1d(a->device, "window", &p, p.n);
+}
+
+static bool window_supports(const kiln__kargs *a) {
+  const kiln__conv_params *cp = a->params;
+  if (!cp) return false;
+  for (int k = 0; k < 2; k++)
+    if (cp->kernel[k] > I32MAX || cp->stride[k] < 1 || cp->stride[k] > I32MAX || cp->padding[k] > I32MAX ||
+        cp->padding[k] < 0 || cp->dilation[k] > I32MAX)
+      return false;
+  switch (a->op) {
+  case KILN__K_IM2COL: /* bits moved: f64 too */
+    return a->in[0].ndim == 4 && a->out[0].ndim == 6 && a->in[0].dtype == a->out[0].dtype &&
+           (is_float(a->in[0].dtype) || a->in[0].dtype == KILN_F64);
+  case KILN__K_COL2IM:
+    return a->in[0].ndim == 6 && a->out[0].ndim == 4 && is_float(a->in[0].dtype) && is_float(a->out[0].dtype);
+  default:
+    return a->in[0].ndim == 4 && a->out[0].ndim == 4 && a->n_out == 2 && is_float(a->in[0].dtype) &&
+           a->out[0].dtype == a->in[0].dtype && a->out[1].dtype == KILN_I64;
+  }
+}
+
+/* ---- AMP_UNSCALE (a list of width 1), ADAM_MULTI (groups of ADAM) ---- */
+static kiln_status vk_amp_unscale(const kiln__kargs *a) {
+  if (a->list_w != 1 || a->n_out < 1 || a->out[0].dtype != KILN_F32)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln amp_unscale kernel: expected a list of width 1 and an f32 flag");
+  for (int g = 0; g < a->list_n; g++) {
+    kv_params p = {0};
+    const kiln__view *vs[1] = {&a->list[g]};
+    set_views(&p, 1, vs);
+    p.nv = 1;
+    put_view(&p, 1, &a->out[0]);
+    p.op = KV_M_UNSCALE;
+    p.s[0] = (float)a->s[0];
+    kiln_status st = run_1d(a->device, "misc", &p, p.n);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static bool amp_unscale_supports(const kiln__kargs *a) {
+  if (a->list_w != 1 || a->n_out < 1 || a->out[0].dtype != KILN_F32) return false;
+  for (int g = 0; g < a->list_n; g++)
+    if (!is_float(a->list[g].dtype) || !fits(&a->list[g])) return false;
+  return true;
+}
+
+static kiln_status vk_adam(const kiln__kargs *a);
+static bool adam_supports(const kiln__kargs *a);
+
+/* Group g of an ADAM_MULTI as one ADAM (host-side step; flag 4 is not supported here). */
+static void adam_group(const kiln__kargs *a, int g, kiln__kargs *one) {
+  *one = *a;
+  one->op = KILN__K_ADAM;
+  one->list_n = 0, one->list = NULL, one->list_i = NULL;
+  const kiln__view *v = &a->list[(size_t)g * (size_t)a->list_w];
+  one->n_in = 1;
+  one->in[0] = v[0];
+  one->n_out = a->list_w - 1;
+  for (int k = 0; k < one->n_out && k < KILN__MAX_KOUT; k++) one->out[k] = v[1 + k];
+  one->i[0] = a->list_i ? a->list_i[g] : 1;
+}
+
+static kiln_status vk_adam_multi(const kiln__kargs *a) {
+  for (int g = 0; g < a->list_n; g++) {
+    kiln__kargs one;
+    adam_group(a, g, &one);
+    kiln_status st = vk_adam(&one);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static bool adam_multi_supports(const kiln__kargs *a) {
+  if ((a->i[1] & 4) || a->list_w < 4 || a->list_w > 5) return false;
+  for (int g = 0; g < a->list_n; g++) {
+    kiln__kargs one;
+    adam_group(a, g, &one);
+    for (int k = 0; k < a->list_w; k++)
+      if (!fits(&a->list[(size_t)g * (size_t)a->list_w + (size_t)k])) return false;
+    if (!adam_supports(&one)) return false;
+  }
+  return true;
+}
+
+/* ---- ATTENTION, ATTENTION_BACKWARD ---- */
+#define VK_ATT_MAXD 128 /* attention.comp's KV_ATT_MAXD: q and the accumulator in registers */
+
+static void put_view_strides(kv_params *p, int slot, const kiln__view *v) {
+  put_view(p, slot, v);
+  for (int d = 0; d < v->ndim && d < KV_MAXD; d++) p->strides[slot * KV_MAXD + d] = (int32_t)v->strides[d];
+}
+
+static kiln_status vk_attention(const kiln__kargs *a) {
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_scaled_dot_product_attention: the kernel wants 4-d q, k, v");
+  bool masked = (a->i[0] & 2) != 0;
+  kv_params p = {0};
+  put_view_strides(&p, 0, &a->out[0]);
+  put_view_strides(&p, 1, q);
+  put_view_strides(&p, 2, k);
+  put_view_strides(&p, 3, v);
+  put_view_strides(&p, 4, masked ? &a->in[3] : q);
+  put_view_strides(&p, 5, &a->out[1]);
+  int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2];
+  p.ex[0] = (int32_t)B, p.ex[1] = (int32_t)H, p.ex[2] = (int32_t)Tq, p.ex[3] = (int32_t)Tk;
+  p.ex[4] = (int32_t)q->shape[3], p.ex[5] = (int32_t)v->shape[3];
+  p.ex[6] = (a->i[0] & 1) | (masked ? 2 : 0) | (masked && a->in[3].dtype == KILN_BOOL ? 4 : 0);
+  float sch = (float)a->s[0], scl = (float)(a->s[0] - (double)sch); /* the scale as hi + lo */
+  memcpy(&p.ex[10], &sch, 4);
+  memcpy(&p.ex[11], &scl, 4);
+  if (a->s[1] > 0) { /* kept when u = j 2^-24 < 1 - p: j < ceil((1 - p) 2^24), as RAND_BERNOULLI */
+    double keep = 1.0 - a->s[1], t = ceil(keep * 16777216.0);
+    p.ex[6] |= 8;
+    p.ex[7] = !(t > 0) ? 0 : t > 16777217.0 ? 16777217 : (int32_t)t;
+    p.s[1] = keep > 0 ? (float)(1.0 / keep) : 0.0f;
+  }
+  p.i[0] = (int32_t)(uint32_t)a->seed, p.i[1] = (int32_t)(uint32_t)(a->seed >> 32);
+  put_u64(&p, 8, a->offset);
+  int64_t rows = B * H * Tq;
+  if (rows == 0) return KILN_OK;
+  uint64_t groups = ((uint64_t)rows + 63) / 64;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  return kiln__vk_dispatch(a->device, "attention", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+}
+
+/* Three dispatches of attention_bw (dq with each query row's delta, then dk, then dv) and a
+** scratch row of deltas (B*H*Tq f32). */
+static kiln_status vk_attention_bw(const kiln__kargs *a) {
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *lse = &a->out[3];
+  bool masked = (a->i[0] & 2) != 0;
+  kv_params p = {0};
+  put_view_strides(&p, 1, q);
+  put_view_strides(&p, 2, k);
+  put_view_strides(&p, 3, v);
+  put_view_strides(&p, 4, masked ? &a->in[4] : q);
+  put_view_strides(&p, 5, &a->in[3]);
+  int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2];
+  p.ex[0] = (int32_t)B, p.ex[1] = (int32_t)H, p.ex[2] = (int32_t)Tq, p.ex[3] = (int32_t)Tk;
+  p.ex[4] = (int32_t)q->shape[3], p.ex[5] = (int32_t)v->shape[3];
+  p.ex[6] = (a->i[0] & 1) | (masked ? 2 : 0) | (masked && a->in[4].dtype == KILN_BOOL ? 4 : 0);
+  float sch = (float)a->s[0], scl = (float)(a->s[0] - (double)sch);
+  memcpy(&p.ex[10], &sch, 4);
+  memcpy(&p.ex[11], &scl, 4);
+  if (a->s[1] > 0) {
+    double keep = 1.0 - a->s[1], t = ceil(keep * 16777216.0);
+    p.ex[6] |= 8;
+    p.ex[7] = !(t > 0) ? 0 : t > 16777217.0 ? 16777217 : (int32_t)t;
+    p.s[1] = keep > 0 ? (float)(1.0 / keep) : 0.0f;
+  }
+  p.i[0] = (int32_t)(uint32_t)a->seed, p.i[1] = (int32_t)(uint32_t)(a->seed >> 32);
+  put_u64(&p, 8, a->offset);
+  put_u64(&p, 12, (uint64_t)(uintptr_t)lse->data);
+  for (int d = 0; d < 3; d++) p.shape[d] = (int32_t)lse->strides[d];
+  int64_t nq = B * H * Tq, nk = B * H * Tk;
+  size_t sbytes = (size_t)(nq > 0 ? nq : 1) * 4;
+  void *delta = kiln__vk_alloc(a->device, sbytes);
+  if (!delta) return kiln_last_error();
+  p.flag = (uint64_t)(uintptr_t)delta;
+  kiln_status st = KILN_OK;
+  for (int op = 1; op <= 3 && st == KILN_OK; op++) {
+    p.op = op;
+    put_view_strides(&p, 0, &a->out[op - 1]);
+    int64_t rows = op == 1 ? nq : nk;
+    if (rows == 0) continue;
+    uint64_t groups = ((uint64_t)rows + 63) / 64;
+    uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+    st = kiln__vk_dispatch(a->device, "attention_bw", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+  }
+  /* the queue runs in order behind barriers: freeing now is safe (vk_memory.c) */
+  kiln__vk_free(a->device, delta, sbytes);
+  return st;
+}
+
+static bool attention_supports(const kiln__kargs *a) {
+  if (a->op == KILN__K_ATTENTION_BACKWARD) {
+    if (a->n_out < 4 || a->out[3].dtype != KILN_F32 || a->out[3].ndim != 3 || a->n_in < 4) return false;
+    for (int i = 0; i < 3; i++)
+      if (!is_float(a->out[i].dtype) || a->out[i].ndim != 4) return false;
+    if (!is_float(a->in[3].dtype) || a->in[3].ndim != 4) return false;
+    if ((a->i[0] & 2) && (a->n_in < 5 || (a->in[4].dtype != KILN_BOOL && !is_float(a->in[4].dtype)))) return false;
+    const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return false;
+    if (q->shape[3] > VK_ATT_MAXD || v->shape[3] > VK_ATT_MAXD) return false;
+    for (int i = 0; i < 3; i++)
+      if (!is_float(a->in[i].dtype)) return false;
+    return true;
+  }
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4 || a->n_out < 2) return false;
+  if (q->shape[3] > VK_ATT_MAXD || v->shape[3] > VK_ATT_MAXD) return false;
+  if (q->shape[0] * q->shape[1] * q->shape[2] * (k->shape[2] > 0 ? k->shape[2] : 1) > I32MAX * 4LL) return false;
+  for (int i = 0; i < 3; i++)
+    if (!is_float(a->in[i].dtype)) return false;
+  if ((a->i[0] & 2) && a->in[3].dtype != KILN_BOOL && !is_float(a->in[3].dtype)) return false;
+  return is_float(a->out[0].dtype) && is_float(a->out[1].dtype);
+}
+
+/* ---- TOPK: one invocation per line, k selection rounds (topk.comp) ---- */
+static kiln_status vk_topk(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0];
+  if (dim < 0 || dim >= x->ndim || a->i[1] < 0 || a->i[1] > x->shape[dim] || a->out[0].shape[dim] != a->i[1] ||
+      a->out[0].dtype != x->dtype)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_topk: dim %d and k %lld do not fit the views", dim,
+                          (long long)a->i[1]);
+  const kiln__view *src[3] = {&a->out[0], x, &a->out[1]};
+  kiln__view lines[3];
+  kv_params p = {0};
+  for (int v = 0; v < 3; v++) {
+    lines[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      lines[v].shape[k] = src[v]->shape[d];
+      lines[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
+    lines[v].ndim = k;
+    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
+  }
+  const kiln__view *vs[3] = {&lines[0], &lines[1], &lines[2]};
+  set_views(&p, 3, vs);
+  p.ex[0] = (int32_t)x->shape[dim];
+  p.i[0] = (int32_t)a->i[1];
+  p.i[1] = (a->i[2] & 1) ? 1 : 0;
+  if (p.n == 0 || a->i[1] == 0) return KILN_OK;
+  uint64_t groups = ((uint64_t)p.n + 63) / 64;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  return kiln__vk_dispatch(a->device, "topk", &p, sizeof p, gx, (uint32_t)((groups + gx - 1) / gx), 1);
+}
+
+static bool topk_supports(const kiln__kargs *a) {
+  int dim = (int)a->i[0];
+  const kiln__view *x = &a->in[0];
+  return dim >= 0 && dim < x->ndim && x->ndim <= KV_MAXD + 1 && is_float(x->dtype) && a->out[0].dtype == x->dtype &&
+         a->n_out == 2 && a->out[1].dtype == KILN_I64 && a->i[1] >= 0 && a->i[1] <= x->shape[dim];
+}
+
 bool kiln__vk_supports(const kiln__kargs *a) {
   for (int i = 0; i < a->n_in; i++)
     if (!fits(&a->in[i])) return false;
@@ -598,6 +1059,17 @@ bool kiln__vk_supports(const kiln__kargs *a) {
     return index_supports(a);
   case KILN__K_RAND_UNIFORM: case KILN__K_RAND_NORMAL: case KILN__K_RAND_BERNOULLI:
     return a->out[0].dtype == KILN_F32;
+  case KILN__K_ARANGE: case KILN__K_RAND_INT: /* f64 arithmetic, as the CPU */
+    return d && d->f64 && (a->op == KILN__K_ARANGE || a->out[0].dtype == KILN_I64);
+  case KILN__K_EYE: return a->out[0].ndim == 2 && a->out[0].dtype != KILN_F64;
+  case KILN__K_TRIL: return a->in[0].ndim >= 2 && a->in[0].dtype == a->out[0].dtype;
+  case KILN__K_CUMSUM: return cumsum_supports(a);
+  case KILN__K_LAYER_NORM: case KILN__K_LAYER_NORM_BACKWARD: return layer_norm_supports(a);
+  case KILN__K_IM2COL: case KILN__K_COL2IM: case KILN__K_MAX_POOL2D: return window_supports(a);
+  case KILN__K_AMP_UNSCALE: return amp_unscale_supports(a);
+  case KILN__K_ADAM_MULTI: return adam_multi_supports(a);
+  case KILN__K_ATTENTION: case KILN__K_ATTENTION_BACKWARD: return attention_supports(a);
+  case KILN__K_TOPK: return topk_supports(a);
   default: return ew_supports(a);
   }
 }
@@ -642,7 +1114,14 @@ kiln__backend kiln__vulkan_backend = {
             [KILN__K_INDEX_SELECT] = vk_index, [KILN__K_INDEX_ADD] = vk_index,
             [KILN__K_GATHER] = vk_index, [KILN__K_SCATTER_ADD] = vk_index,
             [KILN__K_RAND_UNIFORM] = vk_random, [KILN__K_RAND_NORMAL] = vk_random,
-            [KILN__K_RAND_BERNOULLI] = vk_random,
+            [KILN__K_RAND_BERNOULLI] = vk_random, [KILN__K_RAND_INT] = vk_rand_int,
+            [KILN__K_ARANGE] = vk_arange, [KILN__K_EYE] = vk_eye, [KILN__K_TRIL] = vk_tril,
+            [KILN__K_CUMSUM] = vk_cumsum, [KILN__K_LAYER_NORM] = vk_layer_norm,
+            [KILN__K_LAYER_NORM_BACKWARD] = vk_layer_norm, [KILN__K_IM2COL] = vk_window,
+            [KILN__K_COL2IM] = vk_window, [KILN__K_MAX_POOL2D] = vk_window,
+            [KILN__K_AMP_UNSCALE] = vk_amp_unscale, [KILN__K_ADAM_MULTI] = vk_adam_multi,
+            [KILN__K_ATTENTION] = vk_attention, [KILN__K_ATTENTION_BACKWARD] = vk_attention_bw,
+            [KILN__K_TOPK] = vk_topk,
         },
     .supports = kiln__vk_supports,
     .device_info = kiln__vk_device_info,

@@ -82,6 +82,21 @@
 #define KV_RAND_INT 3
 #define KV_RAND_BERNOULLI 4
 
+/* misc.comp */
+#define KV_M_EYE 1
+#define KV_M_TRIL 2
+#define KV_M_UNSCALE 3
+
+/* layernorm.comp */
+#define KV_LN_FWD 1
+#define KV_LN_BWD 2
+#define KV_LN_WGRAD 3
+
+/* window.comp */
+#define KV_W_IM2COL 1
+#define KV_W_COL2IM 2
+#define KV_W_MAXPOOL 3
+
 #define KV_MAXV 6  /* views per dispatch */
 #define KV_MAXD 8  /* dims */
 

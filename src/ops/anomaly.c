@@ -79,7 +79,8 @@ kiln_status kiln_set_anomaly_enabled(bool on) {
 
 bool kiln_anomaly_enabled(void) { return atomic_load(&enabled); }
 
-__attribute__((constructor)) static void anomaly_init(void) {
+/* Not static: call.c refers to it, so that a static link pulls this file in (see profile.c). */
+__attribute__((constructor)) void kiln__anomaly_env_init(void) {
   const char *e = getenv("KILN_ANOMALY");
   if (e && strcmp(e, "1") == 0) kiln_set_anomaly_enabled(true);
   else if (e && *e && strcmp(e, "0") != 0)

@@ -234,4 +234,9 @@ int kiln__attrs_describe(const kiln__op *op, const void *rec, kiln_attr *out, in
 #ifdef __cplusplus
 }
 #endif
+/* The environment's observers (KILN_PROFILE, KILN_ANOMALY), read by constructors in
+** profile.c and anomaly.c; call.c names them so that static links keep those files. */
+void kiln__profile_env_init(void);
+void kiln__anomaly_env_init(void);
+
 #endif /* KILN_OP_H */

@@ -502,8 +502,10 @@ static void report(void) {
   else if (trace_path[0]) fprintf(stderr, "kiln profile: trace written to %s\n", trace_path);
 }
 
-/* Read once, when the library is loaded: the path itself never looks at the variable. */
-__attribute__((constructor)) static void profile_init(void) {
+/* Read once, when the library is loaded: the path itself never looks at the variable.
+** Not static: call.c refers to it, so that a static link (nothing else names this file)
+** still pulls it in and its constructor runs. */
+__attribute__((constructor)) void kiln__profile_env_init(void) {
   const char *e = getenv("KILN_PROFILE");
   if (!e || !*e || strcmp(e, "0") == 0) return;
   kiln_status st;

@@ -18,7 +18,7 @@
 ** bf16 on CUDA (f32 on the CPU) as the peer's; a warm-up of 8 tokens first, as the peer.
 **
 ** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
-**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint]
+**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math]
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
 **                   [--peak-tflops X] [--json] [--profile]
@@ -227,7 +227,7 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
-             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--no-train] [--generate]\n"
+             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--peer PATH] [--python PY]\n"
              "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile]\n");
 }
@@ -281,7 +281,13 @@ int main(int argc, char **argv) {
           return 2;
         }
       } else if (!strcmp(a, "--autocast")) autocast = v;
-      else if (!strcmp(a, "--peer")) o.peer_path = v;
+      else if (!strcmp(a, "--sdpa")) {
+        if (strcmp(v, "fused") && strcmp(v, "math")) {
+          fprintf(stderr, PROG ": --sdpa '%s': use fused or math\n", v);
+          return 2;
+        }
+        kiln_sdpa_set_backend(strcmp(v, "math") ? KILN_SDPA_FUSED : KILN_SDPA_MATH);
+      } else if (!strcmp(a, "--peer")) o.peer_path = v;
       else if (!strcmp(a, "--python")) o.python = v;
       else if (!strcmp(a, "--peer-threads")) o.peer_threads = atoi(v);
       else if (!strcmp(a, "--peak-tflops")) o.peak_tflops = strtod(v, NULL);

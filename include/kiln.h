@@ -486,6 +486,15 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
                                                         kiln_tensor *mask, bool is_causal,
                                                         double dropout_p, double scale,
                                                         kiln_generator *gen);
+/* Which implementation kiln_scaled_dot_product_attention uses (process-wide, as PyTorch's
+** sdpa_kernel): FUSED (default) the ATTENTION kernels, no Tq x Tk matrix; MATH the
+** composition matmul, scale, mask, softmax, matmul, which keeps the B x H x Tq x Tk weights
+** for backward but runs on the BLAS (faster where a device's fused kernel is slow: see
+** bench/RESULTS.md). MATH applies to calls without dropout (others stay FUSED) and gives
+** NaN for a row whose keys are all masked, as PyTorch's math backend does. Returns the
+** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
+typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
+KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
 /* Running sum along dim; integer and bool inputs give i64. */
 KILN_API kiln_tensor *kiln_cumsum(kiln_tensor *t, int dim);
 /* The lower (upper) triangle of the last two dims: elements with j - i <= diagonal

@@ -210,6 +210,50 @@ static void tf_att_composite(void) {
   kiln_scope_end();
 }
 
+/* kiln_sdpa_set_backend(KILN_SDPA_MATH): the same values and gradients as the fused
+** kernels, causal, with a bool mask and with an additive one; dropout stays fused. */
+__attribute__((unused)) static void tf_sdpa_math(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  int64_t sh[4] = {2, 3, 37, 16}, ms[4] = {2, 1, 37, 37};
+  kiln_generator *gen = kiln_generator_new(9);
+  kiln_tensor *q = kiln_randn(4, sh, KILN_F32, cpu, gen), *k = kiln_randn(4, sh, KILN_F32, cpu, gen);
+  kiln_tensor *v = kiln_randn(4, sh, KILN_F32, cpu, gen), *gout = kiln_randn(4, sh, KILN_F32, cpu, gen);
+  kiln_tensor *r = kiln_rand(4, ms, KILN_F32, cpu, gen);
+  kiln_generator_free(gen);
+  kiln_tensor *bmask = kiln_lt(r, kiln_scalar(0.7, KILN_F32, cpu));
+  kiln_tensor *amask = kiln_mul_scalar(r, -3.0);
+  /* the bool mask keeps the diagonal, so no row is all masked (the two backends differ there) */
+  int64_t tt[2] = {37, 37};
+  bmask = kiln_gt(kiln_add(kiln_to_dtype(bmask, KILN_F32), kiln_tril(kiln_triu(kiln_ones(2, tt, KILN_F32, cpu), 0), 0)),
+                  kiln_scalar(0, KILN_F32, cpu));
+  kiln_tensor *leaves[3] = {q, k, v};
+  for (int i = 0; i < 3; i++) kiln_requires_grad_(leaves[i], true);
+  kiln_tensor *masks[3] = {NULL, bmask, amask};
+  static const char *const what[3] = {"causal", "bool mask", "additive mask"};
+  for (int c = 0; c < 3; c++) {
+    kiln_tensor *y[2], *g[2][3] = {{0}};
+    for (int b = 0; b < 2; b++) {
+      H_CHECK(kiln_sdpa_set_backend(b ? KILN_SDPA_MATH : KILN_SDPA_FUSED) >= 0, "set backend");
+      y[b] = kiln_scaled_dot_product_attention(q, k, v, masks[c], c == 0, 0, 0, NULL);
+      H_CHECK(y[b] && kiln_autograd_grad(1, &y[b], &gout, 3, leaves, g[b]) == KILN_OK, "sdpa %s backward", what[c]);
+    }
+    kiln_sdpa_set_backend(KILN_SDPA_FUSED);
+    char name[96];
+    kiln_tensor *pair[4] = {y[0], g[0][0], g[0][1], g[0][2]}, *other[4] = {y[1], g[1][0], g[1][1], g[1][2]};
+    for (int i = 0; i < 4; i++) {
+      double *w = other[i] ? h_values(other[i], NULL) : NULL;
+      snprintf(name, sizeof name, "sdpa math vs fused, %s, %s", what[c], i ? "grad" : "forward");
+      if (w && pair[i]) h_tensor_close(name, pair[i], w, kiln_numel(pair[i]), 1e-5, 1e-5);
+      else H_CHECK(false, "%s: missing", name);
+      free(w);
+    }
+  }
+  H_CHECK(kiln_sdpa_set_backend((kiln_sdpa_backend)7) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT,
+          "kiln_sdpa_set_backend(7) is refused");
+  kiln_scope_end();
+}
+
 static void tf_bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -243,6 +287,7 @@ int main(int argc, char **argv) {
   h_run_cases(tf_att_cases, (int)(sizeof tf_att_cases / sizeof tf_att_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     tf_att_composite();
+    tf_sdpa_math();
     tf_bad_input();
   }
   return h_finish();

@@ -12,6 +12,7 @@
 #include "ops/op.h"
 
 #include <math.h>
+#include <stdatomic.h>
 
 typedef struct attrs_attention {
   bool is_causal;
@@ -164,8 +165,39 @@ static const kiln__op op_attention = {
     .attrs = f_attention, .n_attrs = 3, .attr_size = sizeof(attrs_attention), .infer = attention_infer,
     .forward = attention_forward, .backward = attention_backward, .n_saved = 5, .save = attention_save};
 
+static atomic_int sdpa_backend; /* kiln_sdpa_backend */
+
+int kiln_sdpa_set_backend(kiln_sdpa_backend b) {
+  if (b != KILN_SDPA_FUSED && b != KILN_SDPA_MATH) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_sdpa_set_backend: %d is not a backend (KILN_SDPA_FUSED 0, "
+                   "KILN_SDPA_MATH 1)", (int)b);
+    return -1;
+  }
+  return atomic_exchange(&sdpa_backend, (int)b);
+}
+
+/* PyTorch's math backend: public ops, so autograd, autocast (matmuls lowered, softmax in
+** f32) and every device come with them. Causal: key j <= query i, the kernel's rule. */
+static kiln_tensor *sdpa_math(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *mask, bool is_causal,
+                              double scale) {
+  double sc = scale > 0 ? scale : 1.0 / sqrt((double)q->shape[3]);
+  kiln_tensor *s = kiln_mul_scalar(kiln_matmul(q, kiln_transpose(k, 2, 3)), sc);
+  if (!s) return NULL;
+  if (is_causal) {
+    kiln_tensor *keep = kiln_tril(kiln_ones(2, (int64_t[]){q->shape[2], k->shape[2]}, KILN_F32, kiln_device_of(q)), 0);
+    s = kiln_where(keep, s, kiln_scalar(-INFINITY, s->dtype, kiln_device_of(q)));
+  } else if (mask) {
+    s = mask->dtype == KILN_BOOL ? kiln_where(mask, s, kiln_scalar(-INFINITY, s->dtype, kiln_device_of(q)))
+                                 : kiln_add(s, mask);
+  }
+  return kiln_matmul(kiln_softmax(s, 3), v);
+}
+
 kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *mask,
                                                bool is_causal, double dropout_p, double scale, kiln_generator *gen) {
+  if (atomic_load_explicit(&sdpa_backend, memory_order_relaxed) == KILN_SDPA_MATH && dropout_p == 0 && q && k &&
+      v && q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && !(mask && is_causal))
+    return sdpa_math(q, k, v, mask, is_causal, scale);
   attrs_attention p = {is_causal, dropout_p, scale, gen};
   kiln_tensor *in[4] = {q, k, v, mask};
   return kiln__op_call(&op_attention, 4, in, &p, NULL);

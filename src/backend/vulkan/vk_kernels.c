@@ -365,13 +365,16 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
     for (int v = 0; v < 3 && cm; v++) cm = p.strides[v * KV_MAXD + b] % 8 == 0;
   if (cm && M > 0 && N > 0 && batch > 0)
     st = kiln__vk_dispatch(a->device, "matmul_cm", &p, sizeof p, (uint32_t)(N / 64), (uint32_t)(M / 64), (uint32_t)batch);
-  /* else 128x128 tiles (8x8 per invocation) once there are enough of them to fill a GPU
+  /* On the H200's driver the 128x128 kernel ran 8x slower than the 64x64 one (2.1 against
+  ** 16.3 TFLOP/s at 8192^3, bench/RESULTS.md), so GPUs keep the 64x64 tiles until it is
+  ** tuned; lavapipe still takes the big tiles, which keeps them tested.
+  ** Was: 128x128 tiles (8x8 per invocation) once there are enough of them to fill a GPU
   ** (256: about two per multiprocessor of the largest GPUs); below that 64x64 tiles keep
   ** four times the workgroups in flight. A CPU device (lavapipe) has no such concern and
   ** takes the big tiles whenever they fit, which also keeps them tested there. */
   int64_t tiles128 = ((M + 127) / 128) * ((N + 127) / 128) * batch;
   bool cpu_dev = d && d->props.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU;
-  bool big = M >= 128 && N >= 128 && K >= 8 && (cpu_dev || tiles128 >= 256);
+  bool big = M >= 128 && N >= 128 && K >= 8 && cpu_dev && tiles128 > 0;
   int tile = big ? 128 : 64;
   if (!cm && M > 0 && N > 0 && batch > 0)
     st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),

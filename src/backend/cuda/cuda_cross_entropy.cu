@@ -50,7 +50,7 @@ __device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &
     if (v > m) {
       s = s * kc_exp(m - v) + (A)1;
       m = v;
-    } else {
+    } else if (v != -(A)INFINITY) { /* -inf adds 0; with m still -inf it would be exp(NaN) */
       s += kc_exp(v - m);
     }
   }

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(KC_THREADS)
       if (v > m) {
         s = s * kc_exp(m - v) + (A)1;
         m = v;
-      } else {
+      } else if (v != -(A)INFINITY) { /* -inf adds 0; with m still -inf it would be exp(NaN) */
         s += kc_exp(v - m);
       }
     }

@@ -70,7 +70,8 @@ __device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &
   } else {
     A xt = kc_ld<T>(xr[t * p.sxc]);
     A e = (A)p.eps;
-    out = l - ((A)1 - e) * xt - e / (A)p.C * sum;
+    /* no smoothing: no sum term (0 * a -inf logit's sum would be NaN), as the CPU */
+    out = l - ((A)1 - e) * xt - (p.eps != 0 ? e / (A)p.C * sum : (A)0);
   }
 }
 

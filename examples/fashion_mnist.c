@@ -205,11 +205,7 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--logdir")) {
       if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--autocast")) {
-      if (!(amp = ex_flag_value(PROG, argc, argv, &i))) return 2;
-      if (strcmp(amp, "bf16") && strcmp(amp, "f16")) {
-        fprintf(stderr, PROG ": --autocast '%s': use bf16 or f16\n", amp);
-        return 2;
-      }
+      if (!(amp = ex_autocast_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--checkpoint")) {
       if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
     } else if (!strcmp(a, "--epochs")) {

@@ -122,4 +122,14 @@ static inline const char *ex_flag_value(const char *prog, int argc, char **argv,
   return argv[++*i];
 }
 
+/* --autocast's value (bf16 or f16), or NULL after saying what is wrong. */
+static inline const char *ex_autocast_value(const char *prog, int argc, char **argv, int *i) {
+  const char *v = ex_flag_value(prog, argc, argv, i);
+  if (v && strcmp(v, "bf16") && strcmp(v, "f16")) {
+    fprintf(stderr, "%s: --autocast '%s': use bf16 or f16\n", prog, v);
+    return NULL;
+  }
+  return v;
+}
+
 #endif /* KILN_EXAMPLES_PROGRESS_H */

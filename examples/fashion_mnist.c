@@ -45,6 +45,7 @@
 #include "common/output.h"
 #include "common/logdir.h"
 #include "common/progress.h"
+#include "common/fmnist_data.h"
 
 #define PROG "fashion-mnist"
 #define EVAL_BATCH 1000
@@ -100,29 +101,6 @@ static int fail(const char *what) {
     fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
             kiln_error_name(kiln_last_error()));
   return finish(1);
-}
-
-/* The data must be what the model was built for, checked before any training: images
-** (N, 28, 28) with N > 0, labels (N) in 0..9. Returns 0 or prints why and returns 1. */
-static int check_split(const char *split, kiln_tensor *x, kiln_tensor *y) {
-  char b[96];
-  if (kiln_ndim(x) != 3 || kiln_size(x, 1) != 28 || kiln_size(x, 2) != 28) {
-    fprintf(stderr, PROG ": the %s images are %s; this model takes 28 x 28 images (N, 28, 28)\n",
-            split, kiln_shape_str(x, b, sizeof b));
-    return 1;
-  }
-  if (kiln_size(x, 0) == 0) {
-    fprintf(stderr, PROG ": the %s set has no images\n", split);
-    return 1;
-  }
-  const int64_t *l = kiln_data_ptr(y);
-  for (int64_t i = 0, n = kiln_numel(y); l && i < n; i++)
-    if (l[i] < 0 || l[i] > 9) {
-      fprintf(stderr, PROG ": %s label %lld is %lld; Fashion-MNIST has classes 0 to 9\n", split,
-              (long long)i, (long long)l[i]);
-      return 1;
-    }
-  return 0;
 }
 
 /* (N, 28, 28) -> (N, 1, 28, 28): the CNN's first module (PyTorch's peer unsqueezes the
@@ -260,7 +238,9 @@ int main(int argc, char **argv) {
     return finish(1);
   }
   R.t[0] = x, R.t[1] = y, R.t[2] = tx, R.t[3] = ty;
-  if (check_split("training", x, y) || check_split("test", tx, ty)) return finish(1);
+  static const char needs[] = "this model takes 28 x 28 images (N, 28, 28)";
+  if (ex_check_fmnist_split(PROG, needs, "training", x, y) || ex_check_fmnist_split(PROG, needs, "test", tx, ty))
+    return finish(1);
   if (limit > 0 && limit < kiln_size(x, 0)) {
     kiln_tensor *lx = kiln_narrow(x, 0, 0, limit), *ly = kiln_narrow(y, 0, 0, limit);
     kiln_tensor_free(x);

@@ -262,26 +262,34 @@ static bool reduce_supports(const kiln__kargs *a) {
   return t == o && is_float(t);
 }
 
+/* The views as lines along dim: each view without that dim (a 0-d remainder becomes one
+** line), its stride along dim in p->ex[1 + v], then set_views. The kernels walk p->n lines
+** of p->ex[0] elements (the caller sets ex[0]). */
+static void lines_along(kv_params *p, int n, const kiln__view *const *src, int dim) {
+  kiln__view lines[3];
+  const kiln__view *vs[3];
+  for (int v = 0; v < n; v++) {
+    lines[v] = *src[v];
+    int k = 0;
+    for (int d = 0; d < src[v]->ndim; d++) {
+      if (d == dim) continue;
+      lines[v].shape[k] = src[v]->shape[d];
+      lines[v].strides[k++] = src[v]->strides[d];
+    }
+    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
+    lines[v].ndim = k;
+    p->ex[1 + v] = (int32_t)src[v]->strides[dim];
+    vs[v] = &lines[v];
+  }
+  set_views(p, n, vs);
+}
+
 /* ---- softmax family: rows along dim i0 ---- */
 static kiln_status vk_softmax(const kiln__kargs *a) {
   int dim = (int)a->i[0];
   const kiln__view *src[3] = {&a->out[0], &a->in[0], a->n_in > 1 ? &a->in[1] : &a->in[0]};
-  kiln__view rows[3];
   kv_params p = {0};
-  for (int v = 0; v < 3; v++) {
-    rows[v] = *src[v];
-    int k = 0;
-    for (int d = 0; d < src[v]->ndim; d++) {
-      if (d == dim) continue;
-      rows[v].shape[k] = src[v]->shape[d];
-      rows[v].strides[k++] = src[v]->strides[d];
-    }
-    if (k == 0) rows[v].shape[0] = 1, rows[v].strides[0] = 0, k = 1;
-    rows[v].ndim = k;
-    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
-  }
-  const kiln__view *vs[3] = {&rows[0], &rows[1], &rows[2]};
-  set_views(&p, 3, vs);
+  lines_along(&p, 3, src, dim);
   p.ex[0] = (int32_t)a->out[0].shape[dim];
   p.op = a->op == KILN__K_SOFTMAX ? KV_SOFTMAX : a->op == KILN__K_LOG_SOFTMAX ? KV_LOG_SOFTMAX
        : a->op == KILN__K_SOFTMAX_BACKWARD ? KV_SOFTMAX_BW : KV_LOG_SOFTMAX_BW;
@@ -293,22 +301,8 @@ static kiln_status vk_softmax(const kiln__kargs *a) {
 static kiln_status vk_minmax_dim(const kiln__kargs *a) {
   int dim = (int)a->i[1];
   const kiln__view *src[3] = {&a->out[0], &a->in[0], &a->out[1]};
-  kiln__view rows[3];
   kv_params p = {0};
-  for (int v = 0; v < 3; v++) {
-    rows[v] = *src[v];
-    int k = 0;
-    for (int d = 0; d < src[v]->ndim; d++) {
-      if (d == dim) continue;
-      rows[v].shape[k] = src[v]->shape[d];
-      rows[v].strides[k++] = src[v]->strides[d];
-    }
-    if (k == 0) rows[v].shape[0] = 1, rows[v].strides[0] = 0, k = 1;
-    rows[v].ndim = k;
-    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
-  }
-  const kiln__view *vs[3] = {&rows[0], &rows[1], &rows[2]};
-  set_views(&p, 3, vs);
+  lines_along(&p, 3, src, dim);
   p.ex[0] = (int32_t)a->in[0].shape[dim];
   p.op = a->op == KILN__K_MAX_DIM ? 1 : 2;
   if (p.ex[0] == 0) return KILN_OK;
@@ -691,22 +685,8 @@ static kiln_status vk_cumsum(const kiln__kargs *a) {
   if (dim < 0 || dim >= a->in[0].ndim)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_cumsum: dim %d invalid for %d dims", dim, a->in[0].ndim);
   const kiln__view *src[2] = {&a->out[0], &a->in[0]};
-  kiln__view lines[2];
   kv_params p = {0};
-  for (int v = 0; v < 2; v++) {
-    lines[v] = *src[v];
-    int k = 0;
-    for (int d = 0; d < src[v]->ndim; d++) {
-      if (d == dim) continue;
-      lines[v].shape[k] = src[v]->shape[d];
-      lines[v].strides[k++] = src[v]->strides[d];
-    }
-    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
-    lines[v].ndim = k;
-    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
-  }
-  const kiln__view *vs[2] = {&lines[0], &lines[1]};
-  set_views(&p, 2, vs);
+  lines_along(&p, 2, src, dim);
   p.ex[0] = (int32_t)a->in[0].shape[dim];
   p.i[0] = a->i[1] == 1;
   if (p.ex[0] == 0 || p.n == 0) return KILN_OK;
@@ -1007,22 +987,8 @@ static kiln_status vk_topk(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_topk: dim %d and k %lld do not fit the views", dim,
                           (long long)a->i[1]);
   const kiln__view *src[3] = {&a->out[0], x, &a->out[1]};
-  kiln__view lines[3];
   kv_params p = {0};
-  for (int v = 0; v < 3; v++) {
-    lines[v] = *src[v];
-    int k = 0;
-    for (int d = 0; d < src[v]->ndim; d++) {
-      if (d == dim) continue;
-      lines[v].shape[k] = src[v]->shape[d];
-      lines[v].strides[k++] = src[v]->strides[d];
-    }
-    if (k == 0) lines[v].shape[0] = 1, lines[v].strides[0] = 0, k = 1;
-    lines[v].ndim = k;
-    p.ex[1 + v] = (int32_t)src[v]->strides[dim];
-  }
-  const kiln__view *vs[3] = {&lines[0], &lines[1], &lines[2]};
-  set_views(&p, 3, vs);
+  lines_along(&p, 3, src, dim);
   p.ex[0] = (int32_t)x->shape[dim];
   p.i[0] = (int32_t)a->i[1];
   p.i[1] = (a->i[2] & 1) ? 1 : 0;

@@ -156,4 +156,19 @@ static inline bool cr_file_exists(const char *path) {
   return stat(path, &st) == 0;
 }
 
+/* Fashion-MNIST's training images are installed ($KILN_DATA_DIR, or where
+** dataset-fashion-mnist puts them): the examples' tests skip without them. */
+static inline bool cr_have_fashion_mnist(void) {
+  const char *d = getenv("KILN_DATA_DIR");
+  char p[1100];
+  if (d && *d) {
+    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", d);
+    if (cr_file_exists(p)) return true;
+    snprintf(p, sizeof p, "%s/fashion-mnist/train-images-idx3-ubyte.gz", d);
+    if (cr_file_exists(p)) return true;
+  }
+  return cr_file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz") ||
+         cr_file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte");
+}
+
 #endif /* KILN_TESTS_CLI_RUN_H */

@@ -11,19 +11,6 @@
 
 #define ARGS "--device cpu --limit 2000 --json --quiet"
 
-static bool have_data(void) {
-  const char *d = getenv("KILN_DATA_DIR");
-  char p[1100];
-  if (d && *d) {
-    snprintf(p, sizeof p, "%s/train-images-idx3-ubyte.gz", d);
-    if (cr_file_exists(p)) return true;
-    snprintf(p, sizeof p, "%s/fashion-mnist/train-images-idx3-ubyte.gz", d);
-    if (cr_file_exists(p)) return true;
-  }
-  return cr_file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz") ||
-         cr_file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte");
-}
-
 int main(void) {
   char bin[1024], exe[1100];
   cr_bin_dir(bin, sizeof bin);
@@ -32,7 +19,7 @@ int main(void) {
     fprintf(stderr, "skip: %s not built\n", exe);
     return 77;
   }
-  if (!have_data()) {
+  if (!cr_have_fashion_mnist()) {
     fprintf(stderr, "skip: Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)\n");
     return 77;
   }

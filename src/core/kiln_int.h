@@ -167,6 +167,9 @@ int kiln__wrap_dim(const char *op, int dim, int ndim);
 void *kiln__tensor_data(const kiln_tensor *t);
 /* The kernel view of a tensor. */
 kiln__view kiln__view_of(const kiln_tensor *t);
+/* The same, a 0-dim tensor seen as one element along a dim of size 1 (for kernels that
+** walk a dim: softmax, cumsum, gather and the like). */
+kiln__view kiln__view_of_1d(const kiln_tensor *t);
 /* t's view broadcast to (ndim, shape) with stride 0 on broadcast dims (caller checked). */
 kiln__view kiln__view_broadcast(const kiln_tensor *t, int ndim, const int64_t *shape);
 /* Shape text for messages: "[2, 3]". Uses one of 8 rotating thread-local buffers. */

@@ -196,6 +196,16 @@ kiln__view kiln__view_of(const kiln_tensor *t) {
   return v;
 }
 
+kiln__view kiln__view_of_1d(const kiln_tensor *t) {
+  kiln__view v = kiln__view_of(t);
+  if (v.ndim == 0) {
+    v.ndim = 1;
+    v.shape[0] = 1;
+    v.strides[0] = 1;
+  }
+  return v;
+}
+
 kiln__view kiln__view_broadcast(const kiln_tensor *t, int ndim, const int64_t *shape) {
   kiln__view v = kiln__view_of(t);
   int lead = ndim - t->ndim;

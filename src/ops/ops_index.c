@@ -26,17 +26,6 @@ static kiln_status check_index(const char *op, const kiln_tensor *index) {
   return KILN_OK;
 }
 
-/* Kernels see a 0-dim tensor as one element of a 1-d view. */
-static kiln__view view1(const kiln_tensor *t) {
-  kiln__view v = kiln__view_of(t);
-  if (v.ndim == 0) {
-    v.ndim = 1;
-    v.shape[0] = 1;
-    v.strides[0] = 1;
-  }
-  return v;
-}
-
 /* Accepts dim 0 / -1 for a 0-dim tensor (PyTorch), else wraps dim; -1 on error. */
 static int wrap_dim0(const char *op, int dim, int ndim) {
   if (ndim == 0) {
@@ -66,7 +55,7 @@ static kiln_status accumulate(kiln__kop kop, kiln_tensor *z, int d, kiln__view s
   a.n_out = 1;
   a.in[0] = src;
   a.in[1] = idx;
-  a.out[0] = view1(z);
+  a.out[0] = kiln__view_of_1d(z);
   a.i[0] = d;
   return kiln__dispatch(kiln_device_of(z), &a);
 }
@@ -88,7 +77,7 @@ static kiln_status index_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **g
   kiln_tensor *gc = g->dtype == z->dtype ? g : kiln_to_dtype(g, z->dtype);
   if (!gc) return kiln_last_error();
   kiln__kop kop = n->op == &op_gather ? KILN__K_SCATTER_ADD : KILN__K_INDEX_ADD;
-  kiln_status st = accumulate(kop, z, node_dim(n), view1(gc), view1(index));
+  kiln_status st = accumulate(kop, z, node_dim(n), kiln__view_of_1d(gc), kiln__view_of_1d(index));
   if (st != KILN_OK) return st;
   return kiln__give_grad(&gi[0], z, g);
 }
@@ -102,9 +91,9 @@ static kiln_status index_forward(kiln__op_ctx *c) {
   a.op = c->op->kernels[0];
   a.n_in = 2;
   a.n_out = 1;
-  a.in[0] = view1(c->in[0]);
-  a.in[1] = view1(c->in[1]);
-  a.out[0] = view1(out);
+  a.in[0] = kiln__view_of_1d(c->in[0]);
+  a.in[1] = kiln__view_of_1d(c->in[1]);
+  a.out[0] = kiln__view_of_1d(out);
   a.i[0] = (int64_t)c->scratch[0];
   return kiln__dispatch(c->device, &a);
 }
@@ -234,13 +223,13 @@ static kiln_status scatter_add_forward(kiln__op_ctx *c) {
   a.op = KILN__K_COPY;
   a.n_in = 1;
   a.n_out = 1;
-  a.in[0] = view1(t);
-  a.out[0] = view1(out);
+  a.in[0] = kiln__view_of_1d(t);
+  a.out[0] = kiln__view_of_1d(out);
   kiln_status st = kiln__dispatch(c->device, &a);
   /* Only the index-shaped corner of src is read. */
-  kiln__view sv = view1(src);
+  kiln__view sv = kiln__view_of_1d(src);
   for (int k = 0; k < index->ndim; k++) sv.shape[k] = index->shape[k];
-  if (st == KILN_OK) st = accumulate(KILN__K_SCATTER_ADD, out, (int)c->scratch[0], sv, view1(index));
+  if (st == KILN_OK) st = accumulate(KILN__K_SCATTER_ADD, out, (int)c->scratch[0], sv, kiln__view_of_1d(index));
   return st;
 }
 

@@ -14,17 +14,6 @@ typedef struct attrs_cumsum {
 } attrs_cumsum;
 static const kiln__attr_field f_cumsum[] = {KILN__FIELD(attrs_cumsum, dim, KILN__A_INT32)};
 
-/* A 0-dim tensor is one element along a dim of size 1 (as softmax's). */
-static kiln__view view1(const kiln_tensor *t) {
-  kiln__view v = kiln__view_of(t);
-  if (v.ndim == 0) {
-    v.ndim = 1;
-    v.shape[0] = 1;
-    v.strides[0] = 1;
-  }
-  return v;
-}
-
 static int dim_of(int dim, int ndim) { return ndim == 0 ? 0 : (dim < 0 ? dim + ndim : dim); }
 
 static kiln_status run_cumsum(kiln_tensor *t, kiln_tensor *out, int d, bool reverse) {
@@ -33,8 +22,8 @@ static kiln_status run_cumsum(kiln_tensor *t, kiln_tensor *out, int d, bool reve
   a.op = KILN__K_CUMSUM;
   a.n_in = 1;
   a.n_out = 1;
-  a.in[0] = view1(t);
-  a.out[0] = view1(out);
+  a.in[0] = kiln__view_of_1d(t);
+  a.out[0] = kiln__view_of_1d(out);
   a.i[0] = d;
   a.i[1] = reverse;
   return kiln__dispatch(kiln_device_of(t), &a);

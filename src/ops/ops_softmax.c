@@ -13,17 +13,6 @@ typedef struct attrs_softmax {
 } attrs_softmax;
 static const kiln__attr_field f_softmax[] = {KILN__FIELD(attrs_softmax, dim, KILN__A_INT32)};
 
-/* A 0-dim tensor is softmaxed as one element along a dim of size 1 (PyTorch: result 1). */
-static kiln__view view1(const kiln_tensor *t) {
-  kiln__view v = kiln__view_of(t);
-  if (v.ndim == 0) {
-    v.ndim = 1;
-    v.shape[0] = 1;
-    v.strides[0] = 1;
-  }
-  return v;
-}
-
 /* The dim a record names for an input of ndim dims (infer checked it; 0 for a 0-dim one). */
 static int wrapped_dim(const attrs_softmax *p, int ndim) {
   if (ndim == 0) return 0;
@@ -39,12 +28,12 @@ static kiln_status softmax_bw_common(kiln__node *n, kiln_tensor *g, kiln_tensor 
     a.op = op;
     a.n_in = 2;
     a.n_out = 1;
-    a.in[0] = view1(y);
+    a.in[0] = kiln__view_of_1d(y);
     kiln_tensor *gc = g;
     if (g->dtype != y->dtype) gc = kiln_to_dtype(g, y->dtype);
     if (!gc) return kiln_last_error();
-    a.in[1] = view1(gc);
-    a.out[0] = view1(dx);
+    a.in[1] = kiln__view_of_1d(gc);
+    a.out[0] = kiln__view_of_1d(dx);
     a.i[0] = wrapped_dim(n->attrs, y->ndim);
     kiln_status st = kiln__dispatch(kiln_device_of(y), &a);
     if (st != KILN_OK) return st;
@@ -86,8 +75,8 @@ static kiln_status softmax_forward(kiln__op_ctx *c) {
   a.op = c->op->kernels[0];
   a.n_in = 1;
   a.n_out = 1;
-  a.in[0] = view1(t);
-  a.out[0] = view1(out);
+  a.in[0] = kiln__view_of_1d(t);
+  a.out[0] = kiln__view_of_1d(out);
   a.i[0] = wrapped_dim(c->attrs, t->ndim);
   return kiln__dispatch(kiln_device_of(t), &a);
 }

@@ -22,7 +22,8 @@
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
 **                   [--peak-tflops X] [--json] [--profile]
-** --profile prints kiln's op table (kiln_profiler) for the training steps after the first.
+** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
+** so those steps run slower) for the training steps after the first.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
 ** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
 ** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
@@ -132,7 +133,7 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
   for (int64_t s = 0; s < o->steps && st == KILN_OK; s++) {
     kiln_device_synchronize(o->dev);
     if (o->profile && s == 1 && !profiling) /* after the first step (allocations, warm-up) */
-      profiling = kiln_profiler_start(NULL) == KILN_OK;
+      profiling = kiln_profiler_start(&(kiln_profiler_options){.device_time = true}) == KILN_OK;
     double t0 = now();
     kiln_scope_begin();
     if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);

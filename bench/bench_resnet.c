@@ -10,8 +10,8 @@
 **                [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]
 **                [--peer-threads N] [--no-peer] [--profile] [--json]
 **
-** --profile prints kiln's per-op and per-module table (kiln_profiler_start) over the steps
-** after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
+** --profile prints kiln's per-op and per-module table (kiln_profiler_start, with device
+** times: each op then waits for its device) over the steps after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
 ** library, where nothing pulls in the profiler's load-time hook.)
 ** The peer: --peer PATH, else $KILN_TORCH_PEER, else the first of .peer/torch_peer.py,
 ** ../shared/bench/torch_peer.py (both from the working directory) and
@@ -103,7 +103,8 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   double loss = NAN;
   for (int s = 0; s < steps && !rc; s++) {
     kiln_device_synchronize(dev);
-    if (profile && s == (steps > 3 ? 3 : 0) && kiln_profiler_start(NULL) != KILN_OK)
+    if (profile && s == (steps > 3 ? 3 : 0) &&
+        kiln_profiler_start(&(kiln_profiler_options){.device_time = true}) != KILN_OK)
       fprintf(stderr, PROG ": --profile: %s\n", kiln_last_error_message());
     double t0 = now_s();
     kiln_scope_begin();

@@ -397,16 +397,25 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
   return q;
 }
 
-/* Whether conv2d's backward should use kernel op for these tensors: not on the CPU, where
-** its kernels are reference loops and im2col + BLAS is much faster; elsewhere when the
-** device has it for these arguments (cuDNN: padding symmetric, packed layouts). `like` is
+/* Whether conv2d's backward should use kernel op for these tensors: when the device has it
+** for these arguments (cuDNN: padding symmetric, packed layouts). On the CPU only in f32
+** with a library convolution (kernel CONV2D: oneDNN), which then runs the backward too;
+** else the CPU's kernels are reference loops and im2col + BLAS is much faster. `like` is
 ** the tensor whose gradient it makes. */
 static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
                       const attrs_convb *ab) {
   kiln_device dev = kiln_device_of(in0);
-  if (dev.type == KILN_DEVICE_CPU) return false;
   bool cl = conv_cl(in0);
   const kiln_tensor *k = op == KILN__K_CONV2D_BACKWARD_DATA ? in1 : like; /* the weight */
+  if (dev.type == KILN_DEVICE_CPU) {
+    if (in0->dtype != KILN_F32 || in1->dtype != KILN_F32 || !kiln__dispatch_has(dev, NULL, KILN__K_CONV2D))
+      return false;
+    /* a 1x1, stride-1, unpadded convolution is one plain GEMM in the composite, which
+    ** oneDNN's plain-layout backward did not beat (bench/RESULTS.md) */
+    bool pointwise = k->shape[2] == 1 && k->shape[3] == 1;
+    for (int d = 0; d < 2; d++) pointwise = pointwise && ab->c.stride[d] == 1 && ab->c.padding[d] == 0;
+    if (pointwise && ab->c.groups == 1) return false;
+  }
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
   /* the operands as the calls below prepare them */
   kiln__kargs q = convb_args(op, in0, in1, like->shape, ab, &cp);

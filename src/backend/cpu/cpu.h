@@ -46,6 +46,8 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_PO
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
+bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */
+kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_* through oneDNN */
 #endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);

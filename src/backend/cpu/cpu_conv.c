@@ -299,10 +299,11 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
   return KILN_OK;
 }
 
-/* ---- CONV2D_BACKWARD_DATA, CONV2D_BACKWARD_WEIGHT: the reference -------------------------- */
-/* Direct loops in f64, any strides and float dtype: the reference the CUDA kernels are
-** compared with, and the fallback of a backend that has CONV2D but not its backward. The
-** op layer does not pick them on the CPU itself, where im2col + BLAS is much faster. */
+/* ---- CONV2D_BACKWARD_DATA, CONV2D_BACKWARD_WEIGHT ---------------------------------------- */
+/* f32 on contiguous tensors through oneDNN where kiln is built with it (cpu_dnnl.c); else
+** direct loops in f64, any strides and float dtype: the reference, and the fallback of a
+** backend that has CONV2D but not its backward. The op layer picks these kernels on the CPU
+** only where oneDNN runs them: the loops are much slower than im2col + BLAS. */
 
 typedef struct convb_job {
   const kiln__kargs *a;
@@ -400,6 +401,9 @@ kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a) {
   if (G < 1 || img->shape[1] % G || gr->shape[1] % G)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln: %s: groups %lld must divide the channels %lld and %lld",
                           kiln__kop_name(a->op), (long long)G, (long long)img->shape[1], (long long)gr->shape[1]);
+#ifdef KILN_HAVE_DNNL
+  if (kiln__cpu_dnnl_conv_takes(a)) return kiln__cpu_dnnl_conv2d_backward(a);
+#endif
   convb_job j = {a, p};
   if (a->op == KILN__K_CONV2D_BACKWARD_DATA) {
     int64_t planes = img->shape[0] * img->shape[1];

@@ -1,12 +1,12 @@
 /*
 ** CONV2D on the CPU through oneDNN (built when libdnnl-dev is found: KILN_HAVE_DNNL).
 **
-** Measured on a 2-core machine (bench/RESULTS.md, "convolutions on the CPU"): oneDNN's f32
-** forward on plain NCHW/OIHW tensors (its gemm:jit implementation, no reorders) was faster
-** than im2col + OpenBLAS at every ResNet shape measured, about 2.5x on a 3x3 64-channel
-** layer and on a depthwise one; so the forward uses it. The backward stays im2col + GEMM
-** (ops_conv.c), which every backend shares; oneDNN's backward primitives and its blocked
-** layouts (another 1.5-12x standalone) are the next step.
+** and its two backward kernels, CONV2D_BACKWARD_DATA and CONV2D_BACKWARD_WEIGHT (with the
+** bias gradient), in f32 on contiguous NCHW/OIHW tensors; other dtypes and layouts take the
+** reference loops of cpu_conv.c. oneDNN is what PyTorch runs on the CPU; its plain-layout
+** forward beat im2col + OpenBLAS at every ResNet shape measured (bench/RESULTS.md), and the
+** im2col + GEMM backward it replaces was the larger part of a CNN step. Its blocked layouts
+** (faster again standalone, reorders aside) are not used.
 **
 ** A oneDNN primitive is compiled (JIT) for one geometry, which costs far more than a small
 ** convolution: primitives are kept in a small cache keyed by the geometry. One lock covers
@@ -20,10 +20,10 @@
 #include <pthread.h>
 #include <string.h>
 
-#define DNNL_CACHE 32
+#define DNNL_CACHE 48
 
 typedef struct dnnl_key {
-  int64_t v[20];
+  int64_t v[21];
 } dnnl_key;
 
 typedef struct dnnl_entry {
@@ -42,12 +42,30 @@ static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d: oneDNN %s failed (status %d)", what, (int)s);
 }
 
-/* A new primitive for the geometry (the lock held). */
+/* The tensors of a convolution kernel by role: the image x (N, C, H, W), the weight
+** (OC, C/G, kh, kw), the output-side y (N, OC, OH, OW) and the bias (OC), each an input or
+** an output depending on the kernel. */
+typedef struct dnnl_roles {
+  const kiln__view *x, *w, *y, *b;
+} dnnl_roles;
+
+static dnnl_roles roles_of(const kiln__kargs *a) {
+  switch (a->op) {
+  case KILN__K_CONV2D_BACKWARD_DATA: return (dnnl_roles){&a->out[0], &a->in[1], &a->in[0], NULL};
+  case KILN__K_CONV2D_BACKWARD_WEIGHT:
+    return (dnnl_roles){&a->in[0], &a->out[0], &a->in[1], a->n_out > 1 ? &a->out[1] : NULL};
+  default: return (dnnl_roles){&a->in[0], &a->in[1], &a->out[0], a->n_in > 2 ? &a->in[2] : NULL};
+  }
+}
+
+/* A new primitive for the geometry and kernel (the lock held). A backward primitive is
+** made from the forward's description (oneDNN's hint), which is then dropped. */
 static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entry *e) {
-  const kiln__view *x = &a->in[0], *w = &a->in[1], *y = &a->out[0];
+  dnnl_roles r = roles_of(a);
+  const kiln__view *x = r.x, *w = r.w, *y = r.y;
   const kiln__conv_params *p = a->params;
   int64_t G = a->i[0];
-  bool bias = a->n_in > 2;
+  bool bias = r.b != NULL;
   dnnl_dims_t xd = {x->shape[0], x->shape[1], x->shape[2], x->shape[3]};
   dnnl_dims_t yd = {y->shape[0], y->shape[1], y->shape[2], y->shape[3]};
   dnnl_dims_t wd = {w->shape[0], w->shape[1], w->shape[2], w->shape[3]};
@@ -69,13 +87,27 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
     pr[d] = (y->shape[2 + d] - 1) * p->stride[d] + p->dilation[d] * (w->shape[2 + d] - 1) + 1 - x->shape[2 + d] - pl[d];
     if (pr[d] < 0) pr[d] = 0;
   }
-  dnnl_convolution_desc_t cd;
-  s = dnnl_dilated_convolution_forward_desc_init(&cd, dnnl_forward_inference, dnnl_convolution_direct, &e->x, &e->w,
-                                                 bias ? &e->b : NULL, &e->y, st, dl, pl, pr);
+  bool fwd = a->op == KILN__K_CONV2D;
+  dnnl_convolution_desc_t fd, bd_;
+  s = dnnl_dilated_convolution_forward_desc_init(&fd, fwd ? dnnl_forward_inference : dnnl_forward_training,
+                                                 dnnl_convolution_direct, &e->x, &e->w, bias ? &e->b : NULL, &e->y,
+                                                 st, dl, pl, pr);
   if (s != dnnl_success) return dnnl_fail("convolution descriptor", s);
-  dnnl_primitive_desc_t pd;
-  if ((s = dnnl_primitive_desc_create(&pd, &cd, NULL, dnnl_eng, NULL)) != dnnl_success)
+  dnnl_primitive_desc_t fpd, pd = NULL;
+  if ((s = dnnl_primitive_desc_create(&fpd, &fd, NULL, dnnl_eng, NULL)) != dnnl_success)
     return dnnl_fail("primitive descriptor", s);
+  if (fwd) {
+    pd = fpd, fpd = NULL;
+  } else {
+    s = a->op == KILN__K_CONV2D_BACKWARD_DATA
+            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, dnnl_convolution_direct, &e->x, &e->w, &e->y, st,
+                                                               dl, pl, pr)
+            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, dnnl_convolution_direct, &e->x, &e->w,
+                                                                  bias ? &e->b : NULL, &e->y, st, dl, pl, pr);
+    if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &bd_, NULL, dnnl_eng, fpd);
+    dnnl_primitive_desc_destroy(fpd);
+    if (s != dnnl_success) return dnnl_fail("backward primitive descriptor", s);
+  }
   s = dnnl_primitive_create(&e->prim, pd);
   dnnl_primitive_desc_destroy(pd);
   if (s != dnnl_success) return dnnl_fail("primitive", s);
@@ -84,7 +116,8 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
 }
 
 static kiln_status dnnl_run(const kiln__kargs *a) {
-  const kiln__view *x = &a->in[0], *w = &a->in[1], *y = &a->out[0];
+  dnnl_roles r = roles_of(a);
+  const kiln__view *x = r.x, *w = r.w, *y = r.y;
   const kiln__conv_params *p = a->params;
   dnnl_status_t s;
   if (!dnnl_eng) {
@@ -101,7 +134,8 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   for (int d = 0; d < 2; d++)
     k.v[12 + d] = p->stride[d], k.v[14 + d] = p->padding[d], k.v[16 + d] = p->dilation[d];
   k.v[18] = a->i[0];
-  k.v[19] = a->n_in > 2;
+  k.v[19] = r.b != NULL;
+  k.v[20] = a->op;
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -122,16 +156,60 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   kiln_status st = KILN_OK;
   if ((s = dnnl_memory_create(&mx, &e->x, dnnl_eng, x->data)) != dnnl_success ||
       (s = dnnl_memory_create(&mw, &e->w, dnnl_eng, w->data)) != dnnl_success ||
-      (a->n_in > 2 && (s = dnnl_memory_create(&mb, &e->b, dnnl_eng, a->in[2].data)) != dnnl_success) ||
+      (r.b && (s = dnnl_memory_create(&mb, &e->b, dnnl_eng, r.b->data)) != dnnl_success) ||
       (s = dnnl_memory_create(&my, &e->y, dnnl_eng, y->data)) != dnnl_success) {
     st = dnnl_fail("memory", s);
   } else {
-    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, mx}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DST, my}, {DNNL_ARG_BIAS, mb}};
-    if ((s = dnnl_primitive_execute(e->prim, dnnl_str, a->n_in > 2 ? 4 : 3, args)) != dnnl_success ||
+    dnnl_exec_arg_t args[4];
+    int n = 0;
+    switch (a->op) {
+    case KILN__K_CONV2D_BACKWARD_DATA:
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, my};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, mw};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_SRC, mx};
+      break;
+    case KILN__K_CONV2D_BACKWARD_WEIGHT:
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, mx};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, my};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_WEIGHTS, mw};
+      if (mb) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_BIAS, mb};
+      break;
+    default:
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, mx};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, mw};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, my};
+      if (mb) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, mb};
+    }
+    if ((s = dnnl_primitive_execute(e->prim, dnnl_str, n, args)) != dnnl_success ||
         (s = dnnl_stream_wait(dnnl_str)) != dnnl_success)
       st = dnnl_fail("execution", s);
   }
   dnnl_memory_destroy(mx), dnnl_memory_destroy(mw), dnnl_memory_destroy(mb), dnnl_memory_destroy(my);
+  return st;
+}
+
+/* Whether oneDNN takes these arguments: f32, contiguous, something to compute. */
+bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a) {
+  for (int i = 0; i < a->n_in; i++)
+    if (a->in[i].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->in[i])) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (a->out[i].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->out[i])) return false;
+  return a->params && a->n_in >= 2 && a->n_out >= 1 && a->in[0].ndim == 4 && a->in[1].ndim == 4 &&
+         a->out[0].ndim == 4;
+}
+
+/* CONV2D_BACKWARD_DATA / _WEIGHT through oneDNN; the caller checked kiln__cpu_dnnl_conv_takes. */
+kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
+  for (int i = 0; i < a->n_out; i++)
+    if (kiln__view_numel(&a->out[i]) == 0) return KILN_OK;
+  /* an empty batch or image: nothing flows back, the gradients are zeros */
+  if (kiln__view_numel(&a->in[0]) == 0 || kiln__view_numel(&a->in[1]) == 0) {
+    for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
+    return KILN_OK;
+  }
+  pthread_mutex_lock(&dnnl_lock);
+  kiln_status st = dnnl_run(a);
+  pthread_mutex_unlock(&dnnl_lock);
   return st;
 }
 

@@ -659,12 +659,52 @@ static void cv_format(void) {
   kiln_scope_end();
 }
 
+/* max_pool2d's gradient in f32 against f64, for windows that do not overlap (the CPU's
+** direct path: each pixel gets at most one window's gradient) and ones that do (the
+** general loop), on a transposed (non-contiguous) input: equal bit for bit, since the
+** gradient is only moved, or summed in f64 and rounded once. */
+static void cv_max_pool_grad_f32(void) {
+  static const struct {
+    int64_t k[2], s[2], p[2];
+  } cfg[] = {{{2, 2}, {2, 2}, {0, 0}}, {{2, 3}, {2, 3}, {1, 1}}, {{3, 3}, {2, 2}, {1, 1}}, {{1, 1}, {2, 1}, {0, 0}}};
+  kiln_device cpu = kiln_device_cpu();
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+    kiln_scope_begin();
+    kiln_generator *gen = kiln_generator_new(77 + ci);
+    kiln_tensor *xt = kiln_to_dtype(kiln_randn(KILN_SHAPE(2, 3, 9, 7), KILN_F32, cpu, gen), KILN_F64);
+    kiln_generator_free(gen);
+    double *v[2] = {NULL, NULL};
+    int64_t n[2] = {0, 0};
+    for (int d = 0; d < 2; d++) {
+      kiln_tensor *x = kiln_to_dtype(xt, d ? KILN_F32 : KILN_F64);
+      x = kiln_transpose(kiln_contiguous(kiln_transpose(x, 2, 3)), 2, 3); /* strided */
+      kiln_requires_grad_(x, true);
+      const int64_t one[2] = {1, 1};
+      kiln_tensor *y = kiln_max_pool2d(x, cfg[ci].k, cfg[ci].s, cfg[ci].p, one, NULL);
+      kiln_tensor *r = y ? kiln_reshape(kiln_arange(1, (double)kiln_numel(y) + 1, 1, kiln_dtype_of(y), cpu), 4,
+                                        kiln_shape(y))
+                         : NULL;
+      if (!r || kiln_backward(kiln_sum_all(kiln_mul(y, r)), NULL) != KILN_OK) {
+        H_CHECK(false, "max_pool2d f32 gradient case %zu ran: %s", ci, kiln_last_error_message());
+        break;
+      }
+      v[d] = h_values(kiln_grad(x), &n[d]);
+    }
+    char name[80];
+    snprintf(name, sizeof name, "max_pool2d f32 vs f64 gradient case %zu", ci);
+    if (v[0] && v[1]) h_close(name, v[1], v[0], n[0], 0, 0);
+    free(v[0]), free(v[1]);
+    kiln_scope_end();
+  }
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     cv_extra();
     cv_f32_vs_f64();
     cv_backward_kernels();
+    cv_max_pool_grad_f32();
     cv_format();
   }
 }

@@ -2,10 +2,12 @@
 ** CPU memory: 64-byte aligned blocks (a cache line, and enough for AVX-512 loads), atomic
 ** statistics, an optional limit, and a failing-allocator mode for OOM tests.
 **
-** Freed blocks up to 16 MiB are kept in a small cache keyed by their exact size (256
-** blocks, 256 MiB at most): a training loop allocates the same sizes every step, and
+** Freed blocks up to 128 MiB are kept in a small cache keyed by their exact size (256
+** blocks, 1 GiB at most): a training loop allocates the same sizes every step, and
 ** without the cache glibc handed the top of the heap back to the kernel after each step,
-** so the next one paid a page fault per fresh page (10% of a small MLP's time).
+** so the next one paid a page fault per fresh page (10% of a small MLP's time). A CNN's
+** activations and im2col buffers are tens of MB: with a 16 MiB bound a fifth of a step
+** went to the kernel zeroing their fresh pages.
 ** kiln_memory_empty_cache(cpu) releases it; "reserved" counts it.
 */
 #define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
@@ -29,8 +31,8 @@ static atomic_llong kiln__cpu_limit; /* 0: none */
 static atomic_llong kiln__cpu_num_sys_allocs; /* posix_memalign calls */
 
 enum { CACHE_SLOTS = 256 };
-#define CACHE_MAX_BLOCK ((size_t)16 << 20)
-#define CACHE_MAX_BYTES ((size_t)256 << 20)
+#define CACHE_MAX_BLOCK ((size_t)128 << 20)
+#define CACHE_MAX_BYTES ((size_t)1 << 30)
 static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
   void *p;

@@ -222,6 +222,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   c.n_in = n_in;
   c.n_out = op->n_out;
   c.differentiable = op->backward != NULL;
+  c.amp_f32 = false;
   for (int k = 0; k < KILN__OP_MAX_OUT; k++) c.out[k] = NULL;
   for (int k = 0; k < KILN__OP_MAX_TMP; k++) c.tmp[k] = NULL;
   *status = KILN_OK;
@@ -288,7 +289,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   kiln_status st = KILN_OK;
   int n_alloc = 0;
   /* 3. autocast */
-  if (amp) st = autocast_hook(op, n_in, args);
+  if (amp) st = autocast_hook(op, n_in, args, &c.amp_f32);
   /* 4. infer */
   if (st == KILN_OK && op->infer) st = op->infer(&c);
   /* 5. outputs */

@@ -96,6 +96,8 @@ typedef struct kiln__op_ctx {
   kiln_tensor *tmp[KILN__OP_MAX_TMP];
   bool differentiable;        /* infer may clear it (comparisons, integer dtypes) */
   uint64_t scratch[8];        /* small op-private values from infer to forward */
+  bool amp_f32;               /* autocast left 16-bit inputs to a KILN__OP_AMP_READS_16 op:
+                              ** its floating outputs are f32 */
 } kiln__op_ctx;
 
 typedef struct kiln__op {
@@ -133,6 +135,13 @@ typedef struct kiln__op {
 /* Its rule reads n->grad_mask (a ReLU after it folded its backward into this op's
 ** products): the peephole of ops_elementwise.c's relu rule. */
 #define KILN__OP_GRAD_MASK (1u << 7)
+/* An f32-class op whose kernels read f16/bf16 inputs and compute in f32 themselves (the
+** cast to f32 is exact, so reading the 16-bit values in the kernel gives the same numbers
+** as cast-then-op). Under autocast its inputs are left as they are and c->amp_f32 tells
+** it to give its floating outputs in f32, as the cast inputs would have: one cast kernel
+** (and its gradient's, in backward) fewer per call. A high bit, out of the way of the
+** flags other work adds after bit 7. */
+#define KILN__OP_AMP_READS_16 (1u << 16)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -187,8 +196,9 @@ int kiln__op_depth(void);
 
 /* ---- autocast hook (the mixed-precision issue installs the policy) ---- */
 /* Called for ops with an amp class when set: may replace in[i] with cast tensors (owned by
-** the current scope). Returns KILN_OK or an error that fails the op. */
-typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in);
+** the current scope); sets *f32_out when it left 16-bit inputs of a KILN__OP_AMP_READS_16
+** op uncast (the op then gives f32 outputs). Returns KILN_OK or an error that fails the op. */
+typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in, bool *f32_out);
 void kiln__set_autocast_hook(kiln__autocast_fn fn);
 
 /* This thread's autocast state (src/ops/autocast.c): per device type (the first 4),

@@ -429,10 +429,15 @@ kiln_tensor *kiln_softplus(kiln_tensor *t, double beta, double threshold) {
 }
 
 /* ---- copies: clone, to_dtype, to_device ---- */
+/* The gradient goes back in the input's dtype and to its device. A conversion's result is
+** handed over as the only reference (kiln__give_grad), so the engine can make it a leaf's
+** .grad as it is: an identity kiln_to_device on top of it added a second reference, and
+** every autocast weight's gradient was copied once more (a clone per parameter a step). */
 static kiln_status copy_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_device in_dev = {(kiln_device_type)n->i[0], (int)n->i[1]};
   kiln_tensor *r = kiln_to_dtype(g, n->in_dtype[0]);
-  SET0(kiln_to_device(r, in_dev));
+  if (r && !kiln_device_equal(kiln_device_of(r), in_dev)) r = kiln_to_device(r, in_dev);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 /* dst (contiguous, any device) <- src (any strides, any device), converting dtypes. */

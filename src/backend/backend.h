@@ -258,7 +258,11 @@ typedef struct kiln__view {
   /* list_i[g] == 1 marks a buffer made for this step (taken from the gradient). The */   \
   /* element update rounds to the dtype after each step exactly as the composed ops */    \
   /* (neg, axpy, mul_scalar_, axpy_) do: see cpu_optim.c. */                              \
-  X(SGD_MULTI, "sgd_multi")
+  X(SGD_MULTI, "sgd_multi")                                                               \
+  /* dtype conversions over a list (see kiln__kargs.list): groups [in, out] (list_w 2), */ \
+  /* each pair contiguous with one element count, out[k] = in[k] converted as COPY does */ \
+  /* (autocast's casts of one op's inputs, and of their gradients, in one call) */         \
+  X(CAST_MULTI, "cast_multi")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

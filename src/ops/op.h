@@ -159,6 +159,10 @@ kiln_status kiln__broadcast_shape(const char *op, const kiln_tensor *a, const ki
                                   int64_t *shape);
 kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, int nd_b, const int64_t *sb,
                                    int *ndim, int64_t *shape);
+/* outs[k] = ins[k] cast to dt (floating) for k < n <= KILN__OP_MAX_OUT, one kernel call
+** where the device has CAST_MULTI, one node for all (a recorded op, "to_dtype_many"):
+** every input should need a gradient or none. Outputs owned by the current scope. */
+kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, kiln_tensor **outs);
 /* t itself when it already has dtype dt, else a converted copy without autograd. */
 kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
 /* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);

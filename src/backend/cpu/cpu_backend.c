@@ -137,6 +137,7 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_ADAM] = kiln__cpu_adam,
             [KILN__K_ADAM_MULTI] = kiln__cpu_adam_multi,
             [KILN__K_SGD_MULTI] = kiln__cpu_sgd_multi,
+            [KILN__K_CAST_MULTI] = kiln__cpu_cast_multi,
             [KILN__K_AMP_UNSCALE] = kiln__cpu_amp_unscale,
             [KILN__K_AMP_UPDATE_SCALE] = kiln__cpu_amp_update_scale,
             [KILN__K_LAYER_NORM] = kiln__cpu_layer_norm,

@@ -116,9 +116,9 @@ static kiln_status keep_cast(kiln_tensor *t, kiln_dtype dt, kiln_tensor *c, bool
   return st;
 }
 
-/* Casts in[idx[0..m)] to dt in one kiln__to_dtype_many (one kernel, one node), each kept
-** as cast() keeps its own; a single one goes through cast() as before. */
-static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cacheable, int m, kiln_dtype dt) {
+/* Casts in[idx[0..m)] to dt in one kiln__to_dtype_many (one kernel; a node for the first
+** n_grad), each kept as cast() keeps its own; a single one goes through cast() as before. */
+static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cacheable, int m, int n_grad, kiln_dtype dt) {
   if (m == 0) return KILN_OK;
   if (m == 1) {
     kiln_tensor *c = cast(in[idx[0]], dt, true);
@@ -128,7 +128,7 @@ static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cach
   }
   kiln_tensor *src[KILN__OP_MAX_OUT] = {NULL}, *dst[KILN__OP_MAX_OUT] = {NULL};
   for (int j = 0; j < m; j++) src[j] = in[idx[j]];
-  kiln_status st = kiln__to_dtype_many(m, src, dt, dst);
+  kiln_status st = kiln__to_dtype_many(m, src, dt, n_grad, dst);
   for (int j = 0; j < m && st == KILN_OK; j++) {
     st = keep_cast(src[j], dt, dst[j], cacheable[j]);
     in[idx[j]] = dst[j];
@@ -137,12 +137,12 @@ static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cach
 }
 
 /* LOWER: the f32 inputs go to the region's dtype. A weight cast already made in the region
-** is reused; the others are cast together, in two groups so that a node never makes an
-** input require grad that did not: those that need a gradient (a layer's weight and bias:
-** one kernel for both, and one for their gradients in the backward) and the rest. */
+** is reused; the others are cast together in one kernel (a layer's batch, weight and bias;
+** and the weight's and bias's gradients in one on the way back), those that need a gradient
+** first: the node covers only them, so the batch is never made to need one. */
 static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast_type *(*state)(const kiln_tensor *)) {
-  int gi[KILN__OP_MAX_OUT], oi[KILN__OP_MAX_OUT], ng = 0, no = 0;
-  bool gc[KILN__OP_MAX_OUT], oc[KILN__OP_MAX_OUT];
+  int idx[KILN__OP_MAX_OUT], oi[KILN__OP_MAX_OUT], ng = 0, no = 0;
+  bool cacheable[KILN__OP_MAX_OUT];
   kiln_dtype dt = KILN_F32;
   bool grad_on = kiln_grad_enabled();
   for (int i = 0; i < n_in; i++) {
@@ -157,8 +157,8 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
       continue;
     }
     dt = s->dtype;
-    bool cacheable = t->requires_grad && !t->grad_fn && grad_on;
-    if (cacheable) {
+    bool weight = t->requires_grad && !t->grad_fn && grad_on;
+    if (weight) {
       kiln_tensor *c = cache_get(kiln_tensor_id(t), dt);
       if (c) {
         in[i] = c;
@@ -166,15 +166,17 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
       }
     }
     if (t->requires_grad && grad_on) {
-      gc[ng] = cacheable;
-      gi[ng++] = i;
+      cacheable[ng] = weight;
+      idx[ng++] = i;
     } else {
-      oc[no] = false;
       oi[no++] = i;
     }
   }
-  kiln_status st = cast_group(in, gi, gc, ng, dt);
-  return st == KILN_OK ? cast_group(in, oi, oc, no, dt) : st;
+  for (int j = 0; j < no; j++) { /* the rest after those that need a gradient */
+    cacheable[ng + j] = false;
+    idx[ng + j] = oi[j];
+  }
+  return cast_group(in, idx, cacheable, ng + no, ng, dt);
 }
 
 static const kiln__autocast_type *state_of(const kiln_tensor *t) {

@@ -98,6 +98,8 @@ typedef struct kiln__op_ctx {
   uint64_t scratch[8];        /* small op-private values from infer to forward */
   bool amp_f32;               /* autocast left 16-bit inputs to a KILN__OP_AMP_READS_16 op:
                               ** its floating outputs are f32 */
+  int n_node_out;             /* infer may set it: only the first n_node_out outputs go into
+                              ** the node (the rest never require grad); 0: all */
 } kiln__op_ctx;
 
 typedef struct kiln__op {
@@ -160,9 +162,10 @@ kiln_status kiln__broadcast_shape(const char *op, const kiln_tensor *a, const ki
 kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, int nd_b, const int64_t *sb,
                                    int *ndim, int64_t *shape);
 /* outs[k] = ins[k] cast to dt (floating) for k < n <= KILN__OP_MAX_OUT, one kernel call
-** where the device has CAST_MULTI, one node for all (a recorded op, "to_dtype_many"):
-** every input should need a gradient or none. Outputs owned by the current scope. */
-kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, kiln_tensor **outs);
+** where the device has CAST_MULTI (a recorded op, "to_dtype_many"); the node, when one is
+** made, has the first n_grad outputs (0: all), so inputs that need no gradient go last.
+** Outputs owned by the current scope. */
+kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs);
 /* t itself when it already has dtype dt, else a converted copy without autograd. */
 kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
 /* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);

@@ -550,11 +550,12 @@ kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev) {
 /* ---- to_dtype_many: several casts to one dtype in one kernel call ----
 ** Autocast's casts of one op's inputs (a layer's weight and bias) and, in its backward,
 ** of their gradients back (one CAST_MULTI call each way where the device has it; COPY
-** per pair otherwise, the same numbers). One node for all the outputs; every input is
-** expected to need a gradient or none (autocast groups them so), since each output of a
-** recorded node requires grad. Internal: kiln__to_dtype_many. */
+** per pair otherwise, the same numbers). One node for the first n_grad outputs (all
+** when n_grad is 0): autocast puts the inputs that need a gradient first, so that the
+** batch, cast in the same kernel, is not made to need one. Internal: kiln__to_dtype_many. */
 typedef struct attrs_to_many {
   kiln_dtype dtype;
+  int n_grad;
 } attrs_to_many;
 static const kiln__attr_field f_to_many[] = {KILN__FIELD(attrs_to_many, dtype, KILN__A_DTYPE)};
 
@@ -591,6 +592,7 @@ static kiln_status to_many_infer(kiln__op_ctx *c) {
   if (!kiln_dtype_is_float(p->dtype))
     return kiln_set_error(KILN_ERR_DTYPE, "%s: casts to a floating dtype, not %s", c->op->api, kiln_dtype_name(p->dtype));
   c->n_out = c->n_in;
+  c->n_node_out = p->n_grad;
   for (int k = 0; k < c->n_in; k++) kiln__op_meta_like(c, k, c->in[k], p->dtype);
   return KILN_OK;
 }
@@ -620,8 +622,8 @@ static const kiln__op op_to_dtype_many = {
     .n_kernels = 2, .kernels = {KILN__K_CAST_MULTI, KILN__K_COPY}, .attrs = f_to_many, .n_attrs = 1,
     .attr_size = sizeof(attrs_to_many), .infer = to_many_infer, .forward = to_many_forward, .backward = to_many_bw};
 
-kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, kiln_tensor **outs) {
-  attrs_to_many p = {dt};
+kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs) {
+  attrs_to_many p = {dt, n_grad};
   for (int k = 0; k < n && k < KILN__OP_MAX_OUT; k++) outs[k] = NULL;
   return kiln__op_call(&op_to_dtype_many, n, ins, &p, outs) ? KILN_OK : kiln_last_error();
 }

@@ -674,6 +674,30 @@ KILN_API kiln_status kiln_adam_multi_step_amp_(int n, kiln_tensor *const *params
                                                double weight_decay, bool decoupled, bool amsgrad,
                                                kiln_tensor *found_inf);
 
+/* torch.optim.SGD's update of n parameters at once, in place (PyTorch's foreach SGD): the
+** tensors of one device and dtype in as few kernel launches as the backend allows (CUDA:
+** one launch for up to 48 tensors), with the numbers of kiln's per-parameter rule (axpy,
+** mul_scalar_, axpy_; on the CPU to the bit):
+**   g = grad (negated when maximize); g += weight_decay * p
+**   momentum != 0: b = g on b's first step, else b = momentum * b + (1 - dampening) * g;
+**                  g = nesterov ? g + momentum * b : b
+**   p -= lr * g
+** params, grads and (with a momentum) momentum_buffers hold n tensors of one shape,
+** dtype and device each, contiguous. The first step of a buffer is told by first[i]
+** (NULL: none is first; the caller makes the buffer, of any contents), or, when step_t is
+** given (n f64 one-element counts on the parameters' devices), by step_t[i] == 0 on the
+** device; each step_t then advances by one. found_inf (one float32 element, or NULL;
+** needs step_t) is read on the device: non-zero writes nothing and advances no step_t, so
+** a skipped step needs no host read. Everything is checked before anything changes
+** (KILN_ERR_INVALID_ARGUMENT / _SHAPE / _DTYPE / _DEVICE naming the tensor's position);
+** lr, momentum and weight_decay must be >= 0, and nesterov needs a momentum and zero
+** dampening, as PyTorch's constructor says. */
+KILN_API kiln_status kiln_sgd_multi_step_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                          kiln_tensor *const *momentum_buffers, const bool *first,
+                                          kiln_tensor *const *step_t, double lr, double momentum,
+                                          double dampening, double weight_decay, bool nesterov,
+                                          bool maximize, kiln_tensor *found_inf);
+
 /* Loss scaling's unscale (torch._amp_foreach_non_finite_check_and_unscale_): multiplies
 ** each of the n gradients (floating, contiguous, on found_inf's device; NULL entries are
 ** skipped) by inv_scale in place, and sets found_inf (one float32 element) to 1 when any

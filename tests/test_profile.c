@@ -168,8 +168,58 @@ static void test_trace(void) {
   scratch_end(dir);
 }
 
+/* The GFLOP column of the table row that starts with name, or -1. */
+static double table_gflop(const char *table, const char *name) {
+  const char *line = table;
+  while (line && *line) {
+    char row[512];
+    const char *nl = strchr(line, '\n');
+    size_t len = nl ? (size_t)(nl - line) : strlen(line);
+    if (len >= sizeof row) len = sizeof row - 1;
+    memcpy(row, line, len);
+    row[len] = 0;
+    char *tok[12];
+    int nt = 0;
+    for (char *t = strtok(row, " "); t && nt < 12; t = strtok(NULL, " ")) tok[nt++] = t;
+    /* name, calls, host ms, host us/c, dev us/c, MB moved, GFLOP, ... */
+    if (nt >= 7 && !strcmp(tok[0], name)) return atof(tok[6]);
+    line = nl ? nl + 1 : NULL;
+  }
+  return -1;
+}
+
+/* The FLOPs the table gives the norms and the optimizer steps (they had none): 8 a
+** value for layer_norm, 9 a parameter value for SGD, 14 for Adam. */
+static void test_flops_of_norms_and_optimizers(void) {
+  kiln_device cpu = kiln_device_cpu();
+  CHECK(kiln_profiler_start(NULL) == KILN_OK);
+  kiln_scope_begin();
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(1000, 1000), KILN_F32, cpu);
+  CHECK(kiln_layer_norm(x, 1, (const int64_t[]){1000}, NULL, NULL, 1e-5) != NULL);
+  kiln_tensor *p = kiln_zeros(KILN_SHAPE(1000000), KILN_F32, cpu), *g = kiln_ones(KILN_SHAPE(1000000), KILN_F32, cpu);
+  CHECK(kiln_sgd_multi_step_(1, &p, &g, NULL, NULL, NULL, 0.1, 0, 0, 0, false, false, NULL) == KILN_OK);
+  kiln_tensor *m = kiln_zeros_like(p), *v = kiln_zeros_like(p);
+  CHECK(kiln_adam_step_(p, g, m, v, NULL, 1e-3, 0.9, 0.999, 1e-8, 0, 1, false, false, NULL) == KILN_OK);
+  kiln_set_grad_enabled(prev);
+  kiln_scope_end();
+  FILE *f = tmpfile();
+  CHECK(f != NULL);
+  if (!f) return;
+  CHECK(kiln_profiler_stop(f) == KILN_OK);
+  static char text[1 << 16];
+  rewind(f);
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  text[n] = 0;
+  fclose(f);
+  CHECK(table_gflop(text, "layer_norm") == 0.008);
+  CHECK(table_gflop(text, "sgd_multi_step_") == 0.009);
+  CHECK(table_gflop(text, "adam_step_") == 0.014);
+}
+
 int main(void) {
   test_bad_path();
+  test_flops_of_norms_and_optimizers();
   test_trace();
   if (failures) fprintf(stderr, "test_profile: %d failed\n", failures);
   else printf("test_profile: ok\n");

@@ -246,7 +246,23 @@ typedef struct kiln__view {
   /* OW), in1 its indices (i64, as MAX_POOL2D gave them) -> out0 dx (N, C, H, W) */       \
   /* (written): each pixel sums the grads of the windows (in window order i, j) whose */  \
   /* index names it. a->params: the forward's kiln__conv_params. */                         \
-  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")
+  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")                                          \
+  /* ---- SGD over many tensors in few launches (a list op: see kiln__kargs.list) ---- */ \
+  /* torch.optim.SGD's update; each group is [grad, param, momentum_buffer (i1 flag */   \
+  /* 16 only), step_t (flag 4 only)], all groups one float dtype, contiguous, in place. */ \
+  /* s0 lr, s1 momentum, s2 dampening, s3 weight decay; i1 flags: 1 nesterov, 2 */         \
+  /* maximize, 4 step on the device (the f64 one-element step_t: the buffer is taken */   \
+  /* from the gradient where step_t == 0, and every step_t advances by one after), 8 */   \
+  /* found_inf (in0, f32 one element, read on the device: non-zero writes nothing and */  \
+  /* advances no step_t), 16 momentum (the group has a buffer). Without flag 4, */        \
+  /* list_i[g] == 1 marks a buffer made for this step (taken from the gradient). The */   \
+  /* element update rounds to the dtype after each step exactly as the composed ops */    \
+  /* (neg, axpy, mul_scalar_, axpy_) do: see cpu_optim.c. */                              \
+  X(SGD_MULTI, "sgd_multi")                                                               \
+  /* dtype conversions over a list (see kiln__kargs.list): groups [in, out] (list_w 2), */ \
+  /* each pair contiguous with one element count, out[k] = in[k] converted as COPY does */ \
+  /* (autocast's casts of one op's inputs, and of their gradients, in one call) */         \
+  X(CAST_MULTI, "cast_multi")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,
@@ -436,6 +452,9 @@ static inline const kiln__view *kiln__ce_dlogits(const kiln__kargs *a) {
 /* ADAM_MULTI's group width for its flags (4 views, + max_exp_avg_sq, + step_t); -1 with
 ** the last error set when the list does not have it. (src/backend/view.c) */
 int kiln__adam_list_width(const kiln__kargs *a);
+/* The group width SGD_MULTI's flags give (2, +1 with momentum, +1 with a device step),
+** checked against a->list_w; -1 with the error set when they disagree. */
+int kiln__sgd_list_width(const kiln__kargs *a);
 
 /* Helpers every backend may use (src/backend/view.c). */
 int64_t kiln__view_numel(const kiln__view *v);

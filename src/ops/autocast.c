@@ -4,12 +4,17 @@
 **
 **   LOWER    every f32 input on the region's device type -> the region's dtype (f16/bf16);
 **            f64 stays (PyTorch casts only "eligible" f32 inputs the same way);
-**   F32      every f16/bf16 input -> f32;
+**   F32      every f16/bf16 input -> f32 (an op flagged KILN__OP_AMP_READS_16, whose kernels
+**            read 16-bit inputs and compute in f32, gets them uncast and gives f32 outputs:
+**            the same numbers without the cast kernels);
 **   PROMOTE  mixed floating inputs -> the widest of them (kiln_dtype_promote).
 **
 ** The policy is the op path's step 3 (kiln__set_autocast_hook). Casts are recorded
 ** to_dtype ops, so gradients flow back through them in the dtype of the tensor that was
-** cast: an f32 parameter gets an f32 gradient. docs/autocast.md lists the classes.
+** cast: an f32 parameter gets an f32 gradient. docs/autocast.md lists the classes. The
+** LOWER casts of one op are made together (lower_inputs: to_dtype_many, one kernel for a
+** layer's weight and bias, and one for their gradients), since on a GPU a small model's
+** step is bound by launches.
 **
 ** Weight-cast cache: a LOWER cast of a leaf that requires grad (a parameter), made with
 ** grad mode on, is kept and reused until the outermost region ends (PyTorch caches the
@@ -101,14 +106,88 @@ static kiln_tensor *cast(kiln_tensor *t, kiln_dtype dt, bool lower) {
   return c;
 }
 
+/* Keeps c, the cast of t made for the region, as cast() does: in the weight cache when
+** cacheable, in the region's list when no scope owns it. */
+static kiln_status keep_cast(kiln_tensor *t, kiln_dtype dt, kiln_tensor *c, bool cacheable) {
+  bool scopeless = kiln_scope_depth() == 0;
+  if (!cacheable && !scopeless) return KILN_OK;
+  kiln_status st = cache_put(cacheable ? kiln_tensor_id(t) : 0, dt, c);
+  if (scopeless) kiln_tensor_free(c);
+  return st;
+}
+
+/* Casts in[idx[0..m)] to dt in one kiln__to_dtype_many (one kernel; a node for the first
+** n_grad), each kept as cast() keeps its own; a single one goes through cast() as before. */
+static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cacheable, int m, int n_grad, kiln_dtype dt) {
+  if (m == 0) return KILN_OK;
+  if (m == 1) {
+    kiln_tensor *c = cast(in[idx[0]], dt, true);
+    if (!c) return kiln_last_error();
+    in[idx[0]] = c;
+    return KILN_OK;
+  }
+  kiln_tensor *src[KILN__OP_MAX_OUT] = {NULL}, *dst[KILN__OP_MAX_OUT] = {NULL};
+  for (int j = 0; j < m; j++) src[j] = in[idx[j]];
+  kiln_status st = kiln__to_dtype_many(m, src, dt, n_grad, dst);
+  for (int j = 0; j < m && st == KILN_OK; j++) {
+    st = keep_cast(src[j], dt, dst[j], cacheable[j]);
+    in[idx[j]] = dst[j];
+  }
+  return st;
+}
+
+/* LOWER: the f32 inputs go to the region's dtype. A weight cast already made in the region
+** is reused; the others are cast together in one kernel (a layer's batch, weight and bias;
+** and the weight's and bias's gradients in one on the way back), those that need a gradient
+** first: the node covers only them, so the batch is never made to need one. */
+static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast_type *(*state)(const kiln_tensor *)) {
+  int idx[KILN__OP_MAX_OUT], oi[KILN__OP_MAX_OUT], ng = 0, no = 0;
+  bool cacheable[KILN__OP_MAX_OUT];
+  kiln_dtype dt = KILN_F32;
+  bool grad_on = kiln_grad_enabled();
+  for (int i = 0; i < n_in; i++) {
+    kiln_tensor *t = in[i];
+    if (!t || t->dtype != KILN_F32) continue;
+    const kiln__autocast_type *s = state(t);
+    if (!s) continue;
+    if (n_in > KILN__OP_MAX_OUT || (ng + no > 0 && s->dtype != dt)) { /* one by one, as before */
+      kiln_tensor *c = cast(t, s->dtype, true);
+      if (!c) return kiln_last_error();
+      in[i] = c;
+      continue;
+    }
+    dt = s->dtype;
+    bool weight = t->requires_grad && !t->grad_fn && grad_on;
+    if (weight) {
+      kiln_tensor *c = cache_get(kiln_tensor_id(t), dt);
+      if (c) {
+        in[i] = c;
+        continue;
+      }
+    }
+    if (t->requires_grad && grad_on) {
+      cacheable[ng] = weight;
+      idx[ng++] = i;
+    } else {
+      oi[no++] = i;
+    }
+  }
+  for (int j = 0; j < no; j++) { /* the rest after those that need a gradient */
+    cacheable[ng + j] = false;
+    idx[ng + j] = oi[j];
+  }
+  return cast_group(in, idx, cacheable, ng + no, ng, dt);
+}
+
 static const kiln__autocast_type *state_of(const kiln_tensor *t) {
   kiln_device_type ty = t->storage->device.type;
   if ((int)ty < 0 || (int)ty >= AC_TYPES || !cur.type[ty].enabled) return NULL;
   return &cur.type[ty];
 }
 
-static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in) {
+static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in, bool *f32_out) {
   if (cur.n_enabled == 0 || kiln__backward_depth() != cur.level) return KILN_OK;
+  if (op->amp == KILN__AMP_LOWER) return lower_inputs(n_in, in, state_of);
   kiln_dtype widest = KILN_DTYPE__COUNT;
   if (op->amp == KILN__AMP_PROMOTE) {
     int n_float = 0;
@@ -138,6 +217,10 @@ static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in)
       break;
     case KILN__AMP_F32:
       if (t->dtype != KILN_F16 && t->dtype != KILN_BF16) continue;
+      if (op->flags & KILN__OP_AMP_READS_16) { /* the kernel reads it and computes in f32 */
+        *f32_out = true;
+        continue;
+      }
       to = KILN_F32;
       break;
     case KILN__AMP_PROMOTE:

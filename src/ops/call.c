@@ -222,6 +222,8 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   c.n_in = n_in;
   c.n_out = op->n_out;
   c.differentiable = op->backward != NULL;
+  c.amp_f32 = false;
+  c.n_node_out = 0;
   for (int k = 0; k < KILN__OP_MAX_OUT; k++) c.out[k] = NULL;
   for (int k = 0; k < KILN__OP_MAX_TMP; k++) c.tmp[k] = NULL;
   *status = KILN_OK;
@@ -288,7 +290,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   kiln_status st = KILN_OK;
   int n_alloc = 0;
   /* 3. autocast */
-  if (amp) st = autocast_hook(op, n_in, args);
+  if (amp) st = autocast_hook(op, n_in, args, &c.amp_f32);
   /* 4. infer */
   if (st == KILN_OK && op->infer) st = op->infer(&c);
   /* 5. outputs */
@@ -312,6 +314,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     /* Trailing integer outputs (max_dim's indices) are not differentiable, as in PyTorch:
     ** they stay out of the node and never require grad. */
     while (n_node_out > 1 && !kiln_dtype_is_float(c.out[n_node_out - 1]->dtype)) n_node_out--;
+    if (c.n_node_out > 0 && c.n_node_out < n_node_out) n_node_out = c.n_node_out; /* infer said so */
     kiln__node *node = kiln__node_make(n_node_out, c.out, op->name, op->backward, n_in, args,
                                        op->n_saved, attrs, op->attr_size);
     if (!node) {

@@ -96,6 +96,10 @@ typedef struct kiln__op_ctx {
   kiln_tensor *tmp[KILN__OP_MAX_TMP];
   bool differentiable;        /* infer may clear it (comparisons, integer dtypes) */
   uint64_t scratch[8];        /* small op-private values from infer to forward */
+  bool amp_f32;               /* autocast left 16-bit inputs to a KILN__OP_AMP_READS_16 op:
+                              ** its floating outputs are f32 */
+  int n_node_out;             /* infer may set it: only the first n_node_out outputs go into
+                              ** the node (the rest never require grad); 0: all */
 } kiln__op_ctx;
 
 typedef struct kiln__op {
@@ -133,6 +137,13 @@ typedef struct kiln__op {
 /* Its rule reads n->grad_mask (a ReLU after it folded its backward into this op's
 ** products): the peephole of ops_elementwise.c's relu rule. */
 #define KILN__OP_GRAD_MASK (1u << 7)
+/* An f32-class op whose kernels read f16/bf16 inputs and compute in f32 themselves (the
+** cast to f32 is exact, so reading the 16-bit values in the kernel gives the same numbers
+** as cast-then-op). Under autocast its inputs are left as they are and c->amp_f32 tells
+** it to give its floating outputs in f32, as the cast inputs would have: one cast kernel
+** (and its gradient's, in backward) fewer per call. A high bit, out of the way of the
+** flags other work adds after bit 7. */
+#define KILN__OP_AMP_READS_16 (1u << 16)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -150,6 +161,11 @@ kiln_status kiln__broadcast_shape(const char *op, const kiln_tensor *a, const ki
                                   int64_t *shape);
 kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, int nd_b, const int64_t *sb,
                                    int *ndim, int64_t *shape);
+/* outs[k] = ins[k] cast to dt (floating) for k < n <= KILN__OP_MAX_OUT, one kernel call
+** where the device has CAST_MULTI (a recorded op, "to_dtype_many"); the node, when one is
+** made, has the first n_grad outputs (0: all), so inputs that need no gradient go last.
+** Outputs owned by the current scope. */
+kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs);
 /* t itself when it already has dtype dt, else a converted copy without autograd. */
 kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
 /* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);
@@ -187,8 +203,9 @@ int kiln__op_depth(void);
 
 /* ---- autocast hook (the mixed-precision issue installs the policy) ---- */
 /* Called for ops with an amp class when set: may replace in[i] with cast tensors (owned by
-** the current scope). Returns KILN_OK or an error that fails the op. */
-typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in);
+** the current scope); sets *f32_out when it left 16-bit inputs of a KILN__OP_AMP_READS_16
+** op uncast (the op then gives f32 outputs). Returns KILN_OK or an error that fails the op. */
+typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in, bool *f32_out);
 void kiln__set_autocast_hook(kiln__autocast_fn fn);
 
 /* This thread's autocast state (src/ops/autocast.c): per device type (the first 4),

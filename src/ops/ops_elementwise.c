@@ -429,10 +429,15 @@ kiln_tensor *kiln_softplus(kiln_tensor *t, double beta, double threshold) {
 }
 
 /* ---- copies: clone, to_dtype, to_device ---- */
+/* The gradient goes back in the input's dtype and to its device. A conversion's result is
+** handed over as the only reference (kiln__give_grad), so the engine can make it a leaf's
+** .grad as it is: an identity kiln_to_device on top of it added a second reference, and
+** every autocast weight's gradient was copied once more (a clone per parameter a step). */
 static kiln_status copy_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_device in_dev = {(kiln_device_type)n->i[0], (int)n->i[1]};
   kiln_tensor *r = kiln_to_dtype(g, n->in_dtype[0]);
-  SET0(kiln_to_device(r, in_dev));
+  if (r && !kiln_device_equal(kiln_device_of(r), in_dev)) r = kiln_to_device(r, in_dev);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 /* dst (contiguous, any device) <- src (any strides, any device), converting dtypes. */
@@ -540,6 +545,87 @@ kiln_tensor *kiln_to_dtype(kiln_tensor *t, kiln_dtype dt) {
 kiln_tensor *kiln_to_device(kiln_tensor *t, kiln_device dev) {
   if (t && kiln_device_equal(dev, kiln_device_of(t))) return kiln__scope_track(kiln_tensor_ref(t));
   return t ? copy_to(&op_to_device, t, t->dtype, dev) : NULL;
+}
+
+/* ---- to_dtype_many: several casts to one dtype in one kernel call ----
+** Autocast's casts of one op's inputs (a layer's weight and bias) and, in its backward,
+** of their gradients back (one CAST_MULTI call each way where the device has it; COPY
+** per pair otherwise, the same numbers). One node for the first n_grad outputs (all
+** when n_grad is 0): autocast puts the inputs that need a gradient first, so that the
+** batch, cast in the same kernel, is not made to need one. Internal: kiln__to_dtype_many. */
+typedef struct attrs_to_many {
+  kiln_dtype dtype;
+  int n_grad;
+} attrs_to_many;
+static const kiln__attr_field f_to_many[] = {KILN__FIELD(attrs_to_many, dtype, KILN__A_DTYPE)};
+
+/* dst[k] <- src[k] converted, on dev (the same device for all). */
+static kiln_status cast_pairs(kiln_device dev, int n, kiln_tensor *const *src, kiln_tensor *const *dst) {
+  kiln__view list[2 * KILN__OP_MAX_OUT];
+  int m = 0;
+  bool contiguous = true;
+  for (int k = 0; k < n; k++) {
+    if (kiln_numel(dst[k]) == 0) continue;
+    contiguous = contiguous && kiln_is_contiguous(src[k]);
+    list[2 * m] = kiln__view_of(src[k]);
+    list[2 * m + 1] = kiln__view_of(dst[k]);
+    m++;
+  }
+  kiln__kargs a = {0};
+  a.op = KILN__K_CAST_MULTI;
+  a.list_n = m;
+  a.list_w = 2;
+  a.list = list;
+  if (m > 1 && contiguous && kiln__dispatch_has(dev, &a, KILN__K_CAST_MULTI)) return kiln__dispatch(dev, &a);
+  for (int k = 0; k < n; k++) {
+    kiln_status st = copy_between(dst[k], src[k]);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
+static kiln_status to_many_infer(kiln__op_ctx *c) {
+  const attrs_to_many *p = c->attrs;
+  if (c->n_in < 1 || c->n_in > KILN__OP_MAX_OUT)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: 1 to %d tensors, got %d", c->op->api, KILN__OP_MAX_OUT,
+                          c->n_in);
+  if (!kiln_dtype_is_float(p->dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: casts to a floating dtype, not %s", c->op->api, kiln_dtype_name(p->dtype));
+  c->n_out = c->n_in;
+  c->n_node_out = p->n_grad;
+  for (int k = 0; k < c->n_in; k++) kiln__op_meta_like(c, k, c->in[k], p->dtype);
+  return KILN_OK;
+}
+static kiln_status to_many_forward(kiln__op_ctx *c) { return cast_pairs(c->device, c->n_in, c->in, c->out); }
+
+/* Each gradient back to its input's dtype, again in one call. */
+static kiln_status to_many_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *src[KILN__OP_MAX_OUT], *dst[KILN__OP_MAX_OUT];
+  int idx[KILN__OP_MAX_OUT], m = 0;
+  kiln_device dev = kiln_device_cpu();
+  for (int k = 0; k < n->n_in && k < n->n_out; k++) {
+    kiln_tensor *gk = k == 0 ? g : n->grad_outs[k];
+    if (!n->needs[k] || !gk) continue;
+    dev = kiln_device_of(gk);
+    dst[m] = kiln__tensor_new(gk->ndim, gk->shape, n->in_dtype[k], dev);
+    if (!dst[m]) return kiln_last_error();
+    src[m] = gk;
+    idx[m++] = k;
+  }
+  kiln_status st = m ? cast_pairs(dev, m, src, dst) : KILN_OK;
+  for (int j = 0; j < m && st == KILN_OK; j++) st = kiln__give_grad(&gi[idx[j]], dst[j], g);
+  return st;
+}
+
+static const kiln__op op_to_dtype_many = {
+    .name = "to_dtype_many", .api = "kiln__to_dtype_many", .n_in = KILN__OP_VARIADIC, .n_out = KILN__OP_MAX_OUT,
+    .n_kernels = 2, .kernels = {KILN__K_CAST_MULTI, KILN__K_COPY}, .attrs = f_to_many, .n_attrs = 1,
+    .attr_size = sizeof(attrs_to_many), .infer = to_many_infer, .forward = to_many_forward, .backward = to_many_bw};
+
+kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs) {
+  attrs_to_many p = {dt, n_grad};
+  for (int k = 0; k < n && k < KILN__OP_MAX_OUT; k++) outs[k] = NULL;
+  return kiln__op_call(&op_to_dtype_many, n, ins, &p, outs) ? KILN_OK : kiln_last_error();
 }
 
 /* ---- in-place updates (never recorded) ---- */

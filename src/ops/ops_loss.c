@@ -6,7 +6,9 @@
 ** cross_entropy moves the class dim last and flattens logits to (M, C), targets to (M).
 ** The CROSS_ENTROPY kernel gives per-row losses and the row logsumexp in f32 (f64 for f64
 ** logits), whatever the logits' dtype, so 16-bit logits lose nothing inside; the result
-** is cast back to the logits' dtype as PyTorch returns it. The reduction runs on the
+** is cast back to the logits' dtype as PyTorch returns it, except under autocast: there
+** 16-bit logits come in uncast (KILN__OP_AMP_READS_16) and the loss stays f32, the
+** numbers of cast-then-op without the cast kernel, nor its gradient's. The reduction runs on the
 ** device — mean divides by the number of targets that are not ignore_index, counted on
 ** the device too, so no op here waits for the device (all ignored gives 0/0 = NaN, as
 ** in PyTorch). The mean is one kernel (CROSS_ENTROPY_MEAN).
@@ -188,7 +190,8 @@ static kiln_status ce_forward_op(kiln__op_ctx *c) {
   } else {
     st = kiln_last_error();
   }
-  if (st == KILN_OK && r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
+  /* under autocast (c->amp_f32) the loss stays f32, as it is for logits cast to f32 */
+  if (st == KILN_OK && r && r->dtype != logits->dtype && !c->amp_f32) r = kiln_to_dtype(r, logits->dtype);
   kiln_tensor *grad = r && ng ? ce_logits_layout(dl, nd, logits->shape) : NULL;
   if (ng && !grad) r = NULL;
   kiln_set_grad_enabled(prev);
@@ -207,7 +210,7 @@ static void ce_save(kiln__op_ctx *c, kiln__node *n) {
 
 static const kiln__op op_cross_entropy = {
     .name = "cross_entropy", .api = "kiln_cross_entropy", .n_in = 2, .n_out = 1, .amp = KILN__AMP_F32,
-    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 2,
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_AMP_READS_16, .n_kernels = 2,
     .kernels = {KILN__K_CROSS_ENTROPY, KILN__K_CROSS_ENTROPY_MEAN}, .attrs = f_ce, .n_attrs = 3,
     .attr_size = sizeof(attrs_ce), .infer = ce_infer, .forward = ce_forward_op, .backward = ce_backward,
     .n_saved = 1, .save = ce_save};

@@ -524,3 +524,216 @@ kiln_status kiln_amp_update_scale_(kiln_tensor *scale, kiln_tensor *growth_track
   kiln_set_grad_enabled(prev);
   return st;
 }
+
+/* ---- SGD over a list of tensors (SGD_MULTI) ---- */
+/* torch.optim.SGD's hyperparameters; first, n and the two presence flags are not
+** attributes: the per-tensor first-step marks (host steps), the tensor count (the inputs
+** are four lists of n, then found_inf) and whether the buffer and step_t lists hold
+** tensors. */
+typedef struct attrs_sgd {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize;
+  const bool *first;
+  int n;
+  bool has_step_t;
+} attrs_sgd;
+static const kiln__attr_field f_sgd[] = {
+    KILN__FIELD(attrs_sgd, lr, KILN__A_FLOAT),           KILN__FIELD(attrs_sgd, momentum, KILN__A_FLOAT),
+    KILN__FIELD(attrs_sgd, dampening, KILN__A_FLOAT),    KILN__FIELD(attrs_sgd, weight_decay, KILN__A_FLOAT),
+    KILN__FIELD(attrs_sgd, nesterov, KILN__A_BOOL),      KILN__FIELD(attrs_sgd, maximize, KILN__A_BOOL)};
+
+#define SGD_LIST(c, k) ((c)->in + (size_t)(k) * (size_t)((const attrs_sgd *)(c)->attrs)->n)
+
+/* inputs: the lists params, grads, momentum_buffers, step_t (n each; the last two all
+** NULL when not used), then found_inf (NULL when not used) */
+static kiln_status sgd_multi_infer(kiln__op_ctx *c) {
+  const attrs_sgd *p = c->attrs;
+  const char *who = c->op->api;
+  kiln_tensor *const *params = SGD_LIST(c, 0), *const *grads = SGD_LIST(c, 1);
+  kiln_tensor *const *bufs = SGD_LIST(c, 2), *const *step_t = SGD_LIST(c, 3);
+  kiln_tensor *found_inf = c->in[4 * (size_t)p->n];
+  const bool mom = p->momentum != 0;
+  if (found_inf && !p->has_step_t)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: found_inf needs the steps on the device (step_t): a host step count cannot "
+                          "tell whether the step was skipped", who);
+  if (found_inf && (found_inf->dtype != KILN_F32 || kiln_numel(found_inf) != 1))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: found_inf must be one float32 element", who);
+  for (int i = 0; i < p->n; i++) { /* everything checked before anything moves */
+    kiln_tensor *ts[4] = {params[i], grads[i], mom ? bufs[i] : NULL, p->has_step_t ? step_t[i] : NULL};
+    const int nt = mom ? 3 : 2;
+    for (int k = 0; k < nt; k++)
+      if (!ts[k]) {
+        if (kiln_last_error() == KILN_OK)
+          kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %s %d is NULL", who,
+                         k == 0 ? "parameter" : k == 1 ? "gradient" : "momentum buffer", i);
+        return kiln_last_error();
+      }
+    kiln_tensor *pa = params[i];
+    if (pa->requires_grad && kiln_grad_enabled())
+      return kiln_set_error(KILN_ERR_AUTOGRAD, "%s: grad mode is on (wrap the step in kiln_set_grad_enabled(false))", who);
+    if (!kiln_dtype_is_float(pa->dtype))
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: parameter %d is %s, not a floating dtype", who, i,
+                            kiln_dtype_name(pa->dtype));
+    kiln_device dev = kiln_device_of(pa);
+    for (int k = 0; k < nt; k++) {
+      kiln_tensor *t = ts[k];
+      if (!kiln_device_equal(kiln_device_of(t), dev))
+        return kiln_set_error(KILN_ERR_DEVICE, "%s: tensor %d of parameter %d is on %s, the parameter on %s", who, k, i,
+                              kiln__device_cstr(kiln_device_of(t)), kiln__device_cstr(dev));
+      if (t->dtype != pa->dtype || t->ndim != pa->ndim ||
+          memcmp(t->shape, pa->shape, (size_t)pa->ndim * sizeof(int64_t)) != 0)
+        return kiln_set_error(KILN_ERR_SHAPE, "%s: tensor %d of parameter %d is %s %s; the parameter is %s %s", who, k,
+                              i, kiln_dtype_name(t->dtype), kiln__tshape(t), kiln_dtype_name(pa->dtype),
+                              kiln__tshape(pa));
+      if (!kiln_is_contiguous(t))
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: tensor %d of parameter %d is not contiguous", who, k, i);
+    }
+    if (ts[3] && (ts[3]->dtype != KILN_F64 || kiln_numel(ts[3]) != 1 || !kiln_device_equal(kiln_device_of(ts[3]), dev)))
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: step_t %d must be one float64 element on %s", who, i,
+                            kiln__device_cstr(dev));
+    if (p->has_step_t && !ts[3])
+      return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: step_t %d is NULL", who, i);
+    if (found_inf && !kiln_device_equal(kiln_device_of(found_inf), dev))
+      return kiln_set_error(KILN_ERR_DEVICE, "%s: found_inf is on %s, parameter %d on %s", who,
+                            kiln__device_cstr(kiln_device_of(found_inf)), i, kiln__device_cstr(dev));
+  }
+  return KILN_OK;
+}
+
+/* The same update with elementwise ops, for a backend without SGD_MULTI: the composed
+** rule's ops in its order (so its roundings), the new values selected on the device
+** against found_inf, nothing read on the host. */
+static kiln_status sgd_composed(const attrs_sgd *p, kiln_tensor *pa, kiln_tensor *g, kiln_tensor *b, bool first,
+                                kiln_tensor *step_t, kiln_tensor *found_inf) {
+  kiln_scope_begin();
+  kiln_status st = KILN_OK;
+  if (p->maximize) g = kiln_neg(g);
+  if (g && p->weight_decay != 0) g = kiln_axpy(g, p->weight_decay, pa);
+  kiln_tensor *bn = NULL;
+  if (g && b) {
+    if (step_t) {
+      kiln_tensor *later = kiln_axpy(kiln_mul_scalar(b, p->momentum), 1.0 - p->dampening, g);
+      kiln_tensor *is_first = kiln_eq_scalar(kiln_view(step_t, 0, NULL), 0.0);
+      bn = later && is_first ? kiln_where(is_first, g, later) : NULL;
+    } else {
+      bn = first ? g : kiln_axpy(kiln_mul_scalar(b, p->momentum), 1.0 - p->dampening, g);
+    }
+    g = !bn ? NULL : p->nesterov ? kiln_axpy(g, p->momentum, bn) : bn;
+  }
+  kiln_tensor *pn = g ? kiln_axpy(pa, -p->lr, g) : NULL;
+  if (!pn) st = kiln_last_error();
+  kiln_tensor *bad = NULL;
+  if (st == KILN_OK && found_inf &&
+      !(bad = kiln_ne(kiln_view(found_inf, 0, NULL), kiln_scalar(0.0, KILN_F32, kiln_device_of(found_inf)))))
+    st = kiln_last_error();
+  kiln_tensor *now[2] = {pa, b}, *fresh[2] = {pn, bn};
+  for (int k = 0; k < 2 && st == KILN_OK; k++)
+    if (now[k]) st = kiln_copy_(now[k], bad ? kiln_where(bad, now[k], fresh[k]) : fresh[k]);
+  if (st == KILN_OK && step_t) {
+    kiln_tensor *inc = found_inf ? kiln_to_dtype(kiln_eq_scalar(kiln_view(found_inf, 0, NULL), 0.0), KILN_F64)
+                                 : kiln_scalar(1.0, KILN_F64, kiln_device_of(step_t));
+    st = inc ? kiln_axpy_(step_t, 1.0, inc) : kiln_last_error();
+  }
+  kiln_scope_end();
+  return st;
+}
+
+/* The tensors of one device and dtype go to one SGD_MULTI call (the backend splits it
+** into launches as it needs); a backend without it gets sgd_composed per tensor. */
+static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
+  const attrs_sgd *p = c->attrs;
+  const char *who = c->op->api;
+  const int n = p->n;
+  kiln_tensor *const *params = SGD_LIST(c, 0), *const *grads = SGD_LIST(c, 1);
+  kiln_tensor *const *bufs = SGD_LIST(c, 2), *const *step_t = SGD_LIST(c, 3);
+  kiln_tensor *found_inf = c->in[4 * (size_t)n];
+  const bool mom = p->momentum != 0, on_dev = p->has_step_t;
+  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0);
+  size_t cap = (size_t)(n > 0 ? n : 1);
+  kiln__view *list = malloc(cap * (size_t)w * sizeof *list);
+  int64_t *li = malloc(cap * sizeof *li);
+  int *idx = malloc(cap * sizeof *idx);
+  unsigned char *done = calloc(cap, 1);
+  kiln_status st = list && li && idx && done ? KILN_OK : kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    if (done[i]) continue;
+    kiln_device dev = kiln_device_of(params[i]);
+    kiln_dtype dt = params[i]->dtype;
+    int m = 0;
+    for (int j = i; j < n; j++) { /* this device and dtype, in order */
+      if (done[j] || params[j]->dtype != dt || !kiln_device_equal(kiln_device_of(params[j]), dev)) continue;
+      done[j] = 1; /* empty tensors stay in the list: their step_t advances too */
+      kiln__view *g = &list[(size_t)m * (size_t)w];
+      g[0] = kiln__view_of(grads[j]);
+      g[1] = kiln__view_of(params[j]);
+      if (mom) g[2] = kiln__view_of(bufs[j]);
+      if (on_dev) g[w - 1] = kiln__view_of(step_t[j]);
+      li[m] = p->first && p->first[j] ? 1 : 0;
+      idx[m++] = j;
+    }
+    kiln__kargs a = {0};
+    a.op = KILN__K_SGD_MULTI;
+    a.s[0] = p->lr;
+    a.s[1] = p->momentum;
+    a.s[2] = p->dampening;
+    a.s[3] = p->weight_decay;
+    a.i[1] = (p->nesterov ? 1 : 0) | (p->maximize ? 2 : 0) | (on_dev ? 4 : 0) | (found_inf ? 8 : 0) | (mom ? 16 : 0);
+    if (found_inf) {
+      a.n_in = 1;
+      a.in[0] = kiln__view_of(found_inf);
+    }
+    a.list_n = m;
+    a.list_w = w;
+    a.list = list;
+    a.list_i = li;
+    if (kiln__dispatch_has(dev, &a, KILN__K_SGD_MULTI)) {
+      st = kiln__dispatch(dev, &a);
+      continue;
+    }
+    for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
+      int j = idx[k];
+      st = sgd_composed(p, params[j], grads[j], mom ? bufs[j] : NULL, li[k] != 0, on_dev ? step_t[j] : NULL,
+                        found_inf);
+    }
+  }
+  free(list);
+  free(li);
+  free(idx);
+  free(done);
+  return st;
+}
+
+static const kiln__op op_sgd_multi_step_ = {
+    .name = "sgd_multi_step_", .api = "kiln_sgd_multi_step_", .n_in = KILN__OP_VARIADIC, .n_out = 1,
+    .optional = 0xffffffffu, .flags = KILN__OP_INPLACE | KILN__OP_ANY_DEVICE, .n_kernels = 1,
+    .kernels = {KILN__K_SGD_MULTI}, .attrs = f_sgd, .n_attrs = 6, .attr_size = sizeof(attrs_sgd),
+    .infer = sgd_multi_infer, .forward = sgd_multi_forward};
+
+kiln_status kiln_sgd_multi_step_(int n, kiln_tensor *const *params, kiln_tensor *const *grads,
+                                 kiln_tensor *const *momentum_buffers, const bool *first, kiln_tensor *const *step_t,
+                                 double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+                                 bool maximize, kiln_tensor *found_inf) {
+  static const char who[] = "kiln_sgd_multi_step_";
+  if (n < 0 || (n > 0 && (!params || !grads || (momentum != 0 && !momentum_buffers))))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: n must be >= 0 and the arrays given (momentum_buffers with a momentum)", who);
+  if (!(lr >= 0) || !(momentum >= 0) || !(weight_decay >= 0) || dampening != dampening ||
+      (nesterov && (momentum <= 0 || dampening != 0)))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "%s: lr %g, momentum %g and weight_decay %g must be >= 0, dampening a number (%g), and "
+                          "nesterov needs a momentum and zero dampening", who, lr, momentum, weight_decay, dampening);
+  kiln_tensor **in = malloc(((size_t)n * 4 + 1) * sizeof *in);
+  if (!in) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  in[4 * (size_t)n] = found_inf;
+  for (int i = 0; i < n; i++) {
+    in[i] = params[i];
+    in[n + i] = grads[i];
+    in[2 * n + i] = momentum != 0 ? momentum_buffers[i] : NULL;
+    in[3 * n + i] = step_t ? step_t[i] : NULL;
+  }
+  attrs_sgd p = {lr, momentum, dampening, weight_decay, nesterov, maximize, first, n, step_t != NULL};
+  kiln_status st = kiln__op_call_status(&op_sgd_multi_step_, 4 * n + 1, in, &p);
+  free(in);
+  return st;
+}

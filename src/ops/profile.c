@@ -87,10 +87,20 @@ static int tid(void) {
 /* FLOPs of one op, from its name and shapes. A table keyed by name rather than a field of
 ** each descriptor: the count belongs to the profiler's model of cost (one flop per
 ** element for elementwise ops, transcendental or not), and this keeps the descriptors,
-** which other work edits, unchanged. Ops not listed (views, copies, indexing, the
-** optimizer steps) count 0. */
+** which other work edits, unchanged. Ops not listed (views, copies, indexing) count 0. */
 static double flops_of(const kiln__op_event *e) {
   const char *n = e->op->name;
+  /* the optimizer steps (in place: their count comes from the parameters, the first list
+  ** of their inputs): Adam ~14 per element (decay, two moments, sqrt, two divides, the
+  ** update), SGD ~9 (decay, the momentum buffer, Nesterov, the update) */
+  if (!strcmp(n, "adam_step_") || !strcmp(n, "adam_multi_step_") || !strcmp(n, "sgd_multi_step_")) {
+    bool sgd = n[0] == 's';
+    int np = !strcmp(n, "adam_step_") ? 1 : (e->n_in - 1) / (sgd ? 4 : 6);
+    double v = 0;
+    for (int i = 0; i < np && i < e->n_in; i++)
+      if (e->in[i]) v += (double)kiln_numel(e->in[i]);
+    return (sgd ? 9.0 : 14.0) * v;
+  }
   if (e->n_out < 1 || !e->out[0]) return 0;
   double out = (double)kiln_numel(e->out[0]);
   kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
@@ -115,6 +125,16 @@ static double flops_of(const kiln__op_event *e) {
     if (!strcmp(n, per_in[i])) return in0;
   /* max, subtract, exp, sum, divide (or log): five passes over the input */
   if (!strcmp(n, "softmax") || !strcmp(n, "log_softmax") || !strcmp(n, "cross_entropy")) return 5.0 * in0;
+  /* norms: the mean (1), the variance (3: subtract, square, add), normalising (2) and the
+  ** scale and shift (2) per input element; RMS has no mean and no shift */
+  if (!strcmp(n, "layer_norm") || !strcmp(n, "batch_norm") || !strcmp(n, "group_norm")) return 8.0 * in0;
+  if (!strcmp(n, "rms_norm")) return 5.0 * in0;
+  /* pools and scans: an add or a compare per input element (a window's elements, for the
+  ** non-overlapping windows networks use); bilinear upsampling ~4 per output */
+  if (!strcmp(n, "avg_pool2d") || !strcmp(n, "adaptive_avg_pool2d") || !strcmp(n, "max_pool2d") ||
+      !strcmp(n, "cumsum"))
+    return in0;
+  if (!strcmp(n, "upsample")) return 4.0 * out;
   return 0;
 }
 

@@ -39,6 +39,8 @@ kiln_status kiln__cpu_cross_entropy_backward(const kiln__kargs *a);
 kiln_status kiln__cpu_cross_entropy_mean(const kiln__kargs *a);
 kiln_status kiln__cpu_adam(const kiln__kargs *a); /* cpu_optim.c */
 kiln_status kiln__cpu_adam_multi(const kiln__kargs *a);
+kiln_status kiln__cpu_sgd_multi(const kiln__kargs *a); /* cpu_optim.c */
+kiln_status kiln__cpu_cast_multi(const kiln__kargs *a); /* cpu_elementwise.c */
 kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a);
 kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a);
 kiln_status kiln__cpu_matmul(const kiln__kargs *a);

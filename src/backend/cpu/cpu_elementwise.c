@@ -513,3 +513,21 @@ kiln_status kiln__cpu_eye(const kiln__kargs *a) {
   kiln_dtype cts[1] = {KILN_I64};
   return kiln__cpu_map(a, &a->out[0], 0, NULL, cts, eye_i64);
 }
+
+/* CAST_MULTI: the list's pairs converted one by one by the COPY kernel (on the CPU a list
+** saves nothing but dispatches; the numbers are COPY's). */
+kiln_status kiln__cpu_cast_multi(const kiln__kargs *a) {
+  if (a->list_w != 2 || (a->list_n > 0 && !a->list))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln cast_multi kernel: expected pairs of views, got groups of %d", a->list_w);
+  for (int g = 0; g < a->list_n; g++) {
+    kiln__kargs k = {0};
+    k.op = KILN__K_COPY;
+    k.device = a->device;
+    k.n_in = k.n_out = 1;
+    k.in[0] = a->list[(size_t)g * 2];
+    k.out[0] = a->list[(size_t)g * 2 + 1];
+    kiln_status st = kiln__cpu_copy(&k);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}

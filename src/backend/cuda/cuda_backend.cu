@@ -489,6 +489,8 @@ static bool cuda_supports(const kiln__kargs *a) {
   case KILN__K_MATMUL: return kiln__cuda_matmul_supports(a);
   case KILN__K_ADAM: return kiln__cuda_adam_supports(a);
   case KILN__K_ADAM_MULTI: return kiln__cuda_adam_multi_supports(a);
+  case KILN__K_SGD_MULTI: return kiln__cuda_sgd_multi_supports(a);
+  case KILN__K_CAST_MULTI: return kiln__cuda_cast_multi_supports(a);
   case KILN__K_INDEX_SELECT: case KILN__K_INDEX_ADD: case KILN__K_GATHER:
   case KILN__K_SCATTER_ADD:
     return kiln__cuda_index_supports(a);
@@ -545,6 +547,8 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
   return op == KILN__K_AMP_UNSCALE || op == KILN__K_AMP_UPDATE_SCALE ? kc_entry<kiln__cuda_amp>
          : kc_is_transformer(op) ? kc_entry<kiln__cuda_transformer>
          : kc_is_conv(op) ? kc_entry<kiln__cuda_conv>
+         : op == KILN__K_SGD_MULTI ? kc_entry<kiln__cuda_sgd_multi>
+         : op == KILN__K_CAST_MULTI ? kc_entry<kiln__cuda_cast_multi>
          : (int)op > (int)KILN__K_ADAM_MULTI
              ? static_cast<kiln__kernel_fn>(nullptr)
          : (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||

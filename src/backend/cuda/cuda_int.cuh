@@ -90,6 +90,10 @@ kiln_status kiln__cuda_adam(const kiln__kargs *a); /* cuda_optim.cu */
 bool kiln__cuda_adam_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_adam_multi(const kiln__kargs *a);
 bool kiln__cuda_adam_multi_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_sgd_multi(const kiln__kargs *a);
+kiln_status kiln__cuda_cast_multi(const kiln__kargs *a); /* cuda_cast.cu */
+bool kiln__cuda_cast_multi_supports(const kiln__kargs *a);
+bool kiln__cuda_sgd_multi_supports(const kiln__kargs *a);
 bool kiln__cuda_matmul_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_index(const kiln__kargs *a);
 kiln_status kiln__cuda_binary(const kiln__kargs *a); /* binary + where (cuda_binary.cu) */

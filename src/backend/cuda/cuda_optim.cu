@@ -273,3 +273,159 @@ extern "C" bool kiln__cuda_adam_multi_supports(const kiln__kargs *a) {
   }
   return true;
 }
+
+/* ---- SGD_MULTI: torch.optim.SGD over up to KC_SGD_MAX tensors per launch, the blocks laid
+** out as ADAM_MULTI's (a chunk of one tensor each, found from the running block counts).
+** The element update is the CPU kernel's (cpu_optim.c), itself the composed rule's ops
+** (neg, axpy, mul_scalar_, axpy_) with their roundings: the result rounded to the dtype
+** after each op (kc_sgd_rnd; nothing for f32/f64), every product and FMA spelled out so
+** that nvcc contracts nothing else, and mul_scalar_'s `v * mu + 0` (-0 becomes +0). With
+** a device step (flag 4) every block reads its tensor's step_t (0: the buffer takes the
+** gradient) and the last block to finish advances them all, as ADAM_MULTI does; a set
+** found-inf flag makes every block leave first, so a skipped step writes nothing. 48
+** tensors a launch keep the parameter block near 2.3 KB (under the 4 KB of kernel
+** parameters every CUDA version takes): ResNet-50's 161 parameters in 4 launches, where
+** the composed rule made 1,288. */
+#define KC_SGD_MAX 48
+
+__device__ unsigned int kc_sgd_blocks_done;
+
+struct kc_sgd_hp {
+  double nlr, mu, omd, wd; /* -lr, momentum, 1 - dampening, weight decay (host doubles) */
+  int nesterov, maximize;
+};
+
+struct kc_sgd_list {
+  int n;
+  void *p[KC_SGD_MAX], *b[KC_SGD_MAX];
+  const void *g[KC_SGD_MAX];
+  double *step_t[KC_SGD_MAX];
+  int64_t numel[KC_SGD_MAX];
+  int block_end[KC_SGD_MAX];        /* blocks of tensors 0..i together */
+  unsigned char first[KC_SGD_MAX];  /* host steps: the buffer is new this step */
+  int any_step;
+};
+
+/* x rounded to T and back (what storing an op's result in a T tensor does). */
+template <class T, class C> __device__ __forceinline__ C kc_sgd_rnd(C x) { return (C)kc_ld<T>(kc_st<T>(x)); }
+
+template <class T, class C>
+__device__ __forceinline__ void kc_sgd_elem(T *__restrict__ p, const T *__restrict__ g, T *__restrict__ b,
+                                            int64_t i, const kc_sgd_hp &h, bool first) {
+  C pi = (C)kc_ld(p[i]), gi = (C)kc_ld(g[i]);
+  if (h.maximize) gi = -gi;
+  if (h.wd != 0) gi = kc_sgd_rnd<T, C>(kc_fma(pi, (C)h.wd, gi));
+  if (b) {
+    C bi = gi;
+    if (!first) {
+      C t = kc_mul((C)kc_ld(b[i]), (C)h.mu);
+      t = kc_sgd_rnd<T, C>(t == (C)0 ? (C)0 : t);
+      bi = kc_sgd_rnd<T, C>(kc_fma(gi, (C)h.omd, t));
+    }
+    b[i] = kc_st<T>(bi);
+    if (h.nesterov) gi = kc_sgd_rnd<T, C>(kc_fma(bi, (C)h.mu, gi));
+    else gi = bi;
+  }
+  p[i] = kc_st<T>(kc_fma(gi, (C)h.nlr, pi));
+}
+
+template <class T, class C>
+__global__ void __launch_bounds__(KC_THREADS) kc_sgd_multi_kernel(kc_sgd_list L, kc_sgd_hp h,
+                                                                  const float *__restrict__ found) {
+  if (found && *found != 0.0f) return; /* skipped: no block counts itself, no step_t moves */
+  int t = 0;
+  while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
+  const int first_block = t ? L.block_end[t - 1] : 0;
+  const int64_t n = L.numel[t];
+  const int64_t lo = (int64_t)((int)blockIdx.x - first_block) * KC_MT_CHUNK;
+  const int64_t hi = lo + KC_MT_CHUNK < n ? lo + KC_MT_CHUNK : n;
+  const bool first = L.step_t[t] ? *L.step_t[t] == 0.0 : L.first[t] != 0;
+  T *__restrict__ p = (T *)L.p[t];
+  const T *__restrict__ g = (const T *)L.g[t];
+  T *__restrict__ b = (T *)L.b[t];
+  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) kc_sgd_elem<T, C>(p, g, b, i, h, first);
+  if (!L.any_step) return;
+  /* every block has read its step before it counts itself done: the last one advances them */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&kc_sgd_blocks_done, 1u) == gridDim.x - 1) {
+      for (int k = 0; k < L.n; k++)
+        if (L.step_t[k]) *L.step_t[k] += 1.0;
+      kc_sgd_blocks_done = 0;
+      __threadfence();
+    }
+  }
+}
+
+extern "C" kiln_status kiln__cuda_sgd_multi(const kiln__kargs *a) {
+  kiln__cuda_dev *dev;
+  KC_TRY(kiln__cuda_ctx(a->device, &dev));
+  const int w = kiln__sgd_list_width(a);
+  if (w < 0) return kiln_last_error();
+  if (a->list_n == 0) return KILN_OK;
+  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0;
+  kc_sgd_hp h;
+  h.nlr = -a->s[0];
+  h.mu = a->s[1];
+  h.omd = 1.0 - a->s[2];
+  h.wd = a->s[3];
+  h.nesterov = (a->i[1] & 1) != 0;
+  h.maximize = (a->i[1] & 2) != 0;
+  const kiln_dtype dt = a->list[1].dtype;
+  const float *found = (a->i[1] & 8) ? (const float *)a->in[0].data : NULL;
+  for (int g0 = 0; g0 < a->list_n;) {
+    kc_sgd_list L;
+    memset(&L, 0, sizeof L);
+    int blocks = 0;
+    for (int k = 0; k < KC_SGD_MAX && g0 + k < a->list_n; k++) {
+      const kiln__view *v = &a->list[(size_t)(g0 + k) * (size_t)w];
+      const int64_t n = kc_numel(&v[1]);
+      const int64_t nb = (n + KC_MT_CHUNK - 1) / KC_MT_CHUNK;
+      if (v[1].dtype != dt)
+        return kiln_set_error(KILN_ERR_DTYPE, "kiln sgd_multi kernel (cuda): tensor %d is %s, the list is %s", g0 + k,
+                              kiln_dtype_name(v[1].dtype), kiln_dtype_name(dt));
+      if (nb > INT32_MAX - blocks) break; /* this launch is full; the next takes the rest */
+      L.g[k] = v[0].data;
+      L.p[k] = v[1].data;
+      L.b[k] = mom ? v[2].data : NULL;
+      L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
+      L.first[k] = (unsigned char)(a->list_i && a->list_i[g0 + k] != 0);
+      L.numel[k] = n;
+      blocks += (int)nb;
+      L.block_end[k] = blocks;
+      L.n = k + 1;
+    }
+    if (L.n == 0) return kiln_set_error(KILN_ERR_SHAPE, "kiln sgd_multi kernel (cuda): a tensor is too large for one launch");
+    L.any_step = on_dev;
+    if (blocks == 0 && on_dev) blocks = 1; /* only empty tensors: one block advances the steps */
+    if (blocks > 0) {
+      KC_SWITCH_FLOAT(dt, T,
+                      return kiln_set_error(KILN_ERR_DTYPE, "kiln sgd_multi kernel (cuda): %s is not a floating dtype", kiln_dtype_name(dt)),
+                      {
+                        typedef typename kc_traits<T>::acc C;
+                        kc_sgd_multi_kernel<T, C><<<(unsigned)blocks, KC_THREADS, 0, dev->stream>>>(L, h, found);
+                      })
+      KC_TRY(kiln__cuda_launched("sgd_multi"));
+    }
+    g0 += L.n;
+  }
+  return KILN_OK;
+}
+
+extern "C" bool kiln__cuda_sgd_multi_supports(const kiln__kargs *a) {
+  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0;
+  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0);
+  if (a->list_n < 1 || !a->list) return a->list_n == 0;
+  if (a->list_w != w) return false;
+  const kiln_dtype dt = a->list[1].dtype;
+  if (!kc_is_float(dt)) return false;
+  if ((a->i[1] & 8) && (a->n_in < 1 || a->in[0].dtype != KILN_F32 || kc_numel(&a->in[0]) != 1)) return false;
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[(size_t)g * (size_t)w];
+    for (int k = 0; k < 2 + (mom ? 1 : 0); k++)
+      if (v[k].dtype != dt || kc_numel(&v[k]) != kc_numel(&v[1])) return false;
+    if (on_dev && (v[w - 1].dtype != KILN_F64 || kc_numel(&v[w - 1]) != 1)) return false;
+  }
+  return true; /* the op layer guarantees contiguous views */
+}

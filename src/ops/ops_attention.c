@@ -110,10 +110,13 @@ static kiln_status attention_forward(kiln__op_ctx *c) {
   return kiln__dispatch(dev, &a);
 }
 
-/* saved: 0 q, 1 k, 2 v, 3 mask (or NULL), 4 lse; n->i[0..1] dropout's (seed, offset) */
+/* saved: 0 q, 1 k, 2 v, 3 mask (or NULL), 4 lse, 5 the output (delta_i = dO_i . O_i for the
+** kernels that use it, see backend.h: FlashAttention keeps it too); n->i[0..1] dropout's
+** (seed, offset) */
 static void attention_save(kiln__op_ctx *c, kiln__node *n) {
   for (int i = 0; i < 4; i++) kiln__node_save(n, i, c->in[i]);
   kiln__node_save(n, 4, c->tmp[0]);
+  kiln__node_save_output(n, 5);
   n->i[0] = (int64_t)c->scratch[0];
   n->i[1] = (int64_t)c->scratch[1];
 }
@@ -121,6 +124,7 @@ static void attention_save(kiln__op_ctx *c, kiln__node *n) {
 static kiln_status attention_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const attrs_attention *p = n->attrs;
   kiln_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *m = n->saved[3], *lse = n->saved[4];
+  kiln_tensor *o = n->saved[5];
   kiln_device dev = kiln_device_of(q);
   kiln_tensor *dq = kiln__tensor_new(q->ndim, q->shape, q->dtype, dev);
   kiln_tensor *dk = kiln__tensor_new(k->ndim, k->shape, k->dtype, dev);
@@ -146,6 +150,8 @@ static kiln_status attention_backward(kiln__node *n, kiln_tensor *g, kiln_tensor
     a.out[1] = kiln__view_of(dk);
     a.out[2] = kiln__view_of(dv);
     a.out[3] = kiln__view_of(lse); /* read only (see backend.h) */
+    kiln__view ov;
+    if (o) ov = kiln__view_of(o), a.params = &ov; /* the forward's output, read only */
     a.s[0] = resolved_scale(p, q->shape[3]);
     a.s[1] = p->dropout_p;
     a.seed = (uint64_t)n->i[0];
@@ -163,7 +169,7 @@ static const kiln__op op_attention = {
     .name = "scaled_dot_product_attention", .api = "kiln_scaled_dot_product_attention", .n_in = 4, .n_out = 1,
     .optional = 1u << 3, .amp = KILN__AMP_LOWER, .n_kernels = 1, .kernels = {KILN__K_ATTENTION},
     .attrs = f_attention, .n_attrs = 3, .attr_size = sizeof(attrs_attention), .infer = attention_infer,
-    .forward = attention_forward, .backward = attention_backward, .n_saved = 5, .save = attention_save};
+    .forward = attention_forward, .backward = attention_backward, .n_saved = 6, .save = attention_save};
 
 static atomic_int sdpa_backend; /* kiln_sdpa_backend */
 

@@ -89,9 +89,29 @@ static int tid(void) {
 ** element for elementwise ops, transcendental or not), and this keeps the descriptors,
 ** which other work edits, unchanged. Ops not listed (views, copies, indexing, the
 ** optimizer steps) count 0. */
+/* A bool attribute of the op's record by its field name (false when it has none). */
+static bool attr_bool(const kiln__op_event *e, const char *field) {
+  if (!e->attrs) return false;
+  for (int i = 0; i < e->op->n_attrs; i++)
+    if (e->op->attrs[i].type == KILN__A_BOOL && !strcmp(e->op->attrs[i].name, field))
+      return *(const bool *)((const char *)e->attrs + e->op->attrs[i].offset);
+  return false;
+}
+
 static double flops_of(const kiln__op_event *e) {
   const char *n = e->op->name;
   if (e->n_out < 1 || !e->out[0]) return 0;
+  if (!strncmp(n, "scaled_dot_product_attention", 28) && e->n_in >= 3 && e->in[0] && e->in[1] && e->in[2]) {
+    /* FlashAttention's count: q k^T and p v, 2 B H Tq Tk (D + Dv), halved when causal (the
+    ** kernels skip the masked half); the backward's five products 2.5 times that */
+    const kiln_tensor *q = e->in[0], *k = e->in[1], *v = e->in[2];
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return 0;
+    double f = 2.0 * (double)(q->shape[0] * q->shape[1]) * (double)q->shape[2] * (double)k->shape[2] *
+               (double)(q->shape[3] + v->shape[3]);
+    if (attr_bool(e, "is_causal")) f *= 0.5;
+    if (!strcmp(n, "scaled_dot_product_attention_backward")) return 2.5 * f;
+    return !strcmp(n, "scaled_dot_product_attention") ? f : 0;
+  }
   double out = (double)kiln_numel(e->out[0]);
   kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
   double in0 = a ? (double)kiln_numel(a) : 0;

@@ -140,12 +140,6 @@ template <int P> __device__ __forceinline__ int bn_off(int lane, int n0, int c0)
 template <int P> __device__ __forceinline__ int bk_off(int lane, int k0, int n0) {
   return (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * P + n0 + (lane >> 4) * 8;
 }
-/* A operand from a matrix stored transposed (K x M rows), with ldmatrix.trans: rows m0..m0+15
-** of A, k-chunk k0. */
-template <int P> __device__ __forceinline__ int at_off(int lane, int m0, int k0) {
-  return (k0 + (lane & 7) + ((lane >> 4) << 3)) * P + m0 + ((lane >> 3) & 1) * 8;
-}
-
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

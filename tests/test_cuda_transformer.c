@@ -177,14 +177,15 @@ static void att_case(const att_spec *s) {
   kiln_scope_end();
 }
 
-/* The FlashAttention-2 kernels (cuda_flash.cu: f16/bf16, head dim 64/128, no mask, no
-** dropout): every T of {1, 17, 64, 200, 1024} (one row; ragged tiles; one exact tile; four
-** tiles, the last ragged; GPT-2's length), causal or not, both dtypes and head dims, forward
-** and the three gradients against the CPU's f64 arithmetic on the same rounded inputs, and
-** the backward's bits twice (att_case). Odd T use q/k/v as transposed views (GPT-2's
-** layout: rows 3C apart). Plus Tq != Tk both ways. Tolerances: bf16 keeps 8 bits, f16 11;
-** P and dS are rounded to the input type before their products (as FlashAttention does),
-** which over hundreds of keys stays within a few units of the last place of the scale. */
+/* The FlashAttention-2 kernels (cuda_flash.cu: f16/bf16, head dims 32/64/96/128, no mask,
+** no dropout): every T of {1, 17, 64, 200, 1024} (one row; ragged tiles; one exact tile; four
+** tiles, the last ragged; GPT-2's length), causal or not, f16 and bf16, head dims 64 and 128,
+** forward and the three gradients against the CPU's f64 arithmetic on the same rounded
+** inputs, and the backward's bits twice (att_case). Odd T use q/k/v as transposed views
+** (GPT-2's layout: rows H*D apart). Plus Tq != Tk both ways, and head dims 32 and 96.
+** Tolerances: bf16 keeps 8 bits, f16 11; P and dS are rounded to the input type before
+** their products (as FlashAttention does), which over hundreds of keys stays within a few
+** units of the last place of the scale. */
 static void flash_sweep(void) {
   static const int64_t Ts[] = {1, 17, 64, 200, 1024};
   static char names[2][2][2][5][96];
@@ -206,6 +207,11 @@ static void flash_sweep(void) {
       {"flash bf16 causal Tq 100 Tk 230 D 64", 1, 3, 100, 230, 64, 64, true, false, 0, 0, KILN_BF16, 3e-2},
       {"flash f16 Tq 100 Tk 230 D 128", 1, 3, 100, 230, 128, 128, false, true, 0, 0, KILN_F16, 1e-2},
       {"flash f16 causal Tq 300 Tk 90 D 128", 2, 1, 300, 90, 128, 128, true, false, 0, 0, KILN_F16, 1e-2},
+      /* the other head dims the kernels are built for */
+      {"flash bf16 causal T 150 D 32", 2, 2, 150, 150, 32, 32, true, false, 0, 0, KILN_BF16, 3e-2},
+      {"flash f16 T 77 D 32 transposed", 1, 3, 77, 77, 32, 32, false, true, 0, 0, KILN_F16, 1e-2},
+      {"flash bf16 causal T 200 D 96 transposed", 1, 2, 200, 200, 96, 96, true, true, 0, 0, KILN_BF16, 3e-2},
+      {"flash f16 Tq 40 Tk 90 D 96", 2, 2, 40, 90, 96, 96, false, false, 0, 0, KILN_F16, 1e-2},
   };
   for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) att_case(&extra[i]);
 }

@@ -19,7 +19,7 @@
 ** scores. Causal masking skips every key tile past a block's last query (forward, dq) and
 ** every query tile before a block's first key (dk, dv).
 **
-** Which kernel runs: f16/bf16 at head dim 64 or 128 without a mask or dropout (GPT-2's
+** Which kernel runs: f16/bf16 at head dim 32, 64, 96 or 128 without a mask or dropout (GPT-2's
 ** training case) goes to the FlashAttention-2 kernels of cuda_flash.cu (mma.sync, forward
 ** and backward; kiln__cuda_flash_fits says exactly what they take). What they do not cover
 ** runs here: the forward of f16/bf16 at head dim 64/128 with a mask or dropout on the WMMA

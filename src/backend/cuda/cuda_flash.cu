@@ -1,6 +1,6 @@
 /*
 ** ATTENTION and ATTENTION_BACKWARD on the tensor cores: FlashAttention-2 (Dao 2023) for
-** f16 and bf16 with f32 accumulation, head dims 64 and 128, causal or not, any Tq and Tk,
+** f16 and bf16 with f32 accumulation, head dims 32, 64, 96 and 128, causal or not, any Tq and Tk,
 ** no mask and no dropout. cuda_attention.cu calls it first (kiln__cuda_flash_fits) and
 ** keeps its own kernels for everything else (f32/f64, masks, dropout, other head dims).
 **
@@ -305,8 +305,8 @@ template <class T, int HD> __global__ void __launch_bounds__(256) flash_delta(Fl
 }
 
 /* ---------------------------------------------------------------- backward: dq */
-/* Key tile BN: 64 at head dim 64, 32 at 128 (registers: dq's accumulator doubles). */
-template <int HD> struct DqCfg { static constexpr int BM = 64, BN = HD == 64 ? 64 : 32; };
+/* Key tile BN: 64 up to head dim 64, 32 past it (registers: dq's accumulator grows). */
+template <int HD> struct DqCfg { static constexpr int BM = 64, BN = HD <= 64 ? 64 : 32; };
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dq(FlashArgs p) {
@@ -430,10 +430,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq(FlashArgs p) {
 }
 
 /* ---------------------------------------------------------------- backward: dk, dv */
-/* A warp owns 16 keys; query tiles of BM: 64 at head dim 64, 32 at 128 (registers: dk and dv
-** both double). K and V stay in shared memory and are re-read per tile (a fraction of the
+/* A warp owns 16 keys; query tiles of BM: 64 up to head dim 64, 32 past it (registers: dk and
+** dv grow with the head dim). K and V stay in shared memory and are re-read per tile (a fraction of the
 ** Q and dO traffic), which keeps dk and dv in registers at head dim 128 without spills. */
-template <int HD> struct DkvCfg { static constexpr int BN = 64, BM = HD == 64 ? 64 : 32; };
+template <int HD> struct DkvCfg { static constexpr int BN = 64, BM = HD <= 64 ? 64 : 32; };
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dkv(FlashArgs p) {
@@ -644,9 +644,16 @@ template <class T, int HD> kiln_status run_bwd(kiln__cuda_dev *d, int device, Fl
   return st;
 }
 
+template <class T, int HD> kiln_status run_hd(kiln__cuda_dev *d, const kiln__kargs *a, FlashArgs &p) {
+  return a->op == KILN__K_ATTENTION ? run_fwd<T, HD>(d, p) : run_bwd<T, HD>(d, a->device, p);
+}
 template <class T> kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, FlashArgs &p, int64_t D) {
-  if (a->op == KILN__K_ATTENTION) return D == 64 ? run_fwd<T, 64>(d, p) : run_fwd<T, 128>(d, p);
-  return D == 64 ? run_bwd<T, 64>(d, a->device, p) : run_bwd<T, 128>(d, a->device, p);
+  switch (D) {
+  case 32: return run_hd<T, 32>(d, a, p);
+  case 64: return run_hd<T, 64>(d, a, p);
+  case 96: return run_hd<T, 96>(d, a, p);
+  default: return run_hd<T, 128>(d, a, p);
+  }
 }
 
 void strides3(int64_t dst[3], const kiln__view *v) {
@@ -655,7 +662,7 @@ void strides3(int64_t dst[3], const kiln__view *v) {
 
 } // namespace
 
-/* Whether the flash kernels take these arguments: f16/bf16, q k v of one head dim 64 or 128,
+/* Whether the flash kernels take these arguments: f16/bf16, q k v of one head dim 32, 64, 96 or 128,
 ** no mask, no dropout, keys to attend, layouts the 16-byte loads can read, and (backward)
 ** the forward's output in params. KILN_CUDA_ATTENTION=simple turns the path off. */
 extern "C" bool kiln__cuda_flash_fits(const kiln__kargs *a) {
@@ -669,7 +676,7 @@ extern "C" bool kiln__cuda_flash_fits(const kiln__kargs *a) {
   for (int i = 0; i < (bw ? 4 : 3); i++)
     if (a->in[i].dtype != dt || !loadable(&a->in[i])) return false;
   int64_t D = q->shape[3];
-  if ((D != 64 && D != 128) || k->shape[3] != D || v->shape[3] != D || k->shape[2] < 1) return false;
+  if ((D != 32 && D != 64 && D != 96 && D != 128) || k->shape[3] != D || v->shape[3] != D || k->shape[2] < 1) return false;
   const kiln__view *lse = &a->out[bw ? 3 : 1];
   if (lse->dtype != KILN_F32) return false;
   for (int o = 0; o < (bw ? 3 : 1); o++)

@@ -1,6 +1,8 @@
 /*
 ** scaled_dot_product_attention on CUDA, forward and forward + backward: kiln's fused
-** kernels (ATTENTION, ATTENTION_BACKWARD: cuda_attention.cu) against the composition a
+** kernels (ATTENTION, ATTENTION_BACKWARD: the tensor-core FlashAttention-2 kernels of
+** cuda_flash.cu where they apply, and with KILN_CUDA_ATTENTION=simple the CUDA-core ones of
+** cuda_attention.cu) against the composition a
 ** framework without them runs (cuBLAS batched matmul q k^T, scale, causal mask, softmax,
 ** matmul with v; autograd's backward through the same ops), at GPT-2's shape by default:
 ** B 16, H 12, T 1024, D 64, bf16, causal.
@@ -8,7 +10,8 @@
 ** FLOPs counted as FlashAttention's papers count them: 4 B H T^2 D for the forward (two
 ** products), halved when causal; the backward 2.5 times the forward (five products). The
 ** composite gets the same count (it does the masked half too, which is its loss). Prints
-** ms (best of the runs after a warm-up) and TFLOP/s.
+** ms (best of the runs after a warm-up) and TFLOP/s; the backward's column is the best
+** fwd+bwd less the best forward.
 **
 **   bench-attention [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]
 ** Runs under KILN_FALLBACK=error: a kernel missing on the GPU is an error, not a CPU time.
@@ -87,15 +90,17 @@ int main(int argc, char **argv) {
   double fwd_flop = 4.0 * (double)(B * H) * (double)T * (double)T * (double)D * (causal ? 0.5 : 1.0);
   printf("attention B %lld H %lld T %lld D %lld %s%s, best of %d\n", (long long)B, (long long)H, (long long)T,
          (long long)D, kiln_dtype_name(dt), causal ? " causal" : "", reps);
-  printf("| path | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|\n");
-  static const char *const names[3] = {"kiln fused (cuda_attention.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple",
+  printf("| path | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n"
+         "|---|---|---|---|---|---|---|\n");
+  static const char *const names[3] = {"kiln fused (flash: cuda_flash.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple",
                                         "composite (cuBLAS matmul + softmax)"};
   for (int path = 0; path < 3; path++) {
     if (path == 1) setenv("KILN_CUDA_ATTENTION", "simple", 1);
     if (path == 2) unsetenv("KILN_CUDA_ATTENTION");
     double f = time_ms(path < 2, false), fb = time_ms(path < 2, true);
-    printf("| %s | %.3f | %.1f | %.3f | %.1f |\n", names[path], f, fwd_flop / f / 1e9, fb,
-           3.5 * fwd_flop / fb / 1e9);
+    double bw = fb - f;
+    printf("| %s | %.3f | %.1f | %.3f | %.1f | %.3f | %.1f |\n", names[path], f, fwd_flop / f / 1e9, bw,
+           bw > 0 ? 2.5 * fwd_flop / bw / 1e9 : 0.0, fb, 3.5 * fwd_flop / fb / 1e9);
   }
   return 0;
 }

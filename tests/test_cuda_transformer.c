@@ -13,6 +13,8 @@
 **    the outputs agree only if every dropped score is the same one) - forward and the
 **    three gradients through autograd; f32 tight, bf16 loose;
 ** 3. determinism: two runs of the same backward give the same bits (no atomics);
+**    the tensor-core (flash) kernels over T 1..1024, head dims 64/128, f16/bf16, causal
+**    or not (flash_sweep);
 ** 4. multinomial, topk and cumsum give the CPU's very numbers (the sampling contract).
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -157,13 +159,61 @@ static void att_case(const att_spec *s) {
     }
   }
   static const char *const nm[4] = {"out", "dq", "dk", "dv"};
+  double rel[4] = {0};
   for (int i = 0; i < 4; i++) {
     char what[160];
     snprintf(what, sizeof what, "%s (%s) %s", s->name, kiln_dtype_name(s->dt), nm[i]);
-    if (res[0][i] && res[1][i]) close_to(what, res[1][i], res[0][i], s->tol);
-    else H_CHECK(false, "%s: missing", what);
+    if (res[0][i] && res[1][i]) {
+      double abs_diff;
+      rel[i] = max_rel_diff(res[1][i], res[0][i], &abs_diff);
+      close_to(what, res[1][i], res[0][i], s->tol);
+    } else {
+      H_CHECK(false, "%s: missing", what);
+    }
   }
+  if (getenv("KILN_TEST_VERBOSE")) /* the margins, for choosing tolerances */
+    printf("%s: max |cuda - cpu| / scale: out %.2g dq %.2g dk %.2g dv %.2g (bound %.2g)\n", s->name, rel[0], rel[1],
+           rel[2], rel[3], s->tol);
   kiln_scope_end();
+}
+
+/* The FlashAttention-2 kernels (cuda_flash.cu: f16/bf16, head dims 32/64/96/128, no mask,
+** no dropout): every T of {1, 17, 64, 200, 1024} (one row; ragged tiles; one exact tile; four
+** tiles, the last ragged; GPT-2's length), causal or not, f16 and bf16, head dims 64 and 128,
+** forward and the three gradients against the CPU's f64 arithmetic on the same rounded
+** inputs, and the backward's bits twice (att_case). Odd T use q/k/v as transposed views
+** (GPT-2's layout: rows H*D apart). Plus Tq != Tk both ways, and head dims 32 and 96.
+** Tolerances: bf16 keeps 8 bits, f16 11; P and dS are rounded to the input type before
+** their products (as FlashAttention does), which over hundreds of keys stays within a few
+** units of the last place of the scale. */
+static void flash_sweep(void) {
+  static const int64_t Ts[] = {1, 17, 64, 200, 1024};
+  static char names[2][2][2][5][96];
+  for (int di = 0; di < 2; di++)
+    for (int ti = 0; ti < 5; ti++)
+      for (int c = 0; c < 2; c++)
+        for (int x = 0; x < 2; x++) {
+          int64_t D = di ? 128 : 64, T = Ts[ti];
+          kiln_dtype dt = x ? KILN_F16 : KILN_BF16;
+          bool transposed = (T % 2) == 1;
+          char *nm = names[di][x][c][ti];
+          snprintf(nm, 96, "flash %s T %lld D %lld%s%s", kiln_dtype_name(dt), (long long)T, (long long)D,
+                   c ? " causal" : "", transposed ? " transposed" : "");
+          att_spec sp = {nm, T >= 1024 ? 1 : 2, T >= 1024 ? 2 : 3, T, T, D, D, c == 1, transposed, 0, 0, dt,
+                         x ? 1e-2 : 3e-2};
+          att_case(&sp);
+        }
+  const att_spec extra[] = {
+      {"flash bf16 causal Tq 100 Tk 230 D 64", 1, 3, 100, 230, 64, 64, true, false, 0, 0, KILN_BF16, 3e-2},
+      {"flash f16 Tq 100 Tk 230 D 128", 1, 3, 100, 230, 128, 128, false, true, 0, 0, KILN_F16, 1e-2},
+      {"flash f16 causal Tq 300 Tk 90 D 128", 2, 1, 300, 90, 128, 128, true, false, 0, 0, KILN_F16, 1e-2},
+      /* the other head dims the kernels are built for */
+      {"flash bf16 causal T 150 D 32", 2, 2, 150, 150, 32, 32, true, false, 0, 0, KILN_BF16, 3e-2},
+      {"flash f16 T 77 D 32 transposed", 1, 3, 77, 77, 32, 32, false, true, 0, 0, KILN_F16, 1e-2},
+      {"flash bf16 causal T 200 D 96 transposed", 1, 2, 200, 200, 96, 96, true, true, 0, 0, KILN_BF16, 3e-2},
+      {"flash f16 Tq 40 Tk 90 D 96", 2, 2, 40, 90, 96, 96, false, false, 0, 0, KILN_F16, 1e-2},
+  };
+  for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) att_case(&extra[i]);
 }
 
 static void attention_checks(void) {
@@ -191,6 +241,7 @@ static void attention_checks(void) {
       {"att f16 bool mask D 64", 2, 2, 77, 129, 64, 64, false, false, 2, 0, KILN_F16, 1e-2},
   };
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) att_case(&specs[i]);
+  flash_sweep();
   /* the 16-bit cases once more on the simple (CUDA-core) kernels */
   setenv("KILN_CUDA_ATTENTION", "simple", 1);
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)

@@ -201,6 +201,9 @@ typedef struct kiln__view {
   /* in0 q, in1 k, in2 v, in3 grad of out0, optional in4 mask (i0 flag 2); out0 dq, */    \
   /* out1 dk, out2 dv, and out3 the forward's lse, READ ONLY: it rides in an output */    \
   /* slot because the five input slots are taken. Scalars and seed as ATTENTION. */       \
+  /* params, when not NULL, points at a kiln__view of the forward's out0 on the device */ \
+  /* (read only): delta_i = dO_i . O_i for kernels that want it (cuda_flash.cu); */       \
+  /* others ignore it, and the CPU fallback passes it through unstaged, unread. */        \
   X(ATTENTION_BACKWARD, "attention_backward")                                             \
   /* along dim i0, in0 -> out0 (same shape; i64 for integer or bool in0): running sum; */ \
   /* i1 1: from the end (the backward of cumsum) */                                       \

@@ -3,7 +3,10 @@
 ** with optional causal masking and dropout on the attention weights, as one ATTENTION
 ** kernel (blocked over keys with an online softmax: no Tq x Tk matrix; the CPU's is in
 ** src/backend/cpu/cpu_transformer.c) that also gives each query row's log-sum-exp, which
-** the node keeps, and one ATTENTION_BACKWARD kernel that recomputes the weights from it.
+** the node keeps, and one ATTENTION_BACKWARD kernel that recomputes the weights from it,
+** run through the internal op scaled_dot_product_attention_backward so that observers (the
+** profiler) see it. The node also keeps the output: the tensor-core kernels take
+** delta_i = dO_i . O_i from it (backend.h).
 **
 ** Dropout draws from the Philox generator: the forward reserves B*H*Tq*Tk values and the
 ** node keeps the (seed, offset) (in n->i), so the backward sees the very same mask.
@@ -110,50 +113,85 @@ static kiln_status attention_forward(kiln__op_ctx *c) {
   return kiln__dispatch(dev, &a);
 }
 
-/* saved: 0 q, 1 k, 2 v, 3 mask (or NULL), 4 lse; n->i[0..1] dropout's (seed, offset) */
+/* saved: 0 q, 1 k, 2 v, 3 mask (or NULL), 4 lse, 5 the output (delta_i = dO_i . O_i for the
+** kernels that use it, see backend.h: FlashAttention keeps it too); n->i[0..1] dropout's
+** (seed, offset) */
 static void attention_save(kiln__op_ctx *c, kiln__node *n) {
   for (int i = 0; i < 4; i++) kiln__node_save(n, i, c->in[i]);
   kiln__node_save(n, 4, c->tmp[0]);
+  kiln__node_save_output(n, 5);
   n->i[0] = (int64_t)c->scratch[0];
   n->i[1] = (int64_t)c->scratch[1];
 }
 
+/* The backward's kernel as an internal op, so that observers see it: the profiler times it
+** and counts its FLOPs as "scaled_dot_product_attention_backward" (a kernel dispatched from
+** the rule itself would be invisible to them). In: q, k, v, the output's gradient, the
+** mask (or NULL), lse, the forward's output (or NULL; see backend.h). Out: dq, dk, dv. Not
+** differentiable: no double backward through attention. */
+typedef struct attrs_attention_bwd {
+  bool is_causal;
+  double dropout_p;
+  double scale; /* resolved */
+  int64_t seed, offset;
+} attrs_attention_bwd;
+static const kiln__attr_field f_attention_bwd[] = {
+    KILN__FIELD(attrs_attention_bwd, is_causal, KILN__A_BOOL), KILN__FIELD(attrs_attention_bwd, dropout_p, KILN__A_FLOAT),
+    KILN__FIELD(attrs_attention_bwd, scale, KILN__A_FLOAT), KILN__FIELD(attrs_attention_bwd, seed, KILN__A_INT),
+    KILN__FIELD(attrs_attention_bwd, offset, KILN__A_INT)};
+
+static kiln_status attention_bwd_infer(kiln__op_ctx *c) {
+  for (int i = 0; i < 3; i++) kiln__op_meta_like(c, i, c->in[i], c->in[i]->dtype);
+  return KILN_OK;
+}
+
+static kiln_status attention_bwd_forward(kiln__op_ctx *c) {
+  const attrs_attention_bwd *p = c->attrs;
+  kiln_tensor *q = c->in[0], *m = c->in[4], *o = c->in[6];
+  kiln__kargs a = {0};
+  a.op = KILN__K_ATTENTION_BACKWARD;
+  a.n_in = 4;
+  for (int i = 0; i < 4; i++) a.in[i] = kiln__view_of(c->in[i]);
+  int64_t sshape[4] = {q->shape[0], q->shape[1], q->shape[2], c->in[1]->shape[2]};
+  if (m) a.in[a.n_in++] = kiln__view_broadcast(m, 4, sshape), a.i[0] |= 2;
+  if (p->is_causal) a.i[0] |= 1;
+  a.n_out = 4;
+  for (int i = 0; i < 3; i++) a.out[i] = kiln__view_of(c->out[i]);
+  a.out[3] = kiln__view_of(c->in[5]); /* lse, read only (see backend.h) */
+  kiln__view ov;
+  if (o) ov = kiln__view_of(o), a.params = &ov; /* the forward's output, read only */
+  a.s[0] = p->scale;
+  a.s[1] = p->dropout_p;
+  a.seed = (uint64_t)p->seed;
+  a.offset = (uint64_t)p->offset;
+  return kiln__dispatch(c->device, &a);
+}
+
+static const kiln__op op_attention_bwd = {
+    .name = "scaled_dot_product_attention_backward", .api = "kiln_scaled_dot_product_attention_backward",
+    .n_in = 7, .n_out = 3, .optional = (1u << 4) | (1u << 6), .n_kernels = 1,
+    .kernels = {KILN__K_ATTENTION_BACKWARD}, .attrs = f_attention_bwd, .n_attrs = 5,
+    .attr_size = sizeof(attrs_attention_bwd), .infer = attention_bwd_infer, .forward = attention_bwd_forward};
+
 static kiln_status attention_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const attrs_attention *p = n->attrs;
   kiln_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *m = n->saved[3], *lse = n->saved[4];
-  kiln_device dev = kiln_device_of(q);
-  kiln_tensor *dq = kiln__tensor_new(q->ndim, q->shape, q->dtype, dev);
-  kiln_tensor *dk = kiln__tensor_new(k->ndim, k->shape, k->dtype, dev);
-  kiln_tensor *dv = kiln__tensor_new(v->ndim, v->shape, v->dtype, dev);
-  if (!dq || !dk || !dv) return kiln_last_error();
+  kiln_tensor *o = n->saved[5];
+  kiln_tensor *r[3] = {0};
   if (kiln_numel(q) == 0 || kiln_numel(k) == 0 || kiln_numel(v) == 0) {
     /* nothing to attend or nobody attends: every gradient is 0 */
-    if (kiln_fill_(dq, 0) != KILN_OK || kiln_fill_(dk, 0) != KILN_OK || kiln_fill_(dv, 0) != KILN_OK)
+    kiln_device dev = kiln_device_of(q);
+    r[0] = kiln__tensor_new(q->ndim, q->shape, q->dtype, dev);
+    r[1] = kiln__tensor_new(k->ndim, k->shape, k->dtype, dev);
+    r[2] = kiln__tensor_new(v->ndim, v->shape, v->dtype, dev);
+    if (!r[0] || !r[1] || !r[2]) return kiln_last_error();
+    if (kiln_fill_(r[0], 0) != KILN_OK || kiln_fill_(r[1], 0) != KILN_OK || kiln_fill_(r[2], 0) != KILN_OK)
       return kiln_last_error();
   } else {
-    kiln__kargs a = {0};
-    a.op = KILN__K_ATTENTION_BACKWARD;
-    a.n_in = 4;
-    a.in[0] = kiln__view_of(q);
-    a.in[1] = kiln__view_of(k);
-    a.in[2] = kiln__view_of(v);
-    a.in[3] = kiln__view_of(g);
-    int64_t sshape[4] = {q->shape[0], q->shape[1], q->shape[2], k->shape[2]};
-    if (m) a.in[a.n_in++] = kiln__view_broadcast(m, 4, sshape), a.i[0] |= 2;
-    if (p->is_causal) a.i[0] |= 1;
-    a.n_out = 4;
-    a.out[0] = kiln__view_of(dq);
-    a.out[1] = kiln__view_of(dk);
-    a.out[2] = kiln__view_of(dv);
-    a.out[3] = kiln__view_of(lse); /* read only (see backend.h) */
-    a.s[0] = resolved_scale(p, q->shape[3]);
-    a.s[1] = p->dropout_p;
-    a.seed = (uint64_t)n->i[0];
-    a.offset = (uint64_t)n->i[1];
-    kiln_status st = kiln__dispatch(dev, &a);
-    if (st != KILN_OK) return st;
+    attrs_attention_bwd b = {p->is_causal, p->dropout_p, resolved_scale(p, q->shape[3]), n->i[0], n->i[1]};
+    kiln_tensor *in[7] = {q, k, v, g, m, lse, o};
+    if (!kiln__op_call(&op_attention_bwd, 7, in, &b, r)) return kiln_last_error();
   }
-  kiln_tensor *r[3] = {dq, dk, dv};
   for (int i = 0; i < 3; i++)
     if (n->needs[i]) gi[i] = kiln_keep(r[i]);
   return KILN_OK;
@@ -163,7 +201,7 @@ static const kiln__op op_attention = {
     .name = "scaled_dot_product_attention", .api = "kiln_scaled_dot_product_attention", .n_in = 4, .n_out = 1,
     .optional = 1u << 3, .amp = KILN__AMP_LOWER, .n_kernels = 1, .kernels = {KILN__K_ATTENTION},
     .attrs = f_attention, .n_attrs = 3, .attr_size = sizeof(attrs_attention), .infer = attention_infer,
-    .forward = attention_forward, .backward = attention_backward, .n_saved = 5, .save = attention_save};
+    .forward = attention_forward, .backward = attention_backward, .n_saved = 6, .save = attention_save};
 
 static atomic_int sdpa_backend; /* kiln_sdpa_backend */
 

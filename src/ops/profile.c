@@ -88,6 +88,15 @@ static int tid(void) {
 ** each descriptor: the count belongs to the profiler's model of cost (one flop per
 ** element for elementwise ops, transcendental or not), and this keeps the descriptors,
 ** which other work edits, unchanged. Ops not listed (views, copies, indexing) count 0. */
+/* A bool attribute of the op's record by its field name (false when it has none). */
+static bool attr_bool(const kiln__op_event *e, const char *field) {
+  if (!e->attrs) return false;
+  for (int i = 0; i < e->op->n_attrs; i++)
+    if (e->op->attrs[i].type == KILN__A_BOOL && !strcmp(e->op->attrs[i].name, field))
+      return *(const bool *)((const char *)e->attrs + e->op->attrs[i].offset);
+  return false;
+}
+
 static double flops_of(const kiln__op_event *e) {
   const char *n = e->op->name;
   /* the optimizer steps (in place: their count comes from the parameters, the first list
@@ -102,6 +111,17 @@ static double flops_of(const kiln__op_event *e) {
     return (sgd ? 9.0 : 14.0) * v;
   }
   if (e->n_out < 1 || !e->out[0]) return 0;
+  if (!strncmp(n, "scaled_dot_product_attention", 28) && e->n_in >= 3 && e->in[0] && e->in[1] && e->in[2]) {
+    /* FlashAttention's count: q k^T and p v, 2 B H Tq Tk (D + Dv), halved when causal (the
+    ** kernels skip the masked half); the backward's five products 2.5 times that */
+    const kiln_tensor *q = e->in[0], *k = e->in[1], *v = e->in[2];
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return 0;
+    double f = 2.0 * (double)(q->shape[0] * q->shape[1]) * (double)q->shape[2] * (double)k->shape[2] *
+               (double)(q->shape[3] + v->shape[3]);
+    if (attr_bool(e, "is_causal")) f *= 0.5;
+    if (!strcmp(n, "scaled_dot_product_attention_backward")) return 2.5 * f;
+    return !strcmp(n, "scaled_dot_product_attention") ? f : 0;
+  }
   double out = (double)kiln_numel(e->out[0]);
   kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
   double in0 = a ? (double)kiln_numel(a) : 0;
@@ -113,6 +133,36 @@ static double flops_of(const kiln__op_event *e) {
     if (strcmp(n, "matmul") != 0 && e->n_in > 2 && e->in[2]) f += out;
     if (!strcmp(n, "linear_relu")) f += out;
     return f;
+  }
+  /* Convolutions, 2*N*K*(C/G)*R*S*P*Q, from the operands' shapes whatever the layout (the
+  ** 4-d shapes are NCHW-ordered; the internal ops of the channels-last path make
+  ** (N, H, W, C)-shaped outputs, so the counts read the inputs where they can). */
+  if (!strcmp(n, "conv2d") || !strcmp(n, "conv2d_direct") || !strcmp(n, "conv2d_bias_relu") ||
+      !strcmp(n, "conv1d")) {
+    /* out (N, K, P, Q) (or (N, K, L)), w (K, C/G, R, S) */
+    kiln_tensor *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!w || w->ndim < 3) return 0;
+    double per = 1;
+    for (int d = 1; d < w->ndim; d++) per *= (double)w->shape[d];
+    return 2.0 * out * per;
+  }
+  if (!strcmp(n, "conv2d_backward_data")) {
+    /* g (N, K, P, Q), w (K, C/G, R, S): the forward's count */
+    kiln_tensor *g = a, *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!g || !w || w->ndim != 4) return 0;
+    return 2.0 * (double)kiln_numel(g) * (double)w->shape[1] * (double)w->shape[2] * (double)w->shape[3];
+  }
+  if (!strcmp(n, "conv2d_backward_weight")) {
+    /* x (N, C, H, W), g (N, K, P, Q), dW of K*C/G*R*S elements */
+    kiln_tensor *g = e->n_in > 1 ? e->in[1] : NULL;
+    if (!g || g->ndim != 4 || g->shape[1] == 0) return 0;
+    return 2.0 * (double)kiln_numel(g) * out / (double)g->shape[1];
+  }
+  if (!strcmp(n, "conv_transpose2d")) {
+    /* x (N, C, H, W), w (C, OC/G, R, S): the adjoint of a conv2d from the output to x */
+    kiln_tensor *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!w || w->ndim != 4) return 0;
+    return 2.0 * in0 * (double)w->shape[1] * (double)w->shape[2] * (double)w->shape[3];
   }
   static const char *const per_out[] = {
       "add", "axpy", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",

@@ -19,9 +19,13 @@
 ** scores. Causal masking skips every key tile past a block's last query (forward, dq) and
 ** every query tile before a block's first key (dk, dv).
 **
-** Arithmetic is f32 (f64 for f64) on the CUDA cores: this is the correct, simple tiled
-** path; a tensor-core (mma.sync) path for f16/bf16 is still to come behind the same entry.
-** Head dims up to 128 (KMAX_D); larger ones fall back to the CPU.
+** Which kernel runs: f16/bf16 at head dim 32, 64, 96 or 128 without a mask or dropout (GPT-2's
+** training case) goes to the FlashAttention-2 kernels of cuda_flash.cu (mma.sync, forward
+** and backward; kiln__cuda_flash_fits says exactly what they take). What they do not cover
+** runs here: the forward of f16/bf16 at head dim 64/128 with a mask or dropout on the WMMA
+** kernel below (att_fwd_tc), and everything else (f32, f64, other head dims, every masked
+** or dropout backward) on the CUDA-core kernels, f32 arithmetic for the 16-bit types and
+** f64 for f32 and f64. Head dims up to 128 (KMAX_D); larger ones fall back to the CPU.
 */
 #include "cuda_int.cuh"
 #include "cuda_ew.cuh"
@@ -574,7 +578,11 @@ extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a) {
   return true;
 }
 
+extern "C" bool kiln__cuda_flash_fits(const kiln__kargs *a); /* cuda_flash.cu */
+extern "C" kiln_status kiln__cuda_flash(const kiln__kargs *a);
+
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a) {
+  if (kiln__cuda_flash_fits(a)) return kiln__cuda_flash(a);
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(a->device, &d));
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;

@@ -138,6 +138,7 @@ static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in)
       break;
     case KILN__AMP_F32:
       if (t->dtype != KILN_F16 && t->dtype != KILN_BF16) continue;
+      if (t->dtype == KILN_BF16 && (op->flags & KILN__OP_AMP_KEEPS_BF16)) continue; /* op.h */
       to = KILN_F32;
       break;
     case KILN__AMP_PROMOTE:
@@ -151,6 +152,10 @@ static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in)
     in[i] = c;
   }
   return KILN_OK;
+}
+
+bool kiln__autocast_f32_applies(const kiln_tensor *t) {
+  return cur.n_enabled != 0 && kiln__backward_depth() == cur.level && state_of(t) != NULL;
 }
 
 static void install(void) {

@@ -133,6 +133,12 @@ typedef struct kiln__op {
 /* Its rule reads n->grad_mask (a ReLU after it folded its backward into this op's
 ** products): the peephole of ops_elementwise.c's relu rule. */
 #define KILN__OP_GRAD_MASK (1u << 7)
+/* An F32-class op that reads bf16 inputs itself and computes in f32 (cross_entropy): the
+** autocast policy leaves its bf16 inputs uncast, which is bit-identical to the cast and
+** saves the f32 copy (and its f32 gradient); the op asks kiln__autocast_f32_applies
+** whether to return f32 outputs, as it would have after the cast. f16 inputs are still
+** cast: their gradient, kept in f16 before a loss scale is applied, could underflow. */
+#define KILN__OP_AMP_KEEPS_BF16 (1u << 8)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -190,6 +196,9 @@ int kiln__op_depth(void);
 ** the current scope). Returns KILN_OK or an error that fails the op. */
 typedef kiln_status (*kiln__autocast_fn)(const kiln__op *op, int n_in, kiln_tensor **in);
 void kiln__set_autocast_hook(kiln__autocast_fn fn);
+/* Whether an autocast region of this thread would cast t for an F32-class op now (a
+** KILN__OP_AMP_KEEPS_BF16 op then returns f32 outputs). (autocast.c) */
+bool kiln__autocast_f32_applies(const kiln_tensor *t);
 
 /* This thread's autocast state (src/ops/autocast.c): per device type (the first 4),
 ** whether a region casts and to what; level is the backward depth it applies at. Gradient

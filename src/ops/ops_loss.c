@@ -25,6 +25,14 @@
 ** the forward and lives with the graph (before, the backward made it from the saved
 ** logits). CROSS_ENTROPY_BACKWARD stays for the backends and their tests: every path
 ** here that needs the gradient has dlogits.
+**
+** Under autocast, bf16 logits are not cast to f32 (KILN__OP_AMP_KEEPS_BF16, op.h): the
+** kernel reads them and computes in f32 as it would from the f32 copy, so the loss is
+** bit-identical, and dlogits (bf16, rounded once from f32) is what the cast's backward
+** would have made from the f32 one. A language model's logits (16384 x 50257) so skip a
+** 3.3 GB f32 copy and a 3.3 GB f32 gradient. The loss is then f32, as after the cast.
+** f16 logits are still cast: a gradient stored in f16 before the loss scale reaches it
+** would underflow (softmax / count is ~1e-9), where the f32 one is scaled first.
 */
 #include "ops/op.h"
 
@@ -56,7 +64,11 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
   kiln_tensor *dl = n->saved[0];
   if (!g) /* the saved tensor is the answer: a handle of the engine's own, no kernel */
     return kiln__give_grad(&gi[0], kiln__tensor_alias(dl, true), NULL);
-  kiln_tensor *gd = g->dtype == dl->dtype ? g : kiln_to_dtype(g, dl->dtype);
+  /* A wider g (an f32 loss's gradient reaching bf16 logits under autocast) multiplies in
+  ** its own dtype, the product rounded once to the logits' dtype: as the cast-then-op path
+  ** computes it but for dlogits' own rounding (none for a power-of-two g). */
+  bool wide = (dl->dtype == KILN_BF16 || dl->dtype == KILN_F16) && g->dtype == KILN_F32;
+  kiln_tensor *gd = g->dtype == dl->dtype || wide ? g : kiln_to_dtype(g, dl->dtype);
   int nd = n->in_ndim[0];
   if (gd && ((const attrs_ce *)n->attrs)->reduction == KILN_REDUCTION_NONE && nd >= 2) { /* (N, d...) -> (N, 1, d...) */
     int64_t sh[KILN_MAX_DIMS];
@@ -64,7 +76,9 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
     sh[1] = 1;
     gd = kiln_reshape(gd, nd, sh);
   }
-  return kiln__give_grad(&gi[0], gd ? kiln_mul(dl, gd) : NULL, g);
+  kiln_tensor *r = gd ? kiln_mul(dl, gd) : NULL;
+  if (r && r->dtype != dl->dtype) r = kiln_to_dtype(r, dl->dtype);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 /* dlogits (M, C) in the logits' layout: (M, C) -> (C) for 1-d logits (a view), or
@@ -188,7 +202,10 @@ static kiln_status ce_forward_op(kiln__op_ctx *c) {
   } else {
     st = kiln_last_error();
   }
-  if (st == KILN_OK && r && r->dtype != logits->dtype) r = kiln_to_dtype(r, logits->dtype);
+  /* bf16 logits under autocast were not cast (KILN__OP_AMP_KEEPS_BF16): the loss stays
+  ** f32, as after the cast; outside a region it comes back in the logits' dtype */
+  bool f32_out = logits->dtype == KILN_BF16 && kiln__autocast_f32_applies(logits);
+  if (st == KILN_OK && r && r->dtype != logits->dtype && !f32_out) r = kiln_to_dtype(r, logits->dtype);
   kiln_tensor *grad = r && ng ? ce_logits_layout(dl, nd, logits->shape) : NULL;
   if (ng && !grad) r = NULL;
   kiln_set_grad_enabled(prev);
@@ -207,7 +224,7 @@ static void ce_save(kiln__op_ctx *c, kiln__node *n) {
 
 static const kiln__op op_cross_entropy = {
     .name = "cross_entropy", .api = "kiln_cross_entropy", .n_in = 2, .n_out = 1, .amp = KILN__AMP_F32,
-    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 2,
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_AMP_KEEPS_BF16, .n_kernels = 2,
     .kernels = {KILN__K_CROSS_ENTROPY, KILN__K_CROSS_ENTROPY_MEAN}, .attrs = f_ce, .n_attrs = 3,
     .attr_size = sizeof(attrs_ce), .infer = ce_infer, .forward = ce_forward_op, .backward = ce_backward,
     .n_saved = 1, .save = ce_save};

@@ -47,6 +47,53 @@ static void masked_rows(void) {
   kiln_scope_end();
 }
 
+
+/* Batched matmul on permuted operands, attention's q @ k^T: batch dims (B, H) of a
+** (B, T, H, D) tensor collapse only partly (H has stride D, B does not), so the CUDA
+** path makes one strided-batched call per B of H products. Sizes past the small-matmul
+** kernel's reach (cuBLAS); f32, bf16 and f16 against the CPU, forward and both gradients. */
+static void matmul_permuted_batch(void) {
+  enum { B = 3, T = 72, H = 5, D = 40 };
+  static const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16};
+  for (int di = 0; di < 3; di++) {
+    kiln_scope_begin();
+    kiln_dtype dt = dts[di];
+    double *v[2][3] = {{NULL}};
+    kiln_tensor *got[3] = {NULL};
+    for (int side = 0; side < 2; side++) {
+      kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+      kiln_generator *gen = kiln_generator_new(7);
+      kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, H, D), KILN_F32, d, gen), dt);
+      kiln_tensor *k = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, H, D), KILN_F32, d, gen), dt);
+      kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, T), KILN_F32, d, gen), dt);
+      kiln_generator_free(gen);
+      kiln_requires_grad_(q, true);
+      kiln_requires_grad_(k, true);
+      kiln_tensor *qp = kiln_permute(q, 4, (const int[]){0, 2, 1, 3});               /* (B, H, T, D) */
+      kiln_tensor *kt = kiln_permute(k, 4, (const int[]){0, 2, 3, 1});               /* (B, H, D, T) */
+      kiln_tensor *s = kiln_matmul(qp, kt);                                            /* (B, H, T, T) */
+      H_CHECK(s && kiln_backward(s, g) == KILN_OK, "matmul permuted %s side %d: %s", kiln_dtype_name(dt), side,
+              kiln_last_error_message());
+      kiln_tensor *r[3] = {s, kiln_grad(q), kiln_grad(k)};
+      for (int i = 0; i < 3; i++) {
+        v[side][i] = h_values(r[i], NULL);
+        got[i] = r[i];
+      }
+    }
+    double rtol, atol;
+    h_dtype_tol(dt, &rtol, &atol);
+    static const char *const what[3] = {"q @ k^T", "dq", "dk"};
+    for (int i = 0; i < 3; i++) {
+      char name[120];
+      snprintf(name, sizeof name, "cuda:0 matmul permuted batch %s: %s", kiln_dtype_name(dt), what[i]);
+      if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], kiln_numel(got[i]), rtol * 8, atol * 8);
+      else H_CHECK(false, "%s: no result", name);
+    }
+    for (int k = 0; k < 6; k++) free(v[k / 3][k % 3]);
+    kiln_scope_end();
+  }
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_cuda_ops");
   h_set_cross_only(true);
@@ -61,5 +108,6 @@ int main(int argc, char **argv) {
   loss_family();
   vw_family();
   masked_rows();
+  matmul_permuted_batch();
   return h_finish();
 }

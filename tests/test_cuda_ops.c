@@ -94,6 +94,64 @@ static void matmul_permuted_batch(void) {
   }
 }
 
+
+/* The math attention path's two memory-bound ops at their shapes (scaled down): where
+** with an f32 (T, T) causal mask broadcast over (B, H) (CUDA casts the mask once, not
+** per batch, and reads it modulo T*T with 16-byte loads), and softmax / log_softmax and
+** their gradients over contiguous rows of 32 W NV elements (the register-row kernel:
+** C = 128, 256, 1024 for f32; 256, 1024 for bf16; a row of -inf and a NaN row among
+** them), against the CPU. Also a mask broadcast along the inner dim (no 16-byte path). */
+static void attention_rows(void) {
+  static const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16};
+  static const int64_t cs[] = {128, 256, 1024, 40};
+  for (int di = 0; di < 3; di++)
+    for (int ci = 0; ci < 4; ci++) {
+      kiln_scope_begin();
+      kiln_dtype dt = dts[di];
+      const int64_t B = 2, H = 3, T = cs[ci];
+      double *v[2][6] = {{NULL}};
+      kiln_tensor *got[6] = {NULL};
+      for (int side = 0; side < 2; side++) {
+        kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+        kiln_generator *gen = kiln_generator_new(11);
+        kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, 4, T), KILN_F32, d, gen), dt);
+        kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, 4, T), KILN_F32, d, gen), dt);
+        kiln_generator_free(gen);
+        kiln_requires_grad_(x, true);
+        kiln_tensor *keep = kiln_tril(kiln_ones(2, (int64_t[]){4, T}, KILN_F32, d), 0);  /* (4, T) */
+        kiln_tensor *col = kiln_tril(kiln_ones(2, (int64_t[]){4, 1}, KILN_F32, d), -1); /* (4, 1) */
+        kiln_tensor *ninf = kiln_scalar(-INFINITY, dt, d);
+        kiln_tensor *s = kiln_where(keep, x, ninf);
+        kiln_tensor *s2 = kiln_where(col, x, kiln_scalar(0.0, dt, d)); /* row 0: zeros */
+        kiln_tensor *p = kiln_softmax(s, 3), *lp = kiln_log_softmax(s2, 3);
+        kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_mul(p, g)), kiln_sum_all(kiln_mul(lp, g)));
+        H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "attention rows %s T %lld side %d: %s",
+                kiln_dtype_name(dt), (long long)T, side, kiln_last_error_message());
+        /* a row of -inf and a NaN row straight into softmax */
+        kiln_tensor *w = kiln_where(kiln_tril(kiln_ones(2, (int64_t[]){4, T}, KILN_F32, d), -1), x, ninf);
+        kiln_tensor *row3 = kiln_eq(kiln_reshape(kiln_arange(0, 4, 1, KILN_F32, d), KILN_SHAPE(4, 1)),
+                                    kiln_scalar(3.0, KILN_F32, d)); /* (4, 1): row 3 */
+        kiln_tensor *pw = kiln_softmax(kiln_where(row3, kiln_scalar(NAN, dt, d), kiln_narrow(w, 1, 0, 1)), 3);
+        kiln_tensor *r[6] = {s, p, lp, kiln_grad(x), pw, s2};
+        for (int i = 0; i < 6; i++) {
+          v[side][i] = r[i] ? h_values(r[i], NULL) : NULL;
+          got[i] = r[i];
+        }
+      }
+      double rtol, atol;
+      h_dtype_tol(dt, &rtol, &atol);
+      static const char *const what[6] = {"where (causal mask)", "softmax", "log_softmax", "grad", "softmax of -inf / NaN rows", "where (column mask)"};
+      for (int i = 0; i < 6; i++) {
+        char name[140];
+        snprintf(name, sizeof name, "cuda:0 attention rows %s T %lld: %s", kiln_dtype_name(dt), (long long)T, what[i]);
+        if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], kiln_numel(got[i]), rtol * 4, atol * 4);
+        else H_CHECK(false, "%s: no result: %s", name, kiln_last_error_message());
+      }
+      for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
+      kiln_scope_end();
+    }
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_cuda_ops");
   h_set_cross_only(true);
@@ -109,5 +167,6 @@ int main(int argc, char **argv) {
   vw_family();
   masked_rows();
   matmul_permuted_batch();
+  attention_rows();
   return h_finish();
 }

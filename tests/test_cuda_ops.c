@@ -47,6 +47,111 @@ static void masked_rows(void) {
   kiln_scope_end();
 }
 
+
+/* Batched matmul on permuted operands, attention's q @ k^T: batch dims (B, H) of a
+** (B, T, H, D) tensor collapse only partly (H has stride D, B does not), so the CUDA
+** path makes one strided-batched call per B of H products. Sizes past the small-matmul
+** kernel's reach (cuBLAS); f32, bf16 and f16 against the CPU, forward and both gradients. */
+static void matmul_permuted_batch(void) {
+  enum { B = 3, T = 72, H = 5, D = 40 };
+  static const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16};
+  for (int di = 0; di < 3; di++) {
+    kiln_scope_begin();
+    kiln_dtype dt = dts[di];
+    double *v[2][3] = {{NULL}};
+    kiln_tensor *got[3] = {NULL};
+    for (int side = 0; side < 2; side++) {
+      kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+      kiln_generator *gen = kiln_generator_new(7);
+      kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, H, D), KILN_F32, d, gen), dt);
+      kiln_tensor *k = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, H, D), KILN_F32, d, gen), dt);
+      kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, T), KILN_F32, d, gen), dt);
+      kiln_generator_free(gen);
+      kiln_requires_grad_(q, true);
+      kiln_requires_grad_(k, true);
+      kiln_tensor *qp = kiln_permute(q, 4, (const int[]){0, 2, 1, 3});               /* (B, H, T, D) */
+      kiln_tensor *kt = kiln_permute(k, 4, (const int[]){0, 2, 3, 1});               /* (B, H, D, T) */
+      kiln_tensor *s = kiln_matmul(qp, kt);                                            /* (B, H, T, T) */
+      H_CHECK(s && kiln_backward(s, g) == KILN_OK, "matmul permuted %s side %d: %s", kiln_dtype_name(dt), side,
+              kiln_last_error_message());
+      kiln_tensor *r[3] = {s, kiln_grad(q), kiln_grad(k)};
+      for (int i = 0; i < 3; i++) {
+        v[side][i] = h_values(r[i], NULL);
+        got[i] = r[i];
+      }
+    }
+    double rtol, atol;
+    h_dtype_tol(dt, &rtol, &atol);
+    static const char *const what[3] = {"q @ k^T", "dq", "dk"};
+    for (int i = 0; i < 3; i++) {
+      char name[120];
+      snprintf(name, sizeof name, "cuda:0 matmul permuted batch %s: %s", kiln_dtype_name(dt), what[i]);
+      if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], kiln_numel(got[i]), rtol * 8, atol * 8);
+      else H_CHECK(false, "%s: no result", name);
+    }
+    for (int k = 0; k < 6; k++) free(v[k / 3][k % 3]);
+    kiln_scope_end();
+  }
+}
+
+
+/* The math attention path's two memory-bound ops at their shapes (scaled down): where
+** with an f32 (T, T) causal mask broadcast over (B, H) (CUDA casts the mask once, not
+** per batch, and reads it modulo T*T with 16-byte loads), and softmax / log_softmax and
+** their gradients over contiguous rows of 32 W NV elements (the register-row kernel:
+** C = 128, 256, 1024 for f32; 256, 1024 for bf16; a row of -inf and a NaN row among
+** them), against the CPU. Also a mask broadcast along the inner dim (no 16-byte path). */
+static void attention_rows(void) {
+  static const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16};
+  static const int64_t cs[] = {128, 256, 1024, 40};
+  for (int di = 0; di < 3; di++)
+    for (int ci = 0; ci < 4; ci++) {
+      kiln_scope_begin();
+      kiln_dtype dt = dts[di];
+      const int64_t B = 2, H = 3, T = cs[ci];
+      double *v[2][6] = {{NULL}};
+      kiln_tensor *got[6] = {NULL};
+      for (int side = 0; side < 2; side++) {
+        kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+        kiln_generator *gen = kiln_generator_new(11);
+        kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, 4, T), KILN_F32, d, gen), dt);
+        kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, 4, T), KILN_F32, d, gen), dt);
+        kiln_generator_free(gen);
+        kiln_requires_grad_(x, true);
+        kiln_tensor *keep = kiln_tril(kiln_ones(2, (int64_t[]){4, T}, KILN_F32, d), 0);  /* (4, T) */
+        kiln_tensor *col = kiln_tril(kiln_ones(2, (int64_t[]){4, 1}, KILN_F32, d), -1); /* (4, 1) */
+        kiln_tensor *ninf = kiln_scalar(-INFINITY, dt, d);
+        kiln_tensor *s = kiln_where(keep, x, ninf);
+        kiln_tensor *s2 = kiln_where(col, x, kiln_scalar(0.0, dt, d)); /* row 0: zeros */
+        kiln_tensor *p = kiln_softmax(s, 3), *lp = kiln_log_softmax(s2, 3);
+        kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_mul(p, g)), kiln_sum_all(kiln_mul(lp, g)));
+        H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "attention rows %s T %lld side %d: %s",
+                kiln_dtype_name(dt), (long long)T, side, kiln_last_error_message());
+        /* a row of -inf and a NaN row straight into softmax */
+        kiln_tensor *w = kiln_where(kiln_tril(kiln_ones(2, (int64_t[]){4, T}, KILN_F32, d), -1), x, ninf);
+        kiln_tensor *row3 = kiln_eq(kiln_reshape(kiln_arange(0, 4, 1, KILN_F32, d), KILN_SHAPE(4, 1)),
+                                    kiln_scalar(3.0, KILN_F32, d)); /* (4, 1): row 3 */
+        kiln_tensor *pw = kiln_softmax(kiln_where(row3, kiln_scalar(NAN, dt, d), kiln_narrow(w, 1, 0, 1)), 3);
+        kiln_tensor *r[6] = {s, p, lp, kiln_grad(x), pw, s2};
+        for (int i = 0; i < 6; i++) {
+          v[side][i] = r[i] ? h_values(r[i], NULL) : NULL;
+          got[i] = r[i];
+        }
+      }
+      double rtol, atol;
+      h_dtype_tol(dt, &rtol, &atol);
+      static const char *const what[6] = {"where (causal mask)", "softmax", "log_softmax", "grad", "softmax of -inf / NaN rows", "where (column mask)"};
+      for (int i = 0; i < 6; i++) {
+        char name[140];
+        snprintf(name, sizeof name, "cuda:0 attention rows %s T %lld: %s", kiln_dtype_name(dt), (long long)T, what[i]);
+        if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], kiln_numel(got[i]), rtol * 4, atol * 4);
+        else H_CHECK(false, "%s: no result: %s", name, kiln_last_error_message());
+      }
+      for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
+      kiln_scope_end();
+    }
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_cuda_ops");
   h_set_cross_only(true);
@@ -61,5 +166,7 @@ int main(int argc, char **argv) {
   loss_family();
   vw_family();
   masked_rows();
+  matmul_permuted_batch();
+  attention_rows();
   return h_finish();
 }

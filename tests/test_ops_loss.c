@@ -399,17 +399,17 @@ static void loss_fused_alias(void) {
 ** (the count then made by ce_count first). */
 static void loss_fused_cross(void) {
   int nc = kiln_device_count(KILN_DEVICE_CUDA);
-  static const int64_t shapes[][2] = {{37, 11}, {8, 5000}, {3000, 5}, {1500, 40}};
+  static const int64_t shapes[][2] = {{37, 11}, {8, 5000}, {3000, 5}, {1500, 40}, {6, 5003}};
   static const loss_ctx ctxs[] = {
       {KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -1, 0.1},
       {KILN_REDUCTION_NONE, -1, 0.1}, {KILN_REDUCTION_MEAN, -1, 0.2}};
-  static const kiln_dtype dts[] = {KILN_F32, KILN_F64, KILN_F16};
+  static const kiln_dtype dts[] = {KILN_F32, KILN_F64, KILN_F16, KILN_BF16};
   for (int dev = 0; dev < nc; dev++) {
-    for (size_t di = 0; di < 3; di++) {
+    for (size_t di = 0; di < 4; di++) {
       kiln_dtype dt = dts[di];
       double rtol, atol;
       h_dtype_tol(dt, &rtol, &atol);
-      for (size_t si = 0; si < 4; si++) {
+      for (size_t si = 0; si < 5; si++) {
         for (size_t ci = 0; ci < 4; ci++) {
           const loss_ctx *c = &ctxs[ci];
           int64_t N, C, D;
@@ -455,6 +455,169 @@ static void loss_fused_cross(void) {
   }
 }
 
+
+/* ---- bf16 logits under autocast (KILN__OP_AMP_KEEPS_BF16) ----------------------------
+** The op reads bf16 logits itself instead of autocast casting them to f32: on the CPU the
+** loss and the gradient must be bit-identical to the cast-then-op path (the kernel widens
+** each logit exactly and computes in f32 as it would from the copy; dlogits is rounded to
+** bf16 once, where the cast's backward rounds the f32 one). An explicit gradient for
+** 'none' uses powers of two, for which the product is exact either way. The loss is f32
+** under autocast, bf16 outside it (PyTorch). On CUDA: the same forward and backward
+** against the CPU's (tolerance: the GPU sums in another order). Row 1 is ignored where
+** ignore is -1; one shape takes CUDA's block-per-row kernels (C > 1024) with odd C, so
+** rows start anywhere within a 16-byte line. */
+static kiln_tensor *loss_bf16_run(kiln_device d, const double *x, const double *t, const double *g,
+                                  int64_t N, int64_t C, const loss_ctx *c, bool autocast, bool cast,
+                                  kiln_tensor **grad, int64_t *fwd_kernels) {
+  kiln_tensor *xb = kiln_to_device(h_tensor(x, KILN_SHAPE(N, C), KILN_BF16), d);
+  kiln_tensor *tt = kiln_to_device(h_tensor(t, KILN_SHAPE(N), KILN_I64), d);
+  kiln_requires_grad_(xb, true);
+  int64_t k0 = kiln__dispatch_count();
+  if (autocast) kiln_autocast_begin(d.type, KILN_BF16);
+  kiln_tensor *loss = kiln_cross_entropy(cast ? kiln_to_dtype(xb, KILN_F32) : xb, tt, c->red, c->ignore, c->ls);
+  if (autocast) kiln_autocast_end();
+  *fwd_kernels = kiln__dispatch_count() - k0;
+  kiln_tensor *gt = NULL;
+  if (loss && c->red == KILN_REDUCTION_NONE)
+    gt = kiln_to_device(h_tensor(g, KILN_SHAPE(N), kiln_dtype_of(loss)), d);
+  kiln_status st = loss ? kiln_backward(loss, gt) : kiln_last_error();
+  H_CHECK(st == KILN_OK, "ce bf16 on %s: %s", kiln__device_cstr(d), kiln_last_error_message());
+  *grad = st == KILN_OK ? kiln_grad(xb) : NULL;
+  return st == KILN_OK ? loss : NULL;
+}
+
+static void loss_bf16_autocast(void) {
+  static const int64_t shapes[][2] = {{7, 37}, {5, 3001}};
+  static const loss_ctx ctxs[] = {{KILN_REDUCTION_MEAN, -100, 0}, {KILN_REDUCTION_SUM, -1, 0.1},
+                                  {KILN_REDUCTION_NONE, -1, 0}, {KILN_REDUCTION_MEAN, -1, 0.2}};
+  int nc = kiln_device_count(KILN_DEVICE_CUDA);
+  for (size_t si = 0; si < 2; si++)
+    for (size_t ci = 0; ci < 4; ci++) {
+      const loss_ctx *c = &ctxs[ci];
+      int64_t N, C, D;
+      int64_t nx = shapes[si][0] * shapes[si][1];
+      double *x = malloc(sizeof(double) * (size_t)nx), t[8], g[8];
+      loss_ce_data(2, shapes[si], c->ignore, x, t, &N, &C, &D);
+      for (int64_t k = 0; k < N; k++) g[k] = (double)(1 << (k % 4)) * (k % 2 ? -0.5 : 1);
+      char what[160];
+      snprintf(what, sizeof what, "ce bf16 autocast [%lld,%lld] red %d ignore %lld ls %g", (long long)N,
+               (long long)C, (int)c->red, (long long)c->ignore, c->ls);
+      kiln_scope_begin();
+      kiln_device cpu = kiln_device_cpu();
+      kiln_tensor *ga = NULL, *gb = NULL;
+      int64_t ka = 0, kb = 0;
+      kiln_tensor *la = loss_bf16_run(cpu, x, t, g, N, C, c, true, false, &ga, &ka);
+      if (!h_cross_only()) {
+        kiln_tensor *lb = loss_bf16_run(cpu, x, t, g, N, C, c, false, true, &gb, &kb);
+        H_CHECK(la && kiln_dtype_of(la) == KILN_F32, "%s: the loss is f32 under autocast", what);
+        H_CHECK(ga && kiln_dtype_of(ga) == KILN_BF16, "%s: the logits' gradient is bf16", what);
+        H_CHECK(ka < kb, "%s: no cast of the logits (%lld kernels, cast-then-op %lld)", what, (long long)ka,
+                (long long)kb);
+        int64_t n1 = 0, n2 = 0, n3 = 0, n4 = 0;
+        double *va = la ? h_values(la, &n1) : NULL, *vb = lb ? h_values(lb, &n2) : NULL;
+        double *wa = ga ? h_values(ga, &n3) : NULL, *wb = gb ? h_values(gb, &n4) : NULL;
+        H_CHECK(va && vb && n1 == n2 && !memcmp(va, vb, sizeof(double) * (size_t)n1),
+                "%s: loss bit-identical to cast-then-op", what);
+        H_CHECK(wa && wb && n3 == n4 && n3 == nx && !memcmp(wa, wb, sizeof(double) * (size_t)n3),
+                "%s: gradient bit-identical to cast-then-op", what);
+        free(va), free(vb), free(wa), free(wb);
+        /* outside autocast: a bf16 loss, as PyTorch gives */
+        kiln_tensor *xb = h_tensor(x, KILN_SHAPE(N, C), KILN_BF16);
+        kiln_tensor *l2 = kiln_cross_entropy(xb, h_tensor(t, KILN_SHAPE(N), KILN_I64), c->red, c->ignore, c->ls);
+        H_CHECK(l2 && kiln_dtype_of(l2) == KILN_BF16, "%s: bf16 loss outside autocast", what);
+      }
+      for (int dev = 0; dev < nc && la && ga; dev++) {
+        kiln_tensor *gc = NULL;
+        int64_t kc = 0;
+        kiln_tensor *lc = loss_bf16_run(kiln_device_cuda(dev), x, t, g, N, C, c, true, false, &gc, &kc);
+        double *l0 = h_values(la, NULL), *g0 = h_values(ga, NULL);
+        double rtol, atol;
+        h_dtype_tol(KILN_BF16, &rtol, &atol);
+        char w2[200];
+        snprintf(w2, sizeof w2, "cuda:%d %s: loss", dev, what);
+        H_CHECK(lc && kiln_dtype_of(lc) == KILN_F32, "%s (f32)", w2);
+        if (lc && l0) h_tensor_close(w2, lc, l0, kiln_numel(la), 1e-5, 1e-5);
+        snprintf(w2, sizeof w2, "cuda:%d %s: grad", dev, what);
+        if (gc && g0) h_tensor_close(w2, gc, g0, nx, rtol, atol);
+        else H_CHECK(false, "%s: no gradient", w2);
+        free(l0), free(g0);
+      }
+      kiln_scope_end();
+      free(x);
+    }
+}
+
+
+/* CUDA's block-per-row kernels (C > 1024) on views against the CPU: rows of a narrowed
+** tensor (row stride 3010, offset 3: each row starts at another place within 16 bytes;
+** the gradient, contiguous, then does not follow them: scalar stores) and a transposed
+** one (class stride 6: no 16-byte loads), f32 and bf16, mean and 'none'; the backward
+** kernel CROSS_ENTROPY_BACKWARD on the same rows. */
+static void loss_big_views(void) {
+  int nc = kiln_device_count(KILN_DEVICE_CUDA);
+  enum { N = 6, C = 3001, W = 3010 };
+  double *x = malloc(sizeof(double) * N * W), t[N];
+  for (int k = 0; k < N * W; k++) x[k] = 2 * h_rand_normal();
+  for (int r = 0; r < N; r++) t[r] = (double)(h_rand_u64() % C);
+  t[2] = -1;
+  for (int dev = 0; dev < nc; dev++)
+    for (int di = 0; di < 2; di++)
+      for (int view = 0; view < 2; view++)
+        for (int red = 0; red < 2; red++) {
+          kiln_dtype dt = di ? KILN_BF16 : KILN_F32;
+          kiln_reduction rd = red ? KILN_REDUCTION_NONE : KILN_REDUCTION_MEAN;
+          char what[160];
+          snprintf(what, sizeof what, "cuda:%d ce %s %s view %s", dev, kiln_dtype_name(dt),
+                   view ? "transposed" : "narrowed", red ? "none" : "mean");
+          kiln_scope_begin();
+          double *v[2][3] = {{NULL}};
+          for (int side = 0; side < 2; side++) {
+            kiln_device d = side ? kiln_device_cuda(dev) : kiln_device_cpu();
+            kiln_tensor *base = view ? kiln_to_device(h_tensor(x, KILN_SHAPE(C, N), dt), d)
+                                     : kiln_to_device(h_tensor(x, KILN_SHAPE(N, W), dt), d);
+            kiln_requires_grad_(base, true);
+            kiln_tensor *xt = view ? kiln_transpose(base, 0, 1) : kiln_narrow(base, 1, 3, C);
+            kiln_tensor *tt = kiln_to_device(h_tensor(t, KILN_SHAPE(N), KILN_I64), d);
+            kiln_tensor *loss = kiln_cross_entropy(xt, tt, rd, -1, 0.1);
+            kiln_tensor *g = red ? kiln_to_device(h_tensor(t, KILN_SHAPE(N), kiln_dtype_of(loss)), d) : NULL;
+            H_CHECK(loss && kiln_backward(loss, g) == KILN_OK, "%s side %d: %s", what, side, kiln_last_error_message());
+            /* the backward kernel itself: lse and a per-row gradient (the targets as values) */
+            kiln__kargs a = {0};
+            kiln_tensor *lse = kiln__tensor_new(1, (const int64_t[]){N}, KILN_F32, d);
+            kiln_tensor *rows = kiln__tensor_new(1, (const int64_t[]){N}, KILN_F32, d);
+            kiln_tensor *gr = kiln_to_device(h_tensor(t, KILN_SHAPE(N), KILN_F32), d);
+            kiln_tensor *dl = kiln__tensor_new(2, (const int64_t[]){N, C}, dt, d);
+            a.op = KILN__K_CROSS_ENTROPY;
+            a.n_in = 2, a.n_out = 2;
+            a.in[0] = kiln__view_of(xt), a.in[1] = kiln__view_of(tt);
+            a.out[0] = kiln__view_of(rows), a.out[1] = kiln__view_of(lse);
+            a.i[0] = -1, a.s[0] = 0.1;
+            H_CHECK(lse && rows && gr && dl && kiln__dispatch(d, &a) == KILN_OK, "%s side %d: CROSS_ENTROPY: %s", what, side, kiln_last_error_message());
+            a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
+            a.n_in = 4, a.n_out = 1;
+            a.in[0] = kiln__view_of(xt), a.in[2] = kiln__view_of(lse), a.in[3] = kiln__view_of(gr);
+            a.out[0] = kiln__view_of(dl);
+            H_CHECK(kiln__dispatch(d, &a) == KILN_OK, "%s side %d: CROSS_ENTROPY_BACKWARD: %s", what, side, kiln_last_error_message());
+            v[side][0] = h_values(loss, NULL);
+            v[side][1] = h_values(kiln_grad(base), NULL);
+            v[side][2] = h_values(dl, NULL);
+            if (side == 0) continue;
+            double rtol, atol;
+            h_dtype_tol(dt, &rtol, &atol);
+            char w2[200];
+            snprintf(w2, sizeof w2, "%s: loss", what);
+            if (v[0][0]) h_tensor_close(w2, loss, v[0][0], kiln_numel(loss), 1e-5, 1e-5);
+            snprintf(w2, sizeof w2, "%s: grad", what);
+            if (v[0][1]) h_tensor_close(w2, kiln_grad(base), v[0][1], kiln_numel(base), rtol * 4, atol * 4);
+            snprintf(w2, sizeof w2, "%s: CROSS_ENTROPY_BACKWARD", what);
+            if (v[0][2]) h_tensor_close(w2, dl, v[0][2], N * C, rtol * 4, atol * 4);
+          }
+          for (int k = 0; k < 6; k++) free(v[k / 3][k % 3]);
+          kiln_scope_end();
+        }
+  free(x);
+}
+
 static void loss_family(void) {
   h_run_cases(loss_cases, (int)(sizeof loss_cases / sizeof loss_cases[0]));
   if (!h_cross_only()) {
@@ -464,6 +627,8 @@ static void loss_family(void) {
     loss_fused_alias();
   }
   loss_fused_cross();
+  loss_bf16_autocast();
+  loss_big_views();
 }
 
 #ifndef H_NO_MAIN

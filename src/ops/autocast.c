@@ -5,8 +5,8 @@
 **   LOWER    every f32 input on the region's device type -> the region's dtype (f16/bf16);
 **            f64 stays (PyTorch casts only "eligible" f32 inputs the same way);
 **   F32      every f16/bf16 input -> f32 (an op flagged KILN__OP_AMP_READS_16, whose kernels
-**            read 16-bit inputs and compute in f32, gets them uncast and gives f32 outputs:
-**            the same numbers without the cast kernels);
+**            read bf16 inputs and compute in f32, gets them uncast and gives f32 outputs:
+**            the same numbers without the cast kernels; f16 is still cast, see op.h);
 **   PROMOTE  mixed floating inputs -> the widest of them (kiln_dtype_promote).
 **
 ** The policy is the op path's step 3 (kiln__set_autocast_hook). Casts are recorded
@@ -217,7 +217,7 @@ static kiln_status autocast_hook(const kiln__op *op, int n_in, kiln_tensor **in,
       break;
     case KILN__AMP_F32:
       if (t->dtype != KILN_F16 && t->dtype != KILN_BF16) continue;
-      if (op->flags & KILN__OP_AMP_READS_16) { /* the kernel reads it and computes in f32 */
+      if (t->dtype == KILN_BF16 && (op->flags & KILN__OP_AMP_READS_16)) { /* the kernel reads it, computes in f32 */
         *f32_out = true;
         continue;
       }

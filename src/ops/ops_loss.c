@@ -7,8 +7,9 @@
 ** The CROSS_ENTROPY kernel gives per-row losses and the row logsumexp in f32 (f64 for f64
 ** logits), whatever the logits' dtype, so 16-bit logits lose nothing inside; the result
 ** is cast back to the logits' dtype as PyTorch returns it, except under autocast: there
-** 16-bit logits come in uncast (KILN__OP_AMP_READS_16) and the loss stays f32, the
-** numbers of cast-then-op without the cast kernel, nor its gradient's. The reduction runs on the
+** bf16 logits come in uncast (KILN__OP_AMP_READS_16, op.h) and the loss stays f32, the
+** numbers of cast-then-op without the cast kernel, nor its gradient's: dlogits (bf16,
+** rounded once from f32) is what the cast's backward would have made from the f32 one. The reduction runs on the
 ** device — mean divides by the number of targets that are not ignore_index, counted on
 ** the device too, so no op here waits for the device (all ignored gives 0/0 = NaN, as
 ** in PyTorch). The mean is one kernel (CROSS_ENTROPY_MEAN).
@@ -58,7 +59,11 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
   kiln_tensor *dl = n->saved[0];
   if (!g) /* the saved tensor is the answer: a handle of the engine's own, no kernel */
     return kiln__give_grad(&gi[0], kiln__tensor_alias(dl, true), NULL);
-  kiln_tensor *gd = g->dtype == dl->dtype ? g : kiln_to_dtype(g, dl->dtype);
+  /* A wider g (an f32 loss's gradient reaching bf16 logits under autocast) multiplies in
+  ** its own dtype, the product rounded once to the logits' dtype: as the cast-then-op path
+  ** computes it but for dlogits' own rounding (none for a power-of-two g). */
+  bool wide = (dl->dtype == KILN_BF16 || dl->dtype == KILN_F16) && g->dtype == KILN_F32;
+  kiln_tensor *gd = g->dtype == dl->dtype || wide ? g : kiln_to_dtype(g, dl->dtype);
   int nd = n->in_ndim[0];
   if (gd && ((const attrs_ce *)n->attrs)->reduction == KILN_REDUCTION_NONE && nd >= 2) { /* (N, d...) -> (N, 1, d...) */
     int64_t sh[KILN_MAX_DIMS];
@@ -66,7 +71,9 @@ static kiln_status ce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) 
     sh[1] = 1;
     gd = kiln_reshape(gd, nd, sh);
   }
-  return kiln__give_grad(&gi[0], gd ? kiln_mul(dl, gd) : NULL, g);
+  kiln_tensor *r = gd ? kiln_mul(dl, gd) : NULL;
+  if (r && r->dtype != dl->dtype) r = kiln_to_dtype(r, dl->dtype);
+  return kiln__give_grad(&gi[0], r, g);
 }
 
 /* dlogits (M, C) in the logits' layout: (M, C) -> (C) for 1-d logits (a view), or

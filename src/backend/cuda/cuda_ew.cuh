@@ -7,7 +7,9 @@
 ** - vectorised: after coalescing the views are one dim, the output and every input
 **   contiguous or a broadcast scalar (stride 0), and the pointers aligned: each thread
 **   moves 16 bytes per load/store in a grid-stride loop (this is what reaches the copy
-**   bandwidth);
+**   bandwidth). Also for two dims (outer, inner) where an input repeats along the outer
+**   one (strides (0, 1): a bias, attention's (T, T) causal mask under (B, H, T, T)): it is
+**   read at the element index modulo inner (inner a multiple of the vector width);
 ** - strided with 32-bit index arithmetic when every offset fits, else 64-bit. Shapes and
 **   strides travel by value in the kernel's parameters.
 */
@@ -67,11 +69,14 @@ __device__ __forceinline__ auto kc_call(const F &f, int64_t k, X0 a, X1 b, X2 c)
 
 template <int NIN, int V, class F, class TO, class T0, class T1, class T2>
 __global__ void __launch_bounds__(KC_THREADS)
-    kc_ew_vec(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, int bcast, int64_t n, F f) {
+    kc_ew_vec(TO *out, const T0 *p0, const T1 *p1, const T2 *p2, int bcast, int64_t n, F f,
+              int per = 0, uint64_t period = 1) {
   const int64_t step = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t nv = n / V;
   for (int64_t i = tid; i < nv; i += step) {
+    /* inputs in per repeat every period elements (a multiple of V: no vector straddles) */
+    const int64_t ip = per ? (int64_t)(((uint64_t)i * V) % period) / V : i;
     kc_vec<T0, V> a0;
     kc_vec<T1, V> a1;
     kc_vec<T2, V> a2;
@@ -80,7 +85,7 @@ __global__ void __launch_bounds__(KC_THREADS)
 #pragma unroll
         for (int j = 0; j < V; j++) a0.v[j] = p0[0];
       } else {
-        a0 = *(const kc_vec<T0, V> *)(p0 + i * V);
+        a0 = *(const kc_vec<T0, V> *)(p0 + ((per & 1) ? ip : i) * V);
       }
     }
     if constexpr (NIN >= 2) {
@@ -88,7 +93,7 @@ __global__ void __launch_bounds__(KC_THREADS)
 #pragma unroll
         for (int j = 0; j < V; j++) a1.v[j] = p1[0];
       } else {
-        a1 = *(const kc_vec<T1, V> *)(p1 + i * V);
+        a1 = *(const kc_vec<T1, V> *)(p1 + ((per & 2) ? ip : i) * V);
       }
     }
     if constexpr (NIN >= 3) {
@@ -96,7 +101,7 @@ __global__ void __launch_bounds__(KC_THREADS)
 #pragma unroll
         for (int j = 0; j < V; j++) a2.v[j] = p2[0];
       } else {
-        a2 = *(const kc_vec<T2, V> *)(p2 + i * V);
+        a2 = *(const kc_vec<T2, V> *)(p2 + ((per & 4) ? ip : i) * V);
       }
     }
     kc_vec<TO, V> r;
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(KC_THREADS)
                                       kc_ld<T2>(a2.v[j])));
     *(kc_vec<TO, V> *)(out + i * V) = r;
   }
-  for (int64_t k = nv * V + tid; k < n; k += step) {
+  for (int64_t k = nv * V + tid; k < n; k += step) { /* per: n is a multiple of V */
     T0 a0 = T0();
     T1 a1 = T1();
     T2 a2 = T2();
@@ -164,7 +169,23 @@ kiln_status kc_ew_launch(kiln__cuda_dev *d, const kiln__view *out, const kiln__v
     if (sh.st[i + 1][0] == 0) bcast |= 1 << i;
     else if (sh.st[i + 1][0] != 1 || (uintptr_t)ptrs[i] % (V * sizes[i])) vec = false;
   }
-  if (vec) {
+  /* (outer, inner), the output contiguous: inputs contiguous, repeating (0, 1) or scalar */
+  int per = 0;
+  const int64_t inner = sh.ndim == 2 ? sh.shape[1] : 0;
+  bool pvec = sh.ndim == 2 && inner % V == 0 && sh.st[0][0] == inner && sh.st[0][1] == 1 &&
+              (uintptr_t)po % (V * sizeof(TO)) == 0;
+  for (int i = 0; i < NIN && pvec; i++) {
+    const int64_t s0 = sh.st[i + 1][0], s1 = sh.st[i + 1][1];
+    if (s0 == 0 && s1 == 0) bcast |= 1 << i;
+    else if (s0 == 0 && s1 == 1) per |= 1 << i;
+    else if (!(s0 == inner && s1 == 1)) pvec = false;
+    if (s1 == 1 && (uintptr_t)ptrs[i] % (V * sizes[i])) pvec = false;
+  }
+  if (pvec && per) {
+    int blocks = kc_blocks(sh.numel / V, KC_THREADS, d->sm_count);
+    kc_ew_vec<NIN, V, F, TO, T0, T1, T2><<<blocks, KC_THREADS, 0, d->stream>>>(
+        po, p0, p1, p2, bcast, sh.numel, f, per, (uint64_t)inner);
+  } else if (vec) {
     int blocks = kc_blocks((sh.numel + V - 1) / V, KC_THREADS, d->sm_count);
     kc_ew_vec<NIN, V, F, TO, T0, T1, T2>
         <<<blocks, KC_THREADS, 0, d->stream>>>(po, p0, p1, p2, bcast, sh.numel, f);
@@ -192,26 +213,33 @@ struct kc_temps {
   ~kc_temps() {
     for (int i = 0; i < n; i++) kiln__cuda_free(device, p[i], 0);
   }
-  /* Returns the view to use for in (cast when needed), or NULL on error. */
+  /* Returns the view to use for in (cast when needed), or NULL on error. A dim along which
+  ** in is broadcast (stride 0) stays broadcast: the temporary holds one copy of it (a
+  ** (T, T) mask under (B, H, T, T) is cast once, not B * H times). */
   const kiln__view *cast(const kiln__view *in, const kiln__view *shape_of, kiln_dtype want) {
     if (in->dtype == want) return in;
-    int64_t numel = kc_numel(shape_of);
-    void *mem = kiln__cuda_alloc(device, (size_t)numel * kc_size(want));
-    if (!mem) return NULL;
-    kiln__view t = *in;
-    t.data = mem;
+    const bool same_rank = in->ndim == shape_of->ndim;
+    kiln__view t = *in, src = *in; /* t: the temporary as the kernel sees it; src: in, compact */
     t.dtype = want;
-    t.ndim = shape_of->ndim;
+    t.ndim = src.ndim = shape_of->ndim;
     int64_t s = 1;
     for (int d = shape_of->ndim - 1; d >= 0; d--) {
+      bool rep = same_rank && in->strides[d] == 0 && shape_of->shape[d] > 1;
       t.shape[d] = shape_of->shape[d];
-      t.strides[d] = s;
-      s *= shape_of->shape[d];
+      t.strides[d] = rep ? 0 : s;
+      src.shape[d] = rep ? 1 : shape_of->shape[d];
+      if (!same_rank) src.shape[d] = shape_of->shape[d];
+      s *= src.shape[d];
     }
+    void *mem = kiln__cuda_alloc(device, (size_t)s * kc_size(want));
+    if (!mem) return NULL;
+    t.data = mem;
+    kiln__view dst = t; /* the compact temporary */
+    for (int d = 0; d < dst.ndim; d++) dst.shape[d] = src.shape[d];
     p[n] = mem;
     v[n] = t;
     n++;
-    if (kiln__cuda_copy_view(device, &v[n - 1], in) != KILN_OK) return NULL;
+    if (kiln__cuda_copy_view(device, &dst, same_rank ? &src : in) != KILN_OK) return NULL;
     return &v[n - 1];
   }
 };

@@ -6,8 +6,8 @@
 ** passed swapped with m = N, n = M. A matrix whose column stride is 1 is "row-major" (op
 ** N); one whose row stride is 1 is a transposed view (op T); anything else is first
 ** copied to a contiguous temporary. Batch dims go into one strided-batched call when each
-** tensor's batch offsets are a multiple of one stride (0 for a broadcast operand), else
-** one call per batch.
+** tensor's batch offsets are a multiple of one stride (0 for a broadcast operand); else
+** the innermost batch dims that do collapse make one call, looped over the outer ones.
 **
 ** f32 is exact (CUBLAS_COMPUTE_32F) unless a->i[0] == 1 allows TF32; f16 and bf16
 ** accumulate in f32; f64 is DGEMM-exact. out0 = s0 * A@B + s1 * out0 + bias.
@@ -92,11 +92,12 @@ bool describe(int64_t rows, int64_t cols, int64_t sr, int64_t sc, Mat *m) {
   return m->ld <= INT32_MAX;
 }
 
-/* The one stride that gives every batch's offset, if there is one. */
-bool batch_stride(const kiln__view *v, int nb, int64_t *out) {
+/* The one stride that gives the offset of every batch of dims [lo, nb), if there is one
+** (0 for none, or for a broadcast operand). */
+bool batch_stride_from(const kiln__view *v, int lo, int nb, int64_t *out) {
   int64_t s = 0, inner = 1;
   bool have = false;
-  for (int i = nb - 1; i >= 0; i--) {
+  for (int i = nb - 1; i >= lo; i--) {
     if (v->shape[i] == 1) continue;
     if (!have) {
       s = v->strides[i];
@@ -109,6 +110,7 @@ bool batch_stride(const kiln__view *v, int nb, int64_t *out) {
   *out = s;
   return true;
 }
+bool batch_stride(const kiln__view *v, int nb, int64_t *out) { return batch_stride_from(v, 0, nb, out); }
 
 int64_t batch_offset(const kiln__view *v, int nb, int64_t b) {
   int64_t off = 0;
@@ -461,24 +463,31 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     else if (s != KILN_ERR_UNSUPPORTED) return s;
   }
   if (!gemm_done) {
-    int64_t sa, sb, sc;
-    if (batch_stride(&A, nb, &sa) && batch_stride(&B, nb, &sb) && batch_stride(&C, nb, &sc) &&
-        batch <= INT32_MAX) {
-      KC_BLAS(cublasGemmStridedBatchedEx(h, opB, opA, (int)N, (int)M, (int)K, pa, B.data, t.data,
-                                         (int)mb.ld, sb, A.data, t.data, (int)ma.ld, sa, pb, C.data,
-                                         t.data, (int)mc.ld, sc, (int)batch, t.compute,
+    /* The batch dims [lo, nb) that collapse to one stride in A, B and C go into one
+    ** strided-batched call; the dims before lo are looped over. Attention's q @ k^T has
+    ** batch dims (B, H) of a permuted (B, T, H, D) tensor: H collapses (stride D), B
+    ** does not, so B calls of H products each, where it was once B * H calls of one. */
+    int lo = 0;
+    int64_t sa = 0, sb = 0, sc = 0, inner = 1;
+    while (lo < nb && !(batch_stride_from(&A, lo, nb, &sa) && batch_stride_from(&B, lo, nb, &sb) &&
+                        batch_stride_from(&C, lo, nb, &sc)))
+      lo++;
+    for (int i = lo; i < nb; i++) inner *= O->shape[i];
+    if (lo == nb || inner > INT32_MAX) { /* one product a call */
+      lo = nb;
+      inner = 1;
+      sa = sb = sc = 0;
+    }
+    const int64_t outer = batch / inner;
+    for (int64_t b = 0; b < outer; b++) {
+      const char *pA = (const char *)A.data + batch_offset(&A, lo, b) * (int64_t)es;
+      const char *pB = (const char *)B.data + batch_offset(&B, lo, b) * (int64_t)es;
+      char *pC = (char *)C.data + batch_offset(&C, lo, b) * (int64_t)es;
+      KC_BLAS(cublasGemmStridedBatchedEx(h, opB, opA, (int)N, (int)M, (int)K, pa, pB, t.data,
+                                         (int)mb.ld, sb, pA, t.data, (int)ma.ld, sa, pb, pC,
+                                         t.data, (int)mc.ld, sc, (int)inner, t.compute,
                                          CUBLAS_GEMM_DEFAULT),
               "cublasGemmStridedBatchedEx");
-    } else {
-      for (int64_t b = 0; b < batch; b++) {
-        const char *pA = (const char *)A.data + batch_offset(&A, nb, b) * (int64_t)es;
-        const char *pB = (const char *)B.data + batch_offset(&B, nb, b) * (int64_t)es;
-        char *pC = (char *)C.data + batch_offset(&C, nb, b) * (int64_t)es;
-        KC_BLAS(cublasGemmEx(h, opB, opA, (int)N, (int)M, (int)K, pa, pB, t.data, (int)mb.ld, pA,
-                             t.data, (int)ma.ld, pb, pC, t.data, (int)mc.ld, t.compute,
-                             CUBLAS_GEMM_DEFAULT),
-                "cublasGemmEx");
-      }
     }
     if (has_bias) {
       kiln__view bb = bias_b;

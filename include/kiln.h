@@ -495,6 +495,23 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
 ** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
 typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
 KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
+/* Attention of queries over a key/value cache whose valid length is read on the device (so
+** a decode step keeps one shape for a whole generation and can be graph-captured):
+** q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, Tq, Dv), one floating dtype;
+** len an i64 tensor of 1 or B elements on the same device: row b holds L_b valid slots
+** (L_b <= M), and query i is the position L_b - Tq + i of that row, attending the keys
+** j <= L_b - Tq + i (causal over the cache; slots >= L_b are never read). scale 0 means
+** 1/sqrt(D). A query with no key gives 0. Inference only: no gradient (KILN_ERR_AUTOGRAD
+** when grad mode is on and an input requires grad). Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE;
+** L_b > M is KILN_ERR_INDEX on the CPU, the device's index flag on CUDA. */
+KILN_API kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len,
+                                        double scale);
+/* torch.Tensor.index_copy_: dst[..., index[t], ...] = src[..., t, ...] along dim, index an
+** i64 tensor of src's size along dim (1-d, or one element), read on the device (a KV cache
+** write at a position held on the device). src has dst's dtype and its shape but along dim.
+** Returns the status; never recorded by autograd. Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE,
+** KILN_ERR_INDEX (an index outside dst: at once on the CPU, the device's flag on CUDA). */
+KILN_API kiln_status kiln_index_copy_(kiln_tensor *dst, int dim, kiln_tensor *index, kiln_tensor *src);
 /* Running sum along dim; integer and bool inputs give i64. */
 KILN_API kiln_tensor *kiln_cumsum(kiln_tensor *t, int dim);
 /* The lower (upper) triangle of the last two dims: elements with j - i <= diagonal

@@ -246,7 +246,18 @@ typedef struct kiln__view {
   /* OW), in1 its indices (i64, as MAX_POOL2D gave them) -> out0 dx (N, C, H, W) */       \
   /* (written): each pixel sums the grads of the windows (in window order i, j) whose */  \
   /* index names it. a->params: the forward's kiln__conv_params. */                         \
-  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")
+  X(MAX_POOL2D_BACKWARD, "max_pool2d_backward")                                         \
+  /* ---- decoding with a KV cache (issue 16, generation) ---- */                         \
+  /* in0 src, in1 index (i64, src's size along dim i0, contiguous or strided 1-d) -> */   \
+  /* out0 dst, written in place: dst[.., index[t], ..] = src[.., t, ..] along dim i0 */   \
+  /* (src has dst's ndim and shape but along i0). An index outside [0, dst size) is */    \
+  /* KILN_ERR_INDEX (CUDA: the device flag; that slice is skipped). */                    \
+  X(INDEX_COPY, "index_copy")                                                             \
+  /* in0 q (B, H, Tq, D), in1 k (B, H, M, D), in2 v (B, H, M, Dv), in3 len (i64, n = */    \
+  /* i0 elements, 1 or B; strided 1-d) -> out0 (B, H, Tq, Dv); s0 scale. Query i of */   \
+  /* row b attends keys j <= len[b] - Tq + i (len[b] <= M, else KILN_ERR_INDEX / the */  \
+  /* device flag); no key gives 0. f64 accumulation on the CPU (the reference). */         \
+  X(KV_ATTENTION, "kv_attention")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

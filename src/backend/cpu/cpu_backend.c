@@ -152,6 +152,8 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_CONV2D_BACKWARD_DATA] = kiln__cpu_conv2d_backward,
             [KILN__K_CONV2D_BACKWARD_WEIGHT] = kiln__cpu_conv2d_backward,
             [KILN__K_MAX_POOL2D_BACKWARD] = kiln__cpu_conv_window,
+            [KILN__K_INDEX_COPY] = kiln__cpu_index_copy,
+            [KILN__K_KV_ATTENTION] = kiln__cpu_kv_attention,
 #ifdef KILN_HAVE_DNNL
             [KILN__K_CONV2D] = kiln__cpu_conv2d,
 #endif

@@ -1,0 +1,123 @@
+/*
+** The CPU kernels of decoding with a KV cache (contracts: backend.h, INDEX_COPY and
+** KV_ATTENTION): the reference the CUDA kernels (cuda/cuda_kv.cu) are tested against.
+**
+** KV_ATTENTION computes in f64 whatever the dtype (rows converted once), with a running
+** max and normaliser (online softmax), so the result is the f64 result rounded once.
+** Every index and length is checked before anything is written: a bad one leaves the
+** output untouched and is KILN_ERR_INDEX.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+#include "../../core/kiln_int.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t get_len(const kiln__view *v, int64_t i) {
+  return kiln__cpu_get_i64((const char *)v->data + i * v->strides[0] * (int64_t)kiln__cpu_esize(v->dtype), v->dtype);
+}
+
+/* ---- INDEX_COPY ---- */
+
+kiln_status kiln__cpu_index_copy(const kiln__kargs *a) {
+  const kiln__view *src = &a->in[0], *idx = &a->in[1], *dst = &a->out[0];
+  const int d = (int)a->i[0];
+  const int64_t T = src->shape[d], n_dst = dst->shape[d];
+  for (int64_t t = 0; t < T; t++) {
+    int64_t p = get_len(idx, t);
+    if (p < 0 || p >= n_dst)
+      return kiln_set_error(KILN_ERR_INDEX, "kiln_index_copy_: index %lld (entry %lld) is out of range for size %lld "
+                            "of dim %d", (long long)p, (long long)t, (long long)n_dst, d);
+  }
+  const size_t es = kiln__cpu_esize(dst->dtype);
+  int64_t n = 1;
+  for (int i = 0; i < src->ndim; i++) n *= src->shape[i];
+  int64_t coord[KILN_MAX_DIMS] = {0};
+  for (int64_t e = 0; e < n; e++) {
+    int64_t so = 0, dof = 0;
+    for (int i = 0; i < src->ndim; i++) {
+      so += coord[i] * src->strides[i];
+      dof += (i == d ? get_len(idx, coord[i]) : coord[i]) * dst->strides[i];
+    }
+    memcpy((char *)dst->data + dof * (int64_t)es, (const char *)src->data + so * (int64_t)es, es);
+    for (int i = src->ndim - 1; i >= 0; i--) { /* next coordinate, last dim fastest */
+      if (++coord[i] < src->shape[i]) break;
+      coord[i] = 0;
+    }
+  }
+  return KILN_OK;
+}
+
+/* ---- KV_ATTENTION ---- */
+
+typedef struct kv_ctx {
+  const kiln__kargs *a;
+  int64_t H, Tq, D, Dv;
+  kiln_status st; /* OOM in a range */
+} kv_ctx;
+
+static const char *at4(const kiln__view *v, int64_t i0, int64_t i1, int64_t i2) {
+  return (const char *)v->data +
+         (i0 * v->strides[0] + i1 * v->strides[1] + i2 * v->strides[2]) * (int64_t)kiln__cpu_esize(v->dtype);
+}
+
+/* rows lo..hi of (B, H, Tq) */
+static void kv_range(void *vctx, int64_t lo, int64_t hi) {
+  kv_ctx *c = vctx;
+  const kiln__kargs *a = c->a;
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *len = &a->in[3], *o = &a->out[0];
+  const int64_t H = c->H, Tq = c->Tq, D = c->D, Dv = c->Dv;
+  const double scale = a->s[0];
+  double *buf = malloc((size_t)(2 * D + 2 * Dv) * sizeof(double));
+  if (!buf) {
+    c->st = KILN_ERR_OOM;
+    return;
+  }
+  double *qr = buf, *kr = qr + D, *vr = kr + D, *acc = vr + Dv;
+  for (int64_t r = lo; r < hi; r++) {
+    const int64_t b = r / (H * Tq), h = (r / Tq) % H, i = r % Tq;
+    const int64_t L = get_len(len, a->i[0] == 1 ? 0 : b);
+    const int64_t last = L - Tq + i; /* the query's own position */
+    kiln__cpu_load(qr, KILN_F64, at4(q, b, h, i), q->strides[3] * (int64_t)kiln__cpu_esize(q->dtype), q->dtype, D);
+    double m = -INFINITY, l = 0;
+    for (int64_t e = 0; e < Dv; e++) acc[e] = 0;
+    for (int64_t j = 0; j <= last; j++) {
+      kiln__cpu_load(kr, KILN_F64, at4(k, b, h, j), k->strides[3] * (int64_t)kiln__cpu_esize(k->dtype), k->dtype, D);
+      double s = 0;
+      for (int64_t e = 0; e < D; e++) s += qr[e] * kr[e];
+      s *= scale;
+      if (s > m) { /* rescale what came before to the new max */
+        double f = exp(m - s);
+        l *= f;
+        for (int64_t e = 0; e < Dv; e++) acc[e] *= f;
+        m = s;
+      }
+      double w = exp(s - m);
+      l += w;
+      kiln__cpu_load(vr, KILN_F64, at4(v, b, h, j), v->strides[3] * (int64_t)kiln__cpu_esize(v->dtype), v->dtype, Dv);
+      for (int64_t e = 0; e < Dv; e++) acc[e] += w * vr[e];
+    }
+    for (int64_t e = 0; e < Dv; e++) acc[e] = l > 0 ? acc[e] / l : 0.0; /* no key: 0 */
+    kiln__cpu_store((char *)at4(o, b, h, i), o->strides[3] * (int64_t)kiln__cpu_esize(o->dtype), o->dtype, acc,
+                    KILN_F64, Dv);
+  }
+  free(buf);
+}
+
+kiln_status kiln__cpu_kv_attention(const kiln__kargs *a) {
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *len = &a->in[3];
+  const int64_t B = q->shape[0], M = k->shape[2];
+  for (int64_t b = 0; b < (a->i[0] == 1 ? 1 : B); b++) {
+    int64_t L = get_len(len, b);
+    if (L < 0 || L > M)
+      return kiln_set_error(KILN_ERR_INDEX, "kiln_kv_attention: length %lld of row %lld is outside the cache's [0, %lld]",
+                            (long long)L, (long long)b, (long long)M);
+  }
+  kv_ctx c = {a, q->shape[1], q->shape[2], q->shape[3], a->in[2].shape[3], KILN_OK};
+  const int64_t rows = B * c.H * c.Tq;
+  kiln__cpu_parallel_for(rows, 4, kv_range, &c);
+  if (c.st != KILN_OK) return kiln_set_error(KILN_ERR_OOM, "kiln_kv_attention: out of host memory for row buffers");
+  return KILN_OK;
+}

@@ -1,0 +1,165 @@
+/*
+** The two ops a decode step with a KV cache needs so that its shapes stay fixed for a whole
+** generation (and the step can be captured once as a device graph, kiln_graph_capture):
+**
+** - index_copy_ (torch.Tensor.index_copy_): writes the new keys and values into the cache
+**   at positions held in a device tensor (kernel INDEX_COPY), in place of a where() over
+**   the whole cache;
+** - kv_attention: attention of the new queries over the cache, with each row's valid
+**   length read on the device (kernel KV_ATTENTION): the slots past it are neither read nor
+**   masked, so a step costs what its prefix costs, not max_len.
+**
+** Both are inference-only (no backward) and never host-synchronising: a bad position is a
+** device index error on CUDA (kc_flag, reported at the next synchronize), KILN_ERR_INDEX at
+** once on the CPU.
+*/
+#include "ops/op.h"
+
+#include <math.h>
+
+/* ---- index_copy_ ---------------------------------------------------------------------- */
+
+typedef struct attrs_index_copy {
+  int64_t dim;
+} attrs_index_copy;
+static const kiln__attr_field f_index_copy[] = {KILN__FIELD(attrs_index_copy, dim, KILN__A_INT)};
+
+static kiln_status index_copy__infer(kiln__op_ctx *c) {
+  const attrs_index_copy *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *dst = c->in[0], *index = c->in[1], *src = c->in[2];
+  if (dst->requires_grad && kiln_grad_enabled())
+    return kiln_set_error(KILN_ERR_AUTOGRAD,
+                          "%s: in-place update of a tensor that requires grad while grad mode is on "
+                          "(wrap it in kiln_set_grad_enabled(false))", op);
+  const int64_t d = p->dim;
+  if (d < 0 || d >= dst->ndim)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: dim %lld is out of range for destination %s", op,
+                          (long long)d, kiln__tshape(dst));
+  if (src->dtype != dst->dtype)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: source is %s but destination is %s", op, kiln_dtype_name(src->dtype),
+                          kiln_dtype_name(dst->dtype));
+  if (index->dtype != KILN_I64)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: index must be i64, got %s", op, kiln_dtype_name(index->dtype));
+  bool shape_ok = src->ndim == dst->ndim;
+  for (int i = 0; shape_ok && i < dst->ndim; i++)
+    if (i != d && src->shape[i] != dst->shape[i]) shape_ok = false;
+  if (!shape_ok)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: source %s must have destination %s's shape but along dim %lld", op,
+                          kiln__tshape(src), kiln__tshape(dst), (long long)d);
+  if (index->ndim > 1 || kiln_numel(index) != src->shape[d])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: index %s must be 1-d with source %s's size along dim %lld (%lld)", op,
+                          kiln__tshape(index), kiln__tshape(src), (long long)d, (long long)src->shape[d]);
+  return KILN_OK;
+}
+
+/* A 0-d or 1-d tensor of n elements as a 1-d view. */
+static kiln__view as_1d(const kiln_tensor *t) {
+  kiln__view v = kiln__view_of(t);
+  if (v.ndim == 0) v.ndim = 1, v.shape[0] = 1, v.strides[0] = 0;
+  return v;
+}
+
+static kiln_status index_copy__forward(kiln__op_ctx *c) {
+  const attrs_index_copy *p = c->attrs;
+  kiln_tensor *dst = c->in[0], *index = c->in[1], *src = c->in[2];
+  if (kiln_numel(src) == 0) return KILN_OK;
+  kiln__kargs k = {0};
+  k.op = KILN__K_INDEX_COPY;
+  k.n_in = 2;
+  k.in[0] = kiln__view_of(src);
+  k.in[1] = as_1d(index);
+  k.i[0] = p->dim;
+  return kiln__run_into(dst, &k);
+}
+
+static const kiln__op op_index_copy_ = {
+    .name = "index_copy_", .api = "kiln_index_copy_", .n_in = 3, .n_out = 1,
+    .flags = KILN__OP_INPLACE | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_INDEX_COPY},
+    .attrs = f_index_copy, .n_attrs = 1, .attr_size = sizeof(attrs_index_copy),
+    .infer = index_copy__infer, .forward = index_copy__forward};
+
+kiln_status kiln_index_copy_(kiln_tensor *dst, int dim, kiln_tensor *index, kiln_tensor *src) {
+  static const char who[] = "kiln_index_copy_";
+  if (!dst || !index || !src) {
+    if (kiln_last_error() != KILN_OK) return kiln_last_error();
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL %s", who, !dst ? "destination" : !index ? "index" : "source");
+  }
+  attrs_index_copy p = {dim < 0 ? dim + dst->ndim : dim};
+  kiln_tensor *in[3] = {dst, index, src};
+  return kiln__op_call_status(&op_index_copy_, 3, in, &p);
+}
+
+/* ---- kv_attention --------------------------------------------------------------------- */
+
+typedef struct attrs_kv_attention {
+  double scale; /* 0: 1 / sqrt(D) */
+} attrs_kv_attention;
+static const kiln__attr_field f_kv_attention[] = {KILN__FIELD(attrs_kv_attention, scale, KILN__A_FLOAT)};
+
+static kiln_status kv_attention_infer(kiln__op_ctx *c) {
+  const attrs_kv_attention *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *len = c->in[3];
+  static const char *const names[] = {"q", "k", "v"};
+  for (int i = 0; i < 3; i++) {
+    kiln_tensor *t = c->in[i];
+    if (t->ndim != 4)
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: %s must be 4-d (batch, heads, seq, head_dim), got %s", op, names[i],
+                            kiln__tshape(t));
+    if (!kiln_dtype_is_float(t->dtype) || t->dtype != q->dtype)
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: q, k and v must have one floating dtype, got q %s and %s %s", op,
+                            kiln_dtype_name(q->dtype), names[i], kiln_dtype_name(t->dtype));
+    if (t->requires_grad && kiln_grad_enabled())
+      return kiln_set_error(KILN_ERR_AUTOGRAD, "%s: inference only (no gradient); %s requires grad while grad mode "
+                            "is on", op, names[i]);
+  }
+  if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
+      v->shape[1] != q->shape[1] || k->shape[3] != q->shape[3] || k->shape[2] != v->shape[2])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: q %s, k %s and v %s do not fit (B, H, Tq, D), (B, H, M, D), "
+                          "(B, H, M, Dv)", op, kiln__tshape(q), kiln__tshape(k), kiln__tshape(v));
+  if (q->shape[2] > k->shape[2])
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: %lld queries do not fit a cache of %lld slots (q %s, k %s)", op,
+                          (long long)q->shape[2], (long long)k->shape[2], kiln__tshape(q), kiln__tshape(k));
+  if (len->dtype != KILN_I64)
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: len must be i64, got %s", op, kiln_dtype_name(len->dtype));
+  int64_t nl = kiln_numel(len);
+  if (len->ndim > 1 || (nl != 1 && nl != q->shape[0]))
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: len %s must hold 1 or B = %lld lengths", op, kiln__tshape(len),
+                          (long long)q->shape[0]);
+  if (!(p->scale >= 0.0) || isinf(p->scale))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g",
+                          op, p->scale);
+  int64_t oshape[4] = {q->shape[0], q->shape[1], q->shape[2], v->shape[3]};
+  kiln__op_meta(c, 0, 4, oshape, q->dtype);
+  c->differentiable = false;
+  return KILN_OK;
+}
+
+static kiln_status kv_attention_forward(kiln__op_ctx *c) {
+  const attrs_kv_attention *p = c->attrs;
+  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *len = c->in[3];
+  if (kiln_numel(c->out[0]) == 0) return KILN_OK;
+  kiln__kargs a = {0};
+  a.op = KILN__K_KV_ATTENTION;
+  a.n_in = 4;
+  a.in[0] = kiln__view_of(q);
+  a.in[1] = kiln__view_of(k);
+  a.in[2] = kiln__view_of(v);
+  a.in[3] = as_1d(len);
+  a.i[0] = kiln_numel(len);
+  a.s[0] = p->scale > 0 ? p->scale : (q->shape[3] > 0 ? 1.0 / sqrt((double)q->shape[3]) : 1.0);
+  return kiln__run_into(c->out[0], &a);
+}
+
+static const kiln__op op_kv_attention = {
+    .name = "kv_attention", .api = "kiln_kv_attention", .n_in = 4, .n_out = 1, .amp = KILN__AMP_LOWER,
+    .flags = KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_KV_ATTENTION},
+    .attrs = f_kv_attention, .n_attrs = 1, .attr_size = sizeof(attrs_kv_attention),
+    .infer = kv_attention_infer, .forward = kv_attention_forward};
+
+kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len, double scale) {
+  attrs_kv_attention p = {scale};
+  kiln_tensor *in[4] = {q, k, v, len};
+  return kiln__op_call(&op_kv_attention, 4, in, &p, NULL);
+}

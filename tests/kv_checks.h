@@ -1,0 +1,176 @@
+/*
+** The checks of the KV-cache ops (kiln_index_copy_, kiln_kv_attention) on one device,
+** shared by test_ops_kv (the CPU, or KILN_TEST_DEVICE) and test_cuda_kv (CUDA device 0).
+** References are built on the CPU in f64 from other ops: kv_attention against
+** kiln_scaled_dot_product_attention with the equivalent boolean mask, index_copy_ against
+** narrow + copy_ at host-known positions. Shapes: the layouts a decode step uses (q a
+** transposed view of a (B, T, H, D) projection), non-contiguous caches, D not a multiple
+** of 32, Dv != D, Tq > 1, one length for all rows and one per row, empty rows.
+*/
+#ifndef KILN_TEST_KV_CHECKS_H
+#define KILN_TEST_KV_CHECKS_H
+
+#include <kiln.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+
+static double kv_max_diff(kiln_tensor *a, kiln_tensor *b) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_tensor *d = kiln_amax(kiln_abs(kiln_sub(kiln_to_dtype(kiln_to_device(a, cpu), KILN_F64),
+                                               kiln_to_dtype(kiln_to_device(b, cpu), KILN_F64))),
+                             0, NULL, false);
+  double v = d ? kiln_item(d) : INFINITY;
+  kiln_scope_end();
+  return v;
+}
+
+static bool kv_equal(kiln_tensor *a, kiln_tensor *b) { return kv_max_diff(a, b) == 0.0; }
+
+/* softmax over the keys j <= len_b - Tq + i of each row, in f64 on the CPU. */
+static kiln_tensor *kv_reference(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, const int64_t *lens, int nlen) {
+  kiln_device cpu = kiln_device_cpu();
+  const int64_t B = kiln_size(q, 0), Tq = kiln_size(q, 2), M = kiln_size(k, 2);
+  kiln_tensor *q64 = kiln_to_dtype(kiln_to_device(q, cpu), KILN_F64);
+  kiln_tensor *k64 = kiln_to_dtype(kiln_to_device(k, cpu), KILN_F64);
+  kiln_tensor *v64 = kiln_to_dtype(kiln_to_device(v, cpu), KILN_F64);
+  kiln_tensor *rows[16];
+  for (int64_t b = 0; b < B && b < 16; b++) {
+    const int64_t L = lens[nlen == 1 ? 0 : b];
+    bool *m = malloc((size_t)(Tq * M));
+    for (int64_t i = 0; i < Tq; i++)
+      for (int64_t j = 0; j < M; j++) m[i * M + j] = j <= L - Tq + i;
+    kiln_tensor *mask = kiln_from_data(m, KILN_SHAPE(Tq, M), KILN_BOOL, cpu);
+    free(m);
+    rows[b] = kiln_scaled_dot_product_attention(kiln_narrow(q64, 0, b, 1), kiln_narrow(k64, 0, b, 1),
+                                                kiln_narrow(v64, 0, b, 1), mask, false, 0.0, 0.0, NULL);
+  }
+  return kiln_cat((int)B, rows, 0);
+}
+
+/* tolerance of a dtype's result against the f64 reference (values of size ~1) */
+static double kv_tol(kiln_dtype dt) {
+  return dt == KILN_F64 ? 1e-12 : dt == KILN_F32 ? 2e-5 : dt == KILN_F16 ? 4e-3 : 3e-2;
+}
+
+static void kv_check_attention_case(kiln_device dev, kiln_dtype dt, int64_t B, int64_t H, int64_t Tq, int64_t M,
+                                    int64_t D, int64_t Dv, const int64_t *lens, int nlen, bool strided_cache) {
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new((uint64_t)(B * 1000 + M * 10 + D + Dv + nlen));
+  /* q as a decode step makes it: a (B, Tq, H, D) projection viewed (B, H, Tq, D) */
+  kiln_tensor *q = kiln_transpose(kiln_to_dtype(kiln_randn(KILN_SHAPE(B, Tq, H, D), KILN_F32, dev, g), dt), 1, 2);
+  kiln_tensor *k, *v;
+  if (strided_cache) { /* (B, M, H, D) caches viewed (B, H, M, D): no dim is contiguous with the next */
+    k = kiln_transpose(kiln_to_dtype(kiln_randn(KILN_SHAPE(B, M, H, D), KILN_F32, dev, g), dt), 1, 2);
+    v = kiln_transpose(kiln_to_dtype(kiln_randn(KILN_SHAPE(B, M, H, Dv), KILN_F32, dev, g), dt), 1, 2);
+  } else {
+    k = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, M, D), KILN_F32, dev, g), dt);
+    v = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, M, Dv), KILN_F32, dev, g), dt);
+  }
+  kiln_generator_free(g);
+  kiln_tensor *len = kiln_from_data(lens, 1, (const int64_t[]){nlen}, KILN_I64, dev);
+  kiln_tensor *y = kiln_kv_attention(q, k, v, len, 0.0);
+  kiln_tensor *ref = kv_reference(q, k, v, lens, nlen);
+  double diff = y && ref ? kv_max_diff(y, ref) : INFINITY;
+  if (!(diff <= kv_tol(dt)))
+    printf("kv_attention %s B%lld H%lld Tq%lld M%lld D%lld Dv%lld nlen %d%s: max diff %g (tol %g)\n",
+           kiln_dtype_name(dt), (long long)B, (long long)H, (long long)Tq, (long long)M, (long long)D, (long long)Dv,
+           nlen, strided_cache ? " strided" : "", diff, kv_tol(dt));
+  CHECK(diff <= kv_tol(dt));
+  CHECK(y && kiln_size(y, 3) == Dv && kiln_dtype_of(y) == dt);
+  kiln_scope_end();
+}
+
+static void kv_check_attention(kiln_device dev) {
+  const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16, KILN_F64};
+  for (int t = 0; t < 4; t++) {
+    kiln_dtype dt = dts[t];
+    kv_check_attention_case(dev, dt, 1, 12, 1, 96, 64, 64, (const int64_t[]){70}, 1, false);   /* GPT-2's decode */
+    kv_check_attention_case(dev, dt, 3, 2, 1, 300, 40, 24, (const int64_t[]){300, 1, 257}, 3, true); /* per row */
+    kv_check_attention_case(dev, dt, 2, 3, 4, 50, 33, 33, (const int64_t[]){37}, 1, false);  /* Tq > 1 */
+    kv_check_attention_case(dev, dt, 2, 1, 3, 20, 128, 128, (const int64_t[]){2, 20}, 2, true); /* a row's first query has no key */
+  }
+}
+
+static void kv_check_attention_errors(kiln_device dev) {
+  kiln_scope_begin();
+  kiln_tensor *q = kiln_zeros(KILN_SHAPE(1, 2, 1, 8), KILN_F32, dev);
+  kiln_tensor *k = kiln_zeros(KILN_SHAPE(1, 2, 10, 8), KILN_F32, dev);
+  kiln_tensor *len = kiln_full(KILN_SHAPE(1), 4, KILN_I64, dev);
+  CHECK(!kiln_kv_attention(q, kiln_zeros(KILN_SHAPE(1, 3, 10, 8), KILN_F32, dev), k, len, 0) &&
+        kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_kv_attention(q, k, kiln_to_dtype(k, KILN_BF16), len, 0) && kiln_last_error() == KILN_ERR_DTYPE);
+  CHECK(!kiln_kv_attention(q, k, k, kiln_to_dtype(len, KILN_I32), 0) && kiln_last_error() == KILN_ERR_DTYPE);
+  CHECK(!kiln_kv_attention(q, k, k, kiln_full(KILN_SHAPE(3), 4, KILN_I64, dev), 0) &&
+        kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_kv_attention(q, k, k, len, -1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  kiln_tensor *qg = kiln_zeros(KILN_SHAPE(1, 2, 1, 8), KILN_F32, dev);
+  kiln_requires_grad_(qg, true);
+  CHECK(!kiln_kv_attention(qg, k, k, len, 0) && kiln_last_error() == KILN_ERR_AUTOGRAD);
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
+/* dst[.., index[t], ..] = src[.., t, ..], checked against narrow + copy_ on the CPU. */
+static void kv_check_index_copy_case(kiln_device dev, kiln_dtype dt, int dim, bool transposed_src) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  const int64_t shape[3] = {5, 7, 6};
+  const int64_t idx[3] = {4, 0, 2}; /* src has 3 along dim */
+  int64_t sshape[3] = {shape[0], shape[1], shape[2]};
+  sshape[dim] = 3;
+  kiln_generator *g = kiln_generator_new(11 + (uint64_t)dim);
+  kiln_tensor *dst = kiln_to_dtype(kiln_mul_scalar(kiln_randn(3, shape, KILN_F32, dev, g), 8), dt);
+  kiln_tensor *src;
+  if (transposed_src) { /* a (.., b, a) tensor viewed (.., a, b) */
+    int64_t tshape[3] = {sshape[0], sshape[2], sshape[1]};
+    src = kiln_transpose(kiln_to_dtype(kiln_mul_scalar(kiln_randn(3, tshape, KILN_F32, dev, g), 8), dt), 1, 2);
+  } else {
+    src = kiln_to_dtype(kiln_mul_scalar(kiln_randn(3, sshape, KILN_F32, dev, g), 8), dt);
+  }
+  kiln_generator_free(g);
+  kiln_tensor *ref = kiln_contiguous(kiln_to_device(dst, cpu));
+  kiln_tensor *src_cpu = kiln_to_device(src, cpu);
+  for (int t = 0; t < 3; t++) kiln_copy_(kiln_narrow(ref, dim, idx[t], 1), kiln_narrow(src_cpu, dim, t, 1));
+  kiln_tensor *index = kiln_from_data(idx, KILN_SHAPE(3), KILN_I64, dev);
+  CHECK(kiln_index_copy_(dst, dim, index, src) == KILN_OK);
+  CHECK(kv_equal(dst, ref));
+  /* one position (the decode step's write), from a one-element index */
+  kiln_tensor *pos = kiln_full(KILN_SHAPE(1), 6 % shape[dim], KILN_I64, dev);
+  kiln_tensor *one = kiln_narrow(src, dim, 1, 1);
+  CHECK(kiln_index_copy_(dst, dim, pos, one) == KILN_OK);
+  kiln_copy_(kiln_narrow(ref, dim, 6 % shape[dim], 1), kiln_narrow(src_cpu, dim, 1, 1));
+  CHECK(kv_equal(dst, ref));
+  kiln_scope_end();
+}
+
+static void kv_check_index_copy(kiln_device dev) {
+  const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16, KILN_I64};
+  for (int t = 0; t < 4; t++)
+    for (int dim = 0; dim < 3; dim++) {
+      kv_check_index_copy_case(dev, dts[t], dim, false);
+      kv_check_index_copy_case(dev, dts[t], dim, true);
+    }
+}
+
+static void kv_check_index_copy_errors(kiln_device dev) {
+  kiln_scope_begin();
+  kiln_tensor *dst = kiln_zeros(KILN_SHAPE(2, 6, 4), KILN_F32, dev);
+  kiln_tensor *src = kiln_ones(KILN_SHAPE(2, 1, 4), KILN_F32, dev);
+  kiln_tensor *pos = kiln_full(KILN_SHAPE(1), 2, KILN_I64, dev);
+  CHECK(kiln_index_copy_(dst, 1, pos, kiln_ones(KILN_SHAPE(2, 1, 3), KILN_F32, dev)) == KILN_ERR_SHAPE);
+  CHECK(kiln_index_copy_(dst, 1, pos, kiln_ones(KILN_SHAPE(2, 1, 4), KILN_BF16, dev)) == KILN_ERR_DTYPE);
+  CHECK(kiln_index_copy_(dst, 1, kiln_to_dtype(pos, KILN_I32), src) == KILN_ERR_DTYPE);
+  CHECK(kiln_index_copy_(dst, 1, kiln_full(KILN_SHAPE(2), 2, KILN_I64, dev), src) == KILN_ERR_SHAPE);
+  CHECK(kiln_index_copy_(dst, 3, pos, src) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_index_copy_(dst, -2, pos, src) == KILN_OK); /* negative dims count from the end */
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
+#endif

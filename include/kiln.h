@@ -506,6 +506,22 @@ KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
 ** L_b > M is KILN_ERR_INDEX on the CPU, the device's index flag on CUDA. */
 KILN_API kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len,
                                         double scale);
+/* One token per row of logits (N, V) floating -> (N) i64, drawn with the RNG state held in
+** the device tensor rng (2 i64 elements: a generator's seed and offset, bit for bit, as
+** kiln_generator_get_state gives them), so that the draw can be part of a captured graph:
+** the caller advances rng[1] by (N + 1) / 2 between draws, as kiln_multinomial advances a
+** generator. The logits are divided by temperature (> 0) in f32; top_k (0: off) keeps the
+** values >= the k-th largest; top_p (1: off) then keeps the values >= the smallest value v
+** whose higher values hold less than top_p of the kept probability (transformers' order,
+** ties with the last kept value kept); one draw from what is left. Weights are
+** exp(z - max) in 2^-32 fixed point, so every sum is exact and the draw is the same for
+** every thread count (a weight under 2^-32 of the largest is 0). Row r draws the f64
+** Philox uniform of element r (kiln_multinomial's mapping). Never synchronizes: a row
+** with no finite logit gives token 0 (and the device's index flag on CUDA, KILN_ERR_INDEX
+** at once on the CPU). Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE, KILN_ERR_INVALID_ARGUMENT
+** (temperature <= 0 or not finite, top_k < 0, top_p outside (0, 1]). */
+KILN_API kiln_tensor *kiln_sample_tokens(kiln_tensor *logits, kiln_tensor *rng, double temperature, int64_t top_k,
+                                         double top_p);
 /* torch.Tensor.index_copy_: dst[..., index[t], ...] = src[..., t, ...] along dim, index an
 ** i64 tensor of src's size along dim (1-d, or one element), read on the device (a KV cache
 ** write at a position held on the device). src has dst's dtype and its shape but along dim.

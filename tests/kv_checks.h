@@ -6,11 +6,16 @@
 ** narrow + copy_ at host-known positions. Shapes: the layouts a decode step uses (q a
 ** transposed view of a (B, T, H, D) projection), non-contiguous caches, D not a multiple
 ** of 32, Dv != D, Tq > 1, one length for all rows and one per row, empty rows.
+** kiln_sample_tokens: the frequencies of 20000 draws against the probabilities that
+** kiln_sample_filter's kept tokens have (f64 softmax), ties at the top-k cut, -inf logits;
+** on a GPT-2-sized vocabulary every token drawn is one the filter keeps; same state, same
+** tokens; the next offset, other tokens.
 */
 #ifndef KILN_TEST_KV_CHECKS_H
 #define KILN_TEST_KV_CHECKS_H
 
 #include <kiln.h>
+#include <kiln_nn.h>
 
 #include <math.h>
 #include <stdio.h>
@@ -169,6 +174,94 @@ static void kv_check_index_copy_errors(kiln_device dev) {
   CHECK(kiln_index_copy_(dst, 1, kiln_full(KILN_SHAPE(2), 2, KILN_I64, dev), src) == KILN_ERR_SHAPE);
   CHECK(kiln_index_copy_(dst, 3, pos, src) == KILN_ERR_INVALID_ARGUMENT);
   CHECK(kiln_index_copy_(dst, -2, pos, src) == KILN_OK); /* negative dims count from the end */
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
+/* rng state (seed, offset) as a device tensor */
+static kiln_tensor *kv_rng(kiln_device dev, uint64_t seed, uint64_t offset) {
+  int64_t st[2];
+  memcpy(&st[0], &seed, 8);
+  memcpy(&st[1], &offset, 8);
+  return kiln_from_data(st, KILN_SHAPE(2), KILN_I64, dev);
+}
+
+static int64_t *kv_host_i64(kiln_tensor *t) {
+  int64_t *h = malloc((size_t)kiln_numel(t) * 8);
+  if (h && kiln_to_host(kiln_contiguous(t), h, (size_t)kiln_numel(t) * 8) != KILN_OK) {
+    free(h);
+    return NULL;
+  }
+  return h;
+}
+
+static void kv_check_sample_case(kiln_device dev, double T, int64_t k, double p) {
+  kiln_scope_begin();
+  enum { V = 7, N = 20000 };
+  const float l[V] = {2.0f, 1.0f, 0.5f, 0.5f, -1.0f, -INFINITY, 3.0f};
+  kiln_tensor *row = kiln_from_data(l, KILN_SHAPE(1, V), KILN_F32, kiln_device_cpu());
+  kiln_sample_opts o = kiln_sample_opts_default();
+  o.temperature = T, o.top_k = k, o.top_p = p;
+  kiln_tensor *pr = kiln_softmax(kiln_to_dtype(kiln_sample_filter(row, &o), KILN_F64), 1);
+  double want[V];
+  CHECK(pr && kiln_to_host(pr, want, sizeof want) == KILN_OK);
+  kiln_tensor *logits = kiln_expand(kiln_to_device(row, dev), KILN_SHAPE(N, V)); /* stride 0 over rows */
+  kiln_tensor *tok = kiln_sample_tokens(logits, kv_rng(dev, 5, 0), T, k, p);
+  int64_t *h = tok ? kv_host_i64(tok) : NULL;
+  CHECK(h != NULL);
+  int count[V] = {0}, bad = 0;
+  for (int i = 0; h && i < N; i++) {
+    if (h[i] < 0 || h[i] >= V) bad++;
+    else count[h[i]]++;
+  }
+  CHECK(bad == 0);
+  for (int c = 0; h && c < V; c++) {
+    double f = (double)count[c] / N, sd = sqrt(want[c] * (1 - want[c]) / N);
+    if (want[c] == 0) CHECK(count[c] == 0); /* filtered out: never drawn */
+    else CHECK(fabs(f - want[c]) <= 5 * sd + 1e-3);
+    if (want[c] == 0 ? count[c] != 0 : fabs(f - want[c]) > 5 * sd + 1e-3)
+      printf("sample_tokens T %g k %lld p %g: class %d drawn %.4f, expected %.4f\n", T, (long long)k, p, c, f, want[c]);
+  }
+  /* the same state draws the same tokens; the next offset other ones */
+  kiln_tensor *again = kiln_sample_tokens(logits, kv_rng(dev, 5, 0), T, k, p);
+  kiln_tensor *next = kiln_sample_tokens(logits, kv_rng(dev, 5, (N + 1) / 2), T, k, p);
+  CHECK(again && kv_equal(tok, again));
+  CHECK(next && (k == 1) == kv_equal(tok, next)); /* top-1 draws the argmax whatever the state */
+  free(h);
+  kiln_scope_end();
+}
+
+/* A GPT-2-sized vocabulary: every token drawn survives kiln_sample_filter. Returns the
+** tokens (kept by the caller's scope) for cross-device comparisons. */
+static kiln_tensor *kv_check_sample_vocab(kiln_device dev, kiln_dtype dt) {
+  enum { N = 64, V = 50257 };
+  kiln_generator *g = kiln_generator_new(9);
+  kiln_tensor *logits = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N, V), KILN_F32, dev, g), 3), dt);
+  kiln_generator_free(g);
+  kiln_sample_opts o = kiln_sample_opts_default();
+  o.temperature = 0.8, o.top_k = 50, o.top_p = 0.95;
+  kiln_tensor *tok = kiln_sample_tokens(logits, kv_rng(dev, 77, 3), o.temperature, o.top_k, o.top_p);
+  kiln_tensor *kept = kiln_sample_filter(kiln_to_device(logits, kiln_device_cpu()), &o); /* -inf: removed */
+  kiln_tensor *at = tok ? kiln_gather(kept, 1, kiln_unsqueeze(kiln_to_device(tok, kiln_device_cpu()), 1)) : NULL;
+  kiln_tensor *mn = at ? kiln_amin(at, 0, NULL, false) : NULL;
+  CHECK(mn && isfinite(kiln_item(mn)));
+  return tok;
+}
+
+static void kv_check_sample(kiln_device dev) {
+  kv_check_sample_case(dev, 1.0, 0, 1.0);
+  kv_check_sample_case(dev, 0.7, 4, 1.0); /* the 4th largest is tied: 5 tokens stay */
+  kv_check_sample_case(dev, 1.0, 0, 0.8);
+  kv_check_sample_case(dev, 1.3, 5, 0.9);
+  kv_check_sample_case(dev, 0.5, 1, 1.0); /* top-1: the argmax */
+  kiln_scope_begin();
+  CHECK(kv_check_sample_vocab(dev, KILN_BF16) != NULL);
+  kiln_tensor *l = kiln_zeros(KILN_SHAPE(2, 5), KILN_F32, dev), *rng = kv_rng(dev, 1, 0);
+  CHECK(!kiln_sample_tokens(l, rng, 0, 0, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(!kiln_sample_tokens(l, rng, 1, -1, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(!kiln_sample_tokens(l, rng, 1, 0, 1.5) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(!kiln_sample_tokens(l, kiln_zeros(KILN_SHAPE(3), KILN_I64, dev), 1, 0, 1) && kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_sample_tokens(kiln_zeros(KILN_SHAPE(5), KILN_F32, dev), rng, 1, 0, 1) && kiln_last_error() == KILN_ERR_SHAPE);
   kiln_clear_error();
   kiln_scope_end();
 }

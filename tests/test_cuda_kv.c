@@ -33,6 +33,7 @@ int main(void) {
   kv_check_attention_errors(dev);
   kv_check_index_copy(dev);
   kv_check_index_copy_errors(dev);
+  kv_check_sample(dev);
 
   kiln_scope_begin();
   /* out-of-range positions: the flag, then the error at the synchronize */
@@ -59,6 +60,16 @@ int main(void) {
   CHECK(kiln_to_host(c.cache, got, sizeof got) == KILN_OK);
   CHECK(memcmp(got, want, sizeof got) == 0);
   kiln_graph_free(g);
+
+  /* the CPU's rule: the same tokens but where exp differs in the last bit at a cut (rare) */
+  kiln_tensor *tg = kv_check_sample_vocab(dev, KILN_BF16), *tc = kv_check_sample_vocab(kiln_device_cpu(), KILN_BF16);
+  int64_t *a = tg ? kv_host_i64(tg) : NULL, *b = tc ? kv_host_i64(tc) : NULL;
+  int diff = 0;
+  for (int i = 0; a && b && i < 64; i++) diff += a[i] != b[i];
+  printf("sample_tokens: cuda vs cpu, %d of 64 rows differ\n", diff);
+  CHECK(a && b && diff <= 1);
+  free(a);
+  free(b);
   kiln_scope_end();
   printf("%d failures\n", failures);
   return failures ? 1 : 0;

@@ -257,7 +257,11 @@ typedef struct kiln__view {
   /* i0 elements, 1 or B; strided 1-d) -> out0 (B, H, Tq, Dv); s0 scale. Query i of */   \
   /* row b attends keys j <= len[b] - Tq + i (len[b] <= M, else KILN_ERR_INDEX / the */  \
   /* device flag); no key gives 0. f64 accumulation on the CPU (the reference). */         \
-  X(KV_ATTENTION, "kv_attention")
+  X(KV_ATTENTION, "kv_attention")                                                         \
+  /* in0 logits (N, V) float, in1 rng (2 i64: seed, offset) -> out0 (N) i64: one draw */  \
+  /* per row after temperature s0, top-k i0 (0 off), top-p s1 (1 off), with weights in */ \
+  /* 2^-32 fixed point (kiln.h, kiln_sample_tokens: the exact rule; cpu_kv.c) */           \
+  X(SAMPLE_TOKENS, "sample_tokens")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

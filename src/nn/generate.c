@@ -308,17 +308,34 @@ kiln_tensor *kiln_sample_next(kiln_tensor *logits, const kiln_sample_opts *opts,
 
 /* ---- generate ---------------------------------------------------------------------------- */
 
+/* How the decode step ends: with the next tokens chosen inside it (the argmax, or a draw
+** by kiln_sample_tokens from the RNG state held on the device), written into out and tok,
+** or with the logits for the host to choose from (eos: a finished row must be known). */
+typedef enum step_mode { STEP_ARGMAX, STEP_SAMPLE, STEP_LOGITS } step_mode;
+
 /* The decode step, for kiln_graph_capture: reads tok (B, 1), the tokens at position pos
-** (1); with greedy, writes their argmax (the next tokens) into out (B, M) at column pos + 1
-** and into tok, else writes the last logits (B, V) f32; then advances pos. What it touches
-** outside its own scope is static (owned by generate, out by the caller's scope), so every
-** replay reads and writes the same addresses. */
+** (1); chooses the next tokens into out (B, M) at column pos + 1 and into tok, or writes the
+** last logits (B, V) f32; then advances pos (and the RNG offset after a draw). What it
+** touches outside its own scope is static (owned by generate, out by the caller's scope),
+** so every replay reads and writes the same addresses. */
 typedef struct decode_ctx {
   kiln_module *gpt;
   kiln_kv_cache *cache;
   kiln_tensor *tok, *pos, *logits, *out;
-  bool greedy;
+  kiln_tensor *rng;  /* (2) i64: the generator's (seed, offset) while it draws on the device */
+  step_mode mode;
+  const kiln_sample_opts *opts;
 } decode_ctx;
+
+/* Draws from logits (B, V) with d->rng and advances its offset as kiln_multinomial advances
+** a generator for B draws: (B, 1) i64. */
+static kiln_tensor *draw(decode_ctx *d, kiln_tensor *logits) {
+  const kiln_sample_opts *o = d->opts;
+  kiln_tensor *t = kiln_sample_tokens(logits, d->rng, o->temperature, o->top_k, o->top_p);
+  kiln_tensor *off = kiln_narrow(d->rng, 0, 1, 1);
+  kiln_status st = t ? kiln_copy_(off, kiln_add_scalar(off, (double)((kiln_size(logits, 0) + 1) / 2))) : kiln_last_error();
+  return st == KILN_OK ? kiln_unsqueeze(t, 1) : NULL;
+}
 
 static kiln_status decode_step(void *p) {
   decode_ctx *d = p;
@@ -327,10 +344,10 @@ static kiln_status decode_step(void *p) {
   kv_step s = {d->cache, 0, d->pos, len};
   kiln_tensor *y = len ? kiln_select(gpt_cached(d->gpt, d->tok, &s, true), 1, 0) : NULL; /* (B, V) */
   kiln_status st = y ? KILN_OK : kiln_last_error();
-  if (st == KILN_OK && d->greedy) {
-    /* the first maximum on ties, as kiln_sample_next; the 16-bit logits convert to f32
+  if (st == KILN_OK && d->mode != STEP_LOGITS) {
+    /* argmax: the first maximum on ties, as kiln_sample_next; 16-bit logits convert to f32
     ** exactly, so their argmax is the one kiln_sample_next takes after its cast */
-    kiln_tensor *next = kiln_argmax(y, 1, true); /* (B, 1) */
+    kiln_tensor *next = d->mode == STEP_ARGMAX ? kiln_argmax(y, 1, true) : draw(d, y); /* (B, 1) */
     st = next ? kiln_copy_(d->tok, next) : kiln_last_error();
     if (st == KILN_OK) st = kiln_index_copy_(d->out, 1, len, next);
   } else if (st == KILN_OK) {
@@ -401,7 +418,12 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   kiln_kv_cache *cache = kiln_kv_cache_new(gpt, B, M);
   /* out lives in the caller's scope (the loop's scopes do not own it) */
   kiln_tensor *out = kiln_zeros(KILN_SHAPE(B, M), KILN_I64, dev), *logits = NULL, *done = NULL;
-  decode_ctx d = {gpt, cache, NULL, NULL, NULL, out, is_greedy(opts) && opts->eos_id < 0};
+  const bool greedy = is_greedy(opts);
+  decode_ctx d = {gpt, cache, NULL, NULL, NULL, out, NULL,
+                  opts->eos_id >= 0 ? STEP_LOGITS : greedy ? STEP_ARGMAX : STEP_SAMPLE, opts};
+  kiln_generator *g = gen ? gen : kiln_generator_global();
+  uint64_t seed = 0, off0 = 0;
+  int64_t n_draws = 0; /* draws made on the device: the generator advances by them at the end */
   kiln_graph *graph = NULL;
   bool tried = false;
   kiln_status st = cache && out ? kiln_copy_(kiln_narrow(out, 1, 0, T0), ids) : kiln_last_error();
@@ -417,25 +439,35 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   if (st == KILN_OK && n_new > 0) {
     d.tok = kiln_keep(kiln_zeros(KILN_SHAPE(B, 1), KILN_I64, dev));
     d.pos = kiln_keep(kiln_full(KILN_SHAPE(1), (double)T0, KILN_I64, dev));
-    if (!d.greedy) d.logits = kiln_keep(kiln_zeros(KILN_SHAPE(B, kiln_size(logits, 1)), KILN_F32, dev));
-    if (!d.tok || !d.pos || (!d.greedy && !d.logits)) st = kiln_last_error();
+    if (d.mode == STEP_LOGITS) d.logits = kiln_keep(kiln_zeros(KILN_SHAPE(B, kiln_size(logits, 1)), KILN_F32, dev));
+    if (!greedy) { /* the generator's state moves to the device for the whole generation */
+      kiln_generator_get_state(g, &seed, &off0);
+      int64_t state[2];
+      memcpy(&state[0], &seed, sizeof seed);
+      memcpy(&state[1], &off0, sizeof off0);
+      d.rng = kiln_keep(kiln_from_data(state, KILN_SHAPE(2), KILN_I64, dev));
+    }
+    if (!d.tok || !d.pos || (d.mode == STEP_LOGITS && !d.logits) || (!greedy && !d.rng)) st = kiln_last_error();
   }
-  if (st == KILN_OK && n_new > 0 && d.greedy) {
-    /* the first token from the prompt's logits, then one step per token: the step takes
-    ** the argmax and writes it into out and tok itself, so the host only launches */
+  if (st == KILN_OK && n_new > 0 && d.mode != STEP_LOGITS) {
+    /* the first token from the prompt's logits, then one step per token: the step chooses
+    ** the next token and writes it into out and tok itself, so the host only launches */
     kiln_scope_begin();
-    kiln_tensor *tok = kiln_unsqueeze(kiln_sample_next(logits, opts, gen), 1); /* (B, 1) */
+    kiln_tensor *tok = greedy ? kiln_unsqueeze(kiln_sample_next(logits, opts, gen), 1) : draw(&d, logits); /* (B, 1) */
+    n_draws += !greedy;
     st = tok ? kiln_copy_(kiln_narrow(out, 1, T0, 1), tok) : kiln_last_error();
     if (st == KILN_OK) st = kiln_copy_(d.tok, tok);
     kiln_scope_end();
     for (n_done = 1; st == KILN_OK && n_done < n_new; n_done++) {
       st = run_step(&d, &graph, &tried, want_graph, opts->graph, dev);
       cache->len++;
+      n_draws += !greedy;
     }
   }
-  while (st == KILN_OK && !d.greedy && n_done < n_new) {
+  while (st == KILN_OK && d.mode == STEP_LOGITS && n_done < n_new) {
     kiln_scope_begin();
-    kiln_tensor *tok = kiln_sample_next(logits, opts, gen); /* (B) i64 */
+    kiln_tensor *tok = greedy ? kiln_sample_next(logits, opts, gen) : kiln_squeeze(draw(&d, logits), 1); /* (B) i64 */
+    n_draws += !greedy;
     if (tok && opts->eos_id >= 0) { /* a finished row repeats eos */
       kiln_tensor *eos = kiln_scalar((double)opts->eos_id, KILN_I64, dev);
       if (done) tok = kiln_where(done, eos, tok);
@@ -471,7 +503,9 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   kiln_tensor_free(d.tok);
   kiln_tensor_free(d.pos);
   kiln_tensor_free(d.logits);
+  kiln_tensor_free(d.rng);
   kiln_kv_cache_free(cache);
+  if (n_draws > 0) kiln_generator_set_state(g, seed, off0 + (uint64_t)n_draws * (uint64_t)((B + 1) / 2));
   kiln_set_grad_enabled(prev);
   if (st != KILN_OK) {
     if (kiln_scope_depth() == 0) kiln_tensor_free(out); /* no scope: it was ours to free */

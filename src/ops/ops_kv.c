@@ -163,3 +163,62 @@ kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, k
   kiln_tensor *in[4] = {q, k, v, len};
   return kiln__op_call(&op_kv_attention, 4, in, &p, NULL);
 }
+
+/* ---- sample_tokens -------------------------------------------------------------------- */
+
+typedef struct attrs_sample {
+  double temperature, top_p;
+  int64_t top_k;
+} attrs_sample;
+static const kiln__attr_field f_sample[] = {KILN__FIELD(attrs_sample, temperature, KILN__A_FLOAT),
+                                            KILN__FIELD(attrs_sample, top_k, KILN__A_INT),
+                                            KILN__FIELD(attrs_sample, top_p, KILN__A_FLOAT)};
+
+static kiln_status sample_infer(kiln__op_ctx *c) {
+  const attrs_sample *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *l = c->in[0], *rng = c->in[1];
+  if (l->ndim != 2 || l->shape[1] < 1 || !kiln_dtype_is_float(l->dtype))
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: logits %s (%s) must be floating (N, V) with V >= 1", op,
+                          kiln__tshape(l), kiln_dtype_name(l->dtype));
+  if (rng->dtype != KILN_I64 || rng->ndim != 1 || rng->shape[0] != 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: rng %s (%s) must be 2 i64 elements (seed, offset)", op,
+                          kiln__tshape(rng), kiln_dtype_name(rng->dtype));
+  if (!(p->temperature > 0) || isinf(p->temperature))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: temperature %g (must be > 0 and finite; argmax for 0)", op,
+                          p->temperature);
+  if (p->top_k < 0)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: top_k %lld (must be >= 0; 0 keeps every token)", op,
+                          (long long)p->top_k);
+  if (!(p->top_p > 0 && p->top_p <= 1))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: top_p %g is outside (0, 1] (1 keeps every token)", op,
+                          p->top_p);
+  kiln__op_meta(c, 0, 1, l->shape, KILN_I64);
+  c->differentiable = false;
+  return KILN_OK;
+}
+
+static kiln_status sample_forward(kiln__op_ctx *c) {
+  const attrs_sample *p = c->attrs;
+  kiln__kargs a = {0};
+  a.op = KILN__K_SAMPLE_TOKENS;
+  a.n_in = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.in[1] = kiln__view_of(c->in[1]);
+  a.s[0] = p->temperature;
+  a.s[1] = p->top_p;
+  a.i[0] = p->top_k;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static const kiln__op op_sample_tokens = {
+    .name = "sample_tokens", .api = "kiln_sample_tokens", .n_in = 2, .n_out = 1, .flags = KILN__OP_NO_GRAD,
+    .n_kernels = 1, .kernels = {KILN__K_SAMPLE_TOKENS}, .attrs = f_sample, .n_attrs = 3,
+    .attr_size = sizeof(attrs_sample), .infer = sample_infer, .forward = sample_forward};
+
+kiln_tensor *kiln_sample_tokens(kiln_tensor *logits, kiln_tensor *rng, double temperature, int64_t top_k,
+                                double top_p) {
+  attrs_sample p = {temperature, top_p, top_k};
+  kiln_tensor *in[2] = {logits, rng};
+  return kiln__op_call(&op_sample_tokens, 2, in, &p, NULL);
+}

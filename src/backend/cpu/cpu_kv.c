@@ -121,3 +121,103 @@ kiln_status kiln__cpu_kv_attention(const kiln__kargs *a) {
   if (c.st != KILN_OK) return kiln_set_error(KILN_ERR_OOM, "kiln_kv_attention: out of host memory for row buffers");
   return KILN_OK;
 }
+
+/* ---- SAMPLE_TOKENS ----
+** The rule (kiln.h, kiln_sample_tokens), which cuda_kv.cu follows step by step: z = x * (1/T)
+** in f32; weights w = floor(exp(z - max) * 2^32) (exact integer sums); the top-k and top-p
+** cuts are found as keys (the float's bits mapped to an order-preserving u32) by an MSB-first
+** radix select: the largest key K whose elements at or above it weigh at least a target. */
+
+static uint32_t fkey(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+typedef struct srow {
+  const char *p;
+  int64_t bst, V;
+  kiln_dtype dt;
+  float inv, m;
+  uint32_t kk, kp; /* keys at or above which a token is kept (0: all) */
+} srow;
+
+static float s_z(const srow *r, int64_t j) { return (float)kiln__cpu_get_f64(r->p + j * r->bst, r->dt) * r->inv; }
+static bool s_ok(float z) { return isfinite(z); }
+static uint64_t s_w(const srow *r, float z) { return (uint64_t)((double)expf(z - r->m) * 4294967296.0); }
+
+/* the largest key K with (sum of weight over kept elements with key >= K) >= target; 0 when
+** even every kept element weighs less. mass: 1 per element (top-k) or w (top-p). */
+static uint32_t s_select(const srow *r, bool mass, double target) {
+  uint32_t prefix = 0;
+  uint64_t above = 0;
+  for (int level = 3; level >= 0; level--) {
+    const int shift = 8 * level;
+    uint64_t hist[256] = {0};
+    for (int64_t j = 0; j < r->V; j++) {
+      float z = s_z(r, j);
+      uint32_t k = fkey(z);
+      if (!s_ok(z) || k < r->kk || k < r->kp) continue;
+      if (level < 3 && (k >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+      hist[(k >> shift) & 255u] += mass ? s_w(r, z) : 1;
+    }
+    uint64_t acc = above;
+    int d = 255;
+    for (; d >= 0; d--) {
+      acc += hist[d];
+      if ((double)acc >= target) break;
+    }
+    if (d < 0) return level == 3 ? 0 : prefix; /* unreachable below the top level */
+    prefix |= (uint32_t)d << shift;
+    above = acc - hist[d];
+  }
+  return prefix;
+}
+
+kiln_status kiln__cpu_sample_tokens(const kiln__kargs *a) {
+  const kiln__view *l = &a->in[0], *rng = &a->in[1], *o = &a->out[0];
+  const int64_t N = l->shape[0], V = l->shape[1];
+  const uint64_t seed = (uint64_t)get_len(rng, 0), offset = (uint64_t)get_len(rng, 1);
+  const int64_t es = (int64_t)kiln__cpu_esize(l->dtype);
+  for (int64_t i = 0; i < N; i++) {
+    srow r = {(const char *)l->data + i * l->strides[0] * es, l->strides[1] * es, V, l->dtype,
+              (float)(1.0 / a->s[0]), -INFINITY, 0, 0};
+    for (int64_t j = 0; j < V; j++) {
+      float z = s_z(&r, j);
+      if (s_ok(z) && z > r.m) r.m = z;
+    }
+    int64_t pick = 0;
+    if (r.m == -INFINITY) {
+      kiln__cpu_set_i64((char *)o->data + i * o->strides[0] * 8, KILN_I64, 0);
+      return kiln_set_error(KILN_ERR_INDEX, "kiln_sample_tokens: row %lld has no finite logit", (long long)i);
+    }
+    if (a->i[0] > 0 && a->i[0] < V) r.kk = s_select(&r, false, (double)a->i[0]);
+    if (a->s[1] < 1) {
+      uint64_t S = 0;
+      for (int64_t j = 0; j < V; j++) {
+        float z = s_z(&r, j);
+        if (s_ok(z) && fkey(z) >= r.kk) S += s_w(&r, z);
+      }
+      r.kp = s_select(&r, true, a->s[1] * (double)S);
+    }
+    uint64_t W = 0;
+    for (int64_t j = 0; j < V; j++) {
+      float z = s_z(&r, j);
+      if (s_ok(z) && fkey(z) >= r.kk && fkey(z) >= r.kp) W += s_w(&r, z);
+    }
+    uint64_t t = (uint64_t)(kiln__philox_uniform_f64(seed, offset, (uint64_t)i) * (double)W);
+    if (t >= W) t = W - 1; /* W >= 2^32: the maximum weighs 2^32 */
+    uint64_t cdf = 0;
+    for (int64_t j = 0; j < V; j++) {
+      float z = s_z(&r, j);
+      if (!s_ok(z) || fkey(z) < r.kk || fkey(z) < r.kp) continue;
+      cdf += s_w(&r, z);
+      if (cdf > t) {
+        pick = j;
+        break;
+      }
+    }
+    kiln__cpu_set_i64((char *)o->data + i * o->strides[0] * 8, KILN_I64, pick);
+  }
+  return KILN_OK;
+}

@@ -13,8 +13,18 @@
 ** (max, sum, acc) are merged through shared memory at the end. Accumulation in f32 (f64
 ** for f64). Keys past the row's length are never read, so a step over a cache of max_len
 ** slots costs what its valid prefix costs.
+**
+** SAMPLE_TOKENS is cpu_kv.c's rule step by step, one block of 1024 threads per row, each
+** thread a contiguous chunk of the vocabulary (so thread order is index order for the
+** draw's prefix sum): the max; the top-k and top-p cuts by an MSB-first radix select over
+** the logits' order-preserving keys, 8 bits a pass, with 64-bit integer histograms in
+** shared memory (the weights are 2^-32 fixed point, so the atomics' order changes nothing:
+** same seed, same token, every run); then the total, an exclusive scan of the threads'
+** sums and the thread whose range holds the drawn target walks its chunk. The logits are
+** read once per pass (from L1/L2: a GPT-2 row of bf16 logits is 100 KB).
 */
 #include "cuda_int.cuh"
+#include "philox.cuh"
 
 #include <math.h>
 
@@ -190,6 +200,186 @@ kiln_status kv_attention(kiln__cuda_dev *d, const kiln__kargs *a) {
   return kiln__cuda_launched("kv_attention");
 }
 
+/* ---- SAMPLE_TOKENS ---- */
+
+enum { ST_THREADS = 1024 };
+
+__device__ __forceinline__ uint32_t st_key(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+template <class T> struct StRow {
+  const T *p;
+  int64_t s;
+  float inv, m;
+  uint32_t kk, kp; /* keys at or above which a token is kept (0: all) */
+  __device__ float z(int64_t j) const { return (float)kc_ld<T>(p[j * s]) * inv; }
+  __device__ unsigned long long w(float zv) const {
+    return (unsigned long long)((double)expf(zv - m) * 4294967296.0);
+  }
+  __device__ bool kept(float zv) const {
+    const uint32_t k = st_key(zv);
+    return isfinite(zv) && k >= kk && k >= kp;
+  }
+};
+
+/* A block-wide reduction; every thread gets the result. sh: 32 slots. */
+template <class V, class F> __device__ V st_reduce(V v, F f, V init, V *sh) {
+  v = kc_warp_reduce(v, f);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads(); /* sh may still be read from the last call */
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    V x = lane < (int)(blockDim.x >> 5) ? sh[lane] : init;
+    x = kc_warp_reduce(x, f);
+    if (lane == 0) sh[0] = x;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+/* The largest key K whose kept elements at or above it weigh >= target (1 each, or w when
+** mass); 0 when all of them weigh less. */
+template <class T>
+__device__ uint32_t st_select(const StRow<T> &r, int64_t j0, int64_t j1, bool mass, double target,
+                              unsigned long long *hist, unsigned long long *ush, int *dsh) {
+  uint32_t prefix = 0;
+  unsigned long long above = 0;
+  for (int level = 3; level >= 0; level--) {
+    const int shift = 8 * level;
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    for (int64_t j = j0; j < j1; j++) {
+      const float zv = r.z(j);
+      if (!r.kept(zv)) continue;
+      const uint32_t k = st_key(zv);
+      if (level < 3 && (k >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+      atomicAdd(&hist[(k >> shift) & 255u], mass ? r.w(zv) : 1ull);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long acc = above;
+      int d = 255;
+      for (; d >= 0; d--) {
+        acc += hist[d];
+        if ((double)acc >= target) break;
+      }
+      dsh[0] = d;
+      ush[0] = d >= 0 ? acc - hist[d] : 0;
+    }
+    __syncthreads();
+    const int d = dsh[0];
+    const unsigned long long ab = ush[0];
+    __syncthreads(); /* dsh, ush and hist are rewritten next */
+    if (d < 0) return level == 3 ? 0u : prefix; /* block-uniform */
+    prefix |= (uint32_t)d << shift;
+    above = ab;
+  }
+  return prefix;
+}
+
+template <class T>
+__global__ void __launch_bounds__(ST_THREADS)
+    sample_k(const T *__restrict__ logits, int64_t ls0, int64_t ls1, int64_t V, int64_t *out, int64_t os0,
+             const int64_t *__restrict__ rng, int64_t rs, float inv, int64_t top_k, double top_p, int *flag) {
+  __shared__ unsigned long long hist[256];
+  __shared__ unsigned long long ush[32];
+  __shared__ float fsh[32];
+  __shared__ int dsh[1];
+  const int64_t row = blockIdx.x;
+  StRow<T> r;
+  r.p = logits + row * ls0, r.s = ls1, r.inv = inv, r.m = -INFINITY, r.kk = 0, r.kp = 0;
+  const int64_t ch = (V + blockDim.x - 1) / blockDim.x;
+  const int64_t j0 = min(V, (int64_t)threadIdx.x * ch), j1 = min(V, j0 + ch);
+  float m = -INFINITY;
+  for (int64_t j = j0; j < j1; j++) {
+    const float zv = r.z(j);
+    if (isfinite(zv) && zv > m) m = zv;
+  }
+  r.m = st_reduce(m, [](float a, float b) { return a > b ? a : b; }, -INFINITY, fsh);
+  if (r.m == -INFINITY) { /* no finite logit: block-uniform */
+    if (threadIdx.x == 0) {
+      kc_flag(flag, KILN__K_SAMPLE_TOKENS);
+      out[row * os0] = 0;
+    }
+    return;
+  }
+  if (top_k > 0 && top_k < V) r.kk = st_select(r, j0, j1, false, (double)top_k, hist, ush, dsh);
+  if (top_p < 1) {
+    unsigned long long mine = 0;
+    for (int64_t j = j0; j < j1; j++) {
+      const float zv = r.z(j);
+      if (r.kept(zv)) mine += r.w(zv);
+    }
+    const unsigned long long S = st_reduce(mine, [](unsigned long long a, unsigned long long b) { return a + b; },
+                                           0ull, ush);
+    r.kp = st_select(r, j0, j1, true, top_p * (double)S, hist, ush, dsh);
+  }
+  unsigned long long mine = 0;
+  for (int64_t j = j0; j < j1; j++) {
+    const float zv = r.z(j);
+    if (r.kept(zv)) mine += r.w(zv);
+  }
+  /* exclusive scan of the threads' sums, in thread order (= index order) */
+  const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+  unsigned long long inc = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  __syncthreads();
+  if (lane == 31) ush[wp] = inc;
+  __syncthreads();
+  if (wp == 0) {
+    unsigned long long x = lane < (int)(blockDim.x >> 5) ? ush[lane] : 0ull, xi = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, xi, o);
+      if (lane >= o) xi += y;
+    }
+    ush[lane] = xi - x; /* exclusive prefix of warp sums */
+    if (lane == 31) hist[0] = xi;  /* the total W */
+  }
+  __syncthreads();
+  const unsigned long long excl = ush[wp] + inc - mine, W = hist[0];
+  const uint64_t seed = (uint64_t)rng[0], off = (uint64_t)rng[rs];
+  const kc_u32x4 wd = kc_philox(seed, off + (uint64_t)row / 2);
+  const double u = kc_u01_f64(wd.x[2 * (row % 2)], wd.x[2 * (row % 2) + 1]);
+  unsigned long long t = (unsigned long long)(u * (double)W);
+  if (t >= W) t = W - 1; /* W >= 2^32: the maximum weighs 2^32 */
+  if (mine > 0 && t >= excl && t < excl + mine) { /* exactly one thread */
+    unsigned long long cdf = excl;
+    for (int64_t j = j0; j < j1; j++) {
+      const float zv = r.z(j);
+      if (!r.kept(zv)) continue;
+      cdf += r.w(zv);
+      if (cdf > t) {
+        out[row * os0] = j;
+        break;
+      }
+    }
+  }
+}
+
+kiln_status sample_tokens(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *l = &a->in[0], *rng = &a->in[1], *o = &a->out[0];
+  const int64_t N = l->shape[0], V = l->shape[1];
+  if (N == 0) return KILN_OK;
+  if (N > 0x7fffffffLL)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_sample_tokens: %lld rows exceed one launch", (long long)N);
+  const float inv = (float)(1.0 / a->s[0]);
+  KC_SWITCH_FLOAT(l->dtype, T,
+                  return kiln_set_error(KILN_ERR_DTYPE, "kiln_sample_tokens: dtype %s has no cuda kernel",
+                                        kiln_dtype_name(l->dtype)),
+                  sample_k<T><<<(unsigned)N, ST_THREADS, 0, d->stream>>>(
+                      (const T *)l->data, l->strides[0], l->strides[1], V, (int64_t *)o->data, o->strides[0],
+                      (const int64_t *)rng->data, rng->strides[0], inv, a->i[0], a->s[1], d->err_flag))
+  return kiln__cuda_launched("sample_tokens");
+}
+
 } // namespace
 
 extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
@@ -199,6 +389,8 @@ extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
   case KILN__K_KV_ATTENTION:
     return kc_is_float(a->in[0].dtype) && a->in[3].dtype == KILN_I64 && a->in[0].shape[3] <= KV_MAXD &&
            a->in[2].shape[3] <= KV_MAXD;
+  case KILN__K_SAMPLE_TOKENS:
+    return kc_is_float(a->in[0].dtype) && a->in[1].dtype == KILN_I64 && a->out[0].dtype == KILN_I64;
   default: return false;
   }
 }
@@ -212,6 +404,7 @@ extern "C" kiln_status kiln__cuda_kv(const kiln__kargs *a) {
   switch (a->op) {
   case KILN__K_INDEX_COPY: return index_copy(d, a);
   case KILN__K_KV_ATTENTION: return kv_attention(d, a);
+  case KILN__K_SAMPLE_TOKENS: return sample_tokens(d, a);
   default: return KILN_ERR_UNSUPPORTED;
   }
 }

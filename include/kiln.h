@@ -495,6 +495,14 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
 ** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
 typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
 KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
+/* The residual add and the layer norm after it, one kernel (a transformer block's
+** x + branch, then LayerNorm): *sum (may be NULL) = x + r rounded to x's dtype, and the
+** result is kiln_layer_norm of that rounded sum over the last dim (weight, bias of that
+** size, either may be NULL; eps). r broadcasts to x; one floating dtype. Inference only
+** (KILN_ERR_AUTOGRAD when grad mode is on and an input requires grad). Errors as
+** kiln_add and kiln_layer_norm. */
+KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                          double eps, kiln_tensor **sum);
 /* Attention of queries over a key/value cache whose valid length is read on the device (so
 ** a decode step keeps one shape for a whole generation and can be graph-captured):
 ** q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, Tq, Dv), one floating dtype;

@@ -178,6 +178,59 @@ static void kv_check_index_copy_errors(kiln_device dev) {
   kiln_scope_end();
 }
 
+/* kiln_add_layer_norm against kiln_add (rounded to dt) then kiln_layer_norm in f64. */
+static void kv_check_add_ln_case(kiln_device dev, kiln_dtype dt, int rcase, bool xt, int wb, int64_t N) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_generator *g = kiln_generator_new((uint64_t)(rcase * 10 + wb + (xt ? 100 : 0)));
+  kiln_tensor *x = xt ? kiln_transpose(kiln_randn(KILN_SHAPE(4, 3, N), KILN_F32, dev, g), 0, 1) /* (3, 4, N) view */
+                      : kiln_randn(KILN_SHAPE(3, 4, N), KILN_F32, dev, g);
+  kiln_tensor *r = rcase == 0   ? kiln_randn(KILN_SHAPE(3, 4, N), KILN_F32, dev, g)   /* same shape */
+                   : rcase == 1 ? kiln_randn(KILN_SHAPE(4, N), KILN_F32, dev, g)      /* broadcast over dim 0 */
+                   : rcase == 2 ? kiln_randn(KILN_SHAPE(1, 1, N), KILN_F32, dev, g)   /* one row for all */
+                                : kiln_transpose(kiln_randn(KILN_SHAPE(4, 3, N), KILN_F32, dev, g), 0, 1);
+  kiln_tensor *w = (wb & 1) ? kiln_add_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, g), 1) : NULL;
+  kiln_tensor *b = (wb & 2) ? kiln_randn(KILN_SHAPE(N), KILN_F32, dev, g) : NULL;
+  kiln_generator_free(g);
+  x = kiln_to_dtype(x, dt), r = kiln_to_dtype(r, dt);
+  if (w) w = kiln_to_dtype(w, dt);
+  if (b) b = kiln_to_dtype(b, dt);
+  kiln_tensor *sum = NULL;
+  kiln_tensor *y = kiln_add_layer_norm(x, r, w, b, 1e-5, &sum);
+  CHECK(y && sum && kiln_dtype_of(y) == dt && kiln_ndim(y) == 3 && kiln_size(y, 2) == N);
+  kiln_tensor *s64 = kiln_to_dtype(kiln_add(kiln_to_dtype(kiln_to_device(x, cpu), KILN_F64),
+                                            kiln_to_dtype(kiln_to_device(r, cpu), KILN_F64)), KILN_F64);
+  kiln_tensor *sr = kiln_to_dtype(kiln_to_dtype(s64, dt), KILN_F64); /* rounded as stored */
+  kiln_tensor *yr = kiln_layer_norm(sr, 1, (const int64_t[]){N}, w ? kiln_to_dtype(kiln_to_device(w, cpu), KILN_F64) : NULL,
+                                    b ? kiln_to_dtype(kiln_to_device(b, cpu), KILN_F64) : NULL, 1e-5);
+  double ds = y ? kv_max_diff(sum, sr) : INFINITY, dy = y ? kv_max_diff(y, yr) : INFINITY;
+  double tol = kv_tol(dt) * 2;
+  if (!(ds <= tol && dy <= tol))
+    printf("add_layer_norm %s r case %d%s wb %d N %lld: sum diff %g, y diff %g (tol %g)\n", kiln_dtype_name(dt), rcase,
+           xt ? " x strided" : "", wb, (long long)N, ds, dy, tol);
+  CHECK(ds <= tol && dy <= tol);
+  kiln_scope_end();
+}
+
+static void kv_check_add_ln(kiln_device dev) {
+  const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16, KILN_F64};
+  for (int t = 0; t < 4; t++)
+    for (int rc = 0; rc < 4; rc++) kv_check_add_ln_case(dev, dts[t], rc, rc == 3, 3, 768);
+  kv_check_add_ln_case(dev, KILN_F32, 2, true, 0, 40);
+  kv_check_add_ln_case(dev, KILN_F32, 1, false, 1, 300);
+  kv_check_add_ln_case(dev, KILN_BF16, 0, false, 2, 1);
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_zeros(KILN_SHAPE(2, 8), KILN_F32, dev);
+  CHECK(!kiln_add_layer_norm(x, kiln_zeros(KILN_SHAPE(3, 8), KILN_F32, dev), NULL, NULL, 1e-5, NULL) &&
+        kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_add_layer_norm(x, x, kiln_ones(KILN_SHAPE(7), KILN_F32, dev), NULL, 1e-5, NULL) &&
+        kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_add_layer_norm(x, kiln_to_dtype(x, KILN_BF16), NULL, NULL, 1e-5, NULL) && kiln_last_error() == KILN_ERR_DTYPE);
+  CHECK(!kiln_add_layer_norm(x, x, NULL, NULL, -1, NULL) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
 /* rng state (seed, offset) as a device tensor */
 static kiln_tensor *kv_rng(kiln_device dev, uint64_t seed, uint64_t offset) {
   int64_t st[2];

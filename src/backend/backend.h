@@ -261,7 +261,11 @@ typedef struct kiln__view {
   /* in0 logits (N, V) float, in1 rng (2 i64: seed, offset) -> out0 (N) i64: one draw */  \
   /* per row after temperature s0, top-k i0 (0 off), top-p s1 (1 off), with weights in */ \
   /* 2^-32 fixed point (kiln.h, kiln_sample_tokens: the exact rule; cpu_kv.c) */           \
-  X(SAMPLE_TOKENS, "sample_tokens")
+  X(SAMPLE_TOKENS, "sample_tokens")                                                       \
+  /* in0 x (R, N), in1 r (R, N) (stride 0 where broadcast), then the weight (N) when i0 */ \
+  /* flag 1 and the bias (N) when flag 2 -> out0 y (R, N) = layer_norm(s) over N, out1 */   \
+  /* s = x + r rounded to the dtype (the norm reads the rounded s); s0 eps */              \
+  X(ADD_LAYER_NORM, "add_layer_norm")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

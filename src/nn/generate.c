@@ -180,6 +180,37 @@ static kiln_tensor *gpt_cached(kiln_module *gpt, kiln_tensor *idx, kv_step *s, b
   return kiln_linear(x, kiln_module_param(gpt, "wte.weight"), NULL); /* tied lm_head */
 }
 
+/* ln's layer norm of x + r; *sum gets x + r. */
+static kiln_tensor *add_ln(kiln_module *ln, const kiln_gpt_config *cfg, kiln_tensor *x, kiln_tensor *r,
+                           kiln_tensor **sum) {
+  return kiln_add_layer_norm(x, r, kiln_module_param(ln, "weight"), cfg->bias ? kiln_module_param(ln, "bias") : NULL,
+                             KILN__GPT_LN_EPS, sum);
+}
+
+/* The decode step's forward: tok (B, 1) at s->pos_dev -> logits (B, 1, V). Each residual
+** add is fused with the layer norm that reads it (kiln_add_layer_norm): the embedding sum
+** with block 0's ln_1, the attention branch with the block's ln_2, the MLP branch with the
+** next block's ln_1 (ln_f after the last), so a block is 10 kernels and not 12. */
+static kiln_tensor *gpt_decode(kiln_module *gpt, kiln_tensor *tok, kv_step *s) {
+  const kiln_gpt_config *cfg = kiln_gpt_config_of(gpt);
+  kiln_module *h = kiln_module_child(gpt, "h");
+  kiln_tensor *x = NULL; /* the residual stream (B, 1, C) */
+  kiln_tensor *a = add_ln(kiln_module_child(kiln_module_child_at(h, 0), "ln_1"), cfg,
+                          kiln_module_forward(kiln_module_child(gpt, "wte"), tok),        /* (B, 1, C) */
+                          kiln_module_forward(kiln_module_child(gpt, "wpe"), s->pos_dev), /* + (1, C) */
+                          &x);
+  for (int64_t l = 0; l < cfg->n_layer && a; l++) {
+    kiln_module *blk = kiln_module_child_at(h, (int)l);
+    kiln_tensor *b = add_ln(kiln_module_child(blk, "ln_2"), cfg, x, attn_cached(kiln_module_child(blk, "attn"), a, s, l),
+                            &x);
+    kiln_tensor *m = kiln_module_forward(kiln_module_child(blk, "mlp"), b);
+    kiln_module *next = l + 1 < cfg->n_layer ? kiln_module_child(kiln_module_child_at(h, (int)l + 1), "ln_1")
+                                             : kiln_module_child(gpt, "ln_f");
+    a = add_ln(next, cfg, x, m, &x);
+  }
+  return kiln_linear(a, kiln_module_param(gpt, "wte.weight"), NULL); /* tied lm_head */
+}
+
 /* The checks every cached forward makes; T is the number of new positions. */
 static kiln_status check_cached(kiln_module *gpt, kiln_tensor *idx, kiln_kv_cache *c, const char *who) {
   if (!is_gpt(gpt)) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: the module is not a GPT (kiln_gpt_new)", who);
@@ -342,7 +373,7 @@ static kiln_status decode_step(void *p) {
   kiln_scope_begin();
   kiln_tensor *len = kiln_add_scalar(d->pos, 1); /* (1): the slots valid once pos is written */
   kv_step s = {d->cache, 0, d->pos, len};
-  kiln_tensor *y = len ? kiln_select(gpt_cached(d->gpt, d->tok, &s, true), 1, 0) : NULL; /* (B, V) */
+  kiln_tensor *y = len ? kiln_select(gpt_decode(d->gpt, d->tok, &s), 1, 0) : NULL; /* (B, V) */
   kiln_status st = y ? KILN_OK : kiln_last_error();
   if (st == KILN_OK && d->mode != STEP_LOGITS) {
     /* argmax: the first maximum on ties, as kiln_sample_next; 16-bit logits convert to f32

@@ -16,6 +16,7 @@
 #include "ops/op.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ---- index_copy_ ---------------------------------------------------------------------- */
 
@@ -221,4 +222,106 @@ kiln_tensor *kiln_sample_tokens(kiln_tensor *logits, kiln_tensor *rng, double te
   attrs_sample p = {temperature, top_p, top_k};
   kiln_tensor *in[2] = {logits, rng};
   return kiln__op_call(&op_sample_tokens, 2, in, &p, NULL);
+}
+
+/* ---- add_layer_norm ------------------------------------------------------------------- */
+
+typedef struct attrs_add_ln {
+  double eps;
+} attrs_add_ln;
+static const kiln__attr_field f_add_ln[] = {KILN__FIELD(attrs_add_ln, eps, KILN__A_FLOAT)};
+
+static kiln_status add_ln_infer(kiln__op_ctx *c) {
+  const attrs_add_ln *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *x = c->in[0], *r = c->in[1];
+  if (x->ndim < 1 || !kiln_dtype_is_float(x->dtype))
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: x %s (%s) must be floating with at least one dim", op, kiln__tshape(x),
+                          kiln_dtype_name(x->dtype));
+  for (int i = 0; i < 4; i++) {
+    kiln_tensor *t = c->in[i];
+    if (!t) continue;
+    if (t->dtype != x->dtype)
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: x is %s but input %d is %s", op, kiln_dtype_name(x->dtype), i,
+                            kiln_dtype_name(t->dtype));
+    if (t->requires_grad && kiln_grad_enabled())
+      return kiln_set_error(KILN_ERR_AUTOGRAD, "%s: inference only (no gradient); input %d requires grad while grad "
+                            "mode is on", op, i);
+  }
+  int nd;
+  int64_t sh[KILN_MAX_DIMS];
+  if (kiln__broadcast_shape(op, x, r, &nd, sh) != KILN_OK) return kiln_last_error();
+  if (nd != x->ndim || memcmp(sh, x->shape, (size_t)nd * sizeof(int64_t)) != 0)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: r %s does not broadcast to x %s", op, kiln__tshape(r), kiln__tshape(x));
+  const int64_t N = x->shape[x->ndim - 1];
+  for (int i = 2; i < 4; i++)
+    if (c->in[i] && (c->in[i]->ndim != 1 || c->in[i]->shape[0] != N))
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: %s %s must be (%lld), the last dim of x %s", op,
+                            i == 2 ? "weight" : "bias", kiln__tshape(c->in[i]), (long long)N, kiln__tshape(x));
+  if (!(p->eps >= 0) || isinf(p->eps))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: eps %g (must be >= 0 and finite)", op, p->eps);
+  c->n_out = 2;
+  kiln__op_meta_like(c, 0, x, x->dtype);
+  kiln__op_meta_like(c, 1, x, x->dtype);
+  c->differentiable = false;
+  return KILN_OK;
+}
+
+static kiln_status add_ln_forward(kiln__op_ctx *c) {
+  const attrs_add_ln *p = c->attrs;
+  kiln_tensor *x = c->in[0], *r = c->in[1], *w = c->in[2], *b = c->in[3];
+  if (kiln_numel(x) == 0) return KILN_OK;
+  const int64_t N = x->shape[x->ndim - 1], R = kiln_numel(x) / N;
+  /* rows: every output is fresh and contiguous; x and r are given as (R, N) views when their
+  ** strides allow (r broadcast over every row: row stride 0, the embedding's position row),
+  ** else made contiguous first */
+  kiln_scope_begin();
+  kiln_tensor *xc = kiln_is_contiguous(x) ? x : kiln_contiguous(x);
+  kiln__view rv = kiln__view_broadcast(r, x->ndim, x->shape);
+  bool r_rows = rv.strides[rv.ndim - 1] == 1 || N == 1, r_bcast = true, r_dense = kiln_is_contiguous(r) && kiln_numel(r) == R * N;
+  for (int i = 0; i + 1 < rv.ndim; i++) r_bcast = r_bcast && (rv.strides[i] == 0 || rv.shape[i] == 1);
+  kiln_tensor *rc = r_rows && (r_bcast || r_dense) ? r : kiln_contiguous(kiln_expand(r, x->ndim, x->shape));
+  if (rc != r) rv = kiln__view_of(rc), r_bcast = false;
+  kiln__kargs a = {0};
+  a.op = KILN__K_ADD_LAYER_NORM;
+  a.n_in = 2;
+  const int64_t shape2[2] = {R, N};
+  kiln_status st = xc && rc ? KILN_OK : kiln_last_error();
+  if (st == KILN_OK) {
+    a.in[0] = kiln__view_of(xc);
+    a.in[1] = rv;
+    for (int k = 0; k < 2; k++) {
+      a.in[k].ndim = 2;
+      a.in[k].shape[0] = R, a.in[k].shape[1] = N;
+      a.in[k].strides[0] = k == 1 && r_bcast ? 0 : N, a.in[k].strides[1] = 1;
+    }
+    if (w) a.in[a.n_in++] = kiln__view_of(w), a.i[0] |= 1;
+    if (b) a.in[a.n_in++] = kiln__view_of(b), a.i[0] |= 2;
+    a.n_out = 2;
+    for (int k = 0; k < 2; k++) {
+      a.out[k] = kiln__view_of(c->out[k]);
+      a.out[k].ndim = 2;
+      a.out[k].shape[0] = shape2[0], a.out[k].shape[1] = shape2[1];
+      a.out[k].strides[0] = N, a.out[k].strides[1] = 1;
+    }
+    a.s[0] = p->eps;
+    st = kiln__dispatch(kiln_device_of(x), &a);
+  }
+  kiln_scope_end();
+  return st;
+}
+
+static const kiln__op op_add_layer_norm = {
+    .name = "add_layer_norm", .api = "kiln_add_layer_norm", .n_in = 4, .n_out = 2, .optional = (1u << 2) | (1u << 3),
+    .amp = KILN__AMP_F32, /* as layer_norm, and as the add it fuses, which promotes to f32 */
+    .flags = KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_ADD_LAYER_NORM}, .attrs = f_add_ln, .n_attrs = 1,
+    .attr_size = sizeof(attrs_add_ln), .infer = add_ln_infer, .forward = add_ln_forward};
+
+kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias, double eps,
+                                 kiln_tensor **sum) {
+  attrs_add_ln p = {eps};
+  kiln_tensor *in[4] = {x, r, weight, bias}, *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_add_layer_norm, 4, in, &p, out);
+  if (sum) *sum = y ? out[1] : NULL;
+  return y;
 }

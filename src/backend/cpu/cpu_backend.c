@@ -155,6 +155,7 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_INDEX_COPY] = kiln__cpu_index_copy,
             [KILN__K_KV_ATTENTION] = kiln__cpu_kv_attention,
             [KILN__K_SAMPLE_TOKENS] = kiln__cpu_sample_tokens,
+            [KILN__K_ADD_LAYER_NORM] = kiln__cpu_add_layer_norm,
 #ifdef KILN_HAVE_DNNL
             [KILN__K_CONV2D] = kiln__cpu_conv2d,
 #endif

@@ -221,3 +221,36 @@ kiln_status kiln__cpu_sample_tokens(const kiln__kargs *a) {
   }
   return KILN_OK;
 }
+
+/* ---- ADD_LAYER_NORM: s = x + r rounded to the dtype, then layer_norm(s), in f64 ---- */
+
+kiln_status kiln__cpu_add_layer_norm(const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *r = &a->in[1], *y = &a->out[0], *sm = &a->out[1];
+  const int64_t R = x->shape[0], N = x->shape[1];
+  const kiln__view *w = (a->i[0] & 1) ? &a->in[2] : NULL;
+  const kiln__view *b = (a->i[0] & 2) ? &a->in[(a->i[0] & 1) ? 3 : 2] : NULL;
+  const int64_t es = (int64_t)kiln__cpu_esize(x->dtype);
+  double *buf = malloc((size_t)(4 * N) * sizeof(double));
+  if (!buf) return kiln_set_error(KILN_ERR_OOM, "kiln_add_layer_norm: out of host memory for %lld values", (long long)(4 * N));
+  double *xs = buf, *rs = xs + N, *wv = rs + N, *bv = wv + N;
+  for (int64_t j = 0; j < N; j++) wv[j] = 1, bv[j] = 0;
+  if (w) kiln__cpu_load(wv, KILN_F64, w->data, w->strides[0] * (int64_t)kiln__cpu_esize(w->dtype), w->dtype, N);
+  if (b) kiln__cpu_load(bv, KILN_F64, b->data, b->strides[0] * (int64_t)kiln__cpu_esize(b->dtype), b->dtype, N);
+  for (int64_t i = 0; i < R; i++) {
+    char *sp = (char *)sm->data + i * sm->strides[0] * es;
+    kiln__cpu_load(xs, KILN_F64, (const char *)x->data + i * x->strides[0] * es, x->strides[1] * es, x->dtype, N);
+    kiln__cpu_load(rs, KILN_F64, (const char *)r->data + i * r->strides[0] * es, r->strides[1] * es, r->dtype, N);
+    for (int64_t j = 0; j < N; j++) xs[j] += rs[j];
+    kiln__cpu_store(sp, sm->strides[1] * es, sm->dtype, xs, KILN_F64, N); /* rounded once, */
+    kiln__cpu_load(xs, KILN_F64, sp, sm->strides[1] * es, sm->dtype, N);  /* and normed as stored */
+    double mean = 0, var = 0;
+    for (int64_t j = 0; j < N; j++) mean += xs[j];
+    mean /= (double)N;
+    for (int64_t j = 0; j < N; j++) var += (xs[j] - mean) * (xs[j] - mean);
+    const double rstd = 1.0 / sqrt(var / (double)N + a->s[0]);
+    for (int64_t j = 0; j < N; j++) xs[j] = (xs[j] - mean) * rstd * wv[j] + bv[j];
+    kiln__cpu_store((char *)y->data + i * y->strides[0] * es, y->strides[1] * es, y->dtype, xs, KILN_F64, N);
+  }
+  free(buf);
+  return KILN_OK;
+}

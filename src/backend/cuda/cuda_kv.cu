@@ -380,6 +380,63 @@ kiln_status sample_tokens(kiln__cuda_dev *d, const kiln__kargs *a) {
   return kiln__cuda_launched("sample_tokens");
 }
 
+/* ---- ADD_LAYER_NORM ---- */
+
+enum { LN_THREADS = 256 };
+
+/* One block per row: s = x + r rounded to T and stored, then mean and variance of the
+** stored s (two passes, f32 for the 16-bit types and f32, f64 for f64), then y. */
+template <class T>
+__global__ void __launch_bounds__(LN_THREADS)
+    add_ln_k(const T *__restrict__ x, int64_t xs0, int64_t xs1, const T *__restrict__ r, int64_t rs0, int64_t rs1,
+             const T *__restrict__ w, int64_t ws, const T *__restrict__ b, int64_t bs, T *y, int64_t ys0, int64_t ys1,
+             T *s, int64_t ss0, int64_t ss1, int64_t N, double eps) {
+  typedef typename kc_traits<T>::acc A;
+  __shared__ A sh[32];
+  const int64_t i = blockIdx.x;
+  const T *xr = x + i * xs0, *rr = r + i * rs0;
+  T *sr = s + i * ss0, *yr = y + i * ys0;
+  A sum = 0;
+  for (int64_t j = threadIdx.x; j < N; j += blockDim.x) {
+    const T v = kc_st<T, A>((A)kc_ld<T>(xr[j * xs1]) + (A)kc_ld<T>(rr[j * rs1]));
+    sr[j * ss1] = v;
+    sum += (A)kc_ld<T>(v);
+  }
+  const A mean = st_reduce(sum, [](A p, A q) { return p + q; }, (A)0, sh) / (A)N;
+  A sq = 0;
+  for (int64_t j = threadIdx.x; j < N; j += blockDim.x) { /* this thread's own stores */
+    const A d = (A)kc_ld<T>(sr[j * ss1]) - mean;
+    sq += d * d;
+  }
+  const A var = st_reduce(sq, [](A p, A q) { return p + q; }, (A)0, sh) / (A)N;
+  const A rstd = (A)1 / sqrt(var + (A)eps);
+  for (int64_t j = threadIdx.x; j < N; j += blockDim.x) {
+    A v = ((A)kc_ld<T>(sr[j * ss1]) - mean) * rstd;
+    if (w) v *= (A)kc_ld<T>(w[j * ws]);
+    if (b) v += (A)kc_ld<T>(b[j * bs]);
+    yr[j * ys1] = kc_st<T, A>(v);
+  }
+}
+
+kiln_status add_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *r = &a->in[1], *y = &a->out[0], *sm = &a->out[1];
+  const kiln__view *w = (a->i[0] & 1) ? &a->in[2] : NULL;
+  const kiln__view *b = (a->i[0] & 2) ? &a->in[(a->i[0] & 1) ? 3 : 2] : NULL;
+  const int64_t R = x->shape[0], N = x->shape[1];
+  if (R == 0 || N == 0) return KILN_OK;
+  if (R > 0x7fffffffLL)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_add_layer_norm: %lld rows exceed one launch", (long long)R);
+  KC_SWITCH_FLOAT(x->dtype, T,
+                  return kiln_set_error(KILN_ERR_DTYPE, "kiln_add_layer_norm: dtype %s has no cuda kernel",
+                                        kiln_dtype_name(x->dtype)),
+                  add_ln_k<T><<<(unsigned)R, LN_THREADS, 0, d->stream>>>(
+                      (const T *)x->data, x->strides[0], x->strides[1], (const T *)r->data, r->strides[0],
+                      r->strides[1], w ? (const T *)w->data : NULL, w ? w->strides[0] : 0,
+                      b ? (const T *)b->data : NULL, b ? b->strides[0] : 0, (T *)y->data, y->strides[0],
+                      y->strides[1], (T *)sm->data, sm->strides[0], sm->strides[1], N, a->s[0]))
+  return kiln__cuda_launched("add_layer_norm");
+}
+
 } // namespace
 
 extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
@@ -391,6 +448,11 @@ extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
            a->in[2].shape[3] <= KV_MAXD;
   case KILN__K_SAMPLE_TOKENS:
     return kc_is_float(a->in[0].dtype) && a->in[1].dtype == KILN_I64 && a->out[0].dtype == KILN_I64;
+  case KILN__K_ADD_LAYER_NORM: {
+    for (int i = 0; i < a->n_in; i++)
+      if (a->in[i].dtype != a->in[0].dtype) return false;
+    return kc_is_float(a->in[0].dtype);
+  }
   default: return false;
   }
 }
@@ -405,6 +467,7 @@ extern "C" kiln_status kiln__cuda_kv(const kiln__kargs *a) {
   case KILN__K_INDEX_COPY: return index_copy(d, a);
   case KILN__K_KV_ATTENTION: return kv_attention(d, a);
   case KILN__K_SAMPLE_TOKENS: return sample_tokens(d, a);
+  case KILN__K_ADD_LAYER_NORM: return add_layer_norm(d, a);
   default: return KILN_ERR_UNSUPPORTED;
   }
 }

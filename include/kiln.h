@@ -495,6 +495,14 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
 ** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
 typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
 KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
+/* kiln_linear for a few rows (a decode step: x (..., K) with at most 16 rows), with the
+** tanh GELU of kiln_gelu_tanh fused when gelu: one pass over weight (N, K) per call, every
+** row's product from the same weight loads (on CUDA a warp per output column, 16-byte
+** loads), so the time is the weight's bytes over the bandwidth. The linear's output is
+** rounded to the dtype before the GELU, as the two ops would. Where the device has no such
+** kernel for these arguments (more rows, f64, unaligned or strided rows) it is kiln_linear
+** then kiln_gelu_tanh. Inference only. Errors as kiln_linear. */
+KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool gelu);
 /* The residual add and the layer norm after it, one kernel (a transformer block's
 ** x + branch, then LayerNorm): *sum (may be NULL) = x + r rounded to x's dtype, and the
 ** result is kiln_layer_norm of that rounded sum over the last dim (weight, bias of that

@@ -231,6 +231,52 @@ static void kv_check_add_ln(kiln_device dev) {
   kiln_scope_end();
 }
 
+/* kiln_linear_decode against x W^T + b in f64, rounded to dt, then the tanh GELU in f64. */
+static void kv_check_linear_case(kiln_device dev, kiln_dtype dt, int64_t M, int64_t K, int64_t N, bool bias, bool gelu,
+                                 bool strided_x) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_generator *g = kiln_generator_new((uint64_t)(M * 7 + K + N + bias + 2 * gelu));
+  kiln_tensor *x = strided_x ? kiln_transpose(kiln_randn(KILN_SHAPE(K, M), KILN_F32, dev, g), 0, 1)
+                             : kiln_randn(KILN_SHAPE(M, 1, K), KILN_F32, dev, g);
+  kiln_tensor *w = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N, K), KILN_F32, dev, g), 1.0 / sqrt((double)K));
+  kiln_tensor *b = bias ? kiln_randn(KILN_SHAPE(N), KILN_F32, dev, g) : NULL;
+  kiln_generator_free(g);
+  x = kiln_to_dtype(x, dt), w = kiln_to_dtype(w, dt);
+  if (b) b = kiln_to_dtype(b, dt);
+  kiln_tensor *y = kiln_linear_decode(x, w, b, gelu);
+  kiln_tensor *r = kiln_linear(kiln_to_dtype(kiln_to_device(x, cpu), KILN_F64), kiln_to_dtype(kiln_to_device(w, cpu), KILN_F64),
+                               b ? kiln_to_dtype(kiln_to_device(b, cpu), KILN_F64) : NULL);
+  r = kiln_to_dtype(kiln_to_dtype(r, dt), KILN_F64);
+  if (gelu) r = kiln_gelu_tanh(r);
+  double diff = y && r ? kv_max_diff(y, r) : INFINITY, tol = 2 * kv_tol(dt) + (dt == KILN_F32 ? 1e-5 : 0);
+  if (!(diff <= tol))
+    printf("linear_decode %s M %lld K %lld N %lld%s%s%s: max diff %g (tol %g)\n", kiln_dtype_name(dt), (long long)M,
+           (long long)K, (long long)N, bias ? " bias" : "", gelu ? " gelu" : "", strided_x ? " strided" : "", diff, tol);
+  CHECK(diff <= tol);
+  CHECK(y && kiln_dtype_of(y) == dt && kiln_size(y, kiln_ndim(y) - 1) == N && kiln_numel(y) == M * N);
+  kiln_scope_end();
+}
+
+static void kv_check_linear(kiln_device dev) {
+  const kiln_dtype dts[] = {KILN_BF16, KILN_F16, KILN_F32};
+  for (int t = 0; t < 3; t++) {
+    kv_check_linear_case(dev, dts[t], 1, 768, 2304, true, false, false); /* GPT-2's c_attn at batch 1 */
+    kv_check_linear_case(dev, dts[t], 16, 768, 3072, true, true, false); /* c_fc + GELU at batch 16 */
+    kv_check_linear_case(dev, dts[t], 3, 3072, 768, true, false, false);
+    kv_check_linear_case(dev, dts[t], 5, 64, 1001, false, false, false); /* lm_head-like, N odd */
+    kv_check_linear_case(dev, dts[t], 17, 64, 40, true, true, false);    /* too many rows: composed */
+    kv_check_linear_case(dev, dts[t], 2, 40, 9, true, true, true);       /* strided rows: composed */
+  }
+  kv_check_linear_case(dev, KILN_F64, 2, 32, 7, true, true, false); /* composed */
+  kv_check_linear_case(dev, KILN_F32, 4, 36, 5, true, false, false); /* K not a multiple of 8 */
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_zeros(KILN_SHAPE(2, 8), KILN_F32, dev);
+  CHECK(!kiln_linear_decode(x, kiln_zeros(KILN_SHAPE(3, 7), KILN_F32, dev), NULL, false) && kiln_last_error() == KILN_ERR_SHAPE);
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
 /* rng state (seed, offset) as a device tensor */
 static kiln_tensor *kv_rng(kiln_device dev, uint64_t seed, uint64_t offset) {
   int64_t st[2];

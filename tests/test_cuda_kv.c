@@ -35,6 +35,7 @@ int main(void) {
   kv_check_index_copy_errors(dev);
   kv_check_sample(dev);
   kv_check_add_ln(dev);
+  kv_check_linear(dev);
 
   kiln_scope_begin();
   /* out-of-range positions: the flag, then the error at the synchronize */

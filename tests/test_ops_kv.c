@@ -17,6 +17,7 @@ int main(void) {
   kv_check_index_copy_errors(dev);
   kv_check_sample(dev);
   kv_check_add_ln(dev);
+  kv_check_linear(dev);
   if (dev.type == KILN_DEVICE_CPU) {
     kiln_scope_begin();
     kiln_tensor *dst = kiln_zeros(KILN_SHAPE(2, 6), KILN_F32, dev);

@@ -265,7 +265,12 @@ typedef struct kiln__view {
   /* in0 x (R, N), in1 r (R, N) (stride 0 where broadcast), then the weight (N) when i0 */ \
   /* flag 1 and the bias (N) when flag 2 -> out0 y (R, N) = layer_norm(s) over N, out1 */   \
   /* s = x + r rounded to the dtype (the norm reads the rounded s); s0 eps */              \
-  X(ADD_LAYER_NORM, "add_layer_norm")
+  X(ADD_LAYER_NORM, "add_layer_norm")                                                     \
+  /* in0 x (M, K), in1 weight (N, K), optional in2 bias (N) (i0 flag 1) -> out0 (M, N) = */ \
+  /* x W^T + b rounded to the dtype, then the tanh GELU when i1 is 1 (rounded again); */  \
+  /* for few rows M (a decode step): CUDA only (M <= 16, unit column strides, 16-byte */  \
+  /* aligned rows, f32/f16/bf16: its supports()); elsewhere the op composes LINEAR, GELU */ \
+  X(LINEAR_DECODE, "linear_decode")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -111,13 +111,26 @@ static kiln_status cache_ensure(kiln_kv_cache *c, int64_t l, kiln_tensor *k) {
   return c->k[l] && c->v[l] ? KILN_OK : kiln_last_error();
 }
 
+/* A Linear child of m on x, with the tanh GELU after it when gelu: one kiln_linear_decode
+** in the decode step (s->pos_dev set: one token a row, a pass over the weight), else the
+** module's forward (and GELU). */
+static kiln_tensor *lin(kiln_module *m, const char *name, kiln_tensor *x, const kv_step *s, bool gelu) {
+  kiln_module *l = kiln_module_child(m, name);
+  if (!s->pos_dev) {
+    kiln_tensor *y = kiln_module_forward(l, x);
+    return gelu ? kiln_gelu_tanh(y) : y;
+  }
+  const kiln_gpt_config *cfg = kiln_gpt_config_of(m);
+  return kiln_linear_decode(x, kiln_module_param(l, "weight"), cfg->bias ? kiln_module_param(l, "bias") : NULL, gelu);
+}
+
 /* Causal self-attention of a GPT attention module with the cache of layer l.
 ** x (B, T, C) -> (B, T, C); no dropout (inference). */
 static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int64_t l) {
   const kiln_gpt_config *cfg = kiln_gpt_config_of(m);
   const int64_t C = cfg->n_embd, H = cfg->n_head, D = C / H;
   const int64_t B = kiln_size(x, 0), T = kiln_size(x, 1);
-  kiln_tensor *qkv = kiln_module_forward(kiln_module_child(m, "c_attn"), x); /* (B, T, 3C) */
+  kiln_tensor *qkv = lin(m, "c_attn", x, s, false); /* (B, T, 3C) */
   if (!qkv) return NULL;
   kiln_tensor *part[3];
   if (kiln_split(qkv, C, 2, part, 3) != 3) return NULL;
@@ -154,7 +167,7 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
     }
   }
   y = kiln_reshape(kiln_transpose(y, 1, 2), KILN_SHAPE(B, T, C)); /* (B, H, T, D) -> (B, T, C) */
-  return kiln_module_forward(kiln_module_child(m, "c_proj"), y);
+  return lin(m, "c_proj", y, s, false);
 }
 
 static kiln_tensor *block_cached(kiln_module *blk, kiln_tensor *x, kv_step *s, int64_t l) {
@@ -190,7 +203,8 @@ static kiln_tensor *add_ln(kiln_module *ln, const kiln_gpt_config *cfg, kiln_ten
 /* The decode step's forward: tok (B, 1) at s->pos_dev -> logits (B, 1, V). Each residual
 ** add is fused with the layer norm that reads it (kiln_add_layer_norm): the embedding sum
 ** with block 0's ln_1, the attention branch with the block's ln_2, the MLP branch with the
-** next block's ln_1 (ln_f after the last), so a block is 10 kernels and not 12. */
+** next block's ln_1 (ln_f after the last); every product is kiln_linear_decode (one pass
+** over the weight), the MLP's GELU fused into its first. A block is 8 kernels on CUDA. */
 static kiln_tensor *gpt_decode(kiln_module *gpt, kiln_tensor *tok, kv_step *s) {
   const kiln_gpt_config *cfg = kiln_gpt_config_of(gpt);
   kiln_module *h = kiln_module_child(gpt, "h");
@@ -203,12 +217,13 @@ static kiln_tensor *gpt_decode(kiln_module *gpt, kiln_tensor *tok, kv_step *s) {
     kiln_module *blk = kiln_module_child_at(h, (int)l);
     kiln_tensor *b = add_ln(kiln_module_child(blk, "ln_2"), cfg, x, attn_cached(kiln_module_child(blk, "attn"), a, s, l),
                             &x);
-    kiln_tensor *m = kiln_module_forward(kiln_module_child(blk, "mlp"), b);
+    kiln_module *mlp = kiln_module_child(blk, "mlp"); /* c_fc + GELU, c_proj; no dropout (inference) */
+    kiln_tensor *m = lin(mlp, "c_proj", lin(mlp, "c_fc", b, s, true), s, false);
     kiln_module *next = l + 1 < cfg->n_layer ? kiln_module_child(kiln_module_child_at(h, (int)l + 1), "ln_1")
                                              : kiln_module_child(gpt, "ln_f");
     a = add_ln(next, cfg, x, m, &x);
   }
-  return kiln_linear(a, kiln_module_param(gpt, "wte.weight"), NULL); /* tied lm_head */
+  return kiln_linear_decode(a, kiln_module_param(gpt, "wte.weight"), NULL, false); /* tied lm_head */
 }
 
 /* The checks every cached forward makes; T is the number of new positions. */

@@ -325,3 +325,75 @@ kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *we
   if (sum) *sum = y ? out[1] : NULL;
   return y;
 }
+
+/* ---- linear_decode -------------------------------------------------------------------- */
+
+typedef struct attrs_linear_decode {
+  bool gelu;
+} attrs_linear_decode;
+static const kiln__attr_field f_linear_decode[] = {KILN__FIELD(attrs_linear_decode, gelu, KILN__A_BOOL)};
+
+/* The kernel's arguments for x (..., K) as (M, K), when x's rows are dense. */
+static bool linear_decode_args(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, bool gelu, kiln__kargs *a) {
+  if (x->ndim < 1 || w->ndim != 2 || !kiln_is_contiguous(x) || x->shape[x->ndim - 1] != w->shape[1] ||
+      x->dtype != w->dtype || (b && (b->dtype != x->dtype || b->ndim != 1 || b->shape[0] != w->shape[0])))
+    return false;
+  const int64_t K = w->shape[1], M = K > 0 ? kiln_numel(x) / K : 0;
+  memset(a, 0, sizeof *a);
+  a->op = KILN__K_LINEAR_DECODE;
+  a->n_in = 2;
+  a->in[0] = kiln__view_of(x);
+  a->in[0].ndim = 2, a->in[0].shape[0] = M, a->in[0].shape[1] = K, a->in[0].strides[0] = K, a->in[0].strides[1] = 1;
+  a->in[1] = kiln__view_of(w);
+  if (b) a->in[a->n_in++] = kiln__view_of(b), a->i[0] = 1;
+  a->i[1] = gelu;
+  a->n_out = 1;
+  a->out[0] = a->in[0]; /* the output's geometry, for supports(): (M, N) dense, x's dtype */
+  a->out[0].data = NULL, a->out[0].shape[1] = w->shape[0], a->out[0].strides[0] = w->shape[0];
+  return M > 0 && w->shape[0] > 0;
+}
+
+static kiln_status linear_decode_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0], *w = c->in[1];
+  int64_t shape[KILN_MAX_DIMS];
+  memcpy(shape, x->shape, (size_t)x->ndim * sizeof(int64_t));
+  shape[x->ndim - 1] = w->shape[0];
+  kiln__op_meta(c, 0, x->ndim, shape, x->dtype);
+  c->differentiable = false;
+  return KILN_OK;
+}
+
+static kiln_status linear_decode_forward(kiln__op_ctx *c) {
+  const attrs_linear_decode *p = c->attrs;
+  kiln__kargs a;
+  if (!linear_decode_args(c->in[0], c->in[1], c->in[2], p->gelu, &a))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_linear_decode: arguments changed after the kernel check");
+  a.out[0] = kiln__view_of(c->out[0]);
+  a.out[0].ndim = 2, a.out[0].shape[0] = a.in[0].shape[0], a.out[0].shape[1] = c->in[1]->shape[0];
+  a.out[0].strides[0] = c->in[1]->shape[0], a.out[0].strides[1] = 1;
+  return kiln__dispatch(kiln_device_of(c->in[0]), &a);
+}
+
+static const kiln__op op_linear_decode = {
+    .name = "linear_decode", .api = "kiln_linear_decode", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, /* as linear */
+    .flags = KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_LINEAR_DECODE}, .attrs = f_linear_decode,
+    .n_attrs = 1, .attr_size = sizeof(attrs_linear_decode), .infer = linear_decode_infer,
+    .forward = linear_decode_forward};
+
+kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool gelu) {
+  if (!x || !weight) return kiln_linear(x, weight, bias); /* NULL passes through, with its error */
+  kiln__kargs a;
+  bool grad = kiln_grad_enabled() && (kiln_requires_grad(x) || kiln_requires_grad(weight) ||
+                                      (bias && kiln_requires_grad(bias)));
+  /* the kernel where the device has one for these arguments; else the two ops it fuses
+  ** (which also give the errors of bad arguments, and gradients) */
+  if (grad || !kiln_device_equal(kiln_device_of(x), kiln_device_of(weight)) ||
+      !linear_decode_args(x, weight, bias, gelu, &a) || !kiln__dispatch_has(kiln_device_of(x), &a, KILN__K_LINEAR_DECODE)) {
+    kiln_tensor *y = kiln_linear(x, weight, bias);
+    return gelu ? kiln_gelu_tanh(y) : y;
+  }
+  attrs_linear_decode p = {gelu};
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_linear_decode, 3, in, &p, NULL);
+}

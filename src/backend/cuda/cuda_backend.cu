@@ -476,7 +476,7 @@ static constexpr bool kc_is_conv(kiln__kop op) {
 /* Decoding with a KV cache (cuda_kv.cu, issue 16's generation). */
 static constexpr bool kc_is_kv(kiln__kop op) {
   return op == KILN__K_INDEX_COPY || op == KILN__K_KV_ATTENTION || op == KILN__K_SAMPLE_TOKENS ||
-         op == KILN__K_ADD_LAYER_NORM;
+         op == KILN__K_ADD_LAYER_NORM || op == KILN__K_LINEAR_DECODE;
 }
 
 static bool cuda_supports(const kiln__kargs *a) {

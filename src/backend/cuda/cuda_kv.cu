@@ -22,6 +22,12 @@
 ** same seed, same token, every run); then the total, an exclusive scan of the threads'
 ** sums and the thread whose range holds the drawn target walks its chunk. The logits are
 ** read once per pass (from L1/L2: a GPT-2 row of bf16 logits is 100 KB).
+**
+** LINEAR_DECODE is a GEMV for up to 16 rows: a warp per output column n walks weight row
+** n with 16-byte loads (32 lanes: 512 contiguous bytes a step) and dots it with every row
+** of x (tiny, from L1), so the weight is read once whatever the row count; the M sums are
+** reduced across the warp and lane 0 adds the bias, rounds, and applies the GELU. cuBLAS
+** at M = 1..16 reads the same bytes but through tiles sized for large M.
 */
 #include "cuda_int.cuh"
 #include "philox.cuh"
@@ -437,6 +443,130 @@ kiln_status add_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
   return kiln__cuda_launched("add_layer_norm");
 }
 
+/* ---- LINEAR_DECODE ---- */
+
+enum { LD_WARPS = 8, LD_MAXM = 16 };
+
+template <class T> struct ld_vec; /* 16 bytes of T as floats */
+template <> struct ld_vec<__nv_bfloat16> {
+  enum { N = 8 };
+  static __device__ __forceinline__ void load(const __nv_bfloat16 *p, float *f) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 v = __bfloat1622float2(h[i]);
+      f[2 * i] = v.x, f[2 * i + 1] = v.y;
+    }
+  }
+};
+template <> struct ld_vec<__half> {
+  enum { N = 8 };
+  static __device__ __forceinline__ void load(const __half *p, float *f) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 v = __half22float2(h[i]);
+      f[2 * i] = v.x, f[2 * i + 1] = v.y;
+    }
+  }
+};
+template <> struct ld_vec<float> {
+  enum { N = 4 };
+  static __device__ __forceinline__ void load(const float *p, float *f) {
+    const float4 v = *reinterpret_cast<const float4 *>(p);
+    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+  }
+};
+
+template <class T, int MM>
+__global__ void __launch_bounds__(LD_WARPS * 32)
+    linear_decode_k(const T *__restrict__ x, int64_t xs, const T *__restrict__ w, int64_t ws, const T *__restrict__ b,
+                    int64_t bs, T *y, int64_t ys0, int64_t ys1, int M, int64_t N, int64_t K, int gelu) {
+  enum { V = ld_vec<T>::N };
+  const int lane = threadIdx.x & 31;
+  const int64_t n = (int64_t)blockIdx.x * LD_WARPS + (threadIdx.x >> 5);
+  if (n >= N) return; /* warp-uniform; no block barrier below */
+  float acc[MM];
+#pragma unroll
+  for (int m = 0; m < MM; m++) acc[m] = 0.f;
+  const T *wr = w + n * ws;
+#pragma unroll 2
+  for (int64_t k = (int64_t)lane * V; k < K; k += 32 * V) {
+    float wf[V], xf[V];
+    ld_vec<T>::load(wr + k, wf);
+#pragma unroll
+    for (int m = 0; m < MM; m++) {
+      if (m < M) {
+        ld_vec<T>::load(x + m * xs + k, xf);
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; e++) s = fmaf(xf[e], wf[e], s);
+        acc[m] += s;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MM; m++) acc[m] = kc_warp_reduce(acc[m], [](float p, float q) { return p + q; });
+  if (lane != 0) return;
+  const float bv = b ? (float)kc_ld<T>(b[n * bs]) : 0.f;
+#pragma unroll
+  for (int m = 0; m < MM; m++) {
+    if (m < M) {
+      const T r = kc_st<T, float>(acc[m] + bv); /* rounded as the linear's output, */
+      float v = (float)kc_ld<T>(r);
+      if (gelu) /* then kiln_gelu_tanh of it, as cuda_elementwise.cu's F_gelu_tanh */
+        v = 0.5f * v * (1.f + tanhf(0.79788456080286535588f * (v + 0.044715f * v * v * v)));
+      y[m * ys0 + n * ys1] = gelu ? kc_st<T, float>(v) : r;
+    }
+  }
+}
+
+template <class T> kiln_status linear_decode_run(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *w = &a->in[1], *y = &a->out[0];
+  const kiln__view *b = (a->i[0] & 1) ? &a->in[2] : NULL;
+  const int M = (int)x->shape[0];
+  const int64_t K = x->shape[1], N = w->shape[0];
+  const unsigned blocks = (unsigned)((N + LD_WARPS - 1) / LD_WARPS);
+#define LD_LAUNCH(MM)                                                                                              \
+  linear_decode_k<T, MM><<<blocks, LD_WARPS * 32, 0, d->stream>>>(                                                 \
+      (const T *)x->data, x->strides[0], (const T *)w->data, w->strides[0], b ? (const T *)b->data : NULL,         \
+      b ? b->strides[0] : 0, (T *)y->data, y->strides[0], y->strides[1], M, N, K, (int)a->i[1])
+  if (M == 1) LD_LAUNCH(1);
+  else if (M <= 4) LD_LAUNCH(4);
+  else if (M <= 8) LD_LAUNCH(8);
+  else LD_LAUNCH(16);
+#undef LD_LAUNCH
+  return kiln__cuda_launched("linear_decode");
+}
+
+bool ld_aligned(const kiln__view &v) {
+  const int64_t es = (int64_t)kc_size(v.dtype);
+  return v.strides[1] == 1 && ((uintptr_t)v.data % 16) == 0 && ((v.strides[0] * es) % 16) == 0;
+}
+
+bool linear_decode_supports(const kiln__kargs *a) {
+  const kiln__view &x = a->in[0], &w = a->in[1];
+  const kiln_dtype dt = x.dtype;
+  if (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16) return false;
+  if (w.dtype != dt || a->out[0].dtype != dt || x.ndim != 2 || w.ndim != 2) return false;
+  if (a->n_in > 2 && a->in[2].dtype != dt) return false;
+  const int64_t vec = 16 / (int64_t)kc_size(dt);
+  if (x.shape[0] < 1 || x.shape[0] > LD_MAXM || x.shape[1] != w.shape[1] || x.shape[1] % vec != 0) return false;
+  if (w.shape[0] >= (int64_t)LD_WARPS * 0x7fffffffLL) return false;
+  return ld_aligned(x) && ld_aligned(w); /* the output is a fresh (M, N) tensor */
+}
+
+kiln_status linear_decode(kiln__cuda_dev *d, const kiln__kargs *a) {
+  switch (a->in[0].dtype) {
+  case KILN_F32: return linear_decode_run<float>(d, a);
+  case KILN_F16: return linear_decode_run<__half>(d, a);
+  case KILN_BF16: return linear_decode_run<__nv_bfloat16>(d, a);
+  default: return kiln_set_error(KILN_ERR_DTYPE, "kiln_linear_decode: dtype %s has no cuda kernel", kiln_dtype_name(a->in[0].dtype));
+  }
+}
+
 } // namespace
 
 extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
@@ -448,6 +578,7 @@ extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
            a->in[2].shape[3] <= KV_MAXD;
   case KILN__K_SAMPLE_TOKENS:
     return kc_is_float(a->in[0].dtype) && a->in[1].dtype == KILN_I64 && a->out[0].dtype == KILN_I64;
+  case KILN__K_LINEAR_DECODE: return linear_decode_supports(a);
   case KILN__K_ADD_LAYER_NORM: {
     for (int i = 0; i < a->n_in; i++)
       if (a->in[i].dtype != a->in[0].dtype) return false;
@@ -468,6 +599,7 @@ extern "C" kiln_status kiln__cuda_kv(const kiln__kargs *a) {
   case KILN__K_KV_ATTENTION: return kv_attention(d, a);
   case KILN__K_SAMPLE_TOKENS: return sample_tokens(d, a);
   case KILN__K_ADD_LAYER_NORM: return add_layer_norm(d, a);
+  case KILN__K_LINEAR_DECODE: return linear_decode(d, a);
   default: return KILN_ERR_UNSUPPORTED;
   }
 }

@@ -501,7 +501,8 @@ KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
 ** loads), so the time is the weight's bytes over the bandwidth. The linear's output is
 ** rounded to the dtype before the GELU, as the two ops would. Where the device has no such
 ** kernel for these arguments (more rows, f64, unaligned or strided rows) it is kiln_linear
-** then kiln_gelu_tanh. Inference only. Errors as kiln_linear. */
+** then kiln_gelu_tanh (always, under the environment variable KILN_LINEAR_DECODE=0).
+** Inference only. Errors as kiln_linear. */
 KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool gelu);
 /* The residual add and the layer norm after it, one kernel (a transformer block's
 ** x + branch, then LayerNorm): *sum (may be NULL) = x + r rounded to x's dtype, and the

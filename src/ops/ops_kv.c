@@ -388,7 +388,13 @@ kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor
                                       (bias && kiln_requires_grad(bias)));
   /* the kernel where the device has one for these arguments; else the two ops it fuses
   ** (which also give the errors of bad arguments, and gradients) */
-  if (grad || !kiln_device_equal(kiln_device_of(x), kiln_device_of(weight)) ||
+  /* KILN_LINEAR_DECODE=0 always composes (an A/B switch for the benchmarks) */
+  static int off = -1;
+  if (off < 0) {
+    const char *e = kiln__getenv("KILN_LINEAR_DECODE");
+    off = e && !strcmp(e, "0");
+  }
+  if (off || grad || !kiln_device_equal(kiln_device_of(x), kiln_device_of(weight)) ||
       !linear_decode_args(x, weight, bias, gelu, &a) || !kiln__dispatch_has(kiln_device_of(x), &a, KILN__K_LINEAR_DECODE)) {
     kiln_tensor *y = kiln_linear(x, weight, bias);
     return gelu ? kiln_gelu_tanh(y) : y;

@@ -18,6 +18,13 @@
 #include <math.h>
 #include <string.h>
 
+/* A device other than the CPU (whose kernels are the references) without the kernel at
+** all: there the ops compose other ops on the device instead of taking the CPU fallback,
+** which would copy the whole cache to the host every step. */
+static bool lacks_kernel(kiln_device dev, kiln__kop op) {
+  return dev.type != KILN_DEVICE_CPU && !kiln__dispatch_has(dev, NULL, op);
+}
+
 /* ---- index_copy_ ---------------------------------------------------------------------- */
 
 typedef struct attrs_index_copy {
@@ -88,6 +95,21 @@ kiln_status kiln_index_copy_(kiln_tensor *dst, int dim, kiln_tensor *index, kiln
   }
   attrs_index_copy p = {dim < 0 ? dim + dst->ndim : dim};
   kiln_tensor *in[3] = {dst, index, src};
+  kiln_device dev = kiln_device_of(dst);
+  if (kiln_numel(index) == 1 && p.dim >= 0 && p.dim < dst->ndim && lacks_kernel(dev, KILN__K_INDEX_COPY)) {
+    /* one position, on a device without the kernel (Vulkan): where(slot == index) over dst,
+    ** in the device's own kernels rather than through the CPU */
+    if (index_copy__infer(&(kiln__op_ctx){.op = &op_index_copy_, .attrs = &p, .n_in = 3, .in = in}) != KILN_OK)
+      return kiln_last_error();
+    kiln_scope_begin();
+    int64_t shape[KILN_MAX_DIMS];
+    for (int i = 0; i < dst->ndim; i++) shape[i] = i == p.dim ? dst->shape[i] : 1;
+    kiln_tensor *slot = kiln_arange(0, (double)dst->shape[p.dim], 1, KILN_I64, dev);
+    kiln_tensor *mask = kiln_eq(kiln_reshape(slot, dst->ndim, shape), kiln_reshape(index, KILN_SHAPE(1)));
+    kiln_status st = mask ? kiln_copy_(dst, kiln_where(mask, src, dst)) : kiln_last_error();
+    kiln_scope_end();
+    return st;
+  }
   return kiln__op_call_status(&op_index_copy_, 3, in, &p);
 }
 
@@ -162,6 +184,18 @@ static const kiln__op op_kv_attention = {
 kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len, double scale) {
   attrs_kv_attention p = {scale};
   kiln_tensor *in[4] = {q, k, v, len};
+  if (q && k && v && len && lacks_kernel(kiln_device_of(q), KILN__K_KV_ATTENTION)) {
+    /* the same attention as a boolean mask, key j visible to query i of row b when
+    ** j <= len[b] - Tq + i: (n, 1, Tq, M), n = 1 or B */
+    kiln__op_ctx c = {.op = &op_kv_attention, .attrs = &p, .n_in = 4, .in = in};
+    if (kv_attention_infer(&c) != KILN_OK) return NULL;
+    const int64_t Tq = q->shape[2], M = k->shape[2], n = kiln_numel(len);
+    kiln_device dev = kiln_device_of(q);
+    kiln_tensor *last = kiln_add(kiln_reshape(len, KILN_SHAPE(n, 1, 1, 1)),
+                                 kiln_reshape(kiln_arange((double)-Tq, 0, 1, KILN_I64, dev), KILN_SHAPE(1, 1, Tq, 1)));
+    kiln_tensor *mask = kiln_le(kiln_arange(0, (double)M, 1, KILN_I64, dev), last);
+    return mask ? kiln_scaled_dot_product_attention(q, k, v, mask, false, 0.0, scale, NULL) : NULL;
+  }
   return kiln__op_call(&op_kv_attention, 4, in, &p, NULL);
 }
 
@@ -321,6 +355,19 @@ kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *we
                                  kiln_tensor **sum) {
   attrs_add_ln p = {eps};
   kiln_tensor *in[4] = {x, r, weight, bias}, *out[2] = {NULL, NULL};
+  if (x && r && lacks_kernel(kiln_device_of(x), KILN__K_ADD_LAYER_NORM)) { /* the two ops it fuses */
+    /* its checks, but the dtypes' under autocast, which the two ops apply themselves */
+    kiln_tensor *chk[4] = {x, r, weight, bias};
+    if (kiln_autocast_is_enabled(kiln_device_of(x).type))
+      for (int i = 1; i < 4; i++) chk[i] = chk[i] && chk[i]->dtype != x->dtype ? kiln_to_dtype(chk[i], x->dtype) : chk[i];
+    kiln__op_ctx c = {.op = &op_add_layer_norm, .attrs = &p, .n_in = 4, .in = chk};
+    if (add_ln_infer(&c) != KILN_OK) return NULL;
+    kiln_tensor *s = kiln_add(x, r);
+    const int64_t N = s ? s->shape[s->ndim - 1] : 0;
+    kiln_tensor *y = s ? kiln_layer_norm(s, 1, &N, weight, bias, eps) : NULL;
+    if (sum) *sum = y ? s : NULL;
+    return y;
+  }
   kiln_tensor *y = kiln__op_call(&op_add_layer_norm, 4, in, &p, out);
   if (sum) *sum = y ? out[1] : NULL;
   return y;

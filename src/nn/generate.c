@@ -178,12 +178,12 @@ static kiln_tensor *block_cached(kiln_module *blk, kiln_tensor *x, kv_step *s, i
   return kiln_add(x, kiln_module_forward(kiln_module_child(blk, "mlp"), b));
 }
 
-/* idx (B, T) -> logits (B, T, V), or (B, 1, V) for the last position only. */
+/* The eager forward (the prompt, kiln_gpt_forward_cached): idx (B, T) at the host-known
+** positions s->pos .. s->pos + T - 1 -> logits (B, T, V), or (B, 1, V) for the last only. */
 static kiln_tensor *gpt_cached(kiln_module *gpt, kiln_tensor *idx, kv_step *s, bool last_only) {
   const kiln_gpt_config *cfg = kiln_gpt_config_of(gpt);
   const int64_t T = kiln_size(idx, 1);
-  kiln_tensor *pos = s->pos_dev ? s->pos_dev
-                                : kiln_arange((double)s->pos, (double)(s->pos + T), 1, KILN_I64, kiln_device_of(idx));
+  kiln_tensor *pos = kiln_arange((double)s->pos, (double)(s->pos + T), 1, KILN_I64, kiln_device_of(idx));
   kiln_tensor *x = kiln_add(kiln_module_forward(kiln_module_child(gpt, "wte"), idx),  /* (B, T, C) */
                             kiln_module_forward(kiln_module_child(gpt, "wpe"), pos)); /* + (T, C) */
   kiln_module *h = kiln_module_child(gpt, "h");

@@ -77,6 +77,8 @@ kiln_status kiln__cuda_capture_note(int device, const void *p, size_t n);
 /* ---- kernel families ---- */
 kiln_status kiln__cuda_elementwise(const kiln__kargs *a); /* copy..where */
 bool kiln__cuda_elementwise_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_kv(const kiln__kargs *a); /* the decode step's ops (cuda_kv.cu) */
+bool kiln__cuda_kv_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_random(const kiln__kargs *a);
 bool kiln__cuda_random_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_reduce(const kiln__kargs *a);
@@ -101,8 +103,6 @@ kiln_status kiln__cuda_transformer(const kiln__kargs *a); /* norms, attention, s
 bool kiln__cuda_transformer_supports(const kiln__kargs *a); /* multinomial (cuda_transformer.cu) */
 kiln_status kiln__cuda_conv(const kiln__kargs *a); /* im2col, pools, conv (cuda_conv.cu) */
 bool kiln__cuda_conv_supports(const kiln__kargs *a);
-kiln_status kiln__cuda_kv(const kiln__kargs *a); /* index_copy, kv_attention (cuda_kv.cu) */
-bool kiln__cuda_kv_supports(const kiln__kargs *a);
 
 /* Internal helpers other families use (cuda_elementwise.cu): out = cast(in) with any
 ** strides, and out += bias broadcast along the last dim. Queue on the device's stream. */

@@ -16,10 +16,14 @@
 ** Generation (--generate): greedy kiln_gpt_generate of --new tokens after a random prompt
 ** of --prompt tokens at each batch in --gen-batches (default 1,16), the model's weights in
 ** bf16 on CUDA (f32 on the CPU) as the peer's; a warm-up of 8 tokens first, as the peer.
+** --gen-graph sets kiln_sample_opts.graph (the per-token step as a CUDA graph: auto, on,
+** off); --gen-sample samples (temperature 0.8, top-k 50, top-p 0.95, a seeded generator)
+** instead of taking the argmax (the peer stays greedy).
 **
 ** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
 **                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math]
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
+**                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
 **                   [--peak-tflops X] [--json] [--profile]
 ** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
@@ -63,6 +67,8 @@ typedef struct opts {
   bool checkpoint, train, generate, peer, json, profile;
   int64_t gen_batches[8];
   int n_gen_batches;
+  kiln_gen_graph gen_graph; /* --gen-graph auto|on|off */
+  bool gen_sample;          /* --gen-sample: temperature 0.8, top-k 50, top-p 0.95, seeded */
   const char *peer_path, *python;
   int peer_threads;
   double peak_tflops; /* 0: unknown */
@@ -208,17 +214,21 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
   kiln_status st = o->dev.type != KILN_DEVICE_CPU ? kiln_module_to_dtype(m, KILN_BF16) : KILN_OK;
   kiln_module_eval(m);
   kiln_sample_opts so = kiln_sample_opts_default();
-  so.greedy = true;
+  so.greedy = !o->gen_sample;
+  if (o->gen_sample) so.temperature = 0.8, so.top_k = 50, so.top_p = 0.95;
+  so.graph = o->gen_graph;
+  kiln_generator *gen = kiln_generator_new(1);
   kiln_scope_begin();
   kiln_tensor *ids = kiln_randint(0, o->vocab, KILN_SHAPE(batch, o->prompt), KILN_I64, o->dev, NULL);
-  if (st == KILN_OK && !kiln_gpt_generate(m, ids, 8, &so, NULL)) st = kiln_last_error(); /* warm-up */
+  if (st == KILN_OK && !kiln_gpt_generate(m, ids, 8, &so, gen)) st = kiln_last_error(); /* warm-up */
   kiln_device_synchronize(o->dev);
   double t0 = now();
-  kiln_tensor *out = st == KILN_OK ? kiln_gpt_generate(m, ids, o->new_tokens, &so, NULL) : NULL;
+  kiln_tensor *out = st == KILN_OK ? kiln_gpt_generate(m, ids, o->new_tokens, &so, gen) : NULL;
   kiln_device_synchronize(o->dev);
   double dt = now() - t0;
   if (st == KILN_OK && !out) st = kiln_last_error();
   kiln_scope_end();
+  kiln_generator_free(gen);
   kiln_module_free(m);
   *tokens_per_s = (double)(batch * o->new_tokens) / dt;
   return st;
@@ -229,7 +239,8 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
              "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
-             "         [--gen-batches 1,16] [--prompt P] [--new N] [--peer PATH] [--python PY]\n"
+             "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
+             "         [--peer PATH] [--python PY]\n"
              "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile]\n");
 }
 
@@ -267,6 +278,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-peer")) o.peer = false;
     else if (!strcmp(a, "--json")) o.json = true;
     else if (!strcmp(a, "--profile")) o.profile = true;
+    else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -288,6 +300,14 @@ int main(int argc, char **argv) {
           return 2;
         }
         kiln_sdpa_set_backend(strcmp(v, "math") ? KILN_SDPA_FUSED : KILN_SDPA_MATH);
+      } else if (!strcmp(a, "--gen-graph")) {
+        if (!strcmp(v, "auto")) o.gen_graph = KILN_GEN_GRAPH_AUTO;
+        else if (!strcmp(v, "on")) o.gen_graph = KILN_GEN_GRAPH_ON;
+        else if (!strcmp(v, "off")) o.gen_graph = KILN_GEN_GRAPH_OFF;
+        else {
+          fprintf(stderr, PROG ": --gen-graph '%s': use auto, on or off\n", v);
+          return 2;
+        }
       } else if (!strcmp(a, "--peer")) o.peer_path = v;
       else if (!strcmp(a, "--python")) o.python = v;
       else if (!strcmp(a, "--peer-threads")) o.peer_threads = atoi(v);
@@ -380,8 +400,11 @@ int main(int argc, char **argv) {
       fprintf(stderr, PROG ": kiln generation: %s\n", kiln_last_error_message());
       return 1;
     }
-    printf("generate, batch %-3lld kiln  %10.1f tokens/s (prompt %lld, %lld new, greedy)\n",
-           (long long)o.gen_batches[i], tps, (long long)o.prompt, (long long)o.new_tokens);
+    static const char *const graph_names[] = {"graph auto", "graph off", "graph on"};
+    printf("generate, batch %-3lld kiln  %10.1f tokens/s, %.3f ms/step (prompt %lld, %lld new, %s, %s)\n",
+           (long long)o.gen_batches[i], tps, 1e3 * (double)o.gen_batches[i] / tps, (long long)o.prompt,
+           (long long)o.new_tokens, o.gen_sample ? "sampled T 0.8 top-k 50 top-p 0.95" : "greedy",
+           graph_names[o.gen_graph]);
     if (o.peer) {
       snprintf(args, sizeof args, "gpt2-generate --device %s --batch %lld --prompt %lld --new %lld",
                cpu ? "cpu" : "cuda", (long long)o.gen_batches[i], (long long)o.prompt, (long long)o.new_tokens);

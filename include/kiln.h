@@ -495,6 +495,56 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
 ** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
 typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
 KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
+/* kiln_linear for a few rows (a decode step: x (..., K) with at most 16 rows), with the
+** tanh GELU of kiln_gelu_tanh fused when gelu: one pass over weight (N, K) per call, every
+** row's product from the same weight loads (on CUDA a warp per output column, 16-byte
+** loads), so the time is the weight's bytes over the bandwidth. The linear's output is
+** rounded to the dtype before the GELU, as the two ops would. Where the device has no such
+** kernel for these arguments (more rows, f64, unaligned or strided rows) it is kiln_linear
+** then kiln_gelu_tanh (always, under the environment variable KILN_LINEAR_DECODE=0).
+** Inference only. Errors as kiln_linear. */
+KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool gelu);
+/* The residual add and the layer norm after it, one kernel (a transformer block's
+** x + branch, then LayerNorm): *sum (may be NULL) = x + r rounded to x's dtype, and the
+** result is kiln_layer_norm of that rounded sum over the last dim (weight, bias of that
+** size, either may be NULL; eps). r broadcasts to x; one floating dtype. Inference only
+** (KILN_ERR_AUTOGRAD when grad mode is on and an input requires grad). Errors as
+** kiln_add and kiln_layer_norm. */
+KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                          double eps, kiln_tensor **sum);
+/* Attention of queries over a key/value cache whose valid length is read on the device (so
+** a decode step keeps one shape for a whole generation and can be graph-captured):
+** q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, Tq, Dv), one floating dtype;
+** len an i64 tensor of 1 or B elements on the same device: row b holds L_b valid slots
+** (L_b <= M), and query i is the position L_b - Tq + i of that row, attending the keys
+** j <= L_b - Tq + i (causal over the cache; slots >= L_b are never read). scale 0 means
+** 1/sqrt(D). A query with no key gives 0. Inference only: no gradient (KILN_ERR_AUTOGRAD
+** when grad mode is on and an input requires grad). Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE;
+** L_b > M is KILN_ERR_INDEX on the CPU, the device's index flag on CUDA. */
+KILN_API kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len,
+                                        double scale);
+/* One token per row of logits (N, V) floating -> (N) i64, drawn with the RNG state held in
+** the device tensor rng (2 i64 elements: a generator's seed and offset, bit for bit, as
+** kiln_generator_get_state gives them), so that the draw can be part of a captured graph:
+** the caller advances rng[1] by (N + 1) / 2 between draws, as kiln_multinomial advances a
+** generator. The logits are divided by temperature (> 0) in f32; top_k (0: off) keeps the
+** values >= the k-th largest; top_p (1: off) then keeps the values >= the smallest value v
+** whose higher values hold less than top_p of the kept probability (transformers' order,
+** ties with the last kept value kept); one draw from what is left. Weights are
+** exp(z - max) in 2^-32 fixed point, so every sum is exact and the draw is the same for
+** every thread count (a weight under 2^-32 of the largest is 0). Row r draws the f64
+** Philox uniform of element r (kiln_multinomial's mapping). Never synchronizes: a row
+** with no finite logit gives token 0 (and the device's index flag on CUDA, KILN_ERR_INDEX
+** at once on the CPU). Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE, KILN_ERR_INVALID_ARGUMENT
+** (temperature <= 0 or not finite, top_k < 0, top_p outside (0, 1]). */
+KILN_API kiln_tensor *kiln_sample_tokens(kiln_tensor *logits, kiln_tensor *rng, double temperature, int64_t top_k,
+                                         double top_p);
+/* torch.Tensor.index_copy_: dst[..., index[t], ...] = src[..., t, ...] along dim, index an
+** i64 tensor of src's size along dim (1-d, or one element), read on the device (a KV cache
+** write at a position held on the device). src has dst's dtype and its shape but along dim.
+** Returns the status; never recorded by autograd. Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE,
+** KILN_ERR_INDEX (an index outside dst: at once on the CPU, the device's flag on CUDA). */
+KILN_API kiln_status kiln_index_copy_(kiln_tensor *dst, int dim, kiln_tensor *index, kiln_tensor *src);
 /* Running sum along dim; integer and bool inputs give i64. */
 KILN_API kiln_tensor *kiln_cumsum(kiln_tensor *t, int dim);
 /* The lower (upper) triangle of the last two dims: elements with j - i <= diagonal

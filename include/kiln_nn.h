@@ -370,19 +370,22 @@ KILN_API void kiln_kv_cache_reset(kiln_kv_cache *cache);
 KILN_API kiln_tensor *kiln_gpt_forward_cached(kiln_module *gpt, kiln_tensor *idx, kiln_kv_cache *cache);
 
 /* Whether kiln_gpt_generate records the per-token step once and replays it
-** (kiln_graph_capture): AUTO does on any device but the CPU (a CUDA graph), and when the
-** capture fails (a step op that runs on the CPU fallback cannot be captured) runs the
-** same static step eagerly; ON always, a failed capture being an error (on the CPU a
-** replay calls the step, which then runs the static path: attention over the whole cache
-** under a mask); OFF never (each step attends only the filled prefix). */
+** (kiln_graph_capture). Every token after the prompt runs the same decode step (its
+** position and the cache's valid length held on the device: kiln_index_copy_,
+** kiln_kv_attention; the next token chosen inside it unless eos_id is set), so the tokens
+** are the same whichever this is: AUTO captures on any device but the CPU (a CUDA graph)
+** and runs the step eagerly where the capture fails (a step op on the CPU fallback) or the
+** device has no graphs; ON always captures, a failed capture being an error (on the CPU a
+** replay calls the step); OFF runs the step eagerly. */
 typedef enum kiln_gen_graph { KILN_GEN_GRAPH_AUTO = 0, KILN_GEN_GRAPH_OFF, KILN_GEN_GRAPH_ON } kiln_gen_graph;
 /* How the next token is chosen from logits. May grow at its end: start from
 ** kiln_sample_opts_default(). In order: logits / temperature, then top-k (keep the k
 ** largest; 0 keeps all), then top-p (keep the fewest largest tokens whose probability
 ** reaches top_p: a token stays while the tokens above it hold < top_p; tokens tied with
-** the last kept one stay too), softmax, one draw from gen (kiln_multinomial: same seed,
-** same tokens). greedy, or temperature 0, takes the argmax (first on ties) and ignores
-** the filters. */
+** the last kept one stay too), softmax, one draw from gen (kiln_sample_next: kiln_multinomial;
+** kiln_gpt_generate: kiln_sample_tokens on the device, which advances gen the same; same
+** seed, same tokens). greedy, or temperature 0, takes the argmax (first on ties) and
+** ignores the filters. */
 typedef struct kiln_sample_opts {
   double temperature;   /* >= 0; default 1 */
   int64_t top_k;        /* >= 0; default 0 (off) */

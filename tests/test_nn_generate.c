@@ -265,6 +265,9 @@ static void test_seeded(void) {
     o.graph = i == 2 ? KILN_GEN_GRAPH_ON : KILN_GEN_GRAPH_OFF;
     kiln_generator *g = kiln_generator_new(i == 3 ? 43 : 42);
     r[i] = kiln_gpt_generate(m, ids, 20, &o, g);
+    uint64_t seed, off;
+    kiln_generator_get_state(g, &seed, &off);
+    CHECK(off == 20); /* 20 draws of 2 rows: one Philox block each, as kiln_multinomial reserves */
     kiln_generator_free(g);
   }
   CHECK(r[0] && ids_equal(r[0], r[1]));
@@ -272,6 +275,26 @@ static void test_seeded(void) {
   CHECK(r[3] && !ids_equal(r[0], r[3]));
   /* the prompt is kept as given */
   CHECK(ids_equal(kiln_narrow(r[0], 1, 0, 3), ids));
+  kiln_module_free(m);
+  kiln_scope_end();
+}
+
+/* Under bf16 autocast (weights f32, the products in bf16, the fused add + norm in f32) the
+** decode step runs, captured or not, with the same tokens. */
+static void test_autocast(void) {
+  kiln_scope_begin();
+  kiln_module *m = small_gpt(KILN_F32, 5);
+  kiln_tensor *ids = random_ids(2, 4, 50, 19);
+  kiln_sample_opts o = kiln_sample_opts_default();
+  o.greedy = true;
+  kiln_autocast_begin(KILN_DEVICE_CPU, KILN_BF16);
+  o.graph = KILN_GEN_GRAPH_OFF;
+  kiln_tensor *a = kiln_gpt_generate(m, ids, 12, &o, NULL);
+  o.graph = KILN_GEN_GRAPH_ON;
+  kiln_tensor *b = kiln_gpt_generate(m, ids, 12, &o, NULL);
+  kiln_autocast_end();
+  CHECK(a && kiln_size(a, 1) == 16);
+  CHECK(b && ids_equal(a, b));
   kiln_module_free(m);
   kiln_scope_end();
 }
@@ -387,6 +410,7 @@ int main(void) {
   test_filters();
   test_sampler_distribution();
   test_seeded();
+  test_autocast();
   test_eos();
   test_hf_parity();
   test_bad_input();

@@ -2,8 +2,10 @@
 ** per-token step recorded as a CUDA graph (KILN_GEN_GRAPH_AUTO) gives the same tokens as
 ** the eager step (KILN_GEN_GRAPH_OFF), greedy and seeded sampling alike, in f32 and under
 ** bf16 autocast; greedy f32 tokens equal the CPU's; the cached forward's logits equal the
-** full forward's on the device. */
+** full forward's on the device; transformers' greedy tokens on the hf_gpt2 fixture, graph
+** on and off, to the end of its context. */
 #include <kiln.h>
+#include <kiln_io.h>
 #include <kiln_nn.h>
 
 #include <math.h>
@@ -47,6 +49,32 @@ static kiln_module *model(kiln_device dev) {
     return NULL;
   }
   return m;
+}
+
+/* transformers' greedy generate (tests/fixtures/hf_gpt2, scripts' fixture) on the device. */
+static void hf_parity(kiln_device dev) {
+  const char *src = getenv("KILN_SOURCE_DIR");
+  char dir[4096], path[4200];
+  snprintf(dir, sizeof dir, "%s/tests/fixtures/hf_gpt2", src ? src : ".");
+  snprintf(path, sizeof path, "%s/generate.safetensors", dir);
+  kiln_dict *ref = kiln_safetensors_load(path, dev);
+  kiln_module *m = ref ? kiln_gpt_from_hf(dir, NULL, KILN_F32, dev) : NULL;
+  CHECK(ref && m);
+  for (int i = 0; m && i < 2; i++) {
+    kiln_scope_begin();
+    kiln_module_eval(m);
+    kiln_sample_opts o = kiln_sample_opts_default();
+    o.greedy = true;
+    o.graph = i ? KILN_GEN_GRAPH_ON : KILN_GEN_GRAPH_OFF;
+    kiln_tensor *out = kiln_gpt_generate(m, kiln_dict_get(ref, "prompt"), 20, &o, NULL);
+    CHECK(ids_equal(out, kiln_dict_get(ref, "out")));
+    kiln_tensor *lp = kiln_narrow(kiln_dict_get(ref, "out_long"), 1, 0, 4);
+    kiln_tensor *lng = kiln_gpt_generate(m, lp, 28, &o, NULL); /* to the full context, 32 */
+    CHECK(ids_equal(lng, kiln_dict_get(ref, "out_long")));
+    kiln_scope_end();
+  }
+  kiln_module_free(m);
+  kiln_dict_free(ref);
 }
 
 int main(void) {
@@ -111,6 +139,7 @@ int main(void) {
   kiln_scope_end();
   kiln_module_free(mc);
   kiln_module_free(mg);
+  hf_parity(cuda);
   printf("%d failures\n", failures);
   return failures ? 1 : 0;
 }

@@ -219,6 +219,30 @@ typedef struct kiln__view {
   /* element r*S + s; the first class j with cdf[j] > u * total (f64 prefix sums in */    \
   /* class order; without replacement, the classes drawn so far weigh 0) */               \
   X(MULTINOMIAL, "multinomial")                                                           \
+  /* ---- decoding with a KV cache (issue 16, generation) ---- */                         \
+  /* in0 src, in1 index (i64, src's size along dim i0, contiguous or strided 1-d) -> */   \
+  /* out0 dst, written in place: dst[.., index[t], ..] = src[.., t, ..] along dim i0 */   \
+  /* (src has dst's ndim and shape but along i0). An index outside [0, dst size) is */    \
+  /* KILN_ERR_INDEX (CUDA: the device flag; that slice is skipped). */                    \
+  X(INDEX_COPY, "index_copy")                                                             \
+  /* in0 q (B, H, Tq, D), in1 k (B, H, M, D), in2 v (B, H, M, Dv), in3 len (i64, n = */    \
+  /* i0 elements, 1 or B; strided 1-d) -> out0 (B, H, Tq, Dv); s0 scale. Query i of */   \
+  /* row b attends keys j <= len[b] - Tq + i (len[b] <= M, else KILN_ERR_INDEX / the */  \
+  /* device flag); no key gives 0. f64 accumulation on the CPU (the reference). */         \
+  X(KV_ATTENTION, "kv_attention")                                                         \
+  /* in0 logits (N, V) float, in1 rng (2 i64: seed, offset) -> out0 (N) i64: one draw */  \
+  /* per row after temperature s0, top-k i0 (0 off), top-p s1 (1 off), with weights in */ \
+  /* 2^-32 fixed point (kiln.h, kiln_sample_tokens: the exact rule; cpu_kv.c) */           \
+  X(SAMPLE_TOKENS, "sample_tokens")                                                       \
+  /* in0 x (R, N), in1 r (R, N) (stride 0 where broadcast), then the weight (N) when i0 */ \
+  /* flag 1 and the bias (N) when flag 2 -> out0 y (R, N) = layer_norm(s) over N, out1 */   \
+  /* s = x + r rounded to the dtype (the norm reads the rounded s); s0 eps */              \
+  X(ADD_LAYER_NORM, "add_layer_norm")                                                     \
+  /* in0 x (M, K), in1 weight (N, K), optional in2 bias (N) (i0 flag 1) -> out0 (M, N) = */ \
+  /* x W^T + b rounded to the dtype, then the tanh GELU when i1 is 1 (rounded again); */  \
+  /* for few rows M (a decode step): CUDA only (M <= 16, unit column strides, 16-byte */  \
+  /* aligned rows, f32/f16/bf16: its supports()); elsewhere the op composes LINEAR, GELU */ \
+  X(LINEAR_DECODE, "linear_decode")                                                       \
   /* ---- convolution (issue 15) ---- */                                                 \
   /* convolution's unfold (a->params: kiln__conv_params; kernel, stride, padding */       \
   /* before, dilation): in0 x (N, C, H, W) -> out0 cols (N, C, kh, kw, OH, OW), */         \

@@ -2,15 +2,20 @@
 ** that appends to it, logit filters (temperature, top-k, top-p) and sampling, and
 ** kiln_gpt_generate.
 **
-** Two decode paths give the same numbers:
-** - eager: the host knows the position p; the new keys and values are copied into
-**   cache[:, :, p:p+T] and the queries attend cache[:, :, :p+T] (a view), so a step costs
-**   what its prefix costs;
-** - static (for graph capture): one token per row at a position held in a device tensor;
-**   the step writes the cache slot with where(slot == p) over the whole cache and attends
-**   all max_len slots under a mask (slot <= p). Every shape is fixed, nothing is read on
-**   the host, so kiln_graph_capture can record it; the price is attention and the cache
-**   write over max_len slots instead of p + 1.
+** Two forwards over the cache:
+** - eager (the prompt, kiln_gpt_forward_cached): the host knows the position p; the new
+**   keys and values are copied into cache[:, :, p:p+T] and the queries attend
+**   cache[:, :, :p+T] (a view);
+** - the decode step (one token per row, every token after the prompt): its position lives
+**   in a device tensor pos; kiln_index_copy_ writes the new keys and values at slot pos and
+**   kiln_kv_attention attends the slots < pos + 1, a length it reads on the device. Every
+**   shape is fixed for the whole generation and nothing is read on the host, so the step
+**   is recorded once (kiln_graph_capture: a CUDA graph) and replayed per token; where there
+**   is no device graph (the CPU) or graphs are off, the same step runs eagerly, so the
+**   tokens are the same either way. Greedy decoding without eos also takes the argmax
+**   inside the step and writes the token into the output and the next step's input, so a
+**   token costs one replay and no host work; sampling (and eos) reads the step's logits
+**   and samples after it.
 **
 ** The ATTENTION kernel's causal flag lines query i up with key i (top-left), which is right
 ** only when Tq == Tk; a prefix of queries that starts at p > 0 is given an explicit mask
@@ -24,17 +29,18 @@
 struct kiln_kv_cache {
   int64_t n_layer, batch, max_len, n_head, head_dim;
   int64_t len;       /* positions filled (eager path; the static path advances it too) */
-  kiln_tensor **k;   /* per layer (B, H, max_len, D), owned; NULL until the first write */
-  kiln_tensor **v;
+  /* per layer (2, B, H, max_len, D), keys then values, so that the decode step writes both
+  ** with one index_copy_; k[l] and v[l] are its two halves (views). Owned; NULL until the
+  ** first write. */
+  kiln_tensor **kv, **k, **v;
 };
 
 /* What a cached forward needs besides the input. */
 typedef struct kv_step {
   kiln_kv_cache *c;
   int64_t pos;          /* eager: the first new position */
-  kiln_tensor *pos_dev; /* static: (1) i64, the position of the one new token; NULL: eager */
-  kiln_tensor *slot;    /* static: (1, 1, max_len, 1) bool, slot == pos */
-  kiln_tensor *valid;   /* static: (1, 1, 1, max_len) bool, slot <= pos */
+  kiln_tensor *pos_dev; /* decode step: (1) i64, the position of the one new token; NULL: eager */
+  kiln_tensor *len_dev; /* decode step: (1) i64, pos + 1: the slots valid once it is written */
 } kv_step;
 
 static bool is_gpt(const kiln_module *m) {
@@ -55,11 +61,12 @@ kiln_kv_cache *kiln_kv_cache_new(const kiln_module *gpt, int64_t batch, int64_t 
   }
   kiln_kv_cache *c = calloc(1, sizeof *c);
   if (c) {
+    c->kv = calloc((size_t)cfg->n_layer, sizeof *c->kv);
     c->k = calloc((size_t)cfg->n_layer, sizeof *c->k);
     c->v = calloc((size_t)cfg->n_layer, sizeof *c->v);
   }
-  if (!c || !c->k || !c->v) {
-    if (c) free(c->k), free(c->v);
+  if (!c || !c->kv || !c->k || !c->v) {
+    if (c) free(c->kv), free(c->k), free(c->v);
     free(c);
     kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
     return NULL;
@@ -77,7 +84,9 @@ void kiln_kv_cache_free(kiln_kv_cache *c) {
   for (int64_t l = 0; l < c->n_layer; l++) {
     kiln_tensor_free(c->k[l]);
     kiln_tensor_free(c->v[l]);
+    kiln_tensor_free(c->kv[l]);
   }
+  free(c->kv);
   free(c->k);
   free(c->v);
   free(c);
@@ -93,11 +102,26 @@ void kiln_kv_cache_reset(kiln_kv_cache *c) {
 ** (under autocast the keys are bf16/f16 while the weights are f32). Zeroed, so the masked
 ** slots of the static path hold finite values. */
 static kiln_status cache_ensure(kiln_kv_cache *c, int64_t l, kiln_tensor *k) {
-  if (c->k[l]) return KILN_OK;
-  const int64_t shape[4] = {c->batch, c->n_head, c->max_len, c->head_dim};
-  c->k[l] = kiln_keep(kiln_zeros(4, shape, kiln_dtype_of(k), kiln_device_of(k)));
-  c->v[l] = kiln_keep(kiln_zeros(4, shape, kiln_dtype_of(k), kiln_device_of(k)));
+  if (c->kv[l]) return KILN_OK;
+  const int64_t shape[5] = {2, c->batch, c->n_head, c->max_len, c->head_dim};
+  c->kv[l] = kiln_keep(kiln_zeros(5, shape, kiln_dtype_of(k), kiln_device_of(k)));
+  if (!c->kv[l]) return kiln_last_error();
+  c->k[l] = kiln_keep(kiln_select(c->kv[l], 0, 0));
+  c->v[l] = kiln_keep(kiln_select(c->kv[l], 0, 1));
   return c->k[l] && c->v[l] ? KILN_OK : kiln_last_error();
+}
+
+/* A Linear child of m on x, with the tanh GELU after it when gelu: one kiln_linear_decode
+** in the decode step (s->pos_dev set: one token a row, a pass over the weight), else the
+** module's forward (and GELU). */
+static kiln_tensor *lin(kiln_module *m, const char *name, kiln_tensor *x, const kv_step *s, bool gelu) {
+  kiln_module *l = kiln_module_child(m, name);
+  if (!s->pos_dev) {
+    kiln_tensor *y = kiln_module_forward(l, x);
+    return gelu ? kiln_gelu_tanh(y) : y;
+  }
+  const kiln_gpt_config *cfg = kiln_gpt_config_of(m);
+  return kiln_linear_decode(x, kiln_module_param(l, "weight"), cfg->bias ? kiln_module_param(l, "bias") : NULL, gelu);
 }
 
 /* Causal self-attention of a GPT attention module with the cache of layer l.
@@ -106,7 +130,7 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
   const kiln_gpt_config *cfg = kiln_gpt_config_of(m);
   const int64_t C = cfg->n_embd, H = cfg->n_head, D = C / H;
   const int64_t B = kiln_size(x, 0), T = kiln_size(x, 1);
-  kiln_tensor *qkv = kiln_module_forward(kiln_module_child(m, "c_attn"), x); /* (B, T, 3C) */
+  kiln_tensor *qkv = lin(m, "c_attn", x, s, false); /* (B, T, 3C) */
   if (!qkv) return NULL;
   kiln_tensor *part[3];
   if (kiln_split(qkv, C, 2, part, 3) != 3) return NULL;
@@ -116,11 +140,12 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
   kiln_kv_cache *c = s->c;
   if (cache_ensure(c, l, part[1]) != KILN_OK) return NULL;
   kiln_tensor *K = c->k[l], *V = c->v[l], *y;
-  if (s->pos_dev) { /* static: write slot pos of every row, attend the slots <= pos */
-    kiln_status st = kiln_copy_(K, kiln_where(s->slot, part[1], K));
-    if (st == KILN_OK) st = kiln_copy_(V, kiln_where(s->slot, part[2], V));
-    if (st != KILN_OK) return NULL;
-    y = kiln_scaled_dot_product_attention(part[0], K, V, s->valid, false, 0.0, 0.0, NULL);
+  if (s->pos_dev) { /* decode step: write slot pos of every row, attend the slots <= pos */
+    /* the new keys and values as one (2, B, H, T, D) view of qkv[..., C:3C] */
+    kiln_tensor *kv_new = kiln_permute(kiln_view(kiln_narrow(qkv, 2, C, 2 * C), KILN_SHAPE(B, T, 2, H, D)), 5,
+                                       (const int[]){2, 0, 3, 1, 4});
+    if (kiln_index_copy_(c->kv[l], 3, s->pos_dev, kv_new) != KILN_OK) return NULL;
+    y = kiln_kv_attention(part[0], K, V, s->len_dev, 0.0);
   } else {
     const int64_t p = s->pos;
     kiln_status st = kiln_copy_(kiln_narrow(K, 2, p, T), part[1]);
@@ -142,7 +167,7 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
     }
   }
   y = kiln_reshape(kiln_transpose(y, 1, 2), KILN_SHAPE(B, T, C)); /* (B, H, T, D) -> (B, T, C) */
-  return kiln_module_forward(kiln_module_child(m, "c_proj"), y);
+  return lin(m, "c_proj", y, s, false);
 }
 
 static kiln_tensor *block_cached(kiln_module *blk, kiln_tensor *x, kv_step *s, int64_t l) {
@@ -153,12 +178,12 @@ static kiln_tensor *block_cached(kiln_module *blk, kiln_tensor *x, kv_step *s, i
   return kiln_add(x, kiln_module_forward(kiln_module_child(blk, "mlp"), b));
 }
 
-/* idx (B, T) -> logits (B, T, V), or (B, 1, V) for the last position only. */
+/* The eager forward (the prompt, kiln_gpt_forward_cached): idx (B, T) at the host-known
+** positions s->pos .. s->pos + T - 1 -> logits (B, T, V), or (B, 1, V) for the last only. */
 static kiln_tensor *gpt_cached(kiln_module *gpt, kiln_tensor *idx, kv_step *s, bool last_only) {
   const kiln_gpt_config *cfg = kiln_gpt_config_of(gpt);
   const int64_t T = kiln_size(idx, 1);
-  kiln_tensor *pos = s->pos_dev ? s->pos_dev
-                                : kiln_arange((double)s->pos, (double)(s->pos + T), 1, KILN_I64, kiln_device_of(idx));
+  kiln_tensor *pos = kiln_arange((double)s->pos, (double)(s->pos + T), 1, KILN_I64, kiln_device_of(idx));
   kiln_tensor *x = kiln_add(kiln_module_forward(kiln_module_child(gpt, "wte"), idx),  /* (B, T, C) */
                             kiln_module_forward(kiln_module_child(gpt, "wpe"), pos)); /* + (T, C) */
   kiln_module *h = kiln_module_child(gpt, "h");
@@ -166,6 +191,39 @@ static kiln_tensor *gpt_cached(kiln_module *gpt, kiln_tensor *idx, kv_step *s, b
   if (x && last_only && T > 1) x = kiln_narrow(x, 1, T - 1, 1);
   x = kiln_module_forward(kiln_module_child(gpt, "ln_f"), x);
   return kiln_linear(x, kiln_module_param(gpt, "wte.weight"), NULL); /* tied lm_head */
+}
+
+/* ln's layer norm of x + r; *sum gets x + r. */
+static kiln_tensor *add_ln(kiln_module *ln, const kiln_gpt_config *cfg, kiln_tensor *x, kiln_tensor *r,
+                           kiln_tensor **sum) {
+  return kiln_add_layer_norm(x, r, kiln_module_param(ln, "weight"), cfg->bias ? kiln_module_param(ln, "bias") : NULL,
+                             KILN__GPT_LN_EPS, sum);
+}
+
+/* The decode step's forward: tok (B, 1) at s->pos_dev -> logits (B, 1, V). Each residual
+** add is fused with the layer norm that reads it (kiln_add_layer_norm): the embedding sum
+** with block 0's ln_1, the attention branch with the block's ln_2, the MLP branch with the
+** next block's ln_1 (ln_f after the last); every product is kiln_linear_decode (one pass
+** over the weight), the MLP's GELU fused into its first. A block is 8 kernels on CUDA. */
+static kiln_tensor *gpt_decode(kiln_module *gpt, kiln_tensor *tok, kv_step *s) {
+  const kiln_gpt_config *cfg = kiln_gpt_config_of(gpt);
+  kiln_module *h = kiln_module_child(gpt, "h");
+  kiln_tensor *x = NULL; /* the residual stream (B, 1, C) */
+  kiln_tensor *a = add_ln(kiln_module_child(kiln_module_child_at(h, 0), "ln_1"), cfg,
+                          kiln_module_forward(kiln_module_child(gpt, "wte"), tok),        /* (B, 1, C) */
+                          kiln_module_forward(kiln_module_child(gpt, "wpe"), s->pos_dev), /* + (1, C) */
+                          &x);
+  for (int64_t l = 0; l < cfg->n_layer && a; l++) {
+    kiln_module *blk = kiln_module_child_at(h, (int)l);
+    kiln_tensor *b = add_ln(kiln_module_child(blk, "ln_2"), cfg, x, attn_cached(kiln_module_child(blk, "attn"), a, s, l),
+                            &x);
+    kiln_module *mlp = kiln_module_child(blk, "mlp"); /* c_fc + GELU, c_proj; no dropout (inference) */
+    kiln_tensor *m = lin(mlp, "c_proj", lin(mlp, "c_fc", b, s, true), s, false);
+    kiln_module *next = l + 1 < cfg->n_layer ? kiln_module_child(kiln_module_child_at(h, (int)l + 1), "ln_1")
+                                             : kiln_module_child(gpt, "ln_f");
+    a = add_ln(next, cfg, x, m, &x);
+  }
+  return kiln_linear_decode(a, kiln_module_param(gpt, "wte.weight"), NULL, false); /* tied lm_head */
 }
 
 /* The checks every cached forward makes; T is the number of new positions. */
@@ -192,7 +250,7 @@ kiln_tensor *kiln_gpt_forward_cached(kiln_module *gpt, kiln_tensor *idx, kiln_kv
   if (!idx) return NULL;
   if (check_cached(gpt, idx, cache, "kiln_gpt_forward_cached") != KILN_OK) return NULL;
   bool prev = kiln_set_grad_enabled(false);
-  kv_step s = {cache, cache->len, NULL, NULL, NULL};
+  kv_step s = {cache, cache->len, NULL, NULL};
   kiln_tensor *y = gpt_cached(gpt, idx, &s, false);
   kiln_set_grad_enabled(prev);
   if (y) cache->len += kiln_size(idx, 1);
@@ -296,27 +354,72 @@ kiln_tensor *kiln_sample_next(kiln_tensor *logits, const kiln_sample_opts *opts,
 
 /* ---- generate ---------------------------------------------------------------------------- */
 
-/* The static decode step, for kiln_graph_capture: reads tok (B, 1) and pos (1), writes the
-** last logits (B, V) f32 and advances pos. */
+/* How the decode step ends: with the next tokens chosen inside it (the argmax, or a draw
+** by kiln_sample_tokens from the RNG state held on the device), written into out and tok,
+** or with the logits for the host to choose from (eos: a finished row must be known). */
+typedef enum step_mode { STEP_ARGMAX, STEP_SAMPLE, STEP_LOGITS } step_mode;
+
+/* The decode step, for kiln_graph_capture: reads tok (B, 1), the tokens at position pos
+** (1); chooses the next tokens into out (B, M) at column pos + 1 and into tok, or writes the
+** last logits (B, V) f32; then advances pos (and the RNG offset after a draw). What it
+** touches outside its own scope is static (owned by generate, out by the caller's scope),
+** so every replay reads and writes the same addresses. */
 typedef struct decode_ctx {
   kiln_module *gpt;
   kiln_kv_cache *cache;
-  kiln_tensor *tok, *pos, *logits; /* static, owned by generate */
+  kiln_tensor *tok, *pos, *logits, *out;
+  kiln_tensor *rng;  /* (2) i64: the generator's (seed, offset) while it draws on the device */
+  step_mode mode;
+  const kiln_sample_opts *opts;
 } decode_ctx;
+
+/* Draws from logits (B, V) with d->rng and advances its offset as kiln_multinomial advances
+** a generator for B draws: (B, 1) i64. */
+static kiln_tensor *draw(decode_ctx *d, kiln_tensor *logits) {
+  const kiln_sample_opts *o = d->opts;
+  kiln_tensor *t = kiln_sample_tokens(logits, d->rng, o->temperature, o->top_k, o->top_p);
+  kiln_tensor *off = kiln_narrow(d->rng, 0, 1, 1);
+  kiln_status st = t ? kiln_copy_(off, kiln_add_scalar(off, (double)((kiln_size(logits, 0) + 1) / 2))) : kiln_last_error();
+  return st == KILN_OK ? kiln_unsqueeze(t, 1) : NULL;
+}
 
 static kiln_status decode_step(void *p) {
   decode_ctx *d = p;
   kiln_scope_begin();
-  const int64_t M = d->cache->max_len;
-  kiln_device dev = kiln_device_of(d->tok);
-  kiln_tensor *slots = kiln_arange(0, (double)M, 1, KILN_I64, dev);
-  kv_step s = {d->cache, 0, d->pos, kiln_view(kiln_eq(slots, d->pos), KILN_SHAPE(1, 1, M, 1)),
-               kiln_view(kiln_le(slots, d->pos), KILN_SHAPE(1, 1, 1, M))};
-  kiln_tensor *y = s.slot && s.valid ? gpt_cached(d->gpt, d->tok, &s, true) : NULL; /* (B, 1, V) */
-  kiln_status st = y ? kiln_copy_(d->logits, kiln_select(y, 1, 0)) : kiln_last_error();
-  if (st == KILN_OK) st = kiln_copy_(d->pos, kiln_add_scalar(d->pos, 1));
+  kiln_tensor *len = kiln_add_scalar(d->pos, 1); /* (1): the slots valid once pos is written */
+  kv_step s = {d->cache, 0, d->pos, len};
+  kiln_tensor *y = len ? kiln_select(gpt_decode(d->gpt, d->tok, &s), 1, 0) : NULL; /* (B, V) */
+  kiln_status st = y ? KILN_OK : kiln_last_error();
+  if (st == KILN_OK && d->mode != STEP_LOGITS) {
+    /* argmax: the first maximum on ties, as kiln_sample_next; 16-bit logits convert to f32
+    ** exactly, so their argmax is the one kiln_sample_next takes after its cast */
+    kiln_tensor *next = d->mode == STEP_ARGMAX ? kiln_argmax(y, 1, true) : draw(d, y); /* (B, 1) */
+    st = next ? kiln_copy_(d->tok, next) : kiln_last_error();
+    if (st == KILN_OK) st = kiln_index_copy_(d->out, 1, len, next);
+  } else if (st == KILN_OK) {
+    st = kiln_copy_(d->logits, y);
+  }
+  if (st == KILN_OK) st = kiln_copy_(d->pos, len);
   kiln_scope_end();
   return st;
+}
+
+/* One decode step: a replay once the graph exists; else the step eagerly (the first one
+** always: it fills the memory cache the capture draws from), then, when graphs are wanted
+** and none was tried yet, the capture (which records the step without running it). Under
+** AUTO a step that cannot be captured (an op on the CPU fallback reads the device) stays
+** eager; under ON that is an error. */
+static kiln_status run_step(decode_ctx *d, kiln_graph **graph, bool *tried, bool want_graph, kiln_gen_graph mode,
+                            kiln_device dev) {
+  if (*graph) return kiln_graph_replay(*graph);
+  kiln_status st = decode_step(d);
+  if (st != KILN_OK || !want_graph || *tried) return st;
+  *tried = true;
+  *graph = kiln_graph_capture(dev, decode_step, d);
+  if (*graph) return KILN_OK;
+  if (mode != KILN_GEN_GRAPH_AUTO) return kiln_last_error();
+  kiln_clear_error();
+  return KILN_OK;
 }
 
 kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new, const kiln_sample_opts *opts,
@@ -355,33 +458,62 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   }
   const int64_t M = T0 + n_new;
   kiln_device dev = kiln_device_of(ids);
-  bool use_graph = opts->graph == KILN_GEN_GRAPH_ON || (opts->graph == KILN_GEN_GRAPH_AUTO && dev.type != KILN_DEVICE_CPU);
+  const bool want_graph =
+      opts->graph == KILN_GEN_GRAPH_ON || (opts->graph == KILN_GEN_GRAPH_AUTO && dev.type != KILN_DEVICE_CPU);
   bool prev = kiln_set_grad_enabled(false);
   kiln_kv_cache *cache = kiln_kv_cache_new(gpt, B, M);
-  decode_ctx d = {gpt, cache, NULL, NULL, NULL};
-  kiln_graph *graph = NULL;
-  bool capture_failed = false;
   /* out lives in the caller's scope (the loop's scopes do not own it) */
   kiln_tensor *out = kiln_zeros(KILN_SHAPE(B, M), KILN_I64, dev), *logits = NULL, *done = NULL;
+  const bool greedy = is_greedy(opts);
+  decode_ctx d = {gpt, cache, NULL, NULL, NULL, out, NULL,
+                  opts->eos_id >= 0 ? STEP_LOGITS : greedy ? STEP_ARGMAX : STEP_SAMPLE, opts};
+  kiln_generator *g = gen ? gen : kiln_generator_global();
+  uint64_t seed = 0, off0 = 0;
+  int64_t n_draws = 0; /* draws made on the device: the generator advances by them at the end */
+  kiln_graph *graph = NULL;
+  bool tried = false;
   kiln_status st = cache && out ? kiln_copy_(kiln_narrow(out, 1, 0, T0), ids) : kiln_last_error();
   int64_t n_done = 0;
   if (st == KILN_OK && n_new > 0) { /* the prompt in one pass */
     kiln_scope_begin();
-    kv_step s = {cache, 0, NULL, NULL, NULL};
+    kv_step s = {cache, 0, NULL, NULL};
     logits = kiln_keep(kiln_select(gpt_cached(gpt, ids, &s, true), 1, 0)); /* (B, V) */
     kiln_scope_end();
     cache->len = T0;
     if (!logits) st = kiln_last_error();
   }
-  if (st == KILN_OK && n_new > 0 && use_graph) {
+  if (st == KILN_OK && n_new > 0) {
     d.tok = kiln_keep(kiln_zeros(KILN_SHAPE(B, 1), KILN_I64, dev));
     d.pos = kiln_keep(kiln_full(KILN_SHAPE(1), (double)T0, KILN_I64, dev));
-    d.logits = kiln_keep(kiln_zeros(KILN_SHAPE(B, kiln_size(logits, 1)), KILN_F32, dev));
-    if (!d.tok || !d.pos || !d.logits) st = kiln_last_error();
+    if (d.mode == STEP_LOGITS) d.logits = kiln_keep(kiln_zeros(KILN_SHAPE(B, kiln_size(logits, 1)), KILN_F32, dev));
+    if (!greedy) { /* the generator's state moves to the device for the whole generation */
+      kiln_generator_get_state(g, &seed, &off0);
+      int64_t state[2];
+      memcpy(&state[0], &seed, sizeof seed);
+      memcpy(&state[1], &off0, sizeof off0);
+      d.rng = kiln_keep(kiln_from_data(state, KILN_SHAPE(2), KILN_I64, dev));
+    }
+    if (!d.tok || !d.pos || (d.mode == STEP_LOGITS && !d.logits) || (!greedy && !d.rng)) st = kiln_last_error();
   }
-  while (st == KILN_OK && n_done < n_new) {
+  if (st == KILN_OK && n_new > 0 && d.mode != STEP_LOGITS) {
+    /* the first token from the prompt's logits, then one step per token: the step chooses
+    ** the next token and writes it into out and tok itself, so the host only launches */
     kiln_scope_begin();
-    kiln_tensor *tok = kiln_sample_next(logits, opts, gen); /* (B) i64 */
+    kiln_tensor *tok = greedy ? kiln_unsqueeze(kiln_sample_next(logits, opts, gen), 1) : draw(&d, logits); /* (B, 1) */
+    n_draws += !greedy;
+    st = tok ? kiln_copy_(kiln_narrow(out, 1, T0, 1), tok) : kiln_last_error();
+    if (st == KILN_OK) st = kiln_copy_(d.tok, tok);
+    kiln_scope_end();
+    for (n_done = 1; st == KILN_OK && n_done < n_new; n_done++) {
+      st = run_step(&d, &graph, &tried, want_graph, opts->graph, dev);
+      cache->len++;
+      n_draws += !greedy;
+    }
+  }
+  while (st == KILN_OK && d.mode == STEP_LOGITS && n_done < n_new) {
+    kiln_scope_begin();
+    kiln_tensor *tok = greedy ? kiln_sample_next(logits, opts, gen) : kiln_squeeze(draw(&d, logits), 1); /* (B) i64 */
+    n_draws += !greedy;
     if (tok && opts->eos_id >= 0) { /* a finished row repeats eos */
       kiln_tensor *eos = kiln_scalar((double)opts->eos_id, KILN_I64, dev);
       if (done) tok = kiln_where(done, eos, tok);
@@ -400,31 +532,10 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
       if (!all) st = kiln_last_error();
     }
     if (st == KILN_OK && !stop) {
-      kiln_tensor *next = NULL;
-      if (use_graph) {
-        st = kiln_copy_(d.tok, kiln_unsqueeze(tok, 1));
-        if (st == KILN_OK && !graph && !capture_failed) { /* first step eager (warms the memory cache), then capture */
-          st = decode_step(&d);
-          if (st == KILN_OK && !(graph = kiln_graph_capture(dev, decode_step, &d))) {
-            /* AUTO: a step that cannot be captured (an op on the CPU fallback reads the
-            ** device) runs eagerly instead; a failed capture ran nothing */
-            if (opts->graph == KILN_GEN_GRAPH_AUTO) capture_failed = true, kiln_clear_error();
-            else st = kiln_last_error();
-          }
-        } else if (st == KILN_OK) {
-          st = graph ? kiln_graph_replay(graph) : decode_step(&d);
-        }
-        next = d.logits;
-      } else {
-        kv_step s = {cache, cache->len, NULL, NULL, NULL};
-        next = kiln_select(gpt_cached(gpt, kiln_unsqueeze(tok, 1), &s, true), 1, 0);
-        if (!next) st = kiln_last_error();
-      }
+      st = kiln_copy_(d.tok, kiln_unsqueeze(tok, 1));
+      if (st == KILN_OK) st = run_step(&d, &graph, &tried, want_graph, opts->graph, dev);
       cache->len++;
-      if (st == KILN_OK && next != d.logits) {
-        kiln_tensor_free(logits);
-        logits = kiln_keep(next);
-      } else if (st == KILN_OK && logits != d.logits) {
+      if (st == KILN_OK && logits != d.logits) {
         kiln_tensor_free(logits);
         logits = d.logits; /* borrowed from here on */
       }
@@ -438,7 +549,9 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   kiln_tensor_free(d.tok);
   kiln_tensor_free(d.pos);
   kiln_tensor_free(d.logits);
+  kiln_tensor_free(d.rng);
   kiln_kv_cache_free(cache);
+  if (n_draws > 0) kiln_generator_set_state(g, seed, off0 + (uint64_t)n_draws * (uint64_t)((B + 1) / 2));
   kiln_set_grad_enabled(prev);
   if (st != KILN_OK) {
     if (kiln_scope_depth() == 0) kiln_tensor_free(out); /* no scope: it was ours to free */

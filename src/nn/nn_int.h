@@ -14,6 +14,10 @@
 /* The module's vtable (identifies kiln's own layer types exactly, for fusions). */
 const kiln_module_vtable *kiln__module_vtable(const kiln_module *m);
 
+/* The eps of kiln_gpt_new's LayerNorms (GPT-2's layer_norm_epsilon); generate.c's fused
+** decode step uses it too. */
+#define KILN__GPT_LN_EPS 1e-5
+
 /* The module's label for the module scope ("layers.0 (Linear)"; the root: its type
 ** name), interned: it outlives the module. */
 const char *kiln__module_label(kiln_module *m);

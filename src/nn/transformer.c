@@ -309,9 +309,9 @@ kiln_module *kiln_gpt_block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_
   kiln_module *m = gpt_module(&block_vt, cfg, dt, "kiln_gpt_block_new");
   if (!m) return NULL;
   const int64_t C = cfg->n_embd;
-  kiln_status st = kiln_module_add_child(m, "ln_1", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  kiln_status st = kiln_module_add_child(m, "ln_1", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
   if (st == KILN_OK) st = kiln_module_add_child(m, "attn", kiln_causal_self_attention_new(cfg, dt, dev, gen));
-  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_2", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_2", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
   if (st == KILN_OK) st = kiln_module_add_child(m, "mlp", kiln_gpt_mlp_new(cfg, dt, dev, gen));
   return st == KILN_OK ? m : fail(m);
 }
@@ -342,6 +342,6 @@ kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device
   if (st == KILN_OK) st = kiln_module_add_child(m, "h", h);
   for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++)
     st = kiln_sequential_append(h, kiln_gpt_block_new(cfg, dt, dev, gen));
-  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_f", kiln_layer_norm_new(C, 1e-5, cfg->bias, dt, dev));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "ln_f", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
   return st == KILN_OK ? m : fail(m);
 }

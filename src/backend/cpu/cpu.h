@@ -61,5 +61,9 @@ kiln_status kiln__cpu_cumsum(const kiln__kargs *a);     /* cpu_scan.c */
 kiln_status kiln__cpu_tril(const kiln__kargs *a);
 kiln_status kiln__cpu_topk(const kiln__kargs *a);
 kiln_status kiln__cpu_multinomial(const kiln__kargs *a);
+kiln_status kiln__cpu_index_copy(const kiln__kargs *a);   /* cpu_kv.c */
+kiln_status kiln__cpu_kv_attention(const kiln__kargs *a);
+kiln_status kiln__cpu_sample_tokens(const kiln__kargs *a);
+kiln_status kiln__cpu_add_layer_norm(const kiln__kargs *a);
 
 #endif /* KILN_CPU_H */

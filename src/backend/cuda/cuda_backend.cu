@@ -467,6 +467,12 @@ static constexpr bool kc_is_transformer(kiln__kop op) {
          op == KILN__K_TRIL || op == KILN__K_TOPK || op == KILN__K_MULTINOMIAL;
 }
 
+/* Decoding with a KV cache (cuda_kv.cu, issue 16's generation). */
+static constexpr bool kc_is_kv(kiln__kop op) {
+  return op == KILN__K_INDEX_COPY || op == KILN__K_KV_ATTENTION || op == KILN__K_SAMPLE_TOKENS ||
+         op == KILN__K_ADD_LAYER_NORM || op == KILN__K_LINEAR_DECODE;
+}
+
 static constexpr bool kc_is_conv(kiln__kop op) {
   return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
          op == KILN__K_CONV2D || op == KILN__K_CONV2D_BACKWARD_DATA ||
@@ -496,6 +502,7 @@ static bool cuda_supports(const kiln__kargs *a) {
     return kiln__cuda_index_supports(a);
   case KILN__K_AMP_UNSCALE: case KILN__K_AMP_UPDATE_SCALE: return kiln__cuda_amp_supports(a);
   default:
+    if (kc_is_kv(a->op)) return kiln__cuda_kv_supports(a);
     if (kc_is_transformer(a->op)) return kiln__cuda_transformer_supports(a);
     if (kc_is_conv(a->op)) return kiln__cuda_conv_supports(a);
     return kiln__cuda_elementwise_supports(a);
@@ -545,6 +552,7 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
   ** kiln__dispatch_has) instead of the elementwise family, the catch-all for the ops up
   ** to ADAM_MULTI, taking ops it does not know. */
   return op == KILN__K_AMP_UNSCALE || op == KILN__K_AMP_UPDATE_SCALE ? kc_entry<kiln__cuda_amp>
+         : kc_is_kv(op) ? kc_entry<kiln__cuda_kv>
          : kc_is_transformer(op) ? kc_entry<kiln__cuda_transformer>
          : kc_is_conv(op) ? kc_entry<kiln__cuda_conv>
          : op == KILN__K_SGD_MULTI ? kc_entry<kiln__cuda_sgd_multi>

@@ -77,6 +77,8 @@ kiln_status kiln__cuda_capture_note(int device, const void *p, size_t n);
 /* ---- kernel families ---- */
 kiln_status kiln__cuda_elementwise(const kiln__kargs *a); /* copy..where */
 bool kiln__cuda_elementwise_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_kv(const kiln__kargs *a); /* the decode step's ops (cuda_kv.cu) */
+bool kiln__cuda_kv_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_random(const kiln__kargs *a);
 bool kiln__cuda_random_supports(const kiln__kargs *a);
 kiln_status kiln__cuda_reduce(const kiln__kargs *a);

@@ -335,49 +335,9 @@ static const kiln__op op_batch_norm_bwd = {
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
-/* The rule composed of public ops, for a backward that records a graph (create_graph):
-** training recomputes the statistics from x so that they carry their own gradient. */
-static kiln_status bnk_backward_composed(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  const attrs_bn *p = n->attrs;
-  kiln_tensor *x = n->saved[0], *w = n->saved[1], *stats = n->saved[2];
-  int nd = x->ndim, dims[KILN_MAX_DIMS], k = 0;
-  for (int d = 0; d < nd; d++)
-    if (d != 1) dims[k++] = d;
-  kiln_dtype ct = is_half(x->dtype) ? KILN_F32 : x->dtype;
-  kiln_tensor *xf = x->dtype != ct ? kiln_to_dtype(x, ct) : x, *gf = g->dtype != ct ? kiln_to_dtype(g, ct) : g;
-  kiln_tensor *mean, *inv;
-  if (p->training) {
-    mean = kiln_mean(xf, k, dims, true);
-    inv = kiln_rsqrt(kiln_add_scalar(kiln_var(xf, k, dims, 0, true), p->eps));
-  } else {
-    int64_t C = x->shape[1];
-    mean = per_channel(kiln_reshape(kiln_narrow(stats, 0, 0, 1), KILN_SHAPE(C)), nd, ct);
-    inv = per_channel(kiln_reshape(kiln_narrow(stats, 0, 1, 1), KILN_SHAPE(C)), nd, ct);
-  }
-  kiln_tensor *xhat = kiln_mul(kiln_sub(xf, mean), inv);
-  kiln_tensor *gw = w ? kiln_mul(gf, per_channel(w, nd, ct)) : gf;
-  kiln_tensor *dx = p->training ? kiln_mul(kiln_sub(kiln_sub(gw, kiln_mean(gw, k, dims, true)),
-                                                    kiln_mul(xhat, kiln_mean(kiln_mul(gw, xhat), k, dims, true))),
-                                           inv)
-                                : kiln_mul(gw, inv);
-  if (n->needs[0] && kiln__give_grad(&gi[0], dx && dx->dtype != x->dtype ? kiln_to_dtype(dx, x->dtype) : dx, g) != KILN_OK)
-    return kiln_last_error();
-  int64_t C = x->shape[1];
-  if (n->n_in > 3 && n->needs[3]) {
-    kiln_tensor *dw = kiln_reshape(kiln_sum(kiln_mul(gf, xhat), k, dims, false), KILN_SHAPE(C));
-    if (kiln__give_grad(&gi[3], dw && dw->dtype != n->in_dtype[3] ? kiln_to_dtype(dw, n->in_dtype[3]) : dw, g) != KILN_OK)
-      return kiln_last_error();
-  }
-  if (n->n_in > 4 && n->needs[4]) {
-    kiln_tensor *db = kiln_reshape(kiln_sum(gf, k, dims, false), KILN_SHAPE(C));
-    if (kiln__give_grad(&gi[4], db && db->dtype != n->in_dtype[4] ? kiln_to_dtype(db, n->in_dtype[4]) : db, g) != KILN_OK)
-      return kiln_last_error();
-  }
-  return KILN_OK;
-}
-
+/* The rule: one BATCH_NORM_BACKWARD (the engine runs rules with grad mode off, so the
+** gradient itself is not differentiated further, as for every kernel-backed rule). */
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  if (kiln_grad_enabled()) return bnk_backward_composed(n, g, gi);
   kiln_tensor *in[4] = {n->saved[0], g, n->saved[2], n->saved[1]};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
   if (!kiln__op_call(&op_batch_norm_bwd, 4, in, n->attrs, out)) return kiln_last_error();

@@ -71,8 +71,8 @@ static void bn_runs(const bn_ctx *k, int64_t c0, int64_t c1, bn_run_fn fn, void 
 typedef struct bn_acc {
   int64_t c0;
   double *p, *q; /* forward: sum, then squared deviations; backward: sum g, sum g (x - mean) */
-  const double *mean, *scale, *shift; /* pass inputs (scale/shift: y = scale x + shift) */
-  const double *cg, *cx;              /* backward: dx = scale g + cx x + shift */
+  const double *mean, *scale, *shift; /* pass inputs: y = (x - mean) scale + shift */
+  const double *cx;                   /* backward: dx = scale g + cx (x - mean) + shift */
 } bn_acc;
 
 static void run_sum(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t len, void *u) {
@@ -110,7 +110,7 @@ static void run_norm(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t l
   kiln__cpu_load(buf, KILN_F64, at3(k->x, n, c, s), run_bst(k, k->x), k->x->dtype, len);
   for (int64_t i = 0; i < len; i++) {
     int64_t j = c - A->c0 + (k->cl ? i : 0);
-    buf[i] = buf[i] * A->scale[j] + A->shift[j];
+    buf[i] = (buf[i] - A->mean[j]) * A->scale[j] + A->shift[j];
   }
   kiln__cpu_store(at3(k->y, n, c, s), run_bst(k, k->y), k->y->dtype, buf, KILN_F64, len);
 }
@@ -134,7 +134,7 @@ static void run_dx(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t len
   kiln__cpu_load(gb, KILN_F64, at3(k->g, n, c, s), run_bst(k, k->g), k->g->dtype, len);
   for (int64_t i = 0; i < len; i++) {
     int64_t j = c - A->c0 + (k->cl ? i : 0);
-    gb[i] = A->scale[j] * gb[i] + A->cx[j] * xb[i] + A->shift[j];
+    gb[i] = A->scale[j] * gb[i] + A->cx[j] * (xb[i] - A->mean[j]) + A->shift[j];
   }
   kiln__cpu_store(at3(k->y, n, c, s), run_bst(k, k->y), k->y->dtype, gb, KILN_F64, len);
 }
@@ -154,7 +154,7 @@ static void fwd_items(void *vctx, int64_t lo, int64_t hi) {
     int64_t c0, c1;
     item_range(k, t, &c0, &c1);
     int64_t nc = c1 - c0;
-    bn_acc A = {c0, p, q, mean, scale, shift, NULL, NULL};
+    bn_acc A = {c0, p, q, mean, scale, shift, NULL};
     for (int64_t j = 0; j < nc; j++) p[j] = q[j] = 0;
     double invstd[BN_CB];
     if (k->train) {
@@ -185,7 +185,7 @@ static void fwd_items(void *vctx, int64_t lo, int64_t hi) {
       kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, invstd[j]);
       double w = k->w ? vec_get(k->w, c) : 1.0, b = k->b ? vec_get(k->b, c) : 0.0;
       scale[j] = w * invstd[j];
-      shift[j] = b - mean[j] * scale[j];
+      shift[j] = b; /* y = (x - mean) scale + b: no cancellation of large means */
     }
     bn_runs(k, c0, c1, run_norm, &A);
   }
@@ -202,7 +202,7 @@ static void bwd_items(void *vctx, int64_t lo, int64_t hi) {
     int64_t c0, c1;
     item_range(k, t, &c0, &c1);
     int64_t nc = c1 - c0;
-    bn_acc A = {c0, p, q, mean, scale, shift, scale, cx};
+    bn_acc A = {c0, p, q, mean, scale, shift, cx};
     double invstd[BN_CB];
     for (int64_t j = 0; j < nc; j++) {
       int64_t c = c0 + j;
@@ -218,9 +218,9 @@ static void bwd_items(void *vctx, int64_t lo, int64_t hi) {
       vec_set(&a->out[1], c, dw);
       vec_set(&a->out[2], c, p[j]);
       if (k->train && M > 0) {
-        /* dx = kk (g - sum(g)/M - xhat sum(g xhat)/M) = kk g + cx x + shift */
+        /* dx = kk (g - sum(g)/M - xhat sum(g xhat)/M) = kk g + cx (x - mean) + shift */
         cx[j] = -kk * invstd[j] * dw / M;
-        shift[j] = -kk * p[j] / M - cx[j] * mean[j];
+        shift[j] = -kk * p[j] / M;
       } else {
         cx[j] = shift[j] = 0;
       }

@@ -381,15 +381,19 @@ __global__ void __launch_bounds__(BN_THREADS)
   }
   for (int64_t v = v0; v < inner; v += step) {
     A mean[V], kk[V], pp[V], qq[V];
+    if (CL) {
+      /* the V channels' coefficients as vectors: C % V == 0 keeps each row of coef aligned */
+      typedef Pack<A, V> PA;
+      const int64_t c0 = v * V;
+      PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
+         pp2 = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
+      PA pq;
+      if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
 #pragma unroll
-    for (int i = 0; i < V; i++) {
-      if (CL) {
-        int64_t c = v * V + i;
-        mean[i] = coef[c], kk[i] = coef[C + c], pp[i] = coef[2 * C + c];
-        qq[i] = BW ? coef[3 * C + c] : (A)0;
-      } else {
-        mean[i] = mean_c, kk[i] = k_c, pp[i] = p_c, qq[i] = q_c;
-      }
+      for (int i = 0; i < V; i++) mean[i] = pm.v[i], kk[i] = pk.v[i], pp[i] = pp2.v[i], qq[i] = BW ? pq.v[i] : (A)0;
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; i++) mean[i] = mean_c, kk[i] = k_c, pp[i] = p_c, qq[i] = q_c;
     }
     Pack<T, V> out;
     if (!BW) {
@@ -483,7 +487,8 @@ struct P1 {
 };
 template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
   P1 p;
-  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * 4;
+  /* enough blocks to fill every SM (8 resident blocks of 256 threads each) */
+  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * 8;
   if (!cl) {
     int64_t elems = G.N * G.S;
     int64_t splits = (target + G.C - 1) / G.C;

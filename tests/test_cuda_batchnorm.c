@@ -8,7 +8,8 @@
 **    (NCHW, channels-last, a channel slice, a misaligned start, a stride-0 batch, (N, C),
 **    (N, C, L)), shapes that take each vector width (S or C divisible by 8, 4, neither),
 **    sizes that split a channel over many blocks, f64/f32/f16/bf16 (f32 parameters for
-**    the 16-bit inputs, as under autocast), training with running statistics and eval: y,
+**    the 16-bit inputs, as under autocast), training with running statistics, eval, and
+**    training under a ReLU (its backward folded into BATCH_NORM_BACKWARD's mask): y,
 **    the running statistics, dx, dweight, dbias. Channels-last in, channels-last out.
 ** 3. A mean of 1000 beside a spread of 1 over 200k values per channel, f32: against the
 **    CPU's two-pass f64 statistics.
@@ -64,14 +65,15 @@ static void bc_vs_cpu(void) {
   static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int di = 0; di < 4; di++)
-      for (int mode = 0; mode < 2; mode++) {
+      for (int mode = 0; mode < 3; mode++) {
         bn_spec sp = {0};
         sp.ndim = shapes[si].ndim;
         memcpy(sp.shape, shapes[si].shape, sizeof sp.shape);
         sp.layout = shapes[si].layout;
         sp.dt = dts[di];
         sp.pdt = dts[di] == KILN_F64 ? KILN_F64 : KILN_F32;
-        sp.train = mode == 0;
+        sp.train = mode != 1;
+        sp.relu = mode == 2; /* the ReLU's backward folded into the kernel's */
         sp.offset = 1.5;
         sp.seed = 500 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode;
         bn_out gpu, cpu;
@@ -80,7 +82,7 @@ static void bc_vs_cpu(void) {
           double rt, at;
           bc_tol(sp.dt, &rt, &at);
           bn_compare("cuda vs cpu", &sp, &gpu, &cpu, rt, at);
-          if (sp.layout == BN_CL && sp.ndim == 4)
+          if (sp.layout == BN_CL && sp.ndim == 4 && !sp.relu) /* relu makes its own layout */
             H_CHECK(gpu.cl_y && gpu.cl_dx, "cuda channels-last %s: y and dx channels-last (%d, %d)",
                     kiln_dtype_name(sp.dt), gpu.cl_y, gpu.cl_dx);
         }
@@ -89,7 +91,7 @@ static void bc_vs_cpu(void) {
 }
 
 static void bc_offset(void) {
-  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77};
+  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false};
   bn_out gpu, cpu;
   if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu))
     bn_compare("mean 1000, spread 1: cuda vs cpu", &sp, &gpu, &cpu, 1e-4, 1e-5);

@@ -10,7 +10,9 @@
 **    layouts (contiguous, channels-last, a channel slice, a misaligned start, a stride-0
 **    batch) and modes (training with running statistics, eval): y, the running
 **    statistics, dx, dweight, dbias.
-** 3. What a value check cannot see: the kernels ran (a dispatch observer), a
+**    With a ReLU after it (mode 3): the ReLU's backward folded into the kernel's.
+** 3. What a value check cannot see: the kernels ran (a dispatch observer; after a ReLU, no
+**    ReLU-backward kernel), a
 **    channels-last input gives channels-last y and dx, a mean of 1e4 beside a spread of 1
 **    loses nothing, PyTorch's running-statistics rule with bf16 input and f32 buffers.
 ** The runner bn_run is shared with tests/test_cuda_batchnorm.c (CUDA against the CPU).
@@ -110,6 +112,7 @@ typedef struct bn_spec {
   bool train;         /* training with running statistics, else eval */
   double offset;      /* added to x: a mean far from 0 */
   uint64_t seed;
+  bool relu;          /* relu(batch_norm(x)): the ReLU's backward folds into the kernel's */
 } bn_spec;
 
 /* Host values of each result (malloc'd, NULL when missing) and their counts. */
@@ -213,10 +216,11 @@ static bool bn_run(const bn_spec *sp, kiln_device dev, bn_out *o) {
   /* the upstream gradient in x's layout where x has one (its own layout otherwise) */
   if (sp->layout == BN_CL) r = bn_channels_inner(r);
   kiln_tensor *y = kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5);
+  if (sp->relu) y = kiln_relu(y);
   kiln_tensor *ins[3] = {leaf, w, b}, *grads[3] = {NULL, NULL, NULL};
   bool ok = y && kiln_autograd_grad(1, &y, &r, 3, ins, grads) == KILN_OK;
-  H_CHECK(ok, "batch_norm %s %s %s on %s ran: %s", bn_layout_name[sp->layout], kiln_dtype_name(sp->dt),
-          sp->train ? "training" : "eval", kiln__device_cstr(dev), kiln_last_error_message());
+  H_CHECK(ok, "batch_norm %s %s %s%s on %s ran: %s", bn_layout_name[sp->layout], kiln_dtype_name(sp->dt),
+          sp->train ? "training" : "eval", sp->relu ? " + relu" : "", kiln__device_cstr(dev), kiln_last_error_message());
   if (ok) {
     kiln_tensor *res[6] = {y, rm, rvar, grads[0], grads[1], grads[2]};
     for (int k = 0; k < 6; k++) o->v[k] = res[k] ? h_values(res[k], &o->n[k]) : NULL;
@@ -233,9 +237,9 @@ static void bn_compare(const char *what, const bn_spec *sp, const bn_out *got, c
                        double atol) {
   for (int k = 0; k < 6; k++) {
     char name[192];
-    snprintf(name, sizeof name, "%s %s %s %s %s [%lld, %lld, ...]", what, bn_layout_name[sp->layout],
-             kiln_dtype_name(sp->dt), sp->train ? "training" : "eval", bn_out_name[k], (long long)sp->shape[0],
-             (long long)sp->shape[1]);
+    snprintf(name, sizeof name, "%s %s %s %s%s %s [%lld, %lld, ...]", what, bn_layout_name[sp->layout],
+             kiln_dtype_name(sp->dt), sp->train ? "training" : "eval", sp->relu ? " + relu" : "", bn_out_name[k],
+             (long long)sp->shape[0], (long long)sp->shape[1]);
     if (!got->v[k] || !want->v[k] || got->n[k] != want->n[k]) {
       H_CHECK(false, "%s: missing or of different sizes", name);
       continue;
@@ -267,14 +271,15 @@ static void bn_vs_composite(void) {
   int ncase = 0;
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int di = 0; di < 4; di++)
-      for (int mode = 0; mode < 2; mode++) {
+      for (int mode = 0; mode < 3; mode++) {
         bn_spec sp = {0};
         sp.ndim = shapes[si].ndim;
         memcpy(sp.shape, shapes[si].shape, sizeof sp.shape);
         sp.layout = shapes[si].layout;
         sp.dt = dts[di];
         sp.pdt = dts[di] == KILN_F64 ? KILN_F64 : KILN_F32;
-        sp.train = mode == 0;
+        sp.train = mode != 1;
+        sp.relu = mode == 2;
         sp.offset = 2.0;
         sp.seed = 100 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode;
         bn_out nat, comp;
@@ -286,20 +291,20 @@ static void bn_vs_composite(void) {
           double rt, at;
           h_dtype_tol(sp.dt, &rt, &at);
           bn_compare("kernel vs composite", &sp, &nat, &comp, rt * 2, at * 2);
-          if (sp.layout == BN_CL && sp.ndim == 4)
+          if (sp.layout == BN_CL && sp.ndim == 4 && !sp.relu) /* relu makes its own layout */
             H_CHECK(nat.cl_y && nat.cl_dx, "channels-last %s: y and dx channels-last (%d, %d)", kiln_dtype_name(sp.dt),
                     nat.cl_y, nat.cl_dx);
         }
         bn_out_free(&nat), bn_out_free(&comp);
         ncase++;
       }
-  H_CHECK(ncase == 112, "all kernel-vs-composite cases ran (%d)", ncase);
+  H_CHECK(ncase == 168, "all kernel-vs-composite cases ran (%d)", ncase);
 }
 
 /* ---- 3. what a value check cannot see ------------------------------------------------------ */
 
 typedef struct bn_seen {
-  int fwd, bwd, other_native, fell_back;
+  int fwd, bwd, relu_bwd, other_native, fell_back;
 } bn_seen;
 static void bn_observe(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
   bn_seen *s = ctx;
@@ -307,6 +312,7 @@ static void bn_observe(void *ctx, kiln_device dev, const kiln__kargs *a, bool na
   if (!native) s->fell_back++;
   else if (a->op == KILN__K_BATCH_NORM) s->fwd++;
   else if (a->op == KILN__K_BATCH_NORM_BACKWARD) s->bwd++;
+  else if (a->op == KILN__K_RELU_BACKWARD) s->relu_bwd++;
   else s->other_native++;
 }
 
@@ -328,6 +334,15 @@ static void bn_extra(void) {
           "one BATCH_NORM and one BATCH_NORM_BACKWARD ran (%d, %d; %d other kernels): %s", seen.fwd, seen.bwd,
           seen.other_native, kiln_last_error_message());
   H_CHECK(y && kiln_grad_fn_name(y) && !strcmp(kiln_grad_fn_name(y), "batch_norm"), "y's node is batch_norm");
+  /* relu(batch_norm(x)): the ReLU's backward runs inside BATCH_NORM_BACKWARD (no kernel of its own) */
+  bn_seen seen2 = {0};
+  kiln_tensor *yr = kiln_relu(kiln_batch_norm(x, rm, rv, w, b, true, 0.1, 1e-5));
+  kiln__dispatch_observe(bn_observe, &seen2);
+  st = yr ? kiln_backward(yr, g) : kiln_last_error();
+  kiln__dispatch_observe(NULL, NULL);
+  H_CHECK(st == KILN_OK && seen2.bwd == 1 && seen2.fell_back == 0 && seen2.relu_bwd == 0,
+          "relu(batch_norm) backward: one BATCH_NORM_BACKWARD, no RELU_BACKWARD (%d, %d): %s", seen2.bwd,
+          seen2.relu_bwd, kiln_last_error_message());
 
   /* a mean of 1e4 beside a spread of 1: the normalized channels have mean 0 and var 1 */
   kiln_tensor *big = kiln_add_scalar(kiln_randn(KILN_SHAPE(16, 2, 32, 32), KILN_F32, cpu, NULL), 1e4);

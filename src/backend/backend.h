@@ -259,7 +259,9 @@ typedef struct kiln__view {
   /* (flag 4 required, not written) normalize and go to out1. s0 eps, s1 momentum. */     \
   X(BATCH_NORM, "batch_norm")                                                             \
   /* in0 x (N, C, S), in1 grad (N, C, S), in2 stats (2, C) as BATCH_NORM gave them, */    \
-  /* optional in3 weight (C) (i0 flag 1) -> out0 dx (N, C, S) (x's dtype), out1 */        \
+  /* optional in3 weight (C) (i0 flag 1), optional last input a mask (N, C, S) (x's */   \
+  /* dtype; i0 flag 2): grad counts only where mask > 0 (a ReLU's backward folded in) */ \
+  /* -> out0 dx (N, C, S) (x's dtype), out1 */                                           \
   /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
   /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
   /* invstd (the statistics were constants). */                                           \

@@ -278,13 +278,19 @@ static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 2, c->tmp[1]);
 }
 
-/* ---- batch_norm_backward: an internal op (x, g, stats, weight) -> (dx, dweight, dbias) -- */
+/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask) -> (dx, dweight,
+** dbias); mask (optional): a ReLU's input that g still has to go through (the ReLU's rule
+** handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK), so no
+** ReLU-backward kernel runs and no tensor is made for its result. */
 
 static kiln_status bnb_infer(kiln__op_ctx *c) {
-  kiln_tensor *x = c->in[0], *g = c->in[1];
-  if (g->ndim != x->ndim || memcmp(g->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
-    return kiln_set_error(KILN_ERR_SHAPE, "kiln_batch_norm_backward: grad %s does not match input %s",
-                          kiln__tshape(g), kiln__tshape(x));
+  kiln_tensor *x = c->in[0];
+  for (int i = 1; i < 5; i += 3) {
+    kiln_tensor *t = c->in[i];
+    if (t && (t->ndim != x->ndim || memcmp(t->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0))
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_batch_norm_backward: %s %s does not match input %s",
+                            i == 1 ? "grad" : "mask", kiln__tshape(t), kiln__tshape(x));
+  }
   kiln_dtype pdt = c->in[3] ? c->in[3]->dtype : c->in[2]->dtype;
   kiln__op_meta_like(c, 0, x, x->dtype);
   kiln__op_meta(c, 1, 1, &x->shape[1], pdt);
@@ -295,12 +301,13 @@ static kiln_status bnb_infer(kiln__op_ctx *c) {
 
 static kiln_status bnb_forward(kiln__op_ctx *c) {
   const attrs_bn *p = c->attrs;
-  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3];
+  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4];
   kiln__view xv;
   if (!ncs_view(x, &xv)) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_backward: input %s", kiln__tshape(x));
   bool cl = x_layout_cl(&xv);
   kiln_tensor *gs = c->tmp[0] = to_layout(g->dtype == x->dtype ? g : kiln__as_dtype_nograd(g, x->dtype), cl);
-  if (!gs) return kiln_last_error();
+  kiln_tensor *ms = c->tmp[1] = mask ? to_layout(kiln__as_dtype_nograd(mask, x->dtype), cl) : NULL;
+  if (!gs || (mask && !ms)) return kiln_last_error();
   kiln_device dev = kiln_device_of(x);
   c->out[0] = alloc_layout(x, cl, x->dtype);
   c->out[1] = kiln__tensor_new(1, &x->shape[1], c->meta[1].dtype, dev);
@@ -317,6 +324,7 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     ncs_view(gs, &a.in[1]);
     a.in[2] = kiln__view_of(stats);
     if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
+    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
     a.n_out = 3;
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
@@ -331,16 +339,19 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_batch_norm_bwd = {
-    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 4, .n_out = 3, .optional = 1u << 3,
+    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 5, .n_out = 3,
+    .optional = (1u << 3) | (1u << 4),
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
 /* The rule: one BATCH_NORM_BACKWARD (the engine runs rules with grad mode off, so the
-** gradient itself is not differentiated further, as for every kernel-backed rule). */
+** gradient itself is not differentiated further, as for every kernel-backed rule). A ReLU
+** right after the op may have handed g over unmasked with its input as n->grad_mask
+** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[4] = {n->saved[0], g, n->saved[2], n->saved[1]};
+  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 4, in, n->attrs, out)) return kiln_last_error();
+  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
   for (int k = 1; k < 3; k++) {
     int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
@@ -353,7 +364,8 @@ static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
 
 static const kiln__op op_batch_norm_k = {
     .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
-    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM}, .attrs = f_bn, .n_attrs = 3,
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_GRAD_MASK, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM},
+    .attrs = f_bn, .n_attrs = 3,
     .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnk_backward,
     .n_saved = 3, .save = bnk_save};
 

@@ -32,6 +32,7 @@ typedef struct bn_ctx {
   bool cl;     /* channels inner: runs go along C */
   bool train;
   const kiln__view *x, *g, *y; /* y: forward's y or backward's dx */
+  const kiln__view *mask;      /* backward: g counts where mask > 0, or NULL */
   const kiln__view *w, *b;     /* NULL when absent */
   const kiln__view *rm, *rv;   /* forward: running statistics, NULL when absent */
   const kiln__view *stats;     /* forward: written; backward: read */
@@ -118,11 +119,20 @@ static void run_norm(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t l
   kiln__cpu_store(at3(k->y, n, c, s), run_bst(k, k->y), k->y->dtype, buf, KILN_F64, len);
 }
 
+/* g of a run, zero where the mask (a ReLU's input) is not > 0 */
+static void load_g(const bn_ctx *k, double *gb, int64_t n, int64_t c, int64_t s, int64_t len) {
+  kiln__cpu_load(gb, KILN_F64, at3(k->g, n, c, s), run_bst(k, k->g), k->g->dtype, len);
+  if (!k->mask) return;
+  double mb[BN_RUN];
+  kiln__cpu_load(mb, KILN_F64, at3(k->mask, n, c, s), run_bst(k, k->mask), k->mask->dtype, len);
+  for (int64_t i = 0; i < len; i++) gb[i] = mb[i] > 0 ? gb[i] : 0.0;
+}
+
 static void run_bsum(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t len, void *u) {
   bn_acc *A = u;
   double xb[BN_RUN], gb[BN_RUN];
   kiln__cpu_load(xb, KILN_F64, at3(k->x, n, c, s), run_bst(k, k->x), k->x->dtype, len);
-  kiln__cpu_load(gb, KILN_F64, at3(k->g, n, c, s), run_bst(k, k->g), k->g->dtype, len);
+  load_g(k, gb, n, c, s, len);
   for (int64_t i = 0; i < len; i++) {
     int64_t j = c - A->c0 + (k->cl ? i : 0);
     A->p[j] += gb[i];
@@ -134,7 +144,7 @@ static void run_dx(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t len
   bn_acc *A = u;
   double xb[BN_RUN], gb[BN_RUN];
   kiln__cpu_load(xb, KILN_F64, at3(k->x, n, c, s), run_bst(k, k->x), k->x->dtype, len);
-  kiln__cpu_load(gb, KILN_F64, at3(k->g, n, c, s), run_bst(k, k->g), k->g->dtype, len);
+  load_g(k, gb, n, c, s, len);
   for (int64_t i = 0; i < len; i++) {
     int64_t j = c - A->c0 + (k->cl ? i : 0);
     gb[i] = A->scale[j] * gb[i] + A->cx[j] * (xb[i] - A->mean[j]) + A->shift[j];
@@ -272,6 +282,7 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     k.g = &a->in[1];
     k.stats = &a->in[2];
     k.w = (flags & 1) ? &a->in[3] : NULL;
+    k.mask = (flags & 2) ? &a->in[a->n_in - 1] : NULL;
     k.y = &a->out[0];
   }
   int64_t items = k.cl ? (k.C + BN_CB - 1) / BN_CB : k.C;

@@ -69,8 +69,14 @@ template <class T, int V> struct alignas(sizeof(T) * V) Pack {
 /* Geometry: (N, C, S), and the strides of x, of the other input (g) and of the output. */
 struct Geo {
   int64_t N, C, S;
-  int64_t xs[3], gs[3], ys[3];
+  int64_t xs[3], gs[3], ys[3], ms[3]; /* ms: the mask's (backward with a ReLU folded in) */
 };
+
+/* A value of g where the mask lets it through: the ReLU's backward, folded in. */
+template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk, int i, const T *mv) {
+  A v = (A)kc_ld<T>(g);
+  return mk && !((A)kc_ld<T>(mv[i]) > (A)0) ? (A)0 : v;
+}
 
 /* a / b where precision allows the fast path (the Welford weights) */
 __device__ __forceinline__ float qdiv(float a, float b) { return __fdividef(a, b); }
@@ -138,12 +144,14 @@ template <class A> __device__ void block_sum2(A &a, A &b) {
 ** the loop. BW: the backward sums (g, g (x - mean)) instead of the statistics. */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
-    pass1_cf(const T *__restrict__ x, const T *__restrict__ g, Geo G, A *__restrict__ part, const A *__restrict__ coef) {
+    pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
+             const A *__restrict__ coef) {
   const int64_t c = blockIdx.x, splits = gridDim.y, sp = blockIdx.y;
   const int64_t SV = G.S / V, total = G.N * SV, per = (total + splits - 1) / splits;
   const int64_t j0 = sp * per, j1 = j0 + per < total ? j0 + per : total;
   const T *xc = x + c * G.xs[1];
   const T *gc = BW ? g + c * G.gs[1] : NULL;
+  const T *mc = BW && mk ? mk + c * G.ms[1] : NULL;
   A n = 0, m = 0, q = 0;           /* statistics */
   A sg = 0, sgx = 0, mean = 0;     /* backward sums */
   if (BW) mean = coef[c];
@@ -158,10 +166,11 @@ __global__ void __launch_bounds__(BN_THREADS)
     if (!BW) {
       wchunk<A, V>(n, m, q, v);
     } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(gc + nn * G.gs[0] + sv * V);
+      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(gc + nn * G.gs[0] + sv * V), pm;
+      if (mc) pm = *reinterpret_cast<const Pack<T, V> *>(mc + nn * G.ms[0] + sv * V);
 #pragma unroll
       for (int i = 0; i < V; i++) {
-        A gv = (A)kc_ld<T>(pg.v[i]);
+        A gv = masked<T, A>(pg.v[i], mc, i, pm.v);
         sg += gv;
         sgx += gv * (v[i] - mean);
       }
@@ -190,7 +199,8 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** merge in row order through shared memory. */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
-    pass1_cl(const T *__restrict__ x, const T *__restrict__ g, Geo G, A *__restrict__ part, const A *__restrict__ coef) {
+    pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
+             const A *__restrict__ coef) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t CV = (G.C + V - 1) / V, cv = (int64_t)blockIdx.x * TX + tx;
   const int64_t R = G.N * G.S, splits = gridDim.y, sp = blockIdx.y, per = (R + splits - 1) / splits;
@@ -218,10 +228,11 @@ __global__ void __launch_bounds__(BN_THREADS)
         q[i] += d * (v - m[i]);
       }
     } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + nn * G.gs[0] + s * G.gs[2] + cv * V);
+      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + nn * G.gs[0] + s * G.gs[2] + cv * V), pm;
+      if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + nn * G.ms[0] + s * G.ms[2] + cv * V);
 #pragma unroll
       for (int i = 0; i < V; i++) {
-        A gv = (A)kc_ld<T>(pg.v[i]);
+        A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
         m[i] += gv;                                  /* sum g */
         q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
       }
@@ -357,8 +368,8 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 ** k g (eval: x is not read). */
 template <class T, class A, int V, bool CL, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
-    pass3(const T *__restrict__ x, const T *__restrict__ g, T *__restrict__ y, Geo G, const A *__restrict__ coef,
-          int64_t inner, int64_t rpb) {
+    pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
+          const A *__restrict__ coef, int64_t inner, int64_t rpb) {
   const int64_t rows = CL ? G.N * G.S : G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
@@ -368,11 +379,13 @@ __global__ void __launch_bounds__(BN_THREADS)
   const int64_t a = row / outer, b = row - a * outer; /* (n, c) or (n, s) */
   const int64_t step = rpb == 1 ? blockDim.x : inner;
   const int64_t C = G.C;
-  int64_t xo, go, yo;
+  int64_t xo, go, yo, mo;
   if (CL) {
     xo = a * G.xs[0] + b * G.xs[2], go = a * G.gs[0] + b * G.gs[2], yo = a * G.ys[0] + b * G.ys[2];
+    mo = a * G.ms[0] + b * G.ms[2];
   } else {
     xo = a * G.xs[0] + b * G.xs[1], go = a * G.gs[0] + b * G.gs[1], yo = a * G.ys[0] + b * G.ys[1];
+    mo = a * G.ms[0] + b * G.ms[1];
   }
   A mean_c = 0, k_c = 0, p_c = 0, q_c = 0;
   if (!CL) {
@@ -401,15 +414,16 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
       for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - mean[i]) * kk[i] + pp[i]);
     } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V);
+      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
+      if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
       if (TRAIN) {
         Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(kk[i] * (A)kc_ld<T>(pg.v[i]) + pp[i] * ((A)kc_ld<T>(px.v[i]) - mean[i]) + qq[i]);
+          out.v[i] = kc_st<T>(kk[i] * masked<T, A>(pg.v[i], mk, i, pm.v) + pp[i] * ((A)kc_ld<T>(px.v[i]) - mean[i]) + qq[i]);
       } else {
 #pragma unroll
-        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk[i] * (A)kc_ld<T>(pg.v[i]));
+        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk[i] * masked<T, A>(pg.v[i], mk, i, pm.v));
       }
     }
     *reinterpret_cast<Pack<T, V> *>(y + yo + v * V) = out;
@@ -421,19 +435,25 @@ __global__ void __launch_bounds__(BN_THREADS)
 bool cf_ok(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
 
-/* The big views of a call: x, y (forward); x, g, dx (backward). */
+/* The mask of a backward (a ReLU's input), or NULL. */
+const kiln__view *mask_of(const kiln__kargs *a) {
+  return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 2) ? &a->in[a->n_in - 1] : NULL;
+}
+
+/* The big views of a call: x, y (forward); x, g, dx and the mask (backward). */
 int big_views(const kiln__kargs *a, const kiln__view **v) {
   if (a->op == KILN__K_BATCH_NORM) {
     v[0] = &a->in[0], v[1] = &a->out[0];
     return 2;
   }
   v[0] = &a->in[0], v[1] = &a->in[1], v[2] = &a->out[0];
-  return 3;
+  if (mask_of(a)) v[3] = mask_of(a);
+  return mask_of(a) ? 4 : 3;
 }
 
 /* The layout all big views share: 1 cl, 0 cf, -1 none. */
 int layout_of(const kiln__kargs *a) {
-  const kiln__view *v[3];
+  const kiln__view *v[4];
   int nv = big_views(a, v);
   bool all_cf = true, all_cl = true;
   for (int i = 0; i < nv; i++) all_cf = all_cf && cf_ok(v[i]), all_cl = all_cl && cl_ok(v[i]);
@@ -445,7 +465,7 @@ int layout_of(const kiln__kargs *a) {
 
 /* The widest vector (elements) every big view allows along the inner dim. */
 int pick_vec(const kiln__kargs *a, bool cl, size_t esize) {
-  const kiln__view *v[3];
+  const kiln__view *v[4];
   int nv = big_views(a, v);
   int64_t inner = cl ? v[0]->shape[1] : v[0]->shape[2];
   for (int V = (int)(16 / esize); V > 1; V /= 2) {
@@ -467,13 +487,14 @@ Vec vec_of(const kiln__view *v) {
 
 Geo geo_of(const kiln__kargs *a) {
   Geo G;
-  const kiln__view *v[3];
-  int nv = big_views(a, v);
-  G.N = v[0]->shape[0], G.C = v[0]->shape[1], G.S = v[0]->shape[2];
+  const kiln__view *x = &a->in[0], *mk = mask_of(a);
+  const bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD;
+  G.N = x->shape[0], G.C = x->shape[1], G.S = x->shape[2];
   for (int d = 0; d < 3; d++) {
-    G.xs[d] = v[0]->strides[d];
-    G.gs[d] = nv == 3 ? v[1]->strides[d] : v[0]->strides[d];
-    G.ys[d] = v[nv - 1]->strides[d];
+    G.xs[d] = x->strides[d];
+    G.gs[d] = bw ? a->in[1].strides[d] : x->strides[d];
+    G.ys[d] = a->out[0].strides[d];
+    G.ms[d] = mk ? mk->strides[d] : 0;
   }
   return G;
 }
@@ -524,12 +545,13 @@ template <class T, class A, int V>
 kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, const P1 &p, A *part,
                       const A *coef) {
   const T *x = (const T *)a->in[0].data, *g = bw ? (const T *)a->in[1].data : NULL;
+  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   if (!cl) {
-    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, G, part, coef);
-    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, G, part, coef);
+    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, coef);
+    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, coef);
   } else {
-    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, G, part, coef);
-    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, G, part, coef);
+    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, coef);
+    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, coef);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
@@ -545,9 +567,10 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   if (blocks < 1) return KILN_OK;
   const T *x = (const T *)a->in[0].data;
   const T *g = bw ? (const T *)a->in[1].data : NULL;
+  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   T *y = (T *)a->out[0].data;
 #define BN_P3(CLV, BWV, TRV) \
-  pass3<T, A, V, CLV, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, y, G, coef, inner, rpb)
+  pass3<T, A, V, CLV, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb)
   if (!bw) {
     if (cl) BN_P3(true, false, false);
     else BN_P3(false, false, false);
@@ -642,6 +665,9 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)
       return false;
+    if (a->n_in != 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)) return false;
+    const kiln__view *mk = mask_of(a);
+    if (mk && (mk->dtype != x->dtype || mk->ndim != 3)) return false;
   }
   for (int i = 1; i < a->n_in; i++)
     if (!kc_is_float(a->in[i].dtype)) return false;

@@ -22,7 +22,10 @@ Each model gives two files:
                             mode (BatchNorm on batch statistics); after.<buffer>: a few running
                             statistics after that forward; grad.<param>: gradients of
                             cross_entropy(logits_train, y) (mean) for a few parameters;
-                            logits_eval: then a forward in eval mode (the updated running stats)
+                            logits_eval: then a forward in eval mode (the updated running stats);
+                            grad64.<param>: the same gradients of the same model and batch in f64
+                            (the f32 gradients are at the mercy of ReLU flips, as below: the
+                            cifar model has a ReLU input 3.4e-7 from zero in layer2.0)
 --full writes the same two files for torchvision.models.resnet18(num_classes=10) with
 x (4, 3, 64, 64) and every parameter's gradient, as DIR/resnet18.*.safetensors, plus
 grad64.<param>: the gradients of the same model and batch in f64. At this size an f32
@@ -119,7 +122,8 @@ def run(model, x, y, grads, buffers, out_dir, name, meta, f64=False):
         m64 = copy.deepcopy(model).double().train()
         F.cross_entropy(m64(x.double()), y).backward()
         for k, p in m64.named_parameters():
-            io["grad64." + k] = p.grad
+            if grads is None or k in grads:
+                io["grad64." + k] = p.grad
     model.train()
     logits = model(x)
     loss = F.cross_entropy(logits, y)
@@ -177,7 +181,7 @@ def main():
         y = torch.randint(0, 10, (4,))
         run(model, x, y, grads, BUFFERS, OUT, name,
             {"block": block.__name__, "layers": layers, "width": 8, "cifar_stem": cifar, "num_classes": 10,
-             "torch": torch.__version__})
+             "torch": torch.__version__}, f64=True)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,9 @@ static void parity_f64(kiln_dict *w, kiln_dict *io, const parity_case *pc) {
     worst = fmax(worst, g);
     n++;
   }
-  CHECK(n == kiln_module_named_parameters(m, NULL, NULL, 0));
+  int n32 = 0; /* every gradient the fixture has in f32 is there in f64 too */
+  for (int i = 0; i < kiln_dict_size(io); i++) n32 += !strncmp(kiln_dict_key(io, i), "grad.", 5);
+  CHECK(n > 0 && n == n32);
   printf("  parity %-8s on %s in f64: %d gradients, worst %.2e\n", pc->name,
          dev.type == KILN_DEVICE_CUDA ? "cuda" : "cpu", n, worst);
   kiln_scope_end();
@@ -245,9 +247,9 @@ static void test_parity_small(void) {
   char dir[1024];
   snprintf(dir, sizeof dir, "%s/tests/fixtures/resnet_small", src ? src : ".");
   static const parity_case cases[] = {
-      {"basic18", {2, 2, 2, 2}, KILN_RESNET_BASIC, 8, false, false},
-      {"cifar", {1, 1, 1, 1}, KILN_RESNET_BASIC, 8, true, false},
-      {"bottle", {1, 1, 1, 1}, KILN_RESNET_BOTTLENECK, 8, false, false},
+      {"basic18", {2, 2, 2, 2}, KILN_RESNET_BASIC, 8, false, true},
+      {"cifar", {1, 1, 1, 1}, KILN_RESNET_BASIC, 8, true, true},
+      {"bottle", {1, 1, 1, 1}, KILN_RESNET_BOTTLENECK, 8, false, true},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) parity(dir, &cases[i]);
 }

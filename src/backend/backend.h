@@ -289,7 +289,26 @@ typedef struct kiln__view {
   /* dtype conversions over a list (see kiln__kargs.list): groups [in, out] (list_w 2), */ \
   /* each pair contiguous with one element count, out[k] = in[k] converted as COPY does */ \
   /* (autocast's casts of one op's inputs, and of their gradients, in one call) */         \
-  X(CAST_MULTI, "cast_multi")
+  X(CAST_MULTI, "cast_multi")                                                             \
+  /* batch norm over (N, S) per channel; x is seen as (N, C, S), S the spatial dims */    \
+  /* merged (1 for (N, C)), any strides (CUDA: the channels or S innermost, stride 1). */ \
+  /* in0 x, then the weight (C) when i0 flag 1 and the bias (C) when flag 2 (any float */ \
+  /* dtypes) -> out0 y (N, C, S) (x's dtype), out1 stats (2, C) (f32; f64 for f64 x): */ \
+  /* row 0 the mean, row 1 invstd = 1/sqrt(var + eps); with i0 flag 4, out2 */           \
+  /* running_mean and out3 running_var (C, any float dtype), read and written. i1 1 */   \
+  /* training: batch statistics (var biased, accumulated in f32 or better), and the */   \
+  /* running ones (flag 4) become (1 - s1) r + s1 stat, the variance's with the */       \
+  /* unbiased var (PyTorch's rule; N*S >= 2); i1 0 eval: the running statistics */        \
+  /* (flag 4 required, not written) normalize and go to out1. s0 eps, s1 momentum. */     \
+  X(BATCH_NORM, "batch_norm")                                                             \
+  /* in0 x (N, C, S), in1 grad (N, C, S), in2 stats (2, C) as BATCH_NORM gave them, */    \
+  /* optional in3 weight (C) (i0 flag 1), optional last input a mask (N, C, S) (x's */   \
+  /* dtype; i0 flag 2): grad counts only where mask > 0 (a ReLU's backward folded in) */ \
+  /* -> out0 dx (N, C, S) (x's dtype), out1 */                                           \
+  /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
+  /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
+  /* invstd (the statistics were constants). */                                           \
+  X(BATCH_NORM_BACKWARD, "batch_norm_backward")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -11,6 +11,8 @@
 */
 #include "ops/op.h"
 
+#include <string.h>
+
 static bool is_half(kiln_dtype dt) { return dt == KILN_F16 || dt == KILN_BF16; }
 
 /* (C) -> (C, 1, ...) to broadcast against (N, C, d...) */
@@ -124,14 +126,286 @@ static kiln_status bn_forward(kiln__op_ctx *c) {
 
 static const kiln__op op_batch_norm = {
     .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
-    .amp = KILN__AMP_F32, .flags = KILN__OP_COMPOSITE, .n_kernels = 2, .kernels = {KILN__K_SUM, KILN__K_MUL},
+    .flags = KILN__OP_COMPOSITE, .n_kernels = 2, .kernels = {KILN__K_SUM, KILN__K_MUL},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bn_forward};
+
+/* ---- batch_norm through its kernels -------------------------------------------------------
+** Where the device has BATCH_NORM (the CPU, CUDA), the op is one kernel call forward and one
+** backward instead of ~18 and ~30 composed ones, and its node keeps x, the weight and the
+** (2, C) f32 statistics (mean, invstd) instead of the composite's intermediates.
+**
+** The kernels see x as (N, C, S), S the spatial dims merged. Two layouts run without a copy:
+** S innermost (NCHW, (N, C, L)) and the channels innermost (channels-last, (N, C)); the
+** output and the input gradient are made in the layout of x, so a channels-last input gives
+** a channels-last output (as cuDNN's convolution does). Anything else is copied contiguous
+** first. The gradient is brought to x's layout when it comes in another.
+**
+** Under autocast the class is none, as PyTorch's batch_norm (in no autocast list): a bf16
+** activation stays bf16 with f32 weight and statistics, the kernels computing in f32. */
+
+/* The (N, C, S) view of a tensor of shape/strides (v holds its data and dtype); false when
+** the spatial dims do not merge into one strided dim. */
+static bool ncs_geom(int ndim, const int64_t *shape, const int64_t *strides, kiln__view *v) {
+  int64_t S = 1, ss = 1;
+  bool have = false;
+  for (int d = ndim - 1; d >= 2; d--) {
+    if (shape[d] == 1) continue;
+    if (shape[d] == 0) {
+      S = 0;
+      break;
+    }
+    if (!have) {
+      ss = strides[d], S = shape[d], have = true;
+    } else {
+      if (strides[d] != ss * S) return false;
+      S *= shape[d];
+    }
+  }
+  v->ndim = 3;
+  v->shape[0] = shape[0], v->shape[1] = shape[1], v->shape[2] = S;
+  v->strides[0] = strides[0], v->strides[1] = strides[1], v->strides[2] = have ? ss : 1;
+  return true;
+}
+
+static bool ncs_view(const kiln_tensor *t, kiln__view *v) {
+  *v = kiln__view_of(t);
+  return ncs_geom(t->ndim, t->shape, t->strides, v);
+}
+
+/* The two layouts the kernels take: S innermost (cf), or the channels (cl). */
+static bool view_cf(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
+static bool view_cl(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
+
+/* Channels-last memory for t's shape, any ndim: memory order (N, d2, ..., C). */
+static kiln_tensor *alloc_layout(const kiln_tensor *t, bool cl, kiln_dtype dt) {
+  kiln_device dev = kiln_device_of(t);
+  if (!cl) return kiln__tensor_new(t->ndim, t->shape, dt, dev);
+  if (kiln__check_shape("kiln_batch_norm", t->ndim, t->shape, dt) != KILN_OK) return NULL;
+  int64_t st[KILN_MAX_DIMS], acc = t->shape[1] > 0 ? t->shape[1] : 1;
+  st[1] = 1;
+  for (int d = t->ndim - 1; d >= 2; d--) {
+    st[d] = acc;
+    acc *= t->shape[d] > 0 ? t->shape[d] : 1;
+  }
+  st[0] = acc;
+  kiln__storage *s = kiln__storage_new(dev, (size_t)kiln_numel(t) * kiln_dtype_size(dt));
+  if (!s) return NULL;
+  kiln_tensor *r = kiln__tensor_make(s, 0, t->ndim, t->shape, st, dt);
+  kiln__storage_release(s);
+  return r;
+}
+
+/* t in the layout the kernels take alongside a tensor of layout cl (a copy without a node:
+** the op's own node covers it). */
+static kiln_tensor *to_layout(kiln_tensor *t, bool cl) {
+  kiln__view v;
+  if (ncs_view(t, &v) && (cl ? view_cl(&v) && (!view_cf(&v) || v.shape[2] <= 1) : view_cf(&v))) return t;
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_tensor *r;
+  if (!cl) {
+    r = kiln_contiguous(t);
+  } else {
+    int nd = t->ndim, p[KILN_MAX_DIMS], q[KILN_MAX_DIMS];
+    p[0] = 0, q[0] = 0;
+    for (int d = 1; d < nd - 1; d++) p[d] = d + 1;
+    p[nd - 1] = 1;
+    for (int d = 0; d < nd; d++) q[p[d]] = d;
+    r = kiln_permute(kiln_contiguous(kiln_permute(t, nd, p)), nd, q);
+  }
+  kiln_set_grad_enabled(prev);
+  return r;
+}
+
+/* x's layout for the kernels: channels-last when the channels are its inner dim and S is
+** not (a contiguous (N, C) counts as channels-last: its runs are the channels). */
+static bool x_layout_cl(const kiln__view *v) { return view_cl(v) && (!view_cf(v) || v->shape[2] <= 1); }
+
+static kiln__view vec1(const kiln_tensor *t) { return kiln__view_of(t); }
+
+static kiln_status bnk_forward(kiln__op_ctx *c) {
+  const attrs_bn *p = c->attrs;
+  kiln_tensor *x = c->in[0], *rm = c->in[1], *rv = c->in[2], *w = c->in[3], *b = c->in[4];
+  kiln__view xv;
+  kiln_tensor *xs = x;
+  if (!ncs_view(x, &xv) || (!view_cf(&xv) && !view_cl(&xv))) {
+    bool prev = kiln_set_grad_enabled(false);
+    xs = kiln_contiguous(x);
+    kiln_set_grad_enabled(prev);
+    if (!xs || !ncs_view(xs, &xv)) return kiln_last_error();
+  }
+  bool cl = x_layout_cl(&xv);
+  int64_t C = x->shape[1];
+  kiln_dtype sdt = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
+  /* tmp: 0 x as the kernel read it, 1 the statistics (saved) */
+  c->tmp[0] = xs;
+  kiln_tensor *stats = c->tmp[1] = kiln__tensor_new(KILN_SHAPE(2, C), sdt, kiln_device_of(x));
+  kiln_tensor *y = alloc_layout(xs, cl, x->dtype);
+  if (!stats || !y) {
+    kiln__discard(y);
+    return kiln_last_error();
+  }
+  c->out[0] = y;
+  if (kiln_numel(x) == 0) return kiln_fill_(stats, 0);
+  kiln__kargs a = {0};
+  a.op = KILN__K_BATCH_NORM;
+  a.in[a.n_in++] = xv;
+  if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
+  if (b) a.in[a.n_in++] = vec1(b), a.i[0] |= 2;
+  kiln__view yv;
+  ncs_view(y, &yv);
+  a.out[a.n_out++] = yv;
+  a.out[a.n_out++] = kiln__view_of(stats);
+  if (rm && rv) {
+    a.out[a.n_out++] = vec1(rm);
+    a.out[a.n_out++] = vec1(rv);
+    a.i[0] |= 4;
+  }
+  a.i[1] = p->training;
+  a.s[0] = p->eps;
+  a.s[1] = p->momentum;
+  kiln_status st = kiln__dispatch(kiln_device_of(x), &a);
+  if (st != KILN_OK) {
+    c->out[0] = NULL;
+    kiln__discard(y);
+  }
+  return st;
+}
+
+/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C) */
+static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->tmp[0]);
+  kiln__node_save(n, 1, c->in[3]);
+  kiln__node_save(n, 2, c->tmp[1]);
+}
+
+/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask) -> (dx, dweight,
+** dbias); mask (optional): a ReLU's input that g still has to go through (the ReLU's rule
+** handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK), so no
+** ReLU-backward kernel runs and no tensor is made for its result. */
+
+static kiln_status bnb_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  for (int i = 1; i < 5; i += 3) {
+    kiln_tensor *t = c->in[i];
+    if (t && (t->ndim != x->ndim || memcmp(t->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0))
+      return kiln_set_error(KILN_ERR_SHAPE, "kiln_batch_norm_backward: %s %s does not match input %s",
+                            i == 1 ? "grad" : "mask", kiln__tshape(t), kiln__tshape(x));
+  }
+  kiln_dtype pdt = c->in[3] ? c->in[3]->dtype : c->in[2]->dtype;
+  kiln__op_meta_like(c, 0, x, x->dtype);
+  kiln__op_meta(c, 1, 1, &x->shape[1], pdt);
+  kiln__op_meta(c, 2, 1, &x->shape[1], pdt);
+  c->n_out = 3;
+  return KILN_OK;
+}
+
+static kiln_status bnb_forward(kiln__op_ctx *c) {
+  const attrs_bn *p = c->attrs;
+  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4];
+  kiln__view xv;
+  if (!ncs_view(x, &xv)) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_backward: input %s", kiln__tshape(x));
+  bool cl = x_layout_cl(&xv);
+  kiln_tensor *gs = c->tmp[0] = to_layout(g->dtype == x->dtype ? g : kiln__as_dtype_nograd(g, x->dtype), cl);
+  kiln_tensor *ms = c->tmp[1] = mask ? to_layout(kiln__as_dtype_nograd(mask, x->dtype), cl) : NULL;
+  if (!gs || (mask && !ms)) return kiln_last_error();
+  kiln_device dev = kiln_device_of(x);
+  c->out[0] = alloc_layout(x, cl, x->dtype);
+  c->out[1] = kiln__tensor_new(1, &x->shape[1], c->meta[1].dtype, dev);
+  c->out[2] = kiln__tensor_new(1, &x->shape[1], c->meta[2].dtype, dev);
+  kiln_status st = c->out[0] && c->out[1] && c->out[2] ? KILN_OK : kiln_last_error();
+  if (st == KILN_OK && kiln_numel(x) == 0) {
+    st = kiln_fill_(c->out[1], 0);
+    if (st == KILN_OK) st = kiln_fill_(c->out[2], 0);
+  } else if (st == KILN_OK) {
+    kiln__kargs a = {0};
+    a.op = KILN__K_BATCH_NORM_BACKWARD;
+    a.n_in = 3;
+    a.in[0] = xv;
+    ncs_view(gs, &a.in[1]);
+    a.in[2] = kiln__view_of(stats);
+    if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
+    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
+    a.n_out = 3;
+    ncs_view(c->out[0], &a.out[0]);
+    a.out[1] = kiln__view_of(c->out[1]);
+    a.out[2] = kiln__view_of(c->out[2]);
+    a.i[1] = p->training;
+    a.s[0] = p->eps;
+    st = kiln__dispatch(dev, &a);
+  }
+  if (st != KILN_OK)
+    for (int k = 0; k < 3; k++) kiln__discard(c->out[k]), c->out[k] = NULL;
+  return st;
+}
+
+static const kiln__op op_batch_norm_bwd = {
+    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 5, .n_out = 3,
+    .optional = (1u << 3) | (1u << 4),
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
+    .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
+
+/* The rule: one BATCH_NORM_BACKWARD (the engine runs rules with grad mode off, so the
+** gradient itself is not differentiated further, as for every kernel-backed rule). A ReLU
+** right after the op may have handed g over unmasked with its input as n->grad_mask
+** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
+static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask};
+  kiln_tensor *out[3] = {NULL, NULL, NULL};
+  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
+  if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
+  for (int k = 1; k < 3; k++) {
+    int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
+    if (!n->needs[i]) continue;
+    kiln_tensor *r = out[k]->dtype != n->in_dtype[i] ? kiln_to_dtype(out[k], n->in_dtype[i]) : out[k];
+    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_batch_norm_k = {
+    .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_GRAD_MASK, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM},
+    .attrs = f_bn, .n_attrs = 3,
+    .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnk_backward,
+    .n_saved = 3, .save = bnk_save};
+
+/* Whether x's device runs BATCH_NORM for these arguments (asked before the call, so that a
+** backend without it, Vulkan, composes instead of copying every activation to the CPU). */
+static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training) {
+  if (!x || x->ndim < 2 || !kiln_dtype_is_float(x->dtype)) return false; /* the composite reports it */
+  if (training ? (!rm) != (!rv) : (!rm || !rv)) return false;
+  kiln_tensor *vecs[4] = {rm, rv, w, b};
+  for (int k = 0; k < 4; k++)
+    if (vecs[k] && (!kiln_dtype_is_float(vecs[k]->dtype) || !kiln_device_equal(kiln_device_of(vecs[k]), kiln_device_of(x))))
+      return false;
+  kiln__kargs q = {0};
+  q.op = KILN__K_BATCH_NORM;
+  kiln__view xv;
+  if (!ncs_view(x, &xv) || (!view_cf(&xv) && !view_cl(&xv))) {
+    int64_t st[KILN_MAX_DIMS];
+    kiln__contiguous_strides(x->ndim, x->shape, st);
+    ncs_geom(x->ndim, x->shape, st, &xv);
+  }
+  q.in[q.n_in++] = xv;
+  if (w) q.in[q.n_in++] = vec1(w), q.i[0] |= 1;
+  if (b) q.in[q.n_in++] = vec1(b), q.i[0] |= 2;
+  q.out[q.n_out++] = xv;
+  q.out[q.n_out] = xv;
+  q.out[q.n_out].ndim = 2;
+  q.out[q.n_out].shape[0] = 2, q.out[q.n_out].shape[1] = x->shape[1];
+  q.out[q.n_out].strides[0] = x->shape[1], q.out[q.n_out].strides[1] = 1;
+  q.out[q.n_out++].dtype = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
+  if (rm && rv) q.out[q.n_out++] = vec1(rm), q.out[q.n_out++] = vec1(rv), q.i[0] |= 4;
+  q.i[1] = training;
+  return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_BATCH_NORM);
+}
 
 kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var, kiln_tensor *weight,
                              kiln_tensor *bias, bool training, double momentum, double eps) {
   attrs_bn a = {training, momentum, eps};
   kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
-  return kiln__op_call(&op_batch_norm, 5, in, &a, NULL);
+  bool native = bn_native(x, running_mean, running_var, weight, bias, training);
+  return kiln__op_call(native ? &op_batch_norm_k : &op_batch_norm, 5, in, &a, NULL);
 }
 
 /* ---- group_norm ------------------------------------------------------------------------- */

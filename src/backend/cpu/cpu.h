@@ -56,6 +56,7 @@ kiln_status kiln__cpu_index_add(const kiln__kargs *a);
 kiln_status kiln__cpu_gather(const kiln__kargs *a);
 kiln_status kiln__cpu_scatter_add(const kiln__kargs *a);
 kiln_status kiln__cpu_layer_norm(const kiln__kargs *a); /* cpu_transformer.c; and backward */
+kiln_status kiln__cpu_batch_norm(const kiln__kargs *a); /* cpu_batchnorm.c; and backward */
 kiln_status kiln__cpu_attention(const kiln__kargs *a);  /* and ATTENTION_BACKWARD */
 kiln_status kiln__cpu_cumsum(const kiln__kargs *a);     /* cpu_scan.c */
 kiln_status kiln__cpu_tril(const kiln__kargs *a);

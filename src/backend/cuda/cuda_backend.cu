@@ -479,6 +479,10 @@ static constexpr bool kc_is_conv(kiln__kop op) {
          op == KILN__K_CONV2D_BACKWARD_WEIGHT || op == KILN__K_MAX_POOL2D_BACKWARD;
 }
 
+static constexpr bool kc_is_batchnorm(kiln__kop op) {
+  return op == KILN__K_BATCH_NORM || op == KILN__K_BATCH_NORM_BACKWARD;
+}
+
 static bool cuda_supports(const kiln__kargs *a) {
   switch (a->op) {
   case KILN__K_RAND_UNIFORM: case KILN__K_RAND_NORMAL: case KILN__K_RAND_INT:
@@ -505,6 +509,7 @@ static bool cuda_supports(const kiln__kargs *a) {
     if (kc_is_kv(a->op)) return kiln__cuda_kv_supports(a);
     if (kc_is_transformer(a->op)) return kiln__cuda_transformer_supports(a);
     if (kc_is_conv(a->op)) return kiln__cuda_conv_supports(a);
+    if (kc_is_batchnorm(a->op)) return kiln__cuda_batchnorm_supports(a);
     return kiln__cuda_elementwise_supports(a);
   }
 }
@@ -557,6 +562,7 @@ static constexpr kiln__kernel_fn kc_family(kiln__kop op) {
          : kc_is_conv(op) ? kc_entry<kiln__cuda_conv>
          : op == KILN__K_SGD_MULTI ? kc_entry<kiln__cuda_sgd_multi>
          : op == KILN__K_CAST_MULTI ? kc_entry<kiln__cuda_cast_multi>
+         : kc_is_batchnorm(op) ? kc_entry<kiln__cuda_batchnorm>
          : (int)op > (int)KILN__K_ADAM_MULTI
              ? static_cast<kiln__kernel_fn>(nullptr)
          : (op == KILN__K_RAND_UNIFORM || op == KILN__K_RAND_NORMAL || op == KILN__K_RAND_INT ||

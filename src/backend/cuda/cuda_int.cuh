@@ -107,6 +107,8 @@ kiln_status kiln__cuda_transformer(const kiln__kargs *a); /* norms, attention, s
 bool kiln__cuda_transformer_supports(const kiln__kargs *a); /* multinomial (cuda_transformer.cu) */
 kiln_status kiln__cuda_conv(const kiln__kargs *a); /* im2col, pools, conv (cuda_conv.cu) */
 bool kiln__cuda_conv_supports(const kiln__kargs *a);
+kiln_status kiln__cuda_batchnorm(const kiln__kargs *a); /* BATCH_NORM and backward (cuda_batchnorm.cu) */
+bool kiln__cuda_batchnorm_supports(const kiln__kargs *a);
 
 /* Internal helpers other families use (cuda_elementwise.cu): out = cast(in) with any
 ** strides, and out += bias broadcast along the last dim. Queue on the device's stream. */

@@ -1,0 +1,248 @@
+/*
+** batch_norm and max_pool2d_backward on CUDA (issue 15): skipped (exit 77) without a CUDA
+** device.
+**
+** 1. test_ops_batchnorm's harness cases, part (d) only: forward and backward on cuda:0
+**    against the CPU, every dtype and variant, with the fallback off (H_CUDA_NATIVE).
+** 2. bn_run (test_ops_batchnorm.c) on cuda:0 against the CPU's kernels: every layout
+**    (NCHW, channels-last, a channel slice, a misaligned start, a stride-0 batch, (N, C),
+**    (N, C, L)), shapes that take each vector width (S or C divisible by 8, 4, neither),
+**    sizes that split a channel over many blocks, f64/f32/f16/bf16 (f32 parameters for
+**    the 16-bit inputs, as under autocast), training with running statistics, eval, and
+**    training under a ReLU (its backward folded into BATCH_NORM_BACKWARD's mask): y,
+**    the running statistics, dx, dweight, dbias. Channels-last in, channels-last out.
+** 3. A mean of 1000 beside a spread of 1 over 200k values per channel, f32: against the
+**    CPU's two-pass f64 statistics.
+** 4. max_pool2d's gradient (the gather over the computed window range) against the CPU:
+**    ResNet's 3x3/2 pad 1 window, a dilated one, a channels-last input.
+** 5. Timings at ResNet-50's sizes, printed (not checked): batch_norm forward and forward +
+**    backward on (128, 256, 56, 56) bf16, NCHW and channels-last; max_pool2d backward on
+**    the stem's (128, 64, 112, 112) bf16.
+** BC_GPU_IS_CPU builds it against the CPU, to check the test's own logic without a GPU.
+*/
+#define H_NO_MAIN
+#include "test_ops_batchnorm.c"
+
+#include <stdio.h>
+#include <time.h>
+
+#ifdef BC_GPU_IS_CPU
+static kiln_device bc_gpu(void) { return kiln_device_cpu(); }
+#else
+static kiln_device bc_gpu(void) { return kiln_device_cuda(0); }
+#endif
+
+static void bc_tol(kiln_dtype dt, double *rtol, double *atol) {
+  switch (dt) {
+  case KILN_F64: *rtol = 1e-9, *atol = 1e-9; break;
+  case KILN_F32: *rtol = 1e-4, *atol = 1e-5; break;
+  case KILN_F16: *rtol = 2e-2, *atol = 1e-2; break;
+  default: *rtol = 8e-2, *atol = 5e-2; break; /* bf16 */
+  }
+}
+
+static void bc_vs_cpu(void) {
+  static const struct {
+    int ndim;
+    int64_t shape[5];
+    int layout;
+  } shapes[] = {
+      {4, {8, 16, 14, 14}, BN_CONTIG},  /* S 196: 4-wide for 16-bit, 4 for f32 */
+      {4, {4, 32, 7, 7}, BN_CONTIG},    /* S 49: scalar, 5 rows a block */
+      {4, {6, 64, 8, 8}, BN_CL},        /* C 64: 8-wide channels */
+      {4, {3, 5, 6, 6}, BN_CL},         /* C 5: scalar channels */
+      {2, {64, 24}, BN_CONTIG},         /* (N, C): the channels-inner kernels */
+      {3, {8, 12, 50}, BN_CONTIG},      /* (N, C, L) */
+      {3, {8, 16, 10}, BN_CL},
+      {4, {2, 3, 4, 5}, BN_SLICE},
+      {4, {4, 8, 4, 4}, BN_MISALIGNED},
+      {4, {3, 4, 4, 6}, BN_EXPANDED},
+      {4, {64, 4, 56, 56}, BN_CONTIG},  /* 200k per channel: many splits */
+      {4, {32, 96, 7, 7}, BN_CONTIG},
+      {4, {64, 40, 16, 16}, BN_CL},     /* 16k rows: many splits */
+      {5, {4, 6, 3, 4, 8}, BN_CONTIG},
+  };
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (int di = 0; di < 4; di++)
+      for (int mode = 0; mode < 3; mode++) {
+        bn_spec sp = {0};
+        sp.ndim = shapes[si].ndim;
+        memcpy(sp.shape, shapes[si].shape, sizeof sp.shape);
+        sp.layout = shapes[si].layout;
+        sp.dt = dts[di];
+        sp.pdt = dts[di] == KILN_F64 ? KILN_F64 : KILN_F32;
+        sp.train = mode != 1;
+        sp.relu = mode == 2; /* the ReLU's backward folded into the kernel's */
+        sp.offset = 1.5;
+        sp.seed = 500 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode;
+        bn_out gpu, cpu;
+        bool a = bn_run(&sp, bc_gpu(), &gpu), b = bn_run(&sp, kiln_device_cpu(), &cpu);
+        if (a && b) {
+          double rt, at;
+          bc_tol(sp.dt, &rt, &at);
+          bn_compare("cuda vs cpu", &sp, &gpu, &cpu, rt, at);
+          if (sp.layout == BN_CL && sp.ndim == 4 && !sp.relu) /* relu makes its own layout */
+            H_CHECK(gpu.cl_y && gpu.cl_dx, "cuda channels-last %s: y and dx channels-last (%d, %d)",
+                    kiln_dtype_name(sp.dt), gpu.cl_y, gpu.cl_dx);
+        }
+        bn_out_free(&gpu), bn_out_free(&cpu);
+      }
+}
+
+static void bc_offset(void) {
+  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false};
+  bn_out gpu, cpu;
+  if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu))
+    bn_compare("mean 1000, spread 1: cuda vs cpu", &sp, &gpu, &cpu, 1e-4, 1e-5);
+  bn_out_free(&gpu), bn_out_free(&cpu);
+}
+
+static void bc_max_pool(void) {
+  static const struct {
+    int64_t shape[4], k[2], s[2], p[2], d[2];
+    bool cl;
+  } cfg[] = {{{4, 8, 33, 31}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, false},
+             {{2, 5, 17, 20}, {2, 3}, {1, 2}, {0, 1}, {2, 1}, false},
+             {{4, 16, 12, 14}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, true}};
+  static const kiln_dtype dts[3] = {KILN_F32, KILN_BF16, KILN_F64};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 3; di++) {
+      kiln_scope_begin();
+      int64_t n = h_numel(4, cfg[ci].shape);
+      /* values on a coarse grid: ties between windows happen, and resolve the same way */
+      double *v = bn_host_randn(n, 900 + ci, 1.0, 0.0);
+      for (int64_t i = 0; i < n; i++) v[i] = round(v[i] * 4) / 4;
+      double *gv = bn_host_randn(n, 950 + ci, 1.0, 0.0);
+      double *res[2] = {NULL, NULL};
+      int64_t nr = 0;
+      for (int side = 0; side < 2; side++) {
+        kiln_device dev = side ? kiln_device_cpu() : bc_gpu();
+        kiln_tensor *x = bn_on(v, 4, cfg[ci].shape, dts[di], dev);
+        if (cfg[ci].cl) x = kiln_detach(kiln_contiguous_format(x, KILN_CHANNELS_LAST));
+        kiln_requires_grad_(x, true);
+        kiln_tensor *y = kiln_max_pool2d(x, cfg[ci].k, cfg[ci].s, cfg[ci].p, cfg[ci].d, NULL);
+        kiln_tensor *g = y ? bn_on(gv, 4, kiln_shape(y), dts[di], dev) : NULL;
+        kiln_tensor *gx = NULL;
+        if (y && g && kiln_autograd_grad(1, &y, &g, 1, &x, &gx) == KILN_OK && gx) res[side] = h_values(gx, &nr);
+        else H_CHECK(false, "max_pool2d backward case %zu on %s: %s", ci, kiln__device_cstr(dev), kiln_last_error_message());
+      }
+      if (res[0] && res[1]) {
+        char name[96];
+        double rt, at;
+        bc_tol(dts[di], &rt, &at);
+        snprintf(name, sizeof name, "max_pool2d backward case %zu %s", ci, kiln_dtype_name(dts[di]));
+        h_close(name, res[0], res[1], nr, rt, at);
+      }
+      free(res[0]), free(res[1]), free(v), free(gv);
+      kiln_scope_end();
+    }
+}
+
+static double bc_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ms per call of fn over reps calls after two warm-ups (the device waited for) */
+typedef kiln_status (*bc_fn)(void *ctx);
+static double bc_time(bc_fn fn, void *ctx, int reps) {
+  kiln_device dev = bc_gpu();
+  for (int i = 0; i < 2; i++)
+    if (fn(ctx) != KILN_OK) return -1;
+  if (kiln_device_synchronize(dev) != KILN_OK) return -1;
+  double t0 = bc_now();
+  for (int i = 0; i < reps; i++)
+    if (fn(ctx) != KILN_OK) return -1;
+  if (kiln_device_synchronize(dev) != KILN_OK) return -1;
+  return (bc_now() - t0) * 1e3 / reps;
+}
+
+typedef struct bc_bn {
+  kiln_tensor *x, *w, *b, *rm, *rv, *g;
+  bool backward;
+} bc_bn;
+static kiln_status bc_bn_step(void *ctx) {
+  bc_bn *c = ctx;
+  kiln_scope_begin();
+  kiln_tensor *y = kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5);
+  kiln_tensor *ins[3] = {c->x, c->w, c->b}, *gr[3] = {NULL, NULL, NULL};
+  kiln_status st = !y ? kiln_last_error() : c->backward ? kiln_autograd_grad(1, &y, &c->g, 3, ins, gr) : KILN_OK;
+  kiln_scope_end();
+  return st;
+}
+
+typedef struct bc_pool {
+  kiln_tensor *x, *g;
+} bc_pool;
+static kiln_status bc_pool_step(void *ctx) {
+  bc_pool *c = ctx;
+  kiln_scope_begin();
+  kiln_tensor *y = kiln_max_pool2d(c->x, (const int64_t[]){3, 3}, (const int64_t[]){2, 2}, (const int64_t[]){1, 1}, NULL, NULL);
+  kiln_tensor *gx = NULL;
+  kiln_status st = y ? kiln_autograd_grad(1, &y, &c->g, 1, &c->x, &gx) : kiln_last_error();
+  kiln_scope_end();
+  return st;
+}
+
+static void bc_timings(void) {
+  kiln_device dev = bc_gpu();
+  kiln_scope_begin();
+  const int64_t N = 128, C = 256, H = 56, W = 56;
+  double gb = (double)(N * C * H * W) * 2 / 1e9;
+  for (int cl = 0; cl < 2; cl++) {
+    bc_bn c = {0};
+    c.x = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
+    c.g = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
+    if (cl) {
+      c.x = kiln_contiguous_format(c.x, KILN_CHANNELS_LAST);
+      c.g = kiln_contiguous_format(c.g, KILN_CHANNELS_LAST);
+    }
+    c.w = kiln_ones(KILN_SHAPE(C), KILN_F32, dev), c.b = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev);
+    c.rm = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev), c.rv = kiln_ones(KILN_SHAPE(C), KILN_F32, dev);
+    kiln_requires_grad_(c.x, true), kiln_requires_grad_(c.w, true), kiln_requires_grad_(c.b, true);
+    c.backward = false;
+    double f = bc_time(bc_bn_step, &c, 10);
+    c.backward = true;
+    double fb = bc_time(bc_bn_step, &c, 10);
+    H_CHECK(f > 0 && fb > 0, "batch_norm timing ran: %s", kiln_last_error_message());
+    /* forward moves x twice and y once; backward x and g twice, dx once */
+    printf("test_cuda_batchnorm: batch_norm (128, 256, 56, 56) bf16 %s: forward %.3f ms (%.0f GB/s), forward + "
+           "backward %.3f ms (backward %.0f GB/s)\n",
+           cl ? "channels-last" : "NCHW", f, 3 * gb / (f * 1e-3), fb, 5 * gb / ((fb - f) * 1e-3));
+  }
+  bc_pool p;
+  p.x = kiln_randn(KILN_SHAPE(128, 64, 112, 112), KILN_BF16, dev, NULL);
+  p.g = kiln_randn(KILN_SHAPE(128, 64, 56, 56), KILN_BF16, dev, NULL);
+  kiln_requires_grad_(p.x, true);
+  double t = bc_time(bc_pool_step, &p, 10);
+  H_CHECK(t > 0, "max_pool2d timing ran: %s", kiln_last_error_message());
+  printf("test_cuda_batchnorm: max_pool2d 3x3/2 (128, 64, 112, 112) bf16 forward + backward: %.3f ms\n", t);
+  kiln_scope_end();
+}
+
+int main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps what was printed */
+  h_init(argc, argv, "test_cuda_batchnorm");
+  h_set_cross_only(true);
+#ifndef BC_GPU_IS_CPU
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    printf("test_cuda_batchnorm: skipped (no CUDA device)\n");
+    return 77;
+  }
+  printf("test_cuda_batchnorm: harness cases\n");
+  bn_family();
+#endif
+  printf("test_cuda_batchnorm: against the CPU\n");
+  bc_vs_cpu();
+  bc_offset();
+  printf("test_cuda_batchnorm: max_pool2d backward\n");
+  bc_max_pool();
+#ifndef BC_GPU_IS_CPU
+  bc_timings();
+#else
+  (void)bn_family, (void)bc_timings; /* the harness's part (d) and the timings are CUDA's */
+#endif
+  return h_finish();
+}

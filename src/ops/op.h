@@ -91,6 +91,7 @@ typedef struct kiln__op_ctx {
     int ndim;
     int64_t shape[KILN_MAX_DIMS];
     kiln_dtype dtype;
+    bool channels_last; /* allocate NHWC memory (kiln__op_meta clears it) */
   } meta[KILN__OP_MAX_OUT];
   kiln_device device;         /* the inputs' device (infer may set it for creation ops) */
   kiln_tensor *tmp[KILN__OP_MAX_TMP];
@@ -145,6 +146,20 @@ kiln_status kiln__op_call_status(const kiln__op *op, int n_in, kiln_tensor *cons
 /* Output k has input i's shape and the given dtype. */
 void kiln__op_meta_like(kiln__op_ctx *c, int k, const kiln_tensor *t, kiln_dtype dt);
 void kiln__op_meta(kiln__op_ctx *c, int k, int ndim, const int64_t *shape, kiln_dtype dt);
+/* Output k (set by kiln__op_meta first) takes the memory format of `like` when both are
+** 4-d of one shape and `like` is channels-last and not also contiguous: the ops that keep
+** formats (elementwise, casts, pools) call it, as PyTorch's outputs follow their input's
+** layout. Nothing changes otherwise, so calling it with a second input after a first is
+** "the first channels-last one wins". (ops_format.c) */
+void kiln__op_meta_keep_format(kiln__op_ctx *c, int k, const kiln_tensor *like);
+/* Whether t is channels-last and not also contiguous (4-d; size-1 dims aside, the two
+** layouts differ): the case in which an op keeping formats makes a channels-last output. */
+bool kiln__is_channels_last(const kiln_tensor *t);
+/* A new tensor (owned by the scope): channels-last memory when cl and ndim == 4, else
+** contiguous. */
+kiln_tensor *kiln__tensor_new_format(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev, bool cl);
+/* A new tensor of t's shape and dt in t's memory format (kiln__is_channels_last). */
+kiln_tensor *kiln__tensor_new_like_format(const kiln_tensor *t, kiln_dtype dt);
 /* The broadcast shape of a and b; KILN_ERR_SHAPE naming the op otherwise. */
 kiln_status kiln__broadcast_shape(const char *op, const kiln_tensor *a, const kiln_tensor *b, int *ndim,
                                   int64_t *shape);

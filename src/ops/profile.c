@@ -104,6 +104,36 @@ static double flops_of(const kiln__op_event *e) {
     if (!strcmp(n, "linear_relu")) f += out;
     return f;
   }
+  /* Convolutions, 2*N*K*(C/G)*R*S*P*Q, from the operands' shapes whatever the layout (the
+  ** 4-d shapes are NCHW-ordered; the internal ops of the channels-last path make
+  ** (N, H, W, C)-shaped outputs, so the counts read the inputs where they can). */
+  if (!strcmp(n, "conv2d") || !strcmp(n, "conv2d_direct") || !strcmp(n, "conv2d_bias_relu") ||
+      !strcmp(n, "conv1d")) {
+    /* out (N, K, P, Q) (or (N, K, L)), w (K, C/G, R, S) */
+    kiln_tensor *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!w || w->ndim < 3) return 0;
+    double per = 1;
+    for (int d = 1; d < w->ndim; d++) per *= (double)w->shape[d];
+    return 2.0 * out * per;
+  }
+  if (!strcmp(n, "conv2d_backward_data")) {
+    /* g (N, K, P, Q), w (K, C/G, R, S): the forward's count */
+    kiln_tensor *g = a, *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!g || !w || w->ndim != 4) return 0;
+    return 2.0 * (double)kiln_numel(g) * (double)w->shape[1] * (double)w->shape[2] * (double)w->shape[3];
+  }
+  if (!strcmp(n, "conv2d_backward_weight")) {
+    /* x (N, C, H, W), g (N, K, P, Q), dW of K*C/G*R*S elements */
+    kiln_tensor *g = e->n_in > 1 ? e->in[1] : NULL;
+    if (!g || g->ndim != 4 || g->shape[1] == 0) return 0;
+    return 2.0 * (double)kiln_numel(g) * out / (double)g->shape[1];
+  }
+  if (!strcmp(n, "conv_transpose2d")) {
+    /* x (N, C, H, W), w (C, OC/G, R, S): the adjoint of a conv2d from the output to x */
+    kiln_tensor *w = e->n_in > 1 ? e->in[1] : NULL;
+    if (!w || w->ndim != 4) return 0;
+    return 2.0 * in0 * (double)w->shape[1] * (double)w->shape[2] * (double)w->shape[3];
+  }
   static const char *const per_out[] = {
       "add", "axpy", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
       "neg", "sign", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "pow_scalar", "add_scalar", "mul_scalar",

@@ -381,6 +381,8 @@ static void cc_keep_format(void) {
   cv_keep_format_on(cc_gpu(), KILN_F32, 1e-4, 1e-5, 1e-4, true);
   cv_keep_format_on(cc_gpu(), KILN_F16, 2e-2, 1e-2, 0, false);
   cv_keep_format_on(cc_gpu(), KILN_BF16, 8e-2, 5e-2, 0, false);
+  kiln_set_matmul_tf32(false);
+  cv_optim_format(cc_gpu(), 1e-3, 1e-4); /* with cuDNN the weight's gradient is channels-last: Adam's fused path */
   if (!cc_cudnn) return;
   /* A ResNet-like step, channels-last leaves: cuDNN reads and writes NHWC, the other ops
   ** keep it, so nothing is ever transposed. */

@@ -17,6 +17,7 @@
 #include "core/kiln_int.h"
 
 #include <kiln_nn.h>
+#include <kiln_optim.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -778,6 +779,54 @@ static void cv_module_format(void) {
   kiln_scope_end();
 }
 
+/* Optimizers on a channels-last model: Adam (its fused multi-tensor update through the
+** (N, H, W, C) views) and SGD with momentum give the contiguous model's weights, and the
+** weights stay channels-last. (On CUDA cuDNN's NHWC and NCHW algorithms round apart, and
+** Adam's first step divides by |g|: rtol/atol.) */
+static void cv_optim_format(kiln_device dev, double rtol, double atol) {
+  for (int kind = 0; kind < 2; kind++) {
+    kiln_scope_begin();
+    double *w[2] = {NULL, NULL};
+    int64_t n = 0;
+    for (int cl = 0; cl < 2; cl++) {
+      kiln_generator *gen = kiln_generator_new(9);
+      int64_t k3[2] = {3, 3}, pd[2] = {1, 1};
+      kiln_module *m = kiln_conv2d_new(3, 4, k3, NULL, pd, NULL, 1, true, KILN_F32, dev, gen);
+      kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 3, 5, 5), KILN_F32, dev, gen);
+      kiln_generator_free(gen);
+      if (cl && m) kiln_module_to_format(m, KILN_CHANNELS_LAST);
+      if (cl) x = kiln_contiguous_format(x, KILN_CHANNELS_LAST);
+      kiln_optim_config cfg = kind == 0 ? kiln_adam_config(0.01) : kiln_sgd_config(0.1);
+      if (kind == 1) cfg.momentum = 0.9, cfg.weight_decay = 1e-3;
+      kiln_optimizer *opt = m ? kiln_optimizer_new_module(&cfg, m) : NULL;
+      kiln_status st = opt && x ? KILN_OK : kiln_last_error();
+      for (int step = 0; step < 3 && st == KILN_OK; step++) {
+        kiln_scope_begin();
+        kiln_tensor *y = kiln_module_forward(m, x);
+        kiln_tensor *loss = kiln_sum_all(kiln_mul(y, y));
+        st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+        if (st == KILN_OK) st = kiln_optimizer_step(opt);
+        if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
+        kiln_scope_end();
+      }
+      H_CHECK(st == KILN_OK, "%s steps on a %s Conv2d: %s", kind ? "SGD" : "Adam", cl ? "channels-last" : "contiguous",
+              kiln_last_error_message());
+      kiln_tensor *wt = m ? kiln_module_param(m, "weight") : NULL;
+      if (cl)
+        H_CHECK(wt && kiln_is_contiguous_format(wt, KILN_CHANNELS_LAST) && !kiln_is_contiguous(wt),
+                "the weight stays channels-last through %s steps", kind ? "SGD" : "Adam");
+      w[cl] = wt ? h_values(wt, &n) : NULL;
+      kiln_optimizer_free(opt);
+      kiln_module_free(m);
+    }
+    if (w[0] && w[1])
+      h_close(kind ? "SGD on a channels-last Conv2d equals contiguous" : "Adam on a channels-last Conv2d equals contiguous",
+              w[1], w[0], n, rtol, atol);
+    free(w[0]), free(w[1]);
+    kiln_scope_end();
+  }
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
@@ -789,6 +838,7 @@ static void cv_family(void) {
     cv_keep_format_on(kiln_device_cpu(), KILN_F64, 0, 0, 1e-12, true);
     cv_keep_format_on(kiln_device_cpu(), KILN_F32, 0, 0, 1e-5, true);
     cv_module_format();
+    cv_optim_format(kiln_device_cpu(), 1e-5, 1e-6);
   }
 }
 

@@ -349,8 +349,10 @@ KILN_API kiln_status kiln_to_device_many(int n, kiln_tensor *const *ts, kiln_dev
 KILN_API kiln_tensor *kiln_contiguous(kiln_tensor *t);
 /* Memory formats (PyTorch's torch.channels_last): the shape stays (N, C, H, W); a
 ** channels-last tensor has strides (H*W*C, 1, W*C, C), each pixel's channels adjacent.
-** conv2d on CUDA with cuDNN reads a channels-last input as it is and returns a
-** channels-last output; other ops read it as any strided tensor (results contiguous). */
+** Ops keep a channels-last input's format, as PyTorch's do: conv2d (on CUDA cuDNN reads
+** and writes NHWC as it is), the elementwise ops, casts and clone, max_pool2d, batch_norm,
+** the _like creations; other ops read it as any strided tensor (results contiguous), and
+** kiln_contiguous gives NCHW memory. A model's weights: kiln_module_to_format (kiln_nn.h). */
 typedef enum kiln_memory_format {
   KILN_CONTIGUOUS_FORMAT = 0, /* C order */
   KILN_CHANNELS_LAST = 1      /* 4-d only */

@@ -124,6 +124,12 @@ KILN_API bool kiln_module_is_training(const kiln_module *m);
 KILN_API kiln_status kiln_module_to(kiln_module *m, kiln_device dev);
 /* Casts floating parameters and floating buffers to dt (a floating dtype). */
 KILN_API kiln_status kiln_module_to_dtype(kiln_module *m, kiln_dtype dt);
+/* Lays out every 4-d floating parameter and buffer (and its gradient) in format, as
+** PyTorch's model.to(memory_format=torch.channels_last): KILN_CHANNELS_LAST keeps the
+** convolution weights (OC, C, kh, kw) in NHWC memory, so a channels-last network hands
+** cuDNN its weights without a copy per call. Handles are replaced as kiln_module_to does;
+** all or nothing. KILN_ERR_INVALID_ARGUMENT for a NULL module or an unknown format. */
+KILN_API kiln_status kiln_module_to_format(kiln_module *m, kiln_memory_format format);
 
 /* Parameters in a stable order: a module's own (registration order), then its children's
 ** (insertion order, depth first); a tensor registered twice appears once. Writes at most

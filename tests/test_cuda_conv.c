@@ -14,6 +14,11 @@
 **    (with the bias gradient) when the device has them (cuDNN); MAX_POOL2D's indices on
 **    ties and NaN (must be identical).
 ** 4. A conv forward + backward captured into a CUDA graph and replayed equals eager.
+** 5. Channels-last end to end (cv_keep_format_on, test_ops_conv.c): conv2d, relu, add,
+**    casts, max_pool2d keep the format on CUDA and give the NCHW run's values (f64, f32
+**    with gradients; f16/bf16 forward), and with cuDNN a channels-last step (forward and
+**    backward, also under bf16 autocast) makes no layout copy (no contiguous or
+**    contiguous_format op runs, counted by an observer).
 ** It prints whether cuDNN serves CONV2D, so a log says which path was tested.
 */
 #define H_NO_MAIN
@@ -21,6 +26,7 @@
 
 #include "backend/backend.h"
 #include "core/kiln_int.h"
+#include "ops/op.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -356,6 +362,68 @@ static void cc_capture(void) {
   kiln_scope_end();
 }
 
+/* Layout copies seen by the observer: ops named contiguous or contiguous_format. */
+static int cc_copies;
+static void *cc_obs_begin(const kiln__op_event *e, void *ctx) {
+  (void)ctx;
+  if (!strcmp(e->op->name, "contiguous") || !strcmp(e->op->name, "contiguous_format")) cc_copies++;
+  return NULL;
+}
+static kiln_status cc_obs_end(const kiln__op_event *e, void *tok, void *ctx) {
+  (void)e, (void)tok, (void)ctx;
+  return KILN_OK;
+}
+static const kiln__observer cc_obs = {"cc_copies", cc_obs_begin, cc_obs_end, NULL};
+
+static void cc_keep_format(void) {
+  kiln_set_matmul_tf32(false);
+  cv_keep_format_on(cc_gpu(), KILN_F64, 1e-10, 1e-10, 1e-10, true);
+  cv_keep_format_on(cc_gpu(), KILN_F32, 1e-4, 1e-5, 1e-4, true);
+  cv_keep_format_on(cc_gpu(), KILN_F16, 2e-2, 1e-2, 0, false);
+  cv_keep_format_on(cc_gpu(), KILN_BF16, 8e-2, 5e-2, 0, false);
+  kiln_set_matmul_tf32(false);
+  cv_optim_format(cc_gpu(), 1e-3, 1e-4); /* with cuDNN the weight's gradient is channels-last: Adam's fused path */
+  if (!cc_cudnn) return;
+  /* A ResNet-like step, channels-last leaves: cuDNN reads and writes NHWC, the other ops
+  ** keep it, so nothing is ever transposed. */
+  for (int amp = 0; amp < 2; amp++) {
+    kiln_scope_begin();
+    kiln_generator *gen = kiln_generator_new(2);
+    kiln_tensor *x = kiln_contiguous_format(kiln_randn(KILN_SHAPE(4, 16, 14, 14), KILN_F32, cc_gpu(), gen),
+                                            KILN_CHANNELS_LAST);
+    kiln_tensor *w1 = kiln_contiguous_format(kiln_randn(KILN_SHAPE(16, 16, 3, 3), KILN_F32, cc_gpu(), gen),
+                                             KILN_CHANNELS_LAST);
+    kiln_tensor *w2 = kiln_contiguous_format(kiln_randn(KILN_SHAPE(32, 16, 1, 1), KILN_F32, cc_gpu(), gen),
+                                             KILN_CHANNELS_LAST);
+    kiln_generator_free(gen);
+    kiln_requires_grad_(w1, true);
+    kiln_requires_grad_(w2, true);
+    int64_t pd[2] = {1, 1}, k3[2] = {3, 3}, s2[2] = {2, 2};
+    cc_copies = 0;
+    H_CHECK(kiln__observer_add(&cc_obs) == KILN_OK, "observer: %s", kiln_last_error_message());
+    kiln_status st = amp ? kiln_autocast_begin(KILN_DEVICE_CUDA, KILN_BF16) : KILN_OK;
+    kiln_tensor *h = kiln_relu(kiln_conv2d(x, w1, NULL, NULL, pd, NULL, 1));
+    h = kiln_relu(kiln_add(h, x));
+    h = kiln_max_pool2d(h, k3, s2, pd, NULL, NULL);
+    /* ending in a relu, as a block does: the loss's broadcast gradient becomes
+    ** channels-last again in relu's backward (it takes its input's layout) */
+    h = kiln_relu(kiln_conv2d(h, w2, NULL, NULL, NULL, NULL, 1));
+    kiln_tensor *loss = kiln_sum_all(kiln_to_dtype(h, KILN_F32));
+    if (amp && st == KILN_OK) st = kiln_autocast_end();
+    if (st == KILN_OK && loss) st = kiln_backward(loss, NULL);
+    kiln__observer_remove(&cc_obs);
+    H_CHECK(st == KILN_OK && loss && kiln_grad(w1) && kiln_grad(w2), "channels-last step%s: %s",
+            amp ? " (bf16 autocast)" : "", kiln_last_error_message());
+    H_CHECK(h && kiln_is_contiguous_format(h, KILN_CHANNELS_LAST) && !kiln_is_contiguous(h),
+            "the step's output is channels-last%s", amp ? " (bf16 autocast)" : "");
+    H_CHECK(cc_copies == 0, "a channels-last step%s made %d layout copies (contiguous/contiguous_format)",
+            amp ? " (bf16 autocast)" : "", cc_copies);
+    H_CHECK(kiln_grad(w1) && kiln_is_contiguous_format(kiln_grad(w1), KILN_CHANNELS_LAST),
+            "a channels-last weight's gradient is channels-last%s", amp ? " (bf16 autocast)" : "");
+    kiln_scope_end();
+  }
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* a crash keeps what was printed */
   h_init(argc, argv, "test_cuda_conv");
@@ -398,5 +466,7 @@ int main(int argc, char **argv) {
   cc_max_pool();
   printf("test_cuda_conv: graph capture\n");
   cc_capture();
+  printf("test_cuda_conv: channels-last end to end\n");
+  cc_keep_format();
   return h_finish();
 }

@@ -16,6 +16,8 @@
 #include "backend/backend.h"
 #include "core/kiln_int.h"
 
+#include <kiln_nn.h>
+#include <kiln_optim.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -698,6 +700,172 @@ static void cv_max_pool_grad_f32(void) {
   }
 }
 
+/* The ops on a ResNet's path keep a channels-last input's memory format (PyTorch's rule)
+** and give the NCHW run's values: conv2d with a bias, relu, add (same shape, and a
+** broadcast operand), to_dtype and back, clone, max_pool2d (and its indices), mul_scalar;
+** backward then gives x's and w's gradients with the NCHW run's values. Run on dev in dt;
+** rtol/atol compare the two runs (the CPU's are exact: the same arithmetic in another
+** memory order, though BLAS may sum the weight gradient in another order: grad_tol;
+** cuDNN's NHWC algorithms round otherwise). grads: compare the gradients
+** too (a max_pool2d argmax may flip between two near-equal 16-bit values, so not there).
+** Returns whether every check passed. */
+static bool cv_keep_format_on(kiln_device dev, kiln_dtype dt, double rtol, double atol, double grad_tol,
+                              bool grads) {
+  bool ok = true;
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(11);
+  kiln_device cpu = kiln_device_cpu();
+  kiln_tensor *x0 = kiln_randn(KILN_SHAPE(2, 8, 9, 10), KILN_F64, cpu, gen);
+  kiln_tensor *w0 = kiln_randn(KILN_SHAPE(6, 8, 3, 3), KILN_F64, cpu, gen);
+  kiln_tensor *b0 = kiln_randn(KILN_SHAPE(6), KILN_F64, cpu, gen);
+  kiln_tensor *r0 = kiln_randn(KILN_SHAPE(2, 6, 5, 5), KILN_F64, cpu, gen);
+  kiln_generator_free(gen);
+  enum { NR = 7 };
+  static const char *const names[NR] = {"conv2d", "relu", "add", "add (broadcast)", "to_dtype", "max_pool2d",
+                                        "max_pool2d indices"};
+  double *vals[2][NR + 2] = {{NULL}};
+  int64_t nv[NR + 2] = {0};
+  char what[160], dname[32];
+  kiln_device_str(dev, dname, sizeof dname);
+  for (int cl = 0; cl < 2; cl++) {
+    kiln_tensor *x = kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(x0, dev), dt)));
+    kiln_tensor *w = kiln_detach(kiln_contiguous(kiln_to_dtype(kiln_to_device(w0, dev), dt)));
+    kiln_tensor *b = kiln_to_dtype(kiln_to_device(b0, dev), dt);
+    kiln_tensor *r = kiln_to_dtype(kiln_to_device(r0, dev), dt);
+    if (cl) {
+      /* channels-last leaves, as kiln_module_to_format and a loader's batch make them */
+      x = kiln_detach(kiln_contiguous_format(x, KILN_CHANNELS_LAST));
+      w = kiln_detach(kiln_contiguous_format(w, KILN_CHANNELS_LAST));
+    }
+    if (!x || !w || !b || !r || kiln_requires_grad_(x, true) != KILN_OK || kiln_requires_grad_(w, true) != KILN_OK) {
+      ok = H_CHECK(false, "keep-format setup on %s: %s", kiln_dtype_name(dt), kiln_last_error_message());
+      break;
+    }
+    int64_t pd[2] = {1, 1}, k3[2] = {3, 3}, s2[2] = {2, 2};
+    kiln_tensor *t[NR];
+    t[0] = kiln_conv2d(x, w, b, NULL, pd, NULL, 1);
+    t[1] = kiln_relu(t[0]);
+    t[2] = kiln_add(t[1], t[0]);
+    t[3] = kiln_add(t[2], kiln_reshape(b, KILN_SHAPE(6, 1, 1)));
+    kiln_dtype other = dt == KILN_F32 ? KILN_F64 : KILN_F32;
+    t[4] = kiln_clone(kiln_to_dtype(kiln_to_dtype(t[3], other), dt));
+    kiln_tensor *ix = NULL;
+    t[5] = kiln_max_pool2d(t[4], k3, s2, pd, NULL, &ix);
+    t[6] = ix;
+    kiln_tensor *loss = kiln_sum_all(kiln_mul(kiln_mul_scalar(t[5], 0.5), r));
+    if (!loss || kiln_backward(loss, NULL) != KILN_OK) {
+      ok = H_CHECK(false, "keep-format run (%s, %s): %s", cl ? "channels-last" : "contiguous", kiln_dtype_name(dt),
+                   kiln_last_error_message());
+      break;
+    }
+    for (int i = 0; i < NR; i++) {
+      if (cl) {
+        snprintf(what, sizeof what, "%s of a channels-last %s input on %s is channels-last", names[i],
+                 kiln_dtype_name(dt), dname);
+        ok &= H_CHECK(kiln_is_contiguous_format(t[i], KILN_CHANNELS_LAST) && !kiln_is_contiguous(t[i]), "%s", what);
+      }
+      vals[cl][i] = h_values(i == 6 ? kiln_to_dtype(t[i], KILN_F64) : t[i], &nv[i]);
+    }
+    vals[cl][NR] = h_values(kiln_grad(x), &nv[NR]);
+    vals[cl][NR + 1] = h_values(kiln_grad(w), &nv[NR + 1]);
+  }
+  for (int i = 0; i < NR + 2; i++) {
+    if (!vals[0][i] || !vals[1][i]) continue;
+    if (i >= NR && !grads) continue;
+    bool idx = i == NR - 1;
+    if (idx && rtol > 0) continue; /* argmaxes of rounded values may differ */
+    snprintf(what, sizeof what, "%s (%s, %s): channels-last equals contiguous",
+             i < NR ? names[i] : i == NR ? "grad x" : "grad w", kiln_dtype_name(dt), dname);
+    double rt = i >= NR ? grad_tol : idx ? 0 : rtol, at = i >= NR ? grad_tol : idx ? 0 : atol;
+    ok &= h_close(what, vals[1][i], vals[0][i], nv[i], rt, at);
+  }
+  for (int c = 0; c < 2; c++)
+    for (int i = 0; i < NR + 2; i++) free(vals[c][i]);
+  kiln_scope_end();
+  return ok;
+}
+
+/* kiln_module_to_format: a Conv2d's weight goes channels-last (its bias stays), the
+** forward gives the same numbers, and back to contiguous restores NCHW memory. */
+static void cv_module_format(void) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(5);
+  int64_t k3[2] = {3, 3}, pd[2] = {1, 1};
+  kiln_module *m = kiln_conv2d_new(4, 5, k3, NULL, pd, NULL, 1, true, KILN_F64, kiln_device_cpu(), gen);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 4, 6, 6), KILN_F64, kiln_device_cpu(), gen);
+  kiln_generator_free(gen);
+  int64_t n = 0;
+  double *before = m && x ? h_values(kiln_module_forward(m, x), &n) : NULL;
+  H_CHECK(kiln_module_to_format(m, KILN_CHANNELS_LAST) == KILN_OK, "kiln_module_to_format: %s",
+          kiln_last_error_message());
+  kiln_tensor *w = kiln_module_param(m, "weight");
+  H_CHECK(w && kiln_is_contiguous_format(w, KILN_CHANNELS_LAST) && !kiln_is_contiguous(w) &&
+              kiln_requires_grad(w),
+          "the weight is a channels-last parameter after kiln_module_to_format");
+  H_CHECK(kiln_is_contiguous(kiln_module_param(m, "bias")), "a 1-d bias is left as it is");
+  kiln_tensor *y = kiln_module_forward(m, kiln_contiguous_format(x, KILN_CHANNELS_LAST));
+  if (before && y) h_tensor_close("Conv2d forward after kiln_module_to_format", y, before, n, 1e-12, 1e-12);
+  H_CHECK(y && kiln_is_contiguous_format(y, KILN_CHANNELS_LAST), "a channels-last Conv2d gives channels-last");
+  free(before);
+  H_CHECK(kiln_module_to_format(m, KILN_CONTIGUOUS_FORMAT) == KILN_OK &&
+              kiln_is_contiguous(kiln_module_param(m, "weight")),
+          "kiln_module_to_format(contiguous) gives NCHW weights back");
+  h_expect_err_(kiln_module_to_format(m, (kiln_memory_format)9) != KILN_OK, KILN_ERR_INVALID_ARGUMENT, __FILE__,
+                __LINE__, "kiln_module_to_format with an unknown format");
+  h_expect_err_(kiln_module_to_format(NULL, KILN_CHANNELS_LAST) != KILN_OK, KILN_ERR_INVALID_ARGUMENT, __FILE__,
+                __LINE__, "kiln_module_to_format(NULL)");
+  kiln_module_free(m);
+  kiln_scope_end();
+}
+
+/* Optimizers on a channels-last model: Adam (its fused multi-tensor update through the
+** (N, H, W, C) views) and SGD with momentum give the contiguous model's weights, and the
+** weights stay channels-last. (On CUDA cuDNN's NHWC and NCHW algorithms round apart, and
+** Adam's first step divides by |g|: rtol/atol.) */
+static void cv_optim_format(kiln_device dev, double rtol, double atol) {
+  for (int kind = 0; kind < 2; kind++) {
+    kiln_scope_begin();
+    double *w[2] = {NULL, NULL};
+    int64_t n = 0;
+    for (int cl = 0; cl < 2; cl++) {
+      kiln_generator *gen = kiln_generator_new(9);
+      int64_t k3[2] = {3, 3}, pd[2] = {1, 1};
+      kiln_module *m = kiln_conv2d_new(3, 4, k3, NULL, pd, NULL, 1, true, KILN_F32, dev, gen);
+      kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 3, 5, 5), KILN_F32, dev, gen);
+      kiln_generator_free(gen);
+      if (cl && m) kiln_module_to_format(m, KILN_CHANNELS_LAST);
+      if (cl) x = kiln_contiguous_format(x, KILN_CHANNELS_LAST);
+      kiln_optim_config cfg = kind == 0 ? kiln_adam_config(0.01) : kiln_sgd_config(0.1);
+      if (kind == 1) cfg.momentum = 0.9, cfg.weight_decay = 1e-3;
+      kiln_optimizer *opt = m ? kiln_optimizer_new_module(&cfg, m) : NULL;
+      kiln_status st = opt && x ? KILN_OK : kiln_last_error();
+      for (int step = 0; step < 3 && st == KILN_OK; step++) {
+        kiln_scope_begin();
+        kiln_tensor *y = kiln_module_forward(m, x);
+        kiln_tensor *loss = kiln_sum_all(kiln_mul(y, y));
+        st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+        if (st == KILN_OK) st = kiln_optimizer_step(opt);
+        if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
+        kiln_scope_end();
+      }
+      H_CHECK(st == KILN_OK, "%s steps on a %s Conv2d: %s", kind ? "SGD" : "Adam", cl ? "channels-last" : "contiguous",
+              kiln_last_error_message());
+      kiln_tensor *wt = m ? kiln_module_param(m, "weight") : NULL;
+      if (cl)
+        H_CHECK(wt && kiln_is_contiguous_format(wt, KILN_CHANNELS_LAST) && !kiln_is_contiguous(wt),
+                "the weight stays channels-last through %s steps", kind ? "SGD" : "Adam");
+      w[cl] = wt ? h_values(wt, &n) : NULL;
+      kiln_optimizer_free(opt);
+      kiln_module_free(m);
+    }
+    if (w[0] && w[1])
+      h_close(kind ? "SGD on a channels-last Conv2d equals contiguous" : "Adam on a channels-last Conv2d equals contiguous",
+              w[1], w[0], n, rtol, atol);
+    free(w[0]), free(w[1]);
+    kiln_scope_end();
+  }
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
@@ -706,6 +874,11 @@ static void cv_family(void) {
     cv_backward_kernels();
     cv_max_pool_grad_f32();
     cv_format();
+    /* the CPU's runs are the same arithmetic in another memory order: equal values */
+    cv_keep_format_on(kiln_device_cpu(), KILN_F64, 0, 0, 1e-12, true);
+    cv_keep_format_on(kiln_device_cpu(), KILN_F32, 0, 0, 1e-5, true);
+    cv_module_format();
+    cv_optim_format(kiln_device_cpu(), 1e-5, 1e-6);
   }
 }
 

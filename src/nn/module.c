@@ -666,17 +666,23 @@ static bool move_swap(void *vctx, const char *name, entry *e) {
   return true;
 }
 
+typedef enum convert_kind { CONVERT_DEVICE, CONVERT_DTYPE, CONVERT_FORMAT } convert_kind;
 typedef struct convert {
-  bool to_dtype;
+  convert_kind kind;
   kiln_device dev;
   kiln_dtype dt;
+  kiln_memory_format format;
 } convert;
 
 /* A new reference owned by the caller (no scope): t converted, or t itself. */
 static kiln_tensor *convert_one(kiln_tensor *t, const convert *cv) {
   kiln_tensor *r;
-  if (cv->to_dtype)
+  if (cv->kind == CONVERT_DTYPE)
     r = kiln_dtype_is_float(kiln_dtype_of(t)) ? kiln_to_dtype(t, cv->dt) : kiln_tensor_ref(t);
+  else if (cv->kind == CONVERT_FORMAT)
+    /* 4-d floating tensors only (convolution weights), as PyTorch's Module.to(memory_format) */
+    r = kiln_ndim(t) == 4 && kiln_dtype_is_float(kiln_dtype_of(t)) ? kiln_contiguous_format(t, cv->format)
+                                                                    : kiln_tensor_ref(t);
   else
     r = kiln_to_device(t, cv->dev);
   return kiln_keep(r);
@@ -684,7 +690,7 @@ static kiln_tensor *convert_one(kiln_tensor *t, const convert *cv) {
 
 static kiln_status module_convert(kiln_module *m, const convert *cv, const char *who) {
   if (!m) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL module", who);
-  if (cv->to_dtype && !kiln_dtype_is_float(cv->dt))
+  if (cv->kind == CONVERT_DTYPE && !kiln_dtype_is_float(cv->dt))
     return kiln_set_error(KILN_ERR_DTYPE, "%s: %s is not a floating dtype", who,
                           kiln_dtype_name(cv->dt));
   move_ctx c = {0};
@@ -739,13 +745,20 @@ static kiln_status module_convert(kiln_module *m, const convert *cv, const char 
 }
 
 kiln_status kiln_module_to(kiln_module *m, kiln_device dev) {
-  convert cv = {false, dev, KILN_F32};
+  convert cv = {CONVERT_DEVICE, dev, KILN_F32, KILN_CONTIGUOUS_FORMAT};
   return module_convert(m, &cv, "kiln_module_to");
 }
 
 kiln_status kiln_module_to_dtype(kiln_module *m, kiln_dtype dt) {
-  convert cv = {true, kiln_device_cpu(), dt};
+  convert cv = {CONVERT_DTYPE, kiln_device_cpu(), dt, KILN_CONTIGUOUS_FORMAT};
   return module_convert(m, &cv, "kiln_module_to_dtype");
+}
+
+kiln_status kiln_module_to_format(kiln_module *m, kiln_memory_format format) {
+  if (format != KILN_CONTIGUOUS_FORMAT && format != KILN_CHANNELS_LAST)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_to_format: unknown memory format %d", (int)format);
+  convert cv = {CONVERT_FORMAT, kiln_device_cpu(), KILN_F32, format};
+  return module_convert(m, &cv, "kiln_module_to_format");
 }
 
 /* ---- state dicts ------------------------------------------------------------------------- */

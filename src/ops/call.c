@@ -56,6 +56,7 @@ void kiln__op_meta(kiln__op_ctx *c, int k, int ndim, const int64_t *shape, kiln_
   c->meta[k].ndim = ndim;
   for (int d = 0; d < ndim; d++) c->meta[k].shape[d] = shape[d];
   c->meta[k].dtype = dt;
+  c->meta[k].channels_last = false;
 }
 
 void kiln__op_meta_like(kiln__op_ctx *c, int k, const kiln_tensor *t, kiln_dtype dt) {
@@ -296,7 +297,9 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   /* 5. outputs */
   if (st == KILN_OK && !(op->flags & (KILN__OP_SELF_ALLOC | KILN__OP_COMPOSITE | KILN__OP_INPLACE))) {
     for (int k = 0; k < c.n_out && st == KILN_OK; k++) {
-      c.out[k] = kiln__tensor_new(c.meta[k].ndim, c.meta[k].shape, c.meta[k].dtype, c.device);
+      c.out[k] = c.meta[k].channels_last
+                     ? kiln__tensor_new_format(c.meta[k].ndim, c.meta[k].shape, c.meta[k].dtype, c.device, true)
+                     : kiln__tensor_new(c.meta[k].ndim, c.meta[k].shape, c.meta[k].dtype, c.device);
       if (!c.out[k]) st = kiln_last_error();
       else n_alloc = k + 1;
     }

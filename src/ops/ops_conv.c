@@ -672,7 +672,11 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   if (lib_dtype && kiln__dispatch_has(c->device, &q, KILN__K_CONV2D)) {
     kiln_tensor *in[3] = {conv_prep(x, cl), conv_prep(w, cl), b ? kiln_contiguous(b) : NULL};
     kiln_tensor *y = in[0] && in[1] && (!b || in[2]) ? kiln__op_call(&op_conv2d_direct, 3, in, p, NULL) : NULL;
-    c->out[0] = kiln__scope_return(from_lib(y, cl));
+    y = from_lib(y, cl);
+    /* a channels-last input the kernel read as NCHW (oneDNN on the CPU): the output is made
+    ** channels-last as the input (PyTorch's rule) */
+    if (y && !cl && kiln__is_channels_last(x)) y = kiln_contiguous_format(y, KILN_CHANNELS_LAST);
+    c->out[0] = kiln__scope_return(y);
     return c->out[0] ? KILN_OK : kiln_last_error();
   }
   kiln_tensor *cols = conv_cols(x, &g, p);
@@ -680,6 +684,8 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   kiln_tensor *wm = g.G == 1 ? kiln_reshape(w, KILN_SHAPE(g.OC, K)) : kiln_reshape(w, KILN_SHAPE(g.G, g.OC / g.G, K));
   kiln_tensor *y = kiln_reshape(kiln_matmul(wm, cols), KILN_SHAPE(g.N, g.OC, g.OH, g.OW));
   if (y && b) y = kiln_add(y, kiln_reshape(b, KILN_SHAPE(g.OC, 1, 1)));
+  /* the memory format of the input, as the library path gives it (PyTorch's rule) */
+  if (y && kiln__is_channels_last(x)) y = kiln_contiguous_format(y, KILN_CHANNELS_LAST);
   c->out[0] = kiln__scope_return(y);
   return c->out[0] ? KILN_OK : kiln_last_error();
 }
@@ -867,6 +873,8 @@ static kiln_status max_pool_infer(kiln__op_ctx *c) {
   int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
   kiln__op_meta(c, 0, 4, sh, x->dtype);
   kiln__op_meta(c, 1, 4, sh, KILN_I64);
+  /* a channels-last input gives channels-last outputs (the indices too, as PyTorch's) */
+  c->meta[0].channels_last = c->meta[1].channels_last = kiln__is_channels_last(x);
   return KILN_OK;
 }
 
@@ -920,6 +928,7 @@ static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
                           kiln__tshape(ix));
   int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
   kiln__op_meta(c, 0, 4, sh, g->dtype);
+  c->meta[0].channels_last = kiln__is_channels_last(g); /* dx in the gradient's layout */
   return KILN_OK;
 }
 

@@ -110,16 +110,21 @@ kiln_tensor *kiln_scalar(double value, kiln_dtype dt, kiln_device dev) {
   return full(&op_scalar, 0, NULL, value, dt, dev);
 }
 /* The _like forms take their shape, dtype and device from t and no tensor input: the
-** result does not depend on t's values (a NULL t gives NULL, leaving the last error). */
-kiln_tensor *kiln_full_like(const kiln_tensor *t, double value) {
-  return t ? full(&op_full_like, t->ndim, t->shape, value, t->dtype, kiln_device_of(t)) : NULL;
+** result does not depend on t's values (a NULL t gives NULL, leaving the last error). A
+** channels-last t gives a channels-last result (PyTorch's preserve_format: an optimizer's
+** state then has its parameter's layout): made as (N, H, W, C) and seen through a permute. */
+static kiln_tensor *full_like(const kiln__op *op, const kiln_tensor *t, double value) {
+  if (!t) return NULL;
+  if (!kiln__is_channels_last(t)) return full(op, t->ndim, t->shape, value, t->dtype, kiln_device_of(t));
+  static const int to_nchw[4] = {0, 3, 1, 2};
+  int64_t nhwc[4] = {t->shape[0], t->shape[2], t->shape[3], t->shape[1]};
+  kiln_scope_begin();
+  kiln_tensor *r = kiln_permute(full(op, 4, nhwc, value, t->dtype, kiln_device_of(t)), 4, to_nchw);
+  return kiln__scope_return(r);
 }
-kiln_tensor *kiln_zeros_like(const kiln_tensor *t) {
-  return t ? full(&op_zeros_like, t->ndim, t->shape, 0.0, t->dtype, kiln_device_of(t)) : NULL;
-}
-kiln_tensor *kiln_ones_like(const kiln_tensor *t) {
-  return t ? full(&op_ones_like, t->ndim, t->shape, 1.0, t->dtype, kiln_device_of(t)) : NULL;
-}
+kiln_tensor *kiln_full_like(const kiln_tensor *t, double value) { return full_like(&op_full_like, t, value); }
+kiln_tensor *kiln_zeros_like(const kiln_tensor *t) { return full_like(&op_zeros_like, t, 0.0); }
+kiln_tensor *kiln_ones_like(const kiln_tensor *t) { return full_like(&op_ones_like, t, 1.0); }
 
 /* ---- arange, linspace, eye ---- */
 typedef struct attrs_range {

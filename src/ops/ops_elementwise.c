@@ -31,6 +31,8 @@ static kiln_status binary_infer(kiln__op_ctx *c) {
     return kiln_set_error(KILN_ERR_DTYPE, "%s: subtraction of bool tensors is not supported", c->op->api);
   c->scratch[0] = (uint64_t)ct;
   kiln__op_meta(c, 0, nd, shape, is_cmp(kop) ? KILN_BOOL : ct);
+  kiln__op_meta_keep_format(c, 0, a);
+  kiln__op_meta_keep_format(c, 0, b);
   c->differentiable = c->differentiable && kiln_dtype_is_float(ct);
   return KILN_OK;
 }
@@ -200,6 +202,9 @@ static kiln_status where_infer(kiln__op_ctx *c) {
     return kiln_last_error();
   kiln_dtype ct = kiln_dtype_promote(a->dtype, b->dtype);
   kiln__op_meta(c, 0, nd, shape, ct);
+  kiln__op_meta_keep_format(c, 0, a);
+  kiln__op_meta_keep_format(c, 0, b);
+  kiln__op_meta_keep_format(c, 0, cond);
   c->differentiable = kiln_dtype_is_float(ct);
   return KILN_OK;
 }
@@ -244,6 +249,7 @@ static kiln_status unary_infer(kiln__op_ctx *c) {
     return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating tensor, got %s %s", c->op->api,
                           kiln_dtype_name(t->dtype), kiln__tshape(t));
   kiln__op_meta_like(c, 0, t, t->dtype);
+  kiln__op_meta_keep_format(c, 0, t);
   c->differentiable = c->differentiable && kiln_dtype_is_float(t->dtype);
   return KILN_OK;
 }
@@ -268,7 +274,11 @@ static void unary_save(kiln__op_ctx *c, kiln__node *n) {
 /* Backward through a dedicated kernel: grad_in = K(saved x or y, g). */
 static kiln_status kernel_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi, kiln__kop op, int saved) {
   kiln_tensor *x = n->saved[saved];
-  kiln_tensor *out = kiln__tensor_new(x->ndim, x->shape, x->dtype, kiln_device_of(x));
+  /* in the layout of the gradient (a channels-last network stays so in backward) */
+  kiln_tensor *out = kiln__is_channels_last(g) && g->ndim == x->ndim &&
+                             !memcmp(g->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim)
+                         ? kiln__tensor_new_like_format(g, x->dtype)
+                         : kiln__tensor_new_like_format(x, x->dtype);
   if (!out) return kiln_last_error();
   kiln__kargs k = {0};
   k.op = op;
@@ -493,6 +503,7 @@ typedef struct attrs_to {
 static const kiln__attr_field f_to_dtype[] = {KILN__FIELD(attrs_to, dtype, KILN__A_DTYPE)};
 static const kiln__attr_field f_to_device[] = {KILN__FIELD(attrs_to, device, KILN__A_DEVICE)};
 
+static const kiln__op op_contiguous;
 static kiln_status to_infer(kiln__op_ctx *c) {
   const attrs_to *p = c->attrs;
   if ((int)p->dtype < 0 || p->dtype >= KILN_DTYPE__COUNT)
@@ -500,6 +511,10 @@ static kiln_status to_infer(kiln__op_ctx *c) {
   if (!kiln_device_equal(p->device, c->device) && kiln__check_device(p->device, c->op->api) != KILN_OK)
     return kiln_last_error();
   kiln__op_meta_like(c, 0, c->in[0], p->dtype);
+  /* casts and clone keep the memory format (PyTorch's preserve_format); contiguous and
+  ** moves to another device give contiguous memory */
+  if (c->op != &op_contiguous && kiln_device_equal(p->device, c->device))
+    kiln__op_meta_keep_format(c, 0, c->in[0]);
   c->device = p->device;
   c->differentiable = kiln_dtype_is_float(p->dtype);
   return KILN_OK;

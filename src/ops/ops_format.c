@@ -6,11 +6,45 @@
 ** (H*W*C, 1, W*C, C): the channels of one pixel are adjacent in memory, the layout
 ** tensor-core convolutions read best (cuDNN takes it as it is). contiguous_format is a
 ** composite (permute to NHWC, contiguous, permute back), so its backward is those ops'.
-** Which ops keep the format: conv2d on a device with a library convolution (CUDA with
-** cuDNN) takes a channels-last input without a copy and returns a channels-last output;
-** every other op takes it as any strided tensor and returns a contiguous result.
+** Which ops keep the format (PyTorch's rule: an output follows the layout of its input):
+** conv2d (on CUDA cuDNN reads and writes NHWC as it is; elsewhere the result is made
+** channels-last), the elementwise ops (unary, binary: the first channels-last input of
+** the output's shape wins, casts and clone; their backward kernels), max_pool2d and its
+** backward, batch_norm (ops_norm.c). An op of the path lists calls
+** kiln__op_meta_keep_format in its infer, and the call path (call.c) then allocates NHWC
+** memory. Every other op takes a channels-last tensor as any strided one and returns a
+** contiguous result; kiln_contiguous always gives NCHW memory.
 */
 #include "ops/op.h"
+
+bool kiln__is_channels_last(const kiln_tensor *t) {
+  return t && t->ndim == 4 && kiln_is_contiguous_format(t, KILN_CHANNELS_LAST) && !kiln_is_contiguous(t);
+}
+
+void kiln__op_meta_keep_format(kiln__op_ctx *c, int k, const kiln_tensor *like) {
+  if (c->meta[k].channels_last || c->meta[k].ndim != 4 || !kiln__is_channels_last(like)) return;
+  for (int d = 0; d < 4; d++)
+    if (c->meta[k].shape[d] != like->shape[d]) return;
+  c->meta[k].channels_last = true;
+}
+
+kiln_tensor *kiln__tensor_new_format(int ndim, const int64_t *shape, kiln_dtype dt, kiln_device dev, bool cl) {
+  if (!cl || ndim != 4) return kiln__tensor_new(ndim, shape, dt, dev);
+  if (kiln__check_shape("kiln_empty", ndim, shape, dt) != KILN_OK) return NULL;
+  /* memory order (N, H, W, C); a 0 extent counts as 1 in the strides (as contiguous ones) */
+  int64_t e[4], st[4];
+  for (int d = 0; d < 4; d++) e[d] = shape[d] > 0 ? shape[d] : 1;
+  st[1] = 1, st[3] = e[1], st[2] = e[3] * e[1], st[0] = e[2] * e[3] * e[1];
+  kiln__storage *s = kiln__storage_new(dev, (size_t)kiln__shape_numel(ndim, shape) * kiln_dtype_size(dt));
+  if (!s) return NULL;
+  kiln_tensor *t = kiln__tensor_make(s, 0, ndim, shape, st, dt);
+  kiln__storage_release(s); /* the handle holds its own reference */
+  return t;
+}
+
+kiln_tensor *kiln__tensor_new_like_format(const kiln_tensor *t, kiln_dtype dt) {
+  return kiln__tensor_new_format(t->ndim, t->shape, dt, kiln_device_of(t), kiln__is_channels_last(t));
+}
 
 bool kiln_is_contiguous_format(const kiln_tensor *t, kiln_memory_format format) {
   if (!t) return false;

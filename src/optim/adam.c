@@ -18,9 +18,25 @@
 
 /* The fused kernel (kiln_adam_step_) computes the same formulas in one pass, when the
 ** tensors allow it: contiguous, one dtype, no maximize. */
+static bool channels_last(const kiln_tensor *t) {
+  return t && kiln_ndim(t) == 4 && kiln_is_contiguous_format(t, KILN_CHANNELS_LAST) && !kiln_is_contiguous(t);
+}
 static bool fusable(const kiln_optim_config *c, kiln_tensor *p, kiln_tensor *g) {
-  return !c->maximize && kiln_is_contiguous(p) && kiln_is_contiguous(g) &&
-         kiln_dtype_of(g) == kiln_dtype_of(p);
+  return !c->maximize && kiln_dtype_of(g) == kiln_dtype_of(p) &&
+         ((kiln_is_contiguous(p) && kiln_is_contiguous(g)) || (channels_last(p) && channels_last(g)));
+}
+/* A channels-last model (kiln_module_to_format): the fused kernels walk memory in order,
+** so they take the (N, H, W, C) views of p, g and the state (contiguous, the same
+** memory) when all share that layout (the state is made as zeros_like(p), so it does). */
+static bool same_layout(const kiln_tensor *p, kiln_tensor *const *bufs, int n) {
+  if (!channels_last(p)) return true;
+  for (int k = 0; k < n; k++)
+    if (!channels_last(bufs[k])) return false;
+  return true;
+}
+static kiln_tensor *dense_view(kiln_tensor *t) {
+  static const int to_nhwc[4] = {0, 2, 3, 1};
+  return channels_last(t) ? kiln_permute(t, 4, to_nhwc) : t;
 }
 
 /* The bias corrections from the device step count t = step_t + 1, as tensors of dtype dt:
@@ -126,18 +142,24 @@ kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *co
               **T = arr + 5 * n;
   int m = 0;
   kiln_status st = KILN_OK;
+  kiln_scope_begin(); /* the channels-last views handed to the fused update */
+  bool grad_was = kiln_set_grad_enabled(false);
   /* The steps live on the device when captured, loss-scaled, or once they have been. */
   bool on_dev = cfg->capturable || found_inf;
   for (int i = 0; i < n && !on_dev; i++) on_dev = states[i].step_t != NULL;
   for (int i = 0; i < n && st == KILN_OK; i++) {
     kiln_tensor *g = kiln_grad(params[i]);
     if (!g) continue;
-    if (fusable(cfg, params[i], g)) {
-      kiln__param_state *s = &states[i];
-      if ((st = fused_state(cfg, params[i], s)) != KILN_OK) break;
+    kiln__param_state *s = &states[i];
+    if (fusable(cfg, params[i], g) && (st = fused_state(cfg, params[i], s)) != KILN_OK) break;
+    if (fusable(cfg, params[i], g) && same_layout(params[i], s->buf, cfg->amsgrad ? 3 : 2)) {
       if (on_dev && (st = kiln__optim_step_on_device(params[i], s)) != KILN_OK) break;
-      P[m] = params[i], G[m] = g, M[m] = s->buf[0], V[m] = s->buf[1];
-      X[m] = cfg->amsgrad ? s->buf[2] : NULL;
+      P[m] = dense_view(params[i]), G[m] = dense_view(g), M[m] = dense_view(s->buf[0]), V[m] = dense_view(s->buf[1]);
+      X[m] = cfg->amsgrad ? dense_view(s->buf[2]) : NULL;
+      if (!P[m] || !G[m] || !M[m] || !V[m] || (cfg->amsgrad && !X[m])) {
+        st = kiln_last_error();
+        break;
+      }
       T[m] = s->step_t;
       steps[m] = s->step + 1;
       which[m++] = i;
@@ -157,6 +179,8 @@ kiln_status kiln__adam_rule(const kiln_optim_config *cfg, int n, kiln_tensor *co
                                    cfg->kind == KILN_OPTIM_ADAMW, cfg->amsgrad, found_inf);
     for (int k = 0; k < m && st == KILN_OK && !found_inf; k++) states[which[k]].step++;
   }
+  kiln_set_grad_enabled(grad_was);
+  kiln_scope_end();
   free(arr), free(steps), free(which);
   return st;
 }

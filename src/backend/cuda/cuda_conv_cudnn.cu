@@ -12,7 +12,8 @@
 **   bf16 use tensor-op math with f32 accumulation; f64 computes in f64.
 ** - The algorithm is cuDNN's heuristic (cudnnGet*_v7), or with KILN_CUDNN_BENCHMARK=1 the
 **   fastest measured (cudnnFind*Ex, outside a graph capture), cached per arguments
-**   (op, dtype, shapes, strides, window, groups, math).
+**   (op, dtype, shapes, strides, window, groups, math): asked once per shape.
+**   KILN_CUDNN_LOG=1 prints each choice as it is made.
 ** - One handle per device on kiln's stream; the workspace comes from the caching
 **   allocator for the call and is given back right after it is queued (frees are stream
 **   ordered: cuda_memory.cu), so a graph capture sees no cudaMalloc. The handle is made on
@@ -23,6 +24,7 @@
 #include "cuda_int.cuh"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,6 +72,17 @@ kiln_status dnn_err(cudnnStatus_t s, const char *what) {
   return kiln_set_error(code, "kiln: cuDNN error in %s: %s", what, cudnnGetErrorString(s));
 }
 #define KC_DNN(call, what) KC_TRY(dnn_err((call), (what)))
+
+/* KILN_CUDNN_LOG=1: one line on stderr per choice made (once per shape: the cache holds it
+** after), naming the op, the shapes, the layout, how it was chosen and what. */
+bool log_mode() {
+  static int on = -1;
+  if (on < 0) {
+    const char *e = getenv("KILN_CUDNN_LOG");
+    on = e && e[0] && strcmp(e, "0") != 0;
+  }
+  return on == 1;
+}
 
 bool benchmark_mode() {
   static int on = -1;
@@ -377,6 +390,21 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
   if (!(c->algo >= 0))
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: cuDNN offers no algorithm for these arguments (%d tried)",
                           kiln__kop_name(a->op), n);
+  if (log_mode()) {
+    const kiln__view *vs[3] = {o.x, o.w, o.y};
+    char sh[3][64];
+    for (int i = 0; i < 3; i++)
+      snprintf(sh[i], sizeof sh[i], "[%lld,%lld,%lld,%lld]", (long long)vs[i]->shape[0], (long long)vs[i]->shape[1],
+               (long long)vs[i]->shape[2], (long long)vs[i]->shape[3]);
+    const kiln__conv_params *p = (const kiln__conv_params *)a->params;
+    fprintf(stderr,
+            "kiln cudnn: %s %s x%s w%s y%s stride %lld pad %lld groups %lld %s: algo %d (%s of %d), math %s, "
+            "workspace %zu B\n",
+            kiln__kop_name(a->op), kiln_dtype_name(o.x->dtype), sh[0], sh[1], sh[2], (long long)p->stride[0],
+            (long long)p->padding[0], (long long)a->i[0], nhwc_mode(o) ? "NHWC" : "NCHW", c->algo,
+            bench ? "cudnnFind" : "heuristic", n,
+            c->math == CUDNN_TENSOR_OP_MATH ? "tensor-op" : c->math == CUDNN_FMA_MATH ? "fma" : "default", c->ws);
+  }
   std::lock_guard<std::mutex> lock(g_mu);
   g_cache[key] = *c;
   return KILN_OK;

@@ -143,12 +143,54 @@ __global__ void __launch_bounds__(KC_THREADS)
 
 template <class A, class B> constexpr size_t kc_max_sz() { return sizeof(A) > sizeof(B) ? sizeof(A) : sizeof(B); }
 
+/* Reorders the dims of the nv views (v[0] the output) so that the output's strides do not
+** increase (a stable sort; size-1 dims stay where they are), copying the views into pv and
+** pointing v at the copies; nothing when the output already is in that order. The element
+** order changes, so only for kernels whose result does not depend on the linear index. */
+static inline void kc_memory_order(const kiln__view **v, int nv, kiln__view *pv) {
+  const kiln__view *o = v[0];
+  int nd = o->ndim, perm[KILN_MAX_DIMS], n = 0;
+  bool sorted = true;
+  int64_t last = INT64_MAX;
+  for (int d = 0; d < nd; d++) {
+    if (o->shape[d] == 1) continue;
+    if (o->strides[d] > last) sorted = false;
+    last = o->strides[d];
+  }
+  if (sorted || nd > KILN_MAX_DIMS) return;
+  /* the non-1 dims sorted by stride, descending and stable; then the size-1 dims */
+  for (int d = 0; d < nd; d++)
+    if (o->shape[d] != 1) {
+      int j = n++;
+      while (j > 0 && o->strides[perm[j - 1]] < o->strides[d]) {
+        perm[j] = perm[j - 1];
+        j--;
+      }
+      perm[j] = d;
+    }
+  for (int d = 0; d < nd; d++)
+    if (o->shape[d] == 1) perm[n++] = d;
+  for (int i = 0; i < nv; i++) {
+    pv[i] = *v[i];
+    for (int d = 0; d < nd; d++) {
+      pv[i].shape[d] = v[i]->shape[perm[d]];
+      pv[i].strides[d] = v[i]->strides[perm[d]];
+    }
+    v[i] = &pv[i];
+  }
+}
+
 /* Runs f over out = f(in...) (NIN inputs; the unused T's are placeholders). */
 template <int NIN, class TO, class T0, class T1, class T2, class F>
 kiln_status kc_ew_launch(kiln__cuda_dev *d, const kiln__view *out, const kiln__view *const *ins,
                          F f, const char *what) {
   const kiln__view *v[4] = {out, NULL, NULL, NULL};
   for (int i = 0; i < NIN; i++) v[i + 1] = ins[i];
+  /* With inputs, no functor reads the linear index, so the walk may take the dims in the
+  ** output's memory order: a channels-last (or other permuted-dense) output and inputs
+  ** of the same layout then coalesce to one contiguous run and take the vectorised path. */
+  kiln__view pv[4];
+  if (NIN >= 1) kc_memory_order(v, NIN + 1, pv);
   kc_shape sh;
   kc_coalesce(&sh, v, NIN + 1);
   if (sh.numel == 0) return KILN_OK;

@@ -31,7 +31,26 @@ template <class I> struct WGeom {
   I is[4];            /* MAX_POOL2D: the indices' strides */
   I sh, sw, ph, pw, dh, dw;
   I total;            /* threads' work items */
+  bool cl;            /* MAX_POOL2D(_BACKWARD): channels innermost in image and pooled
+                      ** views, so consecutive threads take consecutive channels */
 };
+
+/* Work item k as (n, c, a, b) over an (A, B) plane: b fastest (NCHW), or with cl the
+** channels fastest (memory order of NHWC), so that a warp reads consecutive addresses. */
+template <class I>
+__device__ __forceinline__ void kc_pool_item(I k, I C, I A, I B, bool cl, I *n, I *c, I *a, I *b) {
+  if (cl) {
+    *c = k % C; k /= C;
+    *b = k % B; k /= B;
+    *a = k % A;
+    *n = k / A;
+  } else {
+    *b = k % B; k /= B;
+    *a = k % A; k /= A;
+    *c = k % C;
+    *n = k / C;
+  }
+}
 
 template <class T, class I>
 __global__ void __launch_bounds__(KC_THREADS) im2col_kernel(const T *x, T *cols, WGeom<I> g) {
@@ -86,11 +105,8 @@ template <class T, class I>
 __global__ void __launch_bounds__(KC_THREADS) max_pool_kernel(const T *x, T *y, int64_t *idx, WGeom<I> g) {
   typedef typename kc_traits<T>::acc A;
   for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += (I)gridDim.x * blockDim.x) {
-    I r = k;
-    I ow = r % g.OW; r /= g.OW;
-    I oh = r % g.OH; r /= g.OH;
-    I c = r % g.C;
-    I n = r / g.C;
+    I n, c, oh, ow;
+    kc_pool_item<I>(k, g.C, g.OH, g.OW, g.cl, &n, &c, &oh, &ow);
     const T *xp = x + n * g.xs[0] + c * g.xs[1];
     A best = 0;
     int64_t at = -1;
@@ -174,6 +190,8 @@ template <class I> WGeom<I> make_geom(const kiln__kargs *a, const kiln__view *im
   g.sh = (I)p->stride[0], g.sw = (I)p->stride[1], g.ph = (I)p->padding[0], g.pw = (I)p->padding[1];
   g.dh = (I)p->dilation[0], g.dw = (I)p->dilation[1];
   g.total = (I)total;
+  g.cl = (a->op == KILN__K_MAX_POOL2D || a->op == KILN__K_MAX_POOL2D_BACKWARD) && g.C > 1 && img->strides[1] == 1 &&
+         other->strides[1] == 1;
   return g;
 }
 

@@ -87,24 +87,47 @@ static int find_type(const VkPhysicalDeviceMemoryProperties *mp, uint32_t bits,
   return best;
 }
 
+static const char *nv_type(VkComponentTypeNV t) {
+  switch (t) {
+  case VK_COMPONENT_TYPE_FLOAT16_NV: return "f16";
+  case VK_COMPONENT_TYPE_FLOAT32_NV: return "f32";
+  case VK_COMPONENT_TYPE_FLOAT64_NV: return "f64";
+  case VK_COMPONENT_TYPE_SINT8_NV: return "s8";
+  case VK_COMPONENT_TYPE_UINT8_NV: return "u8";
+  case VK_COMPONENT_TYPE_SINT32_NV: return "s32";
+  case VK_COMPONENT_TYPE_UINT32_NV: return "u32";
+  default: return "?";
+  }
+}
+
 /* Whether VK_NV_cooperative_matrix has the one shape matmul_cm.comp uses: 16x16x16,
-** f16 A and B, f32 C and D, subgroup scope. */
-static bool coop_nv_f16(VkPhysicalDevice pd) {
+** f16 A and B, f32 C and D, subgroup scope. Lists every shape offered in d->coop_shapes
+** (kiln doctor prints them: the first thing to read when tensor cores do not engage). */
+static bool coop_nv_f16(vk_dev *d) {
   PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV fn =
       (PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)VK->vkGetInstanceProcAddr(
           instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
-  if (!fn) return false;
+  if (!fn) {
+    snprintf(d->coop_shapes, sizeof d->coop_shapes, "(vkGetPhysicalDeviceCooperativeMatrixPropertiesNV missing)");
+    return false;
+  }
   uint32_t n = 0;
-  if (fn(pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
+  if (fn(d->pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
   VkCooperativeMatrixPropertiesNV *p = calloc(n, sizeof *p);
   if (!p) return false;
   for (uint32_t i = 0; i < n; i++) p[i].sType = VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV;
   bool ok = false;
-  if (fn(pd, &n, p) == VK_SUCCESS)
-    for (uint32_t i = 0; i < n && !ok; i++)
-      ok = p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 && p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV &&
-           p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV &&
-           p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].scope == VK_SCOPE_SUBGROUP_NV;
+  if (fn(d->pd, &n, p) == VK_SUCCESS)
+    for (uint32_t i = 0; i < n; i++) {
+      size_t k = strlen(d->coop_shapes);
+      snprintf(d->coop_shapes + k, sizeof d->coop_shapes - k, "%s%ux%ux%u %s/%s/%s/%s%s", k ? ", " : "",
+               p[i].MSize, p[i].NSize, p[i].KSize, nv_type(p[i].AType), nv_type(p[i].BType), nv_type(p[i].CType),
+               nv_type(p[i].DType), p[i].scope == VK_SCOPE_SUBGROUP_NV ? "" : " (not subgroup)");
+      ok = ok || (p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 &&
+                  p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+                  p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+                  p[i].scope == VK_SCOPE_SUBGROUP_NV);
+    }
   free(p);
   return ok;
 }
@@ -151,7 +174,15 @@ static bool inspect(vk_dev *d, const char **why) {
     d->coop_matrix = has_ext(ext, ne, "VK_KHR_cooperative_matrix") ||
                      has_ext(ext, ne, "VK_NV_cooperative_matrix");
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
-    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d->pd);
+    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d);
+    if (!has_ext(ext, ne, "VK_NV_cooperative_matrix"))
+      snprintf(d->coop_why, sizeof d->coop_why, "%s",
+               has_ext(ext, ne, "VK_KHR_cooperative_matrix")
+                   ? "the device offers VK_KHR_cooperative_matrix only; kiln's shaders use the NV extension "
+                     "(the build's glslc has no GL_KHR_cooperative_matrix)"
+                   : "the device has no cooperative-matrix extension");
+    else if (!d->coop_nv)
+      snprintf(d->coop_why, sizeof d->coop_why, "VK_NV_cooperative_matrix lacks 16x16x16 f16/f16/f32/f32");
     free(ext);
   }
   uint32_t nq = 0;
@@ -193,20 +224,30 @@ static bool open_device(vk_dev *d, int index, const char **why) {
                            .pNext = &f,
                            .queueCreateInfoCount = 1,
                            .pQueueCreateInfos = &q};
-  /* Tensor cores through VK_NV_cooperative_matrix: opt-in (KILN_VK_COOPMAT=1) until the
-  ** H200 has run matmul_cm.comp; a device that refuses it is opened without. */
+  /* Tensor cores through VK_NV_cooperative_matrix, on wherever the device offers the
+  ** shape matmul_cm.comp uses; KILN_VK_COOPMAT=0 turns them off (an A/B switch, and a way
+  ** out should a driver miscompile it). A device that refuses the feature is opened
+  ** without it. */
   const char *cm_env = getenv("KILN_VK_COOPMAT");
+  bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
   VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
                                                     .cooperativeMatrix = VK_TRUE};
   const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
   VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
   d->coop_on = false;
-  if (d->coop_nv && d->f16 && cm_env && strcmp(cm_env, "1") == 0) {
+  if (d->coop_nv && cm_off) snprintf(d->coop_why, sizeof d->coop_why, "off: KILN_VK_COOPMAT=0");
+  else if (d->coop_nv && !d->f16) snprintf(d->coop_why, sizeof d->coop_why, "the device has no shaderFloat16");
+  else if (d->coop_nv && d->subgroup_size != 32)
+    snprintf(d->coop_why, sizeof d->coop_why, "subgroups of %u (matmul_cm.comp needs 32)", d->subgroup_size);
+  if (d->coop_nv && d->f16 && !cm_off && d->subgroup_size == 32) {
     f12.pNext = &cm;
     ci.enabledExtensionCount = 1;
     ci.ppEnabledExtensionNames = cm_ext;
     r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
     d->coop_on = r == VK_SUCCESS;
+    if (!d->coop_on)
+      snprintf(d->coop_why, sizeof d->coop_why, "vkCreateDevice with VK_NV_cooperative_matrix failed: %s",
+               kiln__vk_result_str(r));
     f12.pNext = NULL;
     ci.enabledExtensionCount = 0;
     ci.ppEnabledExtensionNames = NULL;

@@ -149,7 +149,9 @@ typedef struct vk_dev {
   bool f64, f16, i8, i16, i64, atomic_f32, coop_matrix, subgroup_arith;
   bool unified;        /* device memory is host-visible (integrated GPUs, lavapipe) */
   bool coop_nv;        /* VK_NV_cooperative_matrix offered with 16x16x16 f16 -> f32 */
-  bool coop_on;        /* and enabled (KILN_VK_COOPMAT=1): matmul_cm.comp for f16 */
+  bool coop_on;        /* and enabled (unless KILN_VK_COOPMAT=0): matmul_cm.comp for f16 */
+  char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
+  char coop_why[160];    /* why coop_on is false ("" when it is true) */
   uint32_t mem_type;   /* for tensors */
   uint32_t host_type;  /* host-visible, coherent (staging, parameters) */
   uint64_t heap_size;  /* of mem_type's heap */
@@ -227,6 +229,10 @@ int kiln__vk_shader_index(const char *name);
 kiln_status kiln__vk_dispatch(int device, const char *name, const void *params, size_t n,
                               uint32_t gx, uint32_t gy, uint32_t gz);
 void kiln__vk_pipelines_destroy(vk_dev *d);
+/* Whether the pipeline of shader `name` exists or can be made now (false, with the error
+** cleared, when the driver refused it): lets a kernel take another path instead of
+** failing. Takes d->lock itself. */
+bool kiln__vk_pipeline_ok(int device, const char *name);
 
 /* the vtable's other entries (vk_backend.c) */
 kiln_status kiln__vk_probe(const char **why);

@@ -165,7 +165,11 @@ static bool inspect(vk_dev *d, const char **why) {
   VK->vkGetPhysicalDeviceProperties2(d->pd, &p2);
   d->subgroup_size = sg.subgroupSize;
   d->subgroup_arith = (sg.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
-                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT);
+                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT) &&
+                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_VOTE_BIT);
+  /* KILN_VK_SUBGROUP=0: the shared-memory reductions, as on a device without (tests it) */
+  const char *sg_env = getenv("KILN_VK_SUBGROUP");
+  if (sg_env && strcmp(sg_env, "0") == 0) d->subgroup_arith = false;
   uint32_t ne = 0;
   VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, NULL);
   VkExtensionProperties *ext = calloc(ne ? ne : 1, sizeof *ext);

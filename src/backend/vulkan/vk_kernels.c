@@ -88,6 +88,14 @@ static kiln_status run_1d(int device, const char *shader, const kv_params *p, in
   return kiln__vk_dispatch(device, shader, p, sizeof *p, gx, gy, 1);
 }
 
+/* The row shaders (reduce, softmax, ce, ce_mean, rowsum) come in two builds of one source
+** (wg.glsl): name_sg with subgroup arithmetic where the device has it in compute shaders
+** (KILN_VK_SUBGROUP=0 turns it off at the probe), name with the shared-memory tree. */
+static const char *sg_shader(int device, const char *plain, const char *sg) {
+  vk_dev *d = kiln__vk_dev(device);
+  return d && d->subgroup_arith ? sg : plain;
+}
+
 /* One workgroup per row (reductions, softmax, cross-entropy). */
 static kiln_status run_rows(int device, const char *shader, const kv_params *p, int64_t rows) {
   if (rows <= 0) return KILN_OK;
@@ -252,7 +260,7 @@ static kiln_status vk_reduce(const kiln__kargs *a) {
   p.ex[0] = nr;
   p.i[0] = (int32_t)nred;
   p.ex[15] = is_int(in->dtype) ? 1 : 0;
-  return run_rows(a->device, "reduce", &p, p.n);
+  return run_rows(a->device, sg_shader(a->device, "reduce", "reduce_sg"), &p, p.n);
 }
 
 static bool reduce_supports(const kiln__kargs *a) {
@@ -294,7 +302,7 @@ static kiln_status vk_softmax(const kiln__kargs *a) {
   p.op = a->op == KILN__K_SOFTMAX ? KV_SOFTMAX : a->op == KILN__K_LOG_SOFTMAX ? KV_LOG_SOFTMAX
        : a->op == KILN__K_SOFTMAX_BACKWARD ? KV_SOFTMAX_BW : KV_LOG_SOFTMAX_BW;
   if (p.ex[0] == 0) return KILN_OK;
-  return run_rows(a->device, "softmax", &p, p.n);
+  return run_rows(a->device, sg_shader(a->device, "softmax", "softmax_sg"), &p, p.n);
 }
 
 /* MAX_DIM / MIN_DIM: dim i1, the rows walked as the softmax's */
@@ -423,7 +431,7 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */
     put_view(&p, 0, &a->out[1]);
     p.ex[13] = (int32_t)a->out[1].strides[0];
-    st = run_rows(a->device, "rowsum", &p, M);
+    st = run_rows(a->device, sg_shader(a->device, "rowsum", "rowsum_sg"), &p, M);
   }
   return st;
 }
@@ -515,7 +523,7 @@ static kiln_status vk_ce(const kiln__kargs *a) {
     p.ex[4] = (int32_t)a->out[0].strides[0];
     if (nout > 1) put_view(&p, 3, &a->out[1]), p.ex[5] = (int32_t)a->out[1].strides[0], p.ex[9] |= 1;
     if (nout > 2) put_view(&p, 4, &a->out[2]), p.ex[6] = (int32_t)a->out[2].strides[0], p.ex[9] |= 2;
-    return run_rows(a->device, "ce", &p, N);
+    return run_rows(a->device, sg_shader(a->device, "ce", "ce_sg"), &p, N);
   }
   /* the mean: count the kept rows (their gradient divides by it), the rows' losses into a
   ** scratch row, then their sum over the count */
@@ -525,7 +533,7 @@ static kiln_status vk_ce(const kiln__kargs *a) {
   c.ex[1] = (int32_t)tg->strides[0];
   put_view(&c, 1, tg);
   put_view(&c, 2, &a->out[2]);
-  kiln_status st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+  kiln_status st = kiln__vk_dispatch(a->device, sg_shader(a->device, "ce_mean", "ce_mean_sg"), &c, sizeof c, 1, 1, 1);
   if (st != KILN_OK) return st;
   void *scratch = kiln__vk_alloc(a->device, (size_t)(N > 0 ? N : 1) * 4);
   if (!scratch) return kiln_last_error();
@@ -536,12 +544,12 @@ static kiln_status vk_ce(const kiln__kargs *a) {
   p.ex[5] = (int32_t)a->out[1].strides[0];
   p.ex[9] |= 1;
   if (dl) put_view(&p, 4, &a->out[2]), p.ex[9] |= 8; /* the count: the gradient's 1 / count */
-  st = run_rows(a->device, "ce", &p, N);
+  st = run_rows(a->device, sg_shader(a->device, "ce", "ce_sg"), &p, N);
   if (st == KILN_OK) {
     c.op = 2;
     put_view(&c, 0, &a->out[0]);
     put_view(&c, 3, &sv);
-    st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+    st = kiln__vk_dispatch(a->device, sg_shader(a->device, "ce_mean", "ce_mean_sg"), &c, sizeof c, 1, 1, 1);
   }
   /* the queue runs in order behind barriers: freeing now is safe (vk_memory.c) */
   kiln__vk_free(a->device, scratch, (size_t)(N > 0 ? N : 1) * 4);

@@ -477,8 +477,29 @@ kiln_status kiln__vk_copy_from_host(int device, void *dst, const void *src, size
   uint64_t off = 0;
   vk_block *b = st == KILN_OK ? locate(d, device, dst, n, &off, "copy from host") : NULL;
   if (!b) st = kiln_last_error();
-  /* Queued kernels may still read what the memory held before (a freed tensor's bytes
-  ** reused by the allocator), so the host writes only once the queue is idle. */
+  /* Small copies (a batch of inputs, a scalar) go through the frame's parameter ring: the
+  ** bytes are copied there now (the caller may reuse src at once) and a buffer copy is
+  ** recorded in the queue, ordered after every earlier kernel by the usual barrier. Nothing
+  ** waits: the training loop's upload of the next batch no longer costs a round trip. */
+  if (b && n <= KILN_VK_UPLOAD_MAX) {
+    uint64_t ring = 0;
+    void *p = kiln__vk_params(d, device, n, &ring);
+    VkCommandBuffer cb = p ? kiln__vk_cmd(d, device) : NULL;
+    if (!cb) {
+      st = kiln_last_error();
+    } else {
+      vk_frame *f = &d->frames[d->cur];
+      memcpy(p, src, n);
+      VkBufferCopy reg = {.srcOffset = ring - f->params.addr, .dstOffset = off, .size = n};
+      VK->vkCmdCopyBuffer(cb, f->params.buf, b->buf, 1, &reg);
+      st = kiln__vk_cmd_done(d, device);
+    }
+    pthread_mutex_unlock(&d->lock);
+    return st;
+  }
+  /* Larger ones: queued kernels may still read what the memory held before (a freed
+  ** tensor's bytes reused by the allocator), so the host writes only once the queue is
+  ** idle. */
   if (b) st = kiln__vk_finish(d, device);
   if (b && st == KILN_OK && b->map) {
     memcpy(b->map + off, src, n);

@@ -13,9 +13,11 @@
 ** address up (a sorted table of blocks) to find a VkBuffer and an offset. Kernels are
 ** recorded into the current command buffer (vk_submit.c) with a global memory barrier
 ** before each, and submitted in batches: when a batch is large, and at every sync point
-** (a copy to or from the host, synchronize). Each dispatch's parameters (views' shapes and
-** strides, scalars) are written into a host-visible ring of the batch and reached through
-** a device address in the push constants.
+** (a copy to the host, a large copy from it, synchronize). Each dispatch's parameters
+** (views' shapes and strides, scalars) are written into a host-visible ring of the batch
+** and reached through a device address in the push constants; small copies from the host
+** (up to 1 MiB: a batch of inputs) are staged in the same ring and copied in the queue, so
+** they wait for nothing.
 */
 #ifndef KILN_VK_INT_H
 #define KILN_VK_INT_H
@@ -108,7 +110,8 @@ const char *kiln__vk_result_str(VkResult r);
 /* ---- devices ---- */
 #define KILN_VK_MAX_DEVICES 8
 #define KILN_VK_FRAMES 3             /* command buffers in flight */
-#define KILN_VK_PARAM_RING (1 << 20) /* bytes of dispatch parameters per frame */
+#define KILN_VK_PARAM_RING (4 << 20) /* bytes of dispatch parameters (and small uploads) per frame */
+#define KILN_VK_UPLOAD_MAX (1 << 20) /* host->device copies up to this go through the ring */
 #define KILN_VK_BATCH 256            /* dispatches per submit at most */
 
 typedef struct vk_block {
@@ -208,7 +211,8 @@ void kiln__vk_submit_destroy(vk_dev *d);
 /* The command buffer to record into (begun); a barrier is recorded before returning, so
 ** the next command sees every earlier one's writes. NULL with the error set. */
 VkCommandBuffer kiln__vk_cmd(vk_dev *d, int index);
-/* Reserves n bytes of parameters in the current frame: host pointer, device address. */
+/* Reserves n bytes of parameters in the current frame: host pointer, device address. The
+** frame may be submitted first to make room, so call it before kiln__vk_cmd. */
 void *kiln__vk_params(vk_dev *d, int index, size_t n, uint64_t *addr);
 /* Ends the current command (counts toward the batch; submits a full batch). */
 kiln_status kiln__vk_cmd_done(vk_dev *d, int index);

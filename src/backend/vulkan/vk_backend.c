@@ -232,7 +232,8 @@ static bool open_device(vk_dev *d, int index, const char **why) {
   ** shape matmul_cm.comp uses; KILN_VK_COOPMAT=0 turns them off (an A/B switch, and a way
   ** out should a driver miscompile it). A device that refuses the feature is opened
   ** without it. */
-  const char *cm_env = getenv("KILN_VK_COOPMAT");
+  const char *cm_env = getenv("KILN_VK_COOPMAT"), *cmv = getenv("KILN_VK_CM");
+  d->cm_variant = cmv && strcmp(cmv, "w64") == 0 ? 1 : cmv && strcmp(cmv, "256") == 0 ? 2 : 0;
   bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
   VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
                                                     .cooperativeMatrix = VK_TRUE};

@@ -153,6 +153,8 @@ typedef struct vk_dev {
   bool unified;        /* device memory is host-visible (integrated GPUs, lavapipe) */
   bool coop_nv;        /* VK_NV_cooperative_matrix offered with 16x16x16 f16 -> f32 */
   bool coop_on;        /* and enabled (unless KILN_VK_COOPMAT=0): matmul_cm.comp for f16 */
+  int cm_variant;       /* the tiling of matmul_cm (KILN_VK_CM): 0 128x128 by 8 subgroups of
+                       ** 64x32, 1 ("w64") 128x128 by 4 of 64x64, 2 ("256") 128x256 by 8 */
   char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
   char coop_why[160];    /* why coop_on is false ("" when it is true) */
   uint32_t mem_type;   /* for tensors */

@@ -331,6 +331,12 @@ static bool minmax_dim_supports(const kiln__kargs *a) {
 ** devices, where it is tested). */
 enum { MM_SMALL, MM_BIG, MM_CM };
 
+/* matmul_cm's tilings (vk_dev.cm_variant): shader, tile width (N) */
+static const char *const cm_shaders[3] = {"matmul_cm", "matmul_cm_w64", "matmul_cm_256"};
+static const int cm_bn[3] = {128, 128, 256};
+static const char *const cm_what[3] = {"128x128 tiles of 8 subgroups of 64x32", "128x128 tiles of 4 subgroups of 64x64",
+                                       "128x256 tiles of 8 subgroups of 64x64"};
+
 static bool mm_batch_strides(const kv_params *p, int v, int mult) {
   for (int b = 0; b < p->ndim; b++)
     if (p->strides[v * KV_MAXD + b] % mult != 0) return false;
@@ -354,7 +360,7 @@ static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, k
     int64_t ca = a_kc ? K : M, cb = b_nc ? N : K;
     bool ok = lda % 8 == 0 && ldb % 8 == 0 && ca % 8 == 0 && cb % 8 == 0 && p->addr[1] % 16 == 0 &&
               p->addr[2] % 16 == 0 && mm_batch_strides(p, 1, 8) && mm_batch_strides(p, 2, 8);
-    if (ok && kiln__vk_pipeline_ok(device, "matmul_cm")) return MM_CM;
+    if (ok && kiln__vk_pipeline_ok(device, cm_shaders[d->cm_variant])) return MM_CM;
   }
   /* A GPU wants about one 128x128 tile per multiprocessor at least (128: the largest GPUs
   ** have ~130); below that the 64x64 kernel keeps 4x the workgroups in flight. A CPU
@@ -414,7 +420,9 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
     p.ex[13] = lay;
     uint32_t g128x = (uint32_t)((N + 127) / 128), g128y = (uint32_t)((M + 127) / 128);
     if (path == MM_CM) {
-      st = kiln__vk_dispatch(a->device, "matmul_cm", &p, sizeof p, g128x, g128y, (uint32_t)batch);
+      int bn = cm_bn[d->cm_variant];
+      st = kiln__vk_dispatch(a->device, cm_shaders[d->cm_variant], &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y,
+                             (uint32_t)batch);
     } else if (path == MM_BIG) {
       st = kiln__vk_dispatch(a->device, mm_big_shader(A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
     } else {
@@ -455,7 +463,9 @@ kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int6
   p.ex[3] = (int32_t)k, p.ex[4] = 1, p.ex[5] = (int32_t)n, p.ex[6] = 1, p.ex[7] = (int32_t)n, p.ex[8] = 1;
   int lay = 0;
   int path = mm_choose(d, index, &p, dtype, dtype, dtype, false, &lay);
-  const char *what = path == MM_CM    ? "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32, 128x128 tiles"
+  char cmw[128];
+  snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32, %s", cm_what[d->cm_variant]);
+  const char *what = path == MM_CM    ? cmw
                      : path == MM_BIG ? "register-blocked 128x128 tiles, 8x8 fma per invocation"
                                       : "64x64 tiles, 4x4 fma per invocation";
   const char *tc = "";

@@ -333,6 +333,7 @@ enum { MM_SMALL, MM_BIG, MM_CM };
 
 /* matmul_cm's tilings (vk_dev.cm_variant): shader, tile width (N) */
 static const char *const cm_shaders[3] = {"matmul_cm", "matmul_cm_w64", "matmul_cm_256"};
+static const char *const cm_shaders_bf16[3] = {"matmul_cm_bf16", "matmul_cm_w64_bf16", "matmul_cm_256_bf16"};
 static const int cm_bn[3] = {128, 128, 256};
 static const char *const cm_what[3] = {"128x128 tiles of 8 subgroups of 64x32", "128x128 tiles of 4 subgroups of 64x64",
                                        "128x256 tiles of 8 subgroups of 64x64"};
@@ -355,12 +356,14 @@ static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, k
   *lay = (a_kc ? 1 : 0) | (b_nc ? 2 : 0);
   if (!d || mask || ta != tb || !(a_kc || a_mc) || !(b_nc || b_kc)) return MM_SMALL;
   int lda = a_kc ? ars : acs, ldb = b_nc ? brs : bcs;
-  if (d->coop_on && ta == KILN_F16) {
+  if (d->coop_on && (ta == KILN_F16 || ta == KILN_BF16)) {
     /* whole 16-byte vectors along the contiguous dim of A and B */
     int64_t ca = a_kc ? K : M, cb = b_nc ? N : K;
     bool ok = lda % 8 == 0 && ldb % 8 == 0 && ca % 8 == 0 && cb % 8 == 0 && p->addr[1] % 16 == 0 &&
               p->addr[2] % 16 == 0 && mm_batch_strides(p, 1, 8) && mm_batch_strides(p, 2, 8);
-    if (ok && kiln__vk_pipeline_ok(device, cm_shaders[d->cm_variant])) return MM_CM;
+    const char *sh = (ta == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
+    if (ok && kiln__vk_pipeline_ok(device, sh) && (ta == KILN_F16 || kiln__vk_pipeline_ok(device, "mm_absmax")))
+      return MM_CM;
   }
   /* A GPU wants about one 128x128 tile per multiprocessor at least (128: the largest GPUs
   ** have ~130); below that the 64x64 kernel keeps 4x the workgroups in flight. A CPU
@@ -419,10 +422,40 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
     int path = mm_choose(d, a->device, &p, A->dtype, B->dtype, C->dtype, mask != NULL, &lay);
     p.ex[13] = lay;
     uint32_t g128x = (uint32_t)((N + 127) / 128), g128y = (uint32_t)((M + 127) / 128);
+    /* bf16 on tensor cores: the largest |x| of A's rows and B's columns first, into a
+    ** scratch of batch * (M + N) floats (freed at once: later work is ordered after) */
+    void *sc = NULL;
+    size_t nsc = (size_t)batch * (size_t)(M + N) * sizeof(float);
+    if (path == MM_CM && A->dtype == KILN_BF16) {
+      sc = kiln__vk_alloc(a->device, nsc);
+      if (!sc) { /* no room for the scales: the general kernel, which needs none */
+        kiln_clear_error();
+        path = MM_SMALL;
+      }
+    }
+    if (sc) {
+      st = kiln__vk_memset_zero(a->device, sc, nsc);
+      kv_params q = p;
+      uint32_t gk = (uint32_t)((K + 63) / 64);
+      q.addr[0] = (uint64_t)(uintptr_t)sc;
+      q.ex[0] = (int32_t)M, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[3], q.ex[3] = p.ex[4];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((M + 255) / 256), gk, (uint32_t)batch);
+      q.addr[0] += (uint64_t)batch * (uint64_t)M * sizeof(float);
+      q.addr[1] = p.addr[2], q.dtype[1] = p.dtype[2];
+      memcpy(&q.strides[1 * KV_MAXD], &p.strides[2 * KV_MAXD], sizeof(int32_t) * KV_MAXD);
+      q.ex[0] = (int32_t)N, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[6], q.ex[3] = p.ex[5];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((N + 255) / 256), gk, (uint32_t)batch);
+      p.addr[4] = (uint64_t)(uintptr_t)sc;
+      p.ex[14] = (int32_t)batch;
+    }
     if (path == MM_CM) {
       int bn = cm_bn[d->cm_variant];
-      st = kiln__vk_dispatch(a->device, cm_shaders[d->cm_variant], &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y,
-                             (uint32_t)batch);
+      const char *sh = (A->dtype == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, sh, &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y, (uint32_t)batch);
+      kiln__vk_free(a->device, sc, nsc);
     } else if (path == MM_BIG) {
       st = kiln__vk_dispatch(a->device, mm_big_shader(A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
     } else {
@@ -463,17 +496,17 @@ kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int6
   p.ex[3] = (int32_t)k, p.ex[4] = 1, p.ex[5] = (int32_t)n, p.ex[6] = 1, p.ex[7] = (int32_t)n, p.ex[8] = 1;
   int lay = 0;
   int path = mm_choose(d, index, &p, dtype, dtype, dtype, false, &lay);
-  char cmw[128];
-  snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32, %s", cm_what[d->cm_variant]);
+  char cmw[224];
+  snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32%s, %s",
+           dtype == KILN_BF16 ? " (bf16 as f16 with a power-of-two scale per row of A and column of B)" : "",
+           cm_what[d->cm_variant]);
   const char *what = path == MM_CM    ? cmw
                      : path == MM_BIG ? "register-blocked 128x128 tiles, 8x8 fma per invocation"
                                       : "64x64 tiles, 4x4 fma per invocation";
   const char *tc = "";
   char why[224] = "";
-  if (path != MM_CM && dtype == KILN_F16)
+  if (path != MM_CM && dtype != KILN_F32)
     snprintf(why, sizeof why, "; no tensor cores: %s", d->coop_why[0] ? d->coop_why : "the operands do not qualify");
-  else if (dtype == KILN_BF16)
-    tc = "; no tensor cores for bf16 (they need VK_KHR_shader_bfloat16 and shaders the build's glslc cannot compile)";
   else if (dtype == KILN_F32)
     tc = "; f32 stays exact (no TF32 path)";
   snprintf(out, out_n, "%s%s%s", what, tc, why);

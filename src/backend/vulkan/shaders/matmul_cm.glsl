@@ -16,6 +16,14 @@
 // each element takes the epilogue: C = alpha*A@B + beta*C (ex[12] & 8) + bias (& 4), ReLU
 // last (& 1), stored in C's dtype at any strides. Views: 0 C, 1 A, 2 B, 3 bias, walked over
 // the batch by gl_WorkGroupID.z.
+//
+// With KV_CM_BF16 (matmul_cm*_bf16.comp) A and B are bf16, which tensor cores cannot take
+// through this extension: each row of A and each column of B is scaled by a power of two
+// that brings its largest |x| into [2^14, 2^15) and converted to f16 while staged (exact
+// for every element within 2^-28 of its line's largest; smaller ones lose bits, far below
+// the f32 accumulation's rounding), and the epilogue divides the scales out again. The
+// lines' largest |x| come from mm_absmax.comp, as f32 bits in view 4: A's rows at
+// z * M + m, B's columns at ex[14] * M + z * N + n (ex[14]: the batch count).
 #extension GL_NV_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -36,6 +44,30 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer BV8H { uvec
 
 shared uvec4 As[2 * TSA];
 shared uvec4 Bs[2 * TSB]; // also the epilogue's scratch: 64 vectors per subgroup
+
+#ifdef KV_CM_BF16
+// The scale for a line whose largest |x| has f32 bits mb: 2^(15 - e) for largest in
+// [2^(e-1), 2^e); 1 for an all-zero line and for one holding an infinity or a NaN.
+float line_scale(uint mb) {
+  float mx = uintBitsToFloat(mb);
+  if (mb == 0u || mb >= 0x7F800000u) return 1.0;
+  int e;
+  frexp(mx, e);
+  return exp2(float(clamp(15 - e, -126, 127)));
+}
+
+float scale_at(int i) { return line_scale(BU32(pc.P.addr[4]).v[i]); }
+
+// 8 bf16 (a 16-byte vector) times their scales, as 8 f16
+uvec4 bf16_to_f16(uvec4 w, vec4 s0, vec4 s1) {
+  uvec4 r;
+  r.x = packHalf2x16(vec2(uintBitsToFloat(w.x << 16) * s0.x, uintBitsToFloat(w.x & 0xFFFF0000u) * s0.y));
+  r.y = packHalf2x16(vec2(uintBitsToFloat(w.y << 16) * s0.z, uintBitsToFloat(w.y & 0xFFFF0000u) * s0.w));
+  r.z = packHalf2x16(vec2(uintBitsToFloat(w.z << 16) * s1.x, uintBitsToFloat(w.z & 0xFFFF0000u) * s1.y));
+  r.w = packHalf2x16(vec2(uintBitsToFloat(w.w << 16) * s1.z, uintBitsToFloat(w.w & 0xFFFF0000u) * s1.w));
+  return r;
+}
+#endif
 
 #define FRAG fcoopmatNV<16, gl_ScopeSubgroup, 16, 16>
 #define ACC fcoopmatNV<32, gl_ScopeSubgroup, 16, 16>
@@ -58,6 +90,39 @@ void main() {
     [[unroll]] for (int j = 0; j < FN; j++) acc[i][j] = ACC(0.0);
 
   uvec4 ra[QA], rb[QB];
+#ifdef KV_CM_BF16
+  // The scales of the lines this invocation stages (the same every step): one for a vector
+  // along k, eight for one along m or n.
+  int z = int(gl_WorkGroupID.z), sa0 = z * M, sb0 = P.ex[14] * M + z * N;
+  vec4 sa[QA][2], sb[QB][2];
+  [[unroll]] for (int q = 0; q < QA; q++) {
+    int v = tid + NT * q;
+    if (a_kc) {
+      int m = m0 + v / (BK / 8);
+      float x = m < M ? scale_at(sa0 + m) : 1.0;
+      sa[q][0] = vec4(x), sa[q][1] = vec4(x);
+    } else {
+      int m = m0 + (v % (BM / 8)) * 8;
+      [[unroll]] for (int c = 0; c < 8; c++) sa[q][c >> 2][c & 3] = m + c < M ? scale_at(sa0 + m + c) : 1.0;
+    }
+  }
+  [[unroll]] for (int q = 0; q < QB; q++) {
+    int v = tid + NT * q;
+    if (b_nc) {
+      int n = n0 + (v % (BN / 8)) * 8;
+      [[unroll]] for (int c = 0; c < 8; c++) sb[q][c >> 2][c & 3] = n + c < N ? scale_at(sb0 + n + c) : 1.0;
+    } else {
+      int n = n0 + v / (BK / 8);
+      float x = n < N ? scale_at(sb0 + n) : 1.0;
+      sb[q][0] = vec4(x), sb[q][1] = vec4(x);
+    }
+  }
+#define CVT_A(q, w) bf16_to_f16(w, sa[q][0], sa[q][1])
+#define CVT_B(q, w) bf16_to_f16(w, sb[q][0], sb[q][1])
+#else
+#define CVT_A(q, w) (w)
+#define CVT_B(q, w) (w)
+#endif
   int nsteps = (K + BK - 1) / BK;
   for (int s = 0; s <= nsteps; s++) {
     int buf = s & 1;
@@ -107,11 +172,11 @@ void main() {
       int ca = buf * TSA, cb = buf * TSB;
       [[unroll]] for (int q = 0; q < QA; q++) {
         int v = tid + NT * q;
-        As[ca + (a_kc ? (v / (BK / 8)) * SK + v % (BK / 8) : (v / (BM / 8)) * SMA + v % (BM / 8))] = ra[q];
+        As[ca + (a_kc ? (v / (BK / 8)) * SK + v % (BK / 8) : (v / (BM / 8)) * SMA + v % (BM / 8))] = CVT_A(q, ra[q]);
       }
       [[unroll]] for (int q = 0; q < QB; q++) {
         int v = tid + NT * q;
-        Bs[cb + (b_nc ? (v / (BN / 8)) * SMB + v % (BN / 8) : (v / (BK / 8)) * SK + v % (BK / 8))] = rb[q];
+        Bs[cb + (b_nc ? (v / (BN / 8)) * SMB + v % (BN / 8) : (v / (BK / 8)) * SK + v % (BK / 8))] = CVT_B(q, rb[q]);
       }
     }
     barrier();
@@ -131,6 +196,9 @@ void main() {
         int m = m0 + (wm * FM + i) * 16 + r, n = n0 + (wn * FN + j) * 16 + c;
         if (m < M && n < N) {
           float x = alpha * uintBitsToFloat(Bs[scr + r * 4 + (c >> 2)][c & 3]);
+#ifdef KV_CM_BF16
+          x = x / scale_at(sa0 + m) / scale_at(sb0 + n); // powers of two: exact
+#endif
           int co = o[0] + m * crs + n * ccs;
           if ((flags & 8) != 0) x += beta * kv_ld(0, co);
           if ((flags & 4) != 0) x += kv_ld(3, o[3] + n * P.ex[9]);

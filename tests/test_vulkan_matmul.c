@@ -96,6 +96,11 @@ static void test_products(void) {
     check_product("batched", dt, 3, 136, 144, 64, false, false, true);
     check_product("unaligned", dt, 0, 130, 129, 37, false, false, false);
   }
+  /* a GPU takes the 128x128 kernels only from about one tile per multiprocessor (128 tiles):
+  ** one product that large in each dtype there (a CPU device takes them at any size) */
+  kiln_device_info info;
+  if (kiln_device_info_get(vk, &info) == KILN_OK && !strstr(info.name, "llvmpipe"))
+    for (int q = 0; q < 3; q++) check_product("large", dts[q], 0, 1536, 1544, 264, false, false, q == 2);
 }
 
 /* linear with a fused bias and ReLU, forward (x @ w^T: B is k-contiguous) and backward */

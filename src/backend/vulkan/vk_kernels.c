@@ -364,6 +364,8 @@ static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, k
     const char *sh = (ta == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
     if (ok && kiln__vk_pipeline_ok(device, sh) && (ta == KILN_F16 || kiln__vk_pipeline_ok(device, "mm_absmax")))
       return MM_CM;
+    if (ok) /* kiln doctor says so; the products go on without tensor cores */
+      snprintf(d->coop_why, sizeof d->coop_why, "the driver refused the pipeline of %s", sh);
   }
   /* A GPU wants about one 128x128 tile per multiprocessor at least (128: the largest GPUs
   ** have ~130); below that the 64x64 kernel keeps 4x the workgroups in flight. A CPU

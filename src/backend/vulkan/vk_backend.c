@@ -311,6 +311,8 @@ static bool open_device(vk_dev *d, int index, const char **why) {
     return false;
   }
   d->host_type = (uint32_t)th;
+  int tr = find_type(&d->memprops, mr.memoryTypeBits, DL | HV, 0, NULL);
+  d->ring_type = tr >= 0 ? (uint32_t)tr : d->host_type;
   if (kiln__vk_submit_init(d, index) != KILN_OK) {
     *why = "cannot create command buffers or the parameter ring";
     kiln_clear_error();

@@ -158,7 +158,10 @@ typedef struct vk_dev {
   char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
   char coop_why[160];    /* why coop_on is false ("" when it is true) */
   uint32_t mem_type;   /* for tensors */
-  uint32_t host_type;  /* host-visible, coherent (staging, parameters) */
+  uint32_t host_type;  /* host-visible, coherent, cached where offered (staging: the host reads it) */
+  uint32_t ring_type;  /* the parameter rings': device-local and host-visible where offered
+                       ** (a discrete GPU's BAR), so kernels read parameters from their own
+                       ** memory, not across the bus; host_type otherwise */
   uint64_t heap_size;  /* of mem_type's heap */
   pthread_mutex_t lock;
   bool lost;           /* VK_ERROR_DEVICE_LOST seen: every later call fails */

@@ -33,7 +33,9 @@ kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
     VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
     r = VK->vkCreateFence(d->dev, &fi, NULL, &f->fence);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "vkCreateFence");
-    r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
+    r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->ring_type, true, &f->params);
+    if (r != VK_SUCCESS && d->ring_type != d->host_type) /* a small BAR already full */
+      r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the parameter ring");
   }
   r = kiln__vk_block_make(d, 256, d->host_type, true, &d->flag);

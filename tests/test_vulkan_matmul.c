@@ -109,12 +109,15 @@ static void test_linear_relu(void) {
   kiln_tensor *x = kiln_randn(KILN_SHAPE(257, 136), KILN_F32, cpu, gen);
   kiln_tensor *w = kiln_randn(KILN_SHAPE(192, 136), KILN_F32, cpu, gen);
   kiln_tensor *bias = kiln_randn(KILN_SHAPE(192), KILN_F32, cpu, gen);
-  kiln_tensor *ref = kiln_linear_relu(kiln_to_dtype(x, KILN_F64), kiln_to_dtype(w, KILN_F64), kiln_to_dtype(bias, KILN_F64));
+  kiln_tensor *ref =
+      kiln_linear_relu(kiln_to_dtype(x, KILN_F64), kiln_to_dtype(w, KILN_F64), kiln_to_dtype(bias, KILN_F64));
   kiln_tensor *got = kiln_linear_relu(kiln_to_device(x, vk), kiln_to_device(w, vk), kiln_to_device(bias, vk));
   CHECK(rel_err(got, ref, 1e-5, 1e-4) <= 1);
-  kiln_tensor *x16 = kiln_to_dtype(x, KILN_F16), *w16 = kiln_to_dtype(w, KILN_F16), *b16 = kiln_to_dtype(bias, KILN_F16);
+  kiln_tensor *x16 = kiln_to_dtype(x, KILN_F16), *w16 = kiln_to_dtype(w, KILN_F16);
+  kiln_tensor *b16 = kiln_to_dtype(bias, KILN_F16);
   kiln_tensor *h16 = kiln_linear_relu(kiln_to_device(x16, vk), kiln_to_device(w16, vk), kiln_to_device(b16, vk));
-  kiln_tensor *r16 = kiln_linear_relu(kiln_to_dtype(x16, KILN_F64), kiln_to_dtype(w16, KILN_F64), kiln_to_dtype(b16, KILN_F64));
+  kiln_tensor *r16 =
+      kiln_linear_relu(kiln_to_dtype(x16, KILN_F64), kiln_to_dtype(w16, KILN_F64), kiln_to_dtype(b16, KILN_F64));
   CHECK(rel_err(h16, r16, 2e-3, 2e-2) <= 1);
   kiln_scope_end();
 }

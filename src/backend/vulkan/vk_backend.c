@@ -121,8 +121,9 @@ static bool coop_nv_f16(vk_dev *d) {
     for (uint32_t i = 0; i < n; i++) {
       size_t k = strlen(d->coop_shapes);
       snprintf(d->coop_shapes + k, sizeof d->coop_shapes - k, "%s%ux%ux%u %s/%s/%s/%s%s", k ? ", " : "",
-               p[i].MSize, p[i].NSize, p[i].KSize, nv_type(p[i].AType), nv_type(p[i].BType), nv_type(p[i].CType),
-               nv_type(p[i].DType), p[i].scope == VK_SCOPE_SUBGROUP_NV ? "" : " (not subgroup)");
+               p[i].MSize, p[i].NSize, p[i].KSize, nv_type(p[i].AType), nv_type(p[i].BType),
+               nv_type(p[i].CType), nv_type(p[i].DType),
+               p[i].scope == VK_SCOPE_SUBGROUP_NV ? "" : " (not subgroup)");
       ok = ok || (p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 &&
                   p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV &&
                   p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV &&
@@ -234,9 +235,11 @@ static bool open_device(vk_dev *d, int index, const char **why) {
   ** without it. */
   const char *cm_env = getenv("KILN_VK_COOPMAT"), *cmv = getenv("KILN_VK_CM");
   d->cm_variant = cmv && strcmp(cmv, "w64") == 0 ? 1 : cmv && strcmp(cmv, "256") == 0 ? 2 : 0;
+  const char *bk = getenv("KILN_VK_MMBK");
+  d->mm_k16 = bk && strcmp(bk, "16") == 0;
   bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
-  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
-                                                    .cooperativeMatrix = VK_TRUE};
+  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {
+      .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV, .cooperativeMatrix = VK_TRUE};
   const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
   VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
   d->coop_on = false;

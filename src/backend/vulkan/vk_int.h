@@ -155,6 +155,7 @@ typedef struct vk_dev {
   bool coop_on;        /* and enabled (unless KILN_VK_COOPMAT=0): matmul_cm.comp for f16 */
   int cm_variant;       /* the tiling of matmul_cm (KILN_VK_CM): 0 128x128 by 8 subgroups of
                        ** 64x32, 1 ("w64") 128x128 by 4 of 64x64, 2 ("256") 128x256 by 8 */
+  bool mm_k16;          /* KILN_VK_MMBK=16: f32 products take matmul_big_f32_k16 (K steps of 16) */
   char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
   char coop_why[160];    /* why coop_on is false ("" when it is true) */
   uint32_t mem_type;   /* for tensors */

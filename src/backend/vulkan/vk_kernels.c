@@ -383,8 +383,10 @@ static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, k
   return MM_SMALL;
 }
 
-static const char *mm_big_shader(kiln_dtype t) {
-  return t == KILN_F16 ? "matmul_big_f16" : t == KILN_BF16 ? "matmul_big_bf16" : "matmul_big_f32";
+static const char *mm_big_shader(const vk_dev *d, kiln_dtype t) {
+  if (t == KILN_F16) return "matmul_big_f16";
+  if (t == KILN_BF16) return "matmul_big_bf16";
+  return d->mm_k16 ? "matmul_big_f32_k16" : "matmul_big_f32";
 }
 
 static kiln_status vk_matmul(const kiln__kargs *a) {
@@ -459,7 +461,7 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
         st = kiln__vk_dispatch(a->device, sh, &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y, (uint32_t)batch);
       kiln__vk_free(a->device, sc, nsc);
     } else if (path == MM_BIG) {
-      st = kiln__vk_dispatch(a->device, mm_big_shader(A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
+      st = kiln__vk_dispatch(a->device, mm_big_shader(d, A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
     } else {
       /* matmul128 (the general kernel's 128x128 form) ran 8x slower than the 64x64 one on
       ** the H200's driver (2.1 against 16.3 TFLOP/s at 8192^3), so only CPU devices
@@ -502,9 +504,10 @@ kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int6
   snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32%s, %s",
            dtype == KILN_BF16 ? " (bf16 as f16 with a power-of-two scale per row of A and column of B)" : "",
            cm_what[d->cm_variant]);
-  const char *what = path == MM_CM    ? cmw
-                     : path == MM_BIG ? "register-blocked 128x128 tiles, 8x8 fma per invocation"
-                                      : "64x64 tiles, 4x4 fma per invocation";
+  const char *big = dtype == KILN_F32 && d->mm_k16
+                        ? "register-blocked 128x128 tiles, 8x8 fma per invocation, K steps of 16"
+                        : "register-blocked 128x128 tiles, 8x8 fma per invocation";
+  const char *what = path == MM_CM ? cmw : path == MM_BIG ? big : "64x64 tiles, 4x4 fma per invocation";
   const char *tc = "";
   char why[224] = "";
   if (path != MM_CM && dtype != KILN_F32)

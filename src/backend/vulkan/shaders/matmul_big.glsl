@@ -2,9 +2,9 @@
 // with KV_ELEM 0 f32, 1 f16, 2 bf16: the dtype of A and B). A 128x128 tile of C per
 // workgroup of 256, each invocation 8x8 outputs: rows ty*4 + {0..3} and 64 + ty*4 + {0..3},
 // columns tx*4 + {0..3} and 64 + tx*4 + {0..3}, so each step of k reads two vec4s of A and
-// two of B from shared memory for 64 fma. K in steps of 8; the tiles are double-buffered in
-// shared memory (one barrier a step) and the next step's global loads are issued before
-// this step's arithmetic. Every register array is indexed by constants only (loops
+// two of B from shared memory for 64 fma. K in steps of BK (8; 16 in matmul_big_f32_k16);
+// the tiles are double-buffered in shared memory (one barrier a step) and the next step's
+// global loads are issued before this step's arithmetic. Every register array is indexed by constants only (loops
 // [[unroll]]ed): a dynamically indexed array goes to local memory on NVIDIA, which is what
 // made the earlier 128x128 kernel 8x slower than the 64x64 one there.
 //
@@ -23,8 +23,12 @@ layout(local_size_x = 256) in;
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer BV4F { vec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer BV2U { uvec2 v[]; };
 
-shared vec4 As[2][8][33]; // [buffer][k][m / 4]; rows padded to 132 floats
-shared vec4 Bs[2][8][33]; // [buffer][k][n / 4]
+#ifndef BK
+#define BK 8 // K's step; each invocation loads BK / 8 vectors of A and of B a step
+#endif
+const int QL = BK / 8;
+shared vec4 As[2][BK][33]; // [buffer][k][m / 4]; rows padded to 132 floats
+shared vec4 Bs[2][BK][33]; // [buffer][k][n / 4]
 
 // 4 consecutive elements at element offset off (a multiple of 4) of view v, as f32
 vec4 ld4(int v, int off) {
@@ -62,44 +66,51 @@ void main() {
   int tx = tid & 15, ty = tid >> 4;
   int m0 = int(gl_WorkGroupID.y) * 128, n0 = int(gl_WorkGroupID.x) * 128;
 
-  // What this invocation loads each step: one vec4 of A's 128x8 tile and one of B's 8x128.
-  // k-contiguous operand: row tid/2 of the tile, k = (tid%2)*4 .. +3 (stored transposed);
-  // mn-contiguous: k = tid/32, m or n = (tid%32)*4 .. +3 (stored as is).
-  int a_r = a_kc ? tid >> 1 : (tid & 31) * 4, a_k = a_kc ? (tid & 1) * 4 : tid >> 5;
-  int b_c = b_nc ? (tid & 31) * 4 : tid >> 1, b_k = b_nc ? tid >> 5 : (tid & 1) * 4;
-  vec4 ra, rb;
+  // What this invocation loads each step: QL vectors of A's 128xBK tile and of B's BKx128,
+  // vector v = tid + 256 q. k-contiguous operand: row v / (BK/4) of the tile, k = (v %
+  // (BK/4)) * 4 .. +3 (stored transposed); mn-contiguous: k = v / 32, m or n = (v % 32) * 4
+  // .. +3 (stored as is).
+  int a_r[QL], a_k[QL], b_c[QL], b_k[QL];
+  [[unroll]] for (int q = 0; q < QL; q++) {
+    int v = tid + 256 * q;
+    a_r[q] = a_kc ? v / (BK / 4) : (v & 31) * 4, a_k[q] = a_kc ? (v % (BK / 4)) * 4 : v >> 5;
+    b_c[q] = b_nc ? (v & 31) * 4 : v / (BK / 4), b_k[q] = b_nc ? v >> 5 : (v % (BK / 4)) * 4;
+  }
+  vec4 ra[QL], rb[QL];
 
   float acc[8][8];
   [[unroll]] for (int i = 0; i < 8; i++)
     [[unroll]] for (int j = 0; j < 8; j++) acc[i][j] = 0.0;
 
-  int nsteps = (K + 7) / 8;
+  int nsteps = (K + BK - 1) / BK;
   for (int s = 0; s <= nsteps; s++) {
     int buf = s & 1;
     if (s < nsteps) { // global -> registers: step s
-      int k0 = s * 8;
-      if (a_kc) {
-        int m = m0 + a_r, k = k0 + a_k, off = oa + m * ars + k;
-        if (m < M && k + 3 < K) ra = ld4(1, off);
-        else ra = ld4_edge(1, off, 1, bvec4(m < M && k < K, m < M && k + 1 < K, m < M && k + 2 < K, m < M && k + 3 < K));
-      } else {
-        int m = m0 + a_r, k = k0 + a_k, off = oa + k * acs + m;
-        if (k < K && m + 3 < M) ra = ld4(1, off);
-        else ra = ld4_edge(1, off, 1, bvec4(k < K && m < M, k < K && m + 1 < M, k < K && m + 2 < M, k < K && m + 3 < M));
-      }
-      if (b_nc) {
-        int n = n0 + b_c, k = k0 + b_k, off = ob + k * brs + n;
-        if (k < K && n + 3 < N) rb = ld4(2, off);
-        else rb = ld4_edge(2, off, 1, bvec4(k < K && n < N, k < K && n + 1 < N, k < K && n + 2 < N, k < K && n + 3 < N));
-      } else {
-        int n = n0 + b_c, k = k0 + b_k, off = ob + n * bcs + k;
-        if (n < N && k + 3 < K) rb = ld4(2, off);
-        else rb = ld4_edge(2, off, 1, bvec4(n < N && k < K, n < N && k + 1 < K, n < N && k + 2 < K, n < N && k + 3 < K));
+      int k0 = s * BK;
+      [[unroll]] for (int q = 0; q < QL; q++) {
+        if (a_kc) {
+          int m = m0 + a_r[q], k = k0 + a_k[q], off = oa + m * ars + k;
+          if (m < M && k + 3 < K) ra[q] = ld4(1, off);
+          else ra[q] = ld4_edge(1, off, 1, bvec4(m < M && k < K, m < M && k + 1 < K, m < M && k + 2 < K, m < M && k + 3 < K));
+        } else {
+          int m = m0 + a_r[q], k = k0 + a_k[q], off = oa + k * acs + m;
+          if (k < K && m + 3 < M) ra[q] = ld4(1, off);
+          else ra[q] = ld4_edge(1, off, 1, bvec4(k < K && m < M, k < K && m + 1 < M, k < K && m + 2 < M, k < K && m + 3 < M));
+        }
+        if (b_nc) {
+          int n = n0 + b_c[q], k = k0 + b_k[q], off = ob + k * brs + n;
+          if (k < K && n + 3 < N) rb[q] = ld4(2, off);
+          else rb[q] = ld4_edge(2, off, 1, bvec4(k < K && n < N, k < K && n + 1 < N, k < K && n + 2 < N, k < K && n + 3 < N));
+        } else {
+          int n = n0 + b_c[q], k = k0 + b_k[q], off = ob + n * bcs + k;
+          if (n < N && k + 3 < K) rb[q] = ld4(2, off);
+          else rb[q] = ld4_edge(2, off, 1, bvec4(n < N && k < K, n < N && k + 1 < K, n < N && k + 2 < K, n < N && k + 3 < K));
+        }
       }
     }
     if (s > 0) { // multiply step s - 1, in buffer 1 - buf
       int pb = 1 - buf;
-      [[unroll]] for (int kk = 0; kk < 8; kk++) {
+      [[unroll]] for (int kk = 0; kk < BK; kk++) {
         vec4 a0 = As[pb][kk][ty], a1 = As[pb][kk][ty + 16];
         vec4 b0 = Bs[pb][kk][tx], b1 = Bs[pb][kk][tx + 16];
         float a[8] = float[8](a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w);
@@ -109,15 +120,17 @@ void main() {
       }
     }
     if (s < nsteps) { // registers -> shared: step s, into buffer buf (last read two steps ago)
-      if (a_kc) {
-        [[unroll]] for (int c = 0; c < 4; c++) As[buf][a_k + c][a_r >> 2][a_r & 3] = ra[c];
-      } else {
-        As[buf][a_k][a_r >> 2] = ra;
-      }
-      if (b_nc) {
-        Bs[buf][b_k][b_c >> 2] = rb;
-      } else {
-        [[unroll]] for (int c = 0; c < 4; c++) Bs[buf][b_k + c][b_c >> 2][b_c & 3] = rb[c];
+      [[unroll]] for (int q = 0; q < QL; q++) {
+        if (a_kc) {
+          [[unroll]] for (int c = 0; c < 4; c++) As[buf][a_k[q] + c][a_r[q] >> 2][a_r[q] & 3] = ra[q][c];
+        } else {
+          As[buf][a_k[q]][a_r[q] >> 2] = ra[q];
+        }
+        if (b_nc) {
+          Bs[buf][b_k[q]][b_c[q] >> 2] = rb[q];
+        } else {
+          [[unroll]] for (int c = 0; c < 4; c++) Bs[buf][b_k[q] + c][b_c[q] >> 2][b_c[q] & 3] = rb[q][c];
+        }
       }
     }
     barrier();

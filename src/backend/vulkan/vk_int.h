@@ -178,6 +178,7 @@ typedef struct vk_dev {
   VkCommandPool pool;
   vk_frame frames[KILN_VK_FRAMES];
   int cur;
+  bool no_barrier;  /* the next command is independent of the previous one: no barrier */
   vk_block staging; /* host-visible bounce buffer (devices without unified memory) */
   vk_block flag;    /* host-visible word kernels set on a bad index (checked at syncs) */
   /* pipelines (vk_pipeline.c), created on first use */
@@ -220,6 +221,12 @@ VkCommandBuffer kiln__vk_cmd(vk_dev *d, int index);
 /* Reserves n bytes of parameters in the current frame: host pointer, device address. The
 ** frame may be submitted first to make room, so call it before kiln__vk_cmd. */
 void *kiln__vk_params(vk_dev *d, int index, size_t n, uint64_t *addr);
+/* The next command recorded is independent of the one before it (the groups of a
+** multi-tensor op touch disjoint tensors), so kiln__vk_cmd records no barrier for it: the
+** barrier before the first group already orders all of them after earlier work (a
+** barrier's second scope is every later command in submission order). on = false takes
+** the mark back (a group that dispatched nothing). Takes d->lock. */
+void kiln__vk_next_independent(int device, bool on);
 /* Ends the current command (counts toward the batch; submits a full batch). */
 kiln_status kiln__vk_cmd_done(vk_dev *d, int index);
 /* Submits what is recorded and waits for everything. */

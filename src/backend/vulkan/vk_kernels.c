@@ -993,7 +993,11 @@ static kiln_status vk_adam_multi(const kiln__kargs *a) {
   for (int g = 0; g < a->list_n; g++) {
     kiln__kargs one;
     adam_group(a, g, &one);
+    /* the groups update disjoint tensors: no barrier between them, so the GPU may overlap
+    ** them (one per parameter: four each step of a two-layer MLP) */
+    if (g > 0) kiln__vk_next_independent(a->device, true);
     kiln_status st = vk_adam(&one);
+    kiln__vk_next_independent(a->device, false); /* consumed, or nothing was dispatched */
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

@@ -128,6 +128,12 @@ int main(int argc, char **argv) {
     double t = time_median(dev, mm_run, &c, dev.type == KILN_DEVICE_CPU ? 3 : reps);
     double tflops = t > 0 ? 2.0 * (double)n * (double)n * (double)n / t / 1e12 : 0;
     printf("%-28s %9.1f TFLOP/s\n", mms[k].name, tflops);
+    if (dev.type == KILN_DEVICE_VULKAN) { /* which kernel ran: the first thing to check */
+      char path[512];
+      if (kiln_vulkan_matmul_path(dev.index, mms[k].dt, n, n, n, path, sizeof path) == KILN_OK)
+        printf("  path: %s\n", path);
+      else kiln_clear_error();
+    }
     printf("{\"workload\": \"ceilings\", \"device\": \"%s\", \"op\": \"%s\", \"n\": %lld, \"seconds\": %.6f, \"tflops\": %.2f}\n",
            dname, mms[k].name, (long long)n, t, tflops);
     for (int s = 0; s < 2; s++) kiln_tensor_free(c.a[s]), kiln_tensor_free(c.b[s]);

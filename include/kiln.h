@@ -228,6 +228,17 @@ typedef struct kiln_vulkan_info {
   bool f64, f16, int8, bf16, coop_matrix;
 } kiln_vulkan_info;
 KILN_API kiln_status kiln_vulkan_info_get(int index, kiln_vulkan_info *out);
+/* Which kernel vulkan:index runs a plain row-major product of dtype (f32, f16, bf16)
+** [m, k] @ [k, n] with, and why not a faster one: a sentence in out (out_n bytes, cut to
+** fit), e.g. "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32, 128x128 tiles".
+** Errors: KILN_ERR_DEVICE (no such device, or a build without Vulkan),
+** KILN_ERR_INVALID_ARGUMENT (out NULL, another dtype, a size < 1 or >= 2^31). */
+KILN_API kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int64_t n, int64_t k,
+                                             char *out, size_t out_n);
+/* The cooperative-matrix shapes vulkan:index's driver offers through
+** VK_NV_cooperative_matrix ("MxNxK A/B/C/D" types, comma-separated; "" when none), for
+** diagnosing why tensor cores do not engage. Errors as kiln_vulkan_matmul_path. */
+KILN_API kiln_status kiln_vulkan_coop_shapes(int index, char *out, size_t out_n);
 
 /* Threads of the CPU backend (KILN_NUM_THREADS, else the number of cores). */
 KILN_API int kiln_num_threads(void);

@@ -474,6 +474,15 @@ static void print_json(const doctor *d) {
       cli_json_bool(&j, "bf16", r->vk.bf16);
       cli_json_bool(&j, "int8", r->vk.int8);
       cli_json_bool(&j, "cooperative_matrix", r->vk.coop_matrix);
+      {
+        char mp[512];
+        if (kiln_vulkan_matmul_path(r->index, KILN_F16, 8192, 8192, 8192, mp, sizeof mp) == KILN_OK)
+          cli_json_string(&j, "matmul_f16_path", mp);
+        else kiln_clear_error();
+        if (kiln_vulkan_matmul_path(r->index, KILN_F32, 8192, 8192, 8192, mp, sizeof mp) == KILN_OK)
+          cli_json_string(&j, "matmul_f32_path", mp);
+        else kiln_clear_error();
+      }
       cli_json_array_begin(&j, "heaps");
       for (int h = 0; h < r->vk.n_heaps; h++) {
         cli_json_object_begin(&j, NULL);
@@ -613,6 +622,15 @@ static void print_text(const doctor *d) {
                r->vk.f16 ? "yes" : "no", r->vk.bf16 ? "yes" : "no", r->vk.int8 ? "yes" : "no",
                r->vk.coop_matrix ? "yes" : "no");
       kv("features", b1);
+      if (kiln_vulkan_coop_shapes(r->index, b1, sizeof b1) == KILN_OK && b1[0]) kv("coop matrix (NV)", b1);
+      else kiln_clear_error();
+      /* the kernel an 8192^3 product takes, per dtype (bench-ceilings' sizes) */
+      const kiln_dtype mdt[3] = {KILN_F16, KILN_BF16, KILN_F32};
+      const char *mk[3] = {"matmul f16", "matmul bf16", "matmul f32"};
+      for (int q = 0; q < 3; q++) {
+        if (kiln_vulkan_matmul_path(r->index, mdt[q], 8192, 8192, 8192, b1, sizeof b1) == KILN_OK) kv(mk[q], b1);
+        else kiln_clear_error();
+      }
     }
   }
 

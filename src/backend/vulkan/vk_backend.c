@@ -87,24 +87,48 @@ static int find_type(const VkPhysicalDeviceMemoryProperties *mp, uint32_t bits,
   return best;
 }
 
+static const char *nv_type(VkComponentTypeNV t) {
+  switch (t) {
+  case VK_COMPONENT_TYPE_FLOAT16_NV: return "f16";
+  case VK_COMPONENT_TYPE_FLOAT32_NV: return "f32";
+  case VK_COMPONENT_TYPE_FLOAT64_NV: return "f64";
+  case VK_COMPONENT_TYPE_SINT8_NV: return "s8";
+  case VK_COMPONENT_TYPE_UINT8_NV: return "u8";
+  case VK_COMPONENT_TYPE_SINT32_NV: return "s32";
+  case VK_COMPONENT_TYPE_UINT32_NV: return "u32";
+  default: return "?";
+  }
+}
+
 /* Whether VK_NV_cooperative_matrix has the one shape matmul_cm.comp uses: 16x16x16,
-** f16 A and B, f32 C and D, subgroup scope. */
-static bool coop_nv_f16(VkPhysicalDevice pd) {
+** f16 A and B, f32 C and D, subgroup scope. Lists every shape offered in d->coop_shapes
+** (kiln doctor prints them: the first thing to read when tensor cores do not engage). */
+static bool coop_nv_f16(vk_dev *d) {
   PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV fn =
       (PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)VK->vkGetInstanceProcAddr(
           instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
-  if (!fn) return false;
+  if (!fn) {
+    snprintf(d->coop_shapes, sizeof d->coop_shapes, "(vkGetPhysicalDeviceCooperativeMatrixPropertiesNV missing)");
+    return false;
+  }
   uint32_t n = 0;
-  if (fn(pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
+  if (fn(d->pd, &n, NULL) != VK_SUCCESS || n == 0) return false;
   VkCooperativeMatrixPropertiesNV *p = calloc(n, sizeof *p);
   if (!p) return false;
   for (uint32_t i = 0; i < n; i++) p[i].sType = VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV;
   bool ok = false;
-  if (fn(pd, &n, p) == VK_SUCCESS)
-    for (uint32_t i = 0; i < n && !ok; i++)
-      ok = p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 && p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV &&
-           p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV &&
-           p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].scope == VK_SCOPE_SUBGROUP_NV;
+  if (fn(d->pd, &n, p) == VK_SUCCESS)
+    for (uint32_t i = 0; i < n; i++) {
+      size_t k = strlen(d->coop_shapes);
+      snprintf(d->coop_shapes + k, sizeof d->coop_shapes - k, "%s%ux%ux%u %s/%s/%s/%s%s", k ? ", " : "",
+               p[i].MSize, p[i].NSize, p[i].KSize, nv_type(p[i].AType), nv_type(p[i].BType),
+               nv_type(p[i].CType), nv_type(p[i].DType),
+               p[i].scope == VK_SCOPE_SUBGROUP_NV ? "" : " (not subgroup)");
+      ok = ok || (p[i].MSize == 16 && p[i].NSize == 16 && p[i].KSize == 16 &&
+                  p[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV && p[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+                  p[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV && p[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+                  p[i].scope == VK_SCOPE_SUBGROUP_NV);
+    }
   free(p);
   return ok;
 }
@@ -142,7 +166,11 @@ static bool inspect(vk_dev *d, const char **why) {
   VK->vkGetPhysicalDeviceProperties2(d->pd, &p2);
   d->subgroup_size = sg.subgroupSize;
   d->subgroup_arith = (sg.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
-                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT);
+                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT) &&
+                      (sg.supportedOperations & VK_SUBGROUP_FEATURE_VOTE_BIT);
+  /* KILN_VK_SUBGROUP=0: the shared-memory reductions, as on a device without (tests it) */
+  const char *sg_env = getenv("KILN_VK_SUBGROUP");
+  if (sg_env && strcmp(sg_env, "0") == 0) d->subgroup_arith = false;
   uint32_t ne = 0;
   VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, NULL);
   VkExtensionProperties *ext = calloc(ne ? ne : 1, sizeof *ext);
@@ -151,7 +179,15 @@ static bool inspect(vk_dev *d, const char **why) {
     d->coop_matrix = has_ext(ext, ne, "VK_KHR_cooperative_matrix") ||
                      has_ext(ext, ne, "VK_NV_cooperative_matrix");
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
-    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d->pd);
+    d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d);
+    if (!has_ext(ext, ne, "VK_NV_cooperative_matrix"))
+      snprintf(d->coop_why, sizeof d->coop_why, "%s",
+               has_ext(ext, ne, "VK_KHR_cooperative_matrix")
+                   ? "the device offers VK_KHR_cooperative_matrix only; kiln's shaders use the NV extension "
+                     "(the build's glslc has no GL_KHR_cooperative_matrix)"
+                   : "the device has no cooperative-matrix extension");
+    else if (!d->coop_nv)
+      snprintf(d->coop_why, sizeof d->coop_why, "VK_NV_cooperative_matrix lacks 16x16x16 f16/f16/f32/f32");
     free(ext);
   }
   uint32_t nq = 0;
@@ -193,20 +229,33 @@ static bool open_device(vk_dev *d, int index, const char **why) {
                            .pNext = &f,
                            .queueCreateInfoCount = 1,
                            .pQueueCreateInfos = &q};
-  /* Tensor cores through VK_NV_cooperative_matrix: opt-in (KILN_VK_COOPMAT=1) until the
-  ** H200 has run matmul_cm.comp; a device that refuses it is opened without. */
-  const char *cm_env = getenv("KILN_VK_COOPMAT");
-  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV,
-                                                    .cooperativeMatrix = VK_TRUE};
+  /* Tensor cores through VK_NV_cooperative_matrix, on wherever the device offers the
+  ** shape matmul_cm.comp uses; KILN_VK_COOPMAT=0 turns them off (an A/B switch, and a way
+  ** out should a driver miscompile it). A device that refuses the feature is opened
+  ** without it. */
+  const char *cm_env = getenv("KILN_VK_COOPMAT"), *cmv = getenv("KILN_VK_CM");
+  d->cm_variant = cmv && strcmp(cmv, "w64") == 0 ? 1 : cmv && strcmp(cmv, "256") == 0 ? 2 : 0;
+  const char *bk = getenv("KILN_VK_MMBK");
+  d->mm_k16 = bk && strcmp(bk, "16") == 0;
+  bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
+  VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {
+      .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV, .cooperativeMatrix = VK_TRUE};
   const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
   VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
   d->coop_on = false;
-  if (d->coop_nv && d->f16 && cm_env && strcmp(cm_env, "1") == 0) {
+  if (d->coop_nv && cm_off) snprintf(d->coop_why, sizeof d->coop_why, "off: KILN_VK_COOPMAT=0");
+  else if (d->coop_nv && !d->f16) snprintf(d->coop_why, sizeof d->coop_why, "the device has no shaderFloat16");
+  else if (d->coop_nv && d->subgroup_size != 32)
+    snprintf(d->coop_why, sizeof d->coop_why, "subgroups of %u (matmul_cm.comp needs 32)", d->subgroup_size);
+  if (d->coop_nv && d->f16 && !cm_off && d->subgroup_size == 32) {
     f12.pNext = &cm;
     ci.enabledExtensionCount = 1;
     ci.ppEnabledExtensionNames = cm_ext;
     r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
     d->coop_on = r == VK_SUCCESS;
+    if (!d->coop_on)
+      snprintf(d->coop_why, sizeof d->coop_why, "vkCreateDevice with VK_NV_cooperative_matrix failed: %s",
+               kiln__vk_result_str(r));
     f12.pNext = NULL;
     ci.enabledExtensionCount = 0;
     ci.ppEnabledExtensionNames = NULL;
@@ -265,6 +314,8 @@ static bool open_device(vk_dev *d, int index, const char **why) {
     return false;
   }
   d->host_type = (uint32_t)th;
+  int tr = find_type(&d->memprops, mr.memoryTypeBits, DL | HV, 0, NULL);
+  d->ring_type = tr >= 0 ? (uint32_t)tr : d->host_type;
   if (kiln__vk_submit_init(d, index) != KILN_OK) {
     *why = "cannot create command buffers or the parameter ring";
     kiln_clear_error();
@@ -432,8 +483,29 @@ kiln_status kiln__vk_copy_from_host(int device, void *dst, const void *src, size
   uint64_t off = 0;
   vk_block *b = st == KILN_OK ? locate(d, device, dst, n, &off, "copy from host") : NULL;
   if (!b) st = kiln_last_error();
-  /* Queued kernels may still read what the memory held before (a freed tensor's bytes
-  ** reused by the allocator), so the host writes only once the queue is idle. */
+  /* Small copies (a batch of inputs, a scalar) go through the frame's parameter ring: the
+  ** bytes are copied there now (the caller may reuse src at once) and a buffer copy is
+  ** recorded in the queue, ordered after every earlier kernel by the usual barrier. Nothing
+  ** waits: the training loop's upload of the next batch no longer costs a round trip. */
+  if (b && n <= KILN_VK_UPLOAD_MAX) {
+    uint64_t ring = 0;
+    void *p = kiln__vk_params(d, device, n, &ring);
+    VkCommandBuffer cb = p ? kiln__vk_cmd(d, device) : NULL;
+    if (!cb) {
+      st = kiln_last_error();
+    } else {
+      vk_frame *f = &d->frames[d->cur];
+      memcpy(p, src, n);
+      VkBufferCopy reg = {.srcOffset = ring - f->params.addr, .dstOffset = off, .size = n};
+      VK->vkCmdCopyBuffer(cb, f->params.buf, b->buf, 1, &reg);
+      st = kiln__vk_cmd_done(d, device);
+    }
+    pthread_mutex_unlock(&d->lock);
+    return st;
+  }
+  /* Larger ones: queued kernels may still read what the memory held before (a freed
+  ** tensor's bytes reused by the allocator), so the host writes only once the queue is
+  ** idle. */
   if (b) st = kiln__vk_finish(d, device);
   if (b && st == KILN_OK && b->map) {
     memcpy(b->map + off, src, n);

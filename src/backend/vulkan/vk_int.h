@@ -13,9 +13,11 @@
 ** address up (a sorted table of blocks) to find a VkBuffer and an offset. Kernels are
 ** recorded into the current command buffer (vk_submit.c) with a global memory barrier
 ** before each, and submitted in batches: when a batch is large, and at every sync point
-** (a copy to or from the host, synchronize). Each dispatch's parameters (views' shapes and
-** strides, scalars) are written into a host-visible ring of the batch and reached through
-** a device address in the push constants.
+** (a copy to the host, a large copy from it, synchronize). Each dispatch's parameters
+** (views' shapes and strides, scalars) are written into a host-visible ring of the batch
+** and reached through a device address in the push constants; small copies from the host
+** (up to 1 MiB: a batch of inputs) are staged in the same ring and copied in the queue, so
+** they wait for nothing.
 */
 #ifndef KILN_VK_INT_H
 #define KILN_VK_INT_H
@@ -108,7 +110,8 @@ const char *kiln__vk_result_str(VkResult r);
 /* ---- devices ---- */
 #define KILN_VK_MAX_DEVICES 8
 #define KILN_VK_FRAMES 3             /* command buffers in flight */
-#define KILN_VK_PARAM_RING (1 << 20) /* bytes of dispatch parameters per frame */
+#define KILN_VK_PARAM_RING (4 << 20) /* bytes of dispatch parameters (and small uploads) per frame */
+#define KILN_VK_UPLOAD_MAX (1 << 20) /* host->device copies up to this go through the ring */
 #define KILN_VK_BATCH 256            /* dispatches per submit at most */
 
 typedef struct vk_block {
@@ -149,9 +152,17 @@ typedef struct vk_dev {
   bool f64, f16, i8, i16, i64, atomic_f32, coop_matrix, subgroup_arith;
   bool unified;        /* device memory is host-visible (integrated GPUs, lavapipe) */
   bool coop_nv;        /* VK_NV_cooperative_matrix offered with 16x16x16 f16 -> f32 */
-  bool coop_on;        /* and enabled (KILN_VK_COOPMAT=1): matmul_cm.comp for f16 */
+  bool coop_on;        /* and enabled (unless KILN_VK_COOPMAT=0): matmul_cm.comp for f16 */
+  int cm_variant;       /* the tiling of matmul_cm (KILN_VK_CM): 0 128x128 by 8 subgroups of
+                       ** 64x32, 1 ("w64") 128x128 by 4 of 64x64, 2 ("256") 128x256 by 8 */
+  bool mm_k16;          /* KILN_VK_MMBK=16: f32 products take matmul_big_f32_k16 (K steps of 16) */
+  char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
+  char coop_why[160];    /* why coop_on is false ("" when it is true) */
   uint32_t mem_type;   /* for tensors */
-  uint32_t host_type;  /* host-visible, coherent (staging, parameters) */
+  uint32_t host_type;  /* host-visible, coherent, cached where offered (staging: the host reads it) */
+  uint32_t ring_type;  /* the parameter rings': device-local and host-visible where offered
+                       ** (a discrete GPU's BAR), so kernels read parameters from their own
+                       ** memory, not across the bus; host_type otherwise */
   uint64_t heap_size;  /* of mem_type's heap */
   pthread_mutex_t lock;
   bool lost;           /* VK_ERROR_DEVICE_LOST seen: every later call fails */
@@ -167,6 +178,7 @@ typedef struct vk_dev {
   VkCommandPool pool;
   vk_frame frames[KILN_VK_FRAMES];
   int cur;
+  bool no_barrier;  /* the next command is independent of the previous one: no barrier */
   vk_block staging; /* host-visible bounce buffer (devices without unified memory) */
   vk_block flag;    /* host-visible word kernels set on a bad index (checked at syncs) */
   /* pipelines (vk_pipeline.c), created on first use */
@@ -206,8 +218,15 @@ void kiln__vk_submit_destroy(vk_dev *d);
 /* The command buffer to record into (begun); a barrier is recorded before returning, so
 ** the next command sees every earlier one's writes. NULL with the error set. */
 VkCommandBuffer kiln__vk_cmd(vk_dev *d, int index);
-/* Reserves n bytes of parameters in the current frame: host pointer, device address. */
+/* Reserves n bytes of parameters in the current frame: host pointer, device address. The
+** frame may be submitted first to make room, so call it before kiln__vk_cmd. */
 void *kiln__vk_params(vk_dev *d, int index, size_t n, uint64_t *addr);
+/* The next command recorded is independent of the one before it (the groups of a
+** multi-tensor op touch disjoint tensors), so kiln__vk_cmd records no barrier for it: the
+** barrier before the first group already orders all of them after earlier work (a
+** barrier's second scope is every later command in submission order). on = false takes
+** the mark back (a group that dispatched nothing). Takes d->lock. */
+void kiln__vk_next_independent(int device, bool on);
 /* Ends the current command (counts toward the batch; submits a full batch). */
 kiln_status kiln__vk_cmd_done(vk_dev *d, int index);
 /* Submits what is recorded and waits for everything. */
@@ -227,6 +246,10 @@ int kiln__vk_shader_index(const char *name);
 kiln_status kiln__vk_dispatch(int device, const char *name, const void *params, size_t n,
                               uint32_t gx, uint32_t gy, uint32_t gz);
 void kiln__vk_pipelines_destroy(vk_dev *d);
+/* Whether the pipeline of shader `name` exists or can be made now (false, with the error
+** cleared, when the driver refused it): lets a kernel take another path instead of
+** failing. Takes d->lock itself. */
+bool kiln__vk_pipeline_ok(int device, const char *name);
 
 /* the vtable's other entries (vk_backend.c) */
 kiln_status kiln__vk_probe(const char **why);

@@ -88,6 +88,14 @@ static kiln_status run_1d(int device, const char *shader, const kv_params *p, in
   return kiln__vk_dispatch(device, shader, p, sizeof *p, gx, gy, 1);
 }
 
+/* The row shaders (reduce, softmax, ce, ce_mean, rowsum) come in two builds of one source
+** (wg.glsl): name_sg with subgroup arithmetic where the device has it in compute shaders
+** (KILN_VK_SUBGROUP=0 turns it off at the probe), name with the shared-memory tree. */
+static const char *sg_shader(int device, const char *plain, const char *sg) {
+  vk_dev *d = kiln__vk_dev(device);
+  return d && d->subgroup_arith ? sg : plain;
+}
+
 /* One workgroup per row (reductions, softmax, cross-entropy). */
 static kiln_status run_rows(int device, const char *shader, const kv_params *p, int64_t rows) {
   if (rows <= 0) return KILN_OK;
@@ -252,7 +260,7 @@ static kiln_status vk_reduce(const kiln__kargs *a) {
   p.ex[0] = nr;
   p.i[0] = (int32_t)nred;
   p.ex[15] = is_int(in->dtype) ? 1 : 0;
-  return run_rows(a->device, "reduce", &p, p.n);
+  return run_rows(a->device, sg_shader(a->device, "reduce", "reduce_sg"), &p, p.n);
 }
 
 static bool reduce_supports(const kiln__kargs *a) {
@@ -294,7 +302,7 @@ static kiln_status vk_softmax(const kiln__kargs *a) {
   p.op = a->op == KILN__K_SOFTMAX ? KV_SOFTMAX : a->op == KILN__K_LOG_SOFTMAX ? KV_LOG_SOFTMAX
        : a->op == KILN__K_SOFTMAX_BACKWARD ? KV_SOFTMAX_BW : KV_LOG_SOFTMAX_BW;
   if (p.ex[0] == 0) return KILN_OK;
-  return run_rows(a->device, "softmax", &p, p.n);
+  return run_rows(a->device, sg_shader(a->device, "softmax", "softmax_sg"), &p, p.n);
 }
 
 /* MAX_DIM / MIN_DIM: dim i1, the rows walked as the softmax's */
@@ -317,6 +325,70 @@ static bool minmax_dim_supports(const kiln__kargs *a) {
 }
 
 /* ---- matmul ---- */
+/* The kernels a product can take, fastest first: matmul_cm (f16 on tensor cores),
+** matmul_big_<dtype> (register-blocked 128x128 tiles), matmul / matmul128 (the general
+** 64x64 kernel, any strides and the mask; matmul128 is its 128x128 form, kept for CPU
+** devices, where it is tested). */
+enum { MM_SMALL, MM_BIG, MM_CM };
+
+/* matmul_cm's tilings (vk_dev.cm_variant): shader, tile width (N) */
+static const char *const cm_shaders[3] = {"matmul_cm", "matmul_cm_w64", "matmul_cm_256"};
+static const char *const cm_shaders_bf16[3] = {"matmul_cm_bf16", "matmul_cm_w64_bf16", "matmul_cm_256_bf16"};
+static const int cm_bn[3] = {128, 128, 256};
+static const char *const cm_what[3] = {"128x128 tiles of 8 subgroups of 64x32", "128x128 tiles of 4 subgroups of 64x64",
+                                       "128x256 tiles of 8 subgroups of 64x64"};
+
+static bool mm_batch_strides(const kv_params *p, int v, int mult) {
+  for (int b = 0; b < p->ndim; b++)
+    if (p->strides[v * KV_MAXD + b] % mult != 0) return false;
+  return true;
+}
+
+/* Which kernel runs the product described by p (ex: sizes and matrix strides; addr and
+** the batch strides of views 0 C, 1 A, 2 B); *lay gets the layout bits the fast kernels
+** read in ex[13]. d->coop_on needs the pipeline too: a driver that refuses it gets the
+** next kernel instead of an error. */
+static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, kiln_dtype tb, kiln_dtype tc,
+                     bool mask, int *lay) {
+  int64_t M = p->ex[0], N = p->ex[1], K = p->ex[2];
+  int ars = p->ex[3], acs = p->ex[4], brs = p->ex[5], bcs = p->ex[6], crs = p->ex[7], ccs = p->ex[8];
+  bool a_kc = acs == 1, a_mc = !a_kc && ars == 1, b_nc = bcs == 1, b_kc = !b_nc && brs == 1;
+  *lay = (a_kc ? 1 : 0) | (b_nc ? 2 : 0);
+  if (!d || mask || ta != tb || !(a_kc || a_mc) || !(b_nc || b_kc)) return MM_SMALL;
+  int lda = a_kc ? ars : acs, ldb = b_nc ? brs : bcs;
+  if (d->coop_on && (ta == KILN_F16 || ta == KILN_BF16)) {
+    /* whole 16-byte vectors along the contiguous dim of A and B */
+    int64_t ca = a_kc ? K : M, cb = b_nc ? N : K;
+    bool ok = lda % 8 == 0 && ldb % 8 == 0 && ca % 8 == 0 && cb % 8 == 0 && p->addr[1] % 16 == 0 &&
+              p->addr[2] % 16 == 0 && mm_batch_strides(p, 1, 8) && mm_batch_strides(p, 2, 8);
+    const char *sh = (ta == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
+    if (ok && kiln__vk_pipeline_ok(device, sh) && (ta == KILN_F16 || kiln__vk_pipeline_ok(device, "mm_absmax")))
+      return MM_CM;
+    if (ok) /* kiln doctor says so; the products go on without tensor cores */
+      snprintf(d->coop_why, sizeof d->coop_why, "the driver refused the pipeline of %s", sh);
+  }
+  /* A GPU wants about one 128x128 tile per multiprocessor at least (128: the largest GPUs
+  ** have ~130); below that the 64x64 kernel keeps 4x the workgroups in flight. A CPU
+  ** device (lavapipe) takes the big tiles whenever they fit, which keeps them tested. */
+  int64_t batch = 1;
+  for (int b = 0; b < p->ndim; b++) batch *= p->shape[b];
+  int64_t tiles = ((M + 127) / 128) * ((N + 127) / 128) * batch;
+  bool cpu_dev = d->props.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU;
+  int al = ta == KILN_F32 ? 16 : 8;
+  if (M >= 128 && N >= 128 && (cpu_dev || tiles >= 128) && lda % 4 == 0 && ldb % 4 == 0 && p->addr[1] % al == 0 &&
+      p->addr[2] % al == 0 && mm_batch_strides(p, 1, 4) && mm_batch_strides(p, 2, 4)) {
+    if (tc == KILN_F32 && ccs == 1 && crs % 4 == 0 && p->addr[0] % 16 == 0 && mm_batch_strides(p, 0, 4)) *lay |= 4;
+    return MM_BIG;
+  }
+  return MM_SMALL;
+}
+
+static const char *mm_big_shader(const vk_dev *d, kiln_dtype t) {
+  if (t == KILN_F16) return "matmul_big_f16";
+  if (t == KILN_BF16) return "matmul_big_bf16";
+  return d->mm_k16 ? "matmul_big_f32_k16" : "matmul_big_f32";
+}
+
 static kiln_status vk_matmul(const kiln__kargs *a) {
   const kiln__view *C = &a->out[0], *A = &a->in[0], *B = &a->in[1];
   const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
@@ -348,37 +420,112 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   p.s[0] = (float)a->s[0];
   p.s[1] = (float)a->s[1];
   kiln_status st = KILN_OK;
-  /* f16 on tensor cores (matmul_cm.comp) where the device enabled them and the product is
-  ** a plain one of whole 64x64 tiles in row-major, aligned memory */
-  vk_dev *d = dev_of(a);
-  bool cm = d && d->coop_on && C->dtype == KILN_F16 && A->dtype == KILN_F16 && B->dtype == KILN_F16 && !bias &&
-            !mask && a->i[1] == 0 && a->s[0] == 1.0 && a->s[1] == 0 && M % 64 == 0 && N % 64 == 0 && K % 16 == 0 &&
-            p.ex[4] == 1 && p.ex[6] == 1 && p.ex[8] == 1 && p.ex[3] % 8 == 0 && p.ex[5] % 8 == 0 && p.ex[7] % 8 == 0;
-  for (int v = 0; v < 3 && cm; v++) cm = (p.addr[v] & 15) == 0;
-  for (int b = 0; b < p.ndim && cm; b++)
-    for (int v = 0; v < 3 && cm; v++) cm = p.strides[v * KV_MAXD + b] % 8 == 0;
-  if (cm && M > 0 && N > 0 && batch > 0)
-    st = kiln__vk_dispatch(a->device, "matmul_cm", &p, sizeof p, (uint32_t)(N / 64), (uint32_t)(M / 64), (uint32_t)batch);
-  /* On the H200's driver the 128x128 kernel ran 8x slower than the 64x64 one (2.1 against
-  ** 16.3 TFLOP/s at 8192^3, bench/RESULTS.md), so GPUs keep the 64x64 tiles until it is
-  ** tuned; lavapipe still takes the big tiles, which keeps them tested.
-  ** Was: 128x128 tiles (8x8 per invocation) once there are enough of them to fill a GPU
-  ** (256: about two per multiprocessor of the largest GPUs); below that 64x64 tiles keep
-  ** four times the workgroups in flight. A CPU device (lavapipe) has no such concern and
-  ** takes the big tiles whenever they fit, which also keeps them tested there. */
-  int64_t tiles128 = ((M + 127) / 128) * ((N + 127) / 128) * batch;
-  bool cpu_dev = d && d->props.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU;
-  bool big = M >= 128 && N >= 128 && K >= 8 && cpu_dev && tiles128 > 0;
-  int tile = big ? 128 : 64;
-  if (!cm && M > 0 && N > 0 && batch > 0)
-    st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),
-                           (uint32_t)((M + tile - 1) / tile), (uint32_t)batch);
+  if (M > 0 && N > 0 && batch > 0) {
+    vk_dev *d = dev_of(a);
+    int lay = 0;
+    int path = mm_choose(d, a->device, &p, A->dtype, B->dtype, C->dtype, mask != NULL, &lay);
+    p.ex[13] = lay;
+    uint32_t g128x = (uint32_t)((N + 127) / 128), g128y = (uint32_t)((M + 127) / 128);
+    /* bf16 on tensor cores: the largest |x| of A's rows and B's columns first, into a
+    ** scratch of batch * (M + N) floats (freed at once: later work is ordered after) */
+    void *sc = NULL;
+    size_t nsc = (size_t)batch * (size_t)(M + N) * sizeof(float);
+    if (path == MM_CM && A->dtype == KILN_BF16) {
+      sc = kiln__vk_alloc(a->device, nsc);
+      if (!sc) { /* no room for the scales: the general kernel, which needs none */
+        kiln_clear_error();
+        path = MM_SMALL;
+      }
+    }
+    if (sc) {
+      st = kiln__vk_memset_zero(a->device, sc, nsc);
+      kv_params q = p;
+      uint32_t gk = (uint32_t)((K + 63) / 64);
+      q.addr[0] = (uint64_t)(uintptr_t)sc;
+      q.ex[0] = (int32_t)M, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[3], q.ex[3] = p.ex[4];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((M + 255) / 256), gk, (uint32_t)batch);
+      q.addr[0] += (uint64_t)batch * (uint64_t)M * sizeof(float);
+      q.addr[1] = p.addr[2], q.dtype[1] = p.dtype[2];
+      memcpy(&q.strides[1 * KV_MAXD], &p.strides[2 * KV_MAXD], sizeof(int32_t) * KV_MAXD);
+      q.ex[0] = (int32_t)N, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[6], q.ex[3] = p.ex[5];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((N + 255) / 256), gk, (uint32_t)batch);
+      p.addr[4] = (uint64_t)(uintptr_t)sc;
+      p.ex[14] = (int32_t)batch;
+    }
+    if (path == MM_CM) {
+      int bn = cm_bn[d->cm_variant];
+      const char *sh = (A->dtype == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch(a->device, sh, &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y, (uint32_t)batch);
+      kiln__vk_free(a->device, sc, nsc);
+    } else if (path == MM_BIG) {
+      st = kiln__vk_dispatch(a->device, mm_big_shader(d, A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
+    } else {
+      /* matmul128 (the general kernel's 128x128 form) ran 8x slower than the 64x64 one on
+      ** the H200's driver (2.1 against 16.3 TFLOP/s at 8192^3), so only CPU devices
+      ** (lavapipe) take it, for the masked and odd-stride products it alone covers. */
+      bool cpu_dev = d && d->props.deviceType == VK_PHYSICAL_DEVICE_TYPE_CPU;
+      bool big = M >= 128 && N >= 128 && K >= 8 && cpu_dev;
+      int tile = big ? 128 : 64;
+      st = kiln__vk_dispatch(a->device, big ? "matmul128" : "matmul", &p, sizeof p, (uint32_t)((N + tile - 1) / tile),
+                             (uint32_t)((M + tile - 1) / tile), (uint32_t)batch);
+    }
+  }
   if (st == KILN_OK && a->n_out == 2 && M > 0) { /* out1 (M): A's row sums */
     put_view(&p, 0, &a->out[1]);
     p.ex[13] = (int32_t)a->out[1].strides[0];
-    st = run_rows(a->device, "rowsum", &p, M);
+    st = run_rows(a->device, sg_shader(a->device, "rowsum", "rowsum_sg"), &p, M);
   }
   return st;
+}
+
+kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int64_t n, int64_t k, char *out,
+                                    size_t out_n) {
+  if (!out || out_n == 0)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_vulkan_matmul_path: out is NULL or empty");
+  out[0] = 0;
+  vk_dev *d = kiln_device_count(KILN_DEVICE_VULKAN) > index ? kiln__vk_dev(index) : NULL;
+  if (!d) return kiln_set_error(KILN_ERR_DEVICE, "kiln_vulkan_matmul_path: no device vulkan:%d", index);
+  if (!is_float(dtype) || m <= 0 || n <= 0 || k <= 0 || m > I32MAX || n > I32MAX || k > I32MAX)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                          "kiln_vulkan_matmul_path: a product of %s [%lld, %lld] @ [%lld, %lld] is not one "
+                          "vulkan:%d runs (f32, f16 or bf16, sizes from 1 to 2^31 - 1)",
+                          kiln_dtype_name(dtype), (long long)m, (long long)k, (long long)k, (long long)n, index);
+  /* a plain row-major product of contiguous, aligned operands */
+  kv_params p = {0};
+  p.ndim = 1, p.shape[0] = 1, p.n = 1;
+  p.ex[0] = (int32_t)m, p.ex[1] = (int32_t)n, p.ex[2] = (int32_t)k;
+  p.ex[3] = (int32_t)k, p.ex[4] = 1, p.ex[5] = (int32_t)n, p.ex[6] = 1, p.ex[7] = (int32_t)n, p.ex[8] = 1;
+  int lay = 0;
+  int path = mm_choose(d, index, &p, dtype, dtype, dtype, false, &lay);
+  char cmw[224];
+  snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32%s, %s",
+           dtype == KILN_BF16 ? " (bf16 as f16 with a power-of-two scale per row of A and column of B)" : "",
+           cm_what[d->cm_variant]);
+  const char *big = dtype == KILN_F32 && d->mm_k16
+                        ? "register-blocked 128x128 tiles, 8x8 fma per invocation, K steps of 16"
+                        : "register-blocked 128x128 tiles, 8x8 fma per invocation";
+  const char *what = path == MM_CM ? cmw : path == MM_BIG ? big : "64x64 tiles, 4x4 fma per invocation";
+  const char *tc = "";
+  char why[224] = "";
+  if (path != MM_CM && dtype != KILN_F32)
+    snprintf(why, sizeof why, "; no tensor cores: %s", d->coop_why[0] ? d->coop_why : "the operands do not qualify");
+  else if (dtype == KILN_F32)
+    tc = "; f32 stays exact (no TF32 path)";
+  snprintf(out, out_n, "%s%s%s", what, tc, why);
+  return KILN_OK;
+}
+
+kiln_status kiln_vulkan_coop_shapes(int index, char *out, size_t out_n) {
+  if (!out || out_n == 0)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_vulkan_coop_shapes: out is NULL or empty");
+  out[0] = 0;
+  vk_dev *d = kiln_device_count(KILN_DEVICE_VULKAN) > index ? kiln__vk_dev(index) : NULL;
+  if (!d) return kiln_set_error(KILN_ERR_DEVICE, "kiln_vulkan_coop_shapes: no device vulkan:%d", index);
+  snprintf(out, out_n, "%s", d->coop_shapes);
+  return KILN_OK;
 }
 
 static bool matmul_supports(const kiln__kargs *a) {
@@ -424,7 +571,7 @@ static kiln_status vk_ce(const kiln__kargs *a) {
     p.ex[4] = (int32_t)a->out[0].strides[0];
     if (nout > 1) put_view(&p, 3, &a->out[1]), p.ex[5] = (int32_t)a->out[1].strides[0], p.ex[9] |= 1;
     if (nout > 2) put_view(&p, 4, &a->out[2]), p.ex[6] = (int32_t)a->out[2].strides[0], p.ex[9] |= 2;
-    return run_rows(a->device, "ce", &p, N);
+    return run_rows(a->device, sg_shader(a->device, "ce", "ce_sg"), &p, N);
   }
   /* the mean: count the kept rows (their gradient divides by it), the rows' losses into a
   ** scratch row, then their sum over the count */
@@ -434,7 +581,7 @@ static kiln_status vk_ce(const kiln__kargs *a) {
   c.ex[1] = (int32_t)tg->strides[0];
   put_view(&c, 1, tg);
   put_view(&c, 2, &a->out[2]);
-  kiln_status st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+  kiln_status st = kiln__vk_dispatch(a->device, sg_shader(a->device, "ce_mean", "ce_mean_sg"), &c, sizeof c, 1, 1, 1);
   if (st != KILN_OK) return st;
   void *scratch = kiln__vk_alloc(a->device, (size_t)(N > 0 ? N : 1) * 4);
   if (!scratch) return kiln_last_error();
@@ -445,12 +592,12 @@ static kiln_status vk_ce(const kiln__kargs *a) {
   p.ex[5] = (int32_t)a->out[1].strides[0];
   p.ex[9] |= 1;
   if (dl) put_view(&p, 4, &a->out[2]), p.ex[9] |= 8; /* the count: the gradient's 1 / count */
-  st = run_rows(a->device, "ce", &p, N);
+  st = run_rows(a->device, sg_shader(a->device, "ce", "ce_sg"), &p, N);
   if (st == KILN_OK) {
     c.op = 2;
     put_view(&c, 0, &a->out[0]);
     put_view(&c, 3, &sv);
-    st = kiln__vk_dispatch(a->device, "ce_mean", &c, sizeof c, 1, 1, 1);
+    st = kiln__vk_dispatch(a->device, sg_shader(a->device, "ce_mean", "ce_mean_sg"), &c, sizeof c, 1, 1, 1);
   }
   /* the queue runs in order behind barriers: freeing now is safe (vk_memory.c) */
   kiln__vk_free(a->device, scratch, (size_t)(N > 0 ? N : 1) * 4);
@@ -846,7 +993,11 @@ static kiln_status vk_adam_multi(const kiln__kargs *a) {
   for (int g = 0; g < a->list_n; g++) {
     kiln__kargs one;
     adam_group(a, g, &one);
+    /* the groups update disjoint tensors: no barrier between them, so the GPU may overlap
+    ** them (one per parameter: four each step of a two-layer MLP) */
+    if (g > 0) kiln__vk_next_independent(a->device, true);
     kiln_status st = vk_adam(&one);
+    kiln__vk_next_independent(a->device, false); /* consumed, or nothing was dispatched */
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

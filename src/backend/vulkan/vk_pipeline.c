@@ -91,3 +91,14 @@ void kiln__vk_pipelines_destroy(vk_dev *d) {
     if (d->pipes[i]) VK->vkDestroyPipeline(d->dev, d->pipes[i], NULL);
   if (d->layout) VK->vkDestroyPipelineLayout(d->dev, d->layout, NULL);
 }
+
+bool kiln__vk_pipeline_ok(int device, const char *name) {
+  vk_dev *d = kiln__vk_dev(device);
+  int s = kiln__vk_shader_index(name);
+  if (!d || s < 0) return false;
+  pthread_mutex_lock(&d->lock);
+  bool ok = !d->lost && (d->pipes[s] || (!d->pipe_failed[s] && make_pipeline(d, device, s) == KILN_OK));
+  pthread_mutex_unlock(&d->lock);
+  if (!ok) kiln_clear_error();
+  return ok;
+}

@@ -33,7 +33,9 @@ kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
     VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
     r = VK->vkCreateFence(d->dev, &fi, NULL, &f->fence);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "vkCreateFence");
-    r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
+    r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->ring_type, true, &f->params);
+    if (r != VK_SUCCESS && d->ring_type != d->host_type) /* a small BAR already full */
+      r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the parameter ring");
   }
   r = kiln__vk_block_make(d, 256, d->host_type, true, &d->flag);
@@ -115,9 +117,12 @@ static kiln_status begin(vk_dev *d, int index) {
 VkCommandBuffer kiln__vk_cmd(vk_dev *d, int index) {
   if (kiln__vk_check_lost(d, index) != KILN_OK || begin(d, index) != KILN_OK) return NULL;
   vk_frame *f = &d->frames[d->cur];
-  barrier(f->cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
-          VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
-              VK_ACCESS_TRANSFER_WRITE_BIT);
+  if (d->no_barrier)
+    d->no_barrier = false;
+  else
+    barrier(f->cb, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
+            VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
+                VK_ACCESS_TRANSFER_WRITE_BIT);
   return f->cb;
 }
 
@@ -161,4 +166,12 @@ kiln_status kiln__vk_finish(vk_dev *d, int index) {
                         index, code == 2 ? "a cross-entropy target was" : "an index was");
   }
   return st;
+}
+
+void kiln__vk_next_independent(int device, bool on) {
+  vk_dev *d = kiln__vk_dev(device);
+  if (!d) return;
+  pthread_mutex_lock(&d->lock);
+  d->no_barrier = on;
+  pthread_mutex_unlock(&d->lock);
 }

@@ -1,27 +1,4 @@
 #version 450
-// CROSS_ENTROPY_MEAN's two single-workgroup steps around ce.comp's rows. ex[0] = N rows.
-// op 1: counts the kept rows of view 1 (target, stride ex[1]; i[0] ignore_index) into
-//       view 2 (the count, one element), before the rows (their gradient divides by it).
-// op 2: view 0 (one element) = sum of view 3 (the rows' losses, contiguous) / count.
-#include "common.glsl"
-layout(local_size_x = 256) in;
-shared float part[256];
-
-void main() {
-  Params P = pc.P;
-  int t = int(gl_LocalInvocationID.x), N = P.ex[0];
-  float acc = 0.0;
-  for (int r = t; r < N; r += 256) {
-    if (P.op == 1) acc += kv_ldi(1, r * P.ex[1]) != int64_t(P.i[0]) ? 1.0 : 0.0;
-    else acc += kv_ld(3, r);
-  }
-  part[t] = acc;
-  barrier();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (t < s) part[t] += part[t + s];
-    barrier();
-  }
-  if (t != 0) return;
-  if (P.op == 1) kv_st(2, 0, part[0]);
-  else kv_st(0, 0, part[0] / kv_ld(2, 0)); // no kept rows: 0 / 0 = NaN, as the CPU
-}
+// ce_mean.glsl with the shared-memory tree
+#define KV_SUBGROUP 0
+#include "ce_mean.glsl"

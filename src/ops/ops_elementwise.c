@@ -621,6 +621,11 @@ static kiln_status to_many_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   for (int k = 0; k < n->n_in && k < n->n_out; k++) {
     kiln_tensor *gk = k == 0 ? g : n->grad_outs[k];
     if (!n->needs[k] || !gk) continue;
+    if (!kiln_is_contiguous(gk)) { /* a channels-last gradient: to_dtype keeps its layout */
+      kiln_status st = kiln__give_grad(&gi[k], kiln_to_dtype(gk, n->in_dtype[k]), g);
+      if (st != KILN_OK) return st;
+      continue;
+    }
     dev = kiln_device_of(gk);
     dst[m] = kiln__tensor_new(gk->ndim, gk->shape, n->in_dtype[k], dev);
     if (!dst[m]) return kiln_last_error();

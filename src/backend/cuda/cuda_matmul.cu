@@ -360,12 +360,13 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
       r.in[0] = *mask;
       r.in[1] = A;
       r.out[0] = contiguous_like(&A, tmp.p[0]);
-      if (nd == 2 && A.strides[0] == 1 && A.shape[1] > 1 && kc_size(A.dtype) == 2) {
+      if (nd == 2 && A.strides[0] == 1 && A.shape[1] > 1 && A.dtype != KILN_F64) {
         /* A transposed view (a weight gradient's g^T) stays transposed in the temporary:
-        ** cuBLASLt has BGRADB kernels (the bias gradient fused) for 16-bit data with
-        ** cuBLAS's B, kiln's A, transposed (TransformerEngine's wgrad layout), none with
-        ** it plain ("took no BGRADB epilogue for bfloat16 256x784x128 (op NN)"), which
-        ** cost a separate row-sums kernel per step. f32 keeps the layout it has kernels for. */
+        ** cuBLASLt has BGRADB kernels (the bias gradient fused) with cuBLAS's B, kiln's A,
+        ** transposed (TransformerEngine's wgrad layout), none with it plain: on the H200
+        ** "took no BGRADB epilogue for bfloat16 256x784x128 (op NN)", and for float32 too,
+        ** each a separate row-sums kernel per step. With the layout kept, bf16 took it
+        ** (16:05 run: no message); f32 asks for it the same way. */
         r.out[0].strides[0] = 1;
         r.out[0].strides[1] = A.shape[0];
       }

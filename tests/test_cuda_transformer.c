@@ -163,7 +163,16 @@ static void att_case(const att_spec *s) {
   for (int i = 0; i < 4; i++) {
     char what[160];
     snprintf(what, sizeof what, "%s (%s) %s", s->name, kiln_dtype_name(s->dt), nm[i]);
-    if (res[0][i] && res[1][i]) {
+    if (res[0][i] && res[1][i] && s->Tk == 1 && !s->mask && s->dropout == 0 && (i == 1 || i == 2)) {
+      /* one key: its weight is 1 whatever the scores, so dq and dk are exactly 0 and both
+      ** devices give rounding noise (1e-7 here; delta = dO . O from the rounded O): a bound
+      ** relative to that noise would test nothing, so bound it against the unit scale of
+      ** the inputs instead */
+      double abs_diff;
+      rel[i] = max_rel_diff(res[1][i], res[0][i], &abs_diff);
+      H_CHECK(abs_diff <= 1e-3 * s->tol, "%s: with one key the gradient is 0; max |cuda - cpu| %.3g, bound %.3g",
+              what, abs_diff, 1e-3 * s->tol);
+    } else if (res[0][i] && res[1][i]) {
       double abs_diff;
       rel[i] = max_rel_diff(res[1][i], res[0][i], &abs_diff);
       close_to(what, res[1][i], res[0][i], s->tol);

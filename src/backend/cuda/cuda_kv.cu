@@ -6,13 +6,14 @@
 ** index flag (kc_flag) and the kernel skips (INDEX_COPY) or clamps (KV_ATTENTION) it.
 **
 ** KV_ATTENTION is flash-decoding's inner loop without the split over blocks: one block of
-** NW warps per query row (b, h, i); warp w takes the tiles of 32 keys w, w + NW, ...; in a
-** tile lane t scores key j0 + t against q (held in shared memory, pre-scaled), the warp
-** updates its running max and normaliser once per tile, and lane t accumulates output
-** columns t, t + 32, ... (the tile's weights broadcast by shuffles). The NW partial
-** (max, sum, acc) are merged through shared memory at the end. Accumulation in f32 (f64
-** for f64). Keys past the row's length are never read, so a step over a cache of max_len
-** slots costs what its valid prefix costs.
+** NW warps per query row (b, h, i); warp w takes the keys w, w + NW, ...; lane t holds
+** q[t], q[t + 32], ... (pre-scaled) and reads the same columns of the key and value rows,
+** so every load is coalesced; the score is a warp sum, and the warp's running max,
+** normaliser and output columns are rescaled per key. The NW partial (max, sum, acc) are
+** merged through shared memory at the end. Accumulation in f32 (f64 for f64). Keys past the
+** row's length are never read, so a step over a cache of max_len slots costs what its valid
+** prefix costs. (The first version gave each lane a key of a 32-key tile: every load then
+** touched 32 rows, and a call took ~20 us at GPT-2's 12 heads and 192 keys on the H200.)
 **
 ** SAMPLE_TOKENS is cpu_kv.c's rule step by step, one block of 1024 threads per row, each
 ** thread a contiguous chunk of the vocabulary (so thread order is index order for the
@@ -38,7 +39,7 @@
 
 namespace {
 
-enum { NW = 8, KV_MAXD = 128, KV_CH = KV_MAXD / 32 };
+enum { NW = 16, KV_MAXD = 128, KV_CH = KV_MAXD / 32 };
 
 /* ---- INDEX_COPY ---- */
 
@@ -114,7 +115,6 @@ __global__ void __launch_bounds__(NW * 32)
     kv_att(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *o,
            const int64_t *__restrict__ len, KvArgs p, int *flag) {
   typedef typename kc_traits<T>::acc A;
-  __shared__ A qsh[KV_MAXD];
   __shared__ A wm[NW], wl[NW];
   __shared__ A wacc[NW][KV_MAXD];
   const int64_t r = blockIdx.x;
@@ -126,40 +126,36 @@ __global__ void __launch_bounds__(NW * 32)
     L = L < 0 ? 0 : p.M;
   }
   const int64_t n = L - p.Tq + i + 1; /* keys 0 .. n-1 (the query is position n - 1) */
+  /* lane holds q[e], e = lane + 32 c, pre-scaled: the key rows are read across the lanes */
   const T *qr = q + b * p.qs[0] + h * p.qs[1] + i * p.qs[2];
-  for (int e = threadIdx.x; e < p.D; e += NW * 32) qsh[e] = (A)kc_ld<T>(qr[e * p.qs[3]]) * (A)p.scale;
-  __syncthreads();
+  A qv[KV_CH];
+#pragma unroll
+  for (int c = 0; c < KV_CH; c++) {
+    const int e = lane + 32 * c;
+    qv[c] = e < p.D ? (A)kc_ld<T>(qr[e * p.qs[3]]) * (A)p.scale : (A)0;
+  }
   const T *kb = k + b * p.ks[0] + h * p.ks[1];
   const T *vb = v + b * p.vs[0] + h * p.vs[1];
   A m = -(A)INFINITY, l = 0, acc[KV_CH];
 #pragma unroll
   for (int c = 0; c < KV_CH; c++) acc[c] = 0;
-  for (int64_t j0 = (int64_t)w * 32; j0 < n; j0 += NW * 32) { /* warp-uniform: j0 and n */
-    const int64_t j = j0 + lane;
-    A s = -(A)INFINITY;
-    if (j < n) {
-      const T *kr = kb + j * p.ks[2];
-      A dot = 0;
-      for (int64_t e = 0; e < p.D; e++) dot += qsh[e] * (A)kc_ld<T>(kr[e * p.ks[3]]);
-      s = dot;
-    }
-    const A tmax = kc_warp_reduce(s, [](A x, A y) { return x > y ? x : y; }); /* finite: lane 0's key exists */
-    const A mn = m > tmax ? m : tmax;
-    const A f = kv_exp<A>(m - mn); /* 0 on the first tile (m = -inf) */
-    const A pj = j < n ? kv_exp<A>(s - mn) : (A)0;
-    l = l * f + kc_warp_reduce(pj, [](A x, A y) { return x + y; });
+#pragma unroll 4
+  for (int64_t j = w; j < n; j += NW) { /* warp-uniform: a key per warp, its row across the lanes */
+    const T *kr = kb + j * p.ks[2], *vr = vb + j * p.vs[2];
+    A part = 0, vv[KV_CH];
 #pragma unroll
-    for (int c = 0; c < KV_CH; c++) acc[c] *= f;
-    const int cnt = (int)(n - j0 < 32 ? n - j0 : 32);
-    for (int t = 0; t < cnt; t++) {
-      const A pw = __shfl_sync(0xffffffffu, pj, t);
-      const T *vr = vb + (j0 + t) * p.vs[2];
-#pragma unroll
-      for (int c = 0; c < KV_CH; c++) {
-        const int e = lane + 32 * c;
-        if (e < p.Dv) acc[c] += pw * (A)kc_ld<T>(vr[e * p.vs[3]]);
-      }
+    for (int c = 0; c < KV_CH; c++) {
+      const int e = lane + 32 * c;
+      if (e < p.D) part += qv[c] * (A)kc_ld<T>(kr[e * p.ks[3]]);
+      vv[c] = e < p.Dv ? (A)kc_ld<T>(vr[e * p.vs[3]]) : (A)0; /* in flight with the score */
     }
+    const A sc = kc_warp_reduce(part, [](A x, A y) { return x + y; });
+    const A mn = m > sc ? m : sc;
+    const A f = kv_exp<A>(m - mn); /* 0 on the first key (m = -inf) */
+    const A pj = kv_exp<A>(sc - mn);
+    l = l * f + pj;
+#pragma unroll
+    for (int c = 0; c < KV_CH; c++) acc[c] = acc[c] * f + pj * vv[c];
     m = mn;
   }
   if (lane == 0) wm[w] = m, wl[w] = l;

@@ -518,7 +518,7 @@ kiln_tensor *kiln_gpt_generate(kiln_module *gpt, kiln_tensor *ids, int64_t n_new
   }
   while (st == KILN_OK && d.mode == STEP_LOGITS && n_done < n_new) {
     kiln_scope_begin();
-    kiln_tensor *tok = greedy ? kiln_sample_next(logits, opts, gen) : kiln_squeeze(draw(&d, logits), 1); /* (B) i64 */
+    kiln_tensor *tok = kiln_squeeze(greedy ? argmax(logits) : draw(&d, logits), 1); /* (B) i64 */
     n_draws += !greedy;
     if (tok && opts->eos_id >= 0) { /* a finished row repeats eos */
       kiln_tensor *eos = kiln_scalar((double)opts->eos_id, KILN_I64, dev);

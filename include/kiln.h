@@ -508,12 +508,13 @@ KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_ten
 ** previous setting; an unknown value is KILN_ERR_INVALID_ARGUMENT's -1. */
 typedef enum kiln_sdpa_backend { KILN_SDPA_FUSED = 0, KILN_SDPA_MATH = 1 } kiln_sdpa_backend;
 KILN_API int kiln_sdpa_set_backend(kiln_sdpa_backend b);
-/* kiln_linear for a few rows (a decode step: x (..., K) with at most 16 rows), with the
+/* kiln_linear for a few rows (a decode step: x (..., K) with one or two rows), with the
 ** tanh GELU of kiln_gelu_tanh fused when gelu: one pass over weight (N, K) per call, every
 ** row's product from the same weight loads (on CUDA a warp per output column, 16-byte
 ** loads), so the time is the weight's bytes over the bandwidth. The linear's output is
 ** rounded to the dtype before the GELU, as the two ops would. Where the device has no such
-** kernel for these arguments (more rows, f64, unaligned or strided rows) it is kiln_linear
+** kernel for these arguments (more rows: cuBLAS is faster from 16; f64, unaligned or strided
+** rows) it is kiln_linear
 ** then kiln_gelu_tanh (always, under the environment variable KILN_LINEAR_DECODE=0).
 ** Inference only. Errors as kiln_linear. */
 KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, bool gelu);
@@ -543,13 +544,15 @@ KILN_API kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_ten
 ** generator. The logits are divided by temperature (> 0) in f32; top_k (0: off) keeps the
 ** values >= the k-th largest; top_p (1: off) then keeps the values >= the smallest value v
 ** whose higher values hold less than top_p of the kept probability (transformers' order,
-** ties with the last kept value kept); one draw from what is left. Weights are
+** ties with the last kept value kept); one draw from what is left. Temperature 0 is the
+** argmax instead (the first maximum, NaN counted largest; rng may be NULL). Weights are
 ** exp(z - max) in 2^-32 fixed point, so every sum is exact and the draw is the same for
 ** every thread count (a weight under 2^-32 of the largest is 0). Row r draws the f64
 ** Philox uniform of element r (kiln_multinomial's mapping). Never synchronizes: a row
 ** with no finite logit gives token 0 (and the device's index flag on CUDA, KILN_ERR_INDEX
 ** at once on the CPU). Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE, KILN_ERR_INVALID_ARGUMENT
-** (temperature <= 0 or not finite, top_k < 0, top_p outside (0, 1]). */
+** (temperature < 0 or not finite, a NULL rng to sample with, top_k < 0, top_p outside
+** (0, 1]). */
 KILN_API kiln_tensor *kiln_sample_tokens(kiln_tensor *logits, kiln_tensor *rng, double temperature, int64_t top_k,
                                          double top_p);
 /* torch.Tensor.index_copy_: dst[..., index[t], ...] = src[..., t, ...] along dim, index an

@@ -347,16 +347,40 @@ static kiln_tensor *kv_check_sample_vocab(kiln_device dev, kiln_dtype dt) {
   return tok;
 }
 
+/* temperature 0: the first maximum, NaN largest; equal to kiln_argmax on a vocabulary. */
+static void kv_check_argmax(kiln_device dev) {
+  kiln_scope_begin();
+  const float l[4][6] = {{1, 3, 3, -2, 0, 3}, {-INFINITY, -INFINITY, -5, -INFINITY, -5, -6},
+                         {2, NAN, 7, NAN, 1, 0}, {-1, -1, -1, -1, -1, -1}};
+  const int64_t want[4] = {1, 2, 1, 0};
+  kiln_tensor *t = kiln_sample_tokens(kiln_from_data(l, KILN_SHAPE(4, 6), KILN_F32, dev), NULL, 0, 5, 0.5);
+  int64_t *h = t ? kv_host_i64(t) : NULL;
+  CHECK(h && memcmp(h, want, sizeof want) == 0);
+  free(h);
+  const kiln_dtype dts[] = {KILN_F32, KILN_BF16, KILN_F16};
+  for (int i = 0; i < 3; i++) {
+    kiln_generator *g = kiln_generator_new(21 + (uint64_t)i);
+    kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(16, 50257), KILN_F32, dev, g), dts[i]);
+    kiln_generator_free(g);
+    kiln_tensor *a = kiln_sample_tokens(x, NULL, 0, 0, 1);
+    kiln_tensor *b = kiln_argmax(kiln_to_device(x, kiln_device_cpu()), 1, false);
+    CHECK(a && b && kv_equal(a, b));
+  }
+  kiln_scope_end();
+}
+
 static void kv_check_sample(kiln_device dev) {
   kv_check_sample_case(dev, 1.0, 0, 1.0);
   kv_check_sample_case(dev, 0.7, 4, 1.0); /* the 4th largest is tied: 5 tokens stay */
   kv_check_sample_case(dev, 1.0, 0, 0.8);
   kv_check_sample_case(dev, 1.3, 5, 0.9);
   kv_check_sample_case(dev, 0.5, 1, 1.0); /* top-1: the argmax */
+  kv_check_argmax(dev);
   kiln_scope_begin();
   CHECK(kv_check_sample_vocab(dev, KILN_BF16) != NULL);
   kiln_tensor *l = kiln_zeros(KILN_SHAPE(2, 5), KILN_F32, dev), *rng = kv_rng(dev, 1, 0);
-  CHECK(!kiln_sample_tokens(l, rng, 0, 0, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(!kiln_sample_tokens(l, rng, -1, 0, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(!kiln_sample_tokens(l, NULL, 1, 0, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
   CHECK(!kiln_sample_tokens(l, rng, 1, -1, 1) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
   CHECK(!kiln_sample_tokens(l, rng, 1, 0, 1.5) && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
   CHECK(!kiln_sample_tokens(l, kiln_zeros(KILN_SHAPE(3), KILN_I64, dev), 1, 0, 1) && kiln_last_error() == KILN_ERR_SHAPE);

@@ -57,6 +57,12 @@ static void hf_parity(kiln_device dev) {
   char dir[4096], path[4200];
   snprintf(dir, sizeof dir, "%s/tests/fixtures/hf_gpt2", src ? src : ".");
   snprintf(path, sizeof path, "%s/generate.safetensors", dir);
+  FILE *f = fopen(path, "rb");
+  if (!f) { /* a copy of the tree without the binary fixtures (test_nn_generate checks them on the CPU) */
+    printf("hf_gpt2 fixture not found (%s): transformers parity on cuda skipped\n", path);
+    return;
+  }
+  fclose(f);
   kiln_dict *ref = kiln_safetensors_load(path, dev);
   kiln_module *m = ref ? kiln_gpt_from_hf(dir, NULL, KILN_F32, dev) : NULL;
   CHECK(ref && m);

@@ -216,12 +216,15 @@ static kiln_status sample_infer(kiln__op_ctx *c) {
   if (l->ndim != 2 || l->shape[1] < 1 || !kiln_dtype_is_float(l->dtype))
     return kiln_set_error(KILN_ERR_SHAPE, "%s: logits %s (%s) must be floating (N, V) with V >= 1", op,
                           kiln__tshape(l), kiln_dtype_name(l->dtype));
-  if (rng->dtype != KILN_I64 || rng->ndim != 1 || rng->shape[0] != 2)
+  if (!(p->temperature >= 0) || isinf(p->temperature))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: temperature %g (must be >= 0 and finite; 0: argmax)", op,
+                          p->temperature);
+  if (p->temperature > 0 && !rng)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: sampling (temperature %g) needs the rng state", op,
+                          p->temperature);
+  if (rng && (rng->dtype != KILN_I64 || rng->ndim != 1 || rng->shape[0] != 2))
     return kiln_set_error(KILN_ERR_SHAPE, "%s: rng %s (%s) must be 2 i64 elements (seed, offset)", op,
                           kiln__tshape(rng), kiln_dtype_name(rng->dtype));
-  if (!(p->temperature > 0) || isinf(p->temperature))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: temperature %g (must be > 0 and finite; argmax for 0)", op,
-                          p->temperature);
   if (p->top_k < 0)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: top_k %lld (must be >= 0; 0 keeps every token)", op,
                           (long long)p->top_k);
@@ -237,9 +240,9 @@ static kiln_status sample_forward(kiln__op_ctx *c) {
   const attrs_sample *p = c->attrs;
   kiln__kargs a = {0};
   a.op = KILN__K_SAMPLE_TOKENS;
-  a.n_in = 2;
+  a.n_in = p->temperature > 0 ? 2 : 1; /* the argmax draws nothing */
   a.in[0] = kiln__view_of(c->in[0]);
-  a.in[1] = kiln__view_of(c->in[1]);
+  if (a.n_in > 1) a.in[1] = kiln__view_of(c->in[1]);
   a.s[0] = p->temperature;
   a.s[1] = p->top_p;
   a.i[0] = p->top_k;
@@ -247,7 +250,8 @@ static kiln_status sample_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_sample_tokens = {
-    .name = "sample_tokens", .api = "kiln_sample_tokens", .n_in = 2, .n_out = 1, .flags = KILN__OP_NO_GRAD,
+    .name = "sample_tokens", .api = "kiln_sample_tokens", .n_in = 2, .n_out = 1, .optional = 1u << 1,
+    .flags = KILN__OP_NO_GRAD,
     .n_kernels = 1, .kernels = {KILN__K_SAMPLE_TOKENS}, .attrs = f_sample, .n_attrs = 3,
     .attr_size = sizeof(attrs_sample), .infer = sample_infer, .forward = sample_forward};
 

@@ -177,8 +177,22 @@ static uint32_t s_select(const srow *r, bool mass, double target) {
 kiln_status kiln__cpu_sample_tokens(const kiln__kargs *a) {
   const kiln__view *l = &a->in[0], *rng = &a->in[1], *o = &a->out[0];
   const int64_t N = l->shape[0], V = l->shape[1];
-  const uint64_t seed = (uint64_t)get_len(rng, 0), offset = (uint64_t)get_len(rng, 1);
   const int64_t es = (int64_t)kiln__cpu_esize(l->dtype);
+  if (a->s[0] == 0) { /* the argmax: the first maximum, NaN largest (no rng: in1 absent) */
+    for (int64_t i = 0; i < N; i++) {
+      const char *p = (const char *)l->data + i * l->strides[0] * es;
+      int64_t best = 0;
+      uint32_t bk = 0;
+      for (int64_t j = 0; j < V; j++) {
+        const float v = (float)kiln__cpu_get_f64(p + j * l->strides[1] * es, l->dtype);
+        const uint32_t k = isnan(v) ? 0xffffffffu : fkey(v);
+        if (j == 0 || k > bk) bk = k, best = j;
+      }
+      kiln__cpu_set_i64((char *)o->data + i * o->strides[0] * 8, KILN_I64, best);
+    }
+    return KILN_OK;
+  }
+  const uint64_t seed = (uint64_t)get_len(rng, 0), offset = (uint64_t)get_len(rng, 1);
   for (int64_t i = 0; i < N; i++) {
     srow r = {(const char *)l->data + i * l->strides[0] * es, l->strides[1] * es, V, l->dtype,
               (float)(1.0 / a->s[0]), -INFINITY, 0, 0};

@@ -6,13 +6,14 @@
 ** index flag (kc_flag) and the kernel skips (INDEX_COPY) or clamps (KV_ATTENTION) it.
 **
 ** KV_ATTENTION is flash-decoding's inner loop without the split over blocks: one block of
-** NW warps per query row (b, h, i); warp w takes the tiles of 32 keys w, w + NW, ...; in a
-** tile lane t scores key j0 + t against q (held in shared memory, pre-scaled), the warp
-** updates its running max and normaliser once per tile, and lane t accumulates output
-** columns t, t + 32, ... (the tile's weights broadcast by shuffles). The NW partial
-** (max, sum, acc) are merged through shared memory at the end. Accumulation in f32 (f64
-** for f64). Keys past the row's length are never read, so a step over a cache of max_len
-** slots costs what its valid prefix costs.
+** NW warps per query row (b, h, i); warp w takes the keys w, w + NW, ...; lane t holds
+** q[t], q[t + 32], ... (pre-scaled) and reads the same columns of the key and value rows,
+** so every load is coalesced; the score is a warp sum, and the warp's running max,
+** normaliser and output columns are rescaled per key. The NW partial (max, sum, acc) are
+** merged through shared memory at the end. Accumulation in f32 (f64 for f64). Keys past the
+** row's length are never read, so a step over a cache of max_len slots costs what its valid
+** prefix costs. (The first version gave each lane a key of a 32-key tile: every load then
+** touched 32 rows, and a call took ~20 us at GPT-2's 12 heads and 192 keys on the H200.)
 **
 ** SAMPLE_TOKENS is cpu_kv.c's rule step by step, one block of 1024 threads per row, each
 ** thread a contiguous chunk of the vocabulary (so thread order is index order for the
@@ -21,7 +22,9 @@
 ** shared memory (the weights are 2^-32 fixed point, so the atomics' order changes nothing:
 ** same seed, same token, every run); then the total, an exclusive scan of the threads'
 ** sums and the thread whose range holds the drawn target walks its chunk. The logits are
-** read once per pass (from L1/L2: a GPT-2 row of bf16 logits is 100 KB).
+** read once per pass (from L1/L2: a GPT-2 row of bf16 logits is 100 KB). Temperature 0 is
+** the argmax in one pass (kiln_argmax's MAX_DIM kernel took 463 us for one 50257 row on the
+** H200, half of a decode step).
 **
 ** LINEAR_DECODE is a GEMV for up to 16 rows: a warp per output column n walks weight row
 ** n with 16-byte loads (32 lanes: 512 contiguous bytes a step) and dots it with every row
@@ -36,7 +39,7 @@
 
 namespace {
 
-enum { NW = 8, KV_MAXD = 128, KV_CH = KV_MAXD / 32 };
+enum { NW = 16, KV_MAXD = 128, KV_CH = KV_MAXD / 32 };
 
 /* ---- INDEX_COPY ---- */
 
@@ -112,7 +115,6 @@ __global__ void __launch_bounds__(NW * 32)
     kv_att(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *o,
            const int64_t *__restrict__ len, KvArgs p, int *flag) {
   typedef typename kc_traits<T>::acc A;
-  __shared__ A qsh[KV_MAXD];
   __shared__ A wm[NW], wl[NW];
   __shared__ A wacc[NW][KV_MAXD];
   const int64_t r = blockIdx.x;
@@ -124,40 +126,36 @@ __global__ void __launch_bounds__(NW * 32)
     L = L < 0 ? 0 : p.M;
   }
   const int64_t n = L - p.Tq + i + 1; /* keys 0 .. n-1 (the query is position n - 1) */
+  /* lane holds q[e], e = lane + 32 c, pre-scaled: the key rows are read across the lanes */
   const T *qr = q + b * p.qs[0] + h * p.qs[1] + i * p.qs[2];
-  for (int e = threadIdx.x; e < p.D; e += NW * 32) qsh[e] = (A)kc_ld<T>(qr[e * p.qs[3]]) * (A)p.scale;
-  __syncthreads();
+  A qv[KV_CH];
+#pragma unroll
+  for (int c = 0; c < KV_CH; c++) {
+    const int e = lane + 32 * c;
+    qv[c] = e < p.D ? (A)kc_ld<T>(qr[e * p.qs[3]]) * (A)p.scale : (A)0;
+  }
   const T *kb = k + b * p.ks[0] + h * p.ks[1];
   const T *vb = v + b * p.vs[0] + h * p.vs[1];
   A m = -(A)INFINITY, l = 0, acc[KV_CH];
 #pragma unroll
   for (int c = 0; c < KV_CH; c++) acc[c] = 0;
-  for (int64_t j0 = (int64_t)w * 32; j0 < n; j0 += NW * 32) { /* warp-uniform: j0 and n */
-    const int64_t j = j0 + lane;
-    A s = -(A)INFINITY;
-    if (j < n) {
-      const T *kr = kb + j * p.ks[2];
-      A dot = 0;
-      for (int64_t e = 0; e < p.D; e++) dot += qsh[e] * (A)kc_ld<T>(kr[e * p.ks[3]]);
-      s = dot;
-    }
-    const A tmax = kc_warp_reduce(s, [](A x, A y) { return x > y ? x : y; }); /* finite: lane 0's key exists */
-    const A mn = m > tmax ? m : tmax;
-    const A f = kv_exp<A>(m - mn); /* 0 on the first tile (m = -inf) */
-    const A pj = j < n ? kv_exp<A>(s - mn) : (A)0;
-    l = l * f + kc_warp_reduce(pj, [](A x, A y) { return x + y; });
+#pragma unroll 4
+  for (int64_t j = w; j < n; j += NW) { /* warp-uniform: a key per warp, its row across the lanes */
+    const T *kr = kb + j * p.ks[2], *vr = vb + j * p.vs[2];
+    A part = 0, vv[KV_CH];
 #pragma unroll
-    for (int c = 0; c < KV_CH; c++) acc[c] *= f;
-    const int cnt = (int)(n - j0 < 32 ? n - j0 : 32);
-    for (int t = 0; t < cnt; t++) {
-      const A pw = __shfl_sync(0xffffffffu, pj, t);
-      const T *vr = vb + (j0 + t) * p.vs[2];
-#pragma unroll
-      for (int c = 0; c < KV_CH; c++) {
-        const int e = lane + 32 * c;
-        if (e < p.Dv) acc[c] += pw * (A)kc_ld<T>(vr[e * p.vs[3]]);
-      }
+    for (int c = 0; c < KV_CH; c++) {
+      const int e = lane + 32 * c;
+      if (e < p.D) part += qv[c] * (A)kc_ld<T>(kr[e * p.ks[3]]);
+      vv[c] = e < p.Dv ? (A)kc_ld<T>(vr[e * p.vs[3]]) : (A)0; /* in flight with the score */
     }
+    const A sc = kc_warp_reduce(part, [](A x, A y) { return x + y; });
+    const A mn = m > sc ? m : sc;
+    const A f = kv_exp<A>(m - mn); /* 0 on the first key (m = -inf) */
+    const A pj = kv_exp<A>(sc - mn);
+    l = l * f + pj;
+#pragma unroll
+    for (int c = 0; c < KV_CH; c++) acc[c] = acc[c] * f + pj * vv[c];
     m = mn;
   }
   if (lane == 0) wm[w] = m, wl[w] = l;
@@ -289,7 +287,8 @@ __device__ uint32_t st_select(const StRow<T> &r, int64_t j0, int64_t j1, bool ma
 template <class T>
 __global__ void __launch_bounds__(ST_THREADS)
     sample_k(const T *__restrict__ logits, int64_t ls0, int64_t ls1, int64_t V, int64_t *out, int64_t os0,
-             const int64_t *__restrict__ rng, int64_t rs, float inv, int64_t top_k, double top_p, int *flag) {
+             const int64_t *__restrict__ rng, int64_t rs, float inv, int64_t top_k, double top_p, int greedy,
+             int *flag) {
   __shared__ unsigned long long hist[256];
   __shared__ unsigned long long ush[32];
   __shared__ float fsh[32];
@@ -299,6 +298,19 @@ __global__ void __launch_bounds__(ST_THREADS)
   r.p = logits + row * ls0, r.s = ls1, r.inv = inv, r.m = -INFINITY, r.kk = 0, r.kp = 0;
   const int64_t ch = (V + blockDim.x - 1) / blockDim.x;
   const int64_t j0 = min(V, (int64_t)threadIdx.x * ch), j1 = min(V, j0 + ch);
+  if (greedy) { /* the argmax: the key (NaN largest) above, the complemented index below, so
+                ** the largest pair is the first maximum; 0 (no element) never wins */
+    unsigned long long best = 0;
+    for (int64_t j = j0; j < j1; j++) {
+      const float v = (float)kc_ld<T>(r.p[j * r.s]);
+      const unsigned long long k = isnan(v) ? 0xffffffffull : (unsigned long long)st_key(v);
+      const unsigned long long pk = (k << 32) | (unsigned long long)(0xffffffffu - (uint32_t)j);
+      best = pk > best ? pk : best;
+    }
+    best = st_reduce(best, [](unsigned long long a, unsigned long long b) { return a > b ? a : b; }, 0ull, ush);
+    if (threadIdx.x == 0) out[row * os0] = (int64_t)(0xffffffffu - (uint32_t)(best & 0xffffffffull));
+    return;
+  }
   float m = -INFINITY;
   for (int64_t j = j0; j < j1; j++) {
     const float zv = r.z(j);
@@ -376,13 +388,15 @@ kiln_status sample_tokens(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (N == 0) return KILN_OK;
   if (N > 0x7fffffffLL)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_sample_tokens: %lld rows exceed one launch", (long long)N);
-  const float inv = (float)(1.0 / a->s[0]);
+  const bool greedy = a->s[0] == 0; /* the argmax; no rng (in1 absent) */
+  const float inv = greedy ? 0.f : (float)(1.0 / a->s[0]);
   KC_SWITCH_FLOAT(l->dtype, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln_sample_tokens: dtype %s has no cuda kernel",
                                         kiln_dtype_name(l->dtype)),
                   sample_k<T><<<(unsigned)N, ST_THREADS, 0, d->stream>>>(
                       (const T *)l->data, l->strides[0], l->strides[1], V, (int64_t *)o->data, o->strides[0],
-                      (const int64_t *)rng->data, rng->strides[0], inv, a->i[0], a->s[1], d->err_flag))
+                      greedy ? NULL : (const int64_t *)rng->data, greedy ? 0 : rng->strides[0], inv, a->i[0],
+                      a->s[1], (int)greedy, d->err_flag))
   return kiln__cuda_launched("sample_tokens");
 }
 
@@ -445,7 +459,7 @@ kiln_status add_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
 
 /* ---- LINEAR_DECODE ---- */
 
-enum { LD_WARPS = 8, LD_MAXM = 16 };
+enum { LD_WARPS = 8, LD_MAXM = 16, LD_ROWS = 2 };
 
 template <class T> struct ld_vec; /* 16 bytes of T as floats */
 template <> struct ld_vec<__nv_bfloat16> {
@@ -554,6 +568,10 @@ bool linear_decode_supports(const kiln__kargs *a) {
   if (a->n_in > 2 && a->in[2].dtype != dt) return false;
   const int64_t vec = 16 / (int64_t)kc_size(dt);
   if (x.shape[0] < 1 || x.shape[0] > LD_MAXM || x.shape[1] != w.shape[1] || x.shape[1] % vec != 0) return false;
+  /* measured on the H200 (GPT-2 124M bf16 decode, bench-gpt2): at 1 row this kernel beats
+  ** cuBLAS (937.8 against 773.3 tokens/s), at 16 cuBLAS wins (12,126 against 7,567: each
+  ** warp here reloads x for every column); above LD_ROWS rows the op composes cuBLAS */
+  if (x.shape[0] > LD_ROWS) return false;
   if (w.shape[0] >= (int64_t)LD_WARPS * 0x7fffffffLL) return false;
   return ld_aligned(x) && ld_aligned(w); /* the output is a fresh (M, N) tensor */
 }
@@ -576,8 +594,9 @@ extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
   case KILN__K_KV_ATTENTION:
     return kc_is_float(a->in[0].dtype) && a->in[3].dtype == KILN_I64 && a->in[0].shape[3] <= KV_MAXD &&
            a->in[2].shape[3] <= KV_MAXD;
-  case KILN__K_SAMPLE_TOKENS:
-    return kc_is_float(a->in[0].dtype) && a->in[1].dtype == KILN_I64 && a->out[0].dtype == KILN_I64;
+  case KILN__K_SAMPLE_TOKENS: /* the argmax packs an index in 32 bits */
+    return kc_is_float(a->in[0].dtype) && (a->n_in < 2 || a->in[1].dtype == KILN_I64) &&
+           a->out[0].dtype == KILN_I64 && a->in[0].shape[1] <= 0xffffffffLL;
   case KILN__K_LINEAR_DECODE: return linear_decode_supports(a);
   case KILN__K_ADD_LAYER_NORM: {
     for (int i = 0; i < a->n_in; i++)

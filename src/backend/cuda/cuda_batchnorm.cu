@@ -361,58 +361,30 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
   if (c < f.C) coef[c] = (A)ld_vec(f.stats, f.stats_dt, c * f.st1);
 }
 
-/* ---- pass 3: elementwise over rows x inner vectors. cf: row = (n, c), inner = S/V
-** vectors; cl: row = (n, s), inner = C/V vectors. RPB rows per block when a row has fewer
-** vectors than threads (S = 49 at ResNet's last stage), else one row and a loop.
-** Forward: y = (x - mean) k + b. Backward (BW): dx = k g + cx (x - mean) + d0 (TRAIN), or
-** k g (eval: x is not read). */
-template <class T, class A, int V, bool CL, bool BW, bool TRAIN>
+/* ---- pass 3, cf: elementwise over rows (n, c) x their S/V vectors. RPB rows per block
+** when a row has fewer vectors than threads (S = 49 at ResNet's last stage), else one row
+** and a loop. Forward: y = (x - mean) k + b. Backward (BW): dx = k g + cx (x - mean) + d0
+** (TRAIN), or k g (eval: x is not read); g through the mask where there is one. */
+template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
           const A *__restrict__ coef, int64_t inner, int64_t rpb) {
-  const int64_t rows = CL ? G.N * G.S : G.N * G.C;
+  const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
   const int64_t row = (int64_t)blockIdx.x * rpb + rr;
   if (row >= rows) return;
-  const int64_t outer = CL ? G.S : G.C;
-  const int64_t a = row / outer, b = row - a * outer; /* (n, c) or (n, s) */
+  const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
-  const int64_t C = G.C;
-  int64_t xo, go, yo, mo;
-  if (CL) {
-    xo = a * G.xs[0] + b * G.xs[2], go = a * G.gs[0] + b * G.gs[2], yo = a * G.ys[0] + b * G.ys[2];
-    mo = a * G.ms[0] + b * G.ms[2];
-  } else {
-    xo = a * G.xs[0] + b * G.xs[1], go = a * G.gs[0] + b * G.gs[1], yo = a * G.ys[0] + b * G.ys[1];
-    mo = a * G.ms[0] + b * G.ms[1];
-  }
-  A mean_c = 0, k_c = 0, p_c = 0, q_c = 0;
-  if (!CL) {
-    mean_c = coef[b], k_c = coef[C + b], p_c = coef[2 * C + b];
-    if (BW) q_c = coef[3 * C + b];
-  }
+  const int64_t xo = n * G.xs[0] + c * G.xs[1], go = n * G.gs[0] + c * G.gs[1], yo = n * G.ys[0] + c * G.ys[1],
+                mo = n * G.ms[0] + c * G.ms[1];
+  const A mean = coef[c], kk = coef[C + c], pp = coef[2 * C + c], qq = BW ? coef[3 * C + c] : (A)0;
   for (int64_t v = v0; v < inner; v += step) {
-    A mean[V], kk[V], pp[V], qq[V];
-    if (CL) {
-      /* the V channels' coefficients as vectors: C % V == 0 keeps each row of coef aligned */
-      typedef Pack<A, V> PA;
-      const int64_t c0 = v * V;
-      PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
-         pp2 = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
-      PA pq;
-      if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
-#pragma unroll
-      for (int i = 0; i < V; i++) mean[i] = pm.v[i], kk[i] = pk.v[i], pp[i] = pp2.v[i], qq[i] = BW ? pq.v[i] : (A)0;
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; i++) mean[i] = mean_c, kk[i] = k_c, pp[i] = p_c, qq[i] = q_c;
-    }
     Pack<T, V> out;
     if (!BW) {
       Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - mean[i]) * kk[i] + pp[i]);
+      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp);
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
@@ -420,13 +392,59 @@ __global__ void __launch_bounds__(BN_THREADS)
         Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(kk[i] * masked<T, A>(pg.v[i], mk, i, pm.v) + pp[i] * ((A)kc_ld<T>(px.v[i]) - mean[i]) + qq[i]);
+          out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v) + pp * ((A)kc_ld<T>(px.v[i]) - mean) + qq);
       } else {
 #pragma unroll
-        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk[i] * masked<T, A>(pg.v[i], mk, i, pm.v));
+        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v));
       }
     }
     *reinterpret_cast<Pack<T, V> *>(y + yo + v * V) = out;
+  }
+}
+
+/* ---- pass 3, cl: block (TX channel vectors) x (TY rows) as pass 1's; each thread keeps
+** its V channels' coefficients in registers and walks rows blockIdx.y * TY + ty, then
+** gridDim.y * TY further each time ((n, s) advanced by subtraction). (pass3 above reloaded
+** three coefficient vectors per data vector here: the channels-last forward ran at a third
+** of the NCHW one's bandwidth on the H200.) */
+template <class T, class A, int V, bool BW, bool TRAIN>
+__global__ void __launch_bounds__(BN_THREADS)
+    pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
+             const A *__restrict__ coef) {
+  const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (cv >= CV) return;
+  const int64_t C = G.C, R = G.N * G.S, step = (int64_t)gridDim.y * blockDim.y, c0 = cv * V;
+  typedef Pack<A, V> PA;
+  const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
+           pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
+  PA pq;
+  if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
+  int64_t r = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+  int64_t n = r / G.S, s = r - n * G.S;
+  const int64_t dn = step / G.S, ds = step - dn * G.S;
+  for (; r < R; r += step) {
+    Pack<T, V> out;
+    if (!BW) {
+      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + n * G.xs[0] + s * G.xs[2] + c0);
+#pragma unroll
+      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i]);
+    } else {
+      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + n * G.gs[0] + s * G.gs[2] + c0), pmk;
+      if (mk) pmk = *reinterpret_cast<const Pack<T, V> *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
+      if (TRAIN) {
+        Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + n * G.xs[0] + s * G.xs[2] + c0);
+#pragma unroll
+        for (int i = 0; i < V; i++)
+          out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v) +
+                              pp.v[i] * ((A)kc_ld<T>(px.v[i]) - pm.v[i]) + pq.v[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
+      }
+    }
+    *reinterpret_cast<Pack<T, V> *>(y + n * G.ys[0] + s * G.ys[2] + c0) = out;
+    n += dn, s += ds;
+    if (s >= G.S) s -= G.S, n++;
   }
 }
 
@@ -569,18 +587,26 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   const T *g = bw ? (const T *)a->in[1].data : NULL;
   const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   T *y = (T *)a->out[0].data;
-#define BN_P3(CLV, BWV, TRV) \
-  pass3<T, A, V, CLV, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb)
-  if (!bw) {
-    if (cl) BN_P3(true, false, false);
-    else BN_P3(false, false, false);
-  } else if (train) {
-    if (cl) BN_P3(true, true, true);
-    else BN_P3(false, true, true);
-  } else {
-    if (cl) BN_P3(true, true, false);
-    else BN_P3(false, true, false);
+  if (cl) {
+    /* pass 1's block shape; rows split so that a thread takes ~8 */
+    int64_t CV = G.C / V, R = G.N * G.S;
+    int tx = 1;
+    while (tx < 32 && tx < CV) tx *= 2;
+    int ty = BN_THREADS / tx;
+    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 8 - 1) / ((int64_t)ty * 8);
+    if (gy > 65535) gy = 65535;
+    if (gy < 1) gy = 1;
+    dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
+    return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
+#define BN_P3(BWV, TRV) \
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb)
+  if (!bw) BN_P3(false, false);
+  else if (train) BN_P3(true, true);
+  else BN_P3(true, false);
 #undef BN_P3
   return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
 }

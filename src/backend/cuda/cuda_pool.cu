@@ -164,6 +164,53 @@ __global__ void __launch_bounds__(KC_THREADS) max_pool_bwd_kernel(const T *g, co
   }
 }
 
+/* n / d for 0 <= n < 2^31 by a multiply and a shift (PyTorch's IntDivider): the magic
+** number m and shift s are made once on the host. */
+struct FastDiv {
+  uint32_t d, m, s;
+};
+FastDiv make_fastdiv(uint32_t d) {
+  FastDiv f;
+  f.d = d, f.s = 0;
+  while (f.s < 32 && (1u << f.s) < d) f.s++;
+  f.m = (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << f.s) - d) / d + 1);
+  return f;
+}
+__device__ __forceinline__ int fdiv(int n, const FastDiv &f) {
+  return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s);
+}
+
+/* MAX_POOL2D_BACKWARD when every offset fits in 32 bits (ResNet's stem and about every
+** real case): the same gather, without the integer divisions that bound the kernel above
+** (1.46 ms for the stem's 128x64x112x112 bf16 on the H200). Blocks are 32 x 8 pixel tiles
+** (x along w, so NCHW writes coalesce) and blockIdx.z walks the planes, so (h, w) come
+** from the grid; the window ranges divide by the stride through FastDiv. */
+struct PoolB {
+  int H, W, OH, OW, C, planes, ph, pw, exth, extw;
+  int xs[4], gs[4], is[4];
+  FastDiv sh, sw, cdiv;
+};
+template <class T>
+__global__ void __launch_bounds__(256) max_pool_bwd_fast(const T *g, const int64_t *idx, T *dx, PoolB b) {
+  typedef typename kc_traits<T>::acc A;
+  const int w = blockIdx.x * 32 + threadIdx.x, h = blockIdx.y * 8 + threadIdx.y;
+  if (w >= b.W || h >= b.H) return;
+  const int hp = h + b.ph, wp = w + b.pw;
+  const int oh0 = hp < b.exth ? 0 : fdiv(hp - b.exth, b.sh) + 1, ow0 = wp < b.extw ? 0 : fdiv(wp - b.extw, b.sw) + 1;
+  const int oh1 = min(fdiv(hp, b.sh), b.OH - 1), ow1 = min(fdiv(wp, b.sw), b.OW - 1); /* inclusive */
+  const int64_t me = (int64_t)h * b.W + w;
+  for (int pl = blockIdx.z; pl < b.planes; pl += gridDim.z) {
+    const int n = fdiv(pl, b.cdiv), c = pl - n * b.C;
+    const T *gp = g + n * b.gs[0] + c * b.gs[1];
+    const int64_t *ip = idx + n * b.is[0] + c * b.is[1];
+    A acc = 0;
+    for (int oh = oh1; oh >= oh0; oh--)
+      for (int ow = ow1; ow >= ow0; ow--)
+        if (ip[oh * b.is[2] + ow * b.is[3]] == me) acc += kc_ld<T>(gp[oh * b.gs[2] + ow * b.gs[3]]);
+    dx[n * b.xs[0] + c * b.xs[1] + h * b.xs[2] + w * b.xs[3]] = kc_st<T>(acc);
+  }
+}
+
 /* The largest offset a view reaches (elements), for the 32-bit choice. */
 int64_t span_of(const kiln__view *v) {
   int64_t s = 0;
@@ -208,6 +255,19 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
     col2im_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, g);
     break;
   case KILN__K_MAX_POOL2D_BACKWARD: {
+    if (sizeof(I) == 4 && (g.H + 7) / 8 <= 65535) {
+      PoolB b;
+      b.H = (int)g.H, b.W = (int)g.W, b.OH = (int)g.OH, b.OW = (int)g.OW, b.C = (int)g.C, b.planes = (int)(g.N * g.C);
+      b.ph = (int)g.ph, b.pw = (int)g.pw;
+      b.exth = (int)((g.KH - 1) * g.dh + 1), b.extw = (int)((g.KW - 1) * g.dw + 1);
+      for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
+      b.sh = make_fastdiv((uint32_t)g.sh), b.sw = make_fastdiv((uint32_t)g.sw), b.cdiv = make_fastdiv((uint32_t)g.C);
+      dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8),
+                (unsigned)(b.planes < 65535 ? b.planes : 65535));
+      max_pool_bwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data,
+                                                                (const int64_t *)a->in[1].data, (T *)a->out[0].data, b);
+      break;
+    }
     /* x: the chunks of a plane's pixels; y: planes (strided past the grid's limit) */
     int64_t hw = (int64_t)g.H * g.W, planes = (int64_t)g.N * g.C;
     int64_t bx = (hw + KC_THREADS - 1) / KC_THREADS;

@@ -8,11 +8,15 @@
 **
 **   bench-resnet [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]
 **                [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]
-**                [--peer-threads N] [--no-peer] [--channels-last] [--profile] [--json]
+**                [--peer-threads N] [--no-peer] [--channels-last] [--channels-last-input]
+**                [--profile] [--json]
 **
 ** --channels-last lays kiln's model and batch out channels-last (kiln_module_to_format,
 ** kiln_contiguous_format), as the peer does on CUDA (model.to(memory_format=
 ** torch.channels_last)): cuDNN then reads and writes NHWC with no transposes.
+** --channels-last-input lays out only the batch: the activations are channels-last all the
+** way, each weight is laid out NHWC at its convolution (a copy of the weight, small beside
+** the activations), and the parameters, their gradients and the optimizer stay NCHW.
 **
 ** --profile prints kiln's per-op and per-module table (kiln_profiler_start, with device
 ** times: each op then waits for its device) over the steps after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
@@ -53,7 +57,8 @@ static int cmp_double(const void *a, const void *b) {
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
              "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
-             "                    [--peer-threads N] [--no-peer] [--channels-last] [--profile] [--json]\n");
+             "                    [--peer-threads N] [--no-peer] [--channels-last] [--channels-last-input]\n"
+             "                    [--profile] [--json]\n");
 }
 
 /* One number after "key": in a JSON line; NAN when absent or null. */
@@ -87,7 +92,7 @@ typedef struct result {
 
 /* kiln's run. Returns 0, or 1 with the error printed. */
 static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_device dev, bool bf16,
-                    bool channels_last, bool profile, result *out) {
+                    int channels_last, bool profile, result *out) {
   const int64_t classes = size >= 128 ? 1000 : 10;
   kiln_generator *gen = kiln_generator_new(0);
   kiln_module *model = kiln_resnet_new(depth, classes, false, KILN_F32, dev, gen);
@@ -98,7 +103,8 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   kiln_tensor *x = kiln_randn(4, (int64_t[]){batch, 3, size, size}, KILN_F32, dev, gen);
   kiln_tensor *y = kiln_randint(0, classes, 1, (int64_t[]){batch}, KILN_I64, dev, gen);
   if (channels_last && model && x) {
-    kiln_tensor *xc = kiln_module_to_format(model, KILN_CHANNELS_LAST) == KILN_OK
+    /* 1: the model and the batch; 2: the batch only */
+    kiln_tensor *xc = channels_last == 2 || kiln_module_to_format(model, KILN_CHANNELS_LAST) == KILN_OK
                           ? kiln_contiguous_format(x, KILN_CHANNELS_LAST)
                           : NULL;
     kiln_tensor_free(x); /* no scope is open: xc is ours */
@@ -193,7 +199,8 @@ int main(int argc, char **argv) {
   const char *arch = "resnet18", *devname = NULL, *amp = NULL, *peer_flag = NULL, *python = "python3";
   long long size = 0, batch = 0, steps = 15;
   int peer_threads = 0;
-  bool json = false, no_peer = false, compile = false, arch_set = false, profile = false, channels_last = false;
+  bool json = false, no_peer = false, compile = false, arch_set = false, profile = false;
+  int channels_last = 0; /* 1: model and batch; 2: the batch only */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -209,7 +216,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-peer")) no_peer = true;
     else if (!strcmp(a, "--compile")) compile = true;
     else if (!strcmp(a, "--profile")) profile = true;
-    else if (!strcmp(a, "--channels-last")) channels_last = true;
+    else if (!strcmp(a, "--channels-last")) channels_last = 1;
+    else if (!strcmp(a, "--channels-last-input")) channels_last = 2;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -261,7 +269,8 @@ int main(int argc, char **argv) {
 
   result k = {NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN};
   printf("%s, size %lld, batch %lld, %s, %s%s, %lld steps (median of steps 4..)\n", arch, size, batch,
-         dname, bf16 ? "bf16 autocast" : "f32", channels_last ? ", kiln channels-last" : "", steps);
+         dname, bf16 ? "bf16 autocast" : "f32",
+         channels_last == 1 ? ", kiln channels-last" : channels_last == 2 ? ", kiln channels-last input" : "", steps);
   if (run_kiln(depth, size, batch, (int)steps, dev, bf16, channels_last, profile, &k)) return 1;
   printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  (%d threads)\n", k.images_per_s, k.ms,
          k.peak_gib, kiln_num_threads());
@@ -291,7 +300,7 @@ int main(int argc, char **argv) {
     printf("{\"bench\":\"resnet\",\"arch\":\"%s\",\"size\":%lld,\"batch\":%lld,\"device\":\"%s\","
            "\"autocast\":\"%s\",\"channels_last\":%s,\"steps\":%lld,\"threads\":%d,\"kiln_images_per_s\":%.1f,"
            "\"kiln_ms_per_step\":%.3f,\"kiln_peak_gib\":%.3f,\"kiln_loss\":%.4f",
-           arch, size, batch, dname, bf16 ? "bf16" : "off", channels_last ? "true" : "false", steps, kiln_num_threads(),
+           arch, size, batch, dname, bf16 ? "bf16" : "off", channels_last == 1 ? "true" : channels_last == 2 ? "\"input\"" : "false", steps, kiln_num_threads(),
            k.images_per_s, k.ms, k.peak_gib, k.loss);
     if (!peer_rc) {
       printf(",\"torch_images_per_s\":%.1f,\"torch_ms_per_step\":%.3f,\"ratio\":%.3f", t.images_per_s,

@@ -61,6 +61,11 @@ void kiln__op_meta(kiln__op_ctx *c, int k, int ndim, const int64_t *shape, kiln_
 
 void kiln__op_meta_like(kiln__op_ctx *c, int k, const kiln_tensor *t, kiln_dtype dt) {
   kiln__op_meta(c, k, t->ndim, t->shape, dt);
+  /* Casts keep the memory format (PyTorch's preserve_format): to_dtype, and any grouped
+  ** cast named after it (autocast's), so a channels-last model stays so under autocast.
+  ** By name, as the profiler's cost table: the rule is about what the op is. to_infer
+  ** clears it for the copies that must give NCHW memory (contiguous, another device). */
+  if (!strncmp(c->op->name, "to_dtype", 8)) kiln__op_meta_keep_format(c, k, t);
 }
 
 kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, int nd_b, const int64_t *sb,

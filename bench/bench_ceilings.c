@@ -3,7 +3,11 @@
 ** matrix product (bf16, f16, f32 exact, f32 with TF32) and large elementwise ops against
 ** the device's copy bandwidth. Prints a table and one JSON line per figure.
 **
-**   bench-ceilings [--device cuda:0] [--n 8192] [--mib 1024] [--reps 20]
+**   bench-ceilings [--device cuda:0] [--n 8192] [--mib 1024] [--reps 20] [--only NAME]
+**                  [--calls C]
+** --only runs the one workload NAME (matmul-f16, add, ...); --calls times C products
+** issued back to back between two syncs (the figure is per product), which separates a
+** per-sync cost from the kernels' own time.
 */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime: clang does not get it by default */
 #include <kiln.h>
@@ -48,17 +52,20 @@ static double time_median(kiln_device dev, bench_fn fn, void *ctx, int reps) {
 
 typedef struct mm_ctx {
   kiln_tensor *a[2], *b[2];
-  int k;
+  int k, calls;
 } mm_ctx;
 
 static kiln_status mm_run(void *p) {
   mm_ctx *c = p;
-  kiln_scope_begin();
-  /* two input sets in turn, so repeated runs do not measure a warm cache */
-  kiln_tensor *y = kiln_matmul(c->a[c->k & 1], c->b[c->k & 1]);
-  c->k++;
-  kiln_status st = y ? KILN_OK : kiln_last_error();
-  kiln_scope_end();
+  kiln_status st = KILN_OK;
+  for (int i = 0; i < c->calls && st == KILN_OK; i++) {
+    kiln_scope_begin();
+    /* two input sets in turn, so repeated runs do not measure a warm cache */
+    kiln_tensor *y = kiln_matmul(c->a[c->k & 1], c->b[c->k & 1]);
+    c->k++;
+    st = y ? KILN_OK : kiln_last_error();
+    kiln_scope_end();
+  }
   return st;
 }
 
@@ -81,7 +88,8 @@ static kiln_status ew_run(void *p) {
 int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   int64_t n = 8192, mib = 1024;
-  int reps = 20;
+  int reps = 20, calls = 1;
+  const char *only = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--device") && i + 1 < argc) {
       if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
@@ -94,12 +102,17 @@ int main(int argc, char **argv) {
       mib = atoll(argv[++i]);
     } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
       reps = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+      only = argv[++i];
+    } else if (!strcmp(argv[i], "--calls") && i + 1 < argc) {
+      calls = atoi(argv[++i]);
     } else {
-      fprintf(stderr, "usage: bench-ceilings [--device D] [--n N] [--mib M] [--reps R]\n");
+      fprintf(stderr, "usage: bench-ceilings [--device D] [--n N] [--mib M] [--reps R] [--only NAME]"
+                      " [--calls C]\n");
       return 2;
     }
   }
-  if (n <= 0 || mib <= 0 || reps <= 0) {
+  if (n <= 0 || mib <= 0 || reps <= 0 || calls <= 0) {
     fprintf(stderr, "bench-ceilings: sizes and reps must be positive\n");
     return 2;
   }
@@ -115,8 +128,9 @@ int main(int argc, char **argv) {
              {"matmul-tf32", KILN_F32, true},
              {"matmul-f32", KILN_F32, false}};
   for (size_t k = 0; k < sizeof mms / sizeof mms[0]; k++) {
+    if (only && strcmp(only, mms[k].name) != 0) continue;
     kiln_set_matmul_tf32(mms[k].tf32);
-    mm_ctx c = {{NULL, NULL}, {NULL, NULL}, 0};
+    mm_ctx c = {{NULL, NULL}, {NULL, NULL}, 0, calls};
     for (int s = 0; s < 2; s++) {
       c.a[s] = kiln_keep(kiln_randn(KILN_SHAPE(n, n), mms[k].dt, dev, NULL));
       c.b[s] = kiln_keep(kiln_randn(KILN_SHAPE(n, n), mms[k].dt, dev, NULL));
@@ -126,7 +140,8 @@ int main(int argc, char **argv) {
       return 1;
     }
     double t = time_median(dev, mm_run, &c, dev.type == KILN_DEVICE_CPU ? 3 : reps);
-    double tflops = t > 0 ? 2.0 * (double)n * (double)n * (double)n / t / 1e12 : 0;
+    double tflops = t > 0 ? 2.0 * (double)n * (double)n * (double)n * calls / t / 1e12 : 0;
+    t /= calls;
     printf("%-28s %9.1f TFLOP/s\n", mms[k].name, tflops);
     if (dev.type == KILN_DEVICE_VULKAN) { /* which kernel ran: the first thing to check */
       char path[512];
@@ -140,6 +155,7 @@ int main(int argc, char **argv) {
     kiln_memory_empty_cache(dev);
   }
   kiln_set_matmul_tf32(false);
+  if (only && strncmp(only, "matmul", 6) == 0) return 0;
   int64_t elems = mib * (1 << 20) / 4;
   ew_ctx e;
   e.x = kiln_keep(kiln_randn(KILN_SHAPE(elems), KILN_F32, dev, NULL));
@@ -153,6 +169,7 @@ int main(int argc, char **argv) {
   const double passes[] = {2, 3, 2, 2}; /* bytes moved per element / 4 */
   double copy_gbs = 0;
   for (int op = 0; op < 4; op++) {
+    if (only && strcmp(only, names[op]) != 0) continue;
     e.op = op;
     double t = time_median(dev, ew_run, &e, dev.type == KILN_DEVICE_CPU ? 3 : reps);
     double gbs = t > 0 ? passes[op] * 4.0 * (double)elems / t / 1e9 : 0;

@@ -203,6 +203,7 @@ static bool inspect(vk_dev *d, const char **why) {
     return false;
   }
   d->qfam = (uint32_t)fam;
+  d->ts_bits = qf[fam].timestampValidBits;
   VK->vkGetPhysicalDeviceMemoryProperties(d->pd, &d->memprops);
   return true;
 }

@@ -86,7 +86,12 @@
   X(vkDestroyFence)                                                                      \
   X(vkWaitForFences)                                                                     \
   X(vkResetFences)                                                                       \
-  X(vkDeviceWaitIdle)
+  X(vkDeviceWaitIdle)                                                                    \
+  X(vkCreateQueryPool)                                                                   \
+  X(vkDestroyQueryPool)                                                                  \
+  X(vkCmdResetQueryPool)                                                                 \
+  X(vkCmdWriteTimestamp)                                                                 \
+  X(vkGetQueryPoolResults)
 
 typedef struct kiln__vk_api {
   void *lib; /* dlopen handle */
@@ -179,6 +184,13 @@ typedef struct vk_dev {
   vk_frame frames[KILN_VK_FRAMES];
   int cur;
   bool no_barrier;  /* the next command is independent of the previous one: no barrier */
+  /* KILN_VK_TIMING=1: each command buffer's GPU time (timestamps at its start and end),
+  ** summed between syncs and printed at each sync on stderr: the device's own time,
+  ** apart from the host's and the driver's */
+  uint32_t ts_bits;     /* the queue family's timestampValidBits */
+  VkQueryPool qpool;
+  double gpu_s;         /* GPU time of the command buffers waited for since the last sync */
+  int gpu_n;
   vk_block staging; /* host-visible bounce buffer (devices without unified memory) */
   vk_block flag;    /* host-visible word kernels set on a bad index (checked at syncs) */
   /* pipelines (vk_pipeline.c), created on first use */

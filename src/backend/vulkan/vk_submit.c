@@ -14,6 +14,8 @@
 */
 #include "vk_int.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
@@ -38,6 +40,13 @@ kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
       r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the parameter ring");
   }
+  const char *tm = getenv("KILN_VK_TIMING");
+  if (tm && strcmp(tm, "1") == 0 && d->ts_bits > 0) {
+    VkQueryPoolCreateInfo qi = {.sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+                                .queryType = VK_QUERY_TYPE_TIMESTAMP,
+                                .queryCount = 2 * KILN_VK_FRAMES};
+    if (VK->vkCreateQueryPool(d->dev, &qi, NULL, &d->qpool) != VK_SUCCESS) d->qpool = VK_NULL_HANDLE;
+  }
   r = kiln__vk_block_make(d, 256, d->host_type, true, &d->flag);
   if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the error word");
   memset(d->flag.map, 0, 4);
@@ -58,6 +67,7 @@ void kiln__vk_submit_destroy(vk_dev *d) {
   }
   kiln__vk_block_release(d, &d->staging);
   kiln__vk_block_release(d, &d->flag);
+  if (d->qpool) VK->vkDestroyQueryPool(d->dev, d->qpool, NULL);
   if (d->pool) VK->vkDestroyCommandPool(d->dev, d->pool, NULL);
 }
 
@@ -66,6 +76,16 @@ static kiln_status wait_frame(vk_dev *d, int index, vk_frame *f) {
   VkResult r = VK->vkWaitForFences(d->dev, 1, &f->fence, VK_TRUE, UINT64_MAX);
   if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "vkWaitForFences");
   VK->vkResetFences(d->dev, 1, &f->fence);
+  if (d->qpool) {
+    uint64_t t[2] = {0, 0};
+    uint32_t q = (uint32_t)(2 * (f - d->frames));
+    if (VK->vkGetQueryPoolResults(d->dev, d->qpool, q, 2, sizeof t, t, sizeof t[0], VK_QUERY_RESULT_64_BIT) ==
+        VK_SUCCESS) {
+      uint64_t mask = d->ts_bits >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << d->ts_bits) - 1);
+      d->gpu_s += (double)((t[1] - t[0]) & mask) * (double)d->props.limits.timestampPeriod * 1e-9;
+      d->gpu_n++;
+    }
+  }
   f->pending = false;
   f->params_used = 0;
   return KILN_OK;
@@ -87,6 +107,8 @@ static kiln_status submit(vk_dev *d, int index) {
   vk_frame *f = &d->frames[d->cur];
   if (!f->recording) return KILN_OK;
   barrier(f->cb, VK_PIPELINE_STAGE_HOST_BIT, VK_ACCESS_HOST_READ_BIT);
+  if (d->qpool)
+    VK->vkCmdWriteTimestamp(f->cb, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, d->qpool, (uint32_t)(2 * d->cur + 1));
   VkResult r = VK->vkEndCommandBuffer(f->cb);
   f->recording = false;
   if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "vkEndCommandBuffer");
@@ -108,6 +130,10 @@ static kiln_status begin(vk_dev *d, int index) {
                                  .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
   VkResult r = VK->vkBeginCommandBuffer(f->cb, &bi);
   if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "vkBeginCommandBuffer");
+  if (d->qpool) {
+    VK->vkCmdResetQueryPool(f->cb, d->qpool, (uint32_t)(2 * d->cur), 2);
+    VK->vkCmdWriteTimestamp(f->cb, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, d->qpool, (uint32_t)(2 * d->cur));
+  }
   f->recording = true;
   f->n_cmds = 0;
   f->params_used = 0;
@@ -156,6 +182,11 @@ kiln_status kiln__vk_finish(vk_dev *d, int index) {
   for (int i = 0; i < KILN_VK_FRAMES && st == KILN_OK; i++) st = wait_frame(d, index, &d->frames[i]);
   /* Kernels cannot fail as they run: an index out of range is skipped and sets the error
   ** word, which the next sync turns into KILN_ERR_INDEX (as the CUDA backend does). */
+  if (d->qpool && st == KILN_OK && d->gpu_n > 0) {
+    fprintf(stderr, "kiln: vulkan:%d sync: GPU busy %.3f ms in %d command buffers\n", index, d->gpu_s * 1e3,
+            d->gpu_n);
+    d->gpu_s = 0, d->gpu_n = 0;
+  }
   volatile uint32_t *flag = (volatile uint32_t *)d->flag.map;
   if (st == KILN_OK && flag && *flag) {
     uint32_t code = *flag;

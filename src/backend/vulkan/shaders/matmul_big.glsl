@@ -30,12 +30,13 @@ const int QL = BK / 8;
 shared vec4 As[2][BK][33]; // [buffer][k][m / 4]; rows padded to 132 floats
 shared vec4 Bs[2][BK][33]; // [buffer][k][n / 4]
 
-// 4 consecutive elements at element offset off (a multiple of 4) of view v, as f32
-vec4 ld4(int v, int off) {
+// 4 consecutive elements at element offset off (a multiple of 4) of a view, as f32
+// (base: the view's address, read from the parameters once, before the loop)
+vec4 ld4(uint64_t base, int off) {
 #if KV_ELEM == 0
-  return BV4F(pc.P.addr[v]).v[off >> 2];
+  return BV4F(base).v[off >> 2];
 #else
-  uvec2 u = BV2U(pc.P.addr[v]).v[off >> 2];
+  uvec2 u = BV2U(base).v[off >> 2];
 #if KV_ELEM == 1
   return vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y));
 #else
@@ -61,7 +62,10 @@ void main() {
   bool a_kc = (lay & 1) != 0, b_nc = (lay & 2) != 0;
   int o[KV_MAXV];
   kv_offsets(int(gl_WorkGroupID.z), o);
-  int oa = o[0 + 1], ob = o[2], oc = o[0];
+  int oa = o[1], ob = o[2], oc = o[0];
+  // the operands' addresses in registers: the parameter block is memory, and a load of it
+  // in the loop would sit in front of every global load of the operands
+  uint64_t addr_a = P.addr[1], addr_b = P.addr[2];
   int tid = int(gl_LocalInvocationID.x);
   int tx = tid & 15, ty = tid >> 4;
   int m0 = int(gl_WorkGroupID.y) * 128, n0 = int(gl_WorkGroupID.x) * 128;
@@ -90,20 +94,20 @@ void main() {
       [[unroll]] for (int q = 0; q < QL; q++) {
         if (a_kc) {
           int m = m0 + a_r[q], k = k0 + a_k[q], off = oa + m * ars + k;
-          if (m < M && k + 3 < K) ra[q] = ld4(1, off);
+          if (m < M && k + 3 < K) ra[q] = ld4(addr_a, off);
           else ra[q] = ld4_edge(1, off, 1, bvec4(m < M && k < K, m < M && k + 1 < K, m < M && k + 2 < K, m < M && k + 3 < K));
         } else {
           int m = m0 + a_r[q], k = k0 + a_k[q], off = oa + k * acs + m;
-          if (k < K && m + 3 < M) ra[q] = ld4(1, off);
+          if (k < K && m + 3 < M) ra[q] = ld4(addr_a, off);
           else ra[q] = ld4_edge(1, off, 1, bvec4(k < K && m < M, k < K && m + 1 < M, k < K && m + 2 < M, k < K && m + 3 < M));
         }
         if (b_nc) {
           int n = n0 + b_c[q], k = k0 + b_k[q], off = ob + k * brs + n;
-          if (k < K && n + 3 < N) rb[q] = ld4(2, off);
+          if (k < K && n + 3 < N) rb[q] = ld4(addr_b, off);
           else rb[q] = ld4_edge(2, off, 1, bvec4(k < K && n < N, k < K && n + 1 < N, k < K && n + 2 < N, k < K && n + 3 < N));
         } else {
           int n = n0 + b_c[q], k = k0 + b_k[q], off = ob + n * bcs + k;
-          if (n < N && k + 3 < K) rb[q] = ld4(2, off);
+          if (n < N && k + 3 < K) rb[q] = ld4(addr_b, off);
           else rb[q] = ld4_edge(2, off, 1, bvec4(n < N && k < K, n < N && k + 1 < K, n < N && k + 2 < K, n < N && k + 3 < K));
         }
       }

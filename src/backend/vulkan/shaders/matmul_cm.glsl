@@ -81,6 +81,9 @@ void main() {
   int o[KV_MAXV];
   kv_offsets(int(gl_WorkGroupID.z), o);
   int oa = o[1], ob = o[2];
+  // the operands' addresses in registers: the parameter block is memory, and a load of it
+  // in the loop would sit in front of every global load of the operands
+  BV8H gA = BV8H(P.addr[1]), gB = BV8H(P.addr[2]);
   int tid = int(gl_LocalInvocationID.x);
   int sg = int(gl_SubgroupID), wm = sg / WN, wn = sg % WN;
   int m0 = int(gl_WorkGroupID.y) * BM, n0 = int(gl_WorkGroupID.x) * BN;
@@ -132,20 +135,20 @@ void main() {
         int v = tid + NT * q;
         if (a_kc) { // BM rows of m, BK / 8 vectors of k each
           int m = m0 + v / (BK / 8), k = k0 + (v % (BK / 8)) * 8;
-          ra[q] = m < M && k < K ? BV8H(P.addr[1]).v[(oa + m * ars + k) >> 3] : uvec4(0u);
+          ra[q] = m < M && k < K ? gA.v[(oa + m * ars + k) >> 3] : uvec4(0u);
         } else { // BK rows of k, BM / 8 vectors of m each
           int k = k0 + v / (BM / 8), m = m0 + (v % (BM / 8)) * 8;
-          ra[q] = k < K && m < M ? BV8H(P.addr[1]).v[(oa + k * acs + m) >> 3] : uvec4(0u);
+          ra[q] = k < K && m < M ? gA.v[(oa + k * acs + m) >> 3] : uvec4(0u);
         }
       }
       [[unroll]] for (int q = 0; q < QB; q++) {
         int v = tid + NT * q;
         if (b_nc) { // BK rows of k, BN / 8 vectors of n each
           int k = k0 + v / (BN / 8), n = n0 + (v % (BN / 8)) * 8;
-          rb[q] = k < K && n < N ? BV8H(P.addr[2]).v[(ob + k * brs + n) >> 3] : uvec4(0u);
+          rb[q] = k < K && n < N ? gB.v[(ob + k * brs + n) >> 3] : uvec4(0u);
         } else { // BN rows of n, BK / 8 vectors of k each
           int n = n0 + v / (BK / 8), k = k0 + (v % (BK / 8)) * 8;
-          rb[q] = n < N && k < K ? BV8H(P.addr[2]).v[(ob + n * bcs + k) >> 3] : uvec4(0u);
+          rb[q] = n < N && k < K ? gB.v[(ob + n * bcs + k) >> 3] : uvec4(0u);
         }
       }
     }

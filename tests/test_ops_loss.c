@@ -456,7 +456,7 @@ static void loss_fused_cross(void) {
 }
 
 
-/* ---- bf16 logits under autocast (KILN__OP_AMP_KEEPS_BF16) ----------------------------
+/* ---- bf16 logits under autocast (KILN__OP_AMP_READS_16) ----------------------------
 ** The op reads bf16 logits itself instead of autocast casting them to f32: on the CPU the
 ** loss and the gradient must be bit-identical to the cast-then-op path (the kernel widens
 ** each logit exactly and computes in f32 as it would from the copy; dlogits is rounded to

@@ -80,8 +80,20 @@ static kiln_status sgd_one_scaled(const kiln_optim_config *c, kiln_tensor *p, ki
   return kiln__optim_advance_step(s, found_inf);
 }
 
-static bool fusable(kiln_tensor *p, kiln_tensor *g) {
-  return kiln_is_contiguous(p) && kiln_is_contiguous(g) && kiln_dtype_of(g) == kiln_dtype_of(p);
+static bool channels_last(const kiln_tensor *t) {
+  return t && kiln_ndim(t) == 4 && kiln_is_contiguous_format(t, KILN_CHANNELS_LAST) && !kiln_is_contiguous(t);
+}
+/* Contiguous, or all channels-last (kiln_module_to_format: p, g and the momentum buffer,
+** made as zeros_like(p)), one dtype. As in adam.c, a channels-last tensor reaches the
+** kernel as its (N, H, W, C) view, which is contiguous and the same memory. */
+static bool fusable(kiln_tensor *p, kiln_tensor *g, kiln_tensor *buf) {
+  if (kiln_dtype_of(g) != kiln_dtype_of(p)) return false;
+  if (kiln_is_contiguous(p) && kiln_is_contiguous(g)) return !buf || kiln_is_contiguous(buf);
+  return channels_last(p) && channels_last(g) && (!buf || channels_last(buf));
+}
+static kiln_tensor *dense_view(kiln_tensor *t) {
+  static const int to_nhwc[4] = {0, 2, 3, 1};
+  return channels_last(t) ? kiln_permute(t, 4, to_nhwc) : t;
 }
 
 /* One kiln_sgd_multi_step_ call over m parameters (P, G, B, first or T). */
@@ -110,11 +122,12 @@ kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *con
   int *hw = which, *dw = which + n;
   int mh = 0, md = 0;
   kiln_status st = KILN_OK;
+  kiln_scope_begin(); /* the channels-last views handed to the fused update */
   for (int i = 0; i < n && st == KILN_OK; i++) {
     kiln_tensor *g = kiln_grad(params[i]);
     if (!g) continue;
     kiln__param_state *s = &states[i];
-    if (fusable(params[i], g)) {
+    if (fusable(params[i], g, s->buf[0])) {
       bool fresh = false;
       if (cfg->momentum != 0 && !s->buf[0]) {
         if (!(s->buf[0] = kiln_keep(kiln_zeros_like(params[i])))) {
@@ -125,10 +138,10 @@ kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *con
       }
       if (found_inf || s->step_t) {
         if ((st = kiln__optim_step_on_device(params[i], s)) != KILN_OK) break;
-        DP[md] = params[i], DG[md] = g, DB[md] = s->buf[0], DT[md] = s->step_t;
+        DP[md] = dense_view(params[i]), DG[md] = dense_view(g), DB[md] = dense_view(s->buf[0]), DT[md] = s->step_t;
         dw[md++] = i;
       } else {
-        HP[mh] = params[i], HG[mh] = g, HB[mh] = s->buf[0];
+        HP[mh] = dense_view(params[i]), HG[mh] = dense_view(g), HB[mh] = dense_view(s->buf[0]);
         first[mh] = fresh;
         hw[mh++] = i;
       }
@@ -146,6 +159,7 @@ kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *con
   for (int k = 0; k < mh && st == KILN_OK; k++) states[hw[k]].step++;
   if (st == KILN_OK) st = multi(cfg, md, DP, DG, DB, NULL, DT, found_inf);
   for (int k = 0; k < md && st == KILN_OK && !found_inf; k++) states[dw[k]].step++;
+  kiln_scope_end();
   free(arr), free(first), free(which);
   return st;
 }

@@ -600,9 +600,12 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     if (st != KILN_OK) return st;
     need_w = false;
   }
+  /* the composite for what the kernels did not make (reshaping a channels-last weight or
+  ** gradient copies it: not when the kernels made both) */
+  if (!need_x && !need_w && !n->needs[2]) return KILN_OK;
   int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
-  kiln_tensor *gm = kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L));
-  kiln_tensor *wm = kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K));
+  kiln_tensor *gm = need_x || need_w ? kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L)) : NULL;
+  kiln_tensor *wm = need_x ? kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K)) : NULL;
   if (need_x) {
     kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
     kiln_tensor *dx;

@@ -415,6 +415,10 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
     bool pointwise = k->shape[2] == 1 && k->shape[3] == 1;
     for (int d = 0; d < 2; d++) pointwise = pointwise && ab->c.stride[d] == 1 && ab->c.padding[d] == 0;
     if (pointwise && ab->c.groups == 1) return false;
+    /* oneDNN's plain-layout weight gradient lost to the composite's GEMM on small images
+    ** with many channels (ResNet-18 at 32x32: 8x8 down to 1x1 outputs) and won on larger
+    ** ones (the Fashion-MNIST CNN's 28x28 and 14x14): bench/RESULTS.md */
+    if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && in1->shape[2] * in1->shape[3] < 100) return false;
   }
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
   /* the operands as the calls below prepare them */

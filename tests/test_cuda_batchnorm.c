@@ -66,16 +66,8 @@ static void bc_vs_cpu(void) {
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int di = 0; di < 4; di++)
       for (int mode = 0; mode < 3; mode++) {
-        bn_spec sp = {0};
-        sp.ndim = shapes[si].ndim;
-        memcpy(sp.shape, shapes[si].shape, sizeof sp.shape);
-        sp.layout = shapes[si].layout;
-        sp.dt = dts[di];
-        sp.pdt = dts[di] == KILN_F64 ? KILN_F64 : KILN_F32;
-        sp.train = mode != 1;
-        sp.relu = mode == 2; /* the ReLU's backward folded into the kernel's */
-        sp.offset = 1.5;
-        sp.seed = 500 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode;
+        bn_spec sp = bn_sweep_spec(shapes[si].ndim, shapes[si].shape, shapes[si].layout, dts[di], mode, 1.5,
+                                   500 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode);
         bn_out gpu, cpu;
         bool a = bn_run(&sp, bc_gpu(), &gpu), b = bn_run(&sp, kiln_device_cpu(), &cpu);
         if (a && b) {

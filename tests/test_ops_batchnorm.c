@@ -115,6 +115,23 @@ typedef struct bn_spec {
   bool relu;          /* relu(batch_norm(x)): the ReLU's backward folds into the kernel's */
 } bn_spec;
 
+/* The spec of one sweep case: mode 0 training, 1 eval, 2 training under a ReLU; the
+** parameters in f64 for f64 inputs, else f32. Shared by the CPU and CUDA sweeps. */
+static bn_spec bn_sweep_spec(int ndim, const int64_t *shape, int layout, kiln_dtype dt, int mode, double offset,
+                             uint64_t seed) {
+  bn_spec sp = {0};
+  sp.ndim = ndim;
+  memcpy(sp.shape, shape, sizeof sp.shape);
+  sp.layout = layout;
+  sp.dt = dt;
+  sp.pdt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+  sp.train = mode != 1;
+  sp.relu = mode == 2; /* the ReLU's backward folded into the kernel's */
+  sp.offset = offset;
+  sp.seed = seed;
+  return sp;
+}
+
 /* Host values of each result (malloc'd, NULL when missing) and their counts. */
 typedef struct bn_out {
   double *v[6]; /* y, running_mean, running_var, dx, dweight, dbias */
@@ -272,16 +289,8 @@ static void bn_vs_composite(void) {
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int di = 0; di < 4; di++)
       for (int mode = 0; mode < 3; mode++) {
-        bn_spec sp = {0};
-        sp.ndim = shapes[si].ndim;
-        memcpy(sp.shape, shapes[si].shape, sizeof sp.shape);
-        sp.layout = shapes[si].layout;
-        sp.dt = dts[di];
-        sp.pdt = dts[di] == KILN_F64 ? KILN_F64 : KILN_F32;
-        sp.train = mode != 1;
-        sp.relu = mode == 2;
-        sp.offset = 2.0;
-        sp.seed = 100 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode;
+        bn_spec sp = bn_sweep_spec(shapes[si].ndim, shapes[si].shape, shapes[si].layout, dts[di], mode, 2.0,
+                                   100 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode);
         bn_out nat, comp;
         bool a = bn_run(&sp, cpu, &nat);
         kiln__dispatch_disable_kernel(KILN_DEVICE_CPU, KILN__K_BATCH_NORM, true);

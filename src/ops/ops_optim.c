@@ -120,6 +120,25 @@ static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor 
   return kiln__dispatch(kiln_device_of(step_t), &inc);
 }
 
+/* A list kernel's call (ADAM_MULTI, SGD_MULTI; a->op and its scalars set): the found-inf
+** flag as its one input, m groups of w views and their per-group integers. Dispatched,
+** with the result in *st, when the device has the kernel for these arguments; false
+** otherwise, and the caller runs the same tensors one at a time. */
+static bool multi_dispatch(kiln_device dev, kiln__kargs *a, kiln_tensor *found_inf, int m, int w,
+                           const kiln__view *list, const int64_t *li, kiln_status *st) {
+  if (found_inf) {
+    a->n_in = 1;
+    a->in[0] = kiln__view_of(found_inf);
+  }
+  a->list_n = m;
+  a->list_w = w;
+  a->list = list;
+  a->list_i = li;
+  if (!kiln__dispatch_has(dev, a, a->op)) return false;
+  *st = kiln__dispatch(dev, a);
+  return true;
+}
+
 /* The list form: the tensors of one device and dtype go to one ADAM_MULTI call (the
 ** backend splits it into launches as it needs); a backend without the list kernel gets
 ** kiln_adam_step_ per tensor, which gives the same numbers. Its arguments are checked
@@ -160,18 +179,7 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
     kiln__kargs a = {0};
     a.op = KILN__K_ADAM_MULTI;
     adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
-    if (found_inf) {
-      a.n_in = 1;
-      a.in[0] = kiln__view_of(found_inf);
-    }
-    a.list_n = m;
-    a.list_w = w;
-    a.list = list;
-    a.list_i = li;
-    if (kiln__dispatch_has(dev, &a, KILN__K_ADAM_MULTI)) {
-      st = kiln__dispatch(dev, &a);
-      continue;
-    }
+    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) continue;
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
       int j = idx[k];
       st = adam_step_call(params[j], grads[j], exp_avg[j], exp_avg_sq[j],
@@ -679,18 +687,7 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
     a.s[2] = p->dampening;
     a.s[3] = p->weight_decay;
     a.i[1] = (p->nesterov ? 1 : 0) | (p->maximize ? 2 : 0) | (on_dev ? 4 : 0) | (found_inf ? 8 : 0) | (mom ? 16 : 0);
-    if (found_inf) {
-      a.n_in = 1;
-      a.in[0] = kiln__view_of(found_inf);
-    }
-    a.list_n = m;
-    a.list_w = w;
-    a.list = list;
-    a.list_i = li;
-    if (kiln__dispatch_has(dev, &a, KILN__K_SGD_MULTI)) {
-      st = kiln__dispatch(dev, &a);
-      continue;
-    }
+    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) continue;
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
       int j = idx[k];
       st = sgd_composed(p, params[j], grads[j], mom ? bufs[j] : NULL, li[k] != 0, on_dev ? step_t[j] : NULL,

@@ -189,6 +189,7 @@ typedef struct vk_dev {
   ** apart from the host's and the driver's */
   uint32_t ts_bits;     /* the queue family's timestampValidBits */
   VkQueryPool qpool;
+  bool trace;           /* KILN_VK_TIMING=trace: each dispatch's shader and grid on stderr */
   double gpu_s;         /* GPU time of the command buffers waited for since the last sync */
   int gpu_n;
   vk_block staging; /* host-visible bounce buffer (devices without unified memory) */

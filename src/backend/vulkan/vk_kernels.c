@@ -338,9 +338,12 @@ static const int cm_bn[3] = {128, 128, 256};
 static const char *const cm_what[3] = {"128x128 tiles of 8 subgroups of 64x32", "128x128 tiles of 4 subgroups of 64x64",
                                        "128x256 tiles of 8 subgroups of 64x64"};
 
+/* Whether view v's batch strides keep whole vectors aligned. A dim of size 1 never moves,
+** whatever its stride says: a plain 2-D product's one-element batch has stride 1, and
+** counting it sent every 2-D product to the general 64x64 kernel. */
 static bool mm_batch_strides(const kv_params *p, int v, int mult) {
   for (int b = 0; b < p->ndim; b++)
-    if (p->strides[v * KV_MAXD + b] % mult != 0) return false;
+    if (p->shape[b] > 1 && p->strides[v * KV_MAXD + b] % mult != 0) return false;
   return true;
 }
 

@@ -7,6 +7,8 @@
 */
 #include "vk_int.h"
 
+#include <stdio.h>
+
 #include <string.h>
 
 int kiln__vk_shader_index(const char *name) {
@@ -80,6 +82,7 @@ kiln_status kiln__vk_dispatch(int device, const char *name, const void *params, 
     VK->vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, d->pipes[s]);
     VK->vkCmdPushConstants(cb, d->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, sizeof pc, pc);
     VK->vkCmdDispatch(cb, gx, gy, gz);
+    if (d->trace) fprintf(stderr, "kiln: vulkan:%d dispatch %s %ux%ux%u\n", device, name, gx, gy, gz);
     st = kiln__vk_cmd_done(d, device);
   }
   pthread_mutex_unlock(&d->lock);

@@ -41,7 +41,8 @@ kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the parameter ring");
   }
   const char *tm = getenv("KILN_VK_TIMING");
-  if (tm && strcmp(tm, "1") == 0 && d->ts_bits > 0) {
+  d->trace = tm && strcmp(tm, "trace") == 0;
+  if (tm && (strcmp(tm, "1") == 0 || d->trace) && d->ts_bits > 0) {
     VkQueryPoolCreateInfo qi = {.sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
                                 .queryType = VK_QUERY_TYPE_TIMESTAMP,
                                 .queryCount = 2 * KILN_VK_FRAMES};

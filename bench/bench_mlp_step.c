@@ -13,7 +13,13 @@
 ** in bf16 on inputs cast beforehand, and on f32 inputs inside an autocast region (its
 ** three casts included), each with grad mode on and W1 requiring grad as in training.
 **
-** Usage: bench-mlp-step [--device D] [--steps N] [--json]
+** With --graph, the step (forward under its autocast region, backward, Adam with its step
+** count on the device) is captured once per mode with kiln_graph_capture after 20 eager
+** steps, and replayed: step_us is a replay with the loss read back each step, queue_us a
+** replay with nothing read back (a sync after the round: the device's time per step when
+** the host keeps ahead). The pieces are not measured then.
+**
+** Usage: bench-mlp-step [--device D] [--steps N] [--graph] [--json]
 ** Public API only, so it measures any kiln version.
 */
 #define _POSIX_C_SOURCE 200809L
@@ -45,7 +51,7 @@ static kiln_tensor *param(kiln_device dev, int ndim, const int64_t *shape, kiln_
   return t;
 }
 
-static int net_init(net *n, kiln_device dev) {
+static int net_init(net *n, kiln_device dev, bool capturable) {
   kiln_generator *g = kiln_generator_new(1);
   n->dev = dev;
   kiln_scope_begin();
@@ -58,6 +64,7 @@ static int net_init(net *n, kiln_device dev) {
   kiln_scope_end();
   kiln_generator_free(g);
   kiln_optim_config cfg = kiln_adam_config(1e-3);
+  cfg.capturable = capturable; /* --graph: the step count on the device, advanced by replays */
   kiln_tensor *ps[4] = {n->w1, n->b1, n->w2, n->b2};
   n->opt = kiln_optimizer_new(&cfg, ps, 4);
   return n->opt && n->x && n->y ? 0 : -1;
@@ -90,6 +97,83 @@ static kiln_status step(net *n, bool amp, bool read, double *t) {
   return st == KILN_OK ? kiln_last_error() : st;
 }
 
+/* --graph: the captured step writes its loss into a static tensor. */
+typedef struct graph_ctx {
+  net *n;
+  bool amp;
+  kiln_tensor *loss; /* static, made before the capture */
+} graph_ctx;
+
+static kiln_status graph_step(void *p) {
+  graph_ctx *c = p;
+  net *n = c->n;
+  kiln_scope_begin();
+  kiln_status st = c->amp ? kiln_autocast_begin(n->dev.type, KILN_BF16) : KILN_OK;
+  kiln_tensor *loss = kiln_cross_entropy(kiln_linear(kiln_linear_relu(n->x, n->w1, n->b1), n->w2, n->b2), n->y,
+                                         KILN_REDUCTION_MEAN, -100, 0.0);
+  if (c->amp && st == KILN_OK) st = kiln_autocast_end();
+  if (st == KILN_OK) st = kiln_optimizer_zero_grad(n->opt);
+  if (st == KILN_OK) st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (st == KILN_OK) st = kiln_optimizer_step(n->opt);
+  if (st == KILN_OK) {
+    bool prev = kiln_set_grad_enabled(false);
+    st = kiln_copy_(c->loss, loss);
+    kiln_set_grad_enabled(prev);
+  }
+  kiln_scope_end();
+  return st == KILN_OK ? kiln_last_error() : st;
+}
+
+/* --graph: both modes captured and replayed; 0 on success. */
+static int run_graph(kiln_device dev, int steps, bool json) {
+  for (int mode = 0; mode < 2; mode++) {
+    const char *name = mode ? "bf16" : "f32";
+    net n;
+    if (net_init(&n, dev, true) != 0) {
+      fprintf(stderr, "bench-mlp-step: making the model: %s\n", kiln_last_error_message());
+      return 1;
+    }
+    graph_ctx c = {&n, mode == 1, kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev))};
+    kiln_graph *g = NULL;
+    double rs[5], rq[5];
+    kiln_status st = c.loss ? KILN_OK : kiln_last_error();
+    for (int k = 0; k < 20 && st == KILN_OK; k++) st = graph_step(&c); /* eager: state, caches, plans */
+    if (st == KILN_OK) (void)kiln_item(c.loss);
+    if (st == KILN_OK && !(g = kiln_graph_capture(dev, graph_step, &c))) st = kiln_last_error();
+    for (int k = 0; k < 10 && st == KILN_OK; k++) st = kiln_graph_replay(g);
+    for (int r = 0; r < 5 && st == KILN_OK; r++) {
+      kiln_device_synchronize(dev);
+      double t0 = now();
+      for (int k = 0; k < steps && st == KILN_OK; k++) {
+        st = kiln_graph_replay(g);
+        (void)kiln_item(c.loss);
+      }
+      rs[r] = (now() - t0) / steps * 1e6;
+      t0 = now();
+      for (int k = 0; k < steps && st == KILN_OK; k++) st = kiln_graph_replay(g);
+      kiln_device_synchronize(dev);
+      rq[r] = (now() - t0) / steps * 1e6;
+    }
+    if (st == KILN_OK) st = kiln_last_error();
+    double lv = st == KILN_OK ? kiln_item(c.loss) : 0;
+    bool devg = g && kiln_graph_is_device_graph(g);
+    kiln_graph_free(g);
+    kiln_tensor_free(c.loss);
+    net_free(&n);
+    if (st != KILN_OK) {
+      fprintf(stderr, "bench-mlp-step --graph (%s): %s\n", name, kiln_last_error_message());
+      return 1;
+    }
+    double s = median5(rs), q = median5(rq);
+    if (json)
+      printf(", \"graph_%s_step_us\": %.2f, \"graph_%s_replay_us\": %.2f", name, s, name, q);
+    else
+      printf("graph %-5s step %8.2f  replay %8.2f  %.0f img/s (loss %.4f%s)\n", name, s, q, 128.0 / (s * 1e-6), lv,
+             devg ? "" : ", replays call the step");
+  }
+  return 0;
+}
+
 typedef struct piece_ctx {
   net *n;
   kiln_tensor *xb, *w1b, *b1b;
@@ -107,7 +191,7 @@ static void piece_lr_autocast(piece_ctx *c) {
 int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   int steps = 300;
-  bool json = false;
+  bool json = false, graph = false;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--device") && i + 1 < argc) {
       if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
@@ -118,14 +202,25 @@ int main(int argc, char **argv) {
       steps = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--json")) {
       json = true;
+    } else if (!strcmp(argv[i], "--graph")) {
+      graph = true;
     } else {
-      fprintf(stderr, "usage: bench-mlp-step [--device D] [--steps N] [--json]\n");
+      fprintf(stderr, "usage: bench-mlp-step [--device D] [--steps N] [--graph] [--json]\n");
       return 2;
     }
   }
   if (steps < 10) steps = 10;
+  if (graph) {
+    char gname[32];
+    kiln_device_str(dev, gname, sizeof gname);
+    if (json) printf("{\"bench\": \"mlp-step-graph\", \"device\": \"%s\", \"steps\": %d", gname, steps);
+    else printf("bench-mlp-step --graph on %s, %d replays a round, median of 5 rounds (us)\n", gname, steps);
+    int rc = run_graph(dev, steps, json);
+    if (json && rc == 0) printf("}\n");
+    return rc;
+  }
   net n;
-  if (net_init(&n, dev) != 0) {
+  if (net_init(&n, dev, false) != 0) {
     fprintf(stderr, "bench-mlp-step: making the model: %s\n", kiln_last_error_message());
     return 1;
   }

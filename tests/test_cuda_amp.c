@@ -16,6 +16,8 @@
 **     works when nothing is read on the host (a read inside a capture is an error).
 **   - a captured plain step of capturable Adam on the composed (non-fused) path: the step
 **     count and the bias corrections come from the device on every replay.
+**   - autocast's weight gradients: the f32 product of the bf16 operands, unrounded
+**     (amp_wide_check.h: the wide MATMUL on cuBLAS and cuBLASLt's BGRADB epilogue).
 ** Values are compared bit for bit except that any NaN equals any NaN (the payload is the
 ** hardware's). A failure prints the tensor or state entry, dtype, element and values.
 ** Exits 77 (skipped) without a CUDA device.
@@ -28,6 +30,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "amp_wide_check.h"
 
 static kiln_device cpu, gpu;
 
@@ -418,6 +422,7 @@ int main(void) {
   test_device_skip();
   test_graph();
   test_graph_composed_adam();
+  amp_wide_check(gpu);
   printf("test_cuda_amp: %d failures\n", failures);
   return failures ? 1 : 0;
 }

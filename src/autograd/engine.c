@@ -365,6 +365,21 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
     }
+    /* A rule that hands a gradient on unchanged (a cast whose gradient already came in its
+    ** input's dtype, kiln__grad_dtype) holds it twice with the engine: the engine's
+    ** reference goes first, so that a leaf takes the tensor as its .grad instead of a copy. */
+    for (int k = 0; st == KILN_OK && k < n->n_in && k < gi_cap; k++) {
+      if (!gi[k]) continue;
+      if (gi[k] == g) {
+        kiln_tensor_free(g);
+        g = NULL;
+      }
+      for (int j = 1; j < n->n_out; j++)
+        if (gi[k] == n->grad_outs[j]) {
+          kiln_tensor_free(n->grad_outs[j]);
+          n->grad_outs[j] = NULL;
+        }
+    }
     for (int k = 0; k < n->n_in; k++) {
       kiln_tensor *gk = k < gi_cap ? gi[k] : NULL;
       if (st == KILN_OK && gk && n->needs[k]) {

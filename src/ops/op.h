@@ -183,6 +183,10 @@ kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, 
 ** made, has the first n_grad outputs (0: all), so inputs that need no gradient go last.
 ** Outputs owned by the current scope. */
 kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs);
+/* The dtype in which n's rule may give input i's gradient: f32 for an f16/bf16 input made
+** by a cast of an f32 tensor (autocast's parameter casts), whose rule then has nothing to
+** convert; else the input's dtype. (ops_elementwise.c) */
+kiln_dtype kiln__grad_dtype(const kiln__node *n, int i);
 /* t itself when it already has dtype dt, else a converted copy without autograd. */
 kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
 /* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);

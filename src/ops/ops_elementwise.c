@@ -621,6 +621,11 @@ static kiln_status to_many_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   for (int k = 0; k < n->n_in && k < n->n_out; k++) {
     kiln_tensor *gk = k == 0 ? g : n->grad_outs[k];
     if (!n->needs[k] || !gk) continue;
+    if (gk->dtype == n->in_dtype[k]) { /* given in the input's dtype already (kiln__grad_dtype) */
+      kiln_status st = kiln__give_grad(&gi[k], gk, g);
+      if (st != KILN_OK) return st;
+      continue;
+    }
     if (!kiln_is_contiguous(gk)) { /* a channels-last gradient: to_dtype keeps its layout */
       kiln_status st = kiln__give_grad(&gi[k], kiln_to_dtype(gk, n->in_dtype[k]), g);
       if (st != KILN_OK) return st;
@@ -641,6 +646,25 @@ static const kiln__op op_to_dtype_many = {
     .name = "to_dtype_many", .api = "kiln__to_dtype_many", .n_in = KILN__OP_VARIADIC, .n_out = KILN__OP_MAX_OUT,
     .n_kernels = 2, .kernels = {KILN__K_CAST_MULTI, KILN__K_COPY}, .attrs = f_to_many, .n_attrs = 1,
     .attr_size = sizeof(attrs_to_many), .infer = to_many_infer, .forward = to_many_forward, .backward = to_many_bw};
+
+/* The dtype in which n's rule may give input i's gradient. When input i is a cast's
+** output (to_dtype, or to_dtype_many: autocast's casts of a parameter) from an f32 tensor
+** to f16/bf16, the cast's rule only converts the gradient back to f32: a rule that can
+** write its product in f32 straight away (linear's weight and bias gradients: the f32
+** accumulator, unrounded) saves that kernel, and the cast's rule then hands it on as it
+** is. Not when the cast's output retains its gradient (the program would see an f32
+** gradient of a 16-bit tensor). Otherwise input i's own dtype. */
+kiln_dtype kiln__grad_dtype(const kiln__node *n, int i) {
+  const kiln__edge *e = &n->next[i];
+  kiln_dtype own = n->in_dtype[i];
+  const kiln__node *c = e->node;
+  if (!c || (own != KILN_F16 && own != KILN_BF16) || (c->op != &op_to_dtype && c->op != &op_to_dtype_many) ||
+      e->index >= c->n_in || c->in_dtype[e->index] != KILN_F32)
+    return own;
+  const kiln_tensor *out = e->index == 0 ? c->out_weak : c->outs_weak[e->index];
+  if (out && out->retains_grad) return own;
+  return KILN_F32;
+}
 
 kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs) {
   attrs_to_many p = {dt, n_grad};

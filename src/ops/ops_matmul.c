@@ -269,14 +269,43 @@ kiln_tensor *kiln_matmul(kiln_tensor *a, kiln_tensor *b) {
 
 /* ---- linear ------------------------------------------------------------------------- */
 
-/* The product A (M, K) @ B (K, N) into a new (M, N) tensor of B's dtype, A read through
-** mask (where(mask > 0, A, 0): ReLU's backward) when given; rowsum, when given, gets A's
-** (masked) row sums. For backward rules (grad mode is off there: nothing is recorded). */
-static kiln_tensor *product(kiln__view A, const kiln__view *mask, kiln_tensor *B, kiln_tensor **rowsum) {
+/* The product A (M, K) @ B (K, N) into a new (M, N) tensor of dtype odt (B's, or f32 for
+** 16-bit operands where the device has that "wide" product; B's where it has not), A read
+** through mask (where(mask > 0, A, 0): ReLU's backward) when given; rowsum, when given,
+** gets A's (masked) row sums in the same dtype. For backward rules (grad mode is off
+** there: nothing is recorded). */
+static kiln_tensor *product(kiln__view A, const kiln__view *mask, kiln_tensor *B, kiln_tensor **rowsum,
+                            kiln_dtype odt) {
   int64_t M = A.shape[0], N = B->shape[1];
   kiln_device dev = kiln_device_of(B);
-  kiln_tensor *C = kiln__tensor_new(2, (int64_t[]){M, N}, B->dtype, dev);
-  kiln_tensor *R = C && rowsum ? kiln__tensor_new(1, &M, B->dtype, dev) : NULL;
+  if (odt != B->dtype) { /* asked before anything is allocated: the views' pointers do not matter */
+    kiln__kargs w = {0};
+    w.op = KILN__K_MATMUL;
+    w.n_in = 2;
+    w.n_out = rowsum ? 2 : 1;
+    w.in[0] = A;
+    w.in[1] = kiln__view_of(B);
+    if (mask) {
+      w.in[w.n_in++] = *mask;
+      w.i[1] = 2;
+    }
+    w.out[0] = w.in[1];
+    w.out[0].dtype = odt;
+    w.out[0].ndim = 2;
+    w.out[0].shape[0] = M;
+    w.out[0].shape[1] = N;
+    w.out[0].strides[0] = N;
+    w.out[0].strides[1] = 1;
+    if (rowsum) {
+      w.out[1] = w.out[0];
+      w.out[1].ndim = 1;
+      w.out[1].shape[0] = M;
+      w.out[1].strides[0] = 1;
+    }
+    if (!kiln__dispatch_has(dev, &w, KILN__K_MATMUL)) odt = B->dtype;
+  }
+  kiln_tensor *C = kiln__tensor_new(2, (int64_t[]){M, N}, odt, dev);
+  kiln_tensor *R = C && rowsum ? kiln__tensor_new(1, &M, odt, dev) : NULL;
   if (!C || (rowsum && !R)) return NULL;
   kiln__kargs a = {0};
   a.op = KILN__K_MATMUL;
@@ -327,7 +356,7 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   kiln__view mT, m;
   if (y2) mT = view2(y2, true), m = view2(y2, false);
   if (n->needs[0]) {
-    kiln_tensor *d = product(view2(g2, false), y2 ? &m : NULL, W, NULL); /* (M, N) @ (N, K) */
+    kiln_tensor *d = product(view2(g2, false), y2 ? &m : NULL, W, NULL, W->dtype); /* (M, N) @ (N, K) */
     if (d) d = kiln_reshape(d, x->ndim, x->shape);
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
@@ -336,9 +365,13 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g2, KILN_DIMS(0), false), g);
     if (st != KILN_OK) return st;
   } else if (n->needs[1] || n->needs[2]) {
-    /* dW = g^T x (N, K) and, in the same call, db = g^T's row sums (N) */
+    /* dW = g^T x (N, K) and, in the same call, db = g^T's row sums (N); in f32 when both
+    ** go to casts from f32 parameters (autocast): no cast kernel after them */
+    kiln_dtype odt = x2->dtype;
+    if ((!n->needs[1] || kiln__grad_dtype(n, 1) == KILN_F32) && (!n->needs[2] || kiln__grad_dtype(n, 2) == KILN_F32))
+      odt = KILN_F32;
     kiln_tensor *db = NULL;
-    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, n->needs[2] ? &db : NULL);
+    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, n->needs[2] ? &db : NULL, odt);
     kiln_status st = dW ? KILN_OK : kiln_last_error();
     if (st == KILN_OK && n->needs[1]) st = kiln__give_grad(&gi[1], dW, g);
     if (st == KILN_OK && n->needs[2]) st = kiln__give_grad(&gi[2], db, g);

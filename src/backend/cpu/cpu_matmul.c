@@ -493,9 +493,49 @@ static kiln_status kiln__mm_flags(const kiln__kargs *a) {
   return kiln__cpu_backend.kernels[KILN__K_RELU](&r);
 }
 
+/* An f32 product (and row sums) of 16-bit operands (autocast's weight gradients, given
+** straight to the f32 parameter): A and B are widened into f32 temporaries (exact) and the
+** f32 product runs on them. The 16-bit path computes the same way (f32 temporaries, f32
+** accumulation) and only rounds at the end, so this is that result unrounded. */
+static kiln_status kiln__mm_wide(const kiln__kargs *a) {
+  kiln__kargs k = *a;
+  void *tmp[2] = {NULL, NULL};
+  kiln_status st = KILN_OK;
+  for (int i = 0; i < 2 && st == KILN_OK; i++) {
+    const kiln__view *v = &a->in[i];
+    int64_t n = kiln__view_numel(v);
+    tmp[i] = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!tmp[i]) {
+      st = kiln_set_error(KILN_ERR_OOM, "kiln_matmul: out of host memory for a widened operand");
+      break;
+    }
+    kiln__kargs c = {0};
+    c.op = KILN__K_COPY;
+    c.n_in = c.n_out = 1;
+    c.in[0] = *v;
+    c.out[0] = *v;
+    c.out[0].data = tmp[i];
+    c.out[0].dtype = KILN_F32;
+    int64_t run = 1; /* contiguous strides */
+    for (int d = v->ndim - 1; d >= 0; d--) {
+      c.out[0].strides[d] = run;
+      run *= v->shape[d] > 0 ? v->shape[d] : 1;
+    }
+    st = kiln__cpu_copy(&c);
+    k.in[i] = c.out[0];
+  }
+  if (st == KILN_OK) st = kiln__cpu_matmul(&k);
+  free(tmp[0]);
+  free(tmp[1]);
+  return st;
+}
+
 kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   const kiln__view *A = &a->in[0], *B = &a->in[1], *C = &a->out[0];
   if (a->i[1] & 3) return kiln__mm_flags(a);
+  if (C->dtype == KILN_F32 && A->dtype == B->dtype && (A->dtype == KILN_F16 || A->dtype == KILN_BF16) &&
+      !kiln__mm_bias(a))
+    return kiln__mm_wide(a);
   if (a->n_out > 1) {
     if (C->ndim != 2 || a->out[1].ndim != 1 || a->out[1].shape[0] != C->shape[0] || a->out[1].dtype != C->dtype)
       return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product and an (M) output of its dtype");

@@ -11,6 +11,10 @@
 **
 ** f32 is exact (CUBLAS_COMPUTE_32F) unless a->i[0] == 1 allows TF32; f16 and bf16
 ** accumulate in f32; f64 is DGEMM-exact. out0 = s0 * A@B + s1 * out0 + bias.
+** "Wide" products: f16 or bf16 A and B with an f32 out0 (and f32 row sums), no bias: the
+** f32 accumulator is written as it is (cuBLAS's 16BF/16F inputs, 32F output, compute
+** 32F). Autocast's weight gradients go so straight into the f32 parameter's gradient,
+** with no cast kernel after the product (ops_matmul.c, linear's rule).
 ** The handle and a 32 MiB workspace (from the caching allocator, so that graph capture
 ** never sees cuBLAS allocate) are made per device on first use, bound to its stream.
 */
@@ -164,7 +168,7 @@ struct LtPlan {
   bool used, ok;
   int device;
   cublasLtEpilogue_t epi; /* BIAS (add a bias) or BGRADB (write the row sums of kiln's A) */
-  cudaDataType_t data;
+  cudaDataType_t data, cdata; /* A and B; C and D (f32 for a wide product) */
   cublasComputeType_t compute;
   cublasOperation_t opA, opB;
   int64_t M, N, K, lda, ldb, ldc;
@@ -205,7 +209,7 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
                                  p->opB == CUBLAS_OP_N ? p->K : p->N, p->ldb) ||
       cublasLtMatrixLayoutCreate(&p->lb, p->data, p->opA == CUBLAS_OP_N ? p->K : p->M,
                                  p->opA == CUBLAS_OP_N ? p->M : p->K, p->lda) ||
-      cublasLtMatrixLayoutCreate(&p->lc, p->data, p->N, p->M, p->ldc))
+      cublasLtMatrixLayoutCreate(&p->lc, p->cdata, p->N, p->M, p->ldc))
     return;
   if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -223,7 +227,8 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
 ** BGRADB writes the sums of kiln's A's rows there (cuBLAS's B is kiln's A, and BGRADB
 ** reduces B over the GEMM's k). Returns KILN_OK when done, KILN_ERR_UNSUPPORTED (without
 ** setting the last error) when cuBLASLt has no algorithm: then the caller does it itself. */
-kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &t, cublasOperation_t opB,
+kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &t, cudaDataType_t cdata,
+                    cublasOperation_t opB,
                     cublasOperation_t opA, int64_t M, int64_t N, int64_t K, const void *B,
                     int64_t ldb, const void *A, int64_t lda, void *C, int64_t ldc,
                     const void *bias, float alpha, float beta) {
@@ -233,7 +238,8 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
   LtPlan *p = NULL;
   for (int i = 0; i < LT_PLANS && !p; i++) {
     LtPlan *q = &lt_plans[i];
-    if (q->used && q->device == dev && q->epi == epi && q->data == t.data && q->compute == t.compute &&
+    if (q->used && q->device == dev && q->epi == epi && q->data == t.data && q->cdata == cdata &&
+        q->compute == t.compute &&
         q->opA == opA && q->opB == opB && q->M == M && q->N == N && q->K == K &&
         q->lda == lda && q->ldb == ldb && q->ldc == ldc)
       p = q;
@@ -246,6 +252,7 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
     p->device = dev;
     p->epi = epi;
     p->data = t.data;
+    p->cdata = cdata;
     p->compute = t.compute;
     p->opA = opA;
     p->opB = opB;
@@ -268,13 +275,13 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
 
 /* out[m] = sum_k A[m, k] (one thread a row; A's rows are usually a transposed view, so
 ** neighbouring threads read neighbouring elements). */
-template <class T>
-__global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t ak, T *out, int64_t so) {
+template <class T, class R>
+__global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t ak, R *out, int64_t so) {
   typedef typename kc_traits<T>::acc Acc;
   for (int64_t m = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; m < M; m += (int64_t)gridDim.x * blockDim.x) {
     Acc s = 0;
     for (int64_t k = 0; k < K; k++) s += (Acc)kc_ld<T>(A[m * am + k * ak]);
-    out[m * so] = kc_st<T>(s);
+    out[m * so] = kc_st<R>(s);
   }
 }
 
@@ -282,10 +289,20 @@ kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__
   const int64_t M = A->shape[0], K = A->shape[1];
   if (M == 0) return KILN_OK;
   int blocks = kc_blocks(M, KC_THREADS, d->sm_count);
+  if (R->dtype != A->dtype) { /* wide: 16-bit A, f32 sums (the f32 accumulator unrounded) */
+    if (R->dtype != KILN_F32)
+      return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: row sums of %s into %s", kiln_dtype_name(A->dtype),
+                            kiln_dtype_name(R->dtype));
+    KC_SWITCH_FLOAT(A->dtype, T,
+                    return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: row sums of %s", kiln_dtype_name(A->dtype)),
+                    row_sums<T, float><<<blocks, KC_THREADS, 0, d->stream>>>(
+                        (const T *)A->data, M, K, A->strides[0], A->strides[1], (float *)R->data, R->strides[0]))
+    return kiln__cuda_launched("matmul row sums");
+  }
   KC_SWITCH_FLOAT(R->dtype, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul: row sums of %s", kiln_dtype_name(R->dtype)),
-                  row_sums<T><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)A->data, M, K, A->strides[0],
-                                                                    A->strides[1], (T *)R->data, R->strides[0]))
+                  row_sums<T, T><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)A->data, M, K, A->strides[0],
+                                                                       A->strides[1], (T *)R->data, R->strides[0]))
   return kiln__cuda_launched("matmul row sums");
 }
 
@@ -302,11 +319,19 @@ struct Temps {
 
 } // namespace
 
+/* f16/bf16 operands with an f32 output, no bias (see the top) */
+static bool is_wide(const kiln__kargs *a) {
+  kiln_dtype in = a->in[0].dtype;
+  return a->out[0].dtype == KILN_F32 && (in == KILN_F16 || in == KILN_BF16) && a->in[1].dtype == in &&
+         !kiln__mm_bias(a);
+}
+
 extern "C" bool kiln__cuda_matmul_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->out[0].dtype;
-  if (!kc_is_float(dt) || a->in[0].dtype != dt || a->in[1].dtype != dt) return false;
+  const bool wide = is_wide(a);
+  if (!kc_is_float(dt) || ((a->in[0].dtype != dt || a->in[1].dtype != dt) && !wide)) return false;
   const kiln__view *bias = kiln__mm_bias(a), *mask = kiln__mm_mask(a);
-  if ((bias && !kc_is_float(bias->dtype)) || (mask && mask->dtype != dt)) return false;
+  if ((bias && !kc_is_float(bias->dtype)) || (mask && mask->dtype != a->in[0].dtype)) return false;
   return a->out[0].ndim >= 2 && a->in[0].ndim == a->out[0].ndim && a->in[1].ndim == a->out[0].ndim;
 }
 
@@ -340,7 +365,8 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   /* small problems: one launch of the tiled kernel (strided operands as they are; the mask
   ** and the ReLU inside it) */
   int64_t sa = 0, sb = 0, sc = 0, sm = 0;
-  const bool small = kiln__cuda_matmul_small_fits(batch, M, N, K) && (!row_sum || batch == 1) &&
+  const bool wide = is_wide(a); /* the tiled kernel stores in A's dtype: wide goes to cuBLAS */
+  const bool small = !wide && kiln__cuda_matmul_small_fits(batch, M, N, K) && (!row_sum || batch == 1) &&
                      (!has_bias || a->in[2].dtype == O->dtype) && batch_stride(&A, nb, &sa) &&
                      batch_stride(&B, nb, &sb) && batch_stride(O, nb, &sc) &&
                      (!mask || batch_stride(mask, nb, &sm));
@@ -409,9 +435,11 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   if (small) return kiln__cuda_matmul_small(d, a, A, B, *O, batch, sa, sb, sc, sm);
   KC_TRY(handles(device, d));
   KC_TRY(kiln__cuda_capture_note(device, d->workspace, d->workspace_size)); /* cuBLAS's scratch */
-  Types t;
-  types_of(O->dtype, a->i[0] == 1, &t);
-  const size_t es = kc_size(O->dtype);
+  Types t; /* A's and B's data type and the compute type; C's below */
+  types_of(A.dtype, a->i[0] == 1, &t);
+  Types tc;
+  types_of(O->dtype, a->i[0] == 1, &tc);
+  const size_t es = kc_size(A.dtype), esc = kc_size(O->dtype); /* A and B; C */
   Temps tmp(device);
 
   Mat ma, mb, mc;
@@ -434,7 +462,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   kiln__view C = *O;
   bool out_tmp = !describe(M, N, C.strides[nd - 2], C.strides[nd - 1], &mc) || mc.trans;
   if (out_tmp) {
-    tmp.p[2] = kiln__cuda_alloc(device, (size_t)kc_numel(O) * es);
+    tmp.p[2] = kiln__cuda_alloc(device, (size_t)kc_numel(O) * esc);
     if (!tmp.p[2]) return kiln_last_error();
     C = contiguous_like(O, tmp.p[2]);
     if (beta != 0.0) KC_TRY(kiln__cuda_copy_view(device, &C, O));
@@ -449,7 +477,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
 
   bool gemm_done = false, sums_done = false;
   if (row_sum && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
-    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BGRADB, t, opB, opA, M, N, K, B.data, mb.ld, A.data,
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BGRADB, t, tc.data, opB, opA, M, N, K, B.data, mb.ld, A.data,
                                 ma.ld, C.data, mc.ld, a->out[1].data, af, bf);
     if (s == KILN_OK) sums_done = gemm_done = true;
     else if (s != KILN_ERR_UNSUPPORTED) return s;
@@ -458,7 +486,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
       a->in[2].ndim >= 1 && a->in[2].shape[a->in[2].ndim - 1] == N &&
       (a->in[2].strides[a->in[2].ndim - 1] == 1 || N == 1)) {
     /* the epilogue reads N contiguous bias values (a broadcast scalar bias goes below) */
-    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BIAS, t, opB, opA, M, N, K, B.data, mb.ld, A.data,
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BIAS, t, tc.data, opB, opA, M, N, K, B.data, mb.ld, A.data,
                                 ma.ld, C.data, mc.ld, a->in[2].data, af, bf);
     if (s == KILN_OK) gemm_done = true;
     else if (s != KILN_ERR_UNSUPPORTED) return s;
@@ -483,10 +511,10 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     for (int64_t b = 0; b < outer; b++) {
       const char *pA = (const char *)A.data + batch_offset(&A, lo, b) * (int64_t)es;
       const char *pB = (const char *)B.data + batch_offset(&B, lo, b) * (int64_t)es;
-      char *pC = (char *)C.data + batch_offset(&C, lo, b) * (int64_t)es;
+      char *pC = (char *)C.data + batch_offset(&C, lo, b) * (int64_t)esc;
       KC_BLAS(cublasGemmStridedBatchedEx(h, opB, opA, (int)N, (int)M, (int)K, pa, pB, t.data,
                                          (int)mb.ld, sb, pA, t.data, (int)ma.ld, sa, pb, pC,
-                                         t.data, (int)mc.ld, sc, (int)inner, t.compute,
+                                         tc.data, (int)mc.ld, sc, (int)inner, t.compute,
                                          CUBLAS_GEMM_DEFAULT),
               "cublasGemmStridedBatchedEx");
     }

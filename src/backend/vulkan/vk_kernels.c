@@ -535,6 +535,7 @@ static bool matmul_supports(const kiln__kargs *a) {
   const kiln__view *C = &a->out[0];
   int nd = C->ndim;
   if (nd < 2 || !all_float(a)) return false;
+  if (a->in[0].dtype != C->dtype) return false; /* no wide (16-bit in, f32 out) products here */
   int64_t batch = 1;
   for (int d = 0; d < nd - 2; d++) batch *= C->shape[d];
   if (batch > 65535 || (C->shape[nd - 2] + 63) / 64 > 65535 || (C->shape[nd - 1] + 63) / 64 > 65535) return false;

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amp_copy_check.h"
 #include "amp_wide_check.h"
 
 static kiln_device cpu, gpu;
@@ -423,6 +424,7 @@ int main(void) {
   test_graph();
   test_graph_composed_adam();
   amp_wide_check(gpu);
+  amp_copy_check(gpu);
   printf("test_cuda_amp: %d failures\n", failures);
   return failures ? 1 : 0;
 }

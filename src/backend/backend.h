@@ -167,6 +167,9 @@ typedef struct kiln__view {
   /* kernel reads step_t + 1 and then advances every step_t by one (unlike ADAM). */     \
   /* Flag 8 (found_inf): in0 (n_in 1) is an f32 one-element flag read on the device; */   \
   /* non-zero: nothing is written and no step_t advances (PyTorch's skipped step). */      \
+  /* Flag 16: one more view per group, last: autocast's f16/bf16 copy of an f32 param */  \
+  /* (NULL data: none), written from the param after the update (or as it stays when */  \
+  /* skipped) as COPY converts it. A backend that does not know flag 16 must refuse it. */ \
   X(ADAM_MULTI, "adam_multi")                                                             \
   /* loss-scaling unscale over many tensors (a list op, list_w 1): each floating */        \
   /* contiguous view is multiplied in place by s0 (1/scale); out0, an f32 one-element */   \
@@ -284,7 +287,8 @@ typedef struct kiln__view {
   /* advances no step_t), 16 momentum (the group has a buffer). Without flag 4, */        \
   /* list_i[g] == 1 marks a buffer made for this step (taken from the gradient). The */   \
   /* element update rounds to the dtype after each step exactly as the composed ops */    \
-  /* (neg, axpy, mul_scalar_, axpy_) do: see cpu_optim.c. */                              \
+  /* (neg, axpy, mul_scalar_, axpy_) do: see cpu_optim.c. Flag 32: autocast's copy, */   \
+  /* the last view of a group, as ADAM_MULTI's flag 16. */                                \
   X(SGD_MULTI, "sgd_multi")                                                               \
   /* dtype conversions over a list (see kiln__kargs.list): groups [in, out] (list_w 2), */ \
   /* each pair contiguous with one element count, out[k] = in[k] converted as COPY does */ \
@@ -495,10 +499,11 @@ static inline const kiln__view *kiln__ce_dlogits(const kiln__kargs *a) {
   return fwd && (a->i[1] & 1) && a->n_out > 0 ? &a->out[a->n_out - 1] : NULL;
 }
 
-/* ADAM_MULTI's group width for its flags (4 views, + max_exp_avg_sq, + step_t); -1 with
+/* ADAM_MULTI's group width for its flags (4 views, + max_exp_avg_sq, + step_t, + copy); -1 with
 ** the last error set when the list does not have it. (src/backend/view.c) */
 int kiln__adam_list_width(const kiln__kargs *a);
-/* The group width SGD_MULTI's flags give (2, +1 with momentum, +1 with a device step),
+/* The group width SGD_MULTI's flags give (2, +1 with momentum, +1 with a device step, +1
+** with autocast's copy),
 ** checked against a->list_w; -1 with the error set when they disagree. */
 int kiln__sgd_list_width(const kiln__kargs *a);
 

@@ -72,7 +72,7 @@ int kiln__views_coalesce(kiln__view *views, int n) {
 }
 
 int kiln__sgd_list_width(const kiln__kargs *a) {
-  const int w = 2 + ((a->i[1] & 16) ? 1 : 0) + ((a->i[1] & 4) ? 1 : 0);
+  const int w = 2 + ((a->i[1] & 16) ? 1 : 0) + ((a->i[1] & 4) ? 1 : 0) + ((a->i[1] & 32) ? 1 : 0);
   if (a->list_w != w || (a->list_n > 0 && !a->list)) {
     kiln_set_error(KILN_ERR_INTERNAL, "kiln sgd_multi kernel: expected groups of %d views, got %d", w, a->list_w);
     return -1;
@@ -81,7 +81,7 @@ int kiln__sgd_list_width(const kiln__kargs *a) {
 }
 
 int kiln__adam_list_width(const kiln__kargs *a) {
-  const int w = 4 + ((a->i[1] & 2) ? 1 : 0) + ((a->i[1] & 4) ? 1 : 0);
+  const int w = 4 + ((a->i[1] & 2) ? 1 : 0) + ((a->i[1] & 4) ? 1 : 0) + ((a->i[1] & 16) ? 1 : 0);
   if (a->list_w != w || (a->list_n > 0 && !a->list)) {
     kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: expected groups of %d views, got %d", w, a->list_w);
     return -1;

@@ -55,7 +55,8 @@ kiln_graph *kiln_graph_capture(kiln_device dev, kiln_graph_fn step, void *ctx) {
 
 kiln_status kiln_graph_replay(kiln_graph *g) {
   if (!g) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_graph_replay: NULL graph");
-  if (!g->exec) return g->step(g->ctx);
+  if (!g->exec) return g->step(g->ctx); /* the ops themselves: their writes are seen */
+  kiln__write_epoch_bump(); /* a device graph writes memory without the host seeing which */
   return g->backend->graph->launch(g->dev.index, g->exec);
 }
 

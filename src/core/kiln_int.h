@@ -39,6 +39,14 @@ typedef struct kiln__storage {
   ** (cross_entropy's fused dlogits): it must outlive every backward, so the engine never
   ** lets a user see or write these bytes; it copies them first (engine.c, accumulate). */
   bool saved_grad;
+  /* Write version: bumped (kiln__storage_bump) by every write the host can know of before
+  ** it happens: an in-place op on the call path (call.c bumps every input of a
+  ** KILN__OP_INPLACE op before its forward), and any raw pointer handed out
+  ** (kiln_data_ptr, kiln__tensor_data, kiln__storage_data). A graph replay writes without
+  ** the host seeing which storages: it bumps the process's write epoch instead
+  ** (kiln__write_epoch). A copy derived from the bytes (autocast's 16-bit copy of a
+  ** parameter) is valid while both still read as when it was made. */
+  _Atomic uint64_t version;
 } kiln__storage;
 
 kiln__storage *kiln__storage_new(kiln_device dev, size_t nbytes); /* NULL + error on OOM */
@@ -48,6 +56,11 @@ void kiln__storage_release(kiln__storage *s);
 ** block's first byte; whether another reference than the caller's holds s. */
 void *kiln__storage_data(const kiln__storage *s);
 bool kiln__storage_in_use(const kiln__storage *s);
+void kiln__storage_bump(const kiln__storage *s); /* s's version += 1 (a write is coming) */
+uint64_t kiln__storage_version(const kiln__storage *s);
+/* The process's write epoch: bumped by every graph replay (kiln_graph_replay). */
+uint64_t kiln__write_epoch(void);
+void kiln__write_epoch_bump(void);
 void kiln__storage_mark_packed(kiln__storage *s);
 
 /* ---- autograd node ---- */
@@ -137,6 +150,12 @@ struct kiln_tensor {
   kiln_grad_hook hook;
   void *hook_ctx;
   int hook_pending, hook_epoch;
+  /* Autocast's 16-bit copy of this parameter (src/ops/autocast.c), kept across regions and
+  ** rewritten by the fused optimizers in the same kernel as the update: valid only while
+  ** the storage's version and the write epoch are those stamped here (ref held; released
+  ** with the handle). */
+  kiln_tensor *amp_copy;
+  uint64_t amp_copy_version, amp_copy_epoch;
 };
 
 /* Makes a handle over s (takes a new reference on s). ndim/shape/strides copied;

@@ -38,7 +38,24 @@ void kiln__storage_release(kiln__storage *s) {
   free(s);
 }
 
-void *kiln__storage_data(const kiln__storage *s) { return s->data; }
+void *kiln__storage_data(const kiln__storage *s) {
+  kiln__storage_bump(s); /* a raw pointer may write */
+  return s->data;
+}
+
+/* The counter is atomic, so bumping through a const handle (the raw-pointer getters take
+** one) changes no data the const promises. */
+void kiln__storage_bump(const kiln__storage *s) {
+  atomic_fetch_add_explicit(&((kiln__storage *)s)->version, 1, memory_order_relaxed);
+}
+
+uint64_t kiln__storage_version(const kiln__storage *s) {
+  return atomic_load_explicit(&((kiln__storage *)s)->version, memory_order_relaxed);
+}
+
+static _Atomic uint64_t write_epoch;
+uint64_t kiln__write_epoch(void) { return atomic_load_explicit(&write_epoch, memory_order_relaxed); }
+void kiln__write_epoch_bump(void) { atomic_fetch_add_explicit(&write_epoch, 1, memory_order_relaxed); }
 
 bool kiln__storage_in_use(const kiln__storage *s) {
   /* acquire: pairs with the release in kiln__storage_release of the last other holder, so

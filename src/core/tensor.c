@@ -137,6 +137,7 @@ void kiln_tensor_free(kiln_tensor *t) {
     kiln__node_release(n);
   }
   kiln_tensor_free(t->grad);
+  kiln_tensor_free(t->amp_copy);
   kiln__storage_release(t->storage);
   atomic_fetch_sub_explicit(&live_tensors, 1, memory_order_relaxed);
   free(t);
@@ -180,6 +181,7 @@ const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n) {
 }
 
 void *kiln__tensor_data(const kiln_tensor *t) {
+  kiln__storage_bump(t->storage); /* a raw pointer may write */
   return (char *)t->storage->data + (size_t)t->offset * kiln_dtype_size(t->dtype);
 }
 
@@ -312,6 +314,7 @@ void *kiln_data_ptr(kiln_tensor *t) {
                    kiln__tshape(t));
     return NULL;
   }
+  kiln__storage_bump(t->storage); /* the program may write through it */
   return (char *)t->storage->data + t->offset * (int64_t)kiln_dtype_size(t->dtype);
 }
 

@@ -23,6 +23,21 @@
 ** new one. The cache lives only for a region: a parameter updated in place by the
 ** optimizer between two regions is cast afresh.
 **
+** Kept copies across regions: a parameter's cast (an f32 contiguous leaf) is also kept on
+** the parameter (t->amp_copy), and the fused optimizers (ADAM_MULTI, SGD_MULTI) rewrite
+** it in the same kernel as the update and stamp it with the parameter's new storage
+** version (ops_optim.c). A later region whose cache does not have the parameter uses that
+** copy instead of casting (amp_copy: an alias, no kernel) while the storage's version and
+** the process's write epoch are the stamped ones; every in-place op bumps its inputs'
+** versions and every raw pointer handed out bumps its storage's (src/core), and a device
+** graph's replay the epoch, so a parameter written in any other way is cast afresh. Not
+** inside a graph capture (PyTorch turns its cast cache off there too): a replay could not
+** check the stamp, so a captured step casts. Caveat, as in PyTorch: a graph kept for a
+** second backward after an optimizer step reads the updated 16-bit weight it saved.
+**
+** The weights' gradients: linear's rule writes them in f32 (kiln__grad_dtype), and the
+** casts' rule hands them on: no cast kernel in backward.
+**
 ** Ops that a backward runs are not cast: a rule must give gradients in the dtypes of its
 ** inputs. A region applies at the backward depth where it began (kiln__backward_depth),
 ** so a gradient-checkpoint recompute (which runs inside a backward rule) is cast while
@@ -136,15 +151,46 @@ static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cach
   return st;
 }
 
+/* Whether dev is capturing a graph now. */
+static bool capturing(kiln_device dev) {
+  const kiln__backend *b = kiln__backend_get(dev.type);
+  return b && b->graph && b->graph->capturing && b->graph->capturing(dev.index);
+}
+
+/* t's kept copy in dt when it still reads as t does (see the top), else NULL. */
+static kiln_tensor *valid_copy(const kiln_tensor *t, kiln_dtype dt) {
+  const kiln_tensor *c = t->amp_copy;
+  if (!c || c->dtype != dt || t->amp_copy_version != kiln__storage_version(t->storage) ||
+      t->amp_copy_epoch != kiln__write_epoch())
+    return NULL;
+  return t->amp_copy;
+}
+
+/* Keeps c, the cast of parameter t just made, as t's copy, stamped valid now. */
+static void adopt_copy(kiln_tensor *t, kiln_tensor *c) {
+  if (t->dtype != KILN_F32 || !kiln_is_contiguous(t) || !kiln_is_contiguous(c) || t->amp_copy == c) return;
+  kiln_tensor *a = kiln__tensor_alias(c, false); /* the bytes, without c's history */
+  if (!a) {
+    kiln_clear_error(); /* no copy kept: the next region casts again */
+    return;
+  }
+  kiln_tensor_free(t->amp_copy);
+  t->amp_copy = a;
+  t->amp_copy_version = kiln__storage_version(t->storage);
+  t->amp_copy_epoch = kiln__write_epoch();
+}
+
 /* LOWER: the f32 inputs go to the region's dtype. A weight cast already made in the region
 ** is reused; the others are cast together in one kernel (a layer's batch, weight and bias;
 ** and the weight's and bias's gradients in one on the way back), those that need a gradient
 ** first: the node covers only them, so the batch is never made to need one. */
 static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast_type *(*state)(const kiln_tensor *)) {
-  int idx[KILN__OP_MAX_OUT], oi[KILN__OP_MAX_OUT], ng = 0, no = 0;
+  int idx[KILN__OP_MAX_OUT], oi[KILN__OP_MAX_OUT], ki[KILN__OP_MAX_OUT], ng = 0, no = 0, nk = 0;
+  kiln_tensor *kept[KILN__OP_MAX_OUT], *kept_src[KILN__OP_MAX_OUT];
   bool cacheable[KILN__OP_MAX_OUT];
   kiln_dtype dt = KILN_F32;
   bool grad_on = kiln_grad_enabled();
+  int cap = -1; /* whether the inputs' device is capturing: asked once, when needed */
   for (int i = 0; i < n_in; i++) {
     kiln_tensor *t = in[i];
     if (!t || t->dtype != KILN_F32) continue;
@@ -164,6 +210,14 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
         in[i] = c;
         continue;
       }
+      if (t->amp_copy && cap < 0) cap = capturing(kiln_device_of(t));
+      kiln_tensor *k = cap == 0 ? valid_copy(t, dt) : NULL;
+      if (k) { /* the optimizer's copy: no cast */
+        kept_src[nk] = t;
+        kept[nk] = k;
+        ki[nk++] = i;
+        continue;
+      }
     }
     if (t->requires_grad && grad_on) {
       cacheable[ng] = weight;
@@ -176,7 +230,27 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
     cacheable[ng + j] = false;
     idx[ng + j] = oi[j];
   }
-  return cast_group(in, idx, cacheable, ng + no, ng, dt);
+  if (nk > 0) { /* the kept copies: one node for them all, no kernel */
+    kiln_tensor *outs[KILN__OP_MAX_OUT];
+    kiln_status st = kiln__amp_copy_many(nk, kept_src, kept, dt, outs);
+    for (int j = 0; j < nk && st == KILN_OK; j++) {
+      st = keep_cast(kept_src[j], dt, outs[j], true);
+      in[ki[j]] = outs[j];
+    }
+    if (st != KILN_OK) return st;
+  }
+  kiln_tensor *src[KILN__OP_MAX_OUT];
+  for (int j = 0; j < ng; j++) src[j] = in[idx[j]];
+  kiln_status st = cast_group(in, idx, cacheable, ng + no, ng, dt);
+  if (st != KILN_OK) return st;
+  /* the parameters just cast keep their casts for the optimizer to rewrite (not when
+  ** capturing: a replay could not tell whether the copy is still valid) */
+  for (int j = 0; j < ng; j++) {
+    if (!cacheable[j] || (dt != KILN_BF16 && dt != KILN_F16)) continue;
+    if (cap < 0) cap = capturing(kiln_device_of(src[j]));
+    if (cap == 0) adopt_copy(src[j], in[idx[j]]);
+  }
+  return KILN_OK;
 }
 
 static const kiln__autocast_type *state_of(const kiln_tensor *t) {

@@ -309,7 +309,12 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
       else n_alloc = k + 1;
     }
   }
-  /* 6. forward */
+  /* 6. forward (an in-place op's inputs are written: their versions move first, so that a
+  ** copy derived from them is stale from now on, and one the op itself rewrites can be
+  ** stamped with the new version) */
+  if (st == KILN_OK && (op->flags & KILN__OP_INPLACE))
+    for (int i = 0; i < n_in; i++)
+      if (args[i]) kiln__storage_bump(args[i]->storage);
   if (st == KILN_OK) st = op->forward(&c);
   if (st == KILN_OK && (op->flags & (KILN__OP_SELF_ALLOC | KILN__OP_COMPOSITE))) {
     n_alloc = 0; /* the op's own outputs: not ours to discard */

@@ -647,6 +647,51 @@ static const kiln__op op_to_dtype_many = {
     .n_kernels = 2, .kernels = {KILN__K_CAST_MULTI, KILN__K_COPY}, .attrs = f_to_many, .n_attrs = 1,
     .attr_size = sizeof(attrs_to_many), .infer = to_many_infer, .forward = to_many_forward, .backward = to_many_bw};
 
+/* ---- amp_copy: autocast's kept 16-bit copies of parameters, as if cast now ----
+** The fused optimizers rewrite a parameter's copy (t->amp_copy) with each update and stamp
+** it valid (ops_optim.c); autocast then hands the op an alias of the copy through this op
+** instead of casting: no kernel, and the same node as to_dtype_many's (its rule, the
+** parameters' gradients back in f32). Internal: kiln__amp_copy_many. */
+typedef struct attrs_amp_copy {
+  kiln_dtype dtype;
+  kiln_tensor *const *copies; /* not an attribute: copies[k] stands for input k */
+} attrs_amp_copy;
+static const kiln__attr_field f_amp_copy[] = {KILN__FIELD(attrs_amp_copy, dtype, KILN__A_DTYPE)};
+
+static kiln_status amp_copy_infer(kiln__op_ctx *c) {
+  const attrs_amp_copy *p = c->attrs;
+  if (c->n_in < 1 || c->n_in > KILN__OP_MAX_OUT)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: 1 to %d tensors, got %d", c->op->api, KILN__OP_MAX_OUT,
+                          c->n_in);
+  for (int k = 0; k < c->n_in; k++) {
+    const kiln_tensor *t = c->in[k], *cp = p->copies[k];
+    if (!cp || cp->dtype != p->dtype || cp->ndim != t->ndim ||
+        memcmp(cp->shape, t->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
+      return kiln_set_error(KILN_ERR_INTERNAL, "%s: copy %d does not match its tensor %s", c->op->api, k,
+                            kiln__tshape(t));
+    kiln__op_meta_like(c, k, t, p->dtype);
+  }
+  c->n_out = c->n_in;
+  return KILN_OK;
+}
+static kiln_status amp_copy_forward(kiln__op_ctx *c) {
+  const attrs_amp_copy *p = c->attrs;
+  for (int k = 0; k < c->n_in; k++)
+    if (!(c->out[k] = kiln__tensor_alias(p->copies[k], true))) return kiln_last_error();
+  return KILN_OK;
+}
+static const kiln__op op_amp_copy = {
+    .name = "amp_copy", .api = "kiln__amp_copy_many", .n_in = KILN__OP_VARIADIC, .n_out = KILN__OP_MAX_OUT,
+    .flags = KILN__OP_SELF_ALLOC, .attrs = f_amp_copy, .n_attrs = 1, .attr_size = sizeof(attrs_amp_copy),
+    .infer = amp_copy_infer, .forward = amp_copy_forward, .backward = to_many_bw};
+
+kiln_status kiln__amp_copy_many(int n, kiln_tensor *const *ins, kiln_tensor *const *copies, kiln_dtype dt,
+                                kiln_tensor **outs) {
+  attrs_amp_copy p = {dt, copies};
+  for (int k = 0; k < n && k < KILN__OP_MAX_OUT; k++) outs[k] = NULL;
+  return kiln__op_call(&op_amp_copy, n, ins, &p, outs) ? KILN_OK : kiln_last_error();
+}
+
 /* The dtype in which n's rule may give input i's gradient. When input i is a cast's
 ** output (to_dtype, or to_dtype_many: autocast's casts of a parameter) from an f32 tensor
 ** to f16/bf16, the cast's rule only converts the gradient back to f32: a rule that can
@@ -658,7 +703,8 @@ kiln_dtype kiln__grad_dtype(const kiln__node *n, int i) {
   const kiln__edge *e = &n->next[i];
   kiln_dtype own = n->in_dtype[i];
   const kiln__node *c = e->node;
-  if (!c || (own != KILN_F16 && own != KILN_BF16) || (c->op != &op_to_dtype && c->op != &op_to_dtype_many) ||
+  if (!c || (own != KILN_F16 && own != KILN_BF16) ||
+      (c->op != &op_to_dtype && c->op != &op_to_dtype_many && c->op != &op_amp_copy) ||
       e->index >= c->n_in || c->in_dtype[e->index] != KILN_F32)
     return own;
   const kiln_tensor *out = e->index == 0 ? c->out_weak : c->outs_weak[e->index];

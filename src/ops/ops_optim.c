@@ -120,6 +120,50 @@ static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor 
   return kiln__dispatch(kiln_device_of(step_t), &inc);
 }
 
+/* ---- autocast's 16-bit copies, rewritten with the update ----
+** A parameter autocast casts (an f32 leaf) keeps its 16-bit copy (t->amp_copy, autocast.c).
+** The list kernels write the copy from the updated value in the same pass (one more store
+** per element, no kernel), as the cast would convert it, and the copy is then stamped
+** valid at the parameter's new version: autocast's next region uses it instead of casting.
+** A parameter updated any other way (one tensor at a time, a backend without the list
+** kernel, a skipped step still counts: nothing moved) keeps its old stamp, which the
+** version bump of the in-place op has made stale. */
+static bool has_copy(const kiln_tensor *p) {
+  const kiln_tensor *c = p->amp_copy;
+  return c && p->dtype == KILN_F32 && (c->dtype == KILN_BF16 || c->dtype == KILN_F16) &&
+         kiln_numel(c) == kiln_numel(p) && kiln_is_contiguous(c) &&
+         kiln_device_equal(kiln_device_of(c), kiln_device_of(p));
+}
+
+/* The copy column of group j: the copy's view, or one with no data (nothing to write). */
+static kiln__view copy_view(const kiln_tensor *p) {
+  kiln__view v = kiln__view_of(p);
+  if (!has_copy(p)) {
+    v.data = NULL;
+    return v;
+  }
+  return kiln__view_of(p->amp_copy);
+}
+
+/* After a list kernel wrote the copies: each is what a cast of the parameter gives now. */
+static void stamp_copies(kiln_tensor *const *params, const int *idx, int m) {
+  uint64_t epoch = kiln__write_epoch();
+  for (int k = 0; k < m; k++) {
+    kiln_tensor *p = params[idx[k]];
+    if (!has_copy(p)) continue;
+    p->amp_copy_version = kiln__storage_version(p->storage);
+    p->amp_copy_epoch = epoch;
+  }
+}
+
+/* Whether any of the n parameters (of the group starting at i: same device and dtype) has
+** a copy to write; the list then carries the copy column. */
+static bool any_copy(int n, kiln_tensor *const *params) {
+  for (int j = 0; j < n; j++)
+    if (params[j] && has_copy(params[j])) return true;
+  return false;
+}
+
 /* A list kernel's call (ADAM_MULTI, SGD_MULTI; a->op and its scalars set): the found-inf
 ** flag as its one input, m groups of w views and their per-group integers. Dispatched,
 ** with the result in *st, when the device has the kernel for these arguments; false
@@ -150,7 +194,9 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
                                    double beta2, double eps, double weight_decay, bool decoupled,
                                    bool amsgrad, kiln_tensor *found_inf) {
   static const char who[] = "kiln_adam_multi_step_";
-  const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0);
+  const bool copies = any_copy(n, params);
+  const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0) + (copies ? 1 : 0);
+  const int wc = w - (copies ? 1 : 0); /* the copy is the last column, after step_t */
   kiln__view *list = malloc((size_t)(n > 0 ? n : 1) * (size_t)w * sizeof *list);
   int64_t *li = malloc((size_t)(n > 0 ? n : 1) * sizeof *li);
   int *idx = malloc((size_t)(n > 0 ? n : 1) * sizeof *idx); /* list group -> tensor */
@@ -171,7 +217,8 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
       g[2] = kiln__view_of(exp_avg[j]);
       g[3] = kiln__view_of(exp_avg_sq[j]);
       if (amsgrad) g[4] = kiln__view_of(max_exp_avg_sq[j]);
-      if (step_t) g[w - 1] = kiln__view_of(step_t[j]);
+      if (step_t) g[wc - 1] = kiln__view_of(step_t[j]);
+      if (copies) g[w - 1] = copy_view(params[j]);
       li[m] = step_t ? 1 : steps[j];
       idx[m++] = j;
     }
@@ -179,7 +226,11 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
     kiln__kargs a = {0};
     a.op = KILN__K_ADAM_MULTI;
     adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
-    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) continue;
+    if (copies) a.i[1] |= 16;
+    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) {
+      if (st == KILN_OK && copies) stamp_copies(params, idx, m);
+      continue;
+    }
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
       int j = idx[k];
       st = adam_step_call(params[j], grads[j], exp_avg[j], exp_avg_sq[j],
@@ -657,7 +708,9 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
   kiln_tensor *const *bufs = SGD_LIST(c, 2), *const *step_t = SGD_LIST(c, 3);
   kiln_tensor *found_inf = c->in[4 * (size_t)n];
   const bool mom = p->momentum != 0, on_dev = p->has_step_t;
-  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0);
+  const bool copies = any_copy(n, params);
+  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0) + (copies ? 1 : 0);
+  const int wc = w - (copies ? 1 : 0); /* the copy is the last column, after step_t */
   size_t cap = (size_t)(n > 0 ? n : 1);
   kiln__view *list = malloc(cap * (size_t)w * sizeof *list);
   int64_t *li = malloc(cap * sizeof *li);
@@ -676,7 +729,8 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
       g[0] = kiln__view_of(grads[j]);
       g[1] = kiln__view_of(params[j]);
       if (mom) g[2] = kiln__view_of(bufs[j]);
-      if (on_dev) g[w - 1] = kiln__view_of(step_t[j]);
+      if (on_dev) g[wc - 1] = kiln__view_of(step_t[j]);
+      if (copies) g[w - 1] = copy_view(params[j]);
       li[m] = p->first && p->first[j] ? 1 : 0;
       idx[m++] = j;
     }
@@ -686,8 +740,12 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
     a.s[1] = p->momentum;
     a.s[2] = p->dampening;
     a.s[3] = p->weight_decay;
-    a.i[1] = (p->nesterov ? 1 : 0) | (p->maximize ? 2 : 0) | (on_dev ? 4 : 0) | (found_inf ? 8 : 0) | (mom ? 16 : 0);
-    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) continue;
+    a.i[1] = (p->nesterov ? 1 : 0) | (p->maximize ? 2 : 0) | (on_dev ? 4 : 0) | (found_inf ? 8 : 0) | (mom ? 16 : 0) |
+             (copies ? 32 : 0);
+    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) {
+      if (st == KILN_OK && copies) stamp_copies(params, idx, m);
+      continue;
+    }
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
       int j = idx[k];
       st = sgd_composed(p, params[j], grads[j], mom ? bufs[j] : NULL, li[k] != 0, on_dev ? step_t[j] : NULL,

@@ -172,17 +172,36 @@ kiln_status kiln__cpu_adam(const kiln__kargs *a) {
   return KILN_OK;
 }
 
+/* The list kernels' copy column (ADAM_MULTI flag 16, SGD_MULTI flag 32): each group's last
+** view, when it has data, gets the parameter (v[1]) converted as COPY converts it, after
+** the update (or as it is, when the step was skipped). */
+static kiln_status write_copies(const kiln__kargs *a, int w) {
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[(size_t)g * (size_t)w];
+    if (!v[w - 1].data) continue;
+    kiln__kargs c = {0};
+    c.op = KILN__K_COPY;
+    c.n_in = c.n_out = 1;
+    c.in[0] = v[1];
+    c.out[0] = v[w - 1];
+    kiln_status st = kiln__cpu_copy(&c);
+    if (st != KILN_OK) return st;
+  }
+  return KILN_OK;
+}
+
 /* ADAM_MULTI: the single-tensor kernel per group (the CPU gains nothing from fewer calls
 ** but the dispatch), then each step_t advanced when the step lives with the tensors. */
 kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
-  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
+  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0, copies = (a->i[1] & 16) != 0;
   const int w = kiln__adam_list_width(a);
   if (w < 0) return kiln_last_error();
+  const int ws = w - (copies ? 1 : 0); /* step_t is the last view before the copy */
   /* flag 8: in0 is the found-inf flag; set, the step is skipped and no step_t advances */
   if (a->i[1] & 8) {
     if (a->n_in < 1 || a->in[0].dtype != KILN_F32)
       return kiln_set_error(KILN_ERR_INTERNAL, "kiln adam_multi kernel: flag 8 needs an f32 found_inf as in0");
-    if (*(const float *)a->in[0].data != 0.0f) return KILN_OK;
+    if (*(const float *)a->in[0].data != 0.0f) return copies ? write_copies(a, w) : KILN_OK;
   }
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
@@ -190,18 +209,22 @@ kiln_status kiln__cpu_adam_multi(const kiln__kargs *a) {
     k.op = KILN__K_ADAM;
     k.n_in = on_dev ? 2 : 1;
     k.in[0] = v[0];
-    if (on_dev) k.in[1] = v[w - 1];
+    if (on_dev) k.in[1] = v[ws - 1];
     k.n_out = ams ? 4 : 3;
     for (int o = 0; o < k.n_out; o++) k.out[o] = v[1 + o];
     memcpy(k.s, a->s, sizeof k.s);
     k.i[0] = a->list_i ? a->list_i[g] : 1;
-    k.i[1] = a->i[1] & ~(int64_t)8; /* the flag was read above */
+    k.i[1] = a->i[1] & ~(int64_t)(8 | 16); /* the flag was read above; the copy is ours */
     k.i[2] = a->i[2];
     kiln_status st = kiln__cpu_adam(&k);
     if (st != KILN_OK) return st;
   }
+  if (copies) {
+    kiln_status st = write_copies(a, w);
+    if (st != KILN_OK) return st;
+  }
   if (on_dev)
-    for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(w - 1)].data += 1.0;
+    for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(ws - 1)].data += 1.0;
   return KILN_OK;
 }
 
@@ -369,12 +392,13 @@ SGD_FNS(bf16, uint16_t, LD_BF16, ST_BF16, RND_BF16, float, fmaf)
 kiln_status kiln__cpu_sgd_multi(const kiln__kargs *a) {
   const int w = kiln__sgd_list_width(a);
   if (w < 0) return kiln_last_error();
-  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0;
+  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0, copies = (a->i[1] & 32) != 0;
+  const int ws = w - (copies ? 1 : 0); /* step_t is the last view before the copy */
   /* flag 8: in0 is the found-inf flag; set, the step is skipped and no step_t advances */
   if (a->i[1] & 8) {
     if (a->n_in < 1 || a->in[0].dtype != KILN_F32)
       return kiln_set_error(KILN_ERR_INTERNAL, "kiln sgd_multi kernel: flag 8 needs an f32 found_inf as in0");
-    if (*(const float *)a->in[0].data != 0.0f) return KILN_OK;
+    if (*(const float *)a->in[0].data != 0.0f) return copies ? write_copies(a, w) : KILN_OK;
   }
   const bool fma_cpu = kiln__cpu_has_fma();
   for (int gi = 0; gi < a->list_n; gi++) {
@@ -399,7 +423,7 @@ kiln_status kiln__cpu_sgd_multi(const kiln__kargs *a) {
     j.momentum = mom;
     /* the first step takes the gradient as the buffer: the device count says when, or
     ** the host's mark */
-    j.first = on_dev ? *(const double *)v[w - 1].data == 0.0 : (a->list_i && a->list_i[gi] != 0);
+    j.first = on_dev ? *(const double *)v[ws - 1].data == 0.0 : (a->list_i && a->list_i[gi] != 0);
     kiln__cpu_range_fn fn;
     switch (dt) {
     case KILN_F32: fn = fma_cpu ? sgd_f32_fma : sgd_f32_plain; break;
@@ -411,7 +435,11 @@ kiln_status kiln__cpu_sgd_multi(const kiln__kargs *a) {
     }
     kiln__cpu_parallel_for(n, ADAM_PAR_MIN, fn, &j);
   }
+  if (copies) {
+    kiln_status st = write_copies(a, w);
+    if (st != KILN_OK) return st;
+  }
   if (on_dev)
-    for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(w - 1)].data += 1.0;
+    for (int g = 0; g < a->list_n; g++) *(double *)a->list[(size_t)g * (size_t)w + (size_t)(ws - 1)].data += 1.0;
   return KILN_OK;
 }

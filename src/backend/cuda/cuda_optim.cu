@@ -149,6 +149,16 @@ extern "C" bool kiln__cuda_adam_supports(const kiln__kargs *a) {
 #define KC_MT_MAX 32
 #define KC_MT_CHUNK KC_THREADS
 
+/* Autocast's 16-bit copy of a parameter (ADAM_MULTI flag 16, SGD_MULTI flag 32: the last
+** view of a group; none where its data is NULL): element i written from the parameter as
+** the cast (COPY, CAST_MULTI) converts it, by the thread that just stored the parameter.
+** The op layer gives copies of f32 parameters only, all of one 16-bit dtype a launch. */
+template <class T>
+__device__ __forceinline__ void kc_copy_store(void *cp, bool bf16, int64_t i, T v) {
+  if (bf16) ((__nv_bfloat16 *)cp)[i] = kc_st<__nv_bfloat16>(kc_ld<T>(v));
+  else ((__half *)cp)[i] = kc_st<__half>(kc_ld<T>(v));
+}
+
 /* Blocks of the current ADAM_MULTI launch that are done: kiln queues its launches on one
 ** stream per device, so one launch at a time uses it; the last block resets it. */
 __device__ unsigned int kc_adam_blocks_done;
@@ -162,20 +172,28 @@ struct kc_adam_list {
   double nss[KC_MT_MAX], bc2s[KC_MT_MAX]; /* -(lr / (1 - b1^t)) and sqrt(1 - b2^t), host steps */
   int block_end[KC_MT_MAX]; /* blocks of tensors 0..i together */
   int any_step;             /* some step_t is set: the last block advances them */
+  void *cp[KC_MT_MAX];      /* 16-bit copies to write (NULL: none) */
+  int cp_bf16;              /* their dtype: bf16 (else f16) */
 };
 
 template <class T, class C>
 __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list L, kc_adam_hpd h,
                                                                    const float *__restrict__ found) {
-  /* a found inf/NaN skips the whole step: every block leaves before counting itself, so
-  ** the done counter stays 0 and no step_t advances (PyTorch's skipped step) */
-  if (found && *found != 0.0f) return;
   int t = 0;
   while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
   const int first = t ? L.block_end[t - 1] : 0;
   const int64_t n = L.numel[t];
   const int64_t lo = (int64_t)((int)blockIdx.x - first) * KC_MT_CHUNK;
   const int64_t hi = lo + KC_MT_CHUNK < n ? lo + KC_MT_CHUNK : n;
+  void *const cp = L.cp[t];
+  /* a found inf/NaN skips the whole step: every block leaves before counting itself, so
+  ** the done counter stays 0 and no step_t advances (PyTorch's skipped step); a copy is
+  ** still written, from the parameter as it stays, so it is valid either way */
+  if (found && *found != 0.0f) {
+    if (cp)
+      for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) kc_copy_store<T>(cp, L.cp_bf16, i, ((T *)L.p[t])[i]);
+    return;
+  }
   __shared__ double corr[2]; /* a device step: the block's corrections, worked out once */
   if (L.step_t[t]) {
     if (threadIdx.x == 0) {
@@ -189,8 +207,10 @@ __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list 
   T *__restrict__ m = (T *)L.m[t];
   T *__restrict__ v = (T *)L.v[t];
   T *__restrict__ vmax = (T *)L.vmax[t];
-  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS)
+  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) {
     kc_adam_elem<T, C>(p, g, m, v, vmax, i, h, nss, bc2s);
+    if (cp) kc_copy_store<T>(cp, L.cp_bf16, i, p[i]);
+  }
   if (!L.any_step) return;
   /* every block has read its step before it counts itself done: the last one advances them */
   __syncthreads();
@@ -208,10 +228,11 @@ __global__ void __launch_bounds__(KC_THREADS) kc_adam_multi_kernel(kc_adam_list 
 extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
   kiln__cuda_dev *dev;
   KC_TRY(kiln__cuda_ctx(a->device, &dev));
-  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0;
+  const bool ams = (a->i[1] & 2) != 0, on_dev = (a->i[1] & 4) != 0, copies = (a->i[1] & 16) != 0;
   const int w = kiln__adam_list_width(a);
   if (w < 0) return kiln_last_error();
   if (a->list_n == 0) return KILN_OK;
+  const int ws = w - (copies ? 1 : 0); /* step_t is the last view before the copy */
   kc_adam_hpd h = kc_adam_scalars(a);
   const kiln_dtype dt = a->list[1].dtype;
   const float *found = (a->i[1] & 8) ? (const float *)a->in[0].data : NULL;
@@ -234,7 +255,9 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
       L.m[k] = v[2].data;
       L.v[k] = v[3].data;
       L.vmax[k] = ams ? v[4].data : NULL;
-      L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
+      L.step_t[k] = on_dev ? (double *)v[ws - 1].data : NULL;
+      L.cp[k] = copies ? v[w - 1].data : NULL;
+      if (L.cp[k]) L.cp_bf16 = v[w - 1].dtype == KILN_BF16;
       L.numel[k] = n;
       const double step = (double)(a->list_i && a->list_i[g0 + k] > 0 ? a->list_i[g0 + k] : 1);
       kc_adam_corr(h, step, &L.nss[k], &L.bc2s[k]);
@@ -259,16 +282,33 @@ extern "C" kiln_status kiln__cuda_adam_multi(const kiln__kargs *a) {
   return KILN_OK;
 }
 
+/* The copy column's views (the last of each group): none, or f32 parameters' copies of
+** one 16-bit dtype with the parameter's element count. */
+static bool kc_copies_ok(const kiln__kargs *a, int w) {
+  int cdt = -1;
+  for (int g = 0; g < a->list_n; g++) {
+    const kiln__view *v = &a->list[(size_t)g * (size_t)w];
+    const kiln__view *c = &v[w - 1];
+    if (!c->data) continue;
+    if (v[1].dtype != KILN_F32 || (c->dtype != KILN_BF16 && c->dtype != KILN_F16) || (cdt >= 0 && (int)c->dtype != cdt) ||
+        kc_numel(c) != kc_numel(&v[1]))
+      return false;
+    cdt = (int)c->dtype;
+  }
+  return true;
+}
+
 extern "C" bool kiln__cuda_adam_multi_supports(const kiln__kargs *a) {
   const int w = a->list_w;
   if (a->list_n < 1 || w < 4 || !a->list) return a->list_n == 0;
   kiln_dtype dt = a->list[1].dtype;
   if (!kc_is_float(dt)) return false;
-  const bool on_dev = (a->i[1] & 4) != 0;
+  const bool on_dev = (a->i[1] & 4) != 0, copies = (a->i[1] & 16) != 0;
   if ((a->i[1] & 8) && (a->n_in < 1 || a->in[0].dtype != KILN_F32 || kc_numel(&a->in[0]) != 1)) return false;
+  if (copies && !kc_copies_ok(a, w)) return false;
   for (int g = 0; g < a->list_n; g++) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
-    for (int k = 0; k < w - (on_dev ? 1 : 0); k++)
+    for (int k = 0; k < w - (on_dev ? 1 : 0) - (copies ? 1 : 0); k++)
       if (v[k].dtype != dt || kc_numel(&v[k]) != kc_numel(&v[1])) return false;
   }
   return true;
@@ -304,6 +344,8 @@ struct kc_sgd_list {
   int block_end[KC_SGD_MAX];        /* blocks of tensors 0..i together */
   unsigned char first[KC_SGD_MAX];  /* host steps: the buffer is new this step */
   int any_step;
+  void *cp[KC_SGD_MAX]; /* 16-bit copies to write (NULL: none) */
+  int cp_bf16;          /* their dtype: bf16 (else f16) */
 };
 
 /* x rounded to T and back (what storing an op's result in a T tensor does). */
@@ -332,18 +374,26 @@ __device__ __forceinline__ void kc_sgd_elem(T *__restrict__ p, const T *__restri
 template <class T, class C>
 __global__ void __launch_bounds__(KC_THREADS) kc_sgd_multi_kernel(kc_sgd_list L, kc_sgd_hp h,
                                                                   const float *__restrict__ found) {
-  if (found && *found != 0.0f) return; /* skipped: no block counts itself, no step_t moves */
   int t = 0;
   while (t < L.n - 1 && (int)blockIdx.x >= L.block_end[t]) t++;
   const int first_block = t ? L.block_end[t - 1] : 0;
   const int64_t n = L.numel[t];
   const int64_t lo = (int64_t)((int)blockIdx.x - first_block) * KC_MT_CHUNK;
   const int64_t hi = lo + KC_MT_CHUNK < n ? lo + KC_MT_CHUNK : n;
+  void *const cp = L.cp[t];
+  if (found && *found != 0.0f) { /* skipped: no block counts itself, no step_t moves; the copy as ADAM_MULTI's */
+    if (cp)
+      for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) kc_copy_store<T>(cp, L.cp_bf16, i, ((T *)L.p[t])[i]);
+    return;
+  }
   const bool first = L.step_t[t] ? *L.step_t[t] == 0.0 : L.first[t] != 0;
   T *__restrict__ p = (T *)L.p[t];
   const T *__restrict__ g = (const T *)L.g[t];
   T *__restrict__ b = (T *)L.b[t];
-  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) kc_sgd_elem<T, C>(p, g, b, i, h, first);
+  for (int64_t i = lo + threadIdx.x; i < hi; i += KC_THREADS) {
+    kc_sgd_elem<T, C>(p, g, b, i, h, first);
+    if (cp) kc_copy_store<T>(cp, L.cp_bf16, i, p[i]);
+  }
   if (!L.any_step) return;
   /* every block has read its step before it counts itself done: the last one advances them */
   __syncthreads();
@@ -364,7 +414,8 @@ extern "C" kiln_status kiln__cuda_sgd_multi(const kiln__kargs *a) {
   const int w = kiln__sgd_list_width(a);
   if (w < 0) return kiln_last_error();
   if (a->list_n == 0) return KILN_OK;
-  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0;
+  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0, copies = (a->i[1] & 32) != 0;
+  const int ws = w - (copies ? 1 : 0); /* step_t is the last view before the copy */
   kc_sgd_hp h;
   h.nlr = -a->s[0];
   h.mu = a->s[1];
@@ -389,7 +440,9 @@ extern "C" kiln_status kiln__cuda_sgd_multi(const kiln__kargs *a) {
       L.g[k] = v[0].data;
       L.p[k] = v[1].data;
       L.b[k] = mom ? v[2].data : NULL;
-      L.step_t[k] = on_dev ? (double *)v[w - 1].data : NULL;
+      L.step_t[k] = on_dev ? (double *)v[ws - 1].data : NULL;
+      L.cp[k] = copies ? v[w - 1].data : NULL;
+      if (L.cp[k]) L.cp_bf16 = v[w - 1].dtype == KILN_BF16;
       L.first[k] = (unsigned char)(a->list_i && a->list_i[g0 + k] != 0);
       L.numel[k] = n;
       blocks += (int)nb;
@@ -414,10 +467,12 @@ extern "C" kiln_status kiln__cuda_sgd_multi(const kiln__kargs *a) {
 }
 
 extern "C" bool kiln__cuda_sgd_multi_supports(const kiln__kargs *a) {
-  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0;
-  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0);
+  const bool on_dev = (a->i[1] & 4) != 0, mom = (a->i[1] & 16) != 0, copies = (a->i[1] & 32) != 0;
+  const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0) + (copies ? 1 : 0);
+  const int ws = w - (copies ? 1 : 0);
   if (a->list_n < 1 || !a->list) return a->list_n == 0;
   if (a->list_w != w) return false;
+  if (copies && !kc_copies_ok(a, w)) return false;
   const kiln_dtype dt = a->list[1].dtype;
   if (!kc_is_float(dt)) return false;
   if ((a->i[1] & 8) && (a->n_in < 1 || a->in[0].dtype != KILN_F32 || kc_numel(&a->in[0]) != 1)) return false;
@@ -425,7 +480,7 @@ extern "C" bool kiln__cuda_sgd_multi_supports(const kiln__kargs *a) {
     const kiln__view *v = &a->list[(size_t)g * (size_t)w];
     for (int k = 0; k < 2 + (mom ? 1 : 0); k++)
       if (v[k].dtype != dt || kc_numel(&v[k]) != kc_numel(&v[1])) return false;
-    if (on_dev && (v[w - 1].dtype != KILN_F64 || kc_numel(&v[w - 1]) != 1)) return false;
+    if (on_dev && (v[ws - 1].dtype != KILN_F64 || kc_numel(&v[ws - 1]) != 1)) return false;
   }
   return true; /* the op layer guarantees contiguous views */
 }

@@ -1008,7 +1008,7 @@ static kiln_status vk_adam_multi(const kiln__kargs *a) {
 }
 
 static bool adam_multi_supports(const kiln__kargs *a) {
-  if ((a->i[1] & 4) || a->list_w < 4 || a->list_w > 5) return false;
+  if ((a->i[1] & (4 | 16)) || a->list_w < 4 || a->list_w > 5) return false; /* 16: autocast's copies (not here) */
   for (int g = 0; g < a->list_n; g++) {
     kiln__kargs one;
     adam_group(a, g, &one);

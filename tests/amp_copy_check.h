@@ -7,7 +7,12 @@
 **     in-place op), so it casts every step and never uses a copy. Losses and parameters
 **     agree bit for bit after every step;
 **   - a parameter written in place after the step (kiln_mul_scalar_) is cast afresh: the
-**     next forward equals a forward on an explicit cast of the new values, bit for bit.
+**     next forward equals a forward on an explicit cast of the new values, bit for bit;
+**   - graphs: a model with valid copies captures its step (capturable Adam), replays it 3
+**     times and takes 2 eager steps after; it matches a model that casts every step
+**     eagerly (within 1e-5 of the largest value: a capture may pick other cuBLAS
+**     algorithms), so a capture neither reads a copy it cannot check nor leaves one
+**     stale for the eager steps after the replays.
 ** Needs check.h included first.
 */
 #ifndef KILN_TEST_AMP_COPY_CHECK_H
@@ -31,7 +36,7 @@ typedef struct copy_model {
   kiln_optimizer *opt;
 } copy_model;
 
-static void copy_model_init(copy_model *m, kiln_device dev, bool sgd) {
+static void copy_model_init2(copy_model *m, kiln_device dev, bool sgd, bool capturable) {
   kiln_generator *g = kiln_generator_new(21);
   static const int64_t shapes[4][2] = {{32, 40}, {32, 0}, {10, 32}, {10, 0}};
   kiln_scope_begin();
@@ -44,9 +49,12 @@ static void copy_model_init(copy_model *m, kiln_device dev, bool sgd) {
   kiln_generator_free(g);
   kiln_optim_config cfg = sgd ? kiln_sgd_config(0.05) : kiln_adam_config(1e-2);
   if (sgd) cfg.momentum = 0.9;
+  cfg.capturable = capturable;
   m->opt = kiln_optimizer_new(&cfg, m->p, 4);
   CHECK(m->opt != NULL);
 }
+
+static void copy_model_init(copy_model *m, kiln_device dev, bool sgd) { copy_model_init2(m, dev, sgd, false); }
 
 static void copy_model_free(copy_model *m) {
   kiln_optimizer_free(m->opt);
@@ -61,7 +69,74 @@ static kiln_tensor *copy_forward(copy_model *m, kiln_tensor *x, kiln_tensor *y, 
   return loss;
 }
 
+/* max |a - b| <= tol * max |b|, over all four parameters */
+static bool copy_close(copy_model *a, copy_model *b, double tol) {
+  bool ok = true;
+  for (int i = 0; i < 4; i++) {
+    kiln_scope_begin();
+    int64_t n = kiln_numel(b->p[i]);
+    kiln_tensor *d = kiln_amax(kiln_reshape(kiln_abs(kiln_sub(a->p[i], b->p[i])), KILN_SHAPE(n)), KILN_DIMS(0), false);
+    kiln_tensor *m = kiln_amax(kiln_reshape(kiln_abs(b->p[i]), KILN_SHAPE(n)), KILN_DIMS(0), false);
+    double dv = d ? kiln_item(d) : 1e30, mv = m ? kiln_item(m) : 0;
+    if (!(dv <= tol * mv)) {
+      fprintf(stderr, "  parameter %d: max difference %.3g, max value %.3g\n", i, dv, mv);
+      ok = false;
+    }
+    kiln_scope_end();
+  }
+  return ok;
+}
+
+typedef struct copy_graph_ctx {
+  copy_model *m;
+  kiln_tensor *x, *y;
+  kiln_device dev;
+} copy_graph_ctx;
+
+static kiln_status copy_graph_step(void *p) {
+  copy_graph_ctx *c = p;
+  kiln_scope_begin();
+  kiln_tensor *loss = copy_forward(c->m, c->x, c->y, c->dev);
+  kiln_status st = kiln_optimizer_zero_grad(c->m->opt);
+  if (st == KILN_OK) st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (st == KILN_OK) st = kiln_optimizer_step(c->m->opt);
+  kiln_scope_end();
+  return st;
+}
+
+static void amp_copy_graph_check(kiln_device dev) {
+  kiln_scope_begin();
+  kiln_generator *g = kiln_generator_new(6);
+  kiln_tensor *x = kiln_keep(kiln_to_device(kiln_randn(KILN_SHAPE(16, 40), KILN_F32, kiln_device_cpu(), g), dev));
+  kiln_tensor *y = kiln_keep(kiln_to_device(kiln_randint(0, 10, KILN_SHAPE(16), KILN_I64, kiln_device_cpu(), g), dev));
+  kiln_generator_free(g);
+  copy_model a, b;
+  copy_model_init2(&a, dev, false, true);
+  copy_model_init2(&b, dev, false, true);
+  copy_graph_ctx ca = {&a, x, y, dev}, cb = {&b, x, y, dev};
+  for (int s = 0; s < 7; s++) { /* b: casts every step (its copies made stale first) */
+    bool prev = kiln_set_grad_enabled(false);
+    for (int i = 0; i < 4; i++) CHECK(kiln_copy_(b.p[i], b.p[i]) == KILN_OK);
+    kiln_set_grad_enabled(prev);
+    CHECK(copy_graph_step(&cb) == KILN_OK);
+  }
+  kiln_graph *gr = NULL;
+  for (int s = 0; s < 2; s++) CHECK(copy_graph_step(&ca) == KILN_OK); /* a: copies made, then used */
+  CHECK((gr = kiln_graph_capture(dev, copy_graph_step, &ca)) != NULL);
+  for (int r = 0; r < 3 && gr; r++) CHECK(kiln_graph_replay(gr) == KILN_OK);
+  for (int s = 0; s < 2; s++) CHECK(copy_graph_step(&ca) == KILN_OK); /* eager again after the replays */
+  CHECK(kiln_device_synchronize(dev) == KILN_OK);
+  CHECK(copy_close(&a, &b, 1e-5));
+  kiln_graph_free(gr);
+  copy_model_free(&a);
+  copy_model_free(&b);
+  kiln_tensor_free(x);
+  kiln_tensor_free(y);
+  kiln_scope_end();
+}
+
 static void amp_copy_check(kiln_device dev) {
+  amp_copy_graph_check(dev);
   for (int opt = 0; opt < 2; opt++) {
     kiln_scope_begin();
     kiln_generator *g = kiln_generator_new(5);

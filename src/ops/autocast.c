@@ -152,7 +152,7 @@ static kiln_status cast_group(kiln_tensor **in, const int *idx, const bool *cach
 }
 
 /* Whether dev is capturing a graph now. */
-static bool capturing(kiln_device dev) {
+bool kiln__capturing(kiln_device dev) {
   const kiln__backend *b = kiln__backend_get(dev.type);
   return b && b->graph && b->graph->capturing && b->graph->capturing(dev.index);
 }
@@ -210,7 +210,7 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
         in[i] = c;
         continue;
       }
-      if (t->amp_copy && cap < 0) cap = capturing(kiln_device_of(t));
+      if (t->amp_copy && cap < 0) cap = kiln__capturing(kiln_device_of(t));
       kiln_tensor *k = cap == 0 ? valid_copy(t, dt) : NULL;
       if (k) { /* the optimizer's copy: no cast */
         kept_src[nk] = t;
@@ -247,7 +247,7 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
   ** capturing: a replay could not tell whether the copy is still valid) */
   for (int j = 0; j < ng; j++) {
     if (!cacheable[j] || (dt != KILN_BF16 && dt != KILN_F16)) continue;
-    if (cap < 0) cap = capturing(kiln_device_of(src[j]));
+    if (cap < 0) cap = kiln__capturing(kiln_device_of(src[j]));
     if (cap == 0) adopt_copy(src[j], in[idx[j]]);
   }
   return KILN_OK;

@@ -248,6 +248,9 @@ typedef struct kiln__autocast_state {
   int level;
 } kiln__autocast_state;
 void kiln__autocast_get_state(kiln__autocast_state *s);
+/* Whether dev's backend is capturing a graph now (autocast.c): autocast's kept copies are
+** neither used nor written inside a capture. */
+bool kiln__capturing(kiln_device dev);
 kiln_status kiln__autocast_push_state(const kiln__autocast_state *s);
 kiln_status kiln__autocast_pop_state(void);
 

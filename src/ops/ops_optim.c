@@ -128,11 +128,14 @@ static kiln_status adam_step(kiln_tensor *param, kiln_tensor *grad, kiln_tensor 
 ** A parameter updated any other way (one tensor at a time, a backend without the list
 ** kernel, a skipped step still counts: nothing moved) keeps its old stamp, which the
 ** version bump of the in-place op has made stale. */
+/* Not inside a graph capture: the graph would write the copy's memory on every replay,
+** also after autocast had dropped that copy (its bytes reused by another tensor); the
+** optimizer's in-place op has made the copy stale, so the next eager region casts. */
 static bool has_copy(const kiln_tensor *p) {
   const kiln_tensor *c = p->amp_copy;
   return c && p->dtype == KILN_F32 && (c->dtype == KILN_BF16 || c->dtype == KILN_F16) &&
-         kiln_numel(c) == kiln_numel(p) && kiln_is_contiguous(c) &&
-         kiln_device_equal(kiln_device_of(c), kiln_device_of(p));
+         kiln_numel(c) == kiln_numel(p) && kiln_is_contiguous(c) && kiln_is_contiguous(p) &&
+         kiln_device_equal(kiln_device_of(c), kiln_device_of(p)) && !kiln__capturing(kiln_device_of(p));
 }
 
 /* The copy column of group j: the copy's view, or one with no data (nothing to write). */
@@ -156,8 +159,8 @@ static void stamp_copies(kiln_tensor *const *params, const int *idx, int m) {
   }
 }
 
-/* Whether any of the n parameters (of the group starting at i: same device and dtype) has
-** a copy to write; the list then carries the copy column. */
+/* Whether any of the n parameters has a copy to write; the list then carries the copy
+** column. */
 static bool any_copy(int n, kiln_tensor *const *params) {
   for (int j = 0; j < n; j++)
     if (params[j] && has_copy(params[j])) return true;

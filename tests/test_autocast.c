@@ -146,8 +146,10 @@ static void test_weight_cast_cache(void) {
   CHECK(kiln_autocast_begin(KILN_DEVICE_CPU, KILN_BF16) == KILN_OK);
   kiln_linear(x, w, NULL);
   CHECK(kiln_autocast_end() == KILN_OK);
-  if (n_casts != 1) fprintf(stderr, "%d tensors cast\n", n_casts);
-  CHECK(n_casts == 1); /* a new region: x; w is unchanged since, its kept copy is used */
+  if (n_casts != 0) fprintf(stderr, "%d tensors cast\n", n_casts);
+  /* a new region: w is unchanged since, its kept copy is used, and x is cast in the same
+  ** op (amp_copy) */
+  CHECK(n_casts == 0);
   CHECK(seen_count("amp_copy") == 1);
   prev = kiln_set_grad_enabled(false);
   CHECK(kiln_mul_scalar_(w, 1.0) == KILN_OK); /* an in-place write, even of the same values */

@@ -231,13 +231,20 @@ static kiln_status lower_inputs(int n_in, kiln_tensor **in, const kiln__autocast
     idx[ng + j] = oi[j];
   }
   if (nk > 0) { /* the kept copies: one node for them all, no kernel */
+    /* with no weight to cast, the rest (the batch) is cast in the same op call */
+    int nr = ng == 0 && nk + no <= KILN__OP_MAX_OUT ? no : 0;
+    for (int j = 0; j < nr; j++) {
+      kept_src[nk + j] = in[oi[j]];
+      kept[nk + j] = NULL;
+    }
     kiln_tensor *outs[KILN__OP_MAX_OUT];
-    kiln_status st = kiln__amp_copy_many(nk, kept_src, kept, dt, outs);
-    for (int j = 0; j < nk && st == KILN_OK; j++) {
-      st = keep_cast(kept_src[j], dt, outs[j], true);
-      in[ki[j]] = outs[j];
+    kiln_status st = kiln__amp_copy_many(nk + nr, kept_src, kept, dt, outs);
+    for (int j = 0; j < nk + nr && st == KILN_OK; j++) {
+      st = j < nk ? keep_cast(kept_src[j], dt, outs[j], true) : keep_cast(kept_src[j], dt, outs[j], false);
+      in[j < nk ? ki[j] : oi[j - nk]] = outs[j];
     }
     if (st != KILN_OK) return st;
+    if (nr == no) no = 0; /* all cast */
   }
   kiln_tensor *src[KILN__OP_MAX_OUT];
   for (int j = 0; j < ng; j++) src[j] = in[idx[j]];

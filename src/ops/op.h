@@ -185,7 +185,8 @@ kiln_status kiln__broadcast_shapes(const char *op, int nd_a, const int64_t *sa, 
 kiln_status kiln__to_dtype_many(int n, kiln_tensor *const *ins, kiln_dtype dt, int n_grad, kiln_tensor **outs);
 /* outs[k] = an alias of copies[k] (autocast's kept 16-bit copy of parameter ins[k], of
 ** ins[k]'s shape and dtype dt) as a recorded op: no kernel; the node gives the parameters
-** their gradients as to_dtype_many's does. Outputs owned by the current scope. */
+** their gradients as to_dtype_many's does. Inputs with a NULL copy (after all those with
+** one; they get no gradient) are cast to dt (COPY). Outputs owned by the current scope. */
 kiln_status kiln__amp_copy_many(int n, kiln_tensor *const *ins, kiln_tensor *const *copies, kiln_dtype dt,
                                 kiln_tensor **outs);
 /* The dtype in which n's rule may give input i's gradient: f32 for an f16/bf16 input made

@@ -651,7 +651,9 @@ static const kiln__op op_to_dtype_many = {
 ** The fused optimizers rewrite a parameter's copy (t->amp_copy) with each update and stamp
 ** it valid (ops_optim.c); autocast then hands the op an alias of the copy through this op
 ** instead of casting: no kernel, and the same node as to_dtype_many's (its rule, the
-** parameters' gradients back in f32). Internal: kiln__amp_copy_many. */
+** parameters' gradients back in f32). Inputs without a copy (NULL copies[k]; the op's
+** batch, which needs no gradient: after those with one) are cast in the same call, so a
+** layer's casts stay one op call. Internal: kiln__amp_copy_many. */
 typedef struct attrs_amp_copy {
   kiln_dtype dtype;
   kiln_tensor *const *copies; /* not an attribute: copies[k] stands for input k */
@@ -663,26 +665,36 @@ static kiln_status amp_copy_infer(kiln__op_ctx *c) {
   if (c->n_in < 1 || c->n_in > KILN__OP_MAX_OUT)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: 1 to %d tensors, got %d", c->op->api, KILN__OP_MAX_OUT,
                           c->n_in);
+  int n_copies = 0;
   for (int k = 0; k < c->n_in; k++) {
     const kiln_tensor *t = c->in[k], *cp = p->copies[k];
-    if (!cp || cp->dtype != p->dtype || cp->ndim != t->ndim ||
+    if (!cp) continue;
+    if (k != n_copies++ || cp->dtype != p->dtype || cp->ndim != t->ndim ||
         memcmp(cp->shape, t->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
-      return kiln_set_error(KILN_ERR_INTERNAL, "%s: copy %d does not match its tensor %s", c->op->api, k,
-                            kiln__tshape(t));
-    kiln__op_meta_like(c, k, t, p->dtype);
+      return kiln_set_error(KILN_ERR_INTERNAL, "%s: copy %d does not match its tensor %s (or follows a cast)",
+                            c->op->api, k, kiln__tshape(t));
   }
+  for (int k = 0; k < c->n_in; k++) kiln__op_meta_like(c, k, c->in[k], p->dtype);
   c->n_out = c->n_in;
+  c->n_node_out = n_copies; /* the cast inputs need no gradient */
   return KILN_OK;
 }
 static kiln_status amp_copy_forward(kiln__op_ctx *c) {
   const attrs_amp_copy *p = c->attrs;
-  for (int k = 0; k < c->n_in; k++)
-    if (!(c->out[k] = kiln__tensor_alias(p->copies[k], true))) return kiln_last_error();
+  for (int k = 0; k < c->n_in; k++) {
+    if (p->copies[k]) {
+      c->out[k] = kiln__tensor_alias(p->copies[k], true);
+    } else if ((c->out[k] = kiln__tensor_new_like_format(c->in[k], p->dtype))) {
+      kiln_status st = copy_between(c->out[k], c->in[k]);
+      if (st != KILN_OK) return st;
+    }
+    if (!c->out[k]) return kiln_last_error();
+  }
   return KILN_OK;
 }
 static const kiln__op op_amp_copy = {
     .name = "amp_copy", .api = "kiln__amp_copy_many", .n_in = KILN__OP_VARIADIC, .n_out = KILN__OP_MAX_OUT,
-    .flags = KILN__OP_SELF_ALLOC, .attrs = f_amp_copy, .n_attrs = 1, .attr_size = sizeof(attrs_amp_copy),
+    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_COPY}, .attrs = f_amp_copy, .n_attrs = 1, .attr_size = sizeof(attrs_amp_copy),
     .infer = amp_copy_infer, .forward = amp_copy_forward, .backward = to_many_bw};
 
 kiln_status kiln__amp_copy_many(int n, kiln_tensor *const *ins, kiln_tensor *const *copies, kiln_dtype dt,

@@ -186,6 +186,26 @@ static bool multi_dispatch(kiln_device dev, kiln__kargs *a, kiln_tensor *found_i
   return true;
 }
 
+/* multi_dispatch with autocast's copy column (copy_flag set in a->i[1]; the last view of
+** each group). A backend whose list kernel does not take the column (Vulkan) gets the
+** list without it, rather than one call per tensor: its copies stay unstamped (stale), and
+** autocast casts. *copied says whether the copies were written. list is compacted in place
+** then. */
+static bool multi_dispatch_copies(kiln_device dev, kiln__kargs *a, kiln_tensor *found_inf, int m, int w,
+                                  kiln__view *list, const int64_t *li, int64_t copy_flag, bool *copied,
+                                  kiln_status *st) {
+  *copied = false;
+  if (!(a->i[1] & copy_flag)) return multi_dispatch(dev, a, found_inf, m, w, list, li, st);
+  if (multi_dispatch(dev, a, found_inf, m, w, list, li, st)) {
+    *copied = true;
+    return true;
+  }
+  for (int g = 0; g < m; g++) /* drop each group's last view (dest <= src: in order) */
+    memmove(&list[(size_t)g * (size_t)(w - 1)], &list[(size_t)g * (size_t)w], (size_t)(w - 1) * sizeof *list);
+  a->i[1] &= ~copy_flag;
+  return multi_dispatch(dev, a, found_inf, m, w - 1, list, li, st);
+}
+
 /* The list form: the tensors of one device and dtype go to one ADAM_MULTI call (the
 ** backend splits it into launches as it needs); a backend without the list kernel gets
 ** kiln_adam_step_ per tensor, which gives the same numbers. Its arguments are checked
@@ -230,8 +250,9 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
     a.op = KILN__K_ADAM_MULTI;
     adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
     if (copies) a.i[1] |= 16;
-    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) {
-      if (st == KILN_OK && copies) stamp_copies(params, idx, m);
+    bool copied;
+    if (multi_dispatch_copies(dev, &a, found_inf, m, w, list, li, 16, &copied, &st)) {
+      if (st == KILN_OK && copied) stamp_copies(params, idx, m);
       continue;
     }
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */
@@ -745,8 +766,9 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
     a.s[3] = p->weight_decay;
     a.i[1] = (p->nesterov ? 1 : 0) | (p->maximize ? 2 : 0) | (on_dev ? 4 : 0) | (found_inf ? 8 : 0) | (mom ? 16 : 0) |
              (copies ? 32 : 0);
-    if (multi_dispatch(dev, &a, found_inf, m, w, list, li, &st)) {
-      if (st == KILN_OK && copies) stamp_copies(params, idx, m);
+    bool copied;
+    if (multi_dispatch_copies(dev, &a, found_inf, m, w, list, li, 32, &copied, &st)) {
+      if (st == KILN_OK && copied) stamp_copies(params, idx, m);
       continue;
     }
     for (int k = 0; k < m && st == KILN_OK; k++) { /* the same tensors, one at a time */

@@ -6,6 +6,8 @@
 **     its parameters' versions bumped (kiln_copy_ of each parameter onto itself: an
 **     in-place op), so it casts every step and never uses a copy. Losses and parameters
 **     agree bit for bit after every step;
+**   - the copies are used: after the steps, a forward of the first model runs one cast
+**     kernel (the batch's, COPY) and no CAST_MULTI;
 **   - a parameter written in place after the step (kiln_mul_scalar_) is cast afresh: the
 **     next forward equals a forward on an explicit cast of the new values, bit for bit;
 **   - graphs: a model with valid copies captures its step (capturable Adam), replays it 3
@@ -21,6 +23,14 @@
 #include <kiln_optim.h>
 
 #include <string.h>
+
+#include "core/kiln_int.h" /* kiln__dispatch_observe */
+
+static int64_t copy_kernels[KILN__K_COUNT];
+static void copy_count_kernel(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
+  (void)ctx, (void)dev, (void)native;
+  copy_kernels[a->op]++;
+}
 
 static bool copy_same(kiln_tensor *a, kiln_tensor *b) {
   if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
@@ -165,6 +175,17 @@ static void amp_copy_check(kiln_device dev) {
       CHECK(copy_same(loss[0], loss[1]));
       for (int i = 0; i < 4; i++) CHECK(copy_same(a.p[i], b.p[i]));
       kiln_scope_end();
+    }
+    { /* a's copies are valid: its forward casts the batch alone */
+      memset(copy_kernels, 0, sizeof copy_kernels);
+      kiln__dispatch_observe(copy_count_kernel, NULL);
+      kiln_tensor *l = copy_forward(&a, x, y, dev);
+      kiln__dispatch_observe(NULL, NULL);
+      if (copy_kernels[KILN__K_CAST_MULTI] != 0 || copy_kernels[KILN__K_COPY] != 1)
+        fprintf(stderr, "  %s %s: forward ran %lld CAST_MULTI and %lld COPY (want 0 and 1)\n",
+                kiln_backend_name(dev.type), opt ? "sgd" : "adam", (long long)copy_kernels[KILN__K_CAST_MULTI],
+                (long long)copy_kernels[KILN__K_COPY]);
+      CHECK(l && copy_kernels[KILN__K_CAST_MULTI] == 0 && copy_kernels[KILN__K_COPY] == 1);
     }
     /* a written in place after its step: the next forward casts the new values */
     {

@@ -10,8 +10,9 @@
 **   fwd/bwd/opt  the host time of the forward (with its autocast region), the backward
 **                and the optimizer step within queue_us;
 ** and the host time per call of the pieces: the cast of W1 to bf16, linear_relu in f32,
-** in bf16 on inputs cast beforehand, and on f32 inputs inside an autocast region (its
-** three casts included), each with grad mode on and W1 requiring grad as in training.
+** in bf16 on inputs cast beforehand, and on f32 inputs inside an autocast region (the
+** batch's cast included; W1 and b1 come from the bf16 copies autocast keeps while they are
+** unchanged), each with grad mode on and W1 requiring grad as in training.
 **
 ** With --graph, the step (forward under its autocast region, backward, Adam with its step
 ** count on the device) is captured once per mode with kiln_graph_capture after 20 eager

@@ -63,7 +63,31 @@ static void wide_compare(const char *what, kiln_tensor *got, kiln_tensor *ref, k
   free(g), free(r), free(m);
 }
 
+/* The f32 gradient is only for a cast the program does not look at: asked for through
+** kiln_autograd_grad, or retained, the cast output's gradient is bf16, as its dtype. */
+static void amp_wide_shown_check(kiln_device dev) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(9);
+  kiln_tensor *x = kiln_to_device(kiln_randn(KILN_SHAPE(64, 24), KILN_F32, kiln_device_cpu(), gen), dev);
+  kiln_tensor *W = kiln_to_device(kiln_randn(KILN_SHAPE(16, 24), KILN_F32, kiln_device_cpu(), gen), dev);
+  kiln_generator_free(gen);
+  kiln_requires_grad_(W, true);
+  kiln_tensor *wb = kiln_to_dtype(W, KILN_BF16), *xb = kiln_to_dtype(x, KILN_BF16);
+  kiln_tensor *loss = kiln_sum_all(kiln_to_dtype(kiln_linear(xb, wb, NULL), KILN_F32));
+  kiln_tensor *g[2] = {NULL, NULL};
+  CHECK(kiln_autograd_grad(1, &loss, NULL, 2, (kiln_tensor *[]){wb, W}, g) == KILN_OK);
+  CHECK(g[0] && kiln_dtype_of(g[0]) == KILN_BF16);
+  CHECK(g[1] && kiln_dtype_of(g[1]) == KILN_F32);
+  /* g: owned by the scope */
+  CHECK(kiln_retain_grad(wb) == KILN_OK);
+  CHECK(kiln_backward(loss, NULL) == KILN_OK);
+  CHECK(kiln_grad(wb) && kiln_dtype_of(kiln_grad(wb)) == KILN_BF16);
+  CHECK(kiln_grad(W) && kiln_dtype_of(kiln_grad(W)) == KILN_F32);
+  kiln_scope_end();
+}
+
 static void amp_wide_check(kiln_device dev) {
+  amp_wide_shown_check(dev);
   static const struct {
     int nd;
     int64_t lead[2], K, N;

@@ -208,6 +208,14 @@ bool kiln__grad_mask_ok(const kiln__node *m, int index) {
   return true;
 }
 
+bool kiln__grad_shown(const kiln__node *m, int index) {
+  const kiln_tensor *out = index == 0 ? m->out_weak : m->outs_weak[index];
+  if (out && out->retains_grad) return true;
+  for (int c = 0; running && running->grads && c < running->n; c++)
+    if (running->inputs[c]->grad_fn == m && running->inputs[c]->grad_fn_index == index) return true;
+  return false;
+}
+
 static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
   for (int i = 0; i < c->n; i++)
     if (c->inputs[i] == leaf) return i;

@@ -238,6 +238,9 @@ double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
 /* ---- autograd (src/autograd/) ---- */
 /* In a rule: whether it may set m->grad_mask for its input's node m (engine.c). */
 bool kiln__grad_mask_ok(const kiln__node *m, int index);
+/* Whether the program sees the gradient of output index of node m in the backward now
+** running: the output retains its gradient, or kiln_autograd_grad asked for it. */
+bool kiln__grad_shown(const kiln__node *m, int index);
 /* Whether the calling thread is running a backward (engine.c). */
 bool kiln__in_backward(void);
 /* How many backward engines run on this thread now (0 outside any; 2 inside a backward

@@ -709,8 +709,9 @@ kiln_status kiln__amp_copy_many(int n, kiln_tensor *const *ins, kiln_tensor *con
 ** to f16/bf16, the cast's rule only converts the gradient back to f32: a rule that can
 ** write its product in f32 straight away (linear's weight and bias gradients: the f32
 ** accumulator, unrounded) saves that kernel, and the cast's rule then hands it on as it
-** is. Not when the cast's output retains its gradient (the program would see an f32
-** gradient of a 16-bit tensor). Otherwise input i's own dtype. */
+** is. Not when the program sees the cast output's gradient (retained, or asked for by
+** kiln_autograd_grad): it would be an f32 gradient of a 16-bit tensor. Otherwise input
+** i's own dtype. */
 kiln_dtype kiln__grad_dtype(const kiln__node *n, int i) {
   const kiln__edge *e = &n->next[i];
   kiln_dtype own = n->in_dtype[i];
@@ -719,8 +720,7 @@ kiln_dtype kiln__grad_dtype(const kiln__node *n, int i) {
       (c->op != &op_to_dtype && c->op != &op_to_dtype_many && c->op != &op_amp_copy) ||
       e->index >= c->n_in || c->in_dtype[e->index] != KILN_F32)
     return own;
-  const kiln_tensor *out = e->index == 0 ? c->out_weak : c->outs_weak[e->index];
-  if (out && out->retains_grad) return own;
+  if (kiln__grad_shown(c, e->index)) return own;
   return KILN_F32;
 }
 

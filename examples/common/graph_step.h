@@ -21,12 +21,19 @@
 ** algorithm cache) and then records it. Later steps copy the batch on the device into the
 ** static inputs and replay. While a replay runs, the host fetches the next batch and
 ** queues its copy into the static inputs of its shape (behind the replay, which reads them
-** first), so the loss read (kiln_item, every step: the printed loss is the mean over the
-** epoch's steps, and --logdir logs each) waits for the device alone.
+** first), so the loss read (kiln_item after each step) waits for the device alone.
+**
+** With sum_loss set (after init), the host reads no loss per step: each step (the eager
+** ones too) adds its loss to an f64 sum on the device, in step order, and
+** ex_graph_step_take_sum reads it once (at an epoch's end). The host then never waits for
+** the device inside an epoch and queues the next replays while the device runs this one.
+** The sum is the one a host loop of `total += kiln_item(loss)` makes, to the bit (f32
+** losses added in f64 in the same order).
 */
 #ifndef KILN_EXAMPLES_GRAPH_STEP_H
 #define KILN_EXAMPLES_GRAPH_STEP_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,6 +75,8 @@ typedef struct ex_graph_step {
   ** [4] the loss read; and the device seconds from each replay's launch to its end. */
   bool phases;
   double phase_s[6], device_s;
+  bool sum_loss;          /* set by the program after init: see above */
+  kiln_tensor *loss_sum;  /* f64 scalar on the device (sum_loss) */
 } ex_graph_step;
 
 enum { EX_AHEAD_NONE = -2 };
@@ -89,7 +98,20 @@ static inline void ex_graph_step_init(ex_graph_step *gs, kiln_device dev, int n_
 /* kiln_graph_fn: one shape's step on its static tensors. */
 static inline kiln_status ex_graph_shape_step(void *p) {
   ex_graph_shape *s = (ex_graph_shape *)p;
-  return s->gs->fn(s->gs->user, s->in, s->loss);
+  kiln_status st = s->gs->fn(s->gs->user, s->in, s->loss);
+  if (st == KILN_OK && s->gs->loss_sum) st = kiln_axpy_(s->gs->loss_sum, 1.0, s->loss);
+  return st;
+}
+
+/* sum_loss: the sum of the losses since the last call (one host read), and the device sum
+** back to 0. */
+static inline kiln_status ex_graph_step_take_sum(ex_graph_step *gs, double *sum) {
+  *sum = 0;
+  if (!gs->loss_sum) return KILN_OK;
+  double v = kiln_item(gs->loss_sum);
+  if (v != v && kiln_last_error() != KILN_OK) return kiln_last_error();
+  *sum = v;
+  return kiln_fill_(gs->loss_sum, 0.0);
 }
 
 /* The next batch into b (kiln_loader_next's return value): the one fetched during the last
@@ -139,7 +161,10 @@ static inline kiln_status ex_graph_step_run(ex_graph_step *gs, kiln_loader *load
     for (int i = 0; i < gs->n_in; i++) s->in[i] = sx[i] ? kiln_keep(sx[i]) : NULL;
     if (st == KILN_OK) st = ex_graph_copy_in(s, b);
     if (st == KILN_OK && !(s->loss = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, gs->dev)))) st = kiln_last_error();
-    if (st == KILN_OK) st = gs->fn(gs->user, s->in, s->loss); /* the eager warm-up step */
+    if (st == KILN_OK && gs->sum_loss && !gs->loss_sum &&
+        !(gs->loss_sum = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F64, gs->dev))))
+      st = kiln_last_error();
+    if (st == KILN_OK) st = ex_graph_shape_step(s); /* the eager warm-up step */
     if (st == KILN_OK) *loss = kiln_item(s->loss);
     if (st == KILN_OK && !(s->g = kiln_graph_capture(gs->dev, ex_graph_shape_step, s))) st = kiln_last_error();
     return st;
@@ -167,7 +192,8 @@ static inline kiln_status ex_graph_step_run(ex_graph_step *gs, kiln_loader *load
     }
   }
   double p4 = gs->phases ? ex_now() : 0;
-  if (st == KILN_OK) {
+  *loss = NAN; /* sum_loss: not read */
+  if (st == KILN_OK && !gs->sum_loss) {
     double v = kiln_item(s->loss);
     if (v != v && kiln_last_error() != KILN_OK) st = kiln_last_error();
     *loss = v;
@@ -188,6 +214,7 @@ static inline void ex_graph_step_free(ex_graph_step *gs) {
     for (int i = 0; i < EX_GRAPH_MAX_IN; i++) kiln_tensor_free(gs->shape[k].in[i]);
     kiln_tensor_free(gs->shape[k].loss);
   }
+  kiln_tensor_free(gs->loss_sum);
   for (int i = 0; i < EX_GRAPH_MAX_IN; i++) kiln_tensor_free(gs->ahead[i]), kiln_tensor_free(gs->held[i]);
   memset(gs, 0, sizeof *gs);
 }

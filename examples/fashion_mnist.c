@@ -15,6 +15,8 @@
 ** last one, each after one eager step at that shape) and replays it: a CUDA graph on a
 ** GPU, the same calls run again on the CPU (common/graph_step.h). It trains exactly as
 ** the eager loop does; it is for one process (the gradient all-reduce is not captured).
+** The steps' losses are summed on the device and read once per epoch (each step's with
+** --logdir, which logs them), so the host does not wait for the device inside an epoch.
 ** --autocast runs each step's forward under autocast (kiln_autocast_begin): the products in
 ** bf16 or f16, the loss in f32, the parameters and their gradients f32. f16 without a loss
 ** scaler can underflow small gradients; bf16 needs none.
@@ -143,8 +145,7 @@ static kiln_module *build_model(bool cnn) {
 }
 
 /* One training step on a batch (x, y): the eager loop's and the recorded one's, so that
-** both train the same way. out_loss (a device scalar) gets the loss when given (--graph),
-** else *loss_out the loss tensor (scope-owned). */
+** both train the same way. *loss_out gets the loss tensor (owned by the caller's scope). */
 typedef struct step_ctx {
   kiln_module *model;
   kiln_optimizer *opt;

@@ -10,7 +10,13 @@
 **
 ** Usage: fashion-mnist [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
-**                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]
+**                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph]
+** --graph records the training step once per batch shape (the full batch and the smaller
+** last one, each after one eager step at that shape) and replays it: a CUDA graph on a
+** GPU, the same calls run again on the CPU (common/graph_step.h). It trains exactly as
+** the eager loop does; it is for one process (the gradient all-reduce is not captured).
+** The steps' losses are summed on the device and read once per epoch (each step's with
+** --logdir, which logs them), so the host does not wait for the device inside an epoch.
 ** --autocast runs each step's forward under autocast (kiln_autocast_begin): the products in
 ** bf16 or f16, the loss in f32, the parameters and their gradients f32. f16 without a loss
 ** scaler can underflow small gradients; bf16 needs none.
@@ -41,6 +47,7 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
+#include "common/graph_step.h"
 #include "common/launch.h"
 #include "common/output.h"
 #include "common/logdir.h"
@@ -54,12 +61,13 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: " PROG " [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
-          "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16]\n"
+          "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph]\n"
           "  MLP 784-256-10 (--model mlp, the default) or CNN conv32-pool-conv64-pool-fc128-fc10\n"
           "  (--model cnn) on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
-          "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n");
+          "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n"
+          "  --graph records the training step once per batch shape and replays it.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
@@ -73,9 +81,11 @@ static struct {
   kiln_loader *loader;
   kiln_dist *dist;
   kiln_summary_writer *tb; /* --logdir */
+  ex_graph_step gs;        /* --graph */
 } R;
 
 static void release(void) {
+  ex_graph_step_free(&R.gs);
   kiln_loader_free(R.loader);
   kiln_dataset_free(R.shard);
   kiln_dataset_free(R.ds);
@@ -134,6 +144,44 @@ static kiln_module *build_model(bool cnn) {
                                                   kiln_linear_new(128, 10, true, KILN_F32, cpu, NULL)});
 }
 
+/* One training step on a batch (x, y): the eager loop's and the recorded one's, so that
+** both train the same way. *loss_out gets the loss tensor (owned by the caller's scope). */
+typedef struct step_ctx {
+  kiln_module *model;
+  kiln_optimizer *opt;
+  kiln_ddp *ddp;
+  kiln_device dev;
+  const char *amp; /* --autocast: "bf16", "f16" or NULL */
+} step_ctx;
+
+static kiln_status train_on(step_ctx *c, kiln_tensor *x, kiln_tensor *y, kiln_tensor **loss_out) {
+  kiln_status st = KILN_OK;
+  if (c->amp) st = kiln_autocast_begin(c->dev.type, !strcmp(c->amp, "f16") ? KILN_F16 : KILN_BF16);
+  kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(c->model, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
+  if (c->amp && st == KILN_OK) st = kiln_autocast_end();
+  if (st != KILN_OK) loss = NULL;
+  kiln_optimizer_zero_grad(c->opt);
+  st = kiln_backward(loss, NULL);
+  if (st == KILN_OK && c->ddp) st = kiln_ddp_sync_grads(c->ddp);
+  if (st == KILN_OK) st = kiln_optimizer_step(c->opt);
+  *loss_out = loss;
+  return st;
+}
+
+/* ex_step_fn for --graph: the batch in the static in[0], in[1]; the loss into out_loss. */
+static kiln_status graph_step(void *p, kiln_tensor *const *in, kiln_tensor *out_loss) {
+  kiln_scope_begin();
+  kiln_tensor *loss = NULL;
+  kiln_status st = train_on(p, in[0], in[1], &loss);
+  if (st == KILN_OK) {
+    bool prev = kiln_set_grad_enabled(false);
+    st = kiln_copy_(out_loss, loss);
+    kiln_set_grad_enabled(prev);
+  }
+  kiln_scope_end();
+  return st;
+}
+
 /* Test accuracy: eval mode, no graph, batches of EVAL_BATCH. NAN on error. */
 static double evaluate(kiln_module *model, kiln_tensor *tx, kiln_tensor *ty) {
   bool prev = kiln_set_grad_enabled(false);
@@ -157,7 +205,7 @@ static double evaluate(kiln_module *model, kiln_tensor *tx, kiln_tensor *ty) {
 int main(int argc, char **argv) {
   long long epochs = 5, batch = 128, limit = 0, workers = 0, seed = 0;
   double lr = 1e-3;
-  bool json = false, quiet = false, resume = false;
+  bool json = false, quiet = false, resume = false, graph = false;
   const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *amp = NULL;    /* --autocast bf16|f16 */
   const char *model_name = "mlp"; /* --model mlp|cnn */
@@ -167,6 +215,7 @@ int main(int argc, char **argv) {
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "--resume")) resume = true;
+    else if (!strcmp(a, "--graph")) graph = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -212,6 +261,10 @@ int main(int argc, char **argv) {
   R.dist = dist;
   if (jrc) return finish(jrc);
   if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
+  if (world > 1 && graph) {
+    fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
+    return finish(2);
+  }
   R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
@@ -261,6 +314,7 @@ int main(int argc, char **argv) {
   kiln_ddp *ddp = NULL; /* parameters broadcast from rank 0; gradients averaged */
   if (world > 1 && !(R.ddp = ddp = kiln_ddp_new(dist, model, NULL))) return fail("making the data-parallel wrapper");
   kiln_optim_config cfg = kiln_adam_config(lr);
+  cfg.capturable = graph; /* the step count lives on the device, so replays advance it */
   kiln_optimizer *opt = R.opt = kiln_optimizer_new_module(&cfg, model);
   if (!opt) return fail("making the optimizer");
 
@@ -306,6 +360,13 @@ int main(int argc, char **argv) {
     fflush(stdout);
   }
 
+  step_ctx sc = {model, opt, ddp, dev, amp};
+  ex_graph_step *gs = &R.gs;
+  ex_graph_step_init(gs, dev, 2, lo.batch_size, graph_step, &sc);
+  /* --graph reads no loss per step (the epoch's sum once at its end), unless --logdir logs
+  ** each step's */
+  gs->sum_loss = !R.tb;
+
   double train_s = 0;
   int64_t images = 0;
   char label[64];
@@ -321,32 +382,30 @@ int main(int argc, char **argv) {
     int64_t n = 0, seen = 0;
     for (;;) {
       kiln_scope_begin(); /* one step */
-      kiln_tensor *b[2];
-      int r = kiln_loader_next(loader, b);
+      kiln_tensor *b[2] = {NULL, NULL};
+      int r = graph ? ex_graph_step_next(gs, loader, b) : kiln_loader_next(loader, b);
       kiln_status st = KILN_OK;
       double lv = 0;
-      if (r == 1) {
-        if (amp) st = kiln_autocast_begin(dev.type, !strcmp(amp, "f16") ? KILN_F16 : KILN_BF16);
-        kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(model, b[0]), b[1],
-                                               KILN_REDUCTION_MEAN, -100, 0.0);
-        if (amp && st == KILN_OK) st = kiln_autocast_end();
-        if (st != KILN_OK) loss = NULL;
-        kiln_optimizer_zero_grad(opt);
-        st = kiln_backward(loss, NULL);
-        if (st == KILN_OK && ddp) st = kiln_ddp_sync_grads(ddp);
-        if (st == KILN_OK) st = kiln_optimizer_step(opt);
+      if (r == 1 && graph) {
+        st = ex_graph_step_run(gs, loader, b, &lv);
+        seen += kiln_size(b[0], 0);
+      } else if (r == 1) {
+        kiln_tensor *loss = NULL;
+        st = train_on(&sc, b[0], b[1], &loss);
         if (st == KILN_OK) lv = kiln_item(loss);
         seen += kiln_size(b[0], 0) * world;
       }
       kiln_scope_end();
+      ex_graph_step_end(gs);
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;
-      total += lv;
+      if (!(graph && gs->sum_loss)) total += lv;
       n++;
       step++;
       ex_log_scalar(&R.tb, "train/loss", step, lv);
       ex_progress_update(&p, seen);
     }
+    if (graph && gs->sum_loss && ex_graph_step_take_sum(gs, &total) != KILN_OK) return fail("reading the loss");
     kiln_device_synchronize(dev);
     double dt = ex_now() - t0;
     ex_progress_end(&p);
@@ -389,10 +448,11 @@ int main(int argc, char **argv) {
   if (json)
     printf("{\"example\":\"fashion-mnist\",\"model\":\"%s\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
            "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
-           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"autocast\":\"%s\",\"kiln\":\"%s\"}\n",
+           "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"autocast\":\"%s\","
+           "\"graph\":%s,\"kiln\":\"%s\"}\n",
            model_name, dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
            train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
-           world, seed, amp ? amp : "off", kiln_version());
+           world, seed, amp ? amp : "off", graph ? "true" : "false", kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);
 

@@ -38,6 +38,7 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
+#include "common/graph_step.h"
 #include "common/launch.h"
 #include "common/logdir.h"
 #include "common/progress.h"
@@ -54,24 +55,24 @@ static void usage(FILE *f) {
              "  20 epochs, batch 128, lr 1e-3, no loader workers.\n");
 }
 
-/* The captured step: reads the static batch, writes the static loss. */
+/* The captured step (common/graph_step.h): reads the static batch in[0], in[1], writes
+** the static loss. */
 typedef struct step_ctx {
   kiln_module *model;
   kiln_optimizer *opt;
-  kiln_tensor *x, *y, *loss; /* static: made before the capture, reused by replays */
 } step_ctx;
 
-static kiln_status train_step(void *p) {
+static kiln_status train_step(void *p, kiln_tensor *const *in, kiln_tensor *out_loss) {
   step_ctx *c = p;
   kiln_scope_begin();
-  kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(c->model, c->x), c->y,
+  kiln_tensor *loss = kiln_cross_entropy(kiln_module_forward(c->model, in[0]), in[1],
                                          KILN_REDUCTION_MEAN, -100, 0.0);
   kiln_optimizer_zero_grad(c->opt);
   kiln_status st = kiln_backward(loss, NULL);
   if (st == KILN_OK) st = kiln_optimizer_step(c->opt);
   if (st == KILN_OK) {
     bool prev = kiln_set_grad_enabled(false);
-    st = kiln_copy_(c->loss, loss);
+    st = kiln_copy_(out_loss, loss);
     kiln_set_grad_enabled(prev);
   }
   kiln_scope_end();
@@ -105,9 +106,8 @@ static void print_step_times(const double *s, int64_t n, double run_s) {
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
 ** too). NULL members are skipped: every free function takes NULL. */
 static struct {
-  kiln_tensor *t[6]; /* x, y, xs, ys (--preload), the batch fetched ahead (--graph) */
-  step_ctx *sc;      /* main's two step contexts (--graph) */
-  kiln_graph *graphs[2];
+  kiln_tensor *t[4]; /* x, y, xs, ys (--preload) */
+  ex_graph_step gs;  /* --graph */
   kiln_module *model;
   kiln_ddp *ddp;
   kiln_optimizer *opt;
@@ -119,21 +119,14 @@ static struct {
 } R;
 
 static void release(void) {
-  for (int k = 0; k < 2; k++) {
-    kiln_graph_free(R.graphs[k]);
-    if (R.sc) {
-      kiln_tensor_free(R.sc[k].x);
-      kiln_tensor_free(R.sc[k].y);
-      kiln_tensor_free(R.sc[k].loss);
-    }
-  }
+  ex_graph_step_free(&R.gs);
   kiln_loader_free(R.loader);
   kiln_dataset_free(R.shard);
   kiln_dataset_free(R.ds);
   kiln_ddp_free(R.ddp);
   kiln_optimizer_free(R.opt);
   kiln_module_free(R.model);
-  for (int i = 0; i < 6; i++) kiln_tensor_free(R.t[i]);
+  for (int i = 0; i < 4; i++) kiln_tensor_free(R.t[i]);
   kiln_dist_free(R.dist);
   ex_log_close(R.tb);
   free(R.step_s);
@@ -263,10 +256,9 @@ int main(int argc, char **argv) {
   }
 
   /* --graph: one recorded step per batch shape (full batches, and the smaller last one) */
-  step_ctx sc[2];
-  kiln_graph **graphs = R.graphs;
-  memset(sc, 0, sizeof sc);
-  R.sc = sc;
+  step_ctx sc = {model, opt};
+  ex_graph_step *gs = &R.gs;
+  ex_graph_step_init(gs, dev, 2, lo.batch_size, train_step, &sc);
 
   /* KILN_PHASES=1: host time per phase of the eager step, printed at the end */
   const bool phases = getenv("KILN_PHASES") != NULL;
@@ -282,11 +274,6 @@ int main(int argc, char **argv) {
   int64_t steps = 0;
   double last = NAN;
   char label[64];
-  /* --graph: the batch fetched ahead, during the last replay (AHEAD_NONE: none), and which
-  ** shape's static inputs it was already copied into (-1: none) */
-  enum { AHEAD_NONE = -2 };
-  kiln_tensor *ahead[2] = {NULL, NULL};
-  int ahead_r = AHEAD_NONE, ahead_in = -1;
   for (long long e = 0; e < epochs; e++) {
     double e0 = phases || R.tb ? ex_now() : 0;
     if (shard && kiln_dist_shard_set_epoch(shard, (uint64_t)e) != KILN_OK) return fail("reshuffling the shard");
@@ -300,77 +287,13 @@ int main(int argc, char **argv) {
     for (;;) {
       double q0 = phases ? ex_now() : 0;
       kiln_scope_begin(); /* one step: the batch, the graph and every temporary */
-      kiln_tensor *b[2] = {NULL, NULL}, *held[2] = {NULL, NULL};
-      int r;
-      if (ahead_r != AHEAD_NONE) { /* fetched while the last replay ran (kept: freed below) */
-        r = ahead_r;
-        if (r == 1) memcpy(b, ahead, sizeof b), memcpy(held, ahead, sizeof held);
-        ahead[0] = ahead[1] = NULL;
-        R.t[4] = R.t[5] = NULL; /* held now: freed after the step */
-        ahead_r = AHEAD_NONE;
-      } else {
-        r = kiln_loader_next(loader, b);
-      }
+      kiln_tensor *b[2] = {NULL, NULL};
+      int r = graph ? ex_graph_step_next(gs, loader, b) : kiln_loader_next(loader, b);
       if (phases) phase_s[0] += ex_now() - q0;
       kiln_status st = KILN_OK;
       double lv = 0;
       if (r == 1 && graph) {
-        int k = kiln_size(b[0], 0) == lo.batch_size ? 0 : 1;
-        step_ctx *c = &sc[k];
-        if (!graphs[k]) {
-          /* first step at this shape: static tensors, one eager step, then the capture */
-          c->model = model;
-          c->opt = opt;
-          /* the two static inputs in one device block (kiln_to_device_many packs host
-          ** tensors), laid out as the loader lays out a batch, so that a staged batch
-          ** refills both with one copy on the device (and --preload's, one copy each) */
-          kiln_device cpu = kiln_device_cpu();
-          kiln_tensor *hz[2] = {kiln_zeros(KILN_SHAPE(kiln_size(b[0], 0), N_FEATURES), KILN_F32, cpu),
-                                kiln_zeros(KILN_SHAPE(kiln_size(b[0], 0)), KILN_I64, cpu)};
-          kiln_tensor *sx[2] = {NULL, NULL};
-          st = hz[0] && hz[1] ? kiln_to_device_many(2, hz, dev, sx) : kiln_last_error();
-          c->x = kiln_keep(sx[0]);
-          c->y = kiln_keep(sx[1]);
-          if (st == KILN_OK) st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
-          c->loss = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F32, dev));
-          if (st == KILN_OK && !c->loss) st = kiln_last_error();
-          if (st == KILN_OK) st = train_step(c);
-          if (st == KILN_OK) lv = kiln_item(c->loss);
-          if (st == KILN_OK && !(graphs[k] = kiln_graph_capture(dev, train_step, c))) st = kiln_last_error();
-        } else {
-          double p0 = phases ? ex_now() : 0;
-          if (ahead_in != k) st = kiln_copy_many_(2, (kiln_tensor *[]){c->x, c->y}, b);
-          ahead_in = -1;
-          double p1 = phases ? ex_now() : 0;
-          kiln_mark *m0 = phases ? kiln_mark_record(dev) : NULL;
-          if (st == KILN_OK) st = kiln_graph_replay(graphs[k]);
-          kiln_mark *m1 = phases ? kiln_mark_record(dev) : NULL;
-          double p2 = phases ? ex_now() : 0;
-          /* While the device runs the replay, the host fetches the next batch and queues
-          ** its copy into the static inputs of its shape (behind the replay, which reads
-          ** them first): the loss read below then waits for the device alone. */
-          double p3 = p2;
-          if (st == KILN_OK) {
-            ahead_r = kiln_loader_next(loader, ahead);
-            p3 = phases ? ex_now() : 0;
-            if (ahead_r == 1) {
-              R.t[4] = kiln_keep(ahead[0]); /* released by release() if the run fails first */
-              R.t[5] = kiln_keep(ahead[1]);
-              int k2 = kiln_size(ahead[0], 0) == lo.batch_size ? 0 : 1;
-              if (graphs[k2]) {
-                st = kiln_copy_many_(2, (kiln_tensor *[]){sc[k2].x, sc[k2].y}, ahead);
-                ahead_in = k2;
-              }
-            }
-          }
-          double p4 = phases ? ex_now() : 0;
-          if (st == KILN_OK) lv = kiln_item(c->loss);
-          if (phases) {
-            phase_s[0] += p3 - p2, phase_s[1] += (p1 - p0) + (p4 - p3), phase_s[2] += p2 - p1;
-            phase_s[4] += ex_now() - p4;
-            device_s += kiln_mark_elapsed_ms(m0, m1) * 1e-3;
-          }
-        }
+        st = ex_graph_step_run(gs, loader, b, &lv);
         seen += kiln_size(b[0], 0);
       } else if (r == 1) {
         double p0 = phases ? ex_now() : 0;
@@ -395,8 +318,7 @@ int main(int argc, char **argv) {
       }
       double q1 = phases ? ex_now() : 0;
       kiln_scope_end();
-      kiln_tensor_free(held[0]);
-      kiln_tensor_free(held[1]);
+      ex_graph_step_end(gs);
       if (phases) phase_s[5] += ex_now() - q1;
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;
@@ -431,6 +353,10 @@ int main(int argc, char **argv) {
   if (isnan(acc)) return fail("computing the accuracy");
 
   if (!quiet) printf("train accuracy: %.4f, %.2f s, %.1f us/step\n", acc, dt, dt / (double)steps * 1e6);
+  if (phases && graph) { /* the replayed steps' phases, which the helper timed */
+    for (int k = 0; k < 6; k++) phase_s[k] += gs->phase_s[k];
+    device_s += gs->device_s;
+  }
   if (phases) {
     static const char *const names[2][6] = {
         {"load batch", "forward+zero_grad", "backward", "optimizer", "item (sync)", "scope end"},

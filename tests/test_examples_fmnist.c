@@ -2,7 +2,16 @@
 ** The fashion-mnist example: one short epoch trains and evaluates (the MLP, and the CNN
 ** of --model cnn); a checkpoint resumes
 ** bit-identically on the CPU (2 epochs straight == 1 epoch, then --resume to 2); kiln
-** info reads the checkpoint. Skipped (77) when the data set is not installed.
+** info reads the checkpoint; --graph (the step recorded per batch shape and replayed,
+** on the CPU the same calls again) trains exactly as the eager loop, for the MLP, the CNN
+** and under bf16 autocast, and resumes bit-identically too. Skipped (77) when the data set
+** is not installed.
+**
+** With --cuda (ctest test_examples_fmnist_cuda, label gpu; skipped without a CUDA device):
+** --graph on cuda:0 (CUDA graphs, cuDNN inside them) against the eager loop there, for the
+** CNN (f32 and bf16 autocast) and the MLP: the same final loss within a tolerance (the
+** kernels are the same; only the capturable Adam's bias correction, computed on the
+** device, may round differently) and the same learning.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
@@ -11,7 +20,63 @@
 
 #define ARGS "--device cpu --limit 2000 --json --quiet"
 
-int main(void) {
+/* The final_loss of a run's JSON line (NAN when absent) */
+static double fm_loss(const cr_result *r) { return cr_json_num(r->out, "final_loss"); }
+
+/* --graph against eager on one device: args is everything else. exact: the final loss and
+** test accuracy must match to the printed digit (the CPU replays the same calls). */
+static void fm_graph_vs_eager(const char *args, bool exact, double tol) {
+  char a[512], ag[600];
+  snprintf(a, sizeof a, "%s --checkpoint ge.ckpt --json --quiet", args);
+  snprintf(ag, sizeof ag, "%s --graph", a);
+  cr_result r = cr_run(NULL, "fashion-mnist", a), rg = cr_run(NULL, "fashion-mnist", ag);
+  CR_CHECK(r.status == 0 && rg.status == 0, "'%s': eager exited %d, --graph %d: %s %s", args, r.status, rg.status,
+           r.err, rg.err);
+  CR_CHECK(strstr(r.out, "\"graph\":false") && strstr(rg.out, "\"graph\":true"), "'%s': graph field: %s %s", args,
+           r.out, rg.out);
+  CR_CHECK(cr_json_num(r.out, "steps") == cr_json_num(rg.out, "steps"), "'%s': steps differ: %s %s", args, r.out, rg.out);
+  if (exact) {
+    char l[64], lg[64], t[32], tg[32];
+    cr_json_raw(r.out, "final_loss", l, sizeof l);
+    cr_json_raw(rg.out, "final_loss", lg, sizeof lg);
+    cr_json_raw(r.out, "test_acc", t, sizeof t);
+    cr_json_raw(rg.out, "test_acc", tg, sizeof tg);
+    CR_CHECK(l[0] && !strcmp(l, lg) && !strcmp(t, tg), "'%s': --graph loss %s acc %s, eager %s %s", args, lg, tg, l, t);
+  } else {
+    double l = fm_loss(&r), lg = fm_loss(&rg);
+    CR_CHECK(fabs(l - lg) <= tol * fabs(l) && fabs(cr_json_num(r.out, "test_acc") - cr_json_num(rg.out, "test_acc")) < 0.02,
+             "'%s': --graph loss %.9g acc %g, eager %.9g %g", args, lg, cr_json_num(rg.out, "test_acc"), l,
+             cr_json_num(r.out, "test_acc"));
+  }
+  cr_free(&r);
+  cr_free(&rg);
+}
+
+/* --cuda: the graph runs on cuda:0 */
+static int fm_cuda(void) {
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    printf("test_examples_fmnist_cuda: skipped (no CUDA device)\n");
+    return 77;
+  }
+  /* 6000 images: 46 full batches and one of 112, two recordings each run */
+  fm_graph_vs_eager("--model cnn --device cuda:0 --epochs 2 --limit 6000", false, 2e-3);
+  fm_graph_vs_eager("--model cnn --device cuda:0 --epochs 1 --limit 6000 --autocast bf16", false, 1e-2);
+  fm_graph_vs_eager("--model mlp --device cuda:0 --epochs 2 --limit 6000", false, 2e-3);
+  /* a resumed --graph run on the GPU learns on from the checkpoint */
+  cr_result r = cr_run(NULL, "fashion-mnist", "--model cnn --device cuda:0 --epochs 1 --limit 6000 --graph --checkpoint g.ckpt --json --quiet");
+  CR_CHECK(r.status == 0, "cnn --graph 1 epoch exited %d: %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "fashion-mnist", "--model cnn --device cuda:0 --epochs 2 --limit 6000 --graph --resume --checkpoint g.ckpt --json --quiet");
+  CR_CHECK(r.status == 0 && cr_json_num(r.out, "start_epoch") == 1 && cr_json_num(r.out, "test_acc") > 0.7,
+           "cnn --graph --resume: %d %s %s", r.status, r.out, r.err);
+  cr_free(&r);
+  cr_cleanup();
+  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
+  else printf("test_examples_fmnist_cuda: all passed\n");
+  return cr_failures ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
   char bin[1024], exe[1100];
   cr_bin_dir(bin, sizeof bin);
   snprintf(exe, sizeof exe, "%s/fashion-mnist", bin);
@@ -23,6 +88,7 @@ int main(void) {
     fprintf(stderr, "skip: Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)\n");
     return 77;
   }
+  if (argc > 1 && !strcmp(argv[1], "--cuda")) return fm_cuda();
 
   cr_result r = cr_run(NULL, "fashion-mnist", "--epochs 1 --checkpoint one.ckpt " ARGS);
   CR_CHECK(r.status == 0, "1 epoch exited %d: %s", r.status, r.err);
@@ -74,6 +140,25 @@ int main(void) {
   r = cr_run(NULL, "fashion-mnist", "--model bogus " ARGS);
   CR_CHECK(r.status == 2 && strstr(r.err, "--model 'bogus'") && strstr(r.err, "mlp or cnn"),
            "--model bogus: %d %s", r.status, r.err);
+  cr_free(&r);
+
+  /* --graph on the CPU (the step called again per replay) trains exactly as eager: two
+  ** batch shapes (2000 = 15 * 128 + 80), the MLP, the CNN, bf16 autocast */
+  fm_graph_vs_eager("--device cpu --limit 2000 --epochs 2", true, 0);
+  fm_graph_vs_eager("--model cnn --device cpu --limit 700 --epochs 1", true, 0);
+  fm_graph_vs_eager("--device cpu --limit 1000 --epochs 1 --autocast bf16", true, 0);
+  /* ... and resumes: 1 epoch with --graph, then --resume --graph to 2 == 2 straight */
+  r = cr_run(NULL, "fashion-mnist", "--epochs 1 --graph --checkpoint g.ckpt " ARGS);
+  CR_CHECK(r.status == 0, "--graph first half exited %d: %s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "fashion-mnist", "--epochs 2 --graph --resume --checkpoint g.ckpt " ARGS);
+  CR_CHECK(r.status == 0 && cr_json_num(r.out, "start_epoch") == 1, "--graph resume exited %d: %s %s", r.status, r.out,
+           r.err);
+  cr_json_raw(r.out, "final_loss", resumed, sizeof resumed);
+  CR_CHECK(!strcmp(straight, resumed), "--graph resumed loss %s != straight %s", resumed, straight);
+  cr_free(&r);
+  r = cr_run(NULL, "fashion-mnist", "--graph --logdir tb --epochs 1 --device cpu --limit 300 --checkpoint t.ckpt");
+  CR_CHECK(r.status == 0 && strstr(r.out, "Epoch 1, Loss:"), "--graph --logdir exited %d: %s %s", r.status, r.out, r.err);
   cr_free(&r);
 
   r = cr_run(NULL, "fashion-mnist", "--resume --checkpoint missing.ckpt " ARGS);

@@ -12,8 +12,18 @@
 **   bf16 use tensor-op math with f32 accumulation; f64 computes in f64.
 ** - The algorithm is cuDNN's heuristic (cudnnGet*_v7), or with KILN_CUDNN_BENCHMARK=1 the
 **   fastest measured (cudnnFind*Ex, outside a graph capture), cached per arguments
-**   (op, dtype, shapes, strides, window, groups, math): asked once per shape.
-**   KILN_CUDNN_LOG=1 prints each choice as it is made.
+**   (op, dtype, shapes, strides, window, groups, math, pointer alignment): asked once per
+**   shape. The cache entry keeps the descriptors too, so a call with a known shape builds
+**   nothing: it finds its entry and queues the convolution.
+** - KILN_CUDNN_API=backend runs groups-1 convolutions through cuDNN's backend (graph) API
+**   instead: an execution plan per cache entry (heuristic mode A, the same filters as the
+**   legacy choice: no down-conversion, FMA-exact f32 unless TF32 is allowed, deterministic
+**   first, no runtime-compiled engines), each call one variant pack and cudnnBackendExecute.
+**   A shape the backend API has no plan for takes the legacy path.
+** - KILN_CUDNN_LOG=1 prints each choice as it is made; KILN_CUDNN_LOG=2 also times the
+**   host side of every call (clock_gettime around each part: the cache lookup, building
+**   descriptors and choosing on a miss, the workspace, the cuDNN call, the bias kernel)
+**   and prints the means per op at exit.
 ** - One handle per device on kiln's stream; the workspace comes from the caching
 **   allocator for the call and is given back right after it is queued (frees are stream
 **   ordered: cuda_memory.cu), so a graph capture sees no cudaMalloc. The handle is made on
@@ -27,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
@@ -46,13 +57,15 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
 
 #include <cudnn.h>
 
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
-std::mutex g_mu; /* handles and the algorithm cache */
+std::mutex g_mu; /* handles and the cache */
 cudnnHandle_t g_handle[KC_MAX_DEV];
 
 struct Choice {
@@ -60,7 +73,6 @@ struct Choice {
   cudnnMathType_t math;
   size_t ws;
 };
-std::unordered_map<std::string, Choice> g_cache;
 
 kiln_status dnn_err(cudnnStatus_t s, const char *what) {
   if (s == CUDNN_STATUS_SUCCESS) return KILN_OK;
@@ -73,15 +85,81 @@ kiln_status dnn_err(cudnnStatus_t s, const char *what) {
 }
 #define KC_DNN(call, what) KC_TRY(dnn_err((call), (what)))
 
-/* KILN_CUDNN_LOG=1: one line on stderr per choice made (once per shape: the cache holds it
-** after), naming the op, the shapes, the layout, how it was chosen and what. */
-bool log_mode() {
+/* KILN_CUDNN_LOG: 0 (unset) quiet; 1 one line on stderr per choice made (once per shape:
+** the cache holds it after), naming the op, the shapes, the layout, how it was chosen and
+** what; 2 also the host-time table at exit (host_times below). Any other non-empty value
+** counts as 1. */
+int log_level() {
+  static int level = -1;
+  if (level < 0) {
+    const char *e = getenv("KILN_CUDNN_LOG");
+    level = !e || !e[0] || !strcmp(e, "0") ? 0 : !strcmp(e, "2") ? 2 : 1;
+  }
+  return level;
+}
+bool log_mode() { return log_level() >= 1; }
+
+/* KILN_CUDNN_API=backend: the backend (graph) API for the shapes it takes; anything else
+** (unset, "legacy") the legacy calls. */
+bool backend_api() {
   static int on = -1;
   if (on < 0) {
-    const char *e = getenv("KILN_CUDNN_LOG");
-    on = e && e[0] && strcmp(e, "0") != 0;
+    const char *e = getenv("KILN_CUDNN_API");
+    on = e && !strcmp(e, "backend");
   }
   return on == 1;
+}
+
+/* KILN_CUDNN_LOG=2: host time of each part of kiln__cuda_cudnn_conv, per op (forward,
+** backward data, backward weight), summed in microseconds. Calls that found their cache
+** entry ("hits": the steady state of a training loop) and those that built it are kept
+** apart, so the table shows what a step pays per call. */
+enum { kPartLookup, kPartWorkspace, kPartCall, kPartBias, kPartTotal, kParts };
+struct HostTimes {
+  int64_t hits = 0, misses = 0;
+  double hit_us[kParts] = {0};
+  double miss_us = 0; /* whole calls that built an entry (descriptors, choice, plan) */
+};
+HostTimes g_times[3];
+std::mutex g_times_mu;
+
+double now_us() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+void print_host_times() {
+  static const char *const names[3] = {"conv2d", "conv2d_backward_data", "conv2d_backward_weight"};
+  for (int k = 0; k < 3; k++) {
+    const HostTimes &t = g_times[k];
+    if (!t.hits && !t.misses) continue;
+    double n = t.hits ? (double)t.hits : 1.0;
+    fprintf(stderr,
+            "kiln cudnn host %s (%s): %lld calls: lookup %.1f ws %.1f call %.1f bias %.1f total %.1f us/call; "
+            "%lld misses %.1f ms\n",
+            names[k], backend_api() ? "backend" : "legacy", (long long)t.hits, t.hit_us[kPartLookup] / n,
+            t.hit_us[kPartWorkspace] / n, t.hit_us[kPartCall] / n, t.hit_us[kPartBias] / n, t.hit_us[kPartTotal] / n,
+            (long long)t.misses, t.miss_us * 1e-3);
+  }
+}
+
+int op_index(kiln__kop op) {
+  return op == KILN__K_CONV2D ? 0 : op == KILN__K_CONV2D_BACKWARD_DATA ? 1 : 2;
+}
+
+void note_times(kiln__kop op, bool hit, const double *us) {
+  static std::once_flag registered;
+  std::call_once(registered, [] { atexit(print_host_times); });
+  std::lock_guard<std::mutex> lock(g_times_mu);
+  HostTimes &t = g_times[op_index(op)];
+  if (hit) {
+    t.hits++;
+    for (int i = 0; i < kParts; i++) t.hit_us[i] += us[i];
+  } else {
+    t.misses++;
+    t.miss_us += us[kPartTotal];
+  }
 }
 
 bool benchmark_mode() {
@@ -187,6 +265,9 @@ struct Descs {
   cudnnTensorDescriptor_t x = NULL, y = NULL;
   cudnnFilterDescriptor_t w = NULL;
   cudnnConvolutionDescriptor_t conv = NULL;
+  Descs() = default;
+  Descs(const Descs &) = delete;
+  Descs &operator=(const Descs &) = delete;
   ~Descs() {
     if (x) cudnnDestroyTensorDescriptor(x);
     if (y) cudnnDestroyTensorDescriptor(y);
@@ -244,10 +325,19 @@ kiln_status make_descs(const kiln__kargs *a, const Operands &o, Descs *ds, cudnn
   return KILN_OK;
 }
 
+/* The largest power of two up to 16 dividing every operand's address: the backend API's
+** plans are made for an alignment (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT), and a view at an
+** odd offset must not reuse a plan made for aligned ones. */
+int64_t alignment(const Operands &o) {
+  uintptr_t bits = (uintptr_t)o.x->data | (uintptr_t)o.w->data | (uintptr_t)o.y->data | 16;
+  return (int64_t)(bits & (~bits + 1));
+}
+
 std::string cache_key(const kiln__kargs *a, const Operands &o) {
   std::string k;
+  k.reserve(160);
   auto put = [&k](int64_t v) { k.append((const char *)&v, sizeof v); };
-  put(a->op), put(a->device), put(o.x->dtype), put(a->i[0]), put(a->i[1] & 1);
+  put(a->op), put(a->device), put(o.x->dtype), put(a->i[0]), put(a->i[1] & 1), put(alignment(o));
   const kiln__view *vs[3] = {o.x, o.w, o.y};
   for (const kiln__view *v : vs)
     for (int d = 0; d < 4; d++) put(v->shape[d]), put(v->strides[d]);
@@ -290,17 +380,9 @@ kiln_status alloc_ws(int device, size_t n, Scratch *s) {
   return kiln__cuda_capture_note(device, s->p, n);
 }
 
+/* The legacy algorithm for a new cache entry (the descriptors ds made for it). */
 kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, const Operands &o, const Descs &ds,
                    cudnnMathType_t want, Choice *c) {
-  std::string key = cache_key(a, o);
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_cache.find(key);
-    if (it != g_cache.end()) {
-      *c = it->second;
-      return KILN_OK;
-    }
-  }
   enum { kMax = 16 };
   int n = 0;
   c->algo = -1;
@@ -405,8 +487,258 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
             bench ? "cudnnFind" : "heuristic", n,
             c->math == CUDNN_TENSOR_OP_MATH ? "tensor-op" : c->math == CUDNN_FMA_MATH ? "fma" : "default", c->ws);
   }
+  return KILN_OK;
+}
+
+/* ---- the backend (graph) API: one execution plan per cache entry ---------------------- */
+
+/* Every descriptor a plan was built from, kept for the plan's life (the process's: cache
+** entries are never dropped), destroyed in reverse order. */
+struct BPlan {
+  std::vector<cudnnBackendDescriptor_t> owned;
+  cudnnBackendDescriptor_t plan = NULL;
+  int64_t ws = 0;
+  int64_t engine = -1; /* CUDNN_ATTR_ENGINE_GLOBAL_INDEX, for the log */
+  BPlan() = default;
+  BPlan(const BPlan &) = delete;
+  BPlan &operator=(const BPlan &) = delete;
+  ~BPlan() {
+    for (size_t i = owned.size(); i-- > 0;) cudnnBackendDestroyDescriptor(owned[i]);
+  }
+  cudnnStatus_t make(cudnnBackendDescriptorType_t type, cudnnBackendDescriptor_t *out) {
+    *out = NULL;
+    cudnnStatus_t s = cudnnBackendCreateDescriptor(type, out);
+    if (s == CUDNN_STATUS_SUCCESS) owned.push_back(*out);
+    return s;
+  }
+};
+
+/* uids of the three operands in the plans and variant packs */
+enum : int64_t { kUidX = 1, kUidW = 2, kUidY = 3 };
+
+#define KB_TRY(call)                                                                      \
+  do {                                                                                    \
+    cudnnStatus_t s_ = (call);                                                            \
+    if (s_ != CUDNN_STATUS_SUCCESS) return s_;                                            \
+  } while (0)
+
+/* A finalized tensor descriptor: v's shape, packed in the layout (NCHW or NHWC; the filter
+** too, as (K, C, R, S) dims), uid, alignment. */
+cudnnStatus_t b_tensor(BPlan *p, const kiln__view *v, cudnnDataType_t dt, bool nhwc, int64_t uid, int64_t align,
+                       cudnnBackendDescriptor_t *out) {
+  int64_t dims[4], st[4];
+  const int nchw[4] = {3, 2, 1, 0}, nhwc_order[4] = {1, 3, 2, 0}; /* fastest first */
+  const int *order = nhwc ? nhwc_order : nchw;
+  int64_t s = 1;
+  for (int k = 0; k < 4; k++) {
+    int d = order[k];
+    dims[d] = v->shape[d];
+    st[d] = s;
+    s *= v->shape[d] > 0 ? v->shape[d] : 1;
+  }
+  cudnnBackendDescriptor_t t;
+  KB_TRY(p->make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, &t));
+  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt));
+  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims));
+  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, st));
+  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid));
+  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align));
+  KB_TRY(cudnnBackendFinalize(t));
+  *out = t;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+/* Whether the engine behind cfg may run these arguments: never down-converting the inputs
+** or reducing in lower precision (the legacy path's contract: f16/bf16 accumulate in f32),
+** no TF32 for f32 unless allowed, deterministic unless any_det, not compiled at run time
+** (NVRTC at plan time costs seconds and a library kiln does not link). */
+cudnnStatus_t b_engine_ok(BPlan *p, cudnnBackendDescriptor_t cfg, bool f32_exact, bool any_det, bool *ok,
+                          int64_t *global) {
+  *ok = false;
+  cudnnBackendDescriptor_t eng;
+  KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
+  int64_t n = 0;
+  KB_TRY(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &eng));
+  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+  n = 0;
+  KB_TRY(cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                  CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n, notes));
+  for (int64_t i = 0; i < n; i++) {
+    if (notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS ||
+        notes[i] == CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION)
+      return CUDNN_STATUS_SUCCESS;
+    if (f32_exact && notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE) return CUDNN_STATUS_SUCCESS;
+    if (!any_det && notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) return CUDNN_STATUS_SUCCESS;
+  }
+  cudnnBackendBehaviorNote_t behav[CUDNN_BEHAVIOR_NOTE_TYPE_COUNT];
+  n = 0;
+  KB_TRY(cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
+                                  CUDNN_BEHAVIOR_NOTE_TYPE_COUNT, &n, behav));
+  for (int64_t i = 0; i < n; i++)
+    if (behav[i] == CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) return CUDNN_STATUS_SUCCESS;
+  n = 0;
+  *global = -1;
+  (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, global);
+  *ok = true;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+/* Builds p's execution plan for a's convolution (groups 1: the backend API reads groups
+** from the filter's channels, which this path does not rely on). CUDNN_STATUS_NOT_SUPPORTED
+** when no engine passes the filters. */
+cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, cudnnDataType_t dt, BPlan *p) {
+  const kiln__conv_params *cp = (const kiln__conv_params *)a->params;
+  bool nhwc = nhwc_mode(o);
+  int64_t align = alignment(o);
+  cudnnBackendDescriptor_t tx, tw, ty, conv, op, graph, heur;
+  KB_TRY(b_tensor(p, o.x, dt, nhwc, kUidX, align, &tx));
+  KB_TRY(b_tensor(p, o.w, dt, nhwc, kUidW, align, &tw));
+  KB_TRY(b_tensor(p, o.y, dt, nhwc, kUidY, align, &ty));
+
+  cudnnDataType_t compute = dt == CUDNN_DATA_DOUBLE ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+  cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  int64_t nsp = 2, pad[2] = {cp->padding[0], cp->padding[1]}, str[2] = {cp->stride[0], cp->stride[1]},
+          dil[2] = {cp->dilation[0], cp->dilation[1]};
+  KB_TRY(p->make(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR, &conv));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &nsp));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, dil));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, str));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, pad));
+  KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, pad));
+  KB_TRY(cudnnBackendFinalize(conv));
+
+  /* alpha 1, beta 0: the output is overwritten, as the legacy calls do */
+  float f1 = 1.0f, f0 = 0.0f;
+  double d1 = 1.0, d0 = 0.0;
+  cudnnBackendAttributeType_t st = compute == CUDNN_DATA_DOUBLE ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
+  const void *one = compute == CUDNN_DATA_DOUBLE ? (const void *)&d1 : (const void *)&f1;
+  const void *zero = compute == CUDNN_DATA_DOUBLE ? (const void *)&d0 : (const void *)&f0;
+  cudnnBackendDescriptorType_t ot;
+  cudnnBackendAttributeName_t ax, aw, ay, ac, aa, ab;
+  switch (a->op) {
+  case KILN__K_CONV2D:
+    ot = CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR;
+    ax = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, aw = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W;
+    ay = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, ac = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC;
+    aa = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, ab = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA;
+    break;
+  case KILN__K_CONV2D_BACKWARD_DATA:
+    ot = CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR;
+    ax = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, aw = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W;
+    ay = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, ac = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC;
+    aa = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, ab = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA;
+    break;
+  default:
+    ot = CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR;
+    ax = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, aw = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW;
+    ay = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, ac = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC;
+    aa = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, ab = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA;
+  }
+  KB_TRY(p->make(ot, &op));
+  KB_TRY(cudnnBackendSetAttribute(op, ax, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &tx));
+  KB_TRY(cudnnBackendSetAttribute(op, aw, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &tw));
+  KB_TRY(cudnnBackendSetAttribute(op, ay, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ty));
+  KB_TRY(cudnnBackendSetAttribute(op, ac, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &conv));
+  KB_TRY(cudnnBackendSetAttribute(op, aa, st, 1, one));
+  KB_TRY(cudnnBackendSetAttribute(op, ab, st, 1, zero));
+  KB_TRY(cudnnBackendFinalize(op));
+
+  KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
+  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op));
+  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
+  KB_TRY(cudnnBackendFinalize(graph));
+
+  KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
+  KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                  &graph));
+  cudnnBackendHeurMode_t hm = CUDNN_HEUR_MODE_A;
+  KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &hm));
+  KB_TRY(cudnnBackendFinalize(heur));
+  enum { kMaxCfg = 16 };
+  cudnnBackendDescriptor_t cfg[kMaxCfg];
+  for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
+  int64_t n = 0;
+  KB_TRY(cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
+                                  cfg));
+  bool f32_exact = dt == CUDNN_DATA_FLOAT && (a->i[1] & 1) == 0;
+  /* heuristic order; deterministic engines first (DESIGN.md: same seed, same numbers),
+  ** any engine when none is */
+  for (int pass = 0; pass < 2; pass++)
+    for (int64_t i = 0; i < n && i < kMaxCfg; i++) {
+      bool ok = false;
+      int64_t global = -1;
+      if (b_engine_ok(p, cfg[i], f32_exact, pass == 1, &ok, &global) != CUDNN_STATUS_SUCCESS || !ok) continue;
+      cudnnBackendDescriptor_t plan;
+      KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
+      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
+      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                      1, &cfg[i]));
+      if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
+      int64_t ws = 0, got = 0;
+      KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got,
+                                      &ws));
+      if (ws < 0 || (size_t)ws > kMaxWorkspace) continue;
+      p->plan = plan;
+      p->ws = ws;
+      p->engine = global;
+      return CUDNN_STATUS_SUCCESS;
+    }
+  return CUDNN_STATUS_NOT_SUPPORTED;
+}
+
+/* One cache entry: the legacy descriptors and choice, and the backend plan when asked for
+** (and one could be made). Never dropped: a process meets few shapes. */
+struct Entry {
+  Descs ds;
+  Choice c;
+  std::unique_ptr<BPlan> bp; /* NULL: the legacy path */
+};
+std::unordered_map<std::string, std::unique_ptr<Entry>> g_cache;
+
+/* Builds the entry of key for a (descriptors, the legacy choice, the backend plan). */
+kiln_status build_entry(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, const Operands &o,
+                        cudnnDataType_t dt, Entry *e) {
+  cudnnMathType_t want;
+  KC_TRY(make_descs(a, o, &e->ds, dt, &want));
+  KC_TRY(choose(a, d, h, o, e->ds, want, &e->c));
+  KC_DNN(cudnnSetConvolutionMathType(e->ds.conv, e->c.math), "cudnnSetConvolutionMathType");
+  /* the backend plan: groups 1, heuristic choice (KILN_CUDNN_BENCHMARK keeps the legacy
+  ** path, whose measured choice it is), never built inside a capture */
+  if (backend_api() && a->i[0] == 1 && !benchmark_mode() && !d->capturing) {
+    std::unique_ptr<BPlan> bp(new BPlan);
+    cudnnStatus_t s = b_build(a, o, h, dt, bp.get());
+    (void)cudaGetLastError();
+    if (s == CUDNN_STATUS_SUCCESS) e->bp = std::move(bp);
+    if (log_mode())
+      fprintf(stderr, "kiln cudnn: %s %s: backend API %s (engine %lld, workspace %lld B)\n", kiln__kop_name(a->op),
+              kiln_dtype_name(o.x->dtype), s == CUDNN_STATUS_SUCCESS ? "plan" : cudnnGetErrorString(s),
+              (long long)(e->bp ? e->bp->engine : -1), (long long)(e->bp ? e->bp->ws : 0));
+  }
+  return KILN_OK;
+}
+
+/* The entry for a's arguments, built on the first call with them. */
+kiln_status entry_of(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, const Operands &o, cudnnDataType_t dt,
+                     Entry **out, bool *hit) {
+  std::string key = cache_key(a, o);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_cache.find(key);
+    if (it != g_cache.end()) {
+      *out = it->second.get();
+      *hit = true;
+      return KILN_OK;
+    }
+  }
+  *hit = false;
+  std::unique_ptr<Entry> e(new Entry);
+  KC_TRY(build_entry(a, d, h, o, dt, e.get()));
   std::lock_guard<std::mutex> lock(g_mu);
-  g_cache[key] = *c;
+  auto it = g_cache.find(key); /* another thread may have made it meanwhile: keep that one */
+  if (it == g_cache.end()) it = g_cache.emplace(std::move(key), std::move(e)).first;
+  *out = it->second.get();
   return KILN_OK;
 }
 
@@ -513,39 +845,70 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
   KC_TRY(handle_of(a->device, d, &h));
   cudnnDataType_t dt;
   dtype_of(o.x->dtype, &dt);
-  Descs ds;
-  cudnnMathType_t want;
-  KC_TRY(make_descs(a, o, &ds, dt, &want));
-  Choice c;
-  KC_TRY(choose(a, d, h, o, ds, want, &c));
-  KC_DNN(cudnnSetConvolutionMathType(ds.conv, c.math), "cudnnSetConvolutionMathType");
+  const bool timed = log_level() >= 2;
+  double us[kParts] = {0}, t0 = timed ? now_us() : 0, t1 = 0;
+  Entry *e;
+  bool hit;
+  KC_TRY(entry_of(a, d, h, o, dt, &e, &hit));
+  if (timed) t1 = now_us(), us[kPartLookup] = t1 - t0;
+  const Descs &ds = e->ds;
+  const Choice &c = e->c;
   Scratch ws;
-  KC_TRY(alloc_ws(a->device, c.ws, &ws));
-  float f1 = 1.0f, f0 = 0.0f;
-  double d1 = 1.0, d0 = 0.0;
-  const void *one = dt == CUDNN_DATA_DOUBLE ? (const void *)&d1 : (const void *)&f1;
-  const void *zero = dt == CUDNN_DATA_DOUBLE ? (const void *)&d0 : (const void *)&f0;
-  switch (a->op) {
-  case KILN__K_CONV2D:
-    KC_DNN(cudnnConvolutionForward(h, one, ds.x, o.x->data, ds.w, o.w->data, ds.conv,
-                                   (cudnnConvolutionFwdAlgo_t)c.algo, ws.p, c.ws, zero, ds.y, o.y->data),
-           "cudnnConvolutionForward");
-    if (o.bias) {
-      KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_add<T>(d, o.y, o.bias)));
+  KC_TRY(alloc_ws(a->device, e->bp ? (size_t)e->bp->ws : c.ws, &ws));
+  double t2 = timed ? now_us() : 0;
+  if (timed) us[kPartWorkspace] = t2 - t1;
+  if (e->bp) {
+    /* the plan knows the shapes; the call names the memory */
+    void *ptrs[3] = {o.x->data, o.w->data, o.y->data};
+    int64_t uids[3] = {kUidX, kUidW, kUidY};
+    void *wsp = ws.p;
+    cudnnBackendDescriptor_t vp = NULL;
+    cudnnStatus_t s = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
+    if (s == CUDNN_STATUS_SUCCESS)
+      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs);
+    if (s == CUDNN_STATUS_SUCCESS)
+      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
+    if (s == CUDNN_STATUS_SUCCESS)
+      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &wsp);
+    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendFinalize(vp);
+    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendExecute(h, e->bp->plan, vp);
+    if (vp) cudnnBackendDestroyDescriptor(vp);
+    KC_DNN(s, "cudnnBackendExecute");
+  } else {
+    float f1 = 1.0f, f0 = 0.0f;
+    double d1 = 1.0, d0 = 0.0;
+    const void *one = dt == CUDNN_DATA_DOUBLE ? (const void *)&d1 : (const void *)&f1;
+    const void *zero = dt == CUDNN_DATA_DOUBLE ? (const void *)&d0 : (const void *)&f0;
+    switch (a->op) {
+    case KILN__K_CONV2D:
+      KC_DNN(cudnnConvolutionForward(h, one, ds.x, o.x->data, ds.w, o.w->data, ds.conv,
+                                     (cudnnConvolutionFwdAlgo_t)c.algo, ws.p, c.ws, zero, ds.y, o.y->data),
+             "cudnnConvolutionForward");
+      break;
+    case KILN__K_CONV2D_BACKWARD_DATA:
+      KC_DNN(cudnnConvolutionBackwardData(h, one, ds.w, o.w->data, ds.y, o.y->data, ds.conv,
+                                          (cudnnConvolutionBwdDataAlgo_t)c.algo, ws.p, c.ws, zero, ds.x, o.x->data),
+             "cudnnConvolutionBackwardData");
+      break;
+    default:
+      KC_DNN(cudnnConvolutionBackwardFilter(h, one, ds.x, o.x->data, ds.y, o.y->data, ds.conv,
+                                            (cudnnConvolutionBwdFilterAlgo_t)c.algo, ws.p, c.ws, zero, ds.w,
+                                            o.w->data),
+             "cudnnConvolutionBackwardFilter");
     }
-    break;
-  case KILN__K_CONV2D_BACKWARD_DATA:
-    KC_DNN(cudnnConvolutionBackwardData(h, one, ds.w, o.w->data, ds.y, o.y->data, ds.conv,
-                                        (cudnnConvolutionBwdDataAlgo_t)c.algo, ws.p, c.ws, zero, ds.x, o.x->data),
-           "cudnnConvolutionBackwardData");
-    break;
-  default:
-    KC_DNN(cudnnConvolutionBackwardFilter(h, one, ds.x, o.x->data, ds.y, o.y->data, ds.conv,
-                                          (cudnnConvolutionBwdFilterAlgo_t)c.algo, ws.p, c.ws, zero, ds.w,
-                                          o.w->data),
-           "cudnnConvolutionBackwardFilter");
   }
-  return kiln__cuda_launched(kiln__kop_name(a->op));
+  double t3 = timed ? now_us() : 0;
+  if (timed) us[kPartCall] = t3 - t2;
+  if (a->op == KILN__K_CONV2D && o.bias) {
+    KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_add<T>(d, o.y, o.bias)));
+  }
+  kiln_status st = kiln__cuda_launched(kiln__kop_name(a->op));
+  if (timed) {
+    double t4 = now_us();
+    us[kPartBias] = t4 - t3, us[kPartTotal] = t4 - t0;
+    note_times(a->op, hit, us);
+  }
+  return st;
 }
 
 #endif /* KILN_HAVE_CUDNN */

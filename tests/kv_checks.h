@@ -99,6 +99,12 @@ static void kv_check_attention(kiln_device dev) {
     kv_check_attention_case(dev, dt, 3, 2, 1, 300, 40, 24, (const int64_t[]){300, 1, 257}, 3, true); /* per row */
     kv_check_attention_case(dev, dt, 2, 3, 4, 50, 33, 33, (const int64_t[]){37}, 1, false);  /* Tq > 1 */
     kv_check_attention_case(dev, dt, 2, 1, 3, 20, 128, 128, (const int64_t[]){2, 20}, 2, true); /* a row's first query has no key */
+    /* batch 16 at GPT-2's heads, one length per row: 1 key, several steps of CUDA's
+    ** 16-bit path (64 keys a step at D 64), the whole cache */
+    kv_check_attention_case(dev, dt, 16, 12, 1, 300, 64, 64,
+                            (const int64_t[]){1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 299, 300, 70},
+                            16, false);
+    kv_check_attention_case(dev, dt, 3, 4, 2, 90, 32, 32, (const int64_t[]){90, 2, 33}, 3, true); /* D 32 */
   }
 }
 
@@ -268,6 +274,13 @@ static void kv_check_linear(kiln_device dev) {
     kv_check_linear_case(dev, dts[t], 17, 64, 40, true, true, false);    /* too many rows: composed */
     kv_check_linear_case(dev, dts[t], 2, 40, 9, true, true, true);       /* strided rows: composed */
   }
+  /* CUDA's tensor-core kernel: K not a multiple of its 32-wide chunks, 9 rows (the upper
+  ** half of the mma's 16), the 4-tile blocks of wide outputs (N >= 128 per SM) with a
+  ** partial last tile */
+  kv_check_linear_case(dev, KILN_BF16, 7, 200, 37, true, true, false);
+  kv_check_linear_case(dev, KILN_F16, 9, 1536, 100, true, false, false);
+  kv_check_linear_case(dev, KILN_BF16, 16, 768, 17003, false, false, false);
+  kv_check_linear_case(dev, KILN_F16, 1, 768, 16900, true, false, false);
   kv_check_linear_case(dev, KILN_F64, 2, 32, 7, true, true, false); /* composed */
   kv_check_linear_case(dev, KILN_F32, 4, 36, 5, true, false, false); /* K not a multiple of 8 */
   kiln_scope_begin();

@@ -225,6 +225,12 @@ static void kv_check_add_ln(kiln_device dev) {
   kv_check_add_ln_case(dev, KILN_F32, 2, true, 0, 40);
   kv_check_add_ln_case(dev, KILN_F32, 1, false, 1, 300);
   kv_check_add_ln_case(dev, KILN_BF16, 0, false, 2, 1);
+  /* CUDA's 16-bit one-pass form: no weight, weight only, rows of 4096 (512 threads), 8200
+  ** (past its 8192: the generic kernel), and N % 8 != 0 (generic) */
+  kv_check_add_ln_case(dev, KILN_BF16, 2, false, 0, 1024);
+  kv_check_add_ln_case(dev, KILN_F16, 1, false, 1, 4096);
+  kv_check_add_ln_case(dev, KILN_BF16, 0, false, 3, 8200);
+  kv_check_add_ln_case(dev, KILN_F16, 0, false, 3, 300);
   kiln_scope_begin();
   kiln_tensor *x = kiln_zeros(KILN_SHAPE(2, 8), KILN_F32, dev);
   CHECK(!kiln_add_layer_norm(x, kiln_zeros(KILN_SHAPE(3, 8), KILN_F32, dev), NULL, NULL, 1e-5, NULL) &&

@@ -45,8 +45,9 @@ enum { NW = 16, KV_MAXD = 128, KV_CH = KV_MAXD / 32 };
 
 /* ---- programmatic dependent launch (PDL, sm_90+) ----
 ** A decode step is ~100 small kernels in a row, and between two of them the GPU idles while
-** the first drains and the second launches. The kernels here that take part (ADD_LAYER_NORM,
-** KV_ATTENTION's 16-bit path, LINEAR_DECODE's tensor-core kernel) are launched with
+** the first drains and the second launches. The kernels here that take part (INDEX_COPY,
+** SAMPLE_TOKENS, ADD_LAYER_NORM, KV_ATTENTION's 16-bit path, LINEAR_DECODE's tensor-core
+** kernel: a decode step's chain but for the embeddings and the position's update) are launched with
 ** programmatic stream serialization: such a kernel may start while the one before it still
 ** runs, so each waits (griddepcontrol.wait: the previous grid complete, its writes visible)
 ** before it reads or writes anything a previous kernel may touch, and lets its own
@@ -164,6 +165,8 @@ struct IcArgs {
 template <class U>
 __global__ void __launch_bounds__(KC_THREADS)
     index_copy_k(const U *__restrict__ src, const int64_t *__restrict__ idx, U *dst, IcArgs p, int *flag) {
+  pdl_trigger();
+  pdl_wait();
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.n; e += (int64_t)gridDim.x * blockDim.x) {
     int64_t rest = e, so = 0, dof = 0;
     bool ok = true;
@@ -199,14 +202,15 @@ kiln_status index_copy(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (p.n == 0) return KILN_OK;
   const int blocks = kc_blocks(p.n, KC_THREADS, d->sm_count);
   const int64_t *ip = (const int64_t *)idx->data;
+#define IC(U) pdl_launch(d, a->device, index_copy_k<U>, (unsigned)blocks, KC_THREADS, "index_copy", (const U *)src->data, ip, (U *)dst->data, p, d->err_flag)
   switch (kc_size(dst->dtype)) {
-  case 1: index_copy_k<uint8_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint8_t *)src->data, ip, (uint8_t *)dst->data, p, d->err_flag); break;
-  case 2: index_copy_k<uint16_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint16_t *)src->data, ip, (uint16_t *)dst->data, p, d->err_flag); break;
-  case 4: index_copy_k<uint32_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint32_t *)src->data, ip, (uint32_t *)dst->data, p, d->err_flag); break;
-  case 8: index_copy_k<uint64_t><<<blocks, KC_THREADS, 0, d->stream>>>((const uint64_t *)src->data, ip, (uint64_t *)dst->data, p, d->err_flag); break;
+  case 1: return IC(uint8_t);
+  case 2: return IC(uint16_t);
+  case 4: return IC(uint32_t);
+  case 8: return IC(uint64_t);
   default: return kiln_set_error(KILN_ERR_DTYPE, "kiln_index_copy_: dtype %s has no cuda kernel", kiln_dtype_name(dst->dtype));
   }
-  return kiln__cuda_launched("index_copy");
+#undef IC
 }
 
 /* ---- KV_ATTENTION ---- */
@@ -520,6 +524,8 @@ __global__ void __launch_bounds__(ST_THREADS)
   __shared__ unsigned long long ush[32];
   __shared__ float fsh[32];
   __shared__ int dsh[1];
+  pdl_trigger();
+  pdl_wait();
   const int64_t row = blockIdx.x;
   StRow<T> r;
   r.p = logits + row * ls0, r.s = ls1, r.inv = inv, r.m = -INFINITY, r.kk = 0, r.kp = 0;
@@ -621,11 +627,11 @@ kiln_status sample_tokens(kiln__cuda_dev *d, const kiln__kargs *a) {
   KC_SWITCH_FLOAT(l->dtype, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln_sample_tokens: dtype %s has no cuda kernel",
                                         kiln_dtype_name(l->dtype)),
-                  sample_k<T><<<(unsigned)N, ST_THREADS, 0, d->stream>>>(
+                  return pdl_launch(d, a->device, sample_k<T>, (unsigned)N, ST_THREADS, "sample_tokens",
                       (const T *)l->data, l->strides[0], l->strides[1], V, (int64_t *)o->data, o->strides[0],
                       greedy ? NULL : (const int64_t *)rng->data, greedy ? 0 : rng->strides[0], inv, a->i[0],
                       a->s[1], (int)greedy, d->err_flag))
-  return kiln__cuda_launched("sample_tokens");
+  return KILN_OK;
 }
 
 /* ---- ADD_LAYER_NORM ---- */
@@ -668,6 +674,72 @@ __global__ void __launch_bounds__(LN_THREADS)
   }
 }
 
+/* The 16-bit form for dense rows of N % 8 == 0, N <= 8 * LNV_MAX: a thread per 8 elements
+** (one 16-byte load of x and of r), so the row stays in registers: one pass over memory and
+** two block sums (the generic kernel re-reads s for the variance and for y; at GPT-2's 768
+** its 256 threads hold 3 elements each). Same arithmetic: s rounded to T, the statistics of
+** the rounded s in f32. */
+enum { LNV_MAX = 1024 };
+
+template <class T>
+__global__ void __launch_bounds__(LNV_MAX)
+    add_ln_v(const T *__restrict__ x, int64_t xs0, const T *__restrict__ r, int64_t rs0, const T *__restrict__ w,
+             const T *__restrict__ b, T *y, int64_t ys0, T *s, int64_t ss0, int64_t N, float eps) {
+  __shared__ float sh[32];
+  pdl_trigger();
+  pdl_wait();
+  const int64_t i = blockIdx.x, j = (int64_t)threadIdx.x * 8;
+  const bool in = j < N;
+  float sv[8], t[8], sum = 0.f;
+  alignas(16) T pk[8];
+  if (in) {
+    ld_vec<T>::load(x + i * xs0 + j, sv);
+    ld_vec<T>::load(r + i * rs0 + j, t);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      pk[e] = kc_st<T, float>(sv[e] + t[e]);
+      sv[e] = (float)kc_ld<T>(pk[e]);
+      sum += sv[e];
+    }
+    *reinterpret_cast<uint4 *>(s + i * ss0 + j) = *reinterpret_cast<const uint4 *>(pk);
+  }
+  const float mean = st_reduce(sum, [](float p, float q) { return p + q; }, 0.f, sh) / (float)N;
+  float sq = 0.f;
+  if (in)
+#pragma unroll
+    for (int e = 0; e < 8; e++) sq += (sv[e] - mean) * (sv[e] - mean);
+  const float var = st_reduce(sq, [](float p, float q) { return p + q; }, 0.f, sh) / (float)N;
+  const float rstd = 1.f / sqrtf(var + eps);
+  if (!in) return;
+  float wf[8], bf[8];
+  if (w) ld_vec<T>::load(w + j, wf);
+  if (b) ld_vec<T>::load(b + j, bf);
+#pragma unroll
+  for (int e = 0; e < 8; e++) {
+    float v = (sv[e] - mean) * rstd;
+    if (w) v *= wf[e];
+    if (b) v += bf[e];
+    pk[e] = kc_st<T, float>(v);
+  }
+  *reinterpret_cast<uint4 *>(y + i * ys0 + j) = *reinterpret_cast<const uint4 *>(pk);
+}
+
+/* add_ln_v's conditions: 16-bit, unit element strides, 16-byte aligned rows. */
+bool add_ln_vec_ok(const kiln__kargs *a, const kiln__view *w, const kiln__view *b) {
+  const kiln__view *x = &a->in[0];
+  if (x->dtype != KILN_BF16 && x->dtype != KILN_F16) return false;
+  const int64_t N = x->shape[1];
+  if (N % 8 || N > 8 * (int64_t)LNV_MAX) return false;
+  const kiln__view *v[6] = {x, &a->in[1], &a->out[0], &a->out[1], w, b};
+  for (int k = 0; k < 6; k++) {
+    if (!v[k]) continue;
+    const int last = v[k]->ndim - 1;
+    if (v[k]->strides[last] != 1 || (uintptr_t)v[k]->data % 16) return false;
+    if (last == 1 && v[k]->strides[0] % 8) return false;
+  }
+  return true;
+}
+
 kiln_status add_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
   const kiln__view *x = &a->in[0], *r = &a->in[1], *y = &a->out[0], *sm = &a->out[1];
   const kiln__view *w = (a->i[0] & 1) ? &a->in[2] : NULL;
@@ -676,6 +748,15 @@ kiln_status add_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (R == 0 || N == 0) return KILN_OK;
   if (R > 0x7fffffffLL)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_add_layer_norm: %lld rows exceed one launch", (long long)R);
+  if (add_ln_vec_ok(a, w, b)) {
+    const unsigned threads = (unsigned)((N / 8 + 31) / 32 * 32);
+#define LNV(T)                                                                                                     \
+  pdl_launch(d, a->device, add_ln_v<T>, (unsigned)R, threads, "add_layer_norm", (const T *)x->data, x->strides[0],  \
+             (const T *)r->data, r->strides[0], w ? (const T *)w->data : NULL, b ? (const T *)b->data : NULL,       \
+             (T *)y->data, y->strides[0], (T *)sm->data, sm->strides[0], N, (float)a->s[0])
+    return x->dtype == KILN_BF16 ? LNV(__nv_bfloat16) : LNV(__half);
+#undef LNV
+  }
   KC_SWITCH_FLOAT(x->dtype, T,
                   return kiln_set_error(KILN_ERR_DTYPE, "kiln_add_layer_norm: dtype %s has no cuda kernel",
                                         kiln_dtype_name(x->dtype)),

@@ -220,6 +220,7 @@ struct KvArgs {
   int64_t qs[4], ks[4], vs[4], os[4];
   int64_t ls, nlen; /* len's stride and element count (1 or B) */
   double scale;
+  int64_t ns[5]; /* append (kv_att_v only): kv_new's strides */
 };
 
 template <class A> __device__ __forceinline__ A kv_exp(A x) { return exp(x); }
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(NW * 32)
 template <class T, int LG>
 __global__ void __launch_bounds__(NW * 32)
     kv_att_v(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *o,
-             const int64_t *__restrict__ len, KvArgs p, int *flag) {
+             const int64_t *__restrict__ len, KvArgs p, int *flag, const T *__restrict__ kn, T *kw, T *vw) {
   enum { KPW = 32 / LG, NG = NW * KPW, D = 8 * LG };
   __shared__ float wm[NW], wl[NW];
   __shared__ float wacc[NW][D];
@@ -321,6 +322,17 @@ __global__ void __launch_bounds__(NW * 32)
     L = L < 0 ? 0 : p.M;
   }
   const int64_t n = L - p.Tq + i + 1; /* keys 0 .. n-1 */
+  /* append (kn set; Tq == 1): the new key and value rows go to slot L - 1, and key n - 1 (that
+  ** slot) is read from kn: nothing here reads what this kernel writes */
+  const T *knr = kn ? kn + b * p.ns[1] + h * p.ns[2] + i * p.ns[3] + 8 * sub : NULL;
+  if (kn && L < 1) {
+    if (threadIdx.x == 0) kc_flag(flag, KILN__K_KV_ATTENTION);
+  } else if (kn && w == 0 && grp == 0 && L == len[(p.nlen == 1 ? 0 : b) * p.ls]) { /* L unclamped */
+    const int64_t off = (L - 1) * p.ks[2] + 8 * sub;
+    *reinterpret_cast<uint4 *>(kw + b * p.ks[0] + h * p.ks[1] + off) = *reinterpret_cast<const uint4 *>(knr);
+    *reinterpret_cast<uint4 *>(vw + b * p.vs[0] + h * p.vs[1] + (L - 1) * p.vs[2] + 8 * sub) =
+        *reinterpret_cast<const uint4 *>(knr + p.ns[0]);
+  }
   float qf[8], tmp[8];
   ld_vec<T>::load(q + b * p.qs[0] + h * p.qs[1] + i * p.qs[2] + 8 * sub, qf);
 #pragma unroll
@@ -334,9 +346,9 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const int64_t j = j0 + u * NG;
-      const bool in = j < n;
-      kr[u] = in ? *reinterpret_cast<const uint4 *>(kb + j * p.ks[2]) : make_uint4(0, 0, 0, 0);
-      vr[u] = in ? *reinterpret_cast<const uint4 *>(vb + j * p.vs[2]) : make_uint4(0, 0, 0, 0);
+      const bool in = j < n, nw = knr && j == n - 1;
+      kr[u] = in ? *reinterpret_cast<const uint4 *>(nw ? knr : kb + j * p.ks[2]) : make_uint4(0, 0, 0, 0);
+      vr[u] = in ? *reinterpret_cast<const uint4 *>(nw ? knr + p.ns[0] : vb + j * p.vs[2]) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < 2; u++) {
@@ -392,6 +404,7 @@ __global__ void __launch_bounds__(NW * 32)
 ** start a multiple of 16 bytes. */
 bool kv_vec_ok(const kiln__view *q, const kiln__view *k, const kiln__view *v) {
   if (q->dtype != KILN_BF16 && q->dtype != KILN_F16) return false;
+  if (k->dtype != q->dtype || v->dtype != q->dtype) return false;
   const int64_t D = q->shape[3];
   if (v->shape[3] != D || (D != 32 && D != 64 && D != 128)) return false;
   const kiln__view *t[3] = {q, k, v};
@@ -400,6 +413,17 @@ bool kv_vec_ok(const kiln__view *q, const kiln__view *k, const kiln__view *v) {
     for (int d = 0; d < 3; d++)
       if (t[i]->shape[d] > 1 && t[i]->strides[d] % 8) return false;
   }
+  return true;
+}
+
+/* the append form (KV_ATTENTION's i1): kv_att_v's conditions, one query a row, kv_new
+** (in4) of the same dtype with unit element stride and 16-byte aligned rows */
+bool kv_append_ok(const kiln__kargs *a) {
+  const kiln__view *q = &a->in[0], *kn = &a->in[4];
+  if (a->n_in < 5 || q->shape[2] != 1 || !kv_vec_ok(q, &a->in[1], &a->in[2])) return false;
+  if (kn->dtype != q->dtype || kn->ndim != 5 || kn->strides[4] != 1 || (uintptr_t)kn->data % 16) return false;
+  for (int d = 0; d < 4; d++)
+    if (kn->shape[d] > 1 && kn->strides[d] % 8) return false;
   return true;
 }
 
@@ -416,10 +440,13 @@ kiln_status kv_attention(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (rows > 0x7fffffffLL)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_kv_attention: %lld query rows exceed one launch", (long long)rows);
   const int64_t *lp = (const int64_t *)len->data;
-  if (kv_vec_ok(q, k, v)) {
+  const bool app = a->i[1] != 0; /* supports() took it: kv_append_ok */
+  for (int i = 0; i < 5; i++) p.ns[i] = app ? a->in[4].strides[i] : 0;
+  if (app || kv_vec_ok(q, k, v)) {
 #define KV_V(T, LG)                                                                                                \
   pdl_launch(d, a->device, kv_att_v<T, LG>, (unsigned)rows, NW * 32, "kv_attention", (const T *)q->data,           \
-             (const T *)k->data, (const T *)v->data, (T *)o->data, lp, p, d->err_flag)
+             (const T *)k->data, (const T *)v->data, (T *)o->data, lp, p, d->err_flag,                             \
+             app ? (const T *)a->in[4].data : (const T *)NULL, (T *)k->data, (T *)v->data)
     const int64_t D = p.D;
     if (q->dtype == KILN_BF16)
       return D == 32 ? KV_V(__nv_bfloat16, 4) : D == 64 ? KV_V(__nv_bfloat16, 8) : KV_V(__nv_bfloat16, 16);
@@ -996,6 +1023,7 @@ extern "C" bool kiln__cuda_kv_supports(const kiln__kargs *a) {
   case KILN__K_INDEX_COPY:
     return kc_size(a->out[0].dtype) > 0 && a->in[0].dtype == a->out[0].dtype && a->in[1].dtype == KILN_I64;
   case KILN__K_KV_ATTENTION:
+    if (a->i[1] && !kv_append_ok(a)) return false; /* the op composes index_copy_ and kv_attention */
     return kc_is_float(a->in[0].dtype) && a->in[3].dtype == KILN_I64 && a->in[0].shape[3] <= KV_MAXD &&
            a->in[2].shape[3] <= KV_MAXD;
   case KILN__K_SAMPLE_TOKENS: /* the argmax packs an index in 32 bits */

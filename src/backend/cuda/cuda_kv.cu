@@ -505,7 +505,7 @@ template <class V, class F> __device__ V st_reduce(V v, F f, V init, V *sh) {
 /* The largest key K whose kept elements at or above it weigh >= target (1 each, or w when
 ** mass); 0 when all of them weigh less. */
 template <class T>
-__device__ uint32_t st_select(const StRow<T> &r, int64_t j0, int64_t j1, bool mass, double target,
+__device__ uint32_t st_select(const StRow<T> &r, int64_t j0, int64_t j1, int64_t ch, bool mass, double target,
                               unsigned long long *hist, unsigned long long *ush, int *dsh) {
   uint32_t prefix = 0;
   unsigned long long above = 0;
@@ -513,12 +513,36 @@ __device__ uint32_t st_select(const StRow<T> &r, int64_t j0, int64_t j1, bool ma
     const int shift = 8 * level;
     for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
     __syncthreads();
-    for (int64_t j = j0; j < j1; j++) {
-      const float zv = r.z(j);
-      if (!r.kept(zv)) continue;
-      const uint32_t k = st_key(zv);
-      if (level < 3 && (k >> (shift + 8)) != (prefix >> (shift + 8))) continue;
-      atomicAdd(&hist[(k >> shift) & 255u], mass ? r.w(zv) : 1ull);
+    /* Warp-aggregated: the lanes that fall in one bin add once (the top byte of a row's keys
+    ** is nearly always the same, so per-element atomics on 1024 threads serialized on one
+    ** bin: a sampled step took 0.85 ms against the greedy 0.34 at batch 1 on the H200). The
+    ** trip count is block-uniform (ch), so every lane of a warp runs the ballots. Integer
+    ** sums: the same histogram, whatever the order. */
+    for (int64_t t = 0; t < ch; t++) {
+      const int64_t j = j0 + t;
+      bool part = false;
+      uint32_t bin = 0;
+      unsigned long long val = 0;
+      if (j < j1) {
+        const float zv = r.z(j);
+        const uint32_t k = st_key(zv);
+        if (r.kept(zv) && (level == 3 || (k >> (shift + 8)) == (prefix >> (shift + 8)))) {
+          part = true;
+          bin = (k >> shift) & 255u;
+          val = mass ? r.w(zv) : 1ull;
+        }
+      }
+      unsigned todo = __ballot_sync(0xffffffffu, part);
+      while (todo) { /* warp-uniform: one bin a round */
+        const int lead = __ffs(todo) - 1;
+        const uint32_t bb = __shfl_sync(0xffffffffu, bin, lead);
+        const bool mine = part && bin == bb;
+        const unsigned grp = __ballot_sync(0xffffffffu, mine);
+        unsigned long long sum = __popc(grp);
+        if (mass) sum = kc_warp_reduce(mine ? val : 0ull, [](unsigned long long x, unsigned long long y) { return x + y; });
+        if ((threadIdx.x & 31) == lead) atomicAdd(&hist[bb], sum);
+        todo &= ~grp;
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -585,7 +609,7 @@ __global__ void __launch_bounds__(ST_THREADS)
     }
     return;
   }
-  if (top_k > 0 && top_k < V) r.kk = st_select(r, j0, j1, false, (double)top_k, hist, ush, dsh);
+  if (top_k > 0 && top_k < V) r.kk = st_select(r, j0, j1, ch, false, (double)top_k, hist, ush, dsh);
   if (top_p < 1) {
     unsigned long long mine = 0;
     for (int64_t j = j0; j < j1; j++) {
@@ -594,7 +618,7 @@ __global__ void __launch_bounds__(ST_THREADS)
     }
     const unsigned long long S = st_reduce(mine, [](unsigned long long a, unsigned long long b) { return a + b; },
                                            0ull, ush);
-    r.kp = st_select(r, j0, j1, true, top_p * (double)S, hist, ush, dsh);
+    r.kp = st_select(r, j0, j1, ch, true, top_p * (double)S, hist, ush, dsh);
   }
   unsigned long long mine = 0;
   for (int64_t j = j0; j < j1; j++) {

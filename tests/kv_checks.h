@@ -335,13 +335,14 @@ static void kv_check_linear(kiln_device dev) {
     kv_check_linear_case(dev, dts[t], 17, 64, 40, true, true, false);    /* too many rows: composed */
     kv_check_linear_case(dev, dts[t], 2, 40, 9, true, true, true);       /* strided rows: composed */
   }
-  /* CUDA's tensor-core kernel: K not a multiple of its 32-wide chunks, 9 rows (the upper
-  ** half of the mma's 16), the 4-tile blocks of wide outputs (N >= 128 per SM) with a
-  ** partial last tile */
+  /* CUDA's tensor-core kernel (3-16 rows): K not a multiple of its 32-wide chunks, 9 rows
+  ** (the upper half of the mma's 16), the 4-tile blocks of wide outputs (N >= 128 per SM)
+  ** with a partial last tile */
   kv_check_linear_case(dev, KILN_BF16, 7, 200, 37, true, true, false);
   kv_check_linear_case(dev, KILN_F16, 9, 1536, 100, true, false, false);
   kv_check_linear_case(dev, KILN_BF16, 16, 768, 17003, false, false, false);
-  kv_check_linear_case(dev, KILN_F16, 1, 768, 16900, true, false, false);
+  kv_check_linear_case(dev, KILN_F16, 5, 768, 16900, true, false, false);
+  kv_check_linear_case(dev, KILN_BF16, 1, 768, 16900, true, false, false); /* 1 row: the warp kernel */
   kv_check_linear_case(dev, KILN_F64, 2, 32, 7, true, true, false); /* composed */
   kv_check_linear_case(dev, KILN_F32, 4, 36, 5, true, false, false); /* K not a multiple of 8 */
   kiln_scope_begin();

@@ -30,7 +30,10 @@
 ** n with 16-byte loads (32 lanes: 512 contiguous bytes a step) and dots it with every row
 ** of x (tiny, from L1), so the weight is read once whatever the row count; the M sums are
 ** reduced across the warp and lane 0 adds the bias, rounds, and applies the GELU. cuBLAS
-** at M = 1..16 reads the same bytes but through tiles sized for large M.
+** at M = 1..16 reads the same bytes but through tiles sized for large M. 16-bit weights
+** above 2 rows take ldm_k instead (tensor cores, x's rows as the mma's A), and KV_ATTENTION
+** has a 16-bit path for head dims 32/64/128 (kv_att_v) that can also append the step's new
+** key and value (kiln_kv_attention_append). All of them launch with PDL (pdl_launch).
 */
 #include "cuda_int.cuh"
 #include "philox.cuh"
@@ -831,6 +834,9 @@ __global__ void __launch_bounds__(LD_WARPS * 32)
   const int lane = threadIdx.x & 31;
   const int64_t n = (int64_t)blockIdx.x * LD_WARPS + (threadIdx.x >> 5);
   if (n >= N) return; /* warp-uniform; no block barrier below */
+  if (lane == 0) l2_prefetch(w + n * ws, (uint32_t)(K * (int64_t)sizeof(T))); /* before the wait: see pdl_wait */
+  pdl_trigger();
+  pdl_wait();
   float acc[MM];
 #pragma unroll
   for (int m = 0; m < MM; m++) acc[m] = 0.f;
@@ -873,15 +879,14 @@ template <class T> kiln_status linear_decode_run(kiln__cuda_dev *d, const kiln__
   const int64_t K = x->shape[1], N = w->shape[0];
   const unsigned blocks = (unsigned)((N + LD_WARPS - 1) / LD_WARPS);
 #define LD_LAUNCH(MM)                                                                                              \
-  linear_decode_k<T, MM><<<blocks, LD_WARPS * 32, 0, d->stream>>>(                                                 \
-      (const T *)x->data, x->strides[0], (const T *)w->data, w->strides[0], b ? (const T *)b->data : NULL,         \
-      b ? b->strides[0] : 0, (T *)y->data, y->strides[0], y->strides[1], M, N, K, (int)a->i[1])
-  if (M == 1) LD_LAUNCH(1);
-  else if (M <= 4) LD_LAUNCH(4);
-  else if (M <= 8) LD_LAUNCH(8);
-  else LD_LAUNCH(16);
+  pdl_launch(d, a->device, linear_decode_k<T, MM>, blocks, LD_WARPS * 32, "linear_decode", (const T *)x->data,     \
+             x->strides[0], (const T *)w->data, w->strides[0], b ? (const T *)b->data : NULL, b ? b->strides[0] : 0, \
+             (T *)y->data, y->strides[0], y->strides[1], M, N, K, (int)a->i[1])
+  if (M == 1) return LD_LAUNCH(1);
+  if (M <= 4) return LD_LAUNCH(4);
+  if (M <= 8) return LD_LAUNCH(8);
+  return LD_LAUNCH(16);
 #undef LD_LAUNCH
-  return kiln__cuda_launched("linear_decode");
 }
 
 /* The tensor-core form for 16-bit weights (LINEAR_DECODE's default for bf16/f16, any M <=
@@ -977,15 +982,24 @@ __global__ void __launch_bounds__(LDM_WARPS * 32)
   }
 }
 
-/* KILN_LINEAR_DECODE=warp: the warp-per-column kernel for every dtype (and its 2-row limit),
-** an A/B switch for the benchmarks; otherwise 16-bit weights take ldm_k. */
-bool ld_warp_only(void) {
+/* Which kernel: 16-bit weights take ldm_k above LD_ROWS rows and the warp-per-column
+** kernel at 1-2 (f32 always the warp kernel, up to LD_ROWS). Measured on the H200 (bench-gpt2
+** greedy, 18:40 run): at batch 1 the warp kernel gave 3,016.5 tokens/s (without PDL) against
+** ldm_k's 2,945.9 (with it); at 16 ldm_k gave 39,518 against cuBLAS's 26,641. A/B switches,
+** KILN_LINEAR_DECODE=warp: the warp kernel only (above 2 rows the op composes cuBLAS);
+** =mma: ldm_k at every row count. */
+enum { LD_AUTO, LD_WARP_ONLY, LD_MMA_ALWAYS };
+int ld_mode(void) {
   static int v = -1;
   if (v < 0) {
     const char *e = getenv("KILN_LINEAR_DECODE");
-    v = e && !strcmp(e, "warp");
+    v = !e ? LD_AUTO : !strcmp(e, "warp") ? LD_WARP_ONLY : !strcmp(e, "mma") ? LD_MMA_ALWAYS : LD_AUTO;
   }
-  return v != 0;
+  return v;
+}
+bool ld_use_mma(kiln_dtype dt, int64_t M) {
+  if (dt == KILN_F32 || ld_mode() == LD_WARP_ONLY) return false;
+  return ld_mode() == LD_MMA_ALWAYS || M > LD_ROWS;
 }
 
 template <class T> kiln_status linear_decode_mma(kiln__cuda_dev *d, const kiln__kargs *a) {
@@ -1024,8 +1038,7 @@ bool linear_decode_supports(const kiln__kargs *a) {
   ** beats cuBLAS (937.8 against 773.3 tokens/s), at 16 cuBLAS wins (12,126 against 7,567:
   ** each warp reloads x for every column); so above LD_ROWS rows the warp kernel leaves the
   ** op to cuBLAS, while the tensor-core kernel (16-bit) takes up to 16 */
-  const bool mma = dt != KILN_F32 && !ld_warp_only();
-  if (!mma && x.shape[0] > LD_ROWS) return false;
+  if (!ld_use_mma(dt, x.shape[0]) && x.shape[0] > LD_ROWS) return false;
   if (w.shape[0] >= (int64_t)LD_WARPS * 0x7fffffffLL) return false;
   return ld_aligned(x) && ld_aligned(w); /* the output is a fresh (M, N) tensor */
 }
@@ -1033,9 +1046,11 @@ bool linear_decode_supports(const kiln__kargs *a) {
 kiln_status linear_decode(kiln__cuda_dev *d, const kiln__kargs *a) {
   switch (a->in[0].dtype) {
   case KILN_F32: return linear_decode_run<float>(d, a);
-  case KILN_F16: return ld_warp_only() ? linear_decode_run<__half>(d, a) : linear_decode_mma<__half>(d, a);
+  case KILN_F16:
+    return ld_use_mma(KILN_F16, a->in[0].shape[0]) ? linear_decode_mma<__half>(d, a) : linear_decode_run<__half>(d, a);
   case KILN_BF16:
-    return ld_warp_only() ? linear_decode_run<__nv_bfloat16>(d, a) : linear_decode_mma<__nv_bfloat16>(d, a);
+    return ld_use_mma(KILN_BF16, a->in[0].shape[0]) ? linear_decode_mma<__nv_bfloat16>(d, a)
+                                                     : linear_decode_run<__nv_bfloat16>(d, a);
   default: return kiln_set_error(KILN_ERR_DTYPE, "kiln_linear_decode: dtype %s has no cuda kernel", kiln_dtype_name(a->in[0].dtype));
   }
 }

@@ -537,6 +537,16 @@ KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_t
 ** L_b > M is KILN_ERR_INDEX on the CPU, the device's index flag on CUDA. */
 KILN_API kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, kiln_tensor *len,
                                         double scale);
+/* A decode step's cache write and attention in one: kv_new (2, B, H, Tq, D) (the new keys
+** then values) is written into cache (2, B, H, M, D) at slots L_b - Tq + t of row b (the
+** last Tq of its L_b valid slots, len as kiln_kv_attention's), then q attends the cache as
+** kiln_kv_attention(q, cache[0], cache[1], len, scale). One kernel where the device has it
+** (CUDA: 16-bit, one query per row, head dims 32/64/128; the new row is attended from
+** kv_new, not read back), else kiln_index_copy_ then kiln_kv_attention. Errors as those
+** two; L_b < Tq is KILN_ERR_INDEX on the CPU, the device's index flag on CUDA (nothing is
+** written for that row). */
+KILN_API kiln_tensor *kiln_kv_attention_append(kiln_tensor *q, kiln_tensor *cache, kiln_tensor *kv_new,
+                                               kiln_tensor *len, double scale);
 /* One token per row of logits (N, V) floating -> (N) i64, drawn with the RNG state held in
 ** the device tensor rng (2 i64 elements: a generator's seed and offset, bit for bit, as
 ** kiln_generator_get_state gives them), so that the draw can be part of a captured graph:

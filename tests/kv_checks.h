@@ -99,7 +99,68 @@ static void kv_check_attention(kiln_device dev) {
     kv_check_attention_case(dev, dt, 3, 2, 1, 300, 40, 24, (const int64_t[]){300, 1, 257}, 3, true); /* per row */
     kv_check_attention_case(dev, dt, 2, 3, 4, 50, 33, 33, (const int64_t[]){37}, 1, false);  /* Tq > 1 */
     kv_check_attention_case(dev, dt, 2, 1, 3, 20, 128, 128, (const int64_t[]){2, 20}, 2, true); /* a row's first query has no key */
+    /* batch 16 at GPT-2's heads, one length per row: 1 key, several steps of CUDA's
+    ** 16-bit path (64 keys a step at D 64), the whole cache */
+    kv_check_attention_case(dev, dt, 16, 12, 1, 300, 64, 64,
+                            (const int64_t[]){1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 299, 300, 70},
+                            16, false);
+    kv_check_attention_case(dev, dt, 3, 4, 2, 90, 32, 32, (const int64_t[]){90, 2, 33}, 3, true); /* D 32 */
   }
+}
+
+/* kiln_kv_attention_append against kiln_index_copy_ then kiln_kv_attention on a copy of the
+** cache: the same output and the same cache after. kv_new is made as the decode step makes
+** it (a permuted view of a (B, Tq, 3C) projection); lens one for all rows or one per row. */
+static void kv_check_append_case(kiln_device dev, kiln_dtype dt, int64_t B, int64_t H, int64_t Tq, int64_t M, int64_t D,
+                                 const int64_t *lens, int nlen) {
+  kiln_scope_begin();
+  const int64_t C = H * D;
+  kiln_generator *g = kiln_generator_new((uint64_t)(B * 100 + Tq * 10 + D + nlen));
+  kiln_tensor *cache = kiln_to_dtype(kiln_randn(KILN_SHAPE(2, B, H, M, D), KILN_F32, dev, g), dt);
+  kiln_tensor *qkv = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, Tq, 3 * C), KILN_F32, dev, g), dt);
+  kiln_generator_free(g);
+  kiln_tensor *q = kiln_transpose(kiln_view(kiln_narrow(qkv, 2, 0, C), KILN_SHAPE(B, Tq, H, D)), 1, 2);
+  kiln_tensor *kv_new = kiln_permute(kiln_view(kiln_narrow(qkv, 2, C, 2 * C), KILN_SHAPE(B, Tq, 2, H, D)), 5,
+                                     (const int[]){2, 0, 3, 1, 4});
+  kiln_tensor *len = kiln_from_data(lens, 1, (const int64_t[]){nlen}, KILN_I64, dev);
+  kiln_tensor *ref_cache = kiln_contiguous(kiln_mul_scalar(cache, 1)); /* a copy */
+  for (int64_t b = 0; b < (nlen == 1 ? 1 : B); b++) { /* the reference: rows written one by one at host slots */
+    kiln_tensor *slots = kiln_arange((double)(lens[b] - Tq), (double)lens[b], 1, KILN_I64, dev);
+    kiln_tensor *dst = nlen == 1 ? ref_cache : kiln_narrow(ref_cache, 1, b, 1);
+    kiln_tensor *src = nlen == 1 ? kv_new : kiln_narrow(kv_new, 1, b, 1);
+    CHECK(kiln_index_copy_(dst, 3, slots, src) == KILN_OK);
+  }
+  kiln_tensor *want = kiln_kv_attention(q, kiln_select(ref_cache, 0, 0), kiln_select(ref_cache, 0, 1), len, 0.0);
+  kiln_tensor *got = kiln_kv_attention_append(q, cache, kv_new, len, 0.0);
+  double dy = got && want ? kv_max_diff(got, want) : INFINITY, dc = kv_max_diff(cache, ref_cache);
+  /* the fused kernel sums in another order than the plain one: the dtype's tolerance */
+  if (!(dy <= kv_tol(dt) && dc == 0))
+    printf("kv_attention_append %s B%lld H%lld Tq%lld M%lld D%lld nlen %d: output diff %g, cache diff %g\n",
+           kiln_dtype_name(dt), (long long)B, (long long)H, (long long)Tq, (long long)M, (long long)D, nlen, dy, dc);
+  CHECK(dy <= kv_tol(dt));
+  CHECK(dc == 0);
+  kiln_scope_end();
+}
+
+static void kv_check_append(kiln_device dev) {
+  const kiln_dtype dts[] = {KILN_BF16, KILN_F16, KILN_F32};
+  for (int t = 0; t < 3; t++) {
+    kv_check_append_case(dev, dts[t], 1, 12, 1, 96, 64, (const int64_t[]){70}, 1); /* GPT-2's step at batch 1 */
+    kv_check_append_case(dev, dts[t], 16, 12, 1, 200, 64, /* batch 16, a length per row: the first and last slots */
+                         (const int64_t[]){1, 2, 64, 65, 128, 129, 192, 193, 199, 200, 3, 100, 150, 77, 5, 9}, 16);
+    kv_check_append_case(dev, dts[t], 2, 3, 1, 40, 128, (const int64_t[]){40}, 1);
+    kv_check_append_case(dev, dts[t], 3, 2, 3, 30, 32, (const int64_t[]){3, 30, 17}, 3); /* Tq > 1: composed on CUDA */
+  }
+  kiln_scope_begin();
+  kiln_tensor *cache = kiln_zeros(KILN_SHAPE(2, 1, 2, 8, 8), KILN_F32, dev);
+  kiln_tensor *q = kiln_zeros(KILN_SHAPE(1, 2, 1, 8), KILN_F32, dev);
+  CHECK(!kiln_kv_attention_append(q, kiln_zeros(KILN_SHAPE(1, 2, 8, 8), KILN_F32, dev),
+                                   kiln_zeros(KILN_SHAPE(2, 1, 2, 1, 8), KILN_F32, dev),
+                                   kiln_full(KILN_SHAPE(1), 3, KILN_I64, dev), 0) && kiln_last_error() == KILN_ERR_SHAPE);
+  CHECK(!kiln_kv_attention_append(q, cache, kiln_zeros(KILN_SHAPE(2, 1, 2, 1, 8), KILN_BF16, dev),
+                                  kiln_full(KILN_SHAPE(1), 3, KILN_I64, dev), 0) && kiln_last_error() == KILN_ERR_DTYPE);
+  kiln_clear_error();
+  kiln_scope_end();
 }
 
 static void kv_check_attention_errors(kiln_device dev) {
@@ -219,6 +280,12 @@ static void kv_check_add_ln(kiln_device dev) {
   kv_check_add_ln_case(dev, KILN_F32, 2, true, 0, 40);
   kv_check_add_ln_case(dev, KILN_F32, 1, false, 1, 300);
   kv_check_add_ln_case(dev, KILN_BF16, 0, false, 2, 1);
+  /* CUDA's 16-bit one-pass form: no weight, weight only, rows of 4096 (512 threads), 8200
+  ** (past its 8192: the generic kernel), and N % 8 != 0 (generic) */
+  kv_check_add_ln_case(dev, KILN_BF16, 2, false, 0, 1024);
+  kv_check_add_ln_case(dev, KILN_F16, 1, false, 1, 4096);
+  kv_check_add_ln_case(dev, KILN_BF16, 0, false, 3, 8200);
+  kv_check_add_ln_case(dev, KILN_F16, 0, false, 3, 300);
   kiln_scope_begin();
   kiln_tensor *x = kiln_zeros(KILN_SHAPE(2, 8), KILN_F32, dev);
   CHECK(!kiln_add_layer_norm(x, kiln_zeros(KILN_SHAPE(3, 8), KILN_F32, dev), NULL, NULL, 1e-5, NULL) &&
@@ -268,6 +335,14 @@ static void kv_check_linear(kiln_device dev) {
     kv_check_linear_case(dev, dts[t], 17, 64, 40, true, true, false);    /* too many rows: composed */
     kv_check_linear_case(dev, dts[t], 2, 40, 9, true, true, true);       /* strided rows: composed */
   }
+  /* CUDA's tensor-core kernel (3-16 rows): K not a multiple of its 32-wide chunks, 9 rows
+  ** (the upper half of the mma's 16), the 4-tile blocks of wide outputs (N >= 128 per SM)
+  ** with a partial last tile */
+  kv_check_linear_case(dev, KILN_BF16, 7, 200, 37, true, true, false);
+  kv_check_linear_case(dev, KILN_F16, 9, 1536, 100, true, false, false);
+  kv_check_linear_case(dev, KILN_BF16, 16, 768, 17003, false, false, false);
+  kv_check_linear_case(dev, KILN_F16, 5, 768, 16900, true, false, false);
+  kv_check_linear_case(dev, KILN_BF16, 1, 768, 16900, true, false, false); /* 1 row: the warp kernel */
   kv_check_linear_case(dev, KILN_F64, 2, 32, 7, true, true, false); /* composed */
   kv_check_linear_case(dev, KILN_F32, 4, 36, 5, true, false, false); /* K not a multiple of 8 */
   kiln_scope_begin();

@@ -31,6 +31,7 @@ int main(void) {
   kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
   kv_check_attention(dev);
   kv_check_attention_errors(dev);
+  kv_check_append(dev);
   kv_check_index_copy(dev);
   kv_check_index_copy_errors(dev);
   kv_check_sample(dev);
@@ -50,6 +51,15 @@ int main(void) {
   CHECK(y != NULL);
   CHECK(kiln_device_synchronize(dev) == KILN_ERR_INDEX);
   kiln_clear_error();
+  /* the fused append (bf16, one query) with no room: the flag, and nothing written */
+  kiln_tensor *cache = kiln_zeros(KILN_SHAPE(2, 1, 1, 5, 64), KILN_BF16, dev);
+  kiln_tensor *qa = kiln_ones(KILN_SHAPE(1, 1, 1, 64), KILN_BF16, dev);
+  y = kiln_kv_attention_append(qa, cache, kiln_ones(KILN_SHAPE(2, 1, 1, 1, 64), KILN_BF16, dev),
+                               kiln_full(KILN_SHAPE(1), 0, KILN_I64, dev), 0);
+  CHECK(y != NULL);
+  CHECK(kiln_device_synchronize(dev) == KILN_ERR_INDEX);
+  kiln_clear_error();
+  CHECK(kiln_item(kiln_sum(kiln_to_dtype(cache, KILN_F32), 0, NULL, false)) == 0);
 
   /* captured: the position advances inside the graph, and each replay reads it anew */
   cap c = {kiln_zeros(KILN_SHAPE(1, 8), KILN_F32, dev), kiln_zeros(KILN_SHAPE(1), KILN_I64, dev),

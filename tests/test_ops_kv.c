@@ -13,6 +13,7 @@ int main(void) {
   }
   kv_check_attention(dev);
   kv_check_attention_errors(dev);
+  kv_check_append(dev);
   kv_check_index_copy(dev);
   kv_check_index_copy_errors(dev);
   kv_check_sample(dev);
@@ -29,6 +30,12 @@ int main(void) {
     CHECK(kiln_index_copy_(dst, 1, kiln_full(KILN_SHAPE(2), -1, KILN_I64, dev), src) == KILN_ERR_INDEX);
     kiln_tensor *q = kiln_zeros(KILN_SHAPE(1, 1, 1, 4), KILN_F32, dev), *k = kiln_zeros(KILN_SHAPE(1, 1, 5, 4), KILN_F32, dev);
     CHECK(!kiln_kv_attention(q, k, k, kiln_full(KILN_SHAPE(1), 6, KILN_I64, dev), 0) && kiln_last_error() == KILN_ERR_INDEX);
+    /* append with no room for the new position: nothing written */
+    kiln_tensor *cache = kiln_zeros(KILN_SHAPE(2, 1, 1, 5, 4), KILN_F32, dev);
+    CHECK(!kiln_kv_attention_append(q, cache, kiln_ones(KILN_SHAPE(2, 1, 1, 1, 4), KILN_F32, dev),
+                                    kiln_full(KILN_SHAPE(1), 0, KILN_I64, dev), 0) &&
+          kiln_last_error() == KILN_ERR_INDEX);
+    CHECK(kiln_item(kiln_sum(cache, 0, NULL, false)) == 0);
     kiln_tensor *nan_row = kiln_full(KILN_SHAPE(1, 4), NAN, KILN_F32, dev);
     CHECK(!kiln_sample_tokens(nan_row, kv_rng(dev, 1, 0), 1, 0, 1) && kiln_last_error() == KILN_ERR_INDEX);
     kiln_clear_error();

@@ -231,7 +231,10 @@ typedef struct kiln__view {
   /* in0 q (B, H, Tq, D), in1 k (B, H, M, D), in2 v (B, H, M, Dv), in3 len (i64, n = */    \
   /* i0 elements, 1 or B; strided 1-d) -> out0 (B, H, Tq, Dv); s0 scale. Query i of */   \
   /* row b attends keys j <= len[b] - Tq + i (len[b] <= M, else KILN_ERR_INDEX / the */  \
-  /* device flag); no key gives 0. f64 accumulation on the CPU (the reference). */         \
+  /* device flag); no key gives 0. f64 accumulation on the CPU (the reference). i1 1 */   \
+  /* (append): in4 kv_new (2, B, H, Tq, D) is first written into k and v at slots */      \
+  /* len[b] - Tq + t (len[b] < Tq: KILN_ERR_INDEX / the flag, nothing written); out1 */   \
+  /* and out2 are k and v again (what the op writes, for graph dependencies) */           \
   X(KV_ATTENTION, "kv_attention")                                                         \
   /* in0 logits (N, V) float, in1 rng (2 i64: seed, offset) -> out0 (N) i64: one draw */  \
   /* per row after temperature s0, top-k i0 (0 off), top-p s1 (1 off), with weights in */ \

@@ -144,8 +144,19 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
     /* the new keys and values as one (2, B, H, T, D) view of qkv[..., C:3C] */
     kiln_tensor *kv_new = kiln_permute(kiln_view(kiln_narrow(qkv, 2, C, 2 * C), KILN_SHAPE(B, T, 2, H, D)), 5,
                                        (const int[]){2, 0, 3, 1, 4});
-    if (kiln_index_copy_(c->kv[l], 3, s->pos_dev, kv_new) != KILN_OK) return NULL;
-    y = kiln_kv_attention(part[0], K, V, s->len_dev, 0.0);
+    /* one kernel on CUDA (the write fused into the attention: a launch less per layer);
+    ** KILN_KV_APPEND=0 keeps the two ops (an A/B switch for the benchmarks) */
+    static int fuse = -1;
+    if (fuse < 0) {
+      const char *e = getenv("KILN_KV_APPEND");
+      fuse = !(e && !strcmp(e, "0"));
+    }
+    if (fuse) {
+      y = kiln_kv_attention_append(part[0], c->kv[l], kv_new, s->len_dev, 0.0); /* slot len - 1 = pos */
+    } else {
+      if (kiln_index_copy_(c->kv[l], 3, s->pos_dev, kv_new) != KILN_OK) return NULL;
+      y = kiln_kv_attention(part[0], K, V, s->len_dev, 0.0);
+    }
   } else {
     const int64_t p = s->pos;
     kiln_status st = kiln_copy_(kiln_narrow(K, 2, p, T), part[1]);

@@ -199,6 +199,86 @@ kiln_tensor *kiln_kv_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v, k
   return kiln__op_call(&op_kv_attention, 4, in, &p, NULL);
 }
 
+/* ---- kv_attention_append ---------------------------------------------------------------- */
+
+/* kv_attention's kernel with the append flag: inputs q, k, v, len, kv_new (k and v the
+** cache's halves); outputs the attention and, declared as written, k and v. */
+static kiln_status kv_append_forward(kiln__op_ctx *c) {
+  const attrs_kv_attention *p = c->attrs;
+  kiln_tensor *q = c->in[0];
+  kiln__kargs a = {0};
+  a.op = KILN__K_KV_ATTENTION;
+  a.n_in = 5;
+  for (int i = 0; i < 5; i++) a.in[i] = i == 3 ? as_1d(c->in[3]) : kiln__view_of(c->in[i]);
+  a.i[0] = kiln_numel(c->in[3]);
+  a.i[1] = 1;
+  a.s[0] = p->scale > 0 ? p->scale : (q->shape[3] > 0 ? 1.0 / sqrt((double)q->shape[3]) : 1.0);
+  a.n_out = 3;
+  a.out[1] = kiln__view_of(c->in[1]);
+  a.out[2] = kiln__view_of(c->in[2]);
+  return kiln__run_into(c->out[0], &a);
+}
+
+static const kiln__op op_kv_attention_append = {
+    .name = "kv_attention_append", .api = "kiln_kv_attention_append", .n_in = 5, .n_out = 1,
+    .amp = KILN__AMP_NONE, /* writes the cache in place: a cast would write a copy */ .flags = KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_KV_ATTENTION},
+    .attrs = f_kv_attention, .n_attrs = 1, .attr_size = sizeof(attrs_kv_attention),
+    .infer = kv_attention_infer, .forward = kv_append_forward};
+
+kiln_tensor *kiln_kv_attention_append(kiln_tensor *q, kiln_tensor *cache, kiln_tensor *kv_new, kiln_tensor *len,
+                                      double scale) {
+  static const char who[] = "kiln_kv_attention_append";
+  if (!q || !cache || !kv_new || !len) {
+    if (kiln_last_error() == KILN_OK)
+      kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL %s", who, !q ? "q" : !cache ? "cache" : !kv_new ? "kv_new" : "len");
+    return NULL;
+  }
+  if (cache->ndim != 5 || cache->shape[0] != 2 || kv_new->ndim != 5 || kv_new->shape[0] != 2 || q->ndim != 4 ||
+      kv_new->shape[1] != cache->shape[1] || kv_new->shape[2] != cache->shape[2] ||
+      kv_new->shape[4] != cache->shape[4] || kv_new->shape[3] != q->shape[2]) {
+    kiln_set_error(KILN_ERR_SHAPE, "%s: cache %s must be (2, B, H, M, D), kv_new %s (2, B, H, Tq, D) and q %s "
+                   "(B, H, Tq, D)", who, kiln__tshape(cache), kiln__tshape(kv_new), kiln__tshape(q));
+    return NULL;
+  }
+  if (kv_new->dtype != cache->dtype) {
+    kiln_set_error(KILN_ERR_DTYPE, "%s: kv_new is %s but the cache is %s", who, kiln_dtype_name(kv_new->dtype),
+                   kiln_dtype_name(cache->dtype));
+    return NULL;
+  }
+  kiln_tensor *k = kiln_select(cache, 0, 0), *v = kiln_select(cache, 0, 1);
+  if (!k || !v) return NULL;
+  kiln_device dev = kiln_device_of(q);
+  kiln_tensor *in[5] = {q, k, v, len, kv_new};
+  attrs_kv_attention p = {scale};
+  bool fused = !lacks_kernel(dev, KILN__K_KV_ATTENTION);
+  if (fused) { /* the kernel where the device takes these arguments (the checks first) */
+    kiln__op_ctx c = {.op = &op_kv_attention_append, .attrs = &p, .n_in = 5, .in = in};
+    if (kv_attention_infer(&c) != KILN_OK) return NULL;
+    kiln__kargs a = {0};
+    a.op = KILN__K_KV_ATTENTION;
+    a.n_in = 5;
+    for (int i = 0; i < 5; i++) a.in[i] = i == 3 ? as_1d(len) : kiln__view_of(in[i]);
+    a.i[0] = kiln_numel(len);
+    a.i[1] = 1;
+    a.n_out = 3;
+    a.out[0] = a.in[0];
+    a.out[0].data = NULL;
+    a.out[1] = a.in[1], a.out[2] = a.in[2];
+    fused = kiln__dispatch_has(dev, &a, KILN__K_KV_ATTENTION);
+  }
+  if (fused) return kiln__op_call(&op_kv_attention_append, 5, in, &p, NULL);
+  /* the two ops: the slots len - Tq + t, per row where the rows have lengths of their own */
+  const int64_t Tq = q->shape[2], B = q->shape[0], nl = kiln_numel(len);
+  kiln_tensor *t = kiln_arange((double)-Tq, 0, 1, KILN_I64, dev);
+  for (int64_t b = 0; b < (nl == 1 ? 1 : B); b++) {
+    if (nl != 1 && b >= kiln_size(cache, 1)) break; /* a shape error: kiln_kv_attention names it */
+    kiln_tensor *slots = kiln_add(kiln_narrow(kiln_reshape(len, KILN_SHAPE(nl)), 0, b, 1), t);
+    kiln_tensor *dst = nl == 1 ? cache : kiln_narrow(cache, 1, b, 1), *src = nl == 1 ? kv_new : kiln_narrow(kv_new, 1, b, 1);
+    if (kiln_index_copy_(dst, 3, slots, src) != KILN_OK) return NULL;
+  }
+  return kiln_kv_attention(q, k, v, len, scale);
+}
+
 /* ---- sample_tokens -------------------------------------------------------------------- */
 
 typedef struct attrs_sample {

@@ -115,6 +115,28 @@ kiln_status kiln__cpu_kv_attention(const kiln__kargs *a) {
       return kiln_set_error(KILN_ERR_INDEX, "kiln_kv_attention: length %lld of row %lld is outside the cache's [0, %lld]",
                             (long long)L, (long long)b, (long long)M);
   }
+  if (a->i[1]) { /* append: in4 kv_new (2, B, H, Tq, D) into k and v at slots L_b - Tq + t, first */
+    const kiln__view *k_ = &a->in[1], *v_ = &a->in[2], *kn = &a->in[4];
+    const int64_t H = q->shape[1], Tq = q->shape[2], D = q->shape[3];
+    for (int64_t b = 0; b < B; b++)
+      if (get_len(len, a->i[0] == 1 ? 0 : b) < Tq)
+        return kiln_set_error(KILN_ERR_INDEX, "kiln_kv_attention_append: length %lld of row %lld leaves no room for "
+                              "%lld new positions", (long long)get_len(len, a->i[0] == 1 ? 0 : b), (long long)b,
+                              (long long)Tq);
+    const int64_t es = (int64_t)kiln__cpu_esize(k_->dtype);
+    for (int64_t b = 0; b < B; b++) {
+      const int64_t L = get_len(len, a->i[0] == 1 ? 0 : b);
+      for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < Tq; t++)
+          for (int half = 0; half < 2; half++) {
+            const kiln__view *dst = half ? v_ : k_;
+            char *d = (char *)at4(dst, b, h, L - Tq + t);
+            const char *sp = (const char *)kn->data +
+                             (half * kn->strides[0] + b * kn->strides[1] + h * kn->strides[2] + t * kn->strides[3]) * es;
+            for (int64_t e = 0; e < D; e++) memcpy(d + e * dst->strides[3] * es, sp + e * kn->strides[4] * es, (size_t)es);
+          }
+    }
+  }
   kv_ctx c = {a, q->shape[1], q->shape[2], q->shape[3], a->in[2].shape[3], KILN_OK};
   const int64_t rows = B * c.H * c.Tq;
   kiln__cpu_parallel_for(rows, 4, kv_range, &c);

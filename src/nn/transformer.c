@@ -195,8 +195,21 @@ static int attn_repr(const kiln_module *m, char *buf, size_t n) {
   return snprintf(buf, n, "n_head=%lld, n_embd=%lld, causal", (long long)c->n_head, (long long)c->n_embd);
 }
 
+/* The GPT modules below run their bodies in a scope of their own and return only the
+** output (kiln__scope_return): what a node saved survives (nodes hold their own aliases),
+** every other intermediate goes when the module returns. Without it the step's scope kept
+** each block's dead tensors to the end of the step: the f32 norm outputs once cast to
+** bf16, the bf16 branch outputs and their f32 casts once added to the residual stream
+** (15 KiB a token a block under bf16 autocast: 3 GiB for GPT-2 124M at B=16, T=1024). */
+
 /* x (B, T, C) -> (B, T, C). */
+static kiln_tensor *attn_body(kiln_module *m, kiln_tensor *x);
 static kiln_tensor *attn_forward(kiln_module *m, kiln_tensor *x) {
+  kiln_scope_begin();
+  return kiln__scope_return(attn_body(m, x));
+}
+
+static kiln_tensor *attn_body(kiln_module *m, kiln_tensor *x) {
   const kiln_gpt_config *c = kiln_module_impl(m);
   const int64_t C = c->n_embd, H = c->n_head, D = C / H;
   if (kiln_ndim(x) != 3 || kiln_size(x, 2) != C) {
@@ -221,20 +234,28 @@ static kiln_tensor *attn_forward(kiln_module *m, kiln_tensor *x) {
 
 static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
   static const char *const order[] = {"c_fc", "gelu", "c_proj", "dropout"};
+  kiln_scope_begin();
   for (int i = 0; i < 4; i++) x = kiln_module_forward(kiln_module_child(m, order[i]), x);
-  return x;
+  return kiln__scope_return(x);
 }
 
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
+  kiln_scope_begin();
   kiln_tensor *a = kiln_module_forward(kiln_module_child(m, "ln_1"), x);
   x = kiln_add(x, kiln_module_forward(kiln_module_child(m, "attn"), a));
-  if (!x) return NULL;
-  kiln_tensor *b = kiln_module_forward(kiln_module_child(m, "ln_2"), x);
-  return kiln_add(x, kiln_module_forward(kiln_module_child(m, "mlp"), b));
+  kiln_tensor *b = x ? kiln_module_forward(kiln_module_child(m, "ln_2"), x) : NULL;
+  x = x ? kiln_add(x, kiln_module_forward(kiln_module_child(m, "mlp"), b)) : NULL;
+  return kiln__scope_return(x);
 }
 
 /* idx (B, T) -> logits (B, T, vocab). */
+static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx);
 static kiln_tensor *gpt_forward(kiln_module *m, kiln_tensor *idx) {
+  kiln_scope_begin();
+  return kiln__scope_return(gpt_body(m, idx));
+}
+
+static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
   const kiln_gpt_config *c = kiln_module_impl(m);
   char b[96];
   if (kiln_ndim(idx) != 2) {

@@ -1,0 +1,72 @@
+/*
+** The GPT-2 step's CUDA paths against the CPU (issue 16, speed and memory): products
+** whose 16-bit rows are off 16 bytes (GPT-2's head: vocab 50257), which cuda_matmul.cu
+** computes through padded copies. Skipped (exit 77) without a CUDA device.
+*/
+#include "harness.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* linear(x, W) forward and both gradients on the CPU and cuda:0 from the same numbers,
+** with x (M, K) read through a column window [off, off + K) of an (M, K + off + pad)
+** tensor when off or pad is not 0 (rows whose ld is odd and whose start is off 16 bytes). */
+static void padded_linear(kiln_dtype dt, int64_t M, int64_t K, int64_t N, int64_t off, int64_t pad,
+                          bool bias) {
+  kiln_scope_begin();
+  double *v[2][4] = {{NULL}};
+  kiln_tensor *got[4] = {NULL};
+  for (int side = 0; side < 2; side++) {
+    kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+    kiln_generator *gen = kiln_generator_new(11);
+    kiln_tensor *xw = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, K + off + pad), KILN_F32, d, gen), dt);
+    kiln_tensor *W = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N, K), KILN_F32, d, gen), 0.1), dt);
+    kiln_tensor *b = bias ? kiln_to_dtype(kiln_randn(KILN_SHAPE(N), KILN_F32, d, gen), dt) : NULL;
+    kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, N), KILN_F32, d, gen), dt);
+    kiln_generator_free(gen);
+    kiln_requires_grad_(xw, true);
+    kiln_requires_grad_(W, true);
+    kiln_tensor *x = kiln_narrow(xw, 1, off, K);
+    kiln_tensor *y = kiln_linear(x, W, b);
+    H_CHECK(y && kiln_backward(y, g) == KILN_OK, "padded linear %s side %d: %s", kiln_dtype_name(dt), side,
+            kiln_last_error_message());
+    kiln_tensor *r[3] = {y, kiln_grad(xw), kiln_grad(W)};
+    for (int i = 0; i < 3; i++) {
+      v[side][i] = r[i] ? h_values(r[i], NULL) : NULL;
+      got[i] = r[i];
+    }
+  }
+  double rtol, atol;
+  h_dtype_tol(dt, &rtol, &atol);
+  static const char *const what[3] = {"y", "dx", "dW"};
+  for (int i = 0; i < 3; i++) {
+    char name[160];
+    snprintf(name, sizeof name, "cuda:0 linear %s (%lld, %lld) x (%lld, %lld)^T, x window at %lld of %lld%s: %s",
+             kiln_dtype_name(dt), (long long)M, (long long)K, (long long)N, (long long)K, (long long)off,
+             (long long)(K + off + pad), bias ? ", bias" : "", what[i]);
+    /* 16-bit products accumulate in f32 on both sides; the roundings of the result differ
+    ** by an ulp of the dtype at most, as in test_cuda_ops' products */
+    if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], kiln_numel(got[i]), rtol * 8, atol * 8);
+    else H_CHECK(false, "%s: no result", name);
+  }
+  for (int k = 0; k < 8; k++) free(v[k / 4][k % 4]);
+  kiln_scope_end();
+}
+
+int main(int argc, char **argv) {
+  h_init(argc, argv, "test_cuda_gptfuse");
+  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+    printf("test_cuda_gptfuse: skipped (no cuda device)\n");
+    return 77;
+  }
+  static const kiln_dtype dts[] = {KILN_BF16, KILN_F16, KILN_F32};
+  for (int di = 0; di < 3; di++) {
+    kiln_dtype dt = dts[di];
+    padded_linear(dt, 150, 96, 101, 0, 0, false); /* the head's case: N odd (y's and dy's rows) */
+    padded_linear(dt, 150, 101, 96, 0, 0, true);  /* K odd: x's rows */
+    padded_linear(dt, 130, 96, 72, 1, 2, true);   /* x a window: ld 99, rows start 2 bytes off */
+    padded_linear(dt, 257, 77, 203, 3, 0, false); /* everything odd */
+  }
+  return h_finish();
+}

@@ -590,6 +590,12 @@ KILN_API kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tens
 ** launches fewer a step each way on a GPU). Same values and errors as the two ops; a
 ** Sequential of Linear then ReLU uses it by itself. */
 KILN_API kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias);
+/* kiln_gelu_tanh(kiln_linear(x, weight, bias)) as one op (GPT-2's MLP uses it): on CUDA
+** one cuBLASLt call with a GELU epilogue writes the output and the pre-activation, which
+** the node keeps for the backward (as the two ops would keep it); elsewhere the product
+** then the GELU. Same errors as kiln_linear, named kiln_linear_gelu; the result is owned
+** by the current scope. */
+KILN_API kiln_tensor *kiln_linear_gelu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias);
 /* Allows TF32 tensor cores for f32 matmul on devices that have them (default off). */
 KILN_API void kiln_set_matmul_tf32(bool allow);
 KILN_API bool kiln_matmul_tf32(void);

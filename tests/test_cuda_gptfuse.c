@@ -1,7 +1,9 @@
 /*
 ** The GPT-2 step's CUDA paths against the CPU (issue 16, speed and memory): products
 ** whose 16-bit rows are off 16 bytes (GPT-2's head: vocab 50257), which cuda_matmul.cu
-** computes through padded copies. Skipped (exit 77) without a CUDA device.
+** computes through padded copies; linear_gelu at sizes that take cuBLASLt's GELU
+** epilogue (and, with rows off 16 bytes, the composed path). Forward and the gradients of
+** x, W and the bias. Skipped (exit 77) without a CUDA device.
 */
 #include "harness.h"
 
@@ -13,7 +15,7 @@
 ** with x (M, K) read through a column window [off, off + K) of an (M, K + off + pad)
 ** tensor when off or pad is not 0 (rows whose ld is odd and whose start is off 16 bytes). */
 static void padded_linear(kiln_dtype dt, int64_t M, int64_t K, int64_t N, int64_t off, int64_t pad,
-                          bool bias) {
+                          bool bias, bool gelu) {
   kiln_scope_begin();
   double *v[2][4] = {{NULL}};
   kiln_tensor *got[4] = {NULL};
@@ -27,23 +29,24 @@ static void padded_linear(kiln_dtype dt, int64_t M, int64_t K, int64_t N, int64_
     kiln_generator_free(gen);
     kiln_requires_grad_(xw, true);
     kiln_requires_grad_(W, true);
+    if (b) kiln_requires_grad_(b, true);
     kiln_tensor *x = kiln_narrow(xw, 1, off, K);
-    kiln_tensor *y = kiln_linear(x, W, b);
+    kiln_tensor *y = gelu ? kiln_linear_gelu(x, W, b) : kiln_linear(x, W, b);
     H_CHECK(y && kiln_backward(y, g) == KILN_OK, "padded linear %s side %d: %s", kiln_dtype_name(dt), side,
             kiln_last_error_message());
-    kiln_tensor *r[3] = {y, kiln_grad(xw), kiln_grad(W)};
-    for (int i = 0; i < 3; i++) {
+    kiln_tensor *r[4] = {y, kiln_grad(xw), kiln_grad(W), b ? kiln_grad(b) : NULL};
+    for (int i = 0; i < 4; i++) {
       v[side][i] = r[i] ? h_values(r[i], NULL) : NULL;
       got[i] = r[i];
     }
   }
   double rtol, atol;
   h_dtype_tol(dt, &rtol, &atol);
-  static const char *const what[3] = {"y", "dx", "dW"};
-  for (int i = 0; i < 3; i++) {
+  static const char *const what[4] = {"y", "dx", "dW", "db"};
+  for (int i = 0; i < (bias ? 4 : 3); i++) {
     char name[160];
-    snprintf(name, sizeof name, "cuda:0 linear %s (%lld, %lld) x (%lld, %lld)^T, x window at %lld of %lld%s: %s",
-             kiln_dtype_name(dt), (long long)M, (long long)K, (long long)N, (long long)K, (long long)off,
+    snprintf(name, sizeof name, "cuda:0 linear%s %s (%lld, %lld) x (%lld, %lld)^T, x window at %lld of %lld%s: %s",
+             gelu ? "_gelu" : "", kiln_dtype_name(dt), (long long)M, (long long)K, (long long)N, (long long)K, (long long)off,
              (long long)(K + off + pad), bias ? ", bias" : "", what[i]);
     /* 16-bit products accumulate in f32 on both sides; the roundings of the result differ
     ** by an ulp of the dtype at most, as in test_cuda_ops' products */
@@ -63,10 +66,15 @@ int main(int argc, char **argv) {
   static const kiln_dtype dts[] = {KILN_BF16, KILN_F16, KILN_F32};
   for (int di = 0; di < 3; di++) {
     kiln_dtype dt = dts[di];
-    padded_linear(dt, 150, 96, 101, 0, 0, false); /* the head's case: N odd (y's and dy's rows) */
-    padded_linear(dt, 150, 101, 96, 0, 0, true);  /* K odd: x's rows */
-    padded_linear(dt, 130, 96, 72, 1, 2, true);   /* x a window: ld 99, rows start 2 bytes off */
-    padded_linear(dt, 257, 77, 203, 3, 0, false); /* everything odd */
+    for (int gelu = 0; gelu < 2; gelu++) {
+      padded_linear(dt, 150, 96, 101, 0, 0, false, gelu); /* the head's case: N odd (y's and dy's rows) */
+      padded_linear(dt, 150, 101, 96, 0, 0, true, gelu);  /* K odd: x's rows */
+      padded_linear(dt, 130, 96, 72, 1, 2, true, gelu);   /* x a window: ld 99, rows start 2 bytes off */
+      padded_linear(dt, 257, 77, 203, 3, 0, false, gelu); /* everything odd */
+    }
+    /* GPT-2's c_fc at a small scale (C 128, 4C 512): aligned, the GELU epilogue */
+    padded_linear(dt, 256, 128, 512, 0, 0, true, true);
+    padded_linear(dt, 256, 128, 512, 0, 0, false, true);
   }
   return h_finish();
 }

@@ -308,7 +308,14 @@ typedef struct kiln__view {
   /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
   /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
   /* invstd (the statistics were constants). */                                           \
-  X(BATCH_NORM_BACKWARD, "batch_norm_backward")
+  X(BATCH_NORM_BACKWARD, "batch_norm_backward")                                          \
+  /* ---- a linear layer fused with its tanh GELU (issue 16: GPT-2's MLP) ---- */          \
+  /* in0 A (M, K), in1 B (K, N) (2-d, any strides), optional in2 bias (N) -> out0 y */      \
+  /* (M, N) = gelu_tanh(z) and out1 z (M, N) = A@B + bias (the pre-activation, kept for */  \
+  /* the backward), both with unit column stride; i0 = 1 allows TF32. CUDA only */          \
+  /* (cuBLASLt's GELU_AUX(_BIAS) epilogue); the op layer asks kiln__dispatch_has and */     \
+  /* composes MATMUL + GELU_TANH where it is missing, the CPU reference included. */        \
+  X(LINEAR_GELU, "linear_gelu")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -232,11 +232,29 @@ static kiln_tensor *attn_body(kiln_module *m, kiln_tensor *x) {
   return kiln_module_forward(kiln_module_child(m, "resid_dropout"), y);
 }
 
+/* c_fc then its tanh GELU run as one op, kiln_linear_gelu (on CUDA one cuBLASLt call
+** with a GELU epilogue: no pass over the (B, T, 4C) pre-activation for the bias or the
+** GELU), in c_fc's module scope (the GELU gets no span of its own, as a Sequential's
+** Linear+ReLU); either of them checkpointed on its own runs them as two modules. */
 static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
-  static const char *const order[] = {"c_fc", "gelu", "c_proj", "dropout"};
+  const kiln_gpt_config *c = kiln_module_impl(m);
+  kiln_module *fc = kiln_module_child(m, "c_fc"), *act = kiln_module_child(m, "gelu");
   kiln_scope_begin();
-  for (int i = 0; i < 4; i++) x = kiln_module_forward(kiln_module_child(m, order[i]), x);
-  return kiln__scope_return(x);
+  if (fc && act && !kiln_module_is_checkpointed(fc) && !kiln_module_is_checkpointed(act)) {
+    kiln__module_scope_push(kiln__module_label(fc));
+    int64_t s0 = 0, s1 = 0;
+    if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
+    x = kiln_linear_gelu(x, kiln_module_param(fc, "weight"), c->bias ? kiln_module_param(fc, "bias") : NULL);
+    if (kiln__module_measuring()) {
+      kiln_autograd_saved_bytes(&s1, NULL);
+      kiln__module_measure_note(fc, s1 - s0);
+    }
+    kiln__module_scope_pop();
+  } else {
+    x = kiln_module_forward(act, kiln_module_forward(fc, x));
+  }
+  x = kiln_module_forward(kiln_module_child(m, "c_proj"), x);
+  return kiln__scope_return(kiln_module_forward(kiln_module_child(m, "dropout"), x));
 }
 
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {

@@ -6,10 +6,13 @@
 ** (N). Everything else — promotion of 1-d operands, broadcasting of batch dims, W^T —
 ** is done here with views (strides), never with copies.
 **
-** matmul, linear and linear_relu are ops on the one call path (op.h), in the lower
-** precision under autocast. linear_relu is linear then relu fused into one MATMUL call (a
-** ReLU epilogue); it shares linear's infer, forward and backward, and names the two ops it
-** stands for (expands_to) so that a trace can show what the user wrote.
+** matmul, linear, linear_relu and linear_gelu are ops on the one call path (op.h), in the
+** lower precision under autocast. linear_relu is linear then relu fused into one MATMUL
+** call (a ReLU epilogue); it shares linear's infer, forward and backward, and names the two
+** ops it stands for (expands_to) so that a trace can show what the user wrote.
+** linear_gelu (linear then the tanh GELU: GPT-2's MLP) shares linear's infer and rule; its
+** forward is one LINEAR_GELU kernel where the device has one, and keeps the
+** pre-activation for the backward.
 */
 #include "ops/op.h"
 
@@ -309,14 +312,31 @@ static kiln__view view2(const kiln_tensor *t, bool transpose) {
 }
 
 static const kiln__op op_linear_relu;
+static const kiln__op op_linear_gelu;
 
 /* linear and linear_relu (for linear_relu, y = relu(z) is saved[2], and the gradient that
 ** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
 ** backward costs no kernel of its own). */
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  if (n->op == &op_linear_gelu) {
+    /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
+    ** linear's products below on it, unmasked */
+    kiln_tensor *z = n->saved[2];
+    kiln_tensor *dz = kiln__tensor_new(z->ndim, z->shape, z->dtype, kiln_device_of(z));
+    kiln_tensor *gc = g ? kiln_contiguous(g) : NULL;
+    if (!dz || !gc) return kiln_last_error();
+    kiln__kargs k = {0};
+    k.op = KILN__K_GELU_TANH_BACKWARD;
+    k.n_in = 2;
+    k.in[0] = kiln__view_of(z);
+    k.in[1] = kiln__view_of(gc);
+    if (kiln__run_into(dz, &k) != KILN_OK) return kiln_last_error();
+    g = dz;
+  }
   /* the mask of the gradient: linear_relu's output, or a following ReLU's input handed
   ** over by that ReLU's rule (KILN__OP_GRAD_MASK); either is > 0 where ReLU passed it */
-  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->op == &op_linear_relu ? n->saved[2] : n->grad_mask;
+  kiln_tensor *x = n->saved[0], *W = n->saved[1];
+  kiln_tensor *y = n->op == &op_linear_relu ? n->saved[2] : n->op == &op_linear_gelu ? NULL : n->grad_mask;
   int64_t N = W->shape[0], K = W->shape[1];
   int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
@@ -405,6 +425,60 @@ static void linear_save(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 0, c->in[0]);
   kiln__node_save(n, 1, c->in[1]);
   if (c->op == &op_linear_relu) kiln__node_save_output(n, 2);
+  if (c->op == &op_linear_gelu) kiln__node_save(n, 2, c->tmp[0]); /* z, the pre-activation */
+}
+
+/* linear_gelu: z = x W^T + b, y = gelu_tanh(z) (GPT-2's c_fc and its GELU). z is made
+** here (tmp[0]) and saved for the backward, which is g gelu_tanh'(z) then linear's rule:
+** the unfused pair saves the same two tensors (linear its input, GELU z). Where the
+** device has LINEAR_GELU for a 2-d problem, one call writes y and z (CUDA: a cuBLASLt
+** epilogue, no pass over memory for the bias or the GELU); elsewhere, the CPU included,
+** MATMUL into z and GELU_TANH from z to y, the reference the fused kernel is tested
+** against. */
+static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0], *weight = c->in[1], *bias = c->in[2], *y = c->out[0];
+  kiln_device dev = c->device;
+  kiln_tensor *z = c->tmp[0] = kiln__tensor_new(y->ndim, y->shape, y->dtype, dev);
+  if (!z) return kiln_last_error();
+  int64_t N = weight->shape[0], K = weight->shape[1];
+  int64_t M = 1;
+  for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
+  if (M * N == 0) return KILN_OK;
+  int64_t mst = 0;
+  int64_t wsh[2] = {K, N}, wst[2] = {weight->strides[1], weight->strides[0]};
+  int64_t csh[2] = {M, N}, cst[2] = {N, 1};
+  kiln__view A, B = view_as(weight, 2, wsh, wst), Y = view_as(y, 2, csh, cst), Z = view_as(z, 2, csh, cst);
+  if (x->ndim == 1 || leading_mergeable(x, &mst)) {
+    if (x->ndim == 1) mst = 0;
+    int64_t xsh[2] = {M, K}, xst[2] = {mst, x->strides[x->ndim - 1]};
+    A = view_as(x, 2, xsh, xst);
+  } else { /* leading dims that do not merge: a contiguous copy (no node: this op's covers it) */
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor *xc = kiln_contiguous(x);
+    kiln_set_grad_enabled(prev);
+    if (!xc) return kiln_last_error();
+    int64_t xsh[2] = {M, K}, xst[2] = {K, 1};
+    A = view_as(xc, 2, xsh, xst);
+  }
+  kiln__kargs a = {0};
+  a.op = KILN__K_LINEAR_GELU;
+  a.n_in = bias ? 3 : 2;
+  a.in[0] = A;
+  a.in[1] = B;
+  if (bias) a.in[2] = kiln__view_of(bias);
+  a.n_out = 2;
+  a.out[0] = Y;
+  a.out[1] = Z;
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  if (K > 0 && kiln__dispatch_has(dev, &a, KILN__K_LINEAR_GELU)) return kiln__dispatch(dev, &a);
+  kiln_status st = run_matmul(dev, A, B, Z, bias, false);
+  if (st != KILN_OK) return st;
+  kiln__kargs g = {0};
+  g.op = KILN__K_GELU_TANH;
+  g.n_in = g.n_out = 1;
+  g.in[0] = Z;
+  g.out[0] = Y;
+  return kiln__dispatch(dev, &g);
 }
 
 /* Kernels: MATMUL; COPY / FILL for the bias or zeros when K is 0 (and RELU then). */
@@ -421,6 +495,15 @@ static const kiln__op op_linear_relu = {
     .forward = linear_forward, .backward = linear_backward, .n_saved = 3, .save = linear_save,
     .expands_to = (const char *const[]){"linear", "relu", NULL}};
 
+/* Kernels: LINEAR_GELU where the device has it; else MATMUL (COPY / FILL when K is 0)
+** and GELU_TANH. */
+static const kiln__op op_linear_gelu = {
+    .name = "linear_gelu", .api = "kiln_linear_gelu", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .n_kernels = 4,
+    .kernels = {KILN__K_LINEAR_GELU, KILN__K_MATMUL, KILN__K_GELU_TANH, KILN__K_FILL}, .infer = linear_infer,
+    .forward = linear_gelu_forward, .backward = linear_backward, .n_saved = 3, .save = linear_save,
+    .expands_to = (const char *const[]){"linear", "gelu_tanh", NULL}};
+
 kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
   kiln_tensor *in[3] = {x, weight, bias};
   return kiln__op_call(&op_linear, 3, in, NULL, NULL);
@@ -429,4 +512,9 @@ kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias)
 kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
   kiln_tensor *in[3] = {x, weight, bias};
   return kiln__op_call(&op_linear_relu, 3, in, NULL, NULL);
+}
+
+kiln_tensor *kiln_linear_gelu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_linear_gelu, 3, in, NULL, NULL);
 }

@@ -1,7 +1,8 @@
 /*
 ** CUDA kernels for the transformer ops (contracts: backend.h; CPU references:
 ** cpu/cpu_transformer.c and cpu/cpu_scan.c): the fused layer and RMS norms forward and
-** backward, cumsum, tril/triu, topk and multinomial. Attention is in cuda_attention.cu.
+** backward, cumsum, tril/triu, topk and multinomial. Attention is in cuda_attention.cu,
+** LINEAR_GELU (claimed here, a cuBLASLt epilogue) in cuda_matmul.cu.
 **
 ** Determinism (DESIGN.md: same seed, same numbers): no kernel here uses atomics. The
 ** norm's parameter gradients are reduced in two stages, each a fixed order: stage 1 gives
@@ -23,6 +24,8 @@
 
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a); /* cuda_attention.cu */
 extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a); /* cuda_matmul.cu */
+extern "C" bool kiln__cuda_linear_gelu_supports(const kiln__kargs *a);
 
 namespace {
 
@@ -595,6 +598,7 @@ extern "C" bool kiln__cuda_transformer_supports(const kiln__kargs *a) {
   case KILN__K_LAYER_NORM_BACKWARD: return ln_supports(a);
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention_supports(a);
+  case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu_supports(a);
   case KILN__K_CUMSUM: {
     kiln_dtype di = a->in[0].dtype, dout = a->out[0].dtype;
     if (kc_is_float(di)) return dout == di;
@@ -620,6 +624,7 @@ extern "C" kiln_status kiln__cuda_transformer(const kiln__kargs *a) {
   case KILN__K_LAYER_NORM_BACKWARD: return layer_norm(d, a);
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention(a);
+  case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu(a);
   case KILN__K_CUMSUM: return cumsum(d, a);
   case KILN__K_TRIL: return tril(d, a);
   case KILN__K_TOPK: return topk(d, a);

@@ -17,6 +17,7 @@
 #include "ops/op.h"
 
 #include <stdatomic.h>
+#include <string.h>
 
 static atomic_bool tf32_allowed; /* process-global; default off (exact f32) */
 
@@ -470,7 +471,13 @@ static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
   a.out[0] = Y;
   a.out[1] = Z;
   a.i[0] = kiln_matmul_tf32() ? 1 : 0;
-  if (K > 0 && kiln__dispatch_has(dev, &a, KILN__K_LINEAR_GELU)) return kiln__dispatch(dev, &a);
+  /* KILN_LINEAR_GELU=0 always composes (an A/B switch for the benchmarks) */
+  static int off = -1;
+  if (off < 0) {
+    const char *e = kiln__getenv("KILN_LINEAR_GELU");
+    off = e && !strcmp(e, "0");
+  }
+  if (!off && K > 0 && kiln__dispatch_has(dev, &a, KILN__K_LINEAR_GELU)) return kiln__dispatch(dev, &a);
   kiln_status st = run_matmul(dev, A, B, Z, bias, false);
   if (st != KILN_OK) return st;
   kiln__kargs g = {0};

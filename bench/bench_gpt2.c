@@ -25,11 +25,13 @@
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
-**                   [--peak-tflops X] [--json] [--profile] [--memory]
+**                   [--peak-tflops X] [--json] [--profile] [--memory] [--fused-loss]
 ** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
 ** so those steps run slower) for the training steps after the first. --memory prints
 ** kiln_memory_summary after the training steps (peak, saved-for-backward bytes, the modules
-** that saved the most).
+** that saved the most). --fused-loss computes the loss with kiln_gpt_forward_loss (the
+** head and cross-entropy in row chunks: the logits are never whole) instead of the
+** model's logits then kiln_cross_entropy.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
 ** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
 ** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
@@ -66,7 +68,7 @@ typedef struct opts {
   kiln_device dev;
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
-  bool checkpoint, train, generate, peer, json, profile, memory;
+  bool checkpoint, train, generate, peer, json, profile, memory, fused_loss;
   int64_t gen_batches[8];
   int n_gen_batches;
   kiln_gen_graph gen_graph; /* --gen-graph auto|on|off */
@@ -149,9 +151,14 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
     ** 1.5 GiB in bf16 for GPT-2 at B=16, T=1024) are dead once cross_entropy has made its
     ** gradient, and go here, as the peer's do when its forward returns the loss. */
     kiln_scope_begin();
-    kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
-    kiln_tensor *loss = kiln_keep(kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)),
-                                                     tgt, KILN_REDUCTION_MEAN, -100, 0.0));
+    kiln_tensor *loss;
+    if (o->fused_loss) { /* the head and the loss in chunks: the logits never whole */
+      loss = kiln_keep(kiln_gpt_forward_loss(m, idx, tgt, -100));
+    } else {
+      kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
+      loss = kiln_keep(kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), tgt,
+                                          KILN_REDUCTION_MEAN, -100, 0.0));
+    }
     kiln_scope_end();
     if (o->autocast != KILN_F32) kiln_autocast_end();
     st = kiln_backward(loss, NULL);
@@ -250,7 +257,7 @@ static void usage(FILE *f) {
              "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
              "         [--peer PATH] [--python PY]\n"
-             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory]\n");
+             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--fused-loss]\n");
 }
 
 int main(int argc, char **argv) {
@@ -288,6 +295,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--json")) o.json = true;
     else if (!strcmp(a, "--profile")) o.profile = true;
     else if (!strcmp(a, "--memory")) o.memory = true;
+    else if (!strcmp(a, "--fused-loss")) o.fused_loss = true;
     else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);

@@ -691,6 +691,16 @@ typedef enum kiln_reduction {
 KILN_API kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target,
                                          kiln_reduction red, int64_t ignore_index,
                                          double label_smoothing);
+/* kiln_cross_entropy(kiln_linear(x, weight, NULL) as (M, C), target as (M)) without the
+** (M, C) logits: x (..., K), weight (C, K), target of x's leading dims. The rows go in
+** chunks (logits of about 2^26 elements at a time); the forward also makes the gradients
+** of x and weight when they need them (kept with the graph: x's and weight's sizes, not
+** the logits'). Reduction mean or sum (KILN_ERR_INVALID_ARGUMENT for none). The loss's
+** dtype is kiln_cross_entropy's (f32 under autocast, else the inputs'); the weight's
+** gradient is summed over the chunks in its dtype. Owned by the current scope. A language model's head and loss
+** (kiln_gpt_forward_loss uses it). */
+KILN_API kiln_tensor *kiln_linear_cross_entropy(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *target,
+                                                kiln_reduction red, int64_t ignore_index, double label_smoothing);
 KILN_API kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kiln_reduction red);
 
 /* In-place updates, for optimizers and initialisers: never recorded by autograd and

@@ -273,7 +273,14 @@ static kiln_tensor *gpt_forward(kiln_module *m, kiln_tensor *idx) {
   return kiln__scope_return(gpt_body(m, idx));
 }
 
+static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx);
 static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
+  kiln_tensor *x = gpt_hidden(m, idx);
+  return kiln_linear(x, kiln_module_param(m, "wte.weight"), NULL); /* tied lm_head: (B, T, V) */
+}
+
+/* idx (B, T) -> ln_f's output (B, T, C). */
+static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx) {
   const kiln_gpt_config *c = kiln_module_impl(m);
   char b[96];
   if (kiln_ndim(idx) != 2) {
@@ -297,14 +304,40 @@ static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
   kiln_tensor *x = kiln_add(tok, kiln_module_forward(kiln_module_child(m, "wpe"), pos));     /* + (T, C) */
   x = kiln_module_forward(kiln_module_child(m, "drop"), x);
   x = kiln_module_forward(kiln_module_child(m, "h"), x);
-  x = kiln_module_forward(kiln_module_child(m, "ln_f"), x);
-  return kiln_linear(x, kiln_module_param(m, "wte.weight"), NULL); /* tied lm_head: (B, T, V) */
+  return kiln_module_forward(kiln_module_child(m, "ln_f"), x);
 }
 
 static const kiln_module_vtable attn_vt = {"CausalSelfAttention", attn_forward, NULL, free, attn_repr};
 static const kiln_module_vtable mlp_vt = {"MLP", mlp_forward, NULL, free, NULL};
 static const kiln_module_vtable block_vt = {"Block", block_forward, NULL, free, NULL};
 static const kiln_module_vtable gpt_vt = {"GPT", gpt_forward, NULL, free, gpt_repr};
+
+kiln_tensor *kiln_gpt_forward_loss(kiln_module *m, kiln_tensor *idx, kiln_tensor *targets, int64_t ignore_index) {
+  if (!m || kiln__module_vtable(m) != &gpt_vt) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_gpt_forward_loss: %s is not a kiln_gpt_new module",
+                   m ? kiln_module_type_name(m) : "NULL");
+    return NULL;
+  }
+  if (!idx || !targets) return NULL;
+  if (kiln_ndim(idx) == 2 && kiln_numel(targets) != kiln_numel(idx)) {
+    char a[96], b[96];
+    kiln_set_error(KILN_ERR_SHAPE, "kiln_gpt_forward_loss: targets %s do not match idx %s (one class id a token)",
+                   kiln_shape_str(targets, a, sizeof a), kiln_shape_str(idx, b, sizeof b));
+    return NULL;
+  }
+  /* the model's own module scope (what kiln_module_forward would push), its forward's
+  ** intermediates in a scope of their own, the head and loss fused (the logits never whole) */
+  kiln__module_scope_push(kiln__module_label(m));
+  kiln_scope_begin();
+  kiln_tensor *x = gpt_hidden(m, idx);
+  kiln_tensor *t = x ? kiln_reshape(targets, 2, kiln_shape(idx)) : NULL;
+  kiln_tensor *loss = t ? kiln_linear_cross_entropy(x, kiln_module_param(m, "wte.weight"), t, KILN_REDUCTION_MEAN,
+                                                    ignore_index, 0.0)
+                        : NULL;
+  loss = kiln__scope_return(loss);
+  kiln__module_scope_pop();
+  return loss;
+}
 
 const kiln_gpt_config *kiln_gpt_config_of(const kiln_module *m) {
   const kiln_module_vtable *vt = kiln__module_vtable(m);

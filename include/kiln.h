@@ -526,6 +526,15 @@ KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, ki
 ** kiln_add and kiln_layer_norm. */
 KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
                                           double eps, kiln_tensor **sum);
+/* The same for training (a GPT block's residual stream): *sum (may be NULL) = x + r in
+** promote(x, r)'s dtype (r the same shape as x, any floating dtypes, as kiln_add then
+** casts would give it), and the result is kiln_layer_norm of the sum over the last dim
+** (weight, bias of that size, either NULL), in y_dtype: the f32 norm rounded then cast
+** (under autocast the lower dtype the next product reads). Differentiable in x, r,
+** weight and bias, through both outputs; on CUDA one kernel each way. Results owned by
+** the current scope. KILN_ERR_SHAPE / KILN_ERR_DTYPE naming kiln_residual_layer_norm. */
+KILN_API kiln_tensor *kiln_residual_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight,
+                                               kiln_tensor *bias, double eps, kiln_dtype y_dtype, kiln_tensor **sum);
 /* Attention of queries over a key/value cache whose valid length is read on the device (so
 ** a decode step keeps one shape for a whole generation and can be graph-captured):
 ** q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, Tq, Dv), one floating dtype;

@@ -3,9 +3,15 @@
 ** reference, gradcheck through both outputs, the cross-backend part), and the mixed
 ** dtypes of a GPT block under bf16 autocast (x f32, r bf16, y bf16) against the unfused
 ** ops (add, layer_norm, cast) with gradients reaching both outputs: the CPU's composed
-** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. Bad input.
+** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. A small GPT's
+** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (every residual add
+** fused with the norm after it) against the unfused ops, f32 and under bf16 autocast.
+** Bad input.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
+
+#include <kiln_nn.h>
 
 #include <math.h>
 #include <stdio.h>
@@ -110,6 +116,58 @@ static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt,
   kiln_scope_end();
 }
 
+/* A small GPT, one forward (loss through kiln_gpt_forward_loss) and backward, with the
+** fused norms and without: the loss and every parameter's gradient. */
+static void gpt_fused_norms(kiln_device dev, kiln_dtype autocast) {
+  kiln_scope_begin();
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  cfg.n_layer = 3, cfg.n_head = 2, cfg.n_embd = 32, cfg.vocab_size = 50, cfg.block_size = 16;
+  kiln_tensor *idx = kiln_randint(0, 50, KILN_SHAPE(2, 16), KILN_I64, dev, NULL);
+  kiln_tensor *tgt = kiln_randint(0, 50, KILN_SHAPE(32), KILN_I64, dev, NULL);
+  enum { MAXP = 64 };
+  double *v[2][MAXP + 1] = {{NULL}};
+  int64_t n[MAXP + 1] = {0};
+  const char *names[MAXP];
+  int np = 0;
+  for (int fused = 0; fused < 2; fused++) {
+    if (fused) setenv("KILN_GPT_RESIDUAL_LN", "1", 1);
+    else unsetenv("KILN_GPT_RESIDUAL_LN");
+    kiln_manual_seed(4);
+    kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
+    if (!m) break;
+    if (autocast != KILN_F32) kiln_autocast_begin(dev.type, autocast);
+    kiln_tensor *loss = kiln_gpt_forward_loss(m, idx, tgt, -100);
+    if (autocast != KILN_F32) kiln_autocast_end();
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "gpt fused norms %d: %s", fused, kiln_last_error_message());
+    v[fused][MAXP] = loss ? h_values(loss, NULL) : NULL;
+    kiln_tensor *ps[MAXP];
+    np = kiln_module_named_parameters(m, names, ps, MAXP);
+    for (int i = 0; i < np && i < MAXP; i++) {
+      kiln_tensor *g = kiln_grad(ps[i]);
+      v[fused][i] = g ? h_values(g, &n[i]) : NULL;
+    }
+    if (fused) { /* compare while the names are alive */
+      char dbuf[32];
+      for (int i = -1; i < np && i < MAXP; i++) {
+        int k = i < 0 ? MAXP : i;
+        char name[160];
+        snprintf(name, sizeof name, "GPT %s on %s, fused norms vs unfused: %s", kiln_dtype_name(autocast),
+                 kiln_device_str(dev, dbuf, sizeof dbuf), i < 0 ? "loss" : names[i]);
+        /* the same operations in the same order but for the f32 sums over rows of the norm
+        ** parameters' gradients; bf16 products after them spread that a little */
+        double tol = autocast == KILN_F32 ? 1e-4 : 2e-2;
+        if (v[0][k] && v[1][k]) h_close(name, v[1][k], v[0][k], i < 0 ? 1 : n[i], tol, tol);
+        else H_CHECK(false, "%s: no result", name);
+      }
+    }
+    kiln_module_free(m);
+  }
+  unsetenv("KILN_GPT_RESIDUAL_LN");
+  for (int f = 0; f < 2; f++)
+    for (int i = 0; i <= MAXP; i++) free(v[f][i]);
+  kiln_scope_end();
+}
+
 static void bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -137,12 +195,16 @@ int main(int argc, char **argv) {
     block_pattern(cpu, 20, 64, KILN_F32, KILN_F32, true);
     block_pattern(cpu, 20, 64, KILN_F16, KILN_F32, true);
     bad_input();
+    gpt_fused_norms(cpu, KILN_F32);
+    gpt_fused_norms(cpu, KILN_BF16);
     if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
       kiln_device cuda = kiln_device_cuda(0);
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, false);
       block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
       block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
+      gpt_fused_norms(cuda, KILN_F32);
+      gpt_fused_norms(cuda, KILN_BF16);
     }
   }
   return h_finish();

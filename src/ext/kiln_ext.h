@@ -80,6 +80,9 @@ void kiln__discard(kiln_tensor *t);
 ** node saved (a norm's f32 output once cast, a residual branch once added) are freed when
 ** the module returns instead of when the step's scope ends. */
 kiln_tensor *kiln__scope_return(kiln_tensor *r);
+/* Registers a reference the caller owns with the innermost scope (if any), which then
+** releases it: how a scope hands a second result to the scope around it. Returns t. */
+kiln_tensor *kiln__scope_track(kiln_tensor *t);
 
 /* ---- datasets (data: src/data/dataset.c; used by dist's sharded dataset) ---- */
 #define KILN__MAX_FIELDS 64 /* fields of a dataset (kiln_dataset_new's limit) */

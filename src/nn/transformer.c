@@ -195,6 +195,8 @@ static int attn_repr(const kiln_module *m, char *buf, size_t n) {
   return snprintf(buf, n, "n_head=%lld, n_embd=%lld, causal", (long long)c->n_head, (long long)c->n_embd);
 }
 
+static const kiln_module_vtable block_vt;
+
 /* The GPT modules below run their bodies in a scope of their own and return only the
 ** output (kiln__scope_return): what a node saved survives (nodes hold their own aliases),
 ** every other intermediate goes when the module returns. Without it the step's scope kept
@@ -257,16 +259,31 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
   return kiln__scope_return(kiln_module_forward(kiln_module_child(m, "dropout"), x));
 }
 
-/* Whether the block runs x + attn(...) and ln_2 as one kiln_residual_layer_norm (CUDA: one
-** kernel each way, ln_2's output straight in the autocast dtype). KILN_GPT_RESIDUAL_LN=1
-** turns it on (first H200 run: measured against the unfused ops). */
+/* Whether the residual adds and the layer norms after them run as kiln_residual_layer_norm
+** (CUDA: one kernel each way, the norm's output straight in the autocast dtype): in a
+** Block, x + attn and ln_2; in the GPT's own walk over its blocks, also the MLP's add
+** with the next block's ln_1 (and the last one's with ln_f). KILN_GPT_RESIDUAL_LN=1 turns
+** it on (read at each call, so a test can compare both ways). */
 static bool residual_ln_on(void) {
-  static int on = -1;
-  if (on < 0) {
-    const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
-    on = e && !strcmp(e, "1");
-  }
-  return on == 1;
+  const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
+  return e && !strcmp(e, "1");
+}
+
+/* The dtype a fused norm gives its output: the autocast dtype in a region (for f32 x: the
+** next product reads it so), else x's. */
+static kiln_dtype norm_out_dtype(kiln_tensor *x) {
+  kiln_device_type dt = kiln_device_of(x).type;
+  return kiln_autocast_is_enabled(dt) && kiln_dtype_of(x) == KILN_F32 ? kiln_autocast_dtype(dt) : kiln_dtype_of(x);
+}
+
+/* ln (a LayerNorm module) of x + r as one op in ln's module scope; *sum gets x + r. */
+static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, kiln_tensor **sum) {
+  const norm_cfg *nc = kiln_module_impl(ln);
+  kiln__module_scope_push(kiln__module_label(ln));
+  kiln_tensor *y = kiln_residual_layer_norm(x, r, kiln_module_param(ln, "weight"),
+                                            nc->bias ? kiln_module_param(ln, "bias") : NULL, nc->eps, ydt, sum);
+  kiln__module_scope_pop();
+  return y;
 }
 
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
@@ -276,17 +293,8 @@ static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   kiln_module *ln2 = kiln_module_child(m, "ln_2");
   kiln_tensor *b = NULL;
   if (att && ln2 && residual_ln_on() && !kiln_module_is_checkpointed(ln2)) {
-    /* s = x + att and b = ln_2(s) in one op, in ln_2's module scope; b in the dtype the
-    ** MLP's first product reads (the autocast dtype in a region, else x's) */
-    const kiln_gpt_config *c = kiln_module_impl(m);
-    kiln_device_type dt = kiln_device_of(x).type;
-    kiln_dtype ydt = kiln_autocast_is_enabled(dt) && kiln_dtype_of(x) == KILN_F32 ? kiln_autocast_dtype(dt)
-                                                                                  : kiln_dtype_of(x);
-    kiln__module_scope_push(kiln__module_label(ln2));
-    kiln_tensor *sum = NULL;
-    b = kiln_residual_layer_norm(x, att, kiln_module_param(ln2, "weight"),
-                                 c->bias ? kiln_module_param(ln2, "bias") : NULL, KILN__GPT_LN_EPS, ydt, &sum);
-    kiln__module_scope_pop();
+    kiln_tensor *sum = NULL; /* s = x + att and b = ln_2(s) in one op */
+    b = fused_norm(ln2, x, att, norm_out_dtype(x), &sum);
     x = b ? sum : NULL;
   } else {
     x = kiln_add(x, att);
@@ -307,6 +315,58 @@ static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx);
 static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
   kiln_tensor *x = gpt_hidden(m, idx);
   return kiln_linear(x, kiln_module_param(m, "wte.weight"), NULL); /* tied lm_head: (B, T, V) */
+}
+
+/* Whether the GPT can walk h's blocks itself (kiln_residual_layer_norm across blocks):
+** every child a Block, nothing checkpointed (a checkpointed segment must be run whole). */
+static bool blocks_walkable(kiln_module *h) {
+  if (!h || kiln_module_is_checkpointed(h)) return false;
+  for (int i = 0; i < kiln_module_num_children(h); i++) {
+    kiln_module *b = kiln_module_child_at(h, i);
+    if (kiln__module_vtable(b) != &block_vt || kiln_module_is_checkpointed(b)) return false;
+    static const char *const parts[] = {"ln_1", "attn", "ln_2", "mlp"};
+    for (int k = 0; k < 4; k++)
+      if (!kiln_module_child(b, parts[k]) || kiln_module_is_checkpointed(kiln_module_child(b, parts[k]))) return false;
+  }
+  return true;
+}
+
+/* One block on the residual stream *x with the previous block's MLP output r still to be
+** added (NULL before the first block): r's add runs with ln_1, attn's with ln_2; returns
+** this block's MLP output (its add is the next norm's), *x the stream after attn's add.
+** In the block's module scope and a scope of its own (two results handed out). */
+static kiln_tensor *block_step(kiln_module *blk, kiln_tensor **x, kiln_tensor *r, kiln_dtype ydt) {
+  kiln__module_scope_push(kiln__module_label(blk));
+  int64_t s0 = 0, s1 = 0;
+  if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
+  kiln_scope_begin();
+  kiln_tensor *xs = *x;
+  kiln_tensor *a = r ? fused_norm(kiln_module_child(blk, "ln_1"), xs, r, ydt, &xs)
+                     : kiln_module_forward(kiln_module_child(blk, "ln_1"), xs);
+  kiln_tensor *att = a ? kiln_module_forward(kiln_module_child(blk, "attn"), a) : NULL;
+  kiln_tensor *b = att ? fused_norm(kiln_module_child(blk, "ln_2"), xs, att, ydt, &xs) : NULL;
+  kiln_tensor *out = b ? kiln_module_forward(kiln_module_child(blk, "mlp"), b) : NULL;
+  if (out) kiln_tensor_ref(xs);
+  out = kiln__scope_return(out);
+  *x = out ? kiln__scope_track(xs) : NULL;
+  if (kiln__module_measuring()) {
+    kiln_autograd_saved_bytes(&s1, NULL);
+    kiln__module_measure_note(blk, s1 - s0);
+  }
+  kiln__module_scope_pop();
+  return out;
+}
+
+/* h's blocks then ln_f, every residual add fused with the norm after it. */
+static kiln_tensor *walk_blocks(kiln_module *m, kiln_module *h, kiln_tensor *x) {
+  const kiln_dtype ydt = norm_out_dtype(x);
+  kiln_tensor *r = NULL;
+  kiln__module_scope_push(kiln__module_label(h));
+  for (int i = 0; i < kiln_module_num_children(h) && x; i++) r = block_step(kiln_module_child_at(h, i), &x, r, ydt);
+  kiln__module_scope_pop();
+  if (!x) return NULL;
+  kiln_module *lnf = kiln_module_child(m, "ln_f");
+  return r ? fused_norm(lnf, x, r, ydt, NULL) : kiln_module_forward(lnf, x);
 }
 
 /* idx (B, T) -> ln_f's output (B, T, C). */
@@ -333,7 +393,9 @@ static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx) {
   kiln_tensor *tok = kiln_module_forward(kiln_module_child(m, "wte"), idx);                  /* (B, T, C) */
   kiln_tensor *x = kiln_add(tok, kiln_module_forward(kiln_module_child(m, "wpe"), pos));     /* + (T, C) */
   x = kiln_module_forward(kiln_module_child(m, "drop"), x);
-  x = kiln_module_forward(kiln_module_child(m, "h"), x);
+  kiln_module *h = kiln_module_child(m, "h");
+  if (x && residual_ln_on() && blocks_walkable(h)) return walk_blocks(m, h, x);
+  x = kiln_module_forward(h, x);
   return kiln_module_forward(kiln_module_child(m, "ln_f"), x);
 }
 

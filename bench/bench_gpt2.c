@@ -25,13 +25,14 @@
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
-**                   [--peak-tflops X] [--json] [--profile] [--memory] [--fused-loss]
+**                   [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]
 ** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
 ** so those steps run slower) for the training steps after the first. --memory prints
 ** kiln_memory_summary after the training steps (peak, saved-for-backward bytes, the modules
-** that saved the most). --fused-loss computes the loss with kiln_gpt_forward_loss (the
-** head and cross-entropy in row chunks: the logits are never whole) instead of the
-** model's logits then kiln_cross_entropy.
+** that saved the most). The loss is kiln_gpt_forward_loss (the head and cross-entropy
+** in row chunks, the classes padded to 64: the logits are never whole; the peer, too,
+** computes its loss inside the model's forward); --logits-loss takes the model's logits
+** then kiln_cross_entropy instead.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
 ** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
 ** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
@@ -257,7 +258,7 @@ static void usage(FILE *f) {
              "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
              "         [--peer PATH] [--python PY]\n"
-             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--fused-loss]\n");
+             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]\n");
 }
 
 int main(int argc, char **argv) {
@@ -266,7 +267,7 @@ int main(int argc, char **argv) {
   o.dev = kiln_device_best();
   o.layers = 12, o.dim = 768, o.heads = 12, o.vocab = 50257, o.seq = 1024, o.batch = 16, o.steps = 15;
   o.prompt = 64, o.new_tokens = 256;
-  o.train = true, o.peer = true;
+  o.train = true, o.peer = true, o.fused_loss = true;
   o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
   o.python = "python3";
   const char *env_peer = getenv("KILN_TORCH_PEER");
@@ -295,7 +296,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--json")) o.json = true;
     else if (!strcmp(a, "--profile")) o.profile = true;
     else if (!strcmp(a, "--memory")) o.memory = true;
-    else if (!strcmp(a, "--fused-loss")) o.fused_loss = true;
+    else if (!strcmp(a, "--logits-loss")) o.fused_loss = false;
+    else if (!strcmp(a, "--fused-loss")) o.fused_loss = true; /* the default; kept for old scripts */
     else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);

@@ -702,7 +702,7 @@ KILN_API kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *targe
                                          double label_smoothing);
 /* kiln_cross_entropy(kiln_linear(x, weight, NULL) as (M, C), target as (M)) without the
 ** (M, C) logits: x (..., K), weight (C, K), target of x's leading dims. The rows go in
-** chunks (logits of about 2^26 elements at a time); the forward also makes the gradients
+** chunks (logits of about 2^27 elements at a time, classes padded to 64); the forward also makes the gradients
 ** of x and weight when they need them (kept with the graph: x's and weight's sizes, not
 ** the logits'). Reduction mean or sum (KILN_ERR_INVALID_ARGUMENT for none). The loss's
 ** dtype is kiln_cross_entropy's (f32 under autocast, else the inputs'); the weight's

@@ -4,8 +4,8 @@
 ** dtypes of a GPT block under bf16 autocast (x f32, r bf16, y bf16) against the unfused
 ** ops (add, layer_norm, cast) with gradients reaching both outputs: the CPU's composed
 ** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. A small GPT's
-** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (every residual add
-** fused with the norm after it) against the unfused ops, f32 and under bf16 autocast.
+** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (the default: every
+** residual add fused with the norm after it) against =0 (the unfused ops), f32 and under bf16 autocast.
 ** Bad input.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -130,8 +130,7 @@ static void gpt_fused_norms(kiln_device dev, kiln_dtype autocast) {
   const char *names[MAXP];
   int np = 0;
   for (int fused = 0; fused < 2; fused++) {
-    if (fused) setenv("KILN_GPT_RESIDUAL_LN", "1", 1);
-    else unsetenv("KILN_GPT_RESIDUAL_LN");
+    setenv("KILN_GPT_RESIDUAL_LN", fused ? "1" : "0", 1);
     kiln_manual_seed(4);
     kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
     if (!m) break;

@@ -4,9 +4,9 @@
 **
 ** The unfused pair holds the logits (M, V) and their gradient (M, V) at once when
 ** cross_entropy runs (1.5 GiB each in bf16 for GPT-2 at B=16, T=1024), and the head's
-** products see rows whose ld (V = 50257) is off 16 bytes. Here the rows go in chunks of
-** Mc (about 2^26 elements of logits a chunk): per chunk, the logits L = x_c W^T into a
-** buffer whose rows are padded to a multiple of 8 elements, CROSS_ENTROPY on it (row
+** products have an odd dim (V = 50257). Here the rows go in chunks of Mc (about 2^27
+** elements of logits a chunk) and the classes are padded to a multiple of 64 (a zero-row
+** copy of W): per chunk, the logits L = x_c W^T into a buffer of padded rows, CROSS_ENTROPY on it (row
 ** losses, logsumexp, row weights), CROSS_ENTROPY_BACKWARD (dlogits D with the mean's
 ** divisor, the count of kept rows, counted on the device from the targets first), then
 ** the two gradient products dx_c = D W and dW += D^T x_c. The forward thus makes the
@@ -19,7 +19,7 @@
 ** dW accumulates over the chunks inside the product (out = D^T x_c + out), rounded to
 ** the weight's dtype once per chunk instead of once: for 16-bit weights a few roundings
 ** more (7 chunks for GPT-2 at B=16, T=1024) until MATMUL can write f32 from 16-bit
-** inputs. Reductions: mean and sum (none would need the per-row seed inside dW: use
+** inputs. The zero pad adds zeros only: the sums are the same. Reductions: mean and sum (none would need the per-row seed inside dW: use
 ** kiln_linear then kiln_cross_entropy). Autocast class LOWER (x and W as linear's); the
 ** loss in f32 under autocast (as autocast's cross_entropy gives it), else in the inputs'
 ** dtype (computed in f32, f64 for f64, and rounded once).
@@ -29,8 +29,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* logits elements a chunk buffer holds (two buffers: L and D) */
-#define LCE_CHUNK_ELEMS ((int64_t)1 << 26)
+/* logits elements a chunk buffer holds (two buffers: L and D; 256 MiB each in bf16) */
+#define LCE_CHUNK_ELEMS ((int64_t)1 << 27)
+/* the class dim is padded to a multiple of this (zero weight rows, zero D columns) */
+#define LCE_PAD 64
 
 typedef struct attrs_lce {
   kiln_reduction reduction;
@@ -123,7 +125,13 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   if (!x2 || !t1 || !rows || !lse || !wts || (gx && !dx) || (gw && !dW) ||
       (ng && (!one || (p->reduction == KILN_REDUCTION_MEAN && !cnt))))
     st = kiln_last_error();
-  const int64_t Vp = (V + 7) / 8 * 8; /* padded rows: 16-byte aligned for 16-bit logits */
+  /* The class dim padded to a multiple of 64 (GPT-2: 50257 -> 50304, nanoGPT's padded
+  ** vocab): W gets zero rows (Wp, a copy per call: 77 MB for GPT-2 in bf16), L and D
+  ** padded columns (D's stay 0: CROSS_ENTROPY_BACKWARD writes the first V), so the three
+  ** products have no odd dim. With V = 50257 as it is, cuBLAS ran the head's products at
+  ** about 130 TFLOP/s on the H200 (29 ms of a 74 ms step, 18:40 run), the rest of the
+  ** step's at 300-500. */
+  const int64_t Vp = (V + LCE_PAD - 1) / LCE_PAD * LCE_PAD;
   /* KILN_LCE_CHUNK_ELEMS: another chunk size (the tests make several chunks of small
   ** problems with it) */
   int64_t budget = LCE_CHUNK_ELEMS;
@@ -132,21 +140,31 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   int64_t Mc = budget / (Vp > 0 ? Vp : 1);
   if (Mc < 1) Mc = 1;
   if (Mc > M) Mc = M;
-  kiln_tensor *Lb = NULL, *Db = NULL;
+  kiln_tensor *Lb = NULL, *Db = NULL, *Wp = W, *dWp = dW;
   if (st == KILN_OK && M > 0 && V > 0) {
     int64_t n = Mc * Vp;
     Lb = kiln__tensor_new(1, &n, dt, dev);
     Db = ng ? kiln__tensor_new(1, &n, dt, dev) : NULL;
-    if (!Lb || (ng && !Db)) st = kiln_last_error();
+    if (!Lb || (ng && !Db) || (Db && kiln_fill_(Db, 0.0) != KILN_OK)) st = kiln_last_error();
+    if (st == KILN_OK && Vp != V) { /* Wp = [W; 0] (Vp, K); dW is the first V rows of dWp */
+      Wp = kiln__tensor_new(2, (const int64_t[]){Vp, K}, dt, dev);
+      st = Wp ? kiln_fill_(Wp, 0.0) : kiln_last_error();
+      if (st == KILN_OK) st = kiln_copy_(kiln_narrow(Wp, 0, 0, V), W);
+      if (st == KILN_OK && dW) {
+        dWp = kiln__tensor_new(2, (const int64_t[]){Vp, K}, dt, dev);
+        dW = dWp ? kiln_narrow(dWp, 0, 0, V) : NULL;
+        if (!dW) st = kiln_last_error();
+      }
+    }
   }
   const int64_t xs0 = x2 ? x2->strides[0] : 0, xs1 = x2 ? x2->strides[1] : 0;
   for (int64_t r0 = 0; st == KILN_OK && r0 < M && V > 0; r0 += Mc) {
     const int64_t mc = M - r0 < Mc ? M - r0 : Mc;
-    kiln__view L = view2_at(Lb, 0, mc, V, Vp, 1);
+    kiln__view L = view2_at(Lb, 0, mc, V, Vp, 1); /* the logits; L full: (mc, Vp) */
     kiln__view xc = view2_at(x2, r0 * xs0, mc, K, xs0, xs1);
-    kiln__view Wt = view2_at(W, 0, K, V, W->strides[1], W->strides[0]); /* W^T (K, V) */
+    kiln__view Wt = view2_at(Wp, 0, K, Vp, Wp->strides[1], Wp->strides[0]); /* Wp^T (K, Vp) */
     if (K > 0) {
-      st = mm(dev, xc, Wt, L, false); /* L = x_c W^T (mc, V) */
+      st = mm(dev, xc, Wt, view2_at(Lb, 0, mc, Vp, Vp, 1), false); /* L full = x_c Wp^T */
     } else {
       kiln__kargs f = {0};
       f.op = KILN__K_FILL;
@@ -194,12 +212,12 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
       a.s[0] = p->label_smoothing;
       st = kiln__dispatch(dev, &a);
     }
-    if (st == KILN_OK && dx) /* dx_c = D W: (mc, V) @ (V, K) */
-      st = K > 0 ? mm(dev, D, view2_at(W, 0, V, K, W->strides[0], W->strides[1]), view2_at(dx, r0 * K, mc, K, K, 1), false)
-                 : KILN_OK;
-    if (st == KILN_OK && dW && K > 0) { /* dW (+)= D^T x_c: (V, mc) @ (mc, K) */
-      kiln__view Dt = view2_at(Db, 0, V, mc, 1, Vp);
-      st = mm(dev, Dt, xc, kiln__view_of(dW), r0 > 0);
+    if (st == KILN_OK && dx && K > 0) /* dx_c = D Wp: (mc, Vp) @ (Vp, K), D's pad columns 0 */
+      st = mm(dev, view2_at(Db, 0, mc, Vp, Vp, 1), view2_at(Wp, 0, Vp, K, Wp->strides[0], Wp->strides[1]),
+              view2_at(dx, r0 * K, mc, K, K, 1), false);
+    if (st == KILN_OK && dW && K > 0) { /* dWp (+)= D^T x_c: (Vp, mc) @ (mc, K) */
+      kiln__view Dt = view2_at(Db, 0, Vp, mc, 1, Vp);
+      st = mm(dev, Dt, xc, kiln__view_of(dWp), r0 > 0);
     }
   }
   if (st == KILN_OK && dW && (M == 0 || V == 0)) st = kiln_fill_(dW, 0.0);

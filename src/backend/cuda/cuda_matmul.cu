@@ -304,57 +304,10 @@ kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__
   return kiln__cuda_launched("matmul row sums");
 }
 
-/* Row alignment of 16-bit operands. cuBLAS(Lt)'s tensor-core kernels for f16/bf16 (on
-** Hopper, the TMA ones) want every row (column, for a transposed operand) to start on 16
-** bytes: ld a multiple of 8 and the base pointer aligned. GPT-2's head has N = 50257
-** (vocab), so its logits (16384, 50257), and dlogits in both backward products, have an
-** odd ld; cuBLAS then picks align-1 kernels several times slower (nanoGPT pads the vocab
-** to 50304 for this; torch.compile's pad_mm pads such products). Here a misaligned
-** operand of a big 2-d product is copied into a temporary whose ld is rounded up to 8
-** (same orientation, so the copy is coalesced), and a misaligned output is computed into
-** such a temporary and copied out. KILN_MATMUL_PAD=0 turns it off (A/B measurement). */
-bool pad_enabled() {
-  static int on = -1;
-  if (on < 0) {
-    const char *e = getenv("KILN_MATMUL_PAD");
-    on = !(e && strcmp(e, "0") == 0);
-  }
-  return on == 1;
-}
-
-bool misaligned16(const kiln__view *v, const Mat &m) {
-  return (m.ld % 8) != 0 || ((uintptr_t)v->data % 16) != 0;
-}
-
-/* v (rows, cols), described by m, as a padded view over mem: row-major with ld = cols
-** rounded up to 8, or column-major (m.trans) with ld = rows rounded up to 8. */
-kiln__view padded_like(const kiln__view *v, const Mat &m, void *mem, int64_t *ld) {
-  kiln__view t = *v;
-  const int nd = v->ndim;
-  t.data = mem;
-  if (m.trans) {
-    *ld = (v->shape[nd - 2] + 7) / 8 * 8;
-    t.strides[nd - 2] = 1;
-    t.strides[nd - 1] = *ld;
-  } else {
-    *ld = (v->shape[nd - 1] + 7) / 8 * 8;
-    t.strides[nd - 1] = 1;
-    t.strides[nd - 2] = *ld;
-  }
-  return t;
-}
-
-size_t padded_bytes(const kiln__view *v, const Mat &m, size_t es) {
-  const int nd = v->ndim;
-  int64_t rows = v->shape[nd - 2], cols = v->shape[nd - 1];
-  int64_t n = m.trans ? (rows + 7) / 8 * 8 * (cols > 0 ? cols : 1) : (cols + 7) / 8 * 8 * (rows > 0 ? rows : 1);
-  return (size_t)n * es;
-}
-
 /* Frees temporaries when the call returns (stream order keeps it safe). */
 struct Temps {
   int device;
-  void *p[5] = {NULL, NULL, NULL, NULL, NULL}; /* A, B, C; padded copies of A and B */
+  void *p[3] = {NULL, NULL, NULL};
   Temps(int dev) : device(dev) {}
   ~Temps() {
     for (void *q : p)
@@ -493,22 +446,6 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     B = c;
     describe(K, N, B.strides[nd - 2], B.strides[nd - 1], &mb);
   }
-  /* a big 16-bit 2-d product: operands with rows off 16 bytes go to padded copies */
-  const bool pad = es == 2 && batch == 1 && M >= 64 && N >= 64 && K >= 64 && pad_enabled();
-  if (pad && misaligned16(&A, ma)) {
-    tmp.p[3] = kiln__cuda_alloc(device, padded_bytes(&A, ma, es));
-    if (!tmp.p[3]) return kiln_last_error();
-    kiln__view c = padded_like(&A, ma, tmp.p[3], &ma.ld);
-    KC_TRY(kiln__cuda_copy_view(device, &c, &A));
-    A = c;
-  }
-  if (pad && misaligned16(&B, mb)) {
-    tmp.p[4] = kiln__cuda_alloc(device, padded_bytes(&B, mb, es));
-    if (!tmp.p[4]) return kiln_last_error();
-    kiln__view c = padded_like(&B, mb, tmp.p[4], &mb.ld);
-    KC_TRY(kiln__cuda_copy_view(device, &c, &B));
-    B = c;
-  }
   kiln__view C = *O;
   bool out_tmp = !describe(M, N, C.strides[nd - 2], C.strides[nd - 1], &mc) || mc.trans;
   if (out_tmp) {
@@ -517,13 +454,6 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     C = contiguous_like(O, tmp.p[2]);
     if (beta != 0.0) KC_TRY(kiln__cuda_copy_view(device, &C, O));
     describe(M, N, C.strides[nd - 2], C.strides[nd - 1], &mc);
-  }
-  if (pad && !out_tmp && misaligned16(&C, mc)) { /* computed padded, copied out below */
-    out_tmp = true;
-    tmp.p[2] = kiln__cuda_alloc(device, padded_bytes(&C, mc, es));
-    if (!tmp.p[2]) return kiln_last_error();
-    C = padded_like(O, mc, tmp.p[2], &mc.ld);
-    if (beta != 0.0) KC_TRY(kiln__cuda_copy_view(device, &C, O));
   }
   cublasOperation_t opA = ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t opB = mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N;

@@ -211,6 +211,44 @@ static kiln_tensor *attn_forward(kiln_module *m, kiln_tensor *x) {
   return kiln__scope_return(attn_body(m, x));
 }
 
+/* qkv (B, T, 3C) -> q, k, v (B, H, T, D): views (split, view, transpose), one node whose
+** backward stacks the three gradients into qkv's layout in one op. Through the views'
+** own rules each gradient became a zero (B, T, 3C) tensor with its slice copied in, and
+** the three were added: about 0.8 GB of memory traffic a layer for GPT-2 at B=16, T=1024
+** (3 zeros, 3 copies, 2 adds of 75 MB tensors: 4 ms a step on the H200, 18:40 profile)
+** where the stack moves 0.15 GB. state: {B, T, H, D}. */
+static kiln_status qkv_heads_fwd(kiln_function_ctx *ctx, int n_in, kiln_tensor *const *in, int n_out,
+                                 kiln_tensor **out) {
+  (void)n_in, (void)n_out;
+  const int64_t *d = kiln_function_state(ctx);
+  const int64_t B = d[0], T = d[1], H = d[2], D = d[3];
+  kiln_tensor *part[3];
+  if (kiln_split(in[0], H * D, 2, part, 3) != 3) return kiln_last_error();
+  for (int i = 0; i < 3; i++) { /* (B, T, C) -> (B, T, H, D) -> (B, H, T, D) */
+    out[i] = kiln_transpose(kiln_view(part[i], KILN_SHAPE(B, T, H, D)), 1, 2);
+    if (!out[i]) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static kiln_status qkv_heads_bwd(kiln_function_ctx *ctx, int n_out, kiln_tensor *const *gy, int n_in,
+                                 kiln_tensor **gx) {
+  (void)n_out, (void)n_in;
+  if (!kiln_function_grad_needed(ctx, 0)) return KILN_OK;
+  const int64_t *d = kiln_function_state(ctx);
+  const int64_t B = d[0], T = d[1], H = d[2], D = d[3];
+  kiln_tensor *any = gy[0] ? gy[0] : gy[1] ? gy[1] : gy[2];
+  if (!any) return KILN_OK; /* no gradient reached q, k or v */
+  kiln_tensor *t[3];
+  for (int i = 0; i < 3; i++) /* (B, H, T, D) -> (B, T, H, D) views; zeros where none came */
+    t[i] = gy[i] ? kiln_transpose(gy[i], 1, 2)
+                 : kiln_zeros(KILN_SHAPE(B, T, H, D), kiln_dtype_of(any), kiln_device_of(any));
+  gx[0] = kiln_reshape(kiln_stack(3, t, 2), KILN_SHAPE(B, T, 3 * H * D)); /* (B, T, 3, H, D) */
+  return gx[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln_function qkv_heads = {"qkv_heads", qkv_heads_fwd, qkv_heads_bwd};
+
 static kiln_tensor *attn_body(kiln_module *m, kiln_tensor *x) {
   const kiln_gpt_config *c = kiln_module_impl(m);
   const int64_t C = c->n_embd, H = c->n_head, D = C / H;
@@ -224,9 +262,13 @@ static kiln_tensor *attn_body(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *qkv = kiln_module_forward(kiln_module_child(m, "c_attn"), x); /* (B, T, 3C) */
   if (!qkv) return NULL;
   kiln_tensor *part[3];
-  if (kiln_split(qkv, C, 2, part, 3) != 3) return NULL;
-  for (int i = 0; i < 3; i++) /* (B, T, C) -> (B, T, H, D) -> (B, H, T, D) */
-    part[i] = kiln_transpose(kiln_view(part[i], KILN_SHAPE(B, T, H, D)), 1, 2);
+  int64_t *st = malloc(4 * sizeof *st);
+  if (!st) {
+    kiln_set_error(KILN_ERR_OOM, "CausalSelfAttention: out of host memory");
+    return NULL;
+  }
+  st[0] = B, st[1] = T, st[2] = H, st[3] = D;
+  if (kiln_function_apply(&qkv_heads, st, free, 1, &qkv, 3, part) != KILN_OK) return NULL;
   double p = kiln_module_is_training(m) ? c->dropout : 0.0;
   kiln_tensor *y = kiln_scaled_dot_product_attention(part[0], part[1], part[2], NULL, true, p, 0.0, NULL);
   y = kiln_reshape(kiln_transpose(y, 1, 2), KILN_SHAPE(B, T, C)); /* (B, H, T, D) -> (B, T, C) */

@@ -329,7 +329,13 @@ typedef struct kiln__view {
   /* flag 2): the gradient that reached s from elsewhere -> out0 ds (R, N) in s's dtype */ \
   /* = layer_norm's dx (+ gs), out1 dr (R, N) (any float) = ds rounded to it (i1 flag */   \
   /* 1), out2 dweight (N) (i1 flag 2), out3 dbias (N) (i1 flag 4); n_out is always 4. */  \
-  X(RESIDUAL_LAYER_NORM_BACKWARD, "residual_layer_norm_backward")
+  X(RESIDUAL_LAYER_NORM_BACKWARD, "residual_layer_norm_backward")                         \
+  /* in0 A (M, K), in1 B (K, N) (2-d, any strides), in2 z (M, N) (unit column stride) -> */ \
+  /* out0 (M, N) = (A@B) * gelu_tanh'(z) (unit column stride; one dtype): the gradient */  \
+  /* of a linear_gelu's pre-activation made inside the next layer's input-gradient */     \
+  /* product (cuBLASLt's DGELU epilogue on CUDA). i0 = 1 allows TF32. CUDA only; the op */ \
+  /* layer composes MATMUL + GELU_TANH_BACKWARD elsewhere. */                             \
+  X(MATMUL_DGELU, "matmul_dgelu")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -312,14 +312,58 @@ static kiln__view view2(const kiln_tensor *t, bool transpose) {
   return v;
 }
 
+static const kiln__op op_linear;
 static const kiln__op op_linear_relu;
 static const kiln__op op_linear_gelu;
 
 /* linear and linear_relu (for linear_relu, y = relu(z) is saved[2], and the gradient that
 ** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
 ** backward costs no kernel of its own). */
+/* The peephole of GPT-2's MLP backward: a linear whose input is a linear_gelu's output,
+** and the only way gradient reaches it (kiln__grad_mask_ok), gives that node the gradient
+** of its pre-activation z directly: dz = (g W) * gelu_tanh'(z), one MATMUL_DGELU (CUDA:
+** cuBLASLt's DGELU epilogue) instead of the product then linear_gelu's GELU kernel. The
+** linear_gelu node is told by its grad_mask (set to z; the engine frees it after the
+** rule). *d gets dz in x's shape; false (nothing done) where the pattern does not hold. */
+static bool dgelu_handover(kiln__node *n, kiln_tensor *g2, kiln_tensor *W, kiln_tensor *x, kiln_tensor **d) {
+  kiln__node *m = n->next[0].node;
+  if (!m || m->op != &op_linear_gelu || !kiln__grad_mask_ok(m, n->next[0].index)) return false;
+  kiln_tensor *z = m->saved[2];
+  int64_t N = W->shape[0], K = W->shape[1], M = g2->shape[0];
+  if (!z || z->dtype != g2->dtype || kiln_numel(z) != M * K || !kiln_is_contiguous(z)) return false;
+  kiln_device dev = kiln_device_of(g2);
+  kiln_tensor *dz = kiln__tensor_new(2, (int64_t[]){M, K}, g2->dtype, dev);
+  if (!dz) return false;
+  kiln__kargs a = {0};
+  a.op = KILN__K_MATMUL_DGELU;
+  a.n_in = 3;
+  a.in[0] = kiln__view_of(g2);                                  /* (M, N) */
+  a.in[1] = view_as(W, 2, (int64_t[]){N, K}, W->strides);        /* (N, K) */
+  a.in[2] = view_as(z, 2, (int64_t[]){M, K}, (int64_t[]){K, 1}); /* (M, K) */
+  a.n_out = 1;
+  a.out[0] = kiln__view_of(dz);
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  kiln_status st;
+  if (K > 0 && N > 0 && kiln__dispatch_has(dev, &a, KILN__K_MATMUL_DGELU)) {
+    st = kiln__dispatch(dev, &a);
+  } else { /* the product, then the GELU's backward on it */
+    kiln_tensor *dh = product(view2(g2, false), NULL, W, NULL);
+    kiln__kargs k = {0};
+    k.op = KILN__K_GELU_TANH_BACKWARD;
+    k.n_in = 2;
+    k.in[0] = a.in[2];
+    k.in[1] = dh ? kiln__view_of(dh) : a.in[2];
+    st = dh ? kiln__run_into(dz, &k) : kiln_last_error();
+  }
+  if (st != KILN_OK) return false;
+  *d = kiln_reshape(dz, x->ndim, x->shape);
+  if (!*d) return false;
+  m->grad_mask = kiln_tensor_ref(z);
+  return true;
+}
+
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  if (n->op == &op_linear_gelu) {
+  if (n->op == &op_linear_gelu && !n->grad_mask) { /* grad_mask: g is already z's (dgelu_handover) */
     /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
     ** linear's products below on it, unmasked */
     kiln_tensor *z = n->saved[2];
@@ -348,8 +392,11 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   kiln__view mT, m;
   if (y2) mT = view2(y2, true), m = view2(y2, false);
   if (n->needs[0]) {
-    kiln_tensor *d = product(view2(g2, false), y2 ? &m : NULL, W, NULL); /* (M, N) @ (N, K) */
-    if (d) d = kiln_reshape(d, x->ndim, x->shape);
+    kiln_tensor *d = NULL;
+    if (y2 || n->op != &op_linear || !dgelu_handover(n, g2, W, x, &d)) {
+      d = product(view2(g2, false), y2 ? &m : NULL, W, NULL); /* (M, N) @ (N, K) */
+      if (d) d = kiln_reshape(d, x->ndim, x->shape);
+    }
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }

@@ -185,9 +185,11 @@ void lt_plan_destroy(LtPlan *p) {
   memset(p, 0, sizeof *p);
 }
 
-/* Whether an epilogue writes the auxiliary output (LINEAR_GELU's pre-activation). */
+/* Whether an epilogue has the auxiliary matrix: LINEAR_GELU writes its pre-activation
+** there, MATMUL_DGELU reads it. */
 bool epi_has_aux(cublasLtEpilogue_t epi) {
-  return epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  return epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+         epi == CUBLASLT_EPILOGUE_DGELU;
 }
 
 /* Builds the plan in place; p->ok false when cuBLASLt has no algorithm for it. */
@@ -603,4 +605,85 @@ extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
   g.in[0] = Z;
   g.out[0] = Y;
   return kiln__cuda_elementwise(&g);
+}
+
+/* ---- MATMUL_DGELU: dz = (A@B) * gelu_tanh'(z) (backend.h) ------------------------------
+** GPT-2's MLP backward: the c_proj input gradient dh = g W2 (16384, 3072) and the GELU's
+** backward on it in one cuBLASLt call (DGELU epilogue, z as aux): no dh tensor written and
+** read again. The product is not rounded to the dtype before the GELU's derivative
+** multiplies it (the composed path rounds it once more). Where cuBLASLt cannot take the
+** operands (or has no algorithm) kiln__cuda_matmul into a temporary and a
+** GELU_TANH_BACKWARD kernel: the contract, two passes. */
+extern "C" bool kiln__cuda_matmul_dgelu_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->out[0].dtype;
+  if (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16) return false;
+  if (a->n_in != 3 || a->n_out != 1) return false;
+  for (int i = 0; i < 3; i++)
+    if (a->in[i].dtype != dt || a->in[i].ndim != 2) return false;
+  return a->out[0].ndim == 2;
+}
+
+extern "C" kiln_status kiln__cuda_matmul_dgelu(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_matmul_dgelu_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul_dgelu: dtypes %s @ %s -> %s not supported on cuda",
+                          kiln_dtype_name(a->in[0].dtype), kiln_dtype_name(a->in[1].dtype),
+                          kiln_dtype_name(a->out[0].dtype));
+  const kiln__view &A = a->in[0], &B = a->in[1], &Z = a->in[2], &O = a->out[0];
+  const int64_t M = A.shape[0], K = A.shape[1], N = B.shape[1];
+  if (B.shape[0] != K || O.shape[0] != M || O.shape[1] != N || Z.shape[0] != M || Z.shape[1] != N)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul_dgelu: (%lld x %lld) @ (%lld x %lld) with z (%lld x %lld)",
+                          (long long)M, (long long)K, (long long)B.shape[0], (long long)N, (long long)Z.shape[0],
+                          (long long)Z.shape[1]);
+  if (M == 0 || N == 0) return KILN_OK;
+  const size_t es = kc_size(O.dtype);
+  Mat ma, mb, mo, mz;
+  bool fused = K > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX &&
+               describe(M, K, A.strides[0], A.strides[1], &ma) && describe(K, N, B.strides[0], B.strides[1], &mb) &&
+               describe(M, N, O.strides[0], O.strides[1], &mo) && !mo.trans &&
+               describe(M, N, Z.strides[0], Z.strides[1], &mz) && !mz.trans && mo.ld == mz.ld;
+  if (fused) {
+    const int64_t al = (int64_t)(16 / es);
+    const void *ptrs[4] = {A.data, B.data, O.data, Z.data};
+    for (int i = 0; i < 4; i++) fused = fused && ((uintptr_t)ptrs[i] % 16) == 0;
+    fused = fused && ma.ld % al == 0 && mb.ld % al == 0 && mo.ld % al == 0;
+  }
+  if (fused) {
+    KC_TRY(handles(a->device, d));
+    KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
+    Types t;
+    types_of(O.dtype, a->i[0] == 1, &t);
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_DGELU, t, mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N, K, B.data, mb.ld, A.data, ma.ld, O.data,
+                                mo.ld, NULL, 1.0f, 0.0f, (void *)Z.data);
+    if (s != KILN_ERR_UNSUPPORTED) return s;
+  }
+  /* composed: dh = A@B into a temporary (contiguous (M, N)), then dz = gelu'(z) dh */
+  void *tmp = kiln__cuda_alloc(a->device, (size_t)(M * N) * es);
+  if (!tmp) return kiln_last_error();
+  kiln__kargs m = {};
+  m.op = KILN__K_MATMUL;
+  m.device = a->device;
+  m.n_in = 2;
+  m.in[0] = A;
+  m.in[1] = B;
+  m.n_out = 1;
+  m.out[0] = contiguous_like(&O, tmp);
+  m.s[0] = 1.0;
+  m.i[0] = a->i[0];
+  kiln_status st = kiln__cuda_matmul(&m);
+  if (st == KILN_OK) {
+    kiln__kargs g = {};
+    g.op = KILN__K_GELU_TANH_BACKWARD;
+    g.device = a->device;
+    g.n_in = 2;
+    g.n_out = 1;
+    g.in[0] = Z;
+    g.in[1] = m.out[0];
+    g.out[0] = O;
+    st = kiln__cuda_elementwise(&g);
+  }
+  kiln__cuda_free(a->device, tmp, 0); /* stream-ordered reuse */
+  return st;
 }

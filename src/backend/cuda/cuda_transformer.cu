@@ -3,7 +3,7 @@
 ** cpu/cpu_transformer.c and cpu/cpu_scan.c): the fused layer and RMS norms forward and
 ** backward, the residual add fused with a layer norm (training), cumsum, tril/triu, topk
 ** and multinomial. Attention is in cuda_attention.cu,
-** LINEAR_GELU (claimed here, a cuBLASLt epilogue) in cuda_matmul.cu.
+** LINEAR_GELU and MATMUL_DGELU (claimed here, cuBLASLt epilogues) in cuda_matmul.cu.
 **
 ** Determinism (DESIGN.md: same seed, same numbers): no kernel here uses atomics. The
 ** norm's parameter gradients are reduced in two stages, each a fixed order: stage 1 gives
@@ -27,6 +27,8 @@ extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a); /* cuda_atten
 extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a); /* cuda_matmul.cu */
 extern "C" bool kiln__cuda_linear_gelu_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_matmul_dgelu(const kiln__kargs *a); /* cuda_matmul.cu */
+extern "C" bool kiln__cuda_matmul_dgelu_supports(const kiln__kargs *a);
 
 namespace {
 
@@ -936,6 +938,7 @@ extern "C" bool kiln__cuda_transformer_supports(const kiln__kargs *a) {
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention_supports(a);
   case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu_supports(a);
+  case KILN__K_MATMUL_DGELU: return kiln__cuda_matmul_dgelu_supports(a);
   case KILN__K_RESIDUAL_LAYER_NORM:
   case KILN__K_RESIDUAL_LAYER_NORM_BACKWARD: return rln_supports(a);
   case KILN__K_CUMSUM: {
@@ -964,6 +967,7 @@ extern "C" kiln_status kiln__cuda_transformer(const kiln__kargs *a) {
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention(a);
   case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu(a);
+  case KILN__K_MATMUL_DGELU: return kiln__cuda_matmul_dgelu(a);
   case KILN__K_RESIDUAL_LAYER_NORM:
   case KILN__K_RESIDUAL_LAYER_NORM_BACKWARD: return residual_layer_norm(d, a);
   case KILN__K_CUMSUM: return cumsum(d, a);

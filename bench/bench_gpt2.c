@@ -25,9 +25,14 @@
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
-**                   [--peak-tflops X] [--json] [--profile]
+**                   [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]
 ** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
-** so those steps run slower) for the training steps after the first.
+** so those steps run slower) for the training steps after the first. --memory prints
+** kiln_memory_summary after the training steps (peak, saved-for-backward bytes, the modules
+** that saved the most). The loss is kiln_gpt_forward_loss (the head and cross-entropy
+** in row chunks, the classes padded to 64: the logits are never whole; the peer, too,
+** computes its loss inside the model's forward); --logits-loss takes the model's logits
+** then kiln_cross_entropy instead.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
 ** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
 ** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
@@ -64,7 +69,7 @@ typedef struct opts {
   kiln_device dev;
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
-  bool checkpoint, train, generate, peer, json, profile;
+  bool checkpoint, train, generate, peer, json, profile, memory, fused_loss;
   int64_t gen_batches[8];
   int n_gen_batches;
   kiln_gen_graph gen_graph; /* --gen-graph auto|on|off */
@@ -143,19 +148,31 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
     double t0 = now();
     kiln_scope_begin();
     if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);
-    kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
-    kiln_tensor *loss = kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), tgt,
-                                           KILN_REDUCTION_MEAN, -100, 0.0);
+    /* The forward and the loss in a scope of their own, the loss kept: the logits (B*T*V:
+    ** 1.5 GiB in bf16 for GPT-2 at B=16, T=1024) are dead once cross_entropy has made its
+    ** gradient, and go here, as the peer's do when its forward returns the loss. */
+    kiln_scope_begin();
+    kiln_tensor *loss;
+    if (o->fused_loss) { /* the head and the loss in chunks: the logits never whole */
+      loss = kiln_keep(kiln_gpt_forward_loss(m, idx, tgt, -100));
+    } else {
+      kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
+      loss = kiln_keep(kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), tgt,
+                                          KILN_REDUCTION_MEAN, -100, 0.0));
+    }
+    kiln_scope_end();
     if (o->autocast != KILN_F32) kiln_autocast_end();
     st = kiln_backward(loss, NULL);
     if (st == KILN_OK) st = kiln_optimizer_step(opt);
     if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
     if (st == KILN_OK && s == o->steps - 1) r->loss = kiln_item(loss);
+    kiln_tensor_free(loss);
     kiln_scope_end();
     kiln_device_synchronize(o->dev);
     times[s] = now() - t0;
   }
   if (profiling) kiln_profiler_stop(stdout);
+  if (o->memory && st == KILN_OK) kiln_memory_summary(o->dev, stdout); /* the step's peak and saved bytes */
   if (st == KILN_OK) {
     int64_t skip = o->steps > 4 ? 3 : 0;
     qsort(times + skip, (size_t)(o->steps - skip), sizeof *times, cmp_double);
@@ -241,7 +258,7 @@ static void usage(FILE *f) {
              "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
              "         [--peer PATH] [--python PY]\n"
-             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile]\n");
+             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]\n");
 }
 
 int main(int argc, char **argv) {
@@ -250,7 +267,7 @@ int main(int argc, char **argv) {
   o.dev = kiln_device_best();
   o.layers = 12, o.dim = 768, o.heads = 12, o.vocab = 50257, o.seq = 1024, o.batch = 16, o.steps = 15;
   o.prompt = 64, o.new_tokens = 256;
-  o.train = true, o.peer = true;
+  o.train = true, o.peer = true, o.fused_loss = true;
   o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
   o.python = "python3";
   const char *env_peer = getenv("KILN_TORCH_PEER");
@@ -278,6 +295,9 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-peer")) o.peer = false;
     else if (!strcmp(a, "--json")) o.json = true;
     else if (!strcmp(a, "--profile")) o.profile = true;
+    else if (!strcmp(a, "--memory")) o.memory = true;
+    else if (!strcmp(a, "--logits-loss")) o.fused_loss = false;
+    else if (!strcmp(a, "--fused-loss")) o.fused_loss = true; /* the default; kept for old scripts */
     else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);

@@ -526,6 +526,15 @@ KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, ki
 ** kiln_add and kiln_layer_norm. */
 KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
                                           double eps, kiln_tensor **sum);
+/* The same for training (a GPT block's residual stream): *sum (may be NULL) = x + r in
+** promote(x, r)'s dtype (r the same shape as x, any floating dtypes, as kiln_add then
+** casts would give it), and the result is kiln_layer_norm of the sum over the last dim
+** (weight, bias of that size, either NULL), in y_dtype: the f32 norm rounded then cast
+** (under autocast the lower dtype the next product reads). Differentiable in x, r,
+** weight and bias, through both outputs; on CUDA one kernel each way. Results owned by
+** the current scope. KILN_ERR_SHAPE / KILN_ERR_DTYPE naming kiln_residual_layer_norm. */
+KILN_API kiln_tensor *kiln_residual_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight,
+                                               kiln_tensor *bias, double eps, kiln_dtype y_dtype, kiln_tensor **sum);
 /* Attention of queries over a key/value cache whose valid length is read on the device (so
 ** a decode step keeps one shape for a whole generation and can be graph-captured):
 ** q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) -> (B, H, Tq, Dv), one floating dtype;
@@ -600,6 +609,12 @@ KILN_API kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tens
 ** launches fewer a step each way on a GPU). Same values and errors as the two ops; a
 ** Sequential of Linear then ReLU uses it by itself. */
 KILN_API kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias);
+/* kiln_gelu_tanh(kiln_linear(x, weight, bias)) as one op (GPT-2's MLP uses it): on CUDA
+** one cuBLASLt call with a GELU epilogue writes the output and the pre-activation, which
+** the node keeps for the backward (as the two ops would keep it); elsewhere the product
+** then the GELU. Same errors as kiln_linear, named kiln_linear_gelu; the result is owned
+** by the current scope. */
+KILN_API kiln_tensor *kiln_linear_gelu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias);
 /* Allows TF32 tensor cores for f32 matmul on devices that have them (default off). */
 KILN_API void kiln_set_matmul_tf32(bool allow);
 KILN_API bool kiln_matmul_tf32(void);
@@ -695,6 +710,16 @@ typedef enum kiln_reduction {
 KILN_API kiln_tensor *kiln_cross_entropy(kiln_tensor *logits, kiln_tensor *target,
                                          kiln_reduction red, int64_t ignore_index,
                                          double label_smoothing);
+/* kiln_cross_entropy(kiln_linear(x, weight, NULL) as (M, C), target as (M)) without the
+** (M, C) logits: x (..., K), weight (C, K), target of x's leading dims. The rows go in
+** chunks (logits of about 2^27 elements at a time, classes padded to 64); the forward also makes the gradients
+** of x and weight when they need them (kept with the graph: x's and weight's sizes, not
+** the logits'). Reduction mean or sum (KILN_ERR_INVALID_ARGUMENT for none). The loss's
+** dtype is kiln_cross_entropy's (f32 under autocast, else the inputs'); the weight's
+** gradient is summed over the chunks in its dtype. Owned by the current scope. A language model's head and loss
+** (kiln_gpt_forward_loss uses it). */
+KILN_API kiln_tensor *kiln_linear_cross_entropy(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *target,
+                                                kiln_reduction red, int64_t ignore_index, double label_smoothing);
 KILN_API kiln_tensor *kiln_mse_loss(kiln_tensor *input, kiln_tensor *target, kiln_reduction red);
 
 /* In-place updates, for optimizers and initialisers: never recorded by autograd and

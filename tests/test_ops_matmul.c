@@ -5,6 +5,7 @@
 */
 #include "harness.h"
 
+#include <math.h>
 #include <string.h>
 
 /* torch.matmul on shapes: promotes 1-d operands, broadcasts batch dims. Returns false
@@ -110,6 +111,21 @@ static int mm_rlinrelu(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
   return 0;
 }
 
+/* linear_gelu: gelu_tanh(linear(...)), one fused op (GPT-2's MLP) */
+static kiln_tensor *mm_lingelu(kiln_tensor **in, const void *ctx) {
+  return kiln_linear_gelu(in[0], in[1], ctx ? in[2] : NULL);
+}
+static int mm_rlingelu(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  int r = mm_rlin(in, n_in, out, ctx);
+  if (r || !out->data) return r;
+  int64_t n = h_numel(out->ndim, out->shape);
+  for (int64_t i = 0; i < n; i++) { /* 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))) */
+    double z = out->data[i];
+    out->data[i] = 0.5 * z * (1.0 + tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
+  }
+  return 0;
+}
+
 #define M_ H_SYM(0)
 #define K_ H_SYM(1)
 #define N_ H_SYM(2)
@@ -152,6 +168,17 @@ static const h_case mm_cases[] = {
      .in = {MMIN(1, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
     {.name = "linear_relu wide (64 rows, 40 out)", .fn = mm_linrelu, .ref = mm_rlinrelu, .ctx = &mm_bias_on,
      .n_in = 3, .in = {MMIN(2, 64, 33), MMIN(2, 40, 33), MMIN(1, 40)}},
+    {.name = "linear_gelu 2d with bias", .fn = mm_lingelu, .ref = mm_rlingelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(2, M_, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_gelu 3d with bias", .fn = mm_lingelu, .ref = mm_rlingelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(3, B_, M_, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_gelu no bias", .fn = mm_lingelu, .ref = mm_rlingelu, .n_in = 2,
+     .in = {MMIN(3, B_, M_, K_), MMIN(2, N_, K_)}, .sym = {3, 5, 4, 2}},
+    {.name = "linear_gelu 1d input", .fn = mm_lingelu, .ref = mm_rlingelu, .ctx = &mm_bias_on, .n_in = 3,
+     .in = {MMIN(1, K_), MMIN(2, N_, K_), MMIN(1, N_)}, .sym = {3, 5, 4, 2}},
+    /* past the small-product kernel's reach: cuBLASLt's GELU epilogue on CUDA */
+    {.name = "linear_gelu wide (96 rows, 72 out)", .fn = mm_lingelu, .ref = mm_rlingelu, .ctx = &mm_bias_on,
+     .n_in = 3, .in = {MMIN(2, 96, 64), MMIN(2, 72, 64), MMIN(1, 72)}},
 };
 
 static void mm_extra(void) {

@@ -315,7 +315,34 @@ typedef struct kiln__view {
   /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
   /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
   /* invstd (the statistics were constants). */                                           \
-  X(BATCH_NORM_BACKWARD, "batch_norm_backward")
+  X(BATCH_NORM_BACKWARD, "batch_norm_backward")                                          \
+  /* ---- a linear layer fused with its tanh GELU (issue 16: GPT-2's MLP) ---- */          \
+  /* in0 A (M, K), in1 B (K, N) (2-d, any strides), optional in2 bias (N) -> out0 y */      \
+  /* (M, N) = gelu_tanh(z) and out1 z (M, N) = A@B + bias (the pre-activation, kept for */  \
+  /* the backward), both with unit column stride; i0 = 1 allows TF32. CUDA only */          \
+  /* (cuBLASLt's GELU_AUX(_BIAS) epilogue); the op layer asks kiln__dispatch_has and */     \
+  /* composes MATMUL + GELU_TANH where it is missing, the CPU reference included. */        \
+  X(LINEAR_GELU, "linear_gelu")                                                           \
+  /* ---- the residual add and the next layer norm in one pass (training) ---- */         \
+  /* in0 x (R, N), in1 r (R, N) (any float dtypes; unit column stride), then the weight */ \
+  /* (N) when i0 flag 1 and the bias (N) when flag 2 -> out0 y (R, N) = layer_norm(s) */   \
+  /* in any float dtype (computed as LAYER_NORM computes it, rounded to x's dtype, then */  \
+  /* to y's: what the f32 norm then a cast gives), out1 s (R, N) = x + r in x's dtype */   \
+  /* (the norm reads the rounded s), out2 stats (2, R) f32 (f64 for f64 x): row 0 the */   \
+  /* mean, row 1 rstd. s0 eps. CUDA only; the op layer composes ADD, LAYER_NORM, COPY. */  \
+  X(RESIDUAL_LAYER_NORM, "residual_layer_norm")                                           \
+  /* in0 s (R, N), in1 gy (R, N) (any float dtype), in2 stats (2, R) as the forward */    \
+  /* gave them, optional weight (N) (i0 flag 1), optional gs (R, N) in s's dtype (i0 */   \
+  /* flag 2): the gradient that reached s from elsewhere -> out0 ds (R, N) in s's dtype */ \
+  /* = layer_norm's dx (+ gs), out1 dr (R, N) (any float) = ds rounded to it (i1 flag */   \
+  /* 1), out2 dweight (N) (i1 flag 2), out3 dbias (N) (i1 flag 4); n_out is always 4. */  \
+  X(RESIDUAL_LAYER_NORM_BACKWARD, "residual_layer_norm_backward")                         \
+  /* in0 A (M, K), in1 B (K, N) (2-d, any strides), in2 z (M, N) (unit column stride) -> */ \
+  /* out0 (M, N) = (A@B) * gelu_tanh'(z) (unit column stride; one dtype): the gradient */  \
+  /* of a linear_gelu's pre-activation made inside the next layer's input-gradient */     \
+  /* product (cuBLASLt's DGELU epilogue on CUDA). i0 = 1 allows TF32. CUDA only; the op */ \
+  /* layer composes MATMUL + GELU_TANH_BACKWARD elsewhere. */                             \
+  X(MATMUL_DGELU, "matmul_dgelu")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -74,6 +74,15 @@ kiln_tensor *kiln__tensor_make(kiln__storage *s, int64_t offset, int ndim, const
                                const int64_t *strides, kiln_dtype dt);
 /* Releases t now whether or not a scope owns it (error paths). NULL is a no-op. */
 void kiln__discard(kiln_tensor *t);
+/* Ends the innermost scope (kiln_scope_begin) and hands r (which may be NULL) to the
+** scope around it: r survives, everything else made in the scope goes. A module's forward
+** (nn/transformer.c) runs in a scope of its own this way, so the intermediates that no
+** node saved (a norm's f32 output once cast, a residual branch once added) are freed when
+** the module returns instead of when the step's scope ends. */
+kiln_tensor *kiln__scope_return(kiln_tensor *r);
+/* Registers a reference the caller owns with the innermost scope (if any), which then
+** releases it: how a scope hands a second result to the scope around it. Returns t. */
+kiln_tensor *kiln__scope_track(kiln_tensor *t);
 
 /* ---- datasets (data: src/data/dataset.c; used by dist's sharded dataset) ---- */
 #define KILN__MAX_FIELDS 64 /* fields of a dataset (kiln_dataset_new's limit) */

@@ -198,3 +198,221 @@ kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *normalized_
   kiln_tensor *in[2] = {x, weight};
   return kiln__op_call(&op_rms_norm, 2, in, &p, NULL);
 }
+
+/* ---- residual_layer_norm: s = x + r, y = layer_norm(s) over the last dim ------------
+** A transformer block's residual add and the norm after it, for training: one
+** RESIDUAL_LAYER_NORM kernel where the device has it (CUDA), else ADD, LAYER_NORM and a
+** cast (the reference). s's dtype is promote(x, r), as the add gives it; y's is asked
+** for (y_dtype: under autocast the lower dtype the next product reads, so the f32 norm's
+** output and its cast are one write). The numbers are the unfused ops' (add, f32 norm,
+** cast): the kernel rounds as they do. The node keeps s, the weight and the (2, R) stats
+** (row 0 the mean, row 1 rstd); its rule gets y's gradient and s's (grad_outs[1], the
+** residual stream's) and gives x's (= s's total), r's (rounded to r's dtype: the cast's
+** backward), the weight's and the bias's, in one RESIDUAL_LAYER_NORM_BACKWARD. Autocast
+** class none: the op takes mixed dtypes itself. */
+typedef struct attrs_rln {
+  double eps;
+  kiln_dtype y_dtype;
+} attrs_rln;
+static const kiln__attr_field f_rln[] = {KILN__FIELD(attrs_rln, eps, KILN__A_FLOAT),
+                                         KILN__FIELD(attrs_rln, y_dtype, KILN__A_DTYPE)};
+
+static kiln_status rln_infer(kiln__op_ctx *c) {
+  const attrs_rln *p = c->attrs;
+  const char *op = "kiln_residual_layer_norm";
+  kiln_tensor *x = c->in[0], *r = c->in[1];
+  if (!kiln_dtype_is_float(x->dtype) || !kiln_dtype_is_float(r->dtype) || !kiln_dtype_is_float(p->y_dtype))
+    return kiln_set_error(KILN_ERR_DTYPE, "%s: x %s, r %s and y_dtype %s must be floating", op,
+                          kiln_dtype_name(x->dtype), kiln_dtype_name(r->dtype), kiln_dtype_name(p->y_dtype));
+  bool same = x->ndim >= 1 && x->ndim == r->ndim;
+  for (int d = 0; same && d < x->ndim; d++) same = x->shape[d] == r->shape[d];
+  if (!same)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: x %s and r %s must have one shape (at least 1 dim)", op,
+                          kiln__tshape(x), kiln__tshape(r));
+  int64_t N = x->shape[x->ndim - 1];
+  static const char *const names[] = {"x", "r", "weight", "bias"};
+  for (int i = 2; i < 4; i++) {
+    kiln_tensor *w = c->in[i];
+    if (!w) continue;
+    if (w->ndim != 1 || w->shape[0] != N)
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: %s has shape %s, expected [%lld] (x %s)", op, names[i],
+                            kiln__tshape(w), (long long)N, kiln__tshape(x));
+    if (!kiln_dtype_is_float(w->dtype))
+      return kiln_set_error(KILN_ERR_DTYPE, "%s: %s must be floating, got %s", op, names[i], kiln_dtype_name(w->dtype));
+  }
+  if (!(p->eps >= 0)) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: eps must be >= 0, got %g", op, p->eps);
+  c->n_out = 2;
+  kiln__op_meta(c, 0, x->ndim, x->shape, p->y_dtype);
+  kiln__op_meta(c, 1, x->ndim, x->shape, kiln_dtype_promote(x->dtype, r->dtype));
+  return KILN_OK;
+}
+
+/* tmp: 0 stats (2, R), 1 weight (contiguous, or NULL) */
+static kiln_status rln_forward(kiln__op_ctx *c) {
+  const attrs_rln *p = c->attrs;
+  kiln_tensor *x = c->in[0], *r = c->in[1], *y = c->out[0], *s = c->out[1];
+  const int64_t N = x->shape[x->ndim - 1], R = N ? kiln_numel(x) / N : 0;
+  kiln_device dev = kiln_device_of(x);
+  const kiln_dtype sdt = s->dtype, stdt = sdt == KILN_F64 ? KILN_F64 : KILN_F32;
+  kiln_tensor *stats = c->tmp[0] = kiln__tensor_new(2, (const int64_t[]){2, R}, stdt, dev);
+  kiln_tensor *xc = contig_nograd(x), *rc = contig_nograd(r);
+  kiln_tensor *wc = c->tmp[1] = contig_nograd(c->in[2]), *bc = contig_nograd(c->in[3]);
+  if (!stats || !xc || !rc || (c->in[2] && !wc) || (c->in[3] && !bc)) return kiln_last_error();
+  if (R * N == 0) return KILN_OK;
+  kiln__kargs a = {0};
+  a.op = KILN__K_RESIDUAL_LAYER_NORM;
+  a.in[a.n_in++] = rows_view(xc, R, N);
+  a.in[a.n_in++] = rows_view(rc, R, N);
+  if (wc) a.in[a.n_in++] = vec_view(wc, N), a.i[0] |= 1;
+  if (bc) a.in[a.n_in++] = vec_view(bc, N), a.i[0] |= 2;
+  a.out[a.n_out++] = rows_view(y, R, N);
+  a.out[a.n_out++] = rows_view(s, R, N);
+  a.out[a.n_out++] = kiln__view_of(stats);
+  a.s[0] = p->eps;
+  if (sdt == x->dtype && kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM)) return kiln__dispatch(dev, &a);
+  /* composed: s = x + r (in s's dtype), the norm in s's dtype, then y in its own */
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_tensor *xs = kiln__as_dtype_nograd(xc, sdt), *rs = kiln__as_dtype_nograd(rc, sdt);
+  kiln_tensor *ys = y->dtype == sdt ? y : kiln__tensor_new(y->ndim, y->shape, sdt, dev);
+  kiln_set_grad_enabled(prev);
+  if (!xs || !rs || !ys) return kiln_last_error();
+  kiln__kargs k = {0};
+  k.op = KILN__K_ADD;
+  k.n_in = 2;
+  k.in[0] = kiln__view_of(xs);
+  k.in[1] = kiln__view_of(rs);
+  k.s[0] = 1.0;
+  kiln_status st = kiln__run_into(s, &k);
+  if (st != KILN_OK) return st;
+  kiln__view mean = kiln__view_of(stats), rstd = mean;
+  mean.ndim = rstd.ndim = 1;
+  mean.shape[0] = rstd.shape[0] = R;
+  mean.strides[0] = rstd.strides[0] = 1;
+  rstd.data = (char *)rstd.data + R * (int64_t)kiln_dtype_size(stdt);
+  kiln__kargs l = {0};
+  l.op = KILN__K_LAYER_NORM;
+  l.in[l.n_in++] = rows_view(s, R, N);
+  if (wc) l.in[l.n_in++] = vec_view(wc, N), l.i[0] |= 1;
+  if (bc) l.in[l.n_in++] = vec_view(bc, N), l.i[0] |= 2;
+  l.out[l.n_out++] = rows_view(ys, R, N);
+  l.out[l.n_out++] = mean;
+  l.out[l.n_out++] = rstd;
+  l.s[0] = p->eps;
+  st = kiln__dispatch(dev, &l);
+  if (st != KILN_OK || ys == y) return st;
+  kiln__kargs cp = {0};
+  cp.op = KILN__K_COPY;
+  cp.n_in = 1;
+  cp.in[0] = kiln__view_of(ys);
+  return kiln__run_into(y, &cp);
+}
+
+/* saved: 0 s (an alias: the node's own output), 1 weight (contiguous, or NULL), 2 stats */
+static void rln_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln_tensor *sa = kiln__tensor_alias(c->out[1], false);
+  kiln__node_save(n, 0, sa);
+  kiln_tensor_free(sa);
+  kiln__node_save(n, 1, c->tmp[1]);
+  kiln__node_save(n, 2, c->tmp[0]);
+}
+
+static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi) {
+  kiln_tensor *s = n->saved[0], *w = n->saved[1], *stats = n->saved[2];
+  kiln_tensor *gs = n->grad_outs ? n->grad_outs[1] : NULL;
+  const int64_t N = s->shape[s->ndim - 1], R = N ? kiln_numel(s) / N : 0;
+  kiln_device dev = kiln_device_of(s);
+  const kiln_dtype sdt = s->dtype, rdt = n->in_dtype[1];
+  const bool need_r = n->needs[1], need_w = n->n_in > 2 && n->needs[2] && w, need_b = n->n_in > 3 && n->needs[3];
+  kiln_tensor *ds = kiln__tensor_new(s->ndim, s->shape, sdt, dev);
+  kiln_tensor *dr = need_r && rdt != sdt ? kiln__tensor_new(s->ndim, s->shape, rdt, dev) : NULL;
+  kiln_tensor *dw = need_w ? kiln__tensor_new(1, &N, n->in_dtype[2], dev) : NULL;
+  kiln_tensor *db = need_b ? kiln__tensor_new(1, &N, n->in_dtype[3], dev) : NULL;
+  kiln_tensor *gyc = gy ? kiln_contiguous(gy) : kiln_zeros(s->ndim, s->shape, sdt, dev);
+  kiln_tensor *gsc = gs ? kiln_contiguous(kiln__as_dtype_nograd(gs, sdt)) : NULL;
+  if (!ds || (need_r && rdt != sdt && !dr) || (need_w && !dw) || (need_b && !db) || !gyc || (gs && !gsc))
+    return kiln_last_error();
+  kiln_status st = KILN_OK;
+  if (R * N == 0) {
+    st = kiln_fill_(ds, 0);
+    if (st == KILN_OK && dr) st = kiln_fill_(dr, 0);
+    if (st == KILN_OK && dw) st = kiln_fill_(dw, 0);
+    if (st == KILN_OK && db) st = kiln_fill_(db, 0);
+  } else {
+    kiln__kargs a = {0};
+    a.op = KILN__K_RESIDUAL_LAYER_NORM_BACKWARD;
+    a.in[a.n_in++] = rows_view(s, R, N);
+    a.in[a.n_in++] = rows_view(gyc, R, N);
+    a.in[a.n_in++] = kiln__view_of(stats);
+    if (w) a.in[a.n_in++] = vec_view(w, N), a.i[0] |= 1;
+    if (gsc) a.in[a.n_in++] = rows_view(gsc, R, N), a.i[0] |= 2;
+    a.n_out = 4;
+    a.out[0] = rows_view(ds, R, N);
+    a.out[1] = dr ? rows_view(dr, R, N) : a.out[0];
+    a.out[2] = dw ? vec_view(dw, N) : vec_view(ds, N);
+    a.out[3] = db ? vec_view(db, N) : vec_view(ds, N);
+    a.i[1] = (dr ? 1 : 0) | (dw ? 2 : 0) | (db ? 4 : 0);
+    if (kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM_BACKWARD)) {
+      st = kiln__dispatch(dev, &a);
+    } else { /* composed: LAYER_NORM_BACKWARD on g in s's dtype, + gs, then r's cast */
+      kiln_tensor *gys = kiln_contiguous(kiln__as_dtype_nograd(gyc, sdt));
+      kiln_tensor *dxl = gsc ? kiln__tensor_new(s->ndim, s->shape, sdt, dev) : ds;
+      kiln_tensor *dw2 = (dw || db) ? kiln__tensor_new(1, &N, dw ? dw->dtype : sdt, dev) : NULL;
+      if (!gys || !dxl || ((dw || db) && !dw2)) return kiln_last_error();
+      kiln__view mean = kiln__view_of(stats), rstd = mean;
+      mean.ndim = rstd.ndim = 1;
+      mean.shape[0] = rstd.shape[0] = R;
+      mean.strides[0] = rstd.strides[0] = 1;
+      rstd.data = (char *)rstd.data + R * (int64_t)kiln_dtype_size(stats->dtype);
+      kiln__kargs l = {0};
+      l.op = KILN__K_LAYER_NORM_BACKWARD;
+      l.n_in = 4;
+      l.in[0] = rows_view(s, R, N);
+      l.in[1] = rows_view(gys, R, N);
+      l.in[2] = mean;
+      l.in[3] = rstd;
+      if (w) l.in[l.n_in++] = vec_view(w, N), l.i[0] |= 1;
+      l.out[l.n_out++] = rows_view(dxl, R, N);
+      if (dw2) l.out[l.n_out++] = vec_view(dw2, N);
+      if (db) l.out[l.n_out++] = vec_view(db, N);
+      st = kiln__dispatch(dev, &l);
+      if (st == KILN_OK && dw) st = kiln_copy_(dw, dw2);
+      if (st == KILN_OK && gsc) {
+        kiln__kargs k = {0};
+        k.op = KILN__K_ADD;
+        k.n_in = 2;
+        k.in[0] = kiln__view_of(dxl);
+        k.in[1] = kiln__view_of(gsc);
+        k.s[0] = 1.0;
+        st = kiln__run_into(ds, &k);
+      }
+      if (st == KILN_OK && dr) st = kiln_copy_(dr, ds);
+    }
+  }
+  if (st != KILN_OK) return st;
+  if (n->needs[0]) {
+    kiln_tensor *dx = n->in_dtype[0] == sdt ? ds : kiln__as_dtype_nograd(ds, n->in_dtype[0]);
+    if (!dx || kiln__give_grad(&gi[0], dx, gy) != KILN_OK) return kiln_last_error();
+  }
+  if (need_r && kiln__give_grad(&gi[1], dr ? dr : ds, gy) != KILN_OK) return kiln_last_error();
+  if (need_w && kiln__give_grad(&gi[2], dw, gy) != KILN_OK) return kiln_last_error();
+  if (need_b && kiln__give_grad(&gi[3], db, gy) != KILN_OK) return kiln_last_error();
+  return KILN_OK;
+}
+
+static const kiln__op op_residual_layer_norm = {
+    .name = "residual_layer_norm", .api = "kiln_residual_layer_norm", .n_in = 4, .n_out = 2,
+    .optional = (1u << 2) | (1u << 3), .amp = KILN__AMP_NONE, .n_kernels = 4,
+    .kernels = {KILN__K_RESIDUAL_LAYER_NORM, KILN__K_ADD, KILN__K_LAYER_NORM, KILN__K_COPY}, .attrs = f_rln,
+    .n_attrs = 2, .attr_size = sizeof(attrs_rln), .infer = rln_infer, .forward = rln_forward,
+    .backward = rln_backward, .n_saved = 3, .save = rln_save,
+    .expands_to = (const char *const[]){"add", "layer_norm", NULL}};
+
+kiln_tensor *kiln_residual_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                      double eps, kiln_dtype y_dtype, kiln_tensor **sum) {
+  attrs_rln p = {eps, y_dtype};
+  kiln_tensor *in[4] = {x, r, weight, bias};
+  kiln_tensor *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_residual_layer_norm, 4, in, &p, out);
+  if (sum) *sum = y ? out[1] : NULL;
+  return y;
+}

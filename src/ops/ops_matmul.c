@@ -6,14 +6,18 @@
 ** (N). Everything else — promotion of 1-d operands, broadcasting of batch dims, W^T —
 ** is done here with views (strides), never with copies.
 **
-** matmul, linear and linear_relu are ops on the one call path (op.h), in the lower
-** precision under autocast. linear_relu is linear then relu fused into one MATMUL call (a
-** ReLU epilogue); it shares linear's infer, forward and backward, and names the two ops it
-** stands for (expands_to) so that a trace can show what the user wrote.
+** matmul, linear, linear_relu and linear_gelu are ops on the one call path (op.h), in the
+** lower precision under autocast. linear_relu is linear then relu fused into one MATMUL
+** call (a ReLU epilogue); it shares linear's infer, forward and backward, and names the two
+** ops it stands for (expands_to) so that a trace can show what the user wrote.
+** linear_gelu (linear then the tanh GELU: GPT-2's MLP) shares linear's infer and rule; its
+** forward is one LINEAR_GELU kernel where the device has one, and keeps the
+** pre-activation for the backward.
 */
 #include "ops/op.h"
 
 #include <stdatomic.h>
+#include <string.h>
 
 static atomic_bool tf32_allowed; /* process-global; default off (exact f32) */
 
@@ -337,15 +341,76 @@ static kiln__view view2(const kiln_tensor *t, bool transpose) {
   return v;
 }
 
+static const kiln__op op_linear;
 static const kiln__op op_linear_relu;
+static const kiln__op op_linear_gelu;
 
 /* linear and linear_relu (for linear_relu, y = relu(z) is saved[2], and the gradient that
 ** reaches z is g where y > 0: the products below read g through that mask, so ReLU's
 ** backward costs no kernel of its own). */
+/* The peephole of GPT-2's MLP backward: a linear whose input is a linear_gelu's output,
+** and the only way gradient reaches it (kiln__grad_mask_ok), gives that node the gradient
+** of its pre-activation z directly: dz = (g W) * gelu_tanh'(z), one MATMUL_DGELU (CUDA:
+** cuBLASLt's DGELU epilogue) instead of the product then linear_gelu's GELU kernel. The
+** linear_gelu node is told by its grad_mask (set to z; the engine frees it after the
+** rule). *d gets dz in x's shape; false (nothing done) where the pattern does not hold. */
+static bool dgelu_handover(kiln__node *n, kiln_tensor *g2, kiln_tensor *W, kiln_tensor *x, kiln_tensor **d) {
+  kiln__node *m = n->next[0].node;
+  if (!m || m->op != &op_linear_gelu || !kiln__grad_mask_ok(m, n->next[0].index)) return false;
+  kiln_tensor *z = m->saved[2];
+  int64_t N = W->shape[0], K = W->shape[1], M = g2->shape[0];
+  if (!z || z->dtype != g2->dtype || kiln_numel(z) != M * K || !kiln_is_contiguous(z)) return false;
+  kiln_device dev = kiln_device_of(g2);
+  kiln_tensor *dz = kiln__tensor_new(2, (int64_t[]){M, K}, g2->dtype, dev);
+  if (!dz) return false;
+  kiln__kargs a = {0};
+  a.op = KILN__K_MATMUL_DGELU;
+  a.n_in = 3;
+  a.in[0] = kiln__view_of(g2);                                  /* (M, N) */
+  a.in[1] = view_as(W, 2, (int64_t[]){N, K}, W->strides);        /* (N, K) */
+  a.in[2] = view_as(z, 2, (int64_t[]){M, K}, (int64_t[]){K, 1}); /* (M, K) */
+  a.n_out = 1;
+  a.out[0] = kiln__view_of(dz);
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  kiln_status st;
+  if (K > 0 && N > 0 && kiln__dispatch_has(dev, &a, KILN__K_MATMUL_DGELU)) {
+    st = kiln__dispatch(dev, &a);
+  } else { /* the product, then the GELU's backward on it */
+    kiln_tensor *dh = product(view2(g2, false), NULL, W, NULL, W->dtype);
+    kiln__kargs k = {0};
+    k.op = KILN__K_GELU_TANH_BACKWARD;
+    k.n_in = 2;
+    k.in[0] = a.in[2];
+    k.in[1] = dh ? kiln__view_of(dh) : a.in[2];
+    st = dh ? kiln__run_into(dz, &k) : kiln_last_error();
+  }
+  if (st != KILN_OK) return false;
+  *d = kiln_reshape(dz, x->ndim, x->shape);
+  if (!*d) return false;
+  m->grad_mask = kiln_tensor_ref(z);
+  return true;
+}
+
 static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  if (n->op == &op_linear_gelu && !n->grad_mask) { /* grad_mask: g is already z's (dgelu_handover) */
+    /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
+    ** linear's products below on it, unmasked */
+    kiln_tensor *z = n->saved[2];
+    kiln_tensor *dz = kiln__tensor_new(z->ndim, z->shape, z->dtype, kiln_device_of(z));
+    kiln_tensor *gc = g ? kiln_contiguous(g) : NULL;
+    if (!dz || !gc) return kiln_last_error();
+    kiln__kargs k = {0};
+    k.op = KILN__K_GELU_TANH_BACKWARD;
+    k.n_in = 2;
+    k.in[0] = kiln__view_of(z);
+    k.in[1] = kiln__view_of(gc);
+    if (kiln__run_into(dz, &k) != KILN_OK) return kiln_last_error();
+    g = dz;
+  }
   /* the mask of the gradient: linear_relu's output, or a following ReLU's input handed
   ** over by that ReLU's rule (KILN__OP_GRAD_MASK); either is > 0 where ReLU passed it */
-  kiln_tensor *x = n->saved[0], *W = n->saved[1], *y = n->op == &op_linear_relu ? n->saved[2] : n->grad_mask;
+  kiln_tensor *x = n->saved[0], *W = n->saved[1];
+  kiln_tensor *y = n->op == &op_linear_relu ? n->saved[2] : n->op == &op_linear_gelu ? NULL : n->grad_mask;
   int64_t N = W->shape[0], K = W->shape[1];
   int64_t M = 1; /* rows of the flattened problem: prod(leading dims of x) */
   for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
@@ -356,8 +421,11 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
   kiln__view mT, m;
   if (y2) mT = view2(y2, true), m = view2(y2, false);
   if (n->needs[0]) {
-    kiln_tensor *d = product(view2(g2, false), y2 ? &m : NULL, W, NULL, W->dtype); /* (M, N) @ (N, K) */
-    if (d) d = kiln_reshape(d, x->ndim, x->shape);
+    kiln_tensor *d = NULL;
+    if (y2 || n->op != &op_linear || !dgelu_handover(n, g2, W, x, &d)) {
+      d = product(view2(g2, false), y2 ? &m : NULL, W, NULL, W->dtype); /* (M, N) @ (N, K) */
+      if (d) d = kiln_reshape(d, x->ndim, x->shape);
+    }
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
@@ -438,6 +506,66 @@ static void linear_save(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 0, c->in[0]);
   kiln__node_save(n, 1, c->in[1]);
   if (c->op == &op_linear_relu) kiln__node_save_output(n, 2);
+  if (c->op == &op_linear_gelu) kiln__node_save(n, 2, c->tmp[0]); /* z, the pre-activation */
+}
+
+/* linear_gelu: z = x W^T + b, y = gelu_tanh(z) (GPT-2's c_fc and its GELU). z is made
+** here (tmp[0]) and saved for the backward, which is g gelu_tanh'(z) then linear's rule:
+** the unfused pair saves the same two tensors (linear its input, GELU z). Where the
+** device has LINEAR_GELU for a 2-d problem, one call writes y and z (CUDA: a cuBLASLt
+** epilogue, no pass over memory for the bias or the GELU); elsewhere, the CPU included,
+** MATMUL into z and GELU_TANH from z to y, the reference the fused kernel is tested
+** against. */
+static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0], *weight = c->in[1], *bias = c->in[2], *y = c->out[0];
+  kiln_device dev = c->device;
+  kiln_tensor *z = c->tmp[0] = kiln__tensor_new(y->ndim, y->shape, y->dtype, dev);
+  if (!z) return kiln_last_error();
+  int64_t N = weight->shape[0], K = weight->shape[1];
+  int64_t M = 1;
+  for (int d = 0; d < x->ndim - 1; d++) M *= x->shape[d];
+  if (M * N == 0) return KILN_OK;
+  int64_t mst = 0;
+  int64_t wsh[2] = {K, N}, wst[2] = {weight->strides[1], weight->strides[0]};
+  int64_t csh[2] = {M, N}, cst[2] = {N, 1};
+  kiln__view A, B = view_as(weight, 2, wsh, wst), Y = view_as(y, 2, csh, cst), Z = view_as(z, 2, csh, cst);
+  if (x->ndim == 1 || leading_mergeable(x, &mst)) {
+    if (x->ndim == 1) mst = 0;
+    int64_t xsh[2] = {M, K}, xst[2] = {mst, x->strides[x->ndim - 1]};
+    A = view_as(x, 2, xsh, xst);
+  } else { /* leading dims that do not merge: a contiguous copy (no node: this op's covers it) */
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor *xc = kiln_contiguous(x);
+    kiln_set_grad_enabled(prev);
+    if (!xc) return kiln_last_error();
+    int64_t xsh[2] = {M, K}, xst[2] = {K, 1};
+    A = view_as(xc, 2, xsh, xst);
+  }
+  kiln__kargs a = {0};
+  a.op = KILN__K_LINEAR_GELU;
+  a.n_in = bias ? 3 : 2;
+  a.in[0] = A;
+  a.in[1] = B;
+  if (bias) a.in[2] = kiln__view_of(bias);
+  a.n_out = 2;
+  a.out[0] = Y;
+  a.out[1] = Z;
+  a.i[0] = kiln_matmul_tf32() ? 1 : 0;
+  /* KILN_LINEAR_GELU=0 always composes (an A/B switch for the benchmarks) */
+  static int off = -1;
+  if (off < 0) {
+    const char *e = kiln__getenv("KILN_LINEAR_GELU");
+    off = e && !strcmp(e, "0");
+  }
+  if (!off && K > 0 && kiln__dispatch_has(dev, &a, KILN__K_LINEAR_GELU)) return kiln__dispatch(dev, &a);
+  kiln_status st = run_matmul(dev, A, B, Z, bias, false);
+  if (st != KILN_OK) return st;
+  kiln__kargs g = {0};
+  g.op = KILN__K_GELU_TANH;
+  g.n_in = g.n_out = 1;
+  g.in[0] = Z;
+  g.out[0] = Y;
+  return kiln__dispatch(dev, &g);
 }
 
 /* Kernels: MATMUL; COPY / FILL for the bias or zeros when K is 0 (and RELU then). */
@@ -454,6 +582,15 @@ static const kiln__op op_linear_relu = {
     .forward = linear_forward, .backward = linear_backward, .n_saved = 3, .save = linear_save,
     .expands_to = (const char *const[]){"linear", "relu", NULL}};
 
+/* Kernels: LINEAR_GELU where the device has it; else MATMUL (COPY / FILL when K is 0)
+** and GELU_TANH. */
+static const kiln__op op_linear_gelu = {
+    .name = "linear_gelu", .api = "kiln_linear_gelu", .n_in = 3, .n_out = 1, .optional = 1u << 2,
+    .amp = KILN__AMP_LOWER, .n_kernels = 4,
+    .kernels = {KILN__K_LINEAR_GELU, KILN__K_MATMUL, KILN__K_GELU_TANH, KILN__K_FILL}, .infer = linear_infer,
+    .forward = linear_gelu_forward, .backward = linear_backward, .n_saved = 3, .save = linear_save,
+    .expands_to = (const char *const[]){"linear", "gelu_tanh", NULL}};
+
 kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
   kiln_tensor *in[3] = {x, weight, bias};
   return kiln__op_call(&op_linear, 3, in, NULL, NULL);
@@ -462,4 +599,9 @@ kiln_tensor *kiln_linear(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias)
 kiln_tensor *kiln_linear_relu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
   kiln_tensor *in[3] = {x, weight, bias};
   return kiln__op_call(&op_linear_relu, 3, in, NULL, NULL);
+}
+
+kiln_tensor *kiln_linear_gelu(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias) {
+  kiln_tensor *in[3] = {x, weight, bias};
+  return kiln__op_call(&op_linear_gelu, 3, in, NULL, NULL);
 }

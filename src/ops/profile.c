@@ -126,13 +126,14 @@ static double flops_of(const kiln__op_event *e) {
   double out = (double)kiln_numel(e->out[0]);
   kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
   double in0 = a ? (double)kiln_numel(a) : 0;
-  if (!strcmp(n, "matmul") || !strcmp(n, "linear") || !strcmp(n, "linear_relu")) {
-    /* (..., M, K) x (K, N): 2*M*N*K multiply-adds per batch; a bias adds M*N, a relu M*N */
+  if (!strcmp(n, "matmul") || !strcmp(n, "linear") || !strcmp(n, "linear_relu") || !strcmp(n, "linear_gelu")) {
+    /* (..., M, K) x (K, N): 2*M*N*K multiply-adds per batch; a bias adds M*N, a relu M*N
+    ** (a GELU counted the same: the figure is the product's) */
     if (!a || a->ndim < 1) return 0;
     double k = (double)a->shape[a->ndim - 1];
     double f = 2.0 * out * k;
     if (strcmp(n, "matmul") != 0 && e->n_in > 2 && e->in[2]) f += out;
-    if (!strcmp(n, "linear_relu")) f += out;
+    if (!strcmp(n, "linear_relu") || !strcmp(n, "linear_gelu")) f += out;
     return f;
   }
   /* Convolutions, 2*N*K*(C/G)*R*S*P*Q, from the operands' shapes whatever the layout (the

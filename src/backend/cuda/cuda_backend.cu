@@ -464,7 +464,9 @@ static void cuda_free(int device, void *p, size_t n) { kiln__cuda_free(device, p
 static constexpr bool kc_is_transformer(kiln__kop op) {
   return op == KILN__K_LAYER_NORM || op == KILN__K_LAYER_NORM_BACKWARD ||
          op == KILN__K_ATTENTION || op == KILN__K_ATTENTION_BACKWARD || op == KILN__K_CUMSUM ||
-         op == KILN__K_TRIL || op == KILN__K_TOPK || op == KILN__K_MULTINOMIAL;
+         op == KILN__K_TRIL || op == KILN__K_TOPK || op == KILN__K_MULTINOMIAL ||
+         op == KILN__K_LINEAR_GELU || op == KILN__K_RESIDUAL_LAYER_NORM ||
+         op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD || op == KILN__K_MATMUL_DGELU;
 }
 
 /* Decoding with a KV cache (cuda_kv.cu, issue 16's generation). */

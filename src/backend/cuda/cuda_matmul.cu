@@ -189,6 +189,13 @@ void lt_plan_destroy(LtPlan *p) {
   memset(p, 0, sizeof *p);
 }
 
+/* Whether an epilogue has the auxiliary matrix: LINEAR_GELU writes its pre-activation
+** there, MATMUL_DGELU reads it. */
+bool epi_has_aux(cublasLtEpilogue_t epi) {
+  return epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+         epi == CUBLASLT_EPILOGUE_DGELU;
+}
+
 /* Builds the plan in place; p->ok false when cuBLASLt has no algorithm for it. */
 void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
   cublasLtHandle_t lt = (cublasLtHandle_t)d->blaslt;
@@ -205,6 +212,12 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
       cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ||
       cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &nullbias, sizeof nullbias))
     return;
+  if (epi_has_aux(epi)) { /* the pre-activation, laid out as C (the pointer is set per call) */
+    int64_t ld = p->ldc;
+    if (cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld) ||
+        cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &nullbias, sizeof nullbias))
+      return;
+  }
   if (cublasLtMatrixLayoutCreate(&p->la, p->data, p->opB == CUBLAS_OP_N ? p->N : p->K,
                                  p->opB == CUBLAS_OP_N ? p->K : p->N, p->ldb) ||
       cublasLtMatrixLayoutCreate(&p->lb, p->data, p->opA == CUBLAS_OP_N ? p->K : p->M,
@@ -225,13 +238,14 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
 
 /* One 2-D product with an epilogue: BIAS adds the vector at bias to every row of kiln's C;
 ** BGRADB writes the sums of kiln's A's rows there (cuBLAS's B is kiln's A, and BGRADB
-** reduces B over the GEMM's k). Returns KILN_OK when done, KILN_ERR_UNSUPPORTED (without
+** reduces B over the GEMM's k); GELU_AUX(_BIAS) writes gelu_tanh(A@B (+ bias)) to C and
+** the pre-activation to aux (C's layout and ld). Returns KILN_OK when done, KILN_ERR_UNSUPPORTED (without
 ** setting the last error) when cuBLASLt has no algorithm: then the caller does it itself. */
 kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &t, cudaDataType_t cdata,
                     cublasOperation_t opB,
                     cublasOperation_t opA, int64_t M, int64_t N, int64_t K, const void *B,
                     int64_t ldb, const void *A, int64_t lda, void *C, int64_t ldc,
-                    const void *bias, float alpha, float beta) {
+                    const void *bias, float alpha, float beta, void *aux = NULL) {
   int dev = 0;
   cudaGetDevice(&dev);
   pthread_mutex_lock(&lt_lock);
@@ -262,7 +276,10 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
   kiln_status st = KILN_ERR_UNSUPPORTED;
   if (p->ok &&
       cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
-          CUBLAS_STATUS_SUCCESS) {
+          CUBLAS_STATUS_SUCCESS &&
+      (!epi_has_aux(epi) ||
+       cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux) ==
+           CUBLAS_STATUS_SUCCESS)) {
     cublasStatus_t s = cublasLtMatmul((cublasLtHandle_t)d->blaslt, p->op, &alpha, B, p->la, A, p->lb,
                                       &beta, C, p->lc, C, p->lc, &p->algo, d->workspace,
                                       d->workspace_size, d->stream);
@@ -534,4 +551,167 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
             opB == CUBLAS_OP_T ? 'T' : 'N');
   }
   return launch_row_sums(d, &A, &a->out[1]);
+}
+
+/* ---- LINEAR_GELU: y = gelu_tanh(A@B + bias), z = A@B + bias (backend.h) ----------------
+** One cuBLASLt call with the GELU_AUX(_BIAS) epilogue: the GEMM's f32 result (+ bias)
+** goes to aux rounded to the dtype, and its GELU to C, so neither the bias add nor the
+** GELU is a pass over memory of its own (GPT-2's c_fc: (16384, 3072) twice). cuBLASLt's
+** GELU is the tanh form (PyTorch's _addmm_activation relies on the same), which GPT-2
+** uses; the f32 case of tests/test_cuda_gptfuse.c tells it from the erf form. Where the
+** epilogue cannot run (operands cuBLAS does not take as they are, rows off 16 bytes,
+** no algorithm) the product goes through kiln__cuda_matmul into z and a GELU_TANH kernel
+** reads z: the same contract, two passes. Kept apart from kiln__cuda_matmul so that the
+** MATMUL path stays as it is. */
+extern "C" bool kiln__cuda_linear_gelu_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->out[0].dtype;
+  if (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16) return false;
+  if (a->n_in < 2 || a->n_in > 3 || a->n_out != 2) return false;
+  if (a->in[0].dtype != dt || a->in[1].dtype != dt || a->out[1].dtype != dt) return false;
+  if (a->n_in == 3 && (a->in[2].dtype != dt || a->in[2].ndim != 1)) return false;
+  return a->in[0].ndim == 2 && a->in[1].ndim == 2 && a->out[0].ndim == 2 && a->out[1].ndim == 2;
+}
+
+extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_linear_gelu_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_linear_gelu: dtypes %s @ %s -> %s not supported on cuda",
+                          kiln_dtype_name(a->in[0].dtype), kiln_dtype_name(a->in[1].dtype),
+                          kiln_dtype_name(a->out[0].dtype));
+  const kiln__view &A = a->in[0], &B = a->in[1], &Y = a->out[0], &Z = a->out[1];
+  const int64_t M = A.shape[0], K = A.shape[1], N = B.shape[1];
+  if (B.shape[0] != K || Y.shape[0] != M || Y.shape[1] != N || Z.shape[0] != M || Z.shape[1] != N ||
+      (a->n_in == 3 && a->in[2].shape[0] != N))
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_linear_gelu: (%lld x %lld) @ (%lld x %lld) -> (%lld x %lld)",
+                          (long long)M, (long long)K, (long long)B.shape[0], (long long)N,
+                          (long long)Y.shape[0], (long long)Y.shape[1]);
+  if (M == 0 || N == 0) return KILN_OK;
+  const bool has_bias = a->n_in == 3;
+  const size_t es = kc_size(Y.dtype);
+  Mat ma, mb, my, mz;
+  /* the epilogue where cuBLASLt takes the operands as they are: A and B describable, Y
+  ** and Z row-major with one ld (the plan's C and aux), 16-byte rows and base pointers */
+  bool fused = K > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX &&
+               describe(M, K, A.strides[0], A.strides[1], &ma) && describe(K, N, B.strides[0], B.strides[1], &mb) &&
+               describe(M, N, Y.strides[0], Y.strides[1], &my) && !my.trans &&
+               describe(M, N, Z.strides[0], Z.strides[1], &mz) && !mz.trans && my.ld == mz.ld &&
+               (!has_bias || a->in[2].strides[0] == 1 || N == 1);
+  if (fused) {
+    const int64_t al = (int64_t)(16 / es);
+    const void *ptrs[5] = {A.data, B.data, Y.data, Z.data, has_bias ? a->in[2].data : NULL};
+    for (int i = 0; i < 5; i++) fused = fused && ((uintptr_t)ptrs[i] % 16) == 0;
+    fused = fused && ma.ld % al == 0 && mb.ld % al == 0 && my.ld % al == 0;
+  }
+  if (fused) {
+    KC_TRY(handles(a->device, d));
+    KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
+    Types t;
+    types_of(Y.dtype, a->i[0] == 1, &t);
+    kiln_status s = lt_epilogue(d, has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, t,
+                                mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N, ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N,
+                                K, B.data, mb.ld, A.data, ma.ld, Y.data, my.ld,
+                                has_bias ? a->in[2].data : NULL, 1.0f, 0.0f, Z.data);
+    if (s != KILN_ERR_UNSUPPORTED) return s;
+  }
+  kiln__kargs m = {};
+  m.op = KILN__K_MATMUL;
+  m.device = a->device;
+  m.n_in = has_bias ? 3 : 2;
+  m.in[0] = A;
+  m.in[1] = B;
+  if (has_bias) m.in[2] = a->in[2];
+  m.n_out = 1;
+  m.out[0] = Z;
+  m.s[0] = 1.0;
+  m.i[0] = a->i[0];
+  KC_TRY(kiln__cuda_matmul(&m));
+  kiln__kargs g = {};
+  g.op = KILN__K_GELU_TANH;
+  g.device = a->device;
+  g.n_in = g.n_out = 1;
+  g.in[0] = Z;
+  g.out[0] = Y;
+  return kiln__cuda_elementwise(&g);
+}
+
+/* ---- MATMUL_DGELU: dz = (A@B) * gelu_tanh'(z) (backend.h) ------------------------------
+** GPT-2's MLP backward: the c_proj input gradient dh = g W2 (16384, 3072) and the GELU's
+** backward on it in one cuBLASLt call (DGELU epilogue, z as aux): no dh tensor written and
+** read again. The product is not rounded to the dtype before the GELU's derivative
+** multiplies it (the composed path rounds it once more). Where cuBLASLt cannot take the
+** operands (or has no algorithm) kiln__cuda_matmul into a temporary and a
+** GELU_TANH_BACKWARD kernel: the contract, two passes. */
+extern "C" bool kiln__cuda_matmul_dgelu_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->out[0].dtype;
+  if (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16) return false;
+  if (a->n_in != 3 || a->n_out != 1) return false;
+  for (int i = 0; i < 3; i++)
+    if (a->in[i].dtype != dt || a->in[i].ndim != 2) return false;
+  return a->out[0].ndim == 2;
+}
+
+extern "C" kiln_status kiln__cuda_matmul_dgelu(const kiln__kargs *a) {
+  kiln__cuda_dev *d;
+  KC_TRY(kiln__cuda_ctx(a->device, &d));
+  if (!kiln__cuda_matmul_dgelu_supports(a))
+    return kiln_set_error(KILN_ERR_DTYPE, "kiln_matmul_dgelu: dtypes %s @ %s -> %s not supported on cuda",
+                          kiln_dtype_name(a->in[0].dtype), kiln_dtype_name(a->in[1].dtype),
+                          kiln_dtype_name(a->out[0].dtype));
+  const kiln__view &A = a->in[0], &B = a->in[1], &Z = a->in[2], &O = a->out[0];
+  const int64_t M = A.shape[0], K = A.shape[1], N = B.shape[1];
+  if (B.shape[0] != K || O.shape[0] != M || O.shape[1] != N || Z.shape[0] != M || Z.shape[1] != N)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul_dgelu: (%lld x %lld) @ (%lld x %lld) with z (%lld x %lld)",
+                          (long long)M, (long long)K, (long long)B.shape[0], (long long)N, (long long)Z.shape[0],
+                          (long long)Z.shape[1]);
+  if (M == 0 || N == 0) return KILN_OK;
+  const size_t es = kc_size(O.dtype);
+  Mat ma, mb, mo, mz;
+  bool fused = K > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX &&
+               describe(M, K, A.strides[0], A.strides[1], &ma) && describe(K, N, B.strides[0], B.strides[1], &mb) &&
+               describe(M, N, O.strides[0], O.strides[1], &mo) && !mo.trans &&
+               describe(M, N, Z.strides[0], Z.strides[1], &mz) && !mz.trans && mo.ld == mz.ld;
+  if (fused) {
+    const int64_t al = (int64_t)(16 / es);
+    const void *ptrs[4] = {A.data, B.data, O.data, Z.data};
+    for (int i = 0; i < 4; i++) fused = fused && ((uintptr_t)ptrs[i] % 16) == 0;
+    fused = fused && ma.ld % al == 0 && mb.ld % al == 0 && mo.ld % al == 0;
+  }
+  if (fused) {
+    KC_TRY(handles(a->device, d));
+    KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
+    Types t;
+    types_of(O.dtype, a->i[0] == 1, &t);
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_DGELU, t, mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N, K, B.data, mb.ld, A.data, ma.ld, O.data,
+                                mo.ld, NULL, 1.0f, 0.0f, (void *)Z.data);
+    if (s != KILN_ERR_UNSUPPORTED) return s;
+  }
+  /* composed: dh = A@B into a temporary (contiguous (M, N)), then dz = gelu'(z) dh */
+  void *tmp = kiln__cuda_alloc(a->device, (size_t)(M * N) * es);
+  if (!tmp) return kiln_last_error();
+  kiln__kargs m = {};
+  m.op = KILN__K_MATMUL;
+  m.device = a->device;
+  m.n_in = 2;
+  m.in[0] = A;
+  m.in[1] = B;
+  m.n_out = 1;
+  m.out[0] = contiguous_like(&O, tmp);
+  m.s[0] = 1.0;
+  m.i[0] = a->i[0];
+  kiln_status st = kiln__cuda_matmul(&m);
+  if (st == KILN_OK) {
+    kiln__kargs g = {};
+    g.op = KILN__K_GELU_TANH_BACKWARD;
+    g.device = a->device;
+    g.n_in = 2;
+    g.n_out = 1;
+    g.in[0] = Z;
+    g.in[1] = m.out[0];
+    g.out[0] = O;
+    st = kiln__cuda_elementwise(&g);
+  }
+  kiln__cuda_free(a->device, tmp, 0); /* stream-ordered reuse */
+  return st;
 }

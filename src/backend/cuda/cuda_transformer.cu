@@ -1,7 +1,9 @@
 /*
 ** CUDA kernels for the transformer ops (contracts: backend.h; CPU references:
 ** cpu/cpu_transformer.c and cpu/cpu_scan.c): the fused layer and RMS norms forward and
-** backward, cumsum, tril/triu, topk and multinomial. Attention is in cuda_attention.cu.
+** backward, the residual add fused with a layer norm (training), cumsum, tril/triu, topk
+** and multinomial. Attention is in cuda_attention.cu,
+** LINEAR_GELU and MATMUL_DGELU (claimed here, cuBLASLt epilogues) in cuda_matmul.cu.
 **
 ** Determinism (DESIGN.md: same seed, same numbers): no kernel here uses atomics. The
 ** norm's parameter gradients are reduced in two stages, each a fixed order: stage 1 gives
@@ -23,6 +25,10 @@
 
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a); /* cuda_attention.cu */
 extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a); /* cuda_matmul.cu */
+extern "C" bool kiln__cuda_linear_gelu_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_matmul_dgelu(const kiln__kargs *a); /* cuda_matmul.cu */
+extern "C" bool kiln__cuda_matmul_dgelu_supports(const kiln__kargs *a);
 
 namespace {
 
@@ -275,6 +281,342 @@ kiln_status layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (p.R > (int64_t)INT32_MAX * 8)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: %lld rows is too many", kiln__kop_name(a->op), (long long)p.R);
   KC_SWITCH_FLOAT(x->dtype, T, return dtype_error(a, x->dtype), return ln_run<T>(d, a, p))
+  return KILN_OK;
+}
+
+/* ================================================================ residual add + layer norm */
+/* RESIDUAL_LAYER_NORM(_BACKWARD) (backend.h): a transformer block's residual add and the
+** layer norm after it in one pass, forward and backward, the way the unfused ops compute
+** them: s = x + r in x's arithmetic (r converted exactly), the statistics as ln_fwd's
+** (two passes, A = wide_acc), y rounded to x's dtype then to y's (the f32 norm, then the
+** cast autocast's product makes), and in the backward ln_bwd_dx's formula on g read in
+** its own dtype, rounded to s's dtype, plus the gradient gs that reached s elsewhere (the
+** engine's accumulation), then rounded to r's dtype (the cast's backward). Under bf16
+** autocast the unfused pair moved about 400 MB a norm of GPT-2 at B=16, T=1024 forward
+** (r's cast to f32, the add, the norm's f32 output, its cast to bf16); this moves 150.
+** One warp a row (GPT rows: 768 wide); column stride 1, row strides free; r, y, g and dr
+** in any float dtype (read and written through ld_any / st_any: warp-uniform switches). */
+struct RlnArgs {
+  int64_t R, N;
+  int64_t xs0, rs0, ys0, ss0, gs0, gss0, dss0, drs0;
+  int rdt, ydt, gdt, drdt;
+  const void *r, *g;
+  void *y, *dr;
+  Vec w, b, mean, rstd;
+  bool has_w, has_b, has_gs, want_dr;
+  double eps;
+};
+
+template <class T, class A>
+__global__ void __launch_bounds__(KC_THREADS) rln_fwd(const T *x, T *s, RlnArgs p) {
+  typedef typename kc_traits<T>::acc S; /* the add's arithmetic: the ADD kernel's */
+  int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const T *xr = x + row * p.xs0;
+  T *sr = s + row * p.ss0;
+  A mean = 0, var = 0;
+  for (int64_t j = lane; j < p.N; j += 32) { /* each lane rereads only what it wrote */
+    T sv = kc_st<T>(kc_ld<T>(xr[j]) + ld_any<S>(p.r, p.rdt, row * p.rs0 + j));
+    sr[j] = sv;
+    mean += (A)kc_ld<T>(sv);
+  }
+  mean = warp_sum(mean) / (A)p.N;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A dv = (A)kc_ld<T>(sr[j]) - mean;
+    var += dv * dv;
+  }
+  var = warp_sum(var) / (A)p.N;
+  A rstd = (A)1 / sqrt(var + (A)p.eps);
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A v = ((A)kc_ld<T>(sr[j]) - mean) * rstd;
+    if (p.has_w) v *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    if (p.has_b) v += ld_any<A>(p.b.p, p.b.dt, j * p.b.st);
+    st_any<A>(p.y, p.ydt, row * p.ys0 + j, (A)kc_ld<T>(kc_st<T>(v)));
+  }
+  if (lane == 0) {
+    st_any<A>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
+    st_any<A>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+  }
+}
+
+template <class T, class A>
+__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds(const T *s, const T *gs, T *ds, RlnArgs p) {
+  int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const T *sr = s + row * p.ss0;
+  A mean = ld_any<A>(p.mean.p, p.mean.dt, row * p.mean.st);
+  A rstd = ld_any<A>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+  A sg = 0, sgx = 0;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A xh = ((A)kc_ld<T>(sr[j]) - mean) * rstd;
+    A gw = ld_any<A>(p.g, p.gdt, row * p.gs0 + j);
+    if (p.has_w) gw *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    sg += gw;
+    sgx += gw * xh;
+  }
+  sg = warp_sum(sg) / (A)p.N;
+  sgx = warp_sum(sgx) / (A)p.N;
+  T *dr = ds + row * p.dss0;
+  for (int64_t j = lane; j < p.N; j += 32) {
+    A xh = ((A)kc_ld<T>(sr[j]) - mean) * rstd;
+    A gw = ld_any<A>(p.g, p.gdt, row * p.gs0 + j);
+    if (p.has_w) gw *= ld_any<A>(p.w.p, p.w.dt, j * p.w.st);
+    T dv = kc_st<T>(rstd * (gw - sg - xh * sgx));
+    if (p.has_gs) dv = kc_st<T>(kc_ld<T>(dv) + kc_ld<T>(gs[row * p.gss0 + j]));
+    dr[j] = dv;
+    if (p.want_dr) st_any<A>(p.dr, p.drdt, row * p.drs0 + j, (A)kc_ld<T>(dv));
+  }
+}
+
+/* Stage 1 of the weight and bias gradients, as ln_bwd_wpart with g in its own dtype. */
+template <class T, class A>
+__global__ void rln_bwd_wpart(const T *s, A *part, int64_t chunk, int64_t chunks, RlnArgs p) {
+  __shared__ A sw[8][33], sb[8][33];
+  int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  int64_t c = blockIdx.y;
+  int64_t r0 = c * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  A aw = 0, ab = 0;
+  if (j < p.N) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      A mean = ld_any<A>(p.mean.p, p.mean.dt, r * p.mean.st);
+      A rstd = ld_any<A>(p.rstd.p, p.rstd.dt, r * p.rstd.st);
+      A gv = ld_any<A>(p.g, p.gdt, r * p.gs0 + j);
+      aw += gv * ((A)kc_ld<T>(s[r * p.ss0 + j]) - mean) * rstd;
+      ab += gv;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < p.N) {
+    for (int t = 1; t < 8; t++) aw += sw[t][threadIdx.x], ab += sb[t][threadIdx.x];
+    part[c * p.N + j] = aw;
+    part[(chunks + c) * p.N + j] = ab;
+  }
+}
+
+/* The GPT case under bf16 autocast (x, s, gs f32; r, y, g, dr bf16; N <= 32 * RLN_V):
+** the same arithmetic as rln_fwd / rln_bwd_ds (f32 add, f64 statistics, the same
+** roundings), with the row's values held in registers: each lane loads its RLN_V
+** elements once, back to back, where the general kernels walk the row three times
+** through runtime-typed loads (135 us a call at GPT-2's sizes in the 18:40 profile, 1.1
+** TB/s: latency, not bandwidth). */
+#define RLN_V 32
+__global__ void __launch_bounds__(KC_THREADS) rln_fwd_fast(const float *x, float *s, RlnArgs p) {
+  int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const float *xr = x + row * p.xs0;
+  const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+  float *sr = s + row * p.ss0;
+  float v[RLN_V];
+  double mean = 0, var = 0;
+#pragma unroll
+  for (int k = 0; k < RLN_V; k++) {
+    int64_t j = lane + 32 * k;
+    v[k] = 0.0f;
+    if (j < p.N) {
+      v[k] = xr[j] + __bfloat162float(rr[j]);
+      sr[j] = v[k];
+      mean += (double)v[k];
+    }
+  }
+  mean = warp_sum(mean) / (double)p.N;
+#pragma unroll
+  for (int k = 0; k < RLN_V; k++) {
+    if (lane + 32 * k < p.N) {
+      double dv = (double)v[k] - mean;
+      var += dv * dv;
+    }
+  }
+  var = warp_sum(var) / (double)p.N;
+  double rstd = 1.0 / sqrt(var + p.eps);
+  __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
+#pragma unroll
+  for (int k = 0; k < RLN_V; k++) {
+    int64_t j = lane + 32 * k;
+    if (j < p.N) {
+      double t = ((double)v[k] - mean) * rstd;
+      if (p.has_w) t *= ld_any<double>(p.w.p, p.w.dt, j * p.w.st);
+      if (p.has_b) t += ld_any<double>(p.b.p, p.b.dt, j * p.b.st);
+      yr[j] = __float2bfloat16_rn((float)t);
+    }
+  }
+  if (lane == 0) {
+    st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
+    st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+  }
+}
+
+__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, const float *gs, float *ds, RlnArgs p) {
+  int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const float *sr = s + row * p.ss0;
+  const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
+  double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
+  double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+  float sv[RLN_V];
+  double gw[RLN_V];
+  double sg = 0, sgx = 0;
+#pragma unroll
+  for (int k = 0; k < RLN_V; k++) {
+    int64_t j = lane + 32 * k;
+    sv[k] = 0.0f, gw[k] = 0.0;
+    if (j < p.N) {
+      sv[k] = sr[j];
+      gw[k] = (double)__bfloat162float(gr[j]);
+      if (p.has_w) gw[k] *= ld_any<double>(p.w.p, p.w.dt, j * p.w.st);
+      double xh = ((double)sv[k] - mean) * rstd;
+      sg += gw[k];
+      sgx += gw[k] * xh;
+    }
+  }
+  sg = warp_sum(sg) / (double)p.N;
+  sgx = warp_sum(sgx) / (double)p.N;
+  float *dsr = ds + row * p.dss0;
+  __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
+#pragma unroll
+  for (int k = 0; k < RLN_V; k++) {
+    int64_t j = lane + 32 * k;
+    if (j < p.N) {
+      double xh = ((double)sv[k] - mean) * rstd;
+      float dv = (float)(rstd * (gw[k] - sg - xh * sgx));
+      if (p.has_gs) dv = dv + gs[row * p.gss0 + j];
+      dsr[j] = dv;
+      if (drr) drr[j] = __float2bfloat16_rn(dv);
+    }
+  }
+}
+
+/* Whether the fast kernels above take a: f32 x/s, bf16 r/y (forward), bf16 g/dr (dr when
+** wanted), f32 stats, N <= 32 * RLN_V. */
+bool rln_fast(const kiln__kargs *a) {
+  if (a->in[0].dtype != KILN_F32 || a->in[1].dtype != KILN_BF16 || a->in[0].shape[1] > 32 * RLN_V) return false;
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM) return a->out[0].dtype == KILN_BF16;
+  return !(a->i[1] & 1) || a->out[1].dtype == KILN_BF16;
+}
+
+bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 || v.shape[1] <= 1); }
+
+bool rln_supports(const kiln__kargs *a) {
+  kiln_dtype dt = a->in[0].dtype, st = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+  if (!kc_is_float(dt) || !kc_is_float(a->in[1].dtype) || !unit_cols(a->in[0]) || !unit_cols(a->in[1])) return false;
+  const int64_t R = a->in[0].shape[0], N = a->in[0].shape[1];
+  if (a->in[1].shape[0] != R || a->in[1].shape[1] != N) return false;
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
+    int nv = 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0);
+    if (a->n_in != nv || a->n_out != 3) return false;
+    for (int i = 2; i < nv; i++)
+      if (!kc_is_float(a->in[i].dtype) || a->in[i].ndim != 1 || a->in[i].shape[0] != N) return false;
+    return kc_is_float(a->out[0].dtype) && unit_cols(a->out[0]) && a->out[1].dtype == dt && unit_cols(a->out[1]) &&
+           a->out[2].dtype == st && a->out[2].ndim == 2 && a->out[2].shape[0] == 2 && a->out[2].shape[1] == R;
+  }
+  int nv = 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0);
+  if (a->n_in != nv || a->n_out != 4) return false;
+  const kiln__view &stats = a->in[2];
+  if (stats.dtype != st || stats.ndim != 2 || stats.shape[0] != 2 || stats.shape[1] != R) return false;
+  if ((a->i[0] & 1) && (!kc_is_float(a->in[3].dtype) || a->in[3].ndim != 1 || a->in[3].shape[0] != N)) return false;
+  if (a->i[0] & 2) {
+    const kiln__view &gs = a->in[nv - 1];
+    if (gs.dtype != dt || !unit_cols(gs) || gs.shape[0] != R || gs.shape[1] != N) return false;
+  }
+  if (a->out[0].dtype != dt || !unit_cols(a->out[0])) return false;
+  if ((a->i[1] & 1) && (!kc_is_float(a->out[1].dtype) || !unit_cols(a->out[1]))) return false;
+  for (int k = 2; k < 4; k++)
+    if ((a->i[1] & (1 << (k - 1))) && (!kc_is_float(a->out[k].dtype) || a->out[k].ndim != 1 || a->out[k].shape[0] != N))
+      return false;
+  return true;
+}
+
+template <class T>
+kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
+  typedef typename wide_acc<T>::type A;
+  unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
+  const bool fast = rln_fast(a);
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
+    if (fast)
+      rln_fwd_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p);
+    else
+      rln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[1].data, p);
+    return kiln__cuda_launched("residual_layer_norm");
+  }
+  const T *s = (const T *)a->in[0].data;
+  const T *gs = p.has_gs ? (const T *)a->in[a->n_in - 1].data : NULL;
+  if (fast)
+    rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
+  else
+    rln_bwd_ds<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(s, gs, (T *)a->out[0].data, p);
+  KC_TRY(kiln__cuda_launched("residual_layer_norm_backward"));
+  const bool want_w = (a->i[1] & 2) != 0, want_b = (a->i[1] & 4) != 0;
+  if (!want_w && !want_b) return KILN_OK;
+  /* chunks as ln_run's: about 4 blocks an SM, at least 32 rows each */
+  int64_t colb = (p.N + 31) / 32;
+  int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
+  int64_t chunk = (p.R + want - 1) / want;
+  if (chunk < 32) chunk = 32;
+  int64_t chunks = (p.R + chunk - 1) / chunk;
+  if (chunks > 65535) chunks = 65535, chunk = (p.R + chunks - 1) / chunks;
+  size_t bytes = (size_t)(2 * chunks * p.N) * sizeof(A);
+  A *part = (A *)kiln__cuda_alloc(a->device, bytes);
+  if (!part) return kiln_last_error();
+  kiln_status st = kiln__cuda_capture_note(a->device, part, bytes);
+  if (st == KILN_OK) {
+    rln_bwd_wpart<T, A><<<dim3((unsigned)colb, (unsigned)chunks), dim3(32, 8), 0, d->stream>>>(s, part, chunk, chunks, p);
+    st = kiln__cuda_launched("residual_layer_norm_backward (weight partials)");
+  }
+  if (st == KILN_OK) {
+    Vec dw = vec_of(&a->out[2]), db = vec_of(&a->out[3]);
+    ln_bwd_wsum<A><<<(unsigned)((p.N + 255) / 256), 256, 0, d->stream>>>(part, chunks, p.N, dw, db, want_w, want_b);
+    st = kiln__cuda_launched("residual_layer_norm_backward (weight sums)");
+  }
+  kiln__cuda_free(a->device, part, bytes); /* stream-ordered reuse */
+  return st;
+}
+
+kiln_status residual_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const bool bw = a->op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD;
+  const kiln__view &x = a->in[0];
+  RlnArgs p;
+  memset(&p, 0, sizeof p);
+  p.R = x.shape[0], p.N = x.shape[1];
+  p.eps = a->s[0];
+  p.has_w = (a->i[0] & 1) != 0;
+  Vec none = {NULL, 0, 0};
+  p.w = p.b = none;
+  const kiln__view &stats = bw ? a->in[2] : a->out[2];
+  p.mean = {stats.data, (int)stats.dtype, stats.strides[1]};
+  p.rstd = {(const char *)stats.data + stats.strides[0] * (int64_t)kc_size(stats.dtype), (int)stats.dtype,
+            stats.strides[1]};
+  if (!bw) {
+    p.xs0 = x.strides[0];
+    p.r = a->in[1].data, p.rdt = (int)a->in[1].dtype, p.rs0 = a->in[1].strides[0];
+    p.has_b = (a->i[0] & 2) != 0;
+    if (p.has_w) p.w = vec_of(&a->in[2]);
+    if (p.has_b) p.b = vec_of(&a->in[p.has_w ? 3 : 2]);
+    p.y = a->out[0].data, p.ydt = (int)a->out[0].dtype, p.ys0 = a->out[0].strides[0];
+    p.ss0 = a->out[1].strides[0];
+  } else {
+    p.ss0 = x.strides[0];
+    p.g = a->in[1].data, p.gdt = (int)a->in[1].dtype, p.gs0 = a->in[1].strides[0];
+    if (p.has_w) p.w = vec_of(&a->in[3]);
+    p.has_gs = (a->i[0] & 2) != 0;
+    if (p.has_gs) p.gss0 = a->in[a->n_in - 1].strides[0];
+    p.dss0 = a->out[0].strides[0];
+    p.want_dr = (a->i[1] & 1) != 0;
+    if (p.want_dr) p.dr = a->out[1].data, p.drdt = (int)a->out[1].dtype, p.drs0 = a->out[1].strides[0];
+  }
+  if (p.R == 0) return KILN_OK;
+  if (p.N == 0) { /* no columns: empty rows, zero parameter gradients */
+    for (int k = 2; bw && k < 4; k++)
+      if (a->i[1] & (1 << (k - 1))) KC_TRY(kiln__cuda_fill_view(a->device, &a->out[k], 0.0));
+    return KILN_OK;
+  }
+  if (p.R > (int64_t)INT32_MAX * 8)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_%s: %lld rows is too many", kiln__kop_name(a->op), (long long)p.R);
+  KC_SWITCH_FLOAT(x.dtype, T, return dtype_error(a, x.dtype), return rln_run<T>(d, a, p))
   return KILN_OK;
 }
 
@@ -595,6 +937,10 @@ extern "C" bool kiln__cuda_transformer_supports(const kiln__kargs *a) {
   case KILN__K_LAYER_NORM_BACKWARD: return ln_supports(a);
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention_supports(a);
+  case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu_supports(a);
+  case KILN__K_MATMUL_DGELU: return kiln__cuda_matmul_dgelu_supports(a);
+  case KILN__K_RESIDUAL_LAYER_NORM:
+  case KILN__K_RESIDUAL_LAYER_NORM_BACKWARD: return rln_supports(a);
   case KILN__K_CUMSUM: {
     kiln_dtype di = a->in[0].dtype, dout = a->out[0].dtype;
     if (kc_is_float(di)) return dout == di;
@@ -620,6 +966,10 @@ extern "C" kiln_status kiln__cuda_transformer(const kiln__kargs *a) {
   case KILN__K_LAYER_NORM_BACKWARD: return layer_norm(d, a);
   case KILN__K_ATTENTION:
   case KILN__K_ATTENTION_BACKWARD: return kiln__cuda_attention(a);
+  case KILN__K_LINEAR_GELU: return kiln__cuda_linear_gelu(a);
+  case KILN__K_MATMUL_DGELU: return kiln__cuda_matmul_dgelu(a);
+  case KILN__K_RESIDUAL_LAYER_NORM:
+  case KILN__K_RESIDUAL_LAYER_NORM_BACKWARD: return residual_layer_norm(d, a);
   case KILN__K_CUMSUM: return cumsum(d, a);
   case KILN__K_TRIL: return tril(d, a);
   case KILN__K_TOPK: return topk(d, a);

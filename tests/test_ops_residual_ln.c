@@ -1,0 +1,210 @@
+/*
+** residual_layer_norm (src/ops/ops_layernorm.c): the harness's cases on y + 0.37 s (f64
+** reference, gradcheck through both outputs, the cross-backend part), and the mixed
+** dtypes of a GPT block under bf16 autocast (x f32, r bf16, y bf16) against the unfused
+** ops (add, layer_norm, cast) with gradients reaching both outputs: the CPU's composed
+** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. A small GPT's
+** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (the default: every
+** residual add fused with the norm after it) against =0 (the unfused ops), f32 and under bf16 autocast.
+** Bad input.
+*/
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include "harness.h"
+
+#include <kiln_nn.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* in: x (R, N), r (R, N), w (N), b (N) -> y + 0.37 s */
+static kiln_tensor *rln_b(kiln_tensor **in, const void *ctx) {
+  (void)ctx;
+  kiln_tensor *s = NULL;
+  kiln_tensor *y = kiln_residual_layer_norm(in[0], in[1], in[2], in[3], 1e-5, kiln_dtype_of(in[0]), &s);
+  return kiln_add(y, kiln_mul_scalar(s, 0.37));
+}
+static int rln_r(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
+  (void)n_in, (void)ctx;
+  const h_arr *x = &in[0], *r = &in[1], *w = &in[2], *b = &in[3];
+  int64_t N = x->shape[x->ndim - 1], R = h_numel(x->ndim, x->shape) / (N ? N : 1);
+  out->ndim = x->ndim;
+  memcpy(out->shape, x->shape, sizeof out->shape);
+  if (!out->data) return 0;
+  for (int64_t i = 0; i < R; i++) {
+    double m = 0, v = 0;
+    for (int64_t j = 0; j < N; j++) m += x->data[i * N + j] + r->data[i * N + j];
+    m /= (double)N;
+    for (int64_t j = 0; j < N; j++) {
+      double d = x->data[i * N + j] + r->data[i * N + j] - m;
+      v += d * d;
+    }
+    v /= (double)N;
+    double rs = 1.0 / sqrt(v + 1e-5);
+    for (int64_t j = 0; j < N; j++) {
+      double sv = x->data[i * N + j] + r->data[i * N + j];
+      out->data[i * N + j] = (sv - m) * rs * w->data[j] + b->data[j] + 0.37 * sv;
+    }
+  }
+  return 0;
+}
+
+#define RIN(...) {.ndim = 2, .shape = {__VA_ARGS__}, .fill = H_RANDN, .diff = true}
+#define RV {.ndim = 1, .shape = {H_SYM(1)}, .fill = H_RANDN, .diff = true}
+
+static const h_case rln_cases[] = {
+    {.name = "residual_layer_norm", .fn = rln_b, .ref = rln_r, .n_in = 4,
+     .in = {RIN(H_SYM(0), H_SYM(1)), RIN(H_SYM(0), H_SYM(1)), RV, RV}, .sym = {3, 6}, .flags = H_NO_SIZE0 | H_NO_SIZE1},
+    {.name = "residual_layer_norm wide rows", .fn = rln_b, .ref = rln_r, .n_in = 4,
+     .in = {RIN(H_SYM(0), H_SYM(1)), RIN(H_SYM(0), H_SYM(1)), RV, RV}, .sym = {5, 77},
+     .flags = H_NO_SIZE0 | H_NO_SIZE1},
+};
+
+/* A GPT block's pattern under bf16 autocast: x f32, r bf16, y bf16; loss = sum(y * gy) +
+** sum(s * gs), so both outputs get gradients. Fused vs unfused on dev. */
+static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt, kiln_dtype ydt, bool with_gs) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(9);
+  kiln_tensor *x0 = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
+  kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), rdt);
+  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
+  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), ydt);
+  kiln_tensor *gs = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
+  kiln_generator_free(gen);
+  double *v[2][6] = {{NULL}};
+  int64_t n[6] = {R * N, R * N, R * N, R * N, N, N};
+  for (int fused = 0; fused < 2; fused++) {
+    kiln_tensor *x = kiln_clone(x0), *r = kiln_clone(r0), *w = kiln_clone(w0), *b = kiln_clone(b0);
+    kiln_tensor *leaves[4] = {x, r, w, b};
+    for (int i = 0; i < 4; i++) kiln_requires_grad_(leaves[i], true);
+    kiln_tensor *y, *s = NULL;
+    if (fused) {
+      y = kiln_residual_layer_norm(x, r, w, b, 1e-5, ydt, &s);
+    } else {
+      s = kiln_add(x, r); /* promotes r */
+      y = kiln_to_dtype(kiln_layer_norm(s, 1, (const int64_t[]){N}, w, b, 1e-5), ydt);
+    }
+    kiln_tensor *loss = kiln_sum_all(kiln_to_dtype(kiln_mul(y, gy), KILN_F32));
+    if (with_gs) loss = kiln_add(loss, kiln_sum_all(kiln_mul(s, gs)));
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "residual_layer_norm pattern fused %d: %s", fused,
+            kiln_last_error_message());
+    kiln_tensor *res[6] = {y, s, kiln_grad(x), kiln_grad(r), kiln_grad(w), kiln_grad(b)};
+    for (int i = 0; i < 6; i++) v[fused][i] = res[i] ? h_values(res[i], NULL) : NULL;
+    if (fused) {
+      H_CHECK(kiln_dtype_of(y) == ydt && kiln_dtype_of(s) == KILN_F32 && res[3] && kiln_dtype_of(res[3]) == rdt,
+              "residual_layer_norm dtypes: y %s, s %s, dr %s", kiln_dtype_name(kiln_dtype_of(y)),
+              kiln_dtype_name(kiln_dtype_of(s)), res[3] ? kiln_dtype_name(kiln_dtype_of(res[3])) : "none");
+    }
+  }
+  static const char *const what[6] = {"y", "s", "dx", "dr", "dweight", "dbias"};
+  for (int i = 0; i < 6; i++) {
+    char name[200], db[32];
+    snprintf(name, sizeof name, "residual_layer_norm on %s (%lld, %lld) r %s y %s%s vs add+layer_norm+cast: %s",
+             kiln_device_str(dev, db, sizeof db), (long long)R, (long long)N, kiln_dtype_name(rdt),
+             kiln_dtype_name(ydt), with_gs ? ", s's own gradient" : "", what[i]);
+    /* the same operations in the same order: equal up to the f32 sums' order (the weight
+    ** sums over rows run in another order on CUDA), and one ulp of the 16-bit dtypes */
+    double rtol = 2e-5, atol = 2e-5;
+    if ((i == 0 && ydt != KILN_F32) || (i == 3 && rdt != KILN_F32)) rtol = atol = 8e-3;
+    if (i >= 4) rtol = atol = 1e-4;
+    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], rtol, atol);
+    else H_CHECK(false, "%s: no result", name);
+  }
+  for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
+  kiln_scope_end();
+}
+
+/* A small GPT, one forward (loss through kiln_gpt_forward_loss) and backward, with the
+** fused norms and without: the loss and every parameter's gradient. */
+static void gpt_fused_norms(kiln_device dev, kiln_dtype autocast) {
+  kiln_scope_begin();
+  kiln_gpt_config cfg = kiln_gpt2_config();
+  cfg.n_layer = 3, cfg.n_head = 2, cfg.n_embd = 32, cfg.vocab_size = 50, cfg.block_size = 16;
+  kiln_tensor *idx = kiln_randint(0, 50, KILN_SHAPE(2, 16), KILN_I64, dev, NULL);
+  kiln_tensor *tgt = kiln_randint(0, 50, KILN_SHAPE(32), KILN_I64, dev, NULL);
+  enum { MAXP = 64 };
+  double *v[2][MAXP + 1] = {{NULL}};
+  int64_t n[MAXP + 1] = {0};
+  const char *names[MAXP];
+  int np = 0;
+  for (int fused = 0; fused < 2; fused++) {
+    setenv("KILN_GPT_RESIDUAL_LN", fused ? "1" : "0", 1);
+    kiln_manual_seed(4);
+    kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
+    if (!m) break;
+    if (autocast != KILN_F32) kiln_autocast_begin(dev.type, autocast);
+    kiln_tensor *loss = kiln_gpt_forward_loss(m, idx, tgt, -100);
+    if (autocast != KILN_F32) kiln_autocast_end();
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "gpt fused norms %d: %s", fused, kiln_last_error_message());
+    v[fused][MAXP] = loss ? h_values(loss, NULL) : NULL;
+    kiln_tensor *ps[MAXP];
+    np = kiln_module_named_parameters(m, names, ps, MAXP);
+    for (int i = 0; i < np && i < MAXP; i++) {
+      kiln_tensor *g = kiln_grad(ps[i]);
+      v[fused][i] = g ? h_values(g, &n[i]) : NULL;
+    }
+    if (fused) { /* compare while the names are alive */
+      char dbuf[32];
+      for (int i = -1; i < np && i < MAXP; i++) {
+        int k = i < 0 ? MAXP : i;
+        char name[160];
+        snprintf(name, sizeof name, "GPT %s on %s, fused norms vs unfused: %s", kiln_dtype_name(autocast),
+                 kiln_device_str(dev, dbuf, sizeof dbuf), i < 0 ? "loss" : names[i]);
+        /* the same operations in the same order but for the f32 sums over rows of the norm
+        ** parameters' gradients; bf16 products after them spread that a little */
+        double tol = autocast == KILN_F32 ? 1e-4 : 2e-2;
+        if (v[0][k] && v[1][k]) h_close(name, v[1][k], v[0][k], i < 0 ? 1 : n[i], tol, tol);
+        else H_CHECK(false, "%s: no result", name);
+      }
+    }
+    kiln_module_free(m);
+  }
+  unsetenv("KILN_GPT_RESIDUAL_LN");
+  for (int f = 0; f < 2; f++)
+    for (int i = 0; i <= MAXP; i++) free(v[f][i]);
+  kiln_scope_end();
+}
+
+static void bad_input(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(4, 8), KILN_F32, cpu, NULL);
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_randn(KILN_SHAPE(4, 7), KILN_F32, cpu, NULL), NULL, NULL, 1e-5,
+                                        KILN_F32, NULL),
+               KILN_ERR_SHAPE, "r of another shape");
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, x, kiln_ones(KILN_SHAPE(7), KILN_F32, cpu), NULL, 1e-5, KILN_F32, NULL),
+               KILN_ERR_SHAPE, "weight of another width");
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_zeros(KILN_SHAPE(4, 8), KILN_I64, cpu), NULL, NULL, 1e-5, KILN_F32,
+                                        NULL),
+               KILN_ERR_DTYPE, "integer r");
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, x, NULL, NULL, -1.0, KILN_F32, NULL), KILN_ERR_INVALID_ARGUMENT,
+               "eps < 0");
+  kiln_scope_end();
+}
+
+int main(int argc, char **argv) {
+  h_init(argc, argv, "test_ops_residual_ln");
+  h_run_cases(rln_cases, (int)(sizeof rln_cases / sizeof rln_cases[0]));
+  if (!h_cross_only() && !h_support_mode()) {
+    kiln_device cpu = kiln_device_cpu();
+    block_pattern(cpu, 37, 96, KILN_BF16, KILN_BF16, true);
+    block_pattern(cpu, 37, 96, KILN_BF16, KILN_BF16, false);
+    block_pattern(cpu, 20, 64, KILN_F32, KILN_F32, true);
+    block_pattern(cpu, 20, 64, KILN_F16, KILN_F32, true);
+    bad_input();
+    gpt_fused_norms(cpu, KILN_F32);
+    gpt_fused_norms(cpu, KILN_BF16);
+    if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
+      kiln_device cuda = kiln_device_cuda(0);
+      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
+      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, false);
+      block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
+      block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
+      gpt_fused_norms(cuda, KILN_F32);
+      gpt_fused_norms(cuda, KILN_BF16);
+    }
+  }
+  return h_finish();
+}

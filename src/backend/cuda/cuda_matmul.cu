@@ -608,7 +608,7 @@ extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
     KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
     Types t;
     types_of(Y.dtype, a->i[0] == 1, &t);
-    kiln_status s = lt_epilogue(d, has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, t,
+    kiln_status s = lt_epilogue(d, has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, t, t.data,
                                 mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N, ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N,
                                 K, B.data, mb.ld, A.data, ma.ld, Y.data, my.ld,
                                 has_bias ? a->in[2].data : NULL, 1.0f, 0.0f, Z.data);
@@ -682,7 +682,7 @@ extern "C" kiln_status kiln__cuda_matmul_dgelu(const kiln__kargs *a) {
     KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
     Types t;
     types_of(O.dtype, a->i[0] == 1, &t);
-    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_DGELU, t, mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+    kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_DGELU, t, t.data, mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
                                 ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N, K, B.data, mb.ld, A.data, ma.ld, O.data,
                                 mo.ld, NULL, 1.0f, 0.0f, (void *)Z.data);
     if (s != KILN_ERR_UNSUPPORTED) return s;

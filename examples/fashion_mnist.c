@@ -10,7 +10,10 @@
 **
 ** Usage: fashion-mnist [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]
 **                      [--checkpoint PATH] [--resume] [--limit N] [--workers N]
-**                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph]
+**                      [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph] [--tf32]
+** --tf32 lets f32 products and convolutions use TF32 tensor cores (kiln_set_matmul_tf32),
+** as PyTorch's convolutions do by default (torch.backends.cudnn.allow_tf32); off, f32 is
+** exact.
 ** --graph records the training step once per batch shape (the full batch and the smaller
 ** last one, each after one eager step at that shape) and replays it: a CUDA graph on a
 ** GPU, the same calls run again on the CPU (common/graph_step.h). It trains exactly as
@@ -61,13 +64,14 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: " PROG " [--model mlp|cnn] [--data DIR] [--epochs N] [--batch N] [--lr X] [--device D]\n"
           "                     [--checkpoint PATH] [--resume] [--limit N] [--workers N]\n"
-          "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph]\n"
+          "                     [--seed N] [--json] [--quiet] [--logdir DIR] [--autocast bf16|f16] [--graph] [--tf32]\n"
           "  MLP 784-256-10 (--model mlp, the default) or CNN conv32-pool-conv64-pool-fc128-fc10\n"
           "  (--model cnn) on Fashion-MNIST with Adam. Defaults: data from $KILN_DATA_DIR or\n"
           "  /usr/share/datasets/fashion-mnist, 5 epochs, batch 128, lr 1e-3, the best device,\n"
           "  checkpoint fashion-mnist.ckpt.safetensors (written after every epoch).\n"
           "  --epochs is the total number of epochs; --resume continues from the checkpoint.\n"
-          "  --graph records the training step once per batch shape and replays it.\n");
+          "  --graph records the training step once per batch shape and replays it.\n"
+          "  --tf32 lets f32 products and convolutions use TF32 tensor cores.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
@@ -216,6 +220,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
     else if (!strcmp(a, "--resume")) resume = true;
     else if (!strcmp(a, "--graph")) graph = true;
+    else if (!strcmp(a, "--tf32")) kiln_set_matmul_tf32(true);
     else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
@@ -449,10 +454,10 @@ int main(int argc, char **argv) {
     printf("{\"example\":\"fashion-mnist\",\"model\":\"%s\",\"device\":\"%s\",\"epochs\":%lld,\"start_epoch\":%lld,"
            "\"batch\":%lld,\"train_samples\":%lld,\"seconds\":%.4f,\"images_per_s\":%.0f,"
            "\"final_loss\":%.17g,\"test_acc\":%.4f,\"steps\":%lld,\"world_size\":%d,\"seed\":%lld,\"autocast\":\"%s\","
-           "\"graph\":%s,\"kiln\":\"%s\"}\n",
+           "\"graph\":%s,\"tf32\":%s,\"kiln\":\"%s\"}\n",
            model_name, dname, epochs, (long long)start_epoch, batch, (long long)ntrain, train_s,
            train_s > 0 ? (double)images / train_s : 0.0, last_loss, test_acc, (long long)step,
-           world, seed, amp ? amp : "off", graph ? "true" : "false", kiln_version());
+           world, seed, amp ? amp : "off", graph ? "true" : "false", kiln_matmul_tf32() ? "true" : "false", kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);
 

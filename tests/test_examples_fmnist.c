@@ -147,6 +147,9 @@ int main(int argc, char **argv) {
   fm_graph_vs_eager("--device cpu --limit 2000 --epochs 2", true, 0);
   fm_graph_vs_eager("--model cnn --device cpu --limit 700 --epochs 1", true, 0);
   fm_graph_vs_eager("--device cpu --limit 1000 --epochs 1 --autocast bf16", true, 0);
+  r = cr_run(NULL, "fashion-mnist", "--tf32 --epochs 1 --checkpoint t32.ckpt " ARGS);
+  CR_CHECK(r.status == 0 && strstr(r.out, "\"tf32\":true"), "--tf32: %d %s %s", r.status, r.out, r.err);
+  cr_free(&r);
   /* ... and resumes: 1 epoch with --graph, then --resume --graph to 2 == 2 straight */
   r = cr_run(NULL, "fashion-mnist", "--epochs 1 --graph --checkpoint g.ckpt " ARGS);
   CR_CHECK(r.status == 0, "--graph first half exited %d: %s", r.status, r.err);

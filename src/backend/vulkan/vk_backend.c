@@ -180,6 +180,12 @@ static bool inspect(vk_dev *d, const char **why) {
                      has_ext(ext, ne, "VK_NV_cooperative_matrix");
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
     d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d);
+    /* KILN_VK_PIPESTATS=1: registers, spills and shared memory of each pipeline (tuning) */
+    const char *ps = getenv("KILN_VK_PIPESTATS");
+    d->pipestats = ps && strcmp(ps, "1") == 0 && has_ext(ext, ne, "VK_KHR_pipeline_executable_properties");
+    if (ps && strcmp(ps, "1") == 0 && !d->pipestats)
+      fprintf(stderr, "kiln: vulkan: KILN_VK_PIPESTATS: %s has no VK_KHR_pipeline_executable_properties\n",
+              d->props.deviceName);
     if (!has_ext(ext, ne, "VK_NV_cooperative_matrix"))
       snprintf(d->coop_why, sizeof d->coop_why, "%s",
                has_ext(ext, ne, "VK_KHR_cooperative_matrix")
@@ -235,14 +241,24 @@ static bool open_device(vk_dev *d, int index, const char **why) {
   ** out should a driver miscompile it). A device that refuses the feature is opened
   ** without it. */
   const char *cm_env = getenv("KILN_VK_COOPMAT"), *cmv = getenv("KILN_VK_CM");
-  d->cm_variant = cmv && strcmp(cmv, "w64") == 0 ? 1 : cmv && strcmp(cmv, "256") == 0 ? 2 : 0;
+  d->cm_variant = kiln__vk_cm_variant(cmv);
   const char *bk = getenv("KILN_VK_MMBK");
   d->mm_k16 = bk && strcmp(bk, "16") == 0;
   bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
   VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {
       .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV, .cooperativeMatrix = VK_TRUE};
-  const char *cm_ext[1] = {"VK_NV_cooperative_matrix"};
+  const char *cm_ext[2] = {"VK_NV_cooperative_matrix", "VK_KHR_pipeline_executable_properties"};
   VkResult r = VK_ERROR_FEATURE_NOT_PRESENT;
+  /* the statistics (d->pipestats) ride in front of whatever else the device is opened with */
+  VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR pe = {
+      .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR,
+      .pNext = &f,
+      .pipelineExecutableInfo = VK_TRUE};
+  if (d->pipestats) {
+    ci.pNext = &pe;
+    ci.enabledExtensionCount = 1;
+    ci.ppEnabledExtensionNames = cm_ext + 1;
+  }
   d->coop_on = false;
   if (d->coop_nv && cm_off) snprintf(d->coop_why, sizeof d->coop_why, "off: KILN_VK_COOPMAT=0");
   else if (d->coop_nv && !d->f16) snprintf(d->coop_why, sizeof d->coop_why, "the device has no shaderFloat16");
@@ -250,7 +266,7 @@ static bool open_device(vk_dev *d, int index, const char **why) {
     snprintf(d->coop_why, sizeof d->coop_why, "subgroups of %u (matmul_cm.comp needs 32)", d->subgroup_size);
   if (d->coop_nv && d->f16 && !cm_off && d->subgroup_size == 32) {
     f12.pNext = &cm;
-    ci.enabledExtensionCount = 1;
+    ci.enabledExtensionCount = d->pipestats ? 2 : 1;
     ci.ppEnabledExtensionNames = cm_ext;
     r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
     d->coop_on = r == VK_SUCCESS;
@@ -258,10 +274,19 @@ static bool open_device(vk_dev *d, int index, const char **why) {
       snprintf(d->coop_why, sizeof d->coop_why, "vkCreateDevice with VK_NV_cooperative_matrix failed: %s",
                kiln__vk_result_str(r));
     f12.pNext = NULL;
-    ci.enabledExtensionCount = 0;
-    ci.ppEnabledExtensionNames = NULL;
+    ci.enabledExtensionCount = d->pipestats ? 1 : 0;
+    ci.ppEnabledExtensionNames = d->pipestats ? cm_ext + 1 : NULL;
   }
   if (!d->coop_on) r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+  const char *emu = getenv("KILN_VK_CM_EMU");
+  d->cm_emu = !d->coop_on && emu && strcmp(emu, "1") == 0 && d->f16 && !cm_off;
+  if (r != VK_SUCCESS && d->pipestats) { /* the statistics are a tuning aid: never a reason to fail */
+    d->pipestats = false;
+    ci.pNext = &f;
+    ci.enabledExtensionCount = 0;
+    ci.ppEnabledExtensionNames = NULL;
+    r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
+  }
   if (r != VK_SUCCESS) {
     *why = "vkCreateDevice failed";
     return false;
@@ -322,8 +347,8 @@ static bool open_device(vk_dev *d, int index, const char **why) {
     kiln_clear_error();
     return false;
   }
-  d->pipes = calloc((size_t)kiln__vk_shader_count, sizeof *d->pipes);
-  d->pipe_failed = calloc((size_t)kiln__vk_shader_count, sizeof *d->pipe_failed);
+  d->pipes = calloc((size_t)kiln__vk_shader_count * KV_NSPEC, sizeof *d->pipes);
+  d->pipe_failed = calloc((size_t)kiln__vk_shader_count * KV_NSPEC, sizeof *d->pipe_failed);
   if (!d->pipes || !d->pipe_failed) {
     *why = "out of host memory";
     return false;

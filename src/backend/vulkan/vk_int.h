@@ -158,8 +158,9 @@ typedef struct vk_dev {
   bool unified;        /* device memory is host-visible (integrated GPUs, lavapipe) */
   bool coop_nv;        /* VK_NV_cooperative_matrix offered with 16x16x16 f16 -> f32 */
   bool coop_on;        /* and enabled (unless KILN_VK_COOPMAT=0): matmul_cm.comp for f16 */
-  int cm_variant;       /* the tiling of matmul_cm (KILN_VK_CM): 0 128x128 by 8 subgroups of
-                       ** 64x32, 1 ("w64") 128x128 by 4 of 64x64, 2 ("256") 128x256 by 8 */
+  bool cm_emu;          /* KILN_VK_CM_EMU=1 on a device without them: tensor cores emulated
+                        ** (matmul_cmv_*_emu), so lavapipe tests every index of matmul_cmv.glsl */
+  int cm_variant;       /* the tensor-core kernel (KILN_VK_CM): an index into vk_kernels.c's cm_variants */
   bool mm_k16;          /* KILN_VK_MMBK=16: f32 products take matmul_big_f32_k16 (K steps of 16) */
   char coop_shapes[256]; /* the NV extension's shapes, "MxNxK A/B/C/D" (kiln doctor) */
   char coop_why[160];    /* why coop_on is false ("" when it is true) */
@@ -196,8 +197,9 @@ typedef struct vk_dev {
   vk_block flag;    /* host-visible word kernels set on a bad index (checked at syncs) */
   /* pipelines (vk_pipeline.c), created on first use */
   VkPipelineLayout layout;
-  VkPipeline *pipes;  /* kiln__vk_shader_count */
+  VkPipeline *pipes;  /* kiln__vk_shader_count * KV_NSPEC: shader s specialised to v at s * KV_NSPEC + v */
   bool *pipe_failed;
+  bool pipestats;     /* KILN_VK_PIPESTATS=1 and VK_KHR_pipeline_executable_properties: print them */
 } vk_dev;
 
 /* The devices, after the probe (vk_backend.c). */
@@ -258,11 +260,20 @@ int kiln__vk_shader_index(const char *name);
 ** ring) over groups_x * groups_y * groups_z workgroups. Takes d->lock itself. */
 kiln_status kiln__vk_dispatch(int device, const char *name, const void *params, size_t n,
                               uint32_t gx, uint32_t gy, uint32_t gz);
+/* The values a shader's specialisation constant 0 may take (vk_pipeline.c) */
+#define KV_NSPEC 8
+/* kiln__vk_dispatch of the build of `name` with specialisation constant 0 = spec */
+kiln_status kiln__vk_dispatch_spec(int device, const char *name, int spec, const void *params, size_t n,
+                                   uint32_t gx, uint32_t gy, uint32_t gz);
 void kiln__vk_pipelines_destroy(vk_dev *d);
 /* Whether the pipeline of shader `name` exists or can be made now (false, with the error
 ** cleared, when the driver refused it): lets a kernel take another path instead of
 ** failing. Takes d->lock itself. */
 bool kiln__vk_pipeline_ok(int device, const char *name);
+bool kiln__vk_pipeline_ok_spec(int device, const char *name, int spec);
+/* The tensor-core kernel KILN_VK_CM=key names (vk_kernels.c), the default for NULL or an
+** unknown key (which it reports on stderr) */
+int kiln__vk_cm_variant(const char *key);
 
 /* the vtable's other entries (vk_backend.c) */
 kiln_status kiln__vk_probe(const char **why);

@@ -325,18 +325,45 @@ static bool minmax_dim_supports(const kiln__kargs *a) {
 }
 
 /* ---- matmul ---- */
-/* The kernels a product can take, fastest first: matmul_cm (f16 on tensor cores),
-** matmul_big_<dtype> (register-blocked 128x128 tiles), matmul / matmul128 (the general
-** 64x64 kernel, any strides and the mask; matmul128 is its 128x128 form, kept for CPU
-** devices, where it is tested). */
+/* The kernels a product can take, fastest first: matmul_cmv_* / matmul_cm* (f16 and bf16
+** on tensor cores), matmul_big_<dtype> (register-blocked 128x128 tiles), matmul /
+** matmul128 (the general 64x64 kernel, any strides and the mask; matmul128 is its 128x128
+** form, kept for CPU devices, where it is tested). */
 enum { MM_SMALL, MM_BIG, MM_CM };
 
-/* matmul_cm's tilings (vk_dev.cm_variant): shader, tile width (N) */
-static const char *const cm_shaders[3] = {"matmul_cm", "matmul_cm_w64", "matmul_cm_256"};
-static const char *const cm_shaders_bf16[3] = {"matmul_cm_bf16", "matmul_cm_w64_bf16", "matmul_cm_256_bf16"};
-static const int cm_bn[3] = {128, 128, 256};
-static const char *const cm_what[3] = {"128x128 tiles of 8 subgroups of 64x32", "128x128 tiles of 4 subgroups of 64x64",
-                                       "128x256 tiles of 8 subgroups of 64x64"};
+/* The tensor-core kernels (KILN_VK_CM=key picks one; vk_dev.cm_variant). matmul_cmv_*
+** (matmul_cmv.glsl) take their layout as a specialisation constant and run bf16 as f16
+** converted beforehand (mm_cvt_f16); matmul_cm* (matmul_cm.glsl, the first kernels) read
+** the layout at run time and convert bf16 inside the loop. */
+typedef struct cm_variant {
+  const char *key, *f16, *bf16; /* bf16 NULL: converted to f16 first, then the f16 shader */
+  int bm, bn;
+  const char *what;
+} cm_variant;
+static const cm_variant cm_variants[] = {
+    {"a", "matmul_cmv_a", NULL, 128, 128, "128x128 tiles of 8 subgroups of 64x32, K steps of 32, 2 buffers"},
+    {"b", "matmul_cmv_b", NULL, 128, 128, "128x128 tiles of 8 subgroups of 64x32, K steps of 64, 1 buffer"},
+    {"c", "matmul_cmv_c", NULL, 128, 128, "128x128 tiles of 4 subgroups of 64x64, K steps of 32, 2 buffers"},
+    {"d", "matmul_cmv_d", NULL, 128, 256, "128x256 tiles of 8 subgroups of 64x64, K steps of 32, 1 buffer"},
+    {"e", "matmul_cmv_e", NULL, 256, 128, "256x128 tiles of 8 subgroups of 64x64, K steps of 32, 1 buffer"},
+    {"f", "matmul_cmv_f", NULL, 128, 256, "128x256 tiles of 8 subgroups of 64x64, K steps of 16, 2 buffers"},
+    {"g", "matmul_cmv_g", NULL, 128, 128, "128x128 tiles of 8 subgroups of 32x64, K steps of 32, 2 buffers"},
+    {"h", "matmul_cmv_h", NULL, 256, 128, "256x128 tiles of 8 subgroups of 64x64, K steps of 16, 2 buffers"},
+    {"i", "matmul_cmv_i", NULL, 128, 128, "128x128 tiles of 4 subgroups of 64x64, K steps of 64, 1 buffer"},
+    {"128", "matmul_cm", "matmul_cm_bf16", 128, 128, "128x128 tiles of 8 subgroups of 64x32 (first kernel)"},
+    {"w64", "matmul_cm_w64", "matmul_cm_w64_bf16", 128, 128, "128x128 tiles of 4 subgroups of 64x64 (first kernel)"},
+    {"256", "matmul_cm_256", "matmul_cm_256_bf16", 128, 256, "128x256 tiles of 8 subgroups of 64x64 (first kernel)"},
+};
+#define CM_NVARIANTS ((int)(sizeof cm_variants / sizeof cm_variants[0]))
+#define CM_DEFAULT 9 /* "128": the kernel measured on the H200 (91 TFLOP/s f16); the matmul_cmv variants are unmeasured */
+
+int kiln__vk_cm_variant(const char *key) {
+  for (int i = 0; key && i < CM_NVARIANTS; i++)
+    if (strcmp(cm_variants[i].key, key) == 0) return i;
+  if (key && key[0]) fprintf(stderr, "kiln: vulkan: KILN_VK_CM=%s is no tensor-core kernel; taking '%s'\n", key,
+                             cm_variants[CM_DEFAULT].key);
+  return CM_DEFAULT;
+}
 
 /* Whether view v's batch strides keep whole vectors aligned. A dim of size 1 never moves,
 ** whatever its stride says: a plain 2-D product's one-element batch has stride 1, and
@@ -347,28 +374,50 @@ static bool mm_batch_strides(const kv_params *p, int v, int mult) {
   return true;
 }
 
-/* Which kernel runs the product described by p (ex: sizes and matrix strides; addr and
-** the batch strides of views 0 C, 1 A, 2 B); *lay gets the layout bits the fast kernels
-** read in ex[13]. d->coop_on needs the pipeline too: a driver that refuses it gets the
-** next kernel instead of an error. */
+/* The shaders a tensor-core product of dtype t needs: the product's, and for bf16 the
+** scales' (and the conversion's) */
+static bool cm_pipelines_ok(int device, const vk_dev *d, const cm_variant *v, kiln_dtype t, int spec) {
+  char sh[64];
+  if (d->cm_emu && v->bf16) return false; /* the first kernels have no emulated build */
+  snprintf(sh, sizeof sh, "%s%s", t == KILN_BF16 && v->bf16 ? v->bf16 : v->f16, d->cm_emu ? "_emu" : "");
+  if (t == KILN_BF16 && !(kiln__vk_pipeline_ok(device, "mm_absmax") &&
+                          (v->bf16 || kiln__vk_pipeline_ok(device, "mm_cvt_f16"))))
+    return false;
+  return kiln__vk_pipeline_ok_spec(device, sh, spec);
+}
+
+/* Which kernel runs the product described by p (ex: sizes, matrix strides and flags; s:
+** alpha and beta; addr and the batch strides of views 0 C, 1 A, 2 B); *lay gets the
+** layout bits the fast kernels read (ex[13], and the tensor-core kernels' specialisation
+** constant). d->coop_on needs the pipelines too: a driver that refuses one gets the next
+** kernel instead of an error. allow_cm false: not the tensor cores (no room for bf16's
+** scratch). */
 static int mm_choose(vk_dev *d, int device, const kv_params *p, kiln_dtype ta, kiln_dtype tb, kiln_dtype tc,
-                     bool mask, int *lay) {
+                     bool mask, bool allow_cm, int *lay) {
   int64_t M = p->ex[0], N = p->ex[1], K = p->ex[2];
   int ars = p->ex[3], acs = p->ex[4], brs = p->ex[5], bcs = p->ex[6], crs = p->ex[7], ccs = p->ex[8];
   bool a_kc = acs == 1, a_mc = !a_kc && ars == 1, b_nc = bcs == 1, b_kc = !b_nc && brs == 1;
   *lay = (a_kc ? 1 : 0) | (b_nc ? 2 : 0);
   if (!d || mask || ta != tb || !(a_kc || a_mc) || !(b_nc || b_kc)) return MM_SMALL;
   int lda = a_kc ? ars : acs, ldb = b_nc ? brs : bcs;
-  if (d->coop_on && (ta == KILN_F16 || ta == KILN_BF16)) {
+  if (allow_cm && (d->coop_on || d->cm_emu) && (ta == KILN_F16 || ta == KILN_BF16)) {
     /* whole 16-byte vectors along the contiguous dim of A and B */
     int64_t ca = a_kc ? K : M, cb = b_nc ? N : K;
     bool ok = lda % 8 == 0 && ldb % 8 == 0 && ca % 8 == 0 && cb % 8 == 0 && p->addr[1] % 16 == 0 &&
               p->addr[2] % 16 == 0 && mm_batch_strides(p, 1, 8) && mm_batch_strides(p, 2, 8);
-    const char *sh = (ta == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
-    if (ok && kiln__vk_pipeline_ok(device, sh) && (ta == KILN_F16 || kiln__vk_pipeline_ok(device, "mm_absmax")))
+    /* bit 2: C's fragments stored straight from the registers (matmul_cmv.glsl): an f16 C
+    ** with n contiguous, rows of whole vectors, and no beta, bias or ReLU to apply */
+    bool direct = ta == KILN_F16 && tc == KILN_F16 && ccs == 1 && crs % 8 == 0 && p->addr[0] % 16 == 0 &&
+                  mm_batch_strides(p, 0, 8) && (p->ex[12] & 15) == 0;
+    const cm_variant *v = &cm_variants[d->cm_variant];
+    int spec = *lay | (direct && !v->bf16 ? 4 : 0);
+    if (ok && cm_pipelines_ok(device, d, v, ta, spec)) {
+      *lay = spec;
       return MM_CM;
+    }
     if (ok) /* kiln doctor says so; the products go on without tensor cores */
-      snprintf(d->coop_why, sizeof d->coop_why, "the driver refused the pipeline of %s", sh);
+      snprintf(d->coop_why, sizeof d->coop_why, "the driver refused the pipeline of %s (layout %d)",
+               ta == KILN_F16 || !v->bf16 ? v->f16 : v->bf16, spec);
   }
   /* A GPU wants about one 128x128 tile per multiprocessor at least (128: the largest GPUs
   ** have ~130); below that the 64x64 kernel keeps 4x the workgroups in flight. A CPU
@@ -390,6 +439,53 @@ static const char *mm_big_shader(const vk_dev *d, kiln_dtype t) {
   if (t == KILN_F16) return "matmul_big_f16";
   if (t == KILN_BF16) return "matmul_big_bf16";
   return d->mm_k16 ? "matmul_big_f32_k16" : "matmul_big_f32";
+}
+
+/* bf16 on tensor cores: the largest |x| of A's rows (at sc + z * M + m) and of B's columns
+** (at sc + batch * M + z * N + n), f32 bits, into sc (batch * (M + N) floats) */
+static kiln_status mm_absmax(int device, const kv_params *p, void *sc, size_t nsc) {
+  int64_t batch = p->n, M = p->ex[0], N = p->ex[1], K = p->ex[2];
+  kiln_status st = kiln__vk_memset_zero(device, sc, nsc);
+  kv_params q = *p;
+  uint32_t gk = (uint32_t)((K + 63) / 64);
+  q.addr[0] = (uint64_t)(uintptr_t)sc;
+  q.ex[0] = (int32_t)M, q.ex[1] = (int32_t)K, q.ex[2] = p->ex[3], q.ex[3] = p->ex[4];
+  if (st == KILN_OK)
+    st = kiln__vk_dispatch(device, "mm_absmax", &q, sizeof q, (uint32_t)((M + 255) / 256), gk, (uint32_t)batch);
+  q.addr[0] += (uint64_t)batch * (uint64_t)M * sizeof(float);
+  q.addr[1] = p->addr[2], q.dtype[1] = p->dtype[2];
+  memcpy(&q.strides[1 * KV_MAXD], &p->strides[2 * KV_MAXD], sizeof(int32_t) * KV_MAXD);
+  q.ex[0] = (int32_t)N, q.ex[1] = (int32_t)K, q.ex[2] = p->ex[6], q.ex[3] = p->ex[5];
+  if (st == KILN_OK)
+    st = kiln__vk_dispatch(device, "mm_absmax", &q, sizeof q, (uint32_t)((N + 255) / 256), gk, (uint32_t)batch);
+  return st;
+}
+
+/* bf16 operand v (1 A, 2 B) of p, rows R of C contiguous elements (row stride ld), as
+** scaled f16 into the packed [batch, R, C] copy h (mm_cvt_f16.comp); its lines' largest
+** |x| at sc + base + z * T + line, a line being a row or (per_col) a column. Then p takes
+** the copy in its place: f16, leading stride C, batch strides of the packed copy. */
+static kiln_status mm_cvt(int device, kv_params *p, int v, void *h, void *sc, int64_t R, int64_t C, int ld,
+                          bool per_col, int64_t base, int64_t T) {
+  kv_params q = *p;
+  q.nv = 2;
+  q.addr[0] = (uint64_t)(uintptr_t)h, q.dtype[0] = KILN_F16;
+  q.addr[1] = p->addr[v], q.dtype[1] = p->dtype[v];
+  memcpy(&q.strides[1 * KV_MAXD], &p->strides[v * KV_MAXD], sizeof(int32_t) * KV_MAXD);
+  q.addr[2] = (uint64_t)(uintptr_t)sc;
+  q.ex[0] = (int32_t)R, q.ex[1] = (int32_t)C, q.ex[2] = ld, q.ex[3] = per_col ? 1 : 0;
+  q.ex[4] = (int32_t)base, q.ex[5] = (int32_t)T;
+  uint64_t groups = ((uint64_t)R * (uint64_t)C / 8 + 255) / 256;
+  uint32_t gx = groups < 65535 ? (uint32_t)groups : 65535;
+  uint32_t gy = (uint32_t)((groups + gx - 1) / gx);
+  kiln_status st = kiln__vk_dispatch(device, "mm_cvt_f16", &q, sizeof q, gx, gy, (uint32_t)p->n);
+  p->addr[v] = (uint64_t)(uintptr_t)h, p->dtype[v] = KILN_F16;
+  int64_t bs = R * C;
+  for (int d = p->ndim - 1; d >= 0; d--) {
+    p->strides[v * KV_MAXD + d] = (int32_t)bs;
+    bs *= p->shape[d];
+  }
+  return st;
 }
 
 static kiln_status vk_matmul(const kiln__kargs *a) {
@@ -426,43 +522,53 @@ static kiln_status vk_matmul(const kiln__kargs *a) {
   if (M > 0 && N > 0 && batch > 0) {
     vk_dev *d = dev_of(a);
     int lay = 0;
-    int path = mm_choose(d, a->device, &p, A->dtype, B->dtype, C->dtype, mask != NULL, &lay);
-    p.ex[13] = lay;
+    int path = mm_choose(d, a->device, &p, A->dtype, B->dtype, C->dtype, mask != NULL, true, &lay);
     uint32_t g128x = (uint32_t)((N + 127) / 128), g128y = (uint32_t)((M + 127) / 128);
+    const cm_variant *cv = d ? &cm_variants[d->cm_variant] : NULL;
     /* bf16 on tensor cores: the largest |x| of A's rows and B's columns first, into a
-    ** scratch of batch * (M + N) floats (freed at once: later work is ordered after) */
-    void *sc = NULL;
+    ** scratch of batch * (M + N) floats, then (matmul_cmv) A and B as scaled f16 copies;
+    ** all freed at once (later work is ordered after this product) */
+    void *sc = NULL, *ha = NULL, *hb = NULL;
     size_t nsc = (size_t)batch * (size_t)(M + N) * sizeof(float);
+    size_t nha = (size_t)batch * (size_t)M * (size_t)K * 2, nhb = (size_t)batch * (size_t)K * (size_t)N * 2;
+    bool cvt = path == MM_CM && A->dtype == KILN_BF16 && !cv->bf16;
     if (path == MM_CM && A->dtype == KILN_BF16) {
       sc = kiln__vk_alloc(a->device, nsc);
-      if (!sc) { /* no room for the scales: the general kernel, which needs none */
+      if (sc && cvt) ha = kiln__vk_alloc(a->device, nha);
+      if (ha) hb = kiln__vk_alloc(a->device, nhb);
+      if (!sc || (cvt && !hb)) { /* no room for the scratch: a kernel that needs none */
         kiln_clear_error();
-        path = MM_SMALL;
+        kiln__vk_free(a->device, sc, nsc), kiln__vk_free(a->device, ha, nha);
+        sc = ha = NULL;
+        path = mm_choose(d, a->device, &p, A->dtype, B->dtype, C->dtype, false, false, &lay);
       }
     }
+    p.ex[13] = lay;
     if (sc) {
-      st = kiln__vk_memset_zero(a->device, sc, nsc);
-      kv_params q = p;
-      uint32_t gk = (uint32_t)((K + 63) / 64);
-      q.addr[0] = (uint64_t)(uintptr_t)sc;
-      q.ex[0] = (int32_t)M, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[3], q.ex[3] = p.ex[4];
-      if (st == KILN_OK)
-        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((M + 255) / 256), gk, (uint32_t)batch);
-      q.addr[0] += (uint64_t)batch * (uint64_t)M * sizeof(float);
-      q.addr[1] = p.addr[2], q.dtype[1] = p.dtype[2];
-      memcpy(&q.strides[1 * KV_MAXD], &p.strides[2 * KV_MAXD], sizeof(int32_t) * KV_MAXD);
-      q.ex[0] = (int32_t)N, q.ex[1] = (int32_t)K, q.ex[2] = p.ex[6], q.ex[3] = p.ex[5];
-      if (st == KILN_OK)
-        st = kiln__vk_dispatch(a->device, "mm_absmax", &q, sizeof q, (uint32_t)((N + 255) / 256), gk, (uint32_t)batch);
+      st = mm_absmax(a->device, &p, sc, nsc);
       p.addr[4] = (uint64_t)(uintptr_t)sc;
       p.ex[14] = (int32_t)batch;
     }
-    if (path == MM_CM) {
-      int bn = cm_bn[d->cm_variant];
-      const char *sh = (A->dtype == KILN_F16 ? cm_shaders : cm_shaders_bf16)[d->cm_variant];
+    if (st == KILN_OK && hb) {
+      bool a_kc = (lay & 1) != 0, b_nc = (lay & 2) != 0;
+      st = a_kc ? mm_cvt(a->device, &p, 1, ha, sc, M, K, p.ex[3], false, 0, M)
+                : mm_cvt(a->device, &p, 1, ha, sc, K, M, p.ex[4], true, 0, M);
       if (st == KILN_OK)
-        st = kiln__vk_dispatch(a->device, sh, &p, sizeof p, (uint32_t)((N + bn - 1) / bn), g128y, (uint32_t)batch);
-      kiln__vk_free(a->device, sc, nsc);
+        st = b_nc ? mm_cvt(a->device, &p, 2, hb, sc, K, N, p.ex[5], true, batch * M, N)
+                  : mm_cvt(a->device, &p, 2, hb, sc, N, K, p.ex[6], false, batch * M, N);
+      if (a_kc) p.ex[3] = (int32_t)K, p.ex[4] = 1;
+      else p.ex[3] = 1, p.ex[4] = (int32_t)M;
+      if (b_nc) p.ex[5] = (int32_t)N, p.ex[6] = 1;
+      else p.ex[5] = 1, p.ex[6] = (int32_t)K;
+      p.ex[12] |= 16; /* the epilogue divides the scales out */
+    }
+    if (path == MM_CM) {
+      char sh[64];
+      snprintf(sh, sizeof sh, "%s%s", A->dtype == KILN_F16 || !cv->bf16 ? cv->f16 : cv->bf16, d->cm_emu ? "_emu" : "");
+      if (st == KILN_OK)
+        st = kiln__vk_dispatch_spec(a->device, sh, lay, &p, sizeof p, (uint32_t)((N + cv->bn - 1) / cv->bn),
+                                    (uint32_t)((M + cv->bm - 1) / cv->bm), (uint32_t)batch);
+      kiln__vk_free(a->device, sc, nsc), kiln__vk_free(a->device, ha, nha), kiln__vk_free(a->device, hb, nhb);
     } else if (path == MM_BIG) {
       st = kiln__vk_dispatch(a->device, mm_big_shader(d, A->dtype), &p, sizeof p, g128x, g128y, (uint32_t)batch);
     } else {
@@ -501,12 +607,17 @@ kiln_status kiln_vulkan_matmul_path(int index, kiln_dtype dtype, int64_t m, int6
   p.ndim = 1, p.shape[0] = 1, p.n = 1;
   p.ex[0] = (int32_t)m, p.ex[1] = (int32_t)n, p.ex[2] = (int32_t)k;
   p.ex[3] = (int32_t)k, p.ex[4] = 1, p.ex[5] = (int32_t)n, p.ex[6] = 1, p.ex[7] = (int32_t)n, p.ex[8] = 1;
+  p.s[0] = 1;
   int lay = 0;
-  int path = mm_choose(d, index, &p, dtype, dtype, dtype, false, &lay);
-  char cmw[224];
-  snprintf(cmw, sizeof cmw, "tensor cores: VK_NV_cooperative_matrix 16x16x16 f16 -> f32%s, %s",
-           dtype == KILN_BF16 ? " (bf16 as f16 with a power-of-two scale per row of A and column of B)" : "",
-           cm_what[d->cm_variant]);
+  int path = mm_choose(d, index, &p, dtype, dtype, dtype, false, true, &lay);
+  const cm_variant *cv = &cm_variants[d->cm_variant];
+  char cmw[256];
+  snprintf(cmw, sizeof cmw, "tensor cores%s: VK_NV_cooperative_matrix 16x16x16 f16 -> f32%s, %s '%s': %s",
+           d->cm_emu ? " (emulated: KILN_VK_CM_EMU=1)" : "",
+           dtype != KILN_BF16 ? ""
+           : cv->bf16        ? " (bf16 as f16 with a power-of-two scale per row of A and column of B)"
+                             : " (bf16 converted first to f16 with a power-of-two scale per row of A and column of B)",
+           dtype == KILN_BF16 && cv->bf16 ? cv->bf16 : cv->f16, cv->key, cv->what);
   const char *big = dtype == KILN_F32 && d->mm_k16
                         ? "register-blocked 128x128 tiles, 8x8 fma per invocation, K steps of 16"
                         : "register-blocked 128x128 tiles, 8x8 fma per invocation";

@@ -1,0 +1,9 @@
+#version 450
+// MATMUL f16 on tensor cores (matmul_cmv.glsl), variant e: 256x128 tiles, 4x2 subgroups of 64x64, K steps of 32, 1 shared buffer(s)
+#define WM 4
+#define WN 2
+#define FM 4
+#define FN 4
+#define BK 32
+#define STAGES 1
+#include "matmul_cmv.glsl"

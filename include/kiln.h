@@ -1120,8 +1120,9 @@ KILN_API kiln_status kiln_memory_summary(kiln_device dev, FILE *f);
 **   kiln_copy_) and writing results into tensors the program reads after a replay. Run
 **   it once eagerly before capturing (it creates optimizer state and warms the memory
 **   cache). Inside a captured step nothing may be read on the host (kiln_item,
-**   kiln_to_host: KILN_ERR_STATE), and memory the cache does not hold cannot be
-**   allocated (KILN_ERR_STATE asking for that warm-up step).
+**   kiln_to_host: KILN_ERR_STATE). Memory the step allocates comes from the cache,
+**   which the warm-up step fills; a capture that needs more takes new device memory,
+**   which the graph keeps until kiln_graph_free.
 **
 **   kiln_graph *g = kiln_graph_capture(dev, step, &ctx);   // records; does not run
 **   for (...) { kiln_copy_(x_static, batch); kiln_graph_replay(g); kiln_item(loss); }

@@ -170,31 +170,36 @@ static void *cached_alloc(kiln__cuda_dev *d, int device, size_t nbytes) {
     pool.erase(it);
   } else {
     size_t seg = small ? kSmallSegment : (size + kLargeRound - 1) / kLargeRound * kLargeRound;
-    if (d->capturing) {
-      kiln_set_error(KILN_ERR_STATE,
-                     "kiln: allocation during graph capture needs a warm-up step first "
-                     "(cuda:%d: %zu bytes not cached; run the step once before capturing it)",
-                     device, nbytes);
-      return NULL;
-    }
+    /* Inside a capture a new segment is still allowed, as PyTorch's allocator allows it:
+    ** cudaMalloc is called with the thread's capture mode relaxed for that call alone
+    ** (the capture's own mode forbids it), and the graph then keeps the block
+    ** (capture_note below). What a capture must not do is free cached blocks (cudaFree
+    ** waits for the device), so the cache is only trimmed outside one. A warm-up step
+    ** still makes a capture allocate nothing new in most steps, but a step whose eager
+    ** form held different memory (autocast's kept copies are used eagerly, not in a
+    ** capture) no longer fails to capture. */
+    bool cap = d->capturing;
     if (m->limit && m->reserved + (int64_t)seg > m->limit) {
-      release_cached(m);
+      if (!cap) release_cached(m);
       if (m->reserved + (int64_t)seg > m->limit) {
         oom(m, device, nbytes, "(over the memory limit)");
         return NULL;
       }
     }
     void *p = NULL;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (cap) (void)cudaThreadExchangeStreamCaptureMode(&mode);
     cudaError_t e = cudaMalloc(&p, seg);
-    if (e != cudaSuccess) {
+    if (e != cudaSuccess && !cap) {
       (void)cudaGetLastError();
       release_cached(m);
       e = cudaMalloc(&p, seg);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        oom(m, device, nbytes, NULL);
-        return NULL;
-      }
+    }
+    if (cap) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      oom(m, device, nbytes, NULL);
+      return NULL;
     }
     m->reserved += (int64_t)seg;
     m->num_device_allocs++;

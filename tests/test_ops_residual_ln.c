@@ -4,7 +4,7 @@
 ** dtypes of a GPT block under bf16 autocast (x f32, r bf16, y bf16) against the unfused
 ** ops (add, layer_norm, cast) with gradients reaching both outputs: the CPU's composed
 ** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. A small GPT's
-** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (the default: every
+** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (opt-in: every
 ** residual add fused with the norm after it) against =0 (the unfused ops), f32 and under bf16 autocast.
 ** Bad input.
 */

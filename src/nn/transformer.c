@@ -304,13 +304,12 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
 /* Whether the residual adds and the layer norms after them run as kiln_residual_layer_norm
 ** (CUDA: one kernel each way, the norm's output straight in the autocast dtype): in a
 ** Block, x + attn and ln_2; in the GPT's own walk over its blocks, also the MLP's add
-** with the next block's ln_1 (and the last one's with ln_f). On by default since the
-** 18:40 H200 run (GPT-2 at B=16, T=1024, bf16, fused loss: peak 9.18 -> 8.05 GiB, the
-** same speed); KILN_GPT_RESIDUAL_LN=0 turns it off (read at each call, so a test can
-** compare both ways). */
+** with the next block's ln_1 (and the last one's with ln_f). Off unless
+** KILN_GPT_RESIDUAL_LN=1 (read at each call, so a test can compare both ways): it saves
+** memory but made GPT-2's step slower on the H200 (bench/RESULTS.md). */
 static bool residual_ln_on(void) {
   const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
-  return !(e && !strcmp(e, "0"));
+  return e && !strcmp(e, "1");
 }
 
 /* The dtype a fused norm gives its output: the autocast dtype in a region (for f32 x: the

@@ -177,11 +177,7 @@ static kiln_status graph_step(void *p, kiln_tensor *const *in, kiln_tensor *out_
   kiln_scope_begin();
   kiln_tensor *loss = NULL;
   kiln_status st = train_on(p, in[0], in[1], &loss);
-  if (st == KILN_OK) {
-    bool prev = kiln_set_grad_enabled(false);
-    st = kiln_copy_(out_loss, loss);
-    kiln_set_grad_enabled(prev);
-  }
+  if (st == KILN_OK) st = ex_graph_store_loss(out_loss, loss);
   kiln_scope_end();
   return st;
 }

@@ -70,11 +70,7 @@ static kiln_status train_step(void *p, kiln_tensor *const *in, kiln_tensor *out_
   kiln_optimizer_zero_grad(c->opt);
   kiln_status st = kiln_backward(loss, NULL);
   if (st == KILN_OK) st = kiln_optimizer_step(c->opt);
-  if (st == KILN_OK) {
-    bool prev = kiln_set_grad_enabled(false);
-    st = kiln_copy_(out_loss, loss);
-    kiln_set_grad_enabled(prev);
-  }
+  if (st == KILN_OK) st = ex_graph_store_loss(out_loss, loss);
   kiln_scope_end();
   return st;
 }

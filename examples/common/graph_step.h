@@ -81,6 +81,15 @@ typedef struct ex_graph_step {
 
 enum { EX_AHEAD_NONE = -2 };
 
+/* For a step function: copies the step's loss into out (the loss the graph writes), with
+** grad mode off so the copy records no node. */
+static inline kiln_status ex_graph_store_loss(kiln_tensor *out, kiln_tensor *loss) {
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = kiln_copy_(out, loss);
+  kiln_set_grad_enabled(prev);
+  return st;
+}
+
 static inline void ex_graph_step_init(ex_graph_step *gs, kiln_device dev, int n_in, int64_t full_batch,
                                       ex_step_fn fn, void *user) {
   memset(gs, 0, sizeof *gs);

@@ -54,6 +54,7 @@
 #include "common/launch.h"
 #include "common/output.h"
 #include "common/logdir.h"
+#include "common/options.h"
 #include "common/progress.h"
 #include "common/fmnist_data.h"
 
@@ -210,50 +211,28 @@ int main(int argc, char **argv) {
   const char *amp = NULL;    /* --autocast bf16|f16 */
   const char *model_name = "mlp"; /* --model mlp|cnn */
   const char *devname = NULL, *data = NULL, *ckpt = "fashion-mnist.ckpt.safetensors";
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v;
-    if (!strcmp(a, "--json")) json = true;
-    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
-    else if (!strcmp(a, "--resume")) resume = true;
-    else if (!strcmp(a, "--graph")) graph = true;
-    else if (!strcmp(a, "--tf32")) kiln_set_matmul_tf32(true);
-    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--device")) {
-      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--model")) {
-      if (!(model_name = ex_flag_value(PROG, argc, argv, &i))) return 2;
-      if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn")) {
-        fprintf(stderr, PROG ": --model '%s': use mlp or cnn\n", model_name);
-        return 2;
-      }
-    } else if (!strcmp(a, "--data")) {
-      if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--logdir")) {
-      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--autocast")) {
-      if (!(amp = ex_autocast_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--checkpoint")) {
-      if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--epochs")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 100000, &epochs)) return 2;
-    } else if (!strcmp(a, "--batch")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 60000, &batch)) return 2;
-    } else if (!strcmp(a, "--limit")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 60000, &limit)) return 2;
-    } else if (!strcmp(a, "--workers")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 0, 64, &workers)) return 2;
-    } else if (!strcmp(a, "--seed")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 0, 2147483647, &seed)) return 2;
-    } else if (!strcmp(a, "--lr")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
-    } else {
-      fprintf(stderr, PROG ": unknown option '%s'\n", a);
-      usage(stderr);
-      return 2;
-    }
-  }
+  bool tf32 = false;
+  const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
+                         {.name = "--quiet", .kind = EX_FLAG, .out = &quiet, .alias = "-q"},
+                         {.name = "--resume", .kind = EX_FLAG, .out = &resume},
+                         {.name = "--graph", .kind = EX_FLAG, .out = &graph},
+                         {.name = "--tf32", .kind = EX_FLAG, .out = &tf32},
+                         {.name = "--device", .kind = EX_STR, .out = &devname},
+                         {.name = "--model", .kind = EX_CHOICE, .out = &model_name, .choices = "mlp|cnn"},
+                         {.name = "--data", .kind = EX_STR, .out = &data},
+                         {.name = "--logdir", .kind = EX_STR, .out = &logdir},
+                         {.name = "--autocast", .kind = EX_AUTOCAST, .out = &amp},
+                         {.name = "--checkpoint", .kind = EX_STR, .out = &ckpt},
+                         {.name = "--epochs", .kind = EX_INT, .out = &epochs, .lo = 1, .hi = 100000},
+                         {.name = "--batch", .kind = EX_INT, .out = &batch, .lo = 1, .hi = 60000},
+                         {.name = "--limit", .kind = EX_INT, .out = &limit, .lo = 1, .hi = 60000},
+                         {.name = "--workers", .kind = EX_INT, .out = &workers, .lo = 0, .hi = 64},
+                         {.name = "--seed", .kind = EX_INT, .out = &seed, .lo = 0, .hi = 2147483647},
+                         {.name = "--lr", .kind = EX_NUM, .out = &lr, .lo = 0, .hi = 10},
+                         {.name = NULL}};
+  int prc = ex_parse_args(PROG, argc, argv, opts, usage);
+  if (prc >= 0) return prc;
+  if (tf32) kiln_set_matmul_tf32(true);
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   if (ex_check_output(PROG, ckpt)) return 2;
   kiln_dist *dist;

@@ -78,6 +78,7 @@
 #include "common/launch.h"
 #include "common/output.h"
 #include "common/logdir.h"
+#include "common/options.h"
 #include "common/progress.h"
 
 #define PROG "gpt"
@@ -572,68 +573,37 @@ int main(int argc, char **argv) {
   bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
   const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v;
-    long long *iv = NULL, lo = 1, hi = 0;
-    if (!strcmp(a, "--json")) json = true;
-    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
-    else if (!strcmp(a, "--resume")) resume = true;
-    else if (!strcmp(a, "--greedy")) greedy = true;
-    else if (!strcmp(a, "--checkpoint-activations")) ckpt_act = true;
-    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--device")) {
-      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--data")) {
-      if (!(data = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--logdir")) {
-      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--checkpoint")) {
-      if (!(ckpt = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--tokenizer")) {
-      if (!(tokenizer = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--generate")) {
-      if (!(prompt = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--lr")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
-    } else if (!strcmp(a, "--temperature")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 100.0, &temperature))
-        return 2;
-    } else if (!strcmp(a, "--top-p")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 1.0, &top_p)) return 2;
-      if (!(top_p > 0)) {
-        fprintf(stderr, PROG ": --top-p needs a number in (0, 1], got '%s'\n", v);
-        return 2;
-      }
-    } else if (!strcmp(a, "--dropout")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, -1.0, 0.9, &dropout)) return 2;
-      if (dropout < 0) {
-        fprintf(stderr, PROG ": --dropout needs a number in [0, 0.9], got '%s'\n", v);
-        return 2;
-      }
-      shape_flag = true;
-    } else {
-      if (!strcmp(a, "--steps")) iv = &steps, hi = 10000000;
-      else if (!strcmp(a, "--batch")) iv = &batch, hi = 65536;
-      else if (!strcmp(a, "--block")) iv = &block, hi = 65536, shape_flag = true;
-      else if (!strcmp(a, "--n-layer")) iv = &n_layer, hi = 1024, shape_flag = true;
-      else if (!strcmp(a, "--n-head")) iv = &n_head, hi = 1024, shape_flag = true;
-      else if (!strcmp(a, "--n-embd")) iv = &n_embd, hi = 65536, shape_flag = true;
-      else if (!strcmp(a, "--eval-every")) iv = &eval_every, hi = 10000000;
-      else if (!strcmp(a, "--until")) iv = &until, hi = 10000000;
-      else if (!strcmp(a, "--eval-iters")) iv = &eval_iters, hi = 100000;
-      else if (!strcmp(a, "--seed")) iv = &seed, lo = 0, hi = 2147483647;
-      else if (!strcmp(a, "--tokens")) iv = &n_tokens, hi = 1000000;
-      else if (!strcmp(a, "--top-k")) iv = &top_k, lo = 0, hi = 1000000;
-      if (!iv) {
-        fprintf(stderr, PROG ": unknown option '%s'\n", a);
-        usage(stderr);
-        return 2;
-      }
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, lo, hi, iv)) return 2;
-    }
-  }
+  const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
+                         {.name = "--quiet", .kind = EX_FLAG, .out = &quiet, .alias = "-q"},
+                         {.name = "--resume", .kind = EX_FLAG, .out = &resume},
+                         {.name = "--greedy", .kind = EX_FLAG, .out = &greedy},
+                         {.name = "--checkpoint-activations", .kind = EX_FLAG, .out = &ckpt_act},
+                         {.name = "--device", .kind = EX_STR, .out = &devname},
+                         {.name = "--data", .kind = EX_STR, .out = &data},
+                         {.name = "--logdir", .kind = EX_STR, .out = &logdir},
+                         {.name = "--checkpoint", .kind = EX_STR, .out = &ckpt},
+                         {.name = "--tokenizer", .kind = EX_STR, .out = &tokenizer},
+                         {.name = "--generate", .kind = EX_STR, .out = &prompt},
+                         {.name = "--lr", .kind = EX_NUM, .out = &lr, .lo = 0, .hi = 10},
+                         {.name = "--temperature", .kind = EX_NUM, .out = &temperature, .lo = 0, .hi = 100},
+                         {.name = "--top-p", .kind = EX_NUM, .out = &top_p, .lo = 0, .hi = 1},
+                         /* the options that change the model's shape (shape_flag: see below) */
+                         {.name = "--dropout", .kind = EX_NUM_0, .out = &dropout, .lo = 0, .hi = 0.9, .seen = &shape_flag},
+                         {.name = "--block", .kind = EX_INT, .out = &block, .lo = 1, .hi = 65536, .seen = &shape_flag},
+                         {.name = "--n-layer", .kind = EX_INT, .out = &n_layer, .lo = 1, .hi = 1024, .seen = &shape_flag},
+                         {.name = "--n-head", .kind = EX_INT, .out = &n_head, .lo = 1, .hi = 1024, .seen = &shape_flag},
+                         {.name = "--n-embd", .kind = EX_INT, .out = &n_embd, .lo = 1, .hi = 65536, .seen = &shape_flag},
+                         {.name = "--steps", .kind = EX_INT, .out = &steps, .lo = 1, .hi = 10000000},
+                         {.name = "--batch", .kind = EX_INT, .out = &batch, .lo = 1, .hi = 65536},
+                         {.name = "--eval-every", .kind = EX_INT, .out = &eval_every, .lo = 1, .hi = 10000000},
+                         {.name = "--until", .kind = EX_INT, .out = &until, .lo = 1, .hi = 10000000},
+                         {.name = "--eval-iters", .kind = EX_INT, .out = &eval_iters, .lo = 1, .hi = 100000},
+                         {.name = "--seed", .kind = EX_INT, .out = &seed, .lo = 0, .hi = 2147483647},
+                         {.name = "--tokens", .kind = EX_INT, .out = &n_tokens, .lo = 1, .hi = 1000000},
+                         {.name = "--top-k", .kind = EX_INT, .out = &top_k, .lo = 0, .hi = 1000000},
+                         {.name = NULL}};
+  int prc = ex_parse_args(PROG, argc, argv, opts, usage);
+  if (prc >= 0) return prc;
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   kiln_device dev = kiln_device_best();
   if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {

@@ -41,6 +41,7 @@
 #include "common/graph_step.h"
 #include "common/launch.h"
 #include "common/logdir.h"
+#include "common/options.h"
 #include "common/progress.h"
 
 #define PROG "seed-mlp"
@@ -150,33 +151,19 @@ int main(int argc, char **argv) {
   bool json = false, quiet = false, graph = false, preload = false;
   const char *logdir = NULL; /* --logdir: TensorBoard event files (common/logdir.h) */
   const char *devname = NULL;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v;
-    if (!strcmp(a, "--json")) json = true;
-    else if (!strcmp(a, "--graph")) graph = true;
-    else if (!strcmp(a, "--preload")) preload = true;
-    else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) quiet = true;
-    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--device")) {
-      if (!(devname = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--logdir")) {
-      if (!(logdir = ex_flag_value(PROG, argc, argv, &i))) return 2;
-    } else if (!strcmp(a, "--epochs")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, 100000, &epochs)) return 2;
-    } else if (!strcmp(a, "--batch")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 1, N_SAMPLES, &batch)) return 2;
-    } else if (!strcmp(a, "--workers")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_int(PROG, a, v, 0, 64, &workers)) return 2;
-    } else if (!strcmp(a, "--lr")) {
-      if (!(v = ex_flag_value(PROG, argc, argv, &i)) || !ex_parse_double(PROG, a, v, 0.0, 10.0, &lr)) return 2;
-    } else {
-      fprintf(stderr, PROG ": unknown option '%s'\n", a);
-      usage(stderr);
-      return 2;
-    }
-  }
+  const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
+                         {.name = "--graph", .kind = EX_FLAG, .out = &graph},
+                         {.name = "--preload", .kind = EX_FLAG, .out = &preload},
+                         {.name = "--quiet", .kind = EX_FLAG, .out = &quiet, .alias = "-q"},
+                         {.name = "--device", .kind = EX_STR, .out = &devname},
+                         {.name = "--logdir", .kind = EX_STR, .out = &logdir},
+                         {.name = "--epochs", .kind = EX_INT, .out = &epochs, .lo = 1, .hi = 100000},
+                         {.name = "--batch", .kind = EX_INT, .out = &batch, .lo = 1, .hi = N_SAMPLES},
+                         {.name = "--workers", .kind = EX_INT, .out = &workers, .lo = 0, .hi = 64},
+                         {.name = "--lr", .kind = EX_NUM, .out = &lr, .lo = 0, .hi = 10},
+                         {.name = NULL}};
+  int prc = ex_parse_args(PROG, argc, argv, opts, usage);
+  if (prc >= 0) return prc;
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   kiln_dist *dist;
   int world, rank;

@@ -133,6 +133,12 @@ static const h_case red_cases[] = {
     RED("sum dims0,2", 0, RED_SUM, 2, {0, 2}, false, 0),
     RED("sum dims2,0 keepdim", 0, RED_SUM, 2, {2, 0}, true, 0),
     RED("sum dims0,1,2", 0, RED_SUM, 3, {0, 1, 2}, false, 0),
+    /* a convolution's bias gradient: the batch and the spatial dims, long enough that the
+    ** range is split across blocks and a lane's steps cross the spatial rows (CUDA walks
+    ** two reduced groups with an index pair); no gradcheck at this size */
+    {.name = "sum dims0,2,3 (16, 5, 37, 41)", .fn = red_b, .ref = red_r,
+     .ctx = &(const red_ctx){RED_SUM, 3, {0, 2, 3}, false, 0}, .n_in = 1,
+     .in = {{.ndim = 4, .shape = {16, 5, 37, 41}, .fill = H_RANDN, .diff = true}}, .flags = H_NO_GRAD | H_NO_SIZE0},
     RED("mean all", 0, RED_MEAN, 0, {0}, false, 0),
     RED("mean dim1", 0, RED_MEAN, 1, {1}, false, 0),
     RED("mean dims0,2 keepdim", 0, RED_MEAN, 2, {0, 2}, true, 0),

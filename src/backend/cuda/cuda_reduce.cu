@@ -50,6 +50,35 @@ __device__ __forceinline__ int64_t red_offset(const RGeom &g, int64_t r) {
   return a;
 }
 
+/* Walks the reduced range from r in steps of G, the input offset of each element made
+** without a division per element: one or two reduced groups (a row; a "sum over N and the
+** spatial dims" as a bias gradient takes) carry an index pair, more groups fall back to
+** red_offset. 64-bit division costs dozens of instructions, more than the load itself. */
+struct RIter {
+  int64_t i0, i1, s1, in0, in1, q, rem, r;
+  const RGeom *g;
+  __device__ __forceinline__ RIter(const RGeom &geom, int64_t start, int64_t G) : g(&geom) {
+    r = start;
+    if (geom.nr == 2) {
+      s1 = geom.rsize[1], in0 = geom.rin[0], in1 = geom.rin[1];
+      i0 = start / s1, i1 = start - i0 * s1;
+      q = G / s1, rem = G - q * s1;
+    } else {
+      s1 = in1 = i1 = rem = 0;
+      in0 = geom.rin[0], i0 = start, q = G;
+    }
+  }
+  __device__ __forceinline__ int64_t offset() const {
+    if (g->nr <= 2) return i0 * in0 + i1 * in1;
+    return red_offset(*g, r);
+  }
+  __device__ __forceinline__ void next(int64_t G) {
+    r += G;
+    i0 += q, i1 += rem;
+    if (i1 >= s1 && g->nr == 2) i1 -= s1, i0++;
+  }
+};
+
 /* ---- the four value reductions ---- */
 template <class A> struct R_sum {
   __device__ __forceinline__ A init() const { return (A)0; }
@@ -108,7 +137,7 @@ __global__ void __launch_bounds__(KC_THREADS)
   kept_offsets(g, row, &base, &o0, &o1);
   int64_t r0 = (int64_t)blockIdx.y * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
   A acc = op.init();
-  for (int64_t r = r0 + lane; r < r1; r += G) acc = op(acc, kc_ld<T>(in[base + red_offset(g, r)]));
+  for (RIter it(g, r0 + lane, G); it.r < r1; it.next(G)) acc = op(acc, kc_ld<T>(in[base + it.offset()]));
   if constexpr (G <= 32) {
     acc = kc_warp_reduce(acc, op);
   } else {
@@ -132,7 +161,7 @@ __global__ void __launch_bounds__(KC_THREADS)
   kept_offsets(g, o, &base, &o0, &o1);
   int64_t r0 = (int64_t)blockIdx.y * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
   A acc = op.init();
-  for (int64_t r = r0; r < r1; r++) acc = op(acc, kc_ld<T>(in[base + red_offset(g, r)]));
+  for (RIter it(g, r0, 1); it.r < r1; it.next(1)) acc = op(acc, kc_ld<T>(in[base + it.offset()]));
   if (gridDim.y == 1) out[o0] = kc_st<TO>(acc);
   else partial[(int64_t)blockIdx.y * O + o] = acc;
 }

@@ -12,14 +12,18 @@
 **      M2 merged by Chan et al.'s rule), the block merges its threads in a fixed order.
 **      A channel's values never meet as E[x^2] - E[x]^2, so a mean far from 0 costs no
 **      precision, however large N*S is.
-**   2. one thread per channel merges the splits in f64: the mean, the biased variance,
+**   2. one warp per channel merges the splits in f64 (lanes over splits, then a fixed
+**      shuffle tree): the mean, the biased variance,
 **      invstd = 1/sqrt(var + eps) (written as out1, the statistics backward reads), the
 **      running statistics' update (PyTorch's rule, unbiased variance) and the per-channel
 **      coefficients of pass 3.
-**   3. y = (x - mean) * (w invstd) + b, elementwise.
+**   3. y = (x - mean) * (w invstd) + b, elementwise, the rows in reverse: pass 1 read the
+**      last rows last, and some are still in L2.
+** Each thread loads 2-4 vectors before it uses any (enough bytes in flight to reach the
+** bandwidth); a block's rows merge by a fixed tree.
 ** Eval: 2 (from the running statistics) and 3.
-** Backward: the same shape: per-(channel, split) sums of g and g (x - mean); one thread per
-** channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
+** Backward: the same shape: per-(channel, split) sums of g and g (x - mean) (the mean read
+** from the saved statistics); one warp per channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
 ** dx = k g + cx (x - mean) + d0 elementwise (eval: k g).
 ** Statistics and sums accumulate in f32 (f64 for f64 inputs), the splits in f64. Every
 ** reduction has a fixed order (no atomics): the same numbers on every run.
@@ -463,7 +467,8 @@ __global__ void __launch_bounds__(BN_THREADS)
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
-  const int64_t row = (int64_t)blockIdx.x * rpb + rr;
+  /* the last rows first: pass 1 read them last, so they may still be in L2 */
+  const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
   if (row >= rows) return;
   const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
@@ -494,8 +499,8 @@ __global__ void __launch_bounds__(BN_THREADS)
 }
 
 /* ---- pass 3, cl: block (TX channel vectors) x (TY rows) as pass 1's; each thread keeps
-** its V channels' coefficients in registers and walks rows blockIdx.y * TY + ty, then
-** gridDim.y * TY further each time ((n, s) advanced by subtraction), U rows loaded before
+** its V channels' coefficients in registers and walks rows ty, ty + TY, ... of its block
+** row's chunk ((n, s) advanced by subtraction), U rows loaded before
 ** any is used. (pass3 above reloaded three coefficient vectors per data vector here: the
 ** channels-last forward ran at a third of the NCHW one's bandwidth on the H200.) */
 template <class T, class A, int V, bool BW, bool TRAIN>
@@ -521,10 +526,13 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef) {
+             const A *__restrict__ coef, int64_t chunk) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
-  const int64_t C = G.C, R = G.N * G.S, step = (int64_t)gridDim.y * blockDim.y, c0 = cv * V;
+  /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
+  ** so the last it read may still be in L2 (50 MB on the H200) */
+  const int64_t C = G.C, R = G.N * G.S, step = blockDim.y, c0 = cv * V;
+  const int64_t by = (int64_t)gridDim.y - 1 - blockIdx.y, r0 = by * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
   typedef Pack<A, V> PA;
   typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
@@ -533,11 +541,11 @@ __global__ void __launch_bounds__(BN_THREADS)
   if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
   const bool rx = !BW || TRAIN; /* x is read */
   constexpr int U = BW && TRAIN ? 2 : BN_U; /* three loads a row in the training backward */
-  int64_t r = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+  int64_t r = r0 + threadIdx.y;
   int64_t n = r / G.S, s = r - n * G.S;
   const int64_t dn = step / G.S, ds = step - dn * G.S;
   for (;;) {
-    const int u_n = r + (int64_t)(U - 1) * step < R ? U : r < R ? 1 : 0;
+    const int u_n = r + (int64_t)(U - 1) * step < r1 ? U : r < r1 ? 1 : 0;
     if (u_n == 0) break;
     P px[U], pg[U], pmk[U];
     int64_t yo[U];
@@ -709,10 +717,11 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 16 - 1) / ((int64_t)ty * 16);
     if (gy > 65535) gy = 65535;
     if (gy < 1) gy = 1;
+    int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \

@@ -689,6 +689,12 @@ KILN_API kiln_tensor *kiln_pad(kiln_tensor *x, int n, const int64_t *pads, kiln_
 KILN_API kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
                                       kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
                                       double eps);
+/* relu(kiln_batch_norm(...)) as one op: the same values and gradients, without the
+** normalized tensor before the ReLU (not written, not kept for the backward: the output
+** itself tells where the ReLU let the gradient through). ResNet's conv-bn-relu. */
+KILN_API kiln_tensor *kiln_batch_norm_relu(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                           kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
+                                           double eps);
 /* x (N, C, ...) normalized over each group of C/groups channels; weight, bias (C) or NULL. */
 KILN_API kiln_tensor *kiln_group_norm(kiln_tensor *x, int64_t groups, kiln_tensor *weight, kiln_tensor *bias,
                                       double eps);

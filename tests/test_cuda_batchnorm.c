@@ -93,7 +93,7 @@ static void bc_vs_cpu(void) {
 }
 
 static void bc_offset(void) {
-  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false};
+  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false, false};
   bn_out gpu, cpu;
   if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu))
     bn_compare("mean 1000, spread 1: cuda vs cpu", &sp, &gpu, &cpu, 1e-4, 1e-5);
@@ -132,6 +132,29 @@ static void bc_repeat(void) {
       bn_out a, b;
       if (bn_run(&sp, bc_gpu(), &a) && bn_run(&sp, bc_gpu(), &b)) bn_compare("cuda run twice", &sp, &a, &b, 0, 0);
       bn_out_free(&a), bn_out_free(&b);
+    }
+}
+
+/* kiln_batch_norm_relu on the device: bit for bit the separate ReLU's numbers there
+** (test_ops_batchnorm's check), and close to the CPU's fused op. */
+static void bc_fused(void) {
+  bn_relu_fused(bc_gpu());
+  static const struct {
+    int64_t shape[5];
+    int layout;
+  } cfg[] = {{{8, 40, 7, 7, 0}, BN_CL}, {{8, 24, 14, 14, 0}, BN_CONTIG}, {{4, 7, 5, 5, 0}, BN_CL}};
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 2; di++) {
+      bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], 2, 0.3, 850 + ci * 2 + (uint64_t)di);
+      sp.fused = true;
+      bn_out gpu, cpu;
+      if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu)) {
+        double rt, at;
+        bc_tol(sp.dt, &rt, &at);
+        bn_compare("batch_norm_relu cuda vs cpu", &sp, &gpu, &cpu, rt, at);
+      }
+      bn_out_free(&gpu), bn_out_free(&cpu);
     }
 }
 
@@ -204,12 +227,14 @@ static double bc_time(bc_fn fn, void *ctx, int reps) {
 typedef struct bc_bn {
   kiln_tensor *x, *w, *b, *rm, *rv, *g;
   bool backward, relu; /* relu: ReLU(batch_norm(x)), its backward folded into batch_norm's */
+  bool fused;          /* with relu: kiln_batch_norm_relu */
 } bc_bn;
 static kiln_status bc_bn_step(void *ctx) {
   bc_bn *c = ctx;
   kiln_scope_begin();
-  kiln_tensor *y = kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5);
-  if (c->relu) y = kiln_relu(y);
+  kiln_tensor *y = c->relu && c->fused ? kiln_batch_norm_relu(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5)
+                                       : kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5);
+  if (c->relu && !c->fused) y = kiln_relu(y);
   kiln_tensor *ins[3] = {c->x, c->w, c->b}, *gr[3] = {NULL, NULL, NULL};
   kiln_status st = !y ? kiln_last_error() : c->backward ? kiln_autograd_grad(1, &y, &c->g, 3, ins, gr) : KILN_OK;
   kiln_scope_end();
@@ -252,10 +277,15 @@ static void bc_time_bn(const int64_t *shape, bool cl) {
   double fr = bc_time(bc_bn_step, &c, 10);
   c.backward = true;
   double fb = bc_time(bc_bn_step, &c, 10) - fr + f;
-  H_CHECK(f > 0 && fr > 0 && fb > 0, "batch_norm timing ran: %s", kiln_last_error_message());
-  printf("test_cuda_batchnorm: bn (%lld,%lld,%lld,%lld) %s: fwd %.3f ms %.0f GB/s, bwd %.3f ms %.0f GB/s\n",
+  c.fused = true;
+  double ufb = bc_time(bc_bn_step, &c, 10);
+  c.backward = false;
+  double uf = bc_time(bc_bn_step, &c, 10);
+  H_CHECK(f > 0 && fr > 0 && fb > 0 && uf > 0 && ufb > 0, "batch_norm timing ran: %s", kiln_last_error_message());
+  printf("test_cuda_batchnorm: bn (%lld,%lld,%lld,%lld) %s: fwd %.3f ms %.0f GB/s, bwd %.3f ms %.0f GB/s; "
+         "+relu fwd %.3f fwd+bwd %.3f, fused %.3f %.3f\n",
          (long long)N, (long long)C, (long long)H, (long long)W, cl ? "CL" : "NCHW", f, 3 * gb / (f * 1e-3), fb - f,
-         7 * gb / ((fb - f) * 1e-3));
+         7 * gb / ((fb - f) * 1e-3), fr, fb - f + fr, uf, ufb);
   kiln_scope_end();
 }
 
@@ -310,9 +340,10 @@ int main(int argc, char **argv) {
   printf("test_cuda_batchnorm: against the CPU\n");
   bc_vs_cpu();
   bc_offset();
-  printf("test_cuda_batchnorm: a channel of 256x56x56, and runs repeated\n");
+  printf("test_cuda_batchnorm: a channel of 256x56x56, runs repeated, batch_norm_relu\n");
   bc_big();
   bc_repeat();
+  bc_fused();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

@@ -113,6 +113,7 @@ typedef struct bn_spec {
   double offset;      /* added to x: a mean far from 0 */
   uint64_t seed;
   bool relu;          /* relu(batch_norm(x)): the ReLU's backward folds into the kernel's */
+  bool fused;         /* with relu: kiln_batch_norm_relu, one op */
 } bn_spec;
 
 /* The spec of one sweep case: mode 0 training, 1 eval, 2 training under a ReLU; the
@@ -232,8 +233,9 @@ static bool bn_run(const bn_spec *sp, kiln_device dev, bn_out *o) {
   kiln_requires_grad_(b, true);
   /* the upstream gradient in x's layout where x has one (its own layout otherwise) */
   if (sp->layout == BN_CL) r = bn_channels_inner(r);
-  kiln_tensor *y = kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5);
-  if (sp->relu) y = kiln_relu(y);
+  kiln_tensor *y = sp->relu && sp->fused ? kiln_batch_norm_relu(x, rm, rvar, w, b, sp->train, 0.1, 1e-5)
+                                         : kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5);
+  if (sp->relu && !sp->fused) y = kiln_relu(y);
   kiln_tensor *ins[3] = {leaf, w, b}, *grads[3] = {NULL, NULL, NULL};
   bool ok = y && kiln_autograd_grad(1, &y, &r, 3, ins, grads) == KILN_OK;
   H_CHECK(ok, "batch_norm %s %s %s%s on %s ran: %s", bn_layout_name[sp->layout], kiln_dtype_name(sp->dt),
@@ -405,11 +407,40 @@ static void bn_extra(void) {
   kiln_scope_end();
 }
 
+/* kiln_batch_norm_relu against kiln_relu(kiln_batch_norm(...)) on dev: the same kernel
+** and the same mask (the output is > 0 exactly where the normalized value was), so the
+** same numbers bit for bit: y, the running statistics, dx, dweight, dbias. Both layouts,
+** training and eval, every dtype. */
+static void bn_relu_fused(kiln_device dev) {
+  static const struct {
+    int ndim;
+    int64_t shape[5];
+    int layout;
+  } shapes[] = {{4, {4, 6, 5, 5}, BN_CONTIG}, {4, {3, 16, 4, 6}, BN_CL}, {2, {32, 12, 0, 0, 0}, BN_CONTIG},
+                {4, {2, 5, 3, 3}, BN_SLICE}};
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (int di = 0; di < 4; di++)
+      for (int mode = 0; mode < 2; mode++) {
+        bn_spec sp = bn_sweep_spec(shapes[si].ndim, shapes[si].shape, shapes[si].layout, dts[di], mode, 0.0,
+                                   900 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode);
+        sp.relu = true;
+        bn_out fused, sep;
+        sp.fused = true;
+        bool a = bn_run(&sp, dev, &fused);
+        sp.fused = false;
+        bool b = bn_run(&sp, dev, &sep);
+        if (a && b) bn_compare("batch_norm_relu vs relu(batch_norm)", &sp, &fused, &sep, 0, 0);
+        bn_out_free(&fused), bn_out_free(&sep);
+      }
+}
+
 static void bn_family(void) {
   h_run_cases(bn_cases, (int)(sizeof bn_cases / sizeof bn_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     bn_vs_composite();
     bn_extra();
+    bn_relu_fused(kiln_device_cpu());
   }
 }
 

@@ -222,6 +222,8 @@ static bool x_layout_cl(const kiln__view *v) { return view_cl(v) && (!view_cf(v)
 
 static kiln__view vec1(const kiln_tensor *t) { return kiln__view_of(t); }
 
+static const kiln__op op_batch_norm_relu_k;
+
 static kiln_status bnk_forward(kiln__op_ctx *c) {
   const attrs_bn *p = c->attrs;
   kiln_tensor *x = c->in[0], *rm = c->in[1], *rv = c->in[2], *w = c->in[3], *b = c->in[4];
@@ -260,6 +262,7 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
     a.out[a.n_out++] = vec1(rv);
     a.i[0] |= 4;
   }
+  if (c->op == &op_batch_norm_relu_k) a.i[0] |= 8; /* the ReLU fused */
   a.i[1] = p->training;
   a.s[0] = p->eps;
   a.s[1] = p->momentum;
@@ -362,6 +365,35 @@ static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
   return KILN_OK;
 }
 
+/* batch_norm_relu: the same kernel with the ReLU applied to y (flag 8), and the same
+** backward with the output as the mask (out > 0 exactly where the normalized value was):
+** the node keeps x and the output, which the next layer keeps anyway, instead of the
+** separate ReLU's input. */
+static void bnkr_save(kiln__op_ctx *c, kiln__node *n) {
+  bnk_save(c, n);
+  kiln__node_save_output(n, 3);
+}
+
+static kiln_status bnkr_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->saved[3]};
+  kiln_tensor *out[3] = {NULL, NULL, NULL};
+  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
+  if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
+  for (int k = 1; k < 3; k++) {
+    int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
+    if (!n->needs[i]) continue;
+    kiln_tensor *r = out[k]->dtype != n->in_dtype[i] ? kiln_to_dtype(out[k], n->in_dtype[i]) : out[k];
+    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_batch_norm_relu_k = {
+    .name = "batch_norm_relu", .api = "kiln_batch_norm_relu", .n_in = 5, .n_out = 1, .optional = 0x1e,
+    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM}, .attrs = f_bn, .n_attrs = 3,
+    .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnkr_backward,
+    .n_saved = 4, .save = bnkr_save};
+
 static const kiln__op op_batch_norm_k = {
     .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_GRAD_MASK, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM},
@@ -371,7 +403,8 @@ static const kiln__op op_batch_norm_k = {
 
 /* Whether x's device runs BATCH_NORM for these arguments (asked before the call, so that a
 ** backend without it, Vulkan, composes instead of copying every activation to the CPU). */
-static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training) {
+static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training,
+                      bool relu) {
   if (!x || x->ndim < 2 || !kiln_dtype_is_float(x->dtype)) return false; /* the composite reports it */
   if (training ? (!rm) != (!rv) : (!rm || !rv)) return false;
   kiln_tensor *vecs[4] = {rm, rv, w, b};
@@ -396,6 +429,7 @@ static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_ten
   q.out[q.n_out].strides[0] = x->shape[1], q.out[q.n_out].strides[1] = 1;
   q.out[q.n_out++].dtype = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
   if (rm && rv) q.out[q.n_out++] = vec1(rm), q.out[q.n_out++] = vec1(rv), q.i[0] |= 4;
+  if (relu) q.i[0] |= 8;
   q.i[1] = training;
   return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_BATCH_NORM);
 }
@@ -404,8 +438,18 @@ kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_ten
                              kiln_tensor *bias, bool training, double momentum, double eps) {
   attrs_bn a = {training, momentum, eps};
   kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
-  bool native = bn_native(x, running_mean, running_var, weight, bias, training);
+  bool native = bn_native(x, running_mean, running_var, weight, bias, training, false);
   return kiln__op_call(native ? &op_batch_norm_k : &op_batch_norm, 5, in, &a, NULL);
+}
+
+kiln_tensor *kiln_batch_norm_relu(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                  kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum, double eps) {
+  attrs_bn a = {training, momentum, eps};
+  kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
+  if (bn_native(x, running_mean, running_var, weight, bias, training, true))
+    return kiln__op_call(&op_batch_norm_relu_k, 5, in, &a, NULL);
+  /* elsewhere (Vulkan: no BATCH_NORM) the two ops */
+  return kiln_relu(kiln_batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps));
 }
 
 /* ---- group_norm ------------------------------------------------------------------------- */

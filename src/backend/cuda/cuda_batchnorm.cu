@@ -82,6 +82,9 @@ template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk
   return mk && !((A)kc_ld<T>(mv[i]) > (A)0) ? (A)0 : v;
 }
 
+/* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
+template <class A> __device__ __forceinline__ A relu_if(A v, bool relu) { return relu && v < (A)0 ? (A)0 : v; }
+
 /* a / b where precision allows the fast path (the Welford weights) */
 __device__ __forceinline__ float qdiv(float a, float b) { return __fdividef(a, b); }
 __device__ __forceinline__ double qdiv(double a, double b) { return a / b; }
@@ -463,7 +466,7 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-          const A *__restrict__ coef, int64_t inner, int64_t rpb) {
+          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu) {
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
@@ -480,7 +483,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     if (!BW) {
       Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp);
+      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp, relu));
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
@@ -506,11 +509,11 @@ __global__ void __launch_bounds__(BN_THREADS)
 template <class T, class A, int V, bool BW, bool TRAIN>
 __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
                                              const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
-                                             const Pack<A, V> &pp, const Pack<A, V> &pq) {
+                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu) {
   Pack<T, V> out;
   if (!BW) {
 #pragma unroll
-    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i]);
+    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i], relu));
   } else if (TRAIN) {
 #pragma unroll
     for (int i = 0; i < V; i++)
@@ -526,7 +529,7 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef, int64_t chunk) {
+             const A *__restrict__ coef, int64_t chunk, bool relu) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
   /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
     for (int u = 0; u < U; u++)
       if (u < u_n)
-        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq);
+        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu);
     r += (int64_t)u_n * step;
   }
 }
@@ -698,6 +701,7 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
 template <class T, class A, int V>
 kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, bool train,
                       const A *coef) {
+  const bool relu = !bw && (a->i[0] & 8) != 0; /* kiln_batch_norm_relu */
   int64_t inner = (cl ? G.C : G.S) / V; /* pick_vec chose V dividing it */
   if (inner < 1) inner = 1;
   int64_t rpb = inner >= BN_THREADS ? 1 : BN_THREADS / inner;
@@ -719,13 +723,13 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     if (gy < 1) gy = 1;
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk);
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb)
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu)
   if (!bw) BN_P3(false, false);
   else if (train) BN_P3(true, true);
   else BN_P3(true, false);
@@ -816,6 +820,7 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
+    if (a->i[0] & ~(int64_t)15) return false;
   } else {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)

@@ -20,6 +20,7 @@
 **    the stem's (128, 64, 112, 112) bf16.
 ** BC_GPU_IS_CPU builds it against the CPU, to check the test's own logic without a GPU.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define H_NO_MAIN
 #include "test_ops_batchnorm.c"
 
@@ -156,6 +157,35 @@ static void bc_fused(void) {
       }
       bn_out_free(&gpu), bn_out_free(&cpu);
     }
+}
+
+/* The training backward under a ReLU recomputes the mask from x, the statistics and the
+** forward's coefficients (BATCH_NORM_BACKWARD flag 4) instead of reading it: the same
+** mask, so the same bits as reading it (KILN_BN_RECOMPUTE=0), for both layouts, the ReLU
+** separate and fused, every dtype (f16's rounding to 0 near 6e-8 included: the recomputed
+** value is rounded as it was stored). One case has a constant channel (y exactly b). */
+static void bc_recompute(void) {
+  static const struct {
+    int64_t shape[5];
+    int layout;
+  } cfg[] = {{{16, 40, 7, 7, 0}, BN_CL}, {{8, 24, 14, 14, 0}, BN_CONTIG}, {{6, 7, 5, 5, 0}, BN_CL},
+             {{64, 16, 1, 1, 0}, BN_CONTIG}};
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 4; di++)
+      for (int fused = 0; fused < 2; fused++) {
+        bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], 2, 0.1, 870 + ci * 8 + (uint64_t)di * 2);
+        sp.fused = fused;
+        bn_out rd, rc;
+        setenv("KILN_BN_RECOMPUTE", "0", 1);
+        bool a = bn_run(&sp, bc_gpu(), &rd);
+        unsetenv("KILN_BN_RECOMPUTE");
+        bool b = bn_run(&sp, bc_gpu(), &rc);
+        if (a && b)
+          bn_compare(fused ? "batch_norm_relu mask recomputed vs read" : "relu(batch_norm) mask recomputed vs read", &sp,
+                     &rc, &rd, 0, 0);
+        bn_out_free(&rd), bn_out_free(&rc);
+      }
 }
 
 static void bc_max_pool(void) {
@@ -344,6 +374,7 @@ int main(int argc, char **argv) {
   bc_big();
   bc_repeat();
   bc_fused();
+  bc_recompute();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

@@ -274,17 +274,23 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
   return st;
 }
 
-/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C) */
+/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C), 3 bias
+** (or NULL: with the weight and the statistics it lets a kernel recompute y, and so the
+** ReLU's mask, from x) */
 static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 0, c->tmp[0]);
   kiln__node_save(n, 1, c->in[3]);
   kiln__node_save(n, 2, c->tmp[1]);
+  kiln__node_save(n, 3, c->in[4]);
 }
 
-/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask) -> (dx, dweight,
-** dbias); mask (optional): a ReLU's input that g still has to go through (the ReLU's rule
-** handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK), so no
-** ReLU-backward kernel runs and no tensor is made for its result. */
+/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask, bias) -> (dx,
+** dweight, dbias); mask (optional): a ReLU's input that g still has to go through (the
+** ReLU's rule handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK),
+** so no ReLU-backward kernel runs and no tensor is made for its result. The mask is
+** always this batch norm's own output (the peephole's ReLU input is y; batch_norm_relu
+** hands its output): the kernel is told so (flag 4) and given the bias, and CUDA
+** recomputes the mask from x instead of reading it. */
 
 static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
@@ -304,7 +310,7 @@ static kiln_status bnb_infer(kiln__op_ctx *c) {
 
 static kiln_status bnb_forward(kiln__op_ctx *c) {
   const attrs_bn *p = c->attrs;
-  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4];
+  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4], *bias = c->in[5];
   kiln__view xv;
   if (!ncs_view(x, &xv)) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_backward: input %s", kiln__tshape(x));
   bool cl = x_layout_cl(&xv);
@@ -327,7 +333,8 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     ncs_view(gs, &a.in[1]);
     a.in[2] = kiln__view_of(stats);
     if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
-    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
+    if (bias && ms) a.in[a.n_in++] = vec1(bias), a.i[0] |= 8;
+    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2 | 4;
     a.n_out = 3;
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
@@ -342,8 +349,8 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_batch_norm_bwd = {
-    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 5, .n_out = 3,
-    .optional = (1u << 3) | (1u << 4),
+    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 6, .n_out = 3,
+    .optional = (1u << 3) | (1u << 4) | (1u << 5),
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
@@ -352,9 +359,9 @@ static const kiln__op op_batch_norm_bwd = {
 ** right after the op may have handed g over unmasked with its input as n->grad_mask
 ** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask};
+  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask, n->saved[3]};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
+  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
   for (int k = 1; k < 3; k++) {
     int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
@@ -371,13 +378,13 @@ static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
 ** separate ReLU's input. */
 static void bnkr_save(kiln__op_ctx *c, kiln__node *n) {
   bnk_save(c, n);
-  kiln__node_save_output(n, 3);
+  kiln__node_save_output(n, 4);
 }
 
 static kiln_status bnkr_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->saved[3]};
+  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->saved[4], n->saved[3]};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
+  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
   for (int k = 1; k < 3; k++) {
     int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
@@ -392,14 +399,14 @@ static const kiln__op op_batch_norm_relu_k = {
     .name = "batch_norm_relu", .api = "kiln_batch_norm_relu", .n_in = 5, .n_out = 1, .optional = 0x1e,
     .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM}, .attrs = f_bn, .n_attrs = 3,
     .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnkr_backward,
-    .n_saved = 4, .save = bnkr_save};
+    .n_saved = 5, .save = bnkr_save};
 
 static const kiln__op op_batch_norm_k = {
     .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_GRAD_MASK, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM},
     .attrs = f_bn, .n_attrs = 3,
     .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnk_backward,
-    .n_saved = 3, .save = bnk_save};
+    .n_saved = 4, .save = bnk_save};
 
 /* Whether x's device runs BATCH_NORM for these arguments (asked before the call, so that a
 ** backend without it, Vulkan, composes instead of copying every activation to the CPU). */

@@ -364,6 +364,11 @@ int main(int argc, char **argv) {
     printf("test_cuda_batchnorm: skipped (no CUDA device)\n");
     return 77;
   }
+  const char *only = getenv("BC_TIMINGS_ONLY"); /* 1: just the timings (an A/B of a switch) */
+  if (only && !strcmp(only, "1")) {
+    bc_timings();
+    return h_finish();
+  }
   printf("test_cuda_batchnorm: harness cases\n");
   bn_family();
 #endif

@@ -248,11 +248,11 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
                                        const T *mk, const Pack<T, V> &pm, bool rc, const A *kf, const A *bf) {
   if (!BW) {
     n += (A)1;
-    A rc = qdiv((A)1, n);
+    A rn = qdiv((A)1, n);
 #pragma unroll
     for (int i = 0; i < V; i++) {
       A v = (A)kc_ld<T>(px.v[i]), d = v - m[i];
-      m[i] += d * rc;
+      m[i] += d * rn;
       q[i] += d * (v - m[i]);
     }
   } else {

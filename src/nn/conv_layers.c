@@ -313,7 +313,12 @@ typedef struct bn_cfg {
   bool affine, track;
 } bn_cfg;
 
-static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) {
+typedef kiln_tensor *(*bn_fn)(kiln_tensor *, kiln_tensor *, kiln_tensor *, kiln_tensor *, kiln_tensor *, bool,
+                              double, double);
+
+/* The layer's forward with bn as the normalization: kiln_batch_norm, or kiln_batch_norm_relu
+** for a BatchNorm that a ReLU follows (kiln__batch_norm_relu_forward). */
+static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, bn_fn bn) {
   const bn_cfg *c = kiln_module_impl(m);
   int nd = kiln_ndim(x);
   bool ok = c->nd == 2 ? nd == 4 : (nd == 2 || nd == 3);
@@ -335,10 +340,10 @@ static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *b = c->affine ? kiln_module_param(m, "bias") : NULL;
   bool training = kiln_module_is_training(m);
   if (!c->track) /* no running statistics: batch statistics in both modes (PyTorch) */
-    return kiln_batch_norm(x, NULL, NULL, w, b, true, 0.0, c->eps);
+    return bn(x, NULL, NULL, w, b, true, 0.0, c->eps);
   kiln_tensor *rm = kiln_module_buffer(m, "running_mean");
   kiln_tensor *rv = kiln_module_buffer(m, "running_var");
-  if (!training) return kiln_batch_norm(x, rm, rv, w, b, false, 0.0, c->eps);
+  if (!training) return bn(x, rm, rv, w, b, false, 0.0, c->eps);
   /* num_batches_tracked += 1 first: the cumulative average (momentum NAN) uses the new
   ** count, as PyTorch's _BatchNorm.forward does. The count stays on the tensor's device;
   ** only the cumulative mode reads it on the host. */
@@ -351,7 +356,28 @@ static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) {
     if (isnan(count)) return NULL;
     momentum = 1.0 / count;
   }
-  return kiln_batch_norm(x, rm, rv, w, b, true, momentum, c->eps);
+  return bn(x, rm, rv, w, b, true, momentum, c->eps);
+}
+
+static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) { return bn_apply(m, x, kiln_batch_norm); }
+
+static const kiln_module_vtable bn1d_vt, bn2d_vt;
+
+kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *m, kiln_tensor *x) {
+  const kiln_module_vtable *vt = m ? kiln__module_vtable(m) : NULL;
+  if (!x || (vt != &bn1d_vt && vt != &bn2d_vt) || kiln_module_is_checkpointed(m))
+    return kiln_relu(kiln_module_forward(m, x));
+  /* the fused op runs in the BatchNorm's module scope, as kiln_module_forward runs it */
+  kiln__module_scope_push(kiln__module_label(m));
+  int64_t s0 = 0, s1 = 0;
+  if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
+  kiln_tensor *y = bn_apply(m, x, kiln_batch_norm_relu);
+  if (kiln__module_measuring()) {
+    kiln_autograd_saved_bytes(&s1, NULL);
+    kiln__module_measure_note(m, s1 - s0);
+  }
+  kiln__module_scope_pop();
+  return y;
 }
 
 static int bn_repr(const kiln_module *m, char *buf, size_t n) {

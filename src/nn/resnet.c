@@ -31,15 +31,14 @@ static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *out = kiln__batch_norm_relu_forward(kiln_module_child(m, "bn1"),
                                                    kiln_module_forward(kiln_module_child(m, "conv1"), x));
   kiln_tensor *c2 = kiln_module_forward(kiln_module_child(m, "conv2"), out);
+  kiln_tensor *last = c2; /* the block's last convolution's output, before its BatchNorm */
   if (c->bottleneck)
-    out = kiln_module_forward(kiln_module_child(m, "bn3"),
-                              kiln_module_forward(kiln_module_child(m, "conv3"),
-                                                  kiln__batch_norm_relu_forward(kiln_module_child(m, "bn2"), c2)));
-  else
-    out = kiln_module_forward(kiln_module_child(m, "bn2"), c2);
+    last = kiln_module_forward(kiln_module_child(m, "conv3"),
+                               kiln__batch_norm_relu_forward(kiln_module_child(m, "bn2"), c2));
   kiln_tensor *identity = c->downsample ? kiln_module_forward(kiln_module_child(m, "downsample"), x) : x;
-  if (!out || !identity) return NULL;
-  return kiln_relu(kiln_add(out, identity));
+  if (!last || !identity) return NULL;
+  /* relu(bn(last) + identity) as one op (kiln_batch_norm_add_relu) */
+  return kiln__batch_norm_add_relu_forward(kiln_module_child(m, c->bottleneck ? "bn3" : "bn2"), last, identity);
 }
 
 static int block_repr(const kiln_module *m, char *buf, size_t n) {

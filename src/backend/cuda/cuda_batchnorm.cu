@@ -75,7 +75,7 @@ template <class T, int V> struct alignas(sizeof(T) * V) Pack {
 /* Geometry: (N, C, S), and the strides of x, of the other input (g) and of the output. */
 struct Geo {
   int64_t N, C, S;
-  int64_t xs[3], gs[3], ys[3], ms[3]; /* ms: the mask's (backward with a ReLU folded in) */
+  int64_t xs[3], gs[3], ys[3], ms[3]; /* gs: g's, or the forward's residual (flag 16); ms: the mask's */
 };
 
 /* A value of g where the mask lets it through: the ReLU's backward, folded in. */
@@ -515,9 +515,14 @@ __global__ void __launch_bounds__(BN_THREADS)
   for (int64_t v = v0; v < inner; v += step) {
     Pack<T, V> out;
     if (!BW) {
-      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
+      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V), pr;
+      if (g) pr = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V); /* the residual (flag 16) */
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp, relu));
+      for (int i = 0; i < V; i++) {
+        A yv = ((A)kc_ld<T>(px.v[i]) - mean) * kk + pp;
+        if (g) yv += (A)kc_ld<T>(pr.v[i]);
+        out.v[i] = kc_st<T>(relu_if(yv, relu));
+      }
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
@@ -548,11 +553,15 @@ template <class T, class A, int V, bool BW, bool TRAIN>
 __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
                                              const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
                                              const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu, bool rc,
-                                             const Pack<A, V> &pkf, const Pack<A, V> &pbf) {
+                                             const Pack<A, V> &pkf, const Pack<A, V> &pbf, bool res) {
   Pack<T, V> out;
-  if (!BW) {
+  if (!BW) { /* pg: the residual where there is one (res, flag 16) */
 #pragma unroll
-    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i], relu));
+    for (int i = 0; i < V; i++) {
+      A yv = ((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i];
+      if (res) yv += (A)kc_ld<T>(pg.v[i]);
+      out.v[i] = kc_st<T>(relu_if(yv, relu));
+    }
   } else if (TRAIN) {
 #pragma unroll
     for (int i = 0; i < V; i++) {
@@ -602,10 +611,8 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
     for (int u = 0; u < U; u++) {
       if (u < u_n) {
         if (rx) px[u] = *reinterpret_cast<const P *>(x + n * G.xs[0] + s * G.xs[2] + c0);
-        if (BW) {
-          pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0);
-          if (mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
-        }
+        if (BW || g) pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0); /* or the residual */
+        if (BW && mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
         yo[u] = n * G.ys[0] + s * G.ys[2] + c0;
         radv(n, s, dn, ds, G.S);
       }
@@ -613,7 +620,8 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
 #pragma unroll
     for (int u = 0; u < U; u++)
       if (u < u_n)
-        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu, rc, pkf, pbf);
+        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu, rc, pkf, pbf,
+                                                                   !BW && g != NULL);
     r += (int64_t)u_n * step;
   }
 }
@@ -628,11 +636,19 @@ const kiln__view *mask_of(const kiln__kargs *a) {
   return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 2) ? &a->in[a->n_in - 1] : NULL;
 }
 
-/* The big views of a call: x, y (forward); x, g, dx and the mask (backward). */
+/* The forward's residual (flag 16: y = bn(x) + residual, before the ReLU of flag 8), after
+** the weight and the bias, or NULL. */
+const kiln__view *residual_of(const kiln__kargs *a) {
+  if (a->op != KILN__K_BATCH_NORM || !(a->i[0] & 16)) return NULL;
+  return &a->in[1 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)];
+}
+
+/* The big views of a call: x, y and the residual (forward); x, g, dx and the mask (backward). */
 int big_views(const kiln__kargs *a, const kiln__view **v) {
   if (a->op == KILN__K_BATCH_NORM) {
     v[0] = &a->in[0], v[1] = &a->out[0];
-    return 2;
+    if (residual_of(a)) v[2] = residual_of(a);
+    return residual_of(a) ? 3 : 2;
   }
   v[0] = &a->in[0], v[1] = &a->in[1], v[2] = &a->out[0];
   if (mask_of(a)) v[3] = mask_of(a);
@@ -680,7 +696,7 @@ Geo geo_of(const kiln__kargs *a) {
   G.N = x->shape[0], G.C = x->shape[1], G.S = x->shape[2];
   for (int d = 0; d < 3; d++) {
     G.xs[d] = x->strides[d];
-    G.gs[d] = bw ? a->in[1].strides[d] : x->strides[d];
+    G.gs[d] = bw ? a->in[1].strides[d] : residual_of(a) ? residual_of(a)->strides[d] : x->strides[d];
     G.ys[d] = a->out[0].strides[d];
     G.ms[d] = mk ? mk->strides[d] : 0;
   }
@@ -755,7 +771,7 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   int64_t blocks = (rows + rpb - 1) / rpb;
   if (blocks < 1) return KILN_OK;
   const T *x = (const T *)a->in[0].data;
-  const T *g = bw ? (const T *)a->in[1].data : NULL;
+  const T *g = bw ? (const T *)a->in[1].data : residual_of(a) ? (const T *)residual_of(a)->data : NULL;
   const T *mk = mask_of(a) && !rk ? (const T *)mask_of(a)->data : NULL; /* rk: recomputed instead */
   T *y = (T *)a->out[0].data;
   if (cl) {
@@ -879,7 +895,10 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
-    if (a->i[0] & ~(int64_t)15) return false;
+    if (a->i[0] & ~(int64_t)31) return false;
+    const kiln__view *r = residual_of(a);
+    if (r && (r->dtype != x->dtype || r->ndim != 3 || a->n_in < 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)))
+      return false;
   } else {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)

@@ -155,6 +155,14 @@ template <class A> __device__ void block_sum2(A &a, A &b) {
     for (int k = 1; k < nw; k++) a += sh[0][k], b += sh[1][k];
 }
 
+/* a / b for the row decompositions: no 64-bit division where b is 1 (channels-last rows
+** flattened by flat_rows) or where both fit in 32 bits */
+__device__ __forceinline__ int64_t qdiv64(int64_t a, int64_t b) {
+  if (b == 1) return a;
+  if (((uint64_t)a | (uint64_t)b) >> 32 == 0) return (int64_t)((uint32_t)a / (uint32_t)b);
+  return a / b;
+}
+
 /* (n, s) of the row `step` further: (dn, ds) = (step / S, step % S), one carry (ds < S). */
 __device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t ds, int64_t S) {
   n += dn, s += ds;
@@ -186,8 +194,8 @@ __global__ void __launch_bounds__(BN_THREADS)
   const A kf = BW && rk ? rk[c] : (A)0, bf = BW && rk ? rk[G.C + c] : (A)0; /* rk: the mask recomputed */
   const int64_t B = blockDim.x;
   int64_t j = j0 + threadIdx.x;
-  int64_t nn = j / SV, sv = j - nn * SV;
-  const int64_t dn = B / SV, dsv = B - dn * SV;
+  int64_t nn = qdiv64(j, SV), sv = j - nn * SV;
+  const int64_t dn = qdiv64(B, SV), dsv = B - dn * SV;
   typedef Pack<T, V> P;
   constexpr int U = BW ? 2 : BN_U; /* the backward loads three vectors a step */
   for (;;) {
@@ -293,8 +301,8 @@ __global__ void __launch_bounds__(BN_THREADS)
   typedef Pack<T, V> P;
   constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
-  int64_t nn = r / G.S, s = r - nn * G.S;
-  const int64_t dn = TY / G.S, ds = TY - dn * G.S;
+  int64_t nn = qdiv64(r, G.S), s = r - nn * G.S;
+  const int64_t dn = qdiv64(TY, G.S), ds = TY - dn * G.S;
   const int64_t co = cv * V;
   for (; on;) {
     const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0;
@@ -505,7 +513,7 @@ __global__ void __launch_bounds__(BN_THREADS)
   /* the last rows first: pass 1 read them last, so they may still be in L2 */
   const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
   if (row >= rows) return;
-  const int64_t C = G.C, n = row / C, c = row - n * C;
+  const int64_t C = G.C, n = qdiv64(row, C), c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
   const int64_t xo = n * G.xs[0] + c * G.xs[1], go = n * G.gs[0] + c * G.gs[1], yo = n * G.ys[0] + c * G.ys[1],
                 mo = n * G.ms[0] + c * G.ms[1];
@@ -600,8 +608,8 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
   const bool rx = !BW || TRAIN; /* x is read */
   constexpr int U = BW && TRAIN ? 2 : BN_U; /* three loads a row in the training backward */
   int64_t r = r0 + threadIdx.y;
-  int64_t n = r / G.S, s = r - n * G.S;
-  const int64_t dn = step / G.S, ds = step - dn * G.S;
+  int64_t n = qdiv64(r, G.S), s = r - n * G.S;
+  const int64_t dn = qdiv64(step, G.S), ds = step - dn * G.S;
   for (;;) {
     const int u_n = r + (int64_t)(U - 1) * step < r1 ? U : r < r1 ? 1 : 0;
     if (u_n == 0) break;
@@ -701,6 +709,19 @@ Geo geo_of(const kiln__kargs *a) {
     G.ms[d] = mk ? mk->strides[d] : 0;
   }
   return G;
+}
+
+/* Channels-last rows (n, s) evenly spaced in every big view (stride 0 = S stride 2, a
+** contiguous channels-last tensor) are one dim of N*S rows: the kernels then step rows
+** without (n, s) arithmetic. Same elements, same order. */
+void flat_rows(const kiln__kargs *a, Geo &G) {
+  if (G.S <= 1) return;
+  const kiln__view *v[4];
+  int nv = big_views(a, v);
+  for (int i = 0; i < nv; i++)
+    if (v[i]->shape[0] > 1 && v[i]->strides[0] != G.S * v[i]->strides[2]) return;
+  G.N *= G.S, G.S = 1;
+  G.xs[0] = G.xs[2], G.gs[0] = G.gs[2], G.ys[0] = G.ys[2], G.ms[0] = G.ms[2];
 }
 
 /* pass 1's grid: cf (C, splits); cl (channel-vector blocks, splits) with blocks of
@@ -804,6 +825,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD, train = a->i[1] != 0;
   const int flags = (int)a->i[0];
   Geo G = geo_of(a);
+  if (cl) flat_rows(a, G);
   const int64_t C = G.C;
   P1 p = plan1<A>(G, cl, V, d->sm_count);
   bool need_p1 = bw || train;

@@ -221,6 +221,47 @@ static void bc_add_relu(void) {
     }
 }
 
+/* Channels-last views whose rows are not evenly spaced (a slice along H of a channels-last
+** tensor: the kernels step (n, s) instead of flat rows), against the CPU: y and dx, under
+** a ReLU and plain. */
+static void bc_cl_slice(void) {
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (int di = 0; di < 2; di++)
+    for (int relu = 0; relu < 2; relu++) {
+      double *res[2][2] = {{NULL, NULL}, {NULL, NULL}};
+      int64_t nr[2] = {0, 0};
+      for (int side = 0; side < 2; side++) {
+        kiln_scope_begin();
+        kiln_device dev = side ? kiln_device_cpu() : bc_gpu();
+        const int64_t sh[4] = {6, 16, 9, 7};
+        double *v = bn_host_randn(h_numel(4, sh), 41 + (uint64_t)di, 1.0, 0.5);
+        double *gv = bn_host_randn(6 * 16 * 5 * 7, 43 + (uint64_t)di, 1.0, 0.0);
+        kiln_tensor *base = kiln_detach(kiln_contiguous_format(bn_on(v, 4, sh, dts[di], dev), KILN_CHANNELS_LAST));
+        kiln_requires_grad_(base, true);
+        kiln_tensor *x = kiln_narrow(base, 2, 2, 5); /* rows (n, s) not evenly spaced */
+        kiln_tensor *g = kiln_contiguous_format(bn_on(gv, 4, (const int64_t[]){6, 16, 5, 7}, dts[di], dev), KILN_CHANNELS_LAST);
+        kiln_tensor *w = kiln_full(1, (const int64_t[]){16}, 1.5, KILN_F32, dev), *b = kiln_full(1, (const int64_t[]){16}, 0.25, KILN_F32, dev);
+        kiln_tensor *y = kiln_batch_norm(x, NULL, NULL, w, b, true, 0.1, 1e-5);
+        if (relu) y = kiln_relu(y);
+        kiln_tensor *gx = NULL;
+        bool ok = y && kiln_autograd_grad(1, &y, &g, 1, &base, &gx) == KILN_OK && gx;
+        H_CHECK(ok, "channels-last slice %s on side %d: %s", kiln_dtype_name(dts[di]), side, kiln_last_error_message());
+        if (ok) res[side][0] = h_values(y, &nr[0]), res[side][1] = h_values(gx, &nr[1]);
+        free(v), free(gv);
+        kiln_scope_end();
+      }
+      double rt, at;
+      bc_tol(dts[di], &rt, &at);
+      for (int k = 0; k < 2; k++) {
+        char name[128];
+        snprintf(name, sizeof name, "channels-last H-slice %s%s %s: cuda vs cpu", kiln_dtype_name(dts[di]),
+                 relu ? " + relu" : "", k ? "dx" : "y");
+        if (res[0][k] && res[1][k]) h_close(name, res[0][k], res[1][k], nr[k], rt, at);
+        free(res[0][k]), free(res[1][k]);
+      }
+    }
+}
+
 static void bc_max_pool(void) {
   static const struct {
     int64_t shape[4], k[2], s[2], p[2], d[2];
@@ -454,6 +495,7 @@ int main(int argc, char **argv) {
   bc_fused();
   bc_recompute();
   bc_add_relu();
+  bc_cl_slice();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

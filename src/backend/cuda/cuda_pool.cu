@@ -427,6 +427,16 @@ __global__ void __launch_bounds__(256) max_pool_fwd_fast(const T *__restrict__ x
   }
 }
 
+/* gridDim.z of the fast kernels: planes a block walks so that the grid is ~64 blocks an SM
+** (a block of 256 threads per plane was ~900k tiny blocks for ResNet's stem at batch 256) */
+unsigned plane_blocks(const PoolB &b, int gx, int gy, const kiln__cuda_dev *d) {
+  int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 64 / ((int64_t)gx * gy);
+  if (want < 1) want = 1;
+  if (want > b.planes) want = b.planes;
+  if (want > 65535) want = 65535;
+  return (unsigned)want;
+}
+
 /* The largest offset a view reaches (elements), for the 32-bit choice. */
 int64_t span_of(const kiln__view *v) {
   int64_t s = 0;
@@ -478,8 +488,7 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
       b.exth = (int)((g.KH - 1) * g.dh + 1), b.extw = (int)((g.KW - 1) * g.dw + 1);
       for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
       b.sh = make_fastdiv((uint32_t)g.sh), b.sw = make_fastdiv((uint32_t)g.sw), b.cdiv = make_fastdiv((uint32_t)g.C);
-      dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8),
-                (unsigned)(b.planes < 65535 ? b.planes : 65535));
+      dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8), plane_blocks(b, (b.W + 31) / 32, (b.H + 7) / 8, d));
       max_pool_bwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data,
                                                                 (const int64_t *)a->in[1].data, (T *)a->out[0].data, b);
       break;
@@ -501,8 +510,7 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
       b.ph = (int)g.ph, b.pw = (int)g.pw, b.exth = 0, b.extw = 0;
       for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
       b.sh = make_fastdiv(1), b.sw = make_fastdiv(1), b.cdiv = make_fastdiv((uint32_t)g.C);
-      dim3 grid((unsigned)((b.OW + 31) / 32), (unsigned)((b.OH + 7) / 8),
-                (unsigned)(b.planes < 65535 ? b.planes : 65535));
+      dim3 grid((unsigned)((b.OW + 31) / 32), (unsigned)((b.OH + 7) / 8), plane_blocks(b, (b.OW + 31) / 32, (b.OH + 7) / 8, d));
       max_pool_fwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
                                                                 (int64_t *)a->out[1].data, b, (int)g.KH, (int)g.KW,
                                                                 (int)g.sh, (int)g.sw, (int)g.dh, (int)g.dw);

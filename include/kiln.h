@@ -697,8 +697,9 @@ KILN_API kiln_tensor *kiln_batch_norm_relu(kiln_tensor *x, kiln_tensor *running_
                                            double eps);
 /* relu(kiln_batch_norm(x, ...) + residual) as one op (ResNet's block tail): the same
 ** values as the three ops up to one rounding (the sum is not rounded to x's dtype before
-** the ReLU), without the normalized tensor and the sum (neither written nor kept). The
-** residual has x's shape and dtype (else the three ops run). */
+** the ReLU), without the normalized tensor and the sum (neither written nor kept), where
+** the device has the fused kernel (the CPU; elsewhere, CUDA included for now, the three
+** ops run). The residual has x's shape and dtype (else the three ops run). */
 KILN_API kiln_tensor *kiln_batch_norm_add_relu(kiln_tensor *x, kiln_tensor *residual, kiln_tensor *running_mean,
                                                kiln_tensor *running_var, kiln_tensor *weight, kiln_tensor *bias,
                                                bool training, double momentum, double eps);

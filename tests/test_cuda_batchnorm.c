@@ -20,7 +20,6 @@
 **    the stem's (128, 64, 112, 112) bf16.
 ** BC_GPU_IS_CPU builds it against the CPU, to check the test's own logic without a GPU.
 */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #define H_NO_MAIN
 #include "test_ops_batchnorm.c"
 
@@ -156,68 +155,6 @@ static void bc_fused(void) {
         bn_compare("batch_norm_relu cuda vs cpu", &sp, &gpu, &cpu, rt, at);
       }
       bn_out_free(&gpu), bn_out_free(&cpu);
-    }
-}
-
-/* The training backward under a ReLU recomputes the mask from x, the statistics and the
-** forward's coefficients (BATCH_NORM_BACKWARD flag 4) instead of reading it: the same
-** mask, so the same bits as reading it (KILN_BN_RECOMPUTE=0), for both layouts, the ReLU
-** separate and fused, every dtype (f16's rounding to 0 near 6e-8 included: the recomputed
-** value is rounded as it was stored). One case has a constant channel (y exactly b). */
-static void bc_recompute(void) {
-  static const struct {
-    int64_t shape[5];
-    int layout;
-  } cfg[] = {{{16, 40, 7, 7, 0}, BN_CL}, {{8, 24, 14, 14, 0}, BN_CONTIG}, {{6, 7, 5, 5, 0}, BN_CL},
-             {{64, 16, 1, 1, 0}, BN_CONTIG}};
-  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
-  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
-    for (int di = 0; di < 4; di++)
-      for (int fused = 0; fused < 2; fused++) {
-        bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], 2, 0.1, 870 + ci * 8 + (uint64_t)di * 2);
-        sp.fused = fused;
-        bn_out rd, rc;
-        setenv("KILN_BN_RECOMPUTE", "0", 1);
-        bool a = bn_run(&sp, bc_gpu(), &rd);
-        unsetenv("KILN_BN_RECOMPUTE");
-        bool b = bn_run(&sp, bc_gpu(), &rc);
-        if (a && b)
-          bn_compare(fused ? "batch_norm_relu mask recomputed vs read" : "relu(batch_norm) mask recomputed vs read", &sp,
-                     &rc, &rd, 0, 0);
-        bn_out_free(&rd), bn_out_free(&rc);
-      }
-}
-
-/* kiln_batch_norm_add_relu on the device: against the three ops in f64 there
-** (test_ops_batchnorm's check), and against the CPU's fused op at larger sizes. */
-static void bc_add_relu(void) {
-  bn_add_relu_fused(bc_gpu());
-  static const struct {
-    int64_t shape[5];
-    int layout;
-    bool res_cl;
-  } cfg[] = {{{8, 40, 7, 7, 0}, BN_CL, true}, {{4, 64, 56, 56, 0}, BN_CL, true}, {{8, 24, 14, 14, 0}, BN_CONTIG, false},
-             {{4, 7, 5, 5, 0}, BN_CL, false}};
-  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
-  static const char *const names[7] = {"y", "running_mean", "running_var", "dx", "dweight", "dbias", "dresidual"};
-  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
-    for (int di = 0; di < 2; di++) {
-      bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], 0, 0.3, 860 + ci * 2 + (uint64_t)di);
-      double *a[7] = {NULL}, *b[7] = {NULL};
-      int64_t na[7] = {0}, nb[7] = {0};
-      if (bnar_run(&sp, cfg[ci].res_cl, true, bc_gpu(), a, na) &&
-          bnar_run(&sp, cfg[ci].res_cl, true, kiln_device_cpu(), b, nb)) {
-        double rt, at;
-        bc_tol(sp.dt, &rt, &at);
-        for (int k = 0; k < 7; k++) {
-          char name[160];
-          snprintf(name, sizeof name, "batch_norm_add_relu cuda vs cpu %s (%lld, %lld, ...) %s", kiln_dtype_name(sp.dt),
-                   (long long)sp.shape[0], (long long)sp.shape[1], names[k]);
-          H_CHECK(na[k] == nb[k], "%s: sizes", name);
-          if (na[k] == nb[k]) h_close(name, a[k], b[k], na[k], rt, at);
-        }
-      }
-      for (int k = 0; k < 7; k++) free(a[k]), free(b[k]);
     }
 }
 
@@ -359,8 +296,8 @@ static kiln_status bc_pool_step(void *ctx) {
 }
 
 /* batch_norm forward and forward + backward (under a ReLU, as ResNet's) on shape, bf16, f32
-** parameters; prints ms and GB/s: forward moves x twice and y once, backward x and g twice
-** and dx once (the mask recomputed from x; KILN_BN_RECOMPUTE=0 reads it twice more). */
+** parameters; prints ms and GB/s: forward moves x twice and y once, backward x, g and the
+** mask twice and dx once. */
 static void bc_time_bn(const int64_t *shape, bool cl) {
   kiln_device dev = bc_gpu();
   kiln_scope_begin();
@@ -389,45 +326,7 @@ static void bc_time_bn(const int64_t *shape, bool cl) {
   printf("test_cuda_batchnorm: bn (%lld,%lld,%lld,%lld) %s: fwd %.3f ms %.0f GB/s, bwd %.3f ms %.0f GB/s; "
          "+relu fwd %.3f fwd+bwd %.3f, fused %.3f %.3f\n",
          (long long)N, (long long)C, (long long)H, (long long)W, cl ? "CL" : "NCHW", f, 3 * gb / (f * 1e-3), fb - f,
-         5 * gb / ((fb - f) * 1e-3), fr, fb - f + fr, uf, ufb);
-  kiln_scope_end();
-}
-
-/* relu(bn(x) + r) forward and forward + backward, fused and as three ops, bf16 CL */
-typedef struct bc_ar {
-  kiln_tensor *x, *r, *w, *b, *rm, *rv, *g;
-  bool fused, backward;
-} bc_ar;
-static kiln_status bc_ar_step(void *ctx) {
-  bc_ar *c = ctx;
-  kiln_scope_begin();
-  kiln_tensor *y = c->fused ? kiln_batch_norm_add_relu(c->x, c->r, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5)
-                            : kiln_relu(kiln_add(kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5), c->r));
-  kiln_tensor *ins[2] = {c->x, c->r}, *gr[2] = {NULL, NULL};
-  kiln_status st = !y ? kiln_last_error() : c->backward ? kiln_autograd_grad(1, &y, &c->g, 2, ins, gr) : KILN_OK;
-  kiln_scope_end();
-  return st;
-}
-static void bc_time_add_relu(const int64_t *shape) {
-  kiln_device dev = bc_gpu();
-  kiln_scope_begin();
-  int64_t N = shape[0], C = shape[1], H = shape[2], W = shape[3];
-  bc_ar c = {0};
-  c.x = kiln_contiguous_format(kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL), KILN_CHANNELS_LAST);
-  c.r = kiln_contiguous_format(kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL), KILN_CHANNELS_LAST);
-  c.g = kiln_contiguous_format(kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL), KILN_CHANNELS_LAST);
-  c.w = kiln_ones(KILN_SHAPE(C), KILN_F32, dev), c.b = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev);
-  c.rm = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev), c.rv = kiln_ones(KILN_SHAPE(C), KILN_F32, dev);
-  kiln_requires_grad_(c.x, true), kiln_requires_grad_(c.r, true);
-  double t[4];
-  for (int k = 0; k < 4; k++) {
-    c.fused = k & 1, c.backward = k >= 2;
-    t[k] = bc_time(bc_ar_step, &c, 10);
-  }
-  H_CHECK(t[0] > 0 && t[1] > 0 && t[2] > 0 && t[3] > 0, "add_relu timing ran: %s", kiln_last_error_message());
-  printf("test_cuda_batchnorm: relu(bn(x)+r) (%lld,%lld,%lld,%lld) CL: fwd 3 ops %.3f fused %.3f ms; fwd+bwd 3 ops %.3f "
-         "fused %.3f ms\n",
-         (long long)N, (long long)C, (long long)H, (long long)W, t[0], t[1], t[2], t[3]);
+         7 * gb / ((fb - f) * 1e-3), fr, fb - f + fr, uf, ufb);
   kiln_scope_end();
 }
 
@@ -460,7 +359,6 @@ static void bc_timings(void) {
   if (!only || !strcmp(only, "bn")) {
     for (size_t i = 0; i < sizeof bn_shapes / sizeof bn_shapes[0]; i++)
       for (int cl = 1; cl >= 0; cl--) bc_time_bn(bn_shapes[i], cl);
-    bc_time_add_relu(bn_shapes[2]);
   }
   if (!only || !strcmp(only, "pool")) {
     static const int64_t pool_shapes[][4] = {{256, 64, 112, 112}, {128, 32, 28, 28}, {128, 64, 14, 14}};
@@ -493,8 +391,6 @@ int main(int argc, char **argv) {
   bc_big();
   bc_repeat();
   bc_fused();
-  bc_recompute();
-  bc_add_relu();
   bc_cl_slice();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();

@@ -309,15 +309,12 @@ typedef struct kiln__view {
   /* (flag 4 required, not written) normalize and go to out1. s0 eps, s1 momentum. */     \
   /* i0 flag 8: y = max(y, 0) (NaN kept), a ReLU fused (kiln_batch_norm_relu). i0 flag */ \
   /* 16: one more input after the weight and bias, a residual (N, C, S) (x's dtype) */     \
-  /* added before that ReLU: y = max(bn(x) + residual, 0) (kiln_batch_norm_add_relu). */   \
+  /* added before that ReLU: y = max(bn(x) + residual, 0) (kiln_batch_norm_add_relu; */    \
+  /* the CPU only so far, CUDA composes). */                                               \
   X(BATCH_NORM, "batch_norm")                                                             \
   /* in0 x (N, C, S), in1 grad (N, C, S), in2 stats (2, C) as BATCH_NORM gave them, */    \
-  /* optional in3 weight (C) (i0 flag 1), then the bias (C) (i0 flag 8), optional last */ \
-  /* input a mask (N, C, S) (x's dtype; i0 flag 2): grad counts only where mask > 0 (a */ \
-  /* ReLU's backward folded in); i0 flag 4: the mask is this batch norm's own output */ \
-  /* (y or max(y, 0)), so a kernel may recompute it from x, the statistics, the weight */ \
-  /* and the bias instead of reading it (the forward's w invstd made from the stored */ \
-  /* invstd) */ \
+  /* optional in3 weight (C) (i0 flag 1), optional last input a mask (N, C, S) (x's */   \
+  /* dtype; i0 flag 2): grad counts only where mask > 0 (a ReLU's backward folded in) */ \
   /* -> out0 dx (N, C, S) (x's dtype), out1 */                                           \
   /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
   /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
@@ -360,7 +357,7 @@ typedef enum kiln__kop {
 
 const char *kiln__kop_name(kiln__kop op);
 
-#define KILN__MAX_KIN 6 /* batch_norm_backward: x, g, stats, weight, bias, mask */
+#define KILN__MAX_KIN 5
 #define KILN__MAX_KOUT 4
 
 typedef struct kiln__kargs {

@@ -300,8 +300,8 @@ static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
 ** ReLU's rule handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK),
 ** so no ReLU-backward kernel runs and no tensor is made for its result. The mask is
 ** always this batch norm's own output (the peephole's ReLU input is y; batch_norm_relu
-** hands its output): the kernel is told so (flag 4) and given the bias, and CUDA
-** recomputes the mask from x instead of reading it. */
+** hands its output), so with the bias a kernel could recompute it from x instead of
+** reading it; the bias input is kept for that and not passed to the kernels yet. */
 
 static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
@@ -344,8 +344,8 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     ncs_view(gs, &a.in[1]);
     a.in[2] = kiln__view_of(stats);
     if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
-    if (bias && ms) a.in[a.n_in++] = vec1(bias), a.i[0] |= 8;
-    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2 | 4;
+    if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
+    (void)bias; /* for a kernel that recomputes the mask from x (not in this tree: see the report) */
     a.n_out = 3;
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
@@ -413,7 +413,8 @@ static const kiln__op op_batch_norm_relu_k = {
     .n_saved = 5, .save = bnkr_save};
 
 /* batch_norm_add_relu: y = relu(batch_norm(x) + residual), ResNet's block tail, in the
-** same kernel (flag 16, then flag 8): no normalized tensor and no sum are written or kept.
+** same kernel (flag 16, then flag 8) where the device has it (the CPU; CUDA composes for
+** now): no normalized tensor and no sum are written or kept.
 ** Backward: g masked by the output (> 0 exactly where the sum was) is the residual's
 ** gradient and batch_norm's upstream one (one RELU_BACKWARD kernel, then the unmasked
 ** BATCH_NORM_BACKWARD): the kernels the separate add and ReLU ran, less the forward's. */

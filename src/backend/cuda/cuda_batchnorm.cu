@@ -32,8 +32,6 @@
 #include "cuda_int.cuh"
 
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 
@@ -75,7 +73,7 @@ template <class T, int V> struct alignas(sizeof(T) * V) Pack {
 /* Geometry: (N, C, S), and the strides of x, of the other input (g) and of the output. */
 struct Geo {
   int64_t N, C, S;
-  int64_t xs[3], gs[3], ys[3], ms[3]; /* gs: g's, or the forward's residual (flag 16); ms: the mask's */
+  int64_t xs[3], gs[3], ys[3], ms[3]; /* ms: the mask's (backward with a ReLU folded in) */
 };
 
 /* A value of g where the mask lets it through: the ReLU's backward, folded in. */
@@ -86,13 +84,6 @@ template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk
 
 /* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
 template <class A> __device__ __forceinline__ A relu_if(A v, bool relu) { return relu && v < (A)0 ? (A)0 : v; }
-
-/* Whether the forward's ReLU passed x: its output recomputed from x with the forward's own
-** per-channel (mean, k, b) by pass 3's expression, rounded to T as it was stored, > 0
-** (the backward's mask without reading the mask: BATCH_NORM_BACKWARD flag 4). */
-template <class T, class A> __device__ __forceinline__ bool fwd_pos(A xv, A mean, A kf, A bf) {
-  return (A)kc_ld<T>(kc_st<T>((xv - mean) * kf + bf)) > (A)0;
-}
 
 /* a / b where precision allows the fast path (the Welford weights) */
 __device__ __forceinline__ float qdiv(float a, float b) { return __fdividef(a, b); }
@@ -155,14 +146,6 @@ template <class A> __device__ void block_sum2(A &a, A &b) {
     for (int k = 1; k < nw; k++) a += sh[0][k], b += sh[1][k];
 }
 
-/* a / b for the row decompositions: no 64-bit division where b is 1 (channels-last rows
-** flattened by flat_rows) or where both fit in 32 bits */
-__device__ __forceinline__ int64_t qdiv64(int64_t a, int64_t b) {
-  if (b == 1) return a;
-  if (((uint64_t)a | (uint64_t)b) >> 32 == 0) return (int64_t)((uint32_t)a / (uint32_t)b);
-  return a / b;
-}
-
 /* (n, s) of the row `step` further: (dn, ds) = (step / S, step % S), one carry (ds < S). */
 __device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t ds, int64_t S) {
   n += dn, s += ds;
@@ -181,7 +164,7 @@ enum { BN_U = 4 };
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ meanp, int64_t mst, const A *__restrict__ rk) {
+             const A *__restrict__ meanp, int64_t mst) {
   const int64_t c = blockIdx.x, splits = gridDim.y, sp = blockIdx.y;
   const int64_t SV = G.S / V, total = G.N * SV, per = (total + splits - 1) / splits;
   const int64_t j0 = sp * per, j1 = j0 + per < total ? j0 + per : total;
@@ -191,11 +174,10 @@ __global__ void __launch_bounds__(BN_THREADS)
   A n = 0, m = 0, q = 0;           /* statistics */
   A sg = 0, sgx = 0, mean = 0;     /* backward sums */
   if (BW) mean = meanp[c * mst];
-  const A kf = BW && rk ? rk[c] : (A)0, bf = BW && rk ? rk[G.C + c] : (A)0; /* rk: the mask recomputed */
   const int64_t B = blockDim.x;
   int64_t j = j0 + threadIdx.x;
-  int64_t nn = qdiv64(j, SV), sv = j - nn * SV;
-  const int64_t dn = qdiv64(B, SV), dsv = B - dn * SV;
+  int64_t nn = j / SV, sv = j - nn * SV;
+  const int64_t dn = B / SV, dsv = B - dn * SV;
   typedef Pack<T, V> P;
   constexpr int U = BW ? 2 : BN_U; /* the backward loads three vectors a step */
   for (;;) {
@@ -224,8 +206,7 @@ __global__ void __launch_bounds__(BN_THREADS)
         } else {
 #pragma unroll
           for (int i = 0; i < V; i++) {
-            A gv = rk ? (fwd_pos<T, A>(v[i], mean, kf, bf) ? (A)kc_ld<T>(pg[u].v[i]) : (A)0)
-                      : masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
+            A gv = masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
             sg += gv;
             sgx += gv * (v[i] - mean);
           }
@@ -253,24 +234,22 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** serves V updates), or the backward's sums of g and g (x - mean). */
 template <class T, class A, int V, bool BW>
 __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pack<T, V> &px, const Pack<T, V> &pg,
-                                       const T *mk, const Pack<T, V> &pm, bool rc, const A *kf, const A *bf) {
+                                       const T *mk, const Pack<T, V> &pm) {
   if (!BW) {
     n += (A)1;
-    A rn = qdiv((A)1, n);
+    A rc = qdiv((A)1, n);
 #pragma unroll
     for (int i = 0; i < V; i++) {
       A v = (A)kc_ld<T>(px.v[i]), d = v - m[i];
-      m[i] += d * rn;
+      m[i] += d * rc;
       q[i] += d * (v - m[i]);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < V; i++) {
-      const A xv = (A)kc_ld<T>(px.v[i]);
-      A gv = rc ? (fwd_pos<T, A>(xv, mean[i], kf[i], bf[i]) ? (A)kc_ld<T>(pg.v[i]) : (A)0)
-                : masked<T, A>(pg.v[i], mk, i, pm.v);
-      m[i] += gv;              /* sum g */
-      q[i] += gv * (xv - mean[i]); /* sum g (x - mean) */
+      A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
+      m[i] += gv;                                    /* sum g */
+      q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
     }
   }
 }
@@ -282,7 +261,7 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ meanp, int64_t mst, const A *__restrict__ rk) {
+             const A *__restrict__ meanp, int64_t mst) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t CV = (G.C + V - 1) / V, cv = (int64_t)blockIdx.x * TX + tx;
   const int64_t R = G.N * G.S, splits = gridDim.y, sp = blockIdx.y, per = (R + splits - 1) / splits;
@@ -294,15 +273,11 @@ __global__ void __launch_bounds__(BN_THREADS)
   A mean[V];
 #pragma unroll
   for (int i = 0; i < V; i++) mean[i] = BW && on ? meanp[(cv * V + i) * mst] : (A)0;
-  const bool rc = BW && rk != NULL; /* the mask recomputed from x */
-  A kf[V], bf[V];
-#pragma unroll
-  for (int i = 0; i < V; i++) kf[i] = rc && on ? rk[cv * V + i] : (A)0, bf[i] = rc && on ? rk[G.C + cv * V + i] : (A)0;
   typedef Pack<T, V> P;
   constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
-  int64_t nn = qdiv64(r, G.S), s = r - nn * G.S;
-  const int64_t dn = qdiv64(TY, G.S), ds = TY - dn * G.S;
+  int64_t nn = r / G.S, s = r - nn * G.S;
+  const int64_t dn = TY / G.S, ds = TY - dn * G.S;
   const int64_t co = cv * V;
   for (; on;) {
     const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0;
@@ -321,7 +296,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     }
 #pragma unroll
     for (int u = 0; u < U; u++)
-      if (u < u_n) cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u], rc, kf, bf);
+      if (u < u_n) cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u]);
     r += (int64_t)u_n * TY;
   }
   /* the block's rows by a fixed tree */
@@ -427,10 +402,6 @@ template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A
   double inv = 1.0 / sqrt(var + f.eps);
   st_vec(f.stats, f.stats_dt, c * f.st1, mean);
   st_vec(f.stats, f.stats_dt, f.st0 + c * f.st1, inv);
-  /* the coefficients from the statistics as stored (rounded to their dtype), so that the
-  ** backward can make the same ones from them (fwd_coef) and recompute y bit for bit */
-  mean = ld_vec(f.stats, f.stats_dt, c * f.st1);
-  inv = ld_vec(f.stats, f.stats_dt, f.st0 + c * f.st1);
   double w = f.has_w ? vget(f.w, c) : 1.0, b = f.has_b ? vget(f.b, c) : 0.0;
   coef[c] = (A)mean;
   coef[f.C + c] = (A)(w * inv);
@@ -482,17 +453,6 @@ template <class A> __global__ void fin_bwd(const A *__restrict__ part, FinB f, A
   coef[3 * f.C + c] = (A)d0;
 }
 
-/* The forward's k = w invstd and b (fin_fwd's expressions from the same stored statistics)
-** into rk [k | b] (2 x C), for the backward that recomputes the ReLU's mask from x. */
-template <class A> __global__ void fwd_coef(FinB f, Vec bias, bool has_b, A *__restrict__ rk) {
-  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= f.C) return;
-  double inv = ld_vec(f.stats, f.stats_dt, f.st0 + c * f.st1);
-  double w = f.has_w ? vget(f.w, c) : 1.0, b = has_b ? vget(bias, c) : 0.0;
-  rk[c] = (A)(w * inv);
-  rk[f.C + c] = (A)b;
-}
-
 /* backward's first pass wants the mean in coef[0..C) */
 template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -506,43 +466,32 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu, const A *__restrict__ rk) {
+          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu) {
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
   /* the last rows first: pass 1 read them last, so they may still be in L2 */
   const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
   if (row >= rows) return;
-  const int64_t C = G.C, n = qdiv64(row, C), c = row - n * C;
+  const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
   const int64_t xo = n * G.xs[0] + c * G.xs[1], go = n * G.gs[0] + c * G.gs[1], yo = n * G.ys[0] + c * G.ys[1],
                 mo = n * G.ms[0] + c * G.ms[1];
   const A mean = coef[c], kk = coef[C + c], pp = coef[2 * C + c], qq = BW ? coef[3 * C + c] : (A)0;
-  const bool rc = BW && TRAIN && rk != NULL; /* the mask recomputed from x */
-  const A kf = rc ? rk[c] : (A)0, bf = rc ? rk[C + c] : (A)0;
   for (int64_t v = v0; v < inner; v += step) {
     Pack<T, V> out;
     if (!BW) {
-      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V), pr;
-      if (g) pr = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V); /* the residual (flag 16) */
+      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
-      for (int i = 0; i < V; i++) {
-        A yv = ((A)kc_ld<T>(px.v[i]) - mean) * kk + pp;
-        if (g) yv += (A)kc_ld<T>(pr.v[i]);
-        out.v[i] = kc_st<T>(relu_if(yv, relu));
-      }
+      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp, relu));
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
       if (TRAIN) {
         Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
-        for (int i = 0; i < V; i++) {
-          const A xv = (A)kc_ld<T>(px.v[i]);
-          const A gv = rc ? (fwd_pos<T, A>(xv, mean, kf, bf) ? (A)kc_ld<T>(pg.v[i]) : (A)0)
-                          : masked<T, A>(pg.v[i], mk, i, pm.v);
-          out.v[i] = kc_st<T>(kk * gv + pp * (xv - mean) + qq);
-        }
+        for (int i = 0; i < V; i++)
+          out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v) + pp * ((A)kc_ld<T>(px.v[i]) - mean) + qq);
       } else {
 #pragma unroll
         for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v));
@@ -560,24 +509,16 @@ __global__ void __launch_bounds__(BN_THREADS)
 template <class T, class A, int V, bool BW, bool TRAIN>
 __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
                                              const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
-                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu, bool rc,
-                                             const Pack<A, V> &pkf, const Pack<A, V> &pbf, bool res) {
+                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu) {
   Pack<T, V> out;
-  if (!BW) { /* pg: the residual where there is one (res, flag 16) */
+  if (!BW) {
 #pragma unroll
-    for (int i = 0; i < V; i++) {
-      A yv = ((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i];
-      if (res) yv += (A)kc_ld<T>(pg.v[i]);
-      out.v[i] = kc_st<T>(relu_if(yv, relu));
-    }
+    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i], relu));
   } else if (TRAIN) {
 #pragma unroll
-    for (int i = 0; i < V; i++) {
-      const A xv = (A)kc_ld<T>(px.v[i]);
-      const A gv = rc ? (fwd_pos<T, A>(xv, pm.v[i], pkf.v[i], pbf.v[i]) ? (A)kc_ld<T>(pg.v[i]) : (A)0)
-                      : masked<T, A>(pg.v[i], mk, i, pmk.v);
-      out.v[i] = kc_st<T>(pk.v[i] * gv + pp.v[i] * (xv - pm.v[i]) + pq.v[i]);
-    }
+    for (int i = 0; i < V; i++)
+      out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v) + pp.v[i] * ((A)kc_ld<T>(px.v[i]) - pm.v[i]) +
+                          pq.v[i]);
   } else {
 #pragma unroll
     for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
@@ -585,12 +526,10 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
   return out;
 }
 
-/* (2 blocks an SM at least: the training backward's 48 coefficients a thread took 140
-** registers, one block an SM, too few loads in flight) */
 template <class T, class A, int V, bool BW, bool TRAIN>
-__global__ void __launch_bounds__(BN_THREADS, 2)
+__global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef, int64_t chunk, bool relu, const A *__restrict__ rk) {
+             const A *__restrict__ coef, int64_t chunk, bool relu) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
   /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
@@ -601,15 +540,13 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
   typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
            pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
-  PA pq, pkf, pbf;
+  PA pq;
   if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
-  const bool rc = BW && TRAIN && rk != NULL; /* the mask recomputed from x */
-  if (rc) pkf = *reinterpret_cast<const PA *>(rk + c0), pbf = *reinterpret_cast<const PA *>(rk + C + c0);
   const bool rx = !BW || TRAIN; /* x is read */
   constexpr int U = BW && TRAIN ? 2 : BN_U; /* three loads a row in the training backward */
   int64_t r = r0 + threadIdx.y;
-  int64_t n = qdiv64(r, G.S), s = r - n * G.S;
-  const int64_t dn = qdiv64(step, G.S), ds = step - dn * G.S;
+  int64_t n = r / G.S, s = r - n * G.S;
+  const int64_t dn = step / G.S, ds = step - dn * G.S;
   for (;;) {
     const int u_n = r + (int64_t)(U - 1) * step < r1 ? U : r < r1 ? 1 : 0;
     if (u_n == 0) break;
@@ -619,8 +556,10 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
     for (int u = 0; u < U; u++) {
       if (u < u_n) {
         if (rx) px[u] = *reinterpret_cast<const P *>(x + n * G.xs[0] + s * G.xs[2] + c0);
-        if (BW || g) pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0); /* or the residual */
-        if (BW && mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
+        if (BW) {
+          pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0);
+          if (mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
+        }
         yo[u] = n * G.ys[0] + s * G.ys[2] + c0;
         radv(n, s, dn, ds, G.S);
       }
@@ -628,8 +567,7 @@ __global__ void __launch_bounds__(BN_THREADS, 2)
 #pragma unroll
     for (int u = 0; u < U; u++)
       if (u < u_n)
-        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu, rc, pkf, pbf,
-                                                                   !BW && g != NULL);
+        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu);
     r += (int64_t)u_n * step;
   }
 }
@@ -644,19 +582,11 @@ const kiln__view *mask_of(const kiln__kargs *a) {
   return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 2) ? &a->in[a->n_in - 1] : NULL;
 }
 
-/* The forward's residual (flag 16: y = bn(x) + residual, before the ReLU of flag 8), after
-** the weight and the bias, or NULL. */
-const kiln__view *residual_of(const kiln__kargs *a) {
-  if (a->op != KILN__K_BATCH_NORM || !(a->i[0] & 16)) return NULL;
-  return &a->in[1 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)];
-}
-
-/* The big views of a call: x, y and the residual (forward); x, g, dx and the mask (backward). */
+/* The big views of a call: x, y (forward); x, g, dx and the mask (backward). */
 int big_views(const kiln__kargs *a, const kiln__view **v) {
   if (a->op == KILN__K_BATCH_NORM) {
     v[0] = &a->in[0], v[1] = &a->out[0];
-    if (residual_of(a)) v[2] = residual_of(a);
-    return residual_of(a) ? 3 : 2;
+    return 2;
   }
   v[0] = &a->in[0], v[1] = &a->in[1], v[2] = &a->out[0];
   if (mask_of(a)) v[3] = mask_of(a);
@@ -704,24 +634,11 @@ Geo geo_of(const kiln__kargs *a) {
   G.N = x->shape[0], G.C = x->shape[1], G.S = x->shape[2];
   for (int d = 0; d < 3; d++) {
     G.xs[d] = x->strides[d];
-    G.gs[d] = bw ? a->in[1].strides[d] : residual_of(a) ? residual_of(a)->strides[d] : x->strides[d];
+    G.gs[d] = bw ? a->in[1].strides[d] : x->strides[d];
     G.ys[d] = a->out[0].strides[d];
     G.ms[d] = mk ? mk->strides[d] : 0;
   }
   return G;
-}
-
-/* Channels-last rows (n, s) evenly spaced in every big view (stride 0 = S stride 2, a
-** contiguous channels-last tensor) are one dim of N*S rows: the kernels then step rows
-** without (n, s) arithmetic. Same elements, same order. */
-void flat_rows(const kiln__kargs *a, Geo &G) {
-  if (G.S <= 1) return;
-  const kiln__view *v[4];
-  int nv = big_views(a, v);
-  for (int i = 0; i < nv; i++)
-    if (v[i]->shape[0] > 1 && v[i]->strides[0] != G.S * v[i]->strides[2]) return;
-  G.N *= G.S, G.S = 1;
-  G.xs[0] = G.xs[2], G.gs[0] = G.gs[2], G.ys[0] = G.ys[2], G.ms[0] = G.ms[2];
 }
 
 /* pass 1's grid: cf (C, splits); cl (channel-vector blocks, splits) with blocks of
@@ -768,22 +685,22 @@ template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
 
 template <class T, class A, int V>
 kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, const P1 &p, A *part,
-                      const A *meanp, int64_t mst, const A *rk) {
+                      const A *meanp, int64_t mst) {
   const T *x = (const T *)a->in[0].data, *g = bw ? (const T *)a->in[1].data : NULL;
-  const T *mk = mask_of(a) && !rk ? (const T *)mask_of(a)->data : NULL; /* rk: recomputed instead */
+  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   if (!cl) {
-    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst, rk);
-    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst, rk);
+    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
   } else {
-    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst, rk);
-    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst, rk);
+    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
 
 template <class T, class A, int V>
 kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, bool train,
-                      const A *coef, const A *rk) {
+                      const A *coef) {
   const bool relu = !bw && (a->i[0] & 8) != 0; /* kiln_batch_norm_relu */
   int64_t inner = (cl ? G.C : G.S) / V; /* pick_vec chose V dividing it */
   if (inner < 1) inner = 1;
@@ -792,8 +709,8 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   int64_t blocks = (rows + rpb - 1) / rpb;
   if (blocks < 1) return KILN_OK;
   const T *x = (const T *)a->in[0].data;
-  const T *g = bw ? (const T *)a->in[1].data : residual_of(a) ? (const T *)residual_of(a)->data : NULL;
-  const T *mk = mask_of(a) && !rk ? (const T *)mask_of(a)->data : NULL; /* rk: recomputed instead */
+  const T *g = bw ? (const T *)a->in[1].data : NULL;
+  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   T *y = (T *)a->out[0].data;
   if (cl) {
     /* pass 1's block shape; rows split so that a thread takes ~16 (4 batches of U) */
@@ -806,13 +723,13 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     if (gy < 1) gy = 1;
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rk);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rk);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rk);
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu, rk)
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu)
   if (!bw) BN_P3(false, false);
   else if (train) BN_P3(true, true);
   else BN_P3(true, false);
@@ -825,24 +742,16 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD, train = a->i[1] != 0;
   const int flags = (int)a->i[0];
   Geo G = geo_of(a);
-  if (cl) flat_rows(a, G);
   const int64_t C = G.C;
   P1 p = plan1<A>(G, cl, V, d->sm_count);
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
-  /* the backward recomputes the ReLU's mask from x (BATCH_NORM_BACKWARD flag 4: the mask
-  ** is this batch norm's own output) where the statistics are in A: x is read anyway, the
-  ** mask's two passes are saved. KILN_BN_RECOMPUTE=0 reads the mask (an A/B switch). */
-  const kiln_dtype adt = sizeof(A) == 8 ? KILN_F64 : KILN_F32;
-  const char *rc_e = getenv("KILN_BN_RECOMPUTE"); /* read each call: tests switch it */
-  const bool rc_env = !(rc_e && !strcmp(rc_e, "0"));
-  const bool rc = bw && train && rc_env && mask_of(a) && (flags & 4) && a->in[2].dtype == adt;
-  size_t coef_n = (size_t)C * (rc ? 6 : 4);
+  size_t coef_n = (size_t)C * 4;
   size_t bytes = (part_n + coef_n) * sizeof(A);
   A *buf = (A *)kiln__cuda_alloc(a->device, bytes);
   if (!buf) return kiln_last_error();
   kiln_status st = kiln__cuda_capture_note(a->device, buf, bytes);
-  A *coef = buf, *part = buf + coef_n, *rk = rc ? buf + 4 * C : NULL;
+  A *coef = buf, *part = buf + coef_n;
   const int fin_blocks = (int)((C + 7) / 8); /* a warp per channel, 8 a block */
   if (!bw) {
     FinF f;
@@ -854,7 +763,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     if (f.has_r) f.rm = vec_of(&a->out[2]), f.rv = vec_of(&a->out[3]);
     f.stats = a->out[1].data, f.stats_dt = (int)a->out[1].dtype;
     f.st0 = a->out[1].strides[0], f.st1 = a->out[1].strides[1];
-    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0, (const A *)NULL);
+    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0);
     if (st == KILN_OK) {
       fin_fwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm (finalize)");
@@ -864,8 +773,6 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     f.C = C, f.splits = p.splits, f.train = train, f.M = (double)(G.N * G.S);
     f.has_w = (flags & 1) != 0;
     if (f.has_w) f.w = vec_of(&a->in[3]);
-    const bool has_b = (flags & 8) != 0;
-    Vec bias = has_b ? vec_of(&a->in[3 + (f.has_w ? 1 : 0)]) : Vec();
     f.dw = vec_of(&a->out[1]), f.db = vec_of(&a->out[2]);
     f.stats = a->in[2].data, f.stats_dt = (int)a->in[2].dtype;
     f.st0 = a->in[2].strides[0], f.st1 = a->in[2].strides[1];
@@ -880,17 +787,13 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
       }
       meanp = coef, mst = 1;
     }
-    if (rc && st == KILN_OK) {
-      fwd_coef<A><<<(unsigned)((C + 127) / 128), 128, 0, d->stream>>>(f, bias, has_b, rk);
-      st = kiln__cuda_launched("batch_norm_backward (forward's coefficients)");
-    }
-    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst, rk);
+    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst);
     if (st == KILN_OK) {
       fin_bwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm_backward (finalize)");
     }
   }
-  if (st == KILN_OK) st = launch_p3<T, A, V>(d, a, G, cl, bw, train, coef, rk);
+  if (st == KILN_OK) st = launch_p3<T, A, V>(d, a, G, cl, bw, train, coef);
   kiln__cuda_free(a->device, buf, bytes); /* stream-ordered reuse */
   return st;
 }
@@ -917,16 +820,12 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
-    if (a->i[0] & ~(int64_t)31) return false;
-    const kiln__view *r = residual_of(a);
-    if (r && (r->dtype != x->dtype || r->ndim != 3 || a->n_in < 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)))
-      return false;
+    if (a->i[0] & ~(int64_t)15) return false;
   } else {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)
       return false;
-    if (a->n_in != 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 8) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)) return false;
-    if (a->i[0] & ~(int64_t)15) return false;
+    if (a->n_in != 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)) return false;
     const kiln__view *mk = mask_of(a);
     if (mk && (mk->dtype != x->dtype || mk->ndim != 3)) return false;
   }

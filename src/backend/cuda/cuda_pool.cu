@@ -394,49 +394,6 @@ kiln_status try_cl(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
   }
 }
 
-/* MAX_POOL2D when every offset fits in 32 bits and the views are not channels-last (the
-** backward's max_pool_bwd_fast twin): blocks of 32 x 8 outputs (ow along x, so the
-** writes of y and the indices coalesce), blockIdx.z walking the (n, c) planes, so no
-** division decodes an item (the generic kernel's three per output made ResNet's NCHW stem
-** pool cost ~1 ms forward at batch 256 on the H200). Same taps, order and tie rule. */
-template <class T>
-__global__ void __launch_bounds__(256) max_pool_fwd_fast(const T *__restrict__ x, T *__restrict__ y,
-                                                         int64_t *__restrict__ idx, PoolB b, int KH, int KW, int sh,
-                                                         int sw, int dh, int dw) {
-  typedef typename kc_traits<T>::acc A;
-  const int ow = blockIdx.x * 32 + threadIdx.x, oh = blockIdx.y * 8 + threadIdx.y;
-  if (ow >= b.OW || oh >= b.OH) return;
-  const int h0 = oh * sh - b.ph, w0 = ow * sw - b.pw;
-  for (int pl = blockIdx.z; pl < b.planes; pl += gridDim.z) {
-    const int n = fdiv(pl, b.cdiv), c = pl - n * b.C;
-    const T *xp = x + (int64_t)n * b.xs[0] + (int64_t)c * b.xs[1];
-    A best = 0;
-    int at = -1;
-    for (int i = 0; i < KH; i++) {
-      const int h = h0 + i * dh;
-      if (h < 0 || h >= b.H) continue;
-      for (int j = 0; j < KW; j++) {
-        const int w = w0 + j * dw;
-        if (w < 0 || w >= b.W) continue;
-        A v = kc_ld<T>(xp[h * b.xs[2] + w * b.xs[3]]);
-        if (at < 0 || v > best || (kc_isnan(v) && !kc_isnan(best))) best = v, at = h * b.W + w;
-      }
-    }
-    y[(int64_t)n * b.gs[0] + (int64_t)c * b.gs[1] + oh * b.gs[2] + ow * b.gs[3]] = kc_st<T>(at < 0 ? (A)-INFINITY : best);
-    idx[(int64_t)n * b.is[0] + (int64_t)c * b.is[1] + oh * b.is[2] + ow * b.is[3]] = at < 0 ? 0 : at;
-  }
-}
-
-/* gridDim.z of the fast kernels: planes a block walks so that the grid is ~64 blocks an SM
-** (a block of 256 threads per plane was ~900k tiny blocks for ResNet's stem at batch 256) */
-unsigned plane_blocks(const PoolB &b, int gx, int gy, const kiln__cuda_dev *d) {
-  int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 64 / ((int64_t)gx * gy);
-  if (want < 1) want = 1;
-  if (want > b.planes) want = b.planes;
-  if (want > 65535) want = 65535;
-  return (unsigned)want;
-}
-
 /* The largest offset a view reaches (elements), for the 32-bit choice. */
 int64_t span_of(const kiln__view *v) {
   int64_t s = 0;
@@ -488,7 +445,8 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
       b.exth = (int)((g.KH - 1) * g.dh + 1), b.extw = (int)((g.KW - 1) * g.dw + 1);
       for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
       b.sh = make_fastdiv((uint32_t)g.sh), b.sw = make_fastdiv((uint32_t)g.sw), b.cdiv = make_fastdiv((uint32_t)g.C);
-      dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8), plane_blocks(b, (b.W + 31) / 32, (b.H + 7) / 8, d));
+      dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8),
+                (unsigned)(b.planes < 65535 ? b.planes : 65535));
       max_pool_bwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data,
                                                                 (const int64_t *)a->in[1].data, (T *)a->out[0].data, b);
       break;
@@ -504,18 +462,6 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
     break;
   }
   default:
-    if (sizeof(I) == 4 && !g.cl && (g.OH + 7) / 8 <= 65535) {
-      PoolB b; /* the image x; gs: y's strides; is: the indices' */
-      b.H = (int)g.H, b.W = (int)g.W, b.OH = (int)g.OH, b.OW = (int)g.OW, b.C = (int)g.C, b.planes = (int)(g.N * g.C);
-      b.ph = (int)g.ph, b.pw = (int)g.pw, b.exth = 0, b.extw = 0;
-      for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
-      b.sh = make_fastdiv(1), b.sw = make_fastdiv(1), b.cdiv = make_fastdiv((uint32_t)g.C);
-      dim3 grid((unsigned)((b.OW + 31) / 32), (unsigned)((b.OH + 7) / 8), plane_blocks(b, (b.OW + 31) / 32, (b.OH + 7) / 8, d));
-      max_pool_fwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
-                                                                (int64_t *)a->out[1].data, b, (int)g.KH, (int)g.KW,
-                                                                (int)g.sh, (int)g.sw, (int)g.dh, (int)g.dw);
-      break;
-    }
     max_pool_kernel<T, I><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
                                                                 (int64_t *)a->out[1].data, g);
   }

@@ -689,6 +689,20 @@ KILN_API kiln_tensor *kiln_pad(kiln_tensor *x, int n, const int64_t *pads, kiln_
 KILN_API kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
                                       kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
                                       double eps);
+/* relu(kiln_batch_norm(...)) as one op: the same values and gradients, without the
+** normalized tensor before the ReLU (not written, not kept for the backward: the output
+** itself tells where the ReLU let the gradient through). ResNet's conv-bn-relu. */
+KILN_API kiln_tensor *kiln_batch_norm_relu(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                           kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
+                                           double eps);
+/* relu(kiln_batch_norm(x, ...) + residual) as one op (ResNet's block tail): the same
+** values as the three ops up to one rounding (the sum is not rounded to x's dtype before
+** the ReLU), without the normalized tensor and the sum (neither written nor kept), where
+** the device has the fused kernel (the CPU; elsewhere, CUDA included for now, the three
+** ops run). The residual has x's shape and dtype (else the three ops run). */
+KILN_API kiln_tensor *kiln_batch_norm_add_relu(kiln_tensor *x, kiln_tensor *residual, kiln_tensor *running_mean,
+                                               kiln_tensor *running_var, kiln_tensor *weight, kiln_tensor *bias,
+                                               bool training, double momentum, double eps);
 /* x (N, C, ...) normalized over each group of C/groups channels; weight, bias (C) or NULL. */
 KILN_API kiln_tensor *kiln_group_norm(kiln_tensor *x, int64_t groups, kiln_tensor *weight, kiln_tensor *bias,
                                       double eps);

@@ -24,6 +24,8 @@
 #include "test_ops_batchnorm.c"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #ifdef BC_GPU_IS_CPU
@@ -61,6 +63,14 @@ static void bc_vs_cpu(void) {
       {4, {32, 96, 7, 7}, BN_CONTIG},
       {4, {64, 40, 16, 16}, BN_CL},     /* 16k rows: many splits */
       {5, {4, 6, 3, 4, 8}, BN_CONTIG},
+      /* the second version's kernels (unrolled rows, warp-per-channel finalize, tree merge) */
+      {4, {64, 24, 1, 1}, BN_CONTIG},   /* S 1: (N, C) rows */
+      {4, {8, 40, 7, 7}, BN_CL},        /* S 49 channels-last: 8-wide, 5 vectors a row */
+      {4, {16, 20, 7, 7}, BN_CONTIG},   /* S 49 NCHW, C 20 */
+      {4, {4, 64, 56, 56}, BN_CL},      /* S 3136 channels-last: ~1000 splits of a channel */
+      {4, {8, 12, 14, 14}, BN_CL},      /* C 12: 4-wide for 16-bit */
+      {4, {8, 7, 9, 9}, BN_CL},         /* C 7: scalar, odd */
+      {4, {2, 264, 3, 3}, BN_CL},       /* C 264: 33 vectors, a second block of channels */
   };
   static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
@@ -83,11 +93,110 @@ static void bc_vs_cpu(void) {
 }
 
 static void bc_offset(void) {
-  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false};
+  bn_spec sp = {4, {64, 4, 56, 56}, BN_CONTIG, KILN_F32, KILN_F32, true, 1000.0, 77, false, false};
   bn_out gpu, cpu;
   if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu))
     bn_compare("mean 1000, spread 1: cuda vs cpu", &sp, &gpu, &cpu, 1e-4, 1e-5);
   bn_out_free(&gpu), bn_out_free(&cpu);
+}
+
+/* A channel of 256 * 56 * 56 values (ResNet-50's layer 1 at batch 256), both layouts,
+** f32 and bf16, training alone and under a ReLU. */
+static void bc_big(void) {
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (int lay = 0; lay < 2; lay++)
+    for (int di = 0; di < 2; di++)
+      for (int mode = 0; mode < 3; mode += 2) {
+        const int64_t shape[5] = {256, 8, 56, 56, 0};
+        bn_spec sp = bn_sweep_spec(4, shape, lay ? BN_CL : BN_CONTIG, dts[di], mode, 0.5, 700 + lay * 4 + di * 2 + mode);
+        bn_out gpu, cpu;
+        if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu)) {
+          double rt, at;
+          bc_tol(sp.dt, &rt, &at);
+          bn_compare("256x56x56 per channel: cuda vs cpu", &sp, &gpu, &cpu, rt, at);
+        }
+        bn_out_free(&gpu), bn_out_free(&cpu);
+      }
+}
+
+/* Same inputs, same numbers: two runs on the device agree bit for bit (DESIGN.md; the
+** reductions have a fixed order, no atomics). */
+static void bc_repeat(void) {
+  static const struct {
+    int64_t shape[5];
+    int layout;
+  } cfg[] = {{{64, 40, 16, 16}, BN_CL}, {{32, 24, 28, 28}, BN_CONTIG}, {{16, 64, 7, 7}, BN_CL}};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int mode = 0; mode < 3; mode += 2) {
+      bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, KILN_BF16, mode, 1.0, 800 + ci * 2 + mode);
+      bn_out a, b;
+      if (bn_run(&sp, bc_gpu(), &a) && bn_run(&sp, bc_gpu(), &b)) bn_compare("cuda run twice", &sp, &a, &b, 0, 0);
+      bn_out_free(&a), bn_out_free(&b);
+    }
+}
+
+/* kiln_batch_norm_relu on the device: bit for bit the separate ReLU's numbers there
+** (test_ops_batchnorm's check), and close to the CPU's fused op. */
+static void bc_fused(void) {
+  bn_relu_fused(bc_gpu());
+  static const struct {
+    int64_t shape[5];
+    int layout;
+  } cfg[] = {{{8, 40, 7, 7, 0}, BN_CL}, {{8, 24, 14, 14, 0}, BN_CONTIG}, {{4, 7, 5, 5, 0}, BN_CL}};
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 2; di++) {
+      bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], 2, 0.3, 850 + ci * 2 + (uint64_t)di);
+      sp.fused = true;
+      bn_out gpu, cpu;
+      if (bn_run(&sp, bc_gpu(), &gpu) && bn_run(&sp, kiln_device_cpu(), &cpu)) {
+        double rt, at;
+        bc_tol(sp.dt, &rt, &at);
+        bn_compare("batch_norm_relu cuda vs cpu", &sp, &gpu, &cpu, rt, at);
+      }
+      bn_out_free(&gpu), bn_out_free(&cpu);
+    }
+}
+
+/* Channels-last views whose rows are not evenly spaced (a slice along H of a channels-last
+** tensor: the kernels step (n, s) instead of flat rows), against the CPU: y and dx, under
+** a ReLU and plain. */
+static void bc_cl_slice(void) {
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (int di = 0; di < 2; di++)
+    for (int relu = 0; relu < 2; relu++) {
+      double *res[2][2] = {{NULL, NULL}, {NULL, NULL}};
+      int64_t nr[2] = {0, 0};
+      for (int side = 0; side < 2; side++) {
+        kiln_scope_begin();
+        kiln_device dev = side ? kiln_device_cpu() : bc_gpu();
+        const int64_t sh[4] = {6, 16, 9, 7};
+        double *v = bn_host_randn(h_numel(4, sh), 41 + (uint64_t)di, 1.0, 0.5);
+        double *gv = bn_host_randn(6 * 16 * 5 * 7, 43 + (uint64_t)di, 1.0, 0.0);
+        kiln_tensor *base = kiln_detach(kiln_contiguous_format(bn_on(v, 4, sh, dts[di], dev), KILN_CHANNELS_LAST));
+        kiln_requires_grad_(base, true);
+        kiln_tensor *x = kiln_narrow(base, 2, 2, 5); /* rows (n, s) not evenly spaced */
+        kiln_tensor *g = kiln_contiguous_format(bn_on(gv, 4, (const int64_t[]){6, 16, 5, 7}, dts[di], dev), KILN_CHANNELS_LAST);
+        kiln_tensor *w = kiln_full(1, (const int64_t[]){16}, 1.5, KILN_F32, dev), *b = kiln_full(1, (const int64_t[]){16}, 0.25, KILN_F32, dev);
+        kiln_tensor *y = kiln_batch_norm(x, NULL, NULL, w, b, true, 0.1, 1e-5);
+        if (relu) y = kiln_relu(y);
+        kiln_tensor *gx = NULL;
+        bool ok = y && kiln_autograd_grad(1, &y, &g, 1, &base, &gx) == KILN_OK && gx;
+        H_CHECK(ok, "channels-last slice %s on side %d: %s", kiln_dtype_name(dts[di]), side, kiln_last_error_message());
+        if (ok) res[side][0] = h_values(y, &nr[0]), res[side][1] = h_values(gx, &nr[1]);
+        free(v), free(gv);
+        kiln_scope_end();
+      }
+      double rt, at;
+      bc_tol(dts[di], &rt, &at);
+      for (int k = 0; k < 2; k++) {
+        char name[128];
+        snprintf(name, sizeof name, "channels-last H-slice %s%s %s: cuda vs cpu", kiln_dtype_name(dts[di]),
+                 relu ? " + relu" : "", k ? "dx" : "y");
+        if (res[0][k] && res[1][k]) h_close(name, res[0][k], res[1][k], nr[k], rt, at);
+        free(res[0][k]), free(res[1][k]);
+      }
+    }
 }
 
 static void bc_max_pool(void) {
@@ -96,7 +205,12 @@ static void bc_max_pool(void) {
     bool cl;
   } cfg[] = {{{4, 8, 33, 31}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, false},
              {{2, 5, 17, 20}, {2, 3}, {1, 2}, {0, 1}, {2, 1}, false},
-             {{4, 16, 12, 14}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, true}};
+             {{4, 16, 12, 14}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, true},
+             /* the channels-last kernels: 4-wide (C 12), scalar (C 5) with a dilated window,
+             ** and a stride wider than the window (pixels no window covers get 0) */
+             {{3, 12, 15, 13}, {3, 3}, {2, 2}, {1, 1}, {1, 1}, true},
+             {{2, 5, 17, 20}, {2, 3}, {1, 2}, {0, 1}, {2, 1}, true},
+             {{2, 16, 11, 11}, {2, 2}, {3, 3}, {0, 0}, {1, 1}, true}};
   static const kiln_dtype dts[3] = {KILN_F32, KILN_BF16, KILN_F64};
   for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
     for (int di = 0; di < 3; di++) {
@@ -153,12 +267,15 @@ static double bc_time(bc_fn fn, void *ctx, int reps) {
 
 typedef struct bc_bn {
   kiln_tensor *x, *w, *b, *rm, *rv, *g;
-  bool backward;
+  bool backward, relu; /* relu: ReLU(batch_norm(x)), its backward folded into batch_norm's */
+  bool fused;          /* with relu: kiln_batch_norm_relu */
 } bc_bn;
 static kiln_status bc_bn_step(void *ctx) {
   bc_bn *c = ctx;
   kiln_scope_begin();
-  kiln_tensor *y = kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5);
+  kiln_tensor *y = c->relu && c->fused ? kiln_batch_norm_relu(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5)
+                                       : kiln_batch_norm(c->x, c->rm, c->rv, c->w, c->b, true, 0.1, 1e-5);
+  if (c->relu && !c->fused) y = kiln_relu(y);
   kiln_tensor *ins[3] = {c->x, c->w, c->b}, *gr[3] = {NULL, NULL, NULL};
   kiln_status st = !y ? kiln_last_error() : c->backward ? kiln_autograd_grad(1, &y, &c->g, 3, ins, gr) : KILN_OK;
   kiln_scope_end();
@@ -178,40 +295,76 @@ static kiln_status bc_pool_step(void *ctx) {
   return st;
 }
 
-static void bc_timings(void) {
+/* batch_norm forward and forward + backward (under a ReLU, as ResNet's) on shape, bf16, f32
+** parameters; prints ms and GB/s: forward moves x twice and y once, backward x, g and the
+** mask twice and dx once. */
+static void bc_time_bn(const int64_t *shape, bool cl) {
   kiln_device dev = bc_gpu();
   kiln_scope_begin();
-  const int64_t N = 128, C = 256, H = 56, W = 56;
+  int64_t N = shape[0], C = shape[1], H = shape[2], W = shape[3];
   double gb = (double)(N * C * H * W) * 2 / 1e9;
-  for (int cl = 0; cl < 2; cl++) {
-    bc_bn c = {0};
-    c.x = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
-    c.g = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
-    if (cl) {
-      c.x = kiln_contiguous_format(c.x, KILN_CHANNELS_LAST);
-      c.g = kiln_contiguous_format(c.g, KILN_CHANNELS_LAST);
-    }
-    c.w = kiln_ones(KILN_SHAPE(C), KILN_F32, dev), c.b = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev);
-    c.rm = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev), c.rv = kiln_ones(KILN_SHAPE(C), KILN_F32, dev);
-    kiln_requires_grad_(c.x, true), kiln_requires_grad_(c.w, true), kiln_requires_grad_(c.b, true);
-    c.backward = false;
-    double f = bc_time(bc_bn_step, &c, 10);
-    c.backward = true;
-    double fb = bc_time(bc_bn_step, &c, 10);
-    H_CHECK(f > 0 && fb > 0, "batch_norm timing ran: %s", kiln_last_error_message());
-    /* forward moves x twice and y once; backward x and g twice, dx once */
-    printf("test_cuda_batchnorm: batch_norm (128, 256, 56, 56) bf16 %s: forward %.3f ms (%.0f GB/s), forward + "
-           "backward %.3f ms (backward %.0f GB/s)\n",
-           cl ? "channels-last" : "NCHW", f, 3 * gb / (f * 1e-3), fb, 5 * gb / ((fb - f) * 1e-3));
+  bc_bn c = {0};
+  c.x = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
+  c.g = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
+  if (cl) {
+    c.x = kiln_contiguous_format(c.x, KILN_CHANNELS_LAST);
+    c.g = kiln_contiguous_format(c.g, KILN_CHANNELS_LAST);
   }
+  c.w = kiln_ones(KILN_SHAPE(C), KILN_F32, dev), c.b = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev);
+  c.rm = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev), c.rv = kiln_ones(KILN_SHAPE(C), KILN_F32, dev);
+  kiln_requires_grad_(c.x, true), kiln_requires_grad_(c.w, true), kiln_requires_grad_(c.b, true);
+  double f = bc_time(bc_bn_step, &c, 10);
+  c.relu = true;
+  double fr = bc_time(bc_bn_step, &c, 10);
+  c.backward = true;
+  double fb = bc_time(bc_bn_step, &c, 10) - fr + f;
+  c.fused = true;
+  double ufb = bc_time(bc_bn_step, &c, 10);
+  c.backward = false;
+  double uf = bc_time(bc_bn_step, &c, 10);
+  H_CHECK(f > 0 && fr > 0 && fb > 0 && uf > 0 && ufb > 0, "batch_norm timing ran: %s", kiln_last_error_message());
+  printf("test_cuda_batchnorm: bn (%lld,%lld,%lld,%lld) %s: fwd %.3f ms %.0f GB/s, bwd %.3f ms %.0f GB/s; "
+         "+relu fwd %.3f fwd+bwd %.3f, fused %.3f %.3f\n",
+         (long long)N, (long long)C, (long long)H, (long long)W, cl ? "CL" : "NCHW", f, 3 * gb / (f * 1e-3), fb - f,
+         7 * gb / ((fb - f) * 1e-3), fr, fb - f + fr, uf, ufb);
+  kiln_scope_end();
+}
+
+static void bc_time_pool(const int64_t *shape, bool cl) {
+  kiln_device dev = bc_gpu();
+  kiln_scope_begin();
   bc_pool p;
-  p.x = kiln_randn(KILN_SHAPE(128, 64, 112, 112), KILN_BF16, dev, NULL);
-  p.g = kiln_randn(KILN_SHAPE(128, 64, 56, 56), KILN_BF16, dev, NULL);
+  int64_t N = shape[0], C = shape[1], H = shape[2], W = shape[3];
+  p.x = kiln_randn(KILN_SHAPE(N, C, H, W), KILN_BF16, dev, NULL);
+  p.g = kiln_randn(KILN_SHAPE(N, C, (H - 1) / 2 + 1, (W - 1) / 2 + 1), KILN_BF16, dev, NULL);
+  if (cl) {
+    p.x = kiln_contiguous_format(p.x, KILN_CHANNELS_LAST);
+    p.g = kiln_contiguous_format(p.g, KILN_CHANNELS_LAST);
+  }
   kiln_requires_grad_(p.x, true);
   double t = bc_time(bc_pool_step, &p, 10);
   H_CHECK(t > 0, "max_pool2d timing ran: %s", kiln_last_error_message());
-  printf("test_cuda_batchnorm: max_pool2d 3x3/2 (128, 64, 112, 112) bf16 forward + backward: %.3f ms\n", t);
+  printf("test_cuda_batchnorm: max_pool2d 3x3/2 (%lld,%lld,%lld,%lld) bf16 %s fwd+bwd: %.3f ms\n", (long long)N,
+         (long long)C, (long long)H, (long long)W, cl ? "CL" : "NCHW", t);
   kiln_scope_end();
+}
+
+static void bc_timings(void) {
+  /* ResNet-50's batch-norm shapes at batch 256 (the stem, each stage's widest and
+  ** narrowest), then (128, 256, 56, 56) as the first version's log printed it */
+  static const int64_t bn_shapes[][4] = {{256, 64, 112, 112}, {256, 64, 56, 56}, {256, 256, 56, 56},
+                                         {256, 128, 28, 28},  {256, 512, 28, 28}, {256, 1024, 14, 14},
+                                         {256, 512, 7, 7},    {256, 2048, 7, 7}};
+  const char *only = getenv("BC_TIMINGS"); /* "bn", "pool" or unset for both */
+  if (!only || !strcmp(only, "bn")) {
+    for (size_t i = 0; i < sizeof bn_shapes / sizeof bn_shapes[0]; i++)
+      for (int cl = 1; cl >= 0; cl--) bc_time_bn(bn_shapes[i], cl);
+  }
+  if (!only || !strcmp(only, "pool")) {
+    static const int64_t pool_shapes[][4] = {{256, 64, 112, 112}, {128, 32, 28, 28}, {128, 64, 14, 14}};
+    for (size_t i = 0; i < sizeof pool_shapes / sizeof pool_shapes[0]; i++)
+      for (int cl = 1; cl >= 0; cl--) bc_time_pool(pool_shapes[i], cl);
+  }
 }
 
 int main(int argc, char **argv) {
@@ -223,12 +376,22 @@ int main(int argc, char **argv) {
     printf("test_cuda_batchnorm: skipped (no CUDA device)\n");
     return 77;
   }
+  const char *only = getenv("BC_TIMINGS_ONLY"); /* 1: just the timings (an A/B of a switch) */
+  if (only && !strcmp(only, "1")) {
+    bc_timings();
+    return h_finish();
+  }
   printf("test_cuda_batchnorm: harness cases\n");
   bn_family();
 #endif
   printf("test_cuda_batchnorm: against the CPU\n");
   bc_vs_cpu();
   bc_offset();
+  printf("test_cuda_batchnorm: a channel of 256x56x56, runs repeated, batch_norm_relu\n");
+  bc_big();
+  bc_repeat();
+  bc_fused();
+  bc_cl_slice();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

@@ -113,6 +113,7 @@ typedef struct bn_spec {
   double offset;      /* added to x: a mean far from 0 */
   uint64_t seed;
   bool relu;          /* relu(batch_norm(x)): the ReLU's backward folds into the kernel's */
+  bool fused;         /* with relu: kiln_batch_norm_relu, one op */
 } bn_spec;
 
 /* The spec of one sweep case: mode 0 training, 1 eval, 2 training under a ReLU; the
@@ -232,8 +233,9 @@ static bool bn_run(const bn_spec *sp, kiln_device dev, bn_out *o) {
   kiln_requires_grad_(b, true);
   /* the upstream gradient in x's layout where x has one (its own layout otherwise) */
   if (sp->layout == BN_CL) r = bn_channels_inner(r);
-  kiln_tensor *y = kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5);
-  if (sp->relu) y = kiln_relu(y);
+  kiln_tensor *y = sp->relu && sp->fused ? kiln_batch_norm_relu(x, rm, rvar, w, b, sp->train, 0.1, 1e-5)
+                                         : kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5);
+  if (sp->relu && !sp->fused) y = kiln_relu(y);
   kiln_tensor *ins[3] = {leaf, w, b}, *grads[3] = {NULL, NULL, NULL};
   bool ok = y && kiln_autograd_grad(1, &y, &r, 3, ins, grads) == KILN_OK;
   H_CHECK(ok, "batch_norm %s %s %s%s on %s ran: %s", bn_layout_name[sp->layout], kiln_dtype_name(sp->dt),
@@ -405,11 +407,134 @@ static void bn_extra(void) {
   kiln_scope_end();
 }
 
+/* kiln_batch_norm_relu against kiln_relu(kiln_batch_norm(...)) on dev: the same kernel
+** and the same mask (the output is > 0 exactly where the normalized value was), so the
+** same numbers bit for bit: y, the running statistics, dx, dweight, dbias. Both layouts,
+** training and eval, every dtype. */
+static void bn_relu_fused(kiln_device dev) {
+  static const struct {
+    int ndim;
+    int64_t shape[5];
+    int layout;
+  } shapes[] = {{4, {4, 6, 5, 5}, BN_CONTIG}, {4, {3, 16, 4, 6}, BN_CL}, {2, {32, 12, 0, 0, 0}, BN_CONTIG},
+                {4, {2, 5, 3, 3}, BN_SLICE}};
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (int di = 0; di < 4; di++)
+      for (int mode = 0; mode < 2; mode++) {
+        bn_spec sp = bn_sweep_spec(shapes[si].ndim, shapes[si].shape, shapes[si].layout, dts[di], mode, 0.0,
+                                   900 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode);
+        sp.relu = true;
+        bn_out fused, sep;
+        sp.fused = true;
+        bool a = bn_run(&sp, dev, &fused);
+        sp.fused = false;
+        bool b = bn_run(&sp, dev, &sep);
+        if (a && b) bn_compare("batch_norm_relu vs relu(batch_norm)", &sp, &fused, &sep, 0, 0);
+        bn_out_free(&fused), bn_out_free(&sep);
+      }
+}
+
+/* ---- batch_norm_add_relu: relu(batch_norm(x) + residual) ---------------------------------- */
+
+/* y, running_mean, running_var, dx, dweight, dbias, dresidual of one run on dev, fused
+** (kiln_batch_norm_add_relu) or as the three ops in f64 from the same values rounded to
+** x's dtype (the reference: one rounding, as the fused op's); the residual channels-last
+** when res_cl (x's layout from sp). false (and a failed check) when a call fails. */
+static bool bnar_run(const bn_spec *sp, bool res_cl, bool fused, kiln_device dev, double **v, int64_t *nv) {
+  kiln_scope_begin();
+  int nd = sp->ndim;
+  int64_t C = sp->shape[1], numel = h_numel(nd, sp->shape);
+  double *xv = bn_host_randn(numel, sp->seed, 1.0, sp->offset), *rv_ = bn_host_randn(numel, sp->seed + 9, 1.0, 0.0);
+  double *gv = bn_host_randn(numel, sp->seed + 5, 1.0, 0.0);
+  double *wv = bn_host_randn(C, sp->seed + 1, 1.0, 0.5), *bv = bn_host_randn(C, sp->seed + 2, 1.0, 0.0);
+  double *mv = bn_host_randn(C, sp->seed + 3, 1.0, sp->offset), *vv = bn_host_randn(C, sp->seed + 4, 0.3, 1.5);
+  kiln_tensor *x = bn_on(xv, nd, sp->shape, sp->dt, dev), *res = bn_on(rv_, nd, sp->shape, sp->dt, dev);
+  kiln_tensor *g = bn_on(gv, nd, sp->shape, sp->dt, dev);
+  kiln_dtype pdt = sp->pdt;
+  if (!fused) { /* the reference in f64 from the rounded values */
+    x = kiln_to_dtype(x, KILN_F64), res = kiln_to_dtype(res, KILN_F64), g = kiln_to_dtype(g, KILN_F64);
+    pdt = KILN_F64;
+  }
+  if (sp->layout == BN_CL) x = kiln_detach(bn_channels_inner(x)), g = bn_channels_inner(g);
+  if (res_cl) res = kiln_detach(bn_channels_inner(res));
+  kiln_tensor *w = bn_on(wv, 1, &C, pdt, dev), *b = bn_on(bv, 1, &C, pdt, dev);
+  kiln_tensor *rm = bn_on(mv, 1, &C, pdt, dev), *rvar = bn_on(vv, 1, &C, pdt, dev);
+  free(xv), free(rv_), free(gv), free(wv), free(bv), free(mv), free(vv);
+  kiln_requires_grad_(x, true), kiln_requires_grad_(res, true), kiln_requires_grad_(w, true), kiln_requires_grad_(b, true);
+  kiln_tensor *y = fused ? kiln_batch_norm_add_relu(x, res, rm, rvar, w, b, sp->train, 0.1, 1e-5)
+                         : kiln_relu(kiln_add(kiln_batch_norm(x, rm, rvar, w, b, sp->train, 0.1, 1e-5), res));
+  kiln_tensor *ins[4] = {x, w, b, res}, *gr[4] = {NULL, NULL, NULL, NULL};
+  bool ok = y && kiln_autograd_grad(1, &y, &g, 4, ins, gr) == KILN_OK;
+  H_CHECK(ok, "batch_norm_add_relu %s %s %s on %s ran: %s", fused ? "fused" : "three ops f64", kiln_dtype_name(sp->dt),
+          sp->train ? "training" : "eval", kiln__device_cstr(dev), kiln_last_error_message());
+  if (ok) {
+    kiln_tensor *r[7] = {y, rm, rvar, gr[0], gr[1], gr[2], gr[3]};
+    for (int k = 0; k < 7; k++) v[k] = h_values(r[k], &nv[k]);
+  }
+  kiln_scope_end();
+  return ok;
+}
+
+/* kiln_batch_norm_add_relu against the three ops in f64 on dev (from the same rounded
+** values), every output and gradient within x's dtype's tolerance; both layouts, the
+** residual in x's layout or the other, training and eval, every dtype. (Against the three
+** ops in x's dtype a sum within a rounding of 0 can fall the other side of the ReLU.) */
+static void bn_add_relu_fused(kiln_device dev) {
+  static const struct {
+    int ndim;
+    int64_t shape[5];
+    int layout;
+    bool res_cl;
+  } shapes[] = {{4, {4, 6, 5, 5}, BN_CONTIG, false}, {4, {3, 16, 4, 6}, BN_CL, true},
+                {4, {3, 16, 4, 6}, BN_CL, false},    {4, {2, 5, 3, 3}, BN_CONTIG, true}};
+  static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
+  static const char *const names[7] = {"y", "running_mean", "running_var", "dx", "dweight", "dbias", "dresidual"};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+    for (int di = 0; di < 4; di++)
+      for (int mode = 0; mode < 2; mode++) {
+        bn_spec sp = bn_sweep_spec(shapes[si].ndim, shapes[si].shape, shapes[si].layout, dts[di], mode, 0.0,
+                                   950 + si * 8 + (uint64_t)di * 2 + (uint64_t)mode);
+        double *a[7] = {NULL}, *b[7] = {NULL};
+        int64_t na[7] = {0}, nb[7] = {0};
+        if (bnar_run(&sp, shapes[si].res_cl, true, dev, a, na) && bnar_run(&sp, shapes[si].res_cl, false, dev, b, nb)) {
+          double rt, at;
+          h_dtype_tol(sp.dt, &rt, &at);
+          for (int k = 0; k < 7; k++) {
+            char name[160];
+            snprintf(name, sizeof name, "batch_norm_add_relu vs relu(batch_norm + residual) f64 %s %s %s %s %s",
+                     bn_layout_name[sp.layout], shapes[si].res_cl ? "residual CL" : "residual NCHW",
+                     kiln_dtype_name(sp.dt), sp.train ? "training" : "eval", names[k]);
+            H_CHECK(na[k] == nb[k], "%s: sizes", name);
+            if (na[k] == nb[k]) h_close(name, a[k], b[k], na[k], rt, at);
+          }
+        }
+        for (int k = 0; k < 7; k++) free(a[k]), free(b[k]);
+      }
+  /* a residual of another shape or dtype runs the three ops (same numbers as them) */
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 3, 4, 4), KILN_F32, dev, NULL);
+  kiln_tensor *r = kiln_randn(KILN_SHAPE(1, 3, 4, 4), KILN_F32, dev, NULL);
+  kiln_tensor *y = kiln_batch_norm_add_relu(x, r, NULL, NULL, NULL, NULL, true, 0.1, 1e-5);
+  kiln_tensor *z = kiln_relu(kiln_add(kiln_batch_norm(x, NULL, NULL, NULL, NULL, true, 0.1, 1e-5), r));
+  double *yv = y ? h_values(y, NULL) : NULL, *zv = z ? h_values(z, NULL) : NULL;
+  H_CHECK(yv && zv, "batch_norm_add_relu with a broadcast residual ran: %s", kiln_last_error_message());
+  if (yv && zv) h_close("batch_norm_add_relu broadcast residual", yv, zv, 96, 0, 0);
+  free(yv), free(zv);
+  H_CHECK(!kiln_batch_norm_add_relu(x, NULL, NULL, NULL, NULL, NULL, true, 0.1, 1e-5) &&
+              kiln_last_error() == KILN_ERR_INVALID_ARGUMENT && strstr(kiln_last_error_message(), "residual"),
+          "a NULL residual: %s", kiln_last_error_message());
+  kiln_clear_error();
+  kiln_scope_end();
+}
+
 static void bn_family(void) {
   h_run_cases(bn_cases, (int)(sizeof bn_cases / sizeof bn_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     bn_vs_composite();
     bn_extra();
+    bn_relu_fused(kiln_device_cpu());
+    bn_add_relu_fused(kiln_device_cpu());
   }
 }
 

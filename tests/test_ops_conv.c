@@ -337,7 +337,7 @@ static const cv_cfg cv_t_groups = {{1, 2}, {0, 1}, {2, 1}, 2, 0, {0, 1}};
 static const cv_pool cv_max = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 0};
 static const cv_pool cv_max_dil = {{2, 2}, {1, 2}, {0, 0}, {2, 1}, 0};
 static const cv_pool cv_avg = {{3, 2}, {2, 2}, {1, 1}, {1, 1}, 1};
-static const cv_size cv_adapt = {{3, 2}, 0}, cv_adapt_up = {{4, 6}, 0}, cv_near = {{7, 3}, 1}, cv_bil = {{7, 9}, 2},
+static const cv_size cv_adapt = {{3, 2}, 0}, cv_adapt_global = {{1, 1}, 0}, cv_adapt_up = {{4, 6}, 0}, cv_near = {{7, 3}, 1}, cv_bil = {{7, 9}, 2},
                      cv_bil_down = {{2, 3}, 2};
 static const cv_padc cv_pad_const = {{1, 2, 0, 3}, 0}, cv_pad_refl = {{2, 1, 1, 2}, 1};
 static const int cv_bn_train = 0, cv_bn_eval = 1, cv_gn = 2;
@@ -373,6 +373,8 @@ static const h_case cv_cases[] = {
      .in = {CVIN(N_, 3, 7, 5)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 7x5 -> 3x2", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt, .n_in = 1,
      .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF},
+    {.name = "adaptive_avg_pool2d 7x7 -> 1x1 (a mean)", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_global,
+     .n_in = 1, .in = {CVIN(N_, 3, 7, 7)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 3x4 -> 4x6", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_up, .n_in = 1,
      .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
     {.name = "upsample nearest 3x2 -> 7x3", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_near, .n_in = 1,

@@ -307,6 +307,10 @@ typedef struct kiln__view {
   /* running ones (flag 4) become (1 - s1) r + s1 stat, the variance's with the */       \
   /* unbiased var (PyTorch's rule; N*S >= 2); i1 0 eval: the running statistics */        \
   /* (flag 4 required, not written) normalize and go to out1. s0 eps, s1 momentum. */     \
+  /* i0 flag 8: y = max(y, 0) (NaN kept), a ReLU fused (kiln_batch_norm_relu). i0 flag */ \
+  /* 16: one more input after the weight and bias, a residual (N, C, S) (x's dtype) */     \
+  /* added before that ReLU: y = max(bn(x) + residual, 0) (kiln_batch_norm_add_relu; */    \
+  /* the CPU only so far, CUDA composes). */                                               \
   X(BATCH_NORM, "batch_norm")                                                             \
   /* in0 x (N, C, S), in1 grad (N, C, S), in2 stats (2, C) as BATCH_NORM gave them, */    \
   /* optional in3 weight (C) (i0 flag 1), optional last input a mask (N, C, S) (x's */   \

@@ -33,6 +33,14 @@ void kiln__module_measure_set(kiln__act_measure *a); /* NULL: off */
 bool kiln__module_measuring(void);
 void kiln__module_measure_note(kiln_module *m, int64_t bytes);
 
+/* relu(kiln_module_forward(bn, x)) for a BatchNorm1d/2d module as one op
+** (kiln_batch_norm_relu: the same numbers, no pre-ReLU tensor kept); any other module, or a
+** checkpointed one, runs the two calls. conv_layers.c. */
+kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *bn, kiln_tensor *x);
+/* relu(kiln_module_forward(bn, x) + residual) likewise (kiln_batch_norm_add_relu);
+** NULL when residual is NULL (an error already set). */
+kiln_tensor *kiln__batch_norm_add_relu_forward(kiln_module *bn, kiln_tensor *x, kiln_tensor *residual);
+
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
 int kiln__module_extra_repr(const kiln_module *m, char *buf, size_t n);
 

@@ -27,15 +27,18 @@ typedef struct block_cfg {
 
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   const block_cfg *c = kiln_module_impl(m);
-  kiln_tensor *out = kiln_relu(kiln_module_forward(kiln_module_child(m, "bn1"),
-                                                   kiln_module_forward(kiln_module_child(m, "conv1"), x)));
-  out = kiln_module_forward(kiln_module_child(m, "bn2"), kiln_module_forward(kiln_module_child(m, "conv2"), out));
+  /* bn1 (and a Bottleneck's bn2) with its ReLU as one op (kiln__batch_norm_relu_forward) */
+  kiln_tensor *out = kiln__batch_norm_relu_forward(kiln_module_child(m, "bn1"),
+                                                   kiln_module_forward(kiln_module_child(m, "conv1"), x));
+  kiln_tensor *c2 = kiln_module_forward(kiln_module_child(m, "conv2"), out);
+  kiln_tensor *last = c2; /* the block's last convolution's output, before its BatchNorm */
   if (c->bottleneck)
-    out = kiln_module_forward(kiln_module_child(m, "bn3"),
-                              kiln_module_forward(kiln_module_child(m, "conv3"), kiln_relu(out)));
+    last = kiln_module_forward(kiln_module_child(m, "conv3"),
+                               kiln__batch_norm_relu_forward(kiln_module_child(m, "bn2"), c2));
   kiln_tensor *identity = c->downsample ? kiln_module_forward(kiln_module_child(m, "downsample"), x) : x;
-  if (!out || !identity) return NULL;
-  return kiln_relu(kiln_add(out, identity));
+  if (!last || !identity) return NULL;
+  /* relu(bn(last) + identity) as one op (kiln_batch_norm_add_relu) */
+  return kiln__batch_norm_add_relu_forward(kiln_module_child(m, c->bottleneck ? "bn3" : "bn2"), last, identity);
 }
 
 static int block_repr(const kiln_module *m, char *buf, size_t n) {
@@ -121,10 +124,20 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 
 /* ---- the network ------------------------------------------------------------------------ */
 
-/* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc. */
+/* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc; bn1 and
+** the ReLU module after it as one op (kiln__batch_norm_relu_forward). */
 static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
   int n = kiln_module_num_children(m);
-  for (int i = 0; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
+  for (int i = 0; i < n && x; i++) {
+    kiln_module *c = kiln_module_child_at(m, i), *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
+    if (next && !strcmp(kiln__module_vtable(next)->type_name, "ReLU") && !kiln_module_is_checkpointed(next) &&
+        !strcmp(kiln__module_vtable(c)->type_name, "BatchNorm2d")) {
+      x = kiln__batch_norm_relu_forward(c, x);
+      i++;
+      continue;
+    }
+    x = kiln_module_forward(c, x);
+  }
   return x;
 }
 

@@ -222,6 +222,8 @@ static bool x_layout_cl(const kiln__view *v) { return view_cl(v) && (!view_cf(v)
 
 static kiln__view vec1(const kiln_tensor *t) { return kiln__view_of(t); }
 
+static const kiln__op op_batch_norm_relu_k, op_batch_norm_add_relu_k;
+
 static kiln_status bnk_forward(kiln__op_ctx *c) {
   const attrs_bn *p = c->attrs;
   kiln_tensor *x = c->in[0], *rm = c->in[1], *rv = c->in[2], *w = c->in[3], *b = c->in[4];
@@ -260,6 +262,18 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
     a.out[a.n_out++] = vec1(rv);
     a.i[0] |= 4;
   }
+  if (c->op == &op_batch_norm_relu_k) a.i[0] |= 8; /* the ReLU fused */
+  if (c->op == &op_batch_norm_add_relu_k) { /* the residual (in x's layout) and the ReLU */
+    kiln_tensor *rs = c->tmp[2] = to_layout(c->in[5], cl);
+    if (!rs || !ncs_view(rs, &a.in[a.n_in])) {
+      c->out[0] = NULL;
+      kiln__discard(y);
+      return rs ? kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_add_relu: residual %s", kiln__tshape(rs))
+                : kiln_last_error();
+    }
+    a.n_in++;
+    a.i[0] |= 16 | 8;
+  }
   a.i[1] = p->training;
   a.s[0] = p->eps;
   a.s[1] = p->momentum;
@@ -271,17 +285,23 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
   return st;
 }
 
-/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C) */
+/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C), 3 bias
+** (or NULL: with the weight and the statistics it lets a kernel recompute y, and so the
+** ReLU's mask, from x) */
 static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 0, c->tmp[0]);
   kiln__node_save(n, 1, c->in[3]);
   kiln__node_save(n, 2, c->tmp[1]);
+  kiln__node_save(n, 3, c->in[4]);
 }
 
-/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask) -> (dx, dweight,
-** dbias); mask (optional): a ReLU's input that g still has to go through (the ReLU's rule
-** handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK), so no
-** ReLU-backward kernel runs and no tensor is made for its result. */
+/* ---- batch_norm_backward: an internal op (x, g, stats, weight, mask, bias) -> (dx,
+** dweight, dbias); mask (optional): a ReLU's input that g still has to go through (the
+** ReLU's rule handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK),
+** so no ReLU-backward kernel runs and no tensor is made for its result. The mask is
+** always this batch norm's own output (the peephole's ReLU input is y; batch_norm_relu
+** hands its output), so with the bias a kernel could recompute it from x instead of
+** reading it; the bias input is kept for that and not passed to the kernels yet. */
 
 static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
@@ -301,7 +321,7 @@ static kiln_status bnb_infer(kiln__op_ctx *c) {
 
 static kiln_status bnb_forward(kiln__op_ctx *c) {
   const attrs_bn *p = c->attrs;
-  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4];
+  kiln_tensor *x = c->in[0], *g = c->in[1], *stats = c->in[2], *w = c->in[3], *mask = c->in[4], *bias = c->in[5];
   kiln__view xv;
   if (!ncs_view(x, &xv)) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_backward: input %s", kiln__tshape(x));
   bool cl = x_layout_cl(&xv);
@@ -325,6 +345,7 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     a.in[2] = kiln__view_of(stats);
     if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
     if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
+    (void)bias; /* for a kernel that recomputes the mask from x (not in this tree: see the report) */
     a.n_out = 3;
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
@@ -339,8 +360,8 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
 }
 
 static const kiln__op op_batch_norm_bwd = {
-    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 5, .n_out = 3,
-    .optional = (1u << 3) | (1u << 4),
+    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 6, .n_out = 3,
+    .optional = (1u << 3) | (1u << 4) | (1u << 5),
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
@@ -349,9 +370,9 @@ static const kiln__op op_batch_norm_bwd = {
 ** right after the op may have handed g over unmasked with its input as n->grad_mask
 ** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[5] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask};
+  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask, n->saved[3]};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 5, in, n->attrs, out)) return kiln_last_error();
+  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
   for (int k = 1; k < 3; k++) {
     int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
@@ -362,16 +383,104 @@ static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
   return KILN_OK;
 }
 
+/* batch_norm_relu: the same kernel with the ReLU applied to y (flag 8), and the same
+** backward with the output as the mask (out > 0 exactly where the normalized value was):
+** the node keeps x and the output, which the next layer keeps anyway, instead of the
+** separate ReLU's input. */
+static void bnkr_save(kiln__op_ctx *c, kiln__node *n) {
+  bnk_save(c, n);
+  kiln__node_save_output(n, 4);
+}
+
+static kiln_status bnkr_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->saved[4], n->saved[3]};
+  kiln_tensor *out[3] = {NULL, NULL, NULL};
+  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
+  if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
+  for (int k = 1; k < 3; k++) {
+    int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
+    if (!n->needs[i]) continue;
+    kiln_tensor *r = out[k]->dtype != n->in_dtype[i] ? kiln_to_dtype(out[k], n->in_dtype[i]) : out[k];
+    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_batch_norm_relu_k = {
+    .name = "batch_norm_relu", .api = "kiln_batch_norm_relu", .n_in = 5, .n_out = 1, .optional = 0x1e,
+    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM}, .attrs = f_bn, .n_attrs = 3,
+    .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnkr_backward,
+    .n_saved = 5, .save = bnkr_save};
+
+/* batch_norm_add_relu: y = relu(batch_norm(x) + residual), ResNet's block tail, in the
+** same kernel (flag 16, then flag 8) where the device has it (the CPU; CUDA composes for
+** now): no normalized tensor and no sum are written or kept.
+** Backward: g masked by the output (> 0 exactly where the sum was) is the residual's
+** gradient and batch_norm's upstream one (one RELU_BACKWARD kernel, then the unmasked
+** BATCH_NORM_BACKWARD): the kernels the separate add and ReLU ran, less the forward's. */
+static kiln_status bnar_infer(kiln__op_ctx *c) {
+  if (bn_infer(c) != KILN_OK) return kiln_last_error();
+  kiln_tensor *x = c->in[0], *r = c->in[5];
+  if (r->ndim != x->ndim || memcmp(r->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0 || r->dtype != x->dtype)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_batch_norm_add_relu: residual %s %s must match input %s %s",
+                          kiln_dtype_name(r->dtype), kiln__tshape(r), kiln_dtype_name(x->dtype), kiln__tshape(x));
+  return KILN_OK;
+}
+
+static kiln_status bnar_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln_tensor *out = n->saved[4];
+  kiln_tensor *gg = g->dtype == out->dtype ? g : kiln__as_dtype_nograd(g, out->dtype);
+  if (!gg) return kiln_last_error();
+  bool g_cl = kiln__is_channels_last(gg) && gg->ndim == out->ndim &&
+              !memcmp(gg->shape, out->shape, sizeof(int64_t) * (size_t)out->ndim);
+  kiln_tensor *gm = kiln__tensor_new_like_format(g_cl ? gg : out, out->dtype);
+  if (!gm) return kiln_last_error();
+  kiln__kargs k = {0};
+  k.op = KILN__K_RELU_BACKWARD;
+  k.n_in = 2;
+  k.in[0] = kiln__view_of(out); /* out > 0 exactly where the ReLU passed */
+  k.in[1] = kiln__view_of(gg);
+  if (kiln__run_into(gm, &k) != KILN_OK) {
+    kiln__discard(gm);
+    return kiln_last_error();
+  }
+  kiln_tensor *in[6] = {n->saved[0], gm, n->saved[2], n->saved[1], NULL, n->saved[3]};
+  kiln_tensor *o[3] = {NULL, NULL, NULL};
+  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, o)) {
+    kiln__discard(gm);
+    return kiln_last_error();
+  }
+  if (n->needs[0] && kiln__give_grad(&gi[0], o[0], g) != KILN_OK) return kiln_last_error();
+  for (int k2 = 1; k2 < 3; k2++) {
+    int i = k2 + 2; /* dweight -> input 3, dbias -> input 4 */
+    if (!n->needs[i]) continue;
+    kiln_tensor *r = o[k2]->dtype != n->in_dtype[i] ? kiln_to_dtype(o[k2], n->in_dtype[i]) : o[k2];
+    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
+  }
+  if (n->needs[5]) {
+    kiln_tensor *r = gm->dtype != n->in_dtype[5] ? kiln_to_dtype(gm, n->in_dtype[5]) : gm;
+    if (kiln__give_grad(&gi[5], r, g) != KILN_OK) return kiln_last_error();
+  }
+  return KILN_OK;
+}
+
+static const kiln__op op_batch_norm_add_relu_k = {
+    .name = "batch_norm_add_relu", .api = "kiln_batch_norm_add_relu", .n_in = 6, .n_out = 1, .optional = 0x1e,
+    .flags = KILN__OP_SELF_ALLOC, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM}, .attrs = f_bn, .n_attrs = 3,
+    .attr_size = sizeof(attrs_bn), .infer = bnar_infer, .forward = bnk_forward, .backward = bnar_backward,
+    .n_saved = 5, .save = bnkr_save};
+
 static const kiln__op op_batch_norm_k = {
     .name = "batch_norm", .api = "kiln_batch_norm", .n_in = 5, .n_out = 1, .optional = 0x1e,
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_GRAD_MASK, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM},
     .attrs = f_bn, .n_attrs = 3,
     .attr_size = sizeof(attrs_bn), .infer = bn_infer, .forward = bnk_forward, .backward = bnk_backward,
-    .n_saved = 3, .save = bnk_save};
+    .n_saved = 4, .save = bnk_save};
 
 /* Whether x's device runs BATCH_NORM for these arguments (asked before the call, so that a
 ** backend without it, Vulkan, composes instead of copying every activation to the CPU). */
-static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training) {
+static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training,
+                      bool relu, kiln_tensor *res) {
   if (!x || x->ndim < 2 || !kiln_dtype_is_float(x->dtype)) return false; /* the composite reports it */
   if (training ? (!rm) != (!rv) : (!rm || !rv)) return false;
   kiln_tensor *vecs[4] = {rm, rv, w, b};
@@ -396,6 +505,15 @@ static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_ten
   q.out[q.n_out].strides[0] = x->shape[1], q.out[q.n_out].strides[1] = 1;
   q.out[q.n_out++].dtype = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
   if (rm && rv) q.out[q.n_out++] = vec1(rm), q.out[q.n_out++] = vec1(rv), q.i[0] |= 4;
+  if (relu) q.i[0] |= 8;
+  if (res) { /* in x's layout (to_layout makes it so) */
+    if (res->dtype != x->dtype || res->ndim != x->ndim || !kiln_device_equal(kiln_device_of(res), kiln_device_of(x)) ||
+        memcmp(res->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
+      return false;
+    q.in[q.n_in] = xv;
+    q.in[q.n_in++].dtype = res->dtype;
+    q.i[0] |= 16 | 8;
+  }
   q.i[1] = training;
   return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_BATCH_NORM);
 }
@@ -404,8 +522,33 @@ kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_ten
                              kiln_tensor *bias, bool training, double momentum, double eps) {
   attrs_bn a = {training, momentum, eps};
   kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
-  bool native = bn_native(x, running_mean, running_var, weight, bias, training);
+  bool native = bn_native(x, running_mean, running_var, weight, bias, training, false, NULL);
   return kiln__op_call(native ? &op_batch_norm_k : &op_batch_norm, 5, in, &a, NULL);
+}
+
+kiln_tensor *kiln_batch_norm_relu(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                  kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum, double eps) {
+  attrs_bn a = {training, momentum, eps};
+  kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
+  if (bn_native(x, running_mean, running_var, weight, bias, training, true, NULL))
+    return kiln__op_call(&op_batch_norm_relu_k, 5, in, &a, NULL);
+  /* elsewhere (Vulkan: no BATCH_NORM) the two ops */
+  return kiln_relu(kiln_batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps));
+}
+
+kiln_tensor *kiln_batch_norm_add_relu(kiln_tensor *x, kiln_tensor *residual, kiln_tensor *running_mean,
+                                      kiln_tensor *running_var, kiln_tensor *weight, kiln_tensor *bias, bool training,
+                                      double momentum, double eps) {
+  if (!residual) {
+    if (x) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_batch_norm_add_relu: NULL residual (input %s)", kiln__tshape(x));
+    return NULL;
+  }
+  attrs_bn a = {training, momentum, eps};
+  kiln_tensor *in[6] = {x, running_mean, running_var, weight, bias, residual};
+  if (bn_native(x, running_mean, running_var, weight, bias, training, true, residual))
+    return kiln__op_call(&op_batch_norm_add_relu_k, 6, in, &a, NULL);
+  /* elsewhere (Vulkan, mixed dtypes, broadcasting) the three ops */
+  return kiln_relu(kiln_add(kiln_batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps), residual));
 }
 
 /* ---- group_norm ------------------------------------------------------------------------- */

@@ -31,6 +31,8 @@ typedef struct bn_ctx {
   int64_t N, C, S;
   bool cl;     /* channels inner: runs go along C */
   bool train;
+  bool relu;   /* forward: y = max(y, 0), a ReLU fused (flag 8) */
+  const kiln__view *res;       /* forward: the residual added before the ReLU (flag 16), or NULL */
   const kiln__view *x, *g, *y; /* y: forward's y or backward's dx */
   const kiln__view *mask;      /* backward: g counts where mask > 0, or NULL */
   const kiln__view *w, *b;     /* NULL when absent */
@@ -116,6 +118,13 @@ static void run_norm(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t l
     int64_t j = c - A->c0 + (k->cl ? i : 0);
     buf[i] = (buf[i] - A->mean[j]) * A->scale[j] + A->shift[j];
   }
+  if (k->res) {
+    double rb[BN_RUN];
+    kiln__cpu_load(rb, KILN_F64, at3(k->res, n, c, s), run_bst(k, k->res), k->res->dtype, len);
+    for (int64_t i = 0; i < len; i++) buf[i] += rb[i];
+  }
+  if (k->relu)
+    for (int64_t i = 0; i < len; i++) buf[i] = buf[i] < 0 ? 0 : buf[i]; /* NaN passes, as kiln_relu's */
   kiln__cpu_store(at3(k->y, n, c, s), run_bst(k, k->y), k->y->dtype, buf, KILN_F64, len);
 }
 
@@ -274,6 +283,8 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     k.w = (flags & 1) ? &a->in[at++] : NULL;
     k.b = (flags & 2) ? &a->in[at++] : NULL;
     k.y = &a->out[0];
+    k.relu = (flags & 8) != 0;
+    k.res = (flags & 16) ? &a->in[at] : NULL; /* after the weight and the bias */
     k.stats = &a->out[1];
     if (flags & 4) k.rm = &a->out[2], k.rv = &a->out[3];
     if (!k.train && !k.rm)

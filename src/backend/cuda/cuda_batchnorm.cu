@@ -12,14 +12,18 @@
 **      M2 merged by Chan et al.'s rule), the block merges its threads in a fixed order.
 **      A channel's values never meet as E[x^2] - E[x]^2, so a mean far from 0 costs no
 **      precision, however large N*S is.
-**   2. one thread per channel merges the splits in f64: the mean, the biased variance,
+**   2. one warp per channel merges the splits in f64 (lanes over splits, then a fixed
+**      shuffle tree): the mean, the biased variance,
 **      invstd = 1/sqrt(var + eps) (written as out1, the statistics backward reads), the
 **      running statistics' update (PyTorch's rule, unbiased variance) and the per-channel
 **      coefficients of pass 3.
-**   3. y = (x - mean) * (w invstd) + b, elementwise.
+**   3. y = (x - mean) * (w invstd) + b, elementwise, the rows in reverse: pass 1 read the
+**      last rows last, and some are still in L2.
+** Each thread loads 2-4 vectors before it uses any (enough bytes in flight to reach the
+** bandwidth); a block's rows merge by a fixed tree.
 ** Eval: 2 (from the running statistics) and 3.
-** Backward: the same shape: per-(channel, split) sums of g and g (x - mean); one thread per
-** channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
+** Backward: the same shape: per-(channel, split) sums of g and g (x - mean) (the mean read
+** from the saved statistics); one warp per channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
 ** dx = k g + cx (x - mean) + d0 elementwise (eval: k g).
 ** Statistics and sums accumulate in f32 (f64 for f64 inputs), the splits in f64. Every
 ** reduction has a fixed order (no atomics): the same numbers on every run.
@@ -77,6 +81,9 @@ template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk
   A v = (A)kc_ld<T>(g);
   return mk && !((A)kc_ld<T>(mv[i]) > (A)0) ? (A)0 : v;
 }
+
+/* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
+template <class A> __device__ __forceinline__ A relu_if(A v, bool relu) { return relu && v < (A)0 ? (A)0 : v; }
 
 /* a / b where precision allows the fast path (the Welford weights) */
 __device__ __forceinline__ float qdiv(float a, float b) { return __fdividef(a, b); }
@@ -139,13 +146,25 @@ template <class A> __device__ void block_sum2(A &a, A &b) {
     for (int k = 1; k < nw; k++) a += sh[0][k], b += sh[1][k];
 }
 
+/* (n, s) of the row `step` further: (dn, ds) = (step / S, step % S), one carry (ds < S). */
+__device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t ds, int64_t S) {
+  n += dn, s += ds;
+  if (s >= S) s -= S, n++;
+}
+
+/* Rows (or vectors) a thread loads before it uses any: a lone 16-byte load in flight per
+** thread left the first version latency bound (the channels-last statistics ran at about
+** a third of the NCHW pass's bandwidth on the H200). */
+enum { BN_U = 4 };
+
 /* ---- pass 1, cf: block (channel blockIdx.x, split blockIdx.y) over that channel's
 ** N * S/V vectors, flattened as (n, sv); (n, sv) advance by subtraction, no division in
-** the loop. BW: the backward sums (g, g (x - mean)) instead of the statistics. */
+** the loop, BN_U vectors loaded at a time. BW: the backward sums (g, g (x - mean))
+** instead of the statistics, the mean read at meanp[c * mst]. */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ coef) {
+             const A *__restrict__ meanp, int64_t mst) {
   const int64_t c = blockIdx.x, splits = gridDim.y, sp = blockIdx.y;
   const int64_t SV = G.S / V, total = G.N * SV, per = (total + splits - 1) / splits;
   const int64_t j0 = sp * per, j1 = j0 + per < total ? j0 + per : total;
@@ -154,29 +173,47 @@ __global__ void __launch_bounds__(BN_THREADS)
   const T *mc = BW && mk ? mk + c * G.ms[1] : NULL;
   A n = 0, m = 0, q = 0;           /* statistics */
   A sg = 0, sgx = 0, mean = 0;     /* backward sums */
-  if (BW) mean = coef[c];
+  if (BW) mean = meanp[c * mst];
+  const int64_t B = blockDim.x;
   int64_t j = j0 + threadIdx.x;
   int64_t nn = j / SV, sv = j - nn * SV;
-  const int64_t dn = blockDim.x / SV, dsv = blockDim.x - dn * SV;
-  for (; j < j1; j += blockDim.x) {
-    Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(xc + nn * G.xs[0] + sv * V);
-    A v[V];
+  const int64_t dn = B / SV, dsv = B - dn * SV;
+  typedef Pack<T, V> P;
+  constexpr int U = BW ? 2 : BN_U; /* the backward loads three vectors a step */
+  for (;;) {
+    const int u_n = j + (U - 1) * B < j1 ? U : j < j1 ? 1 : 0; /* a full batch, or the tail one by one */
+    if (u_n == 0) break;
+    P px[U], pg[U], pm[U];
 #pragma unroll
-    for (int i = 0; i < V; i++) v[i] = (A)kc_ld<T>(px.v[i]);
-    if (!BW) {
-      wchunk<A, V>(n, m, q, v);
-    } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(gc + nn * G.gs[0] + sv * V), pm;
-      if (mc) pm = *reinterpret_cast<const Pack<T, V> *>(mc + nn * G.ms[0] + sv * V);
-#pragma unroll
-      for (int i = 0; i < V; i++) {
-        A gv = masked<T, A>(pg.v[i], mc, i, pm.v);
-        sg += gv;
-        sgx += gv * (v[i] - mean);
+    for (int u = 0; u < U; u++) {
+      if (u < u_n) {
+        px[u] = *reinterpret_cast<const P *>(xc + nn * G.xs[0] + sv * V);
+        if (BW) {
+          pg[u] = *reinterpret_cast<const P *>(gc + nn * G.gs[0] + sv * V);
+          if (mc) pm[u] = *reinterpret_cast<const P *>(mc + nn * G.ms[0] + sv * V);
+        }
+        radv(nn, sv, dn, dsv, SV);
       }
     }
-    nn += dn, sv += dsv;
-    if (sv >= SV) sv -= SV, nn++;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (u < u_n) {
+        A v[V];
+#pragma unroll
+        for (int i = 0; i < V; i++) v[i] = (A)kc_ld<T>(px[u].v[i]);
+        if (!BW) {
+          wchunk<A, V>(n, m, q, v);
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; i++) {
+            A gv = masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
+            sg += gv;
+            sgx += gv * (v[i] - mean);
+          }
+        }
+      }
+    }
+    j += (int64_t)u_n * B;
   }
   if (!BW) {
     block_welford<A>(n, m, q);
@@ -193,14 +230,38 @@ __global__ void __launch_bounds__(BN_THREADS)
   }
 }
 
+/* One row of pass1_cl: V channels' Welford update (their count shared, so one reciprocal
+** serves V updates), or the backward's sums of g and g (x - mean). */
+template <class T, class A, int V, bool BW>
+__device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pack<T, V> &px, const Pack<T, V> &pg,
+                                       const T *mk, const Pack<T, V> &pm) {
+  if (!BW) {
+    n += (A)1;
+    A rc = qdiv((A)1, n);
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+      A v = (A)kc_ld<T>(px.v[i]), d = v - m[i];
+      m[i] += d * rc;
+      q[i] += d * (v - m[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+      A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
+      m[i] += gv;                                    /* sum g */
+      q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
+    }
+  }
+}
+
 /* ---- pass 1, cl: block (TX channel vectors) x (256 / TX rows); blockIdx.x picks the
-** channel vectors, blockIdx.y the split of the N*S rows. A thread keeps V channels' states;
-** their count is shared, so one reciprocal serves V Welford updates. The rows of the block
-** merge in row order through shared memory. */
+** channel vectors, blockIdx.y the split of the N*S rows. A thread keeps V channels' states
+** over rows ty, ty + TY, ... of its split, BN_U rows loaded at a time; the block's rows
+** then merge by a fixed tree through shared memory (row k takes row k + h, h = TY/2 .. 1). */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ coef) {
+             const A *__restrict__ meanp, int64_t mst) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t CV = (G.C + V - 1) / V, cv = (int64_t)blockIdx.x * TX + tx;
   const int64_t R = G.N * G.S, splits = gridDim.y, sp = blockIdx.y, per = (R + splits - 1) / splits;
@@ -210,37 +271,35 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
   for (int i = 0; i < V; i++) m[i] = 0, q[i] = 0;
   A mean[V];
-  if (BW)
 #pragma unroll
-    for (int i = 0; i < V; i++) mean[i] = on ? coef[cv * V + i] : (A)0;
+  for (int i = 0; i < V; i++) mean[i] = BW && on ? meanp[(cv * V + i) * mst] : (A)0;
+  typedef Pack<T, V> P;
+  constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
   int64_t nn = r / G.S, s = r - nn * G.S;
   const int64_t dn = TY / G.S, ds = TY - dn * G.S;
-  for (; on && r < r1; r += TY) {
-    Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + nn * G.xs[0] + s * G.xs[2] + cv * V);
-    if (!BW) {
-      n += (A)1;
-      A rc = qdiv((A)1, n);
+  const int64_t co = cv * V;
+  for (; on;) {
+    const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0;
+    if (u_n == 0) break;
+    P px[U], pg[U], pm[U];
 #pragma unroll
-      for (int i = 0; i < V; i++) {
-        A v = (A)kc_ld<T>(px.v[i]), d = v - m[i];
-        m[i] += d * rc;
-        q[i] += d * (v - m[i]);
-      }
-    } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + nn * G.gs[0] + s * G.gs[2] + cv * V), pm;
-      if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + nn * G.ms[0] + s * G.ms[2] + cv * V);
-#pragma unroll
-      for (int i = 0; i < V; i++) {
-        A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
-        m[i] += gv;                                  /* sum g */
-        q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
+    for (int u = 0; u < U; u++) {
+      if (u < u_n) {
+        px[u] = *reinterpret_cast<const P *>(x + nn * G.xs[0] + s * G.xs[2] + co);
+        if (BW) {
+          pg[u] = *reinterpret_cast<const P *>(g + nn * G.gs[0] + s * G.gs[2] + co);
+          if (mk) pm[u] = *reinterpret_cast<const P *>(mk + nn * G.ms[0] + s * G.ms[2] + co);
+        }
+        radv(nn, s, dn, ds, G.S);
       }
     }
-    nn += dn, s += ds;
-    if (s >= G.S) s -= G.S, nn++;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      if (u < u_n) cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u]);
+    r += (int64_t)u_n * TY;
   }
-  /* rows of the block in order: row 0 takes rows 1.. one at a time */
+  /* the block's rows by a fixed tree */
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A *sh = reinterpret_cast<A *>(smem_raw); /* [TY][TX][2V + 1] */
   const int W = 2 * V + 1;
@@ -249,22 +308,38 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
   for (int i = 0; i < V; i++) mine[1 + i] = m[i], mine[1 + V + i] = q[i];
   __syncthreads();
-  if (ty != 0 || !on) return;
-  for (int k = 1; k < TY; k++) {
-    const A *o = sh + ((int64_t)k * TX + tx) * W;
-    if (!BW) {
-      A n0 = n;
+  for (int h = TY / 2; h >= 1; h >>= 1) {
+    if (ty < h) {
+      const A *o = sh + ((int64_t)(ty + h) * TX + tx) * W;
+      if (!BW) {
+        A nb = o[0];
+        if (nb > (A)0) {
+          if (n == (A)0) {
+            n = nb;
 #pragma unroll
-      for (int i = 0; i < V; i++) {
-        A nt = n0, mt = m[i], qt = q[i];
-        wmerge<A>(nt, mt, qt, o[0], o[1 + i], o[1 + V + i]);
-        m[i] = mt, q[i] = qt, n = nt;
+            for (int i = 0; i < V; i++) m[i] = o[1 + i], q[i] = o[1 + V + i];
+          } else {
+            A nt = n + nb, rr = qdiv(nb, nt);
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+              A d = o[1 + i] - m[i];
+              m[i] += d * rr;
+              q[i] += o[1 + V + i] + d * d * n * rr;
+            }
+            n = nt;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) m[i] += o[1 + i], q[i] += o[1 + V + i];
       }
-    } else {
+      mine[0] = n;
 #pragma unroll
-      for (int i = 0; i < V; i++) m[i] += o[1 + i], q[i] += o[1 + V + i];
+      for (int i = 0; i < V; i++) mine[1 + i] = m[i], mine[1 + V + i] = q[i];
     }
+    __syncthreads();
   }
+  if (ty != 0 || !on) return;
 #pragma unroll
   for (int i = 0; i < V; i++) {
     int64_t c = cv * V + i;
@@ -290,16 +365,28 @@ struct FinF {
   int stats_dt;
   int64_t st0, st1;
 };
+/* One warp per channel: lane l merges splits l, l + 32, ... in f64, then the lanes merge
+** by a fixed shuffle tree. (One thread per channel walking every split was the first
+** version: channels-last layers with few channels have ~1000 splits, and that serial,
+** uncoalesced f64 walk on a handful of SMs cost more than the passes over the data.) */
 template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A *__restrict__ coef) {
-  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= f.C) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (c >= f.C) return; /* the whole warp */
   double mean, var;
   if (f.train) {
     double n = 0, m = 0, q = 0;
-    for (int k = 0; k < f.splits; k++) {
+    for (int k = lane; k < f.splits; k += 32) {
       const A *p = part + (c * f.splits + k) * 3;
       wmerge<double>(n, m, q, (double)p[0], (double)p[1], (double)p[2]);
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      double nb = __shfl_down_sync(0xffffffffu, n, o), mb = __shfl_down_sync(0xffffffffu, m, o),
+             qb = __shfl_down_sync(0xffffffffu, q, o);
+      wmerge<double>(n, m, q, nb, mb, qb);
+    }
+    if (lane != 0) return;
     mean = m;
     var = q / n;
     if (f.has_r) {
@@ -308,6 +395,7 @@ template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A
       vset(f.rv, c, (1.0 - mo) * vget(f.rv, c) + mo * (n > 1 ? q / (n - 1.0) : (double)NAN));
     }
   } else {
+    if (lane != 0) return;
     mean = vget(f.rm, c);
     var = vget(f.rv, c);
   }
@@ -332,14 +420,23 @@ struct FinB {
   int stats_dt;
   int64_t st0, st1;
 };
+/* One warp per channel, as fin_fwd: lanes sum splits l, l + 32, ... in f64, then a fixed
+** shuffle tree. Also writes the mean to coef[0..C) for pass 3. */
 template <class A> __global__ void fin_bwd(const A *__restrict__ part, FinB f, A *__restrict__ coef) {
-  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= f.C) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (c >= f.C) return; /* the whole warp */
   double sg = 0, sgx = 0;
-  for (int k = 0; k < f.splits; k++) {
+  for (int k = lane; k < f.splits; k += 32) {
     const A *p = part + (c * f.splits + k) * 2;
     sg += (double)p[0], sgx += (double)p[1];
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sg += __shfl_down_sync(0xffffffffu, sg, o);
+    sgx += __shfl_down_sync(0xffffffffu, sgx, o);
+  }
+  if (lane != 0) return;
   double inv = ld_vec(f.stats, f.stats_dt, f.st0 + c * f.st1);
   double w = f.has_w ? vget(f.w, c) : 1.0, k = w * inv, dw = sgx * inv;
   vset(f.dw, c, dw);
@@ -350,6 +447,7 @@ template <class A> __global__ void fin_bwd(const A *__restrict__ part, FinB f, A
     cx = -k * inv * dw / f.M;
     d0 = -k * sg / f.M;
   }
+  coef[c] = (A)ld_vec(f.stats, f.stats_dt, c * f.st1);
   coef[f.C + c] = (A)k;
   coef[2 * f.C + c] = (A)cx;
   coef[3 * f.C + c] = (A)d0;
@@ -368,11 +466,12 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-          const A *__restrict__ coef, int64_t inner, int64_t rpb) {
+          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu) {
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
-  const int64_t row = (int64_t)blockIdx.x * rpb + rr;
+  /* the last rows first: pass 1 read them last, so they may still be in L2 */
+  const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
   if (row >= rows) return;
   const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
@@ -384,7 +483,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     if (!BW) {
       Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp);
+      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp, relu));
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
@@ -403,48 +502,73 @@ __global__ void __launch_bounds__(BN_THREADS)
 }
 
 /* ---- pass 3, cl: block (TX channel vectors) x (TY rows) as pass 1's; each thread keeps
-** its V channels' coefficients in registers and walks rows blockIdx.y * TY + ty, then
-** gridDim.y * TY further each time ((n, s) advanced by subtraction). (pass3 above reloaded
-** three coefficient vectors per data vector here: the channels-last forward ran at a third
-** of the NCHW one's bandwidth on the H200.) */
+** its V channels' coefficients in registers and walks rows ty, ty + TY, ... of its block
+** row's chunk ((n, s) advanced by subtraction), U rows loaded before
+** any is used. (pass3 above reloaded three coefficient vectors per data vector here: the
+** channels-last forward ran at a third of the NCHW one's bandwidth on the H200.) */
+template <class T, class A, int V, bool BW, bool TRAIN>
+__device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
+                                             const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
+                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu) {
+  Pack<T, V> out;
+  if (!BW) {
+#pragma unroll
+    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i], relu));
+  } else if (TRAIN) {
+#pragma unroll
+    for (int i = 0; i < V; i++)
+      out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v) + pp.v[i] * ((A)kc_ld<T>(px.v[i]) - pm.v[i]) +
+                          pq.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
+  }
+  return out;
+}
+
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef) {
+             const A *__restrict__ coef, int64_t chunk, bool relu) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
-  const int64_t C = G.C, R = G.N * G.S, step = (int64_t)gridDim.y * blockDim.y, c0 = cv * V;
+  /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
+  ** so the last it read may still be in L2 (50 MB on the H200) */
+  const int64_t C = G.C, R = G.N * G.S, step = blockDim.y, c0 = cv * V;
+  const int64_t by = (int64_t)gridDim.y - 1 - blockIdx.y, r0 = by * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
   typedef Pack<A, V> PA;
+  typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
            pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
   PA pq;
   if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
-  int64_t r = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+  const bool rx = !BW || TRAIN; /* x is read */
+  constexpr int U = BW && TRAIN ? 2 : BN_U; /* three loads a row in the training backward */
+  int64_t r = r0 + threadIdx.y;
   int64_t n = r / G.S, s = r - n * G.S;
   const int64_t dn = step / G.S, ds = step - dn * G.S;
-  for (; r < R; r += step) {
-    Pack<T, V> out;
-    if (!BW) {
-      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + n * G.xs[0] + s * G.xs[2] + c0);
+  for (;;) {
+    const int u_n = r + (int64_t)(U - 1) * step < r1 ? U : r < r1 ? 1 : 0;
+    if (u_n == 0) break;
+    P px[U], pg[U], pmk[U];
+    int64_t yo[U];
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i]);
-    } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + n * G.gs[0] + s * G.gs[2] + c0), pmk;
-      if (mk) pmk = *reinterpret_cast<const Pack<T, V> *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
-      if (TRAIN) {
-        Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + n * G.xs[0] + s * G.xs[2] + c0);
-#pragma unroll
-        for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v) +
-                              pp.v[i] * ((A)kc_ld<T>(px.v[i]) - pm.v[i]) + pq.v[i]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
+    for (int u = 0; u < U; u++) {
+      if (u < u_n) {
+        if (rx) px[u] = *reinterpret_cast<const P *>(x + n * G.xs[0] + s * G.xs[2] + c0);
+        if (BW) {
+          pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0);
+          if (mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
+        }
+        yo[u] = n * G.ys[0] + s * G.ys[2] + c0;
+        radv(n, s, dn, ds, G.S);
       }
     }
-    *reinterpret_cast<Pack<T, V> *>(y + n * G.ys[0] + s * G.ys[2] + c0) = out;
-    n += dn, s += ds;
-    if (s >= G.S) s -= G.S, n++;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      if (u < u_n)
+        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu);
+    r += (int64_t)u_n * step;
   }
 }
 
@@ -547,7 +671,7 @@ template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
     int64_t gx = (CV + tx - 1) / tx;
     int64_t rows = G.N * G.S;
     int64_t splits = (target + gx - 1) / gx;
-    int64_t most = (rows + 4 * ty - 1) / (4 * ty); /* at least ~4 rows a thread */
+    int64_t most = (rows + 16 * ty - 1) / (16 * ty); /* at least ~16 rows a thread (4 batches) */
     if (splits > most) splits = most;
     if (splits < 1) splits = 1;
     if (splits > 65535) splits = 65535;
@@ -561,15 +685,15 @@ template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
 
 template <class T, class A, int V>
 kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, const P1 &p, A *part,
-                      const A *coef) {
+                      const A *meanp, int64_t mst) {
   const T *x = (const T *)a->in[0].data, *g = bw ? (const T *)a->in[1].data : NULL;
   const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   if (!cl) {
-    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, coef);
-    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, coef);
+    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
   } else {
-    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, coef);
-    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, coef);
+    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
@@ -577,6 +701,7 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
 template <class T, class A, int V>
 kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, bool train,
                       const A *coef) {
+  const bool relu = !bw && (a->i[0] & 8) != 0; /* kiln_batch_norm_relu */
   int64_t inner = (cl ? G.C : G.S) / V; /* pick_vec chose V dividing it */
   if (inner < 1) inner = 1;
   int64_t rpb = inner >= BN_THREADS ? 1 : BN_THREADS / inner;
@@ -588,22 +713,23 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   T *y = (T *)a->out[0].data;
   if (cl) {
-    /* pass 1's block shape; rows split so that a thread takes ~8 */
+    /* pass 1's block shape; rows split so that a thread takes ~16 (4 batches of U) */
     int64_t CV = G.C / V, R = G.N * G.S;
     int tx = 1;
     while (tx < 32 && tx < CV) tx *= 2;
     int ty = BN_THREADS / tx;
-    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 8 - 1) / ((int64_t)ty * 8);
+    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 16 - 1) / ((int64_t)ty * 16);
     if (gy > 65535) gy = 65535;
     if (gy < 1) gy = 1;
+    int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef);
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb)
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu)
   if (!bw) BN_P3(false, false);
   else if (train) BN_P3(true, true);
   else BN_P3(true, false);
@@ -626,7 +752,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   if (!buf) return kiln_last_error();
   kiln_status st = kiln__cuda_capture_note(a->device, buf, bytes);
   A *coef = buf, *part = buf + coef_n;
-  const int fin_blocks = (int)((C + 127) / 128);
+  const int fin_blocks = (int)((C + 7) / 8); /* a warp per channel, 8 a block */
   if (!bw) {
     FinF f;
     f.C = C, f.splits = p.splits, f.train = train, f.eps = a->s[0], f.momentum = a->s[1];
@@ -637,9 +763,9 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     if (f.has_r) f.rm = vec_of(&a->out[2]), f.rv = vec_of(&a->out[3]);
     f.stats = a->out[1].data, f.stats_dt = (int)a->out[1].dtype;
     f.st0 = a->out[1].strides[0], f.st1 = a->out[1].strides[1];
-    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, coef);
+    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0);
     if (st == KILN_OK) {
-      fin_fwd<A><<<fin_blocks, 128, 0, d->stream>>>(part, f, coef);
+      fin_fwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm (finalize)");
     }
   } else {
@@ -650,13 +776,20 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     f.dw = vec_of(&a->out[1]), f.db = vec_of(&a->out[2]);
     f.stats = a->in[2].data, f.stats_dt = (int)a->in[2].dtype;
     f.st0 = a->in[2].strides[0], f.st1 = a->in[2].strides[1];
-    if (st == KILN_OK) {
-      load_mean<A><<<fin_blocks, 128, 0, d->stream>>>(f, coef);
-      st = kiln__cuda_launched("batch_norm_backward (mean)");
+    /* pass 1 reads the mean from the statistics where they are in its type, else from a
+    ** copy in coef[0..C) */
+    const A *meanp = (const A *)f.stats;
+    int64_t mst = f.st1;
+    if (f.stats_dt != (sizeof(A) == 8 ? KILN_F64 : KILN_F32)) {
+      if (st == KILN_OK) {
+        load_mean<A><<<(unsigned)((C + 127) / 128), 128, 0, d->stream>>>(f, coef);
+        st = kiln__cuda_launched("batch_norm_backward (mean)");
+      }
+      meanp = coef, mst = 1;
     }
-    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, coef);
+    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst);
     if (st == KILN_OK) {
-      fin_bwd<A><<<fin_blocks, 128, 0, d->stream>>>(part, f, coef);
+      fin_bwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm_backward (finalize)");
     }
   }
@@ -687,6 +820,7 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
+    if (a->i[0] & ~(int64_t)15) return false;
   } else {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)

@@ -29,6 +29,26 @@ struct CEArgs {
   int kop;
 };
 
+/* One value into a lane's online (max, sum of exp) and plain sum. */
+template <class A> __device__ __forceinline__ void ce_step(A v, A &m, A &s, A &sum) {
+  sum += v;
+  if (v != v) {
+    m = v;
+    s = 1;
+    return;
+  }
+  if (v > m) {
+    s = s * kc_exp(m - v) + (A)1;
+    m = v;
+  } else if (v != -(A)INFINITY) { /* -inf adds 0; with m still -inf it would be exp(NaN) */
+    s += kc_exp(v - m);
+  }
+}
+
+/* Values a lane loads before it uses any: one load at a time left a warp's row latency
+** bound (ResNet's (256, 1000) loss took ~250 us on the H200, 16 rows a warp). */
+enum { CE_ROW_U = 4 };
+
 /* One row's loss and logsumexp, by a group of G threads (every lane gets them). kept is
 ** false for an ignored row (loss and lse 0, as the CPU); an out-of-range target sets the
 ** index flag and gives NaN. */
@@ -39,21 +59,15 @@ __device__ __forceinline__ void ce_row(const T *x, const TI *tgt, const CEArgs &
   typedef typename kc_traits<T>::acc A;
   const T *xr = x + n * p.sxn;
   A m = -(A)INFINITY, s = 0, sum = 0;
-  for (int64_t j = lane; j < p.C; j += G) {
-    A v = kc_ld<T>(xr[j * p.sxc]);
-    sum += v;
-    if (v != v) {
-      m = v;
-      s = 1;
-      continue;
-    }
-    if (v > m) {
-      s = s * kc_exp(m - v) + (A)1;
-      m = v;
-    } else if (v != -(A)INFINITY) { /* -inf adds 0; with m still -inf it would be exp(NaN) */
-      s += kc_exp(v - m);
-    }
+  int64_t j = lane;
+  for (; j + (CE_ROW_U - 1) * G < p.C; j += CE_ROW_U * G) {
+    A v[CE_ROW_U];
+#pragma unroll
+    for (int u = 0; u < CE_ROW_U; u++) v[u] = kc_ld<T>(xr[(j + u * G) * p.sxc]);
+#pragma unroll
+    for (int u = 0; u < CE_ROW_U; u++) ce_step<A>(v[u], m, s, sum);
   }
+  for (; j < p.C; j += G) ce_step<A>(kc_ld<T>(xr[j * p.sxc]), m, s, sum);
   if constexpr (G > 1) { /* G == 1: a thread has the whole row */
     group_ms<A, (G > 32 ? G : 32)>(m, s);
     sum = group_sum<A, (G > 32 ? G : 32)>(sum);
@@ -96,7 +110,25 @@ __device__ __forceinline__ void ce_row_grad(const T *x, const TI *tgt, T *dl, co
   int64_t t = (int64_t)tgt[n * p.st];
   bool zero = t == p.ignore || t < 0 || t >= p.C;
   A e = (A)p.eps;
-  for (int64_t j = lane; j < p.C; j += G) {
+  int64_t j = lane;
+  for (; j + (CE_ROW_U - 1) * G < p.C; j += CE_ROW_U * G) {
+    A v[CE_ROW_U];
+    if (!zero)
+#pragma unroll
+      for (int u = 0; u < CE_ROW_U; u++) v[u] = kc_ld<T>(xr[(j + u * G) * p.sxc]);
+#pragma unroll
+    for (int u = 0; u < CE_ROW_U; u++) {
+      const int64_t jj = j + u * G;
+      A r = 0;
+      if (!zero) {
+        A pj = kc_exp(v[u] - l);
+        A q = (jj == t ? (A)1 - e : (A)0) + e / (A)p.C;
+        r = gs * (pj - q);
+      }
+      dr[jj * p.sdc] = kc_st<T>(r);
+    }
+  }
+  for (; j < p.C; j += G) {
     A r = 0;
     if (!zero) {
       A pj = kc_exp(kc_ld<T>(xr[j * p.sxc]) - l);
@@ -188,9 +220,15 @@ template <class TI, class TL> __global__ void __launch_bounds__(KC_THREADS) ce_c
   if (threadIdx.x == 0) *out = (TL)k;
 }
 
+/* One warp: lane l adds blocks l, l + 32, ..., then a fixed shuffle tree (no atomics). */
 template <class TL> __global__ void ce_mean_finish(const TL *part, int nparts, TL *mean, TL *cnt) {
   TL s = 0, c = 0;
-  for (int k = 0; k < nparts; k++) s += part[2 * k], c += part[2 * k + 1];
+  for (int k = threadIdx.x; k < nparts; k += 32) s += part[2 * k], c += part[2 * k + 1];
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_down_sync(0xffffffffu, s, o);
+    c += __shfl_down_sync(0xffffffffu, c, o);
+  }
+  if (threadIdx.x != 0) return;
   *mean = s / c;
   *cnt = c;
 }
@@ -514,9 +552,11 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     kiln__cuda_free(a->device, rows, bytes); /* stream-ordered reuse */
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {
     /* a thread per row up to 16 classes, else a warp; one block when the rows are few (a
-    ** small model's step: one launch), else up to 4 blocks per SM and the finishing launch */
+    ** small model's step: one launch), else up to 4 blocks per SM and the finishing launch.
+    ** A warp's rows run one after another: 2 a warp (16 made ResNet's (256, 1000) two
+    ** blocks, latency bound) */
     const bool thread_rows = p.C <= 16;
-    const int64_t rows_per_block = thread_rows ? KC_THREADS * 2 : (KC_THREADS / 32) * 16;
+    const int64_t rows_per_block = thread_rows ? KC_THREADS * 2 : (KC_THREADS / 32) * 2;
     int64_t want = (p.N + rows_per_block - 1) / rows_per_block;
     int64_t cap = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4;
     int blocks = (int)(want < 1 ? 1 : want > cap ? cap : want);
@@ -533,7 +573,7 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     else
       ce_mean<T, TL, TI, 32><<<(unsigned)blocks, KC_THREADS, 0, d->stream>>>(x, t, lse, mean, cnt, part, dl, p);
     if (blocks > 1) {
-      ce_mean_finish<TL><<<1, 1, 0, d->stream>>>(part, blocks, mean, cnt);
+      ce_mean_finish<TL><<<1, 32, 0, d->stream>>>(part, blocks, mean, cnt);
       kiln__cuda_free(a->device, part, part_bytes); /* stream-ordered reuse */
     }
   } else if (p.C > CE_BIG_C) {

@@ -25,7 +25,18 @@ typedef struct block_cfg {
 
 /* ---- blocks ----------------------------------------------------------------------------- */
 
+/* Blocks and the network run in a scope of their own and return only their output
+** (kiln__scope_return, as the GPT modules do): what a node saved survives (nodes hold
+** their own aliases), every other intermediate goes when the block returns. Without it
+** the step's scope kept every batch-norm output (read by nothing once ReLU saves its
+** output), and the residual sum before its ReLU, to the end of the step. */
+static kiln_tensor *block_body(kiln_module *m, kiln_tensor *x);
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
+  kiln_scope_begin();
+  return kiln__scope_return(block_body(m, x));
+}
+
+static kiln_tensor *block_body(kiln_module *m, kiln_tensor *x) {
   const block_cfg *c = kiln_module_impl(m);
   kiln_tensor *out = kiln_relu(kiln_module_forward(kiln_module_child(m, "bn1"),
                                                    kiln_module_forward(kiln_module_child(m, "conv1"), x)));
@@ -124,8 +135,9 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 /* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc. */
 static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
   int n = kiln_module_num_children(m);
+  kiln_scope_begin(); /* the stem's batch-norm output goes at the end (block_forward) */
   for (int i = 0; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
-  return x;
+  return kiln__scope_return(x);
 }
 
 static int resnet_repr(const kiln_module *m, char *buf, size_t n) {

@@ -223,7 +223,7 @@ static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
 }
 
 static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *const *grads,
-                          capture *cap) {
+                          capture *cap, bool retain) {
   kiln_status st = KILN_OK;
   bool prev_mode = kiln_set_grad_enabled(false);
   backward_depth++;
@@ -293,6 +293,15 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   /* Discover the graph and count dependencies. all grows while we scan it. */
   for (int i = 0; i < all.n && st == KILN_OK; i++) {
     kiln__node *n = all.v[i];
+    if (n->saved_freed) { /* before any rule runs: no .grad is half updated */
+      st = kiln_set_error(KILN_ERR_AUTOGRAD,
+                          "%s: the tensors that '%s'%s%s saved for backward were freed by an earlier "
+                          "backward; to backward through a graph twice, keep it the first time "
+                          "(kiln_backward_ex(root, grad, true))",
+                          cap->grads ? "kiln_autograd_grad" : "kiln_backward", n->name,
+                          n->module ? " in " : "", n->module ? n->module : "");
+      break;
+    }
     for (int k = 0; k < n->n_in; k++) {
       kiln_tensor *leaf = n->next[k].leaf;
       if (leaf && leaf->hook && !cap->grads) { /* count the paths into a hooked leaf (kiln_backward's only: a
@@ -372,6 +381,11 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
       kiln__backward_node_swap(outer);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
+      /* What the rule read is not needed again unless the graph is kept: let it go now,
+      ** as PyTorch does, not when the step's scope ends. The activations of the layers
+      ** already done are then free while the ones before them run (a ResNet-50's
+      ** backward peak was every activation plus the gradients in flight). */
+      if (st == KILN_OK && !retain) kiln__node_free_saved(n);
     }
     /* A rule that hands a gradient on unchanged (a cast whose gradient already came in its
     ** input's dtype, kiln__grad_dtype) holds it twice with the engine: the engine's
@@ -443,7 +457,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   return st;
 }
 
-kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) {
+kiln_status kiln_backward_ex(kiln_tensor *root, kiln_tensor *grad, bool retain_graph) {
   if (!root) {
     if (kiln_last_error() == KILN_OK)
       kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_backward: NULL tensor");
@@ -451,8 +465,10 @@ kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) {
   }
   capture cap = {0, NULL, NULL};
   kiln_tensor *gs[1] = {grad};
-  return engine(1, &root, grad ? gs : NULL, &cap);
+  return engine(1, &root, grad ? gs : NULL, &cap, retain_graph);
 }
+
+kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) { return kiln_backward_ex(root, grad, false); }
 
 kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
                                kiln_tensor *const *grad_outputs, int n_inputs,
@@ -472,7 +488,7 @@ kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
     grads_out[i] = NULL;
   }
   capture cap = {n_inputs, inputs, grads_out};
-  kiln_status st = engine(n_outputs, outputs, grad_outputs, &cap);
+  kiln_status st = engine(n_outputs, outputs, grad_outputs, &cap, true);
   for (int i = 0; i < n_inputs; i++) {
     if (st != KILN_OK) {
       kiln_tensor_free(grads_out[i]);

@@ -927,7 +927,8 @@ KILN_API kiln_dtype kiln_autocast_dtype(kiln_device_type device_type);
 ** of each output (NULL where none reached it) and writes a new tensor, or NULL, for each
 ** input (kiln_function_grad_needed says which are wanted); the tensors it makes belong to
 ** a scope the engine closes, so it need not free them. Saved tensors are kept by the
-** node until the graph is freed.
+** node until its backward has run (kiln_backward; kept for kiln_backward_ex with
+** retain_graph and for kiln_autograd_grad) or the graph is freed.
 **
 **   static kiln_status sq_fwd(kiln_function_ctx *c, int n_in, kiln_tensor *const *x,
 **                             int n_out, kiln_tensor **y) {

@@ -145,13 +145,28 @@ static bool push(nodelist *l, kiln__node *n) {
   return true;
 }
 
-/* Adds g into *slot (which holds its own reference). Accumulation is out of place
-** (kiln_add makes a new tensor) and rules only read their gradients, so an engine slot
-** may share g with other slots and the rule that made it. shown: the slot is one a user
-** sees (.grad, a captured result), where the user (or an optimizer's zero_grad) may write
-** in place: it takes g only if nobody else holds it, else a copy, and never a node's
-** saved gradient (saved_grad storage). */
+/* Whether a node's pending gradient t can take g in place: nothing else holds t or its
+** storage (the rule that made it and its scope are done), it is dense (no stride-0 or
+** overlapping view), and the sum has t's dtype and shape. */
+static bool add_in_place_ok(const kiln_tensor *t, const kiln_tensor *g) {
+  return atomic_load(&t->refcount) == 1 && atomic_load(&t->storage->refcount) == 1 && !t->storage->saved_grad &&
+         !t->storage->borrowed && t->dtype == g->dtype && t->ndim == g->ndim &&
+         memcmp(t->shape, g->shape, (size_t)t->ndim * sizeof(int64_t)) == 0 &&
+         (kiln_is_contiguous(t) || kiln_is_contiguous_format(t, KILN_CHANNELS_LAST));
+}
+
+/* Adds g into *slot (which holds its own reference). Rules only read their gradients, so
+** an engine slot may share g with other slots and the rule that made it; a sum goes into
+** the slot's own tensor only when nothing else holds it (add_in_place_ok), else it is a
+** new tensor (kiln_add). shown: the slot is one a user sees (.grad, a captured result),
+** where the user (or an optimizer's zero_grad) may write in place: it takes g only if
+** nobody else holds it, else a copy, and never a node's saved gradient (saved_grad
+** storage); it never sums in place. */
 static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g, bool shown) {
+  /* A node's slot (never one a user sees) sums in place where it can, as PyTorch's input
+  ** buffers do: out of place, the two addends and the sum were live at once, a third
+  ** activation-sized gradient at every residual join (ResNet's block inputs). */
+  if (*slot && !shown && add_in_place_ok(*slot, g)) return kiln_axpy_(*slot, 1.0, g);
   if (!*slot) {
     if (!shown || (atomic_load(&g->refcount) == 1 && !g->storage->saved_grad)) {
       *slot = kiln_tensor_ref(g);

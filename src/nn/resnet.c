@@ -132,11 +132,42 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 
 /* ---- the network ------------------------------------------------------------------------ */
 
+/* The ImageNet stem's bn1 -> relu -> maxpool as a checkpointed segment: only its input
+** (conv1's output, which bn1 would keep anyway) and its output (layer1's input) stay for
+** the backward, which runs the three again. Kept, the ReLU's output (the pool's input)
+** was the largest activation but one: (N, 64, H/2, W/2), 392 MiB for ResNet-50 at 224
+** and batch 256; the recompute is one batch norm, ReLU and pooling pass over it. The
+** segment runs with grad mode off in the forward and on in the recompute
+** (kiln_checkpoint), which must not move bn1's running statistics a second time: they
+** are put back as they were. */
+static kiln_status stem_tail(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_in, (void)n_out;
+  kiln_module *m = ctx, *bn = kiln_module_child(m, "bn1");
+  static const char *const stats[3] = {"running_mean", "running_var", "num_batches_tracked"};
+  kiln_tensor *keep[3] = {NULL, NULL, NULL};
+  bool recompute = kiln_grad_enabled();
+  for (int k = 0; k < 3 && recompute; k++) {
+    kiln_tensor *b = kiln_module_buffer(bn, stats[k]);
+    if (b && !(keep[k] = kiln_clone(b))) return kiln_last_error();
+  }
+  kiln_tensor *h = kiln_module_forward(kiln_module_child(m, "relu"), kiln_module_forward(bn, in[0]));
+  out[0] = kiln_module_forward(kiln_module_child(m, "maxpool"), h);
+  for (int k = 0; k < 3 && out[0]; k++)
+    if (keep[k] && kiln_copy_(kiln_module_buffer(bn, stats[k]), keep[k]) != KILN_OK) return kiln_last_error();
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
 /* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc. */
 static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
-  int n = kiln_module_num_children(m);
+  const resnet_cfg *c = kiln_module_impl(m);
+  int n = kiln_module_num_children(m), i = 0;
   kiln_scope_begin(); /* the stem's batch-norm output goes at the end (block_forward) */
-  for (int i = 0; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
+  if (!c->cifar_stem && x) { /* conv1, then bn1 relu maxpool (children 1..3) as one segment */
+    kiln_tensor *y = NULL, *h = kiln_module_forward(kiln_module_child_at(m, 0), x);
+    x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;
+    i = 4;
+  }
+  for (; i < n && x; i++) x = kiln_module_forward(kiln_module_child_at(m, i), x);
   return kiln__scope_return(x);
 }
 

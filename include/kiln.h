@@ -850,12 +850,17 @@ KILN_API kiln_status kiln_set_grad(kiln_tensor *t, kiln_tensor *g);
 /* Keep the gradient of a non-leaf tensor during backward (torch's retain_grad). */
 KILN_API kiln_status kiln_retain_grad(kiln_tensor *t);
 /* Backpropagates from root. grad may be NULL only when root has one element. Adds into
-** the .grad of every leaf that requires grad (and of retained non-leaves). The graph is
-** kept: backward may be called again (gradients add up). */
+** the .grad of every leaf that requires grad (and of retained non-leaves). The tensors
+** the graph saved for backward are released as each node's rule runs (PyTorch's default,
+** retain_graph=False), so a step's activations go during its backward, not when its
+** scope ends; a second backward through those nodes fails with KILN_ERR_AUTOGRAD. */
 KILN_API kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad);
+/* kiln_backward, keeping the graph when retain_graph is true: backward may then be called
+** again (gradients add up). */
+KILN_API kiln_status kiln_backward_ex(kiln_tensor *root, kiln_tensor *grad, bool retain_graph);
 /* d(outputs)/d(inputs) without touching any .grad: writes n_inputs new tensors into
 ** grads_out (NULL where an input does not reach the outputs). grad_outputs may be NULL
-** for one-element outputs. */
+** for one-element outputs. The graph is kept (a kiln_backward may follow). */
 KILN_API kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
                                         kiln_tensor *const *grad_outputs, int n_inputs,
                                         kiln_tensor *const *inputs, kiln_tensor **grads_out);
@@ -936,7 +941,8 @@ KILN_API kiln_dtype kiln_autocast_dtype(kiln_device_type device_type);
 ** of each output (NULL where none reached it) and writes a new tensor, or NULL, for each
 ** input (kiln_function_grad_needed says which are wanted); the tensors it makes belong to
 ** a scope the engine closes, so it need not free them. Saved tensors are kept by the
-** node until the graph is freed.
+** node until its backward has run (kiln_backward; kept for kiln_backward_ex with
+** retain_graph and for kiln_autograd_grad) or the graph is freed.
 **
 **   static kiln_status sq_fwd(kiln_function_ctx *c, int n_in, kiln_tensor *const *x,
 **                             int n_out, kiln_tensor **y) {

@@ -4,6 +4,7 @@
 */
 #include "harness.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static kiln_device cpu;
@@ -22,9 +23,9 @@ static void test_accumulate(void) {
   kiln_tensor *y = kiln_sum_all(kiln_mul(x, x)); /* d/dx = 2x */
   H_CHECK(y && !kiln_is_leaf(y) && kiln_grad_fn_name(y) != NULL,
           "the result has a grad_fn (%s)", y && kiln_grad_fn_name(y) ? kiln_grad_fn_name(y) : "NULL");
-  H_CHECK(kiln_backward(y, NULL) == KILN_OK, "backward");
+  H_CHECK(kiln_backward_ex(y, NULL, true) == KILN_OK, "backward, keeping the graph");
   h_tensor_close("grad 2x", kiln_grad(x), (double[]){2, 4, 6}, 3, 1e-12, 0);
-  H_CHECK(kiln_backward(y, NULL) == KILN_OK, "second backward on the kept graph");
+  H_CHECK(kiln_backward_ex(y, NULL, true) == KILN_OK, "second backward on the kept graph");
   h_tensor_close("grads add up over two backward calls", kiln_grad(x), (double[]){4, 8, 12}, 3, 1e-12, 0);
   H_CHECK(kiln_set_grad(x, NULL) == KILN_OK && kiln_grad(x) == NULL, "set_grad NULL clears");
   kiln_backward(y, NULL);
@@ -180,6 +181,75 @@ static void test_views_in_graph(void) {
   kiln_scope_end();
 }
 
+/* A custom function that records, during its backward, the bytes autograd still holds
+** saved: the nodes after it in the chain have run by then. */
+static int64_t saved_seen = -1;
+static kiln_status probe_fwd(kiln_function_ctx *c, int n_in, kiln_tensor *const *x, int n_out, kiln_tensor **y) {
+  (void)c, (void)n_in, (void)n_out;
+  y[0] = kiln_mul_scalar(x[0], 1.0);
+  return y[0] ? KILN_OK : kiln_last_error();
+}
+static kiln_status probe_bwd(kiln_function_ctx *c, int n_out, kiln_tensor *const *gy, int n_in, kiln_tensor **gx) {
+  (void)c, (void)n_out, (void)n_in;
+  kiln_autograd_saved_bytes(&saved_seen, NULL);
+  gx[0] = gy[0];
+  return KILN_OK;
+}
+static const kiln_function probe_fn = {"saved_probe", probe_fwd, probe_bwd};
+
+/* kiln_backward lets go of each node's saved tensors once its rule ran (PyTorch's
+** retain_graph=False): the live saved bytes fall during the backward, not at its end; a
+** second backward fails before touching .grad; kiln_backward_ex(..., true) keeps them. */
+static void test_backward_releases_saved(void) {
+  kiln_scope_begin();
+  int64_t live0 = 0, live = 0;
+  kiln_autograd_saved_bytes(&live0, NULL);
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(256), KILN_F64, cpu, NULL);
+  kiln_requires_grad_(x, true);
+  /* x -> z = 1 * x -> mul(z, z) (saves z twice: 4 KiB) -> probe -> 4 x [exp (saves its
+  ** output: 2 KiB)] -> sum. (x itself, a leaf that requires grad, is not counted.) */
+  kiln_tensor *z = kiln_mul_scalar(x, 1.0);
+  kiln_tensor *h = kiln_mul(z, z), *p = NULL;
+  H_CHECK(kiln_function_apply(&probe_fn, NULL, NULL, 1, &h, 1, &p) == KILN_OK, "probe");
+  for (int i = 0; i < 4 && p; i++) p = kiln_exp(kiln_mul_scalar(p, 0.01));
+  kiln_tensor *loss = kiln_sum_all(p);
+  kiln_autograd_saved_bytes(&live, NULL);
+  const int64_t row = 256 * 8;
+  H_CHECK(live - live0 == 2 * row + 4 * row, "saved after forward: %lld bytes, want %lld",
+          (long long)(live - live0), (long long)(6 * row));
+  /* kept: the probe sees everything still saved, and so does the end */
+  saved_seen = -1;
+  H_CHECK(kiln_backward_ex(loss, NULL, true) == KILN_OK, "backward, graph kept");
+  H_CHECK(saved_seen - live0 == 6 * row, "kept graph: %lld bytes saved during backward, want %lld",
+          (long long)(saved_seen - live0), (long long)(6 * row));
+  kiln_autograd_saved_bytes(&live, NULL);
+  H_CHECK(live - live0 == 6 * row, "kept graph: %lld bytes saved after backward", (long long)(live - live0));
+  /* released: the four exps ran before the probe, so only mul's two remain there */
+  double *g1 = h_values(kiln_grad(x), NULL);
+  saved_seen = -1;
+  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "backward, graph released");
+  H_CHECK(saved_seen - live0 == 2 * row, "released: %lld bytes saved when the probe ran, want %lld (mul's)",
+          (long long)(saved_seen - live0), (long long)(2 * row));
+  kiln_autograd_saved_bytes(&live, NULL);
+  H_CHECK(live == live0, "released: %lld bytes still saved after backward", (long long)(live - live0));
+  double twice[256];
+  for (int i = 0; i < 256 && g1; i++) twice[i] = 2 * g1[i];
+  free(g1);
+  h_tensor_close("grads of the kept then released backward add up", kiln_grad(x), twice, 256, 1e-12, 0);
+  /* a third backward through the released graph: a clear error, .grad untouched */
+  kiln_status st = kiln_backward(loss, NULL);
+  H_CHECK(st == KILN_ERR_AUTOGRAD && strstr(kiln_last_error_message(), "freed by an earlier backward") &&
+              strstr(kiln_last_error_message(), "kiln_backward_ex"),
+          "backward through a released graph: %s (%s)", kiln_error_name(st), kiln_last_error_message());
+  kiln_clear_error();
+  h_tensor_close("the failed backward left .grad as it was", kiln_grad(x), twice, 256, 1e-12, 0);
+  /* a node that saved nothing (add) can run again: only what was freed is an error */
+  kiln_tensor *a = kiln_add(x, x);
+  H_CHECK(kiln_backward(kiln_sum_all(a), NULL) == KILN_OK && kiln_backward(kiln_sum_all(a), NULL) == KILN_OK,
+          "a graph of nodes that save nothing backwards twice");
+  kiln_scope_end();
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_autograd");
   cpu = kiln_device_cpu();
@@ -191,6 +261,7 @@ int main(int argc, char **argv) {
   test_autograd_grad();
   test_graph_shapes();
   test_views_in_graph();
+  test_backward_releases_saved();
   H_CHECK(kiln_live_tensors() == live0, "no leaks: %lld -> %lld", (long long)live0,
           (long long)kiln_live_tensors());
   return h_finish();

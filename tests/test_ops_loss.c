@@ -238,7 +238,7 @@ static void loss_fused_grad(void) {
         }
         if (kiln_numel(loss) == 1) {
           int64_t k0 = kiln__dispatch_count();
-          kiln_status st = kiln_backward(loss, NULL);
+          kiln_status st = kiln_backward_ex(loss, NULL, true); /* kept: backward twice below */
           int64_t kernels = kiln__dispatch_count() - k0;
           H_CHECK(st == KILN_OK, "%s: backward: %s", what, kiln_last_error_message());
           H_CHECK(kernels == 1, "%s: backward from the implicit seed ran %lld kernels, want 1 (the copy into x.grad)",
@@ -248,7 +248,8 @@ static void loss_fused_grad(void) {
           char w2[200];
           snprintf(w2, sizeof w2, "%s: grad, implicit seed", what);
           h_tensor_close(w2, kiln_grad(xt), want, nx, rtol, atol);
-          H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "%s: second backward: %s", what, kiln_last_error_message());
+          H_CHECK(kiln_backward_ex(loss, NULL, true) == KILN_OK, "%s: second backward: %s", what,
+                  kiln_last_error_message());
           for (int64_t k = 0; k < nx; k++) want[k] *= 2;
           snprintf(w2, sizeof w2, "%s: grad after two backward calls", what);
           h_tensor_close(w2, kiln_grad(xt), want, nx, rtol, atol);
@@ -326,12 +327,13 @@ static void loss_fused_alias(void) {
   kiln_tensor *loss = kiln_cross_entropy(y, t, KILN_REDUCTION_MEAN, -100, 0.1);
   kiln__storage *saved = loss && loss->grad_fn ? loss->grad_fn->saved[0]->storage : NULL;
   H_CHECK(saved != NULL && saved->saved_grad, "ce: the node saves its gradient (marked saved_grad)");
-  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "ce backward: %s", kiln_last_error_message());
+  /* the graph kept: the saved gradient must survive a user writing into .grad */
+  H_CHECK(kiln_backward_ex(loss, NULL, true) == KILN_OK, "ce backward: %s", kiln_last_error_message());
   H_CHECK(kiln_grad(y) && kiln_grad(y)->storage != saved, "leaf .grad is not the saved tensor");
   double *gy = h_values(kiln_grad(y), NULL);
   kiln_fill_(kiln_grad(y), 7);
   kiln_set_grad(y, NULL);
-  H_CHECK(kiln_backward(loss, NULL) == KILN_OK, "ce backward again: %s", kiln_last_error_message());
+  H_CHECK(kiln_backward_ex(loss, NULL, true) == KILN_OK, "ce backward again: %s", kiln_last_error_message());
   if (gy) {
     double *g2 = h_values(kiln_grad(y), NULL);
     H_CHECK(g2 && memcmp(g2, gy, 12 * sizeof(double)) == 0, "leaf .grad: the same after writing 7s into the first one");
@@ -360,7 +362,7 @@ static void loss_fused_alias(void) {
   kiln_tensor *l2 = kiln_cross_entropy(h, t, KILN_REDUCTION_MEAN, -100, 0.1);
   kiln_retain_grad(l2);
   kiln__storage *saved2 = l2 && l2->grad_fn ? l2->grad_fn->saved[0]->storage : NULL;
-  H_CHECK(kiln_backward(l2, NULL) == KILN_OK, "ce(h) backward: %s", kiln_last_error_message());
+  H_CHECK(kiln_backward_ex(l2, NULL, true) == KILN_OK, "ce(h) backward: %s", kiln_last_error_message());
   H_CHECK(kiln_grad(h) && kiln_grad(h)->storage != saved2, "retained grad is not the saved tensor");
   H_CHECK(kiln_grad(l2) && kiln_item(kiln_grad(l2)) == 1, "the loss's retained grad is 1");
   double *gh = h_values(kiln_grad(h), NULL);

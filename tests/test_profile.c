@@ -153,6 +153,9 @@ static void test_trace(void) {
   CHECK(!kiln_profiler_enabled());
   CHECK(table && strstr(table, "Sequential") && strstr(table, "0 (Linear)") && strstr(table, "(backward)"));
   CHECK(table && strstr(table, "GFLOP") && strstr(table, "TFLOP/s"));
+  /* where the live set was largest, in and outside the backward */
+  CHECK(table && strstr(table, "memory on cpu: most live after an op in a backward") &&
+        strstr(table, "memory on cpu: most live after an op outside backward"));
   if (getenv("KILN_TEST_VERBOSE")) fputs(table, stderr);
   free(table);
   char *text = slurp(path);

@@ -145,13 +145,28 @@ static bool push(nodelist *l, kiln__node *n) {
   return true;
 }
 
-/* Adds g into *slot (which holds its own reference). Accumulation is out of place
-** (kiln_add makes a new tensor) and rules only read their gradients, so an engine slot
-** may share g with other slots and the rule that made it. shown: the slot is one a user
-** sees (.grad, a captured result), where the user (or an optimizer's zero_grad) may write
-** in place: it takes g only if nobody else holds it, else a copy, and never a node's
-** saved gradient (saved_grad storage). */
+/* Whether a node's pending gradient t can take g in place: nothing else holds t or its
+** storage (the rule that made it and its scope are done), it is dense (no stride-0 or
+** overlapping view), and the sum has t's dtype and shape. */
+static bool add_in_place_ok(const kiln_tensor *t, const kiln_tensor *g) {
+  return atomic_load(&t->refcount) == 1 && atomic_load(&t->storage->refcount) == 1 && !t->storage->saved_grad &&
+         !t->storage->borrowed && t->dtype == g->dtype && t->ndim == g->ndim &&
+         memcmp(t->shape, g->shape, (size_t)t->ndim * sizeof(int64_t)) == 0 &&
+         (kiln_is_contiguous(t) || kiln_is_contiguous_format(t, KILN_CHANNELS_LAST));
+}
+
+/* Adds g into *slot (which holds its own reference). Rules only read their gradients, so
+** an engine slot may share g with other slots and the rule that made it; a sum goes into
+** the slot's own tensor only when nothing else holds it (add_in_place_ok), else it is a
+** new tensor (kiln_add). shown: the slot is one a user sees (.grad, a captured result),
+** where the user (or an optimizer's zero_grad) may write in place: it takes g only if
+** nobody else holds it, else a copy, and never a node's saved gradient (saved_grad
+** storage); it never sums in place. */
 static kiln_status accumulate(kiln_tensor **slot, kiln_tensor *g, bool shown) {
+  /* A node's slot (never one a user sees) sums in place where it can, as PyTorch's input
+  ** buffers do: out of place, the two addends and the sum were live at once, a third
+  ** activation-sized gradient at every residual join (ResNet's block inputs). */
+  if (*slot && !shown && add_in_place_ok(*slot, g)) return kiln_axpy_(*slot, 1.0, g);
   if (!*slot) {
     if (!shown || (atomic_load(&g->refcount) == 1 && !g->storage->saved_grad)) {
       *slot = kiln_tensor_ref(g);
@@ -223,7 +238,7 @@ static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
 }
 
 static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *const *grads,
-                          capture *cap) {
+                          capture *cap, bool retain) {
   kiln_status st = KILN_OK;
   bool prev_mode = kiln_set_grad_enabled(false);
   backward_depth++;
@@ -293,6 +308,15 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   /* Discover the graph and count dependencies. all grows while we scan it. */
   for (int i = 0; i < all.n && st == KILN_OK; i++) {
     kiln__node *n = all.v[i];
+    if (n->saved_freed) { /* before any rule runs: no .grad is half updated */
+      st = kiln_set_error(KILN_ERR_AUTOGRAD,
+                          "%s: the tensors that '%s'%s%s saved for backward were freed by an earlier "
+                          "backward; to backward through a graph twice, keep it the first time "
+                          "(kiln_backward_ex(root, grad, true))",
+                          cap->grads ? "kiln_autograd_grad" : "kiln_backward", n->name,
+                          n->module ? " in " : "", n->module ? n->module : "");
+      break;
+    }
     for (int k = 0; k < n->n_in; k++) {
       kiln_tensor *leaf = n->next[k].leaf;
       if (leaf && leaf->hook && !cap->grads) { /* count the paths into a hooked leaf (kiln_backward's only: a
@@ -372,6 +396,11 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
       kiln__backward_node_swap(outer);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
+      /* What the rule read is not needed again unless the graph is kept: let it go now,
+      ** as PyTorch does, not when the step's scope ends. The activations of the layers
+      ** already done are then free while the ones before them run (a ResNet-50's
+      ** backward peak was every activation plus the gradients in flight). */
+      if (st == KILN_OK && !retain) kiln__node_free_saved(n);
     }
     /* A rule that hands a gradient on unchanged (a cast whose gradient already came in its
     ** input's dtype, kiln__grad_dtype) holds it twice with the engine: the engine's
@@ -443,7 +472,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
   return st;
 }
 
-kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) {
+kiln_status kiln_backward_ex(kiln_tensor *root, kiln_tensor *grad, bool retain_graph) {
   if (!root) {
     if (kiln_last_error() == KILN_OK)
       kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_backward: NULL tensor");
@@ -451,8 +480,10 @@ kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) {
   }
   capture cap = {0, NULL, NULL};
   kiln_tensor *gs[1] = {grad};
-  return engine(1, &root, grad ? gs : NULL, &cap);
+  return engine(1, &root, grad ? gs : NULL, &cap, retain_graph);
 }
+
+kiln_status kiln_backward(kiln_tensor *root, kiln_tensor *grad) { return kiln_backward_ex(root, grad, false); }
 
 kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
                                kiln_tensor *const *grad_outputs, int n_inputs,
@@ -472,7 +503,7 @@ kiln_status kiln_autograd_grad(int n_outputs, kiln_tensor *const *outputs,
     grads_out[i] = NULL;
   }
   capture cap = {n_inputs, inputs, grads_out};
-  kiln_status st = engine(n_outputs, outputs, grad_outputs, &cap);
+  kiln_status st = engine(n_outputs, outputs, grad_outputs, &cap, true);
   for (int i = 0; i < n_inputs; i++) {
     if (st != KILN_OK) {
       kiln_tensor_free(grads_out[i]);

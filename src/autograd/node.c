@@ -127,6 +127,17 @@ void kiln__node_save_output(kiln__node *n, int k) {
   kiln__node_save(n, k, n->out_weak);
 }
 
+void kiln__node_free_saved(kiln__node *n) {
+  for (int k = 0; k < n->n_saved; k++) {
+    if (!n->saved[k]) continue;
+    if (k < 32 && (n->saved_counted & (1u << k))) kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
+    kiln_tensor_free(n->saved[k]);
+    n->saved[k] = NULL;
+    n->saved_freed = true;
+  }
+  n->saved_counted = 0;
+}
+
 void kiln__node_release(kiln__node *root) {
   /* Iterative: a chain of a million nodes must not overflow the C stack. */
   kiln__node *local[64];
@@ -151,11 +162,7 @@ void kiln__node_release(kiln__node *root) {
       }
       stack[top++] = n->next[i].node;
     }
-    for (int k = 0; k < n->n_saved; k++) {
-      if (n->saved[k] && k < 32 && (n->saved_counted & (1u << k)))
-        kiln__saved_bytes_add(-(int64_t)kiln_nbytes(n->saved[k]));
-      kiln_tensor_free(n->saved[k]);
-    }
+    kiln__node_free_saved(n);
     kiln_tensor_free(n->grad_acc);
     kiln_tensor_free(n->grad_mask);
     for (int k = 1; k < n->n_out; k++) kiln_tensor_free(n->grad_accs[k]);

@@ -126,6 +126,9 @@ typedef struct kiln__node {
   kiln_tensor *grad_mask;
   bool unit_seed; /* the pending gradient is the implicit unit seed (grad_acc NULL) */
   int visit_mark;
+  /* A backward that did not retain the graph ran this node's rule and let go of its saved
+  ** tensors (kiln__node_free_saved): a later backward through it fails. */
+  bool saved_freed;
 } kiln__node;
 
 void kiln__node_release(kiln__node *n);
@@ -265,6 +268,9 @@ void kiln__node_save(kiln__node *n, int k, kiln_tensor *t);
 /* Saves the node's own output in slot k without a reference cycle: stores a detached
 ** alias sharing the output's storage. Call right after kiln__node_attach. */
 void kiln__node_save_output(kiln__node *n, int k);
+/* Releases every saved slot now (the engine, once the node's rule ran in a backward that
+** does not retain the graph); marks the node saved_freed when a slot held a tensor. */
+void kiln__node_free_saved(kiln__node *n);
 /* Hands a backward rule's result r to the engine as *slot (a new reference it owns): a
 ** result made in the rule is taken out of the engine's scope (no copy); the incoming
 ** gradient g passed straight through gets a reference of its own. NULL r returns the

@@ -25,7 +25,18 @@ typedef struct block_cfg {
 
 /* ---- blocks ----------------------------------------------------------------------------- */
 
+/* Blocks and the network run in a scope of their own and return only their output
+** (kiln__scope_return, as the GPT modules do): what a node saved survives (nodes hold
+** their own aliases), every other intermediate goes when the block returns. Without it
+** the step's scope kept every batch-norm output (read by nothing once ReLU saves its
+** output), and the residual sum before its ReLU, to the end of the step. */
+static kiln_tensor *block_body(kiln_module *m, kiln_tensor *x);
 static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
+  kiln_scope_begin();
+  return kiln__scope_return(block_body(m, x));
+}
+
+static kiln_tensor *block_body(kiln_module *m, kiln_tensor *x) {
   const block_cfg *c = kiln_module_impl(m);
   /* bn1 (and a Bottleneck's bn2) with its ReLU as one op (kiln__batch_norm_relu_forward) */
   kiln_tensor *out = kiln__batch_norm_relu_forward(kiln_module_child(m, "bn1"),
@@ -124,21 +135,56 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 
 /* ---- the network ------------------------------------------------------------------------ */
 
+/* The ImageNet stem's bn1 -> relu -> maxpool as a checkpointed segment: only its input
+** (conv1's output, which bn1 would keep anyway) and its output (layer1's input) stay for
+** the backward, which runs the three again. Kept, the ReLU's output (the pool's input)
+** was the largest activation but one: (N, 64, H/2, W/2), 392 MiB for ResNet-50 at 224
+** and batch 256; the recompute is one batch norm, ReLU and pooling pass over it. The
+** segment runs with grad mode off in the forward and on in the recompute
+** (kiln_checkpoint), which must not move bn1's running statistics a second time: they
+** are put back as they were. KILN_RESNET_STEM_RECOMPUTE=0 keeps the four as plain
+** children (read at each forward, so a test can compare both ways): the recompute's cost
+** on a GPU is not yet measured. */
+static kiln_status stem_tail(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_in, (void)n_out;
+  kiln_module *m = ctx, *bn = kiln_module_child(m, "bn1");
+  static const char *const stats[3] = {"running_mean", "running_var", "num_batches_tracked"};
+  kiln_tensor *keep[3] = {NULL, NULL, NULL};
+  bool recompute = kiln_grad_enabled();
+  for (int k = 0; k < 3 && recompute; k++) {
+    kiln_tensor *b = kiln_module_buffer(bn, stats[k]);
+    if (b && !(keep[k] = kiln_clone(b))) return kiln_last_error();
+  }
+  kiln_tensor *h = kiln__batch_norm_relu_forward(bn, in[0]); /* bn1 with the ReLU module after it */
+  out[0] = kiln_module_forward(kiln_module_child(m, "maxpool"), h);
+  for (int k = 0; k < 3 && out[0]; k++)
+    if (keep[k] && kiln_copy_(kiln_module_buffer(bn, stats[k]), keep[k]) != KILN_OK) return kiln_last_error();
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
 /* Children run in order: conv1 bn1 relu [maxpool] layer1..4 avgpool flatten fc; bn1 and
 ** the ReLU module after it as one op (kiln__batch_norm_relu_forward). */
 static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
-  int n = kiln_module_num_children(m);
-  for (int i = 0; i < n && x; i++) {
-    kiln_module *c = kiln_module_child_at(m, i), *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
+  const resnet_cfg *c = kiln_module_impl(m);
+  int n = kiln_module_num_children(m), i = 0;
+  kiln_scope_begin(); /* the stem's batch-norm output goes at the end (block_forward) */
+  const char *e = kiln__getenv("KILN_RESNET_STEM_RECOMPUTE");
+  if (!c->cifar_stem && x && !(e && !strcmp(e, "0"))) { /* conv1, then bn1 relu maxpool (children 1..3) */
+    kiln_tensor *y = NULL, *h = kiln_module_forward(kiln_module_child_at(m, 0), x);
+    x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;
+    i = 4;
+  }
+  for (; i < n && x; i++) {
+    kiln_module *ch = kiln_module_child_at(m, i), *next = i + 1 < n ? kiln_module_child_at(m, i + 1) : NULL;
     if (next && !strcmp(kiln__module_vtable(next)->type_name, "ReLU") && !kiln_module_is_checkpointed(next) &&
-        !strcmp(kiln__module_vtable(c)->type_name, "BatchNorm2d")) {
-      x = kiln__batch_norm_relu_forward(c, x);
+        !strcmp(kiln__module_vtable(ch)->type_name, "BatchNorm2d")) {
+      x = kiln__batch_norm_relu_forward(ch, x);
       i++;
       continue;
     }
-    x = kiln_module_forward(c, x);
+    x = kiln_module_forward(ch, x);
   }
-  return x;
+  return kiln__scope_return(x);
 }
 
 static int resnet_repr(const kiln_module *m, char *buf, size_t n) {

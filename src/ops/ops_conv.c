@@ -901,8 +901,13 @@ static kiln_status max_pool_forward(kiln__op_ctx *c) {
   return kiln__run_into(c->out[0], &a);
 }
 
-/* saved: 0 the indices (an integer output, which the path leaves out of the node). */
-static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->out[1]); }
+/* saved: 0 the input x, not the indices: the backward runs the forward kernel again for
+** them (the same argmax, ties included, from the same x). In a CNN x is a ReLU's output,
+** which that ReLU (and PyTorch, which keeps both) saves anyway, so the pool keeps no bytes
+** of its own; the int64 indices were 2 bytes per input element (ResNet-50's stem at batch
+** 256: 392 MiB held from the forward to the end of the backward), the recompute is one
+** pooling pass over x. */
+static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->in[0]); }
 
 /* max_pool2d's backward through its kernel (MAX_POOL2D_BACKWARD: a gather per pixel, the
 ** same sums every run), an internal op: inputs the gradient and the indices, attributes
@@ -972,9 +977,16 @@ static const kiln__op op_max_pool2d_bwd = {
 /* The gradient goes to the pixel each window took its maximum from; windows that share
 ** it add up: the device's MAX_POOL2D_BACKWARD where it has it, else SCATTER_ADD (whose
 ** atomics on a GPU add in no fixed order). */
+static const kiln__op op_max_pool2d;
+
 static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const int64_t *xs = n->in_shape[0];
   int64_t N = xs[0], C = xs[1], L = g->shape[2] * g->shape[3];
+  /* the indices, from the saved input (max_pool_save); the pooled values go at once */
+  kiln_tensor *ixo[2] = {NULL, NULL}, *x = n->saved[0];
+  if (!kiln__op_call(&op_max_pool2d, 1, &x, n->attrs, ixo)) return kiln_last_error();
+  kiln_tensor *ix = ixo[1];
+  kiln__discard(ixo[0]);
   kiln__kargs q = {0};
   attrs_poolb ab;
   ab.p = *(const attrs_pool *)n->attrs;
@@ -983,17 +995,17 @@ static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor 
   q.op = KILN__K_MAX_POOL2D_BACKWARD;
   q.n_in = 2, q.n_out = 1;
   q.in[0] = kiln__view_of(g);
-  q.in[1] = kiln__view_of(n->saved[0]);
+  q.in[1] = kiln__view_of(ix);
   q.out[0] = q.in[0];
   for (int d = 0; d < 4; d++) q.out[0].shape[d] = xs[d];
   kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
   q.params = &p;
   if (kiln_dtype_is_float(g->dtype) && kiln__dispatch_has(kiln_device_of(g), &q, KILN__K_MAX_POOL2D_BACKWARD)) {
-    kiln_tensor *in[2] = {g, n->saved[0]};
+    kiln_tensor *in[2] = {g, ix};
     return kiln__give_grad(&gi[0], kiln__op_call(&op_max_pool2d_bwd, 2, in, &ab, NULL), g);
   }
   kiln_tensor *z = kiln_zeros(KILN_SHAPE(N, C, xs[2] * xs[3]), g->dtype, kiln_device_of(g));
-  kiln_tensor *idx = kiln_reshape(n->saved[0], KILN_SHAPE(N, C, L));
+  kiln_tensor *idx = kiln_reshape(ix, KILN_SHAPE(N, C, L));
   kiln_tensor *r = kiln_scatter_add(z, 2, idx, kiln_reshape(g, KILN_SHAPE(N, C, L)));
   return kiln__give_grad(&gi[0], kiln_reshape(r, 4, xs), g);
 }
@@ -1011,6 +1023,7 @@ kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_
   kiln_tensor *out[2] = {NULL, NULL};
   kiln_tensor *y = kiln__op_call(&op_max_pool2d, 1, &x, &a, out);
   if (y && indices) *indices = out[1];
+  else if (y) kiln__discard(out[1]); /* not asked for, not saved: gone now, not at scope end */
   return y;
 }
 

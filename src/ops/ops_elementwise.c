@@ -52,10 +52,20 @@ static kiln_status binary_forward(kiln__op_ctx *c) {
   return kiln__run_into(out, &k);
 }
 
+/* Saves what the rule reads, and only for the inputs that want a gradient (PyTorch's
+** derivatives.yaml does the same): a slot left NULL frees its tensor as soon as nothing
+** else holds it. add and sub read no operand (ResNet's residual add kept both of its
+** (N, 4C, H, W) inputs to the end of the step); mul reads each operand for the other's
+** gradient; div reads b always and a for b's gradient. */
 static void binary_save(kiln__op_ctx *c, kiln__node *n) {
-  kiln__node_save(n, 0, c->tmp[0]);
-  kiln__node_save(n, 1, c->tmp[1]);
-  if (c->op->kernels[0] == KILN__K_POW) kiln__node_save_output(n, 2);
+  kiln__kop k = c->op->kernels[0];
+  if (k == KILN__K_ADD || k == KILN__K_SUB) return;
+  bool save_a = true, save_b = true;
+  if (k == KILN__K_MUL) save_a = n->needs[1], save_b = n->needs[0];
+  else if (k == KILN__K_DIV) save_a = n->needs[1];
+  if (save_a) kiln__node_save(n, 0, c->tmp[0]);
+  if (save_b) kiln__node_save(n, 1, c->tmp[1]);
+  if (k == KILN__K_POW) kiln__node_save_output(n, 2);
 }
 
 /* Gradient g for input k, reduced to that input's shape and cast to its dtype. */
@@ -265,10 +275,25 @@ static kiln_status unary_forward(kiln__op_ctx *c) {
   return kiln__run_into(c->out[0], &k);
 }
 
-/* x in slot 0; ops whose rule reads the output (exp, sqrt, sigmoid, tanh) have n_saved 2 */
+/* x in slot 0; ops whose rule reads the output (exp, sqrt, rsqrt, sigmoid, tanh) have
+** n_saved 2 and keep only the output, in slot 1. Rules that read nothing (neg, the affine
+** add_scalar and mul_scalar) keep nothing. ReLU keeps its output in slot 0 instead of its
+** input: y > 0 exactly where x > 0, so the backward kernel and the gradient mask it hands
+** a BN or linear (relu_bw) read the same, and y is what the next layer saves anyway
+** (PyTorch's threshold_backward reads the result too). Saving x held ResNet's batch-norm
+** outputs, which nothing else needs, to the end of the step. */
 static void unary_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__kop k = c->op->kernels[0];
+  if (k == KILN__K_NEG || k == KILN__K_AFFINE) return;
+  if (k == KILN__K_RELU) {
+    kiln__node_save_output(n, 0);
+    return;
+  }
+  if (c->op->n_saved > 1) {
+    kiln__node_save_output(n, 1);
+    return;
+  }
   kiln__node_save(n, 0, c->in[0]);
-  if (c->op->n_saved > 1) kiln__node_save_output(n, 1);
 }
 
 /* Backward through a dedicated kernel: grad_in = K(saved x or y, g). */

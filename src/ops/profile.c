@@ -241,6 +241,84 @@ static void find_peak(kiln_device_type t) {
     }
 }
 
+/* ---- memory: where the live set is largest ----
+** Per device type (device 0), read from the allocator's statistics at the end of every op
+** the program calls: the most bytes live after an op (and how many of them autograd holds
+** saved), and where the allocator's peak rose while profiling, if it did. An op's own
+** scratch (a cuDNN workspace) shows only in the peak. */
+typedef struct memwatch {
+  bool on;
+  int64_t peak0, peak, peak_after, peak_saved; /* peak0: the allocator's peak at start */
+  const char *peak_op, *peak_module;
+  bool peak_bw;
+  int64_t live[2], live_saved[2]; /* [0] after a forward op, [1] after an op in a backward */
+  const char *live_op[2], *live_module[2];
+} memwatch;
+static memwatch mem[MAX_TYPES];
+
+static void mem_start(kiln_device_type t) {
+  if ((int)t < 0 || (int)t >= MAX_TYPES) return;
+  memwatch *w = &mem[t];
+  memset(w, 0, sizeof *w);
+  kiln_memory_stats ms;
+  kiln_device d = {t, 0};
+  if (kiln_memory_stats_get(d, &ms) != KILN_OK) {
+    kiln_clear_error();
+    return;
+  }
+  w->on = true;
+  w->peak0 = w->peak = ms.peak_allocated;
+}
+
+/* Caller holds lock; ms read after the op ended. */
+static void mem_note(kiln_device dev, const kiln_memory_stats *ms, int64_t saved, const char *op, const char *module,
+                     bool backward) {
+  if ((int)dev.type < 0 || (int)dev.type >= MAX_TYPES || dev.index != 0 || !mem[dev.type].on) return;
+  memwatch *w = &mem[dev.type];
+  if (ms->peak_allocated > w->peak) {
+    w->peak = ms->peak_allocated, w->peak_after = ms->allocated, w->peak_saved = saved;
+    w->peak_op = op, w->peak_module = module, w->peak_bw = backward;
+  }
+  int b = backward ? 1 : 0;
+  if (ms->allocated > w->live[b]) {
+    w->live[b] = ms->allocated, w->live_saved[b] = saved;
+    w->live_op[b] = op, w->live_module[b] = module;
+  }
+}
+
+/* b in GiB with 3 decimals, or in MiB under 1 GiB (rotating buffers: up to 4 per line) */
+static const char *mem_fmt(int64_t b) {
+  static char buf[4][32];
+  static int k;
+  char *o = buf[k++ & 3];
+  if (b >= (int64_t)1 << 30) snprintf(o, 32, "%.3f GiB", b / 1073741824.0);
+  else snprintf(o, 32, "%.2f MiB", b / 1048576.0);
+  return o;
+}
+
+static void mem_print(FILE *f) {
+  for (int t = 0; t < MAX_TYPES; t++) {
+    const memwatch *w = &mem[t];
+    if (!w->on || (!w->live_op[0] && !w->live_op[1])) continue;
+    kiln_device d = {(kiln_device_type)t, 0};
+    for (int b = 0; b < 2; b++)
+      if (w->live_op[b])
+        fprintf(f, "  memory on %s: most live after an op %s: %s (%s saved for backward), after %s%s%s\n",
+                kiln__device_cstr(d), b ? "in a backward" : "outside backward", mem_fmt(w->live[b]),
+                mem_fmt(w->live_saved[b]), w->live_op[b], w->live_module[b] ? " in " : "",
+                w->live_module[b] ? w->live_module[b] : "");
+    if (w->peak > w->peak0)
+      fprintf(f, "  memory on %s: the allocator's peak rose to %s in %s (%s%s%s); %s live after it, "
+                 "%s saved\n",
+              kiln__device_cstr(d), mem_fmt(w->peak), w->peak_op, w->peak_bw ? "in a backward" : "outside backward",
+              w->peak_module ? ", " : "", w->peak_module ? w->peak_module : "", mem_fmt(w->peak_after),
+              mem_fmt(w->peak_saved));
+    else
+      fprintf(f, "  memory on %s: the allocator's peak, %s, was reached before the profiler started\n",
+              kiln__device_cstr(d), mem_fmt(w->peak0));
+  }
+}
+
 /* ---- recording ---- */
 
 /* Rows are kept apart by grad mode (an evaluation's calls, another batch size and the
@@ -334,7 +412,16 @@ static kiln_status prof_end(const kiln__op_event *e, void *tok, void *ctx) {
   const kiln__node *bn = e->backward ? kiln__backward_node() : NULL;
   const char *bmod = bn ? bn->module : NULL;
   int depth = kiln__module_scope_depth();
+  kiln_memory_stats ms;
+  int64_t saved = 0;
+  bool have_ms = false;
+  if (e->status == KILN_OK && dev.index == 0 && (int)dev.type < MAX_TYPES && mem[dev.type].on) {
+    have_ms = kiln_memory_stats_get(dev, &ms) == KILN_OK;
+    if (!have_ms) kiln_clear_error(); /* the op succeeded: leave no error behind */
+    else kiln_autograd_saved_bytes(&saved, NULL);
+  }
   pthread_mutex_lock(&lock);
+  if (have_ms) mem_note(dev, &ms, saved, e->op->name, e->backward ? bmod : kiln__module_scope_current(), e->backward);
   bool nograd = !e->backward && !kiln_grad_enabled();
   kiln_dtype dt = e->n_out > 0 && e->out[0] ? kiln_dtype_of(e->out[0])
                   : e->n_in > 0 && e->in[0] ? kiln_dtype_of(e->in[0])
@@ -466,6 +553,7 @@ static void print_table(FILE *f) {
   fprintf(f, "\n");
   print_rows(f, false);
   print_rows(f, true);
+  mem_print(f);
   for (int t = 1; t < MAX_TYPES; t++)
     if (dev_peak[t].gbs > 0)
       fprintf(f, "  %% peak: of %s's data-sheet peak (%.1f TFLOP/s f32, %.0f bf16/f16 dense, %.0f GB/s)\n",
@@ -550,7 +638,7 @@ static kiln_status start(bool dev_time, const char *path, bool from_env) {
   device_time = dev_time;
   env_mode = from_env;
   warmup = from_env;
-  for (int t = 0; t < kiln_backend_count(); t++) find_peak(kiln_backend_type(t));
+  for (int t = 0; t < kiln_backend_count(); t++) find_peak(kiln_backend_type(t)), mem_start(kiln_backend_type(t));
   t_start = kiln__now();
   pthread_mutex_unlock(&lock);
   kiln_status st = kiln__observer_add(&profiler);

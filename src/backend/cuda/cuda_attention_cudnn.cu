@@ -31,13 +31,15 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a);
 
 /* KILN_ATTENTION=cudnn picks cuDNN's fused attention where it serves; own (or unset): the
 ** kernels of cuda_flash.cu and cuda_attention.cu. */
-static bool cudnn_wanted(void) {
+/* Which passes run on cuDNN: bit 1 the forward, bit 2 the backward. KILN_ATTENTION=cudnn
+** both, cudnn-fwd or cudnn-bwd one (the lse contract lets either pair with the own other). */
+static int cudnn_wanted(void) {
   static int on = -1;
   if (on < 0) {
     const char *e = getenv("KILN_ATTENTION");
-    on = e && !strcmp(e, "cudnn");
+    on = !e ? 0 : !strcmp(e, "cudnn") ? 3 : !strcmp(e, "cudnn-fwd") ? 1 : !strcmp(e, "cudnn-bwd") ? 2 : 0;
   }
-  return on == 1;
+  return on;
 }
 
 #ifndef KILN_HAVE_CUDNN
@@ -106,7 +108,11 @@ struct Plan {
   } while (0)
 
 /* uids of the operands the variant pack names (virtual tensors count on from kUidVirt) */
-enum : int64_t { kUidQ = 1, kUidK, kUidV, kUidO, kUidStats, kUidScale, kUidNegInf, kUidVirt = 100 };
+enum : int64_t {
+  kUidQ = 1, kUidK, kUidV, kUidO, kUidStats, kUidScale, kUidNegInf,
+  kUidDO, kUidDQ, kUidDK, kUidDV, kUidOne, kUidSoftmaxSum, kUidDQAccum, /* backward */
+  kUidVirt = 100
+};
 
 /* A finalized 4-d tensor descriptor. */
 cudnnStatus_t tensor(Plan *p, int64_t uid, cudnnDataType_t dt, const int64_t dims[4], const int64_t st[4],
@@ -175,6 +181,16 @@ struct Builder {
     ops.push_back(op);
     return CUDNN_STATUS_SUCCESS;
   }
+  /* y = x in y's layout and dtype (a transpose when y's strides swap x's last two) */
+  cudnnStatus_t reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t op;
+    KB_TRY(p->make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, &op));
+    KB_TRY(cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x));
+    KB_TRY(cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y));
+    KB_TRY(cudnnBackendFinalize(op));
+    ops.push_back(op);
+    return CUDNN_STATUS_SUCCESS;
+  }
   /* c = a b (batched over the leading dims), f32 accumulation */
   cudnnStatus_t mm(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     cudnnBackendDescriptor_t d, op;
@@ -196,8 +212,10 @@ struct Builder {
 /* The largest power of two up to 16 dividing every operand's address: a plan is made for
 ** an alignment, and a view at another must not reuse it. */
 int64_t alignment(const kiln__kargs *a) {
-  uintptr_t bits = (uintptr_t)a->in[0].data | (uintptr_t)a->in[1].data | (uintptr_t)a->in[2].data |
-                   (uintptr_t)a->out[0].data | (uintptr_t)a->out[1].data | 16;
+  uintptr_t bits = 16;
+  for (int i = 0; i < a->n_in; i++) bits |= (uintptr_t)a->in[i].data;
+  for (int i = 0; i < a->n_out; i++) bits |= (uintptr_t)a->out[i].data;
+  if (a->op == KILN__K_ATTENTION_BACKWARD) bits |= (uintptr_t)((const kiln__view *)a->params)->data;
   return (int64_t)(bits & (~bits + 1));
 }
 
@@ -205,8 +223,54 @@ void dims4(const kiln__view *v, int64_t d[4], int64_t s[4]) {
   for (int x = 0; x < 4; x++) d[x] = v->shape[x], s[x] = v->strides[x];
 }
 
-/* The forward graph of a's shapes and its plan: the first engine of the heuristics' list
-** (mode A, then the fallback list) whose plan finalizes. */
+/* The graph of ops and its plan: the first engine of the heuristics' list (mode A, then
+** the fallback list) whose plan finalizes. */
+cudnnStatus_t choose_plan(cudnnHandle_t h, Plan *p, std::vector<cudnnBackendDescriptor_t> &ops) {
+  cudnnBackendDescriptor_t graph, heur;
+  KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
+  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                  (int64_t)ops.size(), ops.data()));
+  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
+  KB_TRY(cudnnBackendFinalize(graph));
+
+  const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
+  for (int mi = 0; mi < 2; mi++) {
+    KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
+    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                    &graph));
+    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &modes[mi]));
+    if (cudnnBackendFinalize(heur) != CUDNN_STATUS_SUCCESS) continue;
+    enum { kMaxCfg = 8 };
+    cudnnBackendDescriptor_t cfg[kMaxCfg];
+    for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
+    int64_t n = 0;
+    if (cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
+                                 cfg) != CUDNN_STATUS_SUCCESS)
+      continue;
+    for (int64_t i = 0; i < n && i < kMaxCfg; i++) {
+      cudnnBackendDescriptor_t plan;
+      KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
+      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
+      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                      &cfg[i]));
+      if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
+      int64_t ws = 0, got = 0;
+      KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws));
+      if (ws < 0 || ws > ((int64_t)1 << 32)) continue;
+      cudnnBackendDescriptor_t eng;
+      KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
+      if (cudnnBackendGetAttribute(cfg[i], CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got,
+                                   &eng) == CUDNN_STATUS_SUCCESS)
+        (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &p->engine);
+      p->plan = plan;
+      p->ws = ws;
+      return CUDNN_STATUS_SUCCESS;
+    }
+  }
+  return CUDNN_STATUS_NOT_SUPPORTED;
+}
+
+/* The forward graph of a's shapes and its plan. */
 cudnnStatus_t build_fwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *o = &a->out[0], *lse = &a->out[1];
   const cudnnDataType_t dt = q->dtype == KILN_F16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
@@ -270,48 +334,131 @@ cudnnStatus_t build_fwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   KB_TRY(b.pw(CUDNN_POINTWISE_DIV, f32, E, L, NULL, P));
   KB_TRY(b.mm(P, tv, to)); /* O = P V */
 
-  cudnnBackendDescriptor_t graph, heur;
-  KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                  (int64_t)b.ops.size(), b.ops.data()));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-  KB_TRY(cudnnBackendFinalize(graph));
+  return choose_plan(h, p, b.ops);
+}
 
-  const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
-  for (int mi = 0; mi < 2; mi++) {
-    KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
-    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                    &graph));
-    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &modes[mi]));
-    if (cudnnBackendFinalize(heur) != CUDNN_STATUS_SUCCESS) continue;
-    enum { kMaxCfg = 8 };
-    cudnnBackendDescriptor_t cfg[kMaxCfg];
-    for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
-    int64_t n = 0;
-    if (cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
-                                 cfg) != CUDNN_STATUS_SUCCESS)
-      continue;
-    for (int64_t i = 0; i < n && i < kMaxCfg; i++) {
-      cudnnBackendDescriptor_t plan;
-      KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                      &cfg[i]));
-      if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
-      int64_t ws = 0, got = 0;
-      KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws));
-      if (ws < 0 || ws > ((int64_t)1 << 32)) continue;
-      cudnnBackendDescriptor_t eng;
-      KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
-      if (cudnnBackendGetAttribute(cfg[i], CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got,
-                                   &eng) == CUDNN_STATUS_SUCCESS)
-        (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &p->engine);
-      p->plan = plan;
-      p->ws = ws;
-      return CUDNN_STATUS_SUCCESS;
-    }
+/* The backward graph (cudnn-frontend's CompositeSDPABackwardNode without dropout or bias,
+** cuDNN >= 9: dq accumulated in an f32 buffer, then converted):
+**   softmax_sum = rowsum(dO * O)                                (f32 buffer, ours)
+**   E = exp(mask(Q K^T * scale) - Stats)                        (= P)
+**   dV = E^T dO;  dS = (dO V^T - softmax_sum) * E * scale
+**   dK = dS^T Q;  dQ_accum = dS K (f32 buffer, zeroed), dQ = identity(dQ_accum)
+** The two buffers ride at the end of the workspace (ws_extra). */
+cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *go = &a->in[3];
+  const kiln__view *dq = &a->out[0], *dk = &a->out[1], *dv = &a->out[2], *lse = &a->out[3];
+  const kiln__view *o = (const kiln__view *)a->params;
+  const cudnnDataType_t dt = q->dtype == KILN_F16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
+  const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+  const int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2], D = q->shape[3];
+  const int64_t Dv = v->shape[3];
+  const int64_t al = alignment(a);
+  int64_t d[4], s[4];
+  cudnnBackendDescriptor_t tq, tkt, tvt, to, tdo, tst, tdq, tdk, tdv, tscale, tone, tninf, tsum, tacc;
+  dims4(q, d, s);
+  KB_TRY(tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
+  { /* K^T and V^T: (B, H, D, Tk), the last two strides swapped */
+    int64_t kd[4] = {B, H, D, Tk}, ks[4] = {k->strides[0], k->strides[1], k->strides[3], k->strides[2]};
+    KB_TRY(tensor(p, kUidK, dt, kd, ks, false, false, al, &tkt));
+    int64_t vd[4] = {B, H, Dv, Tk}, vs[4] = {v->strides[0], v->strides[1], v->strides[3], v->strides[2]};
+    KB_TRY(tensor(p, kUidV, dt, vd, vs, false, false, al, &tvt));
   }
-  return CUDNN_STATUS_NOT_SUPPORTED;
+  dims4(o, d, s);
+  KB_TRY(tensor(p, kUidO, dt, d, s, false, false, al, &to));
+  dims4(go, d, s);
+  KB_TRY(tensor(p, kUidDO, dt, d, s, false, false, al, &tdo));
+  {
+    int64_t sd[4] = {B, H, Tq, 1}, ss[4] = {lse->strides[0], lse->strides[1], lse->strides[2], 1};
+    KB_TRY(tensor(p, kUidStats, f32, sd, ss, false, false, al, &tst));
+  }
+  dims4(dq, d, s);
+  KB_TRY(tensor(p, kUidDQ, dt, d, s, false, false, al, &tdq));
+  dims4(dk, d, s);
+  KB_TRY(tensor(p, kUidDK, dt, d, s, false, false, al, &tdk));
+  dims4(dv, d, s);
+  KB_TRY(tensor(p, kUidDV, dt, d, s, false, false, al, &tdv));
+  const int64_t one4[4] = {1, 1, 1, 1};
+  KB_TRY(tensor(p, kUidScale, f32, one4, one4, false, true, 16, &tscale));
+  KB_TRY(tensor(p, kUidOne, f32, one4, one4, false, true, 16, &tone));
+  KB_TRY(tensor(p, kUidNegInf, f32, one4, one4, false, true, 16, &tninf));
+  const int64_t rdim[4] = {B, H, Tq, 1}, rst[4] = {H * Tq, Tq, 1, 1};
+  KB_TRY(tensor(p, kUidSoftmaxSum, f32, rdim, rst, false, false, 16, &tsum));
+  const int64_t qdim[4] = {B, H, Tq, D}, qst[4] = {H * Tq * D, Tq * D, D, 1};
+  KB_TRY(tensor(p, kUidDQAccum, f32, qdim, qst, false, false, 16, &tacc));
+
+  Builder b{p, {}, kUidVirt};
+  const int64_t sdim[4] = {B, H, Tq, Tk}, sst[4] = {H * Tq * Tk, Tq * Tk, Tk, 1};
+  const int64_t tdim[4] = {B, H, Tk, Tq}, tst_[4] = {H * Tq * Tk, Tq * Tk, 1, Tk}; /* S^T over S's memory */
+  const int64_t odim[4] = {B, H, Tq, Dv}, ost[4] = {H * Tq * Dv, Tq * Dv, Dv, 1};
+  /* softmax_sum = rowsum(dO * O) * 1 */
+  cudnnBackendDescriptor_t t1, t2;
+  KB_TRY(b.virt(f32, odim, ost, &t1));
+  KB_TRY(b.pw(CUDNN_POINTWISE_MUL, f32, tdo, to, NULL, t1));
+  KB_TRY(b.virt(f32, rdim, rst, &t2));
+  KB_TRY(b.red(CUDNN_REDUCE_TENSOR_ADD, t1, t2));
+  KB_TRY(b.pw(CUDNN_POINTWISE_MUL, f32, t2, tone, NULL, tsum));
+  /* E = exp(mask(Q K^T * scale) - Stats) */
+  cudnnBackendDescriptor_t S, S1, Sm, Z, E;
+  KB_TRY(b.virt(f32, sdim, sst, &S));
+  KB_TRY(b.mm(tq, tkt, S));
+  KB_TRY(b.virt(f32, sdim, sst, &S1));
+  KB_TRY(b.pw(CUDNN_POINTWISE_MUL, f32, S, tscale, NULL, S1));
+  Sm = S1;
+  if (a->i[0] & 1) {
+    cudnnBackendDescriptor_t row, col, keep;
+    KB_TRY(b.virt(CUDNN_DATA_INT32, sdim, sst, &row));
+    KB_TRY(b.pw(CUDNN_POINTWISE_GEN_INDEX, f32, S1, NULL, NULL, row, 2));
+    KB_TRY(b.virt(CUDNN_DATA_INT32, sdim, sst, &col));
+    KB_TRY(b.pw(CUDNN_POINTWISE_GEN_INDEX, f32, S1, NULL, NULL, col, 3));
+    KB_TRY(b.virt(CUDNN_DATA_BOOLEAN, sdim, sst, &keep));
+    KB_TRY(b.pw(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, col, NULL, keep));
+    KB_TRY(b.virt(f32, sdim, sst, &Sm));
+    KB_TRY(b.pw(CUDNN_POINTWISE_BINARY_SELECT, f32, S1, tninf, keep, Sm));
+  }
+  KB_TRY(b.virt(f32, sdim, sst, &Z));
+  KB_TRY(b.pw(CUDNN_POINTWISE_SUB, f32, Sm, tst, NULL, Z));
+  KB_TRY(b.virt(f32, sdim, sst, &E));
+  KB_TRY(b.pw(CUDNN_POINTWISE_EXP, f32, Z, NULL, NULL, E));
+  /* dV = E^T dO */
+  cudnnBackendDescriptor_t ET;
+  KB_TRY(b.virt(dt, tdim, tst_, &ET));
+  KB_TRY(b.reshape(E, ET));
+  KB_TRY(b.mm(ET, tdo, tdv));
+  /* dS = (dO V^T - softmax_sum) * E * scale */
+  cudnnBackendDescriptor_t dP, t3, t4, dS;
+  KB_TRY(b.virt(f32, sdim, sst, &dP));
+  KB_TRY(b.mm(tdo, tvt, dP));
+  KB_TRY(b.virt(f32, sdim, sst, &t3));
+  KB_TRY(b.pw(CUDNN_POINTWISE_SUB, f32, dP, tsum, NULL, t3));
+  KB_TRY(b.virt(f32, sdim, sst, &t4));
+  KB_TRY(b.pw(CUDNN_POINTWISE_MUL, f32, t3, E, NULL, t4));
+  KB_TRY(b.virt(f32, sdim, sst, &dS));
+  KB_TRY(b.pw(CUDNN_POINTWISE_MUL, f32, t4, tscale, NULL, dS));
+  /* dK = dS^T Q */
+  cudnnBackendDescriptor_t dST;
+  KB_TRY(b.virt(dt, tdim, tst_, &dST));
+  KB_TRY(b.reshape(dS, dST));
+  KB_TRY(b.mm(dST, tq, tdk));
+  /* dQ = dS K, through the f32 accumulator: K from K^T by a reshape to K's own layout */
+  cudnnBackendDescriptor_t tk;
+  {
+    int64_t kd[4] = {B, H, Tk, D}, ks[4] = {k->strides[0], k->strides[1], k->strides[2], k->strides[3]};
+    KB_TRY(b.virt(dt, kd, ks, &tk));
+  }
+  KB_TRY(b.reshape(tkt, tk));
+  KB_TRY(b.mm(dS, tk, tacc));
+  KB_TRY(b.pw(CUDNN_POINTWISE_IDENTITY, f32, tacc, NULL, NULL, tdq));
+  return choose_plan(h, p, b.ops);
+}
+
+/* Bytes past the plan's workspace for the backward's softmax_sum (B*H*Tq f32) and dq
+** accumulator (B*H*Tq*D f32), each 256-byte aligned. */
+size_t sum_bytes(const kiln__kargs *a) {
+  return ((size_t)(a->in[0].shape[0] * a->in[0].shape[1] * a->in[0].shape[2]) * 4 + 255) & ~(size_t)255;
+}
+size_t acc_bytes(const kiln__kargs *a) {
+  return ((size_t)(a->in[0].shape[0] * a->in[0].shape[1] * a->in[0].shape[2] * a->in[0].shape[3]) * 4 + 255) &
+         ~(size_t)255;
 }
 
 std::string cache_key(const kiln__kargs *a) {
@@ -319,11 +466,13 @@ std::string cache_key(const kiln__kargs *a) {
   key.reserve(256);
   auto put = [&key](int64_t x) { key.append((const char *)&x, sizeof x); };
   put(a->op), put(a->device), put(a->in[0].dtype), put(a->i[0] & 1), put(alignment(a));
-  const kiln__view *vs[5] = {&a->in[0], &a->in[1], &a->in[2], &a->out[0], &a->out[1]};
-  for (const kiln__view *v : vs) {
+  auto view = [&put](const kiln__view *v) {
     put(v->ndim);
     for (int x = 0; x < v->ndim; x++) put(v->shape[x]), put(v->strides[x]);
-  }
+  };
+  for (int i = 0; i < a->n_in; i++) view(&a->in[i]);
+  for (int i = 0; i < a->n_out; i++) view(&a->out[i]);
+  if (a->op == KILN__K_ATTENTION_BACKWARD) view((const kiln__view *)a->params);
   return key;
 }
 
@@ -348,7 +497,8 @@ kiln_status handle_of(int device, kiln__cuda_dev *d, cudnnHandle_t *out) {
 
 const char *shape_str(const kiln__kargs *a, char *buf, size_t n) {
   const kiln__view *q = &a->in[0];
-  snprintf(buf, n, "%s B%lld H%lld Tq%lld Tk%lld D%lld%s", kiln_dtype_name(q->dtype), (long long)q->shape[0],
+  snprintf(buf, n, "%s %s B%lld H%lld Tq%lld Tk%lld D%lld%s", a->op == KILN__K_ATTENTION ? "forward" : "backward",
+           kiln_dtype_name(q->dtype), (long long)q->shape[0],
            (long long)q->shape[1], (long long)q->shape[2], (long long)a->in[1].shape[2], (long long)q->shape[3],
            (a->i[0] & 1) ? " causal" : "");
   return buf;
@@ -365,16 +515,27 @@ bool rows_ok(const kiln__view *v) {
 } // namespace
 
 extern "C" bool kiln__cuda_attention_cudnn_fits(const kiln__kargs *a) {
-  if (a->op != KILN__K_ATTENTION || !cudnn_wanted()) return false;
+  const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
+  if ((a->op != KILN__K_ATTENTION && !bw) || !(cudnn_wanted() & (bw ? 2 : 1))) return false;
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
   const kiln_dtype dt = q->dtype;
   if (dt != KILN_F16 && dt != KILN_BF16) return false;
-  if ((a->i[0] & 2) || a->s[1] != 0 || a->n_in != 3 || a->n_out != 2) return false;
-  if (k->dtype != dt || v->dtype != dt || a->out[0].dtype != dt || a->out[1].dtype != KILN_F32) return false;
+  if ((a->i[0] & 2) || a->s[1] != 0 || a->n_in != (bw ? 4 : 3) || a->n_out != (bw ? 4 : 2)) return false;
+  if (k->dtype != dt || v->dtype != dt) return false;
   const int64_t D = q->shape[3];
   if (D < 8 || D > 128 || D % 8 != 0 || k->shape[3] != D || v->shape[3] != D) return false;
-  if (!rows_ok(q) || !rows_ok(k) || !rows_ok(v) || !rows_ok(&a->out[0]) || a->out[1].ndim != 3) return false;
+  if (!rows_ok(q) || !rows_ok(k) || !rows_ok(v)) return false;
   if (q->shape[2] < 1 || k->shape[2] < 1) return false;
+  const kiln__view *lse = &a->out[bw ? 3 : 1];
+  if (lse->dtype != KILN_F32 || lse->ndim != 3) return false;
+  for (int i = 0; i < (bw ? 3 : 1); i++)
+    if (a->out[i].dtype != dt || !rows_ok(&a->out[i])) return false;
+  if (bw) {
+    const kiln__view *o = (const kiln__view *)a->params;
+    if (a->in[3].dtype != dt || !rows_ok(&a->in[3]) || !o || o->dtype != dt || !rows_ok(o) ||
+        o->shape[2] != q->shape[2] || o->shape[3] != D)
+      return false;
+  }
   return true;
 }
 
@@ -396,7 +557,7 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
                               "a graph capture", shape_str(a, buf, sizeof buf));
       KC_TRY(handle_of(a->device, d, &h));
       std::unique_ptr<Plan> p(new Plan);
-      cudnnStatus_t s = build_fwd(a, h, p.get());
+      cudnnStatus_t s = a->op == KILN__K_ATTENTION ? build_fwd(a, h, p.get()) : build_bwd(a, h, p.get());
       if (s != CUDNN_STATUS_SUCCESS) {
         char why[256] = "";
         cudnnGetLastErrorString(why, sizeof why);
@@ -413,22 +574,39 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
     if (plan) KC_TRY(handle_of(a->device, d, &h));
   }
   if (!plan) return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_scaled_dot_product_attention: no cuDNN plan");
+  const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
+  /* the plan's workspace (256-byte rounded), then the backward's two f32 buffers */
+  const size_t base = ((size_t)plan->ws + 255) & ~(size_t)255;
+  const size_t wbytes = base + (bw ? sum_bytes(a) + acc_bytes(a) : 0);
   void *ws = NULL;
-  size_t wbytes = (size_t)plan->ws;
   if (wbytes) {
     ws = kiln__cuda_alloc(a->device, wbytes);
     if (!ws) return kiln_last_error();
     kiln_status st = kiln__cuda_capture_note(a->device, ws, wbytes);
+    if (st == KILN_OK && bw) /* dq accumulates into its buffer */
+      st = kiln__cuda_err(cudaMemsetAsync((char *)ws + base + sum_bytes(a), 0, acc_bytes(a), d->stream),
+                          "attention_backward (cudnn dq accumulator)");
     if (st != KILN_OK) {
       kiln__cuda_free(a->device, ws, wbytes);
       return st;
     }
   }
   /* by-value scalars: the variant pack points at host memory for them */
-  float scale = (float)a->s[0], ninf = -INFINITY;
-  void *ptrs[7] = {a->in[0].data, a->in[1].data, a->in[2].data, a->out[0].data, a->out[1].data, &scale, &ninf};
-  int64_t uids[7] = {kUidQ, kUidK, kUidV, kUidO, kUidStats, kUidScale, kUidNegInf};
-  int n = (a->i[0] & 1) ? 7 : 6;
+  float scale = (float)a->s[0], ninf = -INFINITY, one = 1.0f;
+  const bool causal = (a->i[0] & 1) != 0;
+  void *ptrs[16];
+  int64_t uids[16];
+  int n = 0;
+  auto put = [&](int64_t uid, void *ptr) { uids[n] = uid, ptrs[n] = ptr, n++; };
+  put(kUidQ, a->in[0].data), put(kUidK, a->in[1].data), put(kUidV, a->in[2].data), put(kUidScale, &scale);
+  if (causal) put(kUidNegInf, &ninf);
+  if (!bw) {
+    put(kUidO, a->out[0].data), put(kUidStats, a->out[1].data);
+  } else {
+    put(kUidDO, a->in[3].data), put(kUidO, ((const kiln__view *)a->params)->data), put(kUidStats, a->out[3].data);
+    put(kUidDQ, a->out[0].data), put(kUidDK, a->out[1].data), put(kUidDV, a->out[2].data), put(kUidOne, &one);
+    put(kUidSoftmaxSum, (char *)ws + base), put(kUidDQAccum, (char *)ws + base + sum_bytes(a));
+  }
   cudnnBackendDescriptor_t vp = NULL;
   cudnnStatus_t s = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
   if (s == CUDNN_STATUS_SUCCESS)

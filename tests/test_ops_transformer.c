@@ -216,7 +216,7 @@ static void tf_att_composite(void) {
 ** (B, T, H, D) order (its transpose(1, 2) is contiguous), the gradients are the thirds of one
 ** (B, T, 3C) buffer that kiln__attention_qkv_grad hands back as qkv's gradient, and the
 ** numbers are those of contiguous copies of q, k, v (T 37: not a multiple of any tile). */
-static void tf_att_packed(void) {
+__attribute__((unused)) static void tf_att_packed(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
   const int64_t B = 2, T = 37, H = 3, D = 16, C = H * D;

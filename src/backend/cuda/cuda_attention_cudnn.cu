@@ -28,25 +28,28 @@
 
 extern "C" bool kiln__cuda_attention_cudnn_fits(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a);
+extern "C" int64_t kiln__cuda_attention_cudnn_runs(void);
 
 /* KILN_ATTENTION=cudnn picks cuDNN's fused attention where it serves; own (or unset): the
 ** kernels of cuda_flash.cu and cuda_attention.cu. */
 /* Which passes run on cuDNN: bit 1 the forward, bit 2 the backward. KILN_ATTENTION=cudnn
 ** both, cudnn-fwd or cudnn-bwd one (the lse contract lets either pair with the own other). */
-static int cudnn_wanted(void) {
-  static int on = -1;
-  if (on < 0) {
-    const char *e = getenv("KILN_ATTENTION");
-    on = !e ? 0 : !strcmp(e, "cudnn") ? 3 : !strcmp(e, "cudnn-fwd") ? 1 : !strcmp(e, "cudnn-bwd") ? 2 : 0;
-  }
-  return on;
+static int cudnn_wanted(void) { /* read at each call, so that a test can switch it */
+  const char *e = getenv("KILN_ATTENTION");
+  return !e ? 0 : !strcmp(e, "cudnn") ? 3 : !strcmp(e, "cudnn-fwd") ? 1 : !strcmp(e, "cudnn-bwd") ? 2 : 0;
 }
+
+/* Calls cuDNN ran (forward and backward), for the tests: a shape cuDNN has no engine for
+** runs on the own kernels, and only this count tells. */
+static int64_t g_runs;
+extern "C" int64_t kiln__cuda_attention_cudnn_runs(void) { return __atomic_load_n(&g_runs, __ATOMIC_RELAXED); }
 
 #ifndef KILN_HAVE_CUDNN
 
 extern "C" bool kiln__cuda_attention_cudnn_fits(const kiln__kargs *a) {
   (void)a;
   (void)cudnn_wanted;
+  (void)g_runs;
   return false;
 }
 extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
@@ -87,6 +90,8 @@ struct Plan {
   cudnnBackendDescriptor_t plan = NULL;
   int64_t ws = 0;
   int64_t engine = -1;
+  bool nondet = false; /* the engine's note: not deterministic */
+  bool dq_accum = false; /* backward: dq through the zeroed f32 buffer (ws_extra) */
   Plan() = default;
   Plan(const Plan &) = delete;
   Plan &operator=(const Plan &) = delete;
@@ -223,50 +228,73 @@ void dims4(const kiln__view *v, int64_t d[4], int64_t s[4]) {
   for (int x = 0; x < 4; x++) d[x] = v->shape[x], s[x] = v->strides[x];
 }
 
-/* The graph of ops and its plan: the first engine of the heuristics' list (mode A, then
-** the fallback list) whose plan finalizes. */
-cudnnStatus_t choose_plan(cudnnHandle_t h, Plan *p, std::vector<cudnnBackendDescriptor_t> &ops) {
-  cudnnBackendDescriptor_t graph, heur;
+/* The engine behind cfg: its global index and whether cuDNN notes it nondeterministic. */
+cudnnStatus_t engine_info(Plan *p, cudnnBackendDescriptor_t cfg, int64_t *global, bool *nondet) {
+  cudnnBackendDescriptor_t eng;
+  KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
+  int64_t n = 0;
+  KB_TRY(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &eng));
+  *global = -1, *nondet = false;
+  (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, global);
+  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+  n = 0;
+  if (cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n, notes) == CUDNN_STATUS_SUCCESS)
+    for (int64_t i = 0; i < n; i++)
+      if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) *nondet = true;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+/* The graph of ops and its plan: the engines of the heuristics' lists (mode A, then the
+** fallback list) in order, deterministic ones first when want_det (DESIGN.md: same seed,
+** same numbers), the first whose plan finalizes. */
+cudnnStatus_t choose_plan(cudnnHandle_t h, Plan *p, std::vector<cudnnBackendDescriptor_t> &ops, bool want_det) {
+  cudnnBackendDescriptor_t graph;
   KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
   KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
                                   (int64_t)ops.size(), ops.data()));
   KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
   KB_TRY(cudnnBackendFinalize(graph));
 
+  enum { kMaxCfg = 8 };
+  std::vector<cudnnBackendDescriptor_t> cfgs;
   const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
   for (int mi = 0; mi < 2; mi++) {
+    cudnnBackendDescriptor_t heur;
     KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
     KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
                                     &graph));
     KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &modes[mi]));
     if (cudnnBackendFinalize(heur) != CUDNN_STATUS_SUCCESS) continue;
-    enum { kMaxCfg = 8 };
     cudnnBackendDescriptor_t cfg[kMaxCfg];
     for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
     int64_t n = 0;
     if (cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
                                  cfg) != CUDNN_STATUS_SUCCESS)
       continue;
-    for (int64_t i = 0; i < n && i < kMaxCfg; i++) {
+    for (int64_t i = 0; i < n && i < kMaxCfg; i++) cfgs.push_back(cfg[i]);
+  }
+  for (int pass = want_det ? 0 : 1; pass < 2; pass++)
+    for (cudnnBackendDescriptor_t cfg : cfgs) {
+      int64_t global = -1;
+      bool nondet = false;
+      if (engine_info(p, cfg, &global, &nondet) != CUDNN_STATUS_SUCCESS) continue;
+      if (pass == 0 && nondet) continue;
       cudnnBackendDescriptor_t plan;
       KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
       KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
       KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                      &cfg[i]));
+                                      &cfg));
       if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
       int64_t ws = 0, got = 0;
       KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws));
       if (ws < 0 || ws > ((int64_t)1 << 32)) continue;
-      cudnnBackendDescriptor_t eng;
-      KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
-      if (cudnnBackendGetAttribute(cfg[i], CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &got,
-                                   &eng) == CUDNN_STATUS_SUCCESS)
-        (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &got, &p->engine);
       p->plan = plan;
       p->ws = ws;
+      p->engine = global;
+      p->nondet = nondet;
       return CUDNN_STATUS_SUCCESS;
     }
-  }
   return CUDNN_STATUS_NOT_SUPPORTED;
 }
 
@@ -334,17 +362,18 @@ cudnnStatus_t build_fwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   KB_TRY(b.pw(CUDNN_POINTWISE_DIV, f32, E, L, NULL, P));
   KB_TRY(b.mm(P, tv, to)); /* O = P V */
 
-  return choose_plan(h, p, b.ops);
+  return choose_plan(h, p, b.ops, true);
 }
 
-/* The backward graph (cudnn-frontend's CompositeSDPABackwardNode without dropout or bias,
-** cuDNN >= 9: dq accumulated in an f32 buffer, then converted):
+/* The backward graph (cudnn-frontend's CompositeSDPABackwardNode without dropout or bias;
+** with accum, cuDNN 9's default: dq accumulated with atomics in an f32 buffer, then
+** converted; without, dq written straight, the deterministic variant):
 **   softmax_sum = rowsum(dO * O)                                (f32 buffer, ours)
 **   E = exp(mask(Q K^T * scale) - Stats)                        (= P)
 **   dV = E^T dO;  dS = (dO V^T - softmax_sum) * E * scale
-**   dK = dS^T Q;  dQ_accum = dS K (f32 buffer, zeroed), dQ = identity(dQ_accum)
-** The two buffers ride at the end of the workspace (ws_extra). */
-cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
+**   dK = dS^T Q;  dQ = dS K  (accum: dQ_accum = dS K, f32, zeroed; dQ = identity(dQ_accum))
+** The two buffers ride at the end of the workspace. */
+cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p, bool accum) {
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *go = &a->in[3];
   const kiln__view *dq = &a->out[0], *dk = &a->out[1], *dv = &a->out[2], *lse = &a->out[3];
   const kiln__view *o = (const kiln__view *)a->params;
@@ -354,7 +383,7 @@ cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   const int64_t Dv = v->shape[3];
   const int64_t al = alignment(a);
   int64_t d[4], s[4];
-  cudnnBackendDescriptor_t tq, tkt, tvt, to, tdo, tst, tdq, tdk, tdv, tscale, tone, tninf, tsum, tacc;
+  cudnnBackendDescriptor_t tq, tkt, tvt, to, tdo, tst, tdq, tdk, tdv, tscale, tone, tninf, tsum, tacc = NULL;
   dims4(q, d, s);
   KB_TRY(tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
   { /* K^T and V^T: (B, H, D, Tk), the last two strides swapped */
@@ -384,7 +413,7 @@ cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   const int64_t rdim[4] = {B, H, Tq, 1}, rst[4] = {H * Tq, Tq, 1, 1};
   KB_TRY(tensor(p, kUidSoftmaxSum, f32, rdim, rst, false, false, 16, &tsum));
   const int64_t qdim[4] = {B, H, Tq, D}, qst[4] = {H * Tq * D, Tq * D, D, 1};
-  KB_TRY(tensor(p, kUidDQAccum, f32, qdim, qst, false, false, 16, &tacc));
+  if (accum) KB_TRY(tensor(p, kUidDQAccum, f32, qdim, qst, false, false, 16, &tacc));
 
   Builder b{p, {}, kUidVirt};
   const int64_t sdim[4] = {B, H, Tq, Tk}, sst[4] = {H * Tq * Tk, Tq * Tk, Tk, 1};
@@ -446,9 +475,15 @@ cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
     KB_TRY(b.virt(dt, kd, ks, &tk));
   }
   KB_TRY(b.reshape(tkt, tk));
-  KB_TRY(b.mm(dS, tk, tacc));
-  KB_TRY(b.pw(CUDNN_POINTWISE_IDENTITY, f32, tacc, NULL, NULL, tdq));
-  return choose_plan(h, p, b.ops);
+  if (accum) { /* atomics into f32, then one conversion: cuDNN 9's default */
+    KB_TRY(b.mm(dS, tk, tacc));
+    KB_TRY(b.pw(CUDNN_POINTWISE_IDENTITY, f32, tacc, NULL, NULL, tdq));
+  } else { /* straight into dq: the dP-workspace engines, deterministic (the frontend's
+           ** is_deterministic_algorithm on Hopper) */
+    KB_TRY(b.mm(dS, tk, tdq));
+  }
+  p->dq_accum = accum;
+  return choose_plan(h, p, b.ops, !accum);
 }
 
 /* Bytes past the plan's workspace for the backward's softmax_sum (B*H*Tq f32) and dq
@@ -461,11 +496,18 @@ size_t acc_bytes(const kiln__kargs *a) {
          ~(size_t)255;
 }
 
+/* KILN_CUDNN_SDPA_ATOMIC=1: the backward's dq through atomics (faster where cuDNN's
+** deterministic engines are not; the bits may differ from run to run). */
+bool dq_atomic() {
+  const char *e = getenv("KILN_CUDNN_SDPA_ATOMIC");
+  return e && !strcmp(e, "1");
+}
+
 std::string cache_key(const kiln__kargs *a) {
   std::string key;
   key.reserve(256);
   auto put = [&key](int64_t x) { key.append((const char *)&x, sizeof x); };
-  put(a->op), put(a->device), put(a->in[0].dtype), put(a->i[0] & 1), put(alignment(a));
+  put(a->op), put(a->device), put(a->in[0].dtype), put(a->i[0] & 1), put(alignment(a)), put(dq_atomic());
   auto view = [&put](const kiln__view *v) {
     put(v->ndim);
     for (int x = 0; x < v->ndim; x++) put(v->shape[x]), put(v->strides[x]);
@@ -557,7 +599,7 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
                               "a graph capture", shape_str(a, buf, sizeof buf));
       KC_TRY(handle_of(a->device, d, &h));
       std::unique_ptr<Plan> p(new Plan);
-      cudnnStatus_t s = a->op == KILN__K_ATTENTION ? build_fwd(a, h, p.get()) : build_bwd(a, h, p.get());
+      cudnnStatus_t s = a->op == KILN__K_ATTENTION ? build_fwd(a, h, p.get()) : build_bwd(a, h, p.get(), dq_atomic());
       if (s != CUDNN_STATUS_SUCCESS) {
         char why[256] = "";
         cudnnGetLastErrorString(why, sizeof why);
@@ -565,8 +607,8 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
                 shape_str(a, buf, sizeof buf), cudnnGetErrorString(s), why);
         p.reset();
       } else {
-        fprintf(stderr, "kiln cudnn attention: %s: engine %lld, workspace %lld B\n", shape_str(a, buf, sizeof buf),
-                (long long)p->engine, (long long)p->ws);
+        fprintf(stderr, "kiln cudnn attention: %s: engine %lld%s, workspace %lld B\n", shape_str(a, buf, sizeof buf),
+                (long long)p->engine, p->nondet ? " (nondeterministic)" : "", (long long)p->ws);
       }
       it = g_cache.emplace(key, std::move(p)).first;
     }
@@ -577,13 +619,14 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
   const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   /* the plan's workspace (256-byte rounded), then the backward's two f32 buffers */
   const size_t base = ((size_t)plan->ws + 255) & ~(size_t)255;
-  const size_t wbytes = base + (bw ? sum_bytes(a) + acc_bytes(a) : 0);
+  const bool acc = bw && plan->dq_accum;
+  const size_t wbytes = base + (bw ? sum_bytes(a) : 0) + (acc ? acc_bytes(a) : 0);
   void *ws = NULL;
   if (wbytes) {
     ws = kiln__cuda_alloc(a->device, wbytes);
     if (!ws) return kiln_last_error();
     kiln_status st = kiln__cuda_capture_note(a->device, ws, wbytes);
-    if (st == KILN_OK && bw) /* dq accumulates into its buffer */
+    if (st == KILN_OK && acc) /* dq accumulates into its buffer */
       st = kiln__cuda_err(cudaMemsetAsync((char *)ws + base + sum_bytes(a), 0, acc_bytes(a), d->stream),
                           "attention_backward (cudnn dq accumulator)");
     if (st != KILN_OK) {
@@ -605,7 +648,8 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
   } else {
     put(kUidDO, a->in[3].data), put(kUidO, ((const kiln__view *)a->params)->data), put(kUidStats, a->out[3].data);
     put(kUidDQ, a->out[0].data), put(kUidDK, a->out[1].data), put(kUidDV, a->out[2].data), put(kUidOne, &one);
-    put(kUidSoftmaxSum, (char *)ws + base), put(kUidDQAccum, (char *)ws + base + sum_bytes(a));
+    put(kUidSoftmaxSum, (char *)ws + base);
+    if (acc) put(kUidDQAccum, (char *)ws + base + sum_bytes(a));
   }
   cudnnBackendDescriptor_t vp = NULL;
   cudnnStatus_t s = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
@@ -619,6 +663,7 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
   if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendExecute(h, plan->plan, vp);
   if (vp) cudnnBackendDestroyDescriptor(vp);
   if (ws) kiln__cuda_free(a->device, ws, wbytes); /* stream-ordered reuse */
+  if (s == CUDNN_STATUS_SUCCESS) __atomic_add_fetch(&g_runs, 1, __ATOMIC_RELAXED);
   return dnn_err(s, "cudnnBackendExecute");
 }
 

@@ -415,6 +415,11 @@ int main(int argc, char **argv) {
   norm_case(false, KILN_F32, 4096, 768, 3e-5);
   norm_case(true, KILN_F32, 4096, 768, 3e-5);
   norm_case(false, KILN_F32, 37, 3000, 3e-5);
+  /* the f32 register path's edges (N % 4 == 0 up to 1024): a partial last float4 column
+  ** (772 = 6 * 128 + 4), fewer float4s than lanes (100), the widest (1024) */
+  norm_case(false, KILN_F32, 50, 772, 3e-5);
+  norm_case(true, KILN_F32, 65, 100, 3e-5);
+  norm_case(false, KILN_F32, 333, 1024, 3e-5);
   norm_case(false, KILN_BF16, 2048, 768, 3e-2);
   norm_case(false, KILN_F64, 300, 500, 1e-10);
   attention_checks();

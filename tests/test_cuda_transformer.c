@@ -268,7 +268,7 @@ static void flash_layouts(void) {
   kiln_scope_end();
 }
 
-/* cuDNN's fused attention (cuda_attention_cudnn.cu, taken under KILN_ATTENTION=cudnn) on the
+/* cuDNN's fused attention (cuda_attention_cudnn.cu, the default where it serves) on the
 ** cases it serves, against the CPU as the own kernels are (att_case: out, dq, dk, dv, and the
 ** backward's bits twice: its plans prefer deterministic engines): causal and not, T not a
 ** multiple of 64, Tq != Tk both ways, B*H > 1, head dims 64 and 128, bf16 and f16, q/k/v as
@@ -303,6 +303,12 @@ static void cudnn_attention_checks(void) {
 }
 
 static void attention_checks(void) {
+  /* the own kernels first (cuDNN takes the 16-bit cases it serves by default: its own
+  ** checks come last, cudnn_attention_checks) */
+  const char *prev = getenv("KILN_ATTENTION");
+  char saved[32] = "";
+  if (prev) snprintf(saved, sizeof saved, "%s", prev);
+  setenv("KILN_ATTENTION", "own", 1);
   /* f32: the GPU sums in f32 where the CPU sums in f64; over 300 keys and head dim 128 the
   ** difference stays near 1e-6 of the scale. bf16: the inputs' and outputs' rounding. */
   const double f32 = 2e-5, bf16 = 3e-2;
@@ -334,6 +340,8 @@ static void attention_checks(void) {
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
     if (specs[i].dt == KILN_BF16 || specs[i].dt == KILN_F16) att_case(&specs[i]);
   unsetenv("KILN_CUDA_ATTENTION");
+  if (prev) setenv("KILN_ATTENTION", saved, 1);
+  else unsetenv("KILN_ATTENTION");
   cudnn_attention_checks();
 }
 

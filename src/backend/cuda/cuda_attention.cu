@@ -585,7 +585,7 @@ extern "C" bool kiln__cuda_attention_cudnn_fits(const kiln__kargs *a); /* cuda_a
 extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a);
 
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a) {
-  /* KILN_ATTENTION=cudnn: cuDNN's fused attention where it has an engine for the shape */
+  /* cuDNN's fused attention where it has an engine for the shape (KILN_ATTENTION=own: never) */
   if (kiln__cuda_attention_cudnn_fits(a)) {
     kiln_status st = kiln__cuda_attention_cudnn(a);
     if (st != KILN_ERR_UNSUPPORTED) return st;

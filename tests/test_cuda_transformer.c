@@ -268,7 +268,47 @@ static void flash_layouts(void) {
   kiln_scope_end();
 }
 
+/* cuDNN's fused attention (cuda_attention_cudnn.cu, the default where it serves) on the
+** cases it serves, against the CPU as the own kernels are (att_case: out, dq, dk, dv, and the
+** backward's bits twice: its plans prefer deterministic engines): causal and not, T not a
+** multiple of 64, Tq != Tk both ways, B*H > 1, head dims 64 and 128, bf16 and f16, q/k/v as
+** transposed views, and GPT-2's qkv layout with the packed gradient (flash_layouts). How
+** many calls cuDNN ran is printed (weak: a CPU build has no such function): a build
+** without cuDNN, or a cuDNN with no engine for a shape, leaves it to the own kernels. */
+__attribute__((weak)) int64_t kiln__cuda_attention_cudnn_runs(void);
+
+static void cudnn_attention_checks(void) {
+  const char *prev = getenv("KILN_ATTENTION");
+  char saved[32] = "";
+  if (prev) snprintf(saved, sizeof saved, "%s", prev);
+  setenv("KILN_ATTENTION", "cudnn", 1);
+  int64_t before = kiln__cuda_attention_cudnn_runs ? kiln__cuda_attention_cudnn_runs() : 0;
+  const double bf16 = 3e-2, f16 = 1e-2;
+  const att_spec specs[] = {
+      {"cudnn bf16 causal T 256 D 64", 2, 3, 256, 256, 64, 64, true, false, 0, 0, KILN_BF16, bf16},
+      {"cudnn bf16 causal T 200 D 64 transposed", 2, 3, 200, 200, 64, 64, true, true, 0, 0, KILN_BF16, bf16},
+      {"cudnn f16 causal T 77 D 128", 1, 3, 77, 77, 128, 128, true, false, 0, 0, KILN_F16, f16},
+      {"cudnn bf16 T 130 D 128 transposed", 2, 2, 130, 130, 128, 128, false, true, 0, 0, KILN_BF16, bf16},
+      {"cudnn f16 T 200 D 64", 1, 2, 200, 200, 64, 64, false, false, 0, 0, KILN_F16, f16},
+      {"cudnn bf16 causal Tq 100 Tk 230 D 64", 1, 3, 100, 230, 64, 64, true, false, 0, 0, KILN_BF16, bf16},
+      {"cudnn f16 causal Tq 230 Tk 100 D 128", 1, 2, 230, 100, 128, 128, true, true, 0, 0, KILN_F16, f16},
+      {"cudnn bf16 T 1 D 64", 2, 2, 1, 1, 64, 64, true, false, 0, 0, KILN_BF16, bf16},
+  };
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) att_case(&specs[i]);
+  flash_layouts();
+  int64_t runs = kiln__cuda_attention_cudnn_runs ? kiln__cuda_attention_cudnn_runs() - before : -1;
+  printf("cudnn attention: %lld calls ran on cuDNN\n", (long long)runs);
+  if (prev) setenv("KILN_ATTENTION", saved, 1);
+  else unsetenv("KILN_ATTENTION");
+}
+
 static void attention_checks(void) {
+  /* the own kernels first (cuDNN takes the 16-bit cases it serves by default: its own
+  ** checks come last, cudnn_attention_checks) */
+  const char *prev = getenv("KILN_ATTENTION");
+  char saved[32] = "";
+  if (prev) snprintf(saved, sizeof saved, "%s", prev);
+  setenv("KILN_ATTENTION", "own", 1);
   /* f32: the GPU sums in f32 where the CPU sums in f64; over 300 keys and head dim 128 the
   ** difference stays near 1e-6 of the scale. bf16: the inputs' and outputs' rounding. */
   const double f32 = 2e-5, bf16 = 3e-2;
@@ -300,6 +340,9 @@ static void attention_checks(void) {
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
     if (specs[i].dt == KILN_BF16 || specs[i].dt == KILN_F16) att_case(&specs[i]);
   unsetenv("KILN_CUDA_ATTENTION");
+  if (prev) setenv("KILN_ATTENTION", saved, 1);
+  else unsetenv("KILN_ATTENTION");
+  cudnn_attention_checks();
 }
 
 /* ---------------------------------------------------------------- sampling, scans */
@@ -380,6 +423,11 @@ int main(int argc, char **argv) {
   norm_case(false, KILN_F32, 4096, 768, 3e-5);
   norm_case(true, KILN_F32, 4096, 768, 3e-5);
   norm_case(false, KILN_F32, 37, 3000, 3e-5);
+  /* the f32 register path's edges (N % 4 == 0 up to 1024): a partial last float4 column
+  ** (772 = 6 * 128 + 4), fewer float4s than lanes (100), the widest (1024) */
+  norm_case(false, KILN_F32, 50, 772, 3e-5);
+  norm_case(true, KILN_F32, 65, 100, 3e-5);
+  norm_case(false, KILN_F32, 333, 1024, 3e-5);
   norm_case(false, KILN_BF16, 2048, 768, 3e-2);
   norm_case(false, KILN_F64, 300, 500, 1e-10);
   attention_checks();

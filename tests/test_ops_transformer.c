@@ -8,6 +8,8 @@
 */
 #include "harness.h"
 
+#include "ext/kiln_ext.h" /* kiln__attention_qkv_grad */
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -210,6 +212,66 @@ static void tf_att_composite(void) {
   kiln_scope_end();
 }
 
+/* q, k, v split from one qkv (B, T, 3C) by views, as a GPT's are: the output lies in
+** (B, T, H, D) order (its transpose(1, 2) is contiguous), the gradients are the thirds of one
+** (B, T, 3C) buffer that kiln__attention_qkv_grad hands back as qkv's gradient, and the
+** numbers are those of contiguous copies of q, k, v (T 37: not a multiple of any tile). */
+__attribute__((unused)) static void tf_att_packed(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu();
+  const int64_t B = 2, T = 37, H = 3, D = 16, C = H * D;
+  kiln_generator *gen = kiln_generator_new(11);
+  kiln_tensor *qkv = kiln_randn(3, (int64_t[]){B, T, 3 * C}, KILN_F32, cpu, gen);
+  kiln_tensor *gout = kiln_randn(4, (int64_t[]){B, H, T, D}, KILN_F32, cpu, gen);
+  kiln_generator_free(gen);
+  kiln_tensor *part[3], *hv[3], *hc[3];
+  H_CHECK(kiln_split(qkv, C, 2, part, 3) == 3, "split qkv");
+  for (int i = 0; i < 3; i++) {
+    hv[i] = kiln_transpose(kiln_view(part[i], 4, (int64_t[]){B, T, H, D}), 1, 2);
+    hc[i] = kiln_contiguous(hv[i]);
+    kiln_requires_grad_(hv[i], true);
+    kiln_requires_grad_(hc[i], true);
+  }
+  kiln_tensor *y = kiln_scaled_dot_product_attention(hv[0], hv[1], hv[2], NULL, true, 0, 0, NULL);
+  kiln_tensor *yc = kiln_scaled_dot_product_attention(hc[0], hc[1], hc[2], NULL, true, 0, 0, NULL);
+  H_CHECK(y && yc, "sdpa on packed and on contiguous heads");
+  if (!y || !yc) {
+    kiln_scope_end();
+    return;
+  }
+  H_CHECK(kiln_is_contiguous(kiln_transpose(y, 1, 2)), "packed heads: the output is (B, T, H, D) in memory");
+  H_CHECK(kiln_is_contiguous(yc), "contiguous heads: the output is contiguous");
+  double *want = h_values(yc, NULL);
+  if (want) h_tensor_close("packed heads: forward", y, want, kiln_numel(y), 0, 0);
+  free(want);
+  kiln_tensor *g1[3] = {0}, *g2[3] = {0};
+  H_CHECK(kiln_autograd_grad(1, &y, &gout, 3, hv, g1) == KILN_OK, "packed heads: backward");
+  H_CHECK(kiln_autograd_grad(1, &yc, &gout, 3, hc, g2) == KILN_OK, "contiguous heads: backward");
+  static const char *const nm[3] = {"packed heads: dq", "packed heads: dk", "packed heads: dv"};
+  for (int i = 0; i < 3; i++) {
+    double *w = g2[i] ? h_values(g2[i], NULL) : NULL;
+    if (w && g1[i]) h_tensor_close(nm[i], g1[i], w, kiln_numel(g1[i]), 0, 0);
+    else H_CHECK(false, "%s: a gradient is missing", nm[i]);
+    free(w);
+  }
+  kiln_tensor *dqkv = g1[0] && g1[1] && g1[2] ? kiln__attention_qkv_grad(g1) : NULL;
+  H_CHECK(dqkv && kiln_ndim(dqkv) == 3 && kiln_size(dqkv, 2) == 3 * C && kiln_is_contiguous(dqkv),
+          "packed heads: the gradients are one (B, T, 3C) buffer");
+  if (dqkv) { /* its thirds, viewed as heads, are dq, dk, dv */
+    kiln_tensor *dp[3];
+    H_CHECK(kiln_split(dqkv, C, 2, dp, 3) == 3, "split dqkv");
+    for (int i = 0; i < 3; i++) {
+      double *w = h_values(g2[i], NULL);
+      kiln_tensor *dh = kiln_transpose(kiln_view(dp[i], 4, (int64_t[]){B, T, H, D}), 1, 2);
+      if (w && dh) h_tensor_close("packed heads: dqkv's third", dh, w, kiln_numel(dh), 0, 0);
+      free(w);
+    }
+  }
+  /* contiguous copies are not packed: their gradients are three tensors */
+  H_CHECK(!kiln__attention_qkv_grad(g2), "contiguous heads: no packed gradient");
+  kiln_scope_end();
+}
+
 /* kiln_sdpa_set_backend(KILN_SDPA_MATH): the same values and gradients as the fused
 ** kernels, causal, with a bool mask and with an additive one; dropout stays fused. */
 __attribute__((unused)) static void tf_sdpa_math(void) {
@@ -287,6 +349,7 @@ int main(int argc, char **argv) {
   h_run_cases(tf_att_cases, (int)(sizeof tf_att_cases / sizeof tf_att_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
     tf_att_composite();
+    tf_att_packed();
     tf_sdpa_math();
     tf_bad_input();
   }

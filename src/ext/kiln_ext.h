@@ -177,6 +177,13 @@ void kiln__module_scope_push(const char *label);
 void kiln__module_scope_pop(void);
 const char *kiln__intern(const char *s);
 
+/* ---- attention's packed gradients (ops: src/ops/ops_attention.c; used by nn's GPT) ----
+** When the gradients dq, dk, dv (B, H, T, D) of q, k, v split from one qkv (B, T, 3C) by
+** views are the thirds of one contiguous (B, T, 3C) buffer (attention's backward makes
+** them so for such inputs), a (B, T, 3C) tensor over that buffer, owned by the current
+** scope: qkv's gradient with no copy. NULL otherwise, with no error set. */
+kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
+
 #ifdef __cplusplus
 }
 #endif

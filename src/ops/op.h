@@ -255,6 +255,10 @@ bool kiln__capturing(kiln_device dev);
 kiln_status kiln__autocast_push_state(const kiln__autocast_state *s);
 kiln_status kiln__autocast_pop_state(void);
 
+/* ---- attention (ops_attention.c): qkv's gradient as attention's backward packed it
+** (see kiln_ext.h) */
+kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
+
 /* ---- module scope (module_scope.c) ----
 ** The nn module the thread is inside (labels interned: "layers.0 (Linear)"), pushed and
 ** popped by kiln_module_forward through the extension header; and the node whose

@@ -581,7 +581,16 @@ extern "C" bool kiln__cuda_attention_supports(const kiln__kargs *a) {
 extern "C" bool kiln__cuda_flash_fits(const kiln__kargs *a); /* cuda_flash.cu */
 extern "C" kiln_status kiln__cuda_flash(const kiln__kargs *a);
 
+extern "C" bool kiln__cuda_attention_cudnn_fits(const kiln__kargs *a); /* cuda_attention_cudnn.cu */
+extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a);
+
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a) {
+  /* cuDNN's fused attention where it has an engine for the shape (KILN_ATTENTION=own: never) */
+  if (kiln__cuda_attention_cudnn_fits(a)) {
+    kiln_status st = kiln__cuda_attention_cudnn(a);
+    if (st != KILN_ERR_UNSUPPORTED) return st;
+    kiln_clear_error();
+  }
   if (kiln__cuda_flash_fits(a)) return kiln__cuda_flash(a);
   kiln__cuda_dev *d;
   KC_TRY(kiln__cuda_ctx(a->device, &d));

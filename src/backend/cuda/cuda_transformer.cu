@@ -21,6 +21,9 @@
 #include "philox.cuh"
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <vector>
 
 extern "C" kiln_status kiln__cuda_attention(const kiln__kargs *a); /* cuda_attention.cu */
@@ -200,17 +203,161 @@ __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Ve
   if (want_b) st_any<A>((void *)db.p, db.dt, j * db.st, ab);
 }
 
+/* f32 rows of up to LN_VMAX * 128 elements, contiguous and 16-byte aligned (GPT-2's 768: the
+** common case under autocast, where layer_norm runs in f32): the row is read once, into
+** registers, as float4s (ln_fwd reads it three times, one float a lane a load: 95 us for
+** GPT-2's (16384, 768) on the H200, 0.8 TB/s). The same arithmetic in double (the sums'
+** order within a lane differs: 4 consecutive elements a chunk). The weight and bias go
+** through float4 loads too when they are f32 and contiguous (wb_vec), else ld_any. */
+#define LN_VMAX 8
+
+__device__ __forceinline__ float4 ln_ld4(const Vec &v, bool vec, int64_t j) {
+  if (vec) return reinterpret_cast<const float4 *>(v.p)[j / 4];
+  return make_float4(ld_any<float>(v.p, v.dt, j * v.st), ld_any<float>(v.p, v.dt, (j + 1) * v.st),
+                     ld_any<float>(v.p, v.dt, (j + 2) * v.st), ld_any<float>(v.p, v.dt, (j + 3) * v.st));
+}
+
+__global__ void __launch_bounds__(KC_THREADS) ln_fwd_f32v(const float *x, float *y, LnArgs p, bool wvec, bool bvec) {
+  const int64_t r = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= p.R) return;
+  const float4 *xr = reinterpret_cast<const float4 *>(x + r * p.xs0);
+  const int nv = (int)(p.N / 4);
+  float4 v[LN_VMAX];
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    v[k] = c < nv ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  double mean = 0, var = 0;
+  if (!p.rms) {
+#pragma unroll
+    for (int k = 0; k < LN_VMAX; k++)
+      if (k * 32 + lane < nv) mean += ((double)v[k].x + (double)v[k].y) + ((double)v[k].z + (double)v[k].w);
+    mean = warp_sum(mean) / (double)p.N;
+  }
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    if (k * 32 + lane >= nv) continue;
+    const double a0 = v[k].x - mean, a1 = v[k].y - mean, a2 = v[k].z - mean, a3 = v[k].w - mean;
+    var += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
+  }
+  var = warp_sum(var) / (double)p.N;
+  const double rstd = 1.0 / sqrt(var + p.eps);
+  float4 *yr = reinterpret_cast<float4 *>(y + r * p.ys0);
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double o[4] = {(v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, (v[k].w - mean) * rstd};
+    if (p.has_w) {
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      o[0] *= w.x, o[1] *= w.y, o[2] *= w.z, o[3] *= w.w;
+    }
+    if (p.has_b) {
+      const float4 b = ln_ld4(p.b, bvec, (int64_t)c * 4);
+      o[0] += b.x, o[1] += b.y, o[2] += b.z, o[3] += b.w;
+    }
+    yr[c] = make_float4((float)o[0], (float)o[1], (float)o[2], (float)o[3]);
+  }
+  if (lane == 0) {
+    if (p.rms) {
+      st_any<double>((void *)p.out_mean.p, p.out_mean.dt, r * p.out_mean.st, rstd);
+    } else {
+      st_any<double>((void *)p.out_mean.p, p.out_mean.dt, r * p.out_mean.st, mean);
+      st_any<double>((void *)p.out_rstd.p, p.out_rstd.dt, r * p.out_rstd.st, rstd);
+    }
+  }
+}
+
+/* ln_bwd_dx for the rows ln_fwd_f32v takes (x, g and dx contiguous, 16-byte aligned): x and
+** g read once each into registers. */
+__global__ void __launch_bounds__(KC_THREADS) ln_bwd_dx_f32v(const float *x, const float *g, float *dx, LnArgs p,
+                                                             bool wvec) {
+  const int64_t r = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= p.R) return;
+  const float4 *xr = reinterpret_cast<const float4 *>(x + r * p.xs0);
+  const float4 *gr = reinterpret_cast<const float4 *>(g + r * p.gs0);
+  const int nv = (int)(p.N / 4);
+  const double mean = p.rms ? 0.0 : ld_any<double>(p.mean.p, p.mean.dt, r * p.mean.st);
+  const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, r * p.rstd.st);
+  float4 xv[LN_VMAX], gv[LN_VMAX]; /* gv: g w */
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    xv[k] = c < nv ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    gv[k] = c < nv ? gr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  double sg = 0, sgx = 0;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+    if (p.has_w) {
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      gw[0] *= w.x, gw[1] *= w.y, gw[2] *= w.z, gw[3] *= w.w;
+    }
+    const double xh[4] = {(xv[k].x - mean) * rstd, (xv[k].y - mean) * rstd, (xv[k].z - mean) * rstd,
+                          (xv[k].w - mean) * rstd};
+    sg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
+    sgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
+  }
+  sg = warp_sum(sg) / (double)p.N;
+  sgx = warp_sum(sgx) / (double)p.N;
+  if (p.rms) sg = 0;
+  float4 *dr = reinterpret_cast<float4 *>(dx + r * p.ys0);
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+    if (p.has_w) {
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      gw[0] *= w.x, gw[1] *= w.y, gw[2] *= w.z, gw[3] *= w.w;
+    }
+    const double xh[4] = {(xv[k].x - mean) * rstd, (xv[k].y - mean) * rstd, (xv[k].z - mean) * rstd,
+                          (xv[k].w - mean) * rstd};
+    dr[c] = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
+                        (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
+  }
+}
+
+static bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* a runtime-typed vector the float4 path may read: f32, contiguous, 16-byte aligned */
+static bool vec4_ok(const Vec &v) { return v.dt == KILN_F32 && v.st == 1 && al16(v.p); }
+
+/* Whether ln_fwd_f32v / ln_bwd_dx_f32v take these rows (KILN_CUDA_LN=simple: never). */
+static bool ln_f32v_fits(const kiln__kargs *a, const LnArgs &p, bool bw) {
+  if (a->in[0].dtype != KILN_F32 || p.N % 4 != 0 || p.N > LN_VMAX * 128) return false;
+  if (p.xs1 != 1 || p.ys1 != 1 || p.xs0 % 4 != 0 || p.ys0 % 4 != 0) return false;
+  if (!al16(a->in[0].data) || !al16(a->out[0].data)) return false;
+  if (bw && (p.gs1 != 1 || p.gs0 % 4 != 0 || !al16(a->in[1].data))) return false;
+  const char *e = getenv("KILN_CUDA_LN");
+  return !(e && !strcmp(e, "simple"));
+}
+
 template <class T>
 kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
   typedef typename wide_acc<T>::type A;
   bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
   unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
+  const bool f32v = ln_f32v_fits(a, p, bw);
   if (!bw) {
-    ln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, p);
+    if (f32v)
+      ln_fwd_f32v<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[0].data, p,
+                                                         p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+    else
+      ln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data, p);
     return kiln__cuda_launched("layer_norm");
   }
   const T *x = (const T *)a->in[0].data, *g = (const T *)a->in[1].data;
-  ln_bwd_dx<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(x, g, (T *)a->out[0].data, p);
+  if (f32v)
+    ln_bwd_dx_f32v<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)x, (const float *)g, (float *)a->out[0].data, p,
+                                                          p.has_w && vec4_ok(p.w));
+  else
+    ln_bwd_dx<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(x, g, (T *)a->out[0].data, p);
   KC_TRY(kiln__cuda_launched("layer_norm_backward"));
   if (a->n_out < 2) return KILN_OK;
   /* chunks: enough blocks to fill the device (about 4 per SM), at least 32 rows each */
@@ -491,6 +638,137 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, co
   }
 }
 
+/* rln_fwd_fast / rln_bwd_ds_fast with 16-byte f32 and 8-byte bf16 accesses (four
+** consecutive elements a lane a load, as ln_fwd_f32v): N % 4 == 0, N <= LN_VMAX * 128,
+** rows aligned (rln_v4_fits). The same arithmetic, element by element; the statistics'
+** double sums in another order. */
+__device__ __forceinline__ float4 bf4_ld(const void *base, int64_t q) { /* four bf16 at 8-byte index q */
+  const uint2 u = reinterpret_cast<const uint2 *>(base)[q];
+  __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162 *>(&u.x), b = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
+  const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
+  return make_float4(fa.x, fa.y, fb.x, fb.y);
+}
+__device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, float z, float w) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(x, y), b = __floats2bfloat162_rn(z, w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t *>(&a), u.y = *reinterpret_cast<uint32_t *>(&b);
+  reinterpret_cast<uint2 *>(base)[q] = u;
+}
+
+__global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec) {
+  const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
+  const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+  float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
+  const int nv = (int)(p.N / 4);
+  float4 v[LN_VMAX];
+  double mean = 0, var = 0;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < nv) {
+      const float4 xv = xr[c], rv = bf4_ld(rr, c);
+      v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
+      sr[c] = v[k];
+      mean += ((double)v[k].x + (double)v[k].y) + ((double)v[k].z + (double)v[k].w);
+    }
+  }
+  mean = warp_sum(mean) / (double)p.N;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    if (k * 32 + lane >= nv) continue;
+    const double a0 = v[k].x - mean, a1 = v[k].y - mean, a2 = v[k].z - mean, a3 = v[k].w - mean;
+    var += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
+  }
+  var = warp_sum(var) / (double)p.N;
+  const double rstd = 1.0 / sqrt(var + p.eps);
+  __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double t[4] = {(v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, (v[k].w - mean) * rstd};
+    if (p.has_w) {
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      t[0] *= (double)w.x, t[1] *= (double)w.y, t[2] *= (double)w.z, t[3] *= (double)w.w;
+    }
+    if (p.has_b) {
+      const float4 b = ln_ld4(p.b, bvec, (int64_t)c * 4);
+      t[0] += (double)b.x, t[1] += (double)b.y, t[2] += (double)b.z, t[3] += (double)b.w;
+    }
+    bf4_st(yr, c, (float)t[0], (float)t[1], (float)t[2], (float)t[3]);
+  }
+  if (lane == 0) {
+    st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
+    st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+  }
+}
+
+__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
+                                                            bool wvec) {
+  const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.R) return;
+  const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
+  const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
+  const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
+  const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+  const int nv = (int)(p.N / 4);
+  float4 sv[LN_VMAX], gv[LN_VMAX]; /* s and g as read */
+  double sg = 0, sgx = 0;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < nv) {
+      sv[k] = sr[c];
+      gv[k] = bf4_ld(gr, c);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+    if (p.has_w) {
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+    }
+    const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
+                          ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
+    sg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
+    sgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
+  }
+  sg = warp_sum(sg) / (double)p.N;
+  sgx = warp_sum(sgx) / (double)p.N;
+  float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
+  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
+  __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
+#pragma unroll
+  for (int k = 0; k < LN_VMAX; k++) {
+    const int c = k * 32 + lane;
+    if (c >= nv) continue;
+    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+    if (p.has_w) { /* recomputed, as the scalar kernel keeps gw in double */
+      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+      gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+    }
+    const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
+                          ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
+    float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
+                            (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
+    if (gsr) {
+      const float4 o = gsr[c];
+      dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
+    }
+    dsr[c] = dv;
+    if (drr) bf4_st(drr, c, dv.x, dv.y, dv.z, dv.w);
+  }
+}
+
 /* Whether the fast kernels above take a: f32 x/s, bf16 r/y (forward), bf16 g/dr (dr when
 ** wanted), f32 stats, N <= 32 * RLN_V. */
 bool rln_fast(const kiln__kargs *a) {
@@ -531,13 +809,34 @@ bool rln_supports(const kiln__kargs *a) {
   return true;
 }
 
+/* Whether the v4 kernels take a (on top of rln_fast): only with KILN_CUDA_RLN=v4 (written
+** after the last GPU run of their session and not yet run on a GPU: the measured fast
+** kernels stay the default until they are), N % 4 == 0 up to LN_VMAX * 128, the f32 rows
+** 16-byte and the bf16 rows 8-byte aligned. */
+static bool al8(const void *q) { return ((uintptr_t)q & 7) == 0; }
+bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
+  if (p.N % 4 != 0 || p.N > LN_VMAX * 128) return false;
+  const char *e = getenv("KILN_CUDA_RLN");
+  if (!e || strcmp(e, "v4") != 0) return false;
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM)
+    return al16(a->in[0].data) && p.xs0 % 4 == 0 && al16(a->out[1].data) && p.ss0 % 4 == 0 && al8(p.r) &&
+           p.rs0 % 4 == 0 && al8(p.y) && p.ys0 % 4 == 0;
+  return al16(a->in[0].data) && p.ss0 % 4 == 0 && al8(p.g) && p.gs0 % 4 == 0 && al16(a->out[0].data) &&
+         p.dss0 % 4 == 0 && (!p.has_gs || (al16(a->in[a->n_in - 1].data) && p.gss0 % 4 == 0)) &&
+         (!p.want_dr || (al8(p.dr) && p.drs0 % 4 == 0));
+}
+
 template <class T>
 kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   typedef typename wide_acc<T>::type A;
   unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
   const bool fast = rln_fast(a);
+  const bool v4 = fast && rln_v4_fits(a, p);
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
-    if (fast)
+    if (v4)
+      rln_fwd_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p,
+                                                        p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+    else if (fast)
       rln_fwd_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p);
     else
       rln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[1].data, p);
@@ -545,7 +844,10 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   }
   const T *s = (const T *)a->in[0].data;
   const T *gs = p.has_gs ? (const T *)a->in[a->n_in - 1].data : NULL;
-  if (fast)
+  if (v4)
+    rln_bwd_ds_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p,
+                                                        p.has_w && vec4_ok(p.w));
+  else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else
     rln_bwd_ds<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(s, gs, (T *)a->out[0].data, p);

@@ -20,9 +20,9 @@
 ** pointer alignment), built on first use outside a graph capture and kept for the process,
 ** deterministic engines first (the backward then writes dq straight; KILN_CUDNN_SDPA_ATOMIC=1
 ** takes the f32 atomic accumulator instead: no faster there). A shape cuDNN has no engine
-** for is remembered as such and left to the own kernels; a line on stderr says which engine
-** each shape got (or why none). Built only with cuDNN (KILN_HAVE_CUDNN); the handle is this
-** file's own, on kiln's stream.
+** for is remembered as such and left to the own kernels; with KILN_CUDNN_LOG set, a line
+** on stderr says which engine each shape got (or why none). Built only with cuDNN
+** (KILN_HAVE_CUDNN); the handle is this file's own, on kiln's stream.
 */
 #include "cuda_int.cuh"
 
@@ -606,13 +606,16 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
       KC_TRY(handle_of(a->device, d, &h));
       std::unique_ptr<Plan> p(new Plan);
       cudnnStatus_t s = a->op == KILN__K_ATTENTION ? build_fwd(a, h, p.get()) : build_bwd(a, h, p.get(), dq_atomic());
+      /* KILN_CUDNN_LOG (as the convolutions' choices): a line per shape, which engine or why none */
+      const char *log = getenv("KILN_CUDNN_LOG");
+      bool say = log && log[0] && strcmp(log, "0") != 0;
       if (s != CUDNN_STATUS_SUCCESS) {
         char why[256] = "";
         cudnnGetLastErrorString(why, sizeof why);
-        fprintf(stderr, "kiln cudnn attention: %s: no plan (%s: %.160s): the own kernels run it\n",
+        if (say) fprintf(stderr, "kiln cudnn attention: %s: no plan (%s: %.160s): the own kernels run it\n",
                 shape_str(a, buf, sizeof buf), cudnnGetErrorString(s), why);
         p.reset();
-      } else {
+      } else if (say) {
         fprintf(stderr, "kiln cudnn attention: %s: engine %lld%s, workspace %lld B\n", shape_str(a, buf, sizeof buf),
                 (long long)p->engine, p->nondet ? " (nondeterministic)" : "", (long long)p->ws);
       }

@@ -369,8 +369,16 @@ static const kiln__op op_batch_norm_bwd = {
 ** gradient itself is not differentiated further, as for every kernel-backed rule). A ReLU
 ** right after the op may have handed g over unmasked with its input as n->grad_mask
 ** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
+static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi);
+
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->grad_mask, n->saved[3]};
+  return bn_backward_masked(n, g, n->grad_mask, gi);
+}
+
+/* One BATCH_NORM_BACKWARD with mask (NULL: none) applied to g, its gradients handed to gi
+** in the inputs' dtypes. */
+static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi) {
+  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], mask, n->saved[3]};
   kiln_tensor *out[3] = {NULL, NULL, NULL};
   if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
@@ -393,17 +401,7 @@ static void bnkr_save(kiln__op_ctx *c, kiln__node *n) {
 }
 
 static kiln_status bnkr_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], n->saved[4], n->saved[3]};
-  kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
-  if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
-  for (int k = 1; k < 3; k++) {
-    int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
-    if (!n->needs[i]) continue;
-    kiln_tensor *r = out[k]->dtype != n->in_dtype[i] ? kiln_to_dtype(out[k], n->in_dtype[i]) : out[k];
-    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
-  }
-  return KILN_OK;
+  return bn_backward_masked(n, g, n->saved[4], gi);
 }
 
 static const kiln__op op_batch_norm_relu_k = {
@@ -444,18 +442,9 @@ static kiln_status bnar_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi
     kiln__discard(gm);
     return kiln_last_error();
   }
-  kiln_tensor *in[6] = {n->saved[0], gm, n->saved[2], n->saved[1], NULL, n->saved[3]};
-  kiln_tensor *o[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, o)) {
+  if (bn_backward_masked(n, gm, NULL, gi) != KILN_OK) { /* gm, masked already: batch_norm's own gradient */
     kiln__discard(gm);
     return kiln_last_error();
-  }
-  if (n->needs[0] && kiln__give_grad(&gi[0], o[0], g) != KILN_OK) return kiln_last_error();
-  for (int k2 = 1; k2 < 3; k2++) {
-    int i = k2 + 2; /* dweight -> input 3, dbias -> input 4 */
-    if (!n->needs[i]) continue;
-    kiln_tensor *r = o[k2]->dtype != n->in_dtype[i] ? kiln_to_dtype(o[k2], n->in_dtype[i]) : o[k2];
-    if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
   }
   if (n->needs[5]) {
     kiln_tensor *r = gm->dtype != n->in_dtype[5] ? kiln_to_dtype(gm, n->in_dtype[5]) : gm;

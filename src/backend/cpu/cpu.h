@@ -50,6 +50,9 @@ kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */
 kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_* through oneDNN */
+/* MATMUL of bf16 operands (bf16 or f32 out) through oneDNN (cpu_dnnl_matmul.c): true when
+** it ran (*st its status), false when the arguments are not its case (the caller runs). */
+bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st);
 #endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);

@@ -7,7 +7,9 @@
 ** CblasTrans); any other layout is first copied to a contiguous temporary. An output in
 ** column-major layout is computed as C^T = B^T A^T. When B is shared by the whole batch
 ** (stride 0) and the batch dims of A and out0 fold into M, the batch becomes one big GEMM
-** ((B, T, C) @ (C, D) is one (B*T, C) @ (C, D)). f16/bf16 go through f32 temporaries.
+** ((B, T, C) @ (C, D) is one (B*T, C) @ (C, D)). bf16 products go to oneDNN where it is
+** built in (cpu_dnnl_matmul.c: AMX, no temporaries); f16, and bf16 layouts oneDNN has no
+** fast kernel for, go through f32 temporaries.
 ** s1 == 0 means out0 is never read (it may hold NaN or garbage).
 */
 #include "cpu.h"
@@ -533,6 +535,12 @@ static kiln_status kiln__mm_wide(const kiln__kargs *a) {
 kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   const kiln__view *A = &a->in[0], *B = &a->in[1], *C = &a->out[0];
   if (a->i[1] & 3) return kiln__mm_flags(a);
+#ifdef KILN_HAVE_DNNL
+  { /* bf16 products on oneDNN (AMX where the CPU has it), f32-accumulated */
+    kiln_status st;
+    if (kiln__cpu_dnnl_matmul(a, &st)) return st;
+  }
+#endif
   if (C->dtype == KILN_F32 && A->dtype == B->dtype && (A->dtype == KILN_F16 || A->dtype == KILN_BF16) &&
       !kiln__mm_bias(a))
     return kiln__mm_wide(a);

@@ -836,6 +836,7 @@ static void run_variant(const h_case *c, const variant *v) {
       double rtol, atol;
       h_dtype_tol(int_out ? KILN_I64 : dt, &rtol, &atol);
       rtol *= tol_scale(c), atol *= tol_scale(c);
+      if (c->xtol_scale > 0) rtol *= c->xtol_scale, atol *= c->xtol_scale;
       if (!rg.ok) fail_line(c, v, part, dt, "failed: %s", rg.err);
       else if (!rc.ok) fail_line(c, v, part, dt, "the CPU run failed: %s", rc.err);
       else if (!same_shape(rg.ndim, rg.shape, rc.ndim, rc.shape) || rg.dtype != rc.dtype)

@@ -129,6 +129,9 @@ typedef struct h_case {
   unsigned flags;
   double tol_scale;  /* multiplies the f16/bf16/f32 tolerances (0 = 1) */
   double grad_tol;   /* gradcheck tolerance (0 = 1e-6) */
+  /* multiplies (d)'s tolerances only (0 = 1), where two f32 implementations of the same
+  ** long or ill-conditioned reduction may each err by the f32 bound: the case says why */
+  double xtol_scale;
 } h_case;
 
 /* ---- running ---- */

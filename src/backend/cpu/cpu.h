@@ -44,6 +44,10 @@ kiln_status kiln__cpu_cast_multi(const kiln__kargs *a); /* cpu_elementwise.c */
 kiln_status kiln__cpu_amp_unscale(const kiln__kargs *a);
 kiln_status kiln__cpu_amp_update_scale(const kiln__kargs *a);
 kiln_status kiln__cpu_matmul(const kiln__kargs *a);
+/* one row-major f32 GEMM for kernels with their own parallel loops (cpu_matmul.c) */
+int kiln__cpu_sgemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                    const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+void kiln__cpu_blas_serial(void); /* the BLAS on one thread: call before such a loop */
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL

@@ -28,6 +28,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
 
 #define MM_CACHE 96
 #define MM_KEY (8 + 7 * KILN_MAX_DIMS)
@@ -257,9 +260,19 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
     *st = mm_fail("memory", s);
   } else {
     dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_BIAS, mz}};
+#ifdef KILN_HAVE_OPENMP
+    /* oneDNN runs on OpenMP's thread count, which an OpenMP build of OpenBLAS sets to 1
+    ** for every small sgemm (openblas_set_num_threads -> omp_set_num_threads): measured,
+    ** the GPT's products then ran on one core. kiln's count for this call, then back. */
+    int omp_was = omp_get_max_threads(), nt = omp_in_parallel() ? 1 : kiln_num_threads();
+    if (nt != omp_was) omp_set_num_threads(nt);
+#endif
     if ((s = dnnl_primitive_execute(e->prim, mm_str, bias ? 4 : 3, args)) != dnnl_success ||
         (s = dnnl_stream_wait(mm_str)) != dnnl_success)
       *st = mm_fail("execution", s);
+#ifdef KILN_HAVE_OPENMP
+    if (nt != omp_was) omp_set_num_threads(omp_was);
+#endif
   }
   dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(mz);
 out:

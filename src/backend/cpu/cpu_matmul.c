@@ -539,6 +539,14 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   { /* bf16 products on oneDNN (AMX where the CPU has it), f32-accumulated */
     kiln_status st;
     if (kiln__cpu_dnnl_matmul(a, &st)) return st;
+    /* dW = g^T x with the bias gradient's row sums (autocast: bf16 in, f32 out): the
+    ** product on oneDNN, the row sums by SUM (f64 accumulation) from the bf16 rows */
+    if (a->n_out == 2 && C->ndim == 2 && a->out[1].ndim == 1 && a->out[1].shape[0] == C->shape[0] &&
+        a->out[1].dtype == C->dtype) {
+      kiln__kargs one = *a;
+      one.n_out = 1;
+      if (kiln__cpu_dnnl_matmul(&one, &st)) return st == KILN_OK ? kiln__mm_row_sums(A, &a->out[1]) : st;
+    }
   }
 #endif
   if (C->dtype == KILN_F32 && A->dtype == B->dtype && (A->dtype == KILN_F16 || A->dtype == KILN_BF16) &&
@@ -657,3 +665,14 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a) {
   free(bias_heap);
   return st;
 }
+
+/* For kernels that run their own parallel loops (attention): one f32 GEMM on row-major
+** operands, C = alpha op(A) op(B) + beta C, run on the calling thread when it is inside
+** kiln's pool (the BLAS split and kiln's are skipped there). Call kiln__cpu_blas_serial()
+** once before the parallel loop so that the BLAS does not start its own threads under it. */
+int kiln__cpu_sgemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                    const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+  return kiln__gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+void kiln__cpu_blas_serial(void) { kiln__blas_sync_threads(0); }
+

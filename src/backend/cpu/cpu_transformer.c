@@ -29,6 +29,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
 
 #define KILN__ATT_BK 64 /* keys per block */
 
@@ -388,6 +391,272 @@ static void kiln__att_load_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* ---- attention, the f32 path ----
+** For f32, f16 and bf16 inputs without a mask or dropout (a language model's causal
+** self-attention), the f64 loops above are replaced by GEMM-shaped f32 work, as PyTorch's
+** CPU flash kernel computes it (f32 products and accumulation, f32 softmax statistics):
+** per (b, h) and block of BQ query rows, S = scale Q_blk K^T on sgemm, only over the keys a
+** causal block can see (keys past the block's last query are never computed), the row
+** softmax in f32, O = P V on sgemm; the backward recomputes P from the saved lse and runs
+** dP = dO V^T, dS = P (dP - delta) scale, dQ = dS K, dK += dS^T Q, dV += P^T dO, five
+** products per block. Memory: a BQ x Tk strip of scores per thread (plus K and V in f32),
+** never Tq x Tk. The f64 loops stay the kernel for f64 inputs, masks and dropout, and the
+** reference every f32 result is tested against. */
+#define KILN__ATT_BQ 64
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* the exp-heavy row loops in AVX-512 / AVX2 clones chosen at load time (the build itself
+** targets baseline x86-64) */
+#define KILN__ATT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KILN__ATT_CLONES
+#endif
+
+/* e^x in f32 (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, 2^n by
+** the exponent bits; ~1 ulp), branch-free so the loops that call it vectorise. x below
+** -87.3 (e^x under f32's normal range) gives 0. */
+static inline float kiln__att_expf(float x) {
+  float keep = x >= -87.3f ? 1.0f : 0.0f;
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  float n = x * 1.44269504088896341f + 12582912.0f; /* round to nearest by the 1.5*2^23 trick */
+  n -= 12582912.0f;
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  union {
+    int32_t i;
+    float f;
+  } e;
+  e.i = ((int32_t)n + 127) << 23;
+  return p * e.f * keep;
+}
+
+/* Row i's softmax numerators in place: p_j = exp(s_j - m) for j < n, 0 for j in [n, w);
+** returns the sum of p, *m the row max. */
+KILN__ATT_CLONES static float kiln__att_row_softmax(float *s, int64_t n, int64_t w, float *mout) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+  float l = 0;
+  for (int64_t j = 0; j < n; j++) {
+    float p = kiln__att_expf(s[j] - m);
+    s[j] = p;
+    l += p;
+  }
+  for (int64_t j = n; j < w; j++) s[j] = 0;
+  *mout = m;
+  return l;
+}
+
+/* The backward's row: s_j <- p_j = exp(s_j - lse) (j < n; 0 to w), then with dp_j:
+** delta = sum_j p_j dp_j and dp_j <- p_j (dp_j - delta) scale (dS). */
+KILN__ATT_CLONES static void kiln__att_row_grad(float *s, float *dp, int64_t n, int64_t w, float lse, float scale) {
+  float delta = 0;
+  for (int64_t j = 0; j < n; j++) {
+    float p = kiln__att_expf(s[j] - lse);
+    s[j] = p;
+    delta += p * dp[j];
+  }
+  for (int64_t j = 0; j < n; j++) dp[j] = s[j] * (dp[j] - delta) * scale;
+  for (int64_t j = n; j < w; j++) s[j] = 0, dp[j] = 0;
+}
+
+typedef struct kiln__attf {
+  const kiln__kargs *a;
+  int64_t B, H, Tq, Tk, D, Dv, nqb;
+  float scale;
+  bool causal, failed;
+  float *K, *V; /* forward: every (b, h)'s keys and values in f32, contiguous */
+} kiln__attf;
+
+/* The BLAS on one thread for this thread's share: an OpenMP build of OpenBLAS sizes its
+** team by the calling thread's OpenMP thread count, which is the default (every core) on
+** kiln's pool workers: each share then started a team of its own (measured: the GPT's
+** attention 2x slower). Returns the count to restore. */
+static int kiln__attf_blas_one(void) {
+#ifdef KILN_HAVE_OPENMP
+  int was = omp_get_max_threads();
+  if (was != 1) omp_set_num_threads(1);
+  return was;
+#else
+  return 1;
+#endif
+}
+static void kiln__attf_blas_restore(int was) {
+#ifdef KILN_HAVE_OPENMP
+  if (was != 1) omp_set_num_threads(was);
+#else
+  (void)was;
+#endif
+}
+
+/* Rows [r0, r0 + n) of (b, h) of a 4-d view into a contiguous f32 (n, cols) buffer. */
+static void kiln__attf_load(float *dst, const kiln__view *v, int64_t b, int64_t h, int64_t r0, int64_t n,
+                            int64_t cols) {
+  for (int64_t r = 0; r < n; r++) {
+    int64_t idx[4] = {b, h, r0 + r, 0};
+    kiln__cpu_load(dst + r * cols, KILN_F32, kiln__at(v, 4, idx), kiln__bst(v, 3), v->dtype, cols);
+  }
+}
+static void kiln__attf_store(const kiln__view *v, int64_t b, int64_t h, int64_t r0, int64_t n, int64_t cols,
+                             const float *src) {
+  for (int64_t r = 0; r < n; r++) {
+    int64_t idx[4] = {b, h, r0 + r, 0};
+    kiln__cpu_store(kiln__at(v, 4, idx), kiln__bst(v, 3), v->dtype, src + r * cols, KILN_F32, cols);
+  }
+}
+
+static void kiln__attf_kv_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__attf *c = vctx;
+  for (int64_t bh = lo; bh < hi; bh++) {
+    kiln__attf_load(c->K + bh * c->Tk * c->D, &c->a->in[1], bh / c->H, bh % c->H, 0, c->Tk, c->D);
+    kiln__attf_load(c->V + bh * c->Tk * c->Dv, &c->a->in[2], bh / c->H, bh % c->H, 0, c->Tk, c->Dv);
+  }
+}
+
+/* keys query rows [i0, i1) can see */
+static int64_t kiln__attf_jend(const kiln__attf *c, int64_t i1) { return c->causal && i1 < c->Tk ? i1 : c->Tk; }
+static int64_t kiln__attf_nvalid(const kiln__attf *c, int64_t i, int64_t jend) {
+  return c->causal && i + 1 < jend ? i + 1 : jend;
+}
+
+/* One item: (b, h) and a block of BQ query rows. */
+static void kiln__attf_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__attf *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t D = c->D, Dv = c->Dv, BQ = KILN__ATT_BQ;
+  float *buf = malloc(sizeof(float) * (size_t)(BQ * (D + Dv + c->Tk + 1) + 1));
+  if (!buf) {
+    c->failed = true;
+    return;
+  }
+  float *Q = buf, *O = Q + BQ * D, *S = O + BQ * Dv, *inv = S + BQ * c->Tk;
+  int blas_was = kiln__attf_blas_one();
+  for (int64_t it = lo; it < hi; it++) {
+    int64_t bh = it / c->nqb, i0 = (it % c->nqb) * BQ, b = bh / c->H, h = bh % c->H;
+    int64_t bq = c->Tq - i0 < BQ ? c->Tq - i0 : BQ, jend = kiln__attf_jend(c, i0 + bq);
+    const float *K = c->K + bh * c->Tk * D, *V = c->V + bh * c->Tk * Dv;
+    if (jend > 0) {
+      kiln__attf_load(Q, &a->in[0], b, h, i0, bq, D);
+      if (kiln__cpu_sgemm(0, 1, bq, jend, D, c->scale, Q, D, K, D, 0.0f, S, jend)) c->failed = true;
+    }
+    for (int64_t r = 0; r < bq; r++) {
+      int64_t i = i0 + r, n = kiln__attf_nvalid(c, i, jend);
+      float m = -INFINITY, l = n > 0 ? kiln__att_row_softmax(S + r * jend, n, jend, &m) : 0.0f;
+      inv[r] = l > 0 ? 1.0f / l : 0.0f;
+      int64_t li[3] = {b, h, i};
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 3, li), a->out[1].dtype, l > 0 ? (double)m + log((double)l) : -INFINITY);
+    }
+    if (jend > 0) {
+      if (kiln__cpu_sgemm(0, 0, bq, Dv, jend, 1.0f, S, jend, V, Dv, 0.0f, O, Dv)) c->failed = true;
+    } else {
+      memset(O, 0, sizeof(float) * (size_t)(bq * Dv));
+    }
+    for (int64_t r = 0; r < bq; r++)
+      for (int64_t d = 0; d < Dv; d++) O[r * Dv + d] *= inv[r];
+    kiln__attf_store(&a->out[0], b, h, i0, bq, Dv, O);
+  }
+  kiln__attf_blas_restore(blas_was);
+  free(buf);
+}
+
+/* One (b, h) per item: its dq rows block by block, dk and dv summed over the blocks. */
+static void kiln__attf_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__attf *c = vctx;
+  const kiln__kargs *a = c->a;
+  int64_t D = c->D, Dv = c->Dv, Tq = c->Tq, Tk = c->Tk, BQ = KILN__ATT_BQ;
+  size_t n = (size_t)(Tq * D + Tq * Dv + 2 * Tk * D + 2 * Tk * Dv + BQ * D + 2 * BQ * Tk + Tq + 1);
+  float *buf = malloc(sizeof(float) * n);
+  if (!buf) {
+    c->failed = true;
+    return;
+  }
+  float *Q = buf, *G = Q + Tq * D, *K = G + Tq * Dv, *V = K + Tk * D, *dK = V + Tk * Dv, *dV = dK + Tk * D;
+  float *dQ = dV + Tk * Dv, *S = dQ + BQ * D, *dP = S + BQ * Tk, *lse = dP + BQ * Tk;
+  int blas_was = kiln__attf_blas_one();
+  for (int64_t bh = lo; bh < hi; bh++) {
+    int64_t b = bh / c->H, h = bh % c->H;
+    kiln__attf_load(Q, &a->in[0], b, h, 0, Tq, D);
+    kiln__attf_load(K, &a->in[1], b, h, 0, Tk, D);
+    kiln__attf_load(V, &a->in[2], b, h, 0, Tk, Dv);
+    kiln__attf_load(G, &a->in[3], b, h, 0, Tq, Dv);
+    for (int64_t i = 0; i < Tq; i++) {
+      int64_t li[3] = {b, h, i};
+      lse[i] = (float)kiln__cpu_get_f64(kiln__at(&a->out[3], 3, li), a->out[3].dtype);
+    }
+    memset(dK, 0, sizeof(float) * (size_t)(Tk * D));
+    memset(dV, 0, sizeof(float) * (size_t)(Tk * Dv));
+    for (int64_t i0 = 0; i0 < Tq; i0 += BQ) {
+      int64_t bq = Tq - i0 < BQ ? Tq - i0 : BQ, jend = kiln__attf_jend(c, i0 + bq);
+      const float *Qb = Q + i0 * D, *Gb = G + i0 * Dv;
+      if (jend == 0) {
+        memset(dQ, 0, sizeof(float) * (size_t)(bq * D));
+      } else {
+        int rc = kiln__cpu_sgemm(0, 1, bq, jend, D, c->scale, Qb, D, K, D, 0.0f, S, jend);
+        rc |= kiln__cpu_sgemm(0, 1, bq, jend, Dv, 1.0f, Gb, Dv, V, Dv, 0.0f, dP, jend);
+        for (int64_t r = 0; r < bq; r++) {
+          int64_t i = i0 + r;
+          /* lse -inf (no key): p = 0 for every key, no gradient */
+          int64_t nv = lse[i] == -INFINITY ? 0 : kiln__attf_nvalid(c, i, jend);
+          kiln__att_row_grad(S + r * jend, dP + r * jend, nv, jend, lse[i], c->scale);
+        }
+        rc |= kiln__cpu_sgemm(0, 0, bq, D, jend, 1.0f, dP, jend, K, D, 0.0f, dQ, D);
+        rc |= kiln__cpu_sgemm(1, 0, jend, D, bq, 1.0f, dP, jend, Qb, D, 1.0f, dK, D);
+        rc |= kiln__cpu_sgemm(1, 0, jend, Dv, bq, 1.0f, S, jend, Gb, Dv, 1.0f, dV, Dv);
+        if (rc) c->failed = true;
+      }
+      kiln__attf_store(&a->out[0], b, h, i0, bq, D, dQ);
+    }
+    kiln__attf_store(&a->out[1], b, h, 0, Tk, D, dK);
+    kiln__attf_store(&a->out[2], b, h, 0, Tk, Dv, dV);
+  }
+  kiln__attf_blas_restore(blas_was);
+  free(buf);
+}
+
+/* The f32 path's case: no f64 tensor, no mask, no dropout. */
+static bool kiln__attf_takes(const kiln__kargs *a) {
+  if ((a->i[0] & 2) || a->s[1] > 0) return false;
+  int nin = a->op == KILN__K_ATTENTION_BACKWARD ? 4 : 3;
+  for (int i = 0; i < nin; i++)
+    if (a->in[i].dtype == KILN_F64) return false;
+  for (int i = 0; i < a->n_out; i++)
+    if (a->out[i].dtype == KILN_F64) return false;
+  return true;
+}
+
+static kiln_status kiln__attf_run(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+  kiln__attf c = {.a = a, .B = q->shape[0], .H = q->shape[1], .Tq = q->shape[2], .Tk = k->shape[2],
+                  .D = q->shape[3], .Dv = v->shape[3], .scale = (float)a->s[0], .causal = (a->i[0] & 1) != 0};
+  int64_t BH = c.B * c.H;
+  c.nqb = (c.Tq + KILN__ATT_BQ - 1) / KILN__ATT_BQ;
+  int64_t work = BH * c.Tq * (c.Tk + 1) * (c.D + c.Dv + 1);
+  int64_t par = work < KILN__CPU_PAR_MIN ? INT64_MAX : 1;
+  kiln__cpu_blas_serial();
+  if (bw) {
+    if (BH > 0) kiln__cpu_parallel_for(BH, par, kiln__attf_bwd_range, &c);
+  } else if (BH * c.Tq > 0) {
+    size_t nk = (size_t)(BH * c.Tk);
+    c.K = malloc(sizeof(float) * (nk * (size_t)(c.D + c.Dv) + 1));
+    if (!c.K) return kiln_set_error(KILN_ERR_OOM, "kiln_scaled_dot_product_attention: out of host memory for K, V");
+    c.V = c.K + nk * (size_t)c.D;
+    kiln__cpu_parallel_for(BH, par, kiln__attf_kv_range, &c);
+    kiln__cpu_parallel_for(BH * c.nqb, par, kiln__attf_fwd_range, &c);
+    free(c.K);
+  }
+  if (c.failed)
+    return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory (B*H %lld, Tq %lld, Tk %lld, D %lld)",
+                          bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention",
+                          (long long)BH, (long long)c.Tq, (long long)c.Tk, (long long)c.D);
+  return KILN_OK;
+}
+
 kiln_status kiln__cpu_attention(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
@@ -396,6 +665,7 @@ kiln_status kiln__cpu_attention(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants 4-d q, k, v", name);
   for (int i = 0; i < 3; i++)
     if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+  if (kiln__attf_takes(a)) return kiln__attf_run(a);
   kiln__att c = {.a = a, .B = q->shape[0], .H = q->shape[1], .Tq = q->shape[2], .Tk = k->shape[2],
                  .D = q->shape[3], .Dv = v->shape[3], .scale = a->s[0], .causal = (a->i[0] & 1) != 0,
                  .masked = (a->i[0] & 2) != 0, .dropout = a->s[1] > 0};

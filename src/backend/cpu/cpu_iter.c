@@ -122,8 +122,36 @@ static inline int64_t kiln__f2i(double v) {
 #define KILN__F2I(x) kiln__f2i(x)
 #define KILN__NZ(x) ((x) != 0)
 
+/* bf16 <-> f32 on unit strides, the conversions of every bf16 op under autocast: the
+** strided per-element loops below were a quarter of a bf16 GPT step (perf). Contiguous
+** runs take these loops, in AVX-512 / AVX2 clones where GCC builds them (the build targets
+** baseline x86-64); the same bit formulas as half.h's, so the same results. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KILN__CONV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KILN__CONV_CLONES
+#endif
+KILN__CONV_CLONES static void kiln__bf16_run_to_f32(float *d, const uint16_t *s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u = (uint32_t)s[i] << 16;
+    memcpy(d + i, &u, 4);
+  }
+}
+KILN__CONV_CLONES static void kiln__f32_run_to_bf16(uint16_t *d, const float *s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, s + i, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;               /* RNE */
+    d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r); /* quiet NaN */
+  }
+}
+
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__bf16_run_to_f32((float *)dst, (const uint16_t *)src, n);
+    return;
+  }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
     return;
@@ -262,6 +290,10 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
 
 void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kiln_dtype ct,
                      int64_t n) {
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__f32_run_to_bf16((uint16_t *)dst, (const float *)src, n);
+    return;
+  }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
     return;

@@ -449,18 +449,36 @@ static inline float kiln__att_expf(float x) {
   return p * e.f * keep;
 }
 
+/* The max and the sums below run in 16 independent lanes, combined at the end: a single
+** accumulator is a dependent chain the compiler may not reorder (no -ffast-math), and
+** the loops stayed scalar (perf: 40% of the forward in the max and sum). */
+#define KILN__ATT_LANES 16
+
 /* Row i's softmax numerators in place: p_j = exp(s_j - m) for j < n, 0 for j in [n, w);
 ** returns the sum of p, *m the row max. */
 KILN__ATT_CLONES static float kiln__att_row_softmax(float *s, int64_t n, int64_t w, float *mout) {
+  float mv[KILN__ATT_LANES], lv[KILN__ATT_LANES];
+  for (int k = 0; k < KILN__ATT_LANES; k++) mv[k] = -INFINITY, lv[k] = 0;
+  int64_t j = 0;
+  for (; j + KILN__ATT_LANES <= n; j += KILN__ATT_LANES)
+    for (int k = 0; k < KILN__ATT_LANES; k++) mv[k] = s[j + k] > mv[k] ? s[j + k] : mv[k];
   float m = -INFINITY;
-  for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+  for (; j < n; j++) m = s[j] > m ? s[j] : m;
+  for (int k = 0; k < KILN__ATT_LANES; k++) m = mv[k] > m ? mv[k] : m;
+  for (j = 0; j + KILN__ATT_LANES <= n; j += KILN__ATT_LANES)
+    for (int k = 0; k < KILN__ATT_LANES; k++) {
+      float p = kiln__att_expf(s[j + k] - m);
+      s[j + k] = p;
+      lv[k] += p;
+    }
   float l = 0;
-  for (int64_t j = 0; j < n; j++) {
+  for (; j < n; j++) {
     float p = kiln__att_expf(s[j] - m);
     s[j] = p;
     l += p;
   }
-  for (int64_t j = n; j < w; j++) s[j] = 0;
+  for (int k = 0; k < KILN__ATT_LANES; k++) l += lv[k];
+  for (j = n; j < w; j++) s[j] = 0;
   *mout = m;
   return l;
 }
@@ -468,14 +486,24 @@ KILN__ATT_CLONES static float kiln__att_row_softmax(float *s, int64_t n, int64_t
 /* The backward's row: s_j <- p_j = exp(s_j - lse) (j < n; 0 to w), then with dp_j:
 ** delta = sum_j p_j dp_j and dp_j <- p_j (dp_j - delta) scale (dS). */
 KILN__ATT_CLONES static void kiln__att_row_grad(float *s, float *dp, int64_t n, int64_t w, float lse, float scale) {
+  float dv[KILN__ATT_LANES];
+  for (int k = 0; k < KILN__ATT_LANES; k++) dv[k] = 0;
+  int64_t j = 0;
+  for (; j + KILN__ATT_LANES <= n; j += KILN__ATT_LANES)
+    for (int k = 0; k < KILN__ATT_LANES; k++) {
+      float p = kiln__att_expf(s[j + k] - lse);
+      s[j + k] = p;
+      dv[k] += p * dp[j + k];
+    }
   float delta = 0;
-  for (int64_t j = 0; j < n; j++) {
+  for (; j < n; j++) {
     float p = kiln__att_expf(s[j] - lse);
     s[j] = p;
     delta += p * dp[j];
   }
-  for (int64_t j = 0; j < n; j++) dp[j] = s[j] * (dp[j] - delta) * scale;
-  for (int64_t j = n; j < w; j++) s[j] = 0, dp[j] = 0;
+  for (int k = 0; k < KILN__ATT_LANES; k++) delta += dv[k];
+  for (j = 0; j < n; j++) dp[j] = s[j] * (dp[j] - delta) * scale;
+  for (j = n; j < w; j++) s[j] = 0, dp[j] = 0;
 }
 
 typedef struct kiln__attf {

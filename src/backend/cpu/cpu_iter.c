@@ -146,8 +146,21 @@ KILN__CONV_CLONES static void kiln__f32_run_to_bf16(uint16_t *d, const float *s,
   }
 }
 
+/* f32 <-> f64 on unit strides: the rows of the kernels that compute in f64 (layer norm,
+** reductions) */
+KILN__CONV_CLONES static void kiln__f32_run_to_f64(double *d, const float *s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = s[i];
+}
+KILN__CONV_CLONES static void kiln__f64_run_to_f32(float *d, const double *s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = (float)s[i];
+}
+
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
+  if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
+    kiln__f32_run_to_f64((double *)dst, (const float *)src, n);
+    return;
+  }
   if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
     kiln__bf16_run_to_f32((float *)dst, (const uint16_t *)src, n);
     return;
@@ -292,6 +305,10 @@ void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kil
                      int64_t n) {
   if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
     kiln__f32_run_to_bf16((uint16_t *)dst, (const float *)src, n);
+    return;
+  }
+  if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
+    kiln__f64_run_to_f32((float *)dst, (const double *)src, n);
     return;
   }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {

@@ -53,6 +53,60 @@ typedef struct kiln__ln {
   bool rms, failed;
 } kiln__ln;
 
+/* The norms' row arithmetic, in f64, with sums in 8 independent lanes (one dependent
+** chain of adds does not vectorise without -ffast-math) and the weight/bias branches out
+** of the loops; AVX-512 / AVX2 clones where GCC builds for x86-64 Linux (the build
+** targets baseline x86-64). A GPT's (2048, 256) layer_norm took ~0.7 ms a call. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KILN__LN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KILN__LN_CLONES
+#endif
+#define KILN__LN_LANES 8
+
+/* x (n) normalised in place: (x - mean) rstd (* w) (+ b); mean 0 for RMS norm. */
+KILN__LN_CLONES static void kiln__ln_row_fwd(double *x, int64_t n, const double *w, const double *b, bool rms,
+                                             double eps, double *mean_out, double *rstd_out) {
+  double l[KILN__LN_LANES] = {0}, mean = 0, var = 0;
+  int64_t j;
+  if (!rms) {
+    for (j = 0; j + KILN__LN_LANES <= n; j += KILN__LN_LANES)
+      for (int k = 0; k < KILN__LN_LANES; k++) l[k] += x[j + k];
+    for (; j < n; j++) mean += x[j];
+    for (int k = 0; k < KILN__LN_LANES; k++) mean += l[k], l[k] = 0;
+    mean /= (double)n;
+  }
+  for (j = 0; j + KILN__LN_LANES <= n; j += KILN__LN_LANES)
+    for (int k = 0; k < KILN__LN_LANES; k++) l[k] += (x[j + k] - mean) * (x[j + k] - mean);
+  for (; j < n; j++) var += (x[j] - mean) * (x[j] - mean);
+  for (int k = 0; k < KILN__LN_LANES; k++) var += l[k];
+  var /= (double)n;
+  double rstd = 1.0 / sqrt(var + eps);
+  for (j = 0; j < n; j++) x[j] = (x[j] - mean) * rstd;
+  if (w)
+    for (j = 0; j < n; j++) x[j] *= w[j];
+  if (b)
+    for (j = 0; j < n; j++) x[j] += b[j];
+  *mean_out = mean, *rstd_out = rstd;
+}
+
+/* dx in x: x <- rstd (gw - mean(gw) - xhat mean(gw xhat)), g <- g w (scratch). */
+KILN__LN_CLONES static void kiln__ln_row_bwd(double *x, double *g, int64_t n, const double *w, bool rms, double mean,
+                                             double rstd) {
+  double l1[KILN__LN_LANES] = {0}, l2[KILN__LN_LANES] = {0}, sg = 0, sgx = 0;
+  int64_t j;
+  for (j = 0; j < n; j++) x[j] = (x[j] - mean) * rstd;
+  if (w)
+    for (j = 0; j < n; j++) g[j] *= w[j];
+  for (j = 0; j + KILN__LN_LANES <= n; j += KILN__LN_LANES)
+    for (int k = 0; k < KILN__LN_LANES; k++) l1[k] += g[j + k], l2[k] += g[j + k] * x[j + k];
+  for (; j < n; j++) sg += g[j], sgx += g[j] * x[j];
+  for (int k = 0; k < KILN__LN_LANES; k++) sg += l1[k], sgx += l2[k];
+  sg /= (double)n, sgx /= (double)n;
+  if (rms) sg = 0;
+  for (j = 0; j < n; j++) x[j] = rstd * (g[j] - sg - x[j] * sgx);
+}
+
 static void kiln__ln_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   kiln__ln *c = vctx;
   const kiln__kargs *a = c->a;
@@ -66,20 +120,8 @@ static void kiln__ln_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   for (int64_t r = lo; r < hi; r++) {
     int64_t idx[2] = {r, 0};
     kiln__cpu_load(x, KILN_F64, kiln__at(xv, 2, idx), kiln__bst(xv, 1), xv->dtype, n);
-    double mean = 0, var = 0;
-    if (!c->rms) {
-      for (int64_t j = 0; j < n; j++) mean += x[j];
-      mean /= (double)n;
-    }
-    for (int64_t j = 0; j < n; j++) var += (x[j] - mean) * (x[j] - mean);
-    var /= (double)n;
-    double rstd = 1.0 / sqrt(var + a->s[0]);
-    for (int64_t j = 0; j < n; j++) {
-      double v = (x[j] - mean) * rstd;
-      if (c->w) v *= c->w[j];
-      if (c->b) v += c->b[j];
-      x[j] = v;
-    }
+    double mean, rstd;
+    kiln__ln_row_fwd(x, n, c->w, c->b, c->rms, a->s[0], &mean, &rstd);
     kiln__cpu_store(kiln__at(yv, 2, idx), kiln__bst(yv, 1), yv->dtype, x, KILN_F64, n);
     if (c->rms) {
       kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
@@ -110,15 +152,7 @@ static void kiln__ln_bwd_range(void *vctx, int64_t lo, int64_t hi) {
     double rstd = kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
     /* xhat = (x - mean) rstd, gw = g w: dx = rstd (gw - mean(gw) - xhat mean(gw xhat)),
     ** the mean(gw) term absent for RMS norm (no mean was subtracted). */
-    double sg = 0, sgx = 0;
-    for (int64_t j = 0; j < n; j++) {
-      x[j] = (x[j] - mean) * rstd;
-      if (c->w) g[j] *= c->w[j];
-      sg += g[j];
-      sgx += g[j] * x[j];
-    }
-    sg /= (double)n, sgx /= (double)n;
-    for (int64_t j = 0; j < n; j++) x[j] = rstd * (g[j] - (c->rms ? 0 : sg) - x[j] * sgx);
+    kiln__ln_row_bwd(x, g, n, c->w, c->rms, mean, rstd);
     kiln__cpu_store(kiln__at(dv, 2, idx), kiln__bst(dv, 1), dv->dtype, x, KILN_F64, n);
   }
   free(x);

@@ -21,11 +21,13 @@
 ** KILN_DNNL_MATMUL=0 turns this path off (the f32-temporary path then runs: A/B timing).
 */
 #include "cpu.h"
+#include "cpu_iter.h"
 #include "../../core/kiln_int.h"
 
 #ifdef KILN_HAVE_DNNL
 #include <dnnl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef KILN_HAVE_OPENMP
@@ -231,8 +233,21 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
   }
   bool taken = false;
   *st = KILN_OK;
+#ifdef KILN_HAVE_OPENMP
+  int omp_was = 0, nt = 0;
+#endif
   dnnl_status_t s;
   if (!mm_enabled) goto out;
+#ifdef KILN_HAVE_OPENMP
+  /* oneDNN runs on OpenMP's thread count, which an OpenMP build of OpenBLAS sets to 1 for
+  ** every small sgemm (openblas_set_num_threads -> omp_set_num_threads), and a primitive
+  ** keeps the count it was created under: created after a small sgemm, the GPT's products
+  ** ran on one core (0.65-0.86 ms for 2048x256x768 where 0.37 was possible). kiln's
+  ** count for the creation and the call, then OpenMP's back. */
+  omp_was = omp_get_max_threads();
+  nt = omp_in_parallel() ? 1 : kiln_num_threads();
+  if (nt != omp_was) omp_set_num_threads(nt);
+#endif
   if (!mm_eng) {
     if ((s = dnnl_engine_create(&mm_eng, dnnl_cpu, 0)) != dnnl_success) {
       mm_eng = NULL;
@@ -252,6 +267,9 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
   }
   if (!e->prim) goto out;
   taken = true;
+#ifdef KILN_HAVE_OPENMP
+  atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
+#endif
   dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, mz = NULL;
   if ((s = dnnl_memory_create(&ma, &e->a, mm_eng, a->in[0].data)) != dnnl_success ||
       (s = dnnl_memory_create(&mb, &e->b, mm_eng, a->in[1].data)) != dnnl_success ||
@@ -260,22 +278,15 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
     *st = mm_fail("memory", s);
   } else {
     dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_BIAS, mz}};
-#ifdef KILN_HAVE_OPENMP
-    /* oneDNN runs on OpenMP's thread count, which an OpenMP build of OpenBLAS sets to 1
-    ** for every small sgemm (openblas_set_num_threads -> omp_set_num_threads): measured,
-    ** the GPT's products then ran on one core. kiln's count for this call, then back. */
-    int omp_was = omp_get_max_threads(), nt = omp_in_parallel() ? 1 : kiln_num_threads();
-    if (nt != omp_was) omp_set_num_threads(nt);
-#endif
     if ((s = dnnl_primitive_execute(e->prim, mm_str, bias ? 4 : 3, args)) != dnnl_success ||
         (s = dnnl_stream_wait(mm_str)) != dnnl_success)
       *st = mm_fail("execution", s);
-#ifdef KILN_HAVE_OPENMP
-    if (nt != omp_was) omp_set_num_threads(omp_was);
-#endif
   }
   dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(mz);
 out:
+#ifdef KILN_HAVE_OPENMP
+  if (nt != omp_was) omp_set_num_threads(omp_was);
+#endif
   pthread_mutex_unlock(&mm_lock);
   return taken;
 }

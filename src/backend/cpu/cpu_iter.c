@@ -9,6 +9,8 @@
 #endif
 #include "cpu_iter.h"
 
+#include <stdatomic.h>
+
 #include "../../core/half.h"
 
 #include <math.h>
@@ -397,6 +399,7 @@ void kiln__cpu_walk(const kiln__view *v, int nv, int64_t lo, int64_t hi, kiln__c
 }
 
 /* ---- parallel for ---- */
+atomic_int kiln__cpu_omp_loops; /* set by cpu_dnnl_matmul.c when oneDNN first runs a product */
 int kiln__cpu_threads_for(int64_t n, int64_t min_par) {
 #ifdef KILN_HAVE_OPENMP
   if (n < min_par || omp_in_parallel() || kiln__cpu_pool_inside()) return 1;
@@ -419,6 +422,22 @@ void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, v
     fn(ctx, 0, n);
     return;
   }
+#ifdef KILN_HAVE_OPENMP
+  /* Once an OpenMP library (oneDNN) runs kiln's products, its team's workers spin after
+  ** each call (GOMP_SPINCOUNT, unless OMP_WAIT_POLICY=passive, read before main): a pool
+  ** of kiln's own then fights them for the cores (bf16 GPT on 2 cores: 8.6k tok/s, 14k
+  ** with OMP_WAIT_POLICY=passive). The loops then run on that same OpenMP team, whose
+  ** spinning workers take them at once (PyTorch's arrangement). Same split, same results. */
+  if (atomic_load_explicit(&kiln__cpu_omp_loops, memory_order_relaxed)) {
+#pragma omp parallel num_threads(nt)
+    {
+      int t = omp_get_thread_num(), tn = omp_get_num_threads();
+      int64_t lo = n * t / tn, hi = n * (t + 1) / tn;
+      if (lo < hi) fn(ctx, lo, hi);
+    }
+    return;
+  }
+#endif
   /* kiln's own pool, whose waits sleep: OpenMP's spinning workers made every loop crawl
   ** on a machine busy with another process (cpu_pool.c). Same split, same results. */
   if (!kiln__cpu_pool_run(n, nt, fn, ctx)) fn(ctx, 0, n);

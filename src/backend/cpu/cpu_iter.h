@@ -95,6 +95,9 @@ void kiln__cpu_walk(const kiln__view *v, int nv, int64_t lo, int64_t hi, kiln__c
 ** more than one thread is configured; otherwise one call on this thread. */
 typedef void (*kiln__cpu_range_fn)(void *ctx, int64_t lo, int64_t hi);
 void kiln__cpu_parallel_for(int64_t n, int64_t min_par, kiln__cpu_range_fn fn, void *ctx);
+/* Nonzero once an OpenMP library (oneDNN) has run: parallel_for then runs its loops on the
+** OpenMP team instead of kiln's pool (cpu_iter.c says why). */
+extern _Atomic int kiln__cpu_omp_loops;
 /* The number of threads parallel_for would use for n work items (1 when serial). */
 int kiln__cpu_threads_for(int64_t n, int64_t min_par);
 /* kiln's thread pool (cpu_pool.c): runs fn over [0, n) in tn shares split as an OpenMP

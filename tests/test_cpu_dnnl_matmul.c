@@ -5,7 +5,8 @@
 ** plain, transposed A and/or B (W^T of a linear layer, D^T of a weight gradient), a
 ** column-major output, rows with padding (leading dim > cols), a batch with B shared
 ** (stride 0, folded into M) and a batch with B per element; bf16 and f32 outputs
-** (autocast's weight gradients), with a bias, s0 != 1, and accumulation (s1 != 0).
+** (autocast's weight gradients), with a bias, s0 != 1, and accumulation (s1 != 0); then
+** f32 products of several sizes (OpenBLAS: f32 stays off oneDNN, see the log).
 **
 ** Tolerance, from the arithmetic: f32 accumulation of K products errs by at most
 ** (K + 3) u32 (|s0| sum|a b| + |s1 c| + |bias|) (u32 = 2^-24; the 3: scale, sum post-op,
@@ -25,6 +26,7 @@
 #include <string.h>
 
 static int g_checks, g_fails, g_taken;
+static kiln_dtype g_in = KILN_BF16; /* the operands' dtype */
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
 static double urand(void) {
@@ -77,8 +79,8 @@ static kiln__view mk(void **buf, kiln_dtype dt, int64_t batch, int64_t r, int64_
 static void one(int64_t batch, int64_t M, int64_t K, int64_t N, int ta, int tb, int tc, int64_t pad, int bshared,
                 kiln_dtype out_dt, int with_bias, double s0, double s1) {
   void *ba, *bb, *bc, *bz = NULL;
-  kiln__view A = mk(&ba, KILN_BF16, batch, M, K, ta, pad, 0);
-  kiln__view B = mk(&bb, KILN_BF16, batch, K, N, tb, pad, bshared);
+  kiln__view A = mk(&ba, g_in, batch, M, K, ta, pad, 0);
+  kiln__view B = mk(&bb, g_in, batch, K, N, tb, pad, bshared);
   kiln__view C = mk(&bc, out_dt, batch, M, N, tc, pad, 0);
   kiln__view Z;
   if (with_bias) Z = mk(&bz, KILN_BF16, 0, 1, N, 0, 0, 0), Z.ndim = 1, Z.shape[0] = N, Z.strides[0] = 1;
@@ -172,6 +174,16 @@ int main(void) {
       one(3, 40, 70, 33, l & 1, l >> 1, 0, 0, shared, KILN_BF16, 1, 1.0, 0.0);
       one(3, 40, 70, 33, l & 1, l >> 1, 0, 2, shared, KILN_F32, 0, 1.0, 1.0);
     }
+  /* f32 products (OpenBLAS; tried on oneDNN, see the log): f32 accumulation, no output
+  ** rounding beyond f32's */
+  g_in = KILN_F32;
+  for (int l = 0; l < 8; l++) {
+    one(0, 512, 256, 512, l & 1, (l >> 1) & 1, (l >> 2) & 1, 0, 0, KILN_F32, 0, 1.0, 0.0);
+    one(0, 512, 256, 520, l & 1, (l >> 1) & 1, 0, 3, 0, KILN_F32, 0, 2.0, 0.5);
+  }
+  one(4, 256, 256, 256, 0, 1, 0, 0, 1, KILN_F32, 0, 1.0, 0.0);
+  one(4, 256, 256, 256, 0, 0, 0, 0, 0, KILN_F32, 0, 1.0, 1.0);
+  one(0, 64, 96, 80, 0, 1, 0, 0, 0, KILN_F32, 0, 1.0, 0.0);
   printf("test_cpu_dnnl_matmul: %d checks, %d failed\n", g_checks, g_fails);
 
   return g_fails ? 1 : 0;

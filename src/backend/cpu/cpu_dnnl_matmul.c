@@ -35,7 +35,7 @@
 #endif
 
 #define MM_CACHE 96
-#define MM_KEY (8 + 7 * KILN_MAX_DIMS)
+#define MM_KEY (9 + 7 * KILN_MAX_DIMS)
 
 typedef struct mm_entry {
   int64_t key[MM_KEY];
@@ -180,7 +180,7 @@ static kiln_status mm_build(const kiln__kargs *a, const mm_geom *g, mm_entry *e)
   return KILN_OK;
 }
 
-static void mm_key(const kiln__kargs *a, const mm_geom *g, int64_t *k) {
+static void mm_key(const kiln__kargs *a, const mm_geom *g, int nthreads, int64_t *k) {
   const kiln__view *bias = kiln__mm_bias(a);
   memset(k, 0, sizeof(int64_t) * MM_KEY);
   k[0] = g->nd;
@@ -189,6 +189,7 @@ static void mm_key(const kiln__kargs *a, const mm_geom *g, int64_t *k) {
   k[5] = g->bias_stride;
   memcpy(&k[6], &a->s[0], sizeof(double));
   memcpy(&k[7], &a->s[1], sizeof(double));
+  k[MM_KEY - 1] = nthreads; /* a primitive splits its work for the count it was made under */
   for (int d = 0; d < g->nd; d++) {
     int64_t *r = k + 8 + 7 * d;
     r[0] = g->ad[d], r[1] = g->as[d], r[2] = g->bd[d], r[3] = g->bs[d], r[4] = g->cd[d], r[5] = g->cs[d];
@@ -196,9 +197,9 @@ static void mm_key(const kiln__kargs *a, const mm_geom *g, int64_t *k) {
 }
 
 /* The lock held. Returns the entry, or NULL with the error set. */
-static mm_entry *mm_lookup(const kiln__kargs *a, const mm_geom *g) {
+static mm_entry *mm_lookup(const kiln__kargs *a, const mm_geom *g, int nthreads) {
   int64_t key[MM_KEY];
-  mm_key(a, g, key);
+  mm_key(a, g, nthreads, key);
   for (int i = 0; i < mm_n; i++)
     if (memcmp(mm_cache[i].key, key, sizeof key) == 0) return &mm_cache[i];
   mm_entry fresh;
@@ -259,7 +260,11 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
       goto out;
     }
   }
-  mm_entry *e = mm_lookup(a, &g);
+#ifdef KILN_HAVE_OPENMP
+  mm_entry *e = mm_lookup(a, &g, nt);
+#else
+  mm_entry *e = mm_lookup(a, &g, 1);
+#endif
   if (!e) {
     taken = true;
     *st = kiln_last_error();

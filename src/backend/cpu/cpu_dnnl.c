@@ -2,34 +2,55 @@
 ** CONV2D on the CPU through oneDNN (built when libdnnl-dev is found: KILN_HAVE_DNNL).
 **
 ** and its two backward kernels, CONV2D_BACKWARD_DATA and CONV2D_BACKWARD_WEIGHT (with the
-** bias gradient), in f32 on contiguous NCHW/OIHW tensors; other dtypes and layouts take the
-** reference loops of cpu_conv.c. oneDNN is what PyTorch runs on the CPU; its plain-layout
-** forward beat im2col + OpenBLAS at every ResNet shape measured (bench/RESULTS.md), and the
-** im2col + GEMM backward it replaces was the larger part of a CNN step. Its blocked layouts
-** (faster again standalone, reorders aside) are not used.
+** bias gradient), in f32 on NCHW tensors that are contiguous or channels-last (dense NHWC
+** strides); other dtypes and layouts take the reference loops of cpu_conv.c. oneDNN is
+** what PyTorch runs on the CPU.
+**
+** Formats. A primitive is created with the tensors' own layouts only where oneDNN has a
+** fast kernel for them: channels-last image and gradient (its brgemm/jit kernels read
+** NHWC). For NCHW images, and for every weight, it is created with format "any": oneDNN
+** picks its blocked layouts (nChw16c, OIhw16i16o) and kiln reorders into and out of them
+** around the call. With the plain layouts oneDNN 2.6 falls back to "gemm:jit", a GEMM per
+** image, which on ResNet-18 at 32x32 (8x8 .. 1x1 maps) ran at 30-60 GFLOP/s; the blocked
+** kernels run several times faster and the reorders are a small copy of each tensor
+** (measured: see the commit that made this). KILN_DNNL_CONV_PLAIN=1 creates every
+** primitive for the plain layouts (the old path), for comparisons.
 **
 ** A oneDNN primitive is compiled (JIT) for one geometry, which costs far more than a small
-** convolution: primitives are kept in a small cache keyed by the geometry. One lock covers
-** the cache and the execution (the CPU backend runs one op at a time per thread; oneDNN
-** parallelises inside).
+** convolution: primitives (with their reorders) are kept in a small cache keyed by the
+** geometry, the layouts (strides) and the pass. The blocked copies and oneDNN's scratchpad
+** live in buffers from kiln's allocator that grow to the largest call and are kept. One
+** lock covers the cache, the buffers and the execution (oneDNN parallelises inside).
 */
 #include "cpu.h"
 
 #ifdef KILN_HAVE_DNNL
 #include <dnnl.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define DNNL_CACHE 48
+#define DNNL_CACHE 96
 
 typedef struct dnnl_key {
-  int64_t v[21];
+  int64_t v[40];
 } dnnl_key;
+
+/* A role's memory: the user's layout, the primitive's, and the reorder between them
+** (NULL when they are the same): user -> primitive for an input, back for an output. */
+typedef struct dnnl_slot {
+  dnnl_memory_desc_t user, prim;
+  dnnl_primitive_t reorder;
+  size_t bytes; /* the primitive-layout copy's size, when reordered */
+} dnnl_slot;
+
+enum { R_X, R_W, R_Y, R_B, R_N };
 
 typedef struct dnnl_entry {
   dnnl_key key;
   dnnl_primitive_t prim;
-  dnnl_memory_desc_t x, w, b, y;
+  dnnl_slot s[R_N];
+  size_t scratch;
 } dnnl_entry;
 
 static pthread_mutex_t dnnl_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -37,6 +58,9 @@ static dnnl_engine_t dnnl_eng;
 static dnnl_stream_t dnnl_str;
 static dnnl_entry dnnl_cache[DNNL_CACHE];
 static int dnnl_n, dnnl_next;
+/* grow-only buffers: the blocked copies of x, w, y, and the scratchpad */
+static void *dnnl_buf[R_N];
+static size_t dnnl_buf_size[R_N];
 
 static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d: oneDNN %s failed (status %d)", what, (int)s);
@@ -46,38 +70,113 @@ static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
 ** (OC, C/G, kh, kw), the output-side y (N, OC, OH, OW) and the bias (OC), each an input or
 ** an output depending on the kernel. */
 typedef struct dnnl_roles {
-  const kiln__view *x, *w, *y, *b;
+  const kiln__view *v[R_N];
+  bool out[R_N];
 } dnnl_roles;
 
 static dnnl_roles roles_of(const kiln__kargs *a) {
+  dnnl_roles r = {{0}, {0}};
   switch (a->op) {
-  case KILN__K_CONV2D_BACKWARD_DATA: return (dnnl_roles){&a->out[0], &a->in[1], &a->in[0], NULL};
+  case KILN__K_CONV2D_BACKWARD_DATA:
+    r.v[R_X] = &a->out[0], r.v[R_W] = &a->in[1], r.v[R_Y] = &a->in[0];
+    r.out[R_X] = true;
+    break;
   case KILN__K_CONV2D_BACKWARD_WEIGHT:
-    return (dnnl_roles){&a->in[0], &a->out[0], &a->in[1], a->n_out > 1 ? &a->out[1] : NULL};
-  default: return (dnnl_roles){&a->in[0], &a->in[1], &a->out[0], a->n_in > 2 ? &a->in[2] : NULL};
+    r.v[R_X] = &a->in[0], r.v[R_W] = &a->out[0], r.v[R_Y] = &a->in[1];
+    r.v[R_B] = a->n_out > 1 ? &a->out[1] : NULL;
+    r.out[R_W] = r.out[R_B] = true;
+    break;
+  default:
+    r.v[R_X] = &a->in[0], r.v[R_W] = &a->in[1], r.v[R_Y] = &a->out[0];
+    r.v[R_B] = a->n_in > 2 ? &a->in[2] : NULL;
+    r.out[R_Y] = true;
   }
+  return r;
+}
+
+/* Dense NHWC strides on an NCHW-shaped view (and not also contiguous: C or H*W is 1). */
+static bool is_nhwc(const kiln__view *v) {
+  if (v->ndim != 4 || kiln__view_is_contiguous(v)) return false;
+  const int64_t *s = v->shape, *t = v->strides;
+  return t[1] == 1 && t[3] == s[1] && t[2] == s[1] * s[3] && (s[0] == 1 || t[0] == s[1] * s[2] * s[3]);
+}
+
+/* The user's memory: its shape and strides (a grouped weight as (G, OC/G, C/G, kh, kw)). */
+static dnnl_status_t user_md(dnnl_memory_desc_t *md, const kiln__view *v, int64_t G, bool weight) {
+  if (weight && G > 1) {
+    dnnl_dims_t d = {G, v->shape[0] / G, v->shape[1], v->shape[2], v->shape[3]};
+    dnnl_dims_t s = {v->shape[0] / G * v->strides[0], v->strides[0], v->strides[1], v->strides[2], v->strides[3]};
+    return dnnl_memory_desc_init_by_strides(md, 5, d, dnnl_f32, s);
+  }
+  dnnl_dims_t d, s;
+  for (int k = 0; k < v->ndim; k++) d[k] = v->shape[k], s[k] = v->strides[k];
+  /* a size-1 dimension's stride is free in kiln; give oneDNN the dense one */
+  if (v->ndim == 4) {
+    bool nhwc = is_nhwc(v);
+    int order[4] = {0, 1, 2, 3}, onhwc[4] = {0, 2, 3, 1};
+    const int *o = nhwc ? onhwc : order;
+    int64_t e = 1;
+    for (int k = 3; k >= 0; k--) s[o[k]] = e, e *= d[o[k]];
+  }
+  return dnnl_memory_desc_init_by_strides(md, v->ndim, d, dnnl_f32, s);
+}
+
+static bool plain_only(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("KILN_DNNL_CONV_PLAIN");
+    v = e && *e && strcmp(e, "0") != 0;
+  }
+  return v;
+}
+
+/* The slot's reorder between the user's layout and the primitive's (the lock held). */
+static dnnl_status_t slot_finish(dnnl_slot *sl, bool out) {
+  sl->reorder = NULL;
+  sl->bytes = 0;
+  if (dnnl_memory_desc_equal(&sl->user, &sl->prim)) return dnnl_success;
+  dnnl_primitive_desc_t rpd;
+  const dnnl_memory_desc_t *from = out ? &sl->prim : &sl->user, *to = out ? &sl->user : &sl->prim;
+  dnnl_status_t s = dnnl_reorder_primitive_desc_create(&rpd, from, dnnl_eng, to, dnnl_eng, NULL);
+  if (s != dnnl_success) return s;
+  s = dnnl_primitive_create(&sl->reorder, rpd);
+  dnnl_primitive_desc_destroy(rpd);
+  sl->bytes = dnnl_memory_desc_get_size(&sl->prim);
+  return s;
+}
+
+static void entry_free(dnnl_entry *e) {
+  dnnl_primitive_destroy(e->prim);
+  for (int k = 0; k < R_N; k++) dnnl_primitive_destroy(e->s[k].reorder);
+  memset(e, 0, sizeof *e);
 }
 
 /* A new primitive for the geometry and kernel (the lock held). A backward primitive is
 ** made from the forward's description (oneDNN's hint), which is then dropped. */
 static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entry *e) {
+  memset(e, 0, sizeof *e);
   dnnl_roles r = roles_of(a);
-  const kiln__view *x = r.x, *w = r.w, *y = r.y;
+  const kiln__view *x = r.v[R_X], *w = r.v[R_W], *y = r.v[R_Y];
   const kiln__conv_params *p = a->params;
   int64_t G = a->i[0];
-  bool bias = r.b != NULL;
-  dnnl_dims_t xd = {x->shape[0], x->shape[1], x->shape[2], x->shape[3]};
-  dnnl_dims_t yd = {y->shape[0], y->shape[1], y->shape[2], y->shape[3]};
-  dnnl_dims_t wd = {w->shape[0], w->shape[1], w->shape[2], w->shape[3]};
-  dnnl_dims_t gwd = {G, w->shape[0] / G, w->shape[1], w->shape[2], w->shape[3]};
-  dnnl_dims_t bd = {w->shape[0]};
+  bool bias = r.v[R_B] != NULL;
   dnnl_status_t s;
-  if ((s = dnnl_memory_desc_init_by_tag(&e->x, 4, xd, dnnl_f32, dnnl_nchw)) != dnnl_success) return dnnl_fail("src", s);
-  if ((s = dnnl_memory_desc_init_by_tag(&e->y, 4, yd, dnnl_f32, dnnl_nchw)) != dnnl_success) return dnnl_fail("dst", s);
-  s = G > 1 ? dnnl_memory_desc_init_by_tag(&e->w, 5, gwd, dnnl_f32, dnnl_goihw)
-            : dnnl_memory_desc_init_by_tag(&e->w, 4, wd, dnnl_f32, dnnl_oihw);
-  if (s != dnnl_success) return dnnl_fail("weights", s);
-  if ((s = dnnl_memory_desc_init_by_tag(&e->b, 1, bd, dnnl_f32, dnnl_x)) != dnnl_success) return dnnl_fail("bias", s);
+  if ((s = user_md(&e->s[R_X].user, x, G, false)) != dnnl_success) return dnnl_fail("src", s);
+  if ((s = user_md(&e->s[R_Y].user, y, G, false)) != dnnl_success) return dnnl_fail("dst", s);
+  if ((s = user_md(&e->s[R_W].user, w, G, true)) != dnnl_success) return dnnl_fail("weights", s);
+  dnnl_dims_t bd = {w->shape[0]};
+  if ((s = dnnl_memory_desc_init_by_tag(&e->s[R_B].user, 1, bd, dnnl_f32, dnnl_x)) != dnnl_success)
+    return dnnl_fail("bias", s);
+  /* what the primitive is asked for: channels-last stays so (oneDNN's brgemm kernels read
+  ** NHWC); NCHW images and every weight as oneDNN likes them */
+  dnnl_memory_desc_t qx = e->s[R_X].user, qy = e->s[R_Y].user, qw = e->s[R_W].user;
+  if (!plain_only()) {
+    if (!is_nhwc(x) || !is_nhwc(y)) {
+      dnnl_memory_desc_init_by_tag(&qx, 4, e->s[R_X].user.dims, dnnl_f32, dnnl_format_tag_any);
+      dnnl_memory_desc_init_by_tag(&qy, 4, e->s[R_Y].user.dims, dnnl_f32, dnnl_format_tag_any);
+    }
+    dnnl_memory_desc_init_by_tag(&qw, e->s[R_W].user.ndims, e->s[R_W].user.dims, dnnl_f32, dnnl_format_tag_any);
+  }
   dnnl_dims_t st, dl, pl, pr;
   for (int d = 0; d < 2; d++) {
     st[d] = p->stride[d];
@@ -87,37 +186,77 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
     pr[d] = (y->shape[2 + d] - 1) * p->stride[d] + p->dilation[d] * (w->shape[2 + d] - 1) + 1 - x->shape[2 + d] - pl[d];
     if (pr[d] < 0) pr[d] = 0;
   }
+  dnnl_primitive_attr_t attr;
+  if ((s = dnnl_primitive_attr_create(&attr)) != dnnl_success) return dnnl_fail("attributes", s);
+  dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
   bool fwd = a->op == KILN__K_CONV2D;
   dnnl_convolution_desc_t fd, bd_;
+  const dnnl_memory_desc_t *b = bias ? &e->s[R_B].user : NULL;
   s = dnnl_dilated_convolution_forward_desc_init(&fd, fwd ? dnnl_forward_inference : dnnl_forward_training,
-                                                 dnnl_convolution_direct, &e->x, &e->w, bias ? &e->b : NULL, &e->y,
-                                                 st, dl, pl, pr);
-  if (s != dnnl_success) return dnnl_fail("convolution descriptor", s);
+                                                 dnnl_convolution_direct, &qx, &qw, b, &qy, st, dl, pl, pr);
+  if (s != dnnl_success) {
+    dnnl_primitive_attr_destroy(attr);
+    return dnnl_fail("convolution descriptor", s);
+  }
   dnnl_primitive_desc_t fpd, pd = NULL;
-  if ((s = dnnl_primitive_desc_create(&fpd, &fd, NULL, dnnl_eng, NULL)) != dnnl_success)
+  if ((s = dnnl_primitive_desc_create(&fpd, &fd, fwd ? attr : NULL, dnnl_eng, NULL)) != dnnl_success) {
+    dnnl_primitive_attr_destroy(attr);
     return dnnl_fail("primitive descriptor", s);
+  }
   if (fwd) {
     pd = fpd, fpd = NULL;
   } else {
     s = a->op == KILN__K_CONV2D_BACKWARD_DATA
-            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, dnnl_convolution_direct, &e->x, &e->w, &e->y, st,
-                                                               dl, pl, pr)
-            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, dnnl_convolution_direct, &e->x, &e->w,
-                                                                  bias ? &e->b : NULL, &e->y, st, dl, pl, pr);
-    if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &bd_, NULL, dnnl_eng, fpd);
+            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, &qy, st, dl,
+                                                               pl, pr)
+            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, b, &qy,
+                                                                  st, dl, pl, pr);
+    if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &bd_, attr, dnnl_eng, fpd);
     dnnl_primitive_desc_destroy(fpd);
-    if (s != dnnl_success) return dnnl_fail("backward primitive descriptor", s);
+    if (s != dnnl_success) {
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("backward primitive descriptor", s);
+    }
   }
+  dnnl_primitive_attr_destroy(attr);
+  /* the layouts it chose */
+  dnnl_query_t qsrc = a->op == KILN__K_CONV2D_BACKWARD_DATA ? dnnl_query_diff_src_md : dnnl_query_src_md;
+  dnnl_query_t qwei = a->op == KILN__K_CONV2D_BACKWARD_WEIGHT ? dnnl_query_diff_weights_md : dnnl_query_weights_md;
+  dnnl_query_t qdst = a->op == KILN__K_CONV2D ? dnnl_query_dst_md : dnnl_query_diff_dst_md;
+  e->s[R_X].prim = *dnnl_primitive_desc_query_md(pd, qsrc, 0);
+  e->s[R_W].prim = *dnnl_primitive_desc_query_md(pd, qwei, 0);
+  e->s[R_Y].prim = *dnnl_primitive_desc_query_md(pd, qdst, 0);
+  e->s[R_B].prim = e->s[R_B].user;
+  e->scratch = dnnl_memory_desc_get_size(dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0));
   s = dnnl_primitive_create(&e->prim, pd);
   dnnl_primitive_desc_destroy(pd);
   if (s != dnnl_success) return dnnl_fail("primitive", s);
+  for (int q = 0; q < R_B; q++)
+    if ((s = slot_finish(&e->s[q], r.out[q])) != dnnl_success) {
+      entry_free(e);
+      return dnnl_fail("reorder", s);
+    }
   e->key = *k;
   return KILN_OK;
 }
 
+/* Buffer q at least n bytes (the lock held); NULL with the error set when out of memory. */
+static void *buf(int q, size_t n) {
+  if (n <= dnnl_buf_size[q]) return dnnl_buf[q];
+  kiln__cpu_free(0, dnnl_buf[q], dnnl_buf_size[q]);
+  dnnl_buf[q] = kiln__cpu_alloc(0, n);
+  dnnl_buf_size[q] = dnnl_buf[q] ? n : 0;
+  return dnnl_buf[q];
+}
+
+static kiln_status dnnl_exec(dnnl_primitive_t prim, int n, const dnnl_exec_arg_t *args) {
+  dnnl_status_t s = dnnl_primitive_execute(prim, dnnl_str, n, args);
+  if (s == dnnl_success) s = dnnl_stream_wait(dnnl_str);
+  return s == dnnl_success ? KILN_OK : dnnl_fail("execution", s);
+}
+
 static kiln_status dnnl_run(const kiln__kargs *a) {
   dnnl_roles r = roles_of(a);
-  const kiln__view *x = r.x, *w = r.w, *y = r.y;
   const kiln__conv_params *p = a->params;
   dnnl_status_t s;
   if (!dnnl_eng) {
@@ -130,12 +269,14 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   }
   dnnl_key k;
   memset(&k, 0, sizeof k);
-  for (int d = 0; d < 4; d++) k.v[d] = x->shape[d], k.v[4 + d] = w->shape[d], k.v[8 + d] = y->shape[d];
+  for (int q = 0; q < 3; q++)
+    for (int d = 0; d < 4; d++) k.v[8 * q + d] = r.v[q]->shape[d], k.v[8 * q + 4 + d] = r.v[q]->strides[d];
   for (int d = 0; d < 2; d++)
-    k.v[12 + d] = p->stride[d], k.v[14 + d] = p->padding[d], k.v[16 + d] = p->dilation[d];
-  k.v[18] = a->i[0];
-  k.v[19] = r.b != NULL;
-  k.v[20] = a->op;
+    k.v[24 + d] = p->stride[d], k.v[26 + d] = p->padding[d], k.v[28 + d] = p->dilation[d];
+  k.v[30] = a->i[0];
+  k.v[31] = r.v[R_B] != NULL;
+  k.v[32] = a->op;
+  k.v[33] = plain_only();
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -148,61 +289,97 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
     } else { /* round robin: a network has few distinct layer shapes */
       e = &dnnl_cache[dnnl_next];
       dnnl_next = (dnnl_next + 1) % DNNL_CACHE;
-      dnnl_primitive_destroy(e->prim);
+      entry_free(e);
     }
     *e = fresh;
   }
-  dnnl_memory_t mx = NULL, mw = NULL, mb = NULL, my = NULL;
+  /* user memories, the primitive-layout copies, the scratchpad */
+  dnnl_memory_t mu[R_N] = {0}, mp[R_N] = {0}, msc = NULL;
   kiln_status st = KILN_OK;
-  if ((s = dnnl_memory_create(&mx, &e->x, dnnl_eng, x->data)) != dnnl_success ||
-      (s = dnnl_memory_create(&mw, &e->w, dnnl_eng, w->data)) != dnnl_success ||
-      (r.b && (s = dnnl_memory_create(&mb, &e->b, dnnl_eng, r.b->data)) != dnnl_success) ||
-      (s = dnnl_memory_create(&my, &e->y, dnnl_eng, y->data)) != dnnl_success) {
-    st = dnnl_fail("memory", s);
-  } else {
-    dnnl_exec_arg_t args[4];
+  for (int q = 0; q < R_N && st == KILN_OK; q++) {
+    if (!r.v[q]) continue;
+    if ((s = dnnl_memory_create(&mu[q], &e->s[q].user, dnnl_eng, r.v[q]->data)) != dnnl_success) {
+      st = dnnl_fail("memory", s);
+      break;
+    }
+    if (!e->s[q].reorder) continue;
+    void *b = buf(q, e->s[q].bytes);
+    if (!b) st = kiln_last_error();
+    else if ((s = dnnl_memory_create(&mp[q], &e->s[q].prim, dnnl_eng, b)) != dnnl_success) st = dnnl_fail("memory", s);
+  }
+  if (st == KILN_OK && e->scratch) {
+    dnnl_memory_desc_t smd;
+    dnnl_dims_t sd = {(dnnl_dim_t)e->scratch};
+    void *b = buf(R_B, e->scratch); /* the bias is never reordered: its buffer is the scratchpad */
+    if (!b) st = kiln_last_error();
+    else if ((s = dnnl_memory_desc_init_by_tag(&smd, 1, sd, dnnl_u8, dnnl_x)) != dnnl_success ||
+             (s = dnnl_memory_create(&msc, &smd, dnnl_eng, b)) != dnnl_success)
+      st = dnnl_fail("scratchpad", s);
+  }
+  /* inputs into the primitive's layouts */
+  for (int q = 0; q < R_N && st == KILN_OK; q++)
+    if (mp[q] && !r.out[q]) {
+      dnnl_exec_arg_t ra[2] = {{DNNL_ARG_FROM, mu[q]}, {DNNL_ARG_TO, mp[q]}};
+      st = dnnl_exec(e->s[q].reorder, 2, ra);
+    }
+  if (st == KILN_OK) {
+    dnnl_memory_t m[R_N];
+    for (int q = 0; q < R_N; q++) m[q] = mp[q] ? mp[q] : mu[q];
+    dnnl_exec_arg_t args[6];
     int n = 0;
     switch (a->op) {
     case KILN__K_CONV2D_BACKWARD_DATA:
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, my};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, mw};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_SRC, mx};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, m[R_Y]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, m[R_W]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_SRC, m[R_X]};
       break;
     case KILN__K_CONV2D_BACKWARD_WEIGHT:
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, mx};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, my};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_WEIGHTS, mw};
-      if (mb) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_BIAS, mb};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, m[R_X]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_DST, m[R_Y]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_WEIGHTS, m[R_W]};
+      if (m[R_B]) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DIFF_BIAS, m[R_B]};
       break;
     default:
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, mx};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, mw};
-      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, my};
-      if (mb) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, mb};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, m[R_X]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, m[R_W]};
+      args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, m[R_Y]};
+      if (m[R_B]) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, m[R_B]};
     }
-    if ((s = dnnl_primitive_execute(e->prim, dnnl_str, n, args)) != dnnl_success ||
-        (s = dnnl_stream_wait(dnnl_str)) != dnnl_success)
-      st = dnnl_fail("execution", s);
+    if (msc) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, msc};
+    st = dnnl_exec(e->prim, n, args);
   }
-  dnnl_memory_destroy(mx), dnnl_memory_destroy(mw), dnnl_memory_destroy(mb), dnnl_memory_destroy(my);
+  /* outputs back to the user's layouts */
+  for (int q = 0; q < R_N && st == KILN_OK; q++)
+    if (mp[q] && r.out[q]) {
+      dnnl_exec_arg_t ra[2] = {{DNNL_ARG_FROM, mp[q]}, {DNNL_ARG_TO, mu[q]}};
+      st = dnnl_exec(e->s[q].reorder, 2, ra);
+    }
+  for (int q = 0; q < R_N; q++) dnnl_memory_destroy(mu[q]), dnnl_memory_destroy(mp[q]);
+  dnnl_memory_destroy(msc);
   return st;
 }
 
-/* Whether oneDNN takes these arguments: f32, contiguous, something to compute. */
+/* A 4-d view oneDNN reads as it is: contiguous NCHW, or channels-last. */
+static bool dense4(const kiln__view *v) { return v->ndim == 4 && (kiln__view_is_contiguous(v) || is_nhwc(v)); }
+
+/* Whether oneDNN takes these arguments: f32, NCHW or channels-last (the bias contiguous),
+** something to compute. */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a) {
+  if (!a->params || a->n_in < 2 || a->n_out < 1) return false;
   for (int i = 0; i < a->n_in; i++)
-    if (a->in[i].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->in[i])) return false;
+    if (a->in[i].dtype != KILN_F32 || !(i < 2 ? dense4(&a->in[i]) : kiln__view_is_contiguous(&a->in[i]))) return false;
   for (int i = 0; i < a->n_out; i++)
-    if (a->out[i].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->out[i])) return false;
-  return a->params && a->n_in >= 2 && a->n_out >= 1 && a->in[0].ndim == 4 && a->in[1].ndim == 4 &&
-         a->out[0].ndim == 4;
+    if (a->out[i].dtype != KILN_F32 || !(i < 1 ? dense4(&a->out[i]) : kiln__view_is_contiguous(&a->out[i])))
+      return false;
+  return true;
 }
 
 /* CONV2D_BACKWARD_DATA / _WEIGHT through oneDNN; the caller checked kiln__cpu_dnnl_conv_takes. */
 kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
   for (int i = 0; i < a->n_out; i++)
     if (kiln__view_numel(&a->out[i]) == 0) return KILN_OK;
-  /* an empty batch or image: nothing flows back, the gradients are zeros */
+  /* an empty batch or image: nothing flows back, the gradients are zeros (dense outputs:
+  ** their bytes are the elements, in whichever order) */
   if (kiln__view_numel(&a->in[0]) == 0 || kiln__view_numel(&a->in[1]) == 0) {
     for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
     return KILN_OK;
@@ -215,11 +392,8 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
 
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
   if (!a->params) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d without its window parameters");
-  for (int i = 0; i < a->n_in; i++)
-    if (a->in[i].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->in[i]))
-      return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel takes contiguous f32 views");
-  if (a->out[0].dtype != KILN_F32 || !kiln__view_is_contiguous(&a->out[0]))
-    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel writes a contiguous f32 view");
+  if (!kiln__cpu_dnnl_conv_takes(a))
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel takes f32 views, NCHW or channels-last");
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
   pthread_mutex_lock(&dnnl_lock);
   kiln_status st = dnnl_run(a);

@@ -50,6 +50,9 @@ kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */
 kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_* through oneDNN */
+/* one input channel, stride 1: direct loops for CONV2D and the weight gradient (cpu_dnnl.c) */
+bool kiln__cpu_conv_c1_takes(const kiln__kargs *a);
+kiln_status kiln__cpu_conv_c1(const kiln__kargs *a);
 #endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);

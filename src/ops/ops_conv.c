@@ -292,10 +292,11 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
 /* ---- channels-last through the library kernels ----------------------------------------- */
 /* An op of the library path (conv2d_direct and the two backward ops) runs channels-last
 ** when its image input (x, or the gradient for the data gradient) is channels-last (and
-** not also contiguous): cuDNN, and oneDNN on the CPU, read NHWC natively. Its inputs are then all made channels-last and it makes its output in NHWC
-** memory: the op's own output has the shape (N, H, W, C) (its infer permutes it), its
-** kernel sees that memory as an NCHW-shaped view with channels-last strides, and the
-** caller permutes it back, so the user gets an NCHW-shaped channels-last tensor. */
+** not also contiguous): cuDNN, and oneDNN on the CPU, read NHWC natively. Its inputs
+** are then all made channels-last and it makes its output in NHWC memory: the op's own
+** output has the shape (N, H, W, C) (its infer permutes it), its kernel sees that memory
+** as an NCHW-shaped view with channels-last strides, and the caller permutes it back, so
+** the user gets an NCHW-shaped channels-last tensor. */
 static bool conv_cl(const kiln_tensor *x) {
   return x && !kiln_is_contiguous(x) && kiln_is_contiguous_format(x, KILN_CHANNELS_LAST);
 }

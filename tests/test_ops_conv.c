@@ -329,6 +329,7 @@ static const cv_cfg cv_dilated = {{1, 2}, {2, 1}, {2, 1}, 1, 0, {0, 0}};
 static const cv_cfg cv_same = {{1, 1}, {KILN_PADDING_SAME, KILN_PADDING_SAME}, {1, 2}, 1, 1, {0, 0}};
 static const cv_cfg cv_groups = {{1, 1}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
 static const cv_cfg cv_pad1 = {{1, 1}, {1, 1}, {1, 1}, 1, 1, {0, 0}};
+static const cv_cfg cv_s2p1 = {{2, 2}, {1, 1}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_depthwise = {{2, 2}, {1, 1}, {1, 1}, 4, 1, {0, 0}};
 static const cv_cfg cv_1x1 = {{1, 1}, {0, 0}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_1d = {{1, 2}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
@@ -501,17 +502,23 @@ static void cv_extra(void) {
 ** composite elsewhere) against the f64 composite on the same values: forward and the
 ** three gradients. The harness gradchecks only f64, which never takes the kernel. */
 static void cv_f32_vs_f64(void) {
-  /* the last five: one input channel (the CPU's direct loops: unpadded, padded; strided
+  /* then five: one input channel (the CPU's direct loops: unpadded, padded; strided
   ** and dilated ones go to oneDNN), and channel counts past oneDNN's 16-wide blocks with a
   ** map under 4x4 (its weight gradient left to the composite) and over it */
   static const cv_cfg *cfgs[] = {&cv_strided, &cv_same,  &cv_groups, &cv_depthwise, &cv_1x1,   &cv_dilated,
-                                 &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups};
+                                 &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
+                                 &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1};
   static const int64_t shapes[][8] = {
       {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
       {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
       {3, 1, 9, 8, 5, 1, 3, 3},    {2, 1, 7, 6, 4, 1, 3, 3},     {2, 1, 7, 6, 4, 1, 3, 2},
-      {3, 36, 2, 3, 34, 18, 3, 3}, {2, 40, 9, 9, 24, 20, 3, 3}};
-  for (int t = 0; t < 11; t++) {
+      {3, 36, 2, 3, 34, 18, 3, 3}, {2, 40, 9, 9, 24, 20, 3, 3},
+      /* taps that only ever meet padding (cropped on the CPU): a 3x3 on a 1x1 map, 3x3
+      ** stride 2 from 2x2 to 1x1, a crop in one dimension only, and one on a map large
+      ** enough for oneDNN's weight gradient */
+      {2, 8, 1, 1, 6, 4, 3, 3},    {2, 20, 2, 2, 18, 20, 3, 3},  {2, 3, 1, 4, 4, 3, 3, 5},
+      {2, 4, 1, 20, 6, 4, 3, 3}}; /* a 1 x 20 map: the weight gradient cropped too */
+  for (int t = 0; t < 15; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();

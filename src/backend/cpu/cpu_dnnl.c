@@ -111,8 +111,9 @@ static dnnl_status_t user_md(dnnl_memory_desc_t *md, const kiln__view *v, int64_
   }
   dnnl_dims_t d, s;
   for (int k = 0; k < v->ndim; k++) d[k] = v->shape[k], s[k] = v->strides[k];
-  /* a size-1 dimension's stride is free in kiln; give oneDNN the dense one */
-  if (v->ndim == 4) {
+  /* a size-1 dimension's stride is free in kiln; give oneDNN the dense one (a cropped
+  ** weight, not dense, keeps its own) */
+  if (v->ndim == 4 && (kiln__view_is_contiguous(v) || is_nhwc(v))) {
     bool nhwc = is_nhwc(v);
     int order[4] = {0, 1, 2, 3}, onhwc[4] = {0, 2, 3, 1};
     const int *o = nhwc ? onhwc : order;
@@ -178,13 +179,13 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
   bool pointwise = w->shape[2] == 1 && w->shape[3] == 1 && p->stride[0] == 1 && p->stride[1] == 1 &&
                    p->padding[0] == 0 && p->padding[1] == 0 && G == 1;
   bool plain = plain_only() || pointwise || (a->op == KILN__K_CONV2D_BACKWARD_DATA && G == 1 && x->shape[1] < 16);
-  if (!plain) {
-    if (!is_nhwc(x) || !is_nhwc(y)) {
-      dnnl_memory_desc_init_by_tag(&qx, 4, e->s[R_X].user.dims, dnnl_f32, dnnl_format_tag_any);
-      dnnl_memory_desc_init_by_tag(&qy, 4, e->s[R_Y].user.dims, dnnl_f32, dnnl_format_tag_any);
-    }
-    dnnl_memory_desc_init_by_tag(&qw, e->s[R_W].user.ndims, e->s[R_W].user.dims, dnnl_f32, dnnl_format_tag_any);
+  if (!plain && (!is_nhwc(x) || !is_nhwc(y))) {
+    dnnl_memory_desc_init_by_tag(&qx, 4, e->s[R_X].user.dims, dnnl_f32, dnnl_format_tag_any);
+    dnnl_memory_desc_init_by_tag(&qy, 4, e->s[R_Y].user.dims, dnnl_f32, dnnl_format_tag_any);
   }
+  /* a weight not dense (channels-last, or cropped: dnnl_crop) is reordered in any case */
+  if (!plain || !kiln__view_is_contiguous(w))
+    dnnl_memory_desc_init_by_tag(&qw, e->s[R_W].user.ndims, e->s[R_W].user.dims, dnnl_f32, dnnl_format_tag_any);
   dnnl_dims_t st, dl, pl, pr;
   for (int d = 0; d < 2; d++) {
     st[d] = p->stride[d];
@@ -263,7 +264,57 @@ static kiln_status dnnl_exec(dnnl_primitive_t prim, int n, const dnnl_exec_arg_t
   return s == dnnl_success ? KILN_OK : dnnl_fail("execution", s);
 }
 
+/* Kernel taps that never meet the image (every window puts them on padding) multiply
+** zeros: ResNet-18 at 32x32 ends with 3x3 convolutions on 1x1 maps, where only the centre
+** tap does anything. The convolution is the same with the weight cropped to the taps that
+** do (a strided view of it) and the padding before reduced by the taps cut: a 3x3 on a
+** 1x1 map becomes a 1x1 (one GEMM), a 3x3 stride 2 from 2x2 to 1x1 a 2x2. The weight
+** gradient is zeros outside the crop. Whether the crop applies, into *c and *cp. */
+static bool dnnl_crop(const kiln__kargs *a, kiln__kargs *c, kiln__conv_params *cp) {
+  dnnl_roles r = roles_of(a);
+  const kiln__view *x = r.v[R_X], *w = r.v[R_W], *y = r.v[R_Y];
+  const kiln__conv_params *p = a->params;
+  int64_t lo[2], hi[2];
+  bool crop = false;
+  for (int d = 0; d < 2; d++) {
+    int64_t K = w->shape[2 + d], O = y->shape[2 + d], I = x->shape[2 + d], s = p->stride[d], dl = p->dilation[d];
+    lo[d] = K, hi[d] = 0;
+    for (int64_t i = 0; i < K; i++) /* tap i meets the image iff some o has 0 <= o*s - pad + i*dl < I */
+      for (int64_t o = 0; o < O; o++) {
+        int64_t at = o * s - p->padding[d] + i * dl;
+        if (at >= 0 && at < I) {
+          if (i < lo[d]) lo[d] = i;
+          if (i + 1 > hi[d]) hi[d] = i + 1;
+          break;
+        }
+      }
+    if (lo[d] >= hi[d]) return false; /* no tap meets it: left to oneDNN as it is */
+    if (hi[d] - lo[d] < K) crop = true;
+    /* the cropped window's padding after must not go negative (oneDNN's geometry) */
+    if ((O - 1) * s + dl * (hi[d] - lo[d] - 1) + 1 - I - (p->padding[d] - lo[d] * dl) < 0) return false;
+  }
+  if (!crop) return false;
+  *c = *a;
+  *cp = *p;
+  kiln__view *cw = a->op == KILN__K_CONV2D_BACKWARD_WEIGHT ? &c->out[0] : &c->in[1];
+  cw->data = (char *)cw->data + (lo[0] * cw->strides[2] + lo[1] * cw->strides[3]) * (int64_t)sizeof(float);
+  for (int d = 0; d < 2; d++) {
+    cw->shape[2 + d] = hi[d] - lo[d];
+    cp->kernel[d] = hi[d] - lo[d];
+    cp->padding[d] = p->padding[d] - lo[d] * p->dilation[d];
+  }
+  c->params = cp;
+  return true;
+}
+
 static kiln_status dnnl_run(const kiln__kargs *a) {
+  kiln__kargs ca;
+  kiln__conv_params ccp;
+  if (dnnl_crop(a, &ca, &ccp)) {
+    if (a->op == KILN__K_CONV2D_BACKWARD_WEIGHT) /* dense: its bytes are its elements */
+      memset(a->out[0].data, 0, (size_t)kiln__view_numel(&a->out[0]) * sizeof(float));
+    a = &ca;
+  }
   dnnl_roles r = roles_of(a);
   const kiln__conv_params *p = a->params;
   dnnl_status_t s;

@@ -3,7 +3,9 @@
 ** of reps, after a warm-up call) and the achieved GFLOP/s (2*N*OC*OH*OW*C/G*kh*kw per
 ** forward; backward counted as twice the forward).
 **
-** CPU (default): a few ResNet shapes at batch 8, f32 (im2col + GEMM, or oneDNN).
+** CPU (default): a few ResNet shapes at batch 8, and ResNet-18 32x32's (batch 64) and the
+** Fashion-MNIST CNN's (batch 128), f32 (im2col + GEMM, or oneDNN; KILN_DNNL_CONV_PLAIN=1
+** and KILN_CONV_C1=0 give oneDNN's plain-layout primitives for comparison).
 ** --cuda: ResNet-50's distinct conv layers at batch 32 on cuda:0, in f32 (TF32 off) and
 ** bf16, NCHW and channels-last (NHWC strides, kiln_contiguous_format), times from device
 ** marks. With cuDNN, CONV2D and its backward kernels run; without it im2col + cuBLAS.
@@ -32,6 +34,15 @@ static const shape cpu_shapes[] = {
     {"3x3 128->128 @28", 8, 128, 28, 28, 128, 3, 1, 1, 1},
     {"1x1 256->64 @56", 8, 256, 56, 56, 64, 1, 1, 0, 1},
     {"depthwise 3x3 128 @28", 8, 128, 28, 28, 128, 3, 1, 1, 128},
+    /* issue 15's CPU workloads: ResNet-18 at 32x32 (batch 64), the Fashion-MNIST CNN (128) */
+    {"r18-32 stem 7x7/2 3->64 @32 b64", 64, 3, 32, 32, 64, 7, 2, 3, 1},
+    {"r18-32 3x3 64->64 @8 b64", 64, 64, 8, 8, 64, 3, 1, 1, 1},
+    {"r18-32 3x3 128->128 @4 b64", 64, 128, 4, 4, 128, 3, 1, 1, 1},
+    {"r18-32 3x3 256->256 @2 b64", 64, 256, 2, 2, 256, 3, 1, 1, 1},
+    {"r18-32 3x3 512->512 @1 b64", 64, 512, 1, 1, 512, 3, 1, 1, 1},
+    {"r18-32 1x1/2 128->256 @4 b64", 64, 128, 4, 4, 256, 1, 2, 0, 1},
+    {"fmnist conv1 3x3 1->32 @28 b128", 128, 1, 28, 28, 32, 3, 1, 0, 1},
+    {"fmnist conv2 3x3 32->64 @13 b128", 128, 32, 13, 13, 64, 3, 1, 0, 1},
 };
 
 /* ResNet-50 (torchvision, stride on the 3x3), batch 32: each distinct layer once. */
@@ -90,7 +101,7 @@ int main(int argc, char **argv) {
   bool cuda = argc > 1 && strcmp(argv[1], "--cuda") == 0;
   int reps = argc > 1 + cuda ? atoi(argv[1 + cuda]) : 3;
   if (!cuda) {
-    printf("| shape (batch 8, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
+    printf("| shape (batch 8 unless said, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
            kiln_num_threads());
     printf("|---|---|---|---|---|\n");
     for (size_t i = 0; i < sizeof cpu_shapes / sizeof cpu_shapes[0]; i++) {

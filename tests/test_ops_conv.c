@@ -328,6 +328,8 @@ static const cv_cfg cv_strided = {{2, 1}, {1, 2}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_dilated = {{1, 2}, {2, 1}, {2, 1}, 1, 0, {0, 0}};
 static const cv_cfg cv_same = {{1, 1}, {KILN_PADDING_SAME, KILN_PADDING_SAME}, {1, 2}, 1, 1, {0, 0}};
 static const cv_cfg cv_groups = {{1, 1}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
+static const cv_cfg cv_pad1 = {{1, 1}, {1, 1}, {1, 1}, 1, 1, {0, 0}};
+static const cv_cfg cv_s2p1 = {{2, 2}, {1, 1}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_depthwise = {{2, 2}, {1, 1}, {1, 1}, 4, 1, {0, 0}};
 static const cv_cfg cv_1x1 = {{1, 1}, {0, 0}, {1, 1}, 1, 1, {0, 0}};
 static const cv_cfg cv_1d = {{1, 2}, {1, 1}, {1, 1}, 2, 1, {0, 0}};
@@ -500,11 +502,23 @@ static void cv_extra(void) {
 ** composite elsewhere) against the f64 composite on the same values: forward and the
 ** three gradients. The harness gradchecks only f64, which never takes the kernel. */
 static void cv_f32_vs_f64(void) {
-  static const cv_cfg *cfgs[] = {&cv_strided, &cv_same, &cv_groups, &cv_depthwise, &cv_1x1, &cv_dilated};
+  /* then five: one input channel (the CPU's direct loops: unpadded, padded; strided
+  ** and dilated ones go to oneDNN), and channel counts past oneDNN's 16-wide blocks with a
+  ** map under 4x4 (its weight gradient left to the composite) and over it */
+  static const cv_cfg *cfgs[] = {&cv_strided, &cv_same,  &cv_groups, &cv_depthwise, &cv_1x1,   &cv_dilated,
+                                 &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
+                                 &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1};
   static const int64_t shapes[][8] = {
-      {2, 2, 6, 5, 3, 2, 3, 2}, {2, 2, 5, 4, 3, 2, 2, 3}, {2, 4, 4, 4, 6, 2, 3, 3},
-      {2, 4, 5, 5, 8, 1, 3, 3}, {2, 3, 4, 3, 5, 3, 1, 1}, {2, 2, 5, 5, 3, 2, 3, 2}};
-  for (int t = 0; t < 6; t++) {
+      {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
+      {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
+      {3, 1, 9, 8, 5, 1, 3, 3},    {2, 1, 7, 6, 4, 1, 3, 3},     {2, 1, 7, 6, 4, 1, 3, 2},
+      {3, 36, 2, 3, 34, 18, 3, 3}, {2, 40, 9, 9, 24, 20, 3, 3},
+      /* taps that only ever meet padding (cropped on the CPU): a 3x3 on a 1x1 map, 3x3
+      ** stride 2 from 2x2 to 1x1, a crop in one dimension only, and one on a map large
+      ** enough for oneDNN's weight gradient */
+      {2, 8, 1, 1, 6, 4, 3, 3},    {2, 20, 2, 2, 18, 20, 3, 3},  {2, 3, 1, 4, 4, 3, 3, 5},
+      {2, 4, 1, 20, 6, 4, 3, 3}}; /* a 1 x 20 map: the weight gradient cropped too */
+  for (int t = 0; t < 15; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();
@@ -515,11 +529,15 @@ static void cv_f32_vs_f64(void) {
     x64 = kiln_to_dtype(kiln_to_dtype(x64, KILN_F32), KILN_F64);
     w64 = kiln_to_dtype(kiln_to_dtype(w64, KILN_F32), KILN_F64);
     b64 = kiln_to_dtype(kiln_to_dtype(b64, KILN_F32), KILN_F64);
-    kiln_tensor *ins[2][3] = {{x64, w64, b64},
-                              {kiln_to_dtype(x64, KILN_F32), kiln_to_dtype(w64, KILN_F32), kiln_to_dtype(b64, KILN_F32)}};
-    double *vals[2][4] = {{0}};
+    /* f32 twice: NCHW, and the input channels-last (oneDNN reads NHWC as it is) */
+    kiln_tensor *ins[3][3] = {
+        {x64, w64, b64},
+        {kiln_to_dtype(x64, KILN_F32), kiln_to_dtype(w64, KILN_F32), kiln_to_dtype(b64, KILN_F32)},
+        {kiln_contiguous_format(kiln_to_dtype(x64, KILN_F32), KILN_CHANNELS_LAST), kiln_to_dtype(w64, KILN_F32),
+         kiln_to_dtype(b64, KILN_F32)}};
+    double *vals[3][4] = {{0}};
     int64_t nv[4] = {0};
-    for (int d = 0; d < 2; d++) {
+    for (int d = 0; d < 3; d++) {
       for (int i = 0; i < 3; i++) kiln_requires_grad_(ins[d][i], true);
       kiln_tensor *y = kiln_conv2d(ins[d][0], ins[d][1], ins[d][2], k->s, k->p, k->d, k->g);
       /* weights 1, 2, 3, ... on the output so that every position's gradient differs */
@@ -536,9 +554,11 @@ static void cv_f32_vs_f64(void) {
     static const char *const what[4] = {"forward", "dx", "dw", "db"};
     char name[96];
     for (int q = 0; q < 4; q++) {
-      snprintf(name, sizeof name, "conv2d f32 vs f64 case %d %s", t, what[q]);
-      if (vals[0][q] && vals[1][q]) h_close(name, vals[1][q], vals[0][q], nv[q], 1e-4, 1e-5);
-      free(vals[0][q]), free(vals[1][q]);
+      for (int d = 1; d < 3; d++) {
+        snprintf(name, sizeof name, "conv2d f32%s vs f64 case %d %s", d == 2 ? " channels-last" : "", t, what[q]);
+        if (vals[0][q] && vals[d][q]) h_close(name, vals[d][q], vals[0][q], nv[q], 1e-4, 1e-5);
+      }
+      free(vals[0][q]), free(vals[1][q]), free(vals[2][q]);
     }
     kiln_scope_end();
   }

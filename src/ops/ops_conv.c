@@ -292,14 +292,13 @@ static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_co
 /* ---- channels-last through the library kernels ----------------------------------------- */
 /* An op of the library path (conv2d_direct and the two backward ops) runs channels-last
 ** when its image input (x, or the gradient for the data gradient) is channels-last (and
-** not also contiguous) on a device other than the CPU (oneDNN there reads contiguous
-** tensors). Its inputs are then all made channels-last and it makes its output in NHWC
-** memory: the op's own output has the shape (N, H, W, C) (its infer permutes it), its
-** kernel sees that memory as an NCHW-shaped view with channels-last strides, and the
-** caller permutes it back, so the user gets an NCHW-shaped channels-last tensor. */
+** not also contiguous): cuDNN, and oneDNN on the CPU, read NHWC natively. Its inputs
+** are then all made channels-last and it makes its output in NHWC memory: the op's own
+** output has the shape (N, H, W, C) (its infer permutes it), its kernel sees that memory
+** as an NCHW-shaped view with channels-last strides, and the caller permutes it back, so
+** the user gets an NCHW-shaped channels-last tensor. */
 static bool conv_cl(const kiln_tensor *x) {
-  return x && kiln_device_of(x).type != KILN_DEVICE_CPU && !kiln_is_contiguous(x) &&
-         kiln_is_contiguous_format(x, KILN_CHANNELS_LAST);
+  return x && !kiln_is_contiguous(x) && kiln_is_contiguous_format(x, KILN_CHANNELS_LAST);
 }
 static const int to_nchw[4] = {0, 3, 1, 2};
 
@@ -402,6 +401,17 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
 ** with a library convolution (kernel CONV2D: oneDNN), which then runs the backward too;
 ** else the CPU's kernels are reference loops and im2col + BLAS is much faster. `like` is
 ** the tensor whose gradient it makes. */
+/* The smallest output map (OH*OW) whose weight gradient oneDNN makes on the CPU
+** (KILN_DNNL_WGRAD_MIN_MAP overrides, for measuring). */
+static int64_t dnnl_wgrad_min_map(void) {
+  static int64_t v = -1;
+  if (v < 0) {
+    const char *e = getenv("KILN_DNNL_WGRAD_MIN_MAP");
+    v = e && *e ? atoll(e) : 16;
+  }
+  return v;
+}
+
 static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
                       const attrs_convb *ab) {
   kiln_device dev = kiln_device_of(in0);
@@ -410,15 +420,14 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
   if (dev.type == KILN_DEVICE_CPU) {
     if (in0->dtype != KILN_F32 || in1->dtype != KILN_F32 || !kiln__dispatch_has(dev, NULL, KILN__K_CONV2D))
       return false;
-    /* a 1x1, stride-1, unpadded convolution is one plain GEMM in the composite, which
-    ** oneDNN's plain-layout backward did not beat (bench/RESULTS.md) */
-    bool pointwise = k->shape[2] == 1 && k->shape[3] == 1;
-    for (int d = 0; d < 2; d++) pointwise = pointwise && ab->c.stride[d] == 1 && ab->c.padding[d] == 0;
-    if (pointwise && ab->c.groups == 1) return false;
-    /* oneDNN's plain-layout weight gradient lost to the composite's GEMM on small images
-    ** with many channels (ResNet-18 at 32x32: 8x8 down to 1x1 outputs) and won on larger
-    ** ones (the Fashion-MNIST CNN's 28x28 and 14x14): bench/RESULTS.md */
-    if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && in1->shape[2] * in1->shape[3] < 100) return false;
+    /* oneDNN runs every pass (cpu_dnnl.c, in the layouts it picks) but one: the weight
+    ** gradient of a spatial kernel on maps under 4x4, where its jit kernel (a reduction
+    ** over the batch, mostly padding taps) ran at 38-75 GFLOP/s on ResNet-18 32x32's
+    ** 2x2 and 1x1 maps and the composite's one GEMM over the batch at ~180-200; at 4x4
+    ** and above, and for 1x1 kernels, oneDNN won (ResNet-18 32x32, batch 64) */
+    int64_t L = in1->shape[2] * in1->shape[3];
+    if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && L < dnnl_wgrad_min_map() && k->shape[2] * k->shape[3] > 1)
+      return false;
   }
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);
   /* the operands as the calls below prepare them */

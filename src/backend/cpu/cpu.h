@@ -57,6 +57,9 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACK
 /* MATMUL of bf16 operands (bf16 or f32 out) through oneDNN (cpu_dnnl_matmul.c): true when
 ** it ran (*st its status), false when the arguments are not its case (the caller runs). */
 bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st);
+/* one input channel, stride 1: direct loops for CONV2D and the weight gradient (cpu_dnnl.c) */
+bool kiln__cpu_conv_c1_takes(const kiln__kargs *a);
+kiln_status kiln__cpu_conv_c1(const kiln__kargs *a);
 #endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);

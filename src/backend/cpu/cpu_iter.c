@@ -122,10 +122,33 @@ static inline int64_t kiln__f2i(double v) {
 #define KILN__F2I(x) kiln__f2i(x)
 #define KILN__NZ(x) ((x) != 0)
 
+/* bf16 <-> f32 over packed runs, the conversions of every bf16 elementwise op and cast:
+** written so that they vectorise (the generic loops below convert one element at a time
+** through a dtype switch; ReLU on 2.8M bf16 elements took 1.5 ms against 0.4 in f32).
+** The same bits as kiln__bf16_to_f32 / kiln__f32_to_bf16 (RNE, NaN kept quiet). */
+KILN__CPU_CLONES
+static void kiln__load_bf16_packed(float *restrict d, const uint16_t *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = kiln__bf16_to_f32(s[i]);
+}
+
+KILN__CPU_CLONES
+static void kiln__store_bf16_packed(uint16_t *restrict d, const float *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &s[i], 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x40u;
+    d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
+  }
+}
+
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__load_bf16_packed((float *)dst, (const uint16_t *)src, n);
     return;
   }
   if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {
@@ -264,6 +287,10 @@ void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kil
                      int64_t n) {
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__store_bf16_packed((uint16_t *)dst, (const float *)src, n);
     return;
   }
   if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {

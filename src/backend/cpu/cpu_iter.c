@@ -141,8 +141,23 @@ static void kiln__store_bf16_packed(uint16_t *restrict d, const float *restrict 
   }
 }
 
+/* f32 <-> f64 over packed runs (batch norm's f64 passes over f32 activations). */
+KILN__CPU_CLONES
+static void kiln__load_f32_f64_packed(double *restrict d, const float *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = (double)s[i];
+}
+
+KILN__CPU_CLONES
+static void kiln__store_f64_f32_packed(float *restrict d, const double *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = (float)s[i];
+}
+
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
+  if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
+    kiln__load_f32_f64_packed((double *)dst, (const float *)src, n);
+    return;
+  }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
     return;
@@ -285,6 +300,10 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
 
 void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kiln_dtype ct,
                      int64_t n) {
+  if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
+    kiln__store_f64_f32_packed((float *)dst, (const double *)src, n);
+    return;
+  }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
     return;

@@ -333,6 +333,53 @@ typedef struct mpb_job {
   bool oom;
 } mpb_job;
 
+/* NCHW windows that tile the plane (kernel == stride, no padding or dilation: MaxPool2d(2)
+** and the like): every pixel of dx is written once, the gradient where the index points
+** and zero elsewhere, row by row, instead of zeroing the plane and scattering into it
+** (two passes over dx, the second at random). Pixels past the last window (an odd
+** size's last row or column) are zeroed. The index test is the same as in_window's
+** (an index only counts in its own window), since each output only looks at its own
+** window's pixels. */
+#define MPB_TILE(NAME, T)                                                                                    \
+  KILN__CPU_CLONES                                                                                           \
+  static void NAME(T *restrict xp, const T *restrict gp, int64_t gs2, int64_t gs3, const int64_t *restrict ip, \
+                   int64_t is2, int64_t is3, int64_t kh, int64_t kw, int64_t H, int64_t W, int64_t OH,       \
+                   int64_t OW) {                                                                             \
+    int64_t cw = OW * kw; /* columns covered by windows */                                                   \
+    for (int64_t oh = 0; oh < OH; oh++) {                                                                    \
+      const T *gr = gp + oh * gs2;                                                                           \
+      const int64_t *ir = ip + oh * is2;                                                                     \
+      for (int64_t i = 0; i < kh; i++) {                                                                     \
+        int64_t h = oh * kh + i;                                                                             \
+        T *row = xp + h * W;                                                                                 \
+        if (kw == 2) {                                                                                       \
+          for (int64_t ow = 0; ow < OW; ow++) {                                                              \
+            int64_t at = ir[ow * is3] - h * W - 2 * ow;                                                      \
+            T gv = gr[ow * gs3], z = 0;                                                                      \
+            row[2 * ow] = at == 0 ? gv : z;                                                                  \
+            row[2 * ow + 1] = at == 1 ? gv : z;                                                              \
+          }                                                                                                  \
+        } else {                                                                                             \
+          for (int64_t ow = 0; ow < OW; ow++) {                                                              \
+            int64_t at = ir[ow * is3] - h * W - kw * ow;                                                     \
+            T gv = gr[ow * gs3], z = 0;                                                                      \
+            for (int64_t jj = 0; jj < kw; jj++) row[kw * ow + jj] = at == jj ? gv : z;                       \
+          }                                                                                                  \
+        }                                                                                                    \
+        for (int64_t w = cw; w < W; w++) row[w] = 0;                                                         \
+      }                                                                                                      \
+    }                                                                                                        \
+    for (int64_t h = OH * kh; h < H; h++)                                                                    \
+      for (int64_t w = 0; w < W; w++) xp[h * W + w] = 0;                                                     \
+  }
+MPB_TILE(mpb_tile_f32, float)
+MPB_TILE(mpb_tile_u16, uint16_t) /* bf16 bits: the gradient is copied, zero is +0 */
+
+static bool tiles(const kiln__conv_params *p) {
+  return p->kernel[0] == p->stride[0] && p->kernel[1] == p->stride[1] && p->padding[0] == 0 &&
+         p->padding[1] == 0 && p->dilation[0] == 1 && p->dilation[1] == 1;
+}
+
 /* Items are planes (NCHW: one (n, c); channels-last: one image n, all channels). dx is
 ** dense in its layout (the op allocates it), so a plane is one block: off is p's flat
 ** index in the block times the channel count (1 for NCHW) plus the channel. */
@@ -358,6 +405,15 @@ static void mpb_planes(void *vctx, int64_t lo, int64_t hi) {
     char *xb = (char *)dx->data + (n * dx->strides[0] + c0 * dx->strides[1]) * es;
     const char *gb = (const char *)g->data + (n * g->strides[0] + c0 * g->strides[1]) * es;
     const int64_t *ib = (const int64_t *)ix->data + n * ix->strides[0] + c0 * ix->strides[1];
+    if (!cl && dis && tiles(p)) {
+      if (bf)
+        mpb_tile_u16((uint16_t *)xb, (const uint16_t *)gb, g->strides[2], g->strides[3], ib, ix->strides[2],
+                     ix->strides[3], p->kernel[0], p->kernel[1], H, W, OH, OW);
+      else
+        mpb_tile_f32((float *)xb, (const float *)gb, g->strides[2], g->strides[3], ib, ix->strides[2],
+                     ix->strides[3], p->kernel[0], p->kernel[1], H, W, OH, OW);
+      continue;
+    }
     if (dis) memset(xb, 0, (size_t)(blk * es));
     else memset(acc, 0, sizeof(double) * (size_t)blk);
     for (int64_t oh = 0; oh < OH; oh++)

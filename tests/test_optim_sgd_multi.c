@@ -253,11 +253,59 @@ static void test_bad_input(void) {
   kiln_scope_end();
 }
 
+/* A channels-last parameter whose gradient comes contiguous (and the reverse): the
+** fused update (after one copy of g into the parameter's layout, src/optim/sgd.c), one
+** SGD_MULTI call for both, the same bits as the composed rule on C-order copies. */
+static void test_mixed_layout_grads(void) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(9);
+  kiln_optim_config cfg = kiln_sgd_config(0.1);
+  cfg.momentum = 0.9, cfg.weight_decay = 1e-4;
+  kiln_tensor *init0 = kiln_randn(KILN_SHAPE(6, 5, 3, 3), KILN_F32, CPU, gen);
+  kiln_tensor *init1 = kiln_randn(KILN_SHAPE(4, 7, 3, 2), KILN_F32, CPU, gen);
+  kiln_tensor *p[2] = {kiln_keep(kiln_contiguous_format(init0, KILN_CHANNELS_LAST)), kiln_keep(kiln_clone(init1))};
+  kiln_tensor *r[2] = {kiln_keep(kiln_clone(init0)), kiln_keep(kiln_clone(init1))};
+  ref_state rs[2];
+  memset(rs, 0, sizeof rs);
+  for (int i = 0; i < 2; i++) kiln_requires_grad_(p[i], true);
+  kiln_optimizer *opt = kiln_optimizer_new(&cfg, p, 2);
+  CHECK(opt != NULL);
+  bool prev = kiln_set_grad_enabled(false);
+  for (int k = 0; k < 3 && opt; k++) {
+    kiln_scope_begin();
+    kiln_tensor *g0 = kiln_randn(KILN_SHAPE(6, 5, 3, 3), KILN_F32, CPU, gen); /* contiguous, p[0] channels-last */
+    kiln_tensor *g1 = kiln_contiguous_format(kiln_randn(KILN_SHAPE(4, 7, 3, 2), KILN_F32, CPU, gen), KILN_CHANNELS_LAST);
+    CHECK(kiln_set_grad(p[0], g0) == KILN_OK && kiln_set_grad(p[1], g1) == KILN_OK);
+    CHECK(ref_plain(&cfg, r[0], g0, &rs[0]) == KILN_OK);
+    CHECK(ref_plain(&cfg, r[1], kiln_contiguous(g1), &rs[1]) == KILN_OK);
+    rs[0].step++, rs[1].step++;
+    sgd_calls = other_calls = 0;
+    kiln__dispatch_observe(count_kernel, NULL);
+    CHECK(kiln_optimizer_step(opt) == KILN_OK);
+    kiln__dispatch_observe(NULL, NULL);
+    CHECK(sgd_calls == 1);
+    kiln_scope_end();
+    for (int i = 0; i < 2; i++) CHECK(bit_equal(kiln_contiguous(p[i]), r[i]));
+    CHECK(kiln_is_contiguous_format(p[0], KILN_CHANNELS_LAST) && kiln_is_contiguous(p[1]));
+  }
+  kiln_set_grad_enabled(prev);
+  kiln_optimizer_free(opt);
+  for (int i = 0; i < 2; i++) {
+    kiln_tensor_free(p[i]);
+    kiln_tensor_free(r[i]);
+    kiln_tensor_free(rs[i].buf);
+    kiln_tensor_free(rs[i].step_t);
+  }
+  kiln_generator_free(gen);
+  kiln_scope_end();
+}
+
 int main(void) {
   test_bit_identical_every_option();
   test_scaled_steps();
   test_fallback_same_bits();
   test_bad_input();
+  test_mixed_layout_grads();
   printf("test_optim_sgd_multi: %d failures\n", failures);
   return failures ? 1 : 0;
 }

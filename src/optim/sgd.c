@@ -127,6 +127,20 @@ kiln_status kiln__sgd_rule(const kiln_optim_config *cfg, int n, kiln_tensor *con
     kiln_tensor *g = kiln_grad(params[i]);
     if (!g) continue;
     kiln__param_state *s = &states[i];
+    /* A gradient dense in the other layout than its parameter (a channels-last conv
+    ** weight whose backward made the gradient contiguous): one copy into the parameter's
+    ** layout, a temporary of this scope, lets the fused update take it. Without it each
+    ** such parameter ran the five composed ops: ResNet-18's 20 conv weights took 27 ms of
+    ** a channels-last CPU step, against 6 ms for all 62 parameters fused. The update's
+    ** values are the same; only the memory order of g's reads changes. */
+    if (kiln_dtype_of(g) == kiln_dtype_of(params[i]) && !fusable(params[i], g, s->buf[0])) {
+      if (channels_last(params[i]) && kiln_is_contiguous(g)) g = kiln_contiguous_format(g, KILN_CHANNELS_LAST);
+      else if (kiln_is_contiguous(params[i]) && channels_last(g)) g = kiln_contiguous(g);
+      if (!g) {
+        st = kiln_last_error();
+        break;
+      }
+    }
     if (fusable(params[i], g, s->buf[0])) {
       bool fresh = false;
       if (cfg->momentum != 0 && !s->buf[0]) {

@@ -145,12 +145,7 @@ KILN__U(gelu_f32, float, r = 0.5f * v * (1.0f + erf(v * (float)KILN__RSQRT2)))
 KILN__U(gelu_f64, double, r = 0.5 * v * (1.0 + erf(v * KILN__RSQRT2)))
 /* The tanh GELU (GPT-2's MLP) in AVX-512 / AVX2 clones picked at load time: the build
 ** targets baseline x86-64, where this loop ran 4 lanes wide (a GPT step spent ~10% here). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KILN__GELU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KILN__GELU_CLONES
-#endif
-KILN__GELU_CLONES
+KILN__CPU_CLONES512
 KILN__U(gelu_tanh_f32, float,
         r = 0.5f * v * (1.0f + kiln__tanhf((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v))))
 KILN__U(gelu_tanh_f64, double,
@@ -180,7 +175,7 @@ KILN__B(gelu_bw_f32, float,
                  v * (float)KILN__RSQRT_2PI * exp(-0.5f * v * v)))
 KILN__B(gelu_bw_f64, double,
         r = g * (0.5 * (1.0 + erf(v * KILN__RSQRT2)) + v * KILN__RSQRT_2PI * exp(-0.5 * v * v)))
-KILN__GELU_CLONES
+KILN__CPU_CLONES512
 KILN__B(gelu_tanh_bw_f32, float, {
   float t = kiln__tanhf((float)KILN__SQRT_2_PI * (v + 0.044715f * v * v * v));
   r = g * (0.5f * (1.0f + t) +
@@ -334,6 +329,52 @@ static const kiln__ew_entry kiln__ew_table[KILN__K_COUNT] = {
     KILN__EC(GE, ge),
 };
 
+/* Whether v is dense in some order of its dims (C order, channels-last, any permutation:
+** numel distinct elements in one block that starts at v->data). */
+static bool kiln__ew_dense(const kiln__view *v) {
+  int64_t st[KILN_MAX_DIMS], sz[KILN_MAX_DIMS];
+  int nd = 0;
+  for (int d = 0; d < v->ndim; d++) {
+    if (v->shape[d] == 0) return false;
+    if (v->shape[d] == 1) continue;
+    /* insertion by stride, largest first */
+    int k = nd++;
+    while (k > 0 && st[k - 1] < v->strides[d]) st[k] = st[k - 1], sz[k] = sz[k - 1], k--;
+    st[k] = v->strides[d], sz[k] = v->shape[d];
+  }
+  int64_t want = 1;
+  for (int k = nd - 1; k >= 0; k--) {
+    if (st[k] != want) return false;
+    want *= sz[k];
+  }
+  return true;
+}
+
+/* Elementwise ops whose operands all have one shape and one dense layout (a channels-last
+** network's activations and gradients) are one flat run: the walker, which runs along
+** the last logical dim, would otherwise take W-long runs of stride C and gather each into
+** a buffer (ReLU on fmnist-cnn's (128, 32, 26, 26) channels-last: 3.1 ms against 0.4 ms
+** contiguous). The table's functions do not use the element's linear index (k0), so
+** the order of the elements does not matter. */
+static bool kiln__ew_flatten(const kiln__kargs *a, int nin, kiln__view *out, kiln__view *ins) {
+  const kiln__view *o = &a->out[0];
+  if (kiln__view_is_contiguous(o) || !kiln__ew_dense(o)) return false;
+  for (int i = 0; i < nin; i++) {
+    const kiln__view *v = &a->in[i];
+    if (v->ndim != o->ndim) return false;
+    for (int d = 0; d < o->ndim; d++)
+      if (v->shape[d] != o->shape[d] || (o->shape[d] > 1 && v->strides[d] != o->strides[d])) return false;
+  }
+  int64_t n = kiln__view_numel(o);
+  *out = *o;
+  out->ndim = 1, out->shape[0] = n, out->strides[0] = 1;
+  for (int i = 0; i < nin; i++) {
+    ins[i] = a->in[i];
+    ins[i].ndim = 1, ins[i].shape[0] = n, ins[i].strides[0] = 1;
+  }
+  return true;
+}
+
 static kiln_status kiln__ew_run(const kiln__kargs *a, bool cmp) {
   const kiln__ew_entry *e = (unsigned)a->op < KILN__K_COUNT ? &kiln__ew_table[a->op] : NULL;
   if (!e || e->nin == 0)
@@ -357,6 +398,9 @@ static kiln_status kiln__ew_run(const kiln__kargs *a, bool cmp) {
     }
     cts[0] = cts[1] = cts[2] = ct;
   }
+  kiln__view fo, fi[2];
+  if (kiln__ew_flatten(a, e->nin, &fo, fi))
+    return kiln__cpu_map_ex(a, &fo, e->nin, fi, cts, fn, e->heavy ? KILN__CPU_PAR_MIN : KILN__CPU_PAR_MIN_CHEAP);
   return kiln__cpu_map_ex(a, &a->out[0], e->nin, a->in, cts, fn,
                           e->heavy ? KILN__CPU_PAR_MIN : KILN__CPU_PAR_MIN_CHEAP);
 }

@@ -124,51 +124,48 @@ static inline int64_t kiln__f2i(double v) {
 #define KILN__F2I(x) kiln__f2i(x)
 #define KILN__NZ(x) ((x) != 0)
 
-/* bf16 <-> f32 on unit strides, the conversions of every bf16 op under autocast: the
-** strided per-element loops below were a quarter of a bf16 GPT step (perf). Contiguous
-** runs take these loops, in AVX-512 / AVX2 clones where GCC builds them (the build targets
-** baseline x86-64); the same bit formulas as half.h's, so the same results. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KILN__CONV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KILN__CONV_CLONES
-#endif
-KILN__CONV_CLONES static void kiln__bf16_run_to_f32(float *d, const uint16_t *s, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t u = (uint32_t)s[i] << 16;
-    memcpy(d + i, &u, 4);
-  }
+/* bf16 <-> f32 over packed runs, the conversions of every bf16 elementwise op and cast:
+** written so that they vectorise (the generic loops below convert one element at a time
+** through a dtype switch; ReLU on 2.8M bf16 elements took 1.5 ms against 0.4 in f32).
+** The same bits as kiln__bf16_to_f32 / kiln__f32_to_bf16 (RNE, NaN kept quiet). */
+KILN__CPU_CLONES
+static void kiln__load_bf16_packed(float *restrict d, const uint16_t *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = kiln__bf16_to_f32(s[i]);
 }
-KILN__CONV_CLONES static void kiln__f32_run_to_bf16(uint16_t *d, const float *s, int64_t n) {
+
+KILN__CPU_CLONES
+static void kiln__store_bf16_packed(uint16_t *restrict d, const float *restrict s, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint32_t u;
-    memcpy(&u, s + i, 4);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;               /* RNE */
-    d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r); /* quiet NaN */
+    memcpy(&u, &s[i], 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x40u;
+    d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
   }
 }
 
-/* f32 <-> f64 on unit strides: the rows of the kernels that compute in f64 (layer norm,
-** reductions) */
-KILN__CONV_CLONES static void kiln__f32_run_to_f64(double *d, const float *s, int64_t n) {
-  for (int64_t i = 0; i < n; i++) d[i] = s[i];
+/* f32 <-> f64 over packed runs (batch norm's f64 passes over f32 activations). */
+KILN__CPU_CLONES
+static void kiln__load_f32_f64_packed(double *restrict d, const float *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = (double)s[i];
 }
-KILN__CONV_CLONES static void kiln__f64_run_to_f32(float *d, const double *s, int64_t n) {
+
+KILN__CPU_CLONES
+static void kiln__store_f64_f32_packed(float *restrict d, const double *restrict s, int64_t n) {
   for (int64_t i = 0; i < n; i++) d[i] = (float)s[i];
 }
 
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
   if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
-    kiln__f32_run_to_f64((double *)dst, (const float *)src, n);
-    return;
-  }
-  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
-    kiln__bf16_run_to_f32((float *)dst, (const uint16_t *)src, n);
+    kiln__load_f32_f64_packed((double *)dst, (const float *)src, n);
     return;
   }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__load_bf16_packed((float *)dst, (const uint16_t *)src, n);
     return;
   }
   if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {
@@ -305,16 +302,16 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
 
 void kiln__cpu_store(char *dst, int64_t bst, kiln_dtype dt, const void *src, kiln_dtype ct,
                      int64_t n) {
-  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
-    kiln__f32_run_to_bf16((uint16_t *)dst, (const float *)src, n);
-    return;
-  }
   if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
-    kiln__f64_run_to_f32((float *)dst, (const double *)src, n);
+    kiln__store_f64_f32_packed((float *)dst, (const double *)src, n);
     return;
   }
   if (ct == KILN_F32 && dt == KILN_F32 && bst == 4) {
     memcpy(dst, src, (size_t)n * 4);
+    return;
+  }
+  if (ct == KILN_F32 && dt == KILN_BF16 && bst == 2) {
+    kiln__store_bf16_packed((uint16_t *)dst, (const float *)src, n);
     return;
   }
   if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {

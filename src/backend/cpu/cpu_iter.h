@@ -43,9 +43,15 @@
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     defined(__GLIBC__) && !defined(KILN_NO_TARGET_CLONES)
 #define KILN__CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#define KILN__CPU_CLONES512 __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KILN__CPU_CLONES
+#define KILN__CPU_CLONES512
 #endif
+/* KILN__CPU_CLONES512 adds an AVX-512 copy, for the row loops of softmax, layer norm, GELU
+** and attention (16 lanes pay there). AVX-512F brings FMA instructions, so the build turns
+** contraction off (-ffp-contract=off, CMakeLists.txt): a*b+c is still two roundings in
+** every copy, and results stay the same on every x86-64 machine. */
 
 /* KILN__CPU_FMA before a loop that computes fused multiply-adds (fmaf/fma, one rounding):
 ** on x86-64 with GCC or Clang it is compiled for AVX2+FMA, where fmaf is one instruction

@@ -24,11 +24,6 @@
 ** builds for x86-64 Linux: the build targets baseline x86-64, and a language model's
 ** head (2048 rows of 4096 logits, forward and backward) spent ~35 ms a step in them at 4
 ** lanes. Called once a row, so the indirect call costs nothing. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KILN__SM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KILN__SM_CLONES
-#endif
 
 /* Rows up to this long use stack buffers; longer ones one heap buffer per thread. */
 #define KILN__SM_STACK 2048
@@ -47,7 +42,7 @@ typedef struct kiln__rows {
 /* ---- softmax family: row kernels on contiguous T arrays ---- */
 #define KILN__SM_FNS(T, SUF)                                                              \
   /* sum of exp(x - m) in f64, eight independent lanes so the loop vectorizes */          \
-  KILN__SM_CLONES static double kiln__sumexp_##SUF(const T *x, int64_t n, T m) {                          \
+  KILN__CPU_CLONES512 static double kiln__sumexp_##SUF(const T *x, int64_t n, T m) {                          \
     double s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
     int64_t i = 0;                                                                        \
     for (; i + 8 <= n; i += 8)                                                            \
@@ -55,7 +50,7 @@ typedef struct kiln__rows {
     for (; i < n; i++) s8[0] += (double)KILN__EXP(x[i] - m);                              \
     return ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));     \
   }                                                                                       \
-  KILN__SM_CLONES static double kiln__sum_##SUF(const T *x, int64_t n) {                                  \
+  KILN__CPU_CLONES512 static double kiln__sum_##SUF(const T *x, int64_t n) {                                  \
     double s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
     int64_t i = 0;                                                                        \
     for (; i + 8 <= n; i += 8)                                                            \
@@ -63,12 +58,12 @@ typedef struct kiln__rows {
     for (; i < n; i++) s8[0] += (double)x[i];                                             \
     return ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));     \
   }                                                                                       \
-  KILN__SM_CLONES static T kiln__rowmax_##SUF(const T *x, int64_t n) {                                    \
+  KILN__CPU_CLONES512 static T kiln__rowmax_##SUF(const T *x, int64_t n) {                                    \
     T m = -INFINITY;                                                                      \
     for (int64_t i = 0; i < n; i++) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;            \
     return m == -INFINITY ? 0 : m; /* all -inf: keep exp finite (NaN results, as torch) */ \
   }                                                                                       \
-  KILN__SM_CLONES static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
+  KILN__CPU_CLONES512 static void kiln__softmax_row_##SUF(T *x, int64_t n, bool logsm) {                      \
     T m = kiln__rowmax_##SUF(x, n);                                                       \
     if (logsm) {                                                                          \
       /* (x - m) - log(s), not x - (m + log(s)): m + log(s) rounds at m's magnitude */    \
@@ -81,7 +76,7 @@ typedef struct kiln__rows {
     }                                                                                     \
   }                                                                                       \
   /* y (softmax out) and g: y <- y*(g - sum(g*y)); logsm: y <- g - exp(y)*sum(g) */        \
-  KILN__SM_CLONES static void kiln__softmax_bw_row_##SUF(T *y, const T *g, int64_t n, bool logsm) {       \
+  KILN__CPU_CLONES512 static void kiln__softmax_bw_row_##SUF(T *y, const T *g, int64_t n, bool logsm) {       \
     double s = 0;                                                                         \
     if (logsm) {                                                                          \
       T ts = (T)kiln__sum_##SUF(g, n);                                                    \
@@ -221,7 +216,7 @@ static kiln_status kiln__ce_check(const kiln__kargs *a, const char *name) {
 
 #define KILN__CE_FNS(T, SUF)                                                              \
   /* x: one row of logits; returns the loss, *lse_out the logsumexp */                    \
-  KILN__SM_CLONES static T kiln__ce_row_##SUF(const T *x, int64_t n, int64_t t, double eps, T *lse_out) { \
+  KILN__CPU_CLONES512 static T kiln__ce_row_##SUF(const T *x, int64_t n, int64_t t, double eps, T *lse_out) { \
     T mm = kiln__rowmax_##SUF(x, n);                                                      \
     double lse = (double)mm + log(kiln__sumexp_##SUF(x, n, mm));                          \
     *lse_out = (T)lse;                                                                    \
@@ -229,7 +224,7 @@ static kiln_status kiln__ce_check(const kiln__kargs *a, const char *name) {
     if (eps != 0) loss += eps * (lse - kiln__sum_##SUF(x, n) / (double)n);                \
     return (T)loss;                                                                       \
   }                                                                                       \
-  KILN__SM_CLONES static void kiln__ce_bw_row_##SUF(T *x, int64_t n, int64_t t, double eps, T lse, T g) { \
+  KILN__CPU_CLONES512 static void kiln__ce_bw_row_##SUF(T *x, int64_t n, int64_t t, double eps, T lse, T g) { \
     T off = (T)(eps / (double)n), on = (T)(1.0 - eps);                                    \
     for (int64_t i = 0; i < n; i++) x[i] = g * (KILN__EXP(x[i] - lse) - off);                   \
     x[t] -= g * on;                                                                       \

@@ -57,15 +57,10 @@ typedef struct kiln__ln {
 ** chain of adds does not vectorise without -ffast-math) and the weight/bias branches out
 ** of the loops; AVX-512 / AVX2 clones where GCC builds for x86-64 Linux (the build
 ** targets baseline x86-64). A GPT's (2048, 256) layer_norm took ~0.7 ms a call. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KILN__LN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KILN__LN_CLONES
-#endif
 #define KILN__LN_LANES 8
 
 /* x (n) normalised in place: (x - mean) rstd (* w) (+ b); mean 0 for RMS norm. */
-KILN__LN_CLONES static void kiln__ln_row_fwd(double *x, int64_t n, const double *w, const double *b, bool rms,
+KILN__CPU_CLONES512 static void kiln__ln_row_fwd(double *x, int64_t n, const double *w, const double *b, bool rms,
                                              double eps, double *mean_out, double *rstd_out) {
   double l[KILN__LN_LANES] = {0}, mean = 0, var = 0;
   int64_t j;
@@ -91,7 +86,7 @@ KILN__LN_CLONES static void kiln__ln_row_fwd(double *x, int64_t n, const double 
 }
 
 /* dx in x: x <- rstd (gw - mean(gw) - xhat mean(gw xhat)), g <- g w (scratch). */
-KILN__LN_CLONES static void kiln__ln_row_bwd(double *x, double *g, int64_t n, const double *w, bool rms, double mean,
+KILN__CPU_CLONES512 static void kiln__ln_row_bwd(double *x, double *g, int64_t n, const double *w, bool rms, double mean,
                                              double rstd) {
   double l1[KILN__LN_LANES] = {0}, l2[KILN__LN_LANES] = {0}, sg = 0, sgx = 0;
   int64_t j;
@@ -451,13 +446,8 @@ static void kiln__att_load_range(void *vctx, int64_t lo, int64_t hi) {
 ** reference every f32 result is tested against. */
 #define KILN__ATT_BQ 64
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 /* the exp-heavy row loops in AVX-512 / AVX2 clones chosen at load time (the build itself
 ** targets baseline x86-64) */
-#define KILN__ATT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KILN__ATT_CLONES
-#endif
 
 /* e^x in f32 (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, 2^n by
 ** the exponent bits; ~1 ulp), branch-free so the loops that call it vectorise. x below
@@ -490,7 +480,7 @@ static inline float kiln__att_expf(float x) {
 
 /* Row i's softmax numerators in place: p_j = exp(s_j - m) for j < n, 0 for j in [n, w);
 ** returns the sum of p, *m the row max. */
-KILN__ATT_CLONES static float kiln__att_row_softmax(float *s, int64_t n, int64_t w, float *mout) {
+KILN__CPU_CLONES512 static float kiln__att_row_softmax(float *s, int64_t n, int64_t w, float *mout) {
   float mv[KILN__ATT_LANES], lv[KILN__ATT_LANES];
   for (int k = 0; k < KILN__ATT_LANES; k++) mv[k] = -INFINITY, lv[k] = 0;
   int64_t j = 0;
@@ -519,7 +509,7 @@ KILN__ATT_CLONES static float kiln__att_row_softmax(float *s, int64_t n, int64_t
 
 /* The backward's row: s_j <- p_j = exp(s_j - lse) (j < n; 0 to w), then with dp_j:
 ** delta = sum_j p_j dp_j and dp_j <- p_j (dp_j - delta) scale (dS). */
-KILN__ATT_CLONES static void kiln__att_row_grad(float *s, float *dp, int64_t n, int64_t w, float lse, float scale) {
+KILN__CPU_CLONES512 static void kiln__att_row_grad(float *s, float *dp, int64_t n, int64_t w, float lse, float scale) {
   float dv[KILN__ATT_LANES];
   for (int k = 0; k < KILN__ATT_LANES; k++) dv[k] = 0;
   int64_t j = 0;

@@ -1,0 +1,490 @@
+/*
+** MAX_POOL2D and MAX_POOL2D_BACKWARD in f32 and bf16, NCHW (unit-stride rows) and
+** channels-last (unit-stride channels): the layouts and dtypes a CNN trains in. Any other
+** case (f16, f64, odd strides) goes to the general loops of cpu_conv.c, which define the
+** results these kernels reproduce bit for bit:
+**
+** forward: the window's candidates in row-major order (i, then j), the first strict
+** maximum, a NaN winning over a number (the first NaN); padding never wins; the index is
+** h*W + w in x's plane (PyTorch's choice on ties: it scans the same order with `>`).
+** backward: dx[p] is the sum of the gradients of the outputs whose index is p and lies in
+** that output's own window (an index from max_pool2d always does), added in f64 and
+** rounded once to dx's dtype.
+**
+** Why a file of its own: the general loops compare in f64 through a per-element dtype
+** dispatch and branch on every comparison. On random data the argmax is unpredictable,
+** so the 2x2 fast path that was there paid a branch miss or two per output (3.3 ms for
+** fmnist-cnn's (128, 32, 26, 26) against a memcpy of its bytes well under 1 ms). Here the
+** comparison is a select on whole rows of outputs (NCHW: one output row at a time, each
+** window offset (i, j) a pass over the row; channels-last: one output pixel's channels at
+** a time), which GCC vectorises, and rows or pixels are split across the threads.
+*/
+#include "cpu.h"
+#include "cpu_iter.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct mp_job {
+  const kiln__kargs *a;
+  const kiln__conv_params *p;
+  bool oom;
+} mp_job;
+
+static inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Exact for a value that came from bf16 (the pooled maximum always did). */
+static inline uint16_t f32_to_bf16_exact(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
+/* The output columns ow whose input column ow*s - p + off lies in [0, W): [*lo, *hi). */
+static void valid_cols(int64_t OW, int64_t W, int64_t s, int64_t p, int64_t off, int64_t *lo, int64_t *hi) {
+  int64_t base = off - p;
+  int64_t a = base >= 0 ? 0 : (-base + s - 1) / s;
+  int64_t b = W - base <= 0 ? 0 : (W - base - 1) / s + 1;
+  if (a > OW) a = OW;
+  if (b > OW) b = OW;
+  if (b < a) b = a;
+  *lo = a, *hi = b;
+}
+
+/* One NCHW plane: for each window offset (i, j) in order, a pass over the output rows
+** it reaches, each output taking the candidate with `take`, the general loop's rule as
+** selects. One call per plane (not per row: ResNet's rows are 8 outputs long, and a call
+** per row and offset cost more than the comparisons). SW: the column stride, a constant
+** in the specialised copies so that the loads vectorise. */
+#define MP_PLANE(NAME, T, LOAD, SW)                                                                    \
+  KILN__CPU_CLONES                                                                                     \
+  static void NAME(float *restrict best, int32_t *restrict at, const T *restrict xp, int64_t xs2,       \
+                   const kiln__conv_params *p, int64_t H, int64_t W, int64_t OH, int64_t OW) {          \
+    const int64_t sw = SW;                                                                             \
+    for (int64_t i = 0; i < p->kernel[0]; i++)                                                          \
+      for (int64_t jj = 0; jj < p->kernel[1]; jj++) {                                                  \
+        int64_t off = jj * p->dilation[1], a, b;                                                        \
+        valid_cols(OW, W, sw, p->padding[1], off, &a, &b);                                              \
+        for (int64_t oh = 0; oh < OH && a < b; oh++) {                                                  \
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];                           \
+          if (h < 0 || h >= H) continue;                                                                \
+          int64_t w0 = a * sw - p->padding[1] + off;                                                    \
+          const T *src = xp + h * xs2 + w0;                                                             \
+          float *bo = best + oh * OW + a;                                                               \
+          int32_t *ao = at + oh * OW + a, id0 = (int32_t)(h * W + w0);                                  \
+          for (int64_t k = 0; k < b - a; k++) {                                                         \
+            float v = LOAD(src[k * sw]), bb = bo[k];                                                    \
+            bool take = (ao[k] < 0) | (v > bb) | ((v != v) & (bb == bb));                               \
+            bo[k] = take ? v : bb;                                                                      \
+            ao[k] = take ? id0 + (int32_t)(k * sw) : ao[k];                                             \
+          }                                                                                             \
+        }                                                                                               \
+      }                                                                                                 \
+  }
+#define MP_F32(v) (v)
+#define MP_BF16(v) bf16_to_f32(v)
+MP_PLANE(mp_plane_f32_s1, float, MP_F32, 1)
+MP_PLANE(mp_plane_f32_s2, float, MP_F32, 2)
+MP_PLANE(mp_plane_f32_sn, float, MP_F32, p->stride[1])
+MP_PLANE(mp_plane_bf16_s1, uint16_t, MP_BF16, 1)
+MP_PLANE(mp_plane_bf16_s2, uint16_t, MP_BF16, 2)
+MP_PLANE(mp_plane_bf16_sn, uint16_t, MP_BF16, p->stride[1])
+
+/* Channels-last: every channel of one pixel against the same index. */
+KILN__CPU_CLONES
+static void mp_update_c_f32(float *restrict best, int32_t *restrict at, const float *restrict src, int64_t n,
+                            int32_t id) {
+  for (int64_t k = 0; k < n; k++) {
+    float v = src[k], b = best[k];
+    bool take = (at[k] < 0) | (v > b) | ((v != v) & (b == b));
+    best[k] = take ? v : b;
+    at[k] = take ? id : at[k];
+  }
+}
+
+KILN__CPU_CLONES
+static void mp_update_c_bf16(float *restrict best, int32_t *restrict at, const uint16_t *restrict src, int64_t n,
+                             int32_t id) {
+  for (int64_t k = 0; k < n; k++) {
+    float v = bf16_to_f32(src[k]), b = best[k];
+    bool take = (at[k] < 0) | (v > b) | ((v != v) & (b == b));
+    best[k] = take ? v : b;
+    at[k] = take ? id : at[k];
+  }
+}
+
+static void mp_init(float *best, int32_t *at, int64_t n) {
+  for (int64_t k = 0; k < n; k++) best[k] = -INFINITY, at[k] = -1;
+}
+
+/* Stores n results at y (element stride ys) and ix (stride is); a window with no
+** candidate (not possible with padding at most half the kernel) gives index 0. */
+static void mp_store(const float *best, const int32_t *at, int64_t n, char *y, int64_t ys, bool bf, int64_t *ix,
+                     int64_t is) {
+  if (bf) {
+    uint16_t *yb = (uint16_t *)y;
+    for (int64_t k = 0; k < n; k++) yb[k * ys] = f32_to_bf16_exact(best[k]);
+  } else {
+    float *yf = (float *)y;
+    for (int64_t k = 0; k < n; k++) yf[k * ys] = best[k];
+  }
+  for (int64_t k = 0; k < n; k++) ix[k * is] = at[k] < 0 ? 0 : at[k];
+}
+
+/* NCHW rows with AVX-512 (column stride 1 or 2): an output row in chunks of 16, each
+** chunk's best values and indices held in two registers across the window, the
+** candidates of one window offset loaded at once (masked: the lanes outside the image
+** or past the row are not read; stride 2 loads 32 elements and keeps the even ones), the
+** rule as mask operations. The portable plane loops above vectorise only within a row,
+** with a scalar tail that branches (ResNet's rows are 8 outputs, fmnist-cnn's 13 and 5):
+** 2.7 ms for ResNet's stem pool against 0.4 ms here. Max is exact, so both give the
+** same bits. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define MP_HAVE_AVX512 1
+static bool mp_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0)
+    ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("bmi2");
+  return ok;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,bmi2"))) static void
+mp_plane_avx512(const char *xp, bool bf, int64_t xs2, const kiln__conv_params *p, int64_t H, int64_t W, int64_t OH,
+                int64_t OW, char *yp, int64_t ys2, int64_t *ip, int64_t is2) {
+  const int64_t sw = p->stride[1], es = bf ? 2 : 4;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i lane_sw = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)sw));
+  for (int64_t oh = 0; oh < OH; oh++)
+    for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
+      int64_t nout = OW - ow0 < 16 ? OW - ow0 : 16;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i at = _mm512_set1_epi32(-1);
+      for (int64_t i = 0; i < p->kernel[0]; i++) {
+        int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+        if (h < 0 || h >= H) continue;
+        const char *row = xp + h * xs2 * es;
+        for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+          int64_t off = jj * p->dilation[1], a, b;
+          valid_cols(OW, W, sw, p->padding[1], off, &a, &b);
+          if (a < ow0) a = ow0;
+          if (b > ow0 + nout) b = ow0 + nout;
+          if (a >= b) continue;
+          __mmask16 m = (__mmask16)(((1u << (b - a)) - 1) << (a - ow0));
+          int64_t w0 = ow0 * sw - p->padding[1] + off; /* column of lane 0 (maybe outside) */
+          /* lane l reads column w0 + l*sw; only lanes in m, whose columns are in [0, W) */
+          const char *base = row + w0 * es;
+          __m512 v;
+          if (sw == 1) {
+            if (bf)
+              v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, base)), 16));
+            else
+              v = _mm512_maskz_loadu_ps(m, base);
+          } else {
+            uint32_t m2 = _pdep_u32(m, 0x55555555u); /* element 2l for lane l */
+            if (bf)
+              v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_loadu_epi16(m2, base), 16));
+            else
+              v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps((__mmask16)m2, base), even,
+                                         _mm512_maskz_loadu_ps((__mmask16)(m2 >> 16), (const float *)base + 16));
+          }
+          __m512i id = _mm512_add_epi32(_mm512_set1_epi32((int)(h * W + w0)), lane_sw);
+          __mmask16 take = _mm512_mask_cmplt_epi32_mask(m, at, _mm512_setzero_si512()) |
+                           _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ) |
+                           (_mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
+          best = _mm512_mask_mov_ps(best, take, v);
+          at = _mm512_mask_mov_epi32(at, take, id);
+        }
+      }
+      __mmask16 mo = (__mmask16)((1u << nout) - 1);
+      if (bf)
+        _mm512_mask_cvtepi32_storeu_epi16(yp + (oh * ys2 + ow0) * 2, mo, _mm512_srli_epi32(_mm512_castps_si512(best), 16));
+      else
+        _mm512_mask_storeu_ps(yp + (oh * ys2 + ow0) * 4, mo, best);
+      at = _mm512_max_epi32(at, _mm512_setzero_si512()); /* no candidate: index 0 */
+      int64_t *io = ip + oh * is2 + ow0;
+      _mm512_mask_storeu_epi64(io, (__mmask8)mo, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(at)));
+      _mm512_mask_storeu_epi64(io + 8, (__mmask8)(mo >> 8), _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(at, 1)));
+    }
+}
+#endif
+
+/* NCHW: items are planes (n, c). */
+static void mp_planes(void *vctx, int64_t lo, int64_t hi) {
+  mp_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  bool bf = x->dtype == KILN_BF16;
+  int64_t es = bf ? 2 : 4;
+  int64_t C = x->shape[1], H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
+  float *best = malloc((size_t)(OH * OW) * (sizeof(float) + sizeof(int32_t)));
+  if (!best) {
+    j->oom = true;
+    return;
+  }
+  int32_t *at = (int32_t *)(best + OH * OW);
+  int64_t sw = p->stride[1];
+#ifdef MP_HAVE_AVX512
+  bool use512 = (sw == 1 || sw == 2) && y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok();
+#endif
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / C, c = q % C;
+    const char *xp = (const char *)x->data + (n * x->strides[0] + c * x->strides[1]) * es;
+#ifdef MP_HAVE_AVX512
+    if (use512) {
+      mp_plane_avx512(xp, bf, x->strides[2], p, H, W, OH, OW,
+                      (char *)y->data + (n * y->strides[0] + c * y->strides[1]) * es, y->strides[2],
+                      (int64_t *)ix->data + n * ix->strides[0] + c * ix->strides[1], ix->strides[2]);
+      continue;
+    }
+#endif
+    mp_init(best, at, OH * OW);
+    if (bf) {
+      const uint16_t *xb = (const uint16_t *)xp;
+      if (sw == 1) mp_plane_bf16_s1(best, at, xb, x->strides[2], p, H, W, OH, OW);
+      else if (sw == 2) mp_plane_bf16_s2(best, at, xb, x->strides[2], p, H, W, OH, OW);
+      else mp_plane_bf16_sn(best, at, xb, x->strides[2], p, H, W, OH, OW);
+    } else {
+      const float *xf = (const float *)xp;
+      if (sw == 1) mp_plane_f32_s1(best, at, xf, x->strides[2], p, H, W, OH, OW);
+      else if (sw == 2) mp_plane_f32_s2(best, at, xf, x->strides[2], p, H, W, OH, OW);
+      else mp_plane_f32_sn(best, at, xf, x->strides[2], p, H, W, OH, OW);
+    }
+    for (int64_t oh = 0; oh < OH; oh++) {
+      char *yp = (char *)y->data + (n * y->strides[0] + c * y->strides[1] + oh * y->strides[2]) * es;
+      int64_t *ip = (int64_t *)ix->data + n * ix->strides[0] + c * ix->strides[1] + oh * ix->strides[2];
+      mp_store(best + oh * OW, at + oh * OW, OW, yp, y->strides[3], bf, ip, ix->strides[3]);
+    }
+  }
+  free(best);
+}
+
+/* Channels-last: items are output pixels (n, oh, ow), each all C channels. */
+static void mp_pixels(void *vctx, int64_t lo, int64_t hi) {
+  mp_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  bool bf = x->dtype == KILN_BF16;
+  int64_t es = bf ? 2 : 4;
+  int64_t C = x->shape[1], H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
+  float *best = malloc((size_t)C * (sizeof(float) + sizeof(int32_t)));
+  if (!best) {
+    j->oom = true;
+    return;
+  }
+  int32_t *at = (int32_t *)(best + C);
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t ow = r % OW, t = r / OW, oh = t % OH, n = t / OH;
+    const char *xn = (const char *)x->data + n * x->strides[0] * es;
+    mp_init(best, at, C);
+    for (int64_t i = 0; i < p->kernel[0]; i++) {
+      int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+      if (h < 0 || h >= H) continue;
+      for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+        int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+        if (w < 0 || w >= W) continue;
+        const char *src = xn + (h * x->strides[2] + w * x->strides[3]) * es;
+        if (bf) mp_update_c_bf16(best, at, (const uint16_t *)src, C, (int32_t)(h * W + w));
+        else mp_update_c_f32(best, at, (const float *)src, C, (int32_t)(h * W + w));
+      }
+    }
+    char *yp = (char *)y->data + (n * y->strides[0] + oh * y->strides[2] + ow * y->strides[3]) * es;
+    int64_t *ip = (int64_t *)ix->data + n * ix->strides[0] + oh * ix->strides[2] + ow * ix->strides[3];
+    mp_store(best, at, C, yp, y->strides[1], bf, ip, ix->strides[1]);
+  }
+  free(best);
+}
+
+/* ---- backward ---------------------------------------------------------------------------- */
+
+/* Whether index `at` lies in the window of output (oh, ow), without a division (an i64
+** division per output cost more than the rest of the scatter) and without a branch on
+** the index (which is random: a branch on it missed every other time). */
+static inline bool in_window(int64_t at, int64_t oh, int64_t ow, const kiln__conv_params *p, int64_t H, int64_t W) {
+  int64_t h0 = oh * p->stride[0] - p->padding[0], w0 = ow * p->stride[1] - p->padding[1];
+  int64_t rel = at - (h0 * W + w0), span = (p->kernel[1] - 1) * p->dilation[1], rstep = p->dilation[0] * W;
+  bool ok = false;
+  for (int64_t i = 0; i < p->kernel[0]; i++) {
+    int64_t rr = rel - i * rstep; /* the column offset, if at is in window row i */
+    int64_t h = h0 + i * p->dilation[0], w = w0 + rr;
+    ok |= ((uint64_t)rr <= (uint64_t)span) & ((uint64_t)h < (uint64_t)H) & ((uint64_t)w < (uint64_t)W) &
+          (p->dilation[1] == 1 || rr % p->dilation[1] == 0);
+  }
+  return ok;
+}
+
+static bool disjoint(const kiln__conv_params *p) {
+  return p->kernel[0] <= p->stride[0] && p->kernel[1] <= p->stride[1] && p->dilation[0] == 1 &&
+         p->dilation[1] == 1;
+}
+
+typedef struct mpb_job {
+  const kiln__kargs *a;
+  const kiln__conv_params *p;
+  bool cl;
+  bool oom;
+} mpb_job;
+
+/* NCHW windows that tile the plane (kernel == stride, no padding or dilation: MaxPool2d(2)
+** and the like): every pixel of dx is written once, the gradient where the index points
+** and zero elsewhere, row by row, instead of zeroing the plane and scattering into it
+** (two passes over dx, the second at random). Pixels past the last window (an odd
+** size's last row or column) are zeroed. The index test is the same as in_window's
+** (an index only counts in its own window), since each output only looks at its own
+** window's pixels. */
+#define MPB_TILE(NAME, T)                                                                                    \
+  KILN__CPU_CLONES                                                                                           \
+  static void NAME(T *restrict xp, const T *restrict gp, int64_t gs2, int64_t gs3, const int64_t *restrict ip, \
+                   int64_t is2, int64_t is3, int64_t kh, int64_t kw, int64_t H, int64_t W, int64_t OH,       \
+                   int64_t OW) {                                                                             \
+    int64_t cw = OW * kw; /* columns covered by windows */                                                   \
+    for (int64_t oh = 0; oh < OH; oh++) {                                                                    \
+      const T *gr = gp + oh * gs2;                                                                           \
+      const int64_t *ir = ip + oh * is2;                                                                     \
+      for (int64_t i = 0; i < kh; i++) {                                                                     \
+        int64_t h = oh * kh + i;                                                                             \
+        T *row = xp + h * W;                                                                                 \
+        if (kw == 2) {                                                                                       \
+          for (int64_t ow = 0; ow < OW; ow++) {                                                              \
+            int64_t at = ir[ow * is3] - h * W - 2 * ow;                                                      \
+            T gv = gr[ow * gs3], z = 0;                                                                      \
+            row[2 * ow] = at == 0 ? gv : z;                                                                  \
+            row[2 * ow + 1] = at == 1 ? gv : z;                                                              \
+          }                                                                                                  \
+        } else {                                                                                             \
+          for (int64_t ow = 0; ow < OW; ow++) {                                                              \
+            int64_t at = ir[ow * is3] - h * W - kw * ow;                                                     \
+            T gv = gr[ow * gs3], z = 0;                                                                      \
+            for (int64_t jj = 0; jj < kw; jj++) row[kw * ow + jj] = at == jj ? gv : z;                       \
+          }                                                                                                  \
+        }                                                                                                    \
+        for (int64_t w = cw; w < W; w++) row[w] = 0;                                                         \
+      }                                                                                                      \
+    }                                                                                                        \
+    for (int64_t h = OH * kh; h < H; h++)                                                                    \
+      for (int64_t w = 0; w < W; w++) xp[h * W + w] = 0;                                                     \
+  }
+MPB_TILE(mpb_tile_f32, float)
+MPB_TILE(mpb_tile_u16, uint16_t) /* bf16 bits: the gradient is copied, zero is +0 */
+
+static bool tiles(const kiln__conv_params *p) {
+  return p->kernel[0] == p->stride[0] && p->kernel[1] == p->stride[1] && p->padding[0] == 0 &&
+         p->padding[1] == 0 && p->dilation[0] == 1 && p->dilation[1] == 1;
+}
+
+/* Items are planes (NCHW: one (n, c); channels-last: one image n, all channels). dx is
+** dense in its layout (the op allocates it), so a plane is one block: off is p's flat
+** index in the block times the channel count (1 for NCHW) plus the channel. */
+static void mpb_planes(void *vctx, int64_t lo, int64_t hi) {
+  mpb_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *ix = &j->a->in[1], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  bool bf = dx->dtype == KILN_BF16, cl = j->cl, dis = disjoint(p);
+  int64_t es = bf ? 2 : 4;
+  int64_t C = dx->shape[1], H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  int64_t CB = cl ? C : 1; /* channels in one block */
+  int64_t blk = H * W * CB;
+  double *acc = NULL;
+  if (!dis) {
+    acc = malloc(sizeof(double) * (size_t)blk);
+    if (!acc) {
+      j->oom = true;
+      return;
+    }
+  }
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = cl ? q : q / C, c0 = cl ? 0 : q % C;
+    char *xb = (char *)dx->data + (n * dx->strides[0] + c0 * dx->strides[1]) * es;
+    const char *gb = (const char *)g->data + (n * g->strides[0] + c0 * g->strides[1]) * es;
+    const int64_t *ib = (const int64_t *)ix->data + n * ix->strides[0] + c0 * ix->strides[1];
+    if (!cl && dis && tiles(p)) {
+      if (bf)
+        mpb_tile_u16((uint16_t *)xb, (const uint16_t *)gb, g->strides[2], g->strides[3], ib, ix->strides[2],
+                     ix->strides[3], p->kernel[0], p->kernel[1], H, W, OH, OW);
+      else
+        mpb_tile_f32((float *)xb, (const float *)gb, g->strides[2], g->strides[3], ib, ix->strides[2],
+                     ix->strides[3], p->kernel[0], p->kernel[1], H, W, OH, OW);
+      continue;
+    }
+    if (dis) memset(xb, 0, (size_t)(blk * es));
+    else memset(acc, 0, sizeof(double) * (size_t)blk);
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++)
+        for (int64_t c = 0; c < CB; c++) {
+          int64_t at = ib[oh * ix->strides[2] + ow * ix->strides[3] + c * ix->strides[1]];
+          if (!in_window(at, oh, ow, p, H, W)) continue;
+          const char *gp = gb + (oh * g->strides[2] + ow * g->strides[3] + c * g->strides[1]) * es;
+          int64_t off = at * CB + c;
+          if (dis) { /* one gradient per pixel: its bits */
+            if (bf) ((uint16_t *)xb)[off] = *(const uint16_t *)gp;
+            else ((float *)xb)[off] = *(const float *)gp;
+          } else acc[off] += bf ? (double)bf16_to_f32(*(const uint16_t *)gp) : (double)*(const float *)gp;
+        }
+    if (!dis) kiln__cpu_store(xb, es, dx->dtype, acc, KILN_F64, blk);
+  }
+  free(acc);
+}
+
+/* ---- entry ------------------------------------------------------------------------------- */
+
+static bool fast_dtype(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
+
+/* dx dense in NCHW (cl false) or channels-last (cl true). */
+static bool dense(const kiln__view *v, bool cl) {
+  int64_t C = v->shape[1], H = v->shape[2], W = v->shape[3];
+  if (cl) return v->strides[1] == 1 && v->strides[3] == C && v->strides[2] == W * C && v->strides[0] == H * W * C;
+  return v->strides[3] == 1 && v->strides[2] == W && v->strides[1] == H * W && v->strides[0] == C * H * W;
+}
+
+kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  if (!p) return kiln__cpu_conv_window(a);
+  if (a->op == KILN__K_MAX_POOL2D) {
+    if (a->n_in < 1 || a->n_out < 2 || a->in[0].ndim != 4 || a->out[0].ndim != 4 || a->out[1].ndim != 4)
+      return kiln__cpu_conv_window(a);
+    const kiln__view *x = &a->in[0], *y = &a->out[0], *ix = &a->out[1];
+    if (!fast_dtype(x->dtype) || y->dtype != x->dtype || ix->dtype != KILN_I64 ||
+        x->shape[2] * x->shape[3] >= INT32_MAX)
+      return kiln__cpu_conv_window(a);
+    int64_t N = y->shape[0], C = y->shape[1], OH = y->shape[2], OW = y->shape[3];
+    if (N * C * OH * OW == 0) return KILN_OK;
+    int64_t win = p->kernel[0] * p->kernel[1];
+    mp_job j = {a, p, false};
+    bool cl = x->strides[1] == 1 && x->strides[3] != 1 && C > 1;
+    if (cl) {
+      int64_t items = N * OH * OW, per = C * win + 1;
+      kiln__cpu_parallel_for(items, KILN__CPU_PAR_MIN_CHEAP / per + 1, mp_pixels, &j);
+    } else if (x->strides[3] == 1) {
+      int64_t items = N * C, per = OH * OW * win + 1;
+      kiln__cpu_parallel_for(items, KILN__CPU_PAR_MIN_CHEAP / per + 1, mp_planes, &j);
+    } else {
+      return kiln__cpu_conv_window(a);
+    }
+    if (j.oom) return kiln_set_error(KILN_ERR_OOM, "kiln: max_pool2d: out of host memory for a row buffer");
+    return KILN_OK;
+  }
+  if (a->op == KILN__K_MAX_POOL2D_BACKWARD) {
+    if (a->n_in < 2 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || a->out[0].ndim != 4)
+      return kiln__cpu_conv_window(a); /* which sets the error */
+    const kiln__view *g = &a->in[0], *ix = &a->in[1], *dx = &a->out[0];
+    if (!fast_dtype(dx->dtype) || g->dtype != dx->dtype || ix->dtype != KILN_I64) return kiln__cpu_conv_window(a);
+    bool cl = dense(dx, true) && dx->shape[1] > 1 && !dense(dx, false);
+    if (!cl && !dense(dx, false)) return kiln__cpu_conv_window(a);
+    int64_t N = dx->shape[0], C = dx->shape[1];
+    if (N * C * dx->shape[2] * dx->shape[3] == 0) return KILN_OK;
+    mpb_job j = {a, p, cl, false};
+    int64_t items = cl ? N : N * C, per = kiln__view_numel(dx) / items + 1;
+    kiln__cpu_parallel_for(items, KILN__CPU_PAR_MIN_CHEAP / per + 1, mpb_planes, &j);
+    if (j.oom) return kiln_set_error(KILN_ERR_OOM, "kiln: max_pool2d_backward: out of host memory for a plane buffer");
+    return KILN_OK;
+  }
+  return kiln__cpu_conv_window(a);
+}

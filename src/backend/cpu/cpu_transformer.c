@@ -446,33 +446,6 @@ static void kiln__att_load_range(void *vctx, int64_t lo, int64_t hi) {
 ** reference every f32 result is tested against. */
 #define KILN__ATT_BQ 64
 
-/* the exp-heavy row loops in AVX-512 / AVX2 clones chosen at load time (the build itself
-** targets baseline x86-64) */
-
-/* e^x in f32 (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial, 2^n by
-** the exponent bits; ~1 ulp), branch-free so the loops that call it vectorise. x below
-** -87.3 (e^x under f32's normal range) gives 0. */
-static inline float kiln__att_expf(float x) {
-  float keep = x >= -87.3f ? 1.0f : 0.0f;
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  float n = x * 1.44269504088896341f + 12582912.0f; /* round to nearest by the 1.5*2^23 trick */
-  n -= 12582912.0f;
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  union {
-    int32_t i;
-    float f;
-  } e;
-  e.i = ((int32_t)n + 127) << 23;
-  return p * e.f * keep;
-}
-
 /* The max and the sums below run in 16 independent lanes, combined at the end: a single
 ** accumulator is a dependent chain the compiler may not reorder (no -ffast-math), and
 ** the loops stayed scalar (perf: 40% of the forward in the max and sum). */
@@ -491,13 +464,13 @@ KILN__CPU_CLONES512 static float kiln__att_row_softmax(float *s, int64_t n, int6
   for (int k = 0; k < KILN__ATT_LANES; k++) m = mv[k] > m ? mv[k] : m;
   for (j = 0; j + KILN__ATT_LANES <= n; j += KILN__ATT_LANES)
     for (int k = 0; k < KILN__ATT_LANES; k++) {
-      float p = kiln__att_expf(s[j + k] - m);
+      float p = kiln__expf(s[j + k] - m);
       s[j + k] = p;
       lv[k] += p;
     }
   float l = 0;
   for (; j < n; j++) {
-    float p = kiln__att_expf(s[j] - m);
+    float p = kiln__expf(s[j] - m);
     s[j] = p;
     l += p;
   }
@@ -515,13 +488,13 @@ KILN__CPU_CLONES512 static void kiln__att_row_grad(float *s, float *dp, int64_t 
   int64_t j = 0;
   for (; j + KILN__ATT_LANES <= n; j += KILN__ATT_LANES)
     for (int k = 0; k < KILN__ATT_LANES; k++) {
-      float p = kiln__att_expf(s[j + k] - lse);
+      float p = kiln__expf(s[j + k] - lse);
       s[j + k] = p;
       dv[k] += p * dp[j + k];
     }
   float delta = 0;
   for (; j < n; j++) {
-    float p = kiln__att_expf(s[j] - lse);
+    float p = kiln__expf(s[j] - lse);
     s[j] = p;
     delta += p * dp[j];
   }

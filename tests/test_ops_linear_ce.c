@@ -180,6 +180,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 3; i++) {
       against_pair(cpu, dts[i], 37, 24, 29, KILN_REDUCTION_MEAN, "100"); /* 3 rows a chunk: 13 chunks */
       against_pair(cpu, dts[i], 37, 24, 29, KILN_REDUCTION_SUM, NULL);
+      /* the mean in one chunk (CROSS_ENTROPY_MEAN's fused D), the sum over several (each
+      ** chunk's fused D), and V a multiple of the pad (no pad columns: D is not filled) */
+      against_pair(cpu, dts[i], 37, 24, 29, KILN_REDUCTION_MEAN, NULL);
+      against_pair(cpu, dts[i], 37, 24, 29, KILN_REDUCTION_SUM, "100");
+      against_pair(cpu, dts[i], 37, 24, 64, KILN_REDUCTION_MEAN, NULL);
+      against_pair(cpu, dts[i], 37, 24, 64, KILN_REDUCTION_SUM, "200"); /* 3 rows a chunk */
     }
     gpt_loss(cpu);
     bad_input();

@@ -7,8 +7,10 @@
 ** products have an odd dim (V = 50257). Here the rows go in chunks of Mc (about 2^27
 ** elements of logits a chunk) and the classes are padded to a multiple of 64 (a zero-row
 ** copy of W): per chunk, the logits L = x_c W^T into a buffer of padded rows, CROSS_ENTROPY on it (row
-** losses, logsumexp, row weights), CROSS_ENTROPY_BACKWARD (dlogits D with the mean's
-** divisor, the count of kept rows, counted on the device from the targets first), then
+** losses, logsumexp, row weights, and dlogits D in the same pass for the sum; for the
+** mean in one chunk CROSS_ENTROPY_MEAN, whose D carries the count of kept rows; a mean
+** over several chunks: CROSS_ENTROPY_BACKWARD after it, D with the mean's divisor
+** counted on the device from the targets first), then
 ** the two gradient products dx_c = D W and dW += D^T x_c. The forward thus makes the
 ** gradients, as cross_entropy's fused dlogits does; the node saves dx (M, K) and dW
 ** (V, K) and hands them out for a unit seed (a scalar seed g multiplies them). Peak: two
@@ -114,23 +116,7 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   kiln_tensor *wts = kiln__tensor_new(1, &M, ld, dev);
   kiln_tensor *dx = gx ? kiln__tensor_new(2, (const int64_t[]){M, K}, dt, dev) : NULL;
   kiln_tensor *dW = gw ? kiln__tensor_new(2, (const int64_t[]){V, K}, dt, dev) : NULL;
-  /* the mean's divisor, the count of kept rows, before any chunk: D carries it */
-  kiln_tensor *cnt = NULL, *one = NULL;
-  if (x2 && t1 && ng) {
-    if (p->reduction == KILN_REDUCTION_MEAN)
-      cnt = kiln_add_scalar(kiln_mul_scalar(kiln_sum_all(kiln_to_dtype(kiln_eq_scalar(t1, (double)p->ignore_index), ld)),
-                                            -1.0), (double)M);
-    one = kiln_full(0, NULL, 1.0, ld, dev);
-  }
-  if (!x2 || !t1 || !rows || !lse || !wts || (gx && !dx) || (gw && !dW) ||
-      (ng && (!one || (p->reduction == KILN_REDUCTION_MEAN && !cnt))))
-    st = kiln_last_error();
-  /* The class dim padded to a multiple of 64 (GPT-2: 50257 -> 50304, nanoGPT's padded
-  ** vocab): W gets zero rows (Wp, a copy per call: 77 MB for GPT-2 in bf16), L and D
-  ** padded columns (D's stay 0: CROSS_ENTROPY_BACKWARD writes the first V), so the three
-  ** products have no odd dim. With V = 50257 as it is, cuBLAS ran the head's products at
-  ** about 130 TFLOP/s on the H200 (29 ms of a 74 ms step, 18:40 run), the rest of the
-  ** step's at 300-500. */
+  /* The chunk size first: one chunk of rows lets the mean's gradient come with the loss. */
   const int64_t Vp = (V + LCE_PAD - 1) / LCE_PAD * LCE_PAD;
   /* KILN_LCE_CHUNK_ELEMS: another chunk size (the tests make several chunks of small
   ** problems with it) */
@@ -140,12 +126,46 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   int64_t Mc = budget / (Vp > 0 ? Vp : 1);
   if (Mc < 1) Mc = 1;
   if (Mc > M) Mc = M;
+  /* D in the pass that computes the loss (CROSS_ENTROPY's fused dlogits, the kernels
+  ** kiln_cross_entropy runs), not a second pass over the logits (CROSS_ENTROPY_BACKWARD:
+  ** it read L again and recomputed every exp; 2048 x 4096 bf16 logits, the small GPT on 2
+  ** CPU cores: about 8 of the op's 25 ms). The sum's D is the fused one (grad 1 a row);
+  ** the mean's needs the count of kept rows over all M rows, which CROSS_ENTROPY_MEAN
+  ** counts itself when one chunk holds them all. Several chunks under the mean keep the
+  ** two passes. The D made either way is the same: g (exp(x - lse) - eps/V) - g (1 - eps)
+  ** at the target, g = 1 or 1 / count in f32, from the same f32 lse. */
+  const bool fuse_sum = ng && p->reduction == KILN_REDUCTION_SUM;
+  const bool fuse_mean = ng && p->reduction == KILN_REDUCTION_MEAN && Mc >= M && M > 0;
+  kiln_tensor *fmean = NULL, *fcnt = NULL;
+  if (fuse_mean) {
+    fmean = kiln__tensor_new(0, NULL, ld, dev);
+    fcnt = kiln__tensor_new(0, NULL, ld, dev);
+    if (!fmean || !fcnt) st = kiln_last_error();
+  }
+  /* the mean's divisor, the count of kept rows, before any chunk: D carries it */
+  kiln_tensor *cnt = NULL, *one = NULL;
+  if (x2 && t1 && ng && !fuse_sum && !fuse_mean) {
+    if (p->reduction == KILN_REDUCTION_MEAN)
+      cnt = kiln_add_scalar(kiln_mul_scalar(kiln_sum_all(kiln_to_dtype(kiln_eq_scalar(t1, (double)p->ignore_index), ld)),
+                                            -1.0), (double)M);
+    one = kiln_full(0, NULL, 1.0, ld, dev);
+  }
+  if (st == KILN_OK && (!x2 || !t1 || !rows || !lse || !wts || (gx && !dx) || (gw && !dW) ||
+                        (ng && !fuse_sum && !fuse_mean && (!one || (p->reduction == KILN_REDUCTION_MEAN && !cnt)))))
+    st = kiln_last_error();
+  /* The class dim padded to a multiple of 64 (GPT-2: 50257 -> 50304, nanoGPT's padded
+  ** vocab): W gets zero rows (Wp, a copy per call: 77 MB for GPT-2 in bf16), L and D
+  ** padded columns (D's stay 0: CROSS_ENTROPY_BACKWARD writes the first V), so the three
+  ** products have no odd dim. With V = 50257 as it is, cuBLAS ran the head's products at
+  ** about 130 TFLOP/s on the H200 (29 ms of a 74 ms step, 18:40 run), the rest of the
+  ** step's at 300-500. */
   kiln_tensor *Lb = NULL, *Db = NULL, *Wp = W, *dWp = dW;
   if (st == KILN_OK && M > 0 && V > 0) {
     int64_t n = Mc * Vp;
     Lb = kiln__tensor_new(1, &n, dt, dev);
     Db = ng ? kiln__tensor_new(1, &n, dt, dev) : NULL;
-    if (!Lb || (ng && !Db) || (Db && kiln_fill_(Db, 0.0) != KILN_OK)) st = kiln_last_error();
+    /* D's pad columns must be 0 (the kernels write the first V); without pad, no fill */
+    if (!Lb || (ng && !Db) || (Db && Vp != V && kiln_fill_(Db, 0.0) != KILN_OK)) st = kiln_last_error();
     if (st == KILN_OK && Vp != V) { /* Wp = [W; 0] (Vp, K); dW is the first V rows of dWp */
       Wp = kiln__tensor_new(2, (const int64_t[]){Vp, K}, dt, dev);
       st = Wp ? kiln_fill_(Wp, 0.0) : kiln_last_error();
@@ -177,23 +197,24 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
     rc.data = (char *)rc.data + r0 * (int64_t)kiln_dtype_size(ld), rc.shape[0] = mc;
     lc.data = (char *)lc.data + r0 * (int64_t)kiln_dtype_size(ld), lc.shape[0] = mc;
     wc.data = (char *)wc.data + r0 * (int64_t)kiln_dtype_size(ld), wc.shape[0] = mc;
-    if (st == KILN_OK) { /* row losses, logsumexp, row weights */
+    kiln__view D = ng ? view2_at(Db, 0, mc, V, Vp, 1) : L;
+    if (st == KILN_OK) { /* row losses, logsumexp, row weights (the mean, lse, count), D if fused */
       kiln__kargs a = {0};
-      a.op = KILN__K_CROSS_ENTROPY;
+      a.op = fuse_mean ? KILN__K_CROSS_ENTROPY_MEAN : KILN__K_CROSS_ENTROPY;
       a.n_in = 2;
       a.in[0] = L;
       a.in[1] = tc;
       a.n_out = 3;
-      a.out[0] = rc;
+      a.out[0] = fuse_mean ? kiln__view_of(fmean) : rc;
       a.out[1] = lc;
-      a.out[2] = wc;
+      a.out[2] = fuse_mean ? kiln__view_of(fcnt) : wc;
+      if (fuse_sum || fuse_mean) a.out[a.n_out++] = D, a.i[1] = 1;
       a.i[0] = p->ignore_index;
       a.s[0] = p->label_smoothing;
       st = kiln__dispatch(dev, &a);
     }
     if (st != KILN_OK || !ng) continue;
-    kiln__view D = view2_at(Db, 0, mc, V, Vp, 1);
-    { /* D = dlogits of the reduction: grad 1 a row, divided by the count for the mean */
+    if (!fuse_sum && !fuse_mean) { /* D = dlogits of the reduction: grad 1 a row, divided by the count for the mean */
       kiln__kargs a = {0};
       a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
       a.n_in = cnt ? 5 : 4;
@@ -224,8 +245,12 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   if (st == KILN_OK && dx && V == 0) st = kiln_fill_(dx, 0.0);
   kiln_tensor *loss = NULL;
   if (st == KILN_OK) {
-    loss = kiln_sum_all(rows);
-    if (p->reduction == KILN_REDUCTION_MEAN) loss = kiln_div(loss, kiln_sum_all(wts));
+    if (fuse_mean) {
+      loss = fmean;
+    } else {
+      loss = kiln_sum_all(rows);
+      if (p->reduction == KILN_REDUCTION_MEAN) loss = kiln_div(loss, kiln_sum_all(wts));
+    }
     /* the loss's dtype as kiln_cross_entropy gives it: f32 under autocast, else the input's */
     if (loss && dt != ld && !kiln_autocast_is_enabled(dev.type)) loss = kiln_to_dtype(loss, dt);
     if (!loss) st = kiln_last_error();
@@ -268,8 +293,9 @@ static kiln_status lce_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
 
 static const kiln__op op_linear_cross_entropy = {
     .name = "linear_cross_entropy", .api = "kiln_linear_cross_entropy", .n_in = 3, .n_out = 1,
-    .amp = KILN__AMP_LOWER, .flags = KILN__OP_SELF_ALLOC, .n_kernels = 3,
-    .kernels = {KILN__K_MATMUL, KILN__K_CROSS_ENTROPY, KILN__K_CROSS_ENTROPY_BACKWARD}, .attrs = f_lce,
+    .amp = KILN__AMP_LOWER, .flags = KILN__OP_SELF_ALLOC, .n_kernels = 4,
+    .kernels = {KILN__K_MATMUL, KILN__K_CROSS_ENTROPY, KILN__K_CROSS_ENTROPY_MEAN, KILN__K_CROSS_ENTROPY_BACKWARD},
+    .attrs = f_lce,
     .n_attrs = 3, .attr_size = sizeof(attrs_lce), .infer = lce_infer, .forward = lce_forward,
     .backward = lce_backward, .n_saved = 2, .save = lce_save,
     .expands_to = (const char *const[]){"linear", "cross_entropy", NULL}};

@@ -413,22 +413,18 @@ static int64_t dnnl_wgrad_min_map(void) {
   return v;
 }
 
-/* Whether the CPU's CONV2D kernels make this weight gradient with one GEMM (cpu_dnnl.c,
-** gemm_case: one output pixel whose window, cut to the taps that meet the image, is the
-** whole image: ResNet-18 32x32's layer4), which beats the composite there; KILN_CONV_GEMM=0
-** turns it off there and here. x (N, C, H, W), g (N, OC, OH, OW), w the weight. */
-static bool conv_gemm_map(const kiln_tensor *x, const kiln_tensor *g, const kiln_tensor *w, const attrs_convb *ab) {
+/* Whether the CPU's CONV2D kernels make this small-map weight gradient with one GEMM
+** (cpu_dnnl.c: gemm_case, one output pixel whose cut window is the whole image, ResNet-18
+** 32x32's layer4; small_case, the columns written in the GEMM's layout, layer3), which beat
+** the composite there: ungrouped, NCHW. KILN_CONV_GEMM=0 turns it off there and here.
+** x (N, C, H, W). */
+static bool conv_gemm_map(const kiln_tensor *x, const attrs_convb *ab) {
   static int off = -1;
   if (off < 0) {
     const char *e = getenv("KILN_CONV_GEMM");
     off = e && strcmp(e, "0") == 0;
   }
-  if (off || ab->c.groups != 1 || conv_cl(x)) return false;
-  for (int d = 0; d < 2; d++)
-    if (g->shape[2 + d] != 1 || ab->c.dilation[d] != 1 || ab->c.padding[d] < 0 ||
-        ab->c.padding[d] + x->shape[2 + d] > w->shape[2 + d])
-      return false;
-  return true;
+  return !off && ab->c.groups == 1 && !conv_cl(x);
 }
 
 static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
@@ -446,7 +442,7 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
     ** and above, and for 1x1 kernels, oneDNN won (ResNet-18 32x32, batch 64) */
     int64_t L = in1->shape[2] * in1->shape[3];
     if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && L < dnnl_wgrad_min_map() && k->shape[2] * k->shape[3] > 1 &&
-        !conv_gemm_map(in0, in1, k, ab))
+        !conv_gemm_map(in0, ab))
       return false;
   }
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);

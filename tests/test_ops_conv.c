@@ -507,7 +507,8 @@ static void cv_f32_vs_f64(void) {
   ** map under 4x4 (its weight gradient left to the composite) and over it */
   static const cv_cfg *cfgs[] = {&cv_strided, &cv_same,  &cv_groups, &cv_depthwise, &cv_1x1,   &cv_dilated,
                                  &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
-                                 &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1};
+                                 &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1,   &cv_pad1,
+                                 &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided};
   static const int64_t shapes[][8] = {
       {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
       {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
@@ -517,8 +518,17 @@ static void cv_f32_vs_f64(void) {
       ** stride 2 from 2x2 to 1x1, a crop in one dimension only, and one on a map large
       ** enough for oneDNN's weight gradient */
       {2, 8, 1, 1, 6, 4, 3, 3},    {2, 20, 2, 2, 18, 20, 3, 3},  {2, 3, 1, 4, 4, 3, 3, 5},
-      {2, 4, 1, 20, 6, 4, 3, 3}}; /* a 1 x 20 map: the weight gradient cropped too */
-  for (int t = 0; t < 15; t++) {
+      {2, 4, 1, 20, 6, 4, 3, 3}, /* a 1 x 20 map: the weight gradient cropped too */
+      /* one output pixel whose cut window is the whole image, ungrouped: the CPU's weight
+      ** gradient as one GEMM (cpu_dnnl.c gemm_case; the s2p1 2x2 case above is one too):
+      ** a 3x3 pad 1 on 1x1 maps (ResNet-18 32x32's layer4), and a 3x3 unpadded on a 3x3
+      ** map (the cut is the whole weight) */
+      {5, 8, 1, 1, 6, 8, 3, 3},    {3, 5, 3, 3, 4, 5, 3, 3},
+      /* ungrouped outputs under 4x4 otherwise: the CPU's small-map weight gradient (cpu_dnnl.c
+      ** small_case, columns written in the GEMM's layout): 2x2 -> 2x2 (ResNet-18 32x32's
+      ** layer3), 4x4 -> 2x2 stride 2, and stride (2,1) padding (1,2) to 2x6 */
+      {4, 6, 2, 2, 5, 6, 3, 3},    {3, 4, 4, 4, 5, 4, 3, 3},    {2, 3, 3, 3, 4, 3, 3, 2}};
+  for (int t = 0; t < 20; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();

@@ -28,6 +28,7 @@
 #include "ops/op.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* ---- im2col / col2im: internal ops, each the other's backward ----------------------- */
 
@@ -412,6 +413,20 @@ static int64_t dnnl_wgrad_min_map(void) {
   return v;
 }
 
+/* Whether the CPU's CONV2D kernels make this small-map weight gradient with one GEMM
+** (cpu_dnnl.c: gemm_case, one output pixel whose cut window is the whole image, ResNet-18
+** 32x32's layer4; small_case, the columns written in the GEMM's layout, layer3), which beat
+** the composite there: ungrouped, NCHW. KILN_CONV_GEMM=0 turns it off there and here.
+** x (N, C, H, W). */
+static bool conv_gemm_map(const kiln_tensor *x, const attrs_convb *ab) {
+  static int off = -1;
+  if (off < 0) {
+    const char *e = getenv("KILN_CONV_GEMM");
+    off = e && strcmp(e, "0") == 0;
+  }
+  return !off && ab->c.groups == 1 && !conv_cl(x);
+}
+
 static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const kiln_tensor *like,
                       const attrs_convb *ab) {
   kiln_device dev = kiln_device_of(in0);
@@ -426,7 +441,8 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
     ** 2x2 and 1x1 maps and the composite's one GEMM over the batch at ~180-200; at 4x4
     ** and above, and for 1x1 kernels, oneDNN won (ResNet-18 32x32, batch 64) */
     int64_t L = in1->shape[2] * in1->shape[3];
-    if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && L < dnnl_wgrad_min_map() && k->shape[2] * k->shape[3] > 1)
+    if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && L < dnnl_wgrad_min_map() && k->shape[2] * k->shape[3] > 1 &&
+        !conv_gemm_map(in0, ab))
       return false;
   }
   kiln__conv_params cp = convb_params(ab, k->shape[2], k->shape[3]);

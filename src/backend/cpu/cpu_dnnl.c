@@ -310,7 +310,168 @@ static bool dnnl_crop(const kiln__kargs *a, kiln__kargs *c, kiln__conv_params *c
   return true;
 }
 
+/* Weight gradients whose one output pixel's window, cut to the taps that meet the image,
+** covers the whole image and nothing else: ResNet-18 at 32x32's layer4 (3x3 pad 1 on 1x1
+** maps, and 3x3 stride 2 from 2x2 to 1x1). Each is one GEMM over the batch, dWc = G^T X,
+** with the image (N, C*H*W) and the gradient (N, OC) as they lie, into the weight cut to
+** those taps (OC, C*H*W), then spread into the full weight with zeros around it in one
+** pass. On these layers oneDNN (cropped) and im2col + GEMM (9x the padding zeros) took
+** 2-3 ms a call, this ~0.6 ms (measured: see the commit). The forward and the data
+** gradient stay with oneDNN (cropped): the same GEMM there needs the cut weight gathered
+** out of the full one, which oneDNN's reorder does faster than a gather loop did.
+** dnnl_sgemm: f32 products accumulated in f32 (what PyTorch's GEMM does). KILN_CONV_GEMM=0
+** turns this off (here and in ops_conv.c), for comparisons. Whether it applies, and the
+** first tap kept, into lo. */
+static bool conv_gemm_off(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *e = getenv("KILN_CONV_GEMM");
+    v = e && strcmp(e, "0") == 0;
+  }
+  return v;
+}
+
+static bool gemm_case(const kiln__kargs *a, int64_t lo[2]) {
+  if (a->op != KILN__K_CONV2D_BACKWARD_WEIGHT || conv_gemm_off()) return false;
+  dnnl_roles r = roles_of(a);
+  const kiln__view *x = r.v[R_X], *w = r.v[R_W], *y = r.v[R_Y];
+  const kiln__conv_params *p = a->params;
+  if (a->i[0] != 1 || !kiln__view_is_contiguous(x) || !kiln__view_is_contiguous(w) || !kiln__view_is_contiguous(y))
+    return false;
+  for (int d = 0; d < 2; d++) {
+    int64_t K = w->shape[2 + d], I = x->shape[2 + d], pad = p->padding[d];
+    /* one output; tap i reads x at i - pad: taps pad .. pad+I-1 are the whole image */
+    if (y->shape[2 + d] != 1 || p->dilation[d] != 1 || pad < 0 || pad + I > K) return false;
+    lo[d] = pad;
+  }
+  return true;
+}
+
+typedef struct gemm_spread {
+  float *w;         /* the full weight gradient (OC*C, KH, KW) */
+  const float *wc;  /* the cut one (OC*C, H, W) */
+  int64_t KH, KW, H, W, lo[2];
+} gemm_spread;
+
+static void gemm_spread_range(void *ctx, int64_t lo, int64_t hi) {
+  const gemm_spread *g = ctx;
+  int64_t KK = g->KH * g->KW, HW = g->H * g->W;
+  for (int64_t q = lo; q < hi; q++) {
+    float *d = g->w + q * KK;
+    const float *s = g->wc + q * HW;
+    for (int64_t k = 0; k < KK; k++) d[k] = 0.0f;
+    for (int64_t i = 0; i < g->H; i++)
+      for (int64_t j = 0; j < g->W; j++) d[(g->lo[0] + i) * g->KW + g->lo[1] + j] = s[i * g->W + j];
+  }
+}
+
+/* The lock held (the cut weight's buffer is dnnl_buf[R_W]). */
+static kiln_status gemm_wgrad(const kiln__kargs *a, const int64_t lo[2]) {
+  dnnl_roles r = roles_of(a);
+  const kiln__view *x = r.v[R_X], *w = r.v[R_W], *y = r.v[R_Y], *b = r.v[R_B];
+  int64_t N = x->shape[0], C = x->shape[1], H = x->shape[2], W = x->shape[3];
+  int64_t OC = w->shape[0], KH = w->shape[2], KW = w->shape[3], Kc = C * H * W;
+  bool full = H == KH && W == KW; /* the cut is the whole weight: the GEMM writes it */
+  const float *xp = x->data, *yp = y->data;
+  float *wc = w->data;
+  if (!full && !(wc = buf(R_W, (size_t)(OC * Kc) * sizeof(float)))) return kiln_last_error();
+  dnnl_status_t s = dnnl_sgemm('T', 'N', OC, Kc, N, 1.0f, yp, OC, xp, Kc, 0.0f, wc, Kc);
+  if (s != dnnl_success) return dnnl_fail("sgemm", s);
+  if (!full) {
+    gemm_spread g = {w->data, wc, KH, KW, H, W, {lo[0], lo[1]}};
+    kiln__cpu_parallel_for(OC * C, 1 + KILN__CPU_PAR_MIN_CHEAP / (KH * KW), gemm_spread_range, &g);
+  }
+  if (b) { /* the bias gradient: the gradient's sum over the batch, in f32 in batch order */
+    float *bp = b->data;
+    for (int64_t o = 0; o < OC; o++) bp[o] = 0.0f;
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t o = 0; o < OC; o++) bp[o] += yp[n * OC + o];
+  }
+  return KILN_OK;
+}
+
+/* Weight gradients on small maps (under 4x4 outputs: ResNet-18 32x32's layer3, 2x2), other
+** than those above: oneDNN's jit kernel there (a reduction over the batch, mostly padding
+** taps) ran at 38-75 GFLOP/s, and the composite (im2col, then permuting both operands to
+** (., N*OH*OW), then a GEMM) spent as long moving data as multiplying. Here the image's
+** columns are written straight in the GEMM's layout, cols (C*KH*KW, N*OH*OW), the
+** gradient transposed to gt (OC, N*OH*OW), and dW = gt cols^T is one dnnl_sgemm (f32
+** accumulation); the bias gradient is gt's row sums (f32, in (n, pixel) order). */
+#define SMALL_MAP 16
+
+static bool small_case(const kiln__kargs *a) {
+  if (a->op != KILN__K_CONV2D_BACKWARD_WEIGHT || conv_gemm_off() || a->i[0] != 1) return false;
+  const kiln__view *x = &a->in[0], *g = &a->in[1], *w = &a->out[0];
+  return g->shape[2] * g->shape[3] < SMALL_MAP && kiln__view_is_contiguous(x) && kiln__view_is_contiguous(g) &&
+         kiln__view_is_contiguous(w);
+}
+
+typedef struct small_job {
+  const float *x, *g;
+  float *cols, *gt;
+  int64_t N, C, H, W, OC, KH, KW, OH, OW;
+  const kiln__conv_params *p;
+} small_job;
+
+/* the columns of channels [lo, hi) */
+static void small_cols_range(void *ctx, int64_t lo, int64_t hi) {
+  const small_job *j = ctx;
+  const kiln__conv_params *p = j->p;
+  int64_t L = j->OH * j->OW, NL = j->N * L;
+  for (int64_t c = lo; c < hi; c++)
+    for (int64_t i = 0; i < j->KH; i++)
+      for (int64_t jj = 0; jj < j->KW; jj++) {
+        float *row = j->cols + ((c * j->KH + i) * j->KW + jj) * NL;
+        for (int64_t n = 0; n < j->N; n++) {
+          const float *xp = j->x + (n * j->C + c) * j->H * j->W;
+          for (int64_t oh = 0; oh < j->OH; oh++) {
+            int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+            float *o = row + n * L + oh * j->OW;
+            for (int64_t ow = 0; ow < j->OW; ow++) {
+              int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+              o[ow] = h >= 0 && h < j->H && w >= 0 && w < j->W ? xp[h * j->W + w] : 0.0f;
+            }
+          }
+        }
+      }
+}
+
+/* gt's rows [lo, hi): gt[oc][n*L + l] = g[n][oc][l] */
+static void small_gt_range(void *ctx, int64_t lo, int64_t hi) {
+  const small_job *j = ctx;
+  int64_t L = j->OH * j->OW, NL = j->N * L;
+  for (int64_t oc = lo; oc < hi; oc++)
+    for (int64_t n = 0; n < j->N; n++)
+      memcpy(j->gt + oc * NL + n * L, j->g + (n * j->OC + oc) * L, (size_t)L * sizeof(float));
+}
+
+/* The lock held (buffers dnnl_buf[R_X] and [R_Y]). */
+static kiln_status small_wgrad(const kiln__kargs *a) {
+  const kiln__view *x = &a->in[0], *g = &a->in[1], *w = &a->out[0], *b = a->n_out > 1 ? &a->out[1] : NULL;
+  small_job j = {x->data, g->data, NULL, NULL, x->shape[0], x->shape[1], x->shape[2], x->shape[3],
+                 w->shape[0], w->shape[2], w->shape[3], g->shape[2], g->shape[3], a->params};
+  int64_t L = j.OH * j.OW, NL = j.N * L, K = j.C * j.KH * j.KW;
+  if (!(j.cols = buf(R_X, (size_t)(K * NL) * sizeof(float))) || !(j.gt = buf(R_Y, (size_t)(j.OC * NL) * sizeof(float))))
+    return kiln_last_error();
+  kiln__cpu_parallel_for(j.C, 1 + KILN__CPU_PAR_MIN_CHEAP / (j.KH * j.KW * NL + 1), small_cols_range, &j);
+  kiln__cpu_parallel_for(j.OC, 1 + KILN__CPU_PAR_MIN_CHEAP / (NL + 1), small_gt_range, &j);
+  dnnl_status_t s = dnnl_sgemm('N', 'T', j.OC, K, NL, 1.0f, j.gt, NL, j.cols, NL, 0.0f, w->data, K);
+  if (s != dnnl_success) return dnnl_fail("sgemm", s);
+  if (b) {
+    float *bp = b->data;
+    for (int64_t o = 0; o < j.OC; o++) {
+      float acc = 0.0f;
+      for (int64_t q = 0; q < NL; q++) acc += j.gt[o * NL + q];
+      bp[o] = acc;
+    }
+  }
+  return KILN_OK;
+}
+
 static kiln_status dnnl_run(const kiln__kargs *a) {
+  int64_t glo[2];
+  if (gemm_case(a, glo)) return gemm_wgrad(a, glo);
+  if (small_case(a)) return small_wgrad(a);
   kiln__kargs ca;
   kiln__conv_params ccp;
   if (dnnl_crop(a, &ca, &ccp)) {

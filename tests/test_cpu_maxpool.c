@@ -118,6 +118,7 @@ int main(void) {
       {{2, 2}, {1, 2}, {0, 0}, {2, 1}, 2, 3, 9, 9},    /* dilation */
       {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, 2, 9, 70},   /* rows of 35 outputs: three AVX-512 chunks */
       {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 1, 20, 6, 6},   /* more channels than one AVX-512 vector */
+      {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 1, 2, 9, 71},   /* 2x2 backward: 35 outputs a row (chunk tails), odd sizes */
       {{1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, 2, 5, 5},    /* a 1x1 window: identity */
   };
   const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};

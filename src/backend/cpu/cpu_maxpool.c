@@ -163,6 +163,14 @@ mp_plane_avx512(const char *xp, bool bf, int64_t xs2, const kiln__conv_params *p
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i lane_sw = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)sw));
+  /* each window column's valid output range, once per plane: valid_cols divides by the
+  ** stride, and two i64 divisions per tap per row chunk were most of the time on small
+  ** maps (fmnist-cnn's 11x11 -> 5x5 planes: 5 outputs a row, 4 taps) */
+  enum { KW_PRE = 16 };
+  int64_t ca[KW_PRE], cb[KW_PRE];
+  const bool pre = p->kernel[1] <= KW_PRE;
+  for (int64_t jj = 0; pre && jj < p->kernel[1]; jj++)
+    valid_cols(OW, W, sw, p->padding[1], jj * p->dilation[1], &ca[jj], &cb[jj]);
   for (int64_t oh = 0; oh < OH; oh++)
     for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
       int64_t nout = OW - ow0 < 16 ? OW - ow0 : 16;
@@ -174,7 +182,8 @@ mp_plane_avx512(const char *xp, bool bf, int64_t xs2, const kiln__conv_params *p
         const char *row = xp + h * xs2 * es;
         for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
           int64_t off = jj * p->dilation[1], a, b;
-          valid_cols(OW, W, sw, p->padding[1], off, &a, &b);
+          if (pre) a = ca[jj], b = cb[jj];
+          else valid_cols(OW, W, sw, p->padding[1], off, &a, &b);
           if (a < ow0) a = ow0;
           if (b > ow0 + nout) b = ow0 + nout;
           if (a >= b) continue;
@@ -375,6 +384,49 @@ typedef struct mpb_job {
 MPB_TILE(mpb_tile_f32, float)
 MPB_TILE(mpb_tile_u16, uint16_t) /* bf16 bits: the gradient is copied, zero is +0 */
 
+#ifdef MP_HAVE_AVX512
+/* mpb_tile_f32 for 2x2 windows (MaxPool2d(2)) with unit column strides in g and the
+** indices, 16 outputs (32 dx columns) at a time: the two candidate columns of each output
+** are masked copies of g, interleaved; the same values as the scalar loop (a copy or
+** zero per pixel). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+mpb_tile2_f32_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const int64_t *restrict ip,
+                     int64_t is2, int64_t H, int64_t W, int64_t OH, int64_t OW) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i two = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), one = _mm512_set1_epi64(1);
+  int64_t cw = OW * 2;
+  for (int64_t oh = 0; oh < OH; oh++) {
+    const float *gr = gp + oh * gs2;
+    const int64_t *ir = ip + oh * is2;
+    for (int64_t i = 0; i < 2; i++) {
+      int64_t h = oh * 2 + i;
+      float *row = xp + h * W;
+      for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
+        int64_t n = OW - ow0 < 16 ? OW - ow0 : 16;
+        __mmask16 m = (__mmask16)((1u << n) - 1);
+        /* at - (h*W + 2*ow): 0 or 1 when the index is in this row of the window */
+        __m512i b0 = _mm512_add_epi64(_mm512_set1_epi64(h * W + 2 * ow0), two);
+        __m512i b1 = _mm512_add_epi64(b0, _mm512_set1_epi64(16));
+        __m512i r0 = _mm512_sub_epi64(_mm512_maskz_loadu_epi64((__mmask8)m, ir + ow0), b0);
+        __m512i r1 = _mm512_sub_epi64(_mm512_maskz_loadu_epi64((__mmask8)(m >> 8), ir + ow0 + 8), b1);
+        __mmask16 e = (__mmask16)(_mm512_cmpeq_epi64_mask(r0, _mm512_setzero_si512()) |
+                                  (_mm512_cmpeq_epi64_mask(r1, _mm512_setzero_si512()) << 8));
+        __mmask16 o = (__mmask16)(_mm512_cmpeq_epi64_mask(r0, one) | (_mm512_cmpeq_epi64_mask(r1, one) << 8));
+        __m512 g = _mm512_maskz_loadu_ps(m, gr + ow0);
+        __m512 ge = _mm512_maskz_mov_ps(e & m, g), go = _mm512_maskz_mov_ps(o & m, g);
+        uint32_t m2 = (uint32_t)((1ull << (2 * n)) - 1); /* dx columns written */
+        _mm512_mask_storeu_ps(row + 2 * ow0, (__mmask16)m2, _mm512_permutex2var_ps(ge, lo, go));
+        _mm512_mask_storeu_ps(row + 2 * ow0 + 16, (__mmask16)(m2 >> 16), _mm512_permutex2var_ps(ge, hi, go));
+      }
+      for (int64_t w = cw; w < W; w++) row[w] = 0;
+    }
+  }
+  for (int64_t h = OH * 2; h < H; h++)
+    for (int64_t w = 0; w < W; w++) xp[h * W + w] = 0;
+}
+#endif
+
 static bool tiles(const kiln__conv_params *p) {
   return p->kernel[0] == p->stride[0] && p->kernel[1] == p->stride[1] && p->padding[0] == 0 &&
          p->padding[1] == 0 && p->dilation[0] == 1 && p->dilation[1] == 1;
@@ -406,6 +458,13 @@ static void mpb_planes(void *vctx, int64_t lo, int64_t hi) {
     const char *gb = (const char *)g->data + (n * g->strides[0] + c0 * g->strides[1]) * es;
     const int64_t *ib = (const int64_t *)ix->data + n * ix->strides[0] + c0 * ix->strides[1];
     if (!cl && dis && tiles(p)) {
+#ifdef MP_HAVE_AVX512
+      if (!bf && p->kernel[0] == 2 && p->kernel[1] == 2 && g->strides[3] == 1 && ix->strides[3] == 1 &&
+          mp_avx512_ok()) {
+        mpb_tile2_f32_avx512((float *)xb, (const float *)gb, g->strides[2], ib, ix->strides[2], H, W, OH, OW);
+        continue;
+      }
+#endif
       if (bf)
         mpb_tile_u16((uint16_t *)xb, (const uint16_t *)gb, g->strides[2], g->strides[3], ib, ix->strides[2],
                      ix->strides[3], p->kernel[0], p->kernel[1], H, W, OH, OW);

@@ -39,7 +39,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <kiln.h>
@@ -110,11 +109,7 @@ static int finish(int rc) {
 }
 
 static int fail(const char *what) {
-  if (kiln_last_error() == KILN_OK) /* a check of the example's own, with no kiln error */
-    fprintf(stderr, PROG ": %s failed\n", what);
-  else
-    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
-            kiln_error_name(kiln_last_error()));
+  ex_report_failure(PROG, what);
   return finish(1);
 }
 
@@ -253,38 +248,15 @@ int main(int argc, char **argv) {
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
-  struct stat st_ck;
-  if (resume && stat(ckpt, &st_ck) != 0) {
-    fprintf(stderr, PROG ": --resume: no checkpoint at '%s' (train without --resume first, or pass --checkpoint PATH)\n", ckpt);
-    return finish(2);
-  }
-  if (resume && !S_ISREG(st_ck.st_mode)) { /* a FIFO would block the load */
-    fprintf(stderr, PROG ": --resume: '%s' is not a regular file\n", ckpt);
-    return finish(2);
-  }
+  if (resume && ex_check_resume(PROG, ckpt)) return finish(2);
 
-  kiln_tensor *x = NULL, *y = NULL, *tx = NULL, *ty = NULL;
-  if (kiln_fashion_mnist_load(data, &x, &y, &tx, &ty) != KILN_OK) {
-    fprintf(stderr, PROG ": cannot load Fashion-MNIST: %s\n"
-                    "  (install the Debian package dataset-fashion-mnist, or pass --data DIR with the four *-ubyte[.gz] files)\n",
-            kiln_last_error_message());
-    return finish(1);
-  }
-  R.t[0] = x, R.t[1] = y, R.t[2] = tx, R.t[3] = ty;
   static const char needs[] = "this model takes 28 x 28 images (N, 28, 28)";
-  if (ex_check_fmnist_split(PROG, needs, "training", x, y) || ex_check_fmnist_split(PROG, needs, "test", tx, ty))
-    return finish(1);
-  if (limit > 0 && limit < kiln_size(x, 0)) {
-    kiln_tensor *lx = kiln_narrow(x, 0, 0, limit), *ly = kiln_narrow(y, 0, 0, limit);
-    kiln_tensor_free(x);
-    kiln_tensor_free(y);
-    R.t[0] = x = lx;
-    R.t[1] = y = ly;
-  }
+  if (ex_load_fmnist(PROG, data, needs, limit, 0, R.t)) return finish(1);
+  kiln_tensor *x = R.t[0], *y = R.t[1], *tx = R.t[2], *ty = R.t[3];
   /* The test set lives on the device for the whole run (31 MB). */
   kiln_tensor *txd = kiln_to_device(tx, dev), *tyd = kiln_to_device(ty, dev);
   R.t[4] = txd, R.t[5] = tyd;
-  if (!x || !y || !txd || !tyd) return fail("preparing the data");
+  if (!txd || !tyd) return fail("preparing the data");
   int64_t ntrain = kiln_size(x, 0);
 
   kiln_manual_seed((uint64_t)seed);

@@ -31,7 +31,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <kiln.h>
@@ -94,11 +93,7 @@ static int finish(int rc) {
 }
 
 static int fail(const char *what) {
-  if (kiln_last_error() == KILN_OK)
-    fprintf(stderr, PROG ": %s failed\n", what);
-  else
-    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
-            kiln_error_name(kiln_last_error()));
+  ex_report_failure(PROG, what);
   return finish(1);
 }
 
@@ -176,43 +171,12 @@ int main(int argc, char **argv) {
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
-  struct stat st_ck;
-  if (resume && stat(ckpt, &st_ck) != 0) {
-    fprintf(stderr, PROG ": --resume: no checkpoint at '%s' (train without --resume first, or pass --checkpoint PATH)\n", ckpt);
-    return 2;
-  }
-  if (resume && !S_ISREG(st_ck.st_mode)) {
-    fprintf(stderr, PROG ": --resume: '%s' is not a regular file\n", ckpt);
-    return 2;
-  }
+  if (resume && ex_check_resume(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir);
 
-  kiln_tensor *x = NULL, *y = NULL, *tx = NULL, *ty = NULL;
-  if (kiln_fashion_mnist_load(data, &x, &y, &tx, &ty) != KILN_OK) {
-    fprintf(stderr, PROG ": cannot load Fashion-MNIST: %s\n"
-                    "  (install the Debian package dataset-fashion-mnist, or pass --data DIR with the four *-ubyte[.gz] files)\n",
-            kiln_last_error_message());
-    return finish(1);
-  }
-  R.t[0] = x, R.t[1] = y, R.t[2] = tx, R.t[3] = ty;
   static const char needs[] = "this example pads 28 x 28 images (N, 28, 28) to 32 x 32";
-  if (ex_check_fmnist_split(PROG, needs, "training", x, y) || ex_check_fmnist_split(PROG, needs, "test", tx, ty))
-    return finish(1);
-  if (limit > 0 && limit < kiln_size(x, 0)) {
-    kiln_tensor *lx = kiln_narrow(x, 0, 0, limit), *ly = kiln_narrow(y, 0, 0, limit);
-    kiln_tensor_free(x);
-    kiln_tensor_free(y);
-    R.t[0] = x = lx;
-    R.t[1] = y = ly;
-  }
-  if (test_limit > 0 && test_limit < kiln_size(tx, 0)) {
-    kiln_tensor *lx = kiln_narrow(tx, 0, 0, test_limit), *ly = kiln_narrow(ty, 0, 0, test_limit);
-    kiln_tensor_free(tx);
-    kiln_tensor_free(ty);
-    R.t[2] = tx = lx;
-    R.t[3] = ty = ly;
-  }
-  if (!x || !y || !tx || !ty) return fail("preparing the data");
+  if (ex_load_fmnist(PROG, data, needs, limit, test_limit, R.t)) return finish(1);
+  kiln_tensor *x = R.t[0], *y = R.t[1], *tx = R.t[2], *ty = R.t[3];
   const int64_t ntrain = kiln_size(x, 0), ntest = kiln_size(tx, 0);
 
   /* Training images: pad 28 -> 32, then RandomCrop(32, padding=4) and a flip, then

@@ -42,6 +42,7 @@
 #include "common/launch.h"
 #include "common/logdir.h"
 #include "common/options.h"
+#include "common/output.h"
 #include "common/progress.h"
 
 #define PROG "seed-mlp"
@@ -137,11 +138,7 @@ static int finish(int rc) {
 }
 
 static int fail(const char *what) {
-  if (kiln_last_error() == KILN_OK) /* a check of the example's own, with no kiln error */
-    fprintf(stderr, PROG ": %s failed\n", what);
-  else
-    fprintf(stderr, PROG ": %s: %s (%s)\n", what, kiln_last_error_message(),
-            kiln_error_name(kiln_last_error()));
+  ex_report_failure(PROG, what);
   return finish(1);
 }
 

@@ -1,4 +1,5 @@
-/* Shared by the examples: the checkpoint path checked before training. Header-only. */
+/* Shared by the examples: the checkpoint path checked before training, a failure reported
+** the same way by each. Header-only; include kiln.h first. */
 #ifndef KILN_EXAMPLES_OUTPUT_H
 #define KILN_EXAMPLES_OUTPUT_H
 
@@ -31,6 +32,30 @@ static inline int ex_check_output(const char *prog, const char *path) {
     return 1;
   }
   return 0;
+}
+
+/* --resume's checkpoint must exist and be a regular file (a FIFO would block the load).
+** Prints why and returns 1, else 0. */
+static inline int ex_check_resume(const char *prog, const char *path) {
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    fprintf(stderr, "%s: --resume: no checkpoint at '%s' (train without --resume first, or pass --checkpoint PATH)\n",
+            prog, path);
+    return 1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    fprintf(stderr, "%s: --resume: '%s' is not a regular file\n", prog, path);
+    return 1;
+  }
+  return 0;
+}
+
+/* What failed, with kiln's error when there is one (a check of the example's own sets none). */
+static inline void ex_report_failure(const char *prog, const char *what) {
+  if (kiln_last_error() == KILN_OK)
+    fprintf(stderr, "%s: %s failed\n", prog, what);
+  else
+    fprintf(stderr, "%s: %s: %s (%s)\n", prog, what, kiln_last_error_message(), kiln_error_name(kiln_last_error()));
 }
 
 #endif

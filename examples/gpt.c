@@ -602,12 +602,8 @@ int main(int argc, char **argv) {
   if (prc >= 0) return prc;
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   kiln_device dev = kiln_device_best();
-  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
-    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return 2;
-  }
   char dname[32];
-  kiln_device_str(dev, dname, sizeof dname);
+  if (ex_device(PROG, devname, &dev, dname)) return 2;
   if (prompt && tokenizer)
     fprintf(stderr, PROG ": note: --generate decodes with the checkpoint's own tokenizer; --tokenizer is ignored\n");
   if (prompt) {

@@ -165,12 +165,8 @@ int main(int argc, char **argv) {
   if (ex_check_env(PROG, devname != NULL)) return 2;
   if (ex_check_output(PROG, ckpt)) return 2;
   kiln_device dev = kiln_device_best();
-  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
-    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return 2;
-  }
   char dname[32];
-  kiln_device_str(dev, dname, sizeof dname);
+  if (ex_device(PROG, devname, &dev, dname)) return 2;
   if (resume && ex_check_resume(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir);
 
@@ -224,19 +220,11 @@ int main(int argc, char **argv) {
     kiln_dict *extra = NULL;
     if (kiln_checkpoint_load(ckpt, model, opt, sched, NULL, &start_epoch, &step, &extra) != KILN_OK)
       return fail("resuming from the checkpoint");
-    if (start_epoch > epochs)
-      fprintf(stderr, PROG ": warning: the checkpoint is at epoch %lld, past --epochs %lld: nothing to train\n",
-              (long long)start_epoch, epochs);
+    ex_resume_meta(PROG, extra, start_epoch, epochs, batch, ntrain, &last_loss, &test_acc);
     const char *s;
-    if ((s = kiln_dict_get_meta(extra, "train_loss"))) last_loss = strtod(s, NULL);
-    if ((s = kiln_dict_get_meta(extra, "test_acc"))) test_acc = strtod(s, NULL);
-    if ((s = kiln_dict_get_meta(extra, "batch")) && strtoll(s, NULL, 10) != batch)
-      fprintf(stderr, PROG ": warning: the checkpoint was trained with --batch %s, this run uses %lld\n", s, batch);
     if ((s = kiln_dict_get_meta(extra, "epochs")) && strtoll(s, NULL, 10) != epochs)
       fprintf(stderr, PROG ": warning: the checkpoint's cosine schedule spans %s epochs, this run's %lld: the lr "
                       "continues from the checkpoint's schedule\n", s, epochs);
-    if ((s = kiln_dict_get_meta(extra, "train_samples")) && strtoll(s, NULL, 10) != ntrain)
-      fprintf(stderr, PROG ": warning: the checkpoint was trained on %s samples, this run uses %lld\n", s, (long long)ntrain);
     kiln_dict_free(extra);
     if (!quiet) printf("resumed from %s: epoch %lld, step %lld\n", ckpt, (long long)start_epoch, (long long)step);
   }

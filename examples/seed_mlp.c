@@ -174,12 +174,8 @@ int main(int argc, char **argv) {
   }
   R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
   kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
-  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
-    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return finish(2);
-  }
   char dname[32];
-  kiln_device_str(dev, dname, sizeof dname);
+  if (ex_device(PROG, devname, &dev, dname)) return finish(2);
 
   /* Data: the same draws in the same order as the peer (x first, then the layers). */
   kiln_manual_seed(0);

@@ -1,4 +1,5 @@
-/* Shared by the examples: joining an MPI job when one was launched. Header-only. */
+/* Shared by the examples: the environment checked, the device chosen, an MPI job joined
+** when one was launched. Header-only. */
 #ifndef KILN_EXAMPLES_LAUNCH_H
 #define KILN_EXAMPLES_LAUNCH_H
 
@@ -20,6 +21,17 @@ static inline int ex_check_env(const char *prog, bool device_flag) {
       fprintf(stderr, "%s: %s\n", prog, kiln_last_error_message());
       return 2;
     }
+  return 0;
+}
+
+/* --device NAME into *dev when given (else *dev is left as the caller's default), with its
+** printable name in name (32 bytes). Returns 0, or 2 after saying why the name is bad. */
+static inline int ex_device(const char *prog, const char *devname, kiln_device *dev, char name[32]) {
+  if (devname && kiln_device_parse(devname, dev) != KILN_OK) {
+    fprintf(stderr, "%s: --device '%s': %s\n", prog, devname, kiln_last_error_message());
+    return 2;
+  }
+  kiln_device_str(*dev, name, 32);
   return 0;
 }
 

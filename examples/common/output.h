@@ -1,12 +1,17 @@
 /* Shared by the examples: the checkpoint path checked before training, a failure reported
-** the same way by each. Header-only; include kiln.h first. */
+** the same way by each, what a resumed checkpoint says. Header-only. */
 #ifndef KILN_EXAMPLES_OUTPUT_H
 #define KILN_EXAMPLES_OUTPUT_H
 
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <kiln.h>
+#include <kiln_io.h>
 
 /* The checkpoint is written during training: its directory must exist and be writable,
 ** and the path must not be a directory, before the training starts. Prints why and
@@ -56,6 +61,24 @@ static inline void ex_report_failure(const char *prog, const char *what) {
     fprintf(stderr, "%s: %s failed\n", prog, what);
   else
     fprintf(stderr, "%s: %s: %s (%s)\n", prog, what, kiln_last_error_message(), kiln_error_name(kiln_last_error()));
+}
+
+/* What a resumed checkpoint's "extra" metadata says of the run that wrote it: its last
+** loss and test accuracy into *loss and *acc (left as they are when absent), and warnings
+** when it is past --epochs or was trained with another --batch or number of samples. */
+static inline void ex_resume_meta(const char *prog, const kiln_dict *extra, int64_t start_epoch, long long epochs,
+                                  long long batch, int64_t ntrain, double *loss, double *acc) {
+  if (start_epoch > epochs)
+    fprintf(stderr, "%s: warning: the checkpoint is at epoch %lld, past --epochs %lld: nothing to train\n", prog,
+            (long long)start_epoch, epochs);
+  const char *s;
+  if ((s = kiln_dict_get_meta(extra, "train_loss"))) *loss = strtod(s, NULL);
+  if ((s = kiln_dict_get_meta(extra, "test_acc"))) *acc = strtod(s, NULL);
+  if ((s = kiln_dict_get_meta(extra, "batch")) && strtoll(s, NULL, 10) != batch)
+    fprintf(stderr, "%s: warning: the checkpoint was trained with --batch %s, this run uses %lld\n", prog, s, batch);
+  if ((s = kiln_dict_get_meta(extra, "train_samples")) && strtoll(s, NULL, 10) != ntrain)
+    fprintf(stderr, "%s: warning: the checkpoint was trained on %s samples, this run uses %lld\n", prog, s,
+            (long long)ntrain);
 }
 
 #endif

@@ -28,8 +28,12 @@
 #ifdef KILN_HAVE_DNNL
 #include <dnnl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
 
 #define DNNL_CACHE 96
 
@@ -62,6 +66,7 @@ static int dnnl_n, dnnl_next;
 /* grow-only buffers: the blocked copies of x, w, y, and the scratchpad */
 static void *dnnl_buf[R_N];
 static size_t dnnl_buf_size[R_N];
+static int conv_nt = 1; /* the thread count of this call (dnnl_run_nt) */
 
 static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d: oneDNN %s failed (status %d)", what, (int)s);
@@ -500,6 +505,7 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   k.v[31] = r.v[R_B] != NULL;
   k.v[32] = a->op;
   k.v[33] = plain_only();
+  k.v[34] = conv_nt; /* a primitive splits its work for the thread count it was made under */
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -582,6 +588,28 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   return st;
 }
 
+/* dnnl_run on kiln's thread count (the lock held). oneDNN runs on OpenMP's count, which
+** the OpenMP build of OpenBLAS sets to 1 for every small sgemm (openblas_set_num_threads ->
+** omp_set_num_threads: ResNet's final Linear is one), and a jit primitive splits its work
+** for the count it was created under: every backward primitive of ResNet-18, created after
+** the first step's fc, ran on one core (layer1's data gradient 1.45 ms a call where
+** PyTorch's same kernel took 0.79). kiln's count for the creation and the call (as
+** cpu_dnnl_matmul.c does), then OpenMP's back; and kiln's own loops move onto that OpenMP
+** team, whose workers spin after each convolution and would fight a second pool. */
+static kiln_status dnnl_run_nt(const kiln__kargs *a) {
+#ifdef KILN_HAVE_OPENMP
+  int was = omp_get_max_threads();
+  conv_nt = omp_in_parallel() ? 1 : kiln_num_threads();
+  if (conv_nt != was) omp_set_num_threads(conv_nt);
+  atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
+  kiln_status st = dnnl_run(a);
+  if (conv_nt != was) omp_set_num_threads(was);
+  return st;
+#else
+  return dnnl_run(a);
+#endif
+}
+
 /* A 4-d view oneDNN reads as it is: contiguous NCHW, or channels-last. */
 static bool dense4(const kiln__view *v) { return v->ndim == 4 && (kiln__view_is_contiguous(v) || is_nhwc(v)); }
 
@@ -609,7 +637,7 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
     return KILN_OK;
   }
   pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
+  kiln_status st = dnnl_run_nt(a);
   pthread_mutex_unlock(&dnnl_lock);
   return st;
 }
@@ -621,7 +649,7 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
   if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
   pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
+  kiln_status st = dnnl_run_nt(a);
   pthread_mutex_unlock(&dnnl_lock);
   return st;
 }

@@ -377,6 +377,8 @@ static const h_case cv_cases[] = {
      .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 7x7 -> 1x1 (a mean)", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_global,
      .n_in = 1, .in = {CVIN(N_, 3, 7, 7)}, .sym = {2}, .flags = CVF},
+    {.name = "adaptive_avg_pool2d 1x1 -> 1x1 (a copy)", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_global,
+     .n_in = 1, .in = {CVIN(N_, 5, 1, 1)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 3x4 -> 4x6", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_up, .n_in = 1,
      .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
     {.name = "upsample nearest 3x2 -> 7x3", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_near, .n_in = 1,

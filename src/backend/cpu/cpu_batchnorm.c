@@ -21,6 +21,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BN_RUN 256 /* elements per gathered run */
 #define BN_CB 32   /* channels per work item when runs go along the channels */
@@ -283,9 +284,9 @@ static void bwd_items(void *vctx, int64_t lo, int64_t hi) {
 ** order of the spread (the cancellation of E[x^2] - E[x]^2 comes from a mean large against
 ** the spread; with K inside the data it is gone): the difference of two f32 values and its
 ** square are exact in f64, so only the f64 sums round, as in the two-pass form. 2 passes over x (the general path: 3).
-** Forward only: a backward written the same way (per-channel rows, 8 f64 lanes, the mask as
-** a select) measured slower than the general path's gathered runs (ResNet-18's (64, C, 8x8)
-** calls 560-580 vs 455 us), so BATCH_NORM_BACKWARD stays there. */
+** (A backward written this way, a channel's rows one image apart and left to the compiler,
+** measured slower than the general path's gathered runs; bwd_fast below walks a block of
+** channels image by image and vectorises by hand.) */
 #define BN_L 8
 static double lanes_sum(const double *v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
@@ -356,6 +357,165 @@ static void fwd_fast(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* ---- f32 NCHW backward fast path ----
+** x, g, dx (and the mask) f32 with S the unit-stride inner dim and S >= BN_FAST_MIN_S:
+** ResNet-18's 4x4, 8x8 and 16x16 maps. A work item is still a channel (the sums never cross
+** threads), but a thread walks its channels a block at a time and, within the block, image
+** by image: the block's rows of one image are contiguous, where the general path's runs of
+** one channel jump a whole image (C*S floats: 16 KB on ResNet's layer1, so x, g, the mask
+** and dx all fell on the same few L1 sets) and gathered each run through a dtype
+** converter. Per row, 8 f64 lane sums (element i into lane i % 8, a fixed tree); a
+** channel's rows add in image order, so the sums are the same for any thread count. dx is
+** the general path's formula, in f64, rounded once. */
+#define BN_FB 64 /* channels per block */
+/* rows of at least one 8-lane step (ResNet's 4x4 maps: 360 -> 125 us a call against the
+** channel-block runs); shorter rows (2x2, 1x1) stay with those runs */
+#define BN_FAST_MIN_S 8
+
+/* KILN_BN_FAST=0: the backward takes the general path; KILN_BN_SIMD=0: the fast path's
+** portable rows instead of AVX-512 (for comparisons and tests) */
+static bool env_off(const char *name, int *v) {
+  if (*v < 0) {
+    const char *e = getenv(name);
+    *v = e && strcmp(e, "0") == 0;
+  }
+  return *v;
+}
+static bool bn_fast_off(void) {
+  static int v = -1;
+  return env_off("KILN_BN_FAST", &v);
+}
+static bool bn_simd_off(void) {
+  static int v = -1;
+  return env_off("KILN_BN_SIMD", &v);
+}
+
+/* The portable rows (the compiler leaves these scalar: an f64 lane array fed from f32 with
+** a select does not vectorise); bn_rows_avx512 below computes the same lanes. */
+static void bn_row_sums(const float *x, const float *g, const float *m, int64_t S, double mean, double *ps,
+                        double *qs) {
+  double s[BN_L] = {0}, q[BN_L] = {0}, ts = 0, tq = 0;
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L)
+    for (int l = 0; l < BN_L; l++) {
+      double gv = !m || m[i + l] > 0 ? g[i + l] : 0.0f;
+      s[l] += gv, q[l] += gv * ((double)x[i + l] - mean);
+    }
+  for (; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    ts += gv, tq += gv * ((double)x[i] - mean);
+  }
+  *ps += lanes_sum(s) + ts;
+  *qs += lanes_sum(q) + tq;
+}
+
+static void bn_row_dx(const float *x, const float *g, const float *m, float *dx, int64_t S, double mean,
+                      double scale, double cx, double shift) {
+  for (int64_t i = 0; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    dx[i] = (float)(scale * gv + cx * ((double)x[i] - mean) + shift);
+  }
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define BN_HAVE_AVX512 1
+static bool bn_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+/* bn_row_sums and bn_row_dx with AVX-512: 8 values a step, widened to f64 (lane l of the
+** register is lane l of the portable sums), the mask a compare and a zeroing move; the
+** same operations in the same order (no FMA), so the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void bn_row_sums_avx512(const float *x, const float *g,
+                                                                            const float *m, int64_t S, double mean,
+                                                                            double *ps, double *qs) {
+  __m512d s = _mm512_setzero_pd(), q = _mm512_setzero_pd(), mv = _mm512_set1_pd(mean);
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L) {
+    __m256 g8 = _mm256_loadu_ps(g + i);
+    if (m) g8 = _mm256_maskz_mov_ps(_mm256_cmp_ps_mask(_mm256_loadu_ps(m + i), _mm256_setzero_ps(), _CMP_GT_OQ), g8);
+    __m512d gd = _mm512_cvtps_pd(g8), xd = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    s = _mm512_add_pd(s, gd);
+    q = _mm512_add_pd(q, _mm512_mul_pd(gd, _mm512_sub_pd(xd, mv)));
+  }
+  double sl[BN_L], ql[BN_L], ts = 0, tq = 0;
+  _mm512_storeu_pd(sl, s);
+  _mm512_storeu_pd(ql, q);
+  for (; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    ts += gv, tq += gv * ((double)x[i] - mean);
+  }
+  *ps += lanes_sum(sl) + ts;
+  *qs += lanes_sum(ql) + tq;
+}
+
+__attribute__((target("avx512f,avx512vl"))) static void bn_row_dx_avx512(const float *x, const float *g,
+                                                                          const float *m, float *dx, int64_t S,
+                                                                          double mean, double scale, double cx,
+                                                                          double shift) {
+  __m512d mv = _mm512_set1_pd(mean), sv = _mm512_set1_pd(scale), cv = _mm512_set1_pd(cx), hv = _mm512_set1_pd(shift);
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L) {
+    __m256 g8 = _mm256_loadu_ps(g + i);
+    if (m) g8 = _mm256_maskz_mov_ps(_mm256_cmp_ps_mask(_mm256_loadu_ps(m + i), _mm256_setzero_ps(), _CMP_GT_OQ), g8);
+    __m512d gd = _mm512_cvtps_pd(g8), xd = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    __m512d r = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(sv, gd), _mm512_mul_pd(cv, _mm512_sub_pd(xd, mv))), hv);
+    _mm256_storeu_ps(dx + i, _mm512_cvtpd_ps(r));
+  }
+  if (i < S) bn_row_dx(x + i, g + i, m ? m + i : NULL, dx + i, S - i, mean, scale, cx, shift);
+}
+#endif
+
+static void bwd_fast(void *vctx, int64_t lo, int64_t hi) {
+  const bn_ctx *k = vctx;
+  const kiln__kargs *a = k->a;
+  const kiln__view *st = k->stats;
+  int64_t es = (int64_t)esz(st);
+  double M = (double)(k->N * k->S);
+  double p[BN_FB], q[BN_FB], mean[BN_FB], scale[BN_FB], cx[BN_FB], shift[BN_FB];
+  void (*sums)(const float *, const float *, const float *, int64_t, double, double *, double *) = bn_row_sums;
+  void (*dxrow)(const float *, const float *, const float *, float *, int64_t, double, double, double, double) =
+      bn_row_dx;
+#ifdef BN_HAVE_AVX512
+  if (bn_avx512_ok() && !bn_simd_off()) sums = bn_row_sums_avx512, dxrow = bn_row_dx_avx512;
+#endif
+  for (int64_t c0 = lo; c0 < hi; c0 += BN_FB) {
+    int64_t nc = hi - c0 < BN_FB ? hi - c0 : BN_FB;
+    double invstd[BN_FB];
+    for (int64_t j = 0; j < nc; j++) {
+      int64_t c = c0 + j;
+      p[j] = q[j] = 0;
+      mean[j] = kiln__cpu_get_f64((const char *)st->data + c * st->strides[1] * es, st->dtype);
+      invstd[j] = kiln__cpu_get_f64((const char *)st->data + (st->strides[0] + c * st->strides[1]) * es, st->dtype);
+    }
+    for (int64_t n = 0; n < k->N; n++)
+      for (int64_t j = 0; j < nc; j++)
+        sums(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL, k->S,
+             mean[j], &p[j], &q[j]);
+    for (int64_t j = 0; j < nc; j++) { /* as bwd_items */
+      int64_t c = c0 + j;
+      double w = k->w ? vec_get(k->w, c) : 1.0, kk = w * invstd[j];
+      double dw = q[j] * invstd[j];
+      vec_set(&a->out[1], c, dw);
+      vec_set(&a->out[2], c, p[j]);
+      if (k->train && M > 0) {
+        cx[j] = -kk * invstd[j] * dw / M;
+        shift[j] = -kk * p[j] / M;
+      } else {
+        cx[j] = shift[j] = 0;
+      }
+      scale[j] = kk;
+    }
+    for (int64_t n = 0; n < k->N; n++)
+      for (int64_t j = 0; j < nc; j++)
+        dxrow(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL,
+              (float *)f32_row(k->y, n, c0 + j), k->S, mean[j], scale[j], cx[j], shift[j]);
+  }
+}
+
 /* Whether runs should go along the channels: they are the inner dim of x, or S is too
 ** short to be a run worth a call (ResNet's last stages: S = 4 or 1), when channels S
 ** apart still share cache lines. */
@@ -408,6 +568,13 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     if (k.C == 0) return KILN_OK;
     int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
     kiln__cpu_parallel_for(k.C, min_par, fwd_fast, &k);
+    return KILN_OK;
+  }
+  if (bw && k.S >= BN_FAST_MIN_S && f32_rows(x) && f32_rows(k.g) && f32_rows(k.y) && (!k.mask || f32_rows(k.mask)) &&
+      !bn_fast_off()) {
+    if (k.C == 0) return KILN_OK;
+    int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
+    kiln__cpu_parallel_for(k.C, min_par, bwd_fast, &k);
     return KILN_OK;
   }
   int64_t items = k.cl ? (k.C + BN_CB - 1) / BN_CB : k.C;

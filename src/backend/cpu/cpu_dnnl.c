@@ -158,6 +158,29 @@ static void entry_free(dnnl_entry *e) {
   memset(e, 0, sizeof *e);
 }
 
+/* Whether a convolution takes oneDNN's Winograd kernel (jit_wino_4x3, F(4x4, 3x3)) in
+** every pass: 3x3, stride 1, padding 1, ungrouped, channels in 16s, output maps 4x4 to
+** 8x8, where it beat the direct kernel (2 threads, batch 64, blocked layouts, ms a call,
+** direct -> Winograd: 64 channels 8x8 forward 0.70 -> 0.43, data gradient 0.73 -> 0.44,
+** weight gradient 0.76 -> 0.56; 128 channels 4x4 0.67 -> 0.59, 0.59 -> 0.57, 0.84 -> 0.50;
+** on 2x2 it was 3x slower). Its rounding differs from the direct sum's: on those shapes
+** it stayed within 1.5e-6 of the output's largest value (direct against Winograd, f32),
+** inside kiln's f32 tolerance (cv_f32_vs_f64 checks these shapes against f64).
+** KILN_DNNL_WINOGRAD=0 turns it off. */
+static bool winograd_case(const kiln__kargs *a, const kiln__view *x, const kiln__view *w, const kiln__view *y,
+                          int64_t G) {
+  static int off = -1;
+  if (off < 0) {
+    const char *e = getenv("KILN_DNNL_WINOGRAD");
+    off = e && strcmp(e, "0") == 0;
+  }
+  const kiln__conv_params *p = a->params;
+  int64_t L = y->shape[2] * y->shape[3];
+  return !off && G == 1 && w->shape[2] == 3 && w->shape[3] == 3 && p->stride[0] == 1 && p->stride[1] == 1 &&
+         p->dilation[0] == 1 && p->dilation[1] == 1 && p->padding[0] == 1 && p->padding[1] == 1 &&
+         x->shape[1] % 16 == 0 && w->shape[0] % 16 == 0 && y->shape[2] >= 4 && y->shape[3] >= 4 && L <= 64;
+}
+
 /* A new primitive for the geometry and kernel (the lock held). A backward primitive is
 ** made from the forward's description (oneDNN's hint), which is then dropped. */
 static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entry *e) {
@@ -215,31 +238,37 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
   ** at half the speed of the blocked jit kernel that forward_training gets: ResNet-18 at
   ** 32x32's 256-channel 3x3s on 2x2 maps 1.88 vs 0.86 ms a call; the other layers within
   ** a few percent either way (ONEDNN_VERBOSE, same run). */
-  s = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training,
-                                                 dnnl_convolution_direct, &qx, &qw, b, &qy, st, dl, pl, pr);
-  if (s != dnnl_success) {
-    dnnl_primitive_attr_destroy(attr);
-    return dnnl_fail("convolution descriptor", s);
-  }
-  dnnl_primitive_desc_t fpd, pd = NULL;
-  if ((s = dnnl_primitive_desc_create(&fpd, &fd, fwd ? attr : NULL, dnnl_eng, NULL)) != dnnl_success) {
-    dnnl_primitive_attr_destroy(attr);
-    return dnnl_fail("primitive descriptor", s);
-  }
-  if (fwd) {
-    pd = fpd, fpd = NULL;
-  } else {
+  dnnl_primitive_desc_t pd = NULL;
+  /* Winograd where it won (winograd_case), else direct; Winograd again direct when oneDNN
+  ** has no Winograd kernel for the call (a bias, a layout) */
+  for (int tryw = winograd_case(a, x, w, y, G) && !plain && !is_nhwc(x) ? 1 : 0; tryw >= 0; tryw--) {
+    dnnl_alg_kind_t alg = tryw ? dnnl_convolution_winograd : dnnl_convolution_direct;
+    s = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, alg, &qx, &qw, b, &qy, st, dl, pl, pr);
+    if (s != dnnl_success) {
+      if (tryw) continue;
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("convolution descriptor", s);
+    }
+    dnnl_primitive_desc_t fpd;
+    if ((s = dnnl_primitive_desc_create(&fpd, &fd, fwd ? attr : NULL, dnnl_eng, NULL)) != dnnl_success) {
+      if (tryw) continue;
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("primitive descriptor", s);
+    }
+    if (fwd) {
+      pd = fpd;
+      break;
+    }
     s = a->op == KILN__K_CONV2D_BACKWARD_DATA
-            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, &qy, st, dl,
-                                                               pl, pr)
-            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, b, &qy,
-                                                                  st, dl, pl, pr);
+            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, alg, &qx, &qw, &qy, st, dl, pl, pr)
+            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, alg, &qx, &qw, b, &qy, st, dl, pl, pr);
     if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &bd_, attr, dnnl_eng, fpd);
     dnnl_primitive_desc_destroy(fpd);
-    if (s != dnnl_success) {
-      dnnl_primitive_attr_destroy(attr);
-      return dnnl_fail("backward primitive descriptor", s);
-    }
+    if (s == dnnl_success) break;
+    pd = NULL;
+    if (tryw) continue;
+    dnnl_primitive_attr_destroy(attr);
+    return dnnl_fail("backward primitive descriptor", s);
   }
   dnnl_primitive_attr_destroy(attr);
   /* the layouts it chose */

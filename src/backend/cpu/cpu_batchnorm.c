@@ -467,7 +467,100 @@ __attribute__((target("avx512f,avx512vl"))) static void bn_row_dx_avx512(const f
   }
   if (i < S) bn_row_dx(x + i, g + i, m ? m + i : NULL, dx + i, S - i, mean, scale, cx, shift);
 }
+
+/* fwd_fast with AVX-512, a block of channels image by image (as bwd_fast): the same lane
+** sums (element i of a row into lane i % 8, each lane over the channel's rows in image
+** order, a lane register kept per channel between rows), the same statistics and the same
+** per-value operations, so the same bits as fwd_fast; the rows of one image are
+** contiguous where fwd_fast's rows of one channel jumped a whole image. */
+__attribute__((target("avx512f,avx512vl"))) static void fwd_block_avx512(const bn_ctx *k, int64_t c0, int64_t nc) {
+  const int64_t N = k->N, S = k->S, S8 = S / BN_L * BN_L;
+  double M = (double)(N * S);
+  double mean[BN_FB], scale[BN_FB], shift[BN_FB];
+  if (k->train) {
+    double K[BN_FB], ts[BN_FB], tq[BN_FB];
+    __m512d sv[BN_FB], qv[BN_FB];
+    for (int64_t j = 0; j < nc; j++) {
+      K[j] = M > 0 ? (double)f32_row(k->x, 0, c0 + j)[0] : 0.0;
+      ts[j] = tq[j] = 0;
+      sv[j] = qv[j] = _mm512_setzero_pd();
+    }
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t j = 0; j < nc; j++) {
+        const float *xp = f32_row(k->x, n, c0 + j);
+        __m512d kv = _mm512_set1_pd(K[j]), s = sv[j], q = qv[j];
+        for (int64_t i = 0; i < S8; i += BN_L) {
+          __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xp + i)), kv);
+          s = _mm512_add_pd(s, d);
+          q = _mm512_add_pd(q, _mm512_mul_pd(d, d));
+        }
+        sv[j] = s, qv[j] = q;
+        for (int64_t i = S8; i < S; i++) {
+          double d = (double)xp[i] - K[j];
+          ts[j] += d, tq[j] += d * d;
+        }
+      }
+    for (int64_t j = 0; j < nc; j++) {
+      int64_t c = c0 + j;
+      double sl[BN_L], ql[BN_L];
+      _mm512_storeu_pd(sl, sv[j]);
+      _mm512_storeu_pd(ql, qv[j]);
+      double sd = lanes_sum(sl) + ts[j], sq = lanes_sum(ql) + tq[j];
+      mean[j] = K[j] + sd / M;
+      double dev = sq - sd * (sd / M);
+      if (dev < 0) dev = 0;
+      double invstd = 1.0 / sqrt(dev / M + k->eps);
+      if (k->rm) {
+        double m = k->momentum;
+        vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean[j]);
+        vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
+      }
+      scale[j] = invstd; /* times the weight below */
+    }
+  } else {
+    for (int64_t j = 0; j < nc; j++) {
+      mean[j] = vec_get(k->rm, c0 + j);
+      scale[j] = 1.0 / sqrt(vec_get(k->rv, c0 + j) + k->eps);
+    }
+  }
+  for (int64_t j = 0; j < nc; j++) {
+    int64_t c = c0 + j;
+    char *st = (char *)k->stats->data;
+    int64_t es = (int64_t)esz(k->stats);
+    kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean[j]);
+    kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, scale[j]);
+    scale[j] = (k->w ? vec_get(k->w, c) : 1.0) * scale[j];
+    shift[j] = k->b ? vec_get(k->b, c) : 0.0;
+  }
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t j = 0; j < nc; j++) {
+      const float *xp = f32_row(k->x, n, c0 + j);
+      const float *rp = k->res ? f32_row(k->res, n, c0 + j) : NULL;
+      float *yp = (float *)f32_row(k->y, n, c0 + j);
+      __m512d mv = _mm512_set1_pd(mean[j]), scv = _mm512_set1_pd(scale[j]), shv = _mm512_set1_pd(shift[j]);
+      int64_t i = 0;
+      for (; i < S8; i += BN_L) {
+        __m512d t = _mm512_add_pd(_mm512_mul_pd(_mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xp + i)), mv), scv), shv);
+        if (rp) t = _mm512_add_pd(t, _mm512_cvtps_pd(_mm256_loadu_ps(rp + i)));
+        __m256 y8 = _mm512_cvtpd_ps(t);
+        /* the ReLU on the value: t < 0 -> +0 (NaN passes, as kiln_relu's) */
+        if (k->relu) y8 = _mm256_mask_mov_ps(y8, _mm512_cmp_pd_mask(t, _mm512_setzero_pd(), _CMP_LT_OQ), _mm256_setzero_ps());
+        _mm256_storeu_ps(yp + i, y8);
+      }
+      for (; i < S; i++) {
+        double t = ((double)xp[i] - mean[j]) * scale[j] + shift[j];
+        if (rp) t += (double)rp[i];
+        if (k->relu) t = t < 0 ? 0 : t;
+        yp[i] = (float)t;
+      }
+    }
+}
+
+static void fwd_fast_avx512(void *vctx, int64_t lo, int64_t hi) {
+  for (int64_t c0 = lo; c0 < hi; c0 += BN_FB) fwd_block_avx512(vctx, c0, hi - c0 < BN_FB ? hi - c0 : BN_FB);
+}
 #endif
+
 
 static void bwd_fast(void *vctx, int64_t lo, int64_t hi) {
   const bn_ctx *k = vctx;
@@ -563,7 +656,17 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
   int64_t numel = k.N * k.C * k.S;
   /* short rows (S < BN_SHORT_S: ResNet's 4x4 .. 1x1 maps) stay with the channel-block
   ** runs: a row of 4 or 1 values per loop costs more than the gather */
-  bool fast = !bw && !k.cl && f32_rows(x) && f32_rows(k.y) && (!k.res || f32_rows(k.res));
+  bool rows = f32_rows(x) && f32_rows(k.y) && (!k.res || f32_rows(k.res));
+#ifdef BN_HAVE_AVX512
+  /* the AVX-512 forward on rows of 8 or more (ResNet's 4x4 maps too) */
+  if (!bw && rows && k.S >= BN_FAST_MIN_S && bn_avx512_ok() && !bn_simd_off() && !bn_fast_off()) {
+    if (k.C == 0) return KILN_OK;
+    int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
+    kiln__cpu_parallel_for(k.C, min_par, fwd_fast_avx512, &k);
+    return KILN_OK;
+  }
+#endif
+  bool fast = !bw && !k.cl && rows;
   if (fast) {
     if (k.C == 0) return KILN_OK;
     int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;

@@ -385,10 +385,7 @@ static bool bn_fast_off(void) {
   static int v = -1;
   return env_off("KILN_BN_FAST", &v);
 }
-static bool bn_simd_off(void) {
-  static int v = -1;
-  return env_off("KILN_BN_SIMD", &v);
-}
+
 
 /* The portable rows (the compiler leaves these scalar: an f64 lane array fed from f32 with
 ** a select does not vectorise); bn_rows_avx512 below computes the same lanes. */
@@ -424,6 +421,10 @@ static bool bn_avx512_ok(void) {
   static int ok = -1;
   if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   return ok;
+}
+static bool bn_simd_off(void) {
+  static int v = -1;
+  return env_off("KILN_BN_SIMD", &v);
 }
 
 /* bn_row_sums and bn_row_dx with AVX-512: 8 values a step, widened to f64 (lane l of the

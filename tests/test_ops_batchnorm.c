@@ -286,6 +286,7 @@ static void bn_vs_composite(void) {
       {4, {5, 6, 1, 1}, BN_CONTIG},  {4, {2, 70, 2, 2}, BN_CONTIG},  {4, {2, 70, 2, 2}, BN_CL},
       {4, {4, 8, 32, 32}, BN_CONTIG}, {4, {4, 80, 8, 8}, BN_CL},
       {3, {3, 4, 37}, BN_CONTIG}, /* rows past BN_SHORT_S that are not a multiple of 8 lanes */
+      {4, {3, 5, 4, 4}, BN_CONTIG}, {3, {2, 3, 11}, BN_CONTIG}, /* the f32 backward's short rows (8 <= S < 32) */
   };
   static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
   int ncase = 0;
@@ -310,7 +311,7 @@ static void bn_vs_composite(void) {
         bn_out_free(&nat), bn_out_free(&comp);
         ncase++;
       }
-  H_CHECK(ncase == 180, "all kernel-vs-composite cases ran (%d)", ncase);
+  H_CHECK(ncase == 204, "all kernel-vs-composite cases ran (%d)", ncase);
 }
 
 /* ---- 3. what a value check cannot see ------------------------------------------------------ */
@@ -418,7 +419,7 @@ static void bn_relu_fused(kiln_device dev) {
     int64_t shape[5];
     int layout;
   } shapes[] = {{4, {4, 6, 5, 5}, BN_CONTIG}, {4, {3, 16, 4, 6}, BN_CL}, {2, {32, 12, 0, 0, 0}, BN_CONTIG},
-                {4, {2, 5, 3, 3}, BN_SLICE}};
+                {4, {2, 5, 3, 3}, BN_SLICE}, {4, {3, 4, 6, 7}, BN_CONTIG}};
   static const kiln_dtype dts[4] = {KILN_F64, KILN_F32, KILN_F16, KILN_BF16};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int di = 0; di < 4; di++)

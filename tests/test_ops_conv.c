@@ -377,6 +377,8 @@ static const h_case cv_cases[] = {
      .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 7x7 -> 1x1 (a mean)", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_global,
      .n_in = 1, .in = {CVIN(N_, 3, 7, 7)}, .sym = {2}, .flags = CVF},
+    {.name = "adaptive_avg_pool2d 1x1 -> 1x1 (a copy)", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_global,
+     .n_in = 1, .in = {CVIN(N_, 5, 1, 1)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 3x4 -> 4x6", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt_up, .n_in = 1,
      .in = {CVIN(N_, 2, 3, 4)}, .sym = {2}, .flags = CVF},
     {.name = "upsample nearest 3x2 -> 7x3", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_near, .n_in = 1,
@@ -508,7 +510,8 @@ static void cv_f32_vs_f64(void) {
   static const cv_cfg *cfgs[] = {&cv_strided, &cv_same,  &cv_groups, &cv_depthwise, &cv_1x1,   &cv_dilated,
                                  &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
                                  &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1,   &cv_pad1,
-                                 &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided};
+                                 &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided, &cv_pad1,
+                                 &cv_pad1,    &cv_pad1,   &cv_pad1};
   static const int64_t shapes[][8] = {
       {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
       {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
@@ -527,8 +530,16 @@ static void cv_f32_vs_f64(void) {
       /* ungrouped outputs under 4x4 otherwise: the CPU's small-map weight gradient (cpu_dnnl.c
       ** small_case, columns written in the GEMM's layout): 2x2 -> 2x2 (ResNet-18 32x32's
       ** layer3), 4x4 -> 2x2 stride 2, and stride (2,1) padding (1,2) to 2x6 */
-      {4, 6, 2, 2, 5, 6, 3, 3},    {3, 4, 4, 4, 5, 4, 3, 3},    {2, 3, 3, 3, 4, 3, 3, 2}};
-  for (int t = 0; t < 20; t++) {
+      {4, 6, 2, 2, 5, 6, 3, 3},    {3, 4, 4, 4, 5, 4, 3, 3},    {2, 3, 3, 3, 4, 3, 3, 2},
+      /* oneDNN's Winograd on the CPU (cpu_dnnl.c winograd_case: 3x3 pad 1, channels in
+      ** 16s, 4x4 to 8x8 maps), at ResNet-18 32x32's layer1 and layer2 channel counts: its
+      ** rounding against f64, every pass */
+      {4, 64, 8, 8, 64, 64, 3, 3}, {3, 128, 4, 4, 128, 128, 3, 3},
+      /* the one-GEMM weight gradient of a 3x3 pad 1 on 1x1 maps spread into the full
+      ** weight 16 (out, in) pairs a step on AVX-512 (cpu_dnnl.c spread1_range): 35 pairs
+      ** (two steps and a tail of 3), 1536 */
+      {3, 5, 1, 1, 7, 5, 3, 3},    {4, 32, 1, 1, 48, 32, 3, 3}};
+  for (int t = 0; t < 24; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();

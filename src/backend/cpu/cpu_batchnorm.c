@@ -21,6 +21,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BN_RUN 256 /* elements per gathered run */
 #define BN_CB 32   /* channels per work item when runs go along the channels */
@@ -283,9 +284,9 @@ static void bwd_items(void *vctx, int64_t lo, int64_t hi) {
 ** order of the spread (the cancellation of E[x^2] - E[x]^2 comes from a mean large against
 ** the spread; with K inside the data it is gone): the difference of two f32 values and its
 ** square are exact in f64, so only the f64 sums round, as in the two-pass form. 2 passes over x (the general path: 3).
-** Forward only: a backward written the same way (per-channel rows, 8 f64 lanes, the mask as
-** a select) measured slower than the general path's gathered runs (ResNet-18's (64, C, 8x8)
-** calls 560-580 vs 455 us), so BATCH_NORM_BACKWARD stays there. */
+** (A backward written this way, a channel's rows one image apart and left to the compiler,
+** measured slower than the general path's gathered runs; bwd_fast below walks a block of
+** channels image by image and vectorises by hand.) */
 #define BN_L 8
 static double lanes_sum(const double *v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
@@ -356,6 +357,259 @@ static void fwd_fast(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* ---- f32 NCHW backward fast path ----
+** x, g, dx (and the mask) f32 with S the unit-stride inner dim and S >= BN_FAST_MIN_S:
+** ResNet-18's 4x4, 8x8 and 16x16 maps. A work item is still a channel (the sums never cross
+** threads), but a thread walks its channels a block at a time and, within the block, image
+** by image: the block's rows of one image are contiguous, where the general path's runs of
+** one channel jump a whole image (C*S floats: 16 KB on ResNet's layer1, so x, g, the mask
+** and dx all fell on the same few L1 sets) and gathered each run through a dtype
+** converter. Per row, 8 f64 lane sums (element i into lane i % 8, a fixed tree); a
+** channel's rows add in image order, so the sums are the same for any thread count. dx is
+** the general path's formula, in f64, rounded once. */
+#define BN_FB 64 /* channels per block */
+/* rows of at least one 8-lane step (ResNet's 4x4 maps: 360 -> 125 us a call against the
+** channel-block runs); shorter rows (2x2, 1x1) stay with those runs */
+#define BN_FAST_MIN_S 8
+
+/* KILN_BN_FAST=0: the backward takes the general path; KILN_BN_SIMD=0: the fast path's
+** portable rows instead of AVX-512 (for comparisons and tests) */
+static bool env_off(const char *name, int *v) {
+  if (*v < 0) {
+    const char *e = getenv(name);
+    *v = e && strcmp(e, "0") == 0;
+  }
+  return *v;
+}
+static bool bn_fast_off(void) {
+  static int v = -1;
+  return env_off("KILN_BN_FAST", &v);
+}
+
+
+/* The portable rows (the compiler leaves these scalar: an f64 lane array fed from f32 with
+** a select does not vectorise); bn_rows_avx512 below computes the same lanes. */
+static void bn_row_sums(const float *x, const float *g, const float *m, int64_t S, double mean, double *ps,
+                        double *qs) {
+  double s[BN_L] = {0}, q[BN_L] = {0}, ts = 0, tq = 0;
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L)
+    for (int l = 0; l < BN_L; l++) {
+      double gv = !m || m[i + l] > 0 ? g[i + l] : 0.0f;
+      s[l] += gv, q[l] += gv * ((double)x[i + l] - mean);
+    }
+  for (; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    ts += gv, tq += gv * ((double)x[i] - mean);
+  }
+  *ps += lanes_sum(s) + ts;
+  *qs += lanes_sum(q) + tq;
+}
+
+static void bn_row_dx(const float *x, const float *g, const float *m, float *dx, int64_t S, double mean,
+                      double scale, double cx, double shift) {
+  for (int64_t i = 0; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    dx[i] = (float)(scale * gv + cx * ((double)x[i] - mean) + shift);
+  }
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define BN_HAVE_AVX512 1
+static bool bn_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+static bool bn_simd_off(void) {
+  static int v = -1;
+  return env_off("KILN_BN_SIMD", &v);
+}
+
+/* bn_row_sums and bn_row_dx with AVX-512: 8 values a step, widened to f64 (lane l of the
+** register is lane l of the portable sums), the mask a compare and a zeroing move; the
+** same operations in the same order (no FMA), so the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void bn_row_sums_avx512(const float *x, const float *g,
+                                                                            const float *m, int64_t S, double mean,
+                                                                            double *ps, double *qs) {
+  __m512d s = _mm512_setzero_pd(), q = _mm512_setzero_pd(), mv = _mm512_set1_pd(mean);
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L) {
+    __m256 g8 = _mm256_loadu_ps(g + i);
+    if (m) g8 = _mm256_maskz_mov_ps(_mm256_cmp_ps_mask(_mm256_loadu_ps(m + i), _mm256_setzero_ps(), _CMP_GT_OQ), g8);
+    __m512d gd = _mm512_cvtps_pd(g8), xd = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    s = _mm512_add_pd(s, gd);
+    q = _mm512_add_pd(q, _mm512_mul_pd(gd, _mm512_sub_pd(xd, mv)));
+  }
+  double sl[BN_L], ql[BN_L], ts = 0, tq = 0;
+  _mm512_storeu_pd(sl, s);
+  _mm512_storeu_pd(ql, q);
+  for (; i < S; i++) {
+    double gv = !m || m[i] > 0 ? g[i] : 0.0f;
+    ts += gv, tq += gv * ((double)x[i] - mean);
+  }
+  *ps += lanes_sum(sl) + ts;
+  *qs += lanes_sum(ql) + tq;
+}
+
+__attribute__((target("avx512f,avx512vl"))) static void bn_row_dx_avx512(const float *x, const float *g,
+                                                                          const float *m, float *dx, int64_t S,
+                                                                          double mean, double scale, double cx,
+                                                                          double shift) {
+  __m512d mv = _mm512_set1_pd(mean), sv = _mm512_set1_pd(scale), cv = _mm512_set1_pd(cx), hv = _mm512_set1_pd(shift);
+  int64_t i = 0;
+  for (; i + BN_L <= S; i += BN_L) {
+    __m256 g8 = _mm256_loadu_ps(g + i);
+    if (m) g8 = _mm256_maskz_mov_ps(_mm256_cmp_ps_mask(_mm256_loadu_ps(m + i), _mm256_setzero_ps(), _CMP_GT_OQ), g8);
+    __m512d gd = _mm512_cvtps_pd(g8), xd = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    __m512d r = _mm512_add_pd(_mm512_add_pd(_mm512_mul_pd(sv, gd), _mm512_mul_pd(cv, _mm512_sub_pd(xd, mv))), hv);
+    _mm256_storeu_ps(dx + i, _mm512_cvtpd_ps(r));
+  }
+  if (i < S) bn_row_dx(x + i, g + i, m ? m + i : NULL, dx + i, S - i, mean, scale, cx, shift);
+}
+
+/* fwd_fast with AVX-512, a block of channels image by image (as bwd_fast): the same lane
+** sums (element i of a row into lane i % 8, each lane over the channel's rows in image
+** order, a lane register kept per channel between rows), the same statistics and the same
+** per-value operations, so the same bits as fwd_fast; the rows of one image are
+** contiguous where fwd_fast's rows of one channel jumped a whole image. */
+__attribute__((target("avx512f,avx512vl"))) static void fwd_block_avx512(const bn_ctx *k, int64_t c0, int64_t nc) {
+  const int64_t N = k->N, S = k->S, S8 = S / BN_L * BN_L;
+  double M = (double)(N * S);
+  double mean[BN_FB], scale[BN_FB], shift[BN_FB];
+  if (k->train) {
+    double K[BN_FB], ts[BN_FB], tq[BN_FB];
+    __m512d sv[BN_FB], qv[BN_FB];
+    for (int64_t j = 0; j < nc; j++) {
+      K[j] = M > 0 ? (double)f32_row(k->x, 0, c0 + j)[0] : 0.0;
+      ts[j] = tq[j] = 0;
+      sv[j] = qv[j] = _mm512_setzero_pd();
+    }
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t j = 0; j < nc; j++) {
+        const float *xp = f32_row(k->x, n, c0 + j);
+        __m512d kv = _mm512_set1_pd(K[j]), s = sv[j], q = qv[j];
+        for (int64_t i = 0; i < S8; i += BN_L) {
+          __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xp + i)), kv);
+          s = _mm512_add_pd(s, d);
+          q = _mm512_add_pd(q, _mm512_mul_pd(d, d));
+        }
+        sv[j] = s, qv[j] = q;
+        for (int64_t i = S8; i < S; i++) {
+          double d = (double)xp[i] - K[j];
+          ts[j] += d, tq[j] += d * d;
+        }
+      }
+    for (int64_t j = 0; j < nc; j++) {
+      int64_t c = c0 + j;
+      double sl[BN_L], ql[BN_L];
+      _mm512_storeu_pd(sl, sv[j]);
+      _mm512_storeu_pd(ql, qv[j]);
+      double sd = lanes_sum(sl) + ts[j], sq = lanes_sum(ql) + tq[j];
+      mean[j] = K[j] + sd / M;
+      double dev = sq - sd * (sd / M);
+      if (dev < 0) dev = 0;
+      double invstd = 1.0 / sqrt(dev / M + k->eps);
+      if (k->rm) {
+        double m = k->momentum;
+        vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean[j]);
+        vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
+      }
+      scale[j] = invstd; /* times the weight below */
+    }
+  } else {
+    for (int64_t j = 0; j < nc; j++) {
+      mean[j] = vec_get(k->rm, c0 + j);
+      scale[j] = 1.0 / sqrt(vec_get(k->rv, c0 + j) + k->eps);
+    }
+  }
+  for (int64_t j = 0; j < nc; j++) {
+    int64_t c = c0 + j;
+    char *st = (char *)k->stats->data;
+    int64_t es = (int64_t)esz(k->stats);
+    kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean[j]);
+    kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, scale[j]);
+    scale[j] = (k->w ? vec_get(k->w, c) : 1.0) * scale[j];
+    shift[j] = k->b ? vec_get(k->b, c) : 0.0;
+  }
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t j = 0; j < nc; j++) {
+      const float *xp = f32_row(k->x, n, c0 + j);
+      const float *rp = k->res ? f32_row(k->res, n, c0 + j) : NULL;
+      float *yp = (float *)f32_row(k->y, n, c0 + j);
+      __m512d mv = _mm512_set1_pd(mean[j]), scv = _mm512_set1_pd(scale[j]), shv = _mm512_set1_pd(shift[j]);
+      int64_t i = 0;
+      for (; i < S8; i += BN_L) {
+        __m512d t = _mm512_add_pd(_mm512_mul_pd(_mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(xp + i)), mv), scv), shv);
+        if (rp) t = _mm512_add_pd(t, _mm512_cvtps_pd(_mm256_loadu_ps(rp + i)));
+        __m256 y8 = _mm512_cvtpd_ps(t);
+        /* the ReLU on the value: t < 0 -> +0 (NaN passes, as kiln_relu's) */
+        if (k->relu) y8 = _mm256_mask_mov_ps(y8, _mm512_cmp_pd_mask(t, _mm512_setzero_pd(), _CMP_LT_OQ), _mm256_setzero_ps());
+        _mm256_storeu_ps(yp + i, y8);
+      }
+      for (; i < S; i++) {
+        double t = ((double)xp[i] - mean[j]) * scale[j] + shift[j];
+        if (rp) t += (double)rp[i];
+        if (k->relu) t = t < 0 ? 0 : t;
+        yp[i] = (float)t;
+      }
+    }
+}
+
+static void fwd_fast_avx512(void *vctx, int64_t lo, int64_t hi) {
+  for (int64_t c0 = lo; c0 < hi; c0 += BN_FB) fwd_block_avx512(vctx, c0, hi - c0 < BN_FB ? hi - c0 : BN_FB);
+}
+#endif
+
+
+static void bwd_fast(void *vctx, int64_t lo, int64_t hi) {
+  const bn_ctx *k = vctx;
+  const kiln__kargs *a = k->a;
+  const kiln__view *st = k->stats;
+  int64_t es = (int64_t)esz(st);
+  double M = (double)(k->N * k->S);
+  double p[BN_FB], q[BN_FB], mean[BN_FB], scale[BN_FB], cx[BN_FB], shift[BN_FB];
+  void (*sums)(const float *, const float *, const float *, int64_t, double, double *, double *) = bn_row_sums;
+  void (*dxrow)(const float *, const float *, const float *, float *, int64_t, double, double, double, double) =
+      bn_row_dx;
+#ifdef BN_HAVE_AVX512
+  if (bn_avx512_ok() && !bn_simd_off()) sums = bn_row_sums_avx512, dxrow = bn_row_dx_avx512;
+#endif
+  for (int64_t c0 = lo; c0 < hi; c0 += BN_FB) {
+    int64_t nc = hi - c0 < BN_FB ? hi - c0 : BN_FB;
+    double invstd[BN_FB];
+    for (int64_t j = 0; j < nc; j++) {
+      int64_t c = c0 + j;
+      p[j] = q[j] = 0;
+      mean[j] = kiln__cpu_get_f64((const char *)st->data + c * st->strides[1] * es, st->dtype);
+      invstd[j] = kiln__cpu_get_f64((const char *)st->data + (st->strides[0] + c * st->strides[1]) * es, st->dtype);
+    }
+    for (int64_t n = 0; n < k->N; n++)
+      for (int64_t j = 0; j < nc; j++)
+        sums(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL, k->S,
+             mean[j], &p[j], &q[j]);
+    for (int64_t j = 0; j < nc; j++) { /* as bwd_items */
+      int64_t c = c0 + j;
+      double w = k->w ? vec_get(k->w, c) : 1.0, kk = w * invstd[j];
+      double dw = q[j] * invstd[j];
+      vec_set(&a->out[1], c, dw);
+      vec_set(&a->out[2], c, p[j]);
+      if (k->train && M > 0) {
+        cx[j] = -kk * invstd[j] * dw / M;
+        shift[j] = -kk * p[j] / M;
+      } else {
+        cx[j] = shift[j] = 0;
+      }
+      scale[j] = kk;
+    }
+    for (int64_t n = 0; n < k->N; n++)
+      for (int64_t j = 0; j < nc; j++)
+        dxrow(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL,
+              (float *)f32_row(k->y, n, c0 + j), k->S, mean[j], scale[j], cx[j], shift[j]);
+  }
+}
+
 /* Whether runs should go along the channels: they are the inner dim of x, or S is too
 ** short to be a run worth a call (ResNet's last stages: S = 4 or 1), when channels S
 ** apart still share cache lines. */
@@ -403,11 +657,28 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
   int64_t numel = k.N * k.C * k.S;
   /* short rows (S < BN_SHORT_S: ResNet's 4x4 .. 1x1 maps) stay with the channel-block
   ** runs: a row of 4 or 1 values per loop costs more than the gather */
-  bool fast = !bw && !k.cl && f32_rows(x) && f32_rows(k.y) && (!k.res || f32_rows(k.res));
+  bool rows = f32_rows(x) && f32_rows(k.y) && (!k.res || f32_rows(k.res));
+#ifdef BN_HAVE_AVX512
+  /* the AVX-512 forward on rows of 8 or more (ResNet's 4x4 maps too) */
+  if (!bw && rows && k.S >= BN_FAST_MIN_S && bn_avx512_ok() && !bn_simd_off() && !bn_fast_off()) {
+    if (k.C == 0) return KILN_OK;
+    int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
+    kiln__cpu_parallel_for(k.C, min_par, fwd_fast_avx512, &k);
+    return KILN_OK;
+  }
+#endif
+  bool fast = !bw && !k.cl && rows;
   if (fast) {
     if (k.C == 0) return KILN_OK;
     int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
     kiln__cpu_parallel_for(k.C, min_par, fwd_fast, &k);
+    return KILN_OK;
+  }
+  if (bw && k.S >= BN_FAST_MIN_S && f32_rows(x) && f32_rows(k.g) && f32_rows(k.y) && (!k.mask || f32_rows(k.mask)) &&
+      !bn_fast_off()) {
+    if (k.C == 0) return KILN_OK;
+    int64_t min_par = numel >= KILN__CPU_PAR_MIN_CHEAP / 4 ? 1 : k.C + 1;
+    kiln__cpu_parallel_for(k.C, min_par, bwd_fast, &k);
     return KILN_OK;
   }
   int64_t items = k.cl ? (k.C + BN_CB - 1) / BN_CB : k.C;

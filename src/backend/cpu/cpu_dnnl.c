@@ -28,8 +28,12 @@
 #ifdef KILN_HAVE_DNNL
 #include <dnnl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
 
 #define DNNL_CACHE 96
 
@@ -62,6 +66,7 @@ static int dnnl_n, dnnl_next;
 /* grow-only buffers: the blocked copies of x, w, y, and the scratchpad */
 static void *dnnl_buf[R_N];
 static size_t dnnl_buf_size[R_N];
+static int conv_nt = 1; /* the thread count of this call (dnnl_run_nt) */
 
 static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d: oneDNN %s failed (status %d)", what, (int)s);
@@ -153,6 +158,29 @@ static void entry_free(dnnl_entry *e) {
   memset(e, 0, sizeof *e);
 }
 
+/* Whether a convolution takes oneDNN's Winograd kernel (jit_wino_4x3, F(4x4, 3x3)) in
+** every pass: 3x3, stride 1, padding 1, ungrouped, channels in 16s, output maps 4x4 to
+** 8x8, where it beat the direct kernel (2 threads, batch 64, blocked layouts, ms a call,
+** direct -> Winograd: 64 channels 8x8 forward 0.70 -> 0.43, data gradient 0.73 -> 0.44,
+** weight gradient 0.76 -> 0.56; 128 channels 4x4 0.67 -> 0.59, 0.59 -> 0.57, 0.84 -> 0.50;
+** on 2x2 it was 3x slower). Its rounding differs from the direct sum's: on those shapes
+** it stayed within 1.5e-6 of the output's largest value (direct against Winograd, f32),
+** inside kiln's f32 tolerance (cv_f32_vs_f64 checks these shapes against f64).
+** KILN_DNNL_WINOGRAD=0 turns it off. */
+static bool winograd_case(const kiln__kargs *a, const kiln__view *x, const kiln__view *w, const kiln__view *y,
+                          int64_t G) {
+  static int off = -1;
+  if (off < 0) {
+    const char *e = getenv("KILN_DNNL_WINOGRAD");
+    off = e && strcmp(e, "0") == 0;
+  }
+  const kiln__conv_params *p = a->params;
+  int64_t L = y->shape[2] * y->shape[3];
+  return !off && G == 1 && w->shape[2] == 3 && w->shape[3] == 3 && p->stride[0] == 1 && p->stride[1] == 1 &&
+         p->dilation[0] == 1 && p->dilation[1] == 1 && p->padding[0] == 1 && p->padding[1] == 1 &&
+         x->shape[1] % 16 == 0 && w->shape[0] % 16 == 0 && y->shape[2] >= 4 && y->shape[3] >= 4 && L <= 64;
+}
+
 /* A new primitive for the geometry and kernel (the lock held). A backward primitive is
 ** made from the forward's description (oneDNN's hint), which is then dropped. */
 static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entry *e) {
@@ -204,31 +232,43 @@ static kiln_status dnnl_build(const kiln__kargs *a, const dnnl_key *k, dnnl_entr
   bool fwd = a->op == KILN__K_CONV2D;
   dnnl_convolution_desc_t fd, bd_;
   const dnnl_memory_desc_t *b = bias ? &e->s[R_B].user : NULL;
-  s = dnnl_dilated_convolution_forward_desc_init(&fd, fwd ? dnnl_forward_inference : dnnl_forward_training,
-                                                 dnnl_convolution_direct, &qx, &qw, b, &qy, st, dl, pl, pr);
-  if (s != dnnl_success) {
-    dnnl_primitive_attr_destroy(attr);
-    return dnnl_fail("convolution descriptor", s);
-  }
-  dnnl_primitive_desc_t fpd, pd = NULL;
-  if ((s = dnnl_primitive_desc_create(&fpd, &fd, fwd ? attr : NULL, dnnl_eng, NULL)) != dnnl_success) {
-    dnnl_primitive_attr_destroy(attr);
-    return dnnl_fail("primitive descriptor", s);
-  }
-  if (fwd) {
-    pd = fpd, fpd = NULL;
-  } else {
+  /* forward_training for every forward, as PyTorch asks (the result is the same: a
+  ** convolution keeps no workspace). With forward_inference and format "any" oneDNN 2.6
+  ** picks its brgemm kernel on channels-last, which on small maps with many channels ran
+  ** at half the speed of the blocked jit kernel that forward_training gets: ResNet-18 at
+  ** 32x32's 256-channel 3x3s on 2x2 maps 1.88 vs 0.86 ms a call; the other layers within
+  ** a few percent either way (ONEDNN_VERBOSE, same run). */
+  dnnl_primitive_desc_t pd = NULL;
+  /* Winograd where it won (winograd_case), else direct; Winograd again direct when oneDNN
+  ** has no Winograd kernel for the call (a bias, a layout) */
+  for (int tryw = winograd_case(a, x, w, y, G) && !plain && !is_nhwc(x) ? 1 : 0; tryw >= 0; tryw--) {
+    dnnl_alg_kind_t alg = tryw ? dnnl_convolution_winograd : dnnl_convolution_direct;
+    s = dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, alg, &qx, &qw, b, &qy, st, dl, pl, pr);
+    if (s != dnnl_success) {
+      if (tryw) continue;
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("convolution descriptor", s);
+    }
+    dnnl_primitive_desc_t fpd;
+    if ((s = dnnl_primitive_desc_create(&fpd, &fd, fwd ? attr : NULL, dnnl_eng, NULL)) != dnnl_success) {
+      if (tryw) continue;
+      dnnl_primitive_attr_destroy(attr);
+      return dnnl_fail("primitive descriptor", s);
+    }
+    if (fwd) {
+      pd = fpd;
+      break;
+    }
     s = a->op == KILN__K_CONV2D_BACKWARD_DATA
-            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, &qy, st, dl,
-                                                               pl, pr)
-            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, dnnl_convolution_direct, &qx, &qw, b, &qy,
-                                                                  st, dl, pl, pr);
+            ? dnnl_dilated_convolution_backward_data_desc_init(&bd_, alg, &qx, &qw, &qy, st, dl, pl, pr)
+            : dnnl_dilated_convolution_backward_weights_desc_init(&bd_, alg, &qx, &qw, b, &qy, st, dl, pl, pr);
     if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &bd_, attr, dnnl_eng, fpd);
     dnnl_primitive_desc_destroy(fpd);
-    if (s != dnnl_success) {
-      dnnl_primitive_attr_destroy(attr);
-      return dnnl_fail("backward primitive descriptor", s);
-    }
+    if (s == dnnl_success) break;
+    pd = NULL;
+    if (tryw) continue;
+    dnnl_primitive_attr_destroy(attr);
+    return dnnl_fail("backward primitive descriptor", s);
   }
   dnnl_primitive_attr_destroy(attr);
   /* the layouts it chose */
@@ -365,6 +405,50 @@ static void gemm_spread_range(void *ctx, int64_t lo, int64_t hi) {
   }
 }
 
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define SPREAD_HAVE_AVX512 1
+/* The spread of a one-tap cut (a 1x1 image: each q gets one value, at tap t of its KK):
+** 16 q's are 16*KK consecutive floats, written as KK vectors, vector j lane i the value of
+** q 16j+i / KK where (16j+i) % KK == t, else +0 (one masked permute each). The scalar
+** loop spent 0.8-1.3 ms on each of ResNet-18 32x32's 512x512x3x3 gradients (9.4 MB), a
+** handful of stores per value; this writes them at the memory's pace. Same values. */
+typedef struct spread1 {
+  float *w;
+  const float *wc;
+  int64_t KK, t;
+} spread1;
+
+__attribute__((target("avx512f"))) static void spread1_range(void *ctx, int64_t lo, int64_t hi) {
+  const spread1 *g = ctx;
+  int64_t KK = g->KK;
+  __m512i idx[16];
+  __mmask16 mk[16];
+  for (int64_t j = 0; j < KK; j++) {
+    int32_t ix[16];
+    unsigned m = 0;
+    for (int i = 0; i < 16; i++) {
+      int64_t e = 16 * j + i;
+      ix[i] = (int32_t)(e / KK);
+      if (e % KK == g->t) m |= 1u << i;
+    }
+    idx[j] = _mm512_loadu_si512(ix);
+    mk[j] = (__mmask16)m;
+  }
+  for (int64_t b = lo; b < hi; b++) { /* block b: q = 16b .. 16b+15 */
+    __m512 v = _mm512_loadu_ps(g->wc + 16 * b);
+    float *d = g->w + 16 * b * KK;
+    for (int64_t j = 0; j < KK; j++) _mm512_storeu_ps(d + 16 * j, _mm512_maskz_permutexvar_ps(mk[j], idx[j], v));
+  }
+}
+
+static bool spread_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+#endif
+
 /* The lock held (the cut weight's buffer is dnnl_buf[R_W]). */
 static kiln_status gemm_wgrad(const kiln__kargs *a, const int64_t lo[2]) {
   dnnl_roles r = roles_of(a);
@@ -379,7 +463,18 @@ static kiln_status gemm_wgrad(const kiln__kargs *a, const int64_t lo[2]) {
   if (s != dnnl_success) return dnnl_fail("sgemm", s);
   if (!full) {
     gemm_spread g = {w->data, wc, KH, KW, H, W, {lo[0], lo[1]}};
-    kiln__cpu_parallel_for(OC * C, 1 + KILN__CPU_PAR_MIN_CHEAP / (KH * KW), gemm_spread_range, &g);
+    int64_t Q = OC * C, done = 0;
+#ifdef SPREAD_HAVE_AVX512
+    if (H == 1 && W == 1 && KH * KW <= 16 && spread_avx512_ok()) {
+      spread1 g1 = {w->data, wc, KH * KW, lo[0] * KW + lo[1]};
+      done = Q / 16 * 16;
+      kiln__cpu_parallel_for(Q / 16, 1 + KILN__CPU_PAR_MIN_CHEAP / (16 * KH * KW), spread1_range, &g1);
+    }
+#endif
+    if (done < Q) { /* the rest (all of it without AVX-512, or a cut of more than one tap) */
+      g.w += done * KH * KW, g.wc += done * H * W;
+      kiln__cpu_parallel_for(Q - done, 1 + KILN__CPU_PAR_MIN_CHEAP / (KH * KW), gemm_spread_range, &g);
+    }
   }
   if (b) { /* the bias gradient: the gradient's sum over the batch, in f32 in batch order */
     float *bp = b->data;
@@ -392,76 +487,105 @@ static kiln_status gemm_wgrad(const kiln__kargs *a, const int64_t lo[2]) {
 
 /* Weight gradients on small maps (under 4x4 outputs: ResNet-18 32x32's layer3, 2x2), other
 ** than those above: oneDNN's jit kernel there (a reduction over the batch, mostly padding
-** taps) ran at 38-75 GFLOP/s, and the composite (im2col, then permuting both operands to
-** (., N*OH*OW), then a GEMM) spent as long moving data as multiplying. Here the image's
-** columns are written straight in the GEMM's layout, cols (C*KH*KW, N*OH*OW), the
-** gradient transposed to gt (OC, N*OH*OW), and dW = gt cols^T is one dnnl_sgemm (f32
-** accumulation); the bias gradient is gt's row sums (f32, in (n, pixel) order). */
+** taps) ran at 38-75 GFLOP/s. On such maps most (tap, output pixel) pairs put the tap on
+** padding: a 3x3 pad 1 on 2x2 has 16 pairs that meet the image of 36. So the gradient is a
+** sum over the pairs that do: for tap t and output pixel l reading image pixel p,
+** dW[:, :, t] += G_l X_p^T, G_l (OC, N) the gradient at l and X_p (C, N) the image at p,
+** each a dnnl_sgemm (f32 accumulation) over the batch, into acc (OC, taps, C), then
+** transposed into dW (OC, C, taps) with zeros for taps that meet nothing. The operands are
+** laid out once for this: gt (OC, L, N) and xt (H*W, C, N). (The one im2col GEMM over
+** all 36 pairs before spent 0.45 ms laying out its columns and 1.1 ms multiplying,
+** padding zeros included, on each 256-channel 2x2 layer.) The bias gradient is gt's row
+** sums (f32, in (pixel, n) order). */
 #define SMALL_MAP 16
+#define SMALL_TAPS 64 /* kernels of more taps take oneDNN */
 
 static bool small_case(const kiln__kargs *a) {
   if (a->op != KILN__K_CONV2D_BACKWARD_WEIGHT || conv_gemm_off() || a->i[0] != 1) return false;
   const kiln__view *x = &a->in[0], *g = &a->in[1], *w = &a->out[0];
-  return g->shape[2] * g->shape[3] < SMALL_MAP && kiln__view_is_contiguous(x) && kiln__view_is_contiguous(g) &&
-         kiln__view_is_contiguous(w);
+  return g->shape[2] * g->shape[3] < SMALL_MAP && w->shape[2] * w->shape[3] <= SMALL_TAPS &&
+         kiln__view_is_contiguous(x) && kiln__view_is_contiguous(g) && kiln__view_is_contiguous(w);
 }
 
 typedef struct small_job {
   const float *x, *g;
-  float *cols, *gt;
+  float *xt, *gt, *acc, *w;
   int64_t N, C, H, W, OC, KH, KW, OH, OW;
-  const kiln__conv_params *p;
+  const bool *hit; /* per tap: some pair meets the image */
 } small_job;
 
-/* the columns of channels [lo, hi) */
-static void small_cols_range(void *ctx, int64_t lo, int64_t hi) {
+/* xt rows q = p*C + c in [lo, hi): xt[p][c][n] = x[n][c][p] */
+static void small_xt_range(void *ctx, int64_t lo, int64_t hi) {
   const small_job *j = ctx;
-  const kiln__conv_params *p = j->p;
-  int64_t L = j->OH * j->OW, NL = j->N * L;
-  for (int64_t c = lo; c < hi; c++)
-    for (int64_t i = 0; i < j->KH; i++)
-      for (int64_t jj = 0; jj < j->KW; jj++) {
-        float *row = j->cols + ((c * j->KH + i) * j->KW + jj) * NL;
-        for (int64_t n = 0; n < j->N; n++) {
-          const float *xp = j->x + (n * j->C + c) * j->H * j->W;
-          for (int64_t oh = 0; oh < j->OH; oh++) {
-            int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
-            float *o = row + n * L + oh * j->OW;
-            for (int64_t ow = 0; ow < j->OW; ow++) {
-              int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
-              o[ow] = h >= 0 && h < j->H && w >= 0 && w < j->W ? xp[h * j->W + w] : 0.0f;
-            }
-          }
-        }
-      }
+  int64_t HW = j->H * j->W;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t p = q / j->C, c = q % j->C;
+    float *o = j->xt + q * j->N;
+    const float *xp = j->x + c * HW + p;
+    for (int64_t n = 0; n < j->N; n++) o[n] = xp[n * j->C * HW];
+  }
 }
 
-/* gt's rows [lo, hi): gt[oc][n*L + l] = g[n][oc][l] */
+/* gt's rows [lo, hi): gt[oc][l][n] = g[n][oc][l] */
 static void small_gt_range(void *ctx, int64_t lo, int64_t hi) {
   const small_job *j = ctx;
-  int64_t L = j->OH * j->OW, NL = j->N * L;
+  int64_t L = j->OH * j->OW;
   for (int64_t oc = lo; oc < hi; oc++)
-    for (int64_t n = 0; n < j->N; n++)
-      memcpy(j->gt + oc * NL + n * L, j->g + (n * j->OC + oc) * L, (size_t)L * sizeof(float));
+    for (int64_t l = 0; l < L; l++) {
+      float *o = j->gt + (oc * L + l) * j->N;
+      const float *gp = j->g + oc * L + l;
+      for (int64_t n = 0; n < j->N; n++) o[n] = gp[n * j->OC * L];
+    }
 }
 
-/* The lock held (buffers dnnl_buf[R_X] and [R_Y]). */
+/* dW's rows oc in [lo, hi): dW[oc][c][t] = acc[oc][t][c], or 0 for a tap that meets nothing */
+static void small_dw_range(void *ctx, int64_t lo, int64_t hi) {
+  const small_job *j = ctx;
+  int64_t T = j->KH * j->KW;
+  for (int64_t oc = lo; oc < hi; oc++) {
+    float *d = j->w + oc * j->C * T;
+    const float *a = j->acc + oc * T * j->C;
+    for (int64_t c = 0; c < j->C; c++)
+      for (int64_t t = 0; t < T; t++) d[c * T + t] = j->hit[t] ? a[t * j->C + c] : 0.0f;
+  }
+}
+
+/* The lock held (buffers dnnl_buf[R_X], [R_Y] and [R_W]). */
 static kiln_status small_wgrad(const kiln__kargs *a) {
   const kiln__view *x = &a->in[0], *g = &a->in[1], *w = &a->out[0], *b = a->n_out > 1 ? &a->out[1] : NULL;
-  small_job j = {x->data, g->data, NULL, NULL, x->shape[0], x->shape[1], x->shape[2], x->shape[3],
-                 w->shape[0], w->shape[2], w->shape[3], g->shape[2], g->shape[3], a->params};
-  int64_t L = j.OH * j.OW, NL = j.N * L, K = j.C * j.KH * j.KW;
-  if (!(j.cols = buf(R_X, (size_t)(K * NL) * sizeof(float))) || !(j.gt = buf(R_Y, (size_t)(j.OC * NL) * sizeof(float))))
+  const kiln__conv_params *p = a->params;
+  bool hit[SMALL_TAPS] = {0};
+  small_job j = {x->data, g->data, NULL, NULL, NULL, w->data, x->shape[0], x->shape[1], x->shape[2], x->shape[3],
+                 w->shape[0], w->shape[2], w->shape[3], g->shape[2], g->shape[3], hit};
+  int64_t L = j.OH * j.OW, HW = j.H * j.W, T = j.KH * j.KW;
+  if (T > SMALL_TAPS) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d small-map weight gradient of %lld taps", (long long)T);
+  if (!(j.xt = buf(R_X, (size_t)(HW * j.C * j.N) * sizeof(float))) ||
+      !(j.gt = buf(R_Y, (size_t)(j.OC * L * j.N) * sizeof(float))) ||
+      !(j.acc = buf(R_W, (size_t)(j.OC * T * j.C) * sizeof(float))))
     return kiln_last_error();
-  kiln__cpu_parallel_for(j.C, 1 + KILN__CPU_PAR_MIN_CHEAP / (j.KH * j.KW * NL + 1), small_cols_range, &j);
-  kiln__cpu_parallel_for(j.OC, 1 + KILN__CPU_PAR_MIN_CHEAP / (NL + 1), small_gt_range, &j);
-  dnnl_status_t s = dnnl_sgemm('N', 'T', j.OC, K, NL, 1.0f, j.gt, NL, j.cols, NL, 0.0f, w->data, K);
-  if (s != dnnl_success) return dnnl_fail("sgemm", s);
+  kiln__cpu_parallel_for(HW * j.C, 1 + KILN__CPU_PAR_MIN_CHEAP / (j.N + 1), small_xt_range, &j);
+  kiln__cpu_parallel_for(j.OC, 1 + KILN__CPU_PAR_MIN_CHEAP / (L * j.N + 1), small_gt_range, &j);
+  for (int64_t t = 0; t < T; t++) {
+    int64_t i = t / j.KW, jj = t % j.KW;
+    for (int64_t l = 0; l < L; l++) {
+      int64_t h = (l / j.OW) * p->stride[0] - p->padding[0] + i * p->dilation[0];
+      int64_t ww = (l % j.OW) * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+      if (h < 0 || h >= j.H || ww < 0 || ww >= j.W) continue;
+      /* acc[:, t, :] (OC, C) (+)= gt[:, l, :] (OC, N) xt[h*W + w] (C, N)^T */
+      dnnl_status_t s = dnnl_sgemm('N', 'T', j.OC, j.C, j.N, 1.0f, j.gt + l * j.N, L * j.N,
+                                   j.xt + (h * j.W + ww) * j.C * j.N, j.N, hit[t] ? 1.0f : 0.0f, j.acc + t * j.C,
+                                   T * j.C);
+      if (s != dnnl_success) return dnnl_fail("sgemm", s);
+      hit[t] = true;
+    }
+  }
+  kiln__cpu_parallel_for(j.OC, 1 + KILN__CPU_PAR_MIN_CHEAP / (j.C * T + 1), small_dw_range, &j);
   if (b) {
     float *bp = b->data;
+    int64_t LN = L * j.N;
     for (int64_t o = 0; o < j.OC; o++) {
       float acc = 0.0f;
-      for (int64_t q = 0; q < NL; q++) acc += j.gt[o * NL + q];
+      for (int64_t q = 0; q < LN; q++) acc += j.gt[o * LN + q];
       bp[o] = acc;
     }
   }
@@ -500,6 +624,7 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   k.v[31] = r.v[R_B] != NULL;
   k.v[32] = a->op;
   k.v[33] = plain_only();
+  k.v[34] = conv_nt; /* a primitive splits its work for the thread count it was made under */
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -582,6 +707,28 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   return st;
 }
 
+/* dnnl_run on kiln's thread count (the lock held). oneDNN runs on OpenMP's count, which
+** the OpenMP build of OpenBLAS sets to 1 for every small sgemm (openblas_set_num_threads ->
+** omp_set_num_threads: ResNet's final Linear is one), and a jit primitive splits its work
+** for the count it was created under: every backward primitive of ResNet-18, created after
+** the first step's fc, ran on one core (layer1's data gradient 1.45 ms a call where
+** PyTorch's same kernel took 0.79). kiln's count for the creation and the call (as
+** cpu_dnnl_matmul.c does), then OpenMP's back; and kiln's own loops move onto that OpenMP
+** team, whose workers spin after each convolution and would fight a second pool. */
+static kiln_status dnnl_run_nt(const kiln__kargs *a) {
+#ifdef KILN_HAVE_OPENMP
+  int was = omp_get_max_threads();
+  conv_nt = omp_in_parallel() ? 1 : kiln_num_threads();
+  if (conv_nt != was) omp_set_num_threads(conv_nt);
+  atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
+  kiln_status st = dnnl_run(a);
+  if (conv_nt != was) omp_set_num_threads(was);
+  return st;
+#else
+  return dnnl_run(a);
+#endif
+}
+
 /* A 4-d view oneDNN reads as it is: contiguous NCHW, or channels-last. */
 static bool dense4(const kiln__view *v) { return v->ndim == 4 && (kiln__view_is_contiguous(v) || is_nhwc(v)); }
 
@@ -609,7 +756,7 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
     return KILN_OK;
   }
   pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
+  kiln_status st = dnnl_run_nt(a);
   pthread_mutex_unlock(&dnnl_lock);
   return st;
 }
@@ -621,7 +768,7 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
   if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
   pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
+  kiln_status st = dnnl_run_nt(a);
   pthread_mutex_unlock(&dnnl_lock);
   return st;
 }

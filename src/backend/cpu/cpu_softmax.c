@@ -13,6 +13,7 @@
 #endif
 #include "cpu.h"
 #include "cpu_iter.h"
+#include "cpu_avx512.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,45 +52,9 @@ typedef struct kiln__rows {
 **   sumexp   the same exp (kiln__exp16 is kiln__expf operation for operation: same bits),
 **            each value widened to f64 exactly and summed in 16 f64 lanes: only the order
 **            of the f64 additions differs from the portable loop;
-**   ce_bw    x_i = g (exp(x_i - lse) - off), the same operations: the same bits. */
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
-#include <immintrin.h>
-#define KILN__SM_AVX512 1
-#define KILN__T512 __attribute__((target("avx512f,avx512dq")))
-static bool kiln__sm_avx512(void) {
-  static int ok = -1;
-  if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  return ok;
-}
-
-/* kiln__expf (cpu_iter.h) on 16 lanes, operation for operation (no FMA: two roundings) */
-KILN__T512 static inline __m512 kiln__exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7228f), big = _mm512_set1_ps(12582912.0f);
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-  __m512 xc = _mm512_mask_blend_ps(under, x, lo);
-  xc = _mm512_mask_blend_ps(over, xc, hi);
-  xc = _mm512_mask_blend_ps(nan, xc, _mm512_setzero_ps());
-  __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), big);
-  __m512 n = _mm512_sub_ps(t, big);
-  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  __m512i ni = _mm512_cvttps_epi32(n), h = _mm512_srai_epi32(ni, 1), b127 = _mm512_set1_epi32(127);
-  __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, b127), 23));
-  __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, h), b127), 23));
-  y = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
-  y = _mm512_mask_blend_ps(under, y, _mm512_setzero_ps());
-  y = _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
-  return _mm512_mask_blend_ps(nan, y, x);
-}
-
+**   ce_bw    x_i = g (exp(x_i - lse) - off), the same operations: the same bits.
+** (kiln__exp16 and the checks: cpu_avx512.h) */
+#ifdef KILN__AVX512
 /* the max of x[0..n), n > 0; false (nothing set) when the row holds a NaN */
 KILN__T512 static bool kiln__rowmax16(const float *x, int64_t n, float *out) {
   __m512 m = _mm512_set1_ps(-INFINITY);
@@ -340,9 +305,9 @@ KILN__CE_FNS(double, f64)
 /* kiln__ce_row_f32 and kiln__ce_bw_row_f32 on the AVX-512 loops where they run (the same
 ** arithmetic; see kiln__exp16) */
 static float kiln__ce_row_f32x(const float *x, int64_t n, int64_t t, double eps, float *lse_out) {
-#ifdef KILN__SM_AVX512
+#ifdef KILN__AVX512
   float mm;
-  if (n > 0 && kiln__sm_avx512() && kiln__rowmax16(x, n, &mm)) { /* a NaN: the portable row */
+  if (n > 0 && kiln__avx512_ok() && kiln__rowmax16(x, n, &mm)) { /* a NaN: the portable row */
     double lse = (double)mm + log(kiln__sumexp16(x, n, mm));
     *lse_out = (float)lse;
     double loss = (1.0 - eps) * (lse - (double)x[t]);
@@ -353,8 +318,8 @@ static float kiln__ce_row_f32x(const float *x, int64_t n, int64_t t, double eps,
   return kiln__ce_row_f32(x, n, t, eps, lse_out);
 }
 static void kiln__ce_bw_row_f32x(float *x, int64_t n, int64_t t, double eps, float lse, float g) {
-#ifdef KILN__SM_AVX512
-  if (kiln__sm_avx512()) {
+#ifdef KILN__AVX512
+  if (kiln__avx512_ok()) {
     float off = (float)(eps / (double)n), on = (float)(1.0 - eps);
     kiln__ce_bw16(x, n, lse, off, g);
     x[t] -= g * on;

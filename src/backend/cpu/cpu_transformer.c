@@ -833,14 +833,19 @@ typedef struct kiln__attb_pack {
   int64_t H, T;
 } kiln__attb_pack;
 
+/* Rows in (b, t, h) order, every tensor of the call for each: for heads split from one
+** (B, T, 3C) qkv that walks its memory forward (q, k and v of a row are neighbours), where
+** one tensor at a time in (b, h, t) order jumped 3C elements a row (measured: the packing
+** was half of the attention's copies). */
 static void kiln__attb_pack_range(void *vctx, int64_t lo, int64_t hi) {
   kiln__attb_pack *c = vctx;
-  for (int t = 0; t < c->n; t++) {
-    const kiln__view *v = c->v[t];
-    int64_t D = v->shape[3], s3 = v->strides[3];
-    for (int64_t r = lo; r < hi; r++) {
-      int64_t idx[4] = {r / (c->H * c->T), (r / c->T) % c->H, r % c->T, 0};
-      uint16_t *p = (uint16_t *)kiln__at(v, 4, idx), *d = c->d[t] + r * D;
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t b = r / (c->T * c->H), t = (r / c->H) % c->T, h = r % c->H;
+    int64_t idx[4] = {b, h, t, 0}, row = (b * c->H + h) * c->T + t;
+    for (int i = 0; i < c->n; i++) {
+      const kiln__view *v = c->v[i];
+      int64_t D = v->shape[3], s3 = v->strides[3];
+      uint16_t *p = (uint16_t *)kiln__at(v, 4, idx), *d = c->d[i] + row * D;
       if (s3 == 1) {
         if (c->out)
           memcpy(p, d, (size_t)D * 2);
@@ -897,13 +902,15 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
   uint16_t *P = (uint16_t *)(buf + (size_t)ns * (bw ? 8 : 4)), *dS = bw ? P + ns : NULL;
   uint16_t *Qd = (bw ? dS : P) + ns, *Kd = Qd + nq, *Vd = Kd + nk, *Gd = Vd + nv; /* Gd: O (fwd) or dO (bwd) */
   c.S = S, c.dP = dP, c.P = P, c.dS = dS;
-  kiln__attb_pack pk = {.v = {q}, .d = {Qd}, .n = 1, .H = H, .T = Tq};
-  kiln__attb_pack_go(&pk, BH * Tq, D);
-  pk = (kiln__attb_pack){.v = {k, v}, .d = {Kd, Vd}, .n = 2, .H = H, .T = Tk};
-  kiln__attb_pack_go(&pk, BH * Tk, D);
-  if (bw) {
-    pk = (kiln__attb_pack){.v = {&a->in[3]}, .d = {Gd}, .n = 1, .H = H, .T = Tq};
-    kiln__attb_pack_go(&pk, BH * Tq, Dv);
+  kiln__attb_pack pk;
+  if (Tq == Tk) { /* q, k, v (and dO) in one pass */
+    pk = (kiln__attb_pack){.v = {q, k, v, &a->in[3]}, .d = {Qd, Kd, Vd, Gd}, .n = bw ? 4 : 3, .H = H, .T = Tq};
+    kiln__attb_pack_go(&pk, BH * Tq, D);
+  } else {
+    pk = (kiln__attb_pack){.v = {q, &a->in[3]}, .d = {Qd, Gd}, .n = bw ? 2 : 1, .H = H, .T = Tq};
+    kiln__attb_pack_go(&pk, BH * Tq, D);
+    pk = (kiln__attb_pack){.v = {k, v}, .d = {Kd, Vd}, .n = 2, .H = H, .T = Tk};
+    kiln__attb_pack_go(&pk, BH * Tk, D);
   }
   kiln__view Qv = kiln__attb_view(Qd, KILN_BF16, BH, Tq, D, false), Kv = kiln__attb_view(Kd, KILN_BF16, BH, Tk, D, false);
   kiln__view Vv = kiln__attb_view(Vd, KILN_BF16, BH, Tk, Dv, false), Gv = kiln__attb_view(Gd, KILN_BF16, BH, Tq, Dv, false);
@@ -932,10 +939,16 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
       st = kiln__attb_mm(kiln__attb_view(dS, KILN_BF16, BH, Tq, Tk, true), Qv,
                          kiln__attb_view(dKd, KILN_BF16, BH, Tk, D, false), 1.0);
     if (st == KILN_OK) {
-      pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {dQd}, .n = 1, .out = true, .H = H, .T = Tq};
-      kiln__attb_pack_go(&pk, BH * Tq, D);
-      pk = (kiln__attb_pack){.v = {&a->out[1], &a->out[2]}, .d = {dKd, dVd}, .n = 2, .out = true, .H = H, .T = Tk};
-      kiln__attb_pack_go(&pk, BH * Tk, D);
+      if (Tq == Tk) {
+        pk = (kiln__attb_pack){.v = {&a->out[0], &a->out[1], &a->out[2]}, .d = {dQd, dKd, dVd}, .n = 3, .out = true,
+                               .H = H, .T = Tq};
+        kiln__attb_pack_go(&pk, BH * Tq, D);
+      } else {
+        pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {dQd}, .n = 1, .out = true, .H = H, .T = Tq};
+        kiln__attb_pack_go(&pk, BH * Tq, D);
+        pk = (kiln__attb_pack){.v = {&a->out[1], &a->out[2]}, .d = {dKd, dVd}, .n = 2, .out = true, .H = H, .T = Tk};
+        kiln__attb_pack_go(&pk, BH * Tk, D);
+      }
     }
   }
   kiln__cpu_free(0, buf, nb);

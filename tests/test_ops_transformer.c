@@ -329,7 +329,8 @@ __attribute__((unused)) static void tf_sdpa_math(void) {
 /* bf16 attention (under autocast a GPT's q, k, v are bf16; where oneDNN is built the CPU
 ** runs the products as bf16 matmuls with f32 accumulation, P and dS rounded to bf16) against
 ** the f64 kernel on the same bf16 values, forward and backward: causal and not, Tq != Tk
-** both ways, T not a multiple of 16, and heads split from one qkv (B, T, 3C) by views.
+** both ways, T not a multiple of 16, heads split from one qkv (B, T, 3C) by views, and
+** enough (b, h) pairs for the CPU to take them in several chunks.
 ** Tolerance: P = exp(s - lse) and dS are rounded to bf16 (2^-9 relative each) before their
 ** products and every output once (2^-9): an output o = sum_j p_j x_j is off by at most
 ** 2^-9 (sum_j p_j |x_j| + |o|) <= 2^-8 max|x|, and dq, dk (dS's rounding on top of P's,
@@ -344,7 +345,10 @@ __attribute__((unused)) static void tf_att_bf16(void) {
             {2, 2, 20, 45, 24, 8, false, false},
             {1, 2, 45, 20, 32, 32, true, false},
             {2, 4, 33, 33, 16, 16, true, true},
-            {1, 2, 70, 70, 64, 64, false, true}};
+            {1, 2, 70, 70, 64, 64, false, true},
+            /* (b, h) pairs of 160 x 160 scores: the CPU's bf16 path runs them in chunks of
+            ** 1 MiB of f32 scores, 6 pairs forward and 3 backward: chunks and a partial one */
+            {2, 4, 160, 160, 16, 16, true, true}};
   kiln_device cpu = kiln_device_cpu();
   for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
     kiln_scope_begin();

@@ -696,8 +696,9 @@ static kiln_status kiln__attf_run(const kiln__kargs *a) {
 **             dS = bf16(P (dP - delta) scale), dV = P^T dO, dQ = dS K, dK = dS^T Q.
 ** Statistics (m, l, lse, delta) in f32; the operands rounded to bf16 only where PyTorch's
 ** are (P and dS are bf16 tensors there too); S and dP stay f32 (PyTorch rounds them to
-** bf16 as well: this is closer to the f64 result). Full Tq x Tk scores per (b, h): for the
-** causal case half of QK^T and PV is wasted, which AMX pays less for than blocking costs.
+** bf16 as well: this is closer to the f64 result). Full Tq x Tk scores per (b, h), a
+** chunk of (b, h) pairs at a time (KILN__ATTB_CHUNK_BYTES): for the causal case half of
+** QK^T and PV is wasted, which AMX pays less for than blocking costs.
 ** Taken for bf16 q, k, v (and dO) with bf16 outputs, no mask, no dropout, when oneDNN runs
 ** the products (a refused layout falls back to kiln__cpu_matmul's own path, same numbers).
 ** KILN_ATTENTION_BF16=0 turns it off (the f32 path: A/B). */
@@ -774,6 +775,7 @@ typedef struct kiln__attb {
   int64_t H, Tq, Tk;
   float scale;
   bool causal, bw;
+  int64_t bh0; /* the chunk's first (b, h): S, dP, P, dS hold the chunk's rows */
   float *S, *dP;
   uint16_t *P, *dS;
 } kiln__attb;
@@ -782,7 +784,7 @@ static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
   kiln__attb *c = vctx;
   const kiln__view *lv = c->bw ? &c->a->out[3] : &c->a->out[1];
   for (int64_t r = lo; r < hi; r++) {
-    int64_t bh = r / c->Tq, i = r % c->Tq;
+    int64_t bh = c->bh0 + r / c->Tq, i = r % c->Tq;
     int64_t n = c->causal ? (i + 1 < c->Tk ? i + 1 : c->Tk) : c->Tk;
     int64_t li[3] = {bh / c->H, bh % c->H, i};
     float *s = c->S + r * c->Tk;
@@ -889,16 +891,32 @@ static bool kiln__attb_takes(const kiln__kargs *a) {
   return true;
 }
 
+/* (b, h) pairs per chunk: the chunk's f32 scores (S, and dP in the backward) about this
+** many bytes, so that they stay in the cores' L2 between the product that writes them, the
+** row pass and the products that read P and dS. The whole (B*H, Tq, Tk) at once (8 MiB of
+** f32 S for the small GPT) went to memory and back: QK^T ran at ~0.4 TFLOP/s, bound by
+** its f32 output. KILN_ATTB_CHUNK_BYTES overrides it (A/B). */
+#define KILN__ATTB_CHUNK_BYTES ((int64_t)1 << 20)
+
 static kiln_status kiln__attb_run(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
   const int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2], D = q->shape[3],
                 Dv = v->shape[3];
-  const int64_t BH = B * H, ns = BH * Tq * Tk;
+  const int64_t BH = B * H;
   const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
   if (BH * Tq == 0) return KILN_OK;
-  /* S f32, P bf16, then q, k, v dense; the backward adds dP f32, dS bf16, dO dense and the
-  ** three dense gradients */
+  static int64_t chunk_bytes = -1;
+  if (chunk_bytes < 0) {
+    const char *e = kiln__getenv("KILN_ATTB_CHUNK_BYTES");
+    chunk_bytes = e && atoll(e) > 0 ? atoll(e) : KILN__ATTB_CHUNK_BYTES;
+  }
+  int64_t nbh = chunk_bytes / (Tq * Tk * 4 * (bw ? 2 : 1));
+  if (nbh < 1) nbh = 1;
+  if (nbh > BH) nbh = BH;
+  const int64_t ns = nbh * Tq * Tk; /* scores a chunk */
+  /* a chunk's S f32, P bf16 (the backward: dP f32, dS bf16 too), then q, k, v dense, and
+  ** O (forward) or dO and the three dense gradients (backward) */
   const int64_t nq = BH * Tq * D, nk = BH * Tk * D, nv = BH * Tk * Dv, ng = BH * Tq * Dv;
   size_t nb = (size_t)ns * (bw ? 12 : 6) + 2 * (size_t)(nq + nk + nv) + (bw ? 2 * (size_t)(ng + nq + nk + nv) : 2 * (size_t)ng);
   char *buf = kiln__cpu_alloc(0, nb);
@@ -907,6 +925,7 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
   float *S = (float *)buf, *dP = bw ? S + ns : NULL;
   uint16_t *P = (uint16_t *)(buf + (size_t)ns * (bw ? 8 : 4)), *dS = bw ? P + ns : NULL;
   uint16_t *Qd = (bw ? dS : P) + ns, *Kd = Qd + nq, *Vd = Kd + nk, *Gd = Vd + nv; /* Gd: O (fwd) or dO (bwd) */
+  uint16_t *dQd = bw ? Gd + ng : NULL, *dKd = bw ? dQd + nq : NULL, *dVd = bw ? dKd + nk : NULL;
   c.S = S, c.dP = dP, c.P = P, c.dS = dS;
   kiln__attb_pack pk;
   if (Tq == Tk) { /* q, k, v (and dO) in one pass */
@@ -918,43 +937,48 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
     pk = (kiln__attb_pack){.v = {k, v}, .d = {Kd, Vd}, .n = 2, .H = H, .T = Tk};
     kiln__attb_pack_go(&pk, BH * Tk, D);
   }
-  kiln__view Qv = kiln__attb_view(Qd, KILN_BF16, BH, Tq, D, false), Kv = kiln__attb_view(Kd, KILN_BF16, BH, Tk, D, false);
-  kiln__view Vv = kiln__attb_view(Vd, KILN_BF16, BH, Tk, Dv, false), Gv = kiln__attb_view(Gd, KILN_BF16, BH, Tq, Dv, false);
-  kiln__view Pv = kiln__attb_view(P, KILN_BF16, BH, Tq, Tk, false);
-  kiln_status st = kiln__attb_mm(Qv, kiln__attb_view(Kd, KILN_BF16, BH, Tk, D, true),
-                                 kiln__attb_view(S, KILN_F32, BH, Tq, Tk, false), a->s[0]); /* S = scale Q K^T */
-  if (st == KILN_OK && bw) /* dP = dO V^T */
-    st = kiln__attb_mm(Gv, kiln__attb_view(Vd, KILN_BF16, BH, Tk, Dv, true),
-                       kiln__attb_view(dP, KILN_F32, BH, Tq, Tk, false), 1.0);
-  if (st == KILN_OK) {
-    int64_t work = ns * 8;
-    kiln__cpu_parallel_for(BH * Tq, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__attb_rows, &c);
+  kiln_status st = KILN_OK;
+  for (int64_t c0 = 0; c0 < BH && st == KILN_OK; c0 += nbh) {
+    const int64_t n = BH - c0 < nbh ? BH - c0 : nbh; /* (b, h) pairs in this chunk */
+    uint16_t *Qc = Qd + c0 * Tq * D, *Kc = Kd + c0 * Tk * D, *Vc = Vd + c0 * Tk * Dv, *Gc = Gd + c0 * Tq * Dv;
+    kiln__view Qv = kiln__attb_view(Qc, KILN_BF16, n, Tq, D, false), Kv = kiln__attb_view(Kc, KILN_BF16, n, Tk, D, false);
+    kiln__view Vv = kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, false), Gv = kiln__attb_view(Gc, KILN_BF16, n, Tq, Dv, false);
+    st = kiln__attb_mm(Qv, kiln__attb_view(Kc, KILN_BF16, n, Tk, D, true), kiln__attb_view(S, KILN_F32, n, Tq, Tk, false),
+                       a->s[0]); /* S = scale Q K^T */
+    if (st == KILN_OK && bw) /* dP = dO V^T */
+      st = kiln__attb_mm(Gv, kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, true),
+                         kiln__attb_view(dP, KILN_F32, n, Tq, Tk, false), 1.0);
+    if (st == KILN_OK) {
+      int64_t work = n * Tq * Tk * 8;
+      c.bh0 = c0;
+      kiln__cpu_parallel_for(n * Tq, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__attb_rows, &c);
+    }
+    if (st == KILN_OK && !bw) st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, false), Vv, Gv, 1.0); /* O = P V */
+    if (st == KILN_OK && bw) {
+      kiln__view dSv = kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, false);
+      st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, true), Gv,
+                         kiln__attb_view(dVd + c0 * Tk * Dv, KILN_BF16, n, Tk, Dv, false), 1.0); /* dV = P^T dO */
+      if (st == KILN_OK) /* dQ = dS K */
+        st = kiln__attb_mm(dSv, Kv, kiln__attb_view(dQd + c0 * Tq * D, KILN_BF16, n, Tq, D, false), 1.0);
+      if (st == KILN_OK) /* dK = dS^T Q */
+        st = kiln__attb_mm(kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, true), Qv,
+                           kiln__attb_view(dKd + c0 * Tk * D, KILN_BF16, n, Tk, D, false), 1.0);
+    }
   }
   if (st == KILN_OK && !bw) {
-    st = kiln__attb_mm(Pv, Vv, Gv, 1.0); /* O = P V */
     pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {Gd}, .n = 1, .out = true, .H = H, .T = Tq};
-    if (st == KILN_OK) kiln__attb_pack_go(&pk, BH * Tq, Dv);
+    kiln__attb_pack_go(&pk, BH * Tq, Dv);
   }
   if (st == KILN_OK && bw) {
-    kiln__view dSv = kiln__attb_view(dS, KILN_BF16, BH, Tq, Tk, false);
-    uint16_t *dQd = Gd + ng, *dKd = dQd + nq, *dVd = dKd + nk;
-    st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, BH, Tq, Tk, true), Gv,
-                       kiln__attb_view(dVd, KILN_BF16, BH, Tk, Dv, false), 1.0); /* dV = P^T dO */
-    if (st == KILN_OK) st = kiln__attb_mm(dSv, Kv, kiln__attb_view(dQd, KILN_BF16, BH, Tq, D, false), 1.0); /* dQ = dS K */
-    if (st == KILN_OK) /* dK = dS^T Q */
-      st = kiln__attb_mm(kiln__attb_view(dS, KILN_BF16, BH, Tq, Tk, true), Qv,
-                         kiln__attb_view(dKd, KILN_BF16, BH, Tk, D, false), 1.0);
-    if (st == KILN_OK) {
-      if (Tq == Tk) {
-        pk = (kiln__attb_pack){.v = {&a->out[0], &a->out[1], &a->out[2]}, .d = {dQd, dKd, dVd}, .n = 3, .out = true,
-                               .H = H, .T = Tq};
-        kiln__attb_pack_go(&pk, BH * Tq, D);
-      } else {
-        pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {dQd}, .n = 1, .out = true, .H = H, .T = Tq};
-        kiln__attb_pack_go(&pk, BH * Tq, D);
-        pk = (kiln__attb_pack){.v = {&a->out[1], &a->out[2]}, .d = {dKd, dVd}, .n = 2, .out = true, .H = H, .T = Tk};
-        kiln__attb_pack_go(&pk, BH * Tk, D);
-      }
+    if (Tq == Tk) {
+      pk = (kiln__attb_pack){.v = {&a->out[0], &a->out[1], &a->out[2]}, .d = {dQd, dKd, dVd}, .n = 3, .out = true,
+                             .H = H, .T = Tq};
+      kiln__attb_pack_go(&pk, BH * Tq, D);
+    } else {
+      pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {dQd}, .n = 1, .out = true, .H = H, .T = Tq};
+      kiln__attb_pack_go(&pk, BH * Tq, D);
+      pk = (kiln__attb_pack){.v = {&a->out[1], &a->out[2]}, .d = {dKd, dVd}, .n = 2, .out = true, .H = H, .T = Tk};
+      kiln__attb_pack_go(&pk, BH * Tk, D);
     }
   }
   kiln__cpu_free(0, buf, nb);

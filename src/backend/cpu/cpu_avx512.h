@@ -31,9 +31,13 @@ KILN__T512 static inline __m512 kiln__exp16(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7228f), big = _mm512_set1_ps(12582912.0f);
   __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-  __m512 xc = _mm512_mask_blend_ps(under, x, lo);
-  xc = _mm512_mask_blend_ps(over, xc, hi);
-  xc = _mm512_mask_blend_ps(nan, xc, _mm512_setzero_ps());
+  __mmask16 out = (__mmask16)(nan | under | over); /* lanes outside [-87.3, 88.7228] or NaN */
+  __m512 xc = x;
+  if (out) { /* rare: the clamps, skipped when every lane is in range (the same values) */
+    xc = _mm512_mask_blend_ps(under, x, lo);
+    xc = _mm512_mask_blend_ps(over, xc, hi);
+    xc = _mm512_mask_blend_ps(nan, xc, _mm512_setzero_ps());
+  }
   __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), big);
   __m512 n = _mm512_sub_ps(t, big);
   __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
@@ -49,6 +53,7 @@ KILN__T512 static inline __m512 kiln__exp16(__m512 x) {
   __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, b127), 23));
   __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, h), b127), 23));
   y = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
+  if (!out) return y;
   y = _mm512_mask_blend_ps(under, y, _mm512_setzero_ps());
   y = _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
   return _mm512_mask_blend_ps(nan, y, x);

@@ -24,6 +24,7 @@
 */
 #include "cpu.h"
 #include "cpu_iter.h"
+#include "cpu_avx512.h"
 #include "../../core/kiln_int.h"
 
 #include <math.h>
@@ -717,6 +718,27 @@ KILN__CPU_CLONES512 static void kiln__attb_round(float *x, uint16_t *p, int64_t 
   }
 }
 
+/* s_j <- exp(s_j - c) for j < n: kiln__exp16 where the CPU has AVX-512 (kiln__expf's
+** values; the generic clone's loop kept its range clamps on every vector), else the loop */
+#ifdef KILN__AVX512
+KILN__T512 static void kiln__attb_exp16(float *s, int64_t n, float c) {
+  __m512 cv = _mm512_set1_ps(c);
+  for (int64_t j = 0; j < n; j += 16) {
+    __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+    _mm512_mask_storeu_ps(s + j, k, kiln__exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), cv)));
+  }
+}
+#endif
+KILN__CPU_CLONES512 static void kiln__attb_exp(float *s, int64_t n, float c) {
+#ifdef KILN__AVX512
+  if (kiln__avx512_ok()) {
+    kiln__attb_exp16(s, n, c);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; j++) s[j] = kiln__expf(s[j] - c);
+}
+
 /* Forward row: p_j = bf16(exp(s_j - m) / l) for j < n, 0 in [n, w) (s is overwritten);
 ** returns lse = m + log l (-inf: no key). One exp an element: the backward's
 ** bf16(exp(s_j - lse)) is the same number up to the f32 roundings of the two forms, so
@@ -733,7 +755,7 @@ KILN__CPU_CLONES512 static float kiln__attb_row_fwd(float *s, uint16_t *p, int64
   for (int k = 0; k < KILN__ATTB_LANES; k++) m = mv[k] > m ? mv[k] : m;
   float lse = -INFINITY;
   if (n > 0 && m != -INFINITY) {
-    for (j = 0; j < n; j++) s[j] = kiln__expf(s[j] - m);
+    kiln__attb_exp(s, n, m);
     for (j = 0; j + KILN__ATTB_LANES <= n; j += KILN__ATTB_LANES)
       for (int k = 0; k < KILN__ATTB_LANES; k++) lv[k] += s[j + k];
     float l = 0;
@@ -758,7 +780,7 @@ KILN__CPU_CLONES512 static void kiln__attb_row_bwd(float *s, float *dp, uint16_t
   for (int k = 0; k < KILN__ATTB_LANES; k++) dv[k] = 0;
   if (lse == -INFINITY) n = 0;
   int64_t j;
-  for (j = 0; j < n; j++) s[j] = kiln__expf(s[j] - lse);
+  kiln__attb_exp(s, n, lse);
   kiln__attb_round(s, p, n);
   for (j = 0; j + KILN__ATTB_LANES <= n; j += KILN__ATTB_LANES)
     for (int k = 0; k < KILN__ATTB_LANES; k++) dv[k] += s[j + k] * dp[j + k];

@@ -96,30 +96,6 @@ KILN__T512 static double kiln__sumexp16(const float *x, int64_t n, float m) {
   return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
-/* sum of exp(x_i - m) over x[0..n) in f64, x_i replaced by exp(x_i - m) (f32) */
-KILN__T512 static double kiln__sumexp16_keep(float *x, int64_t n, float m) {
-  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
-  __m512 mv = _mm512_set1_ps(m);
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - i);
-    __m512 e = _mm512_maskz_mov_ps(k, kiln__exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
-    _mm512_mask_storeu_ps(x + i, k, e);
-    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-  }
-  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
-}
-
-/* e_i <- g (e_i inv - off) over e[0..n) */
-KILN__T512 static void kiln__ce_bw16_keep(float *e, int64_t n, float inv, float off, float g) {
-  __m512 iv = _mm512_set1_ps(inv), ov = _mm512_set1_ps(off), gv = _mm512_set1_ps(g);
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - i);
-    __m512 v = _mm512_maskz_loadu_ps(k, e + i);
-    _mm512_mask_storeu_ps(e + i, k, _mm512_mul_ps(gv, _mm512_sub_ps(_mm512_mul_ps(v, iv), ov)));
-  }
-}
-
 /* x_i <- g (exp(x_i - lse) - off) over x[0..n) */
 KILN__T512 static void kiln__ce_bw16(float *x, int64_t n, float lse, float off, float g) {
   __m512 lv = _mm512_set1_ps(lse), ov = _mm512_set1_ps(off), gv = _mm512_set1_ps(g);
@@ -341,32 +317,6 @@ static float kiln__ce_row_f32x(const float *x, int64_t n, int64_t t, double eps,
 #endif
   return kiln__ce_row_f32(x, n, t, eps, lse_out);
 }
-/* The forward's fused row (loss, lse and the gradient in place), exp taken once an element:
-** the gradient is g (exp(x - m) / s - off) from the kept exp(x - m), where the backward
-** kernel's is g (exp(x - lse) - off): the same number up to f32 roundings (a few ulps; the
-** head's rows spent half their time in the second exp). false: not taken (no AVX-512, a
-** NaN in the row): the caller runs the two functions below. */
-static bool kiln__ce_fused_row_f32x(float *x, int64_t n, int64_t t, double eps, float g, double *loss_out,
-                                    double *lse_out) {
-#ifdef KILN__AVX512
-  float mm;
-  if (n > 0 && kiln__avx512_ok() && kiln__rowmax16(x, n, &mm)) {
-    double xt = (double)x[t], sx = eps != 0 ? kiln__sum_f32(x, n) : 0;
-    double se = kiln__sumexp16_keep(x, n, mm), lse = (double)mm + log(se);
-    double loss = (1.0 - eps) * (lse - xt);
-    if (eps != 0) loss += eps * (lse - sx / (double)n);
-    *loss_out = (float)loss;
-    *lse_out = (float)lse;
-    float off = (float)(eps / (double)n), on = (float)(1.0 - eps);
-    kiln__ce_bw16_keep(x, n, (float)(1.0 / se), off, g);
-    x[t] -= g * on;
-    return true;
-  }
-#else
-  (void)x, (void)n, (void)t, (void)eps, (void)g, (void)loss_out, (void)lse_out;
-#endif
-  return false;
-}
 static void kiln__ce_bw_row_f32x(float *x, int64_t n, int64_t t, double eps, float lse, float g) {
 #ifdef KILN__AVX512
   if (kiln__avx512_ok()) {
@@ -409,13 +359,9 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
     bool ignored = t == a->i[0];
     if (!bw) {
       double loss = 0, lse = 0;
-      bool fused = false; /* the gradient already in b0 */
       if (!ignored) {
         kiln__cpu_load(b0, c->ct, p[0] + r * bst[0], c->bst[0], c->v[0].dtype, len);
-        if (c->ct == KILN_F32 && dl) fused = kiln__ce_fused_row_f32x((float *)b0, len, t, eps, (float)c->gscale, &loss, &lse);
-        if (fused) {
-          /* loss, lse and the gradient made */
-        } else if (c->ct == KILN_F32) {
+        if (c->ct == KILN_F32) {
           float l32;
           loss = kiln__ce_row_f32x((const float *)b0, len, t, eps, &l32);
           lse = l32;
@@ -429,9 +375,9 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
       if (dl) { /* the row still in b0: its gradient in place, as the backward kernel's */
         if (ignored)
           for (int64_t i = 0; i < len; i++) b0[i] = 0;
-        else if (!fused && c->ct == KILN_F32)
+        else if (c->ct == KILN_F32)
           kiln__ce_bw_row_f32x((float *)b0, len, t, eps, (float)lse, (float)c->gscale);
-        else if (!fused)
+        else
           kiln__ce_bw_row_f64(b0, len, t, eps, lse, c->gscale);
         kiln__cpu_store((char *)dl->data + (k0 + r) * dl->strides[0] * dles, dl->strides[1] * dles,
                         dl->dtype, b0, c->ct, len);

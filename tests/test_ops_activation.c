@@ -4,6 +4,9 @@
 */
 #include "harness.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 typedef struct act_un {
   kiln_tensor *(*op)(kiln_tensor *);
   double (*f)(double);
@@ -75,9 +78,71 @@ static void act_extra(void) {
   kiln_scope_end();
 }
 
+/* gelu_tanh and its gradient in f32 and bf16 (GPT-2's MLP under autocast) on a
+** contiguous tensor of 1000 + 13 elements (vector chunks and a tail), against the f64
+** closed forms on the same (rounded) inputs, and f32 contiguous against f32 strided: the
+** CPU runs those two through different loops (AVX-512 with bf16 read and written in the
+** loop, and the generic map), which must give the same bits. Tolerance: one rounding of
+** the output in the dtype plus a few f32 ulps of the arithmetic (the f32 exp is within
+** ~1 ulp, the division and products one each): 2^-20 relative in f32 (of max(|want|,
+** 1e-3): tiny outputs near 0 are sums of terms of size ~1 e.g. the derivative) and 2^-8
+** in bf16. */
+static double act_gelu_tanh_d(double x) {
+  double k = sqrt(2.0 / 3.14159265358979323846), t = tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+}
+
+static void act_gelu_tanh_paths(void) {
+  const int64_t n = 1013;
+  double *x = malloc(sizeof(double) * n), *g = malloc(sizeof(double) * n);
+  for (int64_t i = 0; i < n; i++) {
+    x[i] = 4 * h_rand_normal();
+    g[i] = h_rand_normal();
+  }
+  x[0] = -30, x[1] = 30, x[2] = 0, x[3] = -1e-6, x[4] = 12; /* saturation, 0, tiny */
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (int di = 0; di < 2; di++) {
+    kiln_scope_begin();
+    kiln_dtype dt = dts[di];
+    kiln_tensor *xt = h_tensor(x, 1, (int64_t[]){n}, dt), *gt = h_tensor(g, 1, (int64_t[]){n}, dt);
+    double *xr = h_values(xt, NULL), *gr = h_values(gt, NULL); /* the rounded inputs */
+    double *yw = malloc(sizeof(double) * n), *dw = malloc(sizeof(double) * n);
+    for (int64_t i = 0; i < n; i++) yw[i] = act_gelu_tanh(xr[i]), dw[i] = gr[i] * act_gelu_tanh_d(xr[i]);
+    kiln_requires_grad_(xt, true);
+    kiln_tensor *y = kiln_gelu_tanh(xt);
+    kiln_tensor *dx = NULL;
+    H_CHECK(y && kiln_autograd_grad(1, &y, &gt, 1, &xt, &dx) == KILN_OK, "gelu_tanh %s backward",
+            kiln_dtype_name(dt));
+    double tol = dt == KILN_F32 ? 1.0 / (1 << 17) : 1.0 / (1 << 7);
+    char what[64];
+    snprintf(what, sizeof what, "gelu_tanh %s forward", kiln_dtype_name(dt));
+    h_tensor_close(what, y, yw, n, tol, tol);
+    snprintf(what, sizeof what, "gelu_tanh %s gradient", kiln_dtype_name(dt));
+    h_tensor_close(what, dx, dw, n, tol, tol);
+    if (dt == KILN_F32 && y && dx) { /* strided (every other element of a 2n buffer): the same bits */
+      double *x2 = calloc((size_t)(2 * n), sizeof(double)), *g2 = calloc((size_t)(2 * n), sizeof(double));
+      for (int64_t i = 0; i < n; i++) x2[2 * i] = xr[i], g2[2 * i] = gr[i];
+      kiln_tensor *xs = kiln_narrow(kiln_view(h_tensor(x2, 1, (int64_t[]){2 * n}, dt), 2, (int64_t[]){n, 2}), 1, 0, 1);
+      kiln_tensor *gs = kiln_narrow(kiln_view(h_tensor(g2, 1, (int64_t[]){2 * n}, dt), 2, (int64_t[]){n, 2}), 1, 0, 1);
+      kiln_requires_grad_(xs, true);
+      kiln_tensor *ys = kiln_gelu_tanh(xs), *dxs = NULL;
+      H_CHECK(ys && kiln_autograd_grad(1, &ys, &gs, 1, &xs, &dxs) == KILN_OK, "gelu_tanh strided backward");
+      double *a = h_values(y, NULL), *b = ys ? h_values(ys, NULL) : NULL;
+      double *c = h_values(dx, NULL), *d = dxs ? h_values(dxs, NULL) : NULL;
+      H_CHECK(a && b && !memcmp(a, b, sizeof(double) * n), "gelu_tanh f32: contiguous and strided the same bits");
+      H_CHECK(c && d && !memcmp(c, d, sizeof(double) * n), "gelu_tanh f32 gradient: contiguous and strided the same bits");
+      free(a), free(b), free(c), free(d), free(x2), free(g2);
+    }
+    free(xr), free(gr), free(yw), free(dw);
+    kiln_scope_end();
+  }
+  free(x), free(g);
+}
+
 static void act_family(void) {
   h_run_cases(act_cases, (int)(sizeof act_cases / sizeof act_cases[0]));
   if (!h_cross_only()) act_extra();
+  if (!h_cross_only()) act_gelu_tanh_paths();
 }
 
 #ifndef H_NO_MAIN

@@ -326,6 +326,100 @@ __attribute__((unused)) static void tf_sdpa_math(void) {
   kiln_scope_end();
 }
 
+/* bf16 attention (under autocast a GPT's q, k, v are bf16; where oneDNN is built the CPU
+** runs the products as bf16 matmuls with f32 accumulation, P and dS rounded to bf16) against
+** the f64 kernel on the same bf16 values, forward and backward: causal and not, Tq != Tk
+** both ways, T not a multiple of 16, heads split from one qkv (B, T, 3C) by views, and
+** enough (b, h) pairs for the CPU to take them in several chunks.
+** Tolerance: P = exp(s - lse) and dS are rounded to bf16 (2^-9 relative each) before their
+** products and every output once (2^-9): an output o = sum_j p_j x_j is off by at most
+** 2^-9 (sum_j p_j |x_j| + |o|) <= 2^-8 max|x|, and dq, dk (dS's rounding on top of P's,
+** delta carrying P's) by a few times that of their own scale. 2^-6 of the largest |value|
+** of the tensor bounds them; a wrong product (a transposed operand, a missing scale) is off
+** by O(1) of it. Measured worst: printed below when KILN_TEST_VERBOSE is set. */
+__attribute__((unused)) static void tf_att_bf16(void) {
+  static const struct {
+    int64_t B, H, Tq, Tk, D, Dv;
+    bool causal, packed;
+  } cs[] = {{2, 3, 37, 37, 16, 16, true, false},
+            {2, 2, 20, 45, 24, 8, false, false},
+            {1, 2, 45, 20, 32, 32, true, false},
+            {2, 4, 33, 33, 16, 16, true, true},
+            {1, 2, 70, 70, 64, 64, false, true},
+            /* (b, h) pairs of 160 x 160 scores: the CPU's bf16 path runs them in chunks of
+            ** 1 MiB of f32 scores, 6 pairs forward and 3 backward: chunks and a partial one */
+            {2, 4, 160, 160, 16, 16, true, true}};
+  kiln_device cpu = kiln_device_cpu();
+  for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+    kiln_scope_begin();
+    const int64_t B = cs[ci].B, H = cs[ci].H, Tq = cs[ci].Tq, Tk = cs[ci].Tk, D = cs[ci].D, Dv = cs[ci].Dv;
+    kiln_generator *gen = kiln_generator_new(21 + ci);
+    kiln_tensor *x16[3], *x64[3], *h16[3], *h64[3];
+    if (cs[ci].packed) { /* one (B, T, 3C) qkv, the heads split from it by views */
+      const int64_t C = H * D;
+      kiln_tensor *qkv = kiln_to_dtype(kiln_randn(3, (int64_t[]){B, Tq, 3 * C}, KILN_F32, cpu, gen), KILN_BF16);
+      kiln_tensor *q64 = kiln_to_dtype(qkv, KILN_F64);
+      kiln_requires_grad_(qkv, true);
+      kiln_requires_grad_(q64, true);
+      kiln_tensor *p16[3], *p64[3];
+      H_CHECK(kiln_split(qkv, C, 2, p16, 3) == 3 && kiln_split(q64, C, 2, p64, 3) == 3, "split qkv");
+      for (int i = 0; i < 3; i++) {
+        h16[i] = kiln_transpose(kiln_view(p16[i], 4, (int64_t[]){B, Tq, H, D}), 1, 2);
+        h64[i] = kiln_transpose(kiln_view(p64[i], 4, (int64_t[]){B, Tq, H, D}), 1, 2);
+        x16[i] = h16[i], x64[i] = h64[i];
+      }
+      kiln_tensor *l16 = qkv, *l64 = q64;
+      x16[0] = l16, x64[0] = l64; /* the leaves whose gradients are compared */
+      x16[1] = x16[2] = x64[1] = x64[2] = NULL;
+    } else {
+      const int64_t sh[3][4] = {{B, H, Tq, D}, {B, H, Tk, D}, {B, H, Tk, Dv}};
+      for (int i = 0; i < 3; i++) {
+        x16[i] = kiln_to_dtype(kiln_randn(4, sh[i], KILN_F32, cpu, gen), KILN_BF16);
+        x64[i] = kiln_to_dtype(x16[i], KILN_F64);
+        kiln_requires_grad_(x16[i], true);
+        kiln_requires_grad_(x64[i], true);
+        h16[i] = x16[i], h64[i] = x64[i];
+      }
+    }
+    kiln_tensor *g16 = kiln_to_dtype(kiln_randn(4, (int64_t[]){B, H, Tq, Dv}, KILN_F32, cpu, gen), KILN_BF16);
+    kiln_tensor *g64 = kiln_to_dtype(g16, KILN_F64);
+    kiln_generator_free(gen);
+    kiln_tensor *y16 = kiln_scaled_dot_product_attention(h16[0], h16[1], h16[2], NULL, cs[ci].causal, 0, 0, NULL);
+    kiln_tensor *y64 = kiln_scaled_dot_product_attention(h64[0], h64[1], h64[2], NULL, cs[ci].causal, 0, 0, NULL);
+    H_CHECK(y16 && y64 && kiln_dtype_of(y16) == KILN_BF16, "bf16 sdpa case %zu: forward", ci);
+    int nl = cs[ci].packed ? 1 : 3;
+    kiln_tensor *d16[3] = {0}, *d64[3] = {0};
+    H_CHECK(y16 && kiln_autograd_grad(1, &y16, &g16, nl, x16, d16) == KILN_OK, "bf16 sdpa case %zu: backward", ci);
+    H_CHECK(y64 && kiln_autograd_grad(1, &y64, &g64, nl, x64, d64) == KILN_OK, "f64 sdpa case %zu: backward", ci);
+    kiln_tensor *got[4] = {y16, d16[0], d16[1], d16[2]}, *want[4] = {y64, d64[0], d64[1], d64[2]};
+    static const char *const nm[4] = {"out", "dq (dqkv when packed)", "dk", "dv"};
+    for (int i = 0; i < 1 + nl; i++) {
+      int64_t n = 0;
+      double *w = want[i] ? h_values(want[i], &n) : NULL;
+      double mx = 0;
+      for (int64_t e = 0; e < n; e++) mx = fabs(w[e]) > mx ? fabs(w[e]) : mx;
+      char what[128];
+      snprintf(what, sizeof what, "bf16 sdpa [%lld,%lld,%lld,%lld,%lld,%lld]%s%s: %s", (long long)B, (long long)H,
+               (long long)Tq, (long long)Tk, (long long)D, (long long)Dv, cs[ci].causal ? " causal" : "",
+               cs[ci].packed ? " packed" : "", nm[i]);
+      if (w && got[i]) {
+        H_CHECK(kiln_dtype_of(got[i]) == KILN_BF16, "%s: bf16", what);
+        h_tensor_close(what, got[i], w, n, 0.0, mx / 64);
+        if (getenv("KILN_TEST_VERBOSE")) {
+          double *v = h_values(got[i], NULL), we = 0;
+          for (int64_t e = 0; v && e < n; e++) we = fabs(v[e] - w[e]) > we ? fabs(v[e] - w[e]) : we;
+          printf("  %s: max error %.3g of max |value| %.3g (%.3g)\n", what, we, mx, mx > 0 ? we / mx : 0);
+          free(v);
+        }
+      } else {
+        H_CHECK(false, "%s: missing", what);
+      }
+      free(w);
+    }
+    kiln_scope_end();
+  }
+}
+
 static void tf_bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -361,6 +455,7 @@ int main(int argc, char **argv) {
     tf_att_composite();
     tf_att_packed();
     tf_sdpa_math();
+    tf_att_bf16();
     tf_bad_input();
   }
   return h_finish();

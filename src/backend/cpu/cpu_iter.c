@@ -154,6 +154,14 @@ static void kiln__store_f64_f32_packed(float *restrict d, const double *restrict
   for (int64_t i = 0; i < n; i++) d[i] = (float)s[i];
 }
 
+/* bf16 -> f64 over packed runs (exact: bf16 -> f32 -> f64), for the f64 sums over bf16
+** rows: a linear layer's bias gradient under autocast (kiln__mm_colsum_range), which went
+** through the generic one-element loop (~4% of a bf16 GPT step). */
+KILN__CPU_CLONES512
+static void kiln__load_bf16_f64_packed(double *restrict d, const uint16_t *restrict s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) d[i] = (double)kiln__bf16_to_f32(s[i]);
+}
+
 void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln_dtype dt,
                     int64_t n) {
   if (ct == KILN_F64 && dt == KILN_F32 && bst == 4) {
@@ -170,6 +178,10 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
   }
   if (ct == KILN_F64 && dt == KILN_F64 && bst == 8) {
     memcpy(dst, src, (size_t)n * 8);
+    return;
+  }
+  if (ct == KILN_F64 && dt == KILN_BF16 && bst == 2) {
+    kiln__load_bf16_f64_packed((double *)dst, (const uint16_t *)src, n);
     return;
   }
   switch (ct) {

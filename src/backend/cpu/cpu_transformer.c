@@ -24,6 +24,7 @@
 */
 #include "cpu.h"
 #include "cpu_iter.h"
+#include "cpu_avx512.h"
 #include "../../core/kiln_int.h"
 
 #include <math.h>
@@ -681,6 +682,332 @@ static kiln_status kiln__attf_run(const kiln__kargs *a) {
   return KILN_OK;
 }
 
+#ifdef KILN_HAVE_DNNL
+/* ---- bf16 attention on oneDNN (AMX) ----
+** Under bf16 autocast q, k, v arrive in bf16. PyTorch 1.13's CPU attention is then bf16
+** products (aten::bmm on oneDNN: bf16 operands, f32 accumulation) around a softmax; the f32
+** path above widens every operand and runs sgemm on 64-row blocks (a GPT layer's
+** attention, B8 H4 T256 D64 on 2 cores: ~3 ms forward, ~5 ms backward, ~25% of a step).
+** Here the products are oneDNN's bf16 matmuls over every (b, h) at once, on the tile unit:
+**   forward   S = scale Q K^T (f32 out), per row m, l = sum exp(s - m), lse = m + log l,
+**             P = bf16(exp(s - m) / l) (keys past the causal limit 0), O = P V (f32 acc,
+**             bf16 out);
+**   backward  S and dP = dO V^T (f32 out), P = bf16(exp(s - lse)) (the forward's P, up to
+**             a bf16 ulp here and there), delta = sum_j P_j dP_j (f32),
+**             dS = bf16(P (dP - delta) scale), dV = P^T dO, dQ = dS K, dK = dS^T Q.
+** Statistics (m, l, lse, delta) in f32; the operands rounded to bf16 only where PyTorch's
+** are (P and dS are bf16 tensors there too); S and dP stay f32 (PyTorch rounds them to
+** bf16 as well: this is closer to the f64 result). Full Tq x Tk scores per (b, h), a
+** chunk of (b, h) pairs at a time (KILN__ATTB_CHUNK_BYTES): for the causal case half of
+** QK^T and PV is wasted, which AMX pays less for than blocking costs.
+** Taken for bf16 q, k, v (and dO) with bf16 outputs, no mask, no dropout, when oneDNN runs
+** the products (a refused layout falls back to kiln__cpu_matmul's own path, same numbers).
+** KILN_ATTENTION_BF16=0 turns it off (the f32 path: A/B). */
+#define KILN__ATTB_LANES 16
+
+/* x[0..n) rounded to the nearest bf16 (ties to even; a NaN stays a quiet NaN), in place as
+** f32 values, and their bits into p when p is given. Integer lanes only, so it vectorises. */
+KILN__CPU_CLONES512 static void kiln__attb_round(float *x, uint16_t *p, int64_t n) {
+  for (int64_t j = 0; j < n; j++) {
+    uint32_t u;
+    memcpy(&u, &x[j], 4);
+    uint32_t nan = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x00400000u : 0u;
+    uint32_t r = ((u | nan) + (nan ? 0u : 0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
+    memcpy(&x[j], &r, 4);
+    if (p) p[j] = (uint16_t)(r >> 16);
+  }
+}
+
+/* s_j <- exp(s_j - c) for j < n: kiln__exp16 where the CPU has AVX-512 (kiln__expf's
+** values; the generic clone's loop kept its range clamps on every vector), else the loop */
+#ifdef KILN__AVX512
+KILN__T512 static void kiln__attb_exp16(float *s, int64_t n, float c) {
+  __m512 cv = _mm512_set1_ps(c);
+  for (int64_t j = 0; j < n; j += 16) {
+    __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+    _mm512_mask_storeu_ps(s + j, k, kiln__exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), cv)));
+  }
+}
+#endif
+KILN__CPU_CLONES512 static void kiln__attb_exp(float *s, int64_t n, float c) {
+#ifdef KILN__AVX512
+  if (kiln__avx512_ok()) {
+    kiln__attb_exp16(s, n, c);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; j++) s[j] = kiln__expf(s[j] - c);
+}
+
+/* Forward row: p_j = bf16(exp(s_j - m) / l) for j < n, 0 in [n, w) (s is overwritten);
+** returns lse = m + log l (-inf: no key). One exp an element: the backward's
+** bf16(exp(s_j - lse)) is the same number up to the f32 roundings of the two forms, so
+** an element of P may differ by one bf16 ulp between the passes (FlashAttention's passes
+** differ the same way); exp twice here cost ~0.4 ms of the 2.9 ms forward. */
+KILN__CPU_CLONES512 static float kiln__attb_row_fwd(float *s, uint16_t *p, int64_t n, int64_t w) {
+  float mv[KILN__ATTB_LANES], lv[KILN__ATTB_LANES];
+  for (int k = 0; k < KILN__ATTB_LANES; k++) mv[k] = -INFINITY, lv[k] = 0;
+  int64_t j = 0;
+  for (; j + KILN__ATTB_LANES <= n; j += KILN__ATTB_LANES)
+    for (int k = 0; k < KILN__ATTB_LANES; k++) mv[k] = s[j + k] > mv[k] ? s[j + k] : mv[k];
+  float m = -INFINITY;
+  for (; j < n; j++) m = s[j] > m ? s[j] : m;
+  for (int k = 0; k < KILN__ATTB_LANES; k++) m = mv[k] > m ? mv[k] : m;
+  float lse = -INFINITY;
+  if (n > 0 && m != -INFINITY) {
+    kiln__attb_exp(s, n, m);
+    for (j = 0; j + KILN__ATTB_LANES <= n; j += KILN__ATTB_LANES)
+      for (int k = 0; k < KILN__ATTB_LANES; k++) lv[k] += s[j + k];
+    float l = 0;
+    for (; j < n; j++) l += s[j];
+    for (int k = 0; k < KILN__ATTB_LANES; k++) l += lv[k];
+    lse = m + logf(l);
+    float inv = 1.0f / l;
+    for (j = 0; j < n; j++) s[j] *= inv;
+    kiln__attb_round(s, p, n);
+  } else {
+    n = 0;
+  }
+  for (j = n; j < w; j++) p[j] = 0;
+  return lse;
+}
+
+/* Backward row: p_j as the forward's, delta = sum p_j dp_j, ds_j = bf16(p_j (dp_j - delta)
+** scale); s and dp are overwritten. */
+KILN__CPU_CLONES512 static void kiln__attb_row_bwd(float *s, float *dp, uint16_t *p, uint16_t *ds, int64_t n, int64_t w,
+                                                  float lse, float scale) {
+  float dv[KILN__ATTB_LANES];
+  for (int k = 0; k < KILN__ATTB_LANES; k++) dv[k] = 0;
+  if (lse == -INFINITY) n = 0;
+  int64_t j;
+  kiln__attb_exp(s, n, lse);
+  kiln__attb_round(s, p, n);
+  for (j = 0; j + KILN__ATTB_LANES <= n; j += KILN__ATTB_LANES)
+    for (int k = 0; k < KILN__ATTB_LANES; k++) dv[k] += s[j + k] * dp[j + k];
+  float delta = 0;
+  for (; j < n; j++) delta += s[j] * dp[j];
+  for (int k = 0; k < KILN__ATTB_LANES; k++) delta += dv[k];
+  for (j = 0; j < n; j++) dp[j] = s[j] * (dp[j] - delta) * scale;
+  kiln__attb_round(dp, ds, n);
+  for (j = n; j < w; j++) p[j] = 0, ds[j] = 0;
+}
+
+typedef struct kiln__attb {
+  const kiln__kargs *a;
+  int64_t H, Tq, Tk;
+  float scale;
+  bool causal, bw;
+  int64_t bh0; /* the chunk's first (b, h): S, dP, P, dS hold the chunk's rows */
+  float *S, *dP;
+  uint16_t *P, *dS;
+} kiln__attb;
+
+static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
+  kiln__attb *c = vctx;
+  const kiln__view *lv = c->bw ? &c->a->out[3] : &c->a->out[1];
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t bh = c->bh0 + r / c->Tq, i = r % c->Tq;
+    int64_t n = c->causal ? (i + 1 < c->Tk ? i + 1 : c->Tk) : c->Tk;
+    int64_t li[3] = {bh / c->H, bh % c->H, i};
+    float *s = c->S + r * c->Tk;
+    uint16_t *p = c->P + r * c->Tk;
+    if (c->bw) {
+      float lse = (float)kiln__cpu_get_f64(kiln__at(lv, 3, li), lv->dtype);
+      kiln__attb_row_bwd(s, c->dP + r * c->Tk, p, c->dS + r * c->Tk, n, c->Tk, lse, c->scale);
+    } else {
+      float lse = kiln__attb_row_fwd(s, p, n, c->Tk);
+      kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)lse);
+    }
+  }
+}
+
+/* C = s0 A @ B on 3-d (B*H, rows, cols) views of dense buffers (or one transposed in its
+** last two dims). oneDNN 2.6 runs its AMX brgemm kernels only on such dense layouts: the
+** (B, H, T, D) views of a GPT's qkv (row stride 3C) got its "gemm:jit" kernels, ~8x slower
+** (5 ms for QK^T), hence the packing below. A layout oneDNN has no kernel for at all goes
+** to the CPU's own MATMUL (f32 temporaries; the same f32-accumulated result). */
+static kiln_status kiln__attb_mm(kiln__view A, kiln__view B, kiln__view C, double s0) {
+  kiln__kargs m = {0};
+  m.op = KILN__K_MATMUL;
+  m.n_in = 2;
+  m.n_out = 1;
+  m.in[0] = A;
+  m.in[1] = B;
+  m.out[0] = C;
+  m.s[0] = s0;
+  return kiln__cpu_matmul(&m);
+}
+
+/* A 3-d (n, r, c) view of a dense buffer, transposed in its last two dims when t. */
+static kiln__view kiln__attb_view(void *data, kiln_dtype dt, int64_t n, int64_t r, int64_t cc, bool t) {
+  kiln__view v = {0};
+  v.data = data;
+  v.dtype = dt;
+  v.ndim = 3;
+  v.shape[0] = n;
+  v.strides[0] = r * cc;
+  if (!t) {
+    v.shape[1] = r, v.shape[2] = cc, v.strides[1] = cc, v.strides[2] = 1;
+  } else {
+    v.shape[1] = cc, v.shape[2] = r, v.strides[1] = 1, v.strides[2] = cc;
+  }
+  return v;
+}
+
+/* Rows of (B, H, T, D) bf16 views to or from dense (B*H*T, D) buffers. */
+typedef struct kiln__attb_pack {
+  const kiln__view *v[4];
+  uint16_t *d[4];
+  int n;
+  bool out; /* dense -> view */
+  int64_t H, T;
+} kiln__attb_pack;
+
+/* Rows in (b, t, h) order, every tensor of the call for each: for heads split from one
+** (B, T, 3C) qkv that walks its memory forward (q, k and v of a row are neighbours), where
+** one tensor at a time in (b, h, t) order jumped 3C elements a row (measured: the packing
+** was half of the attention's copies). */
+static void kiln__attb_pack_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__attb_pack *c = vctx;
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t b = r / (c->T * c->H), t = (r / c->H) % c->T, h = r % c->H;
+    int64_t idx[4] = {b, h, t, 0}, row = (b * c->H + h) * c->T + t;
+    for (int i = 0; i < c->n; i++) {
+      const kiln__view *v = c->v[i];
+      int64_t D = v->shape[3], s3 = v->strides[3];
+      uint16_t *p = (uint16_t *)kiln__at(v, 4, idx), *d = c->d[i] + row * D;
+      if (s3 == 1) {
+        if (c->out)
+          memcpy(p, d, (size_t)D * 2);
+        else
+          memcpy(d, p, (size_t)D * 2);
+      } else {
+        for (int64_t j = 0; j < D; j++)
+          if (c->out)
+            p[j * s3] = d[j];
+          else
+            d[j] = p[j * s3];
+      }
+    }
+  }
+}
+
+static void kiln__attb_pack_go(kiln__attb_pack *c, int64_t rows, int64_t D) {
+  int64_t work = rows * D * c->n;
+  kiln__cpu_parallel_for(rows, work < KILN__CPU_PAR_MIN_CHEAP ? INT64_MAX : 1, kiln__attb_pack_range, c);
+}
+
+static bool kiln__attb_takes(const kiln__kargs *a) {
+  static int enabled = -1;
+  if (enabled < 0) {
+    const char *e = kiln__getenv("KILN_ATTENTION_BF16");
+    enabled = !(e && e[0] == '0');
+  }
+  if (!enabled || (a->i[0] & 2) || a->s[1] > 0) return false;
+  int nin = a->op == KILN__K_ATTENTION_BACKWARD ? 4 : 3, nout = a->op == KILN__K_ATTENTION_BACKWARD ? 3 : 1;
+  for (int i = 0; i < nin; i++)
+    if (a->in[i].dtype != KILN_BF16 || a->in[i].ndim != 4) return false;
+  if (a->in[1].shape[2] == 0) return false; /* no keys: zeros, the f32 path's case */
+  for (int i = 0; i < nout; i++)
+    if (a->out[i].dtype != KILN_BF16) return false;
+  return true;
+}
+
+/* (b, h) pairs per chunk: the chunk's f32 scores (S, and dP in the backward) about this
+** many bytes, so that they stay in the cores' L2 between the product that writes them, the
+** row pass and the products that read P and dS. The whole (B*H, Tq, Tk) at once (8 MiB of
+** f32 S for the small GPT) went to memory and back: QK^T ran at ~0.4 TFLOP/s, bound by
+** its f32 output. KILN_ATTB_CHUNK_BYTES overrides it (A/B). */
+#define KILN__ATTB_CHUNK_BYTES ((int64_t)1 << 20)
+
+static kiln_status kiln__attb_run(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
+  const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
+  const int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2], D = q->shape[3],
+                Dv = v->shape[3];
+  const int64_t BH = B * H;
+  const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
+  if (BH * Tq == 0) return KILN_OK;
+  static int64_t chunk_bytes = -1;
+  if (chunk_bytes < 0) {
+    const char *e = kiln__getenv("KILN_ATTB_CHUNK_BYTES");
+    chunk_bytes = e && atoll(e) > 0 ? atoll(e) : KILN__ATTB_CHUNK_BYTES;
+  }
+  int64_t nbh = chunk_bytes / (Tq * Tk * 4 * (bw ? 2 : 1));
+  if (nbh < 1) nbh = 1;
+  if (nbh > BH) nbh = BH;
+  const int64_t ns = nbh * Tq * Tk; /* scores a chunk */
+  /* a chunk's S f32, P bf16 (the backward: dP f32, dS bf16 too), then q, k, v dense, and
+  ** O (forward) or dO and the three dense gradients (backward) */
+  const int64_t nq = BH * Tq * D, nk = BH * Tk * D, nv = BH * Tk * Dv, ng = BH * Tq * Dv;
+  size_t nb = (size_t)ns * (bw ? 12 : 6) + 2 * (size_t)(nq + nk + nv) + (bw ? 2 * (size_t)(ng + nq + nk + nv) : 2 * (size_t)ng);
+  char *buf = kiln__cpu_alloc(0, nb);
+  if (!buf) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for %lld scores", name, (long long)ns);
+  kiln__attb c = {.a = a, .H = H, .Tq = Tq, .Tk = Tk, .scale = (float)a->s[0], .causal = (a->i[0] & 1) != 0, .bw = bw};
+  float *S = (float *)buf, *dP = bw ? S + ns : NULL;
+  uint16_t *P = (uint16_t *)(buf + (size_t)ns * (bw ? 8 : 4)), *dS = bw ? P + ns : NULL;
+  uint16_t *Qd = (bw ? dS : P) + ns, *Kd = Qd + nq, *Vd = Kd + nk, *Gd = Vd + nv; /* Gd: O (fwd) or dO (bwd) */
+  uint16_t *dQd = bw ? Gd + ng : NULL, *dKd = bw ? dQd + nq : NULL, *dVd = bw ? dKd + nk : NULL;
+  c.S = S, c.dP = dP, c.P = P, c.dS = dS;
+  kiln__attb_pack pk;
+  if (Tq == Tk) { /* q, k, v (and dO) in one pass */
+    pk = (kiln__attb_pack){.v = {q, k, v, &a->in[3]}, .d = {Qd, Kd, Vd, Gd}, .n = bw ? 4 : 3, .H = H, .T = Tq};
+    kiln__attb_pack_go(&pk, BH * Tq, D);
+  } else {
+    pk = (kiln__attb_pack){.v = {q, &a->in[3]}, .d = {Qd, Gd}, .n = bw ? 2 : 1, .H = H, .T = Tq};
+    kiln__attb_pack_go(&pk, BH * Tq, D);
+    pk = (kiln__attb_pack){.v = {k, v}, .d = {Kd, Vd}, .n = 2, .H = H, .T = Tk};
+    kiln__attb_pack_go(&pk, BH * Tk, D);
+  }
+  kiln_status st = KILN_OK;
+  for (int64_t c0 = 0; c0 < BH && st == KILN_OK; c0 += nbh) {
+    const int64_t n = BH - c0 < nbh ? BH - c0 : nbh; /* (b, h) pairs in this chunk */
+    uint16_t *Qc = Qd + c0 * Tq * D, *Kc = Kd + c0 * Tk * D, *Vc = Vd + c0 * Tk * Dv, *Gc = Gd + c0 * Tq * Dv;
+    kiln__view Qv = kiln__attb_view(Qc, KILN_BF16, n, Tq, D, false), Kv = kiln__attb_view(Kc, KILN_BF16, n, Tk, D, false);
+    kiln__view Vv = kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, false), Gv = kiln__attb_view(Gc, KILN_BF16, n, Tq, Dv, false);
+    st = kiln__attb_mm(Qv, kiln__attb_view(Kc, KILN_BF16, n, Tk, D, true), kiln__attb_view(S, KILN_F32, n, Tq, Tk, false),
+                       a->s[0]); /* S = scale Q K^T */
+    if (st == KILN_OK && bw) /* dP = dO V^T */
+      st = kiln__attb_mm(Gv, kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, true),
+                         kiln__attb_view(dP, KILN_F32, n, Tq, Tk, false), 1.0);
+    if (st == KILN_OK) {
+      int64_t work = n * Tq * Tk * 8;
+      c.bh0 = c0;
+      kiln__cpu_parallel_for(n * Tq, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__attb_rows, &c);
+    }
+    if (st == KILN_OK && !bw) st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, false), Vv, Gv, 1.0); /* O = P V */
+    if (st == KILN_OK && bw) {
+      kiln__view dSv = kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, false);
+      st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, true), Gv,
+                         kiln__attb_view(dVd + c0 * Tk * Dv, KILN_BF16, n, Tk, Dv, false), 1.0); /* dV = P^T dO */
+      if (st == KILN_OK) /* dQ = dS K */
+        st = kiln__attb_mm(dSv, Kv, kiln__attb_view(dQd + c0 * Tq * D, KILN_BF16, n, Tq, D, false), 1.0);
+      if (st == KILN_OK) /* dK = dS^T Q */
+        st = kiln__attb_mm(kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, true), Qv,
+                           kiln__attb_view(dKd + c0 * Tk * D, KILN_BF16, n, Tk, D, false), 1.0);
+    }
+  }
+  if (st == KILN_OK && !bw) {
+    pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {Gd}, .n = 1, .out = true, .H = H, .T = Tq};
+    kiln__attb_pack_go(&pk, BH * Tq, Dv);
+  }
+  if (st == KILN_OK && bw) {
+    if (Tq == Tk) {
+      pk = (kiln__attb_pack){.v = {&a->out[0], &a->out[1], &a->out[2]}, .d = {dQd, dKd, dVd}, .n = 3, .out = true,
+                             .H = H, .T = Tq};
+      kiln__attb_pack_go(&pk, BH * Tq, D);
+    } else {
+      pk = (kiln__attb_pack){.v = {&a->out[0]}, .d = {dQd}, .n = 1, .out = true, .H = H, .T = Tq};
+      kiln__attb_pack_go(&pk, BH * Tq, D);
+      pk = (kiln__attb_pack){.v = {&a->out[1], &a->out[2]}, .d = {dKd, dVd}, .n = 2, .out = true, .H = H, .T = Tk};
+      kiln__attb_pack_go(&pk, BH * Tk, D);
+    }
+  }
+  kiln__cpu_free(0, buf, nb);
+  return st;
+}
+#endif /* KILN_HAVE_DNNL */
+
 kiln_status kiln__cpu_attention(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
@@ -689,6 +1016,9 @@ kiln_status kiln__cpu_attention(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants 4-d q, k, v", name);
   for (int i = 0; i < 3; i++)
     if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+#ifdef KILN_HAVE_DNNL
+  if (kiln__attb_takes(a)) return kiln__attb_run(a);
+#endif
   if (kiln__attf_takes(a)) return kiln__attf_run(a);
   kiln__att c = {.a = a, .B = q->shape[0], .H = q->shape[1], .Tq = q->shape[2], .Tk = k->shape[2],
                  .D = q->shape[3], .Dv = v->shape[3], .scale = a->s[0], .causal = (a->i[0] & 1) != 0,

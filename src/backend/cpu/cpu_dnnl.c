@@ -28,8 +28,12 @@
 #ifdef KILN_HAVE_DNNL
 #include <dnnl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef KILN_HAVE_OPENMP
+#include <omp.h>
+#endif
 
 #define DNNL_CACHE 96
 
@@ -468,7 +472,7 @@ static kiln_status small_wgrad(const kiln__kargs *a) {
   return KILN_OK;
 }
 
-static kiln_status dnnl_run(const kiln__kargs *a) {
+static kiln_status dnnl_run(const kiln__kargs *a, int nthreads) {
   int64_t glo[2];
   if (gemm_case(a, glo)) return gemm_wgrad(a, glo);
   if (small_case(a)) return small_wgrad(a);
@@ -500,6 +504,7 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   k.v[31] = r.v[R_B] != NULL;
   k.v[32] = a->op;
   k.v[33] = plain_only();
+  k.v[34] = nthreads; /* a primitive splits its work for the count it was made under */
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -582,6 +587,31 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   return st;
 }
 
+/* dnnl_run under the lock, on kiln's thread count. oneDNN runs on OpenMP's count, which
+** an OpenMP build of OpenBLAS sets to 1 for every small sgemm (openblas_set_num_threads ->
+** omp_set_num_threads; cpu_matmul.c gives small products one thread): fashion-mnist's
+** fc layers did that each step, and its conv2 primitives then ran on one core of two
+** (backward data 3.3 ms where PyTorch's same jit:avx512_core kernel took 1.7). kiln's
+** count for the creation and the call (cpu_dnnl_matmul.c does the same), then OpenMP's
+** back; and kiln's loops move onto the OpenMP team from then on (cpu_iter.c: its workers
+** spin after each region and would fight a pool of kiln's own for the cores). */
+static kiln_status dnnl_locked_run(const kiln__kargs *a) {
+  pthread_mutex_lock(&dnnl_lock);
+  int nt = 1;
+#ifdef KILN_HAVE_OPENMP
+  int omp_was = omp_get_max_threads();
+  nt = omp_in_parallel() ? 1 : kiln_num_threads();
+  if (nt != omp_was) omp_set_num_threads(nt);
+  if (nt > 1) atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
+#endif
+  kiln_status st = dnnl_run(a, nt);
+#ifdef KILN_HAVE_OPENMP
+  if (nt != omp_was) omp_set_num_threads(omp_was);
+#endif
+  pthread_mutex_unlock(&dnnl_lock);
+  return st;
+}
+
 /* A 4-d view oneDNN reads as it is: contiguous NCHW, or channels-last. */
 static bool dense4(const kiln__view *v) { return v->ndim == 4 && (kiln__view_is_contiguous(v) || is_nhwc(v)); }
 
@@ -608,10 +638,7 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
     for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
     return KILN_OK;
   }
-  pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
-  pthread_mutex_unlock(&dnnl_lock);
-  return st;
+  return dnnl_locked_run(a);
 }
 
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
@@ -620,10 +647,7 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel takes f32 views, NCHW or channels-last");
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
   if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
-  pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run(a);
-  pthread_mutex_unlock(&dnnl_lock);
-  return st;
+  return dnnl_locked_run(a);
 }
 
 /* ---- single-input-channel convolutions: direct loops ------------------------------------ */

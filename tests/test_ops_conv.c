@@ -12,6 +12,9 @@
 ** the fallback, which is compared too.
 ** Names are prefixed cv_.
 */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#endif
 #include "harness.h"
 #include "backend/backend.h"
 #include "core/kiln_int.h"
@@ -508,7 +511,7 @@ static void cv_f32_vs_f64(void) {
   static const cv_cfg *cfgs[] = {&cv_strided, &cv_same,  &cv_groups, &cv_depthwise, &cv_1x1,   &cv_dilated,
                                  &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
                                  &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1,   &cv_pad1,
-                                 &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided};
+                                 &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided, &cv_plain};
   static const int64_t shapes[][8] = {
       {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
       {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
@@ -527,8 +530,11 @@ static void cv_f32_vs_f64(void) {
       /* ungrouped outputs under 4x4 otherwise: the CPU's small-map weight gradient (cpu_dnnl.c
       ** small_case, columns written in the GEMM's layout): 2x2 -> 2x2 (ResNet-18 32x32's
       ** layer3), 4x4 -> 2x2 stride 2, and stride (2,1) padding (1,2) to 2x6 */
-      {4, 6, 2, 2, 5, 6, 3, 3},    {3, 4, 4, 4, 5, 4, 3, 3},    {2, 3, 3, 3, 4, 3, 3, 2}};
-  for (int t = 0; t < 20; t++) {
+      {4, 6, 2, 2, 5, 6, 3, 3},    {3, 4, 4, 4, 5, 4, 3, 3},    {2, 3, 3, 3, 4, 3, 3, 2},
+      /* one input channel with rows past 16 outputs (the AVX-512 direct loop's full and
+      ** masked chunks) */
+      {2, 1, 28, 21, 5, 1, 3, 3}};
+  for (int t = 0; t < 21; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();
@@ -569,6 +575,47 @@ static void cv_f32_vs_f64(void) {
         if (vals[0][q] && vals[d][q]) h_close(name, vals[d][q], vals[0][q], nv[q], 1e-4, 1e-5);
       }
       free(vals[0][q]), free(vals[1][q]), free(vals[2][q]);
+    }
+    kiln_scope_end();
+  }
+}
+
+/* The one-input-channel direct loops (cpu_dnnl.c) in AVX-512 and portable C give the same
+** bits: the same f32 operations per output in the same order (KILN_CONV_C1_PORTABLE=1
+** picks the portable loops). Forward, weight and bias gradients, rows of 26 outputs (a
+** full 16-wide chunk and a masked one) and of 5. */
+static void cv_c1_paths(void) {
+  static const int64_t shapes[][4] = {{3, 1, 28, 28}, {2, 1, 9, 7}};
+  for (int t = 0; t < 2; t++) {
+    const int64_t *s = shapes[t];
+    kiln_scope_begin();
+    kiln_manual_seed(11 + (uint64_t)t);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(s[0], s[1], s[2], s[3]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *w = kiln_randn(KILN_SHAPE(6, 1, 3, 3), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *b = kiln_randn(KILN_SHAPE(6), KILN_F32, kiln_device_cpu(), NULL);
+    double *vals[2][3] = {{0}};
+    int64_t nv[3] = {0};
+    for (int portable = 0; portable < 2; portable++) {
+      setenv("KILN_CONV_C1_PORTABLE", portable ? "1" : "0", 1);
+      kiln_tensor *wr = kiln_detach(w), *br = kiln_detach(b);
+      kiln_requires_grad_(wr, true), kiln_requires_grad_(br, true);
+      kiln_tensor *y = kiln_conv2d(x, wr, br, NULL, NULL, NULL, 1);
+      kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, KILN_F32, kiln_device_cpu()), 4,
+                                        kiln_shape(y))
+                         : NULL;
+      bool ok = y && r && kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) == KILN_OK;
+      H_CHECK(ok, "c1 paths case %d ran: %s", t, kiln_last_error_message());
+      if (!ok) break;
+      vals[portable][0] = h_values(y, &nv[0]);
+      vals[portable][1] = h_values(kiln_grad(wr), &nv[1]);
+      vals[portable][2] = h_values(kiln_grad(br), &nv[2]);
+    }
+    unsetenv("KILN_CONV_C1_PORTABLE");
+    for (int q = 0; q < 3; q++) {
+      if (vals[0][q] && vals[1][q])
+        H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
+                "c1 case %d: AVX-512 and portable %s have the same bits", t, q == 0 ? "forward" : q == 1 ? "dw" : "db");
+      free(vals[0][q]), free(vals[1][q]);
     }
     kiln_scope_end();
   }
@@ -903,6 +950,7 @@ static void cv_family(void) {
   if (!h_cross_only() && !h_support_mode()) {
     cv_extra();
     cv_f32_vs_f64();
+    cv_c1_paths();
     cv_backward_kernels();
     cv_max_pool_grad_f32();
     cv_format();

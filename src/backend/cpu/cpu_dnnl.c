@@ -698,6 +698,47 @@ static void c1_pad(const c1_job *j, int64_t n, float *xp) {
   for (int64_t h = 0; h < j->H; h++) memcpy(xp + (h + j->ph) * Wp + j->pw, x + h * j->W, (size_t)j->W * sizeof *xp);
 }
 
+/* AVX-512 (x86-64 with GCC or clang, checked at run time): kiln's build targets the
+** baseline x86-64, where the loops here compile to 4-wide SSE. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define C1_HAVE_AVX512 1
+static bool c1_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+/* c1_fwd_range with each output row in registers: 16 outputs a step (the last step
+** masked), the bias then the taps in (i, j) order, a product then a sum each (kiln builds
+** with -ffp-contract=off: no fused multiply-add), so each output gets the same f32
+** operations in the same order as the portable loop below, and the same bits; written
+** straight into y, without the extended row and its copy. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX];
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, padded = -1;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+    const float *wp = j->w + oc * j->KH * j->KW;
+    __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
+    float *yp = j->y + q * j->OH * OW;
+    for (int64_t oh = 0; oh < j->OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow += 16) {
+        __mmask16 m = OW - ow >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (OW - ow)) - 1);
+        __m512 acc = bv;
+        for (int64_t i = 0; i < j->KH; i++) {
+          const float *xr = xp + (oh + i) * Wp + ow;
+          for (int64_t jj = 0; jj < j->KW; jj++)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wp[i * j->KW + jj]), _mm512_maskz_loadu_ps(m, xr + jj)));
+        }
+        _mm512_mask_storeu_ps(yp + oh * OW + ow, m, acc);
+      }
+  }
+}
+#endif
+
 /* planes q = n*OC + oc of y */
 static void c1_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
@@ -720,8 +761,10 @@ static void c1_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
-/* output channels oc of dW: x is j->x, the gradient j->y (read), dW j->w (written) */
-static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
+/* output channels oc of dW: x is j->x, the gradient j->y (read), dW j->w (written). Inlined
+** into a baseline and an AVX-512 copy: the 16 running sums are one register in the latter,
+** each lane summing the same products in the same order, so both give the same bits. */
+static inline __attribute__((always_inline)) void c1_wgrad_body(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   int64_t N = j->a->in[0].shape[0], T = j->KH * j->KW, Wp = j->W + 2 * j->pw, L = j->OH * Wp;
   float *dw = (float *)j->w;
@@ -752,6 +795,20 @@ static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) { c1_wgrad_body(vctx, lo, hi); }
+#ifdef C1_HAVE_AVX512
+__attribute__((target("avx512f,avx512vl"))) static void c1_wgrad_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  c1_wgrad_body(vctx, lo, hi);
+}
+#endif
+
+/* KILN_CONV_C1_PORTABLE=1: the portable loops even where AVX-512 is (the tests compare the
+** two paths' bits). */
+static bool c1_portable(void) {
+  const char *e = getenv("KILN_CONV_C1_PORTABLE");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
 /* CONV2D / CONV2D_BACKWARD_WEIGHT of one input channel; the caller checked
 ** kiln__cpu_conv_c1_takes. The bias gradient, when asked, is the gradient's sum per channel. */
 kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
@@ -767,10 +824,18 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
     return KILN_OK;
   }
   if (fwd) {
-    kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), c1_fwd_range, &j);
+    kiln__cpu_range_fn fwd_fn = c1_fwd_range;
+#ifdef C1_HAVE_AVX512
+    if (c1_avx512_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx512;
+#endif
+    kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), fwd_fn, &j);
     return KILN_OK;
   }
-  kiln__cpu_parallel_for(j.OC, 1, c1_wgrad_range, &j);
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
+#ifdef C1_HAVE_AVX512
+  if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
+#endif
+  kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j);
   if (a->n_out > 1) { /* the bias gradient */
     float *db = a->out[1].data;
     for (int64_t oc = 0; oc < j.OC; oc++) {

@@ -140,7 +140,8 @@ static kiln_tensor *cv_convt(kiln_tensor **in, const void *ctx) {
 
 /* ---- pooling: kernel in s? no: cfg reused, kernel in op[] ---------------------------- */
 
-/* max (mode 0) or mean with padding counted (mode 1) over windows op[] (kernel) */
+/* max (mode 0), mean with padding counted (mode 1), or ReLU then max (mode 2:
+** relu_max_pool2d) over windows op[] (kernel) */
 typedef struct cv_pool {
   int64_t k[2], s[2], p[2], d[2];
   int avg;
@@ -163,22 +164,24 @@ static int cv_pool_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
     for (int64_t c = 0; c < C; c++)
       for (int64_t oh = 0; oh < o[0]; oh++)
         for (int64_t ow = 0; ow < o[1]; ow++) {
-          double acc = k->avg ? 0 : -INFINITY;
+          double acc = k->avg == 1 ? 0 : -INFINITY;
           for (int64_t i = 0; i < k->k[0]; i++)
             for (int64_t j = 0; j < k->k[1]; j++) {
               int64_t h = oh * k->s[0] - k->p[0] + i * k->d[0], w = ow * k->s[1] - k->p[1] + j * k->d[1];
               if (h < 0 || h >= H || w < 0 || w >= W) continue;
               double v = cv_at(x, n, c, h, w);
-              if (k->avg) acc += v;
+              if (k->avg == 1) acc += v;
               else if (v > acc) acc = v;
             }
-          if (k->avg) acc /= (double)(k->k[0] * k->k[1]);
+          if (k->avg == 1) acc /= (double)(k->k[0] * k->k[1]);
+          if (k->avg == 2 && acc < 0) acc = 0; /* relu_max_pool2d: ReLU, then the max */
           out->data[((n * C + c) * o[0] + oh) * o[1] + ow] = acc;
         }
   return 0;
 }
 static kiln_tensor *cv_pool_fn(kiln_tensor **in, const void *ctx) {
   const cv_pool *k = ctx;
+  if (k->avg == 2) return kiln_relu_max_pool2d(in[0], k->k, k->s, k->p, k->d);
   return k->avg ? kiln_avg_pool2d(in[0], k->k, k->s, k->p) : kiln_max_pool2d(in[0], k->k, k->s, k->p, k->d, NULL);
 }
 
@@ -342,6 +345,8 @@ static const cv_cfg cv_t_groups = {{1, 2}, {0, 1}, {2, 1}, 2, 0, {0, 1}};
 static const cv_pool cv_max = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 0};
 static const cv_pool cv_max_dil = {{2, 2}, {1, 2}, {0, 0}, {2, 1}, 0};
 static const cv_pool cv_avg = {{3, 2}, {2, 2}, {1, 1}, {1, 1}, 1};
+static const cv_pool cv_relu_max = {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 2}, cv_relu_max32 = {{3, 2}, {3, 2}, {0, 0}, {1, 1}, 2},
+                     cv_relu_max_ov = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 2};
 static const cv_size cv_adapt = {{3, 2}, 0}, cv_adapt_global = {{1, 1}, 0}, cv_adapt_up = {{4, 6}, 0}, cv_near = {{7, 3}, 1}, cv_bil = {{7, 9}, 2},
                      cv_bil_down = {{2, 3}, 2};
 static const cv_padc cv_pad_const = {{1, 2, 0, 3}, 0}, cv_pad_refl = {{2, 1, 1, 2}, 1};
@@ -374,6 +379,12 @@ static const h_case cv_cases[] = {
      .in = {CVIN(N_, 3, 7, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
     {.name = "max_pool2d dilation", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_max_dil, .n_in = 1,
      .in = {CVIN(N_, 2, 5, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 2x2 (MaxPool2d(2)), odd sizes", .fn = cv_pool_fn, .ref = cv_pool_ref,
+     .ctx = &cv_relu_max, .n_in = 1, .in = {CVIN(N_, 3, 7, 9)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 3x2 tiles", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_relu_max32, .n_in = 1,
+     .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 3x3 stride 2 padding 1 (the two ops)", .fn = cv_pool_fn, .ref = cv_pool_ref,
+     .ctx = &cv_relu_max_ov, .n_in = 1, .in = {CVIN(N_, 2, 7, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
     {.name = "avg_pool2d 3x2 padding 1", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_avg, .n_in = 1,
      .in = {CVIN(N_, 3, 7, 5)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 7x5 -> 3x2", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt, .n_in = 1,

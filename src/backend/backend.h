@@ -346,7 +346,17 @@ typedef struct kiln__view {
   /* of a linear_gelu's pre-activation made inside the next layer's input-gradient */     \
   /* product (cuBLASLt's DGELU epilogue on CUDA). i0 = 1 allows TF32. CUDA only; the op */ \
   /* layer composes MATMUL + GELU_TANH_BACKWARD elsewhere. */                             \
-  X(MATMUL_DGELU, "matmul_dgelu")
+  X(MATMUL_DGELU, "matmul_dgelu")                                                         \
+  /* ---- ReLU then max-pool in one pass (a CNN's ReLU, MaxPool2d) ---- */                \
+  /* in0 x (N, C, H, W) (f32, bf16, f64), windows that tile x (stride = kernel, no */      \
+  /* padding, no dilation, kh*kw <= 256) -> out0 y (N, C, OH, OW) = relu(the window's */   \
+  /* max by MAX_POOL2D's rule; ReLU's: v < 0 ? 0 : v, NaN passes), x's dtype, out1 (N, */  \
+  /* C, OH, OW) u8 the max's offset i*kw + j in its window. a->params: the window. */      \
+  X(RELU_MAX_POOL2D, "relu_max_pool2d")                                                   \
+  /* its backward: in0 g (N, C, OH, OW), in1 y and in2 the offsets as the forward gave */ \
+  /* them -> out0 dx (N, C, H, W) (written): g at each window's max where y > 0, zero */  \
+  /* elsewhere. a->params: the forward's window. */                                      \
+  X(RELU_MAX_POOL2D_BACKWARD, "relu_max_pool2d_backward")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

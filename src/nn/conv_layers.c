@@ -249,6 +249,14 @@ static const kiln_module_vtable maxpool_vt = {"MaxPool2d", maxpool_forward, NULL
 static const kiln_module_vtable avgpool_vt = {"AvgPool2d", avgpool_forward, NULL, free, avgpool_repr};
 static const kiln_module_vtable adaptive_vt = {"AdaptiveAvgPool2d", adaptive_forward, NULL, free, adaptive_repr};
 
+bool kiln__module_is_max_pool2d(const kiln_module *pool) { return pool && kiln__module_vtable(pool) == &maxpool_vt; }
+
+kiln_tensor *kiln__relu_max_pool_forward(kiln_module *pool, kiln_tensor *x) {
+  if (!kiln__module_is_max_pool2d(pool)) return NULL;
+  const pool_cfg *c = kiln_module_impl(pool);
+  return kiln_relu_max_pool2d(x, c->kernel, c->stride, c->padding, c->dilation);
+}
+
 /* Shared checks of the window pools; the padding bound (at most half the kernel) is
 ** PyTorch's and the op's. */
 static kiln_module *pool_new(const char *who, const kiln_module_vtable *vt, const int64_t *kernel,

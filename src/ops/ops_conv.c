@@ -1052,6 +1052,122 @@ kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_
   return y;
 }
 
+/* ---- relu_max_pool2d: ReLU then max_pool2d, one op ------------------------------------ */
+/* max_pool2d(relu(x)) as one kernel each way where the device has RELU_MAX_POOL2D and the
+** windows tile x (a CNN's MaxPool2d(k): stride = kernel, no padding or dilation): relu is
+** monotone, so pooling first and then ReLU gives the same values, and the backward sends
+** g to each window's max where the output is > 0, which is where the pair sends it. Saved:
+** the output and a byte per output (the max's offset in its window), instead of the
+** pair's two full-size maps; max_pool2d's backward ran its forward again for the indices.
+** Elsewhere (other windows, dtypes, channels-last, devices) it is the two ops. */
+
+static const kiln__op op_relu_max_pool2d, op_relu_max_pool2d_bwd;
+
+static kiln_status relu_max_pool_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  int64_t o[2];
+  if (pool_geometry("kiln_relu_max_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  kiln__op_meta(c, 1, 4, sh, KILN_U8);
+  c->n_node_out = 1; /* the offsets never need a gradient */
+  return KILN_OK;
+}
+
+static kiln_status relu_max_pool_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = pool_params(c->attrs);
+  kiln__kargs a = {0};
+  a.op = KILN__K_RELU_MAX_POOL2D;
+  a.n_in = 1;
+  a.n_out = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.out[1] = kiln__view_of(c->out[1]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void relu_max_pool_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save_output(n, 0);
+  kiln__node_save(n, 1, c->out[1]);
+}
+
+static kiln_status relu_max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  attrs_poolb ab;
+  ab.p = *(const attrs_pool *)n->attrs;
+  ab.size[0] = n->in_shape[0][2], ab.size[1] = n->in_shape[0][3], ab.nsz = 2;
+  kiln_tensor *in[3] = {g, n->saved[0], n->saved[1]};
+  return kiln__give_grad(&gi[0], kiln__op_call(&op_relu_max_pool2d_bwd, 3, in, &ab, NULL), g);
+}
+
+static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln_tensor *g = c->in[0];
+  int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status relu_max_pool_bwd_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = pool_params(&((const attrs_poolb *)c->attrs)->p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  a.n_in = 3;
+  for (int i = 0; i < 3; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* No rule of its own: kiln's engine runs backward rules with grad off (kiln_autograd_grad
+** has no create_graph), so nothing could record this op for a second derivative. */
+static const kiln__op op_relu_max_pool2d_bwd = {
+    .name = "relu_max_pool2d_backward", .api = "kiln_relu_max_pool2d_backward", .n_in = 3, .n_out = 1,
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5,
+    .attr_size = sizeof(attrs_poolb), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
+
+static const kiln__op op_relu_max_pool2d = {
+    .name = "relu_max_pool2d", .api = "kiln_relu_max_pool2d", .n_in = 1, .n_out = 2, .flags = KILN__OP_FLOAT_ONLY,
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D}, .attrs = f_pool, .n_attrs = 4,
+    .attr_size = sizeof(attrs_pool), .infer = relu_max_pool_infer, .forward = relu_max_pool_forward,
+    .backward = relu_max_pool_backward, .n_saved = 2, .save = relu_max_pool_save,
+    .expands_to = (const char *const[]){"relu", "max_pool2d", NULL}};
+
+/* Whether the fused kernel takes x with these windows (the op's outputs contiguous). */
+static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
+  static int off = -1; /* KILN_RELU_MAX_POOL=0: always the two ops (A/B comparisons) */
+  if (off < 0) {
+    const char *e = getenv("KILN_RELU_MAX_POOL");
+    off = e && strcmp(e, "0") == 0;
+  }
+  if (off || !x || x->ndim != 4 || kiln__is_channels_last(x)) return false;
+  if (x->dtype != KILN_F32 && x->dtype != KILN_BF16 && x->dtype != KILN_F64) return false;
+  for (int d = 0; d < 2; d++)
+    if (a->stride[d] != a->kernel[d] || a->padding[d] != 0 || a->dilation[d] != 1 || a->kernel[d] > x->shape[2 + d])
+      return false;
+  if (a->kernel[0] * a->kernel[1] > 256) return false;
+  kiln__kargs q = {0};
+  kiln__conv_params p = pool_params(a);
+  q.op = KILN__K_RELU_MAX_POOL2D;
+  q.n_in = 1, q.n_out = 2;
+  q.in[0] = kiln__view_of(x);
+  q.out[0] = q.in[0];
+  q.out[0].shape[2] = x->shape[2] / a->kernel[0], q.out[0].shape[3] = x->shape[3] / a->kernel[1];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.out[1] = q.out[0];
+  q.out[1].dtype = KILN_U8;
+  q.params = &p;
+  return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_RELU_MAX_POOL2D);
+}
+
+kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
+                                  const int64_t *padding, const int64_t *dilation) {
+  attrs_pool a = pool_attrs(kernel, stride, padding, dilation);
+  if (!relu_max_pool_fused(x, &a)) return kiln_max_pool2d(kiln_relu(x), kernel, stride, padding, dilation, NULL);
+  kiln_tensor *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_relu_max_pool2d, 1, &x, &a, out);
+  if (y) kiln__discard(out[1]); /* saved by the node when one is made; not the caller's */
+  return y;
+}
+
 /* avg_pool2d: the mean of each window, padding counted (PyTorch's count_include_pad). */
 static kiln_status avg_pool_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];

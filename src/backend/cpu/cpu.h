@@ -51,6 +51,7 @@ void kiln__cpu_blas_serial(void); /* the BLAS on one thread: call before such a 
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
 /* MAX_POOL2D and its backward in f32/bf16, NCHW and channels-last; else conv_window's (cpu_maxpool.c) */
 kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a);
+kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a); /* RELU_MAX_POOL2D(_BACKWARD) (cpu_maxpool.c) */
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */

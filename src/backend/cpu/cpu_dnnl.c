@@ -658,7 +658,8 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
 ** these loops take about the time of one pass over the output; the weight gradient
 ** likewise skips oneDNN's reorder of the gradient to blocked (1.1 ms of 1.8). f32 sums in
 ** tap order for the output (the products PyTorch's f32 adds); the weight gradient sums each
-** row in f32 and the rows in f64. */
+** row in f32 and the rows in f64, and the bias gradient (out1, when asked) each gradient
+** plane the same way. */
 
 /* the padded plane and the extended output (floats): stack buffers */
 #define C1_MAX 4096
@@ -767,11 +768,11 @@ static void c1_fwd_range(void *vctx, int64_t lo, int64_t hi) {
 static inline __attribute__((always_inline)) void c1_wgrad_body(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   int64_t N = j->a->in[0].shape[0], T = j->KH * j->KW, Wp = j->W + 2 * j->pw, L = j->OH * Wp;
-  float *dw = (float *)j->w;
+  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
   float xp[C1_MAX], ge[C1_MAX];
-  double acc[49];
+  double acc[50]; /* the taps', then the bias's */
   for (int64_t oc = lo; oc < hi; oc++) {
-    for (int64_t t = 0; t < T; t++) acc[t] = 0;
+    for (int64_t t = 0; t <= T; t++) acc[t] = 0;
     for (int64_t n = 0; n < N; n++) {
       c1_pad(j, n, xp);
       const float *gp = j->y + (n * j->OC + oc) * j->OH * j->OW;
@@ -790,8 +791,18 @@ static inline __attribute__((always_inline)) void c1_wgrad_body(void *vctx, int6
           for (int v = 0; v < 16; v++) s += part[v];
           acc[i * j->KW + jj] += s;
         }
+      if (db) { /* the bias: the plane's sum, the same way (the extended grid's zeros add nothing) */
+        float part[16] = {0}, s = 0.0f;
+        int64_t k = 0;
+        for (; k + 16 <= L; k += 16)
+          for (int v = 0; v < 16; v++) part[v] += ge[k + v];
+        for (; k < L; k++) s += ge[k];
+        for (int v = 0; v < 16; v++) s += part[v];
+        acc[T] += s;
+      }
     }
     for (int64_t t = 0; t < T; t++) dw[oc * T + t] = (float)acc[t];
+    if (db) db[oc] = (float)acc[T];
   }
 }
 
@@ -835,18 +846,7 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
 #ifdef C1_HAVE_AVX512
   if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
 #endif
-  kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j);
-  if (a->n_out > 1) { /* the bias gradient */
-    float *db = a->out[1].data;
-    for (int64_t oc = 0; oc < j.OC; oc++) {
-      double s = 0;
-      for (int64_t n = 0; n < yv->shape[0]; n++) {
-        const float *gp = j.y + (n * j.OC + oc) * j.OH * j.OW;
-        for (int64_t k = 0; k < j.OH * j.OW; k++) s += gp[k];
-      }
-      db[oc] = (float)s;
-    }
-  }
+  kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j); /* and the bias gradient, when asked */
   return KILN_OK;
 }
 #endif /* KILN_HAVE_DNNL */

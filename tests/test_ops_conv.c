@@ -632,6 +632,62 @@ static void cv_c1_paths(void) {
   }
 }
 
+/* kiln_conv2d_relu_max_pool2d (the CPU's CONV1_RELU_MAX_POOL2D kernels where they apply:
+** one input channel that needs no gradient, f32, tiling pool windows) against conv2d then
+** relu_max_pool2d: the same output, weight and bias gradients, bit for bit (the same f32
+** operations per value), with the direct loops in AVX-512 and portable C; 2x2 pools on
+** 26x26 (fmnist-cnn's), odd 9x7 with padding 1, and 3x2 windows; then an input that needs
+** a gradient and a two-channel one (the ops it stands for), against the same. */
+static void cv_conv_relu_pool(void) {
+  static const int64_t shapes[][8] = {/* N, H, W, OC, kh, kw, pad, pool (kh, kw) as [7]: 2 -> 2x2, 3 -> 3x2 */
+                                      {3, 28, 28, 6, 3, 3, 0, 2}, {2, 9, 7, 5, 3, 3, 1, 2}, {2, 11, 12, 4, 2, 3, 0, 3}};
+  for (int t = 0; t < 5; t++) {
+    const int64_t *s = shapes[t < 3 ? t : 0];
+    int64_t C = t == 4 ? 2 : 1, pk[2] = {s[7] == 2 ? 2 : 3, 2}, pad[2] = {s[6], s[6]};
+    kiln_scope_begin();
+    kiln_manual_seed(21 + (uint64_t)t);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(s[0], C, s[1], s[2]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *w = kiln_randn(KILN_SHAPE(s[3], C, s[4], s[5]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *b = kiln_randn(KILN_SHAPE(s[3]), KILN_F32, kiln_device_cpu(), NULL);
+    if (t == 3) kiln_requires_grad_(x, true);
+    for (int portable = 0; portable < 2; portable++) {
+      setenv("KILN_CONV_C1_PORTABLE", portable ? "1" : "0", 1);
+      double *vals[2][4] = {{0}};
+      int64_t nv[4] = {0};
+      for (int fused = 0; fused < 2; fused++) {
+        kiln_tensor *wr = kiln_detach(w), *br = kiln_detach(b);
+        kiln_requires_grad_(wr, true), kiln_requires_grad_(br, true);
+        if (t == 3) kiln_set_grad(x, NULL);
+        int64_t k0 = kiln__dispatch_count();
+        kiln_tensor *y = fused ? kiln_conv2d_relu_max_pool2d(x, wr, br, NULL, pad, NULL, 1, pk, NULL, NULL, NULL)
+                               : kiln_relu_max_pool2d(kiln_conv2d(x, wr, br, NULL, pad, NULL, 1), pk, NULL, NULL, NULL);
+        if (fused && t < 3) /* one kernel: the fused one ran */
+          H_CHECK(kiln__dispatch_count() - k0 == 1, "conv_relu_pool case %d: one kernel call (%lld)", t,
+                  (long long)(kiln__dispatch_count() - k0));
+        kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, KILN_F32, kiln_device_cpu()), 4,
+                                          kiln_shape(y))
+                           : NULL;
+        bool ok = y && r && kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) == KILN_OK;
+        H_CHECK(ok, "conv_relu_pool case %d ran: %s", t, kiln_last_error_message());
+        if (!ok) break;
+        vals[fused][0] = h_values(y, &nv[0]);
+        vals[fused][1] = h_values(kiln_grad(wr), &nv[1]);
+        vals[fused][2] = h_values(kiln_grad(br), &nv[2]);
+        vals[fused][3] = t == 3 ? h_values(kiln_grad(x), &nv[3]) : NULL;
+      }
+      for (int q = 0; q < 4; q++) {
+        if (vals[0][q] && vals[1][q])
+          H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
+                  "conv_relu_pool case %d%s: fused and separate %s have the same bits", t, portable ? " portable" : "",
+                  q == 0 ? "output" : q == 1 ? "dw" : q == 2 ? "db" : "dx");
+        free(vals[0][q]), free(vals[1][q]);
+      }
+    }
+    unsetenv("KILN_CONV_C1_PORTABLE");
+    kiln_scope_end();
+  }
+}
+
 /* The CPU's CONV2D_BACKWARD_DATA/_WEIGHT kernels (the reference of CUDA's, not used by
 ** the ops on the CPU) against conv2d's gradients through autograd, in f64, with strided
 ** views as the kernels' inputs and outputs. */
@@ -962,6 +1018,7 @@ static void cv_family(void) {
     cv_extra();
     cv_f32_vs_f64();
     cv_c1_paths();
+    cv_conv_relu_pool();
     cv_backward_kernels();
     cv_max_pool_grad_f32();
     cv_format();

@@ -1199,6 +1199,173 @@ kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const i
   return y;
 }
 
+/* ---- conv2d_relu_max_pool2d: conv2d, ReLU, max_pool2d, one op -------------------------- */
+/* relu_max_pool2d(conv2d(x, w, b)) as one kernel each way where the device has
+** CONV1_RELU_MAX_POOL2D for it: one input channel (an image CNN's first layer), stride and
+** dilation 1, f32, tiling pool windows, an input that needs no gradient (the kernel makes
+** the weight's and the bias's). The conv's full-size output and its gradient are never
+** made. Saved: x (the caller's anyway), the pooled output and its offsets. Elsewhere, the
+** ops it stands for. */
+
+typedef struct attrs_cpool {
+  attrs_conv c;
+  attrs_pool p;
+  int64_t ksize[2]; /* the weight's (kh, kw): the backward op's output */
+  int nks;
+} attrs_cpool;
+static const kiln__attr_field f_cpool[] = {
+    {"stride", KILN__A_INTS, offsetof(attrs_cpool, c.stride), offsetof(attrs_cpool, c.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_cpool, c.padding), offsetof(attrs_cpool, c.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_cpool, c.dilation), offsetof(attrs_cpool, c.nd), NULL},
+    {"groups", KILN__A_INT, offsetof(attrs_cpool, c.groups), 0, NULL},
+    {"pool_kernel", KILN__A_INTS, offsetof(attrs_cpool, p.kernel), offsetof(attrs_cpool, p.nk), NULL},
+    {"pool_stride", KILN__A_INTS, offsetof(attrs_cpool, p.stride), offsetof(attrs_cpool, p.ns), NULL},
+    {"pool_padding", KILN__A_INTS, offsetof(attrs_cpool, p.padding), offsetof(attrs_cpool, p.np), NULL},
+    {"pool_dilation", KILN__A_INTS, offsetof(attrs_cpool, p.dilation), offsetof(attrs_cpool, p.nd), NULL},
+    KILN__FIELD_INTS(attrs_cpool, ksize, nks)};
+
+static const kiln__op op_conv_relu_pool, op_conv_relu_pool_bwd;
+
+/* the two windows as the kernels take them: the conv's, then the pool's */
+static void cpool_params(const attrs_cpool *a, kiln__conv_params cp[2]) {
+  for (int d = 0; d < 2; d++) {
+    cp[0].kernel[d] = a->ksize[d], cp[0].stride[d] = a->c.stride[d], cp[0].padding[d] = a->c.padding[d];
+    cp[0].dilation[d] = a->c.dilation[d];
+  }
+  cp[1] = pool_params(&a->p);
+}
+
+/* (N, OC, POH, POW): the conv's output size pooled by tiling windows */
+static void cpool_out(const attrs_cpool *a, const kiln_tensor *x, const kiln_tensor *w, int64_t sh[4]) {
+  sh[0] = x->shape[0], sh[1] = w->shape[0];
+  for (int d = 0; d < 2; d++) sh[2 + d] = (x->shape[2 + d] + 2 * a->c.padding[d] - a->ksize[d] + 1) / a->p.kernel[d];
+}
+
+static kiln_status conv_relu_pool_infer(kiln__op_ctx *c) {
+  int64_t sh[4];
+  cpool_out(c->attrs, c->in[0], c->in[1], sh);
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  kiln__op_meta(c, 1, 4, sh, KILN_U8);
+  c->n_node_out = 1; /* the offsets never need a gradient */
+  return KILN_OK;
+}
+
+static kiln_status conv_relu_pool_forward(kiln__op_ctx *c) {
+  kiln__conv_params cp[2];
+  cpool_params(c->attrs, cp);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV1_RELU_MAX_POOL2D;
+  a.n_in = c->in[2] ? 3 : 2;
+  for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.n_out = 2;
+  a.out[1] = kiln__view_of(c->out[1]);
+  a.i[0] = 1;
+  a.params = cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void conv_relu_pool_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save_output(n, 1);
+  kiln__node_save(n, 2, c->out[1]);
+}
+
+static kiln_status conv_relu_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  if (n->needs[0]) /* the op is used only for inputs that need none (kiln_conv2d_relu_max_pool2d) */
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_conv2d_relu_max_pool2d: no input gradient");
+  if (!n->needs[1] && !n->needs[2]) return KILN_OK;
+  kiln_tensor *in[4] = {n->saved[0], kiln_contiguous(g), n->saved[1], n->saved[2]}, *out[2] = {NULL, NULL};
+  attrs_cpool a = *(const attrs_cpool *)n->attrs;
+  a.c.output_padding[0] = n->needs[2]; /* the backward op's flag: make db too */
+  if (!in[1] || !kiln__op_call(&op_conv_relu_pool_bwd, 4, in, &a, out)) return kiln_last_error();
+  kiln_status st = n->needs[1] ? kiln__give_grad(&gi[1], out[0], g) : KILN_OK;
+  if (st == KILN_OK && n->needs[2]) st = kiln__give_grad(&gi[2], out[1], g);
+  return st;
+}
+
+static kiln_status conv_relu_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_cpool *a = c->attrs;
+  int64_t sh[4] = {c->in[1]->shape[1], 1, a->ksize[0], a->ksize[1]}, bs[1] = {c->in[1]->shape[1]};
+  kiln__op_meta(c, 0, 4, sh, c->in[1]->dtype);
+  if (a->c.output_padding[0]) kiln__op_meta(c, 1, 1, bs, c->in[1]->dtype);
+  c->n_out = a->c.output_padding[0] ? 2 : 1;
+  return KILN_OK;
+}
+
+static kiln_status conv_relu_pool_bwd_forward(kiln__op_ctx *c) {
+  kiln__conv_params cp[2];
+  cpool_params(c->attrs, cp);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
+  a.n_in = 4;
+  for (int i = 0; i < 4; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.n_out = c->n_out;
+  if (a.n_out > 1) a.out[1] = kiln__view_of(c->out[1]);
+  a.i[0] = 1;
+  a.params = cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* No rule: kiln's engine runs backward rules with grad off. output_padding[0] (unused by
+** the forward) carries "make the bias gradient too". */
+static const kiln__op op_conv_relu_pool_bwd = {
+    .name = "conv2d_relu_max_pool2d_backward", .api = "kiln_conv2d_relu_max_pool2d_backward", .n_in = 4,
+    .n_out = 2, .n_kernels = 1, .kernels = {KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_cpool, .n_attrs = 9,
+    .attr_size = sizeof(attrs_cpool), .infer = conv_relu_pool_bwd_infer, .forward = conv_relu_pool_bwd_forward};
+
+static const kiln__op op_conv_relu_pool = {
+    .name = "conv2d_relu_max_pool2d", .api = "kiln_conv2d_relu_max_pool2d", .n_in = 3, .n_out = 2,
+    .optional = 1u << 2, .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV1_RELU_MAX_POOL2D},
+    .attrs = f_cpool, .n_attrs = 9, .attr_size = sizeof(attrs_cpool), .infer = conv_relu_pool_infer,
+    .forward = conv_relu_pool_forward, .backward = conv_relu_pool_backward, .n_saved = 3,
+    .save = conv_relu_pool_save, .expands_to = (const char *const[]){"conv2d", "relu", "max_pool2d", NULL}};
+
+/* Whether the fused kernel takes these arguments (as cpu_dnnl.c's kernel checks them). */
+static bool conv_relu_pool_fused(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, const attrs_cpool *a) {
+  static int off = -1; /* KILN_CONV_RELU_POOL=0: always the ops it stands for (A/B comparisons) */
+  if (off < 0) {
+    const char *e = getenv("KILN_CONV_RELU_POOL");
+    off = e && strcmp(e, "0") == 0;
+  }
+  if (off || !x || !w || x->ndim != 4 || w->ndim != 4 || x->dtype != KILN_F32 || w->dtype != KILN_F32 ||
+      !kiln_is_contiguous(x) || !kiln_is_contiguous(w) || x->shape[1] != 1 || w->shape[1] != 1 || a->c.groups != 1 ||
+      kiln_requires_grad(x) || kiln_autocast_is_enabled(kiln_device_of(x).type) ||
+      w->shape[2] * w->shape[3] > 49 || a->p.kernel[0] * a->p.kernel[1] > 256)
+    return false;
+  if (b && (b->dtype != KILN_F32 || b->ndim != 1 || b->shape[0] != w->shape[0] || !kiln_is_contiguous(b)))
+    return false;
+  for (int d = 0; d < 2; d++) {
+    int64_t o = x->shape[2 + d] + 2 * a->c.padding[d] - w->shape[2 + d] + 1;
+    if (a->c.stride[d] != 1 || a->c.dilation[d] != 1 || a->c.padding[d] < 0 || o < a->p.kernel[d] ||
+        a->p.stride[d] != a->p.kernel[d] || a->p.padding[d] != 0 || a->p.dilation[d] != 1)
+      return false;
+  }
+  if ((x->shape[2] + 2 * a->c.padding[0]) * (x->shape[3] + 2 * a->c.padding[1]) + w->shape[3] > 4096) return false;
+  return kiln__dispatch_has(kiln_device_of(x), NULL, KILN__K_CONV1_RELU_MAX_POOL2D) &&
+         kiln_device_of(w).type == kiln_device_of(x).type && kiln_device_of(w).index == kiln_device_of(x).index &&
+         (!b || (kiln_device_of(b).type == kiln_device_of(x).type && kiln_device_of(b).index == kiln_device_of(x).index));
+}
+
+kiln_tensor *kiln_conv2d_relu_max_pool2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, const int64_t *stride,
+                                         const int64_t *padding, const int64_t *dilation, int64_t groups,
+                                         const int64_t *pool_kernel, const int64_t *pool_stride,
+                                         const int64_t *pool_padding, const int64_t *pool_dilation) {
+  attrs_cpool a;
+  memset(&a, 0, sizeof a);
+  a.c = conv_attrs(stride, padding, dilation, NULL, groups);
+  a.c.output_padding[0] = a.c.output_padding[1] = 0;
+  a.p = pool_attrs(pool_kernel, pool_stride, pool_padding, pool_dilation);
+  if (weight && weight->ndim == 4) a.ksize[0] = weight->shape[2], a.ksize[1] = weight->shape[3];
+  a.nks = 2;
+  if (!conv_relu_pool_fused(x, weight, bias, &a))
+    return kiln_relu_max_pool2d(kiln_conv2d(x, weight, bias, stride, padding, dilation, groups), pool_kernel,
+                                pool_stride, pool_padding, pool_dilation);
+  kiln_tensor *in[3] = {x, weight, bias}, *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_conv_relu_pool, 3, in, &a, out);
+  if (y) kiln__discard(out[1]); /* saved by the node when one is made; not the caller's */
+  return y;
+}
+
 /* avg_pool2d: the mean of each window, padding counted (PyTorch's count_include_pad). */
 static kiln_status avg_pool_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];

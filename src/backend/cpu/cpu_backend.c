@@ -164,6 +164,8 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_BATCH_NORM_BACKWARD] = kiln__cpu_batch_norm,
 #ifdef KILN_HAVE_DNNL
             [KILN__K_CONV2D] = kiln__cpu_conv2d,
+            [KILN__K_CONV1_RELU_MAX_POOL2D] = kiln__cpu_conv1_relu_max_pool2d,
+            [KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD] = kiln__cpu_conv1_relu_max_pool2d,
 #endif
         },
     .supports = NULL,

@@ -664,6 +664,13 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
 /* the padded plane and the extended output (floats): stack buffers */
 #define C1_MAX 4096
 
+/* KILN_CONV_C1_PORTABLE=1: the portable loops even where AVX-512 is (the tests compare the
+** two paths' bits). */
+static bool c1_portable(void) {
+  const char *e = getenv("KILN_CONV_C1_PORTABLE");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
 bool kiln__cpu_conv_c1_takes(const kiln__kargs *a) {
   if (a->op != KILN__K_CONV2D && a->op != KILN__K_CONV2D_BACKWARD_WEIGHT) return false;
   static int off = -1; /* KILN_CONV_C1=0: oneDNN for these too (for comparisons) */
@@ -686,6 +693,13 @@ typedef struct c1_job {
   int64_t H, W, OC, OH, OW, KH, KW, ph, pw;
   const float *x, *w, *b;
   float *y;
+  /* CONV1_RELU_MAX_POOL2D (NULL pool otherwise): the pool's window and pooled size; the
+  ** forward's outputs py, pix; the backward's pooled gradient pg, and the forward's py, pix */
+  const kiln__conv_params *pool;
+  int64_t POH, POW;
+  float *py;
+  uint8_t *pix;
+  const float *pg;
 } c1_job;
 
 /* Image n's plane zero-padded into xp ((H + 2ph) x (W + 2pw), then KW zeros). Output
@@ -715,16 +729,12 @@ static bool c1_avx512_ok(void) {
 ** with -ffp-contract=off: no fused multiply-add), so each output gets the same f32
 ** operations in the same order as the portable loop below, and the same bits; written
 ** straight into y, without the extended row and its copy. */
-__attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
-  const c1_job *j = vctx;
-  float xp[C1_MAX];
-  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, padded = -1;
-  for (int64_t q = lo; q < hi; q++) {
-    int64_t n = q / j->OC, oc = q % j->OC;
-    if (n != padded) c1_pad(j, n, xp), padded = n;
-    const float *wp = j->w + oc * j->KH * j->KW;
-    __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
-    float *yp = j->y + q * j->OH * OW;
+__attribute__((target("avx512f,avx512vl"))) static void c1_plane_avx512(const c1_job *j, const float *xp, int64_t oc,
+                                                                        float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW;
+  const float *wp = j->w + oc * j->KH * j->KW;
+  __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
+  {
     for (int64_t oh = 0; oh < j->OH; oh++)
       for (int64_t ow = 0; ow < OW; ow += 16) {
         __mmask16 m = OW - ow >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (OW - ow)) - 1);
@@ -738,27 +748,67 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void
       }
   }
 }
+
+__attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX];
+  int64_t padded = -1;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+    c1_plane_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
+  }
+}
 #endif
+
+/* output channel oc of image xp (padded) into yp (OH x OW); e: scratch of C1_MAX floats */
+static void c1_plane(const c1_job *j, const float *xp, int64_t oc, float *yp, float *e) {
+  int64_t Wp = j->W + 2 * j->pw, L = j->OH * Wp;
+  const float *wp = j->w + oc * j->KH * j->KW;
+  float bv = j->b ? j->b[oc] : 0.0f;
+  for (int64_t k = 0; k < L; k++) e[k] = bv;
+  for (int64_t i = 0; i < j->KH; i++)
+    for (int64_t jj = 0; jj < j->KW; jj++) {
+      float wv = wp[i * j->KW + jj];
+      const float *xs = xp + i * Wp + jj;
+      for (int64_t k = 0; k < L; k++) e[k] += wv * xs[k];
+    }
+  for (int64_t oh = 0; oh < j->OH; oh++) memcpy(yp + oh * j->OW, e + oh * Wp, (size_t)j->OW * sizeof *yp);
+}
 
 /* planes q = n*OC + oc of y */
 static void c1_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   float xp[C1_MAX], e[C1_MAX];
-  int64_t Wp = j->W + 2 * j->pw, L = j->OH * Wp, padded = -1;
+  int64_t padded = -1;
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
-    const float *wp = j->w + oc * j->KH * j->KW;
-    float bv = j->b ? j->b[oc] : 0.0f;
-    for (int64_t k = 0; k < L; k++) e[k] = bv;
-    for (int64_t i = 0; i < j->KH; i++)
-      for (int64_t jj = 0; jj < j->KW; jj++) {
-        float wv = wp[i * j->KW + jj];
-        const float *xs = xp + i * Wp + jj;
-        for (int64_t k = 0; k < L; k++) e[k] += wv * xs[k];
-      }
-    float *yp = j->y + q * j->OH * j->OW;
-    for (int64_t oh = 0; oh < j->OH; oh++) memcpy(yp + oh * j->OW, e + oh * Wp, (size_t)j->OW * sizeof *yp);
+    c1_plane(j, xp, oc, j->y + q * j->OH * j->OW, e);
+  }
+}
+
+/* CONV1_RELU_MAX_POOL2D's planes q = n*OC + oc: the conv plane into a buffer, then pooled
+** (the full-size conv output is never written to memory) */
+static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX], e[C1_MAX], cb[C1_MAX];
+  int64_t padded = -1, PL = j->POH * j->POW;
+  bool avx = false;
+#ifdef C1_HAVE_AVX512
+  avx = c1_avx512_ok() && !c1_portable();
+#endif
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+#ifdef C1_HAVE_AVX512
+    if (avx) c1_plane_avx512(j, xp, oc, cb);
+    else
+#endif
+      c1_plane(j, xp, oc, cb, e);
+    (void)avx;
+    kiln__cpu_relu_max_pool_plane_f32(cb, j->OW, j->py + q * PL, j->POW, j->pix + q * PL, j->POW, j->pool->kernel[0],
+                                      j->pool->kernel[1], j->POH, j->POW);
   }
 }
 
@@ -771,14 +821,33 @@ static inline __attribute__((always_inline)) void c1_wgrad_body(void *vctx, int6
   float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
   float xp[C1_MAX], ge[C1_MAX];
   double acc[50]; /* the taps', then the bias's */
+  int64_t off[256]; /* CONV1_RELU_MAX_POOL2D: window offset t -> its pixel in the grid */
+  if (j->pool)
+    for (int64_t t = 0; t < j->pool->kernel[0] * j->pool->kernel[1]; t++)
+      off[t] = (t / j->pool->kernel[1]) * Wp + t % j->pool->kernel[1];
   for (int64_t oc = lo; oc < hi; oc++) {
     for (int64_t t = 0; t <= T; t++) acc[t] = 0;
     for (int64_t n = 0; n < N; n++) {
       c1_pad(j, n, xp);
-      const float *gp = j->y + (n * j->OC + oc) * j->OH * j->OW;
       /* the gradient on the extended grid, zeros in the unused columns */
       memset(ge, 0, (size_t)L * sizeof *ge);
-      for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+      if (j->pool) { /* CONV1_RELU_MAX_POOL2D: RELU_MAX_POOL2D's backward into the grid */
+        /* every window writes its max's pixel (g, or +0 where y <= 0, as the memset): no
+        ** branch on the data, no division */
+        int64_t PL = j->POH * j->POW, pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
+        const float *g = j->pg + (n * j->OC + oc) * PL, *yv = j->py + (n * j->OC + oc) * PL;
+        const uint8_t *ix = j->pix + (n * j->OC + oc) * PL;
+        for (int64_t oh = 0; oh < j->POH; oh++) {
+          float *gr = ge + oh * pkh * Wp;
+          for (int64_t ow = 0; ow < j->POW; ow++) {
+            int64_t q = oh * j->POW + ow;
+            gr[off[ix[q]] + ow * pkw] = yv[q] > 0 ? g[q] : 0.0f;
+          }
+        }
+      } else {
+        const float *gp = j->y + (n * j->OC + oc) * j->OH * j->OW;
+        for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+      }
       for (int64_t i = 0; i < j->KH; i++)
         for (int64_t jj = 0; jj < j->KW; jj++) {
           const float *xs = xp + i * Wp + jj;
@@ -813,13 +882,6 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_wgrad_range_avx512(vo
 }
 #endif
 
-/* KILN_CONV_C1_PORTABLE=1: the portable loops even where AVX-512 is (the tests compare the
-** two paths' bits). */
-static bool c1_portable(void) {
-  const char *e = getenv("KILN_CONV_C1_PORTABLE");
-  return e && *e && strcmp(e, "0") != 0;
-}
-
 /* CONV2D / CONV2D_BACKWARD_WEIGHT of one input channel; the caller checked
 ** kiln__cpu_conv_c1_takes. The bias gradient, when asked, is the gradient's sum per channel. */
 kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
@@ -827,7 +889,7 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
   const kiln__view *x = &a->in[0], *yv = fwd ? &a->out[0] : &a->in[1], *w = fwd ? &a->in[1] : &a->out[0];
   c1_job j = {a, x->shape[2], x->shape[3], yv->shape[1], yv->shape[2], yv->shape[3], w->shape[2], w->shape[3],
               ((const kiln__conv_params *)a->params)->padding[0], ((const kiln__conv_params *)a->params)->padding[1],
-              x->data, w->data, fwd && a->n_in > 2 ? a->in[2].data : NULL, yv->data};
+              x->data, w->data, fwd && a->n_in > 2 ? a->in[2].data : NULL, yv->data, NULL, 0, 0, NULL, NULL, NULL};
   int64_t planes = yv->shape[0] * yv->shape[1];
   if (planes == 0 || kiln__view_numel(w) == 0) {
     if (!fwd)
@@ -847,6 +909,61 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
   if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
 #endif
   kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j); /* and the bias gradient, when asked */
+  return KILN_OK;
+}
+/* ---- CONV1_RELU_MAX_POOL2D and its backward (backend.h) ---------------------------------- */
+/* fmnist-cnn's first layers, conv 1 -> 32 3x3 on 28x28, ReLU, MaxPool2d(2): the one-channel
+** direct loops above with the pool applied to each conv plane while it is in a buffer, and
+** in backward the pool's gradient scattered into the plane buffer the weight gradient reads.
+** The (N, OC, OH, OW) conv output and its gradient (11 MB each at batch 128) are never
+** written: the separate ops wrote and read each once (the conv, relu_max_pool2d, its
+** backward, the weight gradient). The same f32 operations per value as those ops, so the
+** same bits. */
+kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
+  const kiln__conv_params *cp = a->params, *pp = cp ? cp + 1 : NULL;
+  const kiln__view *x = &a->in[0], *w = bw ? &a->out[0] : &a->in[1];
+  const kiln__view *py = bw ? &a->in[2] : &a->out[0], *pix = bw ? &a->in[3] : &a->out[1];
+  const kiln__view *b = bw ? (a->n_out > 1 ? &a->out[1] : NULL) : (a->n_in > 2 ? &a->in[2] : NULL);
+  const kiln__view *pg = bw ? &a->in[1] : NULL;
+  bool ok = cp && a->n_in == (bw ? 4 : (b ? 3 : 2)) && a->n_out == (bw ? (b ? 2 : 1) : 2) && a->i[0] == 1 &&
+            x->ndim == 4 && w->ndim == 4 && py->ndim == 4 && pix->ndim == 4 && x->dtype == KILN_F32 &&
+            w->dtype == KILN_F32 && py->dtype == KILN_F32 && pix->dtype == KILN_U8 && x->shape[1] == 1 &&
+            w->shape[1] == 1 && kiln__view_is_contiguous(x) && kiln__view_is_contiguous(w) &&
+            kiln__view_is_contiguous(py) && kiln__view_is_contiguous(pix) && (!b || (b->dtype == KILN_F32 &&
+            kiln__view_is_contiguous(b) && b->shape[0] == w->shape[0])) && (!pg || (pg->dtype == KILN_F32 &&
+            kiln__view_is_contiguous(pg)));
+  for (int d = 0; ok && d < 2; d++)
+    ok = cp->stride[d] == 1 && cp->dilation[d] == 1 && cp->padding[d] >= 0 && cp->kernel[d] == w->shape[2 + d] &&
+         pp->kernel[d] == pp->stride[d] && pp->padding[d] == 0 && pp->dilation[d] == 1;
+  int64_t N = ok ? x->shape[0] : 0, OC = ok ? w->shape[0] : 0;
+  int64_t OH = ok ? x->shape[2] + 2 * cp->padding[0] - w->shape[2] + 1 : 0;
+  int64_t OW = ok ? x->shape[3] + 2 * cp->padding[1] - w->shape[3] + 1 : 0;
+  ok = ok && OH >= 1 && OW >= 1 && w->shape[2] * w->shape[3] <= 49 && pp->kernel[0] * pp->kernel[1] <= 256 &&
+       (x->shape[2] + 2 * cp->padding[0]) * (x->shape[3] + 2 * cp->padding[1]) + w->shape[3] <= C1_MAX &&
+       py->shape[0] == N && py->shape[1] == OC && py->shape[2] == OH / pp->kernel[0] &&
+       py->shape[3] == OW / pp->kernel[1] && (!pg || !memcmp(pg->shape, py->shape, sizeof(int64_t) * 4)) &&
+       !memcmp(pix->shape, py->shape, sizeof(int64_t) * 4);
+  if (!ok)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s: arguments the CPU kernel does not take",
+                          bw ? "conv1_relu_max_pool2d_backward" : "conv1_relu_max_pool2d");
+  c1_job j = {a, x->shape[2], x->shape[3], OC, OH, OW, w->shape[2], w->shape[3], cp->padding[0], cp->padding[1],
+              x->data, w->data, !bw && b ? b->data : NULL, NULL, pp, py->shape[2], py->shape[3], py->data,
+              pix->data, pg ? pg->data : NULL};
+  if (N * OC == 0 || j.POH * j.POW == 0) {
+    if (bw)
+      for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
+    return KILN_OK;
+  }
+  if (!bw) {
+    kiln__cpu_parallel_for(N * OC, 1 + KILN__CPU_PAR_MIN / (OH * OW * j.KH * j.KW + 1), c1p_fwd_range, &j);
+    return KILN_OK;
+  }
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
+#ifdef C1_HAVE_AVX512
+  if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
+#endif
+  kiln__cpu_parallel_for(OC, 1, wgrad_fn, &j); /* dW, and db when asked (out1) */
   return KILN_OK;
 }
 #endif /* KILN_HAVE_DNNL */

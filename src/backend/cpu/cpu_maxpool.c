@@ -595,6 +595,32 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 }
 #endif
 
+/* One f32 plane of RELU_MAX_POOL2D with tiling (kh, kw) windows, for a fused caller that
+** has the pre-activation plane in a buffer of its own (cpu_dnnl.c's one-channel conv): the
+** same values and offsets as the kernel. */
+void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
+                                       int64_t kh, int64_t kw, int64_t OH, int64_t OW) {
+#ifdef MP_HAVE_AVX512
+  if (kh == 2 && kw == 2 && mp_avx512_ok()) {
+    rmp_fwd2_avx512(xp, xs2, yp, ys2, ip, is2, OH, OW);
+    return;
+  }
+#endif
+  for (int64_t oh = 0; oh < OH; oh++)
+    for (int64_t ow = 0; ow < OW; ow++) {
+      const float *w0 = xp + oh * kh * xs2 + ow * kw;
+      float best = w0[0];
+      int at = 0;
+      for (int64_t i = 0; i < kh; i++)
+        for (int64_t jj = 0; jj < kw; jj++) {
+          float v = w0[i * xs2 + jj];
+          if (v > best || (v != v && best == best)) best = v, at = (int)(i * kw + jj);
+        }
+      yp[oh * ys2 + ow] = best < 0 ? 0.0f : best;
+      ip[oh * is2 + ow] = (uint8_t)at;
+    }
+}
+
 /* planes q = n*C + c */
 static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;

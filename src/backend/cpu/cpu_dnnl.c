@@ -749,6 +749,42 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_plane_avx512(const c1
   }
 }
 
+/* c1_plane_avx512 for 3x3 kernels (fmnist-cnn's): the nine weights held in registers and
+** two output rows a step, which share the loads of their middle input rows; each output
+** still gets the bias then the nine products in (i, j) order, so the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_plane3_avx512(const c1_job *j, const float *xp, int64_t oc,
+                                                                         float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, OH = j->OH;
+  const float *wp = j->w + oc * 9;
+  __m512 w[9];
+  for (int t = 0; t < 9; t++) w[t] = _mm512_set1_ps(wp[t]);
+  __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
+  for (int64_t ow = 0; ow < OW; ow += 16) {
+    __mmask16 m = OW - ow >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (OW - ow)) - 1);
+    int64_t oh = 0;
+    for (; oh + 2 <= OH; oh += 2) {
+      __m512 x[4][3];
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 3; c++) x[r][c] = _mm512_maskz_loadu_ps(m, xp + (oh + r) * Wp + ow + c);
+      __m512 a0 = bv, a1 = bv;
+      for (int i = 0; i < 3; i++)
+        for (int c = 0; c < 3; c++) {
+          a0 = _mm512_add_ps(a0, _mm512_mul_ps(w[i * 3 + c], x[i][c]));
+          a1 = _mm512_add_ps(a1, _mm512_mul_ps(w[i * 3 + c], x[i + 1][c]));
+        }
+      _mm512_mask_storeu_ps(yp + oh * OW + ow, m, a0);
+      _mm512_mask_storeu_ps(yp + (oh + 1) * OW + ow, m, a1);
+    }
+    for (; oh < OH; oh++) {
+      __m512 a0 = bv;
+      for (int i = 0; i < 3; i++)
+        for (int c = 0; c < 3; c++)
+          a0 = _mm512_add_ps(a0, _mm512_mul_ps(w[i * 3 + c], _mm512_maskz_loadu_ps(m, xp + (oh + i) * Wp + ow + c)));
+      _mm512_mask_storeu_ps(yp + oh * OW + ow, m, a0);
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   float xp[C1_MAX];
@@ -756,7 +792,8 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
-    c1_plane_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
+    if (j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
+    else c1_plane_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
   }
 }
 #endif
@@ -802,7 +839,8 @@ static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
 #ifdef C1_HAVE_AVX512
-    if (avx) c1_plane_avx512(j, xp, oc, cb);
+    if (avx && j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, cb);
+    else if (avx) c1_plane_avx512(j, xp, oc, cb);
     else
 #endif
       c1_plane(j, xp, oc, cb, e);

@@ -491,6 +491,20 @@ static void cv_extra(void) {
               kiln_last_error() == KILN_ERR_INVALID_ARGUMENT && cv_msg_has("kiln_conv2d", "same", NULL),
           "conv2d: padding same with stride 2 is refused");
   kiln_clear_error();
+  H_CHECK(!kiln_relu_max_pool2d(kiln_ones(KILN_SHAPE(4, 3, 3), KILN_F32, cpu), (const int64_t[]){2, 2}, NULL, NULL,
+                                NULL) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_relu_max_pool2d", "[4, 3, 3]", NULL),
+          "relu_max_pool2d: a 3-d input names the op and the shape: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_relu_max_pool2d(img, (const int64_t[]){5, 5}, NULL, NULL, NULL) &&
+              cv_msg_has("kiln_relu_max_pool2d", "[1, 4, 3, 3]", NULL),
+          "relu_max_pool2d: a 5x5 window on a 3x3 map names the op and the shape: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_conv2d_relu_max_pool2d(kiln_ones(KILN_SHAPE(1, 1, 3, 3), KILN_F32, cpu), w5, NULL, NULL, NULL, NULL, 1,
+                                       (const int64_t[]){2, 2}, NULL, NULL, NULL) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_conv2d", "[1, 1, 3, 3]", "[2, 4, 5, 5]"),
+          "conv2d_relu_max_pool2d: mismatched shapes name the conv and both shapes: %s", kiln_last_error_message());
+  kiln_clear_error();
   H_CHECK(!kiln_batch_norm(kiln_ones(KILN_SHAPE(1, 3), KILN_F32, cpu), NULL, NULL, NULL, NULL, true, 0.1, 1e-5) &&
               kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_batch_norm", "[1, 3]", "one value per channel"),
           "batch_norm: training with one value per channel: %s", kiln_last_error_message());

@@ -1192,6 +1192,8 @@ static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
 kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
                                   const int64_t *padding, const int64_t *dilation) {
   attrs_pool a = pool_attrs(kernel, stride, padding, dilation);
+  int64_t o[2];
+  if (x && pool_geometry("kiln_relu_max_pool2d", x, &a, o) != KILN_OK) return NULL; /* errors name this op */
   if (!relu_max_pool_fused(x, &a)) return kiln_max_pool2d(kiln_relu(x), kernel, stride, padding, dilation, NULL);
   kiln_tensor *out[2] = {NULL, NULL};
   kiln_tensor *y = kiln__op_call(&op_relu_max_pool2d, 1, &x, &a, out);

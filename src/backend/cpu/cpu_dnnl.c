@@ -918,6 +918,67 @@ static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) { c1_wgrad_body(v
 __attribute__((target("avx512f,avx512vl"))) static void c1_wgrad_range_avx512(void *vctx, int64_t lo, int64_t hi) {
   c1_wgrad_body(vctx, lo, hi);
 }
+
+/* c1_wgrad_body for 3x3 kernels: the image padded once per block of up to 32 channels
+** (not once per channel), the nine taps' and the bias's 16 running sums in registers
+** across one pass over the gradient grid (one load of it, not ten), and a 2x2 pool's
+** gradient scattered into the grid by RELU_MAX_POOL2D_BACKWARD's plane loop. Each lane of
+** each sum adds the same products in the same order, and the tail and the lanes are added
+** as c1_wgrad_body adds them: the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_wgrad3_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  int64_t N = j->a->in[0].shape[0], Wp = j->W + 2 * j->pw, L = j->OH * Wp, K16 = L / 16 * 16;
+  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
+  float xp[C1_MAX], ge[C1_MAX];
+  const int64_t toff[9] = {0, 1, 2, Wp, Wp + 1, Wp + 2, 2 * Wp, 2 * Wp + 1, 2 * Wp + 2};
+  bool pool2 = j->pool && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2;
+  for (int64_t oc0 = lo; oc0 < hi; oc0 += 32) {
+    int64_t nc = hi - oc0 < 32 ? hi - oc0 : 32;
+    double acc[32][10];
+    memset(acc, 0, sizeof acc);
+    for (int64_t n = 0; n < N; n++) {
+      c1_pad(j, n, xp);
+      for (int64_t c = 0; c < nc; c++) {
+        int64_t oc = oc0 + c, PL = j->POH * j->POW, q = n * j->OC + oc;
+        if (pool2) {
+          kiln__cpu_relu_max_pool_bwd2_plane_f32(ge, j->OH, Wp, j->pg + q * PL, j->py + q * PL, j->pix + q * PL,
+                                                 j->POH, j->POW);
+        } else if (j->pool) { /* other windows: zero, then each window's max pixel */
+          int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
+          memset(ge, 0, (size_t)L * sizeof *ge);
+          for (int64_t r = 0; r < PL; r++) {
+            int64_t oh = r / j->POW, ow = r % j->POW, t = j->pix[q * PL + r];
+            ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = j->py[q * PL + r] > 0 ? j->pg[q * PL + r] : 0.0f;
+          }
+        } else {
+          const float *gp = j->y + q * j->OH * j->OW;
+          memset(ge, 0, (size_t)L * sizeof *ge);
+          for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+        }
+        __m512 p[10];
+        for (int t = 0; t < 10; t++) p[t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K16; k += 16) {
+          __m512 g = _mm512_loadu_ps(ge + k);
+          for (int t = 0; t < 9; t++) p[t] = _mm512_add_ps(p[t], _mm512_mul_ps(g, _mm512_loadu_ps(xp + toff[t] + k)));
+          p[9] = _mm512_add_ps(p[9], g);
+        }
+        float part[16];
+        for (int t = 0; t < 10; t++) {
+          if (t == 9 && !db) break;
+          _mm512_storeu_ps(part, p[t]);
+          float sum = 0.0f;
+          for (int64_t k = K16; k < L; k++) sum += t < 9 ? ge[k] * xp[toff[t] + k] : ge[k];
+          for (int v = 0; v < 16; v++) sum += part[v];
+          acc[c][t] += sum;
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; c++) {
+      for (int t = 0; t < 9; t++) dw[(oc0 + c) * 9 + t] = (float)acc[c][t];
+      if (db) db[oc0 + c] = (float)acc[c][9];
+    }
+  }
+}
 #endif
 
 /* CONV2D / CONV2D_BACKWARD_WEIGHT of one input channel; the caller checked
@@ -944,7 +1005,8 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
   }
   kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
 #ifdef C1_HAVE_AVX512
-  if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
+  if (c1_avx512_ok() && !c1_portable())
+    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
 #endif
   kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j); /* and the bias gradient, when asked */
   return KILN_OK;
@@ -999,7 +1061,8 @@ kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a) {
   }
   kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
 #ifdef C1_HAVE_AVX512
-  if (c1_avx512_ok() && !c1_portable()) wgrad_fn = c1_wgrad_range_avx512;
+  if (c1_avx512_ok() && !c1_portable())
+    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
 #endif
   kiln__cpu_parallel_for(OC, 1, wgrad_fn, &j); /* dW, and db when asked (out1) */
   return KILN_OK;

@@ -621,6 +621,20 @@ void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, 
     }
 }
 
+/* RELU_MAX_POOL2D_BACKWARD for 2x2 windows of one f32 plane into a dense (H, W) buffer of a
+** fused caller's (cpu_dnnl.c): every element written. False (nothing done) without AVX-512. */
+bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
+                                            const uint8_t *ix, int64_t OH, int64_t OW) {
+#ifdef MP_HAVE_AVX512
+  if (mp_avx512_ok()) {
+    rmp_bwd2_avx512(dx, g, OW, y, OW, ix, OW, H, W, OH, OW);
+    return true;
+  }
+#endif
+  (void)dx, (void)H, (void)W, (void)g, (void)y, (void)ix, (void)OH, (void)OW;
+  return false;
+}
+
 /* planes q = n*C + c */
 static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;

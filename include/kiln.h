@@ -665,8 +665,8 @@ KILN_API kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight,
 KILN_API kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
                                       const int64_t *padding, const int64_t *dilation, kiln_tensor **indices);
 /* kiln_max_pool2d(kiln_relu(x), ...) as one op: the same values and gradients. Where the
-** windows tile x (stride = kernel, no padding, no dilation; MaxPool2d(k)) in f32, bf16 or
-** f64 on the CPU, one pass each way that keeps a byte per output for the backward instead
+** windows tile x (stride = kernel, no padding, no dilation; MaxPool2d(k)) in f32 on the
+** CPU, one pass each way that keeps a byte per output for the backward instead
 ** of two full-size maps; elsewhere the two ops. A Sequential of ReLU then MaxPool2d uses
 ** it by itself. */
 KILN_API kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,

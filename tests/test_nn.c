@@ -176,8 +176,8 @@ static void test_sequential_fuses_linear_relu(void) {
 /* A Sequential runs ReLU then MaxPool2d as kiln_relu_max_pool2d, and Conv2d of one input
 ** channel, ReLU, MaxPool2d as kiln_conv2d_relu_max_pool2d: the same output and gradients as
 ** the ops written out, bit for bit, in f32 and bf16 (fmnist-cnn's pools: 2x2 on 26x26 and,
-** odd, on 11x11), and less kept for backward (the pooled output and a byte per output
-** instead of the ReLU's input and the pool's), which shows a fused op ran. */
+** odd, on 11x11), and in f32 less kept for backward (the pooled output and a byte per
+** output instead of the ReLU's input and the pool's), which shows a fused op ran. */
 static void test_sequential_fuses_relu_max_pool(void) {
   const int64_t k3[2] = {3, 3}, k2[2] = {2, 2};
   const int64_t hw[2] = {28, 13};
@@ -200,7 +200,7 @@ static void test_sequential_fuses_relu_max_pool(void) {
     kiln_tensor *y2 = kiln_max_pool2d(kiln_relu(kiln_module_forward(conv, x)), k2, NULL, NULL, NULL, NULL);
     kiln_autograd_saved_bytes(&s2, NULL);
     CHECK(y && y2 && tensors_equal(y, y2));
-    CHECK(s1 - s0 < s2 - s1);
+    if (dt == KILN_F32) CHECK(s1 - s0 < s2 - s1); /* bf16 takes the ops apart (kiln_relu_max_pool2d) */
     kiln_tensor *gw = NULL, *gb = NULL;
     CHECK(kiln_backward(kiln_sum_all(kiln_mul(y, y)), NULL) == KILN_OK);
     gw = kiln_tensor_ref(kiln_grad(w)), gb = kiln_tensor_ref(kiln_grad(b));

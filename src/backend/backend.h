@@ -348,7 +348,7 @@ typedef struct kiln__view {
   /* layer composes MATMUL + GELU_TANH_BACKWARD elsewhere. */                             \
   X(MATMUL_DGELU, "matmul_dgelu")                                                         \
   /* ---- ReLU then max-pool in one pass (a CNN's ReLU, MaxPool2d) ---- */                \
-  /* in0 x (N, C, H, W) (f32, bf16, f64), windows that tile x (stride = kernel, no */      \
+  /* in0 x (N, C, H, W) (f32, any strides), windows that tile x (stride = kernel, no */    \
   /* padding, no dilation, kh*kw <= 256) -> out0 y (N, C, OH, OW) = relu(the window's */   \
   /* max by MAX_POOL2D's rule; ReLU's: v < 0 ? 0 : v, NaN passes), x's dtype, out1 (N, */  \
   /* C, OH, OW) u8 the max's offset i*kw + j in its window. a->params: the window. */      \

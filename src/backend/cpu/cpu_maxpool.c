@@ -508,21 +508,6 @@ typedef struct rmp_job {
   const kiln__conv_params *p;
 } rmp_job;
 
-static inline double rmp_load(const char *b, kiln_dtype dt, int64_t off) {
-  if (dt == KILN_F32) return ((const float *)b)[off];
-  if (dt == KILN_BF16) return bf16_to_f32(((const uint16_t *)b)[off]);
-  return ((const double *)b)[off];
-}
-
-/* Exact: every value stored came from this dtype (a max, a gradient, or zero). */
-static inline void rmp_store(char *b, kiln_dtype dt, int64_t off, double v) {
-  if (dt == KILN_F32) ((float *)b)[off] = (float)v;
-  else if (dt == KILN_BF16) ((uint16_t *)b)[off] = f32_to_bf16_exact((float)v);
-  else ((double *)b)[off] = v;
-}
-
-static int64_t rmp_es(kiln_dtype dt) { return dt == KILN_BF16 ? 2 : dt == KILN_F32 ? 4 : 8; }
-
 #ifdef MP_HAVE_AVX512
 /* 2x2 windows, f32, unit column strides: 16 outputs a step from 32 columns of two rows,
 ** the four candidates split into even and odd columns by one permute each and taken in
@@ -640,31 +625,29 @@ static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;
   const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
   const kiln__conv_params *p = j->p;
-  kiln_dtype dt = x->dtype;
-  int64_t es = rmp_es(dt), C = y->shape[1], OH = y->shape[2], OW = y->shape[3], kh = p->kernel[0], kw = p->kernel[1];
+  int64_t C = y->shape[1], OH = y->shape[2], OW = y->shape[3], kh = p->kernel[0], kw = p->kernel[1];
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / C, c = q % C;
-    const char *xb = (const char *)x->data + (n * x->strides[0] + c * x->strides[1]) * es;
-    char *yb = (char *)y->data + (n * y->strides[0] + c * y->strides[1]) * es;
+    const float *xb = (const float *)x->data + n * x->strides[0] + c * x->strides[1];
+    float *yb = (float *)y->data + n * y->strides[0] + c * y->strides[1];
     uint8_t *ib = (uint8_t *)ix->data + n * ix->strides[0] + c * ix->strides[1];
 #ifdef MP_HAVE_AVX512
-    if (dt == KILN_F32 && kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 &&
-        mp_avx512_ok()) {
-      rmp_fwd2_avx512((const float *)xb, x->strides[2], (float *)yb, y->strides[2], ib, ix->strides[2], OH, OW);
+    if (kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok()) {
+      rmp_fwd2_avx512(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW);
       continue;
     }
 #endif
     for (int64_t oh = 0; oh < OH; oh++)
       for (int64_t ow = 0; ow < OW; ow++) {
         const int64_t h0 = oh * kh, w0 = ow * kw;
-        double best = rmp_load(xb, dt, h0 * x->strides[2] + w0 * x->strides[3]);
+        float best = xb[h0 * x->strides[2] + w0 * x->strides[3]];
         int at = 0;
         for (int64_t i = 0; i < kh; i++)
           for (int64_t jj = 0; jj < kw; jj++) {
-            double v = rmp_load(xb, dt, (h0 + i) * x->strides[2] + (w0 + jj) * x->strides[3]);
+            float v = xb[(h0 + i) * x->strides[2] + (w0 + jj) * x->strides[3]];
             if (v > best || (v != v && best == best)) best = v, at = (int)(i * kw + jj);
           }
-        rmp_store(yb, dt, oh * y->strides[2] + ow * y->strides[3], best < 0 ? 0.0 : best);
+        yb[oh * y->strides[2] + ow * y->strides[3]] = best < 0 ? 0.0f : best;
         ib[oh * ix->strides[2] + ow * ix->strides[3]] = (uint8_t)at;
       }
   }
@@ -674,32 +657,29 @@ static void rmp_bwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;
   const kiln__view *g = &j->a->in[0], *y = &j->a->in[1], *ix = &j->a->in[2], *dx = &j->a->out[0];
   const kiln__conv_params *p = j->p;
-  kiln_dtype dt = dx->dtype;
-  int64_t es = rmp_es(dt), C = dx->shape[1], H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  int64_t C = dx->shape[1], H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
   int64_t kh = p->kernel[0], kw = p->kernel[1];
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / C, c = q % C;
-    char *xb = (char *)dx->data + (n * dx->strides[0] + c * dx->strides[1]) * es;
-    const char *gb = (const char *)g->data + (n * g->strides[0] + c * g->strides[1]) * es;
-    const char *yb = (const char *)y->data + (n * y->strides[0] + c * y->strides[1]) * es;
+    float *xb = (float *)dx->data + n * dx->strides[0] + c * dx->strides[1];
+    const float *gb = (const float *)g->data + n * g->strides[0] + c * g->strides[1];
+    const float *yb = (const float *)y->data + n * y->strides[0] + c * y->strides[1];
     const uint8_t *ib = (const uint8_t *)ix->data + n * ix->strides[0] + c * ix->strides[1];
 #ifdef MP_HAVE_AVX512
-    if (dt == KILN_F32 && kh == 2 && kw == 2 && dx->strides[3] == 1 && dx->strides[2] == W && g->strides[3] == 1 &&
-        y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok()) {
-      rmp_bwd2_avx512((float *)xb, (const float *)gb, g->strides[2], (const float *)yb, y->strides[2], ib,
-                      ix->strides[2], H, W, OH, OW);
+    if (kh == 2 && kw == 2 && dx->strides[3] == 1 && dx->strides[2] == W && g->strides[3] == 1 && y->strides[3] == 1 &&
+        ix->strides[3] == 1 && mp_avx512_ok()) {
+      rmp_bwd2_avx512(xb, gb, g->strides[2], yb, y->strides[2], ib, ix->strides[2], H, W, OH, OW);
       continue;
     }
 #endif
     for (int64_t h = 0; h < H; h++)
-      for (int64_t w = 0; w < W; w++) rmp_store(xb, dt, h * dx->strides[2] + w * dx->strides[3], 0.0);
+      for (int64_t w = 0; w < W; w++) xb[h * dx->strides[2] + w * dx->strides[3]] = 0.0f;
     for (int64_t oh = 0; oh < OH; oh++)
       for (int64_t ow = 0; ow < OW; ow++) {
-        if (!(rmp_load(yb, dt, oh * y->strides[2] + ow * y->strides[3]) > 0)) continue;
+        if (!(yb[oh * y->strides[2] + ow * y->strides[3]] > 0)) continue;
         int at = ib[oh * ix->strides[2] + ow * ix->strides[3]];
         int64_t h = oh * kh + at / kw, w = ow * kw + at % kw;
-        rmp_store(xb, dt, h * dx->strides[2] + w * dx->strides[3],
-                  rmp_load(gb, dt, oh * g->strides[2] + ow * g->strides[3]));
+        xb[h * dx->strides[2] + w * dx->strides[3]] = gb[oh * g->strides[2] + ow * g->strides[3]];
       }
   }
 }
@@ -713,7 +693,7 @@ kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a) {
   const kiln__view *y = bw ? &a->in[1] : &a->out[0], *ix = bw ? &a->in[2] : &a->out[1];
   kiln_dtype dt = big->dtype;
   bool ok = p && a->n_in == (bw ? 3 : 1) && a->n_out == (bw ? 1 : 2) && tiles(p) &&
-            p->kernel[0] * p->kernel[1] <= 256 && (dt == KILN_F32 || dt == KILN_BF16 || dt == KILN_F64) &&
+            p->kernel[0] * p->kernel[1] <= 256 && dt == KILN_F32 &&
             small->dtype == dt && y->dtype == dt && ix->dtype == KILN_U8 && big->ndim == 4 && small->ndim == 4 &&
             y->ndim == 4 && ix->ndim == 4;
   for (int d = 0; ok && d < 4; d++)

@@ -664,6 +664,24 @@ KILN_API kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight,
 ** in its plane, owned by the current scope. */
 KILN_API kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
                                       const int64_t *padding, const int64_t *dilation, kiln_tensor **indices);
+/* kiln_max_pool2d(kiln_relu(x), ...) as one op: the same values and gradients. Where the
+** windows tile x (stride = kernel, no padding, no dilation; MaxPool2d(k)) in f32 on the
+** CPU, one pass each way that keeps a byte per output for the backward instead
+** of two full-size maps; elsewhere the two ops. A Sequential of ReLU then MaxPool2d uses
+** it by itself. */
+KILN_API kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
+                                           const int64_t *padding, const int64_t *dilation);
+/* kiln_relu_max_pool2d(kiln_conv2d(x, weight, bias, ...), pool...) as one op: the same
+** values and gradients. Where x has one channel and needs no gradient (an image CNN's
+** first layer), stride and dilation 1, groups 1, f32, and the pool windows tile (CPU with
+** oneDNN), one pass each way that never makes the conv's full-size output or its
+** gradient; elsewhere the ops it stands for. A Sequential of Conv2d, ReLU, MaxPool2d uses
+** it by itself. */
+KILN_API kiln_tensor *kiln_conv2d_relu_max_pool2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias,
+                                                  const int64_t *stride, const int64_t *padding,
+                                                  const int64_t *dilation, int64_t groups, const int64_t *pool_kernel,
+                                                  const int64_t *pool_stride, const int64_t *pool_padding,
+                                                  const int64_t *pool_dilation);
 /* The mean of each window, the padding's zeros counted (PyTorch's count_include_pad). */
 KILN_API kiln_tensor *kiln_avg_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
                                       const int64_t *padding);

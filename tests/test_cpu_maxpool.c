@@ -106,6 +106,44 @@ static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) 
   kiln_scope_end();
 }
 
+/* kiln_relu_max_pool2d (RELU_MAX_POOL2D and its backward for f32 where the windows tile:
+** AVX-512 for 2x2 with unit-stride rows, portable loops otherwise; the two ops elsewhere,
+** bf16 and f64 included)
+** against kiln_relu then kiln_max_pool2d in f64: the same values and gradient, bit for
+** bit (ReLU and a maximum are exact; each pixel's gradient is one g or zero). The same
+** tie- and NaN-rich data: windows whose max is 0, negative, or NaN pass no gradient. */
+static void check_relu_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) {
+  kiln_scope_begin();
+  int64_t n = c->N * c->C * c->H * c->W;
+  float *h = malloc(sizeof(float) * (size_t)n);
+  srand((unsigned)seed);
+  for (int64_t i = 0; i < n; i++) h[i] = (float)(rand() % 7 - 3) * 0.5f;
+  for (int64_t i = 0; i < n / 97; i++) h[rand() % n] = NAN;
+  kiln_tensor *base = kiln_to_dtype(kiln_from_data(h, KILN_SHAPE(c->N, c->C, c->H, c->W), KILN_F32, cpu), dt);
+  free(h);
+  kiln_tensor *x = in_layout(base, layout);
+  kiln_requires_grad_(x, true);
+  kiln_tensor *x64 = kiln_contiguous(kiln_detach(kiln_to_dtype(kiln_contiguous(x), KILN_F64)));
+  kiln_requires_grad_(x64, true);
+  kiln_tensor *y = kiln_relu_max_pool2d(x, c->k, c->s, c->p, c->d);
+  kiln_tensor *y64 = kiln_max_pool2d(kiln_relu(x64), c->k, c->s, c->p, c->d, NULL);
+  char what[200], w2[240];
+  snprintf(what, sizeof what, "relu_max_pool2d k %lldx%lld s %lldx%lld p %lldx%lld (%lld,%lld,%lld,%lld) %s %s",
+           (long long)c->k[0], (long long)c->k[1], (long long)c->s[0], (long long)c->s[1], (long long)c->p[0],
+           (long long)c->p[1], (long long)c->N, (long long)c->C, (long long)c->H, (long long)c->W,
+           kiln_dtype_name(dt), layout_name[layout]);
+  snprintf(w2, sizeof w2, "%s values", what);
+  CHECK(same64(y, y64, w2));
+  kiln_generator *gen = kiln_generator_new(seed + 1);
+  kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F32, cpu, gen), dt) : NULL;
+  kiln_generator_free(gen);
+  CHECK(kiln_backward(y, g) == KILN_OK);
+  CHECK(kiln_backward(y64, kiln_to_dtype(g, KILN_F64)) == KILN_OK);
+  snprintf(w2, sizeof w2, "%s gradient", what);
+  CHECK(same64(kiln_grad(x), kiln_to_dtype(kiln_grad(x64), dt), w2));
+  kiln_scope_end();
+}
+
 int main(void) {
   cpu = kiln_device_cpu();
   static const pcfg cfgs[] = {
@@ -126,6 +164,18 @@ int main(void) {
   for (size_t ci = 0; ci < sizeof cfgs / sizeof *cfgs; ci++)
     for (int di = 0; di < 2; di++)
       for (int layout = 0; layout < 5; layout++) check_case(&cfgs[ci], dts[di], layout, seed++);
+  static const pcfg rcfgs[] = {
+      {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 2, 3, 26, 26}, /* fmnist-cnn's first pool (13 outputs a row) */
+      {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 2, 3, 11, 11}, /* its second: odd sizes, the last row/column get zeros */
+      {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 1, 2, 9, 71},  /* 35 outputs a row: two full AVX-512 chunks and a tail */
+      {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 1, 2, 4, 32},  /* exactly one chunk */
+      {{3, 2}, {3, 2}, {0, 0}, {1, 1}, 2, 2, 10, 11}, /* other tiling windows: the portable loops */
+      {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 2, 2, 9, 9},   /* windows that do not tile: the two ops */
+  };
+  const kiln_dtype rdts[3] = {KILN_F32, KILN_BF16, KILN_F64};
+  for (size_t ci = 0; ci < sizeof rcfgs / sizeof *rcfgs; ci++)
+    for (int di = 0; di < 3; di++)
+      for (int layout = 0; layout < 5; layout++) check_relu_case(&rcfgs[ci], rdts[di], layout, seed++);
   printf("test_cpu_maxpool: %d failures\n", failures);
   return failures ? 1 : 0;
 }

@@ -173,6 +173,48 @@ static void test_sequential_fuses_linear_relu(void) {
   kiln_scope_end();
 }
 
+/* A Sequential runs ReLU then MaxPool2d as kiln_relu_max_pool2d, and Conv2d of one input
+** channel, ReLU, MaxPool2d as kiln_conv2d_relu_max_pool2d: the same output and gradients as
+** the ops written out, bit for bit, in f32 and bf16 (fmnist-cnn's pools: 2x2 on 26x26 and,
+** odd, on 11x11), and in f32 less kept for backward (the pooled output and a byte per
+** output instead of the ReLU's input and the pool's), which shows a fused op ran. */
+static void test_sequential_fuses_relu_max_pool(void) {
+  const int64_t k3[2] = {3, 3}, k2[2] = {2, 2};
+  const int64_t hw[2] = {28, 13};
+  const kiln_dtype dts[3] = {KILN_F32, KILN_BF16, KILN_F32};
+  /* t 4, 5: one input channel in f32, where Conv2d, ReLU, MaxPool2d run as one op */
+  for (int t = 0; t < 6; t++) {
+    kiln_scope_begin();
+    kiln_dtype dt = dts[t / 2];
+    int64_t cin = t >= 4 ? 1 : 2;
+    kiln_manual_seed(5 + (uint64_t)t);
+    kiln_module *conv = kiln_conv2d_new(cin, 4, k3, NULL, NULL, NULL, 1, true, dt, cpu, NULL);
+    kiln_module *seq = kiln_sequential_of(3, (kiln_module *[]){conv, kiln_relu_new(), kiln_max_pool2d_new(k2, NULL, NULL, NULL)});
+    kiln_generator *g = kiln_generator_new(7);
+    kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(3, cin, hw[t % 2], hw[t % 2]), KILN_F32, cpu, g), dt);
+    int64_t s0 = 0, s1 = 0, s2 = 0;
+    kiln_autograd_saved_bytes(&s0, NULL);
+    kiln_tensor *y = kiln_module_forward(seq, x);
+    kiln_autograd_saved_bytes(&s1, NULL);
+    kiln_tensor *w = kiln_module_param(seq, "0.weight"), *b = kiln_module_param(seq, "0.bias");
+    kiln_tensor *y2 = kiln_max_pool2d(kiln_relu(kiln_module_forward(conv, x)), k2, NULL, NULL, NULL, NULL);
+    kiln_autograd_saved_bytes(&s2, NULL);
+    CHECK(y && y2 && tensors_equal(y, y2));
+    if (dt == KILN_F32) CHECK(s1 - s0 < s2 - s1); /* bf16 takes the ops apart (kiln_relu_max_pool2d) */
+    kiln_tensor *gw = NULL, *gb = NULL;
+    CHECK(kiln_backward(kiln_sum_all(kiln_mul(y, y)), NULL) == KILN_OK);
+    gw = kiln_tensor_ref(kiln_grad(w)), gb = kiln_tensor_ref(kiln_grad(b));
+    kiln_set_grad(w, NULL), kiln_set_grad(b, NULL);
+    CHECK(kiln_backward(kiln_sum_all(kiln_mul(y2, y2)), NULL) == KILN_OK);
+    CHECK(gw && kiln_grad(w) && tensors_equal(gw, kiln_grad(w)));
+    CHECK(gb && kiln_grad(b) && tensors_equal(gb, kiln_grad(b)));
+    kiln_tensor_free(gw), kiln_tensor_free(gb);
+    kiln_generator_free(g);
+    kiln_module_free(seq);
+    kiln_scope_end();
+  }
+}
+
 /* Sequential names children "0", "1", ...; parameters come in a stable order with
 ** dotted names; lookups reach into children. */
 static void test_sequential_naming(void) {
@@ -544,6 +586,7 @@ int main(void) {
   test_linear_forward();
   test_sequential_naming();
   test_sequential_fuses_linear_relu();
+  test_sequential_fuses_relu_max_pool();
   test_train_eval();
   test_state_dict_round_trip();
   test_state_dict_errors();

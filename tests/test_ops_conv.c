@@ -12,6 +12,9 @@
 ** the fallback, which is compared too.
 ** Names are prefixed cv_.
 */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#endif
 #include "harness.h"
 #include "backend/backend.h"
 #include "core/kiln_int.h"
@@ -137,7 +140,8 @@ static kiln_tensor *cv_convt(kiln_tensor **in, const void *ctx) {
 
 /* ---- pooling: kernel in s? no: cfg reused, kernel in op[] ---------------------------- */
 
-/* max (mode 0) or mean with padding counted (mode 1) over windows op[] (kernel) */
+/* max (mode 0), mean with padding counted (mode 1), or ReLU then max (mode 2:
+** relu_max_pool2d) over windows op[] (kernel) */
 typedef struct cv_pool {
   int64_t k[2], s[2], p[2], d[2];
   int avg;
@@ -160,22 +164,24 @@ static int cv_pool_ref(const h_arr *in, int n_in, h_arr *out, const void *ctx) {
     for (int64_t c = 0; c < C; c++)
       for (int64_t oh = 0; oh < o[0]; oh++)
         for (int64_t ow = 0; ow < o[1]; ow++) {
-          double acc = k->avg ? 0 : -INFINITY;
+          double acc = k->avg == 1 ? 0 : -INFINITY;
           for (int64_t i = 0; i < k->k[0]; i++)
             for (int64_t j = 0; j < k->k[1]; j++) {
               int64_t h = oh * k->s[0] - k->p[0] + i * k->d[0], w = ow * k->s[1] - k->p[1] + j * k->d[1];
               if (h < 0 || h >= H || w < 0 || w >= W) continue;
               double v = cv_at(x, n, c, h, w);
-              if (k->avg) acc += v;
+              if (k->avg == 1) acc += v;
               else if (v > acc) acc = v;
             }
-          if (k->avg) acc /= (double)(k->k[0] * k->k[1]);
+          if (k->avg == 1) acc /= (double)(k->k[0] * k->k[1]);
+          if (k->avg == 2 && acc < 0) acc = 0; /* relu_max_pool2d: ReLU, then the max */
           out->data[((n * C + c) * o[0] + oh) * o[1] + ow] = acc;
         }
   return 0;
 }
 static kiln_tensor *cv_pool_fn(kiln_tensor **in, const void *ctx) {
   const cv_pool *k = ctx;
+  if (k->avg == 2) return kiln_relu_max_pool2d(in[0], k->k, k->s, k->p, k->d);
   return k->avg ? kiln_avg_pool2d(in[0], k->k, k->s, k->p) : kiln_max_pool2d(in[0], k->k, k->s, k->p, k->d, NULL);
 }
 
@@ -339,6 +345,8 @@ static const cv_cfg cv_t_groups = {{1, 2}, {0, 1}, {2, 1}, 2, 0, {0, 1}};
 static const cv_pool cv_max = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 0};
 static const cv_pool cv_max_dil = {{2, 2}, {1, 2}, {0, 0}, {2, 1}, 0};
 static const cv_pool cv_avg = {{3, 2}, {2, 2}, {1, 1}, {1, 1}, 1};
+static const cv_pool cv_relu_max = {{2, 2}, {2, 2}, {0, 0}, {1, 1}, 2}, cv_relu_max32 = {{3, 2}, {3, 2}, {0, 0}, {1, 1}, 2},
+                     cv_relu_max_ov = {{3, 3}, {2, 2}, {1, 1}, {1, 1}, 2};
 static const cv_size cv_adapt = {{3, 2}, 0}, cv_adapt_global = {{1, 1}, 0}, cv_adapt_up = {{4, 6}, 0}, cv_near = {{7, 3}, 1}, cv_bil = {{7, 9}, 2},
                      cv_bil_down = {{2, 3}, 2};
 static const cv_padc cv_pad_const = {{1, 2, 0, 3}, 0}, cv_pad_refl = {{2, 1, 1, 2}, 1};
@@ -371,6 +379,12 @@ static const h_case cv_cases[] = {
      .in = {CVIN(N_, 3, 7, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
     {.name = "max_pool2d dilation", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_max_dil, .n_in = 1,
      .in = {CVIN(N_, 2, 5, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 2x2 (MaxPool2d(2)), odd sizes", .fn = cv_pool_fn, .ref = cv_pool_ref,
+     .ctx = &cv_relu_max, .n_in = 1, .in = {CVIN(N_, 3, 7, 9)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 3x2 tiles", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_relu_max32, .n_in = 1,
+     .in = {CVIN(N_, 2, 7, 5)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
+    {.name = "relu_max_pool2d 3x3 stride 2 padding 1 (the two ops)", .fn = cv_pool_fn, .ref = cv_pool_ref,
+     .ctx = &cv_relu_max_ov, .n_in = 1, .in = {CVIN(N_, 2, 7, 6)}, .sym = {2}, .flags = CVF | H_NO_EXPAND},
     {.name = "avg_pool2d 3x2 padding 1", .fn = cv_pool_fn, .ref = cv_pool_ref, .ctx = &cv_avg, .n_in = 1,
      .in = {CVIN(N_, 3, 7, 5)}, .sym = {2}, .flags = CVF},
     {.name = "adaptive_avg_pool2d 7x5 -> 3x2", .fn = cv_size_fn, .ref = cv_size_ref, .ctx = &cv_adapt, .n_in = 1,
@@ -479,6 +493,20 @@ static void cv_extra(void) {
               kiln_last_error() == KILN_ERR_INVALID_ARGUMENT && cv_msg_has("kiln_conv2d", "same", NULL),
           "conv2d: padding same with stride 2 is refused");
   kiln_clear_error();
+  H_CHECK(!kiln_relu_max_pool2d(kiln_ones(KILN_SHAPE(4, 3, 3), KILN_F32, cpu), (const int64_t[]){2, 2}, NULL, NULL,
+                                NULL) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_relu_max_pool2d", "[4, 3, 3]", NULL),
+          "relu_max_pool2d: a 3-d input names the op and the shape: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_relu_max_pool2d(img, (const int64_t[]){5, 5}, NULL, NULL, NULL) &&
+              cv_msg_has("kiln_relu_max_pool2d", "[1, 4, 3, 3]", NULL),
+          "relu_max_pool2d: a 5x5 window on a 3x3 map names the op and the shape: %s", kiln_last_error_message());
+  kiln_clear_error();
+  H_CHECK(!kiln_conv2d_relu_max_pool2d(kiln_ones(KILN_SHAPE(1, 1, 3, 3), KILN_F32, cpu), w5, NULL, NULL, NULL, NULL, 1,
+                                       (const int64_t[]){2, 2}, NULL, NULL, NULL) &&
+              kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_conv2d", "[1, 1, 3, 3]", "[2, 4, 5, 5]"),
+          "conv2d_relu_max_pool2d: mismatched shapes name the conv and both shapes: %s", kiln_last_error_message());
+  kiln_clear_error();
   H_CHECK(!kiln_batch_norm(kiln_ones(KILN_SHAPE(1, 3), KILN_F32, cpu), NULL, NULL, NULL, NULL, true, 0.1, 1e-5) &&
               kiln_last_error() == KILN_ERR_SHAPE && cv_msg_has("kiln_batch_norm", "[1, 3]", "one value per channel"),
           "batch_norm: training with one value per channel: %s", kiln_last_error_message());
@@ -511,7 +539,7 @@ static void cv_f32_vs_f64(void) {
                                  &cv_plain,   &cv_pad1,   &cv_strided, &cv_groups,   &cv_groups,
                                  &cv_groups,  &cv_s2p1,   &cv_strided, &cv_pad1,   &cv_pad1,
                                  &cv_plain,   &cv_pad1,   &cv_s2p1,    &cv_strided, &cv_pad1,
-                                 &cv_pad1,    &cv_pad1,   &cv_pad1};
+                                 &cv_pad1,    &cv_pad1,   &cv_pad1,    &cv_plain};
   static const int64_t shapes[][8] = {
       {2, 2, 6, 5, 3, 2, 3, 2},    {2, 2, 5, 4, 3, 2, 2, 3},     {2, 4, 4, 4, 6, 2, 3, 3},
       {2, 4, 5, 5, 8, 1, 3, 3},    {2, 3, 4, 3, 5, 3, 1, 1},     {2, 2, 5, 5, 3, 2, 3, 2},
@@ -538,8 +566,11 @@ static void cv_f32_vs_f64(void) {
       /* the one-GEMM weight gradient of a 3x3 pad 1 on 1x1 maps spread into the full
       ** weight 16 (out, in) pairs a step on AVX-512 (cpu_dnnl.c spread1_range): 35 pairs
       ** (two steps and a tail of 3), 1536 */
-      {3, 5, 1, 1, 7, 5, 3, 3},    {4, 32, 1, 1, 48, 32, 3, 3}};
-  for (int t = 0; t < 24; t++) {
+      {3, 5, 1, 1, 7, 5, 3, 3},    {4, 32, 1, 1, 48, 32, 3, 3},
+      /* one input channel with rows past 16 outputs (the AVX-512 direct loop's full and
+      ** masked chunks) */
+      {2, 1, 28, 21, 5, 1, 3, 3}};
+  for (int t = 0; t < 25; t++) {
     const cv_cfg *k = cfgs[t];
     const int64_t *s = shapes[t];
     kiln_scope_begin();
@@ -581,6 +612,103 @@ static void cv_f32_vs_f64(void) {
       }
       free(vals[0][q]), free(vals[1][q]), free(vals[2][q]);
     }
+    kiln_scope_end();
+  }
+}
+
+/* The one-input-channel direct loops (cpu_dnnl.c) in AVX-512 and portable C give the same
+** bits: the same f32 operations per output in the same order (KILN_CONV_C1_PORTABLE=1
+** picks the portable loops). Forward, weight and bias gradients, rows of 26 outputs (a
+** full 16-wide chunk and a masked one) and of 5. */
+static void cv_c1_paths(void) {
+  static const int64_t shapes[][4] = {{3, 1, 28, 28}, {2, 1, 9, 7}};
+  for (int t = 0; t < 2; t++) {
+    const int64_t *s = shapes[t];
+    kiln_scope_begin();
+    kiln_manual_seed(11 + (uint64_t)t);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(s[0], s[1], s[2], s[3]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *w = kiln_randn(KILN_SHAPE(6, 1, 3, 3), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *b = kiln_randn(KILN_SHAPE(6), KILN_F32, kiln_device_cpu(), NULL);
+    double *vals[2][3] = {{0}};
+    int64_t nv[3] = {0};
+    for (int portable = 0; portable < 2; portable++) {
+      setenv("KILN_CONV_C1_PORTABLE", portable ? "1" : "0", 1);
+      kiln_tensor *wr = kiln_detach(w), *br = kiln_detach(b);
+      kiln_requires_grad_(wr, true), kiln_requires_grad_(br, true);
+      kiln_tensor *y = kiln_conv2d(x, wr, br, NULL, NULL, NULL, 1);
+      kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, KILN_F32, kiln_device_cpu()), 4,
+                                        kiln_shape(y))
+                         : NULL;
+      bool ok = y && r && kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) == KILN_OK;
+      H_CHECK(ok, "c1 paths case %d ran: %s", t, kiln_last_error_message());
+      if (!ok) break;
+      vals[portable][0] = h_values(y, &nv[0]);
+      vals[portable][1] = h_values(kiln_grad(wr), &nv[1]);
+      vals[portable][2] = h_values(kiln_grad(br), &nv[2]);
+    }
+    unsetenv("KILN_CONV_C1_PORTABLE");
+    for (int q = 0; q < 3; q++) {
+      if (vals[0][q] && vals[1][q])
+        H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
+                "c1 case %d: AVX-512 and portable %s have the same bits", t, q == 0 ? "forward" : q == 1 ? "dw" : "db");
+      free(vals[0][q]), free(vals[1][q]);
+    }
+    kiln_scope_end();
+  }
+}
+
+/* kiln_conv2d_relu_max_pool2d (the CPU's CONV1_RELU_MAX_POOL2D kernels where they apply:
+** one input channel that needs no gradient, f32, tiling pool windows) against conv2d then
+** relu_max_pool2d: the same output, weight and bias gradients, bit for bit (the same f32
+** operations per value), with the direct loops in AVX-512 and portable C; 2x2 pools on
+** 26x26 (fmnist-cnn's), odd 9x7 with padding 1, and 3x2 windows; then an input that needs
+** a gradient and a two-channel one (the ops it stands for), against the same. */
+static void cv_conv_relu_pool(void) {
+  static const int64_t shapes[][8] = {/* N, H, W, OC, kh, kw, pad, pool (kh, kw) as [7]: 2 -> 2x2, 3 -> 3x2 */
+                                      {3, 28, 28, 6, 3, 3, 0, 2}, {2, 9, 7, 5, 3, 3, 1, 2}, {2, 11, 12, 4, 2, 3, 0, 3}};
+  for (int t = 0; t < 5; t++) {
+    const int64_t *s = shapes[t < 3 ? t : 0];
+    int64_t C = t == 4 ? 2 : 1, pk[2] = {s[7] == 2 ? 2 : 3, 2}, pad[2] = {s[6], s[6]};
+    kiln_scope_begin();
+    kiln_manual_seed(21 + (uint64_t)t);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(s[0], C, s[1], s[2]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *w = kiln_randn(KILN_SHAPE(s[3], C, s[4], s[5]), KILN_F32, kiln_device_cpu(), NULL);
+    kiln_tensor *b = kiln_randn(KILN_SHAPE(s[3]), KILN_F32, kiln_device_cpu(), NULL);
+    if (t == 3) kiln_requires_grad_(x, true);
+    for (int portable = 0; portable < 2; portable++) {
+      setenv("KILN_CONV_C1_PORTABLE", portable ? "1" : "0", 1);
+      double *vals[2][4] = {{0}};
+      int64_t nv[4] = {0};
+      for (int fused = 0; fused < 2; fused++) {
+        kiln_tensor *wr = kiln_detach(w), *br = kiln_detach(b);
+        kiln_requires_grad_(wr, true), kiln_requires_grad_(br, true);
+        if (t == 3) kiln_set_grad(x, NULL);
+        int64_t k0 = kiln__dispatch_count();
+        kiln_tensor *y = fused ? kiln_conv2d_relu_max_pool2d(x, wr, br, NULL, pad, NULL, 1, pk, NULL, NULL, NULL)
+                               : kiln_relu_max_pool2d(kiln_conv2d(x, wr, br, NULL, pad, NULL, 1), pk, NULL, NULL, NULL);
+        if (fused && t < 3) /* one kernel: the fused one ran */
+          H_CHECK(kiln__dispatch_count() - k0 == 1, "conv_relu_pool case %d: one kernel call (%lld)", t,
+                  (long long)(kiln__dispatch_count() - k0));
+        kiln_tensor *r = y ? kiln_reshape(kiln_arange(0, (double)kiln_numel(y), 1, KILN_F32, kiln_device_cpu()), 4,
+                                          kiln_shape(y))
+                           : NULL;
+        bool ok = y && r && kiln_backward(kiln_sum_all(kiln_mul(y, kiln_mul_scalar(r, 0.01))), NULL) == KILN_OK;
+        H_CHECK(ok, "conv_relu_pool case %d ran: %s", t, kiln_last_error_message());
+        if (!ok) break;
+        vals[fused][0] = h_values(y, &nv[0]);
+        vals[fused][1] = h_values(kiln_grad(wr), &nv[1]);
+        vals[fused][2] = h_values(kiln_grad(br), &nv[2]);
+        vals[fused][3] = t == 3 ? h_values(kiln_grad(x), &nv[3]) : NULL;
+      }
+      for (int q = 0; q < 4; q++) {
+        if (vals[0][q] && vals[1][q])
+          H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
+                  "conv_relu_pool case %d%s: fused and separate %s have the same bits", t, portable ? " portable" : "",
+                  q == 0 ? "output" : q == 1 ? "dw" : q == 2 ? "db" : "dx");
+        free(vals[0][q]), free(vals[1][q]);
+      }
+    }
+    unsetenv("KILN_CONV_C1_PORTABLE");
     kiln_scope_end();
   }
 }
@@ -914,6 +1042,8 @@ static void cv_family(void) {
   if (!h_cross_only() && !h_support_mode()) {
     cv_extra();
     cv_f32_vs_f64();
+    cv_c1_paths();
+    cv_conv_relu_pool();
     cv_backward_kernels();
     cv_max_pool_grad_f32();
     cv_format();

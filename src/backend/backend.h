@@ -346,7 +346,26 @@ typedef struct kiln__view {
   /* of a linear_gelu's pre-activation made inside the next layer's input-gradient */     \
   /* product (cuBLASLt's DGELU epilogue on CUDA). i0 = 1 allows TF32. CUDA only; the op */ \
   /* layer composes MATMUL + GELU_TANH_BACKWARD elsewhere. */                             \
-  X(MATMUL_DGELU, "matmul_dgelu")
+  X(MATMUL_DGELU, "matmul_dgelu")                                                         \
+  /* ---- ReLU then max-pool in one pass (a CNN's ReLU, MaxPool2d) ---- */                \
+  /* in0 x (N, C, H, W) (f32, any strides), windows that tile x (stride = kernel, no */    \
+  /* padding, no dilation, kh*kw <= 256) -> out0 y (N, C, OH, OW) = relu(the window's */   \
+  /* max by MAX_POOL2D's rule; ReLU's: v < 0 ? 0 : v, NaN passes), x's dtype, out1 (N, */  \
+  /* C, OH, OW) u8 the max's offset i*kw + j in its window. a->params: the window. */      \
+  X(RELU_MAX_POOL2D, "relu_max_pool2d")                                                   \
+  /* its backward: in0 g (N, C, OH, OW), in1 y and in2 the offsets as the forward gave */ \
+  /* them -> out0 dx (N, C, H, W) (written): g at each window's max where y > 0, zero */  \
+  /* elsewhere. a->params: the forward's window. */                                      \
+  X(RELU_MAX_POOL2D_BACKWARD, "relu_max_pool2d_backward")                                \
+  /* ---- a one-channel conv, ReLU, MaxPool2d in one pass (an image CNN's first layers) */ \
+  /* in0 x (N, 1, H, W), in1 weight (OC, 1, kh, kw), optional in2 bias (OC), f32 dense */  \
+  /* -> out0 y (N, OC, POH, POW), out1 offsets (u8): RELU_MAX_POOL2D of CONV2D's output, */ \
+  /* which is not made. a->params: two kiln__conv_params, the conv's (stride 1, */         \
+  /* dilation 1) then the pool's (tiling); i0 groups (1). CPU with oneDNN only. */          \
+  X(CONV1_RELU_MAX_POOL2D, "conv1_relu_max_pool2d")                                       \
+  /* its weight gradient: in0 x, in1 g (N, OC, POH, POW), in2 y, in3 the offsets -> */    \
+  /* out0 dW (OC, 1, kh, kw), optional out1 db (OC); params, i0 as the forward. */         \
+  X(CONV1_RELU_MAX_POOL2D_BACKWARD, "conv1_relu_max_pool2d_backward")
 
 typedef enum kiln__kop {
 #define KILN__KOP_ENUM(name, str) KILN__K_##name,

@@ -249,6 +249,25 @@ static const kiln_module_vtable maxpool_vt = {"MaxPool2d", maxpool_forward, NULL
 static const kiln_module_vtable avgpool_vt = {"AvgPool2d", avgpool_forward, NULL, free, avgpool_repr};
 static const kiln_module_vtable adaptive_vt = {"AdaptiveAvgPool2d", adaptive_forward, NULL, free, adaptive_repr};
 
+bool kiln__module_is_max_pool2d(const kiln_module *pool) { return pool && kiln__module_vtable(pool) == &maxpool_vt; }
+
+bool kiln__module_is_conv2d(const kiln_module *conv) { return conv && kiln__module_vtable(conv) == &conv2d_vt; }
+
+kiln_tensor *kiln__conv_relu_max_pool_forward(kiln_module *conv, kiln_module *pool, kiln_tensor *x) {
+  if (!kiln__module_is_conv2d(conv) || !kiln__module_is_max_pool2d(pool)) return NULL;
+  const conv_cfg *c = kiln_module_impl(conv);
+  const pool_cfg *p = kiln_module_impl(pool);
+  kiln_tensor *w = kiln_module_param(conv, "weight"), *b = c->bias ? kiln_module_param(conv, "bias") : NULL;
+  return kiln_conv2d_relu_max_pool2d(x, w, b, c->stride, c->padding, c->dilation, c->groups, p->kernel, p->stride,
+                                     p->padding, p->dilation);
+}
+
+kiln_tensor *kiln__relu_max_pool_forward(kiln_module *pool, kiln_tensor *x) {
+  if (!kiln__module_is_max_pool2d(pool)) return NULL;
+  const pool_cfg *c = kiln_module_impl(pool);
+  return kiln_relu_max_pool2d(x, c->kernel, c->stride, c->padding, c->dilation);
+}
+
 /* Shared checks of the window pools; the padding bound (at most half the kernel) is
 ** PyTorch's and the op's. */
 static kiln_module *pool_new(const char *who, const kiln_module_vtable *vt, const int64_t *kernel,

@@ -80,7 +80,9 @@ static kiln_tensor *same(kiln_tensor *x) { return kiln_reshape(x, kiln_ndim(x), 
 
 static const kiln_module_vtable relu_vt;
 
-/* A Linear followed by a ReLU runs as kiln_linear_relu (one fused op, the same numbers). */
+/* A Linear followed by a ReLU runs as kiln_linear_relu, a ReLU followed by a MaxPool2d as
+** kiln_relu_max_pool2d, a Conv2d, ReLU, MaxPool2d as kiln_conv2d_relu_max_pool2d (fused ops,
+** the same numbers). */
 static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
   int n = kiln_module_num_children(m);
   if (n == 0) return same(x);
@@ -98,6 +100,37 @@ static kiln_tensor *sequential_forward(kiln_module *m, kiln_tensor *x) {
       if (kiln__module_measuring()) {
         kiln_autograd_saved_bytes(&s1, NULL);
         kiln__module_measure_note(c, s1 - s0);
+      }
+      kiln__module_scope_pop();
+      i++;
+      continue;
+    }
+    /* Conv2d, ReLU, MaxPool2d: kiln_conv2d_relu_max_pool2d, in the conv's module scope */
+    kiln_module *next2 = i + 2 < n ? kiln_module_child_at(m, i + 2) : NULL;
+    if (kiln__module_is_conv2d(c) && next && kiln__module_vtable(next) == &relu_vt && kiln__module_is_max_pool2d(next2) &&
+        !kiln_module_is_checkpointed(c) && !kiln_module_is_checkpointed(next) && !kiln_module_is_checkpointed(next2)) {
+      kiln__module_scope_push(kiln__module_label(c));
+      int64_t s0 = 0, s1 = 0;
+      if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
+      x = kiln__conv_relu_max_pool_forward(c, next2, x);
+      if (kiln__module_measuring()) {
+        kiln_autograd_saved_bytes(&s1, NULL);
+        kiln__module_measure_note(c, s1 - s0);
+      }
+      kiln__module_scope_pop();
+      i += 2;
+      continue;
+    }
+    /* ReLU then MaxPool2d: kiln_relu_max_pool2d, in the pool's module scope */
+    if (kiln__module_vtable(c) == &relu_vt && kiln__module_is_max_pool2d(next) && !kiln_module_is_checkpointed(c) &&
+        !kiln_module_is_checkpointed(next)) {
+      kiln__module_scope_push(kiln__module_label(next));
+      int64_t s0 = 0, s1 = 0;
+      if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
+      x = kiln__relu_max_pool_forward(next, x);
+      if (kiln__module_measuring()) {
+        kiln_autograd_saved_bytes(&s1, NULL);
+        kiln__module_measure_note(next, s1 - s0);
       }
       kiln__module_scope_pop();
       i++;

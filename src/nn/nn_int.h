@@ -42,6 +42,14 @@ kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *bn, kiln_tensor *x);
 kiln_tensor *kiln__batch_norm_add_relu_forward(kiln_module *bn, kiln_tensor *x, kiln_tensor *residual);
 
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
+/* pool is a MaxPool2d: kiln_relu_max_pool2d(x) with its window (a Sequential's ReLU then
+** MaxPool2d); any other module: NULL, no error set (conv_layers.c). */
+bool kiln__module_is_max_pool2d(const kiln_module *pool);
+kiln_tensor *kiln__relu_max_pool_forward(kiln_module *pool, kiln_tensor *x);
+/* conv is a Conv2d and pool a MaxPool2d: kiln_conv2d_relu_max_pool2d(x) with their
+** settings (a Sequential's Conv2d, ReLU, MaxPool2d); else NULL, no error set. */
+bool kiln__module_is_conv2d(const kiln_module *conv);
+kiln_tensor *kiln__conv_relu_max_pool_forward(kiln_module *conv, kiln_module *pool, kiln_tensor *x);
 int kiln__module_extra_repr(const kiln_module *m, char *buf, size_t n);
 
 #endif /* KILN_NN_INT_H */

@@ -350,6 +350,7 @@ static kiln_tensor *from_lib(kiln_tensor *y, bool cl) { return cl && y ? kiln_pe
 typedef struct attrs_convb {
   attrs_conv c;
   int64_t size[2];
+  int64_t bias; /* the weight gradient's op: 1 makes the bias gradient too (a second output) */
   int nsz;
 } attrs_convb;
 static const kiln__attr_field f_convb[] = {
@@ -357,7 +358,7 @@ static const kiln__attr_field f_convb[] = {
     {"padding", KILN__A_INTS, offsetof(attrs_convb, c.padding), offsetof(attrs_convb, c.np), NULL},
     {"dilation", KILN__A_INTS, offsetof(attrs_convb, c.dilation), offsetof(attrs_convb, c.nd), NULL},
     {"groups", KILN__A_INT, offsetof(attrs_convb, c.groups), 0, NULL},
-    KILN__FIELD_INTS(attrs_convb, size, nsz)};
+    KILN__FIELD_INTS(attrs_convb, size, nsz), KILN__FIELD(attrs_convb, bias, KILN__A_INT)};
 
 static const kiln__op op_conv2d_bwd_data, op_conv2d_bwd_weight;
 
@@ -367,6 +368,7 @@ static attrs_convb convb_attrs(const attrs_conv *p, const conv_geom *g) {
   for (int k = 0; k < 2; k++) a.c.padding[k] = g->pad[k];
   a.size[0] = g->H, a.size[1] = g->W;
   a.nsz = 2;
+  a.bias = 0;
   return a;
 }
 
@@ -391,6 +393,13 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
   q.out[0] = q.in[0];
   for (int d = 0; d < 4; d++) q.out[0].shape[d] = oshape[d];
   kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && ab->bias) { /* the bias gradient (OC) */
+    q.n_out = 2;
+    q.out[1] = q.out[0];
+    q.out[1].ndim = 1;
+    q.out[1].shape[0] = oshape[0];
+    q.out[1].strides[0] = 1;
+  }
   q.i[0] = ab->c.groups;
   q.i[1] = kiln_matmul_tf32() ? 1 : 0;
   q.params = cp;
@@ -457,11 +466,13 @@ static kiln_tensor *convb_data_call(kiln_tensor *g, kiln_tensor *w, const attrs_
   kiln_tensor *in[2] = {conv_prep(g, cl), conv_prep(w, cl)};
   return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_data, 2, in, ab, NULL), cl) : NULL;
 }
-/* ab->size is the weight's (kh, kw) here */
-static kiln_tensor *convb_weight_call(kiln_tensor *x, kiln_tensor *g, const attrs_convb *ab) {
+/* ab->size is the weight's (kh, kw) here; with ab->bias, *db gets the bias gradient */
+static kiln_tensor *convb_weight_call(kiln_tensor *x, kiln_tensor *g, const attrs_convb *ab, kiln_tensor **db) {
   bool cl = conv_cl(x);
-  kiln_tensor *in[2] = {conv_prep(x, cl), conv_prep(g, cl)};
-  return in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, NULL), cl) : NULL;
+  kiln_tensor *in[2] = {conv_prep(x, cl), conv_prep(g, cl)}, *out[2] = {NULL, NULL};
+  kiln_tensor *dw = in[0] && in[1] ? from_lib(kiln__op_call(&op_conv2d_bwd_weight, 2, in, ab, out), cl) : NULL;
+  if (db) *db = out[1];
+  return dw;
 }
 
 /* dx (N, C, H, W) from g (N, OC, OH, OW) and w (OC, C/G, kh, kw) */
@@ -508,7 +519,8 @@ static kiln_status convb_data_backward(kiln__node *n, kiln_tensor *gg, kiln_tens
   if (n->needs[1]) {
     attrs_convb wb = *ab;
     wb.size[0] = w->shape[2], wb.size[1] = w->shape[3];
-    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(gg, g, &wb), gg);
+    wb.bias = 0;
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(gg, g, &wb, NULL), gg);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
@@ -524,6 +536,12 @@ static kiln_status convb_weight_infer(kiln__op_ctx *c) {
   int64_t sh[4] = {g->shape[1], x->shape[1] / ab->c.groups, ab->size[0], ab->size[1]};
   out_shape(sh, conv_cl(x));
   kiln__op_meta(c, 0, 4, sh, x->dtype);
+  if (ab->bias) {
+    int64_t bs[1] = {g->shape[1]};
+    kiln__op_meta(c, 1, 1, bs, x->dtype);
+    c->n_out = 2;
+    c->n_node_out = 1; /* the rule below differentiates dW only */
+  }
   return KILN_OK;
 }
 
@@ -532,6 +550,10 @@ static kiln_status convb_weight_forward(kiln__op_ctx *c) {
   kiln__conv_params cp = convb_params(ab, ab->size[0], ab->size[1]);
   kiln__kargs a = convb_args(KILN__K_CONV2D_BACKWARD_WEIGHT, c->in[0], c->in[1], c->out[0]->shape, ab, &cp);
   a.n_out = 0;
+  if (ab->bias) {
+    a.n_out = 2;
+    a.out[1] = kiln__view_of(c->out[1]);
+  }
   return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
@@ -557,12 +579,12 @@ static kiln_status convb_weight_backward(kiln__node *n, kiln_tensor *gw, kiln_te
 static const kiln__op op_conv2d_bwd_data = {
     .name = "conv2d_backward_data", .api = "kiln_conv2d_backward_data", .n_in = 2, .n_out = 1,
     .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_DATA}, .attrs = f_convb,
-    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_data_infer, .forward = convb_data_forward,
+    .n_attrs = 6, .attr_size = sizeof(attrs_convb), .infer = convb_data_infer, .forward = convb_data_forward,
     .backward = convb_data_backward, .n_saved = 2, .save = convb_save};
 static const kiln__op op_conv2d_bwd_weight = {
-    .name = "conv2d_backward_weight", .api = "kiln_conv2d_backward_weight", .n_in = 2, .n_out = 1,
+    .name = "conv2d_backward_weight", .api = "kiln_conv2d_backward_weight", .n_in = 2, .n_out = 2,
     .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_WEIGHT}, .attrs = f_convb,
-    .n_attrs = 5, .attr_size = sizeof(attrs_convb), .infer = convb_weight_infer, .forward = convb_weight_forward,
+    .n_attrs = 6, .attr_size = sizeof(attrs_convb), .infer = convb_weight_infer, .forward = convb_weight_forward,
     .backward = convb_weight_backward, .n_saved = 2, .save = convb_save};
 
 /* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
@@ -624,14 +646,23 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     if (st != KILN_OK) return st;
     need_x = false;
   }
+  /* the bias gradient in the weight gradient's pass on the CPU (oneDNN's diff_bias, the
+  ** direct loops' sums: PyTorch's arrangement), instead of a sum over the gradient after:
+  ** fmnist-cnn's two bias sums were 0.9 ms of a 12.6 ms step */
+  bool need_b = n->needs[2];
+  wb.bias = need_w && need_b && kiln_device_of(g).type == KILN_DEVICE_CPU;
+  if (wb.bias && !convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) wb.bias = 0;
   if (need_w && convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) {
-    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(x, g, &wb), g);
+    kiln_tensor *db = NULL;
+    kiln_status st = kiln__give_grad(&gi[1], convb_weight_call(x, g, &wb, wb.bias ? &db : NULL), g);
+    if (st == KILN_OK && wb.bias) st = kiln__give_grad(&gi[2], db, g);
     if (st != KILN_OK) return st;
     need_w = false;
+    need_b = need_b && !wb.bias;
   }
   /* the composite for what the kernels did not make (reshaping a channels-last weight or
   ** gradient copies it: not when the kernels made both) */
-  if (!need_x && !need_w && !n->needs[2]) return KILN_OK;
+  if (!need_x && !need_w && !need_b) return KILN_OK;
   int64_t OCg = ge.OC / ge.G, K = ge.C / ge.G * ge.KH * ge.KW, L = ge.OH * ge.OW;
   kiln_tensor *gm = need_x || need_w ? kiln_reshape(g, KILN_SHAPE(ge.N, ge.G, OCg, L)) : NULL;
   kiln_tensor *wm = need_x ? kiln_reshape(w, KILN_SHAPE(ge.G, OCg, K)) : NULL;
@@ -661,7 +692,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     kiln_status st = kiln__give_grad(&gi[1], kiln_reshape(dw, 4, w->shape), g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[2]) {
+  if (need_b) {
     int dims[3] = {0, 2, 3};
     kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g, 3, dims, false), g);
     if (st != KILN_OK) return st;
@@ -1049,6 +1080,294 @@ kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_
   kiln_tensor *y = kiln__op_call(&op_max_pool2d, 1, &x, &a, out);
   if (y && indices) *indices = out[1];
   else if (y) kiln__discard(out[1]); /* not asked for, not saved: gone now, not at scope end */
+  return y;
+}
+
+/* ---- relu_max_pool2d: ReLU then max_pool2d, one op ------------------------------------ */
+/* max_pool2d(relu(x)) as one kernel each way where the device has RELU_MAX_POOL2D and the
+** windows tile x (a CNN's MaxPool2d(k): stride = kernel, no padding or dilation): relu is
+** monotone, so pooling first and then ReLU gives the same values, and the backward sends
+** g to each window's max where the output is > 0, which is where the pair sends it. Saved:
+** the output and a byte per output (the max's offset in its window), instead of the
+** pair's two full-size maps; max_pool2d's backward ran its forward again for the indices.
+** Elsewhere (other windows, dtypes, channels-last, devices) it is the two ops. */
+
+static const kiln__op op_relu_max_pool2d, op_relu_max_pool2d_bwd;
+
+static kiln_status relu_max_pool_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  int64_t o[2];
+  if (pool_geometry("kiln_relu_max_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
+  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  kiln__op_meta(c, 1, 4, sh, KILN_U8);
+  c->n_node_out = 1; /* the offsets never need a gradient */
+  return KILN_OK;
+}
+
+static kiln_status relu_max_pool_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = pool_params(c->attrs);
+  kiln__kargs a = {0};
+  a.op = KILN__K_RELU_MAX_POOL2D;
+  a.n_in = 1;
+  a.n_out = 2;
+  a.in[0] = kiln__view_of(c->in[0]);
+  a.out[1] = kiln__view_of(c->out[1]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void relu_max_pool_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save_output(n, 0);
+  kiln__node_save(n, 1, c->out[1]);
+}
+
+static kiln_status relu_max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  attrs_poolb ab;
+  ab.p = *(const attrs_pool *)n->attrs;
+  ab.size[0] = n->in_shape[0][2], ab.size[1] = n->in_shape[0][3], ab.nsz = 2;
+  kiln_tensor *in[3] = {g, n->saved[0], n->saved[1]};
+  return kiln__give_grad(&gi[0], kiln__op_call(&op_relu_max_pool2d_bwd, 3, in, &ab, NULL), g);
+}
+
+static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_poolb *ab = c->attrs;
+  kiln_tensor *g = c->in[0];
+  int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
+  kiln__op_meta(c, 0, 4, sh, g->dtype);
+  return KILN_OK;
+}
+
+static kiln_status relu_max_pool_bwd_forward(kiln__op_ctx *c) {
+  kiln__conv_params p = pool_params(&((const attrs_poolb *)c->attrs)->p);
+  kiln__kargs a = {0};
+  a.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  a.n_in = 3;
+  for (int i = 0; i < 3; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.params = &p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* No rule of its own: kiln's engine runs backward rules with grad off (kiln_autograd_grad
+** has no create_graph), so nothing could record this op for a second derivative. */
+static const kiln__op op_relu_max_pool2d_bwd = {
+    .name = "relu_max_pool2d_backward", .api = "kiln_relu_max_pool2d_backward", .n_in = 3, .n_out = 1,
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5,
+    .attr_size = sizeof(attrs_poolb), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
+
+static const kiln__op op_relu_max_pool2d = {
+    .name = "relu_max_pool2d", .api = "kiln_relu_max_pool2d", .n_in = 1, .n_out = 2, .flags = KILN__OP_FLOAT_ONLY,
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D}, .attrs = f_pool, .n_attrs = 4,
+    .attr_size = sizeof(attrs_pool), .infer = relu_max_pool_infer, .forward = relu_max_pool_forward,
+    .backward = relu_max_pool_backward, .n_saved = 2, .save = relu_max_pool_save,
+    .expands_to = (const char *const[]){"relu", "max_pool2d", NULL}};
+
+/* Whether the fused kernel takes x with these windows (the op's outputs contiguous). */
+static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
+  static int off = -1; /* KILN_RELU_MAX_POOL=0: always the two ops (A/B comparisons) */
+  if (off < 0) {
+    const char *e = getenv("KILN_RELU_MAX_POOL");
+    off = e && strcmp(e, "0") == 0;
+  }
+  if (off || !x || x->ndim != 4 || kiln__is_channels_last(x)) return false;
+  /* f32 only: the CPU kernel's bf16 (and f64) loops are portable scalar ones, and bf16 under
+  ** autocast ran slower fused than through the pair's vector kernels (fashion-mnist cnn, 40
+  ** steps: 0.96 -> 1.21 s) */
+  if (x->dtype != KILN_F32) return false;
+  for (int d = 0; d < 2; d++)
+    if (a->stride[d] != a->kernel[d] || a->padding[d] != 0 || a->dilation[d] != 1 || a->kernel[d] > x->shape[2 + d])
+      return false;
+  if (a->kernel[0] * a->kernel[1] > 256) return false;
+  kiln__kargs q = {0};
+  kiln__conv_params p = pool_params(a);
+  q.op = KILN__K_RELU_MAX_POOL2D;
+  q.n_in = 1, q.n_out = 2;
+  q.in[0] = kiln__view_of(x);
+  q.out[0] = q.in[0];
+  q.out[0].shape[2] = x->shape[2] / a->kernel[0], q.out[0].shape[3] = x->shape[3] / a->kernel[1];
+  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.out[1] = q.out[0];
+  q.out[1].dtype = KILN_U8;
+  q.params = &p;
+  return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_RELU_MAX_POOL2D);
+}
+
+kiln_tensor *kiln_relu_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_t *stride,
+                                  const int64_t *padding, const int64_t *dilation) {
+  attrs_pool a = pool_attrs(kernel, stride, padding, dilation);
+  int64_t o[2];
+  if (x && pool_geometry("kiln_relu_max_pool2d", x, &a, o) != KILN_OK) return NULL; /* errors name this op */
+  if (!relu_max_pool_fused(x, &a)) return kiln_max_pool2d(kiln_relu(x), kernel, stride, padding, dilation, NULL);
+  kiln_tensor *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_relu_max_pool2d, 1, &x, &a, out);
+  if (y) kiln__discard(out[1]); /* saved by the node when one is made; not the caller's */
+  return y;
+}
+
+/* ---- conv2d_relu_max_pool2d: conv2d, ReLU, max_pool2d, one op -------------------------- */
+/* relu_max_pool2d(conv2d(x, w, b)) as one kernel each way where the device has
+** CONV1_RELU_MAX_POOL2D for it: one input channel (an image CNN's first layer), stride and
+** dilation 1, f32, tiling pool windows, an input that needs no gradient (the kernel makes
+** the weight's and the bias's). The conv's full-size output and its gradient are never
+** made. Saved: x (the caller's anyway), the pooled output and its offsets. Elsewhere, the
+** ops it stands for. */
+
+typedef struct attrs_cpool {
+  attrs_conv c;
+  attrs_pool p;
+  int64_t ksize[2]; /* the weight's (kh, kw): the backward op's output */
+  int nks;
+} attrs_cpool;
+static const kiln__attr_field f_cpool[] = {
+    {"stride", KILN__A_INTS, offsetof(attrs_cpool, c.stride), offsetof(attrs_cpool, c.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_cpool, c.padding), offsetof(attrs_cpool, c.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_cpool, c.dilation), offsetof(attrs_cpool, c.nd), NULL},
+    {"groups", KILN__A_INT, offsetof(attrs_cpool, c.groups), 0, NULL},
+    {"pool_kernel", KILN__A_INTS, offsetof(attrs_cpool, p.kernel), offsetof(attrs_cpool, p.nk), NULL},
+    {"pool_stride", KILN__A_INTS, offsetof(attrs_cpool, p.stride), offsetof(attrs_cpool, p.ns), NULL},
+    {"pool_padding", KILN__A_INTS, offsetof(attrs_cpool, p.padding), offsetof(attrs_cpool, p.np), NULL},
+    {"pool_dilation", KILN__A_INTS, offsetof(attrs_cpool, p.dilation), offsetof(attrs_cpool, p.nd), NULL},
+    KILN__FIELD_INTS(attrs_cpool, ksize, nks)};
+
+static const kiln__op op_conv_relu_pool, op_conv_relu_pool_bwd;
+
+/* the two windows as the kernels take them: the conv's, then the pool's */
+static void cpool_params(const attrs_cpool *a, kiln__conv_params cp[2]) {
+  for (int d = 0; d < 2; d++) {
+    cp[0].kernel[d] = a->ksize[d], cp[0].stride[d] = a->c.stride[d], cp[0].padding[d] = a->c.padding[d];
+    cp[0].dilation[d] = a->c.dilation[d];
+  }
+  cp[1] = pool_params(&a->p);
+}
+
+/* (N, OC, POH, POW): the conv's output size pooled by tiling windows */
+static void cpool_out(const attrs_cpool *a, const kiln_tensor *x, const kiln_tensor *w, int64_t sh[4]) {
+  sh[0] = x->shape[0], sh[1] = w->shape[0];
+  for (int d = 0; d < 2; d++) sh[2 + d] = (x->shape[2 + d] + 2 * a->c.padding[d] - a->ksize[d] + 1) / a->p.kernel[d];
+}
+
+static kiln_status conv_relu_pool_infer(kiln__op_ctx *c) {
+  int64_t sh[4];
+  cpool_out(c->attrs, c->in[0], c->in[1], sh);
+  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
+  kiln__op_meta(c, 1, 4, sh, KILN_U8);
+  c->n_node_out = 1; /* the offsets never need a gradient */
+  return KILN_OK;
+}
+
+static kiln_status conv_relu_pool_forward(kiln__op_ctx *c) {
+  kiln__conv_params cp[2];
+  cpool_params(c->attrs, cp);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV1_RELU_MAX_POOL2D;
+  a.n_in = c->in[2] ? 3 : 2;
+  for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.n_out = 2;
+  a.out[1] = kiln__view_of(c->out[1]);
+  a.i[0] = 1;
+  a.params = cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+static void conv_relu_pool_save(kiln__op_ctx *c, kiln__node *n) {
+  kiln__node_save(n, 0, c->in[0]);
+  kiln__node_save_output(n, 1);
+  kiln__node_save(n, 2, c->out[1]);
+}
+
+static kiln_status conv_relu_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  if (n->needs[0]) /* the op is used only for inputs that need none (kiln_conv2d_relu_max_pool2d) */
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln_conv2d_relu_max_pool2d: no input gradient");
+  if (!n->needs[1] && !n->needs[2]) return KILN_OK;
+  kiln_tensor *in[4] = {n->saved[0], kiln_contiguous(g), n->saved[1], n->saved[2]}, *out[2] = {NULL, NULL};
+  attrs_cpool a = *(const attrs_cpool *)n->attrs;
+  a.c.output_padding[0] = n->needs[2]; /* the backward op's flag: make db too */
+  if (!in[1] || !kiln__op_call(&op_conv_relu_pool_bwd, 4, in, &a, out)) return kiln_last_error();
+  kiln_status st = n->needs[1] ? kiln__give_grad(&gi[1], out[0], g) : KILN_OK;
+  if (st == KILN_OK && n->needs[2]) st = kiln__give_grad(&gi[2], out[1], g);
+  return st;
+}
+
+static kiln_status conv_relu_pool_bwd_infer(kiln__op_ctx *c) {
+  const attrs_cpool *a = c->attrs;
+  int64_t sh[4] = {c->in[1]->shape[1], 1, a->ksize[0], a->ksize[1]}, bs[1] = {c->in[1]->shape[1]};
+  kiln__op_meta(c, 0, 4, sh, c->in[1]->dtype);
+  if (a->c.output_padding[0]) kiln__op_meta(c, 1, 1, bs, c->in[1]->dtype);
+  c->n_out = a->c.output_padding[0] ? 2 : 1;
+  return KILN_OK;
+}
+
+static kiln_status conv_relu_pool_bwd_forward(kiln__op_ctx *c) {
+  kiln__conv_params cp[2];
+  cpool_params(c->attrs, cp);
+  kiln__kargs a = {0};
+  a.op = KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
+  a.n_in = 4;
+  for (int i = 0; i < 4; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.n_out = c->n_out;
+  if (a.n_out > 1) a.out[1] = kiln__view_of(c->out[1]);
+  a.i[0] = 1;
+  a.params = cp;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* No rule: kiln's engine runs backward rules with grad off. output_padding[0] (unused by
+** the forward) carries "make the bias gradient too". */
+static const kiln__op op_conv_relu_pool_bwd = {
+    .name = "conv2d_relu_max_pool2d_backward", .api = "kiln_conv2d_relu_max_pool2d_backward", .n_in = 4,
+    .n_out = 2, .n_kernels = 1, .kernels = {KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_cpool, .n_attrs = 9,
+    .attr_size = sizeof(attrs_cpool), .infer = conv_relu_pool_bwd_infer, .forward = conv_relu_pool_bwd_forward};
+
+static const kiln__op op_conv_relu_pool = {
+    .name = "conv2d_relu_max_pool2d", .api = "kiln_conv2d_relu_max_pool2d", .n_in = 3, .n_out = 2,
+    .optional = 1u << 2, .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV1_RELU_MAX_POOL2D},
+    .attrs = f_cpool, .n_attrs = 9, .attr_size = sizeof(attrs_cpool), .infer = conv_relu_pool_infer,
+    .forward = conv_relu_pool_forward, .backward = conv_relu_pool_backward, .n_saved = 3,
+    .save = conv_relu_pool_save, .expands_to = (const char *const[]){"conv2d", "relu", "max_pool2d", NULL}};
+
+/* Whether the fused kernel takes these arguments (as cpu_dnnl.c's kernel checks them). */
+static bool conv_relu_pool_fused(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, const attrs_cpool *a) {
+  static int off = -1; /* KILN_CONV_RELU_POOL=0: always the ops it stands for (A/B comparisons) */
+  if (off < 0) {
+    const char *e = getenv("KILN_CONV_RELU_POOL");
+    off = e && strcmp(e, "0") == 0;
+  }
+  if (off || !x || !w || x->ndim != 4 || w->ndim != 4 || x->dtype != KILN_F32 || w->dtype != KILN_F32 ||
+      !kiln_is_contiguous(x) || !kiln_is_contiguous(w) || x->shape[1] != 1 || w->shape[1] != 1 || a->c.groups != 1 ||
+      kiln_requires_grad(x) || kiln_autocast_is_enabled(kiln_device_of(x).type) ||
+      w->shape[2] * w->shape[3] > 49 || a->p.kernel[0] * a->p.kernel[1] > 256)
+    return false;
+  if (b && (b->dtype != KILN_F32 || b->ndim != 1 || b->shape[0] != w->shape[0] || !kiln_is_contiguous(b)))
+    return false;
+  for (int d = 0; d < 2; d++) {
+    int64_t o = x->shape[2 + d] + 2 * a->c.padding[d] - w->shape[2 + d] + 1;
+    if (a->c.stride[d] != 1 || a->c.dilation[d] != 1 || a->c.padding[d] < 0 || o < a->p.kernel[d] ||
+        a->p.stride[d] != a->p.kernel[d] || a->p.padding[d] != 0 || a->p.dilation[d] != 1)
+      return false;
+  }
+  if ((x->shape[2] + 2 * a->c.padding[0]) * (x->shape[3] + 2 * a->c.padding[1]) + w->shape[3] > 4096) return false;
+  return kiln__dispatch_has(kiln_device_of(x), NULL, KILN__K_CONV1_RELU_MAX_POOL2D) &&
+         kiln_device_of(w).type == kiln_device_of(x).type && kiln_device_of(w).index == kiln_device_of(x).index &&
+         (!b || (kiln_device_of(b).type == kiln_device_of(x).type && kiln_device_of(b).index == kiln_device_of(x).index));
+}
+
+kiln_tensor *kiln_conv2d_relu_max_pool2d(kiln_tensor *x, kiln_tensor *weight, kiln_tensor *bias, const int64_t *stride,
+                                         const int64_t *padding, const int64_t *dilation, int64_t groups,
+                                         const int64_t *pool_kernel, const int64_t *pool_stride,
+                                         const int64_t *pool_padding, const int64_t *pool_dilation) {
+  attrs_cpool a;
+  memset(&a, 0, sizeof a);
+  a.c = conv_attrs(stride, padding, dilation, NULL, groups);
+  a.c.output_padding[0] = a.c.output_padding[1] = 0;
+  a.p = pool_attrs(pool_kernel, pool_stride, pool_padding, pool_dilation);
+  if (weight && weight->ndim == 4) a.ksize[0] = weight->shape[2], a.ksize[1] = weight->shape[3];
+  a.nks = 2;
+  if (!conv_relu_pool_fused(x, weight, bias, &a))
+    return kiln_relu_max_pool2d(kiln_conv2d(x, weight, bias, stride, padding, dilation, groups), pool_kernel,
+                                pool_stride, pool_padding, pool_dilation);
+  kiln_tensor *in[3] = {x, weight, bias}, *out[2] = {NULL, NULL};
+  kiln_tensor *y = kiln__op_call(&op_conv_relu_pool, 3, in, &a, out);
+  if (y) kiln__discard(out[1]); /* saved by the node when one is made; not the caller's */
   return y;
 }
 

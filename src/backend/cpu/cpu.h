@@ -51,6 +51,12 @@ void kiln__cpu_blas_serial(void); /* the BLAS on one thread: call before such a 
 kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
 /* MAX_POOL2D and its backward in f32/bf16, NCHW and channels-last; else conv_window's (cpu_maxpool.c) */
 kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a);
+kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a); /* RELU_MAX_POOL2D(_BACKWARD) (cpu_maxpool.c) */
+void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
+                                       int64_t kh, int64_t kw, int64_t OH, int64_t OW);
+bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
+                                            const uint8_t *ix, int64_t OH, int64_t OW);
+kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a); /* CONV1_RELU_MAX_POOL2D(_BACKWARD) (cpu_dnnl.c) */
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */

@@ -158,10 +158,14 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_CONV2D_BACKWARD_DATA] = kiln__cpu_conv2d_backward,
             [KILN__K_CONV2D_BACKWARD_WEIGHT] = kiln__cpu_conv2d_backward,
             [KILN__K_MAX_POOL2D_BACKWARD] = kiln__cpu_max_pool2d,
+            [KILN__K_RELU_MAX_POOL2D] = kiln__cpu_relu_max_pool2d,
+            [KILN__K_RELU_MAX_POOL2D_BACKWARD] = kiln__cpu_relu_max_pool2d,
             [KILN__K_BATCH_NORM] = kiln__cpu_batch_norm,
             [KILN__K_BATCH_NORM_BACKWARD] = kiln__cpu_batch_norm,
 #ifdef KILN_HAVE_DNNL
             [KILN__K_CONV2D] = kiln__cpu_conv2d,
+            [KILN__K_CONV1_RELU_MAX_POOL2D] = kiln__cpu_conv1_relu_max_pool2d,
+            [KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD] = kiln__cpu_conv1_relu_max_pool2d,
 #endif
         },
     .supports = NULL,

@@ -66,7 +66,6 @@ static int dnnl_n, dnnl_next;
 /* grow-only buffers: the blocked copies of x, w, y, and the scratchpad */
 static void *dnnl_buf[R_N];
 static size_t dnnl_buf_size[R_N];
-static int conv_nt = 1; /* the thread count of this call (dnnl_run_nt) */
 
 static kiln_status dnnl_fail(const char *what, dnnl_status_t s) {
   return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d: oneDNN %s failed (status %d)", what, (int)s);
@@ -592,7 +591,7 @@ static kiln_status small_wgrad(const kiln__kargs *a) {
   return KILN_OK;
 }
 
-static kiln_status dnnl_run(const kiln__kargs *a) {
+static kiln_status dnnl_run(const kiln__kargs *a, int nthreads) {
   int64_t glo[2];
   if (gemm_case(a, glo)) return gemm_wgrad(a, glo);
   if (small_case(a)) return small_wgrad(a);
@@ -624,7 +623,7 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   k.v[31] = r.v[R_B] != NULL;
   k.v[32] = a->op;
   k.v[33] = plain_only();
-  k.v[34] = conv_nt; /* a primitive splits its work for the thread count it was made under */
+  k.v[34] = nthreads; /* a primitive splits its work for the count it was made under */
   dnnl_entry *e = NULL;
   for (int i = 0; i < dnnl_n && !e; i++)
     if (memcmp(&dnnl_cache[i].key, &k, sizeof k) == 0) e = &dnnl_cache[i];
@@ -707,26 +706,29 @@ static kiln_status dnnl_run(const kiln__kargs *a) {
   return st;
 }
 
-/* dnnl_run on kiln's thread count (the lock held). oneDNN runs on OpenMP's count, which
-** the OpenMP build of OpenBLAS sets to 1 for every small sgemm (openblas_set_num_threads ->
-** omp_set_num_threads: ResNet's final Linear is one), and a jit primitive splits its work
-** for the count it was created under: every backward primitive of ResNet-18, created after
-** the first step's fc, ran on one core (layer1's data gradient 1.45 ms a call where
-** PyTorch's same kernel took 0.79). kiln's count for the creation and the call (as
-** cpu_dnnl_matmul.c does), then OpenMP's back; and kiln's own loops move onto that OpenMP
-** team, whose workers spin after each convolution and would fight a second pool. */
-static kiln_status dnnl_run_nt(const kiln__kargs *a) {
+/* dnnl_run under the lock, on kiln's thread count. oneDNN runs on OpenMP's count, which
+** an OpenMP build of OpenBLAS sets to 1 for every small sgemm (openblas_set_num_threads ->
+** omp_set_num_threads; cpu_matmul.c gives small products one thread): fashion-mnist's
+** fc layers did that each step, and its conv2 primitives then ran on one core of two
+** (backward data 3.3 ms where PyTorch's same jit:avx512_core kernel took 1.7). kiln's
+** count for the creation and the call (cpu_dnnl_matmul.c does the same), then OpenMP's
+** back; and kiln's loops move onto the OpenMP team from then on (cpu_iter.c: its workers
+** spin after each region and would fight a pool of kiln's own for the cores). */
+static kiln_status dnnl_locked_run(const kiln__kargs *a) {
+  pthread_mutex_lock(&dnnl_lock);
+  int nt = 1;
 #ifdef KILN_HAVE_OPENMP
-  int was = omp_get_max_threads();
-  conv_nt = omp_in_parallel() ? 1 : kiln_num_threads();
-  if (conv_nt != was) omp_set_num_threads(conv_nt);
-  atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
-  kiln_status st = dnnl_run(a);
-  if (conv_nt != was) omp_set_num_threads(was);
-  return st;
-#else
-  return dnnl_run(a);
+  int omp_was = omp_get_max_threads();
+  nt = omp_in_parallel() ? 1 : kiln_num_threads();
+  if (nt != omp_was) omp_set_num_threads(nt);
+  if (nt > 1) atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
 #endif
+  kiln_status st = dnnl_run(a, nt);
+#ifdef KILN_HAVE_OPENMP
+  if (nt != omp_was) omp_set_num_threads(omp_was);
+#endif
+  pthread_mutex_unlock(&dnnl_lock);
+  return st;
 }
 
 /* A 4-d view oneDNN reads as it is: contiguous NCHW, or channels-last. */
@@ -755,10 +757,7 @@ kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a) {
     for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
     return KILN_OK;
   }
-  pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run_nt(a);
-  pthread_mutex_unlock(&dnnl_lock);
-  return st;
+  return dnnl_locked_run(a);
 }
 
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
@@ -767,10 +766,7 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel takes f32 views, NCHW or channels-last");
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
   if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
-  pthread_mutex_lock(&dnnl_lock);
-  kiln_status st = dnnl_run_nt(a);
-  pthread_mutex_unlock(&dnnl_lock);
-  return st;
+  return dnnl_locked_run(a);
 }
 
 /* ---- single-input-channel convolutions: direct loops ------------------------------------ */
@@ -781,10 +777,18 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
 ** these loops take about the time of one pass over the output; the weight gradient
 ** likewise skips oneDNN's reorder of the gradient to blocked (1.1 ms of 1.8). f32 sums in
 ** tap order for the output (the products PyTorch's f32 adds); the weight gradient sums each
-** row in f32 and the rows in f64. */
+** row in f32 and the rows in f64, and the bias gradient (out1, when asked) each gradient
+** plane the same way. */
 
 /* the padded plane and the extended output (floats): stack buffers */
 #define C1_MAX 4096
+
+/* KILN_CONV_C1_PORTABLE=1: the portable loops even where AVX-512 is (the tests compare the
+** two paths' bits). */
+static bool c1_portable(void) {
+  const char *e = getenv("KILN_CONV_C1_PORTABLE");
+  return e && *e && strcmp(e, "0") != 0;
+}
 
 bool kiln__cpu_conv_c1_takes(const kiln__kargs *a) {
   if (a->op != KILN__K_CONV2D && a->op != KILN__K_CONV2D_BACKWARD_WEIGHT) return false;
@@ -808,6 +812,13 @@ typedef struct c1_job {
   int64_t H, W, OC, OH, OW, KH, KW, ph, pw;
   const float *x, *w, *b;
   float *y;
+  /* CONV1_RELU_MAX_POOL2D (NULL pool otherwise): the pool's window and pooled size; the
+  ** forward's outputs py, pix; the backward's pooled gradient pg, and the forward's py, pix */
+  const kiln__conv_params *pool;
+  int64_t POH, POW;
+  float *py;
+  uint8_t *pix;
+  const float *pg;
 } c1_job;
 
 /* Image n's plane zero-padded into xp ((H + 2ph) x (W + 2pw), then KW zeros). Output
@@ -821,43 +832,179 @@ static void c1_pad(const c1_job *j, int64_t n, float *xp) {
   for (int64_t h = 0; h < j->H; h++) memcpy(xp + (h + j->ph) * Wp + j->pw, x + h * j->W, (size_t)j->W * sizeof *xp);
 }
 
+/* AVX-512 (x86-64 with GCC or clang, checked at run time): kiln's build targets the
+** baseline x86-64, where the loops here compile to 4-wide SSE. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+#include <immintrin.h>
+#define C1_HAVE_AVX512 1
+static bool c1_avx512_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+/* c1_fwd_range with each output row in registers: 16 outputs a step (the last step
+** masked), the bias then the taps in (i, j) order, a product then a sum each (kiln builds
+** with -ffp-contract=off: no fused multiply-add), so each output gets the same f32
+** operations in the same order as the portable loop below, and the same bits; written
+** straight into y, without the extended row and its copy. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_plane_avx512(const c1_job *j, const float *xp, int64_t oc,
+                                                                        float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW;
+  const float *wp = j->w + oc * j->KH * j->KW;
+  __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
+  {
+    for (int64_t oh = 0; oh < j->OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow += 16) {
+        __mmask16 m = OW - ow >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (OW - ow)) - 1);
+        __m512 acc = bv;
+        for (int64_t i = 0; i < j->KH; i++) {
+          const float *xr = xp + (oh + i) * Wp + ow;
+          for (int64_t jj = 0; jj < j->KW; jj++)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wp[i * j->KW + jj]), _mm512_maskz_loadu_ps(m, xr + jj)));
+        }
+        _mm512_mask_storeu_ps(yp + oh * OW + ow, m, acc);
+      }
+  }
+}
+
+/* c1_plane_avx512 for 3x3 kernels (fmnist-cnn's): the nine weights held in registers and
+** two output rows a step, which share the loads of their middle input rows; each output
+** still gets the bias then the nine products in (i, j) order, so the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_plane3_avx512(const c1_job *j, const float *xp, int64_t oc,
+                                                                         float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, OH = j->OH;
+  const float *wp = j->w + oc * 9;
+  __m512 w[9];
+  for (int t = 0; t < 9; t++) w[t] = _mm512_set1_ps(wp[t]);
+  __m512 bv = _mm512_set1_ps(j->b ? j->b[oc] : 0.0f);
+  for (int64_t ow = 0; ow < OW; ow += 16) {
+    __mmask16 m = OW - ow >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (OW - ow)) - 1);
+    int64_t oh = 0;
+    for (; oh + 2 <= OH; oh += 2) {
+      __m512 x[4][3];
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 3; c++) x[r][c] = _mm512_maskz_loadu_ps(m, xp + (oh + r) * Wp + ow + c);
+      __m512 a0 = bv, a1 = bv;
+      for (int i = 0; i < 3; i++)
+        for (int c = 0; c < 3; c++) {
+          a0 = _mm512_add_ps(a0, _mm512_mul_ps(w[i * 3 + c], x[i][c]));
+          a1 = _mm512_add_ps(a1, _mm512_mul_ps(w[i * 3 + c], x[i + 1][c]));
+        }
+      _mm512_mask_storeu_ps(yp + oh * OW + ow, m, a0);
+      _mm512_mask_storeu_ps(yp + (oh + 1) * OW + ow, m, a1);
+    }
+    for (; oh < OH; oh++) {
+      __m512 a0 = bv;
+      for (int i = 0; i < 3; i++)
+        for (int c = 0; c < 3; c++)
+          a0 = _mm512_add_ps(a0, _mm512_mul_ps(w[i * 3 + c], _mm512_maskz_loadu_ps(m, xp + (oh + i) * Wp + ow + c)));
+      _mm512_mask_storeu_ps(yp + oh * OW + ow, m, a0);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX];
+  int64_t padded = -1;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+    if (j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
+    else c1_plane_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
+  }
+}
+#endif
+
+/* output channel oc of image xp (padded) into yp (OH x OW); e: scratch of C1_MAX floats */
+static void c1_plane(const c1_job *j, const float *xp, int64_t oc, float *yp, float *e) {
+  int64_t Wp = j->W + 2 * j->pw, L = j->OH * Wp;
+  const float *wp = j->w + oc * j->KH * j->KW;
+  float bv = j->b ? j->b[oc] : 0.0f;
+  for (int64_t k = 0; k < L; k++) e[k] = bv;
+  for (int64_t i = 0; i < j->KH; i++)
+    for (int64_t jj = 0; jj < j->KW; jj++) {
+      float wv = wp[i * j->KW + jj];
+      const float *xs = xp + i * Wp + jj;
+      for (int64_t k = 0; k < L; k++) e[k] += wv * xs[k];
+    }
+  for (int64_t oh = 0; oh < j->OH; oh++) memcpy(yp + oh * j->OW, e + oh * Wp, (size_t)j->OW * sizeof *yp);
+}
+
 /* planes q = n*OC + oc of y */
 static void c1_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   float xp[C1_MAX], e[C1_MAX];
-  int64_t Wp = j->W + 2 * j->pw, L = j->OH * Wp, padded = -1;
+  int64_t padded = -1;
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
-    const float *wp = j->w + oc * j->KH * j->KW;
-    float bv = j->b ? j->b[oc] : 0.0f;
-    for (int64_t k = 0; k < L; k++) e[k] = bv;
-    for (int64_t i = 0; i < j->KH; i++)
-      for (int64_t jj = 0; jj < j->KW; jj++) {
-        float wv = wp[i * j->KW + jj];
-        const float *xs = xp + i * Wp + jj;
-        for (int64_t k = 0; k < L; k++) e[k] += wv * xs[k];
-      }
-    float *yp = j->y + q * j->OH * j->OW;
-    for (int64_t oh = 0; oh < j->OH; oh++) memcpy(yp + oh * j->OW, e + oh * Wp, (size_t)j->OW * sizeof *yp);
+    c1_plane(j, xp, oc, j->y + q * j->OH * j->OW, e);
   }
 }
 
-/* output channels oc of dW: x is j->x, the gradient j->y (read), dW j->w (written) */
-static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
+/* CONV1_RELU_MAX_POOL2D's planes q = n*OC + oc: the conv plane into a buffer, then pooled
+** (the full-size conv output is never written to memory) */
+static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX], e[C1_MAX], cb[C1_MAX];
+  int64_t padded = -1, PL = j->POH * j->POW;
+  bool avx = false;
+#ifdef C1_HAVE_AVX512
+  avx = c1_avx512_ok() && !c1_portable();
+#endif
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+#ifdef C1_HAVE_AVX512
+    if (avx && j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, cb);
+    else if (avx) c1_plane_avx512(j, xp, oc, cb);
+    else
+#endif
+      c1_plane(j, xp, oc, cb, e);
+    (void)avx;
+    kiln__cpu_relu_max_pool_plane_f32(cb, j->OW, j->py + q * PL, j->POW, j->pix + q * PL, j->POW, j->pool->kernel[0],
+                                      j->pool->kernel[1], j->POH, j->POW);
+  }
+}
+
+/* output channels oc of dW: x is j->x, the gradient j->y (read), dW j->w (written). Inlined
+** into a baseline and an AVX-512 copy: the 16 running sums are one register in the latter,
+** each lane summing the same products in the same order, so both give the same bits. */
+static inline __attribute__((always_inline)) void c1_wgrad_body(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   int64_t N = j->a->in[0].shape[0], T = j->KH * j->KW, Wp = j->W + 2 * j->pw, L = j->OH * Wp;
-  float *dw = (float *)j->w;
+  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
   float xp[C1_MAX], ge[C1_MAX];
-  double acc[49];
+  double acc[50]; /* the taps', then the bias's */
+  int64_t off[256]; /* CONV1_RELU_MAX_POOL2D: window offset t -> its pixel in the grid */
+  if (j->pool)
+    for (int64_t t = 0; t < j->pool->kernel[0] * j->pool->kernel[1]; t++)
+      off[t] = (t / j->pool->kernel[1]) * Wp + t % j->pool->kernel[1];
   for (int64_t oc = lo; oc < hi; oc++) {
-    for (int64_t t = 0; t < T; t++) acc[t] = 0;
+    for (int64_t t = 0; t <= T; t++) acc[t] = 0;
     for (int64_t n = 0; n < N; n++) {
       c1_pad(j, n, xp);
-      const float *gp = j->y + (n * j->OC + oc) * j->OH * j->OW;
       /* the gradient on the extended grid, zeros in the unused columns */
       memset(ge, 0, (size_t)L * sizeof *ge);
-      for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+      if (j->pool) { /* CONV1_RELU_MAX_POOL2D: RELU_MAX_POOL2D's backward into the grid */
+        /* every window writes its max's pixel (g, or +0 where y <= 0, as the memset): no
+        ** branch on the data, no division */
+        int64_t PL = j->POH * j->POW, pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
+        const float *g = j->pg + (n * j->OC + oc) * PL, *yv = j->py + (n * j->OC + oc) * PL;
+        const uint8_t *ix = j->pix + (n * j->OC + oc) * PL;
+        for (int64_t oh = 0; oh < j->POH; oh++) {
+          float *gr = ge + oh * pkh * Wp;
+          for (int64_t ow = 0; ow < j->POW; ow++) {
+            int64_t q = oh * j->POW + ow;
+            gr[off[ix[q]] + ow * pkw] = yv[q] > 0 ? g[q] : 0.0f;
+          }
+        }
+      } else {
+        const float *gp = j->y + (n * j->OC + oc) * j->OH * j->OW;
+        for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+      }
       for (int64_t i = 0; i < j->KH; i++)
         for (int64_t jj = 0; jj < j->KW; jj++) {
           const float *xs = xp + i * Wp + jj;
@@ -870,10 +1017,88 @@ static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
           for (int v = 0; v < 16; v++) s += part[v];
           acc[i * j->KW + jj] += s;
         }
+      if (db) { /* the bias: the plane's sum, the same way (the extended grid's zeros add nothing) */
+        float part[16] = {0}, s = 0.0f;
+        int64_t k = 0;
+        for (; k + 16 <= L; k += 16)
+          for (int v = 0; v < 16; v++) part[v] += ge[k + v];
+        for (; k < L; k++) s += ge[k];
+        for (int v = 0; v < 16; v++) s += part[v];
+        acc[T] += s;
+      }
     }
     for (int64_t t = 0; t < T; t++) dw[oc * T + t] = (float)acc[t];
+    if (db) db[oc] = (float)acc[T];
   }
 }
+
+static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) { c1_wgrad_body(vctx, lo, hi); }
+#ifdef C1_HAVE_AVX512
+__attribute__((target("avx512f,avx512vl"))) static void c1_wgrad_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  c1_wgrad_body(vctx, lo, hi);
+}
+
+/* c1_wgrad_body for 3x3 kernels: the image padded once per block of up to 32 channels
+** (not once per channel), the nine taps' and the bias's 16 running sums in registers
+** across one pass over the gradient grid (one load of it, not ten), and a 2x2 pool's
+** gradient scattered into the grid by RELU_MAX_POOL2D_BACKWARD's plane loop. Each lane of
+** each sum adds the same products in the same order, and the tail and the lanes are added
+** as c1_wgrad_body adds them: the same bits. */
+__attribute__((target("avx512f,avx512vl"))) static void c1_wgrad3_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  int64_t N = j->a->in[0].shape[0], Wp = j->W + 2 * j->pw, L = j->OH * Wp, K16 = L / 16 * 16;
+  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
+  float xp[C1_MAX], ge[C1_MAX];
+  const int64_t toff[9] = {0, 1, 2, Wp, Wp + 1, Wp + 2, 2 * Wp, 2 * Wp + 1, 2 * Wp + 2};
+  bool pool2 = j->pool && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2;
+  for (int64_t oc0 = lo; oc0 < hi; oc0 += 32) {
+    int64_t nc = hi - oc0 < 32 ? hi - oc0 : 32;
+    double acc[32][10];
+    memset(acc, 0, sizeof acc);
+    for (int64_t n = 0; n < N; n++) {
+      c1_pad(j, n, xp);
+      for (int64_t c = 0; c < nc; c++) {
+        int64_t oc = oc0 + c, PL = j->POH * j->POW, q = n * j->OC + oc;
+        if (pool2) {
+          kiln__cpu_relu_max_pool_bwd2_plane_f32(ge, j->OH, Wp, j->pg + q * PL, j->py + q * PL, j->pix + q * PL,
+                                                 j->POH, j->POW);
+        } else if (j->pool) { /* other windows: zero, then each window's max pixel */
+          int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
+          memset(ge, 0, (size_t)L * sizeof *ge);
+          for (int64_t r = 0; r < PL; r++) {
+            int64_t oh = r / j->POW, ow = r % j->POW, t = j->pix[q * PL + r];
+            ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = j->py[q * PL + r] > 0 ? j->pg[q * PL + r] : 0.0f;
+          }
+        } else {
+          const float *gp = j->y + q * j->OH * j->OW;
+          memset(ge, 0, (size_t)L * sizeof *ge);
+          for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+        }
+        __m512 p[10];
+        for (int t = 0; t < 10; t++) p[t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K16; k += 16) {
+          __m512 g = _mm512_loadu_ps(ge + k);
+          for (int t = 0; t < 9; t++) p[t] = _mm512_add_ps(p[t], _mm512_mul_ps(g, _mm512_loadu_ps(xp + toff[t] + k)));
+          p[9] = _mm512_add_ps(p[9], g);
+        }
+        float part[16];
+        for (int t = 0; t < 10; t++) {
+          if (t == 9 && !db) break;
+          _mm512_storeu_ps(part, p[t]);
+          float sum = 0.0f;
+          for (int64_t k = K16; k < L; k++) sum += t < 9 ? ge[k] * xp[toff[t] + k] : ge[k];
+          for (int v = 0; v < 16; v++) sum += part[v];
+          acc[c][t] += sum;
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; c++) {
+      for (int t = 0; t < 9; t++) dw[(oc0 + c) * 9 + t] = (float)acc[c][t];
+      if (db) db[oc0 + c] = (float)acc[c][9];
+    }
+  }
+}
+#endif
 
 /* CONV2D / CONV2D_BACKWARD_WEIGHT of one input channel; the caller checked
 ** kiln__cpu_conv_c1_takes. The bias gradient, when asked, is the gradient's sum per channel. */
@@ -882,7 +1107,7 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
   const kiln__view *x = &a->in[0], *yv = fwd ? &a->out[0] : &a->in[1], *w = fwd ? &a->in[1] : &a->out[0];
   c1_job j = {a, x->shape[2], x->shape[3], yv->shape[1], yv->shape[2], yv->shape[3], w->shape[2], w->shape[3],
               ((const kiln__conv_params *)a->params)->padding[0], ((const kiln__conv_params *)a->params)->padding[1],
-              x->data, w->data, fwd && a->n_in > 2 ? a->in[2].data : NULL, yv->data};
+              x->data, w->data, fwd && a->n_in > 2 ? a->in[2].data : NULL, yv->data, NULL, 0, 0, NULL, NULL, NULL};
   int64_t planes = yv->shape[0] * yv->shape[1];
   if (planes == 0 || kiln__view_numel(w) == 0) {
     if (!fwd)
@@ -890,21 +1115,75 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
     return KILN_OK;
   }
   if (fwd) {
-    kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), c1_fwd_range, &j);
+    kiln__cpu_range_fn fwd_fn = c1_fwd_range;
+#ifdef C1_HAVE_AVX512
+    if (c1_avx512_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx512;
+#endif
+    kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), fwd_fn, &j);
     return KILN_OK;
   }
-  kiln__cpu_parallel_for(j.OC, 1, c1_wgrad_range, &j);
-  if (a->n_out > 1) { /* the bias gradient */
-    float *db = a->out[1].data;
-    for (int64_t oc = 0; oc < j.OC; oc++) {
-      double s = 0;
-      for (int64_t n = 0; n < yv->shape[0]; n++) {
-        const float *gp = j.y + (n * j.OC + oc) * j.OH * j.OW;
-        for (int64_t k = 0; k < j.OH * j.OW; k++) s += gp[k];
-      }
-      db[oc] = (float)s;
-    }
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
+#ifdef C1_HAVE_AVX512
+  if (c1_avx512_ok() && !c1_portable())
+    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
+#endif
+  kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j); /* and the bias gradient, when asked */
+  return KILN_OK;
+}
+/* ---- CONV1_RELU_MAX_POOL2D and its backward (backend.h) ---------------------------------- */
+/* fmnist-cnn's first layers, conv 1 -> 32 3x3 on 28x28, ReLU, MaxPool2d(2): the one-channel
+** direct loops above with the pool applied to each conv plane while it is in a buffer, and
+** in backward the pool's gradient scattered into the plane buffer the weight gradient reads.
+** The (N, OC, OH, OW) conv output and its gradient (11 MB each at batch 128) are never
+** written: the separate ops wrote and read each once (the conv, relu_max_pool2d, its
+** backward, the weight gradient). The same f32 operations per value as those ops, so the
+** same bits. */
+kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a) {
+  bool bw = a->op == KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
+  const kiln__conv_params *cp = a->params, *pp = cp ? cp + 1 : NULL;
+  const kiln__view *x = &a->in[0], *w = bw ? &a->out[0] : &a->in[1];
+  const kiln__view *py = bw ? &a->in[2] : &a->out[0], *pix = bw ? &a->in[3] : &a->out[1];
+  const kiln__view *b = bw ? (a->n_out > 1 ? &a->out[1] : NULL) : (a->n_in > 2 ? &a->in[2] : NULL);
+  const kiln__view *pg = bw ? &a->in[1] : NULL;
+  bool ok = cp && a->n_in == (bw ? 4 : (b ? 3 : 2)) && a->n_out == (bw ? (b ? 2 : 1) : 2) && a->i[0] == 1 &&
+            x->ndim == 4 && w->ndim == 4 && py->ndim == 4 && pix->ndim == 4 && x->dtype == KILN_F32 &&
+            w->dtype == KILN_F32 && py->dtype == KILN_F32 && pix->dtype == KILN_U8 && x->shape[1] == 1 &&
+            w->shape[1] == 1 && kiln__view_is_contiguous(x) && kiln__view_is_contiguous(w) &&
+            kiln__view_is_contiguous(py) && kiln__view_is_contiguous(pix) && (!b || (b->dtype == KILN_F32 &&
+            kiln__view_is_contiguous(b) && b->shape[0] == w->shape[0])) && (!pg || (pg->dtype == KILN_F32 &&
+            kiln__view_is_contiguous(pg)));
+  for (int d = 0; ok && d < 2; d++)
+    ok = cp->stride[d] == 1 && cp->dilation[d] == 1 && cp->padding[d] >= 0 && cp->kernel[d] == w->shape[2 + d] &&
+         pp->kernel[d] == pp->stride[d] && pp->padding[d] == 0 && pp->dilation[d] == 1;
+  int64_t N = ok ? x->shape[0] : 0, OC = ok ? w->shape[0] : 0;
+  int64_t OH = ok ? x->shape[2] + 2 * cp->padding[0] - w->shape[2] + 1 : 0;
+  int64_t OW = ok ? x->shape[3] + 2 * cp->padding[1] - w->shape[3] + 1 : 0;
+  ok = ok && OH >= 1 && OW >= 1 && w->shape[2] * w->shape[3] <= 49 && pp->kernel[0] * pp->kernel[1] <= 256 &&
+       (x->shape[2] + 2 * cp->padding[0]) * (x->shape[3] + 2 * cp->padding[1]) + w->shape[3] <= C1_MAX &&
+       py->shape[0] == N && py->shape[1] == OC && py->shape[2] == OH / pp->kernel[0] &&
+       py->shape[3] == OW / pp->kernel[1] && (!pg || !memcmp(pg->shape, py->shape, sizeof(int64_t) * 4)) &&
+       !memcmp(pix->shape, py->shape, sizeof(int64_t) * 4);
+  if (!ok)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s: arguments the CPU kernel does not take",
+                          bw ? "conv1_relu_max_pool2d_backward" : "conv1_relu_max_pool2d");
+  c1_job j = {a, x->shape[2], x->shape[3], OC, OH, OW, w->shape[2], w->shape[3], cp->padding[0], cp->padding[1],
+              x->data, w->data, !bw && b ? b->data : NULL, NULL, pp, py->shape[2], py->shape[3], py->data,
+              pix->data, pg ? pg->data : NULL};
+  if (N * OC == 0 || j.POH * j.POW == 0) {
+    if (bw)
+      for (int i = 0; i < a->n_out; i++) memset(a->out[i].data, 0, (size_t)kiln__view_numel(&a->out[i]) * sizeof(float));
+    return KILN_OK;
   }
+  if (!bw) {
+    kiln__cpu_parallel_for(N * OC, 1 + KILN__CPU_PAR_MIN / (OH * OW * j.KH * j.KW + 1), c1p_fwd_range, &j);
+    return KILN_OK;
+  }
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
+#ifdef C1_HAVE_AVX512
+  if (c1_avx512_ok() && !c1_portable())
+    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
+#endif
+  kiln__cpu_parallel_for(OC, 1, wgrad_fn, &j); /* dW, and db when asked (out1) */
   return KILN_OK;
 }
 #endif /* KILN_HAVE_DNNL */

@@ -492,6 +492,224 @@ static void mpb_planes(void *vctx, int64_t lo, int64_t hi) {
   free(acc);
 }
 
+/* ---- RELU_MAX_POOL2D and its backward ---------------------------------------------------- */
+/* A CNN's ReLU then MaxPool2d over tiling windows, in one pass each way. Pooling first is
+** the same: relu is monotone, so relu(max(x)) = max(relu(x)) (with ReLU's v < 0 ? 0 : v,
+** NaN passing, and MAX_POOL2D's rule, NaN winning); the backward sends g to the window's
+** max where y > 0, which is where the pair's backward sends it (a window whose max is <= 0
+** or NaN gets nothing through ReLU's mask either way). What the pair did on fmnist-cnn's
+** (128, 32, 26, 26): ReLU's pass over the map each way, then max_pool2d's, and its backward
+** ran the forward again for the i64 indices; here the forward reads the map once and writes
+** a quarter of it plus a byte per output (the max's offset in its window, which the
+** backward reads instead of recomputing), and the backward writes dx once. */
+
+typedef struct rmp_job {
+  const kiln__kargs *a;
+  const kiln__conv_params *p;
+} rmp_job;
+
+#ifdef MP_HAVE_AVX512
+/* 2x2 windows, f32, unit column strides: 16 outputs a step from 32 columns of two rows,
+** the four candidates split into even and odd columns by one permute each and taken in
+** window order with the portable rule as masks; the same values and offsets. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+rmp_fwd2_avx512(const float *restrict xp, int64_t xs2, float *restrict yp, int64_t ys2, uint8_t *restrict ip,
+                int64_t is2, int64_t OH, int64_t OW) {
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t oh = 0; oh < OH; oh++) {
+    const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
+    for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
+      int64_t n = OW - ow0 < 16 ? OW - ow0 : 16, cols = 2 * n;
+      __mmask16 m = (__mmask16)((1u << n) - 1);
+      __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+      __mmask16 hi = cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+      const float *a = r0 + 2 * ow0, *b = r1 + 2 * ow0;
+      __m512 a0 = _mm512_maskz_loadu_ps(lo, a), a1 = _mm512_maskz_loadu_ps(hi, a + 16);
+      __m512 b0 = _mm512_maskz_loadu_ps(lo, b), b1 = _mm512_maskz_loadu_ps(hi, b + 16);
+      __m512 cand[4] = {_mm512_permutex2var_ps(a0, ev, a1), _mm512_permutex2var_ps(a0, od, a1),
+                        _mm512_permutex2var_ps(b0, ev, b1), _mm512_permutex2var_ps(b0, od, b1)};
+      __m512 best = cand[0];
+      __m512i at = _mm512_setzero_si512();
+      for (int t = 1; t < 4; t++) {
+        __m512 v = cand[t];
+        __mmask16 take = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                         (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
+        best = _mm512_mask_mov_ps(best, take, v);
+        at = _mm512_mask_mov_epi32(at, take, _mm512_set1_epi32(t));
+      }
+      best = _mm512_mask_mov_ps(best, _mm512_cmp_ps_mask(best, zero, _CMP_LT_OQ), zero); /* ReLU */
+      _mm512_mask_storeu_ps(yp + oh * ys2 + ow0, m, best);
+      _mm_mask_storeu_epi8(ip + oh * is2 + ow0, m, _mm512_cvtepi32_epi8(at));
+    }
+  }
+}
+
+/* its backward on a dense (H, W) plane: each output row's two dx rows as masked copies of
+** g interleaved (mpb_tile2_f32_avx512's way), then the rows and columns no window covers
+** zeroed. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const float *restrict yp, int64_t ys2,
+                const uint8_t *restrict ip, int64_t is2, int64_t H, int64_t W, int64_t OH, int64_t OW) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t oh = 0; oh < OH; oh++) {
+    for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
+      int64_t n = OW - ow0 < 16 ? OW - ow0 : 16;
+      __mmask16 m = (__mmask16)((1u << n) - 1);
+      __m512 g = _mm512_maskz_loadu_ps(m, gp + oh * gs2 + ow0);
+      __mmask16 pos = _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, yp + oh * ys2 + ow0), zero, _CMP_GT_OQ) & m;
+      __m512i at = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, ip + oh * is2 + ow0));
+      uint32_t m2 = (uint32_t)((1ull << (2 * n)) - 1); /* dx columns written */
+      for (int i = 0; i < 2; i++) {
+        __mmask16 e = pos & _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(2 * i));
+        __mmask16 o = pos & _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(2 * i + 1));
+        __m512 ge = _mm512_maskz_mov_ps(e, g), go = _mm512_maskz_mov_ps(o, g);
+        float *row = xp + (2 * oh + i) * W + 2 * ow0;
+        _mm512_mask_storeu_ps(row, (__mmask16)m2, _mm512_permutex2var_ps(ge, lo, go));
+        _mm512_mask_storeu_ps(row + 16, (__mmask16)(m2 >> 16), _mm512_permutex2var_ps(ge, hi, go));
+      }
+    }
+    for (int i = 0; i < 2; i++)
+      for (int64_t w = 2 * OW; w < W; w++) xp[(2 * oh + i) * W + w] = 0;
+  }
+  for (int64_t h = 2 * OH; h < H; h++)
+    for (int64_t w = 0; w < W; w++) xp[h * W + w] = 0;
+}
+#endif
+
+/* One f32 plane of RELU_MAX_POOL2D with tiling (kh, kw) windows, for a fused caller that
+** has the pre-activation plane in a buffer of its own (cpu_dnnl.c's one-channel conv): the
+** same values and offsets as the kernel. */
+void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
+                                       int64_t kh, int64_t kw, int64_t OH, int64_t OW) {
+#ifdef MP_HAVE_AVX512
+  if (kh == 2 && kw == 2 && mp_avx512_ok()) {
+    rmp_fwd2_avx512(xp, xs2, yp, ys2, ip, is2, OH, OW);
+    return;
+  }
+#endif
+  for (int64_t oh = 0; oh < OH; oh++)
+    for (int64_t ow = 0; ow < OW; ow++) {
+      const float *w0 = xp + oh * kh * xs2 + ow * kw;
+      float best = w0[0];
+      int at = 0;
+      for (int64_t i = 0; i < kh; i++)
+        for (int64_t jj = 0; jj < kw; jj++) {
+          float v = w0[i * xs2 + jj];
+          if (v > best || (v != v && best == best)) best = v, at = (int)(i * kw + jj);
+        }
+      yp[oh * ys2 + ow] = best < 0 ? 0.0f : best;
+      ip[oh * is2 + ow] = (uint8_t)at;
+    }
+}
+
+/* RELU_MAX_POOL2D_BACKWARD for 2x2 windows of one f32 plane into a dense (H, W) buffer of a
+** fused caller's (cpu_dnnl.c): every element written. False (nothing done) without AVX-512. */
+bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
+                                            const uint8_t *ix, int64_t OH, int64_t OW) {
+#ifdef MP_HAVE_AVX512
+  if (mp_avx512_ok()) {
+    rmp_bwd2_avx512(dx, g, OW, y, OW, ix, OW, H, W, OH, OW);
+    return true;
+  }
+#endif
+  (void)dx, (void)H, (void)W, (void)g, (void)y, (void)ix, (void)OH, (void)OW;
+  return false;
+}
+
+/* planes q = n*C + c */
+static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
+  const rmp_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  int64_t C = y->shape[1], OH = y->shape[2], OW = y->shape[3], kh = p->kernel[0], kw = p->kernel[1];
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / C, c = q % C;
+    const float *xb = (const float *)x->data + n * x->strides[0] + c * x->strides[1];
+    float *yb = (float *)y->data + n * y->strides[0] + c * y->strides[1];
+    uint8_t *ib = (uint8_t *)ix->data + n * ix->strides[0] + c * ix->strides[1];
+#ifdef MP_HAVE_AVX512
+    if (kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok()) {
+      rmp_fwd2_avx512(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW);
+      continue;
+    }
+#endif
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++) {
+        const int64_t h0 = oh * kh, w0 = ow * kw;
+        float best = xb[h0 * x->strides[2] + w0 * x->strides[3]];
+        int at = 0;
+        for (int64_t i = 0; i < kh; i++)
+          for (int64_t jj = 0; jj < kw; jj++) {
+            float v = xb[(h0 + i) * x->strides[2] + (w0 + jj) * x->strides[3]];
+            if (v > best || (v != v && best == best)) best = v, at = (int)(i * kw + jj);
+          }
+        yb[oh * y->strides[2] + ow * y->strides[3]] = best < 0 ? 0.0f : best;
+        ib[oh * ix->strides[2] + ow * ix->strides[3]] = (uint8_t)at;
+      }
+  }
+}
+
+static void rmp_bwd_planes(void *vctx, int64_t lo, int64_t hi) {
+  const rmp_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *y = &j->a->in[1], *ix = &j->a->in[2], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  int64_t C = dx->shape[1], H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  int64_t kh = p->kernel[0], kw = p->kernel[1];
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / C, c = q % C;
+    float *xb = (float *)dx->data + n * dx->strides[0] + c * dx->strides[1];
+    const float *gb = (const float *)g->data + n * g->strides[0] + c * g->strides[1];
+    const float *yb = (const float *)y->data + n * y->strides[0] + c * y->strides[1];
+    const uint8_t *ib = (const uint8_t *)ix->data + n * ix->strides[0] + c * ix->strides[1];
+#ifdef MP_HAVE_AVX512
+    if (kh == 2 && kw == 2 && dx->strides[3] == 1 && dx->strides[2] == W && g->strides[3] == 1 && y->strides[3] == 1 &&
+        ix->strides[3] == 1 && mp_avx512_ok()) {
+      rmp_bwd2_avx512(xb, gb, g->strides[2], yb, y->strides[2], ib, ix->strides[2], H, W, OH, OW);
+      continue;
+    }
+#endif
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++) xb[h * dx->strides[2] + w * dx->strides[3]] = 0.0f;
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++) {
+        if (!(yb[oh * y->strides[2] + ow * y->strides[3]] > 0)) continue;
+        int at = ib[oh * ix->strides[2] + ow * ix->strides[3]];
+        int64_t h = oh * kh + at / kw, w = ow * kw + at % kw;
+        xb[h * dx->strides[2] + w * dx->strides[3]] = gb[oh * g->strides[2] + ow * g->strides[3]];
+      }
+  }
+}
+
+/* RELU_MAX_POOL2D / _BACKWARD: the arguments checked (the op layer asks first; a call that
+** gets here otherwise is a bug, reported, not run). */
+kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  bool bw = a->op == KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  const kiln__view *big = bw ? &a->out[0] : &a->in[0], *small = bw ? &a->in[0] : &a->out[0];
+  const kiln__view *y = bw ? &a->in[1] : &a->out[0], *ix = bw ? &a->in[2] : &a->out[1];
+  kiln_dtype dt = big->dtype;
+  bool ok = p && a->n_in == (bw ? 3 : 1) && a->n_out == (bw ? 1 : 2) && tiles(p) &&
+            p->kernel[0] * p->kernel[1] <= 256 && dt == KILN_F32 &&
+            small->dtype == dt && y->dtype == dt && ix->dtype == KILN_U8 && big->ndim == 4 && small->ndim == 4 &&
+            y->ndim == 4 && ix->ndim == 4;
+  for (int d = 0; ok && d < 4; d++)
+    ok = small->shape[d] == y->shape[d] && small->shape[d] == ix->shape[d] &&
+         (d < 2 ? big->shape[d] == small->shape[d] : big->shape[d] / p->kernel[d - 2] == small->shape[d]);
+  if (!ok)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s: arguments the CPU kernel does not take",
+                          bw ? "relu_max_pool2d_backward" : "relu_max_pool2d");
+  int64_t planes = big->shape[0] * big->shape[1];
+  if (planes == 0 || kiln__view_numel(big) == 0) return KILN_OK;
+  rmp_job j = {a, p};
+  int64_t per = big->shape[2] * big->shape[3] + 1;
+  kiln__cpu_parallel_for(planes, KILN__CPU_PAR_MIN_CHEAP / per + 1, bw ? rmp_bwd_planes : rmp_fwd_planes, &j);
+  return KILN_OK;
+}
+
 /* ---- entry ------------------------------------------------------------------------------- */
 
 static bool fast_dtype(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }

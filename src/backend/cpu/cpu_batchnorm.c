@@ -59,6 +59,22 @@ static void vec_set(const kiln__view *v, int64_t i, double val) {
   kiln__cpu_set_f64((char *)v->data + i * v->strides[0] * (int64_t)esz(v), v->dtype, val);
 }
 
+/* Channel c's running statistics moved toward this batch's (dev: the sum of squared
+** deviations over the M values; the running variance is unbiased, as PyTorch's). */
+static void bn_update_running(const bn_ctx *k, int64_t c, double mean, double dev, double M) {
+  double m = k->momentum;
+  vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean);
+  vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
+}
+
+/* Channel c's mean and 1/std into the saved statistics (2, C) for the backward. */
+static void bn_store_stats(const bn_ctx *k, int64_t c, double mean, double invstd) {
+  char *st = (char *)k->stats->data;
+  int64_t es = (int64_t)esz(k->stats);
+  kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean);
+  kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, invstd);
+}
+
 /* The runs of channels [c0, c1): calls fn(n, c, s, len) for each, where a run is len
 ** elements from (n, c, s) along S (one channel) or along C (channels c .. c+len-1). */
 typedef void (*bn_run_fn)(const bn_ctx *k, int64_t n, int64_t c, int64_t s, int64_t len, void *u);
@@ -207,12 +223,7 @@ static void fwd_items(void *vctx, int64_t lo, int64_t hi) {
       for (int64_t j = 0; j < nc; j++) {
         double var = q[j] / M;
         invstd[j] = 1.0 / sqrt(var + k->eps);
-        if (k->rm) {
-          int64_t c = c0 + j;
-          double m = k->momentum;
-          vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean[j]);
-          vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? q[j] / (M - 1.0) : NAN));
-        }
+        if (k->rm) bn_update_running(k, c0 + j, mean[j], q[j], M);
       }
     } else {
       for (int64_t j = 0; j < nc; j++) {
@@ -222,10 +233,7 @@ static void fwd_items(void *vctx, int64_t lo, int64_t hi) {
     }
     for (int64_t j = 0; j < nc; j++) {
       int64_t c = c0 + j;
-      char *st = (char *)k->stats->data;
-      int64_t es = (int64_t)esz(k->stats);
-      kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean[j]);
-      kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, invstd[j]);
+      bn_store_stats(k, c, mean[j], invstd[j]);
       double w = k->w ? vec_get(k->w, c) : 1.0, b = k->b ? vec_get(k->b, c) : 0.0;
       scale[j] = w * invstd[j];
       shift[j] = b; /* y = (x - mean) scale + b: no cancellation of large means */
@@ -323,19 +331,12 @@ static void fwd_fast(void *vctx, int64_t lo, int64_t hi) {
       double dev = sq - sd * (sd / M); /* sum of (x - mean)^2 */
       if (dev < 0) dev = 0;
       invstd = 1.0 / sqrt(dev / M + k->eps);
-      if (k->rm) {
-        double m = k->momentum;
-        vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean);
-        vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
-      }
+      if (k->rm) bn_update_running(k, c, mean, dev, M);
     } else {
       mean = vec_get(k->rm, c);
       invstd = 1.0 / sqrt(vec_get(k->rv, c) + k->eps);
     }
-    char *st = (char *)k->stats->data;
-    int64_t es = (int64_t)esz(k->stats);
-    kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean);
-    kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, invstd);
+    bn_store_stats(k, c, mean, invstd);
     double scale = (k->w ? vec_get(k->w, c) : 1.0) * invstd, shift = k->b ? vec_get(k->b, c) : 0.0;
     for (int64_t n = 0; n < N; n++) {
       const float *xp = f32_row(k->x, n, c);
@@ -511,11 +512,7 @@ __attribute__((target("avx512f,avx512vl"))) static void fwd_block_avx512(const b
       double dev = sq - sd * (sd / M);
       if (dev < 0) dev = 0;
       double invstd = 1.0 / sqrt(dev / M + k->eps);
-      if (k->rm) {
-        double m = k->momentum;
-        vec_set(k->rm, c, (1.0 - m) * vec_get(k->rm, c) + m * mean[j]);
-        vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
-      }
+      if (k->rm) bn_update_running(k, c, mean[j], dev, M);
       scale[j] = invstd; /* times the weight below */
     }
   } else {
@@ -526,10 +523,7 @@ __attribute__((target("avx512f,avx512vl"))) static void fwd_block_avx512(const b
   }
   for (int64_t j = 0; j < nc; j++) {
     int64_t c = c0 + j;
-    char *st = (char *)k->stats->data;
-    int64_t es = (int64_t)esz(k->stats);
-    kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean[j]);
-    kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, scale[j]);
+    bn_store_stats(k, c, mean[j], scale[j]);
     scale[j] = (k->w ? vec_get(k->w, c) : 1.0) * scale[j];
     shift[j] = k->b ? vec_get(k->b, c) : 0.0;
   }

@@ -1100,6 +1100,17 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_wgrad3_range_avx512(v
 }
 #endif
 
+/* The weight gradient's loop for this job: AVX-512 (3x3 its own) unless the CPU lacks it or
+** KILN_CONV_C1_PORTABLE asks for the portable loops. */
+static kiln__cpu_range_fn c1_wgrad_fn(const c1_job *j) {
+#ifdef C1_HAVE_AVX512
+  if (c1_avx512_ok() && !c1_portable()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
+#else
+  (void)j;
+#endif
+  return c1_wgrad_range;
+}
+
 /* CONV2D / CONV2D_BACKWARD_WEIGHT of one input channel; the caller checked
 ** kiln__cpu_conv_c1_takes. The bias gradient, when asked, is the gradient's sum per channel. */
 kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
@@ -1122,11 +1133,7 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
     kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), fwd_fn, &j);
     return KILN_OK;
   }
-  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
-#ifdef C1_HAVE_AVX512
-  if (c1_avx512_ok() && !c1_portable())
-    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
-#endif
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_fn(&j);
   kiln__cpu_parallel_for(j.OC, 1, wgrad_fn, &j); /* and the bias gradient, when asked */
   return KILN_OK;
 }
@@ -1178,11 +1185,7 @@ kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a) {
     kiln__cpu_parallel_for(N * OC, 1 + KILN__CPU_PAR_MIN / (OH * OW * j.KH * j.KW + 1), c1p_fwd_range, &j);
     return KILN_OK;
   }
-  kiln__cpu_range_fn wgrad_fn = c1_wgrad_range;
-#ifdef C1_HAVE_AVX512
-  if (c1_avx512_ok() && !c1_portable())
-    wgrad_fn = j.KH == 3 && j.KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
-#endif
+  kiln__cpu_range_fn wgrad_fn = c1_wgrad_fn(&j);
   kiln__cpu_parallel_for(OC, 1, wgrad_fn, &j); /* dW, and db when asked (out1) */
   return KILN_OK;
 }

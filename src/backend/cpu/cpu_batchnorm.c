@@ -67,12 +67,22 @@ static void bn_update_running(const bn_ctx *k, int64_t c, double mean, double de
   vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
 }
 
-/* Channel c's mean and 1/std into the saved statistics (2, C) for the backward. */
-static void bn_store_stats(const bn_ctx *k, int64_t c, double mean, double invstd) {
+/* Eval: channel c's running statistics as its mean and 1/std. */
+static void bn_running_stats(const bn_ctx *k, int64_t c, double *mean, double *invstd) {
+  *mean = vec_get(k->rm, c);
+  *invstd = 1.0 / sqrt(vec_get(k->rv, c) + k->eps);
+}
+
+/* Channel c's mean and 1/std into the saved statistics (2, C) for the backward, and its
+** affine y = (x - mean) scale + shift (shifting after the scale: no cancellation of large
+** means). */
+static void bn_channel_affine(const bn_ctx *k, int64_t c, double mean, double invstd, double *scale, double *shift) {
   char *st = (char *)k->stats->data;
   int64_t es = (int64_t)esz(k->stats);
   kiln__cpu_set_f64(st + c * k->stats->strides[1] * es, k->stats->dtype, mean);
   kiln__cpu_set_f64(st + (k->stats->strides[0] + c * k->stats->strides[1]) * es, k->stats->dtype, invstd);
+  *scale = (k->w ? vec_get(k->w, c) : 1.0) * invstd;
+  *shift = k->b ? vec_get(k->b, c) : 0.0;
 }
 
 /* The runs of channels [c0, c1): calls fn(n, c, s, len) for each, where a run is len
@@ -226,18 +236,9 @@ static void fwd_items(void *vctx, int64_t lo, int64_t hi) {
         if (k->rm) bn_update_running(k, c0 + j, mean[j], q[j], M);
       }
     } else {
-      for (int64_t j = 0; j < nc; j++) {
-        mean[j] = vec_get(k->rm, c0 + j);
-        invstd[j] = 1.0 / sqrt(vec_get(k->rv, c0 + j) + k->eps);
-      }
+      for (int64_t j = 0; j < nc; j++) bn_running_stats(k, c0 + j, &mean[j], &invstd[j]);
     }
-    for (int64_t j = 0; j < nc; j++) {
-      int64_t c = c0 + j;
-      bn_store_stats(k, c, mean[j], invstd[j]);
-      double w = k->w ? vec_get(k->w, c) : 1.0, b = k->b ? vec_get(k->b, c) : 0.0;
-      scale[j] = w * invstd[j];
-      shift[j] = b; /* y = (x - mean) scale + b: no cancellation of large means */
-    }
+    for (int64_t j = 0; j < nc; j++) bn_channel_affine(k, c0 + j, mean[j], invstd[j], &scale[j], &shift[j]);
     bn_runs(k, c0, c1, run_norm, &A);
   }
 }
@@ -333,11 +334,10 @@ static void fwd_fast(void *vctx, int64_t lo, int64_t hi) {
       invstd = 1.0 / sqrt(dev / M + k->eps);
       if (k->rm) bn_update_running(k, c, mean, dev, M);
     } else {
-      mean = vec_get(k->rm, c);
-      invstd = 1.0 / sqrt(vec_get(k->rv, c) + k->eps);
+      bn_running_stats(k, c, &mean, &invstd);
     }
-    bn_store_stats(k, c, mean, invstd);
-    double scale = (k->w ? vec_get(k->w, c) : 1.0) * invstd, shift = k->b ? vec_get(k->b, c) : 0.0;
+    double scale, shift;
+    bn_channel_affine(k, c, mean, invstd, &scale, &shift);
     for (int64_t n = 0; n < N; n++) {
       const float *xp = f32_row(k->x, n, c);
       const float *rp = k->res ? f32_row(k->res, n, c) : NULL;
@@ -516,17 +516,9 @@ __attribute__((target("avx512f,avx512vl"))) static void fwd_block_avx512(const b
       scale[j] = invstd; /* times the weight below */
     }
   } else {
-    for (int64_t j = 0; j < nc; j++) {
-      mean[j] = vec_get(k->rm, c0 + j);
-      scale[j] = 1.0 / sqrt(vec_get(k->rv, c0 + j) + k->eps);
-    }
+    for (int64_t j = 0; j < nc; j++) bn_running_stats(k, c0 + j, &mean[j], &scale[j]);
   }
-  for (int64_t j = 0; j < nc; j++) {
-    int64_t c = c0 + j;
-    bn_store_stats(k, c, mean[j], scale[j]);
-    scale[j] = (k->w ? vec_get(k->w, c) : 1.0) * scale[j];
-    shift[j] = k->b ? vec_get(k->b, c) : 0.0;
-  }
+  for (int64_t j = 0; j < nc; j++) bn_channel_affine(k, c0 + j, mean[j], scale[j], &scale[j], &shift[j]);
   for (int64_t n = 0; n < N; n++)
     for (int64_t j = 0; j < nc; j++) {
       const float *xp = f32_row(k->x, n, c0 + j);

@@ -68,20 +68,40 @@ static kiln_tensor *in_layout(kiln_tensor *base, int layout) {
   }
 }
 
-static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) {
-  kiln_scope_begin();
+/* The case's input in dt and the given layout, tie- and NaN-rich (ties everywhere), needing
+** a gradient, and its contiguous f64 copy, also needing one: *x and *x64, in the caller's
+** scope. */
+static void make_inputs(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed, kiln_tensor **x, kiln_tensor **x64) {
   int64_t n = c->N * c->C * c->H * c->W;
   float *h = malloc(sizeof(float) * (size_t)n);
   srand((unsigned)seed);
-  for (int64_t i = 0; i < n; i++) h[i] = (float)(rand() % 7 - 3) * 0.5f; /* ties everywhere */
+  for (int64_t i = 0; i < n; i++) h[i] = (float)(rand() % 7 - 3) * 0.5f;
   for (int64_t i = 0; i < n / 97; i++) h[rand() % n] = NAN;
   kiln_tensor *base = kiln_to_dtype(kiln_from_data(h, KILN_SHAPE(c->N, c->C, c->H, c->W), KILN_F32, cpu), dt);
   free(h);
-  kiln_tensor *x = in_layout(base, layout);
-  kiln_requires_grad_(x, true);
-  kiln_tensor *x64 = kiln_to_dtype(kiln_contiguous(x), KILN_F64);
-  x64 = kiln_contiguous(kiln_detach(x64));
-  kiln_requires_grad_(x64, true);
+  *x = in_layout(base, layout);
+  kiln_requires_grad_(*x, true);
+  *x64 = kiln_contiguous(kiln_detach(kiln_to_dtype(kiln_contiguous(*x), KILN_F64)));
+  kiln_requires_grad_(*x64, true);
+}
+
+/* The same g (exact in dt) into y and y64: x's gradient must be x64's, bit for bit. */
+static void check_grad(kiln_tensor *x, kiln_tensor *y, kiln_tensor *x64, kiln_tensor *y64, kiln_dtype dt,
+                       uint64_t seed, const char *what) {
+  char w2[240];
+  kiln_generator *gen = kiln_generator_new(seed + 1);
+  kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F32, cpu, gen), dt) : NULL;
+  kiln_generator_free(gen);
+  CHECK(kiln_backward(y, g) == KILN_OK);
+  CHECK(kiln_backward(y64, kiln_to_dtype(g, KILN_F64)) == KILN_OK);
+  snprintf(w2, sizeof w2, "%s gradient", what);
+  CHECK(same64(kiln_grad(x), kiln_to_dtype(kiln_grad(x64), dt), w2));
+}
+
+static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) {
+  kiln_scope_begin();
+  kiln_tensor *x, *x64;
+  make_inputs(c, dt, layout, seed, &x, &x64);
   kiln_tensor *ix = NULL, *ix64 = NULL;
   kiln_tensor *y = kiln_max_pool2d(x, c->k, c->s, c->p, c->d, &ix);
   kiln_tensor *y64 = kiln_max_pool2d(x64, c->k, c->s, c->p, c->d, &ix64);
@@ -95,14 +115,7 @@ static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) 
   CHECK(same64(y, y64, w2));
   snprintf(w2, sizeof w2, "%s indices", what);
   CHECK(same64(ix, ix64, w2));
-  /* the gradient: the same g (exact in dt) into both */
-  kiln_generator *gen = kiln_generator_new(seed + 1);
-  kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F32, cpu, gen), dt) : NULL;
-  kiln_generator_free(gen);
-  CHECK(kiln_backward(y, g) == KILN_OK);
-  CHECK(kiln_backward(y64, kiln_to_dtype(g, KILN_F64)) == KILN_OK);
-  snprintf(w2, sizeof w2, "%s gradient", what);
-  CHECK(same64(kiln_grad(x), kiln_to_dtype(kiln_grad(x64), dt), w2));
+  check_grad(x, y, x64, y64, dt, seed, what);
   kiln_scope_end();
 }
 
@@ -114,17 +127,8 @@ static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) 
 ** tie- and NaN-rich data: windows whose max is 0, negative, or NaN pass no gradient. */
 static void check_relu_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) {
   kiln_scope_begin();
-  int64_t n = c->N * c->C * c->H * c->W;
-  float *h = malloc(sizeof(float) * (size_t)n);
-  srand((unsigned)seed);
-  for (int64_t i = 0; i < n; i++) h[i] = (float)(rand() % 7 - 3) * 0.5f;
-  for (int64_t i = 0; i < n / 97; i++) h[rand() % n] = NAN;
-  kiln_tensor *base = kiln_to_dtype(kiln_from_data(h, KILN_SHAPE(c->N, c->C, c->H, c->W), KILN_F32, cpu), dt);
-  free(h);
-  kiln_tensor *x = in_layout(base, layout);
-  kiln_requires_grad_(x, true);
-  kiln_tensor *x64 = kiln_contiguous(kiln_detach(kiln_to_dtype(kiln_contiguous(x), KILN_F64)));
-  kiln_requires_grad_(x64, true);
+  kiln_tensor *x, *x64;
+  make_inputs(c, dt, layout, seed, &x, &x64);
   kiln_tensor *y = kiln_relu_max_pool2d(x, c->k, c->s, c->p, c->d);
   kiln_tensor *y64 = kiln_max_pool2d(kiln_relu(x64), c->k, c->s, c->p, c->d, NULL);
   char what[200], w2[240];
@@ -134,13 +138,7 @@ static void check_relu_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t s
            kiln_dtype_name(dt), layout_name[layout]);
   snprintf(w2, sizeof w2, "%s values", what);
   CHECK(same64(y, y64, w2));
-  kiln_generator *gen = kiln_generator_new(seed + 1);
-  kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F32, cpu, gen), dt) : NULL;
-  kiln_generator_free(gen);
-  CHECK(kiln_backward(y, g) == KILN_OK);
-  CHECK(kiln_backward(y64, kiln_to_dtype(g, KILN_F64)) == KILN_OK);
-  snprintf(w2, sizeof w2, "%s gradient", what);
-  CHECK(same64(kiln_grad(x), kiln_to_dtype(kiln_grad(x64), dt), w2));
+  check_grad(x, y, x64, y64, dt, seed, what);
   kiln_scope_end();
 }
 

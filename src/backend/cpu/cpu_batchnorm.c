@@ -67,6 +67,25 @@ static void bn_update_running(const bn_ctx *k, int64_t c, double mean, double de
   vec_set(k->rv, c, (1.0 - m) * vec_get(k->rv, c) + m * (M > 1 ? dev / (M - 1.0) : NAN));
 }
 
+/* Backward, channel c: from sg = sum(g) and sgx = sum(g (x - mean)) over its M values, the
+** weight and bias gradients into out[1] and out[2], and dx's coefficients
+** dx = kk (g - sum(g)/M - xhat sum(g xhat)/M) = scale g + cx (x - mean) + shift
+** (in eval the statistics are constants: dx = scale g). */
+static void bn_bwd_channel(const bn_ctx *k, const kiln__kargs *a, int64_t c, double M, double sg, double sgx,
+                           double invstd, double *scale, double *cx, double *shift) {
+  double w = k->w ? vec_get(k->w, c) : 1.0, kk = w * invstd;
+  double dw = sgx * invstd; /* sum of g xhat */
+  vec_set(&a->out[1], c, dw);
+  vec_set(&a->out[2], c, sg);
+  if (k->train && M > 0) {
+    *cx = -kk * invstd * dw / M;
+    *shift = -kk * sg / M;
+  } else {
+    *cx = *shift = 0;
+  }
+  *scale = kk;
+}
+
 /* Eval: channel c's running statistics as its mean and 1/std. */
 static void bn_running_stats(const bn_ctx *k, int64_t c, double *mean, double *invstd) {
   *mean = vec_get(k->rm, c);
@@ -263,21 +282,8 @@ static void bwd_items(void *vctx, int64_t lo, int64_t hi) {
       invstd[j] = kiln__cpu_get_f64((const char *)st->data + (st->strides[0] + c * st->strides[1]) * es, st->dtype);
     }
     bn_runs(k, c0, c1, run_bsum, &A);
-    for (int64_t j = 0; j < nc; j++) {
-      int64_t c = c0 + j;
-      double w = k->w ? vec_get(k->w, c) : 1.0, kk = w * invstd[j];
-      double dw = q[j] * invstd[j]; /* sum of g xhat */
-      vec_set(&a->out[1], c, dw);
-      vec_set(&a->out[2], c, p[j]);
-      if (k->train && M > 0) {
-        /* dx = kk (g - sum(g)/M - xhat sum(g xhat)/M) = kk g + cx (x - mean) + shift */
-        cx[j] = -kk * invstd[j] * dw / M;
-        shift[j] = -kk * p[j] / M;
-      } else {
-        cx[j] = shift[j] = 0;
-      }
-      scale[j] = kk;
-    }
+    for (int64_t j = 0; j < nc; j++)
+      bn_bwd_channel(k, a, c0 + j, M, p[j], q[j], invstd[j], &scale[j], &cx[j], &shift[j]);
     bn_runs(k, c0, c1, run_dx, &A);
   }
 }
@@ -575,20 +581,8 @@ static void bwd_fast(void *vctx, int64_t lo, int64_t hi) {
       for (int64_t j = 0; j < nc; j++)
         sums(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL, k->S,
              mean[j], &p[j], &q[j]);
-    for (int64_t j = 0; j < nc; j++) { /* as bwd_items */
-      int64_t c = c0 + j;
-      double w = k->w ? vec_get(k->w, c) : 1.0, kk = w * invstd[j];
-      double dw = q[j] * invstd[j];
-      vec_set(&a->out[1], c, dw);
-      vec_set(&a->out[2], c, p[j]);
-      if (k->train && M > 0) {
-        cx[j] = -kk * invstd[j] * dw / M;
-        shift[j] = -kk * p[j] / M;
-      } else {
-        cx[j] = shift[j] = 0;
-      }
-      scale[j] = kk;
-    }
+    for (int64_t j = 0; j < nc; j++)
+      bn_bwd_channel(k, a, c0 + j, M, p[j], q[j], invstd[j], &scale[j], &cx[j], &shift[j]);
     for (int64_t n = 0; n < k->N; n++)
       for (int64_t j = 0; j < nc; j++)
         dxrow(f32_row(k->x, n, c0 + j), f32_row(k->g, n, c0 + j), k->mask ? f32_row(k->mask, n, c0 + j) : NULL,

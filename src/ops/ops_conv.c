@@ -1325,7 +1325,7 @@ static const kiln__op op_conv_relu_pool = {
     .forward = conv_relu_pool_forward, .backward = conv_relu_pool_backward, .n_saved = 3,
     .save = conv_relu_pool_save, .expands_to = (const char *const[]){"conv2d", "relu", "max_pool2d", NULL}};
 
-/* Whether the fused kernel takes these arguments (as cpu_dnnl.c's kernel checks them). */
+/* Whether the fused kernel takes these arguments (as cpu_conv_c1.c's kernel checks them). */
 static bool conv_relu_pool_fused(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, const attrs_cpool *a) {
   static int off = -1; /* KILN_CONV_RELU_POOL=0: always the ops it stands for (A/B comparisons) */
   if (off < 0) {

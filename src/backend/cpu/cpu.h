@@ -48,26 +48,31 @@ kiln_status kiln__cpu_matmul(const kiln__kargs *a);
 int kiln__cpu_sgemm(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                     const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
 void kiln__cpu_blas_serial(void); /* the BLAS on one thread: call before such a loop */
-kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM MAX_POOL2D (cpu_conv.c) */
-/* MAX_POOL2D and its backward in f32/bf16, NCHW and channels-last; else conv_window's (cpu_maxpool.c) */
+kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM (cpu_conv.c) */
+/* MAX_POOL2D and its backward: f32/bf16 kernels, NCHW and channels-last, else general loops (cpu_maxpool.c) */
 kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a);
 kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a); /* RELU_MAX_POOL2D(_BACKWARD) (cpu_maxpool.c) */
+/* one f32 plane of RELU_MAX_POOL2D, and of its 2x2 backward (false: not done, no AVX-512), for
+** CONV1_RELU_MAX_POOL2D's loops (cpu_maxpool.c) */
 void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
                                        int64_t kh, int64_t kw, int64_t OH, int64_t OW);
 bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
                                             const uint8_t *ix, int64_t OH, int64_t OW);
-kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a); /* CONV1_RELU_MAX_POOL2D(_BACKWARD) (cpu_dnnl.c) */
-kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_DATA/_WEIGHT, reference loops (cpu_conv.c) */
+/* CONV2D_BACKWARD_DATA/_WEIGHT: with oneDNN its kernels below, else reference loops (cpu_conv.c) */
+kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a);
 #ifdef KILN_HAVE_DNNL
-kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
+kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D: the one-channel loops or oneDNN (cpu_conv.c) */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */
+kiln_status kiln__cpu_dnnl_conv2d(const kiln__kargs *a); /* CONV2D through oneDNN (cpu_dnnl.c) */
 kiln_status kiln__cpu_dnnl_conv2d_backward(const kiln__kargs *a); /* CONV2D_BACKWARD_* through oneDNN */
 /* MATMUL of bf16 operands (bf16 or f32 out) through oneDNN (cpu_dnnl_matmul.c): true when
 ** it ran (*st its status), false when the arguments are not its case (the caller runs). */
 bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st);
-/* one input channel, stride 1: direct loops for CONV2D and the weight gradient (cpu_dnnl.c) */
+/* one input channel, stride 1: direct loops for CONV2D and the weight gradient, and
+** CONV1_RELU_MAX_POOL2D(_BACKWARD) (cpu_conv_c1.c) */
 bool kiln__cpu_conv_c1_takes(const kiln__kargs *a);
 kiln_status kiln__cpu_conv_c1(const kiln__kargs *a);
+kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a);
 #endif
 kiln_status kiln__cpu_index_select(const kiln__kargs *a);
 kiln_status kiln__cpu_index_add(const kiln__kargs *a);

@@ -1,8 +1,8 @@
 /*
 ** MAX_POOL2D and MAX_POOL2D_BACKWARD in f32 and bf16, NCHW (unit-stride rows) and
 ** channels-last (unit-stride channels): the layouts and dtypes a CNN trains in. Any other
-** case (f16, f64, odd strides) goes to the general loops of cpu_conv.c, which define the
-** results these kernels reproduce bit for bit:
+** case (f16, f64, odd strides) goes to the general loops at the end of this file, which
+** define the results these kernels reproduce bit for bit:
 **
 ** forward: the window's candidates in row-major order (i, then j), the first strict
 ** maximum, a NaN winning over a number (the first NaN); padding never wins; the index is
@@ -11,7 +11,7 @@
 ** that output's own window (an index from max_pool2d always does), added in f64 and
 ** rounded once to dx's dtype.
 **
-** Why a file of its own: the general loops compare in f64 through a per-element dtype
+** Why kernels beside the general loops: those compare in f64 through a per-element dtype
 ** dispatch and branch on every comparison. On random data the argmax is unpredictable,
 ** so the 2x2 fast path that was there paid a branch miss or two per output (3.3 ms for
 ** fmnist-cnn's (128, 32, 26, 26) against a memcpy of its bytes well under 1 ms). Here the
@@ -21,6 +21,7 @@
 */
 #include "cpu.h"
 #include "cpu_iter.h"
+#include "cpu_window.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -46,17 +47,6 @@ static inline uint16_t f32_to_bf16_exact(float f) {
   return (uint16_t)(u >> 16);
 }
 
-/* The output columns ow whose input column ow*s - p + off lies in [0, W): [*lo, *hi). */
-static void valid_cols(int64_t OW, int64_t W, int64_t s, int64_t p, int64_t off, int64_t *lo, int64_t *hi) {
-  int64_t base = off - p;
-  int64_t a = base >= 0 ? 0 : (-base + s - 1) / s;
-  int64_t b = W - base <= 0 ? 0 : (W - base - 1) / s + 1;
-  if (a > OW) a = OW;
-  if (b > OW) b = OW;
-  if (b < a) b = a;
-  *lo = a, *hi = b;
-}
-
 /* One NCHW plane: for each window offset (i, j) in order, a pass over the output rows
 ** it reaches, each output taking the candidate with `take`, the general loop's rule as
 ** selects. One call per plane (not per row: ResNet's rows are 8 outputs long, and a call
@@ -70,7 +60,7 @@ static void valid_cols(int64_t OW, int64_t W, int64_t s, int64_t p, int64_t off,
     for (int64_t i = 0; i < p->kernel[0]; i++)                                                          \
       for (int64_t jj = 0; jj < p->kernel[1]; jj++) {                                                  \
         int64_t off = jj * p->dilation[1], a, b;                                                        \
-        valid_cols(OW, W, sw, p->padding[1], off, &a, &b);                                              \
+        kiln__cpu_valid_cols(OW, W, sw, p->padding[1], off, &a, &b);                                    \
         for (int64_t oh = 0; oh < OH && a < b; oh++) {                                                  \
           int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];                           \
           if (h < 0 || h >= H) continue;                                                                \
@@ -163,14 +153,14 @@ mp_plane_avx512(const char *xp, bool bf, int64_t xs2, const kiln__conv_params *p
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i lane_sw = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)sw));
-  /* each window column's valid output range, once per plane: valid_cols divides by the
+  /* each window column's valid output range, once per plane: kiln__cpu_valid_cols divides by the
   ** stride, and two i64 divisions per tap per row chunk were most of the time on small
   ** maps (fmnist-cnn's 11x11 -> 5x5 planes: 5 outputs a row, 4 taps) */
   enum { KW_PRE = 16 };
   int64_t ca[KW_PRE], cb[KW_PRE];
   const bool pre = p->kernel[1] <= KW_PRE;
   for (int64_t jj = 0; pre && jj < p->kernel[1]; jj++)
-    valid_cols(OW, W, sw, p->padding[1], jj * p->dilation[1], &ca[jj], &cb[jj]);
+    kiln__cpu_valid_cols(OW, W, sw, p->padding[1], jj * p->dilation[1], &ca[jj], &cb[jj]);
   for (int64_t oh = 0; oh < OH; oh++)
     for (int64_t ow0 = 0; ow0 < OW; ow0 += 16) {
       int64_t nout = OW - ow0 < 16 ? OW - ow0 : 16;
@@ -183,7 +173,7 @@ mp_plane_avx512(const char *xp, bool bf, int64_t xs2, const kiln__conv_params *p
         for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
           int64_t off = jj * p->dilation[1], a, b;
           if (pre) a = ca[jj], b = cb[jj];
-          else valid_cols(OW, W, sw, p->padding[1], off, &a, &b);
+          else kiln__cpu_valid_cols(OW, W, sw, p->padding[1], off, &a, &b);
           if (a < ow0) a = ow0;
           if (b > ow0 + nout) b = ow0 + nout;
           if (a >= b) continue;
@@ -581,7 +571,7 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 #endif
 
 /* One f32 plane of RELU_MAX_POOL2D with tiling (kh, kw) windows, for a fused caller that
-** has the pre-activation plane in a buffer of its own (cpu_dnnl.c's one-channel conv): the
+** has the pre-activation plane in a buffer of its own (cpu_conv_c1.c's one-channel conv): the
 ** same values and offsets as the kernel. */
 void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
                                        int64_t kh, int64_t kw, int64_t OH, int64_t OW) {
@@ -607,7 +597,7 @@ void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, 
 }
 
 /* RELU_MAX_POOL2D_BACKWARD for 2x2 windows of one f32 plane into a dense (H, W) buffer of a
-** fused caller's (cpu_dnnl.c): every element written. False (nothing done) without AVX-512. */
+** fused caller's (cpu_conv_c1.c): every element written. False (nothing done) without AVX-512. */
 bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
                                             const uint8_t *ix, int64_t OH, int64_t OW) {
 #ifdef MP_HAVE_AVX512
@@ -710,6 +700,233 @@ kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a) {
   return KILN_OK;
 }
 
+/* ---- the general loops: any float dtype, any strides ------------------------------------ */
+/* The definition of max_pool2d and its backward that the kernels above reproduce bit for
+** bit (the header gives the rules); the comparisons in f64, exact for every float dtype. */
+
+/* MAX_POOL2D */
+
+/* f32 planes with unit-stride rows, an i64 index output of the same layout: the common
+** case (a CNN's pools) without the per-element dtype dispatch of the general loop below,
+** which costs several times the comparison itself. The same windows, order and NaN rule. */
+static bool max_pool_f32_fast(const kiln__view *x, const kiln__view *y, const kiln__view *ix) {
+  return x->dtype == KILN_F32 && y->dtype == KILN_F32 && ix->dtype == KILN_I64 && x->strides[3] == 1 &&
+         y->strides[3] == 1 && ix->strides[3] == 1 && y->strides[2] == ix->strides[2];
+}
+
+static void max_pool_range_f32(const mp_job *j, int64_t lo, int64_t hi) {
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  int64_t H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
+  int64_t xs2 = x->strides[2], ys2 = y->strides[2];
+  /* 2x2 windows, stride 2, no padding (MaxPool2d(2)): the four candidates unrolled, in the
+  ** general loop's order (row by row), with its rule: the first strict maximum, a NaN wins */
+  bool two = p->kernel[0] == 2 && p->kernel[1] == 2 && p->stride[0] == 2 && p->stride[1] == 2 &&
+             p->padding[0] == 0 && p->padding[1] == 0 && p->dilation[0] == 1 && p->dilation[1] == 1 &&
+             2 * OH <= H && 2 * OW <= W;
+  for (int64_t q = lo; q < hi; q++) {
+    const float *xp = (const float *)((const char *)x->data + kiln__cpu_plane_off(x, q));
+    float *yp = (float *)((char *)y->data + kiln__cpu_plane_off(y, q));
+    int64_t *ip = (int64_t *)((char *)ix->data + kiln__cpu_plane_off(ix, q));
+    if (two) {
+      for (int64_t oh = 0; oh < OH; oh++) {
+        const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
+        for (int64_t ow = 0; ow < OW; ow++) {
+          float c[4] = {r0[2 * ow], r0[2 * ow + 1], r1[2 * ow], r1[2 * ow + 1]};
+          float best = c[0];
+          int k = 0;
+          for (int t = 1; t < 4; t++)
+            if (c[t] > best || (isnan(c[t]) && !isnan(best))) best = c[t], k = t;
+          yp[oh * ys2 + ow] = best;
+          ip[oh * ys2 + ow] = (2 * oh + (k >> 1)) * W + 2 * ow + (k & 1);
+        }
+      }
+      continue;
+    }
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++) {
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+          if (h < 0 || h >= H) continue;
+          const float *row = xp + h * xs2;
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+            if (w < 0 || w >= W) continue;
+            float v = row[w];
+            if (at < 0 || v > best || (isnan(v) && !isnan(best))) best = v, at = h * W + w;
+          }
+        }
+        yp[oh * ys2 + ow] = best;
+        ip[oh * ys2 + ow] = at < 0 ? 0 : at;
+      }
+  }
+}
+
+static void max_pool_range(void *vctx, int64_t lo, int64_t hi) {
+  const mp_job *j = vctx;
+  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
+  const kiln__conv_params *p = j->p;
+  if (max_pool_f32_fast(x, y, ix)) {
+    max_pool_range_f32(j, lo, hi);
+    return;
+  }
+  size_t es = kiln_dtype_size(x->dtype), yes = kiln_dtype_size(y->dtype), ies = kiln_dtype_size(ix->dtype);
+  int64_t H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *xp = (const char *)x->data + kiln__cpu_plane_off(x, q);
+    char *yp = (char *)y->data + kiln__cpu_plane_off(y, q);
+    char *ip = (char *)ix->data + kiln__cpu_plane_off(ix, q);
+    for (int64_t oh = 0; oh < OH; oh++)
+      for (int64_t ow = 0; ow < OW; ow++) {
+        double best = -INFINITY;
+        int64_t at = -1;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
+          if (h < 0 || h >= H) continue;
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
+            if (w < 0 || w >= W) continue;
+            double v = kiln__cpu_get_f64(xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, x->dtype);
+            if (at < 0 || v > best || (isnan(v) && !isnan(best))) best = v, at = h * W + w;
+          }
+        }
+        kiln__cpu_set_f64(yp + (oh * y->strides[2] + ow * y->strides[3]) * (int64_t)yes, y->dtype, best);
+        kiln__cpu_set_i64(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)ies, ix->dtype, at < 0 ? 0 : at);
+      }
+  }
+}
+
+/* MAX_POOL2D_BACKWARD */
+
+/* Windows that do not overlap (each no taller or wider than its stride, no dilation) send
+** each pixel at most one gradient: dx is zeros with g written where the indices point, which
+** is exactly what the general loop computes, at a fraction of its cost (no search of the
+** windows around every pixel, no per-element dtype dispatch). f32, rows packed. */
+static bool max_pool_bwd_f32_disjoint(const kiln__view *g, const kiln__view *ix, const kiln__view *dx,
+                                      const kiln__conv_params *p) {
+  return g->dtype == KILN_F32 && dx->dtype == KILN_F32 && ix->dtype == KILN_I64 && dx->strides[3] == 1 &&
+         dx->strides[2] == dx->shape[3] && p->kernel[0] <= p->stride[0] && p->kernel[1] <= p->stride[1] &&
+         p->dilation[0] == 1 && p->dilation[1] == 1;
+}
+
+static void max_pool_bwd_plane_f32(const kiln__view *g, const kiln__view *ix, const kiln__conv_params *p, float *xp,
+                                   const char *gp, const char *ip, int64_t H, int64_t W) {
+  int64_t OH = g->shape[2], OW = g->shape[3];
+  memset(xp, 0, (size_t)(H * W) * sizeof *xp);
+  for (int64_t oh = 0; oh < OH; oh++)
+    for (int64_t ow = 0; ow < OW; ow++) {
+      int64_t at = *(const int64_t *)(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)sizeof(int64_t));
+      /* an index outside its window (kiln_max_pool2d_backward takes any indices; max_pool2d
+      ** never makes one) adds nothing, as in the general loop */
+      int64_t h = at / W, w = at % W, h0 = oh * p->stride[0] - p->padding[0], w0 = ow * p->stride[1] - p->padding[1];
+      if (at < 0 || h >= H || h < h0 || h >= h0 + p->kernel[0] || w < w0 || w >= w0 + p->kernel[1]) continue;
+      xp[at] = *(const float *)(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)sizeof(float));
+    }
+}
+
+/* Overlapping windows (ResNet's 3x3 stride 2), f32: each output's gradient is added at its
+** index into an f64 plane, outputs in order, then the plane is rounded to dx. The general
+** loop below searches up to kernel-size windows around every pixel with a dtype dispatch
+** per element (12 ms for ResNet-18's 64x64x16x16 at batch 64); a pixel gets the same f64
+** sum of the same gradients (at most four with a 3x3 stride-2 window, whose sum in f64 is
+** exact but for exponent spreads beyond 29 bits), so the result is the same. */
+static bool max_pool_bwd_f32_scatter(const kiln__view *g, const kiln__view *ix, const kiln__view *dx) {
+  return g->dtype == KILN_F32 && dx->dtype == KILN_F32 && ix->dtype == KILN_I64;
+}
+
+static void max_pool_bwd_plane_scatter(const kiln__view *g, const kiln__view *ix, const kiln__view *dx,
+                                       const kiln__conv_params *p, double *acc, int64_t q) {
+  int64_t H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  const char *gp = (const char *)g->data + kiln__cpu_plane_off(g, q), *ip = (const char *)ix->data + kiln__cpu_plane_off(ix, q);
+  char *xp = (char *)dx->data + kiln__cpu_plane_off(dx, q);
+  memset(acc, 0, (size_t)(H * W) * sizeof *acc);
+  for (int64_t oh = 0; oh < OH; oh++)
+    for (int64_t ow = 0; ow < OW; ow++) {
+      int64_t at = *(const int64_t *)(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)sizeof(int64_t));
+      int64_t h = at / W, w = at % W;
+      /* as the general loop: only an index inside its own window adds (dilated windows: on
+      ** the window's grid) */
+      int64_t dh = h + p->padding[0] - oh * p->stride[0], dw = w + p->padding[1] - ow * p->stride[1];
+      if (at < 0 || h >= H || dh < 0 || dw < 0 || dh % p->dilation[0] || dw % p->dilation[1] ||
+          dh / p->dilation[0] >= p->kernel[0] || dw / p->dilation[1] >= p->kernel[1])
+        continue;
+      acc[at] += *(const float *)(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)sizeof(float));
+    }
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t w = 0; w < W; w++)
+      *(float *)(xp + (h * dx->strides[2] + w * dx->strides[3]) * (int64_t)sizeof(float)) = (float)acc[h * W + w];
+}
+
+/* Per pixel, the windows that contain it (at most one per (i, j)), in that order; f64 sums. */
+static void max_pool_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  const mp_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *ix = &j->a->in[1], *dx = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  if (max_pool_bwd_f32_disjoint(g, ix, dx, p)) {
+    for (int64_t q = lo; q < hi; q++)
+      max_pool_bwd_plane_f32(g, ix, p, (float *)((char *)dx->data + kiln__cpu_plane_off(dx, q)),
+                             (const char *)g->data + kiln__cpu_plane_off(g, q), (const char *)ix->data + kiln__cpu_plane_off(ix, q),
+                             dx->shape[2], dx->shape[3]);
+    return;
+  }
+  if (max_pool_bwd_f32_scatter(g, ix, dx)) {
+    double *acc = malloc(sizeof(double) * (size_t)(dx->shape[2] * dx->shape[3] + 1));
+    if (acc) {
+      for (int64_t q = lo; q < hi; q++) max_pool_bwd_plane_scatter(g, ix, dx, p, acc, q);
+      free(acc);
+      return;
+    } /* no memory for the plane: the general loop needs none */
+  }
+  size_t ges = kiln_dtype_size(g->dtype), ies = kiln_dtype_size(ix->dtype), xes = kiln_dtype_size(dx->dtype);
+  int64_t H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *gp = (const char *)g->data + kiln__cpu_plane_off(g, q);
+    const char *ip = (const char *)ix->data + kiln__cpu_plane_off(ix, q);
+    char *xp = (char *)dx->data + kiln__cpu_plane_off(dx, q);
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++) {
+        double acc = 0;
+        for (int64_t i = 0; i < p->kernel[0]; i++) {
+          int64_t hh = h + p->padding[0] - i * p->dilation[0];
+          if (hh < 0 || hh % p->stride[0] || hh / p->stride[0] >= OH) continue;
+          int64_t oh = hh / p->stride[0];
+          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
+            int64_t ww = w + p->padding[1] - jj * p->dilation[1];
+            if (ww < 0 || ww % p->stride[1] || ww / p->stride[1] >= OW) continue;
+            int64_t ow = ww / p->stride[1];
+            int64_t at = kiln__cpu_get_i64(ip + (oh * ix->strides[2] + ow * ix->strides[3]) * (int64_t)ies, ix->dtype);
+            if (at == h * W + w)
+              acc += kiln__cpu_get_f64(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)ges, g->dtype);
+          }
+        }
+        kiln__cpu_set_f64(xp + (h * dx->strides[2] + w * dx->strides[3]) * (int64_t)xes, dx->dtype, acc);
+      }
+  }
+}
+
+/* MAX_POOL2D / _BACKWARD by the general loops, the arguments checked. */
+static kiln_status mp_general(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  if (!p) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s without its window parameters", kiln__kop_name(a->op));
+  if (a->op != KILN__K_MAX_POOL2D && a->op != KILN__K_MAX_POOL2D_BACKWARD)
+    return kiln_set_error(KILN_ERR_INTERNAL, "kiln: %s is not a max-pool kernel", kiln__kop_name(a->op));
+  bool bw = a->op == KILN__K_MAX_POOL2D_BACKWARD;
+  const kiln__view *v = bw ? &a->out[0] : &a->in[0];
+  if (bw && (a->n_in < 2 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || v->ndim != 4 ||
+             kiln__cpu_is_float(a->in[1].dtype)))
+    return kiln_set_error(KILN_ERR_SHAPE,
+                          "kiln: max_pool2d_backward takes a 4-d grad, its integer indices and a 4-d dx");
+  if (!kiln__cpu_is_float(v->dtype)) return kiln__cpu_dtype_error(a, v->dtype);
+  int64_t planes = v->shape[0] * v->shape[1];
+  if (planes == 0) return KILN_OK;
+  mp_job j = {a, p, false};
+  int64_t per = kiln__view_numel(&a->in[0]) / planes + 1;
+  kiln__cpu_parallel_for(planes, KILN__CPU_PAR_MIN / per + 1, bw ? max_pool_bwd_range : max_pool_range, &j);
+  return KILN_OK;
+}
+
 /* ---- entry ------------------------------------------------------------------------------- */
 
 static bool fast_dtype(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
@@ -723,14 +940,14 @@ static bool dense(const kiln__view *v, bool cl) {
 
 kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a) {
   const kiln__conv_params *p = a->params;
-  if (!p) return kiln__cpu_conv_window(a);
+  if (!p) return mp_general(a);
   if (a->op == KILN__K_MAX_POOL2D) {
     if (a->n_in < 1 || a->n_out < 2 || a->in[0].ndim != 4 || a->out[0].ndim != 4 || a->out[1].ndim != 4)
-      return kiln__cpu_conv_window(a);
+      return mp_general(a);
     const kiln__view *x = &a->in[0], *y = &a->out[0], *ix = &a->out[1];
     if (!fast_dtype(x->dtype) || y->dtype != x->dtype || ix->dtype != KILN_I64 ||
         x->shape[2] * x->shape[3] >= INT32_MAX)
-      return kiln__cpu_conv_window(a);
+      return mp_general(a);
     int64_t N = y->shape[0], C = y->shape[1], OH = y->shape[2], OW = y->shape[3];
     if (N * C * OH * OW == 0) return KILN_OK;
     int64_t win = p->kernel[0] * p->kernel[1];
@@ -743,18 +960,18 @@ kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a) {
       int64_t items = N * C, per = OH * OW * win + 1;
       kiln__cpu_parallel_for(items, KILN__CPU_PAR_MIN_CHEAP / per + 1, mp_planes, &j);
     } else {
-      return kiln__cpu_conv_window(a);
+      return mp_general(a);
     }
     if (j.oom) return kiln_set_error(KILN_ERR_OOM, "kiln: max_pool2d: out of host memory for a row buffer");
     return KILN_OK;
   }
   if (a->op == KILN__K_MAX_POOL2D_BACKWARD) {
     if (a->n_in < 2 || a->in[0].ndim != 4 || a->in[1].ndim != 4 || a->out[0].ndim != 4)
-      return kiln__cpu_conv_window(a); /* which sets the error */
+      return mp_general(a); /* which sets the error */
     const kiln__view *g = &a->in[0], *ix = &a->in[1], *dx = &a->out[0];
-    if (!fast_dtype(dx->dtype) || g->dtype != dx->dtype || ix->dtype != KILN_I64) return kiln__cpu_conv_window(a);
+    if (!fast_dtype(dx->dtype) || g->dtype != dx->dtype || ix->dtype != KILN_I64) return mp_general(a);
     bool cl = dense(dx, true) && dx->shape[1] > 1 && !dense(dx, false);
-    if (!cl && !dense(dx, false)) return kiln__cpu_conv_window(a);
+    if (!cl && !dense(dx, false)) return mp_general(a);
     int64_t N = dx->shape[0], C = dx->shape[1];
     if (N * C * dx->shape[2] * dx->shape[3] == 0) return KILN_OK;
     mpb_job j = {a, p, cl, false};
@@ -763,5 +980,5 @@ kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a) {
     if (j.oom) return kiln_set_error(KILN_ERR_OOM, "kiln: max_pool2d_backward: out of host memory for a plane buffer");
     return KILN_OK;
   }
-  return kiln__cpu_conv_window(a);
+  return mp_general(a);
 }

@@ -706,72 +706,10 @@ kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a) {
 
 /* MAX_POOL2D */
 
-/* f32 planes with unit-stride rows, an i64 index output of the same layout: the common
-** case (a CNN's pools) without the per-element dtype dispatch of the general loop below,
-** which costs several times the comparison itself. The same windows, order and NaN rule. */
-static bool max_pool_f32_fast(const kiln__view *x, const kiln__view *y, const kiln__view *ix) {
-  return x->dtype == KILN_F32 && y->dtype == KILN_F32 && ix->dtype == KILN_I64 && x->strides[3] == 1 &&
-         y->strides[3] == 1 && ix->strides[3] == 1 && y->strides[2] == ix->strides[2];
-}
-
-static void max_pool_range_f32(const mp_job *j, int64_t lo, int64_t hi) {
-  const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
-  const kiln__conv_params *p = j->p;
-  int64_t H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
-  int64_t xs2 = x->strides[2], ys2 = y->strides[2];
-  /* 2x2 windows, stride 2, no padding (MaxPool2d(2)): the four candidates unrolled, in the
-  ** general loop's order (row by row), with its rule: the first strict maximum, a NaN wins */
-  bool two = p->kernel[0] == 2 && p->kernel[1] == 2 && p->stride[0] == 2 && p->stride[1] == 2 &&
-             p->padding[0] == 0 && p->padding[1] == 0 && p->dilation[0] == 1 && p->dilation[1] == 1 &&
-             2 * OH <= H && 2 * OW <= W;
-  for (int64_t q = lo; q < hi; q++) {
-    const float *xp = (const float *)((const char *)x->data + kiln__cpu_plane_off(x, q));
-    float *yp = (float *)((char *)y->data + kiln__cpu_plane_off(y, q));
-    int64_t *ip = (int64_t *)((char *)ix->data + kiln__cpu_plane_off(ix, q));
-    if (two) {
-      for (int64_t oh = 0; oh < OH; oh++) {
-        const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
-        for (int64_t ow = 0; ow < OW; ow++) {
-          float c[4] = {r0[2 * ow], r0[2 * ow + 1], r1[2 * ow], r1[2 * ow + 1]};
-          float best = c[0];
-          int k = 0;
-          for (int t = 1; t < 4; t++)
-            if (c[t] > best || (isnan(c[t]) && !isnan(best))) best = c[t], k = t;
-          yp[oh * ys2 + ow] = best;
-          ip[oh * ys2 + ow] = (2 * oh + (k >> 1)) * W + 2 * ow + (k & 1);
-        }
-      }
-      continue;
-    }
-    for (int64_t oh = 0; oh < OH; oh++)
-      for (int64_t ow = 0; ow < OW; ow++) {
-        float best = -INFINITY;
-        int64_t at = -1;
-        for (int64_t i = 0; i < p->kernel[0]; i++) {
-          int64_t h = oh * p->stride[0] - p->padding[0] + i * p->dilation[0];
-          if (h < 0 || h >= H) continue;
-          const float *row = xp + h * xs2;
-          for (int64_t jj = 0; jj < p->kernel[1]; jj++) {
-            int64_t w = ow * p->stride[1] - p->padding[1] + jj * p->dilation[1];
-            if (w < 0 || w >= W) continue;
-            float v = row[w];
-            if (at < 0 || v > best || (isnan(v) && !isnan(best))) best = v, at = h * W + w;
-          }
-        }
-        yp[oh * ys2 + ow] = best;
-        ip[oh * ys2 + ow] = at < 0 ? 0 : at;
-      }
-  }
-}
-
 static void max_pool_range(void *vctx, int64_t lo, int64_t hi) {
   const mp_job *j = vctx;
   const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
   const kiln__conv_params *p = j->p;
-  if (max_pool_f32_fast(x, y, ix)) {
-    max_pool_range_f32(j, lo, hi);
-    return;
-  }
   size_t es = kiln_dtype_size(x->dtype), yes = kiln_dtype_size(y->dtype), ies = kiln_dtype_size(ix->dtype);
   int64_t H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
   for (int64_t q = lo; q < hi; q++) {

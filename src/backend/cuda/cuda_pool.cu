@@ -1,7 +1,7 @@
 /*
 ** The window kernels of convolutional networks on CUDA: IM2COL, its adjoint COL2IM, and
-** MAX_POOL2D (backend.h gives their contracts; src/backend/cpu/cpu_conv.c is the
-** reference). Any strides, f32/f64/f16/bf16.
+** MAX_POOL2D (backend.h gives their contracts; src/backend/cpu/cpu_conv.c and
+** cpu_maxpool.c are the references). Any strides, f32/f64/f16/bf16.
 **
 ** One thread per element of the tensor written, so no two threads write one address:
 ** - IM2COL: per column entry, a copy of one pixel or 0 (bits moved, no arithmetic);

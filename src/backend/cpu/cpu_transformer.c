@@ -6,8 +6,9 @@
 ** Every value is computed in f64 whatever the dtype (rows are gathered into f64 buffers
 ** with kiln__cpu_load and stored back rounded once), so f32, f16 and bf16 results are the
 ** f64 result rounded: the harness's f32 tolerance then measures only the final rounding.
-** This is the reference path; a faster f32 path (SIMD dot products) can come later
-** behind the same kernel signature.
+** This is the reference path; f32 and bf16 tensors take faster f32 paths behind the same
+** kernel signatures where the CPU has one (the norms on AVX-512, attention on sgemm or
+** oneDNN: below).
 **
 ** Attention (FlashAttention's algorithm, Dao et al. 2022, on one core per query row):
 ** for a query row i the scores s_j = scale * q_i . k_j + mask_ij are taken BK keys at a
@@ -188,6 +189,226 @@ static void kiln__ln_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
   free(buf);
 }
 
+#ifdef KILN__AVX512
+/* ---- the norms in f32 (AVX-512) ----
+** For f32 and bf16 x (and gradients) the rows are computed in f32, 16 lanes, as PyTorch's
+** CPU kernels do for these dtypes (their accumulate type is float: LayerNormKernel's
+** RowwiseMoments, Welford in f32): mean = sum(x) / n, then var = sum((x - mean)^2) / n
+** (two passes over the row, which sits in L1), rstd = 1 / sqrtf(var + eps),
+** y = (x - mean) rstd w + b rounded once to y's dtype; the backward's dx = rstd (g w -
+** mean(g w) - xhat mean(g w xhat)) likewise. Error against the f64 path: the two sums of
+** n terms in 16 lanes (n/16 adds a lane, then a 16-way tree) carry a relative error of
+** about (n/16 + 4) u (u = 2^-24) of the sum of |terms|, a few 1e-6 for n = 1024, and
+** each element a handful of roundings more: below the f32 tolerance of the op tests
+** (1e-5), and far below a bf16 output's half ulp (2^-9). The weight gradients keep the
+** f64 column sums of the f64 path (dweight_j = sum_r g_rj (x_rj - mean_r) rstd_r, in row
+** order: the same bits for any thread count), read straight from f32/bf16 here.
+** A GPT's (2048, 256) f32 layer_norm: ~0.33 ms a call in f64 (the rows widened into
+** f64 buffers and back). KILN_LAYER_NORM_F32=0 turns this path off (the f64 one: A/B). */
+typedef struct kiln__lnf {
+  const kiln__kargs *a;
+  int64_t rows, n;
+  const float *w, *b; /* NULL when absent */
+  bool rms, failed;
+} kiln__lnf;
+
+KILN__T512 static inline float kiln__hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* row r of a 2-d (rows, n) view with unit inner stride */
+static char *kiln__lnf_row(const kiln__view *v, int64_t r) {
+  return (char *)v->data + r * v->strides[0] * (int64_t)kiln__cpu_esize(v->dtype);
+}
+
+KILN__T512 static void kiln__lnf_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__lnf *c = vctx;
+  const kiln__kargs *a = c->a;
+  const int64_t n = c->n;
+  const kiln__view *xv = &a->in[0], *yv = &a->out[0];
+  const bool xb = xv->dtype == KILN_BF16, yb = yv->dtype == KILN_BF16;
+  const int64_t xe = xb ? 2 : 4, ye = yb ? 2 : 4;
+  float *x = malloc(sizeof(float) * (size_t)(n + 16));
+  if (!x) {
+    c->failed = true;
+    return;
+  }
+  const float eps = (float)a->s[0];
+  for (int64_t r = lo; r < hi; r++) {
+    const char *xr = kiln__lnf_row(xv, r);
+    char *yr = kiln__lnf_row(yv, r);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) { /* x in f32 (lanes past n: 0) */
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 v = kiln__load16(xr + j * xe, xb, k);
+      _mm512_storeu_ps(x + j, v);
+      s = _mm512_add_ps(s, v);
+    }
+    const float mean = c->rms ? 0.0f : kiln__hsum16(s) / (float)n;
+    const __m512 mv = _mm512_set1_ps(mean);
+    s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 d = _mm512_maskz_sub_ps(k, _mm512_loadu_ps(x + j), mv);
+      s = _mm512_fmadd_ps(d, d, s);
+    }
+    const float rstd = 1.0f / sqrtf(kiln__hsum16(s) / (float)n + eps);
+    const __m512 rv = _mm512_set1_ps(rstd);
+    for (int64_t j = 0; j < n; j += 16) {
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv), rv);
+      if (c->w) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, c->w + j));
+      if (c->b) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(k, c->b + j));
+      kiln__store16(yr + j * ye, y, yb, k);
+    }
+    int64_t idx[1] = {r};
+    if (c->rms) {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
+    } else {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
+      kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
+    }
+  }
+  free(x);
+}
+
+KILN__T512 static void kiln__lnf_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__lnf *c = vctx;
+  const kiln__kargs *a = c->a;
+  const int64_t n = c->n;
+  const kiln__view *xv = &a->in[0], *gv = &a->in[1], *dv = &a->out[0];
+  const bool xb = xv->dtype == KILN_BF16, gb = gv->dtype == KILN_BF16, db = dv->dtype == KILN_BF16;
+  const int64_t xe = xb ? 2 : 4, ge = gb ? 2 : 4, de = db ? 2 : 4;
+  float *xh = malloc(sizeof(float) * (size_t)(2 * (n + 16)));
+  if (!xh) {
+    c->failed = true;
+    return;
+  }
+  float *gw = xh + n + 16;
+  for (int64_t r = lo; r < hi; r++) {
+    int64_t idx[1] = {r};
+    const float mean = c->rms ? 0.0f : (float)kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+    const float rstd = (float)kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+    const __m512 mv = _mm512_set1_ps(mean), rv = _mm512_set1_ps(rstd);
+    const char *xr = kiln__lnf_row(xv, r), *gr = kiln__lnf_row(gv, r);
+    char *dr = kiln__lnf_row(dv, r);
+    __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) { /* xhat, g w (0 past n) and their sums */
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 h = _mm512_mul_ps(_mm512_sub_ps(kiln__load16(xr + j * xe, xb, k), mv), rv);
+      __m512 g = kiln__load16(gr + j * ge, gb, k);
+      if (c->w) g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(k, c->w + j));
+      _mm512_storeu_ps(xh + j, h);
+      _mm512_storeu_ps(gw + j, g);
+      s1 = _mm512_add_ps(s1, g);
+      s2 = _mm512_fmadd_ps(g, h, s2);
+    }
+    const float sg = c->rms ? 0.0f : kiln__hsum16(s1) / (float)n, sgx = kiln__hsum16(s2) / (float)n;
+    const __m512 sgv = _mm512_set1_ps(sg), sxv = _mm512_set1_ps(sgx);
+    for (int64_t j = 0; j < n; j += 16) {
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 t = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(gw + j), sgv), _mm512_mul_ps(_mm512_loadu_ps(xh + j), sxv));
+      kiln__store16(dr + j * de, _mm512_mul_ps(rv, t), db, k);
+    }
+  }
+  free(xh);
+}
+
+/* The f64 path's weight gradients (kiln__ln_wgrad_range: columns [lo, hi), rows in order,
+** f64 sums of g (x - mean) rstd), reading f32/bf16 x and g 8 columns at a time. */
+KILN__T512 static void kiln__lnf_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__lnf *c = vctx;
+  const kiln__kargs *a = c->a;
+  const int64_t w = hi - lo;
+  const kiln__view *xv = &a->in[0], *gv = &a->in[1];
+  const bool xb = xv->dtype == KILN_BF16, gb = gv->dtype == KILN_BF16;
+  const int64_t xe = xb ? 2 : 4, ge = gb ? 2 : 4;
+  double *sw = malloc(sizeof(double) * (size_t)(2 * (w + 8)));
+  if (!sw) {
+    c->failed = true;
+    return;
+  }
+  double *sb = sw + w + 8;
+  for (int64_t j = 0; j < w + 8; j++) sw[j] = 0, sb[j] = 0;
+  for (int64_t r = 0; r < c->rows; r++) {
+    int64_t idx[1] = {r};
+    const double mean = c->rms ? 0.0 : kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+    const double rstd = kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+    const __m512d mv = _mm512_set1_pd(mean), rv = _mm512_set1_pd(rstd);
+    const char *xr = kiln__lnf_row(xv, r) + lo * xe, *gr = kiln__lnf_row(gv, r) + lo * ge;
+    for (int64_t j = 0; j < w; j += 8) {
+      __mmask16 k = w - j >= 8 ? (__mmask16)0xFF : kiln__mask16(w - j);
+      __m512d x = _mm512_cvtps_pd(_mm512_castps512_ps256(kiln__load16(xr + j * xe, xb, k)));
+      __m512d g = _mm512_cvtps_pd(_mm512_castps512_ps256(kiln__load16(gr + j * ge, gb, k)));
+      __m512d t = _mm512_mul_pd(_mm512_mul_pd(g, _mm512_sub_pd(x, mv)), rv); /* g (x - mean) rstd */
+      _mm512_storeu_pd(sw + j, _mm512_add_pd(_mm512_loadu_pd(sw + j), t));
+      _mm512_storeu_pd(sb + j, _mm512_add_pd(_mm512_loadu_pd(sb + j), g));
+    }
+  }
+  for (int64_t j = 0; j < w; j++) {
+    int64_t jj[1] = {lo + j};
+    kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw[j]);
+    if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb[j]);
+  }
+  free(sw);
+}
+
+static void kiln__lnf_wgrad_blocks(void *vctx, int64_t lo, int64_t hi) {
+  const kiln__lnf *c = vctx;
+  kiln__lnf_wgrad_range(vctx, lo * 16, hi * 16 < c->n ? hi * 16 : c->n);
+}
+
+static bool kiln__lnf_dt(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
+
+/* The f32 path's case: f32/bf16 rows with unit inner stride, f32 statistics. */
+static bool kiln__lnf_takes(const kiln__kargs *a, bool bw) {
+  static int enabled = -1;
+  if (enabled < 0) {
+    const char *e = kiln__getenv("KILN_LAYER_NORM_F32");
+    enabled = !(e && e[0] == '0');
+  }
+  if (!enabled || !kiln__avx512_ok()) return false;
+  const kiln__view *rowv[3] = {&a->in[0], &a->out[0], bw ? &a->in[1] : NULL};
+  for (int i = 0; i < 3; i++)
+    if (rowv[i] && (!kiln__lnf_dt(rowv[i]->dtype) || rowv[i]->ndim != 2 || rowv[i]->strides[1] != 1)) return false;
+  bool rms = a->i[1] == 1;
+  const kiln__view *st[2] = {bw ? &a->in[rms ? 3 : 2] : &a->out[1], bw ? &a->in[3] : &a->out[rms ? 1 : 2]};
+  for (int i = 0; i < 2; i++)
+    if (st[i]->dtype != KILN_F32) return false;
+  return true;
+}
+
+static float *kiln__load_vec_f32(const kiln__view *v, int64_t n) {
+  float *p = malloc(sizeof(float) * (size_t)(n ? n : 1));
+  if (p) kiln__cpu_load(p, KILN_F32, v->data, kiln__bst(v, 0), v->dtype, n);
+  return p;
+}
+
+static kiln_status kiln__lnf_run(const kiln__kargs *a, bool bw, const char *name) {
+  kiln__lnf c = {.a = a, .rows = a->in[0].shape[0], .n = a->in[0].shape[1], .rms = a->i[1] == 1};
+  float *w = NULL, *b = NULL;
+  int wi = bw ? 4 : 1;
+  if ((a->i[0] & 1) && !(w = kiln__load_vec_f32(&a->in[wi], c.n))) goto oom;
+  if (!bw && (a->i[0] & 2) && !(b = kiln__load_vec_f32(&a->in[(a->i[0] & 1) ? 2 : 1], c.n))) goto oom;
+  c.w = w, c.b = b;
+  int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
+  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
+  if (c.rows > 0 && c.n > 0) {
+    kiln__cpu_parallel_for(c.rows, min_par, bw ? kiln__lnf_bwd_range : kiln__lnf_fwd_range, &c);
+    if (bw && a->n_out > 1) {
+      int64_t ccost = c.rows + KILN__CPU_ROW_COST;
+      /* columns in blocks of 16 per item: a share starts on a 64-byte f32 boundary */
+      int64_t nblk = (c.n + 15) / 16;
+      kiln__cpu_parallel_for(nblk, nblk * 16 * ccost < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__lnf_wgrad_blocks, &c);
+    }
+  }
+  free(w), free(b);
+  if (c.failed) goto oom;
+  return KILN_OK;
+oom:
+  free(w), free(b);
+  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
+}
+#endif /* KILN__AVX512 */
+
 /* A 1-d view's n values as f64 (malloc'd; NULL on OOM). */
 static double *kiln__load_vec(const kiln__view *v, int64_t n) {
   double *p = malloc(sizeof(double) * (size_t)(n ? n : 1));
@@ -202,6 +423,9 @@ kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
   if (x->ndim != 2 || a->out[0].ndim != 2)
     return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants x as (rows, n)", name);
   if (!kiln__cpu_is_float(x->dtype)) return kiln__cpu_dtype_error(a, x->dtype);
+#ifdef KILN__AVX512
+  if (kiln__lnf_takes(a, bw)) return kiln__lnf_run(a, bw, name);
+#endif
   kiln__ln c = {.a = a, .rows = x->shape[0], .n = x->shape[1], .rms = a->i[1] == 1};
   double *w = NULL, *b = NULL;
   int wi = bw ? 4 : 1;

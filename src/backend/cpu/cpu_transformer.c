@@ -1016,6 +1016,70 @@ KILN__CPU_CLONES512 static void kiln__attb_row_bwd(float *s, float *dp, uint16_t
   for (j = n; j < w; j++) p[j] = 0, ds[j] = 0;
 }
 
+#ifdef KILN__AVX512
+/* The two rows on AVX-512 in fewer passes: forward max, then exp (kiln__exp16_fma) with
+** its sum, then P = bf16(e / l) written as bits (3 passes over the row where the loops
+** above make 5); backward p = bf16(exp(s - lse)) with delta = sum p dp in the same pass,
+** then dS = bf16(p (dp - delta) scale) (2 passes for 5). Statistics in f32 as above; the
+** exp in fused multiply-adds differs from kiln__expf by an ulp or two, so an element of
+** P or dS may differ by one bf16 ulp from the loops above (the tests hold both to the f64
+** reference). Two copies: bf16 rounding by vcvtneps2bf16 where the CPU has AVX512-BF16,
+** by integer lanes elsewhere: the same bits. */
+#define KILN__ATTB_ROWS16(SUF, TGT, BITS)                                                                       \
+  TGT static float kiln__attb_row_fwd16##SUF(float *s, uint16_t *p, int64_t n, int64_t w) {                    \
+    __m512 mv = _mm512_set1_ps(-INFINITY);                                                                     \
+    for (int64_t j = 0; j < n; j += 16) {                                                                      \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + j));                       \
+    }                                                                                                          \
+    float m = _mm512_reduce_max_ps(mv), lse = -INFINITY;                                                       \
+    if (n > 0 && m != -INFINITY) {                                                                             \
+      const __m512 mm = _mm512_set1_ps(m);                                                                     \
+      __m512 lv = _mm512_setzero_ps();                                                                         \
+      for (int64_t j = 0; j < n; j += 16) {                                                                    \
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                  \
+        __m512 e = _mm512_maskz_mov_ps(k, kiln__exp16_fma(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mm))); \
+        _mm512_mask_storeu_ps(s + j, k, e); /* masked: the next row follows at s + w */                       \
+        lv = _mm512_add_ps(lv, e);                                                                             \
+      }                                                                                                        \
+      float l = _mm512_reduce_add_ps(lv);                                                                      \
+      lse = m + logf(l);                                                                                       \
+      const __m512 inv = _mm512_set1_ps(1.0f / l);                                                             \
+      for (int64_t j = 0; j < n; j += 16) {                                                                    \
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                   \
+        _mm256_mask_storeu_epi16(p + j, k, BITS(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv)));                  \
+      }                                                                                                        \
+    } else {                                                                                                   \
+      n = 0;                                                                                                   \
+    }                                                                                                          \
+    if (w > n) memset(p + n, 0, (size_t)(w - n) * 2);                                                          \
+    return lse;                                                                                                \
+  }                                                                                                            \
+  TGT static void kiln__attb_row_bwd16##SUF(float *s, float *dp, uint16_t *p, uint16_t *ds, int64_t n, int64_t w, \
+                                           float lse, float scale) {                                           \
+    if (lse == -INFINITY) n = 0;                                                                               \
+    const __m512 lv = _mm512_set1_ps(lse);                                                                     \
+    __m512 acc = _mm512_setzero_ps();                                                                          \
+    for (int64_t j = 0; j < n; j += 16) { /* p, as bits and as its f32 value, and delta */                     \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      __m256i b = BITS(kiln__exp16_fma(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), lv)));                   \
+      _mm256_mask_storeu_epi16(p + j, k, b);                                                                   \
+      __m512 pr = _mm512_maskz_mov_ps(k, kiln__bf16f32_16(b));                                                 \
+      _mm512_mask_storeu_ps(s + j, k, pr);                                                                     \
+      acc = _mm512_fmadd_ps(pr, _mm512_maskz_loadu_ps(k, dp + j), acc);                                        \
+    }                                                                                                          \
+    const __m512 dv = _mm512_set1_ps(_mm512_reduce_add_ps(acc)), sc = _mm512_set1_ps(scale);                   \
+    for (int64_t j = 0; j < n; j += 16) {                                                                      \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), dv)), sc); \
+      _mm256_mask_storeu_epi16(ds + j, k, BITS(t));                                                            \
+    }                                                                                                          \
+    if (w > n) memset(p + n, 0, (size_t)(w - n) * 2), memset(ds + n, 0, (size_t)(w - n) * 2);                  \
+  }
+KILN__ATTB_ROWS16(_sw, KILN__T512, kiln__bf16bits16)
+KILN__ATTB_ROWS16(_bf, KILN__T512BF, kiln__bf16bits16_cvt)
+#endif
+
 typedef struct kiln__attb {
   const kiln__kargs *a;
   int64_t H, Tq, Tk;
@@ -1037,9 +1101,26 @@ static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
     uint16_t *p = c->P + r * c->Tk;
     if (c->bw) {
       float lse = (float)kiln__cpu_get_f64(kiln__at(lv, 3, li), lv->dtype);
-      kiln__attb_row_bwd(s, c->dP + r * c->Tk, p, c->dS + r * c->Tk, n, c->Tk, lse, c->scale);
+      float *dp = c->dP + r * c->Tk;
+      uint16_t *ds = c->dS + r * c->Tk;
+#ifdef KILN__AVX512
+      if (kiln__avx512bf16_ok())
+        kiln__attb_row_bwd16_bf(s, dp, p, ds, n, c->Tk, lse, c->scale);
+      else if (kiln__avx512_ok())
+        kiln__attb_row_bwd16_sw(s, dp, p, ds, n, c->Tk, lse, c->scale);
+      else
+#endif
+        kiln__attb_row_bwd(s, dp, p, ds, n, c->Tk, lse, c->scale);
     } else {
-      float lse = kiln__attb_row_fwd(s, p, n, c->Tk);
+      float lse;
+#ifdef KILN__AVX512
+      if (kiln__avx512bf16_ok())
+        lse = kiln__attb_row_fwd16_bf(s, p, n, c->Tk);
+      else if (kiln__avx512_ok())
+        lse = kiln__attb_row_fwd16_sw(s, p, n, c->Tk);
+      else
+#endif
+        lse = kiln__attb_row_fwd(s, p, n, c->Tk);
       kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)lse);
     }
   }

@@ -436,7 +436,7 @@ __attribute__((unused)) static void tf_norm_wide(void) {
   static const struct {
     int64_t rows, n;
     bool rms;
-  } cs[] = {{64, 256, false}, {33, 300, false}, {17, 200, true}};
+  } cs[] = {{64, 256, false}, {33, 300, false}, {17, 200, true}, {150, 264, false}}; /* 150: blocks of 64 rows */
   static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
   kiln_device cpu = kiln_device_cpu();
   for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++)

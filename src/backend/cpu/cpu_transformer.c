@@ -201,16 +201,22 @@ static void kiln__ln_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
 ** about (n/16 + 4) u (u = 2^-24) of the sum of |terms|, a few 1e-6 for n = 1024, and
 ** each element a handful of roundings more: below the f32 tolerance of the op tests
 ** (1e-5), and far below a bf16 output's half ulp (2^-9). The weight gradients keep the
-** f64 column sums of the f64 path (dweight_j = sum_r g_rj (x_rj - mean_r) rstd_r, in row
-** order: the same bits for any thread count), read straight from f32/bf16 here.
+** f64 path's f64 terms (dweight_j = sum_r g_rj (x_rj - mean_r) rstd_r, dbias_j = sum_r
+** g_rj), summed in the backward's pass over the rows: per block of KILN__LNF_RB rows in
+** row order, then the blocks in order (the same bits for any thread count).
 ** A GPT's (2048, 256) f32 layer_norm: ~0.33 ms a call in f64 (the rows widened into
 ** f64 buffers and back). KILN_LAYER_NORM_F32=0 turns this path off (the f64 one: A/B). */
 typedef struct kiln__lnf {
   const kiln__kargs *a;
   int64_t rows, n;
   const float *w, *b; /* NULL when absent */
+  double *part;       /* backward: each row block's weight sums (2n: dweight, dbias), or NULL */
   bool rms, failed;
 } kiln__lnf;
+
+/* rows a block of the backward: its weight gradients' partial sums are one unit, whatever
+** the thread count */
+#define KILN__LNF_RB 64
 
 KILN__T512 static inline float kiln__hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -270,6 +276,9 @@ KILN__T512 static void kiln__lnf_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   free(x);
 }
 
+/* Row blocks [lo, hi) of KILN__LNF_RB rows: dx, and where the weight gradients are wanted
+** the block's f64 sums of g (x - mean) rstd and of g per column (the f64 path's terms, x
+** and g read once for both: a second pass over them by columns was ~2% of a GPT step). */
 KILN__T512 static void kiln__lnf_bwd_range(void *vctx, int64_t lo, int64_t hi) {
   kiln__lnf *c = vctx;
   const kiln__kargs *a = c->a;
@@ -283,77 +292,49 @@ KILN__T512 static void kiln__lnf_bwd_range(void *vctx, int64_t lo, int64_t hi) {
     return;
   }
   float *gw = xh + n + 16;
-  for (int64_t r = lo; r < hi; r++) {
-    int64_t idx[1] = {r};
-    const float mean = c->rms ? 0.0f : (float)kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
-    const float rstd = (float)kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
-    const __m512 mv = _mm512_set1_ps(mean), rv = _mm512_set1_ps(rstd);
-    const char *xr = kiln__lnf_row(xv, r), *gr = kiln__lnf_row(gv, r);
-    char *dr = kiln__lnf_row(dv, r);
-    __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) { /* xhat, g w (0 past n) and their sums */
-      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
-      __m512 h = _mm512_mul_ps(_mm512_sub_ps(kiln__load16(xr + j * xe, xb, k), mv), rv);
-      __m512 g = kiln__load16(gr + j * ge, gb, k);
-      if (c->w) g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(k, c->w + j));
-      _mm512_storeu_ps(xh + j, h);
-      _mm512_storeu_ps(gw + j, g);
-      s1 = _mm512_add_ps(s1, g);
-      s2 = _mm512_fmadd_ps(g, h, s2);
-    }
-    const float sg = c->rms ? 0.0f : kiln__hsum16(s1) / (float)n, sgx = kiln__hsum16(s2) / (float)n;
-    const __m512 sgv = _mm512_set1_ps(sg), sxv = _mm512_set1_ps(sgx);
-    for (int64_t j = 0; j < n; j += 16) {
-      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
-      __m512 t = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(gw + j), sgv), _mm512_mul_ps(_mm512_loadu_ps(xh + j), sxv));
-      kiln__store16(dr + j * de, _mm512_mul_ps(rv, t), db, k);
+  for (int64_t blk = lo; blk < hi; blk++) {
+    int64_t r0 = blk * KILN__LNF_RB, r1 = r0 + KILN__LNF_RB < c->rows ? r0 + KILN__LNF_RB : c->rows;
+    double *sw = c->part ? c->part + blk * 2 * n : NULL, *sb = sw ? sw + n : NULL;
+    for (int64_t r = r0; r < r1; r++) {
+      int64_t idx[1] = {r};
+      const float mean = c->rms ? 0.0f : (float)kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+      const float rstd = (float)kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+      const __m512 mv = _mm512_set1_ps(mean), rv = _mm512_set1_ps(rstd);
+      const __m512d md = _mm512_set1_pd(mean), rd = _mm512_set1_pd(rstd);
+      const char *xr = kiln__lnf_row(xv, r), *gr = kiln__lnf_row(gv, r);
+      char *dr = kiln__lnf_row(dv, r);
+      __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) { /* xhat, g w (0 past n) and their sums */
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+        __m512 x = kiln__load16(xr + j * xe, xb, k), g = kiln__load16(gr + j * ge, gb, k);
+        if (sw) { /* the weight sums, 8 columns at a time, in f64: g (x - mean) rstd and g */
+          for (int hlf = 0; hlf < 2 && j + 8 * hlf < n; hlf++) {
+            __m512d x8 = _mm512_cvtps_pd(hlf ? _mm512_extractf32x8_ps(x, 1) : _mm512_castps512_ps256(x));
+            __m512d g8 = _mm512_cvtps_pd(hlf ? _mm512_extractf32x8_ps(g, 1) : _mm512_castps512_ps256(g));
+            double *pw = sw + j + 8 * hlf, *pb = sb + j + 8 * hlf;
+            __mmask8 k8 = (__mmask8)(hlf ? k >> 8 : k);
+            __m512d t = _mm512_mul_pd(_mm512_mul_pd(g8, _mm512_sub_pd(x8, md)), rd);
+            _mm512_mask_storeu_pd(pw, k8, _mm512_add_pd(_mm512_maskz_loadu_pd(k8, pw), t));
+            _mm512_mask_storeu_pd(pb, k8, _mm512_add_pd(_mm512_maskz_loadu_pd(k8, pb), g8));
+          }
+        }
+        __m512 h = _mm512_mul_ps(_mm512_sub_ps(x, mv), rv);
+        if (c->w) g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(k, c->w + j));
+        _mm512_storeu_ps(xh + j, h);
+        _mm512_storeu_ps(gw + j, g);
+        s1 = _mm512_add_ps(s1, g);
+        s2 = _mm512_fmadd_ps(g, h, s2);
+      }
+      const float sg = c->rms ? 0.0f : kiln__hsum16(s1) / (float)n, sgx = kiln__hsum16(s2) / (float)n;
+      const __m512 sgv = _mm512_set1_ps(sg), sxv = _mm512_set1_ps(sgx);
+      for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+        __m512 t = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(gw + j), sgv), _mm512_mul_ps(_mm512_loadu_ps(xh + j), sxv));
+        kiln__store16(dr + j * de, _mm512_mul_ps(rv, t), db, k);
+      }
     }
   }
   free(xh);
-}
-
-/* The f64 path's weight gradients (kiln__ln_wgrad_range: columns [lo, hi), rows in order,
-** f64 sums of g (x - mean) rstd), reading f32/bf16 x and g 8 columns at a time. */
-KILN__T512 static void kiln__lnf_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
-  kiln__lnf *c = vctx;
-  const kiln__kargs *a = c->a;
-  const int64_t w = hi - lo;
-  const kiln__view *xv = &a->in[0], *gv = &a->in[1];
-  const bool xb = xv->dtype == KILN_BF16, gb = gv->dtype == KILN_BF16;
-  const int64_t xe = xb ? 2 : 4, ge = gb ? 2 : 4;
-  double *sw = malloc(sizeof(double) * (size_t)(2 * (w + 8)));
-  if (!sw) {
-    c->failed = true;
-    return;
-  }
-  double *sb = sw + w + 8;
-  for (int64_t j = 0; j < w + 8; j++) sw[j] = 0, sb[j] = 0;
-  for (int64_t r = 0; r < c->rows; r++) {
-    int64_t idx[1] = {r};
-    const double mean = c->rms ? 0.0 : kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
-    const double rstd = kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
-    const __m512d mv = _mm512_set1_pd(mean), rv = _mm512_set1_pd(rstd);
-    const char *xr = kiln__lnf_row(xv, r) + lo * xe, *gr = kiln__lnf_row(gv, r) + lo * ge;
-    for (int64_t j = 0; j < w; j += 8) {
-      __mmask16 k = w - j >= 8 ? (__mmask16)0xFF : kiln__mask16(w - j);
-      __m512d x = _mm512_cvtps_pd(_mm512_castps512_ps256(kiln__load16(xr + j * xe, xb, k)));
-      __m512d g = _mm512_cvtps_pd(_mm512_castps512_ps256(kiln__load16(gr + j * ge, gb, k)));
-      __m512d t = _mm512_mul_pd(_mm512_mul_pd(g, _mm512_sub_pd(x, mv)), rv); /* g (x - mean) rstd */
-      _mm512_storeu_pd(sw + j, _mm512_add_pd(_mm512_loadu_pd(sw + j), t));
-      _mm512_storeu_pd(sb + j, _mm512_add_pd(_mm512_loadu_pd(sb + j), g));
-    }
-  }
-  for (int64_t j = 0; j < w; j++) {
-    int64_t jj[1] = {lo + j};
-    kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw[j]);
-    if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb[j]);
-  }
-  free(sw);
-}
-
-static void kiln__lnf_wgrad_blocks(void *vctx, int64_t lo, int64_t hi) {
-  const kiln__lnf *c = vctx;
-  kiln__lnf_wgrad_range(vctx, lo * 16, hi * 16 < c->n ? hi * 16 : c->n);
 }
 
 static bool kiln__lnf_dt(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
@@ -391,20 +372,30 @@ static kiln_status kiln__lnf_run(const kiln__kargs *a, bool bw, const char *name
   c.w = w, c.b = b;
   int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
   int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
-  if (c.rows > 0 && c.n > 0) {
-    kiln__cpu_parallel_for(c.rows, min_par, bw ? kiln__lnf_bwd_range : kiln__lnf_fwd_range, &c);
-    if (bw && a->n_out > 1) {
-      int64_t ccost = c.rows + KILN__CPU_ROW_COST;
-      /* columns in blocks of 16 per item: a share starts on a 64-byte f32 boundary */
-      int64_t nblk = (c.n + 15) / 16;
-      kiln__cpu_parallel_for(nblk, nblk * 16 * ccost < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__lnf_wgrad_blocks, &c);
-    }
+  if (c.rows > 0 && c.n > 0 && !bw) {
+    kiln__cpu_parallel_for(c.rows, min_par, kiln__lnf_fwd_range, &c);
+  } else if (c.rows > 0 && c.n > 0) {
+    const int64_t nblk = (c.rows + KILN__LNF_RB - 1) / KILN__LNF_RB;
+    if (a->n_out > 1 && !(c.part = calloc((size_t)(nblk * 2 * c.n), sizeof(double)))) goto oom;
+    kiln__cpu_parallel_for(nblk, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__lnf_bwd_range, &c);
+    if (c.part && !c.failed) /* the blocks' sums in block order: the same bits for any thread count */
+      for (int64_t j = 0; j < c.n; j++) {
+        double sw = 0, sb = 0;
+        for (int64_t blk = 0; blk < nblk; blk++) sw += c.part[blk * 2 * c.n + j], sb += c.part[blk * 2 * c.n + c.n + j];
+        int64_t jj[1] = {j};
+        kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw);
+        if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb);
+      }
+  } else if (bw && a->n_out > 1) { /* no rows: zero weight gradients */
+    for (int k = 1; k < a->n_out; k++)
+      for (int64_t j = 0; j < a->out[k].shape[0]; j++)
+        kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
   }
-  free(w), free(b);
   if (c.failed) goto oom;
+  free(w), free(b), free(c.part);
   return KILN_OK;
 oom:
-  free(w), free(b);
+  free(w), free(b), free(c.part);
   return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
 }
 #endif /* KILN__AVX512 */
@@ -446,8 +437,8 @@ kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
       for (int64_t j = 0; j < a->out[k].shape[0]; j++)
         kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
   }
-  free(w), free(b);
   if (c.failed) goto oom;
+  free(w), free(b);
   return KILN_OK;
 oom:
   free(w), free(b);

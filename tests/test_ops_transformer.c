@@ -431,7 +431,8 @@ __attribute__((unused)) static void tf_att_bf16(void) {
 ** wrong term, a missing weight or mean, is off by O(1) of it); bf16 results are rounded
 ** once from those f32 values, so 2^-8 relative (twice bf16's half ulp) plus that 1e-5.
 ** The weight gradients are f64 column sums in both paths (the same sums of products of
-** the same f32 statistics up to their rounding), under the same bound. */
+** the same f32 statistics up to their rounding; the f32 path sums blocks of 64 rows,
+** then the blocks: the 150-row case has three), under the same bound. */
 __attribute__((unused)) static void tf_norm_wide(void) {
   static const struct {
     int64_t rows, n;

@@ -84,6 +84,34 @@ int main(void) {
     snprintf(name, sizeof name, "%s broadcast add", kiln_dtype_name(dt));
     CHECK(same_bits(kiln_contiguous(kiln_add(xcl, row)), kiln_add(x, row), name));
   }
+  /* adds with a bf16 operand or result (plain and with alpha): C-contiguous operands take
+  ** cpu_elementwise.c's one-pass 16-lane path, the same values as column slices of wider
+  ** tensors (not dense) the general walker; the bits must agree. Odd sizes: a masked tail. */
+  {
+    const kiln_dtype pairs[4][2] = {{KILN_F32, KILN_BF16}, {KILN_BF16, KILN_F32}, {KILN_BF16, KILN_BF16},
+                                    {KILN_F32, KILN_F32}};
+    for (int pi = 0; pi < 4; pi++) {
+      kiln_tensor *bx = kiln_to_dtype(kiln_randn(KILN_SHAPE(37, 602), KILN_F32, cpu, g), pairs[pi][0]);
+      kiln_tensor *by = kiln_to_dtype(kiln_randn(KILN_SHAPE(37, 602), KILN_F32, cpu, g), pairs[pi][1]);
+      kiln_tensor *xs = kiln_narrow(bx, 1, 0, 301), *ys = kiln_narrow(by, 1, 1, 301);
+      kiln_tensor *xc = kiln_contiguous(xs), *yc = kiln_contiguous(ys);
+      char w[96];
+      snprintf(w, sizeof w, "add %s + %s", kiln_dtype_name(pairs[pi][0]), kiln_dtype_name(pairs[pi][1]));
+      CHECK(same_bits(kiln_add(xs, ys), kiln_add(xc, yc), w));
+      snprintf(w, sizeof w, "axpy %s + -0.37 %s", kiln_dtype_name(pairs[pi][0]), kiln_dtype_name(pairs[pi][1]));
+      CHECK(same_bits(kiln_axpy(xs, -0.37, ys), kiln_axpy(xc, -0.37, yc), w));
+      /* in place, into the bf16 or f32 x (the gradient accumulations of autograd) */
+      kiln_tensor *xa = kiln_contiguous(xs), *xb = kiln_contiguous(xs);
+      CHECK(kiln_axpy_(xa, 1.0, yc) == KILN_OK);
+      CHECK(kiln_axpy_(xb, 1.0, ys) == KILN_OK);
+      snprintf(w, sizeof w, "axpy_ %s += %s", kiln_dtype_name(pairs[pi][0]), kiln_dtype_name(pairs[pi][1]));
+      CHECK(same_bits(xa, xb, w));
+      /* casts between f32 and bf16 of the slices against the contiguous copies */
+      snprintf(w, sizeof w, "cast %s", kiln_dtype_name(pairs[pi][0]));
+      kiln_dtype to = pairs[pi][0] == KILN_F32 ? KILN_BF16 : KILN_F32;
+      CHECK(same_bits(kiln_contiguous(kiln_to_dtype(xs, to)), kiln_to_dtype(xc, to), w));
+    }
+  }
   /* the packed conversions: every bf16 pattern to f32 and back, and f32 values around
   ** each rounding case, against the scalar conversions */
   {

@@ -420,6 +420,71 @@ __attribute__((unused)) static void tf_att_bf16(void) {
   }
 }
 
+/* layer_norm / rms_norm on rows as wide as a transformer's (n 200 to 300: the CPU's f32
+** AVX-512 path, 16 lanes and a masked tail), f32 and bf16 (x, weight, bias and the
+** upstream gradient in that dtype), forward and every gradient against the same op on
+** f64 copies of the (rounded) values (the f64 kernel, itself checked against the naive
+** reference and gradchecked above). Tolerances from the arithmetic: the f32 path's row
+** sums (mean, variance, and the backward's sum(g w), sum(g w xhat)) carry a relative error
+** of about (n/16 + 4) 2^-24 of the sum of |terms| (~1e-6 here) and each element a few
+** roundings more, so f32 results are held to 1e-5 of the tensor's largest |value| (a
+** wrong term, a missing weight or mean, is off by O(1) of it); bf16 results are rounded
+** once from those f32 values, so 2^-8 relative (twice bf16's half ulp) plus that 1e-5.
+** The weight gradients are f64 column sums in both paths (the same sums of products of
+** the same f32 statistics up to their rounding; the f32 path sums blocks of 64 rows,
+** then the blocks: the 150-row case has three), under the same bound. */
+__attribute__((unused)) static void tf_norm_wide(void) {
+  static const struct {
+    int64_t rows, n;
+    bool rms;
+  } cs[] = {{64, 256, false}, {33, 300, false}, {17, 200, true}, {150, 264, false}}; /* 150: blocks of 64 rows */
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  kiln_device cpu = kiln_device_cpu();
+  for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++)
+    for (int di = 0; di < 2; di++) {
+      kiln_scope_begin();
+      const int64_t R = cs[ci].rows, N = cs[ci].n;
+      const kiln_dtype dt = dts[di];
+      kiln_generator *gen = kiln_generator_new(40 + ci);
+      /* x with an offset and scale (a residual stream's rows are not centred) */
+      kiln_tensor *x = kiln_to_dtype(
+          kiln_add_scalar(kiln_mul_scalar(kiln_randn(2, (int64_t[]){R, N}, KILN_F32, cpu, gen), 3.0), 1.5), dt);
+      kiln_tensor *w = kiln_to_dtype(kiln_randn(1, &N, KILN_F32, cpu, gen), dt);
+      kiln_tensor *b = kiln_to_dtype(kiln_randn(1, &N, KILN_F32, cpu, gen), dt);
+      kiln_tensor *g = kiln_to_dtype(kiln_randn(2, (int64_t[]){R, N}, KILN_F32, cpu, gen), dt);
+      kiln_generator_free(gen);
+      kiln_tensor *x64 = kiln_to_dtype(x, KILN_F64), *w64 = kiln_to_dtype(w, KILN_F64);
+      kiln_tensor *b64 = kiln_to_dtype(b, KILN_F64), *g64 = kiln_to_dtype(g, KILN_F64);
+      kiln_tensor *l[3] = {x, w, b}, *l64[3] = {x64, w64, b64};
+      int nl = cs[ci].rms ? 2 : 3;
+      for (int i = 0; i < nl; i++) kiln_requires_grad_(l[i], true), kiln_requires_grad_(l64[i], true);
+      kiln_tensor *y = cs[ci].rms ? kiln_rms_norm(x, 1, &N, w, 1e-5) : kiln_layer_norm(x, 1, &N, w, b, 1e-5);
+      kiln_tensor *y64 = cs[ci].rms ? kiln_rms_norm(x64, 1, &N, w64, 1e-5) : kiln_layer_norm(x64, 1, &N, w64, b64, 1e-5);
+      kiln_tensor *d[3] = {0}, *d64[3] = {0};
+      H_CHECK(y && kiln_autograd_grad(1, &y, &g, nl, l, d) == KILN_OK, "wide norm case %zu %s: backward", ci,
+              kiln_dtype_name(dt));
+      H_CHECK(y64 && kiln_autograd_grad(1, &y64, &g64, nl, l64, d64) == KILN_OK, "wide norm case %zu f64: backward", ci);
+      kiln_tensor *got[4] = {y, d[0], d[1], d[2]}, *want[4] = {y64, d64[0], d64[1], d64[2]};
+      static const char *const nm[4] = {"y", "dx", "dweight", "dbias"};
+      for (int i = 0; i < 1 + nl; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "%s (%lld, %lld) %s: %s", cs[ci].rms ? "rms_norm" : "layer_norm", (long long)R,
+                 (long long)N, kiln_dtype_name(dt), nm[i]);
+        int64_t n = 0;
+        double *wv = want[i] ? h_values(want[i], &n) : NULL, mx = 0;
+        for (int64_t e = 0; e < n; e++) mx = fabs(wv[e]) > mx ? fabs(wv[e]) : mx;
+        if (wv && got[i]) {
+          H_CHECK(kiln_dtype_of(got[i]) == dt, "%s: dtype", what);
+          h_tensor_close(what, got[i], wv, n, dt == KILN_F32 ? 0.0 : 1.0 / 256, 1e-5 * mx);
+        } else {
+          H_CHECK(false, "%s: missing", what);
+        }
+        free(wv);
+      }
+      kiln_scope_end();
+    }
+}
+
 static void tf_bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -456,6 +521,7 @@ int main(int argc, char **argv) {
     tf_att_packed();
     tf_sdpa_math();
     tf_att_bf16();
+    tf_norm_wide();
     tf_bad_input();
   }
   return h_finish();

@@ -146,13 +146,15 @@ KILN__U(gelu_f32, float, r = 0.5f * v * (1.0f + erf(v * (float)KILN__RSQRT2)))
 KILN__U(gelu_f64, double, r = 0.5 * v * (1.0 + erf(v * KILN__RSQRT2)))
 /* The tanh GELU (GPT-2's MLP), f32: 0.5 v (1 + tanh(u)) = v sigmoid(2u) = v / (1 + exp(-2u)),
 ** u = sqrt(2/pi) (v + 0.044715 v^3): one exp and one division, no cancellation near 0 (the
-** tanh form needed tanhf's polynomial branch there). The same operations, in the same
-** order, as the AVX-512 loops below (kiln__gelu16), which run contiguous f32 and bf16
-** tensors on CPUs that have it: same bits either way. AVX-512 / AVX2 clones picked at
-** load time for the rest (the build targets baseline x86-64). */
+** tanh form needed tanhf's polynomial branch there). On a CPU with AVX-512 every f32 GELU
+** (a contiguous f32/bf16 tensor in one pass, kiln__gelu_fast, and the chunks the walker
+** hands gelu_tanh_f32 for strided or f16 ones) runs kiln__gelu16: the same numbers for
+** any layout. Elsewhere the portable loops (gelu_tanh_f32_c, AVX2 clones where GCC
+** builds for x86-64), which differ from kiln__gelu16 by an ulp or two (its exp and
+** polynomial in fused multiply-adds). */
 #define KILN__GELU_K2 ((float)(-2.0 * KILN__SQRT_2_PI))
 KILN__CPU_CLONES512
-KILN__U(gelu_tanh_f32, float, r = v / (1.0f + kiln__expf(KILN__GELU_K2 * (v + 0.044715f * v * v * v))))
+KILN__U(gelu_tanh_f32_c, float, r = v / (1.0f + kiln__expf(KILN__GELU_K2 * (v + 0.044715f * v * v * v))))
 KILN__U(gelu_tanh_f64, double,
         r = 0.5 * v * (1.0 + tanh(KILN__SQRT_2_PI * (v + 0.044715 * v * v * v))))
 KILN__UF(silu, r = v / (1 + KILN__EXP(-v)))
@@ -184,7 +186,7 @@ KILN__B(gelu_bw_f64, double,
 ** d/dv = s + 2 v s (1 - s) u', u' = sqrt(2/pi) (1 + 3 0.044715 v^2) (= the tanh form's
 ** 0.5 (1 + t) + 0.5 v (1 - t^2) u' with t = 2s - 1) */
 KILN__CPU_CLONES512
-KILN__B(gelu_tanh_bw_f32, float, {
+KILN__B(gelu_tanh_bw_f32_c, float, {
   float s = 1.0f / (1.0f + kiln__expf(KILN__GELU_K2 * (v + 0.044715f * v * v * v)));
   float du = (float)KILN__SQRT_2_PI * (1.0f + 3.0f * 0.044715f * v * v);
   r = g * (s + 2.0f * v * s * (1.0f - s) * du);
@@ -194,6 +196,87 @@ KILN__B(gelu_tanh_bw_f64, double, {
   r = g * (0.5 * (1.0 + t) +
            0.5 * v * (1.0 - t * t) * KILN__SQRT_2_PI * (1.0 + 3.0 * 0.044715 * v * v));
 })
+#ifdef KILN__AVX512
+/* GELU_TANH and its backward, 16 lanes, f32 arithmetic on f32 or bf16 memory (bf16 read
+** and written in the loop: the generic map widened each 256-element chunk into a buffer).
+** -2u = v (k2 + k2 0.044715 v^2) (k2 = -2 sqrt(2/pi)), e = exp(-2u) (kiln__exp16_fma),
+** y = v / (1 + e); the backward's s = 1 / (1 + e), u' = sqrt(2/pi) + 3 0.044715 sqrt(2/pi)
+** v^2, dx = g (s + 2 v s (1 - s) u') with s (1 - s) = s - s s fused. The exact divisions
+** stay (a reciprocal estimate saved nothing measurable: the loop is bound by the exp and
+** the memory). A GPT's (2048, 1024) bf16 GELU: 1.37 -> 0.78 ms on one core with the FMA
+** exp and vcvtneps2bf16 stores, against kiln__exp16 and the integer rounding. */
+typedef struct kiln__gelu_job {
+  const char *x, *g;
+  char *y;
+  bool bf, bw;
+} kiln__gelu_job;
+
+#define KILN__GELU_K2C ((float)(-2.0 * KILN__SQRT_2_PI * 0.044715))
+#define KILN__GELU_KD ((float)KILN__SQRT_2_PI)
+#define KILN__GELU_KD3 ((float)(KILN__SQRT_2_PI * 3.0 * 0.044715))
+
+KILN__T512 static inline __m512 kiln__gelu16(__m512 v) {
+  __m512 v2 = _mm512_mul_ps(v, v);
+  __m512 m2u = _mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_set1_ps(KILN__GELU_K2C), v2, _mm512_set1_ps(KILN__GELU_K2)));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), kiln__exp16_fma(m2u)));
+}
+
+KILN__T512 static inline __m512 kiln__gelu16_bw(__m512 v, __m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 v2 = _mm512_mul_ps(v, v);
+  __m512 m2u = _mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_set1_ps(KILN__GELU_K2C), v2, _mm512_set1_ps(KILN__GELU_K2)));
+  __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, kiln__exp16_fma(m2u)));
+  __m512 du = _mm512_fmadd_ps(_mm512_set1_ps(KILN__GELU_KD3), v2, _mm512_set1_ps(KILN__GELU_KD));
+  __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(v, v), _mm512_fnmadd_ps(s, s, s)), du);
+  return _mm512_mul_ps(g, _mm512_add_ps(s, t));
+}
+
+KILN__T512 static void kiln__gelu16_range(void *vctx, int64_t lo, int64_t hi) {
+  const kiln__gelu_job *j = vctx;
+  const int64_t es = j->bf ? 2 : 4;
+  for (int64_t i = lo; i < hi; i += 16) {
+    __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(hi - i);
+    __m512 v = kiln__load16(j->x + i * es, j->bf, k);
+    __m512 r = j->bw ? kiln__gelu16_bw(v, kiln__load16(j->g + i * es, j->bf, k)) : kiln__gelu16(v);
+    kiln__store16(j->y + i * es, r, j->bf, k);
+  }
+}
+
+/* bf16 memory on a CPU with AVX512-BF16: the same values, stored by vcvtneps2bf16 */
+KILN__T512BF static void kiln__gelu16_range_bf(void *vctx, int64_t lo, int64_t hi) {
+  const kiln__gelu_job *j = vctx;
+  for (int64_t i = lo; i < hi; i += 16) {
+    __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(hi - i);
+    __m512 v = kiln__load16(j->x + i * 2, true, k);
+    __m512 r = j->bw ? kiln__gelu16_bw(v, kiln__load16(j->g + i * 2, true, k)) : kiln__gelu16(v);
+    kiln__store16_bf16cvt(j->y + i * 2, r, k);
+  }
+}
+#endif
+
+/* the walker's f32 GELU (strided, broadcast or f16 tensors, chunk by chunk): kiln__gelu16
+** where the CPU has AVX-512, so every layout gives the contiguous path's bits */
+KILN__VEC_HEAD(gelu_tanh_f32) {
+#ifdef KILN__AVX512
+  if (kiln__avx512_ok()) {
+    kiln__gelu_job j = {in[0], NULL, o_, false, false};
+    kiln__gelu16_range(&j, 0, n);
+    return;
+  }
+#endif
+  gelu_tanh_f32_c(o_, in, n, k0, a);
+}
+KILN__VEC_HEAD(gelu_tanh_bw_f32) {
+#ifdef KILN__AVX512
+  if (kiln__avx512_ok()) {
+    kiln__gelu_job j = {in[0], in[1], o_, false, true};
+    kiln__gelu16_range(&j, 0, n);
+    return;
+  }
+#endif
+  gelu_tanh_bw_f32_c(o_, in, n, k0, a);
+}
+
 /* sigmoid written twice: the compiler folds it, and the macro stays type-generic */
 KILN__BF(silu_bw, r = g * (1 / (1 + KILN__EXP(-v))) * (1 + v * (1 - 1 / (1 + KILN__EXP(-v)))))
 KILN__BF(sigmoid_bw, r = g * v * (1 - v))
@@ -385,39 +468,6 @@ static bool kiln__ew_flatten(const kiln__kargs *a, int nin, kiln__view *out, kil
 
 
 #ifdef KILN__AVX512
-/* GELU_TANH and its backward on contiguous f32 or bf16 tensors, 16 lanes (the formulas
-** of gelu_tanh_f32 / gelu_tanh_bw_f32, operation for operation), bf16 read and written
-** in the loop: the generic map widened each 256-element chunk into a buffer and ran the
-** clone 8 lanes wide in places (a bf16 GPT step: ~8% of its time in these two). */
-typedef struct kiln__gelu_job {
-  const char *x, *g;
-  char *y;
-  bool bf, bw;
-} kiln__gelu_job;
-
-KILN__T512 static void kiln__gelu16_range(void *vctx, int64_t lo, int64_t hi) {
-  const kiln__gelu_job *j = vctx;
-  const int64_t es = j->bf ? 2 : 4;
-  const __m512 c = _mm512_set1_ps(0.044715f), k2 = _mm512_set1_ps(KILN__GELU_K2), one = _mm512_set1_ps(1.0f);
-  const __m512 kd = _mm512_set1_ps((float)KILN__SQRT_2_PI), c3 = _mm512_set1_ps(3.0f * 0.044715f);
-  const __m512 two = _mm512_set1_ps(2.0f);
-  for (int64_t i = lo; i < hi; i += 16) {
-    __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(hi - i);
-    __m512 v = kiln__load16(j->x + i * es, j->bf, k);
-    __m512 inner = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(c, v), v), v));
-    __m512 e = kiln__exp16(_mm512_mul_ps(k2, inner)), r;
-    if (!j->bw) {
-      r = _mm512_div_ps(v, _mm512_add_ps(one, e));
-    } else {
-      __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, e));
-      __m512 du = _mm512_mul_ps(kd, _mm512_add_ps(one, _mm512_mul_ps(_mm512_mul_ps(c3, v), v)));
-      __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(two, v), s), _mm512_sub_ps(one, s)), du);
-      r = _mm512_mul_ps(kiln__load16(j->g + i * es, j->bf, k), _mm512_add_ps(s, t));
-    }
-    kiln__store16(j->y + i * es, r, j->bf, k);
-  }
-}
-
 typedef struct kiln__gelu_blocks_ctx {
   kiln__gelu_job j;
   int64_t n;
@@ -426,7 +476,10 @@ typedef struct kiln__gelu_blocks_ctx {
 static void kiln__gelu16_blocks(void *vctx, int64_t lo, int64_t hi) {
   kiln__gelu_blocks_ctx *c = vctx;
   int64_t e0 = lo * 16, e1 = hi * 16 < c->n ? hi * 16 : c->n;
-  kiln__gelu16_range(&c->j, e0, e1);
+  if (c->j.bf && kiln__avx512bf16_ok())
+    kiln__gelu16_range_bf(&c->j, e0, e1);
+  else
+    kiln__gelu16_range(&c->j, e0, e1);
 }
 
 static bool kiln__dense(const kiln__view *v, int64_t n) {
@@ -449,6 +502,76 @@ static bool kiln__gelu_fast(const kiln__kargs *a) {
   if (!kiln__dense(&a->out[0], n)) return false;
   kiln__gelu_blocks_ctx c = {{a->in[0].data, bw ? a->in[1].data : NULL, a->out[0].data, dt == KILN_BF16, bw}, n};
   if (n > 0) kiln__cpu_parallel_for((n + 15) / 16, KILN__CPU_PAR_MIN / 16, kiln__gelu16_blocks, &c);
+  return true;
+}
+
+/* ---- dense f32/bf16 casts and adds, 16 lanes ----
+** A cast between f32 and bf16, and an add with a bf16 operand or result (alpha as ADD's:
+** x + y, or fma(y, alpha, x)), on C-contiguous tensors of one numel: autocast's casts of
+** activations and gradients, a transformer's residual adds of the f32 stream and a bf16
+** branch. One pass, bf16 widened and rounded in registers; the generic map copied each
+** chunk of 256 into a buffer, converted it and ran the op (2-3 passes: a GPT step's casts
+** and adds were ~5% of it on 2 cores). The same bits: the op in f32 on the widened
+** values, rounded once as kiln__store16 rounds. */
+typedef struct kiln__d16 {
+  const char *x, *y;
+  char *o;
+  bool xb, yb, ob, add;
+  float al;
+  int64_t n;
+} kiln__d16;
+
+KILN__T512 static inline __m512 kiln__d16_val(const kiln__d16 *j, int64_t i, __mmask16 k) {
+  __m512 x = kiln__load16(j->x + i * (j->xb ? 2 : 4), j->xb, k);
+  if (!j->add) return x;
+  __m512 y = kiln__load16(j->y + i * (j->yb ? 2 : 4), j->yb, k);
+  return j->al == 1.0f ? _mm512_add_ps(x, y) : _mm512_fmadd_ps(y, _mm512_set1_ps(j->al), x);
+}
+
+KILN__T512 static void kiln__d16_range(const kiln__d16 *j, int64_t lo, int64_t hi) {
+  const int64_t oe = j->ob ? 2 : 4;
+  for (int64_t i = lo; i < hi; i += 16) {
+    __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(hi - i);
+    kiln__store16(j->o + i * oe, kiln__d16_val(j, i, k), j->ob, k);
+  }
+}
+
+KILN__T512BF static void kiln__d16_range_bf(const kiln__d16 *j, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; i += 16) {
+    __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(hi - i);
+    kiln__store16_bf16cvt(j->o + i * 2, kiln__d16_val(j, i, k), k);
+  }
+}
+
+static void kiln__d16_blocks(void *vctx, int64_t lo, int64_t hi) {
+  const kiln__d16 *j = vctx;
+  int64_t e0 = lo * 16, e1 = hi * 16 < j->n ? hi * 16 : j->n;
+  if (j->ob && kiln__avx512bf16_ok())
+    kiln__d16_range_bf(j, e0, e1);
+  else
+    kiln__d16_range(j, e0, e1);
+}
+
+static bool kiln__d16_dt(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
+
+/* true when it ran: a cast (COPY between f32 and bf16) or an ADD in this case */
+static bool kiln__d16_try(const kiln__kargs *a, bool add) {
+  if (!kiln__avx512_ok()) return false;
+  const int nin = add ? 2 : 1;
+  const kiln__view *o = &a->out[0];
+  bool any_bf = o->dtype == KILN_BF16;
+  int64_t n = kiln__view_numel(o);
+  if (!kiln__d16_dt(o->dtype) || !kiln__dense(o, n)) return false;
+  for (int i = 0; i < nin; i++) {
+    const kiln__view *v = &a->in[i];
+    if (!kiln__d16_dt(v->dtype) || kiln__view_numel(v) != n || !kiln__dense(v, n)) return false;
+    any_bf = any_bf || v->dtype == KILN_BF16;
+  }
+  if (!any_bf || (!add && a->in[0].dtype == o->dtype)) return false;
+  kiln__d16 j = {.x = a->in[0].data, .y = add ? a->in[1].data : NULL, .o = o->data, .xb = a->in[0].dtype == KILN_BF16,
+                 .yb = add && a->in[1].dtype == KILN_BF16, .ob = o->dtype == KILN_BF16, .add = add,
+                 .al = add ? (float)a->s[0] : 1.0f, .n = n};
+  if (n > 0) kiln__cpu_parallel_for((n + 15) / 16, KILN__CPU_PAR_MIN_CHEAP / 16, kiln__d16_blocks, &j);
   return true;
 }
 #endif
@@ -491,6 +614,9 @@ kiln_status kiln__cpu_unary(const kiln__kargs *a) {
 }
 
 kiln_status kiln__cpu_binary(const kiln__kargs *a) {
+#ifdef KILN__AVX512
+  if (a->op == KILN__K_ADD && kiln__d16_try(a, true)) return KILN_OK;
+#endif
   bool cmp = a->op >= KILN__K_EQ && a->op <= KILN__K_GE;
   return kiln__ew_run(a, cmp);
 }
@@ -581,6 +707,9 @@ kiln_status kiln__cpu_copy(const kiln__kargs *a) {
     kiln__cpu_parallel_for(numel, KILN__CPU_PAR_MIN_CHEAP, kiln__raw_range, &c);
     return KILN_OK;
   }
+#ifdef KILN__AVX512
+  if (kiln__d16_try(a, false)) return KILN_OK;
+#endif
   kiln_dtype ct;
   if (od == KILN_F64 || id == KILN_F64)
     ct = KILN_F64;

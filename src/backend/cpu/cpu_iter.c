@@ -8,6 +8,7 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 #include "cpu_iter.h"
+#include "cpu_avx512.h"
 
 #include <stdatomic.h>
 
@@ -133,14 +134,36 @@ static void kiln__load_bf16_packed(float *restrict d, const uint16_t *restrict s
   for (int64_t i = 0; i < n; i++) d[i] = kiln__bf16_to_f32(s[i]);
 }
 
+#ifdef KILN__AVX512
+/* the same bits by vcvtneps2bf16 (cpu_avx512.h: subnormals by the integer rule), on CPUs
+** with AVX512-BF16: bf16 results of the walker's ops and of the row kernels (a language
+** model's dlogits: 8M elements a step) */
+KILN__T512BF static void kiln__store_bf16_packed16(uint16_t *d, const float *s, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - i);
+    kiln__store16_bf16cvt(d + i, _mm512_maskz_loadu_ps(k, s + i), k);
+  }
+}
+#endif
+
 KILN__CPU_CLONES
-static void kiln__store_bf16_packed(uint16_t *restrict d, const float *restrict s, int64_t n) {
+static void kiln__store_bf16_packed_c(uint16_t *restrict d, const float *restrict s, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint32_t u;
     memcpy(&u, &s[i], 4);
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x40u;
     d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
   }
+}
+
+static void kiln__store_bf16_packed(uint16_t *d, const float *s, int64_t n) {
+#ifdef KILN__AVX512
+  if (n >= 16 && kiln__avx512bf16_ok()) {
+    kiln__store_bf16_packed16(d, s, n);
+    return;
+  }
+#endif
+  kiln__store_bf16_packed_c(d, s, n);
 }
 
 /* f32 <-> f64 over packed runs (batch norm's f64 passes over f32 activations). */

@@ -49,11 +49,13 @@ typedef struct kiln__rows {
 ** here with intrinsics, 16 lanes, picked at run time where the CPU has AVX-512F/DQ:
 **   rowmax   the same value (max is exact; a row with a NaN takes the portable loop, which
 **            returns its NaN as before);
-**   sumexp   the same exp (kiln__exp16 is kiln__expf operation for operation: same bits),
-**            each value widened to f64 exactly and summed in 16 f64 lanes: only the order
-**            of the f64 additions differs from the portable loop;
-**   ce_bw    x_i = g (exp(x_i - lse) - off), the same operations: the same bits.
-** (kiln__exp16 and the checks: cpu_avx512.h) */
+**   sumexp   exp by kiln__exp16_fma (fused multiply-adds: within an ulp or two of the
+**            portable loop's kiln__expf, not its bits; about half its instructions), each
+**            value widened to f64 exactly and summed in 16 f64 lanes;
+**   ce_bw    x_i = g (exp(x_i - lse) - off), the same exp: the forward's fused dlogits and
+**            CROSS_ENTROPY_BACKWARD still agree bit for bit (both run ce_bw16).
+** On an AVX-512 CPU every row takes these (a row with a NaN: NaN either way), so the
+** numbers do not depend on a tensor's layout. (kiln__exp16_fma: cpu_avx512.h) */
 #ifdef KILN__AVX512
 /* the max of x[0..n), n > 0; false (nothing set) when the row holds a NaN */
 KILN__T512 static bool kiln__rowmax16(const float *x, int64_t n, float *out) {
@@ -83,13 +85,13 @@ KILN__T512 static double kiln__sumexp16(const float *x, int64_t n, float m) {
   __m512 mv = _mm512_set1_ps(m);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 e = kiln__exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+    __m512 e = kiln__exp16_fma(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
     a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
     a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
   }
   if (i < n) {
     __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-    __m512 e = _mm512_maskz_mov_ps(k, kiln__exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+    __m512 e = _mm512_maskz_mov_ps(k, kiln__exp16_fma(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
     a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
     a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
   }
@@ -101,11 +103,11 @@ KILN__T512 static void kiln__ce_bw16(float *x, int64_t n, float lse, float off, 
   __m512 lv = _mm512_set1_ps(lse), ov = _mm512_set1_ps(off), gv = _mm512_set1_ps(g);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(x + i, _mm512_mul_ps(gv, _mm512_sub_ps(kiln__exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), lv)), ov)));
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(gv, _mm512_sub_ps(kiln__exp16_fma(_mm512_sub_ps(_mm512_loadu_ps(x + i), lv)), ov)));
   if (i < n) {
     __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(gv, _mm512_sub_ps(kiln__exp16(_mm512_sub_ps(v, lv)), ov)));
+    _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(gv, _mm512_sub_ps(kiln__exp16_fma(_mm512_sub_ps(v, lv)), ov)));
   }
 }
 #endif
@@ -303,7 +305,7 @@ KILN__CE_FNS(float, f32)
 KILN__CE_FNS(double, f64)
 
 /* kiln__ce_row_f32 and kiln__ce_bw_row_f32 on the AVX-512 loops where they run (the same
-** arithmetic; see kiln__exp16) */
+** formulas; the exp: see above) */
 static float kiln__ce_row_f32x(const float *x, int64_t n, int64_t t, double eps, float *lse_out) {
 #ifdef KILN__AVX512
   float mm;

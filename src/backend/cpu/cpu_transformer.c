@@ -6,8 +6,9 @@
 ** Every value is computed in f64 whatever the dtype (rows are gathered into f64 buffers
 ** with kiln__cpu_load and stored back rounded once), so f32, f16 and bf16 results are the
 ** f64 result rounded: the harness's f32 tolerance then measures only the final rounding.
-** This is the reference path; a faster f32 path (SIMD dot products) can come later
-** behind the same kernel signature.
+** This is the reference path; f32 and bf16 tensors take faster f32 paths behind the same
+** kernel signatures where the CPU has one (the norms on AVX-512, attention on sgemm or
+** oneDNN: below).
 **
 ** Attention (FlashAttention's algorithm, Dao et al. 2022, on one core per query row):
 ** for a query row i the scores s_j = scale * q_i . k_j + mask_ij are taken BK keys at a
@@ -188,6 +189,217 @@ static void kiln__ln_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
   free(buf);
 }
 
+#ifdef KILN__AVX512
+/* ---- the norms in f32 (AVX-512) ----
+** For f32 and bf16 x (and gradients) the rows are computed in f32, 16 lanes, as PyTorch's
+** CPU kernels do for these dtypes (their accumulate type is float: LayerNormKernel's
+** RowwiseMoments, Welford in f32): mean = sum(x) / n, then var = sum((x - mean)^2) / n
+** (two passes over the row, which sits in L1), rstd = 1 / sqrtf(var + eps),
+** y = (x - mean) rstd w + b rounded once to y's dtype; the backward's dx = rstd (g w -
+** mean(g w) - xhat mean(g w xhat)) likewise. Error against the f64 path: the two sums of
+** n terms in 16 lanes (n/16 adds a lane, then a 16-way tree) carry a relative error of
+** about (n/16 + 4) u (u = 2^-24) of the sum of |terms|, a few 1e-6 for n = 1024, and
+** each element a handful of roundings more: below the f32 tolerance of the op tests
+** (1e-5), and far below a bf16 output's half ulp (2^-9). The weight gradients keep the
+** f64 path's f64 terms (dweight_j = sum_r g_rj (x_rj - mean_r) rstd_r, dbias_j = sum_r
+** g_rj), summed in the backward's pass over the rows: per block of KILN__LNF_RB rows in
+** row order, then the blocks in order (the same bits for any thread count).
+** A GPT's (2048, 256) f32 layer_norm: ~0.33 ms a call in f64 (the rows widened into
+** f64 buffers and back). KILN_LAYER_NORM_F32=0 turns this path off (the f64 one: A/B). */
+typedef struct kiln__lnf {
+  const kiln__kargs *a;
+  int64_t rows, n;
+  const float *w, *b; /* NULL when absent */
+  double *part;       /* backward: each row block's weight sums (2n: dweight, dbias), or NULL */
+  bool rms, failed;
+} kiln__lnf;
+
+/* rows a block of the backward: its weight gradients' partial sums are one unit, whatever
+** the thread count */
+#define KILN__LNF_RB 64
+
+KILN__T512 static inline float kiln__hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* row r of a 2-d (rows, n) view with unit inner stride */
+static char *kiln__lnf_row(const kiln__view *v, int64_t r) {
+  return (char *)v->data + r * v->strides[0] * (int64_t)kiln__cpu_esize(v->dtype);
+}
+
+KILN__T512 static void kiln__lnf_fwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__lnf *c = vctx;
+  const kiln__kargs *a = c->a;
+  const int64_t n = c->n;
+  const kiln__view *xv = &a->in[0], *yv = &a->out[0];
+  const bool xb = xv->dtype == KILN_BF16, yb = yv->dtype == KILN_BF16;
+  const int64_t xe = xb ? 2 : 4, ye = yb ? 2 : 4;
+  float *x = malloc(sizeof(float) * (size_t)(n + 16));
+  if (!x) {
+    c->failed = true;
+    return;
+  }
+  const float eps = (float)a->s[0];
+  for (int64_t r = lo; r < hi; r++) {
+    const char *xr = kiln__lnf_row(xv, r);
+    char *yr = kiln__lnf_row(yv, r);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) { /* x in f32 (lanes past n: 0) */
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 v = kiln__load16(xr + j * xe, xb, k);
+      _mm512_storeu_ps(x + j, v);
+      s = _mm512_add_ps(s, v);
+    }
+    const float mean = c->rms ? 0.0f : kiln__hsum16(s) / (float)n;
+    const __m512 mv = _mm512_set1_ps(mean);
+    s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 d = _mm512_maskz_sub_ps(k, _mm512_loadu_ps(x + j), mv);
+      s = _mm512_fmadd_ps(d, d, s);
+    }
+    const float rstd = 1.0f / sqrtf(kiln__hsum16(s) / (float)n + eps);
+    const __m512 rv = _mm512_set1_ps(rstd);
+    for (int64_t j = 0; j < n; j += 16) {
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+      __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv), rv);
+      if (c->w) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, c->w + j));
+      if (c->b) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(k, c->b + j));
+      kiln__store16(yr + j * ye, y, yb, k);
+    }
+    int64_t idx[1] = {r};
+    if (c->rms) {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
+    } else {
+      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
+      kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
+    }
+  }
+  free(x);
+}
+
+/* Row blocks [lo, hi) of KILN__LNF_RB rows: dx, and where the weight gradients are wanted
+** the block's f64 sums of g (x - mean) rstd and of g per column (the f64 path's terms, x
+** and g read once for both: a second pass over them by columns was ~2% of a GPT step). */
+KILN__T512 static void kiln__lnf_bwd_range(void *vctx, int64_t lo, int64_t hi) {
+  kiln__lnf *c = vctx;
+  const kiln__kargs *a = c->a;
+  const int64_t n = c->n;
+  const kiln__view *xv = &a->in[0], *gv = &a->in[1], *dv = &a->out[0];
+  const bool xb = xv->dtype == KILN_BF16, gb = gv->dtype == KILN_BF16, db = dv->dtype == KILN_BF16;
+  const int64_t xe = xb ? 2 : 4, ge = gb ? 2 : 4, de = db ? 2 : 4;
+  float *xh = malloc(sizeof(float) * (size_t)(2 * (n + 16)));
+  if (!xh) {
+    c->failed = true;
+    return;
+  }
+  float *gw = xh + n + 16;
+  for (int64_t blk = lo; blk < hi; blk++) {
+    int64_t r0 = blk * KILN__LNF_RB, r1 = r0 + KILN__LNF_RB < c->rows ? r0 + KILN__LNF_RB : c->rows;
+    double *sw = c->part ? c->part + blk * 2 * n : NULL, *sb = sw ? sw + n : NULL;
+    for (int64_t r = r0; r < r1; r++) {
+      int64_t idx[1] = {r};
+      const float mean = c->rms ? 0.0f : (float)kiln__cpu_get_f64(kiln__at(&a->in[2], 1, idx), a->in[2].dtype);
+      const float rstd = (float)kiln__cpu_get_f64(kiln__at(&a->in[3], 1, idx), a->in[3].dtype);
+      const __m512 mv = _mm512_set1_ps(mean), rv = _mm512_set1_ps(rstd);
+      const __m512d md = _mm512_set1_pd(mean), rd = _mm512_set1_pd(rstd);
+      const char *xr = kiln__lnf_row(xv, r), *gr = kiln__lnf_row(gv, r);
+      char *dr = kiln__lnf_row(dv, r);
+      __m512 s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) { /* xhat, g w (0 past n) and their sums */
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+        __m512 x = kiln__load16(xr + j * xe, xb, k), g = kiln__load16(gr + j * ge, gb, k);
+        if (sw) { /* the weight sums, 8 columns at a time, in f64: g (x - mean) rstd and g */
+          for (int hlf = 0; hlf < 2 && j + 8 * hlf < n; hlf++) {
+            __m512d x8 = _mm512_cvtps_pd(hlf ? _mm512_extractf32x8_ps(x, 1) : _mm512_castps512_ps256(x));
+            __m512d g8 = _mm512_cvtps_pd(hlf ? _mm512_extractf32x8_ps(g, 1) : _mm512_castps512_ps256(g));
+            double *pw = sw + j + 8 * hlf, *pb = sb + j + 8 * hlf;
+            __mmask8 k8 = (__mmask8)(hlf ? k >> 8 : k);
+            __m512d t = _mm512_mul_pd(_mm512_mul_pd(g8, _mm512_sub_pd(x8, md)), rd);
+            _mm512_mask_storeu_pd(pw, k8, _mm512_add_pd(_mm512_maskz_loadu_pd(k8, pw), t));
+            _mm512_mask_storeu_pd(pb, k8, _mm512_add_pd(_mm512_maskz_loadu_pd(k8, pb), g8));
+          }
+        }
+        __m512 h = _mm512_mul_ps(_mm512_sub_ps(x, mv), rv);
+        if (c->w) g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(k, c->w + j));
+        _mm512_storeu_ps(xh + j, h);
+        _mm512_storeu_ps(gw + j, g);
+        s1 = _mm512_add_ps(s1, g);
+        s2 = _mm512_fmadd_ps(g, h, s2);
+      }
+      const float sg = c->rms ? 0.0f : kiln__hsum16(s1) / (float)n, sgx = kiln__hsum16(s2) / (float)n;
+      const __m512 sgv = _mm512_set1_ps(sg), sxv = _mm512_set1_ps(sgx);
+      for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);
+        __m512 t = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(gw + j), sgv), _mm512_mul_ps(_mm512_loadu_ps(xh + j), sxv));
+        kiln__store16(dr + j * de, _mm512_mul_ps(rv, t), db, k);
+      }
+    }
+  }
+  free(xh);
+}
+
+static bool kiln__lnf_dt(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF16; }
+
+/* The f32 path's case: f32/bf16 rows with unit inner stride, f32 statistics. */
+static bool kiln__lnf_takes(const kiln__kargs *a, bool bw) {
+  static int enabled = -1;
+  if (enabled < 0) {
+    const char *e = kiln__getenv("KILN_LAYER_NORM_F32");
+    enabled = !(e && e[0] == '0');
+  }
+  if (!enabled || !kiln__avx512_ok()) return false;
+  const kiln__view *rowv[3] = {&a->in[0], &a->out[0], bw ? &a->in[1] : NULL};
+  for (int i = 0; i < 3; i++)
+    if (rowv[i] && (!kiln__lnf_dt(rowv[i]->dtype) || rowv[i]->ndim != 2 || rowv[i]->strides[1] != 1)) return false;
+  bool rms = a->i[1] == 1;
+  const kiln__view *st[2] = {bw ? &a->in[rms ? 3 : 2] : &a->out[1], bw ? &a->in[3] : &a->out[rms ? 1 : 2]};
+  for (int i = 0; i < 2; i++)
+    if (st[i]->dtype != KILN_F32) return false;
+  return true;
+}
+
+static float *kiln__load_vec_f32(const kiln__view *v, int64_t n) {
+  float *p = malloc(sizeof(float) * (size_t)(n ? n : 1));
+  if (p) kiln__cpu_load(p, KILN_F32, v->data, kiln__bst(v, 0), v->dtype, n);
+  return p;
+}
+
+static kiln_status kiln__lnf_run(const kiln__kargs *a, bool bw, const char *name) {
+  kiln__lnf c = {.a = a, .rows = a->in[0].shape[0], .n = a->in[0].shape[1], .rms = a->i[1] == 1};
+  float *w = NULL, *b = NULL;
+  int wi = bw ? 4 : 1;
+  if ((a->i[0] & 1) && !(w = kiln__load_vec_f32(&a->in[wi], c.n))) goto oom;
+  if (!bw && (a->i[0] & 2) && !(b = kiln__load_vec_f32(&a->in[(a->i[0] & 1) ? 2 : 1], c.n))) goto oom;
+  c.w = w, c.b = b;
+  int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
+  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
+  if (c.rows > 0 && c.n > 0 && !bw) {
+    kiln__cpu_parallel_for(c.rows, min_par, kiln__lnf_fwd_range, &c);
+  } else if (c.rows > 0 && c.n > 0) {
+    const int64_t nblk = (c.rows + KILN__LNF_RB - 1) / KILN__LNF_RB;
+    if (a->n_out > 1 && !(c.part = calloc((size_t)(nblk * 2 * c.n), sizeof(double)))) goto oom;
+    kiln__cpu_parallel_for(nblk, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__lnf_bwd_range, &c);
+    if (c.part && !c.failed) /* the blocks' sums in block order: the same bits for any thread count */
+      for (int64_t j = 0; j < c.n; j++) {
+        double sw = 0, sb = 0;
+        for (int64_t blk = 0; blk < nblk; blk++) sw += c.part[blk * 2 * c.n + j], sb += c.part[blk * 2 * c.n + c.n + j];
+        int64_t jj[1] = {j};
+        kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw);
+        if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb);
+      }
+  } else if (bw && a->n_out > 1) { /* no rows: zero weight gradients */
+    for (int k = 1; k < a->n_out; k++)
+      for (int64_t j = 0; j < a->out[k].shape[0]; j++)
+        kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
+  }
+  if (c.failed) goto oom;
+  free(w), free(b), free(c.part);
+  return KILN_OK;
+oom:
+  free(w), free(b), free(c.part);
+  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
+}
+#endif /* KILN__AVX512 */
+
 /* A 1-d view's n values as f64 (malloc'd; NULL on OOM). */
 static double *kiln__load_vec(const kiln__view *v, int64_t n) {
   double *p = malloc(sizeof(double) * (size_t)(n ? n : 1));
@@ -202,6 +414,9 @@ kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
   if (x->ndim != 2 || a->out[0].ndim != 2)
     return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants x as (rows, n)", name);
   if (!kiln__cpu_is_float(x->dtype)) return kiln__cpu_dtype_error(a, x->dtype);
+#ifdef KILN__AVX512
+  if (kiln__lnf_takes(a, bw)) return kiln__lnf_run(a, bw, name);
+#endif
   kiln__ln c = {.a = a, .rows = x->shape[0], .n = x->shape[1], .rms = a->i[1] == 1};
   double *w = NULL, *b = NULL;
   int wi = bw ? 4 : 1;
@@ -222,8 +437,8 @@ kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
       for (int64_t j = 0; j < a->out[k].shape[0]; j++)
         kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
   }
-  free(w), free(b);
   if (c.failed) goto oom;
+  free(w), free(b);
   return KILN_OK;
 oom:
   free(w), free(b);
@@ -792,6 +1007,70 @@ KILN__CPU_CLONES512 static void kiln__attb_row_bwd(float *s, float *dp, uint16_t
   for (j = n; j < w; j++) p[j] = 0, ds[j] = 0;
 }
 
+#ifdef KILN__AVX512
+/* The two rows on AVX-512 in fewer passes: forward max, then exp (kiln__exp16_fma) with
+** its sum, then P = bf16(e / l) written as bits (3 passes over the row where the loops
+** above make 5); backward p = bf16(exp(s - lse)) with delta = sum p dp in the same pass,
+** then dS = bf16(p (dp - delta) scale) (2 passes for 5). Statistics in f32 as above; the
+** exp in fused multiply-adds differs from kiln__expf by an ulp or two, so an element of
+** P or dS may differ by one bf16 ulp from the loops above (the tests hold both to the f64
+** reference). Two copies: bf16 rounding by vcvtneps2bf16 where the CPU has AVX512-BF16,
+** by integer lanes elsewhere: the same bits. */
+#define KILN__ATTB_ROWS16(SUF, TGT, BITS)                                                                       \
+  TGT static float kiln__attb_row_fwd16##SUF(float *s, uint16_t *p, int64_t n, int64_t w) {                    \
+    __m512 mv = _mm512_set1_ps(-INFINITY);                                                                     \
+    for (int64_t j = 0; j < n; j += 16) {                                                                      \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + j));                       \
+    }                                                                                                          \
+    float m = _mm512_reduce_max_ps(mv), lse = -INFINITY;                                                       \
+    if (n > 0 && m != -INFINITY) {                                                                             \
+      const __m512 mm = _mm512_set1_ps(m);                                                                     \
+      __m512 lv = _mm512_setzero_ps();                                                                         \
+      for (int64_t j = 0; j < n; j += 16) {                                                                    \
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                  \
+        __m512 e = _mm512_maskz_mov_ps(k, kiln__exp16_fma(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mm))); \
+        _mm512_mask_storeu_ps(s + j, k, e); /* masked: the next row follows at s + w */                       \
+        lv = _mm512_add_ps(lv, e);                                                                             \
+      }                                                                                                        \
+      float l = _mm512_reduce_add_ps(lv);                                                                      \
+      lse = m + logf(l);                                                                                       \
+      const __m512 inv = _mm512_set1_ps(1.0f / l);                                                             \
+      for (int64_t j = 0; j < n; j += 16) {                                                                    \
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                   \
+        _mm256_mask_storeu_epi16(p + j, k, BITS(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv)));                  \
+      }                                                                                                        \
+    } else {                                                                                                   \
+      n = 0;                                                                                                   \
+    }                                                                                                          \
+    if (w > n) memset(p + n, 0, (size_t)(w - n) * 2);                                                          \
+    return lse;                                                                                                \
+  }                                                                                                            \
+  TGT static void kiln__attb_row_bwd16##SUF(float *s, float *dp, uint16_t *p, uint16_t *ds, int64_t n, int64_t w, \
+                                           float lse, float scale) {                                           \
+    if (lse == -INFINITY) n = 0;                                                                               \
+    const __m512 lv = _mm512_set1_ps(lse);                                                                     \
+    __m512 acc = _mm512_setzero_ps();                                                                          \
+    for (int64_t j = 0; j < n; j += 16) { /* p, as bits and as its f32 value, and delta */                     \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      __m256i b = BITS(kiln__exp16_fma(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), lv)));                   \
+      _mm256_mask_storeu_epi16(p + j, k, b);                                                                   \
+      __m512 pr = _mm512_maskz_mov_ps(k, kiln__bf16f32_16(b));                                                 \
+      _mm512_mask_storeu_ps(s + j, k, pr);                                                                     \
+      acc = _mm512_fmadd_ps(pr, _mm512_maskz_loadu_ps(k, dp + j), acc);                                        \
+    }                                                                                                          \
+    const __m512 dv = _mm512_set1_ps(_mm512_reduce_add_ps(acc)), sc = _mm512_set1_ps(scale);                   \
+    for (int64_t j = 0; j < n; j += 16) {                                                                      \
+      __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : kiln__mask16(n - j);                                     \
+      __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), dv)), sc); \
+      _mm256_mask_storeu_epi16(ds + j, k, BITS(t));                                                            \
+    }                                                                                                          \
+    if (w > n) memset(p + n, 0, (size_t)(w - n) * 2), memset(ds + n, 0, (size_t)(w - n) * 2);                  \
+  }
+KILN__ATTB_ROWS16(_sw, KILN__T512, kiln__bf16bits16)
+KILN__ATTB_ROWS16(_bf, KILN__T512BF, kiln__bf16bits16_cvt)
+#endif
+
 typedef struct kiln__attb {
   const kiln__kargs *a;
   int64_t H, Tq, Tk;
@@ -813,9 +1092,26 @@ static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
     uint16_t *p = c->P + r * c->Tk;
     if (c->bw) {
       float lse = (float)kiln__cpu_get_f64(kiln__at(lv, 3, li), lv->dtype);
-      kiln__attb_row_bwd(s, c->dP + r * c->Tk, p, c->dS + r * c->Tk, n, c->Tk, lse, c->scale);
+      float *dp = c->dP + r * c->Tk;
+      uint16_t *ds = c->dS + r * c->Tk;
+#ifdef KILN__AVX512
+      if (kiln__avx512bf16_ok())
+        kiln__attb_row_bwd16_bf(s, dp, p, ds, n, c->Tk, lse, c->scale);
+      else if (kiln__avx512_ok())
+        kiln__attb_row_bwd16_sw(s, dp, p, ds, n, c->Tk, lse, c->scale);
+      else
+#endif
+        kiln__attb_row_bwd(s, dp, p, ds, n, c->Tk, lse, c->scale);
     } else {
-      float lse = kiln__attb_row_fwd(s, p, n, c->Tk);
+      float lse;
+#ifdef KILN__AVX512
+      if (kiln__avx512bf16_ok())
+        lse = kiln__attb_row_fwd16_bf(s, p, n, c->Tk);
+      else if (kiln__avx512_ok())
+        lse = kiln__attb_row_fwd16_sw(s, p, n, c->Tk);
+      else
+#endif
+        lse = kiln__attb_row_fwd(s, p, n, c->Tk);
       kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)lse);
     }
   }

@@ -104,6 +104,16 @@ KILN__CPU_CLONES512 static void kiln__ln_row_bwd(double *x, double *g, int64_t n
   for (j = 0; j < n; j++) x[j] = rstd * (g[j] - sg - x[j] * sgx);
 }
 
+/* Row idx's saved statistics: rstd alone for RMS norm (out[1]), else mean (out[1]) and rstd (out[2]). */
+static void kiln__ln_save_stats(const kiln__kargs *a, bool rms, const int64_t *idx, double mean, double rstd) {
+  if (rms) {
+    kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
+  } else {
+    kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
+    kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
+  }
+}
+
 static void kiln__ln_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   kiln__ln *c = vctx;
   const kiln__kargs *a = c->a;
@@ -120,12 +130,7 @@ static void kiln__ln_fwd_range(void *vctx, int64_t lo, int64_t hi) {
     double mean, rstd;
     kiln__ln_row_fwd(x, n, c->w, c->b, c->rms, a->s[0], &mean, &rstd);
     kiln__cpu_store(kiln__at(yv, 2, idx), kiln__bst(yv, 1), yv->dtype, x, KILN_F64, n);
-    if (c->rms) {
-      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
-    } else {
-      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
-      kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
-    }
+    kiln__ln_save_stats(a, c->rms, idx, mean, rstd);
   }
   free(x);
 }
@@ -266,12 +271,7 @@ KILN__T512 static void kiln__lnf_fwd_range(void *vctx, int64_t lo, int64_t hi) {
       kiln__store16(yr + j * ye, y, yb, k);
     }
     int64_t idx[1] = {r};
-    if (c->rms) {
-      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, rstd);
-    } else {
-      kiln__cpu_set_f64(kiln__at(&a->out[1], 1, idx), a->out[1].dtype, mean);
-      kiln__cpu_set_f64(kiln__at(&a->out[2], 1, idx), a->out[2].dtype, rstd);
-    }
+    kiln__ln_save_stats(a, c->rms, idx, mean, rstd);
   }
   free(x);
 }

@@ -87,7 +87,7 @@ static const char *find_peer(const char *flag) {
 }
 
 typedef struct result {
-  double ms, images_per_s, peak_gib, loss;
+  double ms, images_per_s, peak_gib, saved_gib, loss;
 } result;
 
 /* kiln's run. Returns 0, or 1 with the error printed. */
@@ -117,6 +117,7 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
     rc = 1;
   }
   kiln_memory_reset_peak(dev);
+  kiln_autograd_saved_reset_peak();
   double loss = NAN;
   for (int s = 0; s < steps && !rc; s++) {
     kiln_device_synchronize(dev);
@@ -150,6 +151,9 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
     out->ms = med * 1e3;
     out->images_per_s = (double)batch / med;
     out->peak_gib = kiln_memory_stats_get(dev, &ms) == KILN_OK ? (double)ms.peak_allocated / 1073741824.0 : NAN;
+    int64_t live, saved_peak;
+    kiln_autograd_saved_bytes(&live, &saved_peak);
+    out->saved_gib = (double)saved_peak / 1073741824.0;
     out->loss = loss;
   }
   free(t);
@@ -267,13 +271,13 @@ int main(int argc, char **argv) {
   kiln_device_str(dev, dname, sizeof dname);
   const bool bf16 = amp != NULL;
 
-  result k = {NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN};
+  result k = {NAN, NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN, NAN};
   printf("%s, size %lld, batch %lld, %s, %s%s, %lld steps (median of steps 4..)\n", arch, size, batch,
          dname, bf16 ? "bf16 autocast" : "f32",
          channels_last == 1 ? ", kiln channels-last" : channels_last == 2 ? ", kiln channels-last input" : "", steps);
   if (run_kiln(depth, size, batch, (int)steps, dev, bf16, channels_last, profile, &k)) return 1;
-  printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  (%d threads)\n", k.images_per_s, k.ms,
-         k.peak_gib, kiln_num_threads());
+  printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  saved for backward %.2f GiB  (%d threads)\n",
+         k.images_per_s, k.ms, k.peak_gib, k.saved_gib, kiln_num_threads());
   char line[4096] = "";
   const char *peer = no_peer ? NULL : find_peer(peer_flag);
   int peer_rc = 1;
@@ -299,9 +303,9 @@ int main(int argc, char **argv) {
     double ratio = peer_rc ? NAN : k.images_per_s / t.images_per_s;
     printf("{\"bench\":\"resnet\",\"arch\":\"%s\",\"size\":%lld,\"batch\":%lld,\"device\":\"%s\","
            "\"autocast\":\"%s\",\"channels_last\":%s,\"steps\":%lld,\"threads\":%d,\"kiln_images_per_s\":%.1f,"
-           "\"kiln_ms_per_step\":%.3f,\"kiln_peak_gib\":%.3f,\"kiln_loss\":%.4f",
+           "\"kiln_ms_per_step\":%.3f,\"kiln_peak_gib\":%.3f,\"kiln_saved_gib\":%.3f,\"kiln_loss\":%.4f",
            arch, size, batch, dname, bf16 ? "bf16" : "off", channels_last == 1 ? "true" : channels_last == 2 ? "\"input\"" : "false", steps, kiln_num_threads(),
-           k.images_per_s, k.ms, k.peak_gib, k.loss);
+           k.images_per_s, k.ms, k.peak_gib, k.saved_gib, k.loss);
     if (!peer_rc) {
       printf(",\"torch_images_per_s\":%.1f,\"torch_ms_per_step\":%.3f,\"ratio\":%.3f", t.images_per_s,
              t.ms, ratio);

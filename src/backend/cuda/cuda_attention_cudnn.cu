@@ -67,6 +67,8 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
 
 #include <cudnn.h>
 
+#include "cuda_cudnn_graph.cuh"
+
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,34 +91,10 @@ kiln_status dnn_err(cudnnStatus_t s, const char *what) {
                         cudnnGetErrorString(s));
 }
 
-/* Every descriptor a plan was built from, kept for the plan's life (the process's),
-** destroyed in reverse order. */
-struct Plan {
-  std::vector<cudnnBackendDescriptor_t> owned;
-  cudnnBackendDescriptor_t plan = NULL;
-  int64_t ws = 0;
-  int64_t engine = -1;
-  bool nondet = false; /* the engine's note: not deterministic */
-  bool dq_accum = false; /* backward: dq through the zeroed f32 buffer (ws_extra) */
-  Plan() = default;
-  Plan(const Plan &) = delete;
-  Plan &operator=(const Plan &) = delete;
-  ~Plan() {
-    for (size_t i = owned.size(); i-- > 0;) cudnnBackendDestroyDescriptor(owned[i]);
-  }
-  cudnnStatus_t make(cudnnBackendDescriptorType_t type, cudnnBackendDescriptor_t *out) {
-    *out = NULL;
-    cudnnStatus_t s = cudnnBackendCreateDescriptor(type, out);
-    if (s == CUDNN_STATUS_SUCCESS) owned.push_back(*out);
-    return s;
-  }
+/* A plan, and whether its backward takes dq through the zeroed f32 buffer (ws_extra). */
+struct Plan : CudnnPlan {
+  bool dq_accum = false;
 };
-
-#define KB_TRY(call)                                                                      \
-  do {                                                                                    \
-    cudnnStatus_t s_ = (call);                                                            \
-    if (s_ != CUDNN_STATUS_SUCCESS) return s_;                                            \
-  } while (0)
 
 /* uids of the operands the variant pack names (virtual tensors count on from kUidVirt) */
 enum : int64_t {
@@ -125,23 +103,6 @@ enum : int64_t {
   kUidVirt = 100
 };
 
-/* A finalized 4-d tensor descriptor. */
-cudnnStatus_t tensor(Plan *p, int64_t uid, cudnnDataType_t dt, const int64_t dims[4], const int64_t st[4],
-                     bool virt, bool by_value, int64_t align, cudnnBackendDescriptor_t *out) {
-  cudnnBackendDescriptor_t t;
-  KB_TRY(p->make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, &t));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, st));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align));
-  if (virt) KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &virt));
-  if (by_value) KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value));
-  KB_TRY(cudnnBackendFinalize(t));
-  *out = t;
-  return CUDNN_STATUS_SUCCESS;
-}
-
 /* Builds the graph's operations in order; virtual tensors get fresh uids. */
 struct Builder {
   Plan *p;
@@ -149,7 +110,7 @@ struct Builder {
   int64_t next_uid = kUidVirt;
 
   cudnnStatus_t virt(cudnnDataType_t dt, const int64_t dims[4], const int64_t st[4], cudnnBackendDescriptor_t *out) {
-    return tensor(p, next_uid++, dt, dims, st, true, false, 16, out);
+    return cudnn_tensor(p, next_uid++, dt, dims, st, true, false, 16, out);
   }
   /* y = mode(x[, b[, t]]) computed in comp */
   cudnnStatus_t pw(cudnnPointwiseMode_t mode, cudnnDataType_t comp, cudnnBackendDescriptor_t x,
@@ -234,74 +195,12 @@ void dims4(const kiln__view *v, int64_t d[4], int64_t s[4]) {
   for (int x = 0; x < 4; x++) d[x] = v->shape[x], s[x] = v->strides[x];
 }
 
-/* The engine behind cfg: its global index and whether cuDNN notes it nondeterministic. */
-cudnnStatus_t engine_info(Plan *p, cudnnBackendDescriptor_t cfg, int64_t *global, bool *nondet) {
-  cudnnBackendDescriptor_t eng;
-  KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
-  int64_t n = 0;
-  KB_TRY(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &eng));
-  *global = -1, *nondet = false;
-  (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, global);
-  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
-  n = 0;
-  if (cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n, notes) == CUDNN_STATUS_SUCCESS)
-    for (int64_t i = 0; i < n; i++)
-      if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) *nondet = true;
-  return CUDNN_STATUS_SUCCESS;
-}
-
 /* The graph of ops and its plan: the engines of the heuristics' lists (mode A, then the
-** fallback list) in order, deterministic ones first when want_det (DESIGN.md: same seed,
-** same numbers), the first whose plan finalizes. */
+** fallback list) in order, deterministic ones first when want_det. */
 cudnnStatus_t choose_plan(cudnnHandle_t h, Plan *p, std::vector<cudnnBackendDescriptor_t> &ops, bool want_det) {
-  cudnnBackendDescriptor_t graph;
-  KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                  (int64_t)ops.size(), ops.data()));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-  KB_TRY(cudnnBackendFinalize(graph));
-
-  enum { kMaxCfg = 8 };
-  std::vector<cudnnBackendDescriptor_t> cfgs;
-  const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
-  for (int mi = 0; mi < 2; mi++) {
-    cudnnBackendDescriptor_t heur;
-    KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
-    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                    &graph));
-    KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &modes[mi]));
-    if (cudnnBackendFinalize(heur) != CUDNN_STATUS_SUCCESS) continue;
-    cudnnBackendDescriptor_t cfg[kMaxCfg];
-    for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
-    int64_t n = 0;
-    if (cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
-                                 cfg) != CUDNN_STATUS_SUCCESS)
-      continue;
-    for (int64_t i = 0; i < n && i < kMaxCfg; i++) cfgs.push_back(cfg[i]);
-  }
-  for (int pass = want_det ? 0 : 1; pass < 2; pass++)
-    for (cudnnBackendDescriptor_t cfg : cfgs) {
-      int64_t global = -1;
-      bool nondet = false;
-      if (engine_info(p, cfg, &global, &nondet) != CUDNN_STATUS_SUCCESS) continue;
-      if (pass == 0 && nondet) continue;
-      cudnnBackendDescriptor_t plan;
-      KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                      &cfg));
-      if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
-      int64_t ws = 0, got = 0;
-      KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws));
-      if (ws < 0 || ws > ((int64_t)1 << 32)) continue;
-      p->plan = plan;
-      p->ws = ws;
-      p->engine = global;
-      p->nondet = nondet;
-      return CUDNN_STATUS_SUCCESS;
-    }
-  return CUDNN_STATUS_NOT_SUPPORTED;
+  static const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
+  CudnnPlanRule rule = {modes, 2, 8, (int64_t)1 << 32, want_det, NULL, NULL};
+  return cudnn_choose_plan(h, p, ops.data(), (int)ops.size(), rule);
 }
 
 /* The forward graph of a's shapes and its plan. */
@@ -314,24 +213,24 @@ cudnnStatus_t build_fwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p) {
   int64_t d[4], s[4];
   cudnnBackendDescriptor_t tq, tkt, tv, to, tst, tscale, tninf;
   dims4(q, d, s);
-  KB_TRY(tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
+  KB_TRY(cudnn_tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
   /* K^T: (B, H, D, Tk), K's strides with the last two swapped */
   {
     int64_t kd[4] = {k->shape[0], k->shape[1], k->shape[3], k->shape[2]};
     int64_t ks[4] = {k->strides[0], k->strides[1], k->strides[3], k->strides[2]};
-    KB_TRY(tensor(p, kUidK, dt, kd, ks, false, false, al, &tkt));
+    KB_TRY(cudnn_tensor(p, kUidK, dt, kd, ks, false, false, al, &tkt));
   }
   dims4(v, d, s);
-  KB_TRY(tensor(p, kUidV, dt, d, s, false, false, al, &tv));
+  KB_TRY(cudnn_tensor(p, kUidV, dt, d, s, false, false, al, &tv));
   dims4(o, d, s);
-  KB_TRY(tensor(p, kUidO, dt, d, s, false, false, al, &to));
+  KB_TRY(cudnn_tensor(p, kUidO, dt, d, s, false, false, al, &to));
   {
     int64_t sd[4] = {B, H, Tq, 1}, ss[4] = {lse->strides[0], lse->strides[1], lse->strides[2], 1};
-    KB_TRY(tensor(p, kUidStats, f32, sd, ss, false, false, al, &tst));
+    KB_TRY(cudnn_tensor(p, kUidStats, f32, sd, ss, false, false, al, &tst));
   }
   const int64_t one4[4] = {1, 1, 1, 1};
-  KB_TRY(tensor(p, kUidScale, f32, one4, one4, false, true, 16, &tscale));
-  KB_TRY(tensor(p, kUidNegInf, f32, one4, one4, false, true, 16, &tninf));
+  KB_TRY(cudnn_tensor(p, kUidScale, f32, one4, one4, false, true, 16, &tscale));
+  KB_TRY(cudnn_tensor(p, kUidNegInf, f32, one4, one4, false, true, 16, &tninf));
 
   Builder b{p, {}, kUidVirt};
   const int64_t sdim[4] = {B, H, Tq, Tk}, sst[4] = {H * Tq * Tk, Tq * Tk, Tk, 1};
@@ -391,35 +290,35 @@ cudnnStatus_t build_bwd(const kiln__kargs *a, cudnnHandle_t h, Plan *p, bool acc
   int64_t d[4], s[4];
   cudnnBackendDescriptor_t tq, tkt, tvt, to, tdo, tst, tdq, tdk, tdv, tscale, tone, tninf, tsum, tacc = NULL;
   dims4(q, d, s);
-  KB_TRY(tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
+  KB_TRY(cudnn_tensor(p, kUidQ, dt, d, s, false, false, al, &tq));
   { /* K^T and V^T: (B, H, D, Tk), the last two strides swapped */
     int64_t kd[4] = {B, H, D, Tk}, ks[4] = {k->strides[0], k->strides[1], k->strides[3], k->strides[2]};
-    KB_TRY(tensor(p, kUidK, dt, kd, ks, false, false, al, &tkt));
+    KB_TRY(cudnn_tensor(p, kUidK, dt, kd, ks, false, false, al, &tkt));
     int64_t vd[4] = {B, H, Dv, Tk}, vs[4] = {v->strides[0], v->strides[1], v->strides[3], v->strides[2]};
-    KB_TRY(tensor(p, kUidV, dt, vd, vs, false, false, al, &tvt));
+    KB_TRY(cudnn_tensor(p, kUidV, dt, vd, vs, false, false, al, &tvt));
   }
   dims4(o, d, s);
-  KB_TRY(tensor(p, kUidO, dt, d, s, false, false, al, &to));
+  KB_TRY(cudnn_tensor(p, kUidO, dt, d, s, false, false, al, &to));
   dims4(go, d, s);
-  KB_TRY(tensor(p, kUidDO, dt, d, s, false, false, al, &tdo));
+  KB_TRY(cudnn_tensor(p, kUidDO, dt, d, s, false, false, al, &tdo));
   {
     int64_t sd[4] = {B, H, Tq, 1}, ss[4] = {lse->strides[0], lse->strides[1], lse->strides[2], 1};
-    KB_TRY(tensor(p, kUidStats, f32, sd, ss, false, false, al, &tst));
+    KB_TRY(cudnn_tensor(p, kUidStats, f32, sd, ss, false, false, al, &tst));
   }
   dims4(dq, d, s);
-  KB_TRY(tensor(p, kUidDQ, dt, d, s, false, false, al, &tdq));
+  KB_TRY(cudnn_tensor(p, kUidDQ, dt, d, s, false, false, al, &tdq));
   dims4(dk, d, s);
-  KB_TRY(tensor(p, kUidDK, dt, d, s, false, false, al, &tdk));
+  KB_TRY(cudnn_tensor(p, kUidDK, dt, d, s, false, false, al, &tdk));
   dims4(dv, d, s);
-  KB_TRY(tensor(p, kUidDV, dt, d, s, false, false, al, &tdv));
+  KB_TRY(cudnn_tensor(p, kUidDV, dt, d, s, false, false, al, &tdv));
   const int64_t one4[4] = {1, 1, 1, 1};
-  KB_TRY(tensor(p, kUidScale, f32, one4, one4, false, true, 16, &tscale));
-  KB_TRY(tensor(p, kUidOne, f32, one4, one4, false, true, 16, &tone));
-  KB_TRY(tensor(p, kUidNegInf, f32, one4, one4, false, true, 16, &tninf));
+  KB_TRY(cudnn_tensor(p, kUidScale, f32, one4, one4, false, true, 16, &tscale));
+  KB_TRY(cudnn_tensor(p, kUidOne, f32, one4, one4, false, true, 16, &tone));
+  KB_TRY(cudnn_tensor(p, kUidNegInf, f32, one4, one4, false, true, 16, &tninf));
   const int64_t rdim[4] = {B, H, Tq, 1}, rst[4] = {H * Tq, Tq, 1, 1};
-  KB_TRY(tensor(p, kUidSoftmaxSum, f32, rdim, rst, false, false, 16, &tsum));
+  KB_TRY(cudnn_tensor(p, kUidSoftmaxSum, f32, rdim, rst, false, false, 16, &tsum));
   const int64_t qdim[4] = {B, H, Tq, D}, qst[4] = {H * Tq * D, Tq * D, D, 1};
-  if (accum) KB_TRY(tensor(p, kUidDQAccum, f32, qdim, qst, false, false, 16, &tacc));
+  if (accum) KB_TRY(cudnn_tensor(p, kUidDQAccum, f32, qdim, qst, false, false, 16, &tacc));
 
   Builder b{p, {}, kUidVirt};
   const int64_t sdim[4] = {B, H, Tq, Tk}, sst[4] = {H * Tq * Tk, Tq * Tk, Tk, 1};
@@ -660,17 +559,7 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
     put(kUidSoftmaxSum, (char *)ws + base);
     if (acc) put(kUidDQAccum, (char *)ws + base + sum_bytes(a));
   }
-  cudnnBackendDescriptor_t vp = NULL;
-  cudnnStatus_t s = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
-  if (s == CUDNN_STATUS_SUCCESS)
-    s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs);
-  if (s == CUDNN_STATUS_SUCCESS)
-    s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids);
-  if (s == CUDNN_STATUS_SUCCESS)
-    s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
-  if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendFinalize(vp);
-  if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendExecute(h, plan->plan, vp);
-  if (vp) cudnnBackendDestroyDescriptor(vp);
+  cudnnStatus_t s = cudnn_execute(h, plan->plan, n, uids, ptrs, ws);
   if (ws) kiln__cuda_free(a->device, ws, wbytes); /* stream-ordered reuse */
   if (s == CUDNN_STATUS_SUCCESS) __atomic_add_fetch(&g_runs, 1, __ATOMIC_RELAXED);
   return dnn_err(s, "cudnnBackendExecute");

@@ -61,6 +61,8 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
 
 #include <cudnn.h>
 
+#include "cuda_cudnn_graph.cuh"
+
 #include <memory>
 #include <mutex>
 #include <string>
@@ -495,39 +497,12 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
 
 /* ---- the backend (graph) API: one execution plan per cache entry ---------------------- */
 
-/* Every descriptor a plan was built from, kept for the plan's life (the process's: cache
-** entries are never dropped), destroyed in reverse order. */
-struct BPlan {
-  std::vector<cudnnBackendDescriptor_t> owned;
-  cudnnBackendDescriptor_t plan = NULL;
-  int64_t ws = 0;
-  int64_t engine = -1; /* CUDNN_ATTR_ENGINE_GLOBAL_INDEX, for the log */
-  BPlan() = default;
-  BPlan(const BPlan &) = delete;
-  BPlan &operator=(const BPlan &) = delete;
-  ~BPlan() {
-    for (size_t i = owned.size(); i-- > 0;) cudnnBackendDestroyDescriptor(owned[i]);
-  }
-  cudnnStatus_t make(cudnnBackendDescriptorType_t type, cudnnBackendDescriptor_t *out) {
-    *out = NULL;
-    cudnnStatus_t s = cudnnBackendCreateDescriptor(type, out);
-    if (s == CUDNN_STATUS_SUCCESS) owned.push_back(*out);
-    return s;
-  }
-};
-
 /* uids of the three operands in the plans and variant packs */
 enum : int64_t { kUidX = 1, kUidW = 2, kUidY = 3 };
 
-#define KB_TRY(call)                                                                      \
-  do {                                                                                    \
-    cudnnStatus_t s_ = (call);                                                            \
-    if (s_ != CUDNN_STATUS_SUCCESS) return s_;                                            \
-  } while (0)
-
 /* A finalized tensor descriptor: v's shape, packed in the layout (NCHW or NHWC; the filter
 ** too, as (K, C, R, S) dims), uid, alignment. */
-cudnnStatus_t b_tensor(BPlan *p, const kiln__view *v, cudnnDataType_t dt, bool nhwc, int64_t uid, int64_t align,
+cudnnStatus_t b_tensor(CudnnPlan *p, const kiln__view *v, cudnnDataType_t dt, bool nhwc, int64_t uid, int64_t align,
                        cudnnBackendDescriptor_t *out) {
   int64_t dims[4], st[4];
   const int nchw[4] = {3, 2, 1, 0}, nhwc_order[4] = {1, 3, 2, 0}; /* fastest first */
@@ -539,61 +514,27 @@ cudnnStatus_t b_tensor(BPlan *p, const kiln__view *v, cudnnDataType_t dt, bool n
     st[d] = s;
     s *= v->shape[d] > 0 ? v->shape[d] : 1;
   }
-  cudnnBackendDescriptor_t t;
-  KB_TRY(p->make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, &t));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, st));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid));
-  KB_TRY(cudnnBackendSetAttribute(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align));
-  KB_TRY(cudnnBackendFinalize(t));
-  *out = t;
-  return CUDNN_STATUS_SUCCESS;
+  return cudnn_tensor(p, uid, dt, dims, st, false, false, align, out);
 }
 
-/* Whether the engine behind cfg may run these arguments: never down-converting the inputs
-** or reducing in lower precision (the legacy path's contract: f16/bf16 accumulate in f32),
-** no TF32 for f32 unless allowed, deterministic unless any_det, not compiled at run time
+/* Whether an engine may run these arguments (ctx: whether f32 must stay exact): its notes
+** known, never
+** down-converting the inputs or reducing in lower precision (the legacy path's contract:
+** f16/bf16 accumulate in f32), no TF32 for f32 unless allowed, not compiled at run time
 ** (NVRTC at plan time costs seconds and a library kiln does not link). */
-cudnnStatus_t b_engine_ok(BPlan *p, cudnnBackendDescriptor_t cfg, bool f32_exact, bool any_det, bool *ok,
-                          int64_t *global) {
-  *ok = false;
-  cudnnBackendDescriptor_t eng;
-  KB_TRY(p->make(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng));
-  int64_t n = 0;
-  KB_TRY(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &eng));
-  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
-  n = 0;
-  KB_TRY(cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                                  CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n, notes));
-  for (int64_t i = 0; i < n; i++) {
-    if (notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS ||
-        notes[i] == CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION)
-      return CUDNN_STATUS_SUCCESS;
-    if (f32_exact && notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE) return CUDNN_STATUS_SUCCESS;
-    if (!any_det && notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) return CUDNN_STATUS_SUCCESS;
-  }
-  cudnnBackendBehaviorNote_t behav[CUDNN_BEHAVIOR_NOTE_TYPE_COUNT];
-  n = 0;
-  KB_TRY(cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE,
-                                  CUDNN_BEHAVIOR_NOTE_TYPE_COUNT, &n, behav));
-  for (int64_t i = 0; i < n; i++)
-    if (behav[i] == CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION) return CUDNN_STATUS_SUCCESS;
-  n = 0;
-  *global = -1;
-  (void)cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, global);
-  *ok = true;
-  return CUDNN_STATUS_SUCCESS;
+bool b_engine_ok(const CudnnEngineNotes &e, const void *ctx) {
+  const bool f32_exact = *(const bool *)ctx;
+  return e.known && !e.lower_prec && !(f32_exact && e.tensor_core) && !e.compiled;
 }
 
 /* Builds p's execution plan for a's convolution (groups 1: the backend API reads groups
 ** from the filter's channels, which this path does not rely on). CUDNN_STATUS_NOT_SUPPORTED
 ** when no engine passes the filters. */
-cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, cudnnDataType_t dt, BPlan *p) {
+cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, cudnnDataType_t dt, CudnnPlan *p) {
   const kiln__conv_params *cp = (const kiln__conv_params *)a->params;
   bool nhwc = nhwc_mode(o);
   int64_t align = alignment(o);
-  cudnnBackendDescriptor_t tx, tw, ty, conv, op, graph, heur;
+  cudnnBackendDescriptor_t tx, tw, ty, conv, op;
   KB_TRY(b_tensor(p, o.x, dt, nhwc, kUidX, align, &tx));
   KB_TRY(b_tensor(p, o.w, dt, nhwc, kUidW, align, &tw));
   KB_TRY(b_tensor(p, o.y, dt, nhwc, kUidY, align, &ty));
@@ -648,47 +589,12 @@ cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, 
   KB_TRY(cudnnBackendSetAttribute(op, ab, st, 1, zero));
   KB_TRY(cudnnBackendFinalize(op));
 
-  KB_TRY(p->make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &op));
-  KB_TRY(cudnnBackendSetAttribute(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-  KB_TRY(cudnnBackendFinalize(graph));
-
-  KB_TRY(p->make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
-  KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                  &graph));
-  cudnnBackendHeurMode_t hm = CUDNN_HEUR_MODE_A;
-  KB_TRY(cudnnBackendSetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &hm));
-  KB_TRY(cudnnBackendFinalize(heur));
-  enum { kMaxCfg = 16 };
-  cudnnBackendDescriptor_t cfg[kMaxCfg];
-  for (int i = 0; i < kMaxCfg; i++) KB_TRY(p->make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfg[i]));
-  int64_t n = 0;
-  KB_TRY(cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMaxCfg, &n,
-                                  cfg));
-  bool f32_exact = dt == CUDNN_DATA_FLOAT && (a->i[1] & 1) == 0;
-  /* heuristic order; deterministic engines first (DESIGN.md: same seed, same numbers),
-  ** any engine when none is */
-  for (int pass = 0; pass < 2; pass++)
-    for (int64_t i = 0; i < n && i < kMaxCfg; i++) {
-      bool ok = false;
-      int64_t global = -1;
-      if (b_engine_ok(p, cfg[i], f32_exact, pass == 1, &ok, &global) != CUDNN_STATUS_SUCCESS || !ok) continue;
-      cudnnBackendDescriptor_t plan;
-      KB_TRY(p->make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
-      KB_TRY(cudnnBackendSetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                      1, &cfg[i]));
-      if (cudnnBackendFinalize(plan) != CUDNN_STATUS_SUCCESS) continue; /* this engine cannot: the next */
-      int64_t ws = 0, got = 0;
-      KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got,
-                                      &ws));
-      if (ws < 0 || (size_t)ws > kMaxWorkspace) continue;
-      p->plan = plan;
-      p->ws = ws;
-      p->engine = global;
-      return CUDNN_STATUS_SUCCESS;
-    }
-  return CUDNN_STATUS_NOT_SUPPORTED;
+  /* heuristic order (mode A); deterministic engines first (DESIGN.md: same seed, same
+  ** numbers), any engine when none is */
+  static const cudnnBackendHeurMode_t modes[1] = {CUDNN_HEUR_MODE_A};
+  const bool f32_exact = dt == CUDNN_DATA_FLOAT && (a->i[1] & 1) == 0;
+  CudnnPlanRule rule = {modes, 1, 16, (int64_t)kMaxWorkspace, true, b_engine_ok, &f32_exact};
+  return cudnn_choose_plan(h, p, &op, 1, rule);
 }
 
 /* One cache entry: the legacy descriptors and choice, and the backend plan when asked for
@@ -696,7 +602,7 @@ cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, 
 struct Entry {
   Descs ds;
   Choice c = {-1, CUDNN_DEFAULT_MATH, 0}; /* the legacy choice (unused when bp serves) */
-  std::unique_ptr<BPlan> bp; /* NULL: the legacy path */
+  std::unique_ptr<CudnnPlan> bp; /* NULL: the legacy path */
 };
 std::unordered_map<std::string, std::unique_ptr<Entry>> g_cache;
 
@@ -708,7 +614,7 @@ kiln_status build_entry(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h
   /* the backend plan: groups 1, heuristic choice (KILN_CUDNN_BENCHMARK keeps the legacy
   ** path, whose measured choice it is), never built inside a capture */
   if (backend_api() && a->i[0] == 1 && !benchmark_mode() && !d->capturing) {
-    std::unique_ptr<BPlan> bp(new BPlan);
+    std::unique_ptr<CudnnPlan> bp(new CudnnPlan);
     cudnnStatus_t s = b_build(a, o, h, dt, bp.get());
     (void)cudaGetLastError();
     if (s == CUDNN_STATUS_SUCCESS) e->bp = std::move(bp);
@@ -867,18 +773,7 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
     /* the plan knows the shapes; the call names the memory */
     void *ptrs[3] = {o.x->data, o.w->data, o.y->data};
     int64_t uids[3] = {kUidX, kUidW, kUidY};
-    void *wsp = ws.p;
-    cudnnBackendDescriptor_t vp = NULL;
-    cudnnStatus_t s = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
-    if (s == CUDNN_STATUS_SUCCESS)
-      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs);
-    if (s == CUDNN_STATUS_SUCCESS)
-      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
-    if (s == CUDNN_STATUS_SUCCESS)
-      s = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &wsp);
-    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendFinalize(vp);
-    if (s == CUDNN_STATUS_SUCCESS) s = cudnnBackendExecute(h, e->bp->plan, vp);
-    if (vp) cudnnBackendDestroyDescriptor(vp);
+    cudnnStatus_t s = cudnn_execute(h, e->bp->plan, 3, uids, ptrs, ws.p);
     KC_DNN(s, "cudnnBackendExecute");
   } else {
     float f1 = 1.0f, f0 = 0.0f;

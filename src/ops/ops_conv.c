@@ -32,9 +32,9 @@
 
 /* ---- im2col / col2im: internal ops, each the other's backward ----------------------- */
 
-/* kernel, stride, padding (before), dilation, and size: for im2col the output's (OH, OW),
-** for col2im the image's (H, W). */
-typedef struct attrs_window {
+/* A window: kernel, stride, padding (before), dilation. The pools' attributes (stride
+** defaulting to the kernel, dilation max_pool2d's only). */
+typedef struct attrs_pool {
   int64_t kernel[2];
   int nk;
   int64_t stride[2];
@@ -43,17 +43,28 @@ typedef struct attrs_window {
   int np;
   int64_t dilation[2];
   int nd;
+} attrs_pool;
+static const kiln__attr_field f_pool[] = {
+    KILN__FIELD_INTS(attrs_pool, kernel, nk), KILN__FIELD_INTS(attrs_pool, stride, ns),
+    KILN__FIELD_INTS(attrs_pool, padding, np), KILN__FIELD_INTS(attrs_pool, dilation, nd)};
+
+/* A window and a size: for im2col the output's (OH, OW), for col2im the image's (H, W),
+** for max_pool2d's backward ops the input's (H, W). */
+typedef struct attrs_window {
+  attrs_pool p;
   int64_t size[2];
   int nsz;
 } attrs_window;
 static const kiln__attr_field f_window[] = {
-    KILN__FIELD_INTS(attrs_window, kernel, nk), KILN__FIELD_INTS(attrs_window, stride, ns),
-    KILN__FIELD_INTS(attrs_window, padding, np), KILN__FIELD_INTS(attrs_window, dilation, nd),
+    {"kernel", KILN__A_INTS, offsetof(attrs_window, p.kernel), offsetof(attrs_window, p.nk), NULL},
+    {"stride", KILN__A_INTS, offsetof(attrs_window, p.stride), offsetof(attrs_window, p.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_window, p.padding), offsetof(attrs_window, p.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_window, p.dilation), offsetof(attrs_window, p.nd), NULL},
     KILN__FIELD_INTS(attrs_window, size, nsz)};
 
 static attrs_window window(const int64_t k[2], const int64_t s[2], const int64_t p[2], const int64_t d[2],
                            const int64_t size[2]) {
-  attrs_window w = {{k[0], k[1]}, 2, {s[0], s[1]}, 2, {p[0], p[1]}, 2, {d[0], d[1]}, 2, {size[0], size[1]}, 2};
+  attrs_window w = {{{k[0], k[1]}, 2, {s[0], s[1]}, 2, {p[0], p[1]}, 2, {d[0], d[1]}, 2}, {size[0], size[1]}, 2};
   return w;
 }
 
@@ -64,7 +75,7 @@ static kiln__conv_params conv_window(const int64_t k[2], const int64_t s[2], con
   return cp;
 }
 
-static kiln__conv_params window_params(const attrs_window *w) {
+static kiln__conv_params pool_params(const attrs_pool *w) {
   return conv_window(w->kernel, w->stride, w->padding, w->dilation);
 }
 
@@ -105,13 +116,13 @@ static kiln_status im2col_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
   if (x->ndim != 4)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_im2col: expected (N, C, H, W), got %s", kiln__tshape(x));
-  int64_t sh[6] = {x->shape[0], x->shape[1], w->kernel[0], w->kernel[1], w->size[0], w->size[1]};
+  int64_t sh[6] = {x->shape[0], x->shape[1], w->p.kernel[0], w->p.kernel[1], w->size[0], w->size[1]};
   kiln__op_meta(c, 0, 6, sh, x->dtype);
   return KILN_OK;
 }
 
 static kiln_status im2col_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = window_params(c->attrs);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
   return run_window(c, KILN__K_IM2COL, 1, 1, &p, 0);
 }
 
@@ -133,7 +144,7 @@ static kiln_status col2im_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status col2im_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = window_params(c->attrs);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
   kiln__kargs z = {0};
   z.op = KILN__K_FILL;
   kiln_status st = kiln__run_into(c->out[0], &z);
@@ -889,21 +900,6 @@ kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight, kiln_ten
 
 /* ---- pooling -------------------------------------------------------------------------------- */
 
-/* kernel, stride (default: the kernel), padding, dilation (max_pool2d only). */
-typedef struct attrs_pool {
-  int64_t kernel[2];
-  int nk;
-  int64_t stride[2];
-  int ns;
-  int64_t padding[2];
-  int np;
-  int64_t dilation[2];
-  int nd;
-} attrs_pool;
-static const kiln__attr_field f_pool[] = {
-    KILN__FIELD_INTS(attrs_pool, kernel, nk), KILN__FIELD_INTS(attrs_pool, stride, ns),
-    KILN__FIELD_INTS(attrs_pool, padding, np), KILN__FIELD_INTS(attrs_pool, dilation, nd)};
-
 static attrs_pool pool_attrs(const int64_t *kernel, const int64_t *stride, const int64_t *padding,
                              const int64_t *dilation) {
   attrs_pool a;
@@ -954,10 +950,6 @@ static kiln_status max_pool_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-static kiln__conv_params pool_params(const attrs_pool *w) {
-  return conv_window(w->kernel, w->stride, w->padding, w->dilation);
-}
-
 static kiln_status max_pool_forward(kiln__op_ctx *c) {
   if (kiln_numel(c->out[0]) == 0) return KILN_OK;
   kiln__conv_params p = pool_params(c->attrs);
@@ -974,30 +966,19 @@ static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0
 
 /* max_pool2d's backward through its kernel (MAX_POOL2D_BACKWARD: a gather per pixel, the
 ** same sums every run), an internal op: inputs the gradient and the indices, attributes
-** the forward's window and the input's (H, W). Its own backward gathers the gradient of
-** dx at the indices. */
-typedef struct attrs_poolb {
-  attrs_pool p;
-  int64_t size[2];
-  int nsz;
-} attrs_poolb;
-static const kiln__attr_field f_poolb[] = {
-    {"kernel", KILN__A_INTS, offsetof(attrs_poolb, p.kernel), offsetof(attrs_poolb, p.nk), NULL},
-    {"stride", KILN__A_INTS, offsetof(attrs_poolb, p.stride), offsetof(attrs_poolb, p.ns), NULL},
-    {"padding", KILN__A_INTS, offsetof(attrs_poolb, p.padding), offsetof(attrs_poolb, p.np), NULL},
-    {"dilation", KILN__A_INTS, offsetof(attrs_poolb, p.dilation), offsetof(attrs_poolb, p.nd), NULL},
-    KILN__FIELD_INTS(attrs_poolb, size, nsz)};
+** the forward's window and the input's (H, W) (an attrs_window). Its own backward gathers
+** the gradient of dx at the indices. */
 
-/* the backward op's attributes: the forward's window, and x's (H, W) from its shape xs */
-static attrs_poolb poolb_attrs(const attrs_pool *p, const int64_t *xs) {
-  attrs_poolb ab;
+/* the backward ops' attributes: the forward's window, and x's (H, W) from its shape xs */
+static attrs_window pool_bwd_attrs(const attrs_pool *p, const int64_t *xs) {
+  attrs_window ab;
   ab.p = *p;
   ab.size[0] = xs[2], ab.size[1] = xs[3], ab.nsz = 2;
   return ab;
 }
 
 static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
-  const attrs_poolb *ab = c->attrs;
+  const attrs_window *ab = c->attrs;
   kiln_tensor *g = c->in[0], *ix = c->in[1];
   if (g->ndim != 4 || ix->ndim != 4 || ix->dtype != KILN_I64)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_max_pool2d_backward: grad %s and i64 indices %s expected", kiln__tshape(g),
@@ -1009,7 +990,7 @@ static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status max_pool_bwd_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = pool_params(&((const attrs_poolb *)c->attrs)->p);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
   return run_window(c, KILN__K_MAX_POOL2D_BACKWARD, 2, 1, &p, 0);
 }
 
@@ -1027,7 +1008,7 @@ static kiln_status max_pool_bwd_backward(kiln__node *n, kiln_tensor *gg, kiln_te
 
 static const kiln__op op_max_pool2d_bwd = {
     .name = "max_pool2d_backward", .api = "kiln_max_pool2d_backward", .n_in = 2, .n_out = 1, .n_kernels = 1,
-    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5, .attr_size = sizeof(attrs_poolb),
+    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_window, .n_attrs = 5, .attr_size = sizeof(attrs_window),
     .infer = max_pool_bwd_infer, .forward = max_pool_bwd_forward, .backward = max_pool_bwd_backward, .n_saved = 1,
     .save = max_pool_bwd_save};
 
@@ -1045,7 +1026,7 @@ static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor 
   kiln_tensor *ix = ixo[1];
   kiln__discard(ixo[0]);
   kiln__kargs q = {0};
-  attrs_poolb ab = poolb_attrs(n->attrs, xs);
+  attrs_window ab = pool_bwd_attrs(n->attrs, xs);
   kiln__conv_params p = pool_params(&ab.p);
   q.op = KILN__K_MAX_POOL2D_BACKWARD;
   q.n_in = 2, q.n_out = 1;
@@ -1110,13 +1091,13 @@ static void relu_max_pool_save(kiln__op_ctx *c, kiln__node *n) {
 }
 
 static kiln_status relu_max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  attrs_poolb ab = poolb_attrs(n->attrs, n->in_shape[0]);
+  attrs_window ab = pool_bwd_attrs(n->attrs, n->in_shape[0]);
   kiln_tensor *in[3] = {g, n->saved[0], n->saved[1]};
   return kiln__give_grad(&gi[0], kiln__op_call(&op_relu_max_pool2d_bwd, 3, in, &ab, NULL), g);
 }
 
 static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
-  const attrs_poolb *ab = c->attrs;
+  const attrs_window *ab = c->attrs;
   kiln_tensor *g = c->in[0];
   int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
   kiln__op_meta(c, 0, 4, sh, g->dtype);
@@ -1124,7 +1105,7 @@ static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status relu_max_pool_bwd_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = pool_params(&((const attrs_poolb *)c->attrs)->p);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
   return run_window(c, KILN__K_RELU_MAX_POOL2D_BACKWARD, 3, 1, &p, 0);
 }
 
@@ -1132,8 +1113,8 @@ static kiln_status relu_max_pool_bwd_forward(kiln__op_ctx *c) {
 ** has no create_graph), so nothing could record this op for a second derivative. */
 static const kiln__op op_relu_max_pool2d_bwd = {
     .name = "relu_max_pool2d_backward", .api = "kiln_relu_max_pool2d_backward", .n_in = 3, .n_out = 1,
-    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5,
-    .attr_size = sizeof(attrs_poolb), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_window, .n_attrs = 5,
+    .attr_size = sizeof(attrs_window), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
 
 static const kiln__op op_relu_max_pool2d = {
     .name = "relu_max_pool2d", .api = "kiln_relu_max_pool2d", .n_in = 1, .n_out = 2, .flags = KILN__OP_FLOAT_ONLY,

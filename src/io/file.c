@@ -224,6 +224,10 @@ FILE *kiln__fopen_regular(const char *who, const char *path) {
 }
 
 FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size) {
+  if (!path) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", who);
+    return NULL;
+  }
   FILE *f = kiln__fopen_regular(who, path);
   struct stat sb;
   if (f && fstat(fileno(f), &sb) != 0) {

@@ -223,6 +223,23 @@ FILE *kiln__fopen_regular(const char *who, const char *path) {
   return f;
 }
 
+FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size) {
+  if (!path) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", who);
+    return NULL;
+  }
+  FILE *f = kiln__fopen_regular(who, path);
+  struct stat sb;
+  if (f && fstat(fileno(f), &sb) != 0) {
+    int e = errno;
+    fclose(f);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot stat %s: %s", who, path, strerror(e));
+    return NULL;
+  }
+  if (f) *size = (uint64_t)sb.st_size;
+  return f;
+}
+
 int kiln__host_is_le(void) {
   const uint16_t one = 1;
   unsigned char b;

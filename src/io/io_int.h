@@ -34,6 +34,9 @@ void kiln__atomic_abort(kiln__atomic_file *af);
 int kiln__open_regular(const char *who, const char *path);
 /* The same as a FILE opened "rb"; NULL with the error set. */
 FILE *kiln__fopen_regular(const char *who, const char *path);
+/* The same, with the file's size in bytes in *size (the loaders check lengths against it);
+** a NULL path is refused (KILN_ERR_INVALID_ARGUMENT "who: NULL path"). */
+FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size);
 
 /* 1 on a little-endian host. File formats here are little-endian; on a big-endian host
 ** element bytes are swapped after reading and before writing. */

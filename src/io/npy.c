@@ -21,7 +21,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "io_int.h"
 #include "kiln_io.h"
@@ -215,21 +214,12 @@ static void fortran_to_c(unsigned char *dst, const unsigned char *src, int nd,
 }
 
 kiln_tensor *kiln_npy_load(const char *path, kiln_device dev) {
-  if (!path) {
-    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL path");
-    return NULL;
-  }
-  FILE *f = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  uint64_t fsize;
+  FILE *f = kiln__fopen_regular_size(WHO, path, &fsize); /* NULL path refused; a FIFO too, not waited on */
   if (!f) return NULL;
   char *hdr = NULL;
   unsigned char *tmp = NULL;
   kiln_tensor *t = NULL;
-  struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    kiln_set_error(KILN_ERR_IO, WHO ": %s: not a regular file", path);
-    goto fail;
-  }
-  uint64_t fsize = (uint64_t)sb.st_size;
   unsigned char pre[12];
   if (fread(pre, 1, 10, f) != 10 || memcmp(pre, "\x93NUMPY", 6) != 0) {
     kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: not a .npy file (no \\x93NUMPY magic at file offset 0)",

@@ -27,7 +27,6 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "io_int.h"
 #include "kiln_io.h"
@@ -375,20 +374,11 @@ done:
 }
 
 kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
-  if (!path) {
-    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, WHO ": NULL path");
-    return NULL;
-  }
-  FILE *f = kiln__fopen_regular(WHO, path); /* a FIFO is refused, not waited on */
+  uint64_t fsize;
+  FILE *f = kiln__fopen_regular_size(WHO, path, &fsize); /* NULL path refused; a FIFO too, not waited on */
   if (!f) return NULL;
   kiln_dict *d = NULL;
   char *hdr = NULL;
-  struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    kiln_set_error(KILN_ERR_IO, WHO ": %s: not a regular file", path);
-    goto fail;
-  }
-  uint64_t fsize = (uint64_t)sb.st_size;
   unsigned char b8[8];
   if (fsize < 8 || fread(b8, 1, 8, f) != 8) {
     kiln_set_error(KILN_ERR_FORMAT,

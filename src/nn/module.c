@@ -303,26 +303,20 @@ static entry *find_entry(entry *arr, int n, const char *name) {
   return NULL;
 }
 
-kiln_tensor *kiln_module_param(const kiln_module *m, const char *name) {
+/* The parameter (or with buffer, the buffer) a dotted name gives; NULL when none. A name
+** without a dot (a forward looking up its own "weight") is m's own: walk returns at once. */
+static kiln_tensor *lookup(const kiln_module *m, const char *name, bool buffer) {
   if (!m || !name) return NULL;
-  /* The common case (a forward looking up its own "weight") skips the walk. */
-  if (!strchr(name, '.')) {
-    entry *e = find_entry(m->params, m->nparams, name);
-    return e ? e->t : NULL;
-  }
   const char *leaf;
   const kiln_module *o = walk(m, name, &leaf);
-  entry *e = o ? find_entry(o->params, o->nparams, leaf) : NULL;
+  if (!o) return NULL;
+  entry *e = buffer ? find_entry(o->buffers, o->nbuffers, leaf) : find_entry(o->params, o->nparams, leaf);
   return e ? e->t : NULL;
 }
 
-kiln_tensor *kiln_module_buffer(const kiln_module *m, const char *name) {
-  if (!m || !name) return NULL;
-  const char *leaf;
-  const kiln_module *o = walk(m, name, &leaf);
-  entry *e = o ? find_entry(o->buffers, o->nbuffers, leaf) : NULL;
-  return e ? e->t : NULL;
-}
+kiln_tensor *kiln_module_param(const kiln_module *m, const char *name) { return lookup(m, name, false); }
+
+kiln_tensor *kiln_module_buffer(const kiln_module *m, const char *name) { return lookup(m, name, true); }
 
 kiln_module *kiln_module_child(const kiln_module *m, const char *name) {
   if (!m || !name) return NULL;

@@ -258,6 +258,12 @@ kiln_status kiln__autocast_pop_state(void);
 /* ---- attention (ops_attention.c): qkv's gradient as attention's backward packed it
 ** (see kiln_ext.h) */
 kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
+/* attention's and kv_attention's checks of q, k, v (op names the op in errors): each 4-d
+** (B, H, T, D) of one floating dtype, k and v of q's batch and heads, k of q's head dim, v
+** of k's length; scale finite and >= 0 (0: 1/sqrt(D)). KILN_OK or the error set. */
+kiln_status kiln__attention_check(const char *op, kiln_tensor *const qkv[3], double scale);
+/* The scale the kernels use: scale, or 1/sqrt(d) when it is 0 (1 when d is 0). */
+double kiln__attention_scale(double scale, int64_t d);
 
 /* ---- module scope (module_scope.c) ----
 ** The nn module the thread is inside (labels interned: "layers.0 (Linear)"), pushed and

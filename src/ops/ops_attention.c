@@ -27,13 +27,11 @@ static const kiln__attr_field f_attention[] = {KILN__FIELD(attrs_attention, is_c
                                                KILN__FIELD(attrs_attention, dropout_p, KILN__A_FLOAT),
                                                KILN__FIELD(attrs_attention, scale, KILN__A_FLOAT)};
 
-static kiln_status attention_infer(kiln__op_ctx *c) {
-  const attrs_attention *p = c->attrs;
-  const char *op = c->op->api;
-  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *m = c->in[3];
+kiln_status kiln__attention_check(const char *op, kiln_tensor *const qkv[3], double scale) {
+  kiln_tensor *q = qkv[0], *k = qkv[1], *v = qkv[2];
   static const char *const names[] = {"q", "k", "v"};
   for (int i = 0; i < 3; i++) {
-    kiln_tensor *t = c->in[i];
+    kiln_tensor *t = qkv[i];
     if (t->ndim != 4)
       return kiln_set_error(KILN_ERR_SHAPE, "%s: %s must be 4-d (batch, heads, seq, head_dim), got %s", op, names[i],
                             kiln__tshape(t));
@@ -53,11 +51,19 @@ static kiln_status attention_infer(kiln__op_ctx *c) {
   if (k->shape[2] != v->shape[2])
     return kiln_set_error(KILN_ERR_SHAPE, "%s: k %s and v %s must have the same sequence length (dim 2)", op,
                           kiln__tshape(k), kiln__tshape(v));
+  if (!(scale >= 0.0) || isinf(scale))
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g",
+                          op, scale);
+  return KILN_OK;
+}
+
+static kiln_status attention_infer(kiln__op_ctx *c) {
+  const attrs_attention *p = c->attrs;
+  const char *op = c->op->api;
+  kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *m = c->in[3];
+  if (kiln__attention_check(op, c->in, p->scale) != KILN_OK) return kiln_last_error();
   if (!(p->dropout_p >= 0.0 && p->dropout_p <= 1.0))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: dropout_p must be in [0, 1], got %g", op, p->dropout_p);
-  if (!(p->scale >= 0.0) || isinf(p->scale))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g",
-                          op, p->scale);
   if (m) {
     if (p->is_causal)
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: give a mask or is_causal, not both", op);
@@ -78,8 +84,8 @@ static kiln_status attention_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-static double resolved_scale(const attrs_attention *p, int64_t d) {
-  return p->scale > 0 ? p->scale : (d > 0 ? 1.0 / sqrt((double)d) : 1.0);
+double kiln__attention_scale(double scale, int64_t d) {
+  return scale > 0 ? scale : (d > 0 ? 1.0 / sqrt((double)d) : 1.0);
 }
 
 /* Whether t (B, H, T, D) lies in (B, T, H, D) memory order: the heads of a (B, T, C)
@@ -130,7 +136,7 @@ static kiln_status attention_forward(kiln__op_ctx *c) {
   a.n_out = 2;
   a.out[0] = kiln__view_of(c->out[0]);
   a.out[1] = kiln__view_of(lse);
-  a.s[0] = resolved_scale(p, q->shape[3]);
+  a.s[0] = kiln__attention_scale(p->scale, q->shape[3]);
   a.s[1] = p->dropout_p;
   a.seed = c->scratch[0];
   a.offset = c->scratch[1];
@@ -262,7 +268,8 @@ static kiln_status attention_backward(kiln__node *n, kiln_tensor *g, kiln_tensor
     if (kiln_fill_(r[0], 0) != KILN_OK || kiln_fill_(r[1], 0) != KILN_OK || kiln_fill_(r[2], 0) != KILN_OK)
       return kiln_last_error();
   } else {
-    attrs_attention_bwd b = {p->is_causal, p->dropout_p, resolved_scale(p, q->shape[3]), n->i[0], n->i[1]};
+    attrs_attention_bwd b = {p->is_causal, p->dropout_p, kiln__attention_scale(p->scale, q->shape[3]), n->i[0],
+                             n->i[1]};
     kiln_tensor *in[7] = {q, k, v, g, m, lse, o};
     if (!kiln__op_call(&op_attention_bwd, 7, in, &b, r)) return kiln_last_error();
   }

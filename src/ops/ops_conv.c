@@ -32,9 +32,9 @@
 
 /* ---- im2col / col2im: internal ops, each the other's backward ----------------------- */
 
-/* kernel, stride, padding (before), dilation, and size: for im2col the output's (OH, OW),
-** for col2im the image's (H, W). */
-typedef struct attrs_window {
+/* A window: kernel, stride, padding (before), dilation. The pools' attributes (stride
+** defaulting to the kernel, dilation max_pool2d's only). */
+typedef struct attrs_pool {
   int64_t kernel[2];
   int nk;
   int64_t stride[2];
@@ -43,29 +43,63 @@ typedef struct attrs_window {
   int np;
   int64_t dilation[2];
   int nd;
+} attrs_pool;
+static const kiln__attr_field f_pool[] = {
+    KILN__FIELD_INTS(attrs_pool, kernel, nk), KILN__FIELD_INTS(attrs_pool, stride, ns),
+    KILN__FIELD_INTS(attrs_pool, padding, np), KILN__FIELD_INTS(attrs_pool, dilation, nd)};
+
+/* A window and a size: for im2col the output's (OH, OW), for col2im the image's (H, W),
+** for max_pool2d's backward ops the input's (H, W). */
+typedef struct attrs_window {
+  attrs_pool p;
   int64_t size[2];
   int nsz;
 } attrs_window;
 static const kiln__attr_field f_window[] = {
-    KILN__FIELD_INTS(attrs_window, kernel, nk), KILN__FIELD_INTS(attrs_window, stride, ns),
-    KILN__FIELD_INTS(attrs_window, padding, np), KILN__FIELD_INTS(attrs_window, dilation, nd),
+    {"kernel", KILN__A_INTS, offsetof(attrs_window, p.kernel), offsetof(attrs_window, p.nk), NULL},
+    {"stride", KILN__A_INTS, offsetof(attrs_window, p.stride), offsetof(attrs_window, p.ns), NULL},
+    {"padding", KILN__A_INTS, offsetof(attrs_window, p.padding), offsetof(attrs_window, p.np), NULL},
+    {"dilation", KILN__A_INTS, offsetof(attrs_window, p.dilation), offsetof(attrs_window, p.nd), NULL},
     KILN__FIELD_INTS(attrs_window, size, nsz)};
 
 static attrs_window window(const int64_t k[2], const int64_t s[2], const int64_t p[2], const int64_t d[2],
                            const int64_t size[2]) {
-  attrs_window w = {{k[0], k[1]}, 2, {s[0], s[1]}, 2, {p[0], p[1]}, 2, {d[0], d[1]}, 2, {size[0], size[1]}, 2};
+  attrs_window w = {{{k[0], k[1]}, 2, {s[0], s[1]}, 2, {p[0], p[1]}, 2, {d[0], d[1]}, 2}, {size[0], size[1]}, 2};
   return w;
 }
 
-static kiln__conv_params window_params(const attrs_window *w) {
-  kiln__conv_params p;
-  for (int k = 0; k < 2; k++) {
-    p.kernel[k] = w->kernel[k];
-    p.stride[k] = w->stride[k];
-    p.padding[k] = w->padding[k];
-    p.dilation[k] = w->dilation[k];
-  }
-  return p;
+/* The window as the kernels take it (IM2COL, COL2IM, the pools, the convolutions). */
+static kiln__conv_params conv_window(const int64_t k[2], const int64_t s[2], const int64_t p[2], const int64_t d[2]) {
+  kiln__conv_params cp;
+  for (int i = 0; i < 2; i++) cp.kernel[i] = k[i], cp.stride[i] = s[i], cp.padding[i] = p[i], cp.dilation[i] = d[i];
+  return cp;
+}
+
+static kiln__conv_params pool_params(const attrs_pool *w) {
+  return conv_window(w->kernel, w->stride, w->padding, w->dilation);
+}
+
+/* Runs window kernel op on the op's first n_in inputs into its outputs (out[1] too when
+** n_out is 2), with the window(s) p and the integer i0 (a.i[0]). */
+static kiln_status run_window(kiln__op_ctx *c, kiln__kop op, int n_in, int n_out, const kiln__conv_params *p,
+                              int64_t i0) {
+  kiln__kargs a = {0};
+  a.op = op;
+  a.n_in = n_in;
+  for (int i = 0; i < n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
+  a.n_out = n_out;
+  if (n_out > 1) a.out[1] = kiln__view_of(c->out[1]);
+  a.i[0] = i0;
+  a.params = p;
+  return kiln__run_into(c->out[0], &a);
+}
+
+/* v with the shape sh and contiguous strides: an output as a kernel would get it, for
+** asking kiln__dispatch_has before it is made. */
+static kiln__view view_shaped(kiln__view v, const int64_t sh[4]) {
+  for (int d = 0; d < 4; d++) v.shape[d] = sh[d];
+  kiln__contiguous_strides(4, v.shape, v.strides);
+  return v;
 }
 
 static const kiln__op op_im2col, op_col2im;
@@ -82,19 +116,14 @@ static kiln_status im2col_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
   if (x->ndim != 4)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_im2col: expected (N, C, H, W), got %s", kiln__tshape(x));
-  int64_t sh[6] = {x->shape[0], x->shape[1], w->kernel[0], w->kernel[1], w->size[0], w->size[1]};
+  int64_t sh[6] = {x->shape[0], x->shape[1], w->p.kernel[0], w->p.kernel[1], w->size[0], w->size[1]};
   kiln__op_meta(c, 0, 6, sh, x->dtype);
   return KILN_OK;
 }
 
 static kiln_status im2col_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = window_params(c->attrs);
-  kiln__kargs a = {0};
-  a.op = KILN__K_IM2COL;
-  a.n_in = 1;
-  a.in[0] = kiln__view_of(c->in[0]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
+  return run_window(c, KILN__K_IM2COL, 1, 1, &p, 0);
 }
 
 static kiln_status im2col_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
@@ -115,17 +144,12 @@ static kiln_status col2im_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status col2im_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = window_params(c->attrs);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
   kiln__kargs z = {0};
   z.op = KILN__K_FILL;
   kiln_status st = kiln__run_into(c->out[0], &z);
   if (st != KILN_OK || kiln_numel(c->in[0]) == 0) return st;
-  kiln__kargs a = {0};
-  a.op = KILN__K_COL2IM;
-  a.n_in = 1;
-  a.in[0] = kiln__view_of(c->in[0]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  return run_window(c, KILN__K_COL2IM, 1, 1, &p, 0);
 }
 
 static kiln_status col2im_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
@@ -147,6 +171,12 @@ static const kiln__op op_col2im = {
     .backward = col2im_backward};
 
 /* ---- geometry and argument checks ------------------------------------------------------ */
+
+/* Whether the environment variable name is "0" (an A/B switch that turns a path off). */
+static bool env_zero(const char *name) {
+  const char *e = getenv(name);
+  return e && strcmp(e, "0") == 0;
+}
 
 static const int64_t one2[2] = {1, 1}, zero2[2] = {0, 0};
 
@@ -267,12 +297,9 @@ static kiln_status conv_geometry(const kiln_tensor *x, const kiln_tensor *w, con
   return KILN_OK;
 }
 
-static kiln_status conv2d_infer(kiln__op_ctx *c) {
-  conv_geom g = {0};
-  if (conv_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
-  int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
-  kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
-  return KILN_OK;
+/* A 1x1 stride-1 unpadded kernel: cols is x itself (and x's gradient dcols). */
+static bool conv_pointwise(const conv_geom *g, const attrs_conv *p) {
+  return g->KH == 1 && g->KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && g->pad[0] == 0 && g->pad[1] == 0;
 }
 
 /* cols (N, G, C/G*kh*kw, OH*OW): a view of x for a 1x1 stride-1 unpadded kernel, else
@@ -280,7 +307,7 @@ static kiln_status conv2d_infer(kiln__op_ctx *c) {
 static kiln_tensor *conv_cols(kiln_tensor *x, const conv_geom *g, const attrs_conv *p) {
   int64_t K = g->C / g->G * g->KH * g->KW, L = g->OH * g->OW;
   kiln_tensor *cols;
-  if (g->KH == 1 && g->KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && g->pad[0] == 0 && g->pad[1] == 0) {
+  if (conv_pointwise(g, p)) {
     cols = x;
   } else {
     int64_t k[2] = {g->KH, g->KW}, o[2] = {g->OH, g->OW};
@@ -373,11 +400,8 @@ static attrs_convb convb_attrs(const attrs_conv *p, const conv_geom *g) {
 }
 
 static kiln__conv_params convb_params(const attrs_convb *a, int64_t kh, int64_t kw) {
-  kiln__conv_params cp;
-  cp.kernel[0] = kh, cp.kernel[1] = kw;
-  for (int k = 0; k < 2; k++)
-    cp.stride[k] = a->c.stride[k], cp.padding[k] = a->c.padding[k], cp.dilation[k] = a->c.dilation[k];
-  return cp;
+  const int64_t k[2] = {kh, kw};
+  return conv_window(k, a->c.stride, a->c.padding, a->c.dilation);
 }
 
 /* The arguments of a backward kernel: in0, in1, and the output (shape out_shape,
@@ -390,9 +414,7 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
   q.in[0] = kiln__view_of(in0);
   q.in[1] = kiln__view_of(in1);
   q.n_out = 1;
-  q.out[0] = q.in[0];
-  for (int d = 0; d < 4; d++) q.out[0].shape[d] = oshape[d];
-  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.out[0] = view_shaped(q.in[0], oshape);
   if (op == KILN__K_CONV2D_BACKWARD_WEIGHT && ab->bias) { /* the bias gradient (OC) */
     q.n_out = 2;
     q.out[1] = q.out[0];
@@ -429,10 +451,7 @@ static int64_t dnnl_wgrad_min_map(void) {
 ** x (N, C, H, W). */
 static bool conv_gemm_map(const kiln_tensor *x, const attrs_convb *ab) {
   static int off = -1;
-  if (off < 0) {
-    const char *e = getenv("KILN_CONV_GEMM");
-    off = e && strcmp(e, "0") == 0;
-  }
+  if (off < 0) off = env_zero("KILN_CONV_GEMM");
   return !off && ab->c.groups == 1 && !conv_cl(x);
 }
 
@@ -496,7 +515,8 @@ static kiln_status convb_data_forward(kiln__op_ctx *c) {
   return run_lib(c->out[0], &a, conv_cl(c->in[0]));
 }
 
-static void convb_save(kiln__op_ctx *c, kiln__node *n) {
+/* saved: inputs 0 and 1 (the two backward ops, and conv2d_direct: x and w) */
+static void save_in01(kiln__op_ctx *c, kiln__node *n) {
   kiln__node_save(n, 0, c->in[0]);
   kiln__node_save(n, 1, c->in[1]);
 }
@@ -580,32 +600,34 @@ static const kiln__op op_conv2d_bwd_data = {
     .name = "conv2d_backward_data", .api = "kiln_conv2d_backward_data", .n_in = 2, .n_out = 1,
     .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_DATA}, .attrs = f_convb,
     .n_attrs = 6, .attr_size = sizeof(attrs_convb), .infer = convb_data_infer, .forward = convb_data_forward,
-    .backward = convb_data_backward, .n_saved = 2, .save = convb_save};
+    .backward = convb_data_backward, .n_saved = 2, .save = save_in01};
 static const kiln__op op_conv2d_bwd_weight = {
     .name = "conv2d_backward_weight", .api = "kiln_conv2d_backward_weight", .n_in = 2, .n_out = 2,
     .flags = KILN__OP_FLOAT_ONLY, .n_kernels = 1, .kernels = {KILN__K_CONV2D_BACKWARD_WEIGHT}, .attrs = f_convb,
     .n_attrs = 6, .attr_size = sizeof(attrs_convb), .infer = convb_weight_infer, .forward = convb_weight_forward,
-    .backward = convb_weight_backward, .n_saved = 2, .save = convb_save};
+    .backward = convb_weight_backward, .n_saved = 2, .save = save_in01};
 
 /* ---- conv2d through a library's kernel (CONV2D: oneDNN on the CPU) ---------------------- */
 
 static const kiln__op op_conv2d_direct;
 
 static kiln__conv_params conv_params(const conv_geom *g, const attrs_conv *p) {
-  kiln__conv_params cp;
-  cp.kernel[0] = g->KH, cp.kernel[1] = g->KW;
-  for (int k = 0; k < 2; k++) cp.stride[k] = p->stride[k], cp.padding[k] = g->pad[k], cp.dilation[k] = p->dilation[k];
-  return cp;
+  const int64_t k[2] = {g->KH, g->KW};
+  return conv_window(k, p->stride, g->pad, p->dilation);
 }
 
-static kiln_status conv_direct_infer(kiln__op_ctx *c) {
+/* conv2d's output (N, OC, OH, OW), allocated as (N, OH, OW, OC) when cl (out_shape) */
+static kiln_status conv_infer_as(kiln__op_ctx *c, bool cl) {
   conv_geom g = {0};
   if (conv_geometry(c->in[0], c->in[1], c->in[2], c->attrs, &g) != KILN_OK) return kiln_last_error();
   int64_t sh[4] = {g.N, g.OC, g.OH, g.OW};
-  out_shape(sh, conv_cl(c->in[0]));
+  out_shape(sh, cl);
   kiln__op_meta(c, 0, 4, sh, c->in[0]->dtype);
   return KILN_OK;
 }
+
+static kiln_status conv2d_infer(kiln__op_ctx *c) { return conv_infer_as(c, false); }
+static kiln_status conv_direct_infer(kiln__op_ctx *c) { return conv_infer_as(c, conv_cl(c->in[0])); }
 
 static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   const attrs_conv *p = c->attrs;
@@ -620,11 +642,6 @@ static kiln_status conv_direct_forward(kiln__op_ctx *c) {
   a.i[1] = kiln_matmul_tf32() ? 1 : 0; /* TF32 as the products allow it */
   a.params = &cp;
   return run_lib(c->out[0], &a, conv_cl(c->in[0]));
-}
-
-static void conv_direct_save(kiln__op_ctx *c, kiln__node *n) {
-  kiln__node_save(n, 0, c->in[0]);
-  kiln__node_save(n, 1, c->in[1]);
 }
 
 /* The backward of the kernel's convolution, with the ops the composite uses, so that it
@@ -669,7 +686,7 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   if (need_x) {
     kiln_tensor *dcols = kiln_matmul(kiln_transpose(wm, 1, 2), gm); /* (N, G, K, L) */
     kiln_tensor *dx;
-    if (ge.KH == 1 && ge.KW == 1 && p->stride[0] == 1 && p->stride[1] == 1 && ge.pad[0] == 0 && ge.pad[1] == 0) {
+    if (conv_pointwise(&ge, p)) {
       dx = kiln_reshape(dcols, 4, x->shape);
     } else {
       int64_t k[2] = {ge.KH, ge.KW}, sz[2] = {ge.H, ge.W};
@@ -704,7 +721,7 @@ static const kiln__op op_conv2d_direct = {
     .name = "conv2d_direct", .api = "kiln_conv2d", .n_in = 3, .n_out = 1, .optional = 1u << 2, .n_kernels = 1,
     .kernels = {KILN__K_CONV2D}, .attrs = f_conv, .n_attrs = 4, .attr_size = sizeof(attrs_conv),
     .infer = conv_direct_infer, .forward = conv_direct_forward, .backward = conv_direct_backward, .n_saved = 2,
-    .save = conv_direct_save};
+    .save = save_in01};
 
 static kiln_status conv2d_forward(kiln__op_ctx *c) {
   const attrs_conv *p = c->attrs;
@@ -719,9 +736,8 @@ static kiln_status conv2d_forward(kiln__op_ctx *c) {
   q.n_in = b ? 3 : 2;
   for (int i = 0; i < q.n_in; i++) q.in[i] = kiln__view_of(c->in[i]);
   q.n_out = 1;
-  q.out[0] = q.in[0];
-  q.out[0].shape[1] = g.OC, q.out[0].shape[2] = g.OH, q.out[0].shape[3] = g.OW;
-  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  const int64_t osh[4] = {g.N, g.OC, g.OH, g.OW};
+  q.out[0] = view_shaped(q.in[0], osh);
   q.i[0] = g.G;
   q.i[1] = kiln_matmul_tf32() ? 1 : 0;
   kiln__conv_params qp = conv_params(&g, p);
@@ -884,21 +900,6 @@ kiln_tensor *kiln_conv_transpose2d(kiln_tensor *x, kiln_tensor *weight, kiln_ten
 
 /* ---- pooling -------------------------------------------------------------------------------- */
 
-/* kernel, stride (default: the kernel), padding, dilation (max_pool2d only). */
-typedef struct attrs_pool {
-  int64_t kernel[2];
-  int nk;
-  int64_t stride[2];
-  int ns;
-  int64_t padding[2];
-  int np;
-  int64_t dilation[2];
-  int nd;
-} attrs_pool;
-static const kiln__attr_field f_pool[] = {
-    KILN__FIELD_INTS(attrs_pool, kernel, nk), KILN__FIELD_INTS(attrs_pool, stride, ns),
-    KILN__FIELD_INTS(attrs_pool, padding, np), KILN__FIELD_INTS(attrs_pool, dilation, nd)};
-
 static attrs_pool pool_attrs(const int64_t *kernel, const int64_t *stride, const int64_t *padding,
                              const int64_t *dilation) {
   attrs_pool a;
@@ -929,12 +930,20 @@ static kiln_status pool_geometry(const char *api, const kiln_tensor *x, const at
   return KILN_OK;
 }
 
-static kiln_status max_pool_infer(kiln__op_ctx *c) {
+/* A pool's output 0, (N, C, OH, OW) in x's dtype, after pool_geometry's checks; sh its shape. */
+static kiln_status pool_infer(kiln__op_ctx *c, const char *api, int64_t sh[4]) {
   kiln_tensor *x = c->in[0];
   int64_t o[2];
-  if (pool_geometry("kiln_max_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
-  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  if (pool_geometry(api, x, c->attrs, o) != KILN_OK) return kiln_last_error();
+  sh[0] = x->shape[0], sh[1] = x->shape[1], sh[2] = o[0], sh[3] = o[1];
   kiln__op_meta(c, 0, 4, sh, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status max_pool_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  int64_t sh[4];
+  if (pool_infer(c, "kiln_max_pool2d", sh) != KILN_OK) return kiln_last_error();
   kiln__op_meta(c, 1, 4, sh, KILN_I64);
   /* a channels-last input gives channels-last outputs (the indices too, as PyTorch's) */
   c->meta[0].channels_last = c->meta[1].channels_last = kiln__is_channels_last(x);
@@ -942,19 +951,9 @@ static kiln_status max_pool_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status max_pool_forward(kiln__op_ctx *c) {
-  const attrs_pool *w = c->attrs;
   if (kiln_numel(c->out[0]) == 0) return KILN_OK;
-  kiln__conv_params p;
-  for (int k = 0; k < 2; k++)
-    p.kernel[k] = w->kernel[k], p.stride[k] = w->stride[k], p.padding[k] = w->padding[k], p.dilation[k] = w->dilation[k];
-  kiln__kargs a = {0};
-  a.op = KILN__K_MAX_POOL2D;
-  a.n_in = 1;
-  a.n_out = 2;
-  a.in[0] = kiln__view_of(c->in[0]);
-  a.out[1] = kiln__view_of(c->out[1]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  kiln__conv_params p = pool_params(c->attrs);
+  return run_window(c, KILN__K_MAX_POOL2D, 1, 2, &p, 0);
 }
 
 /* saved: 0 the input x, not the indices: the backward runs the forward kernel again for
@@ -967,29 +966,19 @@ static void max_pool_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0
 
 /* max_pool2d's backward through its kernel (MAX_POOL2D_BACKWARD: a gather per pixel, the
 ** same sums every run), an internal op: inputs the gradient and the indices, attributes
-** the forward's window and the input's (H, W). Its own backward gathers the gradient of
-** dx at the indices. */
-typedef struct attrs_poolb {
-  attrs_pool p;
-  int64_t size[2];
-  int nsz;
-} attrs_poolb;
-static const kiln__attr_field f_poolb[] = {
-    {"kernel", KILN__A_INTS, offsetof(attrs_poolb, p.kernel), offsetof(attrs_poolb, p.nk), NULL},
-    {"stride", KILN__A_INTS, offsetof(attrs_poolb, p.stride), offsetof(attrs_poolb, p.ns), NULL},
-    {"padding", KILN__A_INTS, offsetof(attrs_poolb, p.padding), offsetof(attrs_poolb, p.np), NULL},
-    {"dilation", KILN__A_INTS, offsetof(attrs_poolb, p.dilation), offsetof(attrs_poolb, p.nd), NULL},
-    KILN__FIELD_INTS(attrs_poolb, size, nsz)};
+** the forward's window and the input's (H, W) (an attrs_window). Its own backward gathers
+** the gradient of dx at the indices. */
 
-static kiln__conv_params pool_params(const attrs_pool *w) {
-  kiln__conv_params p;
-  for (int k = 0; k < 2; k++)
-    p.kernel[k] = w->kernel[k], p.stride[k] = w->stride[k], p.padding[k] = w->padding[k], p.dilation[k] = w->dilation[k];
-  return p;
+/* the backward ops' attributes: the forward's window, and x's (H, W) from its shape xs */
+static attrs_window pool_bwd_attrs(const attrs_pool *p, const int64_t *xs) {
+  attrs_window ab;
+  ab.p = *p;
+  ab.size[0] = xs[2], ab.size[1] = xs[3], ab.nsz = 2;
+  return ab;
 }
 
 static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
-  const attrs_poolb *ab = c->attrs;
+  const attrs_window *ab = c->attrs;
   kiln_tensor *g = c->in[0], *ix = c->in[1];
   if (g->ndim != 4 || ix->ndim != 4 || ix->dtype != KILN_I64)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_max_pool2d_backward: grad %s and i64 indices %s expected", kiln__tshape(g),
@@ -1001,15 +990,8 @@ static kiln_status max_pool_bwd_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status max_pool_bwd_forward(kiln__op_ctx *c) {
-  const attrs_poolb *ab = c->attrs;
-  kiln__conv_params p = pool_params(&ab->p);
-  kiln__kargs a = {0};
-  a.op = KILN__K_MAX_POOL2D_BACKWARD;
-  a.n_in = 2;
-  a.in[0] = kiln__view_of(c->in[0]);
-  a.in[1] = kiln__view_of(c->in[1]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
+  return run_window(c, KILN__K_MAX_POOL2D_BACKWARD, 2, 1, &p, 0);
 }
 
 static void max_pool_bwd_save(kiln__op_ctx *c, kiln__node *n) { kiln__node_save(n, 0, c->in[1]); }
@@ -1026,7 +1008,7 @@ static kiln_status max_pool_bwd_backward(kiln__node *n, kiln_tensor *gg, kiln_te
 
 static const kiln__op op_max_pool2d_bwd = {
     .name = "max_pool2d_backward", .api = "kiln_max_pool2d_backward", .n_in = 2, .n_out = 1, .n_kernels = 1,
-    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5, .attr_size = sizeof(attrs_poolb),
+    .kernels = {KILN__K_MAX_POOL2D_BACKWARD}, .attrs = f_window, .n_attrs = 5, .attr_size = sizeof(attrs_window),
     .infer = max_pool_bwd_infer, .forward = max_pool_bwd_forward, .backward = max_pool_bwd_backward, .n_saved = 1,
     .save = max_pool_bwd_save};
 
@@ -1044,17 +1026,13 @@ static kiln_status max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor 
   kiln_tensor *ix = ixo[1];
   kiln__discard(ixo[0]);
   kiln__kargs q = {0};
-  attrs_poolb ab;
-  ab.p = *(const attrs_pool *)n->attrs;
-  ab.size[0] = xs[2], ab.size[1] = xs[3], ab.nsz = 2;
+  attrs_window ab = pool_bwd_attrs(n->attrs, xs);
   kiln__conv_params p = pool_params(&ab.p);
   q.op = KILN__K_MAX_POOL2D_BACKWARD;
   q.n_in = 2, q.n_out = 1;
   q.in[0] = kiln__view_of(g);
   q.in[1] = kiln__view_of(ix);
-  q.out[0] = q.in[0];
-  for (int d = 0; d < 4; d++) q.out[0].shape[d] = xs[d];
-  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  q.out[0] = view_shaped(q.in[0], xs);
   q.params = &p;
   if (kiln_dtype_is_float(g->dtype) && kiln__dispatch_has(kiln_device_of(g), &q, KILN__K_MAX_POOL2D_BACKWARD)) {
     kiln_tensor *in[2] = {g, ix};
@@ -1095,11 +1073,8 @@ kiln_tensor *kiln_max_pool2d(kiln_tensor *x, const int64_t *kernel, const int64_
 static const kiln__op op_relu_max_pool2d, op_relu_max_pool2d_bwd;
 
 static kiln_status relu_max_pool_infer(kiln__op_ctx *c) {
-  kiln_tensor *x = c->in[0];
-  int64_t o[2];
-  if (pool_geometry("kiln_relu_max_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
-  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
-  kiln__op_meta(c, 0, 4, sh, x->dtype);
+  int64_t sh[4];
+  if (pool_infer(c, "kiln_relu_max_pool2d", sh) != KILN_OK) return kiln_last_error();
   kiln__op_meta(c, 1, 4, sh, KILN_U8);
   c->n_node_out = 1; /* the offsets never need a gradient */
   return KILN_OK;
@@ -1107,14 +1082,7 @@ static kiln_status relu_max_pool_infer(kiln__op_ctx *c) {
 
 static kiln_status relu_max_pool_forward(kiln__op_ctx *c) {
   kiln__conv_params p = pool_params(c->attrs);
-  kiln__kargs a = {0};
-  a.op = KILN__K_RELU_MAX_POOL2D;
-  a.n_in = 1;
-  a.n_out = 2;
-  a.in[0] = kiln__view_of(c->in[0]);
-  a.out[1] = kiln__view_of(c->out[1]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  return run_window(c, KILN__K_RELU_MAX_POOL2D, 1, 2, &p, 0);
 }
 
 static void relu_max_pool_save(kiln__op_ctx *c, kiln__node *n) {
@@ -1123,15 +1091,13 @@ static void relu_max_pool_save(kiln__op_ctx *c, kiln__node *n) {
 }
 
 static kiln_status relu_max_pool_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  attrs_poolb ab;
-  ab.p = *(const attrs_pool *)n->attrs;
-  ab.size[0] = n->in_shape[0][2], ab.size[1] = n->in_shape[0][3], ab.nsz = 2;
+  attrs_window ab = pool_bwd_attrs(n->attrs, n->in_shape[0]);
   kiln_tensor *in[3] = {g, n->saved[0], n->saved[1]};
   return kiln__give_grad(&gi[0], kiln__op_call(&op_relu_max_pool2d_bwd, 3, in, &ab, NULL), g);
 }
 
 static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
-  const attrs_poolb *ab = c->attrs;
+  const attrs_window *ab = c->attrs;
   kiln_tensor *g = c->in[0];
   int64_t sh[4] = {g->shape[0], g->shape[1], ab->size[0], ab->size[1]};
   kiln__op_meta(c, 0, 4, sh, g->dtype);
@@ -1139,21 +1105,16 @@ static kiln_status relu_max_pool_bwd_infer(kiln__op_ctx *c) {
 }
 
 static kiln_status relu_max_pool_bwd_forward(kiln__op_ctx *c) {
-  kiln__conv_params p = pool_params(&((const attrs_poolb *)c->attrs)->p);
-  kiln__kargs a = {0};
-  a.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
-  a.n_in = 3;
-  for (int i = 0; i < 3; i++) a.in[i] = kiln__view_of(c->in[i]);
-  a.params = &p;
-  return kiln__run_into(c->out[0], &a);
+  kiln__conv_params p = pool_params(&((const attrs_window *)c->attrs)->p);
+  return run_window(c, KILN__K_RELU_MAX_POOL2D_BACKWARD, 3, 1, &p, 0);
 }
 
 /* No rule of its own: kiln's engine runs backward rules with grad off (kiln_autograd_grad
 ** has no create_graph), so nothing could record this op for a second derivative. */
 static const kiln__op op_relu_max_pool2d_bwd = {
     .name = "relu_max_pool2d_backward", .api = "kiln_relu_max_pool2d_backward", .n_in = 3, .n_out = 1,
-    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_poolb, .n_attrs = 5,
-    .attr_size = sizeof(attrs_poolb), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
+    .n_kernels = 1, .kernels = {KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_window, .n_attrs = 5,
+    .attr_size = sizeof(attrs_window), .infer = relu_max_pool_bwd_infer, .forward = relu_max_pool_bwd_forward};
 
 static const kiln__op op_relu_max_pool2d = {
     .name = "relu_max_pool2d", .api = "kiln_relu_max_pool2d", .n_in = 1, .n_out = 2, .flags = KILN__OP_FLOAT_ONLY,
@@ -1165,10 +1126,7 @@ static const kiln__op op_relu_max_pool2d = {
 /* Whether the fused kernel takes x with these windows (the op's outputs contiguous). */
 static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
   static int off = -1; /* KILN_RELU_MAX_POOL=0: always the two ops (A/B comparisons) */
-  if (off < 0) {
-    const char *e = getenv("KILN_RELU_MAX_POOL");
-    off = e && strcmp(e, "0") == 0;
-  }
+  if (off < 0) off = env_zero("KILN_RELU_MAX_POOL");
   if (off || !x || x->ndim != 4 || kiln__is_channels_last(x)) return false;
   /* f32 only: the CPU kernel's bf16 (and f64) loops are portable scalar ones, and bf16 under
   ** autocast ran slower fused than through the pair's vector kernels (fashion-mnist cnn, 40
@@ -1183,9 +1141,8 @@ static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
   q.op = KILN__K_RELU_MAX_POOL2D;
   q.n_in = 1, q.n_out = 2;
   q.in[0] = kiln__view_of(x);
-  q.out[0] = q.in[0];
-  q.out[0].shape[2] = x->shape[2] / a->kernel[0], q.out[0].shape[3] = x->shape[3] / a->kernel[1];
-  kiln__contiguous_strides(4, q.out[0].shape, q.out[0].strides);
+  const int64_t osh[4] = {x->shape[0], x->shape[1], x->shape[2] / a->kernel[0], x->shape[3] / a->kernel[1]};
+  q.out[0] = view_shaped(q.in[0], osh);
   q.out[1] = q.out[0];
   q.out[1].dtype = KILN_U8;
   q.params = &p;
@@ -1233,10 +1190,7 @@ static const kiln__op op_conv_relu_pool, op_conv_relu_pool_bwd;
 
 /* the two windows as the kernels take them: the conv's, then the pool's */
 static void cpool_params(const attrs_cpool *a, kiln__conv_params cp[2]) {
-  for (int d = 0; d < 2; d++) {
-    cp[0].kernel[d] = a->ksize[d], cp[0].stride[d] = a->c.stride[d], cp[0].padding[d] = a->c.padding[d];
-    cp[0].dilation[d] = a->c.dilation[d];
-  }
+  cp[0] = conv_window(a->ksize, a->c.stride, a->c.padding, a->c.dilation);
   cp[1] = pool_params(&a->p);
 }
 
@@ -1258,15 +1212,7 @@ static kiln_status conv_relu_pool_infer(kiln__op_ctx *c) {
 static kiln_status conv_relu_pool_forward(kiln__op_ctx *c) {
   kiln__conv_params cp[2];
   cpool_params(c->attrs, cp);
-  kiln__kargs a = {0};
-  a.op = KILN__K_CONV1_RELU_MAX_POOL2D;
-  a.n_in = c->in[2] ? 3 : 2;
-  for (int i = 0; i < a.n_in; i++) a.in[i] = kiln__view_of(c->in[i]);
-  a.n_out = 2;
-  a.out[1] = kiln__view_of(c->out[1]);
-  a.i[0] = 1;
-  a.params = cp;
-  return kiln__run_into(c->out[0], &a);
+  return run_window(c, KILN__K_CONV1_RELU_MAX_POOL2D, c->in[2] ? 3 : 2, 2, cp, 1);
 }
 
 static void conv_relu_pool_save(kiln__op_ctx *c, kiln__node *n) {
@@ -1300,15 +1246,7 @@ static kiln_status conv_relu_pool_bwd_infer(kiln__op_ctx *c) {
 static kiln_status conv_relu_pool_bwd_forward(kiln__op_ctx *c) {
   kiln__conv_params cp[2];
   cpool_params(c->attrs, cp);
-  kiln__kargs a = {0};
-  a.op = KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
-  a.n_in = 4;
-  for (int i = 0; i < 4; i++) a.in[i] = kiln__view_of(c->in[i]);
-  a.n_out = c->n_out;
-  if (a.n_out > 1) a.out[1] = kiln__view_of(c->out[1]);
-  a.i[0] = 1;
-  a.params = cp;
-  return kiln__run_into(c->out[0], &a);
+  return run_window(c, KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD, 4, c->n_out, cp, 1);
 }
 
 /* No rule: kiln's engine runs backward rules with grad off. output_padding[0] (unused by
@@ -1328,10 +1266,7 @@ static const kiln__op op_conv_relu_pool = {
 /* Whether the fused kernel takes these arguments (as cpu_conv_c1.c's kernel checks them). */
 static bool conv_relu_pool_fused(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, const attrs_cpool *a) {
   static int off = -1; /* KILN_CONV_RELU_POOL=0: always the ops it stands for (A/B comparisons) */
-  if (off < 0) {
-    const char *e = getenv("KILN_CONV_RELU_POOL");
-    off = e && strcmp(e, "0") == 0;
-  }
+  if (off < 0) off = env_zero("KILN_CONV_RELU_POOL");
   if (off || !x || !w || x->ndim != 4 || w->ndim != 4 || x->dtype != KILN_F32 || w->dtype != KILN_F32 ||
       !kiln_is_contiguous(x) || !kiln_is_contiguous(w) || x->shape[1] != 1 || w->shape[1] != 1 || a->c.groups != 1 ||
       kiln_requires_grad(x) || kiln_autocast_is_enabled(kiln_device_of(x).type) ||
@@ -1373,12 +1308,8 @@ kiln_tensor *kiln_conv2d_relu_max_pool2d(kiln_tensor *x, kiln_tensor *weight, ki
 
 /* avg_pool2d: the mean of each window, padding counted (PyTorch's count_include_pad). */
 static kiln_status avg_pool_infer(kiln__op_ctx *c) {
-  kiln_tensor *x = c->in[0];
-  int64_t o[2];
-  if (pool_geometry("kiln_avg_pool2d", x, c->attrs, o) != KILN_OK) return kiln_last_error();
-  int64_t sh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
-  kiln__op_meta(c, 0, 4, sh, x->dtype);
-  return KILN_OK;
+  int64_t sh[4];
+  return pool_infer(c, "kiln_avg_pool2d", sh);
 }
 
 static kiln_status avg_pool_forward(kiln__op_ctx *c) {

@@ -1,6 +1,7 @@
 /*
 ** Dropout: out = t * mask, mask = 1/(1-p) with probability 1-p, else 0. A composite on
-** the one call path (op.h), with PyTorch's attributes p and train.
+** the one call path (op.h), with PyTorch's attributes p and train. dropout2d draws one
+** such mask element per (sample, channel) and broadcasts it over the rest.
 **
 ** The mask comes from the RAND_BERNOULLI kernel on t's device, drawn from the counter-
 ** based generator (same seed, same mask on any device), and the product goes through
@@ -18,11 +19,16 @@ typedef struct attrs_dropout {
 static const kiln__attr_field f_dropout[] = {KILN__FIELD(attrs_dropout, p, KILN__A_FLOAT),
                                              KILN__FIELD(attrs_dropout, train, KILN__A_BOOL)};
 
-static kiln_status dropout_infer(kiln__op_ctx *c) {
+static kiln_status check_p(const kiln__op_ctx *c) {
   const attrs_dropout *a = c->attrs;
-  kiln_tensor *t = c->in[0];
   if (!(a->p >= 0.0 && a->p <= 1.0))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_dropout: p must be in [0, 1], got %g", a->p);
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: p must be in [0, 1], got %g", c->op->api, a->p);
+  return KILN_OK;
+}
+
+static kiln_status dropout_infer(kiln__op_ctx *c) {
+  kiln_tensor *t = c->in[0];
+  if (check_p(c) != KILN_OK) return kiln_last_error();
   if (!kiln_dtype_is_float(t->dtype))
     return kiln_set_error(KILN_ERR_DTYPE, "kiln_dropout: expected a floating tensor, got %s (shape %s)",
                           kiln_dtype_name(t->dtype), kiln__tshape(t));
@@ -73,4 +79,41 @@ kiln_tensor *kiln_dropout(kiln_tensor *t, double p, bool train, kiln_generator *
     return kiln__scope_track(kiln_tensor_ref(t));
   attrs_dropout a = {p, train, gen};
   return kiln__op_call(&op_dropout, 1, &t, &a, NULL);
+}
+
+/* ---- dropout2d: one draw per (sample, channel), kept channels scaled by 1/(1-p) ----------- */
+
+static kiln_status dropout2d_infer(kiln__op_ctx *c) {
+  kiln_tensor *x = c->in[0];
+  if (check_p(c) != KILN_OK) return kiln_last_error();
+  if (!kiln_dtype_is_float(x->dtype) || x->ndim < 2)
+    return kiln_set_error(KILN_ERR_SHAPE, "kiln_dropout2d: expected a floating input (N, C, ...), got %s %s",
+                          kiln_dtype_name(x->dtype), kiln__tshape(x));
+  kiln__op_meta_like(c, 0, x, x->dtype);
+  return KILN_OK;
+}
+
+static kiln_status dropout2d_forward(kiln__op_ctx *c) {
+  const attrs_dropout *a = c->attrs;
+  kiln_tensor *x = c->in[0];
+  int64_t sh[KILN_MAX_DIMS];
+  for (int d = 0; d < x->ndim; d++) sh[d] = d < 2 ? x->shape[d] : 1;
+  kiln_scope_begin();
+  kiln_tensor *ones = kiln_full(x->ndim, sh, 1.0, x->dtype, kiln_device_of(x));
+  kiln_tensor *mask = kiln_dropout(ones, a->p, true, a->gen);
+  kiln_tensor *y = kiln_mul(x, mask);
+  c->out[0] = kiln__scope_return(y);
+  return c->out[0] ? KILN_OK : kiln_last_error();
+}
+
+static const kiln__op op_dropout2d = {
+    .name = "dropout2d", .api = "kiln_dropout2d", .n_in = 1, .n_out = 1, .flags = KILN__OP_COMPOSITE,
+    .n_kernels = 2, .kernels = {KILN__K_RAND_BERNOULLI, KILN__K_MUL}, .attrs = f_dropout, .n_attrs = 2,
+    .attr_size = sizeof(attrs_dropout), .infer = dropout2d_infer, .forward = dropout2d_forward};
+
+kiln_tensor *kiln_dropout2d(kiln_tensor *x, double p, bool train, kiln_generator *gen) {
+  if (x && (!train || p == 0.0) && p >= 0.0 && p <= 1.0 && kiln_dtype_is_float(x->dtype) && x->ndim >= 2)
+    return kiln__scope_track(kiln_tensor_ref(x));
+  attrs_dropout a = {p, train, gen};
+  return kiln__op_call(&op_dropout2d, 1, &x, &a, NULL);
 }

@@ -769,15 +769,18 @@ static kiln_status inplace_ok(const char *op, kiln_tensor *t) {
   return KILN_OK;
 }
 
-static kiln_status copy__infer(kiln__op_ctx *c) {
+/* An in-place op of two inputs (copy_, axpy_): the destination in[0] may be updated, and
+** the source in[1] broadcasts to its shape (the destination's shape does not grow). */
+static kiln_status inplace_from_infer(kiln__op_ctx *c) {
+  const char *op = c->op->api;
   kiln_tensor *dst = c->in[0], *src = c->in[1];
-  if (inplace_ok("kiln_copy_", dst) != KILN_OK) return kiln_last_error();
+  if (inplace_ok(op, dst) != KILN_OK) return kiln_last_error();
   int nd;
   int64_t shape[KILN_MAX_DIMS];
-  if (kiln__broadcast_shape("kiln_copy_", dst, src, &nd, shape) != KILN_OK) return kiln_last_error();
+  if (kiln__broadcast_shape(op, dst, src, &nd, shape) != KILN_OK) return kiln_last_error();
   if (nd != dst->ndim || memcmp(shape, dst->shape, (size_t)nd * sizeof(int64_t)) != 0)
-    return kiln_set_error(KILN_ERR_SHAPE, "kiln_copy_: source %s does not broadcast to destination %s",
-                          kiln__tshape(src), kiln__tshape(dst));
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: source %s does not broadcast to destination %s", op, kiln__tshape(src),
+                          kiln__tshape(dst));
   return KILN_OK;
 }
 
@@ -832,16 +835,6 @@ static kiln_status mul_scalar__forward(kiln__op_ctx *c) {
   return kiln__run_into(t, &k);
 }
 
-static kiln_status axpy__infer(kiln__op_ctx *c) {
-  kiln_tensor *t = c->in[0], *x = c->in[1];
-  if (inplace_ok("kiln_axpy_", t) != KILN_OK) return kiln_last_error();
-  int nd;
-  int64_t shape[KILN_MAX_DIMS];
-  if (kiln__broadcast_shape("kiln_axpy_", t, x, &nd, shape) != KILN_OK) return kiln_last_error();
-  if (nd != t->ndim || memcmp(shape, t->shape, (size_t)nd * sizeof(int64_t)) != 0)
-    return kiln_set_error(KILN_ERR_SHAPE, "kiln_axpy_: %s does not broadcast to %s", kiln__tshape(x), kiln__tshape(t));
-  return KILN_OK;
-}
 static kiln_status axpy__forward(kiln__op_ctx *c) {
   kiln_tensor *t = c->in[0], *x = c->in[1];
   kiln_scope_begin();
@@ -866,11 +859,11 @@ static const kiln__attr_field f_fill[] = {{"value", KILN__A_FLOAT, offsetof(attr
       .name = opname, .api = "kiln_" opname, .n_in = nin, .n_out = 1,                    \
       .flags = KILN__OP_INPLACE | fl, .n_kernels = 1, .kernels = {kop}, .attrs = fields,  \
       .n_attrs = nfields, .attr_size = asz, .infer = inf, .forward = fwd};
-INPLACE_OP(copy_, "copy_", 2, KILN__K_COPY, copy__infer, copy__forward, NULL, 0, 0, KILN__OP_ANY_DEVICE)
+INPLACE_OP(copy_, "copy_", 2, KILN__K_COPY, inplace_from_infer, copy__forward, NULL, 0, 0, KILN__OP_ANY_DEVICE)
 INPLACE_OP(fill_, "fill_", 1, KILN__K_FILL, scalar__infer, fill__forward, f_fill, 1, sizeof(attrs_2f), 0)
 INPLACE_OP(mul_scalar_, "mul_scalar_", 1, KILN__K_AFFINE, scalar__infer, mul_scalar__forward, f_scale, 1,
            sizeof(attrs_2f), 0)
-INPLACE_OP(axpy_, "axpy_", 2, KILN__K_ADD, axpy__infer, axpy__forward, alpha_fields, 1, sizeof(attrs_alpha), 0)
+INPLACE_OP(axpy_, "axpy_", 2, KILN__K_ADD, inplace_from_infer, axpy__forward, alpha_fields, 1, sizeof(attrs_alpha), 0)
 
 /* NULL destinations are refused with a message of their own (a status return has no
 ** NULL to pass through). */

@@ -124,23 +124,13 @@ static kiln_status kv_attention_infer(kiln__op_ctx *c) {
   const attrs_kv_attention *p = c->attrs;
   const char *op = c->op->api;
   kiln_tensor *q = c->in[0], *k = c->in[1], *v = c->in[2], *len = c->in[3];
+  /* q (B, H, Tq, D), k (B, H, M, D), v (B, H, M, Dv) */
+  if (kiln__attention_check(op, c->in, p->scale) != KILN_OK) return kiln_last_error();
   static const char *const names[] = {"q", "k", "v"};
-  for (int i = 0; i < 3; i++) {
-    kiln_tensor *t = c->in[i];
-    if (t->ndim != 4)
-      return kiln_set_error(KILN_ERR_SHAPE, "%s: %s must be 4-d (batch, heads, seq, head_dim), got %s", op, names[i],
-                            kiln__tshape(t));
-    if (!kiln_dtype_is_float(t->dtype) || t->dtype != q->dtype)
-      return kiln_set_error(KILN_ERR_DTYPE, "%s: q, k and v must have one floating dtype, got q %s and %s %s", op,
-                            kiln_dtype_name(q->dtype), names[i], kiln_dtype_name(t->dtype));
-    if (t->requires_grad && kiln_grad_enabled())
+  for (int i = 0; i < 3; i++)
+    if (c->in[i]->requires_grad && kiln_grad_enabled())
       return kiln_set_error(KILN_ERR_AUTOGRAD, "%s: inference only (no gradient); %s requires grad while grad mode "
                             "is on", op, names[i]);
-  }
-  if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
-      v->shape[1] != q->shape[1] || k->shape[3] != q->shape[3] || k->shape[2] != v->shape[2])
-    return kiln_set_error(KILN_ERR_SHAPE, "%s: q %s, k %s and v %s do not fit (B, H, Tq, D), (B, H, M, D), "
-                          "(B, H, M, Dv)", op, kiln__tshape(q), kiln__tshape(k), kiln__tshape(v));
   if (q->shape[2] > k->shape[2])
     return kiln_set_error(KILN_ERR_SHAPE, "%s: %lld queries do not fit a cache of %lld slots (q %s, k %s)", op,
                           (long long)q->shape[2], (long long)k->shape[2], kiln__tshape(q), kiln__tshape(k));
@@ -150,9 +140,6 @@ static kiln_status kv_attention_infer(kiln__op_ctx *c) {
   if (len->ndim > 1 || (nl != 1 && nl != q->shape[0]))
     return kiln_set_error(KILN_ERR_SHAPE, "%s: len %s must hold 1 or B = %lld lengths", op, kiln__tshape(len),
                           (long long)q->shape[0]);
-  if (!(p->scale >= 0.0) || isinf(p->scale))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got %g",
-                          op, p->scale);
   int64_t oshape[4] = {q->shape[0], q->shape[1], q->shape[2], v->shape[3]};
   kiln__op_meta(c, 0, 4, oshape, q->dtype);
   c->differentiable = false;
@@ -171,7 +158,7 @@ static kiln_status kv_attention_forward(kiln__op_ctx *c) {
   a.in[2] = kiln__view_of(v);
   a.in[3] = as_1d(len);
   a.i[0] = kiln_numel(len);
-  a.s[0] = p->scale > 0 ? p->scale : (q->shape[3] > 0 ? 1.0 / sqrt((double)q->shape[3]) : 1.0);
+  a.s[0] = kiln__attention_scale(p->scale, q->shape[3]);
   return kiln__run_into(c->out[0], &a);
 }
 
@@ -212,7 +199,7 @@ static kiln_status kv_append_forward(kiln__op_ctx *c) {
   for (int i = 0; i < 5; i++) a.in[i] = i == 3 ? as_1d(c->in[3]) : kiln__view_of(c->in[i]);
   a.i[0] = kiln_numel(c->in[3]);
   a.i[1] = 1;
-  a.s[0] = p->scale > 0 ? p->scale : (q->shape[3] > 0 ? 1.0 / sqrt((double)q->shape[3]) : 1.0);
+  a.s[0] = kiln__attention_scale(p->scale, q->shape[3]);
   a.n_out = 3;
   a.out[1] = kiln__view_of(c->in[1]);
   a.out[2] = kiln__view_of(c->in[2]);

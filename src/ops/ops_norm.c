@@ -1,6 +1,6 @@
 /*
-** Normalization and channel dropout of convolutional networks: batch_norm, group_norm,
-** dropout2d, composites on the one call path (op.h), so their backward comes from the
+** Normalization of convolutional networks: batch_norm, group_norm, composites on the
+** one call path (op.h), so their backward comes from the
 ** ops they are made of (mean, var, sub, mul, rsqrt: exact, every backend).
 **
 ** batch_norm follows PyTorch: in training it normalizes with the batch's statistics over
@@ -58,15 +58,21 @@ static kiln_status check_channel_vec(const char *api, const char *what, const ki
   return KILN_OK;
 }
 
-static kiln_status bn_infer(kiln__op_ctx *c) {
-  const attrs_bn *p = c->attrs;
-  const char *api = "kiln_batch_norm";
-  kiln_tensor *x = c->in[0];
+/* Both norms' input: floating, (N, C, ...). */
+static kiln_status check_nc_input(const char *api, const kiln_tensor *x) {
   if (!kiln_dtype_is_float(x->dtype))
     return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating input, got %s (shape %s)", api,
                           kiln_dtype_name(x->dtype), kiln__tshape(x));
   if (x->ndim < 2)
     return kiln_set_error(KILN_ERR_SHAPE, "%s: expected an input (N, C, ...), got shape %s", api, kiln__tshape(x));
+  return KILN_OK;
+}
+
+static kiln_status bn_infer(kiln__op_ctx *c) {
+  const attrs_bn *p = c->attrs;
+  const char *api = "kiln_batch_norm";
+  kiln_tensor *x = c->in[0];
+  if (check_nc_input(api, x) != KILN_OK) return kiln_last_error();
   static const char *const names[] = {"running_mean", "running_var", "weight", "bias"};
   for (int k = 1; k < 5; k++)
     if (check_channel_vec(api, names[k - 1], c->in[k], x) != KILN_OK) return kiln_last_error();
@@ -552,11 +558,7 @@ static kiln_status gn_infer(kiln__op_ctx *c) {
   const attrs_gn *p = c->attrs;
   const char *api = "kiln_group_norm";
   kiln_tensor *x = c->in[0];
-  if (!kiln_dtype_is_float(x->dtype))
-    return kiln_set_error(KILN_ERR_DTYPE, "%s: expected a floating input, got %s (shape %s)", api,
-                          kiln_dtype_name(x->dtype), kiln__tshape(x));
-  if (x->ndim < 2)
-    return kiln_set_error(KILN_ERR_SHAPE, "%s: expected an input (N, C, ...), got shape %s", api, kiln__tshape(x));
+  if (check_nc_input(api, x) != KILN_OK) return kiln_last_error();
   if (p->groups < 1 || x->shape[1] % p->groups != 0)
     return kiln_set_error(KILN_ERR_SHAPE, "%s: groups %lld must divide the channels %lld (input %s)", api,
                           (long long)p->groups, (long long)x->shape[1], kiln__tshape(x));
@@ -592,51 +594,4 @@ kiln_tensor *kiln_group_norm(kiln_tensor *x, int64_t groups, kiln_tensor *weight
   attrs_gn a = {groups, eps};
   kiln_tensor *in[3] = {x, weight, bias};
   return kiln__op_call(&op_group_norm, 3, in, &a, NULL);
-}
-
-/* ---- dropout2d: one draw per (sample, channel), kept channels scaled by 1/(1-p) ----------- */
-
-typedef struct attrs_dropout2d {
-  double p;
-  bool train;
-  kiln_generator *gen; /* not an attribute: where the mask is drawn from (NULL: global) */
-} attrs_dropout2d;
-static const kiln__attr_field f_dropout2d[] = {KILN__FIELD(attrs_dropout2d, p, KILN__A_FLOAT),
-                                               KILN__FIELD(attrs_dropout2d, train, KILN__A_BOOL)};
-
-static kiln_status dropout2d_infer(kiln__op_ctx *c) {
-  const attrs_dropout2d *a = c->attrs;
-  kiln_tensor *x = c->in[0];
-  if (!(a->p >= 0.0 && a->p <= 1.0))
-    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_dropout2d: p must be in [0, 1], got %g", a->p);
-  if (!kiln_dtype_is_float(x->dtype) || x->ndim < 2)
-    return kiln_set_error(KILN_ERR_SHAPE, "kiln_dropout2d: expected a floating input (N, C, ...), got %s %s",
-                          kiln_dtype_name(x->dtype), kiln__tshape(x));
-  kiln__op_meta_like(c, 0, x, x->dtype);
-  return KILN_OK;
-}
-
-static kiln_status dropout2d_forward(kiln__op_ctx *c) {
-  const attrs_dropout2d *a = c->attrs;
-  kiln_tensor *x = c->in[0];
-  int64_t sh[KILN_MAX_DIMS];
-  for (int d = 0; d < x->ndim; d++) sh[d] = d < 2 ? x->shape[d] : 1;
-  kiln_scope_begin();
-  kiln_tensor *ones = kiln_full(x->ndim, sh, 1.0, x->dtype, kiln_device_of(x));
-  kiln_tensor *mask = kiln_dropout(ones, a->p, true, a->gen);
-  kiln_tensor *y = kiln_mul(x, mask);
-  c->out[0] = kiln__scope_return(y);
-  return c->out[0] ? KILN_OK : kiln_last_error();
-}
-
-static const kiln__op op_dropout2d = {
-    .name = "dropout2d", .api = "kiln_dropout2d", .n_in = 1, .n_out = 1, .flags = KILN__OP_COMPOSITE,
-    .n_kernels = 2, .kernels = {KILN__K_RAND_BERNOULLI, KILN__K_MUL}, .attrs = f_dropout2d, .n_attrs = 2,
-    .attr_size = sizeof(attrs_dropout2d), .infer = dropout2d_infer, .forward = dropout2d_forward};
-
-kiln_tensor *kiln_dropout2d(kiln_tensor *x, double p, bool train, kiln_generator *gen) {
-  if (x && (!train || p == 0.0) && p >= 0.0 && p <= 1.0 && kiln_dtype_is_float(x->dtype) && x->ndim >= 2)
-    return kiln__scope_track(kiln_tensor_ref(x));
-  attrs_dropout2d a = {p, train, gen};
-  return kiln__op_call(&op_dropout2d, 1, &x, &a, NULL);
 }

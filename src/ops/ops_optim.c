@@ -206,6 +206,46 @@ static bool multi_dispatch_copies(kiln_device dev, kiln__kargs *a, kiln_tensor *
   return multi_dispatch(dev, a, found_inf, m, w - 1, list, li, st);
 }
 
+/* A list step's host buffers for n tensors: up to n groups of w views (list) and an
+** integer per group (li), each group's tensor (idx), and which tensors are listed (done). */
+typedef struct multi_lists {
+  kiln__view *list;
+  int64_t *li;
+  int *idx; /* list group -> tensor */
+  unsigned char *done;
+} multi_lists;
+
+static kiln_status multi_lists_new(multi_lists *L, int n, int w, const char *who) {
+  size_t cap = (size_t)(n > 0 ? n : 1);
+  L->list = malloc(cap * (size_t)w * sizeof *L->list);
+  L->li = malloc(cap * sizeof *L->li);
+  L->idx = malloc(cap * sizeof *L->idx);
+  L->done = calloc(cap, 1);
+  return L->list && L->li && L->idx && L->done ? KILN_OK
+                                               : kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+}
+
+static void multi_lists_free(multi_lists *L) {
+  free(L->list);
+  free(L->li);
+  free(L->idx);
+  free(L->done);
+}
+
+/* The tensors not yet listed that share params[i]'s device and dtype, in order, into
+** L->idx (marked done); their count. Empty tensors stay in: their step_t advances too. */
+static int multi_group(multi_lists *L, int n, kiln_tensor *const *params, int i) {
+  kiln_device dev = kiln_device_of(params[i]);
+  kiln_dtype dt = params[i]->dtype;
+  int m = 0;
+  for (int j = i; j < n; j++) {
+    if (L->done[j] || params[j]->dtype != dt || !kiln_device_equal(kiln_device_of(params[j]), dev)) continue;
+    L->done[j] = 1;
+    L->idx[m++] = j;
+  }
+  return m;
+}
+
 /* The list form: the tensors of one device and dtype go to one ADAM_MULTI call (the
 ** backend splits it into launches as it needs); a backend without the list kernel gets
 ** kiln_adam_step_ per tensor, which gives the same numbers. Its arguments are checked
@@ -220,21 +260,18 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
   const bool copies = any_copy(n, params);
   const int w = 4 + (amsgrad ? 1 : 0) + (step_t ? 1 : 0) + (copies ? 1 : 0);
   const int wc = w - (copies ? 1 : 0); /* the copy is the last column, after step_t */
-  kiln__view *list = malloc((size_t)(n > 0 ? n : 1) * (size_t)w * sizeof *list);
-  int64_t *li = malloc((size_t)(n > 0 ? n : 1) * sizeof *li);
-  int *idx = malloc((size_t)(n > 0 ? n : 1) * sizeof *idx); /* list group -> tensor */
-  unsigned char *done = calloc((size_t)(n > 0 ? n : 1), 1);
-  kiln_status st = list && li && idx && done ? KILN_OK
-                                      : kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  multi_lists L;
+  kiln_status st = multi_lists_new(&L, n, w, who);
+  kiln__view *list = L.list;
+  int64_t *li = L.li;
+  const int *idx = L.idx;
   for (int i = 0; i < n && st == KILN_OK; i++) {
-    if (done[i]) continue;
+    if (L.done[i]) continue;
     kiln_device dev = kiln_device_of(params[i]);
-    kiln_dtype dt = params[i]->dtype;
-    int m = 0;
-    for (int j = i; j < n; j++) { /* this device and dtype, in order */
-      if (done[j] || params[j]->dtype != dt || !kiln_device_equal(kiln_device_of(params[j]), dev)) continue;
-      done[j] = 1; /* empty tensors stay in the list: their step_t advances too */
-      kiln__view *g = &list[(size_t)m * (size_t)w];
+    int m = multi_group(&L, n, params, i);
+    for (int k = 0; k < m; k++) {
+      int j = idx[k];
+      kiln__view *g = &list[(size_t)k * (size_t)w];
       g[0] = kiln__view_of(grads[j]);
       g[1] = kiln__view_of(params[j]);
       g[2] = kiln__view_of(exp_avg[j]);
@@ -242,10 +279,8 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
       if (amsgrad) g[4] = kiln__view_of(max_exp_avg_sq[j]);
       if (step_t) g[wc - 1] = kiln__view_of(step_t[j]);
       if (copies) g[w - 1] = copy_view(params[j]);
-      li[m] = step_t ? 1 : steps[j];
-      idx[m++] = j;
+      li[k] = step_t ? 1 : steps[j];
     }
-    if (m == 0) continue;
     kiln__kargs a = {0};
     a.op = KILN__K_ADAM_MULTI;
     adam_scalars(&a, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, step_t != NULL, found_inf != NULL);
@@ -262,10 +297,7 @@ static kiln_status adam_multi_step(int n, kiln_tensor *const *params, kiln_tenso
                           li[k], decoupled, amsgrad, step_t ? step_t[j] : NULL, found_inf);
     }
   }
-  free(list);
-  free(li);
-  free(idx);
-  free(done);
+  multi_lists_free(&L);
   return st;
 }
 
@@ -735,28 +767,24 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
   const bool copies = any_copy(n, params);
   const int w = 2 + (mom ? 1 : 0) + (on_dev ? 1 : 0) + (copies ? 1 : 0);
   const int wc = w - (copies ? 1 : 0); /* the copy is the last column, after step_t */
-  size_t cap = (size_t)(n > 0 ? n : 1);
-  kiln__view *list = malloc(cap * (size_t)w * sizeof *list);
-  int64_t *li = malloc(cap * sizeof *li);
-  int *idx = malloc(cap * sizeof *idx);
-  unsigned char *done = calloc(cap, 1);
-  kiln_status st = list && li && idx && done ? KILN_OK : kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  multi_lists L;
+  kiln_status st = multi_lists_new(&L, n, w, who);
+  kiln__view *list = L.list;
+  int64_t *li = L.li;
+  const int *idx = L.idx;
   for (int i = 0; i < n && st == KILN_OK; i++) {
-    if (done[i]) continue;
+    if (L.done[i]) continue;
     kiln_device dev = kiln_device_of(params[i]);
-    kiln_dtype dt = params[i]->dtype;
-    int m = 0;
-    for (int j = i; j < n; j++) { /* this device and dtype, in order */
-      if (done[j] || params[j]->dtype != dt || !kiln_device_equal(kiln_device_of(params[j]), dev)) continue;
-      done[j] = 1; /* empty tensors stay in the list: their step_t advances too */
-      kiln__view *g = &list[(size_t)m * (size_t)w];
+    int m = multi_group(&L, n, params, i);
+    for (int k = 0; k < m; k++) {
+      int j = idx[k];
+      kiln__view *g = &list[(size_t)k * (size_t)w];
       g[0] = kiln__view_of(grads[j]);
       g[1] = kiln__view_of(params[j]);
       if (mom) g[2] = kiln__view_of(bufs[j]);
       if (on_dev) g[wc - 1] = kiln__view_of(step_t[j]);
       if (copies) g[w - 1] = copy_view(params[j]);
-      li[m] = p->first && p->first[j] ? 1 : 0;
-      idx[m++] = j;
+      li[k] = p->first && p->first[j] ? 1 : 0;
     }
     kiln__kargs a = {0};
     a.op = KILN__K_SGD_MULTI;
@@ -777,10 +805,7 @@ static kiln_status sgd_multi_forward(kiln__op_ctx *c) {
                         found_inf);
     }
   }
-  free(list);
-  free(li);
-  free(idx);
-  free(done);
+  multi_lists_free(&L);
   return st;
 }
 

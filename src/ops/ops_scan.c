@@ -8,6 +8,32 @@
 */
 #include "ops/op.h"
 
+/* One input, one output, two integers (CUMSUM, TRIL): t into out. A 0-d tensor is seen
+** as one element (cumsum takes it; tril's inputs have 2 or more dims). */
+static kiln_status run_kernel(kiln__kop op, kiln_tensor *t, kiln_tensor *out, int64_t i0, int64_t i1) {
+  if (kiln_numel(out) == 0) return KILN_OK;
+  kiln__kargs a = {0};
+  a.op = op;
+  a.n_in = 1;
+  a.n_out = 1;
+  a.in[0] = kiln__view_of_1d(t);
+  a.out[0] = kiln__view_of_1d(out);
+  a.i[0] = i0;
+  a.i[1] = i1;
+  return kiln__dispatch(kiln_device_of(t), &a);
+}
+
+/* The backward of an op whose gradient is a kernel of the same kind on g (the reversed
+** cumsum, the same triangle): gi[0] = run_kernel(op, g). */
+static kiln_status grad_by_kernel(kiln__kop op, kiln_tensor *g, int64_t i0, int64_t i1, kiln_tensor **gi) {
+  kiln_tensor *dx = kiln__tensor_new(g->ndim, g->shape, g->dtype, kiln_device_of(g));
+  if (!dx) return kiln_last_error();
+  kiln_status st = run_kernel(op, g, dx, i0, i1);
+  if (st != KILN_OK) return st;
+  gi[0] = kiln_keep(dx);
+  return KILN_OK;
+}
+
 /* ---- cumsum ---- */
 typedef struct attrs_cumsum {
   int dim;
@@ -15,19 +41,6 @@ typedef struct attrs_cumsum {
 static const kiln__attr_field f_cumsum[] = {KILN__FIELD(attrs_cumsum, dim, KILN__A_INT32)};
 
 static int dim_of(int dim, int ndim) { return ndim == 0 ? 0 : (dim < 0 ? dim + ndim : dim); }
-
-static kiln_status run_cumsum(kiln_tensor *t, kiln_tensor *out, int d, bool reverse) {
-  if (kiln_numel(out) == 0) return KILN_OK;
-  kiln__kargs a = {0};
-  a.op = KILN__K_CUMSUM;
-  a.n_in = 1;
-  a.n_out = 1;
-  a.in[0] = kiln__view_of_1d(t);
-  a.out[0] = kiln__view_of_1d(out);
-  a.i[0] = d;
-  a.i[1] = reverse;
-  return kiln__dispatch(kiln_device_of(t), &a);
-}
 
 static kiln_status cumsum_infer(kiln__op_ctx *c) {
   const attrs_cumsum *p = c->attrs;
@@ -44,17 +57,12 @@ static kiln_status cumsum_infer(kiln__op_ctx *c) {
 
 static kiln_status cumsum_forward(kiln__op_ctx *c) {
   const attrs_cumsum *p = c->attrs;
-  return run_cumsum(c->in[0], c->out[0], dim_of(p->dim, c->in[0]->ndim), false);
+  return run_kernel(KILN__K_CUMSUM, c->in[0], c->out[0], dim_of(p->dim, c->in[0]->ndim), false);
 }
 
 static kiln_status cumsum_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const attrs_cumsum *p = n->attrs;
-  kiln_tensor *dx = kiln__tensor_new(g->ndim, g->shape, g->dtype, kiln_device_of(g));
-  if (!dx) return kiln_last_error();
-  kiln_status st = run_cumsum(g, dx, dim_of(p->dim, g->ndim), true);
-  if (st != KILN_OK) return st;
-  gi[0] = kiln_keep(dx);
-  return KILN_OK;
+  return grad_by_kernel(KILN__K_CUMSUM, g, dim_of(p->dim, g->ndim), true, gi);
 }
 
 static const kiln__op op_cumsum = {
@@ -75,19 +83,6 @@ static const kiln__attr_field f_tri[] = {KILN__FIELD(attrs_tri, diagonal, KILN__
 
 static bool is_triu(const kiln__op *op) { return op->name[3] == 'u'; }
 
-static kiln_status run_tri(kiln_tensor *t, kiln_tensor *out, int64_t diagonal, bool upper) {
-  if (kiln_numel(out) == 0) return KILN_OK;
-  kiln__kargs a = {0};
-  a.op = KILN__K_TRIL;
-  a.n_in = 1;
-  a.n_out = 1;
-  a.in[0] = kiln__view_of(t);
-  a.out[0] = kiln__view_of(out);
-  a.i[0] = diagonal;
-  a.i[1] = upper;
-  return kiln__dispatch(kiln_device_of(t), &a);
-}
-
 static kiln_status tri_infer(kiln__op_ctx *c) {
   kiln_tensor *t = c->in[0];
   if (t->ndim < 2)
@@ -99,17 +94,12 @@ static kiln_status tri_infer(kiln__op_ctx *c) {
 
 static kiln_status tri_forward(kiln__op_ctx *c) {
   const attrs_tri *p = c->attrs;
-  return run_tri(c->in[0], c->out[0], p->diagonal, is_triu(c->op));
+  return run_kernel(KILN__K_TRIL, c->in[0], c->out[0], p->diagonal, is_triu(c->op));
 }
 
 static kiln_status tri_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   const attrs_tri *p = n->attrs;
-  kiln_tensor *dx = kiln__tensor_new(g->ndim, g->shape, g->dtype, kiln_device_of(g));
-  if (!dx) return kiln_last_error();
-  kiln_status st = run_tri(g, dx, p->diagonal, is_triu(n->op));
-  if (st != KILN_OK) return st;
-  gi[0] = kiln_keep(dx);
-  return KILN_OK;
+  return grad_by_kernel(KILN__K_TRIL, g, p->diagonal, is_triu(n->op), gi);
 }
 
 #define TRI_OP(fname)                                                                                      \

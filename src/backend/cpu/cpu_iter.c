@@ -279,8 +279,8 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
     }                                                                                     \
   } while (0)
 
-#define KILN__STORE_FLOAT(T)                                                              \
-  switch (dt) {                                                                           \
+/* the floating destinations: the same from a floating or an integer compute type */
+#define KILN__STORE_TO_FLOATS(T)                                                          \
   case KILN_F32:                                                                          \
     KILN__STORE_LOOP(float, T, v);                                                        \
     break;                                                                                \
@@ -292,7 +292,12 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
     break;                                                                                \
   case KILN_BF16:                                                                         \
     KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_bf16((float)v));                           \
-    break;                                                                                \
+    break;
+
+/* the integer destinations differ: a float is converted by kiln__f2i, an integer wraps */
+#define KILN__STORE_FLOAT(T)                                                              \
+  switch (dt) {                                                                           \
+    KILN__STORE_TO_FLOATS(T)                                                              \
   case KILN_I64:                                                                          \
     KILN__STORE_LOOP(int64_t, T, kiln__f2i(v));                                           \
     break;                                                                                \
@@ -309,18 +314,7 @@ void kiln__cpu_load(void *dst, kiln_dtype ct, const char *src, int64_t bst, kiln
 
 #define KILN__STORE_INT(T)                                                                \
   switch (dt) {                                                                           \
-  case KILN_F32:                                                                          \
-    KILN__STORE_LOOP(float, T, v);                                                        \
-    break;                                                                                \
-  case KILN_F64:                                                                          \
-    KILN__STORE_LOOP(double, T, v);                                                       \
-    break;                                                                                \
-  case KILN_F16:                                                                          \
-    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_f16((float)v));                            \
-    break;                                                                                \
-  case KILN_BF16:                                                                         \
-    KILN__STORE_LOOP(uint16_t, T, kiln__f32_to_bf16((float)v));                           \
-    break;                                                                                \
+    KILN__STORE_TO_FLOATS(T)                                                              \
   case KILN_I64:                                                                          \
     KILN__STORE_LOOP(int64_t, T, v);                                                      \
     break;                                                                                \

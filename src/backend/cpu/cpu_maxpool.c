@@ -109,6 +109,18 @@ static void mp_update_c_bf16(float *restrict best, int32_t *restrict at, const u
   }
 }
 
+/* n running maxima and their indices in one allocation (*at after the maxima); NULL, with
+** j->oom set, when out of memory. */
+static float *mp_scratch(mp_job *j, int64_t n, int32_t **at) {
+  float *best = malloc((size_t)n * (sizeof(float) + sizeof(int32_t)));
+  if (!best) {
+    j->oom = true;
+    return NULL;
+  }
+  *at = (int32_t *)(best + n);
+  return best;
+}
+
 static void mp_init(float *best, int32_t *at, int64_t n) {
   for (int64_t k = 0; k < n; k++) best[k] = -INFINITY, at[k] = -1;
 }
@@ -224,12 +236,9 @@ static void mp_planes(void *vctx, int64_t lo, int64_t hi) {
   bool bf = x->dtype == KILN_BF16;
   int64_t es = bf ? 2 : 4;
   int64_t C = x->shape[1], H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
-  float *best = malloc((size_t)(OH * OW) * (sizeof(float) + sizeof(int32_t)));
-  if (!best) {
-    j->oom = true;
-    return;
-  }
-  int32_t *at = (int32_t *)(best + OH * OW);
+  int32_t *at;
+  float *best = mp_scratch(j, OH * OW, &at);
+  if (!best) return;
   int64_t sw = p->stride[1];
 #ifdef MP_HAVE_AVX512
   bool use512 = (sw == 1 || sw == 2) && y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok();
@@ -274,12 +283,9 @@ static void mp_pixels(void *vctx, int64_t lo, int64_t hi) {
   bool bf = x->dtype == KILN_BF16;
   int64_t es = bf ? 2 : 4;
   int64_t C = x->shape[1], H = x->shape[2], W = x->shape[3], OH = y->shape[2], OW = y->shape[3];
-  float *best = malloc((size_t)C * (sizeof(float) + sizeof(int32_t)));
-  if (!best) {
-    j->oom = true;
-    return;
-  }
-  int32_t *at = (int32_t *)(best + C);
+  int32_t *at;
+  float *best = mp_scratch(j, C, &at);
+  if (!best) return;
   for (int64_t r = lo; r < hi; r++) {
     int64_t ow = r % OW, t = r / OW, oh = t % OH, n = t / OH;
     const char *xn = (const char *)x->data + n * x->strides[0] * es;

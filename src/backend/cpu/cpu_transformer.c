@@ -194,6 +194,41 @@ static void kiln__ln_wgrad_range(void *vctx, int64_t lo, int64_t hi) {
   free(buf);
 }
 
+/* The setup both norm paths share (the f64 one below, the f32 one on AVX-512). */
+
+/* A 1-d view's n values in the compute type ct (F64 or F32; malloc'd; NULL on OOM). */
+static void *kiln__load_vec(const kiln__view *v, int64_t n, kiln_dtype ct) {
+  void *p = malloc(kiln__cpu_esize(ct) * (size_t)(n ? n : 1));
+  if (p) kiln__cpu_load(p, ct, v->data, kiln__bst(v, 0), v->dtype, n);
+  return p;
+}
+
+/* The weight and bias in ct (*w, *b: NULL where not given; the forward's in[1], in[2] or
+** a lone bias in[1], the backward's weight in[4]); false on OOM. */
+static bool kiln__ln_affine(const kiln__kargs *a, bool bw, int64_t n, kiln_dtype ct, void **w, void **b) {
+  *w = *b = NULL;
+  if ((a->i[0] & 1) && !(*w = kiln__load_vec(&a->in[bw ? 4 : 1], n, ct))) return false;
+  if (!bw && (a->i[0] & 2) && !(*b = kiln__load_vec(&a->in[(a->i[0] & 1) ? 2 : 1], n, ct))) return false;
+  return true;
+}
+
+/* The row loop's min_par for rows of n: serial under KILN__CPU_PAR_MIN of work. */
+static int64_t kiln__ln_min_par(int64_t rows, int64_t n) {
+  int64_t cost = n + KILN__CPU_ROW_COST;
+  return rows * cost < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
+}
+
+/* A backward with no rows: its weight gradients (out[1], and out[2] where asked) are zeros. */
+static void kiln__ln_zero_wgrads(const kiln__kargs *a) {
+  for (int k = 1; k < a->n_out; k++)
+    for (int64_t j = 0; j < a->out[k].shape[0]; j++)
+      kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
+}
+
+static kiln_status kiln__ln_oom(const char *name, int64_t n) {
+  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)n);
+}
+
 #ifdef KILN__AVX512
 /* ---- the norms in f32 (AVX-512) ----
 ** For f32 and bf16 x (and gradients) the rows are computed in f32, 16 lanes, as PyTorch's
@@ -357,23 +392,14 @@ static bool kiln__lnf_takes(const kiln__kargs *a, bool bw) {
   return true;
 }
 
-static float *kiln__load_vec_f32(const kiln__view *v, int64_t n) {
-  float *p = malloc(sizeof(float) * (size_t)(n ? n : 1));
-  if (p) kiln__cpu_load(p, KILN_F32, v->data, kiln__bst(v, 0), v->dtype, n);
-  return p;
-}
-
 static kiln_status kiln__lnf_run(const kiln__kargs *a, bool bw, const char *name) {
   kiln__lnf c = {.a = a, .rows = a->in[0].shape[0], .n = a->in[0].shape[1], .rms = a->i[1] == 1};
-  float *w = NULL, *b = NULL;
-  int wi = bw ? 4 : 1;
-  if ((a->i[0] & 1) && !(w = kiln__load_vec_f32(&a->in[wi], c.n))) goto oom;
-  if (!bw && (a->i[0] & 2) && !(b = kiln__load_vec_f32(&a->in[(a->i[0] & 1) ? 2 : 1], c.n))) goto oom;
+  void *w, *b;
+  if (!kiln__ln_affine(a, bw, c.n, KILN_F32, &w, &b)) goto oom;
   c.w = w, c.b = b;
-  int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
-  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
+  int64_t work = c.rows * (c.n + KILN__CPU_ROW_COST);
   if (c.rows > 0 && c.n > 0 && !bw) {
-    kiln__cpu_parallel_for(c.rows, min_par, kiln__lnf_fwd_range, &c);
+    kiln__cpu_parallel_for(c.rows, kiln__ln_min_par(c.rows, c.n), kiln__lnf_fwd_range, &c);
   } else if (c.rows > 0 && c.n > 0) {
     const int64_t nblk = (c.rows + KILN__LNF_RB - 1) / KILN__LNF_RB;
     if (a->n_out > 1 && !(c.part = calloc((size_t)(nblk * 2 * c.n), sizeof(double)))) goto oom;
@@ -386,26 +412,17 @@ static kiln_status kiln__lnf_run(const kiln__kargs *a, bool bw, const char *name
         kiln__cpu_set_f64(kiln__at(&a->out[1], 1, jj), a->out[1].dtype, sw);
         if (a->n_out > 2) kiln__cpu_set_f64(kiln__at(&a->out[2], 1, jj), a->out[2].dtype, sb);
       }
-  } else if (bw && a->n_out > 1) { /* no rows: zero weight gradients */
-    for (int k = 1; k < a->n_out; k++)
-      for (int64_t j = 0; j < a->out[k].shape[0]; j++)
-        kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
+  } else if (bw && a->n_out > 1) {
+    kiln__ln_zero_wgrads(a);
   }
   if (c.failed) goto oom;
   free(w), free(b), free(c.part);
   return KILN_OK;
 oom:
   free(w), free(b), free(c.part);
-  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
+  return kiln__ln_oom(name, c.n);
 }
 #endif /* KILN__AVX512 */
-
-/* A 1-d view's n values as f64 (malloc'd; NULL on OOM). */
-static double *kiln__load_vec(const kiln__view *v, int64_t n) {
-  double *p = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  if (p) kiln__cpu_load(p, KILN_F64, v->data, kiln__bst(v, 0), v->dtype, n);
-  return p;
-}
 
 kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_LAYER_NORM_BACKWARD;
@@ -418,31 +435,25 @@ kiln_status kiln__cpu_layer_norm(const kiln__kargs *a) {
   if (kiln__lnf_takes(a, bw)) return kiln__lnf_run(a, bw, name);
 #endif
   kiln__ln c = {.a = a, .rows = x->shape[0], .n = x->shape[1], .rms = a->i[1] == 1};
-  double *w = NULL, *b = NULL;
-  int wi = bw ? 4 : 1;
-  if ((a->i[0] & 1) && !(w = kiln__load_vec(&a->in[wi], c.n))) goto oom;
-  if (!bw && (a->i[0] & 2) && !(b = kiln__load_vec(&a->in[(a->i[0] & 1) ? 2 : 1], c.n))) goto oom;
+  void *w, *b;
+  if (!kiln__ln_affine(a, bw, c.n, KILN_F64, &w, &b)) goto oom;
   c.w = w, c.b = b;
-  int64_t cost = c.n + KILN__CPU_ROW_COST, work = c.rows * cost;
-  int64_t min_par = work < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / cost + 1;
   if (c.rows > 0 && c.n > 0) {
-    kiln__cpu_parallel_for(c.rows, min_par, bw ? kiln__ln_bwd_range : kiln__ln_fwd_range, &c);
+    kiln__cpu_parallel_for(c.rows, kiln__ln_min_par(c.rows, c.n), bw ? kiln__ln_bwd_range : kiln__ln_fwd_range, &c);
     if (bw && a->n_out > 1) {
       int64_t ccost = c.rows + KILN__CPU_ROW_COST;
       kiln__cpu_parallel_for(c.n, c.n * ccost < KILN__CPU_PAR_MIN ? INT64_MAX : KILN__CPU_PAR_MIN / ccost + 1,
                              kiln__ln_wgrad_range, &c);
     }
-  } else if (bw && a->n_out > 1) { /* no rows: zero weight gradients */
-    for (int k = 1; k < a->n_out; k++)
-      for (int64_t j = 0; j < a->out[k].shape[0]; j++)
-        kiln__cpu_set_f64(kiln__at(&a->out[k], 1, &j), a->out[k].dtype, 0.0);
+  } else if (bw && a->n_out > 1) {
+    kiln__ln_zero_wgrads(a);
   }
   if (c.failed) goto oom;
   free(w), free(b);
   return KILN_OK;
 oom:
   free(w), free(b);
-  return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for a row of %lld", name, (long long)c.n);
+  return kiln__ln_oom(name, c.n);
 }
 
 /* ---- attention ---- */

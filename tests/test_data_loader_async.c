@@ -18,6 +18,7 @@
 
 #include "core/kiln_int.h"
 #include "data/data_int.h"
+#include "batch_record.h"
 #include "check.h"
 
 #define N 103
@@ -93,33 +94,9 @@ static kiln_status my_collate(void *user, int n, int nf, kiln_tensor *const *sam
   return KILN_OK;
 }
 
-/* ---- an epoch as bytes: for each batch, each field's shape and contents ---- */
-typedef struct record {
-  unsigned char *p;
-  size_t n, cap;
-  int batches;
-} record;
-
-static void put(record *r, const void *p, size_t n) {
-  if (r->n + n > r->cap) {
-    r->cap = (r->n + n) * 2;
-    r->p = realloc(r->p, r->cap);
-  }
-  memcpy(r->p + r->n, p, n);
-  r->n += n;
-}
-
+/* ---- an epoch as bytes: for each batch, each field's shape and contents (batch_record.h) ---- */
 static void put_batch(record *r, kiln_tensor *const *b, int nf) {
-  for (int f = 0; f < nf; f++) {
-    int nd = kiln_ndim(b[f]);
-    put(r, &nd, sizeof nd);
-    put(r, kiln_shape(b[f]), sizeof(int64_t) * (size_t)nd);
-    size_t nb = kiln_nbytes(b[f]);
-    unsigned char *tmp = malloc(nb + 1);
-    CHECK(kiln_to_host(b[f], tmp, nb) == KILN_OK);
-    put(r, tmp, nb);
-    free(tmp);
-  }
+  for (int f = 0; f < nf; f++) put_tensor(r, b[f]);
   r->batches++;
 }
 

@@ -423,10 +423,5 @@ int main(void) {
   test_unstaged_collate();
   test_growing_batches();
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_data_loader_async: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_loader_async: ok\n");
-  return 0;
+  return check_finish("test_data_loader_async");
 }

@@ -348,10 +348,5 @@ int main(void) {
   test_staged_capture(gpu);
   time_next(gpu);
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_data_loader_cuda: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_loader_cuda: ok\n");
-  return 0;
+  return check_finish("test_data_loader_cuda");
 }

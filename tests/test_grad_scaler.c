@@ -305,19 +305,16 @@ static void test_plain_after_skipped_first(void) {
   for (int path = 0; path < 5; path++) {
     twin t;
     twin_new(&t, path);
-    kiln_tensor **ps = t.ps, **qs = t.qs;
-    kiln_optimizer *opt = t.opt, *ref = t.ref;
-    kiln_grad_scaler *sc = t.sc;
-    iteration(sc, opt, ps, 0, true);
+    iteration(t.sc, t.opt, t.ps, 0, true);
     for (int it = 1; it <= 3; it++) {
-      iteration(NULL, opt, ps, it, false);
-      iteration(NULL, ref, qs, it, false);
+      iteration(NULL, t.opt, t.ps, it, false);
+      iteration(NULL, t.ref, t.qs, it, false);
     }
-    CHECK(kiln_optimizer_steps(opt) == 3);
+    CHECK(kiln_optimizer_steps(t.opt) == 3);
     kiln_scope_begin();
     for (int i = 0; i < 2; i++) {
       /* composed Adam: f64 pow on the device against the host's, equal to f32 rounding */
-      double d = kiln_item(kiln_amax(kiln_abs(kiln_sub(ps[i], qs[i])), 0, NULL, false));
+      double d = kiln_item(kiln_amax(kiln_abs(kiln_sub(t.ps[i], t.qs[i])), 0, NULL, false));
       if (!(path == 2 ? d < 1e-6 : d == 0))
         fprintf(stderr, "path %s: plain steps after a skipped first step: param %d off by %g\n", path_name[path], i, d);
       CHECK(path == 2 ? d < 1e-6 : d == 0);

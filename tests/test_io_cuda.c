@@ -64,10 +64,5 @@ int main(void) {
   remove(pg);
   kiln_scope_end();
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_io_cuda: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_cuda: ok\n");
-  return 0;
+  return check_finish("test_io_cuda");
 }

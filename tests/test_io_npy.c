@@ -229,10 +229,5 @@ int main(void) {
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);
-  if (failures) {
-    fprintf(stderr, "test_io_npy: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_npy: ok\n");
-  return 0;
+  return check_finish("test_io_npy");
 }

@@ -405,10 +405,5 @@ int main(void) {
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);
-  if (failures) {
-    fprintf(stderr, "test_io_safetensors: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_safetensors: ok\n");
-  return 0;
+  return check_finish("test_io_safetensors");
 }

@@ -575,10 +575,5 @@ int main(void) {
   test_activations();
   test_summary();
   kiln_module_free(NULL);
-  if (failures) {
-    fprintf(stderr, "test_nn: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_nn: all passed\n");
-  return 0;
+  return check_finish("test_nn");
 }

@@ -497,10 +497,5 @@ int main(void) {
   test_state_dict_round_trip();
   test_checkpointed_blocks();
   test_weight_decay_groups();
-  if (failures) {
-    fprintf(stderr, "test_nn_gpt: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_nn_gpt: all passed\n");
-  return 0;
+  return check_finish("test_nn_gpt");
 }

@@ -6,6 +6,7 @@
 
 #include <kiln.h>
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,6 +37,11 @@ static inline void put_tensor(record *r, kiln_tensor *t) {
   CHECK(kiln_to_host(t, tmp, nb) == KILN_OK);
   put(r, tmp, nb);
   free(tmp);
+}
+
+/* Whether two epochs recorded the same bytes. */
+static inline bool record_same(const record *a, const record *b) {
+  return a->n == b->n && memcmp(a->p, b->p, a->n) == 0;
 }
 
 #endif

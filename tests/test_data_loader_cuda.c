@@ -162,8 +162,8 @@ static void test_staged_same_batches(kiln_device gpu) {
           run_epoch(ref, e, &a);
           run_epoch(l, e, &b);
           CHECK(a.batches == (o.drop_last ? 10 : 11) && b.staged == a.batches);
-          CHECK(a.n == b.n && memcmp(a.p, b.p, a.n) == 0);
-          if (a.n != b.n || memcmp(a.p, b.p, a.n) != 0)
+          CHECK(record_same(&a, &b));
+          if (!record_same(&a, &b))
             fprintf(stderr, "  differs: dataset %d, shuffle %d, drop_last %d, workers %d, epoch %d\n", d,
                     (int)o.shuffle, (int)o.drop_last, w, (int)e);
           free(a.p);

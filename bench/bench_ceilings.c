@@ -17,16 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
+#include "bench_clock.h"
 
 /* Median seconds of reps runs of fn, each timed between device syncs. */
 typedef kiln_status (*bench_fn)(void *ctx);
@@ -44,7 +35,7 @@ static double time_median(kiln_device dev, bench_fn fn, void *ctx, int reps) {
     kiln_device_synchronize(dev);
     t[r] = now() - t0;
   }
-  qsort(t, (size_t)reps, sizeof(double), cmp_double);
+  qsort(t, (size_t)reps, sizeof(double), cmp);
   double m = t[reps / 2];
   free(t);
   return m;

@@ -34,8 +34,10 @@
 ** computes its loss inside the model's forward); --logits-loss takes the model's logits
 ** then kiln_cross_entropy instead.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
-** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer is $KILN_TORCH_PEER or
-** ../shared/bench/torch_peer.py beside the source tree (else from the working directory), or --peer, run by --python (default python3);
+** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer: --peer PATH, else
+** $KILN_TORCH_PEER, else the first that exists of .peer/torch_peer.py,
+** ../shared/bench/torch_peer.py beside the source tree, then from the working directory,
+** and /work/shared/bench/torch_peer.py (bench_peer.h); run by --python (default python3);
 ** --peer-threads N sets OMP_NUM_THREADS=N for it (the issue's CPU line uses 1).
 ** The issue's CPU line:
 **   bench-gpt2 --device cpu --layers 4 --dim 256 --heads 4 --vocab 4096 --seq 256 --batch 8
@@ -52,18 +54,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_clock.h"
+#include "bench_peer.h"
+
 #define PROG "bench-gpt2"
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 typedef struct opts {
   kiln_device dev;
@@ -80,19 +74,6 @@ typedef struct opts {
 } opts;
 
 /* ---- the peer ---------------------------------------------------------------------- */
-
-/* A number after "key": in a JSON line; NAN when absent or null. */
-static double json_num(const char *line, const char *key) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  const char *p = strstr(line, pat);
-  if (!p) return NAN;
-  p += strlen(pat);
-  while (*p == ' ') p++;
-  char *end;
-  double v = strtod(p, &end);
-  return end == p ? NAN : v;
-}
 
 /* Runs the peer with args; its last JSON line into out. false (with a note) on failure. */
 static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
@@ -175,7 +156,7 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
   if (o->memory && st == KILN_OK) kiln_memory_summary(o->dev, stdout); /* the step's peak and saved bytes */
   if (st == KILN_OK) {
     int64_t skip = o->steps > 4 ? 3 : 0;
-    qsort(times + skip, (size_t)(o->steps - skip), sizeof *times, cmp_double);
+    qsort(times + skip, (size_t)(o->steps - skip), sizeof *times, cmp);
     double med = times[skip + (o->steps - skip) / 2];
     r->ms_per_step = med * 1e3;
     r->tokens_per_s = (double)(o->batch * o->seq) / med;
@@ -270,20 +251,6 @@ int main(int argc, char **argv) {
   o.train = true, o.peer = true, o.fused_loss = true;
   o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
   o.python = "python3";
-  const char *env_peer = getenv("KILN_TORCH_PEER");
-  /* beside the source tree (this file is SRC/bench/bench_gpt2.c), else from the cwd */
-  static char default_peer[4096];
-  snprintf(default_peer, sizeof default_peer, "%s", __FILE__);
-  char *slash = strrchr(default_peer, '/');
-  if (slash && slash - default_peer > 6) {
-    *slash = 0; /* SRC/bench */
-    slash = strrchr(default_peer, '/');
-    if (slash) snprintf(slash, sizeof default_peer - (size_t)(slash - default_peer), "/../shared/bench/torch_peer.py");
-  }
-  FILE *probe = fopen(default_peer, "r");
-  if (probe) fclose(probe);
-  else snprintf(default_peer, sizeof default_peer, "../shared/bench/torch_peer.py");
-  o.peer_path = env_peer && *env_peer ? env_peer : default_peer;
   const char *autocast = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -377,6 +344,10 @@ int main(int argc, char **argv) {
   if (o.dim % o.heads) {
     fprintf(stderr, PROG ": --dim %lld is not a multiple of --heads %lld\n", (long long)o.dim, (long long)o.heads);
     return 2;
+  }
+  if (o.peer && !(o.peer_path = find_peer(o.peer_path))) {
+    fprintf(stderr, PROG ": torch_peer.py not found (pass --peer PATH or set KILN_TORCH_PEER)\n");
+    o.peer = false;
   }
   kiln_device_info info;
   memset(&info, 0, sizeof info);

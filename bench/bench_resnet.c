@@ -21,11 +21,11 @@
 ** --profile prints kiln's per-op and per-module table (kiln_profiler_start, with device
 ** times: each op then waits for its device) over the steps after the first three. (KILN_PROFILE=1 does not reach this program: it links the static
 ** library, where nothing pulls in the profiler's load-time hook.)
-** The peer: --peer PATH, else $KILN_TORCH_PEER, else the first of .peer/torch_peer.py,
-** ../shared/bench/torch_peer.py (both from the working directory) and
-** /work/shared/bench/torch_peer.py that exists. --peer-threads N runs it with
-** OMP_NUM_THREADS=N (the CPU comparison in bench/RESULTS.md is made at 1 and at the
-** default). Peak memory: kiln's allocator high-water mark (kiln_memory_stats) and
+** The peer: --peer PATH, else $KILN_TORCH_PEER, else the first that exists of
+** .peer/torch_peer.py, ../shared/bench/torch_peer.py beside the source tree, then from the
+** working directory, and /work/shared/bench/torch_peer.py (bench_peer.h). --peer-threads N
+** runs it with OMP_NUM_THREADS=N (the CPU comparison in bench/RESULTS.md is made at 1 and
+** at the default). Peak memory: kiln's allocator high-water mark (kiln_memory_stats) and
 ** torch.cuda.max_memory_allocated; the peer reports none on the CPU.
 ** Defaults: resnet18, size 32, batch 64 on the CPU; resnet50, size 224, batch 256 on a GPU.
 */
@@ -41,49 +41,16 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
+#include "bench_clock.h"
+#include "bench_peer.h"
+
 #define PROG "bench-resnet"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
              "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
              "                    [--peer-threads N] [--no-peer] [--channels-last] [--channels-last-input]\n"
              "                    [--profile] [--json]\n");
-}
-
-/* One number after "key": in a JSON line; NAN when absent or null. */
-static double json_num(const char *line, const char *key) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  const char *p = strstr(line, pat);
-  if (!p) return NAN;
-  p += strlen(pat);
-  while (*p == ' ') p++;
-  if (!strncmp(p, "null", 4)) return NAN;
-  char *end;
-  double v = strtod(p, &end);
-  return end == p ? NAN : v;
-}
-
-static const char *find_peer(const char *flag) {
-  if (flag) return flag;
-  const char *env = getenv("KILN_TORCH_PEER");
-  if (env && *env) return env;
-  static const char *const tries[] = {".peer/torch_peer.py", "../shared/bench/torch_peer.py",
-                                      "/work/shared/bench/torch_peer.py"};
-  for (size_t i = 0; i < sizeof tries / sizeof tries[0]; i++)
-    if (access(tries[i], R_OK) == 0) return tries[i];
-  return NULL;
 }
 
 typedef struct result {
@@ -124,7 +91,7 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
     if (profile && s == (steps > 3 ? 3 : 0) &&
         kiln_profiler_start(&(kiln_profiler_options){.device_time = true}) != KILN_OK)
       fprintf(stderr, PROG ": --profile: %s\n", kiln_last_error_message());
-    double t0 = now_s();
+    double t0 = now();
     kiln_scope_begin();
     kiln_status st = bf16 ? kiln_autocast_begin(dev.type, KILN_BF16) : KILN_OK;
     kiln_tensor *l = kiln_cross_entropy(kiln_module_forward(model, x), y, KILN_REDUCTION_MEAN, -100, 0.0);
@@ -135,7 +102,7 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
     if (st == KILN_OK && s == steps - 1) loss = kiln_item(l);
     kiln_scope_end();
     kiln_device_synchronize(dev);
-    t[s] = now_s() - t0;
+    t[s] = now() - t0;
     if (st != KILN_OK) {
       fprintf(stderr, PROG ": kiln step %d: %s\n", s, kiln_last_error_message());
       rc = 1;
@@ -145,7 +112,7 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   if (!rc) {
     /* the peer's statistic: the median of the steps after the first three */
     int skip = steps > 3 ? 3 : 0;
-    qsort(t + skip, (size_t)(steps - skip), sizeof *t, cmp_double);
+    qsort(t + skip, (size_t)(steps - skip), sizeof *t, cmp);
     double med = t[skip + (steps - skip) / 2];
     kiln_memory_stats ms;
     out->ms = med * 1e3;

@@ -102,16 +102,7 @@ static void release(void) {
   memset(&R, 0, sizeof R);
 }
 
-/* Releases everything and returns the exit code rc. */
-static int finish(int rc) {
-  release();
-  return rc;
-}
-
-static int fail(const char *what) {
-  ex_report_failure(PROG, what);
-  return finish(1);
-}
+EX_DEFINE_EXITS(PROG, release)
 
 /* (N, 28, 28) -> (N, 1, 28, 28): the CNN's first module (PyTorch's peer unsqueezes the
 ** data instead; kiln's loader and evaluation stay the same for both models). */
@@ -230,21 +221,15 @@ int main(int argc, char **argv) {
   if (tf32) kiln_set_matmul_tf32(true);
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   if (ex_check_output(PROG, ckpt)) return 2;
-  kiln_dist *dist;
-  int world, rank;
-  int jrc = ex_join(PROG, batch, &dist, &world, &rank);
-  R.dist = dist;
+  ex_job job;
+  int jrc = ex_launch(PROG, batch, graph, logdir, devname, &quiet, &json, &job);
+  R.dist = job.dist, R.tb = job.tb;
   if (jrc) return finish(jrc);
-  if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
-  if (world > 1 && graph) {
-    fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
-    return finish(2);
-  }
-  R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
-  kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
-  char dname[32];
-  if (ex_device(PROG, devname, &dev, dname)) return finish(2);
   if (resume && ex_check_resume(PROG, ckpt)) return finish(2);
+  kiln_dist *dist = job.dist;
+  const int world = job.world, rank = job.rank;
+  kiln_device dev = job.dev;
+  const char *dname = job.dname;
 
   static const char needs[] = "this model takes 28 x 28 images (N, 28, 28)";
   if (ex_load_fmnist(PROG, data, needs, limit, 0, R.t)) return finish(1);
@@ -360,15 +345,10 @@ int main(int argc, char **argv) {
     ex_log_scalar(&R.tb, "epoch/test_acc", step, test_acc);
 
     kiln_dict *extra = kiln_dict_new();
-    char buf[64];
-    snprintf(buf, sizeof buf, "%.17g", last_loss);
-    kiln_dict_set_meta(extra, "train_loss", buf);
-    snprintf(buf, sizeof buf, "%.17g", test_acc);
-    kiln_dict_set_meta(extra, "test_acc", buf);
-    snprintf(buf, sizeof buf, "%lld", batch);
-    kiln_dict_set_meta(extra, "batch", buf);
-    snprintf(buf, sizeof buf, "%lld", (long long)ntrain);
-    kiln_dict_set_meta(extra, "train_samples", buf);
+    ex_meta_real(extra, "train_loss", last_loss);
+    ex_meta_real(extra, "test_acc", test_acc);
+    ex_meta_int(extra, "batch", batch);
+    ex_meta_int(extra, "train_samples", ntrain);
     kiln_dict_set_meta(extra, "model", model_name);
     kiln_status cs = kiln_checkpoint_save(ckpt, model, opt, NULL, NULL, e + 1, step, extra);
     kiln_dict_free(extra);

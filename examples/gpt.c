@@ -137,15 +137,7 @@ static void release(void) {
   memset(&R, 0, sizeof R);
 }
 
-static int finish(int rc) {
-  release();
-  return rc;
-}
-
-static int fail(const char *what) {
-  ex_report_failure(PROG, what);
-  return finish(1);
-}
+EX_DEFINE_EXITS(PROG, release)
 
 /* ---- the corpus ---------------------------------------------------------------------- */
 
@@ -537,23 +529,17 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
                         double val_loss, const char *corpus) {
   kiln_dict *extra = kiln_dict_new();
   if (!extra) return kiln_last_error();
-  char buf[64];
   const struct {
     const char *k;
     long long v;
   } ints[] = {{"n_layer", cfg->n_layer},       {"n_head", cfg->n_head}, {"n_embd", cfg->n_embd},
               {"block_size", cfg->block_size}, {"vocab_size", vocab},   {"bias", cfg->bias}};
   kiln_status st = KILN_OK;
-  for (size_t i = 0; i < sizeof ints / sizeof ints[0] && st == KILN_OK; i++) {
-    snprintf(buf, sizeof buf, "%lld", ints[i].v);
-    st = kiln_dict_set_meta(extra, ints[i].k, buf);
-  }
-  snprintf(buf, sizeof buf, "%.17g", cfg->dropout);
-  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "dropout", buf);
-  snprintf(buf, sizeof buf, "%.17g", train_loss);
-  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "train_loss", buf);
-  snprintf(buf, sizeof buf, "%.17g", val_loss);
-  if (st == KILN_OK) st = kiln_dict_set_meta(extra, "val_loss", buf);
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0] && st == KILN_OK; i++)
+    st = ex_meta_int(extra, ints[i].k, ints[i].v);
+  if (st == KILN_OK) st = ex_meta_real(extra, "dropout", cfg->dropout);
+  if (st == KILN_OK) st = ex_meta_real(extra, "train_loss", train_loss);
+  if (st == KILN_OK) st = ex_meta_real(extra, "val_loss", val_loss);
   if (st == KILN_OK) st = kiln_dict_set_meta(extra, "corpus", corpus);
   if (st == KILN_OK && R.bpe_vocab) st = kiln_dict_set_meta(extra, "tokenizer_vocab", R.bpe_vocab);
   if (st == KILN_OK && R.bpe_merges) st = kiln_dict_set_meta(extra, "tokenizer_merges", R.bpe_merges);

@@ -76,7 +76,7 @@ static struct {
   kiln_summary_writer *tb;
 } R;
 
-static int finish(int rc) {
+static void release(void) {
   kiln_loader_free(R.loader);
   kiln_loader_free(R.tloader);
   kiln_dataset_free(R.aug);
@@ -89,13 +89,9 @@ static int finish(int rc) {
   for (int i = 0; i < 4; i++) kiln_tensor_free(R.t[i]);
   ex_log_close(R.tb);
   memset(&R, 0, sizeof R);
-  return rc;
 }
 
-static int fail(const char *what) {
-  ex_report_failure(PROG, what);
-  return finish(1);
-}
+EX_DEFINE_EXITS(PROG, release)
 
 /* (B, 1, 32, 32) -> (B, 3, 32, 32): the grey channel three times, as the model takes RGB. */
 static kiln_tensor *to_rgb(kiln_tensor *x) {
@@ -291,17 +287,11 @@ int main(int argc, char **argv) {
     ex_log_scalar(&R.tb, "epoch/test_acc", step, test_acc);
 
     kiln_dict *extra = kiln_dict_new();
-    char buf[64];
-    snprintf(buf, sizeof buf, "%.17g", last_loss);
-    kiln_dict_set_meta(extra, "train_loss", buf);
-    snprintf(buf, sizeof buf, "%.17g", test_acc);
-    kiln_dict_set_meta(extra, "test_acc", buf);
-    snprintf(buf, sizeof buf, "%lld", batch);
-    kiln_dict_set_meta(extra, "batch", buf);
-    snprintf(buf, sizeof buf, "%lld", epochs);
-    kiln_dict_set_meta(extra, "epochs", buf);
-    snprintf(buf, sizeof buf, "%lld", (long long)ntrain);
-    kiln_dict_set_meta(extra, "train_samples", buf);
+    ex_meta_real(extra, "train_loss", last_loss);
+    ex_meta_real(extra, "test_acc", test_acc);
+    ex_meta_int(extra, "batch", batch);
+    ex_meta_int(extra, "epochs", epochs);
+    ex_meta_int(extra, "train_samples", ntrain);
     kiln_status cs = kiln_checkpoint_save(ckpt, model, opt, sched, NULL, e + 1, step, extra);
     kiln_dict_free(extra);
     if (cs != KILN_OK) return fail("saving the checkpoint");

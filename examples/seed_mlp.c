@@ -131,16 +131,7 @@ static void release(void) {
   memset(&R, 0, sizeof R);
 }
 
-/* Releases everything and returns the exit code rc. */
-static int finish(int rc) {
-  release();
-  return rc;
-}
-
-static int fail(const char *what) {
-  ex_report_failure(PROG, what);
-  return finish(1);
-}
+EX_DEFINE_EXITS(PROG, release)
 
 int main(int argc, char **argv) {
   long long epochs = 20, batch = 128, workers = 0;
@@ -162,20 +153,14 @@ int main(int argc, char **argv) {
   int prc = ex_parse_args(PROG, argc, argv, opts, usage);
   if (prc >= 0) return prc;
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
-  kiln_dist *dist;
-  int world, rank;
-  int jrc = ex_join(PROG, batch, &dist, &world, &rank);
-  R.dist = dist;
+  ex_job job;
+  int jrc = ex_launch(PROG, batch, graph, logdir, devname, &quiet, &json, &job);
+  R.dist = job.dist, R.tb = job.tb;
   if (jrc) return finish(jrc);
-  if (rank != 0) quiet = true, json = false; /* rank 0 speaks for the job */
-  if (world > 1 && graph) {
-    fprintf(stderr, PROG ": --graph is for one process (the gradient all-reduce is not captured)\n");
-    return finish(2);
-  }
-  R.tb = rank == 0 ? ex_log_open(PROG, logdir) : NULL;
-  kiln_device dev = dist ? kiln_dist_device(dist) : kiln_device_best();
-  char dname[32];
-  if (ex_device(PROG, devname, &dev, dname)) return finish(2);
+  kiln_dist *dist = job.dist;
+  const int world = job.world, rank = job.rank;
+  kiln_device dev = job.dev;
+  const char *dname = job.dname;
 
   /* Data: the same draws in the same order as the peer (x first, then the layers). */
   kiln_manual_seed(0);

@@ -171,4 +171,30 @@ static inline bool cr_have_fashion_mnist(void) {
          cr_file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte");
 }
 
+/* 0 when <bin>/prog is built and, with needs_fmnist, Fashion-MNIST is installed; else 77
+** (ctest's skip code) after saying why on stderr. */
+static inline int cr_require(const char *prog, bool needs_fmnist) {
+  char bin[1024], exe[1100];
+  cr_bin_dir(bin, sizeof bin);
+  snprintf(exe, sizeof exe, "%s/%s", bin, prog);
+  if (!cr_file_exists(exe)) {
+    fprintf(stderr, "skip: %s not built\n", exe);
+    return 77;
+  }
+  if (needs_fmnist && !cr_have_fashion_mnist()) {
+    fprintf(stderr, "skip: Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)\n");
+    return 77;
+  }
+  return 0;
+}
+
+/* The end of a test's main: the scratch directory removed, then the count of failed checks
+** on stderr, or "<name>: all passed" on stdout. The exit code: 1 when a check failed. */
+static inline int cr_finish(const char *name) {
+  cr_cleanup();
+  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
+  else printf("%s: all passed\n", name);
+  return cr_failures ? 1 : 0;
+}
+
 #endif /* KILN_TESTS_CLI_RUN_H */

@@ -464,4 +464,16 @@ static void kv_check_sample(kiln_device dev) {
   kiln_scope_end();
 }
 
+/* Every check above on dev, in the order test_ops_kv and test_cuda_kv run them. */
+static void kv_check_all(kiln_device dev) {
+  kv_check_attention(dev);
+  kv_check_attention_errors(dev);
+  kv_check_append(dev);
+  kv_check_index_copy(dev);
+  kv_check_index_copy_errors(dev);
+  kv_check_sample(dev);
+  kv_check_add_ln(dev);
+  kv_check_linear(dev);
+}
+
 #endif

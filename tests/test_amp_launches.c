@@ -22,6 +22,7 @@
 ** step's parameter gradients equal those of explicit casts.
 */
 #include "check.h"
+#include "tensor_cmp.h"
 
 #include "core/kiln_int.h" /* kiln__dispatch_observe, kiln__kop_name */
 
@@ -139,15 +140,6 @@ static void test_step_kernels(void) {
   kiln_tensor_free(y);
 }
 
-static bool bit_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
-  kiln_scope_begin();
-  kiln_tensor *ca = kiln_contiguous(a), *cb = kiln_contiguous(b);
-  bool same = memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
-  kiln_scope_end();
-  return same;
-}
-
 /* cross_entropy reads the bf16 logits itself under autocast: the loss (f32) and the
 ** logits' gradient (bf16) are those of the logits cast to f32 by hand, for each
 ** reduction, with an ignored row and label smoothing. */
@@ -180,9 +172,9 @@ static void test_cross_entropy_reads_bf16(void) {
       CHECK(kernels == (reds[r] == KILN_REDUCTION_SUM ? 2 : 1));
       kiln_tensor *s2 = reds[r] == KILN_REDUCTION_NONE ? kiln_sum_all(loss2) : loss2;
       CHECK(kiln_backward(s2, NULL) == KILN_OK);
-      CHECK(bit_equal(loss1, loss2));
+      CHECK(bits_equal(loss1, loss2));
       CHECK(kiln_grad(l2) && kiln_dtype_of(kiln_grad(l2)) == KILN_BF16);
-      CHECK(bit_equal(kiln_grad(l1), kiln_grad(l2)));
+      CHECK(bits_equal(kiln_grad(l1), kiln_grad(l2)));
       kiln_scope_end();
     }
 }
@@ -214,9 +206,9 @@ static void test_step_grads_equal_explicit_casts(void) {
   for (int i = 0; i < 4; i++) c[i] = kiln_to_dtype(ps[i], KILN_BF16);
   kiln_tensor *logits = kiln_linear(kiln_linear_relu(kiln_to_dtype(x, KILN_BF16), c[0], c[1]), c[2], c[3]);
   kiln_tensor *loss2 = kiln_cross_entropy(kiln_to_dtype(logits, KILN_F32), y, KILN_REDUCTION_MEAN, -100, 0.0);
-  CHECK(bit_equal(loss, loss2));
+  CHECK(bits_equal(loss, loss2));
   CHECK(kiln_backward(loss2, NULL) == KILN_OK);
-  for (int i = 0; i < 4; i++) CHECK(bit_equal(ga[i], kiln_grad(ps[i])));
+  for (int i = 0; i < 4; i++) CHECK(bits_equal(ga[i], kiln_grad(ps[i])));
   model_free(&m);
   kiln_scope_end();
 }

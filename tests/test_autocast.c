@@ -6,6 +6,7 @@
 ** against the descriptors' classes.
 */
 #include "check.h"
+#include "tensor_cmp.h"
 
 #include "ops/op.h"
 
@@ -52,15 +53,6 @@ static kiln_tensor *param(int64_t r, int64_t c, uint64_t seed) {
   return w;
 }
 
-static bool bit_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
-  kiln_scope_begin();
-  kiln_tensor *ca = kiln_contiguous(a), *cb = kiln_contiguous(b);
-  bool same = memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
-  kiln_scope_end();
-  return same;
-}
-
 /* linear in bf16, the loss in f32; w's gradient is f32 and the same bits as the program
 ** that writes the casts itself. */
 static void test_linear_lower_and_f32_grads(void) {
@@ -87,9 +79,9 @@ static void test_linear_lower_and_f32_grads(void) {
                                 kiln_to_dtype(bias, KILN_BF16));
   kiln_tensor *loss2 = kiln_mean_all(kiln_log_softmax(kiln_to_dtype(y2, KILN_F32), 1));
   CHECK(kiln_backward(loss2, NULL) == KILN_OK);
-  CHECK(bit_equal(loss, loss2));
-  CHECK(bit_equal(gw, kiln_grad(w)));
-  CHECK(bit_equal(gb, kiln_grad(b)));
+  CHECK(bits_equal(loss, loss2));
+  CHECK(bits_equal(gw, kiln_grad(w)));
+  CHECK(bits_equal(gb, kiln_grad(b)));
   kiln_tensor_free(gw);
   kiln_tensor_free(gb);
   kiln_scope_end();
@@ -139,7 +131,7 @@ static void test_weight_cast_cache(void) {
   kiln_tensor *wb = kiln_to_dtype(w, KILN_BF16);
   kiln_tensor *h2 = kiln_linear(kiln_linear(kiln_to_dtype(x, KILN_BF16), wb, NULL), wb, NULL);
   CHECK(kiln_backward(kiln_mean_all(kiln_to_dtype(h2, KILN_F32)), NULL) == KILN_OK);
-  CHECK(bit_equal(g1, kiln_grad(w)));
+  CHECK(bits_equal(g1, kiln_grad(w)));
   kiln_tensor_free(g1);
   n_seen = n_casts = 0;
   bool prev;
@@ -249,7 +241,7 @@ static void test_graph_capture(void) {
   CHECK(g != NULL);
   CHECK(kiln_graph_replay(g) == KILN_OK);
   kiln_tensor *ref = kiln_matmul(kiln_to_dtype(c.x, KILN_BF16), kiln_to_dtype(c.w, KILN_BF16));
-  CHECK(bit_equal(ref, c.out));
+  CHECK(bits_equal(ref, c.out));
   kiln_graph_free(g);
   kiln_scope_end();
 }

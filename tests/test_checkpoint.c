@@ -545,10 +545,5 @@ int main(void) {
   test_inconsistent_state();
   test_kill_while_saving();
   cleanup();
-  if (failures) {
-    fprintf(stderr, "test_checkpoint: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_checkpoint: all passed\n");
-  return 0;
+  return check_finish("test_checkpoint");
 }

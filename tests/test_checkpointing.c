@@ -5,6 +5,7 @@
 ** generator; the forward keeps no activations; grad mode off just runs; the bad inputs.
 */
 #include "check.h"
+#include "tensor_cmp.h"
 
 #include <kiln_nn.h>
 
@@ -43,15 +44,6 @@ static kiln_status block(void *ctx, int n_in, kiln_tensor *const *in, int n_out,
 }
 
 static kiln_tensor *loss_of(kiln_tensor *y) { return kiln_mean_all(kiln_mul(y, y)); }
-
-static bool bit_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_dtype_of(a) != kiln_dtype_of(b) || kiln_numel(a) != kiln_numel(b)) return false;
-  kiln_scope_begin();
-  kiln_tensor *ca = kiln_contiguous(a), *cb = kiln_contiguous(b);
-  bool same = memcmp(kiln_data_ptr(ca), kiln_data_ptr(cb), kiln_nbytes(ca)) == 0;
-  kiln_scope_end();
-  return same;
-}
 
 typedef struct grads {
   kiln_tensor *loss, *w1, *b1, *w2, *x;
@@ -96,11 +88,11 @@ static void grads_free(grads *g) {
 
 static void expect_same(net *m, bool autocast) {
   grads a = run(m, false, autocast), b = run(m, true, autocast);
-  CHECK(bit_equal(a.loss, b.loss));
-  CHECK(bit_equal(a.w1, b.w1));
-  CHECK(bit_equal(a.b1, b.b1));
-  CHECK(bit_equal(a.w2, b.w2));
-  CHECK(bit_equal(a.x, b.x));
+  CHECK(bits_equal(a.loss, b.loss));
+  CHECK(bits_equal(a.w1, b.w1));
+  CHECK(bits_equal(a.b1, b.b1));
+  CHECK(bits_equal(a.w2, b.w2));
+  CHECK(bits_equal(a.x, b.x));
   grads_free(&a);
   grads_free(&b);
 }
@@ -175,7 +167,7 @@ static void test_autograd_grad(void) {
     kiln_scope_end();
   }
   for (int k = 0; k < 4; k++) {
-    CHECK(bit_equal(res[0][k], res[1][k]));
+    CHECK(bits_equal(res[0][k], res[1][k]));
     kiln_tensor_free(res[0][k]);
     kiln_tensor_free(res[1][k]);
   }
@@ -271,7 +263,7 @@ static void test_nn_sequential(void) {
     kiln_module_free(seq);
   }
   for (int k = 0; k < 4; k++) {
-    CHECK(bit_equal(g[0][k], g[1][k]));
+    CHECK(bits_equal(g[0][k], g[1][k]));
     kiln_tensor_free(g[0][k]);
     kiln_tensor_free(g[1][k]);
   }

@@ -319,13 +319,8 @@ static void test_plot(void) {
 }
 
 int main(void) {
-  char bin[1024], kiln[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(kiln, sizeof kiln, "%s/kiln", bin);
-  if (!cr_file_exists(kiln)) {
-    fprintf(stderr, "skip: %s not built\n", kiln);
-    return 77;
-  }
+  int need = cr_require("kiln", false);
+  if (need) return need;
   test_usage();
   test_doctor_text();
   test_doctor_json();
@@ -333,8 +328,5 @@ int main(void) {
   test_info_unsafe_names();
   test_info_fifo();
   test_plot();
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_cli: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_cli");
 }

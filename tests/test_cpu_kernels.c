@@ -173,6 +173,43 @@ static kiln__kargs kargs(kiln__kop op, int nin, int nout) {
   return a;
 }
 
+/* The cross-entropy kernels' arguments, ignore_index -100 and label smoothing eps:
+** CROSS_ENTROPY (out: loss, lse[, weight or dlogits]) or CROSS_ENTROPY_MEAN (out: mean,
+** lse, count[, dlogits]) of logits lg and targets tg. */
+static kiln__kargs ce_args(kiln__kop op, kiln__view lg, kiln__view tg, int nout, const kiln__view *out, double eps) {
+  kiln__kargs a = kargs(op, 2, nout);
+  a.in[0] = lg;
+  a.in[1] = tg;
+  for (int k = 0; k < nout; k++) a.out[k] = out[k];
+  a.i[0] = -100;
+  a.s[0] = eps;
+  return a;
+}
+
+/* ... and CROSS_ENTROPY_BACKWARD's: dlogits dl from lg, tg, the forward's lse and the
+** rows' grad g, divided by count (in4) when count is not NULL. */
+static kiln__kargs ce_backward_args(kiln__view lg, kiln__view tg, kiln__view lse, kiln__view g,
+                                    const kiln__view *count, kiln__view dl, double eps) {
+  kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, count ? 5 : 4, 1);
+  b.in[0] = lg;
+  b.in[1] = tg;
+  b.in[2] = lse;
+  b.in[3] = g;
+  if (count) b.in[4] = *count;
+  b.out[0] = dl;
+  b.i[0] = -100;
+  b.s[0] = eps;
+  return b;
+}
+
+/* A one-element view read as n rows (dim 0 broadcast: stride 0), as the loss's scalar
+** grad and the mean's count reach CROSS_ENTROPY_BACKWARD. */
+static kiln__view bcast_rows(kiln__view v, int64_t n) {
+  v.shape[0] = n;
+  v.strides[0] = 0;
+  return v;
+}
+
 /* ---- layouts for the elementwise tests ---- */
 enum { L_CONTIG, L_TRANS, L_BCAST, L_EMPTY, L_ONE, L_COUNT };
 static const char *LNAME[] = {"contiguous", "transposed", "broadcast", "empty", "size-1"};
@@ -988,22 +1025,9 @@ static void test_cross_entropy(void) {
         tt g = tt_new(dt, 1, &N, NULL);
         fill_rand(&g.v, 0.5, 1.5);
         tt dl = make_in(dt, L_CONTIG, N, C);
-        kiln__kargs a = kargs(KILN__K_CROSS_ENTROPY, 2, 2);
-        a.in[0] = lg.v;
-        a.in[1] = tg.v;
-        a.out[0] = loss.v;
-        a.out[1] = lse.v;
-        a.i[0] = -100;
-        a.s[0] = eps;
+        kiln__kargs a = ce_args(KILN__K_CROSS_ENTROPY, lg.v, tg.v, 2, (kiln__view[]){loss.v, lse.v}, eps);
         CHECK(run(&a) == KILN_OK, "cross_entropy: %s", kiln_last_error_message());
-        kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, 4, 1);
-        b.in[0] = lg.v;
-        b.in[1] = tg.v;
-        b.in[2] = lse.v;
-        b.in[3] = g.v;
-        b.out[0] = dl.v;
-        b.i[0] = -100;
-        b.s[0] = eps;
+        kiln__kargs b = ce_backward_args(lg.v, tg.v, lse.v, g.v, NULL, dl.v, eps);
         CHECK(run(&b) == KILN_OK, "cross_entropy_backward: %s", kiln_last_error_message());
         int bad = 0;
         double tol = tol_of(dt) * 8 + (dt == KILN_F32 ? 1e-5 : 0);
@@ -1057,14 +1081,7 @@ static void test_cross_entropy_mean(void) {
       set(&tg.v, (int64_t[]){2}, -100);
       set(&tg.v, (int64_t[]){9}, -100);
       tt mean = tt_new(lt, 1, &one, NULL), cnt = tt_new(lt, 1, &one, NULL), lse = tt_new(lt, 1, &N, NULL);
-      kiln__kargs a = kargs(KILN__K_CROSS_ENTROPY_MEAN, 2, 3);
-      a.in[0] = lg.v;
-      a.in[1] = tg.v;
-      a.out[0] = mean.v;
-      a.out[1] = lse.v;
-      a.out[2] = cnt.v;
-      a.i[0] = -100;
-      a.s[0] = eps;
+      kiln__kargs a = ce_args(KILN__K_CROSS_ENTROPY_MEAN, lg.v, tg.v, 3, (kiln__view[]){mean.v, lse.v, cnt.v}, eps);
       CHECK(run(&a) == KILN_OK, "cross_entropy_mean: %s", kiln_last_error_message());
       double total = 0, kept = 0, lses[13];
       for (int64_t r = 0; r < N; r++) {
@@ -1082,19 +1099,9 @@ static void test_cross_entropy_mean(void) {
       /* backward with the count as divisor: a scalar grad and the count, both broadcast */
       tt g = tt_new(lt, 1, &one, NULL);
       set(&g.v, (int64_t[]){0}, 1.5);
-      kiln__view gb = g.v, cb = cnt.v;
-      gb.shape[0] = cb.shape[0] = N;
-      gb.strides[0] = cb.strides[0] = 0;
+      kiln__view cb = bcast_rows(cnt.v, N);
       tt dl = make_in(dt, L_CONTIG, N, C);
-      kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, 5, 1);
-      b.in[0] = lg.v;
-      b.in[1] = tg.v;
-      b.in[2] = lse.v;
-      b.in[3] = gb;
-      b.in[4] = cb;
-      b.out[0] = dl.v;
-      b.i[0] = -100;
-      b.s[0] = eps;
+      kiln__kargs b = ce_backward_args(lg.v, tg.v, lse.v, bcast_rows(g.v, N), &cb, dl.v, eps);
       CHECK(run(&b) == KILN_OK, "cross_entropy_backward / count: %s", kiln_last_error_message());
       int bad = 0;
       for (int64_t r = 0; r < N; r++) {
@@ -1150,14 +1157,7 @@ static void test_cross_entropy_fused(void) {
           tt loss1 = tt_new(lt, 1, &nl, NULL), lse1 = tt_new(lt, 1, &N, NULL), w1 = tt_new(lt, 1, nw, NULL);
           tt dl = make_in(dt, li ? L_CONTIG : L_TRANS, N, C), db = make_in(dt, L_CONTIG, N, C);
           kiln__kop op = mean ? KILN__K_CROSS_ENTROPY_MEAN : KILN__K_CROSS_ENTROPY;
-          kiln__kargs a = kargs(op, 2, 3);
-          a.in[0] = lg.v;
-          a.in[1] = tg.v;
-          a.out[0] = loss0.v;
-          a.out[1] = lse0.v;
-          a.out[2] = w0.v;
-          a.i[0] = -100;
-          a.s[0] = eps;
+          kiln__kargs a = ce_args(op, lg.v, tg.v, 3, (kiln__view[]){loss0.v, lse0.v, w0.v}, eps);
           CHECK(run(&a) == KILN_OK, "ce fused: plain %s: %s", kiln__kop_name(op), kiln_last_error_message());
           kiln__kargs f = a;
           f.n_out = 4;
@@ -1175,18 +1175,8 @@ static void test_cross_entropy_fused(void) {
           /* the backward kernel with grad 1 (and the mean's count as divisor) */
           tt g = tt_new(lt, 1, &one, NULL);
           set(&g.v, (int64_t[]){0}, 1);
-          kiln__view gb = g.v, cb = w1.v;
-          gb.shape[0] = cb.shape[0] = N;
-          gb.strides[0] = cb.strides[0] = 0;
-          kiln__kargs b = kargs(KILN__K_CROSS_ENTROPY_BACKWARD, mean ? 5 : 4, 1);
-          b.in[0] = lg.v;
-          b.in[1] = tg.v;
-          b.in[2] = lse1.v;
-          b.in[3] = gb;
-          b.in[4] = cb;
-          b.out[0] = db.v;
-          b.i[0] = -100;
-          b.s[0] = eps;
+          kiln__view cb = bcast_rows(w1.v, N); /* the mean's count */
+          kiln__kargs b = ce_backward_args(lg.v, tg.v, lse1.v, bcast_rows(g.v, N), mean ? &cb : NULL, db.v, eps);
           CHECK(run(&b) == KILN_OK, "ce fused: backward: %s", kiln_last_error_message());
           double kept = 0;
           for (int64_t r = 0; r < N; r++) kept += get(&tg.v, &r) != -100;
@@ -1233,13 +1223,7 @@ static void test_cross_entropy_fused(void) {
   tt loss = tt_new(KILN_F32, 1, &N, NULL), lse = tt_new(KILN_F32, 1, &N, NULL), dl = make_in(KILN_F32, L_CONTIG, N, C);
   fill_rand(&lg.v, -2, 2);
   fill_rand(&tg.v, 0, (double)C);
-  kiln__kargs a = kargs(KILN__K_CROSS_ENTROPY, 2, 3);
-  a.in[0] = lg.v;
-  a.in[1] = tg.v;
-  a.out[0] = loss.v;
-  a.out[1] = lse.v;
-  a.out[2] = dl.v;
-  a.i[0] = -100;
+  kiln__kargs a = ce_args(KILN__K_CROSS_ENTROPY, lg.v, tg.v, 3, (kiln__view[]){loss.v, lse.v, dl.v}, 0);
   a.i[1] = 1;
   CHECK(run(&a) == KILN_OK, "ce fused without weight: %s", kiln_last_error_message());
   double worst = 0;
@@ -1718,12 +1702,7 @@ static void test_scalars_and_threads(void) {
   tt loss = tt_new(KILN_F32, 1, &N, NULL), lse = tt_new(KILN_F32, 1, &N, NULL);
   fill_rand(&lg.v, -3, 3);
   fill_rand(&tg.v, 0, (double)K);
-  a = kargs(KILN__K_CROSS_ENTROPY, 2, 2);
-  a.in[0] = lg.v;
-  a.in[1] = tg.v;
-  a.out[0] = loss.v;
-  a.out[1] = lse.v;
-  a.i[0] = -100;
+  a = ce_args(KILN__K_CROSS_ENTROPY, lg.v, tg.v, 2, (kiln__view[]){loss.v, lse.v}, 0);
   CHECK(run(&a) == KILN_OK, "cross_entropy large");
   bad = 0;
   for (int64_t r = 0; r < N; r++) {

@@ -29,14 +29,7 @@ int main(void) {
   }
   kiln_device dev = kiln_device_cuda(0);
   kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
-  kv_check_attention(dev);
-  kv_check_attention_errors(dev);
-  kv_check_append(dev);
-  kv_check_index_copy(dev);
-  kv_check_index_copy_errors(dev);
-  kv_check_sample(dev);
-  kv_check_add_ln(dev);
-  kv_check_linear(dev);
+  kv_check_all(dev);
 
   kiln_scope_begin();
   /* out-of-range positions: the flag, then the error at the synchronize */

@@ -147,10 +147,5 @@ int main(void) {
   test_errors();
   test_fuzz();
   remove(g_path);
-  if (failures) {
-    fprintf(stderr, "test_data_csv: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_csv: ok\n");
-  return 0;
+  return check_finish("test_data_csv");
 }

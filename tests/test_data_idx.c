@@ -243,10 +243,5 @@ int main(void) {
   test_fashion_mnist();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);
-  if (failures) {
-    fprintf(stderr, "test_data_idx: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_idx: ok\n");
-  return 0;
+  return check_finish("test_data_idx");
 }

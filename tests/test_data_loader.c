@@ -424,10 +424,5 @@ int main(void) {
   test_prefetch_bound();
   test_bad_args();
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_data_loader: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_loader: ok\n");
-  return 0;
+  return check_finish("test_data_loader");
 }

@@ -18,6 +18,7 @@
 
 #include "core/kiln_int.h"
 #include "data/data_int.h"
+#include "batch_record.h"
 #include "check.h"
 
 #define N 103
@@ -93,33 +94,9 @@ static kiln_status my_collate(void *user, int n, int nf, kiln_tensor *const *sam
   return KILN_OK;
 }
 
-/* ---- an epoch as bytes: for each batch, each field's shape and contents ---- */
-typedef struct record {
-  unsigned char *p;
-  size_t n, cap;
-  int batches;
-} record;
-
-static void put(record *r, const void *p, size_t n) {
-  if (r->n + n > r->cap) {
-    r->cap = (r->n + n) * 2;
-    r->p = realloc(r->p, r->cap);
-  }
-  memcpy(r->p + r->n, p, n);
-  r->n += n;
-}
-
+/* ---- an epoch as bytes: for each batch, each field's shape and contents (batch_record.h) ---- */
 static void put_batch(record *r, kiln_tensor *const *b, int nf) {
-  for (int f = 0; f < nf; f++) {
-    int nd = kiln_ndim(b[f]);
-    put(r, &nd, sizeof nd);
-    put(r, kiln_shape(b[f]), sizeof(int64_t) * (size_t)nd);
-    size_t nb = kiln_nbytes(b[f]);
-    unsigned char *tmp = malloc(nb + 1);
-    CHECK(kiln_to_host(b[f], tmp, nb) == KILN_OK);
-    put(r, tmp, nb);
-    free(tmp);
-  }
+  for (int f = 0; f < nf; f++) put_tensor(r, b[f]);
   r->batches++;
 }
 
@@ -176,8 +153,8 @@ static void test_same_batches(void) {
             int sa = run_epoch(ref, e, &a), sb = run_epoch(l, e, &b);
             CHECK(sa == 0);                      /* the reference copies as it always has */
             CHECK(sb == (drop ? 10 : 11));        /* every batch staged */
-            CHECK(a.batches == b.batches && a.n == b.n && memcmp(a.p, b.p, a.n) == 0);
-            if (a.n != b.n || memcmp(a.p, b.p, a.n) != 0)
+            CHECK(a.batches == b.batches && record_same(&a, &b));
+            if (!record_same(&a, &b))
               fprintf(stderr, "  differs: %s dataset, shuffle %d, drop_last %d, workers %d, epoch %d\n",
                       names[d], shuffle, drop, w, (int)e);
             free(a.p);
@@ -427,7 +404,7 @@ static void test_growing_batches(void) {
     for (uint64_t e = 0; e < 2; e++) {
       record a = {0}, b = {0};
       CHECK(run_epoch(ref, e, &a) == 0 && run_epoch(l, e, &b) == 11);
-      CHECK(a.n == b.n && memcmp(a.p, b.p, a.n) == 0);
+      CHECK(record_same(&a, &b));
       free(a.p);
       free(b.p);
     }
@@ -446,10 +423,5 @@ int main(void) {
   test_unstaged_collate();
   test_growing_batches();
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_data_loader_async: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_loader_async: ok\n");
-  return 0;
+  return check_finish("test_data_loader_async");
 }

@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/kiln_int.h"
+#include "batch_record.h"
 #include "check.h"
 
 #define N 50
@@ -65,21 +66,7 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ---- an epoch as bytes: for each batch, each field's shape and contents ---- */
-typedef struct record {
-  unsigned char *p;
-  size_t n, cap;
-  int batches, staged;
-} record;
-
-static void put(record *r, const void *p, size_t n) {
-  if (r->n + n > r->cap) {
-    r->cap = (r->n + n) * 2;
-    r->p = realloc(r->p, r->cap);
-  }
-  memcpy(r->p + r->n, p, n);
-  r->n += n;
-}
+/* ---- an epoch as bytes: for each batch, each field's shape and contents (batch_record.h) ---- */
 
 /* Records the batch through a kernel queued at once (a copy on the device): it must see
 ** the whole batch, so the compute stream must have waited for the side stream's copy. */
@@ -87,15 +74,7 @@ static void put_batch(record *r, kiln_tensor *const *b, int nf) {
   bool staged = true;
   for (int f = 0; f < nf; f++) {
     staged &= b[f]->storage == b[0]->storage && b[0]->storage->packed;
-    kiln_tensor *c = kiln_clone(b[f]);
-    int nd = kiln_ndim(c);
-    put(r, &nd, sizeof nd);
-    put(r, kiln_shape(c), sizeof(int64_t) * (size_t)nd);
-    size_t nb = kiln_nbytes(c);
-    unsigned char *tmp = malloc(nb + 1);
-    CHECK(kiln_to_host(c, tmp, nb) == KILN_OK);
-    put(r, tmp, nb);
-    free(tmp);
+    put_tensor(r, kiln_clone(b[f]));
   }
   r->batches++;
   r->staged += staged && kiln_device_of(b[0]).type == KILN_DEVICE_CUDA;
@@ -183,8 +162,8 @@ static void test_staged_same_batches(kiln_device gpu) {
           run_epoch(ref, e, &a);
           run_epoch(l, e, &b);
           CHECK(a.batches == (o.drop_last ? 10 : 11) && b.staged == a.batches);
-          CHECK(a.n == b.n && memcmp(a.p, b.p, a.n) == 0);
-          if (a.n != b.n || memcmp(a.p, b.p, a.n) != 0)
+          CHECK(record_same(&a, &b));
+          if (!record_same(&a, &b))
             fprintf(stderr, "  differs: dataset %d, shuffle %d, drop_last %d, workers %d, epoch %d\n", d,
                     (int)o.shuffle, (int)o.drop_last, w, (int)e);
           free(a.p);
@@ -369,10 +348,5 @@ int main(void) {
   test_staged_capture(gpu);
   time_next(gpu);
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_data_loader_cuda: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_data_loader_cuda: ok\n");
-  return 0;
+  return check_finish("test_data_loader_cuda");
 }

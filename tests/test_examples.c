@@ -108,18 +108,10 @@ static void test_logdir(void) {
 }
 
 int main(void) {
-  char bin[1024], exe[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(exe, sizeof exe, "%s/seed-mlp", bin);
-  if (!cr_file_exists(exe)) {
-    fprintf(stderr, "skip: %s not built\n", exe);
-    return 77;
-  }
+  int need = cr_require("seed-mlp", false);
+  if (need) return need;
   test_bad_flags();
   test_train();
   test_logdir();
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples");
 }

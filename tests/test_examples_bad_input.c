@@ -49,13 +49,8 @@ static void expect_refused(const char *env, const char *prog, const char *args, 
 }
 
 int main(void) {
-  char bin[1024], exe[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(exe, sizeof exe, "%s/fashion-mnist", bin);
-  if (!cr_file_exists(exe)) {
-    fprintf(stderr, "skip: %s not built\n", exe);
-    return 77;
-  }
+  int need = cr_require("fashion-mnist", false);
+  if (need) return need;
   make_set("empty-train", 0, 10, 28, 28);
   make_set("empty-test", 20, 0, 28, 28);
   make_set("small-images", 20, 10, 27, 27);
@@ -102,8 +97,5 @@ int main(void) {
   char ck[512];
   snprintf(ck, sizeof ck, "%s/c.ckpt", cr_tmpdir());
   CR_CHECK(cr_file_exists(ck), "no checkpoint after a good run");
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples_bad_input: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_bad_input");
 }

@@ -70,24 +70,12 @@ static int fm_cuda(void) {
   CR_CHECK(r.status == 0 && cr_json_num(r.out, "start_epoch") == 1 && cr_json_num(r.out, "test_acc") > 0.7,
            "cnn --graph --resume: %d %s %s", r.status, r.out, r.err);
   cr_free(&r);
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples_fmnist_cuda: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_fmnist_cuda");
 }
 
 int main(int argc, char **argv) {
-  char bin[1024], exe[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(exe, sizeof exe, "%s/fashion-mnist", bin);
-  if (!cr_file_exists(exe)) {
-    fprintf(stderr, "skip: %s not built\n", exe);
-    return 77;
-  }
-  if (!cr_have_fashion_mnist()) {
-    fprintf(stderr, "skip: Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)\n");
-    return 77;
-  }
+  int need = cr_require("fashion-mnist", true);
+  if (need) return need;
   if (argc > 1 && !strcmp(argv[1], "--cuda")) return fm_cuda();
 
   cr_result r = cr_run(NULL, "fashion-mnist", "--epochs 1 --checkpoint one.ckpt " ARGS);
@@ -171,8 +159,5 @@ int main(int argc, char **argv) {
   CR_CHECK(r.status == 1 && strstr(r.err, "Fashion-MNIST"), "missing data dir: %d %s", r.status, r.err);
   cr_free(&r);
 
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples_fmnist: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_fmnist");
 }

@@ -43,13 +43,8 @@ static bool dir_has_file(const char *name) {
 }
 
 int main(void) {
-  char bin[1024], exe[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(exe, sizeof exe, "%s/gpt", bin);
-  if (!cr_file_exists(exe)) {
-    fprintf(stderr, "skip: %s not built\n", exe);
-    return 77;
-  }
+  int need = cr_require("gpt", false);
+  if (need) return need;
   write_text("news.txt", 400); /* about 24 KB */
   write_text("short.txt", 2);
 
@@ -179,8 +174,5 @@ int main(void) {
     cr_free(&r);
   }
 
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples_gpt: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_gpt");
 }

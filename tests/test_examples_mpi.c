@@ -43,7 +43,5 @@ int main(void) {
   cr_result bad = cr_run(MPIRUN, "seed-mlp", "--device cpu --epochs 1 --batch 127 --quiet");
   CR_CHECK(bad.status != 0 && bad.err && strstr(bad.err, "divisible"), "batch 127 on 2 ranks: %d %s", bad.status, bad.err);
   cr_free(&bad);
-  cr_cleanup();
-  printf("%s\n", cr_failures ? "FAILED" : "all passed");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_mpi");
 }

@@ -16,17 +16,8 @@
 #define ARGS "--device cpu --limit 16 --test-limit 10 --batch 8 --json --quiet"
 
 int main(void) {
-  char bin[1024], exe[1100];
-  cr_bin_dir(bin, sizeof bin);
-  snprintf(exe, sizeof exe, "%s/resnet", bin);
-  if (!cr_file_exists(exe)) {
-    fprintf(stderr, "skip: %s not built\n", exe);
-    return 77;
-  }
-  if (!cr_have_fashion_mnist()) {
-    fprintf(stderr, "skip: Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)\n");
-    return 77;
-  }
+  int need = cr_require("resnet", true);
+  if (need) return need;
 
   cr_result r = cr_run(NULL, "resnet", "--epochs 2 --until 1 --workers 2 --checkpoint b.ckpt " ARGS);
   CR_CHECK(r.status == 0, "1 epoch exited %d: %s", r.status, r.err);
@@ -102,8 +93,5 @@ int main(void) {
            "a foreign checkpoint: %d %s", r.status, r.err);
   cr_free(&r);
 
-  cr_cleanup();
-  if (cr_failures) fprintf(stderr, "%d check(s) failed\n", cr_failures);
-  else printf("test_examples_resnet: all passed\n");
-  return cr_failures ? 1 : 0;
+  return cr_finish("test_examples_resnet");
 }

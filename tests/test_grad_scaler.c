@@ -220,17 +220,40 @@ static kiln_optim_config path_config(int path) {
 }
 static const char *const path_name[5] = {"adam", "adamw-amsgrad", "adam-maximize", "sgd-dampening", "sgd-nesterov"};
 
+/* One update path twice, for a run through a scaler against a reference run: the same
+** parameters (make_params) in ps and qs, opt over ps with a fresh scaler sc, ref over qs. */
+typedef struct twin {
+  kiln_tensor *ps[2], *qs[2];
+  kiln_optimizer *opt, *ref;
+  kiln_grad_scaler *sc;
+} twin;
+
+static void twin_new(twin *t, int path) {
+  kiln_optim_config oc = path_config(path);
+  make_params(t->ps, CPU);
+  make_params(t->qs, CPU);
+  t->opt = kiln_optimizer_new(&oc, t->ps, 2);
+  t->ref = kiln_optimizer_new(&oc, t->qs, 2);
+  t->sc = kiln_grad_scaler_new(NULL);
+}
+
+static void twin_free(twin *t) {
+  kiln_grad_scaler_free(t->sc);
+  kiln_optimizer_free(t->opt);
+  kiln_optimizer_free(t->ref);
+  for (int i = 0; i < 2; i++) kiln_tensor_free(t->ps[i]), kiln_tensor_free(t->qs[i]);
+}
+
 /* For every update path: (a) an inf step after two clean ones leaves everything the
 ** optimizer holds bit-identical; (b) a run whose first step is skipped ends bit-identical
 ** to one that never had that step; (c) the step count does not count skipped steps. */
 static void test_skip_is_bit_identical(void) {
   for (int path = 0; path < 5; path++) {
-    kiln_optim_config oc = path_config(path);
-    kiln_tensor *ps[2], *qs[2];
-    make_params(ps, CPU);
-    make_params(qs, CPU);
-    kiln_optimizer *opt = kiln_optimizer_new(&oc, ps, 2), *ref = kiln_optimizer_new(&oc, qs, 2);
-    kiln_grad_scaler *sc = kiln_grad_scaler_new(NULL);
+    twin t;
+    twin_new(&t, path);
+    kiln_tensor **ps = t.ps, **qs = t.qs;
+    kiln_optimizer *opt = t.opt, *ref = t.ref;
+    kiln_grad_scaler *sc = t.sc;
     /* (b) a skipped first step, then clean steps; ref never sees the bad step */
     iteration(sc, opt, ps, 0, true);
     CHECK(kiln_grad_scaler_found_inf(sc));
@@ -269,10 +292,7 @@ static void test_skip_is_bit_identical(void) {
       free(x.b), free(y.b);
     }
     free(a.b), free(r.b), free(before.b), free(after.b);
-    kiln_grad_scaler_free(sc);
-    kiln_optimizer_free(opt);
-    kiln_optimizer_free(ref);
-    for (int i = 0; i < 2; i++) kiln_tensor_free(ps[i]), kiln_tensor_free(qs[i]);
+    twin_free(&t);
   }
   kiln_clear_error();
 }
@@ -283,31 +303,24 @@ static void test_skip_is_bit_identical(void) {
 ** buffer exists (dampening 0.25 would scale the first buffer by 0.75). */
 static void test_plain_after_skipped_first(void) {
   for (int path = 0; path < 5; path++) {
-    kiln_optim_config oc = path_config(path);
-    kiln_tensor *ps[2], *qs[2];
-    make_params(ps, CPU);
-    make_params(qs, CPU);
-    kiln_optimizer *opt = kiln_optimizer_new(&oc, ps, 2), *ref = kiln_optimizer_new(&oc, qs, 2);
-    kiln_grad_scaler *sc = kiln_grad_scaler_new(NULL);
-    iteration(sc, opt, ps, 0, true);
+    twin t;
+    twin_new(&t, path);
+    iteration(t.sc, t.opt, t.ps, 0, true);
     for (int it = 1; it <= 3; it++) {
-      iteration(NULL, opt, ps, it, false);
-      iteration(NULL, ref, qs, it, false);
+      iteration(NULL, t.opt, t.ps, it, false);
+      iteration(NULL, t.ref, t.qs, it, false);
     }
-    CHECK(kiln_optimizer_steps(opt) == 3);
+    CHECK(kiln_optimizer_steps(t.opt) == 3);
     kiln_scope_begin();
     for (int i = 0; i < 2; i++) {
       /* composed Adam: f64 pow on the device against the host's, equal to f32 rounding */
-      double d = kiln_item(kiln_amax(kiln_abs(kiln_sub(ps[i], qs[i])), 0, NULL, false));
+      double d = kiln_item(kiln_amax(kiln_abs(kiln_sub(t.ps[i], t.qs[i])), 0, NULL, false));
       if (!(path == 2 ? d < 1e-6 : d == 0))
         fprintf(stderr, "path %s: plain steps after a skipped first step: param %d off by %g\n", path_name[path], i, d);
       CHECK(path == 2 ? d < 1e-6 : d == 0);
     }
     kiln_scope_end();
-    kiln_grad_scaler_free(sc);
-    kiln_optimizer_free(opt);
-    kiln_optimizer_free(ref);
-    for (int i = 0; i < 2; i++) kiln_tensor_free(ps[i]), kiln_tensor_free(qs[i]);
+    twin_free(&t);
   }
   kiln_clear_error();
 }

@@ -12,17 +12,7 @@
 #include <unistd.h>
 
 #include "check.h"
-
-static const char *fixture(const char *name) {
-  static char out[1024];
-  const char *src = getenv("KILN_SOURCE_DIR");
-  if (src) snprintf(out, sizeof out, "%s/tests/fixtures/%s", src, name);
-  else {
-    const char *f = __FILE__, *slash = strrchr(f, '/');
-    snprintf(out, sizeof out, "%.*s/fixtures/%s", slash ? (int)(slash - f) : 1, slash ? f : ".", name);
-  }
-  return out;
-}
+#include "fixture.h"
 
 static int same_bytes(kiln_tensor *a, kiln_tensor *b) {
   if (!a || !b || kiln_nbytes(a) != kiln_nbytes(b) || kiln_dtype_of(a) != kiln_dtype_of(b)) return 0;
@@ -32,18 +22,6 @@ static int same_bytes(kiln_tensor *a, kiln_tensor *b) {
   free(x);
   free(y);
   return ok;
-}
-
-static unsigned char *read_all(const char *path, size_t *n) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long sz = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc((size_t)sz + 1);
-  *n = fread(b, 1, (size_t)sz, f);
-  fclose(f);
-  return b;
 }
 
 int main(void) {
@@ -86,10 +64,5 @@ int main(void) {
   remove(pg);
   kiln_scope_end();
   CHECK(kiln_live_tensors() == live0);
-  if (failures) {
-    fprintf(stderr, "test_io_cuda: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_cuda: ok\n");
-  return 0;
+  return check_finish("test_io_cuda");
 }

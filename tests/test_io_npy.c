@@ -14,37 +14,9 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "fixture.h"
 
 static char g_tmp[256];
-
-static const char *fixture(const char *name) {
-  static char out[1024];
-  const char *src = getenv("KILN_SOURCE_DIR");
-  if (src) snprintf(out, sizeof out, "%s/tests/fixtures/%s", src, name);
-  else {
-    const char *f = __FILE__, *slash = strrchr(f, '/');
-    snprintf(out, sizeof out, "%.*s/fixtures/%s", slash ? (int)(slash - f) : 1, slash ? f : ".", name);
-  }
-  return out;
-}
-
-static unsigned char *read_all(const char *path, size_t *n) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long sz = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc((size_t)sz + 1);
-  *n = fread(b, 1, (size_t)sz, f);
-  fclose(f);
-  return b;
-}
-
-static void write_all(const char *path, const void *b, size_t n) {
-  FILE *f = fopen(path, "wb");
-  if (n) fwrite(b, 1, n, f);
-  fclose(f);
-}
 
 static int same(kiln_tensor *t, kiln_dtype dt, int nd, const int64_t *shape, const void *bytes) {
   if (!t) return 0;
@@ -257,10 +229,5 @@ int main(void) {
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);
-  if (failures) {
-    fprintf(stderr, "test_io_npy: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_npy: ok\n");
-  return 0;
+  return check_finish("test_io_npy");
 }

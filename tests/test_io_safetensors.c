@@ -15,35 +15,9 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "fixture.h"
 
 static char g_fixture[1024], g_tmp[256];
-
-static void find_fixture(const char *name, char *out, size_t n) {
-  const char *src = getenv("KILN_SOURCE_DIR");
-  if (src) snprintf(out, n, "%s/tests/fixtures/%s", src, name);
-  else {
-    const char *f = __FILE__, *slash = strrchr(f, '/');
-    snprintf(out, n, "%.*s/fixtures/%s", slash ? (int)(slash - f) : 1, slash ? f : ".", name);
-  }
-}
-
-static unsigned char *read_all(const char *path, size_t *n) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long sz = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc((size_t)sz + 1);
-  *n = fread(b, 1, (size_t)sz, f);
-  fclose(f);
-  return b;
-}
-
-static void write_all(const char *path, const void *b, size_t n) {
-  FILE *f = fopen(path, "wb");
-  if (n) fwrite(b, 1, n, f);
-  fclose(f);
-}
 
 /* The expected fixture content (scripts/make_fixtures.py). */
 static int check_tensor(const kiln_dict *d, const char *name, kiln_dtype dt, int nd,
@@ -420,7 +394,7 @@ static void test_fuzz(void) {
 }
 
 int main(void) {
-  find_fixture("all_dtypes.safetensors", g_fixture, sizeof g_fixture);
+  snprintf(g_fixture, sizeof g_fixture, "%s", fixture("all_dtypes.safetensors"));
   if (scratch_begin(g_tmp, sizeof g_tmp, "st") != 0) return 1;
   int64_t live0 = kiln_live_tensors();
   test_reference_file();
@@ -431,10 +405,5 @@ int main(void) {
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);
-  if (failures) {
-    fprintf(stderr, "test_io_safetensors: %d failures\n", failures);
-    return 1;
-  }
-  printf("test_io_safetensors: ok\n");
-  return 0;
+  return check_finish("test_io_safetensors");
 }

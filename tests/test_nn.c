@@ -11,29 +11,9 @@
 #include <string.h>
 
 #include "check.h"
+#include "tensor_cmp.h"
 
 static kiln_device cpu;
-
-static double *host_f64(kiln_tensor *t) {
-  kiln_scope_begin();
-  kiln_tensor *d = kiln_to_dtype(t, KILN_F64);
-  double *v = malloc(kiln_nbytes(d) ? kiln_nbytes(d) : 8);
-  kiln_to_host(d, v, kiln_nbytes(d));
-  kiln_scope_end();
-  return v;
-}
-
-static bool tensors_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (kiln_numel(a) != kiln_numel(b) || kiln_dtype_of(a) != kiln_dtype_of(b)) return false;
-  size_t n = kiln_nbytes(a);
-  char *x = malloc(n + 1), *y = malloc(n + 1);
-  kiln_to_host(a, x, n);
-  kiln_to_host(b, y, n);
-  bool eq = memcmp(x, y, n) == 0;
-  free(x);
-  free(y);
-  return eq;
-}
 
 /* PyTorch's rule for nn.Linear: kaiming_uniform(a=sqrt(5)) gives W ~ U(-1/sqrt(in),
 ** 1/sqrt(in)); the bias has the same bound. Checks the bound, the mean and the variance
@@ -74,18 +54,18 @@ static void test_linear_init(void) {
   /* Same seed, same draws; the weight is drawn before the bias. */
   kiln_generator_seed(g, 123);
   kiln_module *lin2 = kiln_linear_new(in, out, true, KILN_F32, cpu, g);
-  CHECK(tensors_equal(w, kiln_module_param(lin2, "weight")));
-  CHECK(tensors_equal(b, kiln_module_param(lin2, "bias")));
+  CHECK(bits_equal(w, kiln_module_param(lin2, "weight")));
+  CHECK(bits_equal(b, kiln_module_param(lin2, "bias")));
   kiln_generator_seed(g, 123);
   kiln_tensor *ref = kiln_empty(KILN_SHAPE(out, in), KILN_F32, cpu);
   kiln_uniform_(ref, -bound, bound, g);
-  CHECK(tensors_equal(w, ref));
+  CHECK(bits_equal(w, ref));
   /* The global generator when gen is NULL. */
   kiln_manual_seed(7);
   kiln_module *l3 = kiln_linear_new(4, 3, true, KILN_F32, cpu, NULL);
   kiln_manual_seed(7);
   kiln_module *l4 = kiln_linear_new(4, 3, true, KILN_F32, cpu, NULL);
-  CHECK(tensors_equal(kiln_module_param(l3, "weight"), kiln_module_param(l4, "weight")));
+  CHECK(bits_equal(kiln_module_param(l3, "weight"), kiln_module_param(l4, "weight")));
   /* No bias. */
   kiln_module *nb = kiln_linear_new(4, 3, false, KILN_F32, cpu, NULL);
   CHECK(kiln_module_param(nb, "bias") == NULL && kiln_module_num_params(nb) == 12);
@@ -157,7 +137,7 @@ static void test_sequential_fuses_linear_relu(void) {
   kiln_tensor *w2 = kiln_module_param(seq, "2.weight"), *b2 = kiln_module_param(seq, "2.bias");
   kiln_tensor *h = kiln_linear(x, w0, b0);
   kiln_tensor *y2 = kiln_linear(kiln_relu(h), w2, b2);
-  CHECK(y && y2 && tensors_equal(y, y2));
+  CHECK(y && y2 && bits_equal(y, y2));
   kiln_tensor *grads[4];
   CHECK(kiln_backward(kiln_sum_all(kiln_mul(y, y)), NULL) == KILN_OK);
   kiln_tensor *ps[4] = {w0, b0, w2, b2};
@@ -165,7 +145,7 @@ static void test_sequential_fuses_linear_relu(void) {
   for (int i = 0; i < 4; i++) kiln_set_grad(ps[i], NULL);
   CHECK(kiln_backward(kiln_sum_all(kiln_mul(y2, y2)), NULL) == KILN_OK);
   for (int i = 0; i < 4; i++) {
-    CHECK(grads[i] && kiln_grad(ps[i]) && tensors_equal(grads[i], kiln_grad(ps[i])));
+    CHECK(grads[i] && kiln_grad(ps[i]) && bits_equal(grads[i], kiln_grad(ps[i])));
     kiln_tensor_free(grads[i]);
   }
   kiln_generator_free(g);
@@ -199,15 +179,15 @@ static void test_sequential_fuses_relu_max_pool(void) {
     kiln_tensor *w = kiln_module_param(seq, "0.weight"), *b = kiln_module_param(seq, "0.bias");
     kiln_tensor *y2 = kiln_max_pool2d(kiln_relu(kiln_module_forward(conv, x)), k2, NULL, NULL, NULL, NULL);
     kiln_autograd_saved_bytes(&s2, NULL);
-    CHECK(y && y2 && tensors_equal(y, y2));
+    CHECK(y && y2 && bits_equal(y, y2));
     if (dt == KILN_F32) CHECK(s1 - s0 < s2 - s1); /* bf16 takes the ops apart (kiln_relu_max_pool2d) */
     kiln_tensor *gw = NULL, *gb = NULL;
     CHECK(kiln_backward(kiln_sum_all(kiln_mul(y, y)), NULL) == KILN_OK);
     gw = kiln_tensor_ref(kiln_grad(w)), gb = kiln_tensor_ref(kiln_grad(b));
     kiln_set_grad(w, NULL), kiln_set_grad(b, NULL);
     CHECK(kiln_backward(kiln_sum_all(kiln_mul(y2, y2)), NULL) == KILN_OK);
-    CHECK(gw && kiln_grad(w) && tensors_equal(gw, kiln_grad(w)));
-    CHECK(gb && kiln_grad(b) && tensors_equal(gb, kiln_grad(b)));
+    CHECK(gw && kiln_grad(w) && bits_equal(gw, kiln_grad(w)));
+    CHECK(gb && kiln_grad(b) && bits_equal(gb, kiln_grad(b)));
     kiln_tensor_free(gw), kiln_tensor_free(gb);
     kiln_generator_free(g);
     kiln_module_free(seq);
@@ -240,7 +220,7 @@ static void test_sequential_naming(void) {
   kiln_tensor *x = kiln_ones(KILN_SHAPE(2, 3), KILN_F32, cpu);
   kiln_tensor *y = kiln_module_forward(seq, x);
   kiln_tensor *ref = kiln_linear(kiln_relu(kiln_linear(x, ps[0], ps[1])), ps[2], ps[3]);
-  CHECK(y && tensors_equal(y, ref));
+  CHECK(y && bits_equal(y, ref));
   kiln_scope_end();
   /* An empty Sequential is the identity; sequential_of builds the same tree. */
   kiln_module *e = kiln_sequential_new();
@@ -272,7 +252,7 @@ static void test_train_eval(void) {
   CHECK(!kiln_module_is_training(seq) && !kiln_module_is_training(kiln_module_child(seq, "1.0")));
   kiln_scope_begin();
   kiln_tensor *x = kiln_ones(KILN_SHAPE(1000), KILN_F32, cpu);
-  CHECK(tensors_equal(kiln_module_forward(seq, x), x));
+  CHECK(bits_equal(kiln_module_forward(seq, x), x));
   kiln_module_train(seq, true);
   CHECK(kiln_module_is_training(kiln_module_child(seq, "1.0")));
   kiln_tensor *y = kiln_module_forward(kiln_module_child(seq, "0"), x);
@@ -292,7 +272,7 @@ static void test_train_eval(void) {
 static void test_state_dict_round_trip(void) {
   kiln_module *a = mlp(1), *b = mlp(2);
   kiln_tensor *bw = kiln_module_param(b, "0.weight");
-  CHECK(!tensors_equal(kiln_module_param(a, "0.weight"), bw));
+  CHECK(!bits_equal(kiln_module_param(a, "0.weight"), bw));
   kiln_dict *sd = kiln_module_state_dict(a);
   CHECK(sd && kiln_dict_size(sd) == 4 && !strcmp(kiln_dict_key(sd, 2), "2.weight"));
   CHECK(kiln_dict_get(sd, "0.bias") == kiln_module_param(a, "0.bias")); /* shared, not copied */
@@ -302,14 +282,14 @@ static void test_state_dict_round_trip(void) {
   kiln_tensor *pa[4], *pb[4];
   kiln_module_named_parameters(a, names, pa, 4);
   kiln_module_parameters(b, pb, 4);
-  for (int i = 0; i < 4; i++) CHECK(tensors_equal(pa[i], pb[i]));
+  for (int i = 0; i < 4; i++) CHECK(bits_equal(pa[i], pb[i]));
   /* Through a file. */
   const char *path = "test_nn_sd.safetensors";
   CHECK(kiln_safetensors_save(path, sd) == KILN_OK);
   kiln_module *c = mlp(3);
   kiln_dict *back = kiln_safetensors_load(path, cpu);
   CHECK(back && kiln_module_load_state_dict(c, back, true) == KILN_OK);
-  CHECK(tensors_equal(kiln_module_param(c, "2.weight"), pa[2]));
+  CHECK(bits_equal(kiln_module_param(c, "2.weight"), pa[2]));
   remove(path);
   kiln_dict_free(back);
   kiln_dict_free(sd);
@@ -335,9 +315,9 @@ static void test_state_dict_errors(void) {
   kiln_dict *miss = copy_without(sd, "2.bias");
   CHECK(kiln_module_load_state_dict(b, miss, true) == KILN_ERR_INVALID_ARGUMENT);
   CHECK(strstr(kiln_last_error_message(), "1 missing key: 2.bias") != NULL);
-  CHECK(tensors_equal(kiln_module_param(b, "0.weight"), before)); /* nothing copied */
+  CHECK(bits_equal(kiln_module_param(b, "0.weight"), before)); /* nothing copied */
   CHECK(kiln_module_load_state_dict(b, miss, false) == KILN_OK); /* not strict: fine */
-  CHECK(tensors_equal(kiln_module_param(b, "0.weight"), kiln_module_param(a, "0.weight")));
+  CHECK(bits_equal(kiln_module_param(b, "0.weight"), kiln_module_param(a, "0.weight")));
 
   kiln_dict *unexp = copy_without(sd, NULL);
   kiln_tensor *extra = kiln_keep(kiln_zeros(KILN_SHAPE(3), KILN_F32, cpu));
@@ -354,7 +334,7 @@ static void test_state_dict_errors(void) {
   CHECK(kiln_module_load_state_dict(b, shape, true) == KILN_ERR_SHAPE);
   CHECK(strstr(kiln_last_error_message(), "0.weight: shape [4, 2] in the state dict, [4, 3] in the model"));
   CHECK(kiln_module_load_state_dict(b, shape, false) == KILN_ERR_SHAPE); /* always checked */
-  CHECK(tensors_equal(kiln_module_param(b, "2.weight"), keep_b));
+  CHECK(bits_equal(kiln_module_param(b, "2.weight"), keep_b));
 
   kiln_dict *dt = copy_without(sd, NULL);
   kiln_tensor *f64 = kiln_keep(kiln_zeros(KILN_SHAPE(2), KILN_F64, cpu));
@@ -538,7 +518,7 @@ static void test_activations(void) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     kiln_tensor *y = kiln_module_forward(cases[i].m, x);
-    CHECK(y && kiln_ndim(y) == kiln_ndim(cases[i].want) && tensors_equal(y, cases[i].want));
+    CHECK(y && kiln_ndim(y) == kiln_ndim(cases[i].want) && bits_equal(y, cases[i].want));
     kiln_module_free(cases[i].m);
   }
   kiln_module *f = kiln_flatten_new(1, -1);
@@ -595,10 +575,5 @@ int main(void) {
   test_activations();
   test_summary();
   kiln_module_free(NULL);
-  if (failures) {
-    fprintf(stderr, "test_nn: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_nn: all passed\n");
-  return 0;
+  return check_finish("test_nn");
 }

@@ -114,10 +114,5 @@ int main(void) {
   kiln_module_free(back);
   kiln_module_free(m);
   kiln_module_free(ref);
-  if (failures) {
-    fprintf(stderr, "test_nn_cuda: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_nn_cuda: all passed\n");
-  return 0;
+  return check_finish("test_nn_cuda");
 }

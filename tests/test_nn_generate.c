@@ -16,17 +16,9 @@
 #include <string.h>
 
 #include "check.h"
+#include "tensor_cmp.h"
 
 static kiln_device cpu;
-
-static double *host_f64(kiln_tensor *t) {
-  kiln_scope_begin();
-  kiln_tensor *d = kiln_contiguous(kiln_to_dtype(t, KILN_F64));
-  double *v = malloc(kiln_nbytes(d) ? kiln_nbytes(d) : 8);
-  kiln_to_host(d, v, kiln_nbytes(d));
-  kiln_scope_end();
-  return v;
-}
 
 static int64_t *host_i64(kiln_tensor *t) {
   kiln_scope_begin();
@@ -35,15 +27,6 @@ static int64_t *host_i64(kiln_tensor *t) {
   kiln_to_host(d, v, kiln_nbytes(d));
   kiln_scope_end();
   return v;
-}
-
-static double max_abs_diff(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
-  double *x = host_f64(a), *y = host_f64(b), d = 0;
-  for (int64_t i = 0; i < kiln_numel(a); i++) d = fmax(d, fabs(x[i] - y[i]));
-  free(x);
-  free(y);
-  return d;
 }
 
 static bool ids_equal(kiln_tensor *a, kiln_tensor *b) {

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "tensor_cmp.h"
 #include "scratch.h"
 
 static kiln_device cpu;
@@ -27,27 +28,6 @@ static kiln_gpt_config tiny(void) {
   c.vocab_size = 64;
   c.block_size = 16;
   return c;
-}
-
-static double *host_f64(kiln_tensor *t) {
-  kiln_scope_begin();
-  kiln_tensor *d = kiln_to_dtype(t, KILN_F64);
-  double *v = malloc(kiln_nbytes(d) ? kiln_nbytes(d) : 8);
-  kiln_to_host(d, v, kiln_nbytes(d));
-  kiln_scope_end();
-  return v;
-}
-
-static bool bits_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_numel(a) != kiln_numel(b) || kiln_dtype_of(a) != kiln_dtype_of(b)) return false;
-  size_t n = kiln_nbytes(a);
-  char *x = malloc(n + 1), *y = malloc(n + 1);
-  kiln_to_host(a, x, n);
-  kiln_to_host(b, y, n);
-  bool eq = memcmp(x, y, n) == 0;
-  free(x);
-  free(y);
-  return eq;
 }
 
 /* max |a - b| / (1 + max |b|) */
@@ -517,10 +497,5 @@ int main(void) {
   test_state_dict_round_trip();
   test_checkpointed_blocks();
   test_weight_decay_groups();
-  if (failures) {
-    fprintf(stderr, "test_nn_gpt: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_nn_gpt: all passed\n");
-  return 0;
+  return check_finish("test_nn_gpt");
 }

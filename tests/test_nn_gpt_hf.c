@@ -16,40 +16,11 @@
 #include <string.h>
 
 #include "check.h"
+#include "tensor_cmp.h"
 #include "scratch.h"
 
 static kiln_device cpu;
 static char fix[4096];
-
-static double *host_f64(kiln_tensor *t) {
-  kiln_scope_begin();
-  kiln_tensor *d = kiln_to_dtype(t, KILN_F64);
-  double *v = malloc(kiln_nbytes(d) ? kiln_nbytes(d) : 8);
-  kiln_to_host(d, v, kiln_nbytes(d));
-  kiln_scope_end();
-  return v;
-}
-
-static double max_abs_diff(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
-  double *x = host_f64(a), *y = host_f64(b), d = 0;
-  for (int64_t i = 0; i < kiln_numel(a); i++) d = fmax(d, fabs(x[i] - y[i]));
-  free(x);
-  free(y);
-  return d;
-}
-
-static bool bits_equal(kiln_tensor *a, kiln_tensor *b) {
-  if (!a || !b || kiln_numel(a) != kiln_numel(b) || kiln_dtype_of(a) != kiln_dtype_of(b)) return false;
-  size_t n = kiln_nbytes(a);
-  char *x = malloc(n + 1), *y = malloc(n + 1);
-  kiln_to_host(a, x, n);
-  kiln_to_host(b, y, n);
-  bool eq = memcmp(x, y, n) == 0;
-  free(x);
-  free(y);
-  return eq;
-}
 
 static bool same_shape(kiln_tensor *a, kiln_tensor *b) {
   if (!a || !b || kiln_ndim(a) != kiln_ndim(b)) return false;

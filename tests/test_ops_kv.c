@@ -11,14 +11,7 @@ int main(void) {
     printf("skipped: KILN_TEST_DEVICE=%s: %s\n", e, kiln_last_error_message());
     return 77;
   }
-  kv_check_attention(dev);
-  kv_check_attention_errors(dev);
-  kv_check_append(dev);
-  kv_check_index_copy(dev);
-  kv_check_index_copy_errors(dev);
-  kv_check_sample(dev);
-  kv_check_add_ln(dev);
-  kv_check_linear(dev);
+  kv_check_all(dev);
   if (dev.type == KILN_DEVICE_CPU) {
     kiln_scope_begin();
     kiln_tensor *dst = kiln_zeros(KILN_SHAPE(2, 6), KILN_F32, dev);

@@ -480,10 +480,5 @@ int main(void) {
   test_optimizer_state_dict();
   test_schedulers();
   test_clipping();
-  if (failures) {
-    fprintf(stderr, "test_optim: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_optim: all passed\n");
-  return 0;
+  return check_finish("test_optim");
 }

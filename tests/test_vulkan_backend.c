@@ -8,6 +8,7 @@
 */
 #define _POSIX_C_SOURCE 200809L
 #include "check.h"
+#include "tensor_cmp.h"
 
 #include <kiln_nn.h>
 #include <kiln_optim.h>
@@ -110,25 +111,6 @@ static void test_bad_index(void) {
 static kiln_tensor *rg(kiln_tensor *t) {
   if (t) kiln_requires_grad_(t, true);
   return t;
-}
-
-/* The largest |a - b| / (atol + rtol |b|) over two tensors of one shape (any devices). */
-static double rel_err(kiln_tensor *a, kiln_tensor *b, double rtol, double atol) {
-  if (!a || !b || kiln_numel(a) != kiln_numel(b)) return INFINITY;
-  int64_t n = kiln_numel(a);
-  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1)), *y = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  double worst = 0;
-  kiln_tensor *a64 = kiln_to_dtype(kiln_to_device(a, kiln_device_cpu()), KILN_F64);
-  kiln_tensor *b64 = kiln_to_dtype(kiln_to_device(b, kiln_device_cpu()), KILN_F64);
-  if (!x || !y || !a64 || !b64 || kiln_to_host(kiln_contiguous(a64), x, sizeof(double) * (size_t)n) != KILN_OK ||
-      kiln_to_host(kiln_contiguous(b64), y, sizeof(double) * (size_t)n) != KILN_OK)
-    worst = INFINITY;
-  for (int64_t i = 0; worst < INFINITY && i < n; i++) {
-    double e = fabs(x[i] - y[i]) / (atol + rtol * fabs(y[i]));
-    if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
-  }
-  free(x), free(y);
-  return worst;
 }
 
 /* The kernels beyond the op families of the first version (creation, scans, norms, the

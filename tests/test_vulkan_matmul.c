@@ -9,6 +9,7 @@
 ** Skipped (77) without a Vulkan device; on CI it runs on lavapipe.
 */
 #include "check.h"
+#include "tensor_cmp.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -16,25 +17,6 @@
 
 static kiln_device vk, cpu;
 static kiln_generator *gen;
-
-/* max over elements of |x - ref| / (atol + rtol |ref|); <= 1 passes */
-static double rel_err(kiln_tensor *a, kiln_tensor *ref, double rtol, double atol) {
-  if (!a || !ref || kiln_numel(a) != kiln_numel(ref)) return INFINITY;
-  int64_t n = kiln_numel(a);
-  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1)), *y = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  double worst = 0;
-  kiln_tensor *a64 = kiln_contiguous(kiln_to_dtype(kiln_to_device(a, cpu), KILN_F64));
-  kiln_tensor *b64 = kiln_contiguous(kiln_to_dtype(kiln_to_device(ref, cpu), KILN_F64));
-  if (!x || !y || !a64 || !b64 || kiln_to_host(a64, x, sizeof(double) * (size_t)n) != KILN_OK ||
-      kiln_to_host(b64, y, sizeof(double) * (size_t)n) != KILN_OK)
-    worst = INFINITY;
-  for (int64_t i = 0; worst < INFINITY && i < n; i++) {
-    double e = fabs(x[i] - y[i]) / (atol + rtol * fabs(y[i]));
-    if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
-  }
-  free(x), free(y);
-  return worst;
-}
 
 /* A random [rows, cols] operand of dtype dt, on the CPU (*host) and on vulkan:0 (*dev), as
 ** the same view of the same storage: transposed (the storage is [cols, rows + pad]) or not

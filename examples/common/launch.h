@@ -10,6 +10,8 @@
 #include <kiln.h>
 #include <kiln_dist.h>
 
+#include "logdir.h"
+
 /* The KILN_* environment, checked before anything runs (kiln_env_check): a bad value is
 ** an error naming the variable and the accepted values, exit code 2. KILN_DEVICE is not
 ** checked when --device was given (the flag wins). Returns 0 or 2. */
@@ -61,6 +63,36 @@ static inline int ex_join(const char *prog, long long batch, kiln_dist **dist, i
     return 2;
   }
   return 0;
+}
+
+/* Where a data-parallel example (seed-mlp, fashion-mnist) runs: filled by ex_launch. */
+typedef struct ex_job {
+  kiln_dist *dist; /* the MPI job joined, NULL for a world of one; the caller frees it */
+  int world, rank;
+  kiln_summary_writer *tb; /* --logdir's writer, on rank 0 only; the caller closes it */
+  kiln_device dev;         /* the rank's device under MPI, else the best; --device wins */
+  char dname[32];          /* dev's printable name */
+} ex_job;
+
+/* A data-parallel example's start, in this order: joins the job when launched by one
+** (ex_join), refuses --graph across ranks (the gradient all-reduce is not captured), quiets
+** every rank but 0 (*quiet set, *json cleared: rank 0 speaks for the job), opens --logdir
+** on rank 0 (ex_log_open, which exits 1 on a bad directory), then takes --device. Returns
+** 0, or the exit code to leave with (1 or 2) after saying why; job->dist and job->tb hold
+** what was made either way. */
+static inline int ex_launch(const char *prog, long long batch, bool graph, const char *logdir, const char *devname,
+                            bool *quiet, bool *json, ex_job *job) {
+  job->tb = NULL;
+  int rc = ex_join(prog, batch, &job->dist, &job->world, &job->rank);
+  if (rc) return rc;
+  if (job->world > 1 && graph) {
+    fprintf(stderr, "%s: --graph is for one process (the gradient all-reduce is not captured)\n", prog);
+    return 2;
+  }
+  if (job->rank != 0) *quiet = true, *json = false;
+  job->tb = job->rank == 0 ? ex_log_open(prog, logdir) : NULL;
+  job->dev = job->dist ? kiln_dist_device(job->dist) : kiln_device_best();
+  return ex_device(prog, devname, &job->dev, job->dname);
 }
 
 #endif

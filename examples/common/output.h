@@ -63,6 +63,36 @@ static inline void ex_report_failure(const char *prog, const char *what) {
     fprintf(stderr, "%s: %s: %s (%s)\n", prog, what, kiln_last_error_message(), kiln_error_name(kiln_last_error()));
 }
 
+/* main's two ways out once it has made something. Each example keeps all that main makes
+** in one static struct, freed by its own release() (NULL members skipped), so that every
+** exit, the error ones too, leaves nothing behind (LeakSanitizer checks them):
+** finish(rc) releases and returns rc; fail(what) says what failed (ex_report_failure) and
+** returns finish(1). */
+#define EX_DEFINE_EXITS(prog, release_fn)                                                                 \
+  static int finish(int rc) {                                                                             \
+    release_fn();                                                                                         \
+    return rc;                                                                                            \
+  }                                                                                                       \
+  static int fail(const char *what) {                                                                     \
+    ex_report_failure(prog, what);                                                                        \
+    return finish(1);                                                                                     \
+  }
+
+/* One value of a checkpoint's "extra" metadata (read back by ex_resume_meta and
+** kiln_dict_get_meta): a real to the last bit (%.17g), an integer. kiln_dict_set_meta's
+** status. */
+static inline kiln_status ex_meta_real(kiln_dict *extra, const char *key, double v) {
+  char buf[64];
+  snprintf(buf, sizeof buf, "%.17g", v);
+  return kiln_dict_set_meta(extra, key, buf);
+}
+
+static inline kiln_status ex_meta_int(kiln_dict *extra, const char *key, long long v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%lld", v);
+  return kiln_dict_set_meta(extra, key, buf);
+}
+
 /* What a resumed checkpoint's "extra" metadata says of the run that wrote it: its last
 ** loss and test accuracy into *loss and *acc (left as they are when absent), and warnings
 ** when it is past --epochs or was trained with another --batch or number of samples. */

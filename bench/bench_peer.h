@@ -1,0 +1,49 @@
+/*
+** The PyTorch peer (torch_peer.py) of the benchmarks that run it beside kiln (bench-gpt2,
+** bench-resnet): where the script is, and the numbers of the JSON line it ends with.
+*/
+#ifndef KILN_BENCH_PEER_H
+#define KILN_BENCH_PEER_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* The number after "key": in a JSON line; NAN when absent or not a number (null). */
+static inline double json_num(const char *line, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = strstr(line, pat);
+  if (!p) return NAN;
+  p += strlen(pat);
+  while (*p == ' ') p++;
+  if (!strncmp(p, "null", 4)) return NAN;
+  char *end;
+  double v = strtod(p, &end);
+  return end == p ? NAN : v;
+}
+
+/* The peer script: flag (--peer PATH) when given, else $KILN_TORCH_PEER, else the first
+** that exists of .peer/torch_peer.py (from the working directory), ../shared/bench/
+** torch_peer.py beside the source tree (this file is SRC/bench/bench_peer.h), the same
+** from the working directory, and /work/shared/bench/torch_peer.py. NULL when none does. */
+static inline const char *find_peer(const char *flag) {
+  if (flag) return flag;
+  const char *env = getenv("KILN_TORCH_PEER");
+  if (env && *env) return env;
+  static char beside[4096];
+  snprintf(beside, sizeof beside, "%s", __FILE__);
+  char *slash = strrchr(beside, '/');
+  if (slash) *slash = 0; /* SRC/bench */
+  slash = strrchr(beside, '/');
+  if (slash) snprintf(slash, sizeof beside - (size_t)(slash - beside), "/../shared/bench/torch_peer.py");
+  const char *const tries[] = {".peer/torch_peer.py", slash ? beside : NULL, "../shared/bench/torch_peer.py",
+                               "/work/shared/bench/torch_peer.py"};
+  for (size_t i = 0; i < sizeof tries / sizeof tries[0]; i++)
+    if (tries[i] && access(tries[i], R_OK) == 0) return tries[i];
+  return NULL;
+}
+
+#endif

@@ -11,7 +11,7 @@
 ** peak from --peak-tflops (default 989, the H100/H200 bf16 dense data-sheet figure, when
 ** the device is one of those; otherwise MFU is printed only when given). --checkpoint runs
 ** a second kiln step with every block checkpointed (kiln_module_set_checkpoint) and the
-** peer's --checkpoint.
+** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone).
 **
 ** Generation (--generate): greedy kiln_gpt_generate of --new tokens after a random prompt
 ** of --prompt tokens at each batch in --gen-batches (default 1,16), the model's weights in
@@ -21,7 +21,7 @@
 ** instead of taking the argmax (the peer stays greedy).
 **
 ** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
-**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math]
+**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]
 **                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
@@ -63,7 +63,7 @@ typedef struct opts {
   kiln_device dev;
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
-  bool checkpoint, train, generate, peer, json, profile, memory, fused_loss;
+  bool checkpoint, checkpoint_mlp, train, generate, peer, json, profile, memory, fused_loss;
   int64_t gen_batches[8];
   int n_gen_batches;
   kiln_gen_graph gen_graph; /* --gen-graph auto|on|off */
@@ -104,7 +104,10 @@ typedef struct train_result {
   int64_t params;
 } train_result;
 
-static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
+/* checkpoint: 0 none, 1 every block (the peer's --checkpoint), 2 each block's MLP only (ln_2's
+** output kept, c_fc + GELU + c_proj recomputed: the largest saved tensors for a third of the
+** block's forward). */
+static kiln_status train(const opts *o, int checkpoint, train_result *r) {
   kiln_gpt_config cfg = kiln_gpt2_config();
   cfg.n_layer = o->layers, cfg.n_head = o->heads, cfg.n_embd = o->dim, cfg.vocab_size = o->vocab;
   cfg.block_size = o->seq;
@@ -112,7 +115,10 @@ static kiln_status train(const opts *o, bool checkpoint, train_result *r) {
   kiln_memory_empty_cache(o->dev);
   kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, o->dev, NULL);
   if (!m) return kiln_last_error();
-  if (checkpoint) kiln_module_set_checkpoint(kiln_module_child(m, "h"), true);
+  kiln_module *h = kiln_module_child(m, "h");
+  if (checkpoint == 1) kiln_module_set_checkpoint(h, true);
+  for (int i = 0; checkpoint == 2 && i < kiln_module_num_children(h); i++)
+    kiln_module_set_checkpoint(kiln_module_child(kiln_module_child_at(h, i), "mlp"), true);
   kiln_optim_config oc = kiln_adamw_config(3e-4); /* torch's AdamW defaults: wd 0.01 */
   kiln_optimizer *opt = kiln_optimizer_new_module(&oc, m);
   kiln_tensor *idx = kiln_keep(kiln_randint(0, o->vocab, KILN_SHAPE(o->batch, o->seq), KILN_I64, o->dev, NULL));
@@ -236,7 +242,7 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 
 static void usage(FILE *f) {
   fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
-             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--sdpa fused|math] [--no-train] [--generate]\n"
+             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math] [--no-train] [--generate]\n"
              "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
              "         [--peer PATH] [--python PY]\n"
              "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]\n");
@@ -257,6 +263,7 @@ int main(int argc, char **argv) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     int64_t *iv = NULL;
     if (!strcmp(a, "--checkpoint")) o.checkpoint = true;
+    else if (!strcmp(a, "--checkpoint-mlp")) o.checkpoint_mlp = true;
     else if (!strcmp(a, "--no-train")) o.train = false;
     else if (!strcmp(a, "--generate")) o.generate = true;
     else if (!strcmp(a, "--no-peer")) o.peer = false;
@@ -366,10 +373,11 @@ int main(int argc, char **argv) {
   fflush(stdout);
 
   char args[1024], line[4096];
-  for (int pass = 0; o.train && pass < (o.checkpoint ? 2 : 1); pass++) {
+  for (int pass = 0; o.train && pass < 3; pass++) {
+    if ((pass == 1 && !o.checkpoint) || (pass == 2 && !o.checkpoint_mlp)) continue;
     train_result k;
     memset(&k, 0, sizeof k);
-    kiln_status st = train(&o, pass == 1, &k);
+    kiln_status st = train(&o, pass, &k);
     if (st != KILN_OK) {
       fprintf(stderr, PROG ": kiln training step: %s\n", kiln_last_error_message());
       return 1;
@@ -381,9 +389,10 @@ int main(int argc, char **argv) {
                "--steps %lld%s",
                cpu ? "cpu" : "cuda", (long long)o.layers, (long long)o.dim, (long long)o.heads, (long long)o.vocab,
                (long long)o.seq, (long long)o.batch, (long long)o.steps, pass == 1 ? " --checkpoint" : "");
-      if (!run_peer(&o, args, line, sizeof line)) line[0] = 0;
+      /* the peer has no MLP-only checkpointing: pass 2 prints kiln alone */
+      if (pass == 2 || !run_peer(&o, args, line, sizeof line)) line[0] = 0;
     }
-    print_train(&o, pass == 1 ? "train, checkpointed" : "train", &k, line);
+    print_train(&o, pass == 1 ? "train, checkpointed" : pass == 2 ? "train, MLPs ckpt" : "train", &k, line);
   }
   for (int i = 0; o.generate && i < o.n_gen_batches; i++) {
     double tps = 0;

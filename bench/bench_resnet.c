@@ -243,7 +243,7 @@ int main(int argc, char **argv) {
          dname, bf16 ? "bf16 autocast" : "f32",
          channels_last == 1 ? ", kiln channels-last" : channels_last == 2 ? ", kiln channels-last input" : "", steps);
   if (run_kiln(depth, size, batch, (int)steps, dev, bf16, channels_last, profile, &k)) return 1;
-  printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  saved for backward %.2f GiB  (%d threads)\n",
+  printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  saved for backward %.2f GiB counted per save  (%d threads)\n",
          k.images_per_s, k.ms, k.peak_gib, k.saved_gib, kiln_num_threads());
   char line[4096] = "";
   const char *peer = no_peer ? NULL : find_peer(peer_flag);

@@ -287,8 +287,8 @@ int main(int argc, char **argv) {
   step_ctx sc = {model, opt, ddp, dev, amp};
   ex_graph_step *gs = &R.gs;
   ex_graph_step_init(gs, dev, 2, lo.batch_size, graph_step, &sc);
-  /* --graph reads no loss per step (the epoch's sum once at its end), unless --logdir logs
-  ** each step's */
+  /* no loss is read per step, captured or eager (the epoch's sum once at its end), unless
+  ** --logdir logs each step's */
   gs->sum_loss = !R.tb;
 
   double train_s = 0;
@@ -316,20 +316,20 @@ int main(int argc, char **argv) {
       } else if (r == 1) {
         kiln_tensor *loss = NULL;
         st = train_on(&sc, b[0], b[1], &loss);
-        if (st == KILN_OK) lv = kiln_item(loss);
+        if (st == KILN_OK) st = ex_graph_step_eager_loss(gs, loss, &lv);
         seen += kiln_size(b[0], 0) * world;
       }
       kiln_scope_end();
       ex_graph_step_end(gs);
       if (r < 0 || st != KILN_OK) return fail(r < 0 ? "loading a batch" : "training step");
       if (r == 0) break;
-      if (!(graph && gs->sum_loss)) total += lv;
+      if (!gs->sum_loss) total += lv;
       n++;
       step++;
       ex_log_scalar(&R.tb, "train/loss", step, lv);
       ex_progress_update(&p, seen);
     }
-    if (graph && gs->sum_loss && ex_graph_step_take_sum(gs, &total) != KILN_OK) return fail("reading the loss");
+    if (gs->sum_loss && ex_graph_step_take_sum(gs, &total) != KILN_OK) return fail("reading the loss");
     kiln_device_synchronize(dev);
     double dt = ex_now() - t0;
     ex_progress_end(&p);

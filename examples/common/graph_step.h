@@ -24,7 +24,7 @@
 ** first), so the loss read (kiln_item after each step) waits for the device alone.
 **
 ** With sum_loss set (after init), the host reads no loss per step: each step (the eager
-** ones too) adds its loss to an f64 sum on the device, in step order, and
+** ones too, and a program's own eager steps through ex_graph_step_eager_loss) adds its loss to an f64 sum on the device, in step order, and
 ** ex_graph_step_take_sum reads it once (at an epoch's end). The host then never waits for
 ** the device inside an epoch and queues the next replays while the device runs this one.
 ** The sum is the one a host loop of `total += kiln_item(loss)` makes, to the bit (f32
@@ -77,9 +77,15 @@ typedef struct ex_graph_step {
   double phase_s[6], device_s;
   bool sum_loss;          /* set by the program after init: see above */
   kiln_tensor *loss_sum;  /* f64 scalar on the device (sum_loss) */
+  /* sum_loss, eager steps (ex_graph_step_eager_loss): each loss copied into the next slot
+  ** of an f32 log on the device (a copy runs natively on every backend, an f64 add may
+  ** not), read and added on the host in step order when full and at take_sum */
+  kiln_tensor *loss_log;
+  int log_n;
+  double log_sum;
 } ex_graph_step;
 
-enum { EX_AHEAD_NONE = -2 };
+enum { EX_AHEAD_NONE = -2, EX_LOSS_LOG = 512 };
 
 /* For a step function: copies the step's loss into out (the loss the graph writes), with
 ** grad mode off so the copy records no node. */
@@ -114,13 +120,47 @@ static inline kiln_status ex_graph_shape_step(void *p) {
 
 /* sum_loss: the sum of the losses since the last call (one host read), and the device sum
 ** back to 0. */
+static inline kiln_status ex_loss_log_flush(ex_graph_step *gs);
 static inline kiln_status ex_graph_step_take_sum(ex_graph_step *gs, double *sum) {
-  *sum = 0;
-  if (!gs->loss_sum) return KILN_OK;
+  kiln_status st = ex_loss_log_flush(gs);
+  *sum = gs->log_sum;
+  gs->log_sum = 0;
+  if (st != KILN_OK || !gs->loss_sum) return st;
   double v = kiln_item(gs->loss_sum);
   if (v != v && kiln_last_error() != KILN_OK) return kiln_last_error();
-  *sum = v;
+  *sum += v;
   return kiln_fill_(gs->loss_sum, 0.0);
+}
+
+/* The logged losses added into log_sum (one host read), the log emptied. */
+static inline kiln_status ex_loss_log_flush(ex_graph_step *gs) {
+  float v[EX_LOSS_LOG];
+  if (gs->log_n == 0) return KILN_OK;
+  kiln_status st = kiln_to_host(gs->loss_log, v, sizeof v);
+  for (int i = 0; i < gs->log_n && st == KILN_OK; i++) gs->log_sum += v[i];
+  gs->log_n = 0;
+  return st;
+}
+
+/* An eager step's loss: with sum_loss, logged on the device (no host read, so the host runs
+** ahead of the device as in the replays; *lv gets NAN; the sum is the host loop's to the
+** bit: f32 losses added in f64 in step order), else read into *lv. */
+static inline kiln_status ex_graph_step_eager_loss(ex_graph_step *gs, kiln_tensor *loss, double *lv) {
+  *lv = NAN;
+  if (!gs->sum_loss) {
+    double v = kiln_item(loss);
+    if (v != v && kiln_last_error() != KILN_OK) return kiln_last_error();
+    *lv = v;
+    return KILN_OK;
+  }
+  if (!gs->loss_log && !(gs->loss_log = kiln_keep(kiln_zeros(KILN_SHAPE(EX_LOSS_LOG), KILN_F32, gs->dev))))
+    return kiln_last_error();
+  kiln_status st = gs->log_n == EX_LOSS_LOG ? ex_loss_log_flush(gs) : KILN_OK;
+  bool prev = kiln_set_grad_enabled(false);
+  if (st == KILN_OK) st = kiln_copy_(kiln_select(gs->loss_log, 0, gs->log_n), loss);
+  kiln_set_grad_enabled(prev);
+  if (st == KILN_OK) gs->log_n++;
+  return st;
 }
 
 /* The next batch into b (kiln_loader_next's return value): the one fetched during the last
@@ -224,6 +264,7 @@ static inline void ex_graph_step_free(ex_graph_step *gs) {
     kiln_tensor_free(gs->shape[k].loss);
   }
   kiln_tensor_free(gs->loss_sum);
+  kiln_tensor_free(gs->loss_log);
   for (int i = 0; i < EX_GRAPH_MAX_IN; i++) kiln_tensor_free(gs->ahead[i]), kiln_tensor_free(gs->held[i]);
   memset(gs, 0, sizeof *gs);
 }

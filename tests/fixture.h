@@ -21,15 +21,15 @@ static inline const char *fixture(const char *name) {
 }
 
 /* The whole file (malloc'd, one spare byte after the *n read), or NULL when it cannot be
-** opened. */
+** opened or the memory is not there. */
 static inline unsigned char *read_all(const char *path, size_t *n) {
   FILE *f = fopen(path, "rb");
   if (!f) return NULL;
   fseek(f, 0, SEEK_END);
   long sz = ftell(f);
   fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc((size_t)sz + 1);
-  *n = fread(b, 1, (size_t)sz, f);
+  unsigned char *b = sz >= 0 ? malloc((size_t)sz + 1) : NULL;
+  *n = b ? fread(b, 1, (size_t)sz, f) : 0;
   fclose(f);
   return b;
 }

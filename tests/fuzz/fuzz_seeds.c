@@ -16,6 +16,8 @@
 #include <sys/stat.h>
 #include <zlib.h>
 
+#include "../fixture.h"
+
 static char g_dir[1024];
 static int g_fail;
 
@@ -40,22 +42,10 @@ static void put(const char *target, const char *name, int opt, const void *b, si
   fclose(f);
 }
 
-static unsigned char *slurp(const char *p, size_t *n) {
-  FILE *f = fopen(p, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long len = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  unsigned char *b = malloc((size_t)len + 1);
-  *n = b ? fread(b, 1, (size_t)len, f) : 0;
-  fclose(f);
-  return b;
-}
-
 /* A file kiln wrote at tmp, copied into the corpus with an optional option byte. */
 static void put_file(const char *target, const char *name, int opt, const char *tmp) {
   size_t n = 0;
-  unsigned char *b = slurp(tmp, &n);
+  unsigned char *b = read_all(tmp, &n);
   if (!b) {
     fprintf(stderr, "fuzz-seeds: %s was not written: %s\n", tmp, kiln_last_error_message());
     g_fail = 1;

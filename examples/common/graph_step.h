@@ -118,6 +118,13 @@ static inline kiln_status ex_graph_shape_step(void *p) {
   return st;
 }
 
+/* *v = the scalar t's value (one host read); a NaN read because the read itself failed
+** returns that error. */
+static inline kiln_status ex_read_scalar(kiln_tensor *t, double *v) {
+  *v = kiln_item(t);
+  return *v != *v && kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_OK;
+}
+
 /* sum_loss: the sum of the losses since the last call (one host read), and the device sum
 ** back to 0. */
 static inline kiln_status ex_loss_log_flush(ex_graph_step *gs);
@@ -126,8 +133,8 @@ static inline kiln_status ex_graph_step_take_sum(ex_graph_step *gs, double *sum)
   *sum = gs->log_sum;
   gs->log_sum = 0;
   if (st != KILN_OK || !gs->loss_sum) return st;
-  double v = kiln_item(gs->loss_sum);
-  if (v != v && kiln_last_error() != KILN_OK) return kiln_last_error();
+  double v;
+  if ((st = ex_read_scalar(gs->loss_sum, &v)) != KILN_OK) return st;
   *sum += v;
   return kiln_fill_(gs->loss_sum, 0.0);
 }
@@ -147,12 +154,7 @@ static inline kiln_status ex_loss_log_flush(ex_graph_step *gs) {
 ** bit: f32 losses added in f64 in step order), else read into *lv. */
 static inline kiln_status ex_graph_step_eager_loss(ex_graph_step *gs, kiln_tensor *loss, double *lv) {
   *lv = NAN;
-  if (!gs->sum_loss) {
-    double v = kiln_item(loss);
-    if (v != v && kiln_last_error() != KILN_OK) return kiln_last_error();
-    *lv = v;
-    return KILN_OK;
-  }
+  if (!gs->sum_loss) return ex_read_scalar(loss, lv);
   if (!gs->loss_log && !(gs->loss_log = kiln_keep(kiln_zeros(KILN_SHAPE(EX_LOSS_LOG), KILN_F32, gs->dev))))
     return kiln_last_error();
   kiln_status st = gs->log_n == EX_LOSS_LOG ? ex_loss_log_flush(gs) : KILN_OK;
@@ -242,11 +244,7 @@ static inline kiln_status ex_graph_step_run(ex_graph_step *gs, kiln_loader *load
   }
   double p4 = gs->phases ? ex_now() : 0;
   *loss = NAN; /* sum_loss: not read */
-  if (st == KILN_OK && !gs->sum_loss) {
-    double v = kiln_item(s->loss);
-    if (v != v && kiln_last_error() != KILN_OK) st = kiln_last_error();
-    *loss = v;
-  }
+  if (st == KILN_OK && !gs->sum_loss) st = ex_read_scalar(s->loss, loss);
   if (gs->phases) {
     gs->phase_s[0] += p3 - p2, gs->phase_s[1] += (p1 - p0) + (p4 - p3), gs->phase_s[2] += p2 - p1;
     gs->phase_s[4] += ex_now() - p4;

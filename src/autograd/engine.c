@@ -231,6 +231,33 @@ bool kiln__grad_shown(const kiln__node *m, int index) {
   return false;
 }
 
+/* The node whose rule the engine runs now on this thread (kiln__grad_into asks). */
+static _Thread_local const kiln__node *rule_node;
+
+/* The slot that holds the pending gradient of n's input k (the output of the node it
+** came from), or NULL for a leaf or an input that needs none. */
+static kiln_tensor **input_slot(const kiln__node *n, int k) {
+  kiln__node *m = n->next[k].node;
+  if (!m || !n->needs[k]) return NULL;
+  int index = n->next[k].index;
+  if (index > 0) return &m->grad_accs[index];
+  return m->unit_seed ? NULL : &m->grad_acc; /* a unit seed is no tensor yet */
+}
+
+/* Gradients summed where they are made: a rule whose kernel can add into its output (cuDNN's
+** backward data with beta 1) writes its input's gradient into the sum pending for it,
+** instead of a new tensor that accumulate() then adds (axpy_: one more read of both and a
+** write, 3 ms of a ResNet-50 step at its 16 residual joins). Offered only where
+** accumulate() would add in place anyway (add_in_place_ok), so the numbers are those of an
+** in-place add of the rule's result, rounded once instead of twice. */
+kiln_tensor *kiln__grad_into(const kiln__node *n, int k) {
+  if (!n || n != rule_node || k < 0 || k >= n->n_in) return NULL;
+  kiln_tensor **slot = input_slot(n, k);
+  kiln_tensor *t = slot ? *slot : NULL;
+  if (!t || n->next[k].node->grad_mask || !add_in_place_ok(t, t)) return NULL;
+  return t;
+}
+
 static int capture_index_leaf(const capture *c, const kiln_tensor *leaf) {
   for (int i = 0; i < c->n; i++)
     if (c->inputs[i] == leaf) return i;
@@ -392,7 +419,10 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     for (int k = 0; k < n->n_in && k < gi_cap; k++) gi[k] = NULL;
     if (st == KILN_OK && (g || unit || any_other)) {
       const kiln__node *outer = kiln__backward_node_swap(n); /* observers name the node */
+      const kiln__node *outer_rule = rule_node;
+      rule_node = n;
       st = n->backward(n, g, gi);
+      rule_node = outer_rule;
       kiln__backward_node_swap(outer);
       if (st != KILN_OK && kiln_last_error() == KILN_OK)
         kiln_set_error(st, "kiln_backward: the rule of '%s' failed", n->name);
@@ -429,7 +459,9 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
             st = accumulate(&leaf->grad, gk, true);
           }
         } else if (n->next[k].node) {
-          st = node_accumulate(n->next[k].node, n->next[k].index, gk);
+          kiln_tensor **slot = input_slot(n, k);
+          if (!slot || *slot != gk) /* else the rule added into the pending sum (kiln__grad_into) */
+            st = node_accumulate(n->next[k].node, n->next[k].index, gk);
         }
       }
       kiln_tensor_free(gk);

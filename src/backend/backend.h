@@ -271,6 +271,10 @@ typedef struct kiln__view {
   /* CONV2D's input gradient: in0 grad (N, OC, OH, OW), in1 weight (OC, C/G, kh, kw) -> */ \
   /* out0 dx (N, C, H, W) (written, not accumulated); params, i0, i1 as CONV2D. */         \
   X(CONV2D_BACKWARD_DATA, "conv2d_backward_data")                                         \
+  /* the same, added into out0 instead of written (out0 += dx: cuDNN's beta 1): a */       \
+  /* gradient summed into the one already pending for x (kiln__grad_into). CUDA only; */  \
+  /* conv2d's rule asks kiln__dispatch_has and writes a new tensor where it is missing. */ \
+  X(CONV2D_BACKWARD_DATA_ACC, "conv2d_backward_data_acc")                                 \
   /* CONV2D's weight gradient: in0 x (N, C, H, W), in1 grad (N, OC, OH, OW) -> out0 dW */  \
   /* (OC, C/G, kh, kw); with n_out == 2, out1 (OC) the bias gradient (grad summed over */ \
   /* N, OH, OW). params, i0, i1 as CONV2D. */                                              \

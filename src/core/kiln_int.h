@@ -244,6 +244,13 @@ bool kiln__grad_mask_ok(const kiln__node *m, int index);
 /* Whether the program sees the gradient of output index of node m in the backward now
 ** running: the output retains its gradient, or kiln_autograd_grad asked for it. */
 bool kiln__grad_shown(const kiln__node *m, int index);
+/* In n's rule, while the engine runs it: the gradient already pending for n's input k (the
+** sum the engine would add this rule's gradient into), when the rule may add into it in
+** place instead (nothing else holds it, dense, not a leaf's .grad); NULL otherwise. A rule
+** that adds its gradient into it hands that same tensor back as gi[k] (kiln__give_grad),
+** and the engine then adds nothing (engine.c). The rule must check the dtype, shape and
+** layout are its gradient's. */
+kiln_tensor *kiln__grad_into(const kiln__node *n, int k);
 /* Whether the calling thread is running a backward (engine.c). */
 bool kiln__in_backward(void);
 /* How many backward engines run on this thread now (0 outside any; 2 inside a backward

@@ -480,6 +480,33 @@ static bool convb_has(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, const ki
   return kiln__dispatch_has(dev, &q, op);
 }
 
+/* dx added by the kernel into the gradient already pending for x (kiln__grad_into), where
+** the device's kernel can add (CONV2D_BACKWARD_DATA_ACC: cuDNN's beta 1): *into is that
+** tensor, or NULL when nothing was done (no pending sum, another dtype or layout, no such
+** kernel); an error only when the kernel failed. */
+static kiln_status convb_data_into(const kiln__node *n, kiln_tensor *g, kiln_tensor *w, const attrs_convb *ab,
+                                   kiln_tensor **into) {
+  *into = NULL;
+  kiln_tensor *acc = kiln__grad_into(n, 0);
+  bool cl = conv_cl(g);
+  if (!acc || acc->dtype != g->dtype || acc->ndim != 4 || acc->shape[0] != g->shape[0] ||
+      acc->shape[1] != w->shape[1] * ab->c.groups || acc->shape[2] != ab->size[0] || acc->shape[3] != ab->size[1] ||
+      !kiln_device_equal(kiln_device_of(acc), kiln_device_of(g)) ||
+      !(cl ? kiln_is_contiguous_format(acc, KILN_CHANNELS_LAST) : kiln_is_contiguous(acc)))
+    return KILN_OK;
+  kiln__conv_params cp = convb_params(ab, w->shape[2], w->shape[3]);
+  kiln__kargs q = convb_args(KILN__K_CONV2D_BACKWARD_DATA_ACC, g, w, acc->shape, ab, &cp);
+  q.out[0] = kiln__view_of(acc); /* NCHW-shaped; channels-last strides in cl mode */
+  prep_strides(&q.in[0], cl), prep_strides(&q.in[1], cl);
+  if (!kiln__dispatch_has(kiln_device_of(g), &q, KILN__K_CONV2D_BACKWARD_DATA_ACC)) return KILN_OK;
+  kiln_tensor *in[2] = {conv_prep(g, cl), conv_prep(w, cl)};
+  if (!in[0] || !in[1]) return kiln_last_error();
+  q.in[0] = kiln__view_of(in[0]), q.in[1] = kiln__view_of(in[1]);
+  kiln_status st = kiln__run_into(acc, &q);
+  if (st == KILN_OK) *into = acc;
+  return st;
+}
+
 static kiln_tensor *convb_data_call(kiln_tensor *g, kiln_tensor *w, const attrs_convb *ab) {
   bool cl = conv_cl(g);
   kiln_tensor *in[2] = {conv_prep(g, cl), conv_prep(w, cl)};
@@ -659,7 +686,10 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
   wb.size[0] = ge.KH, wb.size[1] = ge.KW;
   bool need_x = n->needs[0], need_w = n->needs[1];
   if (need_x && convb_has(KILN__K_CONV2D_BACKWARD_DATA, g, w, x, &ab)) {
-    kiln_status st = kiln__give_grad(&gi[0], convb_data_call(g, w, &ab), g);
+    kiln_tensor *dx;
+    kiln_status st = convb_data_into(n, g, w, &ab, &dx);
+    if (st != KILN_OK) return st;
+    st = kiln__give_grad(&gi[0], dx ? dx : convb_data_call(g, w, &ab), g);
     if (st != KILN_OK) return st;
     need_x = false;
   }

@@ -477,7 +477,7 @@ static constexpr bool kc_is_kv(kiln__kop op) {
 
 static constexpr bool kc_is_conv(kiln__kop op) {
   return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
-         op == KILN__K_CONV2D || op == KILN__K_CONV2D_BACKWARD_DATA ||
+         op == KILN__K_CONV2D || op == KILN__K_CONV2D_BACKWARD_DATA || op == KILN__K_CONV2D_BACKWARD_DATA_ACC ||
          op == KILN__K_CONV2D_BACKWARD_WEIGHT || op == KILN__K_MAX_POOL2D_BACKWARD;
 }
 

@@ -342,7 +342,7 @@ std::string cache_key(const kiln__kargs *a, const Operands &o) {
   std::string k;
   k.reserve(160);
   auto put = [&k](int64_t v) { k.append((const char *)&v, sizeof v); };
-  put(a->op), put(a->device), put(o.x->dtype), put(a->i[0]), put(a->i[1] & 1), put(alignment(o));
+  put(a->op), put(a->device), put(o.x->dtype), put(a->i[0]), put(a->i[1] & 3), put(alignment(o));
   const kiln__view *vs[3] = {o.x, o.w, o.y};
   for (const kiln__view *v : vs)
     for (int d = 0; d < 4; d++) put(v->shape[d]), put(v->strides[d]);
@@ -391,7 +391,8 @@ kiln_status choose(const kiln__kargs *a, kiln__cuda_dev *d, cudnnHandle_t h, con
   enum { kMax = 16 };
   int n = 0;
   c->algo = -1;
-  bool bench = benchmark_mode() && !d->capturing;
+  /* cudnnFind* writes the output: not into a sum it must add to (flag 2) */
+  bool bench = benchmark_mode() && !d->capturing && !(a->i[1] & 2);
   Scratch ws;
   size_t ws_n = 0;
   if (bench) {
@@ -553,7 +554,8 @@ cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, 
   KB_TRY(cudnnBackendSetAttribute(conv, CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, pad));
   KB_TRY(cudnnBackendFinalize(conv));
 
-  /* alpha 1, beta 0: the output is overwritten, as the legacy calls do */
+  /* alpha 1, beta 0: the output is overwritten, as the legacy calls do; beta 1 where i1
+  ** flag 2 says the result is added (CONV2D_BACKWARD_DATA_ACC) */
   float f1 = 1.0f, f0 = 0.0f;
   double d1 = 1.0, d0 = 0.0;
   cudnnBackendAttributeType_t st = compute == CUDNN_DATA_DOUBLE ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
@@ -586,7 +588,7 @@ cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, 
   KB_TRY(cudnnBackendSetAttribute(op, ay, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ty));
   KB_TRY(cudnnBackendSetAttribute(op, ac, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &conv));
   KB_TRY(cudnnBackendSetAttribute(op, aa, st, 1, one));
-  KB_TRY(cudnnBackendSetAttribute(op, ab, st, 1, zero));
+  KB_TRY(cudnnBackendSetAttribute(op, ab, st, 1, (a->i[1] & 2) ? one : zero));
   KB_TRY(cudnnBackendFinalize(op));
 
   /* heuristic order (mode A); deterministic engines first (DESIGN.md: same seed, same
@@ -710,9 +712,19 @@ template <class T> kiln_status bias_grad(kiln__cuda_dev *d, const kiln__view *g,
   return kiln__cuda_launched("conv2d_backward_weight (bias)");
 }
 
+/* CONV2D_BACKWARD_DATA_ACC is CONV2D_BACKWARD_DATA adding into its output: from here on
+** that op with i1 flag 2 (beta 1; the cache keys it apart: a plan has its beta built in). */
+kiln__kargs as_data(const kiln__kargs *a) {
+  kiln__kargs b = *a;
+  if (b.op == KILN__K_CONV2D_BACKWARD_DATA_ACC) b.op = KILN__K_CONV2D_BACKWARD_DATA, b.i[1] |= 2;
+  else b.i[1] &= ~(int64_t)2;
+  return b;
+}
+
 } // namespace
 
-extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
+extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a0) {
+  const kiln__kargs ka = as_data(a0), *a = &ka;
   Operands o;
   if (!a->params || !operands(a, &o)) return false;
   cudnnDataType_t dt;
@@ -730,8 +742,10 @@ extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a) {
   return true;
 }
 
-extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
-  if (!kiln__cuda_cudnn_supports(a))
+extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a0) {
+  const kiln__kargs ka = as_data(a0), *a = &ka;
+  const bool add = (a->i[1] & 2) != 0; /* CONV2D_BACKWARD_DATA_ACC */
+  if (!kiln__cuda_cudnn_supports(a0))
     return kiln_set_error(KILN_ERR_UNSUPPORTED,
                           "kiln_%s: cuDNN does not take these arguments (dtype %s; views must be packed NCHW or "
                           "NHWC, padding symmetric)",
@@ -746,7 +760,7 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
   /* empty: nothing to compute, but the written tensor must still be defined */
   if (kc_numel(o.x) == 0 || kc_numel(o.y) == 0 || kc_numel(o.w) == 0) {
     const kiln__view *out = &a->out[0];
-    if (kc_numel(out) == 0) return KILN_OK;
+    if (kc_numel(out) == 0 || add) return KILN_OK; /* adding zero */
     KC_TRY(kiln__cuda_fill_view(a->device, out, 0.0));
     if (a->op == KILN__K_CONV2D && o.bias) {
       KC_SWITCH_FLOAT(o.x->dtype, T, return KILN_ERR_DTYPE, KC_TRY(bias_add<T>(d, o.y, o.bias)));
@@ -780,6 +794,7 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
     double d1 = 1.0, d0 = 0.0;
     const void *one = dt == CUDNN_DATA_DOUBLE ? (const void *)&d1 : (const void *)&f1;
     const void *zero = dt == CUDNN_DATA_DOUBLE ? (const void *)&d0 : (const void *)&f0;
+    const void *beta = add ? one : zero;
     switch (a->op) {
     case KILN__K_CONV2D:
       KC_DNN(cudnnConvolutionForward(h, one, ds.x, o.x->data, ds.w, o.w->data, ds.conv,
@@ -788,7 +803,7 @@ extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a) {
       break;
     case KILN__K_CONV2D_BACKWARD_DATA:
       KC_DNN(cudnnConvolutionBackwardData(h, one, ds.w, o.w->data, ds.y, o.y->data, ds.conv,
-                                          (cudnnConvolutionBwdDataAlgo_t)c.algo, ws.p, c.ws, zero, ds.x, o.x->data),
+                                          (cudnnConvolutionBwdDataAlgo_t)c.algo, ws.p, c.ws, beta, ds.x, o.x->data),
              "cudnnConvolutionBackwardData");
       break;
     default:

@@ -9,6 +9,12 @@
 ** --cuda: ResNet-50's distinct conv layers at batch 32 on cuda:0, in f32 (TF32 off) and
 ** bf16, NCHW and channels-last (NHWC strides, kiln_contiguous_format), times from device
 ** marks. With cuDNN, CONV2D and its backward kernels run; without it im2col + cuBLAS.
+** --cuda-fmnist: the Fashion-MNIST CNN's two convs at batch 128 (1->32 @28, 32->64 @13, 3x3,
+** no padding) in f32 exact, TF32 and bf16, NCHW and channels-last (whether either layout or
+** bf16 makes cuDNN's small convs faster), then its first layer as one op
+** (kiln_conv2d_relu_max_pool2d: CONV1_RELU_MAX_POOL2D where the device has it) against
+** conv2d, relu, max_pool2d (KILN_CONV_RELU_POOL=0 gives the latter in both rows), the input
+** needing no gradient as in training.
 **
 ** No PyTorch peer yet (it is not installed on the machine this was written on); compare
 ** with `torch.nn.functional.conv2d` at the same shapes by hand (torch.backends.cudnn.
@@ -16,6 +22,7 @@
 **
 **   bench-conv [reps]          (KILN_NUM_THREADS sets the threads)
 **   bench-conv --cuda [reps]   (KILN_CUDNN_BENCHMARK=1: measured algorithms)
+**   bench-conv --cuda-fmnist [reps]
 */
 #include <kiln.h>
 
@@ -61,6 +68,12 @@ static const shape gpu_shapes[] = {
     {"l4 1x1 512->2048 @7", 32, 512, 7, 7, 2048, 1, 1, 0, 1},
 };
 
+/* The Fashion-MNIST CNN's convs on the GPU, batch 128 (fmnist-cnn in torch_peer.py) */
+static const shape fm_shapes[] = {
+    {"fmnist conv1 3x3 1->32 @28 b128", 128, 1, 28, 28, 32, 3, 1, 0, 1},
+    {"fmnist conv2 3x3 32->64 @13 b128", 128, 32, 13, 13, 64, 3, 1, 0, 1},
+};
+
 static double time_ms(kiln_device dev, const shape *s, kiln_dtype dt, bool nhwc, int reps, bool backward) {
   kiln_scope_begin();
   kiln_tensor *x = kiln_randn(KILN_SHAPE(s->n, s->c, s->h, s->w), dt, dev, NULL);
@@ -92,13 +105,45 @@ static double time_ms(kiln_device dev, const shape *s, kiln_dtype dt, bool nhwc,
   return best;
 }
 
+/* fmnist's first layer, conv 1->32 + ReLU + MaxPool2d(2): fused (one op each way) or the
+** three ops; the weight and bias need gradients, the input not (it is the data). */
+static double time_layer1_ms(kiln_device dev, bool fused, int reps, bool backward) {
+  const shape *s = &fm_shapes[0];
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_randn(KILN_SHAPE(s->n, s->c, s->h, s->w), KILN_F32, dev, NULL);
+  kiln_tensor *w = kiln_randn(KILN_SHAPE(s->oc, s->c, s->k, s->k), KILN_F32, dev, NULL);
+  kiln_tensor *b = kiln_zeros(KILN_SHAPE(s->oc), KILN_F32, dev);
+  kiln_requires_grad_(w, backward);
+  kiln_requires_grad_(b, backward);
+  int64_t pk[2] = {2, 2};
+  double best = 1e30;
+  for (int r = 0; r < reps + 1; r++) {
+    kiln_scope_begin();
+    kiln_mark *m0 = kiln_mark_record(dev);
+    kiln_tensor *y = fused ? kiln_conv2d_relu_max_pool2d(x, w, b, NULL, NULL, NULL, 1, pk, NULL, NULL, NULL)
+                           : kiln_max_pool2d(kiln_relu(kiln_conv2d(x, w, b, NULL, NULL, NULL, 1)), pk, NULL, NULL, NULL, NULL);
+    if (backward && y) kiln_backward(kiln_sum_all(y), NULL);
+    kiln_mark *m1 = kiln_mark_record(dev);
+    double ms = kiln_mark_elapsed_ms(m0, m1);
+    if (!y) {
+      fprintf(stderr, "bench-conv: layer 1: %s\n", kiln_last_error_message());
+      exit(1);
+    }
+    if (r > 0 && ms < best) best = ms;
+    kiln_scope_end();
+  }
+  kiln_scope_end();
+  return best;
+}
+
 static double flops(const shape *s) {
   int64_t oh = (s->h + 2 * s->pad - s->k) / s->stride + 1, ow = (s->w + 2 * s->pad - s->k) / s->stride + 1;
   return 2.0 * (double)(s->n * s->oc * oh * ow) * (double)(s->c / s->groups * s->k * s->k);
 }
 
 int main(int argc, char **argv) {
-  bool cuda = argc > 1 && strcmp(argv[1], "--cuda") == 0;
+  bool fm = argc > 1 && strcmp(argv[1], "--cuda-fmnist") == 0;
+  bool cuda = fm || (argc > 1 && strcmp(argv[1], "--cuda") == 0);
   int reps = argc > 1 + cuda ? atoi(argv[1 + cuda]) : 3;
   if (!cuda) {
     printf("| shape (batch 8 unless said, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
@@ -118,6 +163,30 @@ int main(int argc, char **argv) {
   }
   kiln_device dev = kiln_device_cuda(0);
   kiln_set_matmul_tf32(false);
+  if (fm) {
+    printf("| layer | precision | layout | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n");
+    printf("|---|---|---|---|---|---|---|\n");
+    static const char *const prec[3] = {"f32", "tf32", "bf16"};
+    for (size_t i = 0; i < sizeof fm_shapes / sizeof fm_shapes[0]; i++)
+      for (int pi = 0; pi < 3; pi++)
+        for (int l = 0; l < 2; l++) {
+          const shape *s = &fm_shapes[i];
+          kiln_dtype dt = pi == 2 ? KILN_BF16 : KILN_F32;
+          kiln_set_matmul_tf32(pi == 1);
+          double f = time_ms(dev, s, dt, l == 1, reps, false);
+          double fb = time_ms(dev, s, dt, l == 1, reps, true);
+          printf("| %s | %s | %s | %.4f | %.2f | %.4f | %.2f |\n", s->name, prec[pi], l ? "NHWC" : "NCHW", f,
+                 flops(s) / f / 1e9, fb, 3 * flops(s) / fb / 1e9);
+          fflush(stdout);
+        }
+    kiln_set_matmul_tf32(false);
+    printf("\n| fmnist layer 1 (conv 1->32, ReLU, MaxPool2d(2), f32, b128) | fwd ms | fwd+bwd ms (dW, db) |\n");
+    printf("|---|---|---|\n");
+    for (int fu = 1; fu >= 0; fu--)
+      printf("| %s | %.4f | %.4f |\n", fu ? "kiln_conv2d_relu_max_pool2d" : "conv2d, relu, max_pool2d",
+             time_layer1_ms(dev, fu, reps, false), time_layer1_ms(dev, fu, reps, true));
+    return 0;
+  }
   const char *bm = getenv("KILN_CUDNN_BENCHMARK");
   printf("cuda:0, ResNet-50 conv layers at batch 32, TF32 off, cuDNN algorithms: %s\n\n",
          bm && strcmp(bm, "0") ? "measured (KILN_CUDNN_BENCHMARK=1)" : "heuristic");

@@ -14,6 +14,9 @@
 **    (with the bias gradient) when the device has them (cuDNN); MAX_POOL2D's indices on
 **    ties and NaN (must be identical).
 ** 4. A conv forward + backward captured into a CUDA graph and replayed equals eager.
+** 4b. conv2d_relu_max_pool2d (the fused one-channel conv, ReLU, max-pool and its weight and
+**    bias gradients) against the CPU, and relu_max_pool2d's values and gradients with ties,
+**    NaN and an uncovered edge (identical bits).
 ** 5. Channels-last end to end (cv_keep_format_on, test_ops_conv.c): conv2d, relu, add,
 **    casts, max_pool2d keep the format on CUDA and give the NCHW run's values (f64, f32
 **    with gradients; f16/bf16 forward), and with cuDNN a channels-last step (forward and
@@ -300,6 +303,134 @@ static void cc_max_pool(void) {
   kiln_scope_end();
 }
 
+/* ---- the fused first layer: conv (one input channel) + ReLU + max-pool -------------------- */
+
+typedef struct cc_cpool {
+  int64_t N, H, W, OC, KH, KW, pad, PK[2];
+  int bias;
+} cc_cpool;
+
+/* odd sizes, with and without bias, padding 0 and 1, 2x2 and 3x2 pools, a 5x5 kernel, and
+** fmnist-cnn's first layer at batch 37 (the backward's image ranges uneven) */
+static const cc_cpool cc_cpools[] = {
+    {3, 9, 8, 5, 3, 3, 0, {2, 2}, 1},   {3, 9, 8, 5, 3, 3, 1, {2, 2}, 0},  {2, 7, 11, 4, 3, 2, 1, {3, 2}, 1},
+    {2, 11, 7, 3, 5, 5, 0, {2, 3}, 0},  {4, 6, 5, 7, 2, 3, 1, {1, 1}, 1},  {37, 28, 28, 32, 3, 3, 0, {2, 2}, 1},
+    {5, 13, 15, 9, 3, 3, 1, {2, 2}, 1},
+};
+
+/* y = conv2d_relu_max_pool2d(x, w, b); loss = sum(y * r); y, dW, db */
+static kiln_status cc_cpool_run(const cc_cpool *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
+                                kiln_device dev, kiln_tensor *res[3]) {
+  kiln_tensor *x = kiln_to_device(xb, dev), *r = kiln_to_device(rb, dev);
+  kiln_tensor *w = kiln_detach(kiln_contiguous(kiln_to_device(wb, dev)));
+  kiln_tensor *b = k->bias ? kiln_detach(kiln_contiguous(kiln_to_device(bb, dev))) : NULL;
+  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
+  if (kiln_requires_grad_(w, true) != KILN_OK || (b && kiln_requires_grad_(b, true) != KILN_OK)) return kiln_last_error();
+  int64_t pad[2] = {k->pad, k->pad};
+  kiln_tensor *y = kiln_conv2d_relu_max_pool2d(x, w, b, NULL, pad, NULL, 1, k->PK, NULL, NULL, NULL);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
+  if (!loss) return kiln_last_error();
+  kiln_status st = kiln_backward(loss, NULL);
+  if (st != KILN_OK) return st;
+  res[0] = y, res[1] = kiln_grad(w), res[2] = b ? kiln_grad(b) : NULL;
+  return KILN_OK;
+}
+
+/* kiln_conv2d_relu_max_pool2d on cuda:0 (CONV1_RELU_MAX_POOL2D and its backward) against
+** the CPU, f32: the output bit for bit (the same f32 operations in the same order), the
+** weight and bias gradients within f32 rounding, and the gradients of two CUDA runs
+** identical (the fixed-order sums). The fallback is an error: the op must run on CUDA. */
+static void cc_conv_relu_pool(void) {
+  if (!kiln__dispatch_has(cc_gpu(), NULL, KILN__K_CONV1_RELU_MAX_POOL2D)) {
+    H_CHECK(false, "cuda:0 has no conv1_relu_max_pool2d kernel");
+    return;
+  }
+  for (size_t ci = 0; ci < sizeof cc_cpools / sizeof cc_cpools[0]; ci++) {
+    const cc_cpool *k = &cc_cpools[ci];
+    kiln_scope_begin();
+    kiln_generator *gen = kiln_generator_new(500 + ci);
+    kiln_tensor *xb = kiln_randn(KILN_SHAPE(k->N, 1, k->H, k->W), KILN_F32, cc_cpu(), gen);
+    kiln_tensor *wb = kiln_randn(KILN_SHAPE(k->OC, 1, k->KH, k->KW), KILN_F32, cc_cpu(), gen);
+    kiln_tensor *bb = kiln_randn(KILN_SHAPE(k->OC), KILN_F32, cc_cpu(), gen);
+    int64_t OH = (k->H + 2 * k->pad - k->KH + 1) / k->PK[0], OW = (k->W + 2 * k->pad - k->KW + 1) / k->PK[1];
+    kiln_tensor *rb = kiln_randn(KILN_SHAPE(k->N, k->OC, OH, OW), KILN_F32, cc_cpu(), gen);
+    kiln_generator_free(gen);
+    kiln_tensor *want[3] = {0}, *got[3] = {0}, *again[3] = {0};
+    kiln_fallback_policy saved = kiln_fallback_policy_get();
+    kiln_status s1 = cc_cpool_run(k, xb, wb, bb, rb, cc_cpu(), want);
+    kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+    kiln_status s2 = cc_cpool_run(k, xb, wb, bb, rb, cc_gpu(), got);
+    kiln_status s3 = cc_cpool_run(k, xb, wb, bb, rb, cc_gpu(), again);
+    kiln_set_fallback_policy(saved);
+    char what[160];
+    snprintf(what, sizeof what, "conv2d_relu_max_pool2d case %zu (%lldx1x%lldx%lld, %lld out, %lldx%lld pad %lld, pool %lldx%lld%s)",
+             ci, (long long)k->N, (long long)k->H, (long long)k->W, (long long)k->OC, (long long)k->KH,
+             (long long)k->KW, (long long)k->pad, (long long)k->PK[0], (long long)k->PK[1], k->bias ? ", bias" : "");
+    if (s1 != KILN_OK || s2 != KILN_OK || s3 != KILN_OK) {
+      H_CHECK(false, "%s: %s run failed: %s", what, s1 != KILN_OK ? "CPU" : "CUDA", kiln_last_error_message());
+      kiln_scope_end();
+      continue;
+    }
+    static const char *const part[3] = {"y", "dw", "db"};
+    /* the CPU's fused kernel (built with oneDNN) makes the output with the same f32
+    ** operations; without it the CPU composes conv2d from a GEMM (other sums) */
+    bool cpu_fused = kiln__dispatch_has(cc_cpu(), NULL, KILN__K_CONV1_RELU_MAX_POOL2D);
+    for (int q = 0; q < 3; q++) {
+      if (!want[q] && !got[q]) continue;
+      char name[240];
+      snprintf(name, sizeof name, "%s %s", what, part[q]);
+      cc_same(name, got[q], want[q], KILN_F32);
+      if (q == 0 && !cpu_fused) continue;
+      double *a = cc_host(got[q]), *b = cc_host(q ? again[q] : want[q]);
+      snprintf(name, sizeof name, "%s %s %s", what, part[q], q ? "(two CUDA runs: the same bits)" : "(the CPU's bits)");
+      if (a && b) h_close(name, a, b, kiln_numel(got[q]), 0, 0);
+      else H_CHECK(false, "%s: could not read: %s", name, kiln_last_error_message());
+      free(a), free(b);
+    }
+    kiln_scope_end();
+  }
+}
+
+/* kiln_relu_max_pool2d on cuda:0 (RELU_MAX_POOL2D and its backward): values, and the input
+** gradient, identical to the CPU's with ties, NaN, negatives (ReLU) and an uncovered edge
+** (9x10 with 2x3 windows); an input with transposed (h, w) strides included. */
+static void cc_relu_max_pool(void) {
+  kiln_scope_begin();
+  int64_t n = 2 * 3 * 9 * 10;
+  double *v = malloc((size_t)n * sizeof(double));
+  for (int64_t i = 0; i < n; i++) v[i] = (double)((i * 7919) % 5) - 2.0; /* ties, negatives */
+  v[17] = NAN, v[200] = NAN;
+  kiln_tensor *x = kiln_from_data(v, KILN_SHAPE(2, 3, 9, 10), KILN_F32, cc_cpu());
+  free(v);
+  int64_t kk[2] = {2, 3};
+  for (int layout = 0; layout < 2; layout++) {
+    kiln_tensor *y[2] = {0}, *gx[2] = {0};
+    kiln_device devs[2] = {cc_cpu(), cc_gpu()};
+    for (int d = 0; d < 2; d++) {
+      kiln_tensor *leaf = kiln_detach(kiln_contiguous(kiln_to_device(x, devs[d])));
+      kiln_requires_grad_(leaf, true);
+      /* layout 1: (h, w) transposed in memory, strides (270, 90, 1, 9) */
+      kiln_tensor *xd = layout ? kiln_transpose(kiln_contiguous(kiln_transpose(leaf, 2, 3)), 2, 3) : leaf;
+      y[d] = kiln_relu_max_pool2d(xd, kk, NULL, NULL, NULL);
+      kiln_tensor *wts = y[d] ? kiln_arange(0, (double)kiln_numel(y[d]), 1, KILN_F32, devs[d]) : NULL;
+      kiln_tensor *loss = wts ? kiln_sum_all(kiln_mul(kiln_reshape(y[d], 1, (int64_t[]){kiln_numel(y[d])}), wts)) : NULL;
+      if (loss && kiln_backward(loss, NULL) == KILN_OK) gx[d] = kiln_grad(leaf);
+    }
+    char name[128];
+    snprintf(name, sizeof name, "relu_max_pool2d 2x3 %s values", layout ? "strided" : "contiguous");
+    double *a = cc_host(y[1]), *b = cc_host(y[0]);
+    if (a && b) h_close(name, a, b, kiln_numel(y[0]), 0, 0);
+    else H_CHECK(false, "%s: could not read: %s", name, kiln_last_error_message());
+    free(a), free(b);
+    snprintf(name, sizeof name, "relu_max_pool2d 2x3 %s backward", layout ? "strided" : "contiguous");
+    a = cc_host(gx[1]), b = cc_host(gx[0]);
+    if (a && b) h_close(name, a, b, kiln_numel(gx[0]), 0, 0);
+    else H_CHECK(false, "%s: could not read: %s", name, kiln_last_error_message());
+    free(a), free(b);
+  }
+  kiln_scope_end();
+}
+
 /* ---- a captured conv step ---------------------------------------------------------------- */
 
 typedef struct cc_step {
@@ -486,6 +617,10 @@ int main(int argc, char **argv) {
   cc_backward_kernels();
   printf("test_cuda_conv: max_pool2d\n");
   cc_max_pool();
+  printf("test_cuda_conv: conv2d_relu_max_pool2d (the fused first layer)\n");
+  cc_conv_relu_pool();
+  printf("test_cuda_conv: relu_max_pool2d\n");
+  cc_relu_max_pool();
   printf("test_cuda_conv: graph capture\n");
   cc_capture();
   printf("test_cuda_conv: channels-last end to end\n");

@@ -365,7 +365,7 @@ typedef struct kiln__view {
   /* in0 x (N, 1, H, W), in1 weight (OC, 1, kh, kw), optional in2 bias (OC), f32 dense */  \
   /* -> out0 y (N, OC, POH, POW), out1 offsets (u8): RELU_MAX_POOL2D of CONV2D's output, */ \
   /* which is not made. a->params: two kiln__conv_params, the conv's (stride 1, */         \
-  /* dilation 1) then the pool's (tiling); i0 groups (1). CPU with oneDNN only. */          \
+  /* dilation 1) then the pool's (tiling); i0 groups (1). CPU with oneDNN, and CUDA. */     \
   X(CONV1_RELU_MAX_POOL2D, "conv1_relu_max_pool2d")                                       \
   /* its weight gradient: in0 x, in1 g (N, OC, POH, POW), in2 y, in3 the offsets -> */    \
   /* out0 dW (OC, 1, kh, kw), optional out1 db (OC); params, i0 as the forward. */         \

@@ -478,7 +478,9 @@ static constexpr bool kc_is_kv(kiln__kop op) {
 static constexpr bool kc_is_conv(kiln__kop op) {
   return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
          op == KILN__K_CONV2D || op == KILN__K_CONV2D_BACKWARD_DATA || op == KILN__K_CONV2D_BACKWARD_DATA_ACC ||
-         op == KILN__K_CONV2D_BACKWARD_WEIGHT || op == KILN__K_MAX_POOL2D_BACKWARD;
+         op == KILN__K_CONV2D_BACKWARD_WEIGHT || op == KILN__K_MAX_POOL2D_BACKWARD ||
+         op == KILN__K_RELU_MAX_POOL2D || op == KILN__K_RELU_MAX_POOL2D_BACKWARD ||
+         op == KILN__K_CONV1_RELU_MAX_POOL2D || op == KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
 }
 
 static constexpr bool kc_is_batchnorm(kiln__kop op) {

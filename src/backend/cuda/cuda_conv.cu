@@ -1,24 +1,34 @@
 /* The convolution family on CUDA: the window kernels (IM2COL, COL2IM, MAX_POOL2D and its
 ** backward:
-** cuda_pool.cu) and the library convolutions (CONV2D and its two backward kernels:
-** cuda_conv_cudnn.cu, cuDNN; without it supports() says no, and the op layer composes
-** IM2COL + MATMUL). */
+** cuda_pool.cu), the fused ReLU + max-pool and one-channel conv + ReLU + max-pool kernels
+** (RELU_MAX_POOL2D, CONV1_RELU_MAX_POOL2D and their backwards: cuda_conv1.cu) and the
+** library convolutions (CONV2D and its two backward kernels: cuda_conv_cudnn.cu, cuDNN;
+** without it supports() says no, and the op layer composes IM2COL + MATMUL). */
 #include "cuda_int.cuh"
 
 extern "C" bool kiln__cuda_window_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_window(const kiln__kargs *a);
 extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
+extern "C" bool kiln__cuda_conv1_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_conv1(const kiln__kargs *a);
 
 static bool is_window(kiln__kop op) {
   return op == KILN__K_IM2COL || op == KILN__K_COL2IM || op == KILN__K_MAX_POOL2D ||
          op == KILN__K_MAX_POOL2D_BACKWARD;
 }
 
+static bool is_fused(kiln__kop op) {
+  return op == KILN__K_RELU_MAX_POOL2D || op == KILN__K_RELU_MAX_POOL2D_BACKWARD ||
+         op == KILN__K_CONV1_RELU_MAX_POOL2D || op == KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD;
+}
+
 extern "C" bool kiln__cuda_conv_supports(const kiln__kargs *a) {
-  return is_window(a->op) ? kiln__cuda_window_supports(a) : kiln__cuda_cudnn_supports(a);
+  return is_window(a->op) ? kiln__cuda_window_supports(a)
+         : is_fused(a->op) ? kiln__cuda_conv1_supports(a)
+                           : kiln__cuda_cudnn_supports(a);
 }
 
 extern "C" kiln_status kiln__cuda_conv(const kiln__kargs *a) {
-  return is_window(a->op) ? kiln__cuda_window(a) : kiln__cuda_cudnn_conv(a);
+  return is_window(a->op) ? kiln__cuda_window(a) : is_fused(a->op) ? kiln__cuda_conv1(a) : kiln__cuda_cudnn_conv(a);
 }

@@ -363,6 +363,10 @@ kiln_status conv1(kiln__cuda_dev *d, const kiln__kargs *a) {
     if (groups > g.OC) groups = g.OC;
     if (groups < 1) groups = 1;
     g.ocpb = (int)((g.OC + groups - 1) / groups);
+    /* the image and the group's weights and biases within 48 KB of shared memory (the
+    ** image is at most 8192 floats: room for 81 channels of 49 taps) */
+    int most = (12288 - g.Hp * g.Wp) / (T + 1);
+    if (g.ocpb > most) g.ocpb = most;
     groups = (g.OC + g.ocpb - 1) / g.ocpb;
     g.chunks = g.nper = 0;
     size_t smem = (size_t)(g.Hp * g.Wp + g.ocpb * T + g.ocpb) * sizeof(float);

@@ -121,7 +121,8 @@ static double time_layer1_ms(kiln_device dev, bool fused, int reps, bool backwar
     kiln_scope_begin();
     kiln_mark *m0 = kiln_mark_record(dev);
     kiln_tensor *y = fused ? kiln_conv2d_relu_max_pool2d(x, w, b, NULL, NULL, NULL, 1, pk, NULL, NULL, NULL)
-                           : kiln_max_pool2d(kiln_relu(kiln_conv2d(x, w, b, NULL, NULL, NULL, 1)), pk, NULL, NULL, NULL, NULL);
+                           : kiln_max_pool2d(kiln_relu(kiln_conv2d(x, w, b, NULL, NULL, NULL, 1)), pk, NULL, NULL, NULL,
+                                             NULL);
     if (backward && y) kiln_backward(kiln_sum_all(y), NULL);
     kiln_mark *m1 = kiln_mark_record(dev);
     double ms = kiln_mark_elapsed_ms(m0, m1);

@@ -325,7 +325,8 @@ static kiln_status cc_cpool_run(const cc_cpool *k, kiln_tensor *xb, kiln_tensor 
   kiln_tensor *w = kiln_detach(kiln_contiguous(kiln_to_device(wb, dev)));
   kiln_tensor *b = k->bias ? kiln_detach(kiln_contiguous(kiln_to_device(bb, dev))) : NULL;
   if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
-  if (kiln_requires_grad_(w, true) != KILN_OK || (b && kiln_requires_grad_(b, true) != KILN_OK)) return kiln_last_error();
+  if (kiln_requires_grad_(w, true) != KILN_OK || (b && kiln_requires_grad_(b, true) != KILN_OK))
+    return kiln_last_error();
   int64_t pad[2] = {k->pad, k->pad};
   kiln_tensor *y = kiln_conv2d_relu_max_pool2d(x, w, b, NULL, pad, NULL, 1, k->PK, NULL, NULL, NULL);
   kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
@@ -362,9 +363,10 @@ static void cc_conv_relu_pool(void) {
     kiln_status s2 = cc_cpool_run(k, xb, wb, bb, rb, cc_gpu(), got);
     kiln_status s3 = cc_cpool_run(k, xb, wb, bb, rb, cc_gpu(), again);
     kiln_set_fallback_policy(saved);
-    char what[160];
-    snprintf(what, sizeof what, "conv2d_relu_max_pool2d case %zu (%lldx1x%lldx%lld, %lld out, %lldx%lld pad %lld, pool %lldx%lld%s)",
-             ci, (long long)k->N, (long long)k->H, (long long)k->W, (long long)k->OC, (long long)k->KH,
+    char what[200];
+    snprintf(what, sizeof what,
+             "conv2d_relu_max_pool2d case %zu (%lldx1x%lldx%lld, %lld out, %lldx%lld pad %lld, pool %lldx%lld%s)", ci,
+             (long long)k->N, (long long)k->H, (long long)k->W, (long long)k->OC, (long long)k->KH,
              (long long)k->KW, (long long)k->pad, (long long)k->PK[0], (long long)k->PK[1], k->bias ? ", bias" : "");
     if (s1 != KILN_OK || s2 != KILN_OK || s3 != KILN_OK) {
       H_CHECK(false, "%s: %s run failed: %s", what, s1 != KILN_OK ? "CPU" : "CUDA", kiln_last_error_message());
@@ -377,7 +379,7 @@ static void cc_conv_relu_pool(void) {
     bool cpu_fused = kiln__dispatch_has(cc_cpu(), NULL, KILN__K_CONV1_RELU_MAX_POOL2D);
     for (int q = 0; q < 3; q++) {
       if (!want[q] && !got[q]) continue;
-      char name[240];
+      char name[280];
       snprintf(name, sizeof name, "%s %s", what, part[q]);
       cc_same(name, got[q], want[q], KILN_F32);
       if (q == 0 && !cpu_fused) continue;
@@ -413,7 +415,8 @@ static void cc_relu_max_pool(void) {
       kiln_tensor *xd = layout ? kiln_transpose(kiln_contiguous(kiln_transpose(leaf, 2, 3)), 2, 3) : leaf;
       y[d] = kiln_relu_max_pool2d(xd, kk, NULL, NULL, NULL);
       kiln_tensor *wts = y[d] ? kiln_arange(0, (double)kiln_numel(y[d]), 1, KILN_F32, devs[d]) : NULL;
-      kiln_tensor *loss = wts ? kiln_sum_all(kiln_mul(kiln_reshape(y[d], 1, (int64_t[]){kiln_numel(y[d])}), wts)) : NULL;
+      kiln_tensor *flat = y[d] ? kiln_reshape(y[d], 1, (int64_t[]){kiln_numel(y[d])}) : NULL;
+      kiln_tensor *loss = wts ? kiln_sum_all(kiln_mul(flat, wts)) : NULL;
       if (loss && kiln_backward(loss, NULL) == KILN_OK) gx[d] = kiln_grad(leaf);
     }
     char name[128];

@@ -48,7 +48,9 @@ Div make_div(uint32_t d) {
   f.m = (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << f.s) - d) / d + 1);
   return f;
 }
-__device__ __forceinline__ int dv(int n, const Div &f) { return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s); }
+__device__ __forceinline__ int dv(int n, const Div &f) {
+  return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s);
+}
 
 /* the largest element offset a view reaches (INT64_MAX for a negative stride) */
 int64_t span(const kiln__view *v) {
@@ -115,8 +117,8 @@ __global__ void __launch_bounds__(256) relu_pool_bwd(const float *__restrict__ g
     float v = 0.0f;
     if (a < g.OH && b < g.OW) {
       t = ix[n * g.is[0] + c * g.is[1] + a * g.is[2] + b * g.is[3]];
-      v = y[n * g.ys[0] + c * g.ys[1] + a * g.ys[2] + b * g.ys[3]] > 0 ? gr[n * g.gs[0] + c * g.gs[1] + a * g.gs[2] + b * g.gs[3]]
-                                                                        : 0.0f;
+      const float yv = y[n * g.ys[0] + c * g.ys[1] + a * g.ys[2] + b * g.ys[3]];
+      v = yv > 0 ? gr[n * g.gs[0] + c * g.gs[1] + a * g.gs[2] + b * g.gs[3]] : 0.0f;
     }
     float *dp = dx + n * g.xs[0] + c * g.xs[1];
     for (int i = 0; i < g.KH; i++) {
@@ -168,7 +170,8 @@ kiln_status relu_pool(kiln__cuda_dev *d, const kiln__kargs *a) {
   int EH = bw ? (g.H + g.KH - 1) / g.KH : g.OH, EW = bw ? (g.W + g.KW - 1) / g.KW : g.OW;
   int64_t total = planes * EH * EW;
   if (total == 0) return KILN_OK;
-  if (total >= INT_MAX / 2) return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: too many elements for cuda", kiln__kop_name(a->op));
+  if (total >= INT_MAX / 2)
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: too many elements for cuda", kiln__kop_name(a->op));
   g.total = (int)total;
   g.cdiv = make_div((uint32_t)g.C), g.ohdiv = make_div((uint32_t)EH), g.owdiv = make_div((uint32_t)EW);
   int blocks = kc_blocks(total, 256, d->sm_count);
@@ -332,7 +335,8 @@ bool conv1_args(const kiln__kargs *a, CGeom *g) {
     if (cp->stride[d] != 1 || cp->dilation[d] != 1 || cp->padding[d] < 0 || cp->kernel[d] != w->shape[2 + d])
       return false;
   if (!tiling(pp) || w->shape[2] * w->shape[3] > 49) return false;
-  int64_t OH = x->shape[2] + 2 * cp->padding[0] - w->shape[2] + 1, OW = x->shape[3] + 2 * cp->padding[1] - w->shape[3] + 1;
+  int64_t OH = x->shape[2] + 2 * cp->padding[0] - w->shape[2] + 1;
+  int64_t OW = x->shape[3] + 2 * cp->padding[1] - w->shape[3] + 1;
   if (OH < 1 || OW < 1) return false;
   int64_t sh[4] = {x->shape[0], w->shape[0], OH / pp->kernel[0], OW / pp->kernel[1]};
   for (int d = 0; d < 4; d++)
@@ -370,7 +374,8 @@ kiln_status conv1(kiln__cuda_dev *d, const kiln__kargs *a) {
     groups = (g.OC + g.ocpb - 1) / g.ocpb;
     g.chunks = g.nper = 0;
     size_t smem = (size_t)(g.Hp * g.Wp + g.ocpb * T + g.ocpb) * sizeof(float);
-    if (smem > 48 * 1024) return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: %s: image too large", kiln__kop_name(a->op));
+    if (smem > 48 * 1024)
+      return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: %s: image too large", kiln__kop_name(a->op));
     dim3 grid((unsigned)g.N, (unsigned)groups);
     const float *b = a->n_in > 2 ? (const float *)a->in[2].data : NULL;
     if (k3p2)
@@ -400,7 +405,8 @@ kiln_status conv1(kiln__cuda_dev *d, const kiln__kargs *a) {
   kiln_status st = kiln__cuda_capture_note(a->device, part, pn);
   if (st == KILN_OK) {
     dim3 grid((unsigned)g.OC, (unsigned)g.chunks);
-    const float *x = (const float *)a->in[0].data, *gr = (const float *)a->in[1].data, *y = (const float *)a->in[2].data;
+    const float *x = (const float *)a->in[0].data, *gr = (const float *)a->in[1].data;
+    const float *y = (const float *)a->in[2].data;
     const uint8_t *ix = (const uint8_t *)a->in[3].data;
     if (g.KH == 3 && g.KW == 3)
       conv1_bwd_part<3, 3><<<grid, 256, 0, d->stream>>>(x, gr, y, ix, part, g);
@@ -440,7 +446,8 @@ extern "C" kiln_status kiln__cuda_conv1(const kiln__kargs *a) {
   case KILN__K_RELU_MAX_POOL2D:
   case KILN__K_RELU_MAX_POOL2D_BACKWARD:
     if (!relu_pool_supports(a))
-      return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln: %s: arguments the CUDA kernel does not take (f32, tiling windows)",
+      return kiln_set_error(KILN_ERR_UNSUPPORTED,
+                            "kiln: %s: arguments the CUDA kernel does not take (f32, tiling windows)",
                             kiln__kop_name(a->op));
     return relu_pool(d, a);
   default: return conv1(d, a);

@@ -802,12 +802,13 @@ template <class T> kiln_status bias_grad(kiln__cuda_dev *d, const kiln__view *g,
     if (!part) return kiln_last_error();
     kiln_status st = kiln__cuda_capture_note(device, part, pn);
     if (st == KILN_OK) {
-      bias_grad_part<T><<<dim3((unsigned)C, (unsigned)chunks), KC_THREADS, 0, d->stream>>>((const T *)g->data, part, bg, N,
-                                                                                            nper, (int)chunks);
+      dim3 grid((unsigned)C, (unsigned)chunks);
+      bias_grad_part<T><<<grid, KC_THREADS, 0, d->stream>>>((const T *)g->data, part, bg, N, nper, (int)chunks);
       st = kiln__cuda_launched("conv2d_backward_weight (bias, partial sums)");
     }
     if (st == KILN_OK) {
-      bias_grad_finish<T><<<(unsigned)((C + 127) / 128), 128, 0, d->stream>>>(part, (T *)db->data, bg.bs, (int)C, (int)chunks);
+      bias_grad_finish<T><<<(unsigned)((C + 127) / 128), 128, 0, d->stream>>>(part, (T *)db->data, bg.bs, (int)C,
+                                                                              (int)chunks);
       st = kiln__cuda_launched("conv2d_backward_weight (bias)");
     }
     kiln__cuda_free(device, part, pn); /* stream ordered: the kernels queued above still see it */

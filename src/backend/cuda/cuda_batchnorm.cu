@@ -37,6 +37,7 @@
 #include "cuda_int.cuh"
 
 #include <math.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -172,6 +173,10 @@ __device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t
 ** thread left the first version latency bound (the channels-last statistics ran at about
 ** a third of the NCHW pass's bandwidth on the H200). */
 enum { BN_U = 4 };
+/* (Occupancy: ptxas gives the bf16 8-wide channels-last kernels 118-124 registers, pass 3
+** and pass 1's backward: two blocks of 256 an SM, 16 warps, with 32-64 KB of loads in flight
+** an SM. Capping them at 80 registers for three blocks spilled 100-360 bytes a thread in the
+** loop (ptxas -v), so they are left uncapped.) */
 
 /* ---- pass 1, cf: block (channel blockIdx.x, split blockIdx.y) over that channel's
 ** N * S/V vectors, flattened as (n, sv); (n, sv) advance by subtraction, no division in
@@ -495,12 +500,12 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu) {
+          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu, bool rev) {
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
   /* the last rows first: pass 1 read them last, so they may still be in L2 */
-  const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
+  const int64_t row = (int64_t)(rev ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rpb + rr;
   if (row >= rows) return;
   const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
@@ -559,13 +564,14 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef, int64_t chunk, bool relu) {
+             const A *__restrict__ coef, int64_t chunk, bool relu, bool rev) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
   /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
   ** so the last it read may still be in L2 (50 MB on the H200) */
   const int64_t C = G.C, R = G.N * G.S, step = blockDim.y, c0 = cv * V;
-  const int64_t by = (int64_t)gridDim.y - 1 - blockIdx.y, r0 = by * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
+  const int64_t by = rev ? (int64_t)gridDim.y - 1 - blockIdx.y : (int64_t)blockIdx.y, r0 = by * chunk,
+                r1 = r0 + chunk < R ? r0 + chunk : R;
   typedef Pack<A, V> PA;
   typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
@@ -601,6 +607,36 @@ __global__ void __launch_bounds__(BN_THREADS)
 }
 
 /* ---- host side ---- */
+
+/* Tuning knobs, read once from the environment, for A/B runs on a device (.integ/bnfuse.sh
+** sweeps them; the defaults are the measured choice):
+**   KILN_BN_P1_BPS     pass 1's grid: blocks per SM it aims for (default 8); 0: exactly the
+**                      blocks the SMs hold at once (the occupancy calculator), one wave of
+**                      equal blocks and no tail, at the cost of the reverse-order L2 reuse
+**                      (every block's last rows are in L2 then, not the tensor's);
+**   KILN_BN_P3_ROWS    channels-last pass 3: rows per thread (default 16);
+**   KILN_BN_P3_REVERSE 0: pass 3 walks the rows forward instead of last first. */
+struct Knobs {
+  int p1_bps, p3_rows;
+  bool reverse;
+};
+int env_int(const char *name, int dflt, int lo, int hi) {
+  const char *e = getenv(name);
+  if (!e || !*e) return dflt;
+  char *end = NULL;
+  long v = strtol(e, &end, 10);
+  return *end || v < lo || v > hi ? dflt : (int)v;
+}
+const Knobs &knobs() {
+  static const Knobs k = [] {
+    Knobs r;
+    r.p1_bps = env_int("KILN_BN_P1_BPS", 8, 0, 64);
+    r.p3_rows = env_int("KILN_BN_P3_ROWS", 16, 1, 4096);
+    r.reverse = env_int("KILN_BN_P3_REVERSE", 1, 0, 1) != 0;
+    return r;
+  }();
+  return k;
+}
 
 bool cf_ok(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
@@ -692,10 +728,10 @@ struct P1 {
   int splits;
   size_t smem;
 };
-template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
+template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count, int bps) {
   P1 p;
-  /* enough blocks to fill every SM (8 resident blocks of 256 threads each) */
-  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * 8;
+  /* enough blocks to fill every SM (bps resident blocks of 256 threads each) */
+  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * (bps > 0 ? bps : 8);
   if (!cl) {
     int64_t elems = G.N * G.S;
     int64_t splits = (target + G.C - 1) / G.C;
@@ -769,23 +805,49 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
     int tx = 1;
     while (tx < 32 && tx < CV) tx *= 2;
     int ty = BN_THREADS / tx;
-    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 16 - 1) / ((int64_t)ty * 16);
+    const int64_t rpt = knobs().p3_rows;
+    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * rpt - 1) / ((int64_t)ty * rpt);
     if (gy > 65535) gy = 65535;
     if (gy < 1) gy = 1;
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    const bool rev = knobs().reverse;
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu)
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu, \
+                                                                             knobs().reverse)
   if (!bw) BN_P3(false, false);
   else if (train) BN_P3(true, true);
   else BN_P3(true, false);
 #undef BN_P3
   return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
+}
+
+/* pass 1's blocks per SM: the knob, or (0) what the occupancy calculator says the SMs hold
+** of this kernel at once (cached per kernel) */
+template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw) {
+  int bps = knobs().p1_bps;
+  if (bps > 0) return bps;
+  static int cache[2][2]; /* [cl][bw]; 0 unknown */
+  int &c = cache[cl][bw];
+  if (c > 0) return c;
+  int n = 0;
+  size_t smem = cl ? (size_t)BN_THREADS * (2 * V + 1) * sizeof(A) : 0;
+  cudaError_t e;
+  if (!cl) e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
+                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
+  else e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
+              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
+  if (e != cudaSuccess || n < 1) {
+    (void)cudaGetLastError(); /* not sticky: clear it */
+    n = 8;
+  }
+  c = n;
+  return n;
 }
 
 template <class T, class A, int V>
@@ -794,7 +856,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const int flags = (int)a->i[0];
   Geo G = geo_of(a);
   const int64_t C = G.C;
-  P1 p = plan1<A>(G, cl, V, d->sm_count);
+  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw));
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
   size_t coef_n = (size_t)C * 4;

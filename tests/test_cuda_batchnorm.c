@@ -15,7 +15,14 @@
 **    CPU's two-pass f64 statistics.
 ** 4. max_pool2d's gradient (the gather over the computed window range) against the CPU:
 **    ResNet's 3x3/2 pad 1 window, a dilated one, a channels-last input.
-** 5. Timings at ResNet-50's sizes, printed (not checked): batch_norm forward and forward +
+** 5. kiln_batch_norm_add_relu on the device (one BATCH_NORM with the residual, flag 16; one
+**    BATCH_NORM_BACKWARD that writes the residual's gradient in its first pass, flag 4):
+**    against the f64 three ops on the device (test_ops_batchnorm's check), against the CPU's
+**    fused op in f32, bf16 and f16, NCHW and channels-last, the residual in x's layout or
+**    the other, training and eval, odd shapes (C 7, 12, 20; S 15, 49, 81, 143) and ones that
+**    split a channel over many blocks; the kernels that ran (one forward, one backward, no
+**    RELU_BACKWARD, nothing on the CPU); two runs the same bits.
+** 6. Timings at ResNet-50's sizes, printed (not checked): batch_norm forward and forward +
 **    backward on (128, 256, 56, 56) bf16, NCHW and channels-last; max_pool2d backward on
 **    the stem's (128, 64, 112, 112) bf16.
 ** BC_GPU_IS_CPU builds it against the CPU, to check the test's own logic without a GPU.
@@ -156,6 +163,82 @@ static void bc_fused(void) {
       }
       bn_out_free(&gpu), bn_out_free(&cpu);
     }
+}
+
+/* kiln_batch_norm_add_relu: the device against the CPU (both fused), every output and
+** gradient (y, the running statistics, dx, dweight, dbias, dresidual). */
+static void bc_add_relu(void) {
+  bn_add_relu_fused(bc_gpu()); /* against the f64 three ops on the device */
+  static const struct {
+    int64_t shape[5];
+    int layout;
+    bool res_cl;
+  } cfg[] = {
+      {{3, 7, 5, 3, 0}, BN_CONTIG, false}, /* C 7, S 15: scalar */
+      {{3, 7, 5, 3, 0}, BN_CL, true},
+      {{3, 7, 5, 3, 0}, BN_CL, false},     /* the residual copied to x's layout */
+      {{4, 12, 7, 7, 0}, BN_CL, true},     /* C 12: 4-wide 16-bit vectors */
+      {{4, 12, 7, 7, 0}, BN_CONTIG, true},
+      {{6, 20, 11, 13, 0}, BN_CONTIG, false}, /* S 143 */
+      {{8, 40, 7, 7, 0}, BN_CL, true},     /* C 40: 8-wide, 5 vectors a row */
+      {{16, 64, 9, 9, 0}, BN_CL, true},    /* C 64: ResNet's narrowest, 1296 rows */
+      {{32, 24, 28, 28, 0}, BN_CL, true},  /* 25k rows: many splits of a channel */
+      {{32, 8, 28, 28, 0}, BN_CONTIG, false},
+  };
+  static const kiln_dtype dts[3] = {KILN_F32, KILN_BF16, KILN_F16};
+  static const char *const names[7] = {"y", "running_mean", "running_var", "dx", "dweight", "dbias", "dresidual"};
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 3; di++)
+      for (int mode = 0; mode < 2; mode++) {
+        bn_spec sp = bn_sweep_spec(4, cfg[ci].shape, cfg[ci].layout, dts[di], mode, 0.5,
+                                   1200 + ci * 8 + (uint64_t)di * 2 + (uint64_t)mode);
+        double *a[7] = {NULL}, *b[7] = {NULL};
+        int64_t na[7] = {0}, nb[7] = {0};
+        if (bnar_run(&sp, cfg[ci].res_cl, true, bc_gpu(), a, na) &&
+            bnar_run(&sp, cfg[ci].res_cl, true, kiln_device_cpu(), b, nb)) {
+          double rt, at;
+          bc_tol(sp.dt, &rt, &at);
+          for (int k = 0; k < 7; k++) {
+            char name[192];
+            snprintf(name, sizeof name, "batch_norm_add_relu cuda vs cpu [%lld, %lld, %lld, %lld] %s %s %s %s %s",
+                     (long long)sp.shape[0], (long long)sp.shape[1], (long long)sp.shape[2], (long long)sp.shape[3],
+                     bn_layout_name[sp.layout], cfg[ci].res_cl ? "residual CL" : "residual NCHW",
+                     kiln_dtype_name(sp.dt), sp.train ? "training" : "eval", names[k]);
+            H_CHECK(na[k] == nb[k], "%s: sizes %lld, %lld", name, (long long)na[k], (long long)nb[k]);
+            if (na[k] == nb[k]) h_close(name, a[k], b[k], na[k], rt, at);
+          }
+        }
+        for (int k = 0; k < 7; k++) free(a[k]), free(b[k]);
+      }
+  /* the kernels that ran: one forward (the residual in it), one backward (the residual's
+  ** gradient written by it: no RELU_BACKWARD), nothing sent to the CPU; run twice, the
+  ** same bits (fixed-order reductions) */
+  for (int lay = 0; lay < 2; lay++) {
+    const int64_t shape[5] = {16, 40, 9, 9, 0};
+    bn_spec sp = bn_sweep_spec(4, shape, lay ? BN_CL : BN_CONTIG, KILN_BF16, 0, 0.5, 1300 + (uint64_t)lay);
+    bn_seen seen = {0};
+    double *a[7] = {NULL}, *b[7] = {NULL};
+    int64_t na[7] = {0}, nb[7] = {0};
+    kiln__dispatch_observe(bn_observe, &seen);
+    bool ok = bnar_run(&sp, lay == 1, true, bc_gpu(), a, na);
+    kiln__dispatch_observe(NULL, NULL);
+#ifndef BC_GPU_IS_CPU
+    const int relu_bwd = 0; /* flag 4 on CUDA */
+#else
+    const int relu_bwd = 1; /* the CPU keeps RELU_BACKWARD + the unmasked kernel */
+#endif
+    H_CHECK(ok && seen.fwd == 1 && seen.bwd == 1 && seen.relu_bwd == relu_bwd && seen.fell_back == 0,
+            "batch_norm_add_relu %s on the device: %d forward, %d backward, %d relu_backward (want %d), %d fell back",
+            lay ? "channels-last" : "NCHW", seen.fwd, seen.bwd, seen.relu_bwd, relu_bwd, seen.fell_back);
+    if (ok && bnar_run(&sp, lay == 1, true, bc_gpu(), b, nb))
+      for (int k = 0; k < 7; k++) {
+        char name[96];
+        snprintf(name, sizeof name, "batch_norm_add_relu %s run twice: %s", lay ? "channels-last" : "NCHW", names[k]);
+        H_CHECK(na[k] == nb[k], "%s: sizes", name);
+        if (na[k] == nb[k]) h_close(name, a[k], b[k], na[k], 0, 0);
+      }
+    for (int k = 0; k < 7; k++) free(a[k]), free(b[k]);
+  }
 }
 
 /* Channels-last views whose rows are not evenly spaced (a slice along H of a channels-last
@@ -392,6 +475,8 @@ int main(int argc, char **argv) {
   bc_repeat();
   bc_fused();
   bc_cl_slice();
+  printf("test_cuda_batchnorm: batch_norm_add_relu\n");
+  bc_add_relu();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

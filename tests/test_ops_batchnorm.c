@@ -15,11 +15,15 @@
 **    ReLU-backward kernel), a
 **    channels-last input gives channels-last y and dx, a mean of 1e4 beside a spread of 1
 **    loses nothing, PyTorch's running-statistics rule with bf16 input and f32 buffers.
+** 4. The CPU kernel's flag 4 (the masked gradient CUDA's batch_norm_add_relu backward
+**    writes; the CPU's only for a fallback): g masked exactly, dx/dweight/dbias the masked
+**    kernel's bits.
 ** The runner bn_run is shared with tests/test_cuda_batchnorm.c (CUDA against the CPU).
 ** Names are prefixed bn_.
 */
 #include "harness.h"
 #include "backend/backend.h"
+#include "ops/op.h"
 #include "core/kiln_int.h"
 
 #include <stdlib.h>
@@ -530,6 +534,51 @@ static void bn_add_relu_fused(kiln_device dev) {
   kiln_scope_end();
 }
 
+/* The CPU's BATCH_NORM_BACKWARD with flag 4 (CUDA's masked gradient, which the op layer
+** asks for on CUDA only; the CPU has it for a fallback): out3 is g where the mask is > 0,
+** else 0, and dx, dweight, dbias are the masked kernel's to the bit. */
+static void bn_cpu_flag4(void) {
+  kiln_device cpu = kiln_device_cpu();
+  static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
+  for (int di = 0; di < 2; di++) {
+    kiln_scope_begin();
+    const int64_t N = 3, C = 5, S = 7;
+    kiln_dtype dt = dts[di];
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(N, C, S), dt, cpu, NULL), *g = kiln_randn(KILN_SHAPE(N, C, S), dt, cpu, NULL);
+    kiln_tensor *mask = kiln_randn(KILN_SHAPE(N, C, S), dt, cpu, NULL);
+    kiln_tensor *stats = kiln_full(2, (const int64_t[]){2, C}, 0.75, KILN_F32, cpu);
+    kiln_tensor *w = kiln_full(1, &C, 1.5, KILN_F32, cpu);
+    kiln_tensor *o[7];
+    for (int k = 0; k < 7; k++)
+      o[k] = k % 3 == 0 || k == 6 ? kiln_zeros(KILN_SHAPE(N, C, S), dt, cpu) : kiln_zeros(1, &C, KILN_F32, cpu);
+    kiln_status st = KILN_OK;
+    for (int pass = 0; pass < 2 && st == KILN_OK; pass++) { /* flag 2, then flags 2 and 4 */
+      kiln__kargs a = {0};
+      a.op = KILN__K_BATCH_NORM_BACKWARD;
+      a.in[a.n_in++] = kiln__view_of(x), a.in[a.n_in++] = kiln__view_of(g), a.in[a.n_in++] = kiln__view_of(stats);
+      a.in[a.n_in++] = kiln__view_of(w), a.in[a.n_in++] = kiln__view_of(mask);
+      a.i[0] = 1 | 2 | (pass ? 4 : 0), a.i[1] = 1, a.s[0] = 1e-5;
+      for (int k = 0; k < 3; k++) a.out[a.n_out++] = kiln__view_of(o[pass * 3 + k]);
+      if (pass) a.out[a.n_out++] = kiln__view_of(o[6]);
+      st = kiln__dispatch(cpu, &a);
+    }
+    H_CHECK(st == KILN_OK, "cpu flag 4 %s ran: %s", kiln_dtype_name(dt), kiln_last_error_message());
+    if (st == KILN_OK) {
+      int64_t n = 0;
+      for (int k = 0; k < 3; k++) {
+        double *a = h_values(o[k], &n), *b = h_values(o[3 + k], NULL);
+        h_close(k == 0 ? "cpu flag 4: dx" : k == 1 ? "cpu flag 4: dweight" : "cpu flag 4: dbias", a, b, n, 0, 0);
+        free(a), free(b);
+      }
+      double *gv = h_values(g, &n), *mv = h_values(mask, NULL), *gm = h_values(o[6], NULL);
+      for (int64_t i = 0; i < n; i++) gv[i] = mv[i] > 0 ? gv[i] : 0.0;
+      h_close("cpu flag 4: the masked gradient", gm, gv, n, 0, 0);
+      free(gv), free(mv), free(gm);
+    }
+    kiln_scope_end();
+  }
+}
+
 static void bn_family(void) {
   h_run_cases(bn_cases, (int)(sizeof bn_cases / sizeof bn_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
@@ -537,6 +586,7 @@ static void bn_family(void) {
     bn_extra();
     bn_relu_fused(kiln_device_cpu());
     bn_add_relu_fused(kiln_device_cpu());
+    bn_cpu_flag4();
   }
 }
 

@@ -314,7 +314,7 @@ typedef struct kiln__view {
   /* i0 flag 8: y = max(y, 0) (NaN kept), a ReLU fused (kiln_batch_norm_relu). i0 flag */ \
   /* 16: one more input after the weight and bias, a residual (N, C, S) (x's dtype) */     \
   /* added before that ReLU: y = max(bn(x) + residual, 0) (kiln_batch_norm_add_relu; */    \
-  /* the CPU only so far, CUDA composes). */                                               \
+  /* the CPU and CUDA). */                                                                 \
   X(BATCH_NORM, "batch_norm")                                                             \
   /* in0 x (N, C, S), in1 grad (N, C, S), in2 stats (2, C) as BATCH_NORM gave them, */    \
   /* optional in3 weight (C) (i0 flag 1), optional last input a mask (N, C, S) (x's */   \
@@ -322,7 +322,11 @@ typedef struct kiln__view {
   /* -> out0 dx (N, C, S) (x's dtype), out1 */                                           \
   /* dweight (C) = sum of g xhat, out2 dbias (C) = sum of g (any float dtypes). i1 1 */   \
   /* training: dx = w invstd (g - mean(g) - xhat mean(g xhat)); i1 0 eval: dx = g w */    \
-  /* invstd (the statistics were constants). */                                           \
+  /* invstd (the statistics were constants). i0 flag 4 (with flag 2): n_out 4, out3 gm */  \
+  /* (N, C, S) (x's dtype) = g where mask > 0, else 0 (RELU_BACKWARD's values: the */      \
+  /* residual's gradient of kiln_batch_norm_add_relu), written alongside; CUDA's pass 1 */ \
+  /* writes it and its dx pass reads it instead of g and the mask. The op layer asks */    \
+  /* for it on CUDA only (the CPU has it for a fallback: the same values). */              \
   X(BATCH_NORM_BACKWARD, "batch_norm_backward")                                          \
   /* ---- a linear layer fused with its tanh GELU (issue 16: GPT-2's MLP) ---- */          \
   /* in0 A (M, K), in1 B (K, N) (2-d, any strides), optional in2 bias (N) -> out0 y */      \

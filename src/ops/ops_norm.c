@@ -309,6 +309,10 @@ static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
 ** hands its output), so with the bias a kernel could recompute it from x instead of
 ** reading it; the bias input is kept for that and not passed to the kernels yet. */
 
+/* batch_norm_add_relu_backward: the same op with a fourth output, g masked by the mask
+** (the residual's gradient), written by the kernel's first pass (flag 4): defined below. */
+static const kiln__op op_batch_norm_add_relu_bwd;
+
 static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
   for (int i = 1; i < 5; i += 3) {
@@ -322,6 +326,11 @@ static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln__op_meta(c, 1, 1, &x->shape[1], pdt);
   kiln__op_meta(c, 2, 1, &x->shape[1], pdt);
   c->n_out = 3;
+  if (c->op == &op_batch_norm_add_relu_bwd) {
+    if (!c->in[4]) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_add_relu_backward: no mask");
+    kiln__op_meta_like(c, 3, x, x->dtype);
+    c->n_out = 4;
+  }
   return KILN_OK;
 }
 
@@ -335,10 +344,13 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
   kiln_tensor *ms = c->tmp[1] = mask ? to_layout(kiln__as_dtype_nograd(mask, x->dtype), cl) : NULL;
   if (!gs || (mask && !ms)) return kiln_last_error();
   kiln_device dev = kiln_device_of(x);
+  const bool with_gm = c->op == &op_batch_norm_add_relu_bwd; /* out3: g masked (flag 4) */
+  const int n_out = with_gm ? 4 : 3;
   c->out[0] = alloc_layout(x, cl, x->dtype);
   c->out[1] = kiln__tensor_new(1, &x->shape[1], c->meta[1].dtype, dev);
   c->out[2] = kiln__tensor_new(1, &x->shape[1], c->meta[2].dtype, dev);
-  kiln_status st = c->out[0] && c->out[1] && c->out[2] ? KILN_OK : kiln_last_error();
+  if (with_gm) c->out[3] = alloc_layout(x, cl, x->dtype);
+  kiln_status st = c->out[0] && c->out[1] && c->out[2] && (!with_gm || c->out[3]) ? KILN_OK : kiln_last_error();
   if (st == KILN_OK && kiln_numel(x) == 0) {
     st = kiln_fill_(c->out[1], 0);
     if (st == KILN_OK) st = kiln_fill_(c->out[2], 0);
@@ -356,18 +368,25 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
     a.out[2] = kiln__view_of(c->out[2]);
+    if (with_gm) ncs_view(c->out[3], &a.out[a.n_out++]), a.i[0] |= 4;
     a.i[1] = p->training;
     a.s[0] = p->eps;
     st = kiln__dispatch(dev, &a);
   }
   if (st != KILN_OK)
-    for (int k = 0; k < 3; k++) kiln__discard(c->out[k]), c->out[k] = NULL;
+    for (int k = 0; k < n_out; k++) kiln__discard(c->out[k]), c->out[k] = NULL;
   return st;
 }
 
 static const kiln__op op_batch_norm_bwd = {
     .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 6, .n_out = 3,
     .optional = (1u << 3) | (1u << 4) | (1u << 5),
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
+    .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
+
+static const kiln__op op_batch_norm_add_relu_bwd = {
+    .name = "batch_norm_add_relu_backward", .api = "kiln_batch_norm_add_relu_backward", .n_in = 6, .n_out = 4,
+    .optional = (1u << 3) | (1u << 5),
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
@@ -382,11 +401,15 @@ static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi)
 }
 
 /* One BATCH_NORM_BACKWARD with mask (NULL: none) applied to g, its gradients handed to gi
-** in the inputs' dtypes. */
-static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi) {
+** in the inputs' dtypes; with gm (and a mask), g masked too (the residual's gradient of
+** batch_norm_add_relu, written by the kernel's first pass) in *gm. */
+static kiln_status bn_backward_call(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi,
+                                    kiln_tensor **gm) {
   kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], mask, n->saved[3]};
-  kiln_tensor *out[3] = {NULL, NULL, NULL};
-  if (!kiln__op_call(&op_batch_norm_bwd, 6, in, n->attrs, out)) return kiln_last_error();
+  kiln_tensor *out[4] = {NULL, NULL, NULL, NULL};
+  if (!kiln__op_call(gm ? &op_batch_norm_add_relu_bwd : &op_batch_norm_bwd, 6, in, n->attrs, out))
+    return kiln_last_error();
+  if (gm) *gm = out[3];
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
   for (int k = 1; k < 3; k++) {
     int i = k + 2; /* dweight -> input 3, dbias -> input 4 */
@@ -395,6 +418,10 @@ static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor
     if (kiln__give_grad(&gi[i], r, g) != KILN_OK) return kiln_last_error();
   }
   return KILN_OK;
+}
+
+static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi) {
+  return bn_backward_call(n, g, mask, gi, NULL);
 }
 
 /* batch_norm_relu: the same kernel with the ReLU applied to y (flag 8), and the same
@@ -417,11 +444,18 @@ static const kiln__op op_batch_norm_relu_k = {
     .n_saved = 5, .save = bnkr_save};
 
 /* batch_norm_add_relu: y = relu(batch_norm(x) + residual), ResNet's block tail, in the
-** same kernel (flag 16, then flag 8) where the device has it (the CPU; CUDA composes for
-** now): no normalized tensor and no sum are written or kept.
+** same kernel (flag 16, then flag 8) where the device has it (the CPU, CUDA): no
+** normalized tensor and no sum are written or kept; CUDA's normalizing pass reads the
+** residual beside x.
 ** Backward: g masked by the output (> 0 exactly where the sum was) is the residual's
-** gradient and batch_norm's upstream one (one RELU_BACKWARD kernel, then the unmasked
-** BATCH_NORM_BACKWARD): the kernels the separate add and ReLU ran, less the forward's. */
+** gradient and batch_norm's upstream one. On the CPU: one RELU_BACKWARD kernel, then the
+** unmasked BATCH_NORM_BACKWARD (the kernels the separate add and ReLU ran, less the
+** forward's). Elsewhere (CUDA), where the device has flag 4, one BATCH_NORM_BACKWARD with
+** the output as its mask writes the masked g in its first pass (it reads x, g and the mask
+** there anyway) and its dx pass reads that instead of g and the mask: x, g, the mask read
+** and gm written, then x and gm read and dx written, 7 passes of the tensor against the
+** two kernels' 8 (3 + 5), one launch fewer. Without the residual's gradient wanted, the
+** masked kernel alone (7 passes, no gm). */
 static kiln_status bnar_infer(kiln__op_ctx *c) {
   if (bn_infer(c) != KILN_OK) return kiln_last_error();
   kiln_tensor *x = c->in[0], *r = c->in[5];
@@ -431,8 +465,40 @@ static kiln_status bnar_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
+/* Whether the device runs BATCH_NORM_BACKWARD with the masked gradient (flag 4) for this
+** node. The CPU answers no here: it keeps RELU_BACKWARD and the unmasked kernel, whose bits
+** its tests know. */
+static bool bnar_gm_native(kiln__node *n) {
+  kiln_tensor *x = n->saved[0], *w = n->saved[1], *stats = n->saved[2], *out = n->saved[4];
+  kiln_device dev = kiln_device_of(x);
+  if (dev.type == KILN_DEVICE_CPU || !out || out->dtype != x->dtype) return false;
+  kiln__view xv, mv;
+  if (!ncs_view(x, &xv) || !ncs_view(out, &mv)) return false;
+  kiln__kargs q = {0};
+  q.op = KILN__K_BATCH_NORM_BACKWARD;
+  q.in[q.n_in++] = xv;
+  q.in[q.n_in++] = xv; /* g: made x's layout and dtype by bnb_forward */
+  q.in[q.n_in++] = kiln__view_of(stats);
+  if (w) q.in[q.n_in++] = vec1(w), q.i[0] |= 1;
+  q.in[q.n_in++] = mv;
+  q.i[0] |= 2 | 4;
+  q.out[q.n_out++] = xv;
+  q.out[q.n_out++] = w ? vec1(w) : kiln__view_of(stats);
+  q.out[q.n_out++] = w ? vec1(w) : kiln__view_of(stats);
+  q.out[q.n_out++] = xv;
+  q.i[1] = ((const attrs_bn *)n->attrs)->training;
+  return kiln__dispatch_has(dev, &q, KILN__K_BATCH_NORM_BACKWARD);
+}
+
 static kiln_status bnar_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *out = n->saved[4];
+  if (bnar_gm_native(n)) {
+    if (!n->needs[5]) return bn_backward_masked(n, g, out, gi);
+    kiln_tensor *gm = NULL;
+    if (bn_backward_call(n, g, out, gi, &gm) != KILN_OK) return kiln_last_error();
+    kiln_tensor *r = gm->dtype != n->in_dtype[5] ? kiln_to_dtype(gm, n->in_dtype[5]) : gm;
+    return kiln__give_grad(&gi[5], r, g);
+  }
   kiln_tensor *gg = g->dtype == out->dtype ? g : kiln__as_dtype_nograd(g, out->dtype);
   if (!gg) return kiln_last_error();
   bool g_cl = kiln__is_channels_last(gg) && gg->ndim == out->ndim &&

@@ -601,6 +601,19 @@ static bool channels_inner(const kiln__view *x, int64_t C, int64_t S) {
   return sc < ss;
 }
 
+/* The backward's flag 4: out3 = g where the mask is > 0, else 0 (RELU_BACKWARD's values),
+** element by element. The op layer asks for it on CUDA only (pass 1 writes it there); the
+** CPU keeps it so that a fallback from a device gives the same results. */
+static void write_masked_g(const kiln__view *g, const kiln__view *mask, const kiln__view *out) {
+  for (int64_t n = 0; n < g->shape[0]; n++)
+    for (int64_t c = 0; c < g->shape[1]; c++)
+      for (int64_t s = 0; s < g->shape[2]; s++) {
+        double mv = kiln__cpu_get_f64(at3(mask, n, c, s), mask->dtype);
+        double gv = mv > 0 ? kiln__cpu_get_f64(at3(g, n, c, s), g->dtype) : 0.0;
+        kiln__cpu_set_f64(at3(out, n, c, s), out->dtype, gv);
+      }
+}
+
 kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD;
   const kiln__view *x = &a->in[0];
@@ -633,6 +646,12 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     k.w = (flags & 1) ? &a->in[3] : NULL;
     k.mask = (flags & 2) ? &a->in[a->n_in - 1] : NULL;
     k.y = &a->out[0];
+    if (flags & 4) {
+      if (!k.mask || a->n_out < 4 || a->out[3].ndim != 3)
+        return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
+                              "kiln_batch_norm_backward: flag 4 (the masked gradient) needs the mask and out3");
+      write_masked_g(k.g, k.mask, &a->out[3]);
+    }
   }
   int64_t numel = k.N * k.C * k.S;
   /* short rows (S < BN_SHORT_S: ResNet's 4x4 .. 1x1 maps) stay with the channel-block

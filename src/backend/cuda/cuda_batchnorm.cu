@@ -18,13 +18,18 @@
 **      running statistics' update (PyTorch's rule, unbiased variance) and the per-channel
 **      coefficients of pass 3.
 **   3. y = (x - mean) * (w invstd) + b, elementwise, the rows in reverse: pass 1 read the
-**      last rows last, and some are still in L2.
+**      last rows last, and some are still in L2. Flag 8 applies the ReLU here; flag 16
+**      (kiln_batch_norm_add_relu) adds the residual, read beside x, before it: ResNet's
+**      block tail in this one pass instead of an add and a ReLU over the output again.
 ** Each thread loads 2-4 vectors before it uses any (enough bytes in flight to reach the
 ** bandwidth); a block's rows merge by a fixed tree.
 ** Eval: 2 (from the running statistics) and 3.
 ** Backward: the same shape: per-(channel, split) sums of g and g (x - mean) (the mean read
 ** from the saved statistics); one warp per channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
-** dx = k g + cx (x - mean) + d0 elementwise (eval: k g).
+** dx = k g + cx (x - mean) + d0 elementwise (eval: k g). g goes through the mask (a ReLU's
+** output, flag 2) where there is one; with flag 4 (batch_norm_add_relu's backward) pass 1,
+** which reads g and the mask anyway, writes the masked g (the residual's gradient), and the
+** dx pass reads that instead of g and the mask.
 ** Statistics and sums accumulate in f32 (f64 for f64 inputs), the splits in f64. Every
 ** reduction has a fixed order (no atomics): the same numbers on every run.
 ** Scratch (the partials and coefficients) comes from the caching allocator per call.
@@ -32,6 +37,7 @@
 #include "cuda_int.cuh"
 
 #include <math.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -73,7 +79,9 @@ template <class T, int V> struct alignas(sizeof(T) * V) Pack {
 /* Geometry: (N, C, S), and the strides of x, of the other input (g) and of the output. */
 struct Geo {
   int64_t N, C, S;
-  int64_t xs[3], gs[3], ys[3], ms[3]; /* ms: the mask's (backward with a ReLU folded in) */
+  int64_t xs[3], gs[3], ys[3];
+  int64_t ms[3]; /* the third input's: the mask (backward, a ReLU folded in) or the residual (forward, flag 16) */
+  int64_t os[3]; /* the masked gradient's (backward, flag 4: pass 1 writes it, pass 3 reads it as g) */
 };
 
 /* A value of g where the mask lets it through: the ReLU's backward, folded in. */
@@ -84,6 +92,15 @@ template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk
 
 /* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
 template <class A> __device__ __forceinline__ A relu_if(A v, bool relu) { return relu && v < (A)0 ? (A)0 : v; }
+
+/* the forward's value: bn(x), plus the residual's element where there is one (flag 16),
+** then the ReLU where flag 8 asks */
+template <class T, class A>
+__device__ __forceinline__ T fwd_val(T x, A mean, A k, A b, const T *res, T r, bool relu) {
+  A v = ((A)kc_ld<T>(x) - mean) * k + b;
+  if (res) v += (A)kc_ld<T>(r);
+  return kc_st<T>(relu_if(v, relu));
+}
 
 /* a / b where precision allows the fast path (the Welford weights) */
 __device__ __forceinline__ float qdiv(float a, float b) { return __fdividef(a, b); }
@@ -156,6 +173,10 @@ __device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t
 ** thread left the first version latency bound (the channels-last statistics ran at about
 ** a third of the NCHW pass's bandwidth on the H200). */
 enum { BN_U = 4 };
+/* (Occupancy: ptxas gives the bf16 8-wide channels-last kernels 118-124 registers, pass 3
+** and pass 1's backward: two blocks of 256 an SM, 16 warps, with 32-64 KB of loads in flight
+** an SM. Capping them at 80 registers for three blocks spilled 100-360 bytes a thread in the
+** loop (ptxas -v), so they are left uncapped.) */
 
 /* ---- pass 1, cf: block (channel blockIdx.x, split blockIdx.y) over that channel's
 ** N * S/V vectors, flattened as (n, sv); (n, sv) advance by subtraction, no division in
@@ -163,14 +184,15 @@ enum { BN_U = 4 };
 ** instead of the statistics, the mean read at meanp[c * mst]. */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
-    pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ meanp, int64_t mst) {
+    pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ gm, Geo G,
+             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst) {
   const int64_t c = blockIdx.x, splits = gridDim.y, sp = blockIdx.y;
   const int64_t SV = G.S / V, total = G.N * SV, per = (total + splits - 1) / splits;
   const int64_t j0 = sp * per, j1 = j0 + per < total ? j0 + per : total;
   const T *xc = x + c * G.xs[1];
   const T *gc = BW ? g + c * G.gs[1] : NULL;
   const T *mc = BW && mk ? mk + c * G.ms[1] : NULL;
+  T *oc = BW && gm ? gm + c * G.os[1] : NULL;
   A n = 0, m = 0, q = 0;           /* statistics */
   A sg = 0, sgx = 0, mean = 0;     /* backward sums */
   if (BW) mean = meanp[c * mst];
@@ -184,6 +206,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     const int u_n = j + (U - 1) * B < j1 ? U : j < j1 ? 1 : 0; /* a full batch, or the tail one by one */
     if (u_n == 0) break;
     P px[U], pg[U], pm[U];
+    int64_t oo[U]; /* where the masked g goes (flag 4) */
 #pragma unroll
     for (int u = 0; u < U; u++) {
       if (u < u_n) {
@@ -191,6 +214,7 @@ __global__ void __launch_bounds__(BN_THREADS)
         if (BW) {
           pg[u] = *reinterpret_cast<const P *>(gc + nn * G.gs[0] + sv * V);
           if (mc) pm[u] = *reinterpret_cast<const P *>(mc + nn * G.ms[0] + sv * V);
+          oo[u] = nn * G.os[0] + sv * V;
         }
         radv(nn, sv, dn, dsv, SV);
       }
@@ -204,12 +228,15 @@ __global__ void __launch_bounds__(BN_THREADS)
         if (!BW) {
           wchunk<A, V>(n, m, q, v);
         } else {
+          P po;
 #pragma unroll
           for (int i = 0; i < V; i++) {
             A gv = masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
+            po.v[i] = kc_st<T>(gv); /* exact: g or 0, RELU_BACKWARD's value */
             sg += gv;
             sgx += gv * (v[i] - mean);
           }
+          if (oc) *reinterpret_cast<P *>(oc + oo[u]) = po;
         }
       }
     }
@@ -234,7 +261,7 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** serves V updates), or the backward's sums of g and g (x - mean). */
 template <class T, class A, int V, bool BW>
 __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pack<T, V> &px, const Pack<T, V> &pg,
-                                       const T *mk, const Pack<T, V> &pm) {
+                                       const T *mk, const Pack<T, V> &pm, Pack<T, V> &po) {
   if (!BW) {
     n += (A)1;
     A rc = qdiv((A)1, n);
@@ -248,6 +275,7 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
 #pragma unroll
     for (int i = 0; i < V; i++) {
       A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
+      po.v[i] = kc_st<T>(gv);                        /* exact: g or 0, RELU_BACKWARD's value */
       m[i] += gv;                                    /* sum g */
       q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
     }
@@ -260,8 +288,8 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
 ** then merge by a fixed tree through shared memory (row k takes row k + h, h = TY/2 .. 1). */
 template <class T, class A, int V, bool BW>
 __global__ void __launch_bounds__(BN_THREADS)
-    pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, Geo G, A *__restrict__ part,
-             const A *__restrict__ meanp, int64_t mst) {
+    pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ gm, Geo G,
+             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t CV = (G.C + V - 1) / V, cv = (int64_t)blockIdx.x * TX + tx;
   const int64_t R = G.N * G.S, splits = gridDim.y, sp = blockIdx.y, per = (R + splits - 1) / splits;
@@ -283,6 +311,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0;
     if (u_n == 0) break;
     P px[U], pg[U], pm[U];
+    int64_t oo[U]; /* where the masked g goes (flag 4) */
 #pragma unroll
     for (int u = 0; u < U; u++) {
       if (u < u_n) {
@@ -290,13 +319,18 @@ __global__ void __launch_bounds__(BN_THREADS)
         if (BW) {
           pg[u] = *reinterpret_cast<const P *>(g + nn * G.gs[0] + s * G.gs[2] + co);
           if (mk) pm[u] = *reinterpret_cast<const P *>(mk + nn * G.ms[0] + s * G.ms[2] + co);
+          oo[u] = nn * G.os[0] + s * G.os[2] + co;
         }
         radv(nn, s, dn, ds, G.S);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; u++)
-      if (u < u_n) cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u]);
+      if (u < u_n) {
+        P po;
+        cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u], po);
+        if (BW && gm) *reinterpret_cast<P *>(gm + oo[u]) = po;
+      }
     r += (int64_t)u_n * TY;
   }
   /* the block's rows by a fixed tree */
@@ -466,12 +500,12 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu) {
+          const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu, bool rev) {
   const int64_t rows = G.N * G.C;
   int64_t rr = threadIdx.x / inner, v0 = threadIdx.x - rr * inner;
   if (rr >= rpb) return;
   /* the last rows first: pass 1 read them last, so they may still be in L2 */
-  const int64_t row = (int64_t)(gridDim.x - 1 - blockIdx.x) * rpb + rr;
+  const int64_t row = (int64_t)(rev ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rpb + rr;
   if (row >= rows) return;
   const int64_t C = G.C, n = row / C, c = row - n * C;
   const int64_t step = rpb == 1 ? blockDim.x : inner;
@@ -481,9 +515,10 @@ __global__ void __launch_bounds__(BN_THREADS)
   for (int64_t v = v0; v < inner; v += step) {
     Pack<T, V> out;
     if (!BW) {
-      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
+      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V), pr;
+      if (mk) pr = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V); /* the residual */
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - mean) * kk + pp, relu));
+      for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], mean, kk, pp, mk, pr.v[i], relu);
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
@@ -511,9 +546,9 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
                                              const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
                                              const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu) {
   Pack<T, V> out;
-  if (!BW) {
+  if (!BW) { /* pmk: the residual where mk is set */
 #pragma unroll
-    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(relu_if(((A)kc_ld<T>(px.v[i]) - pm.v[i]) * pk.v[i] + pp.v[i], relu));
+    for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], pm.v[i], pk.v[i], pp.v[i], mk, pmk.v[i], relu);
   } else if (TRAIN) {
 #pragma unroll
     for (int i = 0; i < V; i++)
@@ -529,13 +564,14 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
 template <class T, class A, int V, bool BW, bool TRAIN>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
-             const A *__restrict__ coef, int64_t chunk, bool relu) {
+             const A *__restrict__ coef, int64_t chunk, bool relu, bool rev) {
   const int64_t CV = G.C / V, cv = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= CV) return;
   /* block row by takes rows [r0, r1), the last chunk first: pass 1 read the rows in order,
   ** so the last it read may still be in L2 (50 MB on the H200) */
   const int64_t C = G.C, R = G.N * G.S, step = blockDim.y, c0 = cv * V;
-  const int64_t by = (int64_t)gridDim.y - 1 - blockIdx.y, r0 = by * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
+  const int64_t by = rev ? (int64_t)gridDim.y - 1 - blockIdx.y : (int64_t)blockIdx.y, r0 = by * chunk,
+                r1 = r0 + chunk < R ? r0 + chunk : R;
   typedef Pack<A, V> PA;
   typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
@@ -556,10 +592,8 @@ __global__ void __launch_bounds__(BN_THREADS)
     for (int u = 0; u < U; u++) {
       if (u < u_n) {
         if (rx) px[u] = *reinterpret_cast<const P *>(x + n * G.xs[0] + s * G.xs[2] + c0);
-        if (BW) {
-          pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0);
-          if (mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0);
-        }
+        if (BW) pg[u] = *reinterpret_cast<const P *>(g + n * G.gs[0] + s * G.gs[2] + c0);
+        if (mk) pmk[u] = *reinterpret_cast<const P *>(mk + n * G.ms[0] + s * G.ms[2] + c0); /* mask or residual */
         yo[u] = n * G.ys[0] + s * G.ys[2] + c0;
         radv(n, s, dn, ds, G.S);
       }
@@ -574,6 +608,36 @@ __global__ void __launch_bounds__(BN_THREADS)
 
 /* ---- host side ---- */
 
+/* Tuning knobs, read once from the environment, for A/B runs on a device (.integ/bnfuse.sh
+** sweeps them; the defaults are the measured choice):
+**   KILN_BN_P1_BPS     pass 1's grid: blocks per SM it aims for (default 8); 0: exactly the
+**                      blocks the SMs hold at once (the occupancy calculator), one wave of
+**                      equal blocks and no tail, at the cost of the reverse-order L2 reuse
+**                      (every block's last rows are in L2 then, not the tensor's);
+**   KILN_BN_P3_ROWS    channels-last pass 3: rows per thread (default 16);
+**   KILN_BN_P3_REVERSE 0: pass 3 walks the rows forward instead of last first. */
+struct Knobs {
+  int p1_bps, p3_rows;
+  bool reverse;
+};
+int env_int(const char *name, int dflt, int lo, int hi) {
+  const char *e = getenv(name);
+  if (!e || !*e) return dflt;
+  char *end = NULL;
+  long v = strtol(e, &end, 10);
+  return *end || v < lo || v > hi ? dflt : (int)v;
+}
+const Knobs &knobs() {
+  static const Knobs k = [] {
+    Knobs r;
+    r.p1_bps = env_int("KILN_BN_P1_BPS", 8, 0, 64);
+    r.p3_rows = env_int("KILN_BN_P3_ROWS", 16, 1, 4096);
+    r.reverse = env_int("KILN_BN_P3_REVERSE", 1, 0, 1) != 0;
+    return r;
+  }();
+  return k;
+}
+
 bool cf_ok(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
 
@@ -582,20 +646,35 @@ const kiln__view *mask_of(const kiln__kargs *a) {
   return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 2) ? &a->in[a->n_in - 1] : NULL;
 }
 
-/* The big views of a call: x, y (forward); x, g, dx and the mask (backward). */
+/* The residual of a forward (flag 16: the input after the weight and the bias), or NULL. */
+const kiln__view *residual_of(const kiln__kargs *a) {
+  if (a->op != KILN__K_BATCH_NORM || !(a->i[0] & 16)) return NULL;
+  return &a->in[1 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)];
+}
+
+/* The kernels' third big input (mk): the mask (backward) or the residual (forward). */
+const kiln__view *aux_of(const kiln__kargs *a) { return a->op == KILN__K_BATCH_NORM ? residual_of(a) : mask_of(a); }
+
+/* The masked gradient a backward writes (flag 4), or NULL. */
+const kiln__view *gm_of(const kiln__kargs *a) {
+  return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 4) && a->n_out > 3 ? &a->out[3] : NULL;
+}
+
+/* The big views of a call: x, y and the residual (forward); x, g, dx, the mask and the
+** masked gradient (backward). */
 int big_views(const kiln__kargs *a, const kiln__view **v) {
-  if (a->op == KILN__K_BATCH_NORM) {
-    v[0] = &a->in[0], v[1] = &a->out[0];
-    return 2;
-  }
-  v[0] = &a->in[0], v[1] = &a->in[1], v[2] = &a->out[0];
-  if (mask_of(a)) v[3] = mask_of(a);
-  return mask_of(a) ? 4 : 3;
+  int n = 0;
+  v[n++] = &a->in[0];
+  if (a->op == KILN__K_BATCH_NORM_BACKWARD) v[n++] = &a->in[1];
+  v[n++] = &a->out[0];
+  if (aux_of(a)) v[n++] = aux_of(a);
+  if (gm_of(a)) v[n++] = gm_of(a);
+  return n;
 }
 
 /* The layout all big views share: 1 cl, 0 cf, -1 none. */
 int layout_of(const kiln__kargs *a) {
-  const kiln__view *v[4];
+  const kiln__view *v[5];
   int nv = big_views(a, v);
   bool all_cf = true, all_cl = true;
   for (int i = 0; i < nv; i++) all_cf = all_cf && cf_ok(v[i]), all_cl = all_cl && cl_ok(v[i]);
@@ -607,7 +686,7 @@ int layout_of(const kiln__kargs *a) {
 
 /* The widest vector (elements) every big view allows along the inner dim. */
 int pick_vec(const kiln__kargs *a, bool cl, size_t esize) {
-  const kiln__view *v[4];
+  const kiln__view *v[5];
   int nv = big_views(a, v);
   int64_t inner = cl ? v[0]->shape[1] : v[0]->shape[2];
   for (int V = (int)(16 / esize); V > 1; V /= 2) {
@@ -629,7 +708,7 @@ Vec vec_of(const kiln__view *v) {
 
 Geo geo_of(const kiln__kargs *a) {
   Geo G;
-  const kiln__view *x = &a->in[0], *mk = mask_of(a);
+  const kiln__view *x = &a->in[0], *mk = aux_of(a), *gm = gm_of(a);
   const bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD;
   G.N = x->shape[0], G.C = x->shape[1], G.S = x->shape[2];
   for (int d = 0; d < 3; d++) {
@@ -637,6 +716,7 @@ Geo geo_of(const kiln__kargs *a) {
     G.gs[d] = bw ? a->in[1].strides[d] : x->strides[d];
     G.ys[d] = a->out[0].strides[d];
     G.ms[d] = mk ? mk->strides[d] : 0;
+    G.os[d] = gm ? gm->strides[d] : 0;
   }
   return G;
 }
@@ -648,10 +728,10 @@ struct P1 {
   int splits;
   size_t smem;
 };
-template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count) {
+template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count, int bps) {
   P1 p;
-  /* enough blocks to fill every SM (8 resident blocks of 256 threads each) */
-  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * 8;
+  /* enough blocks to fill every SM (bps resident blocks of 256 threads each) */
+  int64_t target = (int64_t)(sm_count > 0 ? sm_count : 132) * (bps > 0 ? bps : 8);
   if (!cl) {
     int64_t elems = G.N * G.S;
     int64_t splits = (target + G.C - 1) / G.C;
@@ -687,20 +767,27 @@ template <class T, class A, int V>
 kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, const P1 &p, A *part,
                       const A *meanp, int64_t mst) {
   const T *x = (const T *)a->in[0].data, *g = bw ? (const T *)a->in[1].data : NULL;
-  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
+  const T *mk = bw && mask_of(a) ? (const T *)mask_of(a)->data : NULL;
+  T *gm = gm_of(a) ? (T *)gm_of(a)->data : NULL;
   if (!cl) {
-    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
-    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, gm, G, part, meanp, mst);
+    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst);
   } else {
-    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
-    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, G, part, meanp, mst);
+    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, gm, G, part, meanp, mst);
+    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
 
 template <class T, class A, int V>
-kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, bool train,
+kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bool cl, bool bw, bool train,
                       const A *coef) {
+  /* a backward that wrote the masked gradient in pass 1 (flag 4) reads it as g, unmasked:
+  ** one tensor less to read than g and the mask */
+  Geo G = G0;
+  const kiln__view *gmv = gm_of(a);
+  if (gmv)
+    for (int k = 0; k < 3; k++) G.gs[k] = G.os[k], G.ms[k] = 0;
   const bool relu = !bw && (a->i[0] & 8) != 0; /* kiln_batch_norm_relu */
   int64_t inner = (cl ? G.C : G.S) / V; /* pick_vec chose V dividing it */
   if (inner < 1) inner = 1;
@@ -709,8 +796,8 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   int64_t blocks = (rows + rpb - 1) / rpb;
   if (blocks < 1) return KILN_OK;
   const T *x = (const T *)a->in[0].data;
-  const T *g = bw ? (const T *)a->in[1].data : NULL;
-  const T *mk = mask_of(a) ? (const T *)mask_of(a)->data : NULL;
+  const T *g = !bw ? NULL : gmv ? (const T *)gmv->data : (const T *)a->in[1].data;
+  const T *mk = gmv || !aux_of(a) ? NULL : (const T *)aux_of(a)->data; /* the mask, or the residual (forward) */
   T *y = (T *)a->out[0].data;
   if (cl) {
     /* pass 1's block shape; rows split so that a thread takes ~16 (4 batches of U) */
@@ -718,23 +805,49 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     int tx = 1;
     while (tx < 32 && tx < CV) tx *= 2;
     int ty = BN_THREADS / tx;
-    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * 16 - 1) / ((int64_t)ty * 16);
+    const int64_t rpt = knobs().p3_rows;
+    int64_t gx = (CV + tx - 1) / tx, gy = (R + (int64_t)ty * rpt - 1) / ((int64_t)ty * rpt);
     if (gy > 65535) gy = 65535;
     if (gy < 1) gy = 1;
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu);
+    const bool rev = knobs().reverse;
+    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu)
+  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu, \
+                                                                             knobs().reverse)
   if (!bw) BN_P3(false, false);
   else if (train) BN_P3(true, true);
   else BN_P3(true, false);
 #undef BN_P3
   return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
+}
+
+/* pass 1's blocks per SM: the knob, or (0) what the occupancy calculator says the SMs hold
+** of this kernel at once (cached per kernel) */
+template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw) {
+  int bps = knobs().p1_bps;
+  if (bps > 0) return bps;
+  static int cache[2][2]; /* [cl][bw]; 0 unknown */
+  int &c = cache[cl][bw];
+  if (c > 0) return c;
+  int n = 0;
+  size_t smem = cl ? (size_t)BN_THREADS * (2 * V + 1) * sizeof(A) : 0;
+  cudaError_t e;
+  if (!cl) e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
+                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
+  else e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
+              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
+  if (e != cudaSuccess || n < 1) {
+    (void)cudaGetLastError(); /* not sticky: clear it */
+    n = 8;
+  }
+  c = n;
+  return n;
 }
 
 template <class T, class A, int V>
@@ -743,7 +856,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const int flags = (int)a->i[0];
   Geo G = geo_of(a);
   const int64_t C = G.C;
-  P1 p = plan1<A>(G, cl, V, d->sm_count);
+  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw));
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
   size_t coef_n = (size_t)C * 4;
@@ -820,14 +933,24 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
-    if (a->i[0] & ~(int64_t)15) return false;
+    if (a->i[0] & ~(int64_t)31) return false;
+    const kiln__view *r = residual_of(a);
+    if (r && (a->n_in != 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0) || r->dtype != x->dtype || r->ndim != 3 ||
+              r->shape[0] != x->shape[0] || r->shape[1] != x->shape[1] || r->shape[2] != x->shape[2]))
+      return false;
   } else {
     if (a->n_in < 3 || a->n_out < 3 || a->in[1].dtype != x->dtype || a->out[0].dtype != x->dtype ||
         a->in[1].ndim != 3 || a->out[0].ndim != 3)
       return false;
     if (a->n_in != 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)) return false;
+    if (a->i[0] & ~(int64_t)7) return false;
     const kiln__view *mk = mask_of(a);
     if (mk && (mk->dtype != x->dtype || mk->ndim != 3)) return false;
+    if (a->i[0] & 4) { /* the masked gradient: needs the mask, written in x's dtype */
+      if (!mk || a->n_out != 4 || a->out[3].dtype != x->dtype || a->out[3].ndim != 3) return false;
+    } else if (a->n_out != 3) {
+      return false;
+    }
   }
   for (int i = 1; i < a->n_in; i++)
     if (!kc_is_float(a->in[i].dtype)) return false;

@@ -37,21 +37,6 @@ extern "C" kiln_status kiln__cuda_conv1(const kiln__kargs *a);
 
 namespace {
 
-/* n / d for 0 <= n < 2^31 by a multiply and a shift (as cuda_pool.cu's) */
-struct Div {
-  uint32_t d, m, s;
-};
-Div make_div(uint32_t d) {
-  Div f;
-  f.d = d, f.s = 0;
-  while (f.s < 32 && (1u << f.s) < d) f.s++;
-  f.m = (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << f.s) - d) / d + 1);
-  return f;
-}
-__device__ __forceinline__ int dv(int n, const Div &f) {
-  return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s);
-}
-
 /* the largest element offset a view reaches (INT64_MAX for a negative stride) */
 int64_t span(const kiln__view *v) {
   int64_t s = 0;
@@ -76,18 +61,18 @@ bool tiling(const kiln__conv_params *p) {
 struct RGeom {
   int C, H, W, OH, OW, KH, KW, total;
   int xs[4], ys[4], is[4], gs[4];
-  Div cdiv, ohdiv, owdiv; /* by C, by the rows and columns of the grid walked */
+  kc_fastdiv cdiv, ohdiv, owdiv; /* by C, by the rows and columns of the grid walked */
 };
 
 /* one thread per pooled output: the window's max (first on ties, NaN wins), ReLU, offset */
 __global__ void __launch_bounds__(256) relu_pool_fwd(const float *__restrict__ x, float *__restrict__ y,
                                                      uint8_t *__restrict__ ix, RGeom g) {
   for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += gridDim.x * blockDim.x) {
-    int r = dv(k, g.owdiv);
+    int r = kc_div(k, g.owdiv);
     const int ow = k - r * g.OW;
-    int pl = dv(r, g.ohdiv);
+    int pl = kc_div(r, g.ohdiv);
     const int oh = r - pl * g.OH;
-    const int n = dv(pl, g.cdiv), c = pl - n * g.C;
+    const int n = kc_div(pl, g.cdiv), c = pl - n * g.C;
     const float *xp = x + n * g.xs[0] + c * g.xs[1] + oh * g.KH * g.xs[2] + ow * g.KW * g.xs[3];
     float best = xp[0];
     int at = 0;
@@ -108,11 +93,11 @@ __global__ void __launch_bounds__(256) relu_pool_bwd(const float *__restrict__ g
                                                      const uint8_t *__restrict__ ix, float *__restrict__ dx, RGeom g,
                                                      int EH, int EW) {
   for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < g.total; k += gridDim.x * blockDim.x) {
-    int r = dv(k, g.owdiv);
+    int r = kc_div(k, g.owdiv);
     const int b = k - r * EW;
-    int pl = dv(r, g.ohdiv);
+    int pl = kc_div(r, g.ohdiv);
     const int a = r - pl * EH;
-    const int n = dv(pl, g.cdiv), c = pl - n * g.C;
+    const int n = kc_div(pl, g.cdiv), c = pl - n * g.C;
     int t = -1;
     float v = 0.0f;
     if (a < g.OH && b < g.OW) {
@@ -173,7 +158,8 @@ kiln_status relu_pool(kiln__cuda_dev *d, const kiln__kargs *a) {
   if (total >= INT_MAX / 2)
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_%s: too many elements for cuda", kiln__kop_name(a->op));
   g.total = (int)total;
-  g.cdiv = make_div((uint32_t)g.C), g.ohdiv = make_div((uint32_t)EH), g.owdiv = make_div((uint32_t)EW);
+  g.cdiv = kc_make_fastdiv((uint32_t)g.C);
+  g.ohdiv = kc_make_fastdiv((uint32_t)EH), g.owdiv = kc_make_fastdiv((uint32_t)EW);
   int blocks = kc_blocks(total, 256, d->sm_count);
   if (!bw)
     relu_pool_fwd<<<blocks, 256, 0, d->stream>>>((const float *)x->data, (float *)y->data, (uint8_t *)ix->data, g);

@@ -328,4 +328,21 @@ template <class T, class F> __device__ __forceinline__ T kc_warp_reduce(T v, F f
   return v;
 }
 
+/* n / d for 0 <= n < 2^31 by a multiply and a shift (PyTorch's IntDivider): the magic
+** number m and shift s are made once on the host (kc_make_fastdiv), so a kernel's index
+** arithmetic has no integer division (cuda_pool.cu, cuda_conv1.cu). */
+struct kc_fastdiv {
+  uint32_t d, m, s;
+};
+static inline kc_fastdiv kc_make_fastdiv(uint32_t d) {
+  kc_fastdiv f;
+  f.d = d, f.s = 0;
+  while (f.s < 32 && (1u << f.s) < d) f.s++;
+  f.m = (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << f.s) - d) / d + 1);
+  return f;
+}
+__device__ __forceinline__ int kc_div(int n, const kc_fastdiv &f) {
+  return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s);
+}
+
 #endif /* KILN_CUDA_INT_CUH */

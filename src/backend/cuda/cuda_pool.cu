@@ -169,31 +169,15 @@ __global__ void __launch_bounds__(KC_THREADS) max_pool_bwd_kernel(const T *g, co
   }
 }
 
-/* n / d for 0 <= n < 2^31 by a multiply and a shift (PyTorch's IntDivider): the magic
-** number m and shift s are made once on the host. */
-struct FastDiv {
-  uint32_t d, m, s;
-};
-FastDiv make_fastdiv(uint32_t d) {
-  FastDiv f;
-  f.d = d, f.s = 0;
-  while (f.s < 32 && (1u << f.s) < d) f.s++;
-  f.m = (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << f.s) - d) / d + 1);
-  return f;
-}
-__device__ __forceinline__ int fdiv(int n, const FastDiv &f) {
-  return (int)((__umulhi((uint32_t)n, f.m) + (uint32_t)n) >> f.s);
-}
-
 /* MAX_POOL2D_BACKWARD when every offset fits in 32 bits (ResNet's stem and about every
 ** real case): the same gather, without the integer divisions that bound the kernel above
 ** (1.46 ms for the stem's 128x64x112x112 bf16 on the H200). Blocks are 32 x 8 pixel tiles
 ** (x along w, so NCHW writes coalesce) and blockIdx.z walks the planes, so (h, w) come
-** from the grid; the window ranges divide by the stride through FastDiv. */
+** from the grid; the window ranges divide by the stride through kc_fastdiv. */
 struct PoolB {
   int H, W, OH, OW, C, planes, ph, pw, exth, extw;
   int xs[4], gs[4], is[4];
-  FastDiv sh, sw, cdiv;
+  kc_fastdiv sh, sw, cdiv;
 };
 template <class T>
 __global__ void __launch_bounds__(256) max_pool_bwd_fast(const T *g, const int64_t *idx, T *dx, PoolB b) {
@@ -201,11 +185,12 @@ __global__ void __launch_bounds__(256) max_pool_bwd_fast(const T *g, const int64
   const int w = blockIdx.x * 32 + threadIdx.x, h = blockIdx.y * 8 + threadIdx.y;
   if (w >= b.W || h >= b.H) return;
   const int hp = h + b.ph, wp = w + b.pw;
-  const int oh0 = hp < b.exth ? 0 : fdiv(hp - b.exth, b.sh) + 1, ow0 = wp < b.extw ? 0 : fdiv(wp - b.extw, b.sw) + 1;
-  const int oh1 = min(fdiv(hp, b.sh), b.OH - 1), ow1 = min(fdiv(wp, b.sw), b.OW - 1); /* inclusive */
+  const int oh0 = hp < b.exth ? 0 : kc_div(hp - b.exth, b.sh) + 1;
+  const int ow0 = wp < b.extw ? 0 : kc_div(wp - b.extw, b.sw) + 1;
+  const int oh1 = min(kc_div(hp, b.sh), b.OH - 1), ow1 = min(kc_div(wp, b.sw), b.OW - 1); /* inclusive */
   const int64_t me = (int64_t)h * b.W + w;
   for (int pl = blockIdx.z; pl < b.planes; pl += gridDim.z) {
-    const int n = fdiv(pl, b.cdiv), c = pl - n * b.C;
+    const int n = kc_div(pl, b.cdiv), c = pl - n * b.C;
     const T *gp = g + n * b.gs[0] + c * b.gs[1];
     const int64_t *ip = idx + n * b.is[0] + c * b.is[1];
     A acc = 0;
@@ -219,15 +204,15 @@ __global__ void __launch_bounds__(256) max_pool_bwd_fast(const T *g, const int64
 /* MAX_POOL2D and its backward on channels-last views (the channels stride 1 in x, y, the
 ** indices and dx), V channels a thread: one 16-byte load of x (or g) a tap, the indices
 ** 8 bytes each in 16-byte pairs. The work items (n, a, b, channel vector) are decoded with
-** FastDiv. (The generic kernels above take one channel a thread and decode every item by
+** kc_fastdiv. (The generic kernels above take one channel a thread and decode every item by
 ** three integer divisions; channels-last, max_pool_bwd_fast walks w across threads, so its
 ** writes are C elements apart: 3.4 ms for ResNet-50's stem at batch 256 on the H200.)
 ** Same window order, tie rule and gather order as the kernels above, so the same numbers. */
 struct PoolCL {
   int N, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, exth, extw, CV, total;
   int xs[4], ys[4], is[4]; /* image, pooled (y or g), indices: element strides */
-  FastDiv cvd, bd, ad;     /* by CV, by the plane's width and height (OW, OH or W, H) */
-  FastDiv shd, swd;
+  kc_fastdiv cvd, bd, ad;     /* by CV, by the plane's width and height (OW, OH or W, H) */
+  kc_fastdiv shd, swd;
 };
 
 template <class T, int V> __device__ __forceinline__ Pack2<T, V> ldp(const T *p) {
@@ -239,11 +224,11 @@ __global__ void __launch_bounds__(256) max_pool_cl(const T *__restrict__ x, T *_
                                                    PoolCL p) {
   typedef typename kc_traits<T>::acc A;
   for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < p.total; k += gridDim.x * blockDim.x) {
-    int r = fdiv(k, p.cvd);
+    int r = kc_div(k, p.cvd);
     const int cv = k - r * p.CV;
-    int r2 = fdiv(r, p.bd);
+    int r2 = kc_div(r, p.bd);
     const int ow = r - r2 * p.OW;
-    const int n = fdiv(r2, p.ad), oh = r2 - n * p.OH;
+    const int n = kc_div(r2, p.ad), oh = r2 - n * p.OH;
     const T *xp = x + (int64_t)n * p.xs[0] + cv * V;
     A best[V];
     int at[V];
@@ -287,14 +272,15 @@ __global__ void __launch_bounds__(256) max_pool_bwd_cl(const T *__restrict__ g, 
                                                        T *__restrict__ dx, PoolCL p) {
   typedef typename kc_traits<T>::acc A;
   for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < p.total; k += gridDim.x * blockDim.x) {
-    int r = fdiv(k, p.cvd);
+    int r = kc_div(k, p.cvd);
     const int cv = k - r * p.CV;
-    int r2 = fdiv(r, p.bd);
+    int r2 = kc_div(r, p.bd);
     const int w = r - r2 * p.W;
-    const int n = fdiv(r2, p.ad), h = r2 - n * p.H;
+    const int n = kc_div(r2, p.ad), h = r2 - n * p.H;
     const int hp = h + p.ph, wp = w + p.pw;
-    const int oh0 = hp < p.exth ? 0 : fdiv(hp - p.exth, p.shd) + 1, ow0 = wp < p.extw ? 0 : fdiv(wp - p.extw, p.swd) + 1;
-    const int oh1 = min(fdiv(hp, p.shd), p.OH - 1), ow1 = min(fdiv(wp, p.swd), p.OW - 1); /* inclusive */
+    const int oh0 = hp < p.exth ? 0 : kc_div(hp - p.exth, p.shd) + 1;
+    const int ow0 = wp < p.extw ? 0 : kc_div(wp - p.extw, p.swd) + 1;
+    const int oh1 = min(kc_div(hp, p.shd), p.OH - 1), ow1 = min(kc_div(wp, p.swd), p.OW - 1); /* inclusive */
     const int64_t me = (int64_t)h * p.W + w;
     const T *gp = g + (int64_t)n * p.ys[0] + cv * V;
     const int64_t *ipp = idx + (int64_t)n * p.is[0] + cv * V;
@@ -367,8 +353,8 @@ kiln_status launch_cl(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view 
     p.xs[k] = (int)img->strides[k], p.ys[k] = (int)other->strides[k], p.is[k] = (int)iv->strides[k];
   int A_ = bw ? p.H : p.OH, B_ = bw ? p.W : p.OW;
   p.total = (int)((int64_t)p.N * A_ * B_ * p.CV);
-  p.cvd = make_fastdiv((uint32_t)p.CV), p.bd = make_fastdiv((uint32_t)B_), p.ad = make_fastdiv((uint32_t)A_);
-  p.shd = make_fastdiv((uint32_t)p.sh), p.swd = make_fastdiv((uint32_t)p.sw);
+  p.cvd = kc_make_fastdiv((uint32_t)p.CV), p.bd = kc_make_fastdiv((uint32_t)B_), p.ad = kc_make_fastdiv((uint32_t)A_);
+  p.shd = kc_make_fastdiv((uint32_t)p.sh), p.swd = kc_make_fastdiv((uint32_t)p.sw);
   int64_t blocks = ((int64_t)p.total + 255) / 256;
   if (blocks < 1) return KILN_OK;
   if (!bw)
@@ -444,7 +430,8 @@ kiln_status launch(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *im
       b.ph = (int)g.ph, b.pw = (int)g.pw;
       b.exth = (int)((g.KH - 1) * g.dh + 1), b.extw = (int)((g.KW - 1) * g.dw + 1);
       for (int k = 0; k < 4; k++) b.xs[k] = (int)g.xs[k], b.gs[k] = (int)g.os[k], b.is[k] = (int)g.is[k];
-      b.sh = make_fastdiv((uint32_t)g.sh), b.sw = make_fastdiv((uint32_t)g.sw), b.cdiv = make_fastdiv((uint32_t)g.C);
+      b.sh = kc_make_fastdiv((uint32_t)g.sh), b.sw = kc_make_fastdiv((uint32_t)g.sw);
+      b.cdiv = kc_make_fastdiv((uint32_t)g.C);
       dim3 grid((unsigned)((b.W + 31) / 32), (unsigned)((b.H + 7) / 8),
                 (unsigned)(b.planes < 65535 ? b.planes : 65535));
       max_pool_bwd_fast<T><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)a->in[0].data,

@@ -23,7 +23,11 @@
 ** for add_relu; backward x and g twice and dx once (5), + the mask (the output) twice under
 ** a ReLU (7); add_relu's backward: x, g, the mask read and gm (the residual's gradient)
 ** written, then x and gm read and dx written (7). The three-op rows use the fused op's
-** bytes, so their GB/s is the fused one's equivalent.
+** bytes, so their GB/s is the fused one's equivalent. batch_norm_relu's backward runs
+** twice, each a row: "mask recomputed" (the default on CUDA: BATCH_NORM_BACKWARD
+** recomputes the ReLU's decision from x, 5 passes) and "mask read"
+** (KILN_BN_MASK_RECOMPUTE=0: it reads the output as the mask, 7 passes); the environment
+** variable is set for each and restored after.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
@@ -148,7 +152,7 @@ static int run_device(kiln_device dev, int reps, const char *only, bool profile)
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
   printf("%s, bf16 channels-last, f32 parameters, training; %d calls a round, median of 5 rounds\n", dname, reps);
-  printf("%-38s %8s %8s %8s %8s %9s %7s\n", "case", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s", "f+b ms", "MB");
+  printf("%-54s %8s %8s %8s %8s %9s %7s\n", "case", "fwd ms", "fwd GB/s", "bwd ms", "bwd GB/s", "f+b ms", "MB");
   kiln_generator *gen = kiln_generator_new(1);
   const int64_t *last_shape = NULL;
   for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
@@ -167,7 +171,7 @@ static int run_device(kiln_device dev, int reps, const char *only, bool profile)
     s.rm = kiln_zeros(KILN_SHAPE(C), KILN_F32, dev);
     s.rv = kiln_ones(KILN_SHAPE(C), KILN_F32, dev);
     if (!s.x || ((c->op == OP_BN_ADD_RELU || c->op == OP_BN_ADD_RELU3) && !s.r) || !s.rv) {
-      printf("%-38s %s\n", c->name, kiln_last_error_message());
+      printf("%-54s %s\n", c->name, kiln_last_error_message());
       kiln_scope_end();
       continue;
     }
@@ -176,27 +180,42 @@ static int run_device(kiln_device dev, int reps, const char *only, bool profile)
     if (!last_shape || memcmp(last_shape, c->shape, sizeof c->shape)) { /* the yardstick, once a shape */
       copy_step cp = {kiln_zeros_like(s.x), s.x}; /* channels-last, as x */
       double tc = cp.dst ? dev_time(dev, reps, copy_run, &cp) : -1;
-      if (tc > 0) printf("%-38s %8.3f %8.0f %35.1f\n", "  copy (kiln_copy_, read + write)", tc, 2 * bytes / tc / 1e6, bytes / 1e6);
+      if (tc > 0) printf("%-54s %8.3f %8.0f %35.1f\n", "  copy (kiln_copy_, read + write)", tc, 2 * bytes / tc / 1e6, bytes / 1e6);
       last_shape = c->shape;
     }
     kiln_tensor *y0 = run_fwd(c, &s);
     kiln_tensor *g = y0 ? kiln_ones_like(y0) : NULL;
     if (!g) {
-      printf("%-38s %s\n", c->name, kiln_last_error_message());
+      printf("%-54s %s\n", c->name, kiln_last_error_message());
       kiln_scope_end();
       continue;
     }
     dev_step f = {c, &s, g, false}, fb = {c, &s, g, true};
     if (profile) kiln_profiler_start(&(kiln_profiler_options){.device_time = true});
     double tf = dev_time(dev, reps, dev_run, &f);
-    double tfb = dev_time(dev, reps, dev_run, &fb);
+    /* batch_norm_relu: the backward with its mask recomputed (5 passes), then read (7) */
+    const bool ab = c->op == OP_BN_RELU;
+    const char *env0 = getenv("KILN_BN_MASK_RECOMPUTE");
+    char env_saved[16] = "";
+    if (env0) snprintf(env_saved, sizeof env_saved, "%s", env0);
+    for (int v = 0; v < (ab ? 2 : 1); v++) {
+      if (ab) setenv("KILN_BN_MASK_RECOMPUTE", v ? "0" : "1", 1);
+      double tfb = dev_time(dev, reps, dev_run, &fb);
+      int pf, pb;
+      passes(c->op, &pf, &pb);
+      if (ab && !v) pb = 5;
+      double tb = tfb - tf;
+      char label[64];
+      snprintf(label, sizeof label, "%s%s", c->name, !ab ? "" : v ? " mask read" : " mask recomputed");
+      if (tf > 0 && tfb > 0)
+        printf("%-54s %8.3f %8.0f %8.3f %8.0f %9.3f %7.1f\n", label, tf, pf * bytes / tf / 1e6, tb,
+               tb > 0 ? pb * bytes / tb / 1e6 : 0.0, tfb, bytes / 1e6);
+    }
+    if (ab) {
+      if (env0) setenv("KILN_BN_MASK_RECOMPUTE", env_saved, 1);
+      else unsetenv("KILN_BN_MASK_RECOMPUTE");
+    }
     if (profile) kiln_profiler_stop(stdout);
-    int pf, pb;
-    passes(c->op, &pf, &pb);
-    double tb = tfb - tf;
-    if (tf > 0 && tfb > 0)
-      printf("%-38s %8.3f %8.0f %8.3f %8.0f %9.3f %7.1f\n", c->name, tf, pf * bytes / tf / 1e6, tb,
-             tb > 0 ? pb * bytes / tb / 1e6 : 0.0, tfb, bytes / 1e6);
     fflush(stdout);
     kiln_scope_end();
   }

@@ -22,11 +22,18 @@
 **    the other, training and eval, odd shapes (C 7, 12, 20; S 15, 49, 81, 143) and ones that
 **    split a channel over many blocks; the kernels that ran (one forward, one backward, no
 **    RELU_BACKWARD, nothing on the CPU); two runs the same bits.
+** 7. The backward's ReLU mask recomputed from x (BATCH_NORM_BACKWARD flag 8, the default
+**    on CUDA for batch_norm_relu and for a batch_norm under a ReLU) against the mask read
+**    (KILN_BN_MASK_RECOMPUTE=0): dx, dweight, dbias and y bit for bit, f64/f32/bf16/f16,
+**    NCHW and channels-last, training and eval, both ops, with channels whose pre-ReLU
+**    values are exactly 0, tiny (an f16 positive that rounds to 0, an f32 subnormal) or
+**    ties at the integers; the flags that ran (8 without a mask, or 2).
 ** 6. Timings at ResNet-50's sizes, printed (not checked): batch_norm forward and forward +
 **    backward on (128, 256, 56, 56) bf16, NCHW and channels-last; max_pool2d backward on
 **    the stem's (128, 64, 112, 112) bf16.
 ** BC_GPU_IS_CPU builds it against the CPU, to check the test's own logic without a GPU.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define H_NO_MAIN
 #include "test_ops_batchnorm.c"
 
@@ -282,6 +289,136 @@ static void bc_cl_slice(void) {
     }
 }
 
+/* ---- 7. the recomputed mask ---- */
+
+typedef struct bc_rc_seen {
+  int rc, masked, fell_back; /* backward calls with flag 8, with flag 2, not native */
+} bc_rc_seen;
+
+static void bc_rc_observe(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
+  bc_rc_seen *s = ctx;
+  (void)dev;
+  if (a->op != KILN__K_BATCH_NORM_BACKWARD) return;
+  if (!native) s->fell_back++;
+  if (a->i[0] & 8) s->rc++;
+  if (a->i[0] & 2) s->masked++;
+}
+
+/* relu(batch_norm(x)) (fused: kiln_batch_norm_relu, else the ReLU peephole) forward and
+** backward on the device; res: y, dx, dweight, dbias as doubles. */
+static bool bc_rc_run(const int64_t *sh, kiln_dtype dt, bool cl, bool fused, bool train, const double *xv,
+                      const double *gv, const double *wv, const double *bv, double **res, int64_t *nres,
+                      bc_rc_seen *seen) {
+  kiln_scope_begin();
+  kiln_device dev = bc_gpu();
+  kiln_dtype pdt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+  const int64_t C = sh[1];
+  kiln_tensor *x = bn_on(xv, 4, sh, dt, dev), *g = bn_on(gv, 4, sh, dt, dev);
+  if (cl) x = kiln_contiguous_format(x, KILN_CHANNELS_LAST), g = kiln_contiguous_format(g, KILN_CHANNELS_LAST);
+  x = kiln_detach(x);
+  kiln_tensor *w = kiln_detach(bn_on(wv, 1, &C, pdt, dev)), *b = kiln_detach(bn_on(bv, 1, &C, pdt, dev));
+  kiln_tensor *rm = kiln_full(1, &C, 0.0, pdt, dev), *rv = kiln_full(1, &C, 1.0, pdt, dev);
+  bool ok = x && g && w && b && rm && rv && kiln_requires_grad_(x, true) == KILN_OK &&
+            kiln_requires_grad_(w, true) == KILN_OK && kiln_requires_grad_(b, true) == KILN_OK;
+  kiln_tensor *y = !ok ? NULL
+                   : fused ? kiln_batch_norm_relu(x, rm, rv, w, b, train, 0.1, 1e-5)
+                           : kiln_relu(kiln_batch_norm(x, rm, rv, w, b, train, 0.1, 1e-5));
+  kiln_tensor *ins[3] = {x, w, b}, *gr[3] = {NULL, NULL, NULL};
+  kiln__dispatch_observe(bc_rc_observe, seen);
+  ok = y && kiln_autograd_grad(1, &y, &g, 3, ins, gr) == KILN_OK && gr[0] && gr[1] && gr[2];
+  kiln__dispatch_observe(NULL, NULL);
+  H_CHECK(ok, "recomputed mask: %s %s %s %s ran: %s", kiln_dtype_name(dt), cl ? "channels-last" : "NCHW",
+          fused ? "batch_norm_relu" : "relu(batch_norm)", train ? "training" : "eval", kiln_last_error_message());
+  if (ok) {
+    res[0] = h_values(y, &nres[0]);
+    for (int k = 0; k < 3; k++) res[1 + k] = h_values(gr[k], &nres[1 + k]);
+  }
+  kiln_scope_end();
+  return ok;
+}
+
+/* The two backwards of one forward must agree bit for bit: the recomputed decision is the
+** forward's (same coefficients, same fma, same rounding to the dtype). */
+static void bc_mask_recompute(void) {
+  static const struct {
+    int64_t shape[4];
+    bool cl;
+  } cfg[] = {
+      {{4, 16, 6, 6}, false}, /* S 36: 4-wide (2-wide f64) */
+      {{4, 16, 6, 6}, true},  /* C 16: 8-wide 16-bit, 4-wide f32 */
+      {{3, 12, 7, 7}, false}, /* S 49: scalar */
+      {{3, 12, 7, 7}, true},  /* C 12: 4-wide 16-bit */
+      {{2, 7, 5, 3}, true},   /* C 7: scalar */
+      {{32, 24, 28, 28}, true},  /* 25k rows: many splits of a channel */
+      {{32, 8, 28, 28}, false},
+  };
+  static const kiln_dtype dts[4] = {KILN_F32, KILN_BF16, KILN_F16, KILN_F64};
+  static const char *const names[4] = {"y", "dx", "dweight", "dbias"};
+  const char *saved_env = getenv("KILN_BN_MASK_RECOMPUTE");
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+    const int64_t *sh = cfg[ci].shape, C = sh[1], per = sh[0] * sh[2] * sh[3], n = C * per;
+    double *xv = bn_host_randn(n, 1500 + ci, 1.0, 0.0), *gv = bn_host_randn(n, 1600 + ci, 1.0, 0.0);
+    double *wv = malloc((size_t)C * sizeof(double)), *bv = malloc((size_t)C * sizeof(double));
+    if (!xv || !gv || !wv || !bv) {
+      H_CHECK(false, "recomputed mask: out of memory");
+      free(xv), free(gv), free(wv), free(bv);
+      return;
+    }
+    /* channel kinds (c % 4): 0 weight 0 and the bias 0, +-1e-9 (an f16 positive that
+    ** rounds to +0) or 1e-40 (an f32 subnormal): bn(x) = the bias exactly; 1 integers in
+    ** -2..2 with weight 1, bias 0: x = 0 gives -mean k, 0 or tiny, ties; 2 a weight of
+    ** 1e-30: every value tiny (0 in f16); 3 ordinary */
+    static const double tiny_b[4] = {0.0, 1e-9, -1e-9, 1e-40};
+    for (int64_t c = 0; c < C; c++) {
+      int kind = (int)(c % 4);
+      wv[c] = kind == 0 ? 0.0 : kind == 1 ? 1.0 : kind == 2 ? 1e-30 : 1.5;
+      bv[c] = kind == 0 ? tiny_b[(c / 4) % 4] : kind == 3 ? 0.3 : 0.0;
+      if (kind == 1)
+        for (int64_t i = 0; i < sh[0]; i++)
+          for (int64_t s = 0; s < sh[2] * sh[3]; s++) xv[(i * C + c) * sh[2] * sh[3] + s] = (double)((i * 7 + s * 3 + c) % 5 - 2);
+    }
+    for (int di = 0; di < 4; di++)
+      for (int fused = 0; fused < 2; fused++)
+        for (int train = 1; train >= 0; train--) {
+          double *r[2][4] = {{NULL}};
+          int64_t nr[2][4] = {{0}};
+          bc_rc_seen seen[2] = {{0, 0, 0}, {0, 0, 0}};
+          setenv("KILN_BN_MASK_RECOMPUTE", "1", 1);
+          bool a = bc_rc_run(sh, dts[di], cfg[ci].cl, fused, train, xv, gv, wv, bv, r[0], nr[0], &seen[0]);
+          setenv("KILN_BN_MASK_RECOMPUTE", "0", 1);
+          bool b = bc_rc_run(sh, dts[di], cfg[ci].cl, fused, train, xv, gv, wv, bv, r[1], nr[1], &seen[1]);
+          char what[160];
+          snprintf(what, sizeof what, "[%lld, %lld, %lld, %lld] %s %s %s %s", (long long)sh[0], (long long)sh[1],
+                   (long long)sh[2], (long long)sh[3], kiln_dtype_name(dts[di]), cfg[ci].cl ? "channels-last" : "NCHW",
+                   fused ? "batch_norm_relu" : "relu(batch_norm)", train ? "training" : "eval");
+#ifndef BC_GPU_IS_CPU
+          H_CHECK(seen[0].rc == 1 && seen[0].masked == 0 && seen[0].fell_back == 0,
+                  "recomputed mask %s: one backward with flag 8 and no mask (%d, %d, %d fell back)", what, seen[0].rc,
+                  seen[0].masked, seen[0].fell_back);
+#endif
+          H_CHECK(seen[1].rc == 0 && seen[1].masked == 1 && seen[1].fell_back == 0,
+                  "KILN_BN_MASK_RECOMPUTE=0 %s: one backward reading the mask (%d flag 8, %d flag 2, %d fell back)",
+                  what, seen[1].rc, seen[1].masked, seen[1].fell_back);
+          for (int k = 0; a && b && k < 4; k++) {
+            int64_t bad = nr[0][k] == nr[1][k] ? 0 : -1, first = -1;
+            for (int64_t i = 0; bad >= 0 && i < nr[0][k]; i++)
+              if (memcmp(&r[0][k][i], &r[1][k][i], sizeof(double)) != 0) {
+                if (first < 0) first = i;
+                bad++;
+              }
+            H_CHECK(bad == 0, "recomputed vs read mask %s %s: %lld of %lld differ in bits (first %lld: %.9g vs %.9g)",
+                    what, names[k], (long long)bad, (long long)nr[0][k], (long long)first,
+                    first >= 0 ? r[0][k][first] : 0.0, first >= 0 ? r[1][k][first] : 0.0);
+          }
+          for (int s = 0; s < 2; s++)
+            for (int k = 0; k < 4; k++) free(r[s][k]);
+        }
+    free(xv), free(gv), free(wv), free(bv);
+  }
+  if (saved_env) setenv("KILN_BN_MASK_RECOMPUTE", saved_env, 1);
+  else unsetenv("KILN_BN_MASK_RECOMPUTE");
+}
+
 static void bc_max_pool(void) {
   static const struct {
     int64_t shape[4], k[2], s[2], p[2], d[2];
@@ -477,6 +614,8 @@ int main(int argc, char **argv) {
   bc_cl_slice();
   printf("test_cuda_batchnorm: batch_norm_add_relu\n");
   bc_add_relu();
+  printf("test_cuda_batchnorm: the backward's mask recomputed against the mask read\n");
+  bc_mask_recompute();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
 #ifndef BC_GPU_IS_CPU

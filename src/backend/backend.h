@@ -305,7 +305,9 @@ typedef struct kiln__view {
   /* merged (1 for (N, C)), any strides (CUDA: the channels or S innermost, stride 1). */ \
   /* in0 x, then the weight (C) when i0 flag 1 and the bias (C) when flag 2 (any float */ \
   /* dtypes) -> out0 y (N, C, S) (x's dtype), out1 stats (2, C) (f32; f64 for f64 x): */ \
-  /* row 0 the mean, row 1 invstd = 1/sqrt(var + eps); with i0 flag 4, out2 */           \
+  /* row 0 the mean, row 1 invstd = 1/sqrt(var + eps) (CUDA: stats may be (4, C); rows */ \
+  /* 2, 3 get the normalizing coefficients k = w invstd and b as y = (x - mean) k + b */  \
+  /* used them, for BATCH_NORM_BACKWARD's flag 8); with i0 flag 4, out2 */               \
   /* running_mean and out3 running_var (C, any float dtype), read and written. i1 1 */   \
   /* training: batch statistics (var biased, accumulated in f32 or better), and the */   \
   /* running ones (flag 4) become (1 - s1) r + s1 stat, the variance's with the */       \
@@ -326,7 +328,10 @@ typedef struct kiln__view {
   /* (N, C, S) (x's dtype) = g where mask > 0, else 0 (RELU_BACKWARD's values: the */      \
   /* residual's gradient of kiln_batch_norm_add_relu), written alongside; CUDA's pass 1 */ \
   /* writes it and its dx pass reads it instead of g and the mask. The op layer asks */    \
-  /* for it on CUDA only (the CPU has it for a fallback: the same values). */              \
+  /* for it on CUDA only (the CPU has it for a fallback: the same values). i0 flag 8 */   \
+  /* (CUDA; not with 2 or 4, no mask input): g counts only where the forward's output */  \
+  /* y = relu(bn(x)) (or bn(x) under a ReLU) was > 0, recomputed from x and stats (4, C) */ \
+  /* rows 0, 2, 3 (in the compute type) exactly as the forward rounded y. */               \
   X(BATCH_NORM_BACKWARD, "batch_norm_backward")                                          \
   /* ---- a linear layer fused with its tanh GELU (issue 16: GPT-2's MLP) ---- */          \
   /* in0 A (M, K), in1 B (K, N) (2-d, any strides), optional in2 bias (N) -> out0 y */      \

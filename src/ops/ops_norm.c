@@ -11,6 +11,7 @@
 */
 #include "ops/op.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static bool is_half(kiln_dtype dt) { return dt == KILN_F16 || dt == KILN_BF16; }
@@ -244,9 +245,14 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
   bool cl = x_layout_cl(&xv);
   int64_t C = x->shape[1];
   kiln_dtype sdt = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
-  /* tmp: 0 x as the kernel read it, 1 the statistics (saved) */
+  /* tmp: 0 x as the kernel read it, 1 the statistics (saved). On CUDA, where the output can
+  ** be the backward's ReLU mask (batch_norm_relu's output, or a plain batch_norm's under the
+  ** ReLU peephole), 4 rows: CUDA's forward writes its normalizing coefficients (w invstd and
+  ** b, as it used them) into rows 2 and 3, and the backward recomputes the mask from x with
+  ** them instead of reading the output (bnb_forward). The CPU keeps 2 rows. */
   c->tmp[0] = xs;
-  kiln_tensor *stats = c->tmp[1] = kiln__tensor_new(KILN_SHAPE(2, C), sdt, kiln_device_of(x));
+  const bool coef_rows = kiln_device_of(x).type == KILN_DEVICE_CUDA && c->op != &op_batch_norm_add_relu_k;
+  kiln_tensor *stats = c->tmp[1] = kiln__tensor_new(KILN_SHAPE(coef_rows ? 4 : 2, C), sdt, kiln_device_of(x));
   kiln_tensor *y = alloc_layout(xs, cl, x->dtype);
   if (!stats || !y) {
     kiln__discard(y);
@@ -306,12 +312,23 @@ static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
 ** ReLU's rule handed g over unmasked: ops_elementwise.c's peephole, KILN__OP_GRAD_MASK),
 ** so no ReLU-backward kernel runs and no tensor is made for its result. The mask is
 ** always this batch norm's own output (the peephole's ReLU input is y; batch_norm_relu
-** hands its output), so with the bias a kernel could recompute it from x instead of
-** reading it; the bias input is kept for that and not passed to the kernels yet. */
+** hands its output). op_batch_norm_bwd_own says so (batch_norm_add_relu's output, also
+** handed over as a mask, is not y): there, where the statistics carry the forward's
+** coefficients (rows 2 and 3, CUDA's forward), the kernel recomputes the mask from x (flag
+** 8: y > 0 exactly where the forward's bn(x), rounded to x's dtype, is > 0) instead of
+** reading it: x and g read twice, dx written, 5 passes of the tensor instead of 7.
+** KILN_BN_MASK_RECOMPUTE=0 (read at each call, for A/B runs and the tests) reads the mask.
+** The bias input is saved but unused by the kernels (its value is in the statistics). */
+
+/* Whether the backward may recompute its mask (the environment switch above). */
+static bool bn_mask_recompute(void) {
+  const char *e = getenv("KILN_BN_MASK_RECOMPUTE");
+  return !(e && !strcmp(e, "0"));
+}
 
 /* batch_norm_add_relu_backward: the same op with a fourth output, g masked by the mask
 ** (the residual's gradient), written by the kernel's first pass (flag 4): defined below. */
-static const kiln__op op_batch_norm_add_relu_bwd;
+static const kiln__op op_batch_norm_add_relu_bwd, op_batch_norm_bwd_own;
 
 static kiln_status bnb_infer(kiln__op_ctx *c) {
   kiln_tensor *x = c->in[0];
@@ -341,10 +358,30 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
   if (!ncs_view(x, &xv)) return kiln_set_error(KILN_ERR_INTERNAL, "kiln_batch_norm_backward: input %s", kiln__tshape(x));
   bool cl = x_layout_cl(&xv);
   kiln_tensor *gs = c->tmp[0] = to_layout(g->dtype == x->dtype ? g : kiln__as_dtype_nograd(g, x->dtype), cl);
-  kiln_tensor *ms = c->tmp[1] = mask ? to_layout(kiln__as_dtype_nograd(mask, x->dtype), cl) : NULL;
-  if (!gs || (mask && !ms)) return kiln_last_error();
+  if (!gs) return kiln_last_error();
   kiln_device dev = kiln_device_of(x);
   const bool with_gm = c->op == &op_batch_norm_add_relu_bwd; /* out3: g masked (flag 4) */
+  /* the mask recomputed from x (flag 8) where it is this batch norm's own output, the
+  ** statistics carry the forward's coefficients and the device takes it; else read */
+  bool rc = false;
+  if (mask && c->op == &op_batch_norm_bwd_own && stats->ndim == 2 && stats->shape[0] >= 4 && kiln_numel(x) > 0 &&
+      bn_mask_recompute()) {
+    kiln__kargs q = {0};
+    q.op = KILN__K_BATCH_NORM_BACKWARD;
+    q.in[q.n_in++] = xv;
+    ncs_view(gs, &q.in[q.n_in++]);
+    q.in[q.n_in++] = kiln__view_of(stats);
+    if (w) q.in[q.n_in++] = vec1(w), q.i[0] |= 1;
+    q.i[0] |= 8;
+    q.out[q.n_out++] = xv;
+    q.out[q.n_out++] = kiln__view_of(stats);
+    q.out[q.n_out++] = kiln__view_of(stats);
+    q.out[1].dtype = q.out[2].dtype = c->meta[1].dtype;
+    q.i[1] = p->training;
+    rc = kiln__dispatch_has(dev, &q, KILN__K_BATCH_NORM_BACKWARD);
+  }
+  kiln_tensor *ms = c->tmp[1] = mask && !rc ? to_layout(kiln__as_dtype_nograd(mask, x->dtype), cl) : NULL;
+  if (mask && !rc && !ms) return kiln_last_error();
   const int n_out = with_gm ? 4 : 3;
   c->out[0] = alloc_layout(x, cl, x->dtype);
   c->out[1] = kiln__tensor_new(1, &x->shape[1], c->meta[1].dtype, dev);
@@ -363,7 +400,8 @@ static kiln_status bnb_forward(kiln__op_ctx *c) {
     a.in[2] = kiln__view_of(stats);
     if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
     if (ms) ncs_view(ms, &a.in[a.n_in++]), a.i[0] |= 2;
-    (void)bias; /* for a kernel that recomputes the mask from x (not in this tree: see the report) */
+    if (rc) a.i[0] |= 8; /* the mask: recomputed from x and the statistics' rows 2, 3 */
+    (void)bias; /* its value is in the statistics (row 3) */
     a.n_out = 3;
     ncs_view(c->out[0], &a.out[0]);
     a.out[1] = kiln__view_of(c->out[1]);
@@ -384,6 +422,14 @@ static const kiln__op op_batch_norm_bwd = {
     .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
     .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
 
+/* The same op where the mask, if any, is this batch norm's own output (bn_backward_call's
+** own): its kernel may recompute it (flag 8). The same name: one entry in the profiles. */
+static const kiln__op op_batch_norm_bwd_own = {
+    .name = "batch_norm_backward", .api = "kiln_batch_norm_backward", .n_in = 6, .n_out = 3,
+    .optional = (1u << 3) | (1u << 4) | (1u << 5),
+    .flags = KILN__OP_SELF_ALLOC | KILN__OP_NO_GRAD, .n_kernels = 1, .kernels = {KILN__K_BATCH_NORM_BACKWARD},
+    .attrs = f_bn, .n_attrs = 3, .attr_size = sizeof(attrs_bn), .infer = bnb_infer, .forward = bnb_forward};
+
 static const kiln__op op_batch_norm_add_relu_bwd = {
     .name = "batch_norm_add_relu_backward", .api = "kiln_batch_norm_add_relu_backward", .n_in = 6, .n_out = 4,
     .optional = (1u << 3) | (1u << 5),
@@ -394,20 +440,22 @@ static const kiln__op op_batch_norm_add_relu_bwd = {
 ** gradient itself is not differentiated further, as for every kernel-backed rule). A ReLU
 ** right after the op may have handed g over unmasked with its input as n->grad_mask
 ** (KILN__OP_GRAD_MASK): the kernel applies the mask. */
-static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi);
+static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, bool own, kiln_tensor **gi);
 
 static kiln_status bnk_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  return bn_backward_masked(n, g, n->grad_mask, gi);
+  return bn_backward_masked(n, g, n->grad_mask, true, gi); /* the ReLU's input: this node's output */
 }
 
 /* One BATCH_NORM_BACKWARD with mask (NULL: none) applied to g, its gradients handed to gi
 ** in the inputs' dtypes; with gm (and a mask), g masked too (the residual's gradient of
-** batch_norm_add_relu, written by the kernel's first pass) in *gm. */
-static kiln_status bn_backward_call(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi,
+** batch_norm_add_relu, written by the kernel's first pass) in *gm. own: the mask is this
+** node's own output (relu(bn(x)) or bn(x)), which the kernel may recompute from x. */
+static kiln_status bn_backward_call(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, bool own, kiln_tensor **gi,
                                     kiln_tensor **gm) {
   kiln_tensor *in[6] = {n->saved[0], g, n->saved[2], n->saved[1], mask, n->saved[3]};
   kiln_tensor *out[4] = {NULL, NULL, NULL, NULL};
-  if (!kiln__op_call(gm ? &op_batch_norm_add_relu_bwd : &op_batch_norm_bwd, 6, in, n->attrs, out))
+  const kiln__op *op = gm ? &op_batch_norm_add_relu_bwd : own && mask ? &op_batch_norm_bwd_own : &op_batch_norm_bwd;
+  if (!kiln__op_call(op, 6, in, n->attrs, out))
     return kiln_last_error();
   if (gm) *gm = out[3];
   if (n->needs[0] && kiln__give_grad(&gi[0], out[0], g) != KILN_OK) return kiln_last_error();
@@ -420,8 +468,8 @@ static kiln_status bn_backward_call(kiln__node *n, kiln_tensor *g, kiln_tensor *
   return KILN_OK;
 }
 
-static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, kiln_tensor **gi) {
-  return bn_backward_call(n, g, mask, gi, NULL);
+static kiln_status bn_backward_masked(kiln__node *n, kiln_tensor *g, kiln_tensor *mask, bool own, kiln_tensor **gi) {
+  return bn_backward_call(n, g, mask, own, gi, NULL);
 }
 
 /* batch_norm_relu: the same kernel with the ReLU applied to y (flag 8), and the same
@@ -434,7 +482,7 @@ static void bnkr_save(kiln__op_ctx *c, kiln__node *n) {
 }
 
 static kiln_status bnkr_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
-  return bn_backward_masked(n, g, n->saved[4], gi);
+  return bn_backward_masked(n, g, n->saved[4], true, gi); /* the output: relu(bn(x)) */
 }
 
 static const kiln__op op_batch_norm_relu_k = {
@@ -493,9 +541,9 @@ static bool bnar_gm_native(kiln__node *n) {
 static kiln_status bnar_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   kiln_tensor *out = n->saved[4];
   if (bnar_gm_native(n)) {
-    if (!n->needs[5]) return bn_backward_masked(n, g, out, gi);
+    if (!n->needs[5]) return bn_backward_masked(n, g, out, false, gi); /* relu(bn(x) + r): not recomputable from x */
     kiln_tensor *gm = NULL;
-    if (bn_backward_call(n, g, out, gi, &gm) != KILN_OK) return kiln_last_error();
+    if (bn_backward_call(n, g, out, false, gi, &gm) != KILN_OK) return kiln_last_error();
     kiln_tensor *r = gm->dtype != n->in_dtype[5] ? kiln_to_dtype(gm, n->in_dtype[5]) : gm;
     return kiln__give_grad(&gi[5], r, g);
   }
@@ -514,7 +562,7 @@ static kiln_status bnar_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi
     kiln__discard(gm);
     return kiln_last_error();
   }
-  if (bn_backward_masked(n, gm, NULL, gi) != KILN_OK) { /* gm, masked already: batch_norm's own gradient */
+  if (bn_backward_masked(n, gm, NULL, false, gi) != KILN_OK) { /* gm, masked already: batch_norm's own gradient */
     kiln__discard(gm);
     return kiln_last_error();
   }

@@ -641,6 +641,8 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     if (!k.train && !k.rm)
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_batch_norm: eval needs the running statistics");
   } else {
+    if (flags & 8) /* the mask recomputed from x: CUDA's (the op layer asks kiln__dispatch_has first) */
+      return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_batch_norm_backward: flag 8 (the mask recomputed) is not on the CPU");
     k.g = &a->in[1];
     k.stats = &a->in[2];
     k.w = (flags & 1) ? &a->in[3] : NULL;

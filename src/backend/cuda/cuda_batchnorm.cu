@@ -93,13 +93,47 @@ template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk
 /* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
 template <class A> __device__ __forceinline__ A relu_if(A v, bool relu) { return relu && v < (A)0 ? (A)0 : v; }
 
+/* a * b + c in one rounding: written out so that the forward's normalized value and the
+** backward's recomputation of it (bn_pre) are the same instruction whatever the compiler
+** would contract */
+__device__ __forceinline__ float bn_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double bn_fma(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+/* bn(x) = (x - mean) k + b with the forward's per-channel coefficients, in A: the one
+** definition the forward's normalizing pass and the backward's recomputed mask share. */
+template <class T, class A> __device__ __forceinline__ A bn_pre(T x, A mean, A k, A b) {
+  return bn_fma((A)kc_ld<T>(x) - mean, k, b);
+}
+
 /* the forward's value: bn(x), plus the residual's element where there is one (flag 16),
 ** then the ReLU where flag 8 asks */
 template <class T, class A>
 __device__ __forceinline__ T fwd_val(T x, A mean, A k, A b, const T *res, T r, bool relu) {
-  A v = ((A)kc_ld<T>(x) - mean) * k + b;
+  A v = bn_pre<T, A>(x, mean, k, b);
   if (res) v += (A)kc_ld<T>(r);
   return kc_st<T>(relu_if(v, relu));
+}
+
+/* The backward's recomputed mask (flag 8): whether the forward's output y = relu(bn(x)),
+** or y = bn(x) under a separate ReLU, is > 0, from x and the forward's own coefficients.
+** y > 0 <=> round_T(bn(x)) > 0: where bn(x) < 0 the ReLU gives +0 and the rounding of a
+** negative is <= 0; where bn(x) >= 0 y is that rounding; NaN is neither. So the rounded
+** value is compared, as the mask-reading path compares y: a positive that rounds to +0 (f16
+** below 2^-25) is masked off on both paths. */
+template <class T, class A> __device__ __forceinline__ bool fwd_pos(T x, A mean, A k, A b) {
+  return (A)kc_ld<T>(kc_st<T>(bn_pre<T, A>(x, mean, k, b))) > (A)0;
+}
+
+/* The backward's arithmetic on the masked g, one definition for the mask read and the mask
+** recomputed, with the fmas written out, so that the two paths are the same instructions on
+** the same values (bit for bit, whatever the compiler would contract): dx = k g + cx (x -
+** mean) + d0 (training), and the sum of g (x - mean) pass 1 accumulates. */
+template <class A> __device__ __forceinline__ A dx_val(A k, A gv, A cx, A d, A d0) { return bn_fma(cx, d, bn_fma(k, gv, d0)); }
+template <class A> __device__ __forceinline__ void gx_acc(A &sgx, A gv, A d) { sgx = bn_fma(gv, d, sgx); }
+
+/* g where the recomputed mask passes it, else 0: masked()'s value */
+template <class T, class A> __device__ __forceinline__ A rmasked(T g, T x, A mean, A k, A b) {
+  return fwd_pos<T, A>(x, mean, k, b) ? (A)kc_ld<T>(g) : (A)0;
 }
 
 /* a / b where precision allows the fast path (the Welford weights) */
@@ -181,21 +215,26 @@ enum { BN_U = 4 };
 /* ---- pass 1, cf: block (channel blockIdx.x, split blockIdx.y) over that channel's
 ** N * S/V vectors, flattened as (n, sv); (n, sv) advance by subtraction, no division in
 ** the loop, BN_U vectors loaded at a time. BW: the backward sums (g, g (x - mean))
-** instead of the statistics, the mean read at meanp[c * mst]. */
-template <class T, class A, int V, bool BW>
+** instead of the statistics, the mean read at meanp[c * mst]. RC (backward, flag 8): the
+** mask recomputed from x with the forward's coefficients (fkp, fbp, stride mst) instead
+** of read. */
+template <class T, class A, int V, bool BW, bool RC = false>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cf(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ gm, Geo G,
-             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst) {
+             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst, const A *__restrict__ fkp,
+             const A *__restrict__ fbp) {
   const int64_t c = blockIdx.x, splits = gridDim.y, sp = blockIdx.y;
   const int64_t SV = G.S / V, total = G.N * SV, per = (total + splits - 1) / splits;
   const int64_t j0 = sp * per, j1 = j0 + per < total ? j0 + per : total;
   const T *xc = x + c * G.xs[1];
   const T *gc = BW ? g + c * G.gs[1] : NULL;
-  const T *mc = BW && mk ? mk + c * G.ms[1] : NULL;
-  T *oc = BW && gm ? gm + c * G.os[1] : NULL;
+  const T *mc = BW && !RC && mk ? mk + c * G.ms[1] : NULL;
+  T *oc = BW && !RC && gm ? gm + c * G.os[1] : NULL;
   A n = 0, m = 0, q = 0;           /* statistics */
   A sg = 0, sgx = 0, mean = 0;     /* backward sums */
+  A fk = 0, fb = 0;                /* the forward's coefficients (RC) */
   if (BW) mean = meanp[c * mst];
+  if (RC) fk = fkp[c * mst], fb = fbp[c * mst];
   const int64_t B = blockDim.x;
   int64_t j = j0 + threadIdx.x;
   int64_t nn = j / SV, sv = j - nn * SV;
@@ -231,10 +270,10 @@ __global__ void __launch_bounds__(BN_THREADS)
           P po;
 #pragma unroll
           for (int i = 0; i < V; i++) {
-            A gv = masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
+            A gv = RC ? rmasked<T, A>(pg[u].v[i], px[u].v[i], mean, fk, fb) : masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
             po.v[i] = kc_st<T>(gv); /* exact: g or 0, RELU_BACKWARD's value */
             sg += gv;
-            sgx += gv * (v[i] - mean);
+            gx_acc<A>(sgx, gv, v[i] - mean);
           }
           if (oc) *reinterpret_cast<P *>(oc + oo[u]) = po;
         }
@@ -259,9 +298,9 @@ __global__ void __launch_bounds__(BN_THREADS)
 
 /* One row of pass1_cl: V channels' Welford update (their count shared, so one reciprocal
 ** serves V updates), or the backward's sums of g and g (x - mean). */
-template <class T, class A, int V, bool BW>
+template <class T, class A, int V, bool BW, bool RC>
 __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pack<T, V> &px, const Pack<T, V> &pg,
-                                       const T *mk, const Pack<T, V> &pm, Pack<T, V> &po) {
+                                       const T *mk, const Pack<T, V> &pm, Pack<T, V> &po, const A *fk, const A *fb) {
   if (!BW) {
     n += (A)1;
     A rc = qdiv((A)1, n);
@@ -274,10 +313,10 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
   } else {
 #pragma unroll
     for (int i = 0; i < V; i++) {
-      A gv = masked<T, A>(pg.v[i], mk, i, pm.v);
+      A gv = RC ? rmasked<T, A>(pg.v[i], px.v[i], mean[i], fk[i], fb[i]) : masked<T, A>(pg.v[i], mk, i, pm.v);
       po.v[i] = kc_st<T>(gv);                        /* exact: g or 0, RELU_BACKWARD's value */
-      m[i] += gv;                                    /* sum g */
-      q[i] += gv * ((A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
+      m[i] += gv;                                     /* sum g */
+      gx_acc<A>(q[i], gv, (A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
     }
   }
 }
@@ -286,10 +325,11 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pa
 ** channel vectors, blockIdx.y the split of the N*S rows. A thread keeps V channels' states
 ** over rows ty, ty + TY, ... of its split, BN_U rows loaded at a time; the block's rows
 ** then merge by a fixed tree through shared memory (row k takes row k + h, h = TY/2 .. 1). */
-template <class T, class A, int V, bool BW>
+template <class T, class A, int V, bool BW, bool RC = false>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ gm, Geo G,
-             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst) {
+             A *__restrict__ part, const A *__restrict__ meanp, int64_t mst, const A *__restrict__ fkp,
+             const A *__restrict__ fbp) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t CV = (G.C + V - 1) / V, cv = (int64_t)blockIdx.x * TX + tx;
   const int64_t R = G.N * G.S, splits = gridDim.y, sp = blockIdx.y, per = (R + splits - 1) / splits;
@@ -301,6 +341,11 @@ __global__ void __launch_bounds__(BN_THREADS)
   A mean[V];
 #pragma unroll
   for (int i = 0; i < V; i++) mean[i] = BW && on ? meanp[(cv * V + i) * mst] : (A)0;
+  A fk[RC ? V : 1], fb[RC ? V : 1]; /* the forward's coefficients (RC) */
+  if (RC)
+#pragma unroll
+    for (int i = 0; i < V; i++) fk[i] = on ? fkp[(cv * V + i) * mst] : (A)0, fb[i] = on ? fbp[(cv * V + i) * mst] : (A)0;
+  if (RC) mk = NULL, gm = NULL;
   typedef Pack<T, V> P;
   constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
@@ -328,7 +373,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     for (int u = 0; u < U; u++)
       if (u < u_n) {
         P po;
-        cl_row<T, A, V, BW>(n, m, q, mean, px[u], pg[u], mk, pm[u], po);
+        cl_row<T, A, V, BW, RC>(n, m, q, mean, px[u], pg[u], mk, pm[u], po, fk, fb);
         if (BW && gm) *reinterpret_cast<P *>(gm + oo[u]) = po;
       }
     r += (int64_t)u_n * TY;
@@ -388,11 +433,14 @@ __global__ void __launch_bounds__(BN_THREADS)
   }
 }
 
-/* ---- pass 2 (forward): per channel; coef gets [mean | w invstd | b] (3 x C). */
+/* ---- pass 2 (forward): per channel; coef gets [mean | w invstd | b] (3 x C). With
+** statistics of 4 rows (the op layer's on CUDA), rows 2 and 3 get w invstd and b as pass 3
+** uses them (coef's values, in A = the statistics' dtype: exact), for the backward's
+** recomputed mask (flag 8); row 0's mean is coef's already. */
 struct FinF {
   int64_t C;
   int splits;
-  bool train, has_w, has_b, has_r;
+  bool train, has_w, has_b, has_r, coef_rows;
   double eps, momentum;
   Vec w, b, rm, rv;
   void *stats;
@@ -437,17 +485,24 @@ template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A
   st_vec(f.stats, f.stats_dt, c * f.st1, mean);
   st_vec(f.stats, f.stats_dt, f.st0 + c * f.st1, inv);
   double w = f.has_w ? vget(f.w, c) : 1.0, b = f.has_b ? vget(f.b, c) : 0.0;
-  coef[c] = (A)mean;
-  coef[f.C + c] = (A)(w * inv);
-  coef[2 * f.C + c] = (A)b;
+  const A am = (A)mean, ak = (A)(w * inv), ab = (A)b;
+  coef[c] = am;
+  coef[f.C + c] = ak;
+  coef[2 * f.C + c] = ab;
+  if (f.coef_rows) {
+    st_vec(f.stats, f.stats_dt, 2 * f.st0 + c * f.st1, (double)ak);
+    st_vec(f.stats, f.stats_dt, 3 * f.st0 + c * f.st1, (double)ab);
+  }
 }
 
 /* ---- pass 2 (backward): per channel; writes dweight, dbias and coef [k | cx | d0]
-** (3 x C) after the mean (coef[0..C) already holds it, from the statistics). */
+** (3 x C) after the mean (coef[0..C) already holds it, from the statistics); with the
+** mask recomputed (flag 8), coef[4C..6C) the forward's w invstd and b (statistics rows 2
+** and 3) for pass 3. */
 struct FinB {
   int64_t C;
   int splits;
-  bool train, has_w;
+  bool train, has_w, rc;
   double M;
   Vec w, dw, db;
   const void *stats;
@@ -485,6 +540,10 @@ template <class A> __global__ void fin_bwd(const A *__restrict__ part, FinB f, A
   coef[f.C + c] = (A)k;
   coef[2 * f.C + c] = (A)cx;
   coef[3 * f.C + c] = (A)d0;
+  if (f.rc) {
+    coef[4 * f.C + c] = (A)ld_vec(f.stats, f.stats_dt, 2 * f.st0 + c * f.st1);
+    coef[5 * f.C + c] = (A)ld_vec(f.stats, f.stats_dt, 3 * f.st0 + c * f.st1);
+  }
 }
 
 /* backward's first pass wants the mean in coef[0..C) */
@@ -496,8 +555,10 @@ template <class A> __global__ void load_mean(FinB f, A *__restrict__ coef) {
 /* ---- pass 3, cf: elementwise over rows (n, c) x their S/V vectors. RPB rows per block
 ** when a row has fewer vectors than threads (S = 49 at ResNet's last stage), else one row
 ** and a loop. Forward: y = (x - mean) k + b. Backward (BW): dx = k g + cx (x - mean) + d0
-** (TRAIN), or k g (eval: x is not read); g through the mask where there is one. */
-template <class T, class A, int V, bool BW, bool TRAIN>
+** (TRAIN), or k g (eval: x is not read); g through the mask where there is one, or (RC)
+** through the mask recomputed from x with the forward's coefficients coef[4C..6C) (x read
+** in eval too). */
+template <class T, class A, int V, bool BW, bool TRAIN, bool RC = false>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
           const A *__restrict__ coef, int64_t inner, int64_t rpb, bool relu, bool rev) {
@@ -512,6 +573,8 @@ __global__ void __launch_bounds__(BN_THREADS)
   const int64_t xo = n * G.xs[0] + c * G.xs[1], go = n * G.gs[0] + c * G.gs[1], yo = n * G.ys[0] + c * G.ys[1],
                 mo = n * G.ms[0] + c * G.ms[1];
   const A mean = coef[c], kk = coef[C + c], pp = coef[2 * C + c], qq = BW ? coef[3 * C + c] : (A)0;
+  const A fk = RC ? coef[4 * C + c] : (A)0, fb = RC ? coef[5 * C + c] : (A)0;
+  if (RC) mk = NULL;
   for (int64_t v = v0; v < inner; v += step) {
     Pack<T, V> out;
     if (!BW) {
@@ -522,11 +585,18 @@ __global__ void __launch_bounds__(BN_THREADS)
     } else {
       Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
-      if (TRAIN) {
+      if (RC) {
+        Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+          A gv = rmasked<T, A>(pg.v[i], px.v[i], mean, fk, fb);
+          out.v[i] = TRAIN ? kc_st<T>(dx_val<A>(kk, gv, pp, (A)kc_ld<T>(px.v[i]) - mean, qq)) : kc_st<T>(kk * gv);
+        }
+      } else if (TRAIN) {
         Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v) + pp * ((A)kc_ld<T>(px.v[i]) - mean) + qq);
+          out.v[i] = kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
       } else {
 #pragma unroll
         for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v));
@@ -541,19 +611,27 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** row's chunk ((n, s) advanced by subtraction), U rows loaded before
 ** any is used. (pass3 above reloaded three coefficient vectors per data vector here: the
 ** channels-last forward ran at a third of the NCHW one's bandwidth on the H200.) */
-template <class T, class A, int V, bool BW, bool TRAIN>
+template <class T, class A, int V, bool BW, bool TRAIN, bool RC>
 __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
                                              const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
-                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu) {
+                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu,
+                                             const Pack<A, V> &fk, const Pack<A, V> &fb) {
   Pack<T, V> out;
-  if (!BW) { /* pmk: the residual where mk is set */
+  if (RC) { /* the backward, its mask recomputed from x */
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+      A gv = rmasked<T, A>(pg.v[i], px.v[i], pm.v[i], fk.v[i], fb.v[i]);
+      out.v[i] = TRAIN ? kc_st<T>(dx_val<A>(pk.v[i], gv, pp.v[i], (A)kc_ld<T>(px.v[i]) - pm.v[i], pq.v[i]))
+                       : kc_st<T>(pk.v[i] * gv);
+    }
+  } else if (!BW) { /* pmk: the residual where mk is set */
 #pragma unroll
     for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], pm.v[i], pk.v[i], pp.v[i], mk, pmk.v[i], relu);
   } else if (TRAIN) {
 #pragma unroll
     for (int i = 0; i < V; i++)
-      out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v) + pp.v[i] * ((A)kc_ld<T>(px.v[i]) - pm.v[i]) +
-                          pq.v[i]);
+      out.v[i] = kc_st<T>(
+          dx_val<A>(pk.v[i], masked<T, A>(pg.v[i], mk, i, pmk.v), pp.v[i], (A)kc_ld<T>(px.v[i]) - pm.v[i], pq.v[i]));
   } else {
 #pragma unroll
     for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
@@ -561,7 +639,7 @@ __device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T,
   return out;
 }
 
-template <class T, class A, int V, bool BW, bool TRAIN>
+template <class T, class A, int V, bool BW, bool TRAIN, bool RC = false>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
              const A *__restrict__ coef, int64_t chunk, bool relu, bool rev) {
@@ -576,10 +654,14 @@ __global__ void __launch_bounds__(BN_THREADS)
   typedef Pack<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
            pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
-  PA pq;
+  PA pq, fk, fb;
   if (BW) pq = *reinterpret_cast<const PA *>(coef + 3 * C + c0);
-  const bool rx = !BW || TRAIN; /* x is read */
-  constexpr int U = BW && TRAIN ? 2 : BN_U; /* three loads a row in the training backward */
+  if (RC) {
+    fk = *reinterpret_cast<const PA *>(coef + 4 * C + c0), fb = *reinterpret_cast<const PA *>(coef + 5 * C + c0);
+    mk = NULL;
+  }
+  const bool rx = !BW || TRAIN || RC; /* x is read */
+  constexpr int U = BW && (TRAIN || RC) ? 2 : BN_U; /* three loads a row in the training backward */
   int64_t r = r0 + threadIdx.y;
   int64_t n = r / G.S, s = r - n * G.S;
   const int64_t dn = step / G.S, ds = step - dn * G.S;
@@ -601,7 +683,8 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
     for (int u = 0; u < U; u++)
       if (u < u_n)
-        *reinterpret_cast<P *>(y + yo[u]) = p3_row<T, A, V, BW, TRAIN>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu);
+        *reinterpret_cast<P *>(y + yo[u]) =
+            p3_row<T, A, V, BW, TRAIN, RC>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu, fk, fb);
     r += (int64_t)u_n * step;
   }
 }
@@ -645,6 +728,9 @@ bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1;
 const kiln__view *mask_of(const kiln__kargs *a) {
   return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 2) ? &a->in[a->n_in - 1] : NULL;
 }
+
+/* Whether a backward recomputes its mask from x (flag 8) instead of reading one. */
+bool rc_of(const kiln__kargs *a) { return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 8); }
 
 /* The residual of a forward (flag 16: the input after the weight and the bias), or NULL. */
 const kiln__view *residual_of(const kiln__kargs *a) {
@@ -763,18 +849,26 @@ template <class A> P1 plan1(const Geo &G, bool cl, int V, int sm_count, int bps)
   return p;
 }
 
+/* fkp, fbp: the forward's coefficients (statistics rows 2 and 3, stride mst) where the
+** backward recomputes its mask (flag 8), else NULL */
 template <class T, class A, int V>
 kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, bool cl, bool bw, const P1 &p, A *part,
-                      const A *meanp, int64_t mst) {
+                      const A *meanp, int64_t mst, const A *fkp, const A *fbp) {
   const T *x = (const T *)a->in[0].data, *g = bw ? (const T *)a->in[1].data : NULL;
   const T *mk = bw && mask_of(a) ? (const T *)mask_of(a)->data : NULL;
   T *gm = gm_of(a) ? (T *)gm_of(a)->data : NULL;
+  const bool rc = bw && rc_of(a);
   if (!cl) {
-    if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, gm, G, part, meanp, mst);
-    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst);
+    if (rc) pass1_cf<T, A, V, true, true><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, fkp, fbp);
+    else if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
+    else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
   } else {
-    if (bw) pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, gm, G, part, meanp, mst);
-    else pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst);
+    if (rc)
+      pass1_cl<T, A, V, true, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, fkp, fbp);
+    else if (bw)
+      pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
+    else
+      pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
@@ -789,6 +883,7 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
   if (gmv)
     for (int k = 0; k < 3; k++) G.gs[k] = G.os[k], G.ms[k] = 0;
   const bool relu = !bw && (a->i[0] & 8) != 0; /* kiln_batch_norm_relu */
+  const bool rc = bw && rc_of(a);                /* the backward's mask recomputed (coef[4C..6C)) */
   int64_t inner = (cl ? G.C : G.S) / V; /* pick_vec chose V dividing it */
   if (inner < 1) inner = 1;
   int64_t rpb = inner >= BN_THREADS ? 1 : BN_THREADS / inner;
@@ -813,35 +908,41 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
     const bool rev = knobs().reverse;
     if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    else if (rc && train) pass3_cl<T, A, V, true, true, true><<<grid, block, 0, d->stream>>>(x, g, NULL, y, G, coef, chunk, relu, rev);
+    else if (rc) pass3_cl<T, A, V, true, false, true><<<grid, block, 0, d->stream>>>(x, g, NULL, y, G, coef, chunk, relu, rev);
     else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
     else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
-#define BN_P3(BWV, TRV) \
-  pass3<T, A, V, BWV, TRV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu, \
+#define BN_P3(BWV, TRV, RCV) \
+  pass3<T, A, V, BWV, TRV, RCV><<<(unsigned)blocks, BN_THREADS, 0, d->stream>>>(x, g, mk, y, G, coef, inner, rpb, relu, \
                                                                              knobs().reverse)
-  if (!bw) BN_P3(false, false);
-  else if (train) BN_P3(true, true);
-  else BN_P3(true, false);
+  if (!bw) BN_P3(false, false, false);
+  else if (rc && train) BN_P3(true, true, true);
+  else if (rc) BN_P3(true, false, true);
+  else if (train) BN_P3(true, true, false);
+  else BN_P3(true, false, false);
 #undef BN_P3
   return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
 }
 
 /* pass 1's blocks per SM: the knob, or (0) what the occupancy calculator says the SMs hold
 ** of this kernel at once (cached per kernel) */
-template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw) {
+template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw, bool rc) {
   int bps = knobs().p1_bps;
   if (bps > 0) return bps;
-  static int cache[2][2]; /* [cl][bw]; 0 unknown */
-  int &c = cache[cl][bw];
+  static int cache[2][2][2]; /* [cl][bw][rc]; 0 unknown */
+  int &c = cache[cl][bw][rc];
   if (c > 0) return c;
   int n = 0;
   size_t smem = cl ? (size_t)BN_THREADS * (2 * V + 1) * sizeof(A) : 0;
   cudaError_t e;
-  if (!cl) e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
-                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
-  else e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
-              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
+  if (!cl) e = rc   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true, true>, BN_THREADS, smem)
+              : bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
+                   : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
+  else e = rc   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true, true>, BN_THREADS, smem)
+           : bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
+                : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
   if (e != cudaSuccess || n < 1) {
     (void)cudaGetLastError(); /* not sticky: clear it */
     n = 8;
@@ -856,10 +957,11 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const int flags = (int)a->i[0];
   Geo G = geo_of(a);
   const int64_t C = G.C;
-  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw));
+  const bool rc = rc_of(a);
+  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw, rc));
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
-  size_t coef_n = (size_t)C * 4;
+  size_t coef_n = (size_t)C * (rc ? 6 : 4);
   size_t bytes = (part_n + coef_n) * sizeof(A);
   A *buf = (A *)kiln__cuda_alloc(a->device, bytes);
   if (!buf) return kiln_last_error();
@@ -876,7 +978,8 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     if (f.has_r) f.rm = vec_of(&a->out[2]), f.rv = vec_of(&a->out[3]);
     f.stats = a->out[1].data, f.stats_dt = (int)a->out[1].dtype;
     f.st0 = a->out[1].strides[0], f.st1 = a->out[1].strides[1];
-    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0);
+    f.coef_rows = a->out[1].ndim == 2 && a->out[1].shape[0] >= 4;
+    if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0, NULL, NULL);
     if (st == KILN_OK) {
       fin_fwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm (finalize)");
@@ -884,7 +987,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   } else {
     FinB f;
     f.C = C, f.splits = p.splits, f.train = train, f.M = (double)(G.N * G.S);
-    f.has_w = (flags & 1) != 0;
+    f.has_w = (flags & 1) != 0, f.rc = rc;
     if (f.has_w) f.w = vec_of(&a->in[3]);
     f.dw = vec_of(&a->out[1]), f.db = vec_of(&a->out[2]);
     f.stats = a->in[2].data, f.stats_dt = (int)a->in[2].dtype;
@@ -900,7 +1003,9 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
       }
       meanp = coef, mst = 1;
     }
-    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst);
+    /* the forward's coefficients (flag 8: the statistics are in A, kiln__cuda_batchnorm_supports) */
+    const A *fkp = rc ? (const A *)f.stats + 2 * f.st0 : NULL, *fbp = rc ? (const A *)f.stats + 3 * f.st0 : NULL;
+    if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst, fkp, fbp);
     if (st == KILN_OK) {
       fin_bwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm_backward (finalize)");
@@ -943,7 +1048,12 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
         a->in[1].ndim != 3 || a->out[0].ndim != 3)
       return false;
     if (a->n_in != 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0)) return false;
-    if (a->i[0] & ~(int64_t)7) return false;
+    if (a->i[0] & ~(int64_t)15) return false;
+    if (a->i[0] & 8) { /* the mask recomputed: no mask input, the forward's coefficients in the statistics' rows 2, 3 */
+      const kiln__view *s = &a->in[2];
+      if ((a->i[0] & 6) || s->ndim != 2 || s->shape[0] < 4 || s->dtype != (x->dtype == KILN_F64 ? KILN_F64 : KILN_F32))
+        return false;
+    }
     const kiln__view *mk = mask_of(a);
     if (mk && (mk->dtype != x->dtype || mk->ndim != 3)) return false;
     if (a->i[0] & 4) { /* the masked gradient: needs the mask, written in x's dtype */

@@ -289,6 +289,19 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
   a.i[1] = p->training;
   a.s[0] = p->eps;
   a.s[1] = p->momentum;
+  if (coef_rows && !kiln__dispatch_has(kiln_device_of(x), &a, KILN__K_BATCH_NORM)) {
+    /* it would fall back (a kernel that writes rows 0 and 1 only): 2 rows, so that the
+    ** backward reads its mask instead of recomputing it from coefficients never written */
+    kiln_tensor *s2 = kiln__tensor_new(KILN_SHAPE(2, C), sdt, kiln_device_of(x));
+    if (!s2) {
+      c->out[0] = NULL;
+      kiln__discard(y);
+      return kiln_last_error();
+    }
+    kiln__discard(stats);
+    stats = c->tmp[1] = s2;
+    a.out[1] = kiln__view_of(stats);
+  }
   kiln_status st = kiln__dispatch(kiln_device_of(x), &a);
   if (st != KILN_OK) {
     c->out[0] = NULL;
@@ -297,7 +310,7 @@ static kiln_status bnk_forward(kiln__op_ctx *c) {
   return st;
 }
 
-/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C), 3 bias
+/* saved: 0 x (as the kernel read it), 1 weight (or NULL), 2 the statistics (2, C) ((4, C) on CUDA), 3 bias
 ** (or NULL: with the weight and the statistics it lets a kernel recompute y, and so the
 ** ReLU's mask, from x) */
 static void bnk_save(kiln__op_ctx *c, kiln__node *n) {

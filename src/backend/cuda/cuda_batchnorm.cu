@@ -928,21 +928,19 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
 
 /* pass 1's blocks per SM: the knob, or (0) what the occupancy calculator says the SMs hold
 ** of this kernel at once (cached per kernel) */
-template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw, bool rc) {
+template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw) {
   int bps = knobs().p1_bps;
   if (bps > 0) return bps;
-  static int cache[2][2][2]; /* [cl][bw][rc]; 0 unknown */
-  int &c = cache[cl][bw][rc];
+  static int cache[2][2]; /* [cl][bw]; 0 unknown */
+  int &c = cache[cl][bw];
   if (c > 0) return c;
   int n = 0;
   size_t smem = cl ? (size_t)BN_THREADS * (2 * V + 1) * sizeof(A) : 0;
   cudaError_t e;
-  if (!cl) e = rc   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true, true>, BN_THREADS, smem)
-              : bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
-                   : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
-  else e = rc   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true, true>, BN_THREADS, smem)
-           : bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
-                : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
+  if (!cl) e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, true>, BN_THREADS, smem)
+                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cf<T, A, V, false>, BN_THREADS, smem);
+  else e = bw ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, true>, BN_THREADS, smem)
+              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, pass1_cl<T, A, V, false>, BN_THREADS, smem);
   if (e != cudaSuccess || n < 1) {
     (void)cudaGetLastError(); /* not sticky: clear it */
     n = 8;
@@ -958,7 +956,9 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   Geo G = geo_of(a);
   const int64_t C = G.C;
   const bool rc = rc_of(a);
-  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw, rc));
+  /* the recomputed mask (rc) takes the mask-reading kernel's plan: the same splits, so the
+  ** same sums in the same order and the same bits, even under KILN_BN_P1_BPS=0 */
+  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw));
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
   size_t coef_n = (size_t)C * (rc ? 6 : 4);

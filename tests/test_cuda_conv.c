@@ -17,6 +17,14 @@
 ** 4b. conv2d_relu_max_pool2d (the fused one-channel conv, ReLU, max-pool and its weight and
 **    bias gradients) against the CPU, and relu_max_pool2d's values and gradients with ties,
 **    NaN and an uncovered edge (identical bits).
+** 4c. The direct TF32 kernels (cuda_conv_direct.cu: small f32 convolutions with TF32
+**    allowed, stride and dilation 1, ungrouped): forward with and without bias, the input
+**    gradient (written and added, CONV2D_BACKWARD_DATA_ACC), the weight and bias
+**    gradients, over shapes that cover the kernels' edges (rows not a multiple of 16 or
+**    over 64, taps not a multiple of 8, pixel ranges split over blocks, image ranges in
+**    the weight gradient), against the CPU in f64 within TF32's rounding; fashion-mnist's
+**    second convolution must be taken by them (unless KILN_CONV_DIRECT=0), and a captured
+**    step equals the eager one to the bit.
 ** 5. Channels-last end to end (cv_keep_format_on, test_ops_conv.c): conv2d, relu, add,
 **    casts, max_pool2d keep the format on CUDA and give the NCHW run's values (f64, f32
 **    with gradients; f16/bf16 forward), and with cuDNN a channels-last step (forward and
@@ -35,6 +43,9 @@
 #include <stdio.h>
 
 static bool cc_cudnn; /* cuda:0 runs CONV2D (cuDNN) */
+#if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
+bool kiln__cuda_conv_direct_supports(const kiln__kargs *a); /* cuda_conv_direct.cu */
+#endif
 
 static kiln_device cc_cpu(void) { return kiln_device_cpu(); }
 #ifdef CC_GPU_IS_CPU /* a check of the test's own logic on a machine without a GPU */
@@ -439,6 +450,7 @@ static void cc_relu_max_pool(void) {
 typedef struct cc_step {
   kiln_tensor *x, *w, *b, *out; /* out: [y | dx | dw] results copied in */
   kiln_tensor *y, *dx, *dw;
+  bool stride1; /* stride 1 (the direct kernels' case) instead of 2 */
 } cc_step;
 
 static kiln_status cc_step_fn(void *vctx) {
@@ -447,7 +459,7 @@ static kiln_status cc_step_fn(void *vctx) {
   kiln_tensor *x = kiln_detach(s->x), *w = kiln_detach(s->w);
   kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
   int64_t st[2] = {2, 2}, pd[2] = {1, 1};
-  kiln_tensor *y = kiln_conv2d(x, w, s->b, st, pd, NULL, 1);
+  kiln_tensor *y = kiln_conv2d(x, w, s->b, s->stride1 ? NULL : st, pd, NULL, 1);
   kiln_tensor *loss = kiln_sum_all(kiln_mul(y, y));
   kiln_status r = loss ? kiln_backward(loss, NULL) : kiln_last_error();
   if (r == KILN_OK) r = kiln_copy_(s->y, y);
@@ -494,6 +506,203 @@ static void cc_capture(void) {
     kiln_graph_free(g);
   }
   kiln_scope_end();
+}
+
+/* ---- 4c. the direct TF32 kernels ---------------------------------------------------- */
+
+/* t (f64) rounded to f32 values, so that the CPU's f64 run and CUDA's f32 one read the same inputs */
+static kiln_tensor *cc_f32_values(kiln_tensor *t) { return kiln_to_dtype(kiln_to_dtype(t, KILN_F32), KILN_F64); }
+
+typedef struct cc_dconv {
+  int64_t N, C, H, W, OC, K, pad;
+  int bias;
+} cc_dconv;
+
+static const cc_dconv cc_dconvs[] = {
+    {20, 32, 13, 13, 64, 3, 0, 1}, /* fashion-mnist's second convolution (batch cut to 20) */
+    {20, 32, 14, 14, 64, 3, 1, 1}, /* the same, padded */
+    {3, 5, 9, 7, 24, 3, 1, 1},     /* 24 rows: not a multiple of 16 */
+    {2, 3, 6, 11, 70, 5, 2, 0},    /* 70 rows: three row warps; 75 taps */
+    {300, 2, 5, 5, 8, 1, 0, 1},    /* 1x1; 300 images: several a weight-gradient block */
+    {2, 40, 30, 30, 16, 3, 0, 1},  /* 784 pixels: the forward's pixel ranges split */
+    {4, 1, 28, 28, 32, 3, 0, 1},   /* one channel: 9 taps */
+    {2, 4, 5, 5, 6, 3, 2, 1},      /* padding k - 1: the data pass pads nothing */
+};
+
+/* |got - want| <= rtol*|want| + atol * scale, scale = the largest |want| (TF32 rounds each
+** operand to 11 bits; a wrong index is off by the whole scale) */
+static bool cc_close_scaled(const char *what, kiln_tensor *got, kiln_tensor *want, double tol) {
+  double *g = cc_host(got), *w = cc_host(want);
+  bool ok = false;
+  if (!g || !w || kiln_numel(got) != kiln_numel(want)) {
+    H_CHECK(false, "%s: could not read the results (or sizes differ): %s", what, kiln_last_error_message());
+  } else {
+    double scale = 0;
+    for (int64_t i = 0; i < kiln_numel(want); i++) scale = fmax(scale, fabs(w[i]));
+    ok = h_close(what, g, w, kiln_numel(want), tol, tol * (scale > 1 ? scale : 1));
+  }
+  free(g), free(w);
+  return ok;
+}
+
+static kiln_status cc_dstep(const cc_dconv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
+                            kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
+  kiln_tensor *x = kiln_detach(kiln_to_dtype(kiln_to_device(xb, dev), dt));
+  kiln_tensor *w = kiln_detach(kiln_to_dtype(kiln_to_device(wb, dev), dt));
+  kiln_tensor *b = k->bias ? kiln_detach(kiln_to_dtype(kiln_to_device(bb, dev), dt)) : NULL;
+  kiln_tensor *r = kiln_to_dtype(kiln_to_device(rb, dev), dt);
+  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
+  kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
+  if (b) kiln_requires_grad_(b, true);
+  int64_t pd[2] = {k->pad, k->pad};
+  kiln_tensor *y = kiln_conv2d(x, w, b, NULL, pd, NULL, 1);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
+  kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (st != KILN_OK) return st;
+  res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = b ? kiln_grad(b) : NULL;
+  return KILN_OK;
+}
+
+/* the kargs of op for case k's tensors on dev (outputs allocated; ACC: out0 = acc) */
+static kiln__kargs cc_dargs(kiln__kop op, const cc_dconv *k, kiln_tensor *x, kiln_tensor *w, kiln_tensor *g,
+                            kiln_tensor *outs[2], const kiln__conv_params *cp) {
+  kiln__kargs a = {0};
+  a.op = op;
+  a.n_in = 2, a.n_out = 1;
+  a.i[0] = 1, a.i[1] = 1; /* ungrouped, TF32 allowed */
+  a.params = cp;
+  if (op == KILN__K_CONV2D_BACKWARD_WEIGHT) {
+    a.in[0] = kiln__view_of(x), a.in[1] = kiln__view_of(g), a.out[0] = kiln__view_of(outs[0]);
+    a.n_out = 2, a.out[1] = kiln__view_of(outs[1]);
+  } else if (op == KILN__K_CONV2D) {
+    a.in[0] = kiln__view_of(x), a.in[1] = kiln__view_of(w), a.out[0] = kiln__view_of(outs[0]);
+  } else {
+    a.in[0] = kiln__view_of(g), a.in[1] = kiln__view_of(w), a.out[0] = kiln__view_of(outs[0]);
+  }
+  (void)k;
+  return a;
+}
+
+static void cc_direct(void) {
+#if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
+  const char *env = getenv("KILN_CONV_DIRECT");
+  bool want_direct = !(env && !strcmp(env, "0"));
+#endif
+  for (size_t ci = 0; ci < sizeof cc_dconvs / sizeof cc_dconvs[0]; ci++) {
+    const cc_dconv *k = &cc_dconvs[ci];
+    kiln_scope_begin();
+    kiln_generator *gen = kiln_generator_new(4200 + ci);
+    int64_t OH = k->H + 2 * k->pad - k->K + 1, OW = k->W + 2 * k->pad - k->K + 1;
+    kiln_tensor *xb = cc_f32_values(kiln_randn(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F64, cc_cpu(), gen));
+    kiln_tensor *wb = cc_f32_values(kiln_randn(KILN_SHAPE(k->OC, k->C, k->K, k->K), KILN_F64, cc_cpu(), gen));
+    kiln_tensor *bb = cc_f32_values(kiln_randn(KILN_SHAPE(k->OC), KILN_F64, cc_cpu(), gen));
+    kiln_tensor *rb = cc_f32_values(kiln_randn(KILN_SHAPE(k->N, k->OC, OH, OW), KILN_F64, cc_cpu(), gen));
+    kiln_tensor *ab = cc_f32_values(kiln_randn(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F64, cc_cpu(), gen));
+    kiln_generator_free(gen);
+    char what[200];
+    kiln__conv_params cp = {{k->K, k->K}, {1, 1}, {k->pad, k->pad}, {1, 1}};
+#if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
+    /* every pass is the direct kernels' (the first case: fashion-mnist's layer) */
+    {
+      kiln_tensor *x = kiln_to_device(kiln_to_dtype(xb, KILN_F32), cc_gpu());
+      kiln_tensor *w = kiln_to_device(kiln_to_dtype(wb, KILN_F32), cc_gpu());
+      kiln_tensor *g = kiln_to_device(kiln_to_dtype(rb, KILN_F32), cc_gpu());
+      kiln_tensor *o1[2] = {kiln_empty(KILN_SHAPE(k->N, k->OC, OH, OW), KILN_F32, cc_gpu()), NULL};
+      kiln_tensor *o2[2] = {kiln_empty(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F32, cc_gpu()), NULL};
+      kiln_tensor *o3[2] = {kiln_empty(KILN_SHAPE(k->OC, k->C, k->K, k->K), KILN_F32, cc_gpu()),
+                            kiln_empty(KILN_SHAPE(k->OC), KILN_F32, cc_gpu())};
+      if (x && w && g && o1[0] && o2[0] && o3[0] && o3[1]) {
+        kiln__kop ops[4] = {KILN__K_CONV2D, KILN__K_CONV2D_BACKWARD_DATA, KILN__K_CONV2D_BACKWARD_DATA_ACC,
+                            KILN__K_CONV2D_BACKWARD_WEIGHT};
+        kiln_tensor **outs[4] = {o1, o2, o2, o3};
+        for (int q = 0; q < 4; q++) {
+          kiln__kargs a = cc_dargs(ops[q], k, x, w, g, outs[q], &cp);
+          a.device = 0;
+          bool has = kiln__cuda_conv_direct_supports(&a);
+          if (ci == 0)
+            H_CHECK(has == want_direct, "fashion-mnist's conv: %s %s by the direct kernels", kiln__kop_name(ops[q]),
+                    has ? "taken" : "not taken");
+          if (ci == 0 && q == 0)
+            printf("test_cuda_conv: direct TF32 kernels %s\n", has ? "on" : "off (KILN_CONV_DIRECT=0 or the device)");
+        }
+      }
+    }
+#endif
+    /* through autograd: y, dx, dw, db against the CPU's f64 */
+    kiln_tensor *want[4] = {0}, *got[4] = {0};
+    kiln_set_matmul_tf32(true);
+    kiln_fallback_policy saved = kiln_fallback_policy_get();
+    kiln_status s1 = cc_dstep(k, xb, wb, bb, rb, KILN_F64, cc_cpu(), want);
+    kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+    kiln_status s2 = cc_dstep(k, xb, wb, bb, rb, KILN_F32, cc_gpu(), got);
+    kiln_set_fallback_policy(saved);
+    if (s1 != KILN_OK || s2 != KILN_OK) {
+      H_CHECK(false, "direct case %zu: %s run failed: %s", ci, s1 != KILN_OK ? "CPU" : "CUDA",
+              kiln_last_error_message());
+    } else {
+      static const char *const part[4] = {"y", "dx", "dw", "db"};
+      for (int q = 0; q < 4; q++) {
+        if (!want[q] && !got[q]) continue;
+        snprintf(what, sizeof what, "direct case %zu %s", ci, part[q]);
+        cc_close_scaled(what, got[q], want[q], 4e-3);
+      }
+    }
+    /* CONV2D_BACKWARD_DATA_ACC through dispatch: acc + dx */
+    {
+      kiln_tensor *w = kiln_to_device(kiln_to_dtype(wb, KILN_F32), cc_gpu());
+      kiln_tensor *g = kiln_to_device(kiln_to_dtype(rb, KILN_F32), cc_gpu());
+      kiln_tensor *acc = kiln_contiguous(kiln_to_device(kiln_to_dtype(ab, KILN_F32), cc_gpu()));
+      kiln_tensor *outs[2] = {acc, NULL};
+      if (w && g && acc) {
+        kiln__kargs a = cc_dargs(KILN__K_CONV2D_BACKWARD_DATA_ACC, k, NULL, w, g, outs, &cp);
+        if (kiln__dispatch_has(cc_gpu(), &a, KILN__K_CONV2D_BACKWARD_DATA_ACC)) {
+          kiln_status st = kiln__dispatch(cc_gpu(), &a);
+          H_CHECK(st == KILN_OK, "direct case %zu: backward data acc: %s", ci, kiln_last_error_message());
+          kiln_tensor *expect = want[1] ? kiln_add(ab, want[1]) : NULL;
+          snprintf(what, sizeof what, "direct case %zu dx added", ci);
+          if (st == KILN_OK && expect) cc_close_scaled(what, acc, expect, 4e-3);
+        }
+      }
+    }
+    kiln_set_matmul_tf32(false);
+    kiln_scope_end();
+  }
+  /* a captured step replays the eager one's bits (fashion-mnist's shape) */
+  kiln_set_matmul_tf32(true);
+  kiln_scope_begin();
+  kiln_device dev = cc_gpu();
+  kiln_generator *gen = kiln_generator_new(6);
+  cc_step s = {0};
+  s.x = kiln_randn(KILN_SHAPE(8, 32, 14, 14), KILN_F32, dev, gen); /* padding 1: 14x14 out */
+  s.w = kiln_randn(KILN_SHAPE(64, 32, 3, 3), KILN_F32, dev, gen);
+  s.b = kiln_randn(KILN_SHAPE(64), KILN_F32, dev, gen);
+  kiln_generator_free(gen);
+  s.y = kiln_zeros(KILN_SHAPE(8, 64, 14, 14), KILN_F32, dev);
+  s.dx = kiln_zeros(KILN_SHAPE(8, 32, 14, 14), KILN_F32, dev);
+  s.dw = kiln_zeros(KILN_SHAPE(64, 32, 3, 3), KILN_F32, dev);
+  s.stride1 = true;
+  kiln_status st = cc_step_fn(&s);
+  kiln_tensor *eager[3] = {kiln_clone(s.y), kiln_clone(s.dx), kiln_clone(s.dw)};
+  kiln_graph *gr = st == KILN_OK ? kiln_graph_capture(dev, cc_step_fn, &s) : NULL;
+  if (!gr) {
+    H_CHECK(false, "direct conv capture failed: %s", kiln_last_error_message());
+  } else {
+    kiln_fill_(s.y, 0), kiln_fill_(s.dx, 0), kiln_fill_(s.dw, 0);
+    st = kiln_graph_replay(gr);
+    if (st == KILN_OK) st = kiln_device_synchronize(dev);
+    H_CHECK(st == KILN_OK, "direct conv replay failed: %s", kiln_last_error_message());
+    kiln_tensor *gotc[3] = {s.y, s.dx, s.dw};
+    static const char *const nm[3] = {"direct capture y", "direct capture dx", "direct capture dw"};
+    for (int q = 0; q < 3 && st == KILN_OK; q++) {
+      double *a = cc_host(gotc[q]), *b = cc_host(eager[q]);
+      if (a && b) h_close(nm[q], a, b, kiln_numel(gotc[q]), 0, 0);
+      else H_CHECK(false, "%s: could not read: %s", nm[q], kiln_last_error_message());
+      free(a), free(b);
+    }
+    kiln_graph_free(gr);
+  }
+  kiln_scope_end();
+  kiln_set_matmul_tf32(false);
 }
 
 /* Layout copies seen by the observer: contiguous of a channels-last tensor (NHWC to NCHW)
@@ -626,6 +835,8 @@ int main(int argc, char **argv) {
   cc_relu_max_pool();
   printf("test_cuda_conv: graph capture\n");
   cc_capture();
+  printf("test_cuda_conv: the direct TF32 kernels\n");
+  cc_direct();
   printf("test_cuda_conv: channels-last end to end\n");
   cc_keep_format();
   return h_finish();

@@ -693,11 +693,12 @@ static kiln_status conv_direct_backward(kiln__node *n, kiln_tensor *g, kiln_tens
     if (st != KILN_OK) return st;
     need_x = false;
   }
-  /* the bias gradient in the weight gradient's pass on the CPU (oneDNN's diff_bias, the
-  ** direct loops' sums: PyTorch's arrangement), instead of a sum over the gradient after:
-  ** fmnist-cnn's two bias sums were 0.9 ms of a 12.6 ms step */
+  /* the bias gradient in the weight gradient's pass (oneDNN's diff_bias and the direct
+  ** loops' sums on the CPU: PyTorch's arrangement; on CUDA the direct TF32 kernel's row sums,
+  ** or cuDNN's path's own two-stage sum), instead of a sum over the gradient after:
+  ** fmnist-cnn's two bias sums were 0.9 ms of a 12.6 ms CPU step */
   bool need_b = n->needs[2];
-  wb.bias = need_w && need_b && kiln_device_of(g).type == KILN_DEVICE_CPU;
+  wb.bias = need_w && need_b;
   if (wb.bias && !convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) wb.bias = 0;
   if (need_w && convb_has(KILN__K_CONV2D_BACKWARD_WEIGHT, x, g, w, &wb)) {
     kiln_tensor *db = NULL;

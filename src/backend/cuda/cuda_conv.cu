@@ -2,14 +2,18 @@
 ** backward:
 ** cuda_pool.cu), the fused ReLU + max-pool and one-channel conv + ReLU + max-pool kernels
 ** (RELU_MAX_POOL2D, CONV1_RELU_MAX_POOL2D and their backwards: cuda_conv1.cu) and the
-** library convolutions (CONV2D and its two backward kernels: cuda_conv_cudnn.cu, cuDNN;
-** without it supports() says no, and the op layer composes IM2COL + MATMUL). */
+** convolutions (CONV2D and its backward kernels): small f32 ones with TF32 allowed on the
+** tensor cores by kiln's own kernels (cuda_conv_direct.cu), the rest through cuDNN
+** (cuda_conv_cudnn.cu; without it supports() says no for those, and the op layer composes
+** IM2COL + MATMUL). */
 #include "cuda_int.cuh"
 
 extern "C" bool kiln__cuda_window_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_window(const kiln__kargs *a);
 extern "C" bool kiln__cuda_cudnn_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_cudnn_conv(const kiln__kargs *a);
+extern "C" bool kiln__cuda_conv_direct_supports(const kiln__kargs *a);
+extern "C" kiln_status kiln__cuda_conv_direct(const kiln__kargs *a);
 extern "C" bool kiln__cuda_conv1_supports(const kiln__kargs *a);
 extern "C" kiln_status kiln__cuda_conv1(const kiln__kargs *a);
 
@@ -26,9 +30,11 @@ static bool is_fused(kiln__kop op) {
 extern "C" bool kiln__cuda_conv_supports(const kiln__kargs *a) {
   return is_window(a->op) ? kiln__cuda_window_supports(a)
          : is_fused(a->op) ? kiln__cuda_conv1_supports(a)
-                           : kiln__cuda_cudnn_supports(a);
+                           : kiln__cuda_conv_direct_supports(a) || kiln__cuda_cudnn_supports(a);
 }
 
 extern "C" kiln_status kiln__cuda_conv(const kiln__kargs *a) {
-  return is_window(a->op) ? kiln__cuda_window(a) : is_fused(a->op) ? kiln__cuda_conv1(a) : kiln__cuda_cudnn_conv(a);
+  if (is_window(a->op)) return kiln__cuda_window(a);
+  if (is_fused(a->op)) return kiln__cuda_conv1(a);
+  return kiln__cuda_conv_direct_supports(a) ? kiln__cuda_conv_direct(a) : kiln__cuda_cudnn_conv(a);
 }

@@ -335,6 +335,13 @@ int main(int argc, char **argv) {
     ex_progress_end(&p);
     train_s += dt;
     images += seen;
+    if (gs->phases) /* KILN_PHASES: where the epoch's host time went (replayed steps, summed) */
+      fprintf(stderr,
+              "phases: epoch %lld %.4f s, %lld steps; replays: loading ahead %.4f s, copies in %.4f s, "
+              "launches %.4f s, loss reads %.4f s, device (launch to end) %.4f s; first steps: eager %.4f s, "
+              "captures %.4f s\n",
+              (long long)e + 1, dt, (long long)n, gs->phase_s[0], gs->phase_s[1], gs->phase_s[2], gs->phase_s[4],
+              gs->device_s, gs->phase_s[3], gs->phase_s[5]);
     last_loss = n ? total / (double)n : NAN;
     if (dist && kiln_dist_allreduce_scalar(dist, &last_loss, KILN_DIST_AVG) != KILN_OK) return fail("averaging the loss");
     /* every rank holds the same parameters: rank 0 evaluates and checkpoints for all */

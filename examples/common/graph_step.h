@@ -72,7 +72,8 @@ typedef struct ex_graph_step {
   int ahead_r, ahead_in;
   /* KILN_PHASES (phases true): host seconds by phase, summed over the replayed steps:
   ** [0] loading the batch ahead, [1] copies into the static inputs, [2] the graph's launch,
-  ** [4] the loss read; and the device seconds from each replay's launch to its end. */
+  ** [4] the loss read; [3] the eager warm-up step of each batch shape (waited for) and [5]
+  ** its capture; and the device seconds from each replay's launch to its end. */
   bool phases;
   double phase_s[6], device_s;
   bool sum_loss;          /* set by the program after init: see above */
@@ -215,9 +216,12 @@ static inline kiln_status ex_graph_step_run(ex_graph_step *gs, kiln_loader *load
     if (st == KILN_OK && gs->sum_loss && !gs->loss_sum &&
         !(gs->loss_sum = kiln_keep(kiln_zeros(KILN_SHAPE0, KILN_F64, gs->dev))))
       st = kiln_last_error();
+    double w0 = gs->phases ? ex_now() : 0;
     if (st == KILN_OK) st = ex_graph_shape_step(s); /* the eager warm-up step */
     if (st == KILN_OK) *loss = kiln_item(s->loss);
+    double w1 = gs->phases ? ex_now() : 0;
     if (st == KILN_OK && !(s->g = kiln_graph_capture(gs->dev, ex_graph_shape_step, s))) st = kiln_last_error();
+    if (gs->phases) gs->phase_s[3] += w1 - w0, gs->phase_s[5] += ex_now() - w1;
     return st;
   }
   double p0 = gs->phases ? ex_now() : 0;

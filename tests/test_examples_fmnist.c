@@ -9,7 +9,7 @@
 **
 ** With --cuda (ctest test_examples_fmnist_cuda, label gpu; skipped without a CUDA device):
 ** --graph on cuda:0 (CUDA graphs, cuDNN inside them) against the eager loop there, for the
-** CNN (f32 and bf16 autocast) and the MLP: the same final loss within a tolerance (the
+** CNN (f32, bf16 autocast, and TF32: kiln's direct convolution kernels) and the MLP: the same final loss within a tolerance (the
 ** kernels are the same; only the capturable Adam's bias correction, computed on the
 ** device, may round differently) and the same learning.
 */
@@ -61,6 +61,8 @@ static int fm_cuda(void) {
   /* 6000 images: 46 full batches and one of 112, two recordings each run */
   fm_graph_vs_eager("--model cnn --device cuda:0 --epochs 2 --limit 6000", false, 2e-3);
   fm_graph_vs_eager("--model cnn --device cuda:0 --epochs 1 --limit 6000 --autocast bf16", false, 1e-2);
+  /* TF32: the second convolution on kiln's direct kernels (cuda_conv_direct.cu), captured */
+  fm_graph_vs_eager("--model cnn --device cuda:0 --epochs 2 --limit 6000 --tf32", false, 2e-3);
   fm_graph_vs_eager("--model mlp --device cuda:0 --epochs 2 --limit 6000", false, 2e-3);
   /* a resumed --graph run on the GPU learns on from the checkpoint */
   cr_result r = cr_run(NULL, "fashion-mnist", "--model cnn --device cuda:0 --epochs 1 --limit 6000 --graph --checkpoint g.ckpt --json --quiet");

@@ -1,34 +1,38 @@
 /*
 ** Small f32 convolutions on the tensor cores (TF32): CONV2D (with its bias),
 ** CONV2D_BACKWARD_DATA(_ACC) and CONV2D_BACKWARD_WEIGHT (with the bias gradient) as implicit
-** GEMMs in one block per image, for the arguments TF32 is allowed for (i1 flag 1) and the
-** image and the weights fit in shared memory. Everything else goes to cuDNN
-** (cuda_conv_cudnn.cu); KILN_CONV_DIRECT=0 sends these there too (A/B comparisons).
+** GEMMs, a block per image, for the arguments TF32 is allowed for (i1 flag 1), stride and
+** dilation 1, ungrouped, packed NCHW, where an image's planes and 32 weight rows fit in
+** shared memory. Everything else goes to cuDNN (cuda_conv_cudnn.cu); KILN_CONV_DIRECT=0
+** sends these there too (A/B comparisons; bench/RESULTS.md has them).
 **
-** Why: fashion-mnist's CNN (issue 15) spends most of its CUDA step in cuDNN's kernels for
-** its second convolution (32 -> 64 channels, 3x3, 14x14, batch 128: 0.9 GFLOP each way),
-** which run it at a few TFLOP/s: the problem is too small for cuDNN's tiles and launch
-** sequences. Here a block holds one image's zero-padded planes and the whole weight in
-** shared memory and its warps run mma.sync m16n8k8 (TF32 in, f32 sums) over them, the
-** im2col matrix read in place through a table of tap offsets: one launch each way, no
-** workspace, no im2col buffer.
+** Why: fashion-mnist's CNN (issue 15) spent most of its CUDA step in cuDNN for its second
+** convolution (32 -> 64 channels, 3x3 on 13x13, batch 128): too small for cuDNN's tiles,
+** with layout transposes and a bias kernel around the convolution, and a per-shape plan
+** and warm-up that cost a short run more than its steps. Here a block holds one image's
+** zero-padded planes and 32 rows of the weight in shared memory, and its warps run
+** mma.sync m16n8k8 (TF32 in, f32 sums) over them, the A fragments by ldmatrix, the im2col
+** matrix read in place through a table of tap offsets: no workspace, no im2col buffer.
 **
-** The three passes are one forward kernel and one weight-gradient kernel:
-** - CONV2D: rows = output channels, columns = output pixels, the sum over (c, i, j).
-** - CONV2D_BACKWARD_DATA: the forward of the gradient (its C = OC planes, padded by
+** The passes:
+** - CONV2D: rows = output channels, columns = output pixels, the sum over (c, i, j). A small
+**   kernel first writes the weight as TF32 rows padded for shared memory (once per call,
+**   not once per block).
+** - CONV2D_BACKWARD_DATA: the same kernel on the gradient (its C = OC planes, padded by
 **   k - 1 - p) with the weight transposed and flipped: W'[c][o][i][j] = W[o][c][k-1-i][k-1-j].
 ** - CONV2D_BACKWARD_WEIGHT: rows = output channels, columns = (c, i, j), the sum over each
 **   image's pixels; blocks take fixed ranges of images (set by the shapes, not the device)
 **   and a finishing kernel adds their partials in order, in f64. The bias gradient is the
 **   gradient's rows summed in f64 in the same blocks.
-** No atomics: the same bits every run (DESIGN.md). The operands are rounded to TF32
-** (cvt.rna) as cuDNN's TF32 math and PyTorch's default convolutions round them; the sums
-** are f32 (the forward's, and each block's partial of the weight gradient).
+** No atomics: the same bits every run (DESIGN.md). The operands are rounded to TF32 (cvt.rna,
+** to nearest); the sums are f32 (the forward's, and each block's partial of the weight
+** gradient).
 **
 ** Shared-memory layouts are padded so the fragment loads hit distinct banks: the image
-** planes 8 floats apart mod 32, the weight rows 4 apart. Padding taps (columns past K) and
-** padding pixels (past OH*OW) read zero through a -1 offset, so an inf in the image cannot
-** turn a discarded product into a NaN that is kept.
+** planes 8 floats apart mod 32, the weight rows 4 apart. Taps past K read a zero plane kept
+** after the image's, and the weight gradient's last pixel step masks the pixels past OH*OW,
+** so an inf in the image cannot turn a product that should be zero into a NaN that is kept;
+** the forward's columns past OH*OW read pixel 0 and are never stored.
 */
 #include "cuda_int.cuh"
 

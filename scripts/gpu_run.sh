@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build kiln with CUDA for sm_90, run the GPU-labelled
 # tests and the rest of the suite, then the benchmarks next to their PyTorch peers.
-# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|all]...
+# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|fmnist|all]...
 # The machine has no Debian dev packages: .debs/ (carried, git-ignored) holds OpenBLAS,
 # zlib and cJSON, unpacked into a private prefix, never into /.
 set -u
@@ -105,4 +105,26 @@ if has bench; then
     fi
   } > "$OUT/bench.log" 2>&1
   grep -E "^\{|TFLOP|GB/s|samples|==" "$OUT/bench.log" | tail -40
+fi
+
+if has fmnist; then # issue 15's fmnist-cnn: kiln (direct conv kernels, then cuDNN) and the peer, twice
+  peer=.peer/torch_peer.py
+  [ -f $peer ] || peer=../shared/bench/torch_peer.py
+  data=${KILN_DATA_DIR:-.data}
+  FM="$B/bin/fashion-mnist --model cnn --device cuda --data $data --quiet --json --epochs 5"
+  {
+    for r in 1 2; do
+      echo "== round $r: --graph --tf32 (phases), KILN_CONV_DIRECT=1 then 0"
+      for d in 1 0; do KILN_PHASES=1 KILN_CONV_DIRECT=$d $FM --graph --tf32 2>&1 | grep -E "^phases: epoch [15]|^\{"; done
+      echo "== round $r: eager --tf32"; $FM --tf32
+      [ -f "$peer" ] && { echo "== round $r: torch fmnist-cnn"; python3 $peer fmnist-cnn --device cuda --data $data; }
+    done
+    if command -v ncu > /dev/null; then
+      echo "== ncu: the direct conv kernels' device time (one eager step's)"
+      ncu --clock-control none -k regex:"conv_fwd|conv_wgrad|conv_prep" --launch-skip 30 --launch-count 7 \
+        --metrics gpu__time_duration.sum $B/bin/fashion-mnist --model cnn --device cuda --data $data --quiet --tf32 \
+        --epochs 1 --limit 12800 2>&1 | grep -E "^  [^ ]|gpu__time_duration"
+    fi
+  } > "$OUT/fmnist.log" 2>&1
+  grep -E "^\{|phases|==|gpu__time" "$OUT/fmnist.log" | cut -c1-220 | tail -40
 fi

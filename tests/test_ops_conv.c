@@ -616,9 +616,9 @@ static void cv_f32_vs_f64(void) {
   }
 }
 
-/* The one-input-channel direct loops (cpu_conv_c1.c) in AVX-512 and portable C give the same
-** bits: the same f32 operations per output in the same order (KILN_CONV_C1_PORTABLE=1
-** picks the portable loops). Forward, weight and bias gradients, rows of 26 outputs (a
+/* The one-input-channel direct loops (cpu_conv_c1.c) in AVX-512 (or AVX2 on a CPU without
+** it) and portable C give the same bits: the same f32 operations per output in the same
+** order (KILN_CONV_C1_PORTABLE=1 picks the portable loops). Forward, weight and bias gradients, rows of 26 outputs (a
 ** full 16-wide chunk and a masked one) and of 5. */
 static void cv_c1_paths(void) {
   static const int64_t shapes[][4] = {{3, 1, 28, 28}, {2, 1, 9, 7}};
@@ -650,7 +650,7 @@ static void cv_c1_paths(void) {
     for (int q = 0; q < 3; q++) {
       if (vals[0][q] && vals[1][q])
         H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
-                "c1 case %d: AVX-512 and portable %s have the same bits", t, q == 0 ? "forward" : q == 1 ? "dw" : "db");
+                "c1 case %d: AVX-512/AVX2 and portable %s have the same bits", t, q == 0 ? "forward" : q == 1 ? "dw" : "db");
       free(vals[0][q]), free(vals[1][q]);
     }
     kiln_scope_end();
@@ -678,6 +678,8 @@ static void cv_conv_relu_pool(void) {
     kiln_tensor *w = kiln_randn(KILN_SHAPE(s[3], C, s[4], s[5]), KILN_F32, kiln_device_cpu(), NULL);
     kiln_tensor *b = kiln_randn(KILN_SHAPE(s[3]), KILN_F32, kiln_device_cpu(), NULL);
     if (t == 3) kiln_requires_grad_(x, true);
+    double *fast[4] = {0}; /* the fused run's values on the fast path, for the portable one */
+    int64_t nf[4] = {0};
     for (int portable = 0; portable < 2; portable++) {
       setenv("KILN_CONV_C1_PORTABLE", portable ? "1" : "0", 1);
       double *vals[2][4] = {{0}};
@@ -708,9 +710,20 @@ static void cv_conv_relu_pool(void) {
           H_CHECK(memcmp(vals[0][q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
                   "conv_relu_pool case %d%s: fused and separate %s have the same bits", t, portable ? " portable" : "",
                   q == 0 ? "output" : q == 1 ? "dw" : q == 2 ? "db" : "dx");
+        /* the fast path (AVX-512, or AVX2: the conv planes, the pool, the weight gradient)
+        ** and the portable loops: the same bits */
+        if (!portable) {
+          fast[q] = vals[1][q], nf[q] = nv[q];
+          vals[1][q] = NULL;
+        } else if (fast[q] && vals[1][q]) {
+          H_CHECK(nf[q] == nv[q] && memcmp(fast[q], vals[1][q], (size_t)nv[q] * sizeof(double)) == 0,
+                  "conv_relu_pool case %d: fast and portable fused %s have the same bits", t,
+                  q == 0 ? "output" : q == 1 ? "dw" : q == 2 ? "db" : "dx");
+        }
         free(vals[0][q]), free(vals[1][q]);
       }
     }
+    for (int q = 0; q < 4; q++) free(fast[q]);
     unsetenv("KILN_CONV_C1_PORTABLE");
     kiln_scope_end();
   }

@@ -99,6 +99,108 @@ static bool c1_avx512_ok(void) {
   if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   return ok;
 }
+/* AVX2 without AVX-512 (most laptops and desktops: AMD before Zen 4, Intel's client CPUs),
+** where the portable loops were the whole path */
+static bool c1_avx2_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = !c1_avx512_ok() && __builtin_cpu_supports("avx2");
+  return ok;
+}
+
+/* c1_plane_avx512 on 8 lanes: each output row in chunks of 8, the bias then the taps in
+** (i, j) order, a product then a sum each: the portable loop's operations per output in its
+** order, the same bits. Full chunks load and store plainly; the row's tail loads masked and
+** stores through a buffer (AMD's masked stores are microcoded: one a chunk made this slower
+** than the portable loops). */
+__attribute__((target("avx2"))) static void c1_plane_avx2(const c1_job *j, const float *xp, int64_t oc, float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, T = j->KH * j->KW, full = OW / 8 * 8;
+  const float *wp = j->w + oc * T;
+  __m256 wv[49];
+  for (int64_t t = 0; t < T; t++) wv[t] = _mm256_set1_ps(wp[t]);
+  __m256 bv = _mm256_set1_ps(j->b ? j->b[oc] : 0.0f);
+  __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(OW - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t oh = 0; oh < j->OH; oh++) {
+    for (int64_t ow = 0; ow < full; ow += 8) {
+      __m256 acc = bv;
+      for (int64_t i = 0; i < j->KH; i++) {
+        const float *xr = xp + (oh + i) * Wp + ow;
+        for (int64_t jj = 0; jj < j->KW; jj++)
+          acc = _mm256_add_ps(acc, _mm256_mul_ps(wv[i * j->KW + jj], _mm256_loadu_ps(xr + jj)));
+      }
+      _mm256_storeu_ps(yp + oh * OW + ow, acc);
+    }
+    if (full < OW) {
+      __m256 acc = bv;
+      for (int64_t i = 0; i < j->KH; i++) {
+        const float *xr = xp + (oh + i) * Wp + full;
+        for (int64_t jj = 0; jj < j->KW; jj++)
+          acc = _mm256_add_ps(acc, _mm256_mul_ps(wv[i * j->KW + jj], _mm256_maskload_ps(xr + jj, m)));
+      }
+      float tail[8];
+      _mm256_storeu_ps(tail, acc);
+      memcpy(yp + oh * OW + full, tail, (size_t)(OW - full) * sizeof *yp);
+    }
+  }
+}
+
+/* c1_plane_avx2 for 3x3 kernels (fmnist-cnn's): the nine weights in registers, taps
+** unrolled, two output rows a step sharing the loads of their middle input rows (each
+** output still gets the bias then its nine products in (i, j) order: the same bits) */
+__attribute__((target("avx2"))) static void c1_plane3_avx2(const c1_job *j, const float *xp, int64_t oc, float *yp) {
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, OH = j->OH, full = OW / 8 * 8;
+  const float *wp = j->w + oc * 9;
+  __m256 w[9];
+  for (int t = 0; t < 9; t++) w[t] = _mm256_set1_ps(wp[t]);
+  __m256 bv = _mm256_set1_ps(j->b ? j->b[oc] : 0.0f);
+  __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(OW - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t ow = 0; ow < OW; ow += 8) {
+    bool tail = ow >= full;
+    int64_t oh = 0;
+    for (; oh + 2 <= OH; oh += 2) {
+      __m256 a0 = bv, a1 = bv;
+      for (int r = 0; r < 4; r++) {
+        const float *xr = xp + (oh + r) * Wp + ow;
+        for (int c = 0; c < 3; c++) {
+          __m256 v = tail ? _mm256_maskload_ps(xr + c, m) : _mm256_loadu_ps(xr + c);
+          if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], v));
+          if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + c], v));
+        }
+      }
+      if (!tail) {
+        _mm256_storeu_ps(yp + oh * OW + ow, a0);
+        _mm256_storeu_ps(yp + (oh + 1) * OW + ow, a1);
+      } else {
+        float t0[8], t1[8];
+        _mm256_storeu_ps(t0, a0), _mm256_storeu_ps(t1, a1);
+        memcpy(yp + oh * OW + ow, t0, (size_t)(OW - ow) * sizeof *yp);
+        memcpy(yp + (oh + 1) * OW + ow, t1, (size_t)(OW - ow) * sizeof *yp);
+      }
+    }
+    for (; oh < OH; oh++) {
+      __m256 a0 = bv;
+      for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 3; c++) {
+          const float *xr = xp + (oh + r) * Wp + ow + c;
+          a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], tail ? _mm256_maskload_ps(xr, m) : _mm256_loadu_ps(xr)));
+        }
+      float t0[8];
+      _mm256_storeu_ps(t0, a0);
+      memcpy(yp + oh * OW + ow, t0, (size_t)(OW - ow < 8 ? OW - ow : 8) * sizeof *yp);
+    }
+  }
+}
+
+__attribute__((target("avx2"))) static void c1_fwd_range_avx2(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  float xp[C1_MAX];
+  int64_t padded = -1;
+  for (int64_t q = lo; q < hi; q++) {
+    int64_t n = q / j->OC, oc = q % j->OC;
+    if (n != padded) c1_pad(j, n, xp), padded = n;
+    if (j->KH == 3 && j->KW == 3) c1_plane3_avx2(j, xp, oc, j->y + q * j->OH * j->OW);
+    else c1_plane_avx2(j, xp, oc, j->y + q * j->OH * j->OW);
+  }
+}
 
 /* c1_fwd_range with each output row in registers: 16 outputs a step (the last step
 ** masked), the bias then the taps in (i, j) order, a product then a sum each (kiln builds
@@ -207,9 +309,10 @@ static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   float xp[C1_MAX], e[C1_MAX], cb[C1_MAX];
   int64_t padded = -1, PL = j->POH * j->POW;
-  bool avx = false;
+  bool avx = false, avx2 = false, portable = c1_portable();
 #ifdef C1_HAVE_AVX512
-  avx = c1_avx512_ok() && !c1_portable();
+  avx = c1_avx512_ok() && !portable;
+  avx2 = c1_avx2_ok() && !portable;
 #endif
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / j->OC, oc = q % j->OC;
@@ -217,12 +320,14 @@ static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
 #ifdef C1_HAVE_AVX512
     if (avx && j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, cb);
     else if (avx) c1_plane_avx512(j, xp, oc, cb);
+    else if (avx2 && j->KH == 3 && j->KW == 3) c1_plane3_avx2(j, xp, oc, cb);
+    else if (avx2) c1_plane_avx2(j, xp, oc, cb);
     else
 #endif
       c1_plane(j, xp, oc, cb, e);
-    (void)avx;
+    (void)avx, (void)avx2;
     kiln__cpu_relu_max_pool_plane_f32(cb, j->OW, j->py + q * PL, j->POW, j->pix + q * PL, j->POW, j->pool->kernel[0],
-                                      j->pool->kernel[1], j->POH, j->POW);
+                                      j->pool->kernel[1], j->POH, j->POW, !portable);
   }
 }
 
@@ -294,6 +399,10 @@ static void c1_wgrad_range(void *vctx, int64_t lo, int64_t hi) { c1_wgrad_body(v
 __attribute__((target("avx512f,avx512vl"))) static void c1_wgrad_range_avx512(void *vctx, int64_t lo, int64_t hi) {
   c1_wgrad_body(vctx, lo, hi);
 }
+/* the 16 running sums as two 8-lane registers: each lane's order unchanged, the same bits */
+__attribute__((target("avx2"))) static void c1_wgrad_range_avx2(void *vctx, int64_t lo, int64_t hi) {
+  c1_wgrad_body(vctx, lo, hi);
+}
 
 /* c1_wgrad_body for 3x3 kernels: the image padded once per block of up to 32 channels
 ** (not once per channel), the nine taps' and the bias's 16 running sums in registers
@@ -357,11 +466,72 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_wgrad3_range_avx512(v
 }
 #endif
 
+/* c1_wgrad3_range_avx512 on AVX2: the nine taps' and the bias's running sums over one pass
+** of the gradient grid per half of each 16-element step (lanes 0-7, then 8-15: ten sums and
+** their operands fit AVX2's sixteen registers, twenty would not), each lane adding the
+** same products in the same order as the portable body, then the tail and the lanes as it
+** adds them: the same bits. The pool's gradient goes into the grid by the portable scatter. */
+__attribute__((target("avx2"))) static void c1_wgrad3_range_avx2(void *vctx, int64_t lo, int64_t hi) {
+  const c1_job *j = vctx;
+  int64_t N = j->a->in[0].shape[0], Wp = j->W + 2 * j->pw, L = j->OH * Wp, K16 = L / 16 * 16;
+  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
+  float xp[C1_MAX], ge[C1_MAX];
+  const int64_t toff[9] = {0, 1, 2, Wp, Wp + 1, Wp + 2, 2 * Wp, 2 * Wp + 1, 2 * Wp + 2};
+  for (int64_t oc0 = lo; oc0 < hi; oc0 += 32) {
+    int64_t nc = hi - oc0 < 32 ? hi - oc0 : 32;
+    double acc[32][10];
+    memset(acc, 0, sizeof acc);
+    for (int64_t n = 0; n < N; n++) {
+      c1_pad(j, n, xp);
+      for (int64_t c = 0; c < nc; c++) {
+        int64_t oc = oc0 + c, q = n * j->OC + oc;
+        memset(ge, 0, (size_t)L * sizeof *ge);
+        if (j->pool) { /* each window's max pixel: g where y > 0 */
+          int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1], PL = j->POH * j->POW;
+          const float *g = j->pg + q * PL, *yv = j->py + q * PL;
+          const uint8_t *ix = j->pix + q * PL;
+          for (int64_t oh = 0; oh < j->POH; oh++)
+            for (int64_t ow = 0; ow < j->POW; ow++) {
+              int64_t r = oh * j->POW + ow, t = ix[r];
+              ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = yv[r] > 0 ? g[r] : 0.0f;
+            }
+        } else {
+          const float *gp = j->y + q * j->OH * j->OW;
+          for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
+        }
+        float part[10][16];
+        for (int h = 0; h < 2; h++) { /* lanes 8h .. 8h+7 of each 16-element step */
+          __m256 p[10];
+          for (int t = 0; t < 10; t++) p[t] = _mm256_setzero_ps();
+          for (int64_t k = 8 * h; k < K16; k += 16) {
+            __m256 g = _mm256_loadu_ps(ge + k);
+            for (int t = 0; t < 9; t++) p[t] = _mm256_add_ps(p[t], _mm256_mul_ps(g, _mm256_loadu_ps(xp + toff[t] + k)));
+            p[9] = _mm256_add_ps(p[9], g);
+          }
+          for (int t = 0; t < 10; t++) _mm256_storeu_ps(part[t] + 8 * h, p[t]);
+        }
+        for (int t = 0; t < 10; t++) {
+          if (t == 9 && !db) break;
+          float sum = 0.0f;
+          for (int64_t k = K16; k < L; k++) sum += t < 9 ? ge[k] * xp[toff[t] + k] : ge[k];
+          for (int v = 0; v < 16; v++) sum += part[t][v];
+          acc[c][t] += sum;
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; c++) {
+      for (int t = 0; t < 9; t++) dw[(oc0 + c) * 9 + t] = (float)acc[c][t];
+      if (db) db[oc0 + c] = (float)acc[c][9];
+    }
+  }
+}
+
 /* The weight gradient's loop for this job: AVX-512 (3x3 its own) unless the CPU lacks it or
 ** KILN_CONV_C1_PORTABLE asks for the portable loops. */
 static kiln__cpu_range_fn c1_wgrad_fn(const c1_job *j) {
 #ifdef C1_HAVE_AVX512
   if (c1_avx512_ok() && !c1_portable()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
+  if (c1_avx2_ok() && !c1_portable()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx2 : c1_wgrad_range_avx2;
 #else
   (void)j;
 #endif
@@ -386,6 +556,7 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
     kiln__cpu_range_fn fwd_fn = c1_fwd_range;
 #ifdef C1_HAVE_AVX512
     if (c1_avx512_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx512;
+    else if (c1_avx2_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx2;
 #endif
     kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), fwd_fn, &j);
     return KILN_OK;

@@ -576,17 +576,91 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 }
 #endif
 
+#ifdef MP_HAVE_AVX512
+/* AVX2 (the x86-64 CPUs without AVX-512: AMD before Zen 4, Intel's laptops and desktops):
+** rmp_fwd2_avx512's scheme 8 outputs a step, the even and odd columns split by a shuffle
+** and a cross-lane permute, the row's tail by masked loads (full chunks load and store
+** plainly: AMD microcodes masked stores), the offsets stored byte by byte;
+** the portable rule as compare masks and blends: the same values and offsets. */
+static bool mp_avx2_ok(void) {
+  static int ok = -1;
+  if (ok < 0) ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+/* KILN_CONV_C1_PORTABLE=1 (read each call: the tests switch it): the portable loops instead
+** of the AVX2 ones, for the fused first layer's pool and this kernel alike */
+static bool mp_portable(void) {
+  const char *e = getenv("KILN_CONV_C1_PORTABLE");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
+__attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict xp, int64_t xs2, float *restrict yp,
+                                                          int64_t ys2, uint8_t *restrict ip, int64_t is2, int64_t OH,
+                                                          int64_t OW) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t oh = 0; oh < OH; oh++) {
+    const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
+    for (int64_t ow0 = 0; ow0 < OW; ow0 += 8) {
+      int64_t n = OW - ow0 < 8 ? OW - ow0 : 8, cols = 2 * n;
+      /* the 2n columns of each row as two 8-lane loads, lanes past them not read */
+      __m256 a0, a1, b0, b1;
+      const float *a = r0 + 2 * ow0, *b = r1 + 2 * ow0;
+      if (n == 8) { /* plain loads: AMD's masked ones are slow */
+        a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+      } else { /* the row's tail: the 2n columns, lanes past them not read */
+        __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols < 8 ? cols : 8)), lane);
+        __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols > 8 ? cols - 8 : 0)), lane);
+        a0 = _mm256_maskload_ps(a, m0), a1 = _mm256_maskload_ps(a + 8, m1);
+        b0 = _mm256_maskload_ps(b, m0), b1 = _mm256_maskload_ps(b + 8, m1);
+      }
+      /* evens / odds of 16 columns, in order: shuffle within 128-bit lanes, then 64-bit
+      ** blocks 0, 2, 1, 3 */
+      __m256 cand[4];
+      cand[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a0, a1, 0x88)), 0xD8));
+      cand[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a0, a1, 0xDD)), 0xD8));
+      cand[2] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(b0, b1, 0x88)), 0xD8));
+      cand[3] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(b0, b1, 0xDD)), 0xD8));
+      __m256 best = cand[0], at = _mm256_setzero_ps(); /* offsets as float bits: blended, not computed */
+      for (int t = 1; t < 4; t++) {
+        __m256 v = cand[t];
+        __m256 take = _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ),
+                                   _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(best, best, _CMP_ORD_Q)));
+        best = _mm256_blendv_ps(best, v, take);
+        at = _mm256_blendv_ps(at, _mm256_castsi256_ps(_mm256_set1_epi32(t)), take);
+      }
+      best = _mm256_blendv_ps(best, zero, _mm256_cmp_ps(best, zero, _CMP_LT_OQ)); /* ReLU */
+      int32_t o[8];
+      _mm256_storeu_si256((__m256i *)o, _mm256_castps_si256(at));
+      if (n == 8) {
+        _mm256_storeu_ps(yp + oh * ys2 + ow0, best);
+      } else { /* the tail through a buffer: AMD's masked stores are microcoded */
+        float t[8];
+        _mm256_storeu_ps(t, best);
+        memcpy(yp + oh * ys2 + ow0, t, (size_t)n * sizeof *yp);
+      }
+      for (int64_t k = 0; k < n; k++) ip[oh * is2 + ow0 + k] = (uint8_t)o[k];
+    }
+  }
+}
+#endif
+
 /* One f32 plane of RELU_MAX_POOL2D with tiling (kh, kw) windows, for a fused caller that
 ** has the pre-activation plane in a buffer of its own (cpu_conv_c1.c's one-channel conv): the
 ** same values and offsets as the kernel. */
 void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
-                                       int64_t kh, int64_t kw, int64_t OH, int64_t OW) {
+                                       int64_t kh, int64_t kw, int64_t OH, int64_t OW, bool fast) {
 #ifdef MP_HAVE_AVX512
   if (kh == 2 && kw == 2 && mp_avx512_ok()) {
     rmp_fwd2_avx512(xp, xs2, yp, ys2, ip, is2, OH, OW);
     return;
   }
+  if (kh == 2 && kw == 2 && fast && mp_avx2_ok()) {
+    rmp_fwd2_avx2(xp, xs2, yp, ys2, ip, is2, OH, OW);
+    return;
+  }
 #endif
+  (void)fast;
   for (int64_t oh = 0; oh < OH; oh++)
     for (int64_t ow = 0; ow < OW; ow++) {
       const float *w0 = xp + oh * kh * xs2 + ow * kw;
@@ -619,6 +693,9 @@ bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, con
 /* planes q = n*C + c */
 static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;
+#ifdef MP_HAVE_AVX512
+  const bool avx2 = mp_avx2_ok() && !mp_portable(); /* once a range: getenv is not free */
+#endif
   const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
   const kiln__conv_params *p = j->p;
   int64_t C = y->shape[1], OH = y->shape[2], OW = y->shape[3], kh = p->kernel[0], kw = p->kernel[1];
@@ -630,6 +707,10 @@ static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
 #ifdef MP_HAVE_AVX512
     if (kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 && mp_avx512_ok()) {
       rmp_fwd2_avx512(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW);
+      continue;
+    }
+    if (kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 && avx2) {
+      rmp_fwd2_avx2(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW);
       continue;
     }
 #endif

@@ -34,6 +34,12 @@ packages=(
 if [[ "${1:-}" == clang ]]; then
   packages+=(clang libclang-rt-dev libomp-dev)
 fi
+# `scripts/deps.sh peer`: Debian's PyTorch 1.13 and torchvision, the CPU benchmarks' peer
+# (bench/run_cpu.py, bench-resnet, bench-gpt2 run ../shared/bench/torch_peer.py under
+# /usr/bin/python3; not needed by the build or the tests).
+if [[ "${1:-}" == peer ]]; then
+  packages+=(python3-torch python3-torchvision)
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps.sh: not a Debian-like system; make sure these (or your system's equivalents)" >&2

@@ -190,16 +190,22 @@ __attribute__((target("avx2"))) static void c1_plane3_avx2(const c1_job *j, cons
   }
 }
 
-__attribute__((target("avx2"))) static void c1_fwd_range_avx2(void *vctx, int64_t lo, int64_t hi) {
-  const c1_job *j = vctx;
+/* planes q = n*OC + oc of y by a SIMD copy of c1_plane (plane3 for 3x3 kernels), each image
+** padded once */
+typedef void (*c1_plane_fn)(const c1_job *j, const float *xp, int64_t oc, float *yp);
+static void c1_fwd_planes(const c1_job *j, int64_t lo, int64_t hi, c1_plane_fn plane3, c1_plane_fn plane) {
   float xp[C1_MAX];
   int64_t padded = -1;
+  c1_plane_fn fn = j->KH == 3 && j->KW == 3 ? plane3 : plane;
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
-    if (j->KH == 3 && j->KW == 3) c1_plane3_avx2(j, xp, oc, j->y + q * j->OH * j->OW);
-    else c1_plane_avx2(j, xp, oc, j->y + q * j->OH * j->OW);
+    fn(j, xp, oc, j->y + q * j->OH * j->OW);
   }
+}
+
+static void c1_fwd_range_avx2(void *vctx, int64_t lo, int64_t hi) {
+  c1_fwd_planes(vctx, lo, hi, c1_plane3_avx2, c1_plane_avx2);
 }
 
 /* c1_fwd_range with each output row in registers: 16 outputs a step (the last step
@@ -263,16 +269,8 @@ __attribute__((target("avx512f,avx512vl"))) static void c1_plane3_avx512(const c
   }
 }
 
-__attribute__((target("avx512f,avx512vl"))) static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
-  const c1_job *j = vctx;
-  float xp[C1_MAX];
-  int64_t padded = -1;
-  for (int64_t q = lo; q < hi; q++) {
-    int64_t n = q / j->OC, oc = q % j->OC;
-    if (n != padded) c1_pad(j, n, xp), padded = n;
-    if (j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
-    else c1_plane_avx512(j, xp, oc, j->y + q * j->OH * j->OW);
-  }
+static void c1_fwd_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  c1_fwd_planes(vctx, lo, hi, c1_plane3_avx512, c1_plane_avx512);
 }
 #endif
 

@@ -29,13 +29,6 @@
 /* the padded plane and the extended output (floats): stack buffers */
 #define C1_MAX 4096
 
-/* KILN_CONV_C1_PORTABLE=1: the portable loops even where AVX-512 is (the tests compare the
-** two paths' bits). */
-static bool c1_portable(void) {
-  const char *e = getenv("KILN_CONV_C1_PORTABLE");
-  return e && *e && strcmp(e, "0") != 0;
-}
-
 /* f32 and contiguous, 4-d where it is an image, a weight or a gradient */
 static bool c1_dense(const kiln__view *v, bool image) {
   return v->dtype == KILN_F32 && kiln__view_is_contiguous(v) && (!image || v->ndim == 4);
@@ -103,7 +96,7 @@ static bool c1_avx512_ok(void) {
 ** where the portable loops were the whole path */
 static bool c1_avx2_ok(void) {
   static int ok = -1;
-  if (ok < 0) ok = !c1_avx512_ok() && __builtin_cpu_supports("avx2");
+  if (ok < 0) ok = !c1_avx512_ok() && kiln__cpu_has_fma(); /* AVX2 (and FMA, unused here) */
   return ok;
 }
 
@@ -307,7 +300,7 @@ static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const c1_job *j = vctx;
   float xp[C1_MAX], e[C1_MAX], cb[C1_MAX];
   int64_t padded = -1, PL = j->POH * j->POW;
-  bool avx = false, avx2 = false, portable = c1_portable();
+  bool avx = false, avx2 = false, portable = kiln__cpu_portable_loops();
 #ifdef C1_HAVE_AVX512
   avx = c1_avx512_ok() && !portable;
   avx2 = c1_avx2_ok() && !portable;
@@ -403,74 +396,67 @@ __attribute__((target("avx2"))) static void c1_wgrad_range_avx2(void *vctx, int6
 }
 
 /* c1_wgrad_body for 3x3 kernels: the image padded once per block of up to 32 channels
-** (not once per channel), the nine taps' and the bias's 16 running sums in registers
-** across one pass over the gradient grid (one load of it, not ten), and a 2x2 pool's
-** gradient scattered into the grid by RELU_MAX_POOL2D_BACKWARD's plane loop. Each lane of
+** (not once per channel), the nine taps' and the bias's running sums over one pass of the
+** gradient grid (one load of it, not ten), in AVX-512 or AVX2 (c1_sums3_*). Each lane of
 ** each sum adds the same products in the same order, and the tail and the lanes are added
 ** as c1_wgrad_body adds them: the same bits. */
-__attribute__((target("avx512f,avx512vl"))) static void c1_wgrad3_range_avx512(void *vctx, int64_t lo, int64_t hi) {
-  const c1_job *j = vctx;
-  int64_t N = j->a->in[0].shape[0], Wp = j->W + 2 * j->pw, L = j->OH * Wp, K16 = L / 16 * 16;
-  float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
-  float xp[C1_MAX], ge[C1_MAX];
-  const int64_t toff[9] = {0, 1, 2, Wp, Wp + 1, Wp + 2, 2 * Wp, 2 * Wp + 1, 2 * Wp + 2};
-  bool pool2 = j->pool && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2;
-  for (int64_t oc0 = lo; oc0 < hi; oc0 += 32) {
-    int64_t nc = hi - oc0 < 32 ? hi - oc0 : 32;
-    double acc[32][10];
-    memset(acc, 0, sizeof acc);
-    for (int64_t n = 0; n < N; n++) {
-      c1_pad(j, n, xp);
-      for (int64_t c = 0; c < nc; c++) {
-        int64_t oc = oc0 + c, PL = j->POH * j->POW, q = n * j->OC + oc;
-        if (pool2) {
-          kiln__cpu_relu_max_pool_bwd2_plane_f32(ge, j->OH, Wp, j->pg + q * PL, j->py + q * PL, j->pix + q * PL,
-                                                 j->POH, j->POW);
-        } else if (j->pool) { /* other windows: zero, then each window's max pixel */
-          int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
-          memset(ge, 0, (size_t)L * sizeof *ge);
-          for (int64_t r = 0; r < PL; r++) {
-            int64_t oh = r / j->POW, ow = r % j->POW, t = j->pix[q * PL + r];
-            ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = j->py[q * PL + r] > 0 ? j->pg[q * PL + r] : 0.0f;
-          }
-        } else {
-          const float *gp = j->y + q * j->OH * j->OW;
-          memset(ge, 0, (size_t)L * sizeof *ge);
-          for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
-        }
-        __m512 p[10];
-        for (int t = 0; t < 10; t++) p[t] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K16; k += 16) {
-          __m512 g = _mm512_loadu_ps(ge + k);
-          for (int t = 0; t < 9; t++) p[t] = _mm512_add_ps(p[t], _mm512_mul_ps(g, _mm512_loadu_ps(xp + toff[t] + k)));
-          p[9] = _mm512_add_ps(p[9], g);
-        }
-        float part[16];
-        for (int t = 0; t < 10; t++) {
-          if (t == 9 && !db) break;
-          _mm512_storeu_ps(part, p[t]);
-          float sum = 0.0f;
-          for (int64_t k = K16; k < L; k++) sum += t < 9 ? ge[k] * xp[toff[t] + k] : ge[k];
-          for (int v = 0; v < 16; v++) sum += part[v];
-          acc[c][t] += sum;
-        }
-      }
+
+/* Channel oc's gradient grid of image n (q = n*OC + oc): a 2x2 pool's gradient by
+** RELU_MAX_POOL2D_BACKWARD's plane loop where the CPU has one (AVX-512), else zeros and
+** each window's max pixel (g where y > 0); without a pool the gradient plane copied in. */
+static void c1_grid3(const c1_job *j, int64_t q, int64_t Wp, int64_t L, float *ge) {
+  int64_t PL = j->POH * j->POW;
+  if (j->pool && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2 &&
+      kiln__cpu_relu_max_pool_bwd2_plane_f32(ge, j->OH, Wp, j->pg + q * PL, j->py + q * PL, j->pix + q * PL, j->POH,
+                                             j->POW))
+    return;
+  memset(ge, 0, (size_t)L * sizeof *ge);
+  if (j->pool) {
+    int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1];
+    for (int64_t r = 0; r < PL; r++) {
+      int64_t oh = r / j->POW, ow = r % j->POW, t = j->pix[q * PL + r];
+      ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = j->py[q * PL + r] > 0 ? j->pg[q * PL + r] : 0.0f;
     }
-    for (int64_t c = 0; c < nc; c++) {
-      for (int t = 0; t < 9; t++) dw[(oc0 + c) * 9 + t] = (float)acc[c][t];
-      if (db) db[oc0 + c] = (float)acc[c][9];
-    }
+  } else {
+    const float *gp = j->y + q * j->OH * j->OW;
+    for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
   }
 }
-#endif
 
-/* c1_wgrad3_range_avx512 on AVX2: the nine taps' and the bias's running sums over one pass
-** of the gradient grid per half of each 16-element step (lanes 0-7, then 8-15: ten sums and
-** their operands fit AVX2's sixteen registers, twenty would not), each lane adding the
-** same products in the same order as the portable body, then the tail and the lanes as it
-** adds them: the same bits. The pool's gradient goes into the grid by the portable scatter. */
-__attribute__((target("avx2"))) static void c1_wgrad3_range_avx2(void *vctx, int64_t lo, int64_t hi) {
-  const c1_job *j = vctx;
+/* the 16 running sums of each tap (part[t][v]: lane v, the elements k + v of each 16-step
+** below K16) and of the bias (part[9]) */
+typedef void (*c1_sums3_fn)(const float *ge, const float *xp, const int64_t toff[9], int64_t K16, float part[10][16]);
+
+__attribute__((target("avx512f,avx512vl"))) static void c1_sums3_avx512(const float *ge, const float *xp,
+                                                                        const int64_t toff[9], int64_t K16,
+                                                                        float part[10][16]) {
+  __m512 p[10];
+  for (int t = 0; t < 10; t++) p[t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 g = _mm512_loadu_ps(ge + k);
+    for (int t = 0; t < 9; t++) p[t] = _mm512_add_ps(p[t], _mm512_mul_ps(g, _mm512_loadu_ps(xp + toff[t] + k)));
+    p[9] = _mm512_add_ps(p[9], g);
+  }
+  for (int t = 0; t < 10; t++) _mm512_storeu_ps(part[t], p[t]);
+}
+
+/* AVX2: one pass per half of each 16-step (lanes 0-7, then 8-15): ten sums and their
+** operands fit AVX2's sixteen registers, twenty would not */
+__attribute__((target("avx2"))) static void c1_sums3_avx2(const float *ge, const float *xp, const int64_t toff[9],
+                                                          int64_t K16, float part[10][16]) {
+  for (int h = 0; h < 2; h++) {
+    __m256 p[10];
+    for (int t = 0; t < 10; t++) p[t] = _mm256_setzero_ps();
+    for (int64_t k = 8 * h; k < K16; k += 16) {
+      __m256 g = _mm256_loadu_ps(ge + k);
+      for (int t = 0; t < 9; t++) p[t] = _mm256_add_ps(p[t], _mm256_mul_ps(g, _mm256_loadu_ps(xp + toff[t] + k)));
+      p[9] = _mm256_add_ps(p[9], g);
+    }
+    for (int t = 0; t < 10; t++) _mm256_storeu_ps(part[t] + 8 * h, p[t]);
+  }
+}
+
+static void c1_wgrad3_blocks(const c1_job *j, int64_t lo, int64_t hi, c1_sums3_fn sums) {
   int64_t N = j->a->in[0].shape[0], Wp = j->W + 2 * j->pw, L = j->OH * Wp, K16 = L / 16 * 16;
   float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
   float xp[C1_MAX], ge[C1_MAX];
@@ -482,32 +468,9 @@ __attribute__((target("avx2"))) static void c1_wgrad3_range_avx2(void *vctx, int
     for (int64_t n = 0; n < N; n++) {
       c1_pad(j, n, xp);
       for (int64_t c = 0; c < nc; c++) {
-        int64_t oc = oc0 + c, q = n * j->OC + oc;
-        memset(ge, 0, (size_t)L * sizeof *ge);
-        if (j->pool) { /* each window's max pixel: g where y > 0 */
-          int64_t pkh = j->pool->kernel[0], pkw = j->pool->kernel[1], PL = j->POH * j->POW;
-          const float *g = j->pg + q * PL, *yv = j->py + q * PL;
-          const uint8_t *ix = j->pix + q * PL;
-          for (int64_t oh = 0; oh < j->POH; oh++)
-            for (int64_t ow = 0; ow < j->POW; ow++) {
-              int64_t r = oh * j->POW + ow, t = ix[r];
-              ge[(oh * pkh + t / pkw) * Wp + ow * pkw + t % pkw] = yv[r] > 0 ? g[r] : 0.0f;
-            }
-        } else {
-          const float *gp = j->y + q * j->OH * j->OW;
-          for (int64_t oh = 0; oh < j->OH; oh++) memcpy(ge + oh * Wp, gp + oh * j->OW, (size_t)j->OW * sizeof *ge);
-        }
+        c1_grid3(j, n * j->OC + oc0 + c, Wp, L, ge);
         float part[10][16];
-        for (int h = 0; h < 2; h++) { /* lanes 8h .. 8h+7 of each 16-element step */
-          __m256 p[10];
-          for (int t = 0; t < 10; t++) p[t] = _mm256_setzero_ps();
-          for (int64_t k = 8 * h; k < K16; k += 16) {
-            __m256 g = _mm256_loadu_ps(ge + k);
-            for (int t = 0; t < 9; t++) p[t] = _mm256_add_ps(p[t], _mm256_mul_ps(g, _mm256_loadu_ps(xp + toff[t] + k)));
-            p[9] = _mm256_add_ps(p[9], g);
-          }
-          for (int t = 0; t < 10; t++) _mm256_storeu_ps(part[t] + 8 * h, p[t]);
-        }
+        sums(ge, xp, toff, K16, part);
         for (int t = 0; t < 10; t++) {
           if (t == 9 && !db) break;
           float sum = 0.0f;
@@ -524,12 +487,18 @@ __attribute__((target("avx2"))) static void c1_wgrad3_range_avx2(void *vctx, int
   }
 }
 
+static void c1_wgrad3_range_avx512(void *vctx, int64_t lo, int64_t hi) {
+  c1_wgrad3_blocks(vctx, lo, hi, c1_sums3_avx512);
+}
+static void c1_wgrad3_range_avx2(void *vctx, int64_t lo, int64_t hi) { c1_wgrad3_blocks(vctx, lo, hi, c1_sums3_avx2); }
+#endif
+
 /* The weight gradient's loop for this job: AVX-512 (3x3 its own) unless the CPU lacks it or
 ** KILN_CONV_C1_PORTABLE asks for the portable loops. */
 static kiln__cpu_range_fn c1_wgrad_fn(const c1_job *j) {
 #ifdef C1_HAVE_AVX512
-  if (c1_avx512_ok() && !c1_portable()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
-  if (c1_avx2_ok() && !c1_portable()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx2 : c1_wgrad_range_avx2;
+  if (c1_avx512_ok() && !kiln__cpu_portable_loops()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx512 : c1_wgrad_range_avx512;
+  if (c1_avx2_ok() && !kiln__cpu_portable_loops()) return j->KH == 3 && j->KW == 3 ? c1_wgrad3_range_avx2 : c1_wgrad_range_avx2;
 #else
   (void)j;
 #endif
@@ -553,8 +522,8 @@ kiln_status kiln__cpu_conv_c1(const kiln__kargs *a) {
   if (fwd) {
     kiln__cpu_range_fn fwd_fn = c1_fwd_range;
 #ifdef C1_HAVE_AVX512
-    if (c1_avx512_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx512;
-    else if (c1_avx2_ok() && !c1_portable()) fwd_fn = c1_fwd_range_avx2;
+    if (c1_avx512_ok() && !kiln__cpu_portable_loops()) fwd_fn = c1_fwd_range_avx512;
+    else if (c1_avx2_ok() && !kiln__cpu_portable_loops()) fwd_fn = c1_fwd_range_avx2;
 #endif
     kiln__cpu_parallel_for(planes, 1 + KILN__CPU_PAR_MIN / (j.OH * j.OW * j.KH * j.KW + 1), fwd_fn, &j);
     return KILN_OK;

@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef KILN_HAVE_OPENMP
@@ -33,6 +34,11 @@ bool kiln__cpu_has_fma(void) {
 #else
   return true; /* KILN__CPU_FMA is empty: the code runs anywhere */
 #endif
+}
+
+bool kiln__cpu_portable_loops(void) {
+  const char *e = getenv("KILN_CONV_C1_PORTABLE");
+  return e && *e && strcmp(e, "0") != 0;
 }
 
 kiln_dtype kiln__cpu_ct(kiln_dtype dt) {

@@ -67,6 +67,10 @@
 #define KILN__CPU_FMA
 #endif
 bool kiln__cpu_has_fma(void); /* true where KILN__CPU_FMA code may run */
+/* KILN_CONV_C1_PORTABLE=1: the one-channel conv's and the 2x2 ReLU+max-pool's intrinsic
+** loops (AVX-512, AVX2) give way to their portable twins, which the tests compare them with
+** bit for bit. Read at each call (the tests switch it): call it once per kernel call. */
+bool kiln__cpu_portable_loops(void);
 
 /* Elements per chunk gathered into the compute type (fits L1 with five views). */
 #define KILN__CPU_BLK 256

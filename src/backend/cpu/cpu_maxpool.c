@@ -582,17 +582,6 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 ** and a cross-lane permute, the row's tail by masked loads (full chunks load and store
 ** plainly: AMD microcodes masked stores), the offsets stored byte by byte;
 ** the portable rule as compare masks and blends: the same values and offsets. */
-static bool mp_avx2_ok(void) {
-  static int ok = -1;
-  if (ok < 0) ok = __builtin_cpu_supports("avx2");
-  return ok;
-}
-/* KILN_CONV_C1_PORTABLE=1 (read each call: the tests switch it): the portable loops instead
-** of the AVX2 ones, for the fused first layer's pool and this kernel alike */
-static bool mp_portable(void) {
-  const char *e = getenv("KILN_CONV_C1_PORTABLE");
-  return e && *e && strcmp(e, "0") != 0;
-}
 
 __attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict xp, int64_t xs2, float *restrict yp,
                                                           int64_t ys2, uint8_t *restrict ip, int64_t is2, int64_t OH,
@@ -655,7 +644,7 @@ void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, 
     rmp_fwd2_avx512(xp, xs2, yp, ys2, ip, is2, OH, OW);
     return;
   }
-  if (kh == 2 && kw == 2 && fast && mp_avx2_ok()) {
+  if (kh == 2 && kw == 2 && fast && kiln__cpu_has_fma()) {
     rmp_fwd2_avx2(xp, xs2, yp, ys2, ip, is2, OH, OW);
     return;
   }
@@ -694,7 +683,7 @@ bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, con
 static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;
 #ifdef MP_HAVE_AVX512
-  const bool avx2 = mp_avx2_ok() && !mp_portable(); /* once a range: getenv is not free */
+  const bool avx2 = kiln__cpu_has_fma() && !kiln__cpu_portable_loops(); /* once a range: getenv is not free */
 #endif
   const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
   const kiln__conv_params *p = j->p;

@@ -38,6 +38,7 @@
 
 #include <limits.h>
 #include <mutex>
+#include <utility>
 #include <stdlib.h>
 #include <string.h>
 
@@ -86,12 +87,16 @@ __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], uint32
 #endif
 }
 
-/* The A fragment of rows r0 .. r0+15, columns k0 .. k0+7 of a row-major TF32 tile with row
-** stride rs (a multiple of 4, rows 16-byte aligned): ldmatrix's four 8x8 b16 matrices are
-** the four 8x4 TF32 quarters, in the order mma's a0..a3 take them. */
-__device__ __forceinline__ void load_a(uint32_t a[4], const uint32_t *tile, int rs, int r0, int k0) {
+/* The A fragments come from a row-major TF32 tile (row stride rs, a multiple of 4: rows
+** 16-byte aligned) by ldmatrix: its four 8x8 b16 matrices are the four 8x4 TF32 quarters of
+** rows r .. r+15, columns k .. k+7, in the order mma's a0..a3 take them. a_row: where this
+** lane's row address starts (row r + lane % 8 + 8 * bit 3 of the lane, column 4 * bit 4);
+** ldsm4 at a_row + r * rs + k. */
+__device__ __forceinline__ const uint32_t *a_row(const uint32_t *tile, int rs) {
   const int lane = threadIdx.x & 31, m = lane >> 3;
-  const uint32_t *p = tile + (r0 + (lane & 7) + 8 * (m & 1)) * rs + k0 + 4 * (m >> 1);
+  return tile + ((lane & 7) + 8 * (m & 1)) * rs + 4 * (m >> 1);
+}
+__device__ __forceinline__ void ldsm4(uint32_t a[4], const uint32_t *p) {
   const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -101,6 +106,25 @@ __device__ __forceinline__ void load_a(uint32_t a[4], const uint32_t *tile, int 
   a[0] = a[1] = a[2] = a[3] = 0u;
   (void)addr;
 #endif
+}
+
+/* One k-step of 8 for a warp's two m-tiles and JJ n-tiles: A (16 + 16 rows) by ldmatrix at
+** a and a + 16 rows, B's column j gathered at x0[off[j]] (k-row tq) and x1[off[j]] (k-row
+** tq + 4); with in0/in1 false that row reads as 0 (past the pixels: the weight gradient's
+** last step). */
+template <int JJ>
+__device__ __forceinline__ void mma_step(float (&acc)[2][JJ][4], const uint32_t *a, int rs, const uint32_t *x0,
+                                         const uint32_t *x1, const int (&off)[JJ], bool in0 = true,
+                                         bool in1 = true) {
+  uint32_t a0[4], a1[4];
+  ldsm4(a0, a);
+  ldsm4(a1, a + 16 * rs);
+#pragma unroll
+  for (int j = 0; j < JJ; j++) {
+    const uint32_t b0 = in0 ? x0[off[j]] : 0u, b1 = in1 ? x1[off[j]] : 0u;
+    mma_tf32(acc[0][j], a0, b0, b1);
+    mma_tf32(acc[1][j], a1, b0, b1);
+  }
 }
 
 __device__ __forceinline__ void zero_fill(uint32_t *dst, int n) {
@@ -205,7 +229,10 @@ __global__ void __launch_bounds__(256) conv_prep_w(const float *__restrict__ w, 
 }
 
 /* Forward (and backward data): block (image, 32 rows, pixel range); warp nw makes the
-** block's 32 rows (two m-tiles) for the n-tiles nw, nw + NW, ... of the range. */
+** block's 32 rows (two m-tiles) for the n-tiles nw, nw + NW, ... of the range: JJ of them
+** (a template parameter, so the loop over them has no tests: a tile past the range reads
+** pixel 0 and is not stored). */
+template <int JJ>
 __global__ void __launch_bounds__(256, 2) conv_fwd(const float *__restrict__ x, const uint32_t *__restrict__ wp,
                                                    const float *__restrict__ bias, float *__restrict__ y, Geom g) {
   extern __shared__ __align__(16) uint32_t sm[];
@@ -239,30 +266,18 @@ __global__ void __launch_bounds__(256, 2) conv_fwd(const float *__restrict__ x, 
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int nw = warp;
-  float acc[2][kJ][4];
-  int pb[kJ];
-  bool on[kJ];
+  float acc[2][JJ][4];
+  int pb[JJ];
 #pragma unroll
-  for (int j = 0; j < kJ; j++) {
-    const int lt = nw + g.NW * j; /* uniform across the warp */
-    on[j] = j < g.J && lt < g.ptiles && pt0 + lt < g.NT;
-    pb[j] = on[j] ? poff[lt * 8 + gq] : 0;
+  for (int j = 0; j < JJ; j++) {
+    const int lt = nw + g.NW * j;
+    pb[j] = lt < g.ptiles && pt0 + lt < g.NT ? poff[lt * 8 + gq] : 0;
 #pragma unroll
     for (int e = 0; e < 4; e++) acc[0][j][e] = acc[1][j][e] = 0.0f;
   }
-  for (int kk = 0; kk < g.Kp; kk += 8) {
-    uint32_t a0[4], a1[4];
-    load_a(a0, ws, g.Ks, 0, kk);
-    load_a(a1, ws, g.Ks, 16, kk);
-    const int k0 = koff[kk + tq], k1 = koff[kk + tq + 4];
-#pragma unroll
-    for (int j = 0; j < kJ; j++) {
-      if (!on[j]) continue;
-      const uint32_t b0 = xs[k0 + pb[j]], b1 = xs[k1 + pb[j]];
-      mma_tf32(acc[0][j], a0, b0, b1);
-      mma_tf32(acc[1][j], a1, b0, b1);
-    }
-  }
+  const uint32_t *wa = a_row(ws, g.Ks);
+  const int *kt = koff + tq;
+  for (int kk = 0; kk < g.Kp; kk += 8) mma_step<JJ>(acc, wa + kk, g.Ks, xs + kt[kk], xs + kt[kk + 4], pb);
   float *yn = y + (int64_t)n * g.O * g.P;
 #pragma unroll
   for (int mt = 0; mt < 2; mt++)
@@ -273,9 +288,10 @@ __global__ void __launch_bounds__(256, 2) conv_fwd(const float *__restrict__ x, 
       const float bv = bias ? bias[o] : 0.0f;
       float *yo = yn + (int64_t)o * g.P;
 #pragma unroll
-      for (int j = 0; j < kJ; j++) {
-        if (!on[j]) continue;
-        const int p = (pt0 + nw + g.NW * j) * 8 + 2 * tq;
+      for (int j = 0; j < JJ; j++) {
+        const int lt = nw + g.NW * j;
+        if (lt >= g.ptiles) continue;
+        const int p = (pt0 + lt) * 8 + 2 * tq;
 #pragma unroll
         for (int e = 0; e < 2; e++)
           if (p + e < g.P) {
@@ -291,6 +307,7 @@ __global__ void __launch_bounds__(256, 2) conv_fwd(const float *__restrict__ x, 
 ** planes and gradient rows in shared memory one image at a time; warp (mw, nw) sums rows
 ** mw*32 .. +32 of dW for the column n-tiles nw, nw + NW, ... of the range over the pixels.
 ** Column range 0 also sums the gradient's rows (the bias gradient) in f64. */
+template <int JJ>
 __global__ void __launch_bounds__(256) conv_wgrad(const float *__restrict__ x, const float *__restrict__ dy,
                                                   float *__restrict__ part, double *__restrict__ part_db, Geom g) {
   extern __shared__ __align__(16) uint32_t sm[];
@@ -302,14 +319,12 @@ __global__ void __launch_bounds__(256) conv_wgrad(const float *__restrict__ x, c
   for (int k = threadIdx.x; k < g.Pp; k += blockDim.x) poff[k] = pixel_offset(k, g);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int mw = warp % g.MW, nw = warp / g.MW;
-  float acc[2][kJ][4];
-  int kb[kJ];
-  bool on[kJ];
+  float acc[2][JJ][4];
+  int kb[JJ];
 #pragma unroll
-  for (int j = 0; j < kJ; j++) {
+  for (int j = 0; j < JJ; j++) {
     const int nt = ct0 + nw + g.NW * j;
-    on[j] = j < g.J && nt < g.NTK;
-    kb[j] = on[j] ? tap_offset(nt * 8 + gq, g) : 0;
+    kb[j] = nt < g.NTK ? tap_offset(nt * 8 + gq, g) : 0;
     if (kb[j] >= g.C * g.CS) kb[j] = 0; /* a column past K: read anything, dropped */
 #pragma unroll
     for (int e = 0; e < 4; e++) acc[0][j][e] = acc[1][j][e] = 0.0f;
@@ -334,34 +349,12 @@ __global__ void __launch_bounds__(256) conv_wgrad(const float *__restrict__ x, c
         if (lane == 0) dbs[o] += v;
       }
     __syncthreads();
-    const int rb = mw * 32;
-    for (int kk = 0; kk < full; kk += 8) {
-      uint32_t a0[4], a1[4];
-      load_a(a0, ds, g.Ps, rb, kk);
-      load_a(a1, ds, g.Ps, rb + 16, kk);
-      const int p0 = poff[kk + tq], p1 = poff[kk + tq + 4];
-#pragma unroll
-      for (int j = 0; j < kJ; j++) {
-        if (!on[j]) continue;
-        const uint32_t b0 = xs[kb[j] + p0], b1 = xs[kb[j] + p1];
-        mma_tf32(acc[0][j], a0, b0, b1);
-        mma_tf32(acc[1][j], a1, b0, b1);
-      }
-    }
-    if (full < g.P) { /* the last pixels: the gradient is zero past P, the image read as 0 there */
-      uint32_t a0[4], a1[4];
-      load_a(a0, ds, g.Ps, rb, full);
-      load_a(a1, ds, g.Ps, rb + 16, full);
-      const bool in0 = full + tq < g.P, in1 = full + tq + 4 < g.P;
-      const int p0 = poff[full + tq], p1 = poff[full + tq + 4];
-#pragma unroll
-      for (int j = 0; j < kJ; j++) {
-        if (!on[j]) continue;
-        const uint32_t b0 = in0 ? xs[kb[j] + p0] : 0u, b1 = in1 ? xs[kb[j] + p1] : 0u;
-        mma_tf32(acc[0][j], a0, b0, b1);
-        mma_tf32(acc[1][j], a1, b0, b1);
-      }
-    }
+    const uint32_t *da = a_row(ds, g.Ps) + mw * 32 * g.Ps;
+    const int *pt = poff + tq;
+    for (int kk = 0; kk < full; kk += 8) mma_step<JJ>(acc, da + kk, g.Ps, xs + pt[kk], xs + pt[kk + 4], kb);
+    if (full < g.P) /* the last pixels: the gradient is zero past P, the image read as 0 there */
+      mma_step<JJ>(acc, da + full, g.Ps, xs + pt[full], xs + pt[full + 4], kb, full + tq < g.P,
+                   full + tq + 4 < g.P);
   }
   float *ps = part + (int64_t)s * g.O * g.K;
 #pragma unroll
@@ -371,9 +364,9 @@ __global__ void __launch_bounds__(256) conv_wgrad(const float *__restrict__ x, c
       const int o = mw * 32 + mt * 16 + gq + h * 8;
       if (o >= g.O) continue;
 #pragma unroll
-      for (int j = 0; j < kJ; j++) {
-        if (!on[j]) continue;
-        const int col = (ct0 + nw + g.NW * j) * 8 + 2 * tq;
+      for (int j = 0; j < JJ; j++) {
+        const int col = (ct0 + nw + g.NW * j) * 8 + 2 * tq; /* past K (or the range's tiles): dropped */
+        if (nw + g.NW * j >= g.NW * g.J) continue;
 #pragma unroll
         for (int e = 0; e < 2; e++)
           if (col + e < g.K) ps[(int64_t)o * g.K + col + e] = acc[mt][j][2 * h + e];
@@ -385,29 +378,28 @@ __global__ void __launch_bounds__(256) conv_wgrad(const float *__restrict__ x, c
   }
 }
 
-/* Weight gradient, second stage: one thread per dW element (and per bias element): the
-** image ranges' partials added in order, in f64, kU of them loaded at a time */
+/* Weight gradient, second stage: kSplit threads per dW element (and per bias element),
+** thread q adding partials q, q + kSplit, ... in order (f64), then the kSplit sums in a
+** fixed shuffle tree: the same order every run, kSplit loads in flight per element. */
+constexpr int kSplit = 8;
 __global__ void __launch_bounds__(256) conv_wgrad_finish(const float *__restrict__ part,
                                                          const double *__restrict__ part_db, float *__restrict__ dw,
                                                          float *__restrict__ dbias, Geom g) {
-  const int64_t OK = (int64_t)g.O * g.K;
-  for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < OK + (dbias ? g.O : 0);
-       k += (int64_t)gridDim.x * blockDim.x) {
+  const int64_t OK = (int64_t)g.O * g.K, total = OK + (dbias ? g.O : 0);
+  const int q = threadIdx.x % kSplit;
+  /* the loop's trip count is the block's (uniform), so every lane reaches the shuffles */
+  for (int64_t base = blockIdx.x * (int64_t)blockDim.x; base < total * kSplit;
+       base += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t e = (base + threadIdx.x) / kSplit;
     double v = 0.0;
-    if (k < OK) {
-      for (int s0 = 0; s0 < g.G; s0 += kU) {
-        float t[kU];
-#pragma unroll
-        for (int u = 0; u < kU; u++) t[u] = s0 + u < g.G ? __ldg(part + (s0 + u) * OK + k) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < kU; u++)
-          if (s0 + u < g.G) v += (double)t[u];
-      }
-      dw[k] = (float)v;
-    } else {
-      const int o = (int)(k - OK);
-      for (int s0 = 0; s0 < g.G; s0++) v += part_db[(int64_t)s0 * g.O + o];
-      dbias[o] = (float)v;
+    if (e < OK)
+      for (int s0 = q; s0 < g.G; s0 += kSplit) v += (double)__ldg(part + s0 * OK + e);
+    else if (e < total)
+      for (int s0 = q; s0 < g.G; s0 += kSplit) v += part_db[(int64_t)s0 * g.O + (e - OK)];
+    for (int off = kSplit / 2; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off, kSplit);
+    if (q == 0 && e < total) {
+      if (e < OK) dw[e] = (float)v;
+      else dbias[e - OK] = (float)v;
     }
   }
 }
@@ -580,6 +572,18 @@ bool plan_of(const kiln__kargs *a, Plan *pl) {
   return true;
 }
 
+/* the kernels by their tiles a warp (plan_of keeps J in 1..kJ) */
+typedef void (*FwdKernel)(const float *, const uint32_t *, const float *, float *, Geom);
+typedef void (*WgradKernel)(const float *, const float *, float *, double *, Geom);
+template <int... Js> FwdKernel fwd_kernel(int J, std::integer_sequence<int, Js...>) {
+  FwdKernel ks[] = {conv_fwd<Js + 1>...};
+  return ks[J - 1];
+}
+template <int... Js> WgradKernel wgrad_kernel(int J, std::integer_sequence<int, Js...>) {
+  WgradKernel ks[] = {conv_wgrad<Js + 1>...};
+  return ks[J - 1];
+}
+
 kiln_status smem_attr(const void *kernel, size_t bytes, const char *what) {
   if (bytes <= 48 * 1024) return KILN_OK;
   return kiln__cuda_err(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes), what);
@@ -607,13 +611,14 @@ extern "C" kiln_status kiln__cuda_conv_direct(const kiln__kargs *a) {
     uint32_t *wp = (uint32_t *)kiln__cuda_alloc(a->device, wn);
     if (!wp) return kiln_last_error();
     kiln_status st = kiln__cuda_capture_note(a->device, wp, wn);
-    if (st == KILN_OK) st = smem_attr((const void *)conv_fwd, pl.smem, name);
+    FwdKernel k = fwd_kernel(g.J, std::make_integer_sequence<int, kJ>{});
+    if (st == KILN_OK) st = smem_attr((const void *)k, pl.smem, name);
     if (st == KILN_OK) {
       conv_prep_w<<<kc_blocks((int64_t)g.Op * g.Ks, 256, d->sm_count), 256, 0, d->stream>>>(pl.w, wp, g);
       st = kiln__cuda_launched("conv2d (weight as TF32)");
     }
     if (st == KILN_OK) {
-      conv_fwd<<<pl.grid, pl.threads, pl.smem, d->stream>>>(pl.in0, wp, pl.bias, pl.out, g);
+      k<<<pl.grid, pl.threads, pl.smem, d->stream>>>(pl.in0, wp, pl.bias, pl.out, g);
       st = kiln__cuda_launched(name);
     }
     kiln__cuda_free(a->device, wp, wn); /* stream ordered: the kernels queued above still see it */
@@ -627,13 +632,14 @@ extern "C" kiln_status kiln__cuda_conv_direct(const kiln__kargs *a) {
   float *part = (float *)scratch;
   double *part_db = pl.dbias ? (double *)(scratch + pn) : NULL;
   kiln_status st = kiln__cuda_capture_note(a->device, scratch, pn + dn);
-  if (st == KILN_OK) st = smem_attr((const void *)conv_wgrad, pl.smem, name);
+  WgradKernel k = wgrad_kernel(g.J, std::make_integer_sequence<int, kJ>{});
+  if (st == KILN_OK) st = smem_attr((const void *)k, pl.smem, name);
   if (st == KILN_OK) {
-    conv_wgrad<<<pl.grid, pl.threads, pl.smem, d->stream>>>(pl.in0, pl.w, part, part_db, g);
+    k<<<pl.grid, pl.threads, pl.smem, d->stream>>>(pl.in0, pl.w, part, part_db, g);
     st = kiln__cuda_launched("conv2d_backward_weight (partial sums)");
   }
   if (st == KILN_OK) {
-    int64_t total = (int64_t)g.O * g.K + (pl.dbias ? g.O : 0);
+    int64_t total = ((int64_t)g.O * g.K + (pl.dbias ? g.O : 0)) * kSplit;
     conv_wgrad_finish<<<kc_blocks(total, 256, d->sm_count), 256, 0, d->stream>>>(part, part_db, pl.out, pl.dbias,
                                                                                  g);
     st = kiln__cuda_launched(name);

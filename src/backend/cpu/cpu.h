@@ -53,12 +53,12 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a); /* IM2COL COL2IM (cpu_c
 kiln_status kiln__cpu_max_pool2d(const kiln__kargs *a);
 kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a); /* RELU_MAX_POOL2D(_BACKWARD) (cpu_maxpool.c) */
 /* one f32 plane of RELU_MAX_POOL2D (fast: the SIMD loops where the CPU has them; false: the
-** portable ones, KILN_CONV_C1_PORTABLE), and of its 2x2 backward (false: not done, no
-** AVX-512), for CONV1_RELU_MAX_POOL2D's loops (cpu_maxpool.c) */
+** portable ones, KILN_CONV_C1_PORTABLE), and of its 2x2 backward (returns false, nothing
+** done, without AVX-512 or AVX2 or unless fast), for CONV1_RELU_MAX_POOL2D's loops (cpu_maxpool.c) */
 void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, int64_t ys2, uint8_t *ip, int64_t is2,
                                        int64_t kh, int64_t kw, int64_t OH, int64_t OW, bool fast);
 bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
-                                            const uint8_t *ix, int64_t OH, int64_t OW);
+                                            const uint8_t *ix, int64_t OH, int64_t OW, bool fast);
 /* CONV2D_BACKWARD_DATA/_WEIGHT: with oneDNN its kernels below, else reference loops (cpu_conv.c) */
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a);
 #ifdef KILN_HAVE_DNNL

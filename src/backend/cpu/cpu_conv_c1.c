@@ -28,6 +28,9 @@
 
 /* the padded plane and the extended output (floats): stack buffers */
 #define C1_MAX 4096
+/* zeros past the padded plane (floats): the AVX2 3x3 loops load whole 8-lane chunks past a
+** row's last column (the lanes past it computed, never stored) */
+#define C1_SLACK 32
 
 /* f32 and contiguous, 4-d where it is an image, a weight or a gradient */
 static bool c1_dense(const kiln__view *v, bool image) {
@@ -54,7 +57,7 @@ bool kiln__cpu_conv_c1_takes(const kiln__kargs *a) {
   const kiln__conv_params *p = a->params;
   return x->shape[1] == 1 && p->stride[0] == 1 && p->stride[1] == 1 && p->dilation[0] == 1 &&
          p->dilation[1] == 1 && w->shape[2] * w->shape[3] <= 49 &&
-         (x->shape[2] + 2 * p->padding[0]) * (x->shape[3] + 2 * p->padding[1]) + w->shape[3] <= C1_MAX;
+         (x->shape[2] + 2 * p->padding[0]) * (x->shape[3] + 2 * p->padding[1]) + w->shape[3] + C1_SLACK <= C1_MAX;
 }
 
 typedef struct c1_job {
@@ -71,13 +74,13 @@ typedef struct c1_job {
   const float *pg;
 } c1_job;
 
-/* Image n's plane zero-padded into xp ((H + 2ph) x (W + 2pw), then KW zeros). Output
+/* Image n's plane zero-padded into xp ((H + 2ph) x (W + 2pw), then KW + C1_SLACK zeros). Output
 ** (oh, ow) then reads xp[(oh + i) * Wp + ow + j] for tap (i, j): over the "extended" output
 ** of OH rows of Wp columns (the last Wp - OW of each row unused) each tap is one long
 ** unit-stride loop, with no bounds logic, that the compiler vectorises. */
 static void c1_pad(const c1_job *j, int64_t n, float *xp) {
   int64_t Wp = j->W + 2 * j->pw, Hp = j->H + 2 * j->ph;
-  memset(xp, 0, (size_t)(Hp * Wp + j->KW) * sizeof *xp);
+  memset(xp, 0, (size_t)(Hp * Wp + j->KW + C1_SLACK) * sizeof *xp);
   const float *x = j->x + n * j->H * j->W;
   for (int64_t h = 0; h < j->H; h++) memcpy(xp + (h + j->ph) * Wp + j->pw, x + h * j->W, (size_t)j->W * sizeof *xp);
 }
@@ -86,6 +89,7 @@ static void c1_pad(const c1_job *j, int64_t n, float *xp) {
 ** baseline x86-64, where the loops here compile to 4-wide SSE. */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
 #include <immintrin.h>
+#include "cpu_pool2_avx2.h"
 #define C1_HAVE_AVX512 1
 static bool c1_avx512_ok(void) {
   static int ok = -1;
@@ -138,49 +142,80 @@ __attribute__((target("avx2"))) static void c1_plane_avx2(const c1_job *j, const
 
 /* c1_plane_avx2 for 3x3 kernels (fmnist-cnn's): the nine weights in registers, taps
 ** unrolled, two output rows a step sharing the loads of their middle input rows (each
-** output still gets the bias then its nine products in (i, j) order: the same bits) */
+** output still gets the bias then its nine products in (i, j) order: the same bits). The
+** row's last chunk loads plainly past its end (c1_pad's slack; those lanes are not
+** stored): AMD's masked loads are slow. */
 __attribute__((target("avx2"))) static void c1_plane3_avx2(const c1_job *j, const float *xp, int64_t oc, float *yp) {
-  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, OH = j->OH, full = OW / 8 * 8;
+  int64_t Wp = j->W + 2 * j->pw, OW = j->OW, OH = j->OH;
   const float *wp = j->w + oc * 9;
   __m256 w[9];
   for (int t = 0; t < 9; t++) w[t] = _mm256_set1_ps(wp[t]);
   __m256 bv = _mm256_set1_ps(j->b ? j->b[oc] : 0.0f);
-  __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(OW - full)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t ow = 0; ow < OW; ow += 8) {
-    bool tail = ow >= full;
+    int64_t n = OW - ow < 8 ? OW - ow : 8;
     int64_t oh = 0;
     for (; oh + 2 <= OH; oh += 2) {
       __m256 a0 = bv, a1 = bv;
       for (int r = 0; r < 4; r++) {
         const float *xr = xp + (oh + r) * Wp + ow;
         for (int c = 0; c < 3; c++) {
-          __m256 v = tail ? _mm256_maskload_ps(xr + c, m) : _mm256_loadu_ps(xr + c);
+          __m256 v = _mm256_loadu_ps(xr + c);
           if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], v));
           if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + c], v));
         }
       }
-      if (!tail) {
+      if (n == 8) {
         _mm256_storeu_ps(yp + oh * OW + ow, a0);
         _mm256_storeu_ps(yp + (oh + 1) * OW + ow, a1);
       } else {
         float t0[8], t1[8];
         _mm256_storeu_ps(t0, a0), _mm256_storeu_ps(t1, a1);
-        memcpy(yp + oh * OW + ow, t0, (size_t)(OW - ow) * sizeof *yp);
-        memcpy(yp + (oh + 1) * OW + ow, t1, (size_t)(OW - ow) * sizeof *yp);
+        memcpy(yp + oh * OW + ow, t0, (size_t)n * sizeof *yp);
+        memcpy(yp + (oh + 1) * OW + ow, t1, (size_t)n * sizeof *yp);
       }
     }
     for (; oh < OH; oh++) {
       __m256 a0 = bv;
       for (int r = 0; r < 3; r++)
-        for (int c = 0; c < 3; c++) {
-          const float *xr = xp + (oh + r) * Wp + ow + c;
-          a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], tail ? _mm256_maskload_ps(xr, m) : _mm256_loadu_ps(xr)));
-        }
+        for (int c = 0; c < 3; c++)
+          a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], _mm256_loadu_ps(xp + (oh + r) * Wp + ow + c)));
       float t0[8];
       _mm256_storeu_ps(t0, a0);
-      memcpy(yp + oh * OW + ow, t0, (size_t)(OW - ow < 8 ? OW - ow : 8) * sizeof *yp);
+      memcpy(yp + oh * OW + ow, t0, (size_t)n * sizeof *yp);
     }
   }
+}
+
+/* CONV1_RELU_MAX_POOL2D's 3x3 conv and 2x2 pool of one plane in AVX2 registers: each
+** pooled row's two conv rows, sixteen columns at a time, computed as c1_plane3_avx2 computes
+** them (the same bits) and pooled as RELU_MAX_POOL2D pools them (kiln__rmp2_avx2), never
+** stored. An odd last conv row, which the pool drops, is not computed. */
+__attribute__((target("avx2"))) static void c1p_plane3_pool2_avx2(const c1_job *j, const float *xp, int64_t oc,
+                                                                  float *py, uint8_t *pix) {
+  int64_t Wp = j->W + 2 * j->pw, POH = j->POH, POW = j->POW;
+  const float *wp = j->w + oc * 9;
+  __m256 w[9];
+  for (int t = 0; t < 9; t++) w[t] = _mm256_set1_ps(wp[t]);
+  __m256 bv = _mm256_set1_ps(j->b ? j->b[oc] : 0.0f);
+  for (int64_t ph = 0; ph < POH; ph++)
+    for (int64_t pw0 = 0; pw0 < POW; pw0 += 8) {
+      __m256 c[2][2]; /* [conv row][columns 0-7, 8-15] */
+      for (int h = 0; h < 2; h++) {
+        __m256 a0 = bv, a1 = bv;
+        for (int r = 0; r < 4; r++) {
+          const float *xr = xp + (2 * ph + r) * Wp + 2 * pw0 + 8 * h;
+          for (int cc = 0; cc < 3; cc++) {
+            __m256 v = _mm256_loadu_ps(xr + cc);
+            if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + cc], v));
+            if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + cc], v));
+          }
+        }
+        c[0][h] = a0, c[1][h] = a1;
+      }
+      __m256i at;
+      __m256 best = kiln__rmp2_avx2(c[0][0], c[0][1], c[1][0], c[1][1], &at);
+      kiln__rmp2_store_avx2(py + ph * POW + pw0, pix + ph * POW + pw0, best, at, POW - pw0 < 8 ? POW - pw0 : 8);
+    }
 }
 
 /* planes q = n*OC + oc of y by a SIMD copy of c1_plane (plane3 for 3x3 kernels), each image
@@ -309,6 +344,10 @@ static void c1p_fwd_range(void *vctx, int64_t lo, int64_t hi) {
     int64_t n = q / j->OC, oc = q % j->OC;
     if (n != padded) c1_pad(j, n, xp), padded = n;
 #ifdef C1_HAVE_AVX512
+    if (avx2 && j->KH == 3 && j->KW == 3 && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2) {
+      c1p_plane3_pool2_avx2(j, xp, oc, j->py + q * PL, j->pix + q * PL);
+      continue;
+    }
     if (avx && j->KH == 3 && j->KW == 3) c1_plane3_avx512(j, xp, oc, cb);
     else if (avx) c1_plane_avx512(j, xp, oc, cb);
     else if (avx2 && j->KH == 3 && j->KW == 3) c1_plane3_avx2(j, xp, oc, cb);
@@ -402,13 +441,13 @@ __attribute__((target("avx2"))) static void c1_wgrad_range_avx2(void *vctx, int6
 ** as c1_wgrad_body adds them: the same bits. */
 
 /* Channel oc's gradient grid of image n (q = n*OC + oc): a 2x2 pool's gradient by
-** RELU_MAX_POOL2D_BACKWARD's plane loop where the CPU has one (AVX-512), else zeros and
+** RELU_MAX_POOL2D_BACKWARD's plane loop where the CPU has one (AVX-512, AVX2) and fast, else zeros and
 ** each window's max pixel (g where y > 0); without a pool the gradient plane copied in. */
-static void c1_grid3(const c1_job *j, int64_t q, int64_t Wp, int64_t L, float *ge) {
+static void c1_grid3(const c1_job *j, int64_t q, int64_t Wp, int64_t L, float *ge, bool fast) {
   int64_t PL = j->POH * j->POW;
   if (j->pool && j->pool->kernel[0] == 2 && j->pool->kernel[1] == 2 &&
       kiln__cpu_relu_max_pool_bwd2_plane_f32(ge, j->OH, Wp, j->pg + q * PL, j->py + q * PL, j->pix + q * PL, j->POH,
-                                             j->POW))
+                                             j->POW, fast))
     return;
   memset(ge, 0, (size_t)L * sizeof *ge);
   if (j->pool) {
@@ -461,6 +500,7 @@ static void c1_wgrad3_blocks(const c1_job *j, int64_t lo, int64_t hi, c1_sums3_f
   float *dw = (float *)j->w, *db = j->a->n_out > 1 ? j->a->out[1].data : NULL;
   float xp[C1_MAX], ge[C1_MAX];
   const int64_t toff[9] = {0, 1, 2, Wp, Wp + 1, Wp + 2, 2 * Wp, 2 * Wp + 1, 2 * Wp + 2};
+  const bool fast = !kiln__cpu_portable_loops(); /* once a range: getenv is not free */
   for (int64_t oc0 = lo; oc0 < hi; oc0 += 32) {
     int64_t nc = hi - oc0 < 32 ? hi - oc0 : 32;
     double acc[32][10];
@@ -468,7 +508,7 @@ static void c1_wgrad3_blocks(const c1_job *j, int64_t lo, int64_t hi, c1_sums3_f
     for (int64_t n = 0; n < N; n++) {
       c1_pad(j, n, xp);
       for (int64_t c = 0; c < nc; c++) {
-        c1_grid3(j, n * j->OC + oc0 + c, Wp, L, ge);
+        c1_grid3(j, n * j->OC + oc0 + c, Wp, L, ge, fast);
         float part[10][16];
         sums(ge, xp, toff, K16, part);
         for (int t = 0; t < 10; t++) {
@@ -561,7 +601,7 @@ kiln_status kiln__cpu_conv1_relu_max_pool2d(const kiln__kargs *a) {
   int64_t OH = ok ? x->shape[2] + 2 * cp->padding[0] - w->shape[2] + 1 : 0;
   int64_t OW = ok ? x->shape[3] + 2 * cp->padding[1] - w->shape[3] + 1 : 0;
   ok = ok && OH >= 1 && OW >= 1 && w->shape[2] * w->shape[3] <= 49 && pp->kernel[0] * pp->kernel[1] <= 256 &&
-       (x->shape[2] + 2 * cp->padding[0]) * (x->shape[3] + 2 * cp->padding[1]) + w->shape[3] <= C1_MAX &&
+       (x->shape[2] + 2 * cp->padding[0]) * (x->shape[3] + 2 * cp->padding[1]) + w->shape[3] + C1_SLACK <= C1_MAX &&
        py->shape[0] == N && py->shape[1] == OC && py->shape[2] == OH / pp->kernel[0] &&
        py->shape[3] == OW / pp->kernel[1] && (!pg || !memcmp(pg->shape, py->shape, sizeof(int64_t) * 4)) &&
        !memcmp(pix->shape, py->shape, sizeof(int64_t) * 4);

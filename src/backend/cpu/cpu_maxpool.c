@@ -149,6 +149,7 @@ static void mp_store(const float *best, const int32_t *at, int64_t n, char *y, i
 ** same bits. */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
 #include <immintrin.h>
+#include "cpu_pool2_avx2.h"
 #define MP_HAVE_AVX512 1
 static bool mp_avx512_ok(void) {
   static int ok = -1;
@@ -586,13 +587,11 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 __attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict xp, int64_t xs2, float *restrict yp,
                                                           int64_t ys2, uint8_t *restrict ip, int64_t is2, int64_t OH,
                                                           int64_t OW) {
-  const __m256 zero = _mm256_setzero_ps();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t oh = 0; oh < OH; oh++) {
     const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
     for (int64_t ow0 = 0; ow0 < OW; ow0 += 8) {
       int64_t n = OW - ow0 < 8 ? OW - ow0 : 8, cols = 2 * n;
-      /* the 2n columns of each row as two 8-lane loads, lanes past them not read */
       __m256 a0, a1, b0, b1;
       const float *a = r0 + 2 * ow0, *b = r1 + 2 * ow0;
       if (n == 8) { /* plain loads: AMD's masked ones are slow */
@@ -603,34 +602,58 @@ __attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict 
         a0 = _mm256_maskload_ps(a, m0), a1 = _mm256_maskload_ps(a + 8, m1);
         b0 = _mm256_maskload_ps(b, m0), b1 = _mm256_maskload_ps(b + 8, m1);
       }
-      /* evens / odds of 16 columns, in order: shuffle within 128-bit lanes, then 64-bit
-      ** blocks 0, 2, 1, 3 */
-      __m256 cand[4];
-      cand[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a0, a1, 0x88)), 0xD8));
-      cand[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a0, a1, 0xDD)), 0xD8));
-      cand[2] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(b0, b1, 0x88)), 0xD8));
-      cand[3] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(b0, b1, 0xDD)), 0xD8));
-      __m256 best = cand[0], at = _mm256_setzero_ps(); /* offsets as float bits: blended, not computed */
-      for (int t = 1; t < 4; t++) {
-        __m256 v = cand[t];
-        __m256 take = _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ),
-                                   _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(best, best, _CMP_ORD_Q)));
-        best = _mm256_blendv_ps(best, v, take);
-        at = _mm256_blendv_ps(at, _mm256_castsi256_ps(_mm256_set1_epi32(t)), take);
-      }
-      best = _mm256_blendv_ps(best, zero, _mm256_cmp_ps(best, zero, _CMP_LT_OQ)); /* ReLU */
-      int32_t o[8];
-      _mm256_storeu_si256((__m256i *)o, _mm256_castps_si256(at));
-      if (n == 8) {
-        _mm256_storeu_ps(yp + oh * ys2 + ow0, best);
-      } else { /* the tail through a buffer: AMD's masked stores are microcoded */
-        float t[8];
-        _mm256_storeu_ps(t, best);
-        memcpy(yp + oh * ys2 + ow0, t, (size_t)n * sizeof *yp);
-      }
-      for (int64_t k = 0; k < n; k++) ip[oh * is2 + ow0 + k] = (uint8_t)o[k];
+      __m256i at;
+      __m256 best = kiln__rmp2_avx2(a0, a1, b0, b1, &at);
+      kiln__rmp2_store_avx2(yp + oh * ys2 + ow0, ip + oh * is2 + ow0, best, at, n);
     }
   }
+}
+
+/* rmp_bwd2_avx512 on eight outputs a step: the gradient kept where y > 0 and the offset
+** names the dx column (even or odd) of each of the two dx rows, the two interleaved by
+** unpacks and a 128-bit permute; the row's tail read and written through buffers */
+__attribute__((target("avx2"))) static void rmp_bwd2_avx2(float *restrict xp, const float *restrict gp, int64_t gs2,
+                                                          const float *restrict yp, int64_t ys2,
+                                                          const uint8_t *restrict ip, int64_t is2, int64_t H, int64_t W,
+                                                          int64_t OH, int64_t OW) {
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t oh = 0; oh < OH; oh++) {
+    for (int64_t ow0 = 0; ow0 < OW; ow0 += 8) {
+      int64_t n = OW - ow0 < 8 ? OW - ow0 : 8;
+      __m256 g, y;
+      __m256i at;
+      if (n == 8) {
+        g = _mm256_loadu_ps(gp + oh * gs2 + ow0), y = _mm256_loadu_ps(yp + oh * ys2 + ow0);
+        at = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ip + oh * is2 + ow0)));
+      } else {
+        float tg[8] = {0}, ty[8] = {0};
+        uint8_t ti[16] = {0};
+        memcpy(tg, gp + oh * gs2 + ow0, (size_t)n * sizeof *tg), memcpy(ty, yp + oh * ys2 + ow0, (size_t)n * sizeof *ty);
+        memcpy(ti, ip + oh * is2 + ow0, (size_t)n);
+        g = _mm256_loadu_ps(tg), y = _mm256_loadu_ps(ty), at = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ti));
+      }
+      __m256 pos = _mm256_cmp_ps(y, zero, _CMP_GT_OQ);
+      for (int i = 0; i < 2; i++) {
+        __m256 e = _mm256_and_ps(pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(at, _mm256_set1_epi32(2 * i))));
+        __m256 o = _mm256_and_ps(pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(at, _mm256_set1_epi32(2 * i + 1))));
+        __m256 ge = _mm256_and_ps(e, g), go = _mm256_and_ps(o, g);
+        __m256 lo = _mm256_unpacklo_ps(ge, go), hi = _mm256_unpackhi_ps(ge, go);
+        __m256 c0 = _mm256_permute2f128_ps(lo, hi, 0x20), c1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+        float *row = xp + (2 * oh + i) * W + 2 * ow0;
+        if (n == 8) {
+          _mm256_storeu_ps(row, c0), _mm256_storeu_ps(row + 8, c1);
+        } else {
+          float t[16];
+          _mm256_storeu_ps(t, c0), _mm256_storeu_ps(t + 8, c1);
+          memcpy(row, t, (size_t)(2 * n) * sizeof *row);
+        }
+      }
+    }
+    for (int i = 0; i < 2; i++)
+      for (int64_t w = 2 * OW; w < W; w++) xp[(2 * oh + i) * W + w] = 0;
+  }
+  for (int64_t h = 2 * OH; h < H; h++)
+    for (int64_t w = 0; w < W; w++) xp[h * W + w] = 0;
 }
 #endif
 
@@ -666,16 +689,21 @@ void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, 
 }
 
 /* RELU_MAX_POOL2D_BACKWARD for 2x2 windows of one f32 plane into a dense (H, W) buffer of a
-** fused caller's (cpu_conv_c1.c): every element written. False (nothing done) without AVX-512. */
+** fused caller's (cpu_conv_c1.c): every element written. False (nothing done) without AVX-512
+** or AVX2, or unless fast (the caller's reading of kiln__cpu_portable_loops). */
 bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, const float *g, const float *y,
-                                            const uint8_t *ix, int64_t OH, int64_t OW) {
+                                            const uint8_t *ix, int64_t OH, int64_t OW, bool fast) {
 #ifdef MP_HAVE_AVX512
-  if (mp_avx512_ok()) {
+  if (fast && mp_avx512_ok()) {
     rmp_bwd2_avx512(dx, g, OW, y, OW, ix, OW, H, W, OH, OW);
     return true;
   }
+  if (fast && kiln__cpu_has_fma()) {
+    rmp_bwd2_avx2(dx, g, OW, y, OW, ix, OW, H, W, OH, OW);
+    return true;
+  }
 #endif
-  (void)dx, (void)H, (void)W, (void)g, (void)y, (void)ix, (void)OH, (void)OW;
+  (void)dx, (void)H, (void)W, (void)g, (void)y, (void)ix, (void)OH, (void)OW, (void)fast;
   return false;
 }
 
@@ -722,6 +750,9 @@ static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
 static void rmp_bwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const rmp_job *j = vctx;
   const kiln__view *g = &j->a->in[0], *y = &j->a->in[1], *ix = &j->a->in[2], *dx = &j->a->out[0];
+#ifdef MP_HAVE_AVX512
+  const bool avx2 = kiln__cpu_has_fma() && !kiln__cpu_portable_loops(); /* once a range: getenv is not free */
+#endif
   const kiln__conv_params *p = j->p;
   int64_t C = dx->shape[1], H = dx->shape[2], W = dx->shape[3], OH = g->shape[2], OW = g->shape[3];
   int64_t kh = p->kernel[0], kw = p->kernel[1];
@@ -735,6 +766,11 @@ static void rmp_bwd_planes(void *vctx, int64_t lo, int64_t hi) {
     if (kh == 2 && kw == 2 && dx->strides[3] == 1 && dx->strides[2] == W && g->strides[3] == 1 && y->strides[3] == 1 &&
         ix->strides[3] == 1 && mp_avx512_ok()) {
       rmp_bwd2_avx512(xb, gb, g->strides[2], yb, y->strides[2], ib, ix->strides[2], H, W, OH, OW);
+      continue;
+    }
+    if (kh == 2 && kw == 2 && dx->strides[3] == 1 && dx->strides[2] == W && g->strides[3] == 1 && y->strides[3] == 1 &&
+        ix->strides[3] == 1 && avx2) {
+      rmp_bwd2_avx2(xb, gb, g->strides[2], yb, y->strides[2], ib, ix->strides[2], H, W, OH, OW);
       continue;
     }
 #endif

@@ -120,7 +120,7 @@ static void check_case(const pcfg *c, kiln_dtype dt, int layout, uint64_t seed) 
 }
 
 /* kiln_relu_max_pool2d (RELU_MAX_POOL2D and its backward for f32 where the windows tile:
-** AVX-512 for 2x2 with unit-stride rows, portable loops otherwise; the two ops elsewhere,
+** AVX-512 or AVX2 for 2x2 with unit-stride rows, portable loops otherwise; the two ops elsewhere,
 ** bf16 and f64 included)
 ** against kiln_relu then kiln_max_pool2d in f64: the same values and gradient, bit for
 ** bit (ReLU and a maximum are exact; each pixel's gradient is one g or zero). The same

@@ -34,6 +34,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
+
 typedef struct opts {
   kiln_device dev;
   int steps, width, depth, batch, in, classes;
@@ -293,16 +295,6 @@ static result_b part_b(const opts *o) {
   return r;
 }
 
-static int parse_int(const char *flag, const char *v) {
-  char *end = NULL;
-  long x = v ? strtol(v, &end, 10) : 0;
-  if (!v || *end || x <= 0 || x > 1000000) {
-    fprintf(stderr, "bench-amp: %s needs a positive integer, got '%s'\n", flag, v ? v : "");
-    exit(2);
-  }
-  return (int)x;
-}
-
 int main(int argc, char **argv) {
   opts o;
   memset(&o, 0, sizeof o);
@@ -310,32 +302,26 @@ int main(int argc, char **argv) {
   o.in = 256;
   o.classes = 10;
   int steps = 0, width = 0, depth = 0, batch = 0, ckd = 0, ckw = 0, ckb = 0, cks = 0;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--json")) {
-      o.json = true;
-    } else if (!strcmp(a, "--device")) {
-      if (!v || kiln_device_parse(v, &o.dev) != KILN_OK) {
-        fprintf(stderr, "bench-amp: --device: %s\n", v ? kiln_last_error_message() : "needs cpu or cuda[:N]");
-        return 2;
-      }
-      i++;
-    } else if (!strcmp(a, "--part") && v && (!strcmp(v, "a") || !strcmp(v, "b"))) {
-      o.part = v[0];
-      i++;
-    } else if (!strcmp(a, "--steps")) steps = parse_int(a, v), i++;
-    else if (!strcmp(a, "--width")) width = parse_int(a, v), i++;
-    else if (!strcmp(a, "--depth")) depth = parse_int(a, v), i++;
-    else if (!strcmp(a, "--batch")) batch = parse_int(a, v), i++;
-    else if (!strcmp(a, "--ck-depth")) ckd = parse_int(a, v), i++;
-    else if (!strcmp(a, "--ck-width")) ckw = parse_int(a, v), i++;
-    else if (!strcmp(a, "--ck-batch")) ckb = parse_int(a, v), i++;
-    else if (!strcmp(a, "--ck-steps")) cks = parse_int(a, v), i++;
-    else {
-      fprintf(stderr, "usage: bench-amp [--device cpu|cuda[:N]] [--steps N] [--width W] [--depth D] [--batch B] "
-                      "[--ck-depth D] [--ck-width W] [--ck-batch B] [--ck-steps N] [--part a|b] [--json]\n");
-      return 2;
-    }
+  bench_args cli = bench_args_begin("bench-amp",
+                                    "[--device cpu|cuda[:N]] [--steps N] [--width W] [--depth D] [--batch B]\n"
+                                    "                 [--ck-depth D] [--ck-width W] [--ck-batch B] [--ck-steps N]"
+                                    " [--part a|b] [--json]",
+                                    argc, argv);
+  static const char *const parts[] = {"a", "b", NULL};
+  enum { MAXN = 1000000 }; /* the counts' bound; 0 in them below means the device's default */
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--json")) o.json = true;
+    else if (!strcmp(a, "--device")) bench_args_device(&cli, &o.dev);
+    else if (!strcmp(a, "--part")) o.part = parts[bench_args_choice(&cli, parts)][0];
+    else if (!strcmp(a, "--steps")) steps = (int)bench_args_int(&cli, 4, MAXN); /* 3 warm-up steps are not timed */
+    else if (!strcmp(a, "--width")) width = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--depth")) depth = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--batch")) batch = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--ck-depth")) ckd = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--ck-width")) ckw = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--ck-batch")) ckb = (int)bench_args_int(&cli, 1, MAXN);
+    else if (!strcmp(a, "--ck-steps")) cks = (int)bench_args_int(&cli, 1, MAXN);
+    else bench_args_unknown(&cli);
   }
   if (o.dev.type != KILN_DEVICE_CPU && o.dev.index >= kiln_device_count(o.dev.type)) {
     fprintf(stderr, "bench-amp: --device: no such device on this machine\n");
@@ -350,10 +336,6 @@ int main(int argc, char **argv) {
   o.ck_width = ckw ? ckw : gpu ? 4096 : 384;
   o.ck_batch = ckb ? ckb : gpu ? 8192 : 256;
   o.ck_steps = cks ? cks : gpu ? 10 : 3;
-  if (o.steps < 4) {
-    fprintf(stderr, "bench-amp: --steps must be at least 4 (3 warm-up steps are not timed)\n");
-    return 2;
-  }
   result_a ra;
   result_b rb;
   memset(&ra, 0, sizeof ra);

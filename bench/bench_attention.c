@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_args.h"
+
 static int64_t B = 16, H = 12, T = 1024, D = 64;
 static kiln_dtype dt = KILN_BF16;
 static bool causal = true;
@@ -78,10 +80,22 @@ static double time_ms(bool fused, bool backward) {
 }
 
 int main(int argc, char **argv) {
-  if (argc > 4) B = atoll(argv[1]), H = atoll(argv[2]), T = atoll(argv[3]), D = atoll(argv[4]);
-  if (argc > 5) dt = strcmp(argv[5], "f32") == 0 ? KILN_F32 : strcmp(argv[5], "f16") == 0 ? KILN_F16 : KILN_BF16;
-  if (argc > 6) causal = atoi(argv[6]) != 0;
-  if (argc > 7) reps = atoi(argv[7]);
+  /* positional: B H T D (all four or none), then dtype, causal, reps */
+  bench_args cli = bench_args_begin("bench-attention", "[B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]", argc, argv);
+  static const char *const pos[7] = {"B", "H", "T", "D", "dtype", "causal", "reps"};
+  /* bounds that keep B H T D (and the T x T mask) inside int64 */
+  static const long long hi[4] = {1 << 16, 1 << 10, 1 << 20, 1 << 10};
+  int64_t *const dims[4] = {&B, &H, &T, &D};
+  static const char *const dtype_names[] = {"f32", "bf16", "f16", NULL};
+  static const kiln_dtype dtypes[] = {KILN_F32, KILN_BF16, KILN_F16};
+  for (const char *a; (a = bench_args_next(&cli));) {
+    int np = bench_args_positional(&cli, 7);
+    if (np < 4) *dims[np] = bench_args_parse_int(&cli, pos[np], a, 1, hi[np]);
+    else if (np == 4) dt = dtypes[bench_args_parse_choice(&cli, pos[np], a, dtype_names)];
+    else if (np == 5) causal = bench_args_parse_int(&cli, pos[np], a, 0, 1) != 0;
+    else reps = (int)bench_args_parse_int(&cli, pos[np], a, 1, 1000000);
+  }
+  if (cli.npos > 0 && cli.npos < 4) bench_args_fail(&cli, "B H T D come together: got %d of the 4", cli.npos);
   if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
     printf("bench-attention: no cuda device\n");
     return 77;

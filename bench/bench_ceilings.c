@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 
 /* Median seconds of reps runs of fn, each timed between device syncs. */
@@ -76,36 +77,26 @@ static kiln_status ew_run(void *p) {
   return st;
 }
 
+/* The workloads --only may name: the products (mms[] in main), then the elementwise ops. */
+static const char *const workloads[] = {"matmul-bf16", "matmul-f16", "matmul-tf32", "matmul-f32",
+                                        "copy",        "add",        "mul_scalar_", "relu",
+                                        NULL};
+
 int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   int64_t n = 8192, mib = 1024;
   int reps = 20, calls = 1;
   const char *only = NULL;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
-        fprintf(stderr, "bench-ceilings: %s\n", kiln_last_error_message());
-        return 2;
-      }
-    } else if (!strcmp(argv[i], "--n") && i + 1 < argc) {
-      n = atoll(argv[++i]);
-    } else if (!strcmp(argv[i], "--mib") && i + 1 < argc) {
-      mib = atoll(argv[++i]);
-    } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = atoi(argv[++i]);
-    } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
-      only = argv[++i];
-    } else if (!strcmp(argv[i], "--calls") && i + 1 < argc) {
-      calls = atoi(argv[++i]);
-    } else {
-      fprintf(stderr, "usage: bench-ceilings [--device D] [--n N] [--mib M] [--reps R] [--only NAME]"
-                      " [--calls C]\n");
-      return 2;
-    }
-  }
-  if (n <= 0 || mib <= 0 || reps <= 0 || calls <= 0) {
-    fprintf(stderr, "bench-ceilings: sizes and reps must be positive\n");
-    return 2;
+  bench_args cli = bench_args_begin("bench-ceilings",
+                                    "[--device D] [--n N] [--mib M] [--reps R] [--only NAME] [--calls C]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--n")) n = bench_args_int(&cli, 1, 1 << 16);
+    else if (!strcmp(a, "--mib")) mib = bench_args_int(&cli, 1, 1 << 20);
+    else if (!strcmp(a, "--reps")) reps = (int)bench_args_int(&cli, 1, 1000000);
+    else if (!strcmp(a, "--only")) only = workloads[bench_args_choice(&cli, workloads)];
+    else if (!strcmp(a, "--calls")) calls = (int)bench_args_int(&cli, 1, 1000000);
+    else bench_args_unknown(&cli);
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);
@@ -114,10 +105,10 @@ int main(int argc, char **argv) {
     const char *name;
     kiln_dtype dt;
     bool tf32;
-  } mms[] = {{"matmul-bf16", KILN_BF16, false},
-             {"matmul-f16", KILN_F16, false},
-             {"matmul-tf32", KILN_F32, true},
-             {"matmul-f32", KILN_F32, false}};
+  } mms[] = {{workloads[0], KILN_BF16, false},
+             {workloads[1], KILN_F16, false},
+             {workloads[2], KILN_F32, true},
+             {workloads[3], KILN_F32, false}};
   for (size_t k = 0; k < sizeof mms / sizeof mms[0]; k++) {
     if (only && strcmp(only, mms[k].name) != 0) continue;
     kiln_set_matmul_tf32(mms[k].tf32);
@@ -156,7 +147,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench-ceilings: %s\n", kiln_last_error_message());
     return 1;
   }
-  const char *names[] = {"copy", "add", "mul_scalar_", "relu"};
+  const char *const *names = workloads + 4; /* copy, add, mul_scalar_, relu */
   const double passes[] = {2, 3, 2, 2}; /* bytes moved per element / 4 */
   double copy_gbs = 0;
   for (int op = 0; op < 4; op++) {

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 
 typedef enum { OP_RELU_POOL, OP_POOL3, OP_BIAS_SUM, OP_BN_RELU, OP_BN_ADD_RELU, OP_RELU, OP_BN, OP_BN_ADD_RELU3 } op_kind;
@@ -225,27 +226,19 @@ static int run_device(kiln_device dev, int reps, const char *only, bool profile)
 
 int main(int argc, char **argv) {
   int reps = 30;
-  const char *only = NULL, *devname = NULL;
+  const char *only = NULL;
+  kiln_device dev = kiln_device_cpu();
   bool profile = false;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-    else if (!strcmp(argv[i], "--device") && i + 1 < argc) devname = argv[++i];
-    else if (!strcmp(argv[i], "--profile")) profile = true;
-    else {
-      fprintf(stderr, "usage: bench-cnn-ops [--reps R] [--only SUBSTRING] [--profile] [--device D]\n");
-      return 2;
-    }
+  bench_args cli =
+      bench_args_begin("bench-cnn-ops", "[--reps R] [--only SUBSTRING] [--profile] [--device D]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--reps")) reps = (int)bench_args_int(&cli, 1, 1000000);
+    else if (!strcmp(a, "--only")) only = bench_args_value(&cli);
+    else if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--profile")) profile = true;
+    else bench_args_unknown(&cli);
   }
-  if (reps < 1) reps = 1;
-  if (devname) {
-    kiln_device dev;
-    if (kiln_device_parse(devname, &dev) != KILN_OK) {
-      fprintf(stderr, "bench-cnn-ops: --device '%s': %s\n", devname, kiln_last_error_message());
-      return 2;
-    }
-    if (dev.type != KILN_DEVICE_CPU) return run_device(dev, reps, only, profile);
-  }
+  if (dev.type != KILN_DEVICE_CPU) return run_device(dev, reps, only, profile);
   /* the yardstick: memcpy of 64 MiB (out of cache), both cores' worth being one stream */
   {
     size_t n = (size_t)64 << 20;

@@ -23,12 +23,15 @@
 **   bench-conv [reps]          (KILN_NUM_THREADS sets the threads)
 **   bench-conv --cuda [reps]   (KILN_CUDNN_BENCHMARK=1: measured algorithms)
 **   bench-conv --cuda-fmnist [reps]
+** reps (default 3) may also be given as --reps R.
 */
 #include <kiln.h>
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bench_args.h"
 
 typedef struct shape {
   const char *name;
@@ -143,9 +146,20 @@ static double flops(const shape *s) {
 }
 
 int main(int argc, char **argv) {
-  bool fm = argc > 1 && strcmp(argv[1], "--cuda-fmnist") == 0;
-  bool cuda = fm || (argc > 1 && strcmp(argv[1], "--cuda") == 0);
-  int reps = argc > 1 + cuda ? atoi(argv[1 + cuda]) : 3;
+  bool fm = false, cuda = false, reps_set = false;
+  int reps = 3;
+  bench_args cli = bench_args_begin("bench-conv", "[--cuda | --cuda-fmnist] [--reps R | R]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--cuda") || !strcmp(a, "--cuda-fmnist")) {
+      if (cuda) bench_args_fail(&cli, "%s: give one of --cuda and --cuda-fmnist, once", a);
+      cuda = true, fm = !strcmp(a, "--cuda-fmnist");
+    } else if (!strcmp(a, "--reps") || !bench_args_is_flag(a)) {
+      if (reps_set) bench_args_fail(&cli, "reps given twice ('%s')", a);
+      reps_set = true;
+      reps = (int)(!strcmp(a, "--reps") ? bench_args_int(&cli, 1, 1000000)
+                                        : bench_args_parse_int(&cli, "reps", a, 1, 1000000));
+    } else bench_args_unknown(&cli);
+  }
   if (!cuda) {
     printf("| shape (batch 8 unless said, f32, %d threads) | fwd ms | fwd GFLOP/s | fwd+bwd ms | fwd+bwd GFLOP/s |\n",
            kiln_num_threads());

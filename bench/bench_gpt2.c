@@ -54,6 +54,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 #include "bench_peer.h"
 
@@ -240,13 +241,12 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 
 /* ---- main --------------------------------------------------------------------------- */
 
-static void usage(FILE *f) {
-  fprintf(f, "usage: " PROG " [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
-             "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math] [--no-train] [--generate]\n"
-             "         [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off] [--gen-sample]\n"
-             "         [--peer PATH] [--python PY]\n"
-             "         [--peer-threads N] [--no-peer] [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]\n");
-}
+static const char usage_text[] =
+    "[--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
+    "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]\n"
+    "         [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off]\n"
+    "         [--gen-sample] [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peak-tflops X]\n"
+    "         [--json] [--profile] [--memory] [--logits-loss]";
 
 int main(int argc, char **argv) {
   opts o;
@@ -257,12 +257,27 @@ int main(int argc, char **argv) {
   o.train = true, o.peer = true, o.fused_loss = true;
   o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
   o.python = "python3";
-  const char *autocast = NULL;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    int64_t *iv = NULL;
-    if (!strcmp(a, "--checkpoint")) o.checkpoint = true;
+  int ac = -1; /* an index into autocast_names; -1: bf16 on a GPU, none on the CPU */
+  static const char *const autocast_names[] = {"bf16", "f16", "none", NULL};
+  static const kiln_dtype autocast_dtypes[] = {KILN_BF16, KILN_F16, KILN_F32};
+  bench_args cli = bench_args_begin(PROG, usage_text, argc, argv);
+  static const char *const sdpa_names[] = {"fused", "math", NULL};
+  static const char *const gen_graph_names[] = {"auto", "on", "off", NULL};
+  static const kiln_gen_graph graph_modes[] = {KILN_GEN_GRAPH_AUTO, KILN_GEN_GRAPH_ON, KILN_GEN_GRAPH_OFF};
+  /* the sizes and counts: at least 1, at most bounds far above a real run (they catch typos;
+  ** a model too large for memory is the library's to refuse) */
+  const struct {
+    const char *flag;
+    int64_t *v;
+    int64_t hi;
+  } sizes[] = {{"--layers", &o.layers, 1 << 12}, {"--dim", &o.dim, 1 << 16},       {"--heads", &o.heads, 1 << 12},
+               {"--vocab", &o.vocab, 1 << 24},   {"--seq", &o.seq, 1 << 20},       {"--batch", &o.batch, 1 << 20},
+               {"--steps", &o.steps, 1000000},   {"--prompt", &o.prompt, 1 << 20}, {"--new", &o.new_tokens, 1 << 20}};
+  for (const char *a; (a = bench_args_next(&cli));) {
+    size_t k = 0;
+    while (k < sizeof sizes / sizeof sizes[0] && strcmp(a, sizes[k].flag)) k++;
+    if (k < sizeof sizes / sizeof sizes[0]) *sizes[k].v = bench_args_int(&cli, 1, sizes[k].hi);
+    else if (!strcmp(a, "--checkpoint")) o.checkpoint = true;
     else if (!strcmp(a, "--checkpoint-mlp")) o.checkpoint_mlp = true;
     else if (!strcmp(a, "--no-train")) o.train = false;
     else if (!strcmp(a, "--generate")) o.generate = true;
@@ -273,81 +288,22 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--logits-loss")) o.fused_loss = false;
     else if (!strcmp(a, "--fused-loss")) o.fused_loss = true; /* the default; kept for old scripts */
     else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
-    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage(stdout);
-      return 0;
-    } else if (!v) {
-      fprintf(stderr, PROG ": '%s' needs a value (or is unknown)\n", a);
-      usage(stderr);
-      return 2;
-    } else {
-      i++;
-      if (!strcmp(a, "--device")) {
-        if (kiln_device_parse(v, &o.dev) != KILN_OK) {
-          fprintf(stderr, PROG ": --device '%s': %s\n", v, kiln_last_error_message());
-          return 2;
-        }
-      } else if (!strcmp(a, "--autocast")) autocast = v;
-      else if (!strcmp(a, "--sdpa")) {
-        if (strcmp(v, "fused") && strcmp(v, "math")) {
-          fprintf(stderr, PROG ": --sdpa '%s': use fused or math\n", v);
-          return 2;
-        }
-        kiln_sdpa_set_backend(strcmp(v, "math") ? KILN_SDPA_FUSED : KILN_SDPA_MATH);
-      } else if (!strcmp(a, "--gen-graph")) {
-        if (!strcmp(v, "auto")) o.gen_graph = KILN_GEN_GRAPH_AUTO;
-        else if (!strcmp(v, "on")) o.gen_graph = KILN_GEN_GRAPH_ON;
-        else if (!strcmp(v, "off")) o.gen_graph = KILN_GEN_GRAPH_OFF;
-        else {
-          fprintf(stderr, PROG ": --gen-graph '%s': use auto, on or off\n", v);
-          return 2;
-        }
-      } else if (!strcmp(a, "--peer")) o.peer_path = v;
-      else if (!strcmp(a, "--python")) o.python = v;
-      else if (!strcmp(a, "--peer-threads")) o.peer_threads = atoi(v);
-      else if (!strcmp(a, "--peak-tflops")) o.peak_tflops = strtod(v, NULL);
-      else if (!strcmp(a, "--gen-batches")) {
-        o.n_gen_batches = 0;
-        for (char *s = (char *)v; *s && o.n_gen_batches < 8;) {
-          char *end;
-          long long b = strtoll(s, &end, 10);
-          if (end == s || b < 1) {
-            fprintf(stderr, PROG ": --gen-batches '%s': a comma-separated list of batch sizes >= 1\n", v);
-            return 2;
-          }
-          o.gen_batches[o.n_gen_batches++] = b;
-          s = *end == ',' ? end + 1 : end;
-        }
-      } else {
-        if (!strcmp(a, "--layers")) iv = &o.layers;
-        else if (!strcmp(a, "--dim")) iv = &o.dim;
-        else if (!strcmp(a, "--heads")) iv = &o.heads;
-        else if (!strcmp(a, "--vocab")) iv = &o.vocab;
-        else if (!strcmp(a, "--seq")) iv = &o.seq;
-        else if (!strcmp(a, "--batch")) iv = &o.batch;
-        else if (!strcmp(a, "--steps")) iv = &o.steps;
-        else if (!strcmp(a, "--prompt")) iv = &o.prompt;
-        else if (!strcmp(a, "--new")) iv = &o.new_tokens;
-        char *end;
-        long long x = iv ? strtoll(v, &end, 10) : 0;
-        if (!iv || *end || x < 1) {
-          fprintf(stderr, PROG ": %s '%s': %s\n", a, v, iv ? "needs an integer >= 1" : "unknown option");
-          usage(stderr);
-          return 2;
-        }
-        *iv = x;
-      }
-    }
+    else if (!strcmp(a, "--device")) bench_args_device(&cli, &o.dev);
+    else if (!strcmp(a, "--autocast")) ac = bench_args_choice(&cli, autocast_names);
+    else if (!strcmp(a, "--sdpa"))
+      kiln_sdpa_set_backend(bench_args_choice(&cli, sdpa_names) ? KILN_SDPA_MATH : KILN_SDPA_FUSED);
+    else if (!strcmp(a, "--gen-graph")) o.gen_graph = graph_modes[bench_args_choice(&cli, gen_graph_names)];
+    else if (!strcmp(a, "--peer")) o.peer_path = bench_args_value(&cli);
+    else if (!strcmp(a, "--python")) o.python = bench_args_value(&cli);
+    else if (!strcmp(a, "--peer-threads")) o.peer_threads = (int)bench_args_int(&cli, 0, 1024); /* 0: default */
+    else if (!strcmp(a, "--peak-tflops")) o.peak_tflops = bench_args_double(&cli, 0, 1e6);     /* 0: unknown */
+    else if (!strcmp(a, "--gen-batches")) o.n_gen_batches = bench_args_int_list(&cli, o.gen_batches, 8, 1, 1 << 20);
+    else bench_args_unknown(&cli);
   }
   bool cpu = o.dev.type == KILN_DEVICE_CPU;
-  if (!autocast) autocast = cpu ? "none" : "bf16";
-  if (!strcmp(autocast, "bf16")) o.autocast = KILN_BF16;
-  else if (!strcmp(autocast, "f16")) o.autocast = KILN_F16;
-  else if (!strcmp(autocast, "none")) o.autocast = KILN_F32;
-  else {
-    fprintf(stderr, PROG ": --autocast '%s': bf16, f16 or none\n", autocast);
-    return 2;
-  }
+  if (ac < 0) ac = cpu ? 2 : 0;
+  const char *autocast = autocast_names[ac];
+  o.autocast = autocast_dtypes[ac];
   if (o.dim % o.heads) {
     fprintf(stderr, PROG ": --dim %lld is not a multiple of --heads %lld\n", (long long)o.dim, (long long)o.heads);
     return 2;

@@ -5,7 +5,7 @@
 ** path must not make it longer. Uses the public API only, so the same source measures
 ** any kiln version.
 **
-** Usage: bench-host-op [--device D] [--iters N] [--json]
+** Usage: bench-host-op [--device D] [--iters N] [--json]   (N: 100 to 100000000, default 20000)
 ** Prints ns per call for each case, the median of 7 rounds. On a GPU the figure is the
 ** host's cost of queueing the op (the device is synchronized after each round).
 */
@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 
 
@@ -49,21 +50,14 @@ int main(int argc, char **argv) {
   int iters = 20000;
   bool json = false;
   kiln_device dev = kiln_device_cpu();
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
-        fprintf(stderr, "bench-host-op: %s\n", kiln_last_error_message());
-        return 2;
-      }
-    }
-    else if (!strcmp(argv[i], "--json")) json = true;
-    else {
-      fprintf(stderr, "usage: bench-host-op [--device D] [--iters N] [--json]\n");
-      return 2;
-    }
+  bench_args cli = bench_args_begin("bench-host-op", "[--device D] [--iters N] [--json]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    /* at least 100: the step case runs iters / 10 calls */
+    if (!strcmp(a, "--iters")) iters = (int)bench_args_int(&cli, 100, 100000000);
+    else if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--json")) json = true;
+    else bench_args_unknown(&cli);
   }
-  if (iters < 100) iters = 100;
   kiln_set_num_threads(1);
   kiln_device cpu = dev; /* the device the cases run on */
   env e;

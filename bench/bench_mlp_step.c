@@ -20,7 +20,7 @@
 ** replay with nothing read back (a sync after the round: the device's time per step when
 ** the host keeps ahead). The pieces are not measured then.
 **
-** Usage: bench-mlp-step [--device D] [--steps N] [--graph] [--json]
+** Usage: bench-mlp-step [--device D] [--steps N] [--graph] [--json]   (N: 10 to 1000000, default 300)
 ** Public API only, so it measures any kiln version.
 */
 #define _POSIX_C_SOURCE 200809L
@@ -32,6 +32,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 
 
@@ -193,24 +194,14 @@ int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   int steps = 300;
   bool json = false, graph = false;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
-        fprintf(stderr, "bench-mlp-step: %s\n", kiln_last_error_message());
-        return 2;
-      }
-    } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
-      steps = atoi(argv[++i]);
-    } else if (!strcmp(argv[i], "--json")) {
-      json = true;
-    } else if (!strcmp(argv[i], "--graph")) {
-      graph = true;
-    } else {
-      fprintf(stderr, "usage: bench-mlp-step [--device D] [--steps N] [--graph] [--json]\n");
-      return 2;
-    }
+  bench_args cli = bench_args_begin("bench-mlp-step", "[--device D] [--steps N] [--graph] [--json]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--steps")) steps = (int)bench_args_int(&cli, 10, 1000000); /* smaller was raised to 10 */
+    else if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--graph")) graph = true;
+    else bench_args_unknown(&cli);
   }
-  if (steps < 10) steps = 10;
   if (graph) {
     char gname[32];
     kiln_device_str(dev, gname, sizeof gname);

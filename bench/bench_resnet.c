@@ -41,17 +41,17 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 #include "bench_peer.h"
 
 #define PROG "bench-resnet"
 
-static void usage(FILE *f) {
-  fprintf(f, "usage: " PROG " [--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
-             "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
-             "                    [--peer-threads N] [--no-peer] [--channels-last] [--channels-last-input]\n"
-             "                    [--profile] [--json]\n");
-}
+static const char usage_text[] =
+    "[--arch resnet18|resnet34|resnet50] [--size N] [--batch N] [--steps N]\n"
+    "                    [--device D] [--autocast bf16] [--compile] [--peer PATH] [--python PATH]\n"
+    "                    [--peer-threads N] [--no-peer] [--channels-last] [--channels-last-input]\n"
+    "                    [--profile] [--json]";
 
 typedef struct result {
   double ms, images_per_s, peak_gib, saved_gib, loss;
@@ -167,68 +167,37 @@ static int run_peer(const char *python, const char *peer, const char *arch, int6
 }
 
 int main(int argc, char **argv) {
-  const char *arch = "resnet18", *devname = NULL, *amp = NULL, *peer_flag = NULL, *python = "python3";
+  const char *arch = "resnet18", *amp = NULL, *peer_flag = NULL, *python = "python3";
   long long size = 0, batch = 0, steps = 15;
   int peer_threads = 0;
   bool json = false, no_peer = false, compile = false, arch_set = false, profile = false;
   int channels_last = 0; /* 1: model and batch; 2: the batch only */
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    bool takes = !strcmp(a, "--arch") || !strcmp(a, "--size") || !strcmp(a, "--batch") ||
-                 !strcmp(a, "--steps") || !strcmp(a, "--device") || !strcmp(a, "--autocast") ||
-                 !strcmp(a, "--peer") || !strcmp(a, "--python") || !strcmp(a, "--peer-threads");
-    if (takes && !v) {
-      fprintf(stderr, PROG ": %s needs a value\n", a);
-      return 2;
-    }
-    char *end = NULL;
+  bench_args cli = bench_args_begin(PROG, usage_text, argc, argv);
+  static const char *const archs[] = {"resnet18", "resnet34", "resnet50", NULL};
+  static const int depths[] = {18, 34, 50};
+  int depth = 18;
+  kiln_device dev = kiln_device_best();
+  for (const char *a; (a = bench_args_next(&cli));) {
     if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--no-peer")) no_peer = true;
     else if (!strcmp(a, "--compile")) compile = true;
     else if (!strcmp(a, "--profile")) profile = true;
     else if (!strcmp(a, "--channels-last")) channels_last = 1;
     else if (!strcmp(a, "--channels-last-input")) channels_last = 2;
-    else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--arch")) arch = v, arch_set = true, i++;
-    else if (!strcmp(a, "--device")) devname = v, i++;
-    else if (!strcmp(a, "--autocast")) amp = v, i++;
-    else if (!strcmp(a, "--peer")) peer_flag = v, i++;
-    else if (!strcmp(a, "--python")) python = v, i++;
-    else if (!strcmp(a, "--size") || !strcmp(a, "--batch") || !strcmp(a, "--steps") ||
-             !strcmp(a, "--peer-threads")) {
-      long long n = strtoll(v, &end, 10);
-      long long lo = !strcmp(a, "--peer-threads") ? 0 : !strcmp(a, "--size") ? 16 : 1;
-      if (!*v || *end || n < lo || n > 100000) {
-        fprintf(stderr, PROG ": %s '%s': want an integer from %lld to 100000\n", a, v, lo);
-        return 2;
-      }
-      if (!strcmp(a, "--size")) size = n;
-      else if (!strcmp(a, "--batch")) batch = n;
-      else if (!strcmp(a, "--steps")) steps = n;
-      else peer_threads = (int)n;
-      i++;
-    } else {
-      fprintf(stderr, PROG ": unknown option '%s'\n", a);
-      usage(stderr);
-      return 2;
-    }
-  }
-  int depth = !strcmp(arch, "resnet18") ? 18 : !strcmp(arch, "resnet34") ? 34 : !strcmp(arch, "resnet50") ? 50 : 0;
-  if (!depth) {
-    fprintf(stderr, PROG ": --arch '%s': use resnet18, resnet34 or resnet50\n", arch);
-    return 2;
-  }
-  if (amp && strcmp(amp, "bf16")) {
-    fprintf(stderr, PROG ": --autocast '%s': only bf16 (the peer's autocast dtype)\n", amp);
-    return 2;
-  }
-  kiln_device dev = kiln_device_best();
-  if (devname && kiln_device_parse(devname, &dev) != KILN_OK) {
-    fprintf(stderr, PROG ": --device '%s': %s\n", devname, kiln_last_error_message());
-    return 2;
+    else if (!strcmp(a, "--arch")) {
+      int ai = bench_args_choice(&cli, archs);
+      arch = archs[ai], depth = depths[ai], arch_set = true;
+    } else if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--autocast")) {
+      amp = bench_args_value(&cli);
+      if (strcmp(amp, "bf16")) bench_args_fail(&cli, "--autocast '%s': only bf16 (the peer's autocast dtype)", amp);
+    } else if (!strcmp(a, "--peer")) peer_flag = bench_args_value(&cli);
+    else if (!strcmp(a, "--python")) python = bench_args_value(&cli);
+    else if (!strcmp(a, "--size")) size = bench_args_int(&cli, 16, 100000);
+    else if (!strcmp(a, "--batch")) batch = bench_args_int(&cli, 1, 100000);
+    else if (!strcmp(a, "--steps")) steps = bench_args_int(&cli, 1, 100000);
+    else if (!strcmp(a, "--peer-threads")) peer_threads = (int)bench_args_int(&cli, 0, 100000);
+    else bench_args_unknown(&cli);
   }
   bool gpu = dev.type != KILN_DEVICE_CPU;
   if (!arch_set && gpu) arch = "resnet50", depth = 50;

@@ -7,7 +7,7 @@
 ** each, the step's time with a sync after it and the host's time to queue it, median of
 ** 5 rounds. --dtype bf16|f16|f64 for parameters of that dtype.
 **
-** Usage: bench-sgd-multi [--device D] [--steps N] [--dtype DT] [--json]
+** Usage: bench-sgd-multi [--device D] [--steps N] [--dtype DT] [--json]   (N: 2 to 1000000, default 20)
 ** Public API only.
 */
 #define _POSIX_C_SOURCE 200809L
@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "bench_clock.h"
 
 
@@ -44,21 +45,17 @@ int main(int argc, char **argv) {
   int steps = 20;
   bool json = false;
   kiln_dtype dt = KILN_F32;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) goto usage;
-    } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
-      steps = atoi(argv[++i]);
-    } else if (!strcmp(argv[i], "--dtype") && i + 1 < argc) {
-      const char *d = argv[++i];
-      dt = !strcmp(d, "bf16") ? KILN_BF16 : !strcmp(d, "f16") ? KILN_F16 : !strcmp(d, "f64") ? KILN_F64 : KILN_F32;
-    } else if (!strcmp(argv[i], "--json")) {
-      json = true;
-    } else {
-      goto usage;
-    }
+  bench_args cli = bench_args_begin("bench-sgd-multi", "[--device D] [--steps N] [--dtype f32|bf16|f16|f64] [--json]",
+                                    argc, argv);
+  static const char *const dtype_names[] = {"f32", "bf16", "f16", "f64", NULL};
+  static const kiln_dtype dtypes[] = {KILN_F32, KILN_BF16, KILN_F16, KILN_F64};
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--steps")) steps = (int)bench_args_int(&cli, 2, 1000000); /* smaller was raised to 2 */
+    else if (!strcmp(a, "--dtype")) dt = dtypes[bench_args_choice(&cli, dtype_names)];
+    else if (!strcmp(a, "--json")) json = true;
+    else bench_args_unknown(&cli);
   }
-  if (steps < 2) steps = 2;
   kiln_module *m = kiln_resnet_new(50, 1000, false, KILN_F32, dev, NULL);
   if (!m || kiln_module_to_dtype(m, dt) != KILN_OK) {
     fprintf(stderr, "bench-sgd-multi: making ResNet-50: %s\n", kiln_last_error_message());
@@ -124,7 +121,4 @@ int main(int argc, char **argv) {
   for (int i = 0; i < n; i++) kiln_tensor_free(bufs[i]);
   kiln_module_free(m);
   return 0;
-usage:
-  fprintf(stderr, "usage: bench-sgd-multi [--device D] [--steps N] [--dtype f32|bf16|f16|f64] [--json]\n");
-  return 2;
 }

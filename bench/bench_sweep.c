@@ -17,6 +17,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
+
 static double now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -35,19 +37,12 @@ int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   int64_t batches[8] = {32, 128, 1024, 8192};
   int nb = 4;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      if (kiln_device_parse(argv[++i], &dev) != KILN_OK) {
-        fprintf(stderr, "bench-sweep: %s\n", kiln_last_error_message());
-        return 2;
-      }
-    } else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
-      nb = 0;
-      for (char *s = strtok(argv[++i], ","); s && nb < 8; s = strtok(NULL, ",")) batches[nb++] = atoll(s);
-    } else {
-      fprintf(stderr, "usage: bench-sweep [--device D] [--batches 32,128,...]\n");
-      return 2;
-    }
+  bench_args cli = bench_args_begin("bench-sweep", "[--device D] [--batches 32,128,...]   (up to 8 batch sizes)",
+                                    argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--device")) bench_args_device(&cli, &dev);
+    else if (!strcmp(a, "--batches")) nb = bench_args_int_list(&cli, batches, 8, 1, 1000000);
+    else bench_args_unknown(&cli);
   }
   char dname[32];
   kiln_device_str(dev, dname, sizeof dname);

@@ -3,12 +3,15 @@
 ** of a fresh tokenizer) and a warm one (the best of the next passes), and decode MB/s.
 **   bench-tokenizer [FIXTURE_DIR] [PASSES]
 ** bench/bench_tokenizer.py runs this and Hugging Face `tokenizers` on the same text. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime: clang does not get it by default */
 #include <kiln_text.h>
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <zlib.h>
+
+#include "bench_args.h"
 
 static double now(void) {
   struct timespec ts;
@@ -17,8 +20,13 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-  const char *dir = argc > 1 ? argv[1] : "tests/fixtures/tokenizer";
-  int passes = argc > 2 ? atoi(argv[2]) : 5;
+  const char *dir = "tests/fixtures/tokenizer";
+  int passes = 5;
+  bench_args cli = bench_args_begin("bench-tokenizer", "[FIXTURE_DIR [PASSES]]", argc, argv);
+  for (const char *a; (a = bench_args_next(&cli));) {
+    if (bench_args_positional(&cli, 2) == 0) dir = a;
+    else passes = (int)bench_args_parse_int(&cli, "PASSES", a, 1, 1000000);
+  }
   char path[1024], p2[1024];
   snprintf(path, sizeof path, "%s/text.txt.gz", dir);
   gzFile f = gzopen(path, "rb");
@@ -28,9 +36,19 @@ int main(int argc, char **argv) {
   }
   size_t cap = 1 << 22, len = 0;
   char *text = malloc(cap);
-  int got;
-  while ((got = gzread(f, text + len, (unsigned)(cap - len))) > 0) len += (size_t)got;
+  int got = -1;
+  if (text)
+    while (len < cap && (got = gzread(f, text + len, (unsigned)(cap - len))) > 0) len += (size_t)got;
   gzclose(f);
+  if (got < 0 || len == 0 || len == cap) { /* a read error, nothing to time, or a text cut short */
+    fprintf(stderr, "bench-tokenizer: %s: %s\n", path,
+            !text     ? "out of memory"
+            : got < 0 ? "not a readable gzip file"
+            : len     ? "4 MiB or more of text (the buffer's size)"
+                      : "no text");
+    free(text);
+    return 1;
+  }
   snprintf(path, sizeof path, "%s/vocab.json", dir);
   snprintf(p2, sizeof p2, "%s/merges.txt", dir);
   double t0 = now();

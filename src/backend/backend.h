@@ -575,6 +575,9 @@ int kiln__sgd_list_width(const kiln__kargs *a);
 
 /* Helpers every backend may use (src/backend/view.c). */
 int64_t kiln__view_numel(const kiln__view *v);
+/* One past the largest element offset from v->data that v reaches (0 when empty): the
+** elements a loop may read ahead of an element without leaving the view's memory. */
+int64_t kiln__view_extent(const kiln__view *v);
 bool kiln__view_is_contiguous(const kiln__view *v);
 /* Merges adjacent dims that are contiguous with each other in every view given, and
 ** drops size-1 dims, so that iteration has the fewest dims. All views must have the same

@@ -11,6 +11,15 @@ int64_t kiln__view_numel(const kiln__view *v) {
   return n;
 }
 
+int64_t kiln__view_extent(const kiln__view *v) {
+  int64_t last = 0;
+  for (int d = 0; d < v->ndim; d++) {
+    if (v->shape[d] == 0) return 0;
+    if (v->strides[d] > 0) last += (v->shape[d] - 1) * v->strides[d];
+  }
+  return last + 1;
+}
+
 /* C-contiguous, ignoring the strides of size-1 dims (they are never stepped over). */
 bool kiln__view_is_contiguous(const kiln__view *v) {
   int64_t expect = 1;

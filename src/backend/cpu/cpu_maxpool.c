@@ -586,7 +586,7 @@ rmp_bwd2_avx512(float *restrict xp, const float *restrict gp, int64_t gs2, const
 
 __attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict xp, int64_t xs2, float *restrict yp,
                                                           int64_t ys2, uint8_t *restrict ip, int64_t is2, int64_t OH,
-                                                          int64_t OW) {
+                                                          int64_t OW, const float *xend) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t oh = 0; oh < OH; oh++) {
     const float *r0 = xp + 2 * oh * xs2, *r1 = r0 + xs2;
@@ -594,9 +594,10 @@ __attribute__((target("avx2"))) static void rmp_fwd2_avx2(const float *restrict 
       int64_t n = OW - ow0 < 8 ? OW - ow0 : 8, cols = 2 * n;
       __m256 a0, a1, b0, b1;
       const float *a = r0 + 2 * ow0, *b = r1 + 2 * ow0;
-      if (n == 8) { /* plain loads: AMD's masked ones are slow */
+      if (n == 8 || (a + 16 <= xend && b + 16 <= xend)) { /* plain loads (AMD's masked ones are slow); a tail's lanes past its 2n
+                                         ** columns read the buffer's next elements, and give outputs not stored */
         a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-      } else { /* the row's tail: the 2n columns, lanes past them not read */
+      } else { /* the buffer's end: the 2n columns, lanes past them not read */
         __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols < 8 ? cols : 8)), lane);
         __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols > 8 ? cols - 8 : 0)), lane);
         a0 = _mm256_maskload_ps(a, m0), a1 = _mm256_maskload_ps(a + 8, m1);
@@ -668,7 +669,7 @@ void kiln__cpu_relu_max_pool_plane_f32(const float *xp, int64_t xs2, float *yp, 
     return;
   }
   if (kh == 2 && kw == 2 && fast && kiln__cpu_has_fma()) {
-    rmp_fwd2_avx2(xp, xs2, yp, ys2, ip, is2, OH, OW);
+    rmp_fwd2_avx2(xp, xs2, yp, ys2, ip, is2, OH, OW, xp + (2 * OH - 1) * xs2 + 2 * OW); /* the rows pooled */
     return;
   }
 #endif
@@ -716,6 +717,9 @@ static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
   const kiln__view *x = &j->a->in[0], *y = &j->a->out[0], *ix = &j->a->out[1];
   const kiln__conv_params *p = j->p;
   int64_t C = y->shape[1], OH = y->shape[2], OW = y->shape[3], kh = p->kernel[0], kw = p->kernel[1];
+#ifdef MP_HAVE_AVX512
+  const float *xend = (const float *)x->data + kiln__view_extent(x); /* past x's last element */
+#endif
   for (int64_t q = lo; q < hi; q++) {
     int64_t n = q / C, c = q % C;
     const float *xb = (const float *)x->data + n * x->strides[0] + c * x->strides[1];
@@ -727,7 +731,7 @@ static void rmp_fwd_planes(void *vctx, int64_t lo, int64_t hi) {
       continue;
     }
     if (kh == 2 && kw == 2 && x->strides[3] == 1 && y->strides[3] == 1 && ix->strides[3] == 1 && avx2) {
-      rmp_fwd2_avx2(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW);
+      rmp_fwd2_avx2(xb, x->strides[2], yb, y->strides[2], ib, ix->strides[2], OH, OW, xend);
       continue;
     }
 #endif

@@ -230,7 +230,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   c.differentiable = op->backward != NULL;
   c.amp_f32 = false;
   c.n_node_out = 0;
-  for (int k = 0; k < KILN__OP_MAX_OUT; k++) c.out[k] = NULL;
+  for (int k = 0; k < KILN__OP_MAX_OUT; k++) c.out[k] = NULL, c.meta[k].ndim = -1; /* -1: infer gave no shape */
   for (int k = 0; k < KILN__OP_MAX_TMP; k++) c.tmp[k] = NULL;
   *status = KILN_OK;
 
@@ -302,6 +302,10 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   /* 5. outputs */
   if (st == KILN_OK && !(op->flags & (KILN__OP_SELF_ALLOC | KILN__OP_COMPOSITE | KILN__OP_INPLACE))) {
     for (int k = 0; k < c.n_out && st == KILN_OK; k++) {
+      if (c.meta[k].ndim < 0) { /* an op's infer left an output it counts undescribed: a bug, reported */
+        st = kiln_set_error(KILN_ERR_INTERNAL, "%s: output %d has no shape (the op's infer set none)", op->api, k);
+        break;
+      }
       c.out[k] = c.meta[k].channels_last
                      ? kiln__tensor_new_format(c.meta[k].ndim, c.meta[k].shape, c.meta[k].dtype, c.device, true)
                      : kiln__tensor_new(c.meta[k].ndim, c.meta[k].shape, c.meta[k].dtype, c.device);

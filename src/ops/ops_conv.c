@@ -583,6 +583,7 @@ static kiln_status convb_weight_infer(kiln__op_ctx *c) {
   int64_t sh[4] = {g->shape[1], x->shape[1] / ab->c.groups, ab->size[0], ab->size[1]};
   out_shape(sh, conv_cl(x));
   kiln__op_meta(c, 0, 4, sh, x->dtype);
+  c->n_out = 1; /* the op's n_out counts the optional bias gradient: no second output without it */
   if (ab->bias) {
     int64_t bs[1] = {g->shape[1]};
     kiln__op_meta(c, 1, 1, bs, x->dtype);

@@ -880,7 +880,7 @@ KILN_API kiln_status kiln_tokenizer_encode(kiln_tokenizer *t, const char *text, 
       }
     }
   }
-  if (!r) r = kiln__pretokenize(text + seg, len - seg, encode_piece, &e);
+  if (!r && seg < len) r = kiln__pretokenize(text + seg, len - seg, encode_piece, &e); /* text may be NULL when len is 0 */
   if (r) {
     free(e.ids);
     return kiln_last_error();

@@ -140,6 +140,20 @@ __attribute__((target("avx2"))) static void c1_plane_avx2(const c1_job *j, const
   }
 }
 
+/* Two 3x3 conv output rows of eight columns from the four input rows at x (stride Wp):
+** each output the bias then its nine products in (i, j) order, the middle rows' loads shared */
+__attribute__((target("avx2"))) static inline void c1_rows3_avx2(const float *x, int64_t Wp, const __m256 w[9],
+                                                                 __m256 bv, __m256 *r0, __m256 *r1) {
+  __m256 a0 = bv, a1 = bv;
+  for (int r = 0; r < 4; r++)
+    for (int c = 0; c < 3; c++) {
+      __m256 v = _mm256_loadu_ps(x + r * Wp + c);
+      if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], v));
+      if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + c], v));
+    }
+  *r0 = a0, *r1 = a1;
+}
+
 /* c1_plane_avx2 for 3x3 kernels (fmnist-cnn's): the nine weights in registers, taps
 ** unrolled, two output rows a step sharing the loads of their middle input rows (each
 ** output still gets the bias then its nine products in (i, j) order: the same bits). The
@@ -155,15 +169,8 @@ __attribute__((target("avx2"))) static void c1_plane3_avx2(const c1_job *j, cons
     int64_t n = OW - ow < 8 ? OW - ow : 8;
     int64_t oh = 0;
     for (; oh + 2 <= OH; oh += 2) {
-      __m256 a0 = bv, a1 = bv;
-      for (int r = 0; r < 4; r++) {
-        const float *xr = xp + (oh + r) * Wp + ow;
-        for (int c = 0; c < 3; c++) {
-          __m256 v = _mm256_loadu_ps(xr + c);
-          if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + c], v));
-          if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + c], v));
-        }
-      }
+      __m256 a0, a1;
+      c1_rows3_avx2(xp + oh * Wp + ow, Wp, w, bv, &a0, &a1);
       if (n == 8) {
         _mm256_storeu_ps(yp + oh * OW + ow, a0);
         _mm256_storeu_ps(yp + (oh + 1) * OW + ow, a1);
@@ -201,16 +208,7 @@ __attribute__((target("avx2"))) static void c1p_plane3_pool2_avx2(const c1_job *
     for (int64_t pw0 = 0; pw0 < POW; pw0 += 8) {
       __m256 c[2][2]; /* [conv row][columns 0-7, 8-15] */
       for (int h = 0; h < 2; h++) {
-        __m256 a0 = bv, a1 = bv;
-        for (int r = 0; r < 4; r++) {
-          const float *xr = xp + (2 * ph + r) * Wp + 2 * pw0 + 8 * h;
-          for (int cc = 0; cc < 3; cc++) {
-            __m256 v = _mm256_loadu_ps(xr + cc);
-            if (r < 3) a0 = _mm256_add_ps(a0, _mm256_mul_ps(w[r * 3 + cc], v));
-            if (r > 0) a1 = _mm256_add_ps(a1, _mm256_mul_ps(w[(r - 1) * 3 + cc], v));
-          }
-        }
-        c[0][h] = a0, c[1][h] = a1;
+        c1_rows3_avx2(xp + 2 * ph * Wp + 2 * pw0 + 8 * h, Wp, w, bv, &c[0][h], &c[1][h]);
       }
       __m256i at;
       __m256 best = kiln__rmp2_avx2(c[0][0], c[0][1], c[1][0], c[1][1], &at);

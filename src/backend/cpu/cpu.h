@@ -61,6 +61,11 @@ bool kiln__cpu_relu_max_pool_bwd2_plane_f32(float *dx, int64_t H, int64_t W, con
                                             const uint8_t *ix, int64_t OH, int64_t OW, bool fast);
 /* CONV2D_BACKWARD_DATA/_WEIGHT: with oneDNN its kernels below, else reference loops (cpu_conv.c) */
 kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a);
+/* f32 3x3 stride-1 CONV2D and CONV2D_BACKWARD_DATA by Winograd F(2x2, 3x3) on AVX2+FMA
+** (cpu_conv_winograd.c): whether it takes the arguments (dense NCHW, ungrouped, padding
+** 0..2, 8 channels or more each side; KILN_CONV_WINOGRAD=0: never), and the kernel */
+bool kiln__cpu_conv_winograd_takes(const kiln__kargs *a);
+kiln_status kiln__cpu_conv_winograd(const kiln__kargs *a);
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D: the one-channel loops or oneDNN (cpu_conv.c) */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */

@@ -160,7 +160,9 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
   if (!kiln__cpu_dnnl_conv_takes(a))
     return kiln_set_error(KILN_ERR_INTERNAL, "kiln: the CONV2D kernel takes f32 views, NCHW or channels-last");
   if (kiln__view_numel(&a->out[0]) == 0) return KILN_OK;
-  return kiln__cpu_conv_c1_takes(a) ? kiln__cpu_conv_c1(a) : kiln__cpu_dnnl_conv2d(a);
+  if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
+  if (kiln__cpu_conv_winograd_takes(a)) return kiln__cpu_conv_winograd(a);
+  return kiln__cpu_dnnl_conv2d(a);
 }
 
 /* The backward's f32 dense cases: the weight gradient of one input channel by the direct
@@ -168,7 +170,9 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
 static kiln_status conv2d_backward_lib(const kiln__kargs *a) {
   for (int i = 0; i < a->n_out; i++)
     if (kiln__view_numel(&a->out[i]) == 0) return KILN_OK;
-  return kiln__cpu_conv_c1_takes(a) ? kiln__cpu_conv_c1(a) : kiln__cpu_dnnl_conv2d_backward(a);
+  if (kiln__cpu_conv_c1_takes(a)) return kiln__cpu_conv_c1(a);
+  if (kiln__cpu_conv_winograd_takes(a)) return kiln__cpu_conv_winograd(a);
+  return kiln__cpu_dnnl_conv2d_backward(a);
 }
 #endif
 

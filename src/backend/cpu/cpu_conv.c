@@ -10,8 +10,10 @@
 ** compute type (f32 for 16-bit floats, rounded once per pixel).
 **
 ** With oneDNN, CONV2D and, in f32 on dense views, its backward are kernels: one input
-** channel takes the direct loops of cpu_conv_c1.c, the rest oneDNN (cpu_dnnl.c); the choice
-** is made here, so neither file knows the other.
+** channel takes the direct loops of cpu_conv_c1.c, 3x3 stride-1 forward and data gradients
+** on the maps and channel counts where it beat oneDNN the Winograd kernel of
+** cpu_conv_winograd.c, the rest oneDNN (cpu_dnnl.c); the choice is made here, so none of
+** these files knows the others.
 */
 #include "cpu.h"
 #include "cpu_iter.h"
@@ -154,7 +156,7 @@ kiln_status kiln__cpu_conv_window(const kiln__kargs *a) {
 
 #ifdef KILN_HAVE_DNNL
 /* CONV2D (registered with oneDNN only): f32, NCHW or channels-last, as oneDNN takes it; one
-** input channel by the direct loops. */
+** input channel by the direct loops, 3x3 stride-1 NCHW ones by Winograd where it pays. */
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
   if (!a->params) return kiln_set_error(KILN_ERR_INTERNAL, "kiln: conv2d without its window parameters");
   if (!kiln__cpu_dnnl_conv_takes(a))
@@ -166,7 +168,8 @@ kiln_status kiln__cpu_conv2d(const kiln__kargs *a) {
 }
 
 /* The backward's f32 dense cases: the weight gradient of one input channel by the direct
-** loops, the rest through oneDNN. An empty output: nothing to write. */
+** loops, a 3x3 stride-1 data gradient by Winograd where it pays, the rest through oneDNN.
+** An empty output: nothing to write. */
 static kiln_status conv2d_backward_lib(const kiln__kargs *a) {
   for (int i = 0; i < a->n_out; i++)
     if (kiln__view_numel(&a->out[i]) == 0) return KILN_OK;

@@ -14,20 +14,22 @@
 ** transform.
 **
 ** Cache: the tile-rows of all images are cut into blocks of ~64 tiles. A thread takes
-** a block, transforms its input into V (C, 16, tiles), then for each group of 4 output
-** channels runs the 16 GEMMs into M (16, 4, tiles), which stays in L1, and transforms M
-** straight into the NCHW output (bias added there). U (16, OC/4, C, 4), transformed once a
-** call (the weights change every step), and V stay in L2. The GEMM micro-kernel holds 4
-** output channels x 24 tiles in 12 ymm accumulators and sums over c in order with FMA, so
-** every output is the same f32 operations whatever the thread count.
+** a block, transforms its input into V (C, 16, tiles), then for each group of 16 output
+** channels runs the 16 GEMMs into M (16, 16, tiles), xi outermost so that V's slice for xi
+** stays in L1 through the group, and transforms M straight into the NCHW output (bias added
+** there). U (16, OC/4, C, 4), transformed once a call (the weights change every step), V
+** and M stay in L2. The GEMM micro-kernel holds 4 output channels x 24 tiles in 12 ymm
+** accumulators and sums over c in order with FMA, so every output is the same f32
+** operations whatever the thread count.
 **
 ** Rounding: the transforms' additions (B, A: +-1 entries; G: halves, computed in f64 and
 ** rounded once) change the rounding from the direct sum's, within ~1e-6 of the output's
 ** scale (tests/test_cpu_winograd.c checks against f64 loops).
 **
-** Scratch (U, and V, M and a row buffer per thread) comes from kiln's allocator per call:
+** Scratch (U, and V, M and a padded plane per thread) comes from kiln's allocator per call:
 ** its cache of freed blocks hands the same sizes back each step.
-** KILN_CONV_WINOGRAD=0 turns this path off (oneDNN then runs these convolutions).
+** The dispatch (cpu_conv.c) takes this kernel only where it beat oneDNN (wg_pays);
+** KILN_CONV_WINOGRAD=0 turns it off (oneDNN then runs these convolutions).
 */
 #include "cpu.h"
 #include "cpu_iter.h"

@@ -9,6 +9,7 @@
 #ifndef KILN_CPU_AVX512_H
 #define KILN_CPU_AVX512_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>

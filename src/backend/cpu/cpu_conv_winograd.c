@@ -29,9 +29,11 @@
 ** Scratch (U, and V, M and a padded plane per thread) comes from kiln's allocator per call:
 ** its cache of freed blocks hands the same sizes back each step.
 ** The dispatch (cpu_conv.c) takes this kernel only where it beat oneDNN (wg_pays);
-** KILN_CONV_WINOGRAD=0 turns it off (oneDNN then runs these convolutions).
+** KILN_CONV_WINOGRAD=0 turns it off (oneDNN then runs these convolutions); on a CPU with
+** AVX-512 it is off unless KILN_CONV_WINOGRAD=1 (wg_mode).
 */
 #include "cpu.h"
+#include "cpu_avx512.h"
 #include "cpu_iter.h"
 #include "../../core/kiln_int.h"
 
@@ -50,13 +52,25 @@
 #define WG_TILES 64
 #define WG_GROUP 4
 
-static bool wg_off(void) {
-  static int off = -1; /* a benign race: every thread stores the same value */
-  if (off < 0) {
+/* KILN_CONV_WINOGRAD: "0" never, "1" wherever the rule below holds, unset: so too, but not
+** on a CPU with AVX-512, where oneDNN's direct kernels run twice as wide (and it has a
+** Winograd kernel of its own, cpu_dnnl.c): the rule was measured against oneDNN's AVX2
+** kernels only. Read once (a benign race: every thread stores the same value). */
+static int wg_mode(void) {
+  static int mode = -1;
+  if (mode < 0) {
     const char *e = kiln__getenv("KILN_CONV_WINOGRAD");
-    off = e && strcmp(e, "0") == 0;
+    mode = e && strcmp(e, "0") == 0 ? 0 : e && strcmp(e, "1") == 0 ? 1 : 2;
   }
-  return off != 0;
+  return mode;
+}
+
+static bool wg_off(void) {
+  int m = wg_mode();
+#ifdef KILN__AVX512
+  if (m == 2 && kiln__avx512_ok()) return true;
+#endif
+  return m == 0;
 }
 
 static bool wg_dense(const kiln__view *v, int ndim) {

@@ -48,6 +48,42 @@ static void masked_rows(void) {
 }
 
 
+/* add (alpha 1 and not), sub and mul of an f32 and a 16-bit float (either side) into f32:
+** CUDA widens the 16-bit operand as it reads it (one kernel, no cast first); the result
+** must be the CPU's to the bit (the widening is exact, the arithmetic the same). Contiguous
+** of an odd length (the vector loop's tail), a row broadcast, a transposed operand. */
+static void mixed_dtype_binary(void) {
+  kiln_scope_begin();
+  kiln_device cpu = kiln_device_cpu(), gpu = kiln_device_cuda(0);
+  kiln_generator *g = kiln_generator_new(5);
+  const kiln_dtype halves[2] = {KILN_BF16, KILN_F16};
+  static const char *const layout[3] = {"contiguous", "row broadcast", "transposed"};
+  for (int h = 0; h < 2; h++)
+    for (int side = 0; side < 2; side++)
+      for (int l = 0; l < 3; l++)
+        for (int op = 0; op < 4; op++) {
+          kiln_tensor *f = l == 0 ? kiln_randn(KILN_SHAPE(100003), KILN_F32, cpu, g)
+                                  : kiln_randn(KILN_SHAPE(37, 129), KILN_F32, cpu, g);
+          kiln_tensor *hv = l == 0 ? kiln_randn(KILN_SHAPE(100003), halves[h], cpu, g)
+                          : l == 1 ? kiln_randn(KILN_SHAPE(129), halves[h], cpu, g)
+                                   : kiln_transpose(kiln_randn(KILN_SHAPE(129, 37), halves[h], cpu, g), 0, 1);
+          kiln_tensor *a = side ? hv : f, *b = side ? f : hv;
+          kiln_tensor *ag = kiln_to_device(a, gpu), *bg = kiln_to_device(b, gpu);
+          kiln_tensor *want = op == 0 ? kiln_add(a, b) : op == 1 ? kiln_axpy(a, 0.375, b) : op == 2 ? kiln_sub(a, b) : kiln_mul(a, b);
+          kiln_tensor *got = op == 0 ? kiln_add(ag, bg) : op == 1 ? kiln_axpy(ag, 0.375, bg) : op == 2 ? kiln_sub(ag, bg) : kiln_mul(ag, bg);
+          char name[120];
+          static const char *const ops[4] = {"add", "axpy 0.375", "sub", "mul"};
+          snprintf(name, sizeof name, "%s of %s and %s (%s) on cuda:0 is the CPU's", ops[op],
+                   kiln_dtype_name(kiln_dtype_of(a)), kiln_dtype_name(kiln_dtype_of(b)), layout[l]);
+          double *w = want ? h_values(want, NULL) : NULL;
+          if (w && got && kiln_dtype_of(got) == KILN_F32) h_tensor_close(name, got, w, kiln_numel(want), 0, 0);
+          else H_CHECK(false, "%s: %s", name, kiln_last_error_message());
+          free(w);
+        }
+  kiln_generator_free(g);
+  kiln_scope_end();
+}
+
 /* Batched matmul on permuted operands, attention's q @ k^T: batch dims (B, H) of a
 ** (B, T, H, D) tensor collapse only partly (H has stride D, B does not), so the CUDA
 ** path makes one strided-batched call per B of H products. Sizes past the small-matmul
@@ -166,6 +202,7 @@ int main(int argc, char **argv) {
   loss_family();
   vw_family();
   masked_rows();
+  mixed_dtype_binary();
   matmul_permuted_batch();
   attention_rows();
   return h_finish();

@@ -108,6 +108,52 @@ static void test_bad_index(void) {
   kiln_scope_end();
 }
 
+/* scatter_add and index_add in f16 and bf16 add in place with compare-and-swap on the
+** 32-bit word that holds each element: two invocations adding into the two halves of one
+** word at once must both land, and the half nobody adds to must keep its value. Many +1
+** and -1 into few cells (5 columns: words straddle the rows), every partial sum an integer
+** under 256 (exact in both dtypes, in any order), column 4 never indexed and holding 7;
+** the fallback at error, so a kernel that is not native fails here. */
+static void test_half_adds(void) {
+  kiln_fallback_policy saved = kiln_fallback_policy_get();
+  kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+  enum { R = 3, C = 5, S = 400 };
+  int64_t idx[R * S];
+  float src[R * S], want[R * C], base[R * C];
+  uint32_t r = 12345;
+  for (int i = 0; i < R * C; i++) base[i] = i % C == C - 1 ? 7.0f : 0.0f, want[i] = base[i];
+  for (int i = 0; i < R * S; i++) {
+    r = r * 1103515245u + 12345u;
+    idx[i] = (int64_t)((r >> 16) % (C - 1));
+    src[i] = (r >> 8) & 1 ? 1.0f : -1.0f;
+    want[(i / S) * C + idx[i]] += src[i];
+  }
+  kiln_dtype dts[2] = {KILN_F16, KILN_BF16};
+  for (int k = 0; k < 2; k++) {
+    kiln_scope_begin();
+    kiln_tensor *t = kiln_to_dtype(kiln_from_data(base, KILN_SHAPE(R, C), KILN_F32, vk), dts[k]);
+    kiln_tensor *ix = kiln_from_data(idx, KILN_SHAPE(R, S), KILN_I64, vk);
+    kiln_tensor *sv = kiln_to_dtype(kiln_from_data(src, KILN_SHAPE(R, S), KILN_F32, vk), dts[k]);
+    kiln_tensor *out = kiln_to_dtype(kiln_scatter_add(t, 1, ix, sv), KILN_F32);
+    float got[R * C];
+    CHECK(out && kiln_to_host(out, got, sizeof got) == KILN_OK);
+    for (int i = 0; out && i < R * C; i++) CHECK(got[i] == want[i]);
+    /* index_add through embedding's backward: rows of a (4, 3) table, ids repeated */
+    int64_t ids[64];
+    for (int i = 0; i < 64; i++) ids[i] = i % 4 == 3 ? 1 : i % 4;
+    kiln_tensor *w = kiln_zeros(KILN_SHAPE(4, 3), dts[k], vk);
+    kiln_requires_grad_(w, true);
+    kiln_tensor *e = kiln_embedding(w, kiln_from_data(ids, KILN_SHAPE(64), KILN_I64, vk));
+    CHECK(e && kiln_backward(kiln_sum_all(e), NULL) == KILN_OK);
+    float g[12];
+    kiln_tensor *gw = kiln_grad(w);
+    CHECK(gw && kiln_to_host(kiln_to_dtype(gw, KILN_F32), g, sizeof g) == KILN_OK);
+    for (int i = 0; gw && i < 12; i++) CHECK(g[i] == (i / 3 == 1 ? 32.0f : i / 3 == 3 ? 0.0f : 16.0f));
+    kiln_scope_end();
+  }
+  kiln_set_fallback_policy(saved);
+}
+
 static kiln_tensor *rg(kiln_tensor *t) {
   if (t) kiln_requires_grad_(t, true);
   return t;
@@ -367,6 +413,7 @@ int main(int argc, char **argv) {
   test_memory();
   test_copies();
   test_bad_index();
+  test_half_adds();
   test_native_ops();
   test_training();
   printf("test_vulkan_backend: %d failures\n", failures);

@@ -308,12 +308,15 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
 /* Whether the residual adds and the layer norms after them run as kiln_residual_layer_norm
 ** (CUDA: one kernel each way, the norm's output straight in the autocast dtype): in a
 ** Block, x + attn and ln_2; in the GPT's own walk over its blocks, also the MLP's add
-** with the next block's ln_1 (and the last one's with ln_f). Off unless
-** KILN_GPT_RESIDUAL_LN=1 (read at each call, so a test can compare both ways): it saves
-** memory but made GPT-2's step slower on the H200 (bench/RESULTS.md). */
-static bool residual_ln_on(void) {
+** with the next block's ln_1 (and the last one's with ln_f). On where x's device has the
+** fused kernels (CUDA: GPT-2's step 42.0 -> 38.2 ms on the H100, bench/RESULTS.md), off
+** where they would be composed of the same ops (the CPU, Vulkan); KILN_GPT_RESIDUAL_LN=1
+** or =0 forces it either way (read at each call, so a test can compare both ways). */
+static bool residual_ln_on(const kiln_tensor *x) {
   const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
-  return e && !strcmp(e, "1");
+  if (e && !strcmp(e, "1")) return true;
+  if (e && !strcmp(e, "0")) return false;
+  return x && kiln_device_of(x).type == KILN_DEVICE_CUDA;
 }
 
 /* The dtype a fused norm gives its output: the autocast dtype in a region (for f32 x: the
@@ -339,7 +342,7 @@ static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *att = kiln_module_forward(kiln_module_child(m, "attn"), a);
   kiln_module *ln2 = kiln_module_child(m, "ln_2");
   kiln_tensor *b = NULL;
-  if (att && ln2 && residual_ln_on() && !kiln_module_is_checkpointed(ln2)) {
+  if (att && ln2 && residual_ln_on(x) && !kiln_module_is_checkpointed(ln2)) {
     kiln_tensor *sum = NULL; /* s = x + att and b = ln_2(s) in one op */
     b = fused_norm(ln2, x, att, norm_out_dtype(x), &sum);
     x = b ? sum : NULL;
@@ -441,7 +444,7 @@ static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx) {
   kiln_tensor *x = kiln_add(tok, kiln_module_forward(kiln_module_child(m, "wpe"), pos));     /* + (T, C) */
   x = kiln_module_forward(kiln_module_child(m, "drop"), x);
   kiln_module *h = kiln_module_child(m, "h");
-  if (x && residual_ln_on() && blocks_walkable(h)) return walk_blocks(m, h, x);
+  if (x && residual_ln_on(x) && blocks_walkable(h)) return walk_blocks(m, h, x);
   x = kiln_module_forward(h, x);
   return kiln_module_forward(kiln_module_child(m, "ln_f"), x);
 }

@@ -37,9 +37,32 @@ static kiln_status binary_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
+/* add and sub of an f32 and a 16-bit float (autocast's residual stream plus a bf16 branch)
+** hand the 16-bit operand to the kernel as it is where the device's kernel widens it while
+** reading (CUDA): no cast kernel and no f32 copy first, the same values (the widening is
+** exact). Neither op saves its operands, so nothing else sees the difference. */
+static bool binary_mixed(kiln__op_ctx *c, kiln_dtype ct) {
+  kiln__kop k = c->op->kernels[0];
+  kiln_dtype d0 = c->in[0]->dtype, d1 = c->in[1]->dtype;
+  if ((k != KILN__K_ADD && k != KILN__K_SUB) || ct != KILN_F32 || d0 == d1) return false;
+  if ((d0 != KILN_BF16 && d0 != KILN_F16) == (d1 != KILN_BF16 && d1 != KILN_F16)) return false;
+  return kiln_device_of(c->out[0]).type == KILN_DEVICE_CUDA;
+}
+
 static kiln_status binary_forward(kiln__op_ctx *c) {
   kiln_dtype ct = (kiln_dtype)c->scratch[0];
   kiln_tensor *out = c->out[0];
+  if (binary_mixed(c, ct)) {
+    kiln__kargs k = {0};
+    k.op = c->op->kernels[0];
+    k.n_in = 2;
+    k.in[0] = kiln__view_broadcast(c->in[0], out->ndim, out->shape);
+    k.in[1] = kiln__view_broadcast(c->in[1], out->ndim, out->shape);
+    k.s[0] = c->attrs ? ((const attrs_alpha *)c->attrs)->alpha : 1.0;
+    k.n_out = 1;
+    k.out[0] = kiln__view_of(out);
+    if (kiln__dispatch_has(kiln_device_of(out), &k, k.op)) return kiln__run_into(out, &k);
+  }
   kiln_tensor *ca = c->tmp[0] = kiln__as_dtype_nograd(c->in[0], ct);
   kiln_tensor *cb = c->tmp[1] = kiln__as_dtype_nograd(c->in[1], ct);
   if (!ca || !cb) return kiln_last_error();
@@ -147,9 +170,14 @@ static kiln_tensor *binary(const kiln__op *op, kiln_tensor *a, kiln_tensor *b, c
   return kiln__op_call(op, 2, in, at, NULL);
 }
 
-BINARY(add, "add", KILN__K_ADD, add_bw)
-BINARY_OP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha))
-BINARY(sub, "sub", KILN__K_SUB, sub_bw)
+/* add, axpy and sub promote mixed dtypes themselves (binary_infer; their rules cast each
+** gradient to its input's dtype) and read no operand in the backward, as PyTorch's add is
+** on none of autocast's lists: autocast does not cast their inputs first, so an f32 and a
+** bf16 operand reach the kernel as they are (binary_mixed). The same values as a
+** promoting cast, without its kernel and node. */
+BINARY_AMP(add, "add", KILN__K_ADD, add_bw, NULL, 0, 0, KILN__AMP_NONE)
+BINARY_AMP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha), KILN__AMP_NONE)
+BINARY_AMP(sub, "sub", KILN__K_SUB, sub_bw, NULL, 0, 0, KILN__AMP_NONE)
 BINARY(mul, "mul", KILN__K_MUL, mul_bw)
 BINARY(div, "div", KILN__K_DIV, div_bw)
 BINARY_AMP(pow, "pow", KILN__K_POW, pow_bw, NULL, 0, 0, KILN__AMP_F32) /* autocast: f32 */

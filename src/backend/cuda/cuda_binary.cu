@@ -5,6 +5,8 @@
 */
 #include "cuda_ew.cuh"
 
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -100,6 +102,51 @@ kiln_status where(kiln__cuda_dev *d, const kiln__kargs *a, const kiln__view *c,
   return kc_ew_launch<3, T, bool, T, T>(d, &a->out[0], ins, F_where(), "where");
 }
 
+/* ADD, SUB, MUL of an f32 and a 16-bit float into f32, the 16-bit operand widened as it is
+** read (exact) instead of cast into a temporary first: the same bits, one kernel, and
+** 2 + 4 + 4 bytes moved an element instead of 2 + 4 (the cast) + 4 + 4 + 4. Autocast's
+** residual stream is this: the f32 sum plus each block's bf16 output. */
+template <class T0, class T1>
+kiln_status mixed(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const kiln__view *ins[2] = {&a->in[0], &a->in[1]};
+  const char *what = kiln__kop_name(a->op);
+  switch (a->op) {
+  case KILN__K_ADD:
+    if (a->s[0] == 1.0) return kc_ew_launch<2, float, T0, T1, T1>(d, &a->out[0], ins, F_add1<float>{1.0f}, what);
+    return kc_ew_launch<2, float, T0, T1, T1>(d, &a->out[0], ins, F_add<float>{(float)a->s[0]}, what);
+  case KILN__K_SUB: return kc_ew_launch<2, float, T0, T1, T1>(d, &a->out[0], ins, F_sub<float>{1.0f}, what);
+  case KILN__K_MUL: return kc_ew_launch<2, float, T0, T1, T1>(d, &a->out[0], ins, F_mul<float>{1.0f}, what);
+  default: return bad(a);
+  }
+}
+
+template <class T0> kiln_status mixed_second(kiln__cuda_dev *d, const kiln__kargs *a) {
+  switch (a->in[1].dtype) {
+  case KILN_F32: return mixed<T0, float>(d, a);
+  case KILN_BF16: return mixed<T0, __nv_bfloat16>(d, a);
+  case KILN_F16: return mixed<T0, __half>(d, a);
+  default: return bad(a);
+  }
+}
+
+/* KILN_CUDA_MIXED_EW=0: the cast-first path, for comparisons (read once) */
+bool mixed_off() {
+  static int off = -1;
+  if (off < 0) {
+    const char *e = getenv("KILN_CUDA_MIXED_EW");
+    off = e && strcmp(e, "0") == 0;
+  }
+  return off;
+}
+
+bool is_f32_or_half(kiln_dtype t) { return t == KILN_F32 || t == KILN_BF16 || t == KILN_F16; }
+
+bool mixed_case(const kiln__kargs *a) {
+  return (a->op == KILN__K_ADD || a->op == KILN__K_SUB || a->op == KILN__K_MUL) && a->out[0].dtype == KILN_F32 &&
+         is_f32_or_half(a->in[0].dtype) && is_f32_or_half(a->in[1].dtype) &&
+         (a->in[0].dtype != KILN_F32 || a->in[1].dtype != KILN_F32) && !mixed_off();
+}
+
 } // namespace
 
 extern "C" bool kiln__cuda_binary_supports(const kiln__kargs *a) {
@@ -115,6 +162,13 @@ extern "C" kiln_status kiln__cuda_binary(const kiln__kargs *a) {
   KC_TRY(kiln__cuda_ctx(a->device, &d));
   if (!kiln__cuda_binary_supports(a)) return bad(a);
   const kiln__view *out = &a->out[0];
+  if (mixed_case(a)) {
+    switch (a->in[0].dtype) {
+    case KILN_F32: return mixed_second<float>(d, a);
+    case KILN_BF16: return mixed_second<__nv_bfloat16>(d, a);
+    default: return mixed_second<__half>(d, a);
+    }
+  }
   kc_temps tmp(a->device);
   if (a->op == KILN__K_WHERE) {
     const kiln__view *c = tmp.cast(&a->in[0], out, KILN_BOOL);

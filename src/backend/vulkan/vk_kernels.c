@@ -829,7 +829,7 @@ static bool index_supports(const kiln__kargs *a) {
   if (it != KILN_I64 && it != KILN_I32) return false;
   if (a->in[0].dtype != a->out[0].dtype) return false;
   bool add = a->op == KILN__K_INDEX_ADD || a->op == KILN__K_SCATTER_ADD;
-  if (add && a->out[0].dtype != KILN_F32) return false; /* f32 CAS adds only */
+  if (add && !is_float(a->out[0].dtype)) return false; /* CAS adds: f32, f16, bf16 */
   int dim = (int)a->i[0];
   const kiln__view *walk = add ? &a->in[0] : &a->out[0];
   return dim >= 0 && dim < walk->ndim;

@@ -46,6 +46,9 @@ uint kv_f32_to_bf16(float f) {
   return u >> 16;
 }
 
+// f16 bits of f in the low half (the driver's conversion, as kv_st's float16_t)
+uint kv_f32_to_f16(float f) { return packHalf2x16(vec2(f, 0.0)) & 0xFFFFu; }
+
 float kv_ld(int v, int off) {
   Params P = pc.P;
   uint64_t a = P.addr[v];

@@ -170,14 +170,9 @@ static kiln_tensor *binary(const kiln__op *op, kiln_tensor *a, kiln_tensor *b, c
   return kiln__op_call(op, 2, in, at, NULL);
 }
 
-/* add, axpy and sub promote mixed dtypes themselves (binary_infer; their rules cast each
-** gradient to its input's dtype) and read no operand in the backward, as PyTorch's add is
-** on none of autocast's lists: autocast does not cast their inputs first, so an f32 and a
-** bf16 operand reach the kernel as they are (binary_mixed). The same values as a
-** promoting cast, without its kernel and node. */
-BINARY_AMP(add, "add", KILN__K_ADD, add_bw, NULL, 0, 0, KILN__AMP_NONE)
-BINARY_AMP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha), KILN__AMP_NONE)
-BINARY_AMP(sub, "sub", KILN__K_SUB, sub_bw, NULL, 0, 0, KILN__AMP_NONE)
+BINARY(add, "add", KILN__K_ADD, add_bw)
+BINARY_OP(axpy, "axpy", KILN__K_ADD, add_bw, alpha_fields, 1, sizeof(attrs_alpha))
+BINARY(sub, "sub", KILN__K_SUB, sub_bw)
 BINARY(mul, "mul", KILN__K_MUL, mul_bw)
 BINARY(div, "div", KILN__K_DIV, div_bw)
 BINARY_AMP(pow, "pow", KILN__K_POW, pow_bw, NULL, 0, 0, KILN__AMP_F32) /* autocast: f32 */

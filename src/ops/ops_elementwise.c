@@ -37,10 +37,11 @@ static kiln_status binary_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-/* add and sub of an f32 and a 16-bit float (autocast's residual stream plus a bf16 branch)
-** hand the 16-bit operand to the kernel as it is where the device's kernel widens it while
-** reading (CUDA): no cast kernel and no f32 copy first, the same values (the widening is
-** exact). Neither op saves its operands, so nothing else sees the difference. */
+/* add and sub of an f32 and a 16-bit float hand the 16-bit operand to the kernel as it is
+** where the device's kernel widens it while reading (CUDA): no cast kernel and no f32 copy
+** first, the same values (the widening is exact). Neither op saves its operands, so nothing
+** else sees the difference. Under autocast the operands arrive already cast (add and sub
+** are on its promote list; branch autocast-add takes them off it, not yet run on a GPU). */
 static bool binary_mixed(kiln__op_ctx *c, kiln_dtype ct) {
   kiln__kop k = c->op->kernels[0];
   kiln_dtype d0 = c->in[0]->dtype, d1 = c->in[1]->dtype;

@@ -137,7 +137,9 @@ typedef struct kiln__view {
   /* the mean over kept rows needs one reduction. i1 flags: 1 adds one more output, */    \
   /* last (see kiln__ce_dlogits): dlogits (N, C, in0's dtype), the gradient of the sum */ \
   /* of the row losses, i.e. CROSS_ENTROPY_BACKWARD with grad 1 (ignored rows 0), so */   \
-  /* a unit-seeded backward needs no kernel. */                                           \
+  /* a unit-seeded backward needs no kernel. With that output and n_in == 3, in2 (N, */   \
+  /* out0's dtype) divides each row's gradient (a mean over several calls: the count of */ \
+  /* kept rows of them all, broadcast), as CROSS_ENTROPY_BACKWARD's in4 does. */           \
   X(CROSS_ENTROPY, "cross_entropy")                                                       \
   /* in0 logits (N,C), in1 target (N), in2 lse (N), in3 grad (N) -> out0 dlogits (N,C) */ \
   /* With n_in == 5, in4 (N) divides each row's grad (mean: the count of kept rows, */    \

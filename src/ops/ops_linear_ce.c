@@ -131,9 +131,11 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   ** it read L again and recomputed every exp; 2048 x 4096 bf16 logits, the small GPT on 2
   ** CPU cores: about 8 of the op's 25 ms). The sum's D is the fused one (grad 1 a row);
   ** the mean's needs the count of kept rows over all M rows, which CROSS_ENTROPY_MEAN
-  ** counts itself when one chunk holds them all. Several chunks under the mean keep the
-  ** two passes. The D made either way is the same: g (exp(x - lse) - eps/V) - g (1 - eps)
-  ** at the target, g = 1 or 1 / count in f32, from the same f32 lse. */
+  ** counts itself when one chunk holds them all; several chunks under the mean fuse where
+  ** the device's CROSS_ENTROPY takes the count (computed first) as its gradient's divisor
+  ** (in2: the CPU and CUDA), else keep the two passes. The D made either way is the same:
+  ** g (exp(x - lse) - eps/V) - g (1 - eps) at the target, g = 1 or 1 / count in f32, from
+  ** the same f32 lse. */
   const bool fuse_sum = ng && p->reduction == KILN_REDUCTION_SUM;
   const bool fuse_mean = ng && p->reduction == KILN_REDUCTION_MEAN && Mc >= M && M > 0;
   kiln_tensor *fmean = NULL, *fcnt = NULL;
@@ -198,6 +200,7 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
     lc.data = (char *)lc.data + r0 * (int64_t)kiln_dtype_size(ld), lc.shape[0] = mc;
     wc.data = (char *)wc.data + r0 * (int64_t)kiln_dtype_size(ld), wc.shape[0] = mc;
     kiln__view D = ng ? view2_at(Db, 0, mc, V, Vp, 1) : L;
+    bool fused = fuse_sum || fuse_mean;
     if (st == KILN_OK) { /* row losses, logsumexp, row weights (the mean, lse, count), D if fused */
       kiln__kargs a = {0};
       a.op = fuse_mean ? KILN__K_CROSS_ENTROPY_MEAN : KILN__K_CROSS_ENTROPY;
@@ -208,13 +211,22 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
       a.out[0] = fuse_mean ? kiln__view_of(fmean) : rc;
       a.out[1] = lc;
       a.out[2] = fuse_mean ? kiln__view_of(fcnt) : wc;
-      if (fuse_sum || fuse_mean) a.out[a.n_out++] = D, a.i[1] = 1;
       a.i[0] = p->ignore_index;
       a.s[0] = p->label_smoothing;
+      if (fused) a.out[a.n_out++] = D, a.i[1] = 1;
+      if (!fused && cnt) { /* the mean over several chunks: D divided by the count in the same pass, where the
+                           ** device's kernel takes the divisor (else CROSS_ENTROPY_BACKWARD after it) */
+        kiln__kargs b = a;
+        b.out[b.n_out++] = D, b.i[1] = 1;
+        b.n_in = 3;
+        b.in[2] = kiln__view_of(cnt);
+        b.in[2].ndim = 1, b.in[2].shape[0] = mc, b.in[2].strides[0] = 0;
+        if (kiln__dispatch_has(dev, &b, KILN__K_CROSS_ENTROPY)) a = b, fused = true;
+      }
       st = kiln__dispatch(dev, &a);
     }
     if (st != KILN_OK || !ng) continue;
-    if (!fuse_sum && !fuse_mean) { /* D = dlogits of the reduction: grad 1 a row, divided by the count for the mean */
+    if (!fused) { /* D = dlogits of the reduction: grad 1 a row, divided by the count for the mean */
       kiln__kargs a = {0};
       a.op = KILN__K_CROSS_ENTROPY_BACKWARD;
       a.n_in = cnt ? 5 : 4;

@@ -352,8 +352,9 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
     b0 = heap;
   }
   int ti = bw ? 2 : 1;
-  /* backward with n_in == 5: in4 (N) divides each row's grad (the mean's count) */
-  const kiln__view *div = bw && a->n_in > 4 ? &a->in[4] : NULL;
+  /* backward with n_in == 5: in4 (N) divides each row's grad (the mean's count); the
+  ** forward's fused gradient with n_in == 3: in2 */
+  const kiln__view *div = bw ? (a->n_in > 4 ? &a->in[4] : NULL) : (a->n_in > 2 ? &a->in[2] : NULL);
   const kiln__view *dl = kiln__ce_dlogits(a);
   int64_t dles = dl ? (int64_t)kiln__cpu_esize(dl->dtype) : 0;
   for (int64_t r = 0; r < n; r++) {
@@ -375,12 +376,17 @@ static void kiln__ce_run(void *vctx, char *const *p, const int64_t *bst, int64_t
       if (c->nv > 3) kiln__cpu_set_f64(p[3] + r * bst[3], c->v[3].dtype, lse);
       if (c->nv > 4) kiln__cpu_set_f64(p[4] + r * bst[4], c->v[4].dtype, ignored ? 0.0 : 1.0);
       if (dl) { /* the row still in b0: its gradient in place, as the backward kernel's */
+        double g = c->gscale;
+        if (div && !ignored)
+          g /= kiln__cpu_get_f64((const char *)div->data + (k0 + r) * div->strides[0] *
+                                                              (int64_t)kiln__cpu_esize(div->dtype),
+                                 div->dtype);
         if (ignored)
           for (int64_t i = 0; i < len; i++) b0[i] = 0;
         else if (c->ct == KILN_F32)
-          kiln__ce_bw_row_f32x((float *)b0, len, t, eps, (float)lse, (float)c->gscale);
+          kiln__ce_bw_row_f32x((float *)b0, len, t, eps, (float)lse, (float)g);
         else
-          kiln__ce_bw_row_f64(b0, len, t, eps, lse, c->gscale);
+          kiln__ce_bw_row_f64(b0, len, t, eps, lse, g);
         kiln__cpu_store((char *)dl->data + (k0 + r) * dl->strides[0] * dles, dl->strides[1] * dles,
                         dl->dtype, b0, c->ct, len);
       }

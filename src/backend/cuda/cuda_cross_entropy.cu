@@ -143,7 +143,7 @@ __device__ __forceinline__ void ce_row_grad(const T *x, const TI *tgt, T *dl, co
 ** asked) the row's gradient for a unit upstream grad. */
 template <class T, class TL, class TI, int G>
 __global__ void __launch_bounds__(KC_THREADS)
-    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, T *dl, CEArgs p) {
+    ce_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, T *dl, const TL *div, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
   const int per = KC_THREADS / G;
   int64_t n = (int64_t)blockIdx.x * per + threadIdx.x / G;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(KC_THREADS)
   bool kept;
   ce_row<T, TI, G>(x, tgt, p, n, lane, out, l, kept);
   /* l is what ce_backward would read back: TL holds A exactly (f64 logits take f64 lse) */
-  if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, (A)1);
+  if (dl) ce_row_grad<T, TI, G>(x, tgt, dl, p, n, lane, l, div ? (A)1 / (A)kc_ld<TL>(div[n * p.sdiv]) : (A)1);
   if (lane != 0) return;
   loss[n * p.sl] = kc_st<TL>(out);
   lse[n * p.sz] = kc_st<TL>(l);
@@ -431,8 +431,9 @@ __device__ __forceinline__ void ce_big_pass2(const T *xr, TD *dr, int64_t C, int
 }
 
 /* Forward, a block per row: out0 loss (stride sl; for the mean, a scratch row of losses),
-** lse, w (per-row weight, may be NULL), dl (may be NULL) scaled by 1 / *cnt when cnt is
-** given (the mean: ce_count wrote the count of kept rows there first). */
+** lse, w (per-row weight, may be NULL), dl (may be NULL) scaled by 1 / cnt[n * sdiv] when
+** cnt is given (the mean: ce_count wrote the count of kept rows there first, sdiv 0; a
+** mean over several calls: their count, CROSS_ENTROPY's in2). */
 template <class T, class TL, class TI, class TD>
 __global__ void __launch_bounds__(CE_BT)
     ce_big_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, TD *dl, const TL *cnt, bool vec,
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(CE_BT)
     out = (A)NAN;
   }
   if (dl) {
-    A gs = cnt ? (A)1 / (A)*cnt : (A)1;
+    A gs = cnt ? (A)1 / (A)kc_ld<TL>(cnt[n * p.sdiv]) : (A)1;
     ce_big_pass2<T, TD, A>(xr, dl + n * p.sdn, p.C, p.sxc, p.sdc, vec, dvec, !kept || bad, t, l, gs,
                            (A)p.eps);
   }
@@ -522,14 +523,15 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     const TI *t = (const TI *)a->in[1].data;
     TL *loss = (TL *)a->out[0].data, *lse = (TL *)a->out[1].data;
     TL *w = a->n_out - (dl ? 1 : 0) > 2 ? (TL *)a->out[2].data : NULL;
+    const TL *div = dl && a->n_in > 2 ? (const TL *)a->in[2].data : NULL;
     if (p.C > CE_BIG_C) {
       bool vec, dvec;
       ce_big_vec<T, T>(x, p.sxn, p.sxc, dl, p.sdn, p.sdc, p.C, &vec, &dvec);
-      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, 0, d->stream>>>(x, t, loss, lse, w, dl, NULL, vec,
+      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, 0, d->stream>>>(x, t, loss, lse, w, dl, div, vec,
                                                                           dvec, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
-      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, p);
+      ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, div, p);
     }
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN && p.C > CE_BIG_C && p.N > 0) {
     /* the count of kept rows first (the gradient's scale), the rows into scratch losses,
@@ -636,7 +638,9 @@ extern "C" bool kiln__cuda_cross_entropy_supports(const kiln__kargs *a) {
     return nout == 3 && a->out[1].dtype == lt && a->out[2].dtype == lt &&
            kc_numel(&a->out[0]) == 1 && kc_numel(&a->out[2]) == 1;
   if (a->op == KILN__K_CROSS_ENTROPY)
-    return nout >= 2 && a->out[1].dtype == lt && (nout < 3 || a->out[2].dtype == lt);
+    return nout >= 2 && a->out[1].dtype == lt && (nout < 3 || a->out[2].dtype == lt) &&
+           (a->n_in == 2 || (a->n_in == 3 && dl && a->in[2].dtype == lt && a->in[2].ndim == 1 &&
+                             a->in[2].shape[0] == a->in[0].shape[0]));
   return a->n_in >= 4 && a->in[3].dtype == lt && (a->n_in < 5 || a->in[4].dtype == lt) &&
          a->out[0].dtype == dt;
 }
@@ -669,6 +673,7 @@ extern "C" kiln_status kiln__cuda_cross_entropy(const kiln__kargs *a) {
     p.sz = a->out[1].strides[0];
     p.sw = a->n_out - (dl ? 1 : 0) > 2 ? a->out[2].strides[0] : 0;
     p.sg = p.son = p.soc = 0;
+    p.sdiv = a->n_in > 2 ? a->in[2].strides[0] : 0;
   } else {
     p.sl = p.sw = 0;
     p.sz = a->in[2].strides[0];

@@ -747,6 +747,7 @@ static bool ce_supports(const kiln__kargs *a) {
   const kiln__view *lg = &a->in[0], *tg = &a->in[1];
   if (lg->ndim != 2 || tg->ndim != 1 || (tg->dtype != KILN_I64 && tg->dtype != KILN_I32)) return false;
   if (a->i[0] < INT32_MIN || a->i[0] > INT32_MAX || !is_float(lg->dtype)) return false;
+  if (a->op == KILN__K_CROSS_ENTROPY && a->n_in > 2) return false; /* the fused gradient's divisor: not here */
   for (int i = 2; i < a->n_in; i++)
     if (!is_float(a->in[i].dtype) || a->in[i].ndim != 1) return false;
   for (int i = 0; i < a->n_out; i++)

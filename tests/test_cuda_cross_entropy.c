@@ -6,7 +6,7 @@
 **    forward kernel), against the CPU for rows of a warp's width and past it: C 17 (a
 **    tail shorter than the 4 loads a lane takes at once), 130, 1000; N 3 to 1000 (one
 **    block, several blocks and the finishing warp); f32 and bf16; ignore_index and label
-**    smoothing on one shape.
+**    smoothing on one shape; long rows (C 3001 and 50257, a block a row).
 ** 2. The same inputs twice on the device: the same bits (the blocks' partials are added
 **    in a fixed order).
 */
@@ -62,6 +62,11 @@ int main(int argc, char **argv) {
       {256, 1000, KILN_REDUCTION_MEAN, -1, 0.0}, {3, 130, KILN_REDUCTION_MEAN, -1, 0.0},
       {1000, 17, KILN_REDUCTION_MEAN, -1, 0.0},  {64, 1000, KILN_REDUCTION_NONE, -1, 0.0},
       {200, 130, KILN_REDUCTION_MEAN, 5, 0.1},   {5000, 130, KILN_REDUCTION_MEAN, -1, 0.0},
+      /* long rows, a block a row: a language model's vocabulary (bf16 rows staged in shared
+      ** memory for the fused gradient, f32 ones of 50257 read twice), odd C (rows at every
+      ** offset within 16 bytes) */
+      {40, 50257, KILN_REDUCTION_MEAN, -1, 0.0}, {33, 3001, KILN_REDUCTION_MEAN, 7, 0.1},
+      {20, 50257, KILN_REDUCTION_NONE, -1, 0.0},
   };
   static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)

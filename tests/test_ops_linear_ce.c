@@ -194,6 +194,10 @@ int main(int argc, char **argv) {
       for (int i = 0; i < 3; i++) {
         against_pair(cuda, dts[i], 300, 64, 1001, KILN_REDUCTION_MEAN, "50000"); /* 49 rows a chunk: 7 chunks */
         against_pair(cuda, dts[i], 300, 64, 1001, KILN_REDUCTION_SUM, NULL);
+        /* long rows (the block-a-row kernels): the mean's D with the count as a divisor,
+        ** rows staged in shared memory (f32 50257 is too long to stage: read twice) */
+        against_pair(cuda, dts[i], 120, 32, 3001, KILN_REDUCTION_MEAN, "40000"); /* 13 rows a chunk */
+        against_pair(cuda, dts[i], 24, 16, 50257, KILN_REDUCTION_MEAN, "400000"); /* 7 rows a chunk */
       }
       gpt_loss(cuda);
     }

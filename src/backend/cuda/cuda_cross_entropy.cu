@@ -266,13 +266,17 @@ __global__ void __launch_bounds__(KC_THREADS)
 ** kernels latency bound: one 4-byte load in flight per lane and a branchy online update
 ** per element gave 23.5 ms for a 3.3 GB read on an H200. Here a block owns a row, reads it
 ** with 16-byte loads (CE_UNROLL in flight per thread) and folds each batch of loads into
-** the running (max, sum of exp) with one rescale. The fused gradient reads the row a second
-** time right after the first: the rows in flight (a few per SM, 100-200 KB each) stay in
-** the 50 MB L2, so DRAM sees about one read of the logits and one write of dlogits.
+** the running (max, sum of exp) with one rescale. The fused gradient needs the row a second
+** time: where it fits (CE_STAGE_MAX: GPT-2's 50257 bf16 classes do, two blocks an SM) the
+** first pass keeps each thread's vectors in shared memory and the second reads them back
+** from there (the second read through L2 cost 227 us a chunk of 2340 GPT-2 rows on the
+** H100, against 160 for the backward kernel's one read and one write); else it reads the
+** row again, mostly from the 50 MB L2.
 ** Rows whose target is ignored (or out of range) are not read at all. */
 #define CE_BIG_C 1024
 #define CE_BT 512
 #define CE_UNROLL 4
+#define CE_STAGE_MAX (110 * 1024) /* bytes of dynamic shared memory a staged row may take */
 
 /* W elements of T in 16 bytes, loaded or stored as one. */
 template <class T> struct alignas(16) CEVec {
@@ -312,7 +316,7 @@ template <class T> __device__ __forceinline__ CESplit<T> ce_split(const T *xr, i
 ** is contiguous (else strided scalar loads). */
 template <class T, class A>
 __device__ __forceinline__ void ce_big_pass1(const T *xr, int64_t C, int64_t sxc, bool vec, A &m, A &s,
-                                             A &sum) {
+                                             A &sum, CEVec<T> *stage) {
   const int W = CEVec<T>::W;
   m = -(A)INFINITY;
   s = 0;
@@ -353,6 +357,9 @@ __device__ __forceinline__ void ce_big_pass1(const T *xr, int64_t C, int64_t sxc
     CEVec<T> r[CE_UNROLL];
 #pragma unroll
     for (int u = 0; u < CE_UNROLL; u++) r[u] = xv[k + u * CE_BT];
+    if (stage)
+#pragma unroll
+      for (int u = 0; u < CE_UNROLL; u++) stage[k + u * CE_BT] = r[u];
     A v[CE_UNROLL * W];
 #pragma unroll
     for (int u = 0; u < CE_UNROLL; u++)
@@ -362,6 +369,7 @@ __device__ __forceinline__ void ce_big_pass1(const T *xr, int64_t C, int64_t sxc
   }
   for (; k < sp.nvec; k += CE_BT) {
     CEVec<T> r = xv[k];
+    if (stage) stage[k] = r;
     A v[W];
 #pragma unroll
     for (int i = 0; i < W; i++) v[i] = kc_ld<T>(r.v[i]);
@@ -374,7 +382,7 @@ __device__ __forceinline__ void ce_big_pass1(const T *xr, int64_t C, int64_t sxc
 template <class T, class TD, class A>
 __device__ __forceinline__ void ce_big_pass2(const T *xr, TD *dr, int64_t C, int64_t sxc, int64_t sdc,
                                              bool vec, bool dvec, bool zero, int64_t t, A l, A gs,
-                                             A eps) {
+                                             A eps, const CEVec<T> *stage) {
   const int W = CEVec<T>::W;
   A ls = zero ? (A)0 : l, lsl = ce_log2e(ls), off = eps / (A)C, on = (A)1 - eps;
   auto grad = [&](A v, int64_t j) -> TD {
@@ -423,11 +431,11 @@ __device__ __forceinline__ void ce_big_pass2(const T *xr, TD *dr, int64_t C, int
   for (; k + (CE_UNROLL - 1) * CE_BT < sp.nvec; k += CE_UNROLL * CE_BT) {
     CEVec<T> r[CE_UNROLL];
 #pragma unroll
-    for (int u = 0; u < CE_UNROLL; u++) r[u] = xv[k + u * CE_BT];
+    for (int u = 0; u < CE_UNROLL; u++) r[u] = stage ? stage[k + u * CE_BT] : xv[k + u * CE_BT];
 #pragma unroll
     for (int u = 0; u < CE_UNROLL; u++) put(r[u], k + u * CE_BT);
   }
-  for (; k < sp.nvec; k += CE_BT) put(xv[k], k);
+  for (; k < sp.nvec; k += CE_BT) put(stage ? stage[k] : xv[k], k);
 }
 
 /* Forward, a block per row: out0 loss (stride sl; for the mean, a scratch row of losses),
@@ -437,8 +445,10 @@ __device__ __forceinline__ void ce_big_pass2(const T *xr, TD *dr, int64_t C, int
 template <class T, class TL, class TI, class TD>
 __global__ void __launch_bounds__(CE_BT)
     ce_big_forward(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, TD *dl, const TL *cnt, bool vec,
-                   bool dvec, CEArgs p) {
+                   bool dvec, bool staged, CEArgs p) {
   typedef typename kc_traits<T>::acc A;
+  extern __shared__ __align__(16) unsigned char ce_dyn[];
+  CEVec<T> *stage = staged ? reinterpret_cast<CEVec<T> *>(ce_dyn) : NULL;
   const int64_t n = blockIdx.x;
   const T *xr = x + n * p.sxn;
   int64_t t = (int64_t)tgt[n * p.st];
@@ -446,7 +456,7 @@ __global__ void __launch_bounds__(CE_BT)
   A out = 0, l = 0;
   if (kept && !bad) {
     A m, s, sum;
-    ce_big_pass1<T, A>(xr, p.C, p.sxc, vec, m, s, sum);
+    ce_big_pass1<T, A>(xr, p.C, p.sxc, vec, m, s, sum, stage);
     group_ms<A, CE_BT>(m, s);
     sum = group_sum<A, CE_BT>(sum);
     l = sum != sum ? (A)NAN : m + kc_log(s); /* a NaN logit (or +inf with -inf): NaN, as the CPU */
@@ -460,7 +470,7 @@ __global__ void __launch_bounds__(CE_BT)
   if (dl) {
     A gs = cnt ? (A)1 / (A)kc_ld<TL>(cnt[n * p.sdiv]) : (A)1;
     ce_big_pass2<T, TD, A>(xr, dl + n * p.sdn, p.C, p.sxc, p.sdc, vec, dvec, !kept || bad, t, l, gs,
-                           (A)p.eps);
+                           (A)p.eps, stage);
   }
   if (threadIdx.x != 0) return;
   loss[n * p.sl] = kc_st<TL>(out);
@@ -499,7 +509,7 @@ __global__ void __launch_bounds__(CE_BT)
     l = (A)kc_ld<TL>(lse[n * p.sz]);
   }
   ce_big_pass2<T, T, A>(x + n * p.sxn, out + n * p.son, p.C, p.sxc, p.soc, vec, dvec, zero, t, l, gv,
-                        (A)p.eps);
+                        (A)p.eps, (const CEVec<T> *)NULL);
 }
 
 /* Whether rows of x (and of the gradient d, NULL for none) take 16-byte loads (*vec: both
@@ -512,6 +522,26 @@ void ce_big_vec(const T *x, int64_t sxn, int64_t sxc, const TD *d, int64_t sdn, 
   *vec = (C <= 1 || sxc == 1) && (!d || C <= 1 || sdc == 1);
   *dvec = *vec && d && sizeof(TD) == sizeof(T) && (uintptr_t)x % 16 == (uintptr_t)d % 16 &&
           ((sxn - sdn) * (int64_t)sizeof(T)) % 16 == 0;
+}
+
+/* The dynamic shared memory ce_big_forward stages a row of C classes in (0: it reads the
+** row twice): contiguous rows whose gradient is fused, when they fit CE_STAGE_MAX. The
+** kernel's limit (48 KB by default) is raised once per instantiation and device (the
+** current one: the launch's). */
+template <class T, class TL, class TI>
+size_t ce_stage_bytes(int device, int64_t C, bool vec, bool fused) {
+  const size_t bytes = ((size_t)C / CEVec<T>::W + 1) * sizeof(CEVec<T>);
+  if (!vec || !fused || bytes > CE_STAGE_MAX) return 0;
+  static unsigned long long raised; /* a bit a device below 64 (a race only repeats the call) */
+  const bool known = device >= 0 && device < 64;
+  if (known && (raised >> device & 1ull)) return bytes;
+  if (cudaFuncSetAttribute(ce_big_forward<T, TL, TI, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           CE_STAGE_MAX) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (known) raised |= 1ull << device;
+  return bytes;
 }
 
 template <class T, class TL, class TI>
@@ -527,8 +557,9 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     if (p.C > CE_BIG_C) {
       bool vec, dvec;
       ce_big_vec<T, T>(x, p.sxn, p.sxc, dl, p.sdn, p.sdc, p.C, &vec, &dvec);
-      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, 0, d->stream>>>(x, t, loss, lse, w, dl, div, vec,
-                                                                          dvec, p);
+      size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
+      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, loss, lse, w, dl, div, vec,
+                                                                           dvec, sm > 0, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
       ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, div, p);
@@ -548,8 +579,9 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     q.sl = 1;
     bool vec, dvec;
     ce_big_vec<T, T>(x, p.sxn, p.sxc, dl, p.sdn, p.sdc, p.C, &vec, &dvec);
-    ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, 0, d->stream>>>(x, t, rows, lse, NULL, dl,
-                                                                        dl ? kept : NULL, vec, dvec, q);
+    size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
+    ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, rows, lse, NULL, dl,
+                                                                         dl ? kept : NULL, vec, dvec, sm > 0, q);
     ce_big_mean_finish<TL, TI><<<1, KC_THREADS, 0, d->stream>>>(rows, t, p, mean, cnt);
     kiln__cuda_free(a->device, rows, bytes); /* stream-ordered reuse */
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {

@@ -228,7 +228,14 @@ template <> __device__ __forceinline__ float4 ld4g<__nv_bfloat16>(const __nv_bfl
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
-template <class G>
+template <class S> __device__ __forceinline__ double ld_stat(const Vec &v, int64_t r);
+template <> __device__ __forceinline__ double ld_stat<float>(const Vec &v, int64_t r) {
+  return (double)((const float *)v.p)[r]; /* f32 statistics, stride 1: no dtype switch in the loop */
+}
+template <> __device__ __forceinline__ double ld_stat<void>(const Vec &v, int64_t r) {
+  return ld_any<double>(v.p, v.dt, r * v.st);
+}
+template <class G, class S>
 __global__ void __launch_bounds__(256, 2) wpart_v4(const float *x, int64_t xs0, const G *g, int64_t gs0, Vec mean,
                                                 Vec rstd, bool rms, int64_t R, int64_t N, double *part,
                                                 int64_t chunk, int64_t chunks) {
@@ -238,10 +245,10 @@ __global__ void __launch_bounds__(256, 2) wpart_v4(const float *x, int64_t xs0, 
   const int64_t r0 = c * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;
   double aw[4] = {0, 0, 0, 0}, ab[4] = {0, 0, 0, 0};
   if (j < N) {
-#pragma unroll 2
+#pragma unroll(std::is_same<S, float>::value ? 4 : 2) /* the dtype switch of ld_any: more registers */
     for (int64_t r = r0 + ty; r < r1; r += 8) {
-      const double m = rms ? 0.0 : ld_any<double>(mean.p, mean.dt, r * mean.st);
-      const double rs = ld_any<double>(rstd.p, rstd.dt, r * rstd.st);
+      const double m = rms ? 0.0 : ld_stat<S>(mean, r);
+      const double rs = ld_stat<S>(rstd, r);
       const float4 xv = *reinterpret_cast<const float4 *>(x + r * xs0 + j);
       const float4 gv = ld4g<G>(g, r * gs0 + j);
       aw[0] += (double)gv.x * ((double)xv.x - m) * rs, ab[0] += (double)gv.x;
@@ -259,6 +266,11 @@ __global__ void __launch_bounds__(256, 2) wpart_v4(const float *x, int64_t xs0, 
     for (int e = 0; e < 4; e++) aw[e] += sw[t][tx * 4 + e], ab[e] += sb[t][tx * 4 + e];
 #pragma unroll
   for (int e = 0; e < 4; e++) part[c * N + j + e] = aw[e], part[(chunks + c) * N + j + e] = ab[e];
+}
+
+/* whether a norm's saved statistics are f32 with stride 1 (the rms norm has no mean) */
+static bool stats_f32(const Vec &mean, const Vec &rstd, bool rms) {
+  return (rms || (mean.dt == KILN_F32 && mean.st == 1)) && rstd.dt == KILN_F32 && rstd.st == 1;
 }
 
 /* The weight and bias gradients of a norm over R rows of N in two stages: stage1(grid,
@@ -452,9 +464,14 @@ kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
   if (f32v && std::is_same<A, double>::value) /* f32 x and g, rows 16-byte aligned */
     return norm_wgrad<double>(d, a->device, p.R, p.N, 128, dw, db, true, a->n_out > 2, w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
-                                wpart_v4<float><<<grid, dim3(32, 8), 0, d->stream>>>(
-                                    (const float *)x, p.xs0, (const float *)g, p.gs0, p.mean, p.rstd, p.rms, p.R, p.N,
-                                    part, chunk, chunks);
+                                if (stats_f32(p.mean, p.rstd, p.rms))
+                                  wpart_v4<float, float><<<grid, dim3(32, 8), 0, d->stream>>>(
+                                      (const float *)x, p.xs0, (const float *)g, p.gs0, p.mean, p.rstd, p.rms, p.R,
+                                      p.N, part, chunk, chunks);
+                                else
+                                  wpart_v4<float, void><<<grid, dim3(32, 8), 0, d->stream>>>(
+                                      (const float *)x, p.xs0, (const float *)g, p.gs0, p.mean, p.rstd, p.rms, p.R,
+                                      p.N, part, chunk, chunks);
                               });
   return norm_wgrad<A>(d, a->device, p.R, p.N, 32, dw, db, true, a->n_out > 2, w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {
@@ -783,7 +800,8 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
   }
 }
 
-__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
+template <bool PF>
+__global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
                                                             bool wvec) {
   const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -793,15 +811,19 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, cons
   const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
   const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
   const int nv = (int)(p.N / 4);
-  float4 sv[LN_VMAX], gv[LN_VMAX]; /* s and g as read */
+  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
+  /* s, g and the other gradient of s as read: every load of the row issued before the first
+  ** use (gs read after the row's sums left a second DRAM round trip a row) */
+  float4 sv[LN_VMAX], gv[LN_VMAX], ov[LN_VMAX];
   double sg = 0, sgx = 0;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
     const int c = k * 32 + lane;
-    sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    sv[k] = gv[k] = ov[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < nv) {
       sv[k] = sr[c];
       gv[k] = bf4_ld(gr, c);
+      if (PF && gsr) ov[k] = gsr[c];
     }
   }
 #pragma unroll
@@ -821,7 +843,6 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, cons
   sg = warp_sum(sg) / (double)p.N;
   sgx = warp_sum(sgx) / (double)p.N;
   float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
-  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
   __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
@@ -837,7 +858,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, cons
     float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
                             (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
     if (gsr) {
-      const float4 o = gsr[c];
+      const float4 o = PF ? ov[k] : gsr[c];
       dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
     }
     dsr[c] = dv;
@@ -920,8 +941,15 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const T *s = (const T *)a->in[0].data;
   const T *gs = p.has_gs ? (const T *)a->in[a->n_in - 1].data : NULL;
   if (v4)
-    rln_bwd_ds_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p,
-                                                        p.has_w && vec4_ok(p.w));
+  {
+    const char *pf = getenv("KILN_CUDA_RLN_PF"); /* an A/B of the prefetch, to be settled */
+    if (!(pf && pf[0] == '0'))
+      rln_bwd_ds_v4<true><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs,
+                                                               (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w));
+    else
+      rln_bwd_ds_v4<false><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs,
+                                                                (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w));
+  }
   else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else
@@ -934,9 +962,14 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   if (v4) /* f32 s, bf16 g */
     return norm_wgrad<double>(d, a->device, p.R, p.N, 128, dw, db, want_w, want_b, w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
-                                wpart_v4<__nv_bfloat16><<<grid, dim3(32, 8), 0, d->stream>>>(
-                                    (const float *)s, p.ss0, (const __nv_bfloat16 *)p.g, p.gs0, p.mean, p.rstd, false,
-                                    p.R, p.N, part, chunk, chunks);
+                                if (stats_f32(p.mean, p.rstd, false))
+                                  wpart_v4<__nv_bfloat16, float><<<grid, dim3(32, 8), 0, d->stream>>>(
+                                      (const float *)s, p.ss0, (const __nv_bfloat16 *)p.g, p.gs0, p.mean, p.rstd,
+                                      false, p.R, p.N, part, chunk, chunks);
+                                else
+                                  wpart_v4<__nv_bfloat16, void><<<grid, dim3(32, 8), 0, d->stream>>>(
+                                      (const float *)s, p.ss0, (const __nv_bfloat16 *)p.g, p.gs0, p.mean, p.rstd,
+                                      false, p.R, p.N, part, chunk, chunks);
                               });
   return norm_wgrad<A>(d, a->device, p.R, p.N, 32, dw, db, want_w, want_b, w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {

@@ -302,9 +302,128 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
   }
 }
 
-kiln_status launch_row_sums(kiln__cuda_dev *d, const kiln__view *A, const kiln__view *R) {
+/* The row sums of a transposed view (A[m, k] at m + k * ak: a weight gradient's g^T, whose
+** row sums are the bias gradient), in two launches: block (32, 8) sums four neighbouring
+** rows a lane (one 8- or 16-byte load) over a chunk of k (stride 8 a thread, then the 8
+** partials in thread order), into f32 partials (chunks, M); then the chunks are added, 8
+** threads a row in a fixed order. The one-thread-a-row kernel above walks K serially with
+** M threads (768 for GPT-2's projections: a few SMs busy). */
+template <class T> __device__ __forceinline__ float4 ld4f(const T *p);
+template <> __device__ __forceinline__ float4 ld4f<float>(const float *p) { return *reinterpret_cast<const float4 *>(p); }
+template <> __device__ __forceinline__ float4 ld4f<__nv_bfloat16>(const __nv_bfloat16 *p) {
+  const uint2 u = *reinterpret_cast<const uint2 *>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <> __device__ __forceinline__ float4 ld4f<__half>(const __half *p) {
+  const uint2 u = *reinterpret_cast<const uint2 *>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <class T>
+__global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
+                                                     float *part) {
+  __shared__ float sp[8][129];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * 4, k0 = (int64_t)blockIdx.y * chunk;
+  const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+  float a[4] = {0, 0, 0, 0};
+  if (m < M) {
+#pragma unroll 4
+    for (int64_t k = k0 + ty; k < k1; k += 8) {
+      const float4 v = ld4f<T>(A + k * ak + m);
+      a[0] += v.x, a[1] += v.y, a[2] += v.z, a[3] += v.w;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; e++) sp[ty][tx * 4 + e] = a[e];
+  __syncthreads();
+  if (ty != 0 || m >= M) return;
+  for (int t = 1; t < 8; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) a[e] += sp[t][tx * 4 + e];
+#pragma unroll
+  for (int e = 0; e < 4; e++) part[blockIdx.y * M + m + e] = a[e];
+}
+template <class R>
+__global__ void col_sums_finish(const float *part, int64_t chunks, int64_t M, R *out, int64_t so) {
+  __shared__ float sp[8][33];
+  const int64_t m = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  float a = 0;
+  if (m < M)
+    for (int64_t c = threadIdx.y; c < chunks; c += 8) a += part[c * M + m];
+  sp[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y != 0 || m >= M) return;
+  for (int t = 1; t < 8; t++) a += sp[t][threadIdx.x];
+  out[m * so] = kc_st<R>(a);
+}
+
+/* Whether col_sums takes A (a 16-bit or f32 transposed view, rows in fours, aligned) into R
+** (A's dtype, or f32 from 16-bit A). */
+static bool col_sums_fit(const kiln__view *A, const kiln__view *R) {
+  const int64_t M = A->shape[0];
+  const size_t es = kc_size(A->dtype);
+  if (A->dtype == KILN_F64 || !kc_is_float(A->dtype) || A->strides[0] != 1 || M % 4 != 0 || A->strides[1] % 4 != 0)
+    return false;
+  if (R->dtype != A->dtype && R->dtype != KILN_F32) return false;
+  return ((uintptr_t)A->data % (4 * es)) == 0;
+}
+
+static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, const kiln__view *R) {
+  const int64_t M = A->shape[0], K = A->shape[1];
+  const int64_t colb = (M + 127) / 128;
+  const int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
+  int64_t chunk = (K + want - 1) / want;
+  if (chunk < 32) chunk = 32;
+  int64_t chunks = (K + chunk - 1) / chunk;
+  if (chunks > 65535) chunks = 65535, chunk = (K + chunks - 1) / chunks;
+  const size_t bytes = (size_t)(chunks * M) * sizeof(float);
+  float *part = (float *)kiln__cuda_alloc(device, bytes);
+  if (!part) return kiln_last_error();
+  kiln_status st = kiln__cuda_capture_note(device, part, bytes);
+  if (st == KILN_OK) {
+    const dim3 grid((unsigned)colb, (unsigned)chunks), blk(32, 8);
+    switch (A->dtype) {
+    case KILN_BF16:
+      col_sums_part<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K, A->strides[1],
+                                                                chunk, part);
+      break;
+    case KILN_F16:
+      col_sums_part<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
+      break;
+    default:
+      col_sums_part<float><<<grid, blk, 0, d->stream>>>((const float *)A->data, M, K, A->strides[1], chunk, part);
+      break;
+    }
+    st = kiln__cuda_launched("matmul row sums (partials)");
+  }
+  if (st == KILN_OK) {
+    const unsigned blocks = (unsigned)((M + 31) / 32);
+    switch (R->dtype) {
+    case KILN_BF16:
+      col_sums_finish<__nv_bfloat16><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, M, (__nv_bfloat16 *)R->data,
+                                                                          R->strides[0]);
+      break;
+    case KILN_F16:
+      col_sums_finish<__half><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, M, (__half *)R->data, R->strides[0]);
+      break;
+    default:
+      col_sums_finish<float><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, M, (float *)R->data, R->strides[0]);
+      break;
+    }
+    st = kiln__cuda_launched("matmul row sums");
+  }
+  kiln__cuda_free(device, part, bytes); /* stream-ordered reuse */
+  return st;
+}
+
+kiln_status launch_row_sums(kiln__cuda_dev *d, int device, const kiln__view *A, const kiln__view *R) {
   const int64_t M = A->shape[0], K = A->shape[1];
   if (M == 0) return KILN_OK;
+  if (K > 0 && col_sums_fit(A, R)) return col_sums(d, device, A, R);
   int blocks = kc_blocks(M, KC_THREADS, d->sm_count);
   if (R->dtype != A->dtype) { /* wide: 16-bit A, f32 sums (the f32 accumulator unrounded) */
     if (R->dtype != KILN_F32)
@@ -429,7 +548,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
                   a->out[1].dtype != O->dtype))
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: row sums want a 2-d product without bias and an (M) output of its dtype");
   const double alpha = a->s[0], beta = a->s[1];
-  if (batch == 0 || M == 0 || N == 0) return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
+  if (batch == 0 || M == 0 || N == 0) return row_sum ? launch_row_sums(d, device, &A, &a->out[1]) : KILN_OK;
   if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX)
     return kiln_set_error(KILN_ERR_SHAPE, "kiln_matmul: a dim over 2^31 is not supported on cuda");
 
@@ -447,7 +566,7 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     if (beta == 0.0) KC_TRY(kiln__cuda_fill_view(device, O, 0.0));
     else if (beta != 1.0) KC_TRY(kiln__cuda_scale_view(device, O, beta));
     if (has_bias) KC_TRY(kiln__cuda_add_view(device, O, &bias_b));
-    return row_sum ? launch_row_sums(d, &A, &a->out[1]) : KILN_OK;
+    return row_sum ? launch_row_sums(d, device, &A, &a->out[1]) : KILN_OK;
   }
   if (small) return kiln__cuda_matmul_small(d, a, A, B, *O, batch, sa, sb, sc, sm);
   KC_TRY(handles(device, d));
@@ -493,7 +612,9 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   cublasHandle_t h = (cublasHandle_t)d->blas;
 
   bool gemm_done = false, sums_done = false;
-  if (row_sum && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
+  const char *bg = getenv("KILN_CUDA_BGRAD"); /* an A/B for the next device call: own = col_sums */
+  const bool own_sums = bg && strcmp(bg, "own") == 0 && col_sums_fit(&A, &a->out[1]);
+  if (row_sum && !own_sums && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
     kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BGRADB, t, tc.data, opB, opA, M, N, K, B.data, mb.ld, A.data,
                                 ma.ld, C.data, mc.ld, a->out[1].data, af, bf);
     if (s == KILN_OK) sums_done = gemm_done = true;
@@ -544,13 +665,13 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   if (!row_sum || sums_done) return KILN_OK;
   static bool told; /* KILN_PROFILE: say once that the fused bias gradient was not had */
   const char *prof = getenv("KILN_PROFILE");
-  if (!told && prof && strcmp(prof, "0") != 0) {
+  if (!told && !own_sums && prof && strcmp(prof, "0") != 0) {
     told = true;
     fprintf(stderr, "kiln profile: cuBLASLt took no BGRADB epilogue for %s %lldx%lldx%lld (op %c%c); the bias gradient is a separate kernel\n",
             kiln_dtype_name(O->dtype), (long long)M, (long long)N, (long long)K, opA == CUBLAS_OP_T ? 'T' : 'N',
             opB == CUBLAS_OP_T ? 'T' : 'N');
   }
-  return launch_row_sums(d, &A, &a->out[1]);
+  return launch_row_sums(d, device, &A, &a->out[1]);
 }
 
 /* ---- LINEAR_GELU: y = gelu_tanh(A@B + bias), z = A@B + bias (backend.h) ----------------

@@ -162,6 +162,25 @@ template <> struct kc_cvt<bool> {
 };
 template <class T, class A> __device__ __forceinline__ T kc_st(A v) { return kc_cvt<T>::to(v); }
 
+/* Four consecutive elements as floats, in one load: 16 bytes of f32, 8 of bf16 or f16 (p
+** aligned to the load's size). */
+template <class T> __device__ __forceinline__ float4 kc_ld4(const T *p);
+template <> __device__ __forceinline__ float4 kc_ld4<float>(const float *p) {
+  return *reinterpret_cast<const float4 *>(p);
+}
+template <> __device__ __forceinline__ float4 kc_ld4<__nv_bfloat16>(const __nv_bfloat16 *p) {
+  const uint2 u = *reinterpret_cast<const uint2 *>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <> __device__ __forceinline__ float4 kc_ld4<__half>(const __half *p) {
+  const uint2 u = *reinterpret_cast<const uint2 *>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
 /* Runtime dtype -> C++ type. BODY sees the type as T_NAME. */
 #define KC_CASE_(DT, TYPE, T_NAME, ...)                                                   \
   case DT: {                                                                              \

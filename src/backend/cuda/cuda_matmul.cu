@@ -308,20 +308,6 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
 ** partials in thread order), into f32 partials (chunks, M); then the chunks are added, 8
 ** threads a row in a fixed order. The one-thread-a-row kernel above walks K serially with
 ** M threads (768 for GPT-2's projections: a few SMs busy). */
-template <class T> __device__ __forceinline__ float4 ld4f(const T *p);
-template <> __device__ __forceinline__ float4 ld4f<float>(const float *p) { return *reinterpret_cast<const float4 *>(p); }
-template <> __device__ __forceinline__ float4 ld4f<__nv_bfloat16>(const __nv_bfloat16 *p) {
-  const uint2 u = *reinterpret_cast<const uint2 *>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-template <> __device__ __forceinline__ float4 ld4f<__half>(const __half *p) {
-  const uint2 u = *reinterpret_cast<const uint2 *>(p);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
 template <class T>
 __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
                                                      float *part) {
@@ -333,7 +319,7 @@ __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int6
   if (m < M) {
 #pragma unroll 4
     for (int64_t k = k0 + ty; k < k1; k += 8) {
-      const float4 v = ld4f<T>(A + k * ak + m);
+      const float4 v = kc_ld4<T>(A + k * ak + m);
       a[0] += v.x, a[1] += v.y, a[2] += v.z, a[3] += v.w;
     }
   }

@@ -218,16 +218,6 @@ __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Ve
 ** partials in thread order, as ln_bwd_wpart); the same products in double. The element-a-
 ** lane kernels move 64 or 128 bytes a warp a load: 186 us a call on GPT-2's (16384, 768)
 ** rows, 0.4 TB/s. x rows 16-byte, g rows 8- (bf16) or 16-byte (f32) aligned, N % 4 == 0. */
-template <class G> __device__ __forceinline__ float4 ld4g(const G *g, int64_t i);
-template <> __device__ __forceinline__ float4 ld4g<float>(const float *g, int64_t i) {
-  return *reinterpret_cast<const float4 *>(g + i);
-}
-template <> __device__ __forceinline__ float4 ld4g<__nv_bfloat16>(const __nv_bfloat16 *g, int64_t i) {
-  const uint2 u = *reinterpret_cast<const uint2 *>(g + i);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
 template <class S> __device__ __forceinline__ double ld_stat(const Vec &v, int64_t r);
 template <> __device__ __forceinline__ double ld_stat<float>(const Vec &v, int64_t r) {
   return (double)((const float *)v.p)[r]; /* f32 statistics, stride 1: no dtype switch in the loop */
@@ -250,7 +240,7 @@ __global__ void __launch_bounds__(256, 2) wpart_v4(const float *x, int64_t xs0, 
       const double m = rms ? 0.0 : ld_stat<S>(mean, r);
       const double rs = ld_stat<S>(rstd, r);
       const float4 xv = *reinterpret_cast<const float4 *>(x + r * xs0 + j);
-      const float4 gv = ld4g<G>(g, r * gs0 + j);
+      const float4 gv = kc_ld4<G>(g + r * gs0 + j);
       aw[0] += (double)gv.x * ((double)xv.x - m) * rs, ab[0] += (double)gv.x;
       aw[1] += (double)gv.y * ((double)xv.y - m) * rs, ab[1] += (double)gv.y;
       aw[2] += (double)gv.z * ((double)xv.z - m) * rs, ab[2] += (double)gv.z;
@@ -735,12 +725,6 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, co
 ** consecutive elements a lane a load, as ln_fwd_f32v): N % 4 == 0, N <= LN_VMAX * 128,
 ** rows aligned (rln_v4_fits). The same arithmetic, element by element; the statistics'
 ** double sums in another order. */
-__device__ __forceinline__ float4 bf4_ld(const void *base, int64_t q) { /* four bf16 at 8-byte index q */
-  const uint2 u = reinterpret_cast<const uint2 *>(base)[q];
-  __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162 *>(&u.x), b = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
-  const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
-  return make_float4(fa.x, fa.y, fb.x, fb.y);
-}
 __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, float z, float w) {
   __nv_bfloat162 a = __floats2bfloat162_rn(x, y), b = __floats2bfloat162_rn(z, w);
   uint2 u;
@@ -763,7 +747,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
     const int c = k * 32 + lane;
     v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < nv) {
-      const float4 xv = xr[c], rv = bf4_ld(rr, c);
+      const float4 xv = xr[c], rv = kc_ld4(rr + 4 * c);
       v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
       sr[c] = v[k];
       mean += ((double)v[k].x + (double)v[k].y) + ((double)v[k].z + (double)v[k].w);
@@ -822,7 +806,7 @@ __global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, 
     sv[k] = gv[k] = ov[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < nv) {
       sv[k] = sr[c];
-      gv[k] = bf4_ld(gr, c);
+      gv[k] = kc_ld4(gr + 4 * c);
       if (PF && gsr) ov[k] = gsr[c];
     }
   }

@@ -784,8 +784,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
   }
 }
 
-template <bool PF>
-__global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
+__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
                                                             bool wvec) {
   const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -795,19 +794,15 @@ __global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, 
   const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
   const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
   const int nv = (int)(p.N / 4);
-  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
-  /* s, g and the other gradient of s as read: every load of the row issued before the first
-  ** use (gs read after the row's sums left a second DRAM round trip a row) */
-  float4 sv[LN_VMAX], gv[LN_VMAX], ov[LN_VMAX];
+  float4 sv[LN_VMAX], gv[LN_VMAX]; /* s and g as read */
   double sg = 0, sgx = 0;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
     const int c = k * 32 + lane;
-    sv[k] = gv[k] = ov[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < nv) {
       sv[k] = sr[c];
       gv[k] = kc_ld4(gr + 4 * c);
-      if (PF && gsr) ov[k] = gsr[c];
     }
   }
 #pragma unroll
@@ -827,6 +822,7 @@ __global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, 
   sg = warp_sum(sg) / (double)p.N;
   sgx = warp_sum(sgx) / (double)p.N;
   float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
+  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
   __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
@@ -842,7 +838,7 @@ __global__ void __maxnreg__(128) rln_bwd_ds_v4(const float *s, const float *gs, 
     float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
                             (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
     if (gsr) {
-      const float4 o = PF ? ov[k] : gsr[c];
+      const float4 o = gsr[c];
       dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
     }
     dsr[c] = dv;
@@ -925,15 +921,8 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const T *s = (const T *)a->in[0].data;
   const T *gs = p.has_gs ? (const T *)a->in[a->n_in - 1].data : NULL;
   if (v4)
-  {
-    const char *pf = getenv("KILN_CUDA_RLN_PF"); /* an A/B of the prefetch, to be settled */
-    if (!(pf && pf[0] == '0'))
-      rln_bwd_ds_v4<true><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs,
-                                                               (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w));
-    else
-      rln_bwd_ds_v4<false><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs,
-                                                                (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w));
-  }
+    rln_bwd_ds_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p,
+                                                        p.has_w && vec4_ok(p.w));
   else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else

@@ -334,11 +334,55 @@ static void ix_cat_one_node(void) {
   kiln_scope_end();
 }
 
+/* A tied weight (GPT-2's wte: the head's product and the embedding): the embedding's rows
+** go straight into the .grad the other use made (kiln__grad_into on a leaf), and summing
+** over two backward calls and a .grad the caller still holds keep their meaning. f32 on
+** every device there is; dyadic values, so every order of the sums gives the same bits. */
+static void ix_tied_embedding(kiln_device dev) {
+  char dn[32];
+  kiln_device_str(dev, dn, sizeof dn);
+  kiln_scope_begin();
+  /* W (4, 2); head: sum(linear(x, W)) with x (1, 2) = (1, 2): dW row r = x */
+  kiln_tensor *W = kiln_to_device(kiln_to_dtype(H_T(KILN_SHAPE(4, 2), KILN_F64, 1, 2, 3, 4, 5, 6, 7, 8), KILN_F32),
+                                  dev);
+  kiln_requires_grad_(W, true);
+  kiln_tensor *x = kiln_to_device(kiln_to_dtype(H_T(KILN_SHAPE(1, 2), KILN_F64, 1, 2), KILN_F32), dev);
+  kiln_tensor *ids = kiln_to_device(H_T(KILN_SHAPE(5), KILN_I64, 2, 0, 2, 2, 3), dev);
+  /* the embedding's rows weighted by 0.5: row 2 thrice, rows 0 and 3 once, row 1 never */
+  const double one[8] = {1 + 0.5, 2 + 0.5, 1, 2, 1 + 1.5, 2 + 1.5, 1 + 0.5, 2 + 0.5};
+  kiln_tensor *held = NULL;
+  /* 1: into no .grad; 2: into the .grad of 1 (in place); 3: into a .grad the caller holds */
+  for (int pass = 1; pass <= 3; pass++) {
+    kiln_tensor *head = kiln_sum_all(kiln_linear(x, W, NULL));
+    kiln_tensor *emb = kiln_mul_scalar(kiln_sum_all(kiln_embedding(W, ids)), 0.5);
+    char what[96];
+    snprintf(what, sizeof what, "tied embedding + product on %s: backward %d", dn, pass);
+    if (pass == 3) held = kiln_tensor_ref(kiln_grad(W));
+    if (!H_CHECK(head && emb && kiln_backward(kiln_add(head, emb), NULL) == KILN_OK, "%s", what)) break;
+    double want[8];
+    for (int i = 0; i < 8; i++) want[i] = pass * one[i];
+    kiln_scope_begin(); /* the copy read here holds no reference past the check */
+    h_tensor_close(what, kiln_to_device(kiln_grad(W), kiln_device_cpu()), want, 8, 0, 0);
+    kiln_scope_end();
+  }
+  if (held) {
+    double want[8];
+    for (int i = 0; i < 8; i++) want[i] = 2 * one[i];
+    char what[96];
+    snprintf(what, sizeof what, "a .grad the caller holds on %s is left as it was", dn);
+    h_tensor_close(what, kiln_to_device(held, kiln_device_cpu()), want, 8, 0, 0);
+  }
+  kiln_tensor_free(held);
+  kiln_scope_end();
+}
+
 static void ix_family(void) {
   h_run_cases(ix_cases, (int)(sizeof ix_cases / sizeof ix_cases[0]));
   if (!h_cross_only()) {
     ix_extra();
     ix_cat_one_node();
+    ix_tied_embedding(kiln_device_cpu());
+    if (kiln_device_count(KILN_DEVICE_CUDA) > 0) ix_tied_embedding(kiln_device_cuda(0));
   }
 }
 

@@ -249,9 +249,20 @@ static kiln_tensor **input_slot(const kiln__node *n, int k) {
 ** instead of a new tensor that accumulate() then adds (axpy_: one more read of both and a
 ** write, 3 ms of a ResNet-50 step at its 16 residual joins). Offered only where
 ** accumulate() would add in place anyway (add_in_place_ok), so the numbers are those of an
-** in-place add of the rule's result, rounded once instead of twice. */
+** in-place add of the rule's result, rounded once instead of twice.
+** A leaf's .grad is offered too when it already holds this backward's or an earlier one's
+** sum and nothing but the leaf holds it (a tied weight's second gradient: GPT-2's embedding
+** scattered its rows into zeros, then 154 MB of them were added to the head's), never inside kiln_autograd_grad's capture. A rule that scatters into it (an
+** embedding) adds its terms one by one into the sum, so its bits may differ from the
+** out-of-place sum's in the last place. */
 kiln_tensor *kiln__grad_into(const kiln__node *n, int k) {
   if (!n || n != rule_node || k < 0 || k >= n->n_in) return NULL;
+  kiln_tensor *leaf = n->next[k].leaf;
+  if (leaf) {
+    if (!n->needs[k] || !running || running->grads || !leaf->grad || !add_in_place_ok(leaf->grad, leaf->grad))
+      return NULL;
+    return leaf->grad;
+  }
   kiln_tensor **slot = input_slot(n, k);
   kiln_tensor *t = slot ? *slot : NULL;
   if (!t || n->next[k].node->grad_mask || !add_in_place_ok(t, t)) return NULL;
@@ -455,7 +466,7 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
           if (cap->grads) {
             int ci = capture_index_leaf(cap, leaf);
             if (ci >= 0) st = accumulate(&cap->grads[ci], gk, true);
-          } else {
+          } else if (gk != leaf->grad) { /* else the rule added into .grad (kiln__grad_into) */
             st = accumulate(&leaf->grad, gk, true);
           }
         } else if (n->next[k].node) {

@@ -245,8 +245,9 @@ bool kiln__grad_mask_ok(const kiln__node *m, int index);
 ** running: the output retains its gradient, or kiln_autograd_grad asked for it. */
 bool kiln__grad_shown(const kiln__node *m, int index);
 /* In n's rule, while the engine runs it: the gradient already pending for n's input k (the
-** sum the engine would add this rule's gradient into), when the rule may add into it in
-** place instead (nothing else holds it, dense, not a leaf's .grad); NULL otherwise. A rule
+** sum the engine would add this rule's gradient into, or a leaf's .grad already holding a
+** sum), when the rule may add into it in place instead (nothing else holds it, dense, not
+** in kiln_autograd_grad's capture); NULL otherwise. A rule
 ** that adds its gradient into it hands that same tensor back as gi[k] (kiln__give_grad),
 ** and the engine then adds nothing (engine.c). The rule must check the dtype, shape and
 ** layout are its gradient's. */

@@ -252,7 +252,13 @@ static kiln_status embedding_backward(kiln__node *n, kiln_tensor *g, kiln_tensor
   kiln_tensor *ids = n->saved[0];
   if (!kiln_is_contiguous(ids) && !(ids = kiln_contiguous(ids))) return kiln_last_error();
   int64_t cnt = kiln_numel(ids), D = n->in_shape[0][1];
-  kiln_tensor *z = zeros_like_input(n, 0, g);
+  /* the rows added straight into the weight's gradient where one is pending (a tied
+  ** weight: the head's gradient came first), else into zeros */
+  kiln_tensor *z = kiln__grad_into(n, 0);
+  if (z && (z->dtype != n->in_dtype[0] || z->ndim != 2 || z->shape[0] != n->in_shape[0][0] || z->shape[1] != D ||
+            !kiln_is_contiguous(z) || !kiln_device_equal(kiln_device_of(z), kiln_device_of(g))))
+    z = NULL;
+  if (!z) z = zeros_like_input(n, 0, g);
   kiln_tensor *g2 = kiln_reshape(g, KILN_SHAPE(cnt, D));
   if (g2 && g2->dtype != n->in_dtype[0]) g2 = kiln_to_dtype(g2, n->in_dtype[0]);
   if (!z || !g2) return kiln_last_error();

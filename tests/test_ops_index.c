@@ -342,14 +342,15 @@ static void ix_tied_embedding(kiln_device dev) {
   char dn[32];
   kiln_device_str(dev, dn, sizeof dn);
   kiln_scope_begin();
-  /* W (4, 2); head: sum(linear(x, W)) with x (1, 2) = (1, 2): dW row r = x */
-  kiln_tensor *W = kiln_to_device(kiln_to_dtype(H_T(KILN_SHAPE(4, 2), KILN_F64, 1, 2, 3, 4, 5, 6, 7, 8), KILN_F32),
-                                  dev);
+  /* W (4, 4); head: sum(linear(x, W)) with x (1, 4) = (1, 2, 1, 2): dW row r = x. Rows of
+  ** 16 bytes: CUDA's row kernels (four-wide atomics) take the embedding's both ways. */
+  kiln_tensor *W = kiln_to_device(kiln_to_dtype(kiln_arange(0, 16, 1, KILN_F64, kiln_device_cpu()), KILN_F32), dev);
+  W = kiln_reshape(W, KILN_SHAPE(4, 4));
   kiln_requires_grad_(W, true);
-  kiln_tensor *x = kiln_to_device(kiln_to_dtype(H_T(KILN_SHAPE(1, 2), KILN_F64, 1, 2), KILN_F32), dev);
+  kiln_tensor *x = kiln_to_device(kiln_to_dtype(H_T(KILN_SHAPE(1, 4), KILN_F64, 1, 2, 1, 2), KILN_F32), dev);
   kiln_tensor *ids = kiln_to_device(H_T(KILN_SHAPE(5), KILN_I64, 2, 0, 2, 2, 3), dev);
   /* the embedding's rows weighted by 0.5: row 2 thrice, rows 0 and 3 once, row 1 never */
-  const double one[8] = {1 + 0.5, 2 + 0.5, 1, 2, 1 + 1.5, 2 + 1.5, 1 + 0.5, 2 + 0.5};
+  const double one[16] = {1.5, 2.5, 1.5, 2.5, 1, 2, 1, 2, 2.5, 3.5, 2.5, 3.5, 1.5, 2.5, 1.5, 2.5};
   kiln_tensor *held = NULL;
   /* 1: into no .grad; 2: into the .grad of 1 (in place); 3: into a .grad the caller holds */
   for (int pass = 1; pass <= 3; pass++) {
@@ -359,18 +360,18 @@ static void ix_tied_embedding(kiln_device dev) {
     snprintf(what, sizeof what, "tied embedding + product on %s: backward %d", dn, pass);
     if (pass == 3) held = kiln_tensor_ref(kiln_grad(W));
     if (!H_CHECK(head && emb && kiln_backward(kiln_add(head, emb), NULL) == KILN_OK, "%s", what)) break;
-    double want[8];
-    for (int i = 0; i < 8; i++) want[i] = pass * one[i];
+    double want[16];
+    for (int i = 0; i < 16; i++) want[i] = pass * one[i];
     kiln_scope_begin(); /* the copy read here holds no reference past the check */
-    h_tensor_close(what, kiln_to_device(kiln_grad(W), kiln_device_cpu()), want, 8, 0, 0);
+    h_tensor_close(what, kiln_to_device(kiln_grad(W), kiln_device_cpu()), want, 16, 0, 0);
     kiln_scope_end();
   }
   if (held) {
-    double want[8];
-    for (int i = 0; i < 8; i++) want[i] = 2 * one[i];
+    double want[16];
+    for (int i = 0; i < 16; i++) want[i] = 2 * one[i];
     char what[96];
     snprintf(what, sizeof what, "a .grad the caller holds on %s is left as it was", dn);
-    h_tensor_close(what, kiln_to_device(held, kiln_device_cpu()), want, 8, 0, 0);
+    h_tensor_close(what, kiln_to_device(held, kiln_device_cpu()), want, 16, 0, 0);
   }
   kiln_tensor_free(held);
   kiln_scope_end();

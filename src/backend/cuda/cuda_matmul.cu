@@ -333,6 +333,36 @@ __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int6
 #pragma unroll
   for (int e = 0; e < 4; e++) part[blockIdx.y * M + m + e] = a[e];
 }
+/* col_sums_part for 16-bit A with rows in eights: a lane sums eight neighbouring rows (one
+** 16-byte load), a block 256 rows; the same order of the sums as col_sums_part (over k with
+** stride 8 a thread, then the 8 partials in thread order). */
+template <class T>
+__global__ void __launch_bounds__(256) col_sums_part8(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
+                                                      float *part) {
+  __shared__ float sp[8][257];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * 8, k0 = (int64_t)blockIdx.y * chunk;
+  const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (m < M) {
+#pragma unroll 4
+    for (int64_t k = k0 + ty; k < k1; k += 8) {
+      float v[8];
+      kc_ld8<T>(A + k * ak + m, v);
+#pragma unroll
+      for (int e = 0; e < 8; e++) a[e] += v[e];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; e++) sp[ty][tx * 8 + e] = a[e];
+  __syncthreads();
+  const int c = ty * 32 + tx; /* one of the block's 256 rows a thread */
+  const int64_t mc = (int64_t)blockIdx.x * 256 + c;
+  if (mc >= M) return;
+  float s = sp[0][c];
+  for (int t = 1; t < 8; t++) s += sp[t][c];
+  part[blockIdx.y * M + mc] = s;
+}
 template <class R>
 __global__ void col_sums_finish(const float *part, int64_t chunks, int64_t M, R *out, int64_t so) {
   __shared__ float sp[8][33];
@@ -360,8 +390,11 @@ static bool col_sums_fit(const kiln__view *A, const kiln__view *R) {
 
 static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, const kiln__view *R) {
   const int64_t M = A->shape[0], K = A->shape[1];
-  const int64_t colb = (M + 127) / 128;
-  const int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
+  const size_t es = kc_size(A->dtype);
+  /* eight rows a lane: 16-bit A, M and the stride in eights, 16-byte aligned */
+  const bool wide = es == 2 && M % 8 == 0 && A->strides[1] % 8 == 0 && ((uintptr_t)A->data % 16) == 0;
+  const int64_t colb = wide ? (M + 255) / 256 : (M + 127) / 128;
+  const int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * (wide ? 8 : 4) + colb - 1) / colb;
   int64_t chunk = (K + want - 1) / want;
   if (chunk < 32) chunk = 32;
   int64_t chunks = (K + chunk - 1) / chunk;
@@ -374,11 +407,18 @@ static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, 
     const dim3 grid((unsigned)colb, (unsigned)chunks), blk(32, 8);
     switch (A->dtype) {
     case KILN_BF16:
-      col_sums_part<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K, A->strides[1],
-                                                                chunk, part);
+      if (wide)
+        col_sums_part8<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                   A->strides[1], chunk, part);
+      else
+        col_sums_part<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                  A->strides[1], chunk, part);
       break;
     case KILN_F16:
-      col_sums_part<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
+      if (wide)
+        col_sums_part8<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
+      else
+        col_sums_part<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
       break;
     default:
       col_sums_part<float><<<grid, blk, 0, d->stream>>>((const float *)A->data, M, K, A->strides[1], chunk, part);

@@ -638,11 +638,12 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   cublasHandle_t h = (cublasHandle_t)d->blas;
 
   bool gemm_done = false, sums_done = false;
-  /* KILN_CUDA_BGRAD=own: the bias gradient by col_sums after the product instead of cuBLASLt's
-  ** BGRADB epilogue (GPT-2 on the H100: 34.23 against 34.36-34.40 ms a step, one A/B; the
-  ** whole GPU suite has run with the epilogue, five of its programs with this) */
+  /* The bias gradient by col_sums after the product where it fits (16-bit rows in eights
+  ** read 16 bytes a lane), rather than cuBLASLt's BGRADB epilogue, whose helper kernel read
+  ** GPT-2's gradients at 1.5-2 TB/s (bench/RESULTS.md); KILN_CUDA_BGRAD=lt takes the
+  ** epilogue (the A/B). */
   const char *bg = getenv("KILN_CUDA_BGRAD");
-  const bool own_sums = bg && strcmp(bg, "own") == 0 && col_sums_fit(&A, &a->out[1]);
+  const bool own_sums = !(bg && strcmp(bg, "lt") == 0) && col_sums_fit(&A, &a->out[1]);
   if (row_sum && !own_sums && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
     kiln_status s = lt_epilogue(d, CUBLASLT_EPILOGUE_BGRADB, t, tc.data, opB, opA, M, N, K, B.data, mb.ld, A.data,
                                 ma.ld, C.data, mc.ld, a->out[1].data, af, bf);

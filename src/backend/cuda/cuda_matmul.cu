@@ -175,12 +175,6 @@ struct LtPlan {
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
-  /* the heuristic's first candidates, for KILN_CUDA_LT_TUNE (lt_tune): tried once, the
-  ** fastest kept in algo */
-  enum { CANDS = 8 };
-  cublasLtMatmulAlgo_t cand[CANDS];
-  int ncand;
-  bool tuned;
 };
 enum { LT_PLANS = 64 };
 LtPlan lt_plans[LT_PLANS];
@@ -208,7 +202,7 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
   cublasLtMatmulPreference_t pref = NULL;
   cublasLtEpilogue_t epi = p->epi;
   uint64_t ws = d->workspace_size;
-  cublasLtMatmulHeuristicResult_t heur[LtPlan::CANDS];
+  cublasLtMatmulHeuristicResult_t heur;
   int nres = 0;
   const void *nullbias = NULL;
   p->ok = false;
@@ -233,62 +227,13 @@ void lt_plan_make(kiln__cuda_dev *d, LtPlan *p) {
   if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                            sizeof ws) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->la, p->lb, p->lc, p->lc, pref, LtPlan::CANDS, heur, &nres) ==
+      cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &heur, &nres) ==
           CUBLAS_STATUS_SUCCESS &&
       nres > 0) {
-    p->algo = heur[0].algo;
-    for (int i = 0; i < nres; i++) p->cand[i] = heur[i].algo;
-    p->ncand = nres;
+    p->algo = heur.algo;
     p->ok = true;
   }
   if (pref) cublasLtMatmulPreferenceDestroy(pref);
-}
-
-/* KILN_CUDA_LT_TUNE=1 (or =log, which prints each shape's times on stderr): the first call
-** of an epilogue plan times the heuristic's candidates (two runs each, on the stream, with
-** events: a wait on the host, once per shape, as cudnn.benchmark's) and keeps the fastest.
-** Only where running the product again changes nothing: beta 0, C apart from the inputs
-** and aux, and no graph being captured. Off by default: the heuristic's first choice. */
-int lt_tune_mode(void) {
-  static int mode = -1;
-  if (mode < 0) {
-    const char *e = getenv("KILN_CUDA_LT_TUNE");
-    mode = !e || !e[0] || !strcmp(e, "0") ? 0 : !strcmp(e, "log") ? 2 : 1;
-  }
-  return mode;
-}
-
-void lt_tune(kiln__cuda_dev *d, LtPlan *p, const void *B, const void *A, void *C, const float *alpha,
-             const float *beta) {
-  p->tuned = true;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (p->ncand < 2 || cudaStreamIsCapturing(d->stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone)
-    return;
-  cudaEvent_t e0 = NULL, e1 = NULL;
-  if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
-    if (e0) cudaEventDestroy(e0);
-    cudaGetLastError();
-    return;
-  }
-  float best = 0;
-  int besti = -1;
-  for (int i = 0; i < p->ncand; i++) {
-    bool ok = cudaEventRecord(e0, d->stream) == cudaSuccess;
-    for (int r = 0; r < 2 && ok; r++)
-      ok = cublasLtMatmul((cublasLtHandle_t)d->blaslt, p->op, alpha, B, p->la, A, p->lb, beta, C, p->lc, C, p->lc,
-                          &p->cand[i], d->workspace, d->workspace_size, d->stream) == CUBLAS_STATUS_SUCCESS;
-    float ms = 0;
-    ok = ok && cudaEventRecord(e1, d->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
-         cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
-    if (lt_tune_mode() == 2)
-      fprintf(stderr, "kiln: cuBLASLt tune: epilogue %d %lldx%lldx%lld candidate %d: %s %.1f us\n", (int)p->epi,
-              (long long)p->M, (long long)p->N, (long long)p->K, i, ok ? "ok" : "failed", ok ? 500.0 * ms : 0.0);
-    if (ok && (besti < 0 || ms < best)) best = ms, besti = i;
-  }
-  cudaGetLastError();
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  if (besti >= 0) p->algo = p->cand[besti];
 }
 
 /* One 2-D product with an epilogue: BIAS adds the vector at bias to every row of kiln's C;
@@ -335,8 +280,6 @@ kiln_status lt_epilogue(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const Types &
       (!epi_has_aux(epi) ||
        cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux) ==
            CUBLAS_STATUS_SUCCESS)) {
-    if (!p->tuned && lt_tune_mode() && beta == 0.0f && C != A && C != B && (!aux || C != aux))
-      lt_tune(d, p, B, A, C, &alpha, &beta);
     cublasStatus_t s = cublasLtMatmul((cublasLtHandle_t)d->blaslt, p->op, &alpha, B, p->la, A, p->lb,
                                       &beta, C, p->lc, C, p->lc, &p->algo, d->workspace,
                                       d->workspace_size, d->stream);

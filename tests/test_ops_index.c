@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 typedef struct ix_ctx {
@@ -377,13 +378,49 @@ static void ix_tied_embedding(kiln_device dev) {
   kiln_scope_end();
 }
 
+/* An embedding's gradient with many repeated ids (4096 ids among 8 rows) is the same to
+** the bit twice over, and matches the CPU's within f32 rounding: CUDA sorts the ids and sums
+** each one's rows in index order (atomics in any order would move the last bits). */
+static void ix_embedding_grad_repeatable(kiln_device dev) {
+  char dn[32];
+  kiln_device_str(dev, dn, sizeof dn);
+  kiln_scope_begin();
+  kiln_manual_seed(7);
+  kiln_tensor *ids = kiln_randint(0, 8, 1, (const int64_t[]){4096}, KILN_I64, kiln_device_cpu(), NULL);
+  kiln_tensor *g = kiln_randn(2, (const int64_t[]){4096, 64}, KILN_F32, kiln_device_cpu(), NULL);
+  float got[2][8 * 64], ref[8 * 64];
+  for (int run = 0; run < 3; run++) {
+    kiln_device on = run < 2 ? dev : kiln_device_cpu();
+    kiln_scope_begin();
+    kiln_tensor *W = kiln_zeros(2, (const int64_t[]){8, 64}, KILN_F32, on);
+    kiln_requires_grad_(W, true);
+    kiln_tensor *y = kiln_embedding(W, kiln_to_device(ids, on));
+    kiln_status st = y ? kiln_backward(y, kiln_to_device(g, on)) : kiln_last_error();
+    st = st == KILN_OK ? kiln_to_host(kiln_grad(W), run < 2 ? got[run] : ref, sizeof ref) : st;
+    H_CHECK(st == KILN_OK, "embedding backward of 4096 repeated ids on %s (run %d)", dn, run);
+    kiln_scope_end();
+  }
+  H_CHECK(memcmp(got[0], got[1], sizeof ref) == 0, "embedding gradient on %s: the same bits twice", dn);
+  double worst = 0;
+  for (int i = 0; i < 8 * 64; i++) {
+    double e = fabs((double)got[0][i] - ref[i]) / (1 + fabs((double)ref[i]));
+    worst = e > worst ? e : worst;
+  }
+  H_CHECK(worst < 1e-4, "embedding gradient on %s against the CPU's: relative error %.3g", dn, worst);
+  kiln_scope_end();
+}
+
 static void ix_family(void) {
   h_run_cases(ix_cases, (int)(sizeof ix_cases / sizeof ix_cases[0]));
   if (!h_cross_only()) {
     ix_extra();
     ix_cat_one_node();
     ix_tied_embedding(kiln_device_cpu());
-    if (kiln_device_count(KILN_DEVICE_CUDA) > 0) ix_tied_embedding(kiln_device_cuda(0));
+    if (kiln_device_count(KILN_DEVICE_CUDA) > 0) {
+      ix_tied_embedding(kiln_device_cuda(0));
+      ix_embedding_grad_repeatable(kiln_device_cuda(0));
+    }
+    ix_embedding_grad_repeatable(kiln_device_cpu());
   }
 }
 

@@ -4,9 +4,13 @@
 ** two adds). An index outside [0, size) is never followed: the write is skipped and the
 ** device's error flag set, which synchronize() and copies to the host turn into
 ** KILN_ERR_INDEX (the check would otherwise need a device->host round trip per op).
-** The adds use atomicAdd, native on sm_90 for f32, f64, f16, bf16, int32 and int64.
+** The adds use atomicAdd, native on sm_90 for f32, f64, f16, bf16, int32 and int64, except
+** INDEX_ADD of whole f32 rows (an embedding's gradient), which sorts the ids and sums each
+** id's rows in index order: the same bits every run.
 */
 #include "cuda_int.cuh"
+
+#include <cub/device/device_radix_sort.cuh>
 
 namespace {
 
@@ -58,12 +62,11 @@ __global__ void __launch_bounds__(KC_THREADS)
 /* Whole rows along dim 0 of 2-d tensors (an embedding's lookup and its gradient: GPT-2's
 ** 16384 rows of 768 f32): a thread a 16-byte piece of a row, the row and piece from one
 ** 32-bit division, where the generic kernel above walks each element's coordinates with
-** 64-bit divisions (105 us for GPT-2's lookup on the H100). SELECT copies the piece; ADD
-** (f32) adds it with one four-wide atomic (sm_90). */
-template <class TI, bool ADD>
+** 64-bit divisions (105 us for GPT-2's lookup on the H100). SELECT copies the piece. */
+template <class TI>
 __global__ void __launch_bounds__(KC_THREADS)
-    rows16_kernel(const char *src, const TI *idx, char *out, unsigned rows, unsigned vpr, int64_t s_it, int64_t s_other,
-                  int64_t s_idx, int64_t lim, int *flag, int kop) {
+    rows16_select(const char *src, const TI *idx, char *out, unsigned rows, unsigned vpr, int64_t s_it,
+                  int64_t s_other, int64_t s_idx, int64_t lim, int *flag, int kop) {
   const unsigned n = rows * vpr;
   for (unsigned k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
     const unsigned r = k / vpr, c = k - r * vpr;
@@ -72,23 +75,87 @@ __global__ void __launch_bounds__(KC_THREADS)
       kc_flag(flag, kop);
       continue;
     }
-    if constexpr (ADD) { /* src iterated (r), out indexed (i) */
-      const float4 v = *reinterpret_cast<const float4 *>(src + r * s_it + (int64_t)c * 16);
-#if __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float4 *>(out + i * s_other + (int64_t)c * 16), v);
-#else
-      float *o = reinterpret_cast<float *>(out + i * s_other + (int64_t)c * 16);
-      atomicAdd(o, v.x), atomicAdd(o + 1, v.y), atomicAdd(o + 2, v.z), atomicAdd(o + 3, v.w);
-#endif
-    } else { /* out iterated (r), src indexed (i) */
-      *reinterpret_cast<uint4 *>(out + r * s_it + (int64_t)c * 16) =
-          *reinterpret_cast<const uint4 *>(src + i * s_other + (int64_t)c * 16);
-    }
+    *reinterpret_cast<uint4 *>(out + r * s_it + (int64_t)c * 16) =
+        *reinterpret_cast<const uint4 *>(src + i * s_other + (int64_t)c * 16);
   }
 }
 
-/* The rows16 path when it fits: INDEX_SELECT (any dtype) or INDEX_ADD (f32) along dim 0 of
-** 2-d views whose rows are dense, a multiple of 16 bytes, and start 16-byte aligned. */
+/* ADD of whole f32 rows, deterministic: the ids become sort keys (an id out of range: the
+** flag, and the key lim, which sorts last and is skipped) with their positions as values;
+** cub's radix sort is stable, so each id's positions come out in index order; then the
+** thread of (run of equal ids, 16-byte piece) sums the run's pieces in that order and adds
+** the sum to out once. The bits are those of the rows summed in order and then added. */
+template <class TI>
+__global__ void __launch_bounds__(KC_THREADS)
+    rows_add_keys(const TI *idx, int64_t s_idx, unsigned rows, int64_t lim, unsigned *key, unsigned *pos, int *flag,
+                  int kop) {
+  for (unsigned r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
+    const int64_t i = (int64_t)idx[(int64_t)r * s_idx];
+    const bool bad = i < 0 || i >= lim;
+    if (bad) kc_flag(flag, kop);
+    key[r] = bad ? (unsigned)lim : (unsigned)i;
+    pos[r] = r;
+  }
+}
+__global__ void __launch_bounds__(KC_THREADS)
+    rows_add_runs(const char *src, const unsigned *key, const unsigned *pos, char *out, unsigned rows, unsigned vpr,
+                  int64_t s_it, int64_t s_other, unsigned lim) {
+  const unsigned n = rows * vpr;
+  for (unsigned k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
+    const unsigned j0 = k / vpr, c = k - j0 * vpr, id = key[j0];
+    if (id >= lim || (j0 > 0 && key[j0 - 1] == id)) continue; /* not a run's first */
+    float4 a = *reinterpret_cast<const float4 *>(src + (int64_t)pos[j0] * s_it + (int64_t)c * 16);
+    for (unsigned j = j0 + 1; j < rows && key[j] == id; j++) {
+      const float4 v = *reinterpret_cast<const float4 *>(src + (int64_t)pos[j] * s_it + (int64_t)c * 16);
+      a.x += v.x, a.y += v.y, a.z += v.z, a.w += v.w;
+    }
+    float4 *o = reinterpret_cast<float4 *>(out + (int64_t)id * s_other + (int64_t)c * 16);
+    float4 b = *o;
+    b.x += a.x, b.y += a.y, b.z += a.z, b.w += a.w;
+    *o = b;
+  }
+}
+
+/* The sort and the sums of rows_add_*: scratch from the caching allocator (stream-ordered),
+** noted for a graph's capture. */
+kiln_status rows_add_sorted(kiln__cuda_dev *d, int device, const kiln__kargs *a, unsigned rows, unsigned vpr,
+                            int64_t s_it, int64_t s_other, int64_t s_idx, int64_t lim, int *flag, int kop) {
+  int bits = 1;
+  while (bits < 32 && ((uint64_t)1 << bits) <= (uint64_t)lim) bits++; /* keys 0..lim */
+  size_t tmp = 0;
+  if (cub::DeviceRadixSort::SortPairs(NULL, tmp, (const unsigned *)NULL, (unsigned *)NULL, (const unsigned *)NULL,
+                                      (unsigned *)NULL, (int)rows, 0, bits, d->stream) != cudaSuccess)
+    return kiln_set_error(KILN_ERR_DEVICE, "kiln_index_add: cub radix sort: %s", cudaGetErrorString(cudaGetLastError()));
+  const size_t lane = ((size_t)rows * sizeof(unsigned) + 255) / 256 * 256, bytes = 4 * lane + tmp;
+  char *scratch = (char *)kiln__cuda_alloc(device, bytes);
+  if (!scratch) return kiln_last_error();
+  kiln_status st = kiln__cuda_capture_note(device, scratch, bytes);
+  unsigned *k0 = (unsigned *)scratch, *p0 = (unsigned *)(scratch + lane), *k1 = (unsigned *)(scratch + 2 * lane),
+           *p1 = (unsigned *)(scratch + 3 * lane);
+  if (st == KILN_OK) {
+    const int kb = kc_blocks(rows, KC_THREADS, d->sm_count);
+    if (a->in[1].dtype == KILN_I64)
+      rows_add_keys<int64_t><<<kb, KC_THREADS, 0, d->stream>>>((const int64_t *)a->in[1].data, s_idx, rows, lim, k0,
+                                                              p0, flag, kop);
+    else
+      rows_add_keys<int32_t><<<kb, KC_THREADS, 0, d->stream>>>((const int32_t *)a->in[1].data, s_idx, rows, lim, k0,
+                                                              p0, flag, kop);
+    st = kiln__cuda_launched("index_add (keys)");
+  }
+  if (st == KILN_OK && cub::DeviceRadixSort::SortPairs(scratch + 4 * lane, tmp, k0, k1, p0, p1, (int)rows, 0, bits,
+                                                       d->stream) != cudaSuccess)
+    st = kiln_set_error(KILN_ERR_DEVICE, "kiln_index_add: cub radix sort: %s", cudaGetErrorString(cudaGetLastError()));
+  if (st == KILN_OK) {
+    rows_add_runs<<<kc_blocks((int64_t)rows * vpr, KC_THREADS, d->sm_count), KC_THREADS, 0, d->stream>>>(
+        (const char *)a->in[0].data, k1, p1, (char *)a->out[0].data, rows, vpr, s_it, s_other, (unsigned)lim);
+    st = kiln__cuda_launched("index_add (rows)");
+  }
+  kiln__cuda_free(device, scratch, bytes);
+  return st;
+}
+
+/* The row paths when they fit: INDEX_SELECT (any dtype) or INDEX_ADD (f32, sorted) along
+** dim 0 of 2-d views whose rows are dense, a multiple of 16 bytes, and start 16-byte aligned. */
 kiln_status try_rows16(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g, bool *done) {
   *done = false;
   const bool add = a->op == KILN__K_INDEX_ADD;
@@ -101,24 +168,19 @@ kiln_status try_rows16(kiln__cuda_dev *d, const kiln__kargs *a, const IGeom &g, 
       g.shape[0] * (rb / 16) > (int64_t)0x7FFFFFFF)
     return KILN_OK;
   const unsigned rows = (unsigned)g.shape[0], vpr = (unsigned)(rb / 16);
-  const int blocks = kc_blocks((int64_t)rows * vpr, KC_THREADS, d->sm_count);
   const int64_t s_it = g.st_it[0] * (int64_t)es, s_other = g.st_other[0] * (int64_t)es, s_idx = g.st_idx[0];
+  if (add && g.lim >= (int64_t)0xFFFFFFFF) return KILN_OK; /* ids past 32-bit keys: the atomics */
+  *done = true;
+  if (add) return rows_add_sorted(d, a->device, a, rows, vpr, s_it, s_other, s_idx, g.lim, g.flag, g.kop);
+  const int blocks = kc_blocks((int64_t)rows * vpr, KC_THREADS, d->sm_count);
   const char *src = (const char *)a->in[0].data;
   char *out = (char *)a->out[0].data;
-  const bool i64 = a->in[1].dtype == KILN_I64;
-  if (add && i64)
-    rows16_kernel<int64_t, true><<<blocks, KC_THREADS, 0, d->stream>>>(src, (const int64_t *)a->in[1].data, out, rows,
-                                                                       vpr, s_it, s_other, s_idx, g.lim, g.flag, g.kop);
-  else if (add)
-    rows16_kernel<int32_t, true><<<blocks, KC_THREADS, 0, d->stream>>>(src, (const int32_t *)a->in[1].data, out, rows,
-                                                                       vpr, s_it, s_other, s_idx, g.lim, g.flag, g.kop);
-  else if (i64)
-    rows16_kernel<int64_t, false><<<blocks, KC_THREADS, 0, d->stream>>>(
-        src, (const int64_t *)a->in[1].data, out, rows, vpr, s_it, s_other, s_idx, g.lim, g.flag, g.kop);
+  if (a->in[1].dtype == KILN_I64)
+    rows16_select<int64_t><<<blocks, KC_THREADS, 0, d->stream>>>(src, (const int64_t *)a->in[1].data, out, rows, vpr,
+                                                                s_it, s_other, s_idx, g.lim, g.flag, g.kop);
   else
-    rows16_kernel<int32_t, false><<<blocks, KC_THREADS, 0, d->stream>>>(
-        src, (const int32_t *)a->in[1].data, out, rows, vpr, s_it, s_other, s_idx, g.lim, g.flag, g.kop);
-  *done = true;
+    rows16_select<int32_t><<<blocks, KC_THREADS, 0, d->stream>>>(src, (const int32_t *)a->in[1].data, out, rows, vpr,
+                                                                s_it, s_other, s_idx, g.lim, g.flag, g.kop);
   return kiln__cuda_launched(kiln__kop_name(a->op));
 }
 

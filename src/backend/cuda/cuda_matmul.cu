@@ -303,65 +303,49 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
 }
 
 /* The row sums of a transposed view (A[m, k] at m + k * ak: a weight gradient's g^T, whose
-** row sums are the bias gradient), in two launches: block (32, 8) sums four neighbouring
-** rows a lane (one 8- or 16-byte load) over a chunk of k (stride 8 a thread, then the 8
-** partials in thread order), into f32 partials (chunks, M); then the chunks are added, 8
+** row sums are the bias gradient), in two launches: block (32, 8) sums W neighbouring rows
+** a lane over a chunk of k (stride 8 a thread, then the 8 partials in thread order), into
+** f32 partials (chunks, M); then the chunks are added, 8
 ** threads a row in a fixed order. The one-thread-a-row kernel above walks K serially with
 ** M threads (768 for GPT-2's projections: a few SMs busy). */
-template <class T>
+template <class T, int W> __device__ __forceinline__ void col_ld(const T *p, float *v) {
+  if constexpr (W == 8) {
+    kc_ld8<T>(p, v);
+  } else {
+    const float4 q = kc_ld4<T>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  }
+}
+/* W neighbouring rows a lane: 4 (one 8- or 16-byte load), or 8 for 16-bit A with rows in
+** eights (one 16-byte load); a block 32 W rows, a thread one of them in the second half. */
+template <class T, int W>
 __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
                                                      float *part) {
-  __shared__ float sp[8][129];
+  __shared__ float sp[8][32 * W + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * 4, k0 = (int64_t)blockIdx.y * chunk;
+  const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * W, k0 = (int64_t)blockIdx.y * chunk;
   const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
-  float a[4] = {0, 0, 0, 0};
+  float a[W];
+#pragma unroll
+  for (int e = 0; e < W; e++) a[e] = 0;
   if (m < M) {
 #pragma unroll 4
     for (int64_t k = k0 + ty; k < k1; k += 8) {
-      const float4 v = kc_ld4<T>(A + k * ak + m);
-      a[0] += v.x, a[1] += v.y, a[2] += v.z, a[3] += v.w;
+      float v[W];
+      col_ld<T, W>(A + k * ak + m, v);
+#pragma unroll
+      for (int e = 0; e < W; e++) a[e] += v[e];
     }
   }
 #pragma unroll
-  for (int e = 0; e < 4; e++) sp[ty][tx * 4 + e] = a[e];
+  for (int e = 0; e < W; e++) sp[ty][tx * W + e] = a[e];
   __syncthreads();
-  if (ty != 0 || m >= M) return;
-  for (int t = 1; t < 8; t++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) a[e] += sp[t][tx * 4 + e];
-#pragma unroll
-  for (int e = 0; e < 4; e++) part[blockIdx.y * M + m + e] = a[e];
-}
-/* col_sums_part for 16-bit A with rows in eights: a lane sums eight neighbouring rows (one
-** 16-byte load), a block 256 rows; the same order of the sums as col_sums_part (over k with
-** stride 8 a thread, then the 8 partials in thread order). */
-template <class T>
-__global__ void __launch_bounds__(256) col_sums_part8(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
-                                                      float *part) {
-  __shared__ float sp[8][257];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * 8, k0 = (int64_t)blockIdx.y * chunk;
-  const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (m < M) {
-#pragma unroll 4
-    for (int64_t k = k0 + ty; k < k1; k += 8) {
-      float v[8];
-      kc_ld8<T>(A + k * ak + m, v);
-#pragma unroll
-      for (int e = 0; e < 8; e++) a[e] += v[e];
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; e++) sp[ty][tx * 8 + e] = a[e];
-  __syncthreads();
-  const int c = ty * 32 + tx; /* one of the block's 256 rows a thread */
-  const int64_t mc = (int64_t)blockIdx.x * 256 + c;
-  if (mc >= M) return;
-  float s = sp[0][c];
-  for (int t = 1; t < 8; t++) s += sp[t][c];
-  part[blockIdx.y * M + mc] = s;
+  const int c = ty * 32 + tx;
+  const int64_t mc = (int64_t)blockIdx.x * 32 * W + c;
+  if (c >= 32 * W || mc >= M) return;
+  float sum = sp[0][c];
+  for (int t = 1; t < 8; t++) sum += sp[t][c];
+  part[blockIdx.y * M + mc] = sum;
 }
 template <class R>
 __global__ void col_sums_finish(const float *part, int64_t chunks, int64_t M, R *out, int64_t so) {
@@ -408,20 +392,22 @@ static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, 
     switch (A->dtype) {
     case KILN_BF16:
       if (wide)
-        col_sums_part8<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
-                                                                   A->strides[1], chunk, part);
+        col_sums_part<__nv_bfloat16, 8><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                     A->strides[1], chunk, part);
       else
-        col_sums_part<__nv_bfloat16><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
-                                                                  A->strides[1], chunk, part);
+        col_sums_part<__nv_bfloat16, 4><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                     A->strides[1], chunk, part);
       break;
     case KILN_F16:
       if (wide)
-        col_sums_part8<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
+        col_sums_part<__half, 8><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk,
+                                                              part);
       else
-        col_sums_part<__half><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk, part);
+        col_sums_part<__half, 4><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk,
+                                                              part);
       break;
     default:
-      col_sums_part<float><<<grid, blk, 0, d->stream>>>((const float *)A->data, M, K, A->strides[1], chunk, part);
+      col_sums_part<float, 4><<<grid, blk, 0, d->stream>>>((const float *)A->data, M, K, A->strides[1], chunk, part);
       break;
     }
     st = kiln__cuda_launched("matmul row sums (partials)");

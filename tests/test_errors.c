@@ -330,6 +330,17 @@ static void test_anomaly_modules(void) {
   H_CHECK(st == KILN_ERR_NUMERIC && strstr(msg, "backward of 'sqrt'") && strstr(msg, "0 (SqrtAbs)"),
           "backward anomaly names the forward op and its module: %s", msg);
   kiln_clear_error();
+  /* linear's rule runs its products as kernels: its gradients are checked all the same
+  ** (a zero weight: the forward is 0; dW = g^T x sums two rows of 2e38: an infinity) */
+  kiln_tensor *xl = kiln_full(KILN_SHAPE(2, 3), 2e38, KILN_F32, cpu), *wl = kiln_zeros(KILN_SHAPE(4, 3), KILN_F32, cpu);
+  kiln_requires_grad_(wl, true);
+  kiln_tensor *yl = kiln_linear(xl, wl, NULL);
+  H_CHECK(yl != NULL, "linear with a zero weight is finite: %s", kiln_last_error_message());
+  st = yl ? kiln_backward(kiln_sum_all(yl), NULL) : kiln_last_error();
+  msg = kiln_last_error_message();
+  H_CHECK(st == KILN_ERR_NUMERIC && strstr(msg, "'linear_backward'") && strstr(msg, "backward of"),
+          "an infinity in linear's weight gradient is named: %s", msg);
+  kiln_clear_error();
   kiln_set_anomaly_enabled(false);
   kiln_scope_end();
   kiln_module_free(net);

@@ -184,7 +184,9 @@ static double table_gflop(const char *table, const char *name) {
     char *tok[12];
     int nt = 0;
     for (char *t = strtok(row, " "); t && nt < 12; t = strtok(NULL, " ")) tok[nt++] = t;
-    /* name, calls, host ms, host us/c, dev us/c, MB moved, GFLOP, ... */
+    /* name, calls, host ms, host us/c, dev us/c, MB moved, GFLOP, ...; a backward row's
+    ** name is followed by "(backward)" */
+    if (nt >= 8 && !strcmp(tok[0], name) && !strcmp(tok[1], "(backward)")) return atof(tok[7]);
     if (nt >= 7 && !strcmp(tok[0], name)) return atof(tok[6]);
     line = nl ? nl + 1 : NULL;
   }
@@ -220,8 +222,39 @@ static void test_flops_of_norms_and_optimizers(void) {
   CHECK(table_gflop(text, "adam_step_") == 0.014);
 }
 
+/* linear's backward runs its products as kernels, not ops: the table still has them, as
+** one linear_backward row with both products' FLOPs (2 M N K each), and the forward's
+** own row is the forward's alone. */
+static void test_linear_backward_row(void) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(500, 1000), KILN_F32, cpu), *w = kiln_ones(KILN_SHAPE(1000, 1000), KILN_F32, cpu);
+  kiln_requires_grad_(x, true);
+  kiln_requires_grad_(w, true);
+  CHECK(kiln_profiler_start(NULL) == KILN_OK);
+  kiln_tensor *y = kiln_linear(x, w, NULL);
+  CHECK(y && kiln_backward(kiln_sum_all(y), NULL) == KILN_OK);
+  FILE *f = tmpfile();
+  CHECK(f != NULL);
+  if (f) {
+    CHECK(kiln_profiler_stop(f) == KILN_OK);
+    static char text[1 << 16];
+    rewind(f);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    CHECK(table_gflop(text, "linear") == 1.0);
+    CHECK(table_gflop(text, "linear_backward") == 2.0);
+    if (getenv("KILN_TEST_VERBOSE")) fputs(text, stderr);
+  } else {
+    kiln_profiler_stop(NULL);
+  }
+  kiln_scope_end();
+}
+
 int main(void) {
   test_bad_path();
+  test_linear_backward_row();
   test_flops_of_norms_and_optimizers();
   test_trace();
   if (failures) fprintf(stderr, "test_profile: %d failed\n", failures);

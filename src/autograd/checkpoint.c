@@ -66,7 +66,7 @@ static void tlist_add(tlist *l, kiln_tensor *t) {
 static void *collect_begin(const kiln__op_event *e, void *ctx) {
   KILN__UNUSED(ctx);
   collector *c = collecting;
-  if (!c) return NULL;
+  if (!c || e->span) return NULL; /* a rule's kernels: no op the segment's forward called */
   for (int i = 0; i < e->n_in; i++) {
     kiln_tensor *t = e->in[i];
     if (!t || !t->requires_grad || t->grad_fn) continue;

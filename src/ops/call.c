@@ -9,7 +9,7 @@
 #include <string.h>
 
 /* ---- observers ---- */
-#define MAX_OBSERVERS 8
+#define MAX_OBSERVERS 8 /* kiln__span keeps as many tokens */
 static pthread_mutex_t obs_lock = PTHREAD_MUTEX_INITIALIZER;
 static const kiln__observer *_Atomic observers[MAX_OBSERVERS];
 static atomic_int n_observers; /* the fast check: 0 means the path skips step 8 */
@@ -218,6 +218,35 @@ static kiln_status observe_end(const kiln__op_event *e, obs_token *toks, int n) 
   return st;
 }
 
+void kiln__span_begin(kiln__span *s, const kiln__op *op, int n_in, kiln_tensor *const *in) {
+  s->on = atomic_load_explicit(&n_observers, memory_order_relaxed) > 0 && !in_observer;
+  if (!s->on) return;
+  s->ev = (kiln__op_event){.op = op, .n_in = n_in, .in = in, .out = s->out, .depth = depth,
+                           .backward = kiln__in_backward(), .span = true, .status = KILN_OK};
+  obs_token toks[MAX_OBSERVERS];
+  in_observer = true;
+  s->n_tok = observe_begin(&s->ev, toks);
+  in_observer = false;
+  for (int i = 0; i < s->n_tok; i++) s->toks[i].o = toks[i].o, s->toks[i].token = toks[i].token;
+  depth++;
+}
+
+kiln_status kiln__span_end(kiln__span *s, int n_out, kiln_tensor *const *out, kiln_status st) {
+  if (!s->on) return st;
+  depth--;
+  int k = 0;
+  for (int i = 0; i < n_out && k < KILN__OP_MAX_OUT; i++)
+    if (out[i]) s->out[k++] = out[i];
+  s->ev.n_out = st == KILN_OK ? k : 0;
+  s->ev.status = st;
+  obs_token toks[MAX_OBSERVERS];
+  for (int i = 0; i < s->n_tok; i++) toks[i].o = s->toks[i].o, toks[i].token = s->toks[i].token;
+  in_observer = true;
+  kiln_status ost = observe_end(&s->ev, toks, s->n_tok);
+  in_observer = false;
+  return st == KILN_OK ? ost : st;
+}
+
 static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, const void *attrs,
                          kiln_tensor **out, kiln_status *status) {
   kiln__op_ctx c;
@@ -287,6 +316,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     ev.out = c.out;
     ev.depth = depth;
     ev.backward = kiln__in_backward();
+    ev.span = false;
     ev.status = KILN_OK;
     in_observer = true;
     n_tok = observe_begin(&ev, toks);

@@ -209,6 +209,7 @@ typedef struct kiln__op_event {
   kiln_tensor *const *out;
   int depth;      /* 0 for an op the program called itself */
   bool backward;  /* called from a backward rule */
+  bool span;      /* a rule's own kernels as one event (kiln__span_begin), not an op call */
   kiln_status status;
 } kiln__op_event;
 
@@ -227,6 +228,23 @@ kiln_status kiln__observer_add(const kiln__observer *o);
 void kiln__observer_remove(const kiln__observer *o);
 /* The current op depth of this thread (0 outside any op); kept only while an observer is on. */
 int kiln__op_depth(void);
+/* A backward rule that runs its kernels itself (linear's products) shows them to the
+** observers as one event named by op (the profiler's row, the anomaly check of its
+** gradients): begin with the rule's inputs, end with the gradients it made (NULLs
+** skipped) and its status; the ops the rule calls in between are inside it (depth + 1).
+** Nothing is done while no observer is on. */
+typedef struct kiln__span {
+  kiln__op_event ev;
+  kiln_tensor *out[KILN__OP_MAX_OUT];
+  struct {
+    const kiln__observer *o;
+    void *token;
+  } toks[8];
+  int n_tok;
+  bool on;
+} kiln__span;
+void kiln__span_begin(kiln__span *s, const kiln__op *op, int n_in, kiln_tensor *const *in);
+kiln_status kiln__span_end(kiln__span *s, int n_out, kiln_tensor *const *out, kiln_status st);
 
 /* ---- autocast hook (the mixed-precision issue installs the policy) ---- */
 /* Called for ops with an amp class when set: may replace in[i] with cast tensors (owned by

@@ -391,7 +391,7 @@ static bool dgelu_handover(kiln__node *n, kiln_tensor *g2, kiln_tensor *W, kiln_
   return true;
 }
 
-static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+static kiln_status linear_backward_run(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   if (n->op == &op_linear_gelu && !n->grad_mask) { /* grad_mask: g is already z's (dgelu_handover) */
     /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
     ** linear's products below on it, unmasked */
@@ -446,6 +446,19 @@ static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **
     if (st != KILN_OK) return st;
   }
   return KILN_OK;
+}
+
+/* The rule's products run as kernels, not ops: the observers see them as one event,
+** "linear_backward" with inputs (g, x, W) and the gradients it made (dx, dW, db): a row of
+** the profiler (KILN_PROFILE) and the anomaly check of the gradients. */
+static const kiln__op op_linear_backward_span = {.name = "linear_backward", .api = "kiln_linear (backward)"};
+
+static kiln_status linear_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  kiln__span sp;
+  kiln_tensor *in[3] = {g, n->saved[0], n->saved[1]};
+  kiln__span_begin(&sp, &op_linear_backward_span, 3, in);
+  kiln_status st = linear_backward_run(n, g, gi);
+  return kiln__span_end(&sp, 3, gi, st);
 }
 
 /* Inputs (x, weight, bias): bias may be NULL. */

@@ -123,6 +123,17 @@ static double flops_of(const kiln__op_event *e) {
     if (!strcmp(n, "scaled_dot_product_attention_backward")) return 2.5 * f;
     return !strcmp(n, "scaled_dot_product_attention") ? f : 0;
   }
+  if (!strcmp(n, "linear_backward") && e->n_in == 3 && e->in[0] && e->in[2] && e->in[2]->ndim == 2) {
+    /* g (M, N), x (M, K), W (N, K) -> the gradients made: dx = g W and dW = g^T x, 2 M N K
+    ** each (told apart by shape), db M N */
+    double mn = (double)kiln_numel(e->in[0]), k = (double)e->in[2]->shape[1], f = 0;
+    for (int i = 0; i < e->n_out; i++) {
+      const kiln_tensor *o = e->out[i];
+      if (!o) continue;
+      f += o->ndim == 1 ? mn : 2.0 * mn * k;
+    }
+    return f;
+  }
   double out = (double)kiln_numel(e->out[0]);
   kiln_tensor *a = e->n_in > 0 ? e->in[0] : NULL;
   double in0 = a ? (double)kiln_numel(a) : 0;

@@ -218,6 +218,9 @@ static kiln_status observe_end(const kiln__op_event *e, obs_token *toks, int n) 
   return st;
 }
 
+_Static_assert(sizeof(((kiln__span *)0)->toks) / sizeof(((kiln__span *)0)->toks[0]) >= MAX_OBSERVERS,
+               "a span keeps a token for every observer");
+
 void kiln__span_begin(kiln__span *s, const kiln__op *op, int n_in, kiln_tensor *const *in) {
   s->on = atomic_load_explicit(&n_observers, memory_order_relaxed) > 0 && !in_observer;
   if (!s->on) return;

@@ -193,6 +193,21 @@ static double table_gflop(const char *table, const char *name) {
   return -1;
 }
 
+/* Stops the profiler, its table as text ("" when it could not be read). */
+static const char *stop_to_text(void) {
+  static char text[1 << 16];
+  text[0] = 0;
+  FILE *f = tmpfile();
+  CHECK(f != NULL);
+  CHECK(kiln_profiler_stop(f) == KILN_OK);
+  if (!f) return text;
+  rewind(f);
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  text[n] = 0;
+  fclose(f);
+  return text;
+}
+
 /* The FLOPs the table gives the norms and the optimizer steps (they had none): 8 a
 ** value for layer_norm, 9 a parameter value for SGD, 14 for Adam. */
 static void test_flops_of_norms_and_optimizers(void) {
@@ -208,15 +223,7 @@ static void test_flops_of_norms_and_optimizers(void) {
   CHECK(kiln_adam_step_(p, g, m, v, NULL, 1e-3, 0.9, 0.999, 1e-8, 0, 1, false, false, NULL) == KILN_OK);
   kiln_set_grad_enabled(prev);
   kiln_scope_end();
-  FILE *f = tmpfile();
-  CHECK(f != NULL);
-  if (!f) return;
-  CHECK(kiln_profiler_stop(f) == KILN_OK);
-  static char text[1 << 16];
-  rewind(f);
-  size_t n = fread(text, 1, sizeof text - 1, f);
-  text[n] = 0;
-  fclose(f);
+  const char *text = stop_to_text();
   CHECK(table_gflop(text, "layer_norm") == 0.008);
   CHECK(table_gflop(text, "sgd_multi_step_") == 0.009);
   CHECK(table_gflop(text, "adam_step_") == 0.014);
@@ -234,21 +241,10 @@ static void test_linear_backward_row(void) {
   CHECK(kiln_profiler_start(NULL) == KILN_OK);
   kiln_tensor *y = kiln_linear(x, w, NULL);
   CHECK(y && kiln_backward(kiln_sum_all(y), NULL) == KILN_OK);
-  FILE *f = tmpfile();
-  CHECK(f != NULL);
-  if (f) {
-    CHECK(kiln_profiler_stop(f) == KILN_OK);
-    static char text[1 << 16];
-    rewind(f);
-    size_t n = fread(text, 1, sizeof text - 1, f);
-    text[n] = 0;
-    fclose(f);
-    CHECK(table_gflop(text, "linear") == 1.0);
-    CHECK(table_gflop(text, "linear_backward") == 2.0);
-    if (getenv("KILN_TEST_VERBOSE")) fputs(text, stderr);
-  } else {
-    kiln_profiler_stop(NULL);
-  }
+  const char *text = stop_to_text();
+  CHECK(table_gflop(text, "linear") == 1.0);
+  CHECK(table_gflop(text, "linear_backward") == 2.0);
+  if (getenv("KILN_TEST_VERBOSE")) fputs(text, stderr);
   kiln_scope_end();
 }
 

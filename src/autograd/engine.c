@@ -252,9 +252,9 @@ static kiln_tensor **input_slot(const kiln__node *n, int k) {
 ** in-place add of the rule's result, rounded once instead of twice.
 ** A leaf's .grad is offered too when it already holds this backward's or an earlier one's
 ** sum and nothing but the leaf holds it (a tied weight's second gradient: GPT-2's embedding
-** scattered its rows into zeros, then 154 MB of them were added to the head's), never inside kiln_autograd_grad's capture. A rule that scatters into it (an
-** embedding) adds its terms one by one into the sum, so its bits may differ from the
-** out-of-place sum's in the last place. */
+** scattered its rows into zeros, then 154 MB of them were added to the head's), never
+** inside kiln_autograd_grad's capture. A rule that adds its terms one by one into the sum
+** (the CPU's embedding) may differ from the out-of-place sum in the last place. */
 kiln_tensor *kiln__grad_into(const kiln__node *n, int k) {
   if (!n || n != rule_node || k < 0 || k >= n->n_in) return NULL;
   kiln_tensor *leaf = n->next[k].leaf;

@@ -191,12 +191,7 @@ static void release_tmps(kiln__op_ctx *c) {
   }
 }
 
-typedef struct obs_token {
-  const kiln__observer *o;
-  void *token;
-} obs_token;
-
-static int observe_begin(const kiln__op_event *e, obs_token *toks) {
+static int observe_begin(const kiln__op_event *e, kiln__obs_token *toks) {
   int n = 0;
   for (int i = 0; i < MAX_OBSERVERS; i++) {
     const kiln__observer *o = atomic_load_explicit(&observers[i], memory_order_acquire);
@@ -208,7 +203,7 @@ static int observe_begin(const kiln__op_event *e, obs_token *toks) {
   return n;
 }
 
-static kiln_status observe_end(const kiln__op_event *e, obs_token *toks, int n) {
+static kiln_status observe_end(const kiln__op_event *e, kiln__obs_token *toks, int n) {
   kiln_status st = KILN_OK;
   for (int i = 0; i < n; i++)
     if (toks[i].o->end) {
@@ -226,11 +221,9 @@ void kiln__span_begin(kiln__span *s, const kiln__op *op, int n_in, kiln_tensor *
   if (!s->on) return;
   s->ev = (kiln__op_event){.op = op, .n_in = n_in, .in = in, .out = s->out, .depth = depth,
                            .backward = kiln__in_backward(), .span = true, .status = KILN_OK};
-  obs_token toks[MAX_OBSERVERS];
   in_observer = true;
-  s->n_tok = observe_begin(&s->ev, toks);
+  s->n_tok = observe_begin(&s->ev, s->toks);
   in_observer = false;
-  for (int i = 0; i < s->n_tok; i++) s->toks[i].o = toks[i].o, s->toks[i].token = toks[i].token;
   depth++;
 }
 
@@ -242,10 +235,8 @@ kiln_status kiln__span_end(kiln__span *s, int n_out, kiln_tensor *const *out, ki
     if (out[i]) s->out[k++] = out[i];
   s->ev.n_out = st == KILN_OK ? k : 0;
   s->ev.status = st;
-  obs_token toks[MAX_OBSERVERS];
-  for (int i = 0; i < s->n_tok; i++) toks[i].o = s->toks[i].o, toks[i].token = s->toks[i].token;
   in_observer = true;
-  kiln_status ost = observe_end(&s->ev, toks, s->n_tok);
+  kiln_status ost = observe_end(&s->ev, s->toks, s->n_tok);
   in_observer = false;
   return st == KILN_OK ? ost : st;
 }
@@ -307,7 +298,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   /* The depth is kept only while observers are on (no one else reads it), so the path
   ** touches no thread-local when none is. */
   bool observe = atomic_load_explicit(&n_observers, memory_order_relaxed) > 0 && !in_observer;
-  obs_token toks[MAX_OBSERVERS];
+  kiln__obs_token toks[MAX_OBSERVERS];
   int n_tok = 0;
   kiln__op_event ev;
   if (observe) {

@@ -233,13 +233,14 @@ int kiln__op_depth(void);
 ** gradients): begin with the rule's inputs, end with the gradients it made (NULLs
 ** skipped) and its status; the ops the rule calls in between are inside it (depth + 1).
 ** Nothing is done while no observer is on. */
+typedef struct kiln__obs_token { /* an observer and what its begin returned */
+  const kiln__observer *o;
+  void *token;
+} kiln__obs_token;
 typedef struct kiln__span {
   kiln__op_event ev;
   kiln_tensor *out[KILN__OP_MAX_OUT];
-  struct {
-    const kiln__observer *o;
-    void *token;
-  } toks[8];
+  kiln__obs_token toks[8];
   int n_tok;
   bool on;
 } kiln__span;

@@ -305,9 +305,9 @@ __global__ void row_sums(const T *A, int64_t M, int64_t K, int64_t am, int64_t a
 /* The row sums of a transposed view (A[m, k] at m + k * ak: a weight gradient's g^T, whose
 ** row sums are the bias gradient), in two launches: block (32, 8) sums W neighbouring rows
 ** a lane over a chunk of k (stride 8 a thread, then the 8 partials in thread order), into
-** f32 partials (chunks, M); then the chunks are added, 8
-** threads a row in a fixed order. The one-thread-a-row kernel above walks K serially with
-** M threads (768 for GPT-2's projections: a few SMs busy). */
+** f32 partials (chunks, M); then the chunks are added, 8 threads a row in a fixed order.
+** The one-thread-a-row kernel above walks K serially with M threads (768 for GPT-2's
+** projections: a few SMs busy). */
 template <class T, int W> __device__ __forceinline__ void col_ld(const T *p, float *v) {
   if constexpr (W == 8) {
     kc_ld8<T>(p, v);

@@ -6,10 +6,16 @@
 **    forward kernel), against the CPU for rows of a warp's width and past it: C 17 (a
 **    tail shorter than the 4 loads a lane takes at once), 130, 1000; N 3 to 1000 (one
 **    block, several blocks and the finishing warp); f32 and bf16; ignore_index and label
-**    smoothing on one shape; long rows (C 3001 and 50257, a block a row).
+**    smoothing on one shape; long rows (C 3001 and 50257, a block a row); rows 16-byte
+**    aligned, two of which fit shared memory (the persistent kernel that fetches the next
+**    row while it writes this one's gradient): more rows than SMs, an ignored row and
+**    smoothing, f32 and bf16, and GPT-2's head (50257 classes in rows of 50304: a tail, and
+**    a gradient whose rows are not aligned as the logits').
 ** 2. The same inputs twice on the device: the same bits (the blocks' partials are added
-**    in a fixed order).
+**    in a fixed order); for long rows the second run with KILN_CUDA_CE_PIPE=0 (the
+**    row-a-block kernel where the fetch-ahead one took the first).
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
 #include <math.h>
@@ -21,6 +27,7 @@ typedef struct ce_case {
   kiln_reduction red;
   int64_t ignore;
   double ls;
+  int64_t pad; /* the logits a view of the first C columns of (N, C + pad) */
 } ce_case;
 
 /* loss and dlogits of case k on dev for dtype dt (host values, malloc'd; NULL on failure) */
@@ -28,14 +35,15 @@ static bool ce_run(const ce_case *k, kiln_dtype dt, kiln_device dev, double **lo
                    int64_t *ng) {
   kiln_scope_begin();
   kiln_generator *gen = kiln_generator_new(1234 + (uint64_t)k->N * 7 + (uint64_t)k->C);
-  kiln_tensor *x = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(k->N, k->C), KILN_F32, kiln_device_cpu(), gen), 3.0), dt);
+  kiln_tensor *x = kiln_to_dtype(
+      kiln_mul_scalar(kiln_randn(KILN_SHAPE(k->N, k->C + k->pad), KILN_F32, kiln_device_cpu(), gen), 3.0), dt);
   int64_t *tv = malloc((size_t)k->N * sizeof(int64_t));
   for (int64_t n = 0; n < k->N; n++) tv[n] = (n * 37 + 11) % k->C;
   if (k->ignore >= 0 && k->N > 2) tv[1] = k->ignore; /* one ignored row */
   kiln_tensor *t = kiln_from_data(tv, 1, (const int64_t[]){k->N}, KILN_I64, kiln_device_cpu());
   free(tv);
   kiln_generator_free(gen);
-  x = kiln_detach(kiln_to_device(x, dev));
+  x = kiln_narrow(kiln_detach(kiln_to_device(x, dev)), 1, 0, k->C);
   t = kiln_to_device(t, dev);
   kiln_requires_grad_(x, true);
   kiln_tensor *l = kiln_cross_entropy(x, t, k->red, k->ignore >= 0 ? k->ignore : -100, k->ls);
@@ -59,14 +67,18 @@ int main(int argc, char **argv) {
     return 77;
   }
   static const ce_case cases[] = {
-      {256, 1000, KILN_REDUCTION_MEAN, -1, 0.0}, {3, 130, KILN_REDUCTION_MEAN, -1, 0.0},
-      {1000, 17, KILN_REDUCTION_MEAN, -1, 0.0},  {64, 1000, KILN_REDUCTION_NONE, -1, 0.0},
-      {200, 130, KILN_REDUCTION_MEAN, 5, 0.1},   {5000, 130, KILN_REDUCTION_MEAN, -1, 0.0},
+      {256, 1000, KILN_REDUCTION_MEAN, -1, 0.0, 0}, {3, 130, KILN_REDUCTION_MEAN, -1, 0.0, 0},
+      {1000, 17, KILN_REDUCTION_MEAN, -1, 0.0, 0},  {64, 1000, KILN_REDUCTION_NONE, -1, 0.0, 0},
+      {200, 130, KILN_REDUCTION_MEAN, 5, 0.1, 0},   {5000, 130, KILN_REDUCTION_MEAN, -1, 0.0, 0},
       /* long rows, a block a row: a language model's vocabulary (bf16 rows staged in shared
       ** memory for the fused gradient, f32 ones of 50257 read twice), odd C (rows at every
       ** offset within 16 bytes) */
-      {40, 50257, KILN_REDUCTION_MEAN, -1, 0.0}, {33, 3001, KILN_REDUCTION_MEAN, 7, 0.1},
-      {20, 50257, KILN_REDUCTION_NONE, -1, 0.0},
+      {40, 50257, KILN_REDUCTION_MEAN, -1, 0.0, 0}, {33, 3001, KILN_REDUCTION_MEAN, 7, 0.1, 0},
+      {20, 50257, KILN_REDUCTION_NONE, -1, 0.0, 0},
+      /* aligned rows (the fetch-ahead kernel where two fit): 300 rows of 50304 (bf16; f32
+      ** rows do not fit), 150 of 8000 (both), GPT-2's head */
+      {300, 50304, KILN_REDUCTION_MEAN, 5, 0.1, 0}, {150, 8000, KILN_REDUCTION_NONE, -1, 0.0, 0},
+      {150, 8000, KILN_REDUCTION_MEAN, 3, 0.0, 0}, {200, 50257, KILN_REDUCTION_MEAN, -1, 0.0, 47},
   };
   static const kiln_dtype dts[2] = {KILN_F32, KILN_BF16};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
@@ -76,7 +88,9 @@ int main(int argc, char **argv) {
       int64_t nlg = 0, ngg = 0, nlc = 0, ngc = 0, n2 = 0, m2 = 0;
       bool a = ce_run(k, dts[di], kiln_device_cuda(0), &lg, &nlg, &gg, &ngg);
       bool b = ce_run(k, dts[di], kiln_device_cpu(), &lc, &nlc, &gc, &ngc);
+      if (k->C > 1024) setenv("KILN_CUDA_CE_PIPE", "0", 1);
       bool c = ce_run(k, dts[di], kiln_device_cuda(0), &lg2, &n2, &gg2, &m2);
+      unsetenv("KILN_CUDA_CE_PIPE");
       char name[160];
       /* bf16 logits: the loss is f32 from the same rounded logits on both sides */
       double rt = dts[di] == KILN_F32 ? 1e-5 : 2e-2, at = dts[di] == KILN_F32 ? 1e-6 : 1e-3;

@@ -200,6 +200,14 @@ int main(int argc, char **argv) {
       kiln_device cuda = kiln_device_cuda(0);
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, false);
+      /* the four-wide kernels at the other lane counts: a full last float4 of lanes (1024),
+      ** lanes without a column (260), rows not in whole warps' worth (77, 5) */
+      block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
+      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
+      block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
+      setenv("KILN_CUDA_RLN", "split", 1); /* the weight partials in a pass of their own */
+      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+      unsetenv("KILN_CUDA_RLN");
       block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
       block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
       gpt_fused_norms(cuda, KILN_F32);

@@ -265,13 +265,14 @@ static bool stats_f32(const Vec &mean, const Vec &rstd, bool rms) {
 
 /* The weight and bias gradients of a norm over R rows of N in two stages: stage1(grid,
 ** part, chunk, chunks) launches the chunk partials (2, chunks, N) with blocks of `cols`
-** columns, ln_bwd_wsum adds them into dw and db. Chunks: about 4 blocks an SM, at least 32
-** rows each. The partials live in the caching allocator for the two launches. */
+** columns, ln_bwd_wsum adds them into dw and db. Chunks: `want` of them, or where want is
+** 0 about 4 blocks an SM; at least 32 rows each. The partials live in the caching
+** allocator for the two launches. */
 template <class A, class F>
-static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, int64_t cols, Vec dw, Vec db,
-                              bool want_w, bool want_b, const char *what1, const char *what2, F stage1) {
+static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, int64_t cols, int64_t want, Vec dw,
+                              Vec db, bool want_w, bool want_b, const char *what1, const char *what2, F stage1) {
   const int64_t colb = (N + cols - 1) / cols;
-  const int64_t want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
+  if (want <= 0) want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
   int64_t chunk = (R + want - 1) / want;
   if (chunk < 32) chunk = 32;
   int64_t chunks = (R + chunk - 1) / chunk;
@@ -452,7 +453,7 @@ kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
   Vec dw = vec_of(&a->out[1]), db = a->n_out > 2 ? vec_of(&a->out[2]) : dw;
   const char *w1 = "layer_norm_backward (weight partials)", *w2 = "layer_norm_backward (weight sums)";
   if (f32v && std::is_same<A, double>::value) /* f32 x and g, rows 16-byte aligned */
-    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, dw, db, true, a->n_out > 2, w1, w2,
+    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, dw, db, true, a->n_out > 2, w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 if (stats_f32(p.mean, p.rstd, p.rms))
                                   wpart_v4<float, float><<<grid, dim3(32, 8), 0, d->stream>>>(
@@ -463,7 +464,7 @@ kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
                                       (const float *)x, p.xs0, (const float *)g, p.gs0, p.mean, p.rstd, p.rms, p.R,
                                       p.N, part, chunk, chunks);
                               });
-  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, dw, db, true, a->n_out > 2, w1, w2,
+  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, dw, db, true, a->n_out > 2, w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {
                          ln_bwd_wpart<T, A><<<grid, dim3(32, 8), 0, d->stream>>>(x, g, part, chunk, chunks, p);
                        });
@@ -784,65 +785,126 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
   }
 }
 
-__global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_v4(const float *s, const float *gs, float *ds, RlnArgs p,
-                                                            bool wvec) {
-  const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.R) return;
-  const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
-  const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
-  const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
-  const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+/* A block's W warps' f32 column sums (the slab, column j at float j of each warp's row)
+** added in warp order in double into out[0, N). */
+template <int NV, int W>
+__device__ __forceinline__ void rln_slab_sum(const float4 (*slab)[NV * 32], int64_t N, double *out) {
+  for (int j = threadIdx.x; j < (int)N; j += W * 32) {
+    double t = 0;
+#pragma unroll
+    for (int w = 0; w < W; w++) t += (double)reinterpret_cast<const float *>(slab[w])[j];
+    out[j] = t;
+  }
+}
+
+/* The backward, with the weight and bias gradients' partials when WG: block b (W warps)
+** takes rows [b chunk, (b + 1) chunk), warp w every W-th of them from w; without WG chunk
+** is W (a row a warp). NV float4s a lane (N <= NV * 128: the row in registers, no slots for columns the
+** row lacks). With WG each lane adds g xhat and g of its columns over the warp's rows into
+** f32 registers (a warp's rows are few: R / (chunks * W), about 8 for GPT-2), then the
+** block adds its warps in warp order in double into part (2, chunks, N) for ln_bwd_wsum:
+** the norm's parameter gradients without wpart_v4's second read of s and g. The same ds
+** and dr bits either way. With WG the accumulators take 2 NV float4s a lane more: blocks
+** of 4 warps keep them in registers (GPT-2's NV = 6: 160 a lane, 3 blocks an SM) where
+** 8-warp blocks capped at 2 an SM spill. */
+constexpr int rln_warps(bool wg) { return wg ? 4 : KC_THREADS / 32; }
+template <int NV, bool WG>
+__global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s, const float *gs, float *ds, RlnArgs p,
+                                                         bool wvec, int64_t chunk, int64_t chunks, double *part) {
+  constexpr int W = rln_warps(WG);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nv = (int)(p.N / 4);
-  float4 sv[LN_VMAX], gv[LN_VMAX]; /* s and g as read */
-  double sg = 0, sgx = 0;
+  float4 aw[WG ? NV : 1], ab[WG ? NV : 1];
+  if constexpr (WG) {
 #pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    const int c = k * 32 + lane;
-    sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (c < nv) {
-      sv[k] = sr[c];
-      gv[k] = kc_ld4(gr + 4 * c);
+    for (int k = 0; k < NV; k++) aw[k] = ab[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  for (int64_t row = r0 + warp; row < r1; row += W) {
+    const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
+    const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
+    const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
+    const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+    float4 sv[NV], gv[NV]; /* s and g as read */
+    double sg = 0, sgx = 0;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (c < nv) {
+        sv[k] = sr[c];
+        gv[k] = kc_ld4(gr + 4 * c);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      if (c >= nv) continue;
+      double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      if (p.has_w) {
+        const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+        gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+      }
+      const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
+                            ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
+      sg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
+      sgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
+      if constexpr (WG) {
+        aw[k].x += (float)((double)gv[k].x * xh[0]), aw[k].y += (float)((double)gv[k].y * xh[1]);
+        aw[k].z += (float)((double)gv[k].z * xh[2]), aw[k].w += (float)((double)gv[k].w * xh[3]);
+        ab[k].x += gv[k].x, ab[k].y += gv[k].y, ab[k].z += gv[k].z, ab[k].w += gv[k].w;
+      }
+    }
+    sg = warp_sum(sg) / (double)p.N;
+    sgx = warp_sum(sgx) / (double)p.N;
+    float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
+    const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
+    __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      if (c >= nv) continue;
+      double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      if (p.has_w) { /* recomputed, as the scalar kernel keeps gw in double */
+        const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+        gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+      }
+      const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
+                            ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
+      float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
+                              (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
+      if (gsr) {
+        const float4 o = gsr[c];
+        dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
+      }
+      dsr[c] = dv;
+      if (drr) bf4_st(drr, c, dv.x, dv.y, dv.z, dv.w);
     }
   }
+  if constexpr (WG) { /* the warps' sums in warp order, w then b, through one (W, N) f32 slab */
+    __shared__ float4 slab[W][NV * 32];
 #pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    const int c = k * 32 + lane;
-    if (c >= nv) continue;
-    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
-    if (p.has_w) {
-      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-      gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
-    }
-    const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
-                          ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
-    sg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
-    sgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
+    for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = aw[k];
+    __syncthreads();
+    rln_slab_sum<NV, W>(slab, p.N, part + (int64_t)blockIdx.x * p.N);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = ab[k];
+    __syncthreads();
+    rln_slab_sum<NV, W>(slab, p.N, part + ((int64_t)chunks + blockIdx.x) * p.N);
   }
-  sg = warp_sum(sg) / (double)p.N;
-  sgx = warp_sum(sgx) / (double)p.N;
-  float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
-  const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
-  __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
-#pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    const int c = k * 32 + lane;
-    if (c >= nv) continue;
-    double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
-    if (p.has_w) { /* recomputed, as the scalar kernel keeps gw in double */
-      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-      gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
-    }
-    const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
-                          ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
-    float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
-                            (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
-    if (gsr) {
-      const float4 o = gsr[c];
-      dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
-    }
-    dsr[c] = dv;
-    if (drr) bf4_st(drr, c, dv.x, dv.y, dv.z, dv.w);
+}
+
+/* rln_bwd_v4 for N's float4s a lane (1..LN_VMAX) */
+template <bool WG>
+static void rln_bwd_v4_launch(cudaStream_t st, unsigned blocks, const float *s, const float *gs, float *ds,
+                              const RlnArgs &p, bool wvec, int64_t chunk, int64_t chunks, double *part) {
+  switch ((p.N / 4 + 31) / 32) {
+#define RLN_NV(n)                                                                                                     \
+  case n: rln_bwd_v4<n, WG><<<blocks, rln_warps(WG) * 32, 0, st>>>(s, gs, ds, p, wvec, chunk, chunks, part); break;
+    RLN_NV(1) RLN_NV(2) RLN_NV(3) RLN_NV(4) RLN_NV(5) RLN_NV(6) RLN_NV(7) RLN_NV(8)
+#undef RLN_NV
+  default: break;
   }
 }
 
@@ -902,6 +964,29 @@ bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
          (!p.want_dr || (al8(p.dr) && p.drs0 % 4 == 0));
 }
 
+/* Whether the v4 backward makes the weight partials in its own pass over the rows
+** (KILN_CUDA_RLN=split keeps wpart_v4's second pass, for an A/B). */
+static bool rln_fused_wgrad() {
+  const char *e = getenv("KILN_CUDA_RLN");
+  return !(e && strcmp(e, "split") == 0);
+}
+
+/* rln_bwd_v4<., true>'s chunks: the blocks one wave holds (the occupancy calculator's count
+** an SM), so every warp's few rows are added in registers and the partials stay small. */
+static int64_t rln_bwd_chunks(kiln__cuda_dev *d, const RlnArgs &p) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+  switch ((p.N / 4 + 31) / 32) {
+#define RLN_OCC(k)                                                                                                    \
+  case k: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true>, rln_warps(true) * 32, 0); break;
+    RLN_OCC(1) RLN_OCC(2) RLN_OCC(3) RLN_OCC(4) RLN_OCC(5) RLN_OCC(6) RLN_OCC(7) RLN_OCC(8)
+#undef RLN_OCC
+  default: break;
+  }
+  if (e != cudaSuccess || n < 1) (void)cudaGetLastError(), n = 1;
+  return (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
+}
+
 template <class T>
 kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   typedef typename wide_acc<T>::type A;
@@ -920,20 +1005,28 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   }
   const T *s = (const T *)a->in[0].data;
   const T *gs = p.has_gs ? (const T *)a->in[a->n_in - 1].data : NULL;
+  const bool want_w = (a->i[1] & 2) != 0, want_b = (a->i[1] & 4) != 0;
+  Vec dw = vec_of(&a->out[2]), db = vec_of(&a->out[3]);
+  const char *w1 = "residual_layer_norm_backward (weight partials)", *w2 = "residual_layer_norm_backward (weight sums)";
+  if (v4 && (want_w || want_b) && rln_fused_wgrad()) /* f32 s, bf16 g: the partials in the rows' pass */
+    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, p), dw, db, want_w, want_b,
+                              "residual_layer_norm_backward", w2,
+                              [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
+                                rln_bwd_v4_launch<true>(d->stream, grid.y, (const float *)s, (const float *)gs,
+                                                        (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w), chunk,
+                                                        chunks, part);
+                              });
   if (v4)
-    rln_bwd_ds_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p,
-                                                        p.has_w && vec4_ok(p.w));
+    rln_bwd_v4_launch<false>(d->stream, blocks, (const float *)s, (const float *)gs, (float *)a->out[0].data, p,
+                             p.has_w && vec4_ok(p.w), rln_warps(false), blocks, NULL);
   else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else
     rln_bwd_ds<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(s, gs, (T *)a->out[0].data, p);
   KC_TRY(kiln__cuda_launched("residual_layer_norm_backward"));
-  const bool want_w = (a->i[1] & 2) != 0, want_b = (a->i[1] & 4) != 0;
   if (!want_w && !want_b) return KILN_OK;
-  Vec dw = vec_of(&a->out[2]), db = vec_of(&a->out[3]);
-  const char *w1 = "residual_layer_norm_backward (weight partials)", *w2 = "residual_layer_norm_backward (weight sums)";
   if (v4) /* f32 s, bf16 g */
-    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, dw, db, want_w, want_b, w1, w2,
+    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, dw, db, want_w, want_b, w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 if (stats_f32(p.mean, p.rstd, false))
                                   wpart_v4<__nv_bfloat16, float><<<grid, dim3(32, 8), 0, d->stream>>>(
@@ -944,7 +1037,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
                                       (const float *)s, p.ss0, (const __nv_bfloat16 *)p.g, p.gs0, p.mean, p.rstd,
                                       false, p.R, p.N, part, chunk, chunks);
                               });
-  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, dw, db, want_w, want_b, w1, w2,
+  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, dw, db, want_w, want_b, w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {
                          rln_bwd_wpart<T, A><<<grid, dim3(32, 8), 0, d->stream>>>(s, part, chunk, chunks, p);
                        });

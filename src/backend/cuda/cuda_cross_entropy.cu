@@ -11,8 +11,6 @@
 */
 #include "cuda_rows.cuh"
 
-#include <cuda_pipeline.h>
-
 #include <math.h>
 #include <type_traits>
 
@@ -480,66 +478,6 @@ __global__ void __launch_bounds__(CE_BT)
   if (w) w[n * p.sw] = kc_st<TL>(kept ? 1 : 0);
 }
 
-/* ce_big_forward with the fused gradient for rows two of which fit shared memory, 16-byte
-** aligned and contiguous: persistent blocks (one an SM) take rows n, n + grid, ...; the
-** next row's vectors are copied into the other buffer (cp.async) while this one is reduced
-** from shared memory and its gradient written, so the SM reads and writes at once (the
-** row-a-block kernel's two blocks an SM read, then both write, at about 70% of a copy's
-** rate). The same arithmetic as ce_big_forward on the same split of the row: the same
-** bits. A row that is not kept (ignored, or a target out of range) is not fetched. */
-template <class T, class TL, class TI, class TD>
-__global__ void __launch_bounds__(CE_BT)
-    ce_big_forward_pipe(const T *x, const TI *tgt, TL *loss, TL *lse, TL *w, TD *dl, const TL *cnt, bool dvec,
-                        CEArgs p) {
-  typedef typename kc_traits<T>::acc A;
-  const int W = CEVec<T>::W;
-  extern __shared__ __align__(16) unsigned char ce_dyn[];
-  const int64_t full = p.C / W, nv = (p.C + W - 1) / W; /* whole vectors; a buffer's vectors */
-  CEVec<T> *const buf = reinterpret_cast<CEVec<T> *>(ce_dyn); /* two rows: [0, nv) and [nv, 2 nv) */
-  auto fetch = [&](int64_t n, CEVec<T> *dst) { /* one commit group a row, empty when not kept */
-    const int64_t t = (int64_t)tgt[n * p.st];
-    if (t != p.ignore && t >= 0 && t < p.C) {
-      const CEVec<T> *src = reinterpret_cast<const CEVec<T> *>(x + n * p.sxn);
-      for (int64_t k = threadIdx.x; k < full; k += CE_BT) __pipeline_memcpy_async(dst + k, src + k, sizeof(CEVec<T>));
-      if (threadIdx.x < p.C - full * W) /* the tail: plain, seen after the loop's barrier */
-        reinterpret_cast<T *>(dst + full)[threadIdx.x] = x[n * p.sxn + full * W + threadIdx.x];
-    }
-    __pipeline_commit();
-  };
-  int64_t n = blockIdx.x;
-  if (n < p.N) fetch(n, buf);
-  for (int i = 0; n < p.N; n += gridDim.x, i ^= 1) {
-    if (n + gridDim.x < p.N) fetch(n + gridDim.x, buf + (i ^ 1) * nv); /* the buffer the last row was read from */
-    else __pipeline_commit();
-    __pipeline_wait_prior(1); /* this row's group */
-    __syncthreads();
-    const T *xr = reinterpret_cast<const T *>(buf + i * nv);
-    const int64_t t = (int64_t)tgt[n * p.st];
-    const bool kept = t != p.ignore, bad = kept && (t < 0 || t >= p.C);
-    A out = 0, l = 0;
-    if (kept && !bad) {
-      A m, s, sum;
-      ce_big_pass1<T, A>(xr, p.C, 1, true, m, s, sum, NULL);
-      group_ms<A, CE_BT>(m, s);
-      sum = group_sum<A, CE_BT>(sum);
-      l = sum != sum ? (A)NAN : m + kc_log(s);
-      A xt = kc_ld<T>(xr[t]), e = (A)p.eps;
-      out = l - ((A)1 - e) * xt - (p.eps != 0 ? e / (A)p.C * sum : (A)0);
-    } else if (bad) {
-      if (threadIdx.x == 0) kc_flag(p.flag, p.kop);
-      out = (A)NAN;
-    }
-    A gs = cnt ? (A)1 / (A)kc_ld<TL>(cnt[n * p.sdiv]) : (A)1;
-    ce_big_pass2<T, TD, A>(xr, dl + n * p.sdn, p.C, 1, p.sdc, true, dvec, !kept || bad, t, l, gs, (A)p.eps, NULL);
-    if (threadIdx.x == 0) {
-      loss[n * p.sl] = kc_st<TL>(out);
-      lse[n * p.sz] = kc_st<TL>(l);
-      if (w) w[n * p.sw] = kc_st<TL>(kept ? 1 : 0);
-    }
-    __syncthreads(); /* this row's buffer is the next fetch's */
-  }
-}
-
 /* The mean of the scratch row losses and the count of kept rows, in a fixed order (one
 ** block of KC_THREADS): the result does not depend on scheduling. */
 template <class TL, class TI>
@@ -606,45 +544,6 @@ size_t ce_stage_bytes(int device, int64_t C, bool vec, bool fused) {
   return bytes;
 }
 
-/* The blocks ce_big_forward_pipe takes x's rows with (0: it does not), and its dynamic
-** shared memory: the fused gradient, contiguous rows 16-byte aligned (their split has no
-** head, as the staged copy's), two rows within the device's opt-in shared memory.
-** KILN_CUDA_CE_PIPE=0 keeps the row-a-block kernel. The kernel's limit is raised once per
-** instantiation and device (the current one: the launch's). */
-template <class T, class TL, class TI>
-unsigned ce_pipe_blocks(kiln__cuda_dev *d, int device, const T *x, int64_t sxn, bool vec, bool fused, int64_t N,
-                        int64_t C, size_t *smem) {
-  const char *e = getenv("KILN_CUDA_CE_PIPE");
-  if (!vec || !fused || N < 1 || (uintptr_t)x % 16 != 0 || (sxn * (int64_t)sizeof(T)) % 16 != 0 ||
-      (e && strcmp(e, "0") == 0))
-    return 0;
-  const size_t bytes = 2 * (size_t)((C + CEVec<T>::W - 1) / CEVec<T>::W) * sizeof(CEVec<T>);
-  static unsigned long long raised; /* a bit a device below 64 (a race only repeats the calls) */
-  const bool known = device >= 0 && device < 64;
-  if (!known || !(raised >> device & 1ull)) {
-    int optin = 0;
-    cudaFuncAttributes fa;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        cudaFuncGetAttributes(&fa, ce_big_forward_pipe<T, TL, TI, T>) != cudaSuccess ||
-        cudaFuncSetAttribute(ce_big_forward_pipe<T, TL, TI, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             optin - (int)fa.sharedSizeBytes) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    if (known) raised |= 1ull << device;
-  }
-  int per = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, ce_big_forward_pipe<T, TL, TI, T>, CE_BT, bytes) !=
-          cudaSuccess ||
-      per < 1) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const int64_t most = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * per;
-  *smem = bytes;
-  return (unsigned)(N < most ? N : most);
-}
-
 template <class T, class TL, class TI>
 kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
   const kiln__view *dlv = kiln__ce_dlogits(a);
@@ -658,14 +557,9 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     if (p.C > CE_BIG_C) {
       bool vec, dvec;
       ce_big_vec<T, T>(x, p.sxn, p.sxc, dl, p.sdn, p.sdc, p.C, &vec, &dvec);
-      size_t pm = 0;
-      if (unsigned pb = ce_pipe_blocks<T, TL, TI>(d, a->device, x, p.sxn, vec, dl != NULL, p.N, p.C, &pm)) {
-        ce_big_forward_pipe<T, TL, TI, T><<<pb, CE_BT, pm, d->stream>>>(x, t, loss, lse, w, dl, div, dvec, p);
-      } else {
-        size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
-        ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, loss, lse, w, dl, div, vec,
-                                                                             dvec, sm > 0, p);
-      }
+      size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
+      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, loss, lse, w, dl, div, vec,
+                                                                           dvec, sm > 0, p);
     } else {
       unsigned blocks = (unsigned)((p.N + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
       ce_forward<T, TL, TI, 32><<<blocks, KC_THREADS, 0, d->stream>>>(x, t, loss, lse, w, dl, div, p);
@@ -685,14 +579,9 @@ kiln_status ce_launch(kiln__cuda_dev *d, const kiln__kargs *a, CEArgs p) {
     q.sl = 1;
     bool vec, dvec;
     ce_big_vec<T, T>(x, p.sxn, p.sxc, dl, p.sdn, p.sdc, p.C, &vec, &dvec);
-    size_t pm = 0;
-    if (unsigned pb = ce_pipe_blocks<T, TL, TI>(d, a->device, x, p.sxn, vec, dl != NULL, p.N, p.C, &pm)) {
-      ce_big_forward_pipe<T, TL, TI, T><<<pb, CE_BT, pm, d->stream>>>(x, t, rows, lse, NULL, dl, kept, dvec, q);
-    } else {
-      size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
-      ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, rows, lse, NULL, dl,
-                                                                           dl ? kept : NULL, vec, dvec, sm > 0, q);
-    }
+    size_t sm = ce_stage_bytes<T, TL, TI>(a->device, p.C, vec, dl != NULL);
+    ce_big_forward<T, TL, TI, T><<<(unsigned)p.N, CE_BT, sm, d->stream>>>(x, t, rows, lse, NULL, dl,
+                                                                         dl ? kept : NULL, vec, dvec, sm > 0, q);
     ce_big_mean_finish<TL, TI><<<1, KC_THREADS, 0, d->stream>>>(rows, t, p, mean, cnt);
     kiln__cuda_free(a->device, rows, bytes); /* stream-ordered reuse */
   } else if (a->op == KILN__K_CROSS_ENTROPY_MEAN) {

@@ -193,22 +193,23 @@ __global__ void ln_bwd_wpart(const T *x, const T *g, A *part, int64_t chunk, int
   }
 }
 
-/* Stage 2: the chunk partials of column j summed by block (32, 8): thread y takes chunks
-** y, y + 8, ... in order, then the 8 sums are added in thread order (a fixed order: the
+/* Stage 2: the chunk partials of column j summed by block (32, Y): thread y takes chunks
+** y, y + Y, ... in order, then the Y sums are added in thread order (a fixed order: the
 ** same numbers every run). One thread a column walking all the chunks in a row was 15 us
-** a call at GPT-2's 22 chunks, every load waiting on the one before. */
-template <class A>
+** a call at GPT-2's 22 chunks, every load waiting on the one before; Y = 32 where the
+** chunks are many (the fused residual norm's one a block: 396 on an H100). */
+template <class A, int Y>
 __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Vec db, bool want_w, bool want_b) {
-  __shared__ A sw[8][33], sb[8][33];
+  __shared__ A sw[Y][33], sb[Y][33];
   const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
   A aw = 0, ab = 0;
   if (j < N)
-    for (int64_t c = threadIdx.y; c < chunks; c += 8) aw += part[c * N + j], ab += part[(chunks + c) * N + j];
+    for (int64_t c = threadIdx.y; c < chunks; c += Y) aw += part[c * N + j], ab += part[(chunks + c) * N + j];
   sw[threadIdx.y][threadIdx.x] = aw;
   sb[threadIdx.y][threadIdx.x] = ab;
   __syncthreads();
   if (threadIdx.y != 0 || j >= N) return;
-  for (int t = 1; t < 8; t++) aw += sw[t][threadIdx.x], ab += sb[t][threadIdx.x];
+  for (int t = 1; t < Y; t++) aw += sw[t][threadIdx.x], ab += sb[t][threadIdx.x];
   if (want_w) st_any<A>((void *)dw.p, dw.dt, j * dw.st, aw);
   if (want_b) st_any<A>((void *)db.p, db.dt, j * db.st, ab);
 }
@@ -286,7 +287,11 @@ static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, 
     st = kiln__cuda_launched(what1);
   }
   if (st == KILN_OK) {
-    ln_bwd_wsum<A><<<(unsigned)((N + 31) / 32), dim3(32, 8), 0, d->stream>>>(part, chunks, N, dw, db, want_w, want_b);
+    const unsigned blocks = (unsigned)((N + 31) / 32);
+    if (chunks >= 128)
+      ln_bwd_wsum<A, 32><<<blocks, dim3(32, 32), 0, d->stream>>>(part, chunks, N, dw, db, want_w, want_b);
+    else
+      ln_bwd_wsum<A, 8><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, N, dw, db, want_w, want_b);
     st = kiln__cuda_launched(what2);
   }
   kiln__cuda_free(dev, part, bytes); /* stream-ordered reuse */

@@ -766,7 +766,7 @@ static void matmul_cases(void) {
         {64, 1024, 32, true, "rowsum K=1024 (cuBLASLt BGRADB)"},
         {128, 2, 128, true, "rowsum K=2 (tiny K)"}, {128, 128, 2, true, "rowsum thin N=2"},
         {37, 300, 5, false, "rowsum thin 37x300 @ 300x5"}, {5, 40, 100, false, "rowsum thin^T 5x40"},
-        /* col_sums: strips of 256 or 128 rows, each finished by its last chunk's block */
+        /* col_sums: several strips of 256 or 128 rows, each in many chunks */
         {3072, 2048, 16, true, "rowsum g^T[3072,2048] (strips x chunks)"}};
     for (size_t k = 0; k < sizeof rs / sizeof rs[0]; k++) {
       tcase t;

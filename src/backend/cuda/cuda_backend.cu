@@ -149,8 +149,6 @@ extern "C" kiln_status kiln__cuda_ctx(int device, kiln__cuda_dev **out) {
               "cudaHostGetDevicePointer (error flag)");
       KC_CUDA(cudaDeviceGetAttribute(&d->sm_count, cudaDevAttrMultiProcessorCount, device),
               "cudaDeviceGetAttribute");
-      KC_CUDA(cudaMalloc((void **)&d->tickets, KC_TICKETS * sizeof(unsigned)), "cudaMalloc (tickets)");
-      KC_CUDA(cudaMemset(d->tickets, 0, KC_TICKETS * sizeof(unsigned)), "cudaMemset (tickets)");
       KC_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize (init)");
       g_ready[device].store(1, std::memory_order_release);
     }

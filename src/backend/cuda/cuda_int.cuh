@@ -30,11 +30,7 @@ typedef struct kiln__cuda_dev {
   void *blaslt;       /* cublasLtHandle_t */
   void *workspace;    /* cuBLAS workspace from the caching allocator */
   size_t workspace_size;
-  unsigned *tickets;  /* KC_TICKETS zeros: a kernel's blocks count their arrivals here and the
-                      ** last one puts its counter back to 0 (col_sums); one stream, so one
-                      ** such kernel runs at a time */
 } kiln__cuda_dev;
-#define KC_TICKETS 1024
 
 extern "C" {
 /* Makes device current on this thread and returns its state, creating the stream and

@@ -316,34 +316,12 @@ template <class T, int W> __device__ __forceinline__ void col_ld(const T *p, flo
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
   }
 }
-/* The chunk sums of column m, col_sums_finish's way: thread y of a (32, 8) group takes
-** chunks y, y + 8, ... (read through L2: other blocks wrote them), then the 8 sums are
-** added in thread order. sp: a (8, >= 33) scratch; every thread of the group calls it. */
-template <class R, int S>
-__device__ __forceinline__ void col_sums_chunks(const float *part, int64_t chunks, int64_t M, int64_t m, R *out,
-                                                int64_t so, float (*sp)[S]) {
-  float a = 0;
-  if (m < M)
-    for (int64_t c = threadIdx.y; c < chunks; c += 8) a += __ldcg(part + c * M + m);
-  sp[threadIdx.y][threadIdx.x] = a;
-  __syncthreads();
-  if (threadIdx.y == 0 && m < M) {
-    for (int t = 1; t < 8; t++) a += sp[t][threadIdx.x];
-    out[m * so] = kc_st<R>(a);
-  }
-  __syncthreads(); /* sp is read above before the next call writes it */
-}
-
 /* W neighbouring rows a lane: 4 (one 8- or 16-byte load), or 8 for 16-bit A with rows in
-** eights (one 16-byte load); a block 32 W rows, a thread one of them in the second half.
-** With tickets (KC_TICKETS counters at 0, one a column strip) the last block of a strip to
-** write its partials adds the strip's chunks into out, as col_sums_finish would (the same
-** bits), and puts its counter back to 0: one launch instead of two. */
-template <class T, int W, class R>
+** eights (one 16-byte load); a block 32 W rows, a thread one of them in the second half. */
+template <class T, int W>
 __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int64_t K, int64_t ak, int64_t chunk,
-                                                     float *part, unsigned *tickets, R *out, int64_t so) {
+                                                     float *part) {
   __shared__ float sp[8][32 * W + 1];
-  __shared__ bool last;
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t m = ((int64_t)blockIdx.x * 32 + tx) * W, k0 = (int64_t)blockIdx.y * chunk;
   const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
@@ -364,26 +342,23 @@ __global__ void __launch_bounds__(256) col_sums_part(const T *A, int64_t M, int6
   __syncthreads();
   const int c = ty * 32 + tx;
   const int64_t mc = (int64_t)blockIdx.x * 32 * W + c;
-  if (c < 32 * W && mc < M) {
-    float sum = sp[0][c];
-    for (int t = 1; t < 8; t++) sum += sp[t][c];
-    part[blockIdx.y * M + mc] = sum;
-  }
-  if (!tickets) return;
-  __threadfence(); /* the partials before the count */
-  __syncthreads();
-  if (c == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int g = 0; g < W; g++)
-    col_sums_chunks<R, 32 * W + 1>(part, gridDim.y, M, (int64_t)blockIdx.x * 32 * W + g * 32 + tx, out, so, sp);
-  if (c == 0) tickets[blockIdx.x] = 0;
+  if (c >= 32 * W || mc >= M) return;
+  float sum = sp[0][c];
+  for (int t = 1; t < 8; t++) sum += sp[t][c];
+  part[blockIdx.y * M + mc] = sum;
 }
 template <class R>
 __global__ void col_sums_finish(const float *part, int64_t chunks, int64_t M, R *out, int64_t so) {
   __shared__ float sp[8][33];
-  col_sums_chunks<R, 33>(part, chunks, M, (int64_t)blockIdx.x * 32 + threadIdx.x, out, so, sp);
+  const int64_t m = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  float a = 0;
+  if (m < M)
+    for (int64_t c = threadIdx.y; c < chunks; c += 8) a += part[c * M + m];
+  sp[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y != 0 || m >= M) return;
+  for (int t = 1; t < 8; t++) a += sp[t][threadIdx.x];
+  out[m * so] = kc_st<R>(a);
 }
 
 /* Whether col_sums takes A (a 16-bit or f32 transposed view, rows in fours, aligned) into R
@@ -397,22 +372,6 @@ static bool col_sums_fit(const kiln__view *A, const kiln__view *R) {
   return ((uintptr_t)A->data % (4 * es)) == 0;
 }
 
-/* Partials for R's dtype: one launch with the device's tickets (the strip's last block
-** finishes; KILN_CUDA_BGRAD_FOLD=0, or more strips than tickets: col_sums_finish after). */
-template <class T, int W, class R>
-static void col_sums_launch(kiln__cuda_dev *d, dim3 grid, const kiln__view *A, int64_t chunk, float *part,
-                            bool fold, const kiln__view *Rv) {
-  col_sums_part<T, W, R><<<grid, dim3(32, 8), 0, d->stream>>>((const T *)A->data, A->shape[0], A->shape[1],
-                                                              A->strides[1], chunk, part, fold ? d->tickets : NULL,
-                                                              (R *)Rv->data, Rv->strides[0]);
-}
-template <class T, int W>
-static void col_sums_launch(kiln__cuda_dev *d, dim3 grid, const kiln__view *A, int64_t chunk, float *part,
-                            bool fold, const kiln__view *Rv) {
-  if (Rv->dtype == KILN_F32) col_sums_launch<T, W, float>(d, grid, A, chunk, part, fold, Rv);
-  else col_sums_launch<T, W, T>(d, grid, A, chunk, part, fold, Rv);
-}
-
 static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, const kiln__view *R) {
   const int64_t M = A->shape[0], K = A->shape[1];
   const size_t es = kc_size(A->dtype);
@@ -424,28 +383,36 @@ static kiln_status col_sums(kiln__cuda_dev *d, int device, const kiln__view *A, 
   if (chunk < 32) chunk = 32;
   int64_t chunks = (K + chunk - 1) / chunk;
   if (chunks > 65535) chunks = 65535, chunk = (K + chunks - 1) / chunks;
-  const char *e = getenv("KILN_CUDA_BGRAD_FOLD");
-  const bool fold = d->tickets && colb <= KC_TICKETS && !(e && strcmp(e, "0") == 0);
   const size_t bytes = (size_t)(chunks * M) * sizeof(float);
   float *part = (float *)kiln__cuda_alloc(device, bytes);
   if (!part) return kiln_last_error();
   kiln_status st = kiln__cuda_capture_note(device, part, bytes);
   if (st == KILN_OK) {
-    const dim3 grid((unsigned)colb, (unsigned)chunks);
+    const dim3 grid((unsigned)colb, (unsigned)chunks), blk(32, 8);
     switch (A->dtype) {
     case KILN_BF16:
-      if (wide) col_sums_launch<__nv_bfloat16, 8>(d, grid, A, chunk, part, fold, R);
-      else col_sums_launch<__nv_bfloat16, 4>(d, grid, A, chunk, part, fold, R);
+      if (wide)
+        col_sums_part<__nv_bfloat16, 8><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                     A->strides[1], chunk, part);
+      else
+        col_sums_part<__nv_bfloat16, 4><<<grid, blk, 0, d->stream>>>((const __nv_bfloat16 *)A->data, M, K,
+                                                                     A->strides[1], chunk, part);
       break;
     case KILN_F16:
-      if (wide) col_sums_launch<__half, 8>(d, grid, A, chunk, part, fold, R);
-      else col_sums_launch<__half, 4>(d, grid, A, chunk, part, fold, R);
+      if (wide)
+        col_sums_part<__half, 8><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk,
+                                                              part);
+      else
+        col_sums_part<__half, 4><<<grid, blk, 0, d->stream>>>((const __half *)A->data, M, K, A->strides[1], chunk,
+                                                              part);
       break;
-    default: col_sums_launch<float, 4, float>(d, grid, A, chunk, part, fold, R); break;
+    default:
+      col_sums_part<float, 4><<<grid, blk, 0, d->stream>>>((const float *)A->data, M, K, A->strides[1], chunk, part);
+      break;
     }
-    st = kiln__cuda_launched(fold ? "matmul row sums" : "matmul row sums (partials)");
+    st = kiln__cuda_launched("matmul row sums (partials)");
   }
-  if (st == KILN_OK && !fold) {
+  if (st == KILN_OK) {
     const unsigned blocks = (unsigned)((M + 31) / 32);
     switch (R->dtype) {
     case KILN_BF16:

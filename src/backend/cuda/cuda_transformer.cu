@@ -729,8 +729,12 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, co
 
 /* rln_fwd_fast / rln_bwd_ds_fast with 16-byte f32 and 8-byte bf16 accesses (four
 ** consecutive elements a lane a load, as ln_fwd_f32v): N % 4 == 0, N <= LN_VMAX * 128,
-** rows aligned (rln_v4_fits). The same arithmetic, element by element; the statistics'
-** double sums in another order. */
+** rows aligned (rln_v4_fits). C, the type of the per-element arithmetic: double is the
+** element-a-lane kernels' arithmetic (the statistics' sums in another order); float is
+** PyTorch's (its layer norm computes in f32), with each lane's partial sums of the row
+** statistics made in f32 over its few elements (24 for GPT-2) and added across the warp in
+** double. The kernels were bound by the f64 pipe and its conversions, not by memory (on the
+** H100 the backward moved 2.1 TB/s); KILN_CUDA_RLN=f64 keeps double. */
 __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, float z, float w) {
   __nv_bfloat162 a = __floats2bfloat162_rn(x, y), b = __floats2bfloat162_rn(z, w);
   uint2 u;
@@ -738,6 +742,7 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
   reinterpret_cast<uint2 *>(base)[q] = u;
 }
 
+template <class C>
 __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec) {
   const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -747,7 +752,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
   float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
   const int nv = (int)(p.N / 4);
   float4 v[LN_VMAX];
-  double mean = 0, var = 0;
+  C lm = 0, lv = 0;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
     const int c = k * 32 + lane;
@@ -756,31 +761,33 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *
       const float4 xv = xr[c], rv = kc_ld4(rr + 4 * c);
       v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
       sr[c] = v[k];
-      mean += ((double)v[k].x + (double)v[k].y) + ((double)v[k].z + (double)v[k].w);
+      lm += ((C)v[k].x + (C)v[k].y) + ((C)v[k].z + (C)v[k].w);
     }
   }
-  mean = warp_sum(mean) / (double)p.N;
+  const double mean = warp_sum((double)lm) / (double)p.N;
+  const C mc = (C)mean;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
     if (k * 32 + lane >= nv) continue;
-    const double a0 = v[k].x - mean, a1 = v[k].y - mean, a2 = v[k].z - mean, a3 = v[k].w - mean;
-    var += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
+    const C a0 = v[k].x - mc, a1 = v[k].y - mc, a2 = v[k].z - mc, a3 = v[k].w - mc;
+    lv += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
   }
-  var = warp_sum(var) / (double)p.N;
+  const double var = warp_sum((double)lv) / (double)p.N;
   const double rstd = 1.0 / sqrt(var + p.eps);
+  const C rc = (C)rstd;
   __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
 #pragma unroll
   for (int k = 0; k < LN_VMAX; k++) {
     const int c = k * 32 + lane;
     if (c >= nv) continue;
-    double t[4] = {(v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, (v[k].w - mean) * rstd};
+    C t[4] = {(v[k].x - mc) * rc, (v[k].y - mc) * rc, (v[k].z - mc) * rc, (v[k].w - mc) * rc};
     if (p.has_w) {
       const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-      t[0] *= (double)w.x, t[1] *= (double)w.y, t[2] *= (double)w.z, t[3] *= (double)w.w;
+      t[0] *= (C)w.x, t[1] *= (C)w.y, t[2] *= (C)w.z, t[3] *= (C)w.w;
     }
     if (p.has_b) {
       const float4 b = ln_ld4(p.b, bvec, (int64_t)c * 4);
-      t[0] += (double)b.x, t[1] += (double)b.y, t[2] += (double)b.z, t[3] += (double)b.w;
+      t[0] += (C)b.x, t[1] += (C)b.y, t[2] += (C)b.z, t[3] += (C)b.w;
     }
     bf4_st(yr, c, (float)t[0], (float)t[1], (float)t[2], (float)t[3]);
   }
@@ -804,18 +811,18 @@ __device__ __forceinline__ void rln_slab_sum(const float4 (*slab)[NV * 32], int6
 
 /* The backward, with the weight and bias gradients' partials when WG: block b (W warps)
 ** takes rows [b chunk, (b + 1) chunk), warp w every W-th of them from w; without WG chunk
-** is W (a row a warp). NV float4s a lane (N <= NV * 128: the row in registers, no slots for columns the
-** row lacks). With WG each lane adds g xhat and g of its columns over the warp's rows into
-** f32 registers (a warp's rows are few: R / (chunks * W), about 8 for GPT-2), then the
-** block adds its warps in warp order in double into part (2, chunks, N) for ln_bwd_wsum:
-** the norm's parameter gradients without wpart_v4's second read of s and g. The same ds
-** and dr bits either way. With WG the accumulators take 2 NV float4s a lane more: blocks
-** of 4 warps keep them in registers (GPT-2's NV = 6: 160 a lane, 3 blocks an SM) where
-** 8-warp blocks capped at 2 an SM spill. */
+** is W (a row a warp). NV float4s a lane (N <= NV * 128: the row in registers, no slots for
+** columns the row lacks). With WG each lane adds g xhat and g of its columns over the
+** warp's rows into f32 registers (a warp's rows are few: R / (chunks * W), about 8 for
+** GPT-2), then the block adds its warps in warp order in double into part (2, chunks, N)
+** for ln_bwd_wsum: the norm's parameter gradients without wpart_v4's second read of s and
+** g. The same ds and dr bits either way. With WG the accumulators take 2 NV float4s a lane
+** more: blocks of 4 warps keep them in registers where 8-warp blocks capped at 2 an SM
+** spill. C: the per-element arithmetic (above). */
 constexpr int rln_warps(bool wg) { return wg ? 4 : KC_THREADS / 32; }
-template <int NV, bool WG>
+template <int NV, bool WG, class C>
 __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s, const float *gs, float *ds, RlnArgs p,
-                                                         bool wvec, int64_t chunk, int64_t chunks, double *part) {
+                                                                 bool wvec, int64_t chunk, int64_t chunks, double *part) {
   constexpr int W = rln_warps(WG);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nv = (int)(p.N / 4);
@@ -828,10 +835,10 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
   for (int64_t row = r0 + warp; row < r1; row += W) {
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
-    const double mean = ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
-    const double rstd = ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+    const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
+    const C rc = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
     float4 sv[NV], gv[NV]; /* s and g as read */
-    double sg = 0, sgx = 0;
+    C lsg = 0, lsgx = 0;
 #pragma unroll
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
@@ -845,23 +852,23 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
       if (c >= nv) continue;
-      double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      C gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
       if (p.has_w) {
         const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-        gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+        gw[0] *= (C)w.x, gw[1] *= (C)w.y, gw[2] *= (C)w.z, gw[3] *= (C)w.w;
       }
-      const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
-                            ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
-      sg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
-      sgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
+      const C xh[4] = {((C)sv[k].x - mc) * rc, ((C)sv[k].y - mc) * rc, ((C)sv[k].z - mc) * rc,
+                       ((C)sv[k].w - mc) * rc};
+      lsg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
+      lsgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
       if constexpr (WG) {
-        aw[k].x += (float)((double)gv[k].x * xh[0]), aw[k].y += (float)((double)gv[k].y * xh[1]);
-        aw[k].z += (float)((double)gv[k].z * xh[2]), aw[k].w += (float)((double)gv[k].w * xh[3]);
+        aw[k].x += (float)((C)gv[k].x * xh[0]), aw[k].y += (float)((C)gv[k].y * xh[1]);
+        aw[k].z += (float)((C)gv[k].z * xh[2]), aw[k].w += (float)((C)gv[k].w * xh[3]);
         ab[k].x += gv[k].x, ab[k].y += gv[k].y, ab[k].z += gv[k].z, ab[k].w += gv[k].w;
       }
     }
-    sg = warp_sum(sg) / (double)p.N;
-    sgx = warp_sum(sgx) / (double)p.N;
+    const C sg = (C)(warp_sum((double)lsg) / (double)p.N);
+    const C sgx = (C)(warp_sum((double)lsgx) / (double)p.N);
     float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
     const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
     __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
@@ -869,15 +876,15 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
       if (c >= nv) continue;
-      double gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
-      if (p.has_w) { /* recomputed, as the scalar kernel keeps gw in double */
+      C gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      if (p.has_w) { /* recomputed, not held in registers across the row's sums */
         const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-        gw[0] *= (double)w.x, gw[1] *= (double)w.y, gw[2] *= (double)w.z, gw[3] *= (double)w.w;
+        gw[0] *= (C)w.x, gw[1] *= (C)w.y, gw[2] *= (C)w.z, gw[3] *= (C)w.w;
       }
-      const double xh[4] = {((double)sv[k].x - mean) * rstd, ((double)sv[k].y - mean) * rstd,
-                            ((double)sv[k].z - mean) * rstd, ((double)sv[k].w - mean) * rstd};
-      float4 dv = make_float4((float)(rstd * (gw[0] - sg - xh[0] * sgx)), (float)(rstd * (gw[1] - sg - xh[1] * sgx)),
-                              (float)(rstd * (gw[2] - sg - xh[2] * sgx)), (float)(rstd * (gw[3] - sg - xh[3] * sgx)));
+      const C xh[4] = {((C)sv[k].x - mc) * rc, ((C)sv[k].y - mc) * rc, ((C)sv[k].z - mc) * rc,
+                       ((C)sv[k].w - mc) * rc};
+      float4 dv = make_float4((float)(rc * (gw[0] - sg - xh[0] * sgx)), (float)(rc * (gw[1] - sg - xh[1] * sgx)),
+                              (float)(rc * (gw[2] - sg - xh[2] * sgx)), (float)(rc * (gw[3] - sg - xh[3] * sgx)));
       if (gsr) {
         const float4 o = gsr[c];
         dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
@@ -901,12 +908,12 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
 }
 
 /* rln_bwd_v4 for N's float4s a lane (1..LN_VMAX) */
-template <bool WG>
+template <bool WG, class C>
 static void rln_bwd_v4_launch(cudaStream_t st, unsigned blocks, const float *s, const float *gs, float *ds,
                               const RlnArgs &p, bool wvec, int64_t chunk, int64_t chunks, double *part) {
   switch ((p.N / 4 + 31) / 32) {
 #define RLN_NV(n)                                                                                                     \
-  case n: rln_bwd_v4<n, WG><<<blocks, rln_warps(WG) * 32, 0, st>>>(s, gs, ds, p, wvec, chunk, chunks, part); break;
+  case n: rln_bwd_v4<n, WG, C><<<blocks, rln_warps(WG) * 32, 0, st>>>(s, gs, ds, p, wvec, chunk, chunks, part); break;
     RLN_NV(1) RLN_NV(2) RLN_NV(3) RLN_NV(4) RLN_NV(5) RLN_NV(6) RLN_NV(7) RLN_NV(8)
 #undef RLN_NV
   default: break;
@@ -953,14 +960,24 @@ bool rln_supports(const kiln__kargs *a) {
   return true;
 }
 
+/* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
+** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
+** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels). */
+static bool rln_env(const char *w) {
+  const char *e = getenv("KILN_CUDA_RLN");
+  const size_t n = strlen(w);
+  for (const char *q = e; q && *q; q = strchr(q, ',') ? strchr(q, ',') + 1 : NULL)
+    if (strncmp(q, w, n) == 0 && (q[n] == ',' || q[n] == '\0')) return true;
+  return false;
+}
+
 /* Whether the v4 kernels take a (on top of rln_fast): N % 4 == 0 up to LN_VMAX * 128, the
 ** f32 rows 16-byte and the bf16 rows 8-byte aligned. KILN_CUDA_RLN=fast keeps the
 ** element-a-lane kernels (the v4 ones: GPT-2's step 49.5 -> 38.2 ms on the H100). */
 static bool al8(const void *q) { return ((uintptr_t)q & 7) == 0; }
 bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
   if (p.N % 4 != 0 || p.N > LN_VMAX * 128) return false;
-  const char *e = getenv("KILN_CUDA_RLN");
-  if (e && strcmp(e, "fast") == 0) return false;
+  if (rln_env("fast")) return false;
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM)
     return al16(a->in[0].data) && p.xs0 % 4 == 0 && al16(a->out[1].data) && p.ss0 % 4 == 0 && al8(p.r) &&
            p.rs0 % 4 == 0 && al8(p.y) && p.ys0 % 4 == 0;
@@ -969,12 +986,6 @@ bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
          (!p.want_dr || (al8(p.dr) && p.drs0 % 4 == 0));
 }
 
-/* Whether the v4 backward makes the weight partials in its own pass over the rows
-** (KILN_CUDA_RLN=split keeps wpart_v4's second pass, for an A/B). */
-static bool rln_fused_wgrad() {
-  const char *e = getenv("KILN_CUDA_RLN");
-  return !(e && strcmp(e, "split") == 0);
-}
 
 /* rln_bwd_v4<., true>'s chunks: the blocks one wave holds (the occupancy calculator's count
 ** an SM), so every warp's few rows are added in registers and the partials stay small. */
@@ -983,7 +994,7 @@ static int64_t rln_bwd_chunks(kiln__cuda_dev *d, const RlnArgs &p) {
   cudaError_t e = cudaErrorInvalidValue;
   switch ((p.N / 4 + 31) / 32) {
 #define RLN_OCC(k)                                                                                                    \
-  case k: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true>, rln_warps(true) * 32, 0); break;
+  case k: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true, float>, rln_warps(true) * 32, 0); break;
     RLN_OCC(1) RLN_OCC(2) RLN_OCC(3) RLN_OCC(4) RLN_OCC(5) RLN_OCC(6) RLN_OCC(7) RLN_OCC(8)
 #undef RLN_OCC
   default: break;
@@ -999,9 +1010,12 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool fast = rln_fast(a);
   const bool v4 = fast && rln_v4_fits(a, p);
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
-    if (v4)
-      rln_fwd_v4<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p,
-                                                        p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+    if (v4 && rln_env("f64"))
+      rln_fwd_v4<double><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data,
+                                                                p, p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+    else if (v4)
+      rln_fwd_v4<float><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data,
+                                                               p, p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
     else if (fast)
       rln_fwd_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p);
     else
@@ -1013,17 +1027,25 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool want_w = (a->i[1] & 2) != 0, want_b = (a->i[1] & 4) != 0;
   Vec dw = vec_of(&a->out[2]), db = vec_of(&a->out[3]);
   const char *w1 = "residual_layer_norm_backward (weight partials)", *w2 = "residual_layer_norm_backward (weight sums)";
-  if (v4 && (want_w || want_b) && rln_fused_wgrad()) /* f32 s, bf16 g: the partials in the rows' pass */
+  const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
+  float *dsp = (float *)a->out[0].data;
+  if (v4 && (want_w || want_b) && !rln_env("split")) /* f32 s, bf16 g: the partials in the rows' pass */
     return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, p), dw, db, want_w, want_b,
                               "residual_layer_norm_backward", w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
-                                rln_bwd_v4_launch<true>(d->stream, grid.y, (const float *)s, (const float *)gs,
-                                                        (float *)a->out[0].data, p, p.has_w && vec4_ok(p.w), chunk,
-                                                        chunks, part);
+                                if (f64)
+                                  rln_bwd_v4_launch<true, double>(d->stream, grid.y, (const float *)s,
+                                                                  (const float *)gs, dsp, p, wv, chunk, chunks, part);
+                                else
+                                  rln_bwd_v4_launch<true, float>(d->stream, grid.y, (const float *)s,
+                                                                 (const float *)gs, dsp, p, wv, chunk, chunks, part);
                               });
-  if (v4)
-    rln_bwd_v4_launch<false>(d->stream, blocks, (const float *)s, (const float *)gs, (float *)a->out[0].data, p,
-                             p.has_w && vec4_ok(p.w), rln_warps(false), blocks, NULL);
+  if (v4 && f64)
+    rln_bwd_v4_launch<false, double>(d->stream, blocks, (const float *)s, (const float *)gs, dsp, p, wv,
+                                     rln_warps(false), blocks, NULL);
+  else if (v4)
+    rln_bwd_v4_launch<false, float>(d->stream, blocks, (const float *)s, (const float *)gs, dsp, p, wv,
+                                    rln_warps(false), blocks, NULL);
   else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else

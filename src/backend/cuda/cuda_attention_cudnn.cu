@@ -195,19 +195,11 @@ void dims4(const kiln__view *v, int64_t d[4], int64_t s[4]) {
   for (int x = 0; x < 4; x++) d[x] = v->shape[x], s[x] = v->strides[x];
 }
 
-/* KILN_CUDNN_SDPA_TUNE=1: every plan of the chosen pass is timed on the shape's first call
-** (three runs each, outside a graph capture) and the fastest kept; else the heuristics'
-** first. */
-bool sdpa_tune() {
-  const char *e = getenv("KILN_CUDNN_SDPA_TUNE");
-  return e && strcmp(e, "1") == 0;
-}
-
 /* The graph of ops and its plan: the engines of the heuristics' lists (mode A, then the
 ** fallback list) in order, deterministic ones first when want_det. */
 cudnnStatus_t choose_plan(cudnnHandle_t h, Plan *p, std::vector<cudnnBackendDescriptor_t> &ops, bool want_det) {
   static const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
-  CudnnPlanRule rule = {modes, 2, 8, (int64_t)1 << 32, want_det, NULL, NULL, sdpa_tune()};
+  CudnnPlanRule rule = {modes, 2, 8, (int64_t)1 << 32, want_det, NULL, NULL};
   return cudnn_choose_plan(h, p, ops.data(), (int)ops.size(), rule);
 }
 
@@ -533,13 +525,9 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
   }
   if (!plan) return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_scaled_dot_product_attention: no cuDNN plan");
   const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
-  /* the plan's workspace (256-byte rounded; the largest candidate's while they are to be
-  ** timed), then the backward's two f32 buffers */
+  /* the plan's workspace (256-byte rounded), then the backward's two f32 buffers */
+  const size_t base = ((size_t)plan->ws + 255) & ~(size_t)255;
   const bool acc = bw && plan->dq_accum;
-  const bool tune = plan->cands.size() > 1 && !d->capturing && !acc;
-  int64_t most = plan->ws;
-  for (const CudnnPlan::Cand &c : plan->cands) most = tune && c.ws > most ? c.ws : most;
-  const size_t base = ((size_t)most + 255) & ~(size_t)255;
   const size_t wbytes = base + (bw ? sum_bytes(a) : 0) + (acc ? acc_bytes(a) : 0);
   void *ws = NULL;
   if (wbytes) {
@@ -570,33 +558,6 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
     put(kUidDQ, a->out[0].data), put(kUidDK, a->out[1].data), put(kUidDV, a->out[2].data), put(kUidOne, &one);
     put(kUidSoftmaxSum, (char *)ws + base);
     if (acc) put(kUidDQAccum, (char *)ws + base + sum_bytes(a));
-  }
-  if (tune) { /* each candidate: one run, then three timed; the fastest becomes the plan */
-    std::lock_guard<std::mutex> lock(g_mu); /* the cache entry changes */
-    cudaEvent_t e0 = NULL, e1 = NULL;
-    float best = 0;
-    const char *log = getenv("KILN_CUDNN_LOG");
-    char buf[128];
-    if (cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
-      for (const CudnnPlan::Cand &c : plan->cands) { /* empty if another thread has timed them */
-        bool ok = cudnn_execute(h, c.plan, n, uids, ptrs, ws) == CUDNN_STATUS_SUCCESS;
-        cudaEventRecord(e0, d->stream);
-        for (int r = 0; r < 3 && ok; r++) ok = cudnn_execute(h, c.plan, n, uids, ptrs, ws) == CUDNN_STATUS_SUCCESS;
-        cudaEventRecord(e1, d->stream);
-        float ms = 0;
-        if (!ok || cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) {
-          (void)cudaGetLastError();
-          continue;
-        }
-        if (log && log[0] && strcmp(log, "0") != 0)
-          fprintf(stderr, "kiln cudnn attention: %s: engine %lld %.1f us\n", shape_str(a, buf, sizeof buf),
-                  (long long)c.engine, ms * 1000 / 3);
-        if (best == 0 || ms < best) best = ms, plan->plan = c.plan, plan->ws = c.ws, plan->engine = c.engine;
-      }
-    }
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    plan->cands.clear();
   }
   cudnnStatus_t s = cudnn_execute(h, plan->plan, n, uids, ptrs, ws);
   if (ws) kiln__cuda_free(a->device, ws, wbytes); /* stream-ordered reuse */

@@ -595,7 +595,7 @@ cudnnStatus_t b_build(const kiln__kargs *a, const Operands &o, cudnnHandle_t h, 
   ** numbers), any engine when none is */
   static const cudnnBackendHeurMode_t modes[1] = {CUDNN_HEUR_MODE_A};
   const bool f32_exact = dt == CUDNN_DATA_FLOAT && (a->i[1] & 1) == 0;
-  CudnnPlanRule rule = {modes, 1, 16, (int64_t)kMaxWorkspace, true, b_engine_ok, &f32_exact, false};
+  CudnnPlanRule rule = {modes, 1, 16, (int64_t)kMaxWorkspace, true, b_engine_ok, &f32_exact};
   return cudnn_choose_plan(h, p, &op, 1, rule);
 }
 

@@ -27,11 +27,6 @@ struct CudnnPlan {
   int64_t ws = 0;      /* workspace bytes */
   int64_t engine = -1; /* CUDNN_ATTR_ENGINE_GLOBAL_INDEX, for the logs */
   bool nondet = false; /* the engine's note: not deterministic */
-  struct Cand {        /* with CudnnPlanRule::all: every plan of plan's pass that finalized */
-    cudnnBackendDescriptor_t plan;
-    int64_t ws, engine;
-  };
-  std::vector<Cand> cands;
   CudnnPlan() = default;
   CudnnPlan(const CudnnPlan &) = delete;
   CudnnPlan &operator=(const CudnnPlan &) = delete;
@@ -113,7 +108,6 @@ struct CudnnPlanRule {
   bool det_first; /* deterministic engines first, the others after them */
   bool (*accept)(const CudnnEngineNotes &e, const void *ctx); /* NULL: any */
   const void *ctx;
-  bool all; /* also keep the pass's other plans in p->cands (the first is p->plan) */
 };
 
 /* The graph of ops and its plan: the engines of rule's lists in order (deterministic ones
@@ -143,7 +137,7 @@ static cudnnStatus_t cudnn_choose_plan(cudnnHandle_t h, CudnnPlan *p, const cudn
       continue;
     for (int64_t i = 0; i < n && i < rule.max_cfg; i++) cfgs.push_back(cfg[(size_t)i]);
   }
-  for (int pass = 0; pass < (rule.det_first ? 2 : 1) && !p->plan; pass++) /* all: one pass's plans */
+  for (int pass = 0; pass < (rule.det_first ? 2 : 1); pass++)
     for (cudnnBackendDescriptor_t cfg : cfgs) {
       CudnnEngineNotes e;
       if (cudnn_engine_notes(p, cfg, &e) != CUDNN_STATUS_SUCCESS) continue;
@@ -158,16 +152,13 @@ static cudnnStatus_t cudnn_choose_plan(cudnnHandle_t h, CudnnPlan *p, const cudn
       int64_t ws = 0, got = 0;
       KB_TRY(cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws));
       if (ws < 0 || ws > rule.max_ws) continue;
-      if (!p->plan) {
-        p->plan = plan;
-        p->ws = ws;
-        p->engine = e.global;
-        p->nondet = e.nondet;
-      }
-      if (!rule.all) return CUDNN_STATUS_SUCCESS;
-      p->cands.push_back({plan, ws, e.global});
+      p->plan = plan;
+      p->ws = ws;
+      p->engine = e.global;
+      p->nondet = e.nondet;
+      return CUDNN_STATUS_SUCCESS;
     }
-  return p->plan ? CUDNN_STATUS_SUCCESS : CUDNN_STATUS_NOT_SUPPORTED;
+  return CUDNN_STATUS_NOT_SUPPORTED;
 }
 
 /* Runs plan on h's stream with the n operands' memory (uids[i] at ptrs[i]) and workspace ws. */

@@ -197,7 +197,7 @@ __global__ void ln_bwd_wpart(const T *x, const T *g, A *part, int64_t chunk, int
 ** y, y + Y, ... in order, then the Y sums are added in thread order (a fixed order: the
 ** same numbers every run). One thread a column walking all the chunks in a row was 15 us
 ** a call at GPT-2's 22 chunks, every load waiting on the one before; Y = 32 where the
-** chunks are many (the fused residual norm's one a block: 396 on an H100). */
+** chunks are many (the fused residual norm's backward has one a block, a wave of them). */
 template <class A, int Y>
 __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Vec db, bool want_w, bool want_b) {
   __shared__ A sw[Y][33], sb[Y][33];
@@ -733,8 +733,8 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, co
 ** element-a-lane kernels' arithmetic (the statistics' sums in another order); float is
 ** PyTorch's (its layer norm computes in f32), with each lane's partial sums of the row
 ** statistics made in f32 over its few elements (24 for GPT-2) and added across the warp in
-** double. The kernels were bound by the f64 pipe and its conversions, not by memory (on the
-** H100 the backward moved 2.1 TB/s); KILN_CUDA_RLN=f64 keeps double. */
+** double. In double the kernels waited on the f64 pipe and its conversions more than on
+** memory (bench/RESULTS.md); KILN_CUDA_RLN=f64 keeps double. */
 __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, float z, float w) {
   __nv_bfloat162 a = __floats2bfloat162_rn(x, y), b = __floats2bfloat162_rn(z, w);
   uint2 u;

@@ -12,6 +12,9 @@
 ** the device is one of those; otherwise MFU is printed only when given). --checkpoint runs
 ** a second kiln step with every block checkpointed (kiln_module_set_checkpoint) and the
 ** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone).
+** --graph records the training step after the first (kiln_graph_capture, the AdamW step
+** count on the device) and replays it for the others: on CUDA one graph launch a step
+** instead of ~400 kernel launches (the peer's torch.compile keeps its launches).
 **
 ** Generation (--generate): greedy kiln_gpt_generate of --new tokens after a random prompt
 ** of --prompt tokens at each batch in --gen-batches (default 1,16), the model's weights in
@@ -22,7 +25,7 @@
 **
 ** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
 **                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]
-**                   [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
+**                   [--graph] [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
 **                   [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]
@@ -65,6 +68,7 @@ typedef struct opts {
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
   bool checkpoint, checkpoint_mlp, train, generate, peer, json, profile, memory, fused_loss;
+  bool graph; /* --graph: the training step recorded after the first and replayed */
   int64_t gen_batches[8];
   int n_gen_batches;
   kiln_gen_graph gen_graph; /* --gen-graph auto|on|off */
@@ -105,6 +109,43 @@ typedef struct train_result {
   int64_t params;
 } train_result;
 
+/* One training step (kiln_graph_fn): forward with the loss, backward, the optimizer's
+** step and zero_grad; the loss copied into ts->loss (a recorded step writes it there). */
+typedef struct train_step {
+  const opts *o;
+  kiln_module *m;
+  kiln_optimizer *opt;
+  kiln_tensor *idx, *tgt, *loss;
+} train_step;
+
+static kiln_status train_step_run(void *ctx) {
+  const train_step *ts = ctx;
+  const opts *o = ts->o;
+  kiln_scope_begin();
+  if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);
+  /* The forward and the loss in a scope of their own, the loss kept: the logits (B*T*V:
+  ** 1.5 GiB in bf16 for GPT-2 at B=16, T=1024) are dead once cross_entropy has made its
+  ** gradient, and go here, as the peer's do when its forward returns the loss. */
+  kiln_scope_begin();
+  kiln_tensor *loss;
+  if (o->fused_loss) { /* the head and the loss in chunks: the logits never whole */
+    loss = kiln_keep(kiln_gpt_forward_loss(ts->m, ts->idx, ts->tgt, -100));
+  } else {
+    kiln_tensor *logits = kiln_module_forward(ts->m, ts->idx); /* (B, T, V) */
+    loss = kiln_keep(kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), ts->tgt,
+                                        KILN_REDUCTION_MEAN, -100, 0.0));
+  }
+  kiln_scope_end();
+  if (o->autocast != KILN_F32) kiln_autocast_end();
+  kiln_status st = kiln_backward(loss, NULL);
+  if (st == KILN_OK) st = kiln_optimizer_step(ts->opt);
+  if (st == KILN_OK) st = kiln_optimizer_zero_grad(ts->opt);
+  if (st == KILN_OK) st = kiln_copy_(ts->loss, kiln_reshape(loss, KILN_SHAPE(1)));
+  kiln_tensor_free(loss);
+  kiln_scope_end();
+  return st;
+}
+
 /* checkpoint: 0 none, 1 every block (the peer's --checkpoint), 2 each block's MLP only (ln_2's
 ** output kept, c_fc + GELU + c_proj recomputed: the largest saved tensors for a third of the
 ** block's forward). */
@@ -121,44 +162,34 @@ static kiln_status train(const opts *o, int checkpoint, train_result *r) {
   for (int i = 0; checkpoint == 2 && i < kiln_module_num_children(h); i++)
     kiln_module_set_checkpoint(kiln_module_child(kiln_module_child_at(h, i), "mlp"), true);
   kiln_optim_config oc = kiln_adamw_config(3e-4); /* torch's AdamW defaults: wd 0.01 */
+  oc.capturable = o->graph; /* the step count on the device: replays advance it */
   kiln_optimizer *opt = kiln_optimizer_new_module(&oc, m);
   kiln_tensor *idx = kiln_keep(kiln_randint(0, o->vocab, KILN_SHAPE(o->batch, o->seq), KILN_I64, o->dev, NULL));
   kiln_tensor *tgt = kiln_keep(kiln_randint(0, o->vocab, KILN_SHAPE(o->batch * o->seq), KILN_I64, o->dev, NULL));
-  kiln_status st = opt && idx && tgt ? KILN_OK : kiln_last_error();
+  kiln_tensor *loss = kiln_keep(kiln_zeros(KILN_SHAPE(1), KILN_F32, o->dev)); /* the step's, copied */
+  kiln_status st = opt && idx && tgt && loss ? KILN_OK : kiln_last_error();
   r->params = kiln_module_num_params(m);
   double *times = calloc((size_t)o->steps, sizeof *times);
   kiln_memory_reset_peak(o->dev);
   bool profiling = false;
+  train_step ts = {o, m, opt, idx, tgt, loss};
+  kiln_graph *g = NULL;
   for (int64_t s = 0; s < o->steps && st == KILN_OK; s++) {
     kiln_device_synchronize(o->dev);
     if (o->profile && s == 1 && !profiling) /* after the first step (allocations, warm-up) */
       profiling = kiln_profiler_start(&(kiln_profiler_options){.device_time = true}) == KILN_OK;
-    double t0 = now();
-    kiln_scope_begin();
-    if (o->autocast != KILN_F32) kiln_autocast_begin(o->dev.type, o->autocast);
-    /* The forward and the loss in a scope of their own, the loss kept: the logits (B*T*V:
-    ** 1.5 GiB in bf16 for GPT-2 at B=16, T=1024) are dead once cross_entropy has made its
-    ** gradient, and go here, as the peer's do when its forward returns the loss. */
-    kiln_scope_begin();
-    kiln_tensor *loss;
-    if (o->fused_loss) { /* the head and the loss in chunks: the logits never whole */
-      loss = kiln_keep(kiln_gpt_forward_loss(m, idx, tgt, -100));
-    } else {
-      kiln_tensor *logits = kiln_module_forward(m, idx); /* (B, T, V) */
-      loss = kiln_keep(kiln_cross_entropy(kiln_reshape(logits, KILN_SHAPE(o->batch * o->seq, o->vocab)), tgt,
-                                          KILN_REDUCTION_MEAN, -100, 0.0));
+    if (o->graph && s == 1 && !(g = kiln_graph_capture(o->dev, train_step_run, &ts))) { /* records; runs nothing */
+      st = kiln_last_error();
+      break;
     }
-    kiln_scope_end();
-    if (o->autocast != KILN_F32) kiln_autocast_end();
-    st = kiln_backward(loss, NULL);
-    if (st == KILN_OK) st = kiln_optimizer_step(opt);
-    if (st == KILN_OK) st = kiln_optimizer_zero_grad(opt);
+    double t0 = now();
+    st = g ? kiln_graph_replay(g) : train_step_run(&ts);
     if (st == KILN_OK && s == o->steps - 1) r->loss = kiln_item(loss);
-    kiln_tensor_free(loss);
-    kiln_scope_end();
     kiln_device_synchronize(o->dev);
     times[s] = now() - t0;
   }
+  kiln_graph_free(g);
+  kiln_tensor_free(loss);
   if (profiling) kiln_profiler_stop(stdout);
   if (o->memory && st == KILN_OK) kiln_memory_summary(o->dev, stdout); /* the step's peak and saved bytes */
   if (st == KILN_OK) {
@@ -243,7 +274,7 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 
 static const char usage_text[] =
     "[--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
-    "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]\n"
+    "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math] [--graph]\n"
     "         [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off]\n"
     "         [--gen-sample] [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peak-tflops X]\n"
     "         [--json] [--profile] [--memory] [--logits-loss]";
@@ -288,6 +319,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--logits-loss")) o.fused_loss = false;
     else if (!strcmp(a, "--fused-loss")) o.fused_loss = true; /* the default; kept for old scripts */
     else if (!strcmp(a, "--gen-sample")) o.gen_sample = true;
+    else if (!strcmp(a, "--graph")) o.graph = true;
     else if (!strcmp(a, "--device")) bench_args_device(&cli, &o.dev);
     else if (!strcmp(a, "--autocast")) ac = bench_args_choice(&cli, autocast_names);
     else if (!strcmp(a, "--sdpa"))

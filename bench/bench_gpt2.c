@@ -14,7 +14,8 @@
 ** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone).
 ** --graph records the training step after the first (kiln_graph_capture, the AdamW step
 ** count on the device) and replays it for the others: on CUDA one graph launch a step
-** instead of ~400 kernel launches (the peer's torch.compile keeps its launches).
+** instead of ~400 kernel launches (the peer's torch.compile keeps its launches). On the
+** H100 the replayed GPT-2 step ran slower than the eager one (bench/RESULTS.md).
 **
 ** Generation (--generate): greedy kiln_gpt_generate of --new tokens after a random prompt
 ** of --prompt tokens at each batch in --gen-batches (default 1,16), the model's weights in

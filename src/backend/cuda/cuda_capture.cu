@@ -21,7 +21,10 @@
 ** new base every later op waits for. Addresses, not tensors, are tracked, so memory the
 ** caching allocator hands out again inside the capture is ordered like any other reuse.
 **
-** KILN_GRAPH_DEPS=0 turns it off (the chain, as captured).
+** KILN_GRAPH_DEPS=0 turns it off (the chain, as captured). Steps of large kernels can
+** lose by the overlap this allows: a GPT-2 training step recorded with the DAG ran far
+** slower on the H100 than with the chain, which ran as fast as eager (bench/RESULTS.md,
+** the twentieth session); measure both before recording such a step.
 */
 #include "cuda_int.cuh"
 

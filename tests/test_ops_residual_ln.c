@@ -204,11 +204,15 @@ int main(int argc, char **argv) {
       ** lanes without a column (260), rows not in whole warps' worth (77, 5) */
       block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
       block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
+      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
       block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
       setenv("KILN_CUDA_RLN", "split", 1); /* the weight partials in a pass of their own */
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
       setenv("KILN_CUDA_RLN", "f64", 1); /* the four-wide kernels' arithmetic in double */
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+      setenv("KILN_CUDA_RLN", "nopf", 1); /* each row loaded when its warp starts on it */
+      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
       unsetenv("KILN_CUDA_RLN");
       block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
       block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);

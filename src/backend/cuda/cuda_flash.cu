@@ -59,28 +59,19 @@ struct FlashArgs {
 };
 
 /* ---------------------------------------------------------------- PTX wrappers */
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void *p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
+               : "r"(kc_smem_u32(p))
                : "memory");
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const void *p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
+               : "r"(kc_smem_u32(p))
                : "memory");
 }
-__device__ __forceinline__ void cp_async16(void *s, const void *g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* c += a b for one 16x8 tile */
 template <class T> __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
 template <> __device__ __forceinline__ void mma<__half>(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -121,7 +112,7 @@ __device__ __forceinline__ void load_rows(T *s, const T *g, int64_t rs, int64_t 
   for (int it = 0; it < R * CH / kThreads; it++) {
     int e = threadIdx.x + it * kThreads, r = e / CH, c = (e % CH) * 8;
     T *dst = s + r * (HD + 8) + c;
-    if (r0 + r < Tn) cp_async16(dst, g + (r0 + r) * rs + c);
+    if (r0 + r < Tn) kc_cp_async16(dst, g + (r0 + r) * rs + c);
     else *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
   }
 }
@@ -171,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(FlashArgs p) {
 
   load_rows<T, HD, BM>(Qs, qg, p.qs[2], i0, p.Tq);
   load_rows<T, HD, BN>(Ks, kg, p.ks[2], 0, p.Tk);
-  cp_commit();
+  kc_cp_commit();
 
   float o[HD / 8][4];
 #pragma unroll
@@ -183,8 +174,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(FlashArgs p) {
     const int64_t j0 = (int64_t)jt * BN;
     __syncthreads(); /* every warp is done with Vs (the previous tile's P V) */
     load_rows<T, HD, BN>(Vs, vg, p.vs[2], j0, p.Tk);
-    cp_commit();
-    cp_wait<1>(); /* Q and this tile's K are here (V may still be in flight) */
+    kc_cp_commit();
+    kc_cp_wait<1>(); /* Q and this tile's K are here (V may still be in flight) */
     __syncthreads();
     if (jt == 0) {
 #pragma unroll
@@ -205,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(FlashArgs p) {
     }
     __syncthreads(); /* every warp is done with Ks: the next tile's keys may come */
     if (jt + 1 < ntiles) load_rows<T, HD, BN>(Ks, kg, p.ks[2], j0 + BN, p.Tk);
-    cp_commit(); /* possibly empty: keeps the group count uniform */
+    kc_cp_commit(); /* possibly empty: keeps the group count uniform */
 
     /* scale into the exp2 domain; mask keys past Tk and (causal) past the row */
     const bool edge = j0 + BN > p.Tk || (p.causal && j0 + BN - 1 > i0 + warp * 16);
@@ -251,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(FlashArgs p) {
       pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
-    cp_wait<1>(); /* this tile's V is here (the next K may be in flight) */
+    kc_cp_wait<1>(); /* this tile's V is here (the next K may be in flight) */
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) {
@@ -264,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd(FlashArgs p) {
       }
     }
   }
-  cp_wait<0>();
+  kc_cp_wait<0>();
 
   /* O / l and lse = ln 2 (m + log2 l), m in the exp2 domain */
   T *og = (T *)p.out + b * p.outs[0] + h * p.outs[1];
@@ -336,7 +327,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq(FlashArgs p) {
   load_rows<T, HD, BM>(Gs, gg, p.gs[2], i0, p.Tq);
   load_rows<T, HD, BN>(KV, kg, p.ks[2], 0, p.Tk);
   load_rows<T, HD, BN>(KV + BN * P, vg, p.vs[2], 0, p.Tk);
-  cp_commit();
+  kc_cp_commit();
 
   float dq[HD / 8][4];
 #pragma unroll
@@ -351,8 +342,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq(FlashArgs p) {
       load_rows<T, HD, BN>(nb, kg, p.ks[2], j0 + BN, p.Tk);
       load_rows<T, HD, BN>(nb + BN * P, vg, p.vs[2], j0 + BN, p.Tk);
     }
-    cp_commit();
-    cp_wait<1>();
+    kc_cp_commit();
+    kc_cp_wait<1>();
     __syncthreads();
     if (jt == 0) {
 #pragma unroll
@@ -415,7 +406,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq(FlashArgs p) {
       }
     }
   }
-  cp_wait<0>();
+  kc_cp_wait<0>();
   T *dqg = (T *)p.dq + b * p.dqs[0] + h * p.dqs[1];
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -469,7 +460,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv(FlashArgs p) {
       LD[BM + x] = i < p.Tq ? delta[i] : 0.f;
     }
   }
-  cp_commit();
+  kc_cp_commit();
 
   float dk[HD / 8][4], dv[HD / 8][4];
 #pragma unroll
@@ -492,8 +483,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv(FlashArgs p) {
         nl[BM + x] = i < p.Tq ? delta[i] : 0.f;
       }
     }
-    cp_commit();
-    cp_wait<1>();
+    kc_cp_commit();
+    kc_cp_wait<1>();
     __syncthreads();
     const int cb = it & 1;
     const T *Qt = QG + cb * 2 * BM * P, *Gt = Qt + BM * P;
@@ -561,7 +552,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv(FlashArgs p) {
       }
     }
   }
-  cp_wait<0>();
+  kc_cp_wait<0>();
   T *dkg = (T *)p.dk + b * p.dks[0] + h * p.dks[1];
   T *dvg = (T *)p.dv + b * p.dvs[0] + h * p.dvs[1];
 #pragma unroll

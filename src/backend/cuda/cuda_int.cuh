@@ -188,6 +188,21 @@ template <class T> __device__ __forceinline__ void kc_ld8(const T *p, float *v) 
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+/* Asynchronous copies global -> shared (sm_80+): 16 bytes (.cg: past L1) or 8 (.ca), a
+** group committed, then waited on until at most N groups are in flight. A thread sees its
+** own copies after the wait; another thread's only after a barrier. */
+__device__ __forceinline__ uint32_t kc_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void kc_cp_async16(void *s, const void *g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kc_smem_u32(s)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void kc_cp_async8(void *s, const void *g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(kc_smem_u32(s)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void kc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kc_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 /* Runtime dtype -> C++ type. BODY sees the type as T_NAME. */
 #define KC_CASE_(DT, TYPE, T_NAME, ...)                                                   \
   case DT: {                                                                              \

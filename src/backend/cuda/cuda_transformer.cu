@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -742,58 +743,99 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
   reinterpret_cast<uint2 *>(base)[q] = u;
 }
 
-template <class C>
-__global__ void __launch_bounds__(KC_THREADS) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec) {
-  const int64_t row = (int64_t)blockIdx.x * (KC_THREADS / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.R) return;
-  const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
-  const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
-  float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
+/* The forward: block b takes rows [b chunk, (b + 1) chunk), warp w every W-th of them from
+** w (chunk W: a row a warp). NV float4s a lane. PF: a warp's next row (x and r) comes by
+** cp.async into the other of its two shared buffers while it works on this one (chunks of
+** several rows a warp, one wave of blocks: rln_fwd_chunks); rln_fwd_stage_bytes of dynamic
+** shared memory. */
+template <int NV> constexpr size_t rln_fwd_stage_bytes() { return (size_t)(KC_THREADS / 32) * 2 * NV * 32 * (16 + 8); }
+template <class C, int NV, bool PF>
+__global__ void __launch_bounds__(KC_THREADS, 2) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
+                                                         int64_t chunk) {
+  constexpr int W = KC_THREADS / 32, S = NV * 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nv = (int)(p.N / 4);
-  float4 v[LN_VMAX];
-  C lm = 0, lv = 0;
+  extern __shared__ float4 stage[]; /* PF: x (W, 2, S) float4, r (W, 2, S) uint2 */
+  float4 *st_x = stage;
+  uint2 *st_r = reinterpret_cast<uint2 *>(stage + W * 2 * S);
+  auto fetch = [&](int64_t row, int b) {
+    const float *xr = x + row * p.xs0;
+    const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+    const int o = (warp * 2 + b) * S;
 #pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    const int c = k * 32 + lane;
-    v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (c < nv) {
-      const float4 xv = xr[c], rv = kc_ld4(rr + 4 * c);
-      v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
-      sr[c] = v[k];
-      lm += ((C)v[k].x + (C)v[k].y) + ((C)v[k].z + (C)v[k].w);
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      if (c < nv) {
+        kc_cp_async16(&st_x[o + c], xr + 4 * c);
+        kc_cp_async8(&st_r[o + c], rr + 4 * c);
+      }
     }
+    kc_cp_commit();
+  };
+  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  if constexpr (PF) {
+    if (r0 + warp < r1) fetch(r0 + warp, 0);
   }
-  const double mean = warp_sum((double)lm) / (double)p.N;
-  const C mc = (C)mean;
+  int buf = 0;
+#pragma unroll 1
+  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+    const int o = (warp * 2 + buf) * S;
+    if constexpr (PF) {
+      if (row + W < r1) {
+        fetch(row + W, buf ^ 1);
+        kc_cp_wait<1>();
+      } else {
+        kc_cp_wait<0>();
+      }
+    }
+    const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
+    const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+    float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
+    float4 v[NV];
+    C lm = 0, lv = 0;
 #pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    if (k * 32 + lane >= nv) continue;
-    const C a0 = v[k].x - mc, a1 = v[k].y - mc, a2 = v[k].z - mc, a3 = v[k].w - mc;
-    lv += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
-  }
-  const double var = warp_sum((double)lv) / (double)p.N;
-  const double rstd = 1.0 / sqrt(var + p.eps);
-  const C rc = (C)rstd;
-  __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (c < nv) {
+        const float4 xv = PF ? st_x[o + c] : xr[c];
+        const float4 rv = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_r[o + c])) : kc_ld4(rr + 4 * c);
+        v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
+        sr[c] = v[k];
+        lm += ((C)v[k].x + (C)v[k].y) + ((C)v[k].z + (C)v[k].w);
+      }
+    }
+    const double mean = warp_sum((double)lm) / (double)p.N;
+    const C mc = (C)mean;
 #pragma unroll
-  for (int k = 0; k < LN_VMAX; k++) {
-    const int c = k * 32 + lane;
-    if (c >= nv) continue;
-    C t[4] = {(v[k].x - mc) * rc, (v[k].y - mc) * rc, (v[k].z - mc) * rc, (v[k].w - mc) * rc};
-    if (p.has_w) {
-      const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
-      t[0] *= (C)w.x, t[1] *= (C)w.y, t[2] *= (C)w.z, t[3] *= (C)w.w;
+    for (int k = 0; k < NV; k++) {
+      if (k * 32 + lane >= nv) continue;
+      const C a0 = v[k].x - mc, a1 = v[k].y - mc, a2 = v[k].z - mc, a3 = v[k].w - mc;
+      lv += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
     }
-    if (p.has_b) {
-      const float4 b = ln_ld4(p.b, bvec, (int64_t)c * 4);
-      t[0] += (C)b.x, t[1] += (C)b.y, t[2] += (C)b.z, t[3] += (C)b.w;
+    const double var = warp_sum((double)lv) / (double)p.N;
+    const double rstd = 1.0 / sqrt(var + p.eps);
+    const C rc = (C)rstd;
+    __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      if (c >= nv) continue;
+      C t[4] = {(v[k].x - mc) * rc, (v[k].y - mc) * rc, (v[k].z - mc) * rc, (v[k].w - mc) * rc};
+      if (p.has_w) {
+        const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
+        t[0] *= (C)w.x, t[1] *= (C)w.y, t[2] *= (C)w.z, t[3] *= (C)w.w;
+      }
+      if (p.has_b) {
+        const float4 b = ln_ld4(p.b, bvec, (int64_t)c * 4);
+        t[0] += (C)b.x, t[1] += (C)b.y, t[2] += (C)b.z, t[3] += (C)b.w;
+      }
+      bf4_st(yr, c, (float)t[0], (float)t[1], (float)t[2], (float)t[3]);
     }
-    bf4_st(yr, c, (float)t[0], (float)t[1], (float)t[2], (float)t[3]);
-  }
-  if (lane == 0) {
-    st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
-    st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+    if (lane == 0) {
+      st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
+      st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+    }
   }
 }
 
@@ -818,21 +860,60 @@ __device__ __forceinline__ void rln_slab_sum(const float4 (*slab)[NV * 32], int6
 ** for ln_bwd_wsum: the norm's parameter gradients without wpart_v4's second read of s and
 ** g. The same ds and dr bits either way. With WG the accumulators take 2 NV float4s a lane
 ** more: blocks of 4 warps keep them in registers where 8-warp blocks capped at 2 an SM
-** spill. C: the per-element arithmetic (above). */
+** spill. C: the per-element arithmetic (above). PF (with WG): a warp's next row (s, g and
+** gs) comes by cp.async into the other of its two shared buffers while it works on this
+** one, so the loads of one row wait behind the sums of the last rather than after them;
+** the dynamic shared memory is rln_stage_bytes, the buffers become the slab at the end. */
 constexpr int rln_warps(bool wg) { return wg ? 4 : KC_THREADS / 32; }
-template <int NV, bool WG, class C>
+template <int NV> constexpr size_t rln_stage_bytes(bool has_gs) {
+  return (size_t)rln_warps(true) * 2 * NV * 32 * (16 + 8 + (has_gs ? 16 : 0));
+}
+template <int NV, bool WG, class C, bool PF>
 __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s, const float *gs, float *ds, RlnArgs p,
                                                                  bool wvec, int64_t chunk, int64_t chunks, double *part) {
-  constexpr int W = rln_warps(WG);
+  static_assert(!PF || WG, "the staged loads are for the chunked (WG) kernel");
+  constexpr int W = rln_warps(WG), S = NV * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nv = (int)(p.N / 4);
+  extern __shared__ float4 stage[]; /* PF: s (W, 2, S) float4, gs (W, 2, S) float4 if has_gs, g (W, 2, S) uint2 */
+  float4 *st_s = stage, *st_gs = stage + W * 2 * S;
+  uint2 *st_g = reinterpret_cast<uint2 *>(stage + (p.has_gs ? 2 : 1) * W * 2 * S);
+  auto fetch = [&](int64_t row, int b) { /* PF: row's s, g, gs into buffer b, one commit group */
+    const float *sr = s + row * p.ss0, *gsr = p.has_gs ? gs + row * p.gss0 : NULL;
+    const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
+    const int o = (warp * 2 + b) * S;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int c = k * 32 + lane;
+      if (c < nv) {
+        kc_cp_async16(&st_s[o + c], sr + 4 * c);
+        kc_cp_async8(&st_g[o + c], gr + 4 * c);
+        if (gsr) kc_cp_async16(&st_gs[o + c], gsr + 4 * c);
+      }
+    }
+    kc_cp_commit();
+  };
   float4 aw[WG ? NV : 1], ab[WG ? NV : 1];
   if constexpr (WG) {
 #pragma unroll
     for (int k = 0; k < NV; k++) aw[k] = ab[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  for (int64_t row = r0 + warp; row < r1; row += W) {
+  if constexpr (PF) {
+    if (r0 + warp < r1) fetch(r0 + warp, 0);
+  }
+  int buf = 0;
+#pragma unroll 1
+  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+    const int o = (warp * 2 + buf) * S;
+    if constexpr (PF) { /* the next row on its way, this one's copies (each lane's own) landed */
+      if (row + W < r1) {
+        fetch(row + W, buf ^ 1);
+        kc_cp_wait<1>();
+      } else {
+        kc_cp_wait<0>();
+      }
+    }
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
     const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
@@ -844,8 +925,8 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
       const int c = k * 32 + lane;
       sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (c < nv) {
-        sv[k] = sr[c];
-        gv[k] = kc_ld4(gr + 4 * c);
+        sv[k] = PF ? st_s[o + c] : sr[c];
+        gv[k] = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_g[o + c])) : kc_ld4(gr + 4 * c);
       }
     }
 #pragma unroll
@@ -870,7 +951,7 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     const C sg = (C)(warp_sum((double)lsg) / (double)p.N);
     const C sgx = (C)(warp_sum((double)lsgx) / (double)p.N);
     float4 *dsr = reinterpret_cast<float4 *>(ds + row * p.dss0);
-    const float4 *gsr = p.has_gs ? reinterpret_cast<const float4 *>(gs + row * p.gss0) : NULL;
+    const float4 *gsr = p.has_gs ? (PF ? st_gs + o : reinterpret_cast<const float4 *>(gs + row * p.gss0)) : NULL;
     __nv_bfloat16 *drr = p.want_dr ? (__nv_bfloat16 *)p.dr + row * p.drs0 : NULL;
 #pragma unroll
     for (int k = 0; k < NV; k++) {
@@ -886,15 +967,22 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
       float4 dv = make_float4((float)(rc * (gw[0] - sg - xh[0] * sgx)), (float)(rc * (gw[1] - sg - xh[1] * sgx)),
                               (float)(rc * (gw[2] - sg - xh[2] * sgx)), (float)(rc * (gw[3] - sg - xh[3] * sgx)));
       if (gsr) {
-        const float4 o = gsr[c];
-        dv.x = dv.x + o.x, dv.y = dv.y + o.y, dv.z = dv.z + o.z, dv.w = dv.w + o.w;
+        const float4 o4 = gsr[c];
+        dv.x = dv.x + o4.x, dv.y = dv.y + o4.y, dv.z = dv.z + o4.z, dv.w = dv.w + o4.w;
       }
       dsr[c] = dv;
       if (drr) bf4_st(drr, c, dv.x, dv.y, dv.z, dv.w);
     }
   }
   if constexpr (WG) { /* the warps' sums in warp order, w then b, through one (W, N) f32 slab */
-    __shared__ float4 slab[W][NV * 32];
+    float4(*slab)[S];
+    if constexpr (PF) {
+      __syncthreads(); /* every warp past its last row: the buffers are free */
+      slab = reinterpret_cast<float4(*)[S]>(stage);
+    } else {
+      __shared__ float4 slab_s[W][S];
+      slab = slab_s;
+    }
 #pragma unroll
     for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = aw[k];
     __syncthreads();
@@ -907,14 +995,32 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
   }
 }
 
-/* rln_bwd_v4 for N's float4s a lane (1..LN_VMAX) */
-template <bool WG, class C>
-static void rln_bwd_v4_launch(cudaStream_t st, unsigned blocks, const float *s, const float *gs, float *ds,
+/* rln_bwd_v4 for N's float4s a lane (1..LN_VMAX; 3 takes 4's kernel: ptxas gave the NV 3
+** kernels 213 registers, or spills, against 4's 126); PF's shared memory asked for once a
+** device and kernel (more than the default 48 KB from NV 5 on). */
+template <int NV, bool WG, class C, bool PF> static size_t rln_bwd_v4_smem(int dev, bool has_gs) {
+  if constexpr (!PF) {
+    return 0;
+  } else {
+    static std::atomic<uint64_t> set{0};
+    const size_t bytes = rln_stage_bytes<NV>(true);
+    if (dev >= 0 && dev < 64 && !(set.load() >> dev & 1)) {
+      cudaFuncSetAttribute(rln_bwd_v4<NV, WG, C, PF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+      set.fetch_or(1ull << dev);
+    }
+    return rln_stage_bytes<NV>(has_gs);
+  }
+}
+template <bool WG, class C, bool PF>
+static void rln_bwd_v4_launch(cudaStream_t st, int dev, unsigned blocks, const float *s, const float *gs, float *ds,
                               const RlnArgs &p, bool wvec, int64_t chunk, int64_t chunks, double *part) {
   switch ((p.N / 4 + 31) / 32) {
 #define RLN_NV(n)                                                                                                     \
-  case n: rln_bwd_v4<n, WG, C><<<blocks, rln_warps(WG) * 32, 0, st>>>(s, gs, ds, p, wvec, chunk, chunks, part); break;
-    RLN_NV(1) RLN_NV(2) RLN_NV(3) RLN_NV(4) RLN_NV(5) RLN_NV(6) RLN_NV(7) RLN_NV(8)
+  case n:                                                                                                             \
+    rln_bwd_v4<n, WG, C, PF><<<blocks, rln_warps(WG) * 32, rln_bwd_v4_smem<n, WG, C, PF>(dev, p.has_gs), st>>>(       \
+        s, gs, ds, p, wvec, chunk, chunks, part);                                                                     \
+    break;
+    RLN_NV(1) RLN_NV(2) case 3: RLN_NV(4) RLN_NV(5) RLN_NV(6) RLN_NV(7) RLN_NV(8)
 #undef RLN_NV
   default: break;
   }
@@ -962,7 +1068,8 @@ bool rln_supports(const kiln__kargs *a) {
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
-** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels). */
+** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
+** chunked backward loads each row when it starts on it, no staged next row). */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
   const size_t n = strlen(w);
@@ -988,19 +1095,58 @@ bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
 
 
 /* rln_bwd_v4<., true>'s chunks: the blocks one wave holds (the occupancy calculator's count
-** an SM), so every warp's few rows are added in registers and the partials stay small. */
-static int64_t rln_bwd_chunks(kiln__cuda_dev *d, const RlnArgs &p) {
+** an SM, with the staged kernel's shared memory), so every warp's few rows are added in
+** registers and the partials stay small. */
+static int64_t rln_bwd_chunks(kiln__cuda_dev *d, int dev, const RlnArgs &p, bool pf) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
   switch ((p.N / 4 + 31) / 32) {
 #define RLN_OCC(k)                                                                                                    \
-  case k: e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true, float>, rln_warps(true) * 32, 0); break;
-    RLN_OCC(1) RLN_OCC(2) RLN_OCC(3) RLN_OCC(4) RLN_OCC(5) RLN_OCC(6) RLN_OCC(7) RLN_OCC(8)
+  case k:                                                                                                             \
+    e = pf ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true, float, true>, rln_warps(true) * 32, \
+                                                           rln_bwd_v4_smem<k, true, float, true>(dev, p.has_gs))      \
+           : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_bwd_v4<k, true, float, false>, rln_warps(true) * 32, 0); \
+    break;
+    RLN_OCC(1) RLN_OCC(2) case 3: RLN_OCC(4) RLN_OCC(5) RLN_OCC(6) RLN_OCC(7) RLN_OCC(8)
 #undef RLN_OCC
   default: break;
   }
   if (e != cudaSuccess || n < 1) (void)cudaGetLastError(), n = 1;
   return (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
+}
+
+/* rln_fwd_v4<float, NV, true> in one wave of blocks (the occupancy calculator's count an
+** SM), each a chunk of rows; its shared memory asked for once a device and kernel. NV 3
+** takes 4's kernel (as rln_bwd_v4_launch). */
+template <int NV>
+static void rln_fwd_v4_pf_nv(kiln__cuda_dev *d, int dev, const float *x, float *s, const RlnArgs &p, bool wv, bool bv) {
+  static std::atomic<uint64_t> set{0};
+  const size_t bytes = rln_fwd_stage_bytes<NV>();
+  if (dev >= 0 && dev < 64 && !(set.load() >> dev & 1)) {
+    cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    set.fetch_or(1ull << dev);
+  }
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rln_fwd_v4<float, NV, true>, KC_THREADS, bytes) != cudaSuccess ||
+      n < 1)
+    (void)cudaGetLastError(), n = 1;
+  const int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
+  const int64_t chunk = (p.R + want - 1) / want, blocks = (p.R + chunk - 1) / chunk;
+  rln_fwd_v4<float, NV, true><<<(unsigned)blocks, KC_THREADS, bytes, d->stream>>>(x, s, p, wv, bv, chunk);
+}
+static void rln_fwd_v4_pf_launch(kiln__cuda_dev *d, int dev, const float *x, float *s, const RlnArgs &p, bool wv,
+                                 bool bv) {
+  switch ((p.N / 4 + 31) / 32) {
+  case 1: rln_fwd_v4_pf_nv<1>(d, dev, x, s, p, wv, bv); break;
+  case 2: rln_fwd_v4_pf_nv<2>(d, dev, x, s, p, wv, bv); break;
+  case 3:
+  case 4: rln_fwd_v4_pf_nv<4>(d, dev, x, s, p, wv, bv); break;
+  case 5: rln_fwd_v4_pf_nv<5>(d, dev, x, s, p, wv, bv); break;
+  case 6: rln_fwd_v4_pf_nv<6>(d, dev, x, s, p, wv, bv); break;
+  case 7: rln_fwd_v4_pf_nv<7>(d, dev, x, s, p, wv, bv); break;
+  case 8: rln_fwd_v4_pf_nv<8>(d, dev, x, s, p, wv, bv); break;
+  default: break;
+  }
 }
 
 template <class T>
@@ -1010,12 +1156,15 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool fast = rln_fast(a);
   const bool v4 = fast && rln_v4_fits(a, p);
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
+    const float *xp = (const float *)a->in[0].data;
+    float *sp = (float *)a->out[1].data;
+    const bool wv = p.has_w && vec4_ok(p.w), bv = p.has_b && vec4_ok(p.b);
     if (v4 && rln_env("f64"))
-      rln_fwd_v4<double><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data,
-                                                                p, p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+      rln_fwd_v4<double, LN_VMAX, false><<<blocks, KC_THREADS, 0, d->stream>>>(xp, sp, p, wv, bv, KC_THREADS / 32);
+    else if (v4 && !rln_env("nopf"))
+      rln_fwd_v4_pf_launch(d, a->device, xp, sp, p, wv, bv);
     else if (v4)
-      rln_fwd_v4<float><<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data,
-                                                               p, p.has_w && vec4_ok(p.w), p.has_b && vec4_ok(p.b));
+      rln_fwd_v4<float, LN_VMAX, false><<<blocks, KC_THREADS, 0, d->stream>>>(xp, sp, p, wv, bv, KC_THREADS / 32);
     else if (fast)
       rln_fwd_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p);
     else
@@ -1029,23 +1178,29 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const char *w1 = "residual_layer_norm_backward (weight partials)", *w2 = "residual_layer_norm_backward (weight sums)";
   const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
   float *dsp = (float *)a->out[0].data;
-  if (v4 && (want_w || want_b) && !rln_env("split")) /* f32 s, bf16 g: the partials in the rows' pass */
-    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, p), dw, db, want_w, want_b,
-                              "residual_layer_norm_backward", w2,
+  if (v4 && (want_w || want_b) && !rln_env("split")) { /* f32 s, bf16 g: the partials in the rows' pass */
+    const bool pf = !f64 && !rln_env("nopf");
+    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, a->device, p, pf), dw, db, want_w,
+                              want_b, "residual_layer_norm_backward", w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
+                                const float *sf = (const float *)s, *gf = (const float *)gs;
                                 if (f64)
-                                  rln_bwd_v4_launch<true, double>(d->stream, grid.y, (const float *)s,
-                                                                  (const float *)gs, dsp, p, wv, chunk, chunks, part);
+                                  rln_bwd_v4_launch<true, double, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
+                                                                         wv, chunk, chunks, part);
+                                else if (pf)
+                                  rln_bwd_v4_launch<true, float, true>(d->stream, a->device, grid.y, sf, gf, dsp, p,
+                                                                       wv, chunk, chunks, part);
                                 else
-                                  rln_bwd_v4_launch<true, float>(d->stream, grid.y, (const float *)s,
-                                                                 (const float *)gs, dsp, p, wv, chunk, chunks, part);
+                                  rln_bwd_v4_launch<true, float, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
+                                                                        wv, chunk, chunks, part);
                               });
+  }
   if (v4 && f64)
-    rln_bwd_v4_launch<false, double>(d->stream, blocks, (const float *)s, (const float *)gs, dsp, p, wv,
-                                     rln_warps(false), blocks, NULL);
+    rln_bwd_v4_launch<false, double, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
+                                            wv, rln_warps(false), blocks, NULL);
   else if (v4)
-    rln_bwd_v4_launch<false, float>(d->stream, blocks, (const float *)s, (const float *)gs, dsp, p, wv,
-                                    rln_warps(false), blocks, NULL);
+    rln_bwd_v4_launch<false, float, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
+                                           wv, rln_warps(false), blocks, NULL);
   else if (fast)
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
   else

@@ -214,7 +214,7 @@ static _Thread_local const capture *running;
 ** nothing reached m before, so the gradient m gets is exactly this one; and no one sees
 ** m's gradient (not retained, not asked for by kiln_autograd_grad). */
 bool kiln__grad_mask_ok(const kiln__node *m, int index) {
-  if (!m || index != 0 || m->deps != 1 || m->grad_acc || m->unit_seed || m->grad_mask) return false;
+  if (!m || index != 0 || m->deps != 1 || m->grad_acc || m->unit_seed || m->grad_mask || m->bias_grad) return false;
   for (int k = 1; k < m->n_out; k++)
     if (m->grad_accs[k]) return false;
   if (m->out_weak && m->out_weak->retains_grad) return false;
@@ -486,6 +486,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     kiln_tensor_free(g);
     kiln_tensor_free(n->grad_mask);
     n->grad_mask = NULL;
+    kiln_tensor_free(n->bias_grad);
+    n->bias_grad = NULL;
     for (int k = 1; k < n->n_out; k++) {
       kiln_tensor_free(n->grad_outs[k]);
       n->grad_outs[k] = NULL;
@@ -501,6 +503,8 @@ static kiln_status engine(int n_roots, kiln_tensor *const *roots, kiln_tensor *c
     n->unit_seed = false;
     kiln_tensor_free(n->grad_mask);
     n->grad_mask = NULL;
+    kiln_tensor_free(n->bias_grad);
+    n->bias_grad = NULL;
     for (int k = 1; k < n->n_out; k++) {
       kiln_tensor_free(n->grad_accs[k]);
       n->grad_accs[k] = NULL;

@@ -165,6 +165,7 @@ void kiln__node_release(kiln__node *root) {
     kiln__node_free_saved(n);
     kiln_tensor_free(n->grad_acc);
     kiln_tensor_free(n->grad_mask);
+    kiln_tensor_free(n->bias_grad);
     for (int k = 1; k < n->n_out; k++) kiln_tensor_free(n->grad_accs[k]);
     if (n->out_weak && n->out_weak->grad_fn == n) n->out_weak->grad_fn = NULL;
     for (int k = 1; k < n->n_out; k++)

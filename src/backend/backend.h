@@ -354,7 +354,9 @@ typedef struct kiln__view {
   /* gave them, optional weight (N) (i0 flag 1), optional gs (R, N) in s's dtype (i0 */   \
   /* flag 2): the gradient that reached s from elsewhere -> out0 ds (R, N) in s's dtype */ \
   /* = layer_norm's dx (+ gs), out1 dr (R, N) (any float) = ds rounded to it (i1 flag */   \
-  /* 1), out2 dweight (N) (i1 flag 2), out3 dbias (N) (i1 flag 4); n_out is always 4. */  \
+  /* 1), out2 dweight (N) (i1 flag 2), out3 dbias (N) (i1 flag 4); n_out 4, or 5 with */   \
+  /* out4 (N) (i1 flag 8) = the column sums of r's gradient as written (dr, or ds): the */ \
+  /* bias gradient of the linear that made r (a backend may refuse flag 8: supports). */  \
   X(RESIDUAL_LAYER_NORM_BACKWARD, "residual_layer_norm_backward")                         \
   /* in0 A (M, K), in1 B (K, N) (2-d, any strides), in2 z (M, N) (unit column stride) -> */ \
   /* out0 (M, N) = (A@B) * gelu_tanh'(z) (unit column stride; one dtype): the gradient */  \

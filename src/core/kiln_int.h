@@ -124,6 +124,11 @@ typedef struct kiln__node {
   ** 0) (folded into its products). Only for ops with KILN__OP_GRAD_MASK; see
   ** kiln__grad_mask_ok. Freed by the engine after the rule. */
   kiln_tensor *grad_mask;
+  /* Set by the rule of the one node a linear's output feeds (residual_layer_norm, whose
+  ** kernel sums the columns of the gradient it hands on, kiln__linear_bias_handover): the
+  ** linear's bias gradient, which its rule then takes instead of summing g's rows again.
+  ** On kiln__grad_mask_ok's terms; freed by the engine after the rule. */
+  kiln_tensor *bias_grad;
   bool unit_seed; /* the pending gradient is the implicit unit seed (grad_acc NULL) */
   int visit_mark;
   /* A backward that did not retain the graph ran this node's rule and let go of its saved

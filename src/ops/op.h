@@ -193,6 +193,11 @@ kiln_status kiln__amp_copy_many(int n, kiln_tensor *const *ins, kiln_tensor *con
 ** by a cast of an f32 tensor (autocast's parameter casts), whose rule then has nothing to
 ** convert; else the input's dtype. (ops_elementwise.c) */
 kiln_dtype kiln__grad_dtype(const kiln__node *n, int i);
+/* Whether the rule now running, whose input's node is m (output `index`), may give m its
+** bias gradient (m->bias_grad) with the gradient it hands m: m a linear (no activation)
+** whose bias needs a gradient, that gradient reaching m only through this edge
+** (kiln__grad_mask_ok). *dt: the dtype m's rule gives it in. (ops_matmul.c) */
+bool kiln__linear_bias_handover(const kiln__node *m, int index, kiln_dtype *dt);
 /* t itself when it already has dtype dt, else a converted copy without autograd. */
 kiln_tensor *kiln__as_dtype_nograd(kiln_tensor *t, kiln_dtype dt);
 /* Dispatches kernel a on out's device with a->out[0] = out's view (n_out 1 unless set);

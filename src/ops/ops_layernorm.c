@@ -208,8 +208,10 @@ kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *normalized_
 ** cast): the kernel rounds as they do. The node keeps s, the weight and the (2, R) stats
 ** (row 0 the mean, row 1 rstd); its rule gets y's gradient and s's (grad_outs[1], the
 ** residual stream's) and gives x's (= s's total), r's (rounded to r's dtype: the cast's
-** backward), the weight's and the bias's, in one RESIDUAL_LAYER_NORM_BACKWARD. Autocast
-** class none: the op takes mixed dtypes itself. */
+** backward), the weight's and the bias's, in one RESIDUAL_LAYER_NORM_BACKWARD; where r is
+** a linear's output (GPT-2's c_proj) and the device's kernel can, also that linear's bias
+** gradient, r's gradient's column sums, handed to the linear's rule. Autocast class none:
+** the op takes mixed dtypes itself. */
 typedef struct attrs_rln {
   double eps;
   kiln_dtype y_dtype;
@@ -351,8 +353,21 @@ static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi
     a.out[2] = dw ? vec_view(dw, N) : vec_view(ds, N);
     a.out[3] = db ? vec_view(db, N) : vec_view(ds, N);
     a.i[1] = (dr ? 1 : 0) | (dw ? 2 : 0) | (db ? 4 : 0);
+    /* r made by a linear whose bias wants a gradient: that gradient is the column sums of
+    ** r's, which the kernel can add up while it writes them (CUDA's chunked kernel: no
+    ** column-sum kernel of the linear's own); the linear's rule takes it (bias_grad) */
+    kiln__node *lin = n->next[1].node;
+    kiln_dtype rsdt = KILN_F32;
+    kiln_tensor *rsum = NULL;
+    if (need_r && kiln__linear_bias_handover(lin, n->next[1].index, &rsdt)) {
+      if (!(rsum = kiln__tensor_new(1, &N, rsdt, dev))) return kiln_last_error();
+      a.out[a.n_out++] = vec_view(rsum, N);
+      a.i[1] |= 8;
+      if (!kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM_BACKWARD)) a.n_out = 4, a.i[1] &= ~8, rsum = NULL;
+    }
     if (kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM_BACKWARD)) {
       st = kiln__dispatch(dev, &a);
+      if (st == KILN_OK && rsum) lin->bias_grad = kiln_tensor_ref(rsum);
     } else { /* composed: LAYER_NORM_BACKWARD on g in s's dtype, + gs, then r's cast */
       kiln_tensor *gys = kiln_contiguous(kiln__as_dtype_nograd(gyc, sdt));
       kiln_tensor *dxl = gsc ? kiln__tensor_new(s->ndim, s->shape, sdt, dev) : ds;

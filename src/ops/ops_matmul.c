@@ -391,6 +391,12 @@ static bool dgelu_handover(kiln__node *n, kiln_tensor *g2, kiln_tensor *W, kiln_
   return true;
 }
 
+bool kiln__linear_bias_handover(const kiln__node *m, int index, kiln_dtype *dt) {
+  if (!m || m->op != &op_linear || m->n_in < 3 || !m->needs[2] || !kiln__grad_mask_ok(m, index)) return false;
+  *dt = kiln__grad_dtype(m, 2);
+  return true;
+}
+
 static kiln_status linear_backward_run(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   if (n->op == &op_linear_gelu && !n->grad_mask) { /* grad_mask: g is already z's (dgelu_handover) */
     /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
@@ -429,20 +435,26 @@ static kiln_status linear_backward_run(kiln__node *n, kiln_tensor *g, kiln_tenso
     kiln_status st = kiln__give_grad(&gi[0], d, g);
     if (st != KILN_OK) return st;
   }
-  if (n->needs[2] && !n->needs[1] && !y2) { /* a frozen weight: db alone, no product */
+  kiln_tensor *given = n->needs[2] ? n->bias_grad : NULL; /* db, summed by the rule after us */
+  if (given) {
+    kiln_status st = kiln__give_grad(&gi[2], given, g);
+    if (st != KILN_OK) return st;
+  }
+  if (n->needs[2] && !given && !n->needs[1] && !y2) { /* a frozen weight: db alone, no product */
     kiln_status st = kiln__give_grad(&gi[2], kiln_sum(g2, KILN_DIMS(0), false), g);
     if (st != KILN_OK) return st;
-  } else if (n->needs[1] || n->needs[2]) {
+  } else if (n->needs[1] || (n->needs[2] && !given)) {
     /* dW = g^T x (N, K) and, in the same call, db = g^T's row sums (N); in f32 when both
     ** go to casts from f32 parameters (autocast): no cast kernel after them */
+    const bool sum_b = n->needs[2] && !given;
     kiln_dtype odt = x2->dtype;
-    if ((!n->needs[1] || kiln__grad_dtype(n, 1) == KILN_F32) && (!n->needs[2] || kiln__grad_dtype(n, 2) == KILN_F32))
+    if ((!n->needs[1] || kiln__grad_dtype(n, 1) == KILN_F32) && (!sum_b || kiln__grad_dtype(n, 2) == KILN_F32))
       odt = KILN_F32;
     kiln_tensor *db = NULL;
-    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, n->needs[2] ? &db : NULL, odt);
+    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, sum_b ? &db : NULL, odt);
     kiln_status st = dW ? KILN_OK : kiln_last_error();
     if (st == KILN_OK && n->needs[1]) st = kiln__give_grad(&gi[1], dW, g);
-    if (st == KILN_OK && n->needs[2]) st = kiln__give_grad(&gi[2], db, g);
+    if (st == KILN_OK && sum_b) st = kiln__give_grad(&gi[2], db, g);
     if (st != KILN_OK) return st;
   }
   return KILN_OK;

@@ -199,20 +199,34 @@ __global__ void ln_bwd_wpart(const T *x, const T *g, A *part, int64_t chunk, int
 ** same numbers every run). One thread a column walking all the chunks in a row was 15 us
 ** a call at GPT-2's 22 chunks, every load waiting on the one before; Y = 32 where the
 ** chunks are many (the fused residual norm's backward has one a block, a wave of them). */
-template <class A, int Y>
-__global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Vec dw, Vec db, bool want_w, bool want_b) {
-  __shared__ A sw[Y][33], sb[Y][33];
+/* Where the chunk sums go: part k of (parts, chunks, N) into out[k] where want[k] (the
+** norm's weight, its bias, and for the residual norm r's gradient's column sums). */
+struct Wsum {
+  Vec out[3];
+  bool want[3];
+  int parts;
+};
+static Wsum wsum2(Vec dw, Vec db, bool want_w, bool want_b) {
+  Wsum w;
+  memset(&w, 0, sizeof w);
+  w.out[0] = dw, w.out[1] = db, w.want[0] = want_w, w.want[1] = want_b, w.parts = 2;
+  return w;
+}
+
+template <class A, int Y> __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Wsum o) {
+  __shared__ A sh[3][Y][33];
   const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  A aw = 0, ab = 0;
+  A acc[3] = {0, 0, 0};
   if (j < N)
-    for (int64_t c = threadIdx.y; c < chunks; c += Y) aw += part[c * N + j], ab += part[(chunks + c) * N + j];
-  sw[threadIdx.y][threadIdx.x] = aw;
-  sb[threadIdx.y][threadIdx.x] = ab;
+    for (int64_t c = threadIdx.y; c < chunks; c += Y)
+      for (int k = 0; k < o.parts; k++) acc[k] += part[(k * chunks + c) * N + j];
+  for (int k = 0; k < o.parts; k++) sh[k][threadIdx.y][threadIdx.x] = acc[k];
   __syncthreads();
   if (threadIdx.y != 0 || j >= N) return;
-  for (int t = 1; t < Y; t++) aw += sw[t][threadIdx.x], ab += sb[t][threadIdx.x];
-  if (want_w) st_any<A>((void *)dw.p, dw.dt, j * dw.st, aw);
-  if (want_b) st_any<A>((void *)db.p, db.dt, j * db.st, ab);
+  for (int k = 0; k < o.parts; k++) {
+    for (int t = 1; t < Y; t++) acc[k] += sh[k][t][threadIdx.x];
+    if (o.want[k]) st_any<A>((void *)o.out[k].p, o.out[k].dt, j * o.out[k].st, acc[k]);
+  }
 }
 
 /* Stage 1 for f32 rows x read as float4s and g as four f32 or bf16 (8 bytes) a lane: block
@@ -266,20 +280,20 @@ static bool stats_f32(const Vec &mean, const Vec &rstd, bool rms) {
 }
 
 /* The weight and bias gradients of a norm over R rows of N in two stages: stage1(grid,
-** part, chunk, chunks) launches the chunk partials (2, chunks, N) with blocks of `cols`
-** columns, ln_bwd_wsum adds them into dw and db. Chunks: `want` of them, or where want is
-** 0 about 4 blocks an SM; at least 32 rows each. The partials live in the caching
+** part, chunk, chunks) launches the chunk partials (o.parts, chunks, N) with blocks of
+** `cols` columns, ln_bwd_wsum adds them into o's vectors. Chunks: `want` of them, or where
+** want is 0 about 4 blocks an SM; at least 32 rows each. The partials live in the caching
 ** allocator for the two launches. */
 template <class A, class F>
-static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, int64_t cols, int64_t want, Vec dw,
-                              Vec db, bool want_w, bool want_b, const char *what1, const char *what2, F stage1) {
+static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, int64_t cols, int64_t want,
+                              const Wsum &o, const char *what1, const char *what2, F stage1) {
   const int64_t colb = (N + cols - 1) / cols;
   if (want <= 0) want = ((int64_t)(d->sm_count > 0 ? d->sm_count : 132) * 4 + colb - 1) / colb;
   int64_t chunk = (R + want - 1) / want;
   if (chunk < 32) chunk = 32;
   int64_t chunks = (R + chunk - 1) / chunk;
   if (chunks > 65535) chunks = 65535, chunk = (R + chunks - 1) / chunks;
-  const size_t bytes = (size_t)(2 * chunks * N) * sizeof(A);
+  const size_t bytes = (size_t)(o.parts * chunks * N) * sizeof(A);
   A *part = (A *)kiln__cuda_alloc(dev, bytes);
   if (!part) return kiln_last_error();
   kiln_status st = kiln__cuda_capture_note(dev, part, bytes);
@@ -290,9 +304,9 @@ static kiln_status norm_wgrad(kiln__cuda_dev *d, int dev, int64_t R, int64_t N, 
   if (st == KILN_OK) {
     const unsigned blocks = (unsigned)((N + 31) / 32);
     if (chunks >= 128)
-      ln_bwd_wsum<A, 32><<<blocks, dim3(32, 32), 0, d->stream>>>(part, chunks, N, dw, db, want_w, want_b);
+      ln_bwd_wsum<A, 32><<<blocks, dim3(32, 32), 0, d->stream>>>(part, chunks, N, o);
     else
-      ln_bwd_wsum<A, 8><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, N, dw, db, want_w, want_b);
+      ln_bwd_wsum<A, 8><<<blocks, dim3(32, 8), 0, d->stream>>>(part, chunks, N, o);
     st = kiln__cuda_launched(what2);
   }
   kiln__cuda_free(dev, part, bytes); /* stream-ordered reuse */
@@ -459,7 +473,7 @@ kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
   Vec dw = vec_of(&a->out[1]), db = a->n_out > 2 ? vec_of(&a->out[2]) : dw;
   const char *w1 = "layer_norm_backward (weight partials)", *w2 = "layer_norm_backward (weight sums)";
   if (f32v && std::is_same<A, double>::value) /* f32 x and g, rows 16-byte aligned */
-    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, dw, db, true, a->n_out > 2, w1, w2,
+    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, wsum2(dw, db, true, a->n_out > 2), w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 if (stats_f32(p.mean, p.rstd, p.rms))
                                   wpart_v4<float, float><<<grid, dim3(32, 8), 0, d->stream>>>(
@@ -470,7 +484,7 @@ kiln_status ln_run(kiln__cuda_dev *d, const kiln__kargs *a, LnArgs &p) {
                                       (const float *)x, p.xs0, (const float *)g, p.gs0, p.mean, p.rstd, p.rms, p.R,
                                       p.N, part, chunk, chunks);
                               });
-  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, dw, db, true, a->n_out > 2, w1, w2,
+  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, wsum2(dw, db, true, a->n_out > 2), w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {
                          ln_bwd_wpart<T, A><<<grid, dim3(32, 8), 0, d->stream>>>(x, g, part, chunk, chunks, p);
                        });
@@ -540,7 +554,7 @@ struct RlnArgs {
   const void *r, *g;
   void *y, *dr;
   Vec w, b, mean, rstd;
-  bool has_w, has_b, has_gs, want_dr;
+  bool has_w, has_b, has_gs, want_dr, want_rs; /* want_rs: r's gradient's column sums (the third partials) */
   double eps;
 };
 
@@ -736,6 +750,10 @@ __global__ void __launch_bounds__(KC_THREADS) rln_bwd_ds_fast(const float *s, co
 ** statistics made in f32 over its few elements (24 for GPT-2) and added across the warp in
 ** double. In double the kernels waited on the f64 pipe and its conversions more than on
 ** memory (bench/RESULTS.md); KILN_CUDA_RLN=f64 keeps double. */
+__device__ __forceinline__ float4 bf4_round(float4 v) { /* each to bf16 and back */
+  return make_float4(__bfloat162float(__float2bfloat16_rn(v.x)), __bfloat162float(__float2bfloat16_rn(v.y)),
+                     __bfloat162float(__float2bfloat16_rn(v.z)), __bfloat162float(__float2bfloat16_rn(v.w)));
+}
 __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, float z, float w) {
   __nv_bfloat162 a = __floats2bfloat162_rn(x, y), b = __floats2bfloat162_rn(z, w);
   uint2 u;
@@ -856,14 +874,17 @@ __device__ __forceinline__ void rln_slab_sum(const float4 (*slab)[NV * 32], int6
 ** is W (a row a warp). NV float4s a lane (N <= NV * 128: the row in registers, no slots for
 ** columns the row lacks). With WG each lane adds g xhat and g of its columns over the
 ** warp's rows into f32 registers (a warp's rows are few: R / (chunks * W), about 8 for
-** GPT-2), then the block adds its warps in warp order in double into part (2, chunks, N)
+** GPT-2), and with p.want_rs the column sums of r's gradient as written (dr's bf16 values,
+** or ds): the bias gradient of the linear that made r, which the op layer hands over to
+** it. Then the block adds its warps in warp order in double into part (2 or 3, chunks, N)
 ** for ln_bwd_wsum: the norm's parameter gradients without wpart_v4's second read of s and
-** g. The same ds and dr bits either way. With WG the accumulators take 2 NV float4s a lane
-** more: blocks of 4 warps keep them in registers where 8-warp blocks capped at 2 an SM
-** spill. C: the per-element arithmetic (above). PF (with WG): a warp's next row (s, g and
-** gs) comes by cp.async into the other of its two shared buffers while it works on this
-** one, so the loads of one row wait behind the sums of the last rather than after them;
-** the dynamic shared memory is rln_stage_bytes, the buffers become the slab at the end. */
+** g, and no column-sum kernel for that bias. The same ds and dr bits either way. With WG
+** the accumulators take 2 or 3 NV float4s a lane more: blocks of 4 warps keep them in
+** registers where 8-warp blocks capped at 2 an SM spill. C: the per-element arithmetic
+** (above). PF (with WG): a warp's next row (s, g and gs) comes by cp.async into the other
+** of its two shared buffers while it works on this one, so the loads of one row wait
+** behind the sums of the last rather than after them; the dynamic shared memory is
+** rln_stage_bytes, the buffers become the slab at the end. */
 constexpr int rln_warps(bool wg) { return wg ? 4 : KC_THREADS / 32; }
 template <int NV> constexpr size_t rln_stage_bytes(bool has_gs) {
   return (size_t)rln_warps(true) * 2 * NV * 32 * (16 + 8 + (has_gs ? 16 : 0));
@@ -893,10 +914,10 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     }
     kc_cp_commit();
   };
-  float4 aw[WG ? NV : 1], ab[WG ? NV : 1];
+  float4 aw[WG ? NV : 1], ab[WG ? NV : 1], ar[WG ? NV : 1];
   if constexpr (WG) {
 #pragma unroll
-    for (int k = 0; k < NV; k++) aw[k] = ab[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 0; k < NV; k++) aw[k] = ab[k] = ar[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
   if constexpr (PF) {
@@ -918,34 +939,34 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
     const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
     const C rc = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
-    float4 sv[NV], gv[NV]; /* s and g as read */
+    float4 sv[PF ? 1 : NV], gv[PF ? 1 : NV]; /* unstaged: s and g as read, all loads first */
     C lsg = 0, lsgx = 0;
+    if constexpr (!PF) {
 #pragma unroll
-    for (int k = 0; k < NV; k++) {
-      const int c = k * 32 + lane;
-      sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (c < nv) {
-        sv[k] = PF ? st_s[o + c] : sr[c];
-        gv[k] = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_g[o + c])) : kc_ld4(gr + 4 * c);
+      for (int k = 0; k < NV; k++) {
+        const int c = k * 32 + lane;
+        sv[k] = gv[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < nv) sv[k] = sr[c], gv[k] = kc_ld4(gr + 4 * c);
       }
     }
 #pragma unroll
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
       if (c >= nv) continue;
-      C gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      const float4 g4 = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_g[o + c])) : gv[k];
+      const float4 s4 = PF ? st_s[o + c] : sv[k];
+      C gw[4] = {g4.x, g4.y, g4.z, g4.w};
       if (p.has_w) {
         const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
         gw[0] *= (C)w.x, gw[1] *= (C)w.y, gw[2] *= (C)w.z, gw[3] *= (C)w.w;
       }
-      const C xh[4] = {((C)sv[k].x - mc) * rc, ((C)sv[k].y - mc) * rc, ((C)sv[k].z - mc) * rc,
-                       ((C)sv[k].w - mc) * rc};
+      const C xh[4] = {((C)s4.x - mc) * rc, ((C)s4.y - mc) * rc, ((C)s4.z - mc) * rc, ((C)s4.w - mc) * rc};
       lsg += (gw[0] + gw[1]) + (gw[2] + gw[3]);
       lsgx += (gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]);
       if constexpr (WG) {
-        aw[k].x += (float)((C)gv[k].x * xh[0]), aw[k].y += (float)((C)gv[k].y * xh[1]);
-        aw[k].z += (float)((C)gv[k].z * xh[2]), aw[k].w += (float)((C)gv[k].w * xh[3]);
-        ab[k].x += gv[k].x, ab[k].y += gv[k].y, ab[k].z += gv[k].z, ab[k].w += gv[k].w;
+        aw[k].x += (float)((C)g4.x * xh[0]), aw[k].y += (float)((C)g4.y * xh[1]);
+        aw[k].z += (float)((C)g4.z * xh[2]), aw[k].w += (float)((C)g4.w * xh[3]);
+        ab[k].x += g4.x, ab[k].y += g4.y, ab[k].z += g4.z, ab[k].w += g4.w;
       }
     }
     const C sg = (C)(warp_sum((double)lsg) / (double)p.N);
@@ -957,13 +978,16 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
       if (c >= nv) continue;
-      C gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      /* staged: s and g read again from shared memory, not held in registers across the
+      ** row's sums (room for the third accumulator) */
+      const float4 g4 = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_g[o + c])) : gv[k];
+      const float4 s4 = PF ? st_s[o + c] : sv[k];
+      C gw[4] = {g4.x, g4.y, g4.z, g4.w};
       if (p.has_w) { /* recomputed, not held in registers across the row's sums */
         const float4 w = ln_ld4(p.w, wvec, (int64_t)c * 4);
         gw[0] *= (C)w.x, gw[1] *= (C)w.y, gw[2] *= (C)w.z, gw[3] *= (C)w.w;
       }
-      const C xh[4] = {((C)sv[k].x - mc) * rc, ((C)sv[k].y - mc) * rc, ((C)sv[k].z - mc) * rc,
-                       ((C)sv[k].w - mc) * rc};
+      const C xh[4] = {((C)s4.x - mc) * rc, ((C)s4.y - mc) * rc, ((C)s4.z - mc) * rc, ((C)s4.w - mc) * rc};
       float4 dv = make_float4((float)(rc * (gw[0] - sg - xh[0] * sgx)), (float)(rc * (gw[1] - sg - xh[1] * sgx)),
                               (float)(rc * (gw[2] - sg - xh[2] * sgx)), (float)(rc * (gw[3] - sg - xh[3] * sgx)));
       if (gsr) {
@@ -972,6 +996,12 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
       }
       dsr[c] = dv;
       if (drr) bf4_st(drr, c, dv.x, dv.y, dv.z, dv.w);
+      if constexpr (WG) {
+        if (p.want_rs) { /* r's gradient as written: dr's bf16 values, or ds */
+          const float4 q = drr ? bf4_round(dv) : dv;
+          ar[k].x += q.x, ar[k].y += q.y, ar[k].z += q.z, ar[k].w += q.w;
+        }
+      }
     }
   }
   if constexpr (WG) { /* the warps' sums in warp order, w then b, through one (W, N) f32 slab */
@@ -992,6 +1022,13 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = ab[k];
     __syncthreads();
     rln_slab_sum<NV, W>(slab, p.N, part + ((int64_t)chunks + blockIdx.x) * p.N);
+    if (p.want_rs) {
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = ar[k];
+      __syncthreads();
+      rln_slab_sum<NV, W>(slab, p.N, part + (2 * (int64_t)chunks + blockIdx.x) * p.N);
+    }
   }
 }
 
@@ -1036,6 +1073,8 @@ bool rln_fast(const kiln__kargs *a) {
 
 bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 || v.shape[1] <= 1); }
 
+static RlnArgs rln_args(const kiln__kargs *a);
+static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->in[0].dtype, st = dt == KILN_F64 ? KILN_F64 : KILN_F32;
   if (!kc_is_float(dt) || !kc_is_float(a->in[1].dtype) || !unit_cols(a->in[0]) || !unit_cols(a->in[1])) return false;
@@ -1050,7 +1089,8 @@ bool rln_supports(const kiln__kargs *a) {
            a->out[2].dtype == st && a->out[2].ndim == 2 && a->out[2].shape[0] == 2 && a->out[2].shape[1] == R;
   }
   int nv = 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0);
-  if (a->n_in != nv || a->n_out != 4) return false;
+  const bool rs = (a->i[1] & 8) != 0;
+  if (a->n_in != nv || a->n_out != (rs ? 5 : 4)) return false;
   const kiln__view &stats = a->in[2];
   if (stats.dtype != st || stats.ndim != 2 || stats.shape[0] != 2 || stats.shape[1] != R) return false;
   if ((a->i[0] & 1) && (!kc_is_float(a->in[3].dtype) || a->in[3].ndim != 1 || a->in[3].shape[0] != N)) return false;
@@ -1060,10 +1100,10 @@ bool rln_supports(const kiln__kargs *a) {
   }
   if (a->out[0].dtype != dt || !unit_cols(a->out[0])) return false;
   if ((a->i[1] & 1) && (!kc_is_float(a->out[1].dtype) || !unit_cols(a->out[1]))) return false;
-  for (int k = 2; k < 4; k++)
+  for (int k = 2; k < a->n_out; k++)
     if ((a->i[1] & (1 << (k - 1))) && (!kc_is_float(a->out[k].dtype) || a->out[k].ndim != 1 || a->out[k].shape[0] != N))
       return false;
-  return true;
+  return !rs || rln_bwd_chunked(a, rln_args(a)); /* r's column sums: the chunked kernel's third partials only */
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
@@ -1178,10 +1218,12 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const char *w1 = "residual_layer_norm_backward (weight partials)", *w2 = "residual_layer_norm_backward (weight sums)";
   const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
   float *dsp = (float *)a->out[0].data;
-  if (v4 && (want_w || want_b) && !rln_env("split")) { /* f32 s, bf16 g: the partials in the rows' pass */
+  if ((want_w || want_b || p.want_rs) && rln_bwd_chunked(a, p)) { /* f32 s, bf16 g: the partials in the rows' pass */
     const bool pf = !f64 && !rln_env("nopf");
-    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, a->device, p, pf), dw, db, want_w,
-                              want_b, "residual_layer_norm_backward", w2,
+    Wsum o = wsum2(dw, db, want_w, want_b);
+    if (p.want_rs) o.out[2] = vec_of(&a->out[4]), o.want[2] = true, o.parts = 3;
+    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, a->device, p, pf), o,
+                              "residual_layer_norm_backward", w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 const float *sf = (const float *)s, *gf = (const float *)gs;
                                 if (f64)
@@ -1208,7 +1250,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   KC_TRY(kiln__cuda_launched("residual_layer_norm_backward"));
   if (!want_w && !want_b) return KILN_OK;
   if (v4) /* f32 s, bf16 g */
-    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, dw, db, want_w, want_b, w1, w2,
+    return norm_wgrad<double>(d, a->device, p.R, p.N, 128, 0, wsum2(dw, db, want_w, want_b), w1, w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 if (stats_f32(p.mean, p.rstd, false))
                                   wpart_v4<__nv_bfloat16, float><<<grid, dim3(32, 8), 0, d->stream>>>(
@@ -1219,13 +1261,14 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
                                       (const float *)s, p.ss0, (const __nv_bfloat16 *)p.g, p.gs0, p.mean, p.rstd,
                                       false, p.R, p.N, part, chunk, chunks);
                               });
-  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, dw, db, want_w, want_b, w1, w2,
+  return norm_wgrad<A>(d, a->device, p.R, p.N, 32, 0, wsum2(dw, db, want_w, want_b), w1, w2,
                        [&](dim3 grid, A *part, int64_t chunk, int64_t chunks) {
                          rln_bwd_wpart<T, A><<<grid, dim3(32, 8), 0, d->stream>>>(s, part, chunk, chunks, p);
                        });
 }
 
-kiln_status residual_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
+/* The kernels' arguments from a (either direction). */
+static RlnArgs rln_args(const kiln__kargs *a) {
   const bool bw = a->op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD;
   const kiln__view &x = a->in[0];
   RlnArgs p;
@@ -1256,10 +1299,24 @@ kiln_status residual_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
     p.dss0 = a->out[0].strides[0];
     p.want_dr = (a->i[1] & 1) != 0;
     if (p.want_dr) p.dr = a->out[1].data, p.drdt = (int)a->out[1].dtype, p.drs0 = a->out[1].strides[0];
+    p.want_rs = (a->i[1] & 8) != 0;
   }
+  return p;
+}
+
+/* Whether the backward takes the chunked four-wide kernel (rln_bwd_v4<., true>), the one
+** that sums the parameter gradients (and r's gradient's columns) in the rows' pass. */
+static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p) {
+  return rln_fast(a) && rln_v4_fits(a, p) && !rln_env("split");
+}
+
+kiln_status residual_layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
+  const bool bw = a->op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD;
+  const kiln__view &x = a->in[0];
+  RlnArgs p = rln_args(a);
   if (p.R == 0) return KILN_OK;
   if (p.N == 0) { /* no columns: empty rows, zero parameter gradients */
-    for (int k = 2; bw && k < 4; k++)
+    for (int k = 2; bw && k < a->n_out; k++)
       if (a->i[1] & (1 << (k - 1))) KC_TRY(kiln__cuda_fill_view(a->device, &a->out[k], 0.0));
     return KILN_OK;
   }

@@ -6,12 +6,17 @@
 ** path and, where there is a CUDA device, its RESIDUAL_LAYER_NORM kernels. A small GPT's
 ** loss and every parameter's gradient with KILN_GPT_RESIDUAL_LN=1 (opt-in: every
 ** residual add fused with the norm after it) against =0 (the unfused ops), f32 and under bf16 autocast.
+** A linear's output as r: where the device's kernel sums r's gradient's columns (CUDA), the
+** linear's bias gradient comes from there (counted: one flagged kernel, no row-sum product)
+** and equals the unfused ops'; not when r's gradient also has another way to go.
 ** Bad input.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
 #include <kiln_nn.h>
+
+#include "core/kiln_int.h" /* kiln__dispatch_observe */
 
 #include <math.h>
 #include <stdio.h>
@@ -167,6 +172,74 @@ static void gpt_fused_norms(kiln_device dev, kiln_dtype autocast) {
   kiln_scope_end();
 }
 
+/* Kernel calls of the handover: the residual norm's backward with r's column sums (i1
+** flag 8), and products that also sum rows (a linear's bias gradient of its own). */
+static int rsum_calls, rowsum_products;
+static void count_handover(void *ctx, kiln_device dev, const kiln__kargs *a, bool native) {
+  (void)ctx, (void)dev, (void)native;
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD && (a->i[1] & 8)) rsum_calls++;
+  if (a->op == KILN__K_MATMUL && a->n_out == 2) rowsum_products++;
+}
+
+/* r = linear(h, W, b) under bf16 autocast into the fused norm (with s's own gradient), its
+** parameters' gradients against add + layer_norm + cast; shared: r's gradient has another
+** way too (loss + sum(r q)), so the linear must sum it itself. */
+static void linear_into_norm(kiln_device dev, int64_t R, int64_t K, int64_t N, bool shared) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(11);
+  kiln_tensor *x0 = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
+  kiln_tensor *h0 = kiln_randn(KILN_SHAPE(R, K), KILN_F32, dev, gen);
+  kiln_tensor *W0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N, K), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *b0 = kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen);
+  kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), KILN_BF16);
+  kiln_tensor *gs = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
+  kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), KILN_BF16);
+  kiln_generator_free(gen);
+  const bool cuda = dev.type == KILN_DEVICE_CUDA;
+  double *v[2][3] = {{NULL}};
+  int64_t n[3] = {R * K, N * K, N};
+  for (int fused = 0; fused < 2; fused++) {
+    kiln_tensor *h = kiln_clone(h0), *W = kiln_clone(W0), *b = kiln_clone(b0);
+    kiln_tensor *leaves[3] = {h, W, b};
+    for (int i = 0; i < 3; i++) kiln_requires_grad_(leaves[i], true);
+    kiln_autocast_begin(dev.type, KILN_BF16);
+    kiln_tensor *r = kiln_linear(h, W, b), *s = NULL, *y;
+    kiln_autocast_end();
+    if (fused) {
+      y = kiln_residual_layer_norm(x0, r, NULL, NULL, 1e-5, KILN_BF16, &s);
+    } else {
+      s = kiln_add(x0, r);
+      y = kiln_to_dtype(kiln_layer_norm(s, 1, (const int64_t[]){N}, NULL, NULL, 1e-5), KILN_BF16);
+    }
+    kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_to_dtype(kiln_mul(y, gy), KILN_F32)), kiln_sum_all(kiln_mul(s, gs)));
+    if (shared) loss = kiln_add(loss, kiln_sum_all(kiln_to_dtype(kiln_mul(r, q), KILN_F32)));
+    rsum_calls = rowsum_products = 0;
+    kiln__dispatch_observe(count_handover, NULL);
+    kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+    kiln__dispatch_observe(NULL, NULL);
+    H_CHECK(st == KILN_OK, "linear into residual_layer_norm, fused %d: %s", fused, kiln_last_error_message());
+    for (int i = 0; i < 3; i++) v[fused][i] = kiln_grad(leaves[i]) ? h_values(kiln_grad(leaves[i]), NULL) : NULL;
+    if (fused) {
+      const bool handed = cuda && !shared; /* CUDA's kernel takes flag 8; the CPU composes */
+      H_CHECK(rsum_calls == (handed ? 1 : 0) && rowsum_products == (handed ? 0 : 1),
+              "linear into residual_layer_norm (%lld, %lld)%s on %s: %d backward kernels summed r's columns, %d "
+              "products summed rows; expected %d and %d", (long long)R, (long long)N, shared ? ", r shared" : "",
+              cuda ? "cuda" : "cpu", rsum_calls, rowsum_products, handed ? 1 : 0, handed ? 0 : 1);
+    }
+  }
+  static const char *const what[3] = {"dh", "dW", "dbias"};
+  for (int i = 0; i < 3; i++) {
+    char name[200], db[32];
+    snprintf(name, sizeof name, "linear (%lld, %lld) -> residual_layer_norm on %s%s vs add+layer_norm+cast: %s",
+             (long long)R, (long long)N, kiln_device_str(dev, db, sizeof db), shared ? ", r shared" : "", what[i]);
+    /* the same bf16 gradient of r either way; its sums over rows in another order */
+    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], 2e-3, 2e-3);
+    else H_CHECK(false, "%s: no result", name);
+  }
+  for (int k = 0; k < 6; k++) free(v[k / 3][k % 3]);
+  kiln_scope_end();
+}
+
 static void bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -196,6 +269,7 @@ int main(int argc, char **argv) {
     bad_input();
     gpt_fused_norms(cpu, KILN_F32);
     gpt_fused_norms(cpu, KILN_BF16);
+    linear_into_norm(cpu, 40, 24, 64, false);
     if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
       kiln_device cuda = kiln_device_cuda(0);
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
@@ -218,6 +292,9 @@ int main(int argc, char **argv) {
       block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
       gpt_fused_norms(cuda, KILN_F32);
       gpt_fused_norms(cuda, KILN_BF16);
+      linear_into_norm(cuda, 1000, 256, 768, false);
+      linear_into_norm(cuda, 1000, 256, 768, true);
+      linear_into_norm(cuda, 77, 64, 260, false);
     }
   }
   return h_finish();

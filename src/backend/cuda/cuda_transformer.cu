@@ -1074,6 +1074,7 @@ bool rln_fast(const kiln__kargs *a) {
 bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 || v.shape[1] <= 1); }
 
 static RlnArgs rln_args(const kiln__kargs *a);
+static bool rln_env(const char *w);
 static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->in[0].dtype, st = dt == KILN_F64 ? KILN_F64 : KILN_F32;
@@ -1103,13 +1104,15 @@ bool rln_supports(const kiln__kargs *a) {
   for (int k = 2; k < a->n_out; k++)
     if ((a->i[1] & (1 << (k - 1))) && (!kc_is_float(a->out[k].dtype) || a->out[k].ndim != 1 || a->out[k].shape[0] != N))
       return false;
-  return !rs || rln_bwd_chunked(a, rln_args(a)); /* r's column sums: the chunked kernel's third partials only */
+  /* r's column sums: the chunked kernel's third partials only */
+  return !rs || (!rln_env("nors") && rln_bwd_chunked(a, rln_args(a)));
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
-** chunked backward loads each row when it starts on it, no staged next row). */
+** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
+** column sums of r's gradient: the linear that made r sums its bias gradient itself). */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
   const size_t n = strlen(w);

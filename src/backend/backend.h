@@ -394,7 +394,7 @@ typedef enum kiln__kop {
 const char *kiln__kop_name(kiln__kop op);
 
 #define KILN__MAX_KIN 5
-#define KILN__MAX_KOUT 4
+#define KILN__MAX_KOUT 5 /* RESIDUAL_LAYER_NORM_BACKWARD with r's column sums */
 
 typedef struct kiln__kargs {
   kiln__kop op;

@@ -764,11 +764,12 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
 /* The forward: block b takes rows [b chunk, (b + 1) chunk), warp w every W-th of them from
 ** w (chunk W: a row a warp). NV float4s a lane. PF: a warp's next row (x and r) comes by
 ** cp.async into the other of its two shared buffers while it works on this one (chunks of
-** several rows a warp, one wave of blocks: rln_fwd_chunks); rln_fwd_stage_bytes of dynamic
-** shared memory. */
+** several rows a warp, one wave of blocks: rln_fwd_v4_pf_nv); rln_fwd_stage_bytes of
+** dynamic shared memory. At most 80 registers: 3 blocks an SM (GPT-2's 768: 69; 85 when
+** left to ptxas, 2 blocks). */
 template <int NV> constexpr size_t rln_fwd_stage_bytes() { return (size_t)(KC_THREADS / 32) * 2 * NV * 32 * (16 + 8); }
 template <class C, int NV, bool PF>
-__global__ void __launch_bounds__(KC_THREADS, 2) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
+__global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
                                                          int64_t chunk) {
   constexpr int W = KC_THREADS / 32, S = NV * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1043,6 +1044,8 @@ template <int NV, bool WG, class C, bool PF> static size_t rln_bwd_v4_smem(int d
     const size_t bytes = rln_stage_bytes<NV>(true);
     if (dev >= 0 && dev < 64 && !(set.load() >> dev & 1)) {
       cudaFuncSetAttribute(rln_bwd_v4<NV, WG, C, PF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+      cudaFuncSetAttribute(rln_bwd_v4<NV, WG, C, PF>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared); /* else the driver's pick held it to 2 blocks an SM */
       set.fetch_or(1ull << dev);
     }
     return rln_stage_bytes<NV>(has_gs);
@@ -1167,6 +1170,8 @@ static void rln_fwd_v4_pf_nv(kiln__cuda_dev *d, int dev, const float *x, float *
   const size_t bytes = rln_fwd_stage_bytes<NV>();
   if (dev >= 0 && dev < 64 && !(set.load() >> dev & 1)) {
     cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
     set.fetch_or(1ull << dev);
   }
   int n = 0;

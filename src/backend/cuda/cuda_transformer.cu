@@ -216,14 +216,20 @@ static Wsum wsum2(Vec dw, Vec db, bool want_w, bool want_b) {
 template <class A, int Y> __global__ void ln_bwd_wsum(const A *part, int64_t chunks, int64_t N, Wsum o) {
   __shared__ A sh[3][Y][33];
   const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
-  A acc[3] = {0, 0, 0};
+  A acc[3] = {0, 0, 0}; /* constant indices only (unrolled, k < parts a predicate): registers */
   if (j < N)
-    for (int64_t c = threadIdx.y; c < chunks; c += Y)
-      for (int k = 0; k < o.parts; k++) acc[k] += part[(k * chunks + c) * N + j];
-  for (int k = 0; k < o.parts; k++) sh[k][threadIdx.y][threadIdx.x] = acc[k];
+    for (int64_t c = threadIdx.y; c < chunks; c += Y) {
+#pragma unroll
+      for (int k = 0; k < 3; k++)
+        if (k < o.parts) acc[k] += part[(k * chunks + c) * N + j];
+    }
+#pragma unroll
+  for (int k = 0; k < 3; k++) sh[k][threadIdx.y][threadIdx.x] = acc[k];
   __syncthreads();
   if (threadIdx.y != 0 || j >= N) return;
-  for (int k = 0; k < o.parts; k++) {
+#pragma unroll
+  for (int k = 0; k < 3; k++) {
+    if (k >= o.parts) continue;
     for (int t = 1; t < Y; t++) acc[k] += sh[k][t][threadIdx.x];
     if (o.want[k]) st_any<A>((void *)o.out[k].p, o.out[k].dt, j * o.out[k].st, acc[k]);
   }

@@ -527,8 +527,9 @@ KILN_API kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, ki
 KILN_API kiln_tensor *kiln_add_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
                                           double eps, kiln_tensor **sum);
 /* The same for training (a GPT block's residual stream): *sum (may be NULL) = x + r in
-** promote(x, r)'s dtype (r the same shape as x, any floating dtypes, as kiln_add then
-** casts would give it), and the result is kiln_layer_norm of the sum over the last dim
+** promote(x, r)'s dtype (r x's shape, or x's trailing dims repeated over the leading
+** ones, as a position embedding (T, C) under x (B, T, C); any floating dtypes, as
+** kiln_add then casts would give it), and the result is kiln_layer_norm of the sum over the last dim
 ** (weight, bias of that size, either NULL), in y_dtype: the f32 norm rounded then cast
 ** (under autocast the lower dtype the next product reads). Differentiable in x, r,
 ** weight and bias, through both outputs; on CUDA one kernel each way. Results owned by

@@ -8,8 +8,8 @@
 ** residual add fused with the norm after it) against =0 (the unfused ops), f32 and under bf16 autocast.
 ** A linear's output as r: where the device's kernel sums r's gradient's columns (CUDA), the
 ** linear's bias gradient comes from there (counted: one flagged kernel, no row-sum product)
-** and equals the unfused ops'; not when r's gradient also has another way to go.
-** Bad input.
+** and equals the unfused ops'; not when r's gradient also has another way to go. r of x's
+** trailing dims, repeated over its batch (a position embedding). Bad input.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
@@ -115,6 +115,54 @@ static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt,
     if ((i == 0 && ydt != KILN_F32) || (i == 3 && rdt != KILN_F32)) rtol = atol = 8e-3;
     if (i >= 4) rtol = atol = 1e-4;
     if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], rtol, atol);
+    else H_CHECK(false, "%s: no result", name);
+  }
+  for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
+  kiln_scope_end();
+}
+
+/* r (T, N) repeated over x (B, T, N)'s batch (a GPT's position embedding under block 0's
+** ln_1): against kiln_add's broadcast, layer_norm and the cast; r's gradient is summed
+** over the batch. rdt f32 (the embedding) or bf16. */
+static void broadcast_pattern(kiln_device dev, int64_t B, int64_t T, int64_t N, kiln_dtype rdt) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(13);
+  kiln_tensor *x0 = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
+  kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(T, N), KILN_F32, dev, gen), rdt);
+  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
+  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen), KILN_BF16);
+  kiln_tensor *gs = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
+  kiln_generator_free(gen);
+  double *v[2][6] = {{NULL}};
+  int64_t n[6] = {B * T * N, B * T * N, B * T * N, T * N, N, N};
+  for (int fused = 0; fused < 2; fused++) {
+    kiln_tensor *x = kiln_clone(x0), *r = kiln_clone(r0), *w = kiln_clone(w0), *b = kiln_clone(b0);
+    kiln_tensor *leaves[4] = {x, r, w, b};
+    for (int i = 0; i < 4; i++) kiln_requires_grad_(leaves[i], true);
+    kiln_tensor *y, *s = NULL;
+    if (fused) {
+      y = kiln_residual_layer_norm(x, r, w, b, 1e-5, KILN_BF16, &s);
+    } else {
+      s = kiln_add(x, r);
+      y = kiln_to_dtype(kiln_layer_norm(s, 1, (const int64_t[]){N}, w, b, 1e-5), KILN_BF16);
+    }
+    kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_to_dtype(kiln_mul(y, gy), KILN_F32)), kiln_sum_all(kiln_mul(s, gs)));
+    H_CHECK(loss && kiln_backward(loss, NULL) == KILN_OK, "residual_layer_norm, r repeated, fused %d: %s", fused,
+            kiln_last_error_message());
+    kiln_tensor *res[6] = {y, s, kiln_grad(x), kiln_grad(r), kiln_grad(w), kiln_grad(b)};
+    for (int i = 0; i < 6; i++) v[fused][i] = res[i] ? h_values(res[i], NULL) : NULL;
+    if (fused)
+      H_CHECK(res[3] && kiln_dtype_of(res[3]) == rdt && kiln_ndim(res[3]) == 2, "r's gradient: r's dtype and shape");
+  }
+  static const char *const what[6] = {"y", "s", "dx", "dr", "dweight", "dbias"};
+  for (int i = 0; i < 6; i++) {
+    char name[200], db[32];
+    snprintf(name, sizeof name, "residual_layer_norm on %s, r %s (%lld, %lld) repeated over %lld vs add+layer_norm+cast: %s",
+             kiln_device_str(dev, db, sizeof db), kiln_dtype_name(rdt), (long long)T, (long long)N, (long long)B,
+             what[i]);
+    double tol = (i == 0 || (i == 3 && rdt != KILN_F32)) ? 8e-3 : i >= 3 ? 1e-4 : 2e-5;
+    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], tol, tol);
     else H_CHECK(false, "%s: no result", name);
   }
   for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
@@ -247,6 +295,12 @@ static void bad_input(void) {
   H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_randn(KILN_SHAPE(4, 7), KILN_F32, cpu, NULL), NULL, NULL, 1e-5,
                                         KILN_F32, NULL),
                KILN_ERR_SHAPE, "r of another shape");
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_randn(KILN_SHAPE(2, 8), KILN_F32, cpu, NULL), NULL, NULL, 1e-5,
+                                        KILN_F32, NULL),
+               KILN_ERR_SHAPE, "r with other leading dims (not x's trailing ones)");
+  H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_randn(KILN_SHAPE(1, 4, 8), KILN_F32, cpu, NULL), NULL, NULL, 1e-5,
+                                        KILN_F32, NULL),
+               KILN_ERR_SHAPE, "r with more dims than x");
   H_EXPECT_ERR(kiln_residual_layer_norm(x, x, kiln_ones(KILN_SHAPE(7), KILN_F32, cpu), NULL, 1e-5, KILN_F32, NULL),
                KILN_ERR_SHAPE, "weight of another width");
   H_EXPECT_ERR(kiln_residual_layer_norm(x, kiln_zeros(KILN_SHAPE(4, 8), KILN_I64, cpu), NULL, NULL, 1e-5, KILN_F32,
@@ -270,6 +324,7 @@ int main(int argc, char **argv) {
     gpt_fused_norms(cpu, KILN_F32);
     gpt_fused_norms(cpu, KILN_BF16);
     linear_into_norm(cpu, 40, 24, 64, false);
+    broadcast_pattern(cpu, 3, 10, 64, KILN_F32);
     if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
       kiln_device cuda = kiln_device_cuda(0);
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
@@ -295,6 +350,11 @@ int main(int argc, char **argv) {
       linear_into_norm(cuda, 1000, 256, 768, false);
       linear_into_norm(cuda, 1000, 256, 768, true);
       linear_into_norm(cuda, 77, 64, 260, false);
+      broadcast_pattern(cuda, 4, 250, 768, KILN_F32); /* GPT-2's position embedding */
+      broadcast_pattern(cuda, 3, 33, 260, KILN_BF16);
+      setenv("KILN_CUDA_RLN", "nopf", 1);
+      broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
+      unsetenv("KILN_CUDA_RLN");
     }
   }
   return h_finish();

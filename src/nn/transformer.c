@@ -308,7 +308,8 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
 /* Whether the residual adds and the layer norms after them run as kiln_residual_layer_norm
 ** (CUDA: one kernel each way, the norm's output straight in the autocast dtype): in a
 ** Block, x + attn and ln_2; in the GPT's own walk over its blocks, also the MLP's add
-** with the next block's ln_1 (and the last one's with ln_f). On where x's device has the
+** with the next block's ln_1 (and the last one's with ln_f), and the embeddings' add
+** (tokens + positions, the positions repeated over the batch) with block 0's ln_1. On where x's device has the
 ** fused kernels (CUDA: GPT-2's step 42.0 -> 38.2 ms on the H100, bench/RESULTS.md), off
 ** where they would be composed of the same ops (the CPU, Vulkan); KILN_GPT_RESIDUAL_LN=1
 ** or =0 forces it either way (read at each call, so a test can compare both ways). */
@@ -407,10 +408,10 @@ static kiln_tensor *block_step(kiln_module *blk, kiln_tensor **x, kiln_tensor *r
   return out;
 }
 
-/* h's blocks then ln_f, every residual add fused with the norm after it. */
-static kiln_tensor *walk_blocks(kiln_module *m, kiln_module *h, kiln_tensor *x) {
+/* h's blocks then ln_f, every residual add fused with the norm after it; r (or NULL) is
+** added to x under the first block's ln_1 (the position embedding). */
+static kiln_tensor *walk_blocks(kiln_module *m, kiln_module *h, kiln_tensor *x, kiln_tensor *r) {
   const kiln_dtype ydt = norm_out_dtype(x);
-  kiln_tensor *r = NULL;
   kiln__module_scope_push(kiln__module_label(h));
   for (int i = 0; i < kiln_module_num_children(h) && x; i++) r = block_step(kiln_module_child_at(h, i), &x, r, ydt);
   kiln__module_scope_pop();
@@ -439,12 +440,16 @@ static kiln_tensor *gpt_hidden(kiln_module *m, kiln_tensor *idx) {
                    (long long)T, (long long)c->block_size);
     return NULL;
   }
-  kiln_tensor *pos = kiln_arange(0, (double)T, 1, KILN_I64, kiln_device_of(idx));             /* (T) */
-  kiln_tensor *tok = kiln_module_forward(kiln_module_child(m, "wte"), idx);                  /* (B, T, C) */
-  kiln_tensor *x = kiln_add(tok, kiln_module_forward(kiln_module_child(m, "wpe"), pos));     /* + (T, C) */
-  x = kiln_module_forward(kiln_module_child(m, "drop"), x);
-  kiln_module *h = kiln_module_child(m, "h");
-  if (x && residual_ln_on(x) && blocks_walkable(h)) return walk_blocks(m, h, x);
+  kiln_tensor *pos = kiln_arange(0, (double)T, 1, KILN_I64, kiln_device_of(idx)); /* (T) */
+  kiln_tensor *tok = kiln_module_forward(kiln_module_child(m, "wte"), idx);      /* (B, T, C) */
+  kiln_tensor *pe = kiln_module_forward(kiln_module_child(m, "wpe"), pos);       /* (T, C) */
+  kiln_module *h = kiln_module_child(m, "h"), *drop = kiln_module_child(m, "drop");
+  /* no dropout on the sum (p 0, or eval): its add goes under block 0's ln_1 */
+  const bool drop_none = drop && !strcmp(kiln_module_type_name(drop), "Dropout") &&
+                         (c->dropout == 0 || !kiln_module_is_training(drop));
+  if (tok && pe && drop_none && residual_ln_on(tok) && blocks_walkable(h)) return walk_blocks(m, h, tok, pe);
+  kiln_tensor *x = kiln_module_forward(drop, kiln_add(tok, pe));
+  if (x && residual_ln_on(x) && blocks_walkable(h)) return walk_blocks(m, h, x, NULL);
   x = kiln_module_forward(h, x);
   return kiln_module_forward(kiln_module_child(m, "ln_f"), x);
 }

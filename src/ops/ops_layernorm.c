@@ -200,6 +200,8 @@ kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *normalized_
 }
 
 /* ---- residual_layer_norm: s = x + r, y = layer_norm(s) over the last dim ------------
+** (r x's shape, or x's trailing dims repeated over the leading ones: a GPT's position
+** embedding under its first block's norm; r's gradient is then summed over them).
 ** A transformer block's residual add and the norm after it, for training: one
 ** RESIDUAL_LAYER_NORM kernel where the device has it (CUDA), else ADD, LAYER_NORM and a
 ** cast (the reference). s's dtype is promote(x, r), as the add gives it; y's is asked
@@ -226,11 +228,15 @@ static kiln_status rln_infer(kiln__op_ctx *c) {
   if (!kiln_dtype_is_float(x->dtype) || !kiln_dtype_is_float(r->dtype) || !kiln_dtype_is_float(p->y_dtype))
     return kiln_set_error(KILN_ERR_DTYPE, "%s: x %s, r %s and y_dtype %s must be floating", op,
                           kiln_dtype_name(x->dtype), kiln_dtype_name(r->dtype), kiln_dtype_name(p->y_dtype));
-  bool same = x->ndim >= 1 && x->ndim == r->ndim;
-  for (int d = 0; same && d < x->ndim; d++) same = x->shape[d] == r->shape[d];
+  /* r: x's shape, or x's trailing dims (repeated over the leading ones: a GPT's position
+  ** embedding (T, C) for x (B, T, C)) */
+  const int lead = x->ndim - r->ndim;
+  bool same = x->ndim >= 1 && r->ndim >= 1 && lead >= 0;
+  for (int d = 0; same && d < r->ndim; d++) same = x->shape[lead + d] == r->shape[d];
   if (!same)
-    return kiln_set_error(KILN_ERR_SHAPE, "%s: x %s and r %s must have one shape (at least 1 dim)", op,
-                          kiln__tshape(x), kiln__tshape(r));
+    return kiln_set_error(KILN_ERR_SHAPE,
+                          "%s: r %s must have x's shape %s or its trailing dims (at least the last one)", op,
+                          kiln__tshape(r), kiln__tshape(x));
   int64_t N = x->shape[x->ndim - 1];
   static const char *const names[] = {"x", "r", "weight", "bias"};
   for (int i = 2; i < 4; i++) {
@@ -261,10 +267,11 @@ static kiln_status rln_forward(kiln__op_ctx *c) {
   kiln_tensor *wc = c->tmp[1] = contig_nograd(c->in[2]), *bc = contig_nograd(c->in[3]);
   if (!stats || !xc || !rc || (c->in[2] && !wc) || (c->in[3] && !bc)) return kiln_last_error();
   if (R * N == 0) return KILN_OK;
+  const int64_t Rr = N ? kiln_numel(r) / N : 0; /* r's rows: R, or fewer repeated */
   kiln__kargs a = {0};
   a.op = KILN__K_RESIDUAL_LAYER_NORM;
   a.in[a.n_in++] = rows_view(xc, R, N);
-  a.in[a.n_in++] = rows_view(rc, R, N);
+  a.in[a.n_in++] = rows_view(rc, Rr, N);
   if (wc) a.in[a.n_in++] = vec_view(wc, N), a.i[0] |= 1;
   if (bc) a.in[a.n_in++] = vec_view(bc, N), a.i[0] |= 2;
   a.out[a.n_out++] = rows_view(y, R, N);
@@ -282,7 +289,7 @@ static kiln_status rln_forward(kiln__op_ctx *c) {
   k.op = KILN__K_ADD;
   k.n_in = 2;
   k.in[0] = kiln__view_of(xs);
-  k.in[1] = kiln__view_of(rs);
+  k.in[1] = kiln__view_broadcast(rs, s->ndim, s->shape);
   k.s[0] = 1.0;
   kiln_status st = kiln__run_into(s, &k);
   if (st != KILN_OK) return st;
@@ -325,13 +332,14 @@ static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi
   kiln_device dev = kiln_device_of(s);
   const kiln_dtype sdt = s->dtype, rdt = n->in_dtype[1];
   const bool need_r = n->needs[1], need_w = n->n_in > 2 && n->needs[2] && w, need_b = n->n_in > 3 && n->needs[3];
+  const bool rbc = n->in_ndim[1] < s->ndim; /* r repeated over s's leading dims: its gradient is summed */
   kiln_tensor *ds = kiln__tensor_new(s->ndim, s->shape, sdt, dev);
-  kiln_tensor *dr = need_r && rdt != sdt ? kiln__tensor_new(s->ndim, s->shape, rdt, dev) : NULL;
+  kiln_tensor *dr = need_r && !rbc && rdt != sdt ? kiln__tensor_new(s->ndim, s->shape, rdt, dev) : NULL;
   kiln_tensor *dw = need_w ? kiln__tensor_new(1, &N, n->in_dtype[2], dev) : NULL;
   kiln_tensor *db = need_b ? kiln__tensor_new(1, &N, n->in_dtype[3], dev) : NULL;
   kiln_tensor *gyc = gy ? kiln_contiguous(gy) : kiln_zeros(s->ndim, s->shape, sdt, dev);
   kiln_tensor *gsc = gs ? kiln_contiguous(kiln__as_dtype_nograd(gs, sdt)) : NULL;
-  if (!ds || (need_r && rdt != sdt && !dr) || (need_w && !dw) || (need_b && !db) || !gyc || (gs && !gsc))
+  if (!ds || (need_r && !rbc && rdt != sdt && !dr) || (need_w && !dw) || (need_b && !db) || !gyc || (gs && !gsc))
     return kiln_last_error();
   kiln_status st = KILN_OK;
   if (R * N == 0) {
@@ -359,7 +367,7 @@ static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi
     kiln__node *lin = n->next[1].node;
     kiln_dtype rsdt = KILN_F32;
     kiln_tensor *rsum = NULL;
-    if (need_r && kiln__linear_bias_handover(lin, n->next[1].index, &rsdt)) {
+    if (need_r && !rbc && kiln__linear_bias_handover(lin, n->next[1].index, &rsdt)) {
       if (!(rsum = kiln__tensor_new(1, &N, rsdt, dev))) return kiln_last_error();
       a.out[a.n_out++] = vec_view(rsum, N);
       a.i[1] |= 8;
@@ -408,7 +416,12 @@ static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi
     kiln_tensor *dx = n->in_dtype[0] == sdt ? ds : kiln__as_dtype_nograd(ds, n->in_dtype[0]);
     if (!dx || kiln__give_grad(&gi[0], dx, gy) != KILN_OK) return kiln_last_error();
   }
-  if (need_r && kiln__give_grad(&gi[1], dr ? dr : ds, gy) != KILN_OK) return kiln_last_error();
+  if (need_r && rbc) { /* the sum over the dims r was repeated over, in s's dtype, then r's (add's rule) */
+    kiln_tensor *d1 = kiln__unbroadcast(ds, n->in_ndim[1], n->in_shape[1]);
+    if (!d1 || kiln__give_grad(&gi[1], kiln__as_dtype_nograd(d1, rdt), gy) != KILN_OK) return kiln_last_error();
+  } else if (need_r && kiln__give_grad(&gi[1], dr ? dr : ds, gy) != KILN_OK) {
+    return kiln_last_error();
+  }
   if (need_w && kiln__give_grad(&gi[2], dw, gy) != KILN_OK) return kiln_last_error();
   if (need_b && kiln__give_grad(&gi[3], db, gy) != KILN_OK) return kiln_last_error();
   return KILN_OK;

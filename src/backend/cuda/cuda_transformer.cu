@@ -555,6 +555,7 @@ kiln_status layer_norm(kiln__cuda_dev *d, const kiln__kargs *a) {
 ** in any float dtype (read and written through ld_any / st_any: warp-uniform switches). */
 struct RlnArgs {
   int64_t R, N;
+  int64_t rT; /* forward: r's rows (R, or fewer that repeat: r broadcast over x's leading dims) */
   int64_t xs0, rs0, ys0, ss0, gs0, gss0, dss0, drs0;
   int rdt, ydt, gdt, drdt;
   const void *r, *g;
@@ -563,6 +564,8 @@ struct RlnArgs {
   bool has_w, has_b, has_gs, want_dr, want_rs; /* want_rs: r's gradient's column sums (the third partials) */
   double eps;
 };
+/* r's row for x's row (r broadcast over x's leading dims repeats every rT rows) */
+__device__ __forceinline__ int64_t rln_rrow(const RlnArgs &p, int64_t row) { return p.rT == p.R ? row : row % p.rT; }
 
 template <class T, class A>
 __global__ void __launch_bounds__(KC_THREADS) rln_fwd(const T *x, T *s, RlnArgs p) {
@@ -574,7 +577,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd(const T *x, T *s, RlnArgs 
   T *sr = s + row * p.ss0;
   A mean = 0, var = 0;
   for (int64_t j = lane; j < p.N; j += 32) { /* each lane rereads only what it wrote */
-    T sv = kc_st<T>(kc_ld<T>(xr[j]) + ld_any<S>(p.r, p.rdt, row * p.rs0 + j));
+    T sv = kc_st<T>(kc_ld<T>(xr[j]) + ld_any<S>(p.r, p.rdt, rln_rrow(p, row) * p.rs0 + j));
     sr[j] = sv;
     mean += (A)kc_ld<T>(sv);
   }
@@ -666,7 +669,7 @@ __global__ void __launch_bounds__(KC_THREADS) rln_fwd_fast(const float *x, float
   int lane = threadIdx.x % 32;
   if (row >= p.R) return;
   const float *xr = x + row * p.xs0;
-  const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+  const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + rln_rrow(p, row) * p.rs0;
   float *sr = s + row * p.ss0;
   float v[RLN_V];
   double mean = 0, var = 0;
@@ -772,27 +775,34 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
 ** cp.async into the other of its two shared buffers while it works on this one (chunks of
 ** several rows a warp, one wave of blocks: rln_fwd_v4_pf_nv); rln_fwd_stage_bytes of
 ** dynamic shared memory. At most 80 registers: 3 blocks an SM (GPT-2's 768: 69; 85 when
-** left to ptxas, 2 blocks). */
-template <int NV> constexpr size_t rln_fwd_stage_bytes() { return (size_t)(KC_THREADS / 32) * 2 * NV * 32 * (16 + 8); }
+** left to ptxas, 2 blocks). r is bf16 (a product's output) or f32 (rf32: a GPT's position
+** embedding, broadcast over the batch), a uniform branch. */
+template <int NV> constexpr size_t rln_fwd_stage_bytes(bool rf32) {
+  return (size_t)(KC_THREADS / 32) * 2 * NV * 32 * (16 + (rf32 ? 16 : 8));
+}
 template <class C, int NV, bool PF>
 __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
                                                          int64_t chunk) {
   constexpr int W = KC_THREADS / 32, S = NV * 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nv = (int)(p.N / 4);
-  extern __shared__ float4 stage[]; /* PF: x (W, 2, S) float4, r (W, 2, S) uint2 */
-  float4 *st_x = stage;
-  uint2 *st_r = reinterpret_cast<uint2 *>(stage + W * 2 * S);
+  const bool rf32 = p.rdt == KILN_F32;
+  extern __shared__ float4 stage[]; /* PF: x (W, 2, S) float4, r (W, 2, S) uint2 (bf16) or float4 (f32) */
+  float4 *st_x = stage, *st_rf = stage + W * 2 * S;
+  uint2 *st_r = reinterpret_cast<uint2 *>(st_rf);
   auto fetch = [&](int64_t row, int b) {
     const float *xr = x + row * p.xs0;
-    const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+    const int64_t ro = rln_rrow(p, row) * p.rs0;
     const int o = (warp * 2 + b) * S;
 #pragma unroll
     for (int k = 0; k < NV; k++) {
       const int c = k * 32 + lane;
       if (c < nv) {
         kc_cp_async16(&st_x[o + c], xr + 4 * c);
-        kc_cp_async8(&st_r[o + c], rr + 4 * c);
+        if (rf32)
+          kc_cp_async16(&st_rf[o + c], (const float *)p.r + ro + 4 * c);
+        else
+          kc_cp_async8(&st_r[o + c], (const __nv_bfloat16 *)p.r + ro + 4 * c);
       }
     }
     kc_cp_commit();
@@ -814,7 +824,7 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
       }
     }
     const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
-    const __nv_bfloat16 *rr = (const __nv_bfloat16 *)p.r + row * p.rs0;
+    const int64_t ro = rln_rrow(p, row) * p.rs0;
     float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
     float4 v[NV];
     C lm = 0, lv = 0;
@@ -824,7 +834,9 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
       v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (c < nv) {
         const float4 xv = PF ? st_x[o + c] : xr[c];
-        const float4 rv = PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_r[o + c])) : kc_ld4(rr + 4 * c);
+        const float4 rv = rf32 ? (PF ? st_rf[o + c] : kc_ld4((const float *)p.r + ro + 4 * c))
+                               : PF ? kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&st_r[o + c]))
+                                    : kc_ld4((const __nv_bfloat16 *)p.r + ro + 4 * c);
         v[k] = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
         sr[c] = v[k];
         lm += ((C)v[k].x + (C)v[k].y) + ((C)v[k].z + (C)v[k].w);
@@ -1088,8 +1100,9 @@ static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->in[0].dtype, st = dt == KILN_F64 ? KILN_F64 : KILN_F32;
   if (!kc_is_float(dt) || !kc_is_float(a->in[1].dtype) || !unit_cols(a->in[0]) || !unit_cols(a->in[1])) return false;
-  const int64_t R = a->in[0].shape[0], N = a->in[0].shape[1];
-  if (a->in[1].shape[0] != R || a->in[1].shape[1] != N) return false;
+  const int64_t R = a->in[0].shape[0], N = a->in[0].shape[1], Rr = a->in[1].shape[0];
+  if (a->in[1].shape[1] != N) return false;
+  if (a->op == KILN__K_RESIDUAL_LAYER_NORM ? (Rr < 1 || R % Rr != 0) : Rr != R) return false; /* r may repeat */
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
     int nv = 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0);
     if (a->n_in != nv || a->n_out != 3) return false;
@@ -1138,8 +1151,8 @@ bool rln_v4_fits(const kiln__kargs *a, const RlnArgs &p) {
   if (p.N % 4 != 0 || p.N > LN_VMAX * 128) return false;
   if (rln_env("fast")) return false;
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM)
-    return al16(a->in[0].data) && p.xs0 % 4 == 0 && al16(a->out[1].data) && p.ss0 % 4 == 0 && al8(p.r) &&
-           p.rs0 % 4 == 0 && al8(p.y) && p.ys0 % 4 == 0;
+    return al16(a->in[0].data) && p.xs0 % 4 == 0 && al16(a->out[1].data) && p.ss0 % 4 == 0 &&
+           (p.rdt == KILN_F32 ? al16(p.r) : al8(p.r)) && p.rs0 % 4 == 0 && al8(p.y) && p.ys0 % 4 == 0;
   return al16(a->in[0].data) && p.ss0 % 4 == 0 && al8(p.g) && p.gs0 % 4 == 0 && al16(a->out[0].data) &&
          p.dss0 % 4 == 0 && (!p.has_gs || (al16(a->in[a->n_in - 1].data) && p.gss0 % 4 == 0)) &&
          (!p.want_dr || (al8(p.dr) && p.drs0 % 4 == 0));
@@ -1173,9 +1186,10 @@ static int64_t rln_bwd_chunks(kiln__cuda_dev *d, int dev, const RlnArgs &p, bool
 template <int NV>
 static void rln_fwd_v4_pf_nv(kiln__cuda_dev *d, int dev, const float *x, float *s, const RlnArgs &p, bool wv, bool bv) {
   static std::atomic<uint64_t> set{0};
-  const size_t bytes = rln_fwd_stage_bytes<NV>();
+  const size_t bytes = rln_fwd_stage_bytes<NV>(p.rdt == KILN_F32);
   if (dev >= 0 && dev < 64 && !(set.load() >> dev & 1)) {
-    cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         (int)rln_fwd_stage_bytes<NV>(true));
     cudaFuncSetAttribute(rln_fwd_v4<float, NV, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
                          cudaSharedmemCarveoutMaxShared);
     set.fetch_or(1ull << dev);
@@ -1208,7 +1222,10 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   typedef typename wide_acc<T>::type A;
   unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
   const bool fast = rln_fast(a);
-  const bool v4 = fast && rln_v4_fits(a, p);
+  /* the four-wide kernels: rln_fast's dtypes, or in the forward an f32 r as well */
+  const bool fwd_f32r = a->op == KILN__K_RESIDUAL_LAYER_NORM && a->in[0].dtype == KILN_F32 &&
+                        a->in[1].dtype == KILN_F32 && a->out[0].dtype == KILN_BF16 && p.N <= LN_VMAX * 128;
+  const bool v4 = (fast || fwd_f32r) && rln_v4_fits(a, p);
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
     const float *xp = (const float *)a->in[0].data;
     float *sp = (float *)a->out[1].data;
@@ -1288,6 +1305,7 @@ static RlnArgs rln_args(const kiln__kargs *a) {
   RlnArgs p;
   memset(&p, 0, sizeof p);
   p.R = x.shape[0], p.N = x.shape[1];
+  p.rT = p.R;
   p.eps = a->s[0];
   p.has_w = (a->i[0] & 1) != 0;
   Vec none = {NULL, 0, 0};
@@ -1299,6 +1317,7 @@ static RlnArgs rln_args(const kiln__kargs *a) {
   if (!bw) {
     p.xs0 = x.strides[0];
     p.r = a->in[1].data, p.rdt = (int)a->in[1].dtype, p.rs0 = a->in[1].strides[0];
+    p.rT = a->in[1].shape[0];
     p.has_b = (a->i[0] & 2) != 0;
     if (p.has_w) p.w = vec_of(&a->in[2]);
     if (p.has_b) p.b = vec_of(&a->in[p.has_w ? 3 : 2]);

@@ -9,14 +9,16 @@
 ** A linear's output as r: where the device's kernel sums r's gradient's columns (CUDA), the
 ** linear's bias gradient comes from there (counted: one flagged kernel, no row-sum product)
 ** and equals the unfused ops'; not when r's gradient also has another way to go. r of x's
-** trailing dims, repeated over its batch (a position embedding). Bad input.
+** trailing dims, repeated over its batch (a position embedding). The output padded with a
+** ones column for the linear after it (its bias gradient from its weight product). Bad input.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
 #include <kiln_nn.h>
 
-#include "core/kiln_int.h" /* kiln__dispatch_observe */
+#include "core/kiln_int.h" /* kiln__dispatch_observe, ones_col */
+#include "ext/kiln_ext.h"    /* kiln__residual_layer_norm_ones */
 
 #include <math.h>
 #include <stdio.h>
@@ -288,6 +290,66 @@ static void linear_into_norm(kiln_device dev, int64_t R, int64_t K, int64_t N, b
   kiln_scope_end();
 }
 
+/* The norm's output padded with a ones column (kiln__residual_layer_norm_ones) into a
+** linear under bf16 autocast: y, and every gradient (the linear's bias from its weight
+** product's extra column where the kernel padded y: CUDA; counted: no row-sum product)
+** against the plain op. */
+static void ones_column(kiln_device dev, int64_t B, int64_t T, int64_t N, int64_t M) {
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(17);
+  kiln_tensor *x0 = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
+  kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen), KILN_BF16);
+  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
+  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *W0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(M, N), KILN_F32, dev, gen), 0.05);
+  kiln_tensor *c0 = kiln_randn(KILN_SHAPE(M), KILN_F32, dev, gen);
+  kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, M), KILN_F32, dev, gen), KILN_BF16);
+  kiln_tensor *gs = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
+  kiln_generator_free(gen);
+  const bool cuda = dev.type == KILN_DEVICE_CUDA;
+  enum { NV = 8 };
+  double *v[2][NV] = {{NULL}};
+  int64_t n[NV] = {B * T * N, B * T * N, B * T * N, N, N, M * N, M, B * T * M};
+  for (int padded = 0; padded < 2; padded++) {
+    kiln_tensor *x = kiln_clone(x0), *r = kiln_clone(r0), *w = kiln_clone(w0), *b = kiln_clone(b0);
+    kiln_tensor *W = kiln_clone(W0), *c = kiln_clone(c0);
+    kiln_tensor *leaves[6] = {x, r, w, b, W, c};
+    for (int i = 0; i < 6; i++) kiln_requires_grad_(leaves[i], true);
+    kiln_tensor *s = NULL;
+    kiln_tensor *y = padded ? kiln__residual_layer_norm_ones(x, r, w, b, 1e-5, KILN_BF16, &s)
+                            : kiln_residual_layer_norm(x, r, w, b, 1e-5, KILN_BF16, &s);
+    if (padded && y)
+      H_CHECK(y->ones_col == cuda, "ones column on %s: y %s it (expected %s)", cuda ? "cuda" : "cpu",
+              y->ones_col ? "has" : "lacks", cuda ? "it" : "none");
+    kiln_autocast_begin(dev.type, KILN_BF16);
+    kiln_tensor *z = kiln_linear(y, W, c);
+    kiln_autocast_end();
+    kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_to_dtype(kiln_mul(z, q), KILN_F32)), kiln_sum_all(kiln_mul(s, gs)));
+    rsum_calls = rowsum_products = 0;
+    kiln__dispatch_observe(count_handover, NULL);
+    kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+    kiln__dispatch_observe(NULL, NULL);
+    H_CHECK(st == KILN_OK, "ones column, padded %d: %s", padded, kiln_last_error_message());
+    if (padded)
+      H_CHECK(rowsum_products == (cuda ? 0 : 1), "ones column on %s: %d products summed rows (expected %d)",
+              cuda ? "cuda" : "cpu", rowsum_products, cuda ? 0 : 1);
+    kiln_tensor *res[NV] = {y, kiln_grad(x), kiln_grad(r), kiln_grad(w), kiln_grad(b), kiln_grad(W), kiln_grad(c), z};
+    for (int i = 0; i < NV; i++) v[padded][i] = res[i] ? h_values(res[i], NULL) : NULL;
+  }
+  static const char *const what[NV] = {"y", "dx", "dr", "dweight", "dbias", "linear dW", "linear dbias", "z"};
+  for (int i = 0; i < NV; i++) {
+    char name[200], db[32];
+    snprintf(name, sizeof name, "residual_layer_norm with a ones column on %s (%lld, %lld, %lld) -> linear %lld: %s",
+             kiln_device_str(dev, db, sizeof db), (long long)B, (long long)T, (long long)N, (long long)M, what[i]);
+    /* the same values; the linear's bias gradient summed in another order (f32) */
+    const double tol = i == 6 ? 1e-3 : 1e-5;
+    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], tol, tol);
+    else H_CHECK(false, "%s: no result", name);
+  }
+  for (int k = 0; k < 2 * NV; k++) free(v[k / NV][k % NV]);
+  kiln_scope_end();
+}
+
 static void bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -325,6 +387,7 @@ int main(int argc, char **argv) {
     gpt_fused_norms(cpu, KILN_BF16);
     linear_into_norm(cpu, 40, 24, 64, false);
     broadcast_pattern(cpu, 3, 10, 64, KILN_F32);
+    ones_column(cpu, 2, 12, 64, 48);
     if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
       kiln_device cuda = kiln_device_cuda(0);
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
@@ -351,6 +414,8 @@ int main(int argc, char **argv) {
       linear_into_norm(cuda, 1000, 256, 768, true);
       linear_into_norm(cuda, 77, 64, 260, false);
       broadcast_pattern(cuda, 4, 250, 768, KILN_F32); /* GPT-2's position embedding */
+      ones_column(cuda, 4, 250, 768, 2304); /* GPT-2's ln_1 -> c_attn */
+      ones_column(cuda, 3, 7, 64, 40);
       broadcast_pattern(cuda, 3, 33, 260, KILN_BF16);
       setenv("KILN_CUDA_RLN", "nopf", 1);
       broadcast_pattern(cuda, 4, 250, 768, KILN_F32);

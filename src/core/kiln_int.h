@@ -164,6 +164,12 @@ struct kiln_tensor {
   ** with the handle). */
   kiln_tensor *amp_copy;
   uint64_t amp_copy_version, amp_copy_epoch;
+  /* Each row of the last dim (K elements, row stride K + 8, 16-bit) is followed in the
+  ** storage by a 1 and seven 0s, written by the op that made it (residual_layer_norm asked
+  ** for a padded output): a linear reading this tensor takes its bias gradient as one more
+  ** column of its weight-gradient product (ops_matmul.c). Kept by aliases (saved tensors),
+  ** not by other views. */
+  bool ones_col;
 };
 
 /* Makes a handle over s (takes a new reference on s). ndim/shape/strides copied;

@@ -332,6 +332,7 @@ kiln_tensor *kiln__tensor_alias(const kiln_tensor *t, bool track) {
   memcpy(a->shape, t->shape, sizeof a->shape);
   memcpy(a->strides, t->strides, sizeof a->strides);
   a->dtype = t->dtype;
+  a->ones_col = t->ones_col;
   a->id = atomic_fetch_add_explicit(&next_id, 1, memory_order_relaxed) + 1;
   atomic_fetch_add_explicit(&live_tensors, 1, memory_order_relaxed);
   return track ? kiln__scope_track(a) : a;

@@ -184,6 +184,14 @@ const char *kiln__intern(const char *s);
 ** scope: qkv's gradient with no copy. NULL otherwise, with no error set. */
 kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
 
+/* ---- the residual norm's padded output (ops: src/ops/ops_layernorm.c; used by nn's GPT) ----
+** kiln_residual_layer_norm whose 16-bit y comes padded where the device's kernel can: rows
+** N + 8 apart in their buffer, each followed by a 1 and seven 0s, so that the linear
+** reading y (alone) makes its bias gradient as one more column of its weight gradient's
+** product instead of a column-sum kernel. Elsewhere the plain op. */
+kiln_tensor *kiln__residual_layer_norm_ones(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                            double eps, kiln_dtype y_dtype, kiln_tensor **sum);
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,6 +37,7 @@ void kiln__module_measure_note(kiln_module *m, int64_t bytes);
 ** (kiln_batch_norm_relu: the same numbers, no pre-ReLU tensor kept); any other module, or a
 ** checkpointed one, runs the two calls. conv_layers.c. */
 kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *bn, kiln_tensor *x);
+
 /* relu(kiln_module_forward(bn, x) + residual) likewise (kiln_batch_norm_add_relu);
 ** NULL when residual is NULL (an error already set). */
 kiln_tensor *kiln__batch_norm_add_relu_forward(kiln_module *bn, kiln_tensor *x, kiln_tensor *residual);

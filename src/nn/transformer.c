@@ -327,12 +327,20 @@ static kiln_dtype norm_out_dtype(kiln_tensor *x) {
   return kiln_autocast_is_enabled(dt) && kiln_dtype_of(x) == KILN_F32 ? kiln_autocast_dtype(dt) : kiln_dtype_of(x);
 }
 
-/* ln (a LayerNorm module) of x + r as one op in ln's module scope; *sum gets x + r. */
-static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, kiln_tensor **sum) {
+/* ln (a LayerNorm module) of x + r as one op in ln's module scope; *sum gets x + r.
+** ones: the output goes to a linear alone (c_attn, c_fc), so it comes padded with a ones
+** column where the kernel can, and that linear's bias gradient is a column of its weight
+** gradient's product (no column-sum kernel); KILN_GPT_ONES_COLUMN=0 turns that off (an
+** A/B switch, read at each call). */
+static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, bool ones,
+                               kiln_tensor **sum) {
   const norm_cfg *nc = kiln_module_impl(ln);
   kiln__module_scope_push(kiln__module_label(ln));
-  kiln_tensor *y = kiln_residual_layer_norm(x, r, kiln_module_param(ln, "weight"),
-                                            nc->bias ? kiln_module_param(ln, "bias") : NULL, nc->eps, ydt, sum);
+  kiln_tensor *w = kiln_module_param(ln, "weight"), *b = nc->bias ? kiln_module_param(ln, "bias") : NULL;
+  const char *e = kiln__getenv("KILN_GPT_ONES_COLUMN");
+  if (e && !strcmp(e, "0")) ones = false;
+  kiln_tensor *y = ones ? kiln__residual_layer_norm_ones(x, r, w, b, nc->eps, ydt, sum)
+                        : kiln_residual_layer_norm(x, r, w, b, nc->eps, ydt, sum);
   kiln__module_scope_pop();
   return y;
 }
@@ -345,7 +353,7 @@ static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *b = NULL;
   if (att && ln2 && residual_ln_on(x) && !kiln_module_is_checkpointed(ln2)) {
     kiln_tensor *sum = NULL; /* s = x + att and b = ln_2(s) in one op */
-    b = fused_norm(ln2, x, att, norm_out_dtype(x), &sum);
+    b = fused_norm(ln2, x, att, norm_out_dtype(x), true, &sum);
     x = b ? sum : NULL;
   } else {
     x = kiln_add(x, att);
@@ -392,10 +400,10 @@ static kiln_tensor *block_step(kiln_module *blk, kiln_tensor **x, kiln_tensor *r
   if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
   kiln_scope_begin();
   kiln_tensor *xs = *x;
-  kiln_tensor *a = r ? fused_norm(kiln_module_child(blk, "ln_1"), xs, r, ydt, &xs)
+  kiln_tensor *a = r ? fused_norm(kiln_module_child(blk, "ln_1"), xs, r, ydt, true, &xs)
                      : kiln_module_forward(kiln_module_child(blk, "ln_1"), xs);
   kiln_tensor *att = a ? kiln_module_forward(kiln_module_child(blk, "attn"), a) : NULL;
-  kiln_tensor *b = att ? fused_norm(kiln_module_child(blk, "ln_2"), xs, att, ydt, &xs) : NULL;
+  kiln_tensor *b = att ? fused_norm(kiln_module_child(blk, "ln_2"), xs, att, ydt, true, &xs) : NULL;
   kiln_tensor *out = b ? kiln_module_forward(kiln_module_child(blk, "mlp"), b) : NULL;
   if (out) kiln_tensor_ref(xs);
   out = kiln__scope_return(out);
@@ -417,7 +425,7 @@ static kiln_tensor *walk_blocks(kiln_module *m, kiln_module *h, kiln_tensor *x, 
   kiln__module_scope_pop();
   if (!x) return NULL;
   kiln_module *lnf = kiln_module_child(m, "ln_f");
-  return r ? fused_norm(lnf, x, r, ydt, NULL) : kiln_module_forward(lnf, x);
+  return r ? fused_norm(lnf, x, r, ydt, false, NULL) : kiln_module_forward(lnf, x);
 }
 
 /* idx (B, T) -> ln_f's output (B, T, C). */

@@ -282,6 +282,9 @@ kiln_status kiln__autocast_pop_state(void);
 /* ---- attention (ops_attention.c): qkv's gradient as attention's backward packed it
 ** (see kiln_ext.h) */
 kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
+/* kiln_residual_layer_norm with y padded for a ones column (kiln_ext.h). */
+kiln_tensor *kiln__residual_layer_norm_ones(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                            double eps, kiln_dtype y_dtype, kiln_tensor **sum);
 /* attention's and kv_attention's checks of q, k, v (op names the op in errors): each 4-d
 ** (B, H, T, D) of one floating dtype, k and v of q's batch and heads, k of q's head dim, v
 ** of k's length; scale finite and >= 0 (0: 1/sqrt(D)). KILN_OK or the error set. */

@@ -217,9 +217,11 @@ kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *normalized_
 typedef struct attrs_rln {
   double eps;
   kiln_dtype y_dtype;
+  bool ones; /* y padded with a ones column where the kernel can (kiln__residual_layer_norm_ones) */
 } attrs_rln;
 static const kiln__attr_field f_rln[] = {KILN__FIELD(attrs_rln, eps, KILN__A_FLOAT),
-                                         KILN__FIELD(attrs_rln, y_dtype, KILN__A_DTYPE)};
+                                         KILN__FIELD(attrs_rln, y_dtype, KILN__A_DTYPE),
+                                         KILN__FIELD(attrs_rln, ones, KILN__A_BOOL)};
 
 static kiln_status rln_infer(kiln__op_ctx *c) {
   const attrs_rln *p = c->attrs;
@@ -255,18 +257,39 @@ static kiln_status rln_infer(kiln__op_ctx *c) {
   return KILN_OK;
 }
 
-/* tmp: 0 stats (2, R), 1 weight (contiguous, or NULL) */
+/* y of x's shape with rows N + 8 apart in a new (R, N + 8) buffer (the 8 for the ones
+** column, 16 bytes of a 16-bit dtype). */
+static kiln_tensor *padded_rows(const kiln_tensor *x, int64_t R, int64_t N, kiln_dtype dt) {
+  kiln_tensor *full = kiln__tensor_new(2, (const int64_t[]){R, N + 8}, dt, kiln_device_of(x));
+  if (!full) return NULL;
+  int64_t st[KILN_MAX_DIMS];
+  st[x->ndim - 1] = 1;
+  for (int d = x->ndim - 2; d >= 0; d--) st[d] = d == x->ndim - 2 ? N + 8 : st[d + 1] * x->shape[d + 1];
+  kiln_tensor *y = kiln__tensor_make(full->storage, 0, x->ndim, x->shape, st, dt);
+  kiln__discard(full); /* y holds the storage */
+  return y;
+}
+
+/* tmp: 0 stats (2, R), 1 weight (contiguous, or NULL). Makes its outputs (SELF_ALLOC): y
+** is padded when p->ones and the kernel takes it (flag 4; ones_col set once written). */
 static kiln_status rln_forward(kiln__op_ctx *c) {
   const attrs_rln *p = c->attrs;
-  kiln_tensor *x = c->in[0], *r = c->in[1], *y = c->out[0], *s = c->out[1];
+  kiln_tensor *x = c->in[0], *r = c->in[1];
   const int64_t N = x->shape[x->ndim - 1], R = N ? kiln_numel(x) / N : 0;
   kiln_device dev = kiln_device_of(x);
+  kiln_tensor *s = c->out[1] = kiln__tensor_new(c->meta[1].ndim, c->meta[1].shape, c->meta[1].dtype, dev);
+  if (!s) return kiln_last_error();
   const kiln_dtype sdt = s->dtype, stdt = sdt == KILN_F64 ? KILN_F64 : KILN_F32;
+  bool pad = p->ones && kiln_dtype_size(p->y_dtype) == 2 && N % 8 == 0 && R * N > 0 && sdt == x->dtype;
+  kiln_tensor *y = pad ? padded_rows(x, R, N, p->y_dtype) : NULL;
   kiln_tensor *stats = c->tmp[0] = kiln__tensor_new(2, (const int64_t[]){2, R}, stdt, dev);
   kiln_tensor *xc = contig_nograd(x), *rc = contig_nograd(r);
   kiln_tensor *wc = c->tmp[1] = contig_nograd(c->in[2]), *bc = contig_nograd(c->in[3]);
   if (!stats || !xc || !rc || (c->in[2] && !wc) || (c->in[3] && !bc)) return kiln_last_error();
-  if (R * N == 0) return KILN_OK;
+  if (R * N == 0) {
+    c->out[0] = kiln__tensor_new(c->meta[0].ndim, c->meta[0].shape, c->meta[0].dtype, dev);
+    return c->out[0] ? KILN_OK : kiln_last_error();
+  }
   const int64_t Rr = N ? kiln_numel(r) / N : 0; /* r's rows: R, or fewer repeated */
   kiln__kargs a = {0};
   a.op = KILN__K_RESIDUAL_LAYER_NORM;
@@ -274,11 +297,27 @@ static kiln_status rln_forward(kiln__op_ctx *c) {
   a.in[a.n_in++] = rows_view(rc, Rr, N);
   if (wc) a.in[a.n_in++] = vec_view(wc, N), a.i[0] |= 1;
   if (bc) a.in[a.n_in++] = vec_view(bc, N), a.i[0] |= 2;
-  a.out[a.n_out++] = rows_view(y, R, N);
-  a.out[a.n_out++] = rows_view(s, R, N);
-  a.out[a.n_out++] = kiln__view_of(stats);
+  a.n_out = 3;
+  a.out[1] = rows_view(s, R, N);
+  a.out[2] = kiln__view_of(stats);
   a.s[0] = p->eps;
-  if (sdt == x->dtype && kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM)) return kiln__dispatch(dev, &a);
+  if (y) { /* rows N + 8 apart, the kernel writing the ones column */
+    a.out[0] = rows_view(y, R, N);
+    a.out[0].strides[0] = N + 8;
+    a.i[0] |= 4;
+    if (!kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM)) a.i[0] &= ~4, y = NULL;
+  }
+  if (!y) {
+    y = kiln__tensor_new(c->meta[0].ndim, c->meta[0].shape, c->meta[0].dtype, dev);
+    if (!y) return kiln_last_error();
+    a.out[0] = rows_view(y, R, N);
+  }
+  c->out[0] = y;
+  if (sdt == x->dtype && kiln__dispatch_has(dev, &a, KILN__K_RESIDUAL_LAYER_NORM)) {
+    kiln_status st = kiln__dispatch(dev, &a);
+    if (st == KILN_OK && (a.i[0] & 4)) y->ones_col = true;
+    return st;
+  }
   /* composed: s = x + r (in s's dtype), the norm in s's dtype, then y in its own */
   bool prev = kiln_set_grad_enabled(false);
   kiln_tensor *xs = kiln__as_dtype_nograd(xc, sdt), *rs = kiln__as_dtype_nograd(rc, sdt);
@@ -429,18 +468,28 @@ static kiln_status rln_backward(kiln__node *n, kiln_tensor *gy, kiln_tensor **gi
 
 static const kiln__op op_residual_layer_norm = {
     .name = "residual_layer_norm", .api = "kiln_residual_layer_norm", .n_in = 4, .n_out = 2,
-    .optional = (1u << 2) | (1u << 3), .amp = KILN__AMP_NONE, .n_kernels = 4,
+    .optional = (1u << 2) | (1u << 3), .amp = KILN__AMP_NONE, .flags = KILN__OP_SELF_ALLOC, .n_kernels = 4,
     .kernels = {KILN__K_RESIDUAL_LAYER_NORM, KILN__K_ADD, KILN__K_LAYER_NORM, KILN__K_COPY}, .attrs = f_rln,
-    .n_attrs = 2, .attr_size = sizeof(attrs_rln), .infer = rln_infer, .forward = rln_forward,
+    .n_attrs = 3, .attr_size = sizeof(attrs_rln), .infer = rln_infer, .forward = rln_forward,
     .backward = rln_backward, .n_saved = 3, .save = rln_save,
     .expands_to = (const char *const[]){"add", "layer_norm", NULL}};
 
-kiln_tensor *kiln_residual_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
-                                      double eps, kiln_dtype y_dtype, kiln_tensor **sum) {
-  attrs_rln p = {eps, y_dtype};
+static kiln_tensor *rln_call(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias, double eps,
+                             kiln_dtype y_dtype, bool ones, kiln_tensor **sum) {
+  attrs_rln p = {eps, y_dtype, ones};
   kiln_tensor *in[4] = {x, r, weight, bias};
   kiln_tensor *out[2] = {NULL, NULL};
   kiln_tensor *y = kiln__op_call(&op_residual_layer_norm, 4, in, &p, out);
   if (sum) *sum = y ? out[1] : NULL;
   return y;
+}
+
+kiln_tensor *kiln_residual_layer_norm(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                      double eps, kiln_dtype y_dtype, kiln_tensor **sum) {
+  return rln_call(x, r, weight, bias, eps, y_dtype, false, sum);
+}
+
+kiln_tensor *kiln__residual_layer_norm_ones(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
+                                            double eps, kiln_dtype y_dtype, kiln_tensor **sum) {
+  return rln_call(x, r, weight, bias, eps, y_dtype, true, sum);
 }

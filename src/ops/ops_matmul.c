@@ -397,6 +397,17 @@ bool kiln__linear_bias_handover(const kiln__node *m, int index, kiln_dtype *dt) 
   return true;
 }
 
+/* x (saved) as (M, K + 8) over its buffer with the ones column (ones_col: each row of K
+** 16-bit elements followed by a 1 and seven 0s, rows K + 8 apart; residual_layer_norm
+** makes GPT-2's ln outputs so), or NULL: its product with g^T is [dW | db | 0]. x2 is x as
+** (M, K). */
+static kiln_tensor *ones_augmented(const kiln_tensor *x, const kiln_tensor *x2) {
+  const int64_t K = x2->shape[1];
+  if (!x->ones_col || kiln_dtype_size(x->dtype) != 2 || x2->strides[1] != 1 || x2->strides[0] != K + 8) return NULL;
+  return kiln__tensor_make(x2->storage, x2->offset, 2, (const int64_t[]){x2->shape[0], K + 8},
+                           (const int64_t[]){K + 8, 1}, x2->dtype);
+}
+
 static kiln_status linear_backward_run(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   if (n->op == &op_linear_gelu && !n->grad_mask) { /* grad_mask: g is already z's (dgelu_handover) */
     /* the gradient of the pre-activation z (saved[2]): g gelu_tanh'(z), one kernel; then
@@ -450,8 +461,16 @@ static kiln_status linear_backward_run(kiln__node *n, kiln_tensor *g, kiln_tenso
     kiln_dtype odt = x2->dtype;
     if ((!n->needs[1] || kiln__grad_dtype(n, 1) == KILN_F32) && (!sum_b || kiln__grad_dtype(n, 2) == KILN_F32))
       odt = KILN_F32;
-    kiln_tensor *db = NULL;
-    kiln_tensor *dW = product(view2(g2, true), y2 ? &mT : NULL, x2, sum_b ? &db : NULL, odt);
+    kiln_tensor *db = NULL, *dW = NULL;
+    kiln_tensor *xa = sum_b && n->needs[1] && !y2 && odt == KILN_F32 ? ones_augmented(x, x2) : NULL;
+    if (xa) { /* x's rows carry a ones column: [dW | db] = g^T [x | 1], one product */
+      kiln_tensor *dWa = product(view2(g2, true), NULL, xa, NULL, KILN_F32); /* (N, K + 8) */
+      if (dWa && dWa->dtype == KILN_F32) {
+        dW = kiln_contiguous(kiln_narrow(dWa, 1, 0, K));
+        db = kiln_contiguous(kiln_select(dWa, 1, K));
+      }
+    }
+    if (!dW || !db) dW = product(view2(g2, true), y2 ? &mT : NULL, x2, sum_b ? &db : NULL, odt);
     kiln_status st = dW ? KILN_OK : kiln_last_error();
     if (st == KILN_OK && n->needs[1]) st = kiln__give_grad(&gi[1], dW, g);
     if (st == KILN_OK && sum_b) st = kiln__give_grad(&gi[2], db, g);

@@ -561,6 +561,7 @@ struct RlnArgs {
   const void *r, *g;
   void *y, *dr;
   Vec w, b, mean, rstd;
+  bool y_ones; /* forward: after each y row a bf16 1 and seven 0s (rows N + 8 apart) */
   bool has_w, has_b, has_gs, want_dr, want_rs; /* want_rs: r's gradient's column sums (the third partials) */
   double eps;
 };
@@ -872,6 +873,7 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
     if (lane == 0) {
       st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
       st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+      if (p.y_ones) *reinterpret_cast<uint4 *>(yr + p.N) = make_uint4(0x3F80u, 0u, 0u, 0u); /* bf16 1, then 0s */
     }
   }
 }
@@ -1097,6 +1099,7 @@ bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 |
 static RlnArgs rln_args(const kiln__kargs *a);
 static bool rln_env(const char *w);
 static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
+static bool rln_v4_ok(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->in[0].dtype, st = dt == KILN_F64 ? KILN_F64 : KILN_F32;
   if (!kc_is_float(dt) || !kc_is_float(a->in[1].dtype) || !unit_cols(a->in[0]) || !unit_cols(a->in[1])) return false;
@@ -1108,8 +1111,12 @@ bool rln_supports(const kiln__kargs *a) {
     if (a->n_in != nv || a->n_out != 3) return false;
     for (int i = 2; i < nv; i++)
       if (!kc_is_float(a->in[i].dtype) || a->in[i].ndim != 1 || a->in[i].shape[0] != N) return false;
-    return kc_is_float(a->out[0].dtype) && unit_cols(a->out[0]) && a->out[1].dtype == dt && unit_cols(a->out[1]) &&
-           a->out[2].dtype == st && a->out[2].ndim == 2 && a->out[2].shape[0] == 2 && a->out[2].shape[1] == R;
+    if (!(kc_is_float(a->out[0].dtype) && unit_cols(a->out[0]) && a->out[1].dtype == dt && unit_cols(a->out[1]) &&
+          a->out[2].dtype == st && a->out[2].ndim == 2 && a->out[2].shape[0] == 2 && a->out[2].shape[1] == R))
+      return false;
+    /* y's ones column (flag 4): the four-wide kernels write it, bf16 rows N + 8 apart */
+    return !(a->i[0] & 4) || (a->out[0].dtype == KILN_BF16 && N % 8 == 0 && a->out[0].strides[0] == N + 8 &&
+                              ((uintptr_t)a->out[0].data & 15) == 0 && rln_v4_ok(a, rln_args(a)));
   }
   int nv = 3 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0);
   const bool rs = (a->i[1] & 8) != 0;
@@ -1222,10 +1229,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   typedef typename wide_acc<T>::type A;
   unsigned blocks = (unsigned)((p.R + KC_THREADS / 32 - 1) / (KC_THREADS / 32));
   const bool fast = rln_fast(a);
-  /* the four-wide kernels: rln_fast's dtypes, or in the forward an f32 r as well */
-  const bool fwd_f32r = a->op == KILN__K_RESIDUAL_LAYER_NORM && a->in[0].dtype == KILN_F32 &&
-                        a->in[1].dtype == KILN_F32 && a->out[0].dtype == KILN_BF16 && p.N <= LN_VMAX * 128;
-  const bool v4 = (fast || fwd_f32r) && rln_v4_fits(a, p);
+  const bool v4 = rln_v4_ok(a, p);
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM) {
     const float *xp = (const float *)a->in[0].data;
     float *sp = (float *)a->out[1].data;
@@ -1318,6 +1322,7 @@ static RlnArgs rln_args(const kiln__kargs *a) {
     p.xs0 = x.strides[0];
     p.r = a->in[1].data, p.rdt = (int)a->in[1].dtype, p.rs0 = a->in[1].strides[0];
     p.rT = a->in[1].shape[0];
+    p.y_ones = (a->i[0] & 4) != 0;
     p.has_b = (a->i[0] & 2) != 0;
     if (p.has_w) p.w = vec_of(&a->in[2]);
     if (p.has_b) p.b = vec_of(&a->in[p.has_w ? 3 : 2]);
@@ -1335,6 +1340,14 @@ static RlnArgs rln_args(const kiln__kargs *a) {
     p.want_rs = (a->i[1] & 8) != 0;
   }
   return p;
+}
+
+/* Whether the four-wide kernels take a: rln_fast's dtypes, or in the forward an f32 r as
+** well; alignment (rln_v4_fits). */
+static bool rln_v4_ok(const kiln__kargs *a, const RlnArgs &p) {
+  const bool fwd_f32r = a->op == KILN__K_RESIDUAL_LAYER_NORM && a->in[0].dtype == KILN_F32 &&
+                        a->in[1].dtype == KILN_F32 && a->out[0].dtype == KILN_BF16 && p.N <= LN_VMAX * 128;
+  return (rln_fast(a) || fwd_f32r) && rln_v4_fits(a, p);
 }
 
 /* Whether the backward takes the chunked four-wide kernel (rln_bwd_v4<., true>), the one

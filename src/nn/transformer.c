@@ -309,10 +309,11 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
 ** (CUDA: one kernel each way, the norm's output straight in the autocast dtype): in a
 ** Block, x + attn and ln_2; in the GPT's own walk over its blocks, also the MLP's add
 ** with the next block's ln_1 (and the last one's with ln_f), and the embeddings' add
-** (tokens + positions, the positions repeated over the batch) with block 0's ln_1. On where x's device has the
-** fused kernels (CUDA: GPT-2's step 42.0 -> 38.2 ms on the H100, bench/RESULTS.md), off
-** where they would be composed of the same ops (the CPU, Vulkan); KILN_GPT_RESIDUAL_LN=1
-** or =0 forces it either way (read at each call, so a test can compare both ways). */
+** (tokens + positions, the positions repeated over the batch) with block 0's ln_1. On
+** where x's device has the fused kernels (CUDA: GPT-2's step 42.0 -> 38.2 ms on the H100,
+** bench/RESULTS.md), off where they would be composed of the same ops (the CPU, Vulkan);
+** KILN_GPT_RESIDUAL_LN=1 or =0 forces it either way (read at each call, so a test can
+** compare both ways). */
 static bool residual_ln_on(const kiln_tensor *x) {
   const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
   if (e && !strcmp(e, "1")) return true;

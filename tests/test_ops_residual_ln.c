@@ -68,6 +68,18 @@ static const h_case rln_cases[] = {
      .flags = H_NO_SIZE0 | H_NO_SIZE1},
 };
 
+/* The fused run's values against the reference's, or a failure when either is missing. */
+static void check_pair(const char *name, const double *fused, const double *ref, int64_t n, double rtol, double atol) {
+  if (fused && ref) h_close(name, fused, ref, n, rtol, atol);
+  else H_CHECK(false, "%s: no result", name);
+}
+
+/* A norm's weight (1 + 0.1 N(0, 1)) and bias (0.1 N(0, 1)) of width N. */
+static void norm_params(kiln_device dev, kiln_generator *gen, int64_t N, kiln_tensor **w, kiln_tensor **b) {
+  *w = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
+  *b = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+}
+
 /* A GPT block's pattern under bf16 autocast: x f32, r bf16, y bf16; loss = sum(y * gy) +
 ** sum(s * gs), so both outputs get gradients. Fused vs unfused on dev. */
 static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt, kiln_dtype ydt, bool with_gs) {
@@ -75,8 +87,8 @@ static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt,
   kiln_generator *gen = kiln_generator_new(9);
   kiln_tensor *x0 = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
   kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), rdt);
-  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
-  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *w0, *b0;
+  norm_params(dev, gen, N, &w0, &b0);
   kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen), ydt);
   kiln_tensor *gs = kiln_randn(KILN_SHAPE(R, N), KILN_F32, dev, gen);
   kiln_generator_free(gen);
@@ -116,8 +128,7 @@ static void block_pattern(kiln_device dev, int64_t R, int64_t N, kiln_dtype rdt,
     double rtol = 2e-5, atol = 2e-5;
     if ((i == 0 && ydt != KILN_F32) || (i == 3 && rdt != KILN_F32)) rtol = atol = 8e-3;
     if (i >= 4) rtol = atol = 1e-4;
-    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], rtol, atol);
-    else H_CHECK(false, "%s: no result", name);
+    check_pair(name, v[1][i], v[0][i], n[i], rtol, atol);
   }
   for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
   kiln_scope_end();
@@ -131,8 +142,8 @@ static void broadcast_pattern(kiln_device dev, int64_t B, int64_t T, int64_t N, 
   kiln_generator *gen = kiln_generator_new(13);
   kiln_tensor *x0 = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
   kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(T, N), KILN_F32, dev, gen), rdt);
-  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
-  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *w0, *b0;
+  norm_params(dev, gen, N, &w0, &b0);
   kiln_tensor *gy = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen), KILN_BF16);
   kiln_tensor *gs = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
   kiln_generator_free(gen);
@@ -164,8 +175,7 @@ static void broadcast_pattern(kiln_device dev, int64_t B, int64_t T, int64_t N, 
              kiln_device_str(dev, db, sizeof db), kiln_dtype_name(rdt), (long long)T, (long long)N, (long long)B,
              what[i]);
     double tol = (i == 0 || (i == 3 && rdt != KILN_F32)) ? 8e-3 : i >= 3 ? 1e-4 : 2e-5;
-    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], tol, tol);
-    else H_CHECK(false, "%s: no result", name);
+    check_pair(name, v[1][i], v[0][i], n[i], tol, tol);
   }
   for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
   kiln_scope_end();
@@ -210,8 +220,7 @@ static void gpt_fused_norms(kiln_device dev, kiln_dtype autocast) {
         /* the same operations in the same order but for the f32 sums over rows of the norm
         ** parameters' gradients; bf16 products after them spread that a little */
         double tol = autocast == KILN_F32 ? 1e-4 : 2e-2;
-        if (v[0][k] && v[1][k]) h_close(name, v[1][k], v[0][k], i < 0 ? 1 : n[i], tol, tol);
-        else H_CHECK(false, "%s: no result", name);
+        check_pair(name, v[1][k], v[0][k], i < 0 ? 1 : n[i], tol, tol);
       }
     }
     kiln_module_free(m);
@@ -229,6 +238,15 @@ static void count_handover(void *ctx, kiln_device dev, const kiln__kargs *a, boo
   (void)ctx, (void)dev, (void)native;
   if (a->op == KILN__K_RESIDUAL_LAYER_NORM_BACKWARD && (a->i[1] & 8)) rsum_calls++;
   if (a->op == KILN__K_MATMUL && a->n_out == 2) rowsum_products++;
+}
+
+/* kiln_backward(loss) with the hand-over kernels counted (rsum_calls, rowsum_products). */
+static kiln_status counted_backward(kiln_tensor *loss) {
+  rsum_calls = rowsum_products = 0;
+  kiln__dispatch_observe(count_handover, NULL);
+  kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  kiln__dispatch_observe(NULL, NULL);
+  return st;
 }
 
 /* r = linear(h, W, b) under bf16 autocast into the fused norm (with s's own gradient), its
@@ -263,10 +281,7 @@ static void linear_into_norm(kiln_device dev, int64_t R, int64_t K, int64_t N, b
     }
     kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_to_dtype(kiln_mul(y, gy), KILN_F32)), kiln_sum_all(kiln_mul(s, gs)));
     if (shared) loss = kiln_add(loss, kiln_sum_all(kiln_to_dtype(kiln_mul(r, q), KILN_F32)));
-    rsum_calls = rowsum_products = 0;
-    kiln__dispatch_observe(count_handover, NULL);
-    kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
-    kiln__dispatch_observe(NULL, NULL);
+    kiln_status st = counted_backward(loss);
     H_CHECK(st == KILN_OK, "linear into residual_layer_norm, fused %d: %s", fused, kiln_last_error_message());
     for (int i = 0; i < 3; i++) v[fused][i] = kiln_grad(leaves[i]) ? h_values(kiln_grad(leaves[i]), NULL) : NULL;
     if (fused) {
@@ -283,8 +298,7 @@ static void linear_into_norm(kiln_device dev, int64_t R, int64_t K, int64_t N, b
     snprintf(name, sizeof name, "linear (%lld, %lld) -> residual_layer_norm on %s%s vs add+layer_norm+cast: %s",
              (long long)R, (long long)N, kiln_device_str(dev, db, sizeof db), shared ? ", r shared" : "", what[i]);
     /* the same bf16 gradient of r either way; its sums over rows in another order */
-    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], 2e-3, 2e-3);
-    else H_CHECK(false, "%s: no result", name);
+    check_pair(name, v[1][i], v[0][i], n[i], 2e-3, 2e-3);
   }
   for (int k = 0; k < 6; k++) free(v[k / 3][k % 3]);
   kiln_scope_end();
@@ -299,8 +313,8 @@ static void ones_column(kiln_device dev, int64_t B, int64_t T, int64_t N, int64_
   kiln_generator *gen = kiln_generator_new(17);
   kiln_tensor *x0 = kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen);
   kiln_tensor *r0 = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, N), KILN_F32, dev, gen), KILN_BF16);
-  kiln_tensor *w0 = kiln_add_scalar(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1), 1.0);
-  kiln_tensor *b0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(N), KILN_F32, dev, gen), 0.1);
+  kiln_tensor *w0, *b0;
+  norm_params(dev, gen, N, &w0, &b0);
   kiln_tensor *W0 = kiln_mul_scalar(kiln_randn(KILN_SHAPE(M, N), KILN_F32, dev, gen), 0.05);
   kiln_tensor *c0 = kiln_randn(KILN_SHAPE(M), KILN_F32, dev, gen);
   kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, T, M), KILN_F32, dev, gen), KILN_BF16);
@@ -325,10 +339,7 @@ static void ones_column(kiln_device dev, int64_t B, int64_t T, int64_t N, int64_
     kiln_tensor *z = kiln_linear(y, W, c);
     kiln_autocast_end();
     kiln_tensor *loss = kiln_add(kiln_sum_all(kiln_to_dtype(kiln_mul(z, q), KILN_F32)), kiln_sum_all(kiln_mul(s, gs)));
-    rsum_calls = rowsum_products = 0;
-    kiln__dispatch_observe(count_handover, NULL);
-    kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
-    kiln__dispatch_observe(NULL, NULL);
+    kiln_status st = counted_backward(loss);
     H_CHECK(st == KILN_OK, "ones column, padded %d: %s", padded, kiln_last_error_message());
     if (padded)
       H_CHECK(rowsum_products == (cuda ? 0 : 1), "ones column on %s: %d products summed rows (expected %d)",
@@ -343,8 +354,7 @@ static void ones_column(kiln_device dev, int64_t B, int64_t T, int64_t N, int64_
              kiln_device_str(dev, db, sizeof db), (long long)B, (long long)T, (long long)N, (long long)M, what[i]);
     /* the same values; the linear's bias gradient summed in another order (f32) */
     const double tol = i == 6 ? 1e-3 : 1e-5;
-    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], tol, tol);
-    else H_CHECK(false, "%s: no result", name);
+    check_pair(name, v[1][i], v[0][i], n[i], tol, tol);
   }
   for (int k = 0; k < 2 * NV; k++) free(v[k / NV][k % NV]);
   kiln_scope_end();

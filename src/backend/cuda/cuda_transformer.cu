@@ -771,6 +771,26 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
   reinterpret_cast<uint2 *>(base)[q] = u;
 }
 
+/* The staged kernels' row loop (PF): the warp's first row fetched before the loop, and at
+** each row the next one (row + W, while there is one) started into the other buffer
+** before waiting for this row's copies (each lane's own: no barrier). */
+template <bool PF, class F> __device__ __forceinline__ void rln_stage_first(int64_t row, int64_t r1, F &fetch) {
+  if constexpr (PF) {
+    if (row < r1) fetch(row, 0);
+  }
+}
+template <bool PF, class F>
+__device__ __forceinline__ void rln_stage_next(int64_t row, int64_t r1, int W, int buf, F &fetch) {
+  if constexpr (PF) {
+    if (row + W < r1) {
+      fetch(row + W, buf ^ 1);
+      kc_cp_wait<1>();
+    } else {
+      kc_cp_wait<0>();
+    }
+  }
+}
+
 /* The forward: block b takes rows [b chunk, (b + 1) chunk), warp w every W-th of them from
 ** w (chunk W: a row a warp). NV float4s a lane. PF: a warp's next row (x and r) comes by
 ** cp.async into the other of its two shared buffers while it works on this one (chunks of
@@ -809,21 +829,12 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
     kc_cp_commit();
   };
   const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  if constexpr (PF) {
-    if (r0 + warp < r1) fetch(r0 + warp, 0);
-  }
+  rln_stage_first<PF>(r0 + warp, r1, fetch);
   int buf = 0;
 #pragma unroll 1
   for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    if constexpr (PF) {
-      if (row + W < r1) {
-        fetch(row + W, buf ^ 1);
-        kc_cp_wait<1>();
-      } else {
-        kc_cp_wait<0>();
-      }
-    }
+    rln_stage_next<PF>(row, r1, W, buf, fetch);
     const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
     const int64_t ro = rln_rrow(p, row) * p.rs0;
     float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
@@ -941,21 +952,12 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     for (int k = 0; k < NV; k++) aw[k] = ab[k] = ar[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  if constexpr (PF) {
-    if (r0 + warp < r1) fetch(r0 + warp, 0);
-  }
+  rln_stage_first<PF>(r0 + warp, r1, fetch);
   int buf = 0;
 #pragma unroll 1
   for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    if constexpr (PF) { /* the next row on its way, this one's copies (each lane's own) landed */
-      if (row + W < r1) {
-        fetch(row + W, buf ^ 1);
-        kc_cp_wait<1>();
-      } else {
-        kc_cp_wait<0>();
-      }
-    }
+    rln_stage_next<PF>(row, r1, W, buf, fetch);
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
     const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);

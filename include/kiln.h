@@ -765,6 +765,7 @@ KILN_API kiln_status kiln_copy_many_(int n, kiln_tensor *const *dsts, kiln_tenso
 KILN_API kiln_status kiln_fill_(kiln_tensor *t, double value);
 KILN_API kiln_status kiln_zero_(kiln_tensor *t);
 KILN_API kiln_status kiln_mul_scalar_(kiln_tensor *t, double s);
+KILN_API kiln_status kiln_add_scalar_(kiln_tensor *t, double s);
 KILN_API kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x); /* t += a*x */
 
 /* Fused Adam/AdamW update of one parameter, in place, in one kernel (PyTorch's formulas:

@@ -157,6 +157,13 @@ static void test_copies(void) {
   H_CHECK(kiln_mul_scalar_(dst, 2) == KILN_OK && kiln_axpy_(dst, -1, kiln_ones_like(dst)) == KILN_OK,
           "mul_scalar_ and axpy_");
   values_are(dst, (double[]){13, 15, 17, 13, 15, 17}, 6);
+  H_CHECK(kiln_add_scalar_(dst, -10.5) == KILN_OK, "add_scalar_");
+  values_are(dst, (double[]){2.5, 4.5, 6.5, 2.5, 4.5, 6.5}, 6);
+  kiln_tensor *count = kiln_zeros(0, NULL, KILN_I64, cpu); /* BatchNorm's num_batches_tracked */
+  H_CHECK(kiln_add_scalar_(count, 1) == KILN_OK && kiln_add_scalar_(count, 1) == KILN_OK && kiln_item(count) == 2,
+          "add_scalar_ counts in an i64 scalar");
+  H_CHECK(kiln_add_scalar_(NULL, 1) != KILN_OK, "add_scalar_ on NULL is an error");
+  kiln_clear_error();
   H_CHECK(kiln_zero_(dst) == KILN_OK, "zero_");
   values_are(dst, (double[]){0, 0, 0, 0, 0, 0}, 6);
   /* in-place on a tensor that requires grad is refused while grad mode is on */

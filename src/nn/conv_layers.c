@@ -373,8 +373,7 @@ static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, kiln_tensor *res, b
   ** count, as PyTorch's _BatchNorm.forward does. The count stays on the tensor's device;
   ** only the cumulative mode reads it on the host. */
   kiln_tensor *nbt = kiln_module_buffer(m, "num_batches_tracked");
-  kiln_tensor *next = kiln_add_scalar(nbt, 1.0);
-  if (!next || kiln_copy_(nbt, next) != KILN_OK) return NULL;
+  if (kiln_add_scalar_(nbt, 1.0) != KILN_OK) return NULL;
   double momentum = c->momentum;
   if (isnan(momentum)) {
     double count = kiln_item(nbt);

@@ -848,14 +848,15 @@ static kiln_status fill__forward(kiln__op_ctx *c) {
   k.s[0] = ((const attrs_2f *)c->attrs)->a;
   return kiln__run_into(c->in[0], &k);
 }
-static kiln_status mul_scalar__forward(kiln__op_ctx *c) {
+/* t = a t + b in place (mul_scalar_: b 0; add_scalar_: a 1) */
+static kiln_status affine__forward(kiln__op_ctx *c) {
   kiln_tensor *t = c->in[0];
   kiln__kargs k = {0};
   k.op = KILN__K_AFFINE;
   k.n_in = 1;
   k.in[0] = kiln__view_of(t); /* elementwise in place: each element read before written */
   k.s[0] = ((const attrs_2f *)c->attrs)->a;
-  k.s[1] = 0.0;
+  k.s[1] = ((const attrs_2f *)c->attrs)->b;
   return kiln__run_into(t, &k);
 }
 
@@ -885,7 +886,9 @@ static const kiln__attr_field f_fill[] = {{"value", KILN__A_FLOAT, offsetof(attr
       .n_attrs = nfields, .attr_size = asz, .infer = inf, .forward = fwd};
 INPLACE_OP(copy_, "copy_", 2, KILN__K_COPY, inplace_from_infer, copy__forward, NULL, 0, 0, KILN__OP_ANY_DEVICE)
 INPLACE_OP(fill_, "fill_", 1, KILN__K_FILL, scalar__infer, fill__forward, f_fill, 1, sizeof(attrs_2f), 0)
-INPLACE_OP(mul_scalar_, "mul_scalar_", 1, KILN__K_AFFINE, scalar__infer, mul_scalar__forward, f_scale, 1,
+INPLACE_OP(mul_scalar_, "mul_scalar_", 1, KILN__K_AFFINE, scalar__infer, affine__forward, f_scale, 1,
+           sizeof(attrs_2f), 0)
+INPLACE_OP(add_scalar_, "add_scalar_", 1, KILN__K_AFFINE, scalar__infer, affine__forward, f_shift, 1,
            sizeof(attrs_2f), 0)
 INPLACE_OP(axpy_, "axpy_", 2, KILN__K_ADD, inplace_from_infer, axpy__forward, alpha_fields, 1, sizeof(attrs_alpha), 0)
 
@@ -905,6 +908,9 @@ kiln_status kiln_fill_(kiln_tensor *t, double value) { return inplace(&op_fill_,
 kiln_status kiln_zero_(kiln_tensor *t) { return kiln_fill_(t, 0.0); }
 kiln_status kiln_mul_scalar_(kiln_tensor *t, double s) {
   return inplace(&op_mul_scalar_, 1, t, NULL, &(attrs_2f){s, 0});
+}
+kiln_status kiln_add_scalar_(kiln_tensor *t, double s) {
+  return inplace(&op_add_scalar_, 1, t, NULL, &(attrs_2f){1.0, s});
 }
 kiln_status kiln_axpy_(kiln_tensor *t, double alpha, kiln_tensor *x) {
   return inplace(&op_axpy_, 2, t, x, &(attrs_alpha){alpha});

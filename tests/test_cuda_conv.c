@@ -25,6 +25,12 @@
 **    the weight gradient), against the CPU in f64 within TF32's rounding; fashion-mnist's
 **    second convolution must be taken by them (unless KILN_CONV_DIRECT=0), and a captured
 **    step equals the eager one to the bit.
+** 4d. Stride-2 16-bit convolutions of images with at most 4 channels (a ResNet stem) on
+**    CUDA, whose forward and weight gradient go through the space-to-depth path
+**    (cuda_conv_s2d.cu; KILN_CONV_S2D=0 turns it off): the path must take them (and not
+**    the data gradient), and y, dx, dw, db must match the CPU's f64 on the same
+**    bf16/f16-rounded inputs, with channels-last and contiguous weights, odd sizes, one to
+**    four channels, padding other than k/2, an even kernel.
 ** 5. Channels-last end to end (cv_keep_format_on, test_ops_conv.c): conv2d, relu, add,
 **    casts, max_pool2d keep the format on CUDA and give the NCHW run's values (f64, f32
 **    with gradients; f16/bf16 forward), and with cuDNN a channels-last step (forward and
@@ -45,6 +51,7 @@
 static bool cc_cudnn; /* cuda:0 runs CONV2D (cuDNN) */
 #if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
 bool kiln__cuda_conv_direct_supports(const kiln__kargs *a); /* cuda_conv_direct.cu */
+bool kiln__cuda_conv_s2d_supports(const kiln__kargs *a);    /* cuda_conv_s2d.cu */
 #endif
 
 static kiln_device cc_cpu(void) { return kiln_device_cpu(); }
@@ -705,6 +712,107 @@ static void cc_direct(void) {
   kiln_set_matmul_tf32(false);
 }
 
+/* ---- 4d. the space-to-depth path ----------------------------------------------------- */
+
+typedef struct cc_sconv {
+  int64_t N, C, H, W, OC, K, pad;
+  int bias, w_cl; /* a bias; the weight channels-last too */
+} cc_sconv;
+
+static const cc_sconv cc_sconvs[] = {
+    {2, 3, 32, 30, 16, 7, 3, 1, 1}, /* a ResNet stem, cut down */
+    {3, 1, 17, 19, 8, 5, 2, 0, 0},  /* one channel, odd sizes, contiguous weight */
+    {2, 4, 15, 16, 24, 7, 2, 1, 0}, /* four channels, padding 2 of a 7x7 */
+    {1, 2, 9, 9, 8, 6, 1, 1, 1},    /* an even kernel: no tap past it */
+};
+
+/* y = conv2d(x, w, b) at stride 2 (x channels-last, w as the case says); loss = sum(y * r) */
+static kiln_status cc_sstep(const cc_sconv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
+                            kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
+  kiln_tensor *x = kiln_detach(kiln_to_dtype(kiln_to_device(xb, dev), dt));
+  kiln_tensor *w = kiln_detach(kiln_to_dtype(kiln_to_device(wb, dev), dt));
+  kiln_tensor *b = k->bias ? kiln_detach(kiln_to_dtype(kiln_to_device(bb, dev), dt)) : NULL;
+  kiln_tensor *r = kiln_to_dtype(kiln_to_device(rb, dev), dt);
+  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
+  kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
+  if (b) kiln_requires_grad_(b, true);
+  int64_t st[2] = {2, 2}, pd[2] = {k->pad, k->pad};
+  kiln_tensor *y = kiln_conv2d(cc_layout(x, 2), k->w_cl ? cc_layout(w, 2) : w, b, st, pd, NULL, 1);
+  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
+  kiln_status s = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (s != KILN_OK) return s;
+  res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = b ? kiln_grad(b) : NULL;
+  return KILN_OK;
+}
+
+static void cc_s2d(void) {
+#if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
+  const char *env = getenv("KILN_CONV_S2D");
+  bool want = cc_cudnn && !(env && !strcmp(env, "0"));
+  printf("test_cuda_conv: space-to-depth path %s\n", want ? "expected" : "off (KILN_CONV_S2D=0 or no cuDNN)");
+#endif
+  static const kiln_dtype dts[2] = {KILN_BF16, KILN_F16};
+  for (size_t ci = 0; ci < sizeof cc_sconvs / sizeof cc_sconvs[0]; ci++)
+    for (int di = 0; di < 2; di++) {
+      const cc_sconv *k = &cc_sconvs[ci];
+      const kiln_dtype dt = dts[di];
+      kiln_scope_begin();
+      kiln_generator *gen = kiln_generator_new(7100 + ci);
+      int64_t OH = (k->H + 2 * k->pad - k->K) / 2 + 1, OW = (k->W + 2 * k->pad - k->K) / 2 + 1;
+      /* inputs rounded to dt, so that the CPU's f64 run reads what CUDA reads */
+      kiln_tensor *xb = kiln_to_dtype(kiln_to_dtype(kiln_randn(KILN_SHAPE(k->N, k->C, k->H, k->W), KILN_F64, cc_cpu(), gen), dt), KILN_F64);
+      kiln_tensor *wb = kiln_to_dtype(kiln_to_dtype(kiln_randn(KILN_SHAPE(k->OC, k->C, k->K, k->K), KILN_F64, cc_cpu(), gen), dt), KILN_F64);
+      kiln_tensor *bb = kiln_to_dtype(kiln_to_dtype(kiln_randn(KILN_SHAPE(k->OC), KILN_F64, cc_cpu(), gen), dt), KILN_F64);
+      kiln_tensor *rb = kiln_to_dtype(kiln_to_dtype(kiln_randn(KILN_SHAPE(k->N, k->OC, OH, OW), KILN_F64, cc_cpu(), gen), dt), KILN_F64);
+      kiln_generator_free(gen);
+      char what[200];
+#if defined(KILN_HAVE_CUDA) && !defined(CC_GPU_IS_CPU)
+      { /* the path takes the forward and the weight gradient, not the data gradient */
+        kiln__conv_params cp = {{k->K, k->K}, {2, 2}, {k->pad, k->pad}, {1, 1}};
+        kiln_tensor *x = cc_layout(kiln_to_device(kiln_to_dtype(xb, dt), cc_gpu()), 2);
+        kiln_tensor *w = kiln_to_device(kiln_to_dtype(wb, dt), cc_gpu());
+        kiln_tensor *g = cc_layout(kiln_to_device(kiln_to_dtype(rb, dt), cc_gpu()), 2);
+        kiln_tensor *o1[2] = {cc_layout(kiln_empty(KILN_SHAPE(k->N, k->OC, OH, OW), dt, cc_gpu()), 2), NULL};
+        kiln_tensor *o2[2] = {cc_layout(kiln_empty(KILN_SHAPE(k->N, k->C, k->H, k->W), dt, cc_gpu()), 2), NULL};
+        kiln_tensor *o3[2] = {kiln_empty(KILN_SHAPE(k->OC, k->C, k->K, k->K), dt, cc_gpu()),
+                              kiln_empty(KILN_SHAPE(k->OC), dt, cc_gpu())};
+        if (x && w && g && o1[0] && o2[0] && o3[0] && o3[1]) {
+          kiln__kop ops[3] = {KILN__K_CONV2D, KILN__K_CONV2D_BACKWARD_WEIGHT, KILN__K_CONV2D_BACKWARD_DATA};
+          kiln_tensor **outs[3] = {o1, o3, o2};
+          for (int q = 0; q < 3; q++) {
+            kiln__kargs a = cc_dargs(ops[q], NULL, x, w, g, outs[q], &cp);
+            a.device = 0, a.i[1] = 0;
+            bool has = kiln__cuda_conv_s2d_supports(&a);
+            H_CHECK(has == (want && q < 2), "s2d case %zu %s: %s %s by the space-to-depth path", ci,
+                    kiln_dtype_name(dt), kiln__kop_name(ops[q]), has ? "taken" : "not taken");
+          }
+        } else {
+          H_CHECK(false, "s2d case %zu: set-up failed: %s", ci, kiln_last_error_message());
+        }
+      }
+#endif
+      kiln_tensor *want_r[4] = {0}, *got[4] = {0};
+      kiln_fallback_policy saved = kiln_fallback_policy_get();
+      kiln_status s1 = cc_sstep(k, xb, wb, bb, rb, KILN_F64, cc_cpu(), want_r);
+      kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+      kiln_status s2 = cc_sstep(k, xb, wb, bb, rb, dt, cc_gpu(), got);
+      kiln_set_fallback_policy(saved);
+      if (s1 != KILN_OK || s2 != KILN_OK) {
+        H_CHECK(false, "s2d case %zu %s: %s run failed: %s", ci, kiln_dtype_name(dt), s1 != KILN_OK ? "CPU" : "CUDA",
+                kiln_last_error_message());
+      } else {
+        static const char *const part[4] = {"y", "dx", "dw", "db"};
+        for (int q = 0; q < 4; q++) {
+          if (!want_r[q] && !got[q]) continue;
+          snprintf(what, sizeof what, "s2d case %zu %s %s", ci, kiln_dtype_name(dt), part[q]);
+          /* one rounding to dt of an f32 sum: 2^-8 (bf16) or 2^-11 (f16) of the largest */
+          cc_close_scaled(what, got[q], want_r[q], dt == KILN_BF16 ? 1e-2 : 2e-3);
+        }
+      }
+      kiln_scope_end();
+    }
+}
+
 /* Layout copies seen by the observer: contiguous of a channels-last tensor (NHWC to NCHW)
 ** and contiguous_format (to NHWC). Not counted: a contiguous made of a broadcast (a sum's
 ** backward materialises its expanded gradient), which moves no layout. The first few are
@@ -837,6 +945,8 @@ int main(int argc, char **argv) {
   cc_capture();
   printf("test_cuda_conv: the direct TF32 kernels\n");
   cc_direct();
+  printf("test_cuda_conv: the space-to-depth path (stride-2 convolutions of few channels)\n");
+  cc_s2d();
   printf("test_cuda_conv: channels-last end to end\n");
   cc_keep_format();
   return h_finish();

@@ -447,29 +447,45 @@ struct FinF {
   int stats_dt;
   int64_t st0, st1;
 };
-/* One warp per channel: lane l merges splits l, l + 32, ... in f64, then the lanes merge
-** by a fixed shuffle tree. (One thread per channel walking every split was the first
-** version: channels-last layers with few channels have ~1000 splits, and that serial,
-** uncoalesced f64 walk on a handful of SMs cost more than the passes over the data.) */
-template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A *__restrict__ coef) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (c >= f.C) return; /* the whole warp */
+/* The finishing kernels: one block of FIN_THREADS per channel, each thread over splits t,
+** t + FIN_THREADS, ..., in f64, then block_sum2's fixed tree. (One warp a channel, each lane
+** merging its few dozen splits in turn, waited on each partial's load and on a chain of
+** Welford merges: longer than a small layer's statistics pass, bench/RESULTS.md.) The
+** statistics merge in two sums rather than Chan's chain: the count and
+** sum n_k m_k give the mean, then sum q_k + n_k (m_k - mean)^2 the squared deviations --
+** independent adds, no division a split, the same exactness in f64. */
+enum { FIN_THREADS = 128 };
+
+/* a + b over the block, both threads' totals, in every thread (fixed order) */
+__device__ __forceinline__ void block_sum2_all(double &a, double &b) {
+  __shared__ double tot[2];
+  block_sum2<double>(a, b);
+  if (threadIdx.x == 0) tot[0] = a, tot[1] = b;
+  __syncthreads();
+  a = tot[0], b = tot[1];
+}
+
+template <class A> __global__ void __launch_bounds__(FIN_THREADS) fin_fwd(const A *__restrict__ part, FinF f, A *__restrict__ coef) {
+  const int64_t c = blockIdx.x;
   double mean, var;
   if (f.train) {
-    double n = 0, m = 0, q = 0;
-    for (int k = lane; k < f.splits; k += 32) {
-      const A *p = part + (c * f.splits + k) * 3;
-      wmerge<double>(n, m, q, (double)p[0], (double)p[1], (double)p[2]);
+    const A *pc = part + c * f.splits * 3;
+    double n = 0, s = 0;
+#pragma unroll 4
+    for (int k = threadIdx.x; k < f.splits; k += FIN_THREADS) {
+      const double nk = (double)pc[k * 3];
+      n += nk, s += nk * (double)pc[k * 3 + 1];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      double nb = __shfl_down_sync(0xffffffffu, n, o), mb = __shfl_down_sync(0xffffffffu, m, o),
-             qb = __shfl_down_sync(0xffffffffu, q, o);
-      wmerge<double>(n, m, q, nb, mb, qb);
+    block_sum2_all(n, s);
+    mean = n > 0 ? s / n : 0.0;
+    double q = 0, unused = 0;
+#pragma unroll 4
+    for (int k = threadIdx.x; k < f.splits; k += FIN_THREADS) {
+      const double d = (double)pc[k * 3 + 1] - mean;
+      q += (double)pc[k * 3 + 2] + (double)pc[k * 3] * d * d;
     }
-    if (lane != 0) return;
-    mean = m;
+    block_sum2<double>(q, unused);
+    if (threadIdx.x != 0) return;
     var = q / n;
     if (f.has_r) {
       double mo = f.momentum;
@@ -477,7 +493,7 @@ template <class A> __global__ void fin_fwd(const A *__restrict__ part, FinF f, A
       vset(f.rv, c, (1.0 - mo) * vget(f.rv, c) + mo * (n > 1 ? q / (n - 1.0) : (double)NAN));
     }
   } else {
-    if (lane != 0) return;
+    if (threadIdx.x != 0) return;
     mean = vget(f.rm, c);
     var = vget(f.rv, c);
   }
@@ -509,23 +525,16 @@ struct FinB {
   int stats_dt;
   int64_t st0, st1;
 };
-/* One warp per channel, as fin_fwd: lanes sum splits l, l + 32, ... in f64, then a fixed
-** shuffle tree. Also writes the mean to coef[0..C) for pass 3. */
-template <class A> __global__ void fin_bwd(const A *__restrict__ part, FinB f, A *__restrict__ coef) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (c >= f.C) return; /* the whole warp */
+/* One block per channel, as fin_fwd: the sums of g and g (x - mean) over the splits in f64.
+** Also writes the mean to coef[0..C) for pass 3. */
+template <class A> __global__ void __launch_bounds__(FIN_THREADS) fin_bwd(const A *__restrict__ part, FinB f, A *__restrict__ coef) {
+  const int64_t c = blockIdx.x;
+  const A *pc = part + c * f.splits * 2;
   double sg = 0, sgx = 0;
-  for (int k = lane; k < f.splits; k += 32) {
-    const A *p = part + (c * f.splits + k) * 2;
-    sg += (double)p[0], sgx += (double)p[1];
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    sg += __shfl_down_sync(0xffffffffu, sg, o);
-    sgx += __shfl_down_sync(0xffffffffu, sgx, o);
-  }
-  if (lane != 0) return;
+#pragma unroll 4
+  for (int k = threadIdx.x; k < f.splits; k += FIN_THREADS) sg += (double)pc[k * 2], sgx += (double)pc[k * 2 + 1];
+  block_sum2<double>(sg, sgx);
+  if (threadIdx.x != 0) return;
   double inv = ld_vec(f.stats, f.stats_dt, f.st0 + c * f.st1);
   double w = f.has_w ? vget(f.w, c) : 1.0, k = w * inv, dw = sgx * inv;
   vset(f.dw, c, dw);
@@ -967,7 +976,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   if (!buf) return kiln_last_error();
   kiln_status st = kiln__cuda_capture_note(a->device, buf, bytes);
   A *coef = buf, *part = buf + coef_n;
-  const int fin_blocks = (int)((C + 7) / 8); /* a warp per channel, 8 a block */
+  const unsigned fin_blocks = (unsigned)C; /* a block per channel */
   if (!bw) {
     FinF f;
     f.C = C, f.splits = p.splits, f.train = train, f.eps = a->s[0], f.momentum = a->s[1];
@@ -981,7 +990,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     f.coef_rows = a->out[1].ndim == 2 && a->out[1].shape[0] >= 4;
     if (st == KILN_OK && train) st = launch_p1<T, A, V>(d, a, G, cl, false, p, part, NULL, 0, NULL, NULL);
     if (st == KILN_OK) {
-      fin_fwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
+      fin_fwd<A><<<fin_blocks, FIN_THREADS, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm (finalize)");
     }
   } else {
@@ -1007,7 +1016,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
     const A *fkp = rc ? (const A *)f.stats + 2 * f.st0 : NULL, *fbp = rc ? (const A *)f.stats + 3 * f.st0 : NULL;
     if (st == KILN_OK) st = launch_p1<T, A, V>(d, a, G, cl, true, p, part, meanp, mst, fkp, fbp);
     if (st == KILN_OK) {
-      fin_bwd<A><<<fin_blocks, 256, 0, d->stream>>>(part, f, coef);
+      fin_bwd<A><<<fin_blocks, FIN_THREADS, 0, d->stream>>>(part, f, coef);
       st = kiln__cuda_launched("batch_norm_backward (finalize)");
     }
   }

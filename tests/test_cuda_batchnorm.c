@@ -28,6 +28,14 @@
 **    NCHW and channels-last, training and eval, both ops, with channels whose pre-ReLU
 **    values are exactly 0, tiny (an f16 positive that rounds to 0, an f32 subnormal) or
 **    ties at the integers; the flags that ran (8 without a mask, or 2).
+** 8. kiln__batch_norm_relu_max_pool2d (BATCH_NORM flag 32, then RELU_MAX_POOL2D_BACKWARD's
+**    gather and the plain BATCH_NORM_BACKWARD: ResNet's stem): taken on CUDA for
+**    channels-last x (not for NCHW), and against the same three ops on the device (y and
+**    the running statistics bit for bit, the gradients within one rounding: a pixel's sums
+**    over overlapping windows in another order) in bf16, f16 and f32, and against the CPU's
+**    f64 ops in f32; windows 3x3/2 pad 1, tiling 2x2, 3x3/1 (every pixel in up to 9),
+**    5x5/2 pad 2; odd sizes; 4 and 2 channels (narrower vectors); training and eval; ties
+**    (inputs on a coarse grid, so that windows hold equal maxima).
 ** 6. Timings at ResNet-50's sizes, printed (not checked): batch_norm forward and forward +
 **    backward on (128, 256, 56, 56) bf16, NCHW and channels-last; max_pool2d backward on
 **    the stem's (128, 64, 112, 112) bf16.
@@ -170,6 +178,126 @@ static void bc_fused(void) {
       }
       bn_out_free(&gpu), bn_out_free(&cpu);
     }
+}
+
+/* ---- 8. batch norm, ReLU and max-pool in one op ---- */
+
+static double *bc_read(kiln_tensor *t) {
+  kiln_tensor *h = t ? kiln_contiguous(kiln_to_dtype(kiln_to_device(t, kiln_device_cpu()), KILN_F64)) : NULL;
+  if (!h) return NULL;
+  int64_t n = kiln_numel(h);
+  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+  if (v && kiln_to_host(h, v, (size_t)n * sizeof(double)) != KILN_OK) free(v), v = NULL;
+  return v;
+}
+
+static bool bc_same(const char *what, kiln_tensor *got, kiln_tensor *want, double rtol, double atol) {
+  double *g = bc_read(got), *w = bc_read(want);
+  bool ok = false;
+  if (!g || !w || kiln_numel(got) != kiln_numel(want))
+    H_CHECK(false, "%s: could not read the results (or sizes differ): %s", what, kiln_last_error_message());
+  else
+    ok = h_close(what, g, w, kiln_numel(want), rtol, atol);
+  free(g), free(w);
+  return ok;
+}
+
+typedef struct bc_pcase {
+  int64_t N, C, H, W, k, s, p;
+} bc_pcase;
+
+static const bc_pcase bc_pcases[] = {
+    {2, 64, 15, 16, 3, 2, 1}, /* ResNet's stem window, odd sizes */
+    {3, 8, 9, 9, 2, 2, 0},    /* tiling */
+    {2, 16, 7, 8, 3, 1, 1},   /* stride 1: up to 9 windows a pixel */
+    {2, 4, 11, 6, 3, 2, 1},   /* 4 channels */
+    {1, 2, 9, 7, 5, 2, 2},    /* 2 channels, 5x5 */
+};
+
+/* res: y, dx, dweight, dbias, running_mean, running_var; the fused op or the three ops */
+static kiln_status bc_pool_run(const bc_pcase *k, kiln_dtype dt, kiln_device dev, bool fused, bool train,
+                               const double *xv, const double *gv, kiln_tensor *res[6]) {
+  const int64_t xs[4] = {k->N, k->C, k->H, k->W};
+  const int64_t ks[2] = {k->k, k->k}, ss[2] = {k->s, k->s}, ps[2] = {k->p, k->p};
+  const int64_t OH = (k->H + 2 * k->p - k->k) / k->s + 1, OW = (k->W + 2 * k->p - k->k) / k->s + 1;
+  const int64_t ys[4] = {k->N, k->C, OH, OW};
+  kiln_dtype pdt = dt == KILN_F64 ? KILN_F64 : KILN_F32;
+  kiln_tensor *x = kiln_detach(bn_channels_inner(bn_on(xv, 4, xs, dt, dev)));
+  kiln_tensor *g = bn_on(gv, 4, ys, dt, dev);
+  double *wv = bn_host_randn(k->C, 71, 0.5, 1.0), *bv = bn_host_randn(k->C, 72, 0.3, 0.0);
+  kiln_tensor *w = wv ? kiln_detach(bn_on(wv, 1, &k->C, pdt, dev)) : NULL;
+  kiln_tensor *b = bv ? kiln_detach(bn_on(bv, 1, &k->C, pdt, dev)) : NULL;
+  free(wv), free(bv);
+  kiln_tensor *rm = kiln_zeros(1, &k->C, pdt, dev), *rv = kiln_ones(1, &k->C, pdt, dev);
+  if (!x || !g || !w || !b || !rm || !rv) return kiln_last_error();
+  kiln_requires_grad_(x, true), kiln_requires_grad_(w, true), kiln_requires_grad_(b, true);
+  if (!train) { /* eval: running statistics of some spread */
+    kiln_fill_(rm, 0.25), kiln_fill_(rv, 2.0);
+  }
+  kiln_tensor *y = fused ? kiln__batch_norm_relu_max_pool2d(x, rm, rv, w, b, train, 0.1, 1e-5, ks, ss, ps)
+                         : kiln_max_pool2d(kiln_batch_norm_relu(x, rm, rv, w, b, train, 0.1, 1e-5), ks, ss, ps, NULL, NULL);
+  kiln_tensor *loss = y ? kiln_sum_all(kiln_mul(y, g)) : NULL;
+  kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (st != KILN_OK) return st;
+  res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = kiln_grad(b), res[4] = rm, res[5] = rv;
+  return KILN_OK;
+}
+
+static void bc_pool_fused(void) {
+  static const kiln_dtype dts[3] = {KILN_BF16, KILN_F16, KILN_F32};
+  static const char *const part[6] = {"y", "dx", "dweight", "dbias", "running_mean", "running_var"};
+  for (size_t ci = 0; ci < sizeof bc_pcases / sizeof bc_pcases[0]; ci++)
+    for (int di = 0; di < 3; di++)
+      for (int train = 1; train >= 0; train--)
+        for (int ties = 0; ties < 2; ties++) {
+          const bc_pcase *k = &bc_pcases[ci];
+          const kiln_dtype dt = dts[di];
+          kiln_scope_begin();
+          const int64_t OH = (k->H + 2 * k->p - k->k) / k->s + 1, OW = (k->W + 2 * k->p - k->k) / k->s + 1;
+          const int64_t nx = k->N * k->C * k->H * k->W, ny = k->N * k->C * OH * OW;
+          double *xv = bn_host_randn(nx, 900 + ci, 1.0, 0.2), *gv = bn_host_randn(ny, 950 + ci, 1.0, 0.0);
+          for (int64_t i = 0; ties && xv && i < nx; i++) xv[i] = round(xv[i] * 2) / 2; /* a grid of halves */
+          char what[200];
+          snprintf(what, sizeof what, "bn_relu_pool case %zu %s %s%s", ci, kiln_dtype_name(dt), train ? "train" : "eval",
+                   ties ? " ties" : "");
+#ifndef BC_GPU_IS_CPU
+          { /* taken on CUDA for channels-last x, not for NCHW */
+            const int64_t xs[4] = {k->N, k->C, k->H, k->W};
+            const int64_t ks[2] = {k->k, k->k}, ss[2] = {k->s, k->s}, ps[2] = {k->p, k->p};
+            kiln_tensor *x = xv ? bn_on(xv, 4, xs, dt, bc_gpu()) : NULL;
+            kiln_tensor *rm = kiln_zeros(1, &k->C, KILN_F32, bc_gpu()), *rv = kiln_ones(1, &k->C, KILN_F32, bc_gpu());
+            H_CHECK(x && kiln__batch_norm_relu_max_pool2d_native(bn_channels_inner(x), rm, rv, NULL, NULL, train, ks, ss, ps),
+                    "%s: not taken by the fused kernels", what);
+            H_CHECK(x && !kiln__batch_norm_relu_max_pool2d_native(x, rm, rv, NULL, NULL, train, ks, ss, ps),
+                    "%s: NCHW taken by the fused kernels", what);
+          }
+#endif
+          kiln_tensor *fz[6] = {0}, *ops[6] = {0}, *ref[6] = {0};
+          kiln_fallback_policy saved = kiln_fallback_policy_get();
+          kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
+          kiln_status s1 = xv && gv ? bc_pool_run(k, dt, bc_gpu(), true, train, xv, gv, fz) : KILN_ERR_OOM;
+          kiln_status s2 = s1 == KILN_OK ? bc_pool_run(k, dt, bc_gpu(), false, train, xv, gv, ops) : s1;
+          kiln_set_fallback_policy(saved);
+          kiln_status s3 = s2 == KILN_OK && dt == KILN_F32 ? bc_pool_run(k, KILN_F64, kiln_device_cpu(), false, train, xv, gv, ref) : s2;
+          if (s1 != KILN_OK || s2 != KILN_OK || s3 != KILN_OK) {
+            H_CHECK(false, "%s: a run failed: %s", what, kiln_last_error_message());
+          } else {
+            /* one rounding of the gradients apart (the overlapping windows' sums in another order) */
+            const double tol = dt == KILN_BF16 ? 1e-2 : dt == KILN_F16 ? 2e-3 : 1e-5;
+            for (int q = 0; q < 6; q++) {
+              char nm[260];
+              snprintf(nm, sizeof nm, "%s %s, fused vs the ops on the device", what, part[q]);
+              bool exact = q == 0 || q >= 4;
+              bc_same(nm, fz[q], ops[q], exact ? 0 : tol, exact ? 0 : tol);
+              if (dt == KILN_F32) {
+                snprintf(nm, sizeof nm, "%s %s, fused vs the CPU's f64 ops", what, part[q]);
+                bc_same(nm, fz[q], ref[q], 1e-4, 1e-4);
+              }
+            }
+          }
+          free(xv), free(gv);
+          kiln_scope_end();
+        }
 }
 
 /* kiln_batch_norm_add_relu: the device against the CPU (both fused), every output and
@@ -618,6 +746,8 @@ int main(int argc, char **argv) {
   bc_mask_recompute();
   printf("test_cuda_batchnorm: max_pool2d backward\n");
   bc_max_pool();
+  printf("test_cuda_batchnorm: batch norm, ReLU and max-pool in one op\n");
+  bc_pool_fused();
 #ifndef BC_GPU_IS_CPU
   bc_timings();
 #else

@@ -333,17 +333,22 @@ typedef struct bn_cfg {
 } bn_cfg;
 
 /* The normalization of bn_apply: kiln_batch_norm (residual NULL, relu false),
-** kiln_batch_norm_relu (relu) or kiln_batch_norm_add_relu (a residual). */
-static kiln_tensor *bn_call(kiln_tensor *x, kiln_tensor *res, bool relu, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w,
-                            kiln_tensor *b, bool training, double momentum, double eps) {
+** kiln_batch_norm_relu (relu), kiln_batch_norm_add_relu (a residual) or, with a pool,
+** kiln__batch_norm_relu_max_pool2d. */
+static kiln_tensor *bn_call(kiln_tensor *x, kiln_tensor *res, bool relu, const pool_cfg *pool, kiln_tensor *rm,
+                            kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training, double momentum, double eps) {
+  if (pool)
+    return kiln__batch_norm_relu_max_pool2d(x, rm, rv, w, b, training, momentum, eps, pool->kernel, pool->stride,
+                                            pool->padding);
   if (res) return kiln_batch_norm_add_relu(x, res, rm, rv, w, b, training, momentum, eps);
   if (relu) return kiln_batch_norm_relu(x, rm, rv, w, b, training, momentum, eps);
   return kiln_batch_norm(x, rm, rv, w, b, training, momentum, eps);
 }
 
-/* The layer's forward, the ReLU (relu) or residual-then-ReLU (res) fused where asked
-** (kiln__batch_norm_relu_forward, kiln__batch_norm_add_relu_forward). */
-static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, kiln_tensor *res, bool relu) {
+/* The layer's forward, the ReLU (relu), residual-then-ReLU (res) or ReLU-then-pool (pool)
+** fused where asked (kiln__batch_norm_relu_forward, kiln__batch_norm_add_relu_forward,
+** kiln__batch_norm_relu_max_pool_forward). */
+static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, kiln_tensor *res, bool relu, const pool_cfg *pool) {
   const bn_cfg *c = kiln_module_impl(m);
   int nd = kiln_ndim(x);
   bool ok = c->nd == 2 ? nd == 4 : (nd == 2 || nd == 3);
@@ -365,10 +370,10 @@ static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, kiln_tensor *res, b
   kiln_tensor *b = c->affine ? kiln_module_param(m, "bias") : NULL;
   bool training = kiln_module_is_training(m);
   if (!c->track) /* no running statistics: batch statistics in both modes (PyTorch) */
-    return bn_call(x, res, relu, NULL, NULL, w, b, true, 0.0, c->eps);
+    return bn_call(x, res, relu, pool, NULL, NULL, w, b, true, 0.0, c->eps);
   kiln_tensor *rm = kiln_module_buffer(m, "running_mean");
   kiln_tensor *rv = kiln_module_buffer(m, "running_var");
-  if (!training) return bn_call(x, res, relu, rm, rv, w, b, false, 0.0, c->eps);
+  if (!training) return bn_call(x, res, relu, pool, rm, rv, w, b, false, 0.0, c->eps);
   /* num_batches_tracked += 1 first: the cumulative average (momentum NAN) uses the new
   ** count, as PyTorch's _BatchNorm.forward does. The count stays on the tensor's device;
   ** only the cumulative mode reads it on the host. */
@@ -380,25 +385,27 @@ static kiln_tensor *bn_apply(kiln_module *m, kiln_tensor *x, kiln_tensor *res, b
     if (isnan(count)) return NULL;
     momentum = 1.0 / count;
   }
-  return bn_call(x, res, relu, rm, rv, w, b, true, momentum, c->eps);
+  return bn_call(x, res, relu, pool, rm, rv, w, b, true, momentum, c->eps);
 }
 
-static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) { return bn_apply(m, x, NULL, false); }
+static kiln_tensor *bn_forward(kiln_module *m, kiln_tensor *x) { return bn_apply(m, x, NULL, false, NULL); }
 
 static const kiln_module_vtable bn1d_vt, bn2d_vt;
 
-/* relu(bn(x)) (res NULL) or relu(bn(x) + res) through the fused ops in bn's module scope */
-static kiln_tensor *bn_fused(kiln_module *m, kiln_tensor *x, kiln_tensor *res) {
+/* relu(bn(x)) (res NULL), relu(bn(x) + res), or max_pool(relu(bn(x))) (pool) through the
+** fused ops in bn's module scope */
+static kiln_tensor *bn_fused(kiln_module *m, kiln_tensor *x, kiln_tensor *res, const pool_cfg *pool) {
   const kiln_module_vtable *vt = m ? kiln__module_vtable(m) : NULL;
   if (!x || (vt != &bn1d_vt && vt != &bn2d_vt) || kiln_module_is_checkpointed(m)) {
     kiln_tensor *y = kiln_module_forward(m, x);
-    return kiln_relu(res ? kiln_add(y, res) : y);
+    y = kiln_relu(res ? kiln_add(y, res) : y);
+    return pool ? kiln_max_pool2d(y, pool->kernel, pool->stride, pool->padding, pool->dilation, NULL) : y;
   }
   /* the fused op runs in the BatchNorm's module scope, as kiln_module_forward runs it */
   kiln__module_scope_push(kiln__module_label(m));
   int64_t s0 = 0, s1 = 0;
   if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
-  kiln_tensor *y = bn_apply(m, x, res, true);
+  kiln_tensor *y = bn_apply(m, x, res, true, pool);
   if (kiln__module_measuring()) {
     kiln_autograd_saved_bytes(&s1, NULL);
     kiln__module_measure_note(m, s1 - s0);
@@ -407,11 +414,35 @@ static kiln_tensor *bn_fused(kiln_module *m, kiln_tensor *x, kiln_tensor *res) {
   return y;
 }
 
-kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *m, kiln_tensor *x) { return bn_fused(m, x, NULL); }
+kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *m, kiln_tensor *x) { return bn_fused(m, x, NULL, NULL); }
+
+bool kiln__batch_norm_relu_max_pool_fusable(kiln_module *bn, kiln_module *pool, kiln_tensor *x) {
+  const kiln_module_vtable *vt = bn ? kiln__module_vtable(bn) : NULL;
+  if (!x || vt != &bn2d_vt || kiln_module_is_checkpointed(bn) || !kiln__module_is_max_pool2d(pool) ||
+      kiln_module_is_checkpointed(pool))
+    return false;
+  const bn_cfg *c = kiln_module_impl(bn);
+  const pool_cfg *p = kiln_module_impl(pool);
+  if (p->dilation[0] != 1 || p->dilation[1] != 1 || kiln_ndim(x) != 4 || kiln_shape(x)[1] != c->features) return false;
+  kiln_tensor *w = c->affine ? kiln_module_param(bn, "weight") : NULL, *b = c->affine ? kiln_module_param(bn, "bias") : NULL;
+  bool training = kiln_module_is_training(bn);
+  kiln_tensor *rm = c->track ? kiln_module_buffer(bn, "running_mean") : NULL;
+  kiln_tensor *rv = c->track ? kiln_module_buffer(bn, "running_var") : NULL;
+  return kiln__batch_norm_relu_max_pool2d_native(x, rm, rv, w, b, training || !c->track, p->kernel, p->stride,
+                                                 p->padding);
+}
+
+kiln_tensor *kiln__batch_norm_relu_max_pool_forward(kiln_module *bn, kiln_module *pool, kiln_tensor *x) {
+  if (!kiln__module_is_max_pool2d(pool)) {
+    kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln__batch_norm_relu_max_pool_forward: the pool is not a MaxPool2d");
+    return NULL;
+  }
+  return bn_fused(bn, x, NULL, kiln_module_impl(pool));
+}
 
 kiln_tensor *kiln__batch_norm_add_relu_forward(kiln_module *m, kiln_tensor *x, kiln_tensor *residual) {
   if (!residual) return NULL;
-  return bn_fused(m, x, residual);
+  return bn_fused(m, x, residual, NULL);
 }
 
 static int bn_repr(const kiln_module *m, char *buf, size_t n) {

@@ -42,6 +42,13 @@ kiln_tensor *kiln__batch_norm_relu_forward(kiln_module *bn, kiln_tensor *x);
 ** NULL when residual is NULL (an error already set). */
 kiln_tensor *kiln__batch_norm_add_relu_forward(kiln_module *bn, kiln_tensor *x, kiln_tensor *residual);
 
+/* max_pool2d(relu(kiln_module_forward(bn, x))) with pool's window as one op
+** (kiln__batch_norm_relu_max_pool2d), in bn's module scope; _fusable says whether x's device
+** runs it fused (a BatchNorm2d and a MaxPool2d of dilation 1, neither checkpointed): the
+** ResNet stem then needs no checkpoint to keep the normalized map out of memory. */
+bool kiln__batch_norm_relu_max_pool_fusable(kiln_module *bn, kiln_module *pool, kiln_tensor *x);
+kiln_tensor *kiln__batch_norm_relu_max_pool_forward(kiln_module *bn, kiln_module *pool, kiln_tensor *x);
+
 /* The module's configuration text (vtable extra_repr), "" when it has none; snprintf-like. */
 /* pool is a MaxPool2d: kiln_relu_max_pool2d(x) with its window (a Sequential's ReLU then
 ** MaxPool2d); any other module: NULL, no error set (conv_layers.c). */

@@ -143,8 +143,10 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 ** segment runs with grad mode off in the forward and on in the recompute
 ** (kiln_checkpoint), which must not move bn1's running statistics a second time: they
 ** are put back as they were. KILN_RESNET_STEM_RECOMPUTE=0 keeps the four as plain
-** children (read at each forward, so a test can compare both ways): the recompute's cost
-** on a GPU is not yet measured. */
+** children (read at each forward, so a test can compare both ways). Where the device runs
+** bn1, the ReLU and the pool as one op that never makes the normalized map
+** (kiln__batch_norm_relu_max_pool2d: CUDA, channels-last), that op instead, with nothing
+** to recompute; KILN_RESNET_STEM_FUSED=0 keeps the checkpoint there too. */
 static kiln_status stem_tail(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
   (void)n_in, (void)n_out;
   kiln_module *m = ctx, *bn = kiln_module_child(m, "bn1");
@@ -168,10 +170,14 @@ static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
   const resnet_cfg *c = kiln_module_impl(m);
   int n = kiln_module_num_children(m), i = 0;
   kiln_scope_begin(); /* the stem's batch-norm output goes at the end (block_forward) */
-  const char *e = kiln__getenv("KILN_RESNET_STEM_RECOMPUTE");
+  const char *e = kiln__getenv("KILN_RESNET_STEM_RECOMPUTE"), *f = kiln__getenv("KILN_RESNET_STEM_FUSED");
   if (!c->cifar_stem && x && !(e && !strcmp(e, "0"))) { /* conv1, then bn1 relu maxpool (children 1..3) */
     kiln_tensor *y = NULL, *h = kiln_module_forward(kiln_module_child_at(m, 0), x);
-    x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;
+    kiln_module *bn1 = kiln_module_child_at(m, 1), *pool = kiln_module_child_at(m, 3);
+    if (h && !(f && !strcmp(f, "0")) && kiln__batch_norm_relu_max_pool_fusable(bn1, pool, h))
+      x = kiln__batch_norm_relu_max_pool_forward(bn1, pool, h); /* nothing to recompute: the map is never made */
+    else
+      x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;
     i = 4;
   }
   for (; i < n && x; i++) {

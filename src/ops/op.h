@@ -282,6 +282,16 @@ kiln_status kiln__autocast_pop_state(void);
 /* ---- attention (ops_attention.c): qkv's gradient as attention's backward packed it
 ** (see kiln_ext.h) */
 kiln_tensor *kiln__attention_qkv_grad(kiln_tensor *const dqkv[3]);
+/* max_pool2d(relu(batch_norm(x))) as one op where x's device has it (CUDA, channels-last:
+** the normalized map never made); elsewhere the ops it stands for. _native says which. The
+** pool's dilation is 1 (ops_norm.c). */
+bool kiln__batch_norm_relu_max_pool2d_native(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                             kiln_tensor *weight, kiln_tensor *bias, bool training,
+                                             const int64_t kernel[2], const int64_t stride[2], const int64_t padding[2]);
+kiln_tensor *kiln__batch_norm_relu_max_pool2d(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                              kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
+                                              double eps, const int64_t kernel[2], const int64_t stride[2],
+                                              const int64_t padding[2]);
 /* kiln_residual_layer_norm with y padded for a ones column (kiln_ext.h). */
 kiln_tensor *kiln__residual_layer_norm_ones(kiln_tensor *x, kiln_tensor *r, kiln_tensor *weight, kiln_tensor *bias,
                                             double eps, kiln_dtype y_dtype, kiln_tensor **sum);

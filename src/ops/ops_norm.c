@@ -183,23 +183,29 @@ static bool ncs_view(const kiln_tensor *t, kiln__view *v) {
 static bool view_cf(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 static bool view_cl(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
 
-/* Channels-last memory for t's shape, any ndim: memory order (N, d2, ..., C). */
-static kiln_tensor *alloc_layout(const kiln_tensor *t, bool cl, kiln_dtype dt) {
-  kiln_device dev = kiln_device_of(t);
-  if (!cl) return kiln__tensor_new(t->ndim, t->shape, dt, dev);
-  if (kiln__check_shape("kiln_batch_norm", t->ndim, t->shape, dt) != KILN_OK) return NULL;
-  int64_t st[KILN_MAX_DIMS], acc = t->shape[1] > 0 ? t->shape[1] : 1;
+/* Memory for a shape on dev, contiguous or channels-last (any ndim: memory order (N, d2,
+** ..., C)). */
+static kiln_tensor *alloc_shape(kiln_device dev, int nd, const int64_t *shape, bool cl, kiln_dtype dt) {
+  if (!cl) return kiln__tensor_new(nd, shape, dt, dev);
+  if (kiln__check_shape("kiln_batch_norm", nd, shape, dt) != KILN_OK) return NULL;
+  int64_t st[KILN_MAX_DIMS], acc = shape[1] > 0 ? shape[1] : 1, n = 1;
   st[1] = 1;
-  for (int d = t->ndim - 1; d >= 2; d--) {
+  for (int d = nd - 1; d >= 2; d--) {
     st[d] = acc;
-    acc *= t->shape[d] > 0 ? t->shape[d] : 1;
+    acc *= shape[d] > 0 ? shape[d] : 1;
   }
   st[0] = acc;
-  kiln__storage *s = kiln__storage_new(dev, (size_t)kiln_numel(t) * kiln_dtype_size(dt));
+  for (int d = 0; d < nd; d++) n *= shape[d];
+  kiln__storage *s = kiln__storage_new(dev, (size_t)n * kiln_dtype_size(dt));
   if (!s) return NULL;
-  kiln_tensor *r = kiln__tensor_make(s, 0, t->ndim, t->shape, st, dt);
+  kiln_tensor *r = kiln__tensor_make(s, 0, nd, shape, st, dt);
   kiln__storage_release(s);
   return r;
+}
+
+/* Memory for t's shape in the layout asked. */
+static kiln_tensor *alloc_layout(const kiln_tensor *t, bool cl, kiln_dtype dt) {
+  return alloc_shape(kiln_device_of(t), t->ndim, t->shape, cl, dt);
 }
 
 /* t in the layout the kernels take alongside a tensor of layout cl (a copy without a node:
@@ -638,6 +644,211 @@ static bool bn_native(kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_ten
   }
   q.i[1] = training;
   return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_BATCH_NORM);
+}
+
+/* ---- batch_norm_relu_max_pool2d: max_pool2d(relu(batch_norm(x))), one op ---------------
+** ResNet's stem (bn1, relu, maxpool 3x3 stride 2 padding 1) where the device has BATCH_NORM
+** with flag 32 (CUDA, channels-last): the statistics as batch_norm's, then one pass that
+** computes each window's relu(bn(x)) from x and writes only the pooled map and a byte per
+** output for its maximum's offset -- the normalized map is never made or kept (it was
+** 392 MiB for ResNet-50 at 224 and batch 256, which the stem kept or recomputed under a
+** checkpoint). Backward: RELU_MAX_POOL2D_BACKWARD (g at each window's maximum where the
+** pooled output is > 0, a gather) gives relu(bn)'s input gradient, then the plain
+** BATCH_NORM_BACKWARD. The same values as the three ops (the normalizing pass's arithmetic,
+** MAX_POOL2D's rule on the rounded values); the gradients up to the order of a pixel's sums
+** over overlapping windows. Elsewhere the ops it stands for. Saved: x, the weight, the
+** statistics, the bias, the offsets and the output. */
+
+typedef struct attrs_bnpool {
+  attrs_bn bn; /* first: the backward's batch_norm_backward reads the node's record as attrs_bn */
+  int64_t kernel[2];
+  int nk;
+  int64_t stride[2];
+  int ns;
+  int64_t padding[2];
+  int np;
+} attrs_bnpool;
+static const kiln__attr_field f_bnpool[] = {
+    {"training", KILN__A_BOOL, offsetof(attrs_bnpool, bn.training), 0, NULL},
+    {"momentum", KILN__A_FLOAT, offsetof(attrs_bnpool, bn.momentum), 0, NULL},
+    {"eps", KILN__A_FLOAT, offsetof(attrs_bnpool, bn.eps), 0, NULL},
+    KILN__FIELD_INTS(attrs_bnpool, kernel, nk),
+    KILN__FIELD_INTS(attrs_bnpool, stride, ns),
+    KILN__FIELD_INTS(attrs_bnpool, padding, np)};
+
+/* The pooled (OH, OW), or an error naming the window. */
+static kiln_status bnp_geometry(const attrs_bnpool *p, const kiln_tensor *x, int64_t o[2]) {
+  const char *api = "kiln__batch_norm_relu_max_pool2d";
+  if (x->ndim != 4)
+    return kiln_set_error(KILN_ERR_SHAPE, "%s: expected an input (N, C, H, W), got %s", api, kiln__tshape(x));
+  for (int d = 0; d < 2; d++) {
+    int64_t k = p->kernel[d], s = p->stride[d], pd = p->padding[d];
+    if (k < 1 || s < 1 || pd < 0 || 2 * pd > k || x->shape[2 + d] + 2 * pd < k)
+      return kiln_set_error(KILN_ERR_SHAPE, "%s: window %lldx%lld stride %lldx%lld padding %lldx%lld does not fit input %s",
+                            api, (long long)p->kernel[0], (long long)p->kernel[1], (long long)p->stride[0],
+                            (long long)p->stride[1], (long long)p->padding[0], (long long)p->padding[1], kiln__tshape(x));
+    o[d] = (x->shape[2 + d] + 2 * pd - k) / s + 1;
+  }
+  return KILN_OK;
+}
+
+static kiln_status bnp_infer(kiln__op_ctx *c) {
+  if (bn_infer(c) != KILN_OK) return kiln_last_error();
+  int64_t o[2];
+  if (bnp_geometry(c->attrs, c->in[0], o) != KILN_OK) return kiln_last_error();
+  c->meta[0].shape[2] = o[0], c->meta[0].shape[3] = o[1];
+  return KILN_OK;
+}
+
+/* BATCH_NORM's arguments with flag 32 for x (channels-last), the pooled y and the offsets
+** (either may be NULL when only asking: views of the right shape stand in), stats (4, C). */
+static kiln__kargs bnp_args(const attrs_bnpool *p, kiln_tensor *x, kiln_tensor *rm, kiln_tensor *rv, kiln_tensor *w,
+                            kiln_tensor *b, kiln_tensor *y, kiln_tensor *off, kiln_tensor *stats, const int64_t o[2],
+                            kiln__conv_params *cp) {
+  kiln__kargs a = {0};
+  a.op = KILN__K_BATCH_NORM;
+  kiln__view xv;
+  ncs_view(x, &xv);
+  a.in[a.n_in++] = xv;
+  if (w) a.in[a.n_in++] = vec1(w), a.i[0] |= 1;
+  if (b) a.in[a.n_in++] = vec1(b), a.i[0] |= 2;
+  kiln__view yv = xv; /* the pooled map, channels-last: (N, C, OH*OW) with strides (OH*OW*C, 1, C) */
+  yv.shape[2] = o[0] * o[1], yv.strides[0] = yv.shape[1] * yv.shape[2], yv.strides[1] = 1, yv.strides[2] = yv.shape[1];
+  if (y) ncs_view(y, &yv);
+  a.out[a.n_out++] = yv;
+  kiln__view sv = xv;
+  sv.ndim = 2, sv.shape[0] = 4, sv.shape[1] = x->shape[1], sv.strides[0] = x->shape[1], sv.strides[1] = 1;
+  sv.dtype = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
+  a.out[a.n_out++] = stats ? kiln__view_of(stats) : sv;
+  if (rm && rv) a.out[a.n_out++] = vec1(rm), a.out[a.n_out++] = vec1(rv), a.i[0] |= 4;
+  kiln__view ov = yv;
+  ov.dtype = KILN_U8;
+  if (off) ncs_view(off, &ov);
+  a.out[a.n_out++] = ov;
+  a.i[0] |= 8 | 32;
+  a.i[1] = p->bn.training;
+  a.i[2] = x->shape[2], a.i[3] = x->shape[3];
+  a.s[0] = p->bn.eps;
+  a.s[1] = p->bn.momentum;
+  *cp = (kiln__conv_params){{p->kernel[0], p->kernel[1]}, {p->stride[0], p->stride[1]}, {p->padding[0], p->padding[1]}, {1, 1}};
+  a.params = cp;
+  return a;
+}
+
+static kiln_status bnp_forward(kiln__op_ctx *c) {
+  const attrs_bnpool *p = c->attrs;
+  kiln_tensor *x = c->in[0], *rm = c->in[1], *rv = c->in[2], *w = c->in[3], *b = c->in[4];
+  kiln_device dev = kiln_device_of(x);
+  int64_t o[2];
+  if (bnp_geometry(p, x, o) != KILN_OK) return kiln_last_error();
+  const int64_t osh[4] = {x->shape[0], x->shape[1], o[0], o[1]};
+  kiln_dtype sdt = x->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
+  kiln_tensor *stats = c->tmp[1] = kiln__tensor_new(KILN_SHAPE(4, x->shape[1]), sdt, dev);
+  kiln_tensor *off = c->tmp[2] = alloc_shape(dev, 4, osh, true, KILN_U8);
+  kiln_tensor *y = alloc_shape(dev, 4, osh, true, x->dtype);
+  c->tmp[0] = x;
+  if (!stats || !off || !y) {
+    kiln__discard(y);
+    return kiln_last_error();
+  }
+  kiln__conv_params cp;
+  kiln__kargs a = bnp_args(p, x, rm, rv, w, b, y, off, stats, o, &cp);
+  kiln_status st = kiln__dispatch(dev, &a);
+  if (st != KILN_OK) {
+    kiln__discard(y);
+    return st;
+  }
+  c->out[0] = y;
+  return KILN_OK;
+}
+
+/* saved: 0 x, 1 weight, 2 statistics (4, C), 3 bias (as batch_norm's, for its backward), 4
+** the offsets, 5 the output */
+static void bnp_save(kiln__op_ctx *c, kiln__node *n) {
+  bnk_save(c, n);
+  kiln__node_save(n, 4, c->tmp[2]);
+  kiln__node_save_output(n, 5);
+}
+
+static kiln_status bnp_backward(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
+  const attrs_bnpool *p = n->attrs;
+  kiln_tensor *x = n->saved[0], *off = n->saved[4], *y = n->saved[5];
+  kiln_tensor *gg = g->dtype == x->dtype ? g : kiln__as_dtype_nograd(g, x->dtype);
+  kiln_tensor *gh = alloc_shape(kiln_device_of(x), 4, x->shape, true, x->dtype); /* relu(bn)'s input gradient */
+  if (!gg || !gh) return kiln_last_error();
+  kiln__conv_params cp = {{p->kernel[0], p->kernel[1]}, {p->stride[0], p->stride[1]}, {p->padding[0], p->padding[1]}, {1, 1}};
+  kiln__kargs k = {0};
+  k.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  k.n_in = 3, k.n_out = 1;
+  k.in[0] = kiln__view_of(gg);
+  k.in[1] = kiln__view_of(y);
+  k.in[2] = kiln__view_of(off);
+  k.params = &cp;
+  if (kiln__run_into(gh, &k) != KILN_OK) {
+    kiln__discard(gh);
+    return kiln_last_error();
+  }
+  kiln_status st = bn_backward_masked(n, gh, NULL, false, gi);
+  kiln__discard(gh);
+  return st;
+}
+
+static const kiln__op op_batch_norm_relu_max_pool2d = {
+    .name = "batch_norm_relu_max_pool2d", .api = "kiln__batch_norm_relu_max_pool2d", .n_in = 5, .n_out = 1,
+    .optional = 0x1e, .flags = KILN__OP_SELF_ALLOC, .n_kernels = 2,
+    .kernels = {KILN__K_BATCH_NORM, KILN__K_RELU_MAX_POOL2D_BACKWARD}, .attrs = f_bnpool, .n_attrs = 6,
+    .attr_size = sizeof(attrs_bnpool), .infer = bnp_infer, .forward = bnp_forward, .backward = bnp_backward,
+    .n_saved = 6, .save = bnp_save, .expands_to = (const char *const[]){"batch_norm_relu", "max_pool2d", NULL}};
+
+static attrs_bnpool bnp_attrs(bool training, double momentum, double eps, const int64_t kernel[2],
+                              const int64_t stride[2], const int64_t padding[2]) {
+  attrs_bnpool a = {{training, momentum, eps}, {kernel[0], kernel[1]}, 2, {stride[0], stride[1]}, 2,
+                    {padding[0], padding[1]}, 2};
+  return a;
+}
+
+bool kiln__batch_norm_relu_max_pool2d_native(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                             kiln_tensor *weight, kiln_tensor *bias, bool training,
+                                             const int64_t kernel[2], const int64_t stride[2], const int64_t padding[2]) {
+  if (!x || x->ndim != 4 || !kiln__is_channels_last(x) || !kiln_dtype_is_float(x->dtype)) return false;
+  if (kiln_device_of(x).type == KILN_DEVICE_CPU) return false; /* no flag 32 there (its kernel asks no supports()) */
+  if (!bn_native(x, running_mean, running_var, weight, bias, training, true, NULL)) return false;
+  attrs_bnpool p = bnp_attrs(training, 0.1, 1e-5, kernel, stride, padding);
+  int64_t o[2];
+  if (bnp_geometry(&p, x, o) != KILN_OK) {
+    kiln_clear_error();
+    return false;
+  }
+  kiln__view xv;
+  if (!ncs_view(x, &xv) || !x_layout_cl(&xv)) return false;
+  kiln__conv_params cp;
+  kiln__kargs a = bnp_args(&p, x, running_mean, running_var, weight, bias, NULL, NULL, NULL, o, &cp);
+  if (!kiln__dispatch_has(kiln_device_of(x), &a, KILN__K_BATCH_NORM)) return false;
+  /* the backward's gather, asked with channels-last views of its shapes */
+  kiln__kargs q = {0};
+  q.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  q.n_in = 3, q.n_out = 1;
+  kiln__view pv = kiln__view_of(x);
+  pv.shape[2] = o[0], pv.shape[3] = o[1];
+  pv.strides[1] = 1, pv.strides[3] = x->shape[1], pv.strides[2] = x->shape[1] * o[1], pv.strides[0] = x->shape[1] * o[0] * o[1];
+  q.in[0] = pv, q.in[1] = pv, q.in[2] = pv;
+  q.in[2].dtype = KILN_U8;
+  q.out[0] = kiln__view_of(x);
+  q.params = &cp;
+  return kiln__dispatch_has(kiln_device_of(x), &q, KILN__K_RELU_MAX_POOL2D_BACKWARD);
+}
+
+kiln_tensor *kiln__batch_norm_relu_max_pool2d(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var,
+                                              kiln_tensor *weight, kiln_tensor *bias, bool training, double momentum,
+                                              double eps, const int64_t kernel[2], const int64_t stride[2],
+                                              const int64_t padding[2]) {
+  if (!kiln__batch_norm_relu_max_pool2d_native(x, running_mean, running_var, weight, bias, training, kernel, stride,
+                                               padding))
+    return kiln_max_pool2d(kiln_batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps),
+                           kernel, stride, padding, NULL, NULL);
+  attrs_bnpool a = bnp_attrs(training, momentum, eps, kernel, stride, padding);
+  kiln_tensor *in[5] = {x, running_mean, running_var, weight, bias};
+  return kiln__op_call(&op_batch_norm_relu_max_pool2d, 5, in, &a, NULL);
 }
 
 kiln_tensor *kiln_batch_norm(kiln_tensor *x, kiln_tensor *running_mean, kiln_tensor *running_var, kiln_tensor *weight,

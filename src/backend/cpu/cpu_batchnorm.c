@@ -629,6 +629,8 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
   k.eps = a->s[0];
   k.momentum = a->s[1];
   int flags = (int)a->i[0];
+  if (!bw && (flags & 32)) /* the pooled output: CUDA's (the op layer composes the ops elsewhere) */
+    return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_batch_norm: flag 32 (the max-pooled output) is not on the CPU");
   if (!bw) {
     int at = 1;
     k.w = (flags & 1) ? &a->in[at++] : NULL;

@@ -23,6 +23,10 @@
 **      block tail in this one pass instead of an add and a ReLU over the output again.
 ** Each thread loads 2-4 vectors before it uses any (enough bytes in flight to reach the
 ** bandwidth); a block's rows merge by a fixed tree.
+**   With flag 32 (kiln__batch_norm_relu_max_pool2d: ResNet's stem) pass 3 is a max-pool
+**   of relu(bn(x)) instead (pool_fwd_cl): each thread computes a window's values from x
+**   and the coefficients, writes its maximum and a byte for the maximum's offset in the
+**   window (RELU_MAX_POOL2D's outputs); the normalized map is never written.
 ** Eval: 2 (from the running statistics) and 3.
 ** Backward: the same shape: per-(channel, split) sums of g and g (x - mean) (the mean read
 ** from the saved statistics); one warp per channel: dbias = sum g, dweight = invstd sum g (x - mean), and dx's coefficients;
@@ -755,8 +759,13 @@ const kiln__view *gm_of(const kiln__kargs *a) {
   return a->op == KILN__K_BATCH_NORM_BACKWARD && (a->i[0] & 4) && a->n_out > 3 ? &a->out[3] : NULL;
 }
 
-/* The big views of a call: x, y and the residual (forward); x, g, dx, the mask and the
-** masked gradient (backward). */
+/* Whether a forward pools its output (flag 32): out0 is then the pooled map, and the last
+** output the maxima's offsets (u8). */
+bool pool_of(const kiln__kargs *a) { return a->op == KILN__K_BATCH_NORM && (a->i[0] & 32); }
+const kiln__view *offsets_of(const kiln__kargs *a) { return pool_of(a) ? &a->out[a->n_out - 1] : NULL; }
+
+/* The big views of a call: x, y and the residual (forward; with flag 32 the pooled y and
+** the offsets); x, g, dx, the mask and the masked gradient (backward). */
 int big_views(const kiln__kargs *a, const kiln__view **v) {
   int n = 0;
   v[n++] = &a->in[0];
@@ -764,6 +773,7 @@ int big_views(const kiln__kargs *a, const kiln__view **v) {
   v[n++] = &a->out[0];
   if (aux_of(a)) v[n++] = aux_of(a);
   if (gm_of(a)) v[n++] = gm_of(a);
+  if (offsets_of(a)) v[n++] = offsets_of(a);
   return n;
 }
 
@@ -787,7 +797,8 @@ int pick_vec(const kiln__kargs *a, bool cl, size_t esize) {
   for (int V = (int)(16 / esize); V > 1; V /= 2) {
     bool ok = inner % V == 0;
     for (int i = 0; i < nv && ok; i++) {
-      ok = ((uintptr_t)v[i]->data % (V * esize)) == 0 && v[i]->strides[0] % V == 0 &&
+      const size_t es = v[i]->dtype == KILN_U8 ? 1 : esize; /* flag 32's offsets */
+      ok = ((uintptr_t)v[i]->data % (V * es)) == 0 && v[i]->strides[0] % V == 0 &&
            (cl ? v[i]->strides[2] % V == 0 || v[i]->shape[2] <= 1 : v[i]->strides[1] % V == 0 || v[i]->shape[1] <= 1);
     }
     if (ok) return V;
@@ -880,6 +891,79 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
       pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
+}
+
+/* ---- flag 32: the max-pool of relu(bn(x)), channels-last. blockIdx.y (striding) an
+** output row (n, oh); a thread V channels of one output pixel: the window's values
+** computed from x with the coefficients (fwd_val, the normalizing pass's arithmetic, so
+** the values are batch_norm_relu's), MAX_POOL2D's rule on them (the first maximum in window
+** order, NaN wins, padding never), the maximum and its offset i kw + j written. */
+struct PoolG {
+  int64_t H, W, OH, OW, kh, kw, sh, sw, ph, pw;
+  int64_t ys[3], os[3]; /* the pooled output's and the offsets' (N, C, OH*OW) strides */
+};
+
+template <class T, class A, int V>
+__global__ void __launch_bounds__(BN_THREADS)
+    pool_fwd_cl(const T *__restrict__ x, T *__restrict__ y, uint8_t *__restrict__ off, Geo G, PoolG Q,
+                const A *__restrict__ coef) {
+  const int64_t CV = G.C / V, t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= Q.OW * CV) return;
+  const int64_t ow = t / CV, cv = t - ow * CV, c0 = cv * V, C = G.C;
+  typedef Pack<A, V> PA;
+  typedef Pack<T, V> P;
+  const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
+           pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
+  for (int64_t row = blockIdx.y; row < G.N * Q.OH; row += gridDim.y) {
+    const int64_t n = row / Q.OH, oh = row - n * Q.OH;
+    A best[V];
+    P bv;
+    uint8_t at[V];
+    bool any = false;
+    for (int64_t i = 0; i < Q.kh; i++) {
+      const int64_t h = oh * Q.sh - Q.ph + i;
+      if (h < 0 || h >= Q.H) continue;
+      for (int64_t j = 0; j < Q.kw; j++) {
+        const int64_t w = ow * Q.sw - Q.pw + j;
+        if (w < 0 || w >= Q.W) continue;
+        const P px = *reinterpret_cast<const P *>(x + n * G.xs[0] + (h * Q.W + w) * G.xs[2] + c0);
+        const uint8_t tap = (uint8_t)(i * Q.kw + j);
+#pragma unroll
+        for (int c = 0; c < V; c++) {
+          const T v = fwd_val<T, A>(px.v[c], pm.v[c], pk.v[c], pp.v[c], (const T *)NULL, px.v[c], true);
+          const A va = (A)kc_ld<T>(v);
+          if (!any || va > best[c] || (va != va && best[c] == best[c])) best[c] = va, bv.v[c] = v, at[c] = tap;
+        }
+        any = true;
+      }
+    }
+    if (!any) /* a window wholly in the padding (the op layer's geometry never makes one) */
+#pragma unroll
+      for (int c = 0; c < V; c++) bv.v[c] = kc_st<T>((A)0), at[c] = 0;
+    const int64_t s = oh * Q.OW + ow;
+    *reinterpret_cast<P *>(y + n * Q.ys[0] + s * Q.ys[2] + c0) = bv;
+    uint8_t *o = off + n * Q.os[0] + s * Q.os[2] + c0;
+#pragma unroll
+    for (int c = 0; c < V; c++) o[c] = at[c];
+  }
+}
+
+template <class T, class A, int V>
+kiln_status launch_pool(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, const A *coef) {
+  const kiln__conv_params *cp = (const kiln__conv_params *)a->params;
+  const kiln__view *ov = offsets_of(a);
+  PoolG P;
+  P.H = a->i[2], P.W = a->i[3];
+  P.kh = cp->kernel[0], P.kw = cp->kernel[1], P.sh = cp->stride[0], P.sw = cp->stride[1];
+  P.ph = cp->padding[0], P.pw = cp->padding[1];
+  P.OH = (P.H + 2 * P.ph - P.kh) / P.sh + 1, P.OW = (P.W + 2 * P.pw - P.kw) / P.sw + 1;
+  for (int k = 0; k < 3; k++) P.ys[k] = a->out[0].strides[k], P.os[k] = ov->strides[k];
+  const int64_t per_row = P.OW * (G.C / V), rows = G.N * P.OH;
+  if (per_row == 0 || rows == 0) return KILN_OK;
+  dim3 grid((unsigned)((per_row + BN_THREADS - 1) / BN_THREADS), (unsigned)(rows < 65535 ? rows : 65535));
+  pool_fwd_cl<T, A, V><<<grid, BN_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
+                                                          (uint8_t *)ov->data, G, P, coef);
+  return kiln__cuda_launched("batch_norm_relu_max_pool2d (pool)");
 }
 
 template <class T, class A, int V>
@@ -1020,7 +1104,7 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
       st = kiln__cuda_launched("batch_norm_backward (finalize)");
     }
   }
-  if (st == KILN_OK) st = launch_p3<T, A, V>(d, a, G, cl, bw, train, coef);
+  if (st == KILN_OK) st = pool_of(a) ? launch_pool<T, A, V>(d, a, G, coef) : launch_p3<T, A, V>(d, a, G, cl, bw, train, coef);
   kiln__cuda_free(a->device, buf, bytes); /* stream-ordered reuse */
   return st;
 }
@@ -1038,6 +1122,30 @@ template <class T> kiln_status run_t(kiln__cuda_dev *d, const kiln__kargs *a, bo
 
 } // namespace
 
+/* Flag 32's arguments: the ReLU and no residual, a window (dilation 1, padding at most
+** half of it, at most 256 taps: a byte's offsets) over x's (H, W) = (i2, i3), the pooled
+** out0 and the offsets (u8, the last output) of its output shape, all channels-last. */
+static bool pool_ok(const kiln__kargs *a) {
+  const kiln__conv_params *p = (const kiln__conv_params *)a->params;
+  const int64_t fl = a->i[0];
+  if (!p || !(fl & 8) || (fl & 16) || a->n_out != ((fl & 4) ? 5 : 3)) return false;
+  const kiln__view *x = &a->in[0], *y = &a->out[0], *o = offsets_of(a);
+  const int64_t H = a->i[2], W = a->i[3];
+  if (H < 1 || W < 1 || H * W != x->shape[2] || o->dtype != KILN_U8 || o->ndim != 3) return false;
+  int64_t os[2];
+  for (int d = 0; d < 2; d++) {
+    if (p->kernel[d] < 1 || p->stride[d] < 1 || p->dilation[d] != 1 || p->padding[d] < 0 || 2 * p->padding[d] > p->kernel[d])
+      return false;
+    os[d] = ((d ? W : H) + 2 * p->padding[d] - p->kernel[d]) / p->stride[d] + 1;
+    if (os[d] < 1) return false;
+  }
+  if (p->kernel[0] * p->kernel[1] > 256) return false;
+  const kiln__view *vs[2] = {y, o};
+  for (const kiln__view *v : vs)
+    if (v->shape[0] != x->shape[0] || v->shape[1] != x->shape[1] || v->shape[2] != os[0] * os[1]) return false;
+  return layout_of(a) == 1;
+}
+
 extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_BATCH_NORM_BACKWARD;
   if (a->op != KILN__K_BATCH_NORM && !bw) return false;
@@ -1047,7 +1155,8 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
     if (a->n_out < 2 || a->out[0].dtype != x->dtype || a->out[0].ndim != 3) return false;
     if ((a->i[0] & 4) && a->n_out < 4) return false;
     if (!a->i[1] && !(a->i[0] & 4)) return false;
-    if (a->i[0] & ~(int64_t)31) return false;
+    if (a->i[0] & ~(int64_t)63) return false;
+    if (pool_of(a) && !pool_ok(a)) return false;
     const kiln__view *r = residual_of(a);
     if (r && (a->n_in != 2 + ((a->i[0] & 1) ? 1 : 0) + ((a->i[0] & 2) ? 1 : 0) || r->dtype != x->dtype || r->ndim != 3 ||
               r->shape[0] != x->shape[0] || r->shape[1] != x->shape[1] || r->shape[2] != x->shape[2]))

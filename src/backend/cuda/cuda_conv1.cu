@@ -2,7 +2,8 @@
 ** ReLU + max-pool and a one-channel conv + ReLU + max-pool in one pass each way on CUDA:
 ** RELU_MAX_POOL2D, RELU_MAX_POOL2D_BACKWARD, CONV1_RELU_MAX_POOL2D and its backward
 ** (backend.h gives the contracts; src/backend/cpu/cpu_maxpool.c and cpu_conv_c1.c are the
-** references). f32 only, tiling windows (stride = kernel, no padding or dilation).
+** references). f32 only, tiling windows (stride = kernel, no padding or dilation); and
+** RELU_MAX_POOL2D_BACKWARD for any window and float dtype as a gather (below).
 **
 ** Why: fashion-mnist's CNN (issue 15) ran its first layer on CUDA as cuDNN's conv (51-65 us
 ** for 1 -> 32 channels, 3x3, on 128x28x28: 4-8 TFLOP/s at this size), the bias, ReLU
@@ -410,12 +411,109 @@ kiln_status conv1(kiln__cuda_dev *d, const kiln__kargs *a) {
   return st;
 }
 
+/* ---- RELU_MAX_POOL2D_BACKWARD for any window (overlapping, padded) and float dtype: a
+** gather, so no atomics (kiln__batch_norm_relu_max_pool2d's backward: ResNet's 3x3 stride-2
+** stem pool). blockIdx.y (striding) an input row (n, h); a thread V channels of one pixel
+** (V > 1 where every view is channels-last and C a multiple of V): the windows covering it
+** in order (oh, then ow), each adding g where its offset names this pixel and y > 0, in the
+** accumulation type, rounded once. */
+struct GGeom {
+  int64_t N, C, H, W, OH, OW, kh, kw, sh, sw, ph, pw;
+  int64_t gs[4], ys[4], os[4], xs[4];
+};
+
+template <class T, int V>
+__global__ void __launch_bounds__(256) relu_pool_gather(const T *__restrict__ g, const T *__restrict__ y,
+                                                        const uint8_t *__restrict__ off, T *__restrict__ dx, GGeom q) {
+  typedef typename kc_traits<T>::acc A;
+  const int64_t CV = q.C / V, t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= q.W * CV) return;
+  const int64_t w = t / CV, c0 = (t - w * CV) * V;
+  for (int64_t row = blockIdx.y; row < q.N * q.H; row += gridDim.y) {
+    const int64_t n = row / q.H, h = row - n * q.H;
+    const int64_t nh = h + q.ph - q.kh + 1, nw = w + q.pw - q.kw + 1;
+    const int64_t oh0 = nh > 0 ? (nh + q.sh - 1) / q.sh : 0, oh1 = min((h + q.ph) / q.sh, q.OH - 1);
+    const int64_t ow0 = nw > 0 ? (nw + q.sw - 1) / q.sw : 0, ow1 = min((w + q.pw) / q.sw, q.OW - 1);
+    A acc[V];
+#pragma unroll
+    for (int c = 0; c < V; c++) acc[c] = 0;
+    for (int64_t oh = oh0; oh <= oh1; oh++)
+      for (int64_t ow = ow0; ow <= ow1; ow++) {
+        const int tap = (int)((h + q.ph - oh * q.sh) * q.kw + (w + q.pw - ow * q.sw));
+        const int64_t go = n * q.gs[0] + c0 * q.gs[1] + oh * q.gs[2] + ow * q.gs[3];
+        const int64_t yo = n * q.ys[0] + c0 * q.ys[1] + oh * q.ys[2] + ow * q.ys[3];
+        const int64_t oo = n * q.os[0] + c0 * q.os[1] + oh * q.os[2] + ow * q.os[3];
+#pragma unroll
+        for (int c = 0; c < V; c++)
+          if (off[oo + c * q.os[1]] == tap && (A)kc_ld<T>(y[yo + c * q.ys[1]]) > (A)0) acc[c] += (A)kc_ld<T>(g[go + c * q.gs[1]]);
+      }
+    T *o = dx + n * q.xs[0] + c0 * q.xs[1] + h * q.xs[2] + w * q.xs[3];
+#pragma unroll
+    for (int c = 0; c < V; c++) o[c * q.xs[1]] = kc_st<T>(acc[c]);
+  }
+}
+
+bool gather_args(const kiln__kargs *a, GGeom *q) {
+  const kiln__conv_params *p = (const kiln__conv_params *)a->params;
+  if (a->op != KILN__K_RELU_MAX_POOL2D_BACKWARD || !p || a->n_in != 3 || a->n_out != 1) return false;
+  const kiln__view *g = &a->in[0], *y = &a->in[1], *o = &a->in[2], *x = &a->out[0];
+  if (g->ndim != 4 || y->ndim != 4 || o->ndim != 4 || x->ndim != 4 || !kc_is_float(x->dtype) || g->dtype != x->dtype ||
+      y->dtype != x->dtype || o->dtype != KILN_U8)
+    return false;
+  q->N = x->shape[0], q->C = x->shape[1], q->H = x->shape[2], q->W = x->shape[3];
+  q->kh = p->kernel[0], q->kw = p->kernel[1], q->sh = p->stride[0], q->sw = p->stride[1];
+  q->ph = p->padding[0], q->pw = p->padding[1];
+  if (q->kh < 1 || q->kw < 1 || q->sh < 1 || q->sw < 1 || q->ph < 0 || q->pw < 0 || p->dilation[0] != 1 ||
+      p->dilation[1] != 1 || q->kh * q->kw > 256)
+    return false;
+  q->OH = (q->H + 2 * q->ph - q->kh) / q->sh + 1, q->OW = (q->W + 2 * q->pw - q->kw) / q->sw + 1;
+  const kiln__view *outs[3] = {g, y, o};
+  for (const kiln__view *v : outs)
+    if (v->shape[0] != q->N || v->shape[1] != q->C || v->shape[2] != q->OH || v->shape[3] != q->OW) return false;
+  for (int d = 0; d < 4; d++) q->gs[d] = g->strides[d], q->ys[d] = y->strides[d], q->os[d] = o->strides[d], q->xs[d] = x->strides[d];
+  return q->N * q->H < INT64_MAX / 2;
+}
+
+/* the widest V (channels a thread) every view allows: channels-last, C a multiple, aligned */
+int gather_vec(const kiln__kargs *a, const GGeom &q) {
+  const size_t es = kiln_dtype_size(a->out[0].dtype);
+  for (int V = (int)(16 / es); V > 1; V /= 2) {
+    bool ok = q.C % V == 0;
+    const kiln__view *vs[4] = {&a->in[0], &a->in[1], &a->in[2], &a->out[0]};
+    for (const kiln__view *v : vs) {
+      const size_t e = v->dtype == KILN_U8 ? 1 : es;
+      ok = ok && v->strides[1] == 1 && (uintptr_t)v->data % (V * e) == 0;
+      for (int d : {0, 2, 3}) ok = ok && v->strides[d] % V == 0;
+    }
+    if (ok) return V;
+  }
+  return 1;
+}
+
+template <class T> kiln_status gather_t(kiln__cuda_dev *d, const kiln__kargs *a, const GGeom &q) {
+  const int V = gather_vec(a, q);
+  const int64_t per_row = q.W * (q.C / V), rows = q.N * q.H;
+  if (per_row == 0 || rows == 0) return KILN_OK;
+  dim3 grid((unsigned)((per_row + 255) / 256), (unsigned)(rows < 65535 ? rows : 65535));
+  const T *g = (const T *)a->in[0].data, *y = (const T *)a->in[1].data;
+  const uint8_t *o = (const uint8_t *)a->in[2].data;
+  T *dx = (T *)a->out[0].data;
+  switch (V) {
+  case 8: relu_pool_gather<T, (sizeof(T) <= 2 ? 8 : 1)><<<grid, 256, 0, d->stream>>>(g, y, o, dx, q); break;
+  case 4: relu_pool_gather<T, (sizeof(T) <= 4 ? 4 : 1)><<<grid, 256, 0, d->stream>>>(g, y, o, dx, q); break;
+  case 2: relu_pool_gather<T, 2><<<grid, 256, 0, d->stream>>>(g, y, o, dx, q); break;
+  default: relu_pool_gather<T, 1><<<grid, 256, 0, d->stream>>>(g, y, o, dx, q); break;
+  }
+  return kiln__cuda_launched("relu_max_pool2d_backward (gather)");
+}
+
 } // namespace
 
 extern "C" bool kiln__cuda_conv1_supports(const kiln__kargs *a) {
+  GGeom q;
   switch (a->op) {
-  case KILN__K_RELU_MAX_POOL2D:
-  case KILN__K_RELU_MAX_POOL2D_BACKWARD: return relu_pool_supports(a);
+  case KILN__K_RELU_MAX_POOL2D: return relu_pool_supports(a);
+  case KILN__K_RELU_MAX_POOL2D_BACKWARD: return relu_pool_supports(a) || gather_args(a, &q);
   case KILN__K_CONV1_RELU_MAX_POOL2D:
   case KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD: {
     CGeom g;
@@ -430,12 +528,19 @@ extern "C" kiln_status kiln__cuda_conv1(const kiln__kargs *a) {
   KC_TRY(kiln__cuda_ctx(a->device, &d));
   switch (a->op) {
   case KILN__K_RELU_MAX_POOL2D:
-  case KILN__K_RELU_MAX_POOL2D_BACKWARD:
-    if (!relu_pool_supports(a))
-      return kiln_set_error(KILN_ERR_UNSUPPORTED,
-                            "kiln: %s: arguments the CUDA kernel does not take (f32, tiling windows)",
-                            kiln__kop_name(a->op));
-    return relu_pool(d, a);
+  case KILN__K_RELU_MAX_POOL2D_BACKWARD: {
+    GGeom q;
+    if (relu_pool_supports(a)) return relu_pool(d, a);
+    if (gather_args(a, &q)) {
+      kiln_status st = KILN_OK;
+      KC_SWITCH_FLOAT(a->out[0].dtype, T, return KILN_ERR_DTYPE, st = gather_t<T>(d, a, q));
+      return st;
+    }
+    return kiln_set_error(KILN_ERR_UNSUPPORTED,
+                          "kiln: %s: arguments the CUDA kernels do not take (the forward: f32, tiling windows; the "
+                          "backward: dilation 1, at most 256 taps)",
+                          kiln__kop_name(a->op));
+  }
   default: return conv1(d, a);
   }
 }

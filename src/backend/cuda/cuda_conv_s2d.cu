@@ -108,24 +108,44 @@ kiln__kargs inner(const kiln__kargs *a, const S2d &g, void *x2, void *w2, kiln__
   return b;
 }
 
-/* X2 (N, H2, W2, C2p) from x at any strides: a thread a pixel of X2, its C2p channels
-** written in 16-byte vectors. */
-template <class T> __global__ void __launch_bounds__(KC_THREADS) s2d_input(const T *__restrict__ x, kiln__view xv, S2d g,
-                                                                       T *__restrict__ x2) {
-  const int64_t pix = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, npix = g.N * g.H2 * g.W2;
-  if (pix >= npix) return;
-  const int64_t i = pix % g.W2, j = (pix / g.W2) % g.H2, n = pix / (g.W2 * g.H2);
+/* X2 (N, H2, W2, C2p) from x at any strides: blockIdx.y (striding) an X2 row (n, j), a
+** thread a pixel i of it, its C2p channels written in 16-byte vectors. C is a template
+** parameter, so the channel loops unroll with no division (64-bit divisions a channel were
+** most of the kernel's time). */
+template <class T, int C> __global__ void __launch_bounds__(KC_THREADS) s2d_input(const T *__restrict__ x, kiln__view xv, S2d g,
+                                                                              T *__restrict__ x2) {
+  constexpr int C2p = (4 * C + 7) / 8 * 8;
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= g.W2) return;
   const int64_t *s = xv.strides;
-  T *out = x2 + pix * g.C2p;
-  for (int64_t c0 = 0; c0 < g.C2p; c0 += 8) {
-    __align__(16) T v[8];
+  for (int64_t row = blockIdx.y; row < g.N * g.H2; row += gridDim.y) {
+    const int64_t n = row / g.H2, j = row - n * g.H2;
+    __align__(16) T v[C2p];
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-      const int64_t c2 = c0 + k, q = c2 / g.C, c = c2 - q * g.C;
+    for (int q = 0; q < 4; q++) {
       const int64_t h = 2 * j + q / 2 - g.ph, w = 2 * i + q % 2 - g.pw;
-      v[k] = q < 4 && h >= 0 && h < g.H && w >= 0 && w < g.W ? x[n * s[0] + c * s[1] + h * s[2] + w * s[3]] : T(0.0f);
+      const bool in = h >= 0 && h < g.H && w >= 0 && w < g.W;
+      const T *px = x + n * s[0] + h * s[2] + w * s[3];
+#pragma unroll
+      for (int c = 0; c < C; c++) v[q * C + c] = in ? px[c * s[1]] : T(0.0f);
     }
-    *reinterpret_cast<uint4 *>(out + c0) = *reinterpret_cast<const uint4 *>(v);
+#pragma unroll
+    for (int c = 4 * C; c < C2p; c++) v[c] = T(0.0f);
+    T *out = x2 + (row * g.W2 + i) * C2p;
+#pragma unroll
+    for (int c0 = 0; c0 < C2p; c0 += 8) *reinterpret_cast<uint4 *>(out + c0) = *reinterpret_cast<const uint4 *>(v + c0);
+  }
+}
+
+template <class T>
+void launch_input(const T *x, const kiln__view &xv, const S2d &g, T *x2, cudaStream_t stream) {
+  const int64_t rows = g.N * g.H2;
+  dim3 grid((unsigned)((g.W2 + 127) / 128), (unsigned)(rows < 65535 ? rows : 65535));
+  switch (g.C) {
+  case 1: s2d_input<T, 1><<<grid, 128, 0, stream>>>(x, xv, g, x2); break;
+  case 2: s2d_input<T, 2><<<grid, 128, 0, stream>>>(x, xv, g, x2); break;
+  case 3: s2d_input<T, 3><<<grid, 128, 0, stream>>>(x, xv, g, x2); break;
+  default: s2d_input<T, 4><<<grid, 128, 0, stream>>>(x, xv, g, x2); break;
   }
 }
 
@@ -170,7 +190,7 @@ template <class T> kiln_status run(const kiln__kargs *a, const S2d &g) {
   kiln_status st = kiln__cuda_capture_note(a->device, x2, x2n * es);
   if (st == KILN_OK) st = kiln__cuda_capture_note(a->device, w2, w2n * es);
   if (st == KILN_OK) {
-    s2d_input<T><<<blocks_for(g.N * g.H2 * g.W2), KC_THREADS, 0, d->stream>>>((const T *)x->data, *x, g, x2);
+    launch_input<T>((const T *)x->data, *x, g, x2, d->stream);
     st = kiln__cuda_launched("conv2d (space-to-depth input)");
   }
   if (st == KILN_OK && a->op == KILN__K_CONV2D) {

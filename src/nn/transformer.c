@@ -329,17 +329,22 @@ static kiln_dtype norm_out_dtype(kiln_tensor *x) {
 }
 
 /* ln (a LayerNorm module) of x + r as one op in ln's module scope; *sum gets x + r.
-** ones: the output goes to a linear alone (c_attn, c_fc), so it comes padded with a ones
-** column where the kernel can, and that linear's bias gradient is a column of its weight
-** gradient's product (no column-sum kernel); KILN_GPT_ONES_COLUMN=0 turns that off (an
-** A/B switch, read at each call). */
+** ones: the output goes to a linear alone (c_attn, c_fc), so it may come padded with a
+** ones column, and that linear's bias gradient is then a column of its weight gradient's
+** product (no column-sum kernel). Taken for c_fc (ln_2) only: c_attn's weight product,
+** 768 + 8 columns wide, costs more than its column sums (bench/RESULTS.md).
+** KILN_GPT_ONES_COLUMN (read at each call, an A/B switch): 0 none, all both. */
+static bool ones_column(bool for_c_fc) {
+  const char *e = kiln__getenv("KILN_GPT_ONES_COLUMN");
+  if (e && !strcmp(e, "0")) return false;
+  return for_c_fc || (e && !strcmp(e, "all"));
+}
+
 static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, bool ones,
                                kiln_tensor **sum) {
   const norm_cfg *nc = kiln_module_impl(ln);
   kiln__module_scope_push(kiln__module_label(ln));
   kiln_tensor *w = kiln_module_param(ln, "weight"), *b = nc->bias ? kiln_module_param(ln, "bias") : NULL;
-  const char *e = kiln__getenv("KILN_GPT_ONES_COLUMN");
-  if (e && !strcmp(e, "0")) ones = false;
   kiln_tensor *y = ones ? kiln__residual_layer_norm_ones(x, r, w, b, nc->eps, ydt, sum)
                         : kiln_residual_layer_norm(x, r, w, b, nc->eps, ydt, sum);
   kiln__module_scope_pop();
@@ -354,7 +359,7 @@ static kiln_tensor *block_forward(kiln_module *m, kiln_tensor *x) {
   kiln_tensor *b = NULL;
   if (att && ln2 && residual_ln_on(x) && !kiln_module_is_checkpointed(ln2)) {
     kiln_tensor *sum = NULL; /* s = x + att and b = ln_2(s) in one op */
-    b = fused_norm(ln2, x, att, norm_out_dtype(x), true, &sum);
+    b = fused_norm(ln2, x, att, norm_out_dtype(x), ones_column(true), &sum);
     x = b ? sum : NULL;
   } else {
     x = kiln_add(x, att);
@@ -401,10 +406,10 @@ static kiln_tensor *block_step(kiln_module *blk, kiln_tensor **x, kiln_tensor *r
   if (kiln__module_measuring()) kiln_autograd_saved_bytes(&s0, NULL);
   kiln_scope_begin();
   kiln_tensor *xs = *x;
-  kiln_tensor *a = r ? fused_norm(kiln_module_child(blk, "ln_1"), xs, r, ydt, true, &xs)
+  kiln_tensor *a = r ? fused_norm(kiln_module_child(blk, "ln_1"), xs, r, ydt, ones_column(false), &xs)
                      : kiln_module_forward(kiln_module_child(blk, "ln_1"), xs);
   kiln_tensor *att = a ? kiln_module_forward(kiln_module_child(blk, "attn"), a) : NULL;
-  kiln_tensor *b = att ? fused_norm(kiln_module_child(blk, "ln_2"), xs, att, ydt, true, &xs) : NULL;
+  kiln_tensor *b = att ? fused_norm(kiln_module_child(blk, "ln_2"), xs, att, ydt, ones_column(true), &xs) : NULL;
   kiln_tensor *out = b ? kiln_module_forward(kiln_module_child(blk, "mlp"), b) : NULL;
   if (out) kiln_tensor_ref(xs);
   out = kiln__scope_return(out);

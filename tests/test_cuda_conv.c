@@ -552,22 +552,29 @@ static bool cc_close_scaled(const char *what, kiln_tensor *got, kiln_tensor *wan
   return ok;
 }
 
-static kiln_status cc_dstep(const cc_dconv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
-                            kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
+/* y = conv2d(x, w, b) at stride st and padding pad (x and w channels-last where asked, b
+** NULL-able); loss = sum(y * r); res: y and the gradients of x, w, b */
+static kiln_status cc_grad_step(kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb, int64_t st,
+                                int64_t pad, bool x_cl, bool w_cl, kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
   kiln_tensor *x = kiln_detach(kiln_to_dtype(kiln_to_device(xb, dev), dt));
   kiln_tensor *w = kiln_detach(kiln_to_dtype(kiln_to_device(wb, dev), dt));
-  kiln_tensor *b = k->bias ? kiln_detach(kiln_to_dtype(kiln_to_device(bb, dev), dt)) : NULL;
+  kiln_tensor *b = bb ? kiln_detach(kiln_to_dtype(kiln_to_device(bb, dev), dt)) : NULL;
   kiln_tensor *r = kiln_to_dtype(kiln_to_device(rb, dev), dt);
-  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
+  if (!x || !w || !r || (bb && !b)) return kiln_last_error();
   kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
   if (b) kiln_requires_grad_(b, true);
-  int64_t pd[2] = {k->pad, k->pad};
-  kiln_tensor *y = kiln_conv2d(x, w, b, NULL, pd, NULL, 1);
+  int64_t sd[2] = {st, st}, pd[2] = {pad, pad};
+  kiln_tensor *y = kiln_conv2d(x_cl ? cc_layout(x, 2) : x, w_cl ? cc_layout(w, 2) : w, b, sd, pd, NULL, 1);
   kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
-  kiln_status st = loss ? kiln_backward(loss, NULL) : kiln_last_error();
-  if (st != KILN_OK) return st;
+  kiln_status s = loss ? kiln_backward(loss, NULL) : kiln_last_error();
+  if (s != KILN_OK) return s;
   res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = b ? kiln_grad(b) : NULL;
   return KILN_OK;
+}
+
+static kiln_status cc_dstep(const cc_dconv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
+                            kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
+  return cc_grad_step(xb, wb, k->bias ? bb : NULL, rb, 1, k->pad, false, false, dt, dev, res);
 }
 
 /* the kargs of op for case k's tensors on dev (outputs allocated; ACC: out0 = acc) */
@@ -726,23 +733,10 @@ static const cc_sconv cc_sconvs[] = {
     {1, 2, 9, 9, 8, 6, 1, 1, 1},    /* an even kernel: no tap past it */
 };
 
-/* y = conv2d(x, w, b) at stride 2 (x channels-last, w as the case says); loss = sum(y * r) */
+/* the case's step: stride 2, x channels-last, w as the case says */
 static kiln_status cc_sstep(const cc_sconv *k, kiln_tensor *xb, kiln_tensor *wb, kiln_tensor *bb, kiln_tensor *rb,
                             kiln_dtype dt, kiln_device dev, kiln_tensor *res[4]) {
-  kiln_tensor *x = kiln_detach(kiln_to_dtype(kiln_to_device(xb, dev), dt));
-  kiln_tensor *w = kiln_detach(kiln_to_dtype(kiln_to_device(wb, dev), dt));
-  kiln_tensor *b = k->bias ? kiln_detach(kiln_to_dtype(kiln_to_device(bb, dev), dt)) : NULL;
-  kiln_tensor *r = kiln_to_dtype(kiln_to_device(rb, dev), dt);
-  if (!x || !w || !r || (k->bias && !b)) return kiln_last_error();
-  kiln_requires_grad_(x, true), kiln_requires_grad_(w, true);
-  if (b) kiln_requires_grad_(b, true);
-  int64_t st[2] = {2, 2}, pd[2] = {k->pad, k->pad};
-  kiln_tensor *y = kiln_conv2d(cc_layout(x, 2), k->w_cl ? cc_layout(w, 2) : w, b, st, pd, NULL, 1);
-  kiln_tensor *loss = kiln_sum_all(kiln_mul(y, r));
-  kiln_status s = loss ? kiln_backward(loss, NULL) : kiln_last_error();
-  if (s != KILN_OK) return s;
-  res[0] = y, res[1] = kiln_grad(x), res[2] = kiln_grad(w), res[3] = b ? kiln_grad(b) : NULL;
-  return KILN_OK;
+  return cc_grad_step(xb, wb, k->bias ? bb : NULL, rb, 2, k->pad, true, k->w_cl, dt, dev, res);
 }
 
 static void cc_s2d(void) {

@@ -703,7 +703,7 @@ static void bc_timings(void) {
   static const int64_t bn_shapes[][4] = {{256, 64, 112, 112}, {256, 64, 56, 56}, {256, 256, 56, 56},
                                          {256, 128, 28, 28},  {256, 512, 28, 28}, {256, 1024, 14, 14},
                                          {256, 512, 7, 7},    {256, 2048, 7, 7}};
-  const char *only = getenv("BC_TIMINGS"); /* "bn", "pool" or unset for both */
+  const char *only = getenv("BC_TIMINGS"); /* "bn", "pool", "none", or unset for both */
   if (!only || !strcmp(only, "bn")) {
     for (size_t i = 0; i < sizeof bn_shapes / sizeof bn_shapes[0]; i++)
       for (int cl = 1; cl >= 0; cl--) bc_time_bn(bn_shapes[i], cl);

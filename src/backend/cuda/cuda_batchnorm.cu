@@ -1182,7 +1182,7 @@ extern "C" bool kiln__cuda_batchnorm_supports(const kiln__kargs *a) {
   }
   for (int i = 1; i < a->n_in; i++)
     if (!kc_is_float(a->in[i].dtype)) return false;
-  for (int i = 1; i < a->n_out; i++)
+  for (int i = 1; i < a->n_out - (pool_of(a) ? 1 : 0); i++) /* flag 32's offsets are bytes (pool_ok) */
     if (!kc_is_float(a->out[i].dtype)) return false;
   return layout_of(a) >= 0;
 }

@@ -331,13 +331,15 @@ static kiln_dtype norm_out_dtype(kiln_tensor *x) {
 /* ln (a LayerNorm module) of x + r as one op in ln's module scope; *sum gets x + r.
 ** ones: the output goes to a linear alone (c_attn, c_fc), so it may come padded with a
 ** ones column, and that linear's bias gradient is then a column of its weight gradient's
-** product (no column-sum kernel). Taken for c_fc (ln_2) only: c_attn's weight product,
-** 768 + 8 columns wide, costs more than its column sums (bench/RESULTS.md).
-** KILN_GPT_ONES_COLUMN (read at each call, an A/B switch): 0 none, all both. */
+** product (no column-sum kernel). KILN_GPT_ONES_COLUMN (read at each call, an A/B switch):
+** unset both, fc c_fc's (ln_2) only, 0 none. (c_fc only saves device time by ncu, c_attn's
+** 776-wide weight product costing more than its column sums; one wall-clock pair said the
+** opposite within the noise: bench/RESULTS.md. Both, as measured before, until a run
+** settles it.) */
 static bool ones_column(bool for_c_fc) {
   const char *e = kiln__getenv("KILN_GPT_ONES_COLUMN");
   if (e && !strcmp(e, "0")) return false;
-  return for_c_fc || (e && !strcmp(e, "all"));
+  return for_c_fc || !(e && !strcmp(e, "fc"));
 }
 
 static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, bool ones,

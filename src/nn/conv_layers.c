@@ -337,6 +337,9 @@ typedef struct bn_cfg {
 ** kiln__batch_norm_relu_max_pool2d. */
 static kiln_tensor *bn_call(kiln_tensor *x, kiln_tensor *res, bool relu, const pool_cfg *pool, kiln_tensor *rm,
                             kiln_tensor *rv, kiln_tensor *w, kiln_tensor *b, bool training, double momentum, double eps) {
+  if (pool && (pool->dilation[0] != 1 || pool->dilation[1] != 1)) /* the fused op's pools have none */
+    return kiln_max_pool2d(kiln_batch_norm_relu(x, rm, rv, w, b, training, momentum, eps), pool->kernel, pool->stride,
+                           pool->padding, pool->dilation, NULL);
   if (pool)
     return kiln__batch_norm_relu_max_pool2d(x, rm, rv, w, b, training, momentum, eps, pool->kernel, pool->stride,
                                             pool->padding);

@@ -1053,6 +1053,73 @@ static void cv_optim_format(kiln_device dev, double rtol, double atol) {
   }
 }
 
+/* RELU_MAX_POOL2D_BACKWARD on the CPU for overlapping and padded windows (the general
+** loop: the reference for CUDA's gather, kiln__batch_norm_relu_max_pool2d's backward) and
+** any float dtype: g sent to each window's maximum where the pooled value is > 0 must be
+** the gradient of sum(max_pool2d(relu(x)) * g) that autograd gives through the two ops.
+** The offsets come from max_pool2d's indices (the maximum's place in its window). */
+static void cv_relu_pool_bwd_general(void) {
+  static const struct {
+    int64_t k, s, p;
+  } cfg[] = {{3, 2, 1}, {3, 1, 1}, {2, 2, 0}, {5, 2, 2}, {2, 1, 0}};
+  static const kiln_dtype dts[3] = {KILN_F64, KILN_F32, KILN_BF16};
+  kiln_device cpu = kiln_device_cpu();
+  for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++)
+    for (int di = 0; di < 3; di++) {
+      kiln_scope_begin();
+      const kiln_dtype dt = dts[di];
+      kiln_generator *gen = kiln_generator_new(610 + ci);
+      kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(2, 3, 9, 8), KILN_F32, cpu, gen), dt);
+      const int64_t ks[2] = {cfg[ci].k, cfg[ci].k}, ss[2] = {cfg[ci].s, cfg[ci].s}, ps[2] = {cfg[ci].p, cfg[ci].p};
+      const int64_t one[2] = {1, 1};
+      kiln_requires_grad_(x, true);
+      kiln_tensor *ix = NULL;
+      kiln_tensor *y = kiln_max_pool2d(kiln_relu(x), ks, ss, ps, one, &ix);
+      kiln_tensor *g = y ? kiln_to_dtype(kiln_randn(4, kiln_shape(y), KILN_F32, cpu, gen), dt) : NULL;
+      kiln_generator_free(gen);
+      if (!g || !ix || kiln_backward(kiln_sum_all(kiln_mul(y, g)), NULL) != KILN_OK) {
+        H_CHECK(false, "relu_max_pool2d_backward case %zu %s: the reference did not run: %s", ci, kiln_dtype_name(dt),
+                kiln_last_error_message());
+        kiln_scope_end();
+        continue;
+      }
+      /* offsets: index h*W + w -> (h - oh*s + p)*k + (w - ow*s + p) */
+      const int64_t *ys = kiln_shape(y), W = kiln_shape(x)[3];
+      int64_t n = 0, ni = 0;
+      double *iv = h_values(ix, &ni);
+      uint8_t *ov = malloc((size_t)(ni > 0 ? ni : 1));
+      for (int64_t e = 0; iv && ov && e < ni; e++) {
+        const int64_t ow = e % ys[3], oh = (e / ys[3]) % ys[2], at = (int64_t)iv[e];
+        ov[e] = (uint8_t)((at / W - oh * cfg[ci].s + cfg[ci].p) * cfg[ci].k + (at % W - ow * cfg[ci].s + cfg[ci].p));
+      }
+      kiln_tensor *off = iv && ov ? kiln_from_data(ov, 4, ys, KILN_U8, cpu) : NULL;
+      kiln_tensor *dx = kiln_empty(4, kiln_shape(x), dt, cpu);
+      free(iv), free(ov);
+      kiln__conv_params cp = {{cfg[ci].k, cfg[ci].k}, {cfg[ci].s, cfg[ci].s}, {cfg[ci].p, cfg[ci].p}, {1, 1}};
+      kiln__kargs a = {0};
+      a.op = KILN__K_RELU_MAX_POOL2D_BACKWARD;
+      a.n_in = 3, a.n_out = 1;
+      if (off && dx) {
+        a.in[0] = kiln__view_of(g), a.in[1] = kiln__view_of(kiln_detach(y)), a.in[2] = kiln__view_of(off);
+        a.out[0] = kiln__view_of(dx);
+        a.params = &cp;
+      }
+      kiln_status st = off && dx ? kiln__dispatch(cpu, &a) : kiln_last_error();
+      H_CHECK(st == KILN_OK, "relu_max_pool2d_backward case %zu %s: %s", ci, kiln_dtype_name(dt), kiln_last_error_message());
+      if (st == KILN_OK) {
+        double *got = h_values(dx, &n), *want = h_values(kiln_grad(x), &ni);
+        char what[120];
+        snprintf(what, sizeof what, "relu_max_pool2d_backward %lldx%lld/%lld pad %lld %s", (long long)cfg[ci].k,
+                 (long long)cfg[ci].k, (long long)cfg[ci].s, (long long)cfg[ci].p, kiln_dtype_name(dt));
+        /* the same sums of the same values; bf16: autograd's sum rounded per add, ours once */
+        if (got && want && n == ni) h_close(what, got, want, n, dt == KILN_BF16 ? 1e-2 : 1e-12, dt == KILN_BF16 ? 1e-2 : 1e-12);
+        else H_CHECK(false, "%s: could not read the results", what);
+        free(got), free(want);
+      }
+      kiln_scope_end();
+    }
+}
+
 static void cv_family(void) {
   h_run_cases(cv_cases, (int)(sizeof cv_cases / sizeof cv_cases[0]));
   if (!h_cross_only() && !h_support_mode()) {
@@ -1062,6 +1129,7 @@ static void cv_family(void) {
     cv_conv_relu_pool();
     cv_backward_kernels();
     cv_max_pool_grad_f32();
+    cv_relu_pool_bwd_general();
     cv_format();
     /* the CPU's runs are the same arithmetic in another memory order: equal values */
     cv_keep_format_on(kiln_device_cpu(), KILN_F64, 0, 0, 1e-12, true);

@@ -790,11 +790,72 @@ static void rmp_bwd_planes(void *vctx, int64_t lo, int64_t hi) {
   }
 }
 
+/* RELU_MAX_POOL2D_BACKWARD for any window (overlapping, padded, no dilation), any float
+** dtype and strides: per pixel, the windows that cover it in order (oh, then ow), each
+** adding g where its offset names the pixel and y > 0, in f64, rounded once. The reference
+** for CUDA's gather (kiln__batch_norm_relu_max_pool2d's backward); the tiling f32 loops
+** above are its fast case. */
+static bool rmp_bwd_general_ok(const kiln__kargs *a) {
+  const kiln__conv_params *p = a->params;
+  if (!p || a->op != KILN__K_RELU_MAX_POOL2D_BACKWARD || a->n_in != 3 || a->n_out != 1) return false;
+  const kiln__view *g = &a->in[0], *y = &a->in[1], *o = &a->in[2], *x = &a->out[0];
+  if (g->ndim != 4 || y->ndim != 4 || o->ndim != 4 || x->ndim != 4 || !kiln__cpu_is_float(x->dtype) ||
+      g->dtype != x->dtype || y->dtype != x->dtype || o->dtype != KILN_U8)
+    return false;
+  for (int d = 0; d < 2; d++) {
+    if (p->kernel[d] < 1 || p->stride[d] < 1 || p->padding[d] < 0 || p->dilation[d] != 1) return false;
+    int64_t od = (x->shape[2 + d] + 2 * p->padding[d] - p->kernel[d]) / p->stride[d] + 1;
+    if (g->shape[2 + d] != od || y->shape[2 + d] != od || o->shape[2 + d] != od) return false;
+  }
+  for (int d = 0; d < 2; d++)
+    if (g->shape[d] != x->shape[d] || y->shape[d] != x->shape[d] || o->shape[d] != x->shape[d]) return false;
+  return p->kernel[0] * p->kernel[1] <= 256;
+}
+
+static void rmp_bwd_general(void *vctx, int64_t lo, int64_t hi) {
+  const rmp_job *j = vctx;
+  const kiln__view *g = &j->a->in[0], *y = &j->a->in[1], *o = &j->a->in[2], *x = &j->a->out[0];
+  const kiln__conv_params *p = j->p;
+  const size_t es = kiln_dtype_size(x->dtype);
+  const int64_t H = x->shape[2], W = x->shape[3], OH = g->shape[2], OW = g->shape[3];
+  for (int64_t q = lo; q < hi; q++) {
+    const char *gp = (const char *)g->data + kiln__cpu_plane_off(g, q), *yp = (const char *)y->data + kiln__cpu_plane_off(y, q);
+    const uint8_t *op = (const uint8_t *)o->data + kiln__cpu_plane_off(o, q);
+    char *xp = (char *)x->data + kiln__cpu_plane_off(x, q);
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t w = 0; w < W; w++) {
+        const int64_t nh = h + p->padding[0] - p->kernel[0] + 1, nw = w + p->padding[1] - p->kernel[1] + 1;
+        const int64_t oh0 = nh > 0 ? (nh + p->stride[0] - 1) / p->stride[0] : 0;
+        const int64_t ow0 = nw > 0 ? (nw + p->stride[1] - 1) / p->stride[1] : 0;
+        int64_t oh1 = (h + p->padding[0]) / p->stride[0], ow1 = (w + p->padding[1]) / p->stride[1];
+        if (oh1 > OH - 1) oh1 = OH - 1;
+        if (ow1 > OW - 1) ow1 = OW - 1;
+        double acc = 0;
+        for (int64_t oh = oh0; oh <= oh1; oh++)
+          for (int64_t ow = ow0; ow <= ow1; ow++) {
+            const int64_t tap = (h + p->padding[0] - oh * p->stride[0]) * p->kernel[1] + (w + p->padding[1] - ow * p->stride[1]);
+            if (op[oh * o->strides[2] + ow * o->strides[3]] != tap) continue;
+            if (!(kiln__cpu_get_f64(yp + (oh * y->strides[2] + ow * y->strides[3]) * (int64_t)es, y->dtype) > 0)) continue;
+            acc += kiln__cpu_get_f64(gp + (oh * g->strides[2] + ow * g->strides[3]) * (int64_t)es, g->dtype);
+          }
+        kiln__cpu_set_f64(xp + (h * x->strides[2] + w * x->strides[3]) * (int64_t)es, x->dtype, acc);
+      }
+  }
+}
+
 /* RELU_MAX_POOL2D / _BACKWARD: the arguments checked (the op layer asks first; a call that
 ** gets here otherwise is a bug, reported, not run). */
 kiln_status kiln__cpu_relu_max_pool2d(const kiln__kargs *a) {
   const kiln__conv_params *p = a->params;
   bool bw = a->op == KILN__K_RELU_MAX_POOL2D_BACKWARD;
+  if (bw && p && !(tiles(p) && a->out[0].dtype == KILN_F32) && rmp_bwd_general_ok(a)) {
+    const kiln__view *x = &a->out[0];
+    int64_t planes = x->shape[0] * x->shape[1];
+    if (planes == 0 || kiln__view_numel(x) == 0) return KILN_OK;
+    rmp_job j = {a, p};
+    kiln__cpu_parallel_for(planes, KILN__CPU_PAR_MIN_CHEAP / (x->shape[2] * x->shape[3] + 1) + 1, rmp_bwd_general, &j);
+    return KILN_OK;
+  }
   const kiln__view *big = bw ? &a->out[0] : &a->in[0], *small = bw ? &a->in[0] : &a->out[0];
   const kiln__view *y = bw ? &a->in[1] : &a->out[0], *ix = bw ? &a->in[2] : &a->out[1];
   kiln_dtype dt = big->dtype;

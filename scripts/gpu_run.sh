@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build kiln with CUDA for sm_90, run the GPU-labelled
 # tests and the rest of the suite, then the benchmarks next to their PyTorch peers.
-# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|fmnist|all]...
+# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|fmnist|resnet|all]...
 # The machine has no Debian dev packages: .debs/ (carried, git-ignored) holds OpenBLAS,
 # zlib and cJSON, unpacked into a private prefix, never into /.
 set -u
@@ -105,6 +105,44 @@ if has bench; then
     fi
   } > "$OUT/bench.log" 2>&1
   grep -E "^\{|TFLOP|GB/s|samples|==" "$OUT/bench.log" | tail -40
+fi
+
+if [[ " $steps " == *" resnet "* ]]; then # issue 15's ResNet-50 (not in all): the fused stem's test, the stem's A/Bs, the compiled peer, ncu by kernel
+  peer=.peer/torch_peer.py
+  [ -f $peer ] || peer=../shared/bench/torch_peer.py
+  R="$B/bin/bench-resnet --device cuda --autocast bf16 --channels-last --steps 12 --no-peer"
+  {
+    echo "== test_cuda_batchnorm (section 8: kiln__batch_norm_relu_max_pool2d), test_cuda_conv (4d: space-to-depth)"
+    BC_TIMINGS=none timeout 120 $B/bin/test_cuda_batchnorm 2>&1 | grep -E "FAIL|passed" | head -20
+    timeout 120 $B/bin/test_cuda_conv 2>&1 | grep -E "FAIL|passed|space-to" | head -10
+    for r in 1 2; do
+      echo "== round $r: default; KILN_RESNET_STEM_FUSED=1; KILN_CONV_S2D=0"
+      $R 2>&1 | grep "kiln :"
+      KILN_RESNET_STEM_FUSED=1 $R 2>&1 | grep "kiln :"
+      KILN_CONV_S2D=0 $R 2>&1 | grep "kiln :"
+    done
+    [ -f "$peer" ] && { echo "== torch resnet50 --compile"; timeout 300 python3 $peer resnet --arch resnet50 --size 224 --compile | tail -1; }
+    if command -v ncu > /dev/null; then
+      echo "== ncu: one step's kernels, KILN_RESNET_STEM_FUSED=1 (device time by kernel, top 30)"
+      KILN_RESNET_STEM_FUSED=1 timeout 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        --csv ${R/--steps 12/--steps 4} > "$OUT/ncu_resnet.csv" 2> /dev/null
+      python3 - "$OUT/ncu_resnet.csv" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]; k = h.index('Kernel Name'); v = h.index('Metric Value')
+seq = [(r[k], float(r[v].replace(',', ''))) for r in rows[1:] if r[v].replace(',', '').replace('.', '').isdigit()]
+ends = [i for i, (n, _) in enumerate(seq) if 'sgd' in n]
+groups = [i for j, i in enumerate(ends) if j == 0 or ends[j - 1] != i - 1]
+lo = groups[-2] if len(groups) > 1 else 0
+step = seq[lo:groups[-1]] if len(groups) > 1 else seq
+agg = collections.defaultdict(lambda: [0, 0.0])
+for n, t in step: agg[n.split('(')[0][:90]][0] += 1; agg[n.split('(')[0][:90]][1] += t
+print(f"{len(step)} kernels, {sum(t for _, t in step) / 1e6:.3f} ms of device time a step")
+for n, (c, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:30]: print(f"{t / 1e3:9.1f} us  n={c:3d}  {n}")
+PY
+    fi
+  } > "$OUT/resnet.log" 2>&1
+  grep -v "^ *$" "$OUT/resnet.log" | cut -c1-200 | tail -60
 fi
 
 if has fmnist; then # issue 15's fmnist-cnn: kiln (direct conv kernels, then cuDNN) and the peer, twice

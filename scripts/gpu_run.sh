@@ -122,9 +122,10 @@ if [[ " $steps " == *" resnet "* ]]; then # issue 15's ResNet-50 (not in all): t
       KILN_CONV_S2D=0 $R 2>&1 | grep "kiln :"
     done
     [ -f "$peer" ] && { echo "== torch resnet50 --compile"; timeout 300 python3 $peer resnet --arch resnet50 --size 224 --compile | tail -1; }
-    if command -v ncu > /dev/null; then
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    if [ -x "$ncu" ]; then
       echo "== ncu: one step's kernels, KILN_RESNET_STEM_FUSED=1 (device time by kernel, top 30)"
-      KILN_RESNET_STEM_FUSED=1 timeout 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+      KILN_RESNET_STEM_FUSED=1 timeout 200 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --csv ${R/--steps 12/--steps 4} > "$OUT/ncu_resnet.csv" 2> /dev/null
       python3 - "$OUT/ncu_resnet.csv" <<'PY'
 import csv, sys, collections

@@ -212,6 +212,7 @@ static const bc_pcase bc_pcases[] = {
     {2, 16, 7, 8, 3, 1, 1},   /* stride 1: up to 9 windows a pixel */
     {2, 4, 11, 6, 3, 2, 1},   /* 4 channels */
     {1, 2, 9, 7, 5, 2, 2},    /* 2 channels, 5x5 */
+    {2, 3, 9, 10, 3, 2, 1},   /* 3 channels: a channel a thread (the generic gather) */
 };
 
 /* res: y, dx, dweight, dbias, running_mean, running_var; the fused op or the three ops */

@@ -893,76 +893,91 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
 
-/* ---- flag 32: the max-pool of relu(bn(x)), channels-last. blockIdx.y (striding) an
-** output row (n, oh); a thread V channels of one output pixel: the window's values
-** computed from x with the coefficients (fwd_val, the normalizing pass's arithmetic, so
-** the values are batch_norm_relu's), MAX_POOL2D's rule on them (the first maximum in window
-** order, NaN wins, padding never), the maximum and its offset i kw + j written. */
+/* ---- flag 32: the max-pool of relu(bn(x)), channels-last. A thread V channels of one
+** output pixel, its (n, oh, ow, channel group) from a flat index by multiply-shift
+** divisions: the window's values computed from x with the coefficients (fwd_val, the
+** normalizing pass's arithmetic, so the values are batch_norm_relu's), MAX_POOL2D's rule on
+** them (the first maximum in window order, NaN wins, padding never), the maximum and its
+** offset i kw + j written, the V offsets as one store where aligned (VO). */
 struct PoolG {
-  int64_t H, W, OH, OW, kh, kw, sh, sw, ph, pw;
+  int H, W, OH, OW, kh, kw, sh, sw, ph, pw, CV, total;
+  int64_t xs0, xs2;     /* x's (N, S) strides */
   int64_t ys[3], os[3]; /* the pooled output's and the offsets' (N, C, OH*OW) strides */
+  kc_fastdiv cvd, owd, ohd;
 };
 
-template <class T, class A, int V>
+template <class T, class A, int V, bool VO>
 __global__ void __launch_bounds__(BN_THREADS)
-    pool_fwd_cl(const T *__restrict__ x, T *__restrict__ y, uint8_t *__restrict__ off, Geo G, PoolG Q,
+    pool_fwd_cl(const T *__restrict__ x, T *__restrict__ y, uint8_t *__restrict__ off, int64_t C, PoolG Q,
                 const A *__restrict__ coef) {
-  const int64_t CV = G.C / V, t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= Q.OW * CV) return;
-  const int64_t ow = t / CV, cv = t - ow * CV, c0 = cv * V, C = G.C;
   typedef Pack<A, V> PA;
   typedef Pack<T, V> P;
-  const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
-           pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
-  for (int64_t row = blockIdx.y; row < G.N * Q.OH; row += gridDim.y) {
-    const int64_t n = row / Q.OH, oh = row - n * Q.OH;
+  for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < Q.total; k += gridDim.x * blockDim.x) {
+    const int r = kc_div(k, Q.cvd), cv = k - r * Q.CV;
+    const int r2 = kc_div(r, Q.owd), ow = r - r2 * Q.OW;
+    const int n = kc_div(r2, Q.ohd), oh = r2 - n * Q.OH;
+    const int64_t c0 = (int64_t)cv * V;
+    const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
+             pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
+    const T *xn = x + n * Q.xs0 + c0;
     A best[V];
     P bv;
-    uint8_t at[V];
+    Pack<uint8_t, V> at;
     bool any = false;
-    for (int64_t i = 0; i < Q.kh; i++) {
-      const int64_t h = oh * Q.sh - Q.ph + i;
+    for (int i = 0; i < Q.kh; i++) {
+      const int h = oh * Q.sh - Q.ph + i;
       if (h < 0 || h >= Q.H) continue;
-      for (int64_t j = 0; j < Q.kw; j++) {
-        const int64_t w = ow * Q.sw - Q.pw + j;
+      for (int j = 0; j < Q.kw; j++) {
+        const int w = ow * Q.sw - Q.pw + j;
         if (w < 0 || w >= Q.W) continue;
-        const P px = *reinterpret_cast<const P *>(x + n * G.xs[0] + (h * Q.W + w) * G.xs[2] + c0);
+        const P px = *reinterpret_cast<const P *>(xn + ((int64_t)h * Q.W + w) * Q.xs2);
         const uint8_t tap = (uint8_t)(i * Q.kw + j);
 #pragma unroll
         for (int c = 0; c < V; c++) {
           const T v = fwd_val<T, A>(px.v[c], pm.v[c], pk.v[c], pp.v[c], (const T *)NULL, px.v[c], true);
           const A va = (A)kc_ld<T>(v);
-          if (!any || va > best[c] || (va != va && best[c] == best[c])) best[c] = va, bv.v[c] = v, at[c] = tap;
+          if (!any || va > best[c] || (va != va && best[c] == best[c])) best[c] = va, bv.v[c] = v, at.v[c] = tap;
         }
         any = true;
       }
     }
     if (!any) /* a window wholly in the padding (the op layer's geometry never makes one) */
 #pragma unroll
-      for (int c = 0; c < V; c++) bv.v[c] = kc_st<T>((A)0), at[c] = 0;
-    const int64_t s = oh * Q.OW + ow;
+      for (int c = 0; c < V; c++) bv.v[c] = kc_st<T>((A)0), at.v[c] = 0;
+    const int64_t s = (int64_t)oh * Q.OW + ow;
     *reinterpret_cast<P *>(y + n * Q.ys[0] + s * Q.ys[2] + c0) = bv;
     uint8_t *o = off + n * Q.os[0] + s * Q.os[2] + c0;
+    if (VO) *reinterpret_cast<Pack<uint8_t, V> *>(o) = at;
+    else
 #pragma unroll
-    for (int c = 0; c < V; c++) o[c] = at[c];
+      for (int c = 0; c < V; c++) o[c] = at.v[c];
   }
 }
 
+/* pool_ok has checked the geometry and that the flat index fits an int */
 template <class T, class A, int V>
 kiln_status launch_pool(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, const A *coef) {
   const kiln__conv_params *cp = (const kiln__conv_params *)a->params;
   const kiln__view *ov = offsets_of(a);
   PoolG P;
-  P.H = a->i[2], P.W = a->i[3];
-  P.kh = cp->kernel[0], P.kw = cp->kernel[1], P.sh = cp->stride[0], P.sw = cp->stride[1];
-  P.ph = cp->padding[0], P.pw = cp->padding[1];
+  P.H = (int)a->i[2], P.W = (int)a->i[3];
+  P.kh = (int)cp->kernel[0], P.kw = (int)cp->kernel[1], P.sh = (int)cp->stride[0], P.sw = (int)cp->stride[1];
+  P.ph = (int)cp->padding[0], P.pw = (int)cp->padding[1];
   P.OH = (P.H + 2 * P.ph - P.kh) / P.sh + 1, P.OW = (P.W + 2 * P.pw - P.kw) / P.sw + 1;
+  P.CV = (int)(G.C / V);
+  P.xs0 = G.xs[0], P.xs2 = G.xs[2];
   for (int k = 0; k < 3; k++) P.ys[k] = a->out[0].strides[k], P.os[k] = ov->strides[k];
-  const int64_t per_row = P.OW * (G.C / V), rows = G.N * P.OH;
-  if (per_row == 0 || rows == 0) return KILN_OK;
-  dim3 grid((unsigned)((per_row + BN_THREADS - 1) / BN_THREADS), (unsigned)(rows < 65535 ? rows : 65535));
-  pool_fwd_cl<T, A, V><<<grid, BN_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[0].data,
-                                                          (uint8_t *)ov->data, G, P, coef);
+  const int64_t total = G.N * P.OH * P.OW * P.CV;
+  if (total == 0) return KILN_OK;
+  P.total = (int)total;
+  P.cvd = kc_make_fastdiv((uint32_t)P.CV), P.owd = kc_make_fastdiv((uint32_t)P.OW), P.ohd = kc_make_fastdiv((uint32_t)P.OH);
+  const bool vo = V > 1 && (uintptr_t)ov->data % V == 0 && P.os[0] % V == 0 && P.os[2] % V == 0 && P.os[1] == 1;
+  const unsigned blocks = (unsigned)((total + BN_THREADS - 1) / BN_THREADS);
+  const T *x = (const T *)a->in[0].data;
+  T *y = (T *)a->out[0].data;
+  uint8_t *o = (uint8_t *)ov->data;
+  if (vo) pool_fwd_cl<T, A, V, true><<<blocks, BN_THREADS, 0, d->stream>>>(x, y, o, G.C, P, coef);
+  else pool_fwd_cl<T, A, V, false><<<blocks, BN_THREADS, 0, d->stream>>>(x, y, o, G.C, P, coef);
   return kiln__cuda_launched("batch_norm_relu_max_pool2d (pool)");
 }
 
@@ -1140,6 +1155,8 @@ static bool pool_ok(const kiln__kargs *a) {
     if (os[d] < 1) return false;
   }
   if (p->kernel[0] * p->kernel[1] > 256) return false;
+  /* pool_fwd_cl's flat index and coordinates are ints */
+  if (H >= INT_MAX / 4 || W >= INT_MAX / 4 || x->shape[0] * x->shape[1] * os[0] * os[1] >= INT_MAX) return false;
   const kiln__view *vs[2] = {y, o};
   for (const kiln__view *v : vs)
     if (v->shape[0] != x->shape[0] || v->shape[1] != x->shape[1] || v->shape[2] != os[0] * os[1]) return false;

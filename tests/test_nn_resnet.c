@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "ext/kiln_ext.h"
 
 static kiln_device cpu, dev;
 static int skipped; /* parity cases that could not run */
@@ -401,6 +402,67 @@ out:
   kiln_generator_free(gen);
 }
 
+/* The ImageNet stem's bn1, ReLU and max pool as one op (kiln__batch_norm_relu_max_pool2d,
+** where the device has it: CUDA, channels-last) against the checkpointed three
+** (KILN_RESNET_STEM_FUSED=0), one training step of the same model on the same batch each
+** way: the logits and loss, every parameter's gradient and bn1's running statistics and
+** count agree (f32; the gather sums a pixel's few window gradients in another order than
+** max_pool2d's backward). On a device without the op both ways are the three ops. */
+static void test_stem_fused(void) {
+  const int64_t N = 4, S = 64, W = 8, classes = 10;
+  kiln_tensor *keep[2][72] = {{0}};
+  int np[2] = {0, 0};
+  static const char *const bn_bufs[3] = {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"};
+  for (int fused = 0; fused < 2; fused++) {
+    setenv("KILN_RESNET_STEM_FUSED", fused ? "1" : "0", 1);
+    kiln_generator *gen = kiln_generator_new(11);
+    kiln_module *m = kiln_resnet_custom_new((const int[]){1, 1, 1, 1}, KILN_RESNET_BOTTLENECK, W, classes, false,
+                                            KILN_F32, dev, gen);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(N, 3, S, S), KILN_F32, dev, gen);
+    kiln_tensor *y = kiln_randint(0, classes, KILN_SHAPE(N), KILN_I64, dev, gen);
+    CHECK(m && x && y && kiln_module_to_format(m, KILN_CHANNELS_LAST) == KILN_OK);
+    if (m && x && y) {
+      kiln_scope_begin();
+      kiln_tensor *logits = kiln_module_forward(m, kiln_contiguous_format(x, KILN_CHANNELS_LAST));
+      kiln_tensor *loss = kiln_cross_entropy(logits, y, KILN_REDUCTION_MEAN, -100, 0.0);
+      CHECK(loss && kiln_backward(loss, NULL) == KILN_OK);
+      int n = 0;
+      keep[fused][n++] = kiln_detach(kiln_clone(logits)), keep[fused][n++] = kiln_detach(kiln_clone(loss));
+      kiln_tensor *ps[64];
+      int k = kiln_module_parameters(m, ps, 64);
+      CHECK(k > 10 && k <= 64);
+      for (int i = 0; i < k && i < 64; i++) keep[fused][n++] = kiln_grad(ps[i]) ? kiln_clone(kiln_grad(ps[i])) : NULL;
+      for (int i = 0; i < 3; i++) {
+        kiln_tensor *b = kiln_module_buffer(kiln_module_child(m, "bn1"), bn_bufs[i] + 4);
+        keep[fused][n++] = b ? kiln_to_dtype(b, KILN_F64) : NULL;
+      }
+      for (int i = 0; i < n; i++) kiln_keep(keep[fused][i]);
+      np[fused] = n;
+      kiln_scope_end();
+    }
+    kiln_tensor_free(x), kiln_tensor_free(y), kiln_module_free(m), kiln_generator_free(gen);
+  }
+  unsetenv("KILN_RESNET_STEM_FUSED");
+  double worst = 0;
+  CHECK(np[0] == np[1] && np[0] > 0);
+  for (int i = 0; i < np[0] && np[0] == np[1]; i++) {
+    double e = rel_err(keep[1][i], keep[0][i]);
+    if (!(e >= 0 && e < 1e-5)) fprintf(stderr, "  stem fused: value %d of %d differs by %g\n", i, np[0], e);
+    CHECK(e >= 0 && e < 1e-5);
+    worst = fmax(worst, e);
+  }
+  const int64_t xs[4] = {N, W, S / 2, S / 2}, ks[2] = {3, 3}, ss[2] = {2, 2}, ps[2] = {1, 1};
+  kiln_scope_begin();
+  kiln_tensor *h = kiln_contiguous_format(kiln_zeros(4, xs, KILN_F32, dev), KILN_CHANNELS_LAST);
+  bool native = h && kiln__batch_norm_relu_max_pool2d_native(h, NULL, NULL, NULL, NULL, true, ks, ss, ps);
+  kiln_scope_end();
+  CHECK(native == (dev.type == KILN_DEVICE_CUDA)); /* the fused kernels are CUDA's */
+  printf("  stem fused (%s) against the checkpointed ops: %d values, worst %.2e\n", native ? "taken" : "not taken",
+         np[0], worst);
+  for (int f = 0; f < 2; f++)
+    for (int i = 0; i < np[f]; i++) kiln_tensor_free(keep[f][i]);
+}
+
 int main(int argc, char **argv) {
   cpu = kiln_device_cpu();
   dev = cpu;
@@ -420,6 +482,7 @@ int main(int argc, char **argv) {
     test_memory(false, true);
     test_memory(false, false); /* KILN_RESNET_STEM_RECOMPUTE=0 */
   }
+  test_stem_fused();
   test_parity_small();
   test_parity_full();
   printf("test_nn_resnet%s: %d failure(s), %d parity case(s) skipped\n", cuda ? " --cuda" : "", failures, skipped);

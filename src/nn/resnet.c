@@ -144,10 +144,9 @@ static kiln_module *block_new(bool bottleneck, int64_t in, int64_t planes, int64
 ** (kiln_checkpoint), which must not move bn1's running statistics a second time: they
 ** are put back as they were. KILN_RESNET_STEM_RECOMPUTE=0 keeps the four as plain
 ** children (read at each forward, so a test can compare both ways). With
-** KILN_RESNET_STEM_FUSED=1, where the device runs bn1, the ReLU and the pool as one op that
-** never makes the normalized map (kiln__batch_norm_relu_max_pool2d: CUDA, channels-last),
-** that op instead, with nothing to recompute. Opt-in until its kernels have run on a GPU
-** (written in the twenty-second session, whose device time ran out first). */
+** Where the device runs bn1, the ReLU and the pool as one op that never makes the
+** normalized map (kiln__batch_norm_relu_max_pool2d: CUDA, channels-last), that op instead,
+** with nothing to recompute; KILN_RESNET_STEM_FUSED=0 keeps the checkpointed three (the A/B). */
 static kiln_status stem_tail(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
   (void)n_in, (void)n_out;
   kiln_module *m = ctx, *bn = kiln_module_child(m, "bn1");
@@ -175,7 +174,7 @@ static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
   if (!c->cifar_stem && x && !(e && !strcmp(e, "0"))) { /* conv1, then bn1 relu maxpool (children 1..3) */
     kiln_tensor *y = NULL, *h = kiln_module_forward(kiln_module_child_at(m, 0), x);
     kiln_module *bn1 = kiln_module_child_at(m, 1), *pool = kiln_module_child_at(m, 3);
-    if (h && f && !strcmp(f, "1") && kiln__batch_norm_relu_max_pool_fusable(bn1, pool, h))
+    if (h && !(f && !strcmp(f, "0")) && kiln__batch_norm_relu_max_pool_fusable(bn1, pool, h))
       x = kiln__batch_norm_relu_max_pool_forward(bn1, pool, h); /* nothing to recompute: the map is never made */
     else
       x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;

@@ -116,16 +116,16 @@ if [[ " $steps " == *" resnet "* ]]; then # issue 15's ResNet-50 (not in all): t
     BC_TIMINGS=none timeout 120 $B/bin/test_cuda_batchnorm 2>&1 | grep -E "FAIL|passed" | head -20
     timeout 120 $B/bin/test_cuda_conv 2>&1 | grep -E "FAIL|passed|space-to" | head -10
     for r in 1 2; do
-      echo "== round $r: default; KILN_RESNET_STEM_FUSED=1; KILN_CONV_S2D=0"
+      echo "== round $r: default (the fused stem); KILN_RESNET_STEM_FUSED=0 (checkpointed); KILN_CONV_S2D=0"
       $R 2>&1 | grep "kiln :"
-      KILN_RESNET_STEM_FUSED=1 $R 2>&1 | grep "kiln :"
+      KILN_RESNET_STEM_FUSED=0 $R 2>&1 | grep "kiln :"
       KILN_CONV_S2D=0 $R 2>&1 | grep "kiln :"
     done
     [ -f "$peer" ] && { echo "== torch resnet50 --compile"; timeout 300 python3 $peer resnet --arch resnet50 --size 224 --compile | tail -1; }
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     if [ -x "$ncu" ]; then
-      echo "== ncu: one step's kernels, KILN_RESNET_STEM_FUSED=1 (device time by kernel, top 30)"
-      KILN_RESNET_STEM_FUSED=1 timeout 200 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+      echo "== ncu: one step's kernels, default (device time by kernel, top 30)"
+      timeout 200 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --csv ${R/--steps 12/--steps 4} > "$OUT/ncu_resnet.csv" 2> /dev/null
       python3 - "$OUT/ncu_resnet.csv" <<'PY'
 import csv, sys, collections

@@ -811,7 +811,6 @@ bool kiln__batch_norm_relu_max_pool2d_native(kiln_tensor *x, kiln_tensor *runnin
                                              kiln_tensor *weight, kiln_tensor *bias, bool training,
                                              const int64_t kernel[2], const int64_t stride[2], const int64_t padding[2]) {
   if (!x || x->ndim != 4 || !kiln__is_channels_last(x) || !kiln_dtype_is_float(x->dtype)) return false;
-  if (kiln_device_of(x).type == KILN_DEVICE_CPU) return false; /* no flag 32 there (its kernel asks no supports()) */
   if (!bn_native(x, running_mean, running_var, weight, bias, training, true, NULL)) return false;
   attrs_bnpool p = bnp_attrs(training, 0.1, 1e-5, kernel, stride, padding);
   int64_t o[2];

@@ -48,6 +48,18 @@ static kiln_status kiln__cpu_device_info(int device, kiln_device_info *out) {
   return KILN_OK;
 }
 
+/* The calls the CPU's kernels refuse by their arguments, so that kiln__dispatch_has
+** answers for them (the op layer asks before choosing a fused path) without naming the
+** device type: BATCH_NORM's pooled output (flag 32) and BATCH_NORM_BACKWARD's mask
+** recomputed from x (flag 8) are CUDA's fusions; the op layer composes them here. */
+static bool cpu_supports(const kiln__kargs *a) {
+  switch (a->op) {
+  case KILN__K_BATCH_NORM: return !(a->i[0] & 32);
+  case KILN__K_BATCH_NORM_BACKWARD: return !(a->i[0] & 8);
+  default: return true;
+  }
+}
+
 const kiln__backend kiln__cpu_backend = {
     .name = "cpu",
     .type = KILN_DEVICE_CPU,
@@ -168,7 +180,7 @@ const kiln__backend kiln__cpu_backend = {
             [KILN__K_CONV1_RELU_MAX_POOL2D_BACKWARD] = kiln__cpu_conv1_relu_max_pool2d,
 #endif
         },
-    .supports = NULL,
+    .supports = cpu_supports,
     .device_info = kiln__cpu_device_info,
     /* no mark/elapsed_ms, graph, async, bandwidth: the CPU does the plain thing */
 };

@@ -629,7 +629,7 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
   k.eps = a->s[0];
   k.momentum = a->s[1];
   int flags = (int)a->i[0];
-  if (!bw && (flags & 32)) /* the pooled output: CUDA's (the op layer composes the ops elsewhere) */
+  if (!bw && (flags & 32)) /* the pooled output: CUDA's (cpu_supports refuses it; the op layer composes the ops) */
     return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_batch_norm: flag 32 (the max-pooled output) is not on the CPU");
   if (!bw) {
     int at = 1;
@@ -643,7 +643,7 @@ kiln_status kiln__cpu_batch_norm(const kiln__kargs *a) {
     if (!k.train && !k.rm)
       return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_batch_norm: eval needs the running statistics");
   } else {
-    if (flags & 8) /* the mask recomputed from x: CUDA's (the op layer asks kiln__dispatch_has first) */
+    if (flags & 8) /* the mask recomputed from x: CUDA's (cpu_supports refuses it) */
       return kiln_set_error(KILN_ERR_UNSUPPORTED, "kiln_batch_norm_backward: flag 8 (the mask recomputed) is not on the CPU");
     k.g = &a->in[1];
     k.stats = &a->in[2];

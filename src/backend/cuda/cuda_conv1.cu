@@ -456,9 +456,9 @@ __global__ void __launch_bounds__(256) relu_pool_gather(const T *__restrict__ g,
 /* the channels-last gather (gather_vec's V > 1: every view's channels contiguous, aligned
 ** to V elements): a thread V channels of one pixel, its (n, h, w, channel group) from a flat
 ** index by multiply-shift divisions, each window's offsets, y and g read as one vector each
-** (the generic kernel above reads them element by element with 64-bit arithmetic: 3.2 ms
-** for ResNet's stem against the pool forward's 0.5 ms); the same windows in the same order,
-** so the same sums. */
+** (the generic kernel above reads them element by element with 64-bit arithmetic, many
+** times slower on ResNet's stem: bench/RESULTS.md); the same windows in the same order, so
+** the same sums. */
 struct GCl {
   int H, W, OH, OW, kh, kw, sh, sw, ph, pw, CV, total;
   int64_t gs[4], ys[4], os[4], xs[4];

@@ -465,10 +465,6 @@ struct GCl {
   kc_fastdiv cvd, wd, hd, shd, swd;
 };
 
-template <class T, int V> struct alignas(sizeof(T) * V) GPack {
-  T v[V];
-};
-
 template <class T, int V>
 __global__ void __launch_bounds__(256) relu_pool_gather_cl(const T *__restrict__ g, const T *__restrict__ y,
                                                            const uint8_t *__restrict__ off, T *__restrict__ dx, GCl q) {
@@ -489,17 +485,17 @@ __global__ void __launch_bounds__(256) relu_pool_gather_cl(const T *__restrict__
     for (int oh = oh0; oh <= oh1; oh++)
       for (int ow = ow0; ow <= ow1; ow++) {
         const int tap = (hp - oh * q.sh) * q.kw + (wp - ow * q.sw);
-        const GPack<uint8_t, V> o = *reinterpret_cast<const GPack<uint8_t, V> *>(op + oh * q.os[2] + ow * q.os[3]);
-        const GPack<T, V> yv = *reinterpret_cast<const GPack<T, V> *>(yp + oh * q.ys[2] + ow * q.ys[3]);
-        const GPack<T, V> gv = *reinterpret_cast<const GPack<T, V> *>(gp + oh * q.gs[2] + ow * q.gs[3]);
+        const kc_vec<uint8_t, V> o = *reinterpret_cast<const kc_vec<uint8_t, V> *>(op + oh * q.os[2] + ow * q.os[3]);
+        const kc_vec<T, V> yv = *reinterpret_cast<const kc_vec<T, V> *>(yp + oh * q.ys[2] + ow * q.ys[3]);
+        const kc_vec<T, V> gv = *reinterpret_cast<const kc_vec<T, V> *>(gp + oh * q.gs[2] + ow * q.gs[3]);
 #pragma unroll
         for (int c = 0; c < V; c++)
           if (o.v[c] == tap && (A)kc_ld<T>(yv.v[c]) > (A)0) acc[c] += (A)kc_ld<T>(gv.v[c]);
       }
-    GPack<T, V> out;
+    kc_vec<T, V> out;
 #pragma unroll
     for (int c = 0; c < V; c++) out.v[c] = kc_st<T>(acc[c]);
-    *reinterpret_cast<GPack<T, V> *>(dx + n * q.xs[0] + (int64_t)h * q.xs[2] + (int64_t)w * q.xs[3] + c0) = out;
+    *reinterpret_cast<kc_vec<T, V> *>(dx + n * q.xs[0] + (int64_t)h * q.xs[2] + (int64_t)w * q.xs[3] + c0) = out;
   }
 }
 

@@ -18,10 +18,6 @@
 
 #include "cuda_int.cuh"
 
-template <class T, int V> struct alignas(sizeof(T) * V) kc_vec {
-  T v[V];
-};
-
 /* Math on float or double, one spelling for the functors. */
 __device__ __forceinline__ float kc_exp(float x) { return expf(x); }
 __device__ __forceinline__ double kc_exp(double x) { return exp(x); }

@@ -369,6 +369,11 @@ template <class T, class F> __device__ __forceinline__ T kc_warp_reduce(T v, F f
   return v;
 }
 
+/* V values of T as one aligned load or store (16 bytes where V * sizeof(T) is 16). */
+template <class T, int V> struct alignas(sizeof(T) * V) kc_vec {
+  T v[V];
+};
+
 /* n / d for 0 <= n < 2^31 by a multiply and a shift (PyTorch's IntDivider): the magic
 ** number m and shift s are made once on the host (kc_make_fastdiv), so a kernel's index
 ** arithmetic has no integer division (cuda_pool.cu, cuda_conv1.cu). */

@@ -75,10 +75,6 @@ struct Vec {
 __device__ __forceinline__ double vget(const Vec &v, int64_t i) { return ld_vec(v.p, v.dt, i * v.st); }
 __device__ __forceinline__ void vset(const Vec &v, int64_t i, double x) { st_vec(v.p, v.dt, i * v.st, x); }
 
-/* V elements of T read or written as one access (V * sizeof(T) is 2..16 bytes). */
-template <class T, int V> struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 
 /* Geometry: (N, C, S), and the strides of x, of the other input (g) and of the output. */
 struct Geo {
@@ -243,7 +239,7 @@ __global__ void __launch_bounds__(BN_THREADS)
   int64_t j = j0 + threadIdx.x;
   int64_t nn = j / SV, sv = j - nn * SV;
   const int64_t dn = B / SV, dsv = B - dn * SV;
-  typedef Pack<T, V> P;
+  typedef kc_vec<T, V> P;
   constexpr int U = BW ? 2 : BN_U; /* the backward loads three vectors a step */
   for (;;) {
     const int u_n = j + (U - 1) * B < j1 ? U : j < j1 ? 1 : 0; /* a full batch, or the tail one by one */
@@ -303,8 +299,9 @@ __global__ void __launch_bounds__(BN_THREADS)
 /* One row of pass1_cl: V channels' Welford update (their count shared, so one reciprocal
 ** serves V updates), or the backward's sums of g and g (x - mean). */
 template <class T, class A, int V, bool BW, bool RC>
-__device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const Pack<T, V> &px, const Pack<T, V> &pg,
-                                       const T *mk, const Pack<T, V> &pm, Pack<T, V> &po, const A *fk, const A *fb) {
+__device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const kc_vec<T, V> &px,
+                                       const kc_vec<T, V> &pg, const T *mk, const kc_vec<T, V> &pm, kc_vec<T, V> &po,
+                                       const A *fk, const A *fb) {
   if (!BW) {
     n += (A)1;
     A rc = qdiv((A)1, n);
@@ -350,7 +347,7 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
     for (int i = 0; i < V; i++) fk[i] = on ? fkp[(cv * V + i) * mst] : (A)0, fb[i] = on ? fbp[(cv * V + i) * mst] : (A)0;
   if (RC) mk = NULL, gm = NULL;
-  typedef Pack<T, V> P;
+  typedef kc_vec<T, V> P;
   constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
   int64_t nn = r / G.S, s = r - nn * G.S;
@@ -589,24 +586,24 @@ __global__ void __launch_bounds__(BN_THREADS)
   const A fk = RC ? coef[4 * C + c] : (A)0, fb = RC ? coef[5 * C + c] : (A)0;
   if (RC) mk = NULL;
   for (int64_t v = v0; v < inner; v += step) {
-    Pack<T, V> out;
+    kc_vec<T, V> out;
     if (!BW) {
-      Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V), pr;
-      if (mk) pr = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V); /* the residual */
+      kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V), pr;
+      if (mk) pr = *reinterpret_cast<const kc_vec<T, V> *>(mk + mo + v * V); /* the residual */
 #pragma unroll
       for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], mean, kk, pp, mk, pr.v[i], relu);
     } else {
-      Pack<T, V> pg = *reinterpret_cast<const Pack<T, V> *>(g + go + v * V), pm;
-      if (mk) pm = *reinterpret_cast<const Pack<T, V> *>(mk + mo + v * V);
+      kc_vec<T, V> pg = *reinterpret_cast<const kc_vec<T, V> *>(g + go + v * V), pm;
+      if (mk) pm = *reinterpret_cast<const kc_vec<T, V> *>(mk + mo + v * V);
       if (RC) {
-        Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
+        kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++) {
           A gv = rmasked<T, A>(pg.v[i], px.v[i], mean, fk, fb);
           out.v[i] = TRAIN ? kc_st<T>(dx_val<A>(kk, gv, pp, (A)kc_ld<T>(px.v[i]) - mean, qq)) : kc_st<T>(kk * gv);
         }
       } else if (TRAIN) {
-        Pack<T, V> px = *reinterpret_cast<const Pack<T, V> *>(x + xo + v * V);
+        kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
           out.v[i] = kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
@@ -615,7 +612,7 @@ __global__ void __launch_bounds__(BN_THREADS)
         for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v));
       }
     }
-    *reinterpret_cast<Pack<T, V> *>(y + yo + v * V) = out;
+    *reinterpret_cast<kc_vec<T, V> *>(y + yo + v * V) = out;
   }
 }
 
@@ -625,11 +622,11 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** any is used. (pass3 above reloaded three coefficient vectors per data vector here: the
 ** channels-last forward ran at a third of the NCHW one's bandwidth on the H200.) */
 template <class T, class A, int V, bool BW, bool TRAIN, bool RC>
-__device__ __forceinline__ Pack<T, V> p3_row(const Pack<T, V> &px, const Pack<T, V> &pg, const T *mk,
-                                             const Pack<T, V> &pmk, const Pack<A, V> &pm, const Pack<A, V> &pk,
-                                             const Pack<A, V> &pp, const Pack<A, V> &pq, bool relu,
-                                             const Pack<A, V> &fk, const Pack<A, V> &fb) {
-  Pack<T, V> out;
+__device__ __forceinline__ kc_vec<T, V> p3_row(const kc_vec<T, V> &px, const kc_vec<T, V> &pg, const T *mk,
+                                             const kc_vec<T, V> &pmk, const kc_vec<A, V> &pm, const kc_vec<A, V> &pk,
+                                             const kc_vec<A, V> &pp, const kc_vec<A, V> &pq, bool relu,
+                                             const kc_vec<A, V> &fk, const kc_vec<A, V> &fb) {
+  kc_vec<T, V> out;
   if (RC) { /* the backward, its mask recomputed from x */
 #pragma unroll
     for (int i = 0; i < V; i++) {
@@ -663,8 +660,8 @@ __global__ void __launch_bounds__(BN_THREADS)
   const int64_t C = G.C, R = G.N * G.S, step = blockDim.y, c0 = cv * V;
   const int64_t by = rev ? (int64_t)gridDim.y - 1 - blockIdx.y : (int64_t)blockIdx.y, r0 = by * chunk,
                 r1 = r0 + chunk < R ? r0 + chunk : R;
-  typedef Pack<A, V> PA;
-  typedef Pack<T, V> P;
+  typedef kc_vec<A, V> PA;
+  typedef kc_vec<T, V> P;
   const PA pm = *reinterpret_cast<const PA *>(coef + c0), pk = *reinterpret_cast<const PA *>(coef + C + c0),
            pp = *reinterpret_cast<const PA *>(coef + 2 * C + c0);
   PA pq, fk, fb;
@@ -910,8 +907,8 @@ template <class T, class A, int V, bool VO>
 __global__ void __launch_bounds__(BN_THREADS)
     pool_fwd_cl(const T *__restrict__ x, T *__restrict__ y, uint8_t *__restrict__ off, int64_t C, PoolG Q,
                 const A *__restrict__ coef) {
-  typedef Pack<A, V> PA;
-  typedef Pack<T, V> P;
+  typedef kc_vec<A, V> PA;
+  typedef kc_vec<T, V> P;
   for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < Q.total; k += gridDim.x * blockDim.x) {
     const int r = kc_div(k, Q.cvd), cv = k - r * Q.CV;
     const int r2 = kc_div(r, Q.owd), ow = r - r2 * Q.OW;
@@ -922,7 +919,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     const T *xn = x + n * Q.xs0 + c0;
     A best[V];
     P bv;
-    Pack<uint8_t, V> at;
+    kc_vec<uint8_t, V> at;
     bool any = false;
     for (int i = 0; i < Q.kh; i++) {
       const int h = oh * Q.sh - Q.ph + i;
@@ -947,7 +944,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     const int64_t s = (int64_t)oh * Q.OW + ow;
     *reinterpret_cast<P *>(y + n * Q.ys[0] + s * Q.ys[2] + c0) = bv;
     uint8_t *o = off + n * Q.os[0] + s * Q.os[2] + c0;
-    if (VO) *reinterpret_cast<Pack<uint8_t, V> *>(o) = at;
+    if (VO) *reinterpret_cast<kc_vec<uint8_t, V> *>(o) = at;
     else
 #pragma unroll
       for (int c = 0; c < V; c++) o[c] = at.v[c];

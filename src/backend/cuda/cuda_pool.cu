@@ -101,10 +101,6 @@ __global__ void __launch_bounds__(KC_THREADS) col2im_kernel(const T *cols, T *x,
 
 template <class A> __device__ __forceinline__ bool kc_isnan(A v) { return v != v; }
 
-/* V elements of T as one access (V * sizeof(T) is 2..16 bytes) */
-template <class T, int V> struct alignas(sizeof(T) * V) Pack2 {
-  T v[V];
-};
 
 template <class T, class I>
 __global__ void __launch_bounds__(KC_THREADS) max_pool_kernel(const T *x, T *y, int64_t *idx, WGeom<I> g) {
@@ -215,8 +211,8 @@ struct PoolCL {
   kc_fastdiv shd, swd;
 };
 
-template <class T, int V> __device__ __forceinline__ Pack2<T, V> ldp(const T *p) {
-  return *reinterpret_cast<const Pack2<T, V> *>(p);
+template <class T, int V> __device__ __forceinline__ kc_vec<T, V> ldp(const T *p) {
+  return *reinterpret_cast<const kc_vec<T, V> *>(p);
 }
 
 template <class T, int V>
@@ -240,7 +236,7 @@ __global__ void __launch_bounds__(256) max_pool_cl(const T *__restrict__ x, T *_
       for (int j = 0; j < p.KW; j++) {
         const int w = ow * p.sw - p.pw + j * p.dw;
         if (w < 0 || w >= p.W) continue;
-        Pack2<T, V> px = ldp<T, V>(xp + h * p.xs[2] + w * p.xs[3]);
+        kc_vec<T, V> px = ldp<T, V>(xp + h * p.xs[2] + w * p.xs[3]);
         const int me = h * p.W + w;
 #pragma unroll
         for (int t = 0; t < V; t++) {
@@ -249,19 +245,19 @@ __global__ void __launch_bounds__(256) max_pool_cl(const T *__restrict__ x, T *_
         }
       }
     }
-    Pack2<T, V> out;
+    kc_vec<T, V> out;
 #pragma unroll
     for (int t = 0; t < V; t++) out.v[t] = kc_st<T>(at[t] < 0 ? (A)-INFINITY : best[t]);
-    *reinterpret_cast<Pack2<T, V> *>(y + (int64_t)n * p.ys[0] + oh * p.ys[2] + ow * p.ys[3] + cv * V) = out;
+    *reinterpret_cast<kc_vec<T, V> *>(y + (int64_t)n * p.ys[0] + oh * p.ys[2] + ow * p.ys[3] + cv * V) = out;
     int64_t *ip = idx + (int64_t)n * p.is[0] + oh * p.is[2] + ow * p.is[3] + cv * V;
     if (V == 1) {
       ip[0] = at[0] < 0 ? 0 : at[0];
     } else {
 #pragma unroll
       for (int t = 0; t + 1 < V; t += 2) {
-        Pack2<int64_t, 2> q;
+        kc_vec<int64_t, 2> q;
         q.v[0] = at[t] < 0 ? 0 : at[t], q.v[1] = at[t + 1] < 0 ? 0 : at[t + 1];
-        *reinterpret_cast<Pack2<int64_t, 2> *>(ip + t) = q;
+        *reinterpret_cast<kc_vec<int64_t, 2> *>(ip + t) = q;
       }
     }
   }
@@ -289,7 +285,7 @@ __global__ void __launch_bounds__(256) max_pool_bwd_cl(const T *__restrict__ g, 
     for (int t = 0; t < V; t++) acc[t] = 0;
     for (int oh = oh1; oh >= oh0; oh--)
       for (int ow = ow1; ow >= ow0; ow--) {
-        Pack2<T, V> pg = ldp<T, V>(gp + oh * p.ys[2] + ow * p.ys[3]);
+        kc_vec<T, V> pg = ldp<T, V>(gp + oh * p.ys[2] + ow * p.ys[3]);
         const int64_t *ip = ipp + oh * p.is[2] + ow * p.is[3];
         int64_t iv[V];
         if (V == 1) {
@@ -297,7 +293,7 @@ __global__ void __launch_bounds__(256) max_pool_bwd_cl(const T *__restrict__ g, 
         } else {
 #pragma unroll
           for (int t = 0; t + 1 < V; t += 2) {
-            Pack2<int64_t, 2> q = *reinterpret_cast<const Pack2<int64_t, 2> *>(ip + t);
+            kc_vec<int64_t, 2> q = *reinterpret_cast<const kc_vec<int64_t, 2> *>(ip + t);
             iv[t] = q.v[0], iv[t + 1] = q.v[1];
           }
         }
@@ -305,10 +301,10 @@ __global__ void __launch_bounds__(256) max_pool_bwd_cl(const T *__restrict__ g, 
         for (int t = 0; t < V; t++)
           if (iv[t] == me) acc[t] += kc_ld<T>(pg.v[t]);
       }
-    Pack2<T, V> out;
+    kc_vec<T, V> out;
 #pragma unroll
     for (int t = 0; t < V; t++) out.v[t] = kc_st<T>(acc[t]);
-    *reinterpret_cast<Pack2<T, V> *>(dx + (int64_t)n * p.xs[0] + h * p.xs[2] + w * p.xs[3] + cv * V) = out;
+    *reinterpret_cast<kc_vec<T, V> *>(dx + (int64_t)n * p.xs[0] + h * p.xs[2] + w * p.xs[3] + cv * V) = out;
   }
 }
 

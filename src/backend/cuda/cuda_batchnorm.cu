@@ -85,9 +85,9 @@ struct Geo {
 };
 
 /* A value of g where the mask lets it through: the ReLU's backward, folded in. */
-template <class T, class A> __device__ __forceinline__ A masked(T g, const T *mk, int i, const T *mv) {
+template <class T, class A> __device__ __forceinline__ A masked(T g, bool hm, int i, const T *mv) {
   A v = (A)kc_ld<T>(g);
-  return mk && !((A)kc_ld<T>(mv[i]) > (A)0) ? (A)0 : v;
+  return hm && !((A)kc_ld<T>(mv[i]) > (A)0) ? (A)0 : v;
 }
 
 /* the fused ReLU of kiln_batch_norm_relu (flag 8): NaN passes, as kiln_relu's */
@@ -108,9 +108,9 @@ template <class T, class A> __device__ __forceinline__ A bn_pre(T x, A mean, A k
 /* the forward's value: bn(x), plus the residual's element where there is one (flag 16),
 ** then the ReLU where flag 8 asks */
 template <class T, class A>
-__device__ __forceinline__ T fwd_val(T x, A mean, A k, A b, const T *res, T r, bool relu) {
+__device__ __forceinline__ T fwd_val(T x, A mean, A k, A b, bool hres, T r, bool relu) {
   A v = bn_pre<T, A>(x, mean, k, b);
-  if (res) v += (A)kc_ld<T>(r);
+  if (hres) v += (A)kc_ld<T>(r);
   return kc_st<T>(relu_if(v, relu));
 }
 
@@ -207,10 +207,12 @@ __device__ __forceinline__ void radv(int64_t &n, int64_t &s, int64_t dn, int64_t
 ** thread left the first version latency bound (the channels-last statistics ran at about
 ** a third of the NCHW pass's bandwidth on the H200). */
 enum { BN_U = 4 };
-/* (Occupancy: ptxas gives the bf16 8-wide channels-last kernels 118-124 registers, pass 3
-** and pass 1's backward: two blocks of 256 an SM, 16 warps, with 32-64 KB of loads in flight
-** an SM. Capping them at 80 registers for three blocks spilled 100-360 bytes a thread in the
-** loop (ptxas -v), so they are left uncapped.) */
+/* (Occupancy: ptxas gives the bf16 8-wide channels-last kernels that walk (n, s) 118-124
+** registers, pass 3 and pass 1's backward: two blocks of 256 an SM. Capping them at 80
+** registers for three blocks spilled 100-360 bytes a thread in the loop (ptxas -v), so they
+** are left uncapped. The FLAT kernels, for evenly strided rows with the third input's
+** presence a template argument, take 48-104: pass 3's forward 64 (78 with the residual),
+** three or four blocks an SM.) */
 
 /* ---- pass 1, cf: block (channel blockIdx.x, split blockIdx.y) over that channel's
 ** N * S/V vectors, flattened as (n, sv); (n, sv) advance by subtraction, no division in
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(BN_THREADS)
           P po;
 #pragma unroll
           for (int i = 0; i < V; i++) {
-            A gv = RC ? rmasked<T, A>(pg[u].v[i], px[u].v[i], mean, fk, fb) : masked<T, A>(pg[u].v[i], mc, i, pm[u].v);
+            A gv = RC ? rmasked<T, A>(pg[u].v[i], px[u].v[i], mean, fk, fb) : masked<T, A>(pg[u].v[i], mc != NULL, i, pm[u].v);
             po.v[i] = kc_st<T>(gv); /* exact: g or 0, RELU_BACKWARD's value */
             sg += gv;
             gx_acc<A>(sgx, gv, v[i] - mean);
@@ -300,7 +302,7 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** serves V updates), or the backward's sums of g and g (x - mean). */
 template <class T, class A, int V, bool BW, bool RC>
 __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const kc_vec<T, V> &px,
-                                       const kc_vec<T, V> &pg, const T *mk, const kc_vec<T, V> &pm, kc_vec<T, V> &po,
+                                       const kc_vec<T, V> &pg, bool hm, const kc_vec<T, V> &pm, kc_vec<T, V> &po,
                                        const A *fk, const A *fb) {
   if (!BW) {
     n += (A)1;
@@ -314,7 +316,7 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const kc
   } else {
 #pragma unroll
     for (int i = 0; i < V; i++) {
-      A gv = RC ? rmasked<T, A>(pg.v[i], px.v[i], mean[i], fk[i], fb[i]) : masked<T, A>(pg.v[i], mk, i, pm.v);
+      A gv = RC ? rmasked<T, A>(pg.v[i], px.v[i], mean[i], fk[i], fb[i]) : masked<T, A>(pg.v[i], hm, i, pm.v);
       po.v[i] = kc_st<T>(gv);                        /* exact: g or 0, RELU_BACKWARD's value */
       m[i] += gv;                                     /* sum g */
       gx_acc<A>(q[i], gv, (A)kc_ld<T>(px.v[i]) - mean[i]); /* sum g (x - mean) */
@@ -322,11 +324,38 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const kc
   }
 }
 
+/* Loads pass1_cl's next batch of rows (U of them, or the tail's one) from row r on, and
+** advances r, (nn, s) past them; the batch's size, 0 past r1. FLAT: every tensor's rows
+** are evenly strided (strides[0] = S strides[2], as a contiguous channels-last tensor's),
+** so row r is at r strides[2] and (nn, s) are not kept. */
+template <class T, int V, bool BW, int U, bool FLAT>
+__device__ __forceinline__ int cl_load(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, bool hm, const Geo &G, int64_t co, int64_t &r,
+                                       int64_t r1, int64_t &nn, int64_t &s, int64_t dn, int64_t ds, int TY,
+                                       kc_vec<T, V> *px, kc_vec<T, V> *pg, kc_vec<T, V> *pm, int64_t *oo) {
+  typedef kc_vec<T, V> P;
+  const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0; /* a full batch, or the tail one by one */
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    if (u < u_n) {
+      const int64_t ru = r + (int64_t)u * TY;
+      px[u] = *reinterpret_cast<const P *>(x + (FLAT ? ru * G.xs[2] : nn * G.xs[0] + s * G.xs[2]) + co);
+      if (BW) {
+        pg[u] = *reinterpret_cast<const P *>(g + (FLAT ? ru * G.gs[2] : nn * G.gs[0] + s * G.gs[2]) + co);
+        if (hm) pm[u] = *reinterpret_cast<const P *>(mk + (FLAT ? ru * G.ms[2] : nn * G.ms[0] + s * G.ms[2]) + co);
+        oo[u] = (FLAT ? ru * G.os[2] : nn * G.os[0] + s * G.os[2]) + co;
+      }
+      if (!FLAT) radv(nn, s, dn, ds, G.S);
+    }
+  }
+  r += (int64_t)u_n * TY;
+  return u_n;
+}
+
 /* ---- pass 1, cl: block (TX channel vectors) x (256 / TX rows); blockIdx.x picks the
 ** channel vectors, blockIdx.y the split of the N*S rows. A thread keeps V channels' states
 ** over rows ty, ty + TY, ... of its split, BN_U rows loaded at a time; the block's rows
 ** then merge by a fixed tree through shared memory (row k takes row k + h, h = TY/2 .. 1). */
-template <class T, class A, int V, bool BW, bool RC = false>
+template <class T, class A, int V, bool BW, bool RC = false, bool FLAT = false, int MKS = -1>
 __global__ void __launch_bounds__(BN_THREADS)
     pass1_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ gm, Geo G,
              A *__restrict__ part, const A *__restrict__ meanp, int64_t mst, const A *__restrict__ fkp,
@@ -347,37 +376,27 @@ __global__ void __launch_bounds__(BN_THREADS)
 #pragma unroll
     for (int i = 0; i < V; i++) fk[i] = on ? fkp[(cv * V + i) * mst] : (A)0, fb[i] = on ? fbp[(cv * V + i) * mst] : (A)0;
   if (RC) mk = NULL, gm = NULL;
+  /* MKS 1: the mask read and the masked g written, 0: neither, known at compile time (as
+  ** pass3_cl's); -1: as mk and gm are */
+  const bool hm = MKS < 0 ? mk != NULL : MKS == 1 && !RC, hg = MKS < 0 ? gm != NULL : MKS == 1 && !RC;
   typedef kc_vec<T, V> P;
   constexpr int U = BW ? 2 : BN_U;
   int64_t r = r0 + ty;
-  int64_t nn = r / G.S, s = r - nn * G.S;
-  const int64_t dn = TY / G.S, ds = TY - dn * G.S;
+  int64_t nn = FLAT ? 0 : r / G.S, s = r - nn * G.S;
+  const int64_t dn = FLAT ? 0 : TY / G.S, ds = TY - dn * G.S;
   const int64_t co = cv * V;
-  for (; on;) {
-    const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0;
-    if (u_n == 0) break;
-    P px[U], pg[U], pm[U];
-    int64_t oo[U]; /* where the masked g goes (flag 4) */
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      if (u < u_n) {
-        px[u] = *reinterpret_cast<const P *>(x + nn * G.xs[0] + s * G.xs[2] + co);
-        if (BW) {
-          pg[u] = *reinterpret_cast<const P *>(g + nn * G.gs[0] + s * G.gs[2] + co);
-          if (mk) pm[u] = *reinterpret_cast<const P *>(mk + nn * G.ms[0] + s * G.ms[2] + co);
-          oo[u] = nn * G.os[0] + s * G.os[2] + co;
-        }
-        radv(nn, s, dn, ds, G.S);
-      }
-    }
+  P px[U], pg[U], pm[U];
+  int64_t oo[U]; /* where the masked g goes (flag 4) */
+  int u_n = on ? cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo) : 0;
+  while (u_n) {
 #pragma unroll
     for (int u = 0; u < U; u++)
       if (u < u_n) {
         P po;
-        cl_row<T, A, V, BW, RC>(n, m, q, mean, px[u], pg[u], mk, pm[u], po, fk, fb);
-        if (BW && gm) *reinterpret_cast<P *>(gm + oo[u]) = po;
+        cl_row<T, A, V, BW, RC>(n, m, q, mean, px[u], pg[u], hm, pm[u], po, fk, fb);
+        if (BW && hg) *reinterpret_cast<P *>(gm + oo[u]) = po;
       }
-    r += (int64_t)u_n * TY;
+    u_n = cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo);
   }
   /* the block's rows by a fixed tree */
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -591,7 +610,7 @@ __global__ void __launch_bounds__(BN_THREADS)
       kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V), pr;
       if (mk) pr = *reinterpret_cast<const kc_vec<T, V> *>(mk + mo + v * V); /* the residual */
 #pragma unroll
-      for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], mean, kk, pp, mk, pr.v[i], relu);
+      for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], mean, kk, pp, mk != NULL, pr.v[i], relu);
     } else {
       kc_vec<T, V> pg = *reinterpret_cast<const kc_vec<T, V> *>(g + go + v * V), pm;
       if (mk) pm = *reinterpret_cast<const kc_vec<T, V> *>(mk + mo + v * V);
@@ -606,10 +625,10 @@ __global__ void __launch_bounds__(BN_THREADS)
         kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
+          out.v[i] = kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk != NULL, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
       } else {
 #pragma unroll
-        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk, i, pm.v));
+        for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk != NULL, i, pm.v));
       }
     }
     *reinterpret_cast<kc_vec<T, V> *>(y + yo + v * V) = out;
@@ -622,7 +641,7 @@ __global__ void __launch_bounds__(BN_THREADS)
 ** any is used. (pass3 above reloaded three coefficient vectors per data vector here: the
 ** channels-last forward ran at a third of the NCHW one's bandwidth on the H200.) */
 template <class T, class A, int V, bool BW, bool TRAIN, bool RC>
-__device__ __forceinline__ kc_vec<T, V> p3_row(const kc_vec<T, V> &px, const kc_vec<T, V> &pg, const T *mk,
+__device__ __forceinline__ kc_vec<T, V> p3_row(const kc_vec<T, V> &px, const kc_vec<T, V> &pg, bool hmk,
                                              const kc_vec<T, V> &pmk, const kc_vec<A, V> &pm, const kc_vec<A, V> &pk,
                                              const kc_vec<A, V> &pp, const kc_vec<A, V> &pq, bool relu,
                                              const kc_vec<A, V> &fk, const kc_vec<A, V> &fb) {
@@ -634,22 +653,22 @@ __device__ __forceinline__ kc_vec<T, V> p3_row(const kc_vec<T, V> &px, const kc_
       out.v[i] = TRAIN ? kc_st<T>(dx_val<A>(pk.v[i], gv, pp.v[i], (A)kc_ld<T>(px.v[i]) - pm.v[i], pq.v[i]))
                        : kc_st<T>(pk.v[i] * gv);
     }
-  } else if (!BW) { /* pmk: the residual where mk is set */
+  } else if (!BW) { /* pmk: the residual where hmk */
 #pragma unroll
-    for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], pm.v[i], pk.v[i], pp.v[i], mk, pmk.v[i], relu);
+    for (int i = 0; i < V; i++) out.v[i] = fwd_val<T, A>(px.v[i], pm.v[i], pk.v[i], pp.v[i], hmk, pmk.v[i], relu);
   } else if (TRAIN) {
 #pragma unroll
     for (int i = 0; i < V; i++)
       out.v[i] = kc_st<T>(
-          dx_val<A>(pk.v[i], masked<T, A>(pg.v[i], mk, i, pmk.v), pp.v[i], (A)kc_ld<T>(px.v[i]) - pm.v[i], pq.v[i]));
+          dx_val<A>(pk.v[i], masked<T, A>(pg.v[i], hmk, i, pmk.v), pp.v[i], (A)kc_ld<T>(px.v[i]) - pm.v[i], pq.v[i]));
   } else {
 #pragma unroll
-    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], mk, i, pmk.v));
+    for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(pk.v[i] * masked<T, A>(pg.v[i], hmk, i, pmk.v));
   }
   return out;
 }
 
-template <class T, class A, int V, bool BW, bool TRAIN, bool RC = false>
+template <class T, class A, int V, bool BW, bool TRAIN, bool RC = false, bool FLAT = false, int MKS = -1>
 __global__ void __launch_bounds__(BN_THREADS)
     pass3_cl(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, T *__restrict__ y, Geo G,
              const A *__restrict__ coef, int64_t chunk, bool relu, bool rev) {
@@ -673,6 +692,37 @@ __global__ void __launch_bounds__(BN_THREADS)
   const bool rx = !BW || TRAIN || RC; /* x is read */
   constexpr int U = BW && (TRAIN || RC) ? 2 : BN_U; /* three loads a row in the training backward */
   int64_t r = r0 + threadIdx.y;
+  if constexpr (FLAT) { /* rows evenly strided (cl_load): full batches, then the tail one by one.
+    ** MKS: whether there is a third input (mask or residual), known at compile time (a
+    ** run-time choice between the two doubled the forward's registers, bench/RESULTS.md) */
+    constexpr bool hm = MKS == 1 && !RC;
+    const T *xr = x + c0 + r * G.xs[2], *gr = g + c0 + r * G.gs[2], *mr = hm ? mk + c0 + r * G.ms[2] : NULL;
+    T *yr = y + c0 + r * G.ys[2];
+    const int64_t bx = U * step * G.xs[2], bg = U * step * G.gs[2], bm = U * step * G.ms[2], by = U * step * G.ys[2];
+    for (; r + (int64_t)(U - 1) * step < r1; r += U * step) {
+      P px[U], pg[U], pmk[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        if (rx) px[u] = *reinterpret_cast<const P *>(xr + u * step * G.xs[2]);
+        if (BW) pg[u] = *reinterpret_cast<const P *>(gr + u * step * G.gs[2]);
+        if (hm) pmk[u] = *reinterpret_cast<const P *>(mr + u * step * G.ms[2]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        *reinterpret_cast<P *>(yr + u * step * G.ys[2]) =
+            p3_row<T, A, V, BW, TRAIN, RC>(px[u], pg[u], hm, pmk[u], pm, pk, pp, pq, relu, fk, fb);
+      xr += bx, gr += bg, yr += by;
+      if (hm) mr += bm;
+    }
+    for (; r < r1; r += step) {
+      P px, pg, pmk;
+      if (rx) px = *reinterpret_cast<const P *>(x + c0 + r * G.xs[2]);
+      if (BW) pg = *reinterpret_cast<const P *>(g + c0 + r * G.gs[2]);
+      if (hm) pmk = *reinterpret_cast<const P *>(mk + c0 + r * G.ms[2]);
+      *reinterpret_cast<P *>(y + c0 + r * G.ys[2]) = p3_row<T, A, V, BW, TRAIN, RC>(px, pg, hm, pmk, pm, pk, pp, pq, relu, fk, fb);
+    }
+    return;
+  }
   int64_t n = r / G.S, s = r - n * G.S;
   const int64_t dn = step / G.S, ds = step - dn * G.S;
   for (;;) {
@@ -694,7 +744,7 @@ __global__ void __launch_bounds__(BN_THREADS)
     for (int u = 0; u < U; u++)
       if (u < u_n)
         *reinterpret_cast<P *>(y + yo[u]) =
-            p3_row<T, A, V, BW, TRAIN, RC>(px[u], pg[u], mk, pmk[u], pm, pk, pp, pq, relu, fk, fb);
+            p3_row<T, A, V, BW, TRAIN, RC>(px[u], pg[u], mk != NULL, pmk[u], pm, pk, pp, pq, relu, fk, fb);
     r += (int64_t)u_n * step;
   }
 }
@@ -708,10 +758,12 @@ __global__ void __launch_bounds__(BN_THREADS)
 **                      equal blocks and no tail, at the cost of the reverse-order L2 reuse
 **                      (every block's last rows are in L2 then, not the tensor's);
 **   KILN_BN_P3_ROWS    channels-last pass 3: rows per thread (default 16);
-**   KILN_BN_P3_REVERSE 0: pass 3 walks the rows forward instead of last first. */
+**   KILN_BN_P3_REVERSE 0: pass 3 walks the rows forward instead of last first;
+**   KILN_BN_FLAT       0: the channels-last passes walk (n, s) even where every tensor's
+**                      rows are evenly strided. */
 struct Knobs {
   int p1_bps, p3_rows;
-  bool reverse;
+  bool reverse, flat;
 };
 int env_int(const char *name, int dflt, int lo, int hi) {
   const char *e = getenv(name);
@@ -726,10 +778,14 @@ const Knobs &knobs() {
     r.p1_bps = env_int("KILN_BN_P1_BPS", 8, 0, 64);
     r.p3_rows = env_int("KILN_BN_P3_ROWS", 16, 1, 4096);
     r.reverse = env_int("KILN_BN_P3_REVERSE", 1, 0, 1) != 0;
+    r.flat = env_int("KILN_BN_FLAT", 1, 0, 1) != 0;
     return r;
   }();
   return k;
 }
+
+/* whether a view's rows (n, s) are evenly strided: row r at r strides[2] (the FLAT kernels) */
+bool rows_flat(const int64_t *st, const Geo &G) { return G.N <= 1 || st[0] == G.S * st[2]; }
 
 bool cf_ok(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
@@ -880,12 +936,16 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     else if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
     else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
   } else {
-    if (rc)
-      pass1_cl<T, A, V, true, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, fkp, fbp);
-    else if (bw)
-      pass1_cl<T, A, V, true><<<p.grid, p.block, p.smem, d->stream>>>(x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
-    else
-      pass1_cl<T, A, V, false><<<p.grid, p.block, p.smem, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
+    const bool fl = knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.os, G);
+#define BN_P1(BWV, RCV, MKS, ...) \
+  (fl ? pass1_cl<T, A, V, BWV, RCV, true, MKS><<<p.grid, p.block, p.smem, d->stream>>>(__VA_ARGS__) \
+      : pass1_cl<T, A, V, BWV, RCV><<<p.grid, p.block, p.smem, d->stream>>>(__VA_ARGS__))
+    if (rc) BN_P1(true, true, 0, x, g, NULL, NULL, G, part, meanp, mst, fkp, fbp);
+    else if (bw && mk && gm) BN_P1(true, false, 1, x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
+    else if (bw && !mk && !gm) BN_P1(true, false, 0, x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
+    else if (bw) BN_P1(true, false, -1, x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
+    else BN_P1(false, false, 0, x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
+#undef BN_P1
   }
   return kiln__cuda_launched(bw ? "batch_norm_backward (sums)" : "batch_norm (statistics)");
 }
@@ -931,7 +991,7 @@ __global__ void __launch_bounds__(BN_THREADS)
         const uint8_t tap = (uint8_t)(i * Q.kw + j);
 #pragma unroll
         for (int c = 0; c < V; c++) {
-          const T v = fwd_val<T, A>(px.v[c], pm.v[c], pk.v[c], pp.v[c], (const T *)NULL, px.v[c], true);
+          const T v = fwd_val<T, A>(px.v[c], pm.v[c], pk.v[c], pp.v[c], false, px.v[c], true);
           const A va = (A)kc_ld<T>(v);
           if (!any || va > best[c] || (va != va && best[c] == best[c])) best[c] = va, bv.v[c] = v, at.v[c] = tap;
         }
@@ -1012,11 +1072,20 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
     const bool rev = knobs().reverse;
-    if (!bw) pass3_cl<T, A, V, false, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
-    else if (rc && train) pass3_cl<T, A, V, true, true, true><<<grid, block, 0, d->stream>>>(x, g, NULL, y, G, coef, chunk, relu, rev);
-    else if (rc) pass3_cl<T, A, V, true, false, true><<<grid, block, 0, d->stream>>>(x, g, NULL, y, G, coef, chunk, relu, rev);
-    else if (train) pass3_cl<T, A, V, true, true><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
-    else pass3_cl<T, A, V, true, false><<<grid, block, 0, d->stream>>>(x, g, mk, y, G, coef, chunk, relu, rev);
+    const bool fl = knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.ys, G);
+    /* FLAT with the third input (mask or residual) present (MKS 1) or not (0) */
+#define BN_P3CL(BWV, TRV, RCV, MKS, MK) \
+  (fl ? pass3_cl<T, A, V, BWV, TRV, RCV, true, MKS><<<grid, block, 0, d->stream>>>(x, g, MK, y, G, coef, chunk, relu, rev) \
+      : pass3_cl<T, A, V, BWV, TRV, RCV><<<grid, block, 0, d->stream>>>(x, g, MK, y, G, coef, chunk, relu, rev))
+    if (!bw && mk) BN_P3CL(false, false, false, 1, mk);
+    else if (!bw) BN_P3CL(false, false, false, 0, NULL);
+    else if (rc && train) BN_P3CL(true, true, true, 0, NULL);
+    else if (rc) BN_P3CL(true, false, true, 0, NULL);
+    else if (train && mk) BN_P3CL(true, true, false, 1, mk);
+    else if (train) BN_P3CL(true, true, false, 0, NULL);
+    else if (mk) BN_P3CL(true, false, false, 1, mk);
+    else BN_P3CL(true, false, false, 0, NULL);
+#undef BN_P3CL
     return kiln__cuda_launched(bw ? "batch_norm_backward (dx)" : "batch_norm (normalize)");
   }
 #define BN_P3(BWV, TRV, RCV) \

@@ -385,18 +385,37 @@ __global__ void __launch_bounds__(BN_THREADS)
   int64_t nn = FLAT ? 0 : r / G.S, s = r - nn * G.S;
   const int64_t dn = FLAT ? 0 : TY / G.S, ds = TY - dn * G.S;
   const int64_t co = cv * V;
-  P px[U], pg[U], pm[U];
-  int64_t oo[U]; /* where the masked g goes (flag 4) */
-  int u_n = on ? cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo) : 0;
-  while (u_n) {
+  if constexpr (FLAT && !BW) {
+    /* the statistics, 8 rows a batch, then the tail one by one: fewer registers and twice
+    ** the loads in flight of cl_load's batches of BN_U, measured faster (bench/RESULTS.md) */
+    if (on) {
+      const T *xr = x + co + r * G.xs[2];
+      const int64_t st = TY * G.xs[2];
+      P none, po;
+      for (; r + 7 * (int64_t)TY < r1; r += 8 * (int64_t)TY, xr += 8 * st) {
+        P px[8];
 #pragma unroll
-    for (int u = 0; u < U; u++)
-      if (u < u_n) {
-        P po;
-        cl_row<T, A, V, BW, RC>(n, m, q, mean, px[u], pg[u], hm, pm[u], po, fk, fb);
-        if (BW && hg) *reinterpret_cast<P *>(gm + oo[u]) = po;
+        for (int u = 0; u < 8; u++) px[u] = *reinterpret_cast<const P *>(xr + u * st);
+#pragma unroll
+        for (int u = 0; u < 8; u++) cl_row<T, A, V, false, false>(n, m, q, mean, px[u], none, false, none, po, fk, fb);
       }
-    u_n = cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo);
+      for (; r < r1; r += TY, xr += st)
+        cl_row<T, A, V, false, false>(n, m, q, mean, *reinterpret_cast<const P *>(xr), none, false, none, po, fk, fb);
+    }
+  } else {
+    P px[U], pg[U], pm[U];
+    int64_t oo[U]; /* where the masked g goes (flag 4) */
+    int u_n = on ? cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo) : 0;
+    while (u_n) {
+#pragma unroll
+      for (int u = 0; u < U; u++)
+        if (u < u_n) {
+          P po;
+          cl_row<T, A, V, BW, RC>(n, m, q, mean, px[u], pg[u], hm, pm[u], po, fk, fb);
+          if (BW && hg) *reinterpret_cast<P *>(gm + oo[u]) = po;
+        }
+      u_n = cl_load<T, V, BW, U, FLAT>(x, g, mk, hm, G, co, r, r1, nn, s, dn, ds, TY, px, pg, pm, oo);
+    }
   }
   /* the block's rows by a fixed tree */
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -753,10 +772,11 @@ __global__ void __launch_bounds__(BN_THREADS)
 
 /* Tuning knobs, read once from the environment, for A/B runs on a device (.integ/bnfuse.sh
 ** sweeps them; the defaults are the measured choice):
-**   KILN_BN_P1_BPS     pass 1's grid: blocks per SM it aims for (default 8); 0: exactly the
-**                      blocks the SMs hold at once (the occupancy calculator), one wave of
-**                      equal blocks and no tail, at the cost of the reverse-order L2 reuse
-**                      (every block's last rows are in L2 then, not the tensor's);
+**   KILN_BN_P1_BPS     pass 1's grid: blocks per SM it aims for (default 8, 4 for the FLAT
+**                      statistics pass); 0: exactly the blocks the SMs hold at once (the
+**                      occupancy calculator), one wave of equal blocks and no tail, at the
+**                      cost of the reverse-order L2 reuse (every block's last rows are in
+**                      L2 then, not the tensor's);
 **   KILN_BN_P3_ROWS    channels-last pass 3: rows per thread (default 16);
 **   KILN_BN_P3_REVERSE 0: pass 3 walks the rows forward instead of last first;
 **   KILN_BN_FLAT       0: the channels-last passes walk (n, s) even where every tensor's
@@ -775,7 +795,7 @@ int env_int(const char *name, int dflt, int lo, int hi) {
 const Knobs &knobs() {
   static const Knobs k = [] {
     Knobs r;
-    r.p1_bps = env_int("KILN_BN_P1_BPS", 8, 0, 64);
+    r.p1_bps = env_int("KILN_BN_P1_BPS", -1, 0, 64); /* -1: unset */
     r.p3_rows = env_int("KILN_BN_P3_ROWS", 16, 1, 4096);
     r.reverse = env_int("KILN_BN_P3_REVERSE", 1, 0, 1) != 0;
     r.flat = env_int("KILN_BN_FLAT", 1, 0, 1) != 0;
@@ -786,6 +806,10 @@ const Knobs &knobs() {
 
 /* whether a view's rows (n, s) are evenly strided: row r at r strides[2] (the FLAT kernels) */
 bool rows_flat(const int64_t *st, const Geo &G) { return G.N <= 1 || st[0] == G.S * st[2]; }
+/* whether channels-last pass 1 takes its FLAT kernels */
+bool p1_flat(const Geo &G) {
+  return knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.os, G);
+}
 
 bool cf_ok(const kiln__view *v) { return v->shape[2] <= 1 || v->strides[2] == 1; }
 bool cl_ok(const kiln__view *v) { return v->shape[1] <= 1 || v->strides[1] == 1; }
@@ -936,7 +960,7 @@ kiln_status launch_p1(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G, boo
     else if (bw) pass1_cf<T, A, V, true><<<p.grid, p.block, 0, d->stream>>>(x, g, mk, gm, G, part, meanp, mst, NULL, NULL);
     else pass1_cf<T, A, V, false><<<p.grid, p.block, 0, d->stream>>>(x, g, NULL, NULL, G, part, meanp, mst, NULL, NULL);
   } else {
-    const bool fl = knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.os, G);
+    const bool fl = p1_flat(G);
 #define BN_P1(BWV, RCV, MKS, ...) \
   (fl ? pass1_cl<T, A, V, BWV, RCV, true, MKS><<<p.grid, p.block, p.smem, d->stream>>>(__VA_ARGS__) \
       : pass1_cl<T, A, V, BWV, RCV><<<p.grid, p.block, p.smem, d->stream>>>(__VA_ARGS__))
@@ -1105,6 +1129,7 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
 template <class T, class A, int V> int p1_blocks_per_sm(bool cl, bool bw) {
   int bps = knobs().p1_bps;
   if (bps > 0) return bps;
+  if (bps < 0) return 8;
   static int cache[2][2]; /* [cl][bw]; 0 unknown */
   int &c = cache[cl][bw];
   if (c > 0) return c;
@@ -1132,7 +1157,9 @@ kiln_status run(kiln__cuda_dev *d, const kiln__kargs *a, bool cl) {
   const bool rc = rc_of(a);
   /* the recomputed mask (rc) takes the mask-reading kernel's plan: the same splits, so the
   ** same sums in the same order and the same bits, even under KILN_BN_P1_BPS=0 */
-  P1 p = plan1<A>(G, cl, V, d->sm_count, p1_blocks_per_sm<T, A, V>(cl, bw));
+  int bps = p1_blocks_per_sm<T, A, V>(cl, bw);
+  if (!bw && cl && knobs().p1_bps < 0 && p1_flat(G)) bps = 4; /* the FLAT statistics: measured best */
+  P1 p = plan1<A>(G, cl, V, d->sm_count, bps);
   bool need_p1 = bw || train;
   size_t part_n = need_p1 ? (size_t)C * p.splits * (bw ? 2 : 3) : 0;
   size_t coef_n = (size_t)C * (rc ? 6 : 4);

@@ -272,7 +272,8 @@ __global__ void __launch_bounds__(BN_THREADS)
           P po;
 #pragma unroll
           for (int i = 0; i < V; i++) {
-            A gv = RC ? rmasked<T, A>(pg[u].v[i], px[u].v[i], mean, fk, fb) : masked<T, A>(pg[u].v[i], mc != NULL, i, pm[u].v);
+            A gv = RC ? rmasked<T, A>(pg[u].v[i], px[u].v[i], mean, fk, fb)
+                      : masked<T, A>(pg[u].v[i], mc != NULL, i, pm[u].v);
             po.v[i] = kc_st<T>(gv); /* exact: g or 0, RELU_BACKWARD's value */
             sg += gv;
             gx_acc<A>(sgx, gv, v[i] - mean);
@@ -329,9 +330,10 @@ __device__ __forceinline__ void cl_row(A &n, A *m, A *q, const A *mean, const kc
 ** are evenly strided (strides[0] = S strides[2], as a contiguous channels-last tensor's),
 ** so row r is at r strides[2] and (nn, s) are not kept. */
 template <class T, int V, bool BW, int U, bool FLAT>
-__device__ __forceinline__ int cl_load(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk, bool hm, const Geo &G, int64_t co, int64_t &r,
-                                       int64_t r1, int64_t &nn, int64_t &s, int64_t dn, int64_t ds, int TY,
-                                       kc_vec<T, V> *px, kc_vec<T, V> *pg, kc_vec<T, V> *pm, int64_t *oo) {
+__device__ __forceinline__ int cl_load(const T *__restrict__ x, const T *__restrict__ g, const T *__restrict__ mk,
+                                       bool hm, const Geo &G, int64_t co, int64_t &r, int64_t r1, int64_t &nn,
+                                       int64_t &s, int64_t dn, int64_t ds, int TY, kc_vec<T, V> *px, kc_vec<T, V> *pg,
+                                       kc_vec<T, V> *pm, int64_t *oo) {
   typedef kc_vec<T, V> P;
   const int u_n = r + (int64_t)(U - 1) * TY < r1 ? U : r < r1 ? 1 : 0; /* a full batch, or the tail one by one */
 #pragma unroll
@@ -644,7 +646,8 @@ __global__ void __launch_bounds__(BN_THREADS)
         kc_vec<T, V> px = *reinterpret_cast<const kc_vec<T, V> *>(x + xo + v * V);
 #pragma unroll
         for (int i = 0; i < V; i++)
-          out.v[i] = kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk != NULL, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
+          out.v[i] =
+              kc_st<T>(dx_val<A>(kk, masked<T, A>(pg.v[i], mk != NULL, i, pm.v), pp, (A)kc_ld<T>(px.v[i]) - mean, qq));
       } else {
 #pragma unroll
         for (int i = 0; i < V; i++) out.v[i] = kc_st<T>(kk * masked<T, A>(pg.v[i], mk != NULL, i, pm.v));
@@ -738,7 +741,8 @@ __global__ void __launch_bounds__(BN_THREADS)
       if (rx) px = *reinterpret_cast<const P *>(x + c0 + r * G.xs[2]);
       if (BW) pg = *reinterpret_cast<const P *>(g + c0 + r * G.gs[2]);
       if (hm) pmk = *reinterpret_cast<const P *>(mk + c0 + r * G.ms[2]);
-      *reinterpret_cast<P *>(y + c0 + r * G.ys[2]) = p3_row<T, A, V, BW, TRAIN, RC>(px, pg, hm, pmk, pm, pk, pp, pq, relu, fk, fb);
+      *reinterpret_cast<P *>(y + c0 + r * G.ys[2]) =
+          p3_row<T, A, V, BW, TRAIN, RC>(px, pg, hm, pmk, pm, pk, pp, pq, relu, fk, fb);
     }
     return;
   }
@@ -1096,7 +1100,8 @@ kiln_status launch_p3(kiln__cuda_dev *d, const kiln__kargs *a, const Geo &G0, bo
     int64_t chunk = (R + gy - 1) / gy;
     dim3 grid((unsigned)gx, (unsigned)gy), block(tx, ty);
     const bool rev = knobs().reverse;
-    const bool fl = knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.ys, G);
+    const bool fl =
+        knobs().flat && rows_flat(G.xs, G) && rows_flat(G.gs, G) && rows_flat(G.ms, G) && rows_flat(G.ys, G);
     /* FLAT with the third input (mask or residual) present (MKS 1) or not (0) */
 #define BN_P3CL(BWV, TRV, RCV, MKS, MK) \
   (fl ? pass3_cl<T, A, V, BWV, TRV, RCV, true, MKS><<<grid, block, 0, d->stream>>>(x, g, MK, y, G, coef, chunk, relu, rev) \

@@ -131,11 +131,7 @@ template <class T0> kiln_status mixed_second(kiln__cuda_dev *d, const kiln__karg
 
 /* KILN_CUDA_MIXED_EW=0: the cast-first path, for comparisons (read once) */
 bool mixed_off() {
-  static int off = -1;
-  if (off < 0) {
-    const char *e = getenv("KILN_CUDA_MIXED_EW");
-    off = e && strcmp(e, "0") == 0;
-  }
+  static const bool off = kc_env_zero("KILN_CUDA_MIXED_EW");
   return off;
 }
 

@@ -434,12 +434,8 @@ DevInfo dev_info(int device) {
 
 /* KILN_CONV_DIRECT=0: cuDNN for these shapes too (A/B); anything else (or unset): on */
 bool enabled() {
-  static int on = -1;
-  if (on < 0) {
-    const char *e = getenv("KILN_CONV_DIRECT");
-    on = !(e && !strcmp(e, "0"));
-  }
-  return on == 1;
+  static const bool on = !kc_env_zero("KILN_CONV_DIRECT");
+  return on;
 }
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }

@@ -40,12 +40,8 @@ struct S2d {
 };
 
 bool enabled() {
-  static int on = -1;
-  if (on < 0) {
-    const char *e = getenv("KILN_CONV_S2D");
-    on = !(e && !strcmp(e, "0"));
-  }
-  return on == 1;
+  static const bool on = !kc_env_zero("KILN_CONV_S2D");
+  return on;
 }
 
 /* NHWC strides of an (n, c, h, w) shape, in elements */

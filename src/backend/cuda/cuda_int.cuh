@@ -11,6 +11,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kiln.h"
 #include "../backend.h"
@@ -18,6 +20,14 @@
 
 #define KC_MAX_DEV 64
 #define KC_THREADS 256
+
+/* Whether the environment variable `name` is exactly "0": the switches that turn a default
+** path off for an A/B (KILN_CONV_S2D=0, KILN_PDL=0, ...); callers read it once into a
+** function-local static. */
+static inline bool kc_env_zero(const char *name) {
+  const char *e = getenv(name);
+  return e && !strcmp(e, "0");
+}
 
 /* ---- per-device state (cuda_backend.cu) ---- */
 typedef struct kiln__cuda_dev {

@@ -78,12 +78,8 @@ __device__ __forceinline__ void l2_prefetch(const void *p, uint32_t bytes) {
 }
 
 bool pdl_on(int device) {
-  static int env = -1;
+  static const bool env = !kc_env_zero("KILN_PDL");
   static signed char major[KC_MAX_DEV];
-  if (env < 0) {
-    const char *e = getenv("KILN_PDL");
-    env = !(e && !strcmp(e, "0"));
-  }
   if (!env || device < 0 || device >= KC_MAX_DEV) return false;
   if (major[device] == 0) {
     int v = 0;

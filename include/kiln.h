@@ -113,6 +113,10 @@ KILN_API kiln_abort_hook kiln_set_abort_hook(kiln_abort_hook hook);
 KILN_API const char *kiln_version(void);
 /* A short description of the build options ("cuda=on blas=openblas openmp=on ..."). */
 KILN_API const char *kiln_build_info(void);
+/* The CPU's BLAS as it runs: the kernels OpenBLAS picked for this CPU, and whether kiln's
+** f32 products go around them (to oneDNN's sgemm where OpenBLAS picked generic kernels
+** for a CPU with AVX2; KILN_CPU_SGEMM=blas|dnnl forces either); "" without a BLAS. */
+KILN_API const char *kiln_blas_info(void);
 
 /* --------------------------------------------------------------------------------------
 ** Dtypes.

@@ -62,6 +62,7 @@ typedef struct doctor {
   bool version_match;
   const char *build;
   char blas[64];
+  const char *blas_info; /* kiln_blas_info(): the kernels OpenBLAS picked, and kiln's f32 route */
   struct {
     const char *name;
     kiln_device_type type;
@@ -335,6 +336,20 @@ static void diagnose(doctor *d) {
       add_problem(d, "error", what, "update the Vulkan driver; run with KILN_FALLBACK=error to find the op, and report it with `kiln doctor --json` and `vulkaninfo --summary`");
     }
   }
+  if (d->blas_info && strstr(d->blas_info, "generic")) { /* OpenBLAS did not know this CPU */
+    const char *core = strstr(d->blas_info, "OPENBLAS_CORETYPE=");
+    char val[32] = "SkylakeX";
+    if (core) sscanf(core + 18, "%31[A-Za-z0-9]", val);
+    bool routed = strstr(d->blas_info, "oneDNN") != NULL;
+    snprintf(what, sizeof what,
+             "OpenBLAS picked generic (pre-AVX2) kernels for this CPU: its f32 products run several times "
+             "slower than the CPU allows%s",
+             routed ? "; kiln's own f32 products go to oneDNN's sgemm instead" : "");
+    snprintf(fix, sizeof fix,
+             "export OPENBLAS_CORETYPE=%s before starting the program (OpenBLAS reads it when it loads; it "
+             "also speeds up numpy and PyTorch in the same shell)", val);
+    add_problem(d, routed ? "note" : "warning", what, fix);
+  }
   for (int i = 0; i < d->ncuda; i++) {
     const cuda_result *r = &d->cuda[i];
     if (r->ran && !r->ok) {
@@ -413,6 +428,7 @@ static void print_json(const doctor *d) {
   cli_json_string(&j, "arch", d->arch);
   cli_json_string(&j, "simd", d->simd);
   cli_json_string(&j, "blas", d->blas);
+  cli_json_string(&j, "blas_kernels", d->blas_info);
   cli_json_object_end(&j);
   cli_json_int(&j, "threads", d->threads);
   cli_json_object_begin(&j, "env");
@@ -541,6 +557,7 @@ static void print_text(const doctor *d) {
   kv("cores", buf);
   kv("SIMD", d->simd);
   kv("BLAS", d->blas);
+  if (d->blas_info && *d->blas_info) kv("BLAS kernels", d->blas_info);
   snprintf(buf, sizeof buf, "%d", d->threads);
   kv("threads", buf);
 
@@ -745,6 +762,7 @@ int cli_doctor(int argc, char **argv) {
   d->version_match = !strcmp(d->version, KILN_VERSION);
   d->build = kiln_build_info();
   blas_from_build(d->build, d->blas, sizeof d->blas);
+  d->blas_info = kiln_blas_info();
   /* cpu and cuda always (cuda's row says why it is missing), then whatever else the
   ** registry holds, in its order */
   kiln_device_type types[MAX_BACKENDS] = {KILN_DEVICE_CPU, KILN_DEVICE_CUDA};

@@ -66,6 +66,10 @@ kiln_status kiln__cpu_conv2d_backward(const kiln__kargs *a);
 ** 0..2, 8 channels or more each side; KILN_CONV_WINOGRAD=0: never), and the kernel */
 bool kiln__cpu_conv_winograd_takes(const kiln__kargs *a);
 kiln_status kiln__cpu_conv_winograd(const kiln__kargs *a);
+/* C = alpha op(A) op(B) + beta C, row-major (cblas_sgemm's contract), on threads threads:
+** OpenBLAS's sgemm, or oneDNN's where OpenBLAS runs generic kernels (cpu_blas.c) */
+void kiln__sgemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb,
+                 float beta, float *C, int ldc, int threads);
 #ifdef KILN_HAVE_DNNL
 kiln_status kiln__cpu_conv2d(const kiln__kargs *a); /* CONV2D: the one-channel loops or oneDNN (cpu_conv.c) */
 bool kiln__cpu_dnnl_conv_takes(const kiln__kargs *a); /* f32, contiguous: oneDNN's case */

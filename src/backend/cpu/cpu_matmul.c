@@ -1,7 +1,8 @@
 /*
 ** MATMUL: out0 (B..., M, N) = s0 * A (B..., M, K) @ B (B..., K, N) + s1 * out0 + bias (N).
 **
-** Per batch element the product goes to cblas_sgemm/dgemm when built with a CBLAS
+** Per batch element the product goes to sgemm/dgemm when built with a CBLAS (f32 through
+** kiln__sgemm, cpu_blas.c: oneDNN's where OpenBLAS runs generic kernels)
 ** (KILN_HAVE_CBLAS), else to a blocked portable GEMM. An operand whose last two dims have
 ** a unit stride in either position is handed over as it is (row-major, or transposed with
 ** CblasTrans); any other layout is first copied to a contiguous temporary. An output in
@@ -43,8 +44,19 @@ static void kiln__blas_sync_threads(int64_t macs) {
     openblas_set_num_threads(nt);
   }
 }
+static int kiln__blas_nt(void) { return atomic_load_explicit(&kiln__blas_threads, memory_order_relaxed); }
 #else
 static void kiln__blas_sync_threads(int64_t macs) { (void)macs; }
+static int kiln__blas_nt(void) { return kiln_num_threads(); }
+#endif
+#ifdef KILN_HAVE_CBLAS
+/* cblas_sgemm's arguments to kiln__sgemm (cpu_blas.c: OpenBLAS, or oneDNN where OpenBLAS
+** runs generic kernels) */
+static void kiln__cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                              const float *B, int ldb, float beta, float *C, int ldc) {
+  (void)order;
+  kiln__sgemm(ta == CblasTrans, tb == CblasTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, kiln__blas_nt());
+}
 #endif
 
 /* Below this many multiply-adds a GEMM runs on one thread, and batches run in parallel. */
@@ -270,7 +282,7 @@ static int kiln__mm_split_parts(int64_t M, int64_t N, int64_t K, bool *along_n) 
     FN(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans, \
        (int)M, (int)N, (int)g->K, g->alpha, A, (int)g->lda, B, (int)g->ldb, g->beta, C, (int)g->ldc); \
   }
-KILN__MM_SPLIT_FNS(float, f32, cblas_sgemm)
+KILN__MM_SPLIT_FNS(float, f32, kiln__cblas_sgemm)
 KILN__MM_SPLIT_FNS(double, f64, cblas_dgemm)
 #define KILN__MM_SPLIT(SUF)                                                               \
   bool along_n_ = false;                                                                  \
@@ -296,7 +308,7 @@ KILN__MM_SPLIT_FNS(double, f64, cblas_dgemm)
        (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);       \
   }                                                                                       \
   return 0;
-KILN__MM_FNS(float, f32, KILN__CBLAS_CALL(cblas_sgemm, f32))
+KILN__MM_FNS(float, f32, KILN__CBLAS_CALL(kiln__cblas_sgemm, f32))
 KILN__MM_FNS(double, f64, KILN__CBLAS_CALL(cblas_dgemm, f64))
 #else
 KILN__MM_FNS(float, f32, )

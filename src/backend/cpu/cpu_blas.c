@@ -16,6 +16,7 @@
 #include "cpu_iter.h"
 #include "../../core/kiln_int.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
@@ -120,6 +121,9 @@ void kiln__sgemm(int ta, int tb, int M, int N, int K, float alpha, const float *
     int was = omp_get_max_threads(), nt = omp_in_parallel() || kiln__cpu_pool_inside() ? 1 : threads;
     if (nt < 1) nt = 1;
     if (nt != was) omp_set_num_threads(nt);
+    /* oneDNN's OpenMP workers spin between calls: kiln's loops join that team from now on
+    ** rather than fight it with the pool's threads (cpu_iter.c) */
+    if (nt > 1) atomic_store_explicit(&kiln__cpu_omp_loops, 1, memory_order_relaxed);
 #endif
     dnnl_status_t s = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #ifdef KILN_HAVE_OPENMP

@@ -86,7 +86,7 @@ static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
   char cmd[2048];
   char threads[64] = "";
   if (o->peer_threads > 0) snprintf(threads, sizeof threads, "OMP_NUM_THREADS=%d ", o->peer_threads);
-  snprintf(cmd, sizeof cmd, "%s%s '%s' %s 2>&1", threads, o->python, o->peer_path, args);
+  snprintf(cmd, sizeof cmd, "%s%s%s '%s' %s 2>&1", peer_blas_env(), threads, o->python, o->peer_path, args);
   fprintf(stderr, PROG ": peer: %s\n", cmd);
   FILE *f = popen(cmd, "r");
   if (!f) return false;

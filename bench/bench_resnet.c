@@ -138,8 +138,8 @@ static int run_peer(const char *python, const char *peer, const char *arch, int6
                     int threads, result *out, char *line, size_t line_n) {
   char cmd[2048], thr[48] = "";
   if (threads > 0) snprintf(thr, sizeof thr, "OMP_NUM_THREADS=%d ", threads);
-  snprintf(cmd, sizeof cmd, "%s%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s",
-           thr, python, peer, arch, (long long)size, (long long)batch, steps, devname,
+  snprintf(cmd, sizeof cmd, "%s%s%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s",
+           peer_blas_env(), thr, python, peer, arch, (long long)size, (long long)batch, steps, devname,
            bf16 ? "" : " --no-amp", compile ? " --compile" : "");
   fprintf(stderr, PROG ": peer: %s\n", cmd);
   FILE *p = popen(cmd, "r");

@@ -21,7 +21,7 @@ of a percent from one seed to the next on either side, more than the two sides d
 one seed's accuracy says little. The peer has no --seed flag; its fmnist_train(seed=...)
 is called through an import of torch_peer.py.
 """
-import argparse, datetime, json, os, platform, subprocess, sys
+import argparse, datetime, json, os, platform, re, subprocess, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -54,8 +54,8 @@ def run_json(cmd, env=None):
     raise SystemExit("no JSON line from: " + " ".join(cmd))
 
 
-def best(cmd, key, repeat, higher=True):
-    runs = [run_json(cmd) for _ in range(repeat)]
+def best(cmd, key, repeat, higher=True, env=None):
+    runs = [run_json(cmd, env) for _ in range(repeat)]
     return (max if higher else min)(runs, key=lambda r: r[key])
 
 
@@ -80,10 +80,18 @@ def main():
     info = run_json([os.path.join(bindir, "kiln"), "doctor", "--json"]) if os.path.exists(
         os.path.join(bindir, "kiln")) else {}
 
+    # The peer at its best BLAS: where OpenBLAS picked generic kernels for this CPU (kiln
+    # doctor's blas_kernels names the fix), PyTorch loads the same OpenBLAS: give it the fix.
+    peer_env = None
+    m = re.search(r"OPENBLAS_CORETYPE=([A-Za-z0-9]+)", (info.get("cpu") or {}).get("blas_kernels") or "")
+    if m and not os.environ.get("OPENBLAS_CORETYPE"):
+        peer_env = dict(os.environ, OPENBLAS_CORETYPE=m.group(1))
+        print("peer: OPENBLAS_CORETYPE=%s (OpenBLAS's own pick is generic on this CPU)" % m.group(1), file=sys.stderr)
+
     load0 = os.getloadavg()[0]
     rows = []
     k = best([os.path.join(bindir, "seed-mlp"), "--device", "cpu", "--json", "--quiet"], "us_per_step", a.repeat, higher=False)
-    t = best([a.python, peer, "seed-mlp", "--device", "cpu"], "us_per_step", a.repeat, higher=False)
+    t = best([a.python, peer, "seed-mlp", "--device", "cpu"], "us_per_step", a.repeat, higher=False, env=peer_env)
     ratio = t["us_per_step"] / k["us_per_step"]
     print("seed-mlp   kiln %8.1f us/step  PyTorch %8.1f us/step  kiln faster by %.2fx  "
           "(loss %.4f vs %.4f, train acc %.4f vs %.4f)" % (
@@ -107,7 +115,7 @@ def main():
             except OSError:
                 pass
             t = best([a.python, peer, "fmnist-mlp", "--device", "cpu", "--data", a.data, "--epochs", n],
-                     "images_per_s", a.repeat)
+                     "images_per_s", a.repeat, env=peer_env)
             ratio = k["images_per_s"] / t["images_per_s"]
             print("fmnist-mlp kiln %8.0f images/s PyTorch %8.0f images/s kiln faster by %.2fx  "
                   "(test acc %.4f vs %.4f)" % (k["images_per_s"], t["images_per_s"], ratio,
@@ -125,7 +133,7 @@ def main():
         for s in range(a.seeds):
             ka.append(run_json([os.path.join(bindir, "fashion-mnist"), "--device", "cpu", "--json", "--quiet",
                                 "--data", a.data, "--epochs", n, "--seed", str(s), "--checkpoint", ck])["test_acc"])
-            ta.append(run_json([a.python, "-c", peer_call % s])["test_acc"])
+            ta.append(run_json([a.python, "-c", peer_call % s], peer_env)["test_acc"])
         try:
             os.remove(ck)
         except OSError:
@@ -140,7 +148,9 @@ def main():
         return
     env = " ".join("%s=%s" % (v, os.environ[v]) for v in
                    ("KILN_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY",
-                    "GOMP_SPINCOUNT") if v in os.environ)
+                    "GOMP_SPINCOUNT", "OPENBLAS_CORETYPE") if v in os.environ)
+    if peer_env:
+        env = (env + "; " if env else "") + "peer OPENBLAS_CORETYPE=" + peer_env["OPENBLAS_CORETYPE"]
     load = "; load average %.1f at start, %.1f at end (other processes share the cores)" % (
         load0, os.getloadavg()[0])
     head = "## %s — %s, %d cores; kiln %s (%s); torch %s%s%s" % (

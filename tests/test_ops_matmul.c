@@ -6,6 +6,7 @@
 #include "harness.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* torch.matmul on shapes: promotes 1-d operands, broadcasts batch dims. Returns false
@@ -230,9 +231,24 @@ static void mm_family(void) {
 }
 
 #ifndef H_NO_MAIN
+/* Under KILN_CPU_SGEMM (the two extra ctest entries) the f32 products took the sgemm named:
+** kiln_blas_info() says oneDNN's for "dnnl" (with oneDNN and OpenBLAS built in) and not
+** for "blas". */
+static void sgemm_route(void) {
+  const char *want = getenv("KILN_CPU_SGEMM"), *build = kiln_build_info(), *info = kiln_blas_info();
+  if (!want || !info) return;
+  bool dnnl = strstr(build, "dnnl=on") != NULL, openblas = strstr(build, "blas=openblas") != NULL;
+  bool routed = strstr(info, "oneDNN") != NULL;
+  if (!strcmp(want, "dnnl") && dnnl && openblas)
+    H_CHECK(routed, "KILN_CPU_SGEMM=dnnl: kiln_blas_info() should name oneDNN's sgemm, says '%s'", info);
+  if (!strcmp(want, "blas"))
+    H_CHECK(!routed, "KILN_CPU_SGEMM=blas: kiln_blas_info() should not name oneDNN, says '%s'", info);
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_ops_matmul");
   mm_family();
+  sgemm_route();
   return h_finish();
 }
 #endif

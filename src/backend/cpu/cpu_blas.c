@@ -16,6 +16,7 @@
 #include "cpu_iter.h"
 #include "../../core/kiln_int.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -37,8 +38,9 @@ static const char *const kiln__blas_old_cores[] = {
     "northwood", "banias",  "opteron",  "opteron_sse3", "barcelona", "nano",   "bobcat",    "athlon",
     "sandybridge", "bulldozer", "piledriver", "steamroller", "unknown"};
 
-static int kiln__sgemm_choice = -1; /* -1 not decided, 0 the BLAS, 1 oneDNN */
+static int kiln__sgemm_choice; /* 0 the BLAS, 1 oneDNN: decided once (kiln__sgemm_once) */
 static char kiln__blas_line[256];
+static pthread_once_t kiln__sgemm_once = PTHREAD_ONCE_INIT;
 
 static const char *kiln__blas_core(void) {
 #if defined(KILN_HAVE_CBLAS) && defined(OPENBLAS_VERSION)
@@ -70,6 +72,8 @@ static void kiln__sgemm_decide(void) {
   int choice = 0;
 #ifdef KILN_HAVE_DNNL
   choice = env ? strcmp(env, "dnnl") == 0 : old;
+#else
+  (void)env;
 #endif
   bool avx512 = false;
 #if defined(__x86_64__) || defined(__i386__)
@@ -91,22 +95,18 @@ static void kiln__sgemm_decide(void) {
   else
     snprintf(kiln__blas_line, sizeof kiln__blas_line, "%s%s", core,
              choice ? "; f32 products on oneDNN's sgemm (KILN_CPU_SGEMM)" : "");
-  __atomic_store_n(&kiln__sgemm_choice, choice, __ATOMIC_RELEASE);
+  kiln__sgemm_choice = choice;
 }
 
 #ifdef KILN_HAVE_DNNL
 static int kiln__sgemm_dnnl(void) {
-  int c = __atomic_load_n(&kiln__sgemm_choice, __ATOMIC_ACQUIRE);
-  if (c < 0) { /* racing first calls decide the same */
-    kiln__sgemm_decide();
-    c = __atomic_load_n(&kiln__sgemm_choice, __ATOMIC_ACQUIRE);
-  }
-  return c;
+  pthread_once(&kiln__sgemm_once, kiln__sgemm_decide);
+  return kiln__sgemm_choice;
 }
 #endif
 
 const char *kiln_blas_info(void) {
-  if (__atomic_load_n(&kiln__sgemm_choice, __ATOMIC_ACQUIRE) < 0) kiln__sgemm_decide();
+  pthread_once(&kiln__sgemm_once, kiln__sgemm_decide);
   return kiln__blas_line;
 }
 

@@ -47,9 +47,11 @@ static void kiln__blas_sync_threads(int64_t macs) {
 static int kiln__blas_nt(void) { return atomic_load_explicit(&kiln__blas_threads, memory_order_relaxed); }
 #else
 static void kiln__blas_sync_threads(int64_t macs) { (void)macs; }
-static int kiln__blas_nt(void) { return kiln_num_threads(); }
 #endif
 #ifdef KILN_HAVE_CBLAS
+#ifndef OPENBLAS_VERSION
+static int kiln__blas_nt(void) { return kiln_num_threads(); }
+#endif
 /* cblas_sgemm's arguments to kiln__sgemm (cpu_blas.c: OpenBLAS, or oneDNN where OpenBLAS
 ** runs generic kernels) */
 static void kiln__cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,

@@ -48,18 +48,14 @@ static inline const char *find_peer(const char *flag) {
 }
 
 /* The peer at its best BLAS: where OpenBLAS picked generic kernels for this CPU
-** (kiln_blas_info(), cpu_blas.c) and OPENBLAS_CORETYPE is unset, "OPENBLAS_CORETYPE=X "
+** (kiln_blas_coretype_fix(), cpu_blas.c) and OPENBLAS_CORETYPE is unset, "OPENBLAS_CORETYPE=X "
 ** for the peer's command line (PyTorch loads the same OpenBLAS, 5-8x slower in f32 without
 ** it); else "". */
 static inline const char *peer_blas_env(void) {
   static char out[64];
-  const char *info = kiln_blas_info(), *fix = info ? strstr(info, "OPENBLAS_CORETYPE=") : NULL;
-  const char *set = getenv("OPENBLAS_CORETYPE");
+  const char *fix = kiln_blas_coretype_fix(), *set = getenv("OPENBLAS_CORETYPE");
   out[0] = 0;
-  if (fix && !(set && *set)) {
-    char val[32] = "";
-    if (sscanf(fix + 18, "%31[A-Za-z0-9]", val) == 1) snprintf(out, sizeof out, "OPENBLAS_CORETYPE=%s ", val);
-  }
+  if (fix && !(set && *set)) snprintf(out, sizeof out, "OPENBLAS_CORETYPE=%s ", fix);
   return out;
 }
 

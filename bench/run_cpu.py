@@ -21,7 +21,7 @@ of a percent from one seed to the next on either side, more than the two sides d
 one seed's accuracy says little. The peer has no --seed flag; its fmnist_train(seed=...)
 is called through an import of torch_peer.py.
 """
-import argparse, datetime, json, os, platform, re, subprocess, sys
+import argparse, datetime, json, os, platform, subprocess, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -83,10 +83,10 @@ def main():
     # The peer at its best BLAS: where OpenBLAS picked generic kernels for this CPU (kiln
     # doctor's blas_kernels names the fix), PyTorch loads the same OpenBLAS: give it the fix.
     peer_env = None
-    m = re.search(r"OPENBLAS_CORETYPE=([A-Za-z0-9]+)", (info.get("cpu") or {}).get("blas_kernels") or "")
-    if m and not os.environ.get("OPENBLAS_CORETYPE"):
-        peer_env = dict(os.environ, OPENBLAS_CORETYPE=m.group(1))
-        print("peer: OPENBLAS_CORETYPE=%s (OpenBLAS's own pick is generic on this CPU)" % m.group(1), file=sys.stderr)
+    fix = (info.get("cpu") or {}).get("blas_coretype_fix")
+    if fix and not os.environ.get("OPENBLAS_CORETYPE"):
+        peer_env = dict(os.environ, OPENBLAS_CORETYPE=fix)
+        print("peer: OPENBLAS_CORETYPE=%s (OpenBLAS's own pick is generic on this CPU)" % fix, file=sys.stderr)
 
     load0 = os.getloadavg()[0]
     rows = []

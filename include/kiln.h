@@ -117,6 +117,9 @@ KILN_API const char *kiln_build_info(void);
 ** f32 products go around them (to oneDNN's sgemm where OpenBLAS picked generic kernels
 ** for a CPU with AVX2; KILN_CPU_SGEMM=blas|dnnl forces either); "" without a BLAS. */
 KILN_API const char *kiln_blas_info(void);
+/* The OPENBLAS_CORETYPE value that gives OpenBLAS its own kernels for this CPU where it
+** picked generic ones ("SkylakeX", "Haswell"), else NULL. */
+KILN_API const char *kiln_blas_coretype_fix(void);
 
 /* --------------------------------------------------------------------------------------
 ** Dtypes.

@@ -336,10 +336,8 @@ static void diagnose(doctor *d) {
       add_problem(d, "error", what, "update the Vulkan driver; run with KILN_FALLBACK=error to find the op, and report it with `kiln doctor --json` and `vulkaninfo --summary`");
     }
   }
-  if (d->blas_info && strstr(d->blas_info, "generic")) { /* OpenBLAS did not know this CPU */
-    const char *core = strstr(d->blas_info, "OPENBLAS_CORETYPE=");
-    char val[32] = "SkylakeX";
-    if (core) sscanf(core + 18, "%31[A-Za-z0-9]", val);
+  const char *coretype = kiln_blas_coretype_fix();
+  if (coretype) { /* OpenBLAS did not know this CPU */
     bool routed = strstr(d->blas_info, "oneDNN") != NULL;
     snprintf(what, sizeof what,
              "OpenBLAS picked generic (pre-AVX2) kernels for this CPU: its f32 products run several times "
@@ -347,7 +345,7 @@ static void diagnose(doctor *d) {
              routed ? "; kiln's own f32 products go to oneDNN's sgemm instead" : "");
     snprintf(fix, sizeof fix,
              "export OPENBLAS_CORETYPE=%s before starting the program (OpenBLAS reads it when it loads; it "
-             "also speeds up numpy and PyTorch in the same shell)", val);
+             "also speeds up numpy and PyTorch in the same shell)", coretype);
     add_problem(d, routed ? "note" : "warning", what, fix);
   }
   for (int i = 0; i < d->ncuda; i++) {
@@ -429,6 +427,7 @@ static void print_json(const doctor *d) {
   cli_json_string(&j, "simd", d->simd);
   cli_json_string(&j, "blas", d->blas);
   cli_json_string(&j, "blas_kernels", d->blas_info);
+  cli_json_string(&j, "blas_coretype_fix", kiln_blas_coretype_fix());
   cli_json_object_end(&j);
   cli_json_int(&j, "threads", d->threads);
   cli_json_object_begin(&j, "env");

@@ -40,6 +40,7 @@ static const char *const kiln__blas_old_cores[] = {
 
 static int kiln__sgemm_choice; /* 0 the BLAS, 1 oneDNN: decided once (kiln__sgemm_once) */
 static char kiln__blas_line[256];
+static const char *kiln__blas_fix; /* OPENBLAS_CORETYPE's value where OpenBLAS's pick is generic */
 static pthread_once_t kiln__sgemm_once = PTHREAD_ONCE_INIT;
 
 static const char *kiln__blas_core(void) {
@@ -80,6 +81,7 @@ static void kiln__sgemm_decide(void) {
   avx512 = __builtin_cpu_supports("avx512f");
 #endif
   const char *cpu = avx512 ? "AVX-512" : "AVX2", *fix = avx512 ? "SkylakeX" : "Haswell";
+  kiln__blas_fix = old ? fix : NULL;
   if (!core)
     snprintf(kiln__blas_line, sizeof kiln__blas_line, "%s", choice ? "f32 products on oneDNN's sgemm" : "");
   else if (old && choice)
@@ -108,6 +110,11 @@ static int kiln__sgemm_dnnl(void) {
 const char *kiln_blas_info(void) {
   pthread_once(&kiln__sgemm_once, kiln__sgemm_decide);
   return kiln__blas_line;
+}
+
+const char *kiln_blas_coretype_fix(void) {
+  pthread_once(&kiln__sgemm_once, kiln__sgemm_decide);
+  return kiln__blas_fix;
 }
 
 #ifdef KILN_HAVE_CBLAS

@@ -20,6 +20,7 @@ static void test_doctor_text(void) {
   CR_CHECK(r.status == 0, "kiln doctor exited %d\n%s%s", r.status, r.out, r.err);
   CR_CHECK(strstr(r.out, "Backends") && strstr(r.out, "cpu"), "no backend table:\n%s", r.out);
   CR_CHECK(strstr(r.out, "PASS"), "no passing smoke test:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "products") && strstr(r.out, "GFLOP/s"), "no CPU product rates:\n%s", r.out);
   CR_CHECK(strstr(r.out, KILN_VERSION), "version %s not shown", KILN_VERSION);
   CR_CHECK(!strstr(r.out, "\033["), "escape codes in plain (non-terminal) output");
   if (!kiln_backend_built(KILN_DEVICE_CUDA))
@@ -84,6 +85,11 @@ static void test_doctor_json(void) {
                    cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(v0, "unified_memory")),
                "vulkan:0's details (type, driver, heaps, subgroup, features) missing");
     }
+    /* the CPU's f32 and bf16 product rates (what bf16 autocast buys on this CPU) */
+    cJSON *cpu = cJSON_GetObjectItemCaseSensitive(j, "cpu");
+    cJSON *gf = cJSON_GetObjectItemCaseSensitive(cpu, "gflops_f32"), *gb = cJSON_GetObjectItemCaseSensitive(cpu, "gflops_bf16");
+    CR_CHECK(cJSON_IsNumber(gf) && gf->valuedouble > 0 && cJSON_IsNumber(gb) && gb->valuedouble > 0,
+             "cpu.gflops_f32 / gflops_bf16 missing or not positive");
     cJSON *th = cJSON_GetObjectItemCaseSensitive(j, "threads");
     CR_CHECK(cJSON_IsNumber(th) && th->valueint >= 1, "threads");
     cJSON *env = cJSON_GetObjectItemCaseSensitive(j, "env");

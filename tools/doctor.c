@@ -1,7 +1,8 @@
 /*
 ** kiln doctor: what this kiln was built with, which backends work and why not, the CPU,
-** the environment kiln reads, and a smoke test on every device that works (a 256x256
-** matmul against a reference, host->device bandwidth). Every failure comes with a
+** the environment kiln reads, the CPU's f32 and bf16 product rates (a note where bf16 runs
+** slower, so that bf16 autocast saves no time there), and a smoke test on every device that
+** works (a 256x256 matmul against a reference, host->device bandwidth). Every failure comes with a
 ** diagnosis and a fix line. `--json` prints exactly one JSON object on stdout instead.
 ** Exit 0 when the CPU works, 1 otherwise (a missing GPU is a finding, not a failure).
 ** Public API only: detailed CUDA device properties live behind a backend-internal
@@ -78,6 +79,7 @@ typedef struct doctor {
   const char *arch;
   int threads;
   bool cpu_ok;
+  double gflops_f32, gflops_bf16; /* the CPU's products, RATE_N^3, best of RATE_REPS; NAN: not measured */
   double cpu_err;
   double cpu_ms;
   char cpu_msg[320];
@@ -127,6 +129,23 @@ static void read_cpu_model(char *out, size_t n) {
   fclose(f);
 }
 
+/* Whether /proc/cpuinfo's first "flags" line lists flag (false where there is none). */
+static bool cpuinfo_flag(const char *flag) {
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return false;
+  static char line[8192];
+  bool on = false;
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "flags", 5) != 0) continue;
+    size_t n = strlen(flag);
+    for (char *p = strstr(line, flag); p; p = strstr(p + 1, flag))
+      if ((p == line || p[-1] == ' ' || p[-1] == '\t') && (p[n] == ' ' || p[n] == '\n' || p[n] == 0)) on = true;
+    break;
+  }
+  fclose(f);
+  return on;
+}
+
 static void detect_simd(doctor *d) {
   d->simd[0] = 0;
 #if defined(__x86_64__) || defined(__i386__)
@@ -143,6 +162,14 @@ static void detect_simd(doctor *d) {
     if (f[i].on) {
       size_t len = strlen(d->simd);
       snprintf(d->simd + len, sizeof d->simd - len, "%s%s", len ? " " : "", f[i].name);
+    }
+  /* the bf16 units, which decide what bf16 autocast buys on the CPU: Linux names them in
+  ** /proc/cpuinfo (the compilers' __builtin_cpu_supports knows AMX only from gcc 13) */
+  const char *bf16[] = {"avx512_bf16", "amx_bf16"};
+  for (size_t i = 0; i < sizeof bf16 / sizeof bf16[0]; i++)
+    if (cpuinfo_flag(bf16[i])) {
+      size_t len = strlen(d->simd);
+      snprintf(d->simd + len, sizeof d->simd - len, "%s%s", len ? " " : "", bf16[i]);
     }
 #elif defined(__aarch64__)
   d->arch = "arm64";
@@ -164,6 +191,36 @@ static void blas_from_build(const char *build, char *out, size_t n) {
   size_t len = strcspn(p, " ");
   snprintf(out, n, "%.*s", (int)len, p);
   if (!strcmp(out, "off") || !strcmp(out, "none")) snprintf(out, n, "none (portable kernels)");
+}
+
+/* ---- the CPU's product rates -------------------------------------------------------- */
+
+/* f32 and bf16 products of RATE_N square matrices on the CPU, best of RATE_REPS after one
+** warm-up call: what bf16 autocast buys for the products on this CPU. With a tile unit
+** (AMX) bf16 runs several times f32's rate; with only AVX512-BF16 dot products (half an
+** instruction a cycle on some Xeons) or none, bf16 can run slower than f32, and autocast then
+** saves memory, not time. */
+#define RATE_N 512
+#define RATE_REPS 5
+static double product_gflops(kiln_dtype dt) {
+  kiln_scope_begin(); /* the operands and the products go at its end */
+  kiln_generator *g = kiln_generator_new(99);
+  kiln_tensor *a = kiln_randn(KILN_SHAPE(RATE_N, RATE_N), KILN_F32, kiln_device_cpu(), g);
+  kiln_tensor *b = kiln_randn(KILN_SHAPE(RATE_N, RATE_N), KILN_F32, kiln_device_cpu(), g);
+  kiln_generator_free(g);
+  if (dt != KILN_F32) a = kiln_to_dtype(a, dt), b = kiln_to_dtype(b, dt);
+  double best = INFINITY;
+  for (int r = 0; r <= RATE_REPS && a && b; r++) {
+    double t0 = cli_now();
+    if (!kiln_matmul(a, b) || kiln_device_synchronize(kiln_device_cpu()) != KILN_OK) {
+      best = INFINITY;
+      break;
+    }
+    double t = cli_now() - t0;
+    if (r > 0 && t < best) best = t;
+  }
+  kiln_scope_end();
+  return isfinite(best) ? 2.0 * RATE_N * RATE_N * (double)RATE_N / best / 1e9 : NAN;
 }
 
 /* ---- the smoke test ----------------------------------------------------------------- */
@@ -287,6 +344,15 @@ static void diagnose(doctor *d) {
     add_problem(d, "error", what,
                 "rebuild with -DKILN_BLAS=OFF to rule out the BLAS library; if that passes, the "
                 "BLAS install is broken, else report a bug with `kiln doctor --json`");
+  }
+  if (d->gflops_bf16 < 0.9 * d->gflops_f32) { /* false when either is NAN */
+    snprintf(what, sizeof what,
+             "bf16 products run slower than f32 on this CPU (%.0f against %.0f GFLOP/s: %s): bf16 autocast "
+             "saves memory here, not time", d->gflops_bf16, d->gflops_f32,
+             strstr(d->simd, "amx_bf16") ? (getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit"
+                                                                         : "the AMX unit is not reached") :
+             strstr(d->simd, "avx512_bf16") ? "AVX512-BF16 dot products, no AMX tile unit" : "no bf16 instructions");
+    add_problem(d, "note", what, "train in f32 on this CPU where time matters more than memory (the examples' --autocast none)");
   }
   const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
   if (!d->be[1].built) {
@@ -428,6 +494,8 @@ static void print_json(const doctor *d) {
   cli_json_string(&j, "blas", d->blas);
   cli_json_string(&j, "blas_kernels", d->blas_info);
   cli_json_string(&j, "blas_coretype_fix", kiln_blas_coretype_fix());
+  cli_json_double(&j, "gflops_f32", d->gflops_f32);
+  cli_json_double(&j, "gflops_bf16", d->gflops_bf16);
   cli_json_object_end(&j);
   cli_json_int(&j, "threads", d->threads);
   cli_json_object_begin(&j, "env");
@@ -557,6 +625,11 @@ static void print_text(const doctor *d) {
   kv("SIMD", d->simd);
   kv("BLAS", d->blas);
   if (d->blas_info && *d->blas_info) kv("BLAS kernels", d->blas_info);
+  if (isfinite(d->gflops_f32) && isfinite(d->gflops_bf16)) {
+    snprintf(buf, sizeof buf, "f32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%dx%d, %d threads)", d->gflops_f32,
+             d->gflops_bf16, RATE_N, RATE_N, d->threads);
+    kv("products", buf);
+  }
   snprintf(buf, sizeof buf, "%d", d->threads);
   kv("threads", buf);
 
@@ -792,6 +865,8 @@ int cli_doctor(int argc, char **argv) {
   kiln_scope_begin();
   kiln_tensor *a = NULL, *b = NULL;
   smoke_cpu(d, c_ref, &a, &b);
+  d->gflops_f32 = d->gflops_bf16 = NAN;
+  if (d->cpu_ok) d->gflops_f32 = product_gflops(KILN_F32), d->gflops_bf16 = product_gflops(KILN_BF16);
   if (d->cpu_ok && d->be[1].available) {
     int n = d->be[1].count;
     if (n > MAX_CUDA) n = MAX_CUDA;

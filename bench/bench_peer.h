@@ -59,4 +59,19 @@ static inline const char *peer_blas_env(void) {
   return out;
 }
 
+/* The OMP_NUM_THREADS values to run a CPU peer at, the faster one being its figure (the peer
+** at its best): 1 and kiln's thread count. PyTorch 1.13 starts one OpenMP thread on this
+** project's 2-core VMs (omp_get_max_threads() 1), where its GPT runs about twice as fast with
+** OMP_NUM_THREADS=2 and its small MLPs fastest with 1 (its threads fight OpenBLAS's).
+** flag > 0 (--peer-threads N): that alone; a GPU peer: its default (0, nothing set). */
+static inline int peer_thread_tries(bool cpu, int flag, int out[2]) {
+  if (flag > 0 || !cpu) {
+    out[0] = flag > 0 ? flag : 0;
+    return 1;
+  }
+  out[0] = 1;
+  out[1] = kiln_num_threads();
+  return out[1] > 1 ? 2 : 1;
+}
+
 #endif

@@ -328,6 +328,11 @@ static void smoke_cuda(cuda_result *r, kiln_tensor *a, kiln_tensor *b, const flo
 
 /* ---- checks and diagnoses ----------------------------------------------------------- */
 
+/* Whether build (kiln_build_info()) is a Debug or sanitizer build, whose timings are not the CPU's. */
+static bool slow_build(const char *build) {
+  return build && (strstr(build, "type=Debug") || strstr(build, "sanitize="));
+}
+
 static void diagnose(doctor *d) {
   char what[640], fix[640];
   if (!d->version_match) {
@@ -345,7 +350,8 @@ static void diagnose(doctor *d) {
                 "rebuild with -DKILN_BLAS=OFF to rule out the BLAS library; if that passes, the "
                 "BLAS install is broken, else report a bug with `kiln doctor --json`");
   }
-  if (d->gflops_bf16 < 0.9 * d->gflops_f32) { /* false when either is NAN */
+  /* false when either is NAN; a Debug or sanitizer build's rates say nothing of the CPU */
+  if (d->gflops_bf16 < 0.9 * d->gflops_f32 && !slow_build(d->build)) {
     snprintf(what, sizeof what,
              "bf16 products run slower than f32 on this CPU (%.0f against %.0f GFLOP/s: %s): bf16 autocast "
              "saves memory here, not time", d->gflops_bf16, d->gflops_f32,
@@ -626,8 +632,8 @@ static void print_text(const doctor *d) {
   kv("BLAS", d->blas);
   if (d->blas_info && *d->blas_info) kv("BLAS kernels", d->blas_info);
   if (isfinite(d->gflops_f32) && isfinite(d->gflops_bf16)) {
-    snprintf(buf, sizeof buf, "f32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%dx%d, %d threads)", d->gflops_f32,
-             d->gflops_bf16, RATE_N, RATE_N, d->threads);
+    snprintf(buf, sizeof buf, "f32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%dx%d, %d threads%s)", d->gflops_f32,
+             d->gflops_bf16, RATE_N, RATE_N, d->threads, slow_build(d->build) ? "; a Debug or sanitizer build" : "");
     kv("products", buf);
   }
   snprintf(buf, sizeof buf, "%d", d->threads);

@@ -25,8 +25,9 @@
 ** .peer/torch_peer.py, ../shared/bench/torch_peer.py beside the source tree, then from the
 ** working directory, and /work/shared/bench/torch_peer.py (bench_peer.h). On the CPU
 ** it runs at OMP_NUM_THREADS 1 and kiln's thread count, and the faster is its figure (the
-** peer at its best); --peer-threads N runs it at N alone. Peak memory: kiln's allocator high-water mark (kiln_memory_stats) and
-** torch.cuda.max_memory_allocated; the peer reports none on the CPU.
+** peer at its best); --peer-threads N runs it at N alone. Peak memory: kiln's allocator
+** high-water mark (kiln_memory_stats) and torch.cuda.max_memory_allocated; the peer reports
+** none on the CPU.
 ** Defaults: resnet18, size 32, batch 64 on the CPU; resnet50, size 224, batch 256 on a GPU.
 */
 #define _POSIX_C_SOURCE 200809L

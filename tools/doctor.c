@@ -2,8 +2,8 @@
 ** kiln doctor: what this kiln was built with, which backends work and why not, the CPU,
 ** the environment kiln reads, the CPU's f32 and bf16 product rates (a note where bf16 runs
 ** slower, so that bf16 autocast saves no time there), and a smoke test on every device that
-** works (a 256x256 matmul against a reference, host->device bandwidth). Every failure comes with a
-** diagnosis and a fix line. `--json` prints exactly one JSON object on stdout instead.
+** works (a 256x256 matmul against a reference, host->device bandwidth). Every failure comes
+** with a diagnosis and a fix line. `--json` prints exactly one JSON object on stdout instead.
 ** Exit 0 when the CPU works, 1 otherwise (a missing GPU is a finding, not a failure).
 ** Public API only: detailed CUDA device properties live behind a backend-internal
 ** function, which a tool must not call; device count and memory statistics are public.
@@ -129,21 +129,23 @@ static void read_cpu_model(char *out, size_t n) {
   fclose(f);
 }
 
-/* Whether /proc/cpuinfo's first "flags" line lists flag (false where there is none). */
-static bool cpuinfo_flag(const char *flag) {
+/* Whether flags (a /proc/cpuinfo "flags" line) lists flag as a whole word. */
+static bool has_flag(const char *flags, const char *flag) {
+  size_t n = strlen(flag);
+  for (const char *p = strstr(flags, flag); p; p = strstr(p + 1, flag))
+    if ((p == flags || p[-1] == ' ' || p[-1] == '\t') && (p[n] == ' ' || p[n] == '\n' || p[n] == 0)) return true;
+  return false;
+}
+
+/* /proc/cpuinfo's first "flags" line into out ("" where there is none). */
+static void read_cpu_flags(char *out, size_t n) {
+  out[0] = 0;
   FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return false;
-  static char line[8192];
-  bool on = false;
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "flags", 5) != 0) continue;
-    size_t n = strlen(flag);
-    for (char *p = strstr(line, flag); p; p = strstr(p + 1, flag))
-      if ((p == line || p[-1] == ' ' || p[-1] == '\t') && (p[n] == ' ' || p[n] == '\n' || p[n] == 0)) on = true;
-    break;
-  }
+  if (!f) return;
+  while (fgets(out, (int)n, f))
+    if (!strncmp(out, "flags", 5)) break;
+  if (strncmp(out, "flags", 5) != 0) out[0] = 0;
   fclose(f);
-  return on;
 }
 
 static void detect_simd(doctor *d) {
@@ -165,9 +167,11 @@ static void detect_simd(doctor *d) {
     }
   /* the bf16 units, which decide what bf16 autocast buys on the CPU: Linux names them in
   ** /proc/cpuinfo (the compilers' __builtin_cpu_supports knows AMX only from gcc 13) */
+  char flags[8192];
+  read_cpu_flags(flags, sizeof flags);
   const char *bf16[] = {"avx512_bf16", "amx_bf16"};
   for (size_t i = 0; i < sizeof bf16 / sizeof bf16[0]; i++)
-    if (cpuinfo_flag(bf16[i])) {
+    if (has_flag(flags, bf16[i])) {
       size_t len = strlen(d->simd);
       snprintf(d->simd + len, sizeof d->simd - len, "%s%s", len ? " " : "", bf16[i]);
     }
@@ -358,7 +362,7 @@ static void diagnose(doctor *d) {
              strstr(d->simd, "amx_bf16") ? (getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit"
                                                                          : "the AMX unit is not reached") :
              strstr(d->simd, "avx512_bf16") ? "AVX512-BF16 dot products, no AMX tile unit" : "no bf16 instructions");
-    add_problem(d, "note", what, "train in f32 on this CPU where time matters more than memory (the examples' --autocast none)");
+    add_problem(d, "note", what, "train in f32 on this CPU where time matters more than memory (leave autocast off)");
   }
   const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
   if (!d->be[1].built) {

@@ -81,29 +81,6 @@ typedef struct opts {
 
 /* ---- the peer ---------------------------------------------------------------------- */
 
-/* Runs the peer with args at OMP_NUM_THREADS=threads (0: unset); its last JSON line into out.
-** false (with a note) on failure. */
-static bool run_peer_at(const opts *o, int threads, const char *args, char *out, size_t n) {
-  char cmd[2048];
-  char thr[64] = "";
-  if (threads > 0) snprintf(thr, sizeof thr, "OMP_NUM_THREADS=%d ", threads);
-  snprintf(cmd, sizeof cmd, "%s%s%s '%s' %s 2>&1", peer_blas_env(), thr, o->python, o->peer_path, args);
-  fprintf(stderr, PROG ": peer: %s\n", cmd);
-  FILE *f = popen(cmd, "r");
-  if (!f) return false;
-  char line[4096];
-  out[0] = 0;
-  while (fgets(line, sizeof line, f))
-    if (line[0] == '{') snprintf(out, n, "%s", line);
-    else fprintf(stderr, "  peer: %s", line);
-  int rc = pclose(f);
-  if (rc != 0 || !out[0]) {
-    fprintf(stderr, PROG ": the peer failed (exit %d)\n", rc);
-    return false;
-  }
-  return true;
-}
-
 /* The peer at its best thread count (peer_thread_tries: on the CPU 1 and kiln's count, the
 ** more tokens/s taken, both printed); false when no run gave a line. */
 static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
@@ -112,7 +89,9 @@ static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
   out[0] = 0;
   for (int i = 0; i < nt; i++) {
     char line[4096];
-    if (!run_peer_at(o, tries[i], args, line, sizeof line)) continue;
+    char tail[2048];
+    snprintf(tail, sizeof tail, "%s '%s' %s 2>&1", o->python, o->peer_path, args);
+    if (!peer_run_json(PROG, tries[i], tail, NULL, line, sizeof line)) continue;
     double t = json_num(line, "tokens_per_s");
     if (nt > 1) printf("%-22s torch at OMP_NUM_THREADS=%d: %.0f tokens/s\n", "", tries[i], t);
     if (t > best) best = t, snprintf(out, n, "%s", line);

@@ -59,6 +59,36 @@ static inline const char *peer_blas_env(void) {
   return out;
 }
 
+/* Runs the peer: tail (python, script and arguments) behind peer_blas_env() and
+** OMP_NUM_THREADS=threads (0: unset). Its last stdout line that starts with "{" (and holds
+** key, when key is not NULL) goes into out without its newline; its other stdout lines go
+** to stderr behind "  peer: ". false, with a note naming prog on stderr, when it cannot
+** start, exits non-zero or prints no such line. */
+static inline bool peer_run_json(const char *prog, int threads, const char *tail, const char *key, char *out,
+                                 size_t n) {
+  char cmd[4096], thr[48] = "";
+  if (threads > 0) snprintf(thr, sizeof thr, "OMP_NUM_THREADS=%d ", threads);
+  snprintf(cmd, sizeof cmd, "%s%s%s", peer_blas_env(), thr, tail);
+  fprintf(stderr, "%s: peer: %s\n", prog, cmd);
+  out[0] = 0;
+  FILE *f = popen(cmd, "r");
+  if (!f) {
+    fprintf(stderr, "%s: cannot run the peer\n", prog);
+    return false;
+  }
+  char line[4096];
+  while (fgets(line, sizeof line, f))
+    if (line[0] == '{' && (!key || strstr(line, key))) snprintf(out, n, "%.*s", (int)strcspn(line, "\n"), line);
+    else fprintf(stderr, "  peer: %s", line);
+  int rc = pclose(f);
+  if (rc != 0 || !out[0]) {
+    fprintf(stderr, "%s: the peer failed (exit status %d%s)\n", prog, rc, out[0] ? "" : ", no result line");
+    out[0] = 0;
+    return false;
+  }
+  return true;
+}
+
 /* The OMP_NUM_THREADS values to run a CPU peer at, the faster one being its figure (the peer
 ** at its best): 1 and kiln's thread count. PyTorch 1.13 starts one OpenMP thread on this
 ** project's 2-core VMs (omp_get_max_threads() 1), where its GPT runs about twice as fast with

@@ -133,33 +133,16 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   return rc;
 }
 
-/* The peer's run: its JSON line parsed into out. Returns 0, or 1 with the reason printed. */
+/* The peer's run at OMP_NUM_THREADS=threads (0: unset): its JSON line into line, parsed into
+** out. Returns 0, or 1 with the reason printed. */
 static int run_peer(const char *python, const char *peer, const char *arch, int64_t size,
                     int64_t batch, int steps, const char *devname, bool bf16, bool compile,
                     int threads, result *out, char *line, size_t line_n) {
-  char cmd[2048], thr[48] = "";
-  if (threads > 0) snprintf(thr, sizeof thr, "OMP_NUM_THREADS=%d ", threads);
-  snprintf(cmd, sizeof cmd, "%s%s%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s",
-           peer_blas_env(), thr, python, peer, arch, (long long)size, (long long)batch, steps, devname,
-           bf16 ? "" : " --no-amp", compile ? " --compile" : "");
-  fprintf(stderr, PROG ": peer: %s\n", cmd);
-  FILE *p = popen(cmd, "r");
-  if (!p) {
-    fprintf(stderr, PROG ": cannot run the peer\n");
-    return 1;
-  }
-  char buf[4096];
-  line[0] = 0;
-  while (fgets(buf, sizeof buf, p))
-    if (buf[0] == '{' && strstr(buf, "images_per_s")) {
-      snprintf(line, line_n, "%s", buf);
-      line[strcspn(line, "\n")] = 0;
-    }
-  int st = pclose(p);
-  if (!line[0]) {
-    fprintf(stderr, PROG ": the peer printed no result (exit status %d)\n", st);
-    return 1;
-  }
+  char tail[2048];
+  snprintf(tail, sizeof tail, "%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s", python,
+           peer, arch, (long long)size, (long long)batch, steps, devname, bf16 ? "" : " --no-amp",
+           compile ? " --compile" : "");
+  if (!peer_run_json(PROG, threads, tail, "images_per_s", line, line_n)) return 1;
   out->ms = json_num(line, "ms_per_step");
   out->images_per_s = json_num(line, "images_per_s");
   out->peak_gib = json_num(line, "peak_gib");

@@ -28,7 +28,7 @@
 **                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]
 **                   [--graph] [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
-**                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer]
+**                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peer-eager]
 **                   [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]
 ** --profile prints kiln's op table (kiln_profiler, device times: each op waits for its device,
 ** so those steps run slower) for the training steps after the first. --memory prints
@@ -43,7 +43,9 @@
 ** ../shared/bench/torch_peer.py beside the source tree, then from the working directory,
 ** and /work/shared/bench/torch_peer.py (bench_peer.h); run by --python (default python3);
 ** on the CPU it runs at OMP_NUM_THREADS 1 and kiln's thread count and the faster is its
-** figure (bench_peer.h); --peer-threads N runs it at N alone.
+** figure (bench_peer.h); --peer-threads N runs it at N alone. On a GPU the peer's plain training
+** pass runs under torch.compile (the issue's goal is against compiled PyTorch; its checkpointed
+** pass stays eager, as the issue's figure); --peer-eager runs it eager.
 ** The issue's CPU line:
 **   bench-gpt2 --device cpu --layers 4 --dim 256 --heads 4 --vocab 4096 --seq 256 --batch 8
 */
@@ -69,6 +71,7 @@ typedef struct opts {
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
   bool checkpoint, checkpoint_mlp, train, generate, peer, json, profile, memory, fused_loss;
+  bool peer_eager; /* --peer-eager: the GPU peer's plain pass without torch.compile */
   bool graph; /* --graph: the training step recorded after the first and replayed */
   int64_t gen_batches[8];
   int n_gen_batches;
@@ -80,6 +83,9 @@ typedef struct opts {
 } opts;
 
 /* ---- the peer ---------------------------------------------------------------------- */
+
+/* torch.compile for the GPU peer's plain pass (PyTorch 1.13, the CPU peer, has none) */
+static bool peer_compiled(const opts *o) { return o->dev.type != KILN_DEVICE_CPU && !o->peer_eager; }
 
 /* The peer at its best thread count (peer_thread_tries: on the CPU 1 and kiln's count, the
 ** more tokens/s taken, both printed); false when no run gave a line. */
@@ -214,7 +220,8 @@ static double flops_per_token(const opts *o, int64_t params) {
   return 6.0 * (double)params + 12.0 * (double)o->layers * (double)o->dim * (double)o->seq;
 }
 
-static void print_train(const opts *o, const char *name, const train_result *k, const char *peer_line) {
+static void print_train(const opts *o, const char *name, const train_result *k, const char *peer_line,
+                        bool peer_compiled_run) {
   double fpt = flops_per_token(o, k->params);
   printf("%-22s kiln  %10.0f tokens/s  %8.2f ms/step  peak %6.2f GiB  %6.1f TFLOP/s", name, k->tokens_per_s,
          k->ms_per_step, k->peak_gib, k->tokens_per_s * fpt / 1e12);
@@ -222,7 +229,8 @@ static void print_train(const opts *o, const char *name, const train_result *k, 
   printf("  loss %.3f\n", k->loss);
   if (peer_line && peer_line[0]) {
     double pt = json_num(peer_line, "tokens_per_s"), pm = json_num(peer_line, "peak_gib");
-    printf("%-22s torch %10.0f tokens/s  %8.2f ms/step  peak ", "", pt, json_num(peer_line, "ms_per_step"));
+    printf("%-22s torch %10.0f tokens/s  %8.2f ms/step  peak ", peer_compiled_run ? "  (torch.compile)" : "", pt,
+           json_num(peer_line, "ms_per_step"));
     if (isnan(pm)) printf("     - GiB"); /* the peer reports CUDA memory only */
     else printf("%6.2f GiB", pm);
     printf("  %6.1f TFLOP/s", pt * fpt / 1e12);
@@ -233,9 +241,10 @@ static void print_train(const opts *o, const char *name, const train_result *k, 
   }
   if (o->json)
     printf("{\"bench\":\"gpt2-train\",\"name\":\"%s\",\"tokens_per_s\":%.0f,\"ms_per_step\":%.3f,\"peak_gib\":%.3f,"
-           "\"params\":%lld,\"flops_per_token\":%.0f,\"peer_tokens_per_s\":%.0f}\n",
+           "\"params\":%lld,\"flops_per_token\":%.0f,\"peer_tokens_per_s\":%.0f,\"peer_compiled\":%s}\n",
            name, k->tokens_per_s, k->ms_per_step, k->peak_gib, (long long)k->params, fpt,
-           peer_line && peer_line[0] ? json_num(peer_line, "tokens_per_s") : 0.0);
+           peer_line && peer_line[0] ? json_num(peer_line, "tokens_per_s") : 0.0,
+           peer_line && peer_line[0] && peer_compiled_run ? "true" : "false");
   fflush(stdout);
 }
 
@@ -277,8 +286,8 @@ static const char usage_text[] =
     "[--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
     "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math] [--graph]\n"
     "         [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off]\n"
-    "         [--gen-sample] [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peak-tflops X]\n"
-    "         [--json] [--profile] [--memory] [--logits-loss]";
+    "         [--gen-sample] [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peer-eager]\n"
+    "         [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]";
 
 int main(int argc, char **argv) {
   opts o;
@@ -314,6 +323,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-train")) o.train = false;
     else if (!strcmp(a, "--generate")) o.generate = true;
     else if (!strcmp(a, "--no-peer")) o.peer = false;
+    else if (!strcmp(a, "--peer-eager")) o.peer_eager = true;
     else if (!strcmp(a, "--json")) o.json = true;
     else if (!strcmp(a, "--profile")) o.profile = true;
     else if (!strcmp(a, "--memory")) o.memory = true;
@@ -378,11 +388,13 @@ int main(int argc, char **argv) {
                "gpt2 --device %s --layers %lld --dim %lld --heads %lld --vocab %lld --seq %lld --batch %lld "
                "--steps %lld%s",
                cpu ? "cpu" : "cuda", (long long)o.layers, (long long)o.dim, (long long)o.heads, (long long)o.vocab,
-               (long long)o.seq, (long long)o.batch, (long long)o.steps, pass == 1 ? " --checkpoint" : "");
+               (long long)o.seq, (long long)o.batch, (long long)o.steps,
+               pass == 1 ? " --checkpoint" : peer_compiled(&o) ? " --compile" : "");
       /* the peer has no MLP-only checkpointing: pass 2 prints kiln alone */
       if (pass == 2 || !run_peer(&o, args, line, sizeof line)) line[0] = 0;
     }
-    print_train(&o, pass == 1 ? "train, checkpointed" : pass == 2 ? "train, MLPs ckpt" : "train", &k, line);
+    print_train(&o, pass == 1 ? "train, checkpointed" : pass == 2 ? "train, MLPs ckpt" : "train", &k, line,
+                pass == 0 && peer_compiled(&o));
   }
   for (int i = 0; o.generate && i < o.n_gen_batches; i++) {
     double tps = 0;

@@ -58,14 +58,6 @@ static bool kiln__blas_core_is_old(const char *core) {
   return false;
 }
 
-static bool kiln__cpu_avx2_fma(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 static void kiln__sgemm_decide(void) {
   const char *core = kiln__blas_core();
   bool old = core && kiln__blas_core_is_old(core) && kiln__cpu_avx2_fma();

@@ -23,14 +23,22 @@
 #include <omp.h>
 #endif
 
-bool kiln__cpu_has_fma(void) {
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+bool kiln__cpu_avx2_fma(void) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   static int has = -1; /* a benign race: every thread stores the same value */
   if (has < 0) {
     __builtin_cpu_init();
     has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }
   return has != 0;
+#else
+  return false;
+#endif
+}
+
+bool kiln__cpu_has_fma(void) {
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
+  return kiln__cpu_avx2_fma();
 #else
   return true; /* KILN__CPU_FMA is empty: the code runs anywhere */
 #endif

@@ -67,6 +67,7 @@
 #define KILN__CPU_FMA
 #endif
 bool kiln__cpu_has_fma(void); /* true where KILN__CPU_FMA code may run */
+bool kiln__cpu_avx2_fma(void); /* this CPU has AVX2 and FMA, whatever the build (false off x86) */
 /* KILN_CONV_C1_PORTABLE=1: the one-channel conv's and the 2x2 ReLU+max-pool's intrinsic
 ** loops (AVX-512, AVX2) give way to their portable twins, which the tests compare them with
 ** bit for bit. Read at each call (the tests switch it): call it once per kernel call. */

@@ -355,6 +355,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, PROG ": torch_peer.py not found (pass --peer PATH or set KILN_TORCH_PEER)\n");
     o.peer = false;
   }
+  /* the peer times the steps after its first 3 (fewer left it none: a Python IndexError) */
+  bool peer_train = o.peer && o.train && o.steps >= 4;
+  if (o.peer && o.train && !peer_train)
+    fprintf(stderr, PROG ": --steps %lld: the peer times the steps after its first 3, so its training run "
+                    "needs --steps 4 or more; kiln alone here\n", (long long)o.steps);
   kiln_device_info info;
   memset(&info, 0, sizeof info);
   kiln_device_info_get(o.dev, &info);
@@ -383,7 +388,7 @@ int main(int argc, char **argv) {
       return 1;
     }
     line[0] = 0;
-    if (o.peer) {
+    if (peer_train) {
       snprintf(args, sizeof args,
                "gpt2 --device %s --layers %lld --dim %lld --heads %lld --vocab %lld --seq %lld --batch %lld "
                "--steps %lld%s",

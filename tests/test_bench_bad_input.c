@@ -3,7 +3,8 @@
 ** flag without its value is refused with exit 2, a message that names the flag (or the
 ** positional argument) and what was given, and the usage line on stderr, before anything
 ** is timed; -h and --help print the usage on stdout and exit 0. Nothing here runs a
-** benchmark, so the test is fast and needs no GPU.
+** benchmark but one tiny CPU GPT step (bench-gpt2 with too few steps for its peer), so the
+** test is fast and needs no GPU.
 */
 #define _POSIX_C_SOURCE 200809L
 #include "cli_run.h"
@@ -26,6 +27,19 @@ static void expect_help(const char *prog, const char *flag) {
   snprintf(usage, sizeof usage, "usage: %s ", prog);
   CR_CHECK(r.status == 0 && !strncmp(r.out, usage, strlen(usage)) && !r.err[0],
            "%s %s: exit %d (want 0), stdout:\n%s\nstderr:\n%s", prog, flag, r.status, r.out, r.err);
+  cr_free(&r);
+}
+
+/* bench-gpt2 --steps 2 with a peer: the peer (which times the steps after its first 3) is not
+** run, stderr says why, and kiln's figure is still printed. --python /bin/false: a peer run
+** would fail loudly ("the peer failed"). */
+static void expect_gpt2_few_steps(void) {
+  cr_result r = cr_run(NULL, "bench-gpt2",
+                       "--device cpu --layers 1 --dim 32 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2 "
+                       "--peer /nonexistent/torch_peer.py --python /bin/false");
+  CR_CHECK(r.status == 0 && strstr(r.err, "--steps 2: the peer times the steps after its first 3") &&
+               !strstr(r.err, "peer failed") && strstr(r.out, "kiln"),
+           "bench-gpt2 --steps 2: exit %d (want 0), stdout:\n%s\nstderr:\n%s", r.status, r.out, r.err);
   cr_free(&r);
 }
 
@@ -91,5 +105,6 @@ int main(void) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     expect_refused(cases[i].prog, cases[i].args, cases[i].needle);
+  expect_gpt2_few_steps();
   return cr_finish("test_bench_bad_input");
 }

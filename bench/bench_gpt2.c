@@ -355,11 +355,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, PROG ": torch_peer.py not found (pass --peer PATH or set KILN_TORCH_PEER)\n");
     o.peer = false;
   }
-  /* the peer times the steps after its first 3 (fewer left it none: a Python IndexError) */
-  bool peer_train = o.peer && o.train && o.steps >= 4;
-  if (o.peer && o.train && !peer_train)
-    fprintf(stderr, PROG ": --steps %lld: the peer times the steps after its first 3, so its training run "
-                    "needs --steps 4 or more; kiln alone here\n", (long long)o.steps);
+  bool peer_train = o.peer && o.train && peer_steps_ok(PROG, (long long)o.steps);
   kiln_device_info info;
   memset(&info, 0, sizeof info);
   kiln_device_info_get(o.dev, &info);

@@ -26,6 +26,17 @@ static inline double json_num(const char *line, const char *key) {
   return end == p ? NAN : v;
 }
 
+/* The training peers (gpt2, resnet) time the steps after their first PEER_WARMUP_STEPS and
+** fail (a Python IndexError) when none is left. peer_steps_ok says so on stderr for a run of
+** `steps`, so that the benchmark prints kiln alone instead of the peer's traceback. */
+#define PEER_WARMUP_STEPS 3
+static inline bool peer_steps_ok(const char *prog, long long steps) {
+  if (steps > PEER_WARMUP_STEPS) return true;
+  fprintf(stderr, "%s: --steps %lld: the peer times the steps after its first %d, so it needs --steps %d or more; kiln alone here\n",
+          prog, steps, PEER_WARMUP_STEPS, PEER_WARMUP_STEPS + 1);
+  return false;
+}
+
 /* The peer script: flag (--peer PATH) when given, else $KILN_TORCH_PEER, else the first
 ** that exists of .peer/torch_peer.py (from the working directory), ../shared/bench/
 ** torch_peer.py beside the source tree (this file is SRC/bench/bench_peer.h), the same

@@ -192,9 +192,10 @@ int main(int argc, char **argv) {
   const bool bf16 = amp != NULL;
 
   result k = {NAN, NAN, NAN, NAN, NAN}, t = {NAN, NAN, NAN, NAN, NAN};
-  printf("%s, size %lld, batch %lld, %s, %s%s, %lld steps (median of steps 4..)\n", arch, size, batch,
+  printf("%s, size %lld, batch %lld, %s, %s%s, %lld steps (median of %s)\n", arch, size, batch,
          dname, bf16 ? "bf16 autocast" : "f32",
-         channels_last == 1 ? ", kiln channels-last" : channels_last == 2 ? ", kiln channels-last input" : "", steps);
+         channels_last == 1 ? ", kiln channels-last" : channels_last == 2 ? ", kiln channels-last input" : "", steps,
+         steps > 3 ? "steps 4.." : "all");
   if (run_kiln(depth, size, batch, (int)steps, dev, bf16, channels_last, profile, &k)) return 1;
   printf("kiln : %8.1f images/s  %8.2f ms/step  peak %.2f GiB  saved for backward %.2f GiB counted per save  (%d threads)\n",
          k.images_per_s, k.ms, k.peak_gib, k.saved_gib, kiln_num_threads());
@@ -203,6 +204,7 @@ int main(int argc, char **argv) {
   int peer_rc = 1;
   if (!no_peer && !peer)
     fprintf(stderr, PROG ": torch_peer.py not found (pass --peer PATH or set KILN_TORCH_PEER)\n");
+  if (peer && !peer_steps_ok(PROG, (long long)steps)) peer = NULL;
   if (peer) {
     /* the peer names the device as torch does: cuda, cpu */
     const char *pdev = dev.type == KILN_DEVICE_CPU ? "cpu" : dev.type == KILN_DEVICE_CUDA ? "cuda" : "auto";

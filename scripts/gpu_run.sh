@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: build kiln with CUDA for sm_90, run the GPU-labelled
 # tests and the rest of the suite, then the benchmarks next to their PyTorch peers.
-# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|fmnist|resnet|all]...
+# Logs go to $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [build|test|probe|bench|fmnist|resnet|gpt2|all]...
 # The machine has no Debian dev packages: .debs/ (carried, git-ignored) holds OpenBLAS,
 # zlib and cJSON, unpacked into a private prefix, never into /.
 set -u
@@ -144,6 +144,20 @@ PY
     fi
   } > "$OUT/resnet.log" 2>&1
   grep -v "^ *$" "$OUT/resnet.log" | cut -c1-200 | tail -60
+fi
+
+if [[ " $steps " == *" gpt2 "* ]]; then # issue 16's GPT-2 figures (not in all): training against compiled PyTorch, checkpointed, generation
+  G="$B/bin/bench-gpt2 --device cuda"
+  {
+    echo "== training, B16 T1024 bf16, 20 steps: kiln and the peer under torch.compile; every block checkpointed"
+    echo "   (kiln and the peer's --checkpoint); each block's MLP checkpointed (kiln alone)"
+    timeout 400 $G --steps 20 --checkpoint --checkpoint-mlp --json
+    echo "== kiln again (the peer's compile between: the two kiln figures bracket it)"
+    timeout 60 $G --steps 20 --no-peer --json
+    echo "== generation, greedy, batch 1 and 16: kiln and the peer's gpt2-generate"
+    timeout 300 $G --no-train --generate --json
+  } > "$OUT/gpt2.log" 2>&1
+  grep -vE "^ *peer:" "$OUT/gpt2.log" | cut -c1-220 | tail -40
 fi
 
 if has fmnist; then # issue 15's fmnist-cnn: kiln (direct conv kernels, then cuDNN) and the peer, twice

@@ -32,7 +32,9 @@ static inline double json_num(const char *line, const char *key) {
 #define PEER_WARMUP_STEPS 3
 static inline bool peer_steps_ok(const char *prog, long long steps) {
   if (steps > PEER_WARMUP_STEPS) return true;
-  fprintf(stderr, "%s: --steps %lld: the peer times the steps after its first %d, so it needs --steps %d or more; kiln alone here\n",
+  fprintf(stderr,
+          "%s: --steps %lld: the peer times the steps after its first %d, so it needs --steps %d or more; "
+          "kiln alone here\n",
           prog, steps, PEER_WARMUP_STEPS, PEER_WARMUP_STEPS + 1);
   return false;
 }

@@ -37,7 +37,8 @@ static void expect_gpt2_few_steps(void) {
   cr_result r = cr_run(NULL, "bench-gpt2",
                        "--device cpu --layers 1 --dim 32 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2 "
                        "--peer /nonexistent/torch_peer.py --python /bin/false");
-  CR_CHECK(r.status == 0 && strstr(r.err, "--steps 2: the peer times the steps after its first 3, so it needs --steps 4 or more") &&
+  CR_CHECK(r.status == 0 &&
+               strstr(r.err, "--steps 2: the peer times the steps after its first 3, so it needs --steps 4 or more") &&
                !strstr(r.err, "peer failed") && strstr(r.out, "kiln"),
            "bench-gpt2 --steps 2: exit %d (want 0), stdout:\n%s\nstderr:\n%s", r.status, r.out, r.err);
   cr_free(&r);

@@ -87,22 +87,13 @@ typedef struct opts {
 /* torch.compile for the GPU peer's plain pass (PyTorch 1.13, the CPU peer, has none) */
 static bool peer_compiled(const opts *o) { return o->dev.type != KILN_DEVICE_CPU && !o->peer_eager; }
 
-/* The peer at its best thread count (peer_thread_tries: on the CPU 1 and kiln's count, the
-** more tokens/s taken, both printed); false when no run gave a line. */
+/* The peer at its best thread count (peer_run_best: on the CPU 1 and kiln's count, the more
+** tokens/s taken, both printed); false when no run gave a line. */
 static bool run_peer(const opts *o, const char *args, char *out, size_t n) {
-  int tries[2], nt = peer_thread_tries(o->dev.type == KILN_DEVICE_CPU, o->peer_threads, tries);
-  double best = -1;
-  out[0] = 0;
-  for (int i = 0; i < nt; i++) {
-    char line[4096];
-    char tail[2048];
-    snprintf(tail, sizeof tail, "%s '%s' %s 2>&1", o->python, o->peer_path, args);
-    if (!peer_run_json(PROG, tries[i], tail, NULL, line, sizeof line)) continue;
-    double t = json_num(line, "tokens_per_s");
-    if (nt > 1) printf("%-22s torch at OMP_NUM_THREADS=%d: %.0f tokens/s\n", "", tries[i], t);
-    if (t > best) best = t, snprintf(out, n, "%s", line);
-  }
-  return out[0] != 0;
+  char tail[2048];
+  snprintf(tail, sizeof tail, "%s '%s' %s 2>&1", o->python, o->peer_path, args);
+  return peer_run_best(PROG, o->dev.type == KILN_DEVICE_CPU, o->peer_threads, tail, "tokens_per_s", "tokens/s", 23,
+                       out, n, NULL);
 }
 
 /* ---- training ----------------------------------------------------------------------- */

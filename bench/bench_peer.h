@@ -1,6 +1,7 @@
 /*
 ** The PyTorch peer (torch_peer.py) of the benchmarks that run it beside kiln (bench-gpt2,
-** bench-resnet): where the script is, and the numbers of the JSON line it ends with.
+** bench-resnet): where the script is, how it is run (at its best thread count on the CPU), and the
+** numbers of the JSON line it ends with.
 */
 #ifndef KILN_BENCH_PEER_H
 #define KILN_BENCH_PEER_H
@@ -115,6 +116,29 @@ static inline int peer_thread_tries(bool cpu, int flag, int out[2]) {
   out[0] = 1;
   out[1] = kiln_num_threads();
   return out[1] > 1 ? 2 : 1;
+}
+
+/* The peer at its best thread count: tail run by peer_run_json (result lines holding metric)
+** at each of peer_thread_tries(cpu, flag), the line with the most metric kept in out and its
+** OMP_NUM_THREADS in *threads (0: unset; threads may be NULL). With two counts, each one's
+** figure goes to stdout behind indent spaces. false when no run gave a line. */
+static inline bool peer_run_best(const char *prog, bool cpu, int flag, const char *tail, const char *metric,
+                                 const char *unit, int indent, char *out, size_t n, int *threads) {
+  int tries[2], nt = peer_thread_tries(cpu, flag, tries);
+  double best = 0;
+  out[0] = 0;
+  for (int i = 0; i < nt; i++) {
+    char line[4096];
+    if (!peer_run_json(prog, tries[i], tail, metric, line, sizeof line)) continue;
+    double v = json_num(line, metric);
+    if (nt > 1) printf("%*storch at OMP_NUM_THREADS=%d: %.1f %s\n", indent, "", tries[i], v, unit);
+    if (!out[0] || v > best) {
+      best = v;
+      snprintf(out, n, "%s", line);
+      if (threads) *threads = tries[i];
+    }
+  }
+  return out[0] != 0;
 }
 
 #endif

@@ -133,16 +133,18 @@ static int run_kiln(int depth, int64_t size, int64_t batch, int steps, kiln_devi
   return rc;
 }
 
-/* The peer's run at OMP_NUM_THREADS=threads (0: unset): its JSON line into line, parsed into
-** out. Returns 0, or 1 with the reason printed. */
+/* The peer's run at its best thread count (peer_run_best: on the CPU OMP_NUM_THREADS 1 and
+** kiln's count, the faster taken, both printed; flag > 0: that alone): its JSON line into
+** line, parsed into out, its count into *threads (0: unset). Returns 0, or 1 with the reason
+** printed. */
 static int run_peer(const char *python, const char *peer, const char *arch, int64_t size,
                     int64_t batch, int steps, const char *devname, bool bf16, bool compile,
-                    int threads, result *out, char *line, size_t line_n) {
+                    bool cpu, int flag, result *out, char *line, size_t line_n, int *threads) {
   char tail[2048];
   snprintf(tail, sizeof tail, "%s '%s' resnet --arch %s --size %lld --batch %lld --steps %d --device %s%s%s", python,
            peer, arch, (long long)size, (long long)batch, steps, devname, bf16 ? "" : " --no-amp",
            compile ? " --compile" : "");
-  if (!peer_run_json(PROG, threads, tail, "images_per_s", line, line_n)) return 1;
+  if (!peer_run_best(PROG, cpu, flag, tail, "images_per_s", "images/s", 0, line, line_n, threads)) return 1;
   out->ms = json_num(line, "ms_per_step");
   out->images_per_s = json_num(line, "images_per_s");
   out->peak_gib = json_num(line, "peak_gib");
@@ -208,19 +210,8 @@ int main(int argc, char **argv) {
   if (peer) {
     /* the peer names the device as torch does: cuda, cpu */
     const char *pdev = dev.type == KILN_DEVICE_CPU ? "cpu" : dev.type == KILN_DEVICE_CUDA ? "cuda" : "auto";
-    /* on the CPU the peer at its best of OMP_NUM_THREADS 1 and kiln's count (bench_peer.h) */
-    int tries[2], nt = peer_thread_tries(dev.type == KILN_DEVICE_CPU, peer_threads, tries);
-    for (int i = 0; i < nt; i++) {
-      result r;
-      char l[4096];
-      if (run_peer(python, peer, arch, size, batch, (int)steps, pdev, bf16, compile, tries[i], &r, l, sizeof l))
-        continue;
-      if (nt > 1) printf("torch at OMP_NUM_THREADS=%d: %8.1f images/s\n", tries[i], r.images_per_s);
-      if (peer_rc || r.images_per_s > t.images_per_s) {
-        t = r, peer_rc = 0, peer_threads = tries[i];
-        snprintf(line, sizeof line, "%s", l);
-      }
-    }
+    peer_rc = run_peer(python, peer, arch, size, batch, (int)steps, pdev, bf16, compile, dev.type == KILN_DEVICE_CPU,
+                       peer_threads, &t, line, sizeof line, &peer_threads);
     if (!peer_rc) {
       printf("torch: %8.1f images/s  %8.2f ms/step  peak ", t.images_per_s, t.ms);
       if (isnan(t.peak_gib)) printf("n/a");

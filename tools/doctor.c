@@ -199,6 +199,14 @@ static void blas_from_build(const char *build, char *out, size_t n) {
 
 /* ---- the CPU's product rates -------------------------------------------------------- */
 
+/* why bf16 products run slower than f32 here, from the CPU's bf16 units (d->simd) */
+static const char *slow_bf16_reason(const char *simd) {
+  if (strstr(simd, "amx_bf16"))
+    return getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit" : "the AMX unit is not reached";
+  if (strstr(simd, "avx512_bf16")) return "AVX512-BF16 dot products, no AMX tile unit";
+  return "no bf16 instructions";
+}
+
 /* f32 and bf16 products of RATE_N square matrices on the CPU, best of RATE_REPS after one
 ** warm-up call: what bf16 autocast buys for the products on this CPU. With a tile unit
 ** (AMX) bf16 runs several times f32's rate; with only AVX512-BF16 dot products (half an
@@ -358,10 +366,7 @@ static void diagnose(doctor *d) {
   if (d->gflops_bf16 < 0.9 * d->gflops_f32 && !slow_build(d->build)) {
     snprintf(what, sizeof what,
              "bf16 products run slower than f32 on this CPU (%.0f against %.0f GFLOP/s: %s): bf16 autocast "
-             "saves memory here, not time", d->gflops_bf16, d->gflops_f32,
-             strstr(d->simd, "amx_bf16") ? (getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit"
-                                                                         : "the AMX unit is not reached") :
-             strstr(d->simd, "avx512_bf16") ? "AVX512-BF16 dot products, no AMX tile unit" : "no bf16 instructions");
+             "saves memory here, not time", d->gflops_bf16, d->gflops_f32, slow_bf16_reason(d->simd));
     add_problem(d, "note", what, "train in f32 on this CPU where time matters more than memory (leave autocast off)");
   }
   const char *cvd = getenv("CUDA_VISIBLE_DEVICES");

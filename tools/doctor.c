@@ -102,33 +102,6 @@ static void add_problem(doctor *d, const char *severity, const char *what, const
 
 /* ---- the machine -------------------------------------------------------------------- */
 
-static void read_cpu_model(char *out, size_t n) {
-  snprintf(out, n, "unknown");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  /* x86: "model name"; arm64 kernels give no model name, only "CPU part" / "Hardware". */
-  const char *keys[] = {"model name", "Hardware", "Processor", "cpu model", "CPU part"};
-  int best = (int)(sizeof keys / sizeof keys[0]);
-  while (fgets(line, sizeof line, f)) {
-    for (int k = 0; k < best; k++) {
-      if (strncmp(line, keys[k], strlen(keys[k])) != 0) continue;
-      char *colon = strchr(line, ':');
-      if (!colon) continue;
-      char *v = colon + 1;
-      while (*v == ' ' || *v == '\t') v++;
-      v[strcspn(v, "\n")] = 0;
-      if (*v) {
-        snprintf(out, n, "%s", v);
-        best = k;
-      }
-      break;
-    }
-    if (best == 0) break;
-  }
-  fclose(f);
-}
-
 /* Whether flags (a /proc/cpuinfo "flags" line) lists flag as a whole word. */
 static bool has_flag(const char *flags, const char *flag) {
   size_t n = strlen(flag);
@@ -872,7 +845,9 @@ int cli_doctor(int argc, char **argv) {
   for (int i = 0; i < d->nbe; i++)
     if (d->be[i].name && !strcmp(d->be[i].name, "vulkan") && d->be[i].built) d->vk_slot = i;
   kiln_device_str(kiln_device_best(), d->default_device, sizeof d->default_device);
-  read_cpu_model(d->cpu_model, sizeof d->cpu_model);
+  kiln_device_info ci = {0};
+  if (kiln_device_info_get(kiln_device_cpu(), &ci) != KILN_OK) snprintf(ci.name, sizeof ci.name, "unknown CPU");
+  snprintf(d->cpu_model, sizeof d->cpu_model, "%s", ci.name);
   d->cores = sysconf(_SC_NPROCESSORS_ONLN);
   detect_simd(d);
   d->threads = kiln_num_threads();

@@ -16,19 +16,26 @@ static kiln_status kiln__cpu_probe(const char **why) {
 
 static int kiln__cpu_device_count(void) { return 1; }
 
+/* The CPU's model from /proc/cpuinfo: x86's "model name"; arm64 kernels give none, only
+** "Hardware", "Processor", "cpu model" or "CPU part" (the earliest of these keys wins). */
 static void cpu_model(char *buf, size_t n) {
   snprintf(buf, n, "unknown CPU");
   FILE *f = fopen("/proc/cpuinfo", "r");
   if (!f) return;
   char line[512];
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) == 0) {
+  const char *keys[] = {"model name", "Hardware", "Processor", "cpu model", "CPU part"};
+  int best = (int)(sizeof keys / sizeof keys[0]);
+  while (best > 0 && fgets(line, sizeof line, f)) {
+    for (int k = 0; k < best; k++) {
+      if (strncmp(line, keys[k], strlen(keys[k])) != 0) continue;
       char *c = strchr(line, ':');
-      if (c) {
-        c++;
-        while (*c == ' ') c++;
-        c[strcspn(c, "\n")] = 0;
+      if (!c) continue;
+      c++;
+      while (*c == ' ' || *c == '\t') c++;
+      c[strcspn(c, "\n")] = 0;
+      if (*c) {
         snprintf(buf, n, "%s", c);
+        best = k;
       }
       break;
     }

@@ -1125,6 +1125,21 @@ __device__ __forceinline__ void rg_sum(double (&v)[K], double (*red)[RG_MAXW][2]
     for (int k = 0; k < K; k++) v[k] += red[grp][w][k];
   }
 }
+/* The rows of this thread's group: with chunk > 0 the block's chunk of rows [b chunk, (b + 1)
+** chunk), group g every RG-th from g; with chunk 0 every (blocks RG)-th row from b RG + g,
+** so that the groups of all blocks work on neighbouring rows at a time (the backward's
+** partials add any rows a block takes; KILN_CUDA_RLN=rgchunk for the chunks). */
+struct RgRows {
+  int64_t first, step, end;
+};
+__device__ __forceinline__ RgRows rg_rows(int64_t chunk, int64_t R) {
+  const int64_t RG = blockDim.y, g = threadIdx.y;
+  if (chunk > 0) {
+    const int64_t r0 = (int64_t)blockIdx.x * chunk;
+    return {r0 + g, RG, r0 + chunk < R ? r0 + chunk : R};
+  }
+  return {(int64_t)blockIdx.x * RG + g, (int64_t)gridDim.x * RG, R};
+}
 /* a block's shape for nv float4s a row: G threads a group, RG groups (up to RG_THREADS
 ** threads; at most 56 registers a thread, so 3 blocks fit an SM) */
 #define RG_THREADS 384
@@ -1136,7 +1151,7 @@ static dim3 rg_block(int64_t N) {
 template <class C>
 __global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
                                                   int64_t chunk) {
-  const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y, RG = blockDim.y;
+  const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y;
   const bool col = t < (int)(p.N / 4), rf32 = p.rdt == KILN_F32;
   __shared__ double red[2][RG_MAXG][RG_MAXW][2];
   float4 w4 = make_float4(1.f, 1.f, 1.f, 1.f), b4 = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1149,13 +1164,13 @@ __global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, floa
     const int64_t ro0 = rln_rrow(p, row) * p.rs0 + 4 * (int64_t)t;
     ro = rf32 ? kc_ld4((const float *)p.r + ro0) : kc_ld4((const __nv_bfloat16 *)p.r + ro0);
   };
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  const RgRows q = rg_rows(chunk, p.R);
   float4 xv, rv, xn = make_float4(0.f, 0.f, 0.f, 0.f), rn = xn;
-  if (r0 + grp < r1) load(r0 + grp, xv, rv);
+  if (q.first < q.end) load(q.first, xv, rv);
   int ph = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + grp; row < r1; row += RG) {
-    if (row + RG < r1) load(row + RG, xn, rn); /* the next row, read while this one is summed */
+  for (int64_t row = q.first; row < q.end; row += q.step) {
+    if (row + q.step < q.end) load(row + q.step, xn, rn); /* the next row, read while this one is summed */
     const float4 v = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
     if (col) reinterpret_cast<float4 *>(s + row * p.ss0)[t] = v;
     double m[1] = {col ? (double)(((C)v.x + (C)v.y) + ((C)v.z + (C)v.w)) : 0.0};
@@ -1163,9 +1178,9 @@ __global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, floa
     const double mean = m[0] / (double)p.N;
     const C mc = (C)mean;
     const C a0 = v.x - mc, a1 = v.y - mc, a2 = v.z - mc, a3 = v.w - mc;
-    double q[1] = {col ? (double)((a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3)) : 0.0};
-    rg_sum<1>(q, red[ph], grp, G), ph ^= 1;
-    const double rstd = 1.0 / sqrt(q[0] / (double)p.N + p.eps);
+    double ss[1] = {col ? (double)((a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3)) : 0.0};
+    rg_sum<1>(ss, red[ph], grp, G), ph ^= 1;
+    const double rstd = 1.0 / sqrt(ss[0] / (double)p.N + p.eps);
     const C rc = (C)rstd;
     __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
     if (col) {
@@ -1209,13 +1224,13 @@ __global__ void __launch_bounds__(RG_THREADS, 2) rln_bwd_rg(const float *s, cons
     if (p.has_gs) o.gs = reinterpret_cast<const float4 *>(gs + row * p.gss0)[t];
   };
   float4 aw = make_float4(0.f, 0.f, 0.f, 0.f), ab = aw, ar = aw;
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
+  const RgRows rows = rg_rows(chunk, p.R);
   Row cur{}, nxt{};
-  if (r0 + grp < r1) load(r0 + grp, cur);
+  if (rows.first < rows.end) load(rows.first, cur);
   int ph = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + grp; row < r1; row += RG) {
-    if (row + RG < r1) load(row + RG, nxt); /* the next row, read while this one is summed */
+  for (int64_t row = rows.first; row < rows.end; row += rows.step) {
+    if (row + rows.step < rows.end) load(row + rows.step, nxt); /* the next row, read while this one is summed */
     const C mc = cur.m, rc = cur.r;
     const float4 g4 = kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&cur.g));
     C gw[4] = {g4.x, g4.y, g4.z, g4.w};
@@ -1328,7 +1343,8 @@ bool rln_supports(const kiln__kargs *a) {
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
-** "warp" (the four-wide kernels a warp a row, not the row-group ones),
+** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgchunk" (the
+** row-group kernels' blocks on chunks of neighbouring rows),
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
@@ -1434,7 +1450,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
       const dim3 blk = rg_block(p.N);
       int64_t chunk = 0;
       const unsigned nb = rg_grid(d, rln_fwd_rg<float>, blk, p.R, &chunk);
-      rln_fwd_rg<float><<<nb, blk, 0, d->stream>>>(xp, sp, p, wv, bv, chunk);
+      rln_fwd_rg<float><<<nb, blk, 0, d->stream>>>(xp, sp, p, wv, bv, rln_env("rgchunk") ? chunk : 0);
     } else if (v4 && !rln_env("nopf")) {
       rln_fwd_v4_pf_launch(d, a->device, xp, sp, p, wv, bv);
     } else if (v4) {
@@ -1463,8 +1479,8 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 const float *sf = (const float *)s, *gf = (const float *)gs;
                                 if (rg)
-                                  rln_bwd_rg<true, float><<<grid.y, blk, 0, d->stream>>>(sf, gf, dsp, p, wv, chunk,
-                                                                                         chunks, part);
+                                  rln_bwd_rg<true, float><<<grid.y, blk, 0, d->stream>>>(
+                                      sf, gf, dsp, p, wv, rln_env("rgchunk") ? chunk : 0, chunks, part);
                                 else if (f64)
                                   rln_bwd_v4_launch<true, double, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
                                                                          wv, chunk, chunks, part);
@@ -1483,8 +1499,8 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
     const dim3 blk = rg_block(p.N);
     int64_t chunk = 0;
     const unsigned nb = rg_grid(d, rln_bwd_rg<false, float>, blk, p.R, &chunk);
-    rln_bwd_rg<false, float><<<nb, blk, 0, d->stream>>>((const float *)s, (const float *)gs, dsp, p, wv, chunk, nb,
-                                                        NULL);
+    rln_bwd_rg<false, float><<<nb, blk, 0, d->stream>>>((const float *)s, (const float *)gs, dsp, p, wv,
+                                                        rln_env("rgchunk") ? chunk : 0, nb, NULL);
   } else if (v4) {
     rln_bwd_v4_launch<false, float, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                            wv, rln_warps(false), blocks, NULL);

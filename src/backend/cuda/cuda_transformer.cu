@@ -1303,6 +1303,7 @@ bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 |
 static RlnArgs rln_args(const kiln__kargs *a);
 static bool rln_env(const char *w);
 static bool rln_rg(void);
+static bool rln_rg_bwd(void);
 static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 static bool rln_v4_ok(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
@@ -1343,8 +1344,9 @@ bool rln_supports(const kiln__kargs *a) {
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
-** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgchunk" (the
-** row-group kernels' blocks on chunks of neighbouring rows),
+** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgbwd" (the
+** row-group backward too), "rgchunk" (the row-group kernels' blocks on chunks of
+** neighbouring rows),
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
@@ -1357,8 +1359,10 @@ static bool rln_env(const char *w) {
     if (strncmp(q, w, n) == 0 && (q[n] == ',' || q[n] == '\0')) return true;
   return false;
 }
-/* the row-group kernels, where the four-wide ones would run */
+/* the row-group kernels, where the four-wide ones would run: the forward's by default, the
+** backward's with "rgbwd" (measured no faster than rln_bwd_v4: bench/RESULTS.md) */
 static bool rln_rg(void) { return !rln_env("warp") && !rln_env("nopf") && !rln_env("f64"); }
+static bool rln_rg_bwd(void) { return rln_rg() && rln_env("rgbwd"); }
 
 /* Whether the v4 kernels take a (on top of rln_fast): N % 4 == 0 up to LN_VMAX * 128, the
 ** f32 rows 16-byte and the bf16 rows 8-byte aligned. KILN_CUDA_RLN=fast keeps the
@@ -1470,7 +1474,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
   float *dsp = (float *)a->out[0].data;
   if ((want_w || want_b || p.want_rs) && rln_bwd_chunked(a, p)) { /* f32 s, bf16 g: the partials in the rows' pass */
-    const bool pf = !f64 && !rln_env("nopf"), rg = !f64 && rln_rg();
+    const bool pf = !f64 && !rln_env("nopf"), rg = !f64 && rln_rg_bwd();
     Wsum o = wsum2(dw, db, want_w, want_b);
     if (p.want_rs) o.out[2] = vec_of(&a->out[4]), o.want[2] = true, o.parts = 3;
     const dim3 blk = rg_block(p.N);
@@ -1495,7 +1499,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   if (v4 && f64) {
     rln_bwd_v4_launch<false, double, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                             wv, rln_warps(false), blocks, NULL);
-  } else if (v4 && rln_rg()) {
+  } else if (v4 && rln_rg_bwd()) {
     const dim3 blk = rg_block(p.N);
     int64_t chunk = 0;
     const unsigned nb = rg_grid(d, rln_bwd_rg<false, float>, blk, p.R, &chunk);

@@ -104,7 +104,8 @@ int main() {
   const double f32 = R * N * 4.0, b16 = R * N * 2.0;
   printf("(%lld, %lld), %d SMs; TB/s (us) for blocks of 256 at 2, 4, 8 an SM\n", (long long)R, (long long)N, sms);
   for (int pass = 0; pass < 4; pass++) {
-    const char *name[4] = {"read f32", "copy f32", "forward streams (x, r -> s, y)", "backward streams (s, gs, g -> ds, dr)"};
+    const char *name[4] = {"read f32", "copy f32", "forward streams (x, r -> s, y)",
+                           "backward streams (s, gs, g -> ds, dr)"};
     const double bytes[4] = {f32, 2 * f32, 2 * f32 + 2 * b16, 3 * f32 + 2 * b16};
     printf("%-40s", name[pass]);
     for (int bps : {2, 4, 8}) {

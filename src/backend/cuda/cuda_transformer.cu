@@ -771,6 +771,23 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
   reinterpret_cast<uint2 *>(base)[q] = u;
 }
 
+/* The rows of group g of a block's G (a warp of the warp kernels, a row group of the
+** row-group ones): with chunk > 0 the block's chunk of rows [b chunk, (b + 1) chunk), group g
+** every G-th from g; with chunk 0 every (blocks G)-th row from b G + g, so that the groups of
+** all blocks work on neighbouring rows at a time (the backward's partials add whatever rows
+** a block takes). KILN_CUDA_RLN=rgchunk / winter pick chunks / interleaved rows for the
+** row-group / warp kernels. */
+struct RgRows {
+  int64_t first, step, end;
+};
+__device__ __forceinline__ RgRows rows_of(int64_t chunk, int64_t R, int64_t G, int64_t g) {
+  if (chunk > 0) {
+    const int64_t r0 = (int64_t)blockIdx.x * chunk;
+    return {r0 + g, G, r0 + chunk < R ? r0 + chunk : R};
+  }
+  return {(int64_t)blockIdx.x * G + g, (int64_t)gridDim.x * G, R};
+}
+
 /* The staged kernels' row loop (PF): the warp's first row fetched before the loop, and at
 ** each row the next one (row + W, while there is one) started into the other buffer
 ** before waiting for this row's copies (each lane's own: no barrier). */
@@ -780,10 +797,10 @@ template <bool PF, class F> __device__ __forceinline__ void rln_stage_first(int6
   }
 }
 template <bool PF, class F>
-__device__ __forceinline__ void rln_stage_next(int64_t row, int64_t r1, int W, int buf, F &fetch) {
+__device__ __forceinline__ void rln_stage_next(int64_t row, int64_t r1, int64_t step, int buf, F &fetch) {
   if constexpr (PF) {
-    if (row + W < r1) {
-      fetch(row + W, buf ^ 1);
+    if (row + step < r1) {
+      fetch(row + step, buf ^ 1);
       kc_cp_wait<1>();
     } else {
       kc_cp_wait<0>();
@@ -828,13 +845,13 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
     }
     kc_cp_commit();
   };
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  rln_stage_first<PF>(r0 + warp, r1, fetch);
+  const RgRows rw = rows_of(chunk, p.R, W, warp);
+  rln_stage_first<PF>(rw.first, rw.end, fetch);
   int buf = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+  for (int64_t row = rw.first; row < rw.end; row += rw.step, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    rln_stage_next<PF>(row, r1, W, buf, fetch);
+    rln_stage_next<PF>(row, rw.end, rw.step, buf, fetch);
     const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
     const int64_t ro = rln_rrow(p, row) * p.rs0;
     float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
@@ -951,13 +968,13 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
 #pragma unroll
     for (int k = 0; k < NV; k++) aw[k] = ab[k] = ar[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  rln_stage_first<PF>(r0 + warp, r1, fetch);
+  const RgRows rw = rows_of(chunk, p.R, W, warp);
+  rln_stage_first<PF>(rw.first, rw.end, fetch);
   int buf = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+  for (int64_t row = rw.first; row < rw.end; row += rw.step, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    rln_stage_next<PF>(row, r1, W, buf, fetch);
+    rln_stage_next<PF>(row, rw.end, rw.step, buf, fetch);
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
     const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
@@ -1125,20 +1142,9 @@ __device__ __forceinline__ void rg_sum(double (&v)[K], double (*red)[RG_MAXW][2]
     for (int k = 0; k < K; k++) v[k] += red[grp][w][k];
   }
 }
-/* The rows of this thread's group: with chunk > 0 the block's chunk of rows [b chunk, (b + 1)
-** chunk), group g every RG-th from g; with chunk 0 every (blocks RG)-th row from b RG + g,
-** so that the groups of all blocks work on neighbouring rows at a time (the backward's
-** partials add any rows a block takes; KILN_CUDA_RLN=rgchunk for the chunks). */
-struct RgRows {
-  int64_t first, step, end;
-};
+/* the row-group kernels' rows: group threadIdx.y of blockDim.y */
 __device__ __forceinline__ RgRows rg_rows(int64_t chunk, int64_t R) {
-  const int64_t RG = blockDim.y, g = threadIdx.y;
-  if (chunk > 0) {
-    const int64_t r0 = (int64_t)blockIdx.x * chunk;
-    return {r0 + g, RG, r0 + chunk < R ? r0 + chunk : R};
-  }
-  return {(int64_t)blockIdx.x * RG + g, (int64_t)gridDim.x * RG, R};
+  return rows_of(chunk, R, blockDim.y, threadIdx.y);
 }
 /* a block's shape for nv float4s a row: G threads a group, RG groups (up to RG_THREADS
 ** threads; at most 56 registers a thread, so 3 blocks fit an SM) */
@@ -1149,8 +1155,8 @@ static dim3 rg_block(int64_t N) {
 }
 
 template <class C>
-__global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, float *s, RlnArgs p, bool wvec, bool bvec,
-                                                  int64_t chunk) {
+__global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, float *s, RlnArgs p, bool wvec,
+                                                             bool bvec, int64_t chunk) {
   const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y;
   const bool col = t < (int)(p.N / 4), rf32 = p.rdt == KILN_F32;
   __shared__ double red[2][RG_MAXG][RG_MAXW][2];
@@ -1202,8 +1208,8 @@ __global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, floa
 ** sums when p.want_rs) summed over the block's rows, one partial a block into part (as
 ** rln_bwd_v4<., true>). */
 template <bool WG, class C>
-__global__ void __launch_bounds__(RG_THREADS, 2) rln_bwd_rg(const float *s, const float *gs, float *ds, RlnArgs p, bool wvec,
-                                                  int64_t chunk, int64_t chunks, double *part) {
+__global__ void __launch_bounds__(RG_THREADS, 2) rln_bwd_rg(const float *s, const float *gs, float *ds, RlnArgs p,
+                                                             bool wvec, int64_t chunk, int64_t chunks, double *part) {
   const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y, RG = blockDim.y;
   const bool col = t < (int)(p.N / 4);
   __shared__ double red[2][RG_MAXG][RG_MAXW][2];
@@ -1346,7 +1352,7 @@ bool rln_supports(const kiln__kargs *a) {
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
 ** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgbwd" (the
 ** row-group backward too), "rgchunk" (the row-group kernels' blocks on chunks of
-** neighbouring rows),
+** neighbouring rows), "winter" (the staged warp kernels' blocks on interleaved rows),
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
@@ -1421,7 +1427,8 @@ static void rln_fwd_v4_pf_nv(kiln__cuda_dev *d, int dev, const float *x, float *
     (void)cudaGetLastError(), n = 1;
   const int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
   const int64_t chunk = (p.R + want - 1) / want, blocks = (p.R + chunk - 1) / chunk;
-  rln_fwd_v4<float, NV, true><<<(unsigned)blocks, KC_THREADS, bytes, d->stream>>>(x, s, p, wv, bv, chunk);
+  rln_fwd_v4<float, NV, true><<<(unsigned)blocks, KC_THREADS, bytes, d->stream>>>(x, s, p, wv, bv,
+                                                                                 rln_env("winter") ? 0 : chunk);
 }
 static void rln_fwd_v4_pf_launch(kiln__cuda_dev *d, int dev, const float *x, float *s, const RlnArgs &p, bool wv,
                                  bool bv) {
@@ -1490,7 +1497,7 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
                                                                          wv, chunk, chunks, part);
                                 else if (pf)
                                   rln_bwd_v4_launch<true, float, true>(d->stream, a->device, grid.y, sf, gf, dsp, p,
-                                                                       wv, chunk, chunks, part);
+                                                                       wv, rln_env("winter") ? 0 : chunk, chunks, part);
                                 else
                                   rln_bwd_v4_launch<true, float, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
                                                                         wv, chunk, chunks, part);

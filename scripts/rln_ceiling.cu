@@ -67,6 +67,45 @@ __global__ void bwd(const float4 *s, const float4 *gs, const __nv_bfloat16 *g, f
   }
 }
 
+
+/* the backward's streams a row at a time, a warp a row (rows interleaved over the grid), the
+** row in registers (6 float4s a lane: N = 768): RED adds the norm's two row sums (double, over
+** the warp) between the loads and the stores, as the kernels do; W warps a block */
+template <bool RED>
+__global__ void bwd_rows(const float4 *s, const float4 *gs, const __nv_bfloat16 *g, float4 *ds, __nv_bfloat16 *dr,
+                         int64_t R) {
+  constexpr int NV = 6, n4 = NV * 32;
+  const int lane = threadIdx.x % 32, W = blockDim.x / 32;
+  for (int64_t row = (int64_t)blockIdx.x * W + threadIdx.x / 32; row < R; row += (int64_t)gridDim.x * W) {
+    float4 a[NV], b[NV], c[NV];
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int64_t i = row * n4 + k * 32 + lane;
+      a[k] = s[i], b[k] = gs[i], c[k] = ld_bf4(g + 4 * i);
+    }
+    float m = 0.f, q = 0.f;
+    if (RED) {
+      double lm = 0, lq = 0;
+#pragma unroll
+      for (int k = 0; k < NV; k++) {
+        lm += (double)(c[k].x + c[k].y + c[k].z + c[k].w);
+        lq += (double)(c[k].x * a[k].x + c[k].y * a[k].y + c[k].z * a[k].z + c[k].w * a[k].w);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
+      m = (float)(lm / 768.0), q = (float)(lq / 768.0);
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int64_t i = row * n4 + k * 32 + lane;
+      const float4 v = make_float4(a[k].x + b[k].x + c[k].x - m - q * a[k].x, a[k].y + b[k].y + c[k].y - m - q * a[k].y,
+                                   a[k].z + b[k].z + c[k].z - m - q * a[k].z, a[k].w + b[k].w + c[k].w - m - q * a[k].w);
+      ds[i] = v;
+      st_bf4(dr + 4 * i, v);
+    }
+  }
+}
+
 template <class F> static float best_ms(F launch) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
@@ -117,6 +156,19 @@ int main() {
         if (pass == 3) bwd<<<blocks, 256>>>(f[0], f[2], h[0], f[3], h[2], n4);
       });
       printf("  %.2f (%.1f)", bytes[pass] / (ms * 1e-3) / 1e12, ms * 1e3);
+    }
+    printf("\n");
+  }
+  /* a warp a row: warps an SM 8, 12, 16, 24 (blocks of 4 warps) */
+  for (int red = 0; red < 2; red++) {
+    printf("%-40s", red ? "backward, a warp a row, row sums" : "backward, a warp a row, no sums");
+    for (int wps : {8, 12, 16, 24}) {
+      const int blocks = sms * wps / 4;
+      float ms = best_ms([&] {
+        if (red) bwd_rows<true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R);
+        else bwd_rows<false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R);
+      });
+      printf("  %d: %.2f (%.1f)", wps, (3 * f32 + 2 * b16) / (ms * 1e-3) / 1e12, ms * 1e3);
     }
     printf("\n");
   }

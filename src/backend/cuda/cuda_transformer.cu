@@ -563,6 +563,7 @@ struct RlnArgs {
   Vec w, b, mean, rstd;
   bool y_ones; /* forward: after each y row a bf16 1 and seven 0s (rows N + 8 apart) */
   bool has_w, has_b, has_gs, want_dr, want_rs; /* want_rs: r's gradient's column sums (the third partials) */
+  bool stats_ahead; /* staged backward: the next row's mean and rstd read when its copy starts */
   double eps;
 };
 /* r's row for x's row (r broadcast over x's leading dims repeats every rT rows) */
@@ -970,6 +971,11 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
   }
   const RgRows rw = rows_of(chunk, p.R, W, warp);
   rln_stage_first<PF>(rw.first, rw.end, fetch);
+  /* stats_ahead (PF): the row's mean and rstd were read with its copy, a row ahead, so the
+  ** row's sums do not start behind a dependent load of its own */
+  const bool ahead = PF && p.stats_ahead;
+  auto stat = [&](const Vec &v, int64_t row) { return row < rw.end ? (C)ld_any<double>(v.p, v.dt, row * v.st) : (C)0; };
+  C mc_next = ahead ? stat(p.mean, rw.first) : (C)0, rc_next = ahead ? stat(p.rstd, rw.first) : (C)0;
   int buf = 0;
 #pragma unroll 1
   for (int64_t row = rw.first; row < rw.end; row += rw.step, buf ^= 1) {
@@ -977,8 +983,9 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
     rln_stage_next<PF>(row, rw.end, rw.step, buf, fetch);
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
-    const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
-    const C rc = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+    const C mc = ahead ? mc_next : stat(p.mean, row);
+    const C rc = ahead ? rc_next : stat(p.rstd, row);
+    if (ahead) mc_next = stat(p.mean, row + rw.step), rc_next = stat(p.rstd, row + rw.step);
     float4 sv[PF ? 1 : NV], gv[PF ? 1 : NV]; /* unstaged: s and g as read, all loads first */
     C lsg = 0, lsgx = 0;
     if constexpr (!PF) {
@@ -1356,7 +1363,9 @@ bool rln_supports(const kiln__kargs *a) {
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
-** column sums of r's gradient: the linear that made r sums its bias gradient itself); "f64"
+** column sums of r's gradient: the linear that made r sums its bias gradient itself),
+** "nostatpf" (the staged backward reads each row's mean and rstd at the row, not a row
+** ahead); "f64"
 ** and "nopf" are the warp kernels' variants and take them. */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
@@ -1577,6 +1586,7 @@ static RlnArgs rln_args(const kiln__kargs *a) {
     if (p.want_dr) p.dr = a->out[1].data, p.drdt = (int)a->out[1].dtype, p.drs0 = a->out[1].strides[0];
     p.want_rs = (a->i[1] & 8) != 0;
   }
+  p.stats_ahead = !rln_env("nostatpf"); /* KILN_CUDA_RLN=nostatpf: each row's stats read at the row (the A/B) */
   return p;
 }
 

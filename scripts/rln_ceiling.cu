@@ -106,6 +106,79 @@ __global__ void bwd_rows(const float4 *s, const float4 *gs, const __nv_bfloat16 
   }
 }
 
+/* bwd_rows<true> plus what the real backward adds, to find what holds it above this
+** ceiling: W, the norm's weight read at each row (L1); ST, the row's mean and rstd (f32
+** here) read at the row; PART, the parameter gradients' three per-lane f32 accumulators
+** (72 registers at N 768) and the block's warps added in double into part at the end */
+template <bool W, bool ST, bool PART>
+__global__ void bwd_rows_x(const float4 *s, const float4 *gs, const __nv_bfloat16 *g, float4 *ds, __nv_bfloat16 *dr,
+                           int64_t R, const float4 *w, const float *mean, const float *rstd, double *part) {
+  constexpr int NV = 6, n4 = NV * 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, NW = blockDim.x / 32;
+  float4 aw[PART ? NV : 1], ab[PART ? NV : 1], ar[PART ? NV : 1];
+  if (PART)
+#pragma unroll
+    for (int k = 0; k < NV; k++) aw[k] = ab[k] = ar[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t row = (int64_t)blockIdx.x * NW + warp; row < R; row += (int64_t)gridDim.x * NW) {
+    float4 a[NV], b[NV], c[NV];
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int64_t i = row * n4 + k * 32 + lane;
+      a[k] = s[i], b[k] = gs[i], c[k] = ld_bf4(g + 4 * i);
+    }
+    const float mc = ST ? mean[row] : 0.f, rc = ST ? rstd[row] : 1.f;
+    double lm = 0, lq = 0;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      float4 cw = c[k];
+      if (W) {
+        const float4 wk = w[k * 32 + lane];
+        cw.x *= wk.x, cw.y *= wk.y, cw.z *= wk.z, cw.w *= wk.w;
+      }
+      const float4 xh = make_float4((a[k].x - mc) * rc, (a[k].y - mc) * rc, (a[k].z - mc) * rc, (a[k].w - mc) * rc);
+      lm += (double)(cw.x + cw.y + cw.z + cw.w);
+      lq += (double)(cw.x * xh.x + cw.y * xh.y + cw.z * xh.z + cw.w * xh.w);
+      if (PART) {
+        aw[k].x += c[k].x * xh.x, aw[k].y += c[k].y * xh.y, aw[k].z += c[k].z * xh.z, aw[k].w += c[k].w * xh.w;
+        ab[k].x += c[k].x, ab[k].y += c[k].y, ab[k].z += c[k].z, ab[k].w += c[k].w;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
+    const float m = (float)(lm / 768.0), q = (float)(lq / 768.0);
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+      const int64_t i = row * n4 + k * 32 + lane;
+      float4 cw = c[k];
+      if (W) {
+        const float4 wk = w[k * 32 + lane];
+        cw.x *= wk.x, cw.y *= wk.y, cw.z *= wk.z, cw.w *= wk.w;
+      }
+      const float4 xh = make_float4((a[k].x - mc) * rc, (a[k].y - mc) * rc, (a[k].z - mc) * rc, (a[k].w - mc) * rc);
+      const float4 v = make_float4(rc * (cw.x - m - xh.x * q) + b[k].x, rc * (cw.y - m - xh.y * q) + b[k].y,
+                                   rc * (cw.z - m - xh.z * q) + b[k].z, rc * (cw.w - m - xh.w * q) + b[k].w);
+      ds[i] = v;
+      st_bf4(dr + 4 * i, v);
+      if (PART) ar[k].x += v.x, ar[k].y += v.y, ar[k].z += v.z, ar[k].w += v.w;
+    }
+  }
+  if (PART) { /* the block's warps in order, in double, through a (W, N) slab: as the kernels */
+    __shared__ float4 slab[8][NV * 32];
+    float4 *acc[3] = {aw, ab, ar};
+    for (int t = 0; t < 3; t++) {
+#pragma unroll
+      for (int k = 0; k < NV; k++) slab[warp][k * 32 + lane] = acc[t][k];
+      __syncthreads();
+      for (int j = threadIdx.x; j < NV * 128; j += blockDim.x) {
+        double u = 0;
+        for (int v = 0; v < NW; v++) u += (double)reinterpret_cast<const float *>(slab[v])[j];
+        part[((int64_t)t * gridDim.x + blockIdx.x) * NV * 128 + j] = u;
+      }
+      __syncthreads();
+    }
+  }
+}
+
 template <class F> static float best_ms(F launch) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
@@ -167,6 +240,29 @@ int main() {
       float ms = best_ms([&] {
         if (red) bwd_rows<true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R);
         else bwd_rows<false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R);
+      });
+      printf("  %d: %.2f (%.1f)", wps, (3 * f32 + 2 * b16) / (ms * 1e-3) / 1e12, ms * 1e3);
+    }
+    printf("\n");
+  }
+  /* what the real backward adds, one at a time and together (12 and 16 warps an SM) */
+  float *stat;
+  double *part;
+  CK(cudaMalloc(&stat, R * 8));
+  CK(cudaMemset(stat, 0, R * 8));
+  CK(cudaMalloc(&part, (size_t)3 * sms * 8 * N * 8));
+  const char *xname[5] = {"+ weight (L1)", "+ mean, rstd", "+ partials (72 regs, slab)", "+ all three", "row sums only (same kernel)"};
+  for (int v = 0; v < 5; v++) {
+    printf("%-40s", xname[v]);
+    for (int wps : {8, 12, 16}) {
+      const int blocks = sms * wps / 4;
+      float ms = best_ms([&] {
+        const float4 *wv = f[4];
+        if (v == 0) bwd_rows_x<true, false, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
+        if (v == 1) bwd_rows_x<false, true, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
+        if (v == 2) bwd_rows_x<false, false, true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
+        if (v == 3) bwd_rows_x<true, true, true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
+        if (v == 4) bwd_rows_x<false, false, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
       });
       printf("  %d: %.2f (%.1f)", wps, (3 * f32 + 2 * b16) / (ms * 1e-3) / 1e12, ms * 1e3);
     }

@@ -563,6 +563,7 @@ struct RlnArgs {
   Vec w, b, mean, rstd;
   bool y_ones; /* forward: after each y row a bf16 1 and seven 0s (rows N + 8 apart) */
   bool has_w, has_b, has_gs, want_dr, want_rs; /* want_rs: r's gradient's column sums (the third partials) */
+  bool stats_ahead; /* staged backward: the next row's mean and rstd read when its copy starts */
   double eps;
 };
 /* r's row for x's row (r broadcast over x's leading dims repeats every rT rows) */
@@ -771,6 +772,23 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
   reinterpret_cast<uint2 *>(base)[q] = u;
 }
 
+/* The rows of group g of a block's G (a warp of the warp kernels, a row group of the
+** row-group ones): with chunk > 0 the block's chunk of rows [b chunk, (b + 1) chunk), group g
+** every G-th from g; with chunk 0 every (blocks G)-th row from b G + g, so that the groups of
+** all blocks work on neighbouring rows at a time (the backward's partials add whatever rows
+** a block takes). KILN_CUDA_RLN=rgchunk / winter pick chunks / interleaved rows for the
+** row-group / warp kernels. */
+struct RgRows {
+  int64_t first, step, end;
+};
+__device__ __forceinline__ RgRows rows_of(int64_t chunk, int64_t R, int64_t G, int64_t g) {
+  if (chunk > 0) {
+    const int64_t r0 = (int64_t)blockIdx.x * chunk;
+    return {r0 + g, G, r0 + chunk < R ? r0 + chunk : R};
+  }
+  return {(int64_t)blockIdx.x * G + g, (int64_t)gridDim.x * G, R};
+}
+
 /* The staged kernels' row loop (PF): the warp's first row fetched before the loop, and at
 ** each row the next one (row + W, while there is one) started into the other buffer
 ** before waiting for this row's copies (each lane's own: no barrier). */
@@ -780,10 +798,10 @@ template <bool PF, class F> __device__ __forceinline__ void rln_stage_first(int6
   }
 }
 template <bool PF, class F>
-__device__ __forceinline__ void rln_stage_next(int64_t row, int64_t r1, int W, int buf, F &fetch) {
+__device__ __forceinline__ void rln_stage_next(int64_t row, int64_t r1, int64_t step, int buf, F &fetch) {
   if constexpr (PF) {
-    if (row + W < r1) {
-      fetch(row + W, buf ^ 1);
+    if (row + step < r1) {
+      fetch(row + step, buf ^ 1);
       kc_cp_wait<1>();
     } else {
       kc_cp_wait<0>();
@@ -828,13 +846,13 @@ __global__ void __launch_bounds__(KC_THREADS, 3) rln_fwd_v4(const float *x, floa
     }
     kc_cp_commit();
   };
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  rln_stage_first<PF>(r0 + warp, r1, fetch);
+  const RgRows rw = rows_of(chunk, p.R, W, warp);
+  rln_stage_first<PF>(rw.first, rw.end, fetch);
   int buf = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+  for (int64_t row = rw.first; row < rw.end; row += rw.step, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    rln_stage_next<PF>(row, r1, W, buf, fetch);
+    rln_stage_next<PF>(row, rw.end, rw.step, buf, fetch);
     const float4 *xr = reinterpret_cast<const float4 *>(x + row * p.xs0);
     const int64_t ro = rln_rrow(p, row) * p.rs0;
     float4 *sr = reinterpret_cast<float4 *>(s + row * p.ss0);
@@ -951,17 +969,23 @@ __global__ void __launch_bounds__(rln_warps(WG) * 32) rln_bwd_v4(const float *s,
 #pragma unroll
     for (int k = 0; k < NV; k++) aw[k] = ab[k] = ar[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const int64_t r0 = (int64_t)blockIdx.x * chunk, r1 = r0 + chunk < p.R ? r0 + chunk : p.R;
-  rln_stage_first<PF>(r0 + warp, r1, fetch);
+  const RgRows rw = rows_of(chunk, p.R, W, warp);
+  rln_stage_first<PF>(rw.first, rw.end, fetch);
+  /* stats_ahead (PF): the row's mean and rstd were read with its copy, a row ahead, so the
+  ** row's sums do not start behind a dependent load of its own */
+  const bool ahead = PF && p.stats_ahead;
+  auto stat = [&](const Vec &v, int64_t row) { return row < rw.end ? (C)ld_any<double>(v.p, v.dt, row * v.st) : (C)0; };
+  C mc_next = ahead ? stat(p.mean, rw.first) : (C)0, rc_next = ahead ? stat(p.rstd, rw.first) : (C)0;
   int buf = 0;
 #pragma unroll 1
-  for (int64_t row = r0 + warp; row < r1; row += W, buf ^= 1) {
+  for (int64_t row = rw.first; row < rw.end; row += rw.step, buf ^= 1) {
     const int o = (warp * 2 + buf) * S;
-    rln_stage_next<PF>(row, r1, W, buf, fetch);
+    rln_stage_next<PF>(row, rw.end, rw.step, buf, fetch);
     const float4 *sr = reinterpret_cast<const float4 *>(s + row * p.ss0);
     const __nv_bfloat16 *gr = (const __nv_bfloat16 *)p.g + row * p.gs0;
-    const C mc = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
-    const C rc = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+    const C mc = ahead ? mc_next : stat(p.mean, row);
+    const C rc = ahead ? rc_next : stat(p.rstd, row);
+    if (ahead) mc_next = stat(p.mean, row + rw.step), rc_next = stat(p.rstd, row + rw.step);
     float4 sv[PF ? 1 : NV], gv[PF ? 1 : NV]; /* unstaged: s and g as read, all loads first */
     C lsg = 0, lsgx = 0;
     if constexpr (!PF) {
@@ -1088,6 +1112,197 @@ static void rln_bwd_v4_launch(cudaStream_t st, int dev, unsigned blocks, const f
   }
 }
 
+/* Row-group kernels (the default for what the four-wide kernels take; KILN_CUDA_RLN=warp
+** keeps those): a row's nv = N / 4 float4s go one a thread over a row group of G = 32
+** ceil(nv / 32) threads, RG groups a block (blockDim (G, RG)), and the row's sums are added
+** across the group's warps in shared memory behind a named barrier of the group's own. A
+** thread holds four columns of a row where the warp kernels' lanes hold 4 NV (GPT-2: 24),
+** so the accumulators of the backward's parameter gradients take 12 registers, not 72:
+** more rows are in flight an SM, and each thread reads its next row into registers while
+** this one is summed. Persistent: one wave of blocks (the occupancy calculator's count an
+** SM), a chunk of rows a block, group g taking rows r0 + g, r0 + g + RG, ...; the
+** backward's partials one a block, as rln_bwd_v4's. The per-element arithmetic is the
+** warp kernels'; a row's sums go each thread's four in C, then threads and warps in
+** double, in a fixed order (the same bits every run). */
+#define RG_MAXW 8 /* warps a group: N <= 1024, as the four-wide kernels */
+#define RG_MAXG 8 /* groups a block: named barriers 1..8 */
+__device__ __forceinline__ void rg_bar(int grp, int G) {
+  asm volatile("bar.sync %0, %1;" ::"r"(grp + 1), "r"(G) : "memory");
+}
+/* The group's sums of K per-thread values in double, warp by warp in order; red is one
+** of two slots used in turn (a slot is written again only after the next barrier, which
+** every thread reaches after reading it). */
+template <int K>
+__device__ __forceinline__ void rg_sum(double (&v)[K], double (*red)[RG_MAXW][2], int grp, int G) {
+#pragma unroll
+  for (int k = 0; k < K; k++) v[k] = warp_sum(v[k]);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k < K; k++) red[grp][warp][k] = v[k];
+  }
+  rg_bar(grp, G);
+#pragma unroll
+  for (int k = 0; k < K; k++) v[k] = red[grp][0][k];
+  for (int w = 1; w < G / 32; w++) {
+#pragma unroll
+    for (int k = 0; k < K; k++) v[k] += red[grp][w][k];
+  }
+}
+/* the row-group kernels' rows: group threadIdx.y of blockDim.y */
+__device__ __forceinline__ RgRows rg_rows(int64_t chunk, int64_t R) {
+  return rows_of(chunk, R, blockDim.y, threadIdx.y);
+}
+/* a block's shape for nv float4s a row: G threads a group, RG groups (up to RG_THREADS
+** threads; at most 56 registers a thread, so 3 blocks fit an SM) */
+#define RG_THREADS 384
+static dim3 rg_block(int64_t N) {
+  const int G = (int)((N / 4 + 31) / 32) * 32, fit = RG_THREADS / G;
+  return dim3((unsigned)G, (unsigned)(fit < 1 ? 1 : fit > RG_MAXG ? RG_MAXG : fit));
+}
+
+template <class C>
+__global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, float *s, RlnArgs p, bool wvec,
+                                                             bool bvec, int64_t chunk) {
+  const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y;
+  const bool col = t < (int)(p.N / 4), rf32 = p.rdt == KILN_F32;
+  __shared__ double red[2][RG_MAXG][RG_MAXW][2];
+  float4 w4 = make_float4(1.f, 1.f, 1.f, 1.f), b4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (col && p.has_w) w4 = ln_ld4(p.w, wvec, (int64_t)t * 4);
+  if (col && p.has_b) b4 = ln_ld4(p.b, bvec, (int64_t)t * 4);
+  auto load = [&](int64_t row, float4 &xo, float4 &ro) {
+    xo = ro = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!col) return;
+    xo = reinterpret_cast<const float4 *>(x + row * p.xs0)[t];
+    const int64_t ro0 = rln_rrow(p, row) * p.rs0 + 4 * (int64_t)t;
+    ro = rf32 ? kc_ld4((const float *)p.r + ro0) : kc_ld4((const __nv_bfloat16 *)p.r + ro0);
+  };
+  const RgRows q = rg_rows(chunk, p.R);
+  float4 xv, rv, xn = make_float4(0.f, 0.f, 0.f, 0.f), rn = xn;
+  if (q.first < q.end) load(q.first, xv, rv);
+  int ph = 0;
+#pragma unroll 1
+  for (int64_t row = q.first; row < q.end; row += q.step) {
+    if (row + q.step < q.end) load(row + q.step, xn, rn); /* the next row, read while this one is summed */
+    const float4 v = make_float4(xv.x + rv.x, xv.y + rv.y, xv.z + rv.z, xv.w + rv.w);
+    if (col) reinterpret_cast<float4 *>(s + row * p.ss0)[t] = v;
+    double m[1] = {col ? (double)(((C)v.x + (C)v.y) + ((C)v.z + (C)v.w)) : 0.0};
+    rg_sum<1>(m, red[ph], grp, G), ph ^= 1;
+    const double mean = m[0] / (double)p.N;
+    const C mc = (C)mean;
+    const C a0 = v.x - mc, a1 = v.y - mc, a2 = v.z - mc, a3 = v.w - mc;
+    double ss[1] = {col ? (double)((a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3)) : 0.0};
+    rg_sum<1>(ss, red[ph], grp, G), ph ^= 1;
+    const double rstd = 1.0 / sqrt(ss[0] / (double)p.N + p.eps);
+    const C rc = (C)rstd;
+    __nv_bfloat16 *yr = (__nv_bfloat16 *)p.y + row * p.ys0;
+    if (col) {
+      C y[4] = {a0 * rc, a1 * rc, a2 * rc, a3 * rc};
+      if (p.has_w) y[0] *= (C)w4.x, y[1] *= (C)w4.y, y[2] *= (C)w4.z, y[3] *= (C)w4.w;
+      if (p.has_b) y[0] += (C)b4.x, y[1] += (C)b4.y, y[2] += (C)b4.z, y[3] += (C)b4.w;
+      bf4_st(yr, t, (float)y[0], (float)y[1], (float)y[2], (float)y[3]);
+    }
+    if (t == 0) {
+      st_any<double>((void *)p.mean.p, p.mean.dt, row * p.mean.st, mean);
+      st_any<double>((void *)p.rstd.p, p.rstd.dt, row * p.rstd.st, rstd);
+      if (p.y_ones) *reinterpret_cast<uint4 *>(yr + p.N) = make_uint4(0x3F80u, 0u, 0u, 0u); /* bf16 1, then 0s */
+    }
+    xv = xn, rv = rn;
+  }
+}
+
+/* The backward; with WG the weight and bias gradients' partials (and r's gradient's column
+** sums when p.want_rs) summed over the block's rows, one partial a block into part (as
+** rln_bwd_v4<., true>). */
+template <bool WG, class C>
+__global__ void __launch_bounds__(RG_THREADS, 2) rln_bwd_rg(const float *s, const float *gs, float *ds, RlnArgs p,
+                                                             bool wvec, int64_t chunk, int64_t chunks, double *part) {
+  const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y, RG = blockDim.y;
+  const bool col = t < (int)(p.N / 4);
+  __shared__ double red[2][RG_MAXG][RG_MAXW][2];
+  float4 w4 = make_float4(1.f, 1.f, 1.f, 1.f);
+  if (col && p.has_w) w4 = ln_ld4(p.w, wvec, (int64_t)t * 4);
+  struct Row {
+    float4 s, gs;
+    uint2 g;
+    C m, r;
+  };
+  auto load = [&](int64_t row, Row &o) {
+    o.m = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
+    o.r = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
+    o.s = o.gs = make_float4(0.f, 0.f, 0.f, 0.f), o.g = make_uint2(0u, 0u);
+    if (!col) return;
+    o.s = reinterpret_cast<const float4 *>(s + row * p.ss0)[t];
+    o.g = reinterpret_cast<const uint2 *>((const __nv_bfloat16 *)p.g + row * p.gs0)[t];
+    if (p.has_gs) o.gs = reinterpret_cast<const float4 *>(gs + row * p.gss0)[t];
+  };
+  float4 aw = make_float4(0.f, 0.f, 0.f, 0.f), ab = aw, ar = aw;
+  const RgRows rows = rg_rows(chunk, p.R);
+  Row cur{}, nxt{};
+  if (rows.first < rows.end) load(rows.first, cur);
+  int ph = 0;
+#pragma unroll 1
+  for (int64_t row = rows.first; row < rows.end; row += rows.step) {
+    if (row + rows.step < rows.end) load(row + rows.step, nxt); /* the next row, read while this one is summed */
+    const C mc = cur.m, rc = cur.r;
+    const float4 g4 = kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&cur.g));
+    C gw[4] = {g4.x, g4.y, g4.z, g4.w};
+    if (p.has_w) gw[0] *= (C)w4.x, gw[1] *= (C)w4.y, gw[2] *= (C)w4.z, gw[3] *= (C)w4.w;
+    const C xh[4] = {((C)cur.s.x - mc) * rc, ((C)cur.s.y - mc) * rc, ((C)cur.s.z - mc) * rc,
+                     ((C)cur.s.w - mc) * rc};
+    double q[2] = {(double)((gw[0] + gw[1]) + (gw[2] + gw[3])),
+                   (double)((gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]))};
+    rg_sum<2>(q, red[ph], grp, G), ph ^= 1;
+    const C sg = (C)(q[0] / (double)p.N), sgx = (C)(q[1] / (double)p.N);
+    if (col) {
+      float4 dv = make_float4((float)(rc * (gw[0] - sg - xh[0] * sgx)), (float)(rc * (gw[1] - sg - xh[1] * sgx)),
+                              (float)(rc * (gw[2] - sg - xh[2] * sgx)), (float)(rc * (gw[3] - sg - xh[3] * sgx)));
+      if (p.has_gs) dv.x = dv.x + cur.gs.x, dv.y = dv.y + cur.gs.y, dv.z = dv.z + cur.gs.z, dv.w = dv.w + cur.gs.w;
+      reinterpret_cast<float4 *>(ds + row * p.dss0)[t] = dv;
+      if (p.want_dr) bf4_st((__nv_bfloat16 *)p.dr + row * p.drs0, t, dv.x, dv.y, dv.z, dv.w);
+      if constexpr (WG) {
+        aw.x += (float)((C)g4.x * xh[0]), aw.y += (float)((C)g4.y * xh[1]);
+        aw.z += (float)((C)g4.z * xh[2]), aw.w += (float)((C)g4.w * xh[3]);
+        ab.x += g4.x, ab.y += g4.y, ab.z += g4.z, ab.w += g4.w;
+        if (p.want_rs) { /* r's gradient as written: dr's bf16 values, or ds */
+          const float4 q4 = p.want_dr ? bf4_round(dv) : dv;
+          ar.x += q4.x, ar.y += q4.y, ar.z += q4.z, ar.w += q4.w;
+        }
+      }
+    }
+    cur = nxt;
+  }
+  if constexpr (WG) { /* the groups' sums in group order, in double, through one f32 slab */
+    __shared__ float4 slab[RG_THREADS];
+    const float *sl = reinterpret_cast<const float *>(slab);
+    const int lt = grp * G + t, nt = G * RG, parts = p.want_rs ? 3 : 2;
+    for (int a = 0; a < parts; a++) {
+      if (a) __syncthreads();
+      slab[lt] = a == 0 ? aw : a == 1 ? ab : ar;
+      __syncthreads();
+      for (int j = lt; j < (int)p.N; j += nt) {
+        double v = 0;
+        for (int g = 0; g < RG; g++) v += (double)sl[g * G * 4 + j];
+        part[((int64_t)a * chunks + blockIdx.x) * p.N + j] = v;
+      }
+    }
+  }
+}
+
+/* blocks of rg_block(N) one wave holds on the device (at least one an SM) */
+template <class K> static int64_t rg_wave(kiln__cuda_dev *d, K kernel, dim3 blk) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, (int)(blk.x * blk.y), 0) != cudaSuccess || n < 1)
+    (void)cudaGetLastError(), n = 1;
+  return (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
+}
+/* one wave of blocks over R rows: chunk rows a block, *blocks of them */
+template <class K> static unsigned rg_grid(kiln__cuda_dev *d, K kernel, dim3 blk, int64_t R, int64_t *chunk) {
+  const int64_t want = rg_wave(d, kernel, blk);
+  *chunk = (R + want - 1) / want;
+  return (unsigned)((R + *chunk - 1) / *chunk);
+}
+
 /* Whether the fast kernels above take a: f32 x/s, bf16 r/y (forward), bf16 g/dr (dr when
 ** wanted), f32 stats, N <= 32 * RLN_V. */
 bool rln_fast(const kiln__kargs *a) {
@@ -1100,6 +1315,8 @@ bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 |
 
 static RlnArgs rln_args(const kiln__kargs *a);
 static bool rln_env(const char *w);
+static bool rln_rg(void);
+static bool rln_rg_bwd(void);
 static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 static bool rln_v4_ok(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
@@ -1140,10 +1357,16 @@ bool rln_supports(const kiln__kargs *a) {
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
+** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgbwd" (the
+** row-group backward too), "rgchunk" (the row-group kernels' blocks on chunks of
+** neighbouring rows), "winter" (the staged warp kernels' blocks on interleaved rows),
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
-** column sums of r's gradient: the linear that made r sums its bias gradient itself). */
+** column sums of r's gradient: the linear that made r sums its bias gradient itself),
+** "nostatpf" (the staged backward reads each row's mean and rstd at the row, not a row
+** ahead); "f64"
+** and "nopf" are the warp kernels' variants and take them. */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
   const size_t n = strlen(w);
@@ -1151,6 +1374,10 @@ static bool rln_env(const char *w) {
     if (strncmp(q, w, n) == 0 && (q[n] == ',' || q[n] == '\0')) return true;
   return false;
 }
+/* the row-group kernels, where the four-wide ones would run: the forward's by default, the
+** backward's with "rgbwd" (measured no faster than rln_bwd_v4: bench/RESULTS.md) */
+static bool rln_rg(void) { return !rln_env("warp") && !rln_env("nopf") && !rln_env("f64"); }
+static bool rln_rg_bwd(void) { return rln_rg() && rln_env("rgbwd"); }
 
 /* Whether the v4 kernels take a (on top of rln_fast): N % 4 == 0 up to LN_VMAX * 128, the
 ** f32 rows 16-byte and the bf16 rows 8-byte aligned. KILN_CUDA_RLN=fast keeps the
@@ -1209,7 +1436,8 @@ static void rln_fwd_v4_pf_nv(kiln__cuda_dev *d, int dev, const float *x, float *
     (void)cudaGetLastError(), n = 1;
   const int64_t want = (int64_t)(d->sm_count > 0 ? d->sm_count : 132) * n;
   const int64_t chunk = (p.R + want - 1) / want, blocks = (p.R + chunk - 1) / chunk;
-  rln_fwd_v4<float, NV, true><<<(unsigned)blocks, KC_THREADS, bytes, d->stream>>>(x, s, p, wv, bv, chunk);
+  rln_fwd_v4<float, NV, true><<<(unsigned)blocks, KC_THREADS, bytes, d->stream>>>(x, s, p, wv, bv,
+                                                                                 rln_env("winter") ? 0 : chunk);
 }
 static void rln_fwd_v4_pf_launch(kiln__cuda_dev *d, int dev, const float *x, float *s, const RlnArgs &p, bool wv,
                                  bool bv) {
@@ -1236,16 +1464,22 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
     const float *xp = (const float *)a->in[0].data;
     float *sp = (float *)a->out[1].data;
     const bool wv = p.has_w && vec4_ok(p.w), bv = p.has_b && vec4_ok(p.b);
-    if (v4 && rln_env("f64"))
+    if (v4 && rln_env("f64")) {
       rln_fwd_v4<double, LN_VMAX, false><<<blocks, KC_THREADS, 0, d->stream>>>(xp, sp, p, wv, bv, KC_THREADS / 32);
-    else if (v4 && !rln_env("nopf"))
+    } else if (v4 && rln_rg()) {
+      const dim3 blk = rg_block(p.N);
+      int64_t chunk = 0;
+      const unsigned nb = rg_grid(d, rln_fwd_rg<float>, blk, p.R, &chunk);
+      rln_fwd_rg<float><<<nb, blk, 0, d->stream>>>(xp, sp, p, wv, bv, rln_env("rgchunk") ? chunk : 0);
+    } else if (v4 && !rln_env("nopf")) {
       rln_fwd_v4_pf_launch(d, a->device, xp, sp, p, wv, bv);
-    else if (v4)
+    } else if (v4) {
       rln_fwd_v4<float, LN_VMAX, false><<<blocks, KC_THREADS, 0, d->stream>>>(xp, sp, p, wv, bv, KC_THREADS / 32);
-    else if (fast)
+    } else if (fast) {
       rln_fwd_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)a->in[0].data, (float *)a->out[1].data, p);
-    else
+    } else {
       rln_fwd<T, A><<<blocks, KC_THREADS, 0, d->stream>>>((const T *)a->in[0].data, (T *)a->out[1].data, p);
+    }
     return kiln__cuda_launched("residual_layer_norm");
   }
   const T *s = (const T *)a->in[0].data;
@@ -1256,34 +1490,45 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
   float *dsp = (float *)a->out[0].data;
   if ((want_w || want_b || p.want_rs) && rln_bwd_chunked(a, p)) { /* f32 s, bf16 g: the partials in the rows' pass */
-    const bool pf = !f64 && !rln_env("nopf");
+    const bool pf = !f64 && !rln_env("nopf"), rg = !f64 && rln_rg_bwd();
     Wsum o = wsum2(dw, db, want_w, want_b);
     if (p.want_rs) o.out[2] = vec_of(&a->out[4]), o.want[2] = true, o.parts = 3;
-    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, a->device, p, pf), o,
-                              "residual_layer_norm_backward", w2,
+    const dim3 blk = rg_block(p.N);
+    const int64_t want = rg ? rg_wave(d, rln_bwd_rg<true, float>, blk) : rln_bwd_chunks(d, a->device, p, pf);
+    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, want, o, "residual_layer_norm_backward", w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 const float *sf = (const float *)s, *gf = (const float *)gs;
-                                if (f64)
+                                if (rg)
+                                  rln_bwd_rg<true, float><<<grid.y, blk, 0, d->stream>>>(
+                                      sf, gf, dsp, p, wv, rln_env("rgchunk") ? chunk : 0, chunks, part);
+                                else if (f64)
                                   rln_bwd_v4_launch<true, double, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
                                                                          wv, chunk, chunks, part);
                                 else if (pf)
                                   rln_bwd_v4_launch<true, float, true>(d->stream, a->device, grid.y, sf, gf, dsp, p,
-                                                                       wv, chunk, chunks, part);
+                                                                       wv, rln_env("winter") ? 0 : chunk, chunks, part);
                                 else
                                   rln_bwd_v4_launch<true, float, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
                                                                         wv, chunk, chunks, part);
                               });
   }
-  if (v4 && f64)
+  if (v4 && f64) {
     rln_bwd_v4_launch<false, double, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                             wv, rln_warps(false), blocks, NULL);
-  else if (v4)
+  } else if (v4 && rln_rg_bwd()) {
+    const dim3 blk = rg_block(p.N);
+    int64_t chunk = 0;
+    const unsigned nb = rg_grid(d, rln_bwd_rg<false, float>, blk, p.R, &chunk);
+    rln_bwd_rg<false, float><<<nb, blk, 0, d->stream>>>((const float *)s, (const float *)gs, dsp, p, wv,
+                                                        rln_env("rgchunk") ? chunk : 0, nb, NULL);
+  } else if (v4) {
     rln_bwd_v4_launch<false, float, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                            wv, rln_warps(false), blocks, NULL);
-  else if (fast)
+  } else if (fast) {
     rln_bwd_ds_fast<<<blocks, KC_THREADS, 0, d->stream>>>((const float *)s, (const float *)gs, (float *)a->out[0].data, p);
-  else
+  } else {
     rln_bwd_ds<T, A><<<blocks, KC_THREADS, 0, d->stream>>>(s, gs, (T *)a->out[0].data, p);
+  }
   KC_TRY(kiln__cuda_launched("residual_layer_norm_backward"));
   if (!want_w && !want_b) return KILN_OK;
   if (v4) /* f32 s, bf16 g */
@@ -1341,6 +1586,7 @@ static RlnArgs rln_args(const kiln__kargs *a) {
     if (p.want_dr) p.dr = a->out[1].data, p.drdt = (int)a->out[1].dtype, p.drs0 = a->out[1].strides[0];
     p.want_rs = (a->i[1] & 8) != 0;
   }
+  p.stats_ahead = !rln_env("nostatpf"); /* KILN_CUDA_RLN=nostatpf: each row's stats read at the row (the A/B) */
   return p;
 }
 

@@ -248,8 +248,31 @@ static void test_linear_backward_row(void) {
   kiln_scope_end();
 }
 
+/* linear_cross_entropy makes the head's gradients in its forward: its row counts the
+** logits' product (2 M K V) and one more for each input that wants a gradient, none
+** without grad mode. */
+static void test_linear_cross_entropy_row(void) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  kiln_tensor *x = kiln_ones(KILN_SHAPE(100, 50), KILN_F32, cpu), *w = kiln_ones(KILN_SHAPE(1000, 50), KILN_F32, cpu);
+  kiln_tensor *t = kiln_zeros(KILN_SHAPE(100), KILN_I64, cpu);
+  kiln_requires_grad_(w, true);
+  CHECK(kiln_profiler_start(NULL) == KILN_OK);
+  CHECK(kiln_linear_cross_entropy(x, w, t, KILN_REDUCTION_MEAN, -100, 0.0) != NULL); /* dW only: 2 x 0.01 GFLOP */
+  const char *text = stop_to_text();
+  CHECK(table_gflop(text, "linear_cross_entropy") == 0.02);
+  bool prev = kiln_set_grad_enabled(false);
+  CHECK(kiln_profiler_start(NULL) == KILN_OK);
+  CHECK(kiln_linear_cross_entropy(x, w, t, KILN_REDUCTION_MEAN, -100, 0.0) != NULL); /* no gradients: the logits alone */
+  text = stop_to_text();
+  CHECK(table_gflop(text, "linear_cross_entropy") == 0.01);
+  kiln_set_grad_enabled(prev);
+  kiln_scope_end();
+}
+
 int main(void) {
   test_bad_path();
+  test_linear_cross_entropy_row();
   test_linear_backward_row();
   test_flops_of_norms_and_optimizers();
   test_trace();

@@ -112,6 +112,15 @@ static double flops_of(const kiln__op_event *e) {
     return (sgd ? 9.0 : 14.0) * v;
   }
   if (e->n_out < 1 || !e->out[0]) return 0;
+  if (!strcmp(n, "linear_cross_entropy") && e->n_in >= 2 && e->in[0] && e->in[1] && e->in[1]->ndim == 2) {
+    /* x (..., K), W (V, K): the logits, 2 M K V, and the gradient products its forward
+    ** makes for an input that wants one (dx = D W, dW = D^T x), 2 M K V each; the softmax
+    ** is not counted (a product's figure, as linear's) */
+    const kiln_tensor *x = e->in[0], *w = e->in[1];
+    const double f = 2.0 * (double)kiln_numel(x) * (double)w->shape[0];
+    const bool on = kiln_grad_enabled();
+    return f * (1 + (on && kiln_requires_grad(x)) + (on && kiln_requires_grad(w)));
+  }
   if (!strncmp(n, "scaled_dot_product_attention", 28) && e->n_in >= 3 && e->in[0] && e->in[1] && e->in[2]) {
     /* FlashAttention's count: q k^T and p v, 2 B H Tq Tk (D + Dv), halved when causal (the
     ** kernels skip the masked half); the backward's five products 2.5 times that */

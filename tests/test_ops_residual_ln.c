@@ -408,11 +408,6 @@ int main(int argc, char **argv) {
       block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
       block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
       block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
-      setenv("KILN_CUDA_RLN", "rgbwd", 1); /* the row-group backward (the forward's is the default) */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
-      block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
-      linear_into_norm(cuda, 1000, 256, 768, true);
       setenv("KILN_CUDA_RLN", "warp,winter", 1); /* the warp kernels' blocks on interleaved rows */
       block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
       block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);

@@ -773,7 +773,7 @@ __device__ __forceinline__ void bf4_st(void *base, int64_t q, float x, float y, 
 }
 
 /* The rows of group g of a block's G (a warp of the warp kernels, a row group of the
-** row-group ones): with chunk > 0 the block's chunk of rows [b chunk, (b + 1) chunk), group g
+** row-group forward): with chunk > 0 the block's chunk of rows [b chunk, (b + 1) chunk), group g
 ** every G-th from g; with chunk 0 every (blocks G)-th row from b G + g, so that the groups of
 ** all blocks work on neighbouring rows at a time (the backward's partials add whatever rows
 ** a block takes). KILN_CUDA_RLN=rgchunk / winter pick chunks / interleaved rows for the
@@ -1112,18 +1112,17 @@ static void rln_bwd_v4_launch(cudaStream_t st, int dev, unsigned blocks, const f
   }
 }
 
-/* Row-group kernels (the default for what the four-wide kernels take; KILN_CUDA_RLN=warp
-** keeps those): a row's nv = N / 4 float4s go one a thread over a row group of G = 32
-** ceil(nv / 32) threads, RG groups a block (blockDim (G, RG)), and the row's sums are added
-** across the group's warps in shared memory behind a named barrier of the group's own. A
-** thread holds four columns of a row where the warp kernels' lanes hold 4 NV (GPT-2: 24),
-** so the accumulators of the backward's parameter gradients take 12 registers, not 72:
-** more rows are in flight an SM, and each thread reads its next row into registers while
-** this one is summed. Persistent: one wave of blocks (the occupancy calculator's count an
-** SM), a chunk of rows a block, group g taking rows r0 + g, r0 + g + RG, ...; the
-** backward's partials one a block, as rln_bwd_v4's. The per-element arithmetic is the
-** warp kernels'; a row's sums go each thread's four in C, then threads and warps in
-** double, in a fixed order (the same bits every run). */
+/* The row-group forward (the default where the four-wide forward would run;
+** KILN_CUDA_RLN=warp keeps that one): a row's nv = N / 4 float4s go one a thread over a row
+** group of G = 32 ceil(nv / 32) threads, RG groups a block (blockDim (G, RG)), and the row's
+** sums are added across the group's warps in shared memory behind a named barrier of the
+** group's own. A thread holds four columns of a row where the warp kernels' lanes hold 4 NV
+** (GPT-2: 24), so more rows are in flight an SM, and each thread reads its next row into
+** registers while this one is summed. Persistent: one wave of blocks (the occupancy
+** calculator's count an SM), group g of block b taking every (blocks RG)-th row from
+** b RG + g (or a chunk of rows a block with rgchunk). The per-element arithmetic is the warp
+** kernels'; a row's sums go each thread's four in C, then threads and warps in double, in a
+** fixed order (the same bits every run). */
 #define RG_MAXW 8 /* warps a group: N <= 1024, as the four-wide kernels */
 #define RG_MAXG 8 /* groups a block: named barriers 1..8 */
 __device__ __forceinline__ void rg_bar(int grp, int G) {
@@ -1211,84 +1210,6 @@ __global__ void __launch_bounds__(RG_THREADS, 3) rln_fwd_rg(const float *x, floa
   }
 }
 
-/* The backward; with WG the weight and bias gradients' partials (and r's gradient's column
-** sums when p.want_rs) summed over the block's rows, one partial a block into part (as
-** rln_bwd_v4<., true>). */
-template <bool WG, class C>
-__global__ void __launch_bounds__(RG_THREADS, 2) rln_bwd_rg(const float *s, const float *gs, float *ds, RlnArgs p,
-                                                             bool wvec, int64_t chunk, int64_t chunks, double *part) {
-  const int G = blockDim.x, t = threadIdx.x, grp = threadIdx.y, RG = blockDim.y;
-  const bool col = t < (int)(p.N / 4);
-  __shared__ double red[2][RG_MAXG][RG_MAXW][2];
-  float4 w4 = make_float4(1.f, 1.f, 1.f, 1.f);
-  if (col && p.has_w) w4 = ln_ld4(p.w, wvec, (int64_t)t * 4);
-  struct Row {
-    float4 s, gs;
-    uint2 g;
-    C m, r;
-  };
-  auto load = [&](int64_t row, Row &o) {
-    o.m = (C)ld_any<double>(p.mean.p, p.mean.dt, row * p.mean.st);
-    o.r = (C)ld_any<double>(p.rstd.p, p.rstd.dt, row * p.rstd.st);
-    o.s = o.gs = make_float4(0.f, 0.f, 0.f, 0.f), o.g = make_uint2(0u, 0u);
-    if (!col) return;
-    o.s = reinterpret_cast<const float4 *>(s + row * p.ss0)[t];
-    o.g = reinterpret_cast<const uint2 *>((const __nv_bfloat16 *)p.g + row * p.gs0)[t];
-    if (p.has_gs) o.gs = reinterpret_cast<const float4 *>(gs + row * p.gss0)[t];
-  };
-  float4 aw = make_float4(0.f, 0.f, 0.f, 0.f), ab = aw, ar = aw;
-  const RgRows rows = rg_rows(chunk, p.R);
-  Row cur{}, nxt{};
-  if (rows.first < rows.end) load(rows.first, cur);
-  int ph = 0;
-#pragma unroll 1
-  for (int64_t row = rows.first; row < rows.end; row += rows.step) {
-    if (row + rows.step < rows.end) load(row + rows.step, nxt); /* the next row, read while this one is summed */
-    const C mc = cur.m, rc = cur.r;
-    const float4 g4 = kc_ld4(reinterpret_cast<const __nv_bfloat16 *>(&cur.g));
-    C gw[4] = {g4.x, g4.y, g4.z, g4.w};
-    if (p.has_w) gw[0] *= (C)w4.x, gw[1] *= (C)w4.y, gw[2] *= (C)w4.z, gw[3] *= (C)w4.w;
-    const C xh[4] = {((C)cur.s.x - mc) * rc, ((C)cur.s.y - mc) * rc, ((C)cur.s.z - mc) * rc,
-                     ((C)cur.s.w - mc) * rc};
-    double q[2] = {(double)((gw[0] + gw[1]) + (gw[2] + gw[3])),
-                   (double)((gw[0] * xh[0] + gw[1] * xh[1]) + (gw[2] * xh[2] + gw[3] * xh[3]))};
-    rg_sum<2>(q, red[ph], grp, G), ph ^= 1;
-    const C sg = (C)(q[0] / (double)p.N), sgx = (C)(q[1] / (double)p.N);
-    if (col) {
-      float4 dv = make_float4((float)(rc * (gw[0] - sg - xh[0] * sgx)), (float)(rc * (gw[1] - sg - xh[1] * sgx)),
-                              (float)(rc * (gw[2] - sg - xh[2] * sgx)), (float)(rc * (gw[3] - sg - xh[3] * sgx)));
-      if (p.has_gs) dv.x = dv.x + cur.gs.x, dv.y = dv.y + cur.gs.y, dv.z = dv.z + cur.gs.z, dv.w = dv.w + cur.gs.w;
-      reinterpret_cast<float4 *>(ds + row * p.dss0)[t] = dv;
-      if (p.want_dr) bf4_st((__nv_bfloat16 *)p.dr + row * p.drs0, t, dv.x, dv.y, dv.z, dv.w);
-      if constexpr (WG) {
-        aw.x += (float)((C)g4.x * xh[0]), aw.y += (float)((C)g4.y * xh[1]);
-        aw.z += (float)((C)g4.z * xh[2]), aw.w += (float)((C)g4.w * xh[3]);
-        ab.x += g4.x, ab.y += g4.y, ab.z += g4.z, ab.w += g4.w;
-        if (p.want_rs) { /* r's gradient as written: dr's bf16 values, or ds */
-          const float4 q4 = p.want_dr ? bf4_round(dv) : dv;
-          ar.x += q4.x, ar.y += q4.y, ar.z += q4.z, ar.w += q4.w;
-        }
-      }
-    }
-    cur = nxt;
-  }
-  if constexpr (WG) { /* the groups' sums in group order, in double, through one f32 slab */
-    __shared__ float4 slab[RG_THREADS];
-    const float *sl = reinterpret_cast<const float *>(slab);
-    const int lt = grp * G + t, nt = G * RG, parts = p.want_rs ? 3 : 2;
-    for (int a = 0; a < parts; a++) {
-      if (a) __syncthreads();
-      slab[lt] = a == 0 ? aw : a == 1 ? ab : ar;
-      __syncthreads();
-      for (int j = lt; j < (int)p.N; j += nt) {
-        double v = 0;
-        for (int g = 0; g < RG; g++) v += (double)sl[g * G * 4 + j];
-        part[((int64_t)a * chunks + blockIdx.x) * p.N + j] = v;
-      }
-    }
-  }
-}
-
 /* blocks of rg_block(N) one wave holds on the device (at least one an SM) */
 template <class K> static int64_t rg_wave(kiln__cuda_dev *d, K kernel, dim3 blk) {
   int n = 0;
@@ -1316,7 +1237,6 @@ bool unit_cols(const kiln__view &v) { return v.ndim == 2 && (v.strides[1] == 1 |
 static RlnArgs rln_args(const kiln__kargs *a);
 static bool rln_env(const char *w);
 static bool rln_rg(void);
-static bool rln_rg_bwd(void);
 static bool rln_bwd_chunked(const kiln__kargs *a, const RlnArgs &p);
 static bool rln_v4_ok(const kiln__kargs *a, const RlnArgs &p);
 bool rln_supports(const kiln__kargs *a) {
@@ -1357,16 +1277,15 @@ bool rln_supports(const kiln__kargs *a) {
 }
 
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
-** "warp" (the four-wide kernels a warp a row, not the row-group ones), "rgbwd" (the
-** row-group backward too), "rgchunk" (the row-group kernels' blocks on chunks of
-** neighbouring rows), "winter" (the staged warp kernels' blocks on interleaved rows),
+** "warp" (the four-wide forward a warp a row, not the row-group one), "rgchunk" (the
+** row-group forward's blocks on chunks of neighbouring rows), "winter" (the staged warp
+** kernels' blocks on interleaved rows),
 ** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
 ** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
 ** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
 ** column sums of r's gradient: the linear that made r sums its bias gradient itself),
 ** "nostatpf" (the staged backward reads each row's mean and rstd at the row, not a row
-** ahead); "f64"
-** and "nopf" are the warp kernels' variants and take them. */
+** ahead); "f64" and "nopf" are the warp kernels' variants and take them. */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
   const size_t n = strlen(w);
@@ -1374,10 +1293,9 @@ static bool rln_env(const char *w) {
     if (strncmp(q, w, n) == 0 && (q[n] == ',' || q[n] == '\0')) return true;
   return false;
 }
-/* the row-group kernels, where the four-wide ones would run: the forward's by default, the
-** backward's with "rgbwd" (measured no faster than rln_bwd_v4: bench/RESULTS.md) */
+/* the row-group forward, where the four-wide one would run (a row-group backward ran no
+** faster than rln_bwd_v4, 98.0 against 93.5 us a call: bench/RESULTS.md, and was removed) */
 static bool rln_rg(void) { return !rln_env("warp") && !rln_env("nopf") && !rln_env("f64"); }
-static bool rln_rg_bwd(void) { return rln_rg() && rln_env("rgbwd"); }
 
 /* Whether the v4 kernels take a (on top of rln_fast): N % 4 == 0 up to LN_VMAX * 128, the
 ** f32 rows 16-byte and the bf16 rows 8-byte aligned. KILN_CUDA_RLN=fast keeps the
@@ -1490,18 +1408,14 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   const bool f64 = rln_env("f64"), wv = p.has_w && vec4_ok(p.w);
   float *dsp = (float *)a->out[0].data;
   if ((want_w || want_b || p.want_rs) && rln_bwd_chunked(a, p)) { /* f32 s, bf16 g: the partials in the rows' pass */
-    const bool pf = !f64 && !rln_env("nopf"), rg = !f64 && rln_rg_bwd();
+    const bool pf = !f64 && !rln_env("nopf");
     Wsum o = wsum2(dw, db, want_w, want_b);
     if (p.want_rs) o.out[2] = vec_of(&a->out[4]), o.want[2] = true, o.parts = 3;
-    const dim3 blk = rg_block(p.N);
-    const int64_t want = rg ? rg_wave(d, rln_bwd_rg<true, float>, blk) : rln_bwd_chunks(d, a->device, p, pf);
-    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, want, o, "residual_layer_norm_backward", w2,
+    return norm_wgrad<double>(d, a->device, p.R, p.N, KC_THREADS, rln_bwd_chunks(d, a->device, p, pf), o,
+                              "residual_layer_norm_backward", w2,
                               [&](dim3 grid, double *part, int64_t chunk, int64_t chunks) {
                                 const float *sf = (const float *)s, *gf = (const float *)gs;
-                                if (rg)
-                                  rln_bwd_rg<true, float><<<grid.y, blk, 0, d->stream>>>(
-                                      sf, gf, dsp, p, wv, rln_env("rgchunk") ? chunk : 0, chunks, part);
-                                else if (f64)
+                                if (f64)
                                   rln_bwd_v4_launch<true, double, false>(d->stream, a->device, grid.y, sf, gf, dsp, p,
                                                                          wv, chunk, chunks, part);
                                 else if (pf)
@@ -1515,12 +1429,6 @@ kiln_status rln_run(kiln__cuda_dev *d, const kiln__kargs *a, RlnArgs &p) {
   if (v4 && f64) {
     rln_bwd_v4_launch<false, double, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                             wv, rln_warps(false), blocks, NULL);
-  } else if (v4 && rln_rg_bwd()) {
-    const dim3 blk = rg_block(p.N);
-    int64_t chunk = 0;
-    const unsigned nb = rg_grid(d, rln_bwd_rg<false, float>, blk, p.R, &chunk);
-    rln_bwd_rg<false, float><<<nb, blk, 0, d->stream>>>((const float *)s, (const float *)gs, dsp, p, wv,
-                                                        rln_env("rgchunk") ? chunk : 0, nb, NULL);
   } else if (v4) {
     rln_bwd_v4_launch<false, float, false>(d->stream, a->device, blocks, (const float *)s, (const float *)gs, dsp, p,
                                            wv, rln_warps(false), blocks, NULL);

@@ -92,14 +92,17 @@ __global__ void bwd_rows(const float4 *s, const float4 *gs, const __nv_bfloat16 
         lq += (double)(c[k].x * a[k].x + c[k].y * a[k].y + c[k].z * a[k].z + c[k].w * a[k].w);
       }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
+      for (int o = 16; o > 0; o >>= 1)
+        lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
       m = (float)(lm / 768.0), q = (float)(lq / 768.0);
     }
 #pragma unroll
     for (int k = 0; k < NV; k++) {
       const int64_t i = row * n4 + k * 32 + lane;
-      const float4 v = make_float4(a[k].x + b[k].x + c[k].x - m - q * a[k].x, a[k].y + b[k].y + c[k].y - m - q * a[k].y,
-                                   a[k].z + b[k].z + c[k].z - m - q * a[k].z, a[k].w + b[k].w + c[k].w - m - q * a[k].w);
+      const float4 v = make_float4(a[k].x + b[k].x + c[k].x - m - q * a[k].x,
+                                   a[k].y + b[k].y + c[k].y - m - q * a[k].y,
+                                   a[k].z + b[k].z + c[k].z - m - q * a[k].z,
+                                   a[k].w + b[k].w + c[k].w - m - q * a[k].w);
       ds[i] = v;
       st_bf4(dr + 4 * i, v);
     }
@@ -144,7 +147,8 @@ __global__ void bwd_rows_x(const float4 *s, const float4 *gs, const __nv_bfloat1
       }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
+    for (int o = 16; o > 0; o >>= 1)
+      lm += __shfl_xor_sync(0xffffffffu, lm, o), lq += __shfl_xor_sync(0xffffffffu, lq, o);
     const float m = (float)(lm / 768.0), q = (float)(lq / 768.0);
 #pragma unroll
     for (int k = 0; k < NV; k++) {
@@ -245,25 +249,24 @@ int main() {
     }
     printf("\n");
   }
-  /* what the real backward adds, one at a time and together (12 and 16 warps an SM) */
+  /* what the real backward adds, one at a time and together (8, 12 and 16 warps an SM) */
   float *stat;
   double *part;
   CK(cudaMalloc(&stat, R * 8));
   CK(cudaMemset(stat, 0, R * 8));
   CK(cudaMalloc(&part, (size_t)3 * sms * 8 * N * 8));
-  const char *xname[5] = {"+ weight (L1)", "+ mean, rstd", "+ partials (72 regs, slab)", "+ all three", "row sums only (same kernel)"};
+  typedef void (*xkernel)(const float4 *, const float4 *, const __nv_bfloat16 *, float4 *, __nv_bfloat16 *,
+                          int64_t, const float4 *, const float *, const float *, double *);
+  const xkernel xk[5] = {bwd_rows_x<true, false, false>, bwd_rows_x<false, true, false>,
+                         bwd_rows_x<false, false, true>, bwd_rows_x<true, true, true>,
+                         bwd_rows_x<false, false, false>};
+  const char *xname[5] = {"+ weight (L1)", "+ mean, rstd", "+ partials (72 regs, slab)", "+ all three",
+                          "row sums only (same kernel)"};
   for (int v = 0; v < 5; v++) {
     printf("%-40s", xname[v]);
     for (int wps : {8, 12, 16}) {
       const int blocks = sms * wps / 4;
-      float ms = best_ms([&] {
-        const float4 *wv = f[4];
-        if (v == 0) bwd_rows_x<true, false, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
-        if (v == 1) bwd_rows_x<false, true, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
-        if (v == 2) bwd_rows_x<false, false, true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
-        if (v == 3) bwd_rows_x<true, true, true><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
-        if (v == 4) bwd_rows_x<false, false, false><<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, wv, stat, stat, part);
-      });
+      float ms = best_ms([&] { xk[v]<<<blocks, 128>>>(f[0], f[2], h[0], f[3], h[2], R, f[4], stat, stat, part); });
       printf("  %d: %.2f (%.1f)", wps, (3 * f32 + 2 * b16) / (ms * 1e-3) / 1e12, ms * 1e3);
     }
     printf("\n");

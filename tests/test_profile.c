@@ -263,7 +263,8 @@ static void test_linear_cross_entropy_row(void) {
   CHECK(table_gflop(text, "linear_cross_entropy") == 0.02);
   bool prev = kiln_set_grad_enabled(false);
   CHECK(kiln_profiler_start(NULL) == KILN_OK);
-  CHECK(kiln_linear_cross_entropy(x, w, t, KILN_REDUCTION_MEAN, -100, 0.0) != NULL); /* no gradients: the logits alone */
+  /* no gradients: the logits alone */
+  CHECK(kiln_linear_cross_entropy(x, w, t, KILN_REDUCTION_MEAN, -100, 0.0) != NULL);
   text = stop_to_text();
   CHECK(table_gflop(text, "linear_cross_entropy") == 0.01);
   kiln_set_grad_enabled(prev);

@@ -175,7 +175,8 @@ static void blas_from_build(const char *build, char *out, size_t n) {
 /* why bf16 products run slower than f32 here, from the CPU's bf16 units (d->simd) */
 static const char *slow_bf16_reason(const char *simd) {
   if (strstr(simd, "amx_bf16"))
-    return getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit" : "the AMX unit is not reached";
+    return getenv("ONEDNN_MAX_CPU_ISA") ? "ONEDNN_MAX_CPU_ISA keeps oneDNN off the AMX unit"
+                                        : "the AMX unit is not reached";
   if (strstr(simd, "avx512_bf16")) return "AVX512-BF16 dot products, no AMX tile unit";
   return "no bf16 instructions";
 }

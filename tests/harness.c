@@ -999,6 +999,10 @@ void h_set_native_type(kiln_device_type t) {
 
 bool h_cross_only(void) { return H.cross_only; }
 
+bool h_backend_checks(const char *name) {
+  return !H.support && (!H.cross_only || !H.only_backend || strcmp(H.only_backend, name) == 0);
+}
+
 int h_finish(void) {
   if (H.support) {
     support_print();

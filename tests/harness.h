@@ -144,6 +144,10 @@ void h_set_cross_only(bool on);
 ** part (d) runs them there under KILN_FALLBACK=error, so a missing kernel fails. */
 void h_set_native_type(kiln_device_type t);
 bool h_support_mode(void); /* KILN_HARNESS_SUPPORT=1 / --support: hand-written checks skip */
+/* Whether a test's hand-written checks on backend `name` ("cuda") run: in a full run, and in
+** a cross-only run that takes that backend (KILN_TEST_DEVICE=cuda: the test's `_cuda` ctest
+** entry, label gpu); never in support mode. The caller still asks for a device. */
+bool h_backend_checks(const char *name);
 void h_run_case(const h_case *c);
 void h_run_cases(const h_case *cs, int n);
 

@@ -398,49 +398,50 @@ int main(int argc, char **argv) {
     linear_into_norm(cpu, 40, 24, 64, false);
     broadcast_pattern(cpu, 3, 10, 64, KILN_F32);
     ones_column(cpu, 2, 12, 64, 48);
-    if (kiln_device_count(KILN_DEVICE_CUDA) > 0) { /* the RESIDUAL_LAYER_NORM kernels */
-      kiln_device cuda = kiln_device_cuda(0);
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, false);
-      /* the four-wide kernels at the other lane counts: a full last float4 of lanes (1024),
-      ** lanes without a column (260), rows not in whole warps' worth (77, 5) */
-      block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
-      setenv("KILN_CUDA_RLN", "warp,winter", 1); /* the warp kernels' blocks on interleaved rows */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
-      broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
-      setenv("KILN_CUDA_RLN", "warp", 1); /* the four-wide kernels a warp a row both ways */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
-      block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
-      broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
-      ones_column(cuda, 4, 250, 768, 2304);
-      setenv("KILN_CUDA_RLN", "split", 1); /* the weight partials in a pass of their own */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      setenv("KILN_CUDA_RLN", "f64", 1); /* the four-wide kernels' arithmetic in double */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      setenv("KILN_CUDA_RLN", "nopf", 1); /* each row loaded when its warp starts on it */
-      block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
-      block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
-      unsetenv("KILN_CUDA_RLN");
-      block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
-      block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
-      gpt_fused_norms(cuda, KILN_F32);
-      gpt_fused_norms(cuda, KILN_BF16);
-      linear_into_norm(cuda, 1000, 256, 768, false);
-      linear_into_norm(cuda, 1000, 256, 768, true);
-      linear_into_norm(cuda, 77, 64, 260, false);
-      broadcast_pattern(cuda, 4, 250, 768, KILN_F32); /* GPT-2's position embedding */
-      ones_column(cuda, 4, 250, 768, 2304); /* GPT-2's ln_1 -> c_attn */
-      ones_column(cuda, 3, 7, 64, 40);
-      broadcast_pattern(cuda, 3, 33, 260, KILN_BF16);
-      setenv("KILN_CUDA_RLN", "nopf", 1);
-      broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
-      unsetenv("KILN_CUDA_RLN");
-    }
+  }
+  /* the RESIDUAL_LAYER_NORM kernels (test_ops_residual_ln_cuda runs only these) */
+  if (h_backend_checks("cuda") && kiln_device_count(KILN_DEVICE_CUDA) > 0) {
+    kiln_device cuda = kiln_device_cuda(0);
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true); /* GPT-2's width */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, false);
+    /* the four-wide kernels at the other lane counts: a full last float4 of lanes (1024),
+    ** lanes without a column (260), rows not in whole warps' worth (77, 5) */
+    block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
+    block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
+    block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
+    block_pattern(cuda, 5, 4, KILN_BF16, KILN_BF16, true);
+    setenv("KILN_CUDA_RLN", "warp,winter", 1); /* the warp kernels' blocks on interleaved rows */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+    block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
+    broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
+    setenv("KILN_CUDA_RLN", "warp", 1); /* the four-wide kernels a warp a row both ways */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+    block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, false);
+    block_pattern(cuda, 300, 1024, KILN_BF16, KILN_BF16, true);
+    broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
+    ones_column(cuda, 4, 250, 768, 2304);
+    setenv("KILN_CUDA_RLN", "split", 1); /* the weight partials in a pass of their own */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+    setenv("KILN_CUDA_RLN", "f64", 1); /* the four-wide kernels' arithmetic in double */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+    setenv("KILN_CUDA_RLN", "nopf", 1); /* each row loaded when its warp starts on it */
+    block_pattern(cuda, 1000, 768, KILN_BF16, KILN_BF16, true);
+    block_pattern(cuda, 77, 260, KILN_BF16, KILN_BF16, true);
+    unsetenv("KILN_CUDA_RLN");
+    block_pattern(cuda, 37, 96, KILN_F32, KILN_F32, true);
+    block_pattern(cuda, 37, 100, KILN_F16, KILN_BF16, true);
+    gpt_fused_norms(cuda, KILN_F32);
+    gpt_fused_norms(cuda, KILN_BF16);
+    linear_into_norm(cuda, 1000, 256, 768, false);
+    linear_into_norm(cuda, 1000, 256, 768, true);
+    linear_into_norm(cuda, 77, 64, 260, false);
+    broadcast_pattern(cuda, 4, 250, 768, KILN_F32); /* GPT-2's position embedding */
+    ones_column(cuda, 4, 250, 768, 2304); /* GPT-2's ln_1 -> c_attn */
+    ones_column(cuda, 3, 7, 64, 40);
+    broadcast_pattern(cuda, 3, 33, 260, KILN_BF16);
+    setenv("KILN_CUDA_RLN", "nopf", 1);
+    broadcast_pattern(cuda, 4, 250, 768, KILN_F32);
+    unsetenv("KILN_CUDA_RLN");
   }
   return h_finish();
 }

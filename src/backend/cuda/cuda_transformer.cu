@@ -1279,13 +1279,13 @@ bool rln_supports(const kiln__kargs *a) {
 /* Whether KILN_CUDA_RLN (a comma-separated list, for an A/B on the device) names w:
 ** "warp" (the four-wide forward a warp a row, not the row-group one), "rgchunk" (the
 ** row-group forward's blocks on chunks of neighbouring rows), "winter" (the staged warp
-** kernels' blocks on interleaved rows),
-** "split" (the v4 backward leaves the weight partials to wpart_v4's second pass), "f64"
-** (the v4 kernels' per-element arithmetic in double), "fast" (no v4 kernels), "nopf" (the
-** chunked backward loads each row when it starts on it, no staged next row), "nors" (no
-** column sums of r's gradient: the linear that made r sums its bias gradient itself),
-** "nostatpf" (the staged backward reads each row's mean and rstd at the row, not a row
-** ahead); "f64" and "nopf" are the warp kernels' variants and take them. */
+** kernels' blocks on interleaved rows), "split" (the v4 backward leaves the weight partials
+** to wpart_v4's second pass), "f64" (the v4 kernels' per-element arithmetic in double),
+** "fast" (no v4 kernels), "nopf" (the chunked backward loads each row when it starts on it,
+** no staged next row), "nors" (no column sums of r's gradient: the linear that made r sums
+** its bias gradient itself), "nostatpf" (the staged backward reads each row's mean and rstd
+** at the row, not a row ahead); "f64" and "nopf" are the warp kernels' variants and take
+** them. */
 static bool rln_env(const char *w) {
   const char *e = getenv("KILN_CUDA_RLN");
   const size_t n = strlen(w);
@@ -1294,7 +1294,7 @@ static bool rln_env(const char *w) {
   return false;
 }
 /* the row-group forward, where the four-wide one would run (a row-group backward ran no
-** faster than rln_bwd_v4, 98.0 against 93.5 us a call: bench/RESULTS.md, and was removed) */
+** faster than rln_bwd_v4 and was removed: bench/RESULTS.md, 2026-12-06 18:59) */
 static bool rln_rg(void) { return !rln_env("warp") && !rln_env("nopf") && !rln_env("f64"); }
 
 /* Whether the v4 kernels take a (on top of rln_fast): N % 4 == 0 up to LN_VMAX * 128, the

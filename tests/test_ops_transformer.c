@@ -330,7 +330,9 @@ __attribute__((unused)) static void tf_sdpa_math(void) {
 ** runs the products as bf16 matmuls with f32 accumulation, P and dS rounded to bf16) against
 ** the f64 kernel on the same bf16 values, forward and backward: causal and not, Tq != Tk
 ** both ways, T not a multiple of 16, heads split from one qkv (B, T, 3C) by views, and
-** enough (b, h) pairs for the CPU to take them in several chunks.
+** enough (b, h) pairs for the CPU to take them in several chunks, and pairs whose scores
+** pass the chunk's 1 MiB, which the CPU takes in blocks of query rows (causal and not, Tq
+** below, equal to and above Tk, a last block shorter than the others).
 ** Tolerance: P = exp(s - lse) and dS are rounded to bf16 (2^-9 relative each) before their
 ** products and every output once (2^-9): an output o = sum_j p_j x_j is off by at most
 ** 2^-9 (sum_j p_j |x_j| + |o|) <= 2^-8 max|x|, and dq, dk (dS's rounding on top of P's,
@@ -348,7 +350,13 @@ __attribute__((unused)) static void tf_att_bf16(void) {
             {1, 2, 70, 70, 64, 64, false, true},
             /* (b, h) pairs of 160 x 160 scores: the CPU's bf16 path runs them in chunks of
             ** 1 MiB of f32 scores, 6 pairs forward and 3 backward: chunks and a partial one */
-            {2, 4, 160, 160, 16, 16, true, true}};
+            {2, 4, 160, 160, 16, 16, true, true},
+            /* blocks of query rows: 600 rows of 600 keys are 1.4 MiB of f32 scores forward
+            ** (2 blocks: 432, 168 rows) and 2.9 MiB backward with dP (208, 208, 184) */
+            {1, 2, 600, 600, 16, 16, true, true},
+            {1, 1, 300, 900, 32, 16, true, false},
+            {1, 1, 900, 300, 16, 32, false, false},
+            {1, 1, 700, 300, 16, 16, true, false}};
   kiln_device cpu = kiln_device_cpu();
   for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
     kiln_scope_begin();

@@ -1088,6 +1088,7 @@ typedef struct kiln__attb {
   float scale;
   bool causal, bw;
   int64_t bh0; /* the chunk's first (b, h): S, dP, P, dS hold the chunk's rows */
+  int64_t r0, R, kv; /* of each pair, query rows r0 .. r0 + R and keys 0 .. kv (a row's width) */
   float *S, *dP;
   uint16_t *P, *dS;
 } kiln__attb;
@@ -1095,34 +1096,35 @@ typedef struct kiln__attb {
 static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
   kiln__attb *c = vctx;
   const kiln__view *lv = c->bw ? &c->a->out[3] : &c->a->out[1];
+  const int64_t w = c->kv;
   for (int64_t r = lo; r < hi; r++) {
-    int64_t bh = c->bh0 + r / c->Tq, i = r % c->Tq;
-    int64_t n = c->causal ? (i + 1 < c->Tk ? i + 1 : c->Tk) : c->Tk;
+    int64_t bh = c->bh0 + r / c->R, i = c->r0 + r % c->R;
+    int64_t n = c->causal ? (i + 1 < c->Tk ? i + 1 : c->Tk) : c->Tk; /* <= kv */
     int64_t li[3] = {bh / c->H, bh % c->H, i};
-    float *s = c->S + r * c->Tk;
-    uint16_t *p = c->P + r * c->Tk;
+    float *s = c->S + r * w;
+    uint16_t *p = c->P + r * w;
     if (c->bw) {
       float lse = (float)kiln__cpu_get_f64(kiln__at(lv, 3, li), lv->dtype);
-      float *dp = c->dP + r * c->Tk;
-      uint16_t *ds = c->dS + r * c->Tk;
+      float *dp = c->dP + r * w;
+      uint16_t *ds = c->dS + r * w;
 #ifdef KILN__AVX512
       if (kiln__avx512bf16_ok())
-        kiln__attb_row_bwd16_bf(s, dp, p, ds, n, c->Tk, lse, c->scale);
+        kiln__attb_row_bwd16_bf(s, dp, p, ds, n, w, lse, c->scale);
       else if (kiln__avx512_ok())
-        kiln__attb_row_bwd16_sw(s, dp, p, ds, n, c->Tk, lse, c->scale);
+        kiln__attb_row_bwd16_sw(s, dp, p, ds, n, w, lse, c->scale);
       else
 #endif
-        kiln__attb_row_bwd(s, dp, p, ds, n, c->Tk, lse, c->scale);
+        kiln__attb_row_bwd(s, dp, p, ds, n, w, lse, c->scale);
     } else {
       float lse;
 #ifdef KILN__AVX512
       if (kiln__avx512bf16_ok())
-        lse = kiln__attb_row_fwd16_bf(s, p, n, c->Tk);
+        lse = kiln__attb_row_fwd16_bf(s, p, n, w);
       else if (kiln__avx512_ok())
-        lse = kiln__attb_row_fwd16_sw(s, p, n, c->Tk);
+        lse = kiln__attb_row_fwd16_sw(s, p, n, w);
       else
 #endif
-        lse = kiln__attb_row_fwd(s, p, n, c->Tk);
+        lse = kiln__attb_row_fwd(s, p, n, w);
       kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)lse);
     }
   }
@@ -1133,7 +1135,7 @@ static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
 ** (B, H, T, D) views of a GPT's qkv (row stride 3C) got its "gemm:jit" kernels, ~8x slower
 ** (5 ms for QK^T), hence the packing below. A layout oneDNN has no kernel for at all goes
 ** to the CPU's own MATMUL (f32 temporaries; the same f32-accumulated result). */
-static kiln_status kiln__attb_mm(kiln__view A, kiln__view B, kiln__view C, double s0) {
+static kiln_status kiln__attb_mm(kiln__view A, kiln__view B, kiln__view C, double s0, double beta) {
   kiln__kargs m = {0};
   m.op = KILN__K_MATMUL;
   m.n_in = 2;
@@ -1142,23 +1144,30 @@ static kiln_status kiln__attb_mm(kiln__view A, kiln__view B, kiln__view C, doubl
   m.in[1] = B;
   m.out[0] = C;
   m.s[0] = s0;
+  m.s[1] = beta; /* C = s0 A B + beta C */
   return kiln__cpu_matmul(&m);
 }
 
-/* A 3-d (n, r, c) view of a dense buffer, transposed in its last two dims when t. */
-static kiln__view kiln__attb_view(void *data, kiln_dtype dt, int64_t n, int64_t r, int64_t cc, bool t) {
+/* A 3-d (n, r, c) view of rows of cc elements, bs apart from one of the n to the next
+** (r * cc: a dense buffer; more: the first r rows of each), transposed in its last two dims
+** when t. */
+static kiln__view kiln__attb_rview(void *data, kiln_dtype dt, int64_t n, int64_t bs, int64_t r, int64_t cc, bool t) {
   kiln__view v = {0};
   v.data = data;
   v.dtype = dt;
   v.ndim = 3;
   v.shape[0] = n;
-  v.strides[0] = r * cc;
+  v.strides[0] = bs;
   if (!t) {
     v.shape[1] = r, v.shape[2] = cc, v.strides[1] = cc, v.strides[2] = 1;
   } else {
     v.shape[1] = cc, v.shape[2] = r, v.strides[1] = 1, v.strides[2] = cc;
   }
   return v;
+}
+
+static kiln__view kiln__attb_view(void *data, kiln_dtype dt, int64_t n, int64_t r, int64_t cc, bool t) {
+  return kiln__attb_rview(data, dt, n, r * cc, r, cc, t);
 }
 
 /* Rows of (B, H, T, D) bf16 views to or from dense (B*H*T, D) buffers. */
@@ -1224,8 +1233,31 @@ static bool kiln__attb_takes(const kiln__kargs *a) {
 ** many bytes, so that they stay in the cores' L2 between the product that writes them, the
 ** row pass and the products that read P and dS. The whole (B*H, Tq, Tk) at once (8 MiB of
 ** f32 S for the small GPT) went to memory and back: QK^T ran at ~0.4 TFLOP/s, bound by
-** its f32 output. KILN_ATTB_CHUNK_BYTES overrides it (A/B). */
+** its f32 output. KILN_ATTB_CHUNK_BYTES overrides it (A/B).
+** Where one pair's scores are more than that (long sequences), a chunk is one pair's
+** query rows in blocks (a multiple of 16 rows, 16 at least), so no Tq x Tk matrix is made:
+** each block's rows are whole (keys 0 .. Tk, or under the causal mask 0 .. its last row's
+** key), its softmax exact, and dK, dV summed over the blocks in f32 and rounded once.
+** KILN_ATTB_ROWS sets the rows a block (A/B; 0: the rule above). */
 #define KILN__ATTB_CHUNK_BYTES ((int64_t)1 << 20)
+
+/* n f32 values to bf16 (COPY's rounding) */
+static kiln_status kiln__attb_sums_out(const float *src, uint16_t *dst, int64_t n) {
+  kiln__kargs cp = {0};
+  cp.op = KILN__K_COPY;
+  cp.n_in = cp.n_out = 1;
+  cp.in[0].data = (void *)src, cp.in[0].dtype = KILN_F32;
+  cp.out[0].data = dst, cp.out[0].dtype = KILN_BF16;
+  cp.in[0].ndim = cp.out[0].ndim = 1;
+  cp.in[0].shape[0] = cp.out[0].shape[0] = n;
+  cp.in[0].strides[0] = cp.out[0].strides[0] = 1;
+  return kiln__cpu_copy(&cp);
+}
+
+static int64_t kiln__attb_env(const char *name, int64_t dflt) {
+  const char *e = kiln__getenv(name);
+  return e && atoll(e) > 0 ? atoll(e) : dflt;
+}
 
 static kiln_status kiln__attb_run(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
@@ -1235,24 +1267,37 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
   const int64_t BH = B * H;
   const char *name = bw ? "kiln_scaled_dot_product_attention (backward)" : "kiln_scaled_dot_product_attention";
   if (BH * Tq == 0) return KILN_OK;
-  static int64_t chunk_bytes = -1;
+  static int64_t chunk_bytes = -1, rows_env = -1;
   if (chunk_bytes < 0) {
-    const char *e = kiln__getenv("KILN_ATTB_CHUNK_BYTES");
-    chunk_bytes = e && atoll(e) > 0 ? atoll(e) : KILN__ATTB_CHUNK_BYTES;
+    chunk_bytes = kiln__attb_env("KILN_ATTB_CHUNK_BYTES", KILN__ATTB_CHUNK_BYTES);
+    rows_env = kiln__attb_env("KILN_ATTB_ROWS", 0);
   }
-  int64_t nbh = chunk_bytes / (Tq * Tk * 4 * (bw ? 2 : 1));
+  const int64_t row_bytes = Tk * 4 * (bw ? 2 : 1); /* one query row's f32 scores */
+  int64_t R = Tq; /* query rows a block */
+  if (rows_env > 0)
+    R = rows_env;
+  else if (Tq * row_bytes > chunk_bytes)
+    R = chunk_bytes / row_bytes / 16 * 16;
+  if (R < 16) R = 16;
+  if (R > Tq) R = Tq;
+  const bool blocks = R < Tq;
+  int64_t nbh = blocks ? 1 : chunk_bytes / (Tq * row_bytes); /* blocks: one pair (dense views for oneDNN) */
   if (nbh < 1) nbh = 1;
   if (nbh > BH) nbh = BH;
-  const int64_t ns = nbh * Tq * Tk; /* scores a chunk */
+  const int64_t ns = nbh * R * Tk; /* scores a chunk, at most */
   /* a chunk's S f32, P bf16 (the backward: dP f32, dS bf16 too), then q, k, v dense, and
-  ** O (forward) or dO and the three dense gradients (backward) */
+  ** O (forward) or dO and the three dense gradients (backward), and in blocks the f32 dK
+  ** and dV sums of the chunk's pairs */
   const int64_t nq = BH * Tq * D, nk = BH * Tk * D, nv = BH * Tk * Dv, ng = BH * Tq * Dv;
-  size_t nb = (size_t)ns * (bw ? 12 : 6) + 2 * (size_t)(nq + nk + nv) + (bw ? 2 * (size_t)(ng + nq + nk + nv) : 2 * (size_t)ng);
+  const int64_t nacc = blocks && bw ? (nbh * Tk * (D + Dv) + 15) / 16 * 16 : 0; /* whole 64-byte lines */
+  size_t nb = (size_t)ns * (bw ? 12 : 6) + 2 * (size_t)(nq + nk + nv) +
+              (bw ? 2 * (size_t)(ng + nq + nk + nv) : 2 * (size_t)ng) + 4 * (size_t)nacc;
   char *buf = kiln__cpu_alloc(0, nb);
   if (!buf) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for %lld scores", name, (long long)ns);
   kiln__attb c = {.a = a, .H = H, .Tq = Tq, .Tk = Tk, .scale = (float)a->s[0], .causal = (a->i[0] & 1) != 0, .bw = bw};
-  float *S = (float *)buf, *dP = bw ? S + ns : NULL;
-  uint16_t *P = (uint16_t *)(buf + (size_t)ns * (bw ? 8 : 4)), *dS = bw ? P + ns : NULL;
+  float *acc = (float *)buf; /* first: 4-byte aligned */
+  float *S = acc + nacc, *dP = bw ? S + ns : NULL;
+  uint16_t *P = (uint16_t *)(S + ns * (bw ? 2 : 1)), *dS = bw ? P + ns : NULL;
   uint16_t *Qd = (bw ? dS : P) + ns, *Kd = Qd + nq, *Vd = Kd + nk, *Gd = Vd + nv; /* Gd: O (fwd) or dO (bwd) */
   uint16_t *dQd = bw ? Gd + ng : NULL, *dKd = bw ? dQd + nq : NULL, *dVd = bw ? dKd + nk : NULL;
   c.S = S, c.dP = dP, c.P = P, c.dS = dS;
@@ -1266,32 +1311,46 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
     pk = (kiln__attb_pack){.v = {k, v}, .d = {Kd, Vd}, .n = 2, .H = H, .T = Tk};
     kiln__attb_pack_go(&pk, BH * Tk, D);
   }
+  const kiln_dtype BF = KILN_BF16;
   kiln_status st = KILN_OK;
   for (int64_t c0 = 0; c0 < BH && st == KILN_OK; c0 += nbh) {
     const int64_t n = BH - c0 < nbh ? BH - c0 : nbh; /* (b, h) pairs in this chunk */
     uint16_t *Qc = Qd + c0 * Tq * D, *Kc = Kd + c0 * Tk * D, *Vc = Vd + c0 * Tk * Dv, *Gc = Gd + c0 * Tq * Dv;
-    kiln__view Qv = kiln__attb_view(Qc, KILN_BF16, n, Tq, D, false), Kv = kiln__attb_view(Kc, KILN_BF16, n, Tk, D, false);
-    kiln__view Vv = kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, false), Gv = kiln__attb_view(Gc, KILN_BF16, n, Tq, Dv, false);
-    st = kiln__attb_mm(Qv, kiln__attb_view(Kc, KILN_BF16, n, Tk, D, true), kiln__attb_view(S, KILN_F32, n, Tq, Tk, false),
-                       a->s[0]); /* S = scale Q K^T */
-    if (st == KILN_OK && bw) /* dP = dO V^T */
-      st = kiln__attb_mm(Gv, kiln__attb_view(Vc, KILN_BF16, n, Tk, Dv, true),
-                         kiln__attb_view(dP, KILN_F32, n, Tq, Tk, false), 1.0);
-    if (st == KILN_OK) {
-      int64_t work = n * Tq * Tk * 8;
-      c.bh0 = c0;
-      kiln__cpu_parallel_for(n * Tq, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__attb_rows, &c);
+    float *dK32 = acc, *dV32 = acc + n * Tk * D; /* blocks: the chunk's dK, dV sums */
+    if (nacc) memset(acc, 0, sizeof(float) * (size_t)(n * Tk * (D + Dv)));
+    for (int64_t r0 = 0; r0 < Tq && st == KILN_OK; r0 += R) {
+      const int64_t rr = Tq - r0 < R ? Tq - r0 : R;                     /* rows of each pair */
+      const int64_t kv = blocks && c.causal && r0 + rr < Tk ? r0 + rr : Tk; /* keys they see */
+      kiln__view Qv = kiln__attb_rview(Qc + r0 * D, BF, n, Tq * D, rr, D, false);
+      kiln__view Gv = kiln__attb_rview(Gc + r0 * Dv, BF, n, Tq * Dv, rr, Dv, false);
+      kiln__view Kv = kiln__attb_rview(Kc, BF, n, Tk * D, kv, D, false), Kt = kiln__attb_rview(Kc, BF, n, Tk * D, kv, D, true);
+      kiln__view Vv = kiln__attb_rview(Vc, BF, n, Tk * Dv, kv, Dv, false), Vt = kiln__attb_rview(Vc, BF, n, Tk * Dv, kv, Dv, true);
+      st = kiln__attb_mm(Qv, Kt, kiln__attb_view(S, KILN_F32, n, rr, kv, false), a->s[0], 0); /* S = scale Q K^T */
+      if (st == KILN_OK && bw) /* dP = dO V^T */
+        st = kiln__attb_mm(Gv, Vt, kiln__attb_view(dP, KILN_F32, n, rr, kv, false), 1.0, 0);
+      if (st == KILN_OK) {
+        int64_t work = n * rr * kv * 8;
+        c.bh0 = c0, c.r0 = r0, c.R = rr, c.kv = kv;
+        kiln__cpu_parallel_for(n * rr, work < KILN__CPU_PAR_MIN ? INT64_MAX : 1, kiln__attb_rows, &c);
+      }
+      if (st == KILN_OK && !bw) st = kiln__attb_mm(kiln__attb_view(P, BF, n, rr, kv, false), Vv, Gv, 1.0, 0); /* O = P V */
+      if (st == KILN_OK && bw) {
+        kiln__view Pt = kiln__attb_view(P, BF, n, rr, kv, true), dSt = kiln__attb_view(dS, BF, n, rr, kv, true);
+        /* dV = P^T dO and dK = dS^T Q: the chunk's rows at once, or summed over the blocks */
+        kiln__view dVv = blocks ? kiln__attb_rview(dV32, KILN_F32, n, Tk * Dv, kv, Dv, false)
+                                : kiln__attb_view(dVd + c0 * Tk * Dv, BF, n, Tk, Dv, false);
+        kiln__view dKv = blocks ? kiln__attb_rview(dK32, KILN_F32, n, Tk * D, kv, D, false)
+                                : kiln__attb_view(dKd + c0 * Tk * D, BF, n, Tk, D, false);
+        st = kiln__attb_mm(Pt, Gv, dVv, 1.0, blocks ? 1.0 : 0);
+        if (st == KILN_OK) /* dQ = dS K */
+          st = kiln__attb_mm(kiln__attb_view(dS, BF, n, rr, kv, false), Kv,
+                             kiln__attb_rview(dQd + c0 * Tq * D + r0 * D, BF, n, Tq * D, rr, D, false), 1.0, 0);
+        if (st == KILN_OK) st = kiln__attb_mm(dSt, Qv, dKv, 1.0, blocks ? 1.0 : 0);
+      }
     }
-    if (st == KILN_OK && !bw) st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, false), Vv, Gv, 1.0); /* O = P V */
-    if (st == KILN_OK && bw) {
-      kiln__view dSv = kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, false);
-      st = kiln__attb_mm(kiln__attb_view(P, KILN_BF16, n, Tq, Tk, true), Gv,
-                         kiln__attb_view(dVd + c0 * Tk * Dv, KILN_BF16, n, Tk, Dv, false), 1.0); /* dV = P^T dO */
-      if (st == KILN_OK) /* dQ = dS K */
-        st = kiln__attb_mm(dSv, Kv, kiln__attb_view(dQd + c0 * Tq * D, KILN_BF16, n, Tq, D, false), 1.0);
-      if (st == KILN_OK) /* dK = dS^T Q */
-        st = kiln__attb_mm(kiln__attb_view(dS, KILN_BF16, n, Tq, Tk, true), Qv,
-                           kiln__attb_view(dKd + c0 * Tk * D, KILN_BF16, n, Tk, D, false), 1.0);
+    if (st == KILN_OK && nacc) { /* the sums, rounded once into the dense gradients */
+      st = kiln__attb_sums_out(dK32, dKd + c0 * Tk * D, n * Tk * D);
+      if (st == KILN_OK) st = kiln__attb_sums_out(dV32, dVd + c0 * Tk * Dv, n * Tk * Dv);
     }
   }
   if (st == KILN_OK && !bw) {

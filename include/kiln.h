@@ -499,8 +499,8 @@ KILN_API kiln_tensor *kiln_rms_norm(kiln_tensor *x, int ndims, const int64_t *no
 ** (true attends) or floating (added to the scores); is_causal lets query i attend keys
 ** j <= i (not both). dropout_p drops attention weights (scaled by 1/(1-p)) from gen (NULL:
 ** the global generator); pass 0 in eval. scale 0 means 1/sqrt(D). On the CPU no Tq x Tk
-** matrix is made: f32 takes keys in blocks (online softmax), bf16 (with oneDNN) blocks of
-** query rows, ~1 MiB of scores at a time. A row with every key masked gives 0.
+** matrix is made for long sequences: blocks of query rows against the keys they see (f32:
+** 64 rows; bf16 with oneDNN: ~1 MiB of scores). A row with every key masked gives 0.
 ** The mask gets no gradient. Errors: KILN_ERR_SHAPE, KILN_ERR_DTYPE,
 ** KILN_ERR_INVALID_ARGUMENT (dropout_p outside [0, 1], mask with is_causal). */
 KILN_API kiln_tensor *kiln_scaled_dot_product_attention(kiln_tensor *q, kiln_tensor *k, kiln_tensor *v,

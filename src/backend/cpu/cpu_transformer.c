@@ -925,7 +925,8 @@ static kiln_status kiln__attf_run(const kiln__kargs *a) {
 ** are (P and dS are bf16 tensors there too); S and dP stay f32 (PyTorch rounds them to
 ** bf16 as well: this is closer to the f64 result). Full Tq x Tk scores per (b, h), a
 ** chunk of (b, h) pairs at a time (KILN__ATTB_CHUNK_BYTES): for the causal case half of
-** QK^T and PV is wasted, which AMX pays less for than blocking costs.
+** QK^T and PV is wasted, which AMX pays less for than blocking costs; a pair whose scores
+** pass the chunk goes in blocks of query rows (below).
 ** Taken for bf16 q, k, v (and dO) with bf16 outputs, no mask, no dropout, when oneDNN runs
 ** the products (a refused layout falls back to kiln__cpu_matmul's own path, same numbers).
 ** KILN_ATTENTION_BF16=0 turns it off (the f32 path: A/B). */

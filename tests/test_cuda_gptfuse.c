@@ -3,9 +3,11 @@
 ** odd dims and rows off 16 bytes (GPT-2's head has V = 50257; cuBLAS takes them as they
 ** are: padded copies were tried and measured slower, 18:40 run), and linear_gelu at sizes
 ** that take cuBLASLt's GELU epilogue and, with rows off 16 bytes, the composed path; an
-** MLP (linear_gelu then linear), whose backward takes the DGELU hand-over.
+** MLP (linear_gelu then linear), whose backward takes the DGELU hand-over; the same MLP
+** at a size whose products cuda_matmul.cu's lt_tune times, untuned and tuned, bit for bit.
 ** Forward and the gradients of x, W and the bias. Skipped (exit 77) without a CUDA device.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
 #include <stdio.h>
@@ -61,32 +63,33 @@ static void padded_linear(kiln_dtype dt, int64_t M, int64_t K, int64_t N, int64_
 /* GPT-2's MLP on cuda:0 against the CPU: linear(linear_gelu(x, W1, b1), W2, b2) forward
 ** and every gradient; on CUDA the first product's GELU backward runs inside the second
 ** layer's input-gradient product (MATMUL_DGELU, cuBLASLt's DGELU epilogue). */
-static void mlp_chain(kiln_dtype dt, int64_t M, int64_t C) {
+/* The MLP y = linear(linear_gelu(x, W1, b1), W2, b2) forward and backward on d from seed
+** 21: y and the gradients of x, W1, b1, W2, b2 into v (malloc'd, NULL where missing). */
+static void mlp_run(kiln_device d, kiln_dtype dt, int64_t M, int64_t C, double *v[6]) {
   kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(21);
+  kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, C), KILN_F32, d, gen), dt);
+  kiln_tensor *W1 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(4 * C, C), KILN_F32, d, gen), 0.1), dt);
+  kiln_tensor *b1 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(4 * C), KILN_F32, d, gen), 0.1), dt);
+  kiln_tensor *W2 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(C, 4 * C), KILN_F32, d, gen), 0.1), dt);
+  kiln_tensor *b2 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(C), KILN_F32, d, gen), 0.1), dt);
+  kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, C), KILN_F32, d, gen), dt);
+  kiln_generator_free(gen);
+  kiln_tensor *leaves[5] = {x, W1, b1, W2, b2};
+  for (int i = 0; i < 5; i++) kiln_requires_grad_(leaves[i], true);
+  kiln_tensor *y = kiln_linear(kiln_linear_gelu(x, W1, b1), W2, b2);
+  H_CHECK(y && kiln_backward(y, g) == KILN_OK, "mlp chain %s on %s: %s", kiln_dtype_name(dt),
+          d.type == KILN_DEVICE_CPU ? "cpu" : "cuda:0", kiln_last_error_message());
+  kiln_tensor *r[6] = {y, kiln_grad(x), kiln_grad(W1), kiln_grad(b1), kiln_grad(W2), kiln_grad(b2)};
+  for (int i = 0; i < 6; i++) v[i] = r[i] ? h_values(r[i], NULL) : NULL;
+  kiln_scope_end();
+}
+
+static void mlp_chain(kiln_dtype dt, int64_t M, int64_t C) {
   double *v[2][6] = {{NULL}};
-  kiln_tensor *got[6] = {NULL};
   int64_t n[6] = {M * C, M * C, 4 * C * C, 4 * C, 4 * C * C, C};
-  for (int side = 0; side < 2; side++) {
-    kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
-    kiln_generator *gen = kiln_generator_new(21);
-    kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, C), KILN_F32, d, gen), dt);
-    kiln_tensor *W1 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(4 * C, C), KILN_F32, d, gen), 0.1), dt);
-    kiln_tensor *b1 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(4 * C), KILN_F32, d, gen), 0.1), dt);
-    kiln_tensor *W2 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(C, 4 * C), KILN_F32, d, gen), 0.1), dt);
-    kiln_tensor *b2 = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(C), KILN_F32, d, gen), 0.1), dt);
-    kiln_tensor *g = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, C), KILN_F32, d, gen), dt);
-    kiln_generator_free(gen);
-    kiln_tensor *leaves[5] = {x, W1, b1, W2, b2};
-    for (int i = 0; i < 5; i++) kiln_requires_grad_(leaves[i], true);
-    kiln_tensor *y = kiln_linear(kiln_linear_gelu(x, W1, b1), W2, b2);
-    H_CHECK(y && kiln_backward(y, g) == KILN_OK, "mlp chain %s side %d: %s", kiln_dtype_name(dt), side,
-            kiln_last_error_message());
-    kiln_tensor *r[6] = {y, kiln_grad(x), kiln_grad(W1), kiln_grad(b1), kiln_grad(W2), kiln_grad(b2)};
-    for (int i = 0; i < 6; i++) {
-      v[side][i] = r[i] ? h_values(r[i], NULL) : NULL;
-      got[i] = r[i];
-    }
-  }
+  mlp_run(kiln_device_cpu(), dt, M, C, v[0]);
+  mlp_run(kiln_device_cuda(0), dt, M, C, v[1]);
   double rtol, atol;
   h_dtype_tol(dt, &rtol, &atol);
   static const char *const what[6] = {"y", "dx", "dW1", "db1", "dW2", "db2"};
@@ -96,11 +99,33 @@ static void mlp_chain(kiln_dtype dt, int64_t M, int64_t C) {
              what[i]);
     /* the DGELU epilogue does not round g W2 to the dtype before the GELU's derivative:
     ** one rounding fewer than the CPU's composed path */
-    if (v[0][i] && got[i]) h_tensor_close(name, got[i], v[0][i], n[i], rtol * 16, atol * 16);
+    if (v[0][i] && v[1][i]) h_close(name, v[1][i], v[0][i], n[i], rtol * 16, atol * 16);
     else H_CHECK(false, "%s: no result", name);
   }
   for (int k = 0; k < 12; k++) free(v[k / 6][k % 6]);
-  kiln_scope_end();
+}
+
+/* cuda_matmul.cu's lt_tune times cuBLASLt's candidates for products of 2MNK >= 2^30 and
+** picks only among those with the heuristic's first's bits: the MLP at that size (C 256,
+** M 2048: each of its products) gives the same bits untuned (KILN_CUDA_LT_TUNE=0, which
+** the plans' first calls see) and then tuned. Runs before any other product of its shapes. */
+static void tuned_bits(kiln_dtype dt) {
+  enum { M = 2048, C = 256 };
+  double *v[3][6] = {{NULL}};
+  int64_t n[6] = {M * C, M * C, 4 * C * C, 4 * C, 4 * C * C, C};
+  setenv("KILN_CUDA_LT_TUNE", "0", 1);
+  mlp_run(kiln_device_cuda(0), dt, M, C, v[0]);
+  setenv("KILN_CUDA_LT_TUNE", "1", 1);
+  mlp_run(kiln_device_cuda(0), dt, M, C, v[1]); /* the plans' tuning calls */
+  mlp_run(kiln_device_cuda(0), dt, M, C, v[2]); /* the tuned plans */
+  unsetenv("KILN_CUDA_LT_TUNE");
+  static const char *const what[6] = {"y", "dx", "dW1", "db1", "dW2", "db2"};
+  for (int r = 1; r < 3; r++)
+    for (int i = 0; i < 6; i++)
+      H_CHECK(v[0][i] && v[r][i] && memcmp(v[0][i], v[r][i], (size_t)n[i] * sizeof(double)) == 0,
+              "cuda:0 MLP %s (%d, %d) %s, run %d: the same bits with the products' algorithms timed as untimed",
+              kiln_dtype_name(dt), M, C, what[i], r);
+  for (int k = 0; k < 18; k++) free(v[k / 6][k % 6]);
 }
 
 int main(int argc, char **argv) {
@@ -109,6 +134,8 @@ int main(int argc, char **argv) {
     printf("test_cuda_gptfuse: skipped (no cuda device)\n");
     return 77;
   }
+  tuned_bits(KILN_BF16);
+  tuned_bits(KILN_F16);
   static const kiln_dtype dts[] = {KILN_BF16, KILN_F16, KILN_F32};
   for (int di = 0; di < 3; di++) {
     kiln_dtype dt = dts[di];
@@ -123,6 +150,7 @@ int main(int argc, char **argv) {
     padded_linear(dt, 256, 128, 512, 0, 0, false, true);
     mlp_chain(dt, 256, 64);
     mlp_chain(dt, 100, 24);
+    if (dt == KILN_BF16) mlp_chain(dt, 2048, 256); /* the tuned products against the CPU */
   }
   return h_finish();
 }

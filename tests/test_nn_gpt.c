@@ -435,6 +435,45 @@ static void test_checkpointed_blocks(void) {
   kiln_scope_end();
 }
 
+/* Checkpointing each block's MLP, or its attention, or a norm (the GPT's walk over the
+** blocks fuses every residual add with the norm after it, and takes checkpointed attn and
+** mlp segments whole; a checkpointed norm sends it back to each block's own forward)
+** gives the same loss and gradients, bit for bit, on the CPU. */
+static void test_checkpointed_parts(void) {
+  static const char *const parts[][2] = {{"mlp", NULL}, {"attn", NULL}, {"mlp", "attn"}, {"ln_2", NULL}};
+  for (size_t v = 0; v < sizeof parts / sizeof parts[0]; v++) {
+    kiln_scope_begin();
+    kiln_gpt_config c = tiny();
+    kiln_generator *g = kiln_generator_new(5);
+    kiln_module *a = kiln_gpt_new(&c, KILN_F32, cpu, g);
+    kiln_generator_seed(g, 5);
+    kiln_module *b = kiln_gpt_new(&c, KILN_F32, cpu, g);
+    kiln_module *h = kiln_module_child(b, "h");
+    for (int i = 0; i < kiln_module_num_children(h); i++)
+      for (int k = 0; k < 2 && parts[v][k]; k++)
+        CHECK(kiln_module_set_checkpoint(kiln_module_child(kiln_module_child_at(h, i), parts[v][k]), true) == KILN_OK);
+    kiln_tensor *x = tokens(2, 12, 64, 3), *y = tokens(2, 12, 64, 4);
+    kiln_tensor *loss_a = lm_loss(a, x, y), *loss_b = lm_loss(b, x, y);
+    CHECK(bits_equal(loss_a, loss_b));
+    CHECK(kiln_backward(loss_a, NULL) == KILN_OK && kiln_backward(loss_b, NULL) == KILN_OK);
+    int n = kiln_module_parameters(a, NULL, 0);
+    kiln_tensor **pa = malloc((size_t)n * sizeof *pa), **pb = malloc((size_t)n * sizeof *pb);
+    kiln_module_parameters(a, pa, n);
+    kiln_module_parameters(b, pb, n);
+    int same = 0;
+    for (int i = 0; i < n; i++) same += bits_equal(kiln_grad(pa[i]), kiln_grad(pb[i]));
+    if (same != n) fprintf(stderr, "checkpointed %s%s%s: %d of %d gradients the same\n", parts[v][0],
+                           parts[v][1] ? " and " : "", parts[v][1] ? parts[v][1] : "", same, n);
+    CHECK(same == n);
+    free(pa);
+    free(pb);
+    kiln_module_free(a);
+    kiln_module_free(b);
+    kiln_generator_free(g);
+    kiln_scope_end();
+  }
+}
+
 /* The decay split: 2-d weights decay, biases and norm weights do not; with zero
 ** gradients, AdamW leaves the no-decay parameters as they were and shrinks the others by
 ** exactly (1 - lr wd). */
@@ -496,6 +535,7 @@ int main(void) {
   test_bad_input();
   test_state_dict_round_trip();
   test_checkpointed_blocks();
+  test_checkpointed_parts();
   test_weight_decay_groups();
   return check_finish("test_nn_gpt");
 }

@@ -385,15 +385,20 @@ static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
 }
 
 /* Whether the GPT can walk h's blocks itself (kiln_residual_layer_norm across blocks):
-** every child a Block, nothing checkpointed (a checkpointed segment must be run whole). */
+** every child a Block, and no segment checkpointed that the walk does not run whole (a
+** block, or a norm, whose forward it replaces by the fused one); attn and mlp go through
+** kiln_module_forward, so each may be checkpointed (the usual MLP-only checkpointing keeps
+** the fused norms). */
 static bool blocks_walkable(kiln_module *h) {
   if (!h || kiln_module_is_checkpointed(h)) return false;
   for (int i = 0; i < kiln_module_num_children(h); i++) {
     kiln_module *b = kiln_module_child_at(h, i);
     if (kiln__module_vtable(b) != &block_vt || kiln_module_is_checkpointed(b)) return false;
     static const char *const parts[] = {"ln_1", "attn", "ln_2", "mlp"};
-    for (int k = 0; k < 4; k++)
-      if (!kiln_module_child(b, parts[k]) || kiln_module_is_checkpointed(kiln_module_child(b, parts[k]))) return false;
+    for (int k = 0; k < 4; k++) {
+      kiln_module *p = kiln_module_child(b, parts[k]);
+      if (!p || ((k == 0 || k == 2) && kiln_module_is_checkpointed(p))) return false;
+    }
   }
   return true;
 }

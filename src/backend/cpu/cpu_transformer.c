@@ -1290,13 +1290,13 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
   ** O (forward) or dO and the three dense gradients (backward), and in blocks the f32 dK
   ** and dV sums of the chunk's pairs */
   const int64_t nq = BH * Tq * D, nk = BH * Tk * D, nv = BH * Tk * Dv, ng = BH * Tq * Dv;
-  const int64_t nacc = blocks && bw ? (nbh * Tk * (D + Dv) + 15) / 16 * 16 : 0; /* whole 64-byte lines */
+  const int64_t nacc = blocks && bw ? (nbh * Tk * (D + Dv) + 15) / 16 * 16 : 0;
   size_t nb = (size_t)ns * (bw ? 12 : 6) + 2 * (size_t)(nq + nk + nv) +
               (bw ? 2 * (size_t)(ng + nq + nk + nv) : 2 * (size_t)ng) + 4 * (size_t)nacc;
   char *buf = kiln__cpu_alloc(0, nb);
   if (!buf) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory for %lld scores", name, (long long)ns);
   kiln__attb c = {.a = a, .H = H, .Tq = Tq, .Tk = Tk, .scale = (float)a->s[0], .causal = (a->i[0] & 1) != 0, .bw = bw};
-  float *acc = (float *)buf; /* first: 4-byte aligned */
+  float *acc = (float *)buf; /* the sums first: whole 64-byte lines, so S keeps the buffer's alignment */
   float *S = acc + nacc, *dP = bw ? S + ns : NULL;
   uint16_t *P = (uint16_t *)(S + ns * (bw ? 2 : 1)), *dS = bw ? P + ns : NULL;
   uint16_t *Qd = (bw ? dS : P) + ns, *Kd = Qd + nq, *Vd = Kd + nk, *Gd = Vd + nv; /* Gd: O (fwd) or dO (bwd) */

@@ -32,14 +32,14 @@ bool kc_blas_types_of(kiln_dtype dt, bool tf32, kc_blas_types *t) {
 
 namespace {
 
-/* cuBLASLt plans for the bias epilogue, cached by problem: making the descriptors and
-** asking the heuristic costs tens of microseconds per call, more than a small GEMM takes
-** on the device, so a training loop (the same few shapes every step) pays it once. The
-** bias pointer changes per call and is set on the cached descriptor under the lock. */
+/* cuBLASLt plans, cached by problem: making the descriptors and asking the heuristic costs
+** tens of microseconds per call, more than a small GEMM takes on the device, so a training
+** loop (the same few shapes every step) pays it once. The bias and aux pointers change per
+** call and are set on the cached descriptor under the lock. */
 struct LtPlan {
   bool used, ok;
   int device;
-  cublasLtEpilogue_t epi; /* BIAS (add a bias) or BGRADB (write the row sums of kiln's A) */
+  cublasLtEpilogue_t epi; /* DEFAULT, BIAS, BGRADB, GELU_AUX(_BIAS) or DGELU: kc_lt_matmul says */
   cudaDataType_t data, cdata; /* A and B; C and D (f32 for a wide product) */
   cublasComputeType_t compute;
   cublasOperation_t opA, opB;

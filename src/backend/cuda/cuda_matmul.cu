@@ -315,6 +315,14 @@ struct Temps {
 
 } // namespace
 
+/* Whether the large 16-bit 2-D products go through cuBLASLt plans (KILN_CUDA_LT_PLAIN=0:
+** cuBLAS's strided-batched call, the A/B). Read at each such call, last in its condition:
+** not on every MATMUL. */
+static bool lt_plain_on(void) {
+  const char *e = getenv("KILN_CUDA_LT_PLAIN");
+  return !(e && strcmp(e, "0") == 0);
+}
+
 /* f16/bf16 operands with an f32 output, no bias (see the top) */
 static bool is_wide(const kiln__kargs *a) {
   kiln_dtype in = a->in[0].dtype;
@@ -493,9 +501,8 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
     if (s == KILN_OK) gemm_done = true;
     else if (s != KILN_ERR_UNSUPPORTED) return s;
   }
-  const char *lp = getenv("KILN_CUDA_LT_PLAIN");
   if (!gemm_done && !has_bias && batch == 1 && (t.data == CUDA_R_16BF || t.data == CUDA_R_16F) && !out_tmp &&
-      bf == 0.0f && 2.0 * M * N * K >= kc_lt_tune_flops && !(lp && strcmp(lp, "0") == 0)) {
+      bf == 0.0f && 2.0 * M * N * K >= kc_lt_tune_flops && lt_plain_on()) {
     /* a large 16-bit product through cuBLASLt, whose algorithm lt_tune times (the
     ** strided-batched call below takes cuBLAS's pick; KILN_CUDA_LT_PLAIN=0 keeps it
     ** there: the A/B); the same plan with or without KILN_CUDA_LT_TUNE=0, so that switch

@@ -206,6 +206,10 @@ typedef struct kiln_device_info {
   int multiprocessors;               /* streaming multiprocessors; cores on the CPU */
   int64_t total_memory, free_memory; /* bytes */
   int driver_version, runtime_version, blas_version; /* CUDA's integers (12040 = 12.4) */
+  /* cuDNN's version as cudnnGetVersion() gives it (91400 = 9.14.0): the library loaded,
+  ** which may be newer than the one kiln was built with; 0 without cuDNN. Its fused
+  ** attention and convolution engines change from release to release. */
+  int dnn_version;
 } kiln_device_info;
 KILN_API kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out);
 /* Host<->device copy bandwidth in GB/s, pinned memory (KILN_ERR_INVALID_ARGUMENT on cpu). */
@@ -1020,7 +1024,11 @@ KILN_API bool kiln_function_grad_needed(kiln_function_ctx *ctx, int k);
 ** the global generator (and of the generators given to kiln_checkpoint_ex) as it was at
 ** forward, so dropout draws the same mask, and leaves them as they were; it runs under
 ** the autocast state of the forward. Checkpoints nest. With grad mode off, or when
-** nothing fn touches requires grad, fn just runs.
+** nothing fn touches requires grad, fn just runs. The recompute does not run the kernels
+** of a last op whose output the backward does not need (a linear, matmul, add or sub
+** whose output no other op read): that output holds zeros during the recompute, so fn
+** must not read its outputs' values on the host (KILN_CHECKPOINT_ELIDE=0 recomputes
+** everything, as PyTorch does).
 **
 ** fn must be deterministic given its inputs and the generators, write n_out new
 ** tensors (or inputs) into outputs and read tensors that have a history only through

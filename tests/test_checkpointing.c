@@ -3,20 +3,36 @@
 ** run without it, with dropout inside (the generator is restored for the recompute),
 ** under kiln_backward and kiln_autograd_grad, nested, under autocast, with an explicit
 ** generator; the forward keeps no activations; grad mode off just runs; the bad inputs.
+** The recompute's skip of a last linear or add (its output is not needed by the backward):
+** the same bits, the skip counted, none where the output is read, and a recompute that
+** takes another path run again in full.
 */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include "check.h"
 #include "tensor_cmp.h"
 
 #include <kiln_nn.h>
 
+#include <stdlib.h>
 #include <string.h>
 
+/* checkpoint.c's counters (core/kiln_int.h) */
+int64_t kiln__checkpoint_skipped(void);
+int64_t kiln__checkpoint_full_again(void);
+
 static const kiln_device CPU = {KILN_DEVICE_CPU, 0};
+
+/* How the second layer ends: tanh (no skip), a linear or a residual-like add (skipped), a
+** linear whose output fn also reads (not skipped), or a linear in the forward and a
+** product of it in the recomputes (the skip does not hold: run again in full). */
+enum tail { TAIL_TANH, TAIL_LINEAR, TAIL_ADD, TAIL_READ, TAIL_SWITCH };
 
 typedef struct net {
   kiln_tensor *w1, *b1, *w2;
   kiln_generator *gen; /* NULL: the global one */
   bool nested;         /* the second layer is a checkpoint of its own */
+  enum tail tail;
+  int calls;           /* of layer2 (TAIL_SWITCH) */
 } net;
 
 static kiln_tensor *param(int64_t r, int64_t c, uint64_t seed) {
@@ -31,7 +47,14 @@ static kiln_status layer2(void *ctx, int n_in, kiln_tensor *const *in, int n_out
   (void)n_in;
   (void)n_out;
   net *m = ctx;
-  out[0] = kiln_tanh(kiln_linear(kiln_dropout(in[0], 0.3, true, m->gen), m->w2, NULL));
+  kiln_tensor *t = kiln_linear(kiln_dropout(in[0], 0.3, true, m->gen), m->w2, NULL);
+  switch (m->tail) {
+  case TAIL_TANH: out[0] = kiln_tanh(t); break;
+  case TAIL_LINEAR: out[0] = t; break;
+  case TAIL_ADD: out[0] = kiln_add(t, kiln_linear(in[0], m->w2, NULL)); break;
+  case TAIL_READ: out[0] = kiln_sum_all(t) ? t : NULL; break;
+  case TAIL_SWITCH: out[0] = m->calls++ == 0 ? t : kiln_mul(t, t); break;
+  }
   return out[0] ? KILN_OK : kiln_last_error();
 }
 
@@ -98,7 +121,7 @@ static void expect_same(net *m, bool autocast) {
 }
 
 static net make_net(void) {
-  net m = {param(8, 6, 1), param(1, 8, 2), param(4, 8, 3), NULL, false};
+  net m = {param(8, 6, 1), param(1, 8, 2), param(4, 8, 3), NULL, false, TAIL_TANH, 0};
   return m;
 }
 static void free_net(net *m) {
@@ -255,7 +278,9 @@ static void test_nn_sequential(void) {
     kiln_manual_seed(4);
     kiln_tensor *x = kiln_randn(KILN_SHAPE(5, 6), KILN_F32, CPU, NULL);
     kiln_tensor *loss = loss_of(kiln_module_forward(seq, x));
+    int64_t s0 = kiln__checkpoint_skipped();
     CHECK(kiln_backward(loss, NULL) == KILN_OK);
+    CHECK(kiln__checkpoint_skipped() - s0 == 2 * c); /* each Linear's product (a segment each) */
     kiln_tensor *ps[4];
     CHECK(kiln_module_parameters(seq, ps, 4) == 4);
     for (int k = 0; k < 4; k++) g[c][k] = kiln_keep(kiln_clone(kiln_grad(ps[k])));
@@ -302,6 +327,53 @@ static void test_max_pool_inside(void) {
   kiln_tensor_free(g[1]);
 }
 
+/* The skip: a last linear or add is made without kernels in the recompute, the gradients
+** the bits of the run without the checkpoint (under autocast and nested too), and of the
+** run with KILN_CHECKPOINT_ELIDE=0. */
+static void test_skips_the_last_op(void) {
+  for (int tail = TAIL_LINEAR; tail <= TAIL_READ; tail++)
+    for (int variant = 0; variant < 3; variant++) {
+      net m = make_net();
+      m.tail = (enum tail)tail;
+      m.nested = variant == 2;
+      int64_t s0 = kiln__checkpoint_skipped(), f0 = kiln__checkpoint_full_again();
+      expect_same(&m, variant == 1);
+      int64_t skipped = kiln__checkpoint_skipped() - s0;
+      /* nested: the inner segment's in the plain run (block checkpoints its second layer
+      ** either way); in the checkpointed one the outer's recompute skips the same call
+      ** (the inner output is the outer's), then the inner's recompute does */
+      CHECK(skipped == (tail == TAIL_READ ? 0 : variant == 2 ? 3 : 1));
+      CHECK(kiln__checkpoint_full_again() == f0);
+      setenv("KILN_CHECKPOINT_ELIDE", "0", 1);
+      s0 = kiln__checkpoint_skipped();
+      expect_same(&m, variant == 1);
+      CHECK(kiln__checkpoint_skipped() == s0);
+      unsetenv("KILN_CHECKPOINT_ELIDE");
+      free_net(&m);
+    }
+}
+
+/* A recompute that reads what it skipped (fn took another path than the forward's) is run
+** again in full: the gradients those of a full recompute. */
+static void test_skip_not_held(void) {
+  grads g[2];
+  for (int c = 0; c < 2; c++) {
+    net m = make_net();
+    m.tail = TAIL_SWITCH;
+    if (c) setenv("KILN_CHECKPOINT_ELIDE", "0", 1);
+    int64_t f0 = kiln__checkpoint_full_again(), s0 = kiln__checkpoint_skipped();
+    g[c] = run(&m, true, false);
+    CHECK(kiln__checkpoint_full_again() - f0 == (c ? 0 : 1));
+    CHECK(kiln__checkpoint_skipped() - s0 == (c ? 0 : 1));
+    unsetenv("KILN_CHECKPOINT_ELIDE");
+    free_net(&m);
+  }
+  CHECK(bits_equal(g[0].w1, g[1].w1) && bits_equal(g[0].b1, g[1].b1));
+  CHECK(bits_equal(g[0].w2, g[1].w2) && bits_equal(g[0].x, g[1].x));
+  grads_free(&g[0]);
+  grads_free(&g[1]);
+}
+
 int main(void) {
   test_bit_identical_with_dropout();
   test_nested();
@@ -313,6 +385,8 @@ int main(void) {
   test_bad_inputs();
   test_nn_sequential();
   test_max_pool_inside();
+  test_skips_the_last_op();
+  test_skip_not_held();
   printf("test_checkpointing: %d failures\n", failures);
   return failures ? 1 : 0;
 }

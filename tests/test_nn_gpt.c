@@ -15,7 +15,12 @@
 
 #include "check.h"
 #include "tensor_cmp.h"
+
 #include "scratch.h"
+
+/* checkpoint.c's counters (core/kiln_int.h) */
+int64_t kiln__checkpoint_skipped(void);
+int64_t kiln__checkpoint_full_again(void);
 
 static kiln_device cpu;
 
@@ -431,7 +436,12 @@ static void test_checkpointed(void) {
     kiln_tensor *x = tokens(2, 12, 64, 3), *y = tokens(2, 12, 64, 4);
     kiln_tensor *loss_a = lm_loss(a, x, y), *loss_b = lm_loss(b, x, y);
     CHECK(bits_equal(loss_a, loss_b));
+    int64_t s0 = kiln__checkpoint_skipped(), f0 = kiln__checkpoint_full_again();
     CHECK(kiln_backward(loss_a, NULL) == KILN_OK && kiln_backward(loss_b, NULL) == KILN_OK);
+    /* the recomputes skip each segment's last op: a block's residual add, an MLP's or an
+    ** attention's c_proj; a norm has none to skip */
+    int64_t skips = !strcmp(parts[v][0], "ln_2") ? 0 : parts[v][1] ? 2 * c.n_layer : c.n_layer;
+    CHECK(kiln__checkpoint_skipped() - s0 == skips && kiln__checkpoint_full_again() == f0);
     int n = kiln_module_parameters(a, NULL, 0);
     kiln_tensor **pa = malloc((size_t)n * sizeof *pa), **pb = malloc((size_t)n * sizeof *pb);
     kiln_module_parameters(a, pa, n);

@@ -515,6 +515,7 @@ static void print_json(const doctor *d) {
       cli_json_int(&j, "driver_version", r->info.driver_version);
       cli_json_int(&j, "runtime_version", r->info.runtime_version);
       cli_json_int(&j, "cublas_version", r->info.blas_version);
+      cli_json_int(&j, "cudnn_version", r->info.dnn_version);
     }
     json_device_tail(&j, r);
   }
@@ -635,12 +636,12 @@ static void print_text(const doctor *d) {
 
   if (d->ncuda > 0) {
     cli_heading(stdout, pretty, "CUDA devices");
-    const char *ch[] = {"device", "name", "compute", "SMs", "memory (free/total)", "driver/runtime", "cuBLAS", "pinned h2d/d2h"};
+    const char *ch[] = {"device", "name", "compute", "SMs", "memory (free/total)", "driver/runtime", "cuBLAS / cuDNN", "pinned h2d/d2h"};
     cli_table *ct = cli_table_new(8, ch); /* CLI_TABLE_MAX_COLS */
     for (int i = 0; i < d->ncuda; i++) {
       const cuda_result *r = &d->cuda[i];
       if (!r->info_ok) continue;
-      char dv[16], cc[16], sm[16], mem[64], drv[16], rt[16], dr[40], bl[16], bw[48];
+      char dv[16], cc[16], sm[16], mem[64], drv[16], rt[16], dr[40], bl[48], bw[48];
       snprintf(dv, sizeof dv, "cuda:%d", r->index);
       snprintf(cc, sizeof cc, "sm_%d%d", r->info.compute_major, r->info.compute_minor);
       snprintf(sm, sizeof sm, "%d", r->info.multiprocessors);
@@ -648,7 +649,13 @@ static void print_text(const doctor *d) {
                (double)r->info.total_memory / 1073741824.0);
       snprintf(drv, sizeof drv, "%d.%d", r->info.driver_version / 1000, (r->info.driver_version % 1000) / 10);
       snprintf(rt, sizeof rt, "%d.%d", r->info.runtime_version / 1000, (r->info.runtime_version % 1000) / 10);
-      snprintf(bl, sizeof bl, "%d", r->info.blas_version);
+      int dn = r->info.dnn_version; /* 91400: 9.14.0 (cuDNN 9's layout) */
+      if (dn > 0)
+        snprintf(bl, sizeof bl, "%d.%d.%d / %d.%d.%d", r->info.blas_version / 10000, r->info.blas_version / 100 % 100,
+                 r->info.blas_version % 100, dn / 10000, dn / 100 % 100, dn % 100);
+      else
+        snprintf(bl, sizeof bl, "%d.%d.%d / none", r->info.blas_version / 10000, r->info.blas_version / 100 % 100,
+                 r->info.blas_version % 100);
       if (isfinite(r->pinned_h2d)) snprintf(bw, sizeof bw, "%.1f / %.1f GB/s", r->pinned_h2d, r->pinned_d2h);
       else snprintf(bw, sizeof bw, "not measured");
       snprintf(dr, sizeof dr, "%s / %s", drv, rt);

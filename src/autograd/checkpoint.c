@@ -21,8 +21,21 @@
 ** the run without checkpointing, as long as a parameter is used by one segment only (the
 ** order of the additions into its .grad is otherwise the segments').
 **
+** The recompute skips what the backward does not need: a segment's output made by an op
+** whose rule reads only its inputs (linear, matmul, add, sub: KILN__OP_RULE_READS_INPUTS),
+** read by no op after it, is there only for the graph behind it (an MLP's c_proj, a
+** block's last residual add). The forward notes such outputs by the op's place among the
+** calls fn made at its own depth; the recompute counts the same calls and has the path
+** zero that op's output instead of running its kernels, recording its node as ever.
+** Should an op read a skipped output after all, or the recompute return another tensor
+** (fn took another path), the segment is recomputed again in full: the gradients never
+** depend on the skip. PyTorch's checkpoint recomputes everything; KILN_CHECKPOINT_ELIDE=0
+** does too (the A/B).
+**
 ** Limits: a tensor with a history that fn reads other than through its inputs (from its
-** ctx) gets no gradient, as with PyTorch's reentrant checkpoint: pass it as an input.
+** ctx) gets no gradient, as with PyTorch's reentrant checkpoint: pass it as an input. fn
+** should not read its outputs' values on the host (kiln_item, copies out): in the
+** recompute a skipped output holds zeros.
 */
 #include "ops/op.h"
 
@@ -39,13 +52,63 @@ typedef struct tlist {
   bool oom;
 } tlist;
 
+/* The last calls fn made at its own depth, for the skip (see the top): which op made
+** which tensor (by pointer and id: an address can be reused once a tensor is freed) and
+** whether any later op read it. */
+#define RING 16
+typedef struct made {
+  const kiln__op *op;
+  const kiln_tensor *t; /* NULL: not one output */
+  int64_t id, index;
+  bool read;
+} made;
+
 typedef struct collector {
   tlist found;
   int n_exclude;
   kiln_tensor *const *exclude; /* the segment's own inputs */
+  struct collector *outer;     /* an enclosing checkpoint's forward: it sees these calls too */
+  int depth;                   /* fn's own depth (kiln__op_depth) */
+  int64_t calls;               /* the calls made at that depth */
+  made ring[RING];             /* the last of them, ring[index % RING] */
 } collector;
 
 static _Thread_local collector *collecting;
+
+/* The recompute's plan: skip the calls at these places, and see that nothing reads what
+** they made. */
+typedef struct skip_plan {
+  int n;
+  struct {
+    const kiln__op *op;
+    int64_t index;
+    int out;               /* the segment's output it makes */
+    const kiln_tensor *t;  /* set when the recompute skipped it */
+    int64_t id;
+  } at[KILN__OP_MAX_OUT];
+  int depth;
+  int64_t calls;
+  bool read; /* an op read a skipped output: recompute in full */
+} skip_plan;
+
+static _Thread_local skip_plan *skipping;
+
+/* For the tests: the calls the recomputes skipped, and the recomputes run again in full. */
+static _Atomic int64_t g_skipped, g_full_again;
+int64_t kiln__checkpoint_skipped(void) { return g_skipped; }
+int64_t kiln__checkpoint_full_again(void) { return g_full_again; }
+
+static void mark_read(made *ring, int64_t calls, const kiln__op_event *e) {
+  int64_t lo = calls > RING ? calls - RING : 0;
+  for (int i = 0; i < e->n_in; i++) {
+    const kiln_tensor *t = e->in[i];
+    if (!t) continue;
+    for (int64_t j = lo; j < calls; j++) {
+      made *m = &ring[j % RING];
+      if (m->t == t && m->id == t->id) m->read = true;
+    }
+  }
+}
 
 static void tlist_add(tlist *l, kiln_tensor *t) {
   for (int i = 0; i < l->n; i++)
@@ -65,8 +128,16 @@ static void tlist_add(tlist *l, kiln_tensor *t) {
 
 static void *collect_begin(const kiln__op_event *e, void *ctx) {
   KILN__UNUSED(ctx);
+  if (e->span) return NULL; /* a rule's kernels: no op a segment's forward or recompute called */
+  skip_plan *p = skipping;
+  if (p) {
+    for (int i = 0; i < e->n_in && !p->read; i++)
+      for (int k = 0; k < p->n; k++)
+        if (p->at[k].t && e->in[i] == p->at[k].t && e->in[i]->id == p->at[k].id) p->read = true;
+    if (e->depth == p->depth) p->calls++;
+  }
   collector *c = collecting;
-  if (!c || e->span) return NULL; /* a rule's kernels: no op the segment's forward called */
+  if (!c) return NULL;
   for (int i = 0; i < e->n_in; i++) {
     kiln_tensor *t = e->in[i];
     if (!t || !t->requires_grad || t->grad_fn) continue;
@@ -74,10 +145,40 @@ static void *collect_begin(const kiln__op_event *e, void *ctx) {
     for (int k = 0; k < c->n_exclude && !own; k++) own = c->exclude[k] == t;
     if (!own) tlist_add(&c->found, t);
   }
+  for (collector *o = c; o; o = o->outer) mark_read(o->ring, o->calls, e);
   return NULL;
 }
 
-static const kiln__observer collect_obs = {"checkpoint", collect_begin, NULL, NULL};
+static kiln_status collect_end(const kiln__op_event *e, void *token, void *ctx) {
+  KILN__UNUSED(token), KILN__UNUSED(ctx);
+  if (e->span) return KILN_OK;
+  for (collector *o = collecting; o; o = o->outer) {
+    if (e->depth != o->depth) continue;
+    made *m = &o->ring[o->calls % RING];
+    bool one = e->status == KILN_OK && e->n_out == 1 && e->out[0];
+    *m = (made){e->op, one ? e->out[0] : NULL, one ? e->out[0]->id : 0, o->calls, false};
+    o->calls++;
+  }
+  return KILN_OK;
+}
+
+/* In the recompute: the planned call (counted by collect_begin) makes its output without
+** its kernels. */
+static bool collect_skip(const kiln__op_event *e, void *ctx) {
+  KILN__UNUSED(ctx);
+  skip_plan *p = skipping;
+  if (!p || e->depth != p->depth) return false;
+  for (int k = 0; k < p->n; k++)
+    if (!p->at[k].t && p->at[k].index == p->calls - 1 && p->at[k].op == e->op) {
+      p->at[k].t = e->out[0];
+      p->at[k].id = e->out[0]->id;
+      g_skipped++;
+      return true;
+    }
+  return false;
+}
+
+static const kiln__observer collect_obs = {"checkpoint", collect_begin, collect_end, NULL, collect_skip};
 static pthread_mutex_t obs_lock = PTHREAD_MUTEX_INITIALIZER;
 static int obs_users; /* threads collecting now: the observer is on while any is */
 
@@ -111,7 +212,75 @@ typedef struct segment {
   int n_gens;
   rng_state gens[MAX_GENS + 1]; /* [0]: the global generator */
   kiln__autocast_state ac;
+  int n_skip; /* the outputs the recompute may make without kernels */
+  struct {
+    const kiln__op *op;
+    int64_t index;
+    int out;
+  } skip[KILN__OP_MAX_OUT];
 } segment;
+
+/* After the forward: which outputs a call at fn's own depth made, read by no later op, with
+** a rule that reads only its inputs (see the top). */
+static void plan_skips(segment *s, const collector *c, int n_out, kiln_tensor *const *outs) {
+  const char *e = getenv("KILN_CHECKPOINT_ELIDE");
+  if (e && !strcmp(e, "0")) return;
+  int64_t lo = c->calls > RING ? c->calls - RING : 0;
+  for (int k = 0; k < n_out; k++)
+    for (int64_t j = c->calls - 1; j >= lo; j--) {
+      const made *m = &c->ring[j % RING];
+      if (m->t != outs[k] || m->id != outs[k]->id) continue;
+      bool dup = false;
+      for (int i = 0; i < s->n_skip; i++) dup = dup || s->skip[i].index == m->index;
+      if (!m->read && !dup && (m->op->flags & KILN__OP_RULE_READS_INPUTS)) {
+        s->skip[s->n_skip].op = m->op;
+        s->skip[s->n_skip].index = m->index;
+        s->skip[s->n_skip++].out = k;
+      }
+      break;
+    }
+}
+
+/* The recompute: fn from the detached inputs x, under the forward's generators and
+** autocast state, with grad mode on; the planned calls skipped when plan is given. */
+static kiln_status recompute(segment *s, kiln_tensor **x, int n_out, kiln_tensor **y, skip_plan *plan) {
+  rng_state now[MAX_GENS + 1];
+  for (int k = 0; k < s->n_gens; k++) {
+    now[k].g = s->gens[k].g;
+    kiln_generator_get_state(now[k].g, &now[k].seed, &now[k].offset);
+    kiln_generator_set_state(s->gens[k].g, s->gens[k].seed, s->gens[k].offset);
+  }
+  kiln_status st = kiln__autocast_push_state(&s->ac);
+  if (st == KILN_OK && plan) {
+    if ((st = collect_on()) == KILN_OK) {
+      plan->depth = kiln__op_depth();
+      skipping = plan;
+    }
+  }
+  if (st == KILN_OK) {
+    bool prev = kiln_set_grad_enabled(true);
+    for (int k = 0; k < n_out; k++) y[k] = NULL;
+    st = s->fn(s->ctx, s->n_in, x, n_out, y);
+    kiln_set_grad_enabled(prev);
+    if (plan) {
+      skipping = NULL;
+      collect_off();
+    }
+    kiln__autocast_pop_state();
+  }
+  for (int k = 0; k < s->n_gens; k++) kiln_generator_set_state(now[k].g, now[k].seed, now[k].offset);
+  if (st != KILN_OK && kiln_last_error() == KILN_OK) kiln_set_error(st, "kiln_checkpoint: the recompute failed");
+  return st;
+}
+
+/* Whether a recompute with skips gave what the plan said: each skipped call's output is
+** the segment's output it was planned for, and no op read one. */
+static bool skips_held(const skip_plan *p, int n_out, kiln_tensor *const *y) {
+  if (p->read) return false;
+  for (int k = 0; k < p->n; k++)
+    if (p->at[k].t && (p->at[k].out >= n_out || y[p->at[k].out] != p->at[k].t)) return false;
+  return true;
+}
 
 static void rng_save(segment *s) {
   for (int k = 0; k < s->n_gens; k++) kiln_generator_get_state(s->gens[k].g, &s->gens[k].seed, &s->gens[k].offset);
@@ -146,25 +315,20 @@ static kiln_status seg_backward(kiln_function_ctx *fc, int n_out, kiln_tensor *c
     else if (kiln_function_grad_needed(fc, i) && kiln_dtype_is_float(kiln_dtype_of(x[i])))
       st = kiln_requires_grad_(x[i], true);
   }
-  /* the recompute, under the forward's generators and autocast state */
-  rng_state now[MAX_GENS + 1];
+  /* the recompute; in full once more if a skip did not hold */
   if (st == KILN_OK) {
-    for (int k = 0; k < s->n_gens; k++) {
-      now[k].g = s->gens[k].g;
-      kiln_generator_get_state(now[k].g, &now[k].seed, &now[k].offset);
-      kiln_generator_set_state(s->gens[k].g, s->gens[k].seed, s->gens[k].offset);
+    skip_plan plan = {.n = s->n_skip};
+    for (int k = 0; k < s->n_skip; k++) {
+      plan.at[k].op = s->skip[k].op;
+      plan.at[k].index = s->skip[k].index;
+      plan.at[k].out = s->skip[k].out;
     }
-    st = kiln__autocast_push_state(&s->ac);
-    if (st == KILN_OK) {
-      bool prev = kiln_set_grad_enabled(true);
-      for (int k = 0; k < n_out; k++) y[k] = NULL;
-      st = s->fn(s->ctx, s->n_in, x, n_out, y);
-      kiln_set_grad_enabled(prev);
-      kiln__autocast_pop_state();
+    st = recompute(s, x, n_out, y, s->n_skip > 0 ? &plan : NULL);
+    if (st == KILN_OK && s->n_skip > 0 && !skips_held(&plan, n_out, y)) {
+      for (int k = 0; k < n_out; k++) kiln__discard(y[k]);
+      g_full_again++;
+      st = recompute(s, x, n_out, y, NULL);
     }
-    for (int k = 0; k < s->n_gens; k++) kiln_generator_set_state(now[k].g, now[k].seed, now[k].offset);
-    if (st != KILN_OK && kiln_last_error() == KILN_OK)
-      kiln_set_error(st, "kiln_checkpoint: the recompute failed");
   }
   /* backward through it, to the inputs and parameters that want a gradient */
   int n_y = 0, n_t = 0;
@@ -237,10 +401,11 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   bool record = kiln_grad_enabled();
 
   /* the forward: grad mode off, in a scope of its own; the parameters collected */
-  collector col = {{NULL, 0, 0, false}, n_in, inputs}, *prev_col = collecting;
+  collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting}, *prev_col = collecting;
   kiln_tensor *outs[KILN__OP_MAX_OUT] = {NULL};
   kiln_status st = record ? collect_on() : KILN_OK;
   if (st == KILN_OK) {
+    col.depth = kiln__op_depth();
     if (record) collecting = &col;
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
@@ -298,6 +463,7 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   }
   s->n_params = col.found.n;
   free(col.found.v);
+  plan_skips(s, &col, n_out, outs);
   st = kiln_function_apply(&seg_fn, s, segment_free, n_all, all, n_out, outputs);
   free(all);
   return st;

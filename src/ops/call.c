@@ -203,6 +203,14 @@ static int observe_begin(const kiln__op_event *e, kiln__obs_token *toks) {
   return n;
 }
 
+/* Whether an observer has the op's kernels skipped (kiln__observer.skip). */
+static bool observe_skip(const kiln__op_event *e, kiln__obs_token *toks, int n) {
+  bool skip = false;
+  for (int i = 0; i < n && !skip; i++)
+    if (toks[i].o->skip) skip = toks[i].o->skip(e, toks[i].o->ctx);
+  return skip;
+}
+
 static kiln_status observe_end(const kiln__op_event *e, kiln__obs_token *toks, int n) {
   kiln_status st = KILN_OK;
   for (int i = 0; i < n; i++)
@@ -343,7 +351,22 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   if (st == KILN_OK && (op->flags & KILN__OP_INPLACE))
     for (int i = 0; i < n_in; i++)
       if (args[i]) kiln__storage_bump(args[i]->storage);
-  if (st == KILN_OK) st = op->forward(&c);
+  bool skip = false;
+  if (st == KILN_OK && observe && (op->flags & KILN__OP_RULE_READS_INPUTS) && c.n_out == 1 && n_alloc == 1) {
+    ev.n_out = 1;
+    in_observer = true;
+    skip = observe_skip(&ev, toks, n_tok);
+    in_observer = false;
+    ev.n_out = 0;
+  }
+  if (skip) { /* a recompute that needs the node, not the values: zeros, unobserved (the
+               ** fill is this op's, not a reader of its output) */
+    in_observer = true;
+    st = kiln_zero_(c.out[0]);
+    in_observer = false;
+  } else if (st == KILN_OK) {
+    st = op->forward(&c);
+  }
   if (st == KILN_OK && (op->flags & (KILN__OP_SELF_ALLOC | KILN__OP_COMPOSITE))) {
     n_alloc = 0; /* the op's own outputs: not ours to discard */
     if (!c.out[0]) st = kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;

@@ -147,6 +147,11 @@ typedef struct kiln__op {
 ** saves in f16 before the loss scale reaches it (softmax / count ~1e-9) would underflow.
 ** A high bit, out of the way of the flags other work adds after bit 7. */
 #define KILN__OP_AMP_READS_16 (1u << 16)
+/* Its backward rule reads nothing the forward made, only the inputs and the attributes
+** (linear, add, sub): where no op reads its output either, the output's values are not
+** needed to backpropagate through it, and a checkpoint's recompute, which runs the
+** segment only to rebuild its graph, may skip its kernels (kiln__observer.skip). */
+#define KILN__OP_RULE_READS_INPUTS (1u << 17)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -226,6 +231,10 @@ typedef struct kiln__observer {
   ** the op with that status (the anomaly check). */
   kiln_status (*end)(const kiln__op_event *e, void *token, void *ctx);
   void *ctx;
+  /* After the outputs are allocated, for an op with KILN__OP_RULE_READS_INPUTS and one
+  ** output (e->out[0], e->n_out 1): true has the path zero the output instead of running
+  ** the op's kernels, the node recorded as ever (checkpoint.c's recompute; may be NULL). */
+  bool (*skip)(const kiln__op_event *e, void *ctx);
 } kiln__observer;
 
 /* Adds o (kept by pointer) to the process's observers; at most 8. */

@@ -159,6 +159,7 @@ static kiln_status minimum_bw(kiln__node *n, kiln_tensor *g, kiln_tensor **gi) {
   static const kiln__op op_##fname = {                                                    \
       .name = opname, .api = "kiln_" opname, .n_in = 2, .n_out = 1,                      \
       .amp = amp_cls, .n_kernels = 1, .kernels = {kop},                                   \
+      .flags = kop == KILN__K_ADD || kop == KILN__K_SUB ? KILN__OP_RULE_READS_INPUTS : 0u, \
       .attrs = attr_fields, .n_attrs = n_attr_fields, .attr_size = attr_sz,               \
       .infer = binary_infer, .forward = binary_forward, .backward = bw,                   \
       .n_saved = 3, .save = binary_save};

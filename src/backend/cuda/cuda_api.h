@@ -72,6 +72,7 @@ typedef struct kiln__cuda_info {
   int multiprocessors;
   int64_t total_mem, free_mem; /* bytes */
   int driver_version, runtime_version, cublas_version;
+  int cudnn_version; /* cudnnGetVersion(); 0 in a build without cuDNN */
 } kiln__cuda_info;
 kiln_status kiln__cuda_device_info(int device, kiln__cuda_info *out);
 /* Host<->device copy bandwidth in GB/s (1e9 bytes/s), pinned memory, 64 MiB, a few

@@ -616,6 +616,7 @@ static kiln_status cuda_device_info(int device, kiln_device_info *out) {
   out->driver_version = ci.driver_version;
   out->runtime_version = ci.runtime_version;
   out->blas_version = ci.cublas_version;
+  out->dnn_version = ci.cudnn_version;
   return KILN_OK;
 }
 

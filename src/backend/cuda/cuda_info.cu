@@ -5,6 +5,9 @@
 
 #include <cublas_v2.h>
 #include <string.h>
+#ifdef KILN_HAVE_CUDNN
+#include <cudnn.h>
+#endif
 
 extern "C" kiln_status kiln__cuda_device_info(int device, kiln__cuda_info *out) {
   memset(out, 0, sizeof *out);
@@ -27,6 +30,9 @@ extern "C" kiln_status kiln__cuda_device_info(int device, kiln__cuda_info *out) 
       cublasGetProperty(MINOR_VERSION, &mi) == CUBLAS_STATUS_SUCCESS &&
       cublasGetProperty(PATCH_LEVEL, &pa) == CUBLAS_STATUS_SUCCESS)
     out->cublas_version = ma * 10000 + mi * 100 + pa; /* CUBLAS_VERSION's layout */
+#ifdef KILN_HAVE_CUDNN
+  out->cudnn_version = (int)cudnnGetVersion(); /* the loaded library's, not the header's */
+#endif
   return KILN_OK;
 }
 

@@ -38,7 +38,9 @@
 ** computes its loss inside the model's forward); --logits-loss takes the model's logits
 ** then kiln_cross_entropy instead.
 ** Defaults: GPT-2 124M (12 layers, 768 wide, 12 heads, vocab 50257), seq 1024, batch 16,
-** 15 steps, autocast bf16 on CUDA and none on the CPU. The peer: --peer PATH, else
+** 15 steps, autocast bf16 on every device, as the peer's training pass (it autocasts to bf16
+** on the CPU too; --autocast none gives kiln's f32 step, faster than its bf16 on a CPU
+** without bf16 dot products, where kiln's products convert). The peer: --peer PATH, else
 ** $KILN_TORCH_PEER, else the first that exists of .peer/torch_peer.py,
 ** ../shared/bench/torch_peer.py beside the source tree, then from the working directory,
 ** and /work/shared/bench/torch_peer.py (bench_peer.h); run by --python (default python3);
@@ -289,7 +291,7 @@ int main(int argc, char **argv) {
   o.train = true, o.peer = true, o.fused_loss = true;
   o.gen_batches[0] = 1, o.gen_batches[1] = 16, o.n_gen_batches = 2;
   o.python = "python3";
-  int ac = -1; /* an index into autocast_names; -1: bf16 on a GPU, none on the CPU */
+  int ac = 0; /* an index into autocast_names: bf16, the peer's mode on every device */
   static const char *const autocast_names[] = {"bf16", "f16", "none", NULL};
   static const kiln_dtype autocast_dtypes[] = {KILN_BF16, KILN_F16, KILN_F32};
   bench_args cli = bench_args_begin(PROG, usage_text, argc, argv);
@@ -335,7 +337,6 @@ int main(int argc, char **argv) {
     else bench_args_unknown(&cli);
   }
   bool cpu = o.dev.type == KILN_DEVICE_CPU;
-  if (ac < 0) ac = cpu ? 2 : 0;
   const char *autocast = autocast_names[ac];
   o.autocast = autocast_dtypes[ac];
   if (o.dim % o.heads) {

@@ -251,21 +251,22 @@ static kiln_status recompute(segment *s, kiln_tensor **x, int n_out, kiln_tensor
     kiln_generator_set_state(s->gens[k].g, s->gens[k].seed, s->gens[k].offset);
   }
   kiln_status st = kiln__autocast_push_state(&s->ac);
-  if (st == KILN_OK && plan) {
-    if ((st = collect_on()) == KILN_OK) {
-      plan->depth = kiln__op_depth();
-      skipping = plan;
-    }
+  /* With every observer slot taken the skip cannot be watched: recompute in full. A
+  ** recompute inside fn (a backward fn runs itself) keeps the outer plan for after. */
+  if (st == KILN_OK && plan && collect_on() != KILN_OK) {
+    kiln_clear_error();
+    plan = NULL;
   }
+  skip_plan *outer = skipping;
   if (st == KILN_OK) {
+    if (plan) plan->depth = kiln__op_depth();
+    skipping = plan; /* NULL too: an outer recompute's plan does not count these calls */
     bool prev = kiln_set_grad_enabled(true);
     for (int k = 0; k < n_out; k++) y[k] = NULL;
     st = s->fn(s->ctx, s->n_in, x, n_out, y);
     kiln_set_grad_enabled(prev);
-    if (plan) {
-      skipping = NULL;
-      collect_off();
-    }
+    skipping = outer;
+    if (plan) collect_off();
     kiln__autocast_pop_state();
   }
   for (int k = 0; k < s->n_gens; k++) kiln_generator_set_state(now[k].g, now[k].seed, now[k].offset);

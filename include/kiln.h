@@ -206,9 +206,10 @@ typedef struct kiln_device_info {
   int multiprocessors;               /* streaming multiprocessors; cores on the CPU */
   int64_t total_memory, free_memory; /* bytes */
   int driver_version, runtime_version, blas_version; /* CUDA's integers (12040 = 12.4) */
-  /* cuDNN's version as cudnnGetVersion() gives it (91400 = 9.14.0): the library loaded,
-  ** which may be newer than the one kiln was built with; 0 without cuDNN. Its fused
-  ** attention and convolution engines change from release to release. */
+  /* cuDNN's version as cudnnGetVersion() gives it (91400 = 9.14.0; cuDNN 8: 8907 =
+  ** 8.9.7): the library loaded, which may be newer than the one kiln was built with; 0
+  ** without cuDNN. Its fused attention and convolution engines change from release to
+  ** release. */
   int dnn_version;
 } kiln_device_info;
 KILN_API kiln_status kiln_device_info_get(kiln_device dev, kiln_device_info *out);

@@ -649,13 +649,14 @@ static void print_text(const doctor *d) {
                (double)r->info.total_memory / 1073741824.0);
       snprintf(drv, sizeof drv, "%d.%d", r->info.driver_version / 1000, (r->info.driver_version % 1000) / 10);
       snprintf(rt, sizeof rt, "%d.%d", r->info.runtime_version / 1000, (r->info.runtime_version % 1000) / 10);
-      int dn = r->info.dnn_version; /* 91400: 9.14.0 (cuDNN 9's layout) */
-      if (dn > 0)
-        snprintf(bl, sizeof bl, "%d.%d.%d / %d.%d.%d", r->info.blas_version / 10000, r->info.blas_version / 100 % 100,
-                 r->info.blas_version % 100, dn / 10000, dn / 100 % 100, dn % 100);
-      else
-        snprintf(bl, sizeof bl, "%d.%d.%d / none", r->info.blas_version / 10000, r->info.blas_version / 100 % 100,
-                 r->info.blas_version % 100);
+      /* cuDNN 9 counts 91400 for 9.14.0, cuDNN 8 8907 for 8.9.7 */
+      int dn = r->info.dnn_version, dmaj = dn >= 90000 ? dn / 10000 : dn / 1000;
+      int drest = dn >= 90000 ? dn % 10000 : dn % 1000;
+      char dnn[24];
+      if (dn > 0) snprintf(dnn, sizeof dnn, "%d.%d.%d", dmaj, drest / 100, drest % 100);
+      else snprintf(dnn, sizeof dnn, "none");
+      snprintf(bl, sizeof bl, "%d.%d.%d / %s", r->info.blas_version / 10000, r->info.blas_version / 100 % 100,
+               r->info.blas_version % 100, dnn);
       if (isfinite(r->pinned_h2d)) snprintf(bw, sizeof bw, "%.1f / %.1f GB/s", r->pinned_h2d, r->pinned_d2h);
       else snprintf(bw, sizeof bw, "not measured");
       snprintf(dr, sizeof dr, "%s / %s", drv, rt);

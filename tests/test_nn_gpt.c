@@ -434,8 +434,22 @@ static void test_checkpointed(void) {
       for (int k = 0; k < 2 && parts[v][k]; k++)
         CHECK(kiln_module_set_checkpoint(kiln_module_child(kiln_module_child_at(h, i), parts[v][k]), true) == KILN_OK);
     kiln_tensor *x = tokens(2, 12, 64, 3), *y = tokens(2, 12, 64, 4);
-    kiln_tensor *loss_a = lm_loss(a, x, y), *loss_b = lm_loss(b, x, y);
+    kiln_tensor *loss_a = lm_loss(a, x, y);
+    kiln_trace *tr = kiln_trace_begin();
+    kiln_tensor *loss_b = lm_loss(b, x, y);
+    CHECK(kiln_trace_end(tr) == KILN_OK);
     CHECK(bits_equal(loss_a, loss_b));
+    /* the walk's fused norms (each residual add with the norm after it: a trace shows an
+    ** add with the norm's eps, then layer_norm) with checkpointed blocks, attentions or MLPs
+    ** too; a checkpointed norm turns the walk off */
+    const char *rln = getenv("KILN_GPT_RESIDUAL_LN");
+    int fused = 0;
+    for (int i = 0; i < kiln_trace_count(tr); i++) {
+      const kiln_trace_op *op = kiln_trace_get(tr, i);
+      fused += !strcmp(op->name, "add") && op->n_attrs > 0 && !strcmp(op->attrs[0].name, "eps");
+    }
+    if (rln && !strcmp(rln, "1")) CHECK(fused == (!strcmp(parts[v][0], "ln_2") ? 0 : 2 * c.n_layer + 1));
+    kiln_trace_free(tr);
     int64_t s0 = kiln__checkpoint_skipped(), f0 = kiln__checkpoint_full_again();
     CHECK(kiln_backward(loss_a, NULL) == KILN_OK && kiln_backward(loss_b, NULL) == KILN_OK);
     /* the recomputes skip each segment's last op: a block's residual add, an MLP's or an

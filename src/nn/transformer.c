@@ -385,15 +385,15 @@ static kiln_tensor *gpt_body(kiln_module *m, kiln_tensor *idx) {
 }
 
 /* Whether the GPT can walk h's blocks itself (kiln_residual_layer_norm across blocks):
-** every child a Block, and no segment checkpointed that the walk does not run whole (a
-** block, or a norm, whose forward it replaces by the fused one); attn and mlp go through
-** kiln_module_forward, so each may be checkpointed (the usual MLP-only checkpointing keeps
-** the fused norms). */
+** every child a Block, and no norm checkpointed (the walk replaces its forward by the fused
+** one); attn and mlp go through kiln_module_forward, so each may be checkpointed (the usual
+** MLP-only checkpointing keeps the fused norms), and a checkpointed block is one segment of
+** the walk's own (block_step_checkpointed). */
 static bool blocks_walkable(kiln_module *h) {
   if (!h || kiln_module_is_checkpointed(h)) return false;
   for (int i = 0; i < kiln_module_num_children(h); i++) {
     kiln_module *b = kiln_module_child_at(h, i);
-    if (kiln__module_vtable(b) != &block_vt || kiln_module_is_checkpointed(b)) return false;
+    if (kiln__module_vtable(b) != &block_vt) return false;
     static const char *const parts[] = {"ln_1", "attn", "ln_2", "mlp"};
     for (int k = 0; k < 4; k++) {
       kiln_module *p = kiln_module_child(b, parts[k]);
@@ -429,12 +429,38 @@ static kiln_tensor *block_step(kiln_module *blk, kiln_tensor **x, kiln_tensor *r
   return out;
 }
 
+/* A checkpointed block in the walk: block_step as one segment (ctx: the block), from the
+** stream and the previous block's MLP output still to be added (the add its ln_1 does) to
+** this block's MLP output and the stream after attn's add. The segment starts where the
+** block's first norm does, so the norms stay fused, and its MLP output, which no op of the
+** segment reads, is the c_proj product the recompute skips (autograd/checkpoint.c). */
+static kiln_status block_step_segment(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_out;
+  kiln_tensor *x = in[0];
+  out[0] = block_step(ctx, &x, n_in > 1 ? in[1] : NULL, norm_out_dtype(x));
+  out[1] = out[0] ? x : NULL;
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
+static kiln_tensor *block_step_checkpointed(kiln_module *blk, kiln_tensor **x, kiln_tensor *r) {
+  kiln_tensor *in[2] = {*x, r}, *out[2] = {NULL, NULL};
+  if (kiln_checkpoint(block_step_segment, blk, r ? 2 : 1, in, 2, out) != KILN_OK) {
+    *x = NULL;
+    return NULL;
+  }
+  *x = out[1];
+  return out[0];
+}
+
 /* h's blocks then ln_f, every residual add fused with the norm after it; r (or NULL) is
 ** added to x under the first block's ln_1 (the position embedding). */
 static kiln_tensor *walk_blocks(kiln_module *m, kiln_module *h, kiln_tensor *x, kiln_tensor *r) {
   const kiln_dtype ydt = norm_out_dtype(x);
   kiln__module_scope_push(kiln__module_label(h));
-  for (int i = 0; i < kiln_module_num_children(h) && x; i++) r = block_step(kiln_module_child_at(h, i), &x, r, ydt);
+  for (int i = 0; i < kiln_module_num_children(h) && x; i++) {
+    kiln_module *blk = kiln_module_child_at(h, i);
+    r = kiln_module_is_checkpointed(blk) ? block_step_checkpointed(blk, &x, r) : block_step(blk, &x, r, ydt);
+  }
   kiln__module_scope_pop();
   if (!x) return NULL;
   kiln_module *lnf = kiln_module_child(m, "ln_f");

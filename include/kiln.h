@@ -1028,8 +1028,10 @@ KILN_API bool kiln_function_grad_needed(kiln_function_ctx *ctx, int k);
 ** nothing fn touches requires grad, fn just runs. The recompute does not run the kernels
 ** of a last op whose output the backward does not need (a linear, matmul, add or sub
 ** whose output no other op read): that output holds zeros during the recompute, so fn
-** must not read its outputs' values on the host (KILN_CHECKPOINT_ELIDE=0 recomputes
-** everything, as PyTorch does).
+** must not read its outputs' values on the host. And the forward keeps the output of each
+** scaled_dot_product_attention without dropout (with its log-sum-exp: the output's size
+** again, for T^2 work), which the recompute takes instead of running it.
+** KILN_CHECKPOINT_ELIDE=0 recomputes everything, as PyTorch does.
 **
 ** fn must be deterministic given its inputs and the generators, write n_out new
 ** tensors (or inputs) into outputs and read tensors that have a history only through

@@ -38,7 +38,7 @@ static void *seen_begin(const kiln__op_event *e, void *ctx) {
   if (n_seen < MAX_SEEN) seen[n_seen++] = (seen_op){e->op->name, (int)e->op->amp, 1};
   return NULL;
 }
-static const kiln__observer seen_obs = {"test_autocast", seen_begin, NULL, NULL, NULL};
+static const kiln__observer seen_obs = {"test_autocast", seen_begin, NULL, NULL, NULL, NULL};
 static int seen_count(const char *name) {
   for (int i = 0; i < n_seen; i++)
     if (strcmp(seen[i].name, name) == 0) return seen[i].count;

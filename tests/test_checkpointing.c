@@ -18,6 +18,7 @@
 
 /* checkpoint.c's counters (core/kiln_int.h) */
 int64_t kiln__checkpoint_skipped(void);
+int64_t kiln__checkpoint_taken(void);
 int64_t kiln__checkpoint_full_again(void);
 
 static const kiln_device CPU = {KILN_DEVICE_CPU, 0};
@@ -374,6 +375,53 @@ static void test_skip_not_held(void) {
   grads_free(&g[1]);
 }
 
+/* Attention in a segment: without dropout the recompute takes the forward's output and
+** log-sum-exp instead of running the attention again; with dropout it runs it, drawing the
+** forward's mask. The gradients are the bits of the run without the checkpoint either way,
+** and of the run with KILN_CHECKPOINT_ELIDE=0. */
+typedef struct att_ctx {
+  kiln_tensor *w;
+  double p;
+} att_ctx;
+
+static kiln_status att_seg(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_in, (void)n_out;
+  att_ctx *a = ctx;
+  kiln_tensor *x = in[0];
+  kiln_tensor *y = kiln_scaled_dot_product_attention(kiln_mul(x, a->w), x, kiln_tanh(x), NULL, true, a->p, 0.0, NULL);
+  out[0] = kiln_tanh(y);
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
+static void test_attention_kept(void) {
+  for (int drop = 0; drop < 2; drop++) {
+    att_ctx a = {param(1, 4, 7), drop ? 0.25 : 0.0};
+    kiln_tensor *g[3][2] = {{NULL}};
+    for (int c = 0; c < 3; c++) { /* plain, checkpointed, checkpointed with ELIDE=0 */
+      if (c == 2) setenv("KILN_CHECKPOINT_ELIDE", "0", 1);
+      kiln_scope_begin();
+      kiln_manual_seed(21);
+      kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 2, 8, 4), KILN_F32, CPU, NULL), *y = NULL;
+      kiln_requires_grad_(x, true);
+      int64_t t0 = kiln__checkpoint_taken();
+      if (c) CHECK(kiln_checkpoint(att_seg, &a, 1, &x, 1, &y) == KILN_OK);
+      else CHECK(att_seg(&a, 1, &x, 1, &y) == KILN_OK);
+      kiln_set_grad(a.w, NULL);
+      CHECK(kiln_backward(loss_of(y), NULL) == KILN_OK);
+      CHECK(kiln__checkpoint_taken() - t0 == (c == 1 && !drop ? 1 : 0));
+      g[c][0] = kiln_keep(kiln_clone(kiln_grad(x)));
+      g[c][1] = kiln_keep(kiln_clone(kiln_grad(a.w)));
+      kiln_scope_end();
+      unsetenv("KILN_CHECKPOINT_ELIDE");
+    }
+    for (int c = 1; c < 3; c++)
+      for (int k = 0; k < 2; k++) CHECK(g[0][k] && g[c][k] && bits_equal(g[0][k], g[c][k]));
+    for (int c = 0; c < 3; c++)
+      for (int k = 0; k < 2; k++) kiln_tensor_free(g[c][k]);
+    kiln_tensor_free(a.w);
+  }
+}
+
 int main(void) {
   test_bit_identical_with_dropout();
   test_nested();
@@ -387,6 +435,7 @@ int main(void) {
   test_max_pool_inside();
   test_skips_the_last_op();
   test_skip_not_held();
+  test_attention_kept();
   printf("test_checkpointing: %d failures\n", failures);
   return failures ? 1 : 0;
 }

@@ -833,7 +833,7 @@ static kiln_status cc_obs_end(const kiln__op_event *e, void *tok, void *ctx) {
   (void)e, (void)tok, (void)ctx;
   return KILN_OK;
 }
-static const kiln__observer cc_obs = {"cc_copies", cc_obs_begin, cc_obs_end, NULL, NULL};
+static const kiln__observer cc_obs = {"cc_copies", cc_obs_begin, cc_obs_end, NULL, NULL, NULL};
 
 static void cc_keep_format(void) {
   kiln_set_matmul_tf32(false);

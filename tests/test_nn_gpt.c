@@ -20,6 +20,7 @@
 
 /* checkpoint.c's counters (core/kiln_int.h) */
 int64_t kiln__checkpoint_skipped(void);
+int64_t kiln__checkpoint_taken(void);
 int64_t kiln__checkpoint_full_again(void);
 
 static kiln_device cpu;
@@ -450,12 +451,15 @@ static void test_checkpointed(void) {
     }
     if (rln && !strcmp(rln, "1")) CHECK(fused == (!strcmp(parts[v][0], "ln_2") ? 0 : 2 * c.n_layer + 1));
     kiln_trace_free(tr);
-    int64_t s0 = kiln__checkpoint_skipped(), f0 = kiln__checkpoint_full_again();
+    int64_t s0 = kiln__checkpoint_skipped(), f0 = kiln__checkpoint_full_again(), t0 = kiln__checkpoint_taken();
     CHECK(kiln_backward(loss_a, NULL) == KILN_OK && kiln_backward(loss_b, NULL) == KILN_OK);
     /* the recomputes skip each segment's last op: a block's residual add, an MLP's or an
-    ** attention's c_proj; a norm has none to skip */
+    ** attention's c_proj; a norm has none to skip; and a block's or an attention's takes the
+    ** attention's output kept from the forward (no dropout here) */
     int64_t skips = !strcmp(parts[v][0], "ln_2") ? 0 : parts[v][1] ? 2 * c.n_layer : c.n_layer;
+    bool attn = !strcmp(parts[v][0], "h") || !strcmp(parts[v][0], "attn") || (parts[v][1] && !strcmp(parts[v][1], "attn"));
     CHECK(kiln__checkpoint_skipped() - s0 == skips && kiln__checkpoint_full_again() == f0);
+    CHECK(kiln__checkpoint_taken() - t0 == (attn ? c.n_layer : 0));
     int n = kiln_module_parameters(a, NULL, 0);
     kiln_tensor **pa = malloc((size_t)n * sizeof *pa), **pb = malloc((size_t)n * sizeof *pb);
     kiln_module_parameters(a, pa, n);

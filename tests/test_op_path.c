@@ -274,7 +274,7 @@ static kiln_status count_end(const kiln__op_event *e, void *tok, void *ctx) {
 
 static void test_observers(void) {
   counts c = {0};
-  kiln__observer o = {"count", count_begin, count_end, &c, NULL};
+  kiln__observer o = {"count", count_begin, count_end, &c, NULL, NULL};
   kiln_scope_begin();
   kiln_tensor *x = kiln_randn(KILN_SHAPE(4), KILN_F32, cpu, NULL);
   kiln_requires_grad_(x, true);

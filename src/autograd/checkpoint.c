@@ -29,8 +29,11 @@
 ** zero that op's output instead of running its kernels, recording its node as ever.
 ** Should an op read a skipped output after all, or the recompute return another tensor
 ** (fn took another path), the segment is recomputed again in full: the gradients never
-** depend on the skip. PyTorch's checkpoint recomputes everything; KILN_CHECKPOINT_ELIDE=0
-** does too (the A/B).
+** depend on the skip. And the forward keeps what an op flagged KILN__OP_CHECKPOINT_KEEPS
+** made (attention without dropout: its output and log-sum-exp, T^2 work for T rows), which
+** the recompute takes at the same place, on inputs of the same shapes, instead of running
+** it again. PyTorch's checkpoint recomputes everything; KILN_CHECKPOINT_ELIDE=0 does too
+** (the A/B).
 **
 ** Limits: a tensor with a history that fn reads other than through its inputs (from its
 ** ctx) gets no gradient, as with PyTorch's reentrant checkpoint: pass it as an input. fn
@@ -63,6 +66,51 @@ typedef struct made {
   bool read;
 } made;
 
+/* A call's results kept from the forward (KILN__OP_CHECKPOINT_KEEPS), references held,
+** with its inputs' shapes to check the recompute's call against. */
+#define KEEP_IN 4
+typedef struct kept {
+  const kiln__op *op;
+  int64_t index;
+  kiln_tensor *out[KILN__OP_MAX_OUT], *tmp[KILN__OP_MAX_TMP];
+  int n_in;
+  struct {
+    int ndim;
+    int64_t shape[KILN_MAX_DIMS];
+    kiln_dtype dtype;
+  } in[KEEP_IN];
+} kept;
+
+typedef struct kept_list {
+  kept *v;
+  int n, cap;
+} kept_list;
+
+static void kept_free(kept_list *l) {
+  for (int i = 0; i < l->n; i++) {
+    for (int k = 0; k < KILN__OP_MAX_OUT; k++) kiln_tensor_free(l->v[i].out[k]);
+    for (int k = 0; k < KILN__OP_MAX_TMP; k++) kiln_tensor_free(l->v[i].tmp[k]);
+  }
+  free(l->v);
+  *l = (kept_list){NULL, 0, 0};
+}
+
+/* Whether the inputs of e are the shapes and dtypes the kept call had. */
+static bool kept_matches(const kept *k, const kiln__op_event *e) {
+  if (k->op != e->op || k->n_in != (e->n_in < KEEP_IN ? e->n_in : KEEP_IN)) return false;
+  for (int i = 0; i < k->n_in; i++) {
+    const kiln_tensor *t = e->in[i];
+    if (!t) {
+      if (k->in[i].ndim != -1) return false;
+      continue;
+    }
+    if (t->ndim != k->in[i].ndim || t->dtype != k->in[i].dtype) return false;
+    for (int d = 0; d < t->ndim; d++)
+      if (t->shape[d] != k->in[i].shape[d]) return false;
+  }
+  return true;
+}
+
 typedef struct collector {
   tlist found;
   int n_exclude;
@@ -71,12 +119,14 @@ typedef struct collector {
   int depth;                   /* fn's own depth (kiln__op_depth) */
   int64_t calls;               /* the calls made at that depth */
   made ring[RING];             /* the last of them, ring[index % RING] */
+  bool elide;                  /* KILN_CHECKPOINT_ELIDE is not 0 */
+  kept_list keeps;             /* what the forward's KILN__OP_CHECKPOINT_KEEPS calls made */
 } collector;
 
 static _Thread_local collector *collecting;
 
 /* The recompute's plan: skip the calls at these places, and see that nothing reads what
-** they made. */
+** they made; take the kept results at theirs. */
 typedef struct skip_plan {
   int n;
   struct {
@@ -89,13 +139,16 @@ typedef struct skip_plan {
   int depth;
   int64_t calls;
   bool read; /* an op read a skipped output: recompute in full */
+  const kept_list *keeps;
 } skip_plan;
 
 static _Thread_local skip_plan *skipping;
 
-/* For the tests: the calls the recomputes skipped, and the recomputes run again in full. */
-static _Atomic int64_t g_skipped, g_full_again;
+/* For the tests: the calls the recomputes skipped, the kept results they took, and the
+** recomputes run again in full. */
+static _Atomic int64_t g_skipped, g_taken, g_full_again;
 int64_t kiln__checkpoint_skipped(void) { return g_skipped; }
+int64_t kiln__checkpoint_taken(void) { return g_taken; }
 int64_t kiln__checkpoint_full_again(void) { return g_full_again; }
 
 static void mark_read(made *ring, int64_t calls, const kiln__op_event *e) {
@@ -162,12 +215,50 @@ static kiln_status collect_end(const kiln__op_event *e, void *token, void *ctx) 
   return KILN_OK;
 }
 
-/* In the recompute: the planned call (counted by collect_begin) makes its output without
-** its kernels. */
-static bool collect_skip(const kiln__op_event *e, void *ctx) {
+/* In the forward: a KILN__OP_CHECKPOINT_KEEPS call's results, kept for the recompute. */
+static void collect_made(const kiln__op_event *e, kiln_tensor *const *tmp, void *ctx) {
+  KILN__UNUSED(ctx);
+  collector *c = collecting;
+  if (!c || !c->elide || e->depth != c->depth || e->n_out < 1 || !e->out[0]) return;
+  kept_list *l = &c->keeps;
+  if (l->n == l->cap) {
+    int ncap = l->cap ? l->cap * 2 : 4;
+    kept *nv = realloc(l->v, (size_t)ncap * sizeof *nv);
+    if (!nv) return; /* recomputed instead */
+    l->v = nv;
+    l->cap = ncap;
+  }
+  kept *k = &l->v[l->n++];
+  memset(k, 0, sizeof *k);
+  k->op = e->op;
+  k->index = c->calls; /* collect_end counts this call after */
+  for (int i = 0; i < e->n_out && i < KILN__OP_MAX_OUT; i++) k->out[i] = kiln_tensor_ref(e->out[i]);
+  for (int i = 0; i < KILN__OP_MAX_TMP; i++) k->tmp[i] = kiln_tensor_ref(tmp[i]); /* NULL-safe */
+  k->n_in = e->n_in < KEEP_IN ? e->n_in : KEEP_IN;
+  for (int i = 0; i < k->n_in; i++) {
+    const kiln_tensor *t = e->in[i];
+    k->in[i].ndim = t ? t->ndim : -1;
+    if (!t) continue;
+    k->in[i].dtype = t->dtype;
+    memcpy(k->in[i].shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+  }
+}
+
+/* In the recompute: a kept call (counted by collect_begin) takes its results from the
+** forward; a planned skip makes its output without its kernels. */
+static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) {
   KILN__UNUSED(ctx);
   skip_plan *p = skipping;
   if (!p || e->depth != p->depth) return false;
+  for (int i = 0; p->keeps && i < p->keeps->n; i++) {
+    const kept *k = &p->keeps->v[i];
+    if (k->index != p->calls - 1 || !kept_matches(k, e)) continue;
+    for (int j = 0; j < KILN__OP_MAX_OUT; j++) use[j] = kiln_tensor_ref(k->out[j]);
+    for (int j = 0; j < KILN__OP_MAX_TMP; j++) use[KILN__OP_MAX_OUT + j] = kiln_tensor_ref(k->tmp[j]);
+    g_taken++;
+    return true;
+  }
+  if (e->n_out != 1 || !e->out[0]) return false;
   for (int k = 0; k < p->n; k++)
     if (!p->at[k].t && p->at[k].index == p->calls - 1 && p->at[k].op == e->op) {
       p->at[k].t = e->out[0];
@@ -178,7 +269,7 @@ static bool collect_skip(const kiln__op_event *e, void *ctx) {
   return false;
 }
 
-static const kiln__observer collect_obs = {"checkpoint", collect_begin, collect_end, NULL, collect_skip};
+static const kiln__observer collect_obs = {"checkpoint", collect_begin, collect_end, NULL, collect_skip, collect_made};
 static pthread_mutex_t obs_lock = PTHREAD_MUTEX_INITIALIZER;
 static int obs_users; /* threads collecting now: the observer is on while any is */
 
@@ -218,13 +309,13 @@ typedef struct segment {
     int64_t index;
     int out;
   } skip[KILN__OP_MAX_OUT];
+  kept_list keeps; /* results the recompute takes instead of running their calls */
 } segment;
 
 /* After the forward: which outputs a call at fn's own depth made, read by no later op, with
 ** a rule that reads only its inputs (see the top). */
 static void plan_skips(segment *s, const collector *c, int n_out, kiln_tensor *const *outs) {
-  const char *e = getenv("KILN_CHECKPOINT_ELIDE");
-  if (e && !strcmp(e, "0")) return;
+  if (!c->elide) return;
   int64_t lo = c->calls > RING ? c->calls - RING : 0;
   for (int k = 0; k < n_out; k++)
     for (int64_t j = c->calls - 1; j >= lo; j--) {
@@ -318,13 +409,13 @@ static kiln_status seg_backward(kiln_function_ctx *fc, int n_out, kiln_tensor *c
   }
   /* the recompute; in full once more if a skip did not hold */
   if (st == KILN_OK) {
-    skip_plan plan = {.n = s->n_skip};
+    skip_plan plan = {.n = s->n_skip, .keeps = &s->keeps};
     for (int k = 0; k < s->n_skip; k++) {
       plan.at[k].op = s->skip[k].op;
       plan.at[k].index = s->skip[k].index;
       plan.at[k].out = s->skip[k].out;
     }
-    st = recompute(s, x, n_out, y, s->n_skip > 0 ? &plan : NULL);
+    st = recompute(s, x, n_out, y, s->n_skip > 0 || s->keeps.n > 0 ? &plan : NULL);
     if (st == KILN_OK && s->n_skip > 0 && !skips_held(&plan, n_out, y)) {
       for (int k = 0; k < n_out; k++) kiln__discard(y[k]);
       g_full_again++;
@@ -369,6 +460,7 @@ static void segment_free(void *p) {
   if (!s) return;
   for (int j = 0; j < s->n_params; j++) kiln_tensor_free(s->outs[s->n_out + j]);
   free(s->outs);
+  kept_free(&s->keeps);
   free(s);
 }
 
@@ -402,7 +494,9 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   bool record = kiln_grad_enabled();
 
   /* the forward: grad mode off, in a scope of its own; the parameters collected */
-  collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting}, *prev_col = collecting;
+  const char *elide = getenv("KILN_CHECKPOINT_ELIDE");
+  collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting, .elide = !(elide && !strcmp(elide, "0"))},
+            *prev_col = collecting;
   kiln_tensor *outs[KILN__OP_MAX_OUT] = {NULL};
   kiln_status st = record ? collect_on() : KILN_OK;
   if (st == KILN_OK) {
@@ -442,6 +536,7 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
     else
       for (int k = 0; k < n_out; k++) kiln__discard(outs[k]);
     free(col.found.v);
+    kept_free(&col.keeps);
     free(s);
     return st;
   }
@@ -454,6 +549,7 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
     free(s->outs);
     free(s);
     free(col.found.v);
+    kept_free(&col.keeps);
     return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
   }
   for (int i = 0; i < n_in; i++) all[i] = inputs[i];
@@ -465,6 +561,7 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   s->n_params = col.found.n;
   free(col.found.v);
   plan_skips(s, &col, n_out, outs);
+  s->keeps = col.keeps;
   st = kiln_function_apply(&seg_fn, s, segment_free, n_all, all, n_out, outputs);
   free(all);
   return st;

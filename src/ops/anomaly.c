@@ -63,7 +63,7 @@ static kiln_status check(const kiln__op_event *e, void *tok, void *ctx) {
   return KILN_OK;
 }
 
-static const kiln__observer anomaly = {"anomaly", NULL, check, NULL, NULL};
+static const kiln__observer anomaly = {"anomaly", NULL, check, NULL, NULL, NULL};
 
 kiln_status kiln_set_anomaly_enabled(bool on) {
   bool was = atomic_exchange(&enabled, on);

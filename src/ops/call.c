@@ -204,11 +204,28 @@ static int observe_begin(const kiln__op_event *e, kiln__obs_token *toks) {
 }
 
 /* Whether an observer has the op's kernels skipped (kiln__observer.skip). */
-static bool observe_skip(const kiln__op_event *e, kiln__obs_token *toks, int n) {
+static bool observe_skip(const kiln__op_event *e, kiln_tensor **use, kiln__obs_token *toks, int n) {
   bool skip = false;
   for (int i = 0; i < n && !skip; i++)
-    if (toks[i].o->skip) skip = toks[i].o->skip(e, toks[i].o->ctx);
+    if (toks[i].o->skip) skip = toks[i].o->skip(e, use, toks[i].o->ctx);
   return skip;
+}
+
+static void observe_made(const kiln__op_event *e, kiln_tensor *const *tmp, kiln__obs_token *toks, int n) {
+  for (int i = 0; i < n; i++)
+    if (toks[i].o->made) toks[i].o->made(e, tmp, toks[i].o->ctx);
+}
+
+/* A skipped call's outputs and temporaries handed over by an observer (new references,
+** owned by the scope from here on) in place of those the path allocated. */
+static void take_kept(kiln__op_ctx *c, kiln_tensor **use, int *n_alloc) {
+  for (int k = 0; k < c->n_out; k++) {
+    if (k < *n_alloc) kiln__discard(c->out[k]);
+    c->out[k] = use[k] ? kiln__scope_track(use[k]) : NULL;
+  }
+  *n_alloc = 0;
+  for (int k = 0; k < KILN__OP_MAX_TMP; k++)
+    if (use[KILN__OP_MAX_OUT + k]) c->tmp[k] = kiln__scope_track(use[KILN__OP_MAX_OUT + k]);
 }
 
 static kiln_status observe_end(const kiln__op_event *e, kiln__obs_token *toks, int n) {
@@ -352,20 +369,30 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     for (int i = 0; i < n_in; i++)
       if (args[i]) kiln__storage_bump(args[i]->storage);
   bool skip = false;
-  if (st == KILN_OK && observe && (op->flags & KILN__OP_RULE_READS_INPUTS) && c.n_out == 1 && n_alloc == 1) {
-    ev.n_out = 1;
+  if (st == KILN_OK && observe && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE)) &&
+      ((op->flags & KILN__OP_CHECKPOINT_KEEPS) ||
+       ((op->flags & KILN__OP_RULE_READS_INPUTS) && c.n_out == 1 && n_alloc == 1))) {
+    kiln_tensor *use[KILN__OP_MAX_OUT + KILN__OP_MAX_TMP] = {NULL};
+    ev.n_out = n_alloc;
     in_observer = true;
-    skip = observe_skip(&ev, toks, n_tok);
-    in_observer = false;
+    skip = observe_skip(&ev, use, toks, n_tok);
     ev.n_out = 0;
-  }
-  if (skip) { /* a recompute that needs the node, not the values: zeros, unobserved (the
-               ** fill is this op's, not a reader of its output) */
-    in_observer = true;
-    st = kiln_zero_(c.out[0]);
+    if (skip && use[0]) /* a result kept from the forward */
+      take_kept(&c, use, &n_alloc);
+    else if (skip) /* a recompute that needs the node, not the values: zeros, unobserved
+                   ** (the fill is this op's, not a reader of its output) */
+      st = n_alloc == 1 ? kiln_zero_(c.out[0]) : kiln_set_error(KILN_ERR_INTERNAL, "%s: skipped without outputs", op->api);
     in_observer = false;
-  } else if (st == KILN_OK) {
+  }
+  if (!skip && st == KILN_OK) {
     st = op->forward(&c);
+    if (st == KILN_OK && observe && (op->flags & KILN__OP_CHECKPOINT_KEEPS)) {
+      ev.n_out = c.n_out;
+      in_observer = true;
+      observe_made(&ev, c.tmp, toks, n_tok);
+      in_observer = false;
+      ev.n_out = 0;
+    }
   }
   if (st == KILN_OK && (op->flags & (KILN__OP_SELF_ALLOC | KILN__OP_COMPOSITE))) {
     n_alloc = 0; /* the op's own outputs: not ours to discard */

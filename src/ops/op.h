@@ -152,6 +152,11 @@ typedef struct kiln__op {
 ** needed to backpropagate through it, and a checkpoint's recompute, which runs the
 ** segment only to rebuild its graph, may skip its kernels (kiln__observer.skip). */
 #define KILN__OP_RULE_READS_INPUTS (1u << 17)
+/* A checkpoint keeps this call's outputs and temporaries from the segment's forward, and
+** its recompute takes them instead of running the kernels: work that grows faster than
+** what it makes (attention: T^2 products for T rows out). Only on calls that draw no
+** random numbers (the recompute must move the generators as the forward did). */
+#define KILN__OP_CHECKPOINT_KEEPS (1u << 18)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -231,10 +236,16 @@ typedef struct kiln__observer {
   ** the op with that status (the anomaly check). */
   kiln_status (*end)(const kiln__op_event *e, void *token, void *ctx);
   void *ctx;
-  /* After the outputs are allocated, for an op with KILN__OP_RULE_READS_INPUTS and one
-  ** output (e->out[0], e->n_out 1): true has the path zero the output instead of running
-  ** the op's kernels, the node recorded as ever (checkpoint.c's recompute; may be NULL). */
-  bool (*skip)(const kiln__op_event *e, void *ctx);
+  /* Before the kernels of an op with KILN__OP_RULE_READS_INPUTS and one allocated output
+  ** (e->out[0], e->n_out 1) or with KILN__OP_CHECKPOINT_KEEPS: true has the path skip
+  ** them, the node recorded as ever (checkpoint.c's recompute; may be NULL). use (NULL
+  ** entries on entry) may receive new references, the outputs first and the forward's
+  ** temporaries from use[KILN__OP_MAX_OUT]: the path takes them as the op's own; with
+  ** use[0] NULL the output is zeros. */
+  bool (*skip)(const kiln__op_event *e, kiln_tensor **use, void *ctx);
+  /* After the kernels of an op with KILN__OP_CHECKPOINT_KEEPS: its temporaries (tmp,
+  ** KILN__OP_MAX_TMP entries, NULL where none) beside its outputs (may be NULL). */
+  void (*made)(const kiln__op_event *e, kiln_tensor *const *tmp, void *ctx);
 } kiln__observer;
 
 /* Adds o (kept by pointer) to the process's observers; at most 8. */

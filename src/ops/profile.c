@@ -517,7 +517,7 @@ static void module_span(const char *label, bool begin, double t0, double t1) {
   pthread_mutex_unlock(&lock);
 }
 
-static const kiln__observer profiler = {"profile", prof_begin, prof_end, NULL, NULL};
+static const kiln__observer profiler = {"profile", prof_begin, prof_end, NULL, NULL, NULL};
 
 /* ---- the table ---- */
 

@@ -129,7 +129,7 @@ static kiln_status trace_end_op(const kiln__op_event *e, void *token, void *ctx)
   return KILN_OK;
 }
 
-static const kiln__observer trace_observer = {"trace", NULL, trace_end_op, NULL, NULL};
+static const kiln__observer trace_observer = {"trace", NULL, trace_end_op, NULL, NULL, NULL};
 
 kiln_trace *kiln_trace_begin(void) {
   kiln_trace *tr = calloc(1, sizeof *tr);

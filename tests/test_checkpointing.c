@@ -422,6 +422,42 @@ static void test_attention_kept(void) {
   }
 }
 
+/* The kept results are handed to the recompute, not shared: a chain of checkpointed
+** attentions peaks no higher with them than without them by more than what they are (an
+** output and a log-sum-exp each). A reference the segment kept on a result the recompute's
+** node took as its own output held that recompute's graph to the end of the backward. */
+static void test_attention_kept_memory(void) {
+  enum { N = 6 };
+  att_ctx a = {param(1, 64, 7), 0.0};
+  int64_t peak[2];
+  for (int c = 0; c < 2; c++) {
+    if (c) setenv("KILN_CHECKPOINT_ELIDE", "0", 1);
+    kiln_scope_begin();
+    kiln_manual_seed(5);
+    kiln_tensor *x = kiln_randn(KILN_SHAPE(2, 4, 64, 64), KILN_F32, CPU, NULL);
+    kiln_requires_grad_(x, true);
+    kiln_tensor *y = x;
+    for (int i = 0; i < N; i++) {
+      kiln_tensor *in = y;
+      CHECK(kiln_checkpoint(att_seg, &a, 1, &in, 1, &y) == KILN_OK);
+    }
+    kiln_tensor *loss = loss_of(y);
+    kiln_memory_reset_peak(CPU);
+    CHECK(kiln_backward(loss, NULL) == KILN_OK);
+    kiln_memory_stats ms;
+    CHECK(kiln_memory_stats_get(CPU, &ms) == KILN_OK);
+    peak[c] = ms.peak_allocated;
+    kiln_scope_end();
+    unsetenv("KILN_CHECKPOINT_ELIDE");
+  }
+  const int64_t kept = N * (2 * 4 * 64 * 64 + 2 * 4 * 64) * 4; /* outputs and lse, f32 */
+  if (peak[0] > peak[1] + kept)
+    fprintf(stderr, "attention kept: backward peak %lld bytes against %lld recomputing\n", (long long)peak[0],
+            (long long)peak[1]);
+  CHECK(peak[0] <= peak[1] + kept);
+  kiln_tensor_free(a.w);
+}
+
 int main(void) {
   test_bit_identical_with_dropout();
   test_nested();
@@ -436,6 +472,7 @@ int main(void) {
   test_skips_the_last_op();
   test_skip_not_held();
   test_attention_kept();
+  test_attention_kept_memory();
   printf("test_checkpointing: %d failures\n", failures);
   return failures ? 1 : 0;
 }

@@ -139,7 +139,7 @@ typedef struct skip_plan {
   int depth;
   int64_t calls;
   bool read; /* an op read a skipped output: recompute in full */
-  const kept_list *keeps;
+  kept_list *keeps; /* taken ones are handed over (NULL entries after) */
 } skip_plan;
 
 static _Thread_local skip_plan *skipping;
@@ -251,10 +251,13 @@ static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) 
   skip_plan *p = skipping;
   if (!p || e->depth != p->depth) return false;
   for (int i = 0; p->keeps && i < p->keeps->n; i++) {
-    const kept *k = &p->keeps->v[i];
-    if (k->index != p->calls - 1 || !kept_matches(k, e)) continue;
-    for (int j = 0; j < KILN__OP_MAX_OUT; j++) use[j] = kiln_tensor_ref(k->out[j]);
-    for (int j = 0; j < KILN__OP_MAX_TMP; j++) use[KILN__OP_MAX_OUT + j] = kiln_tensor_ref(k->tmp[j]);
+    kept *k = &p->keeps->v[i];
+    if (k->index != p->calls - 1 || !k->out[0] || !kept_matches(k, e)) continue;
+    /* handed over, not shared: the recompute's node takes these handles as its outputs
+    ** (their grad_fn is set), and a reference left here would keep that graph alive until
+    ** the segment is freed (a block's recomputed activations, ~175 MB each for GPT-2) */
+    for (int j = 0; j < KILN__OP_MAX_OUT; j++) use[j] = k->out[j], k->out[j] = NULL;
+    for (int j = 0; j < KILN__OP_MAX_TMP; j++) use[KILN__OP_MAX_OUT + j] = k->tmp[j], k->tmp[j] = NULL;
     g_taken++;
     return true;
   }

@@ -253,11 +253,25 @@ static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) 
   for (int i = 0; p->keeps && i < p->keeps->n; i++) {
     kept *k = &p->keeps->v[i];
     if (k->index != p->calls - 1 || !k->out[0] || !kept_matches(k, e)) continue;
-    /* handed over, not shared: the recompute's node takes these handles as its outputs
-    ** (their grad_fn is set), and a reference left here would keep that graph alive until
-    ** the segment is freed (a block's recomputed activations, ~175 MB each for GPT-2) */
-    for (int j = 0; j < KILN__OP_MAX_OUT; j++) use[j] = k->out[j], k->out[j] = NULL;
-    for (int j = 0; j < KILN__OP_MAX_TMP; j++) use[KILN__OP_MAX_OUT + j] = k->tmp[j], k->tmp[j] = NULL;
+    /* New handles on the kept storage, and the kept handles let go: the recompute's node
+    ** takes these as its outputs (their grad_fn set), so a handle the segment still held
+    ** would keep that graph alive until the segment is freed (a block's recomputed
+    ** activations, ~175 MB each for GPT-2), and one the forward also returned (a segment
+    ** whose output is the attention's) would leave the program's tensor with the
+    ** recompute's node for its grad_fn. */
+    kiln_tensor **all[2] = {k->out, k->tmp};
+    const int n[2] = {KILN__OP_MAX_OUT, KILN__OP_MAX_TMP}, at[2] = {0, KILN__OP_MAX_OUT};
+    bool ok = true;
+    for (int g = 0; g < 2; g++)
+      for (int j = 0; j < n[g]; j++)
+        if (all[g][j] && !(use[at[g] + j] = kiln__tensor_alias(all[g][j], false))) ok = false;
+    if (!ok) { /* out of host memory for a handle: recompute the call instead */
+      for (int j = 0; j < KILN__OP_MAX_OUT + KILN__OP_MAX_TMP; j++) kiln_tensor_free(use[j]), use[j] = NULL;
+      kiln_clear_error();
+      return false;
+    }
+    for (int g = 0; g < 2; g++)
+      for (int j = 0; j < n[g]; j++) kiln_tensor_free(all[g][j]), all[g][j] = NULL;
     g_taken++;
     return true;
   }

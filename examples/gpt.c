@@ -48,7 +48,8 @@
 ** was trained with. --block then counts tokens.
 ** --checkpoint-activations makes each transformer block one gradient-checkpointing
 ** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
-** backward instead of kept, for memory; the losses are those of the run without it.
+** backward instead of kept, for memory, all but its attention's output (T^2 work for
+** what the block's input costs again); the losses are those of the run without it.
 ** --generate loads the checkpoint (its shape from its metadata) and prints the prompt
 ** followed by --tokens sampled bytes on stdout, from kiln_gpt_generate (a KV cache, and a
 ** CUDA graph per token on a GPU): logits / --temperature, --top-k, --top-p (nucleus; 1:

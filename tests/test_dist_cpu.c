@@ -271,7 +271,10 @@ int main(int argc, char **argv) {
 
   /* alone: MPI's singleton mode (or, without MPI, a world of one all the same) */
   setenv("KILN_TEST_DIST_SINGLETON", "1", 1);
+  char dir[512];
+  dc_mpi_session_begin(dir, sizeof dir);
   int rc = dc_run_child((char *[]){self, NULL});
+  dc_mpi_session_end(dir);
   unsetenv("KILN_TEST_DIST_SINGLETON");
   H_CHECK(rc == 0, "the singleton run exited with %d", rc);
 

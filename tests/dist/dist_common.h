@@ -100,8 +100,34 @@ static void dc_self(char *self, size_t n, const char *argv0) {
   else self[k] = 0;
 }
 
-/* `mpirun -np np self` with one CPU thread per rank, as root, shared memory only; returns
-** its exit status (-1: no mpirun). */
+/* A session directory tree of its own for the next Open MPI launch (a singleton's MPI_Init
+** or an mpirun): OMPI_MCA_orte_tmpdir_base set to a fresh directory under $TMPDIR or /tmp,
+** its path left in dir ("" when none could be made: the default tree then). Without it,
+** every launch on the machine shares /tmp/ompi.<host>.<uid>, and one whose daemon was
+** still removing that tree as the next launch made it failed the next ("A call to mkdir was
+** unable to create the desired directory ... File exists", a fresh-clone CI run). */
+static void dc_mpi_session_begin(char *dir, size_t n) {
+  const char *t = getenv("TMPDIR");
+  snprintf(dir, n, "%s/kiln-mpi-XXXXXX", t && *t ? t : "/tmp");
+  if (mkdtemp(dir)) setenv("OMPI_MCA_orte_tmpdir_base", dir, 1);
+  else dir[0] = 0;
+}
+
+/* Removes the launch's tree (what Open MPI left in it too). */
+static void dc_mpi_session_end(const char *dir) {
+  unsetenv("OMPI_MCA_orte_tmpdir_base");
+  if (!dir[0]) return;
+  char *args[] = {"rm", "-rf", (char *)dir, NULL};
+  char *rm = dc_find_on_path("rm");
+  if (rm) {
+    args[0] = rm;
+    (void)dc_run_child(args);
+    free(rm);
+  }
+}
+
+/* `mpirun -np np self` with one CPU thread per rank, as root, shared memory only, in a
+** session tree of its own; returns its exit status (-1: no mpirun). */
 static int dc_mpirun_self(const char *self, int np) {
   char *mpirun = dc_find_on_path("mpirun");
   if (!mpirun) return -1;
@@ -114,7 +140,10 @@ static int dc_mpirun_self(const char *self, int np) {
   snprintf(nps, sizeof nps, "%d", np);
   char *args[] = {mpirun, "-np", nps, "--oversubscribe", "--bind-to", "none", "--mca", "btl",
                   "self,vader", "--timeout", "120", (char *)self, NULL};
+  char dir[512];
+  dc_mpi_session_begin(dir, sizeof dir);
   int rc = dc_run_child(args);
+  dc_mpi_session_end(dir);
   free(mpirun);
   return rc;
 }

@@ -30,6 +30,7 @@
 **            [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]
 **            [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]
 **            [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]
+**            [--autocast bf16|f16]
 **        gpt --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]
 **            [--greedy] [--seed N] [--checkpoint PATH] [--device D]
 ** --steps is the total: with --resume the run continues from the checkpoint's step up to N,
@@ -37,7 +38,8 @@
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
 ** --json ends the output with one line: example, device, steps (reached), start_step,
 ** the shape, params, seconds and tokens_per_s (the training steps of this run, without
-** the evaluations), train_loss and val_loss (the last evaluation), seed, kiln.
+** the evaluations), train_loss and val_loss (the last evaluation), seed, autocast (bf16,
+** f16 or off, as the other examples), kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
 ** --tokenizer DIR trains on GPT-2 byte-level BPE tokens instead of bytes: DIR holds
@@ -46,6 +48,11 @@
 ** the model's vocabulary is the tokenizer's, and both files are stored in the checkpoint's
 ** metadata, so --generate and --resume encode and decode with the tokenizer the model
 ** was trained with. --block then counts tokens.
+** --autocast runs the forward and the loss of each training step and evaluation under
+** autocast (kiln_autocast_begin): the products and attention in bf16 or f16, the norms,
+** softmax and loss in f32, the parameters and their gradients f32, the checkpoint f32.
+** On a GPU and on a CPU with bf16 dot products (AVX512-BF16, AMX) bf16 runs the step
+** faster; f16 without a loss scaler can underflow small gradients, bf16 needs none.
 ** --checkpoint-activations makes each transformer block one gradient-checkpointing
 ** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
 ** backward instead of kept, for memory, all but its attention's output (T^2 work for
@@ -92,6 +99,7 @@ static void usage(FILE *f) {
           "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
           "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
           "           [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]\n"
+          "           [--autocast bf16|f16]\n"
           "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
           "           [--greedy] [--seed N] [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
@@ -119,6 +127,7 @@ static struct {
   kiln_generator *gen; /* --generate: the sampling draws; training: the eval windows */
   kiln_dict *meta;     /* the checkpoint read for its metadata */
   kiln_summary_writer *tb;
+  kiln_dtype amp;      /* --autocast: KILN_BF16 or KILN_F16; KILN_F32 for none */
 } R;
 
 static void release(void) {
@@ -336,12 +345,17 @@ static kiln_status get_batch(const int32_t *text, int64_t lo, int64_t hi, int64_
   return *x && *y ? KILN_OK : kiln_last_error();
 }
 
-/* Mean cross-entropy of next-byte predictions: logits (B, T, V) against y (B, T). */
+/* Mean cross-entropy of next-byte predictions: logits (B, T, V) against y (B, T), under
+** --autocast when given (the loss in f32 either way). */
 static kiln_tensor *lm_loss(kiln_module *model, kiln_tensor *x, kiln_tensor *y) {
+  const bool amp = R.amp != KILN_F32;
+  if (amp && kiln_autocast_begin(kiln_device_of(x).type, R.amp) != KILN_OK) return NULL;
   kiln_tensor *logits = kiln_module_forward(model, x); /* (B, T, V) */
   int64_t n = kiln_numel(y);
-  return kiln_cross_entropy(kiln_reshape(logits, 2, (int64_t[]){n, vocab}), kiln_reshape(y, 1, &n),
-                            KILN_REDUCTION_MEAN, -100, 0.0);
+  kiln_tensor *loss = kiln_cross_entropy(kiln_reshape(logits, 2, (int64_t[]){n, vocab}), kiln_reshape(y, 1, &n),
+                                         KILN_REDUCTION_MEAN, -100, 0.0);
+  if (amp && kiln_autocast_end() != KILN_OK) return NULL;
+  return loss;
 }
 
 /* The loss over iters fixed windows of text[lo, hi): the generator restarts from the same
@@ -554,7 +568,7 @@ int main(int argc, char **argv) {
   long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
   double lr = 3e-3, dropout = 0.0, temperature = 0.8, top_p = 1.0;
   bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
-  const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL;
+  const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL, *amp = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
   const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
                          {.name = "--quiet", .kind = EX_FLAG, .out = &quiet, .alias = "-q"},
@@ -566,6 +580,7 @@ int main(int argc, char **argv) {
                          {.name = "--logdir", .kind = EX_STR, .out = &logdir},
                          {.name = "--checkpoint", .kind = EX_STR, .out = &ckpt},
                          {.name = "--tokenizer", .kind = EX_STR, .out = &tokenizer},
+                         {.name = "--autocast", .kind = EX_AUTOCAST, .out = &amp},
                          {.name = "--generate", .kind = EX_STR, .out = &prompt},
                          {.name = "--lr", .kind = EX_NUM, .out = &lr, .lo = 0, .hi = 10},
                          {.name = "--temperature", .kind = EX_NUM, .out = &temperature, .lo = 0, .hi = 100},
@@ -587,6 +602,7 @@ int main(int argc, char **argv) {
                          {.name = NULL}};
   int prc = ex_parse_args(PROG, argc, argv, opts, usage);
   if (prc >= 0) return prc;
+  R.amp = !amp ? KILN_F32 : !strcmp(amp, "f16") ? KILN_F16 : KILN_BF16;
   if (ex_check_env(PROG, devname != NULL)) return 2; /* a bad KILN_* value is refused, not ignored */
   kiln_device dev = kiln_device_best();
   char dname[32];
@@ -762,11 +778,11 @@ int main(int argc, char **argv) {
     printf("{\"example\":\"gpt\",\"device\":\"%s\",\"steps\":%lld,\"start_step\":%lld,\"batch\":%lld,"
            "\"block\":%lld,\"n_layer\":%lld,\"n_head\":%lld,\"n_embd\":%lld,\"params\":%lld,"
            "\"seconds\":%.4f,\"tokens_per_s\":%.0f,\"train_loss\":%.17g,\"val_loss\":%.17g,\"seed\":%lld,"
-           "\"kiln\":\"%s\"}\n",
+           "\"autocast\":\"%s\",\"kiln\":\"%s\"}\n",
            dname, (long long)step, (long long)start, batch, (long long)cfg.block_size, (long long)cfg.n_layer,
            (long long)cfg.n_head, (long long)cfg.n_embd, (long long)kiln_module_num_params(model), train_s,
            train_s > 0 ? (double)(trained * batch * cfg.block_size) / train_s : 0.0, train_loss, val_loss, seed,
-           kiln_version());
+           amp ? amp : "off", kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);
   return finish(0);

@@ -4,7 +4,8 @@
 ** and write a checkpoint and event files; a run resumed half-way ends with the same losses
 ** as a straight one (CPU, bit for bit); --generate prints the prompt and exactly N sampled
 ** bytes, the same for the same seed (--greedy: for any seed), past the context too;
-** --checkpoint-activations trains to the same losses; --tokenizer trains on BPE tokens and
+** --checkpoint-activations trains to the same losses; --autocast bf16 to nearly the same;
+** --tokenizer trains on BPE tokens and
 ** the checkpoint samples with that tokenizer; a gzip corpus reads like a plain one; bad input (an
 ** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
 */
@@ -111,6 +112,18 @@ int main(void) {
   char ckact[64];
   cr_json_raw(r.out, "val_loss", ckact, sizeof ckact);
   CR_CHECK(straight[0] && !strcmp(straight, ckact), "checkpointed val_loss %s != straight %s", ckact, straight);
+  cr_free(&r);
+
+  /* --autocast bf16: the step's products in bf16, the loss in f32; it trains as the f32 run
+  ** does (not the same bits), and says so in its JSON; an unknown precision is refused */
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --eval-every 3 --checkpoint f.ckpt --autocast bf16 --json " TINY);
+  CR_CHECK(r.status == 0, "bf16 run exited %d: %s", r.status, r.err);
+  double bfl = cr_json_num(r.out, "val_loss"), f32l = atof(straight);
+  CR_CHECK(bfl > 0 && bfl < 6.5 && fabs(bfl - f32l) < 0.05 * f32l, "bf16 val_loss %g against f32 %g: %s", bfl, f32l, r.out);
+  CR_CHECK(strstr(r.out, "\"autocast\":\"bf16\""), "json: %s", r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --autocast fp8 " TINY);
+  CR_CHECK(r.status == 2 && strstr(r.err, "--autocast"), "--autocast fp8: %d %s", r.status, r.err);
   cr_free(&r);
 
   /* a prompt (35 bytes) longer than the context (16) is cropped to its last 15, with a note */

@@ -66,13 +66,14 @@ typedef struct made {
   bool read;
 } made;
 
-/* A call's results kept from the forward (KILN__OP_CHECKPOINT_KEEPS), references held,
-** with its inputs' shapes to check the recompute's call against. */
+/* A call's results kept from the forward (KILN__OP_CHECKPOINT_KEEPS), references held, in
+** the skip hook's layout (the outputs, then the temporaries from KILN__OP_MAX_OUT), with its
+** inputs' shapes to check the recompute's call against. */
 #define KEEP_IN 4
 typedef struct kept {
   const kiln__op *op;
   int64_t index;
-  kiln_tensor *out[KILN__OP_MAX_OUT], *tmp[KILN__OP_MAX_TMP];
+  kiln_tensor *res[KILN__OBS_USE_N];
   int n_in;
   struct {
     int ndim;
@@ -87,10 +88,8 @@ typedef struct kept_list {
 } kept_list;
 
 static void kept_free(kept_list *l) {
-  for (int i = 0; i < l->n; i++) {
-    for (int k = 0; k < KILN__OP_MAX_OUT; k++) kiln_tensor_free(l->v[i].out[k]);
-    for (int k = 0; k < KILN__OP_MAX_TMP; k++) kiln_tensor_free(l->v[i].tmp[k]);
-  }
+  for (int i = 0; i < l->n; i++)
+    for (int k = 0; k < KILN__OBS_USE_N; k++) kiln_tensor_free(l->v[i].res[k]);
   free(l->v);
   *l = (kept_list){NULL, 0, 0};
 }
@@ -232,8 +231,8 @@ static void collect_made(const kiln__op_event *e, kiln_tensor *const *tmp, void 
   memset(k, 0, sizeof *k);
   k->op = e->op;
   k->index = c->calls; /* collect_end counts this call after */
-  for (int i = 0; i < e->n_out && i < KILN__OP_MAX_OUT; i++) k->out[i] = kiln_tensor_ref(e->out[i]);
-  for (int i = 0; i < KILN__OP_MAX_TMP; i++) k->tmp[i] = kiln_tensor_ref(tmp[i]); /* NULL-safe */
+  for (int i = 0; i < e->n_out && i < KILN__OP_MAX_OUT; i++) k->res[i] = kiln_tensor_ref(e->out[i]);
+  for (int i = 0; i < KILN__OP_MAX_TMP; i++) k->res[KILN__OP_MAX_OUT + i] = kiln_tensor_ref(tmp[i]); /* NULL-safe */
   k->n_in = e->n_in < KEEP_IN ? e->n_in : KEEP_IN;
   for (int i = 0; i < k->n_in; i++) {
     const kiln_tensor *t = e->in[i];
@@ -252,26 +251,22 @@ static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) 
   if (!p || e->depth != p->depth) return false;
   for (int i = 0; p->keeps && i < p->keeps->n; i++) {
     kept *k = &p->keeps->v[i];
-    if (k->index != p->calls - 1 || !k->out[0] || !kept_matches(k, e)) continue;
+    if (k->index != p->calls - 1 || !k->res[0] || !kept_matches(k, e)) continue;
     /* New handles on the kept storage, and the kept handles let go: the recompute's node
     ** takes these as its outputs (their grad_fn set), so a handle the segment still held
     ** would keep that graph alive until the segment is freed (a block's recomputed
     ** activations, ~175 MB each for GPT-2), and one the forward also returned (a segment
     ** whose output is the attention's) would leave the program's tensor with the
     ** recompute's node for its grad_fn. */
-    kiln_tensor **all[2] = {k->out, k->tmp};
-    const int n[2] = {KILN__OP_MAX_OUT, KILN__OP_MAX_TMP}, at[2] = {0, KILN__OP_MAX_OUT};
     bool ok = true;
-    for (int g = 0; g < 2; g++)
-      for (int j = 0; j < n[g]; j++)
-        if (all[g][j] && !(use[at[g] + j] = kiln__tensor_alias(all[g][j], false))) ok = false;
+    for (int j = 0; j < KILN__OBS_USE_N; j++)
+      if (k->res[j] && !(use[j] = kiln__tensor_alias(k->res[j], false))) ok = false;
     if (!ok) { /* out of host memory for a handle: recompute the call instead */
-      for (int j = 0; j < KILN__OP_MAX_OUT + KILN__OP_MAX_TMP; j++) kiln_tensor_free(use[j]), use[j] = NULL;
+      for (int j = 0; j < KILN__OBS_USE_N; j++) kiln_tensor_free(use[j]), use[j] = NULL;
       kiln_clear_error();
       return false;
     }
-    for (int g = 0; g < 2; g++)
-      for (int j = 0; j < n[g]; j++) kiln_tensor_free(all[g][j]), all[g][j] = NULL;
+    for (int j = 0; j < KILN__OBS_USE_N; j++) kiln_tensor_free(k->res[j]), k->res[j] = NULL;
     g_taken++;
     return true;
   }
@@ -320,12 +315,8 @@ typedef struct segment {
   int n_gens;
   rng_state gens[MAX_GENS + 1]; /* [0]: the global generator */
   kiln__autocast_state ac;
-  int n_skip; /* the outputs the recompute may make without kernels */
-  struct {
-    const kiln__op *op;
-    int64_t index;
-    int out;
-  } skip[KILN__OP_MAX_OUT];
+  skip_plan plan;  /* the calls the recompute may make without kernels (plan.n of them);
+                   ** each recompute starts from a copy */
   kept_list keeps; /* results the recompute takes instead of running their calls */
 } segment;
 
@@ -338,12 +329,13 @@ static void plan_skips(segment *s, const collector *c, int n_out, kiln_tensor *c
     for (int64_t j = c->calls - 1; j >= lo; j--) {
       const made *m = &c->ring[j % RING];
       if (m->t != outs[k] || m->id != outs[k]->id) continue;
+      skip_plan *p = &s->plan;
       bool dup = false;
-      for (int i = 0; i < s->n_skip; i++) dup = dup || s->skip[i].index == m->index;
+      for (int i = 0; i < p->n; i++) dup = dup || p->at[i].index == m->index;
       if (!m->read && !dup && (m->op->flags & KILN__OP_RULE_READS_INPUTS)) {
-        s->skip[s->n_skip].op = m->op;
-        s->skip[s->n_skip].index = m->index;
-        s->skip[s->n_skip++].out = k;
+        p->at[p->n].op = m->op;
+        p->at[p->n].index = m->index;
+        p->at[p->n++].out = k;
       }
       break;
     }
@@ -426,14 +418,10 @@ static kiln_status seg_backward(kiln_function_ctx *fc, int n_out, kiln_tensor *c
   }
   /* the recompute; in full once more if a skip did not hold */
   if (st == KILN_OK) {
-    skip_plan plan = {.n = s->n_skip, .keeps = &s->keeps};
-    for (int k = 0; k < s->n_skip; k++) {
-      plan.at[k].op = s->skip[k].op;
-      plan.at[k].index = s->skip[k].index;
-      plan.at[k].out = s->skip[k].out;
-    }
-    st = recompute(s, x, n_out, y, s->n_skip > 0 || s->keeps.n > 0 ? &plan : NULL);
-    if (st == KILN_OK && s->n_skip > 0 && !skips_held(&plan, n_out, y)) {
+    skip_plan plan = s->plan;
+    plan.keeps = &s->keeps;
+    st = recompute(s, x, n_out, y, plan.n > 0 || s->keeps.n > 0 ? &plan : NULL);
+    if (st == KILN_OK && plan.n > 0 && !skips_held(&plan, n_out, y)) {
       for (int k = 0; k < n_out; k++) kiln__discard(y[k]);
       g_full_again++;
       st = recompute(s, x, n_out, y, NULL);

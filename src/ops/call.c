@@ -372,7 +372,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   if (st == KILN_OK && observe && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE)) &&
       ((op->flags & KILN__OP_CHECKPOINT_KEEPS) ||
        ((op->flags & KILN__OP_RULE_READS_INPUTS) && c.n_out == 1 && n_alloc == 1))) {
-    kiln_tensor *use[KILN__OP_MAX_OUT + KILN__OP_MAX_TMP] = {NULL};
+    kiln_tensor *use[KILN__OBS_USE_N] = {NULL};
     ev.n_out = n_alloc;
     in_observer = true;
     skip = observe_skip(&ev, use, toks, n_tok);

@@ -228,6 +228,7 @@ typedef struct kiln__op_event {
   kiln_status status;
 } kiln__op_event;
 
+#define KILN__OBS_USE_N (KILN__OP_MAX_OUT + KILN__OP_MAX_TMP) /* kiln__observer.skip's use entries */
 typedef struct kiln__observer {
   const char *name;
   /* Before infer; returns a token handed to end (may be NULL). */
@@ -242,7 +243,7 @@ typedef struct kiln__observer {
   ** entries on entry) may receive new references, the outputs first and the forward's
   ** temporaries from use[KILN__OP_MAX_OUT]: the path takes them as the op's own; with
   ** use[0] NULL the output is zeros. */
-  bool (*skip)(const kiln__op_event *e, kiln_tensor **use, void *ctx);
+  bool (*skip)(const kiln__op_event *e, kiln_tensor **use, void *ctx); /* use: KILN__OBS_USE_N */
   /* After the kernels of an op with KILN__OP_CHECKPOINT_KEEPS: its temporaries (tmp,
   ** KILN__OP_MAX_TMP entries, NULL where none) beside its outputs (may be NULL). */
   void (*made)(const kiln__op_event *e, kiln_tensor *const *tmp, void *ctx);

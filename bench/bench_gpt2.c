@@ -11,7 +11,9 @@
 ** peak from --peak-tflops (default 989, the H100/H200 bf16 dense data-sheet figure, when
 ** the device is one of those; otherwise MFU is printed only when given). --checkpoint runs
 ** a second kiln step with every block checkpointed (kiln_module_set_checkpoint) and the
-** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone).
+** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone);
+** --checkpoint-products one with every block checkpointed keeping its products
+** (KILN_CHECKPOINT_KEEP_PRODUCTS: c_attn's and attention's c_proj's outputs; kiln alone).
 ** --graph records the training step after the first (kiln_graph_capture, the AdamW step
 ** count on the device) and replays it for the others: on CUDA one graph launch a step
 ** instead of ~400 kernel launches (the peer's torch.compile keeps its launches). On the
@@ -25,7 +27,8 @@
 ** instead of taking the argmax (the peer stays greedy).
 **
 ** Usage: bench-gpt2 [--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T]
-**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math]
+**                   [--batch B] [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp]
+**                   [--checkpoint-products] [--sdpa fused|math]
 **                   [--graph] [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N]
 **                   [--gen-graph auto|on|off] [--gen-sample]
 **                   [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peer-eager]
@@ -72,7 +75,7 @@ typedef struct opts {
   kiln_device dev;
   int64_t layers, dim, heads, vocab, seq, batch, steps, prompt, new_tokens;
   kiln_dtype autocast; /* KILN_F32: none */
-  bool checkpoint, checkpoint_mlp, train, generate, peer, json, profile, memory, fused_loss;
+  bool checkpoint, checkpoint_mlp, checkpoint_products, train, generate, peer, json, profile, memory, fused_loss;
   bool peer_eager; /* --peer-eager: the GPU peer's plain pass without torch.compile */
   bool graph; /* --graph: the training step recorded after the first and replayed */
   int64_t gen_batches[8];
@@ -147,7 +150,7 @@ static kiln_status train_step_run(void *ctx) {
 
 /* checkpoint: 0 none, 1 every block (the peer's --checkpoint), 2 each block's MLP only (ln_2's
 ** output kept, c_fc + GELU + c_proj recomputed: the largest saved tensors for a third of the
-** block's forward). */
+** block's forward), 3 every block keeping its products. */
 static kiln_status train(const opts *o, int checkpoint, train_result *r) {
   kiln_gpt_config cfg = kiln_gpt2_config();
   cfg.n_layer = o->layers, cfg.n_head = o->heads, cfg.n_embd = o->dim, cfg.vocab_size = o->vocab;
@@ -157,7 +160,8 @@ static kiln_status train(const opts *o, int checkpoint, train_result *r) {
   kiln_module *m = kiln_gpt_new(&cfg, KILN_F32, o->dev, NULL);
   if (!m) return kiln_last_error();
   kiln_module *h = kiln_module_child(m, "h");
-  if (checkpoint == 1) kiln_module_set_checkpoint(h, true);
+  if (checkpoint == 1 || checkpoint == 3) kiln_module_set_checkpoint(h, true);
+  if (checkpoint == 3) kiln_module_set_checkpoint_keep(h, KILN_CHECKPOINT_KEEP_PRODUCTS);
   for (int i = 0; checkpoint == 2 && i < kiln_module_num_children(h); i++)
     kiln_module_set_checkpoint(kiln_module_child(kiln_module_child_at(h, i), "mlp"), true);
   kiln_optim_config oc = kiln_adamw_config(3e-4); /* torch's AdamW defaults: wd 0.01 */
@@ -277,7 +281,8 @@ static kiln_status gen_bench(const opts *o, int64_t batch, double *tokens_per_s)
 
 static const char usage_text[] =
     "[--device D] [--layers N] [--dim D] [--heads H] [--vocab V] [--seq T] [--batch B]\n"
-    "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--sdpa fused|math] [--graph]\n"
+    "         [--steps N] [--autocast bf16|f16|none] [--checkpoint] [--checkpoint-mlp] [--checkpoint-products]\n"
+    "         [--sdpa fused|math] [--graph]\n"
     "         [--no-train] [--generate] [--gen-batches 1,16] [--prompt P] [--new N] [--gen-graph auto|on|off]\n"
     "         [--gen-sample] [--peer PATH] [--python PY] [--peer-threads N] [--no-peer] [--peer-eager]\n"
     "         [--peak-tflops X] [--json] [--profile] [--memory] [--logits-loss]";
@@ -313,6 +318,7 @@ int main(int argc, char **argv) {
     if (k < sizeof sizes / sizeof sizes[0]) *sizes[k].v = bench_args_int(&cli, 1, sizes[k].hi);
     else if (!strcmp(a, "--checkpoint")) o.checkpoint = true;
     else if (!strcmp(a, "--checkpoint-mlp")) o.checkpoint_mlp = true;
+    else if (!strcmp(a, "--checkpoint-products")) o.checkpoint_products = true;
     else if (!strcmp(a, "--no-train")) o.train = false;
     else if (!strcmp(a, "--generate")) o.generate = true;
     else if (!strcmp(a, "--no-peer")) o.peer = false;
@@ -366,8 +372,10 @@ int main(int argc, char **argv) {
   fflush(stdout);
 
   char args[1024], line[4096];
-  for (int pass = 0; o.train && pass < 3; pass++) {
-    if ((pass == 1 && !o.checkpoint) || (pass == 2 && !o.checkpoint_mlp)) continue;
+  static const char *const pass_names[] = {"train", "train, checkpointed", "train, MLPs ckpt", "train, ckpt+products"};
+  for (int pass = 0; o.train && pass < 4; pass++) {
+    if ((pass == 1 && !o.checkpoint) || (pass == 2 && !o.checkpoint_mlp) || (pass == 3 && !o.checkpoint_products))
+      continue;
     train_result k;
     memset(&k, 0, sizeof k);
     kiln_status st = train(&o, pass, &k);
@@ -383,11 +391,10 @@ int main(int argc, char **argv) {
                cpu ? "cpu" : "cuda", (long long)o.layers, (long long)o.dim, (long long)o.heads, (long long)o.vocab,
                (long long)o.seq, (long long)o.batch, (long long)o.steps,
                pass == 1 ? " --checkpoint" : peer_compiled(&o) ? " --compile" : "");
-      /* the peer has no MLP-only checkpointing: pass 2 prints kiln alone */
-      if (pass == 2 || !run_peer(&o, args, line, sizeof line)) line[0] = 0;
+      /* the peer has no MLP-only or selective checkpointing: passes 2 and 3 print kiln alone */
+      if (pass >= 2 || !run_peer(&o, args, line, sizeof line)) line[0] = 0;
     }
-    print_train(&o, pass == 1 ? "train, checkpointed" : pass == 2 ? "train, MLPs ckpt" : "train", &k, line,
-                pass == 0 && peer_compiled(&o));
+    print_train(&o, pass_names[pass], &k, line, pass == 0 && peer_compiled(&o));
   }
   for (int i = 0; o.generate && i < o.n_gen_batches; i++) {
     double tps = 0;

@@ -1049,6 +1049,30 @@ KILN_API kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_
                                         kiln_generator *const *gens, int n_in,
                                         kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs);
 
+/* What a segment's forward keeps for its recompute besides its inputs and outputs. */
+typedef enum kiln_checkpoint_keep {
+  KILN_CHECKPOINT_KEEP_DEFAULT = 0,  /* attention's results (above) */
+  /* And the output of each kiln_matmul and kiln_linear (no fused activation) fn calls
+  ** itself, which the recompute takes instead of multiplying again: PyTorch's selective
+  ** checkpointing with a policy that saves matmul outputs: much of a transformer block's
+  ** recompute for a part of its activations (GPT-2's c_attn and attention's c_proj: 100 MB
+  ** a block in bf16 at batch 16, context 1024). A kept output that fn writes in place
+  ** afterwards is made again instead. */
+  KILN_CHECKPOINT_KEEP_PRODUCTS = 1,
+} kiln_checkpoint_keep;
+
+typedef struct kiln_checkpoint_options {
+  int n_gens;                   /* generators restored besides the global one (at most 8) */
+  kiln_generator *const *gens;
+  kiln_checkpoint_keep keep;
+} kiln_checkpoint_options;
+
+/* kiln_checkpoint with options (NULL: none, as kiln_checkpoint). Errors as above, and
+** KILN_ERR_INVALID_ARGUMENT for an unknown keep. */
+KILN_API kiln_status kiln_checkpoint_with(kiln_checkpoint_fn fn, void *ctx, const kiln_checkpoint_options *opts,
+                                          int n_in, kiln_tensor *const *inputs, int n_out,
+                                          kiln_tensor **outputs);
+
 /* --------------------------------------------------------------------------------------
 ** Traces: the ops a forward pass runs, in order, each with its name, named attributes and
 ** the ids (kiln_tensor_id) of its inputs and outputs — what an exporter needs. Only the

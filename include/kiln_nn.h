@@ -114,6 +114,11 @@ KILN_API kiln_tensor *kiln_module_forward_n(kiln_module *m, int n, kiln_tensor *
 ** Sequential one segment, put it in a Sequential of its own and mark that. */
 KILN_API kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on);
 KILN_API bool kiln_module_is_checkpointed(const kiln_module *m);
+/* What a checkpointed module's segment keeps besides its inputs and output
+** (kiln_checkpoint_keep; the default keeps attention's results; products also keeps
+** each matmul's and plain linear's output). A Sequential's goes to each child, as above. */
+KILN_API kiln_status kiln_module_set_checkpoint_keep(kiln_module *m, kiln_checkpoint_keep keep);
+KILN_API kiln_checkpoint_keep kiln_module_checkpoint_keep(const kiln_module *m);
 /* Train / eval mode, recursive (new modules are in train mode). */
 KILN_API void kiln_module_train(kiln_module *m, bool on);
 KILN_API void kiln_module_eval(kiln_module *m);

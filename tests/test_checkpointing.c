@@ -462,6 +462,104 @@ static void test_attention_kept_memory(void) {
   kiln_tensor_free(a.w);
 }
 
+/* Keeping products (KILN_CHECKPOINT_KEEP_PRODUCTS): the recompute takes each linear's and
+** matmul's output from the forward, except the last op's (skipped, so not kept) and one fn
+** wrote in place after making it (made again); the gradients are the bits of the run
+** without the checkpoint, and the forward holds exactly the kept outputs beyond the
+** default's. */
+typedef struct prod_ctx {
+  kiln_tensor *w1, *w2, *w3;
+  bool in_place; /* scale the first product in place after it is made (grad mode off) */
+} prod_ctx;
+
+static kiln_status prod_seg(void *ctx, int n_in, kiln_tensor *const *in, int n_out, kiln_tensor **out) {
+  (void)n_in, (void)n_out;
+  prod_ctx *p = ctx;
+  kiln_tensor *a = kiln_linear(in[0], p->w1, NULL); /* (B, 16) */
+  if (a && p->in_place) { /* outside autograd, as kiln asks of an in-place write */
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_status st = kiln_mul_scalar_(a, 0.5);
+    kiln_set_grad_enabled(prev);
+    if (st != KILN_OK) return st;
+  }
+  kiln_tensor *m = kiln_matmul(kiln_tanh(a), p->w2); /* (B, 16) x (16, 12) */
+  out[0] = kiln_linear(kiln_tanh(m), p->w3, NULL);   /* the last op: skipped */
+  return out[0] ? KILN_OK : kiln_last_error();
+}
+
+static void test_products_kept(void) {
+  for (int variant = 0; variant < 3; variant++) { /* plain; under autocast; in place */
+    prod_ctx p = {param(16, 10, 31), param(16, 12, 32), param(4, 12, 33), variant == 2};
+    bool ac = variant == 1;
+    kiln_tensor *g[4][4] = {{NULL}};
+    int64_t live[4] = {0};
+    for (int c = 0; c < 4; c++) { /* plain; default keep; products; products with ELIDE=0 */
+      if (c == 3) setenv("KILN_CHECKPOINT_ELIDE", "0", 1);
+      kiln_scope_begin();
+      kiln_manual_seed(41);
+      kiln_tensor *x = kiln_randn(KILN_SHAPE(64, 10), KILN_F32, CPU, NULL), *y = NULL;
+      kiln_requires_grad_(x, true);
+      if (ac) kiln_autocast_begin(KILN_DEVICE_CPU, KILN_BF16);
+      int64_t t0 = kiln__checkpoint_taken(), s0 = kiln__checkpoint_skipped();
+      kiln_memory_stats m0, m1;
+      CHECK(kiln_memory_stats_get(CPU, &m0) == KILN_OK);
+      const kiln_checkpoint_options o = {0, NULL, c >= 2 ? KILN_CHECKPOINT_KEEP_PRODUCTS : KILN_CHECKPOINT_KEEP_DEFAULT};
+      if (c) CHECK(kiln_checkpoint_with(prod_seg, &p, &o, 1, &x, 1, &y) == KILN_OK);
+      else CHECK(prod_seg(&p, 1, &x, 1, &y) == KILN_OK);
+      CHECK(kiln_memory_stats_get(CPU, &m1) == KILN_OK);
+      live[c] = m1.allocated - m0.allocated;
+      kiln_tensor *loss = loss_of(y);
+      if (ac) kiln_autocast_end();
+      kiln_set_grad(p.w1, NULL), kiln_set_grad(p.w2, NULL), kiln_set_grad(p.w3, NULL);
+      CHECK(kiln_backward(loss, NULL) == KILN_OK);
+      int64_t taken = kiln__checkpoint_taken() - t0, skipped = kiln__checkpoint_skipped() - s0;
+      CHECK(taken == (c == 2 ? (p.in_place ? 1 : 2) : 0));
+      CHECK(skipped == (c == 1 || c == 2 ? 1 : 0));
+      if (c) CHECK(kiln_grad_fn_name(y) && !strcmp(kiln_grad_fn_name(y), "checkpoint"));
+      g[c][0] = kiln_keep(kiln_clone(kiln_grad(x)));
+      g[c][1] = kiln_keep(kiln_clone(kiln_grad(p.w1)));
+      g[c][2] = kiln_keep(kiln_clone(kiln_grad(p.w2)));
+      g[c][3] = kiln_keep(kiln_clone(kiln_grad(p.w3)));
+      kiln_scope_end();
+      unsetenv("KILN_CHECKPOINT_ELIDE");
+    }
+    for (int c = 1; c < 4; c++)
+      for (int k = 0; k < 4; k++) CHECK(g[c][k] && bits_equal(g[0][k], g[c][k]));
+    /* what the products' forward holds beyond the default's: the two kept outputs (64x16 and
+    ** 64x12, bf16 under autocast); the last product's is let go */
+    int64_t esz = ac ? 2 : 4, kept = (64 * 16 + 64 * 12) * esz;
+    if (live[2] - live[1] != kept)
+      fprintf(stderr, "products kept: %lld bytes held against %lld expected\n", (long long)(live[2] - live[1]),
+              (long long)kept);
+    CHECK(live[2] - live[1] == kept);
+    for (int c = 0; c < 4; c++)
+      for (int k = 0; k < 4; k++) kiln_tensor_free(g[c][k]);
+    kiln_tensor_free(p.w1), kiln_tensor_free(p.w2), kiln_tensor_free(p.w3);
+  }
+  /* a keep policy that does not exist, for a segment or a module */
+  kiln_tensor *x = kiln_keep(kiln_zeros(KILN_SHAPE(2, 10), KILN_F32, CPU)), *y = NULL;
+  prod_ctx p = {NULL, NULL, NULL, false};
+  const kiln_checkpoint_options bad = {0, NULL, (kiln_checkpoint_keep)7};
+  CHECK(kiln_checkpoint_with(prod_seg, &p, &bad, 1, &x, 1, &y) == KILN_ERR_INVALID_ARGUMENT && !y);
+  CHECK(strstr(kiln_last_error_message(), "keep"));
+  kiln_module *lin = kiln_linear_new(10, 4, true, KILN_F32, CPU, NULL);
+  CHECK(kiln_module_set_checkpoint_keep(lin, (kiln_checkpoint_keep)-1) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_module_set_checkpoint_keep(NULL, KILN_CHECKPOINT_KEEP_PRODUCTS) == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_module_checkpoint_keep(lin) == KILN_CHECKPOINT_KEEP_DEFAULT);
+  CHECK(kiln_module_set_checkpoint_keep(lin, KILN_CHECKPOINT_KEEP_PRODUCTS) == KILN_OK);
+  CHECK(kiln_module_checkpoint_keep(lin) == KILN_CHECKPOINT_KEEP_PRODUCTS);
+  kiln_module_free(lin);
+  kiln_tensor_free(x);
+  /* a Sequential's policy is its children's, as its checkpointing is */
+  kiln_module *seq = kiln_sequential_new();
+  kiln_sequential_append(seq, kiln_linear_new(6, 8, true, KILN_F32, CPU, NULL));
+  kiln_sequential_append(seq, kiln_relu_new());
+  CHECK(kiln_module_set_checkpoint_keep(seq, KILN_CHECKPOINT_KEEP_PRODUCTS) == KILN_OK);
+  CHECK(kiln_module_checkpoint_keep(kiln_module_child_at(seq, 0)) == KILN_CHECKPOINT_KEEP_PRODUCTS);
+  CHECK(kiln_module_checkpoint_keep(kiln_module_child_at(seq, 1)) == KILN_CHECKPOINT_KEEP_PRODUCTS);
+  kiln_module_free(seq);
+}
+
 int main(void) {
   test_bit_identical_with_dropout();
   test_nested();
@@ -477,6 +575,7 @@ int main(void) {
   test_skip_not_held();
   test_attention_kept();
   test_attention_kept_memory();
+  test_products_kept();
   printf("test_checkpointing: %d failures\n", failures);
   return failures ? 1 : 0;
 }

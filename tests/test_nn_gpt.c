@@ -412,13 +412,14 @@ static void test_state_dict_round_trip(void) {
 }
 
 /* Checkpointing gives the same loss and gradients, bit for bit, on the CPU: each block
-** (marking h marks its children), each block's MLP, its attention, both, or a norm. The
+** (marking h marks its children), each block's MLP, its attention, both, or a norm, and
+** each block keeping its products (KILN_CHECKPOINT_KEEP_PRODUCTS). The
 ** GPT's walk over the blocks (every residual add fused with the norm after it) takes
 ** checkpointed attn and mlp segments whole; a checkpointed block or norm sends it back to
 ** each block's own forward. */
 static void test_checkpointed(void) {
   static const char *const parts[][2] = {{"h", NULL},   {"mlp", NULL}, {"attn", NULL},
-                                         {"mlp", "attn"}, {"ln_2", NULL}};
+                                         {"mlp", "attn"}, {"ln_2", NULL}, {"h", NULL}};
   for (size_t v = 0; v < sizeof parts / sizeof parts[0]; v++) {
     kiln_scope_begin();
     kiln_gpt_config c = tiny();
@@ -427,6 +428,8 @@ static void test_checkpointed(void) {
     kiln_generator_seed(g, 5);
     kiln_module *b = kiln_gpt_new(&c, KILN_F32, cpu, g);
     kiln_module *h = kiln_module_child(b, "h");
+    const bool products = v == 5;
+    if (products) CHECK(kiln_module_set_checkpoint_keep(h, KILN_CHECKPOINT_KEEP_PRODUCTS) == KILN_OK);
     if (!strcmp(parts[v][0], "h")) {
       CHECK(kiln_module_set_checkpoint(h, true) == KILN_OK);
       CHECK(kiln_module_is_checkpointed(kiln_module_child(b, "h.1")));
@@ -455,19 +458,23 @@ static void test_checkpointed(void) {
     CHECK(kiln_backward(loss_a, NULL) == KILN_OK && kiln_backward(loss_b, NULL) == KILN_OK);
     /* the recomputes skip each segment's last op: a block's residual add, an MLP's or an
     ** attention's c_proj; a norm has none to skip; and a block's or an attention's takes the
-    ** attention's output kept from the forward (no dropout here) */
+    ** attention's output kept from the forward (no dropout here), a block keeping products
+    ** c_attn's and attention's c_proj's outputs too (the MLP's c_fc has its GELU fused) */
     int64_t skips = !strcmp(parts[v][0], "ln_2") ? 0 : parts[v][1] ? 2 * c.n_layer : c.n_layer;
     bool attn = !strcmp(parts[v][0], "h") || !strcmp(parts[v][0], "attn") || (parts[v][1] && !strcmp(parts[v][1], "attn"));
     CHECK(kiln__checkpoint_skipped() - s0 == skips && kiln__checkpoint_full_again() == f0);
-    CHECK(kiln__checkpoint_taken() - t0 == (attn ? c.n_layer : 0));
+    /* off the walk a block ends in its own residual add, so its MLP's c_proj is kept too */
+    int64_t kept_products = products ? (rln && !strcmp(rln, "1") ? 2 : 3) * c.n_layer : 0;
+    CHECK(kiln__checkpoint_taken() - t0 == (attn ? c.n_layer : 0) + kept_products);
     int n = kiln_module_parameters(a, NULL, 0);
     kiln_tensor **pa = malloc((size_t)n * sizeof *pa), **pb = malloc((size_t)n * sizeof *pb);
     kiln_module_parameters(a, pa, n);
     kiln_module_parameters(b, pb, n);
     int same = 0;
     for (int i = 0; i < n; i++) same += bits_equal(kiln_grad(pa[i]), kiln_grad(pb[i]));
-    if (same != n) fprintf(stderr, "checkpointed %s%s%s: %d of %d gradients the same\n", parts[v][0],
-                           parts[v][1] ? " and " : "", parts[v][1] ? parts[v][1] : "", same, n);
+    if (same != n) fprintf(stderr, "checkpointed %s%s%s%s: %d of %d gradients the same\n", parts[v][0],
+                           parts[v][1] ? " and " : "", parts[v][1] ? parts[v][1] : "",
+                           products ? ", products kept" : "", same, n);
     CHECK(same == n);
     free(pa);
     free(pb);

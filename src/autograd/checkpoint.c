@@ -32,8 +32,12 @@
 ** depend on the skip. And the forward keeps what an op flagged KILN__OP_CHECKPOINT_KEEPS
 ** made (attention without dropout: its output and log-sum-exp, T^2 work for T rows), which
 ** the recompute takes at the same place, on inputs of the same shapes, instead of running
-** it again. PyTorch's checkpoint recomputes everything; KILN_CHECKPOINT_ELIDE=0 does too
-** (the A/B).
+** it again. A checkpoint that keeps products (KILN_CHECKPOINT_KEEP_PRODUCTS) keeps each
+** matmul's and plain linear's output the same way (PyTorch's selective checkpointing with a
+** policy that saves its mm outputs): memory for the products' work, which is most of a
+** transformer block's. A kept result whose storage was written after it was made (an
+** in-place op on it) is not taken: the call runs again. PyTorch's checkpoint recomputes
+** everything; KILN_CHECKPOINT_ELIDE=0 does too (the A/B).
 **
 ** Limits: a tensor with a history that fn reads other than through its inputs (from its
 ** ctx) gets no gradient, as with PyTorch's reentrant checkpoint: pass it as an input. fn
@@ -66,14 +70,16 @@ typedef struct made {
   bool read;
 } made;
 
-/* A call's results kept from the forward (KILN__OP_CHECKPOINT_KEEPS), references held, in
-** the skip hook's layout (the outputs, then the temporaries from KILN__OP_MAX_OUT), with its
+/* A call's results kept from the forward (KILN__OP_CHECKPOINT_KEEPS, or KILN__OP_PRODUCT
+** when products are kept), references held, in the skip hook's layout (the outputs, then
+** the temporaries from KILN__OP_MAX_OUT) with their storages' versions then, and its
 ** inputs' shapes to check the recompute's call against. */
 #define KEEP_IN 4
 typedef struct kept {
   const kiln__op *op;
   int64_t index;
   kiln_tensor *res[KILN__OBS_USE_N];
+  uint64_t version[KILN__OBS_USE_N];
   int n_in;
   struct {
     int ndim;
@@ -87,11 +93,21 @@ typedef struct kept_list {
   int n, cap;
 } kept_list;
 
+static void kept_release(kept *k) {
+  for (int j = 0; j < KILN__OBS_USE_N; j++) kiln_tensor_free(k->res[j]), k->res[j] = NULL;
+}
+
 static void kept_free(kept_list *l) {
-  for (int i = 0; i < l->n; i++)
-    for (int k = 0; k < KILN__OBS_USE_N; k++) kiln_tensor_free(l->v[i].res[k]);
+  for (int i = 0; i < l->n; i++) kept_release(&l->v[i]);
   free(l->v);
   *l = (kept_list){NULL, 0, 0};
+}
+
+/* Whether nothing wrote the kept results since their call made them. */
+static bool kept_unwritten(const kept *k) {
+  for (int j = 0; j < KILN__OBS_USE_N; j++)
+    if (k->res[j] && kiln__storage_version(k->res[j]->storage) != k->version[j]) return false;
+  return true;
 }
 
 /* Whether the inputs of e are the shapes and dtypes the kept call had. */
@@ -119,6 +135,7 @@ typedef struct collector {
   int64_t calls;               /* the calls made at that depth */
   made ring[RING];             /* the last of them, ring[index % RING] */
   bool elide;                  /* KILN_CHECKPOINT_ELIDE is not 0 */
+  bool keep_products;          /* KILN_CHECKPOINT_KEEP_PRODUCTS (and elide) */
   kept_list keeps;             /* what the forward's KILN__OP_CHECKPOINT_KEEPS calls made */
 } collector;
 
@@ -214,11 +231,13 @@ static kiln_status collect_end(const kiln__op_event *e, void *token, void *ctx) 
   return KILN_OK;
 }
 
-/* In the forward: a KILN__OP_CHECKPOINT_KEEPS call's results, kept for the recompute. */
+/* In the forward: a KILN__OP_CHECKPOINT_KEEPS call's results, or a product's when products
+** are kept, kept for the recompute. */
 static void collect_made(const kiln__op_event *e, kiln_tensor *const *tmp, void *ctx) {
   KILN__UNUSED(ctx);
   collector *c = collecting;
   if (!c || !c->elide || e->depth != c->depth || e->n_out < 1 || !e->out[0]) return;
+  if (!(e->op->flags & KILN__OP_CHECKPOINT_KEEPS) && !c->keep_products) return;
   kept_list *l = &c->keeps;
   if (l->n == l->cap) {
     int ncap = l->cap ? l->cap * 2 : 4;
@@ -233,6 +252,8 @@ static void collect_made(const kiln__op_event *e, kiln_tensor *const *tmp, void 
   k->index = c->calls; /* collect_end counts this call after */
   for (int i = 0; i < e->n_out && i < KILN__OP_MAX_OUT; i++) k->res[i] = kiln_tensor_ref(e->out[i]);
   for (int i = 0; i < KILN__OP_MAX_TMP; i++) k->res[KILN__OP_MAX_OUT + i] = kiln_tensor_ref(tmp[i]); /* NULL-safe */
+  for (int j = 0; j < KILN__OBS_USE_N; j++)
+    if (k->res[j]) k->version[j] = kiln__storage_version(k->res[j]->storage);
   k->n_in = e->n_in < KEEP_IN ? e->n_in : KEEP_IN;
   for (int i = 0; i < k->n_in; i++) {
     const kiln_tensor *t = e->in[i];
@@ -252,6 +273,10 @@ static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) 
   for (int i = 0; p->keeps && i < p->keeps->n; i++) {
     kept *k = &p->keeps->v[i];
     if (k->index != p->calls - 1 || !k->res[0] || !kept_matches(k, e)) continue;
+    if (!kept_unwritten(k)) { /* fn wrote it in place after the call: run the call again */
+      kept_release(k);
+      return false;
+    }
     /* New handles on the kept storage, and the kept handles let go: the recompute's node
     ** takes these as its outputs (their grad_fn set), so a handle the segment still held
     ** would keep that graph alive until the segment is freed (a block's recomputed
@@ -266,7 +291,7 @@ static bool collect_skip(const kiln__op_event *e, kiln_tensor **use, void *ctx) 
       kiln_clear_error();
       return false;
     }
-    for (int j = 0; j < KILN__OBS_USE_N; j++) kiln_tensor_free(k->res[j]), k->res[j] = NULL;
+    kept_release(k);
     g_taken++;
     return true;
   }
@@ -321,8 +346,9 @@ typedef struct segment {
 } segment;
 
 /* After the forward: which outputs a call at fn's own depth made, read by no later op, with
-** a rule that reads only its inputs (see the top). */
-static void plan_skips(segment *s, const collector *c, int n_out, kiln_tensor *const *outs) {
+** a rule that reads only its inputs (see the top); a product kept at such a call is let go
+** (its output is not needed at all). */
+static void plan_skips(segment *s, collector *c, int n_out, kiln_tensor *const *outs) {
   if (!c->elide) return;
   int64_t lo = c->calls > RING ? c->calls - RING : 0;
   for (int k = 0; k < n_out; k++)
@@ -339,6 +365,9 @@ static void plan_skips(segment *s, const collector *c, int n_out, kiln_tensor *c
       }
       break;
     }
+  for (int i = 0; i < c->keeps.n; i++)
+    for (int k = 0; k < s->plan.n; k++)
+      if (c->keeps.v[i].index == s->plan.at[k].index) kept_release(&c->keeps.v[i]);
 }
 
 /* The recompute: fn from the detached inputs x, under the forward's generators and
@@ -469,14 +498,20 @@ static void segment_free(void *p) {
   free(s);
 }
 
-kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kiln_generator *const *gens,
-                               int n_in, kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs) {
+kiln_status kiln_checkpoint_with(kiln_checkpoint_fn fn, void *ctx, const kiln_checkpoint_options *opts, int n_in,
+                                 kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs) {
   static const char who[] = "kiln_checkpoint";
+  const kiln_checkpoint_options none = {0, NULL, KILN_CHECKPOINT_KEEP_DEFAULT};
+  if (!opts) opts = &none;
+  int n_gens = opts->n_gens;
+  kiln_generator *const *gens = opts->gens;
   if (!fn || n_in < 0 || (n_in > 0 && !inputs) || n_out < 1 || n_out > KILN__OP_MAX_OUT || !outputs ||
       n_gens < 0 || n_gens > MAX_GENS || (n_gens > 0 && !gens))
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                           "%s: needs a function, inputs, 1 to %d outputs and at most %d generators", who,
                           KILN__OP_MAX_OUT, MAX_GENS);
+  if (opts->keep != KILN_CHECKPOINT_KEEP_DEFAULT && opts->keep != KILN_CHECKPOINT_KEEP_PRODUCTS)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: unknown keep policy %d", who, (int)opts->keep);
   for (int k = 0; k < n_out; k++) outputs[k] = NULL;
   for (int i = 0; i < n_in; i++)
     if (!inputs[i]) {
@@ -502,6 +537,7 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   const char *elide = getenv("KILN_CHECKPOINT_ELIDE");
   collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting, .elide = !(elide && !strcmp(elide, "0"))},
             *prev_col = collecting;
+  col.keep_products = col.elide && opts->keep == KILN_CHECKPOINT_KEEP_PRODUCTS;
   kiln_tensor *outs[KILN__OP_MAX_OUT] = {NULL};
   kiln_status st = record ? collect_on() : KILN_OK;
   if (st == KILN_OK) {
@@ -572,7 +608,13 @@ kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kil
   return st;
 }
 
+kiln_status kiln_checkpoint_ex(kiln_checkpoint_fn fn, void *ctx, int n_gens, kiln_generator *const *gens,
+                               int n_in, kiln_tensor *const *inputs, int n_out, kiln_tensor **outputs) {
+  const kiln_checkpoint_options o = {n_gens, gens, KILN_CHECKPOINT_KEEP_DEFAULT};
+  return kiln_checkpoint_with(fn, ctx, &o, n_in, inputs, n_out, outputs);
+}
+
 kiln_status kiln_checkpoint(kiln_checkpoint_fn fn, void *ctx, int n_in, kiln_tensor *const *inputs, int n_out,
                             kiln_tensor **outputs) {
-  return kiln_checkpoint_ex(fn, ctx, 0, NULL, n_in, inputs, n_out, outputs);
+  return kiln_checkpoint_with(fn, ctx, NULL, n_in, inputs, n_out, outputs);
 }

@@ -37,6 +37,7 @@ struct kiln_module {
   kiln_module *parent;
   bool training;
   bool checkpoint; /* forward goes through kiln_checkpoint (kiln_module_set_checkpoint) */
+  kiln_checkpoint_keep checkpoint_keep; /* what its segment keeps (kiln_module_set_checkpoint_keep) */
   entry *params;
   int nparams, cap_params;
   entry *buffers;
@@ -369,13 +370,19 @@ static kiln_status checkpointed_forward(void *ctx, int n_in, kiln_tensor *const 
 
 static kiln_tensor *forward_checkpointed(kiln_module *m, int n, kiln_tensor *const *xs) {
   kiln_tensor *y = NULL;
-  if (kiln_checkpoint(checkpointed_forward, m, n, xs, 1, &y) != KILN_OK) return NULL;
+  const kiln_checkpoint_options o = {0, NULL, m->checkpoint_keep};
+  if (kiln_checkpoint_with(checkpointed_forward, m, &o, n, xs, 1, &y) != KILN_OK) return NULL;
   return y;
+}
+
+/* A plain Sequential's settings are its children's (one segment per block). */
+static bool marks_children(const kiln_module *m) {
+  return strcmp(m->vt->type_name, "Sequential") == 0 && !m->impl && m->nchildren > 0;
 }
 
 kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on) {
   if (!m) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_module_set_checkpoint: NULL module");
-  if (strcmp(m->vt->type_name, "Sequential") == 0 && !m->impl && m->nchildren > 0) {
+  if (marks_children(m)) {
     for (int i = 0; i < m->nchildren; i++) m->children[i].m->checkpoint = on;
   } else {
     m->checkpoint = on;
@@ -384,6 +391,23 @@ kiln_status kiln_module_set_checkpoint(kiln_module *m, bool on) {
 }
 
 bool kiln_module_is_checkpointed(const kiln_module *m) { return m && m->checkpoint; }
+
+kiln_status kiln_module_set_checkpoint_keep(kiln_module *m, kiln_checkpoint_keep keep) {
+  static const char who[] = "kiln_module_set_checkpoint_keep";
+  if (!m) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL module", who);
+  if (keep != KILN_CHECKPOINT_KEEP_DEFAULT && keep != KILN_CHECKPOINT_KEEP_PRODUCTS)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: unknown keep policy %d", who, (int)keep);
+  if (marks_children(m)) {
+    for (int i = 0; i < m->nchildren; i++) m->children[i].m->checkpoint_keep = keep;
+  } else {
+    m->checkpoint_keep = keep;
+  }
+  return KILN_OK;
+}
+
+kiln_checkpoint_keep kiln_module_checkpoint_keep(const kiln_module *m) {
+  return m ? m->checkpoint_keep : KILN_CHECKPOINT_KEEP_DEFAULT;
+}
 
 /* The dotted path from the root ("layers.0"): the child names up the parent chain. */
 static void path_of(const kiln_module *m, char *buf, size_t n) {

@@ -444,7 +444,8 @@ static kiln_status block_step_segment(void *ctx, int n_in, kiln_tensor *const *i
 
 static kiln_tensor *block_step_checkpointed(kiln_module *blk, kiln_tensor **x, kiln_tensor *r) {
   kiln_tensor *in[2] = {*x, r}, *out[2] = {NULL, NULL};
-  if (kiln_checkpoint(block_step_segment, blk, r ? 2 : 1, in, 2, out) != KILN_OK) {
+  const kiln_checkpoint_options o = {0, NULL, kiln_module_checkpoint_keep(blk)};
+  if (kiln_checkpoint_with(block_step_segment, blk, &o, r ? 2 : 1, in, 2, out) != KILN_OK) {
     *x = NULL;
     return NULL;
   }

@@ -370,7 +370,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
       if (args[i]) kiln__storage_bump(args[i]->storage);
   bool skip = false;
   if (st == KILN_OK && observe && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE)) &&
-      ((op->flags & KILN__OP_CHECKPOINT_KEEPS) ||
+      ((op->flags & (KILN__OP_CHECKPOINT_KEEPS | KILN__OP_PRODUCT)) ||
        ((op->flags & KILN__OP_RULE_READS_INPUTS) && c.n_out == 1 && n_alloc == 1))) {
     kiln_tensor *use[KILN__OBS_USE_N] = {NULL};
     ev.n_out = n_alloc;
@@ -386,7 +386,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   }
   if (!skip && st == KILN_OK) {
     st = op->forward(&c);
-    if (st == KILN_OK && observe && (op->flags & KILN__OP_CHECKPOINT_KEEPS)) {
+    if (st == KILN_OK && observe && (op->flags & (KILN__OP_CHECKPOINT_KEEPS | KILN__OP_PRODUCT))) {
       ev.n_out = c.n_out;
       in_observer = true;
       observe_made(&ev, c.tmp, toks, n_tok);

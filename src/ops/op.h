@@ -157,6 +157,11 @@ typedef struct kiln__op {
 ** what it makes (attention: T^2 products for T rows out). Only on calls that draw no
 ** random numbers (the recompute must move the generators as the forward did). */
 #define KILN__OP_CHECKPOINT_KEEPS (1u << 18)
+/* A product (matmul, linear without an activation): a checkpoint that keeps products
+** (KILN_CHECKPOINT_KEEP_PRODUCTS) keeps its output from the segment's forward as it does a
+** KILN__OP_CHECKPOINT_KEEPS call's, and the recompute takes it. A fused activation's
+** product is not one: it keeps its input for the rule too, twice the memory. */
+#define KILN__OP_PRODUCT (1u << 19)
 
 /* The call. Returns the first output (a new reference owned by the current scope), NULL
 ** with the last error set on failure. out (may be NULL) receives every output. */
@@ -238,14 +243,15 @@ typedef struct kiln__observer {
   kiln_status (*end)(const kiln__op_event *e, void *token, void *ctx);
   void *ctx;
   /* Before the kernels of an op with KILN__OP_RULE_READS_INPUTS and one allocated output
-  ** (e->out[0], e->n_out 1) or with KILN__OP_CHECKPOINT_KEEPS: true has the path skip
+  ** (e->out[0], e->n_out 1) or with KILN__OP_CHECKPOINT_KEEPS or KILN__OP_PRODUCT: true has the path skip
   ** them, the node recorded as ever (checkpoint.c's recompute; may be NULL). use (NULL
   ** entries on entry) may receive new references, the outputs first and the forward's
   ** temporaries from use[KILN__OP_MAX_OUT]: the path takes them as the op's own; with
   ** use[0] NULL the output is zeros. */
   bool (*skip)(const kiln__op_event *e, kiln_tensor **use, void *ctx); /* use: KILN__OBS_USE_N */
-  /* After the kernels of an op with KILN__OP_CHECKPOINT_KEEPS: its temporaries (tmp,
-  ** KILN__OP_MAX_TMP entries, NULL where none) beside its outputs (may be NULL). */
+  /* After the kernels of an op with KILN__OP_CHECKPOINT_KEEPS or KILN__OP_PRODUCT: its
+  ** temporaries (tmp, KILN__OP_MAX_TMP entries, NULL where none) beside its outputs (may
+  ** be NULL). */
   void (*made)(const kiln__op_event *e, kiln_tensor *const *tmp, void *ctx);
 } kiln__observer;
 

@@ -263,7 +263,7 @@ static void matmul_save(kiln__op_ctx *c, kiln__node *n) {
 
 static const kiln__op op_matmul = {
     .name = "matmul", .api = "kiln_matmul", .n_in = 2, .n_out = 1, .amp = KILN__AMP_LOWER,
-    .flags = KILN__OP_RULE_READS_INPUTS,
+    .flags = KILN__OP_RULE_READS_INPUTS | KILN__OP_PRODUCT,
     .n_kernels = 2, .kernels = {KILN__K_MATMUL, KILN__K_FILL}, .infer = matmul_infer,
     .forward = matmul_forward, .backward = matmul_backward, .n_saved = 2, .save = matmul_save};
 
@@ -616,7 +616,7 @@ static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
 /* Kernels: MATMUL; COPY / FILL for the bias or zeros when K is 0 (and RELU then). */
 static const kiln__op op_linear = {
     .name = "linear", .api = "kiln_linear", .n_in = 3, .n_out = 1, .optional = 1u << 2,
-    .flags = KILN__OP_GRAD_MASK | KILN__OP_RULE_READS_INPUTS,
+    .flags = KILN__OP_GRAD_MASK | KILN__OP_RULE_READS_INPUTS | KILN__OP_PRODUCT,
     .amp = KILN__AMP_LOWER, .n_kernels = 3, .kernels = {KILN__K_MATMUL, KILN__K_COPY, KILN__K_FILL},
     .infer = linear_infer, .forward = linear_forward, .backward = linear_backward, .n_saved = 3,
     .save = linear_save};

@@ -150,8 +150,8 @@ if [[ " $steps " == *" gpt2 "* ]]; then # issue 16's GPT-2 figures (not in all):
   G="$B/bin/bench-gpt2 --device cuda"
   {
     echo "== training, B16 T1024 bf16, 20 steps: kiln and the peer under torch.compile; every block checkpointed"
-    echo "   (kiln and the peer's --checkpoint); each block's MLP checkpointed (kiln alone)"
-    timeout 400 $G --steps 20 --checkpoint --checkpoint-mlp --json
+    echo "   (kiln and the peer's --checkpoint); each block's MLP checkpointed, and every block keeping its products (kiln alone)"
+    timeout 400 $G --steps 20 --checkpoint --checkpoint-mlp --checkpoint-products --json
     echo "== kiln again (the peer's compile between: the two kiln figures bracket it)"
     timeout 60 $G --steps 20 --no-peer --json
     echo "== generation, greedy, batch 1 and 16: kiln and the peer's gpt2-generate"

@@ -57,6 +57,9 @@
 ** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
 ** backward instead of kept, for memory, all but its attention's output (T^2 work for
 ** what the block's input costs again); the losses are those of the run without it.
+** --checkpoint-keep products (implies --checkpoint-activations) keeps each block's
+** products too (KILN_CHECKPOINT_KEEP_PRODUCTS: c_attn's and attention's c_proj's outputs),
+** which the backward then does not multiply again: between the two in memory and speed.
 ** --generate loads the checkpoint (its shape from its metadata) and prints the prompt
 ** followed by --tokens sampled bytes on stdout, from kiln_gpt_generate (a KV cache, and a
 ** CUDA graph per token on a GPU): logits / --temperature, --top-k, --top-p (nucleus; 1:
@@ -99,7 +102,7 @@ static void usage(FILE *f) {
           "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
           "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
           "           [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]\n"
-          "           [--autocast bf16|f16]\n"
+          "           [--checkpoint-keep default|products] [--autocast bf16|f16]\n"
           "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
           "           [--greedy] [--seed N] [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
@@ -569,12 +572,14 @@ int main(int argc, char **argv) {
   double lr = 3e-3, dropout = 0.0, temperature = 0.8, top_p = 1.0;
   bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
   const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL, *amp = NULL;
+  const char *ckpt_keep = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
   const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
                          {.name = "--quiet", .kind = EX_FLAG, .out = &quiet, .alias = "-q"},
                          {.name = "--resume", .kind = EX_FLAG, .out = &resume},
                          {.name = "--greedy", .kind = EX_FLAG, .out = &greedy},
                          {.name = "--checkpoint-activations", .kind = EX_FLAG, .out = &ckpt_act},
+                         {.name = "--checkpoint-keep", .kind = EX_CHOICE, .out = &ckpt_keep, .choices = "default|products"},
                          {.name = "--device", .kind = EX_STR, .out = &devname},
                          {.name = "--data", .kind = EX_STR, .out = &data},
                          {.name = "--logdir", .kind = EX_STR, .out = &logdir},
@@ -677,9 +682,14 @@ int main(int argc, char **argv) {
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
   if (!model) return fail("building the model");
   /* --checkpoint-activations: each block one segment (kiln_checkpoint): its activations
-  ** are recomputed in backward instead of kept */
-  if (ckpt_act && kiln_module_set_checkpoint(kiln_module_child(model, "h"), true) != KILN_OK)
+  ** are recomputed in backward instead of kept; --checkpoint-keep products keeps its
+  ** products' outputs for the recompute */
+  kiln_module *blocks = kiln_module_child(model, "h");
+  if ((ckpt_act || ckpt_keep) && kiln_module_set_checkpoint(blocks, true) != KILN_OK)
     return fail("marking the blocks for checkpointing");
+  if (ckpt_keep && !strcmp(ckpt_keep, "products") &&
+      kiln_module_set_checkpoint_keep(blocks, KILN_CHECKPOINT_KEEP_PRODUCTS) != KILN_OK)
+    return fail("keeping the blocks' products");
   kiln_optim_config oc = kiln_adamw_config(lr);
   oc.beta2 = 0.95, oc.weight_decay = 0.1; /* nanoGPT's */
   kiln_optimizer *opt = R.opt = kiln_optimizer_new_module_decay_split(&oc, model);

@@ -4,8 +4,8 @@
 ** and write a checkpoint and event files; a run resumed half-way ends with the same losses
 ** as a straight one (CPU, bit for bit); --generate prints the prompt and exactly N sampled
 ** bytes, the same for the same seed (--greedy: for any seed), past the context too;
-** --checkpoint-activations trains to the same losses; --autocast bf16 to nearly the same;
-** --tokenizer trains on BPE tokens and
+** --checkpoint-activations (and --checkpoint-keep products) trains to the same losses;
+** --autocast bf16 to nearly the same; --tokenizer trains on BPE tokens and
 ** the checkpoint samples with that tokenizer; a gzip corpus reads like a plain one; bad input (an
 ** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
 */
@@ -112,6 +112,15 @@ int main(void) {
   char ckact[64];
   cr_json_raw(r.out, "val_loss", ckact, sizeof ckact);
   CR_CHECK(straight[0] && !strcmp(straight, ckact), "checkpointed val_loss %s != straight %s", ckact, straight);
+  cr_free(&r);
+  /* --checkpoint-keep products (the blocks checkpointed, keeping their products): the same */
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --eval-every 3 --checkpoint e.ckpt --checkpoint-keep products --json " TINY);
+  CR_CHECK(r.status == 0, "checkpointed run keeping products exited %d: %s", r.status, r.err);
+  cr_json_raw(r.out, "val_loss", ckact, sizeof ckact);
+  CR_CHECK(straight[0] && !strcmp(straight, ckact), "val_loss keeping products %s != straight %s", ckact, straight);
+  cr_free(&r);
+  r = cr_run(NULL, "gpt", "--data news.txt --steps 6 --checkpoint-keep everything " TINY);
+  CR_CHECK(r.status == 2 && strstr(r.err, "--checkpoint-keep"), "--checkpoint-keep everything: %d %s", r.status, r.err);
   cr_free(&r);
 
   /* --autocast bf16: the step's products in bf16, the loss in f32; it trains as the f32 run

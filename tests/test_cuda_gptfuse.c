@@ -4,7 +4,8 @@
 ** are: padded copies were tried and measured slower, 18:40 run), and linear_gelu at sizes
 ** that take cuBLASLt's GELU epilogue and, with rows off 16 bytes, the composed path; an
 ** MLP (linear_gelu then linear), whose backward takes the DGELU hand-over; the same MLP
-** at a size whose products cuda_matmul.cu's lt_tune times, untuned and tuned, bit for bit.
+** at a size whose products cuda_matmul.cu's lt_tune times, untuned and tuned, bit for bit;
+** linear_gelu outside autograd (y alone) against the recording call, bit for bit.
 ** Forward and the gradients of x, W and the bias. Skipped (exit 77) without a CUDA device.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -128,6 +129,44 @@ static void tuned_bits(kiln_dtype dt) {
   for (int k = 0; k < 18; k++) free(v[k / 6][k % 6]);
 }
 
+/* linear_gelu in a call that records no node (grad mode off: eval, generation, a
+** checkpoint's forward) writes y alone (the GELU(_BIAS) epilogue, no pre-activation): the
+** same y, bit for bit, as the recording call's GELU_AUX(_BIAS), which a checkpoint's
+** recompute runs; and close to the CPU's. */
+static void gelu_y_alone(kiln_dtype dt, int64_t M, int64_t K, int64_t N, bool bias) {
+  kiln_scope_begin();
+  kiln_tensor *y[3] = {NULL};
+  for (int side = 0; side < 3; side++) { /* the CPU, cuda:0 recording, cuda:0 with grad mode off */
+    kiln_device d = side ? kiln_device_cuda(0) : kiln_device_cpu();
+    kiln_generator *gen = kiln_generator_new(23);
+    kiln_tensor *x = kiln_to_dtype(kiln_randn(KILN_SHAPE(M, K), KILN_F32, d, gen), dt);
+    kiln_tensor *W = kiln_to_dtype(kiln_mul_scalar(kiln_randn(KILN_SHAPE(N, K), KILN_F32, d, gen), 0.1), dt);
+    kiln_tensor *b = bias ? kiln_to_dtype(kiln_randn(KILN_SHAPE(N), KILN_F32, d, gen), dt) : NULL;
+    kiln_generator_free(gen);
+    kiln_requires_grad_(W, true);
+    bool prev = kiln_set_grad_enabled(side != 2);
+    y[side] = kiln_linear_gelu(x, W, b);
+    kiln_set_grad_enabled(prev);
+    H_CHECK(y[side] && (side == 2) == (kiln_grad_fn_name(y[side]) == NULL), "linear_gelu %s side %d: %s",
+            kiln_dtype_name(dt), side, kiln_last_error_message());
+  }
+  char name[128];
+  snprintf(name, sizeof name, "cuda:0 linear_gelu %s (%lld, %lld) x (%lld, %lld)^T%s, y alone", kiln_dtype_name(dt),
+           (long long)M, (long long)K, (long long)N, (long long)K, bias ? ", bias" : "");
+  if (y[0] && y[1] && y[2]) {
+    double *ref = h_values(y[0], NULL), *a = h_values(y[1], NULL), *c = h_values(y[2], NULL);
+    int64_t n = kiln_numel(y[0]), differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += memcmp(&a[i], &c[i], sizeof a[i]) != 0;
+    H_CHECK(differ == 0, "%s: %lld of %lld values differ from the recording call's", name, (long long)differ,
+            (long long)n);
+    double rtol, atol;
+    h_dtype_tol(dt, &rtol, &atol);
+    h_tensor_close(name, y[2], ref, n, rtol * 8, atol * 8);
+    free(ref), free(a), free(c);
+  }
+  kiln_scope_end();
+}
+
 int main(int argc, char **argv) {
   h_init(argc, argv, "test_cuda_gptfuse");
   if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
@@ -148,6 +187,10 @@ int main(int argc, char **argv) {
     /* GPT-2's c_fc at a small scale (C 128, 4C 512): aligned, the GELU epilogue */
     padded_linear(dt, 256, 128, 512, 0, 0, true, true);
     padded_linear(dt, 256, 128, 512, 0, 0, false, true);
+    gelu_y_alone(dt, 256, 128, 512, true);
+    gelu_y_alone(dt, 256, 128, 512, false);
+    gelu_y_alone(dt, 130, 99, 72, true); /* rows off 16 bytes: the composed path, y in place */
+    if (dt == KILN_BF16) gelu_y_alone(dt, 2048, 768, 3072, true); /* GPT-2's c_fc, a tuned product */
     mlp_chain(dt, 256, 64);
     mlp_chain(dt, 100, 24);
     if (dt == KILN_BF16) mlp_chain(dt, 2048, 256); /* the tuned products against the CPU */

@@ -338,8 +338,9 @@ typedef struct kiln__view {
   /* ---- a linear layer fused with its tanh GELU (issue 16: GPT-2's MLP) ---- */          \
   /* in0 A (M, K), in1 B (K, N) (2-d, any strides), optional in2 bias (N) -> out0 y */      \
   /* (M, N) = gelu_tanh(z) and out1 z (M, N) = A@B + bias (the pre-activation, kept for */  \
-  /* the backward), both with unit column stride; i0 = 1 allows TF32. CUDA only */          \
-  /* (cuBLASLt's GELU_AUX(_BIAS) epilogue); the op layer asks kiln__dispatch_has and */     \
+  /* the backward), both with unit column stride; n_out 1: y alone (a call that records */ \
+  /* no node). i0 = 1 allows TF32. CUDA only (cuBLASLt's GELU_AUX(_BIAS) epilogue, */      \
+  /* GELU(_BIAS) for y alone); the op layer asks kiln__dispatch_has and */                 \
   /* composes MATMUL + GELU_TANH where it is missing, the CPU reference included. */        \
   X(LINEAR_GELU, "linear_gelu")                                                           \
   /* ---- the residual add and the next layer norm in one pass (training) ---- */         \

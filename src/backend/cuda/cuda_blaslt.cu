@@ -39,7 +39,7 @@ namespace {
 struct LtPlan {
   bool used, ok;
   int device;
-  cublasLtEpilogue_t epi; /* DEFAULT, BIAS, BGRADB, GELU_AUX(_BIAS) or DGELU: kc_lt_matmul says */
+  cublasLtEpilogue_t epi; /* DEFAULT, BIAS, BGRADB, GELU(_AUX)(_BIAS) or DGELU: kc_lt_matmul says */
   cudaDataType_t data, cdata; /* A and B; C and D (f32 for a wide product) */
   cublasComputeType_t compute;
   cublasOperation_t opA, opB;
@@ -235,7 +235,8 @@ void lt_tune(kiln__cuda_dev *d, LtPlan *p, const float *alpha, const void *B, co
 /* One 2-D product with an epilogue: BIAS adds the vector at bias to every row of kiln's C;
 ** BGRADB writes the sums of kiln's A's rows there (cuBLAS's B is kiln's A, and BGRADB
 ** reduces B over the GEMM's k); GELU_AUX(_BIAS) writes gelu_tanh(A@B (+ bias)) to C and
-** the pre-activation to aux (C's layout and ld); DGELU multiplies by gelu_tanh'(aux);
+** the pre-activation to aux (C's layout and ld), GELU(_BIAS) the former alone; DGELU
+** multiplies by gelu_tanh'(aux);
 ** DEFAULT is the product alone. Returns KILN_OK when done, KILN_ERR_UNSUPPORTED (without
 ** setting the last error) when cuBLASLt has no algorithm: then the caller does it itself. */
 kiln_status kc_lt_matmul(kiln__cuda_dev *d, cublasLtEpilogue_t epi, const kc_blas_types &t, cudaDataType_t cdata,

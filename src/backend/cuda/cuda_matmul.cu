@@ -565,15 +565,17 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
 ** uses; the f32 case of tests/test_cuda_gptfuse.c tells it from the erf form. Where the
 ** epilogue cannot run (operands cuBLAS does not take as they are, rows off 16 bytes,
 ** no algorithm) the product goes through kiln__cuda_matmul into z and a GELU_TANH kernel
-** reads z: the same contract, two passes. Kept apart from kiln__cuda_matmul so that the
-** MATMUL path stays as it is. */
+** reads z: the same contract, two passes. With n_out 1 (a call that records no node: z is
+** not needed) the GELU(_BIAS) epilogue writes y alone, or the product goes into y and
+** the GELU runs on it in place. Kept apart from kiln__cuda_matmul so that the MATMUL path
+** stays as it is. */
 extern "C" bool kiln__cuda_linear_gelu_supports(const kiln__kargs *a) {
   kiln_dtype dt = a->out[0].dtype;
   if (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16) return false;
-  if (a->n_in < 2 || a->n_in > 3 || a->n_out != 2) return false;
-  if (a->in[0].dtype != dt || a->in[1].dtype != dt || a->out[1].dtype != dt) return false;
+  if (a->n_in < 2 || a->n_in > 3 || a->n_out < 1 || a->n_out > 2) return false;
+  if (a->in[0].dtype != dt || a->in[1].dtype != dt || (a->n_out == 2 && a->out[1].dtype != dt)) return false;
   if (a->n_in == 3 && (a->in[2].dtype != dt || a->in[2].ndim != 1)) return false;
-  return a->in[0].ndim == 2 && a->in[1].ndim == 2 && a->out[0].ndim == 2 && a->out[1].ndim == 2;
+  return a->in[0].ndim == 2 && a->in[1].ndim == 2 && a->out[0].ndim == 2 && (a->n_out == 1 || a->out[1].ndim == 2);
 }
 
 extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
@@ -583,7 +585,8 @@ extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_DTYPE, "kiln_linear_gelu: dtypes %s @ %s -> %s not supported on cuda",
                           kiln_dtype_name(a->in[0].dtype), kiln_dtype_name(a->in[1].dtype),
                           kiln_dtype_name(a->out[0].dtype));
-  const kiln__view &A = a->in[0], &B = a->in[1], &Y = a->out[0], &Z = a->out[1];
+  const bool has_z = a->n_out == 2; /* else y alone */
+  const kiln__view &A = a->in[0], &B = a->in[1], &Y = a->out[0], &Z = a->out[has_z ? 1 : 0];
   const int64_t M = A.shape[0], K = A.shape[1], N = B.shape[1];
   if (B.shape[0] != K || Y.shape[0] != M || Y.shape[1] != N || Z.shape[0] != M || Z.shape[1] != N ||
       (a->n_in == 3 && a->in[2].shape[0] != N))
@@ -612,10 +615,11 @@ extern "C" kiln_status kiln__cuda_linear_gelu(const kiln__kargs *a) {
     KC_TRY(kiln__cuda_capture_note(a->device, d->workspace, d->workspace_size));
     kc_blas_types t;
     kc_blas_types_of(Y.dtype, a->i[0] == 1, &t);
-    kiln_status s = kc_lt_matmul(d, has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, t, t.data,
-                                   mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N, ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N,
-                                   K, B.data, mb.ld, A.data, ma.ld, Y.data, my.ld,
-                                   has_bias ? a->in[2].data : NULL, 1.0f, 0.0f, Z.data);
+    const cublasLtEpilogue_t epi = has_z ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                                         : (has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU);
+    kiln_status s = kc_lt_matmul(d, epi, t, t.data, mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                 ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N, M, N, K, B.data, mb.ld, A.data, ma.ld, Y.data,
+                                 my.ld, has_bias ? a->in[2].data : NULL, 1.0f, 0.0f, has_z ? Z.data : NULL);
     if (s != KILN_ERR_UNSUPPORTED) return s;
   }
   kiln__kargs m = {};

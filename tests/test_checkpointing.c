@@ -503,7 +503,8 @@ static void test_products_kept(void) {
       int64_t t0 = kiln__checkpoint_taken(), s0 = kiln__checkpoint_skipped();
       kiln_memory_stats m0, m1;
       CHECK(kiln_memory_stats_get(CPU, &m0) == KILN_OK);
-      const kiln_checkpoint_options o = {0, NULL, c >= 2 ? KILN_CHECKPOINT_KEEP_PRODUCTS : KILN_CHECKPOINT_KEEP_DEFAULT};
+      const kiln_checkpoint_keep keep = c >= 2 ? KILN_CHECKPOINT_KEEP_PRODUCTS : KILN_CHECKPOINT_KEEP_DEFAULT;
+      const kiln_checkpoint_options o = {0, NULL, keep};
       if (c) CHECK(kiln_checkpoint_with(prod_seg, &p, &o, 1, &x, 1, &y) == KILN_OK);
       else CHECK(prod_seg(&p, 1, &x, 1, &y) == KILN_OK);
       CHECK(kiln_memory_stats_get(CPU, &m1) == KILN_OK);
@@ -537,7 +538,7 @@ static void test_products_kept(void) {
     kiln_tensor_free(p.w1), kiln_tensor_free(p.w2), kiln_tensor_free(p.w3);
   }
   /* a keep policy that does not exist, for a segment or a module */
-  kiln_tensor *x = kiln_keep(kiln_zeros(KILN_SHAPE(2, 10), KILN_F32, CPU)), *y = NULL;
+  kiln_tensor *x = kiln_keep(kiln_zeros(KILN_SHAPE(2, 10), KILN_F32, CPU)), *y = x; /* set NULL by the refusal */
   prod_ctx p = {NULL, NULL, NULL, false};
   const kiln_checkpoint_options bad = {0, NULL, (kiln_checkpoint_keep)7};
   CHECK(kiln_checkpoint_with(prod_seg, &p, &bad, 1, &x, 1, &y) == KILN_ERR_INVALID_ARGUMENT && !y);

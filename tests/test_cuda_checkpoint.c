@@ -63,7 +63,8 @@ static int run(enum mode mode, bool bf16, kiln_tensor **out, int cap, int64_t *s
   kiln_tensor **ps = malloc((size_t)n * sizeof *ps);
   kiln_module_parameters(m, ps, n);
   out[0] = kiln_keep(kiln_to_device(loss, kiln_device_cpu()));
-  for (int i = 0; i < n && i + 1 < cap; i++) out[i + 1] = kiln_keep(kiln_to_device(kiln_grad(ps[i]), kiln_device_cpu()));
+  for (int i = 0; i < n && i + 1 < cap; i++)
+    out[i + 1] = kiln_keep(kiln_to_device(kiln_grad(ps[i]), kiln_device_cpu()));
   free(ps);
   kiln_module_free(m);
   kiln_generator_free(g);

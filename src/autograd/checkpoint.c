@@ -510,9 +510,9 @@ kiln_status kiln_checkpoint_with(kiln_checkpoint_fn fn, void *ctx, const kiln_ch
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
                           "%s: needs a function, inputs, 1 to %d outputs and at most %d generators", who,
                           KILN__OP_MAX_OUT, MAX_GENS);
+  for (int k = 0; k < n_out; k++) outputs[k] = NULL;
   if (opts->keep != KILN_CHECKPOINT_KEEP_DEFAULT && opts->keep != KILN_CHECKPOINT_KEEP_PRODUCTS)
     return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: unknown keep policy %d", who, (int)opts->keep);
-  for (int k = 0; k < n_out; k++) outputs[k] = NULL;
   for (int i = 0; i < n_in; i++)
     if (!inputs[i]) {
       if (kiln_last_error() == KILN_OK) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", who, i);

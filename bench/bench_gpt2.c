@@ -14,6 +14,8 @@
 ** peer's --checkpoint; --checkpoint-mlp one with only each block's MLP checkpointed (kiln alone);
 ** --checkpoint-products one with every block checkpointed keeping its products
 ** (KILN_CHECKPOINT_KEEP_PRODUCTS: c_attn's and attention's c_proj's outputs; kiln alone).
+** Each checkpointed pass also prints its tokens/s and peak memory against kiln's unchecked
+** pass of the same run ("of_unchecked" in its JSON line; 0 for the unchecked pass).
 ** --graph records the training step after the first (kiln_graph_capture, the AdamW step
 ** count on the device) and replays it for the others: on CUDA one graph launch a step
 ** instead of ~400 kernel launches (the peer's torch.compile keeps its launches). On the
@@ -217,8 +219,9 @@ static double flops_per_token(const opts *o, int64_t params) {
   return 6.0 * (double)params + 12.0 * (double)o->layers * (double)o->dim * (double)o->seq;
 }
 
+/* base: kiln's unchecked step of the same run (a checkpointed pass's ratio to it), or NULL */
 static void print_train(const opts *o, const char *name, const train_result *k, const char *peer_line,
-                        bool peer_compiled_run) {
+                        bool peer_compiled_run, const train_result *base) {
   double fpt = flops_per_token(o, k->params);
   printf("%-22s kiln  %10.0f tokens/s  %8.2f ms/step  peak %6.2f GiB  %6.1f TFLOP/s", name, k->tokens_per_s,
          k->ms_per_step, k->peak_gib, k->tokens_per_s * fpt / 1e12);
@@ -236,12 +239,17 @@ static void print_train(const opts *o, const char *name, const train_result *k, 
     if (!isnan(pm) && pm > 0) printf(", %.2fx peak memory", k->peak_gib / pm);
     printf("\n");
   }
+  double of_unchecked = base && base->tokens_per_s > 0 ? k->tokens_per_s / base->tokens_per_s : 0;
+  if (of_unchecked > 0)
+    printf("%-22s kiln / kiln unchecked: %.3fx tokens/s, %.2fx peak memory\n", "", of_unchecked,
+           base->peak_gib > 0 ? k->peak_gib / base->peak_gib : 0.0);
   if (o->json)
     printf("{\"bench\":\"gpt2-train\",\"name\":\"%s\",\"tokens_per_s\":%.0f,\"ms_per_step\":%.3f,\"peak_gib\":%.3f,"
-           "\"params\":%lld,\"flops_per_token\":%.0f,\"peer_tokens_per_s\":%.0f,\"peer_compiled\":%s}\n",
+           "\"params\":%lld,\"flops_per_token\":%.0f,\"peer_tokens_per_s\":%.0f,\"peer_compiled\":%s,"
+           "\"of_unchecked\":%.4f}\n",
            name, k->tokens_per_s, k->ms_per_step, k->peak_gib, (long long)k->params, fpt,
            peer_line && peer_line[0] ? json_num(peer_line, "tokens_per_s") : 0.0,
-           peer_line && peer_line[0] && peer_compiled_run ? "true" : "false");
+           peer_line && peer_line[0] && peer_compiled_run ? "true" : "false", of_unchecked);
   fflush(stdout);
 }
 
@@ -373,6 +381,8 @@ int main(int argc, char **argv) {
 
   char args[1024], line[4096];
   static const char *const pass_names[] = {"train", "train, checkpointed", "train, MLPs ckpt", "train, ckpt+products"};
+  train_result unchecked;
+  memset(&unchecked, 0, sizeof unchecked);
   for (int pass = 0; o.train && pass < 4; pass++) {
     if ((pass == 1 && !o.checkpoint) || (pass == 2 && !o.checkpoint_mlp) || (pass == 3 && !o.checkpoint_products))
       continue;
@@ -394,7 +404,8 @@ int main(int argc, char **argv) {
       /* the peer has no MLP-only or selective checkpointing: passes 2 and 3 print kiln alone */
       if (pass >= 2 || !run_peer(&o, args, line, sizeof line)) line[0] = 0;
     }
-    print_train(&o, pass_names[pass], &k, line, pass == 0 && peer_compiled(&o));
+    print_train(&o, pass_names[pass], &k, line, pass == 0 && peer_compiled(&o), pass > 0 ? &unchecked : NULL);
+    if (pass == 0) unchecked = k;
   }
   for (int i = 0; o.generate && i < o.n_gen_batches; i++) {
     double tps = 0;

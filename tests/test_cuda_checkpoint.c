@@ -16,10 +16,7 @@
 #include "check.h"
 #include "tensor_cmp.h"
 
-/* checkpoint.c's counters (core/kiln_int.h) */
-int64_t kiln__checkpoint_skipped(void);
-int64_t kiln__checkpoint_taken(void);
-int64_t kiln__checkpoint_full_again(void);
+#include "core/kiln_int.h" /* checkpoint.c's counters */
 
 static kiln_device gpu;
 

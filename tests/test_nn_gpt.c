@@ -18,10 +18,7 @@
 
 #include "scratch.h"
 
-/* checkpoint.c's counters (core/kiln_int.h) */
-int64_t kiln__checkpoint_skipped(void);
-int64_t kiln__checkpoint_taken(void);
-int64_t kiln__checkpoint_full_again(void);
+#include "core/kiln_int.h" /* checkpoint.c's counters */
 
 static kiln_device cpu;
 

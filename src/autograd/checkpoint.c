@@ -136,7 +136,7 @@ typedef struct collector {
   made ring[RING];             /* the last of them, ring[index % RING] */
   bool elide;                  /* KILN_CHECKPOINT_ELIDE is not 0 */
   bool keep_products;          /* KILN_CHECKPOINT_KEEP_PRODUCTS (and elide) */
-  kept_list keeps;             /* what the forward's KILN__OP_CHECKPOINT_KEEPS calls made */
+  kept_list keeps;             /* what the forward's kept calls made (collect_made) */
 } collector;
 
 static _Thread_local collector *collecting;

@@ -271,7 +271,7 @@ int kiln__backward_depth(void);
 /* For the tests (checkpoint.c): the calls checkpoints' recomputes made without their
 ** kernels, and the recomputes run again in full because a skip did not hold. */
 int64_t kiln__checkpoint_skipped(void);
-int64_t kiln__checkpoint_taken(void); /* kept results (KILN__OP_CHECKPOINT_KEEPS) taken */
+int64_t kiln__checkpoint_taken(void); /* kept results (KILN__OP_CHECKPOINT_KEEPS, products) taken */
 int64_t kiln__checkpoint_full_again(void);
 /* Whether t's grad-ready hook is fn with ctx (ext/kiln_ext.h). */
 bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const void *ctx);

@@ -243,11 +243,11 @@ typedef struct kiln__observer {
   kiln_status (*end)(const kiln__op_event *e, void *token, void *ctx);
   void *ctx;
   /* Before the kernels of an op with KILN__OP_RULE_READS_INPUTS and one allocated output
-  ** (e->out[0], e->n_out 1) or with KILN__OP_CHECKPOINT_KEEPS or KILN__OP_PRODUCT: true has the path skip
-  ** them, the node recorded as ever (checkpoint.c's recompute; may be NULL). use (NULL
-  ** entries on entry) may receive new references, the outputs first and the forward's
-  ** temporaries from use[KILN__OP_MAX_OUT]: the path takes them as the op's own; with
-  ** use[0] NULL the output is zeros. */
+  ** (e->out[0], e->n_out 1) or with KILN__OP_CHECKPOINT_KEEPS or KILN__OP_PRODUCT: true
+  ** has the path skip them, the node recorded as ever (checkpoint.c's recompute; may be
+  ** NULL). use (NULL entries on entry) may receive new references, the outputs first and
+  ** the forward's temporaries from use[KILN__OP_MAX_OUT]: the path takes them as the op's
+  ** own; with use[0] NULL the output is zeros. */
   bool (*skip)(const kiln__op_event *e, kiln_tensor **use, void *ctx); /* use: KILN__OBS_USE_N */
   /* After the kernels of an op with KILN__OP_CHECKPOINT_KEEPS or KILN__OP_PRODUCT: its
   ** temporaries (tmp, KILN__OP_MAX_TMP entries, NULL where none) beside its outputs (may

@@ -258,13 +258,27 @@ KILN_API void kiln_set_num_threads(int n);
 
 /* Checks the environment variables kiln reads: name is one of "KILN_DEVICE" (cpu, cuda or
 ** cuda:N, a device that exists), "KILN_NUM_THREADS" (an integer from 1 to 1024),
-** "KILN_FALLBACK" (warn, error or silent), "KILN_PROFILE" (0, 1 or device); NULL checks
-** all of them and returns the first problem. Unset or empty is fine. Returns KILN_OK, or
-** KILN_ERR_INVALID_ARGUMENT (a value that is not one of the accepted ones; the message
-** names the variable, the value and what is accepted) or KILN_ERR_DEVICE (KILN_DEVICE
-** names a device this machine lacks). The library itself warns once on stderr and goes on
-** with the default when it meets a bad value; programs call this at start to refuse it. */
+** "KILN_FALLBACK" (warn, error or silent), "KILN_PROFILE" (0, 1 or device), or a tuning
+** switch (kiln_env_about: KILN_ENV_TUNING) against its accepted values; NULL checks all
+** of them and returns the first problem. Unset or empty is fine. Returns KILN_OK, or
+** KILN_ERR_INVALID_ARGUMENT (a value that is not one of the accepted ones: the message
+** names the variable, the value and what is accepted; or a name kiln does not read: the
+** message names the nearest one it does) or KILN_ERR_DEVICE (KILN_DEVICE names a device
+** this machine lacks). The library itself warns once on stderr and goes on with the
+** default when it meets a bad value; programs call this at start to refuse it. */
 KILN_API kiln_status kiln_env_check(const char *name);
+/* What kiln makes of the environment variable `name`: KILN_ENV_SETTING for those above and
+** KILN_DATA_DIR; KILN_ENV_TUNING for a tuning switch, which picks among kiln's own paths and
+** kernels for comparisons, bug reports or a way around a driver's fault (KILN_ATTENTION=own,
+** KILN_CONV_GEMM=0, ...; the defaults are the measured, tested choices); KILN_ENV_TOOL for
+** one read by kiln's programs, tests or build; KILN_ENV_UNKNOWN for any other name (a
+** typo, when it starts KILN_). *what, when not NULL, gets a line saying what it sets (NULL
+** for an unknown name). */
+typedef enum { KILN_ENV_UNKNOWN = 0, KILN_ENV_SETTING, KILN_ENV_TUNING, KILN_ENV_TOOL } kiln_env_kind;
+KILN_API kiln_env_kind kiln_env_about(const char *name, const char **what);
+/* The i-th tuning switch's name, in alphabetical order; NULL past the last (for listing
+** them: kiln doctor --switches). */
+KILN_API const char *kiln_env_switch(int i);
 
 /* --------------------------------------------------------------------------------------
 ** Tensors: an opaque, refcounted view (storage + offset + shape + strides + dtype).

@@ -120,6 +120,36 @@ static void test_doctor_json(void) {
   r = cr_run("KILN_NUM_THREADS=4x", "kiln", "doctor");
   CR_CHECK(strstr(r.out, "KILN_NUM_THREADS='4x'"), "KILN_NUM_THREADS=4x not flagged:\n%s", r.out);
   cr_free(&r);
+
+  /* A misspelt name (the setting meant is not in effect), a tuning switch's bad value (the
+  ** default is kept), and the switches set, listed as such. */
+  r = cr_run("KILN_FALLBAK=error KILN_ATTENTION=flash KILN_CONV_GEMM=0 KILN_TEST_ANYTHING=1", "kiln", "doctor");
+  CR_CHECK(r.status == 0, "doctor exited %d", r.status);
+  CR_CHECK(strstr(r.out, "KILN_FALLBAK is set, but kiln reads no variable of that name") &&
+               strstr(r.out, "Did you mean KILN_FALLBACK?"),
+           "KILN_FALLBAK not flagged:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "KILN_ATTENTION='flash' is not understood") && strstr(r.out, "own|cudnn-fwd|cudnn-bwd|cudnn"),
+           "KILN_ATTENTION=flash not flagged:\n%s", r.out);
+  CR_CHECK(strstr(r.out, "KILN_CONV_GEMM (tuning switch)") && !strstr(r.out, "KILN_CONV_GEMM='0'"),
+           "KILN_CONV_GEMM=0 not listed, or flagged:\n%s", r.out);
+  CR_CHECK(!strstr(r.out, "KILN_TEST_ANYTHING"), "a test's own variable flagged:\n%s", r.out);
+  cr_free(&r);
+  r = cr_run("KILN_CONV_GEMM=0", "kiln", "doctor --json");
+  CR_CHECK(r.status == 0 && strstr(r.out, "\"switches\":{\"KILN_CONV_GEMM\":\"0\"}"), "doctor --json switches:\n%s",
+           r.out);
+  cr_free(&r);
+
+  /* --switches: every one, with its value here (text and JSON) */
+  r = cr_run("KILN_ATTENTION=own", "kiln", "doctor --switches");
+  CR_CHECK(r.status == 0 && strstr(r.out, "KILN_CUDA_RLN") && strstr(r.out, "KILN_CONV_WINOGRAD") &&
+               strstr(r.out, "own") && !strstr(r.out, "Smoke test"),
+           "doctor --switches:\n%s", r.out);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "doctor --switches --json");
+  CR_CHECK(r.status == 0 && !strncmp(r.out, "{\"switches\":[{\"name\":\"KILN_", strlen("{\"switches\":[{\"name\":\"KILN_")) && strchr(r.out, '\n') &&
+               strchr(r.out, '\n')[1] == 0,
+           "doctor --switches --json is not one line:\n%s", r.out);
+  cr_free(&r);
 }
 
 static void test_usage(void) {

@@ -15,6 +15,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+extern char **environ;
+
 #include <kiln.h>
 #include <kiln_nn.h> /* kiln_format_bytes */
 
@@ -436,6 +438,66 @@ static void diagnose(doctor *d) {
     snprintf(what, sizeof what, "KILN_DATA_DIR='%s' is not a directory", dd);
     add_problem(d, "warning", what, "point KILN_DATA_DIR at the folder holding the data sets, or unset it");
   }
+  /* The other KILN_ variables set: a name kiln does not read (a typo: the setting it meant
+  ** is not in effect), and a tuning switch's value it does not accept (the library keeps
+  ** the default). A switch set as accepted moves kiln off its measured defaults, which a
+  ** benchmark or a bug report should say: the Environment table lists it. */
+  for (char **e = environ; e && *e; e++) {
+    char name[128];
+    const char *eq = strchr(*e, '=');
+    if (strncmp(*e, "KILN_", 5) || !eq || eq - *e >= (long)sizeof name || !eq[1]) continue;
+    snprintf(name, sizeof name, "%.*s", (int)(eq - *e), *e);
+    kiln_env_kind kind = kiln_env_about(name, NULL);
+    if (kind != KILN_ENV_UNKNOWN && kind != KILN_ENV_TUNING) continue;
+    if (kiln_env_check(name) == KILN_OK) continue;
+    const char *msg = kiln_last_error_message();
+    if (kind == KILN_ENV_TUNING) {
+      snprintf(what, sizeof what, "%s; kiln uses the default", msg);
+      add_problem(d, "warning", what, "set it to an accepted value, or unset it (`kiln doctor --switches` lists them)");
+    } else {
+      const char *hint = strstr(msg, "did you mean ");
+      snprintf(what, sizeof what, "%s is set, but kiln reads no variable of that name", name);
+      char to_do[256];
+      if (hint) snprintf(to_do, sizeof to_do, "D%.*s? (else unset it)", (int)strcspn(hint + 1, "?"), hint + 1);
+      else snprintf(to_do, sizeof to_do, "unset it (`kiln doctor --switches` lists the tuning switches)");
+      add_problem(d, "warning", what, to_do);
+    }
+    kiln_clear_error();
+  }
+}
+
+/* `kiln doctor --switches`: every tuning switch, what it changes, its value here. */
+static int print_switches(bool json, bool pretty) {
+  if (json) {
+    cli_json j;
+    cli_json_init(&j, stdout);
+    cli_json_object_begin(&j, NULL);
+    cli_json_array_begin(&j, "switches");
+    for (int i = 0; kiln_env_switch(i); i++) {
+      const char *name = kiln_env_switch(i), *what = NULL;
+      kiln_env_about(name, &what);
+      cli_json_object_begin(&j, NULL);
+      cli_json_string(&j, "name", name);
+      cli_json_string(&j, "what", what);
+      cli_json_string(&j, "value", getenv(name));
+      cli_json_object_end(&j);
+    }
+    cli_json_array_end(&j);
+    cli_json_object_end(&j);
+    return 0;
+  }
+  cli_heading(stdout, pretty, "Tuning switches (the defaults are kiln's measured choices; for A/B runs and bug reports)");
+  const char *h[] = {"variable", "value", "what it changes"};
+  cli_table *t = cli_table_new(3, h);
+  for (int i = 0; kiln_env_switch(i); i++) {
+    const char *name = kiln_env_switch(i), *what = NULL, *v = getenv(name);
+    kiln_env_about(name, &what);
+    const char *row[] = {name, v && *v ? v : "(unset)", what};
+    cli_table_row(t, row);
+  }
+  cli_table_print(stdout, t, pretty);
+  cli_table_free(t);
+  return 0;
 }
 
 /* ---- output ------------------------------------------------------------------------- */
@@ -489,6 +551,12 @@ static void print_json(const doctor *d) {
   cli_json_int(&j, "threads", d->threads);
   cli_json_object_begin(&j, "env");
   for (int i = 0; i < N_ENV; i++) cli_json_string(&j, env_names[i], getenv(env_names[i]));
+  cli_json_object_end(&j);
+  cli_json_object_begin(&j, "switches"); /* the tuning switches set */
+  for (int i = 0; kiln_env_switch(i); i++) {
+    const char *v = getenv(kiln_env_switch(i));
+    if (v && *v) cli_json_string(&j, kiln_env_switch(i), v);
+  }
   cli_json_object_end(&j);
   cli_json_object_begin(&j, "smoke");
   cli_json_double(&j, "cpu_matmul_max_err", d->cpu_err);
@@ -630,6 +698,13 @@ static void print_text(const doctor *d) {
     const char *v = getenv(env_names[i]);
     const char *row[] = {env_names[i], v ? (*v ? v : "(empty)") : "(unset)"};
     cli_table_row(t, row);
+  }
+  for (int i = 0; kiln_env_switch(i); i++) { /* the tuning switches set: kiln off its defaults */
+    const char *v = getenv(kiln_env_switch(i));
+    char name[96];
+    snprintf(name, sizeof name, "%s (tuning switch)", kiln_env_switch(i));
+    const char *row[] = {name, v};
+    if (v && *v) cli_table_row(t, row);
   }
   cli_table_print(stdout, t, pretty);
   cli_table_free(t);
@@ -801,15 +876,18 @@ static void print_text(const doctor *d) {
 }
 
 static void doctor_usage(FILE *f) {
-  fprintf(f, "usage: kiln doctor [--json]\n"
+  fprintf(f, "usage: kiln doctor [--json] [--switches]\n"
              "  Checks the build, the backends and devices, the environment, and runs a smoke\n"
-             "  test. --json prints one JSON object on stdout. Exit 0 when the CPU works.\n");
+             "  test. --json prints one JSON object on stdout. Exit 0 when the CPU works.\n"
+             "  --switches lists kiln's tuning switches (environment variables that pick among\n"
+             "  its paths and kernels) with their values here, and checks nothing else.\n");
 }
 
 int cli_doctor(int argc, char **argv) {
-  bool json = false;
+  bool json = false, switches = false;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--json")) json = true;
+    else if (!strcmp(argv[i], "--switches")) switches = true;
     else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
       doctor_usage(stdout);
       return 0;
@@ -819,6 +897,7 @@ int cli_doctor(int argc, char **argv) {
       return 2;
     }
   }
+  if (switches) return print_switches(json, cli_is_tty(stdout));
   doctor *d = calloc(1, sizeof *d);
   float *c_ref = malloc(sizeof(float) * SMOKE_N * SMOKE_N);
   if (!d || !c_ref) {

@@ -15,6 +15,7 @@ static void usage(FILE *f) {
           "\n"
           "commands:\n"
           "  doctor [--json]        check the build, the backends and the devices; run a smoke test\n"
+          "  doctor --switches      list the tuning switches (KILN_ATTENTION, ...) and their values\n"
           "  info FILE [--json]     list the tensors and metadata of a safetensors file\n"
           "  plot LOGDIR [--out F]  draw the TensorBoard scalars of LOGDIR to F (.png, .svg)\n"
           "\n"

@@ -534,8 +534,8 @@ kiln_status kiln_checkpoint_with(kiln_checkpoint_fn fn, void *ctx, const kiln_ch
   bool record = kiln_grad_enabled();
 
   /* the forward: grad mode off, in a scope of its own; the parameters collected */
-  const char *elide = getenv("KILN_CHECKPOINT_ELIDE");
-  collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting, .elide = !(elide && !strcmp(elide, "0"))},
+  collector col = {.n_exclude = n_in, .exclude = inputs, .outer = collecting,
+                   .elide = kiln__knob_on("KILN_CHECKPOINT_ELIDE", true)},
             *prev_col = collecting;
   col.keep_products = col.elide && opts->keep == KILN_CHECKPOINT_KEEP_PRODUCTS;
   kiln_tensor *outs[KILN__OP_MAX_OUT] = {NULL};

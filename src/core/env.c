@@ -1,8 +1,9 @@
 /*
-** The environment variables kiln reads, checked in one place (issue 17.5): each has a
-** parser that says what is accepted. kiln_env_check() reports a bad value as an error
-** (the examples and `kiln doctor` use it); the library's own readers warn once on stderr
-** and keep the default, since kiln_num_threads() and the fallback policy cannot fail.
+** The environment variables kiln reads, checked in one place (issue 17.5): each setting has
+** a parser that says what is accepted, the tuning switches their table (knobs.c).
+** kiln_env_check() reports a bad value as an error (the examples and `kiln doctor` use
+** it); the library's own readers warn once on stderr and keep the default, since
+** kiln_num_threads() and the fallback policy cannot fail.
 */
 #include "kiln_int.h"
 
@@ -73,17 +74,93 @@ static kiln_status check_device_var(const char *v) {
 
 static const char *const checked[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK",
                                       "KILN_PROFILE", "KILN_ANOMALY"};
+#define N_CHECKED ((int)(sizeof checked / sizeof checked[0]))
+
+/* The settings, in checked[]'s order, then KILN_DATA_DIR (a path the readers check). */
+static const char *const setting_about[] = {
+    "the default device: cpu, cuda or cuda:N",
+    "threads of the CPU backend: 1 to 1024 (unset: one a core)",
+    "an op a device lacks: warn (the default), error or silent",
+    "the op profiler: 1 (host time), device (also device time), trace:FILE, 0",
+    "NaN and infinity checks on every op's outputs: 1 or 0",
+    "where the data sets are (Fashion-MNIST's idx files, ...)"};
+
+/* Read by kiln's programs, tests, scripts and build rather than the library: known, so that
+** kiln doctor takes none of them for a typo. */
+static const char *const tool_vars[] = {"KILN_AB",          "KILN_BUILD_DIR",  "KILN_CLI_PLAIN",
+                                        "KILN_CMAKE_EXTRA", "KILN_CUDA",       "KILN_CUDA_ARCHS",
+                                        "KILN_NO_PEER",     "KILN_PARITY_TRACE", "KILN_PHASES",
+                                        "KILN_PYTHON",      "KILN_SAMPLE",     "KILN_SAMPLER_OUT",
+                                        "KILN_SAMPLER_US",  "KILN_SKIP_DEPS",  "KILN_SOURCE_DIR",
+                                        "KILN_TORCH_PEER"};
+static const char *const tool_prefixes[] = {"KILN_TEST_", "KILN_HARNESS_", "KILN_BUILD_"};
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+kiln_env_kind kiln_env_about(const char *name, const char **what) {
+  const char *w = NULL;
+  kiln_env_kind kind = KILN_ENV_UNKNOWN;
+  for (int i = 0; name && i <= N_CHECKED && !kind; i++)
+    if (!strcmp(name, i < N_CHECKED ? checked[i] : "KILN_DATA_DIR")) kind = KILN_ENV_SETTING, w = setting_about[i];
+  if (name && !kind && (w = kiln__knob_about(name)) != NULL) kind = KILN_ENV_TUNING;
+  for (int i = 0; name && !kind && i < N_OF(tool_vars); i++)
+    if (!strcmp(name, tool_vars[i])) kind = KILN_ENV_TOOL;
+  for (int i = 0; name && !kind && i < N_OF(tool_prefixes); i++)
+    if (!strncmp(name, tool_prefixes[i], strlen(tool_prefixes[i])) && name[strlen(tool_prefixes[i])])
+      kind = KILN_ENV_TOOL;
+  if (kind == KILN_ENV_TOOL) w = "read by kiln's programs, tests or build, not the library";
+  if (what) *what = w;
+  return kind;
+}
+
+/* Edit distance of a and b, capped at cap + 1 (names are short). */
+static int distance(const char *a, const char *b, int cap) {
+  int la = (int)strlen(a), lb = (int)strlen(b);
+  if (la > 63 || lb > 63 || abs(la - lb) > cap) return cap + 1;
+  int row[64];
+  for (int j = 0; j <= lb; j++) row[j] = j;
+  for (int i = 1; i <= la; i++) {
+    int diag = row[0];
+    row[0] = i;
+    for (int j = 1; j <= lb; j++) {
+      int up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+      if (up + 1 < best) best = up + 1;
+      if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+      diag = up;
+      row[j] = best;
+    }
+  }
+  return row[lb];
+}
+
+/* The variable kiln reads nearest to name (at most 2 edits), or NULL. */
+static const char *nearest(const char *name) {
+  const char *best = NULL;
+  int bd = 3;
+  for (int i = 0; i < N_CHECKED + 1 + kiln__knob_count() + N_OF(tool_vars); i++) {
+    const char *c = i < N_CHECKED ? checked[i]
+                    : i == N_CHECKED ? "KILN_DATA_DIR"
+                    : i < N_CHECKED + 1 + kiln__knob_count() ? kiln__knob_name(i - N_CHECKED - 1)
+                                                              : tool_vars[i - N_CHECKED - 1 - kiln__knob_count()];
+    int d = distance(name, c, 2);
+    if (d < bd) bd = d, best = c;
+  }
+  return best;
+}
 
 kiln_status kiln_env_check(const char *name) {
   if (!name) {
-    for (size_t i = 0; i < sizeof checked / sizeof checked[0]; i++) {
+    for (int i = 0; i < N_CHECKED; i++) {
       kiln_status st = kiln_env_check(checked[i]);
+      if (st != KILN_OK) return st;
+    }
+    for (int i = 0; i < kiln__knob_count(); i++) {
+      kiln_status st = kiln__knob_check(kiln__knob_name(i));
       if (st != KILN_OK) return st;
     }
     return KILN_OK;
   }
   bool known = false;
-  for (size_t i = 0; i < sizeof checked / sizeof checked[0]; i++) known |= !strcmp(name, checked[i]);
+  for (int i = 0; i < N_CHECKED; i++) known |= !strcmp(name, checked[i]);
   const char *v = getenv(name);
   int x;
   if (known && (!v || !*v)) return KILN_OK;
@@ -92,9 +169,17 @@ kiln_status kiln_env_check(const char *name) {
   if (!strcmp(name, "KILN_PROFILE")) return parse_profile(v);
   if (!strcmp(name, "KILN_ANOMALY")) return parse_anomaly(v);
   if (!strcmp(name, "KILN_DEVICE")) return check_device_var(v);
+  kiln_env_kind kind = kiln_env_about(name, NULL);
+  if (kind == KILN_ENV_TUNING) return kiln__knob_check(name);
+  if (kind != KILN_ENV_UNKNOWN) return KILN_OK; /* KILN_DATA_DIR and the tools' own: checked where read */
+  const char *near = nearest(name);
+  char hint[96] = "";
+  if (near) snprintf(hint, sizeof hint, "; did you mean %s?", near);
   return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,
-                        "kiln_env_check: '%s' is not a variable kiln reads (KILN_DEVICE, "
-                        "KILN_NUM_THREADS, KILN_FALLBACK, KILN_PROFILE, KILN_ANOMALY)", name);
+                        "kiln_env_check: '%s' is not a variable kiln reads%s (the settings: KILN_DEVICE, "
+                        "KILN_NUM_THREADS, KILN_FALLBACK, KILN_PROFILE, KILN_ANOMALY, KILN_DATA_DIR; "
+                        "`kiln doctor --switches` lists the tuning switches)",
+                        name, hint);
 }
 
 /* The library's readers: a bad value is said once on stderr, then the default is used.
@@ -136,3 +221,5 @@ int kiln__env_fallback_policy(void) {
   else kiln_set_error(code, "%s", saved);
   return p;
 }
+
+const char *kiln_env_switch(int i) { return kiln__knob_name(i); }

@@ -7,6 +7,7 @@
 
 #include "kiln.h"
 #include "../backend/backend.h"
+#include "knobs.h"
 
 #include <stdatomic.h>
 
@@ -326,5 +327,12 @@ const char *kiln__getenv(const char *name); /* NULL when unset or empty */
 int kiln__env_num_threads(void);
 /* KILN_FALLBACK as a kiln_fallback_policy; unset or invalid (warned once): WARN. */
 int kiln__env_fallback_policy(void);
+/* The tuning switches' table, for env.c (src/core/knobs.c): how many, the i-th's name, what
+** name changes (NULL: not a switch), and whether its value is accepted (the error names
+** what is). */
+int kiln__knob_count(void);
+const char *kiln__knob_name(int i);
+const char *kiln__knob_about(const char *name);
+kiln_status kiln__knob_check(const char *name);
 
 #endif /* KILN_INT_H */

@@ -102,6 +102,9 @@ kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool p
 
 /* ---- environment (core: src/core/device.c) ---- */
 const char *kiln__getenv(const char *name); /* NULL when unset or empty */
+/* The tuning switches' readers the upper layers use (src/core/knobs.h says how they read). */
+bool kiln__knob_on(const char *name, bool dflt);
+int kiln__knob_choice(const char *name, int dflt);
 
 /* ---- regular files only (io: src/io/file.c; used by the data readers) ----
 ** Opens path for reading, refusing anything but a regular file without blocking (a FIFO,

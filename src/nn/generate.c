@@ -148,8 +148,7 @@ static kiln_tensor *attn_cached(kiln_module *m, kiln_tensor *x, kv_step *s, int6
     ** KILN_KV_APPEND=0 keeps the two ops (an A/B switch for the benchmarks) */
     static int fuse = -1;
     if (fuse < 0) {
-      const char *e = getenv("KILN_KV_APPEND");
-      fuse = !(e && !strcmp(e, "0"));
+      fuse = kiln__knob_on("KILN_KV_APPEND", true);
     }
     if (fuse) {
       y = kiln_kv_attention_append(part[0], c->kv[l], kv_new, s->len_dev, 0.0); /* slot len - 1 = pos */

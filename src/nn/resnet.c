@@ -170,11 +170,10 @@ static kiln_tensor *resnet_forward(kiln_module *m, kiln_tensor *x) {
   const resnet_cfg *c = kiln_module_impl(m);
   int n = kiln_module_num_children(m), i = 0;
   kiln_scope_begin(); /* the stem's batch-norm output goes at the end (block_forward) */
-  const char *e = kiln__getenv("KILN_RESNET_STEM_RECOMPUTE"), *f = kiln__getenv("KILN_RESNET_STEM_FUSED");
-  if (!c->cifar_stem && x && !(e && !strcmp(e, "0"))) { /* conv1, then bn1 relu maxpool (children 1..3) */
+  if (!c->cifar_stem && x && kiln__knob_on("KILN_RESNET_STEM_RECOMPUTE", true)) { /* conv1, then bn1 relu maxpool (children 1..3) */
     kiln_tensor *y = NULL, *h = kiln_module_forward(kiln_module_child_at(m, 0), x);
     kiln_module *bn1 = kiln_module_child_at(m, 1), *pool = kiln_module_child_at(m, 3);
-    if (h && !(f && !strcmp(f, "0")) && kiln__batch_norm_relu_max_pool_fusable(bn1, pool, h))
+    if (h && kiln__knob_on("KILN_RESNET_STEM_FUSED", true) && kiln__batch_norm_relu_max_pool_fusable(bn1, pool, h))
       x = kiln__batch_norm_relu_max_pool_forward(bn1, pool, h); /* nothing to recompute: the map is never made */
     else
       x = h && kiln_checkpoint(stem_tail, m, 1, &h, 1, &y) == KILN_OK ? y : NULL;

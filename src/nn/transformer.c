@@ -315,10 +315,7 @@ static kiln_tensor *mlp_forward(kiln_module *m, kiln_tensor *x) {
 ** KILN_GPT_RESIDUAL_LN=1 or =0 forces it either way (read at each call, so a test can
 ** compare both ways). */
 static bool residual_ln_on(const kiln_tensor *x) {
-  const char *e = kiln__getenv("KILN_GPT_RESIDUAL_LN");
-  if (e && !strcmp(e, "1")) return true;
-  if (e && !strcmp(e, "0")) return false;
-  return x && kiln_device_of(x).type == KILN_DEVICE_CUDA;
+  return kiln__knob_on("KILN_GPT_RESIDUAL_LN", x && kiln_device_of(x).type == KILN_DEVICE_CUDA);
 }
 
 /* The dtype a fused norm gives its output: the autocast dtype in a region (for f32 x: the
@@ -337,9 +334,8 @@ static kiln_dtype norm_out_dtype(kiln_tensor *x) {
 ** opposite within the noise: bench/RESULTS.md. Both, as measured before, until a run
 ** settles it.) */
 static bool ones_column(bool for_c_fc) {
-  const char *e = kiln__getenv("KILN_GPT_ONES_COLUMN");
-  if (e && !strcmp(e, "0")) return false;
-  return for_c_fc || !(e && !strcmp(e, "fc"));
+  const int mode = kiln__knob_choice("KILN_GPT_ONES_COLUMN", 0); /* 1, 0, fc */
+  return mode == 0 || (mode == 2 && for_c_fc);
 }
 
 static kiln_tensor *fused_norm(kiln_module *ln, kiln_tensor *x, kiln_tensor *r, kiln_dtype ydt, bool ones,

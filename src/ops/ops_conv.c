@@ -172,12 +172,6 @@ static const kiln__op op_col2im = {
 
 /* ---- geometry and argument checks ------------------------------------------------------ */
 
-/* Whether the environment variable name is "0" (an A/B switch that turns a path off). */
-static bool env_zero(const char *name) {
-  const char *e = getenv(name);
-  return e && strcmp(e, "0") == 0;
-}
-
 static const int64_t one2[2] = {1, 1}, zero2[2] = {0, 0};
 
 /* The output size of one spatial dim; -1 (error set) when the kernel does not fit. */
@@ -438,8 +432,7 @@ static kiln__kargs convb_args(kiln__kop op, kiln_tensor *in0, kiln_tensor *in1, 
 static int64_t dnnl_wgrad_min_map(void) {
   static int64_t v = -1;
   if (v < 0) {
-    const char *e = getenv("KILN_DNNL_WGRAD_MIN_MAP");
-    v = e && *e ? atoll(e) : 16;
+    v = kiln__knob_int("KILN_DNNL_WGRAD_MIN_MAP", 16);
   }
   return v;
 }
@@ -451,7 +444,7 @@ static int64_t dnnl_wgrad_min_map(void) {
 ** x (N, C, H, W). */
 static bool conv_gemm_map(const kiln_tensor *x, const attrs_convb *ab) {
   static int off = -1;
-  if (off < 0) off = env_zero("KILN_CONV_GEMM");
+  if (off < 0) off = !kiln__knob_on("KILN_CONV_GEMM", true);
   return !off && ab->c.groups == 1 && !conv_cl(x);
 }
 
@@ -1167,7 +1160,7 @@ static const kiln__op op_relu_max_pool2d = {
 /* Whether the fused kernel takes x with these windows (the op's outputs contiguous). */
 static bool relu_max_pool_fused(kiln_tensor *x, const attrs_pool *a) {
   static int off = -1; /* KILN_RELU_MAX_POOL=0: always the two ops (A/B comparisons) */
-  if (off < 0) off = env_zero("KILN_RELU_MAX_POOL");
+  if (off < 0) off = !kiln__knob_on("KILN_RELU_MAX_POOL", true);
   if (off || !x || x->ndim != 4 || kiln__is_channels_last(x)) return false;
   /* f32 only: the CPU kernel's bf16 (and f64) loops are portable scalar ones, and bf16 under
   ** autocast ran slower fused than through the pair's vector kernels (fashion-mnist cnn, 40
@@ -1307,7 +1300,7 @@ static const kiln__op op_conv_relu_pool = {
 /* Whether the fused kernel takes these arguments (as cpu_conv_c1.c's kernel checks them). */
 static bool conv_relu_pool_fused(kiln_tensor *x, kiln_tensor *w, kiln_tensor *b, const attrs_cpool *a) {
   static int off = -1; /* KILN_CONV_RELU_POOL=0: always the ops it stands for (A/B comparisons) */
-  if (off < 0) off = env_zero("KILN_CONV_RELU_POOL");
+  if (off < 0) off = !kiln__knob_on("KILN_CONV_RELU_POOL", true);
   if (off || !x || !w || x->ndim != 4 || w->ndim != 4 || x->dtype != KILN_F32 || w->dtype != KILN_F32 ||
       !kiln_is_contiguous(x) || !kiln_is_contiguous(w) || x->shape[1] != 1 || w->shape[1] != 1 || a->c.groups != 1 ||
       kiln_requires_grad(x) || kiln_autocast_is_enabled(kiln_device_of(x).type) ||

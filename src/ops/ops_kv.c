@@ -509,8 +509,7 @@ kiln_tensor *kiln_linear_decode(kiln_tensor *x, kiln_tensor *weight, kiln_tensor
   /* KILN_LINEAR_DECODE=0 always composes (an A/B switch for the benchmarks) */
   static int off = -1;
   if (off < 0) {
-    const char *e = kiln__getenv("KILN_LINEAR_DECODE");
-    off = e && !strcmp(e, "0");
+    off = kiln__knob_choice("KILN_LINEAR_DECODE", 0) == 1; /* "0" */
   }
   if (off || grad || !kiln_device_equal(kiln_device_of(x), kiln_device_of(weight)) ||
       !linear_decode_args(x, weight, bias, gelu, &a) || !kiln__dispatch_has(kiln_device_of(x), &a, KILN__K_LINEAR_DECODE)) {

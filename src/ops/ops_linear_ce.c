@@ -130,8 +130,7 @@ static kiln_status lce_forward(kiln__op_ctx *c) {
   /* KILN_LCE_CHUNK_ELEMS: another chunk size (the tests make several chunks of small
   ** problems with it) */
   int64_t budget = LCE_CHUNK_ELEMS;
-  const char *env = kiln__getenv("KILN_LCE_CHUNK_ELEMS");
-  if (env && atoll(env) > 0) budget = atoll(env);
+  budget = kiln__knob_int("KILN_LCE_CHUNK_ELEMS", budget);
   int64_t Mc = budget / (Vp > 0 ? Vp : 1);
   if (Mc < 1) Mc = 1;
   if (Mc > M) Mc = M;

@@ -603,8 +603,7 @@ static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
   /* KILN_LINEAR_GELU=0 always composes (an A/B switch for the benchmarks) */
   static int off = -1;
   if (off < 0) {
-    const char *e = kiln__getenv("KILN_LINEAR_GELU");
-    off = e && !strcmp(e, "0");
+    off = !kiln__knob_on("KILN_LINEAR_GELU", true);
   }
   if (!off && K > 0 && kiln__dispatch_has(dev, &a, KILN__K_LINEAR_GELU)) return kiln__dispatch(dev, &a);
   if (!z) { /* composed: z a temporary here too */

@@ -341,8 +341,7 @@ static void bnk_save(kiln__op_ctx *c, kiln__node *n) {
 
 /* Whether the backward may recompute its mask (the environment switch above). */
 static bool bn_mask_recompute(void) {
-  const char *e = getenv("KILN_BN_MASK_RECOMPUTE");
-  return !(e && !strcmp(e, "0"));
+  return kiln__knob_on("KILN_BN_MASK_RECOMPUTE", true);
 }
 
 /* batch_norm_add_relu_backward: the same op with a fourth output, g masked by the mask

@@ -6,6 +6,7 @@
 #define KILN_CPU_H
 
 #include "../backend.h"
+#include "../../core/knobs.h"
 
 /* ---- memory (cpu_memory.c) ---- */
 void *kiln__cpu_alloc(int device, size_t nbytes);

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "../../core/knobs.h"
+
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KILN_NO_TARGET_CLONES)
 #include <immintrin.h>
 #define KILN__AVX512 1
@@ -127,8 +129,7 @@ KILN__T512 static inline void kiln__store16(void *p, __m512 v, bool bf, __mmask1
 static inline bool kiln__avx512bf16_ok(void) {
   static int ok = -1;
   if (ok < 0) {
-    const char *e = getenv("KILN_CPU_AVX512BF16");
-    ok = kiln__avx512_ok() && __builtin_cpu_supports("avx512bf16") && !(e && e[0] == '0');
+    ok = kiln__avx512_ok() && __builtin_cpu_supports("avx512bf16") && kiln__knob_on("KILN_CPU_AVX512BF16", true);
   }
   return ok;
 }

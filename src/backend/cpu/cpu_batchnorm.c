@@ -382,10 +382,7 @@ static void fwd_fast(void *vctx, int64_t lo, int64_t hi) {
 /* KILN_BN_FAST=0: the backward takes the general path; KILN_BN_SIMD=0: the fast path's
 ** portable rows instead of AVX-512 (for comparisons and tests) */
 static bool env_off(const char *name, int *v) {
-  if (*v < 0) {
-    const char *e = getenv(name);
-    *v = e && strcmp(e, "0") == 0;
-  }
+  if (*v < 0) *v = !kiln__knob_on(name, true);
   return *v;
 }
 static bool bn_fast_off(void) {

@@ -61,10 +61,10 @@ static bool kiln__blas_core_is_old(const char *core) {
 static void kiln__sgemm_decide(void) {
   const char *core = kiln__blas_core();
   bool old = core && kiln__blas_core_is_old(core) && kiln__cpu_avx2_fma();
-  const char *env = kiln__getenv("KILN_CPU_SGEMM");
+  const int env = kiln__knob_choice("KILN_CPU_SGEMM", -1); /* blas, dnnl; -1 unset */
   int choice = 0;
 #ifdef KILN_HAVE_DNNL
-  choice = env ? strcmp(env, "dnnl") == 0 : old;
+  choice = env >= 0 ? env == 1 : old;
 #else
   (void)env;
 #endif

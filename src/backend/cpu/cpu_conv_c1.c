@@ -44,8 +44,7 @@ bool kiln__cpu_conv_c1_takes(const kiln__kargs *a) {
   if (a->op != KILN__K_CONV2D && a->op != KILN__K_CONV2D_BACKWARD_WEIGHT) return false;
   static int off = -1; /* KILN_CONV_C1=0: oneDNN for these too (for comparisons) */
   if (off < 0) {
-    const char *e = getenv("KILN_CONV_C1");
-    off = e && strcmp(e, "0") == 0;
+    off = !kiln__knob_on("KILN_CONV_C1", true);
   }
   if (off || !a->params || a->n_in < 2 || a->n_out < 1 || a->i[0] != 1) return false;
   for (int i = 0; i < a->n_in; i++)

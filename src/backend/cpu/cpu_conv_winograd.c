@@ -59,8 +59,7 @@
 static int wg_mode(void) {
   static int mode = -1;
   if (mode < 0) {
-    const char *e = kiln__getenv("KILN_CONV_WINOGRAD");
-    mode = e && strcmp(e, "0") == 0 ? 0 : e && strcmp(e, "1") == 0 ? 1 : 2;
+    mode = kiln__knob_choice("KILN_CONV_WINOGRAD", 2); /* 0, 1, auto */
   }
   return mode;
 }

@@ -131,8 +131,7 @@ static dnnl_status_t user_md(dnnl_memory_desc_t *md, const kiln__view *v, int64_
 static bool plain_only(void) {
   static int v = -1;
   if (v < 0) {
-    const char *e = getenv("KILN_DNNL_CONV_PLAIN");
-    v = e && *e && strcmp(e, "0") != 0;
+    v = kiln__knob_on("KILN_DNNL_CONV_PLAIN", false);
   }
   return v;
 }
@@ -171,8 +170,7 @@ static bool winograd_case(const kiln__kargs *a, const kiln__view *x, const kiln_
                           int64_t G) {
   static int off = -1;
   if (off < 0) {
-    const char *e = getenv("KILN_DNNL_WINOGRAD");
-    off = e && strcmp(e, "0") == 0;
+    off = !kiln__knob_on("KILN_DNNL_WINOGRAD", true);
   }
   const kiln__conv_params *p = a->params;
   int64_t L = y->shape[2] * y->shape[3];
@@ -365,8 +363,7 @@ static bool dnnl_crop(const kiln__kargs *a, kiln__kargs *c, kiln__conv_params *c
 static bool conv_gemm_off(void) {
   static int v = -1;
   if (v < 0) {
-    const char *e = getenv("KILN_CONV_GEMM");
-    v = e && strcmp(e, "0") == 0;
+    v = !kiln__knob_on("KILN_CONV_GEMM", true);
   }
   return v;
 }

@@ -229,8 +229,7 @@ bool kiln__cpu_dnnl_matmul(const kiln__kargs *a, kiln_status *st) {
   if (!mm_geometry(a, &g)) return false;
   pthread_mutex_lock(&mm_lock);
   if (mm_enabled < 0) {
-    const char *env = kiln__getenv("KILN_DNNL_MATMUL");
-    mm_enabled = !(env && env[0] == '0');
+    mm_enabled = kiln__knob_on("KILN_DNNL_MATMUL", true);
   }
   bool taken = false;
   *st = KILN_OK;

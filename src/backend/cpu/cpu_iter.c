@@ -45,8 +45,7 @@ bool kiln__cpu_has_fma(void) {
 }
 
 bool kiln__cpu_portable_loops(void) {
-  const char *e = getenv("KILN_CONV_C1_PORTABLE");
-  return e && *e && strcmp(e, "0") != 0;
+  return kiln__knob_on("KILN_CONV_C1_PORTABLE", false);
 }
 
 kiln_dtype kiln__cpu_ct(kiln_dtype dt) {

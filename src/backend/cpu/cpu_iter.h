@@ -8,6 +8,7 @@
 #define KILN_CPU_ITER_H
 
 #include "../backend.h"
+#include "../../core/knobs.h"
 
 #include <math.h>
 #include <stdint.h>

@@ -99,8 +99,7 @@ void kiln__cpu_fail_alloc_after(int64_t n) { atomic_store(&kiln__cpu_fail_left, 
 static bool kiln__cpu_injected_failure(void) {
   long long left = atomic_load(&kiln__cpu_fail_left);
   if (left == -2) {
-    const char *e = getenv("KILN_CPU_FAIL_ALLOC_AFTER");
-    long long n = (e && *e) ? atoll(e) : -1;
+    long long n = kiln__knob_int("KILN_CPU_FAIL_ALLOC_AFTER", -1);
     long long expect = -2;
     atomic_compare_exchange_strong(&kiln__cpu_fail_left, &expect, n < 0 ? -1 : n);
     left = atomic_load(&kiln__cpu_fail_left);

@@ -378,8 +378,7 @@ static bool kiln__lnf_dt(kiln_dtype dt) { return dt == KILN_F32 || dt == KILN_BF
 static bool kiln__lnf_takes(const kiln__kargs *a, bool bw) {
   static int enabled = -1;
   if (enabled < 0) {
-    const char *e = kiln__getenv("KILN_LAYER_NORM_F32");
-    enabled = !(e && e[0] == '0');
+    enabled = kiln__knob_on("KILN_LAYER_NORM_F32", true);
   }
   if (!enabled || !kiln__avx512_ok()) return false;
   const kiln__view *rowv[3] = {&a->in[0], &a->out[0], bw ? &a->in[1] : NULL};
@@ -1217,8 +1216,7 @@ static void kiln__attb_pack_go(kiln__attb_pack *c, int64_t rows, int64_t D) {
 static bool kiln__attb_takes(const kiln__kargs *a) {
   static int enabled = -1;
   if (enabled < 0) {
-    const char *e = kiln__getenv("KILN_ATTENTION_BF16");
-    enabled = !(e && e[0] == '0');
+    enabled = kiln__knob_on("KILN_ATTENTION_BF16", true);
   }
   if (!enabled || (a->i[0] & 2) || a->s[1] > 0) return false;
   int nin = a->op == KILN__K_ATTENTION_BACKWARD ? 4 : 3, nout = a->op == KILN__K_ATTENTION_BACKWARD ? 3 : 1;
@@ -1255,11 +1253,6 @@ static kiln_status kiln__attb_sums_out(const float *src, uint16_t *dst, int64_t 
   return kiln__cpu_copy(&cp);
 }
 
-static int64_t kiln__attb_env(const char *name, int64_t dflt) {
-  const char *e = kiln__getenv(name);
-  return e && atoll(e) > 0 ? atoll(e) : dflt;
-}
-
 static kiln_status kiln__attb_run(const kiln__kargs *a) {
   bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2];
@@ -1270,8 +1263,8 @@ static kiln_status kiln__attb_run(const kiln__kargs *a) {
   if (BH * Tq == 0) return KILN_OK;
   static int64_t chunk_bytes = -1, rows_env = -1;
   if (chunk_bytes < 0) {
-    chunk_bytes = kiln__attb_env("KILN_ATTB_CHUNK_BYTES", KILN__ATTB_CHUNK_BYTES);
-    rows_env = kiln__attb_env("KILN_ATTB_ROWS", 0);
+    chunk_bytes = kiln__knob_int("KILN_ATTB_CHUNK_BYTES", KILN__ATTB_CHUNK_BYTES);
+    rows_env = kiln__knob_int("KILN_ATTB_ROWS", 0);
   }
   const int64_t row_bytes = Tk * 4 * (bw ? 2 : 1); /* one query row's f32 scores */
   int64_t R = Tq; /* query rows a block */

@@ -496,8 +496,7 @@ static bool tc_fits(const kiln__kargs *a, const AttArgs &p) {
   kiln_dtype dt = a->in[0].dtype;
   if (a->op != KILN__K_ATTENTION || (dt != KILN_F16 && dt != KILN_BF16)) return false;
   if (p.D != p.Dv || (p.D != 64 && p.D != 128)) return false;
-  const char *e = getenv("KILN_CUDA_ATTENTION");
-  return !(e && strcmp(e, "simple") == 0);
+  return kiln__knob_choice("KILN_CUDA_ATTENTION", 0) != 1; /* tc, simple */
 }
 
 template <class T, int HD> kiln_status tc_launch(kiln__cuda_dev *d, const kiln__kargs *a, const AttArgs &p) {

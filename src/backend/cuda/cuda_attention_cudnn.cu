@@ -41,8 +41,7 @@ extern "C" int64_t kiln__cuda_attention_cudnn_runs(void);
 ** KILN_ATTENTION says otherwise: own (neither: cuda_flash.cu and cuda_attention.cu, the A/B),
 ** cudnn-fwd or cudnn-bwd (one; the lse contract lets either pair with the own other). */
 static int cudnn_wanted(void) { /* read at each call, so that a test can switch it */
-  const char *e = getenv("KILN_ATTENTION");
-  return !e || !e[0] || !strcmp(e, "cudnn") ? 3 : !strcmp(e, "cudnn-fwd") ? 1 : !strcmp(e, "cudnn-bwd") ? 2 : 0;
+  return kiln__knob_choice("KILN_ATTENTION", 3); /* own, cudnn-fwd, cudnn-bwd, cudnn */
 }
 
 /* Calls cuDNN ran (forward and backward), for the tests: a shape cuDNN has no engine for
@@ -404,8 +403,7 @@ size_t acc_bytes(const kiln__kargs *a) {
 /* KILN_CUDNN_SDPA_ATOMIC=1: the backward's dq through atomics (faster where cuDNN's
 ** deterministic engines are not; the bits may differ from run to run). */
 bool dq_atomic() {
-  const char *e = getenv("KILN_CUDNN_SDPA_ATOMIC");
-  return e && !strcmp(e, "1");
+  return kiln__knob_on("KILN_CUDNN_SDPA_ATOMIC", false);
 }
 
 std::string cache_key(const kiln__kargs *a) {
@@ -506,8 +504,7 @@ extern "C" kiln_status kiln__cuda_attention_cudnn(const kiln__kargs *a) {
       std::unique_ptr<Plan> p(new Plan);
       cudnnStatus_t s = a->op == KILN__K_ATTENTION ? build_fwd(a, h, p.get()) : build_bwd(a, h, p.get(), dq_atomic());
       /* KILN_CUDNN_LOG (as the convolutions' choices): a line per shape, which engine or why none */
-      const char *log = getenv("KILN_CUDNN_LOG");
-      bool say = log && log[0] && strcmp(log, "0") != 0;
+      bool say = kiln__knob_choice("KILN_CUDNN_LOG", 0) > 0;
       if (s != CUDNN_STATUS_SUCCESS) {
         char why[256] = "";
         cudnnGetLastErrorString(why, sizeof why);

@@ -789,20 +789,13 @@ struct Knobs {
   int p1_bps, p3_rows;
   bool reverse, flat;
 };
-int env_int(const char *name, int dflt, int lo, int hi) {
-  const char *e = getenv(name);
-  if (!e || !*e) return dflt;
-  char *end = NULL;
-  long v = strtol(e, &end, 10);
-  return *end || v < lo || v > hi ? dflt : (int)v;
-}
 const Knobs &knobs() {
   static const Knobs k = [] {
     Knobs r;
-    r.p1_bps = env_int("KILN_BN_P1_BPS", -1, 0, 64); /* -1: unset */
-    r.p3_rows = env_int("KILN_BN_P3_ROWS", 16, 1, 4096);
-    r.reverse = env_int("KILN_BN_P3_REVERSE", 1, 0, 1) != 0;
-    r.flat = env_int("KILN_BN_FLAT", 1, 0, 1) != 0;
+    r.p1_bps = (int)kiln__knob_int("KILN_BN_P1_BPS", -1); /* -1: unset */
+    r.p3_rows = (int)kiln__knob_int("KILN_BN_P3_ROWS", 16);
+    r.reverse = kiln__knob_on("KILN_BN_P3_REVERSE", true);
+    r.flat = kiln__knob_on("KILN_BN_FLAT", true);
     return r;
   }();
   return k;

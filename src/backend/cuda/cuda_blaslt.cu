@@ -148,8 +148,7 @@ __global__ void lt_hash(const char *x, int64_t rows, int64_t cols, int64_t ld, i
 }
 
 int lt_tune_mode(void) { /* read at each plan's first calls (tests switch it) */
-  const char *e = getenv("KILN_CUDA_LT_TUNE");
-  return e && strcmp(e, "0") == 0 ? 0 : e && strcmp(e, "2") == 0 ? 2 : 1;
+  return kiln__knob_choice("KILN_CUDA_LT_TUNE", 1); /* 0, 1, 2 */
 }
 
 bool lt_tune_wanted(const kiln__cuda_dev *d, const LtPlan *p, float beta) {

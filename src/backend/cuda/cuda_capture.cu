@@ -138,8 +138,7 @@ kiln_status fail(cudaError_t e, const char *what) {
 
 extern "C" void kiln__cuda_capture_track_begin(int device) {
   Tracker &t = g_track[device];
-  const char *env = getenv("KILN_GRAPH_DEPS");
-  t.on = !(env && !strcmp(env, "0"));
+  t.on = kiln__knob_on("KILN_GRAPH_DEPS", true);
   t.open = false;
   t.base.clear(), t.ops.clear(), t.frontier.clear(), t.cur_deps.clear();
 }

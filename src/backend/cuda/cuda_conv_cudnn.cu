@@ -98,8 +98,7 @@ kiln_status dnn_err(cudnnStatus_t s, const char *what) {
 int log_level() {
   static int level = -1;
   if (level < 0) {
-    const char *e = getenv("KILN_CUDNN_LOG");
-    level = !e || !e[0] || !strcmp(e, "0") ? 0 : !strcmp(e, "2") ? 2 : 1;
+    level = kiln__knob_choice("KILN_CUDNN_LOG", 0);
   }
   return level;
 }
@@ -109,8 +108,7 @@ bool log_mode() { return log_level() >= 1; }
 bool backend_api() {
   static int on = -1;
   if (on < 0) {
-    const char *e = getenv("KILN_CUDNN_API");
-    on = !(e && !strcmp(e, "legacy"));
+    on = kiln__knob_choice("KILN_CUDNN_API", 0) == 0; /* graph, legacy */
   }
   return on == 1;
 }
@@ -170,8 +168,7 @@ void note_times(kiln__kop op, bool hit, const double *us) {
 bool benchmark_mode() {
   static int on = -1;
   if (on < 0) {
-    const char *e = getenv("KILN_CUDNN_BENCHMARK");
-    on = e && e[0] && strcmp(e, "0") != 0;
+    on = kiln__knob_on("KILN_CUDNN_BENCHMARK", false);
   }
   return on == 1;
 }

@@ -676,8 +676,7 @@ extern "C" bool kiln__cuda_flash_fits(const kiln__kargs *a) {
     const kiln__view *o = (const kiln__view *)a->params;
     if (!o || o->dtype != dt || o->ndim != 4 || o->shape[3] != D || o->shape[2] != q->shape[2]) return false;
   }
-  const char *e = getenv("KILN_CUDA_ATTENTION");
-  return !(e && strcmp(e, "simple") == 0);
+  return kiln__knob_choice("KILN_CUDA_ATTENTION", 0) != 1; /* tc, simple */
 }
 
 extern "C" kiln_status kiln__cuda_flash(const kiln__kargs *a) {

@@ -16,18 +16,16 @@
 
 #include "kiln.h"
 #include "../backend.h"
+#include "../../core/knobs.h"
 #include "cuda_api.h"
 
 #define KC_MAX_DEV 64
 #define KC_THREADS 256
 
-/* Whether the environment variable `name` is exactly "0": the switches that turn a default
+/* Whether the tuning switch `name` (src/core/knobs.c) is set to 0: those that turn a default
 ** path off for an A/B (KILN_CONV_S2D=0, KILN_PDL=0, ...); callers read it once into a
 ** function-local static. */
-static inline bool kc_env_zero(const char *name) {
-  const char *e = getenv(name);
-  return e && !strcmp(e, "0");
-}
+static inline bool kc_env_zero(const char *name) { return !kiln__knob_on(name, true); }
 
 /* ---- per-device state (cuda_backend.cu) ---- */
 typedef struct kiln__cuda_dev {

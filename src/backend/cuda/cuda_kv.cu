@@ -988,8 +988,8 @@ enum { LD_AUTO, LD_WARP_ONLY, LD_MMA_ALWAYS };
 int ld_mode(void) {
   static int v = -1;
   if (v < 0) {
-    const char *e = getenv("KILN_LINEAR_DECODE");
-    v = !e ? LD_AUTO : !strcmp(e, "warp") ? LD_WARP_ONLY : !strcmp(e, "mma") ? LD_MMA_ALWAYS : LD_AUTO;
+    const int mode = kiln__knob_choice("KILN_LINEAR_DECODE", 0); /* 1, 0, warp, mma */
+    v = mode == 2 ? LD_WARP_ONLY : mode == 3 ? LD_MMA_ALWAYS : LD_AUTO;
   }
   return v;
 }

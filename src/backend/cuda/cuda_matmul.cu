@@ -319,8 +319,7 @@ struct Temps {
 ** cuBLAS's strided-batched call, the A/B). Read at each such call, last in its condition:
 ** not on every MATMUL. */
 static bool lt_plain_on(void) {
-  const char *e = getenv("KILN_CUDA_LT_PLAIN");
-  return !(e && strcmp(e, "0") == 0);
+  return kiln__knob_on("KILN_CUDA_LT_PLAIN", true);
 }
 
 /* f16/bf16 operands with an f32 output, no bias (see the top) */
@@ -483,9 +482,9 @@ extern "C" kiln_status kiln__cuda_matmul(const kiln__kargs *a) {
   /* The bias gradient by col_sums after the product where it fits (16-bit rows in eights
   ** read 16 bytes a lane), rather than cuBLASLt's BGRADB epilogue, whose helper kernel read
   ** GPT-2's gradients at 1.5-2 TB/s (bench/RESULTS.md); KILN_CUDA_BGRAD=lt takes the
-  ** epilogue (the A/B). */
-  const char *bg = getenv("KILN_CUDA_BGRAD");
-  const bool own_sums = !(bg && strcmp(bg, "lt") == 0) && col_sums_fit(&A, &a->out[1]);
+  ** epilogue (the A/B; read once). */
+  static const bool lt_bgrad = kiln__knob_choice("KILN_CUDA_BGRAD", 0) == 1; /* kiln, lt */
+  const bool own_sums = !lt_bgrad && col_sums_fit(&A, &a->out[1]);
   if (row_sum && !own_sums && !t.f64 && !out_tmp && bf == 0.0f && (a->out[1].strides[0] == 1 || M == 1)) {
     kiln_status s = kc_lt_matmul(d, CUBLASLT_EPILOGUE_BGRADB, t, tc.data, opB, opA, M, N, K, B.data, mb.ld, A.data,
                                    ma.ld, C.data, mc.ld, a->out[1].data, af, bf);

@@ -450,8 +450,7 @@ static bool ln_f32v_fits(const kiln__kargs *a, const LnArgs &p, bool bw) {
   if (p.xs1 != 1 || p.ys1 != 1 || p.xs0 % 4 != 0 || p.ys0 % 4 != 0) return false;
   if (!al16(a->in[0].data) || !al16(a->out[0].data)) return false;
   if (bw && (p.gs1 != 1 || p.gs0 % 4 != 0 || !al16(a->in[1].data))) return false;
-  const char *e = getenv("KILN_CUDA_LN");
-  return !(e && !strcmp(e, "simple"));
+  return kiln__knob_choice("KILN_CUDA_LN", 0) != 1; /* vec, simple */
 }
 
 template <class T>
@@ -1286,13 +1285,7 @@ bool rln_supports(const kiln__kargs *a) {
 ** its bias gradient itself), "nostatpf" (the staged backward reads each row's mean and rstd
 ** at the row, not a row ahead); "f64" and "nopf" are the warp kernels' variants and take
 ** them. */
-static bool rln_env(const char *w) {
-  const char *e = getenv("KILN_CUDA_RLN");
-  const size_t n = strlen(w);
-  for (const char *q = e; q && *q; q = strchr(q, ',') ? strchr(q, ',') + 1 : NULL)
-    if (strncmp(q, w, n) == 0 && (q[n] == ',' || q[n] == '\0')) return true;
-  return false;
-}
+static bool rln_env(const char *w) { return kiln__knob_lists("KILN_CUDA_RLN", w); }
 /* the row-group forward, where the four-wide one would run (a row-group backward ran no
 ** faster than rln_bwd_v4 and was removed: bench/RESULTS.md, 2026-12-06 18:59) */
 static bool rln_rg(void) { return !rln_env("warp") && !rln_env("nopf") && !rln_env("f64"); }

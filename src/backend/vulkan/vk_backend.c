@@ -169,8 +169,7 @@ static bool inspect(vk_dev *d, const char **why) {
                       (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT) &&
                       (sg.supportedOperations & VK_SUBGROUP_FEATURE_VOTE_BIT);
   /* KILN_VK_SUBGROUP=0: the shared-memory reductions, as on a device without (tests it) */
-  const char *sg_env = getenv("KILN_VK_SUBGROUP");
-  if (sg_env && strcmp(sg_env, "0") == 0) d->subgroup_arith = false;
+  if (!kiln__knob_on("KILN_VK_SUBGROUP", true)) d->subgroup_arith = false;
   uint32_t ne = 0;
   VK->vkEnumerateDeviceExtensionProperties(d->pd, NULL, &ne, NULL);
   VkExtensionProperties *ext = calloc(ne ? ne : 1, sizeof *ext);
@@ -181,9 +180,9 @@ static bool inspect(vk_dev *d, const char **why) {
     d->atomic_f32 = has_ext(ext, ne, "VK_EXT_shader_atomic_float");
     d->coop_nv = has_ext(ext, ne, "VK_NV_cooperative_matrix") && coop_nv_f16(d);
     /* KILN_VK_PIPESTATS=1: registers, spills and shared memory of each pipeline (tuning) */
-    const char *ps = getenv("KILN_VK_PIPESTATS");
-    d->pipestats = ps && strcmp(ps, "1") == 0 && has_ext(ext, ne, "VK_KHR_pipeline_executable_properties");
-    if (ps && strcmp(ps, "1") == 0 && !d->pipestats)
+    const bool ps = kiln__knob_on("KILN_VK_PIPESTATS", false);
+    d->pipestats = ps && has_ext(ext, ne, "VK_KHR_pipeline_executable_properties");
+    if (ps && !d->pipestats)
       fprintf(stderr, "kiln: vulkan: KILN_VK_PIPESTATS: %s has no VK_KHR_pipeline_executable_properties\n",
               d->props.deviceName);
     if (!has_ext(ext, ne, "VK_NV_cooperative_matrix"))
@@ -240,11 +239,9 @@ static bool open_device(vk_dev *d, int index, const char **why) {
   ** shape matmul_cm.comp uses; KILN_VK_COOPMAT=0 turns them off (an A/B switch, and a way
   ** out should a driver miscompile it). A device that refuses the feature is opened
   ** without it. */
-  const char *cm_env = getenv("KILN_VK_COOPMAT"), *cmv = getenv("KILN_VK_CM");
-  d->cm_variant = kiln__vk_cm_variant(cmv);
-  const char *bk = getenv("KILN_VK_MMBK");
-  d->mm_k16 = bk && strcmp(bk, "16") == 0;
-  bool cm_off = cm_env && strcmp(cm_env, "0") == 0;
+  d->cm_variant = kiln__vk_cm_variant(kiln__knob_text("KILN_VK_CM"));
+  d->mm_k16 = kiln__knob_choice("KILN_VK_MMBK", 0) == 1; /* 8, 16 */
+  const bool cm_off = !kiln__knob_on("KILN_VK_COOPMAT", true);
   VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {
       .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV, .cooperativeMatrix = VK_TRUE};
   const char *cm_ext[2] = {"VK_NV_cooperative_matrix", "VK_KHR_pipeline_executable_properties"};
@@ -278,8 +275,7 @@ static bool open_device(vk_dev *d, int index, const char **why) {
     ci.ppEnabledExtensionNames = d->pipestats ? cm_ext + 1 : NULL;
   }
   if (!d->coop_on) r = VK->vkCreateDevice(d->pd, &ci, NULL, &d->dev);
-  const char *emu = getenv("KILN_VK_CM_EMU");
-  d->cm_emu = !d->coop_on && emu && strcmp(emu, "1") == 0 && d->f16 && !cm_off;
+  d->cm_emu = !d->coop_on && kiln__knob_on("KILN_VK_CM_EMU", false) && d->f16 && !cm_off;
   if (r != VK_SUCCESS && d->pipestats) { /* the statistics are a tuning aid: never a reason to fail */
     d->pipestats = false;
     ci.pNext = &f;
@@ -358,8 +354,7 @@ static bool open_device(vk_dev *d, int index, const char **why) {
 
 kiln_status kiln__vk_probe(const char **why) {
   *why = NULL;
-  const char *e = getenv("KILN_VULKAN_DISABLE");
-  if (e && *e && strcmp(e, "0") != 0) {
+  if (kiln__knob_on("KILN_VULKAN_DISABLE", false)) {
     *why = "disabled by KILN_VULKAN_DISABLE";
     return KILN_ERR_UNAVAILABLE;
   }

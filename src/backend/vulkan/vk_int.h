@@ -30,6 +30,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "core/knobs.h"
 #include "vk_shaders.h"
 
 /* ---- the loader: function pointers, loaded in three levels ---- */

@@ -22,7 +22,7 @@ bool kiln__vk_load(const char **why, char *path_out, size_t path_n) {
       "libvulkan.so.1", "libvulkan.so",
 #endif
   };
-  const char *env = getenv("KILN_VULKAN_LOADER"); /* a loader elsewhere, or a test's bad path */
+  const char *env = kiln__knob_text("KILN_VULKAN_LOADER"); /* a loader elsewhere, or a test's bad path */
   void *lib = NULL;
   const char *used = NULL;
   if (env && *env) {

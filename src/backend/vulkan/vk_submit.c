@@ -40,9 +40,9 @@ kiln_status kiln__vk_submit_init(vk_dev *d, int index) {
       r = kiln__vk_block_make(d, KILN_VK_PARAM_RING, d->host_type, true, &f->params);
     if (r != VK_SUCCESS) return kiln__vk_fail(d, index, r, "the parameter ring");
   }
-  const char *tm = getenv("KILN_VK_TIMING");
-  d->trace = tm && strcmp(tm, "trace") == 0;
-  if (tm && (strcmp(tm, "1") == 0 || d->trace) && d->ts_bits > 0) {
+  const int timing = kiln__knob_choice("KILN_VK_TIMING", 0); /* 0, 1, trace */
+  d->trace = timing == 2;
+  if (timing > 0 && d->ts_bits > 0) {
     VkQueryPoolCreateInfo qi = {.sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
                                 .queryType = VK_QUERY_TYPE_TIMESTAMP,
                                 .queryCount = 2 * KILN_VK_FRAMES};

@@ -368,6 +368,8 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
   if (st == KILN_OK && (op->flags & KILN__OP_INPLACE))
     for (int i = 0; i < n_in; i++)
       if (args[i]) kiln__storage_bump(args[i]->storage);
+  c.records = st == KILN_OK && c.differentiable &&
+              !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE | KILN__OP_NO_GRAD)) && kiln__needs_grad(n_in, args);
   bool skip = false;
   if (st == KILN_OK && observe && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE)) &&
       ((op->flags & (KILN__OP_CHECKPOINT_KEEPS | KILN__OP_PRODUCT)) ||
@@ -399,8 +401,7 @@ static kiln_tensor *call(const kiln__op *op, int n_in, kiln_tensor *const *in, c
     if (!c.out[0]) st = kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
   }
   /* 7. autograd */
-  if (st == KILN_OK && c.differentiable && !(op->flags & (KILN__OP_COMPOSITE | KILN__OP_INPLACE | KILN__OP_NO_GRAD)) &&
-      kiln__needs_grad(n_in, args) && kiln_dtype_is_float(c.out[0]->dtype)) {
+  if (st == KILN_OK && c.records && kiln_dtype_is_float(c.out[0]->dtype)) {
     int n_node_out = c.n_out;
     /* Trailing integer outputs (max_dim's indices) are not differentiable, as in PyTorch:
     ** they stay out of the node and never require grad. */

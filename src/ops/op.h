@@ -96,6 +96,9 @@ typedef struct kiln__op_ctx {
   kiln_device device;         /* the inputs' device (infer may set it for creation ops) */
   kiln_tensor *tmp[KILN__OP_MAX_TMP];
   bool differentiable;        /* infer may clear it (comparisons, integer dtypes) */
+  bool records;               /* set before forward: the call records a node if forward succeeds
+                              ** (and its first output is floating), so forward may skip what
+                              ** only the backward needs (linear_gelu's z) */
   uint64_t scratch[8];        /* small op-private values from infer to forward */
   bool amp_f32;               /* autocast left 16-bit inputs to a KILN__OP_AMP_READS_16 op:
                               ** its floating outputs are f32 */

@@ -158,8 +158,7 @@ static kiln_status ce_forward_op(kiln__op_ctx *c) {
   kiln_dtype ld = logits->dtype == KILN_F64 ? KILN_F64 : KILN_F32;
   kiln_device dev = kiln_device_of(logits);
 
-  /* the path's own test for recording a node (the target, integer, never needs grad) */
-  bool ng = kiln__needs_grad(c->n_in, c->in);
+  bool ng = c->records; /* the target, integer, never needs grad */
   bool prev = kiln_set_grad_enabled(false);
   kiln_tensor *L2 = NULL, *T1 = NULL, *rows = NULL, *lse = NULL, *cnt = NULL, *r = NULL;
   kiln_tensor *dl = NULL; /* (M, C): the fused gradient, made only when it will be used */

@@ -566,7 +566,7 @@ static kiln_status linear_gelu_forward(kiln__op_ctx *c) {
   kiln_device dev = c->device;
   /* z is saved for the backward: a call that records no node (eval, generation, a
   ** checkpoint's forward) has the fused kernel write y alone (n_out 1) */
-  const bool keep_z = c->differentiable && kiln__needs_grad(c->n_in, c->in);
+  const bool keep_z = c->records;
   kiln_tensor *z = NULL;
   if (keep_z && !(z = c->tmp[0] = kiln__tensor_new(y->ndim, y->shape, y->dtype, dev))) return kiln_last_error();
   int64_t N = weight->shape[0], K = weight->shape[1];

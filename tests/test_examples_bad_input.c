@@ -82,11 +82,12 @@ int main(void) {
   /* bad environment: refused by both examples, with the accepted values */
   const char *envs[] = {"KILN_NUM_THREADS=0", "KILN_NUM_THREADS=-1", "KILN_NUM_THREADS=abc",
                         "KILN_NUM_THREADS=4x", "KILN_NUM_THREADS=100000", "KILN_FALLBACK=nonsense",
-                        "KILN_DEVICE=nonsense", "KILN_PROFILE=yes", "KILN_ANOMALY=2"};
+                        "KILN_DEVICE=nonsense", "KILN_PROFILE=yes", "KILN_ANOMALY=2",
+                        "KILN_CONV_GEMM=off", "KILN_ATTENTION=flash"};
   const char *needles[] = {"1 to 1024", "1 to 1024", "1 to 1024", "1 to 1024", "1 to 1024",
                            "warn (the default), error or silent", "cpu, cuda or cuda:N", "device",
-                           "KILN_ANOMALY='2'"};
-  for (int i = 0; i < 9; i++) {
+                           "KILN_ANOMALY='2'", "KILN_CONV_GEMM='off'", "own|cudnn-fwd|cudnn-bwd|cudnn"};
+  for (int i = 0; i < 11; i++) {
     expect_refused(envs[i], fm, "--data good --checkpoint c.ckpt", 2, needles[i]);
     expect_refused(envs[i], "seed-mlp", "--epochs 1 --quiet", 2, needles[i]);
   }

@@ -12,18 +12,18 @@
 
 #include "logdir.h"
 
-/* The KILN_* environment, checked before anything runs (kiln_env_check): a bad value is
-** an error naming the variable and the accepted values, exit code 2. KILN_DEVICE is not
-** checked when --device was given (the flag wins). Returns 0 or 2. */
+/* The KILN_* environment, checked before anything runs (kiln_env_check): a bad value of a
+** setting or a tuning switch is an error naming the variable and the accepted values, exit
+** code 2. KILN_DEVICE is not checked when --device was given (the flag wins). Returns 0 or 2. */
 static inline int ex_check_env(const char *prog, bool device_flag) {
   static const char *const names[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK", "KILN_PROFILE",
                                       "KILN_ANOMALY"};
-  for (int i = device_flag ? 1 : 0; i < 5; i++)
-    if (kiln_env_check(names[i]) != KILN_OK) {
-      fprintf(stderr, "%s: %s\n", prog, kiln_last_error_message());
-      return 2;
-    }
-  return 0;
+  bool ok = true;
+  for (int i = device_flag ? 1 : 0; i < 5 && ok; i++) ok = kiln_env_check(names[i]) == KILN_OK;
+  for (int i = 0; ok && kiln_env_switch(i); i++) ok = kiln_env_check(kiln_env_switch(i)) == KILN_OK;
+  if (ok) return 0;
+  fprintf(stderr, "%s: %s\n", prog, kiln_last_error_message());
+  return 2;
 }
 
 /* --device NAME into *dev when given (else *dev is left as the caller's default), with its

@@ -72,11 +72,13 @@ static kiln_status check_device_var(const char *v) {
   return kiln_set_error(KILN_ERR_DEVICE, "KILN_DEVICE='%s' cannot be used: %s", v, msg);
 }
 
-static const char *const checked[] = {"KILN_DEVICE", "KILN_NUM_THREADS", "KILN_FALLBACK",
-                                      "KILN_PROFILE", "KILN_ANOMALY"};
-#define N_CHECKED ((int)(sizeof checked / sizeof checked[0]))
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
-/* The settings, in checked[]'s order, then KILN_DATA_DIR (a path the readers check). */
+/* The settings: the first N_CHECKED have a parser above; KILN_DATA_DIR is a path the data
+** readers check. */
+static const char *const settings[] = {"KILN_DEVICE",  "KILN_NUM_THREADS", "KILN_FALLBACK",
+                                       "KILN_PROFILE", "KILN_ANOMALY",     "KILN_DATA_DIR"};
+#define N_CHECKED 5
 static const char *const setting_about[] = {
     "the default device: cpu, cuda or cuda:N",
     "threads of the CPU backend: 1 to 1024 (unset: one a core)",
@@ -94,13 +96,12 @@ static const char *const tool_vars[] = {"KILN_AB",          "KILN_BUILD_DIR",  "
                                         "KILN_SAMPLER_US",  "KILN_SKIP_DEPS",  "KILN_SOURCE_DIR",
                                         "KILN_TORCH_PEER"};
 static const char *const tool_prefixes[] = {"KILN_TEST_", "KILN_HARNESS_", "KILN_BUILD_"};
-#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 kiln_env_kind kiln_env_about(const char *name, const char **what) {
   const char *w = NULL;
   kiln_env_kind kind = KILN_ENV_UNKNOWN;
-  for (int i = 0; name && i <= N_CHECKED && !kind; i++)
-    if (!strcmp(name, i < N_CHECKED ? checked[i] : "KILN_DATA_DIR")) kind = KILN_ENV_SETTING, w = setting_about[i];
+  for (int i = 0; name && i < N_OF(settings) && !kind; i++)
+    if (!strcmp(name, settings[i])) kind = KILN_ENV_SETTING, w = setting_about[i];
   if (name && !kind && (w = kiln__knob_about(name)) != NULL) kind = KILN_ENV_TUNING;
   for (int i = 0; name && !kind && i < N_OF(tool_vars); i++)
     if (!strcmp(name, tool_vars[i])) kind = KILN_ENV_TOOL;
@@ -136,11 +137,9 @@ static int distance(const char *a, const char *b, int cap) {
 static const char *nearest(const char *name) {
   const char *best = NULL;
   int bd = 3;
-  for (int i = 0; i < N_CHECKED + 1 + kiln__knob_count() + N_OF(tool_vars); i++) {
-    const char *c = i < N_CHECKED ? checked[i]
-                    : i == N_CHECKED ? "KILN_DATA_DIR"
-                    : i < N_CHECKED + 1 + kiln__knob_count() ? kiln__knob_name(i - N_CHECKED - 1)
-                                                              : tool_vars[i - N_CHECKED - 1 - kiln__knob_count()];
+  for (int i = 0; i < N_OF(settings) + kiln__knob_count() + N_OF(tool_vars); i++) {
+    const int k = i - N_OF(settings), t = k - kiln__knob_count();
+    const char *c = k < 0 ? settings[i] : t < 0 ? kiln__knob_name(k) : tool_vars[t];
     int d = distance(name, c, 2);
     if (d < bd) bd = d, best = c;
   }
@@ -150,7 +149,7 @@ static const char *nearest(const char *name) {
 kiln_status kiln_env_check(const char *name) {
   if (!name) {
     for (int i = 0; i < N_CHECKED; i++) {
-      kiln_status st = kiln_env_check(checked[i]);
+      kiln_status st = kiln_env_check(settings[i]);
       if (st != KILN_OK) return st;
     }
     for (int i = 0; i < kiln__knob_count(); i++) {
@@ -160,7 +159,7 @@ kiln_status kiln_env_check(const char *name) {
     return KILN_OK;
   }
   bool known = false;
-  for (int i = 0; i < N_CHECKED; i++) known |= !strcmp(name, checked[i]);
+  for (int i = 0; i < N_CHECKED; i++) known |= !strcmp(name, settings[i]);
   const char *v = getenv(name);
   int x;
   if (known && (!v || !*v)) return KILN_OK;

@@ -64,8 +64,23 @@ static inline _Noreturn void bench_args_fail(const bench_args *c, const char *fm
 }
 
 /* The next argument, NULL after the last. -h and --help print the usage and exit 0. */
+/* The tuning switches set (kiln_env_switch), one line on stderr: a figure measured off
+** kiln's defaults says so where it is printed. Nothing when none is set. */
+static inline void bench_args_note_switches(const char *prog) {
+  char set[1024] = "";
+  size_t used = 0;
+  for (int i = 0; kiln_env_switch(i) && used < sizeof set; i++) {
+    const char *v = getenv(kiln_env_switch(i));
+    if (v && *v) used += (size_t)snprintf(set + used, sizeof set - used, "%s%s=%s", used ? ", " : "", kiln_env_switch(i), v);
+  }
+  if (used) fprintf(stderr, "%s: tuning switches set (kiln off its defaults): %s\n", prog, set);
+}
+
 static inline const char *bench_args_next(bench_args *c) {
-  if (++c->i >= c->argc) return NULL;
+  if (++c->i >= c->argc) {
+    if (c->i == c->argc) bench_args_note_switches(c->prog); /* the command line read: once */
+    return NULL;
+  }
   const char *a = c->argv[c->i];
   if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
     bench_args_usage(c, stdout);

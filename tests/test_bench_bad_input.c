@@ -3,10 +3,12 @@
 ** flag without its value is refused with exit 2, a message that names the flag (or the
 ** positional argument) and what was given, and the usage line on stderr, before anything
 ** is timed; -h and --help print the usage on stdout and exit 0. Nothing here runs a
-** benchmark but one tiny CPU GPT step (bench-gpt2 with too few steps for its peer), so the
-** test is fast and needs no GPU.
+** benchmark but tiny CPU GPT steps (bench-gpt2 with too few steps for its peer, and with
+** tuning switches set, which it names), so the test is fast and needs no GPU.
 */
 #define _POSIX_C_SOURCE 200809L
+#include <kiln.h>
+
 #include "cli_run.h"
 
 /* prog args: exit 2, needle on stderr with the usage line, nothing on stdout. */
@@ -41,6 +43,18 @@ static void expect_gpt2_few_steps(void) {
                strstr(r.err, "--steps 2: the peer times the steps after its first 3, so it needs --steps 4 or more") &&
                !strstr(r.err, "peer failed") && strstr(r.out, "kiln"),
            "bench-gpt2 --steps 2: exit %d (want 0), stdout:\n%s\nstderr:\n%s", r.status, r.out, r.err);
+  cr_free(&r);
+  /* a figure measured off kiln's defaults says so (one stderr line naming the switches set) */
+  for (int i = 0; kiln_env_switch(i); i++) unsetenv(kiln_env_switch(i)); /* whatever the shell set */
+  r = cr_run("KILN_LINEAR_GELU=0 KILN_CHECKPOINT_ELIDE=0", "bench-gpt2",
+             "--device cpu --layers 1 --dim 32 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2 --no-peer");
+  CR_CHECK(r.status == 0 && strstr(r.err, "bench-gpt2: tuning switches set (kiln off its defaults): "
+                                          "KILN_CHECKPOINT_ELIDE=0, KILN_LINEAR_GELU=0"),
+           "bench-gpt2 with switches set: exit %d, stderr:\n%s", r.status, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "bench-gpt2", "--device cpu --layers 1 --dim 32 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2 --no-peer");
+  CR_CHECK(r.status == 0 && !strstr(r.err, "tuning switches"), "bench-gpt2 without switches: exit %d, stderr:\n%s",
+           r.status, r.err);
   cr_free(&r);
 }
 

@@ -15,12 +15,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-extern char **environ;
-
 #include <kiln.h>
 #include <kiln_nn.h> /* kiln_format_bytes */
 
 #include "cli.h"
+
+extern char **environ; /* POSIX: the process's environment, for the KILN_ names set */
 
 #define SMOKE_N 256
 #define BW_BYTES (64 << 20)

@@ -101,6 +101,7 @@ static void test_switches(void) {
 /* ---- every KILN_ name the sources read and the tests set, known ---- */
 
 static int scanned_files, scanned_names;
+static size_t src_len; /* KILN_SOURCE_DIR's length: paths are judged below it */
 
 /* Checks each KILN_X right after marker in text: a switch (tuning) or any known name; where
 ** a value follows (`KILN_X=value` in CMake and scripts), that it is accepted. assigned: only
@@ -151,7 +152,7 @@ static int scan_file(const char *path, const struct stat *st, int type, struct F
   base = base ? base + 1 : path;
   bool code = dot && (!strcmp(dot, ".c") || !strcmp(dot, ".h") || !strcmp(dot, ".cu") || !strcmp(dot, ".cuh"));
   bool cmake = !strcmp(base, "CMakeLists.txt") || (dot && !strcmp(dot, ".sh"));
-  if (type != FTW_F || (!code && !cmake) || st->st_size > (4 << 20) || strstr(path, "/build")) return 0;
+  if (type != FTW_F || (!code && !cmake) || st->st_size > (4 << 20) || strstr(path + src_len, "/build")) return 0;
   FILE *f = fopen(path, "rb");
   if (!f) return 0;
   char *text = calloc(1, (size_t)st->st_size + 1);
@@ -176,6 +177,7 @@ static void test_sources_known(void) {
     printf("test_env: KILN_SOURCE_DIR unset: the source scan skipped\n");
     return;
   }
+  src_len = strlen(src);
   const char *dirs[] = {"src", "tools", "examples", "bench", "tests", "scripts"};
   for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
     char path[4096];

@@ -279,6 +279,10 @@ KILN_API kiln_env_kind kiln_env_about(const char *name, const char **what);
 /* The i-th tuning switch's name, in alphabetical order; NULL past the last (for listing
 ** them: kiln doctor --switches). */
 KILN_API const char *kiln_env_switch(int i);
+/* The variable kiln reads (a setting, a tuning switch, or a tool's own) nearest to `name`,
+** at most two edits away: the fix to suggest for a misspelt name ("KILN_FALLBAK" ->
+** "KILN_FALLBACK"); name itself when it is one of them; NULL when none is that near. */
+KILN_API const char *kiln_env_nearest(const char *name);
 
 /* --------------------------------------------------------------------------------------
 ** Tensors: an opaque, refcounted view (storage + offset + shape + strides + dtype).

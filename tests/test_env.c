@@ -91,6 +91,12 @@ static void test_switches(void) {
         strstr(kiln_last_error_message(), "did you mean KILN_ATTENTION?"));
   CHECK(kiln_env_check("KILN_SOMETHING_ELSE_ENTIRELY") == KILN_ERR_INVALID_ARGUMENT &&
         !strstr(kiln_last_error_message(), "did you mean"));
+  /* the nearest name on its own (kiln doctor's fix line): settings, switches, tools' names */
+  CHECK(kiln_env_nearest("KILN_FALLBAK") && !strcmp(kiln_env_nearest("KILN_FALLBAK"), "KILN_FALLBACK"));
+  CHECK(kiln_env_nearest("KILN_ATENTION") && !strcmp(kiln_env_nearest("KILN_ATENTION"), "KILN_ATTENTION"));
+  CHECK(kiln_env_nearest("KILN_SKIP_DEP") && !strcmp(kiln_env_nearest("KILN_SKIP_DEP"), "KILN_SKIP_DEPS"));
+  CHECK(kiln_env_nearest("KILN_DEVICE") && !strcmp(kiln_env_nearest("KILN_DEVICE"), "KILN_DEVICE"));
+  CHECK(!kiln_env_nearest("KILN_SOMETHING_ELSE_ENTIRELY") && !kiln_env_nearest(NULL) && !kiln_env_nearest(""));
   CHECK(kiln_env_about("KILN_DATA_DIR", &what) == KILN_ENV_SETTING && what);
   CHECK(kiln_env_about("KILN_DEVICE", NULL) == KILN_ENV_SETTING);
   CHECK(kiln_env_about("KILN_TEST_DEVICE", &what) == KILN_ENV_TOOL && what);

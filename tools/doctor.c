@@ -455,10 +455,10 @@ static void diagnose(doctor *d) {
       snprintf(what, sizeof what, "%s; kiln uses the default", msg);
       add_problem(d, "warning", what, "set it to an accepted value, or unset it (`kiln doctor --switches` lists them)");
     } else {
-      const char *hint = strstr(msg, "did you mean ");
+      const char *near = kiln_env_nearest(name);
       snprintf(what, sizeof what, "%s is set, but kiln reads no variable of that name", name);
       char to_do[256];
-      if (hint) snprintf(to_do, sizeof to_do, "D%.*s? (else unset it)", (int)strcspn(hint + 1, "?"), hint + 1);
+      if (near) snprintf(to_do, sizeof to_do, "Did you mean %s? (else unset it)", near);
       else snprintf(to_do, sizeof to_do, "unset it (`kiln doctor --switches` lists the tuning switches)");
       add_problem(d, "warning", what, to_do);
     }

@@ -133,9 +133,9 @@ static int distance(const char *a, const char *b, int cap) {
   return row[lb];
 }
 
-/* The variable kiln reads nearest to name (at most 2 edits), or NULL. */
-static const char *nearest(const char *name) {
+const char *kiln_env_nearest(const char *name) {
   const char *best = NULL;
+  if (!name) return NULL;
   int bd = 3;
   for (int i = 0; i < N_OF(settings) + kiln__knob_count() + N_OF(tool_vars); i++) {
     const int k = i - N_OF(settings), t = k - kiln__knob_count();
@@ -171,7 +171,7 @@ kiln_status kiln_env_check(const char *name) {
   kiln_env_kind kind = kiln_env_about(name, NULL);
   if (kind == KILN_ENV_TUNING) return kiln__knob_check(name);
   if (kind != KILN_ENV_UNKNOWN) return KILN_OK; /* KILN_DATA_DIR and the tools' own: checked where read */
-  const char *near = nearest(name);
+  const char *near = kiln_env_nearest(name);
   char hint[96] = "";
   if (near) snprintf(hint, sizeof hint, "; did you mean %s?", near);
   return kiln_set_error(KILN_ERR_INVALID_ARGUMENT,

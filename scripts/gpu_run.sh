@@ -24,15 +24,19 @@ has() { case " $steps " in *" $1 "*|*" all "*) return 0;; esac; return 1; }
 if has build; then
   {
     echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; gcc --version | head -1; cmake --version | head -1; nvcc --version | tail -2
-    zinc=; zlibf=
+    zinc=; zlibf=; cj=
     if [ ! -f /usr/include/zlib.h ]; then zinc="-DZLIB_INCLUDE_DIR=$pfx/usr/include"; fi
+    # cJSON from the carried debs, so the GPU build is the users' (without it st_json.c's parser)
+    if [ ! -f /usr/include/cjson/cJSON.h ] && [ -f $pfx/usr/include/cjson/cJSON.h ]; then
+      cj="-DKILN_CJSON_LIBRARY=$lib/libcjson.so -DKILN_CJSON_INCLUDE_DIR=$pfx/usr/include"
+    fi
     for z in /usr/lib/x86_64-linux-gnu/libz.so /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1; do
       [ -e "$z" ] && { zlibf="-DZLIB_LIBRARY=$z"; break; }
     done
     cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release -DKILN_CUDA=ON -DKILN_CUDA_ARCHS=90 \
       -DKILN_OPENBLAS_LIBRARY=$lib/openblas-pthread/libopenblas.so \
       -DKILN_CBLAS_INCLUDE_DIR=$pfx/usr/include/x86_64-linux-gnu/openblas-pthread \
-      $zinc $zlibf -DKILN_WERROR=OFF ${KILN_CMAKE_EXTRA:-} 2>&1
+      $zinc $zlibf $cj -DKILN_WERROR=OFF ${KILN_CMAKE_EXTRA:-} 2>&1
     time cmake --build $B -j16 2>&1 | grep -E "error|warning:|Error" | head -60
     ls $B/bin | head -80
   } > "$OUT/build.log" 2>&1

@@ -465,10 +465,13 @@ KILN_API kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf);
 ** KILN_ERR_INVALID_ARGUMENT (not a GPT) or KILN_ERR_OOM. */
 KILN_API kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt);
 /* Reads a HF config.json (n_layer, n_head, n_embd, vocab_size, n_positions -> block_size,
-** resid_pdrop -> dropout) into *cfg. KILN_ERR_IO (cannot read), KILN_ERR_FORMAT (bad
-** JSON naming the byte, a size missing, or a GPT-2 kiln's GPT is not: model_type other
-** than gpt2, activation other than gelu_new, layer_norm_epsilon other than 1e-5, n_inner
-** other than 4 n_embd, untied embeddings, scale_attn_by_inverse_layer_idx). */
+** resid_pdrop -> dropout; an absent rate is transformers' default 0.1) into *cfg, which
+** is left alone on failure. KILN_ERR_IO (cannot read), KILN_ERR_FORMAT (bad JSON naming
+** the byte, a size missing, a size that is not a whole number from 1 to 2^31 - 1, n_embd
+** not a multiple of n_head, a dropout rate outside [0, 1), or a GPT-2 kiln's GPT is not:
+** model_type other than gpt2, activation other than gelu_new, layer_norm_epsilon other
+** than 1e-5, n_inner other than 4 n_embd, untied embeddings,
+** scale_attn_by_inverse_layer_idx). */
 KILN_API kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg);
 /* A new GPT from a HF checkpoint: path is a directory (its config.json and
 ** model.safetensors) or a .safetensors file (config.json beside it). cfg non-NULL is used

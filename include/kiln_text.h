@@ -56,7 +56,8 @@ typedef struct kiln_tokenizer kiln_tokenizer;
 ** error, an id that is not an integer in [0, 2^31) or given twice, a token with a
 ** character outside the byte-level alphabet, a merge line that is not two tokens
 ** separated by one space, a merge of a token that is not in the vocabulary or whose
-** result is not, a byte with no token), KILN_ERR_OOM. Free with kiln_tokenizer_free. */
+** result is not, a byte with no token, a special token whose id the vocabulary gives to
+** another token), KILN_ERR_OOM. Free with kiln_tokenizer_free. */
 KILN_API kiln_tokenizer *kiln_tokenizer_load(const char *vocab_json, const char *merges_txt);
 /* The same from Hugging Face's single file; KILN_ERR_UNSUPPORTED names a setting kiln
 ** does not implement (a normalizer, a model other than BPE, add_prefix_space, dropout). */

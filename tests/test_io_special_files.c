@@ -1,4 +1,4 @@
-/* Issue 17.4: every reader refuses a FIFO, a directory and a device at once, with an error
+/* Issue 17.4: every reader (the tokenizer's and the GPT config's too) refuses a FIFO, a directory and a device at once, with an error
 ** naming the kind of file, instead of blocking in open() (a FIFO waits for a writer
 ** forever). An alarm turns a hang into a failure. */
 #define _POSIX_C_SOURCE 200809L
@@ -7,6 +7,7 @@
 #include <kiln_data.h>
 #include <kiln_io.h>
 #include <kiln_nn.h>
+#include <kiln_text.h>
 
 #include <signal.h>
 #include <stdio.h>
@@ -53,6 +54,15 @@ static void all_readers(const char *path, const char *kind) {
   expect_refused("kiln_checkpoint_load", path,
                  kiln_checkpoint_load(path, m, NULL, NULL, NULL, NULL, NULL, NULL), kind);
   kiln_module_free(m);
+  /* the text readers: the tokenizer's files and a Hugging Face config.json */
+  kiln_tokenizer *tok = kiln_tokenizer_load(path, path);
+  expect_refused("kiln_tokenizer_load", path, tok ? KILN_OK : kiln_last_error(), kind);
+  kiln_tokenizer_free(tok);
+  tok = kiln_tokenizer_load_json(path);
+  expect_refused("kiln_tokenizer_load_json", path, tok ? KILN_OK : kiln_last_error(), kind);
+  kiln_tokenizer_free(tok);
+  kiln_gpt_config c;
+  expect_refused("kiln_gpt_hf_config", path, kiln_gpt_hf_config(path, &c), kind);
   alarm(0);
 }
 

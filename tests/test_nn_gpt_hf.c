@@ -240,9 +240,52 @@ static void test_config(void) {
   CHECK(config_text(dir, "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"vocab_size\": 5, \"n_positions\": 4,"
                          " \"tie_word_embeddings\": false}", &c) == KILN_ERR_FORMAT && msg_has("untied"));
   CHECK(config_text(dir, "{\"model_type\": \"llama\"}", &c) == KILN_ERR_FORMAT && msg_has("llama"));
+  /* sizes kiln_gpt_new would refuse (or a cast could not hold) are named here, and a
+  ** refused file leaves the config alone; an absent dropout rate is transformers' 0.1 */
+  static const struct {
+    const char *sizes, *msg;
+  } bad_sizes[] = {
+      {"\"n_layer\": 2, \"n_head\": 11, \"n_embd\": 768", "n_embd 768, not a multiple of n_head 11"},
+      {"\"n_layer\": 2.5, \"n_head\": 2, \"n_embd\": 8", "n_layer 2.5; a size is a whole number"},
+      {"\"n_layer\": 1e30, \"n_head\": 2, \"n_embd\": 8", "n_layer 1e+30"},
+      {"\"n_layer\": 2, \"n_head\": 0, \"n_embd\": 8", "n_head 0"},
+      {"\"n_layer\": -3, \"n_head\": 2, \"n_embd\": 8", "n_layer -3"},
+      {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 2147483648", "n_embd 2.14748e+09"},
+      {"\"n_layer\": nan, \"n_head\": 2, \"n_embd\": 8", "expected a number"},
+      {"\"n_layer\": inf, \"n_head\": 2, \"n_embd\": 8", "expected a number"},
+      {"\"n_layer\": 0x10, \"n_head\": 2, \"n_embd\": 8", "expected ',' or '}'"},
+      {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8, \"resid_pdrop\": 1.5", "resid_pdrop 1.5; a dropout rate is in [0, 1)"},
+      {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8, \"attn_pdrop\": -0.1", "attn_pdrop -0.1"},
+  };
+  for (size_t i = 0; i < sizeof bad_sizes / sizeof bad_sizes[0]; i++) {
+    char text[300];
+    snprintf(text, sizeof text, "{%s, \"vocab_size\": 5, \"n_positions\": 4}", bad_sizes[i].sizes);
+    kiln_gpt_config keep = fixture_cfg(), got = keep;
+    kiln_status st = config_text(dir, text, &got);
+    if (st != KILN_ERR_FORMAT || !msg_has(bad_sizes[i].msg))
+      fprintf(stderr, "  %s: %s \"%s\", want \"%s\"\n", text, kiln_error_name(st), kiln_last_error_message(),
+              bad_sizes[i].msg);
+    CHECK(st == KILN_ERR_FORMAT && msg_has(bad_sizes[i].msg) && !memcmp(&got, &keep, sizeof got));
+  }
+  CHECK(config_text(dir, "{\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8.0, \"vocab_size\": 5E0, \"n_positions\": 4}",
+                    &c) == KILN_OK &&
+        c.n_embd == 8 && c.vocab_size == 5 && c.dropout == 0.1);
   CHECK(config_text(dir, "{\"n_layer\" 3}", &c) == KILN_ERR_FORMAT && msg_has("at byte"));
   CHECK(config_text(dir, "[1, 2]", &c) == KILN_ERR_FORMAT);
   CHECK(config_text(dir, "{\"n_layer\": 3, ", &c) == KILN_ERR_FORMAT);
+  /* what is skipped is JSON too: not a bare word, a bracket that does not match, or text after */
+  CHECK(config_text(dir, "{\"eos_token_id\": 50256`, \"n_layer\": 3}", &c) == KILN_ERR_FORMAT &&
+        msg_has("expected ',' or '}' at byte 22"));
+  CHECK(config_text(dir, "{\"x\": maybe}", &c) == KILN_ERR_FORMAT && msg_has("expected a number at byte 6"));
+  CHECK(config_text(dir, "{\"x\": [1, {\"y\": 2]]}", &c) == KILN_ERR_FORMAT && msg_has("expected ',' or '}' at byte 17"));
+  char deep[200] = "{\"x\": ";
+  for (int k = 0; k < 2; k++) { /* 64 levels are read, 65 refused */
+    memset(deep + 6, '[', 64 + k);
+    memset(deep + 6 + 64 + k, ']', 64 + k);
+    snprintf(deep + 6 + 2 * (64 + k), sizeof deep - 6 - 2 * (64 + k), ", \"n_layer\": 3}");
+    CHECK(config_text(dir, deep, &c) == KILN_ERR_FORMAT && msg_has(k ? "nested more than 64 deep" : "has no n_head"));
+  }
+  CHECK(config_text(dir, "{\"n_layer\": 3} x", &c) == KILN_ERR_FORMAT && msg_has("text after the JSON object"));
   char path[400];
   snprintf(path, sizeof path, "%s/none.json", dir);
   CHECK(kiln_gpt_hf_config(path, &c) == KILN_ERR_IO && msg_has("none.json"));

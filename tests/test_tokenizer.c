@@ -211,10 +211,24 @@ static void test_bad_files(void) {
   CHECK(kiln_tokenizer_load_json(v) == NULL && kiln_last_error() == KILN_ERR_UNSUPPORTED && has("tok1.json:1: byte 15: a normalizer"));
   v = write_tmp("tok2.json", "{\"model\": {\"type\": \"BPE\", \"merges\": [[\"a\", \"b\", \"c\"]]}}");
   CHECK(kiln_tokenizer_load_json(v) == NULL && has("a merge is a pair of two tokens"));
+  /* an empty merge: refused with an error (it returned NULL with none; found by the fuzz
+  ** target tokenizer_json) */
+  v = write_tmp("tok4.json", "{\"model\": {\"type\": \"BPE\", \"merges\": [[]]}}");
+  kiln_clear_error();
+  CHECK(kiln_tokenizer_load_json(v) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        has("tok4.json:1: byte 37: a merge is a pair of two tokens"));
+  /* a special token whose id the vocabulary gives to another token (found by the fuzz
+  ** target tokenizer_json: the tokens' bytes were sized by the vocabulary's text) */
+  v = write_tmp("tok3.json", "{\"added_tokens\": [{\"id\": 1, \"content\": \"<|x|>\", \"special\": true}],\n"
+                             " \"pre_tokenizer\": {\"type\": \"ByteLevel\"},\n"
+                             " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}}");
+  CHECK(kiln_tokenizer_load_json(v) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        has("tok3.json:3: byte") && has("id 1 is the special token \"<|x|>\" but \"b\" in the vocabulary"));
   CHECK(kiln_tokenizer_load("/nonexistent/vocab.json", good_merges) == NULL && kiln_last_error() == KILN_ERR_IO);
 
   const char *names[] = {"merges1.txt", "merges2.txt", "merges3.txt", "merges4.txt", "vocab1.json", "vocab2.json",
-                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "tok1.json", "tok2.json"};
+                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "tok1.json", "tok2.json",
+                         "tok3.json", "tok4.json"};
   for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
     char p[512];
     const char *t = getenv("TMPDIR");

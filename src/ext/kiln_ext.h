@@ -112,6 +112,10 @@ int kiln__knob_choice(const char *name, int dflt);
 ** the path and the kind of file. The FILE form opens "rb"; NULL with the error set. */
 int kiln__open_regular(const char *who, const char *path);
 FILE *kiln__fopen_regular(const char *who, const char *path);
+/* A whole regular file in a new buffer (free()) of *n bytes plus a NUL after them (the
+** JSON and text readers of nn and text); NULL with KILN_ERR_IO (as above, or a read
+** error), KILN_ERR_OOM or KILN_ERR_INVALID_ARGUMENT (NULL path) naming `who`. */
+char *kiln__read_regular(const char *who, const char *path, size_t *n);
 
 /* ---- ownership (io: src/io/file.c) ---- */
 /* A tensor made here and owned by the calling code, whether or not a scope is open:

@@ -240,6 +240,31 @@ FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size
   return f;
 }
 
+char *kiln__read_regular(const char *who, const char *path, size_t *n) {
+  uint64_t size = 0;
+  FILE *f = path ? kiln__fopen_regular_size(who, path, &size) : NULL;
+  if (!path) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", who);
+  if (!f) return NULL;
+  char *buf = size < SIZE_MAX ? malloc((size_t)size + 1) : NULL;
+  if (!buf) {
+    fclose(f);
+    kiln_set_error(KILN_ERR_OOM, "%s: out of host memory reading %s (%llu bytes)", who, path,
+                   (unsigned long long)size);
+    return NULL;
+  }
+  size_t len = size ? fread(buf, 1, (size_t)size, f) : 0; /* a file cut short since fstat: what is there */
+  int err = ferror(f);
+  fclose(f);
+  if (err) {
+    free(buf);
+    kiln_set_error(KILN_ERR_IO, "%s: cannot read %s", who, path);
+    return NULL;
+  }
+  buf[len] = 0;
+  *n = len;
+  return buf;
+}
+
 int kiln__host_is_le(void) {
   const uint16_t one = 1;
   unsigned char b;

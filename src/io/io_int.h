@@ -37,6 +37,8 @@ FILE *kiln__fopen_regular(const char *who, const char *path);
 /* The same, with the file's size in bytes in *size (the loaders check lengths against it);
 ** a NULL path is refused (KILN_ERR_INVALID_ARGUMENT "who: NULL path"). */
 FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size);
+/* The whole file, NUL-terminated (kiln_ext.h says more). */
+char *kiln__read_regular(const char *who, const char *path, size_t *n);
 
 /* 1 on a little-endian host. File formats here are little-endian; on a big-endian host
 ** element bytes are swapped after reading and before writing. */

@@ -254,36 +254,79 @@ static kiln_status read_string(cfg_reader *r, char *out, size_t cap) {
   return KILN_OK;
 }
 
-/* Skips one value of any kind. */
-static kiln_status skip_value(cfg_reader *r) {
+/* A JSON number (strtod alone would take "nan", "inf", "0x1p3" and read past the value). */
+static kiln_status read_number(cfg_reader *r, double *v) {
+  const char *s = r->s;
+  size_t i = r->i, digits = 0;
+  if (i < r->n && s[i] == '-') i++;
+  for (; i < r->n && s[i] >= '0' && s[i] <= '9'; i++) digits++;
+  if (i < r->n && s[i] == '.')
+    for (i++; i < r->n && s[i] >= '0' && s[i] <= '9'; i++) digits++;
+  if (digits && i < r->n && (s[i] == 'e' || s[i] == 'E')) {
+    i++;
+    if (i < r->n && (s[i] == '+' || s[i] == '-')) i++;
+    size_t e = i;
+    while (i < r->n && s[i] >= '0' && s[i] <= '9') i++;
+    if (i == e) digits = 0;
+  }
+  char buf[64];
+  if (!digits || i - r->i >= sizeof buf) return bad(r, "expected a number");
+  memcpy(buf, s + r->i, i - r->i);
+  buf[i - r->i] = 0;
+  *v = strtod(buf, NULL);
+  r->i = i;
+  return KILN_OK;
+}
+
+/* Skips one value of any kind, checking it is JSON (nested to 64 levels at most). */
+static kiln_status skip_value_in(cfg_reader *r, int depth) {
   ws(r);
   if (r->i >= r->n) return bad(r, "expected a value");
-  char c = r->s[r->i];
+  const char c = r->s[r->i];
   if (c == '"') {
     char tmp[8];
     return read_string(r, tmp, sizeof tmp);
   }
   if (c == '{' || c == '[') {
-    int depth = 0;
-    for (; r->i < r->n; r->i++) {
-      c = r->s[r->i];
-      if (c == '"') {
-        char tmp[8];
-        if (read_string(r, tmp, sizeof tmp) != KILN_OK) return kiln_last_error();
-        r->i--;
-      } else if (c == '{' || c == '[') {
-        depth++;
-      } else if ((c == '}' || c == ']') && --depth == 0) {
+    if (depth >= 64) return bad(r, "values nested more than 64 deep");
+    const char close = c == '{' ? '}' : ']';
+    r->i++;
+    for (bool first = true;; first = false) {
+      ws(r);
+      if (r->i < r->n && r->s[r->i] == close && first) break;
+      if (!first) {
+        if (r->i < r->n && r->s[r->i] == close) break;
+        if (r->i >= r->n || r->s[r->i] != ',') return bad(r, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'");
         r->i++;
-        return KILN_OK;
+        ws(r);
       }
+      if (close == '}') {
+        char key[8];
+        kiln_status st = read_string(r, key, sizeof key);
+        if (st != KILN_OK) return st;
+        ws(r);
+        if (r->i >= r->n || r->s[r->i] != ':') return bad(r, "expected ':'");
+        r->i++;
+      }
+      kiln_status st = skip_value_in(r, depth + 1);
+      if (st != KILN_OK) return st;
     }
-    return bad(r, "unterminated object or array");
+    r->i++;
+    return KILN_OK;
   }
-  size_t start = r->i;
-  while (r->i < r->n && !strchr(",}] \t\r\n", r->s[r->i])) r->i++;
-  return r->i > start ? KILN_OK : bad(r, "expected a value");
+  static const char *const words[] = {"true", "false", "null"};
+  for (int k = 0; k < 3; k++) {
+    size_t len = strlen(words[k]);
+    if (r->i + len <= r->n && !strncmp(r->s + r->i, words[k], len)) {
+      r->i += len;
+      return KILN_OK;
+    }
+  }
+  double v;
+  return read_number(r, &v);
 }
+
+static kiln_status skip_value(cfg_reader *r) { return skip_value_in(r, 0); }
 
 /* The members kiln reads. Numbers are NAN and strings "" when absent. */
 typedef struct hf_cfg {
@@ -306,12 +349,10 @@ static kiln_status read_member(cfg_reader *r, const char *key, hf_cfg *h) {
   for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
     if (strcmp(key, nums[k].key) != 0) continue;
     if (r->i + 4 <= r->n && strncmp(r->s + r->i, "null", 4) == 0) return skip_value(r);
-    char *end;
-    double v = strtod(r->s + r->i, &end);
-    if (end == r->s + r->i) return bad(r, "expected a number");
-    r->i = (size_t)(end - r->s);
-    *(double *)((char *)h + nums[k].off) = v;
-    return KILN_OK;
+    double v = NAN;
+    kiln_status st = read_number(r, &v);
+    if (st == KILN_OK) *(double *)((char *)h + nums[k].off) = v;
+    return st;
   }
   if (strcmp(key, "activation_function") == 0) return read_string(r, h->activation, sizeof h->activation);
   if (strcmp(key, "model_type") == 0) return read_string(r, h->model_type, sizeof h->model_type);
@@ -324,36 +365,14 @@ static kiln_status read_member(cfg_reader *r, const char *key, hf_cfg *h) {
   return skip_value(r);
 }
 
-static char *read_file(const char *path, size_t *n, const char *who) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(errno));
-    return NULL;
-  }
-  size_t cap = 4096, len = 0;
-  char *buf = malloc(cap);
-  for (size_t got; buf && (got = fread(buf + len, 1, cap - len, f)) > 0;) {
-    len += got;
-    if (len == cap) {
-      char *nb = realloc(buf, cap *= 2);
-      if (!nb) free(buf);
-      buf = nb;
-    }
-  }
-  fclose(f);
-  if (!buf) kiln_set_error(KILN_ERR_OOM, "%s: out of host memory reading %s", who, path);
-  *n = len;
-  return buf;
-}
-
 kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
   static const char *who = "kiln_gpt_hf_config";
   if (!path || !cfg) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL argument", who);
   size_t n;
-  char *s = read_file(path, &n, who);
+  char *s = kiln__read_regular(who, path, &n);
   if (!s) return kiln_last_error();
   cfg_reader r = {s, path, n, 0};
-  hf_cfg h = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, 0, 0, 0, "", "", -1, -1, -1};
+  hf_cfg h = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, "", "", -1, -1, -1};
   kiln_status st = KILN_OK;
   ws(&r);
   if (r.i >= n || s[r.i] != '{') st = bad(&r, "expected a JSON object");
@@ -378,6 +397,11 @@ kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
     }
     r.i++;
     st = read_member(&r, key, &h);
+  }
+  if (st == KILN_OK) {
+    r.i++;
+    ws(&r);
+    if (r.i < n) st = bad(&r, "text after the JSON object");
   }
   free(s);
   if (st != KILN_OK) return st;
@@ -407,6 +431,31 @@ kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
                           h.tie == 0 ? "tie_word_embeddings false (an untied head)"
                           : h.scale_attn == 0 ? "scale_attn_weights false"
                                               : "scale_attn_by_inverse_layer_idx true");
+  /* The sizes kiln_gpt_new takes, so a wrong file is named here rather than by the model. */
+  const struct {
+    const char *key;
+    double v;
+  } sizes[] = {{"n_layer", h.n_layer}, {"n_head", h.n_head}, {"n_embd", h.n_embd}, {"vocab_size", h.vocab_size},
+               {"n_positions", h.n_positions}};
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
+    if (!(sizes[k].v >= 1 && sizes[k].v <= INT32_MAX && sizes[k].v == floor(sizes[k].v)))
+      return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has %s %g; a size is a whole number from 1 to %d", who, path,
+                            sizes[k].key, sizes[k].v, INT32_MAX);
+  if (fmod(h.n_embd, h.n_head) != 0)
+    return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has n_embd %g, not a multiple of n_head %g", who, path, h.n_embd,
+                          h.n_head);
+  /* an absent rate is transformers' GPT2Config default */
+  if (isnan(h.resid_pdrop)) h.resid_pdrop = 0.1;
+  if (isnan(h.embd_pdrop)) h.embd_pdrop = 0.1;
+  if (isnan(h.attn_pdrop)) h.attn_pdrop = 0.1;
+  const struct {
+    const char *key;
+    double v;
+  } rates[] = {{"resid_pdrop", h.resid_pdrop}, {"embd_pdrop", h.embd_pdrop}, {"attn_pdrop", h.attn_pdrop}};
+  for (size_t k = 0; k < sizeof rates / sizeof rates[0]; k++)
+    if (!(rates[k].v >= 0 && rates[k].v < 1))
+      return kiln_set_error(KILN_ERR_FORMAT, "%s: %s has %s %g; a dropout rate is in [0, 1)", who, path,
+                            rates[k].key, rates[k].v);
   kiln_gpt_config c = kiln_gpt2_config();
   c.n_layer = (int64_t)h.n_layer;
   c.n_head = (int64_t)h.n_head;

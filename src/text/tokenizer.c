@@ -3,7 +3,6 @@
 ** pieces) and decoding. The encoding is Hugging Face `tokenizers`' for these files:
 ** within a piece, the adjacent pair of lowest merge rank is merged first, the leftmost
 ** of equal ranks, until no pair has a rank (tokenizers' Word::merge_all). */
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -184,42 +183,6 @@ static void builder_release(builder *b) {
   free(b->specials);
 }
 
-static char *read_file(const char *what, const char *path, size_t *n) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    kiln_set_error(KILN_ERR_IO, "%s: cannot open %s: %s", what, path, strerror(errno));
-    return NULL;
-  }
-  char *buf = NULL;
-  size_t len = 0, cap = 0;
-  for (;;) {
-    if (len + 65536 + 1 > cap) {
-      cap = cap ? cap * 2 : 1 << 20;
-      char *q = realloc(buf, cap);
-      if (!q) {
-        free(buf);
-        fclose(f);
-        oom(what);
-        return NULL;
-      }
-      buf = q;
-    }
-    size_t got = fread(buf + len, 1, cap - len - 1, f);
-    len += got;
-    if (got == 0) break;
-  }
-  int err = ferror(f);
-  fclose(f);
-  if (err) {
-    free(buf);
-    kiln_set_error(KILN_ERR_IO, "%s: cannot read %s", what, path);
-    return NULL;
-  }
-  buf[len] = 0;
-  *n = len;
-  return buf;
-}
-
 static uint32_t table_size(size_t n) {
   uint32_t s = 64;
   while (s < 2 * n + 1) s *= 2;
@@ -288,6 +251,13 @@ static kiln_tokenizer *build(builder *b, const source *vsrc, const source *msrc)
       fail_in(what, vsrc, e->file_off, KILN_ERR_FORMAT, msg);
       goto fail;
     }
+    if (raw[e->id] && strcmp(raw[e->id], b->block + e->off)) {
+      /* decode would give the special's text for what encode made of the entry's bytes */
+      snprintf(msg, sizeof msg, "id %lld is the special token \"%.80s\" but \"%.80s\" in the vocabulary",
+               (long long)e->id, raw[e->id], b->block + e->off);
+      fail_in(what, vsrc, e->file_off, KILN_ERR_FORMAT, msg);
+      goto fail;
+    }
     t->str_off[e->id] = (int64_t)e->off;
     file_off[e->id] = e->file_off;
   }
@@ -310,7 +280,7 @@ static kiln_tokenizer *build(builder *b, const source *vsrc, const source *msrc)
   byte_alphabet(to_cp, from_cp);
   size_t total = 0;
   for (int32_t id = 0; id < t->n_ids; id++)
-    if (t->str_off[id] >= 0) total += strlen(b->block + t->str_off[id]);
+    if (t->str_off[id] >= 0) total += strlen(raw[id] ? raw[id] : b->block + t->str_off[id]);
   t->bytes = malloc(total + 1);
   if (!t->bytes) goto oom_;
   int64_t at = 0;
@@ -486,9 +456,9 @@ KILN_API kiln_tokenizer *kiln_tokenizer_load(const char *vocab_json, const char 
   const char *what = "kiln_tokenizer_load";
   if (!vocab_json || !merges_txt) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", what);
   size_t vn = 0, mn = 0;
-  char *vs = read_file(what, vocab_json, &vn);
+  char *vs = kiln__read_regular(what, vocab_json, &vn);
   if (!vs) return NULL;
-  char *ms = read_file(what, merges_txt, &mn);
+  char *ms = kiln__read_regular(what, merges_txt, &mn);
   if (!ms) {
     free(vs);
     return NULL;
@@ -601,7 +571,10 @@ static int read_model(builder *b, kiln__jreader *jr) {
         size_t at = jr->pos;
         if (kiln__jr_peek(jr) == '[') { /* ["a", "b"] (tokenizers >= 0.20) */
           int f3 = 1;
-          if (!kiln__jr_array_begin(jr) || kiln__jr_element(jr, &f3) != 1 || !kiln__jr_string(jr)) return 0;
+          if (!kiln__jr_array_begin(jr)) return 0;
+          if (kiln__jr_element(jr, &f3) != 1) /* [] has no first token: an error of its own */
+            return kiln__jr_fail_at(jr, at, "a merge is a pair of two tokens"), 0;
+          if (!kiln__jr_string(jr)) return 0;
           size_t n1 = jr->len;
           char *x = malloc(n1 + 1);
           if (!x) return oom(b->what);
@@ -680,7 +653,7 @@ KILN_API kiln_tokenizer *kiln_tokenizer_load_json(const char *tokenizer_json) {
   const char *what = "kiln_tokenizer_load_json";
   if (!tokenizer_json) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", what);
   size_t n = 0;
-  char *s = read_file(what, tokenizer_json, &n);
+  char *s = kiln__read_regular(what, tokenizer_json, &n);
   if (!s) return NULL;
   builder b = {.what = what};
   kiln__jreader jr;

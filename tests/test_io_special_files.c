@@ -36,6 +36,12 @@ static void expect_refused(const char *what, const char *path, kiln_status st, c
   CHECK(ok);
 }
 
+static bool count_event(const kiln_scalar_event *e, void *ctx) {
+  (void)e;
+  (void)ctx;
+  return true;
+}
+
 static void all_readers(const char *path, const char *kind) {
   alarm(20);
   kiln_clear_error();
@@ -63,6 +69,7 @@ static void all_readers(const char *path, const char *kind) {
   kiln_tokenizer_free(tok);
   kiln_gpt_config c;
   expect_refused("kiln_gpt_hf_config", path, kiln_gpt_hf_config(path, &c), kind);
+  expect_refused("kiln_summary_read", path, kiln_summary_read(path, count_event, NULL), kind);
   alarm(0);
 }
 

@@ -185,6 +185,11 @@ static void test_bad_files(void) {
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab3.json:1: byte 9: id 1 is given to both \"a\" and \"b\""));
   v = write_tmp("vocab4.json", "{\"a\": 1, \"b\" 2}");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab4.json:1: byte 13: expected ':', found '2'"));
+  /* ids far past the number of tokens (a few bytes of file asked for gigabytes of tables;
+  ** found by the fuzz targets tokenizer and tokenizer_json) */
+  v = write_tmp("vocab7.json", "{\"a\": 0,\n \"b\": 2000000000}");
+  CHECK(kiln_tokenizer_load(v, good_merges) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        has("vocab7.json:2: byte 10: id 2000000000 is far past the 2 tokens (ids above 1027 are refused"));
   /* a vocabulary without all 256 bytes */
   v = write_tmp("vocab5.json", "{\"a\": 0}");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("no token for byte 0x00"));
@@ -227,7 +232,7 @@ static void test_bad_files(void) {
   CHECK(kiln_tokenizer_load("/nonexistent/vocab.json", good_merges) == NULL && kiln_last_error() == KILN_ERR_IO);
 
   const char *names[] = {"merges1.txt", "merges2.txt", "merges3.txt", "merges4.txt", "vocab1.json", "vocab2.json",
-                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "tok1.json", "tok2.json",
+                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "vocab7.json", "tok1.json", "tok2.json",
                          "tok3.json", "tok4.json"};
   for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
     char p[512];

@@ -336,8 +336,8 @@ static bool read_value(cursor c, kiln_scalar_event *ev, char *tag, size_t tag_ca
 
 kiln_status kiln_summary_read(const char *path, kiln_scalar_fn fn, void *ctx) {
   if (!path || !fn) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_summary_read: NULL argument");
-  FILE *f = fopen(path, "rb");
-  if (!f) return kiln_set_error(KILN_ERR_IO, "kiln_summary_read: cannot open '%s': %s", path, strerror(errno));
+  FILE *f = kiln__fopen_regular("kiln_summary_read", path); /* a FIFO is refused, not waited on */
+  if (!f) return kiln_last_error();
   kiln_status st = KILN_OK;
   uint8_t *data = NULL;
   size_t cap = 0;

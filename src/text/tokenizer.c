@@ -233,6 +233,21 @@ static kiln_tokenizer *build(builder *b, const source *vsrc, const source *msrc)
   int64_t max_id = -1;
   for (size_t i = 0; i < b->n_vocab; i++) max_id = b->vocab[i].id > max_id ? b->vocab[i].id : max_id;
   for (int i = 0; i < b->n_specials; i++) max_id = b->specials[i].id > max_id ? b->specials[i].id : max_id;
+  /* The tables are indexed by id: ids far past the number of tokens would make a few bytes
+  ** of file cost gigabytes. Real vocabularies run 0..n-1 with a few gaps at most. */
+  const int64_t n_tokens = (int64_t)b->n_vocab + b->n_specials, id_room = 2 * n_tokens + 1024;
+  if (max_id >= id_room) {
+    size_t at = 0;
+    for (size_t i = 0; i < b->n_vocab; i++)
+      if (b->vocab[i].id == max_id) at = b->vocab[i].file_off;
+    snprintf(msg, sizeof msg,
+             "id %lld is far past the %lld tokens (ids above %lld are refused: a vocabulary's ids run "
+             "from 0 with few gaps)",
+             (long long)max_id, (long long)n_tokens, (long long)id_room - 1);
+    fail_in(what, vsrc, at, KILN_ERR_FORMAT, msg);
+    free(t);
+    return NULL;
+  }
   t->n_ids = (int32_t)(max_id + 1);
   t->str_off = malloc(((size_t)t->n_ids + 1) * sizeof *t->str_off);
   t->bytes_off = malloc(((size_t)t->n_ids + 1) * sizeof *t->bytes_off);

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "../fixture.h"
@@ -189,6 +190,130 @@ static void seeds_checkpoint(const char *tmp) {
   kiln_module_free(m);
 }
 
+/* GPT-2's byte-level alphabet: byte b as the UTF-8 of its character (printable Latin-1
+** bytes stand for themselves, the others for U+0100 onwards, in order). */
+static int byte_char(int b, char *out) {
+  int cp = b, k = 0;
+  if (!((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae)) {
+    cp = 256;
+    for (int i = 0; i < b; i++) cp += !((i >= 0x21 && i <= 0x7e) || (i >= 0xa1 && i <= 0xac) || i >= 0xae);
+  }
+  if (cp < 0x80) {
+    out[k++] = (char)cp;
+  } else {
+    out[k++] = (char)(0xc0 | cp >> 6);
+    out[k++] = (char)(0x80 | (cp & 0x3f));
+  }
+  out[k] = 0;
+  return k;
+}
+
+/* Tokenizer files: <|endoftext|> (id 0), the 256 bytes (1-256), and a few merges whose
+** results follow ("\u0120" is the space). As vocab.json + NUL + merges.txt, and as
+** tokenizer.json with each merge form ("a b" and ["a", "b"]). */
+static void seeds_tokenizer(void) {
+  static const char *const merges[][3] = {{"\u0120", "t", "\u0120t"}, {"h", "e", "he"},
+                                          {"\u0120t", "he", "\u0120the"}, {"i", "n", "in"},
+                                          {"\u0120", "a", "\u0120a"}, {"e", "r", "er"}};
+  static const char *const merges_utf8[][2] = {{"\xc4\xa0", "t"}, {"h", "e"}, {"\xc4\xa0t", "he"},
+                                               {"i", "n"},          {"\xc4\xa0", "a"}, {"e", "r"}};
+  const int nm = (int)(sizeof merges / sizeof merges[0]);
+  char vocab[8192], merge_txt[512], merge_json[2][512];
+  size_t v = 0, m = 0, mj[2] = {0, 0};
+  v += (size_t)snprintf(vocab + v, sizeof vocab - v, "{\"<|endoftext|>\": 0");
+  for (int b = 0; b < 256; b++) {
+    char c[4];
+    byte_char(b, c);
+    const char *esc = c[0] == '"' ? "\\\"" : c[0] == '\\' ? "\\\\" : c;
+    v += (size_t)snprintf(vocab + v, sizeof vocab - v, ", \"%s\": %d", esc, b + 1);
+  }
+  for (int i = 0; i < nm; i++) v += (size_t)snprintf(vocab + v, sizeof vocab - v, ", \"%s\": %d", merges[i][2], 257 + i);
+  v += (size_t)snprintf(vocab + v, sizeof vocab - v, "}");
+  m += (size_t)snprintf(merge_txt + m, sizeof merge_txt - m, "#version: 0.2\n");
+  for (int i = 0; i < nm; i++) {
+    m += (size_t)snprintf(merge_txt + m, sizeof merge_txt - m, "%s %s\n", merges_utf8[i][0], merges_utf8[i][1]);
+    mj[0] += (size_t)snprintf(merge_json[0] + mj[0], sizeof merge_json[0] - mj[0], "%s\"%s %s\"", i ? ", " : "",
+                              merges[i][0], merges[i][1]);
+    mj[1] += (size_t)snprintf(merge_json[1] + mj[1], sizeof merge_json[1] - mj[1], "%s[\"%s\", \"%s\"]", i ? ", " : "",
+                              merges[i][0], merges[i][1]);
+  }
+  char pair[8192 + 520];
+  memcpy(pair, vocab, v);
+  pair[v] = 0;
+  memcpy(pair + v + 1, merge_txt, m);
+  put("tokenizer", "seed-pair", -1, pair, v + 1 + m);
+  put("tokenizer", "seed-no-merges", -1, vocab, v);
+  for (int f = 0; f < 2; f++) {
+    char json[8192 + 1024];
+    int n = snprintf(json, sizeof json,
+                     "{\"version\": \"1.0\", \"added_tokens\": [{\"id\": 0, \"content\": \"<|endoftext|>\", "
+                     "\"special\": true}], \"normalizer\": null, \"pre_tokenizer\": {\"type\": \"ByteLevel\", "
+                     "\"add_prefix_space\": false}, \"model\": {\"type\": \"BPE\", \"dropout\": null, "
+                     "\"vocab\": %s, \"merges\": [%s]}}",
+                     vocab, merge_json[f]);
+    put("tokenizer_json", f ? "seed-pair-merges" : "seed-string-merges", -1, json, (size_t)n);
+  }
+}
+
+/* config.json as transformers writes it (kiln_gpt_save_hf's), and GPT-2 small's. */
+static void seeds_gpt_config(void) {
+  static const char small[] =
+      "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n  \"activation_function\": "
+      "\"gelu_new\",\n  \"n_layer\": 2,\n  \"n_head\": 2,\n  \"n_embd\": 8,\n  \"vocab_size\": 16,\n  "
+      "\"n_positions\": 8,\n  \"n_ctx\": 8,\n  \"n_inner\": null,\n  \"layer_norm_epsilon\": 1e-05,\n  "
+      "\"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"tie_word_embeddings\": true,\n  "
+      "\"task_specific_params\": {\"text-generation\": {\"do_sample\": true, \"max_length\": [50, {}]}}\n}\n";
+  static const char gpt2[] =
+      "{\"activation_function\": \"gelu_new\", \"attn_pdrop\": 0.1, \"bos_token_id\": 50256, \"embd_pdrop\": 0.1, "
+      "\"eos_token_id\": 50256, \"initializer_range\": 0.02, \"layer_norm_epsilon\": 1e-05, \"model_type\": "
+      "\"gpt2\", \"n_ctx\": 1024, \"n_embd\": 768, \"n_head\": 12, \"n_layer\": 12, \"n_positions\": 1024, "
+      "\"resid_pdrop\": 0.1, \"scale_attn_weights\": true, \"summary_type\": \"cls_index\", \"vocab_size\": 50257}";
+  put("gpt_config", "seed-small", -1, small, sizeof small - 1);
+  put("gpt_config", "seed-gpt2", -1, gpt2, sizeof gpt2 - 1);
+}
+
+/* An event file kiln's writer made: as it is (first byte odd) and as its records, each a
+** 2-byte length and the Event, for the target to frame (even). */
+static void seeds_tfevents(void) {
+  char dir[1200];
+  snprintf(dir, sizeof dir, "%s/.tmp-tfevents", g_dir);
+  kiln_summary_writer *w = kiln_summary_writer_open(dir);
+  if (!w) {
+    fprintf(stderr, "fuzz-seeds: %s\n", kiln_last_error_message());
+    g_fail = 1;
+    return;
+  }
+  kiln_summary_writer_add_scalar(w, "train/loss", 0, 2.5);
+  kiln_summary_writer_add_scalar(w, "train/lr", 1, 1e-3);
+  kiln_summary_writer_add_scalar(w, "val/loss", 100, -0.0);
+  char path[1200];
+  snprintf(path, sizeof path, "%s", kiln_summary_writer_path(w));
+  kiln_summary_writer_close(w);
+  size_t n = 0;
+  unsigned char *b = read_all(path, &n);
+  if (!b) {
+    g_fail = 1;
+    return;
+  }
+  put("tfevents", "seed-file", 1, b, n);
+  unsigned char *rec = malloc(n + 1);
+  size_t m = 0;
+  for (size_t at = 0; rec && at + 12 <= n;) {
+    size_t len = (size_t)b[at] | (size_t)b[at + 1] << 8; /* the events here are short */
+    if (at + 16 + len > n) break;
+    rec[m++] = (unsigned char)len;
+    rec[m++] = (unsigned char)(len >> 8);
+    memcpy(rec + m, b + at + 12, len);
+    m += len;
+    at += 16 + len;
+  }
+  if (rec) put("tfevents", "seed-records", 0, rec, m);
+  free(rec);
+  free(b);
+  remove(path);
+  rmdir(dir);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: fuzz-seeds DIR\n");
@@ -203,6 +328,9 @@ int main(int argc, char **argv) {
   seeds_idx(tmp);
   seeds_csv();
   seeds_checkpoint(tmp);
+  seeds_tokenizer();
+  seeds_gpt_config();
+  seeds_tfevents();
   kiln_scope_end();
   return g_fail;
 }

@@ -8,6 +8,7 @@
 #include <kiln_io.h>
 #include <kiln_nn.h>
 #include <kiln_optim.h>
+#include <kiln_text.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -16,8 +17,9 @@
 #include <unistd.h>
 #include <zlib.h>
 
-const char *const kiln_fuzz_target_names[] = {"safetensors", "npy", "idx", "idx_gz", "csv",
-                                              "checkpoint", NULL};
+const char *const kiln_fuzz_target_names[] = {"safetensors", "npy",       "idx",      "idx_gz",
+                                              "csv",         "checkpoint", "tokenizer", "tokenizer_json",
+                                              "gpt_config",  "tfevents",   NULL};
 
 /* One scratch file per process, in memory when /dev/shm is there. */
 static const char *scratch_path(void) {
@@ -47,6 +49,150 @@ static int write_gz(const char *path, const uint8_t *data, size_t size) {
     return -1;
   }
   return gzclose(g) == Z_OK ? 0 : -1;
+}
+
+/* ---- tokenizer: what a loaded tokenizer promises ---------------------------------------
+** Loading checks that every byte has a token, so any bytes encode, every id is in the
+** vocabulary, and decode gives the very bytes back (special tokens included). */
+static int tok_round_trip(kiln_tokenizer *tok, const char *what, const char *text, size_t len) {
+  int32_t *ids = NULL;
+  int64_t n = -1;
+  char *back = NULL;
+  size_t blen = 0;
+  int rc = 0;
+  if (kiln_tokenizer_encode(tok, text, len, &ids, &n) != KILN_OK) {
+    fprintf(stderr, "fuzz tokenizer: encoding the %s failed: %s\n", what, kiln_last_error_message());
+    return -1;
+  }
+  for (int64_t i = 0; i < n && rc == 0; i++)
+    if (ids[i] < 0 || ids[i] >= kiln_tokenizer_vocab_size(tok)) {
+      fprintf(stderr, "fuzz tokenizer: the %s encoded to id %d, outside the vocabulary of %lld\n", what, ids[i],
+              (long long)kiln_tokenizer_vocab_size(tok));
+      rc = -1;
+    }
+  if (rc == 0 && (n < 0 || (size_t)n > len || (len > 0) != (n > 0))) {
+    fprintf(stderr, "fuzz tokenizer: %zu bytes of the %s gave %lld ids\n", len, what, (long long)n);
+    rc = -1;
+  }
+  if (rc == 0 && kiln_tokenizer_decode(tok, ids, n, &back, &blen) != KILN_OK) {
+    fprintf(stderr, "fuzz tokenizer: decoding the %s's ids failed: %s\n", what, kiln_last_error_message());
+    rc = -1;
+  }
+  if (rc == 0 && (blen != len || (len && memcmp(back, text, len)) || back[blen] != 0)) {
+    fprintf(stderr, "fuzz tokenizer: the %s did not decode back to itself (%zu bytes, %zu back)\n", what, len, blen);
+    rc = -1;
+  }
+  kiln_tokenizer_buffer_free(back);
+  kiln_tokenizer_buffer_free(ids);
+  return rc;
+}
+
+static int run_tokenizer(kiln_tokenizer *tok, const uint8_t *body, size_t bsize) {
+  if (!tok) {
+    const char *m = kiln_last_error_message();
+    kiln_status code = kiln_last_error();
+    if (code == KILN_OK || !m || !*m) {
+      fprintf(stderr, "fuzz tokenizer: NULL without an error\n");
+      return -1;
+    }
+    return 0;
+  }
+  int rc = 0;
+  const int64_t vs = kiln_tokenizer_vocab_size(tok);
+  const int32_t eos = kiln_tokenizer_eos_id(tok);
+  if (vs < 256 || eos < -1 || eos >= vs) {
+    fprintf(stderr, "fuzz tokenizer: vocabulary size %lld, eos id %d\n", (long long)vs, eos);
+    rc = -1;
+  }
+  /* every kind of piece GPT-2's pattern cuts, special tokens, invalid UTF-8 */
+  static const char sample[] = "Hello, world! It's  <|endoftext|>\t\n 12345 caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac "
+                               "\xf0\x9f\x98\x80 \xff\xfe\xc3 've'll  \r\n<|endoftext|><|endoftext";
+  if (rc == 0) rc = tok_round_trip(tok, "sample text", sample, sizeof sample - 1);
+  if (rc == 0) rc = tok_round_trip(tok, "input's own bytes", (const char *)body, bsize < 4096 ? bsize : 4096);
+  /* ids from the input: decoded, or refused as out of the vocabulary */
+  int32_t ids[64];
+  int64_t n = 0;
+  for (size_t i = 0; i + 2 <= bsize && n < 64; i += 2) ids[n++] = (int32_t)(body[i] | body[i + 1] << 8) - 256;
+  char *text = NULL;
+  size_t len = 0;
+  kiln_status st = kiln_tokenizer_decode(tok, ids, n, &text, &len);
+  if (rc == 0 && st != KILN_OK && st != KILN_ERR_INDEX) {
+    fprintf(stderr, "fuzz tokenizer: decoding ids failed with %s\n", kiln_last_error_message());
+    rc = -1;
+  }
+  if (rc == 0 && st != KILN_OK && text) {
+    fprintf(stderr, "fuzz tokenizer: a refused decode still gave text\n");
+    rc = -1;
+  }
+  kiln_tokenizer_buffer_free(text);
+  kiln_tokenizer_free(tok);
+  return rc;
+}
+
+/* ---- gpt_config: a Hugging Face config.json ------------------------------------------
+** What kiln_gpt_hf_config promises when it accepts a file: a config kiln_gpt_new takes. */
+static int run_gpt_config(const char *path) {
+  kiln_gpt_config c;
+  memset(&c, 0x5a, sizeof c);
+  const kiln_gpt_config before = c;
+  kiln_status st = kiln_gpt_hf_config(path, &c);
+  if (st != KILN_OK) {
+    if (memcmp(&c, &before, sizeof c)) {
+      fprintf(stderr, "fuzz gpt_config: a refused file (%s) changed the config\n", kiln_last_error_message());
+      return -1;
+    }
+    return 0;
+  }
+  const int64_t big = INT64_C(1) << 31;
+  if (c.n_layer < 1 || c.n_head < 1 || c.n_embd < 1 || c.vocab_size < 1 || c.block_size < 1 || c.n_layer >= big ||
+      c.n_head >= big || c.n_embd >= big || c.vocab_size >= big || c.block_size >= big || c.n_embd % c.n_head ||
+      !(c.dropout >= 0 && c.dropout < 1)) {
+    fprintf(stderr, "fuzz gpt_config: accepted n_layer %lld n_head %lld n_embd %lld vocab %lld block %lld dropout %g\n",
+            (long long)c.n_layer, (long long)c.n_head, (long long)c.n_embd, (long long)c.vocab_size,
+            (long long)c.block_size, c.dropout);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- tfevents: TensorBoard's event files --------------------------------------------
+** Records framed with their CRCs here (uint64 length, masked CRC-32C of it, the bytes,
+** their masked CRC), so the fuzzer's changes reach the Event reader instead of its CRC
+** check. in: records of a 2-byte little-endian length and that many bytes. */
+static uint32_t tf_masked_crc(const void *p, size_t n) {
+  uint32_t c = kiln_crc32c(p, n);
+  return ((c >> 15) | (c << 17)) + 0xa282ead8u;
+}
+
+static int write_framed(const char *path, const uint8_t *in, size_t n) {
+  FILE *f = fopen(path, "wb");
+  if (!f) return -1;
+  for (size_t at = 0; at + 2 <= n;) {
+    size_t len = (size_t)(in[at] | in[at + 1] << 8);
+    at += 2;
+    if (len > n - at) len = n - at;
+    uint8_t head[12];
+    for (int i = 0; i < 8; i++) head[i] = (uint8_t)((uint64_t)len >> (8 * i));
+    uint32_t c = tf_masked_crc(head, 8), d = tf_masked_crc(in + at, len);
+    for (int i = 0; i < 4; i++) head[8 + i] = (uint8_t)(c >> (8 * i));
+    uint8_t tail[4] = {(uint8_t)d, (uint8_t)(d >> 8), (uint8_t)(d >> 16), (uint8_t)(d >> 24)};
+    fwrite(head, 1, 12, f);
+    if (len) fwrite(in + at, 1, len, f);
+    fwrite(tail, 1, 4, f);
+    at += len;
+  }
+  return fclose(f) == 0 ? 0 : -1;
+}
+
+static bool tf_event(const kiln_scalar_event *e, void *ctx) {
+  if (!e->tag) {
+    fprintf(stderr, "fuzz tfevents: a scalar without a tag\n");
+    *(int *)ctx = -1;
+    return false;
+  }
+  volatile size_t n = strlen(e->tag); /* ASan: the tag ends inside its buffer */
+  (void)n;
+  return true;
 }
 
 /* ---- checkpoint: a small model, Adam and a step scheduler, made once ------------------ */
@@ -204,6 +350,32 @@ int kiln_fuzz_run(const char *name, const uint8_t *data, size_t size) {
       kiln_tensor_free(y);
     } else if (x || y) {
       fprintf(stderr, "fuzz csv: an error that still set the outputs\n");
+      rc = -1;
+    }
+  } else if (!strcmp(name, "tokenizer")) {
+    /* vocab.json, a NUL byte, merges.txt (empty when there is no NUL) */
+    char path2[160];
+    snprintf(path2, sizeof path2, "%s.merges", path);
+    const uint8_t *nul = memchr(data, 0, size);
+    size_t vn = nul ? (size_t)(nul - data) : size;
+    if (write_file(path, data, vn) || write_file(path2, nul ? nul + 1 : data, nul ? size - vn - 1 : 0)) return 0;
+    rc = run_tokenizer(kiln_tokenizer_load(path, path2), data, size);
+    remove(path2);
+  } else if (!strcmp(name, "tokenizer_json")) {
+    if (write_file(path, data, size)) return 0;
+    rc = run_tokenizer(kiln_tokenizer_load_json(path), data, size);
+  } else if (!strcmp(name, "gpt_config")) {
+    if (write_file(path, data, size)) return 0;
+    rc = run_gpt_config(path);
+  } else if (!strcmp(name, "tfevents")) {
+    /* odd first byte: the rest is the file as it is (its framing and CRCs); even: records
+    ** framed here */
+    if ((opt & 1) ? write_file(path, body, bsize) : write_framed(path, body, bsize)) return 0;
+    int bad = 0;
+    kiln_status st = kiln_summary_read(path, tf_event, &bad);
+    if (bad) rc = -1;
+    if (st != KILN_OK && st != KILN_ERR_FORMAT && st != KILN_ERR_OOM) {
+      fprintf(stderr, "fuzz tfevents: %s\n", kiln_last_error_message());
       rc = -1;
     }
   } else if (!strcmp(name, "checkpoint")) {

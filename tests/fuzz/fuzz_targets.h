@@ -4,7 +4,10 @@
 **   - it returns a value or an error (a crash is found by the sanitizers);
 **   - no tensor outlives the call (kiln_live_tensors() is back where it was);
 **   - checkpoint: a failed load changes nothing (the model's parameters, the optimizer's
-**     step count and learning rate are as before).
+**     step count and learning rate are as before);
+**   - tokenizer: a loaded tokenizer encodes any bytes into ids of its vocabulary that
+**     decode back to the same bytes, and refuses ids outside it;
+**   - gpt_config: an accepted config.json gives a config kiln_gpt_new takes.
 ** The same code runs under libFuzzer (fuzz_main.c, one executable per target) and in the
 ** ordinary test suite (tests/test_fuzz_corpus.c replays tests/fuzz/regressions/).
 */
@@ -14,7 +17,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The targets, by name: safetensors npy idx idx_gz csv checkpoint. */
+/* The targets, by name: safetensors npy idx idx_gz csv checkpoint tokenizer (vocab.json,
+** a NUL byte, merges.txt) tokenizer_json gpt_config (a Hugging Face config.json) tfevents (TensorBoard's
+** event files; an even first byte: records the target frames with good CRCs). */
 extern const char *const kiln_fuzz_target_names[];
 
 /* Runs target `name` on data. 0: the reader kept its promises (whether or not the file

@@ -160,6 +160,21 @@ int main(int argc, char **argv) {
     CHECK(s2.n_loss == N); /* what came before is read */
   }
   CHECK(kiln_summary_read("/nonexistent-kiln/x", on_scalar, &s) == KILN_ERR_IO);
+  /* an empty record (an Event with no fields) first: read, no scalar in it (the reader
+  ** made a cursor from a NULL buffer; found by the fuzz target tfevents under UBSan) */
+  f = fopen(path, "wb");
+  CHECK(f != NULL);
+  if (f) {
+    unsigned char rec[16] = {0};
+    uint32_t c = kiln_crc32c(rec, 8), e = kiln_crc32c(rec, 0);
+    c = ((c >> 15) | (c << 17)) + 0xa282ead8u;
+    e = ((e >> 15) | (e << 17)) + 0xa282ead8u;
+    for (int i = 0; i < 4; i++) rec[8 + i] = (unsigned char)(c >> (8 * i)), rec[12 + i] = (unsigned char)(e >> (8 * i));
+    fwrite(rec, 1, 16, f);
+    fclose(f);
+    seen s3 = {0, 0, 0, true};
+    CHECK(kiln_summary_read(path, on_scalar, &s3) == KILN_OK && s3.n_loss + s3.n_lr + s3.n_other == 0);
+  }
   /* a log directory under a regular file cannot be made */
   char bad[1200];
   snprintf(bad, sizeof bad, "%s/sub", path);

@@ -355,14 +355,14 @@ kiln_status kiln_summary_read(const char *path, kiln_scalar_fn fn, void *ctx) {
       st = kiln_set_error(KILN_ERR_FORMAT, "kiln_summary_read: '%s': bad record length at offset %ld", path, offset);
       break;
     }
-    if (n > cap) {
-      uint8_t *nd = realloc(data, (size_t)n);
+    if (n > cap || !data) { /* an empty record too: the cursor below needs a buffer */
+      uint8_t *nd = realloc(data, n ? (size_t)n : 1);
       if (!nd) {
         st = kiln_set_error(KILN_ERR_OOM, "kiln_summary_read: out of host memory");
         break;
       }
       data = nd;
-      cap = (size_t)n;
+      cap = n ? (size_t)n : 1;
     }
     if (fread(data, 1, (size_t)n, f) != n || fread(tail, 1, 4, f) != 4) {
       st = kiln_set_error(KILN_ERR_FORMAT, "kiln_summary_read: '%s': truncated record at offset %ld", path, offset);

@@ -242,8 +242,7 @@ FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size
 
 char *kiln__read_regular(const char *who, const char *path, size_t *n) {
   uint64_t size = 0;
-  FILE *f = path ? kiln__fopen_regular_size(who, path, &size) : NULL;
-  if (!path) kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", who);
+  FILE *f = kiln__fopen_regular_size(who, path, &size); /* a NULL path is refused there */
   if (!f) return NULL;
   char *buf = size < SIZE_MAX ? malloc((size_t)size + 1) : NULL;
   if (!buf) {

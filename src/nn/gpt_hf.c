@@ -237,7 +237,7 @@ static void ws(cfg_reader *r) {
 }
 
 static kiln_status bad(cfg_reader *r, const char *what) {
-  return kiln_set_error(KILN_ERR_FORMAT, "kiln_gpt_from_hf: %s: %s at byte %zu", r->path, what, r->i);
+  return kiln_set_error(KILN_ERR_FORMAT, "kiln_gpt_hf_config: %s: %s at byte %zu", r->path, what, r->i);
 }
 
 /* A string into out (escapes kept as their letter; enough for config keys). */
@@ -293,9 +293,8 @@ static kiln_status skip_value_in(cfg_reader *r, int depth) {
     r->i++;
     for (bool first = true;; first = false) {
       ws(r);
-      if (r->i < r->n && r->s[r->i] == close && first) break;
+      if (r->i < r->n && r->s[r->i] == close) break;
       if (!first) {
-        if (r->i < r->n && r->s[r->i] == close) break;
         if (r->i >= r->n || r->s[r->i] != ',') return bad(r, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'");
         r->i++;
         ws(r);

@@ -294,8 +294,15 @@ static bool load_bpe_text(const char *vocab_json, const char *merges_txt) {
   return true;
 }
 
-/* A whole file as a NUL-terminated string (NULL when it cannot be read). */
-static char *read_text_file(const char *path) {
+/* A whole regular file as a NUL-terminated string; NULL with *why when it cannot be read
+** (a FIFO would wait for a writer, a device like /dev/zero never end). */
+static char *read_text_file(const char *path, const char **why) {
+  struct stat st;
+  *why = "cannot read it";
+  if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
+    *why = stat(path, &st) != 0 ? "no such file" : "not a regular file";
+    return NULL;
+  }
   int fd = open(path, O_RDONLY);
   if (fd < 0) return NULL;
   unsigned char *buf = NULL;
@@ -316,10 +323,11 @@ static bool load_bpe_dir(const char *dir) {
   char pv[1024], pm[1024];
   snprintf(pv, sizeof pv, "%s/vocab.json", dir);
   snprintf(pm, sizeof pm, "%s/merges.txt", dir);
-  char *v = read_text_file(pv), *m = v ? read_text_file(pm) : NULL;
+  const char *why = NULL;
+  char *v = read_text_file(pv, &why), *m = v ? read_text_file(pm, &why) : NULL;
   if (!v || !m) {
-    fprintf(stderr, PROG ": --tokenizer '%s': cannot read %s (the directory needs vocab.json and merges.txt)\n", dir,
-            v ? pm : pv);
+    fprintf(stderr, PROG ": --tokenizer '%s': cannot read %s: %s (the directory needs vocab.json and merges.txt)\n",
+            dir, v ? pm : pv, why);
     free(v);
     free(m);
     return false;

@@ -13,6 +13,8 @@
 #include <kiln.h>
 
 #include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli_run.h"
 
@@ -166,6 +168,21 @@ int main(void) {
   r = cr_run(NULL, "gpt", "--data news.txt --tokenizer no-such-dir --steps 2 --checkpoint c.ckpt " TINY);
   CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json"), "missing tokenizer: %d %s", r.status, r.err);
   cr_free(&r);
+  /* a FIFO as vocab.json: refused at once, not waited on (the example read it with a plain open) */
+  char fifo_dir[1024];
+  snprintf(fifo_dir, sizeof fifo_dir, "%s/fifo-tok", cr_tmpdir());
+  if (mkdir(fifo_dir, 0700) == 0) {
+    char fifo[1100];
+    snprintf(fifo, sizeof fifo, "%s/vocab.json", fifo_dir);
+    if (mkfifo(fifo, 0600) == 0) {
+      r = cr_run(NULL, "gpt", "--data news.txt --tokenizer fifo-tok --steps 2 --checkpoint c.ckpt " TINY);
+      CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json: not a regular file"), "FIFO tokenizer: %d %s", r.status,
+               r.err);
+      cr_free(&r);
+      remove(fifo);
+    }
+    rmdir(fifo_dir);
+  }
 
   /* bad input */
   r = cr_run(NULL, "gpt", "--generate '' --checkpoint a.ckpt --device cpu");

@@ -251,9 +251,9 @@ static void test_config(void) {
       {"\"n_layer\": 2, \"n_head\": 0, \"n_embd\": 8", "n_head 0"},
       {"\"n_layer\": -3, \"n_head\": 2, \"n_embd\": 8", "n_layer -3"},
       {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 2147483648", "n_embd 2.14748e+09"},
-      {"\"n_layer\": nan, \"n_head\": 2, \"n_embd\": 8", "expected a number"},
-      {"\"n_layer\": inf, \"n_head\": 2, \"n_embd\": 8", "expected a number"},
-      {"\"n_layer\": 0x10, \"n_head\": 2, \"n_embd\": 8", "expected ',' or '}'"},
+      {"\"n_layer\": nan, \"n_head\": 2, \"n_embd\": 8", "byte 12: expected a number, found 'n'"},
+      {"\"n_layer\": inf, \"n_head\": 2, \"n_embd\": 8", "byte 12: expected a number, found 'i'"},
+      {"\"n_layer\": 0x10, \"n_head\": 2, \"n_embd\": 8", "byte 13: expected ',', found 'x'"},
       {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8, \"resid_pdrop\": 1.5", "resid_pdrop 1.5; a dropout rate is in [0, 1)"},
       {"\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8, \"attn_pdrop\": -0.1", "attn_pdrop -0.1"},
   };
@@ -270,20 +270,24 @@ static void test_config(void) {
   CHECK(config_text(dir, "{\"n_layer\": 2, \"n_head\": 2, \"n_embd\": 8.0, \"vocab_size\": 5E0, \"n_positions\": 4}",
                     &c) == KILN_OK &&
         c.n_embd == 8 && c.vocab_size == 5 && c.dropout == 0.1);
-  CHECK(config_text(dir, "{\"n_layer\" 3}", &c) == KILN_ERR_FORMAT && msg_has("at byte"));
+  /* names are JSON strings: escapes decoded (as Python's json reads them), a \u0000 kept */
+  CHECK(config_text(dir, "{\"\\u006e_layer\": 3, \"n_head\": 2, \"n_embd\": 8, \"vocab_size\": 5, \"n_positions\": 4,"
+                         " \"n_layer\\u0000x\": 7}", &c) == KILN_OK && c.n_layer == 3);
+  CHECK(config_text(dir, "{\"n_layer\" 3}", &c) == KILN_ERR_FORMAT && msg_has("config.json:1: byte 11: expected ':', found '3'"));
   CHECK(config_text(dir, "[1, 2]", &c) == KILN_ERR_FORMAT);
   CHECK(config_text(dir, "{\"n_layer\": 3, ", &c) == KILN_ERR_FORMAT);
   /* what is skipped is JSON too: not a bare word, a bracket that does not match, or text after */
   CHECK(config_text(dir, "{\"eos_token_id\": 50256`, \"n_layer\": 3}", &c) == KILN_ERR_FORMAT &&
-        msg_has("expected ',' or '}' at byte 22"));
-  CHECK(config_text(dir, "{\"x\": maybe}", &c) == KILN_ERR_FORMAT && msg_has("expected a number at byte 6"));
-  CHECK(config_text(dir, "{\"x\": [1, {\"y\": 2]]}", &c) == KILN_ERR_FORMAT && msg_has("expected ',' or '}' at byte 17"));
-  char deep[200] = "{\"x\": ";
-  for (int k = 0; k < 2; k++) { /* 64 levels are read, 65 refused */
-    memset(deep + 6, '[', 64 + k);
-    memset(deep + 6 + 64 + k, ']', 64 + k);
-    snprintf(deep + 6 + 2 * (64 + k), sizeof deep - 6 - 2 * (64 + k), ", \"n_layer\": 3}");
-    CHECK(config_text(dir, deep, &c) == KILN_ERR_FORMAT && msg_has(k ? "nested more than 64 deep" : "has no n_head"));
+        msg_has(":1: byte 22: expected ',', found '`'"));
+  CHECK(config_text(dir, "{\"x\": maybe}", &c) == KILN_ERR_FORMAT && msg_has(":1: byte 6: expected a value, found 'm'"));
+  CHECK(config_text(dir, "{\"x\": [1, {\"y\": 2]]}", &c) == KILN_ERR_FORMAT && msg_has(":1: byte 17: expected ',', found ']'"));
+  char deep[512] = "{\"x\": ";
+  for (int k = 0; k < 2; k++) { /* values nested 129 deep are read, 200 refused */
+    const int levels = k ? 200 : 129;
+    memset(deep + 6, '[', (size_t)levels);
+    memset(deep + 6 + levels, ']', (size_t)levels);
+    snprintf(deep + 6 + 2 * levels, sizeof deep - 6 - 2 * (size_t)levels, ", \"n_layer\": 3}");
+    CHECK(config_text(dir, deep, &c) == KILN_ERR_FORMAT && msg_has(k ? "nested deeper than 128" : "has no n_head"));
   }
   CHECK(config_text(dir, "{\"n_layer\": 3} x", &c) == KILN_ERR_FORMAT && msg_has("text after the JSON object"));
   char path[400];

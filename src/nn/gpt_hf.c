@@ -224,108 +224,8 @@ kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt) {
 }
 
 /* ---- config.json ---------------------------------------------------------------------
-** Only the top-level members matter; a small reader walks them and skips every value it
-** does not need (nested objects included), so no JSON library is required. */
-
-typedef struct cfg_reader {
-  const char *s, *path;
-  size_t n, i;
-} cfg_reader;
-
-static void ws(cfg_reader *r) {
-  while (r->i < r->n && strchr(" \t\r\n", r->s[r->i])) r->i++;
-}
-
-static kiln_status bad(cfg_reader *r, const char *what) {
-  return kiln_set_error(KILN_ERR_FORMAT, "kiln_gpt_hf_config: %s: %s at byte %zu", r->path, what, r->i);
-}
-
-/* A string into out (escapes kept as their letter; enough for config keys). */
-static kiln_status read_string(cfg_reader *r, char *out, size_t cap) {
-  if (r->i >= r->n || r->s[r->i] != '"') return bad(r, "expected a string");
-  size_t len = 0;
-  for (r->i++; r->i < r->n && r->s[r->i] != '"'; r->i++) {
-    if (r->s[r->i] == '\\' && r->i + 1 < r->n) r->i++;
-    if (len + 1 < cap) out[len++] = r->s[r->i];
-  }
-  if (r->i >= r->n) return bad(r, "unterminated string");
-  r->i++;
-  out[len] = 0;
-  return KILN_OK;
-}
-
-/* A JSON number (strtod alone would take "nan", "inf", "0x1p3" and read past the value). */
-static kiln_status read_number(cfg_reader *r, double *v) {
-  const char *s = r->s;
-  size_t i = r->i, digits = 0;
-  if (i < r->n && s[i] == '-') i++;
-  for (; i < r->n && s[i] >= '0' && s[i] <= '9'; i++) digits++;
-  if (i < r->n && s[i] == '.')
-    for (i++; i < r->n && s[i] >= '0' && s[i] <= '9'; i++) digits++;
-  if (digits && i < r->n && (s[i] == 'e' || s[i] == 'E')) {
-    i++;
-    if (i < r->n && (s[i] == '+' || s[i] == '-')) i++;
-    size_t e = i;
-    while (i < r->n && s[i] >= '0' && s[i] <= '9') i++;
-    if (i == e) digits = 0;
-  }
-  char buf[64];
-  if (!digits || i - r->i >= sizeof buf) return bad(r, "expected a number");
-  memcpy(buf, s + r->i, i - r->i);
-  buf[i - r->i] = 0;
-  *v = strtod(buf, NULL);
-  r->i = i;
-  return KILN_OK;
-}
-
-/* Skips one value of any kind, checking it is JSON (nested to 64 levels at most). */
-static kiln_status skip_value_in(cfg_reader *r, int depth) {
-  ws(r);
-  if (r->i >= r->n) return bad(r, "expected a value");
-  const char c = r->s[r->i];
-  if (c == '"') {
-    char tmp[8];
-    return read_string(r, tmp, sizeof tmp);
-  }
-  if (c == '{' || c == '[') {
-    if (depth >= 64) return bad(r, "values nested more than 64 deep");
-    const char close = c == '{' ? '}' : ']';
-    r->i++;
-    for (bool first = true;; first = false) {
-      ws(r);
-      if (r->i < r->n && r->s[r->i] == close) break;
-      if (!first) {
-        if (r->i >= r->n || r->s[r->i] != ',') return bad(r, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'");
-        r->i++;
-        ws(r);
-      }
-      if (close == '}') {
-        char key[8];
-        kiln_status st = read_string(r, key, sizeof key);
-        if (st != KILN_OK) return st;
-        ws(r);
-        if (r->i >= r->n || r->s[r->i] != ':') return bad(r, "expected ':'");
-        r->i++;
-      }
-      kiln_status st = skip_value_in(r, depth + 1);
-      if (st != KILN_OK) return st;
-    }
-    r->i++;
-    return KILN_OK;
-  }
-  static const char *const words[] = {"true", "false", "null"};
-  for (int k = 0; k < 3; k++) {
-    size_t len = strlen(words[k]);
-    if (r->i + len <= r->n && !strncmp(r->s + r->i, words[k], len)) {
-      r->i += len;
-      return KILN_OK;
-    }
-  }
-  double v;
-  return read_number(r, &v);
-}
-
-static kiln_status skip_value(cfg_reader *r) { return skip_value_in(r, 0); }
+** Only the top-level members matter; the JSON cursor the tokenizer files are read with
+** (kiln__jr_*, kiln_ext.h) walks them and checks and skips every value kiln does not need. */
 
 /* The members kiln reads. Numbers are NAN and strings "" when absent. */
 typedef struct hf_cfg {
@@ -335,7 +235,8 @@ typedef struct hf_cfg {
   int tie, scale_attn, scale_by_layer; /* -1 absent, 0 false, 1 true */
 } hf_cfg;
 
-static kiln_status read_member(cfg_reader *r, const char *key, hf_cfg *h) {
+/* The member whose name kiln__jr_member left in jr->buf; 1 when read, 0 on an error. */
+static int read_member(kiln__jreader *jr, hf_cfg *h) {
   static const struct {
     const char *key;
     size_t off;
@@ -344,24 +245,27 @@ static kiln_status read_member(cfg_reader *r, const char *key, hf_cfg *h) {
               {"n_positions", offsetof(hf_cfg, n_positions)}, {"n_inner", offsetof(hf_cfg, n_inner)},
               {"layer_norm_epsilon", offsetof(hf_cfg, eps)},  {"resid_pdrop", offsetof(hf_cfg, resid_pdrop)},
               {"embd_pdrop", offsetof(hf_cfg, embd_pdrop)},   {"attn_pdrop", offsetof(hf_cfg, attn_pdrop)}};
-  ws(r);
+  char key[40] = ""; /* a longer name, or one with a \u0000 in it, is none of these: skipped */
+  if (jr->len < sizeof key && strlen(jr->buf) == jr->len) memcpy(key, jr->buf, jr->len + 1);
   for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++) {
     if (strcmp(key, nums[k].key) != 0) continue;
-    if (r->i + 4 <= r->n && strncmp(r->s + r->i, "null", 4) == 0) return skip_value(r);
-    double v = NAN;
-    kiln_status st = read_number(r, &v);
-    if (st == KILN_OK) *(double *)((char *)h + nums[k].off) = v;
-    return st;
+    if (kiln__jr_peek(jr) == 'n' && jr->pos + 4 <= jr->n && !memcmp(jr->s + jr->pos, "null", 4))
+      return kiln__jr_skip(jr); /* absent */
+    return kiln__jr_number(jr, (double *)((char *)h + nums[k].off));
   }
-  if (strcmp(key, "activation_function") == 0) return read_string(r, h->activation, sizeof h->activation);
-  if (strcmp(key, "model_type") == 0) return read_string(r, h->model_type, sizeof h->model_type);
+  char *text = !strcmp(key, "activation_function") ? h->activation : !strcmp(key, "model_type") ? h->model_type : NULL;
+  if (text) {
+    if (!kiln__jr_string(jr)) return 0;
+    snprintf(text, sizeof h->activation, "%s", jr->buf);
+    return 1;
+  }
   int *flag = strcmp(key, "tie_word_embeddings") == 0           ? &h->tie
               : strcmp(key, "scale_attn_weights") == 0            ? &h->scale_attn
               : strcmp(key, "scale_attn_by_inverse_layer_idx") == 0 ? &h->scale_by_layer
                                                                   : NULL;
-  if (flag && r->i + 4 <= r->n && strncmp(r->s + r->i, "true", 4) == 0) *flag = 1;
-  if (flag && r->i + 5 <= r->n && strncmp(r->s + r->i, "false", 5) == 0) *flag = 0;
-  return skip_value(r);
+  int c = kiln__jr_peek(jr);
+  if (flag && (c == 't' || c == 'f')) *flag = c == 't';
+  return kiln__jr_skip(jr);
 }
 
 kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
@@ -370,40 +274,23 @@ kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
   size_t n;
   char *s = kiln__read_regular(who, path, &n);
   if (!s) return kiln_last_error();
-  cfg_reader r = {s, path, n, 0};
+  kiln__jreader jr;
+  kiln__jr_init(&jr, who, path, s, n);
   hf_cfg h = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, "", "", -1, -1, -1};
-  kiln_status st = KILN_OK;
-  ws(&r);
-  if (r.i >= n || s[r.i] != '{') st = bad(&r, "expected a JSON object");
-  r.i++;
-  char key[64];
-  for (bool first = true; st == KILN_OK; first = false) {
-    ws(&r);
-    if (r.i < n && s[r.i] == '}') break;
-    if (!first) {
-      if (r.i >= n || s[r.i] != ',') {
-        st = bad(&r, "expected ',' or '}'");
+  int first = 1, r = -1;
+  if (kiln__jr_object_begin(&jr))
+    while ((r = kiln__jr_member(&jr, &first)) == 1)
+      if (!read_member(&jr, &h)) {
+        r = -1;
         break;
       }
-      r.i++;
-      ws(&r);
-    }
-    if ((st = read_string(&r, key, sizeof key)) != KILN_OK) break;
-    ws(&r);
-    if (r.i >= n || s[r.i] != ':') {
-      st = bad(&r, "expected ':'");
-      break;
-    }
-    r.i++;
-    st = read_member(&r, key, &h);
+  if (r == 0 && (kiln__jr_peek(&jr), jr.pos < jr.n)) {
+    kiln__jr_fail_at(&jr, jr.pos, "text after the JSON object");
+    r = -1;
   }
-  if (st == KILN_OK) {
-    r.i++;
-    ws(&r);
-    if (r.i < n) st = bad(&r, "text after the JSON object");
-  }
+  kiln__jr_release(&jr);
   free(s);
-  if (st != KILN_OK) return st;
+  if (r != 0) return kiln_last_error();
   /* The model, its sizes, then what kiln's GPT cannot be. */
   if (h.model_type[0] && strcmp(h.model_type, "gpt2") != 0)
     return kiln_set_error(KILN_ERR_FORMAT, "%s: %s is model_type \"%s\"; kiln reads \"gpt2\"", who, path,

@@ -218,6 +218,42 @@ int kiln__jr_int(kiln__jreader *jr, int64_t *v) {
   return 1;
 }
 
+/* The end of the JSON number at the cursor (-?digits(.digits)?([eE][+-]?digits)?, no
+** leading zeros), or 0 when there is none. */
+static size_t number_end(const kiln__jreader *jr) {
+  const char *s = jr->s;
+  size_t p = jr->pos, n = jr->n, d;
+  if (p < n && s[p] == '-') p++;
+  for (d = p; p < n && s[p] >= '0' && s[p] <= '9'; p++) {}
+  if (p == d || (s[d] == '0' && p - d > 1)) return 0;
+  if (p < n && s[p] == '.') {
+    for (d = ++p; p < n && s[p] >= '0' && s[p] <= '9'; p++) {}
+    if (p == d) return 0;
+  }
+  if (p < n && (s[p] == 'e' || s[p] == 'E')) {
+    if (++p < n && (s[p] == '+' || s[p] == '-')) p++;
+    for (d = p; p < n && s[p] >= '0' && s[p] <= '9'; p++) {}
+    if (p == d) return 0;
+  }
+  return p;
+}
+
+int kiln__jr_number(kiln__jreader *jr, double *v) {
+  kiln__jr_peek(jr);
+  if (jr->failed) return 0;
+  size_t end = number_end(jr);
+  char buf[64];
+  if (!end || end - jr->pos >= sizeof buf) {
+    kiln__jr_fail_at(jr, jr->pos, "expected a number, found %s", describe(jr));
+    return 0;
+  }
+  memcpy(buf, jr->s + jr->pos, end - jr->pos);
+  buf[end - jr->pos] = 0;
+  *v = strtod(buf, NULL);
+  jr->pos = end;
+  return 1;
+}
+
 static int skip_depth(kiln__jreader *jr, int depth) {
   if (depth > JR_MAX_DEPTH) {
     kiln__jr_fail_at(jr, jr->pos, "nested deeper than %d", JR_MAX_DEPTH);
@@ -247,18 +283,12 @@ static int skip_depth(kiln__jreader *jr, int depth) {
       return 1;
     }
   }
-  /* a number: -?digits(.digits)?([eE][+-]?digits)? */
-  size_t p = jr->pos;
-  if (p < jr->n && jr->s[p] == '-') p++;
-  size_t d0 = p;
-  while (p < jr->n && ((jr->s[p] >= '0' && jr->s[p] <= '9') || jr->s[p] == '.' || jr->s[p] == 'e' ||
-                       jr->s[p] == 'E' || jr->s[p] == '+' || jr->s[p] == '-'))
-    p++;
-  if (p == d0) {
+  size_t end = number_end(jr);
+  if (!end) {
     kiln__jr_fail_at(jr, jr->pos, "expected a value, found %s", describe(jr));
     return 0;
   }
-  jr->pos = p;
+  jr->pos = end;
   return 1;
 }
 

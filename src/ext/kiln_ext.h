@@ -117,7 +117,7 @@ FILE *kiln__fopen_regular(const char *who, const char *path);
 ** error), KILN_ERR_OOM or KILN_ERR_INVALID_ARGUMENT (NULL path) naming `who`. */
 char *kiln__read_regular(const char *who, const char *path, size_t *n);
 
-/* ---- a JSON cursor (text: src/text/json.c; used by the tokenizer and nn's config.json) ----
+/* ---- a JSON cursor (io: src/io/json_cursor.c; used by text's tokenizer and nn's config.json) ----
 ** A cursor over a whole file in memory; errors name the file, the line and the byte
 ** offset of the cursor (kiln_set_error with KILN_ERR_FORMAT) and make every later call
 ** fail. Strings are decoded (escapes, \u surrogate pairs) into jr->buf, valid until the

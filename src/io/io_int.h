@@ -39,6 +39,8 @@ FILE *kiln__fopen_regular(const char *who, const char *path);
 FILE *kiln__fopen_regular_size(const char *who, const char *path, uint64_t *size);
 /* The whole file, NUL-terminated (kiln_ext.h says more). */
 char *kiln__read_regular(const char *who, const char *path, size_t *n);
+/* The JSON cursor (json_cursor.c) is declared in ext/kiln_ext.h only: its struct cannot be
+** defined twice in a file that includes both headers. */
 
 /* 1 on a little-endian host. File formats here are little-endian; on a big-endian host
 ** element bytes are swapped after reading and before writing. */

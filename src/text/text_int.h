@@ -1,12 +1,11 @@
 /* Private header of the text layer (src/text/): the Unicode tables and the pre-tokenizer;
-** the small JSON reader the tokenizer files are read with is in ext/kiln_ext.h. Not API. */
+** the JSON cursor the tokenizer files are read with is io's (ext/kiln_ext.h). Not API. */
 #ifndef KILN_TEXT_INT_H
 #define KILN_TEXT_INT_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ext/kiln_ext.h"
 #include "kiln_text.h"
 
 /* ---- Unicode classes (unicode_tables.c, generated; pretok.c) ---- */
@@ -29,8 +28,5 @@ int kiln__uclass(int32_t cp);
 ** returns it; 0 otherwise. */
 typedef int (*kiln__piece_fn)(void *ctx, const char *s, size_t n);
 int kiln__pretokenize(const char *s, size_t n, kiln__piece_fn fn, void *ctx);
-
-/* ---- the JSON reader (json.c): declared in ext/kiln_ext.h, which nn's config.json reader
-** shares ---- */
 
 #endif

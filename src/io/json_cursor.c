@@ -1,14 +1,14 @@
-/* A small JSON reader for the tokenizer files (vocab.json, tokenizer.json): a cursor
-** over the file in memory, read by the caller member by member, so that an error can name
-** the line and byte offset of the very entry that is wrong. The library's cJSON (when
-** built with it) builds a whole tree and reports only where the syntax broke, and io's
-** reader for safetensors headers is private to io (tests/test_layering.sh). */
+/* A small JSON reader for the tokenizer files (vocab.json, tokenizer.json) and a Hugging
+** Face config.json: a cursor over the file in memory, read by the caller member by member,
+** so that an error can name the line and byte offset of the very entry that is wrong. The
+** library's cJSON (when built with it) builds a whole tree and reports only where the syntax
+** broke. Declared in ext/kiln_ext.h for text and nn. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "text_int.h"
+#include "ext/kiln_ext.h"
 
 #define JR_MAX_DEPTH 128
 

@@ -154,6 +154,14 @@ EX_DEFINE_EXITS(PROG, release)
 
 /* ---- the corpus ---------------------------------------------------------------------- */
 
+/* NULL when path is a regular file; else why it is not one (a FIFO would wait for a writer,
+** a device like /dev/zero never end). */
+static const char *not_regular(const char *path) {
+  struct stat st;
+  if (stat(path, &st) != 0) return "no such file";
+  return S_ISREG(st.st_mode) ? NULL : "not a regular file";
+}
+
 /* The default corpus: /usr/share/doc/python3.X/NEWS.gz of the package python3.X
 ** (python3.11 on Debian 12), the highest X installed; python3.X-dev's copy of the same file
 ** is not taken. Writes the path into out; false when none is installed. */
@@ -164,8 +172,7 @@ static bool default_corpus(char *out, size_t n) {
     for (size_t i = g.gl_pathc; i-- > 0 && !found;) {
       const char *x = g.gl_pathv[i] + strlen("/usr/share/doc/python3.");
       size_t digits = strspn(x, "0123456789");
-      struct stat st;
-      if (digits > 0 && x[digits] == '/' && stat(g.gl_pathv[i], &st) == 0 && S_ISREG(st.st_mode)) {
+      if (digits > 0 && x[digits] == '/' && !not_regular(g.gl_pathv[i])) {
         snprintf(out, n, "%s", g.gl_pathv[i]);
         found = true;
       }
@@ -195,9 +202,9 @@ static bool read_all(int fd, unsigned char **buf, size_t *len, size_t *cap) {
 /* The whole text of path into R.text: a gzip file (magic 1f 8b) through `gzip -dc`, run
 ** directly (no shell), anything else as it is. Prints why and returns false on failure. */
 static bool load_corpus(const char *path, int64_t *n_out) {
-  struct stat st;
-  if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
-    fprintf(stderr, PROG ": --data '%s': %s\n", path, stat(path, &st) != 0 ? "no such file" : "not a regular file");
+  const char *why = not_regular(path);
+  if (why) {
+    fprintf(stderr, PROG ": --data '%s': %s\n", path, why);
     return false;
   }
   FILE *f = fopen(path, "rb");
@@ -294,15 +301,10 @@ static bool load_bpe_text(const char *vocab_json, const char *merges_txt) {
   return true;
 }
 
-/* A whole regular file as a NUL-terminated string; NULL with *why when it cannot be read
-** (a FIFO would wait for a writer, a device like /dev/zero never end). */
+/* A whole regular file as a NUL-terminated string; NULL with *why when it cannot be read. */
 static char *read_text_file(const char *path, const char **why) {
-  struct stat st;
+  if ((*why = not_regular(path)) != NULL) return NULL;
   *why = "cannot read it";
-  if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
-    *why = stat(path, &st) != 0 ? "no such file" : "not a regular file";
-    return NULL;
-  }
   int fd = open(path, O_RDONLY);
   if (fd < 0) return NULL;
   unsigned char *buf = NULL;

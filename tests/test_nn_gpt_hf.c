@@ -289,7 +289,7 @@ static void test_config(void) {
     snprintf(deep + 6 + 2 * levels, sizeof deep - 6 - 2 * (size_t)levels, ", \"n_layer\": 3}");
     CHECK(config_text(dir, deep, &c) == KILN_ERR_FORMAT && msg_has(k ? "nested deeper than 128" : "has no n_head"));
   }
-  CHECK(config_text(dir, "{\"n_layer\": 3} x", &c) == KILN_ERR_FORMAT && msg_has("text after the JSON object"));
+  CHECK(config_text(dir, "{\"n_layer\": 3} x", &c) == KILN_ERR_FORMAT && msg_has(":1: byte 15: more after the end of the JSON value"));
   char path[400];
   snprintf(path, sizeof path, "%s/none.json", dir);
   CHECK(kiln_gpt_hf_config(path, &c) == KILN_ERR_IO && msg_has("none.json"));

@@ -190,6 +190,10 @@ static void test_bad_files(void) {
   v = write_tmp("vocab7.json", "{\"a\": 0,\n \"b\": 2000000000}");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
         has("vocab7.json:2: byte 10: id 2000000000 is far past the 2 tokens (ids above 1027 are refused"));
+  /* text after the object, a NUL byte included (the JSON cursor's end check, shared with
+  ** kiln_gpt_hf_config) */
+  v = write_tmp("vocab8.json", "{\"a\": 0}\n x");
+  CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab8.json:2: byte 10: more after the end of the JSON value"));
   /* a vocabulary without all 256 bytes */
   v = write_tmp("vocab5.json", "{\"a\": 0}");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("no token for byte 0x00"));
@@ -232,7 +236,7 @@ static void test_bad_files(void) {
   CHECK(kiln_tokenizer_load("/nonexistent/vocab.json", good_merges) == NULL && kiln_last_error() == KILN_ERR_IO);
 
   const char *names[] = {"merges1.txt", "merges2.txt", "merges3.txt", "merges4.txt", "vocab1.json", "vocab2.json",
-                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "vocab7.json", "tok1.json", "tok2.json",
+                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "vocab7.json", "vocab8.json", "tok1.json", "tok2.json",
                          "tok3.json", "tok4.json"};
   for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
     char p[512];

@@ -152,6 +152,8 @@ int kiln__jr_string(kiln__jreader *jr);             /* a string into jr->buf; 1 
 int kiln__jr_int(kiln__jreader *jr, int64_t *v);    /* an integer (no fraction/exponent) */
 int kiln__jr_number(kiln__jreader *jr, double *v);  /* a JSON number (no nan, inf or hex) */
 int kiln__jr_skip(kiln__jreader *jr);               /* any value, checked as JSON */
+/* After the top value: KILN_OK when only spaces follow; else the error (or the earlier one). */
+kiln_status kiln__jr_end(kiln__jreader *jr);
 /* Object members: call kiln__jr_object_begin, then kiln__jr_member while it returns 1
 ** (the key is in jr->buf, the cursor on the value, which the caller must read or skip);
 ** 0 at the closing brace, -1 on an error. */

@@ -294,6 +294,13 @@ static int skip_depth(kiln__jreader *jr, int depth) {
 
 int kiln__jr_skip(kiln__jreader *jr) { return skip_depth(jr, 0); }
 
+kiln_status kiln__jr_end(kiln__jreader *jr) {
+  kiln__jr_peek(jr);
+  if (!jr->failed && jr->pos < jr->n) /* a NUL byte too: peek would show it as the end */
+    return kiln__jr_fail_at(jr, jr->pos, "more after the end of the JSON value");
+  return jr->failed ? kiln_last_error() : KILN_OK;
+}
+
 int kiln__jr_object_begin(kiln__jreader *jr) { return kiln__jr_expect(jr, '{'); }
 
 int kiln__jr_member(kiln__jreader *jr, int *first) {

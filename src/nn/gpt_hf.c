@@ -284,10 +284,7 @@ kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
         r = -1;
         break;
       }
-  if (r == 0 && (kiln__jr_peek(&jr), jr.pos < jr.n)) {
-    kiln__jr_fail_at(&jr, jr.pos, "text after the JSON object");
-    r = -1;
-  }
+  if (r == 0 && kiln__jr_end(&jr) != KILN_OK) r = -1;
   kiln__jr_release(&jr);
   free(s);
   if (r != 0) return kiln_last_error();

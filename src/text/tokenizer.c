@@ -461,12 +461,6 @@ static int read_vocab(builder *b, kiln__jreader *jr) {
   return r == 0;
 }
 
-static kiln_status check_end(kiln__jreader *jr) {
-  if (kiln__jr_peek(jr) != 0 && !jr->failed)
-    return kiln__jr_fail_at(jr, jr->pos, "more after the end of the JSON value");
-  return jr->failed ? kiln_last_error() : KILN_OK;
-}
-
 KILN_API kiln_tokenizer *kiln_tokenizer_load(const char *vocab_json, const char *merges_txt) {
   const char *what = "kiln_tokenizer_load";
   if (!vocab_json || !merges_txt) KILN__FAIL_NULL(KILN_ERR_INVALID_ARGUMENT, "%s: NULL path", what);
@@ -482,7 +476,7 @@ KILN_API kiln_tokenizer *kiln_tokenizer_load(const char *vocab_json, const char 
   kiln__jreader jr;
   kiln__jr_init(&jr, what, vocab_json, vs, vn);
   kiln_tokenizer *t = NULL;
-  if (!read_vocab(&b, &jr) || check_end(&jr) != KILN_OK) goto done;
+  if (!read_vocab(&b, &jr) || kiln__jr_end(&jr) != KILN_OK) goto done;
   /* merges.txt: lines "a b"; a first line "#version..." is skipped; \r\n ends lines too */
   source msrc = {merges_txt, ms, mn}, vsrc = {vocab_json, vs, vn};
   size_t p = 0;
@@ -686,7 +680,7 @@ KILN_API kiln_tokenizer *kiln_tokenizer_load_json(const char *tokenizer_json) {
     else ok = kiln__jr_skip(&jr);
     if (!ok) goto done;
   }
-  if (r != 0 || check_end(&jr) != KILN_OK) goto done;
+  if (r != 0 || kiln__jr_end(&jr) != KILN_OK) goto done;
   if (!have_model || !have_pre) {
     kiln__jr_fail_at(&jr, 0, "no \"%s\"", have_model ? "pre_tokenizer" : "model");
     goto done;

@@ -2,7 +2,8 @@
 #   KILN_DEP_LIBS            libraries/targets libkiln links (and libkiln.a passes on)
 #   KILN_DEP_INCLUDE_DIRS    include dirs the sources need for them
 #   KILN_DEFINITIONS         KILN_HAVE_*=1 and KILN_BLAS_NAME="..." for every C source
-#   KILN_HAVE_{CBLAS,OPENMP,ZLIB,CJSON,MPI} (0/1), KILN_BLAS_NAME
+#   KILN_HAVE_{CBLAS,OPENMP,ZLIB,MPI} (0/1), KILN_BLAS_NAME
+#   KILN_HAVE_CJSON, KILN_TEST_DEP_LIBS, KILN_TEST_DEP_INCLUDE_DIRS: cJSON, for the tests alone
 #   KILN_PC_LIBS_PRIVATE     "-lz -lopenblas ..." for kiln.pc
 #   KILN_CONFIG_DEPENDENCIES find_dependency() lines for kilnConfig.cmake
 # Only zlib is required; without the others kiln builds and says so in KILN_BUILD_INFO.
@@ -123,15 +124,18 @@ list(APPEND KILN_DEP_LIBS ZLIB::ZLIB)
 string(APPEND KILN_PC_LIBS_PRIVATE " -lz")
 string(APPEND KILN_CONFIG_DEPENDENCIES "find_dependency(ZLIB)\n")
 
-# ---- cJSON (safetensors headers, configs) ---------------------------------------------
+# ---- cJSON (tests only: an independent parser checks the JSON kiln writes; the library
+# reads JSON with its own cursor, src/io/json_cursor.c) -----------------------------------
 set(KILN_HAVE_CJSON 0)
+set(KILN_TEST_DEP_LIBS "")
+set(KILN_TEST_DEP_INCLUDE_DIRS "")
 set(_kiln_cjson_lib "")
 if(PKG_CONFIG_FOUND)
   pkg_check_modules(KILN_PC_CJSON QUIET libcjson)
   if(KILN_PC_CJSON_FOUND)
     set(_kiln_cjson_lib ${KILN_PC_CJSON_LINK_LIBRARIES})
     # Both <cJSON.h> (pkg-config's -I.../cjson) and <cjson/cJSON.h> work.
-    list(APPEND KILN_DEP_INCLUDE_DIRS ${KILN_PC_CJSON_INCLUDE_DIRS})
+    list(APPEND KILN_TEST_DEP_INCLUDE_DIRS ${KILN_PC_CJSON_INCLUDE_DIRS})
   endif()
 endif()
 if(NOT _kiln_cjson_lib)
@@ -139,17 +143,15 @@ if(NOT _kiln_cjson_lib)
   find_path(KILN_CJSON_INCLUDE_DIR cJSON.h PATH_SUFFIXES cjson)
   if(KILN_CJSON_LIBRARY AND KILN_CJSON_INCLUDE_DIR)
     set(_kiln_cjson_lib "${KILN_CJSON_LIBRARY}")
-    list(APPEND KILN_DEP_INCLUDE_DIRS "${KILN_CJSON_INCLUDE_DIR}")
+    list(APPEND KILN_TEST_DEP_INCLUDE_DIRS "${KILN_CJSON_INCLUDE_DIR}")
   endif()
 endif()
 if(_kiln_cjson_lib)
   set(KILN_HAVE_CJSON 1)
-  list(APPEND KILN_DEFINITIONS KILN_HAVE_CJSON=1)
-  foreach(_l IN LISTS _kiln_cjson_lib)
-    _kiln_add_plain_lib("${_l}")
-  endforeach()
+  set(KILN_TEST_DEP_LIBS ${_kiln_cjson_lib})
 else()
-  message(STATUS "kiln: cJSON not found (install libcjson-dev)")
+  message(STATUS "kiln: cJSON not found (install libcjson-dev): the tests that check kiln's "
+                 "JSON output with it are skipped")
 endif()
 
 # ---- oneDNN (optional: the CPU's f32 convolution forward; im2col + BLAS without it) ------

@@ -26,7 +26,7 @@ if has build; then
     echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; gcc --version | head -1; cmake --version | head -1; nvcc --version | tail -2
     zinc=; zlibf=; cj=
     if [ ! -f /usr/include/zlib.h ]; then zinc="-DZLIB_INCLUDE_DIR=$pfx/usr/include"; fi
-    # cJSON from the carried debs, so the GPU build is the users' (without it st_json.c's parser)
+    # cJSON from the carried debs: the tests that check kiln's JSON output with it run there too
     if [ ! -f /usr/include/cjson/cJSON.h ] && [ -f $pfx/usr/include/cjson/cJSON.h ]; then
       cj="-DKILN_CJSON_LIBRARY=$lib/libcjson.so -DKILN_CJSON_INCLUDE_DIR=$pfx/usr/include"
     fi

@@ -271,9 +271,53 @@ static void test_crafted_errors(void) {
   expect_error("{\"a\":{\"shape\":[2],\"data_offsets\":[0,8]}}", 8, KILN_ERR_FORMAT, "dtype");
   expect_error("{\"a\":3}", 0, KILN_ERR_FORMAT, "not a JSON object");
   expect_error("[1,2]", 0, KILN_ERR_FORMAT, "start with '{'");
+  /* JSON errors name the line and the file offset of the byte where the header went wrong */
   expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}", 8,
-               KILN_ERR_FORMAT, "invalid JSON");
-  expect_error("{}  x", 0, KILN_ERR_FORMAT, "bytes after the JSON header");
+               KILN_ERR_FORMAT, "crafted.safetensors:1: byte 61: expected ',', found the end of the file");
+  expect_error("{}  x", 0, KILN_ERR_FORMAT, ":1: byte 12: more after the end of the JSON value");
+  expect_error("{\n\"a\": {\"dtype\": \"F32\",\n \"shape\": [2,],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, ":3: byte 45: tensor 'a' shape[1] is not a non-negative integer");
+  /* strict JSON numbers, as the reference's serde reads them: no fraction, exponent or
+  ** leading zero in a dim or an offset, nothing past 2^64 */
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2e0],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "shape[0]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[02],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "shape[0]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8.0]}}", 8,
+               KILN_ERR_FORMAT, "\"data_offsets\" is not [begin, end]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8,16]}}", 8,
+               KILN_ERR_FORMAT, "\"data_offsets\" is not [begin, end]");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,18446744073709551616]}}", 8,
+               KILN_ERR_FORMAT, "\"data_offsets\" is not [begin, end]");
+  /* a member twice (the second would silently win), a second "__metadata__", values of
+  ** the wrong kind, a broken value in a member kiln ignores */
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"dtype\":\"U8\",\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "byte 40: tensor 'a' has \"dtype\" twice");
+  expect_error("{\"__metadata__\":{},\"__metadata__\":null}", 0, KILN_ERR_FORMAT,
+               "duplicate \"__metadata__\"");
+  expect_error("{\"__metadata__\":{\"k\":\"v\",\"k\":\"w\"}}", 0, KILN_ERR_FORMAT,
+               "duplicate \"__metadata__\" key 'k'");
+  expect_error("{\"__metadata__\":[]}", 0, KILN_ERR_FORMAT, "\"__metadata__\" is not a JSON object");
+  expect_error("{\"__metadata__\":nul}", 0, KILN_ERR_FORMAT, "expected a value");
+  expect_error("{\"a\":{\"dtype\":7,\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "\"dtype\" is not a string");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":2,\"data_offsets\":[0,8]}}", 8,
+               KILN_ERR_FORMAT, "\"shape\" is not an array");
+  expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"x\":[1,}}}", 8,
+               KILN_ERR_FORMAT, "expected a value");
+  /* the second of two equal names is the one named, with its offset */
+  expect_error("{\"b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+               "\"b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}", 2,
+               KILN_ERR_FORMAT, "byte 61: duplicate tensor name 'b'");
+  /* members kiln does not read are skipped, in any order; "__metadata__": null is no metadata */
+  d = load_crafted("{\"__metadata__\":null,\"w\":{\"data_offsets\":[0,2],\"note\":{\"k\":[true,null,-1.5e3]},"
+                   "\"shape\":[2],\"dtype\":\"U8\"}}", 2);
+  CHECK(d && kiln_dict_size(d) == 1 && kiln_dict_meta_size(d) == 0 && kiln_numel(kiln_dict_get(d, "w")) == 2);
+  kiln_dict_free(d);
+  /* no tensors at all: an empty dict */
+  d = load_crafted("{}", 0);
+  CHECK(d && kiln_dict_size(d) == 0);
+  kiln_dict_free(d);
   expect_error("{\"__metadata__\":{\"k\":1}}", 0, KILN_ERR_FORMAT, "not a string");
   expect_error("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
                KILN_ERR_SHAPE, "dims");
@@ -393,6 +437,49 @@ static void test_fuzz(void) {
   free(orig);
 }
 
+/* Many names: the dict's hash index through its growth (every name found at its position,
+** replacement in place, metadata alike), and a header of 100,000 tensors, which loads in
+** linear time (a lookup scan per name made such a file take minutes). */
+static void test_many(void) {
+  enum { N = 100000 };
+  kiln_dict *d = kiln_dict_new();
+  kiln_tensor *a = kiln_zeros(KILN_SHAPE(1), KILN_U8, kiln_device_cpu());
+  kiln_tensor *b = kiln_zeros(KILN_SHAPE(2), KILN_U8, kiln_device_cpu());
+  char k[64], v[64];
+  int bad = 0;
+  for (int i = 0; i < N && !bad; i++) {
+    snprintf(k, sizeof k, "h.%d.w", i);
+    snprintf(v, sizeof v, "%d", i);
+    bad = kiln_dict_set(d, k, a) != KILN_OK || kiln_dict_set_meta(d, k, v) != KILN_OK;
+  }
+  CHECK(!bad && kiln_dict_size(d) == N && kiln_dict_meta_size(d) == N);
+  for (int i = 0; i < N; i += 7) { /* replaced in place: sizes and order stay */
+    snprintf(k, sizeof k, "h.%d.w", i);
+    bad |= kiln_dict_set(d, k, b) != KILN_OK || kiln_dict_set_meta(d, k, "r") != KILN_OK;
+  }
+  CHECK(!bad && kiln_dict_size(d) == N && kiln_dict_meta_size(d) == N);
+  for (int i = 0; i < N && !bad; i++) {
+    snprintf(k, sizeof k, "h.%d.w", i);
+    snprintf(v, sizeof v, "%d", i);
+    const char *m = kiln_dict_get_meta(d, k);
+    bad = strcmp(kiln_dict_key(d, i), k) != 0 || kiln_dict_get(d, k) != (i % 7 ? a : b) ||
+          !m || strcmp(m, i % 7 ? v : "r") != 0 || strcmp(kiln_dict_meta_key(d, i), k) != 0;
+  }
+  CHECK(!bad);
+  CHECK(kiln_dict_get(d, "h.100000.w") == NULL && kiln_dict_get_meta(d, "h.-1.w") == NULL);
+  char out[300];
+  snprintf(out, sizeof out, "%s/many.safetensors", g_tmp);
+  CHECK(kiln_safetensors_save(out, d) == KILN_OK);
+  kiln_dict_free(d);
+  kiln_tensor_free(a);
+  kiln_tensor_free(b);
+  d = kiln_safetensors_load(out, kiln_device_cpu());
+  CHECK(d && kiln_dict_size(d) == N && kiln_dict_meta_size(d) == N);
+  CHECK(d && kiln_numel(kiln_dict_get(d, "h.99999.w")) == 1 && kiln_numel(kiln_dict_get(d, "h.7.w")) == 2 &&
+        !strcmp(kiln_dict_get_meta(d, "h.5.w"), "5"));
+  kiln_dict_free(d);
+}
+
 int main(void) {
   snprintf(g_fixture, sizeof g_fixture, "%s", fixture("all_dtypes.safetensors"));
   if (scratch_begin(g_tmp, sizeof g_tmp, "st") != 0) return 1;
@@ -402,6 +489,7 @@ int main(void) {
   test_atomic();
   test_crafted_errors();
   test_names();
+  test_many();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

@@ -117,7 +117,7 @@ FILE *kiln__fopen_regular(const char *who, const char *path);
 ** error), KILN_ERR_OOM or KILN_ERR_INVALID_ARGUMENT (NULL path) naming `who`. */
 char *kiln__read_regular(const char *who, const char *path, size_t *n);
 
-/* ---- a JSON cursor (io: src/io/json_cursor.c; used by text's tokenizer and nn's config.json) ----
+/* ---- a JSON cursor (io: src/io/json_cursor.c; the safetensors header, text's tokenizer, nn's config.json) ----
 ** A cursor over a whole file in memory; errors name the file, the line and the byte
 ** offset of the cursor (kiln_set_error with KILN_ERR_FORMAT) and make every later call
 ** fail. Strings are decoded (escapes, \u surrogate pairs) into jr->buf, valid until the
@@ -130,13 +130,15 @@ typedef struct {
   int failed;
   kiln_status code; /* of the next error: KILN_ERR_FORMAT unless the caller sets another */
   size_t key_pos;   /* the offset of the last member name kiln__jr_member read */
+  size_t base;      /* added to offsets in errors (0; 8 for a safetensors header) */
   char *buf;
   size_t len, cap; /* the last string read: buf[0, len), NUL-terminated */
 } kiln__jreader;
 
 void kiln__jr_init(kiln__jreader *jr, const char *what, const char *path, const char *s, size_t n);
 void kiln__jr_release(kiln__jreader *jr);
-/* Sets the error "what: path:LINE: byte OFF: msg" at offset off. Returns KILN_ERR_FORMAT. */
+/* Sets the error "what: path:LINE: byte OFF: msg" at offset off (OFF = base + off), with
+** jr->code. Returns that code. */
 kiln_status kiln__jr_fail_at(kiln__jreader *jr, size_t off, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))

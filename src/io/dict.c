@@ -1,8 +1,10 @@
 /*
 ** kiln_dict: ordered name -> tensor map plus string metadata (state dicts, safetensors).
-** Lookups are linear: state dicts hold hundreds of entries, and a scan of that many
-** short strings costs less than keeping a hash table in step with in-place replacement.
+** Entries are only appended or replaced in place, never removed, so each list keeps a
+** hash index of positions beside it: a file of a million names loads in linear time
+** (a linear scan per insert made a crafted safetensors header take hours).
 */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,12 +20,26 @@ typedef struct meta_entry {
   char *value;
 } meta_entry;
 
+/* Open addressing over positions: slot[h] is an entry's index, or -1. Capacity is a power
+** of two at least twice the entries. */
+typedef struct dict_index {
+  int *slot;
+  size_t cap;
+} dict_index;
+
 struct kiln_dict {
   dict_entry *e;
   int n, cap;
   meta_entry *m;
   int nm, capm;
+  dict_index ie, im;
 };
+
+static size_t hash_str(const char *s) { /* FNV-1a */
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return (size_t)(h ^ (h >> 29));
+}
 
 static char *dup_str(const char *s) {
   size_t n = strlen(s) + 1;
@@ -50,20 +66,46 @@ void kiln_dict_free(kiln_dict *d) {
   }
   free(d->e);
   free(d->m);
+  free(d->ie.slot);
+  free(d->im.slot);
   free(d);
 }
 
-static int find(const kiln_dict *d, const char *name) {
-  for (int i = 0; i < d->n; i++)
-    if (strcmp(d->e[i].key, name) == 0) return i;
-  return -1;
+static const char *entry_key(const kiln_dict *d, int i) { return d->e[i].key; }
+static const char *meta_key(const kiln_dict *d, int i) { return d->m[i].key; }
+typedef const char *(*key_fn)(const kiln_dict *d, int i);
+
+/* The position of key in the list that ix indexes, or -1. */
+static int index_find(const kiln_dict *d, const dict_index *ix, key_fn key_at, const char *key) {
+  if (!ix->cap) return -1;
+  for (size_t h = hash_str(key) & (ix->cap - 1);; h = (h + 1) & (ix->cap - 1)) {
+    int i = ix->slot[h];
+    if (i < 0 || strcmp(key_at(d, i), key) == 0) return i;
+  }
 }
 
-static int find_meta(const kiln_dict *d, const char *key) {
-  for (int i = 0; i < d->nm; i++)
-    if (strcmp(d->m[i].key, key) == 0) return i;
-  return -1;
+static void index_put(dict_index *ix, const char *key, int i) {
+  size_t h = hash_str(key) & (ix->cap - 1);
+  while (ix->slot[h] >= 0) h = (h + 1) & (ix->cap - 1);
+  ix->slot[h] = i;
 }
+
+/* Room in ix for entry n (entries 0..n-1 indexed already): 0 on OOM, nothing changed. */
+static int index_reserve(const kiln_dict *d, dict_index *ix, key_fn key_at, int n) {
+  if ((size_t)n + 1 <= ix->cap / 2) return 1;
+  size_t cap = ix->cap ? ix->cap * 2 : 32;
+  int *slot = malloc(cap * sizeof *slot);
+  if (!slot) return 0;
+  for (size_t h = 0; h < cap; h++) slot[h] = -1;
+  free(ix->slot);
+  ix->slot = slot;
+  ix->cap = cap;
+  for (int i = 0; i < n; i++) index_put(ix, key_at(d, i), i);
+  return 1;
+}
+
+static int find(const kiln_dict *d, const char *name) { return index_find(d, &d->ie, entry_key, name); }
+static int find_meta(const kiln_dict *d, const char *key) { return index_find(d, &d->im, meta_key, key); }
 
 kiln_status kiln_dict_set(kiln_dict *d, const char *name, kiln_tensor *t) {
   if (!d || !name || !t)
@@ -85,9 +127,13 @@ kiln_status kiln_dict_set(kiln_dict *d, const char *name, kiln_tensor *t) {
     d->cap = cap;
   }
   char *k = dup_str(name);
-  if (!k) return kiln_set_error(KILN_ERR_OOM, "kiln_dict_set: out of memory");
+  if (!k || !index_reserve(d, &d->ie, entry_key, d->n)) {
+    free(k);
+    return kiln_set_error(KILN_ERR_OOM, "kiln_dict_set: out of memory");
+  }
   d->e[d->n].key = k;
   d->e[d->n].t = kiln_tensor_ref(t);
+  index_put(&d->ie, k, d->n);
   d->n++;
   return KILN_OK;
 }
@@ -131,12 +177,14 @@ kiln_status kiln_dict_set_meta(kiln_dict *d, const char *key, const char *value)
     d->capm = cap;
   }
   char *k = dup_str(key);
-  if (!k) {
+  if (!k || !index_reserve(d, &d->im, meta_key, d->nm)) {
+    free(k);
     free(v);
     return kiln_set_error(KILN_ERR_OOM, "kiln_dict_set_meta: out of memory");
   }
   d->m[d->nm].key = k;
   d->m[d->nm].value = v;
+  index_put(&d->im, k, d->nm);
   d->nm++;
   return KILN_OK;
 }

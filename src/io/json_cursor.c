@@ -1,8 +1,9 @@
-/* A small JSON reader for the tokenizer files (vocab.json, tokenizer.json) and a Hugging
-** Face config.json: a cursor over the file in memory, read by the caller member by member,
-** so that an error can name the line and byte offset of the very entry that is wrong. The
-** library's cJSON (when built with it) builds a whole tree and reports only where the syntax
-** broke. Declared in ext/kiln_ext.h for text and nn. */
+/* The library's one JSON reader, for the safetensors header, the tokenizer files
+** (vocab.json, tokenizer.json) and a Hugging Face config.json: a cursor over the text in
+** memory, read by the caller member by member, so that an error names the line and byte
+** offset of the very entry that is wrong, and the same file gets the same answer in every
+** build. (cJSON, which the tests use to check what kiln writes, builds a whole tree and
+** reports only where the syntax broke.) Declared in ext/kiln_ext.h. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@ kiln_status kiln__jr_fail_at(kiln__jreader *jr, size_t off, const char *fmt, ...
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   return kiln_set_error(jr->code, "%s: %s:%zu: byte %zu: %s", jr->what, jr->path, line,
-                        off, msg);
+                        jr->base + off, msg);
 }
 
 static void skip_ws(kiln__jreader *jr) {

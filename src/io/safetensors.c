@@ -23,14 +23,13 @@
 #define _POSIX_C_SOURCE 200809L
 #define _FILE_OFFSET_BITS 64
 #include <errno.h>
-#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "io_int.h"
 #include "kiln_io.h"
-#include "st_json.h"
+#include "ext/kiln_ext.h"
 
 #define ST_MAX_HEADER 100000000ull /* the reference's limit */
 #define WHO "kiln_safetensors_load"
@@ -53,12 +52,22 @@ static const char *st_dtype_name(kiln_dtype dt) {
 }
 
 typedef struct st_info {
-  const char *name; /* points into the parsed JSON */
+  const char *name; /* in the names arena */
+  size_t name_at;   /* the name's offset in the header, for errors */
   kiln_dtype dtype;
   int ndim;
   int64_t shape[KILN_MAX_DIMS];
   uint64_t begin, end;
 } st_info;
+
+/* The header's entries as the cursor reads them: tensors in JSON order, their names
+** decoded into one arena (a decoded name and its NUL never outgrow the quoted text). */
+typedef struct st_header {
+  st_info *infos;
+  int n, cap;
+  char *names;
+  size_t names_used;
+} st_header;
 
 static int cmp_offsets(const void *a, const void *b) {
   const st_info *x = a, *y = b;
@@ -68,114 +77,228 @@ static int cmp_offsets(const void *a, const void *b) {
 }
 
 static int cmp_names(const void *a, const void *b) {
-  return strcmp((*(const st_info *const *)a)->name, (*(const st_info *const *)b)->name);
+  const st_info *x = *(const st_info *const *)a, *y = *(const st_info *const *)b;
+  int c = strcmp(x->name, y->name);
+  return c ? c : (x->name_at > y->name_at) - (x->name_at < y->name_at);
 }
 
-/* JSON numbers arrive as doubles: an offset or a dim must be a non-negative integer
-** that a double holds exactly (below 2^53). */
-static int json_uint(const cJSON *v, uint64_t *out) {
-  if (!cJSON_IsNumber(v)) return 0;
-  double d = v->valuedouble;
-  if (!(d >= 0) || d > 9007199254740992.0 || floor(d) != d) return 0;
-  *out = (uint64_t)d;
+/* A non-negative JSON integer at the cursor (digits only, no leading zero, no fraction or
+** exponent, as the reference's serde reads a usize), consumed; 0 and nothing consumed
+** otherwise: the caller names what it expected there. */
+static int json_uint(kiln__jreader *jr, uint64_t *out) {
+  kiln__jr_peek(jr);
+  if (jr->failed) return 0;
+  const char *s = jr->s;
+  size_t p = jr->pos, n = jr->n;
+  uint64_t x = 0;
+  for (; p < n && s[p] >= '0' && s[p] <= '9'; p++) {
+    if (x > (UINT64_MAX - 9) / 10) return 0;
+    x = x * 10 + (uint64_t)(s[p] - '0');
+  }
+  if (p == jr->pos || (s[jr->pos] == '0' && p - jr->pos > 1) ||
+      (p < n && (s[p] == '.' || s[p] == 'e' || s[p] == 'E')))
+    return 0;
+  jr->pos = p;
+  *out = x;
   return 1;
 }
 
-/* Parses one tensor entry into info. Returns KILN_OK or sets the error. */
-static kiln_status parse_entry(const char *path, const cJSON *e, st_info *info) {
-  const char *name = e->string;
-  info->name = name;
-  if (!cJSON_IsObject(e))
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' entry is not a JSON object",
-                          path, name);
-  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
-  const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
-  const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
-  if (!cJSON_IsString(dt) || !dt->valuestring)
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' has no \"dtype\" string",
-                          path, name);
-  int found = 0;
-  for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
-    if (strcmp(st_dtypes[i].name, dt->valuestring) == 0) {
-      if (st_dtypes[i].dtype < 0)
-        return kiln_set_error(KILN_ERR_DTYPE,
-                              WHO ": %s: tensor '%s' has dtype %s, which kiln does not hold "
-                                  "(F32 F64 F16 BF16 I64 I32 U8 BOOL)",
-                              path, name, dt->valuestring);
-      info->dtype = (kiln_dtype)st_dtypes[i].dtype;
-      found = 1;
-      break;
+/* A member of an entry seen twice: the reference refuses it, and the second copy would
+** otherwise silently win. */
+static int once(kiln__jreader *jr, int *seen, const char *name) {
+  if (!*seen) return *seen = 1;
+  kiln__jr_fail_at(jr, jr->key_pos, "tensor '%s' has \"%s\" twice", name, jr->buf);
+  return 0;
+}
+
+/* Reads one tensor entry's value at the cursor into info. 1, or 0 with the error set. */
+static int parse_entry(kiln__jreader *jr, st_info *info) {
+  const char *name = info->name;
+  int c = kiln__jr_peek(jr);
+  size_t at = jr->pos;
+  if (c != '{') {
+    kiln__jr_fail_at(jr, at, "tensor '%s' entry is not a JSON object", name);
+    return 0;
+  }
+  kiln__jr_object_begin(jr);
+  int first = 1, r, seen_dt = 0, seen_shape = 0, seen_off = 0;
+  size_t dt_at = 0, shape_at = 0, off_at = 0;
+  uint64_t dims[KILN_MAX_DIMS];
+  while ((r = kiln__jr_member(jr, &first)) == 1) {
+    if (!strcmp(jr->buf, "dtype")) {
+      if (!once(jr, &seen_dt, name)) return 0;
+      dt_at = jr->pos;
+      if (kiln__jr_peek(jr) != '"') {
+        kiln__jr_fail_at(jr, dt_at, "tensor '%s' \"dtype\" is not a string", name);
+        return 0;
+      }
+      if (!kiln__jr_string(jr)) return 0;
+      int found = 0;
+      for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0] && !found; i++) {
+        if (strcmp(st_dtypes[i].name, jr->buf) != 0) continue;
+        if (st_dtypes[i].dtype < 0) {
+          jr->code = KILN_ERR_DTYPE;
+          kiln__jr_fail_at(jr, dt_at,
+                           "tensor '%s' has dtype %s, which kiln does not hold "
+                           "(F32 F64 F16 BF16 I64 I32 U8 BOOL)",
+                           name, jr->buf);
+          return 0;
+        }
+        info->dtype = (kiln_dtype)st_dtypes[i].dtype;
+        found = 1;
+      }
+      if (!found) {
+        kiln__jr_fail_at(jr, dt_at, "tensor '%s' has unknown dtype \"%.32s\"", name, jr->buf);
+        return 0;
+      }
+    } else if (!strcmp(jr->buf, "shape")) {
+      if (!once(jr, &seen_shape, name)) return 0;
+      shape_at = jr->pos;
+      if (kiln__jr_peek(jr) != '[') {
+        kiln__jr_fail_at(jr, shape_at, "tensor '%s' \"shape\" is not an array", name);
+        return 0;
+      }
+      kiln__jr_array_begin(jr);
+      int f2 = 1, e;
+      info->ndim = 0;
+      while ((e = kiln__jr_element(jr, &f2)) == 1) {
+        if (info->ndim == KILN_MAX_DIMS) {
+          jr->code = KILN_ERR_SHAPE;
+          kiln__jr_fail_at(jr, shape_at, "tensor '%s' has more than %d dims (kiln holds %d)",
+                           name, KILN_MAX_DIMS, KILN_MAX_DIMS);
+          return 0;
+        }
+        if (!json_uint(jr, &dims[info->ndim])) {
+          kiln__jr_fail_at(jr, jr->pos, "tensor '%s' shape[%d] is not a non-negative integer",
+                           name, info->ndim);
+          return 0;
+        }
+        info->ndim++;
+      }
+      if (e < 0) return 0;
+    } else if (!strcmp(jr->buf, "data_offsets")) {
+      if (!once(jr, &seen_off, name)) return 0;
+      off_at = jr->pos;
+      int ok = kiln__jr_accept(jr, '[') && json_uint(jr, &info->begin) &&
+               kiln__jr_accept(jr, ',') && json_uint(jr, &info->end) && kiln__jr_accept(jr, ']');
+      if (!ok) {
+        kiln__jr_fail_at(jr, off_at,
+                         "tensor '%s' \"data_offsets\" is not [begin, end] with non-negative "
+                         "integers",
+                         name);
+        return 0;
+      }
+    } else if (!kiln__jr_skip(jr)) { /* other members: ignored, as the reference does */
+      return 0;
     }
-  if (!found)
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' has unknown dtype \"%.32s\"",
-                          path, name, dt->valuestring);
-  if (!cJSON_IsArray(sh))
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: tensor '%s' has no \"shape\" array",
-                          path, name);
-  int nd = cJSON_GetArraySize(sh);
-  if (nd > KILN_MAX_DIMS)
-    return kiln_set_error(KILN_ERR_SHAPE, WHO ": %s: tensor '%s' has %d dims (kiln holds %d)",
-                          path, name, nd, KILN_MAX_DIMS);
-  info->ndim = nd;
+  }
+  if (r < 0) return 0;
+  if (!seen_dt || !seen_shape || !seen_off) {
+    kiln__jr_fail_at(jr, at, "tensor '%s' has no %s", name,
+                     !seen_dt ? "\"dtype\" string" : !seen_shape ? "\"shape\" array"
+                                                                 : "\"data_offsets\" array");
+    return 0;
+  }
   /* numel * size stays below 2^62: each factor is checked before multiplying. span is the
   ** product with zero dims counted as 1 (what strides are made of): it must fit too, or a
   ** shape like [0, 2^40, 2^40] would pass as 0 bytes. */
   uint64_t bytes = kiln_dtype_size(info->dtype), span = bytes;
-  int i = 0;
-  for (const cJSON *d = sh->child; d; d = d->next, i++) {
-    uint64_t v;
-    if (!json_uint(d, &v))
-      return kiln_set_error(KILN_ERR_FORMAT,
-                            WHO ": %s: tensor '%s' shape[%d] is not a non-negative integer",
-                            path, name, i);
-    info->shape[i] = (int64_t)v;
-    if (span > (UINT64_C(1) << 62) / (v ? v : 1))
-      return kiln_set_error(KILN_ERR_SHAPE,
-                            WHO ": %s: tensor '%s' shape is too large (a product of its "
-                                "dims passes 2^62 bytes)",
-                            path, name);
+  for (int i = 0; i < info->ndim; i++) {
+    uint64_t v = dims[i];
+    if (span > (UINT64_C(1) << 62) / (v ? v : 1)) {
+      jr->code = KILN_ERR_SHAPE;
+      kiln__jr_fail_at(jr, shape_at,
+                       "tensor '%s' shape is too large (a product of its dims passes 2^62 "
+                       "bytes)",
+                       name);
+      return 0;
+    }
     span *= v ? v : 1;
     bytes *= v;
+    info->shape[i] = (int64_t)v;
   }
-  if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 || !json_uint(off->child, &info->begin) ||
-      !json_uint(off->child->next, &info->end))
-    return kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: tensor '%s' \"data_offsets\" is not [begin, end] with "
-                              "non-negative integers",
-                          path, name);
-  if (info->end < info->begin)
-    return kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: tensor '%s' data_offsets [%llu, %llu) end before begin",
-                          path, name, (unsigned long long)info->begin,
-                          (unsigned long long)info->end);
-  if (info->end - info->begin != bytes)
-    return kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: tensor '%s' data_offsets [%llu, %llu) hold %llu bytes "
-                              "but shape and dtype %s need %llu",
-                          path, name, (unsigned long long)info->begin,
-                          (unsigned long long)info->end,
-                          (unsigned long long)(info->end - info->begin), dt->valuestring,
-                          (unsigned long long)bytes);
-  return KILN_OK;
+  if (info->end < info->begin) {
+    kiln__jr_fail_at(jr, off_at, "tensor '%s' data_offsets [%llu, %llu) end before begin", name,
+                     (unsigned long long)info->begin, (unsigned long long)info->end);
+    return 0;
+  }
+  if (info->end - info->begin != bytes) {
+    kiln__jr_fail_at(jr, off_at,
+                     "tensor '%s' data_offsets [%llu, %llu) hold %llu bytes but shape and "
+                     "dtype %s need %llu",
+                     name, (unsigned long long)info->begin, (unsigned long long)info->end,
+                     (unsigned long long)(info->end - info->begin),
+                     st_dtype_name(info->dtype), (unsigned long long)bytes);
+    return 0;
+  }
+  return 1;
 }
 
-static kiln_status parse_meta(const char *path, const cJSON *m, kiln_dict *d) {
-  if (cJSON_IsNull(m)) return KILN_OK;
-  if (!cJSON_IsObject(m))
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: \"__metadata__\" is not a JSON object",
-                          path);
-  for (const cJSON *e = m->child; e; e = e->next) {
-    if (!cJSON_IsString(e) || !e->valuestring)
-      return kiln_set_error(KILN_ERR_FORMAT,
-                            WHO ": %s: \"__metadata__\" value for '%s' is not a string", path,
-                            e->string);
-    if (kiln_dict_get_meta(d, e->string))
-      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: duplicate \"__metadata__\" key '%s'",
-                            path, e->string);
-    kiln_status st = kiln_dict_set_meta(d, e->string, e->valuestring);
-    if (st != KILN_OK) return st;
+/* "__metadata__": null, or an object of strings. 1, or 0 with the error set. */
+static int parse_meta(kiln__jreader *jr, kiln_dict *d) {
+  int c = kiln__jr_peek(jr);
+  size_t at = jr->pos;
+  if (c == 'n') return kiln__jr_skip(jr); /* null, or a JSON error */
+  if (c != '{') {
+    kiln__jr_fail_at(jr, at, "\"__metadata__\" is not a JSON object");
+    return 0;
   }
-  return KILN_OK;
+  kiln__jr_object_begin(jr);
+  int first = 1, r;
+  while ((r = kiln__jr_member(jr, &first)) == 1) {
+    char *key = malloc(jr->len + 1); /* jr->buf is reused for the value */
+    if (!key) {
+      jr->code = KILN_ERR_OOM;
+      kiln__jr_fail_at(jr, jr->key_pos, "out of memory for a metadata key");
+      return 0;
+    }
+    memcpy(key, jr->buf, jr->len + 1);
+    size_t key_at = jr->key_pos, val_at = jr->pos;
+    int ok = 0;
+    if (kiln__jr_peek(jr) != '"')
+      kiln__jr_fail_at(jr, val_at, "\"__metadata__\" value for '%s' is not a string", key);
+    else if (kiln_dict_get_meta(d, key))
+      kiln__jr_fail_at(jr, key_at, "duplicate \"__metadata__\" key '%s'", key);
+    else if (kiln__jr_string(jr)) {
+      kiln_status st = kiln_dict_set_meta(d, key, jr->buf);
+      if (st != KILN_OK) jr->failed = 1; /* the dict set the error */
+      ok = st == KILN_OK;
+    }
+    free(key);
+    if (!ok) return 0;
+  }
+  return r == 0;
+}
+
+/* Reads the header object: tensor entries into h, "__metadata__" into d. */
+static kiln_status parse_header(kiln__jreader *jr, st_header *h, kiln_dict *d) {
+  int first = 1, r, seen_meta = 0;
+  if (!kiln__jr_object_begin(jr)) return kiln_last_error();
+  while ((r = kiln__jr_member(jr, &first)) == 1) {
+    if (!strcmp(jr->buf, "__metadata__")) {
+      if (seen_meta) return kiln__jr_fail_at(jr, jr->key_pos, "duplicate \"__metadata__\"");
+      seen_meta = 1;
+      if (!parse_meta(jr, d)) return kiln_last_error();
+      continue;
+    }
+    if (h->n == h->cap) {
+      int cap = h->cap ? 2 * h->cap : 64;
+      st_info *p = realloc(h->infos, (size_t)cap * sizeof *p);
+      if (!p) {
+        jr->code = KILN_ERR_OOM;
+        return kiln__jr_fail_at(jr, jr->key_pos, "out of memory for %d tensor entries", cap);
+      }
+      h->infos = p;
+      h->cap = cap;
+    }
+    st_info *info = memset(&h->infos[h->n++], 0, sizeof *info);
+    info->name = memcpy(h->names + h->names_used, jr->buf, jr->len + 1);
+    info->name_at = jr->key_pos;
+    h->names_used += jr->len + 1;
+    if (!parse_entry(jr, info)) return kiln_last_error();
+  }
+  if (r < 0) return kiln_last_error();
+  return kiln__jr_end(jr);
 }
 
 /* Reads the tensor described by info from f into a new CPU tensor the caller owns. */
@@ -260,62 +383,37 @@ static kiln_status validate_and_read(const char *path, FILE *f, uint64_t fsize, 
                                      uint64_t hlen, kiln_dict *d, kiln_device dev) {
   const uint64_t data_start = 8 + hlen, data_size = fsize - data_start;
   if (check_header_text(path, hdr, hlen) != KILN_OK) return kiln_last_error();
-  const char *end = NULL;
-  cJSON *root = cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
-  if (!root) {
-    uint64_t at = end && end >= hdr ? (uint64_t)(end - hdr) : 0;
-    return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: invalid JSON header near file offset %llu",
-                          path, (unsigned long long)(8 + at));
-  }
-  kiln_status st = KILN_OK;
-  st_info *infos = NULL;
+  st_header h = {0};
   st_info **by_name = NULL;
-  for (const char *p = end; p < hdr + hlen; p++) /* padding: whitespace only */
-    if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
-      st = kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: bytes after the JSON header at file offset %llu", path,
-                          (unsigned long long)(8 + (uint64_t)(p - hdr)));
-      goto done;
-    }
-  if (!cJSON_IsObject(root)) {
-    st = kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: JSON header is not an object", path);
+  kiln__jreader jr;
+  kiln__jr_init(&jr, WHO, path, hdr, (size_t)hlen);
+  jr.base = 8; /* offsets in errors are the file's */
+  kiln_status st = KILN_OK;
+  h.names = malloc((size_t)hlen + 1);
+  if (!h.names) {
+    st = kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for a header of %llu bytes", path,
+                        (unsigned long long)hlen);
     goto done;
   }
-  int n = 0, nmeta = 0;
-  for (const cJSON *e = root->child; e; e = e->next) {
-    if (strcmp(e->string, "__metadata__") == 0) nmeta++;
-    else n++;
-  }
-  if (nmeta > 1) {
-    st = kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: duplicate \"__metadata__\"", path);
-    goto done;
-  }
-  infos = calloc((size_t)n + 1, sizeof *infos);
-  by_name = calloc((size_t)n + 1, sizeof *by_name);
-  if (!infos || !by_name) {
+  st = parse_header(&jr, &h, d);
+  if (st != KILN_OK) goto done;
+  int n = h.n;
+  st_info *infos = h.infos;
+  by_name = malloc(((size_t)n + 1) * sizeof *by_name);
+  if (!by_name) {
     st = kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for %d tensor entries", path, n);
     goto done;
   }
-  int k = 0;
-  for (const cJSON *e = root->child; e; e = e->next) {
-    if (strcmp(e->string, "__metadata__") == 0) {
-      st = parse_meta(path, e, d);
-    } else {
-      st = parse_entry(path, e, &infos[k]);
-      by_name[k] = &infos[k];
-      k++;
-    }
-    if (st != KILN_OK) goto done;
-  }
-  qsort(by_name, (size_t)n, sizeof *by_name, cmp_names);
+  for (int i = 0; i < n; i++) by_name[i] = &infos[i];
+  if (n > 1) qsort(by_name, (size_t)n, sizeof *by_name, cmp_names);
   for (int i = 1; i < n; i++)
     if (strcmp(by_name[i - 1]->name, by_name[i]->name) == 0) {
-      st = kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: duplicate tensor name '%s'", path,
-                          by_name[i]->name);
+      st = kiln__jr_fail_at(&jr, by_name[i]->name_at, "duplicate tensor name '%s'",
+                            by_name[i]->name);
       goto done;
     }
   /* Coverage: sorted by begin, each tensor starts where the previous one ended. */
-  qsort(infos, (size_t)n, sizeof *infos, cmp_offsets);
+  if (n > 1) qsort(infos, (size_t)n, sizeof *infos, cmp_offsets);
   uint64_t expect = 0;
   for (int i = 0; i < n; i++) {
     const st_info *t = &infos[i];
@@ -367,9 +465,10 @@ static kiln_status validate_and_read(const char *path, FILE *f, uint64_t fsize, 
     if (st != KILN_OK) goto done;
   }
 done:
-  free(infos);
+  free(h.infos);
+  free(h.names);
   free(by_name);
-  cJSON_Delete(root);
+  kiln__jr_release(&jr);
   return st;
 }
 
@@ -483,24 +582,30 @@ static void sb_json_string(sbuf *b, const char *s) {
   sb_put(b, "\"", 1);
 }
 
+typedef struct save_rec {
+  size_t size; /* the dtype's */
+  const char *name;
+  int index; /* in the dict */
+} save_rec;
+
 /* The reference's order: larger dtypes first (keeps every tensor aligned to its size
-** when the data area starts aligned), then by name. An insertion sort on indices: qsort
-** has no context argument in C11, and state dicts hold hundreds of entries. */
-static void save_order(const kiln_dict *d, int *order, int n) {
-  for (int i = 0; i < n; i++) order[i] = i;
-  for (int i = 1; i < n; i++) {
-    int v = order[i], j = i - 1;
-    size_t sv = kiln_dtype_size(kiln_dtype_of(kiln_dict_value(d, v)));
-    while (j >= 0) {
-      int u = order[j];
-      size_t su = kiln_dtype_size(kiln_dtype_of(kiln_dict_value(d, u)));
-      if (!(sv > su || (sv == su && strcmp(kiln_dict_key(d, v), kiln_dict_key(d, u)) < 0)))
-        break;
-      order[j + 1] = u;
-      j--;
-    }
-    order[j + 1] = v;
-  }
+** when the data area starts aligned), then by name (names are unique). */
+static int cmp_save(const void *a, const void *b) {
+  const save_rec *x = a, *y = b;
+  if (x->size != y->size) return x->size > y->size ? -1 : 1;
+  return strcmp(x->name, y->name);
+}
+
+/* order[k] = the dict index of the k-th tensor to write; 0 on OOM. */
+static int save_order(const kiln_dict *d, int *order, int n) {
+  save_rec *r = malloc(sizeof *r * (size_t)(n > 0 ? n : 1));
+  if (!r) return 0;
+  for (int i = 0; i < n; i++)
+    r[i] = (save_rec){kiln_dtype_size(kiln_dtype_of(kiln_dict_value(d, i))), kiln_dict_key(d, i), i};
+  if (n > 1) qsort(r, (size_t)n, sizeof *r, cmp_save);
+  for (int i = 0; i < n; i++) order[i] = r[i].index;
+  free(r);
+  return 1;
 }
 
 #undef WHO
@@ -521,8 +626,10 @@ kiln_status kiln_safetensors_save(const char *path, const kiln_dict *d) {
                             name);
   }
   int *order = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
-  if (!order) return kiln_set_error(KILN_ERR_OOM, WHO ": out of memory");
-  save_order(d, order, n);
+  if (!order || !save_order(d, order, n)) {
+    free(order);
+    return kiln_set_error(KILN_ERR_OOM, WHO ": out of memory");
+  }
 
   sbuf h = {0};
   sb_str(&h, "{");

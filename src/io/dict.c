@@ -21,7 +21,8 @@ typedef struct meta_entry {
 } meta_entry;
 
 /* Open addressing over positions: slot[h] is an entry's index, or -1. Capacity is a power
-** of two at least twice the entries. */
+** of two at least twice the entries. The hash starts from a value of the dict's own (its
+** address, which ASLR moves), so a file cannot be made of names that collide in every run. */
 typedef struct dict_index {
   int *slot;
   size_t cap;
@@ -33,10 +34,11 @@ struct kiln_dict {
   meta_entry *m;
   int nm, capm;
   dict_index ie, im;
+  uint64_t seed;
 };
 
-static size_t hash_str(const char *s) { /* FNV-1a */
-  uint64_t h = 1469598103934665603ull;
+static size_t hash_str(const kiln_dict *d, const char *s) { /* FNV-1a from the dict's seed */
+  uint64_t h = 1469598103934665603ull ^ d->seed;
   for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
   return (size_t)(h ^ (h >> 29));
 }
@@ -51,6 +53,7 @@ static char *dup_str(const char *s) {
 kiln_dict *kiln_dict_new(void) {
   kiln_dict *d = calloc(1, sizeof *d);
   if (!d) kiln_set_error(KILN_ERR_OOM, "kiln_dict_new: out of memory");
+  else d->seed = (uint64_t)(uintptr_t)d * 0x9E3779B97F4A7C15ull;
   return d;
 }
 
@@ -78,14 +81,14 @@ typedef const char *(*key_fn)(const kiln_dict *d, int i);
 /* The position of key in the list that ix indexes, or -1. */
 static int index_find(const kiln_dict *d, const dict_index *ix, key_fn key_at, const char *key) {
   if (!ix->cap) return -1;
-  for (size_t h = hash_str(key) & (ix->cap - 1);; h = (h + 1) & (ix->cap - 1)) {
+  for (size_t h = hash_str(d, key) & (ix->cap - 1);; h = (h + 1) & (ix->cap - 1)) {
     int i = ix->slot[h];
     if (i < 0 || strcmp(key_at(d, i), key) == 0) return i;
   }
 }
 
-static void index_put(dict_index *ix, const char *key, int i) {
-  size_t h = hash_str(key) & (ix->cap - 1);
+static void index_put(const kiln_dict *d, dict_index *ix, const char *key, int i) {
+  size_t h = hash_str(d, key) & (ix->cap - 1);
   while (ix->slot[h] >= 0) h = (h + 1) & (ix->cap - 1);
   ix->slot[h] = i;
 }
@@ -100,7 +103,7 @@ static int index_reserve(const kiln_dict *d, dict_index *ix, key_fn key_at, int 
   free(ix->slot);
   ix->slot = slot;
   ix->cap = cap;
-  for (int i = 0; i < n; i++) index_put(ix, key_at(d, i), i);
+  for (int i = 0; i < n; i++) index_put(d, ix, key_at(d, i), i);
   return 1;
 }
 
@@ -133,7 +136,7 @@ kiln_status kiln_dict_set(kiln_dict *d, const char *name, kiln_tensor *t) {
   }
   d->e[d->n].key = k;
   d->e[d->n].t = kiln_tensor_ref(t);
-  index_put(&d->ie, k, d->n);
+  index_put(d, &d->ie, k, d->n);
   d->n++;
   return KILN_OK;
 }
@@ -184,7 +187,7 @@ kiln_status kiln_dict_set_meta(kiln_dict *d, const char *key, const char *value)
   }
   d->m[d->nm].key = k;
   d->m[d->nm].value = v;
-  index_put(&d->im, k, d->nm);
+  index_put(d, &d->im, k, d->nm);
   d->nm++;
   return KILN_OK;
 }

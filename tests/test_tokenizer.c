@@ -194,6 +194,14 @@ static void test_bad_files(void) {
   ** kiln_gpt_hf_config) */
   v = write_tmp("vocab8.json", "{\"a\": 0}\n x");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab8.json:2: byte 10: more after the end of the JSON value"));
+  /* ids are JSON integers, as Hugging Face's serde reads them: no leading zero, fraction or
+  ** exponent (the JSON cursor's integer, shared with the safetensors header) */
+  v = write_tmp("vocab9.json", "{\"a\": 007}");
+  CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab9.json:1: byte 6: expected an integer, found '007'"));
+  v = write_tmp("vocab9.json", "{\"a\": 1.5}");
+  CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab9.json:1: byte 6: expected an integer, found '1.5'"));
+  v = write_tmp("vocab9.json", "{\"a\": 99999999999999999999}");
+  CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("vocab9.json:1: byte 6: integer out of range"));
   /* a vocabulary without all 256 bytes */
   v = write_tmp("vocab5.json", "{\"a\": 0}");
   CHECK(kiln_tokenizer_load(v, good_merges) == NULL && has("no token for byte 0x00"));
@@ -236,7 +244,7 @@ static void test_bad_files(void) {
   CHECK(kiln_tokenizer_load("/nonexistent/vocab.json", good_merges) == NULL && kiln_last_error() == KILN_ERR_IO);
 
   const char *names[] = {"merges1.txt", "merges2.txt", "merges3.txt", "merges4.txt", "vocab1.json", "vocab2.json",
-                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "vocab7.json", "vocab8.json", "tok1.json", "tok2.json",
+                         "vocab3.json", "vocab4.json", "vocab5.json", "vocab6.json", "vocab7.json", "vocab8.json", "vocab9.json", "tok1.json", "tok2.json",
                          "tok3.json", "tok4.json"};
   for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
     char p[512];

@@ -152,6 +152,9 @@ int kiln__jr_expect(kiln__jreader *jr, int c);
 int kiln__jr_accept(kiln__jreader *jr, int c);
 int kiln__jr_string(kiln__jreader *jr);             /* a string into jr->buf; 1 on success */
 int kiln__jr_int(kiln__jreader *jr, int64_t *v);    /* an integer (no fraction/exponent) */
+/* A non-negative integer up to 2^64-1 (as serde reads a u64): 1 and consumed; else 0 with
+** no error set and nothing consumed, for the caller to say what it expected there. */
+int kiln__jr_try_uint(kiln__jreader *jr, uint64_t *v);
 int kiln__jr_number(kiln__jreader *jr, double *v);  /* a JSON number (no nan, inf or hex) */
 int kiln__jr_skip(kiln__jreader *jr);               /* any value, checked as JSON */
 /* After the top value: KILN_OK when only spaces follow; else the error (or the earlier one). */

@@ -194,29 +194,57 @@ int kiln__jr_string(kiln__jreader *jr) {
   return 0;
 }
 
+/* The JSON integer's digits at p (no redundant leading zero, no fraction or exponent) as a
+** value up to max: their end, or 0 with *range set when the digits are fine but the value
+** passes max. */
+static size_t scan_digits(const kiln__jreader *jr, size_t p, uint64_t max, uint64_t *v,
+                          int *range) {
+  const char *s = jr->s;
+  size_t d = p, n = jr->n;
+  uint64_t x = 0;
+  *range = 0;
+  for (; p < n && s[p] >= '0' && s[p] <= '9'; p++) {
+    unsigned k = (unsigned)(s[p] - '0');
+    if (x > (max - k) / 10) *range = 1;
+    else x = x * 10 + k;
+  }
+  if (p == d || (s[d] == '0' && p - d > 1) || (p < n && (s[p] == '.' || s[p] == 'e' || s[p] == 'E'))) {
+    *range = 0;
+    return 0;
+  }
+  if (*range) return 0;
+  *v = x;
+  return p;
+}
+
 int kiln__jr_int(kiln__jreader *jr, int64_t *v) {
   kiln__jr_peek(jr);
   if (jr->failed) return 0;
-  size_t p = jr->pos, start = p;
-  int neg = 0;
-  if (p < jr->n && jr->s[p] == '-') neg = 1, p++;
-  int64_t x = 0;
-  size_t digits = 0;
-  while (p < jr->n && jr->s[p] >= '0' && jr->s[p] <= '9') {
-    if (x > (INT64_MAX - 9) / 10) {
-      kiln__jr_fail_at(jr, start, "integer out of range");
-      return 0;
-    }
-    x = x * 10 + (jr->s[p++] - '0');
-    digits++;
-  }
-  if (!digits || (p < jr->n && (jr->s[p] == '.' || jr->s[p] == 'e' || jr->s[p] == 'E'))) {
-    kiln__jr_fail_at(jr, start, "expected an integer, found %s", describe(jr));
+  size_t start = jr->pos;
+  int neg = start < jr->n && jr->s[start] == '-', range;
+  uint64_t x;
+  size_t end = scan_digits(jr, start + (size_t)neg, (uint64_t)INT64_MAX, &x, &range);
+  if (!end) {
+    size_t e = start; /* show a number-like token whole: 007, 2.5, 1e3 */
+    while (e < jr->n && e - start < 24 && jr->s[e] && strchr("0123456789+-.eE", jr->s[e])) e++;
+    if (range) kiln__jr_fail_at(jr, start, "integer out of range");
+    else if (e > start)
+      kiln__jr_fail_at(jr, start, "expected an integer, found '%.*s'", (int)(e - start), jr->s + start);
+    else kiln__jr_fail_at(jr, start, "expected an integer, found %s", describe(jr));
     return 0;
   }
-  jr->pos = p;
-  *v = neg ? -x : x;
+  jr->pos = end;
+  *v = neg ? -(int64_t)x : (int64_t)x;
   return 1;
+}
+
+int kiln__jr_try_uint(kiln__jreader *jr, uint64_t *v) {
+  kiln__jr_peek(jr);
+  if (jr->failed) return 0;
+  int range;
+  size_t end = scan_digits(jr, jr->pos, UINT64_MAX, v, &range);
+  if (end) jr->pos = end;
+  return end != 0;
 }
 
 /* The end of the JSON number at the cursor (-?digits(.digits)?([eE][+-]?digits)?, no

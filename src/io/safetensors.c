@@ -82,27 +82,6 @@ static int cmp_names(const void *a, const void *b) {
   return c ? c : (x->name_at > y->name_at) - (x->name_at < y->name_at);
 }
 
-/* A non-negative JSON integer at the cursor (digits only, no leading zero, no fraction or
-** exponent, as the reference's serde reads a usize), consumed; 0 and nothing consumed
-** otherwise: the caller names what it expected there. */
-static int json_uint(kiln__jreader *jr, uint64_t *out) {
-  kiln__jr_peek(jr);
-  if (jr->failed) return 0;
-  const char *s = jr->s;
-  size_t p = jr->pos, n = jr->n;
-  uint64_t x = 0;
-  for (; p < n && s[p] >= '0' && s[p] <= '9'; p++) {
-    if (x > (UINT64_MAX - 9) / 10) return 0;
-    x = x * 10 + (uint64_t)(s[p] - '0');
-  }
-  if (p == jr->pos || (s[jr->pos] == '0' && p - jr->pos > 1) ||
-      (p < n && (s[p] == '.' || s[p] == 'e' || s[p] == 'E')))
-    return 0;
-  jr->pos = p;
-  *out = x;
-  return 1;
-}
-
 /* A member of an entry seen twice: the reference refuses it, and the second copy would
 ** otherwise silently win. */
 static int once(kiln__jreader *jr, int *seen, const char *name) {
@@ -168,7 +147,7 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
                            name, KILN_MAX_DIMS, KILN_MAX_DIMS);
           return 0;
         }
-        if (!json_uint(jr, &dims[info->ndim])) {
+        if (!kiln__jr_try_uint(jr, &dims[info->ndim])) {
           kiln__jr_fail_at(jr, jr->pos, "tensor '%s' shape[%d] is not a non-negative integer",
                            name, info->ndim);
           return 0;
@@ -179,8 +158,8 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
     } else if (!strcmp(jr->buf, "data_offsets")) {
       if (!once(jr, &seen_off, name)) return 0;
       off_at = jr->pos;
-      int ok = kiln__jr_accept(jr, '[') && json_uint(jr, &info->begin) &&
-               kiln__jr_accept(jr, ',') && json_uint(jr, &info->end) && kiln__jr_accept(jr, ']');
+      int ok = kiln__jr_accept(jr, '[') && kiln__jr_try_uint(jr, &info->begin) &&
+               kiln__jr_accept(jr, ',') && kiln__jr_try_uint(jr, &info->end) && kiln__jr_accept(jr, ']');
       if (!ok) {
         kiln__jr_fail_at(jr, off_at,
                          "tensor '%s' \"data_offsets\" is not [begin, end] with non-negative "

@@ -76,6 +76,38 @@ KILN_API kiln_status kiln_safetensors_save(const char *path, const kiln_dict *d)
 ** (a message naming the file, the tensor and the file byte offset), KILN_ERR_DTYPE for a
 ** valid but unsupported dtype (I8, U16, F8_E4M3, ...), KILN_ERR_OOM. */
 KILN_API kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev);
+
+/* A safetensors file opened for reading tensor by tensor: listing a big file, or taking a
+** few of its tensors, costs its header and those tensors, not the whole file.
+**
+**   kiln_safetensors *f = kiln_safetensors_open("model.safetensors");
+**   int i = kiln_safetensors_find(f, "wte.weight");
+**   kiln_tensor *w = i >= 0 ? kiln_safetensors_read(f, i, dev) : NULL;
+**   kiln_safetensors_close(f);
+**
+** The header is checked as kiln_safetensors_load checks it (the same errors, prefixed
+** kiln_safetensors_open); the tensors' bytes are read by kiln_safetensors_read, in any
+** order. The file stays open until kiln_safetensors_close (NULL: nothing). */
+typedef struct kiln_safetensors kiln_safetensors;
+KILN_API kiln_safetensors *kiln_safetensors_open(const char *path);
+KILN_API void kiln_safetensors_close(kiln_safetensors *f);
+/* Tensors in data order (the writer's order: kiln_safetensors_load's dict order). */
+KILN_API int kiln_safetensors_count(const kiln_safetensors *f);
+/* Tensor i's name (borrowed, valid until close); NULL + KILN_ERR_INVALID_ARGUMENT when
+** out of range. */
+KILN_API const char *kiln_safetensors_name(const kiln_safetensors *f, int i);
+/* Tensor i's dims (returned; -1 + KILN_ERR_INVALID_ARGUMENT when out of range), dtype
+** and shape (KILN_MAX_DIMS entries at most); dtype and shape may be NULL. */
+KILN_API int kiln_safetensors_info(const kiln_safetensors *f, int i, kiln_dtype *dtype, int64_t *shape);
+/* The index of the tensor called name, or -1 (no error set: absence is an answer). */
+KILN_API int kiln_safetensors_find(const kiln_safetensors *f, const char *name);
+/* "__metadata__" as a dict with no tensors (borrowed; read it with kiln_dict_meta_*). */
+KILN_API const kiln_dict *kiln_safetensors_metadata(const kiln_safetensors *f);
+/* Reads tensor i onto dev (read on the CPU, then moved); the result follows the usual
+** rule (owned by the current scope, else by the caller). NULL + KILN_ERR_INVALID_ARGUMENT
+** (NULL f, i out of range), KILN_ERR_IO (a failed read, or a file cut short since it was
+** opened, naming the path, the tensor and the file offset), KILN_ERR_OOM. */
+KILN_API kiln_tensor *kiln_safetensors_read(kiln_safetensors *f, int i, kiln_device dev);
 /* Atomic whole-file write used by checkpoints: writes n bytes to path.tmp.<pid>, fsyncs,
 ** renames over path, fsyncs the directory. On failure path is untouched and the temporary
 ** file removed. KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO (naming the path and errno). */

@@ -480,6 +480,103 @@ static void test_many(void) {
   kiln_dict_free(d);
 }
 
+/* kiln_safetensors_open: the header alone, tensors read one by one with the bytes and the
+** order kiln_safetensors_load gives; bad indices, a file cut short after it was opened, and a
+** 4 GiB tensor (a sparse file) listed without its bytes being read. */
+static void test_open(void) {
+  kiln_safetensors *f = kiln_safetensors_open(g_fixture);
+  kiln_dict *d = kiln_safetensors_load(g_fixture, kiln_device_cpu());
+  CHECK(f && d && kiln_safetensors_count(f) == 10 && kiln_dict_size(d) == 10);
+  if (!f || !d) {
+    kiln_safetensors_close(f);
+    kiln_dict_free(d);
+    return;
+  }
+  kiln_dict *r = kiln_dict_new(); /* the tensors read one by one, then checked as a whole */
+  for (int i = 0; i < kiln_safetensors_count(f); i++) {
+    const char *name = kiln_safetensors_name(f, i);
+    kiln_tensor *want = kiln_dict_value(d, i);
+    kiln_dtype dt = KILN_F64;
+    int64_t shape[KILN_MAX_DIMS];
+    int nd = kiln_safetensors_info(f, i, &dt, shape);
+    int same = name && !strcmp(name, kiln_dict_key(d, i)) && nd == kiln_ndim(want) && dt == kiln_dtype_of(want);
+    for (int k = 0; same && k < nd; k++) same = shape[k] == kiln_size(want, k);
+    CHECK(same && kiln_safetensors_find(f, name) == i && kiln_safetensors_info(f, i, NULL, NULL) == nd);
+    kiln_tensor *t = kiln_safetensors_read(f, i, kiln_device_cpu());
+    CHECK(t && kiln_dict_set(r, name, t) == KILN_OK);
+    kiln_tensor_free(t);
+  }
+  const kiln_dict *m = kiln_safetensors_metadata(f);
+  for (int i = 0; m && i < kiln_dict_meta_size(m); i++)
+    kiln_dict_set_meta(r, kiln_dict_meta_key(m, i), kiln_dict_meta_value(m, i));
+  CHECK(m && kiln_dict_size(m) == 0 && check_fixture_dict(r));
+  kiln_dict_free(r);
+  kiln_dict_free(d);
+  CHECK(kiln_safetensors_find(f, "nope") == -1 && kiln_safetensors_find(f, "a.f3") == -1 &&
+        kiln_safetensors_find(f, NULL) == -1 && kiln_safetensors_find(NULL, "a.f32") == -1);
+  /* the usual rule: a read inside a scope is the scope's */
+  int64_t live = kiln_live_tensors();
+  kiln_scope_begin();
+  CHECK(kiln_safetensors_read(f, kiln_safetensors_find(f, "a.f32"), kiln_device_cpu()) != NULL);
+  kiln_scope_end();
+  CHECK(kiln_live_tensors() == live);
+  kiln_clear_error();
+  CHECK(kiln_safetensors_name(f, 10) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT &&
+        strstr(kiln_last_error_message(), "tensor index 10 out of range (the file holds 10)"));
+  CHECK(kiln_safetensors_info(f, -1, NULL, NULL) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_read(f, 10, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_read(NULL, 0, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_count(NULL) == 0 && kiln_safetensors_metadata(NULL) == NULL);
+  kiln_safetensors_close(f);
+  kiln_safetensors_close(NULL);
+  /* the same checks as load, named for open */
+  CHECK(kiln_safetensors_open(NULL) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  char p[300];
+  snprintf(p, sizeof p, "%s/crafted.safetensors", g_tmp);
+  kiln_dict_free(load_crafted("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+                              "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
+                              2));
+  CHECK(kiln_safetensors_open(p) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        strstr(kiln_last_error_message(), "kiln_safetensors_open: ") &&
+        strstr(kiln_last_error_message(), "duplicate tensor name 'a'"));
+  /* cut short after the open: the read names the tensor and the offset; others still read */
+  size_t n;
+  unsigned char *b = read_all(g_fixture, &n);
+  CHECK(b != NULL);
+  if (!b) return;
+  write_all(p, b, n);
+  free(b);
+  f = kiln_safetensors_open(p);
+  CHECK(f != NULL);
+  if (!f) return;
+  CHECK(truncate(p, (off_t)(n - 1)) == 0);
+  int last = kiln_safetensors_count(f) - 1, first = 0;
+  while (last > 0 && !strcmp(kiln_safetensors_name(f, last), "empty")) last--; /* the last with bytes */
+  kiln_clear_error();
+  CHECK(kiln_safetensors_read(f, last, kiln_device_cpu()) == NULL && kiln_last_error() == KILN_ERR_IO &&
+        strstr(kiln_last_error_message(), "kiln_safetensors_read: ") &&
+        strstr(kiln_last_error_message(), "unexpected end of file"));
+  kiln_tensor *t = kiln_safetensors_read(f, first, kiln_device_cpu());
+  CHECK(t != NULL);
+  kiln_tensor_free(t);
+  kiln_safetensors_close(f);
+  /* 4 GiB of one tensor, the data a hole in a sparse file: listed, found, not read */
+  const char *hdr = "{\"big\":{\"dtype\":\"U8\",\"shape\":[65536,65536],\"data_offsets\":[0,4294967296]}}";
+  size_t hl = strlen(hdr);
+  unsigned char h8[8];
+  for (int i = 0; i < 8; i++) h8[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+  FILE *out = fopen(p, "wb");
+  int ok = out && fwrite(h8, 1, 8, out) == 8 && fwrite(hdr, 1, hl, out) == hl && fclose(out) == 0;
+  CHECK(ok && truncate(p, (off_t)(8 + hl) + ((off_t)1 << 32)) == 0);
+  live = kiln_live_tensors();
+  f = kiln_safetensors_open(p);
+  int64_t shape[KILN_MAX_DIMS] = {0};
+  CHECK(f && kiln_live_tensors() == live && kiln_safetensors_find(f, "big") == 0 && kiln_safetensors_info(f, 0, NULL, shape) == 2 &&
+        shape[0] == 65536 && shape[1] == 65536);
+  kiln_safetensors_close(f);
+  unlink(p);
+}
+
 int main(void) {
   snprintf(g_fixture, sizeof g_fixture, "%s", fixture("all_dtypes.safetensors"));
   if (scratch_begin(g_tmp, sizeof g_tmp, "st") != 0) return 1;
@@ -490,6 +587,7 @@ int main(void) {
   test_crafted_errors();
   test_names();
   test_many();
+  test_open();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

@@ -1,7 +1,8 @@
 /*
 ** kiln info FILE: the tensors of a safetensors file (name, dtype, shape, bytes), its
-** metadata and totals. The file is read and validated in full by kiln_safetensors_load,
-** so a corrupt file is reported with the loader's message (naming the byte offset).
+** metadata and totals. The header is read and validated by kiln_safetensors_open (a corrupt
+** one is reported with its message, naming the byte offset); the tensors' bytes are not
+** read, so a file of many gigabytes lists at once.
 */
 #include <stdlib.h>
 #include <string.h>
@@ -18,8 +19,29 @@ static void info_usage(FILE *f) {
              "  file, with totals. --json prints one JSON object on stdout.\n");
 }
 
-/* "[2, 3]"; "[]" for a 0-dim tensor. */
-static void shape_text(const kiln_tensor *t, char *buf, size_t n) { kiln_shape_str(t, buf, n); }
+/* Tensor i's entry: name, dtype, dims into shape, elements and bytes. */
+typedef struct entry {
+  const char *name;
+  kiln_dtype dtype;
+  int ndim;
+  int64_t shape[KILN_MAX_DIMS], numel, bytes;
+} entry;
+
+static entry entry_at(const kiln_safetensors *f, int i) {
+  entry e = {.name = kiln_safetensors_name(f, i), .numel = 1};
+  e.ndim = kiln_safetensors_info(f, i, &e.dtype, e.shape);
+  for (int k = 0; k < e.ndim; k++) e.numel *= e.shape[k];
+  e.bytes = e.numel * (int64_t)kiln_dtype_size(e.dtype);
+  return e;
+}
+
+/* "[2, 3]"; "[]" for a 0-dim tensor (kiln_shape_str's form). */
+static void shape_text(const entry *e, char *buf, size_t n) {
+  size_t k = (size_t)snprintf(buf, n, "[");
+  for (int d = 0; d < e->ndim && k < n; d++)
+    k += (size_t)snprintf(buf + k, n - k, "%s%lld", d ? ", " : "", (long long)e->shape[d]);
+  if (k < n) snprintf(buf + k, n - k, "]");
+}
 
 int cli_info(int argc, char **argv) {
   bool json = false;
@@ -45,8 +67,8 @@ int cli_info(int argc, char **argv) {
     info_usage(stderr);
     return 2;
   }
-  kiln_dict *d = kiln_safetensors_load(path, kiln_device_cpu());
-  if (!d) {
+  kiln_safetensors *f = kiln_safetensors_open(path);
+  if (!f) {
     fputs("kiln info: cannot read '", stderr);
     cli_write_safe(stderr, path);
     fputs("' as safetensors: ", stderr);
@@ -54,12 +76,13 @@ int cli_info(int argc, char **argv) {
     fprintf(stderr, " (%s)\n", kiln_error_name(kiln_last_error()));
     return 1;
   }
-  int n = kiln_dict_size(d);
+  const kiln_dict *meta = kiln_safetensors_metadata(f);
+  int n = kiln_safetensors_count(f);
   int64_t params = 0, bytes = 0;
   for (int i = 0; i < n; i++) {
-    kiln_tensor *t = kiln_dict_value(d, i);
-    params += kiln_numel(t);
-    bytes += (int64_t)kiln_nbytes(t);
+    entry e = entry_at(f, i);
+    params += e.numel;
+    bytes += e.bytes;
   }
   char sh[256], by[64];
   if (json) {
@@ -69,21 +92,21 @@ int cli_info(int argc, char **argv) {
     cli_json_string(&j, "file", path);
     cli_json_array_begin(&j, "tensors");
     for (int i = 0; i < n; i++) {
-      kiln_tensor *t = kiln_dict_value(d, i);
+      entry e = entry_at(f, i);
       cli_json_object_begin(&j, NULL);
-      cli_json_string(&j, "name", kiln_dict_key(d, i));
-      cli_json_string(&j, "dtype", kiln_dtype_name(kiln_dtype_of(t)));
+      cli_json_string(&j, "name", e.name);
+      cli_json_string(&j, "dtype", kiln_dtype_name(e.dtype));
       cli_json_array_begin(&j, "shape");
-      for (int k = 0; k < kiln_ndim(t); k++) cli_json_int(&j, NULL, kiln_shape(t)[k]);
+      for (int k = 0; k < e.ndim; k++) cli_json_int(&j, NULL, e.shape[k]);
       cli_json_array_end(&j);
-      cli_json_int(&j, "numel", kiln_numel(t));
-      cli_json_int(&j, "bytes", (int64_t)kiln_nbytes(t));
+      cli_json_int(&j, "numel", e.numel);
+      cli_json_int(&j, "bytes", e.bytes);
       cli_json_object_end(&j);
     }
     cli_json_array_end(&j);
     cli_json_object_begin(&j, "metadata");
-    for (int i = 0; i < kiln_dict_meta_size(d); i++)
-      cli_json_string(&j, kiln_dict_meta_key(d, i), kiln_dict_meta_value(d, i));
+    for (int i = 0; i < kiln_dict_meta_size(meta); i++)
+      cli_json_string(&j, kiln_dict_meta_key(meta, i), kiln_dict_meta_value(meta, i));
     cli_json_object_end(&j);
     cli_json_object_begin(&j, "totals");
     cli_json_int(&j, "tensors", n);
@@ -100,23 +123,23 @@ int cli_info(int argc, char **argv) {
     cli_table_align_right(t, 3);
     cli_table_align_right(t, 4);
     for (int i = 0; i < n; i++) {
-      kiln_tensor *x = kiln_dict_value(d, i);
+      entry e = entry_at(f, i);
       char ne[32], nb[32];
-      shape_text(x, sh, sizeof sh);
-      snprintf(ne, sizeof ne, "%lld", (long long)kiln_numel(x));
-      snprintf(nb, sizeof nb, "%lld", (long long)kiln_nbytes(x));
-      const char *row[] = {kiln_dict_key(d, i), kiln_dtype_name(kiln_dtype_of(x)), sh, ne, nb};
+      shape_text(&e, sh, sizeof sh);
+      snprintf(ne, sizeof ne, "%lld", (long long)e.numel);
+      snprintf(nb, sizeof nb, "%lld", (long long)e.bytes);
+      const char *row[] = {e.name, kiln_dtype_name(e.dtype), sh, ne, nb};
       cli_table_row(t, row);
     }
     cli_table_print(stdout, t, pretty);
     cli_table_free(t);
-    int nm = kiln_dict_meta_size(d);
+    int nm = kiln_dict_meta_size(meta);
     if (nm > 0) {
       cli_heading(stdout, pretty, "Metadata");
       const char *mh[] = {"key", "value"};
       t = cli_table_new(2, mh);
       for (int i = 0; i < nm; i++) {
-        const char *row[] = {kiln_dict_meta_key(d, i), kiln_dict_meta_value(d, i)};
+        const char *row[] = {kiln_dict_meta_key(meta, i), kiln_dict_meta_value(meta, i)};
         cli_table_row(t, row);
       }
       cli_table_print(stdout, t, pretty);
@@ -126,6 +149,6 @@ int cli_info(int argc, char **argv) {
     printf("\n%d tensors, %lld parameters, %lld bytes (%s)\n", n, (long long)params,
            (long long)bytes, by);
   }
-  kiln_dict_free(d);
+  kiln_safetensors_close(f);
   return 0;
 }

@@ -23,6 +23,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define _FILE_OFFSET_BITS 64
 #include <errno.h>
+#include <unistd.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,7 @@ typedef struct st_info {
   int ndim;
   int64_t shape[KILN_MAX_DIMS];
   uint64_t begin, end;
+  int pos; /* in the header's order: ties of data order (empty tensors) keep it */
 } st_info;
 
 /* The header's entries as the cursor reads them: tensors in JSON order, their names
@@ -73,7 +75,7 @@ static int cmp_offsets(const void *a, const void *b) {
   const st_info *x = a, *y = b;
   if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
   if (x->end != y->end) return x->end < y->end ? -1 : 1;
-  return 0;
+  return (x->pos > y->pos) - (x->pos < y->pos);
 }
 
 static int cmp_names(const void *a, const void *b) {
@@ -273,6 +275,7 @@ static kiln_status parse_header(kiln__jreader *jr, st_header *h, kiln_dict *d) {
     st_info *info = memset(&h->infos[h->n++], 0, sizeof *info);
     info->name = memcpy(h->names + h->names_used, jr->buf, jr->len + 1);
     info->name_at = jr->key_pos;
+    info->pos = h->n - 1;
     h->names_used += jr->len + 1;
     if (!parse_entry(jr, info)) return kiln_last_error();
   }
@@ -280,57 +283,27 @@ static kiln_status parse_header(kiln__jreader *jr, st_header *h, kiln_dict *d) {
   return kiln__jr_end(jr);
 }
 
-/* Reads the tensor described by info from f into a new CPU tensor the caller owns. */
-static kiln_tensor *read_tensor(const char *path, FILE *f, uint64_t data_start,
-                                const st_info *info) {
-  kiln_tensor *t =
-      kiln__own(kiln_empty(info->ndim, info->ndim ? info->shape : NULL, info->dtype,
-                           kiln_device_cpu()));
-  if (!t) return NULL;
-  size_t n = (size_t)(info->end - info->begin);
-  if (n == 0) return t;
-  unsigned char *p = kiln_data_ptr(t);
-  if (!p) {
-    kiln_tensor_free(t);
-    return NULL;
-  }
-  if (fseeko(f, (off_t)(data_start + info->begin), SEEK_SET) != 0 || fread(p, 1, n, f) != n) {
-    int e = errno;
-    kiln_set_error(KILN_ERR_IO, WHO ": %s: tensor '%s': read of %zu bytes at file offset %llu "
-                                "failed: %s",
-                   path, info->name, n, (unsigned long long)(data_start + info->begin),
-                   ferror(f) ? strerror(e) : "unexpected end of file");
-    kiln_tensor_free(t);
-    return NULL;
-  }
-  size_t es = kiln_dtype_size(info->dtype);
-  if (!kiln__host_is_le()) kiln__swap_bytes(p, n / es, es);
-  if (info->dtype == KILN_BOOL) /* kernels assume 0/1 bytes */
-    for (size_t i = 0; i < n; i++) p[i] = p[i] != 0;
-  return t;
-}
-
 /* The header's text, before the JSON parser sees it: strictly valid UTF-8 (the format
 ** requires it; no overlong forms, surrogates or code points past U+10FFFF), no NUL byte,
 ** and no escaped NUL (\u0000) in a string: names and metadata are C strings, so a NUL would
 ** cut one short silently (two such names then look like duplicates of the cut name).
 ** Errors name the file offset of the offending byte. */
-static kiln_status check_header_text(const char *path, const char *hdr, uint64_t hlen) {
+static kiln_status check_header_text(const char *who, const char *path, const char *hdr, uint64_t hlen) {
   const unsigned char *p = (const unsigned char *)hdr;
   bool in_string = false;
   for (uint64_t i = 0; i < hlen;) {
     unsigned c = p[i];
     if (c == 0)
-      return kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: NUL byte in the header at file offset %llu",
-                            path, (unsigned long long)(8 + i));
+      return kiln_set_error(KILN_ERR_FORMAT, "%s: %s: NUL byte in the header at file offset %llu",
+                            who, path, (unsigned long long)(8 + i));
     if (c < 0x80) {
       if (c == '"') in_string = !in_string;
       else if (c == '\\' && in_string && i + 1 < hlen) {
         if (p[i + 1] == 'u' && i + 5 < hlen && !memcmp(p + i + 2, "0000", 4))
           return kiln_set_error(KILN_ERR_FORMAT,
-                                WHO ": %s: escaped NUL (\\u0000) in a string at file offset %llu "
+                                "%s: %s: escaped NUL (\\u0000) in a string at file offset %llu "
                                     "(names and metadata may not hold NUL)",
-                                path, (unsigned long long)(8 + i));
+                                who, path, (unsigned long long)(8 + i));
         if (p[i + 1] < 0x80) i++; /* the escaped character (a quote does not end the string) */
       }
       i++;
@@ -351,160 +324,265 @@ static kiln_status check_header_text(const char *path, const char *hdr, uint64_t
     if (ok && (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))) ok = false;
     if (!ok)
       return kiln_set_error(KILN_ERR_FORMAT,
-                            WHO ": %s: invalid UTF-8 in the header at file offset %llu (byte 0x%02x)",
-                            path, (unsigned long long)(8 + i), c);
+                            "%s: %s: invalid UTF-8 in the header at file offset %llu (byte 0x%02x)",
+                            who, path, (unsigned long long)(8 + i), c);
     i += (uint64_t)len;
   }
   return KILN_OK;
 }
 
-static kiln_status validate_and_read(const char *path, FILE *f, uint64_t fsize, char *hdr,
-                                     uint64_t hlen, kiln_dict *d, kiln_device dev) {
-  const uint64_t data_start = 8 + hlen, data_size = fsize - data_start;
-  if (check_header_text(path, hdr, hlen) != KILN_OK) return kiln_last_error();
-  st_header h = {0};
-  st_info **by_name = NULL;
-  kiln__jreader jr;
-  kiln__jr_init(&jr, WHO, path, hdr, (size_t)hlen);
-  jr.base = 8; /* offsets in errors are the file's */
-  kiln_status st = KILN_OK;
-  h.names = malloc((size_t)hlen + 1);
-  if (!h.names) {
-    st = kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for a header of %llu bytes", path,
-                        (unsigned long long)hlen);
-    goto done;
-  }
-  st = parse_header(&jr, &h, d);
-  if (st != KILN_OK) goto done;
-  int n = h.n;
-  st_info *infos = h.infos;
-  by_name = malloc(((size_t)n + 1) * sizeof *by_name);
-  if (!by_name) {
-    st = kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for %d tensor entries", path, n);
-    goto done;
-  }
+/* An open file: its validated header, tensors in data order, found by name through
+** by_name (the same entries sorted by name). */
+struct kiln_safetensors {
+  FILE *f;
+  char *path;
+  uint64_t data_start;
+  st_header h;    /* h.infos sorted by data offset */
+  st_info **by_name;
+  kiln_dict *meta; /* "__metadata__"; no tensors */
+};
+
+static void st_free(kiln_safetensors *s) {
+  if (!s) return;
+  if (s->f) fclose(s->f);
+  free(s->path);
+  free(s->h.infos);
+  free(s->h.names);
+  free(s->by_name);
+  kiln_dict_free(s->meta);
+  free(s);
+}
+
+/* The header's rules past its syntax: names unique, the tensors covering the data area
+** exactly. s->h is sorted by data offset here (ties in JSON order) and s->by_name made. */
+static kiln_status check_layout(kiln__jreader *jr, kiln_safetensors *s, uint64_t fsize) {
+  const char *who = jr->what, *path = s->path;
+  const uint64_t data_start = s->data_start, data_size = fsize - data_start;
+  const int n = s->h.n;
+  st_info *infos = s->h.infos;
+  if (n > 1) qsort(infos, (size_t)n, sizeof *infos, cmp_offsets);
+  st_info **by_name = s->by_name = malloc(((size_t)n + 1) * sizeof *by_name);
+  if (!by_name) return kiln_set_error(KILN_ERR_OOM, "%s: %s: out of memory for %d tensor entries", who, path, n);
   for (int i = 0; i < n; i++) by_name[i] = &infos[i];
   if (n > 1) qsort(by_name, (size_t)n, sizeof *by_name, cmp_names);
   for (int i = 1; i < n; i++)
-    if (strcmp(by_name[i - 1]->name, by_name[i]->name) == 0) {
-      st = kiln__jr_fail_at(&jr, by_name[i]->name_at, "duplicate tensor name '%s'",
-                            by_name[i]->name);
-      goto done;
-    }
+    if (strcmp(by_name[i - 1]->name, by_name[i]->name) == 0)
+      return kiln__jr_fail_at(jr, by_name[i]->name_at, "duplicate tensor name '%s'", by_name[i]->name);
   /* Coverage: sorted by begin, each tensor starts where the previous one ended. */
-  if (n > 1) qsort(infos, (size_t)n, sizeof *infos, cmp_offsets);
   uint64_t expect = 0;
   for (int i = 0; i < n; i++) {
     const st_info *t = &infos[i];
-    if (t->end > data_size) {
-      st = kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: tensor '%s' data_offsets [%llu, %llu) end past the data "
-                              "area of %llu bytes (file offset %llu)",
-                          path, t->name, (unsigned long long)t->begin,
-                          (unsigned long long)t->end, (unsigned long long)data_size,
-                          (unsigned long long)fsize);
-      goto done;
-    }
-    if (t->begin != expect) {
-      st = kiln_set_error(KILN_ERR_FORMAT,
-                          WHO ": %s: tensor '%s' data_offsets [%llu, %llu) %s: the previous "
-                              "tensor ends at %llu (file offset %llu)",
-                          path, t->name, (unsigned long long)t->begin,
-                          (unsigned long long)t->end,
-                          t->begin > expect ? "leave a gap" : "overlap another tensor",
-                          (unsigned long long)expect,
-                          (unsigned long long)(data_start + t->begin));
-      goto done;
-    }
+    if (t->end > data_size)
+      return kiln_set_error(KILN_ERR_FORMAT,
+                            "%s: %s: tensor '%s' data_offsets [%llu, %llu) end past the data "
+                            "area of %llu bytes (file offset %llu)",
+                            who, path, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                            (unsigned long long)data_size, (unsigned long long)fsize);
+    if (t->begin != expect)
+      return kiln_set_error(KILN_ERR_FORMAT,
+                            "%s: %s: tensor '%s' data_offsets [%llu, %llu) %s: the previous "
+                            "tensor ends at %llu (file offset %llu)",
+                            who, path, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                            t->begin > expect ? "leave a gap" : "overlap another tensor",
+                            (unsigned long long)expect, (unsigned long long)(data_start + t->begin));
     expect = t->end;
   }
-  if (expect != data_size) {
-    st = kiln_set_error(KILN_ERR_FORMAT,
-                        WHO ": %s: tensors cover %llu bytes of a data area of %llu bytes "
-                            "(%llu stray bytes from file offset %llu)",
-                        path, (unsigned long long)expect, (unsigned long long)data_size,
-                        (unsigned long long)(data_size - expect),
-                        (unsigned long long)(data_start + expect));
-    goto done;
-  }
-  /* Valid: read, in data order (which is the writer's order for kiln and the reference). */
-  for (int i = 0; i < n; i++) {
-    kiln_tensor *t = read_tensor(path, f, data_start, &infos[i]);
-    if (t && dev.type != KILN_DEVICE_CPU) {
-      kiln_tensor *moved = kiln__own(kiln_to_device(t, dev));
-      kiln_tensor_free(t);
-      t = moved;
-    }
-    if (!t) {
-      st = kiln_last_error() != KILN_OK ? kiln_last_error() : KILN_ERR_INTERNAL;
-      goto done;
-    }
-    st = kiln_dict_set(d, infos[i].name, t);
-    kiln_tensor_free(t); /* the dict holds its own reference */
-    if (st != KILN_OK) goto done;
-  }
-done:
-  free(h.infos);
-  free(h.names);
-  free(by_name);
-  kiln__jr_release(&jr);
-  return st;
+  if (expect != data_size)
+    return kiln_set_error(KILN_ERR_FORMAT,
+                          "%s: %s: tensors cover %llu bytes of a data area of %llu bytes "
+                          "(%llu stray bytes from file offset %llu)",
+                          who, path, (unsigned long long)expect, (unsigned long long)data_size,
+                          (unsigned long long)(data_size - expect), (unsigned long long)(data_start + expect));
+  return KILN_OK;
 }
 
-kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
+/* Opens path and checks everything but the tensors' bytes; who names the caller in errors. */
+static kiln_safetensors *st_open(const char *who, const char *path) {
   uint64_t fsize;
-  FILE *f = kiln__fopen_regular_size(WHO, path, &fsize); /* NULL path refused; a FIFO too, not waited on */
+  FILE *f = kiln__fopen_regular_size(who, path, &fsize); /* NULL path refused; a FIFO too, not waited on */
   if (!f) return NULL;
-  kiln_dict *d = NULL;
+  kiln_safetensors *s = calloc(1, sizeof *s);
   char *hdr = NULL;
+  kiln__jreader jr;
+  bool jr_live = false;
+  if (s) s->f = f, s->path = strdup(path);
+  if (!s || !s->path) {
+    kiln_set_error(KILN_ERR_OOM, "%s: %s: out of memory", who, path);
+    if (!s) fclose(f);
+    st_free(s);
+    return NULL;
+  }
   unsigned char b8[8];
   if (fsize < 8 || fread(b8, 1, 8, f) != 8) {
-    kiln_set_error(KILN_ERR_FORMAT,
-                   WHO ": %s: file of %llu bytes is shorter than the 8-byte header length",
-                   path, (unsigned long long)fsize);
+    kiln_set_error(KILN_ERR_FORMAT, "%s: %s: file of %llu bytes is shorter than the 8-byte header length",
+                   who, path, (unsigned long long)fsize);
     goto fail;
   }
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | b8[i];
   if (hlen > fsize - 8) {
     kiln_set_error(KILN_ERR_FORMAT,
-                   WHO ": %s: header length %llu (file offset 0) runs past the end of the "
-                       "file of %llu bytes",
-                   path, (unsigned long long)hlen, (unsigned long long)fsize);
+                   "%s: %s: header length %llu (file offset 0) runs past the end of the "
+                   "file of %llu bytes",
+                   who, path, (unsigned long long)hlen, (unsigned long long)fsize);
     goto fail;
   }
   if (hlen > ST_MAX_HEADER || hlen < 2) {
-    kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: header length %llu (file offset 0) is %s", path,
+    kiln_set_error(KILN_ERR_FORMAT, "%s: %s: header length %llu (file offset 0) is %s", who, path,
                    (unsigned long long)hlen, hlen < 2 ? "too small" : "over the 100 MB limit");
     goto fail;
   }
+  s->data_start = 8 + hlen;
   hdr = malloc((size_t)hlen + 1);
-  if (!hdr) {
-    kiln_set_error(KILN_ERR_OOM, WHO ": %s: out of memory for a header of %llu bytes", path,
+  s->h.names = malloc((size_t)hlen + 1);
+  s->meta = kiln_dict_new();
+  if (!hdr || !s->h.names || !s->meta) {
+    kiln_set_error(KILN_ERR_OOM, "%s: %s: out of memory for a header of %llu bytes", who, path,
                    (unsigned long long)hlen);
     goto fail;
   }
   if (fread(hdr, 1, (size_t)hlen, f) != (size_t)hlen) {
-    kiln_set_error(KILN_ERR_IO, WHO ": %s: cannot read the header at file offset 8", path);
+    kiln_set_error(KILN_ERR_IO, "%s: %s: cannot read the header at file offset 8", who, path);
     goto fail;
   }
   hdr[hlen] = 0;
   if (hdr[0] != '{') {
-    kiln_set_error(KILN_ERR_FORMAT, WHO ": %s: header does not start with '{' (file offset 8)",
-                   path);
+    kiln_set_error(KILN_ERR_FORMAT, "%s: %s: header does not start with '{' (file offset 8)", who, path);
     goto fail;
   }
-  d = kiln_dict_new();
-  if (!d) goto fail;
-  if (validate_and_read(path, f, fsize, hdr, hlen, d, dev) != KILN_OK) goto fail;
+  if (check_header_text(who, path, hdr, hlen) != KILN_OK) goto fail;
+  kiln__jr_init(&jr, who, path, hdr, (size_t)hlen);
+  jr_live = true;
+  jr.base = 8; /* offsets in errors are the file's */
+  if (parse_header(&jr, &s->h, s->meta) != KILN_OK) goto fail;
+  if (check_layout(&jr, s, fsize) != KILN_OK) goto fail;
+  kiln__jr_release(&jr);
   free(hdr);
-  fclose(f);
-  return d;
+  return s;
 fail:
-  kiln_dict_free(d);
+  if (jr_live) kiln__jr_release(&jr);
   free(hdr);
-  fclose(f);
+  st_free(s);
   return NULL;
+}
+
+/* Tensor i onto the CPU (caller-owned), read with pread: at its own offset, whatever was
+** read before through the handle. */
+static kiln_tensor *st_read(const char *who, kiln_safetensors *s, int i) {
+  const st_info *info = &s->h.infos[i];
+  kiln_tensor *t = kiln__own(kiln_empty(info->ndim, info->ndim ? info->shape : NULL, info->dtype, kiln_device_cpu()));
+  if (!t) return NULL;
+  size_t n = (size_t)(info->end - info->begin);
+  if (n == 0) return t;
+  unsigned char *p = kiln_data_ptr(t);
+  if (!p) {
+    kiln_tensor_free(t);
+    return NULL;
+  }
+  const uint64_t at = s->data_start + info->begin;
+  size_t got = 0;
+  int e = 0;
+  while (got < n) {
+    ssize_t r = pread(fileno(s->f), p + got, n - got, (off_t)(at + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      e = r < 0 ? errno : 0;
+      break;
+    }
+    got += (size_t)r;
+  }
+  if (got < n) {
+    kiln_set_error(KILN_ERR_IO, "%s: %s: tensor '%s': read of %zu bytes at file offset %llu failed: %s", who,
+                   s->path, info->name, n, (unsigned long long)at, e ? strerror(e) : "unexpected end of file");
+    kiln_tensor_free(t);
+    return NULL;
+  }
+  size_t es = kiln_dtype_size(info->dtype);
+  if (!kiln__host_is_le()) kiln__swap_bytes(p, n / es, es);
+  if (info->dtype == KILN_BOOL) /* kernels assume 0/1 bytes */
+    for (size_t k = 0; k < n; k++) p[k] = p[k] != 0;
+  return t;
+}
+
+/* st_read, then onto dev: a tensor the caller owns. */
+static kiln_tensor *st_read_to(const char *who, kiln_safetensors *s, int i, kiln_device dev) {
+  kiln_tensor *t = st_read(who, s, i);
+  if (t && dev.type != KILN_DEVICE_CPU) {
+    kiln_tensor *moved = kiln__own(kiln_to_device(t, dev));
+    kiln_tensor_free(t);
+    t = moved;
+  }
+  return t;
+}
+
+kiln_safetensors *kiln_safetensors_open(const char *path) { return st_open("kiln_safetensors_open", path); }
+
+void kiln_safetensors_close(kiln_safetensors *s) { st_free(s); }
+
+int kiln_safetensors_count(const kiln_safetensors *s) { return s ? s->h.n : 0; }
+
+static bool st_index_ok(const char *who, const kiln_safetensors *s, int i) {
+  if (!s) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL file", who), false;
+  if (i < 0 || i >= s->h.n)
+    return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: %s: tensor index %d out of range (the file holds %d)", who,
+                          s->path, i, s->h.n),
+           false;
+  return true;
+}
+
+const char *kiln_safetensors_name(const kiln_safetensors *s, int i) {
+  return st_index_ok("kiln_safetensors_name", s, i) ? s->h.infos[i].name : NULL;
+}
+
+int kiln_safetensors_info(const kiln_safetensors *s, int i, kiln_dtype *dtype, int64_t *shape) {
+  if (!st_index_ok("kiln_safetensors_info", s, i)) return -1;
+  const st_info *info = &s->h.infos[i];
+  if (dtype) *dtype = info->dtype;
+  if (shape) memcpy(shape, info->shape, sizeof(int64_t) * (size_t)info->ndim);
+  return info->ndim;
+}
+
+int kiln_safetensors_find(const kiln_safetensors *s, const char *name) {
+  if (!s || !name) return -1;
+  int lo = 0, hi = s->h.n; /* the first of by_name[lo..hi) whose name is >= name */
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2;
+    if (strcmp(s->by_name[mid]->name, name) < 0) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < s->h.n && !strcmp(s->by_name[lo]->name, name) ? (int)(s->by_name[lo] - s->h.infos) : -1;
+}
+
+const kiln_dict *kiln_safetensors_metadata(const kiln_safetensors *s) { return s ? s->meta : NULL; }
+
+kiln_tensor *kiln_safetensors_read(kiln_safetensors *s, int i, kiln_device dev) {
+  if (!st_index_ok("kiln_safetensors_read", s, i)) return NULL;
+  kiln_tensor *t = st_read("kiln_safetensors_read", s, i);
+  if (!t) return NULL;
+  /* the usual rule: owned by the caller's scope if one is open (kiln_to_device returns a
+  ** new reference, the same tensor when dev is the CPU) */
+  kiln_tensor *out = kiln_to_device(t, dev);
+  kiln_tensor_free(t);
+  return out;
+}
+
+kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
+  kiln_safetensors *s = st_open(WHO, path);
+  if (!s) return NULL;
+  kiln_dict *d = s->meta; /* the metadata's dict becomes the result */
+  s->meta = NULL;
+  for (int i = 0; i < s->h.n; i++) { /* in data order: the writer's order for kiln and the reference */
+    kiln_tensor *t = st_read_to(WHO, s, i, dev);
+    kiln_status st = t ? kiln_dict_set(d, s->h.infos[i].name, t) : kiln_last_error();
+    kiln_tensor_free(t); /* the dict holds its own reference */
+    if (st != KILN_OK) {
+      kiln_dict_free(d);
+      st_free(s);
+      return NULL;
+    }
+  }
+  st_free(s);
+  return d;
 }
 
 /* ------------------------------------------------------------------------------------ */

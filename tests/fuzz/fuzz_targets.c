@@ -87,6 +87,43 @@ static int tok_round_trip(kiln_tokenizer *tok, const char *what, const char *tex
   return rc;
 }
 
+/* The file loaded whole, and opened and read tensor by tensor: both take it or both refuse
+** it with the same error, and agree on every name, dtype, shape and byte. */
+static int run_safetensors(const char *path) {
+  kiln_dict *d = kiln_safetensors_load(path, kiln_device_cpu());
+  kiln_status ld = d ? KILN_OK : kiln_last_error();
+  kiln_safetensors *f = kiln_safetensors_open(path);
+  kiln_status op = f ? KILN_OK : kiln_last_error();
+  int rc = 0;
+  if (ld != op) {
+    fprintf(stderr, "fuzz safetensors: load gave %s, open %s\n", kiln_error_name(ld), kiln_error_name(op));
+    rc = -1;
+  }
+  int n = d && f ? kiln_dict_size(d) : 0;
+  if (d && f && kiln_safetensors_count(f) != n) rc = -1;
+  for (int i = 0; i < n && rc == 0; i++) {
+    kiln_tensor *want = kiln_dict_value(d, i), *got = kiln_safetensors_read(f, i, kiln_device_cpu());
+    int64_t shape[KILN_MAX_DIMS];
+    kiln_dtype dt;
+    int nd = kiln_safetensors_info(f, i, &dt, shape);
+    const char *name = kiln_safetensors_name(f, i);
+    int same = got && name && !strcmp(name, kiln_dict_key(d, i)) && kiln_safetensors_find(f, name) == i &&
+               nd == kiln_ndim(want) && dt == kiln_dtype_of(want) && kiln_ndim(got) == nd &&
+               kiln_dtype_of(got) == dt && kiln_nbytes(got) == kiln_nbytes(want);
+    for (int k = 0; same && k < nd; k++) same = shape[k] == kiln_size(want, k) && kiln_size(got, k) == shape[k];
+    if (same && kiln_nbytes(want))
+      same = !memcmp(kiln_data_ptr(got), kiln_data_ptr(want), kiln_nbytes(want));
+    if (!same) {
+      fprintf(stderr, "fuzz safetensors: tensor %d differs between load and open + read\n", i);
+      rc = -1;
+    }
+    kiln_tensor_free(got);
+  }
+  kiln_safetensors_close(f);
+  kiln_dict_free(d);
+  return rc;
+}
+
 static int run_tokenizer(kiln_tokenizer *tok, const uint8_t *body, size_t bsize) {
   if (!tok) {
     const char *m = kiln_last_error_message();
@@ -318,7 +355,7 @@ int kiln_fuzz_run(const char *name, const uint8_t *data, size_t size) {
   size_t bsize = size ? size - 1 : 0;
   if (!strcmp(name, "safetensors")) {
     if (write_file(path, data, size)) return 0;
-    kiln_dict_free(kiln_safetensors_load(path, kiln_device_cpu()));
+    rc = run_safetensors(path);
   } else if (!strcmp(name, "npy")) {
     if (write_file(path, data, size)) return 0;
     kiln_tensor_free(kiln_npy_load(path, kiln_device_cpu()));

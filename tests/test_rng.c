@@ -1,9 +1,12 @@
 /*
-** The RNG: Philox4x32-10 known answers (Random123's kat_vectors), same seed same numbers,
-** state save/restore, independence from the thread count, distribution sanity.
+** The RNG: Philox4x32-10 known answers (Random123's kat_vectors), the CPU's draws element
+** by element against the mapping rng.c documents (recomputed here from the raw blocks),
+** same seed same numbers, state save/restore, independence from the thread count,
+** distribution sanity.
 */
 #include "harness.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,6 +51,87 @@ static kiln_tensor *d_randn(kiln_generator *g, int64_t n, kiln_dtype dt) {
 static kiln_tensor *d_randint(kiln_generator *g, int64_t n, kiln_dtype dt) {
   (void)dt;
   return kiln_randint(-5, 17, KILN_SHAPE(n), KILN_I64, cpu, g);
+}
+
+
+/* The documented mapping, from the raw block: element k of a draw at generator offset o. */
+static void blk(uint64_t seed, uint64_t c, uint32_t b[4]) { kiln_philox4x32(seed, 0, c, b); }
+static float map_uniform(uint64_t seed, uint64_t o, uint64_t k) {
+  uint32_t b[4];
+  blk(seed, o + k / 4, b);
+  return (float)(b[k % 4] >> 8) * (1.0f / 16777216.0f);
+}
+static double map_uniform_f64(uint64_t seed, uint64_t o, uint64_t k) {
+  uint32_t b[4];
+  blk(seed, o + k / 2, b);
+  uint32_t a = b[2 * (k % 2)], c = b[2 * (k % 2) + 1];
+  return ((double)(a >> 5) * 67108864.0 + (double)(c >> 6)) / 9007199254740992.0;
+}
+static float map_normal(uint64_t seed, uint64_t o, uint64_t k) {
+  uint32_t b[4];
+  blk(seed, o + k / 4, b);
+  unsigned p = (unsigned)((k % 4) / 2);
+  float u1 = (float)((b[2 * p] >> 8) + 1) * (1.0f / 16777216.0f), u2 = (float)(b[2 * p + 1] >> 8) * (1.0f / 16777216.0f);
+  float r = sqrtf(-2.0f * logf(u1)), th = (float)6.283185307179586476925286766559 * u2;
+  return k % 2 == 0 ? r * cosf(th) : r * sinf(th);
+}
+static double map_normal_f64(uint64_t seed, uint64_t o, uint64_t k) {
+  uint32_t b[4];
+  blk(seed, o + k / 2, b);
+  double u1 = ((double)(b[0] >> 5) * 67108864.0 + (double)(b[1] >> 6) + 1.0) / 9007199254740992.0;
+  double u2 = ((double)(b[2] >> 5) * 67108864.0 + (double)(b[3] >> 6)) / 9007199254740992.0;
+  double r = sqrt(-2.0 * log(u1));
+  return k % 2 == 0 ? r * cos(6.283185307179586476925286766559 * u2) : r * sin(6.283185307179586476925286766559 * u2);
+}
+
+/* The CPU kernels compute each Philox block once for a run of elements: every element
+** must still be the mapping's, bit for bit, whatever the offset, length, thread count and
+** output strides (a run that starts or ends inside a block). */
+static void test_mapping(void) {
+  kiln_scope_begin();
+  const int nt = kiln_num_threads();
+  const int64_t lens[] = {1, 3, 6, 1001, 100003};
+  int bad[6] = {0};
+  for (int th = 1; th <= 2; th++) {
+    kiln_set_num_threads(th);
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+      const int64_t n = lens[li];
+      kiln_generator *g = kiln_generator_new(31337);
+      kiln_tensor *pre = kiln_rand(KILN_SHAPE(3), KILN_F32, cpu, g); /* the offset is not 0 */
+      uint64_t seed, o[6];
+      kiln_generator_get_state(g, &seed, &o[0]);
+      double *u = h_values(kiln_rand(KILN_SHAPE(n), KILN_F32, cpu, g), NULL);
+      kiln_generator_get_state(g, &seed, &o[1]);
+      double *z = h_values(kiln_randn(KILN_SHAPE(n), KILN_F32, cpu, g), NULL);
+      kiln_generator_get_state(g, &seed, &o[2]);
+      double *u64 = h_values(kiln_rand(KILN_SHAPE(n), KILN_F64, cpu, g), NULL);
+      kiln_generator_get_state(g, &seed, &o[3]);
+      double *z64 = h_values(kiln_randn(KILN_SHAPE(n), KILN_F64, cpu, g), NULL);
+      kiln_generator_get_state(g, &seed, &o[4]);
+      double *ri = h_values(kiln_randint(-7, 1000003, KILN_SHAPE(n), KILN_I64, cpu, g), NULL);
+      /* a strided output: column 1 of (n, 3); elements in the view's C order */
+      kiln_tensor *t = kiln_zeros(KILN_SHAPE(n, 3), KILN_F32, cpu);
+      kiln_generator_get_state(g, &seed, &o[5]);
+      kiln_normal_(kiln_select(t, 1, 1), 0.0, 1.0, g);
+      double *col = h_values(kiln_contiguous(kiln_select(t, 1, 1)), NULL);
+      for (int64_t k = 0; pre && u && z && u64 && z64 && ri && col && k < n; k++) {
+        bad[0] += u[k] != map_uniform(seed, o[0], (uint64_t)k);
+        bad[1] += z[k] != map_normal(seed, o[1], (uint64_t)k);
+        bad[2] += u64[k] != map_uniform_f64(seed, o[2], (uint64_t)k);
+        bad[3] += z64[k] != map_normal_f64(seed, o[3], (uint64_t)k);
+        double want = -7 + floor(map_uniform_f64(seed, o[4], (uint64_t)k) * (1000003.0 + 7.0));
+        bad[4] += ri[k] != (want > 1000002 ? 1000002 : want);
+        bad[5] += col[k] != map_normal(seed, o[5], (uint64_t)k);
+      }
+      H_CHECK(pre && u && z && u64 && z64 && ri && col, "draws of %lld", (long long)n);
+      free(u), free(z), free(u64), free(z64), free(ri), free(col);
+      kiln_generator_free(g);
+    }
+  }
+  kiln_set_num_threads(nt);
+  const char *what[6] = {"rand f32", "randn f32", "rand f64", "randn f64", "randint", "normal_ on a strided view"};
+  for (int i = 0; i < 6; i++) H_CHECK(bad[i] == 0, "%s: %d elements differ from the documented mapping", what[i], bad[i]);
+  kiln_scope_end();
 }
 
 static void test_reproducible(void) {
@@ -227,6 +311,7 @@ int main(int argc, char **argv) {
     return h_finish();
   }
   test_philox_kat();
+  test_mapping();
   test_reproducible();
   test_threads();
   test_distributions();

@@ -249,6 +249,13 @@ float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k);  /* [0,1
 double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k);
 float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k);
 double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k);
+/* Block c's values at once (elements 4c .. 4c + 3 of an f32 draw at offset 0, 2c .. 2c + 1
+** of an f64 one): the same bits as the per-element functions, a quarter (a half) of the
+** Philox work for a run of elements. */
+void kiln__philox_uniform_block(uint64_t seed, uint64_t c, float out[4]);
+void kiln__philox_normal_block(uint64_t seed, uint64_t c, float out[4]);
+void kiln__philox_uniform_f64_block(uint64_t seed, uint64_t c, double out[2]);
+void kiln__philox_normal_f64_block(uint64_t seed, uint64_t c, double out[2]);
 
 /* ---- autograd (src/autograd/) ---- */
 /* In a rule: whether it may set m->grad_mask for its input's node m (engine.c). */

@@ -65,37 +65,85 @@ static inline void block_at(uint64_t seed, uint64_t c, uint32_t out[4]) {
 #define TWO_M53 (1.0 / 9007199254740992.0)
 #define TWO_PI 6.283185307179586476925286766559
 
+/* The mapping's values from one block: the per-element functions below and the per-block
+** ones (a run of elements computes each block once: four f32 values or two f64 ones) use
+** these, so both give the same bits. */
+static inline float uniform_of(uint32_t w) { return (float)(w >> 8) * TWO_M24; }
+
+static inline double uniform_f64_of(uint32_t a, uint32_t c) {
+  return ((double)(a >> 5) * 67108864.0 + (double)(c >> 6)) * TWO_M53;
+}
+
+/* The pair (b[2p], b[2p+1]) as two f32 normals: r cos, r sin. */
+static inline void normal_pair(const uint32_t b[4], unsigned p, float out[2]) {
+  float u1 = (float)((b[2 * p] >> 8) + 1) * TWO_M24;
+  float u2 = (float)(b[2 * p + 1] >> 8) * TWO_M24;
+  float r = sqrtf(-2.0f * logf(u1));
+  float th = (float)TWO_PI * u2;
+  out[0] = r * cosf(th);
+  out[1] = r * sinf(th);
+}
+
+static inline void normal_f64_pair(const uint32_t b[4], double out[2]) {
+  double u1 = ((double)(b[0] >> 5) * 67108864.0 + (double)(b[1] >> 6) + 1.0) * TWO_M53;
+  double u2 = ((double)(b[2] >> 5) * 67108864.0 + (double)(b[3] >> 6)) * TWO_M53;
+  double r = sqrt(-2.0 * log(u1));
+  out[0] = r * cos(TWO_PI * u2);
+  out[1] = r * sin(TWO_PI * u2);
+}
+
 float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
   block_at(seed, offset + k / 4, b);
-  return (float)(b[k % 4] >> 8) * TWO_M24;
+  return uniform_of(b[k % 4]);
 }
 
 double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
   block_at(seed, offset + k / 2, b);
-  uint32_t a = b[2 * (k % 2)], c = b[2 * (k % 2) + 1];
-  return ((double)(a >> 5) * 67108864.0 + (double)(c >> 6)) * TWO_M53;
+  return uniform_f64_of(b[2 * (k % 2)], b[2 * (k % 2) + 1]);
 }
 
 float kiln__philox_normal(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
+  float v[2];
   block_at(seed, offset + k / 4, b);
-  unsigned p = (unsigned)((k % 4) / 2);
-  float u1 = (float)((b[2 * p] >> 8) + 1) * TWO_M24;
-  float u2 = (float)(b[2 * p + 1] >> 8) * TWO_M24;
-  float r = sqrtf(-2.0f * logf(u1));
-  float th = (float)TWO_PI * u2;
-  return (k % 2 == 0) ? r * cosf(th) : r * sinf(th);
+  normal_pair(b, (unsigned)((k % 4) / 2), v);
+  return v[k % 2];
 }
 
 double kiln__philox_normal_f64(uint64_t seed, uint64_t offset, uint64_t k) {
   uint32_t b[4];
+  double v[2];
   block_at(seed, offset + k / 2, b);
-  double u1 = ((double)(b[0] >> 5) * 67108864.0 + (double)(b[1] >> 6) + 1.0) * TWO_M53;
-  double u2 = ((double)(b[2] >> 5) * 67108864.0 + (double)(b[3] >> 6)) * TWO_M53;
-  double r = sqrt(-2.0 * log(u1));
-  return (k % 2 == 0) ? r * cos(TWO_PI * u2) : r * sin(TWO_PI * u2);
+  normal_f64_pair(b, v);
+  return v[k % 2];
+}
+
+void kiln__philox_uniform_block(uint64_t seed, uint64_t c, float out[4]) {
+  uint32_t b[4];
+  block_at(seed, c, b);
+  for (int j = 0; j < 4; j++) out[j] = uniform_of(b[j]);
+}
+
+void kiln__philox_normal_block(uint64_t seed, uint64_t c, float out[4]) {
+  uint32_t b[4];
+  block_at(seed, c, b);
+  normal_pair(b, 0, out);
+  normal_pair(b, 1, out + 2);
+}
+
+void kiln__philox_uniform_f64_block(uint64_t seed, uint64_t c, double out[2]) {
+  uint32_t b[4];
+  block_at(seed, c, b);
+  out[0] = uniform_f64_of(b[0], b[1]);
+  out[1] = uniform_f64_of(b[2], b[3]);
+}
+
+void kiln__philox_normal_f64_block(uint64_t seed, uint64_t c, double out[2]) {
+  uint32_t b[4];
+  block_at(seed, c, b);
+  normal_f64_pair(b, out);
 }
 
 /* ---- generators ---- */

@@ -30,14 +30,29 @@ static float kiln__below(float hi, kiln_dtype dt) {
   return h ? kiln__f16_to_f32(b) : kiln__bf16_to_f32(b);
 }
 
+/* Elements k0 .. k0 + n of a draw into v, each Philox block computed once: blk gives a
+** block's W values (the core's per-block functions, the per-element mapping's bits). */
+#define KILN__DRAW_RUN(NAME, T, W)                                                                   \
+  static void NAME(T *v, int64_t n, int64_t k0, const kiln__kargs *a, void (*blk)(uint64_t, uint64_t, T *)) { \
+    T q[W];                                                                                          \
+    uint64_t k = (uint64_t)k0;                                                                       \
+    for (int64_t i = 0; i < n;) {                                                                    \
+      blk(a->seed, a->offset + k / W, q);                                                            \
+      for (uint64_t j = k % W; j < W && i < n; j++, i++, k++) v[i] = q[j];                           \
+    }                                                                                                \
+  }
+KILN__DRAW_RUN(kiln__draw_f32, float, 4)
+KILN__DRAW_RUN(kiln__draw_f64, double, 2)
+
 static void kiln__rand_uniform_f32(void *o, const void *const *in, int64_t n, int64_t k0,
                                    const kiln__kargs *a) {
   float *y = (float *)o;
   float lo = (float)a->s[0], hi = (float)a->s[1], w = (float)(a->s[1] - a->s[0]);
   float top = hi > lo ? kiln__below(hi, a->out[0].dtype) : hi;
   (void)in;
+  kiln__draw_f32(y, n, k0, a, kiln__philox_uniform_block);
   for (int64_t i = 0; i < n; i++) {
-    float v = lo + w * kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i));
+    float v = lo + w * y[i];
     y[i] = v > top ? top : v;
   }
 }
@@ -47,8 +62,9 @@ static void kiln__rand_uniform_f64(void *o, const void *const *in, int64_t n, in
   double lo = a->s[0], w = a->s[1] - a->s[0];
   double top = a->s[1] > lo ? nextafter(a->s[1], -INFINITY) : a->s[1];
   (void)in;
+  kiln__draw_f64(y, n, k0, a, kiln__philox_uniform_f64_block);
   for (int64_t i = 0; i < n; i++) {
-    double v = lo + w * kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+    double v = lo + w * y[i];
     y[i] = v > top ? top : v;
   }
 }
@@ -57,27 +73,31 @@ static void kiln__rand_normal_f32(void *o, const void *const *in, int64_t n, int
   float *y = (float *)o;
   float mu = (float)a->s[0], sd = (float)a->s[1];
   (void)in;
-  for (int64_t i = 0; i < n; i++) y[i] = mu + sd * kiln__philox_normal(a->seed, a->offset, (uint64_t)(k0 + i));
+  kiln__draw_f32(y, n, k0, a, kiln__philox_normal_block);
+  for (int64_t i = 0; i < n; i++) y[i] = mu + sd * y[i];
 }
 static void kiln__rand_normal_f64(void *o, const void *const *in, int64_t n, int64_t k0,
                                   const kiln__kargs *a) {
   double *y = (double *)o;
   (void)in;
-  for (int64_t i = 0; i < n; i++)
-    y[i] = a->s[0] + a->s[1] * kiln__philox_normal_f64(a->seed, a->offset, (uint64_t)(k0 + i));
+  kiln__draw_f64(y, n, k0, a, kiln__philox_normal_f64_block);
+  for (int64_t i = 0; i < n; i++) y[i] = a->s[0] + a->s[1] * y[i];
 }
 static void kiln__rand_int(void *o, const void *const *in, int64_t n, int64_t k0,
                            const kiln__kargs *a) {
   int64_t *y = (int64_t *)o;
   int64_t lo = a->i[0], hi = a->i[1];
-  double span = (double)hi - (double)lo;
+  double span = (double)hi - (double)lo, u[256];
   (void)in;
-  for (int64_t i = 0; i < n; i++) {
-    double u = kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i));
-    int64_t v = lo + (int64_t)floor(u * span);
-    if (v > hi - 1) v = hi - 1; /* u*span can round up to span */
-    if (v < lo) v = lo;
-    y[i] = v;
+  for (int64_t i0 = 0; i0 < n; i0 += 256) {
+    int64_t m = n - i0 < 256 ? n - i0 : 256;
+    kiln__draw_f64(u, m, k0 + i0, a, kiln__philox_uniform_f64_block);
+    for (int64_t i = 0; i < m; i++) {
+      int64_t v = lo + (int64_t)floor(u[i] * span);
+      if (v > hi - 1) v = hi - 1; /* u*span can round up to span */
+      if (v < lo) v = lo;
+      y[i0 + i] = v;
+    }
   }
 }
 static void kiln__rand_bernoulli_f32(void *o, const void *const *in, int64_t n, int64_t k0,
@@ -85,15 +105,15 @@ static void kiln__rand_bernoulli_f32(void *o, const void *const *in, int64_t n, 
   float *y = (float *)o;
   float val = (float)a->s[1];
   (void)in;
-  for (int64_t i = 0; i < n; i++)
-    y[i] = (double)kiln__philox_uniform(a->seed, a->offset, (uint64_t)(k0 + i)) < a->s[0] ? val : 0.0f;
+  kiln__draw_f32(y, n, k0, a, kiln__philox_uniform_block);
+  for (int64_t i = 0; i < n; i++) y[i] = (double)y[i] < a->s[0] ? val : 0.0f;
 }
 static void kiln__rand_bernoulli_f64(void *o, const void *const *in, int64_t n, int64_t k0,
                                      const kiln__kargs *a) {
   double *y = (double *)o;
   (void)in;
-  for (int64_t i = 0; i < n; i++)
-    y[i] = kiln__philox_uniform_f64(a->seed, a->offset, (uint64_t)(k0 + i)) < a->s[0] ? a->s[1] : 0.0;
+  kiln__draw_f64(y, n, k0, a, kiln__philox_uniform_f64_block);
+  for (int64_t i = 0; i < n; i++) y[i] = y[i] < a->s[0] ? a->s[1] : 0.0;
 }
 
 kiln_status kiln__cpu_random(const kiln__kargs *a) {

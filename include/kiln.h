@@ -327,6 +327,8 @@ KILN_API bool kiln_is_contiguous(const kiln_tensor *t);
 KILN_API size_t kiln_nbytes(const kiln_tensor *t); /* numel * element size */
 /* "[2, 3]" into buf; returns buf. NULL t gives "(null)". */
 KILN_API const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n);
+/* The same for ndim dims given as numbers (a shape read from a file's header). */
+KILN_API const char *kiln_dims_str(int ndim, const int64_t *shape, char *buf, size_t n);
 
 /* Creation. shape may be NULL when ndim is 0. gen may be NULL: the global generator. */
 typedef struct kiln_generator kiln_generator;

@@ -126,6 +126,29 @@ static void test_variants(kiln_dict *ref, kiln_dict *hf) {
   CHECK(kiln_gpt_load_hf(m, bare) == KILN_OK);
   kiln_module *ref_m = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
   CHECK(bits_equal(logits_of(m, ids), logits_of(ref_m, ids)));
+  /* The same entries in a file, which kiln_gpt_from_hf reads a tensor at a time: the same
+  ** model, nothing left alive after it; an untied head there is refused as in a dict. */
+  char dir[256], file[300];
+  if (scratch_begin(dir, sizeof dir, "hfv") == 0) {
+    snprintf(file, sizeof file, "%s/bare.safetensors", dir);
+    CHECK(kiln_safetensors_save(file, bare) == KILN_OK);
+    kiln_module *fm = kiln_gpt_from_hf(file, &c, KILN_F32, cpu);
+    CHECK(fm && bits_equal(logits_of(fm, ids), logits_of(ref_m, ids)));
+    int64_t live = kiln_live_tensors();
+    kiln_module_free(kiln_gpt_from_hf(file, &c, KILN_F32, cpu));
+    CHECK(kiln_live_tensors() == live);
+    kiln_dict *untied = kiln_dict_new();
+    for (int i = 0; i < kiln_dict_size(bare); i++) kiln_dict_set(untied, kiln_dict_key(bare, i), kiln_dict_value(bare, i));
+    kiln_dict_set(untied, "lm_head.weight", kiln_randn(KILN_SHAPE(100, 32), KILN_F32, cpu, NULL));
+    CHECK(kiln_safetensors_save(file, untied) == KILN_OK);
+    live = kiln_live_tensors();
+    CHECK(kiln_gpt_from_hf(file, &c, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+          msg_has("bare.safetensors") && msg_has("untied"));
+    CHECK(kiln_live_tensors() == live);
+    kiln_dict_free(untied);
+    kiln_module_free(fm);
+    scratch_end(dir);
+  }
   /* An f16 file loads into an f32 model (converted). */
   kiln_dict *half = kiln_dict_new();
   for (int i = 0; i < kiln_dict_size(hf); i++)

@@ -35,13 +35,6 @@ static entry entry_at(const kiln_safetensors *f, int i) {
   return e;
 }
 
-/* "[2, 3]"; "[]" for a 0-dim tensor (kiln_shape_str's form). */
-static void shape_text(const entry *e, char *buf, size_t n) {
-  size_t k = (size_t)snprintf(buf, n, "[");
-  for (int d = 0; d < e->ndim && k < n; d++)
-    k += (size_t)snprintf(buf + k, n - k, "%s%lld", d ? ", " : "", (long long)e->shape[d]);
-  if (k < n) snprintf(buf + k, n - k, "]");
-}
 
 int cli_info(int argc, char **argv) {
   bool json = false;
@@ -125,7 +118,7 @@ int cli_info(int argc, char **argv) {
     for (int i = 0; i < n; i++) {
       entry e = entry_at(f, i);
       char ne[32], nb[32];
-      shape_text(&e, sh, sizeof sh);
+      kiln_dims_str(e.ndim, e.shape, sh, sizeof sh);
       snprintf(ne, sizeof ne, "%lld", (long long)e.numel);
       snprintf(nb, sizeof nb, "%lld", (long long)e.bytes);
       const char *row[] = {e.name, kiln_dtype_name(e.dtype), sh, ne, nb};

@@ -180,6 +180,12 @@ const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n) {
   return buf;
 }
 
+const char *kiln_dims_str(int ndim, const int64_t *shape, char *buf, size_t n) {
+  if (!buf || n == 0) return buf;
+  snprintf(buf, n, "%s", ndim >= 0 && ndim <= KILN_MAX_DIMS && (shape || !ndim) ? kiln__shape_cstr(ndim, shape) : "(invalid)");
+  return buf;
+}
+
 void *kiln__tensor_data(const kiln_tensor *t) {
   kiln__storage_bump(t->storage); /* a raw pointer may write */
   return (char *)t->storage->data + (size_t)t->offset * kiln_dtype_size(t->dtype);

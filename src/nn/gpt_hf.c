@@ -65,29 +65,71 @@ static int gpt_params(kiln_module *gpt, const char ***names, kiln_tensor ***ts, 
   return n;
 }
 
-/* "n_layer 3, n_embd 64, vocab_size 100, n_positions 32" of a HF dict, read from the
-** shapes (what can be read; "" when nothing). */
-static void describe_hf(const kiln_dict *hf, const char *prefix, char *out, size_t n) {
+/* Where the HF tensors come from: a dict in memory (kiln_gpt_load_hf), or a safetensors
+** file read a tensor at a time (kiln_gpt_from_hf: the file is never whole in memory). */
+typedef struct hf_src {
+  const kiln_dict *dict;
+  kiln_safetensors *file;
+} hf_src;
+
+static int src_count(const hf_src *s) { return s->dict ? kiln_dict_size(s->dict) : kiln_safetensors_count(s->file); }
+
+static const char *src_key(const hf_src *s, int i) {
+  return s->dict ? kiln_dict_key(s->dict, i) : kiln_safetensors_name(s->file, i);
+}
+
+/* name's dtype and shape (*ndim dims); false when absent. */
+static bool src_info(const hf_src *s, const char *name, kiln_dtype *dt, int *ndim, int64_t *shape) {
+  if (s->dict) {
+    kiln_tensor *t = kiln_dict_get(s->dict, name);
+    if (!t) return false;
+    *dt = kiln_dtype_of(t);
+    *ndim = kiln_ndim(t);
+    memcpy(shape, kiln_shape(t), sizeof(int64_t) * (size_t)*ndim);
+    return true;
+  }
+  int i = kiln_safetensors_find(s->file, name);
+  return i >= 0 && (*ndim = kiln_safetensors_info(s->file, i, dt, shape)) >= 0;
+}
+
+/* name's values on the CPU: the dict's own tensor, or read from the file into the current
+** scope; NULL with the error set (absent: KILN_ERR_INTERNAL, the checks come first). */
+static kiln_tensor *src_get(const hf_src *s, const char *name) {
+  if (s->file) {
+    int i = kiln_safetensors_find(s->file, name);
+    if (i >= 0) return kiln_safetensors_read(s->file, i, kiln_device_cpu());
+  } else {
+    kiln_tensor *t = kiln_dict_get(s->dict, name);
+    if (t) return t;
+  }
+  kiln_set_error(KILN_ERR_INTERNAL, "kiln_gpt_load_hf: %s vanished after the checks", name);
+  return NULL;
+}
+
+/* "n_layer 3, n_embd 64, vocab_size 100, n_positions 32" of a HF state, read from the
+** names and shapes (what can be read; "" when nothing). */
+static void describe_hf(const hf_src *src, const char *prefix, char *out, size_t n) {
   char key[128];
-  int64_t layers = 0;
-  for (int i = 0; i < kiln_dict_size(hf); i++) {
-    const char *k = kiln_dict_key(hf, i);
-    size_t pl = strlen(prefix);
+  int64_t layers = 0, wte[KILN_MAX_DIMS], wpe[KILN_MAX_DIMS];
+  const size_t pl = strlen(prefix);
+  for (int i = 0; i < src_count(src); i++) {
+    const char *k = src_key(src, i);
     if (strncmp(k, prefix, pl) == 0 && strncmp(k + pl, "h.", 2) == 0) {
       long long l = strtoll(k + pl + 2, NULL, 10);
       if (l + 1 > layers) layers = l + 1;
     }
   }
+  kiln_dtype dt;
+  int nte = 0, npe = 0;
   snprintf(key, sizeof key, "%swte.weight", prefix);
-  kiln_tensor *wte = kiln_dict_get(hf, key);
+  if (!src_info(src, key, &dt, &nte, wte)) nte = 0;
   snprintf(key, sizeof key, "%swpe.weight", prefix);
-  kiln_tensor *wpe = kiln_dict_get(hf, key);
+  if (!src_info(src, key, &dt, &npe, wpe)) npe = 0;
   int len = snprintf(out, n, "n_layer %lld", (long long)layers);
-  if (wte && kiln_ndim(wte) == 2 && len >= 0 && (size_t)len < n)
-    len += snprintf(out + len, n - (size_t)len, ", n_embd %lld, vocab_size %lld", (long long)kiln_size(wte, 1),
-                    (long long)kiln_size(wte, 0));
-  if (wpe && kiln_ndim(wpe) == 2 && len >= 0 && (size_t)len < n)
-    snprintf(out + len, n - (size_t)len, ", n_positions %lld", (long long)kiln_size(wpe, 0));
+  if (nte == 2 && len >= 0 && (size_t)len < n)
+    len += snprintf(out + len, n - (size_t)len, ", n_embd %lld, vocab_size %lld", (long long)wte[1], (long long)wte[0]);
+  if (npe == 2 && len >= 0 && (size_t)len < n)
+    snprintf(out + len, n - (size_t)len, ", n_positions %lld", (long long)wpe[0]);
 }
 
 /* true when a and b hold the same values (compared as f64 on the host). */
@@ -105,15 +147,19 @@ static bool same_values(kiln_tensor *a, kiln_tensor *b) {
   return eq;
 }
 
-kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf) {
-  static const char *who = "kiln_gpt_load_hf";
-  if (!hf) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: NULL dict", who);
+/* Every check of kiln_gpt_load_hf against src (names, shapes, dtypes, the tied head), then
+** each parameter copied in from its entry, one at a time. */
+static kiln_status load_hf(kiln_module *gpt, const hf_src *src, const char *who) {
   const char **names;
   kiln_tensor **params;
   int n = gpt_params(gpt, &names, &params, who);
   if (n < 0) return kiln_last_error();
-  const char *prefix = kiln_dict_get(hf, HF_PREFIX "wte.weight") ? HF_PREFIX : "";
-  if (!kiln_dict_get(hf, HF_PREFIX "wte.weight") && !kiln_dict_get(hf, "wte.weight")) {
+  kiln_dtype dt;
+  int nd;
+  int64_t shape[KILN_MAX_DIMS];
+  const bool prefixed = src_info(src, HF_PREFIX "wte.weight", &dt, &nd, shape);
+  const char *prefix = prefixed ? HF_PREFIX : "";
+  if (!prefixed && !src_info(src, "wte.weight", &dt, &nd, shape)) {
     free(names);
     free(params);
     return kiln_set_error(KILN_ERR_FORMAT,
@@ -122,48 +168,44 @@ kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf) {
   }
   const size_t pl = strlen(prefix);
   kiln__problems p = {0};
-  kiln_dict *d = kiln_dict_new();
-  kiln_status st = d ? KILN_OK : kiln_last_error();
+  kiln_status st = KILN_OK;
   char key[256], b1[96], b2[96];
-  kiln_scope_begin();
-  /* Every parameter of the model from its HF entry. */
-  for (int i = 0; i < n && st == KILN_OK; i++) {
+  /* Every parameter of the model has its HF entry, of its shape and a floating dtype. */
+  for (int i = 0; i < n; i++) {
     snprintf(key, sizeof key, "%s%s", prefix, names[i]);
-    kiln_tensor *t = kiln_dict_get(hf, key);
-    if (!t) {
+    if (!src_info(src, key, &dt, &nd, shape)) {
       kiln__problems_missing(&p, key);
       continue;
     }
     const bool conv = is_conv1d_weight(names[i]);
     const kiln_tensor *want = params[i];
-    bool ok = kiln_ndim(t) == kiln_ndim(want);
-    for (int k = 0; ok && k < kiln_ndim(t); k++)
-      ok = kiln_size(t, k) == kiln_size(want, conv ? kiln_ndim(want) - 1 - k : k);
+    bool ok = nd == kiln_ndim(want);
+    for (int k = 0; ok && k < nd; k++) ok = shape[k] == kiln_size(want, conv ? kiln_ndim(want) - 1 - k : k);
     if (!ok) {
       if (conv) /* say it in HF's (in, out) terms */
         snprintf(b2, sizeof b2, "[%lld, %lld]", (long long)kiln_size(want, 1), (long long)kiln_size(want, 0));
       else
         shape_of(want, b2, sizeof b2);
       kiln__problems_mismatch(&p, KILN_ERR_SHAPE, "%s has shape %s in the file; the model expects %s", key,
-                              shape_of(t, b1, sizeof b1), b2);
+                              kiln_dims_str(nd, shape, b1, sizeof b1), b2);
       continue;
     }
-    if (!kiln_dtype_is_float(kiln_dtype_of(t))) {
+    if (!kiln_dtype_is_float(dt))
       kiln__problems_mismatch(&p, KILN_ERR_DTYPE, "%s has dtype %s; expected a floating dtype", key,
-                              kiln_dtype_name(kiln_dtype_of(t)));
-      continue;
-    }
-    kiln_tensor *v = conv ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
-    if (v && kiln_dtype_of(v) != kiln_dtype_of(want)) v = kiln_to_dtype(v, kiln_dtype_of(want));
-    st = v ? kiln_dict_set(d, names[i], v) : kiln_last_error();
+                              kiln_dtype_name(dt));
   }
   /* Every HF entry is one of those, a buffer kiln does not keep, or the tied head. */
-  for (int i = 0; i < kiln_dict_size(hf) && st == KILN_OK; i++) {
-    const char *k = kiln_dict_key(hf, i);
+  kiln_scope_begin();
+  for (int i = 0; i < src_count(src) && st == KILN_OK; i++) {
+    const char *k = src_key(src, i);
     if (is_hf_buffer(k)) continue;
     if (strcmp(k, "lm_head.weight") == 0) {
-      kiln_tensor *head = kiln_dict_value(hf, i), *wte = kiln_dict_get(hf, *prefix ? HF_PREFIX "wte.weight" : "wte.weight");
-      if (!wte || kiln_ndim(head) != 2 || kiln_size(head, 0) != kiln_size(wte, 0) ||
+      kiln_tensor *head = src_get(src, k), *wte = src_get(src, prefixed ? HF_PREFIX "wte.weight" : "wte.weight");
+      if (!head || !wte) {
+        st = kiln_last_error();
+        break;
+      }
+      if (kiln_ndim(head) != 2 || kiln_ndim(wte) != 2 || kiln_size(head, 0) != kiln_size(wte, 0) ||
           kiln_size(head, 1) != kiln_size(wte, 1) || !same_values(head, wte))
         kiln__problems_mismatch(&p, KILN_ERR_FORMAT,
                                 "lm_head.weight differs from %swte.weight: an untied output head, which "
@@ -181,18 +223,36 @@ kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf) {
     /* A file of another size or another model: a format problem, with both sizes said. */
     const kiln_gpt_config *c = kiln_gpt_config_of(gpt);
     char file[160], msg[1024];
-    describe_hf(hf, prefix, file, sizeof file);
+    describe_hf(src, prefix, file, sizeof file);
     snprintf(msg, sizeof msg, "%s (the file: %s; the model: n_layer %lld, n_embd %lld, vocab_size %lld, "
              "n_positions %lld)", kiln_last_error_message(), file, (long long)c->n_layer, (long long)c->n_embd,
              (long long)c->vocab_size, (long long)c->block_size);
     st = kiln_set_error(p.n_mismatch ? p.mismatch_code : KILN_ERR_FORMAT, "%s", msg);
   }
   kiln__problems_free(&p);
-  if (st == KILN_OK) st = kiln_module_load_state_dict(gpt, d, true);
-  kiln_dict_free(d);
+  /* Each parameter from its entry: transposed (Conv1D), in the model's dtype, onto its
+  ** device, one at a time (a scope each: at most one entry's copies are alive). */
+  bool prev = kiln_set_grad_enabled(false);
+  for (int i = 0; i < n && st == KILN_OK; i++) {
+    snprintf(key, sizeof key, "%s%s", prefix, names[i]);
+    kiln_scope_begin();
+    kiln_tensor *t = src_get(src, key), *want = params[i];
+    kiln_tensor *v = t && is_conv1d_weight(names[i]) ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
+    if (v && kiln_dtype_of(v) != kiln_dtype_of(want)) v = kiln_to_dtype(v, kiln_dtype_of(want));
+    if (v && !kiln_device_equal(kiln_device_of(v), kiln_device_of(want))) v = kiln_to_device(v, kiln_device_of(want));
+    st = v ? kiln_copy_(want, v) : kiln_last_error();
+    kiln_scope_end();
+  }
+  kiln_set_grad_enabled(prev);
   free(names);
   free(params);
   return st;
+}
+
+kiln_status kiln_gpt_load_hf(kiln_module *gpt, const kiln_dict *hf) {
+  if (!hf) return kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_gpt_load_hf: NULL dict");
+  hf_src src = {.dict = hf};
+  return load_hf(gpt, &src, "kiln_gpt_load_hf");
 }
 
 kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt) {
@@ -380,13 +440,14 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
   kiln_gpt_config c;
   if (cfg) c = *cfg;
   else if (kiln_gpt_hf_config(config, &c) != KILN_OK) return NULL;
-  kiln_dict *hf = kiln_safetensors_load(weights, kiln_device_cpu());
+  kiln_safetensors *hf = kiln_safetensors_open(weights);
   if (!hf) return NULL;
   /* The initial draws are thrown away: a private generator leaves the global one alone. */
   kiln_generator *gen = kiln_generator_new(0);
   kiln_module *m = gen ? kiln_gpt_new(&c, dt, dev, gen) : NULL;
   kiln_generator_free(gen);
-  if (m && kiln_gpt_load_hf(m, hf) != KILN_OK) {
+  hf_src src = {.file = hf};
+  if (m && load_hf(m, &src, "kiln_gpt_load_hf") != KILN_OK) {
     char msg[1024];
     kiln_status code = kiln_last_error();
     snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
@@ -394,7 +455,7 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
     kiln_module_free(m);
     m = NULL;
   }
-  kiln_dict_free(hf);
+  kiln_safetensors_close(hf);
   return m;
 }
 

@@ -48,6 +48,9 @@ static void all_readers(const char *path, const char *kind) {
   kiln_dict *d = kiln_safetensors_load(path, kiln_device_cpu());
   expect_refused("kiln_safetensors_load", path, d ? KILN_OK : kiln_last_error(), kind);
   kiln_dict_free(d);
+  kiln_safetensors *f = kiln_safetensors_open(path);
+  expect_refused("kiln_safetensors_open", path, f ? KILN_OK : kiln_last_error(), kind);
+  kiln_safetensors_close(f);
   kiln_tensor *t = kiln_npy_load(path, kiln_device_cpu());
   expect_refused("kiln_npy_load", path, t ? KILN_OK : kiln_last_error(), kind);
   kiln_tensor_free(t);

@@ -23,10 +23,10 @@
 #define _POSIX_C_SOURCE 200809L
 #define _FILE_OFFSET_BITS 64
 #include <errno.h>
-#include <unistd.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "io_int.h"
 #include "kiln_io.h"

@@ -92,8 +92,9 @@ static bool src_info(const hf_src *s, const char *name, kiln_dtype *dt, int *ndi
   return i >= 0 && (*ndim = kiln_safetensors_info(s->file, i, dt, shape)) >= 0;
 }
 
-/* name's values on the CPU: the dict's own tensor, or read from the file into the current
-** scope; NULL with the error set (absent: KILN_ERR_INTERNAL, the checks come first). */
+/* name's values: the dict's own tensor (on its device), or read from the file onto the CPU
+** into the current scope; NULL with the error set (absent: KILN_ERR_INTERNAL, the checks
+** come first). */
 static kiln_tensor *src_get(const hf_src *s, const char *name) {
   if (s->file) {
     int i = kiln_safetensors_find(s->file, name);

@@ -128,7 +128,7 @@ static struct {
   kiln_optimizer *opt;
   kiln_scheduler *sched;
   kiln_generator *gen; /* --generate: the sampling draws; training: the eval windows */
-  kiln_dict *meta;     /* the checkpoint read for its metadata */
+  kiln_safetensors *ckf; /* the checkpoint opened for its metadata (its header alone) */
   kiln_summary_writer *tb;
   kiln_dtype amp;      /* --autocast: KILN_BF16 or KILN_F16; KILN_F32 for none */
 } R;
@@ -145,7 +145,7 @@ static void release(void) {
   kiln_optimizer_free(R.opt);
   kiln_module_free(R.model);
   kiln_generator_free(R.gen);
-  kiln_dict_free(R.meta);
+  kiln_safetensors_close(R.ckf);
   ex_log_close(R.tb);
   memset(&R, 0, sizeof R);
 }
@@ -418,21 +418,22 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
     fprintf(stderr, PROG ": '%s' is not a regular file\n", path);
     return false;
   }
-  R.meta = kiln_safetensors_load(path, kiln_device_cpu());
-  if (!R.meta) {
+  R.ckf = kiln_safetensors_open(path);
+  const kiln_dict *meta = kiln_safetensors_metadata(R.ckf);
+  if (!R.ckf) {
     fprintf(stderr, PROG ": reading '%s': %s\n", path, kiln_last_error_message());
     return false;
   }
   int64_t n_vocab = 0, bias = 1;
-  const char *dr = kiln_dict_get_meta(R.meta, "extra.dropout");
-  if (!meta_int(R.meta, "extra.n_layer", &cfg->n_layer) || !meta_int(R.meta, "extra.n_head", &cfg->n_head) ||
-      !meta_int(R.meta, "extra.n_embd", &cfg->n_embd) || !meta_int(R.meta, "extra.block_size", &cfg->block_size) ||
-      !meta_int(R.meta, "extra.vocab_size", &n_vocab) || !meta_int(R.meta, "extra.bias", &bias) || !dr) {
+  const char *dr = kiln_dict_get_meta(meta, "extra.dropout");
+  if (!meta_int(meta, "extra.n_layer", &cfg->n_layer) || !meta_int(meta, "extra.n_head", &cfg->n_head) ||
+      !meta_int(meta, "extra.n_embd", &cfg->n_embd) || !meta_int(meta, "extra.block_size", &cfg->block_size) ||
+      !meta_int(meta, "extra.vocab_size", &n_vocab) || !meta_int(meta, "extra.bias", &bias) || !dr) {
     fprintf(stderr, PROG ": '%s' is not a checkpoint of " PROG " (no model shape in its metadata)\n", path);
     return false;
   }
-  const char *tv = kiln_dict_get_meta(R.meta, "extra.tokenizer_vocab");
-  const char *tm = kiln_dict_get_meta(R.meta, "extra.tokenizer_merges");
+  const char *tv = kiln_dict_get_meta(meta, "extra.tokenizer_vocab");
+  const char *tm = kiln_dict_get_meta(meta, "extra.tokenizer_merges");
   if (tv && tm) { /* a BPE model: its tokenizer travels in the checkpoint */
     if (!load_bpe_text(tv, tm)) return false;
     if (n_vocab != kiln_tokenizer_vocab_size(R.bpe)) {
@@ -488,8 +489,8 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, const k
   }
   kiln_gpt_config cfg = kiln_gpt2_config();
   if (!read_shape(ckpt, &cfg)) return finish(2);
-  kiln_dict_free(R.meta);
-  R.meta = NULL;
+  kiln_safetensors_close(R.ckf);
+  R.ckf = NULL;
   kiln_generator *scratch = R.gen = kiln_generator_new(0); /* takes the checkpoint's RNG state */
   if (!scratch) return fail("making a generator");
   kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, scratch);
@@ -721,8 +722,8 @@ int main(int argc, char **argv) {
     if ((s = kiln_dict_get_meta(extra, "corpus")) && strcmp(s, corpus))
       fprintf(stderr, PROG ": warning: the checkpoint was trained on '%s', this run reads '%s'\n", s, corpus);
     kiln_dict_free(extra);
-    kiln_dict_free(R.meta);
-    R.meta = NULL;
+    kiln_safetensors_close(R.ckf);
+    R.ckf = NULL;
     if (step > steps)
       fprintf(stderr, PROG ": warning: the checkpoint is at step %lld, past --steps %lld: nothing to train\n",
               (long long)step, steps);

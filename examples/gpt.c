@@ -37,7 +37,8 @@
 ** with the model shape and the lr schedule the checkpoint was made with (the schedule
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
 ** --json ends the output with one line: example, device, steps (reached), start_step,
-** the shape, params, seconds and tokens_per_s (the training steps of this run, without
+** batch, block (the training window), the shape, params, seconds and tokens_per_s (the
+** training steps of this run, without
 ** the evaluations), train_loss and val_loss (the last evaluation), seed, autocast (bf16,
 ** f16 or off, as the other examples), kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
@@ -53,6 +54,14 @@
 ** softmax and loss in f32, the parameters and their gradients f32, the checkpoint f32.
 ** On a GPU and on a CPU with bf16 dot products (AVX512-BF16, AMX) bf16 runs the step
 ** faster; f16 without a loss scaler can underflow small gradients, bf16 needs none.
+** --from-hf DIR fine-tunes a pretrained GPT-2 instead of training a new model: DIR is a
+** Hugging Face model directory (config.json, model.safetensors, and the tokenizer's
+** vocab.json and merges.txt, as `save_pretrained` and the hub's gpt2 give them; --tokenizer
+** takes the tokenizer from elsewhere). The model's shape and dropout come from config.json
+** (--n-layer, --n-head, --n-embd are ignored; --dropout overrides), its weights from
+** model.safetensors (kiln_gpt_from_hf); --block is the training window, up to the model's
+** context (n_positions; the default). The checkpoints are this program's as usual:
+** --resume and --generate need nothing from DIR afterwards.
 ** --checkpoint-activations makes each transformer block one gradient-checkpointing
 ** segment (kiln_module_set_checkpoint): the block's activations are recomputed in
 ** backward instead of kept, for memory, all but its attention's output (T^2 work for
@@ -94,7 +103,6 @@
 
 #define PROG "gpt"
 #define VOCAB 256 /* byte level; --tokenizer: the BPE vocabulary's size */
-#define MAX_PARAMS 256
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -102,7 +110,7 @@ static void usage(FILE *f) {
           "           [--n-embd N] [--dropout P] [--lr X] [--eval-every N] [--eval-iters N]\n"
           "           [--checkpoint PATH] [--resume] [--until N] [--seed N] [--device D] [--json]\n"
           "           [--quiet] [--logdir DIR] [--checkpoint-activations] [--tokenizer DIR]\n"
-          "           [--checkpoint-keep default|products] [--autocast bf16|f16]\n"
+          "           [--checkpoint-keep default|products] [--autocast bf16|f16] [--from-hf DIR]\n"
           "       " PROG " --generate PROMPT [--tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
           "           [--greedy] [--seed N] [--checkpoint PATH] [--device D]\n"
           "  A byte-level GPT on a text: by default Python's changelog from the Debian package\n"
@@ -111,7 +119,8 @@ static void usage(FILE *f) {
           "  AdamW lr 3e-3 (cosine, 60 warmup steps), eval every 100 steps over 20 windows,\n"
           "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
           "  top-p 1 (off), seed 0 (KV cache). A prompt longer than the context keeps its last\n"
-          "  block-size - 1 bytes.\n");
+          "  block-size - 1 bytes. --from-hf DIR fine-tunes a Hugging Face GPT-2 (config.json,\n"
+          "  model.safetensors, vocab.json, merges.txt in DIR) instead of a new model.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
@@ -129,6 +138,8 @@ static struct {
   kiln_scheduler *sched;
   kiln_generator *gen; /* --generate: the sampling draws; training: the eval windows */
   kiln_safetensors *ckf; /* the checkpoint opened for its metadata (its header alone) */
+  int64_t window;        /* the checkpoint's training window ("extra.window"), 0: its context */
+  kiln_tensor **params;  /* the model's, borrowed (for the gradient clipping) */
   kiln_summary_writer *tb;
   kiln_dtype amp;      /* --autocast: KILN_BF16 or KILN_F16; KILN_F32 for none */
 } R;
@@ -141,6 +152,7 @@ static void release(void) {
   free(R.bpe_merges);
   free(R.xb);
   free(R.yb);
+  free(R.params);
   kiln_scheduler_free(R.sched);
   kiln_optimizer_free(R.opt);
   kiln_module_free(R.model);
@@ -319,16 +331,16 @@ static char *read_text_file(const char *path, const char **why) {
   return (char *)buf;
 }
 
-/* --tokenizer DIR: DIR/vocab.json and DIR/merges.txt (GPT-2's pair, as
-** scripts/make_tokenizer_fixtures.py writes for tests/fixtures/tokenizer). */
-static bool load_bpe_dir(const char *dir) {
+/* --tokenizer DIR (or --from-hf's DIR, flag says which): DIR/vocab.json and DIR/merges.txt
+** (GPT-2's pair, as scripts/make_tokenizer_fixtures.py writes for tests/fixtures/tokenizer). */
+static bool load_bpe_dir(const char *flag, const char *dir) {
   char pv[1024], pm[1024];
   snprintf(pv, sizeof pv, "%s/vocab.json", dir);
   snprintf(pm, sizeof pm, "%s/merges.txt", dir);
   const char *why = NULL;
   char *v = read_text_file(pv, &why), *m = v ? read_text_file(pm, &why) : NULL;
   if (!v || !m) {
-    fprintf(stderr, PROG ": --tokenizer '%s': cannot read %s: %s (the directory needs vocab.json and merges.txt)\n",
+    fprintf(stderr, PROG ": %s '%s': cannot read %s: %s (the directory needs vocab.json and merges.txt)\n", flag,
             dir, v ? pm : pv, why);
     free(v);
     free(m);
@@ -446,6 +458,7 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
             (long long)n_vocab, VOCAB);
     return false;
   }
+  if (!meta_int(meta, "extra.window", &R.window)) R.window = 0; /* checkpoints from before --from-hf */
   vocab = n_vocab;
   cfg->vocab_size = n_vocab;
   cfg->dropout = strtod(dr, NULL);
@@ -554,15 +567,16 @@ static int generate(const char *ckpt, const char *prompt, int64_t n_new, const k
 
 /* ---- training ------------------------------------------------------------------------ */
 
-static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t step, double train_loss,
-                        double val_loss, const char *corpus) {
+static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t window, int64_t step,
+                        double train_loss, double val_loss, const char *corpus) {
   kiln_dict *extra = kiln_dict_new();
   if (!extra) return kiln_last_error();
   const struct {
     const char *k;
     long long v;
   } ints[] = {{"n_layer", cfg->n_layer},       {"n_head", cfg->n_head}, {"n_embd", cfg->n_embd},
-              {"block_size", cfg->block_size}, {"vocab_size", vocab},   {"bias", cfg->bias}};
+              {"block_size", cfg->block_size}, {"vocab_size", vocab},   {"bias", cfg->bias},
+              {"window", window}};
   kiln_status st = KILN_OK;
   for (size_t i = 0; i < sizeof ints / sizeof ints[0] && st == KILN_OK; i++)
     st = ex_meta_int(extra, ints[i].k, ints[i].v);
@@ -577,12 +591,35 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t st
   return st;
 }
 
+/* --from-hf DIR: the model's shape and dropout from DIR/config.json into cfg, and the
+** tokenizer (DIR's, or tokenizer's), whose vocabulary must be the model's. Prints why and
+** returns false on failure. */
+static bool hf_setup(const char *dir, const char *tokenizer, kiln_gpt_config *cfg) {
+  char path[1100];
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  if (kiln_gpt_hf_config(path, cfg) != KILN_OK) {
+    fprintf(stderr, PROG ": --from-hf '%s': %s\n", dir, kiln_last_error_message());
+    return false;
+  }
+  if (!load_bpe_dir(tokenizer ? "--tokenizer" : "--from-hf", tokenizer ? tokenizer : dir)) return false;
+  if (kiln_tokenizer_vocab_size(R.bpe) != cfg->vocab_size) {
+    fprintf(stderr, PROG ": --from-hf '%s': the model's vocabulary is %lld tokens, the tokenizer's %lld\n", dir,
+            (long long)cfg->vocab_size, (long long)kiln_tokenizer_vocab_size(R.bpe));
+    return false;
+  }
+  vocab = cfg->vocab_size;
+  return true;
+}
+
 int main(int argc, char **argv) {
-  long long steps = 600, batch = 16, block = 64, n_layer = 4, n_head = 4, n_embd = 64;
+  /* block 0 and dropout -1: not given (a new model's 64 and 0; --from-hf: the model's) */
+  long long steps = 600, batch = 16, block = 0, n_layer = 4, n_head = 4, n_embd = 64;
   long long eval_every = 100, eval_iters = 20, seed = 0, n_tokens = 300, top_k = 40, until = 0;
-  double lr = 3e-3, dropout = 0.0, temperature = 0.8, top_p = 1.0;
-  bool json = false, quiet = false, resume = false, shape_flag = false, greedy = false, ckpt_act = false;
+  double lr = 3e-3, dropout = -1, temperature = 0.8, top_p = 1.0;
+  bool json = false, quiet = false, resume = false, shape_flag = false, arch_flag = false, greedy = false,
+       ckpt_act = false;
   const char *logdir = NULL, *devname = NULL, *data = NULL, *prompt = NULL, *tokenizer = NULL, *amp = NULL;
+  const char *from_hf = NULL;
   const char *ckpt_keep = NULL;
   const char *ckpt = "gpt.ckpt.safetensors";
   const ex_opt opts[] = {{.name = "--json", .kind = EX_FLAG, .out = &json},
@@ -597,17 +634,18 @@ int main(int argc, char **argv) {
                          {.name = "--logdir", .kind = EX_STR, .out = &logdir},
                          {.name = "--checkpoint", .kind = EX_STR, .out = &ckpt},
                          {.name = "--tokenizer", .kind = EX_STR, .out = &tokenizer},
+                         {.name = "--from-hf", .kind = EX_STR, .out = &from_hf},
                          {.name = "--autocast", .kind = EX_AUTOCAST, .out = &amp},
                          {.name = "--generate", .kind = EX_STR, .out = &prompt},
                          {.name = "--lr", .kind = EX_NUM, .out = &lr, .lo = 0, .hi = 10},
                          {.name = "--temperature", .kind = EX_NUM, .out = &temperature, .lo = 0, .hi = 100},
                          {.name = "--top-p", .kind = EX_NUM, .out = &top_p, .lo = 0, .hi = 1},
-                         /* the options that change the model's shape (shape_flag: see below) */
+                         /* the options that change the model's shape (shape_flag, arch_flag: see below) */
                          {.name = "--dropout", .kind = EX_NUM_0, .out = &dropout, .lo = 0, .hi = 0.9, .seen = &shape_flag},
                          {.name = "--block", .kind = EX_INT, .out = &block, .lo = 1, .hi = 65536, .seen = &shape_flag},
-                         {.name = "--n-layer", .kind = EX_INT, .out = &n_layer, .lo = 1, .hi = 1024, .seen = &shape_flag},
-                         {.name = "--n-head", .kind = EX_INT, .out = &n_head, .lo = 1, .hi = 1024, .seen = &shape_flag},
-                         {.name = "--n-embd", .kind = EX_INT, .out = &n_embd, .lo = 1, .hi = 65536, .seen = &shape_flag},
+                         {.name = "--n-layer", .kind = EX_INT, .out = &n_layer, .lo = 1, .hi = 1024, .seen = &arch_flag},
+                         {.name = "--n-head", .kind = EX_INT, .out = &n_head, .lo = 1, .hi = 1024, .seen = &arch_flag},
+                         {.name = "--n-embd", .kind = EX_INT, .out = &n_embd, .lo = 1, .hi = 65536, .seen = &arch_flag},
                          {.name = "--steps", .kind = EX_INT, .out = &steps, .lo = 1, .hi = 10000000},
                          {.name = "--batch", .kind = EX_INT, .out = &batch, .lo = 1, .hi = 65536},
                          {.name = "--eval-every", .kind = EX_INT, .out = &eval_every, .lo = 1, .hi = 10000000},
@@ -624,8 +662,9 @@ int main(int argc, char **argv) {
   kiln_device dev = kiln_device_best();
   char dname[32];
   if (ex_device(PROG, devname, &dev, dname)) return 2;
-  if (prompt && tokenizer)
-    fprintf(stderr, PROG ": note: --generate decodes with the checkpoint's own tokenizer; --tokenizer is ignored\n");
+  if (prompt && (tokenizer || from_hf))
+    fprintf(stderr, PROG ": note: --generate samples from the checkpoint, with its own tokenizer; %s is ignored\n",
+            tokenizer ? "--tokenizer" : "--from-hf");
   if (prompt) {
     kiln_sample_opts so = kiln_sample_opts_default();
     so.temperature = temperature, so.top_k = top_k, so.top_p = top_p, so.greedy = greedy;
@@ -635,25 +674,44 @@ int main(int argc, char **argv) {
   if (ex_check_output(PROG, ckpt)) return 2;
   R.tb = ex_log_open(PROG, logdir); /* exits on a bad directory: before anything is allocated */
   kiln_gpt_config cfg = kiln_gpt2_config();
-  cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block;
-  cfg.vocab_size = VOCAB, cfg.dropout = dropout, cfg.bias = true;
-  if (tokenizer && !resume) {
-    if (!load_bpe_dir(tokenizer)) return finish(2);
-    cfg.vocab_size = vocab = kiln_tokenizer_vocab_size(R.bpe);
-  }
+  const bool block_given = block > 0;
+  cfg.n_layer = n_layer, cfg.n_head = n_head, cfg.n_embd = n_embd, cfg.block_size = block_given ? block : 64;
+  cfg.vocab_size = VOCAB, cfg.dropout = dropout >= 0 ? dropout : 0.0, cfg.bias = true;
   if (resume) {
-    if (tokenizer)
-      fprintf(stderr, PROG ": note: --resume uses the checkpoint's own tokenizer; --tokenizer is ignored\n");
+    if (tokenizer || from_hf)
+      fprintf(stderr, PROG ": note: --resume trains the checkpoint's model with its own tokenizer; %s is ignored\n",
+              tokenizer ? "--tokenizer" : "--from-hf");
     if (!read_shape(ckpt, &cfg)) return finish(2);
-    if (shape_flag)
+    if (shape_flag || arch_flag)
       fprintf(stderr, PROG ": note: --resume trains the checkpoint's model (%lld layers, %lld heads, %lld wide, "
                       "block %lld); the shape flags are ignored\n",
-              (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size);
-  } else if (n_embd % n_head != 0) {
-    fprintf(stderr, PROG ": --n-embd %lld is not a multiple of --n-head %lld\n", n_embd, n_head);
-    return finish(2);
+              (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd,
+              (long long)(R.window ? R.window : cfg.block_size));
+    block = R.window ? R.window : cfg.block_size;
+  } else if (from_hf) {
+    if (!hf_setup(from_hf, tokenizer, &cfg)) return finish(2);
+    if (arch_flag)
+      fprintf(stderr, PROG ": note: --from-hf takes the model's shape from config.json (%lld layers, %lld heads, "
+                      "%lld wide); --n-layer, --n-head and --n-embd are ignored\n",
+              (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd);
+    if (dropout >= 0) cfg.dropout = dropout;
+    if (block_given && block > cfg.block_size) {
+      fprintf(stderr, PROG ": --block %lld is longer than the model's context, %lld (n_positions in %s/config.json)\n",
+              block, (long long)cfg.block_size, from_hf);
+      return finish(2);
+    }
+    if (!block_given) block = cfg.block_size;
+  } else {
+    if (tokenizer) {
+      if (!load_bpe_dir("--tokenizer", tokenizer)) return finish(2);
+      cfg.vocab_size = vocab = kiln_tokenizer_vocab_size(R.bpe);
+    }
+    if (n_embd % n_head != 0) {
+      fprintf(stderr, PROG ": --n-embd %lld is not a multiple of --n-head %lld\n", n_embd, n_head);
+      return finish(2);
+    }
+    block = cfg.block_size;
   }
-  block = cfg.block_size;
 
   char corpus[1024];
   if (data) snprintf(corpus, sizeof corpus, "%s", data);
@@ -691,8 +749,9 @@ int main(int argc, char **argv) {
   if (!R.xb || !R.yb || !R.gen) return fail("allocating the batch");
 
   kiln_manual_seed((uint64_t)seed);
-  kiln_module *model = R.model = kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
-  if (!model) return fail("building the model");
+  kiln_module *model = R.model = from_hf && !resume ? kiln_gpt_from_hf(from_hf, &cfg, KILN_F32, dev)
+                                                    : kiln_gpt_new(&cfg, KILN_F32, dev, NULL);
+  if (!model) return fail(from_hf && !resume ? "loading the pretrained model (--from-hf)" : "building the model");
   /* --checkpoint-activations: each block one segment (kiln_checkpoint): its activations
   ** are recomputed in backward instead of kept; --checkpoint-keep products keeps its
   ** products' outputs for the recompute */
@@ -729,17 +788,18 @@ int main(int argc, char **argv) {
               (long long)step, steps);
     if (!quiet) printf("resumed from %s at step %lld\n", ckpt, (long long)step);
   }
-  kiln_tensor *params[MAX_PARAMS];
-  int n_params = kiln_module_parameters(model, params, MAX_PARAMS);
-  if (n_params < 0 || n_params > MAX_PARAMS) return fail("listing the parameters");
+  int n_params = kiln_module_parameters(model, NULL, 0); /* 148 for GPT-2, 580 for GPT-2 XL */
+  kiln_tensor **params = R.params = n_params >= 0 ? malloc(sizeof *params * (size_t)(n_params + 1)) : NULL;
+  if (!params || kiln_module_parameters(model, params, n_params) != n_params) return fail("listing the parameters");
 
   if (!quiet) {
     char pb[32];
-    printf("device: %s\ncorpus: %s, %lld bytes (train %lld, val %lld)\n", dname, corpus, (long long)n_text,
-           (long long)split, (long long)(n_text - split));
+    printf("device: %s\ncorpus: %s, %lld %s (train %lld, val %lld)\n", dname, corpus, (long long)n_text,
+           R.bpe ? "tokens" : "bytes", (long long)split, (long long)(n_text - split));
     printf("model: %lld layers, %lld heads, %lld wide, context %lld, vocabulary %d (%s)\n", (long long)cfg.n_layer,
            (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.block_size, (int)vocab,
            R.bpe ? "BPE" : "bytes");
+    if (from_hf && !resume) printf("pretrained: %s (training windows of %lld tokens)\n", from_hf, block);
     printf("parameters: %lld (%s)\n", (long long)kiln_module_num_params(model),
            kiln_format_bytes(kiln_module_param_bytes(model), pb, sizeof pb));
     fflush(stdout);
@@ -788,7 +848,7 @@ int main(int argc, char **argv) {
     double tps = dt > 0 ? (double)((chunk_end - chunk_start) * batch * block) / dt : 0.0;
     ex_log_epoch(&R.tb, step, train_loss, kiln_scheduler_get_lr(sched), tps, dev);
     ex_log_scalar(&R.tb, "eval/val_loss", step, val_loss);
-    if (save(ckpt, &cfg, step, train_loss, val_loss, corpus) != KILN_OK) return fail("saving the checkpoint");
+    if (save(ckpt, &cfg, block, step, train_loss, val_loss, corpus) != KILN_OK) return fail("saving the checkpoint");
     if (!quiet) {
       printf("step %lld: train loss %.4f, val loss %.4f (lr %.2e, %.0f tokens/s)\n", (long long)step, train_loss,
              val_loss, kiln_scheduler_get_lr(sched), tps);
@@ -801,9 +861,9 @@ int main(int argc, char **argv) {
            "\"block\":%lld,\"n_layer\":%lld,\"n_head\":%lld,\"n_embd\":%lld,\"params\":%lld,"
            "\"seconds\":%.4f,\"tokens_per_s\":%.0f,\"train_loss\":%.17g,\"val_loss\":%.17g,\"seed\":%lld,"
            "\"autocast\":\"%s\",\"kiln\":\"%s\"}\n",
-           dname, (long long)step, (long long)start, batch, (long long)cfg.block_size, (long long)cfg.n_layer,
+           dname, (long long)step, (long long)start, batch, block, (long long)cfg.n_layer,
            (long long)cfg.n_head, (long long)cfg.n_embd, (long long)kiln_module_num_params(model), train_s,
-           train_s > 0 ? (double)(trained * batch * cfg.block_size) / train_s : 0.0, train_loss, val_loss, seed,
+           train_s > 0 ? (double)(trained * batch * block) / train_s : 0.0, train_loss, val_loss, seed,
            amp ? amp : "off", kiln_version());
   fflush(stdout);
   kiln_fallback_report(stderr);

@@ -6,13 +6,19 @@
 ** bytes, the same for the same seed (--greedy: for any seed), past the context too;
 ** --checkpoint-activations (and --checkpoint-keep products) trains to the same losses;
 ** --autocast bf16 to nearly the same; --tokenizer trains on BPE tokens and
-** the checkpoint samples with that tokenizer; a gzip corpus reads like a plain one; bad input (an
-** empty prompt, no checkpoint, a text shorter than the windows) is refused with a message.
+** the checkpoint samples with that tokenizer; --from-hf fine-tunes a Hugging Face GPT-2
+** directory (made here), starting from its weights; a gzip corpus reads like a plain one;
+** bad input (an empty prompt, no checkpoint, a text shorter than the windows, a --from-hf
+** directory without config.json, a window past the model's context, a tokenizer of
+** another vocabulary) is refused with a message.
 */
 #define _POSIX_C_SOURCE 200809L
 #include <kiln.h>
+#include <kiln_checkpoint.h>
+#include <kiln_nn.h>
 
 #include <dirent.h>
+#include <math.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,6 +36,36 @@ static void write_text(const char *name, int lines) {
             (const char *[]){"os", "sys", "json", "re"}[i % 4],
             (const char *[]){"the file is empty", "a thread exits", "the path is long"}[i % 3]);
   fclose(f);
+}
+
+/* A Hugging Face GPT-2 directory dir (in the scratch directory): a 1-layer GPT over
+** vocab tokens saved by kiln_gpt_save_hf, and the fixture tokenizer's vocab.json and
+** merges.txt. The model is returned (the caller frees it); NULL on failure. */
+static kiln_module *make_hf_dir(const char *dir, int64_t vocab, const char *src) {
+  char p[512], q[1100];
+  snprintf(p, sizeof p, "%s/%s", cr_tmpdir(), dir);
+  kiln_gpt_config c = kiln_gpt2_config();
+  c.n_layer = 1, c.n_head = 2, c.n_embd = 16, c.vocab_size = vocab, c.block_size = 32;
+  kiln_generator *g = kiln_generator_new(3);
+  kiln_module *m = kiln_gpt_new(&c, KILN_F32, kiln_device_cpu(), g);
+  kiln_generator_free(g);
+  bool ok = m && kiln_gpt_save_hf(m, p) == KILN_OK;
+  const char *files[2] = {"vocab.json", "merges.txt"};
+  for (int i = 0; i < 2 && ok; i++) {
+    snprintf(q, sizeof q, "%s/tests/fixtures/tokenizer/%s", src, files[i]);
+    char *text = cr_slurp(q);
+    snprintf(q, sizeof q, "%s/%s", p, files[i]);
+    FILE *f = text ? fopen(q, "wb") : NULL;
+    ok = f && fputs(text, f) >= 0;
+    if (f) ok = fclose(f) == 0 && ok;
+    free(text);
+  }
+  if (!ok) {
+    fprintf(stderr, "making %s: %s\n", p, kiln_last_error_message());
+    kiln_module_free(m);
+    return NULL;
+  }
+  return m;
 }
 
 static bool dir_has_file(const char *name) {
@@ -165,6 +201,68 @@ int main(void) {
     CR_CHECK(r.status == 0 && !strcmp(r.out, bpe_first), "BPE same seed, other text: '%s' vs '%s'", r.out, bpe_first);
     cr_free(&r);
   }
+  /* --from-hf: the directory's model and tokenizer; with --lr 1e-9 the checkpoint's weights
+  ** are the directory's within 1e-6 (the run started from them: a new model's differ by
+  ** ~0.02) */
+  if (src) {
+    kiln_module *hf = make_hf_dir("hf", 4096, src);
+    CR_CHECK(hf != NULL, "no Hugging Face directory to fine-tune");
+    r = cr_run(NULL, "gpt", "--data news.txt --from-hf hf --steps 2 --eval-every 2 --eval-iters 2 --batch 4 --block 16 "
+                            "--lr 1e-9 --checkpoint hf.ckpt --json --quiet --device cpu --n-layer 3");
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "n_layer") == 1 && cr_json_num(r.out, "n_embd") == 16 &&
+                 cr_json_num(r.out, "block") == 16,
+             "--from-hf training: %d %s %s", r.status, r.out, r.err);
+    CR_CHECK(strstr(r.err, "--n-layer, --n-head and --n-embd are ignored"), "no note on the shape flags: %s", r.err);
+    double fl = cr_json_num(r.out, "val_loss");
+    CR_CHECK(fl > 6 && fl < 10, "--from-hf val loss %g (a random model: about ln 4096 = 8.3)", fl);
+    cr_free(&r);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/hf.ckpt", cr_tmpdir());
+    kiln_gpt_config c = *kiln_gpt_config_of(hf);
+    kiln_module *back = kiln_gpt_new(&c, KILN_F32, kiln_device_cpu(), NULL);
+    CR_CHECK(back && kiln_checkpoint_load(path, back, NULL, NULL, NULL, NULL, NULL, NULL) == KILN_OK,
+             "reading the fine-tuned checkpoint: %s", kiln_last_error_message());
+    kiln_tensor *pa[64], *pb[64];
+    int na = hf && back ? kiln_module_parameters(hf, pa, 64) : -1, nb = back ? kiln_module_parameters(back, pb, 64) : -2;
+    double worst = na == nb && na > 0 ? 0 : INFINITY;
+    for (int i = 0; worst < 1e-6 && i < na; i++) {
+      int64_t n = kiln_numel(pa[i]);
+      float *x = malloc(sizeof(float) * (size_t)(n + 1)), *y = malloc(sizeof(float) * (size_t)(n + 1));
+      if (!x || !y || kiln_numel(pb[i]) != n || kiln_to_host(pa[i], x, sizeof(float) * (size_t)n) != KILN_OK ||
+          kiln_to_host(pb[i], y, sizeof(float) * (size_t)n) != KILN_OK)
+        worst = INFINITY;
+      for (int64_t k = 0; k < n && worst < 1e-6; k++)
+        if (fabs((double)x[k] - (double)y[k]) > worst) worst = fabs((double)x[k] - (double)y[k]);
+      free(x), free(y);
+    }
+    CR_CHECK(worst < 1e-6, "--from-hf with --lr 1e-9: the checkpoint's %d parameters are %g from the directory's %d",
+             nb, worst, na);
+    kiln_module_free(back);
+    kiln_module_free(hf);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 8 --checkpoint hf.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strncmp(r.out, "Fix a crash", 11), "--from-hf generate: %d '%s' %s", r.status, r.out,
+             r.err);
+    cr_free(&r);
+    /* its window (16) comes back with --resume, not the model's context (32) */
+    r = cr_run(NULL, "gpt", "--data news.txt --resume --steps 3 --eval-every 3 --eval-iters 2 --batch 4 "
+                            "--checkpoint hf.ckpt --json --quiet --device cpu");
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "block") == 16 && cr_json_num(r.out, "steps") == 3,
+             "--from-hf resumed: %d %s %s", r.status, r.out, r.err);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--data news.txt --from-hf hf --block 64 --steps 2 --checkpoint c.ckpt --quiet --device cpu");
+    CR_CHECK(r.status == 2 && strstr(r.err, "longer than the model's context, 32"), "--from-hf long block: %d %s",
+             r.status, r.err);
+    cr_free(&r);
+    kiln_module_free(make_hf_dir("hf100", 100, src)); /* the fixture tokenizer has 4096 tokens */
+    r = cr_run(NULL, "gpt", "--data news.txt --from-hf hf100 --steps 2 --checkpoint c.ckpt --quiet --device cpu");
+    CR_CHECK(r.status == 2 && strstr(r.err, "vocabulary is 100 tokens, the tokenizer's 4096"),
+             "--from-hf tokenizer of another vocabulary: %d %s", r.status, r.err);
+    cr_free(&r);
+  }
+  r = cr_run(NULL, "gpt", "--data news.txt --from-hf no-such-dir --steps 2 --checkpoint c.ckpt --quiet --device cpu");
+  CR_CHECK(r.status == 2 && strstr(r.err, "no-such-dir/config.json"), "--from-hf without a directory: %d %s",
+           r.status, r.err);
+  cr_free(&r);
   r = cr_run(NULL, "gpt", "--data news.txt --tokenizer no-such-dir --steps 2 --checkpoint c.ckpt " TINY);
   CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json"), "missing tokenizer: %d %s", r.status, r.err);
   cr_free(&r);

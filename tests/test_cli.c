@@ -225,6 +225,17 @@ static void test_info(void) {
 #endif
   cr_free(&r);
 
+  /* A directory means its model.safetensors (a Hugging Face directory); one without says so. */
+  snprintf(args, sizeof args, "info '%s'", cr_tmpdir());
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0 && strstr(r.out, "/model.safetensors\n") && strstr(r.out, "2 tensors, 10 parameters"),
+           "info on a directory: %d %s %s", r.status, r.out, r.err);
+  cr_free(&r);
+  r = cr_run(NULL, "kiln", "info /");
+  CR_CHECK(r.status == 1 && strstr(r.err, "a directory without a model.safetensors"), "info on /: %d %s", r.status,
+           r.err);
+  cr_free(&r);
+
   /* Garbage, a truncated copy, a missing file: non-zero exit and a message. */
   write_bytes(bad, "this is not a safetensors file at all", 37);
   char *whole = cr_slurp(path);

@@ -2,10 +2,12 @@
 ** kiln info FILE: the tensors of a safetensors file (name, dtype, shape, bytes), its
 ** metadata and totals. The header is read and validated by kiln_safetensors_open (a corrupt
 ** one is reported with its message, naming the byte offset); the tensors' bytes are not
-** read, so a file of many gigabytes lists at once.
+** read, so a file of many gigabytes lists at once. A directory stands for its
+** model.safetensors (a Hugging Face save_pretrained directory).
 */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <kiln.h>
 #include <kiln_io.h>
@@ -14,9 +16,10 @@
 #include "cli.h"
 
 static void info_usage(FILE *f) {
-  fprintf(f, "usage: kiln info FILE [--json]\n"
+  fprintf(f, "usage: kiln info FILE|DIR [--json]\n"
              "  Lists the tensors (name, dtype, shape, bytes) and metadata of a safetensors\n"
-             "  file, with totals. --json prints one JSON object on stdout.\n");
+             "  file, with totals, from its header (the tensors are not read). A directory\n"
+             "  means its model.safetensors. --json prints one JSON object on stdout.\n");
 }
 
 /* Tensor i's entry: name, dtype, dims into shape, elements and bytes. */
@@ -59,6 +62,18 @@ int cli_info(int argc, char **argv) {
     fprintf(stderr, "kiln info: missing FILE\n");
     info_usage(stderr);
     return 2;
+  }
+  struct stat st;
+  char in_dir[4096];
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) { /* a model directory: its model.safetensors */
+    snprintf(in_dir, sizeof in_dir, "%s/model.safetensors", path);
+    if (stat(in_dir, &st) != 0) {
+      fputs("kiln info: '", stderr);
+      cli_write_safe(stderr, path);
+      fputs("' is a directory without a model.safetensors (give a .safetensors file)\n", stderr);
+      return 1;
+    }
+    path = in_dir;
   }
   kiln_safetensors *f = kiln_safetensors_open(path);
   if (!f) {

@@ -1,5 +1,5 @@
 /*
-** kiln — the command-line tool: `kiln doctor`, `kiln info FILE`, `kiln plot LOGDIR`.
+** kiln — the command-line tool: `kiln doctor`, `kiln info FILE|DIR`, `kiln plot LOGDIR`.
 ** Exit codes: 0 success, 1 the command ran and failed, 2 a usage error.
 */
 #include <stdio.h>
@@ -16,7 +16,7 @@ static void usage(FILE *f) {
           "commands:\n"
           "  doctor [--json]        check the build, the backends and the devices; run a smoke test\n"
           "  doctor --switches      list the tuning switches (KILN_ATTENTION, ...) and their values\n"
-          "  info FILE [--json]     list the tensors and metadata of a safetensors file\n"
+          "  info FILE|DIR [--json] list the tensors and metadata of a safetensors file\n"
           "  plot LOGDIR [--out F]  draw the TensorBoard scalars of LOGDIR to F (.png, .svg)\n"
           "\n"
           "options:\n"

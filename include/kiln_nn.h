@@ -474,13 +474,17 @@ KILN_API kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt);
 ** scale_attn_by_inverse_layer_idx). */
 KILN_API kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg);
 /* A new GPT from a HF checkpoint: path is a directory (its config.json and
-** model.safetensors) or a .safetensors file (config.json beside it). cfg non-NULL is used
-** instead of config.json. The model is built with dt on dev and loaded as
-** kiln_gpt_load_hf loads a dict, with the same checks, from the file opened with
-** kiln_safetensors_open and read a tensor at a time (the file is never whole in host
-** memory; the global generator is not drawn from). NULL with the error of
+** model.safetensors, or a sharded model.safetensors.index.json and the shards its
+** "weight_map" names, as save_pretrained writes a large model) or a .safetensors file
+** (config.json beside it). cfg non-NULL is used instead of config.json. The model is built
+** with dt on dev and loaded as kiln_gpt_load_hf loads a dict, with the same checks, from
+** the files opened with kiln_safetensors_open and read a tensor at a time (no file is ever
+** whole in host memory; the global generator is not drawn from). NULL with the error of
 ** kiln_gpt_hf_config, kiln_safetensors_open or _read, or kiln_gpt_load_hf's (prefixed by
-** the file). */
+** the file); a sharded index is refused by name (KILN_ERR_FORMAT) when it puts a tensor in
+** a shard that does not hold it, names a shard by a path rather than a file name of the
+** directory, or when two shards hold one tensor; KILN_ERR_IO when the directory has
+** neither file. */
 KILN_API kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln_dtype dt,
                                        kiln_device dev);
 /* Writes dir/model.safetensors (kiln_gpt_hf_state_dict) and dir/config.json, as

@@ -165,6 +165,90 @@ static void test_variants(kiln_dict *ref, kiln_dict *hf) {
 
 /* Checkpoints of another size and other bad input: the error names the key, both shapes
 ** or both sizes; the model keeps its values. */
+/* Writes text to dir/name. */
+static void put_text(const char *dir, const char *name, const char *text) {
+  char p[600];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE *f = fopen(p, "wb");
+  if (f) {
+    fputs(text, f);
+    fclose(f);
+  }
+}
+
+/* A sharded checkpoint (model.safetensors.index.json and two shards, as save_pretrained
+** writes a large model): the same model as the single file; an index that puts a tensor
+** in the wrong shard, names a path instead of a file, or two shards holding one tensor are
+** refused by name. */
+static void test_sharded(kiln_dict *ref, kiln_dict *hf) {
+  char dir[256], cfg[4200];
+  if (scratch_begin(dir, sizeof dir, "gpt_hf_shards") != 0) {
+    CHECK(0);
+    return;
+  }
+  snprintf(cfg, sizeof cfg, "%s/config.json", fix);
+  FILE *f = fopen(cfg, "rb");
+  char text[4096] = {0};
+  size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
+  if (f) fclose(f);
+  CHECK(n > 0);
+  put_text(dir, "config.json", text);
+  kiln_dict *a = kiln_dict_new(), *b = kiln_dict_new();
+  char *map = malloc(65536);
+  size_t len = (size_t)snprintf(map, 65536, "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {");
+  const int N = kiln_dict_size(hf);
+  for (int i = 0; i < N; i++) {
+    kiln_dict_set(i < N / 2 ? a : b, kiln_dict_key(hf, i), kiln_dict_value(hf, i));
+    len += (size_t)snprintf(map + len, 65536 - len, "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
+                            kiln_dict_key(hf, i), i < N / 2 ? 1 : 2);
+  }
+  snprintf(map + len, 65536 - len, "}}");
+  char path[600];
+  snprintf(path, sizeof path, "%s/model-00001-of-00002.safetensors", dir);
+  CHECK(kiln_safetensors_save(path, a) == KILN_OK);
+  snprintf(path, sizeof path, "%s/model-00002-of-00002.safetensors", dir);
+  CHECK(kiln_safetensors_save(path, b) == KILN_OK);
+  put_text(dir, "model.safetensors.index.json", map);
+  kiln_scope_begin();
+  kiln_tensor *ids = kiln_dict_get(ref, "ids");
+  kiln_module *m = kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu), *one = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
+  CHECK(m && one && bits_equal(logits_of(m, ids), logits_of(one, ids)));
+  kiln_module_free(m);
+  kiln_module_free(one);
+  kiln_scope_end();
+  /* the wrong shard for the first tensor: the index names the tensor and the file */
+  char *bad = strdup(map), *first = strstr(bad, "model-00001");
+  first[10] = '2';
+  put_text(dir, "model.safetensors.index.json", bad);
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        msg_has(kiln_dict_key(hf, 0)) && msg_has("which does not hold it") && msg_has("index.json"));
+  free(bad);
+  bad = strdup(map);
+  first = strstr(bad, "model-00001");
+  memcpy(first, "../../x", 7);
+  put_text(dir, "model.safetensors.index.json", bad);
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        msg_has("is not a file name in the directory"));
+  free(bad);
+  /* a tensor in both shards */
+  kiln_dict_set(b, kiln_dict_key(hf, 0), kiln_dict_value(hf, 0));
+  CHECK(kiln_safetensors_save(path, b) == KILN_OK);
+  put_text(dir, "model.safetensors.index.json", map);
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        msg_has("which an earlier shard holds too"));
+  put_text(dir, "model.safetensors.index.json", "{\"metadata\": {}}");
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        msg_has("no \"weight_map\""));
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  remove(path);
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_IO &&
+        msg_has("neither model.safetensors nor model.safetensors.index.json"));
+  free(map);
+  kiln_dict_free(a);
+  kiln_dict_free(b);
+  scratch_end(dir);
+}
+
 static void test_bad_input(kiln_dict *hf) {
   kiln_scope_begin();
   kiln_gpt_config c = fixture_cfg();
@@ -341,6 +425,7 @@ int main(void) {
   test_parity(ref);
   test_save_roundtrip(ref, hf);
   test_variants(ref, hf);
+  test_sharded(ref, hf);
   test_bad_input(hf);
   test_config();
   kiln_dict_free(ref);

@@ -70,7 +70,9 @@ int cli_info(int argc, char **argv) {
     if (stat(in_dir, &st) != 0) {
       fputs("kiln info: '", stderr);
       cli_write_safe(stderr, path);
-      fputs("' is a directory without a model.safetensors (give a .safetensors file)\n", stderr);
+      fputs("' is a directory without a model.safetensors (give a .safetensors file: a sharded\n"
+            "  checkpoint's shards are listed one by one, their names in model.safetensors.index.json)\n",
+            stderr);
       return 1;
     }
     path = in_dir;

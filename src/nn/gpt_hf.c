@@ -10,6 +10,7 @@
 **   attention buffers attn.bias (the causal mask) and attn.masked_bias; kiln has none.
 ** Everything else (LayerNorm eps 1e-5, GELU tanh approximation "gelu_new", q k v in that
 ** order along c_attn's output, scaled attention) is the same model. */
+#define _POSIX_C_SOURCE 200809L /* strdup */
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
@@ -65,17 +66,36 @@ static int gpt_params(kiln_module *gpt, const char ***names, kiln_tensor ***ts, 
   return n;
 }
 
-/* Where the HF tensors come from: a dict in memory (kiln_gpt_load_hf), or a safetensors
-** file read a tensor at a time (kiln_gpt_from_hf: the file is never whole in memory). */
+/* Where the HF tensors come from: a dict in memory (kiln_gpt_load_hf), or safetensors files
+** read a tensor at a time (kiln_gpt_from_hf: model.safetensors, or the shards a
+** model.safetensors.index.json lists; no file is ever whole in memory). */
 typedef struct hf_src {
   const kiln_dict *dict;
-  kiln_safetensors *file;
+  kiln_safetensors **files;
+  char **paths; /* each file's */
+  int n_files;
 } hf_src;
 
-static int src_count(const hf_src *s) { return s->dict ? kiln_dict_size(s->dict) : kiln_safetensors_count(s->file); }
+static int src_count(const hf_src *s) {
+  if (s->dict) return kiln_dict_size(s->dict);
+  int n = 0;
+  for (int f = 0; f < s->n_files; f++) n += kiln_safetensors_count(s->files[f]);
+  return n;
+}
 
+/* Entry i: the files' tensors one file after another. */
 static const char *src_key(const hf_src *s, int i) {
-  return s->dict ? kiln_dict_key(s->dict, i) : kiln_safetensors_name(s->file, i);
+  if (s->dict) return kiln_dict_key(s->dict, i);
+  for (int f = 0; f < s->n_files; i -= kiln_safetensors_count(s->files[f++]))
+    if (i < kiln_safetensors_count(s->files[f])) return kiln_safetensors_name(s->files[f], i);
+  return NULL;
+}
+
+/* The file holding name (its index in *at), or NULL. */
+static kiln_safetensors *src_file(const hf_src *s, const char *name, int *at) {
+  for (int f = 0; f < s->n_files; f++)
+    if ((*at = kiln_safetensors_find(s->files[f], name)) >= 0) return s->files[f];
+  return NULL;
 }
 
 /* name's dtype and shape (*ndim dims); false when absent. */
@@ -88,23 +108,128 @@ static bool src_info(const hf_src *s, const char *name, kiln_dtype *dt, int *ndi
     memcpy(shape, kiln_shape(t), sizeof(int64_t) * (size_t)*ndim);
     return true;
   }
-  int i = kiln_safetensors_find(s->file, name);
-  return i >= 0 && (*ndim = kiln_safetensors_info(s->file, i, dt, shape)) >= 0;
+  int i;
+  kiln_safetensors *f = src_file(s, name, &i);
+  return f && (*ndim = kiln_safetensors_info(f, i, dt, shape)) >= 0;
 }
 
-/* name's values: the dict's own tensor (on its device), or read from the file onto the CPU
+/* name's values: the dict's own tensor (on its device), or read from its file onto the CPU
 ** into the current scope; NULL with the error set (absent: KILN_ERR_INTERNAL, the checks
 ** come first). */
 static kiln_tensor *src_get(const hf_src *s, const char *name) {
-  if (s->file) {
-    int i = kiln_safetensors_find(s->file, name);
-    if (i >= 0) return kiln_safetensors_read(s->file, i, kiln_device_cpu());
+  if (!s->dict) {
+    int i;
+    kiln_safetensors *f = src_file(s, name, &i);
+    if (f) return kiln_safetensors_read(f, i, kiln_device_cpu());
   } else {
     kiln_tensor *t = kiln_dict_get(s->dict, name);
     if (t) return t;
   }
   kiln_set_error(KILN_ERR_INTERNAL, "kiln_gpt_load_hf: %s vanished after the checks", name);
   return NULL;
+}
+
+static void src_close(hf_src *s) {
+  for (int f = 0; f < s->n_files; f++) {
+    kiln_safetensors_close(s->files[f]);
+    free(s->paths[f]);
+  }
+  free(s->files);
+  free(s->paths);
+  *s = (hf_src){0};
+}
+
+/* The index of the file opened from path, or -1. */
+static int src_opened(const hf_src *s, const char *path) {
+  for (int f = 0; f < s->n_files; f++)
+    if (!strcmp(s->paths[f], path)) return f;
+  return -1;
+}
+
+/* Opens path into s (one more file); its tensors may not be in a file opened before. */
+static kiln_status src_open(hf_src *s, const char *path, const char *who) {
+  kiln_safetensors **grown = realloc(s->files, sizeof *grown * (size_t)(s->n_files + 1));
+  if (grown) s->files = grown;
+  char **pgrown = grown ? realloc(s->paths, sizeof *pgrown * (size_t)(s->n_files + 1)) : NULL;
+  if (pgrown) s->paths = pgrown;
+  char *copy = pgrown ? strdup(path) : NULL;
+  if (!copy) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  kiln_safetensors *f = kiln_safetensors_open(path);
+  if (!f) {
+    free(copy);
+    return kiln_last_error();
+  }
+  for (int i = 0; i < kiln_safetensors_count(f); i++) {
+    int at;
+    if (src_file(s, kiln_safetensors_name(f, i), &at)) {
+      kiln_status st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s holds %s, which an earlier shard holds too", who, path,
+                                      kiln_safetensors_name(f, i));
+      kiln_safetensors_close(f);
+      free(copy);
+      return st;
+    }
+  }
+  s->paths[s->n_files] = copy;
+  s->files[s->n_files++] = f;
+  return KILN_OK;
+}
+
+/* A sharded checkpoint: dir/model.safetensors.index.json's "weight_map" (tensor name ->
+** shard file in dir), each shard opened once, in the order the map first names it; every
+** name the map gives must be in its shard. Shard names are plain file names (no '/'). */
+static kiln_status src_open_index(hf_src *s, const char *dir, const char *index, const char *who) {
+  size_t n;
+  char *text = kiln__read_regular(who, index, &n);
+  if (!text) return kiln_last_error();
+  kiln__jreader jr;
+  kiln__jr_init(&jr, who, index, text, n);
+  kiln_status st = KILN_OK;
+  char path[4096];
+  int first = 1, r = -1, seen_map = 0;
+  if (kiln__jr_object_begin(&jr))
+    while (st == KILN_OK && (r = kiln__jr_member(&jr, &first)) == 1) {
+      if (strcmp(jr.buf, "weight_map") != 0) {
+        if (!kiln__jr_skip(&jr)) r = -1;
+        if (r < 0) break;
+        continue;
+      }
+      seen_map = 1;
+      if (kiln__jr_peek(&jr) != '{') {
+        st = kiln__jr_fail_at(&jr, jr.pos, "\"weight_map\" is not an object of tensor name to shard file");
+        break;
+      }
+      kiln__jr_object_begin(&jr);
+      int f2 = 1, r2;
+      while (st == KILN_OK && (r2 = kiln__jr_member(&jr, &f2)) == 1) {
+        char *name = strdup(jr.buf);
+        size_t at = jr.pos;
+        if (!name) {
+          st = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+          break;
+        }
+        if (kiln__jr_peek(&jr) != '"' || !kiln__jr_string(&jr)) {
+          st = kiln_last_error() != KILN_OK && jr.failed ? kiln_last_error()
+                                                        : kiln__jr_fail_at(&jr, at, "the shard of %s is not a string", name);
+        } else if (!jr.buf[0] || strchr(jr.buf, '/') || !strcmp(jr.buf, "..")) {
+          st = kiln__jr_fail_at(&jr, at, "the shard of %s, '%s', is not a file name in the directory", name, jr.buf);
+        } else {
+          snprintf(path, sizeof path, "%s/%s", dir, jr.buf);
+          int f = src_opened(s, path);
+          if (f < 0 && (st = src_open(s, path, who)) == KILN_OK) f = s->n_files - 1;
+          if (st == KILN_OK && kiln_safetensors_find(s->files[f], name) < 0)
+            st = kiln__jr_fail_at(&jr, at, "the index puts %s in %s, which does not hold it", name, jr.buf);
+        }
+        free(name);
+      }
+      if (st == KILN_OK && r2 < 0) st = kiln_last_error();
+    }
+  if (st == KILN_OK && r < 0) st = kiln_last_error();
+  if (st == KILN_OK && r == 0) st = kiln__jr_end(&jr);
+  if (st == KILN_OK && (!seen_map || s->n_files == 0))
+    st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s has no \"weight_map\" naming a shard", who, index);
+  kiln__jr_release(&jr);
+  free(text);
+  return st;
 }
 
 /* "n_layer 3, n_embd 64, vocab_size 100, n_positions 32" of a HF state, read from the
@@ -415,19 +540,20 @@ kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg) {
   return KILN_OK;
 }
 
-/* path is a directory (config.json, model.safetensors in it) or a .safetensors file
-** (config.json beside it). */
-static void hf_paths(const char *path, char *weights, char *config, size_t n) {
+/* path is a directory (config.json, model.safetensors or model.safetensors.index.json in it)
+** or a .safetensors file (config.json beside it). */
+static bool hf_paths(const char *path, char *weights, char *config, size_t n) {
   struct stat sb;
   if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
     snprintf(weights, n, "%s/model.safetensors", path);
     snprintf(config, n, "%s/config.json", path);
-    return;
+    return true;
   }
   snprintf(weights, n, "%s", path);
   const char *slash = strrchr(path, '/');
   if (slash) snprintf(config, n, "%.*s/config.json", (int)(slash - path), path);
   else snprintf(config, n, "config.json");
+  return false;
 }
 
 kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev) {
@@ -437,17 +563,29 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
     return NULL;
   }
   char weights[4096], config[4096];
-  hf_paths(path, weights, config, sizeof weights);
+  const bool is_dir = hf_paths(path, weights, config, sizeof weights);
   kiln_gpt_config c;
   if (cfg) c = *cfg;
   else if (kiln_gpt_hf_config(config, &c) != KILN_OK) return NULL;
-  kiln_safetensors *hf = kiln_safetensors_open(weights);
-  if (!hf) return NULL;
+  hf_src src = {0};
+  struct stat sb;
+  kiln_status st;
+  if (is_dir && stat(weights, &sb) != 0) { /* no model.safetensors: a sharded checkpoint? */
+    snprintf(weights, sizeof weights, "%s/model.safetensors.index.json", path);
+    st = stat(weights, &sb) == 0 ? src_open_index(&src, path, weights, who)
+                                 : kiln_set_error(KILN_ERR_IO, "%s: %s has neither model.safetensors nor "
+                                                               "model.safetensors.index.json", who, path);
+  } else {
+    st = src_open(&src, weights, who);
+  }
+  if (st != KILN_OK) {
+    src_close(&src);
+    return NULL;
+  }
   /* The initial draws are thrown away: a private generator leaves the global one alone. */
   kiln_generator *gen = kiln_generator_new(0);
   kiln_module *m = gen ? kiln_gpt_new(&c, dt, dev, gen) : NULL;
   kiln_generator_free(gen);
-  hf_src src = {.file = hf};
   if (m && load_hf(m, &src, "kiln_gpt_load_hf") != KILN_OK) {
     char msg[1024];
     kiln_status code = kiln_last_error();
@@ -456,7 +594,7 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
     kiln_module_free(m);
     m = NULL;
   }
-  kiln_safetensors_close(hf);
+  src_close(&src);
   return m;
 }
 

@@ -33,7 +33,7 @@ MAKEFLAGS += --no-print-directory
 FUZZ_DIR   ?= build-fuzz
 FUZZ_TIME  ?= 60
 FUZZ_JOBS  ?= $(JOBS)
-FUZZ_TARGETS ?= safetensors npy idx idx_gz csv checkpoint tokenizer tokenizer_json gpt_config tfevents
+FUZZ_TARGETS ?= safetensors npy idx idx_gz csv checkpoint tokenizer tokenizer_json gpt_config tfevents hf_index
 FUZZ_CC    ?= clang
 
 .PHONY: all deps configure build run test install asan valgrind clean ops-doc fuzz fuzz-build

@@ -17,6 +17,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "fuzz_targets.h"
+
 #include "../fixture.h"
 
 static char g_dir[1024];
@@ -272,6 +274,35 @@ static void seeds_gpt_config(void) {
   put("gpt_config", "seed-gpt2", -1, gpt2, sizeof gpt2 - 1);
 }
 
+/* hf_index: the index of the target's two shards (fuzz_targets.h), as save_pretrained
+** writes it (metadata first, one line a tensor), and the same map on one line. */
+static void seeds_hf_index(void) {
+  kiln_gpt_config c = kiln_fuzz_hf_config();
+  kiln_module *m = kiln_gpt_new(&c, KILN_F32, kiln_device_cpu(), NULL);
+  kiln_dict *d = m ? kiln_gpt_hf_state_dict(m) : NULL;
+  int n = d ? kiln_dict_size(d) : 0;
+  char pretty[8192], flat[8192];
+  size_t lp = (size_t)snprintf(pretty, sizeof pretty, "{\n  \"metadata\": {\n    \"total_size\": 1\n  },\n  \"weight_map\": {\n");
+  size_t lf = (size_t)snprintf(flat, sizeof flat, "{\"weight_map\":{");
+  for (int i = 0; i < n && lp < sizeof pretty && lf < sizeof flat; i++) {
+    const char *shard = i < n / 2 ? KILN_FUZZ_HF_SHARD_A : KILN_FUZZ_HF_SHARD_B;
+    lp += (size_t)snprintf(pretty + lp, sizeof pretty - lp, "    \"%s\": \"%s\"%s\n", kiln_dict_key(d, i), shard,
+                           i + 1 < n ? "," : "");
+    lf += (size_t)snprintf(flat + lf, sizeof flat - lf, "%s\"%s\":\"%s\"", i ? "," : "", kiln_dict_key(d, i), shard);
+  }
+  if (!d || lp + 8 >= sizeof pretty || lf + 8 >= sizeof flat) {
+    fprintf(stderr, "fuzz-seeds: hf_index: %s\n", d ? "the index does not fit" : kiln_last_error_message());
+    g_fail = 1;
+  } else {
+    lp += (size_t)snprintf(pretty + lp, sizeof pretty - lp, "  }\n}\n");
+    lf += (size_t)snprintf(flat + lf, sizeof flat - lf, "}}");
+    put("hf_index", "seed-pretty", -1, pretty, lp);
+    put("hf_index", "seed-flat", -1, flat, lf);
+  }
+  kiln_dict_free(d);
+  kiln_module_free(m);
+}
+
 /* An event file kiln's writer made: as it is (first byte odd) and as its records, each a
 ** 2-byte length and the Event, for the target to frame (even). */
 static void seeds_tfevents(void) {
@@ -330,6 +361,7 @@ int main(int argc, char **argv) {
   seeds_checkpoint(tmp);
   seeds_tokenizer();
   seeds_gpt_config();
+  seeds_hf_index();
   seeds_tfevents();
   kiln_scope_end();
   return g_fail;

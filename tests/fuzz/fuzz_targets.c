@@ -9,17 +9,19 @@
 #include <kiln_nn.h>
 #include <kiln_optim.h>
 #include <kiln_text.h>
+#include <errno.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
 const char *const kiln_fuzz_target_names[] = {"safetensors", "npy",       "idx",      "idx_gz",
                                               "csv",         "checkpoint", "tokenizer", "tokenizer_json",
-                                              "gpt_config",  "tfevents",   NULL};
+                                              "gpt_config",  "tfevents",   "hf_index",  NULL};
 
 /* One scratch file per process, in memory when /dev/shm is there. */
 static const char *scratch_path(void) {
@@ -187,6 +189,54 @@ static int run_gpt_config(const char *path) {
     fprintf(stderr, "fuzz gpt_config: accepted n_layer %lld n_head %lld n_embd %lld vocab %lld block %lld dropout %g\n",
             (long long)c.n_layer, (long long)c.n_head, (long long)c.n_embd, (long long)c.vocab_size,
             (long long)c.block_size, c.dropout);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- hf_index: a sharded Hugging Face checkpoint's model.safetensors.index.json --------
+** A directory made once a process holds kiln_fuzz_hf_config's GPT in two shards (fuzz_targets.h);
+** each input is its index. kiln_gpt_from_hf loads the model or refuses the index with one of
+** the errors it documents; no tensor outlives the call (kiln_fuzz_run checks). */
+static char hf_dir[192];
+
+static int hf_setup(void) {
+  if (hf_dir[0]) return 0;
+  snprintf(hf_dir, sizeof hf_dir, "%s.hf", scratch_path());
+  if (mkdir(hf_dir, 0700) != 0 && errno != EEXIST) return -1;
+  kiln_gpt_config c = kiln_fuzz_hf_config();
+  kiln_generator *g = kiln_generator_new(1);
+  kiln_module *m = kiln_gpt_new(&c, KILN_F32, kiln_device_cpu(), g);
+  kiln_dict *d = m ? kiln_gpt_hf_state_dict(m) : NULL, *a = kiln_dict_new(), *b = kiln_dict_new();
+  int n = d ? kiln_dict_size(d) : 0, rc = d && a && b ? 0 : -1;
+  for (int i = 0; i < n && rc == 0; i++)
+    if (kiln_dict_set(i < n / 2 ? a : b, kiln_dict_key(d, i), kiln_dict_value(d, i)) != KILN_OK) rc = -1;
+  char path[256];
+  snprintf(path, sizeof path, "%s/" KILN_FUZZ_HF_SHARD_A, hf_dir);
+  if (rc == 0 && kiln_safetensors_save(path, a) != KILN_OK) rc = -1;
+  snprintf(path, sizeof path, "%s/" KILN_FUZZ_HF_SHARD_B, hf_dir);
+  if (rc == 0 && kiln_safetensors_save(path, b) != KILN_OK) rc = -1;
+  if (rc) fprintf(stderr, "fuzz hf_index: cannot make the shards in %s: %s\n", hf_dir, kiln_last_error_message());
+  kiln_dict_free(a);
+  kiln_dict_free(b);
+  kiln_dict_free(d);
+  kiln_module_free(m);
+  kiln_generator_free(g);
+  return rc;
+}
+
+static int run_hf_index(const uint8_t *data, size_t size) {
+  if (hf_setup() != 0) return -1;
+  char path[256];
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", hf_dir);
+  if (write_file(path, data, size)) return 0;
+  kiln_gpt_config c = kiln_fuzz_hf_config();
+  kiln_module *m = kiln_gpt_from_hf(hf_dir, &c, KILN_F32, kiln_device_cpu());
+  kiln_status st = m ? KILN_OK : kiln_last_error();
+  kiln_module_free(m);
+  if (st != KILN_OK && st != KILN_ERR_FORMAT && st != KILN_ERR_IO && st != KILN_ERR_OOM && st != KILN_ERR_SHAPE &&
+      st != KILN_ERR_DTYPE) {
+    fprintf(stderr, "fuzz hf_index: %s (%s)\n", kiln_last_error_message(), kiln_error_name(st));
     return -1;
   }
   return 0;
@@ -404,6 +454,8 @@ int kiln_fuzz_run(const char *name, const uint8_t *data, size_t size) {
   } else if (!strcmp(name, "gpt_config")) {
     if (write_file(path, data, size)) return 0;
     rc = run_gpt_config(path);
+  } else if (!strcmp(name, "hf_index")) {
+    rc = run_hf_index(data, size);
   } else if (!strcmp(name, "tfevents")) {
     /* odd first byte: the rest is the file as it is (its framing and CRCs); even: records
     ** framed here */

@@ -236,6 +236,9 @@ static void test_sharded(kiln_dict *ref, kiln_dict *hf) {
   put_text(dir, "model.safetensors.index.json", map);
   CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
         msg_has("which an earlier shard holds too"));
+  put_text(dir, "model.safetensors.index.json", "{\"weight_map\": {}, \"weight_map\": {}}");
+  CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
+        msg_has("\"weight_map\" twice"));
   put_text(dir, "model.safetensors.index.json", "{\"metadata\": {}}");
   CHECK(kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu) == NULL && kiln_last_error() == KILN_ERR_FORMAT &&
         msg_has("no \"weight_map\""));

@@ -188,10 +188,16 @@ static kiln_status src_open_index(hf_src *s, const char *dir, const char *index,
   int first = 1, r = -1, seen_map = 0;
   if (kiln__jr_object_begin(&jr))
     while (st == KILN_OK && (r = kiln__jr_member(&jr, &first)) == 1) {
-      if (strcmp(jr.buf, "weight_map") != 0) {
-        if (!kiln__jr_skip(&jr)) r = -1;
-        if (r < 0) break;
+      if (strcmp(jr.buf, "weight_map") != 0) { /* "metadata" and anything else */
+        if (!kiln__jr_skip(&jr)) {
+          r = -1;
+          break;
+        }
         continue;
+      }
+      if (seen_map) {
+        st = kiln__jr_fail_at(&jr, jr.key_pos, "\"weight_map\" twice");
+        break;
       }
       seen_map = 1;
       if (kiln__jr_peek(&jr) != '{') {
@@ -207,9 +213,10 @@ static kiln_status src_open_index(hf_src *s, const char *dir, const char *index,
           st = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
           break;
         }
-        if (kiln__jr_peek(&jr) != '"' || !kiln__jr_string(&jr)) {
-          st = kiln_last_error() != KILN_OK && jr.failed ? kiln_last_error()
-                                                        : kiln__jr_fail_at(&jr, at, "the shard of %s is not a string", name);
+        if (kiln__jr_peek(&jr) != '"') {
+          st = kiln__jr_fail_at(&jr, at, "the shard of %s is not a string", name);
+        } else if (!kiln__jr_string(&jr)) {
+          st = kiln_last_error();
         } else if (!jr.buf[0] || strchr(jr.buf, '/') || !strcmp(jr.buf, "..")) {
           st = kiln__jr_fail_at(&jr, at, "the shard of %s, '%s', is not a file name in the directory", name, jr.buf);
         } else {

@@ -38,9 +38,8 @@
 ** spans the first run's --steps; past them the lr stays at its floor, --lr / 10).
 ** --json ends the output with one line: example, device, steps (reached), start_step,
 ** batch, block (the training window), the shape, params, seconds and tokens_per_s (the
-** training steps of this run, without
-** the evaluations), train_loss and val_loss (the last evaluation), seed, autocast (bf16,
-** f16 or off, as the other examples), kiln.
+** training steps of this run, without the evaluations), train_loss and val_loss (the last
+** evaluation), seed, autocast (bf16, f16 or off, as the other examples), kiln.
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
 ** --tokenizer DIR trains on GPT-2 byte-level BPE tokens instead of bytes: DIR holds
@@ -59,7 +58,8 @@
 ** vocab.json and merges.txt, as `save_pretrained` and the hub's gpt2 give them; --tokenizer
 ** takes the tokenizer from elsewhere). The model's shape and dropout come from config.json
 ** (--n-layer, --n-head, --n-embd are ignored; --dropout overrides), its weights from
-** model.safetensors (kiln_gpt_from_hf); --block is the training window, up to the model's
+** model.safetensors or the shards of model.safetensors.index.json (kiln_gpt_from_hf, a
+** tensor at a time); --block is the training window, up to the model's
 ** context (n_positions; the default). The checkpoints are this program's as usual:
 ** --resume and --generate need nothing from DIR afterwards.
 ** --checkpoint-activations makes each transformer block one gradient-checkpointing
@@ -430,12 +430,12 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
     fprintf(stderr, PROG ": '%s' is not a regular file\n", path);
     return false;
   }
-  R.ckf = kiln_safetensors_open(path);
-  const kiln_dict *meta = kiln_safetensors_metadata(R.ckf);
+  R.ckf = kiln_safetensors_open(path); /* the header: the tensors are read by the checkpoint loader */
   if (!R.ckf) {
     fprintf(stderr, PROG ": reading '%s': %s\n", path, kiln_last_error_message());
     return false;
   }
+  const kiln_dict *meta = kiln_safetensors_metadata(R.ckf);
   int64_t n_vocab = 0, bias = 1;
   const char *dr = kiln_dict_get_meta(meta, "extra.dropout");
   if (!meta_int(meta, "extra.n_layer", &cfg->n_layer) || !meta_int(meta, "extra.n_head", &cfg->n_head) ||

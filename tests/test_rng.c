@@ -129,6 +129,17 @@ static void test_mapping(void) {
     }
   }
   kiln_set_num_threads(nt);
+  /* counters across 2^32 (the low word wraps, the high one takes the carry: the vector
+  ** kernel adds the lane to the low word alone) */
+  kiln_generator *gw = kiln_generator_new(5);
+  const uint64_t ow = (UINT64_C(1) << 32) - 7;
+  kiln_generator_set_state(gw, 5, ow);
+  double *uw = h_values(kiln_rand(KILN_SHAPE(4099), KILN_F32, cpu, gw), NULL);
+  int bad_wrap = uw ? 0 : -1;
+  for (int64_t k = 0; uw && k < 4099; k++) bad_wrap += uw[k] != map_uniform(5, ow, (uint64_t)k);
+  H_CHECK(bad_wrap == 0, "rand f32 across counter 2^32: %d elements differ from the mapping", bad_wrap);
+  free(uw);
+  kiln_generator_free(gw);
   const char *what[6] = {"rand f32", "randn f32", "rand f64", "randn f64", "randint", "normal_ on a strided view"};
   for (int i = 0; i < 6; i++) H_CHECK(bad[i] == 0, "%s: %d elements differ from the documented mapping", what[i], bad[i]);
   kiln_scope_end();

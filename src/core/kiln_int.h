@@ -244,6 +244,12 @@ void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j, boo
 /* p = a random permutation of 0..n-1, the one kiln_randperm(n, g) gives; parallel: the
 ** draws may use the OpenMP team (not from a thread of kiln's own: it would make a team). */
 kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool parallel);
+/* Philox4x32-10's multipliers and key increments (rng.c's block; the CPU's 16-block
+** kernel uses them too). */
+#define KILN__PHILOX_M0 0xD2511F53u
+#define KILN__PHILOX_M1 0xCD9E8D57u
+#define KILN__PHILOX_W0 0x9E3779B9u
+#define KILN__PHILOX_W1 0xBB67AE85u
 /* The exact per-element mapping every backend implements. */
 float kiln__philox_uniform(uint64_t seed, uint64_t offset, uint64_t k);  /* [0,1) */
 double kiln__philox_uniform_f64(uint64_t seed, uint64_t offset, uint64_t k);

@@ -24,10 +24,10 @@ struct kiln_generator {
   _Atomic uint64_t offset;
 };
 
-#define PHILOX_M0 0xD2511F53u
-#define PHILOX_M1 0xCD9E8D57u
-#define PHILOX_W0 0x9E3779B9u
-#define PHILOX_W1 0xBB67AE85u
+#define PHILOX_M0 KILN__PHILOX_M0
+#define PHILOX_M1 KILN__PHILOX_M1
+#define PHILOX_W0 KILN__PHILOX_W0
+#define PHILOX_W1 KILN__PHILOX_W1
 
 static inline void philox_block(uint32_t k0, uint32_t k1, uint32_t c[4]) {
   for (int r = 0; r < 10; r++) {

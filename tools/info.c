@@ -1,5 +1,5 @@
 /*
-** kiln info FILE: the tensors of a safetensors file (name, dtype, shape, bytes), its
+** kiln info FILE|DIR: the tensors of a safetensors file (name, dtype, shape, bytes), its
 ** metadata and totals. The header is read and validated by kiln_safetensors_open (a corrupt
 ** one is reported with its message, naming the byte offset); the tensors' bytes are not
 ** read, so a file of many gigabytes lists at once. A directory stands for its
@@ -37,7 +37,6 @@ static entry entry_at(const kiln_safetensors *f, int i) {
   e.bytes = e.numel * (int64_t)kiln_dtype_size(e.dtype);
   return e;
 }
-
 
 int cli_info(int argc, char **argv) {
   bool json = false;

@@ -202,6 +202,61 @@ static void test_gpt2_init(void) {
   kiln_scope_end();
 }
 
+/* The numbers of kiln_gpt_new are those of PyTorch's order of construction: each Embedding
+** and Linear first takes its default draws (N(0, 1); kaiming-uniform weight and bias), then
+** GPT-2's init draws again. A replay with the public constructors from the same generator
+** state must give every weight bit for bit and leave the generator at the same offset. Odd
+** sizes (C 33, vocab 63, context 15) make each draw round up to a whole Philox block. */
+static void test_gpt2_init_stream(void) {
+  kiln_scope_begin();
+  kiln_gpt_config c = tiny();
+  c.n_embd = 33;
+  c.n_head = 3;
+  c.vocab_size = 63;
+  c.block_size = 15;
+  const int64_t C = c.n_embd;
+  const double proj = 0.02 / sqrt(2.0 * (double)c.n_layer);
+  kiln_generator *g = kiln_generator_new(7), *r = kiln_generator_new(7);
+  bool grad = kiln_set_grad_enabled(false); /* the replay's in-place re-draws */
+  kiln_module *gpt = kiln_gpt_new(&c, KILN_F32, cpu, g);
+  kiln_module *wte = kiln_embedding_new(c.vocab_size, C, KILN_F32, cpu, r);
+  kiln_module *wpe = kiln_embedding_new(c.block_size, C, KILN_F32, cpu, r);
+  CHECK(kiln_normal_(kiln_module_param(wte, "weight"), 0, 0.02, r) == KILN_OK);
+  CHECK(kiln_normal_(kiln_module_param(wpe, "weight"), 0, 0.02, r) == KILN_OK);
+  CHECK(bits_equal(kiln_module_param(gpt, "wte.weight"), kiln_module_param(wte, "weight")));
+  CHECK(bits_equal(kiln_module_param(gpt, "wpe.weight"), kiln_module_param(wpe, "weight")));
+  kiln_module_free(wte);
+  kiln_module_free(wpe);
+  static const struct {
+    const char *name;
+    int64_t in, out;
+    bool proj;
+  } lin[] = {{"attn.c_attn", 1, 3, false}, {"attn.c_proj", 1, 1, true}, {"mlp.c_fc", 1, 4, false},
+             {"mlp.c_proj", 4, 1, true}};
+  for (int64_t i = 0; i < c.n_layer; i++)
+    for (int k = 0; k < 4; k++) {
+      kiln_module *l = kiln_linear_new(lin[k].in * C, lin[k].out * C, true, KILN_F32, cpu, r);
+      CHECK(kiln_normal_(kiln_module_param(l, "weight"), 0, lin[k].proj ? proj : 0.02, r) == KILN_OK);
+      char name[64];
+      snprintf(name, sizeof name, "h.%lld.%s.weight", (long long)i, lin[k].name);
+      bool same = bits_equal(kiln_module_param(gpt, name), kiln_module_param(l, "weight"));
+      if (!same) fprintf(stderr, "%s differs from the replay\n", name);
+      CHECK(same);
+      kiln_module_free(l);
+    }
+  uint64_t og, or;
+  kiln_generator_get_state(g, NULL, &og);
+  kiln_generator_get_state(r, NULL, &or);
+  if (og != or) fprintf(stderr, "generator offset %llu after kiln_gpt_new, %llu after the replay\n",
+                       (unsigned long long)og, (unsigned long long)or);
+  CHECK(og == or);
+  kiln_set_grad_enabled(grad);
+  kiln_module_free(gpt);
+  kiln_generator_free(g);
+  kiln_generator_free(r);
+  kiln_scope_end();
+}
+
 static kiln_tensor *lm_loss(kiln_module *gpt, kiln_tensor *x, kiln_tensor *y) {
   return kiln_cross_entropy(kiln_flatten(kiln_module_forward(gpt, x), 0, 1), kiln_flatten(y, 0, 1),
                             KILN_REDUCTION_MEAN, -100, 0);
@@ -538,6 +593,7 @@ int main(void) {
   test_shapes_and_names();
   test_tied_counted_once();
   test_gpt2_init();
+  test_gpt2_init_stream();
   test_tiny_gpt_trains();
   test_block_vs_basic_ops();
   test_bad_input();

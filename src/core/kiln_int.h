@@ -244,6 +244,7 @@ void kiln__generator_shuffle_draws(kiln_generator *g, int64_t n, int64_t *j, boo
 /* p = a random permutation of 0..n-1, the one kiln_randperm(n, g) gives; parallel: the
 ** draws may use the OpenMP team (not from a thread of kiln's own: it would make a team). */
 kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool parallel);
+void kiln__generator_skip(kiln_generator *g, int64_t n); /* (ext/kiln_ext.h) */
 /* Philox4x32-10's multipliers and key increments (rng.c's block; the CPU's 16-block
 ** kernel uses them too). */
 #define KILN__PHILOX_M0 0xD2511F53u

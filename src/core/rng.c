@@ -193,6 +193,11 @@ void kiln__generator_reserve(kiln_generator *g, int64_t n, uint64_t *seed, uint6
   *offset = atomic_fetch_add(&g->offset, blocks);
 }
 
+void kiln__generator_skip(kiln_generator *g, int64_t n) {
+  uint64_t seed, off;
+  kiln__generator_reserve(g, n, &seed, &off);
+}
+
 double kiln_generator_uniform(kiln_generator *g) {
   uint64_t seed, off;
   kiln__generator_reserve(g, 1, &seed, &off);

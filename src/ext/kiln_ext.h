@@ -99,6 +99,10 @@ bool kiln__grad_ready_hook_is(const kiln_tensor *t, kiln_grad_hook fn, const voi
 /* p = the random permutation of 0..n-1 that kiln_randperm(n, g) gives; parallel: the draws
 ** may use the OpenMP team (not from a thread of kiln's own). KILN_ERR_OOM. */
 kiln_status kiln__randperm_fill(int64_t n, kiln_generator *g, int64_t *p, bool parallel);
+/* Moves g (NULL: the global generator) on as kiln_uniform_ or kiln_normal_ of n elements
+** would, drawing nothing: a constructor that would throw its draws away skips them and
+** still leaves the generator where PyTorch's order of construction leaves it. */
+void kiln__generator_skip(kiln_generator *g, int64_t n);
 
 /* ---- environment (core: src/core/device.c) ---- */
 const char *kiln__getenv(const char *name); /* NULL when unset or empty */

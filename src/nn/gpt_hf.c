@@ -589,10 +589,8 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
     src_close(&src);
     return NULL;
   }
-  /* The initial draws are thrown away: a private generator leaves the global one alone. */
-  kiln_generator *gen = kiln_generator_new(0);
-  kiln_module *m = gen ? kiln_gpt_new(&c, dt, dev, gen) : NULL;
-  kiln_generator_free(gen);
+  /* load_hf writes every weight (a missing one is an error and the model goes): none is drawn */
+  kiln_module *m = kiln__gpt_new_undrawn(&c, dt, dev);
   if (m && load_hf(m, &src, "kiln_gpt_load_hf") != KILN_OK) {
     char msg[1024];
     kiln_status code = kiln_last_error();

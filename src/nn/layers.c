@@ -27,8 +27,9 @@ static int linear_repr(const kiln_module *m, char *buf, size_t n) {
 
 static const kiln_module_vtable linear_vt = {"Linear", linear_forward, NULL, free, linear_repr};
 
-kiln_module *kiln_linear_new(int64_t in_features, int64_t out_features, bool bias, kiln_dtype dt,
-                             kiln_device dev, kiln_generator *gen) {
+/* A Linear whose weight and bias are allocated and registered, their values not set. */
+kiln_module *kiln__linear_new_undrawn(int64_t in_features, int64_t out_features, bool bias, kiln_dtype dt,
+                                      kiln_device dev) {
   if (in_features < 0 || out_features < 0) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "kiln_linear_new: in_features %lld, out_features %lld",
                    (long long)in_features, (long long)out_features);
@@ -46,25 +47,42 @@ kiln_module *kiln_linear_new(int64_t in_features, int64_t out_features, bool bia
   *c = (linear_cfg){in_features, out_features, bias};
   kiln_module *m = kiln_module_new(&linear_vt, c);
   if (!m) return NULL;
-  /* kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound sqrt(3) * gain / sqrt(fan_in)
-  ** = 1 / sqrt(fan_in); the bias uses the same bound (PyTorch's reset_parameters). A
-  ** zero fan_in gives a zero-element weight and PyTorch's bound 0 for the bias. */
-  double bound = in_features > 0 ? 1.0 / sqrt((double)in_features) : 0.0;
   kiln_tensor *w = kiln_empty(KILN_SHAPE(out_features, in_features), dt, dev);
-  kiln_status st = w ? kiln_uniform_(w, -bound, bound, gen) : kiln_last_error();
-  if (st == KILN_OK) {
-    st = kiln_module_register_parameter(m, "weight", w, true);
-  } else {
-    kiln_tensor_free(kiln_keep(w));
-  }
+  kiln_status st = w ? kiln_module_register_parameter(m, "weight", w, true) : kiln_last_error();
   if (st == KILN_OK && bias) {
     kiln_tensor *b = kiln_empty(KILN_SHAPE(out_features), dt, dev);
-    st = !b ? kiln_last_error() : bound > 0 ? kiln_uniform_(b, -bound, bound, gen) : kiln_zero_(b);
-    if (st == KILN_OK)
-      st = kiln_module_register_parameter(m, "bias", b, true);
-    else
-      kiln_tensor_free(kiln_keep(b));
+    st = b ? kiln_module_register_parameter(m, "bias", b, true) : kiln_last_error();
   }
+  if (st != KILN_OK) {
+    kiln_module_free(m);
+    return NULL;
+  }
+  return m;
+}
+
+/* kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound sqrt(3) * gain / sqrt(fan_in)
+** = 1 / sqrt(fan_in); the bias uses the same bound (PyTorch's reset_parameters). A zero
+** fan_in gives a zero-element weight and PyTorch's bound 0 for the bias. */
+static double linear_bound(int64_t in_features) { return in_features > 0 ? 1.0 / sqrt((double)in_features) : 0.0; }
+
+void kiln__linear_skip_init(int64_t in_features, int64_t out_features, bool bias, kiln_generator *gen) {
+  kiln__generator_skip(gen, out_features * in_features);
+  if (bias && linear_bound(in_features) > 0) kiln__generator_skip(gen, out_features);
+}
+
+kiln_module *kiln_linear_new(int64_t in_features, int64_t out_features, bool bias, kiln_dtype dt,
+                             kiln_device dev, kiln_generator *gen) {
+  kiln_module *m = kiln__linear_new_undrawn(in_features, out_features, bias, dt, dev);
+  if (!m) return NULL;
+  const double bound = linear_bound(in_features);
+  /* in place on fresh parameters: no graph records it */
+  bool prev = kiln_set_grad_enabled(false);
+  kiln_status st = kiln_uniform_(kiln_module_param(m, "weight"), -bound, bound, gen);
+  if (st == KILN_OK && bias) {
+    kiln_tensor *b = kiln_module_param(m, "bias");
+    st = bound > 0 ? kiln_uniform_(b, -bound, bound, gen) : kiln_zero_(b);
+  }
+  kiln_set_grad_enabled(prev);
   if (st != KILN_OK) {
     kiln_module_free(m);
     return NULL;

@@ -18,6 +18,18 @@ const kiln_module_vtable *kiln__module_vtable(const kiln_module *m);
 ** decode step uses it too. */
 #define KILN__GPT_LN_EPS 1e-5
 
+/* A Linear (kiln_linear_new's checks and errors) whose weight and bias are allocated, their
+** values not set: for a constructor that fills them itself (layers.c). */
+kiln_module *kiln__linear_new_undrawn(int64_t in_features, int64_t out_features, bool bias, kiln_dtype dt,
+                                      kiln_device dev);
+/* Moves gen on past the draws kiln_linear_new(in, out, bias, ..., gen) makes (layers.c). */
+void kiln__linear_skip_init(int64_t in_features, int64_t out_features, bool bias, kiln_generator *gen);
+
+/* A GPT of kiln_gpt_new's layout whose Linear and Embedding weights are not set (the
+** LayerNorms are 1 and 0, the biases too are not set), for a loader that writes every one;
+** no generator is touched (transformer.c). */
+kiln_module *kiln__gpt_new_undrawn(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev);
+
 /* The module's label for the module scope ("layers.0 (Linear)"; the root: its type
 ** name), interned: it outlives the module. */
 const char *kiln__module_label(kiln_module *m);

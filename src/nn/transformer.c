@@ -23,14 +23,20 @@ static void *dup_cfg(const void *src, size_t n, const char *who) {
   return c;
 }
 
-/* A new parameter of shape (n0) or (n0, n1) filled by fill(): normal(0, std) when std > 0,
-** else the constant value. Registered under name; the status of the whole. */
+/* Where add_param leaves the values unset (a loader writes them). */
+#define UNDRAWN (-1.0)
+
+/* A new parameter of shape (n0) or (n0, n1): normal(0, std) when std > 0, not set when std
+** is UNDRAWN, else the constant value. Registered under name; the status of the whole. */
 static kiln_status add_param(kiln_module *m, const char *name, int ndim, int64_t n0, int64_t n1,
                              double std, double value, kiln_dtype dt, kiln_device dev,
                              kiln_generator *gen) {
   const int64_t shape[2] = {n0, n1};
   kiln_tensor *t = kiln_empty(ndim, shape, dt, dev);
-  kiln_status st = !t ? kiln_last_error() : std > 0 ? kiln_normal_(t, 0.0, std, gen) : kiln_fill_(t, value);
+  kiln_status st = !t              ? kiln_last_error()
+                    : std > 0        ? kiln_normal_(t, 0.0, std, gen)
+                    : std == UNDRAWN ? KILN_OK
+                                     : kiln_fill_(t, value);
   if (st != KILN_OK) {
     kiln_tensor_free(kiln_keep(t));
     return st;
@@ -66,8 +72,9 @@ static int embedding_repr(const kiln_module *m, char *buf, size_t n) {
 
 static const kiln_module_vtable embedding_vt = {"Embedding", embedding_forward, NULL, free, embedding_repr};
 
-kiln_module *kiln_embedding_new(int64_t num_embeddings, int64_t embedding_dim, kiln_dtype dt,
-                                kiln_device dev, kiln_generator *gen) {
+/* An Embedding of weight N(0, std) (UNDRAWN: not set). */
+static kiln_module *embedding_new(int64_t num_embeddings, int64_t embedding_dim, double std, kiln_dtype dt,
+                                  kiln_device dev, kiln_generator *gen) {
   static const char who[] = "kiln_embedding_new";
   if (num_embeddings < 1 || embedding_dim < 1) {
     kiln_set_error(KILN_ERR_INVALID_ARGUMENT, "%s: num_embeddings %lld, embedding_dim %lld (both must be >= 1)",
@@ -79,8 +86,13 @@ kiln_module *kiln_embedding_new(int64_t num_embeddings, int64_t embedding_dim, k
   void *c = dup_cfg(&cfg, sizeof cfg, who);
   kiln_module *m = c ? kiln_module_new(&embedding_vt, c) : NULL;
   if (!m) return NULL;
-  if (add_param(m, "weight", 2, num_embeddings, embedding_dim, 1.0, 0, dt, dev, gen) != KILN_OK) return fail(m);
+  if (add_param(m, "weight", 2, num_embeddings, embedding_dim, std, 0, dt, dev, gen) != KILN_OK) return fail(m);
   return m;
+}
+
+kiln_module *kiln_embedding_new(int64_t num_embeddings, int64_t embedding_dim, kiln_dtype dt, kiln_device dev,
+                                kiln_generator *gen) {
+  return embedding_new(num_embeddings, embedding_dim, 1.0, dt, dev, gen);
 }
 
 /* ---- LayerNorm, RMSNorm ------------------------------------------------------------------ */
@@ -166,13 +178,23 @@ static kiln_status check_gpt_config(const kiln_gpt_config *c, kiln_dtype dt, con
 }
 
 /* A Linear with GPT-2's init: weight ~ N(0, std), bias 0. */
-static kiln_module *gpt_linear(int64_t in, int64_t out, bool bias, double std, kiln_dtype dt,
-                               kiln_device dev, kiln_generator *gen) {
-  kiln_module *l = kiln_linear_new(in, out, bias, dt, dev, gen);
-  if (!l) return NULL;
-  /* re-initialised in place: no graph records it */
+/* How the GPT constructors set their weights: GPT-2's init from gen (draw), or not at all
+** (a loader writes every one; gen is untouched). */
+typedef struct gpt_init {
+  kiln_generator *gen;
+  bool draw;
+} gpt_init;
+
+/* A Linear of N(0, std) weight and zero bias. Its numbers are those of PyTorch's order
+** (kiln_linear_new's kaiming draws, then these): the first draws are skipped, not made. */
+static kiln_module *gpt_linear(int64_t in, int64_t out, bool bias, double std, kiln_dtype dt, kiln_device dev,
+                               const gpt_init *init) {
+  kiln_module *l = kiln__linear_new_undrawn(in, out, bias, dt, dev);
+  if (!l || !init->draw) return l;
+  kiln__linear_skip_init(in, out, bias, init->gen);
+  /* in place on fresh parameters: no graph records it */
   bool prev = kiln_set_grad_enabled(false);
-  kiln_status st = kiln_normal_(kiln_module_param(l, "weight"), 0.0, std, gen);
+  kiln_status st = kiln_normal_(kiln_module_param(l, "weight"), 0.0, std, init->gen);
   if (st == KILN_OK && bias) st = kiln_zero_(kiln_module_param(l, "bias"));
   kiln_set_grad_enabled(prev);
   return st == KILN_OK ? l : fail(l);
@@ -544,52 +566,56 @@ static kiln_module *gpt_module(const kiln_module_vtable *vt, const kiln_gpt_conf
   return c ? kiln_module_new(vt, c) : NULL;
 }
 
-kiln_module *kiln_causal_self_attention_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
-                                            kiln_generator *gen) {
+static kiln_module *attn_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, const gpt_init *in) {
   kiln_module *m = gpt_module(&attn_vt, cfg, dt, "kiln_causal_self_attention_new");
   if (!m) return NULL;
   const int64_t C = cfg->n_embd;
-  kiln_status st = kiln_module_add_child(m, "c_attn", gpt_linear(C, 3 * C, cfg->bias, GPT_INIT_STD, dt, dev, gen));
-  if (st == KILN_OK)
-    st = kiln_module_add_child(m, "c_proj", gpt_linear(C, C, cfg->bias, proj_std(cfg), dt, dev, gen));
+  kiln_status st = kiln_module_add_child(m, "c_attn", gpt_linear(C, 3 * C, cfg->bias, GPT_INIT_STD, dt, dev, in));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "c_proj", gpt_linear(C, C, cfg->bias, proj_std(cfg), dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "resid_dropout", kiln_dropout_new(cfg->dropout, NULL));
   return st == KILN_OK ? m : fail(m);
 }
 
-kiln_module *kiln_gpt_mlp_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+static kiln_module *mlp_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, const gpt_init *in) {
   kiln_module *m = gpt_module(&mlp_vt, cfg, dt, "kiln_gpt_mlp_new");
   if (!m) return NULL;
   const int64_t C = cfg->n_embd;
-  kiln_status st = kiln_module_add_child(m, "c_fc", gpt_linear(C, 4 * C, cfg->bias, GPT_INIT_STD, dt, dev, gen));
+  kiln_status st = kiln_module_add_child(m, "c_fc", gpt_linear(C, 4 * C, cfg->bias, GPT_INIT_STD, dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "gelu", kiln_gelu_new(KILN_GELU_TANH));
   if (st == KILN_OK)
-    st = kiln_module_add_child(m, "c_proj", gpt_linear(4 * C, C, cfg->bias, proj_std(cfg), dt, dev, gen));
+    st = kiln_module_add_child(m, "c_proj", gpt_linear(4 * C, C, cfg->bias, proj_std(cfg), dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "dropout", kiln_dropout_new(cfg->dropout, NULL));
   return st == KILN_OK ? m : fail(m);
 }
 
-kiln_module *kiln_gpt_block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+static kiln_module *block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, const gpt_init *in) {
   kiln_module *m = gpt_module(&block_vt, cfg, dt, "kiln_gpt_block_new");
   if (!m) return NULL;
   const int64_t C = cfg->n_embd;
   kiln_status st = kiln_module_add_child(m, "ln_1", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
-  if (st == KILN_OK) st = kiln_module_add_child(m, "attn", kiln_causal_self_attention_new(cfg, dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "attn", attn_new(cfg, dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "ln_2", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
-  if (st == KILN_OK) st = kiln_module_add_child(m, "mlp", kiln_gpt_mlp_new(cfg, dt, dev, gen));
+  if (st == KILN_OK) st = kiln_module_add_child(m, "mlp", mlp_new(cfg, dt, dev, in));
   return st == KILN_OK ? m : fail(m);
 }
 
-kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+static kiln_module *gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, const gpt_init *in) {
   kiln_module *m = gpt_module(&gpt_vt, cfg, dt, "kiln_gpt_new");
   if (!m) return NULL;
   const int64_t C = cfg->n_embd;
   kiln_status st = KILN_OK;
-  kiln_module *wte = kiln_embedding_new(cfg->vocab_size, C, dt, dev, gen);
-  kiln_module *wpe = wte ? kiln_embedding_new(cfg->block_size, C, dt, dev, gen) : NULL;
-  if (wte && wpe) { /* GPT-2's N(0, 0.02) instead of Embedding's N(0, 1) */
+  /* GPT-2's N(0, 0.02) in place of Embedding's N(0, 1), whose draws (both tables', as
+  ** PyTorch makes them before re-initialising either) are skipped */
+  if (in->draw) {
+    kiln__generator_skip(in->gen, cfg->vocab_size * C);
+    kiln__generator_skip(in->gen, cfg->block_size * C);
+  }
+  kiln_module *wte = embedding_new(cfg->vocab_size, C, UNDRAWN, dt, dev, NULL);
+  kiln_module *wpe = wte ? embedding_new(cfg->block_size, C, UNDRAWN, dt, dev, NULL) : NULL;
+  if (wte && wpe && in->draw) {
     bool prev = kiln_set_grad_enabled(false);
-    st = kiln_normal_(kiln_module_param(wte, "weight"), 0.0, GPT_INIT_STD, gen);
-    if (st == KILN_OK) st = kiln_normal_(kiln_module_param(wpe, "weight"), 0.0, GPT_INIT_STD, gen);
+    st = kiln_normal_(kiln_module_param(wte, "weight"), 0.0, GPT_INIT_STD, in->gen);
+    if (st == KILN_OK) st = kiln_normal_(kiln_module_param(wpe, "weight"), 0.0, GPT_INIT_STD, in->gen);
     kiln_set_grad_enabled(prev);
   }
   if (!wte || !wpe || st != KILN_OK) {
@@ -603,8 +629,28 @@ kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device
   if (st == KILN_OK) st = kiln_module_add_child(m, "drop", kiln_dropout_new(cfg->dropout, NULL));
   kiln_module *h = st == KILN_OK ? kiln_sequential_new() : NULL;
   if (st == KILN_OK) st = kiln_module_add_child(m, "h", h);
-  for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++)
-    st = kiln_sequential_append(h, kiln_gpt_block_new(cfg, dt, dev, gen));
+  for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++) st = kiln_sequential_append(h, block_new(cfg, dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "ln_f", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
   return st == KILN_OK ? m : fail(m);
+}
+
+kiln_module *kiln_causal_self_attention_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev,
+                                            kiln_generator *gen) {
+  return attn_new(cfg, dt, dev, &(gpt_init){gen, true});
+}
+
+kiln_module *kiln_gpt_mlp_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  return mlp_new(cfg, dt, dev, &(gpt_init){gen, true});
+}
+
+kiln_module *kiln_gpt_block_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  return block_new(cfg, dt, dev, &(gpt_init){gen, true});
+}
+
+kiln_module *kiln_gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev, kiln_generator *gen) {
+  return gpt_new(cfg, dt, dev, &(gpt_init){gen, true});
+}
+
+kiln_module *kiln__gpt_new_undrawn(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_device dev) {
+  return gpt_new(cfg, dt, dev, &(gpt_init){NULL, false});
 }

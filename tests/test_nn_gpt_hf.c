@@ -124,6 +124,17 @@ static void test_variants(kiln_dict *ref, kiln_dict *hf) {
   kiln_gpt_config c = fixture_cfg();
   kiln_module *m = kiln_gpt_new(&c, KILN_F32, cpu, NULL);
   CHECK(kiln_gpt_load_hf(m, bare) == KILN_OK);
+  /* a head of another dtype holding wte's values is tied too; one value off is not */
+  kiln_dict *wide = kiln_dict_new();
+  for (int i = 0; i < kiln_dict_size(bare); i++) kiln_dict_set(wide, kiln_dict_key(bare, i), kiln_dict_value(bare, i));
+  kiln_tensor *head64 = kiln_to_dtype(kiln_dict_get(hf, "transformer.wte.weight"), KILN_F64);
+  kiln_dict_set(wide, "lm_head.weight", head64);
+  CHECK(kiln_gpt_load_hf(m, wide) == KILN_OK);
+  bool grad = kiln_set_grad_enabled(false);
+  CHECK(kiln_fill_(kiln_narrow(kiln_narrow(head64, 0, 7, 1), 1, 3, 1), 0.5) == KILN_OK);
+  kiln_set_grad_enabled(grad);
+  CHECK(kiln_gpt_load_hf(m, wide) == KILN_ERR_FORMAT && msg_has("untied"));
+  kiln_dict_free(wide);
   kiln_module *ref_m = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
   CHECK(bits_equal(logits_of(m, ids), logits_of(ref_m, ids)));
   /* The same entries in a file, which kiln_gpt_from_hf reads a tensor at a time: the same

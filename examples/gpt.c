@@ -43,9 +43,9 @@
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
 ** --tokenizer DIR trains on GPT-2 byte-level BPE tokens instead of bytes: DIR holds
-** vocab.json and merges.txt (tests/fixtures/tokenizer has one of 4096 tokens trained
+** vocab.json and merges.txt, or tokenizer.json (tests/fixtures/tokenizer has one of 4096 tokens trained
 ** locally with `tokenizers` on this same changelog: scripts/make_tokenizer_fixtures.py);
-** the model's vocabulary is the tokenizer's, and both files are stored in the checkpoint's
+** the model's vocabulary is the tokenizer's, and its files are stored in the checkpoint's
 ** metadata, so --generate and --resume encode and decode with the tokenizer the model
 ** was trained with. --block then counts tokens.
 ** --autocast runs the forward and the loss of each training step and evaluation under
@@ -55,7 +55,7 @@
 ** faster; f16 without a loss scaler can underflow small gradients, bf16 needs none.
 ** --from-hf DIR fine-tunes a pretrained GPT-2 instead of training a new model: DIR is a
 ** Hugging Face model directory (config.json, model.safetensors, and the tokenizer's
-** vocab.json and merges.txt, as `save_pretrained` and the hub's gpt2 give them; --tokenizer
+** vocab.json and merges.txt or its tokenizer.json, as `save_pretrained` and the hub give them; --tokenizer
 ** takes the tokenizer from elsewhere). The model's shape and dropout come from config.json
 ** (--n-layer, --n-head, --n-embd are ignored; --dropout overrides), its weights from
 ** model.safetensors or the shards of model.safetensors.index.json (kiln_gpt_from_hf, a
@@ -78,6 +78,7 @@
 ** half-context of bytes.
 */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <glob.h>
 #include <math.h>
 #include <stdio.h>
@@ -120,7 +121,8 @@ static void usage(FILE *f) {
           "  checkpoint gpt.ckpt.safetensors. --generate: 300 tokens, temperature 0.8, top-k 40,\n"
           "  top-p 1 (off), seed 0 (KV cache). A prompt longer than the context keeps its last\n"
           "  block-size - 1 bytes. --from-hf DIR fine-tunes a Hugging Face GPT-2 (config.json,\n"
-          "  model.safetensors, vocab.json, merges.txt in DIR) instead of a new model.\n");
+          "  model.safetensors, vocab.json and merges.txt or tokenizer.json in DIR) instead of a\n"
+          "  new model.\n");
 }
 
 /* Everything main makes, released on every way out (LeakSanitizer checks the error exits
@@ -131,7 +133,8 @@ static struct {
   unsigned char *text;
   int32_t *tok;             /* the corpus as token ids (bytes, or BPE ids) */
   kiln_tokenizer *bpe;      /* --tokenizer, or the one a checkpoint carries */
-  char *bpe_vocab, *bpe_merges; /* its two files' text, stored in checkpoints */
+  char *bpe_vocab, *bpe_merges; /* its files' text, stored in checkpoints: vocab.json and */
+  char *bpe_json;               /* merges.txt, or tokenizer.json (the other two NULL) */
   int64_t *xb, *yb; /* one batch of windows on the host */
   kiln_module *model;
   kiln_optimizer *opt;
@@ -150,6 +153,7 @@ static void release(void) {
   kiln_tokenizer_free(R.bpe);
   free(R.bpe_vocab);
   free(R.bpe_merges);
+  free(R.bpe_json);
   free(R.xb);
   free(R.yb);
   free(R.params);
@@ -272,43 +276,56 @@ static bool load_corpus(const char *path, int64_t *n_out) {
 
 /* ---- the BPE tokenizer (--tokenizer) ------------------------------------------------ */
 
-/* The tokenizer from the text of its vocab.json and merges.txt (as a checkpoint stores
-** them): written to two temporary files for kiln_tokenizer_load, which reads paths. Keeps
-** the texts in R.bpe_vocab / R.bpe_merges (for the next checkpoint). Prints why on failure. */
-static bool load_bpe_text(const char *vocab_json, const char *merges_txt) {
+/* Writes text to a new temporary file (its path into path) for kiln_tokenizer_load*, which
+** read paths; false when it cannot. */
+static bool temp_text(const char *name, const char *text, char *path, size_t n) {
   const char *dir = getenv("TMPDIR");
-  char pv[1024], pm[1024];
-  snprintf(pv, sizeof pv, "%s/gpt-vocab-XXXXXX", dir && *dir ? dir : "/tmp");
-  snprintf(pm, sizeof pm, "%s/gpt-merges-XXXXXX", dir && *dir ? dir : "/tmp");
-  int fv = mkstemp(pv), fm = fv >= 0 ? mkstemp(pm) : -1;
-  bool ok = fv >= 0 && fm >= 0;
-  size_t lv = strlen(vocab_json), lm = strlen(merges_txt);
-  if (ok) ok = write(fv, vocab_json, lv) == (ssize_t)lv && write(fm, merges_txt, lm) == (ssize_t)lm;
-  if (fv >= 0) close(fv);
-  if (fm >= 0) close(fm);
-  if (ok) {
-    kiln_tokenizer_free(R.bpe);
-    R.bpe = kiln_tokenizer_load(pv, pm);
-  }
-  if (fv >= 0) unlink(pv);
-  if (fm >= 0) unlink(pm);
+  snprintf(path, n, "%s/gpt-%s-XXXXXX", dir && *dir ? dir : "/tmp", name);
+  int fd = mkstemp(path);
+  if (fd < 0) return false;
+  size_t len = strlen(text);
+  bool ok = write(fd, text, len) == (ssize_t)len;
+  close(fd);
+  if (!ok) unlink(path);
+  return ok;
+}
+
+/* R's tokenizer becomes t, with the text of its files for the next checkpoint (owned:
+** vocab.json's and merges.txt's, or tokenizer.json's, the others NULL). */
+static void set_tokenizer(kiln_tokenizer *t, char *vocab_json, char *merges_txt, char *tokenizer_json) {
+  kiln_tokenizer_free(R.bpe);
+  free(R.bpe_vocab);
+  free(R.bpe_merges);
+  free(R.bpe_json);
+  R.bpe = t;
+  R.bpe_vocab = vocab_json, R.bpe_merges = merges_txt, R.bpe_json = tokenizer_json;
+}
+
+/* The tokenizer a checkpoint carries, from the text of its files (vocab_json and merges_txt,
+** or tokenizer_json). Prints why on failure. */
+static bool load_bpe_text(const char *vocab_json, const char *merges_txt, const char *tokenizer_json) {
+  char pv[1024] = "", pm[1024] = "";
+  bool ok = tokenizer_json ? temp_text("tokenizer", tokenizer_json, pv, sizeof pv)
+                           : temp_text("vocab", vocab_json, pv, sizeof pv) &&
+                                 (temp_text("merges", merges_txt, pm, sizeof pm) || (unlink(pv), false));
   if (!ok) {
+    const char *dir = getenv("TMPDIR");
     fprintf(stderr, PROG ": cannot write the tokenizer to temporary files in %s\n", dir && *dir ? dir : "/tmp");
     return false;
   }
-  if (!R.bpe) {
-    fprintf(stderr, PROG ": the tokenizer: %s\n", kiln_last_error_message());
+  kiln_tokenizer *t = tokenizer_json ? kiln_tokenizer_load_json(pv) : kiln_tokenizer_load(pv, pm);
+  unlink(pv);
+  if (*pm) unlink(pm);
+  if (!t) {
+    fprintf(stderr, PROG ": the checkpoint's tokenizer: %s\n", kiln_last_error_message());
     return false;
   }
-  if (vocab_json != R.bpe_vocab) {
-    free(R.bpe_vocab);
-    free(R.bpe_merges);
-    R.bpe_vocab = strdup(vocab_json);
-    R.bpe_merges = strdup(merges_txt);
-    if (!R.bpe_vocab || !R.bpe_merges) {
-      fprintf(stderr, PROG ": out of memory keeping the tokenizer\n");
-      return false;
-    }
+  char *v = vocab_json ? strdup(vocab_json) : NULL, *m = merges_txt ? strdup(merges_txt) : NULL;
+  char *j = tokenizer_json ? strdup(tokenizer_json) : NULL;
+  set_tokenizer(t, v, m, j);
+  if (tokenizer_json ? !j : !v || !m) {
+    fprintf(stderr, PROG ": out of memory keeping the tokenizer\n");
+    return false;
   }
   return true;
 }
@@ -332,24 +349,32 @@ static char *read_text_file(const char *path, const char **why) {
 }
 
 /* --tokenizer DIR (or --from-hf's DIR, flag says which): DIR/vocab.json and DIR/merges.txt
-** (GPT-2's pair, as scripts/make_tokenizer_fixtures.py writes for tests/fixtures/tokenizer). */
+** (GPT-2's pair, as scripts/make_tokenizer_fixtures.py writes for tests/fixtures/tokenizer),
+** or, where DIR has no vocab.json, DIR/tokenizer.json (the `tokenizers` library's one file,
+** all some Hugging Face models ship). Read from DIR (errors name its files), the texts kept. */
 static bool load_bpe_dir(const char *flag, const char *dir) {
-  char pv[1024], pm[1024];
+  char pv[1024], pm[1024], pj[1024];
   snprintf(pv, sizeof pv, "%s/vocab.json", dir);
   snprintf(pm, sizeof pm, "%s/merges.txt", dir);
+  snprintf(pj, sizeof pj, "%s/tokenizer.json", dir);
   const char *why = NULL;
-  char *v = read_text_file(pv, &why), *m = v ? read_text_file(pm, &why) : NULL;
-  if (!v || !m) {
-    fprintf(stderr, PROG ": %s '%s': cannot read %s: %s (the directory needs vocab.json and merges.txt)\n", flag,
-            dir, v ? pm : pv, why);
+  struct stat st;
+  const bool one = stat(pv, &st) != 0 && errno == ENOENT && stat(pj, &st) == 0;
+  char *v = NULL, *m = NULL, *j = NULL;
+  if (one ? !(j = read_text_file(pj, &why)) : !(v = read_text_file(pv, &why)) || !(m = read_text_file(pm, &why))) {
+    fprintf(stderr, PROG ": %s '%s': cannot read %s: %s%s\n", flag, dir, one ? pj : v ? pm : pv, why,
+            one ? "" : " (the directory needs vocab.json and merges.txt, or tokenizer.json)");
     free(v);
-    free(m);
     return false;
   }
-  free(R.bpe_vocab);
-  free(R.bpe_merges);
-  R.bpe_vocab = v, R.bpe_merges = m;
-  return load_bpe_text(v, m);
+  kiln_tokenizer *t = one ? kiln_tokenizer_load_json(pj) : kiln_tokenizer_load(pv, pm);
+  if (!t) {
+    fprintf(stderr, PROG ": %s '%s': %s\n", flag, dir, kiln_last_error_message());
+    free(v), free(m), free(j);
+    return false;
+  }
+  set_tokenizer(t, v, m, j);
+  return true;
 }
 
 /* ---- batches and losses -------------------------------------------------------------- */
@@ -446,8 +471,9 @@ static bool read_shape(const char *path, kiln_gpt_config *cfg) {
   }
   const char *tv = kiln_dict_get_meta(meta, "extra.tokenizer_vocab");
   const char *tm = kiln_dict_get_meta(meta, "extra.tokenizer_merges");
-  if (tv && tm) { /* a BPE model: its tokenizer travels in the checkpoint */
-    if (!load_bpe_text(tv, tm)) return false;
+  const char *tj = kiln_dict_get_meta(meta, "extra.tokenizer_json");
+  if ((tv && tm) || tj) { /* a BPE model: its tokenizer travels in the checkpoint */
+    if (!load_bpe_text(tj ? NULL : tv, tj ? NULL : tm, tj)) return false;
     if (n_vocab != kiln_tokenizer_vocab_size(R.bpe)) {
       fprintf(stderr, PROG ": '%s' has a vocabulary of %lld but its tokenizer %lld\n", path, (long long)n_vocab,
               (long long)kiln_tokenizer_vocab_size(R.bpe));
@@ -586,6 +612,7 @@ static kiln_status save(const char *ckpt, const kiln_gpt_config *cfg, int64_t wi
   if (st == KILN_OK) st = kiln_dict_set_meta(extra, "corpus", corpus);
   if (st == KILN_OK && R.bpe_vocab) st = kiln_dict_set_meta(extra, "tokenizer_vocab", R.bpe_vocab);
   if (st == KILN_OK && R.bpe_merges) st = kiln_dict_set_meta(extra, "tokenizer_merges", R.bpe_merges);
+  if (st == KILN_OK && R.bpe_json) st = kiln_dict_set_meta(extra, "tokenizer_json", R.bpe_json);
   if (st == KILN_OK) st = kiln_checkpoint_save(ckpt, R.model, R.opt, R.sched, NULL, 0, step, extra);
   kiln_dict_free(extra);
   return st;

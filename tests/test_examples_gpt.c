@@ -41,7 +41,7 @@ static void write_text(const char *name, int lines) {
 /* A Hugging Face GPT-2 directory dir (in the scratch directory): a 1-layer GPT over
 ** vocab tokens saved by kiln_gpt_save_hf, and the fixture tokenizer's vocab.json and
 ** merges.txt. The model is returned (the caller frees it); NULL on failure. */
-static kiln_module *make_hf_dir(const char *dir, int64_t vocab, const char *src) {
+static kiln_module *make_hf_dir(const char *dir, int64_t vocab, const char *src, bool tokenizer_json) {
   char p[512], q[1100];
   snprintf(p, sizeof p, "%s/%s", cr_tmpdir(), dir);
   kiln_gpt_config c = kiln_gpt2_config();
@@ -50,8 +50,9 @@ static kiln_module *make_hf_dir(const char *dir, int64_t vocab, const char *src)
   kiln_module *m = kiln_gpt_new(&c, KILN_F32, kiln_device_cpu(), g);
   kiln_generator_free(g);
   bool ok = m && kiln_gpt_save_hf(m, p) == KILN_OK;
-  const char *files[2] = {"vocab.json", "merges.txt"};
-  for (int i = 0; i < 2 && ok; i++) {
+  const char *pair[2] = {"vocab.json", "merges.txt"}, *one[1] = {"tokenizer.json"};
+  const char **files = tokenizer_json ? one : pair;
+  for (int i = 0; i < (tokenizer_json ? 1 : 2) && ok; i++) {
     snprintf(q, sizeof q, "%s/tests/fixtures/tokenizer/%s", src, files[i]);
     char *text = cr_slurp(q);
     snprintf(q, sizeof q, "%s/%s", p, files[i]);
@@ -205,7 +206,7 @@ int main(void) {
   ** are the directory's within 1e-6 (the run started from them: a new model's differ by
   ** ~0.02) */
   if (src) {
-    kiln_module *hf = make_hf_dir("hf", 4096, src);
+    kiln_module *hf = make_hf_dir("hf", 4096, src, false);
     CR_CHECK(hf != NULL, "no Hugging Face directory to fine-tune");
     r = cr_run(NULL, "gpt", "--data news.txt --from-hf hf --steps 2 --eval-every 2 --eval-iters 2 --batch 4 --block 16 "
                             "--lr 1e-9 --checkpoint hf.ckpt --json --quiet --device cpu --n-layer 3");
@@ -213,8 +214,27 @@ int main(void) {
                  cr_json_num(r.out, "block") == 16,
              "--from-hf training: %d %s %s", r.status, r.out, r.err);
     CR_CHECK(strstr(r.err, "--n-layer, --n-head and --n-embd are ignored"), "no note on the shape flags: %s", r.err);
-    double fl = cr_json_num(r.out, "val_loss");
+    double fl = cr_json_num(r.out, "val_loss"), ftl = cr_json_num(r.out, "train_loss");
     CR_CHECK(fl > 6 && fl < 10, "--from-hf val loss %g (a random model: about ln 4096 = 8.3)", fl);
+    cr_free(&r);
+    /* the same model with the same tokenizer as one tokenizer.json (no vocab.json): the
+    ** same ids, so the same losses; its checkpoint carries that file and samples with it */
+    kiln_module_free(make_hf_dir("hfj", 4096, src, true));
+    r = cr_run(NULL, "gpt", "--data news.txt --from-hf hfj --steps 2 --eval-every 2 --eval-iters 2 --batch 4 "
+                            "--block 16 --lr 1e-9 --checkpoint hfj.ckpt --json --quiet --device cpu");
+    CR_CHECK(r.status == 0 && cr_json_num(r.out, "val_loss") == fl && cr_json_num(r.out, "train_loss") == ftl,
+             "--from-hf with tokenizer.json: %d %s %s (the pair's losses: %.9g %.9g)", r.status, r.out, r.err, ftl, fl);
+    cr_free(&r);
+    r = cr_run(NULL, "gpt", "--generate 'Fix a crash' --tokens 8 --checkpoint hfj.ckpt --device cpu");
+    CR_CHECK(r.status == 0 && !strncmp(r.out, "Fix a crash", 11) && strlen(r.out) > 11,
+             "tokenizer.json checkpoint generate: %d '%s' %s", r.status, r.out, r.err);
+    cr_free(&r);
+    char broken[1100];
+    snprintf(broken, sizeof broken, "%s/hfj/tokenizer.json", cr_tmpdir());
+    FILE *bf = fopen(broken, "wb");
+    if (bf) fputs("{\"model\": {\"type\": \"BPE\", \"vocab\": ", bf), fclose(bf);
+    r = cr_run(NULL, "gpt", "--data news.txt --from-hf hfj --steps 2 --checkpoint c.ckpt --quiet --device cpu");
+    CR_CHECK(r.status == 2 && strstr(r.err, "tokenizer.json"), "a cut tokenizer.json: %d %s", r.status, r.err);
     cr_free(&r);
     char path[1024];
     snprintf(path, sizeof path, "%s/hf.ckpt", cr_tmpdir());
@@ -253,7 +273,7 @@ int main(void) {
     CR_CHECK(r.status == 2 && strstr(r.err, "longer than the model's context, 32"), "--from-hf long block: %d %s",
              r.status, r.err);
     cr_free(&r);
-    kiln_module_free(make_hf_dir("hf100", 100, src)); /* the fixture tokenizer has 4096 tokens */
+    kiln_module_free(make_hf_dir("hf100", 100, src, false)); /* the fixture tokenizer has 4096 tokens */
     r = cr_run(NULL, "gpt", "--data news.txt --from-hf hf100 --steps 2 --checkpoint c.ckpt --quiet --device cpu");
     CR_CHECK(r.status == 2 && strstr(r.err, "vocabulary is 100 tokens, the tokenizer's 4096"),
              "--from-hf tokenizer of another vocabulary: %d %s", r.status, r.err);
@@ -264,7 +284,8 @@ int main(void) {
            r.status, r.err);
   cr_free(&r);
   r = cr_run(NULL, "gpt", "--data news.txt --tokenizer no-such-dir --steps 2 --checkpoint c.ckpt " TINY);
-  CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json"), "missing tokenizer: %d %s", r.status, r.err);
+  CR_CHECK(r.status == 2 && strstr(r.err, "vocab.json") && strstr(r.err, "tokenizer.json"), "missing tokenizer: %d %s",
+           r.status, r.err);
   cr_free(&r);
   /* a FIFO as vocab.json: refused at once, not waited on (the example read it with a plain open) */
   char fifo_dir[1024];

@@ -59,7 +59,8 @@ KILN_API const char *kiln_dict_meta_value(const kiln_dict *d, int i);
 
 /* --------------------------------------------------------------------------------------
 ** safetensors (https://github.com/huggingface/safetensors). Layout: see src/io/safetensors.c.
-** Dtypes: F32 F64 F16 BF16 I64 I32 U8 BOOL (others: KILN_ERR_DTYPE).
+** Dtypes: F32 F64 F16 BF16 I64 I32 U8 BOOL (others: KILN_ERR_DTYPE when read; listed by
+** kiln_safetensors_open).
 */
 /* Writes d to path atomically (path.tmp.<pid>, fsync, rename, fsync of the directory).
 ** Tensors on any device and with any strides are copied to the host in C order. Keys are
@@ -86,8 +87,8 @@ KILN_API kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev);
 **   kiln_safetensors_close(f);
 **
 ** The header is checked as kiln_safetensors_load checks it (the same errors, prefixed
-** kiln_safetensors_open); the tensors' bytes are read by kiln_safetensors_read, in any
-** order. The file stays open until kiln_safetensors_close (NULL: nothing). */
+** kiln_safetensors_open), except that a dtype kiln does not hold is listed, not refused;
+** the tensors' bytes are read by kiln_safetensors_read, in any order. The file stays open until kiln_safetensors_close (NULL: nothing). */
 typedef struct kiln_safetensors kiln_safetensors;
 KILN_API kiln_safetensors *kiln_safetensors_open(const char *path);
 KILN_API void kiln_safetensors_close(kiln_safetensors *f);
@@ -97,8 +98,15 @@ KILN_API int kiln_safetensors_count(const kiln_safetensors *f);
 ** out of range. */
 KILN_API const char *kiln_safetensors_name(const kiln_safetensors *f, int i);
 /* Tensor i's dims (returned; -1 + KILN_ERR_INVALID_ARGUMENT when out of range), dtype
-** and shape (KILN_MAX_DIMS entries at most); dtype and shape may be NULL. */
+** and shape (KILN_MAX_DIMS entries at most); dtype and shape may be NULL. A tensor of a
+** dtype kiln does not hold (I8 I16 U16 U32 U64 C64, the F8, F6 and F4 kinds of quantized
+** checkpoints) is listed with dtype KILN_DTYPE__COUNT; reading it is KILN_ERR_DTYPE, and
+** kiln_safetensors_load refuses the file. */
 KILN_API int kiln_safetensors_info(const kiln_safetensors *f, int i, kiln_dtype *dtype, int64_t *shape);
+/* Tensor i's dtype as the file names it ("F32", "BF16", "F8_E4M3", ...; static) and its
+** size in the file in bytes; NULL or -1 + KILN_ERR_INVALID_ARGUMENT when out of range. */
+KILN_API const char *kiln_safetensors_dtype(const kiln_safetensors *f, int i);
+KILN_API int64_t kiln_safetensors_nbytes(const kiln_safetensors *f, int i);
 /* The index of the tensor called name, or -1 (no error set: absence is an answer). */
 KILN_API int kiln_safetensors_find(const kiln_safetensors *f, const char *name);
 /* "__metadata__" as a dict with no tensors (borrowed; read it with kiln_dict_meta_*). */

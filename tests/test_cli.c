@@ -225,6 +225,22 @@ static void test_info(void) {
 #endif
   cr_free(&r);
 
+  /* A quantized file's dtypes kiln does not hold are listed by the file's names, with their
+  ** bytes (an F8_E4M3 [2, 3] beside an F32 [2]) */
+  char quant[300];
+  snprintf(quant, sizeof quant, "%s/quant.safetensors", cr_tmpdir());
+  const char qh[] = "{\"q\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,3],\"data_offsets\":[0,6]},"
+                    "\"s\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[6,14]}}";
+  unsigned char qb[8 + sizeof qh - 1 + 14] = {0};
+  qb[0] = (unsigned char)(sizeof qh - 1);
+  memcpy(qb + 8, qh, sizeof qh - 1);
+  write_bytes(quant, qb, sizeof qb);
+  snprintf(args, sizeof args, "info '%s'", quant);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 0 && strstr(r.out, "F8_E4M3") && strstr(r.out, "2 tensors, 8 parameters, 14 bytes"),
+           "info on an F8 file: %d %s %s", r.status, r.out, r.err);
+  cr_free(&r);
+
   /* A directory means its model.safetensors (a Hugging Face directory); one without says so. */
   snprintf(args, sizeof args, "info '%s'", cr_tmpdir());
   r = cr_run(NULL, "kiln", args);

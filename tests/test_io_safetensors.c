@@ -483,6 +483,56 @@ static void test_many(void) {
 /* kiln_safetensors_open: the header alone, tensors read one by one with the bytes and the
 ** order kiln_safetensors_load gives; bad indices, a file cut short after it was opened, and a
 ** 4 GiB tensor (a sparse file) listed without its bytes being read. */
+/* A quantized checkpoint's dtypes (F8_E4M3, F4, U16, ...) are listed by open, with the
+** file's dtype name and byte size, and refused by read and load (KILN_ERR_DTYPE naming the
+** tensor); the held tensors beside them still read. F4 packs two elements per byte: an odd
+** count is not a whole number of bytes. */
+static void test_unheld_dtypes(void) {
+  const char *hdr = "{\"q\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,3],\"data_offsets\":[0,6]},"
+                    "\"s\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[6,14]},"
+                    "\"p\":{\"dtype\":\"F4\",\"shape\":[4,2],\"data_offsets\":[14,18]},"
+                    "\"u\":{\"dtype\":\"U16\",\"shape\":[1],\"data_offsets\":[18,20]}}";
+  kiln_clear_error();
+  kiln_dict *d = load_crafted(hdr, 20);
+  CHECK(!d && kiln_last_error() == KILN_ERR_DTYPE && strstr(kiln_last_error_message(), "tensor 'q'") &&
+        strstr(kiln_last_error_message(), "F8_E4M3") && strstr(kiln_last_error_message(), "kiln_safetensors_open"));
+  kiln_dict_free(d);
+  char p[300];
+  snprintf(p, sizeof p, "%s/crafted.safetensors", g_tmp);
+  kiln_safetensors *f = kiln_safetensors_open(p);
+  CHECK(f && kiln_safetensors_count(f) == 4);
+  if (!f) return;
+  static const struct {
+    const char *name, *dtype;
+    int64_t nbytes;
+    bool held;
+  } want[] = {{"q", "F8_E4M3", 6, false}, {"s", "F32", 8, true}, {"p", "F4", 4, false}, {"u", "U16", 2, false}};
+  for (int k = 0; k < 4; k++) {
+    int i = kiln_safetensors_find(f, want[k].name);
+    kiln_dtype dt = KILN_F64;
+    int64_t shape[KILN_MAX_DIMS];
+    CHECK(i == k && kiln_safetensors_info(f, i, &dt, shape) >= 1 && !strcmp(kiln_safetensors_dtype(f, i), want[k].dtype) &&
+          kiln_safetensors_nbytes(f, i) == want[k].nbytes && (dt == KILN_DTYPE__COUNT) == !want[k].held);
+    kiln_clear_error();
+    kiln_tensor *t = kiln_safetensors_read(f, i, kiln_device_cpu());
+    if (want[k].held) {
+      CHECK(t && kiln_numel(t) == 2);
+    } else {
+      CHECK(!t && kiln_last_error() == KILN_ERR_DTYPE && strstr(kiln_last_error_message(), want[k].dtype) &&
+            strstr(kiln_last_error_message(), "kiln_safetensors_read"));
+    }
+    kiln_tensor_free(t);
+  }
+  CHECK(kiln_safetensors_dtype(f, 4) == NULL && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_nbytes(f, -1) == -1 && kiln_safetensors_dtype(NULL, 0) == NULL);
+  kiln_safetensors_close(f);
+  expect_error("{\"p\":{\"dtype\":\"F4\",\"shape\":[3],\"data_offsets\":[0,2]}}", 2, KILN_ERR_FORMAT,
+               "not a whole number of bytes");
+  expect_error("{\"p\":{\"dtype\":\"F6_E2M3\",\"shape\":[4],\"data_offsets\":[0,4]}}", 4, KILN_ERR_FORMAT,
+               "need 3");
+  kiln_clear_error();
+}
+
 static void test_open(void) {
   kiln_safetensors *f = kiln_safetensors_open(g_fixture);
   kiln_dict *d = kiln_safetensors_load(g_fixture, kiln_device_cpu());
@@ -588,6 +638,7 @@ int main(void) {
   test_names();
   test_many();
   test_open();
+  test_unheld_dtypes();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

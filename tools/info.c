@@ -22,19 +22,21 @@ static void info_usage(FILE *f) {
              "  means its model.safetensors. --json prints one JSON object on stdout.\n");
 }
 
-/* Tensor i's entry: name, dtype, dims into shape, elements and bytes. */
+/* Tensor i's entry: name, dtype (kiln's name; one kiln does not hold, as the file names
+** it: F8_E4M3, ...), dims into shape, elements and bytes. */
 typedef struct entry {
-  const char *name;
-  kiln_dtype dtype;
+  const char *name, *dtype;
   int ndim;
   int64_t shape[KILN_MAX_DIMS], numel, bytes;
 } entry;
 
 static entry entry_at(const kiln_safetensors *f, int i) {
   entry e = {.name = kiln_safetensors_name(f, i), .numel = 1};
-  e.ndim = kiln_safetensors_info(f, i, &e.dtype, e.shape);
+  kiln_dtype dt;
+  e.ndim = kiln_safetensors_info(f, i, &dt, e.shape);
+  e.dtype = dt == KILN_DTYPE__COUNT ? kiln_safetensors_dtype(f, i) : kiln_dtype_name(dt);
   for (int k = 0; k < e.ndim; k++) e.numel *= e.shape[k];
-  e.bytes = e.numel * (int64_t)kiln_dtype_size(e.dtype);
+  e.bytes = kiln_safetensors_nbytes(f, i);
   return e;
 }
 
@@ -104,7 +106,7 @@ int cli_info(int argc, char **argv) {
       entry e = entry_at(f, i);
       cli_json_object_begin(&j, NULL);
       cli_json_string(&j, "name", e.name);
-      cli_json_string(&j, "dtype", kiln_dtype_name(e.dtype));
+      cli_json_string(&j, "dtype", e.dtype);
       cli_json_array_begin(&j, "shape");
       for (int k = 0; k < e.ndim; k++) cli_json_int(&j, NULL, e.shape[k]);
       cli_json_array_end(&j);
@@ -137,7 +139,7 @@ int cli_info(int argc, char **argv) {
       kiln_dims_str(e.ndim, e.shape, sh, sizeof sh);
       snprintf(ne, sizeof ne, "%lld", (long long)e.numel);
       snprintf(nb, sizeof nb, "%lld", (long long)e.bytes);
-      const char *row[] = {e.name, kiln_dtype_name(e.dtype), sh, ne, nb};
+      const char *row[] = {e.name, e.dtype, sh, ne, nb};
       cli_table_row(t, row);
     }
     cli_table_print(stdout, t, pretty);

@@ -38,13 +38,15 @@
 static const struct {
   const char *name;
   int dtype; /* kiln_dtype, or -1: valid in safetensors but not held by kiln */
+  int bits;  /* per element; F4 and F6 pack elements across bytes */
 } st_dtypes[] = {
-    {"F32", KILN_F32}, {"F64", KILN_F64},  {"F16", KILN_F16},      {"BF16", KILN_BF16},
-    {"I64", KILN_I64}, {"I32", KILN_I32},  {"U8", KILN_U8},        {"BOOL", KILN_BOOL},
-    {"I8", -1},        {"I16", -1},        {"U16", -1},            {"U32", -1},
-    {"U64", -1},       {"F8_E4M3", -1},    {"F8_E5M2", -1},        {"F8_E8M0", -1},
-    {"F4", -1},        {"F6_E2M3", -1},    {"F6_E3M2", -1},        {"C64", -1},
+    {"F32", KILN_F32, 32}, {"F64", KILN_F64, 64}, {"F16", KILN_F16, 16},   {"BF16", KILN_BF16, 16},
+    {"I64", KILN_I64, 64}, {"I32", KILN_I32, 32}, {"U8", KILN_U8, 8},      {"BOOL", KILN_BOOL, 8},
+    {"I8", -1, 8},         {"I16", -1, 16},       {"U16", -1, 16},         {"U32", -1, 32},
+    {"U64", -1, 64},       {"F8_E4M3", -1, 8},    {"F8_E5M2", -1, 8},      {"F8_E8M0", -1, 8},
+    {"F4", -1, 4},         {"F6_E2M3", -1, 6},    {"F6_E3M2", -1, 6},      {"C64", -1, 64},
 };
+#define ST_HELD "F32 F64 F16 BF16 I64 I32 U8 BOOL"
 
 static const char *st_dtype_name(kiln_dtype dt) {
   for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
@@ -55,7 +57,8 @@ static const char *st_dtype_name(kiln_dtype dt) {
 typedef struct st_info {
   const char *name; /* in the names arena */
   size_t name_at;   /* the name's offset in the header, for errors */
-  kiln_dtype dtype;
+  kiln_dtype dtype; /* KILN_DTYPE__COUNT: one kiln does not hold (listed, not read) */
+  int st_dtype;     /* the file's, an index into st_dtypes */
   int ndim;
   int64_t shape[KILN_MAX_DIMS];
   uint64_t begin, end;
@@ -117,15 +120,8 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
       int found = 0;
       for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0] && !found; i++) {
         if (strcmp(st_dtypes[i].name, jr->buf) != 0) continue;
-        if (st_dtypes[i].dtype < 0) {
-          jr->code = KILN_ERR_DTYPE;
-          kiln__jr_fail_at(jr, dt_at,
-                           "tensor '%s' has dtype %s, which kiln does not hold "
-                           "(F32 F64 F16 BF16 I64 I32 U8 BOOL)",
-                           name, jr->buf);
-          return 0;
-        }
-        info->dtype = (kiln_dtype)st_dtypes[i].dtype;
+        info->dtype = st_dtypes[i].dtype < 0 ? KILN_DTYPE__COUNT : (kiln_dtype)st_dtypes[i].dtype;
+        info->st_dtype = (int)i;
         found = 1;
       }
       if (!found) {
@@ -182,8 +178,9 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
   }
   /* numel * size stays below 2^62: each factor is checked before multiplying. span is the
   ** product with zero dims counted as 1 (what strides are made of): it must fit too, or a
-  ** shape like [0, 2^40, 2^40] would pass as 0 bytes. */
-  uint64_t bytes = kiln_dtype_size(info->dtype), span = bytes;
+  ** shape like [0, 2^40, 2^40] would pass as 0 bytes. Sub-byte dtypes count bits. */
+  const int bits = st_dtypes[info->st_dtype].bits;
+  uint64_t bytes = bits % 8 ? (uint64_t)bits : (uint64_t)bits / 8, span = bytes;
   for (int i = 0; i < info->ndim; i++) {
     uint64_t v = dims[i];
     if (span > (UINT64_C(1) << 62) / (v ? v : 1)) {
@@ -198,6 +195,15 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
     bytes *= v;
     info->shape[i] = (int64_t)v;
   }
+  if (bits % 8) {
+    if (bytes % 8) {
+      kiln__jr_fail_at(jr, shape_at, "tensor '%s' has %llu elements of %s (%d bits each): not a whole number "
+                       "of bytes", name, (unsigned long long)(bytes / (uint64_t)bits), st_dtypes[info->st_dtype].name,
+                       bits);
+      return 0;
+    }
+    bytes /= 8;
+  }
   if (info->end < info->begin) {
     kiln__jr_fail_at(jr, off_at, "tensor '%s' data_offsets [%llu, %llu) end before begin", name,
                      (unsigned long long)info->begin, (unsigned long long)info->end);
@@ -209,7 +215,7 @@ static int parse_entry(kiln__jreader *jr, st_info *info) {
                      "dtype %s need %llu",
                      name, (unsigned long long)info->begin, (unsigned long long)info->end,
                      (unsigned long long)(info->end - info->begin),
-                     st_dtype_name(info->dtype), (unsigned long long)bytes);
+                     st_dtypes[info->st_dtype].name, (unsigned long long)bytes);
     return 0;
   }
   return 1;
@@ -470,6 +476,11 @@ fail:
 ** read before through the handle. */
 static kiln_tensor *st_read(const char *who, kiln_safetensors *s, int i) {
   const st_info *info = &s->h.infos[i];
+  if (info->dtype == KILN_DTYPE__COUNT) {
+    kiln_set_error(KILN_ERR_DTYPE, "%s: %s: tensor '%s' has dtype %s, which kiln does not hold (" ST_HELD ")", who,
+                   s->path, info->name, st_dtypes[info->st_dtype].name);
+    return NULL;
+  }
   kiln_tensor *t = kiln__own(kiln_empty(info->ndim, info->ndim ? info->shape : NULL, info->dtype, kiln_device_cpu()));
   if (!t) return NULL;
   size_t n = (size_t)(info->end - info->begin);
@@ -542,6 +553,15 @@ int kiln_safetensors_info(const kiln_safetensors *s, int i, kiln_dtype *dtype, i
   return info->ndim;
 }
 
+const char *kiln_safetensors_dtype(const kiln_safetensors *s, int i) {
+  return st_index_ok("kiln_safetensors_dtype", s, i) ? st_dtypes[s->h.infos[i].st_dtype].name : NULL;
+}
+
+int64_t kiln_safetensors_nbytes(const kiln_safetensors *s, int i) {
+  if (!st_index_ok("kiln_safetensors_nbytes", s, i)) return -1;
+  return (int64_t)(s->h.infos[i].end - s->h.infos[i].begin);
+}
+
 int kiln_safetensors_find(const kiln_safetensors *s, const char *name) {
   if (!s || !name) return -1;
   int lo = 0, hi = s->h.n; /* the first of by_name[lo..hi) whose name is >= name */
@@ -569,6 +589,17 @@ kiln_tensor *kiln_safetensors_read(kiln_safetensors *s, int i, kiln_device dev) 
 kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
   kiln_safetensors *s = st_open(WHO, path);
   if (!s) return NULL;
+  /* a dtype kiln does not hold refuses the file before any read (the first in the header) */
+  const st_info *unheld = NULL;
+  for (int i = 0; i < s->h.n; i++)
+    if (s->h.infos[i].dtype == KILN_DTYPE__COUNT && (!unheld || s->h.infos[i].pos < unheld->pos))
+      unheld = &s->h.infos[i];
+  if (unheld) {
+    kiln_set_error(KILN_ERR_DTYPE, WHO ": %s: tensor '%s' has dtype %s, which kiln does not hold (" ST_HELD "; "
+                   "kiln_safetensors_open lists such a file)", path, unheld->name, st_dtypes[unheld->st_dtype].name);
+    st_free(s);
+    return NULL;
+  }
   kiln_dict *d = s->meta; /* the metadata's dict becomes the result */
   s->meta = NULL;
   for (int i = 0; i < s->h.n; i++) { /* in data order: the writer's order for kiln and the reference */

@@ -113,6 +113,13 @@ static bool src_info(const hf_src *s, const char *name, kiln_dtype *dt, int *ndi
   return f && (*ndim = kiln_safetensors_info(f, i, dt, shape)) >= 0;
 }
 
+/* name's dtype for a message: kiln's name, or the file's for one kiln does not hold. */
+static const char *src_dtype_name(const hf_src *s, const char *name, kiln_dtype dt) {
+  int i;
+  kiln_safetensors *f = dt == KILN_DTYPE__COUNT && !s->dict ? src_file(s, name, &i) : NULL;
+  return f ? kiln_safetensors_dtype(f, i) : kiln_dtype_name(dt);
+}
+
 /* name's values: the dict's own tensor (on its device), or read from its file onto the CPU
 ** into the current scope; NULL with the error set (absent: KILN_ERR_INTERNAL, the checks
 ** come first). */
@@ -329,7 +336,7 @@ static kiln_status load_hf(kiln_module *gpt, const hf_src *src, const char *who)
     }
     if (!kiln_dtype_is_float(dt))
       kiln__problems_mismatch(&p, KILN_ERR_DTYPE, "%s has dtype %s; expected a floating dtype", key,
-                              kiln_dtype_name(dt));
+                              src_dtype_name(src, key, dt));
   }
   /* Every HF entry is one of those, a buffer kiln does not keep, or the tied head. */
   kiln_scope_begin();

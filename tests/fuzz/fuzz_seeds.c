@@ -81,6 +81,13 @@ static void seeds_safetensors_npy(const char *tmp) {
   kiln_safetensors_save(tmp, one);
   put_file("safetensors", "seed-one", -1, tmp);
   kiln_dict_free(one);
+  /* a quantized file's dtypes (listed by open, refused by read and load) beside a held one */
+  static const char qh[] = "{\"q\":{\"dtype\":\"F8_E4M3\",\"shape\":[2,3],\"data_offsets\":[0,6]},"
+                           "\"p\":{\"dtype\":\"F4\",\"shape\":[4,2],\"data_offsets\":[6,10]},"
+                           "\"s\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[10,18]}}";
+  unsigned char qb[8 + sizeof qh - 1 + 18] = {(unsigned char)(sizeof qh - 1)};
+  memcpy(qb + 8, qh, sizeof qh - 1);
+  put("safetensors", "seed-quantized", -1, qb, sizeof qb);
   const char *npys[] = {"w", "b", "h", "i", "j", "u", "m", "s", "e"};
   for (size_t k = 0; k < sizeof npys / sizeof npys[0]; k++) {
     char name[32];

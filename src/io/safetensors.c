@@ -472,13 +472,18 @@ fail:
   return NULL;
 }
 
+/* KILN_ERR_DTYPE for a tensor of a dtype kiln does not hold; tail ends the message. */
+static kiln_status refuse_unheld(const char *who, const char *path, const st_info *info, const char *tail) {
+  return kiln_set_error(KILN_ERR_DTYPE, "%s: %s: tensor '%s' has dtype %s, which kiln does not hold (" ST_HELD "%s)",
+                        who, path, info->name, st_dtypes[info->st_dtype].name, tail);
+}
+
 /* Tensor i onto the CPU (caller-owned), read with pread: at its own offset, whatever was
 ** read before through the handle. */
 static kiln_tensor *st_read(const char *who, kiln_safetensors *s, int i) {
   const st_info *info = &s->h.infos[i];
   if (info->dtype == KILN_DTYPE__COUNT) {
-    kiln_set_error(KILN_ERR_DTYPE, "%s: %s: tensor '%s' has dtype %s, which kiln does not hold (" ST_HELD ")", who,
-                   s->path, info->name, st_dtypes[info->st_dtype].name);
+    refuse_unheld(who, s->path, info, "");
     return NULL;
   }
   kiln_tensor *t = kiln__own(kiln_empty(info->ndim, info->ndim ? info->shape : NULL, info->dtype, kiln_device_cpu()));
@@ -595,8 +600,7 @@ kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev) {
     if (s->h.infos[i].dtype == KILN_DTYPE__COUNT && (!unheld || s->h.infos[i].pos < unheld->pos))
       unheld = &s->h.infos[i];
   if (unheld) {
-    kiln_set_error(KILN_ERR_DTYPE, WHO ": %s: tensor '%s' has dtype %s, which kiln does not hold (" ST_HELD "; "
-                   "kiln_safetensors_open lists such a file)", path, unheld->name, st_dtypes[unheld->st_dtype].name);
+    refuse_unheld(WHO, path, unheld, "; kiln_safetensors_open lists such a file");
     st_free(s);
     return NULL;
   }

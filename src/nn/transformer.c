@@ -177,7 +177,6 @@ static kiln_status check_gpt_config(const kiln_gpt_config *c, kiln_dtype dt, con
   return check_dtype(dt, who);
 }
 
-/* A Linear with GPT-2's init: weight ~ N(0, std), bias 0. */
 /* How the GPT constructors set their weights: GPT-2's init from gen (draw), or not at all
 ** (a loader writes every one; gen is untouched). */
 typedef struct gpt_init {

@@ -43,8 +43,9 @@
 ** --until N stops at step N of the --steps schedule (after evaluating and writing the
 ** checkpoint there): a long run split into sessions, each continued with --resume.
 ** --tokenizer DIR trains on GPT-2 byte-level BPE tokens instead of bytes: DIR holds
-** vocab.json and merges.txt, or tokenizer.json (tests/fixtures/tokenizer has one of 4096 tokens trained
-** locally with `tokenizers` on this same changelog: scripts/make_tokenizer_fixtures.py);
+** vocab.json and merges.txt, or tokenizer.json (tests/fixtures/tokenizer has one of 4096
+** tokens trained locally with `tokenizers` on this same changelog:
+** scripts/make_tokenizer_fixtures.py);
 ** the model's vocabulary is the tokenizer's, and its files are stored in the checkpoint's
 ** metadata, so --generate and --resume encode and decode with the tokenizer the model
 ** was trained with. --block then counts tokens.
@@ -55,8 +56,8 @@
 ** faster; f16 without a loss scaler can underflow small gradients, bf16 needs none.
 ** --from-hf DIR fine-tunes a pretrained GPT-2 instead of training a new model: DIR is a
 ** Hugging Face model directory (config.json, model.safetensors, and the tokenizer's
-** vocab.json and merges.txt or its tokenizer.json, as `save_pretrained` and the hub give them; --tokenizer
-** takes the tokenizer from elsewhere). The model's shape and dropout come from config.json
+** vocab.json and merges.txt or its tokenizer.json, as `save_pretrained` and the hub give
+** them; --tokenizer takes the tokenizer from elsewhere). The model's shape and dropout come from config.json
 ** (--n-layer, --n-head, --n-embd are ignored; --dropout overrides), its weights from
 ** model.safetensors or the shards of model.safetensors.index.json (kiln_gpt_from_hf, a
 ** tensor at a time); --block is the training window, up to the model's

@@ -88,7 +88,8 @@ KILN_API kiln_dict *kiln_safetensors_load(const char *path, kiln_device dev);
 **
 ** The header is checked as kiln_safetensors_load checks it (the same errors, prefixed
 ** kiln_safetensors_open), except that a dtype kiln does not hold is listed, not refused;
-** the tensors' bytes are read by kiln_safetensors_read, in any order. The file stays open until kiln_safetensors_close (NULL: nothing). */
+** the tensors' bytes are read by kiln_safetensors_read, in any order. The file stays open
+** until kiln_safetensors_close (NULL: nothing). */
 typedef struct kiln_safetensors kiln_safetensors;
 KILN_API kiln_safetensors *kiln_safetensors_open(const char *path);
 KILN_API void kiln_safetensors_close(kiln_safetensors *f);

@@ -511,8 +511,9 @@ static void test_unheld_dtypes(void) {
     int i = kiln_safetensors_find(f, want[k].name);
     kiln_dtype dt = KILN_F64;
     int64_t shape[KILN_MAX_DIMS];
-    CHECK(i == k && kiln_safetensors_info(f, i, &dt, shape) >= 1 && !strcmp(kiln_safetensors_dtype(f, i), want[k].dtype) &&
-          kiln_safetensors_nbytes(f, i) == want[k].nbytes && (dt == KILN_DTYPE__COUNT) == !want[k].held);
+    CHECK(i == k && kiln_safetensors_info(f, i, &dt, shape) >= 1 &&
+          !strcmp(kiln_safetensors_dtype(f, i), want[k].dtype) && kiln_safetensors_nbytes(f, i) == want[k].nbytes &&
+          (dt == KILN_DTYPE__COUNT) == !want[k].held);
     kiln_clear_error();
     kiln_tensor *t = kiln_safetensors_read(f, i, kiln_device_cpu());
     if (want[k].held) {

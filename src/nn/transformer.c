@@ -628,7 +628,8 @@ static kiln_module *gpt_new(const kiln_gpt_config *cfg, kiln_dtype dt, kiln_devi
   if (st == KILN_OK) st = kiln_module_add_child(m, "drop", kiln_dropout_new(cfg->dropout, NULL));
   kiln_module *h = st == KILN_OK ? kiln_sequential_new() : NULL;
   if (st == KILN_OK) st = kiln_module_add_child(m, "h", h);
-  for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++) st = kiln_sequential_append(h, block_new(cfg, dt, dev, in));
+  for (int64_t i = 0; i < cfg->n_layer && st == KILN_OK; i++)
+    st = kiln_sequential_append(h, block_new(cfg, dt, dev, in));
   if (st == KILN_OK) st = kiln_module_add_child(m, "ln_f", kiln_layer_norm_new(C, KILN__GPT_LN_EPS, cfg->bias, dt, dev));
   return st == KILN_OK ? m : fail(m);
 }

@@ -108,6 +108,8 @@ KILN_API int kiln_safetensors_info(const kiln_safetensors *f, int i, kiln_dtype 
 ** size in the file in bytes; NULL or -1 + KILN_ERR_INVALID_ARGUMENT when out of range. */
 KILN_API const char *kiln_safetensors_dtype(const kiln_safetensors *f, int i);
 KILN_API int64_t kiln_safetensors_nbytes(const kiln_safetensors *f, int i);
+/* The path it was opened from (borrowed, valid until close); NULL for NULL. */
+KILN_API const char *kiln_safetensors_path(const kiln_safetensors *f);
 /* The index of the tensor called name, or -1 (no error set: absence is an answer). */
 KILN_API int kiln_safetensors_find(const kiln_safetensors *f, const char *name);
 /* "__metadata__" as a dict with no tensors (borrowed; read it with kiln_dict_meta_*). */
@@ -117,6 +119,15 @@ KILN_API const kiln_dict *kiln_safetensors_metadata(const kiln_safetensors *f);
 ** (NULL f, i out of range), KILN_ERR_IO (a failed read, or a file cut short since it was
 ** opened, naming the path, the tensor and the file offset), KILN_ERR_OOM. */
 KILN_API kiln_tensor *kiln_safetensors_read(kiln_safetensors *f, int i, kiln_device dev);
+/* A sharded checkpoint: the index beside the shards of a large model, as Hugging Face's
+** save_pretrained writes it (model.safetensors.index.json: "weight_map", tensor name ->
+** shard file in the index's directory). Each shard is opened once (kiln_safetensors_open),
+** in the order the map first names it; every name the map gives must be in its shard, and
+** no tensor may be in two shards. Returns the number of shards with *shards a new array of
+** them (close each, then free() the array), or -1 (*shards NULL) with KILN_ERR_IO (the
+** index or a shard unreadable), KILN_ERR_FORMAT (naming the index's line and byte, or the
+** shard), KILN_ERR_OOM. */
+KILN_API int kiln_safetensors_open_index(const char *index_path, kiln_safetensors ***shards);
 /* Atomic whole-file write used by checkpoints: writes n bytes to path.tmp.<pid>, fsyncs,
 ** renames over path, fsyncs the directory. On failure path is untouched and the temporary
 ** file removed. KILN_ERR_INVALID_ARGUMENT, KILN_ERR_IO (naming the path and errno). */

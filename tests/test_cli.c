@@ -241,6 +241,47 @@ static void test_info(void) {
            "info on an F8 file: %d %s %s", r.status, r.out, r.err);
   cr_free(&r);
 
+  /* A sharded checkpoint: its index (given, or a directory's without model.safetensors)
+  ** lists both shards' tensors, each row naming its shard, and totals over both */
+  char shard_dir[300], shard[400], index_path[400];
+  snprintf(shard_dir, sizeof shard_dir, "%s/sharded", cr_tmpdir());
+  mkdir(shard_dir, 0777);
+  for (int k = 0; k < 2; k++) {
+    kiln_scope_begin();
+    kiln_dict *sd = kiln_dict_new();
+    kiln_dict_set(sd, k ? "h.1.w" : "h.0.w", kiln_ones(KILN_SHAPE(3, 4), k ? KILN_BF16 : KILN_F32, kiln_device_cpu()));
+    snprintf(shard, sizeof shard, "%s/model-0000%d-of-00002.safetensors", shard_dir, k + 1);
+    CR_CHECK(kiln_safetensors_save(shard, sd) == KILN_OK, "saving shard %d", k);
+    kiln_dict_free(sd);
+    kiln_scope_end();
+  }
+  snprintf(index_path, sizeof index_path, "%s/model.safetensors.index.json", shard_dir);
+  const char ix[] = "{\"metadata\": {\"total_size\": 72}, \"weight_map\": {\"h.0.w\": "
+                    "\"model-00001-of-00002.safetensors\", \"h.1.w\": \"model-00002-of-00002.safetensors\"}}";
+  write_bytes(index_path, ix, sizeof ix - 1);
+  const char *shard_args[] = {shard_dir, index_path};
+  for (int k = 0; k < 2; k++) {
+    snprintf(args, sizeof args, "info '%s'", shard_args[k]);
+    r = cr_run(NULL, "kiln", args);
+    CR_CHECK(r.status == 0 && strstr(r.out, "model-00002-of-00002.safetensors") && strstr(r.out, "bfloat16") &&
+                 strstr(r.out, "2 tensors, 24 parameters, 72 bytes") && strstr(r.out, "in 2 shards"),
+             "info on a sharded checkpoint (%s): %d %s %s", shard_args[k], r.status, r.out, r.err);
+    cr_free(&r);
+  }
+  snprintf(args, sizeof args, "info --json '%s'", shard_dir);
+  r = cr_run(NULL, "kiln", args);
+  tot = strstr(r.out, "\"totals\"");
+  CR_CHECK(r.status == 0 && strstr(r.out, "\"shard\":\"model-00001-of-00002.safetensors\"") &&
+               strstr(r.out, "\"shards\"") && cr_json_num(tot, "bytes") == 72,
+           "info --json on a sharded checkpoint: %d %s", r.status, r.out);
+  cr_free(&r);
+  write_bytes(index_path, "{\"weight_map\": {\"h.0.w\": \"model-00002-of-00002.safetensors\"}}", 61);
+  snprintf(args, sizeof args, "info '%s'", shard_dir);
+  r = cr_run(NULL, "kiln", args);
+  CR_CHECK(r.status == 1 && strstr(r.err, "sharded checkpoint") && strstr(r.err, "does not hold it") && !r.out[0],
+           "info on a wrong index: %d %s", r.status, r.err);
+  cr_free(&r);
+
   /* A directory means its model.safetensors (a Hugging Face directory); one without says so. */
   snprintf(args, sizeof args, "info '%s'", cr_tmpdir());
   r = cr_run(NULL, "kiln", args);

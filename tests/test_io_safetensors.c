@@ -534,6 +534,52 @@ static void test_unheld_dtypes(void) {
   kiln_clear_error();
 }
 
+/* A sharded checkpoint's index opens its shards once each, in the map's order; the index's
+** own problems name it. (test_nn_gpt_hf checks the wrong-shard and duplicate cases.) */
+static void test_open_index(void) {
+  char a[300], b[300], ix[300];
+  snprintf(a, sizeof a, "%s/model-00001-of-00002.safetensors", g_tmp);
+  snprintf(b, sizeof b, "%s/model-00002-of-00002.safetensors", g_tmp);
+  snprintf(ix, sizeof ix, "%s/model.safetensors.index.json", g_tmp);
+  kiln_scope_begin();
+  kiln_dict *d = kiln_dict_new();
+  kiln_dict_set(d, "x", kiln_ones(KILN_SHAPE(2), KILN_F32, kiln_device_cpu()));
+  kiln_dict_set(d, "y", kiln_ones(KILN_SHAPE(3), KILN_F32, kiln_device_cpu()));
+  CHECK(kiln_safetensors_save(b, d) == KILN_OK);
+  kiln_dict_free(d);
+  d = kiln_dict_new();
+  kiln_dict_set(d, "z", kiln_zeros(KILN_SHAPE(1), KILN_I64, kiln_device_cpu()));
+  CHECK(kiln_safetensors_save(a, d) == KILN_OK);
+  kiln_dict_free(d);
+  kiln_scope_end();
+  const char map[] = "{\"metadata\": {\"total_size\": 28}, \"weight_map\": {\"y\": \"model-00002-of-00002.safetensors\", "
+                     "\"z\": \"model-00001-of-00002.safetensors\", \"x\": \"model-00002-of-00002.safetensors\"}}";
+  write_all(ix, map, sizeof map - 1);
+  kiln_safetensors **sh = NULL;
+  int n = kiln_safetensors_open_index(ix, &sh);
+  CHECK(n == 2 && sh && !strcmp(kiln_safetensors_path(sh[0]), b) && !strcmp(kiln_safetensors_path(sh[1]), a) &&
+        kiln_safetensors_count(sh[0]) == 2 && kiln_safetensors_find(sh[1], "z") == 0);
+  for (int i = 0; i < n; i++) kiln_safetensors_close(sh[i]);
+  free(sh);
+  const char *bad[] = {"{\"metadata\": {}}", "{\"weight_map\": []}", "{\"weight_map\": {\"x\": \"../x\"}}",
+                       "{\"weight_map\": {\"x\": \"model-00002-of-00002.safetensors\"}", "[]"};
+  const char *why[] = {"no \"weight_map\"", "not an object", "not a file name", "expected", "expected '{'"};
+  for (int k = 0; k < 5; k++) {
+    write_all(ix, bad[k], strlen(bad[k]));
+    sh = (kiln_safetensors **)&n; /* overwritten with NULL on failure */
+    n = kiln_safetensors_open_index(ix, &sh);
+    bool ok = n == -1 && !sh && kiln_last_error() == KILN_ERR_FORMAT && strstr(kiln_last_error_message(), why[k]) &&
+              strstr(kiln_last_error_message(), "index.json");
+    if (!ok) fprintf(stderr, "index %s: %d %s\n", bad[k], n, kiln_last_error_message());
+    CHECK(ok);
+  }
+  CHECK(kiln_safetensors_open_index(ix, NULL) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
+  CHECK(kiln_safetensors_open_index(NULL, &sh) == -1 && !sh);
+  CHECK(kiln_safetensors_path(NULL) == NULL);
+  remove(a), remove(b), remove(ix);
+  kiln_clear_error();
+}
+
 static void test_open(void) {
   kiln_safetensors *f = kiln_safetensors_open(g_fixture);
   kiln_dict *d = kiln_safetensors_load(g_fixture, kiln_device_cpu());
@@ -640,6 +686,7 @@ int main(void) {
   test_many();
   test_open();
   test_unheld_dtypes();
+  test_open_index();
   test_fuzz();
   CHECK(kiln_live_tensors() == live0);
   scratch_end(g_tmp);

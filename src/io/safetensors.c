@@ -580,6 +580,8 @@ int kiln_safetensors_find(const kiln_safetensors *s, const char *name) {
 
 const kiln_dict *kiln_safetensors_metadata(const kiln_safetensors *s) { return s ? s->meta : NULL; }
 
+const char *kiln_safetensors_path(const kiln_safetensors *s) { return s ? s->path : NULL; }
+
 kiln_tensor *kiln_safetensors_read(kiln_safetensors *s, int i, kiln_device dev) {
   if (!st_index_ok("kiln_safetensors_read", s, i)) return NULL;
   kiln_tensor *t = st_read("kiln_safetensors_read", s, i);

@@ -72,7 +72,6 @@ static int gpt_params(kiln_module *gpt, const char ***names, kiln_tensor ***ts, 
 typedef struct hf_src {
   const kiln_dict *dict;
   kiln_safetensors **files;
-  char **paths; /* each file's */
   int n_files;
 } hf_src;
 
@@ -137,113 +136,23 @@ static kiln_tensor *src_get(const hf_src *s, const char *name) {
 }
 
 static void src_close(hf_src *s) {
-  for (int f = 0; f < s->n_files; f++) {
-    kiln_safetensors_close(s->files[f]);
-    free(s->paths[f]);
-  }
+  for (int f = 0; f < s->n_files; f++) kiln_safetensors_close(s->files[f]);
   free(s->files);
-  free(s->paths);
   *s = (hf_src){0};
 }
 
-/* The index of the file opened from path, or -1. */
-static int src_opened(const hf_src *s, const char *path) {
-  for (int f = 0; f < s->n_files; f++)
-    if (!strcmp(s->paths[f], path)) return f;
-  return -1;
-}
-
-/* Opens path into s (one more file); its tensors may not be in a file opened before. */
-static kiln_status src_open(hf_src *s, const char *path, const char *who) {
-  kiln_safetensors **grown = realloc(s->files, sizeof *grown * (size_t)(s->n_files + 1));
-  if (grown) s->files = grown;
-  char **pgrown = grown ? realloc(s->paths, sizeof *pgrown * (size_t)(s->n_files + 1)) : NULL;
-  if (pgrown) s->paths = pgrown;
-  char *copy = pgrown ? strdup(path) : NULL;
-  if (!copy) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
-  kiln_safetensors *f = kiln_safetensors_open(path);
-  if (!f) {
-    free(copy);
-    return kiln_last_error();
+/* One file (model.safetensors, or any path given), or a sharded checkpoint's index. */
+static kiln_status src_open(hf_src *s, const char *path, bool index, const char *who) {
+  if (index) {
+    s->n_files = kiln_safetensors_open_index(path, &s->files);
+    if (s->n_files < 0) s->n_files = 0;
+    return s->files ? KILN_OK : kiln_last_error();
   }
-  for (int i = 0; i < kiln_safetensors_count(f); i++) {
-    int at;
-    if (src_file(s, kiln_safetensors_name(f, i), &at)) {
-      kiln_status st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s holds %s, which an earlier shard holds too", who, path,
-                                      kiln_safetensors_name(f, i));
-      kiln_safetensors_close(f);
-      free(copy);
-      return st;
-    }
-  }
-  s->paths[s->n_files] = copy;
-  s->files[s->n_files++] = f;
-  return KILN_OK;
-}
-
-/* A sharded checkpoint: dir/model.safetensors.index.json's "weight_map" (tensor name ->
-** shard file in dir), each shard opened once, in the order the map first names it; every
-** name the map gives must be in its shard. Shard names are plain file names (no '/'). */
-static kiln_status src_open_index(hf_src *s, const char *dir, const char *index, const char *who) {
-  size_t n;
-  char *text = kiln__read_regular(who, index, &n);
-  if (!text) return kiln_last_error();
-  kiln__jreader jr;
-  kiln__jr_init(&jr, who, index, text, n);
-  kiln_status st = KILN_OK;
-  char path[4096];
-  int first = 1, r = -1, seen_map = 0;
-  if (kiln__jr_object_begin(&jr))
-    while (st == KILN_OK && (r = kiln__jr_member(&jr, &first)) == 1) {
-      if (strcmp(jr.buf, "weight_map") != 0) { /* "metadata" and anything else */
-        if (!kiln__jr_skip(&jr)) {
-          r = -1;
-          break;
-        }
-        continue;
-      }
-      if (seen_map) {
-        st = kiln__jr_fail_at(&jr, jr.key_pos, "\"weight_map\" twice");
-        break;
-      }
-      seen_map = 1;
-      if (kiln__jr_peek(&jr) != '{') {
-        st = kiln__jr_fail_at(&jr, jr.pos, "\"weight_map\" is not an object of tensor name to shard file");
-        break;
-      }
-      kiln__jr_object_begin(&jr);
-      int f2 = 1, r2;
-      while (st == KILN_OK && (r2 = kiln__jr_member(&jr, &f2)) == 1) {
-        char *name = strdup(jr.buf);
-        size_t at = jr.pos;
-        if (!name) {
-          st = kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
-          break;
-        }
-        if (kiln__jr_peek(&jr) != '"') {
-          st = kiln__jr_fail_at(&jr, at, "the shard of %s is not a string", name);
-        } else if (!kiln__jr_string(&jr)) {
-          st = kiln_last_error();
-        } else if (!jr.buf[0] || strchr(jr.buf, '/') || !strcmp(jr.buf, "..")) {
-          st = kiln__jr_fail_at(&jr, at, "the shard of %s, '%s', is not a file name in the directory", name, jr.buf);
-        } else {
-          snprintf(path, sizeof path, "%s/%s", dir, jr.buf);
-          int f = src_opened(s, path);
-          if (f < 0 && (st = src_open(s, path, who)) == KILN_OK) f = s->n_files - 1;
-          if (st == KILN_OK && kiln_safetensors_find(s->files[f], name) < 0)
-            st = kiln__jr_fail_at(&jr, at, "the index puts %s in %s, which does not hold it", name, jr.buf);
-        }
-        free(name);
-      }
-      if (st == KILN_OK && r2 < 0) st = kiln_last_error();
-    }
-  if (st == KILN_OK && r < 0) st = kiln_last_error();
-  if (st == KILN_OK && r == 0) st = kiln__jr_end(&jr);
-  if (st == KILN_OK && (!seen_map || s->n_files == 0))
-    st = kiln_set_error(KILN_ERR_FORMAT, "%s: %s has no \"weight_map\" naming a shard", who, index);
-  kiln__jr_release(&jr);
-  free(text);
-  return st;
+  s->files = malloc(sizeof *s->files);
+  if (!s->files) return kiln_set_error(KILN_ERR_OOM, "%s: out of host memory", who);
+  s->files[0] = kiln_safetensors_open(path);
+  s->n_files = s->files[0] ? 1 : 0;
+  return s->n_files ? KILN_OK : kiln_last_error();
 }
 
 /* "n_layer 3, n_embd 64, vocab_size 100, n_positions 32" of a HF state, read from the
@@ -590,11 +499,11 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
   kiln_status st;
   if (is_dir && stat(weights, &sb) != 0) { /* no model.safetensors: a sharded checkpoint? */
     snprintf(weights, sizeof weights, "%s/model.safetensors.index.json", path);
-    st = stat(weights, &sb) == 0 ? src_open_index(&src, path, weights, who)
+    st = stat(weights, &sb) == 0 ? src_open(&src, weights, true, who)
                                  : kiln_set_error(KILN_ERR_IO, "%s: %s has neither model.safetensors nor "
                                                                "model.safetensors.index.json", who, path);
   } else {
-    st = src_open(&src, weights, who);
+    st = src_open(&src, weights, false, who);
   }
   if (st != KILN_OK) {
     src_close(&src);

@@ -213,8 +213,9 @@ static int run_gpt_config(const char *path) {
 
 /* ---- hf_index: a sharded Hugging Face checkpoint's model.safetensors.index.json --------
 ** A directory made once a process holds kiln_fuzz_hf_config's GPT in two shards (fuzz_targets.h);
-** each input is its index. kiln_gpt_from_hf loads the model or refuses the index with one of
-** the errors it documents; no tensor outlives the call (kiln_fuzz_run checks). */
+** each input is its index. kiln_safetensors_open_index opens one or both shards or refuses
+** it; kiln_gpt_from_hf loads the model (only from an index the reader took) or refuses it
+** with one of the errors it documents; no tensor outlives the call (kiln_fuzz_run checks). */
 static char hf_dir[192];
 
 static int hf_setup(void) {
@@ -247,10 +248,25 @@ static int run_hf_index(const uint8_t *data, size_t size) {
   char path[256];
   snprintf(path, sizeof path, "%s/model.safetensors.index.json", hf_dir);
   if (write_file(path, data, size)) return 0;
+  /* the index reader alone: the shards (at most the two there, each once) or one error */
+  kiln_safetensors **sh = NULL;
+  int ns = kiln_safetensors_open_index(path, &sh);
+  kiln_status ist = ns < 0 ? kiln_last_error() : KILN_OK;
+  if ((ns < 0) != (sh == NULL) || ns == 0 || ns > 2 ||
+      (ns < 0 && ist != KILN_ERR_FORMAT && ist != KILN_ERR_IO && ist != KILN_ERR_OOM)) {
+    fprintf(stderr, "fuzz hf_index: kiln_safetensors_open_index gave %d: %s\n", ns, kiln_last_error_message());
+    return -1;
+  }
+  for (int i = 0; i < ns; i++) kiln_safetensors_close(sh[i]);
+  free(sh);
   kiln_gpt_config c = kiln_fuzz_hf_config();
   kiln_module *m = kiln_gpt_from_hf(hf_dir, &c, KILN_F32, kiln_device_cpu());
   kiln_status st = m ? KILN_OK : kiln_last_error();
   kiln_module_free(m);
+  if (m && ns < 0) {
+    fprintf(stderr, "fuzz hf_index: the model loaded from an index its reader refused\n");
+    return -1;
+  }
   if (st != KILN_OK && st != KILN_ERR_FORMAT && st != KILN_ERR_IO && st != KILN_ERR_OOM && st != KILN_ERR_SHAPE &&
       st != KILN_ERR_DTYPE) {
     fprintf(stderr, "fuzz hf_index: %s (%s)\n", kiln_last_error_message(), kiln_error_name(st));

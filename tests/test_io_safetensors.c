@@ -573,6 +573,12 @@ static void test_open_index(void) {
     if (!ok) fprintf(stderr, "index %s: %d %s\n", bad[k], n, kiln_last_error_message());
     CHECK(ok);
   }
+  /* a shard that is not there: its own error (IO), said where the index names it */
+  const char gone[] = "{\"weight_map\": {\"x\": \"model-00009-of-00009.safetensors\"}}";
+  write_all(ix, gone, sizeof gone - 1);
+  CHECK(kiln_safetensors_open_index(ix, &sh) == -1 && kiln_last_error() == KILN_ERR_IO &&
+        strstr(kiln_last_error_message(), "index.json:1: byte") && strstr(kiln_last_error_message(), "the shard of x") &&
+        strstr(kiln_last_error_message(), "model-00009-of-00009"));
   CHECK(kiln_safetensors_open_index(ix, NULL) == -1 && kiln_last_error() == KILN_ERR_INVALID_ARGUMENT);
   CHECK(kiln_safetensors_open_index(NULL, &sh) == -1 && !sh);
   CHECK(kiln_safetensors_path(NULL) == NULL);

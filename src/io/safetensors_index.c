@@ -88,6 +88,12 @@ static kiln_status read_weight_map(kiln__jreader *jr, const char *dir, shards *s
     } else {
       int f = shard_of(s, path);
       if (f < 0 && (st = shard_open(s, path)) == KILN_OK) f = s->n - 1;
+      if (st != KILN_OK) { /* the shard's own error, said where the index names it */
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", kiln_last_error_message());
+        jr->code = st;
+        st = kiln__jr_fail_at(jr, at, "the shard of %s: %s", name, msg);
+      }
       if (st == KILN_OK && kiln_safetensors_find(s->files[f], name) < 0)
         st = kiln__jr_fail_at(jr, at, "the index puts %s in %s, which does not hold it", name, jr->buf);
     }

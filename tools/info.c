@@ -102,16 +102,9 @@ int cli_info(int argc, char **argv) {
     const char *ix = ".index.json";
     index = strlen(path) > strlen(ix) && !strcmp(path + strlen(path) - strlen(ix), ix);
   }
-  kiln_safetensors **files = NULL;
-  int nf = index ? kiln_safetensors_open_index(path, &files) : 1;
-  if (!index) {
-    files = malloc(sizeof *files);
-    if (files) files[0] = kiln_safetensors_open(path);
-    nf = files && files[0] ? 1 : -1;
-    if (nf < 0 && !files) kiln_set_error(KILN_ERR_OOM, "out of host memory");
-  }
+  kiln_safetensors *single = NULL, **files = &single; /* the shards, or the one file */
+  const int nf = index ? kiln_safetensors_open_index(path, &files) : (single = kiln_safetensors_open(path)) ? 1 : -1;
   if (nf < 0) {
-    free(files);
     fputs("kiln info: cannot read '", stderr);
     cli_write_safe(stderr, path);
     fputs(index ? "' as a sharded checkpoint: " : "' as safetensors: ", stderr);
@@ -211,6 +204,6 @@ int cli_info(int argc, char **argv) {
     putchar('\n');
   }
   for (int s = 0; s < nf; s++) kiln_safetensors_close(files[s]);
-  free(files);
+  if (index) free(files);
   return 0;
 }

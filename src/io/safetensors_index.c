@@ -118,8 +118,10 @@ int kiln_safetensors_open_index(const char *index_path, kiln_safetensors ***out)
   if (kiln__jr_object_begin(&jr))
     while (st == KILN_OK && (r = kiln__jr_member(&jr, &first)) == 1) {
       if (strcmp(jr.buf, "weight_map") != 0) { /* "metadata" and anything else */
-        if (!kiln__jr_skip(&jr)) r = -1;
-        if (r < 0) break;
+        if (!kiln__jr_skip(&jr)) {
+          r = -1;
+          break;
+        }
       } else if (seen_map) {
         st = kiln__jr_fail_at(&jr, jr.key_pos, "\"weight_map\" twice");
       } else {

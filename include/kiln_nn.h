@@ -475,8 +475,8 @@ KILN_API kiln_dict *kiln_gpt_hf_state_dict(kiln_module *gpt);
 KILN_API kiln_status kiln_gpt_hf_config(const char *path, kiln_gpt_config *cfg);
 /* A new GPT from a HF checkpoint: path is a directory (its config.json and
 ** model.safetensors, or a sharded model.safetensors.index.json and the shards its
-** "weight_map" names, as save_pretrained writes a large model) or a .safetensors file
-** (config.json beside it). cfg non-NULL is used instead of config.json. The model is built
+** "weight_map" names, as save_pretrained writes a large model), a .safetensors file or
+** such an index (a path ending .index.json; config.json beside either). cfg non-NULL is used instead of config.json. The model is built
 ** with dt on dev and loaded as kiln_gpt_load_hf loads a dict, with the same checks, from
 ** the files opened with kiln_safetensors_open and read a tensor at a time (no file is ever
 ** whole in host memory; the global generator is not drawn from). NULL with the error of

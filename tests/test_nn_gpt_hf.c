@@ -225,6 +225,13 @@ static void test_sharded(kiln_dict *ref, kiln_dict *hf) {
   kiln_module *m = kiln_gpt_from_hf(dir, NULL, KILN_F32, cpu), *one = kiln_gpt_from_hf(fix, NULL, KILN_F32, cpu);
   CHECK(m && one && bits_equal(logits_of(m, ids), logits_of(one, ids)));
   kiln_module_free(m);
+  /* the index given by its path: the same model (its config.json from the fixture) */
+  char ixp[600];
+  snprintf(ixp, sizeof ixp, "%s/model.safetensors.index.json", dir);
+  kiln_gpt_config fc = fixture_cfg();
+  m = kiln_gpt_from_hf(ixp, &fc, KILN_F32, cpu);
+  CHECK(m && bits_equal(logits_of(m, ids), logits_of(one, ids)));
+  kiln_module_free(m);
   kiln_module_free(one);
   kiln_scope_end();
   /* the wrong shard for the first tensor: the index names the tensor and the file */

@@ -502,8 +502,10 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
     st = stat(weights, &sb) == 0 ? src_open(&src, weights, true, who)
                                  : kiln_set_error(KILN_ERR_IO, "%s: %s has neither model.safetensors nor "
                                                                "model.safetensors.index.json", who, path);
-  } else {
-    st = src_open(&src, weights, false, who);
+  } else { /* a .safetensors file, or an index given by its path */
+    const char *ix = ".index.json";
+    const size_t n = strlen(weights), k = strlen(ix);
+    st = src_open(&src, weights, n > k && !strcmp(weights + n - k, ix), who);
   }
   if (st != KILN_OK) {
     src_close(&src);

@@ -10,7 +10,6 @@
 **   attention buffers attn.bias (the causal mask) and attn.masked_bias; kiln has none.
 ** Everything else (LayerNorm eps 1e-5, GELU tanh approximation "gelu_new", q k v in that
 ** order along c_attn's output, scaled attention) is the same model. */
-#define _POSIX_C_SOURCE 200809L /* strdup */
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
@@ -503,9 +502,7 @@ kiln_module *kiln_gpt_from_hf(const char *path, const kiln_gpt_config *cfg, kiln
                                  : kiln_set_error(KILN_ERR_IO, "%s: %s has neither model.safetensors nor "
                                                                "model.safetensors.index.json", who, path);
   } else { /* a .safetensors file, or an index given by its path */
-    const char *ix = ".index.json";
-    const size_t n = strlen(weights), k = strlen(ix);
-    st = src_open(&src, weights, n > k && !strcmp(weights + n - k, ix), who);
+    st = src_open(&src, weights, ends_with(weights, ".index.json"), who);
   }
   if (st != KILN_OK) {
     src_close(&src);

@@ -356,7 +356,13 @@ __attribute__((unused)) static void tf_att_bf16(void) {
             {1, 2, 600, 600, 16, 16, true, true},
             {1, 1, 300, 900, 32, 16, true, false},
             {1, 1, 900, 300, 16, 32, false, false},
-            {1, 1, 700, 300, 16, 16, true, false}};
+            {1, 1, 700, 300, 16, 16, true, false},
+            /* AVX512-BF16's products (cpu_attention_vnni.c): head dims over one 64-column
+            ** tile and between tiles, blocks of 64 query rows with a last one of 1, and 15
+            ** query rows, which that path leaves to oneDNN's */
+            {2, 2, 130, 130, 128, 96, true, false},
+            {1, 3, 257, 257, 64, 64, true, true},
+            {1, 2, 15, 40, 16, 16, false, false}};
   kiln_device cpu = kiln_device_cpu();
   for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
     kiln_scope_begin();

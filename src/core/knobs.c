@@ -33,6 +33,7 @@ static const knob knobs[] = {
            "CUDA attention: cuDNN's fused kernels (cudnn, the default), kiln's own (own), or "
            "cuDNN one way only"),
     SWITCH("KILN_ATTENTION_BF16", "0: CPU bf16 attention through the f32 blocks"),
+    SWITCH("KILN_ATTENTION_VNNI", "0: CPU bf16 attention on oneDNN's matmuls even without AMX"),
     SWITCH("KILN_BN_FAST", "0: the CPU batch-norm backward takes its general path"),
     SWITCH("KILN_BN_FLAT", "0: CUDA channels-last batch norm walks (n, s) even on evenly strided rows"),
     SWITCH("KILN_BN_MASK_RECOMPUTE", "0: batch_norm_relu's backward reads its mask instead of recomputing it"),

@@ -92,6 +92,17 @@ kiln_status kiln__cpu_scatter_add(const kiln__kargs *a);
 kiln_status kiln__cpu_layer_norm(const kiln__kargs *a); /* cpu_transformer.c; and backward */
 kiln_status kiln__cpu_batch_norm(const kiln__kargs *a); /* cpu_batchnorm.c; and backward */
 kiln_status kiln__cpu_attention(const kiln__kargs *a);  /* and ATTENTION_BACKWARD */
+/* The bf16 attention's row passes (cpu_transformer.c): forward P = bf16(softmax(s)) over keys
+** [0, n) of a row w wide (0 in [n, w)), returning lse; backward P = bf16(exp(s - lse)) and
+** dS = bf16(P (dP - sum P dP) scale). s and dp are overwritten. */
+float kiln__attb_row_forward(float *s, uint16_t *p, int64_t n, int64_t w);
+void kiln__attb_row_backward(float *s, float *dp, uint16_t *p, uint16_t *ds, int64_t n, int64_t w, float lse,
+                             float scale);
+/* The same attention with the products on AVX512-BF16 dot products (cpu_attention_vnni.c):
+** whether it takes the call (a CPU with AVX512-BF16 and no AMX, bf16, no mask or dropout,
+** even head dims up to 256, 16 query rows or more; KILN_ATTENTION_VNNI=0: never), and it. */
+bool kiln__cpu_attv_takes(const kiln__kargs *a);
+kiln_status kiln__cpu_attv_run(const kiln__kargs *a);
 kiln_status kiln__cpu_cumsum(const kiln__kargs *a);     /* cpu_scan.c */
 kiln_status kiln__cpu_tril(const kiln__kargs *a);
 kiln_status kiln__cpu_topk(const kiln__kargs *a);

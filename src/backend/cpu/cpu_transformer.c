@@ -907,7 +907,6 @@ static kiln_status kiln__attf_run(const kiln__kargs *a) {
   return KILN_OK;
 }
 
-#ifdef KILN_HAVE_DNNL
 /* ---- bf16 attention on oneDNN (AMX) ----
 ** Under bf16 autocast q, k, v arrive in bf16. PyTorch 1.13's CPU attention is then bf16
 ** products (aten::bmm on oneDNN: bf16 operands, f32 accumulation) around a softmax; the f32
@@ -1082,6 +1081,31 @@ KILN__ATTB_ROWS16(_sw, KILN__T512, kiln__bf16bits16)
 KILN__ATTB_ROWS16(_bf, KILN__T512BF, kiln__bf16bits16_cvt)
 #endif
 
+/* The row passes in the best form this CPU runs (cpu.h; cpu_attention_vnni.c takes them too). */
+float kiln__attb_row_forward(float *s, uint16_t *p, int64_t n, int64_t w) {
+#ifdef KILN__AVX512
+  if (kiln__avx512bf16_ok()) return kiln__attb_row_fwd16_bf(s, p, n, w);
+  if (kiln__avx512_ok()) return kiln__attb_row_fwd16_sw(s, p, n, w);
+#endif
+  return kiln__attb_row_fwd(s, p, n, w);
+}
+
+void kiln__attb_row_backward(float *s, float *dp, uint16_t *p, uint16_t *ds, int64_t n, int64_t w, float lse,
+                             float scale) {
+#ifdef KILN__AVX512
+  if (kiln__avx512bf16_ok()) {
+    kiln__attb_row_bwd16_bf(s, dp, p, ds, n, w, lse, scale);
+    return;
+  }
+  if (kiln__avx512_ok()) {
+    kiln__attb_row_bwd16_sw(s, dp, p, ds, n, w, lse, scale);
+    return;
+  }
+#endif
+  kiln__attb_row_bwd(s, dp, p, ds, n, w, lse, scale);
+}
+
+#ifdef KILN_HAVE_DNNL
 typedef struct kiln__attb {
   const kiln__kargs *a;
   int64_t H, Tq, Tk;
@@ -1105,27 +1129,9 @@ static void kiln__attb_rows(void *vctx, int64_t lo, int64_t hi) {
     uint16_t *p = c->P + r * w;
     if (c->bw) {
       float lse = (float)kiln__cpu_get_f64(kiln__at(lv, 3, li), lv->dtype);
-      float *dp = c->dP + r * w;
-      uint16_t *ds = c->dS + r * w;
-#ifdef KILN__AVX512
-      if (kiln__avx512bf16_ok())
-        kiln__attb_row_bwd16_bf(s, dp, p, ds, n, w, lse, c->scale);
-      else if (kiln__avx512_ok())
-        kiln__attb_row_bwd16_sw(s, dp, p, ds, n, w, lse, c->scale);
-      else
-#endif
-        kiln__attb_row_bwd(s, dp, p, ds, n, w, lse, c->scale);
+      kiln__attb_row_backward(s, c->dP + r * w, p, c->dS + r * w, n, w, lse, c->scale);
     } else {
-      float lse;
-#ifdef KILN__AVX512
-      if (kiln__avx512bf16_ok())
-        lse = kiln__attb_row_fwd16_bf(s, p, n, w);
-      else if (kiln__avx512_ok())
-        lse = kiln__attb_row_fwd16_sw(s, p, n, w);
-      else
-#endif
-        lse = kiln__attb_row_fwd(s, p, n, w);
-      kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)lse);
+      kiln__cpu_set_f64(kiln__at(lv, 3, li), lv->dtype, (double)kiln__attb_row_forward(s, p, n, w));
     }
   }
 }
@@ -1376,6 +1382,7 @@ kiln_status kiln__cpu_attention(const kiln__kargs *a) {
     return kiln_set_error(KILN_ERR_SHAPE, "%s: the kernel wants 4-d q, k, v", name);
   for (int i = 0; i < 3; i++)
     if (!kiln__cpu_is_float(a->in[i].dtype)) return kiln__cpu_dtype_error(a, a->in[i].dtype);
+  if (kiln__cpu_attv_takes(a)) return kiln__cpu_attv_run(a);
 #ifdef KILN_HAVE_DNNL
   if (kiln__attb_takes(a)) return kiln__attb_run(a);
 #endif

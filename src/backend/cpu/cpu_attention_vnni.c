@@ -95,32 +95,28 @@ static inline __mmask16 attv_colmask(int q, int ncols) {
 
 enum { ATTV_F32 = 0, ATTV_F32_ADD = 1, ATTV_BF16 = 2 };
 
-/* C (MR rows x ncols <= 64, row stride ldc) = s sum_{p < kp} A_r[p] . B[p]: A_r[p] the two bf16
-** at A + r ars + p aps, B[p] 64 pairs at B + 128 p. mode: f32 stored, f32 added to C, or
-** rounded to bf16 and stored. */
-#define ATTV_UKR(MR)                                                                                        \
-  KILN__T512BF static void attv_ukr##MR(const uint16_t *A, int64_t ars, int64_t aps, const uint16_t *B,    \
-                                        int64_t kp, void *C, int64_t ldc, int mode, float s, int ncols) {  \
-    __m512 c[MR][4];                                                                                        \
+/* C (MR rows x ncols <= 16 NQ, row stride ldc) = s sum_{p < kp} A_r[p] . B[p]: A_r[p] the two
+** bf16 at A + r ars + p aps, B[p] 64 pairs at B + 128 p (of which NQ 16-column quarters are
+** read). mode: f32 stored, f32 added to C, or rounded to bf16 and stored. */
+#define ATTV_UKR(MR, NQ)                                                                                    \
+  KILN__T512BF static void attv_ukr##MR##_##NQ(const uint16_t *A, int64_t ars, int64_t aps, const uint16_t *B, \
+                                              int64_t kp, void *C, int64_t ldc, int mode, float s, int ncols) { \
+    __m512 c[MR][NQ];                                                                                       \
     for (int r = 0; r < MR; r++)                                                                            \
-      for (int q = 0; q < 4; q++) c[r][q] = _mm512_setzero_ps();                                            \
+      for (int q = 0; q < NQ; q++) c[r][q] = _mm512_setzero_ps();                                           \
     for (int64_t p = 0; p < kp; p++) {                                                                      \
-      const uint16_t *b = B + p * 128;                                                                      \
-      __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);            \
-      __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64), b3 = (__m512bh)_mm512_loadu_si512(b + 96);        \
+      __m512bh bv[NQ];                                                                                      \
+      for (int q = 0; q < NQ; q++) bv[q] = (__m512bh)_mm512_loadu_si512(B + p * 128 + 32 * q);              \
       for (int r = 0; r < MR; r++) {                                                                        \
         int32_t w;                                                                                          \
         memcpy(&w, A + r * ars + p * aps, 4);                                                               \
         __m512bh av = (__m512bh)_mm512_set1_epi32(w);                                                       \
-        c[r][0] = _mm512_dpbf16_ps(c[r][0], av, b0);                                                        \
-        c[r][1] = _mm512_dpbf16_ps(c[r][1], av, b1);                                                        \
-        c[r][2] = _mm512_dpbf16_ps(c[r][2], av, b2);                                                        \
-        c[r][3] = _mm512_dpbf16_ps(c[r][3], av, b3);                                                        \
+        for (int q = 0; q < NQ; q++) c[r][q] = _mm512_dpbf16_ps(c[r][q], av, bv[q]);                        \
       }                                                                                                     \
     }                                                                                                       \
     const __m512 sv = _mm512_set1_ps(s);                                                                    \
     for (int r = 0; r < MR; r++)                                                                            \
-      for (int q = 0; q < 4; q++) {                                                                         \
+      for (int q = 0; q < NQ; q++) {                                                                        \
         __mmask16 k = attv_colmask(q, ncols);                                                               \
         if (!k) break;                                                                                      \
         __m512 v = _mm512_mul_ps(c[r][q], sv);                                                              \
@@ -133,25 +129,54 @@ enum { ATTV_F32 = 0, ATTV_F32_ADD = 1, ATTV_BF16 = 2 };
         }                                                                                                   \
       }                                                                                                     \
   }
-ATTV_UKR(6)
-ATTV_UKR(4)
-ATTV_UKR(2)
-ATTV_UKR(1)
+#define ATTV_UKR_NQ(MR) ATTV_UKR(MR, 1) ATTV_UKR(MR, 2) ATTV_UKR(MR, 3) ATTV_UKR(MR, 4)
+ATTV_UKR_NQ(6)
+ATTV_UKR_NQ(4)
+ATTV_UKR_NQ(2)
+ATTV_UKR_NQ(1)
+
+typedef void (*attv_ukr_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, void *, int64_t, int, float,
+                            int);
+#define ATTV_UKR_ROW(MR) {attv_ukr##MR##_1, attv_ukr##MR##_2, attv_ukr##MR##_3, attv_ukr##MR##_4}
+static const attv_ukr_fn attv_ukrs[4][4] = {ATTV_UKR_ROW(6), ATTV_UKR_ROW(4), ATTV_UKR_ROW(2), ATTV_UKR_ROW(1)};
+
+/* What the causal mask lets a product skip, row by row of C (only zeros are skipped: the
+** sums keep their bits):
+**   ATTV_COLS   (S, dP: columns are keys) row r needs columns < off + r + 1;
+**   ATTV_SUMS   (O, dQ: the sum runs over keys) row r needs pairs < ceil((off + r + 1) / 2);
+**   ATTV_FROM   (dV, dK: rows are keys, the sum runs over query rows) row r needs pairs from
+**               (off + r) / 2 on (off: the first row's key less the block's first query row). */
+enum { ATTV_ALL = 0, ATTV_COLS, ATTV_SUMS, ATTV_FROM };
 
 /* C (M x N) = s A B for A's M rows (addressing as the kernel's) and B packed in tiles of 64
-** columns, tile t at B + t bts; C's element size by mode. */
+** columns, tile t at B + t bts; C's element size by mode; tri and off as above. */
 KILN__T512BF static void attv_gemm(const uint16_t *A, int64_t ars, int64_t aps, int64_t M, const uint16_t *B,
-                                   int64_t bts, int64_t kp, int64_t N, void *C, int64_t ldc, int mode, float s) {
+                                   int64_t bts, int64_t kp, int64_t N, void *C, int64_t ldc, int mode, float s,
+                                   int tri, int64_t off) {
   const int64_t es = mode == ATTV_BF16 ? 2 : 4;
   for (int64_t t = 0; t * ATTV_NT < N; t++) {
     const uint16_t *Bt = B + t * bts;
     char *Ct = (char *)C + t * ATTV_NT * es;
-    int nc = (int)(N - t * ATTV_NT < ATTV_NT ? N - t * ATTV_NT : ATTV_NT);
-    int64_t r = 0;
-    for (; r + 6 <= M; r += 6) attv_ukr6(A + r * ars, ars, aps, Bt, kp, Ct + r * ldc * es, ldc, mode, s, nc);
-    if (M - r >= 4) attv_ukr4(A + r * ars, ars, aps, Bt, kp, Ct + r * ldc * es, ldc, mode, s, nc), r += 4;
-    if (M - r >= 2) attv_ukr2(A + r * ars, ars, aps, Bt, kp, Ct + r * ldc * es, ldc, mode, s, nc), r += 2;
-    if (M - r >= 1) attv_ukr1(A + r * ars, ars, aps, Bt, kp, Ct + r * ldc * es, ldc, mode, s, nc);
+    const int64_t nct = N - t * ATTV_NT < ATTV_NT ? N - t * ATTV_NT : ATTV_NT;
+    for (int64_t r = 0; r < M;) {
+      static const int mrs[4] = {6, 4, 2, 1};
+      const int mi = M - r >= 6 ? 0 : M - r >= 4 ? 1 : M - r >= 2 ? 2 : 3, mr = mrs[mi];
+      int64_t nc = nct, p0 = 0, p1 = kp;
+      if (tri == ATTV_COLS) {
+        int64_t need = off + r + mr - t * ATTV_NT; /* columns of this tile the group's last row sees */
+        nc = need < nc ? need : nc;
+      } else if (tri == ATTV_SUMS) {
+        int64_t need = (off + r + mr + 1) / 2;
+        p1 = need < kp ? need : kp;
+      } else if (tri == ATTV_FROM) {
+        int64_t from = (off + r) / 2;
+        p0 = from < 0 ? 0 : from > kp ? kp : from;
+      }
+      if (nc > 0) /* (none: columns no row of the group sees, which nothing reads) */
+        attv_ukrs[mi][(nc + 15) / 16 - 1](A + r * ars + p0 * aps, ars, aps, Bt + p0 * 128, p1 - p0, Ct + r * ldc * es,
+                                           ldc, mode, s, (int)nc);
+      r += mr;
+    }
   }
 }
 
@@ -182,21 +207,22 @@ KILN__T512BF static void attv_pack_rows(const uint16_t *X, int64_t rs, int64_t n
 
 /* Rows [0, n) of X (cols wide, cols even) as B for a product with X^T, summing over X's
 ** columns: tiles of 64 rows of X, tile t at out + t kp 128 ([kp][64][2], kp = cols / 2),
-** element pair (p, j) = X[64 t + j][2p, 2p + 1]; rows n .. 64 t are 0. */
-static void attv_pack_cols(const uint16_t *X, int64_t rs, int64_t n, int64_t cols, uint16_t *out) {
+** element pair (p, j) = X[64 t + j][2p, 2p + 1]; rows n .. 64 t are 0. A transpose of
+** 32-bit pairs: 16 rows' pair p by one gather. */
+KILN__T512BF static void attv_pack_cols(const uint16_t *X, int64_t rs, int64_t n, int64_t cols, uint16_t *out) {
   const int64_t kp = cols / 2, nt = (n + ATTV_NT - 1) / ATTV_NT;
-  for (int64_t t = 0; t < nt; t++) {
-    uint32_t *o = (uint32_t *)(out + t * kp * 128);
-    for (int64_t j = 0; j < ATTV_NT; j++) {
-      int64_t row = t * ATTV_NT + j;
-      if (row < n) {
-        const uint16_t *x = X + row * rs;
-        for (int64_t p = 0; p < kp; p++) memcpy(&o[p * ATTV_NT + j], x + 2 * p, 4);
-      } else {
-        for (int64_t p = 0; p < kp; p++) o[p * ATTV_NT + j] = 0;
-      }
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)rs)); /* element offsets; 2-byte scale */
+  for (int64_t t = 0; t < nt; t++)
+    for (int64_t j0 = 0; j0 < ATTV_NT; j0 += 16) {
+      const int64_t left = n - t * ATTV_NT - j0;
+      const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : kiln__mask16(left);
+      const uint16_t *x = X + (t * ATTV_NT + j0) * rs;
+      uint16_t *o = out + t * kp * 128 + 2 * j0;
+      for (int64_t p = 0; p < kp; p++, o += 128)
+        _mm512_storeu_si512(o, k ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, rows, x + 2 * p, 2)
+                                 : _mm512_setzero_si512());
     }
-  }
 }
 
 typedef struct attv {
@@ -236,7 +262,8 @@ KILN__T512BF static void attv_fwd_range(void *vctx, int64_t lo, int64_t hi) {
       packed = bh;
     }
     const uint16_t *Q = (const uint16_t *)attv_row(&a->in[0], b, h, i0);
-    if (kv > 0) attv_gemm(Q, a->in[0].strides[2], 2, bq, KT, kts, D / 2, kv, S, w, ATTV_F32, c->scale);
+    const int cols = c->causal ? ATTV_COLS : ATTV_ALL, sums = c->causal ? ATTV_SUMS : ATTV_ALL;
+    if (kv > 0) attv_gemm(Q, a->in[0].strides[2], 2, bq, KT, kts, D / 2, kv, S, w, ATTV_F32, c->scale, cols, i0);
     const int64_t kw = attv_up(kv, 32); /* P's columns the product reads (zeros past a row's keys) */
     for (int64_t r = 0; r < bq; r++) {
       const int64_t n = kv > 0 ? attv_nvalid(c, i0 + r) : 0;
@@ -246,7 +273,7 @@ KILN__T512BF static void attv_fwd_range(void *vctx, int64_t lo, int64_t hi) {
     uint16_t *O = (uint16_t *)attv_row(&a->out[0], b, h, i0);
     const int64_t os = a->out[0].strides[2];
     if (kv > 0) {
-      attv_gemm(P, w, 2, bq, Vp, vts, attv_up(kv, 2) / 2, Dv, O, os, ATTV_BF16, 1.0f);
+      attv_gemm(P, w, 2, bq, Vp, vts, attv_up(kv, 2) / 2, Dv, O, os, ATTV_BF16, 1.0f, sums, i0);
     } else {
       for (int64_t r = 0; r < bq; r++) memset(O + r * os, 0, (size_t)Dv * 2);
     }
@@ -273,6 +300,8 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
   uint16_t *KT = (uint16_t *)(dV + Tk * Dv), *VT = KT + nkt, *Kp = VT + nvt, *Qp = Kp + nkp, *Gp = Qp + nqp;
   uint16_t *P = Gp + ngp, *dS = P + nsw, *Pi = dS + nsw, *dSi = Pi + nsw;
   const kiln__view *q = &a->in[0], *k = &a->in[1], *v = &a->in[2], *g = &a->in[3];
+  const int cols = c->causal ? ATTV_COLS : ATTV_ALL, sums = c->causal ? ATTV_SUMS : ATTV_ALL;
+  const int from = c->causal ? ATTV_FROM : ATTV_ALL;
   for (int64_t bh = lo; bh < hi; bh++) {
     const int64_t b = bh / c->H, h = bh % c->H;
     const uint16_t *Q0 = (const uint16_t *)attv_row(q, b, h, 0), *K0 = (const uint16_t *)attv_row(k, b, h, 0);
@@ -288,23 +317,25 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
       const int64_t kpb = (bq + 1) / 2;
       uint16_t *dQ = (uint16_t *)attv_row(&a->out[0], b, h, i0);
       const int64_t dqs = a->out[0].strides[2];
-      attv_gemm(Q0 + i0 * q->strides[2], q->strides[2], 2, bq, KT, D / 2 * 128, D / 2, kv, S, w, ATTV_F32, c->scale);
-      attv_gemm(G0 + i0 * g->strides[2], g->strides[2], 2, bq, VT, Dv / 2 * 128, Dv / 2, kv, dP, w, ATTV_F32, 1.0f);
+      attv_gemm(Q0 + i0 * q->strides[2], q->strides[2], 2, bq, KT, D / 2 * 128, D / 2, kv, S, w, ATTV_F32, c->scale,
+                cols, i0);
+      attv_gemm(G0 + i0 * g->strides[2], g->strides[2], 2, bq, VT, Dv / 2 * 128, Dv / 2, kv, dP, w, ATTV_F32, 1.0f,
+                cols, i0);
       for (int64_t r = 0; r < bq; r++) {
         float lse = (float)kiln__cpu_get_f64(attv_lse(&a->out[3], b, h, i0 + r), a->out[3].dtype);
         kiln__attb_row_backward(S + r * w, dP + r * w, P + r * w, dS + r * w, attv_nvalid(c, i0 + r), kw, lse,
                                 c->scale);
       }
-      attv_gemm(dS, w, 2, bq, Kp, kpk * 128, attv_up(kv, 2) / 2, D, dQ, dqs, ATTV_BF16, 1.0f);
+      attv_gemm(dS, w, 2, bq, Kp, kpk * 128, attv_up(kv, 2) / 2, D, dQ, dqs, ATTV_BF16, 1.0f, sums, i0);
       /* dV += P^T dO and dK += dS^T Q: A's rows are the keys, 64 at a time from the interleaves */
       attv_pack_rows(P, w, bq, bq, kv, Pi);
       attv_pack_rows(dS, w, bq, bq, kv, dSi);
       for (int64_t t = 0; t * ATTV_NT < kv; t++) {
         const int64_t m = kv - t * ATTV_NT < ATTV_NT ? kv - t * ATTV_NT : ATTV_NT;
         attv_gemm(Pi + t * kpb * 128, 2, 128, m, Gp + i0 / 2 * 128, kpq * 128, kpb, Dv, dV + t * ATTV_NT * Dv, Dv,
-                  ATTV_F32_ADD, 1.0f);
+                  ATTV_F32_ADD, 1.0f, from, t * ATTV_NT - i0);
         attv_gemm(dSi + t * kpb * 128, 2, 128, m, Qp + i0 / 2 * 128, kpq * 128, kpb, D, dK + t * ATTV_NT * D, D,
-                  ATTV_F32_ADD, 1.0f);
+                  ATTV_F32_ADD, 1.0f, from, t * ATTV_NT - i0);
       }
     }
     for (int64_t j = 0; j < Tk; j++) {

@@ -92,7 +92,7 @@ kiln_status kiln__cpu_scatter_add(const kiln__kargs *a);
 kiln_status kiln__cpu_layer_norm(const kiln__kargs *a); /* cpu_transformer.c; and backward */
 kiln_status kiln__cpu_batch_norm(const kiln__kargs *a); /* cpu_batchnorm.c; and backward */
 kiln_status kiln__cpu_attention(const kiln__kargs *a);  /* and ATTENTION_BACKWARD */
-/* The bf16 attention's row passes (cpu_transformer.c): forward P = bf16(softmax(s)) over keys
+/* The bf16 attention's row passes (cpu_attention_rows.c): forward P = bf16(softmax(s)) over keys
 ** [0, n) of a row w wide (0 in [n, w)), returning lse; backward P = bf16(exp(s - lse)) and
 ** dS = bf16(P (dP - sum P dP) scale). s and dp are overwritten. */
 float kiln__attb_row_forward(float *s, uint16_t *p, int64_t n, int64_t w);

@@ -499,6 +499,56 @@ __attribute__((unused)) static void tf_norm_wide(void) {
     }
 }
 
+/* Out of memory inside the bf16 attention (the CPU's paths take their packs and score
+** buffers from the CPU allocator, under its limit): with the limit at each step from what is
+** held up to what a forward and backward need, the call fails with KILN_ERR_OOM and nothing
+** else, and at the first limit that suffices it gives the unlimited call's bits. */
+static void tf_att_oom(void) {
+  kiln_device cpu = kiln_device_cpu();
+  kiln_scope_begin();
+  kiln_generator *gen = kiln_generator_new(5);
+  const int64_t sh[4] = {2, 2, 130, 64};
+  kiln_tensor *x[3];
+  for (int i = 0; i < 3; i++) {
+    x[i] = kiln_to_dtype(kiln_randn(4, sh, KILN_F32, cpu, gen), KILN_BF16);
+    kiln_requires_grad_(x[i], true);
+  }
+  kiln_tensor *g = kiln_to_dtype(kiln_randn(4, sh, KILN_F32, cpu, gen), KILN_BF16);
+  kiln_generator_free(gen);
+  kiln_tensor *y0 = kiln_scaled_dot_product_attention(x[0], x[1], x[2], NULL, true, 0, 0, NULL), *d0[3] = {0};
+  H_CHECK(y0 && kiln_autograd_grad(1, &y0, &g, 3, x, d0) == KILN_OK, "bf16 sdpa without a limit");
+  int ooms = 0, others = 0;
+  bool done = false;
+  for (int64_t extra = 0; extra <= ((int64_t)8 << 20) && !done && y0; extra += (int64_t)16 << 10) {
+    kiln_scope_begin();
+    kiln_memory_empty_cache(cpu);
+    kiln_memory_stats st;
+    kiln_memory_stats_get(cpu, &st);
+    kiln_memory_set_limit(cpu, st.reserved + extra);
+    kiln_tensor *y = kiln_scaled_dot_product_attention(x[0], x[1], x[2], NULL, true, 0, 0, NULL), *d[3] = {0};
+    kiln_status rc = y ? kiln_autograd_grad(1, &y, &g, 3, x, d) : kiln_last_error();
+    kiln_memory_set_limit(cpu, 0);
+    if (rc == KILN_OK) {
+      done = true;
+      kiln_tensor *got[4] = {y, d[0], d[1], d[2]}, *want[4] = {y0, d0[0], d0[1], d0[2]};
+      for (int i = 0; i < 4; i++) {
+        kiln_tensor *a = kiln_contiguous(got[i]), *b = kiln_contiguous(want[i]);
+        H_CHECK(a && b && !memcmp(kiln_data_ptr(a), kiln_data_ptr(b), (size_t)kiln_numel(a) * 2),
+                "bf16 sdpa under a limit of %lld bytes more: output %d the unlimited call's bits", (long long)extra, i);
+      }
+    } else if (rc == KILN_ERR_OOM) {
+      ooms++;
+    } else {
+      others++;
+      H_CHECK(false, "bf16 sdpa under a limit: %s", kiln_last_error_message());
+    }
+    kiln_scope_end();
+  }
+  H_CHECK(done && ooms > 0 && others == 0, "bf16 sdpa under limits: %d out of memory, %d other errors, then %s", ooms,
+          others, done ? "it ran" : "never ran");
+  kiln_scope_end();
+}
+
 static void tf_bad_input(void) {
   kiln_scope_begin();
   kiln_device cpu = kiln_device_cpu();
@@ -535,6 +585,7 @@ int main(int argc, char **argv) {
     tf_att_packed();
     tf_sdpa_math();
     tf_att_bf16();
+    tf_att_oom();
     tf_norm_wide();
     tf_bad_input();
   }

@@ -503,7 +503,7 @@ __attribute__((unused)) static void tf_norm_wide(void) {
 ** buffers from the CPU allocator, under its limit): with the limit at each step from what is
 ** held up to what a forward and backward need, the call fails with KILN_ERR_OOM and nothing
 ** else, and at the first limit that suffices it gives the unlimited call's bits. */
-static void tf_att_oom(void) {
+__attribute__((unused)) static void tf_att_oom(void) {
   kiln_device cpu = kiln_device_cpu();
   kiln_scope_begin();
   kiln_generator *gen = kiln_generator_new(5);

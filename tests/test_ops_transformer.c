@@ -343,26 +343,31 @@ __attribute__((unused)) static void tf_att_bf16(void) {
   static const struct {
     int64_t B, H, Tq, Tk, D, Dv;
     bool causal, packed;
-  } cs[] = {{2, 3, 37, 37, 16, 16, true, false},
-            {2, 2, 20, 45, 24, 8, false, false},
-            {1, 2, 45, 20, 32, 32, true, false},
-            {2, 4, 33, 33, 16, 16, true, true},
-            {1, 2, 70, 70, 64, 64, false, true},
+    double qmul; /* q drawn times this (0: 1) */
+  } cs[] = {{2, 3, 37, 37, 16, 16, true, false, 0},
+            {2, 2, 20, 45, 24, 8, false, false, 0},
+            {1, 2, 45, 20, 32, 32, true, false, 0},
+            {2, 4, 33, 33, 16, 16, true, true, 0},
+            {1, 2, 70, 70, 64, 64, false, true, 0},
             /* (b, h) pairs of 160 x 160 scores: the CPU's bf16 path runs them in chunks of
             ** 1 MiB of f32 scores, 6 pairs forward and 3 backward: chunks and a partial one */
-            {2, 4, 160, 160, 16, 16, true, true},
+            {2, 4, 160, 160, 16, 16, true, true, 0},
             /* blocks of query rows: 600 rows of 600 keys are 1.4 MiB of f32 scores forward
             ** (2 blocks: 432, 168 rows) and 2.9 MiB backward with dP (208, 208, 184) */
-            {1, 2, 600, 600, 16, 16, true, true},
-            {1, 1, 300, 900, 32, 16, true, false},
-            {1, 1, 900, 300, 16, 32, false, false},
-            {1, 1, 700, 300, 16, 16, true, false},
+            {1, 2, 600, 600, 16, 16, true, true, 0},
+            {1, 1, 300, 900, 32, 16, true, false, 0},
+            {1, 1, 900, 300, 16, 32, false, false, 0},
+            {1, 1, 700, 300, 16, 16, true, false, 0},
             /* AVX512-BF16's products (cpu_attention_vnni.c): head dims over one 64-column
             ** tile and between tiles, blocks of 64 query rows with a last one of 1, and 15
             ** query rows, which that path leaves to oneDNN's */
-            {2, 2, 130, 130, 128, 96, true, false},
-            {1, 3, 257, 257, 64, 64, true, true},
-            {1, 2, 15, 40, 16, 16, false, false}};
+            {2, 2, 130, 130, 128, 96, true, false, 0},
+            {1, 3, 257, 257, 64, 64, true, true, 0},
+            {1, 2, 15, 40, 16, 16, false, false, 0},
+            /* 40,000 keys: that path's blocks get 16 rows (16, 16, 8); q drawn 8 times larger,
+            ** so that a few keys carry each row (over so many keys a flat softmax's output
+            ** would be smaller than P's rounding) */
+            {1, 1, 40, 40000, 8, 8, false, false, 8.0}};
   kiln_device cpu = kiln_device_cpu();
   for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
     kiln_scope_begin();
@@ -388,7 +393,8 @@ __attribute__((unused)) static void tf_att_bf16(void) {
     } else {
       const int64_t sh[3][4] = {{B, H, Tq, D}, {B, H, Tk, D}, {B, H, Tk, Dv}};
       for (int i = 0; i < 3; i++) {
-        x16[i] = kiln_to_dtype(kiln_randn(4, sh[i], KILN_F32, cpu, gen), KILN_BF16);
+        kiln_tensor *r = kiln_randn(4, sh[i], KILN_F32, cpu, gen);
+        x16[i] = kiln_to_dtype(i == 0 && cs[ci].qmul ? kiln_mul_scalar(r, cs[ci].qmul) : r, KILN_BF16);
         x64[i] = kiln_to_dtype(x16[i], KILN_F64);
         kiln_requires_grad_(x16[i], true);
         kiln_requires_grad_(x64[i], true);

@@ -39,7 +39,10 @@
 #include <cpuid.h>
 #endif
 
-#define ATTV_BQ 64    /* query rows a block */
+#define ATTV_BQ 64    /* query rows a block, at most */
+/* A block's f32 scores (S, and dP in the backward) at most about this many bytes: past
+** ~10,000 keys blocks get fewer rows (16 at least), as the oneDNN path's do. */
+#define ATTV_BLOCK_BYTES ((int64_t)8 << 20)
 #define ATTV_NT 64    /* columns of a packed tile (four 16-lane registers) */
 #define ATTV_MAXD 256 /* head dims taken */
 
@@ -227,7 +230,7 @@ KILN__T512BF static void attv_pack_cols(const uint16_t *X, int64_t rs, int64_t n
 
 typedef struct attv {
   const kiln__kargs *a;
-  int64_t H, Tq, Tk, D, Dv, nqb;
+  int64_t H, Tq, Tk, D, Dv, nqb, bq; /* bq: query rows a block */
   float scale;
   bool causal, failed;
 } attv;
@@ -244,18 +247,18 @@ KILN__T512BF static void attv_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   const kiln__kargs *a = c->a;
   const int64_t D = c->D, Dv = c->Dv, Tk = c->Tk, Tkp = attv_up(Tk, ATTV_NT), w = Tkp;
   const int64_t kpk = attv_up(Tk, 2) / 2, vts = kpk * 128, kts = D / 2 * 128;
-  size_t nb = (size_t)(Tkp * D + attv_up(Dv, ATTV_NT) * 2 * kpk + ATTV_BQ * w) * 2 + (size_t)ATTV_BQ * w * 4;
+  size_t nb = (size_t)(Tkp * D + attv_up(Dv, ATTV_NT) * 2 * kpk + c->bq * w) * 2 + (size_t)(c->bq * w) * 4;
   char *buf = kiln__cpu_alloc(0, nb);
   if (!buf) {
     c->failed = true;
     return;
   }
   float *S = (float *)buf;
-  uint16_t *KT = (uint16_t *)(S + ATTV_BQ * w), *Vp = KT + Tkp * D, *P = Vp + attv_up(Dv, ATTV_NT) * 2 * kpk;
+  uint16_t *KT = (uint16_t *)(S + c->bq * w), *Vp = KT + Tkp * D, *P = Vp + attv_up(Dv, ATTV_NT) * 2 * kpk;
   int64_t packed = -1; /* the (b, h) whose K and V are in KT, Vp */
   for (int64_t it = lo; it < hi; it++) {
-    const int64_t bh = it / c->nqb, i0 = (it % c->nqb) * ATTV_BQ, b = bh / c->H, h = bh % c->H;
-    const int64_t bq = c->Tq - i0 < ATTV_BQ ? c->Tq - i0 : ATTV_BQ, kv = attv_kend(c, i0 + bq);
+    const int64_t bh = it / c->nqb, i0 = (it % c->nqb) * c->bq, b = bh / c->H, h = bh % c->H;
+    const int64_t bq = c->Tq - i0 < c->bq ? c->Tq - i0 : c->bq, kv = attv_kend(c, i0 + bq);
     if (packed != bh) {
       attv_pack_cols((const uint16_t *)attv_row(&a->in[1], b, h, 0), a->in[1].strides[2], Tk, D, KT);
       attv_pack_rows((const uint16_t *)attv_row(&a->in[2], b, h, 0), a->in[2].strides[2], Tk, Tk, Dv, Vp);
@@ -289,7 +292,7 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
   /* K^T and V^T tiles (S, dP), K in pairs of keys (dQ), Q and dO in pairs of query rows
   ** (dK, dV), S and dP, P and dS, their row-pair interleaves, and the f32 dK, dV */
   const int64_t nkt = Tkp * D, nvt = Tkp * Dv, nkp = D64 * 2 * kpk, nqp = D64 * 2 * kpq, ngp = Dv64 * 2 * kpq;
-  const int64_t nsw = ATTV_BQ * w;
+  const int64_t nsw = c->bq * w;
   size_t nb = (size_t)(2 * nsw + Tk * (D + Dv)) * 4 + (size_t)(nkt + nvt + nkp + nqp + ngp + 4 * nsw) * 2;
   char *buf = kiln__cpu_alloc(0, nb);
   if (!buf) {
@@ -312,8 +315,8 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
     attv_pack_rows(Q0, q->strides[2], Tq, Tq, D, Qp);
     attv_pack_rows(G0, g->strides[2], Tq, Tq, Dv, Gp);
     memset(dK, 0, sizeof(float) * (size_t)(Tk * (D + Dv)));
-    for (int64_t i0 = 0; i0 < Tq; i0 += ATTV_BQ) {
-      const int64_t bq = Tq - i0 < ATTV_BQ ? Tq - i0 : ATTV_BQ, kv = attv_kend(c, i0 + bq), kw = attv_up(kv, 32);
+    for (int64_t i0 = 0; i0 < Tq; i0 += c->bq) {
+      const int64_t bq = Tq - i0 < c->bq ? Tq - i0 : c->bq, kv = attv_kend(c, i0 + bq), kw = attv_up(kv, 32);
       const int64_t kpb = (bq + 1) / 2;
       uint16_t *dQ = (uint16_t *)attv_row(&a->out[0], b, h, i0);
       const int64_t dqs = a->out[0].strides[2];
@@ -355,7 +358,9 @@ kiln_status kiln__cpu_attv_run(const kiln__kargs *a) {
   attv c = {.a = a, .H = q->shape[1], .Tq = q->shape[2], .Tk = k->shape[2], .D = q->shape[3], .Dv = v->shape[3],
             .scale = (float)a->s[0], .causal = (a->i[0] & 1) != 0};
   const int64_t BH = q->shape[0] * c.H;
-  c.nqb = (c.Tq + ATTV_BQ - 1) / ATTV_BQ;
+  c.bq = ATTV_BLOCK_BYTES / (attv_up(c.Tk, ATTV_NT) * 8) / 16 * 16; /* S and dP */
+  c.bq = c.bq < 16 ? 16 : c.bq > ATTV_BQ ? ATTV_BQ : c.bq;
+  c.nqb = (c.Tq + c.bq - 1) / c.bq;
   if (BH == 0) return KILN_OK;
   const int64_t work = BH * c.Tq * c.Tk * (c.D + c.Dv);
   const int64_t par = work < KILN__CPU_PAR_MIN ? INT64_MAX : 1;

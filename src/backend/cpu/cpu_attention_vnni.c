@@ -7,7 +7,8 @@
 ** causal call included, in products too small for its kernels: a GPT's T 256 causal
 ** attention ran at about a third of the rate of its linear layers (bench/RESULTS.md).
 **
-** Here each (b, h) goes in blocks of 64 query rows, each block against the keys it sees
+** Here each (b, h) goes in blocks of 64 query rows (fewer where the keys are many: a
+** block's scores stay near ATTV_BLOCK_BYTES), each block against the keys it sees
 ** (under the causal mask, keys up to its last row): the same arithmetic as kiln__attb_run,
 **   forward   S = scale Q K^T (f32), the row pass (P = bf16(softmax), lse), O = P V;
 **   backward  S and dP = dO V^T (f32), the row pass (P and dS = bf16(P (dP - delta) scale)),

@@ -14,7 +14,7 @@
 **   backward  S and dP = dO V^T (f32), the row pass (P and dS = bf16(P (dP - delta) scale)),
 **             dQ = dS K, and dK += dS^T Q, dV += P^T dO summed in f32 over the blocks and
 **             rounded once;
-** with the same row passes (kiln__attb_row_forward/backward). Only the order of the f32
+** with the same row passes (cpu_attention_rows.c). Only the order of the f32
 ** sums differs from oneDNN's (pairs of products, in key order), so results agree with
 ** that path to the last f32 bits before the bf16 rounding, and both are held to the f64
 ** reference by test_ops_transformer.
@@ -42,7 +42,7 @@
 
 #define ATTV_BQ 64    /* query rows a block, at most */
 /* A block's f32 scores (S, and dP in the backward) at most about this many bytes: past
-** ~10,000 keys blocks get fewer rows (16 at least), as the oneDNN path's do. */
+** ~16,000 keys blocks get fewer rows (16 at least), as the oneDNN path's do. */
 #define ATTV_BLOCK_BYTES ((int64_t)8 << 20)
 #define ATTV_NT 64    /* columns of a packed tile (four 16-lane registers) */
 #define ATTV_MAXD 256 /* head dims taken */

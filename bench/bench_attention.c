@@ -1,11 +1,13 @@
 /*
-** scaled_dot_product_attention on CUDA, forward and forward + backward: kiln's fused
-** kernels (ATTENTION, ATTENTION_BACKWARD: the tensor-core FlashAttention-2 kernels of
-** cuda_flash.cu where they apply, and with KILN_CUDA_ATTENTION=simple the CUDA-core ones of
-** cuda_attention.cu) against the composition a
-** framework without them runs (cuBLAS batched matmul q k^T, scale, causal mask, softmax,
-** matmul with v; autograd's backward through the same ops), at GPT-2's shape by default:
-** B 16, H 12, T 1024, D 64, bf16, causal.
+** scaled_dot_product_attention, forward and forward + backward: kiln's fused kernels
+** (ATTENTION, ATTENTION_BACKWARD) against the composition a framework without them runs
+** (batched matmul q k^T, scale, causal mask, softmax, matmul with v; autograd's backward
+** through the same ops), at GPT-2's shape by default: B 16, H 12, T 1024, D 64, bf16,
+** causal. On CUDA (the default device) the fused rows are the tensor-core FlashAttention-2
+** kernels of cuda_flash.cu where they apply and, with KILN_CUDA_ATTENTION=simple, the
+** CUDA-core ones of cuda_attention.cu; on the CPU (--device cpu) the fused call's own
+** choice (for bf16 on a CPU with AVX512-BF16 and no AMX, cpu_attention_vnni.c's products)
+** and, with KILN_ATTENTION_VNNI=0, oneDNN's batched matmuls (cpu_transformer.c).
 **
 ** FLOPs counted as FlashAttention's papers count them: 4 B H T^2 D for the forward (two
 ** products), halved when causal; the backward 2.5 times the forward (five products). The
@@ -13,7 +15,7 @@
 ** ms (best of the runs after a warm-up) and TFLOP/s; the backward's column is the best
 ** fwd+bwd less the best forward.
 **
-**   bench-attention [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]
+**   bench-attention [--device D] [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]
 ** Runs under KILN_FALLBACK=error: a kernel missing on the GPU is an error, not a CPU time.
 */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -43,8 +45,10 @@ static void die(const char *what) {
 }
 
 /* Best ms over reps runs after one warm-up; fused or composite; with backward or not. */
+static kiln_device dev;
+
 static double time_ms(bool fused, bool backward) {
-  kiln_device gpu = kiln_device_cuda(0);
+  kiln_device gpu = dev;
   kiln_scope_begin();
   kiln_generator *g = kiln_generator_new(1);
   kiln_tensor *q = kiln_to_dtype(kiln_randn(KILN_SHAPE(B, H, T, D), KILN_F32, gpu, g), dt);
@@ -81,7 +85,9 @@ static double time_ms(bool fused, bool backward) {
 
 int main(int argc, char **argv) {
   /* positional: B H T D (all four or none), then dtype, causal, reps */
-  bench_args cli = bench_args_begin("bench-attention", "[B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]", argc, argv);
+  bench_args cli =
+      bench_args_begin("bench-attention", "[--device D] [B H T D [f32|bf16|f16 [causal 0|1 [reps]]]]", argc, argv);
+  dev = kiln_device_cuda(0);
   static const char *const pos[7] = {"B", "H", "T", "D", "dtype", "causal", "reps"};
   /* bounds that keep B H T D (and the T x T mask) inside int64 */
   static const long long hi[4] = {1 << 16, 1 << 10, 1 << 20, 1 << 10};
@@ -89,6 +95,10 @@ int main(int argc, char **argv) {
   static const char *const dtype_names[] = {"f32", "bf16", "f16", NULL};
   static const kiln_dtype dtypes[] = {KILN_F32, KILN_BF16, KILN_F16};
   for (const char *a; (a = bench_args_next(&cli));) {
+    if (!strcmp(a, "--device")) {
+      bench_args_device(&cli, &dev);
+      continue;
+    }
     int np = bench_args_positional(&cli, 7);
     if (np < 4) *dims[np] = bench_args_parse_int(&cli, pos[np], a, 1, hi[np]);
     else if (np == 4) dt = dtypes[bench_args_parse_choice(&cli, pos[np], a, dtype_names)];
@@ -96,24 +106,29 @@ int main(int argc, char **argv) {
     else reps = (int)bench_args_parse_int(&cli, pos[np], a, 1, 1000000);
   }
   if (cli.npos > 0 && cli.npos < 4) bench_args_fail(&cli, "B H T D come together: got %d of the 4", cli.npos);
-  if (kiln_device_count(KILN_DEVICE_CUDA) == 0) {
+  const bool cpu = dev.type == KILN_DEVICE_CPU;
+  if (dev.type == KILN_DEVICE_CUDA && kiln_device_count(KILN_DEVICE_CUDA) <= dev.index) {
     printf("bench-attention: no cuda device\n");
     return 77;
   }
   kiln_set_fallback_policy(KILN_FALLBACK_ERROR);
   double fwd_flop = 4.0 * (double)(B * H) * (double)T * (double)T * (double)D * (causal ? 0.5 : 1.0);
-  printf("attention B %lld H %lld T %lld D %lld %s%s, best of %d\n", (long long)B, (long long)H, (long long)T,
-         (long long)D, kiln_dtype_name(dt), causal ? " causal" : "", reps);
+  char dname[64];
+  kiln_device_str(dev, dname, sizeof dname);
+  printf("attention on %s: B %lld H %lld T %lld D %lld %s%s, best of %d\n", dname, (long long)B, (long long)H,
+         (long long)T, (long long)D, kiln_dtype_name(dt), causal ? " causal" : "", reps);
   printf("| path | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n"
          "|---|---|---|---|---|---|---|\n");
-  static const char *const names[3] = {"kiln fused (flash: cuda_flash.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple",
-                                        "composite (cuBLAS matmul + softmax)"};
+  static const char *const names[2][3] = {
+      {"kiln fused (flash: cuda_flash.cu)", "kiln fused, KILN_CUDA_ATTENTION=simple", "composite (cuBLAS matmul + softmax)"},
+      {"kiln fused (the CPU's choice)", "kiln fused, KILN_ATTENTION_VNNI=0", "composite (matmul + softmax)"}};
+  const char *knob = cpu ? "KILN_ATTENTION_VNNI" : "KILN_CUDA_ATTENTION";
   for (int path = 0; path < 3; path++) {
-    if (path == 1) setenv("KILN_CUDA_ATTENTION", "simple", 1);
-    if (path == 2) unsetenv("KILN_CUDA_ATTENTION");
+    if (path == 1) setenv(knob, cpu ? "0" : "simple", 1);
+    if (path == 2) unsetenv(knob);
     double f = time_ms(path < 2, false), fb = time_ms(path < 2, true);
     double bw = fb - f;
-    printf("| %s | %.3f | %.1f | %.3f | %.1f | %.3f | %.1f |\n", names[path], f, fwd_flop / f / 1e9, bw,
+    printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", names[cpu][path], f, fwd_flop / f / 1e9, bw,
            bw > 0 ? 2.5 * fwd_flop / bw / 1e9 : 0.0, fb, 3.5 * fwd_flop / fb / 1e9);
   }
   return 0;

@@ -93,6 +93,8 @@ int main(void) {
       {"bench-attention", "16 12 1024 64 bf16 2", "causal: expected an integer from 0 to 1, got '2'"},
       {"bench-attention", "16 12 1024 64 bf16 1 0", "reps: expected an integer from 1 to 1000000, got '0'"},
       {"bench-attention", "16 12 1024 64 bf16 1 5 9", "too many arguments ('9')"},
+      {"bench-attention", "--device nope", "--device 'nope'"},
+      {"bench-attention", "--device", "--device needs a value"},
       /* flags with numbers, choices, lists and devices */
       {"bench-ceilings", "--n abc", "--n: expected an integer from 1 to 65536, got 'abc'"},
       {"bench-ceilings", "--only nope", "--only: expected one of matmul-bf16"},

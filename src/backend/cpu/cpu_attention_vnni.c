@@ -61,10 +61,10 @@ static bool attv_cpu_has_amx(void) {
 
 bool kiln__cpu_attv_takes(const kiln__kargs *a) {
 #ifdef KILN__AVX512
-  static int usable = -1;
-  if (usable < 0)
-    usable = kiln__knob_on("KILN_ATTENTION_VNNI", true) && kiln__avx512bf16_ok() && !attv_cpu_has_amx();
-  if (!usable || (a->i[0] & 2) || a->s[1] > 0) return false;
+  static int cpu_ok = -1;
+  if (cpu_ok < 0) cpu_ok = kiln__avx512bf16_ok() && !attv_cpu_has_amx();
+  /* the switch read at each call, so that bench-attention compares both paths in one run */
+  if (!cpu_ok || !kiln__knob_on("KILN_ATTENTION_VNNI", true) || (a->i[0] & 2) || a->s[1] > 0) return false;
   const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const int nin = bw ? 4 : 3, nout = bw ? 3 : 1;
   for (int i = 0; i < nin; i++)

@@ -100,7 +100,8 @@ void kiln__attb_row_backward(float *s, float *dp, uint16_t *p, uint16_t *ds, int
                              float scale);
 /* The same attention with the products on AVX512-BF16 dot products (cpu_attention_vnni.c):
 ** whether it takes the call (a CPU with AVX512-BF16 and no AMX, bf16, no mask or dropout,
-** even head dims up to 256, 16 query rows or more; KILN_ATTENTION_VNNI=0: never), and it. */
+** even head dims up to 256, 16 query rows or more; KILN_ATTENTION_VNNI=0 or
+** KILN_ATTENTION_BF16=0: never), and it. */
 bool kiln__cpu_attv_takes(const kiln__kargs *a);
 kiln_status kiln__cpu_attv_run(const kiln__kargs *a);
 kiln_status kiln__cpu_cumsum(const kiln__kargs *a);     /* cpu_scan.c */

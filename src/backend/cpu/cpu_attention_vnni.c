@@ -63,8 +63,11 @@ bool kiln__cpu_attv_takes(const kiln__kargs *a) {
 #ifdef KILN__AVX512
   static int cpu_ok = -1;
   if (cpu_ok < 0) cpu_ok = kiln__avx512bf16_ok() && !attv_cpu_has_amx();
-  /* the switch read at each call, so that bench-attention compares both paths in one run */
-  if (!cpu_ok || !kiln__knob_on("KILN_ATTENTION_VNNI", true) || (a->i[0] & 2) || a->s[1] > 0) return false;
+  /* the switches read at each call, so that bench-attention compares the paths in one run;
+  ** KILN_ATTENTION_BF16=0 sends bf16 to the f32 blocks whichever path would take it */
+  if (!cpu_ok || !kiln__knob_on("KILN_ATTENTION_VNNI", true) || !kiln__knob_on("KILN_ATTENTION_BF16", true) ||
+      (a->i[0] & 2) || a->s[1] > 0)
+    return false;
   const bool bw = a->op == KILN__K_ATTENTION_BACKWARD;
   const int nin = bw ? 4 : 3, nout = bw ? 3 : 1;
   for (int i = 0; i < nin; i++)

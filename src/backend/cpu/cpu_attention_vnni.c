@@ -74,6 +74,9 @@ bool kiln__cpu_attv_takes(const kiln__kargs *a) {
     if (a->in[i].dtype != KILN_BF16 || a->in[i].ndim != 4 || a->in[i].strides[3] != 1) return false;
   for (int i = 0; i < nout; i++)
     if (a->out[i].dtype != KILN_BF16 || a->out[i].ndim != 4 || a->out[i].strides[3] != 1) return false;
+  /* k's and v's rows are gathered 16 at a time with 32-bit offsets (attv_pack_cols) */
+  for (int i = 1; i <= 2; i++)
+    if (a->in[i].strides[2] > ((int64_t)1 << 26) || a->in[i].strides[2] < -((int64_t)1 << 26)) return false;
   const int64_t Tq = a->in[0].shape[2], Tk = a->in[1].shape[2], D = a->in[0].shape[3], Dv = a->in[2].shape[3];
   /* even head dims: A's pairs are read in place; 16 query rows or more: a decode step's one
   ** row would pack every key for one product */

@@ -191,12 +191,10 @@ KILN__T512BF static void attv_gemm(const uint16_t *A, int64_t ars, int64_t aps, 
 }
 
 /* Rows [0, n) of X (cols wide, row stride rs elements) as B for a product that sums over
-** them: tiles of 64 columns, tile t at out + t kp 128 ([kp][64][2], kp = ceil(np / 2)),
-** pair p holding rows 2p and 2p + 1; rows n .. 2 kp and columns cols .. 64 t are 0. np >=
-** n rows are laid out (a larger buffer's zero rows past n). */
-KILN__T512BF static void attv_pack_rows(const uint16_t *X, int64_t rs, int64_t n, int64_t np, int64_t cols,
-                                        uint16_t *out) {
-  const int64_t kp = (np + 1) / 2;
+** them: tiles of 64 columns, tile t at out + t kp 128 ([kp][64][2], kp = ceil(n / 2)),
+** pair p holding rows 2p and 2p + 1; row n (n odd) and columns cols .. 64 t are 0. */
+KILN__T512BF static void attv_pack_rows(const uint16_t *X, int64_t rs, int64_t n, int64_t cols, uint16_t *out) {
+  const int64_t kp = (n + 1) / 2;
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
@@ -262,31 +260,25 @@ KILN__T512BF static void attv_fwd_range(void *vctx, int64_t lo, int64_t hi) {
   }
   float *S = (float *)buf;
   uint16_t *KT = (uint16_t *)(S + c->bq * w), *Vp = KT + Tkp * D, *P = Vp + attv_up(Dv, ATTV_NT) * 2 * kpk;
+  const int cols = c->causal ? ATTV_COLS : ATTV_ALL, sums = c->causal ? ATTV_SUMS : ATTV_ALL;
   int64_t packed = -1; /* the (b, h) whose K and V are in KT, Vp */
   for (int64_t it = lo; it < hi; it++) {
     const int64_t bh = it / c->nqb, i0 = (it % c->nqb) * c->bq, b = bh / c->H, h = bh % c->H;
     const int64_t bq = c->Tq - i0 < c->bq ? c->Tq - i0 : c->bq, kv = attv_kend(c, i0 + bq);
     if (packed != bh) {
       attv_pack_cols((const uint16_t *)attv_row(&a->in[1], b, h, 0), a->in[1].strides[2], Tk, D, KT);
-      attv_pack_rows((const uint16_t *)attv_row(&a->in[2], b, h, 0), a->in[2].strides[2], Tk, Tk, Dv, Vp);
+      attv_pack_rows((const uint16_t *)attv_row(&a->in[2], b, h, 0), a->in[2].strides[2], Tk, Dv, Vp);
       packed = bh;
     }
+    /* kv >= 1: the path is taken only with keys (kiln__cpu_attv_takes) */
     const uint16_t *Q = (const uint16_t *)attv_row(&a->in[0], b, h, i0);
-    const int cols = c->causal ? ATTV_COLS : ATTV_ALL, sums = c->causal ? ATTV_SUMS : ATTV_ALL;
-    if (kv > 0) attv_gemm(Q, a->in[0].strides[2], 2, bq, KT, kts, D / 2, kv, S, w, ATTV_F32, c->scale, cols, i0);
+    attv_gemm(Q, a->in[0].strides[2], 2, bq, KT, kts, D / 2, kv, S, w, ATTV_F32, c->scale, cols, i0);
     const int64_t kw = attv_up(kv, 32); /* P's columns the product reads (zeros past a row's keys) */
-    for (int64_t r = 0; r < bq; r++) {
-      const int64_t n = kv > 0 ? attv_nvalid(c, i0 + r) : 0;
+    for (int64_t r = 0; r < bq; r++)
       kiln__cpu_set_f64(attv_lse(&a->out[1], b, h, i0 + r), a->out[1].dtype,
-                        (double)kiln__attb_row_forward(S + r * w, P + r * w, n, kw));
-    }
-    uint16_t *O = (uint16_t *)attv_row(&a->out[0], b, h, i0);
-    const int64_t os = a->out[0].strides[2];
-    if (kv > 0) {
-      attv_gemm(P, w, 2, bq, Vp, vts, attv_up(kv, 2) / 2, Dv, O, os, ATTV_BF16, 1.0f, sums, i0);
-    } else {
-      for (int64_t r = 0; r < bq; r++) memset(O + r * os, 0, (size_t)Dv * 2);
-    }
+                        (double)kiln__attb_row_forward(S + r * w, P + r * w, attv_nvalid(c, i0 + r), kw));
+    attv_gemm(P, w, 2, bq, Vp, vts, attv_up(kv, 2) / 2, Dv, attv_row(&a->out[0], b, h, i0), a->out[0].strides[2],
+              ATTV_BF16, 1.0f, sums, i0);
   }
   kiln__cpu_free(0, buf, nb);
 }
@@ -318,9 +310,9 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
     const uint16_t *V0 = (const uint16_t *)attv_row(v, b, h, 0), *G0 = (const uint16_t *)attv_row(g, b, h, 0);
     attv_pack_cols(K0, k->strides[2], Tk, D, KT);
     attv_pack_cols(V0, v->strides[2], Tk, Dv, VT);
-    attv_pack_rows(K0, k->strides[2], Tk, Tk, D, Kp);
-    attv_pack_rows(Q0, q->strides[2], Tq, Tq, D, Qp);
-    attv_pack_rows(G0, g->strides[2], Tq, Tq, Dv, Gp);
+    attv_pack_rows(K0, k->strides[2], Tk, D, Kp);
+    attv_pack_rows(Q0, q->strides[2], Tq, D, Qp);
+    attv_pack_rows(G0, g->strides[2], Tq, Dv, Gp);
     memset(dK, 0, sizeof(float) * (size_t)(Tk * (D + Dv)));
     for (int64_t i0 = 0; i0 < Tq; i0 += c->bq) {
       const int64_t bq = Tq - i0 < c->bq ? Tq - i0 : c->bq, kv = attv_kend(c, i0 + bq), kw = attv_up(kv, 32);
@@ -338,8 +330,8 @@ KILN__T512BF static void attv_bwd_range(void *vctx, int64_t lo, int64_t hi) {
       }
       attv_gemm(dS, w, 2, bq, Kp, kpk * 128, attv_up(kv, 2) / 2, D, dQ, dqs, ATTV_BF16, 1.0f, sums, i0);
       /* dV += P^T dO and dK += dS^T Q: A's rows are the keys, 64 at a time from the interleaves */
-      attv_pack_rows(P, w, bq, bq, kv, Pi);
-      attv_pack_rows(dS, w, bq, bq, kv, dSi);
+      attv_pack_rows(P, w, bq, kv, Pi);
+      attv_pack_rows(dS, w, bq, kv, dSi);
       for (int64_t t = 0; t * ATTV_NT < kv; t++) {
         const int64_t m = kv - t * ATTV_NT < ATTV_NT ? kv - t * ATTV_NT : ATTV_NT;
         attv_gemm(Pi + t * kpb * 128, 2, 128, m, Gp + i0 / 2 * 128, kpq * 128, kpb, Dv, dV + t * ATTV_NT * Dv, Dv,
